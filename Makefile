@@ -1,0 +1,37 @@
+# `make demo` and `make test` each do the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DEMO_DIR := demo-out
+
+.PHONY: demo test lint format venv clean bench
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel -c constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
+	$(VENV)/bin/ckpt harness parity --world-size 2 --steps 5 --out $(DEMO_DIR) --plot $(DEMO_DIR)/parity.png
+	$(VENV)/bin/ckpt inspect $(DEMO_DIR)/ddp/wrapped.pt
+	$(VENV)/bin/ckpt strip-module $(DEMO_DIR)/ddp/wrapped.pt $(DEMO_DIR)/ddp/stripped.pt
+	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/wrapped.pt $(DEMO_DIR)/ddp/stripped.pt
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ckpt_tools tests benchmarks fixtures
+	$(VENV)/bin/ruff format --check ckpt_tools tests benchmarks fixtures
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format ckpt_tools tests benchmarks fixtures
+	$(VENV)/bin/ruff check --fix ckpt_tools tests benchmarks fixtures
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) *.egg-info

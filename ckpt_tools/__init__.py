@@ -1,0 +1,106 @@
+"""ckpt_tools: inspect, rewrite, convert, diff and load PyTorch checkpoints, on any device.
+
+The public API lives here. Importing it never imports torch: functions that need torch
+(loading, value diffs, the harness) import it when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt_tools._version import __version__
+from ckpt_tools.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConversionError,
+    CorruptCheckpointError,
+    KeyCollisionError,
+    LfsPointerError,
+    NonTensorEntriesError,
+    OutputError,
+    OutputExistsError,
+    ResourceLimitError,
+    SameFileError,
+    SelectError,
+    StateDictMismatchError,
+    UnsafeContentError,
+    UnsupportedFormatError,
+    UsageError,
+    VerificationError,
+)
+from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
+from ckpt_tools.inspection import CheckpointInfo, TensorInfo, inspect
+from ckpt_tools.keys import (
+    WRAPPER_RULES,
+    KeyRule,
+    WrapperMatch,
+    add_prefix,
+    detect_wrappers,
+    regex_rule,
+    rename_keys,
+    strip_prefix,
+    sub_rule,
+)
+from ckpt_tools.layouts import Selection, select_state_dict
+
+__all__ = [
+    "WRAPPER_RULES",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "ConversionError",
+    "CorruptCheckpointError",
+    "KeyCollisionError",
+    "KeyRule",
+    "LfsPointerError",
+    "NonTensorEntriesError",
+    "OutputError",
+    "OutputExistsError",
+    "ResourceLimitError",
+    "SameFileError",
+    "SelectError",
+    "Selection",
+    "StateDictMismatchError",
+    "TensorInfo",
+    "UnsafeContentError",
+    "UnsupportedFormatError",
+    "UsageError",
+    "VerificationError",
+    "WrapperMatch",
+    "__version__",
+    "add_prefix",
+    "detect_format",
+    "detect_wrappers",
+    "inspect",
+    "open_checkpoint",
+    "regex_rule",
+    "rename_keys",
+    "select_state_dict",
+    "strip_prefix",
+    "sub_rule",
+]
+
+# Functions whose modules import torch (or write files) load on first use.
+_LAZY = {
+    "rewrite": "ckpt_tools.rewrite",
+    "convert": "ckpt_tools.rewrite",
+    "retag": "ckpt_tools.rewrite",
+    "strip_module_file": "ckpt_tools.rewrite",
+    "RewriteResult": "ckpt_tools.rewrite",
+    "load_state_dict": "ckpt_tools.loading",
+    "load_into": "ckpt_tools.loading",
+    "LoadReport": "ckpt_tools.loading",
+    "LoadInfo": "ckpt_tools.loading",
+    "diff": "ckpt_tools.diff",
+    "DiffReport": "ckpt_tools.diff",
+}
+__all__ += sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ckpt_tools' has no attribute {name!r}")

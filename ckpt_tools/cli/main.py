@@ -1,0 +1,90 @@
+"""The ``ckpt`` entry point and the one boundary that turns errors into exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import click
+
+from ckpt_tools._version import __version__
+from ckpt_tools.errors import EXIT_USAGE, CheckpointError
+
+_COMMANDS = {
+    # name: (module, attribute); imported on use so `ckpt inspect` never imports torch.
+    "inspect": ("ckpt_tools.cli.inspect_cmd", "inspect_cmd"),
+    "strip-module": ("ckpt_tools.cli.rewrite_cmd", "strip_module_cmd"),
+    "add-module": ("ckpt_tools.cli.rewrite_cmd", "add_module_cmd"),
+    "rename": ("ckpt_tools.cli.rewrite_cmd", "rename_cmd"),
+    "convert": ("ckpt_tools.cli.rewrite_cmd", "convert_cmd"),
+    "retag": ("ckpt_tools.cli.rewrite_cmd", "retag_cmd"),
+    "diff": ("ckpt_tools.cli.diff_cmd", "diff_cmd"),
+    "devices": ("ckpt_tools.cli.devices_cmd", "devices_cmd"),
+    "harness": ("ckpt_tools.cli.harness_cmd", "harness"),
+}
+
+
+class LazyGroup(click.Group):
+    """Imports each command's module only when that command runs."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        import importlib.util
+
+        return [
+            name
+            for name, (module, _) in _COMMANDS.items()
+            if importlib.util.find_spec(module) is not None
+        ]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in _COMMANDS:
+            return None
+        import importlib
+
+        module, attribute = _COMMANDS[cmd_name]
+        try:
+            return getattr(importlib.import_module(module), attribute)
+        except ModuleNotFoundError:
+            return None
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckpt")
+def cli() -> None:
+    """Inspect, rewrite, convert, diff and load PyTorch checkpoints, safely, on any device.
+
+    Set CKPT_DEBUG=1 to see tracebacks.
+    """
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ckpt``; every CheckpointError becomes one stderr line and its exit code."""
+    try:
+        code = cli.main(
+            args=list(argv) if argv is not None else None, prog_name="ckpt", standalone_mode=False
+        )
+    except CheckpointError as e:
+        if os.environ.get("CKPT_DEBUG") == "1":
+            raise
+        click.echo(f"ckpt: error: {e}", err=True)
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+    except click.exceptions.Abort:
+        click.echo("ckpt: aborted", err=True)
+        return 130
+    except BrokenPipeError:
+        # `ckpt inspect big.pt | head`: the reader left; that is not an error.
+        sys.stderr.close()
+        return 0
+    # Commands return their exit code (``ckpt diff --fail-on``) or None for success.
+    return code if isinstance(code, int) else 0
+
+
+def run() -> None:
+    """Console-script entry: exit with :func:`main`'s code."""
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""On-disk formats, torch-free: detect one, open it into a :class:`Checkpoint`."""
+
+from __future__ import annotations
+
+import os
+
+from ckpt_tools.formats.base import Checkpoint, ZipRecord
+from ckpt_tools.formats.detect import FORMATS, detect_format
+
+__all__ = ["FORMATS", "Checkpoint", "ZipRecord", "detect_format", "open_checkpoint"]
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open any supported checkpoint by content, reading only its structure.
+
+    Args:
+        path: a checkpoint file, or a folder with ``*.index.json`` (HF sharded).
+
+    Returns:
+        The opened :class:`Checkpoint`.
+
+    Raises:
+        CheckpointError: see :func:`detect_format` and the readers.
+
+    Example:
+        >>> ckpt = open_checkpoint("model.pt")  # doctest: +SKIP
+        >>> sorted(ckpt.root)[:2]  # doctest: +SKIP
+        ['fc.bias', 'fc.weight']
+    """
+    path = os.fspath(path)
+    fmt = detect_format(path)
+    if fmt == "torch-zip":
+        from ckpt_tools.formats.torchzip import open_torch_zip
+
+        return open_torch_zip(path)
+    if fmt == "safetensors":
+        from ckpt_tools.formats.safetensors import open_safetensors
+
+        return open_safetensors(path)
+    if fmt == "hf-sharded":
+        from ckpt_tools.formats.sharded import open_folder
+
+        return open_folder(path)
+    from ckpt_tools.formats import legacy
+
+    if fmt == "torch-legacy":
+        return legacy.open_legacy(path)
+    if fmt == "torch-tar":
+        return legacy.open_tar(path)
+    return legacy.open_pickle(path)

@@ -1,0 +1,62 @@
+"""The opened-checkpoint handle every format reader returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_tools.model import ByteSpan, StorageRef
+
+__all__ = ["Checkpoint", "ZipRecord"]
+
+
+@dataclass(frozen=True)
+class ZipRecord:
+    """One record of a zip archive: its name, where its bytes start, and its checksum."""
+
+    name: str
+    data_offset: int
+    size: int
+    crc32: int
+    compressed: bool
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An opened checkpoint: its object tree and where each storage's bytes lie.
+
+    Attributes:
+        path: the file (or folder) it was read from.
+        format: one of :data:`ckpt_tools.formats.detect.FORMATS`.
+        root: the object tree (dicts, lists, :class:`~ckpt_tools.model.TensorRef` ...).
+        storages: storage key -> descriptor, in file order.
+        unsafe_globals: qualified names of globals outside the allowlist.
+        protocol: the pickle protocol of the main pickle (0 for safetensors).
+        metadata: the safetensors ``__metadata__`` dict, if any.
+        records: zip records (torch zip formats), by name inside the root folder.
+        archive_root: the zip's root folder name (``archive``), for torch zip formats.
+        shards: for sharded folders, shard file -> its own Checkpoint.
+    """
+
+    path: str
+    format: str
+    root: Any
+    storages: Mapping[str, StorageRef]
+    unsafe_globals: tuple[str, ...] = ()
+    protocol: int = 0
+    metadata: Mapping[str, str] | None = None
+    records: Mapping[str, ZipRecord] = field(default_factory=dict)
+    archive_root: str = ""
+    shards: Mapping[str, Checkpoint] = field(default_factory=dict)
+    locate: Callable[[StorageRef], ByteSpan] | None = field(default=None, repr=False)
+
+    def span(self, storage: StorageRef) -> ByteSpan:
+        """Where ``storage``'s bytes lie in the file.
+
+        Raises:
+            KeyError: the storage does not belong to this checkpoint.
+        """
+        if self.locate is None:
+            raise KeyError(f"{self.format} checkpoint has no byte locations")
+        return self.locate(storage)

@@ -1,0 +1,151 @@
+"""Reading legacy torch files: pre-1.6 pickles (also from Python 2) and the older tar format.
+
+Legacy pickle layout (``torch.save(..., _use_new_zipfile_serialization=False)``)::
+
+    pickle(MAGIC_NUMBER) pickle(1001) pickle(sys_info) pickle(obj) pickle([storage keys])
+    then, per key: int64 element count, then the storage's bytes
+
+Only the pickles and the 8-byte counts are read; storage bytes are skipped by seeking.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tarfile
+from typing import Any, BinaryIO
+
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.pickles import load_pickle
+from ckpt_tools.model import ByteSpan, StorageRef
+
+__all__ = ["open_legacy", "open_pickle", "open_tar"]
+
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+PROTOCOL_VERSION = 1001
+
+
+def _expect(f: BinaryIO, what: str, check: Any, path: str) -> Any:
+    value = load_pickle(f).root
+    if value != check:
+        raise CorruptCheckpointError(
+            f"{path!r}: expected the legacy torch {what} {check!r}, found {value!r}"
+        )
+    return value
+
+
+def open_legacy(path: str) -> Checkpoint:
+    """Open a legacy (pre-1.6, non-zip) torch file without loading tensors.
+
+    Args:
+        path: the file.
+
+    Returns:
+        A :class:`Checkpoint` of format ``torch-legacy``.
+
+    Raises:
+        CorruptCheckpointError: the layout is broken or the file is truncated.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        _expect(f, "magic number", MAGIC_NUMBER, path)
+        _expect(f, "protocol version", PROTOCOL_VERSION, path)
+        sys_info = load_pickle(f).root
+        if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+            raise UnsupportedFormatError(
+                f"{path!r} was saved on a big-endian machine; load it there with torch.load "
+                "and save it again"
+            )
+        main = load_pickle(f)
+        keys = load_pickle(f).root
+        if not isinstance(keys, list):
+            raise CorruptCheckpointError(f"{path!r}: expected the list of storage keys")
+        roots = {s.key: s for s in main.storages.values()}
+        offsets: dict[str, int] = {}
+        position = f.tell()
+        for key in keys:
+            storage = roots.get(str(key))
+            if storage is None:
+                raise CorruptCheckpointError(f"{path!r}: storage key {key!r} is not in the pickle")
+            f.seek(position)
+            count_bytes = f.read(8)
+            if len(count_bytes) < 8:
+                raise CorruptCheckpointError(
+                    f"{path!r} is truncated: storage {key!r} is missing (file ends at {size})"
+                )
+            (count,) = struct.unpack("<q", count_bytes)
+            nbytes = count * itemsize(storage.dtype)
+            offsets[storage.key] = position + 8
+            position += 8 + nbytes
+            if position > size:
+                raise CorruptCheckpointError(
+                    f"{path!r} is truncated: storage {key!r} needs {nbytes} bytes at offset "
+                    f"{position - nbytes}, the file ends at {size}"
+                )
+
+    def locate(storage: StorageRef) -> ByteSpan:
+        offset = offsets[storage.key]
+        if storage.view is not None:
+            # Legacy views: (view_key, offset in elements, numel) into the root storage.
+            offset += storage.view[1] * itemsize(storage.dtype)
+            return ByteSpan(path, offset, storage.view[2] * itemsize(storage.dtype))
+        return ByteSpan(path, offset, storage.nbytes)
+
+    return Checkpoint(
+        path=path,
+        format="torch-legacy",
+        root=main.root,
+        storages=main.storages,
+        unsafe_globals=main.unsafe_globals,
+        protocol=main.protocol,
+        locate=locate,
+    )
+
+
+def open_pickle(path: str) -> Checkpoint:
+    """Open a plain pickle file (``pickle.dump`` of a dict of numbers, say) safely.
+
+    Raises:
+        CorruptCheckpointError: not a readable pickle.
+    """
+    with open(path, "rb") as f:
+        result = load_pickle(f)
+    if result.storages:
+        raise CorruptCheckpointError(
+            f"{path!r}: a plain pickle that refers to torch storages it does not contain"
+        )
+    return Checkpoint(
+        path=path,
+        format="pickle",
+        root=result.root,
+        storages={},
+        unsafe_globals=result.unsafe_globals,
+        protocol=result.protocol,
+    )
+
+
+def open_tar(path: str) -> Checkpoint:
+    """Open a torch tar-format file (torch < 0.4): members sys_info, pickle, storages, tensors.
+
+    Raises:
+        CorruptCheckpointError: a member is missing or broken.
+    """
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            members = {m.name: m for m in tar.getmembers()}
+            missing = {"pickle", "storages", "tensors"} - set(members)
+            if missing:
+                raise CorruptCheckpointError(
+                    f"{path!r} is a tar archive without the torch members {sorted(missing)}"
+                )
+            return _read_tar(path, tar, members)
+    except tarfile.TarError as e:
+        raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
+
+
+def _read_tar(path: str, tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> Checkpoint:
+    from ckpt_tools.formats.tarformat import read_tar_members
+
+    return read_tar_members(path, tar, members)

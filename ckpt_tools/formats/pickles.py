@@ -1,0 +1,510 @@
+"""The restricted unpickler and its re-pickler. Pickles are read, never executed.
+
+``find_class`` never imports anything. Globals on the allowlist (in the spirit of torch's
+``weights_only`` unpickler) resolve to stand-ins that build descriptors from the model;
+every other global resolves to an :class:`~ckpt_tools.model.Opaque` subclass named after it,
+whose instances just record what the pickle did to them. ``persistent_load`` turns torch's
+storage ids into :class:`~ckpt_tools.model.StorageRef` s.
+
+:class:`Repickler` writes such a tree back, with the same globals, arguments and sharing,
+so a rewrite changes keys or device tags and nothing else.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import copyreg
+import io
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
+from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.model import GlobalRef, Opaque, StorageRef, TensorRef
+
+__all__ = [
+    "ConstantRef",
+    "ReadResult",
+    "Reduced",
+    "Repickler",
+    "TorchSize",
+    "load_pickle",
+]
+
+# A data.pkl past this size is not a state dict; refusing it bounds what we hold in memory.
+MAX_PICKLE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ConstantRef(GlobalRef):
+    """An allowlisted global used as a value (``torch.float32``, ``torch.Tensor``)."""
+
+
+@dataclass(frozen=True)
+class StorageTypeRef(ConstantRef):
+    """A storage class global (``torch.FloatStorage``) with the dtype it stands for."""
+
+    @property
+    def dtype(self) -> str:
+        return STORAGE_TYPE_DTYPE[self.name]
+
+
+@dataclass(frozen=True, eq=False)
+class Reduced:
+    """The recorded call of an allowlisted global whose result we do not interpret.
+
+    (``torch.device('cuda', 1)``, ``torch.serialization._get_layout``, sparse rebuilds.)
+    """
+
+    func: GlobalRef
+    args: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        return f"{self.func.qualname}({', '.join(map(repr, self.args))})"
+
+
+class TorchSize(tuple):
+    """``torch.Size`` read from a pickle: a tuple that re-pickles as ``torch.Size``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)!r})"
+
+
+@dataclass(frozen=True)
+class _Caller(GlobalRef):
+    """An allowlisted callable global; calling it (REDUCE) builds a descriptor."""
+
+    build: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        assert self.build is not None
+        return self.build(self, *args)
+
+
+def _storage_dtype(storage: Any) -> str:
+    if not isinstance(storage, StorageRef):
+        raise CorruptCheckpointError(
+            f"expected a tensor storage as the first rebuild argument, found {type(storage)!r}"
+        )
+    return storage.dtype
+
+
+def _checked_tensor(
+    func: GlobalRef, args: tuple[Any, ...], storage: StorageRef, dtype: str, requires_grad: Any
+) -> TensorRef:
+    offset, size, stride = args[1], tuple(args[2]), tuple(args[3])
+    if not (
+        isinstance(offset, int)
+        and offset >= 0
+        and len(size) == len(stride)
+        and all(isinstance(v, int) and v >= 0 for v in (*size, *stride))
+    ):
+        raise CorruptCheckpointError(
+            f"tensor geometry is invalid: offset={offset!r} size={size!r} stride={stride!r}"
+        )
+    if dtype not in DTYPE_ITEMSIZE:
+        raise CorruptCheckpointError(f"unknown tensor dtype {dtype!r}")
+    capacity = storage.nbytes // itemsize(dtype)
+    if 0 not in size:
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if last >= capacity:
+            raise CorruptCheckpointError(
+                f"tensor of shape {list(size)} at offset {offset} reaches element {last}, "
+                f"but its storage {storage.key!r} holds {capacity} elements"
+            )
+    return TensorRef(
+        storage=storage,
+        offset=offset,
+        shape=size,
+        stride=stride,
+        dtype=dtype,
+        requires_grad=bool(requires_grad),
+        func=GlobalRef(func.module, func.name),
+        args=args,
+    )
+
+
+def _rebuild_tensor(func: GlobalRef, *args: Any) -> TensorRef:
+    # _rebuild_tensor(storage, offset, size, stride): torch < 1.0
+    # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])
+    # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
+    if len(args) < 4:
+        raise CorruptCheckpointError(f"{func.qualname} called with {len(args)} arguments")
+    requires_grad = args[4] if func.name == "_rebuild_tensor_v2" and len(args) > 4 else False
+    return _checked_tensor(func, args, args[0], _storage_dtype(args[0]), requires_grad)
+
+
+def _rebuild_tensor_v3(func: GlobalRef, *args: Any) -> TensorRef:
+    # (storage, offset, size, stride, requires_grad, hooks, dtype[, metadata]); untyped storage
+    if len(args) < 7 or not isinstance(args[6], ConstantRef):
+        raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
+    dtype = args[6].name
+    _storage_dtype(args[0])
+    return _checked_tensor(func, args, args[0], dtype, args[4])
+
+
+def _rebuild_parameter(func: GlobalRef, *args: Any) -> TensorRef:
+    # (data, requires_grad, hooks[, state])
+    inner = args[0] if args else None
+    if not isinstance(inner, TensorRef):
+        raise CorruptCheckpointError(f"{func.qualname} expects a tensor, found {type(inner)!r}")
+    return TensorRef(
+        storage=inner.storage,
+        offset=inner.offset,
+        shape=inner.shape,
+        stride=inner.stride,
+        dtype=inner.dtype,
+        requires_grad=bool(args[1]) if len(args) > 1 else True,
+        is_parameter=True,
+        func=GlobalRef(func.module, func.name),
+        args=args,
+    )
+
+
+def _rebuild_from_type_v2(func: GlobalRef, *args: Any) -> Any:
+    # (inner_func, new_type, inner_args, state): a Tensor subclass or a tensor with attributes
+    if len(args) != 4 or not callable(args[0]) or not isinstance(args[2], tuple):
+        raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
+    inner = args[0](*args[2])
+    if not isinstance(inner, TensorRef):
+        return Reduced(GlobalRef(func.module, func.name), args)
+    new_type = args[1]
+    return TensorRef(
+        storage=inner.storage,
+        offset=inner.offset,
+        shape=inner.shape,
+        stride=inner.stride,
+        dtype=inner.dtype,
+        requires_grad=inner.requires_grad,
+        is_parameter=inner.is_parameter
+        or (isinstance(new_type, GlobalRef) and new_type.name == "Parameter"),
+        func=GlobalRef(func.module, func.name),
+        args=args,
+    )
+
+
+def _reduced(func: GlobalRef, *args: Any) -> Reduced:
+    return Reduced(GlobalRef(func.module, func.name), args)
+
+
+def _size(func: GlobalRef, *args: Any) -> TorchSize:
+    return TorchSize(args[0] if args else ())
+
+
+_BUILDERS: dict[str, Callable[..., Any]] = {
+    "torch._utils._rebuild_tensor": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_qtensor": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch.Size": _size,
+    "torch.device": _reduced,
+    "torch.serialization._get_layout": _reduced,
+    "torch._utils._rebuild_sparse_tensor": _reduced,
+    "torch._utils._rebuild_nested_tensor": _reduced,
+    "torch._utils._rebuild_meta_tensor_no_storage": _reduced,
+    "torch._utils._rebuild_wrapper_subclass": _reduced,
+    "torch._utils._rebuild_device_tensor_from_numpy": _reduced,
+}
+
+# Plain Python types and functions that are safe to use for real.
+_PYTHON_GLOBALS: dict[str, Any] = {
+    "collections.OrderedDict": collections.OrderedDict,
+    "collections.Counter": collections.Counter,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.bytearray": bytearray,
+    "builtins.complex": complex,
+    "builtins.slice": slice,
+    "_codecs.encode": codecs.encode,
+}
+
+_TORCH_CONSTANTS: frozenset[str] = frozenset(
+    [f"torch.{d}" for d in DTYPE_ITEMSIZE]
+    + [
+        "torch.Tensor",
+        "torch.nn.parameter.Parameter",
+        "torch.per_tensor_affine",
+        "torch.per_tensor_symmetric",
+        "torch.per_channel_affine",
+        "torch.per_channel_symmetric",
+        "torch.per_channel_affine_float_qparams",
+    ]
+    + [
+        f"torch.{prefix}{kind}Tensor"
+        for prefix in ("", "cuda.")
+        for kind in ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte")
+    ]
+    + ["torch.BoolTensor", "torch.cuda.BoolTensor"]
+)
+
+
+def resolve_allowed(module: str, name: str) -> Any | None:
+    """The stand-in for an allowlisted global, or None when ``module.name`` is not allowed."""
+    qualname = f"{module}.{name}"
+    if qualname in _PYTHON_GLOBALS:
+        return _PYTHON_GLOBALS[qualname]
+    if qualname in _BUILDERS:
+        return _Caller(module, name, _BUILDERS[qualname])
+    if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_TYPE_DTYPE:
+        return StorageTypeRef(module, name)
+    if qualname in _TORCH_CONSTANTS:
+        return ConstantRef(module, name)
+    return None
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """What one pickle held.
+
+    Attributes:
+        root: the object tree.
+        storages: storage key -> descriptor, in first-seen order.
+        unsafe_globals: qualified names outside the allowlist, in first-seen order.
+        protocol: the pickle protocol (0-5) from the PROTO opcode, 0 when absent.
+    """
+
+    root: Any
+    storages: dict[str, StorageRef]
+    unsafe_globals: tuple[str, ...]
+    protocol: int
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: BinaryIO) -> None:
+        # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
+        super().__init__(file, encoding="utf-8")
+        self.storages: dict[str, StorageRef] = {}
+        self.unsafe: dict[str, type[Opaque]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = resolve_allowed(module, name)
+        if allowed is not None:
+            return allowed
+        qualname = f"{module}.{name}"
+        if qualname not in self.unsafe:
+            self.unsafe[qualname] = type(name, (Opaque,), {"global_ref": GlobalRef(module, name)})
+        return self.unsafe[qualname]
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, tuple) or not pid:
+            raise CorruptCheckpointError(f"unexpected persistent id {pid!r}")
+        kind = pid[0].decode("ascii") if isinstance(pid[0], bytes) else pid[0]
+        if kind == "module" and len(pid) >= 2:
+            # Legacy whole-module saves: the class (an Opaque type) stands for the source check.
+            return pid[1]
+        if kind != "storage" or len(pid) not in (5, 6):
+            raise CorruptCheckpointError(f"unexpected persistent id {pid!r}")
+        storage_type, key, location, numel = pid[1], str(pid[2]), pid[3], pid[4]
+        if isinstance(location, bytes):
+            location = location.decode("ascii")
+        if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int):
+            raise CorruptCheckpointError(f"unexpected storage id {pid!r}")
+        view = pid[5] if len(pid) == 6 else None
+        if view is not None:
+            view = (str(view[0]), int(view[1]), int(view[2]))
+        cache_key = key if view is None else f"{key}@{view[0]}"
+        found = self.storages.get(cache_key)
+        if found is None:
+            found = StorageRef(
+                key=key,
+                dtype=storage_type.dtype,
+                numel=numel,
+                device=str(location),
+                storage_type=storage_type,
+                view=view,
+            )
+            self.storages[cache_key] = found
+        return found
+
+
+def load_pickle(file: BinaryIO, limit: int = MAX_PICKLE_BYTES) -> ReadResult:
+    """Read one pickle from ``file`` with the restricted unpickler.
+
+    The file position is left just past the pickle's STOP opcode, so several pickles written
+    one after another (as torch's legacy format does) can be read in turn.
+
+    Args:
+        file: a binary file positioned at the start of a pickle.
+        limit: refuse pickles longer than this many bytes.
+
+    Returns:
+        The object tree, the storages it refers to, the globals outside the allowlist.
+
+    Raises:
+        CorruptCheckpointError: the bytes are not a valid pickle.
+        ResourceLimitError: the pickle is larger than ``limit``.
+
+    Example:
+        >>> import io, pickle
+        >>> load_pickle(io.BytesIO(pickle.dumps({"epoch": 3}))).root
+        {'epoch': 3}
+    """
+    start = file.tell()
+    head = file.read(2)
+    file.seek(start)
+    protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 0
+    unpickler = _RestrictedUnpickler(_LimitedReader(file, limit))
+    try:
+        root = unpickler.load()
+    except ResourceLimitError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+        raise CorruptCheckpointError(
+            f"the pickle is malformed or truncated ({type(e).__name__}: {e})"
+        ) from e
+    except (AttributeError, KeyError, RecursionError) as e:
+        raise CorruptCheckpointError(f"the pickle could not be read ({e!r})") from e
+    return ReadResult(
+        root=root,
+        storages=unpickler.storages,
+        unsafe_globals=tuple(unpickler.unsafe),
+        protocol=protocol,
+    )
+
+
+class _LimitedReader(io.RawIOBase):
+    """Reads through to ``file`` and refuses to go past ``limit`` bytes."""
+
+    def __init__(self, file: BinaryIO, limit: int) -> None:
+        self._file, self._left, self._limit = file, limit, limit
+
+    def readable(self) -> bool:
+        return True
+
+    def _take(self, n: int) -> None:
+        if n > self._left:
+            raise ResourceLimitError(
+                f"the pickle is larger than the {self._limit >> 20} MiB limit; "
+                "a state dict's pickle is far smaller, so this is not one"
+            )
+        self._left -= n
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._file.read(self._left + 1 if n is None or n < 0 else n)
+        self._take(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        data = self._file.readline(-1 if size is None else size)
+        self._take(len(data))
+        return data
+
+
+class Repickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Write a tree read by :func:`load_pickle` back as a torch pickle.
+
+    Args:
+        file: where to write.
+        protocol: pickle protocol (torch writes 2).
+        storage_id: maps each :class:`StorageRef` to the persistent id tuple to write, so a
+            writer can rename records or retag devices.
+
+    Example:
+        >>> buf = io.BytesIO()
+        >>> Repickler(buf, 2, lambda s: ("storage",)).dump({"epoch": 3})
+    """
+
+    def __init__(
+        self, file: BinaryIO, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]
+    ) -> None:
+        super().__init__(file, protocol=max(2, protocol))
+        self._storage_id = storage_id
+        self._callables: dict[GlobalRef, _CallableRef] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, StorageRef):
+            return self._storage_id(obj)
+        return None
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        ref = _global_of(obj)
+        if ref is None:
+            super().save(obj, save_persistent_id)
+            return
+        self.framer.commit_frame()
+        memoized = self.memo.get(id(obj))
+        if memoized is not None:
+            self.write(self.get(memoized[0]))
+            return
+        if self.proto >= 4:
+            self.save(ref.module)
+            self.save(ref.name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
+        self.memoize(obj)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, TensorRef):
+            return (self._callable(obj.func), obj.args)
+        if isinstance(obj, Reduced):
+            return (self._callable(obj.func), obj.args)
+        if isinstance(obj, TorchSize):
+            return (self._callable(GlobalRef("torch", "Size")), (tuple(obj),))
+        if isinstance(obj, Opaque):
+            cls = type(obj)
+            func, args = (copyreg.__newobj__, (cls, *obj.args)) if obj.newobj else (cls, obj.args)
+            return (
+                func,
+                args,
+                obj.state if obj.has_state else None,
+                iter(obj.listitems) if obj.listitems else None,
+                iter(obj.dictitems) if obj.dictitems else None,
+            )
+        return NotImplemented
+
+    def _callable(self, ref: GlobalRef | None) -> _CallableRef:
+        # One object per global, so pickle's memo emits each GLOBAL once, as torch does.
+        if ref is None:
+            raise CorruptCheckpointError("a tensor without a rebuild function cannot be pickled")
+        key = GlobalRef(ref.module, ref.name)
+        if key not in self._callables:
+            self._callables[key] = _CallableRef(ref.module, ref.name)
+        return self._callables[key]
+
+
+@dataclass(frozen=True)
+class _CallableRef(GlobalRef):
+    # pickle's save_reduce checks callable(func); the call itself never happens.
+    def __call__(self, *args: Any) -> Any:
+        raise TypeError(f"{self.qualname} is a reference, never called")
+
+
+def _global_of(obj: Any) -> GlobalRef | None:
+    if isinstance(obj, GlobalRef):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, Opaque):
+        return obj.global_ref
+    return None
+
+
+def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]) -> bytes:
+    """Pickle a tree read by :func:`load_pickle` into bytes (see :class:`Repickler`)."""
+    buffer = io.BytesIO()
+    Repickler(buffer, protocol, storage_id).dump(obj)
+    return buffer.getvalue()
+
+
+def zip_storage_id(device_map: Mapping[str, str] | None = None) -> Callable[[StorageRef], tuple]:
+    """The persistent id torch's zip format uses, optionally retagging devices."""
+
+    def storage_id(storage: StorageRef) -> tuple[Any, ...]:
+        if storage.storage_type is None:
+            raise CorruptCheckpointError(f"storage {storage.key!r} has no storage type")
+        device = (device_map or {}).get(storage.device, storage.device)
+        return ("storage", storage.storage_type, storage.key, device, storage.numel)
+
+    return storage_id

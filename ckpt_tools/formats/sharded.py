@@ -1,0 +1,109 @@
+"""Hugging Face style folders: ``*.index.json`` with a ``weight_map`` over shard files.
+
+A folder with no index but exactly one weight file (``model.safetensors``,
+``pytorch_model.bin``, ``adapter_model.safetensors``) opens that file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.model import ByteSpan, StorageRef, TensorRef
+
+__all__ = ["WEIGHT_FILES", "open_folder"]
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.bin",
+)
+
+
+def open_folder(path: str) -> Checkpoint:
+    """Open a checkpoint folder: a sharded index, or a folder with one weight file.
+
+    Args:
+        path: the folder.
+
+    Returns:
+        A ``hf-sharded`` :class:`Checkpoint` whose root maps every tensor name to its
+        descriptor, with ``shards`` holding each shard's own checkpoint.
+
+    Raises:
+        UnsupportedFormatError: the folder holds no checkpoint.
+        CorruptCheckpointError: the index is malformed, or names missing shards or tensors.
+    """
+    from ckpt_tools.formats import open_checkpoint
+
+    folder = Path(path)
+    indexes = sorted(folder.glob("*.index.json"))
+    if not indexes:
+        singles = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+        if len(singles) == 1:
+            return open_checkpoint(singles[0])
+        listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
+        raise UnsupportedFormatError(
+            f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
+            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}"
+        )
+    if len(indexes) > 1:
+        raise UnsupportedFormatError(
+            f"{path!r} holds several indexes ({', '.join(p.name for p in indexes)}); "
+            "pass the one you mean, e.g. `ckpt inspect FOLDER/model.safetensors.index.json`"
+        )
+    return open_index(str(indexes[0]))
+
+
+def open_index(index_path: str) -> Checkpoint:
+    """Open the shards an ``*.index.json`` names (see :func:`open_folder`)."""
+    from ckpt_tools.formats import open_checkpoint
+
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        weight_map = index["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{index_path!r} is not a valid shard index ({e!r})") from e
+    folder = os.path.dirname(index_path)
+    shards: dict[str, Checkpoint] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        shard_path = os.path.join(folder, shard)
+        if not os.path.isfile(shard_path):
+            raise CorruptCheckpointError(
+                f"{index_path!r} names shard {shard!r}, which is missing from {folder!r}"
+            )
+        shards[shard] = open_checkpoint(shard_path)
+    root: dict[str, TensorRef] = {}
+    owner: dict[int, Checkpoint] = {}
+    storages: dict[str, StorageRef] = {}
+    for name, shard in weight_map.items():
+        tensor = shards[shard].root.get(name) if isinstance(shards[shard].root, dict) else None
+        if not isinstance(tensor, TensorRef):
+            raise CorruptCheckpointError(
+                f"{index_path!r} places {name!r} in {shard!r}, but that shard has no such tensor"
+            )
+        root[name] = tensor
+        owner[id(tensor.storage)] = shards[shard]
+        storages[f"{shard}:{tensor.storage.key}"] = tensor.storage
+
+    def locate(storage: StorageRef) -> ByteSpan:
+        return owner[id(storage)].span(storage)
+
+    unsafe = tuple(dict.fromkeys(g for c in shards.values() for g in c.unsafe_globals))
+    return Checkpoint(
+        path=os.path.dirname(index_path) or ".",
+        format="hf-sharded",
+        root=root,
+        storages=storages,
+        unsafe_globals=unsafe,
+        metadata=index.get("metadata") if isinstance(index.get("metadata"), dict) else None,
+        shards=shards,
+        locate=locate,
+    )

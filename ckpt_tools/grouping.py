@@ -1,0 +1,81 @@
+"""Folding repeated layers: ``layers.{0..31}.mlp.fc1.weight ×32``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+__all__ = ["Group", "fold_indices", "group_names"]
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Names that differ only in their numeric segments.
+
+    Attributes:
+        pattern: the folded name (``layers.{0..31}.fc.weight``).
+        names: the member names, in first-seen order.
+    """
+
+    pattern: str
+    names: tuple[str, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+
+def fold_indices(values: Sequence[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``{0..3}``; ``[0, 2, 5]`` -> ``{0,2,5}``; ``[4]`` -> ``4``."""
+    ordered = sorted(set(values))
+    if len(ordered) == 1:
+        return str(ordered[0])
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{{{ordered[0]}..{ordered[-1]}}}"
+    return "{" + ",".join(map(str, ordered)) + "}"
+
+
+def group_names(
+    items: Iterable[T],
+    name: Callable[[T], str],
+    signature: Callable[[T], Hashable] = lambda item: None,
+) -> list[tuple[Group, list[T]]]:
+    """Group items whose names differ only in numeric segments and whose signatures match.
+
+    Args:
+        items: things with names (tensor descriptors, diff rows).
+        name: gets an item's name.
+        signature: items group only when this agrees too (dtype and shape, say).
+
+    Returns:
+        ``(group, members)`` pairs in first-seen order; an item alone is its own group.
+
+    Example:
+        >>> [g.pattern for g, _ in group_names(["h.0.w", "h.1.w", "out"], str)]
+        ['h.{0..1}.w', 'out']
+    """
+    buckets: dict[tuple[str, Hashable], list[tuple[T, list[int]]]] = {}
+    for item in items:
+        key_name = name(item)
+        indices = [int(m.group()) for m in _INDEX.finditer(key_name)]
+        template = _INDEX.sub("#", key_name)
+        buckets.setdefault((template, signature(item)), []).append((item, indices))
+    out: list[tuple[Group, list[T]]] = []
+    for (template, _), members in buckets.items():
+        if len(members) == 1:
+            only = members[0][0]
+            out.append((Group(name(only), (name(only),)), [only]))
+            continue
+        positions = list(zip(*(indices for _, indices in members)))
+        parts = template.split("#")
+        pattern = parts[0]
+        for position, tail in zip(positions, parts[1:]):
+            pattern += fold_indices(position) + tail
+        items_only = [item for item, _ in members]
+        out.append((Group(pattern, tuple(name(i) for i in items_only)), items_only))
+    return out

@@ -1,0 +1,179 @@
+"""Pieces every strategy shares: seeding, the loss, the optimizer, saving checkpoints.
+
+Keeping them in one place is what makes the strategies comparable: they differ only in
+how a global batch is spread over devices, never in the maths of a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ckpt_tools.harness.config import TrainConfig
+from ckpt_tools.harness.data import steps_per_epoch
+from ckpt_tools.harness.models import build_model
+
+__all__ = [
+    "ModuleContainer",
+    "completed_epochs",
+    "deterministic",
+    "init_model",
+    "local_loss",
+    "make_optimizer",
+    "save_checkpoints",
+]
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """Run the body with ``torch.use_deterministic_algorithms(True)``, then restore.
+
+    ``warn_only=True`` because on CUDA some kernels (cuBLAS without
+    ``CUBLAS_WORKSPACE_CONFIG``) would otherwise raise; they still compute correctly, and
+    parity is judged against a tolerance there anyway. The caller's setting comes back
+    afterwards so the library leaves no global state behind.
+
+    Example:
+        >>> with deterministic():
+        ...     torch.are_deterministic_algorithms_enabled()
+        True
+    """
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+
+
+def init_model(config: TrainConfig, sync_bn: bool = False) -> nn.Module:
+    """Build ``config.model`` with weights drawn from ``config.seed``.
+
+    The global RNG is forked, so the caller's random state is untouched, and every
+    process that calls this with the same config gets bit-identical weights.
+
+    Args:
+        config: the run; ``model``, ``model_kwargs`` and ``seed`` are used.
+        sync_bn: convert BatchNorm to SyncBatchNorm.
+
+    Returns:
+        The model on the CPU, in training mode.
+
+    Example:
+        >>> a = init_model(TrainConfig(model="mlp"))
+        >>> b = init_model(TrainConfig(model="mlp"))
+        >>> all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+        True
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return build_model(config.model, sync_bn=sync_bn, **dict(config.model_kwargs))
+
+
+def local_loss(logits: Tensor, targets: Tensor, global_batch: int, world_size: int) -> Tensor:
+    """One replica's share of the loss, scaled so that *averaging* gradients is exact.
+
+    The sum of per-sample losses over the replica's shard, times ``world_size /
+    global_batch``: averaging these gradients over ``world_size`` replicas (what DDP and
+    the manual all-reduce do) gives exactly the gradient of the global-batch mean loss,
+    even when shards differ in size by one. With one replica it is the plain mean.
+
+    Args:
+        logits: ``[shard, classes]``.
+        targets: ``[shard]`` class indices.
+        global_batch: size of the whole batch over all replicas.
+        world_size: number of replicas.
+
+    Returns:
+        A scalar tensor.
+
+    Example:
+        >>> logits, targets = torch.zeros(4, 10), torch.zeros(4, dtype=torch.long)
+        >>> float(local_loss(logits, targets, 4, 1)) == float(nn.functional.cross_entropy(logits, targets))
+        True
+    """
+    total = nn.functional.cross_entropy(logits, targets, reduction="sum")
+    return total * (world_size / global_batch)
+
+
+def make_optimizer(params: Iterable[nn.Parameter], config: TrainConfig) -> torch.optim.SGD:
+    """SGD with the run's learning rate and momentum.
+
+    ``foreach=False``: the plain per-parameter loop, so the update is the same code path
+    on every device and in every process.
+
+    Args:
+        params: parameters to optimise.
+        config: the run; ``lr`` and ``momentum`` are used.
+
+    Returns:
+        The optimizer.
+    """
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, foreach=False)
+
+
+def completed_epochs(config: TrainConfig) -> int:
+    """Full passes over the data after ``config.steps`` steps (the trainer dict's ``epoch``)."""
+    return config.steps // steps_per_epoch(config.num_samples, config.batch_size)
+
+
+class ModuleContainer(nn.Module):
+    """Holds a model as ``.module``, giving ``nn.DataParallel``'s ``module.`` key layout.
+
+    ``nn.DataParallel(model)`` moves the model to ``cuda:0`` when exactly one GPU is
+    visible; this container never touches devices, so the single and manual strategies
+    can save a DataParallel-style checkpoint of a model wherever it lives.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def save_checkpoints(
+    out_dir: str | Path,
+    wrapped_sd: Mapping[str, Any],
+    bare_sd: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+) -> dict[str, str]:
+    """Write ``wrapped.pt``, ``bare.pt`` and ``trainer.pt`` the way training scripts do.
+
+    Plain ``torch.save`` (zip format), tensors left on whatever device they live on, as a
+    user saving from a GPU would.
+
+    Args:
+        out_dir: created if missing.
+        wrapped_sd: the wrapped model's state dict (``module.`` keys).
+        bare_sd: the unwrapped model's state dict.
+        optimizer: its ``state_dict()`` goes into the trainer dict.
+        config: the run, for ``epoch`` and ``step``.
+
+    Returns:
+        ``{"wrapped": path, "bare": path, "trainer": path}``.
+
+    Raises:
+        OSError: the directory or a file cannot be written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = {
+        "model": bare_sd,
+        "optimizer": optimizer.state_dict(),
+        "epoch": completed_epochs(config),
+        "step": config.steps,
+    }
+    paths = {name: out / f"{name}.pt" for name in ("wrapped", "bare", "trainer")}
+    torch.save(wrapped_sd, paths["wrapped"])
+    torch.save(bare_sd, paths["bare"])
+    torch.save(trainer, paths["trainer"])
+    return {name: str(path) for name, path in paths.items()}

@@ -1,0 +1,143 @@
+"""Which devices a harness run uses: all GPUs, a chosen list, the freest ones, or the CPU.
+
+With no CUDA device visible every strategy runs on the CPU (DDP as CPU processes over
+gloo, the manual loop over CPU replicas), so the device list is then ``world_size`` times
+``cpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ckpt_tools.errors import UsageError
+
+__all__ = ["DEFAULT_CPU_WORLD_SIZE", "parse_gpus", "resolve_devices"]
+
+#: World size when none is given and there is no GPU to count.
+DEFAULT_CPU_WORLD_SIZE = 2
+
+GpuSpec = str | Sequence[int] | None
+
+
+def _freest_gpus(n: int) -> list[int]:
+    """Indices of the ``n`` visible GPUs with the most free memory, most free first.
+
+    Ties go to the lower index so that the choice is stable.
+    """
+    count = torch.cuda.device_count()
+    if n > count:
+        raise UsageError(f"gpus='auto:{n}' asks for {n} GPUs but {count} are visible")
+    free = [(torch.cuda.mem_get_info(i)[0], i) for i in range(count)]
+    return [i for _, i in sorted(free, key=lambda pair: (-pair[0], pair[1]))[:n]]
+
+
+def _pick(n: int) -> list[int]:
+    """``ckpt_tools.devices.pick(n)`` when that module exists, else :func:`_freest_gpus`."""
+    try:
+        from ckpt_tools.devices import pick  # written separately; optional here
+    except ImportError:
+        return _freest_gpus(n)
+    # pick() may hand back ints, "cuda:i" strings or torch.device objects.
+    return [int(d) if isinstance(d, int) else int(torch.device(d).index or 0) for d in pick(n)]
+
+
+def parse_gpus(gpus: GpuSpec, world_size: int | None = None) -> list[int]:
+    """Turn a GPU selection into a list of CUDA device indices.
+
+    Args:
+        gpus: ``None`` (every visible GPU), ``"0,3"``, ``"auto:2"`` (the two GPUs with the
+            most free memory), ``"auto"`` (``world_size`` freest GPUs, or all) or a
+            sequence of indices.
+        world_size: how many devices the run wants, used by plain ``"auto"``.
+
+    Returns:
+        Distinct device indices, in the order given.
+
+    Raises:
+        UsageError: malformed spec, an index that is not visible, or a repeated index.
+
+    Example:
+        >>> parse_gpus("0,3")  # doctest: +SKIP  (needs 4 GPUs)
+        [0, 3]
+    """
+    count = torch.cuda.device_count()
+    if gpus is None:
+        return list(range(count))
+    if isinstance(gpus, str):
+        spec = gpus.strip().lower()
+        if spec.startswith("auto"):
+            rest = spec[len("auto") :]
+            if rest == "":
+                return _pick(world_size if world_size is not None else count)
+            if not rest.startswith(":") or not rest[1:].isdigit() or int(rest[1:]) < 1:
+                raise UsageError(f"bad gpus={gpus!r}: expected 'auto', 'auto:N' or '0,3'")
+            return _pick(int(rest[1:]))
+        try:
+            ids = [int(part) for part in spec.split(",") if part.strip()]
+        except ValueError:
+            raise UsageError(
+                f"bad gpus={gpus!r}: expected comma-separated indices like '0,3', or 'auto:N'"
+            ) from None
+    else:
+        ids = [int(i) for i in gpus]
+    if not ids:
+        raise UsageError(f"gpus={gpus!r} selects no GPU")
+    bad = [i for i in ids if not 0 <= i < count]
+    if bad:
+        raise UsageError(f"gpus={gpus!r}: indices {bad} are not among the {count} visible GPUs")
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"gpus={gpus!r} repeats a GPU; each rank needs its own device")
+    return ids
+
+
+def resolve_devices(
+    world_size: int | None, gpus: GpuSpec = None, device: str | None = None
+) -> list[torch.device]:
+    """The device of every replica/rank of a run.
+
+    Args:
+        world_size: number of replicas/ranks; ``None`` means one per selected GPU, or
+            :data:`DEFAULT_CPU_WORLD_SIZE` on the CPU.
+        gpus: GPU selection, see :func:`parse_gpus`.
+        device: ``"cpu"`` forces the CPU even when GPUs are visible; ``"cuda"`` insists
+            on GPUs; ``None`` uses GPUs when there are any.
+
+    Returns:
+        ``world_size`` devices; on the CPU, the same ``cpu`` device repeated.
+
+    Raises:
+        UsageError: a world size below 1, more ranks than selected GPUs, GPUs asked for
+            where none is visible, or ``device`` other than cpu/cuda.
+
+    Example:
+        >>> resolve_devices(2, device="cpu")
+        [device(type='cpu'), device(type='cpu')]
+    """
+    if world_size is not None and world_size < 1:
+        raise UsageError(f"world_size must be at least 1, got {world_size} (--world-size)")
+    if device not in (None, "cpu", "cuda"):
+        raise UsageError(f"device must be 'cpu' or 'cuda', got {device!r} (--device)")
+    if device == "cpu":
+        if gpus is not None:
+            raise UsageError(
+                f"gpus={gpus!r} and device='cpu' contradict each other: drop one (--gpus/--device)"
+            )
+        return [torch.device("cpu")] * (world_size or DEFAULT_CPU_WORLD_SIZE)
+    if not torch.cuda.is_available():
+        if device == "cuda" or gpus is not None:
+            raise UsageError(
+                f"no CUDA device is visible, but the run asks for GPUs (gpus={gpus!r}, "
+                f"device={device!r}): leave out --gpus, or pass --device cpu"
+            )
+        return [torch.device("cpu")] * (world_size or DEFAULT_CPU_WORLD_SIZE)
+    ids = parse_gpus(gpus, world_size)
+    if world_size is None:
+        world_size = len(ids)
+    if world_size > len(ids):
+        raise UsageError(
+            f"world_size={world_size} needs {world_size} GPUs, but only {len(ids)} are "
+            f"selected ({ids}): lower --world-size, select more with --gpus, or pass --device cpu"
+        )
+    return [torch.device("cuda", i) for i in ids[:world_size]]

@@ -1,0 +1,216 @@
+"""The torch-free metadata model: what a checkpoint holds, without its tensor bytes.
+
+Opening a checkpoint builds a tree of plain Python containers (dict, OrderedDict, list,
+tuple, str, numbers) whose tensors are :class:`TensorRef` descriptors pointing at
+:class:`StorageRef` records, and whose objects of unknown classes are :class:`Opaque`
+stand-ins. Nothing here imports torch or reads tensor bytes.
+
+The descriptors remember how they were pickled (the rebuild function and its arguments),
+so a writer can re-emit them exactly, changing only what a rewrite asks for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_tools.dtypes import itemsize
+
+__all__ = [
+    "ByteSpan",
+    "GlobalRef",
+    "Opaque",
+    "StorageRef",
+    "TensorRef",
+    "iter_tensors",
+]
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    """A Python global named in a pickle (``module.name``), never imported."""
+
+    module: str
+    name: str
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def __str__(self) -> str:
+        return self.qualname
+
+
+@dataclass(frozen=True)
+class ByteSpan:
+    """Where a storage's bytes live: ``nbytes`` bytes at ``offset`` in the file at ``path``."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class StorageRef:
+    """One storage record: a flat run of bytes that tensors view.
+
+    Identity matters: two :class:`TensorRef` s share memory exactly when they refer to the
+    same ``StorageRef`` object (``eq=False`` makes equality identity).
+
+    Attributes:
+        key: the storage's key in its file (``"0"`` for ``archive/data/0``; the tensor name
+            for safetensors, where each tensor owns its bytes).
+        dtype: element type of the storage as pickled (``uint8`` for untyped storages).
+        numel: elements of ``dtype`` in the storage, as pickled.
+        device: the saved location tag (``"cpu"``, ``"cuda:1"``).
+        storage_type: the storage class the pickle names (``torch.FloatStorage``), or None
+            for formats that have no pickle.
+        view: legacy (pre-1.6) storage view metadata ``(view_key, offset, numel)``, if any.
+    """
+
+    key: str
+    dtype: str
+    numel: int
+    device: str
+    storage_type: GlobalRef | None = None
+    view: tuple[str, int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRef:
+    """A tensor as a view into a storage.
+
+    Attributes:
+        storage: the storage it views.
+        offset: storage offset, in elements of ``dtype``.
+        shape: sizes.
+        stride: strides, in elements.
+        dtype: element type.
+        requires_grad: as saved.
+        is_parameter: saved as ``nn.Parameter``.
+        func: the global that rebuilds it (``torch._utils._rebuild_tensor_v2``); None for
+            formats without a pickle.
+        args: the exact arguments ``func`` was called with, for a faithful re-emit.
+    """
+
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    requires_grad: bool = False
+    is_parameter: bool = False
+    func: GlobalRef | None = None
+    args: tuple[Any, ...] = field(default=(), repr=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def device(self) -> str:
+        return self.storage.device
+
+    @property
+    def byte_offset(self) -> int:
+        """Offset of the first element inside the storage, in bytes."""
+        return self.offset * itemsize(self.dtype)
+
+    def is_contiguous(self) -> bool:
+        """True when the elements are laid out densely in row-major order."""
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def covers_storage(self) -> bool:
+        """True when the tensor is contiguous and spans its whole storage."""
+        return self.offset == 0 and self.is_contiguous() and self.nbytes == self.storage.nbytes
+
+
+class Opaque:
+    """Stand-in for an object of a class outside the allowlist; the class is never imported.
+
+    The unpickler makes one subclass per global (so ``type(obj).global_ref`` names it) and
+    records everything the pickle did to the object, so it can be re-emitted faithfully.
+    """
+
+    global_ref: GlobalRef = GlobalRef("builtins", "object")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        # The NEWOBJ opcode calls only cls.__new__(cls, *args); REDUCE calls cls(*args),
+        # which then runs __init__ and marks the object as made by a call.
+        obj = super().__new__(cls)
+        obj.args = args
+        obj.newobj = True
+        obj.state = None
+        obj.has_state = False
+        obj.listitems = []
+        obj.dictitems = []
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.newobj = False
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+        self.has_state = True
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.dictitems.append((key, value))
+
+    def append(self, value: Any) -> None:
+        self.listitems.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.listitems.extend(values)
+
+    def __repr__(self) -> str:
+        return f"<{self.global_ref.qualname} (not imported)>"
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
+    """Every tensor in a container tree, with dotted paths (``optimizer.state.0.exp_avg``).
+
+    Args:
+        obj: a tree of dicts, lists, tuples, :class:`Opaque` objects and tensors.
+        prefix: path of ``obj`` itself.
+
+    Returns:
+        ``(path, tensor)`` pairs in the tree's order; a tensor reached twice is listed twice.
+    """
+    found: list[tuple[str, TensorRef]] = []
+    seen: set[int] = set()
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, TensorRef):
+            found.append((path, node))
+            return
+        if id(node) in seen:
+            return
+        if isinstance(node, dict):
+            seen.add(id(node))
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, (list, tuple)):
+            seen.add(id(node))
+            for index, value in enumerate(node):
+                walk(value, f"{path}.{index}" if path else str(index))
+        elif isinstance(node, Opaque):
+            seen.add(id(node))
+            walk(node.state, path)
+            walk(node.dictitems, path)
+
+    walk(obj, prefix)
+    return found
