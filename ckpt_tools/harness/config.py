@@ -1,4 +1,4 @@
-"""What a harness run is asked to do (:class:`TrainConfig`) and what it did (:class:`TrainResult`)."""
+"""What a harness run is asked to do (:class:`TrainConfig`), what it did (:class:`TrainResult`)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def train_manual(config: TrainConfig, devices: Sequence[torch.device]) -> TrainR
         wrapped checkpoint uses the ``module.`` layout of ``nn.DataParallel``.
 
     Example:
-        >>> result = train_manual(TrainConfig(strategy="manual", steps=1), [torch.device("cpu")] * 2)
+        >>> config = TrainConfig(strategy="manual", steps=1)
+        >>> result = train_manual(config, [torch.device("cpu")] * 2)
         >>> result.world_size, result.fallback is not None
         (2, True)
     """

@@ -8,6 +8,7 @@ integer ``num_batches_tracked`` (ResNet).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ class MLP(nn.Module):
         super().__init__()
         widths = [IMAGE_SHAPE[0] * IMAGE_SHAPE[1] * IMAGE_SHAPE[2], *hidden]
         layers: list[nn.Module] = [nn.Flatten()]
-        for width_in, width_out in zip(widths[:-1], widths[1:], strict=True):
+        for width_in, width_out in itertools.pairwise(widths):
             layers += [nn.Linear(width_in, width_out), nn.ReLU()]
         layers.append(nn.Linear(widths[-1], num_classes))
         self.net = nn.Sequential(*layers)

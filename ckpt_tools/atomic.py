@@ -1,0 +1,168 @@
+"""Atomic output files: a temp file in the target folder, fsync, rename, directory fsync.
+
+Whatever goes wrong (an exception, disk full, SIGTERM/SIGHUP/SIGINT), the temp file is
+removed and the target is either untouched or complete. Only SIGKILL can leave a temp file
+behind; such files are named ``.NAME.*.ckpt-tmp`` so they are easy to find.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
+
+__all__ = ["TEMP_SUFFIX", "Interrupted", "atomic_output", "check_output_path"]
+
+TEMP_SUFFIX = ".ckpt-tmp"
+
+
+class Interrupted(BaseException):
+    """A signal arrived while an output was being written (the temp file is removed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    # samefile compares device and inode: it sees hard links and symlinks alike.
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output_path(
+    dst: str | os.PathLike[str],
+    src: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    in_place: bool = False,
+) -> Path:
+    """Refuse outputs that would clobber something, before any work is done.
+
+    Args:
+        dst: the output path.
+        src: the input path, if any, to refuse writing over it.
+        force: allow replacing an existing ``dst`` (never the input).
+        in_place: allow ``dst`` to be ``src`` (still written through a temp file and rename).
+
+    Returns:
+        The output path, with a symlink at ``dst`` resolved (the link is kept, its target
+        replaced).
+
+    Raises:
+        SameFileError: ``dst`` is ``src`` and ``in_place`` is False.
+        OutputExistsError: ``dst`` exists and ``force`` is False.
+        OutputError: ``dst``'s folder does not exist or is a file.
+    """
+    out = Path(dst)
+    if src is not None and out.exists() and _same_file(Path(src), out):
+        if not in_place:
+            raise SameFileError(
+                f"output {str(dst)!r} is the input file (same path, hard link or symlink); "
+                "pass --in-place to rewrite it (still through a temp file and a rename), "
+                "or choose another output path"
+            )
+        return out.resolve()
+    if out.is_dir():
+        raise OutputError(f"output {str(dst)!r} is a folder; give a file path")
+    if out.exists() and not force:
+        raise OutputExistsError(
+            f"output {str(dst)!r} already exists; pass --force to replace it, "
+            "or choose another output path"
+        )
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        raise OutputError(f"the output folder {str(folder)!r} does not exist; create it first")
+    return out.resolve() if out.is_symlink() else out
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # some file systems cannot open folders; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]]:
+    """Write ``dst`` atomically.
+
+    Yields ``(file, temp_path)``; the body writes through ``file`` (and may re-open
+    ``temp_path`` to verify it). On a clean exit the file is fsynced, renamed over ``dst``,
+    and the folder fsynced. On any exception or SIGTERM/SIGHUP the temp file is removed.
+
+    Call :func:`check_output_path` first: this function replaces ``dst`` unconditionally.
+
+    Raises:
+        OutputError: the temp file cannot be created or written (disk full, permissions).
+
+    Example:
+        >>> with atomic_output("out.pt") as (f, tmp):  # doctest: +SKIP
+        ...     f.write(b"...")
+    """
+    target = Path(dst)
+    folder = target.resolve().parent
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=folder)
+    except OSError as e:
+        raise OutputError(f"cannot create a temp file in {str(folder)!r}: {e.strerror}") from e
+    tmp = Path(tmp_name)
+    try:
+        with _signals_raise():
+            with os.fdopen(fd, "w+b") as f:
+                yield f, tmp
+                f.flush()
+                os.fsync(f.fileno())
+            if target.exists():
+                # Keep the replaced file's permission bits, as editors do.
+                os.chmod(tmp, target.stat().st_mode & 0o7777)
+            else:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, target)
+        _fsync_dir(folder)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OutputError):
+            raise
+        raise OutputError(
+            f"writing {str(dst)!r} failed ({e.strerror or e}); nothing was written and the "
+            "input is unchanged"
+        ) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

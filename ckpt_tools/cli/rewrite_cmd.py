@@ -1,0 +1,208 @@
+"""``ckpt strip-module``, ``add-module``, ``rename``, ``convert``, ``retag``."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from ckpt_tools.cli.options import json_option, select_option
+from ckpt_tools.cli.render import echo_json, human_bytes
+from ckpt_tools.errors import UsageError
+from ckpt_tools.rewrite import (
+    RewriteResult,
+    add_module_file,
+    convert,
+    rename_file,
+    retag,
+    strip_module_file,
+)
+
+
+def _common(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Options every rewrite takes."""
+    options = [
+        click.argument("src", type=click.Path()),
+        click.argument("dst", type=click.Path()),
+        select_option,
+        click.option("--force", is_flag=True, help="Replace DST if it exists (never the input)."),
+        click.option(
+            "--in-place",
+            is_flag=True,
+            help="Allow DST to be SRC (still written to a temp file, then renamed).",
+        ),
+        click.option(
+            "--verify",
+            type=click.Choice(["sizes", "full", "none"]),
+            default="sizes",
+            show_default=True,
+            help="After writing, re-read the output: keys and sizes, or also every byte.",
+        ),
+        click.option(
+            "--allow-global",
+            "allow_globals",
+            multiple=True,
+            metavar="QUALNAME",
+            help="Carry this global outside the allowlist through unchanged (never imported).",
+        ),
+        click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+        json_option,
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
+    # A bar only for people watching a terminal, and only for rewrites worth watching.
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    state: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if total < (64 << 20):
+            return
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = click.progressbar(
+                length=total, label="copying tensors", file=sys.stderr, show_pos=False
+            )
+            bar.__enter__()
+            state["done"] = 0
+        bar.update(done - state["done"])
+        state["done"] = done
+
+    try:
+        yield update
+    finally:
+        if "bar" in state:
+            state["bar"].__exit__(None, None, None)
+
+
+def _report(result: RewriteResult, as_json: bool) -> None:
+    if as_json:
+        echo_json(result.to_json())
+        return
+    click.echo(result.message)
+    if not result.written:
+        return
+    for old, new in result.examples:
+        click.echo(f"  {old} -> {new}")
+    if result.renamed > len(result.examples):
+        click.echo(f"  ... and {result.renamed - len(result.examples)} more")
+    if result.dropped:
+        click.echo(f"left out: {', '.join(result.dropped[:8])}")
+    if result.device_map:
+        moved = ", ".join(f"{a} -> {b}" for a, b in result.device_map.items())
+        click.echo(f"device tags: {moved}")
+    click.echo(
+        f"{result.output_format}, {human_bytes(result.bytes_copied)} of tensors copied; "
+        f"{result.verification}"
+    )
+
+
+def _options(kw: dict[str, Any], progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+    return {
+        "select": kw["select"],
+        "force": kw["force"],
+        "in_place": kw["in_place"],
+        "verify": kw["verify"],
+        "allow_globals": kw["allow_globals"],
+        "progress": progress,
+    }
+
+
+@click.command("strip-module")
+@_common
+@click.option(
+    "--prefix",
+    default=None,
+    help="Strip exactly this prefix (default: every wrapper found: module., _orig_mod., ...).",
+)
+def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
+    """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
+    with _progress(kw["quiet"]) as progress:
+        result = strip_module_file(src, dst, prefix=prefix, **_options(kw, progress))
+    _report(result, kw["as_json"])
+
+
+@click.command("add-module")
+@_common
+@click.option("--prefix", default="module.", show_default=True, help="The prefix to add.")
+def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
+    """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
+    with _progress(kw["quiet"]) as progress:
+        result = add_module_file(src, dst, prefix=prefix, **_options(kw, progress))
+    _report(result, kw["as_json"])
+
+
+def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        old, sep, new = value.partition("=")
+        if not sep or not old:
+            raise UsageError(
+                f"{option} {value!r}: expected OLD=NEW, e.g. {option} backbone.=encoder."
+            )
+        pairs.append((old, new))
+    return pairs
+
+
+@click.command("rename")
+@_common
+@click.option("--sub", "subs", multiple=True, metavar="OLD=NEW", help="Prefix map (repeatable).")
+@click.option(
+    "--regex",
+    "regexes",
+    multiple=True,
+    metavar="PATTERN=REPL",
+    help="Regex substitution (repeatable).",
+)
+def rename_cmd(
+    src: str, dst: str, subs: tuple[str, ...], regexes: tuple[str, ...], **kw: Any
+) -> None:
+    """Rename keys: prefix maps (--sub) then regex substitutions (--regex)."""
+    with _progress(kw["quiet"]) as progress:
+        result = rename_file(
+            src, dst, _pairs(subs, "--sub"), _pairs(regexes, "--regex"), **_options(kw, progress)
+        )
+    _report(result, kw["as_json"])
+
+
+@click.command("convert")
+@_common
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["torch", "safetensors"]),
+    default=None,
+    help="Output format (default: from DST's suffix).",
+)
+@click.option("--drop-extras", is_flag=True, help="Leave out non-tensor entries (safetensors).")
+def convert_cmd(src: str, dst: str, fmt: str | None, drop_extras: bool, **kw: Any) -> None:
+    """Convert between torch (.pt) and safetensors; legacy inputs come out as zip archives."""
+    with _progress(kw["quiet"]) as progress:
+        result = convert(src, dst, format=fmt, drop_extras=drop_extras, **_options(kw, progress))
+    _report(result, kw["as_json"])
+
+
+@click.command("retag")
+@_common
+@click.option(
+    "--map",
+    "maps",
+    multiple=True,
+    required=True,
+    metavar="OLD=NEW",
+    help="Saved device tag mapping, e.g. --map cuda:1=cpu (repeatable).",
+)
+def retag_cmd(src: str, dst: str, maps: tuple[str, ...], **kw: Any) -> None:
+    """Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere."""
+    with _progress(kw["quiet"]) as progress:
+        result = retag(src, dst, dict(_pairs(maps, "--map")), **_options(kw, progress))
+    _report(result, kw["as_json"])

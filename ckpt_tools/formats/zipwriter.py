@@ -1,0 +1,233 @@
+"""Writing torch zip archives, torch-free, with records copied straight from a source file.
+
+Records are stored (not compressed) and their data starts on 64-byte boundaries, as torch
+writes them, so outputs load with ``torch.load(mmap=True)``. Zip64 structures are written
+when sizes or offsets need them.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+__all__ = ["ALIGNMENT", "TorchZipWriter", "copy_range"]
+
+ALIGNMENT = 64
+_U32 = 0xFFFFFFFF
+_U16 = 0xFFFF
+_CHUNK = 8 << 20
+# A fixed DOS date/time (1980-01-01 00:00), as torch's writer uses: outputs are reproducible.
+_DOS_TIME, _DOS_DATE = 0, (0 << 9) | (1 << 5) | 1
+_PAD_ID = 0x4246  # "FB", the padding extra field torch's writer uses
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    header_offset: int
+    size: int
+    crc32: int
+
+
+def copy_range(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    count: int,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Copy ``count`` bytes between files at explicit offsets, in the kernel where possible.
+
+    Uses ``os.copy_file_range`` (which can reflink on CoW file systems), falling back to
+    ``pread``/``pwrite`` in chunks where the OS or file system does not support it.
+
+    Raises:
+        OSError: a read or write failed (disk full, I/O error), or the source ended early.
+    """
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < count:
+        step = min(count - done, 1 << 30)
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, step, src_offset + done, dst_offset + done)
+            except OSError as e:
+                if e.errno in (18, 22, 38, 95, 1):  # EXDEV EINVAL ENOSYS EOPNOTSUPP EPERM
+                    use_kernel = False
+                    continue
+                raise
+        else:
+            data = os.pread(src_fd, min(step, _CHUNK), src_offset + done)
+            n = os.pwrite(dst_fd, data, dst_offset + done) if data else 0
+        if n == 0:
+            raise OSError(5, f"source ended after {done} of {count} bytes")
+        done += n
+        if progress is not None:
+            progress(n)
+
+
+class TorchZipWriter:
+    """Build a torch zip archive record by record.
+
+    Args:
+        file: the output, opened ``w+b`` and empty (positions are tracked explicitly).
+        root: the archive's root folder name (torch uses the file stem or ``archive``).
+
+    Example:
+        >>> import io
+        >>> w = TorchZipWriter(io.BytesIO(), "archive")  # doctest: +SKIP
+        >>> w.add_bytes("data.pkl", b"...")  # doctest: +SKIP
+        >>> w.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, file: BinaryIO, root: str = "archive") -> None:
+        self._file = file
+        self._fd = file.fileno()
+        self._root = root
+        self._offset = 0
+        self._entries: list[_Entry] = []
+
+    def _local_header(self, name: bytes, size: int, crc32: int) -> bytes:
+        zip64 = size >= _U32 or self._offset >= _U32
+        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+        fixed = 30 + len(name) + len(extra) + 4
+        pad = (-(self._offset + fixed)) % ALIGNMENT
+        extra += struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
+        size32 = _U32 if zip64 else size
+        return (
+            struct.pack(
+                "<IHHHHHIIIHH",
+                0x04034B50,
+                45 if zip64 else 20,
+                0,
+                0,  # stored
+                _DOS_TIME,
+                _DOS_DATE,
+                crc32,
+                size32,
+                size32,
+                len(name),
+                len(extra),
+            )
+            + name
+            + extra
+        )
+
+    def _begin(self, name: str, size: int, crc32: int) -> int:
+        full = f"{self._root}/{name}".encode()
+        header = self._local_header(full, size, crc32)
+        os.pwrite(self._fd, header, self._offset)
+        self._entries.append(_Entry(full, self._offset, size, crc32))
+        self._offset += len(header)
+        return self._offset
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        """Add a record holding ``data``."""
+        start = self._begin(name, len(data), zlib.crc32(data))
+        os.pwrite(self._fd, data, start)
+        self._offset += len(data)
+
+    def add_copy(
+        self,
+        name: str,
+        src_fd: int,
+        src_offset: int,
+        size: int,
+        crc32: int | None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Add a record whose bytes are copied from ``src_fd`` at ``src_offset``.
+
+        Args:
+            crc32: the bytes' CRC-32 when known (a zip source's record has it); None to compute
+                it while copying (which reads the bytes through Python).
+        """
+        if crc32 is None:
+            self._add_computed(name, src_fd, src_offset, size, progress)
+            return
+        start = self._begin(name, size, crc32)
+        copy_range(src_fd, src_offset, self._fd, start, size, progress)
+        self._offset += size
+
+    def _add_computed(
+        self,
+        name: str,
+        src_fd: int,
+        src_offset: int,
+        size: int,
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        header_at = self._offset
+        start = self._begin(name, size, 0)
+        crc, done = 0, 0
+        while done < size:
+            data = os.pread(src_fd, min(_CHUNK, size - done), src_offset + done)
+            if not data:
+                raise OSError(5, f"source ended after {done} of {size} bytes")
+            os.pwrite(self._fd, data, start + done)
+            crc = zlib.crc32(data, crc)
+            done += len(data)
+            if progress is not None:
+                progress(len(data))
+        os.pwrite(self._fd, struct.pack("<I", crc), header_at + 14)
+        self._entries[-1].crc32 = crc
+        self._offset += size
+
+    def close(self) -> None:
+        """Write the central directory and end records. The file is not closed."""
+        cd_start = self._offset
+        directory = bytearray()
+        for e in self._entries:
+            zip64 = e.size >= _U32 or e.header_offset >= _U32
+            extra = b""
+            if zip64:
+                extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset)
+            directory += struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                45 if zip64 else 20,
+                45 if zip64 else 20,
+                0,
+                0,
+                _DOS_TIME,
+                _DOS_DATE,
+                e.crc32,
+                _U32 if zip64 else e.size,
+                _U32 if zip64 else e.size,
+                len(e.name),
+                len(extra),
+                0,
+                0,
+                0,
+                0,
+                _U32 if zip64 else e.header_offset,
+            )
+            directory += e.name + extra
+        cd_size = len(directory)
+        count = len(self._entries)
+        end = bytes(directory)
+        if count >= _U16 or cd_start >= _U32 or cd_size >= _U32:
+            zip64_end_at = cd_start + cd_size
+            end += struct.pack(
+                "<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start
+            )
+            end += struct.pack("<IIQI", 0x07064B50, 0, zip64_end_at, 1)
+        end += struct.pack(
+            "<IHHHHIIH",
+            0x06054B50,
+            0,
+            0,
+            min(count, _U16),
+            min(count, _U16),
+            min(cd_size, _U32),
+            min(cd_start, _U32),
+            0,
+        )
+        os.pwrite(self._fd, end, self._offset)
+        self._offset += len(end)
+        os.ftruncate(self._fd, self._offset)

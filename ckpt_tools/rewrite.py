@@ -1,0 +1,433 @@
+"""File-to-file rewrites: open, rename keys or retag devices, write atomically, verify.
+
+Torch is never imported (except to make non-contiguous views contiguous for safetensors):
+the object tree is read by the restricted unpickler, edited, and re-pickled, and tensor
+bytes are copied record by record.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_tools.atomic import atomic_output, check_output_path
+from ckpt_tools.errors import ConversionError, NonTensorEntriesError, UnsafeContentError, UsageError
+from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.keys import (
+    KeyRule,
+    WrapperMatch,
+    add_rule,
+    apply_plan,
+    plan_renames,
+    regex_rule,
+    strip_rule,
+    strip_wrapper_rules,
+    sub_rule,
+)
+from ckpt_tools.layouts import select_state_dict
+from ckpt_tools.model import TensorRef
+from ckpt_tools.verify import VERIFY_LEVELS, Expected, verify_output
+from ckpt_tools.writers import (
+    SafetensorsEntry,
+    picklable_tensors,
+    write_safetensors,
+    write_torch_zip,
+)
+
+__all__ = [
+    "RewriteResult",
+    "add_module_file",
+    "convert",
+    "output_format_for",
+    "rename_file",
+    "retag",
+    "rewrite",
+    "strip_module_file",
+]
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    """What a rewrite did.
+
+    Attributes:
+        src: the input.
+        dst: the output; None when nothing was written.
+        written: whether the output was written.
+        input_format: format of the input.
+        output_format: ``torch-zip`` or ``safetensors``.
+        selected: path of the state dict that was rewritten.
+        rules: the key rules applied, in words.
+        renamed: how many keys changed.
+        total_keys: keys in the state dict.
+        examples: a few ``(old, new)`` pairs.
+        wrappers: wrappers stripped (for ``strip-module`` without ``--prefix``).
+        bytes_copied: tensor bytes copied.
+        verification: what was verified.
+        dropped: names left out (deduplicated tied tensors, non-tensor entries).
+        message: a one-line summary for people.
+    """
+
+    src: str
+    dst: str | None
+    written: bool
+    input_format: str
+    output_format: str
+    selected: tuple[str, ...]
+    rules: tuple[str, ...]
+    renamed: int
+    total_keys: int
+    examples: tuple[tuple[str, str], ...] = ()
+    wrappers: tuple[WrapperMatch, ...] = ()
+    bytes_copied: int = 0
+    verification: str = ""
+    dropped: tuple[str, ...] = ()
+    device_map: Mapping[str, str] = field(default_factory=dict)
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "written": self.written,
+            "input_format": self.input_format,
+            "output_format": self.output_format,
+            "selected": list(self.selected),
+            "rules": list(self.rules),
+            "renamed": self.renamed,
+            "total_keys": self.total_keys,
+            "examples": [list(e) for e in self.examples],
+            "wrappers": [w.to_json() for w in self.wrappers],
+            "bytes_copied": self.bytes_copied,
+            "verification": self.verification,
+            "dropped": list(self.dropped),
+            "device_map": dict(self.device_map),
+            "message": self.message,
+        }
+
+
+def output_format_for(dst: str | os.PathLike[str], fmt: str | None, input_format: str) -> str:
+    """The output format: explicit ``fmt``, else from ``dst``'s suffix, else the input's family.
+
+    Raises:
+        UsageError: an unknown format name.
+    """
+    if fmt is not None:
+        names = {"torch": "torch-zip", "pt": "torch-zip", "safetensors": "safetensors"}
+        if fmt not in names:
+            raise UsageError(f"--format {fmt!r} is not one of: torch, safetensors")
+        return names[fmt]
+    suffix = Path(dst).suffix.lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    if suffix in (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"):
+        return "torch-zip"
+    return "safetensors" if input_format == "safetensors" else "torch-zip"
+
+
+def _check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
+    if ckpt.format == "torchscript":
+        raise ConversionError(
+            f"{ckpt.path!r} is a TorchScript archive: its code refers to the attribute names, so "
+            "renaming them would break it; load it with torch.jit.load and save the state_dict()"
+        )
+    if ckpt.format == "hf-sharded":
+        raise UsageError(
+            f"{ckpt.path!r} is a sharded folder; rewrite each shard file, e.g. "
+            f"`ckpt strip-module {ckpt.path}/SHARD.safetensors OUT.safetensors`"
+        )
+    refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
+    if refused:
+        flags = " ".join(f"--allow-global {g}" for g in refused)
+        raise UnsafeContentError(
+            f"{ckpt.path!r} refers to Python globals outside the allowlist: {', '.join(refused)}; "
+            f"they are never imported. To carry them through unchanged, pass {flags}",
+            refused,
+        )
+
+
+def _replace_at(root: Any, path: Sequence[str], value: Any) -> Any:
+    if not path:
+        return value
+    node = root
+    for part in path[:-1]:
+        node = node[part] if part in node else node[int(part)]
+    last = path[-1]
+    node[last if last in node else int(last)] = value
+    return root
+
+
+def rewrite(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    rules: Sequence[KeyRule] = (),
+    *,
+    select: str | Sequence[str] | None = None,
+    output_format: str | None = None,
+    device_map: Mapping[str, str] | None = None,
+    force: bool = False,
+    in_place: bool = False,
+    verify: str = "sizes",
+    allow_globals: Sequence[str] = (),
+    drop_extras: bool = False,
+    progress: Progress | None = None,
+) -> RewriteResult:
+    """Rewrite a checkpoint file: rename its state dict's keys and/or retag devices.
+
+    The rest of a nested checkpoint (epoch, optimizer state, hyper-parameters) is kept as it
+    was. The output is written to a temp file beside ``dst``, verified, then renamed.
+
+    Args:
+        src: the input checkpoint.
+        dst: the output path.
+        rules: key rules applied to the selected state dict's keys (see ``ckpt_tools.keys``).
+        select: dotted path to the state dict; chosen automatically when None.
+        output_format: ``torch`` or ``safetensors``; from ``dst``'s suffix when None.
+        device_map: saved device tag -> new tag for every storage (torch outputs).
+        force: replace an existing ``dst`` (never the input).
+        in_place: allow ``dst`` to be ``src``.
+        verify: ``sizes`` (default), ``full`` (compare bytes) or ``none``.
+        allow_globals: qualified names outside the allowlist to carry through unchanged.
+        drop_extras: for safetensors outputs, drop non-tensor entries instead of refusing.
+        progress: called with ``(bytes_done, bytes_total)``.
+
+    Returns:
+        A :class:`RewriteResult`.
+
+    Raises:
+        UnsafeContentError: globals outside the allowlist and not in ``allow_globals`` (exit 3).
+        KeyCollisionError: two keys would become one (exit 7).
+        NonTensorEntriesError: safetensors output with non-tensor entries (exit 7).
+        SameFileError / OutputExistsError / OutputError: the output is refused or fails (exit 6).
+
+    Example:
+        >>> rewrite("ddp.pt", "plain.pt", [strip_rule("module.")])  # doctest: +SKIP
+    """
+    if verify not in VERIFY_LEVELS:
+        raise UsageError(f"--verify {verify!r} is not one of: {', '.join(VERIFY_LEVELS)}")
+    src, dst = os.fspath(src), os.fspath(dst)
+    target = check_output_path(dst, src, force=force, in_place=in_place)
+    ckpt = open_checkpoint(src)
+    _check_source(ckpt, allow_globals)
+    fmt = output_format_for(dst, output_format, ckpt.format)
+    selection = select_state_dict(ckpt.root, select)
+    sd = selection.state_dict
+    plan = plan_renames([str(k) for k in sd], rules)
+    renamed_sd = apply_plan(sd, plan, rules)
+    changed = [(old, new) for old, new in plan.items() if old != new]
+    tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
+    total = sum(s.nbytes for s in {id(t.storage): t.storage for t in tensors.values()}.values())
+    done = [0]
+
+    def on_bytes(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
+    dropped: tuple[str, ...] = ()
+    with atomic_output(target) as (file, tmp):
+        if fmt == "safetensors":
+            entries, metadata, dropped, expected = _safetensors_plan(
+                ckpt, selection.path, renamed_sd, drop_extras
+            )
+            write_safetensors(entries, ckpt, file, metadata, on_bytes)
+            select_out: Sequence[str] = ()
+        else:
+            tree = _replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
+            write_torch_zip(tree, ckpt, file, device_map, on_bytes)
+            expected, select_out = tensors, selection.path
+        file.flush()
+        verification = verify_output(str(tmp), Expected(expected, select_out, ckpt), verify)
+    return RewriteResult(
+        src=src,
+        dst=dst,
+        written=True,
+        input_format=ckpt.format,
+        output_format=fmt,
+        selected=selection.path,
+        rules=tuple(r.description for r in rules),
+        renamed=len(changed),
+        total_keys=len(plan),
+        examples=tuple(changed[:3]),
+        bytes_copied=done[0],
+        verification=verification,
+        dropped=dropped,
+        device_map=dict(device_map or {}),
+        message=f"wrote {dst} ({len(changed)} of {len(plan)} keys renamed)",
+    )
+
+
+def _safetensors_plan(
+    ckpt: Checkpoint, path: Sequence[str], sd: Mapping[str, Any], drop_extras: bool
+) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
+    extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
+    if path and isinstance(ckpt.root, Mapping):
+        extras += [str(k) for k in ckpt.root if str(k) != path[0]]
+    if extras and not drop_extras:
+        shown = ", ".join(extras[:8]) + (" ..." if len(extras) > 8 else "")
+        raise NonTensorEntriesError(
+            f"safetensors holds tensors only, and {ckpt.path!r} also has {len(extras)} non-tensor "
+            f"entries: {shown}; pass --drop-extras to leave them out, or keep the torch format",
+            tuple(extras),
+        )
+    metadata = dict(ckpt.metadata or {})
+    metadata.setdefault("format", "pt")
+    entries: list[SafetensorsEntry] = []
+    expected: dict[str, TensorRef] = {}
+    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    dropped: list[str] = []
+    for name, t in sd.items():
+        if not isinstance(t, TensorRef):
+            continue
+        # Tied tensors (the same view of one storage) are stored once, as safetensors'
+        # save_model does; the dropped name maps to the kept one in the metadata.
+        identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
+        if identity in kept:
+            metadata[str(name)] = kept[identity]
+            dropped.append(str(name))
+            continue
+        kept[identity] = str(name)
+        entries.append(SafetensorsEntry(str(name), t))
+        expected[str(name)] = t
+    return entries, metadata, tuple(extras) + tuple(dropped), expected
+
+
+def _nothing_to_do(src: str, ckpt: Checkpoint, selected: tuple[str, ...], n: int, why: str):
+    return RewriteResult(
+        src=src,
+        dst=None,
+        written=False,
+        input_format=ckpt.format,
+        output_format=ckpt.format,
+        selected=selected,
+        rules=(),
+        renamed=0,
+        total_keys=n,
+        message=why,
+    )
+
+
+def strip_module_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    prefix: str | None = None,
+    **options: Any,
+) -> RewriteResult:
+    """Strip wrapper prefixes from a checkpoint file's state dict (``ckpt strip-module``).
+
+    Args:
+        src: the input.
+        dst: the output.
+        prefix: the prefix to strip; None strips every wrapper :func:`detect_wrappers` finds
+            (``module.``, ``_orig_mod.``, FSDP and checkpoint-wrapper segments, ...).
+        **options: passed to :func:`rewrite` (``select``, ``force``, ``verify`` ...).
+
+    Returns:
+        The :class:`RewriteResult`; when there is nothing to strip, nothing is written and
+        ``written`` is False.
+
+    Example:
+        >>> strip_module_file("ddp.pt", "plain.pt").wrappers[0].prefix  # doctest: +SKIP
+        'module.'
+    """
+    src = os.fspath(src)
+    if prefix is not None:
+        return rewrite(src, dst, [strip_rule(prefix)], **options)
+    ckpt = open_checkpoint(src)
+    selection = select_state_dict(ckpt.root, options.get("select"))
+    keys = [str(k) for k in selection.state_dict]
+    rules, matches = strip_wrapper_rules(keys)
+    if not rules:
+        check_output_path(dst, src, options.get("force", False), options.get("in_place", False))
+        return _nothing_to_do(
+            src,
+            ckpt,
+            selection.path,
+            len(keys),
+            f"nothing to strip: no wrapper prefix in the {len(keys)} keys of {src}; "
+            f"{os.fspath(dst)} was not written",
+        )
+    result = rewrite(src, dst, rules, **options)
+    names = ", ".join(repr(m.prefix) for m in matches)
+    return _with(result, wrappers=matches, message=f"stripped {names}: {result.message}")
+
+
+def _with(result: RewriteResult, **changes: Any) -> RewriteResult:
+    from dataclasses import replace
+
+    return replace(result, **changes)
+
+
+def add_module_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    prefix: str = "module.",
+    **options: Any,
+) -> RewriteResult:
+    """Add a wrapper prefix to every key (``ckpt add-module``), e.g. to load into DataParallel."""
+    return rewrite(src, dst, [add_rule(prefix)], **options)
+
+
+def rename_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    subs: Sequence[tuple[str, str]] = (),
+    regexes: Sequence[tuple[str, str]] = (),
+    **options: Any,
+) -> RewriteResult:
+    """Rename keys by prefix maps (``--sub OLD=NEW``) then regexes (``--regex PAT=REPL``).
+
+    Raises:
+        UsageError: no rule was given, or a regex does not compile.
+    """
+    rules = [sub_rule(old, new) for old, new in subs] + [regex_rule(p, r) for p, r in regexes]
+    if not rules:
+        raise UsageError("give at least one --sub OLD=NEW or --regex PATTERN=REPLACEMENT")
+    return rewrite(src, dst, rules, **options)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    format: str | None = None,
+    **options: Any,
+) -> RewriteResult:
+    """Convert between torch and safetensors (format from ``dst``'s suffix unless given).
+
+    To safetensors: tied tensors are stored once (dropped names recorded in the metadata),
+    non-contiguous views are written contiguous, ``"format": "pt"`` metadata is added, and
+    non-tensor entries are refused unless ``drop_extras=True``. From safetensors to torch:
+    a plain state dict.
+
+    Example:
+        >>> convert("model.pt", "model.safetensors")  # doctest: +SKIP
+    """
+    return rewrite(src, dst, (), output_format=format, **options)
+
+
+def retag(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    mapping: Mapping[str, str],
+    **options: Any,
+) -> RewriteResult:
+    """Rewrite the saved device tags of every storage (``{"cuda:1": "cpu"}``); bytes unchanged.
+
+    Useful to make a GPU checkpoint load anywhere with plain ``torch.load``, or to make a
+    CPU checkpoint look as if it was saved on a GPU (for tests).
+
+    Raises:
+        UsageError: a tag that is not ``cpu``, ``cuda``, ``cuda:N``, ``mps`` or ``meta``.
+    """
+    for tag in (*mapping.keys(), *mapping.values()):
+        base, _, index = tag.partition(":")
+        if base not in ("cpu", "cuda", "mps", "meta", "xpu", "hpu") or (
+            index and not index.isdigit()
+        ):
+            raise UsageError(f"device tag {tag!r} is not like cpu, cuda or cuda:1")
+    return rewrite(src, dst, (), output_format="torch", device_map=dict(mapping), **options)

@@ -1,0 +1,109 @@
+"""Re-reading a written checkpoint and checking it says what was meant to be written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckpt_tools.errors import CheckpointError, VerificationError
+from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.layouts import select_state_dict
+from ckpt_tools.model import TensorRef
+
+__all__ = ["VERIFY_LEVELS", "Expected", "verify_output"]
+
+VERIFY_LEVELS = ("sizes", "full", "none")
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the output's state dict must hold: name -> source tensor, and where it is."""
+
+    tensors: Mapping[str, TensorRef]
+    select: Sequence[str]
+    source: Checkpoint
+
+
+def _digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
+    # Hash the bytes the tensor spans (contiguous range from its first to last element).
+    span = ckpt.span(t.storage)
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) if t.numel else 0
+    size = extent * (t.nbytes // t.numel if t.numel else 0)
+    h = hashlib.blake2b(digest_size=16)
+    fd = os.open(span.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < size:
+            data = os.pread(fd, min(_CHUNK, size - done), span.offset + t.byte_offset + done)
+            if not data:
+                break
+            h.update(data)
+            done += len(data)
+    finally:
+        os.close(fd)
+    if t.is_contiguous():
+        return h.digest()
+    # Non-contiguous views are compared by their logical content.
+    from ckpt_tools.writers import _contiguous_bytes
+
+    fd = os.open(span.path, os.O_RDONLY)
+    try:
+        return hashlib.blake2b(_contiguous_bytes(fd, span.offset, t), digest_size=16).digest()
+    finally:
+        os.close(fd)
+
+
+def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
+    """Check a written file against what was meant to be written.
+
+    Args:
+        path: the written file (usually still the temp file).
+        expected: the tensors the output's selected state dict must hold.
+        level: ``sizes`` (keys, dtypes, shapes, strides, byte counts, sharing), ``full``
+            (also every tensor's bytes), or ``none``.
+
+    Returns:
+        What was checked, in words.
+
+    Raises:
+        VerificationError: the output does not read back as expected.
+    """
+    if level == "none":
+        return "not verified (--verify none)"
+    try:
+        out = open_checkpoint(path)
+        sd = select_state_dict(out.root, expected.select).state_dict
+    except CheckpointError as e:
+        raise VerificationError(f"the written file does not read back: {e}") from e
+    got = {str(k): v for k, v in sd.items() if isinstance(v, TensorRef)}
+    if list(got) != list(expected.tensors):
+        missing = [k for k in expected.tensors if k not in got][:3]
+        extra = [k for k in got if k not in expected.tensors][:3]
+        raise VerificationError(
+            f"the written file's keys differ from the planned ones (missing {missing}, "
+            f"unexpected {extra}); the output was not kept"
+        )
+    sharing_src: dict[int, str] = {}
+    sharing_out: dict[int, str] = {}
+    for name, want in expected.tensors.items():
+        have = got[name]
+        if (have.dtype, have.shape, have.nbytes) != (want.dtype, want.shape, want.nbytes):
+            raise VerificationError(
+                f"{name!r} reads back as {have.dtype} {list(have.shape)}, expected "
+                f"{want.dtype} {list(want.shape)}; the output was not kept"
+            )
+        first_src = sharing_src.setdefault(id(want.storage), name)
+        first_out = sharing_out.setdefault(id(have.storage), name)
+        if first_src != first_out and out.format != "safetensors":
+            raise VerificationError(
+                f"{name!r} shares storage with {first_out!r} in the output but with "
+                f"{first_src!r} in the input; the output was not kept"
+            )
+        if level == "full" and _digest(out, have) != _digest(expected.source, want):
+            raise VerificationError(f"the bytes of {name!r} differ after writing")
+    if level == "full":
+        return f"verified: {len(got)} tensors, keys, sizes and bytes"
+    return f"verified: {len(got)} tensors, keys and sizes"

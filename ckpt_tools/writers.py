@@ -1,0 +1,248 @@
+"""Writing a (rewritten) object tree as a torch zip archive or a safetensors file.
+
+Tensor bytes are copied from the source file record by record (``copy_file_range`` where
+possible); nothing holds a whole checkpoint in memory, and torch is only imported to make
+non-contiguous views contiguous for safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
+from ckpt_tools.errors import ConversionError
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.pickles import StorageTypeRef, dumps
+from ckpt_tools.formats.zipwriter import TorchZipWriter, copy_range
+from ckpt_tools.model import GlobalRef, StorageRef, TensorRef
+
+__all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
+
+Progress = Callable[[int], None]
+
+
+def write_torch_zip(
+    tree: Any,
+    source: Checkpoint,
+    file: BinaryIO,
+    device_map: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> list[StorageRef]:
+    """Write ``tree`` (read from ``source``, possibly edited) as a torch zip archive.
+
+    From a zip source, every record is copied as it is (same names, same CRCs) except
+    ``data.pkl``, and storage records no longer referenced are left out. From other formats,
+    storages become ``data/0``, ``data/1``, ... and torch's bookkeeping records are added.
+
+    Args:
+        tree: the object tree to pickle.
+        source: the checkpoint the tree's storages live in.
+        file: the output, opened ``w+b``.
+        device_map: saved device tag -> new tag (``{"cuda:1": "cpu"}``).
+        progress: called with the number of bytes copied after each chunk.
+
+    Returns:
+        The storages written, in order.
+
+    Raises:
+        ConversionError: legacy storage views, which the zip format cannot express.
+        OSError: reading the source or writing the output failed.
+    """
+    from_zip = source.format in ("torch-zip", "torchscript")
+    keys: dict[int, str] = {}
+    used: list[StorageRef] = []
+
+    def storage_id(storage: StorageRef) -> tuple[Any, ...]:
+        if storage.view is not None:
+            raise ConversionError(
+                f"storage {storage.key!r} is a legacy storage view (torch < 1.0), which the zip "
+                "format cannot express; load and re-save it with that torch version"
+            )
+        if id(storage) not in keys:
+            keys[id(storage)] = storage.key if from_zip else str(len(keys))
+            used.append(storage)
+        device = (device_map or {}).get(storage.device, storage.device)
+        storage_type = storage.storage_type or _storage_type_for(storage.dtype)
+        return ("storage", storage_type, keys[id(storage)], device, storage.numel)
+
+    payload = dumps(tree, source.protocol, storage_id)
+    writer = TorchZipWriter(file, source.archive_root or "archive")
+    src_fd = os.open(source.path, os.O_RDONLY) if used or from_zip else -1
+    try:
+        if from_zip:
+            wanted = {f"data/{keys[id(s)]}" for s in used}
+            for name, record in source.records.items():
+                if name == "data.pkl":
+                    writer.add_bytes(name, payload)
+                elif name.startswith("data/") and name not in wanted:
+                    continue
+                else:
+                    writer.add_copy(
+                        name, src_fd, record.data_offset, record.size, record.crc32, progress
+                    )
+        else:
+            writer.add_bytes("data.pkl", payload)
+            writer.add_bytes(".format_version", b"1")
+            writer.add_bytes(".storage_alignment", b"64")
+            writer.add_bytes("byteorder", b"little")
+            for storage in used:
+                span = source.span(storage)
+                fd = src_fd if span.path == source.path else os.open(span.path, os.O_RDONLY)
+                try:
+                    name = f"data/{keys[id(storage)]}"
+                    writer.add_copy(name, fd, span.offset, span.nbytes, None, progress)
+                finally:
+                    if fd != src_fd:
+                        os.close(fd)
+            writer.add_bytes("version", b"3\n")
+            writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
+        writer.close()
+    finally:
+        if src_fd >= 0:
+            os.close(src_fd)
+    return used
+
+
+_LEGACY_TYPES = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+    "complex128": "ComplexDoubleStorage",
+    "complex64": "ComplexFloatStorage",
+}
+
+
+def _storage_type_for(dtype: str) -> StorageTypeRef:
+    return StorageTypeRef("torch", _LEGACY_TYPES.get(dtype, "UntypedStorage"))
+
+
+def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """Give tensors read from formats without a pickle (safetensors) torch's rebuild call.
+
+    Dtypes with a legacy storage class use ``_rebuild_tensor_v2`` on a typed storage, as
+    ``torch.save`` does; newer dtypes (float8, uint16, ...) use ``_rebuild_tensor_v3`` on an
+    untyped storage with the dtype passed explicitly.
+    """
+    import collections
+    from dataclasses import replace
+
+    from ckpt_tools.formats.pickles import ConstantRef
+
+    out: dict[str, Any] = {}
+    for name, t in sd.items():
+        if not isinstance(t, TensorRef) or t.func is not None:
+            out[name] = t
+            continue
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        if t.dtype in _LEGACY_TYPES:
+            storage = replace(t.storage, storage_type=_storage_type_for(t.dtype))
+            func = GlobalRef("torch._utils", "_rebuild_tensor_v2")
+            args: tuple[Any, ...] = (storage, t.offset, t.shape, t.stride, False, hooks)
+        else:
+            storage = replace(
+                t.storage,
+                dtype="uint8",
+                numel=t.storage.nbytes,
+                storage_type=StorageTypeRef("torch", "UntypedStorage"),
+            )
+            func = GlobalRef("torch._utils", "_rebuild_tensor_v3")
+            dtype = ConstantRef("torch", t.dtype)
+            args = (storage, t.offset, t.shape, t.stride, False, hooks, dtype)
+        out[name] = replace(t, storage=storage, func=func, args=args)
+    return out
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor to write: its name and descriptor in ``source``."""
+
+    name: str
+    tensor: TensorRef
+
+
+def write_safetensors(
+    entries: Sequence[SafetensorsEntry],
+    source: Checkpoint,
+    file: BinaryIO,
+    metadata: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> None:
+    """Write tensors as a safetensors file, copying their bytes from ``source``.
+
+    Contiguous tensors (whole storages or contiguous slices of one) are copied in the
+    kernel; non-contiguous views are made contiguous with torch, one at a time.
+
+    Raises:
+        ConversionError: a dtype safetensors cannot hold (quantized types, complex32 ...).
+        OSError: reading or writing failed.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    position = 0
+    for entry in entries:
+        t = entry.tensor
+        code = TORCH_TO_SAFETENSORS.get(t.dtype)
+        if code is None:
+            raise ConversionError(
+                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold; "
+                "keep this checkpoint in torch format (`--format torch`)"
+            )
+        header[entry.name] = {
+            "dtype": code,
+            "shape": list(t.shape),
+            "data_offsets": [position, position + t.nbytes],
+        }
+        position += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)  # safetensors pads the header so data starts 8-aligned
+    fd = file.fileno()
+    os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+    out = 8 + len(raw)
+    open_fds: dict[str, int] = {}
+    try:
+        for entry in entries:
+            t = entry.tensor
+            span = source.span(t.storage)
+            src_fd = open_fds.get(span.path)
+            if src_fd is None:
+                src_fd = open_fds[span.path] = os.open(span.path, os.O_RDONLY)
+            if t.is_contiguous():
+                copy_range(src_fd, span.offset + t.byte_offset, fd, out, t.nbytes, progress)
+            else:
+                os.pwrite(fd, _contiguous_bytes(src_fd, span.offset, t), out)
+                if progress is not None:
+                    progress(t.nbytes)
+            out += t.nbytes
+    finally:
+        for open_fd in open_fds.values():
+            os.close(open_fd)
+    os.ftruncate(fd, out)
+
+
+def _contiguous_bytes(src_fd: int, storage_offset: int, t: TensorRef) -> bytes:
+    import torch
+
+    from ckpt_tools.dtypes import itemsize
+
+    # Read only the storage range the view touches, then let torch gather it.
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) if t.numel else 0
+    raw = bytearray(os.pread(src_fd, extent * itemsize(t.dtype), storage_offset + t.byte_offset))
+    base = torch.frombuffer(raw, dtype=torch.uint8).view(getattr(torch, t.dtype))
+    view = base.as_strided(t.shape, t.stride)
+    out = bytearray(t.nbytes)
+    torch.frombuffer(out, dtype=torch.uint8).copy_(view.contiguous().reshape(-1).view(torch.uint8))
+    return bytes(out)
