@@ -12,7 +12,7 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -84,23 +84,41 @@ def check_output_path(
     return out.resolve() if out.is_symlink() else out
 
 
+_RAISED = (signal.SIGTERM, signal.SIGHUP)
+# Held back (blocked) while a temp file is being created, so none can strike between its
+# creation and the cleanup that guards it; SIGINT keeps raising KeyboardInterrupt.
+_HELD = (*_RAISED, signal.SIGINT)
+_CAN_HOLD = hasattr(signal, "pthread_sigmask")
+
+
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
+def _signals_raise() -> Iterator[Callable[[], None]]:
+    """SIGTERM and SIGHUP raise :class:`Interrupted` inside; all of :data:`_HELD` are held
+    until the yielded ``release`` is called (or the block ends)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
 
     def handler(signum: int, frame: object) -> None:
         raise Interrupted(signum)
 
-    previous = {}
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        previous[signum] = signal.signal(signum, handler)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD) if _CAN_HOLD else None
+
+    def release() -> None:
+        nonlocal mask
+        if mask is not None:
+            before, mask = mask, None
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+    previous = {signum: signal.signal(signum, handler) for signum in _RAISED}
     try:
-        yield
+        yield release
     finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
+        try:
+            release()
+        finally:
+            for signum, old in previous.items():
+                signal.signal(signum, old)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -135,14 +153,18 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
     """
     target = Path(dst)
     folder = target.resolve().parent
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=folder)
-    except OSError as e:
-        raise OutputError(f"cannot create a temp file in {str(folder)!r}: {e.strerror}") from e
-    tmp = Path(tmp_name)
-    try:
-        with _signals_raise():
-            with os.fdopen(fd, "w+b") as f:
+    with _signals_raise() as release:
+        try:
+            fd, tmp_name = tempfile.mkstemp(
+                prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=folder
+            )
+        except OSError as e:
+            raise OutputError(f"cannot create a temp file in {str(folder)!r}: {e.strerror}") from e
+        tmp = Path(tmp_name)
+        f = os.fdopen(fd, "w+b")
+        try:
+            release()  # a signal held since before the temp file existed is raised here
+            with f:
                 yield f, tmp
                 f.flush()
                 os.fsync(f.fileno())
@@ -154,15 +176,17 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
                 os.umask(umask)
                 os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, target)
-        _fsync_dir(folder)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OutputError):
+        except OSError as e:
+            f.close()
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OutputError):
+                raise
+            raise OutputError(
+                f"writing {str(dst)!r} failed ({e.strerror or e}); nothing was written and the "
+                "input is unchanged"
+            ) from e
+        except BaseException:
+            f.close()
+            tmp.unlink(missing_ok=True)
             raise
-        raise OutputError(
-            f"writing {str(dst)!r} failed ({e.strerror or e}); nothing was written and the "
-            "input is unchanged"
-        ) from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _fsync_dir(folder)

@@ -11,7 +11,7 @@ from typing import Any
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.formats.pickles import Reduced, TorchSize
 from ckpt_tools.keys import WrapperMatch, detect_wrappers
-from ckpt_tools.layouts import select_state_dict
+from ckpt_tools.layouts import Selection, select_state_dict
 from ckpt_tools.model import Opaque, TensorRef
 
 __all__ = ["CheckpointInfo", "TensorInfo", "describe_value", "inspect", "inspect_checkpoint"]
@@ -183,6 +183,10 @@ def inspect_checkpoint(
 ) -> CheckpointInfo:
     """Describe an opened checkpoint (see :func:`inspect`)."""
     selection = select_state_dict(ckpt.root, select)
+    if select is None and ckpt.format == "torchscript" and not selection.path:
+        flat = script_module_tensors(ckpt.root)
+        if flat:
+            selection = Selection((), "TorchScript module: its parameters and buffers", flat)
     sd = selection.state_dict
     by_storage: dict[int, list[str]] = {}
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRef)]
@@ -223,6 +227,30 @@ def inspect_checkpoint(
         shards=tuple(ckpt.shards),
         shard_of=shard_of,
     )
+
+
+def script_module_tensors(root: Any) -> dict[str, TensorRef]:
+    """The tensors of a TorchScript module tree by dotted name, as ``state_dict()`` names them.
+
+    A TorchScript archive pickles each module as an object whose state maps its attribute
+    names to tensors, submodules and plain values. Tensor attributes that are neither
+    parameters nor buffers are listed too: telling them apart needs the archive's code.
+    """
+    found: dict[str, TensorRef] = {}
+    seen: set[int] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if id(node) in seen or not isinstance(node, Opaque) or not isinstance(node.state, Mapping):
+            return
+        seen.add(id(node))
+        for key, value in node.state.items():
+            if isinstance(value, TensorRef):
+                found[f"{prefix}{key}"] = value
+            else:
+                walk(value, f"{prefix}{key}.")
+
+    walk(root, "")
+    return found
 
 
 def _shard_owner(ckpt: Checkpoint) -> dict[str, str]:

@@ -8,6 +8,7 @@ plan to an in-memory state dict.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -248,7 +249,16 @@ def apply_plan(sd: Mapping[str, Any], plan: Mapping[str, str], rules: Sequence[K
             for rule in rules:
                 new = rule.apply(new)
             new = new[:-1] if new.endswith(".") else new
-            renamed.setdefault(new, value)
+            if not path and new:
+                # The root moved under wrappers (add 'module.'): each wrapper, from the new
+                # root down, gets an entry too, first, as a wrapped model's state_dict() has.
+                parts = new.split(".")
+                for depth in range(len(parts)):
+                    renamed[".".join(parts[:depth])] = copy.copy(value)
+            if new != path or new not in renamed:
+                # A renamed entry wins over one already there, as in torch's
+                # consume_prefix_in_state_dict_if_present ('module' replaces DDP's own '').
+                renamed[new] = value
         out._metadata = renamed  # type: ignore[attr-defined]
     return out
 
@@ -295,8 +305,4 @@ def add_prefix(sd: Mapping[str, Any], prefix: str = "module.") -> dict:
         >>> add_prefix({"fc.weight": 0})
         {'module.fc.weight': 0}
     """
-    out = rename_keys(sd, [add_rule(prefix)])
-    metadata = getattr(sd, "_metadata", None)
-    if metadata is not None and "" in metadata:
-        out._metadata[""] = metadata[""]  # type: ignore[attr-defined]
-    return out
+    return rename_keys(sd, [add_rule(prefix)])

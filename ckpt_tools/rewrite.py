@@ -176,6 +176,7 @@ def rewrite(
     allow_globals: Sequence[str] = (),
     drop_extras: bool = False,
     progress: Progress | None = None,
+    opened: Checkpoint | None = None,
 ) -> RewriteResult:
     """Rewrite a checkpoint file: rename its state dict's keys and/or retag devices.
 
@@ -195,6 +196,7 @@ def rewrite(
         allow_globals: qualified names outside the allowlist to carry through unchanged.
         drop_extras: for safetensors outputs, drop non-tensor entries instead of refusing.
         progress: called with ``(bytes_done, bytes_total)``.
+        opened: ``src`` already opened with ``open_checkpoint`` (saves reading it twice).
 
     Returns:
         A :class:`RewriteResult`.
@@ -212,7 +214,7 @@ def rewrite(
         raise UsageError(f"--verify {verify!r} is not one of: {', '.join(VERIFY_LEVELS)}")
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=in_place)
-    ckpt = open_checkpoint(src)
+    ckpt = opened if opened is not None and opened.path == src else open_checkpoint(src)
     _check_source(ckpt, allow_globals)
     fmt = output_format_for(dst, output_format, ckpt.format)
     selection = select_state_dict(ckpt.root, select)
@@ -352,7 +354,7 @@ def strip_module_file(
             f"nothing to strip: no wrapper prefix in the {len(keys)} keys of {src}; "
             f"{os.fspath(dst)} was not written",
         )
-    result = rewrite(src, dst, rules, **options)
+    result = rewrite(src, dst, rules, opened=ckpt, **options)
     names = ", ".join(repr(m.prefix) for m in matches)
     return _with(result, wrappers=matches, message=f"stripped {names}: {result.message}")
 

@@ -19,7 +19,7 @@ from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import StorageTypeRef, dumps
-from ckpt_tools.formats.zipwriter import TorchZipWriter, copy_range
+from ckpt_tools.formats.zipwriter import TorchZipWriter, copy_range, pwrite_all
 from ckpt_tools.model import GlobalRef, StorageRef, TensorRef
 
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
@@ -83,8 +83,10 @@ def write_torch_zip(
                 elif name.startswith("data/") and name not in wanted:
                     continue
                 else:
+                    # Progress counts tensor bytes only, not torch's bookkeeping records.
+                    counted = progress if name.startswith("data/") else None
                     writer.add_copy(
-                        name, src_fd, record.data_offset, record.size, record.crc32, progress
+                        name, src_fd, record.data_offset, record.size, record.crc32, counted
                     )
         else:
             writer.add_bytes("data.pkl", payload)
@@ -125,8 +127,14 @@ _LEGACY_TYPES = {
 }
 
 
+# torch.save names it ``torch.storage.UntypedStorage``; torch.load(weights_only=True) refuses
+# ``torch.UntypedStorage``.
+_UNTYPED = StorageTypeRef("torch.storage", "UntypedStorage")
+
+
 def _storage_type_for(dtype: str) -> StorageTypeRef:
-    return StorageTypeRef("torch", _LEGACY_TYPES.get(dtype, "UntypedStorage"))
+    name = _LEGACY_TYPES.get(dtype)
+    return StorageTypeRef("torch", name) if name is not None else _UNTYPED
 
 
 def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,7 +149,12 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
 
     from ckpt_tools.formats.pickles import ConstantRef
 
-    out: dict[str, Any] = {}
+    # Keep the mapping's type (state dicts are OrderedDicts) and its ``_metadata``: torch's
+    # load_state_dict reads module versions from it.
+    out: dict[str, Any] = type(sd)() if isinstance(sd, dict) else {}
+    metadata = getattr(sd, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
     for name, t in sd.items():
         if not isinstance(t, TensorRef) or t.func is not None:
             out[name] = t
@@ -156,7 +169,7 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
                 t.storage,
                 dtype="uint8",
                 numel=t.storage.nbytes,
-                storage_type=StorageTypeRef("torch", "UntypedStorage"),
+                storage_type=_UNTYPED,
             )
             func = GlobalRef("torch._utils", "_rebuild_tensor_v3")
             dtype = ConstantRef("torch", t.dtype)
@@ -210,7 +223,7 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * ((-len(raw)) % 8)  # safetensors pads the header so data starts 8-aligned
     fd = file.fileno()
-    os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+    pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
     out = 8 + len(raw)
     open_fds: dict[str, int] = {}
     try:
@@ -223,7 +236,7 @@ def write_safetensors(
             if t.is_contiguous():
                 copy_range(src_fd, span.offset + t.byte_offset, fd, out, t.nbytes, progress)
             else:
-                os.pwrite(fd, _contiguous_bytes(src_fd, span.offset, t), out)
+                pwrite_all(fd, _contiguous_bytes(src_fd, span.offset, t), out)
                 if progress is not None:
                     progress(t.nbytes)
             out += t.nbytes

@@ -157,12 +157,19 @@ def _cell(row: CheckResult) -> str:
     default=None,
     help="Draw each strategy's loss curve into this image (needs matplotlib).",
 )
+@click.option(
+    "--strategies",
+    default=",".join(_STRATEGIES),
+    show_default=True,
+    help="Comma-separated strategies to run; single (the baseline) always runs.",
+)
 @_common
 @click.pass_context
 def parity_cmd(
     ctx: click.Context,
     out_dir: str | None,
     plot_path: str | None,
+    strategies: str,
     model: str,
     steps: int,
     world_size: int | None,
@@ -184,6 +191,7 @@ def parity_cmd(
         steps=steps,
         model=model,
         out_dir=out_dir,
+        strategies=[part.strip() for part in strategies.split(",") if part.strip()],
         seed=seed,
         batch_size=batch_size,
         gpus=gpus,

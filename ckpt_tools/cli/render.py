@@ -7,7 +7,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import click
-from tabulate import tabulate
 
 __all__ = ["echo_json", "human_bytes", "human_count", "table"]
 
@@ -19,6 +18,8 @@ def echo_json(data: Any) -> None:
 
 def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
     """A plain-text table."""
+    from tabulate import tabulate  # imported on use: `--json` output does not need it
+
     return tabulate(list(rows), headers=list(headers), tablefmt="simple", disable_numparse=True)
 
 

@@ -31,6 +31,8 @@ ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
 LEGACY_MAGIC_LONG1 = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 # Protocol-0/1 pickles start with one of these opcodes; torch never writes them, users might.
 _PICKLE_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVX")
+# safetensors refuses longer headers (ckpt_tools.formats.safetensors.MAX_HEADER_BYTES).
+_MAX_SAFETENSORS_HEADER = 100_000_000
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -89,7 +91,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
-    if len(head) < 10:
+    if len(head) < 9:
         return False
     (header_len,) = struct.unpack("<Q", head[:8])
-    return 2 <= header_len <= size - 8 and head[8:9] == b"{"
+    # A header longer than the file is a truncated safetensors file: the reader says so.
+    return 2 <= header_len <= _MAX_SAFETENSORS_HEADER and head[8:9] == b"{"

@@ -278,11 +278,14 @@ class ReadResult:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(
+        self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None
+    ) -> None:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
         super().__init__(file, encoding="utf-8")
         self.storages: dict[str, StorageRef] = {}
         self.unsafe: dict[str, type[Opaque]] = {}
+        self._persistent_hook = persistent_load
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = resolve_allowed(module, name)
@@ -294,6 +297,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self.unsafe[qualname]
 
     def persistent_load(self, pid: Any) -> Any:
+        if self._persistent_hook is not None:
+            return self._persistent_hook(pid)
         if not isinstance(pid, tuple) or not pid:
             raise CorruptCheckpointError(f"unexpected persistent id {pid!r}")
         kind = pid[0].decode("ascii") if isinstance(pid[0], bytes) else pid[0]
@@ -325,7 +330,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return found
 
 
-def load_pickle(file: BinaryIO, limit: int = MAX_PICKLE_BYTES) -> ReadResult:
+def load_pickle(
+    file: BinaryIO,
+    limit: int = MAX_PICKLE_BYTES,
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> ReadResult:
     """Read one pickle from ``file`` with the restricted unpickler.
 
     The file position is left just past the pickle's STOP opcode, so several pickles written
@@ -334,6 +343,10 @@ def load_pickle(file: BinaryIO, limit: int = MAX_PICKLE_BYTES) -> ReadResult:
     Args:
         file: a binary file positioned at the start of a pickle.
         limit: refuse pickles longer than this many bytes.
+        persistent_load: resolves persistent ids instead of the built-in rule (torch's
+            ``("storage", ...)`` tuples -> :class:`StorageRef`); the tar format's main pickle
+            names already-read tensors by key. The storages it returns are not collected in
+            :attr:`ReadResult.storages`.
 
     Returns:
         The object tree, the storages it refers to, the globals outside the allowlist.
@@ -351,10 +364,11 @@ def load_pickle(file: BinaryIO, limit: int = MAX_PICKLE_BYTES) -> ReadResult:
     head = file.read(2)
     file.seek(start)
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 0
-    unpickler = _RestrictedUnpickler(_LimitedReader(file, limit))
+    unpickler = _RestrictedUnpickler(_LimitedReader(file, limit), persistent_load)
     try:
         root = unpickler.load()
-    except ResourceLimitError:
+    except (ResourceLimitError, CorruptCheckpointError):
+        # Raised on purpose (by persistent_load or a rebuild check) with their own message.
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
         raise CorruptCheckpointError(

@@ -7,6 +7,7 @@ when sizes or offsets need them.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import zlib
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["ALIGNMENT", "TorchZipWriter", "copy_range"]
+__all__ = ["ALIGNMENT", "TorchZipWriter", "copy_range", "pwrite_all"]
 
 ALIGNMENT = 64
 _U32 = 0xFFFFFFFF
@@ -31,6 +32,24 @@ class _Entry:
     header_offset: int
     size: int
     crc32: int
+
+
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``.
+
+    ``os.pwrite`` may write only part (a full disk takes what fits and reports the count); the
+    rest is retried, so a full disk raises ``OSError(ENOSPC)`` instead of leaving a hole that
+    a later ``ftruncate`` would silently fill with zeros.
+
+    Raises:
+        OSError: the write failed.
+    """
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, f"no byte written at offset {offset}")
+        view, offset = view[n:], offset + n
 
 
 def copy_range(
@@ -121,7 +140,7 @@ class TorchZipWriter:
     def _begin(self, name: str, size: int, crc32: int) -> int:
         full = f"{self._root}/{name}".encode()
         header = self._local_header(full, size, crc32)
-        os.pwrite(self._fd, header, self._offset)
+        pwrite_all(self._fd, header, self._offset)
         self._entries.append(_Entry(full, self._offset, size, crc32))
         self._offset += len(header)
         return self._offset
@@ -129,7 +148,7 @@ class TorchZipWriter:
     def add_bytes(self, name: str, data: bytes) -> None:
         """Add a record holding ``data``."""
         start = self._begin(name, len(data), zlib.crc32(data))
-        os.pwrite(self._fd, data, start)
+        pwrite_all(self._fd, data, start)
         self._offset += len(data)
 
     def add_copy(
@@ -169,12 +188,12 @@ class TorchZipWriter:
             data = os.pread(src_fd, min(_CHUNK, size - done), src_offset + done)
             if not data:
                 raise OSError(5, f"source ended after {done} of {size} bytes")
-            os.pwrite(self._fd, data, start + done)
+            pwrite_all(self._fd, data, start + done)
             crc = zlib.crc32(data, crc)
             done += len(data)
             if progress is not None:
                 progress(len(data))
-        os.pwrite(self._fd, struct.pack("<I", crc), header_at + 14)
+        pwrite_all(self._fd, struct.pack("<I", crc), header_at + 14)
         self._entries[-1].crc32 = crc
         self._offset += size
 
@@ -228,6 +247,6 @@ class TorchZipWriter:
             min(cd_start, _U32),
             0,
         )
-        os.pwrite(self._fd, end, self._offset)
+        pwrite_all(self._fd, end, self._offset)
         self._offset += len(end)
         os.ftruncate(self._fd, self._offset)

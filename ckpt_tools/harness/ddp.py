@@ -115,18 +115,23 @@ def train_ddp(config: TrainConfig) -> TrainResult:
                 f"{config.world_size} was asked for: drop --world-size or match --nproc-per-node"
             )
         devices = resolve_devices(env.local_world_size, config.gpus, config.device)
-        _check_sync_bn(config, devices[0])
+        _check_ranks(config, env.world_size, devices[0])
         return _worker(
             env.rank, env.world_size, devices, env.local_rank, config, "env://", "torchrun"
         )
     devices = resolve_devices(config.world_size, config.gpus, config.device)
-    if config.batch_size < len(devices):
-        raise UsageError(
-            f"batch_size={config.batch_size} is smaller than the {len(devices)} ranks: "
-            "raise --batch-size or lower --world-size"
-        )
-    _check_sync_bn(config, devices[0])
+    _check_ranks(config, len(devices), devices[0])
     return _spawn(config, devices)
+
+
+def _check_ranks(config: TrainConfig, world: int, device: torch.device) -> None:
+    """Refuse what would fail inside the workers, before any process starts."""
+    if config.batch_size < world:
+        raise UsageError(
+            f"batch_size={config.batch_size} is smaller than the {world} ranks: "
+            "raise --batch-size or lower --world-size / --nproc-per-node"
+        )
+    _check_sync_bn(config, device)
 
 
 def _wants_sync_bn(config: TrainConfig, device: torch.device) -> bool:

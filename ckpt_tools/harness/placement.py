@@ -36,11 +36,13 @@ def _freest_gpus(n: int) -> list[int]:
 def _pick(n: int) -> list[int]:
     """``ckpt_tools.devices.pick(n)`` when that module exists, else :func:`_freest_gpus`."""
     try:
-        from ckpt_tools.devices import pick  # written separately; optional here
+        from ckpt_tools.devices import pick  # the project's picker, when present
     except ImportError:
         return _freest_gpus(n)
-    # pick() may hand back ints, "cuda:i" strings or torch.device objects.
-    return [int(d) if isinstance(d, int) else int(torch.device(d).index or 0) for d in pick(n)]
+    picked = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in pick(n)]
+    if any(d.type != "cuda" for d in picked):  # pick() falls back to [cpu] without GPUs
+        raise UsageError(f"gpus='auto:{n}' found no GPU to pick")
+    return [d.index or 0 for d in picked]
 
 
 def parse_gpus(gpus: GpuSpec, world_size: int | None = None) -> list[int]:

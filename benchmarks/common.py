@@ -1,0 +1,465 @@
+"""Shared helpers for the benchmark scripts (not part of the package, not run by the tests).
+
+What is here:
+
+* generating synthetic checkpoints: :func:`make_checkpoints` writes a ``.pt`` (``torch.save``
+  of a dict of float32 tensors with DataParallel keys ``module.layers.{i}.{...}.weight``) and
+  the same tensors as ``.safetensors``;
+* measuring a command run as a subprocess: :func:`measure` (wall time and peak RSS) and
+  :func:`median_runs`;
+* the page cache: :func:`drop_caches` (works only as root, outside most containers' limits)
+  and :func:`cache_state_note`;
+* formatting: :func:`fmt_table`, :func:`ratio`, :func:`verdict`.
+
+Wall time is always measured in this process with ``time.perf_counter`` around the child's
+whole life (fork, exec, interpreter start, exit). Peak RSS comes from GNU ``/usr/bin/time
+-f "%e %M"`` when it is installed, else from ``os.wait4``'s ``ru_maxrss`` (KiB on Linux).
+(``/usr/bin/time``'s own ``%e`` has 10 ms resolution, too coarse for sub-second commands,
+so it is recorded but not used as the wall time.)
+
+Import torch only inside the functions that need it: ``bench_diff.py`` and others may import
+this module just for :func:`measure`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CKPT",
+    "PYTHON",
+    "REPO",
+    "GeneratedPair",
+    "Measurement",
+    "Summary",
+    "cache_state_note",
+    "checkpoint_shapes",
+    "ckpt_command",
+    "drop_caches",
+    "fmt_table",
+    "machine_note",
+    "make_checkpoints",
+    "measure",
+    "median_runs",
+    "python_command",
+    "ratio",
+    "rss_method",
+    "save_pt",
+    "save_safetensors",
+    "sync_all",
+    "sync_file",
+    "verdict",
+    "workdir",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+# The installed console script of the same environment; `python -m ckpt_tools` otherwise.
+_CKPT_SCRIPT = Path(sys.executable).parent / "ckpt"
+CKPT: list[str] = (
+    [str(_CKPT_SCRIPT)] if _CKPT_SCRIPT.exists() else [sys.executable, "-m", "ckpt_tools"]
+)
+GNU_TIME = "/usr/bin/time"
+MIB = 1 << 20
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+# One transformer-like layer: (suffix, shape as a function of the width d). 7 tensors,
+# 12*d*d + d elements. Square attention projections, rectangular MLP, a 1-D norm weight.
+_LAYER: tuple[tuple[str, Callable[[int], tuple[int, ...]]], ...] = (
+    ("attn.q_proj.weight", lambda d: (d, d)),
+    ("attn.k_proj.weight", lambda d: (d, d)),
+    ("attn.v_proj.weight", lambda d: (d, d)),
+    ("attn.o_proj.weight", lambda d: (d, d)),
+    ("mlp.fc1.weight", lambda d: (4 * d, d)),
+    ("mlp.fc2.weight", lambda d: (d, 4 * d)),
+    ("norm.weight", lambda d: (d,)),
+)
+
+
+def checkpoint_shapes(
+    size_bytes: int, n_tensors: int = 350, prefix: str = "module."
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of ``n_tensors`` float32 tensors totalling about ``size_bytes``.
+
+    Keys are DataParallel-wrapped: ``module.layers.{i}.attn.q_proj.weight`` ... 7 tensors a
+    layer; when ``n_tensors`` is not a multiple of 7 the last layer is partial. The width d
+    is chosen so the total is within a fraction of a percent of ``size_bytes`` (exact up to
+    the rounding of d; shapes are never zero).
+    """
+    if n_tensors < 1:
+        raise ValueError("n_tensors must be >= 1")
+    full, rest = divmod(n_tensors, len(_LAYER))
+    layers = [list(_LAYER)] * full + ([list(_LAYER[:rest])] if rest else [])
+
+    def elements(d: int) -> int:
+        return sum(math.prod(shape(d)) for layer in layers for _, shape in layer)
+
+    # Solve elements(d) ~= size/4 by bisection (elements is increasing in d).
+    target = max(size_bytes // 4, 1)
+    lo, hi = 1, 1
+    while elements(hi) < target:
+        hi *= 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if elements(mid) < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    d = lo if lo == 1 or abs(elements(lo) - target) <= abs(elements(lo - 1) - target) else lo - 1
+    out = []
+    for i, layer in enumerate(layers):
+        for suffix, shape in layer:
+            out.append((f"{prefix}layers.{i}.{suffix}", shape(d)))
+    return out
+
+
+def _tensors(shapes: Sequence[tuple[str, tuple[int, ...]]], seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    # Random bytes (not zeros) so nothing downstream can take a sparse-file shortcut.
+    return {name: torch.rand(shape, generator=g, dtype=torch.float32) for name, shape in shapes}
+
+
+def save_pt(path: str | os.PathLike[str], sd: dict) -> None:
+    """``torch.save`` and fsync, so the file's writeback is not charged to the benchmark."""
+    import torch
+
+    torch.save(sd, os.fspath(path))
+    sync_file(path)
+
+
+def save_safetensors(path: str | os.PathLike[str], sd: dict) -> None:
+    """``safetensors.torch.save_file`` (with ``format: pt`` metadata) and fsync."""
+    from safetensors.torch import save_file
+
+    save_file(sd, os.fspath(path), metadata={"format": "pt"})
+    sync_file(path)
+
+
+@dataclass(frozen=True)
+class GeneratedPair:
+    """A generated ``.pt`` and ``.safetensors`` holding the same tensors."""
+
+    pt: Path
+    safetensors: Path
+    n_tensors: int
+    nbytes: int  # tensor bytes (the file sizes are a little larger)
+
+    @property
+    def label(self) -> str:
+        return f"{self.n_tensors} tensors, {self.nbytes / MIB:.0f} MiB"
+
+
+def make_checkpoints(
+    folder: str | os.PathLike[str],
+    size_mb: float,
+    n_tensors: int = 350,
+    stem: str | None = None,
+    formats: Sequence[str] = ("pt", "safetensors"),
+    seed: int = 0,
+) -> GeneratedPair:
+    """Write ``STEM.pt`` and/or ``STEM.safetensors`` of about ``size_mb`` MiB in ``folder``.
+
+    The tensors are built once and written in both formats, then freed. Both files are
+    fsynced so later timings do not pay for this writeback.
+    """
+    shapes = checkpoint_shapes(int(size_mb * MIB), n_tensors)
+    stem = stem or f"ckpt_{n_tensors}t_{int(size_mb)}mb"
+    folder = Path(folder)
+    sd = _tensors(shapes, seed)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    pt, st = folder / f"{stem}.pt", folder / f"{stem}.safetensors"
+    if "pt" in formats:
+        save_pt(pt, sd)
+    if "safetensors" in formats:
+        save_safetensors(st, sd)
+    del sd
+    return GeneratedPair(pt, st, len(shapes), nbytes)
+
+
+@contextlib.contextmanager
+def workdir(parent: str | os.PathLike[str] | None = None, keep: bool = False) -> Iterator[Path]:
+    """A fresh temp folder (under ``parent``, default ``/tmp``), removed at the end.
+
+    Put it on the same file system as the checkpoints you care about: ``copy_file_range``
+    and rename behave differently across file systems.
+    """
+    parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=parent))
+    try:
+        yield path
+    finally:
+        if keep:
+            print(f"(kept {path})", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One subprocess run."""
+
+    wall_s: float
+    peak_rss_kb: int
+    returncode: int
+    extra_s: float = 0.0  # time spent after the command (e.g. fsync of its output), timed
+
+    @property
+    def total_s(self) -> float:
+        return self.wall_s + self.extra_s
+
+    @property
+    def peak_rss_mb(self) -> float:
+        return self.peak_rss_kb / 1024
+
+
+_WAIT4_HELPER = """
+import os, sys, time
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+wall = time.perf_counter() - start
+with open(sys.argv[1], "w") as f:
+    f.write(f"{os.waitstatus_to_exitcode(status)} {wall:.6f} {usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)
+"""
+
+
+def rss_method() -> str:
+    """``"/usr/bin/time"`` when GNU time is installed, else ``"os.wait4"``."""
+    return "/usr/bin/time" if os.access(GNU_TIME, os.X_OK) else "os.wait4"
+
+
+def measure(
+    cmd: Sequence[str],
+    *,
+    stdout: int | None = subprocess.DEVNULL,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    check: bool = True,
+    method: str | None = None,
+) -> Measurement:
+    """Run ``cmd`` and return its wall time (seconds) and peak RSS (KiB).
+
+    Args:
+        cmd: the command; not run through a shell (so no shell process is measured).
+        stdout: where its stdout goes (default ``/dev/null``, as ``> /dev/null``).
+        method: ``"/usr/bin/time"`` or ``"os.wait4"`` for the RSS; default :func:`rss_method`.
+        check: raise ``RuntimeError`` (with the command's stderr) when it fails.
+    """
+    method = method or rss_method()
+    cmd = [os.fspath(c) for c in cmd]
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as report:
+        if method == "/usr/bin/time":
+            full = [GNU_TIME, "-f", "%e %M", "-o", report.name, *cmd]
+        else:
+            # Not os.wait4 on a direct child: Linux carries a process's RSS high-water mark
+            # across fork and exec, so a child of this (possibly torch-sized) process would
+            # report this process's peak. A small helper forks the command, wait4s it and
+            # writes its ru_maxrss (the helper's own ~10 MB is then the floor).
+            full = [sys.executable, "-S", "-c", _WAIT4_HELPER, report.name, *cmd]
+        start = time.perf_counter()
+        proc = subprocess.Popen(full, stdout=stdout, stderr=err, env=env, cwd=cwd)
+        _, status, usage = os.wait4(proc.pid, 0)  # usage: only if no report was written
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        # GNU time writes "Command exited with non-zero status N" first on failure; the
+        # helper writes "STATUS MAXRSS". Either way the last line ends with the KiB.
+        last = report.read().strip().splitlines()[-1:]
+        try:
+            rss_kb = int(last[0].split()[-1])
+        except (IndexError, ValueError):
+            rss_kb = usage.ru_maxrss
+        if method != "/usr/bin/time":
+            # The helper's own start-up is not the command's: use the wall time it measured.
+            with contextlib.suppress(IndexError, ValueError):
+                wall = float(last[0].split()[1])
+        if check and proc.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(
+                f"command failed ({proc.returncode}): {' '.join(cmd)}\n"
+                + err.read().decode(errors="replace")[-4000:]
+            )
+    return Measurement(wall, rss_kb, proc.returncode)
+
+
+def sync_file(path: str | os.PathLike[str]) -> float:
+    """fsync one file (its data and metadata); returns the seconds it took."""
+    start = time.perf_counter()
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def sync_all() -> None:
+    """``sync``: flush every dirty page of every file system (not timed by callers)."""
+    os.sync()
+
+
+def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``. True when the kernel accepted it.
+
+    Needs root and a writable ``/proc/sys`` (many containers refuse it). Dropping the cache
+    also evicts Python's and torch's own files, so cold runs include reading them.
+    """
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def cache_state_note(cold: bool, dropped_ok: bool | None) -> str:
+    """One line saying whether the timings are warm- or cold-cache."""
+    if not cold:
+        return (
+            "page cache: WARM (inputs and Python/torch files were read by a warm-up run and "
+            "stay cached; caches are not dropped)"
+        )
+    if dropped_ok:
+        return (
+            "page cache: COLD (sync; echo 3 > /proc/sys/vm/drop_caches before every run: "
+            "the checkpoint AND the interpreter/torch files are read from disk)"
+        )
+    return "page cache: requested COLD but drop_caches was refused -> runs are WARM"
+
+
+@dataclass
+class Summary:
+    """Median over repeats of one measured thing."""
+
+    label: str
+    runs: list[Measurement] = field(default_factory=list)
+
+    def add(self, m: Measurement) -> None:
+        self.runs.append(m)
+
+    @property
+    def wall_s(self) -> float:
+        return statistics.median(m.wall_s for m in self.runs)
+
+    @property
+    def total_s(self) -> float:
+        return statistics.median(m.total_s for m in self.runs)
+
+    @property
+    def extra_s(self) -> float:
+        return statistics.median(m.extra_s for m in self.runs)
+
+    @property
+    def peak_rss_mb(self) -> float:
+        # The worst run: a target on peak memory is about the maximum, not the typical.
+        return max(m.peak_rss_kb for m in self.runs) / 1024
+
+    @property
+    def spread(self) -> str:
+        walls = sorted(m.total_s for m in self.runs)
+        return f"{walls[0]:.3f}-{walls[-1]:.3f}"
+
+
+def median_runs(
+    label: str,
+    cmd: Sequence[str],
+    repeats: int,
+    *,
+    warmup: int = 1,
+    before: Callable[[], None] | None = None,
+    **kwargs,
+) -> Summary:
+    """Run ``cmd`` ``warmup`` + ``repeats`` times; :class:`Summary` of the timed ones.
+
+    ``before`` is called (untimed) before every run, e.g. to drop caches.
+    """
+    out = Summary(label)
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        m = measure(cmd, **kwargs)
+        if i >= warmup:
+            out.add(m)
+    return out
+
+
+def python_command(code: str, *args: str | os.PathLike[str]) -> list[str]:
+    """``python -c CODE ARGS...`` with this interpreter."""
+    return [PYTHON, "-c", code, *(os.fspath(a) for a in args)]
+
+
+def ckpt_command(*args: str | os.PathLike[str]) -> list[str]:
+    """The installed ``ckpt`` console script (or ``python -m ckpt_tools``) with ARGS."""
+    return [*CKPT, *(os.fspath(a) for a in args)]
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+
+def verdict(name: str, value: float, limit: float, unit: str, ok: bool | None = None) -> str:
+    ok = value <= limit if ok is None else ok
+    return f"{'PASS' if ok else 'FAIL'}  {name}: {value:.3g} {unit} (target <= {limit:g} {unit})"
+
+
+def fmt_table(rows: Sequence[Sequence[object]], headers: Sequence[str]) -> str:
+    """A plain left/right-aligned text table (no third-party imports)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+        )
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def machine_note() -> str:
+    """CPU count, RAM, Python and torch versions (torch version read without importing it)."""
+    try:
+        from importlib.metadata import version
+
+        torch_v = version("torch")
+    except Exception:
+        torch_v = "?"
+    try:
+        with open("/proc/meminfo") as f:
+            mem_kb = int(f.readline().split()[1])
+        mem = f"{mem_kb / (1 << 20):.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        mem = "? RAM"
+    return (
+        f"{os.cpu_count()} CPUs, {mem}, Python {sys.version.split()[0]}, torch {torch_v}, "
+        f"peak RSS via {rss_method()}"
+    )

@@ -1,0 +1,189 @@
+"""Which devices this machine has, and which GPUs are the freest.
+
+``torch.cuda.mem_get_info`` reports free memory as the driver sees it, so memory held by
+other processes counts. Querying it creates a CUDA context on each GPU (a few hundred MB):
+fine in a launcher or a CLI, worth knowing in a long-lived process.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt_tools.errors import UsageError
+
+__all__ = ["DeviceInfo", "list_devices", "pick", "visible_devices_for"]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device.
+
+    Attributes:
+        device: its torch name (``cpu``, ``cuda:1``, ``mps``).
+        name: the product name (``NVIDIA H100 80GB HBM3``) or the CPU model.
+        total_memory: bytes, or None when unknown.
+        free_memory: bytes free now, or None when unknown.
+        visible_id: for GPUs, the entry to put in ``CUDA_VISIBLE_DEVICES`` (the physical
+            index or UUID this process sees as ``cuda:N``).
+        capability: CUDA compute capability, for GPUs.
+    """
+
+    device: str
+    name: str
+    total_memory: int | None = None
+    free_memory: int | None = None
+    visible_id: str | None = None
+    capability: tuple[int, int] | None = None
+
+    @property
+    def type(self) -> str:
+        return self.device.partition(":")[0]
+
+    @property
+    def index(self) -> int | None:
+        _, _, index = self.device.partition(":")
+        return int(index) if index else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "name": self.name,
+            "total_memory": self.total_memory,
+            "free_memory": self.free_memory,
+            "visible_id": self.visible_id,
+            "capability": list(self.capability) if self.capability else None,
+        }
+
+
+def _cpu() -> DeviceInfo:
+    name = platform.processor() or platform.machine()
+    total = free = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            info = {k: v for k, _, v in (line.partition(":") for line in f)}
+        total = int(info["MemTotal"].split()[0]) * 1024
+        free = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = None
+    cores = os.cpu_count() or 1
+    return DeviceInfo("cpu", f"{name} ({cores} cores)", total, free)
+
+
+def _visible_ids(count: int) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of each ``cuda:N`` this process sees."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return [str(i) for i in range(count)]
+    entries = [e.strip() for e in env.split(",") if e.strip()]
+    return [entries[i] if i < len(entries) else str(i) for i in range(count)]
+
+
+def _gpus() -> list[DeviceInfo]:
+    if not torch.cuda.is_available():
+        return []
+    count = torch.cuda.device_count()
+    ids = _visible_ids(count)
+    found = []
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        found.append(
+            DeviceInfo(
+                f"cuda:{i}",
+                props.name,
+                int(total),
+                int(free),
+                ids[i],
+                (props.major, props.minor),
+            )
+        )
+    # Freest first; ties keep the lower index so the order is stable.
+    found.sort(key=lambda d: (-(d.free_memory or 0), d.index or 0))
+    return found
+
+
+def list_devices() -> tuple[DeviceInfo, ...]:
+    """Every visible GPU, freest first, then MPS when present, then the CPU.
+
+    Returns:
+        The devices; the CPU is always last and always there.
+
+    Example:
+        >>> list_devices()[-1].device
+        'cpu'
+    """
+    devices = _gpus()
+    if torch.backends.mps.is_available():
+        total = getattr(torch.mps, "recommended_max_memory", lambda: None)()
+        devices.append(DeviceInfo("mps", "Apple MPS", total))
+    devices.append(_cpu())
+    return tuple(devices)
+
+
+def _freest(n: int) -> list[DeviceInfo]:
+    if n < 1:
+        raise UsageError(f"asked for {n} GPUs; ask for at least 1")
+    gpus = _gpus()
+    if gpus and n > len(gpus):
+        raise UsageError(
+            f"asked for {n} GPUs but {len(gpus)} are visible "
+            f"({', '.join(d.device for d in gpus)}); ask for at most {len(gpus)}"
+        )
+    return gpus[:n]
+
+
+def pick(n: int = 1) -> list[torch.device]:
+    """The ``n`` GPUs with the most free memory, freest first; ``[cpu]`` when there is none.
+
+    Args:
+        n: how many GPUs.
+
+    Returns:
+        ``torch.device("cuda", i)`` for each, or ``[torch.device("cpu")]`` without GPUs.
+
+    Raises:
+        UsageError: ``n`` < 1, or more GPUs asked for than are visible.
+
+    Example:
+        >>> pick(1) if not torch.cuda.is_available() else [torch.device("cpu")]
+        [device(type='cpu')]
+    """
+    gpus = _freest(n)
+    if not gpus:
+        return [torch.device("cpu")]
+    return [torch.device("cuda", d.index) for d in gpus]
+
+
+def visible_devices_for(n: int = 1) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value exposing the ``n`` freest GPUs, freest first.
+
+    Set it in a child process's environment (it has no effect once CUDA is initialised
+    in this one). Entries are translated through this process's own
+    ``CUDA_VISIBLE_DEVICES``, so the value names physical GPUs (or UUIDs).
+
+    Args:
+        n: how many GPUs.
+
+    Returns:
+        E.g. ``"3,1"``; ``""`` (hide every GPU) when there is none.
+
+    Raises:
+        UsageError: ``n`` < 1, or more GPUs asked for than are visible.
+
+    Example:
+        >>> env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices_for(2)}  # doctest: +SKIP
+    """
+    return ",".join(d.visible_id or str(d.index) for d in _freest(n))

@@ -1,0 +1,335 @@
+"""Comparing two state dicts: keys, shapes, dtypes and values, tensor by tensor.
+
+Each side is a checkpoint path, an in-memory state dict or an ``nn.Module``. File sides
+are never loaded whole: each tensor is streamed from the file in pieces
+(:mod:`ckpt_tools.tensor_io`), compared against the other side's piece, and dropped, so
+two large checkpoints diff in bounded memory. Key mismatches come with the rewrite that
+best explains them (:mod:`ckpt_tools.suggest`) and the command that applies it.
+
+Convention: A is what you have, B is what it should match (a model or a reference), as in
+``load_into``: *missing* keys are in B and not in A, *unexpected* keys are in A and not in B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Union
+
+import torch
+
+from ckpt_tools.diff_report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import UsageError
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.layouts import is_state_dict, select_state_dict
+from ckpt_tools.model import TensorRef
+from ckpt_tools.suggest import Step, fix_command, fix_python, rank_fixes, wrapper_stack
+from ckpt_tools.tensor_io import DEFAULT_CHUNK_BYTES, TensorReader
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDiff", "diff"]
+
+DiffSide = Union[str, "os.PathLike[str]", Mapping[str, Any], "nn.Module"]
+
+_FLOAT32_OK = {"float32", "float16", "bfloat16"} | {
+    n for n in ("float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz")
+}
+_FLOAT64 = {"float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+_FLOAT64 |= {"bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+_COMPLEX = {"complex64", "complex128"}
+
+
+# ---------------------------------------------------------------------------------------
+# Sides
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Side:
+    """Names -> tensor descriptors or tensors, and a way to stream each one's elements."""
+
+    def __init__(self, info: SideInfo, entries: dict[str, Any], reader: TensorReader | None):
+        self.info = info
+        self.entries = entries
+        self.reader = reader
+
+    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        value = self.entries[name]
+        if isinstance(value, TensorRef):
+            return value.dtype, value.shape
+        return _dtype_name(value.dtype), tuple(value.shape)
+
+    def comparable(self, name: str) -> bool:
+        value = self.entries[name]
+        return isinstance(value, TensorRef) or not value.is_meta
+
+    def chunks(self, name: str, elements: int) -> Iterator[torch.Tensor]:
+        value = self.entries[name]
+        if isinstance(value, TensorRef):
+            assert self.reader is not None
+            yield from self.reader.chunks(value, elements * itemsize(value.dtype))
+            return
+        tensor = value.detach()
+        if tensor.is_quantized:
+            tensor = tensor.int_repr()
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), elements):
+            yield flat[start : start + elements].to("cpu").contiguous()
+
+
+def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple[dict, tuple]:
+    entries = {str(k): v for k, v in sd.items() if isinstance(v, tensor_type)}
+    skipped = tuple(str(k) for k, v in sd.items() if not isinstance(v, tensor_type))
+    return entries, skipped
+
+
+@contextlib.contextmanager
+def _open_side(side: DiffSide, select: str | Sequence[str] | None, name: str) -> Iterator[_Side]:
+    from torch import nn
+
+    if isinstance(side, nn.Module):
+        if select is not None:
+            raise UsageError(f"select_{name.lower()} applies to checkpoints, not to a module")
+        entries, skipped = _split(side.state_dict(), torch.Tensor)
+        label = f"<module {type(side).__name__}>"
+        info = SideInfo(label, "module", tensors=len(entries), skipped=skipped)
+    elif isinstance(side, Mapping):
+        selection = (
+            select_state_dict(side, select)
+            if select is not None or not is_state_dict(side)
+            else None
+        )
+        sd = selection.state_dict if selection else side
+        entries, skipped = _split(sd, torch.Tensor)
+        info = SideInfo(
+            "<state dict>",
+            "state_dict",
+            selected=selection.path if selection else (),
+            selection_reason=selection.reason if selection else "given",
+            tensors=len(entries),
+            skipped=skipped,
+        )
+    elif isinstance(side, (str, os.PathLike)):
+        ckpt = open_checkpoint(side)
+        selection = select_state_dict(ckpt.root, select)
+        entries, skipped = _split(selection.state_dict, TensorRef)
+        info = SideInfo(
+            os.fspath(side),
+            "file",
+            path=ckpt.path,
+            format=ckpt.format,
+            selected=selection.path,
+            selection_reason=selection.reason,
+            tensors=len(entries),
+            skipped=skipped,
+        )
+        with TensorReader(ckpt) as reader:
+            yield _Side(_with_wrappers(info, entries), entries, reader)
+        return
+    else:
+        raise UsageError(
+            f"diff side {name} must be a checkpoint path, a state dict or an nn.Module, got "
+            f"{type(side).__name__}"
+        )
+    yield _Side(_with_wrappers(info, entries), entries, None)
+
+
+def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:
+    return replace(info, wrappers=tuple(m.prefix for m in wrapper_stack(list(entries))))
+
+
+# ---------------------------------------------------------------------------------------
+# Values
+
+
+def _compute_dtype(a: str, b: str) -> torch.dtype | None:
+    names = {a, b}
+    if names <= _COMPLEX | _FLOAT32_OK | _FLOAT64 and names & _COMPLEX:
+        return torch.complex64 if names <= {"complex64"} | _FLOAT32_OK else torch.complex128
+    if names <= _FLOAT32_OK:
+        return torch.float32
+    if names <= _FLOAT32_OK | _FLOAT64:
+        return torch.float64
+    return None
+
+
+def _compare(
+    name: str, a: _Side, b: _Side, rtol: float, atol: float, chunk_bytes: int
+) -> TensorDiff:
+    (dtype_a, shape_a), (dtype_b, shape_b) = a.meta(name), b.meta(name)
+    base = TensorDiff(name, dtype_a, dtype_b, shape_a, shape_b)
+    if shape_a != shape_b or not (a.comparable(name) and b.comparable(name)):
+        return base
+    elements = max(1, chunk_bytes // max(itemsize(dtype_a), itemsize(dtype_b)))
+    compute = _compute_dtype(dtype_a, dtype_b)
+    bit_equal = dtype_a == dtype_b
+    max_abs = max_rel = 0.0
+    mismatched = nan_a = nan_b = inf_a = inf_b = numel = 0
+    for ca, cb in zip(a.chunks(name, elements), b.chunks(name, elements)):
+        numel += ca.numel()
+        if bit_equal:
+            bit_equal = torch.equal(ca.view(torch.uint8), cb.view(torch.uint8))
+        if compute is None:
+            continue
+        x, y = ca.to(compute), cb.to(compute)
+        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+        nan_a += int(nan_x.sum())
+        nan_b += int(nan_y.sum())
+        inf_a += int(torch.isinf(x).sum())
+        inf_b += int(torch.isinf(y).sum())
+        mismatched += int((~torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)).sum())
+        same = (x == y) | nan_x | nan_y  # NaN places are counted apart, not as distances
+        d = torch.where(same, 0.0, (x - y).abs())
+        if d.numel():
+            max_abs = max(max_abs, float(d.max()))
+            r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf)
+            max_rel = max(max_rel, float(r.max()))
+    if compute is None:
+        return TensorDiff(name, dtype_a, dtype_b, shape_a, shape_b, bool(bit_equal), numel=numel)
+    return TensorDiff(
+        name,
+        dtype_a,
+        dtype_b,
+        shape_a,
+        shape_b,
+        bit_equal=bool(bit_equal),
+        max_abs=max_abs,
+        max_rel=max_rel,
+        allclose=mismatched == 0,
+        mismatched=mismatched,
+        nan_a=nan_a,
+        nan_b=nan_b,
+        inf_a=inf_a,
+        inf_b=inf_b,
+        numel=numel,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Suggestions
+
+
+def _inverse(steps: Sequence[Step]) -> tuple[Step, ...] | None:
+    if any(s.action == "strip-inner" for s in steps):
+        return None
+    return tuple(s.inverse for s in reversed(steps))
+
+
+def _suggestions(
+    a: _Side, b: _Side, select_a: Any, select_b: Any, limit: int = 3
+) -> tuple[Suggestion, ...]:
+    keys_a, keys_b = list(a.entries), list(b.entries)
+    out = []
+    for fix in rank_fixes(keys_a, keys_b)[:limit]:
+        command = inverse_command = inverse_text = ""
+        if a.info.kind == "file":
+            command = fix_command(a.info.label, fix.steps, select_a, keys_a)
+        elif a.info.kind == "state_dict":
+            command = fix_python(fix.steps, "sd_a")
+        inverse = _inverse(fix.steps)
+        if inverse is not None:
+            inverse_text = ", then ".join(step.describe() for step in inverse)
+            if b.info.kind == "file":
+                inverse_command = fix_command(b.info.label, inverse, select_b, keys_b)
+            elif b.info.kind == "state_dict":
+                inverse_command = fix_python(inverse, "sd_b")
+        note = ""
+        if b.info.kind == "module" and not any(s.action == "sub" for s in fix.steps):
+            note = "ckpt_tools.load_into(model, ...) applies this rewrite by itself"
+        out.append(
+            Suggestion(
+                description=fix.describe(),
+                steps=fix.steps,
+                resolved=fix.resolved,
+                of=fix.unmatched,
+                command=command,
+                inverse_description=inverse_text,
+                inverse_command=inverse_command,
+                note=note,
+            )
+        )
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------
+# diff
+
+
+def diff(
+    a: DiffSide,
+    b: DiffSide,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    select_a: str | Sequence[str] | None = None,
+    select_b: str | Sequence[str] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> DiffReport:
+    """Compare two state dicts key by key and tensor by tensor, in bounded memory.
+
+    Args:
+        a: what you have: a checkpoint path (any format :func:`ckpt_tools.open_checkpoint`
+            reads; never unpickled with code, never loaded whole), a state dict, or an
+            ``nn.Module`` (its ``state_dict()``).
+        b: what it should match, in the same forms.
+        rtol, atol: tolerances, as in ``torch.isclose``.
+        select_a, select_b: dotted paths to the state dict in each checkpoint (default:
+            chosen automatically, as ``ckpt inspect`` does).
+        chunk_bytes: bytes read per side at a time while comparing one tensor.
+
+    Returns:
+        A :class:`DiffReport`: missing and unexpected keys, one :class:`TensorDiff` per
+        common key, and :class:`Suggestion` s for rewrites explaining key mismatches.
+
+    Raises:
+        UsageError: a side is of an unsupported type, or ``select`` is given for a module.
+        SelectError: ``select`` names a missing entry.
+        CheckpointError: a file is missing, truncated or malformed.
+
+    Example:
+        >>> report = diff("ddp.pt", "plain.pt")  # doctest: +SKIP
+        >>> report.suggestions[0].text()  # doctest: +SKIP
+        "stripping 'module.' resolves 4 of 4 unexpected keys: ckpt strip-module ddp.pt ..."
+    """
+    if rtol < 0 or atol < 0:
+        raise UsageError(f"tolerances must be >= 0, got rtol={rtol} atol={atol} (--rtol/--atol)")
+    with _open_side(a, select_a, "A") as side_a, _open_side(b, select_b, "B") as side_b:
+        missing = tuple(k for k in side_b.entries if k not in side_a.entries)
+        unexpected = tuple(k for k in side_a.entries if k not in side_b.entries)
+        tensors = tuple(
+            _compare(name, side_a, side_b, rtol, atol, chunk_bytes)
+            for name in side_a.entries
+            if name in side_b.entries
+        )
+        suggestions = _suggestions(side_a, side_b, select_a, select_b) if unexpected else ()
+        return DiffReport(
+            a=side_a.info,
+            b=side_b.info,
+            rtol=rtol,
+            atol=atol,
+            missing=missing,
+            unexpected=unexpected,
+            tensors=tensors,
+            suggestions=suggestions,
+        )
+
+
+class _CallableModule(types.ModuleType):
+    """``ckpt_tools.diff`` is both this module and the function: importing the submodule
+    sets the package attribute to the module, so the module forwards calls to :func:`diff`.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> DiffReport:
+        return diff(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,55 @@
+"""Fixtures shared by the test suite: factories that write real checkpoints into tmp_path."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import factories` from any test
+
+import factories  # noqa: E402
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
+    """``make_checkpoint(obj, name="ckpt.pt", **torch_save_kwargs) -> Path``: a real torch.save."""
+
+    def make(obj: Any, name: str = "ckpt.pt", **kwargs: Any) -> Path:
+        import torch
+
+        path = tmp_path / name
+        torch.save(obj, path, **kwargs)
+        return path
+
+    return make
+
+
+@pytest.fixture
+def make_tar(tmp_path: Path) -> Callable[..., Path]:
+    """``make_tar(records, name="tar.pt") -> Path``: torch's tar format from ``TarRecords``."""
+
+    def make(records: Any, name: str = "tar.pt") -> Path:
+        path = tmp_path / name
+        factories.tools().write_torch_tar(path, records)
+        return path
+
+    return make
+
+
+@pytest.fixture
+def fixture_copy(tmp_path: Path) -> Callable[[str], Path]:
+    """``fixture_copy(name) -> Path``: a committed fixture copied into tmp_path."""
+    return lambda name: factories.copy_fixture(name, tmp_path)
+
+
+@pytest.fixture
+def real_dir() -> Path:
+    """``../shared/realckpt/github``; skips the test when it is absent (users' machines)."""
+    folder = factories.REAL_DIR / "github"
+    if not folder.is_dir():
+        pytest.skip(f"real checkpoints not found at {folder}")
+    return folder

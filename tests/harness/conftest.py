@@ -1,0 +1,36 @@
+"""Shared fixtures of the harness tests: one parity run reused by several tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import ckpt_tools
+from ckpt_tools.harness import ParityReport, run_parity
+
+REPO_ROOT = Path(ckpt_tools.__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """Environment for child interpreters that must import this checkout of ckpt_tools."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    # A torchrun started from inside a torchrun worker would see the outer rank's variables.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def parity_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared MLP parity run keeps its checkpoints."""
+    return tmp_path_factory.mktemp("parity-mlp")
+
+
+@pytest.fixture(scope="session")
+def parity_mlp(parity_dir: Path) -> ParityReport:
+    """All four strategies, MLP, world size 2, 3 steps, on the CPU (DDP spawned over gloo)."""
+    return run_parity(world_size=2, steps=3, model="mlp", out_dir=parity_dir, device="cpu")

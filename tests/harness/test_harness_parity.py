@@ -1,0 +1,157 @@
+"""The parity checks, one by one (passing and failing), and run_parity's report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.harness import (
+    CHECK_NAMES,
+    STRATEGIES,
+    CheckResult,
+    ParityReport,
+    TrainConfig,
+    run_parity,
+    train,
+)
+from ckpt_tools.harness.checks import (
+    check_add_prefix,
+    check_device_roundtrip,
+    check_format_roundtrip,
+    check_strip_prefix,
+    check_vs_single,
+)
+from ckpt_tools.harness.compare import storage_tags
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of single and manual (world size 2) MLP runs, trained in-process."""
+    root = tmp_path_factory.mktemp("runs")
+    for strategy in ("single", "manual"):
+        out = str(root / strategy)
+        train(TrainConfig(strategy=strategy, steps=3, world_size=2, device="cpu", out_dir=out))
+    return root
+
+
+def test_a_strip_prefix_gives_bitwise_equal_outputs(runs: Path) -> None:
+    row = check_strip_prefix(runs / "manual" / "wrapped.pt", "mlp", strategy="manual")
+    assert (row.name, row.status, row.passed) == ("strip_prefix", "pass", True)
+    assert row.max_abs_diff == 0.0 and row.tolerance == 0.0
+
+
+def test_a_fails_when_the_checkpoint_does_not_fit_the_model(runs: Path) -> None:
+    row = check_strip_prefix(runs / "manual" / "wrapped.pt", "lenet")
+    assert not row.passed and row.status == "fail" and "Error" in row.detail
+
+
+def test_b_add_prefix_loads_into_data_parallel(runs: Path) -> None:
+    row = check_add_prefix(runs / "single" / "bare.pt", "mlp", strategy="single")
+    assert row.passed and row.max_abs_diff == 0.0
+
+
+def test_b_fails_on_an_already_wrapped_checkpoint(runs: Path) -> None:
+    # module.module.* keys cannot load strictly into DataParallel(model)
+    row = check_add_prefix(runs / "single" / "wrapped.pt", "mlp")
+    assert not row.passed and "module." in row.detail
+
+
+def test_c_manual_matches_single_within_tolerance(runs: Path) -> None:
+    row = check_vs_single(runs / "manual" / "bare.pt", runs / "single" / "bare.pt", 1e-5)
+    assert row.passed and row.status == "pass" and row.max_abs_diff <= 1e-5
+
+
+def test_c_catches_a_perturbed_weight(runs: Path, tmp_path: Path) -> None:
+    sd = torch.load(runs / "manual" / "bare.pt", weights_only=True)
+    first = next(iter(sd))
+    sd[first] = sd[first] + 1e-3
+    torch.save(sd, tmp_path / "bad.pt")
+    row = check_vs_single(tmp_path / "bad.pt", runs / "single" / "bare.pt", 1e-5)
+    assert not row.passed and row.status == "fail"
+    assert row.max_abs_diff == pytest.approx(1e-3, rel=1e-2)
+
+
+def test_c_reports_a_not_comparable_gap_without_failing(runs: Path) -> None:
+    row = check_vs_single(
+        runs / "manual" / "bare.pt",
+        runs / "single" / "bare.pt",
+        1e-5,
+        comparable=False,
+        why_not="x",
+    )
+    assert row.passed and row.status == "not comparable" and row.tolerance is None
+
+
+def test_d_device_roundtrip_through_a_cuda1_retag(runs: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ckpt_tools.loading", reason="ckpt_tools.loading not written yet")
+    row = check_device_roundtrip(runs / "manual" / "wrapped.pt", tmp_path, "manual")
+    assert row.passed, row.detail
+    assert row.max_abs_diff == 0.0
+    if not torch.cuda.is_available():
+        assert storage_tags(tmp_path / "wrapped.cuda1.pt") == {"cuda:1"}
+        assert "retagged cpu->cuda:1" in row.detail and "-> cpu" in row.detail
+
+
+def test_e_format_roundtrip_through_safetensors(runs: Path, tmp_path: Path) -> None:
+    row = check_format_roundtrip(runs / "manual" / "wrapped.pt", tmp_path, "manual")
+    assert row.passed, row.detail
+    assert (tmp_path / "wrapped.safetensors").read_bytes()[8:9] == b"{"  # safetensors header
+    assert (tmp_path / "wrapped.roundtrip.pt").is_file()
+    again = check_format_roundtrip(runs / "manual" / "wrapped.pt", tmp_path, "manual")
+    assert again.passed, again.detail  # re-running over its own outputs is fine
+
+
+@pytest.mark.slow
+def test_run_parity_mlp_all_strategies_hold(parity_mlp: ParityReport, parity_dir: Path) -> None:
+    report = parity_mlp
+    assert report.strategies == STRATEGIES
+    assert len(report.rows) == len(STRATEGIES) * len(CHECK_NAMES)
+    for strategy in STRATEGIES:
+        assert (parity_dir / strategy / "wrapped.pt").is_file()
+        for check in ("strip_prefix", "add_prefix", "format_roundtrip"):
+            assert report.row(strategy, check).passed, report.row(strategy, check).detail
+            assert report.row(strategy, check).max_abs_diff == 0.0
+    assert report.row("single", "vs_single").status == "baseline"
+    for strategy in ("dp", "ddp", "manual"):
+        row = report.row(strategy, "vs_single")
+        assert row.status == "pass" and row.max_abs_diff <= 1e-5, row.detail
+    losses = report.losses
+    assert set(losses) == set(STRATEGIES) and all(len(v) == 3 for v in losses.values())
+    ddp_keys = torch.load(parity_dir / "ddp" / "wrapped.pt", weights_only=True)
+    assert all(k.startswith("module.") for k in ddp_keys)
+
+
+@pytest.mark.slow
+def test_parity_report_json_and_all_passed(parity_mlp: ParityReport) -> None:
+    data = json.loads(parity_mlp.to_json())
+    assert data["all_passed"] == parity_mlp.all_passed
+    assert set(data["losses"]) == set(STRATEGIES)
+    assert {(r["strategy"], r["name"]) for r in data["rows"]} == {
+        (s, c) for s in STRATEGIES for c in CHECK_NAMES
+    }
+    assert [run["launcher"] for run in data["runs"]] == ["in-process"] * 2 + ["spawn"] + [
+        "in-process"
+    ]
+    if all(r.status != "skipped" for r in parity_mlp.rows):
+        assert parity_mlp.all_passed
+
+
+def test_run_parity_rejects_unknown_strategies() -> None:
+    from ckpt_tools.errors import UsageError
+
+    with pytest.raises(UsageError, match="fsdp"):
+        run_parity(strategies=("single", "fsdp"))
+
+
+def test_skipped_rows_are_not_passes_and_json_stays_strict() -> None:
+    skipped = CheckResult(
+        "device_roundtrip", False, math.nan, None, "not verified", "ddp", "skipped"
+    )
+    report = ParityReport("mlp", 2, 1, 0, 1e-5, (), (skipped,))
+    assert not report.all_passed
+    data = json.loads(report.to_json())  # allow_nan=False inside: NaN must not leak
+    assert data["rows"][0]["max_abs_diff"] == "nan" and data["all_passed"] is False

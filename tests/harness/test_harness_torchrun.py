@@ -1,0 +1,86 @@
+"""The same DDP worker under torchrun (env:// rendezvous), as a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.harness import TrainConfig, train
+from ckpt_tools.harness.cli import main
+from ckpt_tools.harness.config import TrainResult
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_write_one_checkpoint_matching_single(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    out = tmp_path / "ddp"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ckpt_tools.harness",
+        "train",
+        "--strategy",
+        "ddp",
+        "--model",
+        "mlp",
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(
+        command, env=subprocess_env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("launcher=torchrun") == 1  # only rank 0 prints
+    result = TrainResult.read_json(out)
+    assert (result.launcher, result.backend, result.world_size) == ("torchrun", "gloo", 2)
+
+    wrapped = torch.load(out / "wrapped.pt", weights_only=True)
+    bare = torch.load(out / "bare.pt", weights_only=True)
+    assert list(wrapped) == [f"module.{k}" for k in bare]
+    trainer = torch.load(out / "trainer.pt", weights_only=True)
+    assert trainer["step"] == 3
+
+    single = train(
+        TrainConfig(strategy="single", steps=3, device="cpu", out_dir=str(tmp_path / "s"))
+    )
+    torch.testing.assert_close(result.losses, single.losses, rtol=0, atol=1e-5)
+    reference = torch.load(tmp_path / "s" / "bare.pt", weights_only=True)
+    for key, value in reference.items():
+        torch.testing.assert_close(bare[key], value, rtol=0, atol=1e-5)
+
+
+def test_under_torchrun_a_single_process_strategy_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The variables torchrun sets; the entry must refuse before joining any process group.
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = main(["train", "--strategy", "single", "--out", str(tmp_path)])
+    assert code == 2
+    assert "use --strategy ddp" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_under_torchrun_a_mismatched_world_size_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--strategy", "ddp", "--world-size", "3", "--device", "cpu"]) == 2
+    assert "--nproc-per-node" in capsys.readouterr().err

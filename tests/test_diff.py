@@ -1,0 +1,248 @@
+"""diff(): keys, shapes, dtypes, values (NaN, -0.0, inf), streaming reads, suggestions."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import ckpt_tools
+from ckpt_tools.cli.main import main
+from ckpt_tools.diff import diff
+from ckpt_tools.errors import UsageError
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.tensor_io import iter_chunks, read_tensor
+
+
+def layers(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        sd[f"layers.{i}.weight"] = torch.randn(6, 5)
+        sd[f"layers.{i}.bias"] = torch.randn(6)
+    sd["head.weight"] = torch.randn(3, 6)
+    return sd
+
+
+@pytest.fixture
+def save(tmp_path: Path) -> Callable[[Any, str], str]:
+    def _save(obj: Any, name: str = "a.pt") -> str:
+        path = tmp_path / name
+        if name.endswith(".safetensors"):
+            save_file(obj, path)
+        else:
+            torch.save(obj, path)
+        return str(path)
+
+    return _save
+
+
+# --- values ---------------------------------------------------------------------------
+
+
+def test_identical_files_are_identical(save: Callable[..., str]) -> None:
+    report = diff(save(layers(), "a.pt"), save(layers(), "b.pt"))
+    assert report.identical and report.found() == frozenset()
+    assert all(t.status == "equal" and t.max_abs == 0 for t in report.tensors)
+
+
+def test_nan_negative_zero_and_inf() -> None:
+    nan, inf = math.nan, math.inf
+    a = {
+        "zeros": torch.tensor([0.0, 1.0]),
+        "nans": torch.tensor([nan, 2.0, inf]),
+        "nan_vs_number": torch.tensor([nan, 1.0]),
+        "inf_signs": torch.tensor([inf, 1.0]),
+    }
+    b = {
+        "zeros": torch.tensor([-0.0, 1.0]),
+        "nans": torch.tensor([nan, 2.0, inf]),
+        "nan_vs_number": torch.tensor([3.0, 1.0]),
+        "inf_signs": torch.tensor([-inf, 1.0]),
+    }
+    rows = {t.name: t for t in diff(a, b).tensors}
+
+    zeros = rows["zeros"]  # -0.0 == 0.0 in value, not in bits
+    assert (zeros.bit_equal, zeros.allclose, zeros.max_abs, zeros.status) == (
+        False,
+        True,
+        0.0,
+        "close",
+    )
+    nans = rows["nans"]  # same NaN bits in the same place: equal, counted
+    assert nans.bit_equal and nans.allclose and nans.max_abs == 0.0
+    assert (nans.nan_a, nans.nan_b, nans.inf_a, nans.inf_b) == (1, 1, 1, 1)
+    nan_vs_number = rows["nan_vs_number"]
+    assert not nan_vs_number.allclose and nan_vs_number.mismatched == 1
+    assert (nan_vs_number.nan_a, nan_vs_number.nan_b, nan_vs_number.status) == (1, 0, "differ")
+    inf_signs = rows["inf_signs"]
+    assert inf_signs.max_abs == math.inf and inf_signs.max_rel == math.inf
+    assert inf_signs.to_json()["max_abs"] == "inf"
+
+
+def test_tolerances_and_differences() -> None:
+    a = {"w": torch.tensor([1.0, 2.0, 0.0]), "i": torch.tensor([1, 2, 3])}
+    b = {"w": torch.tensor([1.0, 2.002, 0.0]), "i": torch.tensor([1, 2, 4])}
+    w = {t.name: t for t in diff(a, b).tensors}["w"]
+    assert w.max_abs == pytest.approx(0.002, rel=1e-3)
+    assert w.max_rel == pytest.approx(0.001, rel=1e-3)
+    assert not w.allclose and w.mismatched == 1
+    loose = diff(a, b, rtol=1e-2)
+    assert {t.name: t.allclose for t in loose.tensors} == {"w": True, "i": False}
+    assert loose.found() == frozenset({"value"})
+    with pytest.raises(UsageError, match="--rtol"):
+        diff(a, b, rtol=-1)
+
+
+def test_keys_shapes_and_dtypes(save: Callable[..., str]) -> None:
+    a = layers()
+    b = layers()
+    b["layers.0.weight"] = b["layers.0.weight"].double()
+    b["head.weight"] = torch.zeros(4, 6)
+    a["only_a"] = torch.zeros(1)
+    b["only_b.0"] = torch.zeros(1)
+    report = diff(save(a, "a.pt"), save(b, "b.safetensors"))
+    assert report.missing == ("only_b.0",)
+    assert report.unexpected == ("only_a",)
+    assert [t.name for t in report.shape_mismatches] == ["head.weight"]
+    (dtype,) = report.dtype_mismatches
+    assert dtype.name == "layers.0.weight" and dtype.status == "dtype" and dtype.allclose
+    assert report.found() == frozenset({"missing", "unexpected", "shape", "dtype"})
+    assert report.b.format == "safetensors" and report.a.format == "torch-zip"
+
+
+def test_module_and_state_dict_sides(save: Callable[..., str]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    path = save({"epoch": 1, "state_dict": model.state_dict()}, "trainer.pt")
+    report = diff(path, model)
+    assert report.identical
+    assert report.a.selected == ("state_dict",) and report.b.kind == "module"
+    assert diff(model.state_dict(), {"nested": model.state_dict()}).identical
+    with pytest.raises(UsageError, match="not to a module"):
+        diff(path, model, select_b="x")
+
+
+# --- streaming reads --------------------------------------------------------------------
+
+
+def test_views_and_strides_are_read_from_their_storage(save: Callable[..., str]) -> None:
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    sd = {
+        "base": base,
+        "transposed": base.t(),
+        "rows": base[2:4],
+        "strided": base[1::2, 3::3],
+        "scalar": base[5, 9],
+        "empty": base[:0],
+        "half": torch.randn(7).half(),
+        "flags": torch.tensor([True, False, True]),
+    }
+    path = save(sd, "views.pt")
+    ckpt = open_checkpoint(path)
+    for name, expected in sd.items():
+        got = read_tensor(ckpt, ckpt.root[name])
+        assert got.dtype == expected.dtype and torch.equal(got, expected), name
+        chunks = list(iter_chunks(ckpt, ckpt.root[name], chunk_bytes=8))
+        assert torch.equal(torch.cat(chunks) if chunks else torch.empty(0), expected.reshape(-1))
+    assert diff(path, sd, chunk_bytes=16).identical
+
+
+def test_small_chunks_give_the_same_answer(save: Callable[..., str]) -> None:
+    a, b = layers(seed=0), layers(seed=0)
+    b["layers.3.weight"][2, 2] += 0.5
+    b["head.weight"][0, 0] = math.nan
+    big = diff(save(a, "a.pt"), save(b, "b.pt"))
+    small = diff(save(a, "a.pt"), save(b, "b.pt"), chunk_bytes=12)
+    assert big.to_json() == small.to_json()
+    assert [t.name for t in big.value_mismatches] == ["layers.3.weight", "head.weight"]
+
+
+# --- suggestions ------------------------------------------------------------------------
+
+PREFIXES = [
+    "module.",
+    "_orig_mod.",
+    "model.",
+    "_forward_module.",
+    "_fsdp_wrapped_module.",
+    "base_model.model.",
+]
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_suggests_stripping_each_wrapper(prefix: str, save: Callable[..., str]) -> None:
+    plain = layers()
+    a = save({prefix + k: v for k, v in plain.items()}, "wrapped.pt")
+    b = save(plain, "plain.pt")
+    best = diff(a, b).suggestions[0]
+    assert best.description == f"stripping {prefix!r}"
+    assert (best.resolved, best.of) == (9, 9)
+    assert best.text().startswith(f"stripping {prefix!r} resolves 9 of 9 unexpected keys: ckpt ")
+    # The printed commands are real: running them removes the mismatch.
+    run(best.command)
+    assert diff(a.replace(".pt", ".renamed.pt"), b).identical
+    run(best.inverse_command)
+    assert diff(a, b.replace(".pt", ".renamed.pt")).identical
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_suggests_adding_each_wrapper(prefix: str, save: Callable[..., str]) -> None:
+    plain = layers()
+    a = save(plain, "plain.pt")
+    b = save({prefix + k: v for k, v in plain.items()}, "wrapped.pt")
+    best = diff(a, b).suggestions[0]
+    assert best.description == f"adding {prefix!r}"
+    run(best.command)
+    assert diff(a.replace(".pt", ".renamed.pt"), b).identical
+
+
+def test_stacked_wrappers_and_exact_strip_module_command(save: Callable[..., str]) -> None:
+    plain = layers()
+    a = save({"module._orig_mod." + k: v for k, v in plain.items()}, "in.pt")
+    b = save(plain, "plain.pt")
+    best = diff(a, b).suggestions[0]
+    assert best.description == "stripping 'module.', then stripping '_orig_mod.'"
+    assert best.command == f"ckpt strip-module {shlex.quote(a)} {shlex.quote(a[:-3])}.renamed.pt"
+    ddp = save({"module." + k: v for k, v in plain.items()}, "ddp.pt")
+    assert diff(ddp, b).suggestions[0].command.startswith("ckpt strip-module ")
+
+
+def test_prefix_map_suggestion_and_module_note(save: Callable[..., str]) -> None:
+    plain = layers()
+    a = save({k.replace("layers.", "backbone.", 1): v for k, v in plain.items()}, "a.pt")
+    best = diff(a, plain).suggestions[0]
+    assert best.description == "renaming 'backbone.' to 'layers.'"
+    assert "--sub backbone.=layers." in best.command
+    assert best.inverse_command.startswith("ckpt_tools.rename_keys(sd_b")
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+    model = Holder()
+    wrapped = save({"module." + k: v for k, v in model.state_dict().items()}, "m.pt")
+    best = diff(wrapped, model).suggestions[0]
+    assert "load_into" in best.note and best.inverse_command == ""
+
+
+def test_diff_is_callable_from_the_package_even_after_importing_the_module() -> None:
+    import ckpt_tools.diff as module
+
+    assert ckpt_tools.diff({"w": torch.ones(1)}, {"w": torch.ones(1)}).identical
+    assert module({"w": torch.ones(1)}, {"w": torch.ones(1)}).identical
+    assert ckpt_tools.DiffReport is module.DiffReport
+
+
+def run(command: str) -> None:
+    args = shlex.split(command)
+    assert args[0] == "ckpt"
+    assert main([*args[1:], "-q"]) == 0

@@ -1,0 +1,185 @@
+"""``ckpt diff``: table, --json, --fail-on exit codes, --model file.py:Factory and --model-arg."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_tools.cli.main import main
+from ckpt_tools.model_factory import parse_value
+
+NET_PY = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self, depth=2, width=4, scale=1.0, bias=True, act="relu"):
+            super().__init__()
+            assert isinstance(scale, float) and isinstance(bias, bool) and act == "gelu"
+            self.layers = nn.ModuleList(nn.Linear(width, width, bias=bias) for _ in range(depth))
+
+
+    def make_small():
+        torch.manual_seed(0)
+        return Net(depth=1, act="gelu")
+
+
+    NOT_A_MODEL = 3
+    """
+)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Callable[..., tuple[str, str]]:
+    """Save two state dicts as a.pt and b.pt; returns their paths."""
+
+    def _files(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str]:
+        torch.save(a, tmp_path / "a.pt")
+        torch.save(b, tmp_path / "b.pt")
+        return str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+
+    return _files
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def base(n: int = 3) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {f"blocks.{i}.weight": torch.randn(4, 4) for i in range(n)}
+
+
+VARIANTS: dict[str, Callable[[dict[str, torch.Tensor]], None]] = {
+    "missing": lambda sd: sd.update({"new.weight": torch.zeros(1)}),
+    "unexpected": lambda sd: sd.pop("blocks.0.weight"),
+    "shape": lambda sd: sd.update({"blocks.1.weight": torch.zeros(5, 4)}),
+    "dtype": lambda sd: sd.update({"blocks.1.weight": sd["blocks.1.weight"].double()}),
+    "value": lambda sd: sd["blocks.2.weight"].add_(1.0),
+}
+
+
+@pytest.mark.parametrize("present", list(VARIANTS))
+@pytest.mark.parametrize("fail_on", list(VARIANTS))
+def test_fail_on_exit_codes(
+    present: str, fail_on: str, files: Callable[..., tuple[str, str]], capsys: Any
+) -> None:
+    b = base()
+    VARIANTS[present](b)
+    a_path, b_path = files(base(), b)
+    code, out, _ = run(["diff", a_path, b_path, "--fail-on", fail_on], capsys)
+    assert code == (1 if present == fail_on else 0)
+    assert ("failing on: " + fail_on in out) == (present == fail_on)
+
+
+def test_no_fail_on_exits_zero_and_any_fails(files: Any, capsys: Any) -> None:
+    b = base()
+    VARIANTS["value"](b)
+    a_path, b_path = files(base(), b)
+    assert run(["diff", a_path, b_path], capsys)[0] == 0
+    assert run(["diff", a_path, b_path, "--fail-on", "any"], capsys)[0] == 1
+    assert run(["diff", a_path, a_path, "--fail-on", "any"], capsys)[0] == 0
+
+
+def test_table_folds_repeated_layers_and_json_has_everything(files: Any, capsys: Any) -> None:
+    b = base(6)
+    for i in range(6):
+        b[f"blocks.{i}.weight"] += 1e-3
+    a_path, b_path = files(base(6), b)
+    code, out, _ = run(["diff", a_path, b_path, "--atol", "1e-6", "--rtol", "0"], capsys)
+    assert code == 0
+    assert "blocks.{0..5}.weight ×6  differ" in out
+    code, out, _ = run(["diff", a_path, b_path, "--json", "--fail-on", "value"], capsys)
+    data = json.loads(out)
+    assert code == 1 and data["failed_on"] == ["value"] and data["found"] == ["value"]
+    assert len(data["tensors"]) == 6 and data["tensors"][0]["max_abs"] == pytest.approx(1e-3, 1e-2)
+    code, out, _ = run(["diff", a_path, b_path, "--rtol", "1", "--all", "--no-group"], capsys)
+    assert "blocks.5.weight" in out and "close" in out
+
+
+def test_suggestion_is_printed_with_the_command(files: Any, capsys: Any) -> None:
+    a_path, b_path = files({"module." + k: v for k, v in base().items()}, base())
+    code, out, _ = run(["diff", a_path, b_path, "--fail-on", "unexpected"], capsys)
+    assert code == 1
+    assert "stripping 'module.' resolves 3 of 3 unexpected keys: ckpt strip-module " in out
+
+
+def test_model_from_a_file_with_typed_args(tmp_path: Path, capsys: Any) -> None:
+    (tmp_path / "net.py").write_text(NET_PY)
+    spec = f"{tmp_path / 'net.py'}:Net"
+    torch.manual_seed(0)
+    sd = {
+        f"layers.{i}.{p}": torch.randn(8, 8) if p == "weight" else torch.randn(8)
+        for i in range(3)
+        for p in ("weight", "bias")
+    }
+    torch.save({"state_dict": sd}, tmp_path / "ckpt.pt")
+    ckpt = str(tmp_path / "ckpt.pt")
+    args = ["--model-arg", "depth=3", "--model-arg", "width=8", "--model-arg", "scale=2.0"]
+    args += ["--model-arg", "bias=true", "--model-arg", "act=gelu"]
+    code, out, _ = run(["diff", ckpt, "--model", spec, *args, "--fail-on", "missing,shape"], capsys)
+    assert code == 0, out
+    assert f"B: {spec} <module Net>" in out and "state dict 'state_dict'" in out
+    code, out, _ = run(["diff", ckpt, "--model", spec, *args, "--fail-on", "value"], capsys)
+    assert code == 1
+    code, out, _ = run(["diff", ckpt, "--model", f"{tmp_path / 'net.py'}:make_small"], capsys)
+    assert "missing" not in out and "unexpected (in A, not in B): 4" in out
+
+
+def test_model_from_an_importable_module(files: Any, capsys: Any) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    a_path, _ = files(lin.state_dict(), {})
+    args = ["diff", a_path, "--model", "torch.nn:Linear", "--model-arg", "in_features=3"]
+    code, out, _ = run([*args, "--model-arg", "out_features=2", "--fail-on", "shape"], capsys)
+    assert code == 0 and "compared 2 common tensors" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "give B or --model"),
+        (["B.pt", "--model", "x:y"], "exactly one"),
+        (["--model", "nofactory"], "expected MODULE:FACTORY"),
+        (["--model", "missing_file.py:Net"], "no such file"),
+        (["--model", "NET:Nope"], "has no 'Nope'; callables there: Net, make_small"),
+        (["--model", "NET:NOT_A_MODEL"], r"\(int\) is not a class or function"),
+        (["--model", "NET:Net", "--model-arg", "depth"], "expected KEY=VALUE"),
+        (["--model", "NET:Net", "--model-arg", "colour=3"], "does not take"),
+        (["--model", "no_such_pkg_xyz:Net"], "cannot import 'no_such_pkg_xyz'"),
+        (["B.pt", "--fail-on", "vibes"], "unknown vibes"),
+        (["B.pt", "--model-arg", "a=1"], "--model-arg needs --model"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_fix(
+    extra: list[str], message: str, tmp_path: Path, files: Any, capsys: Any
+) -> None:
+    (tmp_path / "net.py").write_text(NET_PY)
+    a_path, b_path = files(base(), base())
+    extra = [b_path if e == "B.pt" else e.replace("NET", str(tmp_path / "net.py")) for e in extra]
+    code, _, err = run(["diff", a_path, *extra], capsys)
+    assert code == 2
+    assert __import__("re").search(message, err), err
+
+
+def test_parse_value() -> None:
+    assert [parse_value(v) for v in ("3", "-2", "0.5", "1e-3", "TRUE", "false", "none", "x")] == [
+        3,
+        -2,
+        0.5,
+        1e-3,
+        True,
+        False,
+        None,
+        "x",
+    ]

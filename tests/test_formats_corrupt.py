@@ -1,0 +1,138 @@
+"""Corrupt, truncated and unsupported input: a typed error, exit code 4, one clear line."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from factories import ckpt_env, fixture_path, tools, truncated_copy
+
+import ckpt_tools
+from ckpt_tools import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LfsPointerError,
+    UnsupportedFormatError,
+)
+from ckpt_tools.cli.main import main
+from ckpt_tools.errors import EXIT_CORRUPT, EXIT_USAGE
+
+
+@dataclass(frozen=True)
+class Case:
+    """A broken input: how to make it in a folder, the error it gives, words its message has."""
+
+    id: str
+    make: Callable[[Path], Path]
+    error: type[Exception]
+    match: str
+
+
+def committed(name: str) -> Callable[[Path], Path]:
+    return lambda tmp: fixture_path(name)
+
+
+def cut(name: str, size: Callable[[int], int]) -> Callable[[Path], Path]:
+    """A copy of fixture ``name`` cut to ``size(original length)`` bytes."""
+
+    def make(tmp: Path) -> Path:
+        src = fixture_path(name)
+        return truncated_copy(src, tmp / src.name, size(src.stat().st_size))
+
+    return make
+
+
+def tar_cut_in_last_member(tmp: Path) -> Path:
+    src = fixture_path("tar_format.pt")
+    with tarfile.open(src) as tar:
+        last = tar.getmembers()[-1]
+    return truncated_copy(src, tmp / src.name, last.offset_data + last.size - 10)
+
+
+def safetensors_out_of_range(tmp: Path) -> Path:
+    """A valid header whose last tensor ends past the data section."""
+    data = fixture_path("model.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin + 64, end + 64]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp / "out_of_range.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+    return path
+
+
+def zip_missing_storage(tmp: Path) -> Path:
+    path = tmp / "missing_storage.pt"
+    tools().rewrite_zip(fixture_path("plain.pt"), path, drop=("data/3",))
+    return path
+
+
+CASES = [
+    Case("empty", committed("empty.pt"), UnsupportedFormatError, r"is empty \(0 bytes\)"),
+    Case("truncated-zip", committed("truncated.pt"), CorruptCheckpointError, r"truncated"),
+    Case("random-bytes", committed("random.bin"), UnsupportedFormatError, r"not a checkpoint"),
+    Case("zip-without-data-pkl", committed("no_data_pkl.pt"), CorruptCheckpointError, r"without a data\.pkl"),
+    Case("lfs-pointer", committed("lfs_pointer.pt"), LfsPointerError, r"git-lfs pointer.*git lfs pull"),
+    Case("folder-without-checkpoint", committed("no_checkpoint"), UnsupportedFormatError, r"folder without a checkpoint.*\.keep"),
+    Case("zip-missing-storage", zip_missing_storage, CorruptCheckpointError, r"storage '3'.*no record data/3"),
+    Case("legacy-cut-in-last-storage", cut("legacy.pt", lambda n: n - 10), CorruptCheckpointError, r"is truncated: storage"),
+    Case("legacy-cut-in-half", cut("legacy.pt", lambda n: n // 2), CorruptCheckpointError, r"is truncated: storage"),
+    Case("legacy-cut-in-pickle", cut("legacy.pt", lambda n: 200), CorruptCheckpointError, r"malformed or truncated"),
+    Case("safetensors-cut-in-data", cut("model.safetensors", lambda n: n - 10), CorruptCheckpointError, r"does not fit"),
+    Case("safetensors-cut-in-header", cut("model.safetensors", lambda n: 100), CorruptCheckpointError, r"header claims \d+ bytes but the file has 92"),
+    Case("safetensors-offsets-out-of-range", safetensors_out_of_range, CorruptCheckpointError, r"byte range \[\d+, \d+\) that does not fit"),
+    Case("tar-cut-in-last-member", tar_cut_in_last_member, CorruptCheckpointError, r"cannot be read \(unexpected end of data\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_library_raises_the_typed_error(case: Case, tmp_path: Path) -> None:
+    path = case.make(tmp_path)
+    with pytest.raises(case.error, match=case.match) as caught:
+        ckpt_tools.inspect(path)
+    assert type(caught.value) is case.error
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_cli_exit_code_and_one_line(
+    case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = case.make(tmp_path)
+    assert main(["inspect", str(path)]) == EXIT_CORRUPT
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("ckpt: error: ")
+    assert "Traceback" not in err
+
+
+def test_missing_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.pt"
+    with pytest.raises(CheckpointNotFoundError, match=r"no such file or folder.*nope\.pt"):
+        ckpt_tools.inspect(missing)
+    assert main(["inspect", str(missing)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope.pt" in err
+
+
+def test_ckpt_debug_shows_the_traceback() -> None:
+    command = [sys.executable, "-m", "ckpt_tools", "inspect", str(fixture_path("truncated.pt"))]
+    quiet = subprocess.run(command, env=ckpt_env(), capture_output=True, text=True, timeout=60)
+    loud = subprocess.run(
+        command, env=ckpt_env(CKPT_DEBUG="1"), capture_output=True, text=True, timeout=60
+    )
+    assert quiet.returncode == EXIT_CORRUPT and "Traceback" not in quiet.stderr
+    assert loud.returncode != 0
+    assert "Traceback (most recent call last)" in loud.stderr
+    assert "CorruptCheckpointError" in loud.stderr

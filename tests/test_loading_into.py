@@ -1,0 +1,208 @@
+"""load_into: wrapper layouts on both sides, strictness, shape mismatches, reports."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_tools import load_into
+from ckpt_tools.errors import StateDictMismatchError
+from ckpt_tools.rewrite import retag
+
+# torch.compile's import path touches deprecated torch.jit APIs.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+
+
+class Net(nn.Module):
+    def __init__(self, head: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(self.norm(x))
+
+
+class DDPStyle(nn.Module):
+    """Stands in for DistributedDataParallel: the model under ``module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+class LitStyle(nn.Module):
+    """A Lightning-style module: the network under ``model``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    # Wrapping is lazy: nothing is compiled until a forward, which these tests never run.
+    return torch.compile(model)
+
+
+WRAP: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "plain": lambda m: m,
+    "dataparallel": nn.DataParallel,
+    "ddp": DDPStyle,
+    "compiled": compiled,
+    "lightning": LitStyle,
+    "ddp+compiled": lambda m: DDPStyle(compiled(m)),
+}
+
+
+def inner(model: nn.Module) -> nn.Module:
+    """The plain Net inside any of the wrappers."""
+    while not isinstance(model, Net):
+        model = getattr(model, "_orig_mod", None) or getattr(model, "module", None) or model.model
+    return model
+
+
+def make_net(seed: int, head: int = 2) -> Net:
+    torch.manual_seed(seed)
+    net = Net(head)
+    with torch.no_grad():  # non-trivial BatchNorm statistics
+        net.norm.running_mean.uniform_(-1, 1)
+        net.norm.running_var.uniform_(0.5, 2)
+    return net.eval()
+
+
+@pytest.fixture
+def source() -> Net:
+    return make_net(0)
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    torch.manual_seed(123)
+    return torch.randn(5, 4)
+
+
+@pytest.mark.parametrize("ckpt_kind", list(WRAP))
+@pytest.mark.parametrize("model_kind", ["plain", "dataparallel", "ddp", "compiled", "lightning"])
+def test_matrix_loads_strictly_with_equal_outputs(
+    ckpt_kind: str, model_kind: str, source: Net, x: torch.Tensor, tmp_path: Path
+) -> None:
+    path = tmp_path / f"{ckpt_kind}.pt"
+    saved = WRAP[ckpt_kind](source).state_dict()
+    torch.save(saved, path)
+    target = WRAP[model_kind](make_net(1))
+    assert not torch.equal(inner(target)(x), source(x))
+
+    report = load_into(target, path, strict=True)
+
+    assert report.ok and report.loaded == len(source.state_dict())
+    assert torch.equal(inner(target)(x), source(x))
+    assert bool(report.rewrites) == (list(saved) != list(target.state_dict()))
+
+
+@pytest.mark.parametrize(
+    ("ckpt_kind", "model_kind", "rewrites"),
+    [
+        ("dataparallel", "plain", ("stripping 'module.'",)),
+        ("plain", "ddp", ("adding 'module.'",)),
+        ("ddp", "compiled", ("stripping 'module.'", "adding '_orig_mod.'")),
+        ("ddp+compiled", "plain", ("stripping 'module.'", "stripping '_orig_mod.'")),
+        ("ddp+compiled", "compiled", ("stripping 'module.'",)),
+        ("plain", "lightning", ("adding 'model.'",)),
+    ],
+)
+def test_rewrites_come_from_comparing_wrapper_stacks(
+    ckpt_kind: str, model_kind: str, rewrites: tuple[str, ...], source: Net
+) -> None:
+    report = load_into(WRAP[model_kind](make_net(1)), WRAP[ckpt_kind](source).state_dict())
+    assert report.rewrites == rewrites
+    assert report.source == "<state dict>" and report.info is None
+
+
+def test_cuda1_checkpoint_loads_into_a_cpu_model(
+    source: Net, x: torch.Tensor, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save(nn.DataParallel(source).state_dict(), plain)
+    tagged = tmp_path / "cuda1.pt"
+    retag(plain, tagged, {"cpu": "cuda:1"})
+    target = make_net(1)
+    with caplog.at_level(logging.INFO, logger="ckpt_tools"):
+        report = load_into(target, tagged)
+    assert torch.equal(target(x), source(x))
+    assert report.info is not None and report.info.map_location == "auto (staged on cpu)"
+    assert [(m.saved, m.target) for m in report.info.moved] == [("cuda:1", "cpu")]
+    assert "stripping 'module.' to match Net" in caplog.text
+
+
+def test_strict_mismatch_raises_folded_and_leaves_the_model_alone(
+    source: Net, tmp_path: Path
+) -> None:
+    sd = source.state_dict()
+    for i in range(3):
+        sd[f"extra.{i}.weight"] = torch.zeros(2)
+    for key in [k for k in sd if k.startswith("blocks.")]:
+        del sd[key]
+    path = tmp_path / "odd.pt"
+    torch.save(sd, path)
+    target = make_net(1, head=3)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    pattern = (
+        r"(?s)6 missing.*blocks\.\{0\.\.2\}\.weight ×3.*3 unexpected.*extra\.\{0\.\.2\}\.weight ×3"
+        r".*shape mismatch.*head\.weight checkpoint \[2, 8\] vs model \[3, 8\].*strict=False"
+    )
+    with pytest.raises(StateDictMismatchError, match=pattern):
+        load_into(target, path)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_non_strict_skips_shape_mismatches_and_reports(source: Net, tmp_path: Path) -> None:
+    path = tmp_path / "two.pt"
+    torch.save(LitStyle(source).state_dict(), path)
+    target = make_net(1, head=3)
+    head_before = target.head.weight.clone()
+    report = load_into(target, path, strict=False)
+    assert report.rewrites == ("stripping 'model.'",)
+    assert [(m.key, m.checkpoint, m.model) for m in report.shape_mismatches] == [
+        ("head.weight", (2, 8), (3, 8)),
+        ("head.bias", (2,), (3,)),
+    ]
+    assert not report.ok and report.missing == () and report.unexpected == ()
+    assert torch.equal(target.head.weight, head_before)
+    assert torch.equal(target.stem.weight, source.stem.weight)
+    assert report.loaded == len(source.state_dict()) - 2
+
+
+def test_lightning_module_with_extra_state_gets_model_prefix(source: Net) -> None:
+    class LitWithLoss(LitStyle):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__(model)
+            self.register_buffer("class_weights", torch.ones(2))
+
+    target = LitWithLoss(make_net(1))
+    report = load_into(target, source.state_dict(), strict=False)
+    assert report.rewrites == ("adding 'model.'",)
+    assert report.missing == ("class_weights",)
+    assert torch.equal(target.model.head.weight, source.head.weight)
+
+
+def test_dtype_casts_are_reported(source: Net) -> None:
+    sd = {k: v.double() if v.is_floating_point() else v for k, v in source.state_dict().items()}
+    report = load_into(make_net(1), sd)
+    assert ("stem.weight", "float64", "float32") in report.dtype_casts
+    assert report.to_json()["dtype_casts"][0][1] == "float64"

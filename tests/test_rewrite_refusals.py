@@ -1,0 +1,352 @@
+"""Every refusal of the rewrite commands: its exit code, its message, and no side effects.
+
+Each refusal is checked through ``ckpt_tools.cli.main.main`` (the real exit-code boundary):
+the input's sha256, mtime and inode never change, and nothing (no output, no temp file) is
+left in the output folder.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.cli.main import main
+from ckpt_tools.errors import (
+    KeyCollisionError,
+    NonTensorEntriesError,
+    OutputExistsError,
+    SameFileError,
+    UnsafeContentError,
+    UsageError,
+)
+from ckpt_tools.rewrite import convert, rename_file, strip_module_file
+
+try:
+    import rewrite_helpers as h
+except ImportError:  # tests/ imported as a package
+    from tests import rewrite_helpers as h
+
+
+@pytest.fixture
+def ddp_file(tmp_path):
+    """Factory: a small DataParallel-style checkpoint in its own folder."""
+
+    def make(name: str = "ddp.pt", obj=None) -> Path:
+        folder = tmp_path / "in"
+        folder.mkdir(exist_ok=True)
+        obj = obj if obj is not None else h.build_layout("plain")[0]
+        return h.save(obj, folder / name)
+
+    return make
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    return folder
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+COMMANDS = {
+    "strip-module": [],
+    "add-module": [],
+    "rename": ["--sub", "module.=net."],
+    "convert": [],
+    "retag": ["--map", "cpu=cuda:0"],
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_existing_output_is_refused_without_force(command, ddp_file, out_dir, capsys):
+    src = ddp_file()
+    dst = out_dir / "taken.pt"
+    dst.write_bytes(b"precious")
+    before_src, before_dst = h.fingerprint(src), h.fingerprint(dst)
+
+    code, out, err = run(capsys, command, src, dst, *COMMANDS[command])
+    assert code == 6
+    assert "already exists" in err and "--force" in err
+    assert h.fingerprint(src) == before_src and h.fingerprint(dst) == before_dst
+    assert h.listing(out_dir) == ["taken.pt"]
+
+    code, out, err = run(capsys, command, src, dst, *COMMANDS[command], "--force")
+    assert code == 0, err
+    assert dst.read_bytes() != b"precious"
+    assert h.fingerprint(src) == before_src
+    assert h.listing(out_dir) == ["taken.pt"]
+
+
+@pytest.mark.parametrize("how", ["same path", "hard link", "symlink", "relative path"])
+@pytest.mark.parametrize("command", ["strip-module", "convert"])
+def test_output_that_is_the_input_is_refused(how, command, ddp_file, capsys, monkeypatch):
+    src = ddp_file()
+    folder = src.parent
+    if how == "same path":
+        dst = src
+    elif how == "hard link":
+        dst = folder / "hard.pt"
+        os.link(src, dst)
+    elif how == "symlink":
+        dst = folder / "soft.pt"
+        dst.symlink_to(src)
+    else:
+        monkeypatch.chdir(folder)
+        dst = Path("..") / folder.name / src.name
+    names = h.listing(folder)
+    before = h.fingerprint(src)
+
+    for extra in ([], ["--force"]):  # --force never allows writing over the input
+        code, _, err = run(capsys, command, src, dst, *extra)
+        assert code == 6
+        assert "is the input file" in err and "--in-place" in err
+        assert h.fingerprint(src) == before
+        assert h.listing(folder) == names
+    if how == "symlink":
+        assert dst.is_symlink() and dst.resolve() == src.resolve()
+
+
+@pytest.mark.parametrize("via_symlink", [False, True])
+def test_in_place_rewrites_through_a_temp_file(via_symlink, ddp_file, capsys):
+    src = ddp_file()
+    dst = src
+    if via_symlink:
+        dst = src.parent / "link.pt"
+        dst.symlink_to(src.name)
+    names = h.listing(src.parent)
+    original = h.load(src)
+    inode = os.stat(src).st_ino
+
+    code, out, err = run(capsys, "strip-module", src, dst, "--in-place", "--verify", "full")
+    assert code == 0, err
+    assert "stripped 'module.'" in out
+    got = h.load(src)
+    assert list(got) == [k.removeprefix("module.") for k in original]
+    for k in original:
+        h.assert_tensor_bitwise(original[k], got[k.removeprefix("module.")], k)
+    assert os.stat(src).st_ino != inode  # replaced by rename, never written in place
+    assert h.listing(src.parent) == names  # no temp file left, the link kept
+    assert h.temp_files(src.parent) == []
+    if via_symlink:
+        assert dst.is_symlink() and dst.resolve() == src.resolve()
+
+
+def test_collision_is_refused_naming_both_keys(ddp_file, out_dir, capsys):
+    src = ddp_file(obj={"module.w": torch.ones(2), "w": torch.zeros(2), "b": torch.ones(1)})
+    before = h.fingerprint(src)
+    code, _, err = run(capsys, "strip-module", src, out_dir / "out.pt", "--prefix", "module.")
+    assert code == 7
+    assert "'module.w' and 'w' -> 'w'" in err
+    assert h.fingerprint(src) == before and h.listing(out_dir) == []
+
+    with pytest.raises(KeyCollisionError, match=r"'module\.w' and 'w'") as info:
+        strip_module_file(src, out_dir / "out.pt", prefix="module.")
+    assert info.value.collisions == (("w", ("module.w", "w")),)
+    with pytest.raises(KeyCollisionError, match=r"'a\.x' and 'b\.x' -> 'c\.x'"):
+        rename_file(
+            ddp_file("ab.pt", {"a.x": torch.ones(1), "b.x": torch.ones(1)}),
+            out_dir / "out.pt",
+            subs=[("a.", "c."), ("b.", "c.")],
+        )
+    assert h.listing(out_dir) == []
+
+
+def test_non_tensor_entries_to_safetensors_are_refused_and_listed(ddp_file, out_dir, capsys):
+    obj, _, _ = h.build_layout("trainer")
+    obj["model"]["module.note"] = "extra state"  # a non-tensor entry inside the state dict
+    src = ddp_file("trainer.pt", obj)
+    before = h.fingerprint(src)
+    dst = out_dir / "w.safetensors"
+
+    code, _, err = run(capsys, "convert", src, dst)
+    assert code == 7
+    for name in ("module.note", "optimizer", "scheduler", "epoch"):
+        assert name in err
+    assert "--drop-extras" in err
+    assert h.fingerprint(src) == before and h.listing(out_dir) == []
+    with pytest.raises(NonTensorEntriesError, match="4 non-tensor entries") as info:
+        convert(src, dst)
+    assert info.value.entries == ("module.note", "optimizer", "scheduler", "epoch")
+
+    code, out, err = run(capsys, "convert", src, dst, "--drop-extras", "--verify", "full")
+    assert code == 0, err
+    assert "left out: module.note, optimizer, scheduler, epoch, module.head.weight" in out
+    st = h.load(dst)
+    assert "module.note" not in st and "module.head.weight" not in st
+    for k, v in obj["model"].items():
+        if isinstance(v, torch.Tensor) and k != "module.head.weight":
+            h.assert_values_bitwise(v, st[k], k)
+    assert h.fingerprint(src) == before
+
+
+class Evil:
+    """Pickles as a call of ``os.system`` (``posix.system``): must never run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _stub_pickle_module() -> types.ModuleType:
+    """A pickle module for torch.load whose ``posix.system`` only records its arguments."""
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("posix", "system"):
+                return lambda *args: ("posix.system", args)
+            return super().find_class(module, name)
+
+    module = types.ModuleType("stub_pickle")
+    module.Unpickler = Unpickler
+    module.load = pickle.load
+    return module
+
+
+def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path, capsys):
+    marker = tmp_path / "MARKER"
+    sd = h.build_layout("plain")[0]
+    src = h.save({"state_dict": sd, "callback": Evil(marker), "epoch": 2}, tmp_path / "evil.pt")
+    assert "posix.system" in h.pickle_globals(h.data_pkl(src))
+    before = h.fingerprint(src)
+    out = tmp_path / "out.pt"
+
+    for command in ("strip-module", "convert", "rename --sub module.=m."):
+        code, _, err = run(capsys, *command.split(), src, out)
+        assert code == 3
+        assert "posix.system" in err and "--allow-global posix.system" in err
+        assert not out.exists() and h.temp_files(tmp_path) == []
+    with pytest.raises(UnsafeContentError, match=r"posix\.system") as info:
+        strip_module_file(src, out)
+    assert info.value.globals == ("posix.system",)
+
+    code, stdout, err = run(
+        capsys, "strip-module", src, out, "--allow-global", "posix.system", "--verify", "full"
+    )
+    assert code == 0, err
+    payload = h.data_pkl(out)
+    assert "posix.system" in h.pickle_globals(payload)
+    assert f"touch {marker}".encode() in payload
+    code, stdout, _ = run(capsys, "inspect", out)
+    assert code == 0 and "posix.system" in stdout
+    code, stdout, _ = run(capsys, "inspect", out, "--json")
+    assert code == 0 and '"posix.system"' in stdout
+
+    stub = _stub_pickle_module()
+    original = torch.load(src, weights_only=False, pickle_module=stub)
+    rewritten = torch.load(out, weights_only=False, pickle_module=stub)
+    assert rewritten["callback"] == original["callback"] == ("posix.system", (f"touch {marker}",))
+    assert rewritten["epoch"] == 2
+    for k, v in original["state_dict"].items():
+        h.assert_tensor_bitwise(v, rewritten["state_dict"][k.removeprefix("module.")], k)
+    assert not marker.exists()
+    assert h.fingerprint(src) == before
+
+
+def test_unsafe_global_in_a_fresh_process(tmp_path):
+    marker = tmp_path / "MARKER"
+    src = h.save({"w": torch.ones(2), "cb": Evil(marker)}, tmp_path / "evil.pt")
+    proc = h.run_ckpt("convert", str(src), str(tmp_path / "o.pt"), cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert "posix.system" in proc.stderr
+    assert not marker.exists() and not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["rename"], "give at least one --sub OLD=NEW or --regex"),
+        (["rename", "--regex", "(unclosed=x"], "not a valid regular expression"),
+        (["rename", "--regex", "[z-a]=x"], "not a valid regular expression"),
+        (["rename", "--sub", "noequals"], "expected OLD=NEW"),
+        (["rename", "--sub", "=new."], "expected OLD=NEW"),
+        (["retag", "--map", "cpu=gpu7"], "is not like cpu, cuda or cuda:1"),
+        (["convert", "--verify", "bogus"], "bogus"),
+        (["strip-module", "--select", "nope"], "no entry 'nope'"),
+    ],
+)
+def test_usage_errors_exit_2(args, message, ddp_file, out_dir, capsys):
+    src = ddp_file()
+    before = h.fingerprint(src)
+    command, *options = args
+    code, _, err = run(capsys, command, src, out_dir / "out.pt", *options)
+    assert code == 2
+    assert message in err
+    assert h.fingerprint(src) == before and h.listing(out_dir) == []
+
+
+def test_usage_errors_from_the_api(ddp_file, out_dir):
+    src = ddp_file()
+    with pytest.raises(UsageError, match="at least one --sub"):
+        rename_file(src, out_dir / "o.pt")
+    with pytest.raises(UsageError, match=r"'\(x' is not a valid regular expression"):
+        rename_file(src, out_dir / "o.pt", regexes=[("(x", "y")])
+    other = src.parent / "other.pt"
+    other.write_bytes(b"x")
+    with pytest.raises(OutputExistsError, match="already exists"):
+        strip_module_file(src, other)
+    assert other.read_bytes() == b"x"
+    with pytest.raises(SameFileError, match="is the input file"):
+        convert(src, src)
+    assert h.listing(out_dir) == []
+
+
+def test_missing_input_exits_2(out_dir, capsys):
+    code, _, err = run(capsys, "strip-module", out_dir / "nope.pt", out_dir / "o.pt")
+    assert code == 2 and "no such file" in err
+    assert h.listing(out_dir) == []
+
+
+def _corruptions(good: bytes) -> dict[str, bytes]:
+    return {
+        "truncated": good[: len(good) // 2],
+        "garbage": b"this is not a checkpoint at all\n" * 4,
+        "empty": b"",
+        "bad pickle": good.replace(b"data.pkl", b"data.pkx", 1),
+    }
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "empty", "bad pickle"])
+@pytest.mark.parametrize("command", ["strip-module", "convert", "add-module"])
+def test_corrupt_input_exits_4(kind, command, ddp_file, out_dir, capsys):
+    good = ddp_file().read_bytes()
+    src = ddp_file(f"{kind.replace(' ', '_')}.pt")
+    src.write_bytes(_corruptions(good)[kind])
+    before = h.fingerprint(src)
+    code, _, err = run(capsys, command, src, out_dir / "out.pt")
+    assert code == 4, err
+    assert err.startswith("ckpt: error: ") and "Traceback" not in err
+    assert h.fingerprint(src) == before and h.listing(out_dir) == []
+
+
+def test_corrupt_safetensors_exits_4(tmp_path, out_dir, capsys):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "bad.safetensors"
+    save_file({"module.w": torch.ones(4)}, str(src))
+    src.write_bytes(src.read_bytes()[:-4])  # a tensor's bytes are cut off
+    code, _, err = run(capsys, "strip-module", src, out_dir / "out.safetensors")
+    assert code == 4 and "module.w" in err
+    assert h.listing(out_dir) == []
+
+
+def test_read_only_input_is_only_read(tmp_path, capsys):
+    src = h.save(collections.OrderedDict(module_w=torch.ones(2)), tmp_path / "x.pt")
+    os.chmod(src, 0o444)
+    before = h.fingerprint(src)
+    code, _, err = run(capsys, "rename", src, tmp_path / "y.pt", "--sub", "module_=m_")
+    assert code == 0, err
+    assert h.fingerprint(src) == before
+    assert list(h.load(tmp_path / "y.pt")) == ["m_w"]

@@ -1,0 +1,229 @@
+"""Round trips through real files: strip/add are exact inverses, convert is bit-exact.
+
+Every checkpoint is built here with real torch in ``tmp_path``; outputs are read back with
+``torch.load(weights_only=True)`` (and ``mmap=True``) or safetensors' own loader, and
+compared bit for bit: raw storage bytes, dtypes, shapes, strides, storage offsets, sharing,
+non-tensor entries, key order and ``_metadata``.
+"""
+
+from __future__ import annotations
+
+import collections
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_tools.rewrite import add_module_file, convert, retag, strip_module_file
+
+try:
+    import rewrite_helpers as h
+except ImportError:  # tests/ imported as a package
+    from tests import rewrite_helpers as h
+
+# What puts each prefix on the keys, to load the round-tripped file into the real wrapper.
+WRAPPERS = {
+    "module.": nn.DataParallel,
+    "_orig_mod.": h.Compiled,
+    "module._orig_mod.": lambda m: nn.DataParallel(h.Compiled(m)),
+    "model.": h.LitModule,
+}
+
+
+@pytest.fixture
+def layout_file(tmp_path):
+    """Factory: write a layout into tmp_path, return ``(path, prefix, select)``."""
+
+    def make(name: str) -> tuple[Path, str, str]:
+        return h.save_layout(name, tmp_path / f"{name}.pt")
+
+    return make
+
+
+@pytest.mark.parametrize("layout", h.LAYOUTS)
+def test_strip_then_add_is_bitwise_identity(layout, layout_file, tmp_path):
+    src, prefix, sel = layout_file(layout)
+    before = h.fingerprint(src)
+    bare = tmp_path / f"bare{src.suffix}"
+    again = tmp_path / f"again{src.suffix}"
+
+    stripped = strip_module_file(src, bare, verify="full")
+    assert stripped.written
+    assert "".join(w.prefix for w in stripped.wrappers) == prefix
+    assert stripped.renamed == stripped.total_keys > 0
+    added = add_module_file(bare, again, prefix=prefix, verify="full")
+    assert added.written and added.renamed == added.total_keys
+
+    original = h.load(src)
+    bare_sd = h.select(h.load(bare), sel)
+    assert list(bare_sd) == [k[len(prefix) :] for k in h.select(original, sel)]
+    h.assert_bitwise_equal(original, h.load(again))
+    if src.suffix == ".safetensors":
+        assert h.safetensors_metadata(again) == h.SAFETENSORS_METADATA
+        assert h.safetensors_metadata(bare) == h.SAFETENSORS_METADATA
+    else:
+        assert zipfile.is_zipfile(bare) and zipfile.is_zipfile(again)
+        h.assert_bitwise_equal(original, h.load(again, mmap=True))
+        h.assert_bitwise_equal(h.load(bare), h.load(bare, mmap=True))
+    assert h.fingerprint(src) == before
+    assert h.temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("layout", h.MODEL_LAYOUTS)
+def test_stripped_loads_into_bare_model_and_readded_into_wrapper(layout, layout_file, tmp_path):
+    src, prefix, sel = layout_file(layout)
+    strip_module_file(src, tmp_path / "bare.pt")
+    add_module_file(tmp_path / "bare.pt", tmp_path / "wrapped.pt", prefix=prefix)
+    want = {k[len(prefix) :]: v for k, v in h.select(h.load(src), sel).items()}
+
+    for mmap in (False, True):
+        bare = h.make_model(seed=99)
+        bare.load_state_dict(h.select(h.load(tmp_path / "bare.pt", mmap=mmap), sel), strict=True)
+        got = bare.state_dict()
+        for k in want:
+            h.assert_values_bitwise(want[k], got[k], k)
+        assert bare.head.weight is bare.embed.weight  # tying survives loading
+
+        wrapper = WRAPPERS[prefix](h.make_model(seed=99))
+        wrapper.load_state_dict(
+            h.select(h.load(tmp_path / "wrapped.pt", mmap=mmap), sel), strict=True
+        )
+        got = wrapper.state_dict()
+        for k in want:
+            h.assert_values_bitwise(want[k], got[prefix + k], k)
+
+
+def test_add_module_output_loads_into_dataparallel_strict(tmp_path):
+    model = h.make_model()
+    src = h.save(model.state_dict(), tmp_path / "plain.pt")
+    add_module_file(src, tmp_path / "dp.pt")
+    for mmap in (False, True):
+        dp = nn.DataParallel(h.make_model(seed=5))
+        dp.load_state_dict(h.load(tmp_path / "dp.pt", mmap=mmap), strict=True)
+        for k, v in model.state_dict().items():
+            h.assert_values_bitwise(v, dp.state_dict()[f"module.{k}"], k)
+    # The output is what DataParallel itself saves, _metadata included.
+    h.assert_bitwise_equal(
+        {k: v for k, v in nn.DataParallel(model).state_dict().items()},
+        {k: v for k, v in h.load(tmp_path / "dp.pt").items()},
+    )
+    assert h.load(tmp_path / "dp.pt")._metadata == nn.DataParallel(model).state_dict()._metadata
+
+
+def test_add_then_strip_is_bitwise_identity(tmp_path):
+    model = h.make_model()
+    sd = model.state_dict()
+    sd.update(h.nan_payloads())
+    src = h.save(sd, tmp_path / "plain.pt")
+    add_module_file(src, tmp_path / "dp.pt", verify="full")
+    result = strip_module_file(tmp_path / "dp.pt", tmp_path / "back.pt", verify="full")
+    assert [w.prefix for w in result.wrappers] == ["module."]
+    h.assert_bitwise_equal(h.load(src), h.load(tmp_path / "back.pt"))
+
+
+def _zoo() -> collections.OrderedDict:
+    sd: collections.OrderedDict = collections.OrderedDict()
+    sd.update(h.tied())
+    sd.update(h.offset_views())
+    sd.update(h.transposed_views())
+    sd.update(h.with_prefix(h.mixed_dtypes(), "dt."))
+    sd.update(h.with_prefix(h.nan_payloads(), "nan."))
+    return sd
+
+
+def test_convert_pt_to_safetensors_to_pt_is_bit_exact(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    original = _zoo()
+    src = h.save(original, tmp_path / "zoo.pt")
+    before = h.fingerprint(src)
+
+    to_st = convert(src, tmp_path / "zoo.safetensors", verify="full")
+    assert to_st.output_format == "safetensors"
+    assert to_st.dropped == ("decoder.weight",)  # tied: stored once
+    meta = h.safetensors_metadata(tmp_path / "zoo.safetensors")
+    assert meta == {"format": "pt", "decoder.weight": "encoder.weight"}
+
+    st = load_file(str(tmp_path / "zoo.safetensors"))
+    kept = [k for k in original if k != "decoder.weight"]
+    assert list(st) == kept
+    for k in kept:
+        h.assert_values_bitwise(original[k], st[k], k)
+    with safe_open(str(tmp_path / "zoo.safetensors"), "pt") as f:
+        # Non-contiguous views were written contiguous: same values, row-major bytes.
+        h.assert_values_bitwise(original["t"].contiguous(), f.get_tensor("t"), "t")
+        h.assert_values_bitwise(original["col"].contiguous(), f.get_tensor("col"), "col")
+
+    back = convert(tmp_path / "zoo.safetensors", tmp_path / "back.pt", verify="full")
+    assert back.output_format == "torch-zip" and zipfile.is_zipfile(tmp_path / "back.pt")
+    for mmap in (False, True):
+        pt = h.load(tmp_path / "back.pt", mmap=mmap)
+        assert list(pt) == kept
+        for k in kept:
+            h.assert_values_bitwise(original[k], pt[k], k)
+            assert pt[k].is_contiguous() and pt[k].storage_offset() == 0
+    assert h.fingerprint(src) == before
+    assert h.temp_files(tmp_path) == []
+
+
+def test_convert_model_to_safetensors_loads_with_safetensors_load_model(tmp_path):
+    from safetensors.torch import load_model
+
+    model = h.make_model()
+    src = h.save(model.state_dict(), tmp_path / "model.pt")
+    result = convert(src, tmp_path / "model.safetensors")
+    assert result.dropped == ("head.weight",)
+    assert h.safetensors_metadata(tmp_path / "model.safetensors")["head.weight"] == "embed.weight"
+    fresh = h.make_model(seed=42)
+    missing, unexpected = load_model(fresh, str(tmp_path / "model.safetensors"), strict=True)
+    assert not missing and not unexpected
+    for k, v in model.state_dict().items():
+        h.assert_values_bitwise(v, fresh.state_dict()[k], k)
+
+
+def test_convert_safetensors_to_pt_and_back_keeps_metadata_and_bits(layout_file, tmp_path):
+    src, _, _ = layout_file("safetensors")
+    original = h.load(src)
+    convert(src, tmp_path / "st.pt", verify="full")
+    pt = h.load(tmp_path / "st.pt", mmap=True)
+    assert list(pt) == list(original)
+    for k in original:
+        h.assert_tensor_bitwise(original[k], pt[k], k)  # each tensor owns a storage
+    convert(src, tmp_path / "copy.safetensors")
+    assert h.safetensors_metadata(tmp_path / "copy.safetensors") == h.SAFETENSORS_METADATA
+    h.assert_bitwise_equal(original, h.load(tmp_path / "copy.safetensors"))
+
+
+def test_legacy_input_comes_out_as_a_zip_archive(layout_file, tmp_path):
+    src, _, _ = layout_file("legacy")
+    assert not zipfile.is_zipfile(src)
+    for fmt in ("pt", "pth"):
+        out = tmp_path / f"new.{fmt}"
+        result = convert(src, out, verify="full")
+        assert result.input_format == "torch-legacy" and result.output_format == "torch-zip"
+        assert zipfile.is_zipfile(out)
+        h.assert_bitwise_equal(h.load(src), h.load(out))
+        h.assert_bitwise_equal(h.load(src), h.load(out, mmap=True))
+
+
+def test_pt_to_pt_convert_of_a_trainer_dict_is_bitwise_identity(layout_file, tmp_path):
+    src, _, _ = layout_file("trainer")
+    convert(src, tmp_path / "same.pt", verify="full")
+    h.assert_bitwise_equal(h.load(src), h.load(tmp_path / "same.pt"))
+
+
+def test_retag_round_trip(tmp_path):
+    sd = _zoo()
+    src = h.save(sd, tmp_path / "cpu.pt")
+    result = retag(src, tmp_path / "gpu.pt", {"cpu": "cuda:1"})
+    assert result.device_map == {"cpu": "cuda:1"}
+    payload = h.data_pkl(tmp_path / "gpu.pt")
+    assert b"cuda:1" in payload and b"cpu" not in payload
+    # Loads anywhere with map_location, bytes unchanged.
+    mapped = torch.load(tmp_path / "gpu.pt", weights_only=True, map_location="cpu")
+    h.assert_bitwise_equal(h.load(src), mapped)
+    retag(tmp_path / "gpu.pt", tmp_path / "back.pt", {"cuda:1": "cpu"})
+    h.assert_bitwise_equal(h.load(src), h.load(tmp_path / "back.pt"))
