@@ -85,40 +85,55 @@ def check_output_path(
 
 
 _RAISED = (signal.SIGTERM, signal.SIGHUP)
-# Held back (blocked) while a temp file is being created, so none can strike between its
-# creation and the cleanup that guards it; SIGINT keeps raising KeyboardInterrupt.
 _HELD = (*_RAISED, signal.SIGINT)
-_CAN_HOLD = hasattr(signal, "pthread_sigmask")
 
 
 @contextlib.contextmanager
 def _signals_raise() -> Iterator[Callable[[], None]]:
-    """SIGTERM and SIGHUP raise :class:`Interrupted` inside; all of :data:`_HELD` are held
-    until the yielded ``release`` is called (or the block ends)."""
+    """Inside, SIGTERM and SIGHUP raise :class:`Interrupted`.
+
+    Until the yielded ``release`` is called, they and SIGINT are only noted, then raised
+    again by ``release``: a temp file is created and its cleanup armed before any of them
+    can interrupt. (Blocking them with ``pthread_sigmask`` would not do: the kernel hands a
+    process-wide signal to any thread that does not block it, torch's among them.)
+    """
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
         return
+    pending: list[int] = []
 
-    def handler(signum: int, frame: object) -> None:
+    def hold(signum: int, frame: object) -> None:
+        pending.append(signum)
+
+    def interrupt(signum: int, frame: object) -> None:
         raise Interrupted(signum)
 
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD) if _CAN_HOLD else None
+    previous = {signum: signal.signal(signum, hold) for signum in _HELD}
+    released = False
 
     def release() -> None:
-        nonlocal mask
-        if mask is not None:
-            before, mask = mask, None
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        nonlocal released
+        if released:
+            return
+        released = True
+        for signum in _HELD:
+            old = previous[signum]
+            # An ignored signal stays ignored (`nohup ckpt ...` must survive its SIGHUP).
+            handler = interrupt if signum in _RAISED and old is not signal.SIG_IGN else old
+            if handler is not None:
+                signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)  # its handler runs now, in the caller's cleanup
 
-    previous = {signum: signal.signal(signum, handler) for signum in _RAISED}
     try:
         yield release
     finally:
         try:
             release()
         finally:
-            for signum, old in previous.items():
-                signal.signal(signum, old)
+            for signum in _RAISED:
+                if previous[signum] is not None:
+                    signal.signal(signum, previous[signum])
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -163,7 +178,7 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
         tmp = Path(tmp_name)
         f = os.fdopen(fd, "w+b")
         try:
-            release()  # a signal held since before the temp file existed is raised here
+            release()  # a signal noted since before the temp file existed is raised here
             with f:
                 yield f, tmp
                 f.flush()

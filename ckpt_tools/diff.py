@@ -27,10 +27,18 @@ from ckpt_tools.diff_report import FAIL_CATEGORIES, DiffReport, SideInfo, Sugges
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.keys import plan_renames
 from ckpt_tools.layouts import is_state_dict, select_state_dict
 from ckpt_tools.model import TensorRef
-from ckpt_tools.suggest import Step, fix_command, fix_python, rank_fixes, wrapper_stack
-from ckpt_tools.tensor_io import DEFAULT_CHUNK_BYTES, TensorReader
+from ckpt_tools.suggest import (
+    Step,
+    best_fix,
+    fix_command,
+    fix_python,
+    rank_fixes,
+    wrapper_stack,
+)
+from ckpt_tools.tensor_io import TensorReader
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,9 +47,10 @@ __all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDif
 
 DiffSide = Union[str, "os.PathLike[str]", Mapping[str, Any], "nn.Module"]
 
-_FLOAT32_OK = {"float32", "float16", "bfloat16"} | {
-    n for n in ("float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz")
-}
+# Dtypes whose values are compared in float32, float64 (quantized ones by their integer
+# representation) or complex; any other dtype is compared by its bits only.
+_FLOAT32_OK = {"float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"}
+_FLOAT32_OK |= {"float8_e5m2fnuz", "float8_e4m3fnuz"}
 _FLOAT64 = {"float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 _FLOAT64 |= {"bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
 _COMPLEX = {"complex64", "complex128"}
@@ -163,6 +172,69 @@ def _compute_dtype(a: str, b: str) -> torch.dtype | None:
     return None
 
 
+#: Bytes :func:`diff` reads per side at a time; a chunk's temporaries are a few times this.
+CHUNK_BYTES = 1 << 20
+
+# Integer views of each element size: comparing them is comparing bits (-0.0 != 0.0).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+_INTEGRAL = _FLOAT64 - {"float64"}
+
+
+class _Stats:
+    """Running comparison of one tensor pair, fed chunk by chunk."""
+
+    def __init__(self, dtype_a: str, dtype_b: str, rtol: float, atol: float) -> None:
+        self.rtol, self.atol = rtol, atol
+        self.same_dtype = dtype_a == dtype_b
+        self.bits = _BITS.get(itemsize(dtype_a)) if self.same_dtype else None
+        self.bit_equal = self.same_dtype
+        self.compute = _compute_dtype(dtype_a, dtype_b)
+        self.may_be_nonfinite = not {dtype_a, dtype_b} <= _INTEGRAL
+        self.max_abs = self.max_rel = 0.0
+        self.mismatched = self.nan_a = self.nan_b = self.inf_a = self.inf_b = self.numel = 0
+
+    def add(self, ca: torch.Tensor, cb: torch.Tensor) -> None:
+        self.numel += ca.numel()
+        equal = False
+        if self.bits is not None:
+            equal = torch.equal(ca.view(self.bits), cb.view(self.bits))
+            self.bit_equal = self.bit_equal and equal
+        if self.compute is None:
+            return
+        x, y = ca.to(self.compute), cb.to(self.compute)
+        # A finite sum means every element is finite (NaN and inf propagate): one cheap
+        # reduction instead of isnan/isinf/isclose over the whole chunk.
+        if self.may_be_nonfinite and not (
+            bool(torch.isfinite(x.sum())) and (equal or bool(torch.isfinite(y.sum())))
+        ):
+            self._add_nonfinite(x, y)
+            return
+        if equal:
+            return
+        d = torch.abs(x - y) if x.is_complex() else torch.sub(x, y).abs_()
+        y_abs = y.abs()
+        tolerance = torch.mul(y_abs, self.rtol).add_(self.atol)
+        self.mismatched += int(torch.gt(d, tolerance).sum())
+        del tolerance
+        self.max_abs = max(self.max_abs, float(d.max()))
+        # 0/0 -> 0; d/0 -> inf (b is 0 and a is not).
+        self.max_rel = max(self.max_rel, float(d.div_(y_abs).nan_to_num_(nan=0.0).max()))
+
+    def _add_nonfinite(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+        self.nan_a += int(nan_x.sum())
+        self.nan_b += int(nan_y.sum())
+        self.inf_a += int(torch.isinf(x).sum())
+        self.inf_b += int(torch.isinf(y).sum())
+        close = torch.isclose(x, y, rtol=self.rtol, atol=self.atol, equal_nan=True)
+        self.mismatched += int((~close).sum())
+        same = (x == y) | nan_x | nan_y  # NaN places are counted apart, not as distances
+        d = torch.where(same, 0.0, torch.abs(x - y))
+        self.max_abs = max(self.max_abs, float(d.max()))
+        r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf)
+        self.max_rel = max(self.max_rel, float(r.max()))
+
+
 def _compare(
     name: str, a: _Side, b: _Side, rtol: float, atol: float, chunk_bytes: int
 ) -> TensorDiff:
@@ -171,47 +243,23 @@ def _compare(
     if shape_a != shape_b or not (a.comparable(name) and b.comparable(name)):
         return base
     elements = max(1, chunk_bytes // max(itemsize(dtype_a), itemsize(dtype_b)))
-    compute = _compute_dtype(dtype_a, dtype_b)
-    bit_equal = dtype_a == dtype_b
-    max_abs = max_rel = 0.0
-    mismatched = nan_a = nan_b = inf_a = inf_b = numel = 0
+    stats = _Stats(dtype_a, dtype_b, rtol, atol)
     for ca, cb in zip(a.chunks(name, elements), b.chunks(name, elements)):
-        numel += ca.numel()
-        if bit_equal:
-            bit_equal = torch.equal(ca.view(torch.uint8), cb.view(torch.uint8))
-        if compute is None:
-            continue
-        x, y = ca.to(compute), cb.to(compute)
-        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
-        nan_a += int(nan_x.sum())
-        nan_b += int(nan_y.sum())
-        inf_a += int(torch.isinf(x).sum())
-        inf_b += int(torch.isinf(y).sum())
-        mismatched += int((~torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)).sum())
-        same = (x == y) | nan_x | nan_y  # NaN places are counted apart, not as distances
-        d = torch.where(same, 0.0, (x - y).abs())
-        if d.numel():
-            max_abs = max(max_abs, float(d.max()))
-            r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf)
-            max_rel = max(max_rel, float(r.max()))
-    if compute is None:
-        return TensorDiff(name, dtype_a, dtype_b, shape_a, shape_b, bool(bit_equal), numel=numel)
-    return TensorDiff(
-        name,
-        dtype_a,
-        dtype_b,
-        shape_a,
-        shape_b,
-        bit_equal=bool(bit_equal),
-        max_abs=max_abs,
-        max_rel=max_rel,
-        allclose=mismatched == 0,
-        mismatched=mismatched,
-        nan_a=nan_a,
-        nan_b=nan_b,
-        inf_a=inf_a,
-        inf_b=inf_b,
-        numel=numel,
+        stats.add(ca, cb)
+    if stats.compute is None:
+        return replace(base, bit_equal=stats.bit_equal, numel=stats.numel)
+    return replace(
+        base,
+        bit_equal=stats.bit_equal,
+        max_abs=stats.max_abs,
+        max_rel=stats.max_rel,
+        allclose=stats.mismatched == 0,
+        mismatched=stats.mismatched,
+        nan_a=stats.nan_a,
+        nan_b=stats.nan_b,
+        inf_a=stats.inf_a,
+        inf_b=stats.inf_b,
+        numel=stats.numel,
     )
 
 
@@ -265,6 +313,21 @@ def _suggestions(
 # diff
 
 
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    if threads is None or threads == torch.get_num_threads():
+        yield
+        return
+    if threads < 1:
+        raise UsageError(f"threads must be >= 1 or None, got {threads}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def diff(
     a: DiffSide,
     b: DiffSide,
@@ -272,7 +335,9 @@ def diff(
     atol: float = 1e-8,
     select_a: str | Sequence[str] | None = None,
     select_b: str | Sequence[str] | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = CHUNK_BYTES,
+    threads: int | None = 1,
+    align: bool = False,
 ) -> DiffReport:
     """Compare two state dicts key by key and tensor by tensor, in bounded memory.
 
@@ -285,6 +350,13 @@ def diff(
         select_a, select_b: dotted paths to the state dict in each checkpoint (default:
             chosen automatically, as ``ckpt inspect`` does).
         chunk_bytes: bytes read per side at a time while comparing one tensor.
+        threads: torch intra-op threads while comparing, restored afterwards. The work is
+            memory-bound: one thread is as fast on an idle machine and far faster on a busy
+            one (spinning worker threads). None leaves torch's setting alone.
+        align: first rewrite A's keys with the wrapper rewrite that best matches B's (as
+            :func:`ckpt_tools.load_into` does: ``module.``, ``_orig_mod.``, ``model.`` ...),
+            then compare; the report says which (``aligned``), and its suggestions still show
+            the command that makes the rewrite permanent.
 
     Returns:
         A :class:`DiffReport`: missing and unexpected keys, one :class:`TensorDiff` per
@@ -302,7 +374,17 @@ def diff(
     """
     if rtol < 0 or atol < 0:
         raise UsageError(f"tolerances must be >= 0, got rtol={rtol} atol={atol} (--rtol/--atol)")
-    with _open_side(a, select_a, "A") as side_a, _open_side(b, select_b, "B") as side_b:
+    with (
+        _torch_threads(threads),
+        _open_side(a, select_a, "A") as side_a,
+        _open_side(b, select_b, "B") as side_b,
+    ):
+        has_unexpected = any(k not in side_b.entries for k in side_a.entries)
+        suggestions = _suggestions(side_a, side_b, select_a, select_b) if has_unexpected else ()
+        fix = best_fix(list(side_a.entries), list(side_b.entries)) if align else None
+        if fix is not None:
+            plan = plan_renames(list(side_a.entries), fix.rules)
+            side_a.entries = {plan[k]: v for k, v in side_a.entries.items()}
         missing = tuple(k for k in side_b.entries if k not in side_a.entries)
         unexpected = tuple(k for k in side_a.entries if k not in side_b.entries)
         tensors = tuple(
@@ -310,7 +392,6 @@ def diff(
             for name in side_a.entries
             if name in side_b.entries
         )
-        suggestions = _suggestions(side_a, side_b, select_a, select_b) if unexpected else ()
         return DiffReport(
             a=side_a.info,
             b=side_b.info,
@@ -320,6 +401,7 @@ def diff(
             unexpected=unexpected,
             tensors=tensors,
             suggestions=suggestions,
+            aligned=tuple(step.describe() for step in fix.steps) if fix else (),
         )
 
 

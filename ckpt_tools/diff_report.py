@@ -163,6 +163,9 @@ class Suggestion:
             line += f"; that is {other}"
         return line + (f"; {self.note}" if self.note else "")
 
+    def __str__(self) -> str:
+        return self.text()
+
     def to_json(self) -> dict[str, Any]:
         return {
             "description": self.description,
@@ -186,7 +189,9 @@ class DiffReport:
         missing: keys of B absent from A.
         unexpected: keys of A absent from B.
         tensors: every key on both sides, compared, in A's order.
-        suggestions: key rewrites explaining the mismatch, best first.
+        suggestions: key rewrites explaining the mismatch of the keys as stored, best first.
+        aligned: the wrapper rewrite applied to A's keys before comparing (``diff(align=True)``),
+            in words; missing, unexpected and tensors are after it.
     """
 
     a: SideInfo
@@ -197,6 +202,7 @@ class DiffReport:
     unexpected: tuple[str, ...]
     tensors: tuple[TensorDiff, ...]
     suggestions: tuple[Suggestion, ...] = ()
+    aligned: tuple[str, ...] = ()
 
     @property
     def shape_mismatches(self) -> tuple[TensorDiff, ...]:
@@ -239,4 +245,5 @@ class DiffReport:
             "unexpected": list(self.unexpected),
             "tensors": [t.to_json() for t in self.tensors],
             "suggestions": [s.to_json() for s in self.suggestions],
+            "aligned": list(self.aligned),
         }

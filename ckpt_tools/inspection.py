@@ -14,7 +14,14 @@ from ckpt_tools.keys import WrapperMatch, detect_wrappers
 from ckpt_tools.layouts import Selection, select_state_dict
 from ckpt_tools.model import Opaque, TensorRef
 
-__all__ = ["CheckpointInfo", "TensorInfo", "describe_value", "inspect", "inspect_checkpoint"]
+__all__ = [
+    "CheckpointInfo",
+    "TensorInfo",
+    "describe_value",
+    "inspect",
+    "inspect_checkpoint",
+    "script_module_tensors",
+]
 
 
 @dataclass(frozen=True)

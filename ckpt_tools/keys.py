@@ -233,7 +233,7 @@ _SD = TypeVar("_SD", bound=Mapping[str, Any])
 
 
 def apply_plan(sd: Mapping[str, Any], plan: Mapping[str, str], rules: Sequence[KeyRule]) -> dict:
-    """A new dict with keys renamed by ``plan``, same values, same order, ``_metadata`` kept in step.
+    """A new dict: keys renamed by ``plan``, same values and order, ``_metadata`` kept in step.
 
     Module paths in ``_metadata`` are renamed by the same ``rules`` (as torch's
     ``consume_prefix_in_state_dict_if_present`` does for ``module.``).

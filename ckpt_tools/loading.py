@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shlex
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,7 +33,14 @@ from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.grouping import group_names
 from ckpt_tools.keys import rename_keys
 from ckpt_tools.layouts import Selection, is_state_dict, select_state_dict
-from ckpt_tools.suggest import best_fix, fix_command, fix_python, rank_fixes, wrapper_stack
+from ckpt_tools.suggest import (
+    KeyFix,
+    best_fix,
+    fix_command,
+    fix_python,
+    rank_fixes,
+    wrapper_stack,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -305,11 +313,14 @@ def _check_trust(ckpt: Checkpoint, weights_only: bool, trust: bool) -> None:
         )
     if ckpt.unsafe_globals and not trust:
         names = ", ".join(ckpt.unsafe_globals)
+        allow = " ".join(f"--allow-global {shlex.quote(g)}" for g in ckpt.unsafe_globals)
+        out = os.path.splitext(ckpt.path.rstrip("/"))[0] + ".safetensors"
         raise UnsafeContentError(
             f"{ckpt.path!r} refers to Python globals outside the weights-only allowlist: "
             f"{names}. Loading it would import and call them. If you trust the file, pass "
             f"trust=True (load_state_dict({ckpt.path!r}, trust=True)); otherwise keep only "
-            f"the tensors: `ckpt convert {ckpt.path} OUT.safetensors --drop-extras`",
+            f"the tensors, without running anything: `ckpt convert {shlex.quote(ckpt.path)} "
+            f"{shlex.quote(out)} --drop-extras {allow}`",
             ckpt.unsafe_globals,
         )
 
@@ -589,6 +600,25 @@ class LoadReport:
         """Every key matched in name and shape."""
         return not (self.missing or self.unexpected or self.shape_mismatches)
 
+    def __str__(self) -> str:
+        how = f" ({', '.join(self.rewrites)})" if self.rewrites else ""
+        lines = [f"loaded {self.loaded} keys from {self.source} into {self.model}{how}"]
+        if self.missing:
+            lines.append(f"missing ({len(self.missing)}): {fold_keys(self.missing)}")
+        if self.unexpected:
+            lines.append(f"unexpected ({len(self.unexpected)}): {fold_keys(self.unexpected)}")
+        for m in self.shape_mismatches:
+            lines.append(
+                f"shape mismatch, skipped: {m.key} checkpoint {list(m.checkpoint)} vs model "
+                f"{list(m.model)}"
+            )
+        if self.dtype_casts:
+            lines.append(f"cast to the model's dtype: {len(self.dtype_casts)} keys")
+        if self.info is not None and self.info.moved:
+            moved = ", ".join(f"{m.saved} -> {m.target}" for m in self.info.moved)
+            lines.append(f"devices: {moved}")
+        return "\n".join(lines)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -613,7 +643,13 @@ def fold_keys(keys: Sequence[str], limit: int = 6) -> str:
     return ", ".join(shown) + more
 
 
-def _mismatch_message(report: LoadReport, select: str | Sequence[str] | None) -> str:
+def _mismatch_message(
+    report: LoadReport,
+    select: str | Sequence[str] | None,
+    source_keys: Sequence[str],
+    model_keys: Sequence[str],
+    applied: KeyFix | None,
+) -> str:
     parts = [f"{report.source} does not match {report.model}"]
     if report.rewrites:
         parts.append(f"(after {', '.join(report.rewrites)})")
@@ -635,8 +671,13 @@ def _mismatch_message(report: LoadReport, select: str | Sequence[str] | None) ->
         )
         more = " ..." if len(report.shape_mismatches) > 4 else ""
         lines.append(f"  {len(report.shape_mismatches)} shape mismatch(es): {shown}{more}")
-    fixes = rank_fixes(report.unexpected, report.missing) if report.unexpected else ()
-    if fixes:
+    # A rewrite of the keys as stored (the command acts on the file) that does better than
+    # the wrapper rewrite applied here.
+    fixes = rank_fixes(source_keys, model_keys) if report.unexpected else ()
+    done = (
+        applied.matched if applied is not None else sum(k in set(model_keys) for k in source_keys)
+    )
+    if fixes and fixes[0].matched > done:
         fix = fixes[0]
         how = (
             fix_command(report.source, fix.steps, select)
@@ -752,7 +793,9 @@ def load_into(
         info=info,
     )
     if strict and not report.ok:
-        raise StateDictMismatchError(_mismatch_message(report, select))
+        raise StateDictMismatchError(
+            _mismatch_message(report, select, source_keys, model_keys, fix)
+        )
     skip = {m.key for m in shapes}
     filtered: Any = OrderedDict((k, v) for k, v in sd.items() if k not in skip)
     if getattr(sd, "_metadata", None) is not None:

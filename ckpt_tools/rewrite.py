@@ -223,7 +223,9 @@ def rewrite(
     renamed_sd = apply_plan(sd, plan, rules)
     changed = [(old, new) for old, new in plan.items() if old != new]
     tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
-    total = sum(s.nbytes for s in {id(t.storage): t.storage for t in tensors.values()}.values())
+    # Torch outputs copy every storage the checkpoint keeps (optimizer state too).
+    counted = tensors.values() if fmt == "safetensors" else ()
+    total = sum(t.nbytes for t in counted) or sum(s.nbytes for s in ckpt.storages.values())
     done = [0]
 
     def on_bytes(n: int) -> None:

@@ -177,12 +177,14 @@ def _evaluate(steps: tuple[Step, ...], source: Sequence[str], target: set[str]) 
     )
 
 
-def _top(key: str) -> str:
-    head, dot, _ = key.partition(".")
-    return head + dot if dot else ""
+def _prefixes(key: str, depth: int = 2) -> list[str]:
+    """The first ``depth`` dotted prefixes of ``key`` that leave something after them."""
+    parts = key.split(".")
+    return [".".join(parts[:n]) + "." for n in range(1, min(depth, len(parts) - 1) + 1)]
 
 
 def _candidates(source: Sequence[str], target: Sequence[str], subs: bool) -> list[tuple[Step, ...]]:
+    """Candidate rewrites, most trusted first: the layout fix, wrapper rules, key prefixes."""
     found: list[tuple[Step, ...]] = [layout_fix(source, target)]
     for rule in WRAPPER_RULES:
         found.append((Step("strip", rule.prefix),))
@@ -191,12 +193,13 @@ def _candidates(source: Sequence[str], target: Sequence[str], subs: bool) -> lis
         found.append((Step("add", rule.prefix),))
     if subs:
         target_set, source_set = set(target), set(source)
-        extra = Counter(_top(k) for k in source if k not in target_set)
-        missing = Counter(_top(k) for k in target if k not in source_set)
-        for old, _ in extra.most_common(8):
-            for new, _ in missing.most_common(8):
-                if old and new and old != new:
-                    found.append((Step("sub", old, new),))
+        extra = Counter(p for k in source if k not in target_set for p in _prefixes(k))
+        missing = Counter(p for k in target if k not in source_set for p in _prefixes(k))
+        olds = [p for p, _ in extra.most_common(6)]
+        news = [p for p, _ in missing.most_common(6)]
+        found += [(Step("strip", old),) for old in olds]
+        found += [(Step("add", new),) for new in news]
+        found += [(Step("sub", old, new),) for old in olds for new in news if old != new]
     return list(dict.fromkeys(s for s in found if s))
 
 
@@ -206,17 +209,18 @@ def rank_fixes(
     """Every candidate rewrite of ``source`` that gains matches with ``target``, best first.
 
     Candidates: the :func:`layout_fix`, each wrapper rule alone (strip, strip inside keys,
-    add) and, with ``subs``, prefix maps between the unmatched top-level names of both
-    sides. Rewrites that would merge two keys are dropped.
+    add) and, with ``subs``, the leading one- and two-segment prefixes of the unmatched keys
+    of both sides: stripped from the source, added to it, or mapped onto each other
+    (``backbone.`` -> ``encoder.``). Rewrites that would merge two keys are dropped.
 
     Args:
         source: keys to rewrite.
         target: keys to match.
-        subs: also try prefix maps (``backbone.`` -> ``encoder.``).
+        subs: also try prefixes taken from the keys (``backbone.`` -> ``encoder.``).
 
     Returns:
         The fixes that make more source keys match than before, by matches gained (then
-        fewer steps first).
+        wrapper rewrites before rewrites made of the keys' own prefixes).
 
     Example:
         >>> rank_fixes(["module.a", "module.b"], ["a", "b"])[0].describe()
@@ -228,7 +232,9 @@ def rank_fixes(
         fix = _evaluate(steps, source, target_set)
         if fix is not None and fix.resolved > fix.broken:
             fixes.append(fix)
-    fixes.sort(key=lambda f: (-(f.resolved - f.broken), len(f.steps)))
+    # Most matches gained first; among equals, the candidates' order (wrappers first), which
+    # the sort keeps because it is stable.
+    fixes.sort(key=lambda f: -(f.resolved - f.broken))
     return tuple(fixes)
 
 

@@ -95,6 +95,16 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
                 f"{name!r} reads back as {have.dtype} {list(have.shape)}, expected "
                 f"{want.dtype} {list(want.shape)}; the output was not kept"
             )
+        # Torch outputs keep every view as it was; safetensors stores each one contiguous.
+        if out.format != "safetensors" and (have.stride, have.offset) != (
+            want.stride,
+            want.offset,
+        ):
+            raise VerificationError(
+                f"{name!r} reads back with strides {list(have.stride)} at storage offset "
+                f"{have.offset}, expected {list(want.stride)} at {want.offset}; the output was "
+                "not kept"
+            )
         first_src = sharing_src.setdefault(id(want.storage), name)
         first_out = sharing_out.setdefault(id(have.storage), name)
         if first_src != first_out and out.format != "safetensors":

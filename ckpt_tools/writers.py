@@ -18,7 +18,8 @@ from typing import Any, BinaryIO
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import StorageTypeRef, dumps
+from ckpt_tools.formats.pickles import StorageTypeRef
+from ckpt_tools.formats.repickle import dumps
 from ckpt_tools.formats.zipwriter import TorchZipWriter, copy_range, pwrite_all
 from ckpt_tools.model import GlobalRef, StorageRef, TensorRef
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import factories` from any test
 
-import factories  # noqa: E402
+import factories
 
 
 @pytest.fixture

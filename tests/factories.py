@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import dumps, load_pickle, zip_storage_id
+from ckpt_tools.formats.pickles import load_pickle
+from ckpt_tools.formats.repickle import dumps, zip_storage_id
 from ckpt_tools.inspection import TensorInfo
 from ckpt_tools.model import StorageRef, TensorRef
 
@@ -66,6 +67,11 @@ def fixtures_where(**conditions: Any) -> list[dict[str, Any]]:
         return True
 
     return [e for e in manifest() if matches(e)]
+
+
+def by_name(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``pytest.mark.parametrize("entry", **by_name(entries))``: one case per fixture, by name."""
+    return {"argvalues": list(entries), "ids": [e["name"] for e in entries]}
 
 
 def fixture_path(name: str) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from collections.abc import Callable
@@ -101,6 +102,34 @@ def test_tolerances_and_differences() -> None:
         diff(a, b, rtol=-1)
 
 
+def test_other_dtypes_and_large_values() -> None:
+    big = torch.full((4,), 3e38)  # a finite tensor whose sum overflows
+    a = {
+        "big": big,
+        "ints": torch.tensor([1, 2, 3]),
+        "flags": torch.tensor([True, False]),
+        "half_vs_float": torch.tensor([0.5, 1.0]).half(),
+        "complex": torch.tensor([1 + 1j, 2 - 1j]),
+        "bf16": torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+    }
+    b = {
+        "big": big.clone(),
+        "ints": torch.tensor([1, 2, 5]),
+        "flags": torch.tensor([True, True]),
+        "half_vs_float": torch.tensor([0.5, 1.0]),
+        "complex": torch.tensor([1 + 1j, 2 + 1j]),
+        "bf16": torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+    }
+    rows = {t.name: t for t in diff(a, b).tensors}
+    assert rows["big"].bit_equal and rows["big"].inf_a == 0 and rows["big"].allclose
+    assert (rows["ints"].max_abs, rows["ints"].mismatched) == (2.0, 1)
+    assert rows["ints"].max_rel == pytest.approx(0.4)
+    assert rows["flags"].status == "differ" and rows["flags"].max_rel == 1.0
+    assert rows["half_vs_float"].status == "dtype" and rows["half_vs_float"].max_abs == 0
+    assert rows["complex"].max_abs == pytest.approx(2.0) and not rows["complex"].allclose
+    assert rows["bf16"].status == "equal"
+
+
 def test_keys_shapes_and_dtypes(save: Callable[..., str]) -> None:
     a = layers()
     b = layers()
@@ -155,6 +184,23 @@ def test_views_and_strides_are_read_from_their_storage(save: Callable[..., str])
     assert diff(path, sd, chunk_bytes=16).identical
 
 
+def test_legacy_and_sharded_files_stream_too(tmp_path: Path) -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sd = {"base": base, "t": base.t(), "tail": base[2:], "bias": torch.randn(3)}
+    legacy = tmp_path / "legacy.pt"
+    torch.save(sd, legacy, _use_new_zipfile_serialization=False)
+    assert diff(legacy, sd).identical
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    save_file({"base": base}, folder / "part-1.safetensors")
+    save_file({"bias": sd["bias"]}, folder / "part-2.safetensors")
+    index = {"weight_map": {"base": "part-1.safetensors", "bias": "part-2.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    report = diff(folder, legacy)
+    assert report.a.format == "hf-sharded" and report.missing == ("t", "tail")
+    assert all(t.bit_equal for t in report.tensors) and len(report.tensors) == 2
+
+
 def test_small_chunks_give_the_same_answer(save: Callable[..., str]) -> None:
     a, b = layers(seed=0), layers(seed=0)
     b["layers.3.weight"][2, 2] += 0.5
@@ -183,6 +229,7 @@ def test_suggests_stripping_each_wrapper(prefix: str, save: Callable[..., str]) 
     a = save({prefix + k: v for k, v in plain.items()}, "wrapped.pt")
     b = save(plain, "plain.pt")
     best = diff(a, b).suggestions[0]
+    assert str(best) == best.text()
     assert best.description == f"stripping {prefix!r}"
     assert (best.resolved, best.of) == (9, 9)
     assert best.text().startswith(f"stripping {prefix!r} resolves 9 of 9 unexpected keys: ckpt ")
@@ -232,6 +279,8 @@ def test_prefix_map_suggestion_and_module_note(save: Callable[..., str]) -> None
     wrapped = save({"module." + k: v for k, v in model.state_dict().items()}, "m.pt")
     best = diff(wrapped, model).suggestions[0]
     assert "load_into" in best.note and best.inverse_command == ""
+    aligned = diff(wrapped, model, align=True)
+    assert aligned.identical and aligned.aligned == ("stripping 'module.'",)
 
 
 def test_diff_is_callable_from_the_package_even_after_importing_the_module() -> None:

@@ -112,6 +112,21 @@ def test_suggestion_is_printed_with_the_command(files: Any, capsys: Any) -> None
     code, out, _ = run(["diff", a_path, b_path, "--fail-on", "unexpected"], capsys)
     assert code == 1
     assert "stripping 'module.' resolves 3 of 3 unexpected keys: ckpt strip-module " in out
+    assert "compared 0 common tensors" in out
+
+
+def test_align_compares_values_through_the_wrapper(files: Any, capsys: Any) -> None:
+    b = base()
+    VARIANTS["value"](b)
+    a_path, b_path = files({"_orig_mod." + k: v for k, v in base().items()}, b)
+    args = ["diff", a_path, b_path, "--align", "--fail-on", "missing,unexpected"]
+    code, out, _ = run(args, capsys)
+    assert code == 0
+    assert "aligned: A's keys compared after stripping '_orig_mod.'" in out
+    assert "compared 3 common tensors: 2 equal, 1 differ" in out
+    assert "ckpt strip-module" in out  # how to make it permanent
+    code, out, _ = run([*args[:-1], "value", "--json"], capsys)
+    assert code == 1 and json.loads(out)["aligned"] == ["stripping '_orig_mod.'"]
 
 
 def test_model_from_a_file_with_typed_args(tmp_path: Path, capsys: Any) -> None:

@@ -81,18 +81,73 @@ CASES = [
     Case("empty", committed("empty.pt"), UnsupportedFormatError, r"is empty \(0 bytes\)"),
     Case("truncated-zip", committed("truncated.pt"), CorruptCheckpointError, r"truncated"),
     Case("random-bytes", committed("random.bin"), UnsupportedFormatError, r"not a checkpoint"),
-    Case("zip-without-data-pkl", committed("no_data_pkl.pt"), CorruptCheckpointError, r"without a data\.pkl"),
-    Case("lfs-pointer", committed("lfs_pointer.pt"), LfsPointerError, r"git-lfs pointer.*git lfs pull"),
-    Case("folder-without-checkpoint", committed("no_checkpoint"), UnsupportedFormatError, r"folder without a checkpoint.*\.keep"),
-    Case("zip-missing-storage", zip_missing_storage, CorruptCheckpointError, r"storage '3'.*no record data/3"),
-    Case("legacy-cut-in-last-storage", cut("legacy.pt", lambda n: n - 10), CorruptCheckpointError, r"is truncated: storage"),
-    Case("legacy-cut-in-half", cut("legacy.pt", lambda n: n // 2), CorruptCheckpointError, r"is truncated: storage"),
-    Case("legacy-cut-in-pickle", cut("legacy.pt", lambda n: 200), CorruptCheckpointError, r"malformed or truncated"),
-    Case("safetensors-cut-in-data", cut("model.safetensors", lambda n: n - 10), CorruptCheckpointError, r"does not fit"),
-    Case("safetensors-cut-in-header", cut("model.safetensors", lambda n: 100), CorruptCheckpointError, r"header claims \d+ bytes but the file has 92"),
-    Case("safetensors-offsets-out-of-range", safetensors_out_of_range, CorruptCheckpointError, r"byte range \[\d+, \d+\) that does not fit"),
-    Case("tar-cut-in-last-member", tar_cut_in_last_member, CorruptCheckpointError, r"cannot be read \(unexpected end of data\)"),
-]  # fmt: skip
+    Case(
+        "zip-without-data-pkl",
+        committed("no_data_pkl.pt"),
+        CorruptCheckpointError,
+        r"without a data\.pkl",
+    ),
+    Case(
+        "lfs-pointer",
+        committed("lfs_pointer.pt"),
+        LfsPointerError,
+        r"git-lfs pointer.*git lfs pull",
+    ),
+    Case(
+        "folder-without-checkpoint",
+        committed("no_checkpoint"),
+        UnsupportedFormatError,
+        r"folder without a checkpoint.*\.keep",
+    ),
+    Case(
+        "zip-missing-storage",
+        zip_missing_storage,
+        CorruptCheckpointError,
+        r"storage '3'.*no record data/3",
+    ),
+    Case(
+        "legacy-cut-in-last-storage",
+        cut("legacy.pt", lambda n: n - 10),
+        CorruptCheckpointError,
+        r"is truncated: storage",
+    ),
+    Case(
+        "legacy-cut-in-half",
+        cut("legacy.pt", lambda n: n // 2),
+        CorruptCheckpointError,
+        r"is truncated: storage",
+    ),
+    Case(
+        "legacy-cut-in-pickle",
+        cut("legacy.pt", lambda n: 200),
+        CorruptCheckpointError,
+        r"malformed or truncated",
+    ),
+    Case(
+        "safetensors-cut-in-data",
+        cut("model.safetensors", lambda n: n - 10),
+        CorruptCheckpointError,
+        r"does not fit",
+    ),
+    Case(
+        "safetensors-cut-in-header",
+        cut("model.safetensors", lambda n: 100),
+        CorruptCheckpointError,
+        r"header claims \d+ bytes but the file has 92",
+    ),
+    Case(
+        "safetensors-offsets-out-of-range",
+        safetensors_out_of_range,
+        CorruptCheckpointError,
+        r"byte range \[\d+, \d+\) that does not fit",
+    ),
+    Case(
+        "tar-cut-in-last-member",
+        tar_cut_in_last_member,
+        CorruptCheckpointError,
+        r"cannot be read \(unexpected end of data\)",
+    ),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -115,9 +170,7 @@ def test_cli_exit_code_and_one_line(
     assert "Traceback" not in err
 
 
-def test_missing_file_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_missing_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.pt"
     with pytest.raises(CheckpointNotFoundError, match=r"no such file or folder.*nope\.pt"):
         ckpt_tools.inspect(missing)

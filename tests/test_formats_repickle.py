@@ -15,6 +15,7 @@ import pytest
 import torch
 from factories import (
     assert_same_objects,
+    by_name,
     fixture_path,
     fixtures_where,
     read_data_pkl,
@@ -25,10 +26,6 @@ import ckpt_tools
 
 ZIPS = fixtures_where(format="torch-zip", oracle="torch")
 SCRIPTS = fixtures_where(format="torchscript")
-
-
-def by_name(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"argvalues": entries, "ids": [e["name"] for e in entries]}
 
 
 @pytest.mark.parametrize("entry", **by_name(ZIPS))

@@ -16,6 +16,7 @@ from factories import (
     NOT_FIXTURES,
     at_path,
     bits,
+    by_name,
     describe,
     describe_info,
     describe_ref,
@@ -37,10 +38,6 @@ from ckpt_tools.model import iter_tensors
 READABLE = fixtures_where(oracle=("torch", "torch-unsafe", "jit", "safetensors", "sharded"))
 TREES = fixtures_where(oracle=("torch", "torch-unsafe"))  # whole object trees from torch.load
 UNORDERED = ("safetensors", "sharded")  # safetensors sorts its header; compare by name
-
-
-def by_name(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"argvalues": entries, "ids": [e["name"] for e in entries]}
 
 
 def truth_state_dict(entry: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ckpt_tools import load_state_dict
+from ckpt_tools.cli.main import main
 from ckpt_tools.errors import SelectError, UnsafeContentError, UnsupportedFormatError, UsageError
 from ckpt_tools.loading import LoadInfo, auto_location, resolve_map_location
 from ckpt_tools.rewrite import retag
@@ -205,6 +207,11 @@ def test_unsafe_globals_are_refused_unless_trusted(
     with pytest.raises(UnsafeContentError, match=r"argparse\.Namespace.*trust=True") as info:
         load_state_dict(path)
     assert info.value.globals == ("argparse.Namespace",)
+    # The suggested command really gives a loadable file.
+    command = str(info.value).split("`")[1]
+    assert command.endswith("--drop-extras --allow-global argparse.Namespace")
+    assert main([*shlex.split(command)[1:], "-q"]) == 0
+    assert_same(load_state_dict(path.replace(".pt", ".safetensors")), net.state_dict(), False)
     with pytest.raises(UsageError, match="trust=True"):
         load_state_dict(path, weights_only=False)
     sd, load_info = load_state_dict(path, trust=True, return_info=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from ckpt_tools import load_into
+from ckpt_tools.cli.main import main
 from ckpt_tools.errors import StateDictMismatchError
 from ckpt_tools.rewrite import retag
 
@@ -183,6 +185,9 @@ def test_non_strict_skips_shape_mismatches_and_reports(source: Net, tmp_path: Pa
         ("head.bias", (2,), (3,)),
     ]
     assert not report.ok and report.missing == () and report.unexpected == ()
+    text = str(report)
+    assert "loaded 13 keys" in text and "(stripping 'model.')" in text
+    assert "shape mismatch, skipped: head.weight checkpoint [2, 8] vs model [3, 8]" in text
     assert torch.equal(target.head.weight, head_before)
     assert torch.equal(target.stem.weight, source.stem.weight)
     assert report.loaded == len(source.state_dict()) - 2
@@ -206,3 +211,21 @@ def test_dtype_casts_are_reported(source: Net) -> None:
     report = load_into(make_net(1), sd)
     assert ("stem.weight", "float64", "float32") in report.dtype_casts
     assert report.to_json()["dtype_casts"][0][1] == "float64"
+
+
+def test_mismatch_message_suggests_a_working_command(source: Net, tmp_path: Path) -> None:
+    path = tmp_path / "bb.pt"
+    torch.save({"module.backbone." + k: v for k, v in source.state_dict().items()}, path)
+    target = nn.DataParallel(make_net(1))
+    with pytest.raises(
+        StateDictMismatchError, match=r"renaming 'module\.backbone\.' to 'module\.'"
+    ) as error:
+        load_into(target, path)
+    command = next(line for line in str(error.value).splitlines() if "ckpt rename" in line)
+    args = shlex.split(command.split(": ", 1)[1])
+    assert main([*args[1:], "-q"]) == 0
+    assert load_into(target, tmp_path / "bb.renamed.pt").ok
+    with pytest.raises(
+        StateDictMismatchError, match=r"ckpt_tools\.strip_prefix\(sd, 'backbone\.'\)"
+    ):
+        load_into(make_net(1), {"backbone." + k: v for k, v in source.state_dict().items()})

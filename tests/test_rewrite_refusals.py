@@ -11,6 +11,7 @@ import collections
 import os
 import pickle
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -75,13 +76,13 @@ def test_existing_output_is_refused_without_force(command, ddp_file, out_dir, ca
     dst.write_bytes(b"precious")
     before_src, before_dst = h.fingerprint(src), h.fingerprint(dst)
 
-    code, out, err = run(capsys, command, src, dst, *COMMANDS[command])
+    code, _, err = run(capsys, command, src, dst, *COMMANDS[command])
     assert code == 6
     assert "already exists" in err and "--force" in err
     assert h.fingerprint(src) == before_src and h.fingerprint(dst) == before_dst
     assert h.listing(out_dir) == ["taken.pt"]
 
-    code, out, err = run(capsys, command, src, dst, *COMMANDS[command], "--force")
+    code, _, err = run(capsys, command, src, dst, *COMMANDS[command], "--force")
     assert code == 0, err
     assert dst.read_bytes() != b"precious"
     assert h.fingerprint(src) == before_src
@@ -251,6 +252,14 @@ def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path,
     assert rewritten["epoch"] == 2
     for k, v in original["state_dict"].items():
         h.assert_tensor_bitwise(v, rewritten["state_dict"][k.removeprefix("module.")], k)
+    # A rewrite that renames nothing reproduces every record, data.pkl included, byte for byte.
+    same = tmp_path / "same.pt"
+    code, _, err = run(capsys, "convert", src, same, "--allow-global", "posix.system")
+    assert code == 0, err
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(same) as b:
+        assert [(i.filename, a.read(i)) for i in a.infolist()] == [
+            (i.filename, b.read(i)) for i in b.infolist()
+        ]
     assert not marker.exists()
     assert h.fingerprint(src) == before
 

@@ -70,6 +70,11 @@ def parse_model_args(values: tuple[str, ...]) -> dict[str, Any]:
     metavar="LIST",
     help=f"Exit 1 when any of these is found: {','.join(FAIL_CATEGORIES)} (or 'any').",
 )
+@click.option(
+    "--align",
+    is_flag=True,
+    help="Match wrapper prefixes first (module., _orig_mod., model. ...), as load_into does.",
+)
 @click.option("--all", "show_all", is_flag=True, help="Also list bit-equal tensors.")
 @click.option("--no-group", is_flag=True, help="Do not fold repeated layers.")
 @json_option
@@ -83,6 +88,7 @@ def diff_cmd(
     rtol: float,
     atol: float,
     fail_on: str | None,
+    align: bool,
     show_all: bool,
     no_group: bool,
     as_json: bool,
@@ -106,7 +112,7 @@ def diff_cmd(
         other: Any = build_model(model_spec, parse_model_args(model_args))
     else:
         other = b
-    report = diff(a, other, rtol=rtol, atol=atol, select_a=select, select_b=select_b)
+    report = diff(a, other, rtol=rtol, atol=atol, select_a=select, select_b=select_b, align=align)
     failed = sorted(report.found() & categories)
     if as_json:
         echo_json({**report.to_json(), "fail_on": sorted(categories), "failed_on": failed})
@@ -200,8 +206,10 @@ def render(
         _side_line("A", report.a, None),
         _side_line("B", report.b, model_spec),
         f"tolerances: rtol={report.rtol:g} atol={report.atol:g}",
-        "",
     ]
+    if report.aligned:
+        lines.append(f"aligned: A's keys compared after {', then '.join(report.aligned)}")
+    lines.append("")
     statuses: dict[str, int] = {}
     for t in report.tensors:
         statuses[t.status] = statuses.get(t.status, 0) + 1

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import click
 
 from ckpt_tools._version import __version__
+from ckpt_tools.atomic import Interrupted
 from ckpt_tools.errors import EXIT_USAGE, CheckpointError
 
 _COMMANDS = {
@@ -74,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+    except Interrupted as e:
+        # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and
+        # 128 + the signal number, as a shell reports such a kill.
+        click.echo(f"ckpt: {e}; nothing was written and the input is unchanged", err=True)
+        return 128 + e.signum
     except click.exceptions.Abort:
         click.echo("ckpt: aborted", err=True)
         return 130

@@ -9,7 +9,6 @@ from typing import Any
 
 import click
 
-from ckpt_tools.atomic import Interrupted
 from ckpt_tools.cli.options import json_option, select_option
 from ckpt_tools.cli.render import echo_json, human_bytes
 from ckpt_tools.errors import UsageError
@@ -85,17 +84,6 @@ def _progress(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
             state["bar"].__exit__(None, None, None)
 
 
-@contextlib.contextmanager
-def _signal_exit() -> Iterator[None]:
-    # SIGTERM/SIGHUP while writing: atomic_output has removed the temp file. Say so in one
-    # line (no traceback) and exit 128 + the signal number, as a shell reports such a kill.
-    try:
-        yield
-    except Interrupted as e:
-        click.echo(f"ckpt: {e}; nothing was written and the input is unchanged", err=True)
-        raise click.exceptions.Exit(128 + e.signum) from None
-
-
 def _report(result: RewriteResult, as_json: bool) -> None:
     if as_json:
         echo_json(result.to_json())
@@ -138,7 +126,7 @@ def _options(kw: dict[str, Any], progress: Callable[[int, int], None] | None) ->
 )
 def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
     """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
-    with _signal_exit(), _progress(kw["quiet"]) as progress:
+    with _progress(kw["quiet"]) as progress:
         result = strip_module_file(src, dst, prefix=prefix, **_options(kw, progress))
     _report(result, kw["as_json"])
 
@@ -148,7 +136,7 @@ def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
 @click.option("--prefix", default="module.", show_default=True, help="The prefix to add.")
 def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
     """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
-    with _signal_exit(), _progress(kw["quiet"]) as progress:
+    with _progress(kw["quiet"]) as progress:
         result = add_module_file(src, dst, prefix=prefix, **_options(kw, progress))
     _report(result, kw["as_json"])
 
@@ -179,7 +167,7 @@ def rename_cmd(
     src: str, dst: str, subs: tuple[str, ...], regexes: tuple[str, ...], **kw: Any
 ) -> None:
     """Rename keys: prefix maps (--sub) then regex substitutions (--regex)."""
-    with _signal_exit(), _progress(kw["quiet"]) as progress:
+    with _progress(kw["quiet"]) as progress:
         result = rename_file(
             src, dst, _pairs(subs, "--sub"), _pairs(regexes, "--regex"), **_options(kw, progress)
         )
@@ -198,7 +186,7 @@ def rename_cmd(
 @click.option("--drop-extras", is_flag=True, help="Leave out non-tensor entries (safetensors).")
 def convert_cmd(src: str, dst: str, fmt: str | None, drop_extras: bool, **kw: Any) -> None:
     """Convert between torch (.pt) and safetensors; legacy inputs come out as zip archives."""
-    with _signal_exit(), _progress(kw["quiet"]) as progress:
+    with _progress(kw["quiet"]) as progress:
         result = convert(src, dst, format=fmt, drop_extras=drop_extras, **_options(kw, progress))
     _report(result, kw["as_json"])
 
@@ -215,6 +203,6 @@ def convert_cmd(src: str, dst: str, fmt: str | None, drop_extras: bool, **kw: An
 )
 def retag_cmd(src: str, dst: str, maps: tuple[str, ...], **kw: Any) -> None:
     """Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere."""
-    with _signal_exit(), _progress(kw["quiet"]) as progress:
+    with _progress(kw["quiet"]) as progress:
         result = retag(src, dst, dict(_pairs(maps, "--map")), **_options(kw, progress))
     _report(result, kw["as_json"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.detect import FORMATS, detect_format
 
@@ -28,7 +29,16 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         ['fc.bias', 'fc.weight']
     """
     path = os.fspath(path)
-    fmt = detect_format(path)
+    try:
+        return _open(path, detect_format(path))
+    except CorruptCheckpointError as e:
+        if repr(path) in str(e) or path in str(e):
+            raise
+        # Low-level readers (pickle, tar) do not know the file name; every message names it.
+        raise type(e)(f"{path!r}: {e}") from e
+
+
+def _open(path: str, fmt: str) -> Checkpoint:
     if fmt == "torch-zip":
         from ckpt_tools.formats.torchzip import open_torch_zip
 

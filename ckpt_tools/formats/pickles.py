@@ -1,4 +1,4 @@
-"""The restricted unpickler and its re-pickler. Pickles are read, never executed.
+"""The restricted unpickler. Pickles are read, never executed.
 
 ``find_class`` never imports anything. Globals on the allowlist (in the spirit of torch's
 ``weights_only`` unpickler) resolve to stand-ins that build descriptors from the model;
@@ -6,18 +6,16 @@ every other global resolves to an :class:`~ckpt_tools.model.Opaque` subclass nam
 whose instances just record what the pickle did to them. ``persistent_load`` turns torch's
 storage ids into :class:`~ckpt_tools.model.StorageRef` s.
 
-:class:`Repickler` writes such a tree back, with the same globals, arguments and sharing,
-so a rewrite changes keys or device tags and nothing else.
+:mod:`ckpt_tools.formats.repickle` writes such a tree back.
 """
 
 from __future__ import annotations
 
 import codecs
 import collections
-import copyreg
 import io
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -29,7 +27,7 @@ __all__ = [
     "ConstantRef",
     "ReadResult",
     "Reduced",
-    "Repickler",
+    "StorageTypeRef",
     "TorchSize",
     "load_pickle",
 ]
@@ -278,9 +276,7 @@ class ReadResult:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(
-        self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None
-    ) -> None:
+    def __init__(self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> None:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
         super().__init__(file, encoding="utf-8")
         self.storages: dict[str, StorageRef] = {}
@@ -415,110 +411,3 @@ class _LimitedReader(io.RawIOBase):
         data = self._file.readline(-1 if size is None else size)
         self._take(len(data))
         return data
-
-
-class Repickler(pickle._Pickler):  # type: ignore[name-defined]
-    """Write a tree read by :func:`load_pickle` back as a torch pickle.
-
-    Args:
-        file: where to write.
-        protocol: pickle protocol (torch writes 2).
-        storage_id: maps each :class:`StorageRef` to the persistent id tuple to write, so a
-            writer can rename records or retag devices.
-
-    Example:
-        >>> buf = io.BytesIO()
-        >>> Repickler(buf, 2, lambda s: ("storage",)).dump({"epoch": 3})
-    """
-
-    def __init__(
-        self, file: BinaryIO, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]
-    ) -> None:
-        super().__init__(file, protocol=max(2, protocol))
-        self._storage_id = storage_id
-        self._callables: dict[GlobalRef, _CallableRef] = {}
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, StorageRef):
-            return self._storage_id(obj)
-        return None
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        ref = _global_of(obj)
-        if ref is None:
-            super().save(obj, save_persistent_id)
-            return
-        self.framer.commit_frame()
-        memoized = self.memo.get(id(obj))
-        if memoized is not None:
-            self.write(self.get(memoized[0]))
-            return
-        if self.proto >= 4:
-            self.save(ref.module)
-            self.save(ref.name)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
-        self.memoize(obj)
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            return (self._callable(obj.func), obj.args)
-        if isinstance(obj, Reduced):
-            return (self._callable(obj.func), obj.args)
-        if isinstance(obj, TorchSize):
-            return (self._callable(GlobalRef("torch", "Size")), (tuple(obj),))
-        if isinstance(obj, Opaque):
-            cls = type(obj)
-            func, args = (copyreg.__newobj__, (cls, *obj.args)) if obj.newobj else (cls, obj.args)
-            return (
-                func,
-                args,
-                obj.state if obj.has_state else None,
-                iter(obj.listitems) if obj.listitems else None,
-                iter(obj.dictitems) if obj.dictitems else None,
-            )
-        return NotImplemented
-
-    def _callable(self, ref: GlobalRef | None) -> _CallableRef:
-        # One object per global, so pickle's memo emits each GLOBAL once, as torch does.
-        if ref is None:
-            raise CorruptCheckpointError("a tensor without a rebuild function cannot be pickled")
-        key = GlobalRef(ref.module, ref.name)
-        if key not in self._callables:
-            self._callables[key] = _CallableRef(ref.module, ref.name)
-        return self._callables[key]
-
-
-@dataclass(frozen=True)
-class _CallableRef(GlobalRef):
-    # pickle's save_reduce checks callable(func); the call itself never happens.
-    def __call__(self, *args: Any) -> Any:
-        raise TypeError(f"{self.qualname} is a reference, never called")
-
-
-def _global_of(obj: Any) -> GlobalRef | None:
-    if isinstance(obj, GlobalRef):
-        return obj
-    if isinstance(obj, type) and issubclass(obj, Opaque):
-        return obj.global_ref
-    return None
-
-
-def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]) -> bytes:
-    """Pickle a tree read by :func:`load_pickle` into bytes (see :class:`Repickler`)."""
-    buffer = io.BytesIO()
-    Repickler(buffer, protocol, storage_id).dump(obj)
-    return buffer.getvalue()
-
-
-def zip_storage_id(device_map: Mapping[str, str] | None = None) -> Callable[[StorageRef], tuple]:
-    """The persistent id torch's zip format uses, optionally retagging devices."""
-
-    def storage_id(storage: StorageRef) -> tuple[Any, ...]:
-        if storage.storage_type is None:
-            raise CorruptCheckpointError(f"storage {storage.key!r} has no storage type")
-        device = (device_map or {}).get(storage.device, storage.device)
-        return ("storage", storage.storage_type, storage.key, device, storage.numel)
-
-    return storage_id

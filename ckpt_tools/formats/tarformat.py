@@ -84,6 +84,7 @@ class _TarReader:
 
     def __init__(self, path: str, fd: int, members: Mapping[str, tarfile.TarInfo]) -> None:
         self.path, self.fd, self.members = path, fd, members
+        self.file_size = os.fstat(fd).st_size
         self.storages: dict[str, StorageRef] = {}
         self.offsets: dict[str, int] = {}  # root storage key -> absolute file offset
         self.views: dict[str, _View] = {}
@@ -97,15 +98,15 @@ class _TarReader:
         info = self.members[name]
         if not info.isreg():
             raise CorruptCheckpointError(f"{self.path!r}: tar member {name!r} is not a file")
-        end = info.offset_data + info.size
-        if end > os.fstat(self.fd).st_size:
+        if info.offset_data + info.size > self.file_size:
             raise CorruptCheckpointError(
                 f"{self.path!r} is truncated: tar member {name!r} needs {info.size} bytes at "
-                f"offset {info.offset_data}, the file ends at {os.fstat(self.fd).st_size}"
+                f"offset {info.offset_data}, the file ends at {self.file_size}"
             )
         return _MemberFile(self.fd, info)
 
-    def pickle(self, f: _MemberFile, what: str, **kwargs: Any) -> Any:
+    def pickle(self, f: _MemberFile, what: str, **kwargs: Any) -> ReadResult:
+        """One pickle of a member; errors name the file and what was being read."""
         try:
             result: ReadResult = load_pickle(f, **kwargs)
         except CorruptCheckpointError as e:
@@ -124,7 +125,9 @@ class _TarReader:
     def count(self, f: _MemberFile, what: str) -> int:
         value = self.pickle(f, f"the number of {what}").root
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CorruptCheckpointError(f"{self.path!r}: expected a count of {what}, {value!r}")
+            raise CorruptCheckpointError(
+                f"{self.path!r}: expected the number of {what}, found {value!r}"
+            )
         return value
 
     def storage_of(self, key: Any, what: str) -> tuple[StorageRef, int]:
@@ -192,7 +195,7 @@ class _TarReader:
             target, root_key, offset, numel = entry
             root, base = self.storage_of(root_key, f"storage view {target!r}")
             if not (isinstance(offset, int) and isinstance(numel, int)) or not (
-                0 <= offset and 0 <= numel and base + offset + numel <= root.numel
+                offset >= 0 and numel >= 0 and base + offset + numel <= root.numel
             ):
                 raise CorruptCheckpointError(
                     f"{self.path!r}: storage view {target!r} ({numel} elements at {offset}) "
@@ -221,11 +224,14 @@ class _TarReader:
             self.tensors[_key(key)] = _checked_tensor(_REBUILD, args, storage, storage.dtype, False)
 
     def resolve(self, pid: Any) -> Any:
-        """The main pickle's persistent ids: tensor or storage keys, or module classes."""
+        """The main pickle's persistent ids: tensor or storage keys, or module classes.
+
+        Errors raised here are prefixed with the file name by :meth:`pickle`.
+        """
         if isinstance(pid, tuple):
             # (module class, source file, source): torch only compares the source.
             if not pid:
-                raise CorruptCheckpointError(f"{self.path!r}: empty persistent id")
+                raise CorruptCheckpointError("empty persistent id")
             return pid[0]
         name = _key(pid)
         if name in self.tensors:
@@ -235,8 +241,7 @@ class _TarReader:
         if name in self.views:
             return self.view_ref(name)
         raise CorruptCheckpointError(
-            f"{self.path!r}: the pickle refers to {pid!r}, which is neither a tensor nor a "
-            "storage of the archive"
+            f"it refers to {pid!r}, which is neither a tensor nor a storage of the archive"
         )
 
     def view_ref(self, name: str) -> StorageRef:

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parity_p = sub.add_parser("parity", help="train every strategy and run the parity checks")
     parity_p.add_argument("--out", default=None, help="keep checkpoints in OUT/<strategy>/")
+    parity_p.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma-separated strategies; single (the baseline) always runs",
+    )
     common(parity_p)
     return parser
 
@@ -129,6 +134,7 @@ def _parity(args: argparse.Namespace) -> int:
         steps=args.steps,
         model=args.model,
         out_dir=args.out,
+        strategies=[part.strip() for part in args.strategies.split(",") if part.strip()],
         seed=args.seed,
         batch_size=args.batch_size,
         gpus=args.gpus,

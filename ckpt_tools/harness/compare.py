@@ -19,7 +19,25 @@ __all__ = ["bitwise_equal", "compare_state_dicts", "load_pt", "max_abs_diff", "s
 
 
 def load_pt(path: str | Path) -> dict[str, Any]:
-    """``torch.load`` onto the CPU with ``weights_only=True``: the trusted reference reader."""
+    """Read a ``.pt`` file the plain way, as the reference the checks compare against.
+
+    ``torch.load`` onto the CPU with ``weights_only=True``: nothing of ckpt_tools is
+    involved, so a bug in the code under test cannot hide in its own reference.
+
+    Args:
+        path: a ``torch.save`` file.
+
+    Returns:
+        Whatever was saved, tensors on the CPU.
+
+    Raises:
+        pickle.UnpicklingError: the file holds objects ``weights_only`` refuses.
+        RuntimeError: the file is not a torch checkpoint.
+
+    Example:
+        >>> load_pt("out/ddp/bare.pt")["net.1.weight"].device  # doctest: +SKIP
+        device(type='cpu')
+    """
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -27,7 +45,20 @@ def storage_tags(path: str | Path) -> set[str]:
     """The device tags (``"cpu"``, ``"cuda:1"``) recorded for the storages in a ``.pt`` file.
 
     A ``map_location`` callable sees each storage's saved location before placing it;
-    returning the (CPU) storage unchanged reads any tag on any machine.
+    returning the (CPU) storage unchanged reads any tag on any machine, GPU or not.
+
+    Args:
+        path: a ``torch.save`` file.
+
+    Returns:
+        The set of saved location tags.
+
+    Raises:
+        RuntimeError: the file is not a torch checkpoint.
+
+    Example:
+        >>> storage_tags("out/ddp/wrapped.cuda1.pt")  # doctest: +SKIP
+        {'cuda:1'}
     """
     seen: set[str] = set()
 
@@ -40,7 +71,20 @@ def storage_tags(path: str | Path) -> set[str]:
 
 
 def max_abs_diff(a: Tensor, b: Tensor) -> float:
-    """Largest ``|a - b|``, computed in float64 on the CPU; ``inf`` if shapes differ."""
+    """Largest ``|a - b|``, computed in float64 on the CPU.
+
+    Args:
+        a: a tensor on any device.
+        b: another.
+
+    Returns:
+        The maximum absolute elementwise difference; 0.0 for empty tensors, ``inf`` when
+        the shapes differ.
+
+    Example:
+        >>> max_abs_diff(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+        0.5
+    """
     if a.shape != b.shape:
         return math.inf
     if a.numel() == 0:
@@ -49,7 +93,22 @@ def max_abs_diff(a: Tensor, b: Tensor) -> float:
 
 
 def bitwise_equal(a: Tensor, b: Tensor) -> bool:
-    """Same dtype, shape and bytes (so ``-0.0`` differs from ``0.0`` and NaNs compare)."""
+    """Tell whether two tensors have the same dtype, shape and bytes.
+
+    Stricter than ``torch.equal``: ``-0.0`` differs from ``0.0``, and a NaN equals the same
+    NaN, which is what a lossless rewrite must preserve.
+
+    Args:
+        a: a tensor on any device.
+        b: another.
+
+    Returns:
+        True when the two are indistinguishable byte for byte.
+
+    Example:
+        >>> bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+        False
+    """
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     a_bytes = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -71,6 +130,10 @@ def compare_state_dicts(
     Returns:
         ``(max_abs_diff over all tensors, problems)``; ``problems`` lists key or dtype
         mismatches and, when ``bitwise``, tensors whose bytes differ.
+
+    Example:
+        >>> compare_state_dicts({"w": torch.ones(2)}, {"w": torch.ones(2)})
+        (0.0, [])
     """
     problems: list[str] = []
     missing, extra = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))

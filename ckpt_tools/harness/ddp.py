@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt_tools.errors import UsageError
@@ -126,6 +127,7 @@ def train_ddp(config: TrainConfig) -> TrainResult:
 
 def _check_ranks(config: TrainConfig, world: int, device: torch.device) -> None:
     """Refuse what would fail inside the workers, before any process starts."""
+    build_model(config.model, **dict(config.model_kwargs))  # bad model_kwargs: UsageError here
     if config.batch_size < world:
         raise UsageError(
             f"batch_size={config.batch_size} is smaller than the {world} ranks: "
@@ -176,7 +178,7 @@ def _spawn(config: TrainConfig, devices: Sequence[torch.device]) -> TrainResult:
                     join=True,
                 )
                 break
-            except mp.ProcessException as exc:
+            except ProcessException as exc:
                 # Another process may grab the free port before rank 0 binds it; retry then.
                 port_taken = "address already in use" in str(exc).lower()
                 if port_taken and attempt + 1 < _SPAWN_ATTEMPTS:

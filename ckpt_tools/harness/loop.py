@@ -115,12 +115,27 @@ def make_optimizer(params: Iterable[nn.Parameter], config: TrainConfig) -> torch
 
     Returns:
         The optimizer.
+
+    Example:
+        >>> make_optimizer(nn.Linear(2, 2).parameters(), TrainConfig()).defaults["momentum"]
+        0.9
     """
     return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, foreach=False)
 
 
 def completed_epochs(config: TrainConfig) -> int:
-    """Full passes over the data after ``config.steps`` steps (the trainer dict's ``epoch``)."""
+    """Full passes over the data after ``config.steps`` steps (the trainer dict's ``epoch``).
+
+    Args:
+        config: the run; ``steps``, ``num_samples`` and ``batch_size`` are used.
+
+    Returns:
+        ``steps // (num_samples // batch_size)``.
+
+    Example:
+        >>> completed_epochs(TrainConfig(steps=40, num_samples=512, batch_size=32))
+        2
+    """
     return config.steps // steps_per_epoch(config.num_samples, config.batch_size)
 
 
@@ -164,6 +179,13 @@ def save_checkpoints(
 
     Raises:
         OSError: the directory or a file cannot be written.
+
+    Example:
+        >>> model = nn.Linear(2, 2)
+        >>> opt = make_optimizer(model.parameters(), TrainConfig())
+        >>> sorted(save_checkpoints("out", ModuleContainer(model).state_dict(),
+        ...                         model.state_dict(), opt, TrainConfig()))  # doctest: +SKIP
+        ['bare', 'trainer', 'wrapped']
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

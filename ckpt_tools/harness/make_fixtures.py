@@ -37,6 +37,7 @@ def make_fixtures(
     world_size: int = 2,
     hidden: Sequence[int] = (4,),
     seed: int = 0,
+    strategies: Sequence[str] = STRATEGIES,
 ) -> list[Path]:
     """Train a tiny MLP with every strategy and keep its checkpoints as fixtures.
 
@@ -46,6 +47,7 @@ def make_fixtures(
         world_size: ranks/replicas for dp, ddp and manual.
         hidden: MLP hidden widths; ``(4,)`` keeps the whole set near 220 KB.
         seed: seed of weights, data and batch order.
+        strategies: which strategies to run (all four for the committed fixtures).
 
     Returns:
         Paths of the checkpoint files written, then the README.
@@ -62,7 +64,7 @@ def make_fixtures(
     written: list[Path] = []
     rows: list[str] = []
     losses: list[str] = []
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         config = TrainConfig(
             strategy=strategy,
             model="mlp",

@@ -72,6 +72,14 @@ def broadcast_state(master: nn.Module, replicas: Sequence[nn.Module]) -> None:
     Args:
         master: the model the optimizer updates.
         replicas: models to overwrite (``master`` itself may be among them; it is skipped).
+
+    Raises:
+        ValueError: a replica has a different number of parameters or buffers.
+
+    Example:
+        >>> a, b = nn.Linear(1, 1), nn.Linear(1, 1)
+        >>> broadcast_state(a, [a, b]); torch.equal(a.weight, b.weight)
+        True
     """
     source = list(master.parameters()) + list(master.buffers())
     for replica in replicas:

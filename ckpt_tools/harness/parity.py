@@ -165,7 +165,7 @@ def run_parity(
 
     Example:
         >>> report = run_parity(world_size=2, steps=3, model="mlp")  # doctest: +SKIP
-        >>> report.all_passed, report.row("ddp", "vs_single").max_abs_diff < 1e-5
+        >>> report.all_passed, report.row("ddp", "vs_single").max_abs_diff < 1e-5  # doctest: +SKIP
         (True, True)
     """
     unknown = [s for s in strategies if s not in STRATEGIES]

@@ -61,7 +61,7 @@ def parse_gpus(gpus: GpuSpec, world_size: int | None = None) -> list[int]:
         UsageError: malformed spec, an index that is not visible, or a repeated index.
 
     Example:
-        >>> parse_gpus("0,3")  # doctest: +SKIP  (needs 4 GPUs)
+        >>> parse_gpus("0,3")  # doctest: +SKIP
         [0, 3]
     """
     count = torch.cuda.device_count()

@@ -97,6 +97,12 @@ def run_steps(
 
     Returns:
         The loss of every step.
+
+    Example:
+        >>> model = init_model(TrainConfig())
+        >>> opt = make_optimizer(model.parameters(), TrainConfig())
+        >>> len(run_steps(model, opt, TrainConfig(steps=2), torch.device("cpu")))
+        2
     """
     images, labels = synthetic_fashion(config.num_samples, config.seed).tensors
     losses: list[float] = []

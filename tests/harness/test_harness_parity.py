@@ -87,7 +87,6 @@ def test_c_reports_a_not_comparable_gap_without_failing(runs: Path) -> None:
 
 
 def test_d_device_roundtrip_through_a_cuda1_retag(runs: Path, tmp_path: Path) -> None:
-    pytest.importorskip("ckpt_tools.loading", reason="ckpt_tools.loading not written yet")
     row = check_device_roundtrip(runs / "manual" / "wrapped.pt", tmp_path, "manual")
     assert row.passed, row.detail
     assert row.max_abs_diff == 0.0

@@ -100,3 +100,9 @@ def test_no_out_dir_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     result = train(cpu(strategy="manual", steps=1, world_size=2))
     assert result.checkpoints == {} and result.out_dir is None
     assert not any(tmp_path.iterdir())
+
+
+def test_ddp_checks_model_arguments_before_starting_processes(tmp_path: Path) -> None:
+    config = cpu(strategy="ddp", world_size=2, model_kwargs={"depth": 3}, out_dir=str(tmp_path))
+    with pytest.raises(UsageError, match="does not take"):
+        train(config)

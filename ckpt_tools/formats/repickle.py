@@ -1,0 +1,127 @@
+"""The re-pickler: writes a tree read by :func:`~ckpt_tools.formats.pickles.load_pickle` back.
+
+The same globals, arguments and sharing come out as went in, so a rewrite changes keys or
+device tags and nothing else. Globals are written by name and never imported.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.pickles import Reduced, TorchSize
+from ckpt_tools.model import GlobalRef, Opaque, StorageRef, TensorRef
+
+__all__ = ["Repickler", "dumps", "zip_storage_id"]
+
+
+class Repickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Write a tree read by :func:`load_pickle` back as a torch pickle.
+
+    Args:
+        file: where to write.
+        protocol: pickle protocol (torch writes 2).
+        storage_id: maps each :class:`StorageRef` to the persistent id tuple to write, so a
+            writer can rename records or retag devices.
+
+    Example:
+        >>> buf = io.BytesIO()
+        >>> Repickler(buf, 2, lambda s: ("storage",)).dump({"epoch": 3})
+    """
+
+    def __init__(
+        self, file: BinaryIO, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]
+    ) -> None:
+        super().__init__(file, protocol=max(2, protocol))
+        self._storage_id = storage_id
+        self._callables: dict[GlobalRef, _CallableRef] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, StorageRef):
+            return self._storage_id(obj)
+        return None
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        ref = _global_of(obj)
+        if ref is None:
+            super().save(obj, save_persistent_id)
+            return
+        self.framer.commit_frame()
+        memoized = self.memo.get(id(obj))
+        if memoized is not None:
+            self.write(self.get(memoized[0]))
+            return
+        if self.proto >= 4:
+            self.save(ref.module)
+            self.save(ref.name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
+        self.memoize(obj)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, TensorRef):
+            return (self._callable(obj.func), obj.args)
+        if isinstance(obj, Reduced):
+            return (self._callable(obj.func), obj.args)
+        if isinstance(obj, TorchSize):
+            return (self._callable(GlobalRef("torch", "Size")), (tuple(obj),))
+        if isinstance(obj, Opaque):
+            cls = type(obj)
+            func, args = (copyreg.__newobj__, (cls, *obj.args)) if obj.newobj else (cls, obj.args)
+            return (
+                func,
+                args,
+                obj.state if obj.has_state else None,
+                iter(obj.listitems) if obj.listitems else None,
+                iter(obj.dictitems) if obj.dictitems else None,
+            )
+        return NotImplemented
+
+    def _callable(self, ref: GlobalRef | None) -> _CallableRef:
+        # One object per global, so pickle's memo emits each GLOBAL once, as torch does.
+        if ref is None:
+            raise CorruptCheckpointError("a tensor without a rebuild function cannot be pickled")
+        key = GlobalRef(ref.module, ref.name)
+        if key not in self._callables:
+            self._callables[key] = _CallableRef(ref.module, ref.name)
+        return self._callables[key]
+
+
+@dataclass(frozen=True)
+class _CallableRef(GlobalRef):
+    # pickle's save_reduce checks callable(func); the call itself never happens.
+    def __call__(self, *args: Any) -> Any:
+        raise TypeError(f"{self.qualname} is a reference, never called")
+
+
+def _global_of(obj: Any) -> GlobalRef | None:
+    if isinstance(obj, GlobalRef):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, Opaque):
+        return obj.global_ref
+    return None
+
+
+def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]) -> bytes:
+    """Pickle a tree read by :func:`load_pickle` into bytes (see :class:`Repickler`)."""
+    buffer = io.BytesIO()
+    Repickler(buffer, protocol, storage_id).dump(obj)
+    return buffer.getvalue()
+
+
+def zip_storage_id(device_map: Mapping[str, str] | None = None) -> Callable[[StorageRef], tuple]:
+    """The persistent id torch's zip format uses, optionally retagging devices."""
+
+    def storage_id(storage: StorageRef) -> tuple[Any, ...]:
+        if storage.storage_type is None:
+            raise CorruptCheckpointError(f"storage {storage.key!r} has no storage type")
+        device = (device_map or {}).get(storage.device, storage.device)
+        return ("storage", storage.storage_type, storage.key, device, storage.numel)
+
+    return storage_id

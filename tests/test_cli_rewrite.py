@@ -1,0 +1,287 @@
+"""The rewrite commands through click's ``CliRunner``: human output, ``--json``, options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpt_tools.cli.main import cli
+
+try:
+    import rewrite_helpers as h
+except ImportError:  # tests/ imported as a package
+    from tests import rewrite_helpers as h
+
+JSON_FIELDS = {
+    "src",
+    "dst",
+    "written",
+    "input_format",
+    "output_format",
+    "selected",
+    "rules",
+    "renamed",
+    "total_keys",
+    "examples",
+    "wrappers",
+    "bytes_copied",
+    "verification",
+    "dropped",
+    "device_map",
+    "message",
+}
+
+
+@pytest.fixture
+def invoke():
+    """Run ``ckpt ARGS`` in-process; returns the click Result (stdout and stderr apart)."""
+    runner = CliRunner()
+
+    def run(*args, code: int = 0):
+        result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+        assert result.exit_code == code, (result.stdout, result.stderr)
+        return result
+
+    return run
+
+
+@pytest.fixture
+def layout(tmp_path):
+    """Factory: a layout file in tmp_path, returned with its prefix and selection."""
+
+    def make(name: str) -> tuple[Path, str, str]:
+        return h.save_layout(name, tmp_path / f"{name}.pt")
+
+    return make
+
+
+def unique_storage_bytes(obj) -> int:
+    seen = {}
+    for _, t in h.iter_tensors(obj):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_help_lists_the_rewrite_commands(invoke):
+    out = invoke("--help").stdout
+    for name in ("strip-module", "add-module", "rename", "convert", "retag"):
+        assert name in out
+    for name in ("strip-module", "add-module", "rename", "convert", "retag"):
+        text = invoke(name, "--help").stdout
+        for option in ("--select", "--force", "--in-place", "--verify", "--allow-global"):
+            assert option in text
+        assert "--json" in text and "--quiet" in text
+
+
+def test_strip_module_human_output_names_the_wrappers(invoke, layout, tmp_path):
+    src, _, _ = layout("stacked")
+    out = tmp_path / "bare.pt"
+    text = invoke("strip-module", src, out).stdout
+    lines = text.splitlines()
+    assert lines[0] == f"stripped 'module.', '_orig_mod.': wrote {out} (11 of 11 keys renamed)"
+    assert lines[1] == "  module._orig_mod.embed.weight -> embed.weight"
+    assert lines[4] == "  ... and 8 more"
+    assert lines[-1].startswith("torch-zip, ") and "verified: 11 tensors, keys and sizes" in text
+    assert list(h.load(out)) == list(h.make_model().state_dict())
+
+
+def test_strip_module_json(invoke, layout, tmp_path):
+    src, _, _ = layout("trainer")
+    out = tmp_path / "bare.pt"
+    data = json.loads(invoke("strip-module", src, out, "--json", "--verify", "full").stdout)
+    assert set(data) == JSON_FIELDS
+    assert data["src"] == str(src) and data["dst"] == str(out) and data["written"] is True
+    assert (data["input_format"], data["output_format"]) == ("torch-zip", "torch-zip")
+    assert data["selected"] == ["model"]
+    assert data["rules"] == ["strip 'module.'"]
+    assert (data["renamed"], data["total_keys"]) == (11, 11)
+    assert data["examples"][0] == ["module.embed.weight", "embed.weight"]
+    assert data["wrappers"] == [
+        {
+            "prefix": "module.",
+            "kind": "nn.DataParallel / DistributedDataParallel",
+            "count": 11,
+            "of": 11,
+        }
+    ]
+    # The whole file is copied (optimizer state too), tensor bytes only.
+    assert data["bytes_copied"] == unique_storage_bytes(h.load(src))
+    assert data["verification"] == "verified: 11 tensors, keys, sizes and bytes"
+    assert data["dropped"] == [] and data["device_map"] == {}
+    assert data["message"].startswith("stripped 'module.': wrote")
+    got = h.load(out)
+    assert list(got["model"]) == list(h.make_model().state_dict())
+    h.assert_bitwise_equal(h.load(src)["optimizer"], got["optimizer"])
+
+
+def test_strip_module_with_nothing_to_strip_writes_nothing(invoke, tmp_path):
+    src = h.save(h.make_model().state_dict(), tmp_path / "plain.pt")
+    out = tmp_path / "out.pt"
+    text = invoke("strip-module", src, out).stdout
+    assert text.startswith("nothing to strip: no wrapper prefix in the 11 keys")
+    assert f"{out} was not written" in text
+    data = json.loads(invoke("strip-module", src, out, "--json").stdout)
+    assert data["written"] is False and data["dst"] is None and data["renamed"] == 0
+    assert data["wrappers"] == [] and data["total_keys"] == 11
+    assert not out.exists() and h.listing(tmp_path) == ["plain.pt"]
+
+
+def test_strip_module_explicit_prefix_and_inner_segments(invoke, tmp_path):
+    w = torch.ones(2)
+    sd = {
+        "_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.fc.weight": w,
+        "_fsdp_wrapped_module.blocks.1._checkpoint_wrapped_module.fc.weight": w * 2,
+        "_fsdp_wrapped_module.head.weight": w * 3,
+    }
+    src = h.save(sd, tmp_path / "fsdp.pt")
+    data = json.loads(invoke("strip-module", src, tmp_path / "a.pt", "--json").stdout)
+    assert [w["prefix"] for w in data["wrappers"]] == [
+        "_fsdp_wrapped_module.",
+        "_checkpoint_wrapped_module.",
+    ]
+    assert data["rules"] == [
+        "strip '_fsdp_wrapped_module.'",
+        "strip '_checkpoint_wrapped_module.' everywhere",
+    ]
+    bare = ["blocks.0.fc.weight", "blocks.1.fc.weight", "head.weight"]
+    assert list(h.load(tmp_path / "a.pt")) == bare
+    text = invoke(
+        "strip-module", src, tmp_path / "b.pt", "--prefix", "_fsdp_wrapped_module."
+    ).stdout
+    assert text.startswith(f"wrote {tmp_path / 'b.pt'} (3 of 3 keys renamed)")
+    assert next(iter(h.load(tmp_path / "b.pt"))) == (
+        "blocks.0._checkpoint_wrapped_module.fc.weight"
+    )
+
+
+def test_add_module_json_and_custom_prefix(invoke, tmp_path):
+    model = h.make_model()
+    src = h.save(model.state_dict(), tmp_path / "plain.pt")
+    data = json.loads(invoke("add-module", src, tmp_path / "dp.pt", "--json").stdout)
+    assert set(data) == JSON_FIELDS
+    assert data["rules"] == ["add 'module.'"] and data["renamed"] == 11
+    assert data["wrappers"] == [] and data["examples"][0] == ["embed.weight", "module.embed.weight"]
+    torch.nn.DataParallel(h.make_model(1)).load_state_dict(h.load(tmp_path / "dp.pt"))
+
+    text = invoke("add-module", src, tmp_path / "c.pt", "--prefix", "_orig_mod.", "-q").stdout
+    assert text.startswith(f"wrote {tmp_path / 'c.pt'} (11 of 11 keys renamed)")
+    h.Compiled(h.make_model(1)).load_state_dict(h.load(tmp_path / "c.pt"), strict=True)
+
+
+def test_rename_with_subs_and_regexes(invoke, tmp_path):
+    sd = {
+        "backbone.layers.0.weight": torch.ones(1),
+        "backbone.layers.1.weight": torch.ones(2),
+        "head.weight": torch.ones(3),
+    }
+    src = h.save({"state_dict": sd, "epoch": 9}, tmp_path / "in.pt")
+    out = tmp_path / "out.pt"
+    result = invoke(
+        "rename",
+        src,
+        out,
+        "--sub",
+        "backbone.=encoder.",
+        "--sub",
+        "head.=decoder.",
+        "--regex",
+        r"layers\.(\d+)=blocks.\1",
+        "--json",
+    )
+    data = json.loads(result.stdout)
+    assert data["rules"] == [
+        "'backbone.' -> 'encoder.'",
+        "'head.' -> 'decoder.'",
+        r"s/layers\.(\d+)/blocks.\1/",
+    ]
+    assert data["selected"] == ["state_dict"] and data["renamed"] == 3
+    got = h.load(out)
+    renamed = ["encoder.blocks.0.weight", "encoder.blocks.1.weight", "decoder.weight"]
+    assert list(got["state_dict"]) == renamed
+    assert got["epoch"] == 9
+
+
+def test_select_picks_a_nested_state_dict(invoke, tmp_path):
+    w = torch.arange(4.0)
+    src = h.save(
+        {"model": {"module.w": w}, "ema": {"module.w": w * 2}, "step": 5}, tmp_path / "in.pt"
+    )
+    data = json.loads(
+        invoke("strip-module", src, tmp_path / "o.pt", "--select", "ema", "--json").stdout
+    )
+    assert data["selected"] == ["ema"]
+    got = h.load(tmp_path / "o.pt")
+    assert list(got["ema"]) == ["w"] and list(got["model"]) == ["module.w"]
+    assert torch.equal(got["ema"]["w"], w * 2)
+
+
+def test_convert_json_and_format_option(invoke, tmp_path):
+    sd = {"a": torch.randn(3, 4), "b": torch.randn(4, 3).t()}
+    sd["tied"] = sd["a"]
+    src = h.save(sd, tmp_path / "in.pt")
+    out = tmp_path / "weights.bin"  # the suffix says torch; --format wins
+    data = json.loads(
+        invoke("convert", src, out, "--format", "safetensors", "--json", "--verify", "full").stdout
+    )
+    assert (data["input_format"], data["output_format"]) == ("torch-zip", "safetensors")
+    assert data["dropped"] == ["tied"] and data["renamed"] == 0 and data["rules"] == []
+    assert data["bytes_copied"] == 4 * (12 + 12)
+    assert h.safetensors_metadata(out) == {"format": "pt", "tied": "a"}
+
+    text = invoke("convert", out, tmp_path / "back.pt").stdout
+    assert text.startswith(f"wrote {tmp_path / 'back.pt'} (0 of 2 keys renamed)")
+    back = h.load(tmp_path / "back.pt")
+    h.assert_values_bitwise(sd["b"], back["b"], "b")
+
+
+def test_convert_drop_extras(invoke, layout, tmp_path):
+    src, _, _ = layout("model_state_dict")
+    out = tmp_path / "o.safetensors"
+    text = invoke("convert", src, out, "--drop-extras").stdout
+    assert "left out: epoch, module.head.weight" in text
+    assert h.safetensors_metadata(out) == {
+        "format": "pt",
+        "module.head.weight": "module.embed.weight",
+    }
+
+
+def test_retag_json_and_human_output(invoke, tmp_path):
+    src = h.save(h.offset_views(), tmp_path / "in.pt")
+    data = json.loads(
+        invoke("retag", src, tmp_path / "gpu.pt", "--map", "cpu=cuda:1", "--json").stdout
+    )
+    assert data["device_map"] == {"cpu": "cuda:1"} and data["renamed"] == 0
+    assert data["output_format"] == "torch-zip"
+    text = invoke("retag", tmp_path / "gpu.pt", tmp_path / "cpu.pt", "--map", "cuda:1=cpu").stdout
+    assert "device tags: cuda:1 -> cpu" in text
+    h.assert_bitwise_equal(h.load(src), h.load(tmp_path / "cpu.pt"))
+    inspected = json.loads(invoke("inspect", tmp_path / "gpu.pt", "--json").stdout)
+    assert {t["device"] for t in inspected["tensors"]} == {"cuda:1"}
+
+
+def test_force_and_in_place_through_the_runner(invoke, layout, tmp_path):
+    src, _, _ = layout("dataparallel")
+    out = tmp_path / "o.pt"
+    invoke("strip-module", src, out)
+    invoke("add-module", out, out, "--in-place", "--verify", "full")
+    h.assert_bitwise_equal(h.load(src), h.load(out))
+    invoke("strip-module", src, out, "--force", "--quiet")
+    assert next(iter(h.load(out))) == "embed.weight"
+    assert h.temp_files(tmp_path) == []
+
+
+def test_the_installed_entry_point(tmp_path):
+    src, _, _ = h.save_layout("orig_mod", tmp_path / "c.pt")
+    proc = h.run_ckpt("strip-module", str(src), str(tmp_path / "o.pt"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [w["prefix"] for w in data["wrappers"]] == ["_orig_mod."]
+    assert "torch.compile" in data["wrappers"][0]["kind"]
+    h.Compiled(h.make_model()).load_state_dict(
+        h.load(src), strict=True
+    )  # the input itself still loads as it was
+    h.make_model(3).load_state_dict(h.load(tmp_path / "o.pt"), strict=True)

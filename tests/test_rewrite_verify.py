@@ -1,0 +1,166 @@
+"""``--verify``: full verification passes on good outputs and catches every kind of mismatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.cli.main import main
+from ckpt_tools.errors import VerificationError
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.layouts import select_state_dict
+from ckpt_tools.model import TensorRef
+from ckpt_tools.verify import Expected, verify_output
+
+try:
+    import rewrite_helpers as h
+except ImportError:  # tests/ imported as a package
+    from tests import rewrite_helpers as h
+
+
+def expected_from(path: Path, select: str | None = None) -> Expected:
+    """What ``path``'s state dict holds, as the expectation another file is checked against."""
+    ckpt = open_checkpoint(path)
+    selection = select_state_dict(ckpt.root, select)
+    tensors = {k: v for k, v in selection.state_dict.items() if isinstance(v, TensorRef)}
+    return Expected(tensors, selection.path, ckpt)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """Factory: ``torch.save(obj)`` into tmp_path under ``name``."""
+
+    def make(name: str, obj) -> Path:
+        return h.save(obj, tmp_path / name)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("layout", "command", "suffix"),
+    [
+        ("trainer", ["strip-module"], ".pt"),
+        ("lightning", ["strip-module"], ".pt"),
+        ("stacked", ["strip-module"], ".pt"),
+        ("nan_payloads", ["add-module", "--prefix", "outer."], ".pt"),
+        ("transposed", ["rename", "--regex", r"^module\.(\w+)$=m.\1"], ".pt"),
+        ("offset_views", ["convert"], ".safetensors"),
+        ("mixed_dtypes", ["convert"], ".safetensors"),
+        ("safetensors", ["convert"], ".pt"),
+        ("legacy", ["convert"], ".pt"),
+        ("tied", ["retag", "--map", "cpu=cuda:3"], ".pt"),
+    ],
+)
+def test_verify_full_passes_on_good_outputs(layout, command, suffix, tmp_path, capsys):
+    src, _, _ = h.save_layout(layout, tmp_path / f"{layout}.pt")
+    out = tmp_path / f"out{suffix}"
+    code = main([command[0], str(src), str(out), *command[1:], "--verify", "full"])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    assert "verified:" in stdout and "keys, sizes and bytes" in stdout
+    assert h.temp_files(tmp_path) == []
+
+
+def test_verify_output_accepts_a_faithful_copy(saved):
+    a = saved("a.pt", h.with_prefix({**h.offset_views(), **h.transposed_views()}, ""))
+    b = saved("b.pt", torch.load(a, weights_only=True))
+    for level in ("sizes", "full"):
+        assert verify_output(str(b), expected_from(a), level).startswith("verified: 6 tensors")
+    assert verify_output(str(b), expected_from(a), "none") == "not verified (--verify none)"
+
+
+def test_verify_output_detects_different_keys(saved):
+    a = saved("a.pt", {"w": torch.ones(2), "b": torch.ones(1)})
+    b = saved("b.pt", {"w": torch.ones(2), "bias": torch.ones(1)})
+    with pytest.raises(VerificationError, match=r"missing \['b'\], unexpected \['bias'\]"):
+        verify_output(str(b), expected_from(a), "sizes")
+    c = saved("c.pt", {"b": torch.ones(1), "w": torch.ones(2)})  # same keys, other order
+    with pytest.raises(VerificationError, match="keys differ"):
+        verify_output(str(c), expected_from(a), "sizes")
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        (torch.ones(3), r"reads back as float32 \[3\], expected float32 \[2\]"),
+        (torch.ones(2, dtype=torch.float64), "reads back as float64"),
+        (torch.ones(1, 2), r"reads back as float32 \[1, 2\]"),
+    ],
+)
+def test_verify_output_detects_dtype_and_shape_mismatches(other, message, saved):
+    a = saved("a.pt", {"w": torch.ones(2)})
+    b = saved("b.pt", {"w": other})
+    with pytest.raises(VerificationError, match=message):
+        verify_output(str(b), expected_from(a), "sizes")
+
+
+def test_verify_output_detects_different_bytes_only_at_full(saved):
+    nan = h.nan_payloads()["f32"]
+    a = saved("a.pt", {"w": nan})
+    flipped = nan.clone()
+    flipped.view(torch.int32)[0] ^= 1  # another NaN payload: equal as NaN, not as bits
+    b = saved("b.pt", {"w": flipped})
+    assert verify_output(str(b), expected_from(a), "sizes").startswith("verified")
+    with pytest.raises(VerificationError, match="the bytes of 'w' differ"):
+        verify_output(str(b), expected_from(a), "full")
+    # -0.0 is not 0.0 either.
+    c = saved("c.pt", {"w": torch.tensor([0.0, 1.0])})
+    d = saved("d.pt", {"w": torch.tensor([-0.0, 1.0])})
+    with pytest.raises(VerificationError, match="the bytes of 'w' differ"):
+        verify_output(str(d), expected_from(c), "full")
+
+
+def test_verify_output_detects_changed_views(saved):
+    m = torch.arange(15.0).view(3, 5)
+    a = saved("a.pt", {"w": m.t()})
+    b = saved("b.pt", {"w": m.t().contiguous()})  # same values, other strides
+    with pytest.raises(VerificationError, match=r"strides \[3, 1\] at storage offset 0"):
+        verify_output(str(b), expected_from(a), "sizes")
+    base = torch.arange(10.0)
+    c = saved("c.pt", {"w": base[2:6]})
+    d = saved("d.pt", {"w": base[2:6].clone()})
+    with pytest.raises(VerificationError, match=r"at storage offset 0, expected \[1\] at 2"):
+        verify_output(str(d), expected_from(c), "sizes")
+
+
+def test_verify_output_detects_lost_or_added_sharing(saved):
+    w = torch.randn(4)
+    shared = saved("shared.pt", {"a": w, "b": w})
+    separate = saved("separate.pt", {"a": w.clone(), "b": w.clone()})
+    with pytest.raises(VerificationError, match="'b' shares storage with 'b' in the output"):
+        verify_output(str(separate), expected_from(shared), "sizes")
+    with pytest.raises(VerificationError, match="'b' shares storage with 'a' in the output"):
+        verify_output(str(shared), expected_from(separate), "sizes")
+
+
+def test_verify_output_of_an_unreadable_file(saved, tmp_path):
+    a = saved("a.pt", {"w": torch.ones(2)})
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(a.read_bytes()[:-30])
+    with pytest.raises(VerificationError, match="does not read back"):
+        verify_output(str(broken), expected_from(a), "sizes")
+
+
+def test_verify_output_against_a_nested_selection(saved):
+    sd = {"w": torch.ones(2)}
+    a = saved("a.pt", {"model": sd, "epoch": 1})
+    b = saved("b.pt", {"model": {"w": torch.zeros(2)}, "epoch": 1})
+    assert verify_output(str(b), expected_from(a), "sizes").startswith("verified: 1 tensors")
+    with pytest.raises(VerificationError, match="the bytes of 'w' differ"):
+        verify_output(str(b), expected_from(a), "full")
+
+
+def test_verify_safetensors_output_against_a_pt_source(saved, tmp_path):
+    from safetensors.torch import save_file
+
+    m = torch.arange(6.0).view(2, 3)
+    a = saved("a.pt", {"w": m.t()})
+    good = tmp_path / "good.safetensors"
+    save_file({"w": m.t().contiguous()}, str(good))
+    assert verify_output(str(good), expected_from(a), "full").startswith("verified")
+    bad = tmp_path / "bad.safetensors"
+    save_file({"w": m.contiguous().view(3, 2)}, str(bad))  # same bytes as m, not as m.t()
+    with pytest.raises(VerificationError, match="the bytes of 'w' differ"):
+        verify_output(str(bad), expected_from(a), "full")
