@@ -83,17 +83,17 @@ __all__ = [
 
 # Functions whose modules import torch (or write files) load on first use.
 _LAZY = {
-    "rewrite": "ckpt_tools.rewrite",
-    "convert": "ckpt_tools.rewrite",
-    "retag": "ckpt_tools.rewrite",
-    "strip_module_file": "ckpt_tools.rewrite",
-    "RewriteResult": "ckpt_tools.rewrite",
+    "rewrite": "ckpt_tools.rewriting",
+    "convert": "ckpt_tools.rewriting",
+    "retag": "ckpt_tools.rewriting",
+    "strip_module_file": "ckpt_tools.rewriting",
+    "RewriteResult": "ckpt_tools.rewriting",
     "load_state_dict": "ckpt_tools.loading",
-    "load_into": "ckpt_tools.loading",
-    "LoadReport": "ckpt_tools.loading",
+    "load_into": "ckpt_tools.model_load",
+    "LoadReport": "ckpt_tools.model_load",
     "LoadInfo": "ckpt_tools.loading",
-    "diff": "ckpt_tools.diff",
-    "DiffReport": "ckpt_tools.diff",
+    "diff": "ckpt_tools.diffing",
+    "DiffReport": "ckpt_tools.diffing",
 }
 __all__ += sorted(_LAZY)
 

@@ -1,4 +1,4 @@
-"""Which devices this machine has, and which GPUs are the freest.
+"""Which devices this machine has, which GPUs are the freest, and where saved storages go.
 
 ``torch.cuda.mem_get_info`` reports free memory as the driver sees it, so memory held by
 other processes counts. Querying it creates a CUDA context on each GPU (a few hundred MB):
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,18 @@ import torch
 
 from ckpt_tools.errors import UsageError
 
-__all__ = ["DeviceInfo", "list_devices", "pick", "visible_devices_for"]
+__all__ = [
+    "DeviceInfo",
+    "MapLocation",
+    "auto_location",
+    "list_devices",
+    "pick",
+    "resolve_map_location",
+    "visible_devices_for",
+]
+
+#: Every form ``torch.load`` takes, plus ``"auto"``.
+MapLocation = str | torch.device | Mapping[str, str] | Callable[[Any, str], Any] | None
 
 
 @dataclass(frozen=True)
@@ -187,3 +199,114 @@ def visible_devices_for(n: int = 1) -> str:
         >>> env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices_for(2)}  # doctest: +SKIP
     """
     return ",".join(d.visible_id or str(d.index) for d in _freest(n))
+
+
+# ---------------------------------------------------------------------------------------
+# Where saved storages go (``map_location``)
+
+
+def _device_available(device: torch.device) -> bool:
+    if device.type in ("cpu", "meta"):
+        return True
+    module = getattr(torch, device.type, None)
+    is_available = getattr(module, "is_available", None)
+    if module is None or is_available is None or not is_available():
+        return False
+    count = getattr(module, "device_count", None)
+    return device.index is None or count is None or device.index < count()
+
+
+def auto_location(tag: str) -> str:
+    """Where ``"auto"`` puts a storage saved under ``tag``.
+
+    The saved device when it exists here; ``cuda:N`` past the visible GPUs goes to
+    ``cuda:{N % count}``; a backend that is absent here (CUDA on a CPU-only machine, MPS
+    elsewhere) goes to the CPU.
+
+    Args:
+        tag: a saved location tag (``cpu``, ``cuda``, ``cuda:1``, ``mps``).
+
+    Returns:
+        A device string torch accepts.
+
+    Example:
+        >>> auto_location("cpu")
+        'cpu'
+    """
+    try:
+        device = torch.device(tag)
+    except RuntimeError:
+        return "cpu"
+    if device.type in ("cpu", "meta"):
+        return device.type
+    module = getattr(torch, device.type, None)
+    is_available = getattr(module, "is_available", None)
+    if module is None or is_available is None or not is_available():
+        return "cpu"
+    count_fn = getattr(module, "device_count", None)
+    count = count_fn() if count_fn is not None else 1
+    if count < 1:
+        return "cpu"
+    if device.index is None:
+        return f"{device.type}:0" if count_fn is not None else device.type
+    return f"{device.type}:{device.index % count}"
+
+
+def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict[str, str] | None:
+    """Where each saved tag goes, for every ``map_location`` form except callables.
+
+    Args:
+        map_location: ``"auto"``, ``None`` (where saved), a device string or
+            ``torch.device``, a dict tag -> tag (unlisted tags stay), or a callable.
+        tags: the saved tags of the checkpoint's storages.
+
+    Returns:
+        tag -> device string; None for a callable (known only once called).
+
+    Raises:
+        UsageError: a target device is malformed or does not exist here.
+
+    Example:
+        >>> resolve_map_location("auto", ["cpu"])
+        {'cpu': 'cpu'}
+    """
+    if callable(map_location) and not isinstance(map_location, (str, torch.device, Mapping)):
+        return None
+    resolved: dict[str, str] = {}
+    for tag in dict.fromkeys(tags):
+        if isinstance(map_location, str) and map_location == "auto":
+            resolved[tag] = auto_location(tag)
+            continue
+        if map_location is None:
+            target: Any = tag
+        elif isinstance(map_location, Mapping):
+            target = map_location.get(tag, tag)
+        elif isinstance(map_location, (str, torch.device)):
+            target = map_location
+        else:
+            raise UsageError(
+                f"map_location={map_location!r} is not a device, a dict of tags, a callable "
+                "or 'auto'"
+            )
+        try:
+            device = torch.device(target)
+        except (RuntimeError, TypeError) as e:
+            raise UsageError(
+                f"map_location sends storages saved on {tag!r} to {target!r}, which is not a "
+                "device (expected 'cpu', 'cuda:0', ...); or pass map_location='auto'"
+            ) from e
+        if not _device_available(device):
+            raise UsageError(
+                f"map_location sends storages saved on {tag!r} to {str(device)!r}, which does "
+                f"not exist here (visible: {_visible()}); pass map_location='auto' to put each "
+                "storage on an existing device, or map_location='cpu'"
+            )
+        resolved[tag] = str(device)
+    return resolved
+
+
+def _visible() -> str:
+    names = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        names.append("mps")
+    return ", ".join(names)

@@ -1,4 +1,4 @@
-"""The results of :func:`ckpt_tools.diff.diff`: frozen dataclasses, torch-free.
+"""The results of :func:`ckpt_tools.diffing.diff`: frozen dataclasses, torch-free.
 
 Convention: A is what you have, B is what it should match; *missing* keys are in B and not
 in A, *unexpected* keys are in A and not in B.

@@ -9,7 +9,7 @@ Two ways to find one, both built from :data:`ckpt_tools.keys.WRAPPER_RULES` and 
   the prefix maps that turn a top-level name of the source into one of the target
   (``backbone.`` -> ``encoder.``), and ranks all by how many keys they make match.
 
-:func:`ckpt_tools.loading.load_into` applies the best wrapper rewrite; ``ckpt diff`` prints
+:func:`ckpt_tools.model_load.load_into` applies the best wrapper rewrite; ``ckpt diff`` prints
 the ranking as suggestions.
 """
 

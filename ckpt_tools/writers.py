@@ -20,7 +20,7 @@ from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import StorageTypeRef
 from ckpt_tools.formats.repickle import dumps
-from ckpt_tools.formats.zipwriter import TorchZipWriter, copy_range, pwrite_all
+from ckpt_tools.formats.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
 from ckpt_tools.model import GlobalRef, StorageRef, TensorRef
 
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
@@ -226,6 +226,7 @@ def write_safetensors(
     fd = file.fileno()
     pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
     out = 8 + len(raw)
+    writeback = Writeback(fd)
     open_fds: dict[str, int] = {}
     try:
         for entry in entries:
@@ -235,9 +236,12 @@ def write_safetensors(
             if src_fd is None:
                 src_fd = open_fds[span.path] = os.open(span.path, os.O_RDONLY)
             if t.is_contiguous():
-                copy_range(src_fd, span.offset + t.byte_offset, fd, out, t.nbytes, progress)
+                copy_range(
+                    src_fd, span.offset + t.byte_offset, fd, out, t.nbytes, progress, writeback
+                )
             else:
                 pwrite_all(fd, _contiguous_bytes(src_fd, span.offset, t), out)
+                writeback.wrote(out, t.nbytes)
                 if progress is not None:
                     progress(t.nbytes)
             out += t.nbytes

@@ -27,7 +27,7 @@ from ckpt_tools.errors import (
     OutputExistsError,
     SameFileError,
 )
-from ckpt_tools.rewrite import convert
+from ckpt_tools.rewriting import convert
 
 try:
     import rewrite_helpers as h

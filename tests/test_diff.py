@@ -16,7 +16,7 @@ from torch import nn
 
 import ckpt_tools
 from ckpt_tools.cli.main import main
-from ckpt_tools.diff import diff
+from ckpt_tools.diffing import diff
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.tensor_io import iter_chunks, read_tensor
@@ -283,12 +283,17 @@ def test_prefix_map_suggestion_and_module_note(save: Callable[..., str]) -> None
     assert aligned.identical and aligned.aligned == ("stripping 'module.'",)
 
 
-def test_diff_is_callable_from_the_package_even_after_importing_the_module() -> None:
-    import ckpt_tools.diff as module
+def test_package_functions_survive_importing_their_modules() -> None:
+    # A submodule named like a function would replace it on import; ours are named apart.
+    import ckpt_tools.diffing
+    import ckpt_tools.model_load
+    import ckpt_tools.rewriting
 
     assert ckpt_tools.diff({"w": torch.ones(1)}, {"w": torch.ones(1)}).identical
-    assert module({"w": torch.ones(1)}, {"w": torch.ones(1)}).identical
-    assert ckpt_tools.DiffReport is module.DiffReport
+    assert ckpt_tools.diff is ckpt_tools.diffing.diff
+    assert ckpt_tools.rewrite is ckpt_tools.rewriting.rewrite
+    assert ckpt_tools.load_into is ckpt_tools.model_load.load_into
+    assert ckpt_tools.DiffReport is ckpt_tools.diffing.DiffReport
 
 
 def run(command: str) -> None:

@@ -104,7 +104,7 @@ def diff_cmd(
         raise UsageError("give B or --model MODULE:FACTORY (exactly one): `ckpt diff A B`")
     if model_args and model_spec is None:
         raise UsageError("--model-arg needs --model MODULE:FACTORY")
-    from ckpt_tools.diff import diff
+    from ckpt_tools.diffing import diff
 
     if model_spec is not None:
         from ckpt_tools.model_factory import build_model

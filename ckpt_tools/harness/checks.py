@@ -6,9 +6,9 @@
     outputs bitwise equal to the bare model's.
 (c) ``vs_single``: a strategy's final weights against single-device training's.
 (d) ``device_roundtrip``: a GPU-saved checkpoint (or, without a GPU, one retagged to
-    ``cuda:1`` with ``ckpt_tools.rewrite.retag``) loaded with
+    ``cuda:1`` with ``ckpt_tools.rewriting.retag``) loaded with
     ``ckpt_tools.loading.load_state_dict(map_location="auto")``, bitwise equal.
-(e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.rewrite.convert``,
+(e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.rewriting.convert``,
     bitwise equal.
 
 The ckpt_tools functions under test are imported inside each check, so a missing one
@@ -266,7 +266,7 @@ def check_device_roundtrip(
     """(d) Load a GPU-tagged checkpoint with ``map_location="auto"``; bitwise equal.
 
     A checkpoint saved from a GPU is loaded as is. A CPU-saved one is first retagged
-    ``cpu -> cuda:1`` with ``ckpt_tools.rewrite.retag`` into ``work_dir``, which is what a
+    ``cpu -> cuda:1`` with ``ckpt_tools.rewriting.retag`` into ``work_dir``, which is what a
     GPU save looks like to a CPU-only machine.
 
     Args:
@@ -289,7 +289,7 @@ def check_device_roundtrip(
         tags = storage_tags(path)
         cuda_saved = any(tag.startswith("cuda") for tag in tags)
         if not cuda_saved:
-            from ckpt_tools.rewrite import retag
+            from ckpt_tools.rewriting import retag
     except ImportError as exc:
         return _skipped(name, strategy, exc)
     try:
@@ -321,7 +321,7 @@ def check_device_roundtrip(
 def check_format_roundtrip(
     path: str | Path, work_dir: str | Path, strategy: str = ""
 ) -> CheckResult:
-    """(e) pt -> safetensors -> pt with ``ckpt_tools.rewrite.convert``; bitwise equal.
+    """(e) pt -> safetensors -> pt with ``ckpt_tools.rewriting.convert``; bitwise equal.
 
     Args:
         path: a ``.pt`` state dict.
@@ -337,7 +337,7 @@ def check_format_roundtrip(
     """
     name = "format_roundtrip"
     try:
-        from ckpt_tools.rewrite import convert
+        from ckpt_tools.rewriting import convert
     except ImportError as exc:
         return _skipped(name, strategy, exc)
     try:

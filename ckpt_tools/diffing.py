@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
-import types
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
@@ -403,15 +401,3 @@ def diff(
             suggestions=suggestions,
             aligned=tuple(step.describe() for step in fix.steps) if fix else (),
         )
-
-
-class _CallableModule(types.ModuleType):
-    """``ckpt_tools.diff`` is both this module and the function: importing the submodule
-    sets the package attribute to the module, so the module forwards calls to :func:`diff`.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> DiffReport:
-        return diff(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
