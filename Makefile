@@ -20,7 +20,8 @@ demo: $(STAMP)
 	$(VENV)/bin/ckpt harness parity --world-size 2 --steps 5 --out $(DEMO_DIR) --plot $(DEMO_DIR)/parity.png
 	$(VENV)/bin/ckpt inspect $(DEMO_DIR)/ddp/wrapped.pt
 	$(VENV)/bin/ckpt strip-module $(DEMO_DIR)/ddp/wrapped.pt $(DEMO_DIR)/ddp/stripped.pt
-	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/wrapped.pt $(DEMO_DIR)/ddp/stripped.pt
+	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/wrapped.pt $(DEMO_DIR)/ddp/stripped.pt --align --fail-on value
+	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/stripped.pt $(DEMO_DIR)/single/bare.pt --fail-on missing,unexpected,shape,dtype,value
 
 test: $(STAMP)
 	$(PY) -m pytest -q
