@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import ckpt_tools
 from ckpt_tools.cli.main import main
 from ckpt_tools.diffing import diff
 from ckpt_tools.errors import UsageError

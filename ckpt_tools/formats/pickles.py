@@ -16,7 +16,7 @@ import collections
 import io
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, BinaryIO
 
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
@@ -151,12 +151,8 @@ def _rebuild_parameter(func: GlobalRef, *args: Any) -> TensorRef:
     inner = args[0] if args else None
     if not isinstance(inner, TensorRef):
         raise CorruptCheckpointError(f"{func.qualname} expects a tensor, found {type(inner)!r}")
-    return TensorRef(
-        storage=inner.storage,
-        offset=inner.offset,
-        shape=inner.shape,
-        stride=inner.stride,
-        dtype=inner.dtype,
+    return replace(
+        inner,
         requires_grad=bool(args[1]) if len(args) > 1 else True,
         is_parameter=True,
         func=GlobalRef(func.module, func.name),
@@ -172,13 +168,8 @@ def _rebuild_from_type_v2(func: GlobalRef, *args: Any) -> Any:
     if not isinstance(inner, TensorRef):
         return Reduced(GlobalRef(func.module, func.name), args)
     new_type = args[1]
-    return TensorRef(
-        storage=inner.storage,
-        offset=inner.offset,
-        shape=inner.shape,
-        stride=inner.stride,
-        dtype=inner.dtype,
-        requires_grad=inner.requires_grad,
+    return replace(
+        inner,
         is_parameter=inner.is_parameter
         or (isinstance(new_type, GlobalRef) and new_type.name == "Parameter"),
         func=GlobalRef(func.module, func.name),

@@ -10,9 +10,6 @@
     ``ckpt_tools.loading.load_state_dict(map_location="auto")``, bitwise equal.
 (e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.rewriting.convert``,
     bitwise equal.
-
-The ckpt_tools functions under test are imported inside each check, so a missing one
-turns only that check into ``skipped`` (which does not count as passed).
 """
 
 from __future__ import annotations
@@ -36,6 +33,9 @@ from ckpt_tools.harness.compare import (
 from ckpt_tools.harness.data import synthetic_fashion
 from ckpt_tools.harness.loop import deterministic
 from ckpt_tools.harness.models import build_model
+from ckpt_tools.keys import add_prefix, strip_prefix
+from ckpt_tools.loading import load_state_dict
+from ckpt_tools.rewriting import convert, retag
 
 __all__ = [
     "CHECK_NAMES",
@@ -64,14 +64,14 @@ class CheckResult:
     Attributes:
         name: one of :data:`CHECK_NAMES`.
         passed: the property holds. ``not comparable`` rows count as passed (there was
-            nothing to hold); ``skipped`` rows do not (nothing was verified).
+            nothing to hold).
         max_abs_diff: largest absolute elementwise difference seen (``inf`` when shapes or
             keys do not even line up).
         tolerance: the allowed ``max_abs_diff``; 0.0 for bitwise checks, ``None`` when
             the comparison is not meaningful.
         detail: what was compared, and why it failed if it did.
         strategy: the strategy whose checkpoints were checked.
-        status: ``pass``, ``fail``, ``baseline``, ``not comparable`` or ``skipped``.
+        status: ``pass``, ``fail``, ``baseline`` or ``not comparable``.
     """
 
     name: str
@@ -87,12 +87,6 @@ def _result(
     name: str, strategy: str, diff: float, tol: float | None, ok: bool, detail: str
 ) -> CheckResult:
     return CheckResult(name, ok, diff, tol, detail, strategy, "pass" if ok else "fail")
-
-
-def _skipped(name: str, strategy: str, exc: ImportError) -> CheckResult:
-    return CheckResult(
-        name, False, math.nan, None, f"not verified: {exc}", strategy, status="skipped"
-    )
 
 
 def _failed(name: str, strategy: str, tol: float | None, exc: Exception) -> CheckResult:
@@ -151,10 +145,6 @@ def check_strip_prefix(
     """
     name = "strip_prefix"
     try:
-        from ckpt_tools.keys import strip_prefix
-    except ImportError as exc:
-        return _skipped(name, strategy, exc)
-    try:
         device, kw = eval_device(), model_kwargs or {}
         wrapped_sd = load_pt(wrapped_path)
         wrapped = _data_parallel(_fresh(model, kw, device), device)
@@ -194,10 +184,6 @@ def check_add_prefix(
         True
     """
     name = "add_prefix"
-    try:
-        from ckpt_tools.keys import add_prefix
-    except ImportError as exc:
-        return _skipped(name, strategy, exc)
     try:
         device, kw = eval_device(), model_kwargs or {}
         bare_sd = load_pt(bare_path)
@@ -283,15 +269,8 @@ def check_device_roundtrip(
         True
     """
     name = "device_roundtrip"
-    try:
-        from ckpt_tools.loading import load_state_dict
-
-        tags = storage_tags(path)
-        cuda_saved = any(tag.startswith("cuda") for tag in tags)
-        if not cuda_saved:
-            from ckpt_tools.rewriting import retag
-    except ImportError as exc:
-        return _skipped(name, strategy, exc)
+    tags = storage_tags(path)
+    cuda_saved = any(tag.startswith("cuda") for tag in tags)
     try:
         source = Path(path)
         if cuda_saved:
@@ -336,10 +315,6 @@ def check_format_roundtrip(
         True
     """
     name = "format_roundtrip"
-    try:
-        from ckpt_tools.rewriting import convert
-    except ImportError as exc:
-        return _skipped(name, strategy, exc)
     try:
         source, work = Path(path), Path(work_dir)
         work.mkdir(parents=True, exist_ok=True)

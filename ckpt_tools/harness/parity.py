@@ -67,7 +67,7 @@ class ParityReport:
 
     @property
     def all_passed(self) -> bool:
-        """Every row passed (``not comparable`` counts, ``skipped`` does not)."""
+        """Every row passed (``not comparable`` rows count as passed)."""
         return all(row.passed for row in self.rows)
 
     @property

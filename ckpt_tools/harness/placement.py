@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ckpt_tools.devices import pick
 from ckpt_tools.errors import UsageError
 
 __all__ = ["DEFAULT_CPU_WORLD_SIZE", "parse_gpus", "resolve_devices"]
@@ -21,25 +22,9 @@ DEFAULT_CPU_WORLD_SIZE = 2
 GpuSpec = str | Sequence[int] | None
 
 
-def _freest_gpus(n: int) -> list[int]:
-    """Indices of the ``n`` visible GPUs with the most free memory, most free first.
-
-    Ties go to the lower index so that the choice is stable.
-    """
-    count = torch.cuda.device_count()
-    if n > count:
-        raise UsageError(f"gpus='auto:{n}' asks for {n} GPUs but {count} are visible")
-    free = [(torch.cuda.mem_get_info(i)[0], i) for i in range(count)]
-    return [i for _, i in sorted(free, key=lambda pair: (-pair[0], pair[1]))[:n]]
-
-
 def _pick(n: int) -> list[int]:
-    """``ckpt_tools.devices.pick(n)`` when that module exists, else :func:`_freest_gpus`."""
-    try:
-        from ckpt_tools.devices import pick  # the project's picker, when present
-    except ImportError:
-        return _freest_gpus(n)
-    picked = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in pick(n)]
+    """Indices of the ``n`` GPUs with the most free memory (:func:`ckpt_tools.devices.pick`)."""
+    picked = pick(n)
     if any(d.type != "cuda" for d in picked):  # pick() falls back to [cpu] without GPUs
         raise UsageError(f"gpus='auto:{n}' found no GPU to pick")
     return [d.index or 0 for d in picked]
