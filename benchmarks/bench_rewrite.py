@@ -41,6 +41,7 @@ from common import (
     cache_state_note,
     ckpt_command,
     fmt_table,
+    load_note,
     machine_note,
     make_checkpoints,
     measure,
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "writeback: each command's output is fsynced (timed, added to 'total'), then deleted "
         "and `sync` run (untimed)"
     )
+    print(f"before: {load_note()}")
     all_ok = True
     with workdir(args.workdir, keep=args.keep) as folder:
         print(f"generating checkpoints in {folder} ...", flush=True)
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{size_mib / s.total_s:.0f}",
                         f"{s.peak_rss_mb:.1f}",
                         ratio(s.total_s, cp.total_s),
+                        ratio(s.best_s, cp.best_s),
                     ]
                 )
             print(
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                         "MiB/s",
                         "peak RSS MB",
                         "total / cp",
+                        "best / best cp",
                     ],
                 )
             )
@@ -210,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"      naive / strip-module: {ratio(naive_s.total_s, strip.total_s)} time, "
                     f"{ratio(naive_s.peak_rss_mb, strip.peak_rss_mb)} peak RSS"
                 )
+            print(f"({load_note()})")
         os.sync()
+    print(
+        "PASS/FAIL use the median 'total' (command + fsync of its output); 'best / best cp' "
+        "compares the fastest runs, which other load on the machine disturbs least"
+    )
     return 0 if all_ok else 1
 
 

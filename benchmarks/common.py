@@ -38,6 +38,7 @@ from pathlib import Path
 
 __all__ = [
     "CKPT",
+    "MIB",
     "PYTHON",
     "REPO",
     "GeneratedPair",
@@ -48,6 +49,7 @@ __all__ = [
     "ckpt_command",
     "drop_caches",
     "fmt_table",
+    "load_note",
     "machine_note",
     "make_checkpoints",
     "measure",
@@ -381,6 +383,11 @@ class Summary:
         return max(m.peak_rss_kb for m in self.runs) / 1024
 
     @property
+    def best_s(self) -> float:
+        """The fastest run: what the command costs when nothing else gets in its way."""
+        return min(m.total_s for m in self.runs)
+
+    @property
     def spread(self) -> str:
         walls = sorted(m.total_s for m in self.runs)
         return f"{walls[0]:.3f}-{walls[-1]:.3f}"
@@ -443,6 +450,15 @@ def fmt_table(rows: Sequence[Sequence[object]], headers: Sequence[str]) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def load_note() -> str:
+    """The 1/5/15-minute load averages: other work on the machine inflates and spreads timings."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "load average: unknown"
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
 def machine_note() -> str:

@@ -29,7 +29,6 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
-from ckpt_tools.inspection import CheckpointInfo, TensorInfo, inspect
 from ckpt_tools.keys import (
     WRAPPER_RULES,
     KeyRule,
@@ -47,7 +46,6 @@ __all__ = [
     "WRAPPER_RULES",
     "Checkpoint",
     "CheckpointError",
-    "CheckpointInfo",
     "CheckpointNotFoundError",
     "ConversionError",
     "CorruptCheckpointError",
@@ -62,7 +60,6 @@ __all__ = [
     "SelectError",
     "Selection",
     "StateDictMismatchError",
-    "TensorInfo",
     "UnsafeContentError",
     "UnsupportedFormatError",
     "UsageError",
@@ -72,7 +69,6 @@ __all__ = [
     "add_prefix",
     "detect_format",
     "detect_wrappers",
-    "inspect",
     "open_checkpoint",
     "regex_rule",
     "rename_keys",
@@ -83,6 +79,9 @@ __all__ = [
 
 # Functions whose modules import torch (or write files) load on first use.
 _LAZY = {
+    "inspect": "ckpt_tools.inspection",
+    "CheckpointInfo": "ckpt_tools.inspection",
+    "TensorInfo": "ckpt_tools.inspection",
     "rewrite": "ckpt_tools.rewriting",
     "convert": "ckpt_tools.rewriting",
     "retag": "ckpt_tools.rewriting",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ class Expected:
 
 
 def _digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
+    import hashlib  # only --verify full needs it; rewrites start faster without
+
     # Hash the bytes the tensor spans (contiguous range from its first to last element).
     span = ckpt.span(t.storage)
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) if t.numel else 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -26,6 +25,8 @@ from ckpt_tools.model import GlobalRef, StorageRef, TensorRef
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
 
 Progress = Callable[[int], None]
+_LARGE_DATA = 64 << 20
+_LARGE_DATA_ALIGNMENT = 64 << 10
 
 
 def write_torch_zip(
@@ -104,6 +105,8 @@ def write_torch_zip(
                     if fd != src_fd:
                         os.close(fd)
             writer.add_bytes("version", b"3\n")
+            import uuid  # only legacy and safetensors sources need a new id
+
             writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
         writer.close()
     finally:
@@ -222,33 +225,57 @@ def write_safetensors(
         }
         position += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((-len(raw)) % 8)  # safetensors pads the header so data starts 8-aligned
+    # safetensors pads the header with spaces so data starts 8-aligned; for large files we
+    # pad to 64 KiB, so the kernel copy fills whole large page-cache folios (measurably faster).
+    align = _LARGE_DATA_ALIGNMENT if position >= _LARGE_DATA else 8
+    raw += b" " * ((-(8 + len(raw))) % align)
     fd = file.fileno()
     pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-    out = 8 + len(raw)
+    start = 8 + len(raw)
     writeback = Writeback(fd)
     open_fds: dict[str, int] = {}
+
+    def source_fd(path: str) -> int:
+        if path not in open_fds:
+            open_fds[path] = os.open(path, os.O_RDONLY)
+        return open_fds[path]
+
     try:
+        out = start
+        run: list[Any] = []  # [path, src_offset, dst_offset, nbytes]: one merged kernel copy
         for entry in entries:
             t = entry.tensor
             span = source.span(t.storage)
-            src_fd = open_fds.get(span.path)
-            if src_fd is None:
-                src_fd = open_fds[span.path] = os.open(span.path, os.O_RDONLY)
-            if t.is_contiguous():
-                copy_range(
-                    src_fd, span.offset + t.byte_offset, fd, out, t.nbytes, progress, writeback
-                )
-            else:
-                pwrite_all(fd, _contiguous_bytes(src_fd, span.offset, t), out)
+            if not t.is_contiguous():
+                _flush(run, source_fd, fd, progress, writeback)
+                run = []
+                pwrite_all(fd, _contiguous_bytes(source_fd(span.path), span.offset, t), out)
                 writeback.wrote(out, t.nbytes)
                 if progress is not None:
                     progress(t.nbytes)
+            elif run and run[0] == span.path and run[1] + run[3] == span.offset + t.byte_offset:
+                run[3] += t.nbytes  # back to back in the source too: extend the copy
+            else:
+                _flush(run, source_fd, fd, progress, writeback)
+                run = [span.path, span.offset + t.byte_offset, out, t.nbytes]
             out += t.nbytes
+        _flush(run, source_fd, fd, progress, writeback)
     finally:
         for open_fd in open_fds.values():
             os.close(open_fd)
     os.ftruncate(fd, out)
+
+
+def _flush(
+    run: list[Any],
+    source_fd: Callable[[str], int],
+    fd: int,
+    progress: Progress | None,
+    writeback: Writeback,
+) -> None:
+    if run and run[3]:
+        path, src_offset, dst_offset, nbytes = run
+        copy_range(source_fd(path), src_offset, fd, dst_offset, nbytes, progress, writeback)
 
 
 def _contiguous_bytes(src_fd: int, storage_offset: int, t: TensorRef) -> bytes:

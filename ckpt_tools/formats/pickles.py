@@ -351,7 +351,11 @@ def load_pickle(
     head = file.read(2)
     file.seek(start)
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 0
-    unpickler = _RestrictedUnpickler(_LimitedReader(file, limit), persistent_load)
+    if isinstance(file, io.BytesIO) and file.getbuffer().nbytes - start <= limit:
+        source: Any = file  # in memory and within the limit: read it directly (fastest)
+    else:
+        source = _LimitedReader(file, limit)
+    unpickler = _RestrictedUnpickler(source, persistent_load)
     try:
         root = unpickler.load()
     except (ResourceLimitError, CorruptCheckpointError):
@@ -397,6 +401,12 @@ class _LimitedReader(io.RawIOBase):
         data = self.read(len(buffer))
         buffer[: len(data)] = data
         return len(data)
+
+    def peek(self, n: int = 0) -> bytes:
+        # With peek, the C unpickler reads ahead in blocks and then consumes exactly what it
+        # used (so the position still ends right after STOP); without it, one read per opcode.
+        peek = getattr(self._file, "peek", None)
+        return peek(n)[: self._left + 1] if peek is not None else b""
 
     def readline(self, size: int | None = -1) -> bytes:
         data = self._file.readline(-1 if size is None else size)

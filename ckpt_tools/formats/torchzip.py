@@ -10,6 +10,7 @@ import io
 import os
 import struct
 import zipfile
+import zlib
 from pathlib import PurePosixPath
 
 from ckpt_tools.errors import CorruptCheckpointError
@@ -49,13 +50,19 @@ def _read_records(path: str, infos: list[zipfile.ZipInfo], root: str) -> dict[st
         for info in infos:
             if not info.filename.startswith(root + "/") or info.is_dir():
                 continue
-            header = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
+            encoded = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+            header = os.pread(fd, _LOCAL_HEADER.size + len(encoded), info.header_offset)
             if len(header) < _LOCAL_HEADER.size or header[:4] != _LOCAL_SIGNATURE:
                 raise CorruptCheckpointError(
                     f"{path!r}: the local header of record {info.filename!r} is missing "
                     "(the file is truncated or not a valid zip)"
                 )
-            name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
+            name_len, extra_len = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])[-2:]
+            if header[_LOCAL_HEADER.size :] != encoded or name_len != len(encoded):
+                raise CorruptCheckpointError(
+                    f"{path!r}: record {info.filename!r} is named differently in its local "
+                    "header than in the directory (the archive is damaged)"
+                )
             data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             if data_offset + info.compress_size > size:
                 raise CorruptCheckpointError(
@@ -73,6 +80,25 @@ def _read_records(path: str, infos: list[zipfile.ZipInfo], root: str) -> dict[st
     finally:
         os.close(fd)
     return records
+
+
+def _read_record(path: str, record: ZipRecord) -> bytes:
+    # The directory is already parsed: one pread, checked against the record's CRC-32.
+    if record.compressed:
+        with zipfile.ZipFile(path) as archive:
+            return archive.read(f"{_root_of(archive)}/{record.name}")
+    with open(path, "rb") as f:
+        payload = os.pread(f.fileno(), record.size, record.data_offset)
+    if len(payload) != record.size or zlib.crc32(payload) != record.crc32:
+        raise CorruptCheckpointError(
+            f"{path!r}: record {record.name} fails its CRC-32 check (the file is damaged); "
+            "download or copy it again"
+        )
+    return payload
+
+
+def _root_of(archive: zipfile.ZipFile) -> str:
+    return _archive_root(archive.namelist(), archive.filename or "")
 
 
 def open_torch_zip(path: str) -> Checkpoint:
@@ -107,11 +133,7 @@ def open_torch_zip(path: str) -> Checkpoint:
         raise ResourceLimitError(
             f"{path!r}: data.pkl is {data.size} bytes, over the {MAX_PICKLE_BYTES >> 20} MiB limit"
         )
-    with zipfile.ZipFile(path) as archive:
-        try:
-            payload = archive.read(f"{root}/data.pkl")
-        except (zipfile.BadZipFile, OSError, EOFError) as e:
-            raise CorruptCheckpointError(f"{path!r}: data.pkl cannot be read ({e})") from e
+    payload = _read_record(path, data)
     result = load_pickle(io.BytesIO(payload))
 
     for storage in result.storages.values():

@@ -27,6 +27,9 @@ _CHUNK = 8 << 20
 _DOS_TIME, _DOS_DATE = 0, (0 << 9) | (1 << 5) | 1
 _PAD_ID = 0x4246  # "FB", the padding extra field torch's writer uses
 _WRITEBACK_EVERY = 64 << 20
+_LARGE_RECORD = 1 << 20
+_LARGE_ALIGNMENT = 64 << 10
+_WRITTEN_PAD = 4096
 
 
 @dataclass
@@ -162,14 +165,22 @@ class TorchZipWriter:
         self._entries: list[_Entry] = []
         self._writeback = Writeback(self._fd)
 
-    def _local_header(self, name: bytes, size: int, crc32: int) -> bytes:
+    def _local_header(self, name: bytes, size: int, crc32: int) -> tuple[bytes, int]:
+        """The local header up to its padding, and how many padding bytes follow it."""
         zip64 = size >= _U32 or self._offset >= _U32
         extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
         fixed = 30 + len(name) + len(extra) + 4
         pad = (-(self._offset + fixed)) % ALIGNMENT
-        extra += struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
+        if size >= _LARGE_RECORD:
+            # Large records start on a 64 KiB boundary: the kernel's copy then fills whole
+            # large page-cache folios, which measured ~30% faster than 64-byte alignment
+            # (ext4, 1 GiB, copy + fsync). The padding costs no writes: it is left a hole.
+            big = (-(self._offset + fixed)) % _LARGE_ALIGNMENT
+            if big + len(extra) + 4 <= _U16:
+                pad = big
+        extra += struct.pack("<HH", _PAD_ID, pad)
         size32 = _U32 if zip64 else size
-        return (
+        head = (
             struct.pack(
                 "<IHHHHHIIIHH",
                 0x04034B50,
@@ -182,18 +193,24 @@ class TorchZipWriter:
                 size32,
                 size32,
                 len(name),
-                len(extra),
+                len(extra) + pad,
             )
             + name
             + extra
         )
+        return head, pad
 
     def _begin(self, name: str, size: int, crc32: int) -> int:
         full = f"{self._root}/{name}".encode()
-        header = self._local_header(full, size, crc32)
+        header, pad = self._local_header(full, size, crc32)
+        # Small paddings are written (as torch writes "Z"s); large ones stay a sparse hole,
+        # which reads back as zeros: any bytes are valid content for the padding field.
+        if pad <= _WRITTEN_PAD:
+            header += b"Z" * pad
+            pad = 0
         pwrite_all(self._fd, header, self._offset)
         self._entries.append(_Entry(full, self._offset, size, crc32))
-        self._offset += len(header)
+        self._offset += len(header) + pad
         return self._offset
 
     def add_bytes(self, name: str, data: bytes) -> None:
