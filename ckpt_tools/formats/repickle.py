@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.formats.pickles import Reduced, TorchSize
+from ckpt_tools.formats.pickles import Reduced, TorchSize, gc_paused
 from ckpt_tools.model import GlobalRef, Opaque, StorageRef, TensorRef
 
 __all__ = ["Repickler", "dumps", "zip_storage_id"]
@@ -111,7 +111,8 @@ def _global_of(obj: Any) -> GlobalRef | None:
 def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]) -> bytes:
     """Pickle a tree read by :func:`load_pickle` into bytes (see :class:`Repickler`)."""
     buffer = io.BytesIO()
-    Repickler(buffer, protocol, storage_id).dump(obj)
+    with gc_paused():
+        Repickler(buffer, protocol, storage_id).dump(obj)
     return buffer.getvalue()
 
 
