@@ -276,7 +276,8 @@ def _suggestions(
 ) -> tuple[Suggestion, ...]:
     keys_a, keys_b = list(a.entries), list(b.entries)
     out = []
-    for fix in rank_fixes(keys_a, keys_b)[:limit]:
+    shapes = ({k: a.meta(k)[1] for k in keys_a}, {k: b.meta(k)[1] for k in keys_b})
+    for fix in rank_fixes(keys_a, keys_b, shapes=shapes)[:limit]:
         command = inverse_command = inverse_text = ""
         if a.info.kind == "file":
             command = fix_command(a.info.label, fix.steps, select_a, keys_a)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ckpt_tools.atomic import atomic_output, check_output_path
-from ckpt_tools.errors import ConversionError, NonTensorEntriesError, UnsafeContentError, UsageError
+from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.keys import (
     KeyRule,
@@ -29,9 +28,15 @@ from ckpt_tools.keys import (
 )
 from ckpt_tools.layouts import select_state_dict
 from ckpt_tools.model import TensorRef
+from ckpt_tools.rewrite_plan import (
+    check_source,
+    output_format_for,
+    replace_at,
+    safetensors_plan,
+    summary,
+)
 from ckpt_tools.verify import VERIFY_LEVELS, Expected, verify_output
 from ckpt_tools.writers import (
-    SafetensorsEntry,
     picklable_tensors,
     write_safetensors,
     write_torch_zip,
@@ -111,57 +116,6 @@ class RewriteResult:
         }
 
 
-def output_format_for(dst: str | os.PathLike[str], fmt: str | None, input_format: str) -> str:
-    """The output format: explicit ``fmt``, else from ``dst``'s suffix, else the input's family.
-
-    Raises:
-        UsageError: an unknown format name.
-    """
-    if fmt is not None:
-        names = {"torch": "torch-zip", "pt": "torch-zip", "safetensors": "safetensors"}
-        if fmt not in names:
-            raise UsageError(f"--format {fmt!r} is not one of: torch, safetensors")
-        return names[fmt]
-    suffix = Path(dst).suffix.lower()
-    if suffix == ".safetensors":
-        return "safetensors"
-    if suffix in (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"):
-        return "torch-zip"
-    return "safetensors" if input_format == "safetensors" else "torch-zip"
-
-
-def _check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
-    if ckpt.format == "torchscript":
-        raise ConversionError(
-            f"{ckpt.path!r} is a TorchScript archive: its code refers to the attribute names, so "
-            "renaming them would break it; load it with torch.jit.load and save the state_dict()"
-        )
-    if ckpt.format == "hf-sharded":
-        raise UsageError(
-            f"{ckpt.path!r} is a sharded folder; rewrite each shard file, e.g. "
-            f"`ckpt strip-module {ckpt.path}/SHARD.safetensors OUT.safetensors`"
-        )
-    refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
-    if refused:
-        flags = " ".join(f"--allow-global {g}" for g in refused)
-        raise UnsafeContentError(
-            f"{ckpt.path!r} refers to Python globals outside the allowlist: {', '.join(refused)}; "
-            f"they are never imported. To carry them through unchanged, pass {flags}",
-            refused,
-        )
-
-
-def _replace_at(root: Any, path: Sequence[str], value: Any) -> Any:
-    if not path:
-        return value
-    node = root
-    for part in path[:-1]:
-        node = node[part] if part in node else node[int(part)]
-    last = path[-1]
-    node[last if last in node else int(last)] = value
-    return root
-
-
 def rewrite(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -215,7 +169,7 @@ def rewrite(
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=in_place)
     ckpt = opened if opened is not None and opened.path == src else open_checkpoint(src)
-    _check_source(ckpt, allow_globals)
+    check_source(ckpt, allow_globals)
     fmt = output_format_for(dst, output_format, ckpt.format)
     selection = select_state_dict(ckpt.root, select)
     sd = selection.state_dict
@@ -236,13 +190,13 @@ def rewrite(
     dropped: tuple[str, ...] = ()
     with atomic_output(target) as (file, tmp):
         if fmt == "safetensors":
-            entries, metadata, dropped, expected = _safetensors_plan(
+            entries, metadata, dropped, expected = safetensors_plan(
                 ckpt, selection.path, renamed_sd, drop_extras
             )
             write_safetensors(entries, ckpt, file, metadata, on_bytes)
             select_out: Sequence[str] = ()
         else:
-            tree = _replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
+            tree = replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
             write_torch_zip(tree, ckpt, file, device_map, on_bytes)
             expected, select_out = tensors, selection.path
         file.flush()
@@ -262,43 +216,8 @@ def rewrite(
         verification=verification,
         dropped=dropped,
         device_map=dict(device_map or {}),
-        message=f"wrote {dst} ({len(changed)} of {len(plan)} keys renamed)",
+        message=summary(dst, ckpt.format, fmt, len(changed), len(plan), rules, device_map),
     )
-
-
-def _safetensors_plan(
-    ckpt: Checkpoint, path: Sequence[str], sd: Mapping[str, Any], drop_extras: bool
-) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
-    extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
-    if path and isinstance(ckpt.root, Mapping):
-        extras += [str(k) for k in ckpt.root if str(k) != path[0]]
-    if extras and not drop_extras:
-        shown = ", ".join(extras[:8]) + (" ..." if len(extras) > 8 else "")
-        raise NonTensorEntriesError(
-            f"safetensors holds tensors only, and {ckpt.path!r} also has {len(extras)} non-tensor "
-            f"entries: {shown}; pass --drop-extras to leave them out, or keep the torch format",
-            tuple(extras),
-        )
-    metadata = dict(ckpt.metadata or {})
-    metadata.setdefault("format", "pt")
-    entries: list[SafetensorsEntry] = []
-    expected: dict[str, TensorRef] = {}
-    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
-    dropped: list[str] = []
-    for name, t in sd.items():
-        if not isinstance(t, TensorRef):
-            continue
-        # Tied tensors (the same view of one storage) are stored once, as safetensors'
-        # save_model does; the dropped name maps to the kept one in the metadata.
-        identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
-        if identity in kept:
-            metadata[str(name)] = kept[identity]
-            dropped.append(str(name))
-            continue
-        kept[identity] = str(name)
-        entries.append(SafetensorsEntry(str(name), t))
-        expected[str(name)] = t
-    return entries, metadata, tuple(extras) + tuple(dropped), expected
 
 
 def _nothing_to_do(src: str, ckpt: Checkpoint, selected: tuple[str, ...], n: int, why: str):

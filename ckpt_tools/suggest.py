@@ -19,8 +19,9 @@ import os
 import re
 import shlex
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckpt_tools.errors import KeyCollisionError
 from ckpt_tools.keys import (
@@ -161,13 +162,21 @@ def layout_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]
     return tuple(steps)
 
 
-def _evaluate(steps: tuple[Step, ...], source: Sequence[str], target: set[str]) -> KeyFix | None:
+def _evaluate(
+    steps: tuple[Step, ...],
+    source: Sequence[str],
+    target: set[str],
+    same_shape: Callable[[str, str], bool] | None = None,
+) -> KeyFix | None:
     try:
         plan = plan_renames(source, [step.rule for step in steps])
     except KeyCollisionError:
         return None
     before = {k for k in source if k in target}
-    after = {k for k, new in plan.items() if new in target}
+    # A key renamed onto a tensor of another shape is not a match: it would fail to load.
+    after = {
+        k for k, new in plan.items() if new in target and (same_shape is None or same_shape(k, new))
+    }
     return KeyFix(
         steps=steps,
         resolved=len(after - before),
@@ -204,7 +213,10 @@ def _candidates(source: Sequence[str], target: Sequence[str], subs: bool) -> lis
 
 
 def rank_fixes(
-    source: Sequence[str], target: Sequence[str], subs: bool = True
+    source: Sequence[str],
+    target: Sequence[str],
+    subs: bool = True,
+    shapes: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
 ) -> tuple[KeyFix, ...]:
     """Every candidate rewrite of ``source`` that gains matches with ``target``, best first.
 
@@ -217,6 +229,8 @@ def rank_fixes(
         source: keys to rewrite.
         target: keys to match.
         subs: also try prefixes taken from the keys (``backbone.`` -> ``encoder.``).
+        shapes: ``(source shapes, target shapes)`` by key; when given, a key only counts as
+            matched when its shape agrees with the one it is renamed onto.
 
     Returns:
         The fixes that make more source keys match than before, by matches gained (then
@@ -227,9 +241,16 @@ def rank_fixes(
         "stripping 'module.'"
     """
     target_set = set(target)
+    same_shape = None
+    if shapes is not None:
+        shape_src, shape_dst = shapes
+
+        def same_shape(old: str, new: str) -> bool:
+            return shape_src.get(old) == shape_dst.get(new)
+
     fixes = []
     for steps in _candidates(source, target, subs):
-        fix = _evaluate(steps, source, target_set)
+        fix = _evaluate(steps, source, target_set, same_shape)
         if fix is not None and fix.resolved > fix.broken:
             fixes.append(fix)
     # Most matches gained first; among equals, the candidates' order (wrappers first), which

@@ -299,3 +299,14 @@ def run(command: str) -> None:
     args = shlex.split(command)
     assert args[0] == "ckpt"
     assert main([*args[1:], "-q"]) == 0
+
+
+def test_suggestions_never_rename_onto_a_tensor_of_another_shape(tmp_path) -> None:
+    # module.0.weight is [3, 4] and 2.weight is [2, 3]: renaming one onto the other would
+    # "match" the key and then fail to load, so it must not be offered.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    path = tmp_path / "ddp.pt"
+    torch.save(torch.nn.DataParallel(model).state_dict(), path)
+    texts = [str(s) for s in diff(path, model).suggestions]
+    assert texts and "stripping 'module.' resolves 4 of 4" in texts[0]
+    assert not any("'module.0.' to '2.'" in t or "'module.2.' to '0.'" in t for t in texts)

@@ -1,0 +1,123 @@
+"""Planning a rewrite: is the source rewritable, which output format, what goes in it.
+
+Kept apart from :mod:`ckpt_tools.rewriting` (which opens, writes and verifies) so each module
+has one job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ckpt_tools.errors import ConversionError, NonTensorEntriesError, UnsafeContentError, UsageError
+from ckpt_tools.formats import Checkpoint
+from ckpt_tools.keys import KeyRule
+from ckpt_tools.model import TensorRef
+from ckpt_tools.writers import SafetensorsEntry
+
+__all__ = ["check_source", "output_format_for", "replace_at", "safetensors_plan", "summary"]
+
+
+def output_format_for(dst: str | os.PathLike[str], fmt: str | None, input_format: str) -> str:
+    """The output format: explicit ``fmt``, else from ``dst``'s suffix, else the input's family.
+
+    Raises:
+        UsageError: an unknown format name.
+    """
+    if fmt is not None:
+        names = {"torch": "torch-zip", "pt": "torch-zip", "safetensors": "safetensors"}
+        if fmt not in names:
+            raise UsageError(f"--format {fmt!r} is not one of: torch, safetensors")
+        return names[fmt]
+    suffix = Path(dst).suffix.lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    if suffix in (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"):
+        return "torch-zip"
+    return "safetensors" if input_format == "safetensors" else "torch-zip"
+
+
+def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
+    if ckpt.format == "torchscript":
+        raise ConversionError(
+            f"{ckpt.path!r} is a TorchScript archive: its code refers to the attribute names, so "
+            "renaming them would break it; load it with torch.jit.load and save the state_dict()"
+        )
+    if ckpt.format == "hf-sharded":
+        raise UsageError(
+            f"{ckpt.path!r} is a sharded folder; rewrite each shard file, e.g. "
+            f"`ckpt strip-module {ckpt.path}/SHARD.safetensors OUT.safetensors`"
+        )
+    refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
+    if refused:
+        flags = " ".join(f"--allow-global {g}" for g in refused)
+        raise UnsafeContentError(
+            f"{ckpt.path!r} refers to Python globals outside the allowlist: {', '.join(refused)}; "
+            f"they are never imported. To carry them through unchanged, pass {flags}",
+            refused,
+        )
+
+
+def replace_at(root: Any, path: Sequence[str], value: Any) -> Any:
+    if not path:
+        return value
+    node = root
+    for part in path[:-1]:
+        node = node[part] if part in node else node[int(part)]
+    last = path[-1]
+    node[last if last in node else int(last)] = value
+    return root
+
+
+def summary(
+    dst: str,
+    input_format: str,
+    output_format: str,
+    renamed: int,
+    total: int,
+    rules: Sequence[KeyRule],
+    device_map: Mapping[str, str] | None,
+) -> str:
+    if rules:
+        return f"wrote {dst} ({renamed} of {total} keys renamed)"
+    if device_map:
+        moved = ", ".join(f"{a} -> {b}" for a, b in device_map.items())
+        return f"retagged saved devices ({moved}): wrote {dst}"
+    return f"converted {input_format} to {output_format}: wrote {dst} ({total} entries)"
+
+
+def safetensors_plan(
+    ckpt: Checkpoint, path: Sequence[str], sd: Mapping[str, Any], drop_extras: bool
+) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
+    extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
+    if path and isinstance(ckpt.root, Mapping):
+        extras += [str(k) for k in ckpt.root if str(k) != path[0]]
+    if extras and not drop_extras:
+        shown = ", ".join(extras[:8]) + (" ..." if len(extras) > 8 else "")
+        raise NonTensorEntriesError(
+            f"safetensors holds tensors only, and {ckpt.path!r} also has {len(extras)} non-tensor "
+            f"entries: {shown}; pass --drop-extras to leave them out, or keep the torch format",
+            tuple(extras),
+        )
+    metadata = dict(ckpt.metadata or {})
+    metadata.setdefault("format", "pt")
+    entries: list[SafetensorsEntry] = []
+    expected: dict[str, TensorRef] = {}
+    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    dropped: list[str] = []
+    for name, t in sd.items():
+        if not isinstance(t, TensorRef):
+            continue
+        # Tied tensors (the same view of one storage) are stored once, as safetensors'
+        # save_model does; the dropped name maps to the kept one in the metadata.
+        identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
+        if identity in kept:
+            metadata[str(name)] = kept[identity]
+            dropped.append(str(name))
+            continue
+        kept[identity] = str(name)
+        entries.append(SafetensorsEntry(str(name), t))
+        expected[str(name)] = t
+    return entries, metadata, tuple(extras) + tuple(dropped), expected
