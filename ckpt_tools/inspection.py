@@ -12,7 +12,7 @@ from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.formats.pickles import Reduced, TorchSize
 from ckpt_tools.keys import WrapperMatch, detect_wrappers
 from ckpt_tools.layouts import Selection, select_state_dict
-from ckpt_tools.model import Opaque, TensorRef
+from ckpt_tools.model import Opaque, TensorRef, short_repr
 
 __all__ = [
     "CheckpointInfo",
@@ -149,16 +149,22 @@ def describe_value(value: Any, limit: int = 60) -> str:
         return f"{value.global_ref.qualname} (global, not imported)"
     if isinstance(value, (Reduced, TorchSize)):
         return _clip(repr(value), limit)
+    if isinstance(value, (bool, int, float, complex, str, bytes, bytearray, set, frozenset)):
+        # Unpickled values: repr() of a shared-reference bomb or a 5,000-digit int is not safe.
+        return f"{type(value).__name__} {short_repr(value, limit)}"
     if isinstance(value, Mapping):
         tensors = sum(isinstance(v, TensorRef) for v in value.values())
-        keys = ", ".join(str(k) for k in list(value)[:4]) + (", ..." if len(value) > 4 else "")
+        keys = ", ".join(_name(k) for k in list(value)[:4]) + (", ..." if len(value) > 4 else "")
         extra = f", {tensors} tensors" if tensors else ""
         return f"{type(value).__name__} ({len(value)} keys{extra}: {keys})"
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} ({len(value)} items)"
-    if isinstance(value, (str, bytes)):
-        return f"{type(value).__name__} {_clip(repr(value), limit)}"
-    return f"{type(value).__name__} {_clip(repr(value), limit)}"
+    return f"{type(value).__name__} {short_repr(value, limit)}"
+
+
+def _name(key: Any) -> str:
+    """A mapping key as text: strings as they are, anything else (unpickled) safely."""
+    return key if isinstance(key, str) else short_repr(key, 40)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -173,15 +179,15 @@ def _entries_beside(
     for part in path:
         if isinstance(node, Mapping):
             for key, value in node.items():
-                if str(key) != part:
-                    entries[f"{prefix}{key}"] = describe_value(value)
+                if _name(key) != part:
+                    entries[f"{prefix}{_name(key)}"] = describe_value(value)
             node = node[part] if part in node else node[int(part)]
         elif isinstance(node, Opaque) and isinstance(node.state, Mapping):
             node = node.state[part]
         prefix = f"{prefix}{part}."
     for key, value in state_dict.items():
         if not isinstance(value, TensorRef):
-            entries[f"{prefix}{key}"] = describe_value(value)
+            entries[f"{prefix}{_name(key)}"] = describe_value(value)
     return entries
 
 

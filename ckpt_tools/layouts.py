@@ -150,7 +150,23 @@ def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> S
     return _auto_select(root)
 
 
-def _auto_select(root: Any) -> Selection:
+def _auto_select(root: Any, memo: dict[int, Selection] | None = None) -> Selection:
+    # A pickle can share one node under many keys at every level: without the memo (one
+    # answer per node, by identity) ``{"model": x, "state_dict": x}`` nested 30 times would
+    # take 2**30 calls. A node met again on its own path (a cycle) selects nothing.
+    memo = {} if memo is None else memo
+    key = id(root)
+    if key in memo:
+        return memo[key]
+    memo[key] = _NOTHING
+    memo[key] = found = _select_in(root, memo)
+    return found
+
+
+_NOTHING = Selection((), "no state dict found; showing the root", {})
+
+
+def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
     if is_state_dict(root):
         return Selection((), "the root is a state dict", root)
     if isinstance(root, Mapping):
@@ -158,11 +174,11 @@ def _auto_select(root: Any) -> Selection:
         for key in CANDIDATE_KEYS:
             if key not in root:
                 continue
-            found = _auto_select(root[key]) if not is_state_dict(root[key]) else None
             if is_state_dict(root[key]):
                 why = "Lightning checkpoint" if lightning and key == "state_dict" else "entry"
                 return Selection((key,), f"{why} {key!r} holds the weights", root[key])
-            if found is not None and found.path:
+            found = _auto_select(root[key], memo)
+            if found.path:
                 return Selection((key, *found.path), f"nested {found.reason}", found.state_dict)
         best = max(
             ((k, v) for k, v in root.items() if is_state_dict(v)),
@@ -172,7 +188,7 @@ def _auto_select(root: Any) -> Selection:
         if best is not None:
             return Selection((str(best[0]),), f"the largest tensor dict {best[0]!r}", best[1])
     if isinstance(root, Opaque) and isinstance(root.state, Mapping):
-        inner = _auto_select(root.state)
+        inner = _auto_select(root.state, memo)
         if inner.path or is_state_dict(root.state):
             return inner
     return Selection(

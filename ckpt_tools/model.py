@@ -12,10 +12,12 @@ so a writer can re-emit them exactly, changing only what a rewrite asks for.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import reprlib
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = [
     "ByteSpan",
@@ -24,11 +26,80 @@ __all__ = [
     "StorageRef",
     "TensorRef",
     "iter_tensors",
+    "short_repr",
 ]
 
 
+class _ShortRepr(reprlib.Repr):
+    """``reprlib`` limits, also for container subclasses, huge ints and ``__repr__`` methods."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxdict = self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = 8
+        self.maxstring = self.maxother = self.maxlong = limit
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 256:  # past 4300 digits repr() raises; long before, it is noise
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        for base, method in (
+            (dict, self.repr_dict),
+            (list, self.repr_list),
+            (tuple, self.repr_tuple),
+            (set, self.repr_set),
+            (frozenset, self.repr_frozenset),
+        ):
+            if isinstance(x, base):
+                return f"{type(x).__name__}({method(x, level)})"
+        if isinstance(x, int) and not isinstance(x, bool):
+            return self.repr_int(x, level)
+        if isinstance(x, (str, bytes)):
+            return self.repr_str(x[: self.maxstring + 1], level)  # type: ignore[arg-type]
+        try:
+            text = super().repr_instance(x, level)
+        except (ValueError, RecursionError):
+            return f"<{type(x).__name__}>"
+        return text
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """A repr of at most about ``limit`` characters that is safe on any unpickled value.
+
+    Plain ``repr`` is not: shared references (``x = [x, x]`` thirty times) make it
+    exponentially long, and ints past 4300 digits raise.
+    """
+    text = _ShortRepr(limit).repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Sealed:
+    """Refuses pickle state: a pickle's BUILD opcode cannot edit these frozen descriptors.
+
+    BUILD after a call sets attributes on the object the call made, writing straight into
+    ``__dict__`` past ``frozen=True``. On a descriptor the restricted unpickler built, that
+    would undo its checks: a rebuilt tensor's geometry, or a global's name (a ``torch.float32``
+    renamed ``os.system`` is then re-pickled by a rewrite as a call to ``os.system``). Pickle
+    calls ``__setstate__`` when there is one; this one refuses. ``copy`` and ``pickle`` of
+    these objects go through :meth:`__reduce__` (the constructor's arguments) instead.
+    """
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise CorruptCheckpointError(
+            f"the pickle applies state (BUILD) to a {type(self).__name__}, which torch never "
+            "writes; refused"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self)))  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class GlobalRef:
+class GlobalRef(Sealed):
     """A Python global named in a pickle (``module.name``), never imported."""
 
     module: str
@@ -52,7 +123,7 @@ class ByteSpan:
 
 
 @dataclass(frozen=True, eq=False)
-class StorageRef:
+class StorageRef(Sealed):
     """One storage record: a flat run of bytes that tensors view.
 
     Identity matters: two :class:`TensorRef` s share memory exactly when they refer to the
@@ -82,7 +153,7 @@ class StorageRef:
 
 
 @dataclass(frozen=True, eq=False)
-class TensorRef:
+class TensorRef(Sealed):
     """A tensor as a view into a storage.
 
     Attributes:
@@ -126,7 +197,12 @@ class TensorRef:
         return self.offset * itemsize(self.dtype)
 
     def is_contiguous(self) -> bool:
-        """True when the elements are laid out densely in row-major order."""
+        """True when the elements are laid out densely in row-major order (as torch says).
+
+        A tensor without elements is contiguous whatever its strides.
+        """
+        if 0 in self.shape:
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.stride)):
             if size != 1 and stride != expected:

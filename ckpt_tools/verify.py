@@ -79,6 +79,14 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         sd = select_state_dict(out.root, expected.select).state_dict
     except CheckpointError as e:
         raise VerificationError(f"the written file does not read back: {e}") from e
+    # A rewrite carries globals through, never adds one: a global the input did not name
+    # would be code the output runs (in torch.load(weights_only=False)) that nobody allowed.
+    introduced = [g for g in out.unsafe_globals if g not in expected.source.unsafe_globals]
+    if introduced:
+        raise VerificationError(
+            f"the written file names globals outside the allowlist that the input does not "
+            f"({', '.join(introduced[:5])}); the output was not kept"
+        )
     got = {str(k): v for k, v in sd.items() if isinstance(v, TensorRef)}
     if list(got) != list(expected.tensors):
         missing = [k for k in expected.tensors if k not in got][:3]

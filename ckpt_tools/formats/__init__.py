@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.detect import FORMATS, detect_format
 
@@ -31,7 +31,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = os.fspath(path)
     try:
         return _open(path, detect_format(path))
-    except CorruptCheckpointError as e:
+    except (CorruptCheckpointError, ResourceLimitError) as e:
         if repr(path) in str(e) or path in str(e):
             raise
         # Low-level readers (pickle, tar) do not know the file name; every message names it.

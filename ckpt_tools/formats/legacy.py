@@ -19,7 +19,7 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import load_pickle
-from ckpt_tools.model import ByteSpan, StorageRef
+from ckpt_tools.model import ByteSpan, StorageRef, short_repr
 
 __all__ = ["open_legacy", "open_pickle", "open_tar"]
 
@@ -31,7 +31,7 @@ def _expect(f: BinaryIO, what: str, check: Any, path: str) -> Any:
     value = load_pickle(f).root
     if value != check:
         raise CorruptCheckpointError(
-            f"{path!r}: expected the legacy torch {what} {check!r}, found {value!r}"
+            f"{path!r}: expected the legacy torch {what} {check!r}, found {short_repr(value)}"
         )
     return value
 
@@ -66,9 +66,13 @@ def open_legacy(path: str) -> Checkpoint:
         offsets: dict[str, int] = {}
         position = f.tell()
         for key in keys:
-            storage = roots.get(str(key))
+            if isinstance(key, bytes):
+                key = key.decode("ascii", "replace")
+            storage = roots.get(key) if isinstance(key, str) else None
             if storage is None:
-                raise CorruptCheckpointError(f"{path!r}: storage key {key!r} is not in the pickle")
+                raise CorruptCheckpointError(
+                    f"{path!r}: storage key {short_repr(key)} is not in the pickle"
+                )
             f.seek(position)
             count_bytes = f.read(8)
             if len(count_bytes) < 8:
@@ -77,6 +81,13 @@ def open_legacy(path: str) -> Checkpoint:
                 )
             (count,) = struct.unpack("<q", count_bytes)
             nbytes = count * itemsize(storage.dtype)
+            if nbytes != storage.nbytes:
+                # torch.load refuses this too ("storage has wrong size"); reading on would
+                # take the next storage's bytes for this one's.
+                raise CorruptCheckpointError(
+                    f"{path!r}: storage {key!r} holds {count} elements in the file, but the "
+                    f"pickle says {storage.numel}; the file is damaged"
+                )
             offsets[storage.key] = position + 8
             position += 8 + nbytes
             if position > size:

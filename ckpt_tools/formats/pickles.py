@@ -11,6 +11,7 @@ storage ids into :class:`~ckpt_tools.model.StorageRef` s.
 
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import collections
 import contextlib
@@ -23,7 +24,8 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
-from ckpt_tools.model import GlobalRef, Opaque, StorageRef, TensorRef
+from ckpt_tools.formats.limits import LimitedReader, check_nesting
+from ckpt_tools.model import GlobalRef, Opaque, Sealed, StorageRef, TensorRef, short_repr
 
 __all__ = [
     "ConstantRef",
@@ -36,6 +38,12 @@ __all__ = [
 
 # A data.pkl past this size is not a state dict; refusing it bounds what we hold in memory.
 MAX_PICKLE_BYTES = 1 << 30
+# Sizes, strides, offsets and element counts are int64 in torch.
+_INT64_LIMIT = 1 << 63
+# Containers nested deeper than this are refused. torch.save itself cannot write much past
+# 500 levels, state dicts are a few levels deep, and everything that walks a tree afterwards
+# (the re-pickler, layout selection, inspect) recurses, about four frames a level.
+MAX_NESTING = 200
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class StorageTypeRef(ConstantRef):
 
 
 @dataclass(frozen=True, eq=False)
-class Reduced:
+class Reduced(Sealed):
     """The recorded call of an allowlisted global whose result we do not interpret.
 
     (``torch.device('cuda', 1)``, ``torch.serialization._get_layout``, sparse rebuilds.)
@@ -63,7 +71,8 @@ class Reduced:
     args: tuple[Any, ...]
 
     def __repr__(self) -> str:
-        return f"{self.func.qualname}({', '.join(map(repr, self.args))})"
+        shown = [short_repr(a, 60) for a in self.args[:8]] + ["..."] * (len(self.args) > 8)
+        return f"{self.func.qualname}({', '.join(shown)})"
 
 
 class TorchSize(tuple):
@@ -72,7 +81,7 @@ class TorchSize(tuple):
     __slots__ = ()
 
     def __repr__(self) -> str:
-        return f"torch.Size({list(self)!r})"
+        return f"torch.Size({short_repr(list(self), 200)})"
 
 
 @dataclass(frozen=True)
@@ -97,19 +106,23 @@ def _storage_dtype(storage: Any) -> str:
 def _checked_tensor(
     func: GlobalRef, args: tuple[Any, ...], storage: StorageRef, dtype: str, requires_grad: Any
 ) -> TensorRef:
-    offset, size, stride = args[1], tuple(args[2]), tuple(args[3])
+    offset, size, stride = args[1], args[2], args[3]
     if not (
-        isinstance(offset, int)
-        and offset >= 0
+        isinstance(size, (tuple, list))
+        and isinstance(stride, (tuple, list))
         and len(size) == len(stride)
-        and all(isinstance(v, int) and v >= 0 for v in (*size, *stride))
+        and all(_is_count(v) for v in (offset, *size, *stride))
     ):
         raise CorruptCheckpointError(
-            f"tensor geometry is invalid: offset={offset!r} size={size!r} stride={stride!r}"
+            f"tensor geometry is invalid: offset={short_repr(offset)} size={short_repr(size)} "
+            f"stride={short_repr(stride)}"
         )
+    size, stride = tuple(size), tuple(stride)
     if dtype not in DTYPE_ITEMSIZE:
         raise CorruptCheckpointError(f"unknown tensor dtype {dtype!r}")
-    capacity = storage.nbytes // itemsize(dtype)
+    # A legacy storage view's tensors index into the view, not into its root storage.
+    nbytes = storage.nbytes if storage.view is None else storage.view[2] * itemsize(storage.dtype)
+    capacity = nbytes // itemsize(dtype)
     if 0 not in size:
         last = offset + sum((n - 1) * s for n, s in zip(size, stride))
         if last >= capacity:
@@ -187,6 +200,34 @@ def _size(func: GlobalRef, *args: Any) -> TorchSize:
     return TorchSize(args[0] if args else ())
 
 
+# The codecs Python's pickler names in ``_codecs.encode(text, "latin1")`` (bytes and
+# bytearray at protocols 0-2), plus the default. Any other name would make the codec registry
+# import a module (``rot13`` imports ``encodings.rot_13``, ``idna`` imports ``stringprep``).
+_PICKLE_CODECS = frozenset({"latin1", "latin-1", "latin_1", "iso-8859-1", "utf-8", "utf8"})
+
+
+def _codecs_encode(func: GlobalRef, *args: Any) -> bytes:
+    # encode(obj, encoding="utf-8", errors="strict")
+    defaults = (None, "utf-8", "strict")
+    text, encoding, errors = (*args, *defaults[len(args) :]) if len(args) <= 3 else defaults
+    if (
+        not isinstance(text, str)
+        or not isinstance(encoding, str)
+        or encoding.lower() not in _PICKLE_CODECS
+        or errors != "strict"
+    ):
+        shown = ", ".join(short_repr(a, 40) for a in args[1:])
+        raise CorruptCheckpointError(
+            f"the pickle calls _codecs.encode with ({shown}); pickles only ever encode text "
+            "with 'latin1', so this codec is refused (it is never looked up)"
+        )
+    return codecs.encode(text, encoding)
+
+
+def _counter(func: GlobalRef, *args: Any) -> collections.Counter[Any]:
+    return collections.Counter(*args)
+
+
 _BUILDERS: dict[str, Callable[..., Any]] = {
     "torch._utils._rebuild_tensor": _rebuild_tensor,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
@@ -203,18 +244,21 @@ _BUILDERS: dict[str, Callable[..., Any]] = {
     "torch._utils._rebuild_meta_tensor_no_storage": _reduced,
     "torch._utils._rebuild_wrapper_subclass": _reduced,
     "torch._utils._rebuild_device_tensor_from_numpy": _reduced,
+    "collections.Counter": _counter,
+    "_codecs.encode": _codecs_encode,
 }
 
-# Plain Python types and functions that are safe to use for real.
+# Python types that are safe to use for real. They are built-in (immutable) types: a pickle's
+# BUILD opcode on the class itself cannot set attributes on them. Pure-Python classes
+# (``collections.Counter``) and functions go through _Caller stand-ins instead, which are
+# sealed against BUILD, so a pickle can never patch a class of this process.
 _PYTHON_GLOBALS: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
-    "collections.Counter": collections.Counter,
     "builtins.set": set,
     "builtins.frozenset": frozenset,
     "builtins.bytearray": bytearray,
     "builtins.complex": complex,
     "builtins.slice": slice,
-    "_codecs.encode": codecs.encode,
 }
 
 _TORCH_CONSTANTS: frozenset[str] = frozenset(
@@ -294,7 +338,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._persistent_hook = persistent_load
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = resolve_allowed(module, name)
+        # Protocol 0-2 pickles (torch.save writes 2) name globals as Python 2 did
+        # (``__builtin__.set``); Python's own find_class, which this replaces, and torch's
+        # weights-only unpickler map them to Python 3 names before any check. Unknown
+        # globals keep the name as written, so a rewrite re-emits them unchanged.
+        allowed = resolve_allowed(*_python3_name(module, name))
         if allowed is not None:
             return allowed
         qualname = f"{module}.{name}"
@@ -306,21 +354,32 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if self._persistent_hook is not None:
             return self._persistent_hook(pid)
         if not isinstance(pid, tuple) or not pid:
-            raise CorruptCheckpointError(f"unexpected persistent id {pid!r}")
+            raise CorruptCheckpointError(f"unexpected persistent id {short_repr(pid)}")
         kind = pid[0].decode("ascii") if isinstance(pid[0], bytes) else pid[0]
         if kind == "module" and len(pid) >= 2:
             # Legacy whole-module saves: the class (an Opaque type) stands for the source check.
             return pid[1]
         if kind != "storage" or len(pid) not in (5, 6):
-            raise CorruptCheckpointError(f"unexpected persistent id {pid!r}")
-        storage_type, key, location, numel = pid[1], str(pid[2]), pid[3], pid[4]
-        if isinstance(location, bytes):
-            location = location.decode("ascii")
-        if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int):
-            raise CorruptCheckpointError(f"unexpected storage id {pid!r}")
+            raise CorruptCheckpointError(f"unexpected persistent id {short_repr(pid)}")
+        storage_type, key, location, numel = pid[1], _text(pid[2]), _text(pid[3]), pid[4]
+        if (
+            not isinstance(storage_type, StorageTypeRef)
+            or key is None
+            or location is None
+            or not _is_count(numel)
+        ):
+            raise CorruptCheckpointError(f"unexpected storage id {short_repr(pid)}")
         view = pid[5] if len(pid) == 6 else None
         if view is not None:
-            view = (str(view[0]), int(view[1]), int(view[2]))
+            if not (
+                isinstance(view, tuple)
+                and len(view) == 3
+                and _text(view[0]) is not None
+                and _is_count(view[1])
+                and _is_count(view[2])
+            ):
+                raise CorruptCheckpointError(f"unexpected storage view {short_repr(view)}")
+            view = (_text(view[0]), view[1], view[2])
         cache_key = key if view is None else f"{key}@{view[0]}"
         found = self.storages.get(cache_key)
         if found is None:
@@ -328,12 +387,33 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 key=key,
                 dtype=storage_type.dtype,
                 numel=numel,
-                device=str(location),
+                device=location,
                 storage_type=storage_type,
                 view=view,
             )
             self.storages[cache_key] = found
         return found
+
+
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def _text(value: Any) -> str | None:
+    """A storage key or location tag as text (ints and Python 2 bytes too); None otherwise."""
+    if isinstance(value, bytes):
+        return value.decode("ascii", "replace")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT64_LIMIT:
+        return str(value)
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT64_LIMIT
 
 
 def load_pickle(
@@ -373,11 +453,12 @@ def load_pickle(
     if isinstance(file, io.BytesIO) and file.getbuffer().nbytes - start <= limit:
         source: Any = file  # in memory and within the limit: read it directly (fastest)
     else:
-        source = _LimitedReader(file, limit)
+        source = LimitedReader(file, limit)
     unpickler = _RestrictedUnpickler(source, persistent_load)
     try:
         with gc_paused():
             root = unpickler.load()
+            check_nesting(root, MAX_NESTING)
     except (ResourceLimitError, CorruptCheckpointError):
         # Raised on purpose (by persistent_load or a rebuild check) with their own message.
         raise
@@ -393,42 +474,3 @@ def load_pickle(
         unsafe_globals=tuple(unpickler.unsafe),
         protocol=protocol,
     )
-
-
-class _LimitedReader(io.RawIOBase):
-    """Reads through to ``file`` and refuses to go past ``limit`` bytes."""
-
-    def __init__(self, file: BinaryIO, limit: int) -> None:
-        self._file, self._left, self._limit = file, limit, limit
-
-    def readable(self) -> bool:
-        return True
-
-    def _take(self, n: int) -> None:
-        if n > self._left:
-            raise ResourceLimitError(
-                f"the pickle is larger than the {self._limit >> 20} MiB limit; "
-                "a state dict's pickle is far smaller, so this is not one"
-            )
-        self._left -= n
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._file.read(self._left + 1 if n is None or n < 0 else n)
-        self._take(len(data))
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def peek(self, n: int = 0) -> bytes:
-        # With peek, the C unpickler reads ahead in blocks and then consumes exactly what it
-        # used (so the position still ends right after STOP); without it, one read per opcode.
-        peek = getattr(self._file, "peek", None)
-        return peek(n)[: self._left + 1] if peek is not None else b""
-
-    def readline(self, size: int | None = -1) -> bytes:
-        data = self._file.readline(-1 if size is None else size)
-        self._take(len(data))
-        return data

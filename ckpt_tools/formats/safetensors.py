@@ -91,7 +91,11 @@ def open_safetensors(path: str) -> Checkpoint:
         numel = 1
         for n in shape:
             numel *= n
-        if not 0 <= begin <= end <= data_len or end - begin != numel * itemsize(dtype):
+        if (
+            any(n < 0 for n in shape)
+            or not 0 <= begin <= end <= data_len
+            or end - begin != numel * itemsize(dtype)
+        ):
             raise CorruptCheckpointError(
                 f"{path!r}: tensor {name!r} ({dtype}, shape {list(shape)}) has byte range "
                 f"[{begin}, {end}) that does not fit its size or the {data_len}-byte data section"

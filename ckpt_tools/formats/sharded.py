@@ -69,8 +69,15 @@ def open_index(index_path: str) -> Checkpoint:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
         weight_map = index["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{index_path!r} is not a valid shard index ({e!r})") from e
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpointError(
+            f"{index_path!r} is not a valid shard index: its weight_map must map tensor names "
+            "to shard file names"
+        )
     folder = os.path.dirname(index_path)
     shards: dict[str, Checkpoint] = {}
     for shard in dict.fromkeys(weight_map.values()):

@@ -32,7 +32,7 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import ReadResult, StorageTypeRef, _checked_tensor, load_pickle
-from ckpt_tools.model import ByteSpan, GlobalRef, StorageRef, TensorRef
+from ckpt_tools.model import ByteSpan, GlobalRef, StorageRef, TensorRef, short_repr
 
 __all__ = ["read_tar_members"]
 
@@ -126,7 +126,7 @@ class _TarReader:
         value = self.pickle(f, f"the number of {what}").root
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CorruptCheckpointError(
-                f"{self.path!r}: expected the number of {what}, found {value!r}"
+                f"{self.path!r}: expected the number of {what}, found {short_repr(value)}"
             )
         return value
 
@@ -138,7 +138,9 @@ class _TarReader:
         if name in self.views:
             view = self.views[name]
             return view.root, view.offset
-        raise CorruptCheckpointError(f"{self.path!r}: {what} refers to unknown storage {key!r}")
+        raise CorruptCheckpointError(
+            f"{self.path!r}: {what} refers to unknown storage {short_repr(key)}"
+        )
 
     # -- members --------------------------------------------------------------------------
 
@@ -164,17 +166,17 @@ class _TarReader:
             ):
                 raise CorruptCheckpointError(
                     f"{self.path!r}: expected a (key, location, storage type) storage header, "
-                    f"found {header!r}"
+                    f"found {short_repr(header)}"
                 )
             key, location, storage_type = header
-            (numel,) = _INT64.unpack(self.read_exact(f, 8, f"storage {key!r}'s size"))
+            name = _key(key)
+            (numel,) = _INT64.unpack(self.read_exact(f, 8, f"storage {name}'s size"))
             nbytes = numel * itemsize(storage_type.dtype)
             if numel < 0 or f.tell() + nbytes > f.size:
                 raise CorruptCheckpointError(
-                    f"{self.path!r} is truncated: storage {key!r} needs {nbytes} bytes at offset "
+                    f"{self.path!r} is truncated: storage {name} needs {nbytes} bytes at offset "
                     f"{f.start + f.tell()}, its tar member ends at {f.start + f.size}"
                 )
-            name = _key(key)
             self.offsets[name] = f.start + f.tell()
             self.storages[name] = StorageRef(
                 key=name,
@@ -191,17 +193,20 @@ class _TarReader:
             raise CorruptCheckpointError(f"{self.path!r}: expected a list of storage views")
         for entry in views:
             if not (isinstance(entry, tuple) and len(entry) == 4):
-                raise CorruptCheckpointError(f"{self.path!r}: malformed storage view {entry!r}")
+                raise CorruptCheckpointError(
+                    f"{self.path!r}: malformed storage view {short_repr(entry)}"
+                )
             target, root_key, offset, numel = entry
-            root, base = self.storage_of(root_key, f"storage view {target!r}")
+            target = _key(target)
+            root, base = self.storage_of(root_key, f"storage view {target}")
             if not (isinstance(offset, int) and isinstance(numel, int)) or not (
                 offset >= 0 and numel >= 0 and base + offset + numel <= root.numel
             ):
                 raise CorruptCheckpointError(
-                    f"{self.path!r}: storage view {target!r} ({numel} elements at {offset}) "
+                    f"{self.path!r}: storage view {target} ({numel} elements at {offset}) "
                     f"does not fit in storage {root.key!r} of {root.numel} elements"
                 )
-            self.views[_key(target)] = _View(root, base + offset, numel)
+            self.views[target] = _View(root, base + offset, numel)
 
     def read_tensors(self) -> None:
         f = self.member("tensors")
@@ -210,9 +215,9 @@ class _TarReader:
             if not (isinstance(header, tuple) and len(header) == 3):
                 raise CorruptCheckpointError(
                     f"{self.path!r}: expected a (key, storage key, tensor type) tensor header, "
-                    f"found {header!r}"
+                    f"found {short_repr(header)}"
                 )
-            key, storage_key = header[0], header[1]
+            key, storage_key = _key(header[0]), header[1]
             storage, base = self.storage_of(storage_key, f"tensor {key!r}")
             (ndim,) = _NDIM.unpack(self.read_exact(f, 8, f"tensor {key!r}'s rank"))
             if not 0 <= ndim <= 64:
@@ -221,7 +226,7 @@ class _TarReader:
             values = struct.unpack(f"<{2 * ndim + 1}q", geometry)
             size, stride, offset = values[:ndim], values[ndim : 2 * ndim], values[-1]
             args = (storage, base + offset, size, stride, False, collections.OrderedDict())
-            self.tensors[_key(key)] = _checked_tensor(_REBUILD, args, storage, storage.dtype, False)
+            self.tensors[key] = _checked_tensor(_REBUILD, args, storage, storage.dtype, False)
 
     def resolve(self, pid: Any) -> Any:
         """The main pickle's persistent ids: tensor or storage keys, or module classes.
@@ -241,7 +246,8 @@ class _TarReader:
         if name in self.views:
             return self.view_ref(name)
         raise CorruptCheckpointError(
-            f"it refers to {pid!r}, which is neither a tensor nor a storage of the archive"
+            f"it refers to {short_repr(pid)}, which is neither a tensor nor a storage of the "
+            "archive"
         )
 
     def view_ref(self, name: str) -> StorageRef:
@@ -270,10 +276,11 @@ def _key(key: Any) -> str:
     """Keys are ints in one member and strings in another; torch compares them as ints."""
     if isinstance(key, bytes):
         key = key.decode("ascii", "replace")
-    try:
-        return str(int(key))
-    except (TypeError, ValueError):
+    if isinstance(key, int) and not isinstance(key, bool) and abs(key) < 1 << 63:
         return str(key)
+    if isinstance(key, str):
+        return str(int(key)) if key.isascii() and key.isdigit() and len(key) < 19 else key
+    raise CorruptCheckpointError(f"expected a storage or tensor key, found {short_repr(key)}")
 
 
 def read_tar_members(

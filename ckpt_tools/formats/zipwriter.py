@@ -22,6 +22,11 @@ __all__ = ["ALIGNMENT", "TorchZipWriter", "Writeback", "copy_range", "pwrite_all
 ALIGNMENT = 64
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
+# Sizes and offsets from this value on, and entry counts from _ZIP64_ENTRIES on, need zip64
+# records (the 32/16-bit fields then hold 0xFFFFFFFF/0xFFFF). Module constants apart from the
+# field markers, so a test can move the thresholds down and check those records on small files.
+_ZIP64_AT = _U32
+_ZIP64_ENTRIES = _U16
 _CHUNK = 8 << 20
 # A fixed DOS date/time (1980-01-01 00:00), as torch's writer uses: outputs are reproducible.
 _DOS_TIME, _DOS_DATE = 0, (0 << 9) | (1 << 5) | 1
@@ -167,7 +172,7 @@ class TorchZipWriter:
 
     def _local_header(self, name: bytes, size: int, crc32: int) -> tuple[bytes, int]:
         """The local header up to its padding, and how many padding bytes follow it."""
-        zip64 = size >= _U32 or self._offset >= _U32
+        zip64 = size >= _ZIP64_AT or self._offset >= _ZIP64_AT
         extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
         fixed = 30 + len(name) + len(extra) + 4
         pad = (-(self._offset + fixed)) % ALIGNMENT
@@ -271,7 +276,7 @@ class TorchZipWriter:
         cd_start = self._offset
         directory = bytearray()
         for e in self._entries:
-            zip64 = e.size >= _U32 or e.header_offset >= _U32
+            zip64 = e.size >= _ZIP64_AT or e.header_offset >= _ZIP64_AT
             extra = b""
             if zip64:
                 extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset)
@@ -299,7 +304,8 @@ class TorchZipWriter:
         cd_size = len(directory)
         count = len(self._entries)
         end = bytes(directory)
-        if count >= _U16 or cd_start >= _U32 or cd_size >= _U32:
+        zip64_end = count >= _ZIP64_ENTRIES or cd_start >= _ZIP64_AT or cd_size >= _ZIP64_AT
+        if zip64_end:
             zip64_end_at = cd_start + cd_size
             end += struct.pack(
                 "<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start
@@ -310,10 +316,10 @@ class TorchZipWriter:
             0x06054B50,
             0,
             0,
-            min(count, _U16),
-            min(count, _U16),
-            min(cd_size, _U32),
-            min(cd_start, _U32),
+            _U16 if zip64_end else count,
+            _U16 if zip64_end else count,
+            _U32 if zip64_end else cd_size,
+            _U32 if zip64_end else cd_start,
             0,
         )
         pwrite_all(self._fd, end, self._offset)

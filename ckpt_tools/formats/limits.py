@@ -1,0 +1,106 @@
+"""Limits on what a pickle may make us hold or walk: its size, and how deep it nests."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from typing import Any, BinaryIO
+
+from ckpt_tools.errors import ResourceLimitError
+from ckpt_tools.model import Opaque, Sealed
+
+__all__ = ["LimitedReader", "check_nesting"]
+
+
+def _children(node: Any) -> Iterable[Any] | None:
+    """What a tree node holds, or None for a leaf."""
+    if isinstance(node, dict):
+        return (*node.keys(), *node.values())
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return node
+    if isinstance(node, Sealed):
+        return getattr(node, "args", None)  # rebuilt tensors and recorded calls
+    if isinstance(node, Opaque):
+        return (node.args, node.state, node.listitems, node.dictitems)
+    return None
+
+
+_SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
+def check_nesting(root: Any, limit: int) -> None:
+    """Refuse a tree whose containers nest deeper than ``limit`` (shared nodes and cycles ok).
+
+    Iterative, so a pathological pickle cannot overflow the stack here; it computes each
+    container's height once, so a tree of shared references (a memo bomb) costs its size.
+
+    Raises:
+        ResourceLimitError: the tree is deeper than ``limit``.
+    """
+    height: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, list[Any] | None]] = [(root, None)]
+    while stack:
+        node, kids = stack.pop()
+        key = id(node)
+        if kids is None:
+            if key in height or key in open_:
+                continue  # done already, or a cycle back to an ancestor
+            children = _children(node)
+            if children is None:
+                continue
+            kids = [c for c in children if type(c) not in _SCALARS]
+            if kids:
+                open_.add(key)
+                stack.append((node, kids))
+                stack.extend((c, None) for c in kids if id(c) not in height)
+                continue
+            below = 0
+        else:
+            open_.discard(key)
+            below = max(height.get(id(c), 0) for c in kids)
+        if below >= limit:
+            raise ResourceLimitError(
+                f"the pickle nests containers more than {limit} levels deep; a checkpoint "
+                "is a few levels deep, so this is not one"
+            )
+        height[key] = below + 1
+
+
+class LimitedReader(io.RawIOBase):
+    """Reads through to ``file`` and refuses to go past ``limit`` bytes."""
+
+    def __init__(self, file: BinaryIO, limit: int) -> None:
+        self._file, self._left, self._limit = file, limit, limit
+
+    def readable(self) -> bool:
+        return True
+
+    def _take(self, n: int) -> None:
+        if n > self._left:
+            raise ResourceLimitError(
+                f"the pickle is larger than the {self._limit >> 20} MiB limit; "
+                "a state dict's pickle is far smaller, so this is not one"
+            )
+        self._left -= n
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._file.read(self._left + 1 if n is None or n < 0 else n)
+        self._take(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def peek(self, n: int = 0) -> bytes:
+        # With peek, the C unpickler reads ahead in blocks and then consumes exactly what it
+        # used (so the position still ends right after STOP); without it, one read per opcode.
+        peek = getattr(self._file, "peek", None)
+        return peek(n)[: self._left + 1] if peek is not None else b""
+
+    def readline(self, size: int | None = -1) -> bytes:
+        data = self._file.readline(-1 if size is None else size)
+        self._take(len(data))
+        return data
