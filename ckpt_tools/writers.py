@@ -16,8 +16,8 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError
+from ckpt_tools.formats.allowlist import StorageTypeRef
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import StorageTypeRef
 from ckpt_tools.formats.repickle import dumps
 from ckpt_tools.formats.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
 from ckpt_tools.model import GlobalRef, StorageRef, TensorRef
@@ -151,7 +151,7 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
     import collections
     from dataclasses import replace
 
-    from ckpt_tools.formats.pickles import ConstantRef
+    from ckpt_tools.formats.allowlist import ConstantRef
 
     # Keep the mapping's type (state dicts are OrderedDicts) and its ``_metadata``: torch's
     # load_state_dict reads module versions from it.

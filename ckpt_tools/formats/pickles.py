@@ -1,7 +1,7 @@
 """The restricted unpickler. Pickles are read, never executed.
 
 ``find_class`` never imports anything. Globals on the allowlist (in the spirit of torch's
-``weights_only`` unpickler) resolve to stand-ins that build descriptors from the model;
+``weights_only`` unpickler) resolve to the stand-ins of :mod:`ckpt_tools.formats.allowlist`;
 every other global resolves to an :class:`~ckpt_tools.model.Opaque` subclass named after it,
 whose instances just record what the pickle did to them. ``persistent_load`` turns torch's
 storage ids into :class:`~ckpt_tools.model.StorageRef` s.
@@ -12,287 +12,27 @@ storage ids into :class:`~ckpt_tools.model.StorageRef` s.
 from __future__ import annotations
 
 import _compat_pickle
-import codecs
-import collections
 import contextlib
 import gc
 import io
 import pickle
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
-from ckpt_tools.model import GlobalRef, Opaque, Sealed, StorageRef, TensorRef, short_repr
+from ckpt_tools.model import GlobalRef, Opaque, StorageRef, short_repr
 
-__all__ = [
-    "ConstantRef",
-    "ReadResult",
-    "Reduced",
-    "StorageTypeRef",
-    "TorchSize",
-    "load_pickle",
-]
+__all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "load_pickle"]
 
 # A data.pkl past this size is not a state dict; refusing it bounds what we hold in memory.
 MAX_PICKLE_BYTES = 1 << 30
-# Sizes, strides, offsets and element counts are int64 in torch.
-_INT64_LIMIT = 1 << 63
 # Containers nested deeper than this are refused. torch.save itself cannot write much past
 # 500 levels, state dicts are a few levels deep, and everything that walks a tree afterwards
 # (the re-pickler, layout selection, inspect) recurses, about four frames a level.
 MAX_NESTING = 200
-
-
-@dataclass(frozen=True)
-class ConstantRef(GlobalRef):
-    """An allowlisted global used as a value (``torch.float32``, ``torch.Tensor``)."""
-
-
-@dataclass(frozen=True)
-class StorageTypeRef(ConstantRef):
-    """A storage class global (``torch.FloatStorage``) with the dtype it stands for."""
-
-    @property
-    def dtype(self) -> str:
-        return STORAGE_TYPE_DTYPE[self.name]
-
-
-@dataclass(frozen=True, eq=False)
-class Reduced(Sealed):
-    """The recorded call of an allowlisted global whose result we do not interpret.
-
-    (``torch.device('cuda', 1)``, ``torch.serialization._get_layout``, sparse rebuilds.)
-    """
-
-    func: GlobalRef
-    args: tuple[Any, ...]
-
-    def __repr__(self) -> str:
-        shown = [short_repr(a, 60) for a in self.args[:8]] + ["..."] * (len(self.args) > 8)
-        return f"{self.func.qualname}({', '.join(shown)})"
-
-
-class TorchSize(tuple):
-    """``torch.Size`` read from a pickle: a tuple that re-pickles as ``torch.Size``."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"torch.Size({short_repr(list(self), 200)})"
-
-
-@dataclass(frozen=True)
-class _Caller(GlobalRef):
-    """An allowlisted callable global; calling it (REDUCE) builds a descriptor."""
-
-    build: Callable[..., Any] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        assert self.build is not None
-        return self.build(self, *args)
-
-
-def _storage_dtype(storage: Any) -> str:
-    if not isinstance(storage, StorageRef):
-        raise CorruptCheckpointError(
-            f"expected a tensor storage as the first rebuild argument, found {type(storage)!r}"
-        )
-    return storage.dtype
-
-
-def _checked_tensor(
-    func: GlobalRef, args: tuple[Any, ...], storage: StorageRef, dtype: str, requires_grad: Any
-) -> TensorRef:
-    offset, size, stride = args[1], args[2], args[3]
-    if not (
-        isinstance(size, (tuple, list))
-        and isinstance(stride, (tuple, list))
-        and len(size) == len(stride)
-        and all(_is_count(v) for v in (offset, *size, *stride))
-    ):
-        raise CorruptCheckpointError(
-            f"tensor geometry is invalid: offset={short_repr(offset)} size={short_repr(size)} "
-            f"stride={short_repr(stride)}"
-        )
-    size, stride = tuple(size), tuple(stride)
-    if dtype not in DTYPE_ITEMSIZE:
-        raise CorruptCheckpointError(f"unknown tensor dtype {dtype!r}")
-    # A legacy storage view's tensors index into the view, not into its root storage.
-    nbytes = storage.nbytes if storage.view is None else storage.view[2] * itemsize(storage.dtype)
-    capacity = nbytes // itemsize(dtype)
-    if 0 not in size:
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-        if last >= capacity:
-            raise CorruptCheckpointError(
-                f"tensor of shape {list(size)} at offset {offset} reaches element {last}, "
-                f"but its storage {storage.key!r} holds {capacity} elements"
-            )
-    return TensorRef(
-        storage=storage,
-        offset=offset,
-        shape=size,
-        stride=stride,
-        dtype=dtype,
-        requires_grad=bool(requires_grad),
-        func=GlobalRef(func.module, func.name),
-        args=args,
-    )
-
-
-def _rebuild_tensor(func: GlobalRef, *args: Any) -> TensorRef:
-    # _rebuild_tensor(storage, offset, size, stride): torch < 1.0
-    # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])
-    # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
-    if len(args) < 4:
-        raise CorruptCheckpointError(f"{func.qualname} called with {len(args)} arguments")
-    requires_grad = args[4] if func.name == "_rebuild_tensor_v2" and len(args) > 4 else False
-    return _checked_tensor(func, args, args[0], _storage_dtype(args[0]), requires_grad)
-
-
-def _rebuild_tensor_v3(func: GlobalRef, *args: Any) -> TensorRef:
-    # (storage, offset, size, stride, requires_grad, hooks, dtype[, metadata]); untyped storage
-    if len(args) < 7 or not isinstance(args[6], ConstantRef):
-        raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
-    dtype = args[6].name
-    _storage_dtype(args[0])
-    return _checked_tensor(func, args, args[0], dtype, args[4])
-
-
-def _rebuild_parameter(func: GlobalRef, *args: Any) -> TensorRef:
-    # (data, requires_grad, hooks[, state])
-    inner = args[0] if args else None
-    if not isinstance(inner, TensorRef):
-        raise CorruptCheckpointError(f"{func.qualname} expects a tensor, found {type(inner)!r}")
-    return replace(
-        inner,
-        requires_grad=bool(args[1]) if len(args) > 1 else True,
-        is_parameter=True,
-        func=GlobalRef(func.module, func.name),
-        args=args,
-    )
-
-
-def _rebuild_from_type_v2(func: GlobalRef, *args: Any) -> Any:
-    # (inner_func, new_type, inner_args, state): a Tensor subclass or a tensor with attributes
-    if len(args) != 4 or not callable(args[0]) or not isinstance(args[2], tuple):
-        raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
-    inner = args[0](*args[2])
-    if not isinstance(inner, TensorRef):
-        return Reduced(GlobalRef(func.module, func.name), args)
-    new_type = args[1]
-    return replace(
-        inner,
-        is_parameter=inner.is_parameter
-        or (isinstance(new_type, GlobalRef) and new_type.name == "Parameter"),
-        func=GlobalRef(func.module, func.name),
-        args=args,
-    )
-
-
-def _reduced(func: GlobalRef, *args: Any) -> Reduced:
-    return Reduced(GlobalRef(func.module, func.name), args)
-
-
-def _size(func: GlobalRef, *args: Any) -> TorchSize:
-    return TorchSize(args[0] if args else ())
-
-
-# The codecs Python's pickler names in ``_codecs.encode(text, "latin1")`` (bytes and
-# bytearray at protocols 0-2), plus the default. Any other name would make the codec registry
-# import a module (``rot13`` imports ``encodings.rot_13``, ``idna`` imports ``stringprep``).
-_PICKLE_CODECS = frozenset({"latin1", "latin-1", "latin_1", "iso-8859-1", "utf-8", "utf8"})
-
-
-def _codecs_encode(func: GlobalRef, *args: Any) -> bytes:
-    # encode(obj, encoding="utf-8", errors="strict")
-    defaults = (None, "utf-8", "strict")
-    text, encoding, errors = (*args, *defaults[len(args) :]) if len(args) <= 3 else defaults
-    if (
-        not isinstance(text, str)
-        or not isinstance(encoding, str)
-        or encoding.lower() not in _PICKLE_CODECS
-        or errors != "strict"
-    ):
-        shown = ", ".join(short_repr(a, 40) for a in args[1:])
-        raise CorruptCheckpointError(
-            f"the pickle calls _codecs.encode with ({shown}); pickles only ever encode text "
-            "with 'latin1', so this codec is refused (it is never looked up)"
-        )
-    return codecs.encode(text, encoding)
-
-
-def _counter(func: GlobalRef, *args: Any) -> collections.Counter[Any]:
-    return collections.Counter(*args)
-
-
-_BUILDERS: dict[str, Callable[..., Any]] = {
-    "torch._utils._rebuild_tensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-    "torch._utils._rebuild_qtensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-    "torch.Size": _size,
-    "torch.device": _reduced,
-    "torch.serialization._get_layout": _reduced,
-    "torch._utils._rebuild_sparse_tensor": _reduced,
-    "torch._utils._rebuild_nested_tensor": _reduced,
-    "torch._utils._rebuild_meta_tensor_no_storage": _reduced,
-    "torch._utils._rebuild_wrapper_subclass": _reduced,
-    "torch._utils._rebuild_device_tensor_from_numpy": _reduced,
-    "collections.Counter": _counter,
-    "_codecs.encode": _codecs_encode,
-}
-
-# Python types that are safe to use for real. They are built-in (immutable) types: a pickle's
-# BUILD opcode on the class itself cannot set attributes on them. Pure-Python classes
-# (``collections.Counter``) and functions go through _Caller stand-ins instead, which are
-# sealed against BUILD, so a pickle can never patch a class of this process.
-_PYTHON_GLOBALS: dict[str, Any] = {
-    "collections.OrderedDict": collections.OrderedDict,
-    "builtins.set": set,
-    "builtins.frozenset": frozenset,
-    "builtins.bytearray": bytearray,
-    "builtins.complex": complex,
-    "builtins.slice": slice,
-}
-
-_TORCH_CONSTANTS: frozenset[str] = frozenset(
-    [f"torch.{d}" for d in DTYPE_ITEMSIZE]
-    + [
-        "torch.Tensor",
-        "torch.nn.parameter.Parameter",
-        "torch.per_tensor_affine",
-        "torch.per_tensor_symmetric",
-        "torch.per_channel_affine",
-        "torch.per_channel_symmetric",
-        "torch.per_channel_affine_float_qparams",
-    ]
-    + [
-        f"torch.{prefix}{kind}Tensor"
-        for prefix in ("", "cuda.")
-        for kind in ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte")
-    ]
-    + ["torch.BoolTensor", "torch.cuda.BoolTensor"]
-)
-
-
-def resolve_allowed(module: str, name: str) -> Any | None:
-    """The stand-in for an allowlisted global, or None when ``module.name`` is not allowed."""
-    qualname = f"{module}.{name}"
-    if qualname in _PYTHON_GLOBALS:
-        return _PYTHON_GLOBALS[qualname]
-    if qualname in _BUILDERS:
-        return _Caller(module, name, _BUILDERS[qualname])
-    if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_TYPE_DTYPE:
-        return StorageTypeRef(module, name)
-    if qualname in _TORCH_CONSTANTS:
-        return ConstantRef(module, name)
-    return None
 
 
 @contextlib.contextmanager
@@ -366,7 +106,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             not isinstance(storage_type, StorageTypeRef)
             or key is None
             or location is None
-            or not _is_count(numel)
+            or not is_count(numel)
         ):
             raise CorruptCheckpointError(f"unexpected storage id {short_repr(pid)}")
         view = pid[5] if len(pid) == 6 else None
@@ -375,8 +115,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 isinstance(view, tuple)
                 and len(view) == 3
                 and _text(view[0]) is not None
-                and _is_count(view[1])
-                and _is_count(view[2])
+                and is_count(view[1])
+                and is_count(view[2])
             ):
                 raise CorruptCheckpointError(f"unexpected storage view {short_repr(view)}")
             view = (_text(view[0]), view[1], view[2])
@@ -407,13 +147,9 @@ def _text(value: Any) -> str | None:
         return value.decode("ascii", "replace")
     if isinstance(value, str):
         return value
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT64_LIMIT:
+    if isinstance(value, int) and not isinstance(value, bool) and is_count(value):
         return str(value)
     return None
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT64_LIMIT
 
 
 def load_pickle(

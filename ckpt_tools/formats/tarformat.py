@@ -30,8 +30,9 @@ from typing import Any
 
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.formats.allowlist import StorageTypeRef, checked_tensor
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import ReadResult, StorageTypeRef, _checked_tensor, load_pickle
+from ckpt_tools.formats.pickles import ReadResult, load_pickle
 from ckpt_tools.model import ByteSpan, GlobalRef, StorageRef, TensorRef, short_repr
 
 __all__ = ["read_tar_members"]
@@ -226,7 +227,7 @@ class _TarReader:
             values = struct.unpack(f"<{2 * ndim + 1}q", geometry)
             size, stride, offset = values[:ndim], values[ndim : 2 * ndim], values[-1]
             args = (storage, base + offset, size, stride, False, collections.OrderedDict())
-            self.tensors[key] = _checked_tensor(_REBUILD, args, storage, storage.dtype, False)
+            self.tensors[key] = checked_tensor(_REBUILD, args, storage, storage.dtype, False)
 
     def resolve(self, pid: Any) -> Any:
         """The main pickle's persistent ids: tensor or storage keys, or module classes.
