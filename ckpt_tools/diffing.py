@@ -13,7 +13,6 @@ Convention: A is what you have, B is what it should match (a model or a referenc
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -36,7 +35,8 @@ from ckpt_tools.suggest import (
     rank_fixes,
     wrapper_stack,
 )
-from ckpt_tools.tensor_io import TensorReader
+from ckpt_tools.tensor_io import TensorReader, dtype_name
+from ckpt_tools.value_stats import ValueStats
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,21 +45,12 @@ __all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDif
 
 DiffSide = Union[str, "os.PathLike[str]", Mapping[str, Any], "nn.Module"]
 
-# Dtypes whose values are compared in float32, float64 (quantized ones by their integer
-# representation) or complex; any other dtype is compared by its bits only.
-_FLOAT32_OK = {"float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"}
-_FLOAT32_OK |= {"float8_e5m2fnuz", "float8_e4m3fnuz"}
-_FLOAT64 = {"float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
-_FLOAT64 |= {"bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
-_COMPLEX = {"complex64", "complex128"}
+#: Bytes :func:`diff` reads per side at a time; a chunk's temporaries are a few times this.
+CHUNK_BYTES = 1 << 20
 
 
 # ---------------------------------------------------------------------------------------
 # Sides
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class _Side:
@@ -74,7 +65,7 @@ class _Side:
         value = self.entries[name]
         if isinstance(value, TensorRef):
             return value.dtype, value.shape
-        return _dtype_name(value.dtype), tuple(value.shape)
+        return dtype_name(value.dtype), tuple(value.shape)
 
     def comparable(self, name: str) -> bool:
         value = self.entries[name]
@@ -159,80 +150,6 @@ def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:
 # Values
 
 
-def _compute_dtype(a: str, b: str) -> torch.dtype | None:
-    names = {a, b}
-    if names <= _COMPLEX | _FLOAT32_OK | _FLOAT64 and names & _COMPLEX:
-        return torch.complex64 if names <= {"complex64"} | _FLOAT32_OK else torch.complex128
-    if names <= _FLOAT32_OK:
-        return torch.float32
-    if names <= _FLOAT32_OK | _FLOAT64:
-        return torch.float64
-    return None
-
-
-#: Bytes :func:`diff` reads per side at a time; a chunk's temporaries are a few times this.
-CHUNK_BYTES = 1 << 20
-
-# Integer views of each element size: comparing them is comparing bits (-0.0 != 0.0).
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
-_INTEGRAL = _FLOAT64 - {"float64"}
-
-
-class _Stats:
-    """Running comparison of one tensor pair, fed chunk by chunk."""
-
-    def __init__(self, dtype_a: str, dtype_b: str, rtol: float, atol: float) -> None:
-        self.rtol, self.atol = rtol, atol
-        self.same_dtype = dtype_a == dtype_b
-        self.bits = _BITS.get(itemsize(dtype_a)) if self.same_dtype else None
-        self.bit_equal = self.same_dtype
-        self.compute = _compute_dtype(dtype_a, dtype_b)
-        self.may_be_nonfinite = not {dtype_a, dtype_b} <= _INTEGRAL
-        self.max_abs = self.max_rel = 0.0
-        self.mismatched = self.nan_a = self.nan_b = self.inf_a = self.inf_b = self.numel = 0
-
-    def add(self, ca: torch.Tensor, cb: torch.Tensor) -> None:
-        self.numel += ca.numel()
-        equal = False
-        if self.bits is not None:
-            equal = torch.equal(ca.view(self.bits), cb.view(self.bits))
-            self.bit_equal = self.bit_equal and equal
-        if self.compute is None:
-            return
-        x, y = ca.to(self.compute), cb.to(self.compute)
-        # A finite sum means every element is finite (NaN and inf propagate): one cheap
-        # reduction instead of isnan/isinf/isclose over the whole chunk.
-        if self.may_be_nonfinite and not (
-            bool(torch.isfinite(x.sum())) and (equal or bool(torch.isfinite(y.sum())))
-        ):
-            self._add_nonfinite(x, y)
-            return
-        if equal:
-            return
-        d = torch.abs(x - y) if x.is_complex() else torch.sub(x, y).abs_()
-        y_abs = y.abs()
-        tolerance = torch.mul(y_abs, self.rtol).add_(self.atol)
-        self.mismatched += int(torch.gt(d, tolerance).sum())
-        del tolerance
-        self.max_abs = max(self.max_abs, float(d.max()))
-        # 0/0 -> 0; d/0 -> inf (b is 0 and a is not).
-        self.max_rel = max(self.max_rel, float(d.div_(y_abs).nan_to_num_(nan=0.0).max()))
-
-    def _add_nonfinite(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        nan_x, nan_y = torch.isnan(x), torch.isnan(y)
-        self.nan_a += int(nan_x.sum())
-        self.nan_b += int(nan_y.sum())
-        self.inf_a += int(torch.isinf(x).sum())
-        self.inf_b += int(torch.isinf(y).sum())
-        close = torch.isclose(x, y, rtol=self.rtol, atol=self.atol, equal_nan=True)
-        self.mismatched += int((~close).sum())
-        same = (x == y) | nan_x | nan_y  # NaN places are counted apart, not as distances
-        d = torch.where(same, 0.0, torch.abs(x - y))
-        self.max_abs = max(self.max_abs, float(d.max()))
-        r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf)
-        self.max_rel = max(self.max_rel, float(r.max()))
-
-
 def _compare(
     name: str, a: _Side, b: _Side, rtol: float, atol: float, chunk_bytes: int
 ) -> TensorDiff:
@@ -241,7 +158,7 @@ def _compare(
     if shape_a != shape_b or not (a.comparable(name) and b.comparable(name)):
         return base
     elements = max(1, chunk_bytes // max(itemsize(dtype_a), itemsize(dtype_b)))
-    stats = _Stats(dtype_a, dtype_b, rtol, atol)
+    stats = ValueStats(dtype_a, dtype_b, rtol, atol)
     for ca, cb in zip(a.chunks(name, elements), b.chunks(name, elements)):
         stats.add(ca, cb)
     if stats.compute is None:

@@ -30,6 +30,7 @@ from ckpt_tools.suggest import (
     rank_fixes,
     wrapper_stack,
 )
+from ckpt_tools.tensor_io import dtype_name
 
 if TYPE_CHECKING:
     from torch import nn
@@ -264,7 +265,7 @@ def load_into(
         if value.shape != have.shape:
             shapes.append(ShapeMismatch(key, tuple(value.shape), tuple(have.shape)))
         elif value.dtype != have.dtype:
-            casts.append((key, _dtype_name(value.dtype), _dtype_name(have.dtype)))
+            casts.append((key, dtype_name(value.dtype), dtype_name(have.dtype)))
     report = LoadReport(
         source=label,
         model=type(model).__name__,
@@ -299,7 +300,3 @@ def load_into(
         missing=tuple(k for k in result.missing_keys if k not in skip),
         unexpected=tuple(result.unexpected_keys),
     )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -21,7 +21,14 @@ from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.model import TensorRef
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "TensorReader", "iter_chunks", "read_tensor", "torch_dtype"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "TensorReader",
+    "dtype_name",
+    "iter_chunks",
+    "read_tensor",
+    "torch_dtype",
+]
 
 #: Bytes per piece :func:`iter_chunks` yields by default.
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -36,6 +43,12 @@ _RAW_DTYPES = {
 }
 # One pread call reads at most this much (Linux caps a single read near 2 GiB).
 _MAX_READ = 1 << 30
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: torch's name without the prefix (the inverse of
+    :func:`torch_dtype`)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def torch_dtype(name: str) -> torch.dtype:
