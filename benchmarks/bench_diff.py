@@ -1,4 +1,4 @@
-"""Peak memory and time of ``ckpt_tools.diffing`` on two large checkpoints, against loading both.
+"""Peak memory and time of ``ckpt_tools.diffing.engine`` on two large checkpoints, against loading both.
 
 Run:  .venv/bin/python benchmarks/bench_diff.py [--size-mb 1024] [--repeats 3]
 
@@ -55,7 +55,7 @@ NAIVE = (
     "b = torch.load(sys.argv[2], weights_only=True)\n"
     "print(sum(not torch.equal(a[k], b[k]) for k in a))\n"
 )
-IMPORT_ONLY = "import torch, ckpt_tools.diffing\n"
+IMPORT_ONLY = "import torch, ckpt_tools.diffing.engine\n"
 
 
 def generate(folder: Path, size_mb: float, n_tensors: int) -> tuple[Path, Path, int]:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs_mib = (a.stat().st_size + b.stat().st_size) / MIB
         print(f"inputs: 2 x {args.tensors} tensors, {inputs_mib:.0f} MiB together")
         commands = {
-            "import torch + ckpt_tools.diffing (floor)": (python_command(IMPORT_ONLY), 0),
+            "import torch + ckpt_tools.diffing.engine (floor)": (python_command(IMPORT_ONLY), 0),
             "ckpt_tools.diff(A, B)": (python_command(LIBRARY, a, b), 0),
             "ckpt diff A B --fail-on value": (ckpt_command("diff", a, b, "--fail-on", "value"), 1),
         }
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         lib = results["ckpt_tools.diff(A, B)"]
         cli = results["ckpt diff A B --fail-on value"]
         ok = lib.peak_rss_mb <= TARGET_MB and cli.peak_rss_mb <= TARGET_MB
-        print(verdict("ckpt_tools.diffing peak RSS", lib.peak_rss_mb, TARGET_MB, "MB"))
+        print(verdict("ckpt_tools.diffing.engine peak RSS", lib.peak_rss_mb, TARGET_MB, "MB"))
         print(verdict("ckpt diff peak RSS", cli.peak_rss_mb, TARGET_MB, "MB"))
         os.sync()
     return 0 if ok else 1

@@ -29,7 +29,7 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
-from ckpt_tools.keys import (
+from ckpt_tools.structure.keys import (
     WRAPPER_RULES,
     KeyRule,
     WrapperMatch,
@@ -40,7 +40,7 @@ from ckpt_tools.keys import (
     strip_prefix,
     sub_rule,
 )
-from ckpt_tools.layouts import Selection, select_state_dict
+from ckpt_tools.structure.selection import Selection, select_state_dict
 
 __all__ = [
     "WRAPPER_RULES",
@@ -79,20 +79,20 @@ __all__ = [
 
 # Functions whose modules import torch (or write files) load on first use.
 _LAZY = {
-    "inspect": "ckpt_tools.inspection",
-    "CheckpointInfo": "ckpt_tools.inspection",
-    "TensorInfo": "ckpt_tools.inspection",
-    "rewrite": "ckpt_tools.rewriting",
-    "convert": "ckpt_tools.rewriting",
-    "retag": "ckpt_tools.rewriting",
-    "strip_module_file": "ckpt_tools.rewriting",
-    "RewriteResult": "ckpt_tools.rewriting",
-    "load_state_dict": "ckpt_tools.loading",
-    "load_into": "ckpt_tools.model_load",
-    "LoadReport": "ckpt_tools.model_load",
-    "LoadInfo": "ckpt_tools.loading",
-    "diff": "ckpt_tools.diffing",
-    "DiffReport": "ckpt_tools.diffing",
+    "inspect": "ckpt_tools.ops.inspection",
+    "CheckpointInfo": "ckpt_tools.ops.inspection",
+    "TensorInfo": "ckpt_tools.ops.inspection",
+    "rewrite": "ckpt_tools.ops.rewriting",
+    "convert": "ckpt_tools.ops.rewriting",
+    "retag": "ckpt_tools.ops.rewriting",
+    "strip_module_file": "ckpt_tools.ops.rewriting",
+    "RewriteResult": "ckpt_tools.ops.rewriting",
+    "load_state_dict": "ckpt_tools.loading.state_dict",
+    "load_into": "ckpt_tools.loading.into_module",
+    "LoadReport": "ckpt_tools.loading.into_module",
+    "LoadInfo": "ckpt_tools.loading.state_dict",
+    "diff": "ckpt_tools.diffing.engine",
+    "DiffReport": "ckpt_tools.diffing.engine",
 }
 __all__ += sorted(_LAZY)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
+from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import (
     ConversionError,
@@ -27,7 +27,7 @@ from ckpt_tools.errors import (
     OutputExistsError,
     SameFileError,
 )
-from ckpt_tools.rewriting import convert
+from ckpt_tools.ops.rewriting import convert
 
 try:
     import rewrite_helpers as h

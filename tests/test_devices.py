@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckpt_tools.cli.main import main
-from ckpt_tools.devices import DeviceInfo, list_devices, pick, visible_devices_for
+from ckpt_tools.loading.devices import DeviceInfo, list_devices, pick, visible_devices_for
 from ckpt_tools.errors import UsageError
 
 gpu = pytest.mark.gpu

@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ckpt_tools.cli.main import main
-from ckpt_tools.diffing import diff
+from ckpt_tools.diffing.engine import diff
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.tensor_io import iter_chunks, read_tensor
+from ckpt_tools.loading.tensor_io import iter_chunks, read_tensor
 
 
 def layers(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -284,15 +284,15 @@ def test_prefix_map_suggestion_and_module_note(save: Callable[..., str]) -> None
 
 def test_package_functions_survive_importing_their_modules() -> None:
     # A submodule named like a function would replace it on import; ours are named apart.
-    import ckpt_tools.diffing
-    import ckpt_tools.model_load
-    import ckpt_tools.rewriting
+    import ckpt_tools.diffing.engine
+    import ckpt_tools.loading.into_module
+    import ckpt_tools.ops.rewriting
 
     assert ckpt_tools.diff({"w": torch.ones(1)}, {"w": torch.ones(1)}).identical
-    assert ckpt_tools.diff is ckpt_tools.diffing.diff
-    assert ckpt_tools.rewrite is ckpt_tools.rewriting.rewrite
-    assert ckpt_tools.load_into is ckpt_tools.model_load.load_into
-    assert ckpt_tools.DiffReport is ckpt_tools.diffing.DiffReport
+    assert ckpt_tools.diff is ckpt_tools.diffing.engine.diff
+    assert ckpt_tools.rewrite is ckpt_tools.ops.rewriting.rewrite
+    assert ckpt_tools.load_into is ckpt_tools.loading.into_module.load_into
+    assert ckpt_tools.DiffReport is ckpt_tools.diffing.engine.DiffReport
 
 
 def run(command: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckpt_tools.cli.main import main
-from ckpt_tools.model_factory import parse_value
+from ckpt_tools.loading.module_spec import parse_value
 
 NET_PY = textwrap.dedent(
     """

@@ -33,7 +33,7 @@ from factories import (
 
 import ckpt_tools
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.model import iter_tensors
+from ckpt_tools.descriptors import iter_tensors
 
 READABLE = fixtures_where(oracle=("torch", "torch-unsafe", "jit", "safetensors", "sharded"))
 TREES = fixtures_where(oracle=("torch", "torch-unsafe"))  # whole object trees from torch.load
@@ -144,7 +144,7 @@ def test_byte_locations_hold_the_tensors(entry: dict[str, Any]) -> None:
     ckpt = open_checkpoint(fixture_path(entry["name"]))
     selected = ckpt_tools.select_state_dict(ckpt.root, entry["select"] or None).state_dict
     if entry["format"] == "torchscript":
-        from ckpt_tools.inspection import script_module_tensors
+        from ckpt_tools.ops.inspection import script_module_tensors
 
         selected = script_module_tensors(ckpt.root)
     assert set(selected) >= set(expected)

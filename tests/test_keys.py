@@ -1,4 +1,4 @@
-"""Wrapper detection and in-memory key rewrites (``ckpt_tools.keys``), checked against torch."""
+"""Wrapper detection and in-memory key rewrites (``ckpt_tools.structure.keys``), checked against torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ckpt_tools.errors import KeyCollisionError, UsageError
-from ckpt_tools.keys import (
+from ckpt_tools.structure.keys import (
     WRAPPER_RULES,
     add_prefix,
     add_rule,

@@ -28,12 +28,13 @@ from ckpt_tools.errors import (
     ResourceLimitError,
     VerificationError,
 )
-from ckpt_tools.formats import open_checkpoint, zipwriter
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.io import zipwriter
 from ckpt_tools.formats.pickles import MAX_NESTING, load_pickle
-from ckpt_tools.keys import add_rule
-from ckpt_tools.layouts import select_state_dict
-from ckpt_tools.rewriting import convert, rewrite, strip_module_file
-from ckpt_tools.verify import Expected, verify_output
+from ckpt_tools.structure.keys import add_rule
+from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.ops.rewriting import convert, rewrite, strip_module_file
+from ckpt_tools.io.verify import Expected, verify_output
 
 
 def text(s: str) -> bytes:
@@ -340,7 +341,7 @@ def legacy_with_view(path: Path, tensor_numel: int) -> Path:
 
 
 def test_legacy_view_tensor_must_fit_its_view(tmp_path):
-    from ckpt_tools.tensor_io import read_tensor
+    from ckpt_tools.loading.tensor_io import read_tensor
 
     ok = open_checkpoint(legacy_with_view(tmp_path / "ok.pt", 2))
     assert ok.format == "torch-legacy"

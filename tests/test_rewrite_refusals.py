@@ -26,7 +26,7 @@ from ckpt_tools.errors import (
     UnsafeContentError,
     UsageError,
 )
-from ckpt_tools.rewriting import convert, rename_file, strip_module_file
+from ckpt_tools.ops.rewriting import convert, rename_file, strip_module_file
 
 try:
     import rewrite_helpers as h

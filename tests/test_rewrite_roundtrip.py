@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_tools.rewriting import add_module_file, convert, retag, strip_module_file
+from ckpt_tools.ops.rewriting import add_module_file, convert, retag, strip_module_file
 
 try:
     import rewrite_helpers as h

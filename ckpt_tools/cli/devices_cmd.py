@@ -6,7 +6,7 @@ import click
 
 from ckpt_tools.cli.options import json_option
 from ckpt_tools.cli.render import echo_json, human_bytes, table
-from ckpt_tools.devices import list_devices
+from ckpt_tools.loading.devices import list_devices
 
 
 @click.command("devices")

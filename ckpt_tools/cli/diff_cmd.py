@@ -9,9 +9,9 @@ import click
 
 from ckpt_tools.cli.options import json_option, select_option
 from ckpt_tools.cli.render import echo_json, table
-from ckpt_tools.diff_report import FAIL_CATEGORIES, DiffReport, SideInfo, TensorDiff
+from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, TensorDiff
 from ckpt_tools.errors import EXIT_DIFFERENCES, EXIT_OK, UsageError
-from ckpt_tools.grouping import group_names
+from ckpt_tools.structure.grouping import group_names
 
 
 def parse_fail_on(text: str | None) -> frozenset[str]:
@@ -32,7 +32,7 @@ def parse_fail_on(text: str | None) -> frozenset[str]:
 
 def parse_model_args(values: tuple[str, ...]) -> dict[str, Any]:
     """``("depth=3", "act=relu")`` -> ``{"depth": 3, "act": "relu"}`` (int/float/bool/str)."""
-    from ckpt_tools.model_factory import parse_value
+    from ckpt_tools.loading.module_spec import parse_value
 
     out: dict[str, Any] = {}
     for value in values:
@@ -104,10 +104,10 @@ def diff_cmd(
         raise UsageError("give B or --model MODULE:FACTORY (exactly one): `ckpt diff A B`")
     if model_args and model_spec is None:
         raise UsageError("--model-arg needs --model MODULE:FACTORY")
-    from ckpt_tools.diffing import diff
+    from ckpt_tools.diffing.engine import diff
 
     if model_spec is not None:
-        from ckpt_tools.model_factory import build_model
+        from ckpt_tools.loading.module_spec import build_model
 
         other: Any = build_model(model_spec, parse_model_args(model_args))
     else:

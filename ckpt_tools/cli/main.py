@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import click
 
 from ckpt_tools._version import __version__
-from ckpt_tools.atomic import Interrupted
+from ckpt_tools.io.atomic import Interrupted
 from ckpt_tools.errors import EXIT_USAGE, CheckpointError
 
 _COMMANDS = {

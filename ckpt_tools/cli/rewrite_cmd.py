@@ -12,7 +12,7 @@ import click
 from ckpt_tools.cli.options import json_option, select_option
 from ckpt_tools.cli.render import echo_json, human_bytes
 from ckpt_tools.errors import UsageError
-from ckpt_tools.rewriting import (
+from ckpt_tools.ops.rewriting import (
     RewriteResult,
     add_module_file,
     convert,

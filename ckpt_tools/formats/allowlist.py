@@ -1,7 +1,7 @@
 """The allowlist: what each permitted global of a checkpoint's pickle turns into.
 
 Globals on the list (in the spirit of torch's ``weights_only`` unpickler) resolve to
-stand-ins that build descriptors of :mod:`ckpt_tools.model` (tensors, storages, sizes,
+stand-ins that build descriptors of :mod:`ckpt_tools.descriptors` (tensors, storages, sizes,
 devices) and check them; safe Python containers are real. Nothing here imports the module a
 pickle names. :func:`resolve_allowed` is the one entry point the unpickler uses.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.model import GlobalRef, Sealed, StorageRef, TensorRef, short_repr
+from ckpt_tools.descriptors import GlobalRef, Sealed, StorageRef, TensorRef, short_repr
 
 __all__ = [
     "ConstantRef",

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.model import ByteSpan, StorageRef
+from ckpt_tools.descriptors import ByteSpan, StorageRef
 
 __all__ = ["Checkpoint", "ZipRecord"]
 
@@ -29,7 +29,7 @@ class Checkpoint:
     Attributes:
         path: the file (or folder) it was read from.
         format: one of :data:`ckpt_tools.formats.detect.FORMATS`.
-        root: the object tree (dicts, lists, :class:`~ckpt_tools.model.TensorRef` ...).
+        root: the object tree (dicts, lists, :class:`~ckpt_tools.descriptors.TensorRef` ...).
         storages: storage key -> descriptor, in file order.
         unsafe_globals: qualified names of globals outside the allowlist.
         protocol: the pickle protocol of the main pickle (0 for safetensors).

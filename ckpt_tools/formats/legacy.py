@@ -19,7 +19,7 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import load_pickle
-from ckpt_tools.model import ByteSpan, StorageRef, short_repr
+from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
 
 __all__ = ["open_legacy", "open_pickle", "open_tar"]
 

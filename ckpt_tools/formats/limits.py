@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 from ckpt_tools.errors import ResourceLimitError
-from ckpt_tools.model import Opaque, Sealed
+from ckpt_tools.descriptors import Opaque, Sealed
 
 __all__ = ["LimitedReader", "check_nesting"]
 

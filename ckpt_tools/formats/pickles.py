@@ -2,9 +2,9 @@
 
 ``find_class`` never imports anything. Globals on the allowlist (in the spirit of torch's
 ``weights_only`` unpickler) resolve to the stand-ins of :mod:`ckpt_tools.formats.allowlist`;
-every other global resolves to an :class:`~ckpt_tools.model.Opaque` subclass named after it,
+every other global resolves to an :class:`~ckpt_tools.descriptors.Opaque` subclass named after it,
 whose instances just record what the pickle did to them. ``persistent_load`` turns torch's
-storage ids into :class:`~ckpt_tools.model.StorageRef` s.
+storage ids into :class:`~ckpt_tools.descriptors.StorageRef` s.
 
 :mod:`ckpt_tools.formats.repickle` writes such a tree back.
 """
@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
-from ckpt_tools.model import GlobalRef, Opaque, StorageRef, short_repr
+from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
 
 __all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "load_pickle"]
 

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.allowlist import Reduced, TorchSize
 from ckpt_tools.formats.pickles import gc_paused
-from ckpt_tools.model import GlobalRef, Opaque, StorageRef, TensorRef
+from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 
 __all__ = ["Repickler", "dumps", "zip_storage_id"]
 

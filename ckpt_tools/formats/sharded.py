@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.model import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 
 __all__ = ["WEIGHT_FILES", "open_folder"]
 

@@ -33,7 +33,7 @@ from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.allowlist import StorageTypeRef, checked_tensor
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import ReadResult, load_pickle
-from ckpt_tools.model import ByteSpan, GlobalRef, StorageRef, TensorRef, short_repr
+from ckpt_tools.descriptors import ByteSpan, GlobalRef, StorageRef, TensorRef, short_repr
 
 __all__ = ["read_tar_members"]
 

@@ -16,7 +16,7 @@ from pathlib import PurePosixPath
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES, load_pickle
-from ckpt_tools.model import ByteSpan, StorageRef
+from ckpt_tools.descriptors import ByteSpan, StorageRef
 
 __all__ = ["open_torch_zip"]
 

@@ -1,14 +1,14 @@
 """The five parity checks, run on the files training wrote, each giving a :class:`CheckResult`.
 
-(a) ``strip_prefix``: wrapped checkpoint -> ``ckpt_tools.keys.strip_prefix`` -> bare model,
+(a) ``strip_prefix``: wrapped checkpoint -> ``ckpt_tools.structure.keys.strip_prefix`` -> bare model,
     outputs bitwise equal to the wrapped model's.
-(b) ``add_prefix``: bare checkpoint -> ``ckpt_tools.keys.add_prefix`` -> ``nn.DataParallel``,
+(b) ``add_prefix``: bare checkpoint -> ``ckpt_tools.structure.keys.add_prefix`` -> ``nn.DataParallel``,
     outputs bitwise equal to the bare model's.
 (c) ``vs_single``: a strategy's final weights against single-device training's.
 (d) ``device_roundtrip``: a GPU-saved checkpoint (or, without a GPU, one retagged to
-    ``cuda:1`` with ``ckpt_tools.rewriting.retag``) loaded with
-    ``ckpt_tools.loading.load_state_dict(map_location="auto")``, bitwise equal.
-(e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.rewriting.convert``,
+    ``cuda:1`` with ``ckpt_tools.ops.rewriting.retag``) loaded with
+    ``ckpt_tools.loading.state_dict.load_state_dict(map_location="auto")``, bitwise equal.
+(e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.ops.rewriting.convert``,
     bitwise equal.
 """
 
@@ -33,9 +33,9 @@ from ckpt_tools.harness.compare import (
 from ckpt_tools.harness.data import synthetic_fashion
 from ckpt_tools.harness.loop import deterministic
 from ckpt_tools.harness.models import build_model
-from ckpt_tools.keys import add_prefix, strip_prefix
-from ckpt_tools.loading import load_state_dict
-from ckpt_tools.rewriting import convert, retag
+from ckpt_tools.structure.keys import add_prefix, strip_prefix
+from ckpt_tools.loading.state_dict import load_state_dict
+from ckpt_tools.ops.rewriting import convert, retag
 
 __all__ = [
     "CHECK_NAMES",
@@ -252,7 +252,7 @@ def check_device_roundtrip(
     """(d) Load a GPU-tagged checkpoint with ``map_location="auto"``; bitwise equal.
 
     A checkpoint saved from a GPU is loaded as is. A CPU-saved one is first retagged
-    ``cpu -> cuda:1`` with ``ckpt_tools.rewriting.retag`` into ``work_dir``, which is what a
+    ``cpu -> cuda:1`` with ``ckpt_tools.ops.rewriting.retag`` into ``work_dir``, which is what a
     GPU save looks like to a CPU-only machine.
 
     Args:
@@ -300,7 +300,7 @@ def check_device_roundtrip(
 def check_format_roundtrip(
     path: str | Path, work_dir: str | Path, strategy: str = ""
 ) -> CheckResult:
-    """(e) pt -> safetensors -> pt with ``ckpt_tools.rewriting.convert``; bitwise equal.
+    """(e) pt -> safetensors -> pt with ``ckpt_tools.ops.rewriting.convert``; bitwise equal.
 
     Args:
         path: a ``.pt`` state dict.

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ckpt_tools.devices import pick
+from ckpt_tools.loading.devices import pick
 from ckpt_tools.errors import UsageError
 
 __all__ = ["DEFAULT_CPU_WORLD_SIZE", "parse_gpus", "resolve_devices"]
@@ -23,7 +23,7 @@ GpuSpec = str | Sequence[int] | None
 
 
 def _pick(n: int) -> list[int]:
-    """Indices of the ``n`` GPUs with the most free memory (:func:`ckpt_tools.devices.pick`)."""
+    """Indices of the ``n`` GPUs with the most free memory (:func:`ckpt_tools.loading.devices.pick`)."""
     picked = pick(n)
     if any(d.type != "cuda" for d in picked):  # pick() falls back to [cpu] without GPUs
         raise UsageError(f"gpus='auto:{n}' found no GPU to pick")

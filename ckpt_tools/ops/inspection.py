@@ -10,9 +10,9 @@ from typing import Any
 
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.formats.allowlist import Reduced, TorchSize
-from ckpt_tools.keys import WrapperMatch, detect_wrappers
-from ckpt_tools.layouts import Selection, select_state_dict
-from ckpt_tools.model import Opaque, TensorRef, short_repr
+from ckpt_tools.structure.keys import WrapperMatch, detect_wrappers
+from ckpt_tools.structure.selection import Selection, select_state_dict
+from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
 
 __all__ = [
     "CheckpointInfo",

@@ -2,9 +2,9 @@
 
 Each side is a checkpoint path, an in-memory state dict or an ``nn.Module``. File sides
 are never loaded whole: each tensor is streamed from the file in pieces
-(:mod:`ckpt_tools.tensor_io`), compared against the other side's piece, and dropped, so
+(:mod:`ckpt_tools.loading.tensor_io`), compared against the other side's piece, and dropped, so
 two large checkpoints diff in bounded memory. Key mismatches come with the rewrite that
-best explains them (:mod:`ckpt_tools.suggest`) and the command that applies it.
+best explains them (:mod:`ckpt_tools.structure.suggest`) and the command that applies it.
 
 Convention: A is what you have, B is what it should match (a model or a reference), as in
 ``load_into``: *missing* keys are in B and not in A, *unexpected* keys are in A and not in B.
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
-from ckpt_tools.diff_report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
+from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.keys import plan_renames
-from ckpt_tools.layouts import is_state_dict, select_state_dict
-from ckpt_tools.model import TensorRef
-from ckpt_tools.suggest import (
+from ckpt_tools.structure.keys import plan_renames
+from ckpt_tools.structure.selection import is_state_dict, select_state_dict
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.structure.suggest import (
     Step,
     best_fix,
     fix_command,
@@ -35,8 +35,8 @@ from ckpt_tools.suggest import (
     rank_fixes,
     wrapper_stack,
 )
-from ckpt_tools.tensor_io import TensorReader, dtype_name
-from ckpt_tools.value_stats import ValueStats
+from ckpt_tools.loading.tensor_io import TensorReader, dtype_name
+from ckpt_tools.diffing.value_stats import ValueStats
 
 if TYPE_CHECKING:
     from torch import nn

@@ -6,7 +6,7 @@ device exists here, else an existing GPU, else the CPU), refuses unsafe pickles 
 trusted, then loads with ``torch.load(weights_only=True, mmap=True)`` (zip files),
 ``safetensors`` or the legacy reader, and selects the model's state dict.
 
-:func:`ckpt_tools.model_load.load_into` builds on it to load into wrapped or plain models.
+:func:`ckpt_tools.loading.into_module.load_into` builds on it to load into wrapped or plain models.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from ckpt_tools.devices import MapLocation, auto_location, resolve_map_location
+from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
 from ckpt_tools.errors import (
     UnsafeContentError,
     UnsupportedFormatError,
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.layouts import Selection, is_state_dict, select_state_dict
-from ckpt_tools.load_info import LoadInfo, StorageMove
+from ckpt_tools.structure.selection import Selection, is_state_dict, select_state_dict
+from ckpt_tools.loading.results import LoadInfo, StorageMove
 
 if TYPE_CHECKING:
     pass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.errors import SelectError
-from ckpt_tools.model import Opaque, TensorRef
+from ckpt_tools.descriptors import Opaque, TensorRef
 
 __all__ = ["CANDIDATE_KEYS", "Selection", "is_state_dict", "parse_select", "select_state_dict"]
 

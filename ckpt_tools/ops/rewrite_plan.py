@@ -1,6 +1,6 @@
 """Planning a rewrite: is the source rewritable, which output format, what goes in it.
 
-Kept apart from :mod:`ckpt_tools.rewriting` (which opens, writes and verifies) so each module
+Kept apart from :mod:`ckpt_tools.ops.rewriting` (which opens, writes and verifies) so each module
 has one job.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 
 from ckpt_tools.errors import ConversionError, NonTensorEntriesError, UnsafeContentError, UsageError
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.keys import KeyRule
-from ckpt_tools.model import Opaque, TensorRef
-from ckpt_tools.writers import SafetensorsEntry
+from ckpt_tools.structure.keys import KeyRule
+from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.io.writers import SafetensorsEntry
 
 __all__ = ["check_source", "output_format_for", "replace_at", "safetensors_plan", "summary"]
 
@@ -61,7 +61,7 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
 
 
 def _step(node: Any, part: str) -> Any:
-    """One step of a selection path, as :func:`ckpt_tools.layouts.select_state_dict` takes it."""
+    """One step of a selection path, as :func:`ckpt_tools.structure.selection.select_state_dict` takes it."""
     if isinstance(node, Opaque):
         node = node.state  # an object of a class outside the allowlist: its attributes
     if isinstance(node, Mapping):

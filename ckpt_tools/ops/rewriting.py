@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.atomic import atomic_output, check_output_path
+from ckpt_tools.io.atomic import atomic_output, check_output_path
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.keys import (
+from ckpt_tools.structure.keys import (
     KeyRule,
     WrapperMatch,
     add_rule,
@@ -26,17 +26,17 @@ from ckpt_tools.keys import (
     strip_wrapper_rules,
     sub_rule,
 )
-from ckpt_tools.layouts import select_state_dict
-from ckpt_tools.model import TensorRef
-from ckpt_tools.rewrite_plan import (
+from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.ops.rewrite_plan import (
     check_source,
     output_format_for,
     replace_at,
     safetensors_plan,
     summary,
 )
-from ckpt_tools.verify import VERIFY_LEVELS, Expected, verify_output
-from ckpt_tools.writers import (
+from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
+from ckpt_tools.io.writers import (
     picklable_tensors,
     write_safetensors,
     write_torch_zip,
@@ -140,7 +140,7 @@ def rewrite(
     Args:
         src: the input checkpoint.
         dst: the output path.
-        rules: key rules applied to the selected state dict's keys (see ``ckpt_tools.keys``).
+        rules: key rules applied to the selected state dict's keys (see ``ckpt_tools.structure.keys``).
         select: dotted path to the state dict; chosen automatically when None.
         output_format: ``torch`` or ``safetensors``; from ``dst``'s suffix when None.
         device_map: saved device tag -> new tag for every storage (torch outputs).

@@ -19,7 +19,7 @@ import torch
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.model import TensorRef
+from ckpt_tools.descriptors import TensorRef
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

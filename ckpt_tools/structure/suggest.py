@@ -1,7 +1,7 @@
 """Which key rewrite makes one set of state-dict keys match another. Torch-free.
 
-Two ways to find one, both built from :data:`ckpt_tools.keys.WRAPPER_RULES` and applied by
-:func:`ckpt_tools.keys.plan_renames`:
+Two ways to find one, both built from :data:`ckpt_tools.structure.keys.WRAPPER_RULES` and applied by
+:func:`ckpt_tools.structure.keys.plan_renames`:
 
 * :func:`layout_fix` compares the wrapper stacks of both sides (``module._orig_mod.`` vs
   ``_orig_mod.``): strip what only the source carries, add what only the target carries.
@@ -9,7 +9,7 @@ Two ways to find one, both built from :data:`ckpt_tools.keys.WRAPPER_RULES` and 
   the prefix maps that turn a top-level name of the source into one of the target
   (``backbone.`` -> ``encoder.``), and ranks all by how many keys they make match.
 
-:func:`ckpt_tools.model_load.load_into` applies the best wrapper rewrite; ``ckpt diff`` prints
+:func:`ckpt_tools.loading.into_module.load_into` applies the best wrapper rewrite; ``ckpt diff`` prints
 the ranking as suggestions.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.errors import KeyCollisionError
-from ckpt_tools.keys import (
+from ckpt_tools.structure.keys import (
     WRAPPER_RULES,
     KeyRule,
     WrapperMatch,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.layouts import select_state_dict
-from ckpt_tools.model import TensorRef
+from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.descriptors import TensorRef
 
 __all__ = ["VERIFY_LEVELS", "Expected", "verify_output"]
 
@@ -48,7 +48,7 @@ def _digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
     if t.is_contiguous():
         return h.digest()
     # Non-contiguous views are compared by their logical content.
-    from ckpt_tools.writers import _contiguous_bytes
+    from ckpt_tools.io.writers import _contiguous_bytes
 
     fd = os.open(span.path, os.O_RDONLY)
     try:

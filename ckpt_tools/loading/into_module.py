@@ -1,7 +1,7 @@
 """Loading into models whatever their wrappers: :func:`load_into`.
 
 It reconciles wrapper prefixes (``module.``, ``_orig_mod.``, ``model.`` ...) between the
-checkpoint and the model with the rules of :mod:`ckpt_tools.keys`, loads, and reports what
+checkpoint and the model with the rules of :mod:`ckpt_tools.structure.keys`, loads, and reports what
 it did, including the shape mismatches ``strict=False`` skipped.
 """
 
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_tools.devices import MapLocation
+from ckpt_tools.loading.devices import MapLocation
 from ckpt_tools.errors import StateDictMismatchError, UsageError
-from ckpt_tools.grouping import group_names
-from ckpt_tools.keys import rename_keys
-from ckpt_tools.layouts import is_state_dict
-from ckpt_tools.loading import LoadInfo, _selection_checked, load_state_dict
-from ckpt_tools.suggest import (
+from ckpt_tools.structure.grouping import group_names
+from ckpt_tools.structure.keys import rename_keys
+from ckpt_tools.structure.selection import is_state_dict
+from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state_dict
+from ckpt_tools.structure.suggest import (
     KeyFix,
     best_fix,
     fix_command,
@@ -30,7 +30,7 @@ from ckpt_tools.suggest import (
     rank_fixes,
     wrapper_stack,
 )
-from ckpt_tools.tensor_io import dtype_name
+from ckpt_tools.loading.tensor_io import dtype_name
 
 if TYPE_CHECKING:
     from torch import nn
@@ -220,8 +220,8 @@ def load_into(
 
     The wrapper stacks of the model's keys (plain, ``nn.DataParallel``/DDP ``module.``,
     ``torch.compile``'s ``_orig_mod.``, a Lightning-style ``model.`` attribute ...) and of
-    the checkpoint's keys are compared (:func:`ckpt_tools.suggest.best_fix`), and the
-    checkpoint's keys are rewritten with :mod:`ckpt_tools.keys` rules to match.
+    the checkpoint's keys are compared (:func:`ckpt_tools.structure.suggest.best_fix`), and the
+    checkpoint's keys are rewritten with :mod:`ckpt_tools.structure.keys` rules to match.
 
     Args:
         model: the target module (wrapped or not).

@@ -1,4 +1,4 @@
-"""The results of :func:`ckpt_tools.diffing.diff`: frozen dataclasses, torch-free.
+"""The results of :func:`ckpt_tools.diffing.engine.diff`: frozen dataclasses, torch-free.
 
 Convention: A is what you have, B is what it should match; *missing* keys are in B and not
 in A, *unexpected* keys are in A and not in B.
@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.suggest import Step
+from ckpt_tools.structure.suggest import Step
 
 __all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDiff"]
 

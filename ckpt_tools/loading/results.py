@@ -1,4 +1,4 @@
-"""What :func:`ckpt_tools.loading.load_state_dict` reports: where storages went, and how."""
+"""What :func:`ckpt_tools.loading.state_dict.load_state_dict` reports: where storages went, and how."""
 
 from __future__ import annotations
 

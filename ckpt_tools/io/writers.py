@@ -19,8 +19,8 @@ from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.allowlist import StorageTypeRef
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import dumps
-from ckpt_tools.formats.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
-from ckpt_tools.model import GlobalRef, StorageRef, TensorRef
+from ckpt_tools.io.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
 
