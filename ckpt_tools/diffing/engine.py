@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
+from ckpt_tools.diffing.value_stats import ValueStats
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.loading.tensor_io import TensorReader, dtype_name
 from ckpt_tools.structure.keys import plan_renames
 from ckpt_tools.structure.selection import is_state_dict, select_state_dict
-from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.structure.suggest import (
     Step,
     best_fix,
@@ -35,8 +37,6 @@ from ckpt_tools.structure.suggest import (
     rank_fixes,
     wrapper_stack,
 )
-from ckpt_tools.loading.tensor_io import TensorReader, dtype_name
-from ckpt_tools.diffing.value_stats import ValueStats
 
 if TYPE_CHECKING:
     from torch import nn
