@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
-from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
 
 __all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "load_pickle"]
 
@@ -120,6 +120,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
             ):
                 raise CorruptCheckpointError(f"unexpected storage view {short_repr(view)}")
             view = (_text(view[0]), view[1], view[2])
+            if view[1] + view[2] > numel:
+                # Its bytes would run into the next storage's; the tar reader refuses too.
+                raise CorruptCheckpointError(
+                    f"storage view {view[0]} ({view[2]} elements at {view[1]}) does not fit "
+                    f"in storage {key!r} of {numel} elements"
+                )
         cache_key = key if view is None else f"{key}@{view[0]}"
         found = self.storages.get(cache_key)
         if found is None:

@@ -28,12 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.allowlist import StorageTypeRef, checked_tensor
 from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.legacy import check_byte_order, offset_locator
 from ckpt_tools.formats.pickles import ReadResult, load_pickle
-from ckpt_tools.descriptors import ByteSpan, GlobalRef, StorageRef, TensorRef, short_repr
 
 __all__ = ["read_tar_members"]
 
@@ -148,12 +149,7 @@ class _TarReader:
     def read_sys_info(self) -> None:
         if "sys_info" not in self.members:
             return
-        info = self.pickle(self.member("sys_info"), "sys_info").root
-        if isinstance(info, dict) and info.get("little_endian") is False:
-            raise UnsupportedFormatError(
-                f"{self.path!r} was saved on a big-endian machine; load it there with torch.load "
-                "and save it again"
-            )
+        check_byte_order(self.pickle(self.member("sys_info"), "sys_info").root, self.path)
 
     def read_storages(self) -> None:
         f = self.member("storages")
@@ -265,13 +261,6 @@ class _TarReader:
             )
         return self.view_refs[name]
 
-    def locate(self, storage: StorageRef) -> ByteSpan:
-        offset = self.offsets[storage.key]
-        if storage.view is not None:
-            size = itemsize(storage.dtype)
-            return ByteSpan(self.path, offset + storage.view[1] * size, storage.view[2] * size)
-        return ByteSpan(self.path, offset, storage.nbytes)
-
 
 def _key(key: Any) -> str:
     """Keys are ints in one member and strings in another; torch compares them as ints."""
@@ -322,5 +311,5 @@ def read_tar_members(
         storages=storages,
         unsafe_globals=tuple(reader.unsafe),
         protocol=main.protocol,
-        locate=reader.locate,
+        locate=offset_locator(path, reader.offsets),
     )
