@@ -23,7 +23,7 @@ from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import load_pickle
+from ckpt_tools.formats.pickles import id_text, load_pickle
 
 __all__ = ["check_byte_order", "offset_locator", "open_legacy", "open_pickle", "open_tar"]
 
@@ -65,8 +65,7 @@ def open_legacy(path: str) -> Checkpoint:
         offsets: dict[str, int] = {}
         position = f.tell()
         for key in keys:
-            if isinstance(key, bytes):
-                key = key.decode("ascii", "replace")
+            key = id_text(key) or key
             storage = roots.get(key) if isinstance(key, str) else None
             if storage is None:
                 raise CorruptCheckpointError(

@@ -34,7 +34,7 @@ from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.allowlist import StorageTypeRef, checked_tensor
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.legacy import check_byte_order, offset_locator
-from ckpt_tools.formats.pickles import ReadResult, load_pickle
+from ckpt_tools.formats.pickles import ReadResult, id_text, load_pickle
 
 __all__ = ["read_tar_members"]
 
@@ -179,7 +179,7 @@ class _TarReader:
                 key=name,
                 dtype=storage_type.dtype,
                 numel=numel,
-                device=location.decode("ascii") if isinstance(location, bytes) else location,
+                device=id_text(location) or "",
                 storage_type=storage_type,
             )
             f.seek(nbytes, io.SEEK_CUR)
@@ -264,12 +264,9 @@ class _TarReader:
 
 def _key(key: Any) -> str:
     """Keys are ints in one member and strings in another; torch compares them as ints."""
-    if isinstance(key, bytes):
-        key = key.decode("ascii", "replace")
-    if isinstance(key, int) and not isinstance(key, bool) and abs(key) < 1 << 63:
-        return str(key)
-    if isinstance(key, str):
-        return str(int(key)) if key.isascii() and key.isdigit() and len(key) < 19 else key
+    text = id_text(key)
+    if text is not None:
+        return str(int(text)) if text.isascii() and text.isdigit() and len(text) < 19 else text
     raise CorruptCheckpointError(f"expected a storage or tensor key, found {short_repr(key)}")
 
 
