@@ -217,7 +217,7 @@ class TensorRef(Sealed):
     def byte_span(self) -> tuple[int, int]:
         """``(first byte, end byte)`` of the storage bytes the elements lie in.
 
-        Relative to the start of the storage's bytes (:meth:`StorageRef.root_span` for a
+        Relative to the start of the storage's bytes (:attr:`StorageRef.root_span` for a
         legacy view). Strides are never negative (the readers refuse them), so the first
         element is the lowest address and the end is one element past the highest: the
         offset plus ``(size - 1) * stride`` summed over the dimensions. A tensor without

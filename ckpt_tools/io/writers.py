@@ -83,11 +83,12 @@ def write_torch_zip(
     writer = TorchZipWriter(file, source.archive_root or "archive")
     src_fd = os.open(source.path, os.O_RDONLY) if used or from_zip else -1
     try:
+        bytes_from = _RecordSource(source, src_fd, progress)
         records = [(f"data/{keys[id(s)]}", s) for s in used]
         if from_zip:
-            _copy_zip_records(writer, source, src_fd, payload, records, progress)
+            _copy_zip_records(writer, bytes_from, payload, {name for name, _ in records})
         else:
-            _add_new_records(writer, source, src_fd, payload, records, progress)
+            _add_new_records(writer, bytes_from, payload, records)
         writer.close()
     finally:
         if src_fd >= 0:
@@ -95,34 +96,35 @@ def write_torch_zip(
     return used
 
 
+@dataclass(frozen=True)
+class _RecordSource:
+    """Where records' bytes come from: the source checkpoint, its open file, who is told."""
+
+    ckpt: Checkpoint
+    fd: int
+    progress: Progress | None
+
+
 def _copy_zip_records(
-    writer: TorchZipWriter,
-    source: Checkpoint,
-    src_fd: int,
-    payload: bytes,
-    records: Sequence[tuple[str, StorageRef]],
-    progress: Progress | None,
+    writer: TorchZipWriter, src: _RecordSource, payload: bytes, wanted: set[str]
 ) -> None:
     """A zip source's records as they are (names, CRCs), a new data.pkl, unused data left out."""
-    wanted = {name for name, _ in records}
-    for name, record in source.records.items():
+    for name, record in src.ckpt.records.items():
         if name == "data.pkl":
             writer.add_bytes(name, payload)
         elif name.startswith("data/") and name not in wanted:
             continue
         else:
             # Progress counts tensor bytes only, not torch's bookkeeping records.
-            counted = progress if name.startswith("data/") else None
-            writer.add_copy(name, src_fd, record.data_offset, record.size, record.crc32, counted)
+            counted = src.progress if name.startswith("data/") else None
+            writer.add_copy(name, src.fd, record.data_offset, record.size, record.crc32, counted)
 
 
 def _add_new_records(
     writer: TorchZipWriter,
-    source: Checkpoint,
-    src_fd: int,
+    src: _RecordSource,
     payload: bytes,
     records: Sequence[tuple[str, StorageRef]],
-    progress: Progress | None,
 ) -> None:
     """The records ``torch.save`` writes, for a source that is not a torch zip archive."""
     writer.add_bytes("data.pkl", payload)
@@ -130,12 +132,12 @@ def _add_new_records(
     writer.add_bytes(".storage_alignment", b"64")
     writer.add_bytes("byteorder", b"little")
     for name, storage in records:
-        span = source.span(storage)
-        fd = src_fd if span.path == source.path else os.open(span.path, os.O_RDONLY)
+        span = src.ckpt.span(storage)
+        fd = src.fd if span.path == src.ckpt.path else os.open(span.path, os.O_RDONLY)
         try:
-            writer.add_copy(name, fd, span.offset, span.nbytes, None, progress)
+            writer.add_copy(name, fd, span.offset, span.nbytes, None, src.progress)
         finally:
-            if fd != src_fd:
+            if fd != src.fd:
                 os.close(fd)
     writer.add_bytes("version", b"3\n")
     import uuid  # only legacy and safetensors sources need a new id
