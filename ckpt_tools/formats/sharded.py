@@ -10,11 +10,11 @@ import json
 import os
 from pathlib import Path
 
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 
-__all__ = ["WEIGHT_FILES", "open_folder"]
+__all__ = ["WEIGHT_FILES", "open_folder", "open_index"]
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -62,7 +62,26 @@ def open_folder(path: str) -> Checkpoint:
 
 
 def open_index(index_path: str) -> Checkpoint:
-    """Open the shards an ``*.index.json`` names (see :func:`open_folder`)."""
+    """Open the shards an ``*.index.json`` names, which lie beside it.
+
+    ``open_checkpoint("FOLDER/model.safetensors.index.json")`` comes here: it is how to pick
+    one index in a folder that holds several.
+
+    Args:
+        index_path: the index file.
+
+    Returns:
+        The same ``hf-sharded`` :class:`Checkpoint` as :func:`open_folder` of its folder
+        (its ``path`` is that folder).
+
+    Raises:
+        CorruptCheckpointError: the index is malformed, or names missing shards or tensors.
+
+    Example:
+        >>> ckpt = open_index("llama/model.safetensors.index.json")  # doctest: +SKIP
+        >>> sorted(ckpt.shards)  # doctest: +SKIP
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    """
     from ckpt_tools.formats import open_checkpoint
 
     try:
