@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError
+from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats.allowlist import StorageTypeRef
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import dumps
 from ckpt_tools.io.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
-from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
 
@@ -215,8 +215,15 @@ def write_safetensors(
         code = TORCH_TO_SAFETENSORS.get(t.dtype)
         if code is None:
             raise ConversionError(
-                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold; "
-                "keep this checkpoint in torch format (`--format torch`)"
+                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold",
+                remedies=(
+                    Remedy(
+                        "format",
+                        "'torch'",
+                        flag="--format torch",
+                        text="to keep it in torch format",
+                    ),
+                ),
             )
         header[entry.name] = {
             "dtype": code,
