@@ -19,6 +19,11 @@ STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual")
 CHECKPOINT_NAMES: tuple[str, ...] = ("wrapped", "bare", "trainer")
 #: Name of the run summary (losses, devices) written next to the checkpoints.
 RUN_JSON = "run.json"
+#: The fixes for a global batch smaller than the ranks it is split over.
+SMALL_BATCH_REMEDIES: tuple[Remedy, ...] = (
+    Remedy("batch_size", verb="raise", flag="--batch-size"),
+    Remedy("world_size", verb="lower", flag="--world-size"),
+)
 
 
 @dataclass(frozen=True)
@@ -99,10 +104,7 @@ class TrainConfig:
                 argument="batch_size",
                 value=repr(self.batch_size),
                 flag="--batch-size",
-                remedies=(
-                    Remedy("batch_size", verb="raise", flag="--batch-size"),
-                    Remedy("world_size", verb="lower", flag="--world-size"),
-                ),
+                remedies=SMALL_BATCH_REMEDIES,
             )
         if not 1 <= self.batch_size <= self.num_samples:
             raise UsageError(

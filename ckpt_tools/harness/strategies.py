@@ -14,8 +14,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.harness.config import TrainConfig, TrainResult
+from ckpt_tools.errors import UsageError
+from ckpt_tools.harness.config import SMALL_BATCH_REMEDIES, TrainConfig, TrainResult
 from ckpt_tools.harness.data import batch_indices, synthetic_fashion
 from ckpt_tools.harness.loop import (
     ModuleContainer,
@@ -67,10 +67,7 @@ def train(config: TrainConfig) -> TrainResult:
             argument="batch_size",
             value=repr(config.batch_size),
             flag="--batch-size",
-            remedies=(
-                Remedy("batch_size", verb="raise", flag="--batch-size"),
-                Remedy("world_size", verb="lower", flag="--world-size"),
-            ),
+            remedies=SMALL_BATCH_REMEDIES,
         )
     started = time.perf_counter()
     if config.strategy == "manual":
