@@ -9,6 +9,7 @@ from pathlib import Path
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
     LfsPointerError,
+    Remedy,
     UnsupportedFormatError,
 )
 
@@ -62,7 +63,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     if not p.exists():
         raise CheckpointNotFoundError(
             f"no such file or folder: {str(p)!r}; check the path (relative paths start at "
-            f"{os.getcwd()!r})"
+            f"{os.getcwd()!r})",
+            path=p,
         )
     if p.is_dir():
         return "hf-sharded"
@@ -70,11 +72,16 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     with open(p, "rb") as f:
         head = f.read(512)
     if size == 0:
-        raise UnsupportedFormatError(f"{str(p)!r} is empty (0 bytes); expected a checkpoint")
+        raise UnsupportedFormatError(
+            f"{str(p)!r} is empty (0 bytes); expected a checkpoint", path=p
+        )
     if head.startswith(LFS_SIGNATURE):
         raise LfsPointerError(
-            f"{str(p)!r} is a git-lfs pointer ({size} bytes of text), not the checkpoint itself; "
-            "run `git lfs pull` in its repository to fetch the real file"
+            f"{str(p)!r} is a git-lfs pointer ({size} bytes of text), not the checkpoint itself",
+            path=p,
+            remedies=(
+                Remedy(command="git lfs pull", text="in its repository to fetch the real file"),
+            ),
         )
     if head.startswith(ZIP_SIGNATURES):
         return "torch-zip"
@@ -92,7 +99,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "pickle"
     raise UnsupportedFormatError(
         f"{str(p)!r} is not a checkpoint ckpt_tools can read: its first bytes {head[:16]!r} "
-        "match no torch zip, legacy torch pickle, tar, pickle or safetensors header"
+        "match no torch zip, legacy torch pickle, tar, pickle or safetensors header",
+        path=p,
     )
 
 

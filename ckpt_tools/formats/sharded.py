@@ -51,12 +51,14 @@ def open_folder(path: str) -> Checkpoint:
         listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
-            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}"
+            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}",
+            path=path,
         )
     if len(indexes) > 1:
         raise UnsupportedFormatError(
             f"{path!r} holds several indexes ({', '.join(p.name for p in indexes)}); "
-            "pass the one you mean, e.g. `ckpt inspect FOLDER/model.safetensors.index.json`"
+            f"open the one you mean, e.g. {str(indexes[0])!r}",
+            path=path,
         )
     return open_index(str(indexes[0]))
 

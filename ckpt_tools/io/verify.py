@@ -70,7 +70,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
     if introduced:
         raise VerificationError(
             f"the written file names globals outside the allowlist that the input does not "
-            f"({', '.join(introduced[:5])}); the output was not kept"
+            f"({', '.join(introduced[:5])})"
         )
     got = {str(k): v for k, v in sd.items() if isinstance(v, TensorRef)}
     if list(got) != list(expected.tensors):
@@ -78,7 +78,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         extra = [k for k in got if k not in expected.tensors][:3]
         raise VerificationError(
             f"the written file's keys differ from the planned ones (missing {missing}, "
-            f"unexpected {extra}); the output was not kept"
+            f"unexpected {extra})"
         )
     sharing_src: dict[int, str] = {}
     sharing_out: dict[int, str] = {}
@@ -87,7 +87,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         if (have.dtype, have.shape, have.nbytes) != (want.dtype, want.shape, want.nbytes):
             raise VerificationError(
                 f"{name!r} reads back as {have.dtype} {list(have.shape)}, expected "
-                f"{want.dtype} {list(want.shape)}; the output was not kept"
+                f"{want.dtype} {list(want.shape)}"
             )
         # Torch outputs keep every view as it was; safetensors stores each one contiguous.
         if out.format != "safetensors" and (have.stride, have.offset) != (
@@ -96,15 +96,14 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         ):
             raise VerificationError(
                 f"{name!r} reads back with strides {list(have.stride)} at storage offset "
-                f"{have.offset}, expected {list(want.stride)} at {want.offset}; the output was "
-                "not kept"
+                f"{have.offset}, expected {list(want.stride)} at {want.offset}"
             )
         first_src = sharing_src.setdefault(id(want.storage), name)
         first_out = sharing_out.setdefault(id(have.storage), name)
         if first_src != first_out and out.format != "safetensors":
             raise VerificationError(
                 f"{name!r} shares storage with {first_out!r} in the output but with "
-                f"{first_src!r} in the input; the output was not kept"
+                f"{first_src!r} in the input"
             )
         if level == "full" and _digest(out, have) != _digest(expected.source, want):
             raise VerificationError(f"the bytes of {name!r} differ after writing")

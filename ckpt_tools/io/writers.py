@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError
+from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats.allowlist import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import dumps, torch_storage_id
@@ -238,8 +238,15 @@ def _safetensors_header(
         code = TORCH_TO_SAFETENSORS.get(t.dtype)
         if code is None:
             raise ConversionError(
-                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold; "
-                "keep this checkpoint in torch format (`--format torch`)"
+                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold",
+                remedies=(
+                    Remedy(
+                        "format",
+                        "'torch'",
+                        flag="--format torch",
+                        text="to keep it in torch format",
+                    ),
+                ),
             )
         header[entry.name] = {
             "dtype": code,
