@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,11 @@ def test_the_advised_command_works(tmp_path: Path, capsys: pytest.CaptureFixture
     tensors = two_indexes(tmp_path)
     with pytest.raises(UnsupportedFormatError, match="several indexes") as caught:
         ckpt_tools.inspect(tmp_path)
-    advice = re.search(r"`ckpt (inspect \S+)`", str(caught.value))
-    assert advice, str(caught.value)
-    argv = advice.group(1).replace("FOLDER", str(tmp_path)).split()
-    assert main([*argv, "--json"]) == 0, capsys.readouterr().err
+    index = tmp_path / "model.safetensors.index.json"
+    assert f"path={str(index)!r}" in str(caught.value)
+    advice = re.search(r"e\.g\. (\S+)$", caught.value.render(for_cli=True))
+    assert advice, caught.value.render(for_cli=True)
+    assert main(["inspect", *shlex.split(advice.group(1)), "--json"]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out)
     assert report["format"] == "hf-sharded"
     assert [t["name"] for t in report["tensors"]] == list(tensors)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
-from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
 
 __all__ = ["WEIGHT_FILES", "open_folder", "open_index"]
@@ -56,9 +57,16 @@ def open_folder(path: str) -> Checkpoint:
         )
     if len(indexes) > 1:
         raise UnsupportedFormatError(
-            f"{path!r} holds several indexes ({', '.join(p.name for p in indexes)}); "
-            f"open the one you mean, e.g. {str(indexes[0])!r}",
+            f"{path!r} holds several indexes ({', '.join(p.name for p in indexes)})",
             path=path,
+            remedies=(
+                Remedy(
+                    "path",
+                    repr(str(indexes[0])),
+                    flag=shlex.quote(str(indexes[0])),
+                    verb="open the one you mean, e.g.",
+                ),
+            ),
         )
     return open_index(str(indexes[0]))
 
