@@ -176,8 +176,11 @@ def resolve_path(root: Any, select: str | Sequence[str]) -> PathWalk:
     if not walk.found:
         available = [key_text(k) for k, _ in _items(walk.node)]
         raise SelectError(
-            f"--select {'.'.join(parts)!r}: no entry {walk.rest[0]!r} under "
-            f"{'.'.join(walk.keys) or 'the root'}; it has: {', '.join(available[:12]) or 'nothing'}"
+            f"no entry {walk.rest[0]!r} under {'.'.join(walk.keys) or 'the root'}; "
+            f"it has: {', '.join(available[:12]) or 'nothing'}",
+            argument="select",
+            value=repr(".".join(parts)),
+            flag="--select",
         )
     return walk
 

@@ -111,8 +111,10 @@ def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> S
         node = mapping_at(walk.node)
         if node is None:
             raise SelectError(
-                f"--select {'.'.join(parts)!r} is a {type(walk.node).__name__}, not a mapping of "
-                "tensors; pick a dict entry"
+                f"it is a {type(walk.node).__name__}, not a mapping of tensors; pick a dict entry",
+                argument="select",
+                value=repr(".".join(parts)),
+                flag="--select",
             )
         return Selection(walk.keys, "chosen with --select", node)
     return _auto_select(root)
