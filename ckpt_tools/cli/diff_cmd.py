@@ -116,7 +116,7 @@ def diff_cmd(
         echo_json({**report.to_json(), "fail_on": sorted(categories), "failed_on": failed})
     else:
         text = report.text(
-            show_all=show_all, group=not no_group, model_spec=model_spec, table=table
+            show_all=show_all, group=not no_group, model_spec=model_spec, table=table, for_cli=True
         )
         click.echo(text)
         if failed:

@@ -23,4 +23,4 @@ def inspect_cmd(
     if as_json:
         echo_json(info.to_json())
         return
-    click.echo(info.text(group=group, limit=limit, table=table))
+    click.echo(info.text(group=group, limit=limit, table=table, for_cli=True))

@@ -16,7 +16,13 @@ from ckpt_tools.diffing.table import DIFF_COLUMNS, diff_rows
 from ckpt_tools.errors import SelectError
 from ckpt_tools.structure.grouping import fold_names
 from ckpt_tools.structure.suggest import Step
-from ckpt_tools.structure.text import TableFormat, close_matches, text_table
+from ckpt_tools.structure.text import (
+    Readable,
+    TableFormat,
+    close_matches,
+    more_hint,
+    text_table,
+)
 
 __all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDiff"]
 
@@ -206,7 +212,7 @@ class Suggestion:
 
 
 @dataclass(frozen=True)
-class DiffReport:
+class DiffReport(Readable):
     """The result of :func:`diff`.
 
     Attributes:
@@ -307,6 +313,7 @@ class DiffReport:
         group: bool = True,
         model_spec: str | None = None,
         table: TableFormat = text_table,
+        for_cli: bool = False,
     ) -> str:
         """What ``ckpt diff`` prints: both sides, the differing tensors, key lists, suggestions.
 
@@ -315,6 +322,7 @@ class DiffReport:
             group: fold repeated layers (``layers.{0..31}.weight ×32``).
             model_spec: for a module side B, the ``MODULE:FACTORY`` it was built from.
             table: formats the table (the ``ckpt`` command passes its tabulate table).
+            for_cli: point at ``--json`` rather than ``to_json()`` for keys left out.
         """
         lines = [
             self.a.line("A"),
@@ -338,7 +346,7 @@ class DiffReport:
         ):
             if keys:
                 labels, hidden = fold_names(keys, _KEYS_SHOWN, group=group)
-                more = [f"... {hidden} more (see --json)"] if hidden else []
+                more = [more_hint(hidden, for_cli)] if hidden else []
                 lines += [f"{title}: {len(keys)}", *(f"  {k}" for k in labels + more)]
         if self.suggestions:
             lines.append("suggestions:")
@@ -346,9 +354,6 @@ class DiffReport:
         if self.identical:
             lines.append("identical: same keys, every tensor bit-equal")
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.text()
 
     def __repr__(self) -> str:
         return (

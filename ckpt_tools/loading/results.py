@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.structure.grouping import fold_keys
-from ckpt_tools.structure.text import human_bytes
+from ckpt_tools.structure.text import Readable, human_bytes
 
 __all__ = ["LoadInfo", "LoadReport", "ShapeMismatch", "StorageMove"]
 
@@ -52,7 +52,7 @@ class StorageMove:
 
 
 @dataclass(frozen=True)
-class LoadInfo:
+class LoadInfo(Readable):
     """How :func:`load_state_dict` loaded a checkpoint.
 
     Attributes:
@@ -106,9 +106,6 @@ class LoadInfo:
         ]
         return "\n".join(lines + [f"  {p}" for p in self.placements])
 
-    def __str__(self) -> str:
-        return self.text()
-
     def __repr__(self) -> str:
         return (
             f"LoadInfo(path={self.path!r}, format={self.format!r}, tensors={self.tensors}, "
@@ -158,7 +155,7 @@ class ShapeMismatch:
 
 
 @dataclass(frozen=True)
-class LoadReport:
+class LoadReport(Readable):
     """What :func:`ckpt_tools.load_into` did.
 
     Attributes:
@@ -206,9 +203,6 @@ class LoadReport:
         if self.info is not None and self.info.moved:
             lines.append(f"devices: {self.info.moves()}")
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.text()
 
     def __repr__(self) -> str:
         return (

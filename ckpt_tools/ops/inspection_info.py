@@ -12,15 +12,17 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ckpt_tools.errors import SelectError
+from ckpt_tools.errors import Remedy, SelectError
 from ckpt_tools.structure.grouping import group_names
 from ckpt_tools.structure.keys import WrapperMatch
 from ckpt_tools.structure.text import (
+    Readable,
     TableFormat,
     close_matches,
     counts,
     human_bytes,
     human_count,
+    more_hint,
     text_table,
 )
 
@@ -85,7 +87,7 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
+class CheckpointInfo(Readable):
     """The result of :func:`inspect`: a container of :class:`TensorInfo` by name.
 
     ``info.tensor("fc.weight")``, ``"fc.weight" in info``, ``len(info)`` and
@@ -155,13 +157,17 @@ class CheckpointInfo:
 
         Example:
             >>> inspect("ddp.pt").tensor("fc.weight")  # doctest: +SKIP
-            SelectError: no tensor 'fc.weight' in ddp.pt; did you mean: module.fc.weight?
+            SelectError: no tensor 'fc.weight' in ddp.pt (close: module.fc.weight); ...
         """
         found = self._by_name.get(name)
         if found is None:
             near = close_matches(name, self._by_name)
-            hint = f"; did you mean: {', '.join(near)}?" if near else ""
-            raise SelectError(f"no tensor {name!r} in {self.path}{hint}")
+            raise SelectError(
+                f"no tensor {name!r} in {self.path}"
+                + (f" (close: {', '.join(near)})" if near else ""),
+                path=self.path,
+                remedies=tuple(Remedy("name", repr(n), text="(a close match)") for n in near),
+            )
         return found
 
     def __contains__(self, name: object) -> bool:
@@ -179,8 +185,13 @@ class CheckpointInfo:
 
     # --- text ---------------------------------------------------------------------------
 
-    def summary(self) -> str:
-        """The header block: format, selection, counts, dtypes, devices, wrappers, globals."""
+    def summary(self, for_cli: bool = False) -> str:
+        """The header block: format, selection, counts, dtypes, devices, wrappers, globals.
+
+        Args:
+            for_cli: word hints for the ``ckpt`` command (``--json``, ``ckpt strip-module``)
+                instead of for Python.
+        """
         spread = self.storage_bytes != self.total_bytes
         lines = [
             f"file:        {self.path}",
@@ -193,7 +204,7 @@ class CheckpointInfo:
             + (f" ({human_bytes(self.storage_bytes)} in distinct storages)" if spread else ""),
             f"dtypes:      {counts(self.dtypes)}",
             f"devices:     {counts(self.devices)}",
-            *self._wrapper_lines(),
+            *self._wrapper_lines(for_cli),
         ]
         if self.unsafe_globals:
             lines.append(
@@ -204,19 +215,24 @@ class CheckpointInfo:
             lines.append("other entries:")
             lines += [f"  {k}: {v}" for k, v in list(self.entries.items())[:_ENTRIES_SHOWN]]
             if len(self.entries) > _ENTRIES_SHOWN:
-                lines.append(f"  ... {len(self.entries) - _ENTRIES_SHOWN} more (see --json)")
+                lines.append("  " + more_hint(len(self.entries) - _ENTRIES_SHOWN, for_cli))
         return "\n".join(lines)
 
-    def _wrapper_lines(self) -> list[str]:
+    def _wrapper_lines(self, for_cli: bool) -> list[str]:
         if not self.wrappers:
             return ["wrappers:    none"]
+        fix = (
+            f"ckpt strip-module {self.path} OUT"
+            if for_cli
+            else f"ckpt_tools.strip_module_file({self.path!r}, OUT)"
+        )
         found = "; ".join(
             f"{w.prefix!r} {w.kind} ({w.count}/{w.of} keys{', inside keys' if w.inner else ''})"
             for w in self.wrappers
         )
         return [
             f"wrappers:    {found}",
-            f"             strip them: ckpt strip-module {self.path} OUT",
+            f"             strip them: {fix}",
         ]
 
     def rows(self, group: bool = False) -> list[list[str]]:
@@ -228,7 +244,11 @@ class CheckpointInfo:
         return [_row(g.label, members[0], g.count) for g, members in groups]
 
     def table(
-        self, group: bool = False, limit: int | None = None, table: TableFormat = text_table
+        self,
+        group: bool = False,
+        limit: int | None = None,
+        table: TableFormat = text_table,
+        for_cli: bool = False,
     ) -> str:
         """The tensor table.
 
@@ -236,26 +256,32 @@ class CheckpointInfo:
             group: fold repeated layers (``layers.{0..31}.fc.weight ×32``).
             limit: show at most this many rows, and say how many were left out.
             table: formats the rows (the ``ckpt`` command passes its tabulate table).
+            for_cli: word the "more rows" hint for the command (``--limit``).
         """
         rows = self.rows(group)
         hidden = 0
         if limit is not None and len(rows) > limit:
             hidden, rows = len(rows) - limit, rows[:limit]
         text = table(rows, TENSOR_COLUMNS)
-        return text + (f"\n... {hidden} more rows (drop --limit)" if hidden else "")
+        drop = "drop --limit" if for_cli else "raise limit="
+        return text + (f"\n... {hidden} more rows ({drop})" if hidden else "")
 
     def text(
-        self, group: bool = False, limit: int | None = None, table: TableFormat = text_table
+        self,
+        group: bool = False,
+        limit: int | None = None,
+        table: TableFormat = text_table,
+        for_cli: bool = False,
     ) -> str:
         """The summary, a blank line, the tensor table: what ``ckpt inspect`` prints.
+
+        Args:
+            group, limit, table, for_cli: as :meth:`table` and :meth:`summary` take them.
 
         Example:
             >>> print(inspect("model.pt").text(group=True))  # doctest: +SKIP
         """
-        return f"{self.summary()}\n\n{self.table(group, limit, table)}"
-
-    def __str__(self) -> str:
-        return self.text()
+        return f"{self.summary(for_cli)}\n\n{self.table(group, limit, table, for_cli)}"
 
     def __repr__(self) -> str:
         return (

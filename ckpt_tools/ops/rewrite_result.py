@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.structure.keys import WrapperMatch
-from ckpt_tools.structure.text import human_bytes
+from ckpt_tools.structure.text import Readable, human_bytes
 
 __all__ = ["RewriteResult"]
 
@@ -19,7 +19,7 @@ _DROPPED_SHOWN = 8
 
 
 @dataclass(frozen=True)
-class RewriteResult:
+class RewriteResult(Readable):
     """What a rewrite did.
 
     Attributes:
@@ -83,9 +83,6 @@ class RewriteResult:
             f"{self.verification}"
         )
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.text()
 
     def __repr__(self) -> str:
         return (

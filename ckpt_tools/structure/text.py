@@ -13,11 +13,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "Readable",
     "TableFormat",
     "close_matches",
     "counts",
     "human_bytes",
     "human_count",
+    "more_hint",
     "text_table",
 ]
 
@@ -128,3 +130,24 @@ def close_matches(name: str, names: Iterable[str], limit: int = 3) -> list[str]:
     wrapped = [n for n in pool if n.endswith("." + name) or name.endswith("." + n)]
     spelled = difflib.get_close_matches(name, pool, n=limit)
     return list(dict.fromkeys(wrapped + spelled))[:limit]
+
+
+class Readable:
+    """Mixin for results: ``str(result)`` is ``result.text()``, what the ``ckpt`` command prints."""
+
+    def text(self) -> str:
+        """The result in words; each result class says what it shows."""
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def more_hint(hidden: int, for_cli: bool, what: str = "more") -> str:
+    """``... 3 more (see --json)`` for the command, ``... 3 more (see to_json())`` for Python.
+
+    Example:
+        >>> more_hint(3, for_cli=False)
+        '... 3 more (see to_json())'
+    """
+    return f"... {hidden} {what} (see {'--json' if for_cli else 'to_json()'})"
