@@ -116,7 +116,7 @@ def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> S
                 value=repr(".".join(parts)),
                 flag="--select",
             )
-        return Selection(walk.keys, "chosen with select", node)
+        return Selection(walk.keys, "chosen with --select", node)
     return _auto_select(root)
 
 
