@@ -140,11 +140,11 @@ def test_check_output_path(tmp_path):
     src = tmp_path / "a.pt"
     src.write_bytes(b"a")
     assert check_output_path(tmp_path / "new.pt", src) == tmp_path / "new.pt"
-    with pytest.raises(SameFileError, match="--in-place"):
+    with pytest.raises(SameFileError, match="in_place=True"):
         check_output_path(src, src, force=True)
     assert check_output_path(src, src, in_place=True) == src.resolve()
     (tmp_path / "other.pt").write_bytes(b"o")
-    with pytest.raises(OutputExistsError, match="--force"):
+    with pytest.raises(OutputExistsError, match="force=True"):
         check_output_path(tmp_path / "other.pt", src)
     assert check_output_path(tmp_path / "other.pt", src, force=True) == tmp_path / "other.pt"
     with pytest.raises(OutputError, match="is a folder"):
