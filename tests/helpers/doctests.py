@@ -17,6 +17,7 @@ EXAMPLE_FILES = {
     "model.pt": "plain.pt",  # a plain state dict (TinyNet: conv, norm, layers.{0..3}, head)
     "ddp.pt": "dataparallel.pt",  # the same net's state dict under nn.DataParallel (module.)
     "model.safetensors": "model.safetensors",
+    "sharded": "sharded",  # an HF folder: two safetensors shards and their index
     "out": "harness",  # out/{single,dp,ddp,manual}/{wrapped,bare,trainer}.pt: harness runs
 }
 
