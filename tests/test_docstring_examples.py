@@ -29,13 +29,26 @@ MODULES = sorted(
 def test_every_example_section_runs_an_example(name: str) -> None:
     """A section may ``+SKIP`` a line (a multi-process run), never all of its lines."""
     module = importlib.import_module(name)
+    tests = doctest.DocTestFinder(exclude_empty=False).find(module)
     empty = [
         test.name
-        for test in doctest.DocTestFinder(exclude_empty=False).find(module)
+        for test in tests
         for section in example_sections(test.docstring or "")
         if not examples_that_run(section)
     ]
     assert empty == [], f"Example sections with no `>>>` line that runs: {empty}"
+    all_skipped = [t.name for t in tests if t.examples and not examples_that_run(t.docstring or "")]
+    assert all_skipped == [], f"docstrings whose every `>>>` line is +SKIP: {all_skipped}"
+
+
+def test_collecting_the_library_starts_no_process_and_no_process_group() -> None:
+    """Importing every module (as ``--doctest-modules`` does) runs no ``__main__`` and no DDP."""
+    import torch.distributed as dist
+
+    for name in MODULES:
+        importlib.import_module(name)
+    importlib.import_module("ckpt_tools.harness.__main__")  # guarded: importing it runs nothing
+    assert not (dist.is_available() and dist.is_initialized())
 
 
 def test_the_suite_runs_the_library_examples() -> None:
@@ -49,7 +62,7 @@ def test_the_suite_runs_the_library_examples() -> None:
 
 
 def test_a_section_of_skipped_lines_is_caught() -> None:
-    docstring = '''Do a thing.
+    docstring = """Do a thing.
 
     Example:
         >>> run_on_eight_gpus()  # doctest: +SKIP
@@ -57,7 +70,7 @@ def test_a_section_of_skipped_lines_is_caught() -> None:
 
     Raises:
         ValueError: never.
-    '''
+    """
     (section,) = example_sections(docstring)
     assert "Raises" not in section
     assert examples_that_run(section) == []
