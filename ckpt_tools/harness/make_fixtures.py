@@ -58,7 +58,8 @@ def make_fixtures(
 
     Example:
         >>> make_fixtures("fixtures/harness", steps=1, strategies=("single",))
-        [PosixPath('fixtures/harness/single/wrapped.pt'), ..., PosixPath('fixtures/harness/README.md')]
+        [PosixPath('fixtures/harness/single/wrapped.pt'), ...,
+         PosixPath('fixtures/harness/README.md')]
     """
     root = Path(out_dir)
     written: list[Path] = []

@@ -223,4 +223,3 @@ def test_cli_choices_match_the_library() -> None:
     assert harness_cmd._STRATEGIES == harness.STRATEGIES
     assert harness_cmd._MODELS == harness.MODEL_NAMES
     assert set(harness_cmd._CHECK_HEADERS) == set(harness.CHECK_NAMES)
-
