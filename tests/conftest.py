@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import factories` from any test
-
-import factories
+from tests.helpers import REAL_DIR, copy_fixture, save, tools
 
 
 @pytest.fixture
 def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     """``make_checkpoint(obj, name="ckpt.pt", **torch_save_kwargs) -> Path``: a real torch.save."""
-
-    def make(obj: Any, name: str = "ckpt.pt", **kwargs: Any) -> Path:
-        import torch
-
-        path = tmp_path / name
-        torch.save(obj, path, **kwargs)
-        return path
-
-    return make
+    return lambda obj, name="ckpt.pt", **kwargs: save(obj, tmp_path / name, **kwargs)
 
 
 @pytest.fixture
@@ -34,7 +23,7 @@ def make_tar(tmp_path: Path) -> Callable[..., Path]:
 
     def make(records: Any, name: str = "tar.pt") -> Path:
         path = tmp_path / name
-        factories.tools().write_torch_tar(path, records)
+        tools().write_torch_tar(path, records)
         return path
 
     return make
@@ -43,13 +32,13 @@ def make_tar(tmp_path: Path) -> Callable[..., Path]:
 @pytest.fixture
 def fixture_copy(tmp_path: Path) -> Callable[[str], Path]:
     """``fixture_copy(name) -> Path``: a committed fixture copied into tmp_path."""
-    return lambda name: factories.copy_fixture(name, tmp_path)
+    return lambda name: copy_fixture(name, tmp_path)
 
 
 @pytest.fixture
 def real_dir() -> Path:
     """``../shared/realckpt/github``; skips the test when it is absent (users' machines)."""
-    folder = factories.REAL_DIR / "github"
+    folder = REAL_DIR / "github"
     if not folder.is_dir():
         pytest.skip(f"real checkpoints not found at {folder}")
     return folder

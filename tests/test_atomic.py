@@ -28,11 +28,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
 from ckpt_tools.ops.rewriting import convert
-
-try:
-    import rewrite_helpers as h
-except ImportError:  # tests/ imported as a package
-    from tests import rewrite_helpers as h
+from tests import helpers as h
 
 
 @pytest.fixture
@@ -209,8 +205,7 @@ sys.exit(main(sys.argv[2:]))
 
 
 def _run_limited(limit: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(h.REPO), "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("CKPT_DEBUG", None)
+    env = h.ckpt_env(PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run(
         [sys.executable, "-c", _LIMITED, str(limit), *args],
         capture_output=True,
@@ -327,8 +322,7 @@ def test_real_disk_full_is_never_committed(suffix, make_src, tmp_path, tiny_tmpf
 
 def _terminate_while_writing(src: Path, dst: Path) -> tuple[int, str]:
     """Start ``ckpt strip-module SRC DST``, SIGTERM it once its temp file exists."""
-    env = {**os.environ, "PYTHONPATH": str(h.REPO)}
-    env.pop("CKPT_DEBUG", None)
+    env = h.ckpt_env()
     command = ["strip-module", str(src), str(dst), "--verify", "full", "--quiet"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckpt_tools", *command],

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
-from factories import at_path, ckpt_env, describe, fixture_path, tensors_of
 
 import ckpt_tools
-from ckpt_tools.cli.main import cli, main
+from ckpt_tools.cli.main import main
 from ckpt_tools.errors import EXIT_USAGE
+from tests.helpers import at_path, describe, fixture_path, run_ckpt, tensors_of
 
 TENSOR_FIELDS = {"name", "dtype", "shape", "nbytes", "device", "storage", "offset"}
 WRAPPER_FIELDS = {"prefix", "kind", "count", "of"}
@@ -35,9 +30,7 @@ TOP_FIELDS = {
 
 
 def invoke(*args: str) -> str:
-    result = CliRunner().invoke(cli, ["inspect", *args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
+    return run_ckpt("inspect", *args).stdout
 
 
 def torch_state_dict(name: str, select: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -154,22 +147,9 @@ def test_bad_select_names_the_available_keys(capsys: pytest.CaptureFixture[str])
     assert all(str(key) in err for key in truth)
 
 
-def _console_script() -> str:
-    found = shutil.which("ckpt") or str(Path(sys.executable).with_name("ckpt"))
-    if not Path(found).exists():
-        pytest.fail("the `ckpt` console script is not installed (pip install -e .)")
-    return found
-
-
 def test_installed_console_script() -> None:
     path = fixture_path("lightning.ckpt")
-    run = subprocess.run(
-        [_console_script(), "inspect", str(path), "--json"],
-        env=ckpt_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_ckpt("inspect", path, "--json", how="script")
     assert run.returncode == 0, run.stderr
     report: dict[str, Any] = json.loads(run.stdout)
     assert report == ckpt_tools.inspect(path).to_json()

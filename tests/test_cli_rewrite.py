@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from ckpt_tools.cli.main import cli
-
-try:
-    import rewrite_helpers as h
-except ImportError:  # tests/ imported as a package
-    from tests import rewrite_helpers as h
+from tests import helpers as h
 
 JSON_FIELDS = {
     "src",
@@ -38,15 +32,8 @@ JSON_FIELDS = {
 
 @pytest.fixture
 def invoke():
-    """Run ``ckpt ARGS`` in-process; returns the click Result (stdout and stderr apart)."""
-    runner = CliRunner()
-
-    def run(*args, code: int = 0):
-        result = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
-        assert result.exit_code == code, (result.stdout, result.stderr)
-        return result
-
-    return run
+    """``invoke(*args, code=0)``: ``ckpt ARGS`` in this process (:func:`tests.helpers.run_ckpt`)."""
+    return h.run_ckpt
 
 
 @pytest.fixture
@@ -61,7 +48,7 @@ def layout(tmp_path):
 
 def unique_storage_bytes(obj) -> int:
     seen = {}
-    for _, t in h.iter_tensors(obj):
+    for _, t in h.walk_tensors(obj):
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -276,7 +263,7 @@ def test_force_and_in_place_through_the_runner(invoke, layout, tmp_path):
 
 def test_the_installed_entry_point(tmp_path):
     src, _, _ = h.save_layout("orig_mod", tmp_path / "c.pt")
-    proc = h.run_ckpt("strip-module", str(src), str(tmp_path / "o.pt"), "--json")
+    proc = h.run_ckpt("strip-module", src, tmp_path / "o.pt", "--json", how="module")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert [w["prefix"] for w in data["wrappers"]] == ["_orig_mod."]

@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ckpt_tools.cli.main import main
 from ckpt_tools.diffing.engine import diff
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.loading.tensor_io import iter_chunks, read_tensor
+from tests.helpers import run_ckpt
 
 
 def layers(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -298,7 +298,7 @@ def test_package_functions_survive_importing_their_modules() -> None:
 def run(command: str) -> None:
     args = shlex.split(command)
     assert args[0] == "ckpt"
-    assert main([*args[1:], "-q"]) == 0
+    run_ckpt(*args[1:], "-q")
 
 
 def test_suggestions_never_rename_onto_a_tensor_of_another_shape(tmp_path) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_tools.cli.main import main
 from ckpt_tools.loading.module_spec import parse_value
+from tests.helpers import run_ckpt
 
 NET_PY = textwrap.dedent(
     """
@@ -49,12 +49,6 @@ def files(tmp_path: Path) -> Callable[..., tuple[str, str]]:
     return _files
 
 
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def base(n: int = 3) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return {f"blocks.{i}.weight": torch.randn(4, 4) for i in range(n)}
@@ -77,7 +71,7 @@ def test_fail_on_exit_codes(
     b = base()
     VARIANTS[present](b)
     a_path, b_path = files(base(), b)
-    code, out, _ = run(["diff", a_path, b_path, "--fail-on", fail_on], capsys)
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--fail-on", fail_on, code=None)
     assert code == (1 if present == fail_on else 0)
     assert ("failing on: " + fail_on in out) == (present == fail_on)
 
@@ -86,9 +80,9 @@ def test_no_fail_on_exits_zero_and_any_fails(files: Any, capsys: Any) -> None:
     b = base()
     VARIANTS["value"](b)
     a_path, b_path = files(base(), b)
-    assert run(["diff", a_path, b_path], capsys)[0] == 0
-    assert run(["diff", a_path, b_path, "--fail-on", "any"], capsys)[0] == 1
-    assert run(["diff", a_path, a_path, "--fail-on", "any"], capsys)[0] == 0
+    assert run_ckpt("diff", a_path, b_path, code=None)[0] == 0
+    assert run_ckpt("diff", a_path, b_path, "--fail-on", "any", code=None)[0] == 1
+    assert run_ckpt("diff", a_path, a_path, "--fail-on", "any", code=None)[0] == 0
 
 
 def test_table_folds_repeated_layers_and_json_has_everything(files: Any, capsys: Any) -> None:
@@ -96,20 +90,20 @@ def test_table_folds_repeated_layers_and_json_has_everything(files: Any, capsys:
     for i in range(6):
         b[f"blocks.{i}.weight"] += 1e-3
     a_path, b_path = files(base(6), b)
-    code, out, _ = run(["diff", a_path, b_path, "--atol", "1e-6", "--rtol", "0"], capsys)
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--atol", "1e-6", "--rtol", "0", code=None)
     assert code == 0
     assert "blocks.{0..5}.weight ×6  differ" in out
-    code, out, _ = run(["diff", a_path, b_path, "--json", "--fail-on", "value"], capsys)
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--json", "--fail-on", "value", code=None)
     data = json.loads(out)
     assert code == 1 and data["failed_on"] == ["value"] and data["found"] == ["value"]
     assert len(data["tensors"]) == 6 and data["tensors"][0]["max_abs"] == pytest.approx(1e-3, 1e-2)
-    code, out, _ = run(["diff", a_path, b_path, "--rtol", "1", "--all", "--no-group"], capsys)
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--rtol", "1", "--all", "--no-group", code=None)
     assert "blocks.5.weight" in out and "close" in out
 
 
 def test_suggestion_is_printed_with_the_command(files: Any, capsys: Any) -> None:
     a_path, b_path = files({"module." + k: v for k, v in base().items()}, base())
-    code, out, _ = run(["diff", a_path, b_path, "--fail-on", "unexpected"], capsys)
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--fail-on", "unexpected", code=None)
     assert code == 1
     assert "stripping 'module.' resolves 3 of 3 unexpected keys: ckpt strip-module " in out
     assert "compared 0 common tensors" in out
@@ -120,12 +114,12 @@ def test_align_compares_values_through_the_wrapper(files: Any, capsys: Any) -> N
     VARIANTS["value"](b)
     a_path, b_path = files({"_orig_mod." + k: v for k, v in base().items()}, b)
     args = ["diff", a_path, b_path, "--align", "--fail-on", "missing,unexpected"]
-    code, out, _ = run(args, capsys)
+    code, out, _ = run_ckpt(*args, code=None)
     assert code == 0
     assert "aligned: A's keys compared after stripping '_orig_mod.'" in out
     assert "compared 3 common tensors: 2 equal, 1 differ" in out
     assert "ckpt strip-module" in out  # how to make it permanent
-    code, out, _ = run([*args[:-1], "value", "--json"], capsys)
+    code, out, _ = run_ckpt(*args[:-1], "value", "--json", code=None)
     assert code == 1 and json.loads(out)["aligned"] == ["stripping '_orig_mod.'"]
 
 
@@ -142,12 +136,14 @@ def test_model_from_a_file_with_typed_args(tmp_path: Path, capsys: Any) -> None:
     ckpt = str(tmp_path / "ckpt.pt")
     args = ["--model-arg", "depth=3", "--model-arg", "width=8", "--model-arg", "scale=2.0"]
     args += ["--model-arg", "bias=true", "--model-arg", "act=gelu"]
-    code, out, _ = run(["diff", ckpt, "--model", spec, *args, "--fail-on", "missing,shape"], capsys)
+    code, out, _ = run_ckpt(
+        "diff", ckpt, "--model", spec, *args, "--fail-on", "missing,shape", code=None
+    )
     assert code == 0, out
     assert f"B: {spec} <module Net>" in out and "state dict 'state_dict'" in out
-    code, out, _ = run(["diff", ckpt, "--model", spec, *args, "--fail-on", "value"], capsys)
+    code, out, _ = run_ckpt("diff", ckpt, "--model", spec, *args, "--fail-on", "value", code=None)
     assert code == 1
-    code, out, _ = run(["diff", ckpt, "--model", f"{tmp_path / 'net.py'}:make_small"], capsys)
+    code, out, _ = run_ckpt("diff", ckpt, "--model", f"{tmp_path / 'net.py'}:make_small", code=None)
     assert "missing" not in out and "unexpected (in A, not in B): 4" in out
 
 
@@ -156,7 +152,7 @@ def test_model_from_an_importable_module(files: Any, capsys: Any) -> None:
     lin = torch.nn.Linear(3, 2)
     a_path, _ = files(lin.state_dict(), {})
     args = ["diff", a_path, "--model", "torch.nn:Linear", "--model-arg", "in_features=3"]
-    code, out, _ = run([*args, "--model-arg", "out_features=2", "--fail-on", "shape"], capsys)
+    code, out, _ = run_ckpt(*args, "--model-arg", "out_features=2", "--fail-on", "shape", code=None)
     assert code == 0 and "compared 2 common tensors" in out
 
 
@@ -182,7 +178,7 @@ def test_usage_errors_exit_2_with_a_fix(
     (tmp_path / "net.py").write_text(NET_PY)
     a_path, b_path = files(base(), base())
     extra = [b_path if e == "B.pt" else e.replace("NET", str(tmp_path / "net.py")) for e in extra]
-    code, _, err = run(["diff", a_path, *extra], capsys)
+    code, _, err = run_ckpt("diff", a_path, *extra, code=None)
     assert code == 2
     assert __import__("re").search(message, err), err
 

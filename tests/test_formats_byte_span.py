@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import bits, dtype_name
 
 from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, itemsize
@@ -23,6 +22,7 @@ from ckpt_tools.formats.legacy import offset_locator
 from ckpt_tools.formats.repickle import torch_storage_id
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.loading.tensor_io import read_tensor
+from tests.helpers import dtype_name, value_bytes
 
 
 def _base(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -80,7 +80,7 @@ def test_byte_span_of_a_saved_view_is_torchs(name: str, saved: Path) -> None:
 @pytest.mark.parametrize("name", VIEWS)
 def test_row_major_bytes_are_torchs_contiguous_bytes(name: str, saved: Path) -> None:
     t = VIEWS[name]()
-    want = bits(t).numpy().tobytes()
+    want = value_bytes(t).numpy().tobytes()
     ckpt = open_checkpoint(saved)
     ref = ckpt.root[name]
     span = ckpt.span(ref.storage)
@@ -94,7 +94,7 @@ def test_row_major_bytes_are_torchs_contiguous_bytes(name: str, saved: Path) -> 
     finally:
         os.close(fd)
     # The torch-side reader uses the same span.
-    assert torch.equal(bits(read_tensor(ckpt, ref)), bits(t))
+    assert torch.equal(value_bytes(read_tensor(ckpt, ref)), value_bytes(t))
 
 
 def test_byte_span_without_a_file() -> None:

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from factories import ckpt_env
 from safetensors.torch import save_file
+
+from tests.helpers import ckpt_env
 
 
 def views() -> dict[str, torch.Tensor]:

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from factories import ckpt_env, fixture_path, tools, truncated_copy
 
 import ckpt_tools
 from ckpt_tools import (
@@ -23,6 +20,7 @@ from ckpt_tools import (
 )
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import EXIT_CORRUPT, EXIT_USAGE
+from tests.helpers import fixture_path, run_ckpt, tools, truncated_copy
 
 
 @dataclass(frozen=True)
@@ -180,11 +178,9 @@ def test_missing_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_ckpt_debug_shows_the_traceback() -> None:
-    command = [sys.executable, "-m", "ckpt_tools", "inspect", str(fixture_path("truncated.pt"))]
-    quiet = subprocess.run(command, env=ckpt_env(), capture_output=True, text=True, timeout=60)
-    loud = subprocess.run(
-        command, env=ckpt_env(CKPT_DEBUG="1"), capture_output=True, text=True, timeout=60
-    )
+    command = ["inspect", fixture_path("truncated.pt")]
+    quiet = run_ckpt(*command, how="module", code=None)
+    loud = run_ckpt(*command, how="module", env={"CKPT_DEBUG": "1"}, code=None)
     assert quiet.returncode == EXIT_CORRUPT and "Traceback" not in quiet.stderr
     assert loud.returncode != 0
     assert "Traceback (most recent call last)" in loud.stderr

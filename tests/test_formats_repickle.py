@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from factories import (
-    assert_same_objects,
+
+import ckpt_tools
+from tests.helpers import (
+    assert_bitwise_equal,
     by_name,
     fixture_path,
     fixtures_where,
     read_data_pkl,
     repickle_zip,
 )
-
-import ckpt_tools
 
 ZIPS = fixtures_where(format="torch-zip", oracle="torch")
 SCRIPTS = fixtures_where(format="torchscript")
@@ -33,7 +33,7 @@ def test_repickled_zip_loads_as_the_original(entry: dict[str, Any], tmp_path: Pa
     src, dst = fixture_path(entry["name"]), tmp_path / entry["name"]
     payload = repickle_zip(src, dst, protocol=2)
     assert payload == read_data_pkl(src), "torch's data.pkl is re-emitted byte for byte"
-    assert_same_objects(torch.load(src, weights_only=True), torch.load(dst, weights_only=True))
+    assert_bitwise_equal(torch.load(src, weights_only=True), torch.load(dst, weights_only=True))
 
 
 @pytest.mark.parametrize("entry", **by_name(SCRIPTS))
@@ -42,7 +42,7 @@ def test_repickled_torchscript_loads_with_jit(entry: dict[str, Any], tmp_path: P
     repickle_zip(src, dst, protocol=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        assert_same_objects(
+        assert_bitwise_equal(
             dict(torch.jit.load(src).state_dict()), dict(torch.jit.load(dst).state_dict())
         )
 
@@ -66,5 +66,5 @@ def test_retagged_devices(name: str, tmp_path: Path) -> None:
 
     retagged = torch.load(dst, map_location=record, weights_only=True)
     assert set(seen) == {"cuda:1"}, "torch reads the new tag"
-    assert_same_objects(torch.load(src, weights_only=True), retagged)
-    assert_same_objects(retagged, torch.load(dst, map_location="cpu", weights_only=True))
+    assert_bitwise_equal(torch.load(src, weights_only=True), retagged)
+    assert_bitwise_equal(retagged, torch.load(dst, map_location="cpu", weights_only=True))

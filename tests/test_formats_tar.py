@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from factories import bits, read_span, tensor_from_span, tools
 
 import ckpt_tools
 from ckpt_tools import CorruptCheckpointError
 from ckpt_tools.descriptors import StorageRef
 from ckpt_tools.formats import open_checkpoint
+from tests.helpers import read_span, tensor_from_span, tools, value_bytes
 
 
 def records_with_view(location: str = "cpu") -> Any:
@@ -57,7 +57,9 @@ def test_tensor_on_a_storage_view(make_tar: Callable[..., Path]) -> None:
 
     ckpt = open_checkpoint(path)
     for name in ("whole", "on_view"):
-        assert bits(tensor_from_span(ckpt, ckpt.root[name])).equal(bits(loaded[name])), name
+        assert value_bytes(tensor_from_span(ckpt, ckpt.root[name])).equal(
+            value_bytes(loaded[name])
+        ), name
 
 
 def test_storage_view_saved_as_a_value(make_tar: Callable[..., Path]) -> None:

@@ -11,15 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from factories import (
+
+import ckpt_tools
+from ckpt_tools.descriptors import iter_tensors
+from ckpt_tools.formats import open_checkpoint
+from tests.helpers import (
     FIXTURES,
     NOT_FIXTURES,
     at_path,
-    bits,
     by_name,
     describe,
-    describe_info,
-    describe_ref,
     fixture_path,
     fixtures_where,
     load_truth,
@@ -28,12 +29,9 @@ from factories import (
     pickle_protocol,
     tensor_from_span,
     tensors_of,
+    value_bytes,
     walk_tensors,
 )
-
-import ckpt_tools
-from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.descriptors import iter_tensors
 
 READABLE = fixtures_where(oracle=("torch", "torch-unsafe", "jit", "safetensors", "sharded"))
 TREES = fixtures_where(oracle=("torch", "torch-unsafe"))  # whole object trees from torch.load
@@ -69,7 +67,7 @@ def test_format_and_selection(entry: dict[str, Any]) -> None:
 def test_tensors_match_torch(entry: dict[str, Any]) -> None:
     expected = truth_state_dict(entry)
     info = ckpt_tools.inspect(fixture_path(entry["name"]))
-    ours = [(t.name, describe_info(t)) for t in info.tensors]
+    ours = [(t.name, describe(t)) for t in info.tensors]
     theirs = [(name, describe(t)) for name, t in expected.items()]
     if entry["oracle"] in UNORDERED:
         ours, theirs = sorted(ours), sorted(theirs)
@@ -131,7 +129,7 @@ def test_every_tensor_in_the_tree_matches_torch(entry: dict[str, Any]) -> None:
     ours = iter_tensors(open_checkpoint(fixture_path(entry["name"])).root)
     assert [n for n, _ in ours] == [n for n, _ in theirs]
     for (name, ref), (_, tensor) in zip(ours, theirs):
-        assert describe_ref(ref) == describe(tensor), name
+        assert describe(ref) == describe(tensor), name
     assert partition([(n, id(r.storage)) for n, r in ours]) == partition(
         [(n, t.untyped_storage().data_ptr()) for n, t in theirs]
     )
@@ -151,7 +149,7 @@ def test_byte_locations_hold_the_tensors(entry: dict[str, Any]) -> None:
     for name, tensor in expected.items():
         rebuilt = tensor_from_span(ckpt, selected[name])
         assert rebuilt.dtype == tensor.dtype and rebuilt.shape == tensor.shape, name
-        assert bits(rebuilt).equal(bits(tensor)), name
+        assert value_bytes(rebuilt).equal(value_bytes(tensor)), name
 
 
 @pytest.mark.parametrize("entry", **by_name(TREES))
@@ -159,7 +157,7 @@ def test_byte_locations_of_every_tensor_in_the_tree(entry: dict[str, Any]) -> No
     ckpt = open_checkpoint(fixture_path(entry["name"]))
     theirs = dict(walk_tensors(load_truth(entry)))
     for name, ref in iter_tensors(ckpt.root):
-        assert bits(tensor_from_span(ckpt, ref)).equal(bits(theirs[name])), name
+        assert value_bytes(tensor_from_span(ckpt, ref)).equal(value_bytes(theirs[name])), name
 
 
 @pytest.mark.parametrize("entry", **by_name(fixtures_where(oracle=("safetensors", "sharded"))))

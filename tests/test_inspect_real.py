@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import torch
-from factories import describe, tensors_of
 
 import ckpt_tools
 from ckpt_tools import LfsPointerError
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import EXIT_CORRUPT
+from tests.helpers import describe, tensors_of
 
 pytestmark = pytest.mark.real
 

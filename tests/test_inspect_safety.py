@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import ckpt_env, entry, fixture_path, read_data_pkl, tools
 
 import ckpt_tools
 from ckpt_tools.cli.main import main
+from tests.helpers import ckpt_env, entry, fixture_path, read_data_pkl, run_ckpt, tools
 
 EVIL = fixture_path("evil.pt")
 MARKER = tools().MARKER
@@ -92,13 +92,7 @@ def test_fake_torch_blocks_imports(no_torch_env: dict[str, str]) -> None:
 )
 def test_inspect_runs_without_torch(name: str, no_torch_env: dict[str, str]) -> None:
     path = fixture_path(name)
-    run = subprocess.run(
-        [sys.executable, "-m", "ckpt_tools", "inspect", str(path), "--json"],
-        env=no_torch_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_ckpt("inspect", path, "--json", how="module", env=no_torch_env)
     assert run.returncode == 0, run.stderr
     # The same answer as in this process (where test_inspect_fixtures checks it against torch).
     report = json.loads(run.stdout)

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from factories import describe, tools
 from torch import nn
 
 import ckpt_tools
 from ckpt_tools.formats import open_checkpoint
+from tests.helpers import describe, tools
 
 FORMATS = {
     "zip": ({}, "torch-zip"),

@@ -1,4 +1,4 @@
-"""Wrapper detection and in-memory key rewrites (``ckpt_tools.structure.keys``), checked against torch."""
+"""Wrapper detection and in-memory key rewrites (``structure.keys``), checked against torch."""
 
 from __future__ import annotations
 
@@ -23,11 +23,7 @@ from ckpt_tools.structure.keys import (
     strip_wrapper_rules,
     sub_rule,
 )
-
-try:
-    import rewrite_helpers as h
-except ImportError:  # tests/ imported as a package
-    from tests import rewrite_helpers as h
+from tests import helpers as h
 
 BARE = ["embed.weight", "body.0.weight", "body.0.bias", "norm.running_mean", "head.weight"]
 

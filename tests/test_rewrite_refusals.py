@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.cli.main import main
 from ckpt_tools.errors import (
     KeyCollisionError,
     NonTensorEntriesError,
@@ -27,11 +26,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.ops.rewriting import convert, rename_file, strip_module_file
-
-try:
-    import rewrite_helpers as h
-except ImportError:  # tests/ imported as a package
-    from tests import rewrite_helpers as h
+from tests import helpers as h
 
 
 @pytest.fixture
@@ -54,12 +49,6 @@ def out_dir(tmp_path):
     return folder
 
 
-def run(capsys, *args) -> tuple[int, str, str]:
-    code = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 COMMANDS = {
     "strip-module": [],
     "add-module": [],
@@ -76,13 +65,13 @@ def test_existing_output_is_refused_without_force(command, ddp_file, out_dir, ca
     dst.write_bytes(b"precious")
     before_src, before_dst = h.fingerprint(src), h.fingerprint(dst)
 
-    code, _, err = run(capsys, command, src, dst, *COMMANDS[command])
+    code, _, err = h.run_ckpt(command, src, dst, *COMMANDS[command], code=None)
     assert code == 6
     assert "already exists" in err and "--force" in err
     assert h.fingerprint(src) == before_src and h.fingerprint(dst) == before_dst
     assert h.listing(out_dir) == ["taken.pt"]
 
-    code, _, err = run(capsys, command, src, dst, *COMMANDS[command], "--force")
+    code, _, err = h.run_ckpt(command, src, dst, *COMMANDS[command], "--force", code=None)
     assert code == 0, err
     assert dst.read_bytes() != b"precious"
     assert h.fingerprint(src) == before_src
@@ -109,7 +98,7 @@ def test_output_that_is_the_input_is_refused(how, command, ddp_file, capsys, mon
     before = h.fingerprint(src)
 
     for extra in ([], ["--force"]):  # --force never allows writing over the input
-        code, _, err = run(capsys, command, src, dst, *extra)
+        code, _, err = h.run_ckpt(command, src, dst, *extra, code=None)
         assert code == 6
         assert "is the input file" in err and "--in-place" in err
         assert h.fingerprint(src) == before
@@ -129,7 +118,9 @@ def test_in_place_rewrites_through_a_temp_file(via_symlink, ddp_file, capsys):
     original = h.load(src)
     inode = os.stat(src).st_ino
 
-    code, out, err = run(capsys, "strip-module", src, dst, "--in-place", "--verify", "full")
+    code, out, err = h.run_ckpt(
+        "strip-module", src, dst, "--in-place", "--verify", "full", code=None
+    )
     assert code == 0, err
     assert "stripped 'module.'" in out
     got = h.load(src)
@@ -146,7 +137,9 @@ def test_in_place_rewrites_through_a_temp_file(via_symlink, ddp_file, capsys):
 def test_collision_is_refused_naming_both_keys(ddp_file, out_dir, capsys):
     src = ddp_file(obj={"module.w": torch.ones(2), "w": torch.zeros(2), "b": torch.ones(1)})
     before = h.fingerprint(src)
-    code, _, err = run(capsys, "strip-module", src, out_dir / "out.pt", "--prefix", "module.")
+    code, _, err = h.run_ckpt(
+        "strip-module", src, out_dir / "out.pt", "--prefix", "module.", code=None
+    )
     assert code == 7
     assert "'module.w' and 'w' -> 'w'" in err
     assert h.fingerprint(src) == before and h.listing(out_dir) == []
@@ -170,7 +163,7 @@ def test_non_tensor_entries_to_safetensors_are_refused_and_listed(ddp_file, out_
     before = h.fingerprint(src)
     dst = out_dir / "w.safetensors"
 
-    code, _, err = run(capsys, "convert", src, dst)
+    code, _, err = h.run_ckpt("convert", src, dst, code=None)
     assert code == 7
     for name in ("module.note", "optimizer", "scheduler", "epoch"):
         assert name in err
@@ -180,7 +173,7 @@ def test_non_tensor_entries_to_safetensors_are_refused_and_listed(ddp_file, out_
         convert(src, dst)
     assert info.value.entries == ("module.note", "optimizer", "scheduler", "epoch")
 
-    code, out, err = run(capsys, "convert", src, dst, "--drop-extras", "--verify", "full")
+    code, out, err = h.run_ckpt("convert", src, dst, "--drop-extras", "--verify", "full", code=None)
     assert code == 0, err
     assert "left out: module.note, optimizer, scheduler, epoch, module.head.weight" in out
     st = h.load(dst)
@@ -220,12 +213,12 @@ def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path,
     marker = tmp_path / "MARKER"
     sd = h.build_layout("plain")[0]
     src = h.save({"state_dict": sd, "callback": Evil(marker), "epoch": 2}, tmp_path / "evil.pt")
-    assert "posix.system" in h.pickle_globals(h.data_pkl(src))
+    assert "posix.system" in h.pickle_globals(h.read_data_pkl(src))
     before = h.fingerprint(src)
     out = tmp_path / "out.pt"
 
     for command in ("strip-module", "convert", "rename --sub module.=m."):
-        code, _, err = run(capsys, *command.split(), src, out)
+        code, _, err = h.run_ckpt(*command.split(), src, out, code=None)
         assert code == 3
         assert "posix.system" in err and "--allow-global posix.system" in err
         assert not out.exists() and h.temp_files(tmp_path) == []
@@ -233,16 +226,16 @@ def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path,
         strip_module_file(src, out)
     assert info.value.globals == ("posix.system",)
 
-    code, stdout, err = run(
-        capsys, "strip-module", src, out, "--allow-global", "posix.system", "--verify", "full"
+    code, stdout, err = h.run_ckpt(
+        "strip-module", src, out, "--allow-global", "posix.system", "--verify", "full", code=None
     )
     assert code == 0, err
-    payload = h.data_pkl(out)
+    payload = h.read_data_pkl(out)
     assert "posix.system" in h.pickle_globals(payload)
     assert f"touch {marker}".encode() in payload
-    code, stdout, _ = run(capsys, "inspect", out)
+    code, stdout, _ = h.run_ckpt("inspect", out, code=None)
     assert code == 0 and "posix.system" in stdout
-    code, stdout, _ = run(capsys, "inspect", out, "--json")
+    code, stdout, _ = h.run_ckpt("inspect", out, "--json", code=None)
     assert code == 0 and '"posix.system"' in stdout
 
     stub = _stub_pickle_module()
@@ -254,7 +247,7 @@ def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path,
         h.assert_tensor_bitwise(v, rewritten["state_dict"][k.removeprefix("module.")], k)
     # A rewrite that renames nothing reproduces every record, data.pkl included, byte for byte.
     same = tmp_path / "same.pt"
-    code, _, err = run(capsys, "convert", src, same, "--allow-global", "posix.system")
+    code, _, err = h.run_ckpt("convert", src, same, "--allow-global", "posix.system", code=None)
     assert code == 0, err
     with zipfile.ZipFile(src) as a, zipfile.ZipFile(same) as b:
         assert [(i.filename, a.read(i)) for i in a.infolist()] == [
@@ -267,7 +260,7 @@ def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path,
 def test_unsafe_global_in_a_fresh_process(tmp_path):
     marker = tmp_path / "MARKER"
     src = h.save({"w": torch.ones(2), "cb": Evil(marker)}, tmp_path / "evil.pt")
-    proc = h.run_ckpt("convert", str(src), str(tmp_path / "o.pt"), cwd=tmp_path)
+    proc = h.run_ckpt("convert", src, tmp_path / "o.pt", how="module", cwd=tmp_path, code=None)
     assert proc.returncode == 3, proc.stderr
     assert "posix.system" in proc.stderr
     assert not marker.exists() and not (tmp_path / "o.pt").exists()
@@ -290,7 +283,7 @@ def test_usage_errors_exit_2(args, message, ddp_file, out_dir, capsys):
     src = ddp_file()
     before = h.fingerprint(src)
     command, *options = args
-    code, _, err = run(capsys, command, src, out_dir / "out.pt", *options)
+    code, _, err = h.run_ckpt(command, src, out_dir / "out.pt", *options, code=None)
     assert code == 2
     assert message in err
     assert h.fingerprint(src) == before and h.listing(out_dir) == []
@@ -313,7 +306,7 @@ def test_usage_errors_from_the_api(ddp_file, out_dir):
 
 
 def test_missing_input_exits_2(out_dir, capsys):
-    code, _, err = run(capsys, "strip-module", out_dir / "nope.pt", out_dir / "o.pt")
+    code, _, err = h.run_ckpt("strip-module", out_dir / "nope.pt", out_dir / "o.pt", code=None)
     assert code == 2 and "no such file" in err
     assert h.listing(out_dir) == []
 
@@ -334,7 +327,7 @@ def test_corrupt_input_exits_4(kind, command, ddp_file, out_dir, capsys):
     src = ddp_file(f"{kind.replace(' ', '_')}.pt")
     src.write_bytes(_corruptions(good)[kind])
     before = h.fingerprint(src)
-    code, _, err = run(capsys, command, src, out_dir / "out.pt")
+    code, _, err = h.run_ckpt(command, src, out_dir / "out.pt", code=None)
     assert code == 4, err
     assert err.startswith("ckpt: error: ") and "Traceback" not in err
     assert h.fingerprint(src) == before and h.listing(out_dir) == []
@@ -346,7 +339,7 @@ def test_corrupt_safetensors_exits_4(tmp_path, out_dir, capsys):
     src = tmp_path / "bad.safetensors"
     save_file({"module.w": torch.ones(4)}, str(src))
     src.write_bytes(src.read_bytes()[:-4])  # a tensor's bytes are cut off
-    code, _, err = run(capsys, "strip-module", src, out_dir / "out.safetensors")
+    code, _, err = h.run_ckpt("strip-module", src, out_dir / "out.safetensors", code=None)
     assert code == 4 and "module.w" in err
     assert h.listing(out_dir) == []
 
@@ -355,7 +348,7 @@ def test_read_only_input_is_only_read(tmp_path, capsys):
     src = h.save(collections.OrderedDict(module_w=torch.ones(2)), tmp_path / "x.pt")
     os.chmod(src, 0o444)
     before = h.fingerprint(src)
-    code, _, err = run(capsys, "rename", src, tmp_path / "y.pt", "--sub", "module_=m_")
+    code, _, err = h.run_ckpt("rename", src, tmp_path / "y.pt", "--sub", "module_=m_", code=None)
     assert code == 0, err
     assert h.fingerprint(src) == before
     assert list(h.load(tmp_path / "y.pt")) == ["m_w"]

@@ -17,11 +17,7 @@ import torch
 from torch import nn
 
 from ckpt_tools.ops.rewriting import add_module_file, convert, retag, strip_module_file
-
-try:
-    import rewrite_helpers as h
-except ImportError:  # tests/ imported as a package
-    from tests import rewrite_helpers as h
+from tests import helpers as h
 
 # What puts each prefix on the keys, to load the round-tripped file into the real wrapper.
 WRAPPERS = {
@@ -57,8 +53,8 @@ def test_strip_then_add_is_bitwise_identity(layout, layout_file, tmp_path):
     assert added.written and added.renamed == added.total_keys
 
     original = h.load(src)
-    bare_sd = h.select(h.load(bare), sel)
-    assert list(bare_sd) == [k[len(prefix) :] for k in h.select(original, sel)]
+    bare_sd = h.at_path(h.load(bare), sel)
+    assert list(bare_sd) == [k[len(prefix) :] for k in h.at_path(original, sel)]
     h.assert_bitwise_equal(original, h.load(again))
     if src.suffix == ".safetensors":
         assert h.safetensors_metadata(again) == h.SAFETENSORS_METADATA
@@ -76,11 +72,11 @@ def test_stripped_loads_into_bare_model_and_readded_into_wrapper(layout, layout_
     src, prefix, sel = layout_file(layout)
     strip_module_file(src, tmp_path / "bare.pt")
     add_module_file(tmp_path / "bare.pt", tmp_path / "wrapped.pt", prefix=prefix)
-    want = {k[len(prefix) :]: v for k, v in h.select(h.load(src), sel).items()}
+    want = {k[len(prefix) :]: v for k, v in h.at_path(h.load(src), sel).items()}
 
     for mmap in (False, True):
         bare = h.make_model(seed=99)
-        bare.load_state_dict(h.select(h.load(tmp_path / "bare.pt", mmap=mmap), sel), strict=True)
+        bare.load_state_dict(h.at_path(h.load(tmp_path / "bare.pt", mmap=mmap), sel), strict=True)
         got = bare.state_dict()
         for k in want:
             h.assert_values_bitwise(want[k], got[k], k)
@@ -88,7 +84,7 @@ def test_stripped_loads_into_bare_model_and_readded_into_wrapper(layout, layout_
 
         wrapper = WRAPPERS[prefix](h.make_model(seed=99))
         wrapper.load_state_dict(
-            h.select(h.load(tmp_path / "wrapped.pt", mmap=mmap), sel), strict=True
+            h.at_path(h.load(tmp_path / "wrapped.pt", mmap=mmap), sel), strict=True
         )
         got = wrapper.state_dict()
         for k in want:
@@ -220,7 +216,7 @@ def test_retag_round_trip(tmp_path):
     src = h.save(sd, tmp_path / "cpu.pt")
     result = retag(src, tmp_path / "gpu.pt", {"cpu": "cuda:1"})
     assert result.device_map == {"cpu": "cuda:1"}
-    payload = h.data_pkl(tmp_path / "gpu.pt")
+    payload = h.read_data_pkl(tmp_path / "gpu.pt")
     assert b"cuda:1" in payload and b"cpu" not in payload
     # Loads anywhere with map_location, bytes unchanged.
     mapped = torch.load(tmp_path / "gpu.pt", weights_only=True, map_location="cpu")

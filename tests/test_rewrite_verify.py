@@ -13,11 +13,7 @@ from ckpt_tools.errors import VerificationError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.verify import Expected, verify_output
 from ckpt_tools.structure.selection import select_state_dict
-
-try:
-    import rewrite_helpers as h
-except ImportError:  # tests/ imported as a package
-    from tests import rewrite_helpers as h
+from tests import helpers as h
 
 
 def expected_from(path: Path, select: str | None = None) -> Expected:

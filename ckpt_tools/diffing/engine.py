@@ -289,9 +289,13 @@ def diff(
         CheckpointError: a file is missing, truncated or malformed.
 
     Example:
-        >>> report = diff("ddp.pt", "plain.pt")  # doctest: +SKIP
-        >>> report.suggestions[0].text()  # doctest: +SKIP
-        "stripping 'module.' resolves 4 of 4 unexpected keys: ckpt strip-module ddp.pt ..."
+        >>> report = diff("ddp.pt", "model.pt")  # the same weights, saved from DataParallel
+        >>> sorted(report.found())
+        ['missing', 'unexpected']
+        >>> report.suggestions[0].text()
+        "stripping 'module.' resolves 17 of 17 unexpected keys: ckpt strip-module ddp.pt ..."
+        >>> diff("ddp.pt", "model.pt", align=True).identical
+        True
     """
     if rtol < 0 or atol < 0:
         raise UsageError(

@@ -25,9 +25,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         CheckpointError: see :func:`detect_format` and the readers.
 
     Example:
-        >>> ckpt = open_checkpoint("model.pt")  # doctest: +SKIP
-        >>> sorted(ckpt.root)[:2]  # doctest: +SKIP
-        ['fc.bias', 'fc.weight']
+        >>> ckpt = open_checkpoint("model.pt")
+        >>> ckpt.format, sorted(ckpt.root)[:2]
+        ('torch-zip', ['bn.bias', 'bn.num_batches_tracked'])
     """
     path = os.fspath(path)
     try:

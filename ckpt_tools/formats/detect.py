@@ -56,8 +56,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         UnsupportedFormatError: not a format ckpt_tools reads.
 
     Example:
-        >>> detect_format("model.safetensors")  # doctest: +SKIP
-        'safetensors'
+        >>> detect_format("model.safetensors"), detect_format("model.pt")
+        ('safetensors', 'torch-zip')
     """
     p = Path(path)
     if not p.exists():

@@ -88,8 +88,8 @@ def open_index(index_path: str) -> Checkpoint:
         CorruptCheckpointError: the index is malformed, or names missing shards or tensors.
 
     Example:
-        >>> ckpt = open_index("llama/model.safetensors.index.json")  # doctest: +SKIP
-        >>> sorted(ckpt.shards)  # doctest: +SKIP
+        >>> ckpt = open_index("sharded/model.safetensors.index.json")
+        >>> sorted(ckpt.shards)
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
     from ckpt_tools.formats import open_checkpoint

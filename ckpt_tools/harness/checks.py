@@ -140,7 +140,7 @@ def check_strip_prefix(
         outputs are bitwise equal to the ``nn.DataParallel`` model's on the same batch.
 
     Example:
-        >>> check_strip_prefix("out/ddp/wrapped.pt", "mlp").passed  # doctest: +SKIP
+        >>> check_strip_prefix("out/ddp/wrapped.pt", "mlp", {"hidden": (4,)}).passed
         True
     """
     name = "strip_prefix"
@@ -180,7 +180,7 @@ def check_add_prefix(
         outputs are bitwise equal to the bare model's.
 
     Example:
-        >>> check_add_prefix("out/single/bare.pt", "mlp").passed  # doctest: +SKIP
+        >>> check_add_prefix("out/single/bare.pt", "mlp", {"hidden": (4,)}).passed
         True
     """
     name = "add_prefix"
@@ -224,7 +224,7 @@ def check_vs_single(
         The comparison; integer tensors (``num_batches_tracked``) must match exactly.
 
     Example:
-        >>> check_vs_single("out/ddp/bare.pt", "out/single/bare.pt", 1e-5).passed  # doctest: +SKIP
+        >>> check_vs_single("out/ddp/bare.pt", "out/single/bare.pt", 1e-5).passed
         True
     """
     name = "vs_single"
@@ -265,7 +265,7 @@ def check_device_roundtrip(
         a CPU-only machine, on the CPU).
 
     Example:
-        >>> check_device_roundtrip("out/ddp/wrapped.pt", "out/ddp/parity").passed  # doctest: +SKIP
+        >>> check_device_roundtrip("out/ddp/wrapped.pt", "out/ddp/parity").passed
         True
     """
     name = "device_roundtrip"
@@ -311,7 +311,7 @@ def check_format_roundtrip(
         Passed when the twice-converted file holds the same keys, dtypes, shapes and bytes.
 
     Example:
-        >>> check_format_roundtrip("out/ddp/wrapped.pt", "out/ddp/parity").passed  # doctest: +SKIP
+        >>> check_format_roundtrip("out/ddp/wrapped.pt", "out/ddp/parity").passed
         True
     """
     name = "format_roundtrip"

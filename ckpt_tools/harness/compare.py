@@ -35,7 +35,7 @@ def load_pt(path: str | Path) -> dict[str, Any]:
         RuntimeError: the file is not a torch checkpoint.
 
     Example:
-        >>> load_pt("out/ddp/bare.pt")["net.1.weight"].device  # doctest: +SKIP
+        >>> load_pt("out/ddp/bare.pt")["net.1.weight"].device
         device(type='cpu')
     """
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -57,8 +57,10 @@ def storage_tags(path: str | Path) -> set[str]:
         RuntimeError: the file is not a torch checkpoint.
 
     Example:
-        >>> storage_tags("out/ddp/wrapped.cuda1.pt")  # doctest: +SKIP
-        {'cuda:1'}
+        >>> from ckpt_tools import retag
+        >>> _ = retag("out/ddp/wrapped.pt", "wrapped.cuda1.pt", {"cpu": "cuda:1"})
+        >>> storage_tags("out/ddp/wrapped.pt"), storage_tags("wrapped.cuda1.pt")
+        ({'cpu'}, {'cuda:1'})
     """
     seen: set[str] = set()
 

@@ -107,6 +107,10 @@ def train_ddp(config: TrainConfig) -> TrainResult:
     Example:
         >>> train_ddp(TrainConfig(strategy="ddp", world_size=2, steps=2)).backend  # doctest: +SKIP
         'gloo'
+        >>> train_ddp(TrainConfig(strategy="ddp", world_size=2, batch_size=1, device="cpu"))
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: batch_size=1: is smaller than the 2 ranks; ...
     """
     env = torchrun_env()
     if env is not None:

@@ -184,7 +184,7 @@ def save_checkpoints(
         >>> model = nn.Linear(2, 2)
         >>> opt = make_optimizer(model.parameters(), TrainConfig())
         >>> sorted(save_checkpoints("out", ModuleContainer(model).state_dict(),
-        ...                         model.state_dict(), opt, TrainConfig()))  # doctest: +SKIP
+        ...                         model.state_dict(), opt, TrainConfig()))
         ['bare', 'trainer', 'wrapped']
     """
     out = Path(out_dir)

@@ -57,8 +57,9 @@ def make_fixtures(
         RuntimeError: a DDP worker failed.
 
     Example:
-        >>> make_fixtures("fixtures/harness")  # doctest: +SKIP
-        [PosixPath('fixtures/harness/single/wrapped.pt'), ...]
+        >>> make_fixtures("fixtures/harness", steps=1, strategies=("single",))
+        [PosixPath('fixtures/harness/single/wrapped.pt'), ...,
+         PosixPath('fixtures/harness/README.md')]
     """
     root = Path(out_dir)
     written: list[Path] = []

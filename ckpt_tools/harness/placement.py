@@ -48,8 +48,12 @@ def parse_gpus(gpus: GpuSpec, world_size: int | None = None) -> list[int]:
         UsageError: malformed spec, an index that is not visible, or a repeated index.
 
     Example:
-        >>> parse_gpus("0,3")  # doctest: +SKIP
+        >>> parse_gpus("0,3")  # on a machine with 4 GPUs  # doctest: +SKIP
         [0, 3]
+        >>> parse_gpus("first two")
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: gpus='first two': expected comma-separated indices ...
     """
     count = torch.cuda.device_count()
     if gpus is None:

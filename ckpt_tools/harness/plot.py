@@ -32,7 +32,7 @@ def plot_losses(
         OSError: the file cannot be written.
 
     Example:
-        >>> plot_losses({"single": [2.3, 2.2], "ddp": [2.3, 2.2]}, "parity.png")  # doctest: +SKIP
+        >>> plot_losses({"single": [2.3, 2.2], "ddp": [2.3, 2.2]}, "parity.png")
         PosixPath('parity.png')
     """
     try:

@@ -158,8 +158,10 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
         OutputError: the temp file cannot be created or written (disk full, permissions).
 
     Example:
-        >>> with atomic_output("out.pt") as (f, tmp):  # doctest: +SKIP
-        ...     f.write(b"...")
+        >>> with atomic_output("notes.txt") as (f, tmp):
+        ...     _ = f.write(b"all or nothing")
+        >>> open("notes.txt", "rb").read()
+        b'all or nothing'
     """
     target = Path(dst)
     folder = target.resolve().parent

@@ -45,8 +45,16 @@ def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:
             :func:`ckpt_tools.io.zipwriter.copy_range` reports a short source).
 
     Example:
-        >>> pread_exact(fd, 4, 128)  # doctest: +SKIP
-        bytearray(b'\\x00\\x00\\x80?')
+        >>> with open("letters.bin", "wb") as f:
+        ...     _ = f.write(b"abcdef")
+        >>> fd = os.open("letters.bin", os.O_RDONLY)
+        >>> pread_exact(fd, 3, 2)
+        bytearray(b'cde')
+        >>> pread_exact(fd, 4, 4)
+        Traceback (most recent call last):
+        ...
+        OSError: [Errno 5] source ended after 2 of 4 bytes
+        >>> os.close(fd)
     """
     buffer = bytearray(nbytes)
     view = memoryview(buffer)
@@ -78,8 +86,16 @@ def iter_row_major(
         OSError: the read failed or the file ends before the storage does.
 
     Example:
-        >>> b"".join(iter_row_major(fd, span.offset, ref)) == ref_bytes  # doctest: +SKIP
-        True
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> with open("grid.bin", "wb") as f:
+        ...     _ = f.write(b"abcdef")  # a 2x3 uint8 storage: rows abc, def
+        >>> grid = StorageRef("0", "uint8", 6, "cpu")
+        >>> rows = TensorRef(grid, offset=0, shape=(2, 3), stride=(3, 1), dtype="uint8")
+        >>> columns = TensorRef(grid, offset=0, shape=(3, 2), stride=(1, 3), dtype="uint8")
+        >>> fd = os.open("grid.bin", os.O_RDONLY)
+        >>> list(iter_row_major(fd, 0, rows)), list(iter_row_major(fd, 0, columns, chunk_bytes=2))
+        ([bytearray(b'abcdef')], [b'ad', b'be', b'cf'])
+        >>> os.close(fd)
     """
     if tensor.numel == 0:
         return

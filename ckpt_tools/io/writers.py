@@ -59,9 +59,12 @@ def write_torch_zip(
         OSError: reading the source or writing the output failed.
 
     Example:
-        >>> ckpt = open_checkpoint("in.pt")  # doctest: +SKIP
-        >>> with open("out.pt", "w+b") as f:  # doctest: +SKIP
-        ...     write_torch_zip(ckpt.root, ckpt, f, device_map={"cuda:0": "cpu"})
+        >>> from ckpt_tools.formats import open_checkpoint
+        >>> ckpt = open_checkpoint("model.pt")
+        >>> with open("on_gpu.pt", "w+b") as f:
+        ...     stored = write_torch_zip(ckpt.root, ckpt, f, device_map={"cpu": "cuda:0"})
+        >>> len(stored), {t.device for t in open_checkpoint("on_gpu.pt").root.values()}
+        (17, {'cuda:0'})
     """
     from_zip = source.format in ("torch-zip", "torchscript")
     keys: dict[int, str] = {}
@@ -214,9 +217,14 @@ def write_safetensors(
         OSError: reading or writing failed.
 
     Example:
-        >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]  # doctest: +SKIP
-        >>> with open("out.safetensors", "w+b") as f:  # doctest: +SKIP
-        ...     write_safetensors(entries, ckpt, f)
+        >>> from ckpt_tools.formats import open_checkpoint
+        >>> ckpt = open_checkpoint("model.pt")
+        >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]
+        >>> with open("out.safetensors", "w+b") as f:
+        ...     write_safetensors(entries, ckpt, f, metadata={"format": "pt"})
+        >>> out = open_checkpoint("out.safetensors")
+        >>> out.format, list(out.root) == list(ckpt.root)
+        ('safetensors', True)
     """
     raw = _safetensors_header(entries, metadata)
     fd = file.fileno()

@@ -156,10 +156,14 @@ class TorchZipWriter:
         root: the archive's root folder name (torch uses the file stem or ``archive``).
 
     Example:
-        >>> import io
-        >>> w = TorchZipWriter(io.BytesIO(), "archive")  # doctest: +SKIP
-        >>> w.add_bytes("data.pkl", b"...")  # doctest: +SKIP
-        >>> w.close()  # doctest: +SKIP
+        >>> import pickle, zipfile
+        >>> with open("tiny.pt", "w+b") as f:
+        ...     w = TorchZipWriter(f, "tiny")
+        ...     w.add_bytes("data.pkl", pickle.dumps({"epoch": 3}, protocol=2))
+        ...     w.add_bytes("version", b"3")
+        ...     w.close()
+        >>> zipfile.ZipFile("tiny.pt").namelist()
+        ['tiny/data.pkl', 'tiny/version']
     """
 
     def __init__(self, file: BinaryIO, root: str = "archive") -> None:

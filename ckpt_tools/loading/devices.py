@@ -196,7 +196,11 @@ def visible_devices_for(n: int = 1) -> str:
         UsageError: ``n`` < 1, or more GPUs asked for than are visible.
 
     Example:
-        >>> env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices_for(2)}  # doctest: +SKIP
+        >>> env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_devices_for(1)}  # "" without GPUs
+        >>> visible_devices_for(0)
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: asked for 0 GPUs; ask for at least 1
     """
     return ",".join(d.visible_id or str(d.index) for d in _freest(n))
 

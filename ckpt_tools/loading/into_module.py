@@ -151,9 +151,11 @@ def load_into(
         UsageError, UnsafeContentError, CheckpointError: see :func:`load_state_dict`.
 
     Example:
-        >>> report = load_into(torch.compile(Net()), "ddp.pt")  # doctest: +SKIP
-        >>> report.rewrites  # doctest: +SKIP
-        ("stripping 'module.'", "adding '_orig_mod.'")
+        >>> net = torch.nn.Linear(4, 2)
+        >>> torch.save({f"module.{k}": v for k, v in net.state_dict().items()}, "dp.pt")  # DDP keys
+        >>> report = load_into(torch.nn.Linear(4, 2), "dp.pt")
+        >>> report.rewrites
+        ("stripping 'module.'",)
     """
     sd, label, info = _source_state_dict(source, map_location, select, trust)
     target = model.state_dict()

@@ -329,9 +329,11 @@ def load_state_dict(
         CheckpointError: the file is missing, truncated or malformed.
 
     Example:
-        >>> sd, info = load_state_dict("ddp_gpu1.pt", return_info=True)  # doctest: +SKIP
-        >>> [(p.saved, p.target) for p in info.moved]  # doctest: +SKIP
-        [('cuda:1', 'cpu')]
+        >>> from ckpt_tools import retag
+        >>> _ = retag("model.pt", "gpu1.pt", {"cpu": "cuda:1"})  # as if saved on GPU 1
+        >>> sd, info = load_state_dict("gpu1.pt", map_location="cpu", return_info=True)
+        >>> [(p.saved, p.target) for p in info.moved], sd["conv.weight"].device
+        ([('cuda:1', 'cpu')], device(type='cpu'))
     """
     ckpt = open_checkpoint(path)
     _check_format(ckpt)

@@ -167,8 +167,8 @@ def inspect(
         CheckpointError: the file is missing, corrupt, unsupported, or ``select`` is wrong.
 
     Example:
-        >>> info = inspect("model.pt")  # doctest: +SKIP
-        >>> info.wrappers[0].prefix, info.total_params  # doctest: +SKIP
-        ('module.', 11689512)
+        >>> info = inspect("ddp.pt")
+        >>> info.format, info.wrappers[0].prefix, info.total_params
+        ('torch-zip', 'module.', 572)
     """
     return inspect_checkpoint(open_checkpoint(path), select)

@@ -223,16 +223,3 @@ def test_cli_choices_match_the_library() -> None:
     assert harness_cmd._STRATEGIES == harness.STRATEGIES
     assert harness_cmd._MODELS == harness.MODEL_NAMES
     assert set(harness_cmd._CHECK_HEADERS) == set(harness.CHECK_NAMES)
-
-
-@pytest.mark.parametrize(
-    "module",
-    sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__main__", "cli")),
-)
-def test_docstring_examples_run(module: str) -> None:
-    import doctest
-    import importlib
-
-    name = "ckpt_tools.harness" + ("" if module == "__init__" else f".{module}")
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0

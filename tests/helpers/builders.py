@@ -1,29 +1,17 @@
-"""Factories and bitwise comparisons for the rewrite tests (strip/add/rename/convert/retag).
+"""Real checkpoints built in a test's ``tmp_path``: tiny modules, awkward tensors, layouts.
 
-Everything here builds real checkpoints with real torch in a test's ``tmp_path``; nothing
-depends on ``fixtures/``. Owned by the rewrite tests; other test files may import it.
+Everything here is made with real torch (and safetensors); nothing depends on ``fixtures/``.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import io
-import math
-import os
-import pickletools
-import struct
-import subprocess
-import sys
-import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-
-REPO = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------------------------
 # Tiny purpose-built modules
@@ -66,6 +54,7 @@ class LitModule(nn.Module):
 
 
 def make_model(seed: int = 0) -> TinyNet:
+    """A seeded :class:`TinyNet` whose BatchNorm buffers are not at their defaults."""
     torch.manual_seed(seed)
     model = TinyNet()
     with torch.no_grad():
@@ -116,6 +105,7 @@ def nan_payloads() -> dict[str, torch.Tensor]:
 
 
 def mixed_dtypes() -> dict[str, torch.Tensor]:
+    """One tensor of each awkward dtype (bf16, f8, bool, u16, ...), a scalar and an empty one."""
     torch.manual_seed(1)
     return {
         "bf16": torch.randn(3, 4).to(torch.bfloat16),
@@ -143,6 +133,7 @@ def offset_views() -> dict[str, torch.Tensor]:
 
 
 def transposed_views() -> dict[str, torch.Tensor]:
+    """Non-contiguous views: a whole transposed storage, and one at an offset."""
     torch.manual_seed(2)
     m = torch.randn(3, 5)
     return {
@@ -152,12 +143,14 @@ def transposed_views() -> dict[str, torch.Tensor]:
 
 
 def tied() -> dict[str, torch.Tensor]:
+    """Two keys holding the same tensor (tied weights) and one on its own."""
     torch.manual_seed(3)
     w = torch.randn(6, 4)
     return {"encoder.weight": w, "decoder.weight": w, "bias": torch.randn(6)}
 
 
 def with_prefix(sd: Mapping[str, Any], prefix: str) -> collections.OrderedDict:
+    """``sd`` with ``prefix`` in front of every key, in order."""
     return collections.OrderedDict((prefix + k, v) for k, v in sd.items())
 
 
@@ -269,12 +262,13 @@ def save_layout(name: str, path: Path) -> tuple[Path, str, str]:
 
 
 def save(obj: Any, path: Path, **kwargs: Any) -> Path:
+    """``torch.save(obj, path, **kwargs)``; returns ``path``."""
     torch.save(obj, path, **kwargs)
     return path
 
 
 # --------------------------------------------------------------------------------------------
-# Loading and comparing
+# Loading
 # --------------------------------------------------------------------------------------------
 
 
@@ -288,157 +282,8 @@ def load(path: Path, mmap: bool = False) -> Any:
 
 
 def safetensors_metadata(path: Path) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file, as safetensors reads it."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         return f.metadata()
-
-
-def select(obj: Any, dotted: str) -> Any:
-    for part in filter(None, dotted.split(".")):
-        obj = obj[part]
-    return obj
-
-
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The whole untyped storage under ``t``, as uint8."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-
-
-def value_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements in row-major order, as raw bytes (NaN payloads and -0.0 kept)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _float_bits(x: float) -> bytes:
-    return struct.pack("<d", x)
-
-
-def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from iter_tensors(v, f"{path}/{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{path}/{i}")
-
-
-def sharing(obj: Any) -> dict[str, str]:
-    """tensor path -> path of the first tensor on the same storage (empty storages skipped)."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for path, t in iter_tensors(obj):
-        if t.untyped_storage().nbytes() == 0:
-            continue
-        out[path] = first.setdefault(t.untyped_storage().data_ptr(), path)
-    return out
-
-
-def assert_tensor_bitwise(a: torch.Tensor, b: torch.Tensor, where: str = "") -> None:
-    """Same class, dtype, shape, strides, storage offset, requires_grad, storage bytes."""
-    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
-    assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    assert a.stride() == b.stride(), f"{where}: stride {a.stride()} != {b.stride()}"
-    assert a.storage_offset() == b.storage_offset(), f"{where}: storage offset differs"
-    assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
-    assert a.device == b.device, f"{where}: device {a.device} != {b.device}"
-    assert torch.equal(storage_bytes(a), storage_bytes(b)), f"{where}: storage bytes differ"
-    assert torch.equal(value_bytes(a), value_bytes(b)), f"{where}: value bytes differ"
-
-
-def assert_values_bitwise(a: torch.Tensor, b: torch.Tensor, where: str = "") -> None:
-    """Same dtype, shape and element bytes (layout may differ: contiguous copies, dedup)."""
-    assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    assert torch.equal(value_bytes(a), value_bytes(b)), f"{where}: value bytes differ"
-
-
-def assert_bitwise_equal(a: Any, b: Any, where: str = "root") -> None:
-    """Two loaded checkpoints are the same, bit for bit.
-
-    Compares container types and key order, ``_metadata`` of state dicts, floats by their
-    bits, tensors by class, dtype, shape, strides, storage offset and raw storage bytes, and
-    which tensors share a storage.
-    """
-    _assert_same(a, b, where)
-    assert sharing(a) == sharing(b), "storage sharing differs"
-
-
-def _assert_same(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b)}"
-        assert_tensor_bitwise(a, b, where)
-        return
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, Mapping):
-        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-        meta_a, meta_b = getattr(a, "_metadata", None), getattr(b, "_metadata", None)
-        assert meta_a == meta_b, f"{where}: _metadata {meta_a} != {meta_b}"
-        if meta_a is not None:
-            assert list(meta_a) == list(meta_b), f"{where}: _metadata order differs"
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}/{i}")
-    elif isinstance(a, float):
-        assert _float_bits(a) == _float_bits(b) or (math.isnan(a) and math.isnan(b)), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-# --------------------------------------------------------------------------------------------
-# Files
-# --------------------------------------------------------------------------------------------
-
-
-def fingerprint(path: Path) -> tuple[str, int, int]:
-    """sha256, mtime_ns and inode of a file: the input must never change."""
-    st = os.stat(path)
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest(), st.st_mtime_ns, st.st_ino
-
-
-def temp_files(folder: Path) -> list[Path]:
-    return sorted(Path(folder).glob("*.ckpt-tmp")) + sorted(Path(folder).glob(".*.ckpt-tmp"))
-
-
-def listing(folder: Path) -> list[str]:
-    return sorted(p.name for p in Path(folder).iterdir())
-
-
-def data_pkl(path: Path) -> bytes:
-    with zipfile.ZipFile(path) as z:
-        (name,) = [n for n in z.namelist() if n.endswith("/data.pkl")]
-        return z.read(name)
-
-
-def pickle_globals(payload: bytes) -> list[str]:
-    """Qualified names of the globals a pickle refers to, in order (never imported)."""
-    found: list[str] = []
-    strings: list[str] = []
-    for op, arg, _ in pickletools.genops(io.BytesIO(payload)):
-        if op.name == "GLOBAL":
-            found.append(arg.replace(" ", "."))
-        elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
-            strings.append(arg)
-        elif op.name == "STACK_GLOBAL":
-            found.append(f"{strings[-2]}.{strings[-1]}")
-    return found
-
-
-def run_ckpt(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """``python -m ckpt_tools ARGS`` in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("CKPT_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "ckpt_tools", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=kwargs.pop("timeout", 60),
-        **kwargs,
-    )

@@ -1,0 +1,1 @@
+"""The test suite, a package so that ``from tests.helpers import ...`` works from any test."""

@@ -1,0 +1,118 @@
+"""The one runner of the ``ckpt`` command: in this process, or in a fresh one.
+
+In this process, :func:`run_ckpt` calls :func:`ckpt_tools.cli.main.main`, the real
+boundary that turns errors into exit codes, under click's ``CliRunner`` isolation (stdout
+and stderr captured apart, ``CKPT_DEBUG`` unset). In a fresh process it runs
+``python -m ckpt_tools`` or the installed ``ckpt`` console script, with a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+from click.testing import CliRunner
+
+from ckpt_tools.cli.main import main
+from tests.helpers.committed import ROOT
+
+How = Literal["in-process", "module", "script"]
+
+
+class CkptResult(NamedTuple):
+    """What one run of ``ckpt`` gave.
+
+    A named tuple so that both ``code, out, err = run_ckpt(...)`` and ``result.stdout``
+    read naturally; the field names are ``subprocess.CompletedProcess``'s.
+    """
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def ckpt_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process that runs this checkout's ``ckpt_tools``.
+
+    Args:
+        **extra: variables to set. A ``PYTHONPATH`` among them goes first on the path.
+
+    Returns:
+        ``os.environ`` without ``CKPT_DEBUG`` (a developer's setting must not change what a
+        test sees), with ``extra`` and this checkout on ``PYTHONPATH``.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "CKPT_DEBUG"}
+    paths = [extra.pop("PYTHONPATH", ""), str(ROOT), env.get("PYTHONPATH", "")]
+    env.update(extra)
+    entries = [p for part in paths for p in part.split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(entries))
+    return env
+
+
+def console_script() -> str:
+    """The installed ``ckpt`` console script (fails the test when it is not installed)."""
+    found = shutil.which("ckpt") or str(Path(sys.executable).with_name("ckpt"))
+    assert Path(found).exists(), "the `ckpt` console script is not installed (pip install -e .)"
+    return found
+
+
+def run_ckpt(
+    *args: object,
+    code: int | None = 0,
+    how: How = "in-process",
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float = 120,
+) -> CkptResult:
+    """Run ``ckpt ARGS`` and return its exit code and output.
+
+    Args:
+        *args: the command line after ``ckpt`` (paths and numbers are turned into strings).
+        code: the exit code the run must end with (the assertion shows both streams);
+            None to check nothing.
+        how: ``in-process`` (fast, through ``main()``), ``module`` (``python -m
+            ckpt_tools`` in a fresh process: import-time behaviour, signals, environment)
+            or ``script`` (the installed console script).
+        env: extra environment variables (see :func:`ckpt_env` for a fresh process).
+        cwd: the working folder of a fresh process.
+        timeout: seconds a fresh process may take before the test fails; generous, so that
+            it only turns a hang into a failure.
+
+    Returns:
+        The :class:`CkptResult`.
+    """
+    argv = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in args]
+    if how == "in-process":
+        assert cwd is None, "in-process runs use the test's own working folder"
+        # CKPT_DEBUG=1 would re-raise instead of printing the one-line error under test.
+        overrides: dict[str, str | None] = {"CKPT_DEBUG": None, **(env or {})}
+        with CliRunner().isolation(env=overrides) as (out, err, _):
+            try:
+                returncode = main(argv)
+            finally:
+                sys.stdout.flush()  # the captured streams are text wrappers over `out`/`err`
+                sys.stderr.flush()
+        result = CkptResult(returncode, out.getvalue().decode(), err.getvalue().decode())
+    else:
+        command = [console_script()] if how == "script" else [sys.executable, "-m", "ckpt_tools"]
+        proc = subprocess.run(
+            [*command, *argv],
+            capture_output=True,
+            text=True,
+            env=ckpt_env(**(env or {})),
+            cwd=cwd,
+            timeout=timeout,
+            check=False,
+        )
+        result = CkptResult(proc.returncode, proc.stdout, proc.stderr)
+    if code is not None:
+        assert result.returncode == code, (
+            f"ckpt {' '.join(argv)}: exit {result.returncode}, expected {code}\n"
+            f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        )
+    return result

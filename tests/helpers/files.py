@@ -1,0 +1,119 @@
+"""Files on disk: fingerprints, leftovers, the pickle inside a zip, byte spans, broken copies."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickletools
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ckpt_tools.descriptors import StorageRef, TensorRef
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.pickles import load_pickle
+from ckpt_tools.formats.repickle import dumps, zip_storage_id
+from tests.helpers.committed import tools
+from tests.helpers.trees import torch_dtype
+
+
+def fingerprint(path: Path) -> tuple[str, int, int]:
+    """sha256, mtime_ns and inode of a file: the input must never change."""
+    st = os.stat(path)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest(), st.st_mtime_ns, st.st_ino
+
+
+def temp_files(folder: Path) -> list[Path]:
+    """The writers' temp files (``*.ckpt-tmp``, hidden or not) left in ``folder``."""
+    return sorted(Path(folder).glob("*.ckpt-tmp")) + sorted(Path(folder).glob(".*.ckpt-tmp"))
+
+
+def listing(folder: Path) -> list[str]:
+    """The names in ``folder``, sorted."""
+    return sorted(p.name for p in Path(folder).iterdir())
+
+
+def truncated_copy(src: Path, dst: Path, size: int) -> Path:
+    """The first ``size`` bytes of ``src`` (negative: all but the last ``-size``)."""
+    data = src.read_bytes()
+    dst.write_bytes(data[:size])
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# The pickle inside a torch zip
+
+
+def data_pkl_name(path: Path) -> str:
+    """The zip entry of the archive's one top-level ``data.pkl`` (``archive/data.pkl``)."""
+    with zipfile.ZipFile(path) as archive:
+        names = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+    assert len(names) == 1, f"{path}: expected one top-level data.pkl, found {names}"
+    return names[0]
+
+
+def read_data_pkl(path: Path) -> bytes:
+    """The bytes of a torch zip's top-level ``data.pkl``."""
+    with zipfile.ZipFile(path) as archive:
+        return archive.read(data_pkl_name(path))
+
+
+def pickle_protocol(data: bytes) -> int:
+    """The protocol a pickle declares (0 when it has no PROTO opcode), per pickletools."""
+    opcode, arg, _ = next(pickletools.genops(data))
+    return int(arg) if opcode.name == "PROTO" else 0
+
+
+def pickle_globals(payload: bytes) -> list[str]:
+    """Qualified names of the globals a pickle refers to, in order (never imported)."""
+    found: list[str] = []
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(io.BytesIO(payload)):
+        if op.name == "GLOBAL":
+            found.append(arg.replace(" ", "."))
+        elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL":
+            found.append(f"{strings[-2]}.{strings[-1]}")
+    return found
+
+
+def repickle_zip(
+    src: Path, dst: Path, protocol: int = 2, device_map: Mapping[str, str] | None = None
+) -> bytes:
+    """Re-emit ``src``'s data.pkl with our re-pickler into a copy of the archive at ``dst``.
+
+    Returns:
+        The new data.pkl bytes.
+    """
+    tree = load_pickle(io.BytesIO(read_data_pkl(src))).root
+    payload = dumps(tree, protocol, zip_storage_id(device_map))
+    tools().rewrite_zip(src, dst, replace={"data.pkl": payload})
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor bytes where our reader says they are
+
+
+def read_span(ckpt: Checkpoint, storage: StorageRef) -> bytes:
+    """The bytes our reader says ``storage`` has."""
+    span = ckpt.span(storage)
+    with open(span.path, "rb") as f:
+        f.seek(span.offset)
+        data = f.read(span.nbytes)
+    assert len(data) == span.nbytes
+    return data
+
+
+def tensor_from_span(ckpt: Checkpoint, tensor: TensorRef) -> torch.Tensor:
+    """Rebuild a tensor with torch from the bytes our reader says are its storage's."""
+    dtype = torch_dtype(tensor.dtype)
+    data = read_span(ckpt, tensor.storage)
+    if not data:
+        return torch.empty(tensor.shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+    return flat.as_strided(tensor.shape, tensor.stride, tensor.offset)
