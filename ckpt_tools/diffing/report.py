@@ -279,8 +279,10 @@ class DiffReport(Readable):
                 which side has it, or names close matches.
 
         Example:
-            >>> diff("a.pt", "b.pt").tensor("fc.weight").max_abs  # doctest: +SKIP
-            0.0012
+            >>> from ckpt_tools import diff
+            >>> report = diff("model.pt", "model.pt")
+            >>> report.tensor("conv.weight").bit_equal, report.tensor("conv.weight").max_abs
+            (True, 0.0)
         """
         found = self._by_name.get(name)
         if found is not None:

@@ -90,11 +90,12 @@ class LoadInfo(Readable):
         """How the file was loaded, for people: source, selection, storages by device.
 
         Example:
-            >>> print(load_state_dict("ddp_gpu1.pt", return_info=True)[1])  # doctest: +SKIP
-            loaded 17 tensors from ddp_gpu1.pt (torch-zip, memory-mapped)
+            >>> from ckpt_tools import load_state_dict
+            >>> print(load_state_dict("ddp.pt", return_info=True)[1])
+            loaded 17 tensors from ddp.pt (torch-zip, memory-mapped)
             state dict: <root> (the root is a state dict)
             map_location: auto
-              cuda:1 -> cpu: 17 storages, 2.2 KiB
+              cpu: 17 storages, 2.2 KiB (kept)
         """
         how = [self.format]
         how += ["memory-mapped"] if self.mmap else []

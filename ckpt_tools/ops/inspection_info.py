@@ -156,8 +156,12 @@ class CheckpointInfo(Readable):
             SelectError: no such tensor (a ``KeyError``); the message names close matches.
 
         Example:
-            >>> inspect("ddp.pt").tensor("fc.weight")  # doctest: +SKIP
-            SelectError: no tensor 'fc.weight' in ddp.pt (close: module.fc.weight); ...
+            >>> from ckpt_tools import inspect
+            >>> inspect("ddp.pt").tensor("module.head.bias").shape
+            (3,)
+            >>> inspect("ddp.pt").tensor("conv.weight")
+            Traceback (most recent call last):
+            ckpt_tools.errors.SelectError: no tensor 'conv.weight' in ddp.pt (close: module.conv.weight, ...
         """
         found = self._by_name.get(name)
         if found is None:
@@ -279,7 +283,12 @@ class CheckpointInfo(Readable):
             group, limit, table, for_cli: as :meth:`table` and :meth:`summary` take them.
 
         Example:
-            >>> print(inspect("model.pt").text(group=True))  # doctest: +SKIP
+            >>> from ckpt_tools import inspect
+            >>> print(inspect("model.pt").text(group=True))
+            file:        model.pt
+            format:      torch-zip
+            state dict:  <root> (the root is a state dict)
+            ...
         """
         return f"{self.summary(for_cli)}\n\n{self.table(group, limit, table, for_cli)}"
 

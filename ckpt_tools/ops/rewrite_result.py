@@ -62,7 +62,8 @@ class RewriteResult(Readable):
         """What the ``ckpt`` rewrite commands print: the message, a few renames, the totals.
 
         Example:
-            >>> print(strip_module_file("ddp.pt", "plain.pt"))  # doctest: +SKIP
+            >>> from ckpt_tools import strip_module_file
+            >>> print(strip_module_file("ddp.pt", "plain.pt"))
             stripped 'module.': wrote plain.pt (17 of 17 keys renamed)
               module.conv.weight -> conv.weight
             ...
