@@ -1,4 +1,9 @@
-"""What a harness run is asked to do (:class:`TrainConfig`), what it did (:class:`TrainResult`)."""
+"""What a harness run is asked to do (:class:`TrainConfig`), what it did (:class:`TrainResult`).
+
+Also the harness's name tables (:data:`STRATEGIES`, :data:`MODEL_NAMES`). This module
+imports neither torch nor click, so the ``ckpt harness`` options take their choices from
+here without making ``ckpt --help`` import torch.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.models import MODEL_NAMES
 
-__all__ = ["CHECKPOINT_NAMES", "RUN_JSON", "STRATEGIES", "TrainConfig", "TrainResult"]
+__all__ = [
+    "CHECKPOINT_NAMES",
+    "MODEL_NAMES",
+    "RUN_JSON",
+    "STRATEGIES",
+    "TrainConfig",
+    "TrainResult",
+]
 
 #: Training strategies, in the order reports list them.
 STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual")
+#: Every model :func:`ckpt_tools.harness.models.build_harness_model` builds; ``resnet-syncbn``
+#: is the ResNet with SyncBatchNorm.
+MODEL_NAMES: tuple[str, ...] = ("mlp", "lenet", "resnet", "resnet-syncbn")
 #: The three checkpoint files every run writes into its output directory.
 CHECKPOINT_NAMES: tuple[str, ...] = ("wrapped", "bare", "trainer")
 #: Name of the run summary (losses, devices) written next to the checkpoints.
@@ -27,7 +41,7 @@ class TrainConfig:
 
     Attributes:
         strategy: ``single``, ``dp``, ``ddp`` or ``manual``.
-        model: a name :func:`ckpt_tools.harness.models.build_model` knows.
+        model: one of :data:`MODEL_NAMES`.
         steps: number of SGD steps.
         world_size: replicas/ranks; ``None``: one per selected GPU, or 2 on the CPU.
             ``single`` always uses one device.
@@ -75,7 +89,7 @@ class TrainConfig:
             )
         if self.model.lower() not in MODEL_NAMES:
             raise UsageError(
-                f"unknown model {self.model!r}: expected one of {', '.join(MODEL_NAMES)} (--model)"
+                f"unknown model {self.model!r}: expected one of {', '.join(MODEL_NAMES)} (--arch)"
             )
         if self.steps < 1:
             raise UsageError(f"steps must be at least 1, got {self.steps} (--steps)")
