@@ -178,8 +178,10 @@ def build_harness_model(name: str, *, sync_bn: bool = False, **kw: Any) -> nn.Mo
     key = name.lower()
     if key not in MODEL_NAMES:
         raise UsageError(
-            f"unknown model {name!r}: expected one of {', '.join(MODEL_NAMES)} "
-            "(the model argument / --arch option)"
+            f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
+            argument="name",
+            value=repr(name),
+            flag="--arch",
         )
     if key == "resnet-syncbn":
         key, sync_bn = "resnet", True
