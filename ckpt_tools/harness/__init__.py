@@ -43,7 +43,19 @@ _LAZY = {
     "train": "ckpt_tools.harness.strategies",
 }
 
-__all__ = sorted(["MODEL_NAMES", "STRATEGIES", "TrainConfig", "TrainResult", *_LAZY])
+__all__ = [
+    "CHECK_NAMES",
+    "MODEL_NAMES",
+    "STRATEGIES",
+    "CheckResult",
+    "ParityReport",
+    "TrainConfig",
+    "TrainResult",
+    "build_harness_model",
+    "run_parity",
+    "synthetic_fashion",
+    "train",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -32,16 +32,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.harness.config import TrainConfig, TrainResult
-from ckpt_tools.harness.data import batch_indices, shard, synthetic_fashion
+from ckpt_tools.harness.data import shard
 from ckpt_tools.harness.loop import (
-    completed_epochs,
+    cpu_fallback,
     deterministic,
+    finish_run,
+    global_batches,
     init_model,
     local_loss,
     make_optimizer,
-    save_checkpoints,
 )
-from ckpt_tools.harness.models import build_model, has_batchnorm
+from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.placement import resolve_devices
 
 __all__ = ["TorchrunEnv", "torchrun_env", "train_ddp"]
@@ -133,7 +134,9 @@ def train_ddp(config: TrainConfig) -> TrainResult:
 
 def _check_ranks(config: TrainConfig, world: int, device: torch.device) -> None:
     """Refuse what would fail inside the workers, before any process starts."""
-    build_model(config.model, **dict(config.model_kwargs))  # bad model_kwargs: UsageError here
+    build_harness_model(
+        config.model, **dict(config.model_kwargs)
+    )  # bad model_kwargs: UsageError here
     if config.batch_size < world:
         raise UsageError(
             f"is smaller than the {world} ranks",
@@ -159,7 +162,9 @@ def _wants_sync_bn(config: TrainConfig, device: torch.device) -> bool:
         return True
     if config.sync_bn is not None:
         return config.sync_bn
-    return device.type == "cuda" and has_batchnorm(build_model(config.model, **config.model_kwargs))
+    if device.type != "cuda":
+        return False
+    return has_batchnorm(build_harness_model(config.model, **config.model_kwargs))
 
 
 def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
@@ -279,15 +284,12 @@ def _train(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
     optimizer = make_optimizer(ddp.parameters(), config)
-    images, labels = synthetic_fashion(config.num_samples, config.seed).tensors
     losses: list[float] = []
     started = time.perf_counter()
     with deterministic():
-        for step in range(config.steps):
-            idx = batch_indices(step, config.num_samples, config.batch_size, config.seed)
-            local = shard(idx, rank, world)
-            x, y = images[local].to(device), labels[local].to(device)
-            loss = local_loss(ddp(x), y, len(idx), world)
+        for images, labels in global_batches(config):
+            x, y = shard(images, rank, world).to(device), shard(labels, rank, world).to(device)
+            loss = local_loss(ddp(x), y, len(labels), world)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages the gradients over ranks here
             optimizer.step()
@@ -295,27 +297,15 @@ def _train(
             logged = loss.detach().clone()
             dist.all_reduce(logged)
             losses.append(float(logged) / world)
-    checkpoints: dict[str, str] = {}
-    if rank == 0 and config.out_dir is not None:
-        checkpoints = save_checkpoints(
-            config.out_dir, ddp.state_dict(), ddp.module.state_dict(), optimizer, config
-        )
-    fallback = None
-    if device.type == "cpu":
-        why = "device='cpu'" if torch.cuda.is_available() else "no GPU"
-        fallback = f"{why}: {world} CPU processes over gloo"
-    return TrainResult(
-        strategy="ddp",
-        model=config.model,
-        world_size=world,
+    fallback = cpu_fallback(f"{world} CPU processes over gloo") if device.type == "cpu" else None
+    result = finish_run(
+        config, [device] * world, losses, ddp, ddp.module, optimizer, fallback, save=rank == 0
+    )
+    return replace(
+        result,
         devices=(str(device),),
-        losses=tuple(losses),
-        steps=config.steps,
-        epoch=completed_epochs(config),
-        fallback=fallback,
         backend=backend,
         launcher=launcher,
         sync_bn=sync_bn,
-        checkpoints=checkpoints,
         seconds=time.perf_counter() - started,
     )

@@ -278,7 +278,8 @@ def finish_run(
     Example:
         >>> model = init_model(TrainConfig())
         >>> optimizer = make_optimizer(model.parameters(), TrainConfig())
-        >>> run = finish_run(TrainConfig(), [torch.device("cpu")], [2.3], model, model, optimizer, None)
+        >>> cpu = [torch.device("cpu")]
+        >>> run = finish_run(TrainConfig(), cpu, [2.3], model, model, optimizer, None)
         >>> run.world_size, run.checkpoints
         (1, {})
     """
