@@ -181,8 +181,7 @@ def compare_tensors(
     """
     if a.shape != b.shape:
         raise UsageError(
-            f"compare_tensors needs tensors of one shape, got {tuple(a.shape)} and "
-            f"{tuple(b.shape)}"
+            f"compare_tensors needs tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     stats = ValueStats(dtype_name(a.dtype), dtype_name(b.dtype), rtol, atol)
     stats.add(_flat_cpu(a), _flat_cpu(b))

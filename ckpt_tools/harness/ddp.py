@@ -174,7 +174,7 @@ def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
             "SyncBatchNorm needs GPUs (torch implements it for CUDA only), but this DDP run "
             "is on the CPU",
             remedies=(
-                Remedy("model", "'resnet'", flag="--model resnet", text="(BatchNorm per rank)"),
+                Remedy("model", "'resnet'", flag="--arch resnet", text="(BatchNorm per rank)"),
                 Remedy(text="run on GPUs"),
             ),
         )

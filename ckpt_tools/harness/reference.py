@@ -87,7 +87,7 @@ def _gap(report: DiffReport, *, bitwise: bool) -> tuple[float, list[str]]:
     for t in report.tensors:
         if t.status in ("shape", "dtype"):
             problems.append(
-                f"{t.name}: {t.dtype_a}{list(t.shape_a)} vs {t.dtype_b}{list(t.shape_b)}"
+                f"{t.name}: {t.dtype_a}{list(t.shape_a)}, expected {t.dtype_b}{list(t.shape_b)}"
             )
         elif bitwise and not t.bit_equal:
             problems.append(f"{t.name}: bytes differ")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_tools.harness.cli import main
 
 from ckpt_tools.harness import TrainConfig, train
-from ckpt_tools.harness.cli import main
 from ckpt_tools.harness.config import TrainResult
 
 
