@@ -19,7 +19,7 @@ import click
 from tabulate import tabulate
 
 # config.py is torch-free: `ckpt --help` and the choices below do not import torch.
-from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig
+from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, torchrun_env
 
 if TYPE_CHECKING:
     from ckpt_tools.harness.checks import CheckResult
@@ -140,25 +140,11 @@ def train_cmd(
     strategy: str, out_dir: str | None, lr: float, run: RunOptions, as_json: bool
 ) -> None:
     """Train with one strategy and, with --out, save its checkpoints there."""
-    from ckpt_tools.harness.ddp import torchrun_env
     from ckpt_tools.harness.strategies import train
 
-    env = torchrun_env()
-    if env is not None and strategy != "ddp":
-        from ckpt_tools.errors import Remedy, UsageError
-
-        raise UsageError(
-            f"runs in one process, but torchrun started {env.world_size}",
-            argument="strategy",
-            value=repr(strategy),
-            flag="--strategy",
-            remedies=(
-                Remedy("strategy", "'ddp'", flag="--strategy ddp", verb="use"),
-                Remedy(text="run without torchrun"),
-            ),
-        )
     result = train(TrainConfig(strategy=strategy, lr=lr, out_dir=out_dir, **asdict(run)))
-    if env is None or env.rank == 0:  # every rank returns; one of them reports
+    env = torchrun_env()
+    if env is None or env.rank == 0:  # under torchrun every rank returns; one reports
         _echo_train(result, as_json)
 
 

@@ -8,6 +8,7 @@ here without making ``ckpt --help`` import torch.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -20,8 +21,12 @@ __all__ = [
     "MODEL_NAMES",
     "RUN_JSON",
     "STRATEGIES",
+    "TORCHRUN_VARS",
+    "TorchrunEnv",
     "TrainConfig",
     "TrainResult",
+    "check_batch_covers",
+    "torchrun_env",
 ]
 
 #: Training strategies, in the order reports list them.
@@ -33,6 +38,8 @@ MODEL_NAMES: tuple[str, ...] = ("mlp", "lenet", "resnet", "resnet-syncbn")
 CHECKPOINT_NAMES: tuple[str, ...] = ("wrapped", "bare", "trainer")
 #: Name of the run summary (losses, devices) written next to the checkpoints.
 RUN_JSON = "run.json"
+#: Environment variables torchrun sets for every worker; all present means "under torchrun".
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 #: The fixes for a global batch smaller than the ranks it is split over.
 SMALL_BATCH_REMEDIES: tuple[Remedy, ...] = (
     Remedy("batch_size", verb="raise", flag="--batch-size"),
@@ -112,14 +119,8 @@ class TrainConfig:
                 value=repr(self.world_size),
                 flag="--world-size",
             )
-        if self.world_size is not None and self.batch_size < self.world_size:
-            raise UsageError(
-                f"leaves some of the {self.world_size} ranks without samples",
-                argument="batch_size",
-                value=repr(self.batch_size),
-                flag="--batch-size",
-                remedies=SMALL_BATCH_REMEDIES,
-            )
+        if self.world_size is not None:
+            check_batch_covers(self.batch_size, self.world_size, "ranks")
         if not 1 <= self.batch_size <= self.num_samples:
             raise UsageError(
                 f"must be between 1 and num_samples={self.num_samples}",
@@ -127,6 +128,71 @@ class TrainConfig:
                 value=repr(self.batch_size),
                 flag="--batch-size",
             )
+
+
+def check_batch_covers(
+    batch_size: int, ranks: int, what: str, remedies: tuple[Remedy, ...] = SMALL_BATCH_REMEDIES
+) -> None:
+    """Refuse a global batch too small to give each rank or replica a sample.
+
+    Args:
+        batch_size: the global batch.
+        ranks: how many ranks or replicas split it.
+        what: what they are called in the message (``"ranks"``, ``"replicas"``).
+        remedies: the fixes to suggest.
+
+    Raises:
+        UsageError: ``batch_size < ranks``, naming ``batch_size`` and the fixes.
+
+    Example:
+        >>> check_batch_covers(2, 4, "ranks")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: batch_size=2: leaves some of the 4 ranks without samples; ...
+    """
+    if batch_size < ranks:
+        raise UsageError(
+            f"leaves some of the {ranks} {what} without samples",
+            argument="batch_size",
+            value=repr(batch_size),
+            flag="--batch-size",
+            remedies=remedies,
+        )
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The rendezvous variables of one torchrun worker."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+    """Detect a torchrun (or any env:// launcher) worker from its environment.
+
+    Args:
+        environ: the environment to read; ``os.environ`` by default.
+
+    Returns:
+        The rank layout, or ``None`` when a variable of :data:`TORCHRUN_VARS` is missing.
+
+    Example:
+        >>> torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...               "MASTER_ADDR": "127.0.0.1"}).rank
+        1
+    """
+    env = os.environ if environ is None else environ
+    if not all(env.get(name) for name in TORCHRUN_VARS):
+        return None
+    world = int(env["WORLD_SIZE"])
+    return TorchrunEnv(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env["LOCAL_RANK"]),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+    )
 
 
 @dataclass(frozen=True)

@@ -229,19 +229,23 @@ def save_checkpoints(
     return {name: str(path) for name, path in paths.items()}
 
 
-def cpu_fallback(what: str) -> str:
-    """A run's ``fallback`` when it ran on the CPU: why, then what ran instead.
+def cpu_fallback(devices: Sequence[torch.device], what: str) -> str | None:
+    """A run's ``fallback`` when it ran on the CPU only: why, then what ran instead.
 
     Args:
+        devices: the devices the run used.
         what: what ran in place of the GPU form, e.g. ``"2 CPU processes over gloo"``.
 
     Returns:
-        ``"no GPU: ..."``, or ``"device='cpu': ..."`` when GPUs were there but not used.
+        ``None`` when some device is a GPU; else ``"no GPU: ..."``, or
+        ``"device='cpu': ..."`` when GPUs were there but not used.
 
     Example:
-        >>> cpu_fallback("2 CPU processes over gloo")  # doctest: +SKIP
-        'no GPU: 2 CPU processes over gloo'
+        >>> cpu_fallback([torch.device("cuda", 0)], "2 CPU processes over gloo") is None
+        True
     """
+    if any(d.type != "cpu" for d in devices):
+        return None
     why = "device='cpu'" if torch.cuda.is_available() else "no GPU"
     return f"{why}: {what}"
 

@@ -17,18 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ckpt_tools.harness import loop
 from ckpt_tools.harness.config import TrainConfig, TrainResult
 from ckpt_tools.harness.data import shard
-from ckpt_tools.harness.loop import (
-    ModuleContainer,
-    cpu_fallback,
-    deterministic,
-    finish_run,
-    global_batches,
-    init_model,
-    local_loss,
-    make_optimizer,
-)
 
 __all__ = ["allreduce_mean_grads", "broadcast_state", "train_manual"]
 
@@ -109,19 +100,19 @@ def train_manual(config: TrainConfig, devices: Sequence[torch.device]) -> TrainR
         (2, True)
     """
     count = len(devices)
-    master = init_model(config).to(devices[0])
+    master = loop.init_model(config).to(devices[0])
     # The master is replica 0 (as in DataParallel); the others start as exact copies.
     replicas = [master] + [copy.deepcopy(master).to(d) for d in devices[1:]]
-    optimizer = make_optimizer(master.parameters(), config)
+    optimizer = loop.make_optimizer(master.parameters(), config)
     losses: list[float] = []
-    with deterministic():
-        for images, labels in global_batches(config):
+    with loop.deterministic():
+        for images, labels in loop.global_batches(config):
             step_loss = 0.0
             for rank, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
                 # scatter: this replica's contiguous slice of the global batch
                 x, y = shard(images, rank, count).to(device), shard(labels, rank, count).to(device)
                 replica.zero_grad(set_to_none=True)
-                loss = local_loss(replica(x), y, len(labels), count)
+                loss = loop.local_loss(replica(x), y, len(labels), count)
                 loss.backward()
                 step_loss += float(loss.detach())
             allreduce_mean_grads(replicas)
@@ -130,8 +121,7 @@ def train_manual(config: TrainConfig, devices: Sequence[torch.device]) -> TrainR
             # Each local loss is scaled by count / global batch, so their mean is the
             # global-batch mean loss, comparable with the other strategies.
             losses.append(step_loss / count)
-    on_cpu = all(d.type == "cpu" for d in devices)
-    fallback = (
-        cpu_fallback(f"{count} replicas ran one after another on the CPU") if on_cpu else None
+    fallback = loop.cpu_fallback(devices, f"{count} replicas ran one after another on the CPU")
+    return loop.finish_run(
+        config, devices, losses, loop.ModuleContainer(master), master, optimizer, fallback
     )
-    return finish_run(config, devices, losses, ModuleContainer(master), master, optimizer, fallback)

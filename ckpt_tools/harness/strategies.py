@@ -14,8 +14,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.config import SMALL_BATCH_REMEDIES, TrainConfig, TrainResult
+from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.harness.config import TrainConfig, TrainResult, check_batch_covers, torchrun_env
 from ckpt_tools.harness.loop import (
     ModuleContainer,
     cpu_fallback,
@@ -43,7 +43,8 @@ def train(config: TrainConfig) -> TrainResult:
         ``torchrun`` (strategy ``ddp``), every rank returns; only rank 0 wrote files.
 
     Raises:
-        UsageError: bad strategy/model/sizes, or more ranks than selected GPUs.
+        UsageError: bad strategy/model/sizes, more ranks than selected GPUs, or a
+            one-process strategy under torchrun.
         RuntimeError: a DDP worker process failed (its traceback is in the message).
 
     Example:
@@ -52,20 +53,26 @@ def train(config: TrainConfig) -> TrainResult:
         2
     """
     config.validate()
+    env = torchrun_env()
+    if env is not None and config.strategy != "ddp":
+        # Every rank would train the whole run alone, and all of them write out_dir.
+        raise UsageError(
+            f"runs in one process, but torchrun started {env.world_size}",
+            argument="strategy",
+            value=repr(config.strategy),
+            flag="--strategy",
+            remedies=(
+                Remedy("strategy", "'ddp'", flag="--strategy ddp", verb="use"),
+                Remedy(text="run without torchrun"),
+            ),
+        )
     if config.strategy == "ddp":
         from ckpt_tools.harness.ddp import train_ddp  # keeps torch.distributed out otherwise
 
         return train_ddp(config)
     world_size = 1 if config.strategy == "single" else config.world_size
     devices = resolve_devices(world_size, config.gpus, config.device)
-    if config.batch_size < len(devices):
-        raise UsageError(
-            f"is smaller than the {len(devices)} replicas",
-            argument="batch_size",
-            value=repr(config.batch_size),
-            flag="--batch-size",
-            remedies=SMALL_BATCH_REMEDIES,
-        )
+    check_batch_covers(config.batch_size, len(devices), "replicas")
     started = time.perf_counter()
     if config.strategy == "manual":
         from ckpt_tools.harness.manual import train_manual
@@ -135,7 +142,7 @@ def _train_dp(config: TrainConfig, devices: Sequence[torch.device]) -> TrainResu
         fallback, used = None, list(devices)
     else:
         asked = f" (asked for {len(devices)} replicas)" if len(devices) > 1 else ""
-        fallback = cpu_fallback(f"DataParallel ran as a plain forward on the CPU{asked}")
+        fallback = cpu_fallback(devices, f"DataParallel ran as a plain forward on the CPU{asked}")
         # device='cpu' on a GPU machine: DataParallel would pull the model onto a GPU, so
         # keep its key layout with the container and forward plainly. Without CUDA,
         # DataParallel keeps device_ids empty and just calls the module.

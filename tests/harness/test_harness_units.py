@@ -13,9 +13,8 @@ from torch import nn
 
 import ckpt_tools.harness as harness
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.config import TrainConfig, TrainResult
+from ckpt_tools.harness.config import TrainConfig, TrainResult, torchrun_env
 from ckpt_tools.harness.data import batch_indices, shard, steps_per_epoch, synthetic_fashion
-from ckpt_tools.harness.ddp import torchrun_env
 from ckpt_tools.harness.loop import deterministic, init_model, local_loss
 from ckpt_tools.harness.manual import allreduce_mean_grads, broadcast_state
 from ckpt_tools.harness.models import MODEL_NAMES, build_harness_model, has_batchnorm
