@@ -1,8 +1,9 @@
 """What a harness run is asked to do (:class:`TrainConfig`), what it did (:class:`TrainResult`).
 
-Also the harness's name tables (:data:`STRATEGIES`, :data:`MODEL_NAMES`). This module
-imports neither torch nor click, so the ``ckpt harness`` options take their choices from
-here without making ``ckpt --help`` import torch.
+Also the harness's name tables (:data:`STRATEGIES`, :data:`MODEL_NAMES`), the checks a
+run's arguments need no machine for, and torchrun detection (:func:`torchrun_env`). This
+module imports neither torch nor click, so the ``ckpt harness`` options take their
+choices from here without making ``ckpt --help`` import torch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "check_batch_covers",
+    "check_torchrun_fit",
     "torchrun_env",
 ]
 
@@ -193,6 +195,40 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
         local_rank=int(env["LOCAL_RANK"]),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
     )
+
+
+def check_torchrun_fit(config: TrainConfig, env: TorchrunEnv) -> None:
+    """Refuse a run that cannot be one of torchrun's ranks, before any process group.
+
+    Args:
+        config: the run each rank was started with.
+        env: the worker's rendezvous variables (:func:`torchrun_env`).
+
+    Raises:
+        UsageError: a one-process strategy (every rank would train alone and all would
+            write ``out_dir``), or a ``world_size`` other than torchrun's.
+
+    Example:
+        >>> env = TorchrunEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
+        >>> check_torchrun_fit(TrainConfig(strategy="ddp"), env)
+    """
+    if config.strategy != "ddp":
+        message = f"runs in one process, but torchrun started {env.world_size}"
+        argument, value, flag = "strategy", repr(config.strategy), "--strategy"
+        remedies = (
+            Remedy("strategy", "'ddp'", flag="--strategy ddp", verb="use"),
+            Remedy(text="run without torchrun"),
+        )
+    elif config.world_size not in (None, env.world_size):
+        message = f"torchrun started {env.world_size} processes"
+        argument, value, flag = "world_size", repr(config.world_size), "--world-size"
+        remedies = (
+            Remedy("world_size", verb="drop", flag="--world-size"),
+            Remedy(text="match torchrun's --nproc-per-node"),
+        )
+    else:
+        return
+    raise UsageError(message, argument=argument, value=value, flag=flag, remedies=remedies)
 
 
 @dataclass(frozen=True)

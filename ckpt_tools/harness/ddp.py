@@ -37,6 +37,7 @@ from ckpt_tools.harness.config import (
     TrainConfig,
     TrainResult,
     check_batch_covers,
+    check_torchrun_fit,
     torchrun_env,
 )
 from ckpt_tools.harness.data import shard
@@ -71,17 +72,7 @@ def train_ddp(config: TrainConfig) -> TrainResult:
     """
     env = torchrun_env()
     if env is not None:
-        if config.world_size is not None and config.world_size != env.world_size:
-            raise UsageError(
-                f"torchrun started {env.world_size} processes",
-                argument="world_size",
-                value=repr(config.world_size),
-                flag="--world-size",
-                remedies=(
-                    Remedy("world_size", verb="drop", flag="--world-size"),
-                    Remedy(text="match torchrun's --nproc-per-node"),
-                ),
-            )
+        check_torchrun_fit(config, env)
         devices = resolve_devices(env.local_world_size, config.gpus, config.device)
         _check_ranks(config, env.world_size, devices[0])
         return _worker(

@@ -14,8 +14,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.harness.config import TrainConfig, TrainResult, check_batch_covers, torchrun_env
+from ckpt_tools.harness.config import (
+    TrainConfig,
+    TrainResult,
+    check_batch_covers,
+    check_torchrun_fit,
+    torchrun_env,
+)
 from ckpt_tools.harness.loop import (
     ModuleContainer,
     cpu_fallback,
@@ -54,18 +59,8 @@ def train(config: TrainConfig) -> TrainResult:
     """
     config.validate()
     env = torchrun_env()
-    if env is not None and config.strategy != "ddp":
-        # Every rank would train the whole run alone, and all of them write out_dir.
-        raise UsageError(
-            f"runs in one process, but torchrun started {env.world_size}",
-            argument="strategy",
-            value=repr(config.strategy),
-            flag="--strategy",
-            remedies=(
-                Remedy("strategy", "'ddp'", flag="--strategy ddp", verb="use"),
-                Remedy(text="run without torchrun"),
-            ),
-        )
+    if env is not None:
+        check_torchrun_fit(config, env)
     if config.strategy == "ddp":
         from ckpt_tools.harness.ddp import train_ddp  # keeps torch.distributed out otherwise
 
