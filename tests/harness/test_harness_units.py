@@ -266,3 +266,18 @@ def test_docstring_examples_run(module: str) -> None:
     name = "ckpt_tools.harness" + ("" if module == "__init__" else f".{module}")
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+def test_output_comparison_is_bitwise_and_refuses_unpaired_shapes() -> None:
+    from ckpt_tools.diffing.value_stats import compare_tensors
+
+    zero, neg_zero = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    stats = compare_tensors(zero, neg_zero)
+    assert (stats.bit_equal, stats.max_abs, stats.allclose) == (False, 0.0, True)
+    nan = torch.tensor([float("nan"), 2.0])
+    same_nan = compare_tensors(nan, nan.clone())
+    assert same_nan.bit_equal and (same_nan.nan_a, same_nan.nan_b) == (1, 1)
+    off = compare_tensors(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), atol=0.1)
+    assert (off.bit_equal, off.max_abs, off.mismatched) == (False, 0.5, 1)
+    with pytest.raises(UsageError, match=r"one shape, got \(2,\) and \(3,\)"):
+        compare_tensors(torch.zeros(2), torch.zeros(3))
