@@ -115,7 +115,8 @@ def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-@click.group()
+# The same help options under `ckpt` and as `python -m ckpt_tools.harness` (no parent there).
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def harness() -> None:
     """Train small models single/dp/ddp/manual and check checkpoint parity.
 
