@@ -77,22 +77,23 @@ __all__ = [
     "sub_rule",
 ]
 
-# Functions whose modules import torch (or write files) load on first use.
+# Functions whose modules import torch (or write files) load on first use. The result
+# classes come from their torch-free modules: naming one never imports torch.
 _LAZY = {
     "inspect": "ckpt_tools.ops.inspection",
-    "CheckpointInfo": "ckpt_tools.ops.inspection",
-    "TensorInfo": "ckpt_tools.ops.inspection",
+    "CheckpointInfo": "ckpt_tools.ops.inspection_info",
+    "TensorInfo": "ckpt_tools.ops.inspection_info",
     "rewrite": "ckpt_tools.ops.rewriting",
     "convert": "ckpt_tools.ops.rewriting",
     "retag": "ckpt_tools.ops.rewriting",
     "strip_module_file": "ckpt_tools.ops.rewriting",
-    "RewriteResult": "ckpt_tools.ops.rewriting",
+    "RewriteResult": "ckpt_tools.ops.rewrite_result",
     "load_state_dict": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
-    "LoadReport": "ckpt_tools.loading.into_module",
-    "LoadInfo": "ckpt_tools.loading.state_dict",
+    "LoadReport": "ckpt_tools.loading.results",
+    "LoadInfo": "ckpt_tools.loading.results",
     "diff": "ckpt_tools.diffing.engine",
-    "DiffReport": "ckpt_tools.diffing.engine",
+    "DiffReport": "ckpt_tools.diffing.report",
 }
 __all__ += sorted(_LAZY)
 
@@ -103,3 +104,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ckpt_tools' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazily loaded names too, so `ct.inspect` and `ct.load_into` tab-complete.
+    return sorted({*globals(), *_LAZY})

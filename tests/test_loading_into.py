@@ -180,7 +180,7 @@ def test_non_strict_skips_shape_mismatches_and_reports(source: Net, tmp_path: Pa
     head_before = target.head.weight.clone()
     report = load_into(target, path, strict=False)
     assert report.rewrites == ("stripping 'model.'",)
-    assert [(m.key, m.checkpoint, m.model) for m in report.shape_mismatches] == [
+    assert [(m.key, m.checkpoint_shape, m.model_shape) for m in report.shape_mismatches] == [
         ("head.weight", (2, 8), (3, 8)),
         ("head.bias", (2,), (3,)),
     ]

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import click
 
 from ckpt_tools.cli.options import json_option, select_option
 from ckpt_tools.cli.render import echo_json, table
-from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, TensorDiff
+from ckpt_tools.diffing.report import FAIL_CATEGORIES
 from ckpt_tools.errors import EXIT_DIFFERENCES, EXIT_OK, UsageError
-from ckpt_tools.structure.grouping import group_names
 
 
 def parse_fail_on(text: str | None) -> frozenset[str]:
@@ -107,9 +105,9 @@ def diff_cmd(
     from ckpt_tools.diffing.engine import diff
 
     if model_spec is not None:
-        from ckpt_tools.loading.module_spec import build_model
+        from ckpt_tools.loading.module_spec import module_from_spec
 
-        other: Any = build_model(model_spec, parse_model_args(model_args))
+        other: Any = module_from_spec(model_spec, parse_model_args(model_args))
     else:
         other = b
     report = diff(a, other, rtol=rtol, atol=atol, select_a=select, select_b=select_b, align=align)
@@ -117,127 +115,10 @@ def diff_cmd(
     if as_json:
         echo_json({**report.to_json(), "fail_on": sorted(categories), "failed_on": failed})
     else:
-        click.echo(render(report, show_all=show_all, group=not no_group, model_spec=model_spec))
+        text = report.text(
+            show_all=show_all, group=not no_group, model_spec=model_spec, table=table, for_cli=True
+        )
+        click.echo(text)
         if failed:
             click.echo(f"failing on: {', '.join(failed)}")
     return EXIT_DIFFERENCES if failed else EXIT_OK
-
-
-def _side_line(name: str, side: SideInfo, model_spec: str | None) -> str:
-    label = side.label if side.kind != "module" or not model_spec else f"{model_spec} {side.label}"
-    bits = [side.format] if side.format else [side.kind.replace("_", " ")]
-    if side.selected:
-        bits.append(f"state dict {'.'.join(side.selected)!r}")
-    bits.append(f"{side.tensors} tensors")
-    if side.wrappers:
-        bits.append("wrappers " + " ".join(side.wrappers))
-    if side.skipped:
-        bits.append(f"{len(side.skipped)} non-tensor entries not compared")
-    return f"{name}: {label} ({', '.join(bits)})"
-
-
-def _number(x: float | None) -> str:
-    if x is None:
-        return ""
-    if math.isinf(x):
-        return "inf"
-    return "0" if x == 0 else f"{x:.3g}"
-
-
-def _fold(names: tuple[str, ...], group: bool, limit: int = 12) -> list[str]:
-    if group:
-        shown = [
-            g.pattern + (f" ×{g.count}" if g.count > 1 else "") for g, _ in group_names(names, str)
-        ]
-    else:
-        shown = list(names)
-    more = [f"... {len(shown) - limit} more (see --json)"] if len(shown) > limit else []
-    return shown[:limit] + more
-
-
-def _rows(tensors: list[TensorDiff], group: bool) -> list[list[str]]:
-    def signature(t: TensorDiff) -> Any:
-        return (t.status, t.dtype_a, t.dtype_b, t.shape_a, t.shape_b)
-
-    if group:
-        groups = group_names(tensors, lambda t: t.name, signature)
-    else:
-        groups = [(None, [t]) for t in tensors]
-    rows = []
-    for g, members in groups:
-        first = members[0]
-        name = first.name if g is None or g.count == 1 else f"{g.pattern} ×{g.count}"
-        dtype = (
-            first.dtype_a
-            if first.dtype_a == first.dtype_b
-            else (f"{first.dtype_a} / {first.dtype_b}")
-        )
-        shape = (
-            str(list(first.shape_a))
-            if first.shape_a == first.shape_b
-            else (f"{list(first.shape_a)} / {list(first.shape_b)}")
-        )
-        abs_values = [t.max_abs for t in members if t.max_abs is not None]
-        rel_values = [t.max_rel for t in members if t.max_rel is not None]
-        mismatched = [t.mismatched for t in members if t.mismatched is not None]
-        nan = (sum(t.nan_a for t in members), sum(t.nan_b for t in members))
-        inf = (sum(t.inf_a for t in members), sum(t.inf_b for t in members))
-        rows.append(
-            [
-                name,
-                first.status,
-                dtype,
-                shape,
-                _number(max(abs_values)) if abs_values else "",
-                _number(max(rel_values)) if rel_values else "",
-                str(sum(mismatched)) if mismatched else "",
-                f"{nan[0]}/{nan[1]}" if any(nan) else "",
-                f"{inf[0]}/{inf[1]}" if any(inf) else "",
-            ]
-        )
-    return rows
-
-
-def render(
-    report: DiffReport, show_all: bool = False, group: bool = True, model_spec: str | None = None
-) -> str:
-    """The text report: both sides, a table of differing tensors, key lists, suggestions."""
-    lines = [
-        _side_line("A", report.a, None),
-        _side_line("B", report.b, model_spec),
-        f"tolerances: rtol={report.rtol:g} atol={report.atol:g}",
-    ]
-    if report.aligned:
-        lines.append(f"aligned: A's keys compared after {', then '.join(report.aligned)}")
-    lines.append("")
-    statuses: dict[str, int] = {}
-    for t in report.tensors:
-        statuses[t.status] = statuses.get(t.status, 0) + 1
-    shown = [t for t in report.tensors if show_all or t.status != "equal"]
-    if shown:
-        headers = [
-            "name",
-            "status",
-            "dtype",
-            "shape",
-            "max abs",
-            "max rel",
-            "mismatched",
-            "NaN A/B",
-            "inf A/B",
-        ]
-        lines += [table(_rows(shown, group), headers), ""]
-    summary = ", ".join(f"{n} {s}" for s, n in statuses.items()) or "no common tensors"
-    lines.append(f"compared {len(report.tensors)} common tensors: {summary}")
-    if report.missing:
-        lines.append(f"missing (in B, not in A): {len(report.missing)}")
-        lines += [f"  {k}" for k in _fold(report.missing, group)]
-    if report.unexpected:
-        lines.append(f"unexpected (in A, not in B): {len(report.unexpected)}")
-        lines += [f"  {k}" for k in _fold(report.unexpected, group)]
-    if report.suggestions:
-        lines.append("suggestions:")
-        lines += [f"  {s.text()}" for s in report.suggestions]
-    if report.identical:
-        lines.append("identical: same keys, every tensor bit-equal")
-    return "\n".join(lines)

@@ -1,4 +1,8 @@
-"""Rendering results for people (tabulate) and for programs (``--json``)."""
+"""Rendering results for people (tabulate tables) and for programs (``--json``).
+
+The text itself comes from the results (``info.text()``, ``report.text()``, ``str(result)``),
+the same text library users get; the command only picks tabulate for the tables.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ from typing import Any
 
 import click
 
-__all__ = ["echo_json", "human_bytes", "human_count", "table"]
+from ckpt_tools.structure.text import counts, human_bytes, human_count
+
+__all__ = ["counts", "echo_json", "human_bytes", "human_count", "table"]
 
 
 def echo_json(data: Any) -> None:
@@ -17,30 +23,7 @@ def echo_json(data: Any) -> None:
 
 
 def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
-    """A plain-text table."""
+    """A plain-text table (tabulate's ``simple`` format; a :data:`TableFormat`)."""
     from tabulate import tabulate  # imported on use: `--json` output does not need it
 
     return tabulate(list(rows), headers=list(headers), tablefmt="simple", disable_numparse=True)
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def human_count(n: int) -> str:
-    """``11689512`` -> ``11.69M``."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}"
-    return str(n)
-
-
-def counts(mapping: dict[str, int]) -> str:
-    """``{"float32": 3, "int64": 1}`` -> ``float32 ×3, int64 ×1``."""
-    return ", ".join(f"{k} ×{v}" for k, v in mapping.items()) or "none"

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ckpt_tools.cli.options import json_option, select_option
-from ckpt_tools.cli.render import echo_json, human_bytes
+from ckpt_tools.cli.render import echo_json
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewriting import (
     RewriteResult,
@@ -87,23 +87,8 @@ def _progress(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
 def _report(result: RewriteResult, as_json: bool) -> None:
     if as_json:
         echo_json(result.to_json())
-        return
-    click.echo(result.message)
-    if not result.written:
-        return
-    for old, new in result.examples:
-        click.echo(f"  {old} -> {new}")
-    if result.renamed > len(result.examples):
-        click.echo(f"  ... and {result.renamed - len(result.examples)} more")
-    if result.dropped:
-        click.echo(f"left out: {', '.join(result.dropped[:8])}")
-    if result.device_map:
-        moved = ", ".join(f"{a} -> {b}" for a, b in result.device_map.items())
-        click.echo(f"device tags: {moved}")
-    click.echo(
-        f"{result.output_format}, {human_bytes(result.bytes_copied)} of tensors copied; "
-        f"{result.verification}"
-    )
+    else:
+        click.echo(result.text())
 
 
 def _options(kw: dict[str, Any], progress: Callable[[int, int], None] | None) -> dict[str, Any]:

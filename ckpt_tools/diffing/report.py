@@ -7,15 +7,29 @@ in A, *unexpected* keys are in A and not in B.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from ckpt_tools.diffing.table import DIFF_COLUMNS, diff_rows
+from ckpt_tools.errors import SelectError
+from ckpt_tools.structure.grouping import fold_names
 from ckpt_tools.structure.suggest import Step
+from ckpt_tools.structure.text import (
+    Readable,
+    TableFormat,
+    close_matches,
+    more_hint,
+    text_table,
+)
 
 __all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDiff"]
 
 #: What ``ckpt diff --fail-on`` can fail on.
 FAIL_CATEGORIES = ("missing", "unexpected", "shape", "dtype", "value")
+# Missing and unexpected keys shown (folded) in the text; ``--json`` has them all.
+_KEYS_SHOWN = 12
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,24 @@ class SideInfo:
     tensors: int = 0
     wrappers: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
+
+    def line(self, name: str, model_spec: str | None = None) -> str:
+        """``A: ddp.pt (torch-zip, state dict 'model', 17 tensors, wrappers module.)``.
+
+        Args:
+            name: ``A`` or ``B``.
+            model_spec: for a module side, the ``MODULE:FACTORY`` it was built from.
+        """
+        label = f"{model_spec} {self.label}" if self.kind == "module" and model_spec else self.label
+        bits = [self.format] if self.format else [self.kind.replace("_", " ")]
+        if self.selected:
+            bits.append(f"state dict {'.'.join(self.selected)!r}")
+        bits.append(f"{self.tensors} tensors")
+        if self.wrappers:
+            bits.append("wrappers " + " ".join(self.wrappers))
+        if self.skipped:
+            bits.append(f"{len(self.skipped)} non-tensor entries not compared")
+        return f"{name}: {label} ({', '.join(bits)})"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -180,7 +212,7 @@ class Suggestion:
 
 
 @dataclass(frozen=True)
-class DiffReport:
+class DiffReport(Readable):
     """The result of :func:`diff`.
 
     Attributes:
@@ -232,6 +264,103 @@ class DiffReport:
     def identical(self) -> bool:
         """Same keys, and every tensor bit-equal."""
         return not self.missing and not self.unexpected and all(t.bit_equal for t in self.tensors)
+
+    # --- lookups ------------------------------------------------------------------------
+
+    @cached_property
+    def _by_name(self) -> dict[str, TensorDiff]:
+        return {t.name: t for t in self.tensors}
+
+    def tensor(self, name: str) -> TensorDiff:
+        """The comparison of the tensor both sides hold under ``name``.
+
+        Raises:
+            SelectError: ``name`` is not on both sides (a ``KeyError``); the message says
+                which side has it, or names close matches.
+
+        Example:
+            >>> diff("a.pt", "b.pt").tensor("fc.weight").max_abs  # doctest: +SKIP
+            0.0012
+        """
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
+        if name in self.missing or name in self.unexpected:
+            side = "B" if name in self.missing else "A"
+            raise SelectError(f"{name!r} is only in {side}, so it was not compared")
+        near = close_matches(name, self._by_name)
+        hint = f"; did you mean: {', '.join(near)}?" if near else ""
+        raise SelectError(f"no tensor {name!r} on both sides{hint}")
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[TensorDiff]:
+        return iter(self.tensors)
+
+    def __bool__(self) -> bool:
+        # A result, not only a container: true even when no key is common.
+        return True
+
+    # --- text ---------------------------------------------------------------------------
+
+    def text(
+        self,
+        show_all: bool = False,
+        group: bool = True,
+        model_spec: str | None = None,
+        table: TableFormat = text_table,
+        for_cli: bool = False,
+    ) -> str:
+        """What ``ckpt diff`` prints: both sides, the differing tensors, key lists, suggestions.
+
+        Args:
+            show_all: list bit-equal tensors too.
+            group: fold repeated layers (``layers.{0..31}.weight ×32``).
+            model_spec: for a module side B, the ``MODULE:FACTORY`` it was built from.
+            table: formats the table (the ``ckpt`` command passes its tabulate table).
+            for_cli: point at ``--json`` rather than ``to_json()`` for keys left out.
+        """
+        lines = [
+            self.a.line("A"),
+            self.b.line("B", model_spec),
+            f"tolerances: rtol={self.rtol:g} atol={self.atol:g}",
+        ]
+        if self.aligned:
+            lines.append(f"aligned: A's keys compared after {', then '.join(self.aligned)}")
+        lines.append("")
+        shown = [t for t in self.tensors if show_all or t.status != "equal"]
+        if shown:
+            lines += [table(diff_rows(shown, group), DIFF_COLUMNS), ""]
+        statuses: dict[str, int] = {}
+        for t in self.tensors:
+            statuses[t.status] = statuses.get(t.status, 0) + 1
+        summary = ", ".join(f"{n} {s}" for s, n in statuses.items()) or "no common tensors"
+        lines.append(f"compared {len(self.tensors)} common tensors: {summary}")
+        for title, keys in (
+            ("missing (in B, not in A)", self.missing),
+            ("unexpected (in A, not in B)", self.unexpected),
+        ):
+            if keys:
+                labels, hidden = fold_names(keys, _KEYS_SHOWN, group=group)
+                more = [more_hint(hidden, for_cli)] if hidden else []
+                lines += [f"{title}: {len(keys)}", *(f"  {k}" for k in labels + more)]
+        if self.suggestions:
+            lines.append("suggestions:")
+            lines += [f"  {s.text()}" for s in self.suggestions]
+        if self.identical:
+            lines.append("identical: same keys, every tensor bit-equal")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"DiffReport(a={self.a.label!r}, b={self.b.label!r}, found={sorted(self.found())}, "
+            f"missing={len(self.missing)}, unexpected={len(self.unexpected)}, "
+            f"tensors={len(self.tensors)})"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

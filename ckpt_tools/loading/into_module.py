@@ -11,17 +11,19 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_tools.loading.devices import MapLocation
 from ckpt_tools.errors import StateDictMismatchError, UsageError
-from ckpt_tools.structure.grouping import group_names
+from ckpt_tools.loading.devices import MapLocation
+from ckpt_tools.loading.results import LoadReport, ShapeMismatch
+from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state_dict
+from ckpt_tools.loading.tensor_io import dtype_name
+from ckpt_tools.structure.grouping import fold_keys
 from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import is_state_dict
-from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state_dict
 from ckpt_tools.structure.suggest import (
     KeyFix,
     best_fix,
@@ -30,104 +32,13 @@ from ckpt_tools.structure.suggest import (
     rank_fixes,
     wrapper_stack,
 )
-from ckpt_tools.loading.tensor_io import dtype_name
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["LoadReport", "ShapeMismatch", "fold_keys", "load_into"]
+__all__ = ["LoadReport", "ShapeMismatch", "load_into"]
 
 logger = logging.getLogger("ckpt_tools")
-
-
-@dataclass(frozen=True)
-class ShapeMismatch:
-    """A key whose tensor shape differs between checkpoint and model."""
-
-    key: str
-    checkpoint: tuple[int, ...]
-    model: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "checkpoint": list(self.checkpoint), "model": list(self.model)}
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What :func:`load_into` did.
-
-    Attributes:
-        source: the checkpoint path, or ``<state dict>``.
-        model: the model's class name.
-        model_layout: wrapper prefixes of the model's keys, outermost first.
-        checkpoint_layout: wrapper prefixes of the checkpoint's keys, outermost first.
-        rewrites: the key rewrites applied to the checkpoint (``stripping 'module.'``).
-        loaded: keys copied into the model.
-        missing: model keys the checkpoint lacks (after the rewrites).
-        unexpected: checkpoint keys the model lacks (after the rewrites).
-        shape_mismatches: keys present in both with different shapes (skipped).
-        dtype_casts: ``(key, checkpoint dtype, model dtype)`` copied with a cast.
-        info: how the file was loaded; None for an in-memory state dict.
-    """
-
-    source: str
-    model: str
-    model_layout: tuple[str, ...]
-    checkpoint_layout: tuple[str, ...]
-    rewrites: tuple[str, ...]
-    loaded: int
-    missing: tuple[str, ...] = ()
-    unexpected: tuple[str, ...] = ()
-    shape_mismatches: tuple[ShapeMismatch, ...] = ()
-    dtype_casts: tuple[tuple[str, str, str], ...] = ()
-    info: LoadInfo | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Every key matched in name and shape."""
-        return not (self.missing or self.unexpected or self.shape_mismatches)
-
-    def __str__(self) -> str:
-        how = f" ({', '.join(self.rewrites)})" if self.rewrites else ""
-        lines = [f"loaded {self.loaded} keys from {self.source} into {self.model}{how}"]
-        if self.missing:
-            lines.append(f"missing ({len(self.missing)}): {fold_keys(self.missing)}")
-        if self.unexpected:
-            lines.append(f"unexpected ({len(self.unexpected)}): {fold_keys(self.unexpected)}")
-        for m in self.shape_mismatches:
-            lines.append(
-                f"shape mismatch, skipped: {m.key} checkpoint {list(m.checkpoint)} vs model "
-                f"{list(m.model)}"
-            )
-        if self.dtype_casts:
-            lines.append(f"cast to the model's dtype: {len(self.dtype_casts)} keys")
-        if self.info is not None and self.info.moved:
-            moved = ", ".join(f"{m.saved} -> {m.target}" for m in self.info.moved)
-            lines.append(f"devices: {moved}")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "model": self.model,
-            "model_layout": list(self.model_layout),
-            "checkpoint_layout": list(self.checkpoint_layout),
-            "rewrites": list(self.rewrites),
-            "loaded": self.loaded,
-            "missing": list(self.missing),
-            "unexpected": list(self.unexpected),
-            "shape_mismatches": [m.to_json() for m in self.shape_mismatches],
-            "dtype_casts": [list(c) for c in self.dtype_casts],
-            "info": self.info.to_json() if self.info else None,
-        }
-
-
-def fold_keys(keys: Sequence[str], limit: int = 6) -> str:
-    """``layers.{0..11}.attn.weight ×12, head.bias`` (at most ``limit`` groups)."""
-    groups = [g for g, _ in group_names(keys, str)]
-    shown = [g.pattern + (f" ×{g.count}" if g.count > 1 else "") for g in groups[:limit]]
-    more = f", ... ({len(groups) - limit} more groups)" if len(groups) > limit else ""
-    return ", ".join(shown) + more
 
 
 def _mismatch_message(
@@ -137,7 +48,7 @@ def _mismatch_message(
     model_keys: Sequence[str],
     applied: KeyFix | None,
 ) -> str:
-    parts = [f"{report.source} does not match {report.model}"]
+    parts = [f"{report.source} does not match {report.model_class}"]
     if report.rewrites:
         parts.append(f"(after {', '.join(report.rewrites)})")
     lines = [" ".join(parts) + ":"]
@@ -152,10 +63,7 @@ def _mismatch_message(
             + fold_keys(report.unexpected)
         )
     if report.shape_mismatches:
-        shown = ", ".join(
-            f"{m.key} checkpoint {list(m.checkpoint)} vs model {list(m.model)}"
-            for m in report.shape_mismatches[:4]
-        )
+        shown = ", ".join(str(m) for m in report.shape_mismatches[:4])
         more = " ..." if len(report.shape_mismatches) > 4 else ""
         lines.append(f"  {len(report.shape_mismatches)} shape mismatch(es): {shown}{more}")
     # A rewrite of the keys as stored (the command acts on the file) that does better than
@@ -268,7 +176,7 @@ def load_into(
             casts.append((key, dtype_name(value.dtype), dtype_name(have.dtype)))
     report = LoadReport(
         source=label,
-        model=type(model).__name__,
+        model_class=type(model).__name__,
         model_layout=tuple(m.prefix for m in wrapper_stack(model_keys)),
         checkpoint_layout=tuple(m.prefix for m in wrapper_stack(source_keys)),
         rewrites=tuple(step.describe() for step in fix.steps) if fix else (),

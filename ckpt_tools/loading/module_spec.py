@@ -20,7 +20,7 @@ from ckpt_tools.errors import Remedy, UsageError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["build_model", "parse_value"]
+__all__ = ["module_from_spec", "parse_value"]
 
 
 def parse_value(text: str) -> Any:
@@ -70,7 +70,7 @@ def _load_file(path: str, spec: str) -> ModuleType:
     return module
 
 
-def build_model(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
+def module_from_spec(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
     """Import ``spec`` and call it with ``kwargs`` to get an ``nn.Module``.
 
     Args:
@@ -86,7 +86,7 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module
             factory does not take, or a result that is not an ``nn.Module``.
 
     Example:
-        >>> build_model("torch.nn:Linear", {"in_features": 2, "out_features": 3})
+        >>> module_from_spec("torch.nn:Linear", {"in_features": 2, "out_features": 3})
         Linear(in_features=2, out_features=3, bias=True)
     """
     from torch import nn

@@ -1,11 +1,18 @@
-"""What :func:`ckpt_tools.loading.state_dict.load_state_dict` reports: where storages went, and how."""
+"""What loading reports, torch-free: :class:`LoadInfo` (``load_state_dict``: where storages
+went, and how) and :class:`LoadReport` (``load_into``: which keys matched, what was rewritten).
+
+``str()`` of each is its text for people.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LoadInfo", "StorageMove"]
+from ckpt_tools.structure.grouping import fold_keys
+from ckpt_tools.structure.text import Readable, human_bytes
+
+__all__ = ["LoadInfo", "LoadReport", "ShapeMismatch", "StorageMove"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,13 @@ class StorageMove:
     def moved(self) -> bool:
         return self.saved != self.target
 
+    def __str__(self) -> str:
+        """``cuda:1 -> cpu: 3 storages, 1.5 KiB`` (``cpu: ... (kept)`` when not moved)."""
+        where = f"{self.saved} -> {self.target}" if self.moved else self.saved
+        return f"{where}: {self.storages} storages, {human_bytes(self.nbytes)}" + (
+            "" if self.moved else " (kept)"
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "saved": self.saved,
@@ -38,7 +52,7 @@ class StorageMove:
 
 
 @dataclass(frozen=True)
-class LoadInfo:
+class LoadInfo(Readable):
     """How :func:`load_state_dict` loaded a checkpoint.
 
     Attributes:
@@ -68,6 +82,36 @@ class LoadInfo:
         """The placements whose device differs from the saved one."""
         return tuple(p for p in self.placements if p.moved)
 
+    def moves(self) -> str:
+        """The devices that changed on one line (``cuda:1 -> cpu, cuda:0 -> cpu``)."""
+        return ", ".join(f"{m.saved} -> {m.target}" for m in self.moved)
+
+    def text(self) -> str:
+        """How the file was loaded, for people: source, selection, storages by device.
+
+        Example:
+            >>> print(load_state_dict("ddp_gpu1.pt", return_info=True)[1])  # doctest: +SKIP
+            loaded 17 tensors from ddp_gpu1.pt (torch-zip, memory-mapped)
+            state dict: <root> (the root is a state dict)
+            map_location: auto
+              cuda:1 -> cpu: 17 storages, 2.2 KiB
+        """
+        how = [self.format]
+        how += ["memory-mapped"] if self.mmap else []
+        how += ["trusted: fully unpickled"] if self.trusted else []
+        lines = [
+            f"loaded {self.tensors} tensors from {self.path} ({', '.join(how)})",
+            f"state dict: {'.'.join(self.selected) or '<root>'} ({self.selection_reason})",
+            f"map_location: {self.map_location}",
+        ]
+        return "\n".join(lines + [f"  {p}" for p in self.placements])
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadInfo(path={self.path!r}, format={self.format!r}, tensors={self.tensors}, "
+            f"moved={self.moves()!r})"
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "path": self.path,
@@ -79,4 +123,104 @@ class LoadInfo:
             "mmap": self.mmap,
             "trusted": self.trusted,
             "tensors": self.tensors,
+        }
+
+
+@dataclass(frozen=True)
+class ShapeMismatch:
+    """A key whose tensor shape differs between checkpoint and model.
+
+    Attributes:
+        key: the key (after the wrapper rewrites).
+        checkpoint_shape: the checkpoint tensor's shape.
+        model_shape: the model tensor's shape.
+    """
+
+    key: str
+    checkpoint_shape: tuple[int, ...]
+    model_shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        """``head.weight checkpoint [2, 8] vs model [3, 8]``."""
+        return (
+            f"{self.key} checkpoint {list(self.checkpoint_shape)} vs model {list(self.model_shape)}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "checkpoint": list(self.checkpoint_shape),
+            "model": list(self.model_shape),
+        }
+
+
+@dataclass(frozen=True)
+class LoadReport(Readable):
+    """What :func:`ckpt_tools.load_into` did.
+
+    Attributes:
+        source: the checkpoint path, or ``<state dict>``.
+        model_class: the model's class name.
+        model_layout: wrapper prefixes of the model's keys, outermost first.
+        checkpoint_layout: wrapper prefixes of the checkpoint's keys, outermost first.
+        rewrites: the key rewrites applied to the checkpoint (``stripping 'module.'``).
+        loaded: keys copied into the model.
+        missing: model keys the checkpoint lacks (after the rewrites).
+        unexpected: checkpoint keys the model lacks (after the rewrites).
+        shape_mismatches: keys present in both with different shapes (skipped).
+        dtype_casts: ``(key, checkpoint dtype, model dtype)`` copied with a cast.
+        info: how the file was loaded; None for an in-memory state dict.
+    """
+
+    source: str
+    model_class: str
+    model_layout: tuple[str, ...]
+    checkpoint_layout: tuple[str, ...]
+    rewrites: tuple[str, ...]
+    loaded: int
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    shape_mismatches: tuple[ShapeMismatch, ...] = ()
+    dtype_casts: tuple[tuple[str, str, str], ...] = ()
+    info: LoadInfo | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every key matched in name and shape."""
+        return not (self.missing or self.unexpected or self.shape_mismatches)
+
+    def text(self) -> str:
+        """What was loaded, rewritten, missing, unexpected, skipped and cast, for people."""
+        how = f" ({', '.join(self.rewrites)})" if self.rewrites else ""
+        lines = [f"loaded {self.loaded} keys from {self.source} into {self.model_class}{how}"]
+        if self.missing:
+            lines.append(f"missing ({len(self.missing)}): {fold_keys(self.missing)}")
+        if self.unexpected:
+            lines.append(f"unexpected ({len(self.unexpected)}): {fold_keys(self.unexpected)}")
+        lines += [f"shape mismatch, skipped: {m}" for m in self.shape_mismatches]
+        if self.dtype_casts:
+            lines.append(f"cast to the model's dtype: {len(self.dtype_casts)} keys")
+        if self.info is not None and self.info.moved:
+            lines.append(f"devices: {self.info.moves()}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadReport(source={self.source!r}, model_class={self.model_class!r}, "
+            f"loaded={self.loaded}, ok={self.ok}, rewrites={self.rewrites!r})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "model": self.model_class,
+            "model_layout": list(self.model_layout),
+            "checkpoint_layout": list(self.checkpoint_layout),
+            "rewrites": list(self.rewrites),
+            "loaded": self.loaded,
+            "missing": list(self.missing),
+            "unexpected": list(self.unexpected),
+            "shape_mismatches": [m.to_json() for m in self.shape_mismatches],
+            "dtype_casts": [list(c) for c in self.dtype_casts],
+            "info": self.info.to_json() if self.info else None,
         }

@@ -16,7 +16,7 @@ import os
 import pickle
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -29,10 +29,13 @@ from ckpt_tools.errors import (
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
 from ckpt_tools.loading.results import LoadInfo, StorageMove
-from ckpt_tools.structure.selection import Selection, is_state_dict, select_state_dict
-
-if TYPE_CHECKING:
-    pass
+from ckpt_tools.structure.selection import (
+    Selection,
+    is_state_dict,
+    mapping_at,
+    select_state_dict,
+    walk_path,
+)
 
 __all__ = [
     "LoadInfo",
@@ -224,20 +227,25 @@ def _load_shards(
     return root, merged, mmap
 
 
-def _walk(root: Any, path: tuple[str, ...], where: str) -> Any:
-    node = root
-    for part in path:
-        if isinstance(node, Mapping):
-            node = node[part] if part in node else node[int(part)]
-        elif isinstance(node, (list, tuple)):
-            node = node[int(part)]
-        elif hasattr(node, "__dict__") and part in vars(node):
-            node = vars(node)[part]
-        else:
-            raise UnsupportedFormatError(
-                f"{where}: cannot follow {'.'.join(path)!r} in the loaded object at {part!r}"
-            )
-    return node
+def _state_dict_at(root: Any, path: tuple[str, ...], where: str) -> Mapping[Any, Any]:
+    # The path was resolved on the torch-free tree: the loaded tree must hold it too, with
+    # objects as real objects (their attributes followed as the stand-ins' were).
+    walk = walk_path(root, path)
+    if not walk.found:
+        raise UnsupportedFormatError(
+            f"{where}: cannot follow {'.'.join(path)!r} in the loaded object at {walk.rest[0]!r}",
+            path=where,
+        )
+    state_dict = mapping_at(walk.node)
+    if state_dict is None:
+        raise UnsupportedFormatError(
+            f"{where}: {'.'.join(path)!r} loaded as a {type(walk.node).__name__}, not a mapping",
+            path=where,
+            remedies=(
+                Remedy("select", "'a.b'", flag="--select a.b", text="to pick another entry"),
+            ),
+        )
+    return state_dict
 
 
 def _selection_checked(root: Any, select: str | Sequence[str] | None, where: str) -> Selection:
@@ -331,16 +339,7 @@ def load_state_dict(
     where = ckpt.path
     selection = _selection_checked(ckpt.root, select, where)
     root, placements, mmap = _load_root(ckpt, map_location, trust)
-    state_dict = _walk(root, selection.path, where) if selection.path else root
-    if not isinstance(state_dict, Mapping):
-        raise UnsupportedFormatError(
-            f"{where}: {'.'.join(selection.path)!r} loaded as a {type(state_dict).__name__}, "
-            "not a mapping",
-            path=where,
-            remedies=(
-                Remedy("select", "'a.b'", flag="--select a.b", text="to pick another entry"),
-            ),
-        )
+    state_dict = _state_dict_at(root, selection.path, where)
     if not isinstance(state_dict, dict):
         state_dict = dict(state_dict)
     for move in placements:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import (
     ConversionError,
     NonTensorEntriesError,
@@ -22,8 +22,9 @@ from ckpt_tools.errors import (
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.writers import SafetensorsEntry
 from ckpt_tools.structure.keys import KeyRule
+from ckpt_tools.structure.selection import entries_beside
 
-__all__ = ["check_source", "output_format_for", "replace_at", "safetensors_plan", "summary"]
+__all__ = ["check_source", "output_format_for", "safetensors_plan", "summary"]
 
 
 def output_format_for(dst: str | os.PathLike[str], fmt: str | None, input_format: str) -> str:
@@ -85,37 +86,6 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
         )
 
 
-def _step(node: Any, part: str) -> Any:
-    """One step of a selection path, as :func:`ckpt_tools.structure.selection.select_state_dict` takes it."""
-    if isinstance(node, Opaque):
-        node = node.state  # an object of a class outside the allowlist: its attributes
-    if isinstance(node, Mapping):
-        return node[part] if part in node else node[int(part)]
-    return node[int(part)]
-
-
-def replace_at(root: Any, path: Sequence[str], value: Any) -> Any:
-    """``root`` with the entry at ``path`` replaced by ``value`` (in place when ``path``)."""
-    if not path:
-        return value
-    node = root
-    for part in path[:-1]:
-        node = _step(node, part)
-    if isinstance(node, Opaque):
-        node = node.state
-    last = path[-1]
-    if isinstance(node, Mapping):
-        node[last if last in node else int(last)] = value
-    elif isinstance(node, list):
-        node[int(last)] = value
-    else:
-        raise ConversionError(
-            f"the state dict at {'.'.join(path)!r} is held by a {type(node).__name__}, which "
-            "cannot be edited; convert it to safetensors instead"
-        )
-    return root
-
-
 def summary(
     dst: str,
     input_format: str,
@@ -137,9 +107,7 @@ def safetensors_plan(
     ckpt: Checkpoint, path: Sequence[str], sd: Mapping[str, Any], drop_extras: bool
 ) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
     extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
-    root = ckpt.root.state if isinstance(ckpt.root, Opaque) else ckpt.root
-    if path and isinstance(root, Mapping):
-        extras += [str(k) for k in root if str(k) != path[0]]
+    extras += [name for name, _ in entries_beside(ckpt.root, path)]
     if extras and not drop_extras:
         shown = ", ".join(extras[:8]) + (" ..." if len(extras) > 8 else "")
         raise NonTensorEntriesError(

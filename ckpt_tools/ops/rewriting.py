@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
@@ -25,13 +24,12 @@ from ckpt_tools.io.writers import (
 from ckpt_tools.ops.rewrite_plan import (
     check_source,
     output_format_for,
-    replace_at,
     safetensors_plan,
     summary,
 )
+from ckpt_tools.ops.rewrite_result import RewriteResult
 from ckpt_tools.structure.keys import (
     KeyRule,
-    WrapperMatch,
     add_rule,
     apply_plan,
     plan_renames,
@@ -40,7 +38,7 @@ from ckpt_tools.structure.keys import (
     strip_wrapper_rules,
     sub_rule,
 )
-from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.selection import replace_at, select_state_dict
 
 __all__ = [
     "RewriteResult",
@@ -54,66 +52,6 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class RewriteResult:
-    """What a rewrite did.
-
-    Attributes:
-        src: the input.
-        dst: the output; None when nothing was written.
-        written: whether the output was written.
-        input_format: format of the input.
-        output_format: ``torch-zip`` or ``safetensors``.
-        selected: path of the state dict that was rewritten.
-        rules: the key rules applied, in words.
-        renamed: how many keys changed.
-        total_keys: keys in the state dict.
-        examples: a few ``(old, new)`` pairs.
-        wrappers: wrappers stripped (for ``strip-module`` without ``--prefix``).
-        bytes_copied: tensor bytes copied.
-        verification: what was verified.
-        dropped: names left out (deduplicated tied tensors, non-tensor entries).
-        message: a one-line summary for people.
-    """
-
-    src: str
-    dst: str | None
-    written: bool
-    input_format: str
-    output_format: str
-    selected: tuple[str, ...]
-    rules: tuple[str, ...]
-    renamed: int
-    total_keys: int
-    examples: tuple[tuple[str, str], ...] = ()
-    wrappers: tuple[WrapperMatch, ...] = ()
-    bytes_copied: int = 0
-    verification: str = ""
-    dropped: tuple[str, ...] = ()
-    device_map: Mapping[str, str] = field(default_factory=dict)
-    message: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "src": self.src,
-            "dst": self.dst,
-            "written": self.written,
-            "input_format": self.input_format,
-            "output_format": self.output_format,
-            "selected": list(self.selected),
-            "rules": list(self.rules),
-            "renamed": self.renamed,
-            "total_keys": self.total_keys,
-            "examples": [list(e) for e in self.examples],
-            "wrappers": [w.to_json() for w in self.wrappers],
-            "bytes_copied": self.bytes_copied,
-            "verification": self.verification,
-            "dropped": list(self.dropped),
-            "device_map": dict(self.device_map),
-            "message": self.message,
-        }
 
 
 def rewrite(
@@ -140,7 +78,8 @@ def rewrite(
     Args:
         src: the input checkpoint.
         dst: the output path.
-        rules: key rules applied to the selected state dict's keys (see ``ckpt_tools.structure.keys``).
+        rules: key rules applied to the selected state dict's keys (see
+            ``ckpt_tools.structure.keys``).
         select: dotted path to the state dict; chosen automatically when None.
         output_format: ``torch`` or ``safetensors``; from ``dst``'s suffix when None.
         device_map: saved device tag -> new tag for every storage (torch outputs).

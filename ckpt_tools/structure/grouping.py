@@ -1,4 +1,8 @@
-"""Folding repeated layers: ``layers.{0..31}.mlp.fc1.weight ×32``."""
+"""Folding repeated layers: ``layers.{0..31}.mlp.fc1.weight ×32``.
+
+Every list of names shown to people (``ckpt inspect --group``, ``ckpt diff``'s missing keys,
+``load_into``'s mismatch message) is folded here, by :func:`group_names` and :func:`fold_names`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["Group", "fold_indices", "group_names"]
+__all__ = ["Group", "fold_indices", "fold_keys", "fold_names", "group_names"]
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 T = TypeVar("T")
@@ -28,6 +32,11 @@ class Group:
     @property
     def count(self) -> int:
         return len(self.names)
+
+    @property
+    def label(self) -> str:
+        """The pattern, with the member count when there is more than one (``h.{0..1}.w ×2``)."""
+        return self.pattern + (f" ×{self.count}" if self.count > 1 else "")
 
 
 def fold_indices(values: Sequence[int]) -> str:
@@ -79,3 +88,37 @@ def group_names(
         items_only = [item for item, _ in members]
         out.append((Group(pattern, tuple(name(i) for i in items_only)), items_only))
     return out
+
+
+def fold_names(
+    names: Iterable[str], limit: int | None = None, *, group: bool = True
+) -> tuple[list[str], int]:
+    """Names as people read them: repeated layers folded, at most ``limit`` lines.
+
+    Args:
+        names: keys, in order.
+        limit: how many labels to keep; None keeps all.
+        group: fold names that differ only in numeric segments (False lists each name).
+
+    Returns:
+        ``(labels, hidden)``: the labels kept, and how many more were left out.
+
+    Example:
+        >>> fold_names(["h.0.w", "h.1.w", "out", "extra"], limit=2)
+        (['h.{0..1}.w ×2', 'out'], 1)
+    """
+    labels = [g.label for g, _ in group_names(names, str)] if group else list(names)
+    if limit is None or len(labels) <= limit:
+        return labels, 0
+    return labels[:limit], len(labels) - limit
+
+
+def fold_keys(keys: Iterable[str], limit: int = 6) -> str:
+    """Keys folded on one line, at most ``limit`` groups.
+
+    Example:
+        >>> fold_keys([f"layers.{i}.attn.weight" for i in range(12)] + ["head.bias"])
+        'layers.{0..11}.attn.weight ×12, head.bias'
+    """
+    labels, hidden = fold_names(keys, limit)
+    return ", ".join(labels) + (f", ... ({hidden} more groups)" if hidden else "")

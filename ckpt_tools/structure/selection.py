@@ -1,8 +1,11 @@
-"""Which entry of a checkpoint is the model's state dict.
+"""Which entry of a checkpoint is the model's state dict, and how a dotted path reaches it.
 
 Training code nests the weights in many ways: a plain state dict, ``{"state_dict": ...}``,
 ``{"model": ...}``, Lightning checkpoints, trainer dicts with optimizer state beside the
 model, EMA copies. :func:`select_state_dict` picks one and says why; ``select`` overrides it.
+
+``select`` is a path as :mod:`ckpt_tools.structure.paths` reads it, the same for every caller;
+its walker and replacer are re-exported here.
 """
 
 from __future__ import annotations
@@ -11,10 +14,36 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import SelectError
+from ckpt_tools.structure.paths import (
+    PathWalk,
+    attributes_of,
+    entries_beside,
+    is_tensor,
+    key_text,
+    mapping_at,
+    parse_select,
+    replace_at,
+    resolve_path,
+    walk_path,
+)
 
-__all__ = ["CANDIDATE_KEYS", "Selection", "is_state_dict", "parse_select", "select_state_dict"]
+__all__ = [
+    "CANDIDATE_KEYS",
+    "PathWalk",
+    "Selection",
+    "attributes_of",
+    "entries_beside",
+    "is_state_dict",
+    "key_text",
+    "mapping_at",
+    "parse_select",
+    "replace_at",
+    "resolve_path",
+    "select_state_dict",
+    "walk_path",
+]
 
 # Looked for in this order: the live model before its EMA copy.
 CANDIDATE_KEYS: tuple[str, ...] = (
@@ -49,76 +78,12 @@ class Selection:
     state_dict: Mapping[str, Any]
 
 
-def _is_tensor(value: Any) -> bool:
-    # Real torch tensors count too (in-memory trees), checked by module: torch is not imported.
-    return isinstance(value, TensorRef) or (
-        type(value).__module__.startswith("torch") and hasattr(value, "dtype")
-    )
-
-
 def is_state_dict(value: Any) -> bool:
     """A mapping of string keys whose values are mostly tensors (extra states allowed)."""
     if not isinstance(value, Mapping) or not value:
         return False
-    tensors = sum(1 for v in value.values() if _is_tensor(v))
+    tensors = sum(1 for v in value.values() if is_tensor(v))
     return tensors > 0 and tensors * 2 >= len(value) and all(isinstance(k, str) for k in value)
-
-
-def parse_select(select: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    """``"a.b"`` -> ``("a", "b")``; a sequence is taken as is; None stays None."""
-    if select is None:
-        return None
-    if isinstance(select, str):
-        return tuple(part for part in select.split(".") if part) if select else ()
-    return tuple(select)
-
-
-def _walk(root: Any, parts: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
-    # Keys may contain dots themselves: at each level take the longest run of parts that is
-    # a key, so --select "model.ema" finds {"model.ema": ...} as well as {"model": {"ema": ...}}.
-    node, path, i = root, [], 0
-    while i < len(parts):
-        for j in range(len(parts), i, -1):
-            candidate = ".".join(parts[i:j])
-            child = _child(node, candidate)
-            if child is not _MISSING:
-                node, i = child, j
-                path.append(candidate)
-                break
-        else:
-            available = _keys_of(node)
-            raise SelectError(
-                f"no entry {parts[i]!r} under {'.'.join(path) or 'the root'}; it has: "
-                f"{', '.join(available[:12]) or 'nothing'}",
-                argument="select",
-                value=repr(".".join(parts)),
-                flag="--select",
-            )
-    return tuple(path), node
-
-
-_MISSING = object()
-
-
-def _child(node: Any, key: str) -> Any:
-    if isinstance(node, Mapping):
-        if key in node:
-            return node[key]
-        if key.isdigit() and int(key) in node:
-            return node[int(key)]
-    elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node):
-        return node[int(key)]
-    elif isinstance(node, Opaque) and isinstance(node.state, Mapping):
-        return _child(node.state, key)
-    return _MISSING
-
-
-def _keys_of(node: Any) -> list[str]:
-    if isinstance(node, Mapping):
-        return [str(k) for k in node]
-    if isinstance(node, (list, tuple)):
-        return [str(i) for i in range(len(node))]
-    return []
 
 
 def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> Selection:
@@ -136,22 +101,22 @@ def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> S
         SelectError: ``select`` names a missing entry or something that is not a mapping.
 
     Example:
+        >>> from ckpt_tools.descriptors import TensorRef
         >>> select_state_dict({"epoch": 1, "state_dict": {"w": TensorRef.__new__(TensorRef)}}).path
         ('state_dict',)
     """
     parts = parse_select(select)
     if parts is not None:
-        path, node = _walk(root, parts)
-        if isinstance(node, Opaque) and isinstance(node.state, Mapping):
-            node = node.state
-        if not isinstance(node, Mapping):
+        walk = resolve_path(root, parts)
+        node = mapping_at(walk.node)
+        if node is None:
             raise SelectError(
-                f"it is a {type(node).__name__}, not a mapping of tensors; pick a dict entry",
+                f"it is a {type(walk.node).__name__}, not a mapping of tensors; pick a dict entry",
                 argument="select",
                 value=repr(".".join(parts)),
                 flag="--select",
             )
-        return Selection(path, "chosen with --select", node)
+        return Selection(walk.keys, "chosen with --select", node)
     return _auto_select(root)
 
 

@@ -9,8 +9,8 @@ Two ways to find one, both built from :data:`ckpt_tools.structure.keys.WRAPPER_R
   the prefix maps that turn a top-level name of the source into one of the target
   (``backbone.`` -> ``encoder.``), and ranks all by how many keys they make match.
 
-:func:`ckpt_tools.loading.into_module.load_into` applies the best wrapper rewrite; ``ckpt diff`` prints
-the ranking as suggestions.
+:func:`ckpt_tools.loading.into_module.load_into` applies the best wrapper rewrite; ``ckpt diff``
+prints the ranking as suggestions.
 """
 
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""Results as text for people: sizes, counts and fixed-width tables, as plain strings.
+
+The ``__str__`` of every result (``print(ckpt_tools.inspect(path))``) and the ``ckpt`` command
+build their text with these, so the library and the command cannot drift apart. Nothing here
+imports anything beyond the standard library: the command may format tables with
+``tabulate``, the library never does.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "Readable",
+    "TableFormat",
+    "close_matches",
+    "counts",
+    "human_bytes",
+    "human_count",
+    "more_hint",
+    "text_table",
+]
+
+#: Formats ``rows`` under ``headers``: :func:`text_table`, or the command's tabulate table.
+TableFormat = Callable[[Iterable[Sequence[Any]], Sequence[str]], str]
+
+# Columns are at least this much wider than their header, and this far apart (as tabulate's
+# "simple" format lays them out, so that both read the same).
+_PADDING = 2
+_GAP = "  "
+
+
+def human_bytes(n: int) -> str:
+    """A byte count in binary units.
+
+    Args:
+        n: bytes.
+
+    Returns:
+        ``"512 B"``, ``"1.5 KiB"`` ... up to TiB.
+
+    Example:
+        >>> human_bytes(1536)
+        '1.5 KiB'
+    """
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def human_count(n: int) -> str:
+    """A count with a K, M or B suffix.
+
+    Example:
+        >>> human_count(11689512)
+        '11.69M'
+    """
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+def counts(mapping: Mapping[str, int]) -> str:
+    """Counts by name on one line.
+
+    Example:
+        >>> counts({"float32": 3, "int64": 1})
+        'float32 ×3, int64 ×1'
+    """
+    return ", ".join(f"{k} ×{v}" for k, v in mapping.items()) or "none"
+
+
+def text_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
+    """A fixed-width table: left-aligned columns under a header and a dashed rule.
+
+    The layout is that of tabulate's ``simple`` format for one-line cells: each column as
+    wide as its widest cell or its header plus two, columns two spaces apart, trailing spaces
+    dropped.
+
+    Args:
+        rows: the cells, one sequence per row (converted with ``str``).
+        headers: the column names.
+
+    Returns:
+        The table, without a final newline.
+
+    Example:
+        >>> print(text_table([["w", "float32"]], ["name", "dtype"]))
+        name    dtype
+        ------  -------
+        w       float32
+    """
+    cells = [[str(cell).strip() for cell in row] for row in rows]
+    widths = [
+        max([len(header) + _PADDING, *(len(row[i]) for row in cells)])
+        for i, header in enumerate(headers)
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        return _GAP.join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def close_matches(name: str, names: Iterable[str], limit: int = 3) -> list[str]:
+    """The names a mistyped ``name`` most likely meant, best first.
+
+    A name that differs only by wrapper prefixes (``module.fc.weight`` for ``fc.weight``, or
+    the other way round) comes first, then spelling neighbours.
+
+    Args:
+        name: the name that was not found.
+        names: the names there are.
+        limit: how many to return at most.
+
+    Returns:
+        Up to ``limit`` names.
+
+    Example:
+        >>> close_matches("fc.weight", ["module.fc.weight", "fc.bias", "head.weight"])
+        ['module.fc.weight', 'head.weight']
+    """
+    pool = list(names)
+    wrapped = [n for n in pool if n.endswith("." + name) or name.endswith("." + n)]
+    spelled = difflib.get_close_matches(name, pool, n=limit)
+    return list(dict.fromkeys(wrapped + spelled))[:limit]
+
+
+class Readable:
+    """Mixin for results: ``str(result)`` is ``result.text()``, what the ``ckpt`` command prints."""
+
+    def text(self) -> str:
+        """The result in words; each result class says what it shows."""
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def more_hint(hidden: int, for_cli: bool, what: str = "more") -> str:
+    """``... 3 more (see --json)`` for the command, ``... 3 more (see to_json())`` for Python.
+
+    Example:
+        >>> more_hint(3, for_cli=False)
+        '... 3 more (see to_json())'
+    """
+    return f"... {hidden} {what} (see {'--json' if for_cli else 'to_json()'})"

@@ -1,0 +1,135 @@
+"""Results read well: ``str`` is the command's text, ``repr`` is short, lookups work by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import ckpt_tools
+from ckpt_tools.cli.main import cli
+from ckpt_tools.cli.render import table as cli_table
+from ckpt_tools.diffing.engine import diff
+from ckpt_tools.errors import CheckpointError, SelectError
+from ckpt_tools.loading import module_spec
+from ckpt_tools.loading.into_module import load_into
+from ckpt_tools.loading.results import ShapeMismatch
+from ckpt_tools.loading.state_dict import load_state_dict
+from ckpt_tools.ops.inspection import inspect
+from ckpt_tools.ops.rewriting import strip_module_file
+from ckpt_tools.structure.grouping import fold_keys, fold_names
+from ckpt_tools.structure.text import text_table
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+DP = FIXTURES / "dataparallel.pt"
+
+
+def _layers(n: int, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {f"{prefix}layers.{i}.weight": torch.full((2, 2), float(i)) for i in range(n)}
+
+
+def test_inspect_text_is_what_the_command_prints() -> None:
+    info = inspect(DP)
+    printed = CliRunner().invoke(cli, ["inspect", str(DP)], catch_exceptions=False).output
+    assert printed == info.text(table=cli_table, for_cli=True) + "\n"
+    # The library's own table lays rows out as tabulate does: no drift between the two.
+    assert info.text(for_cli=True) == info.text(table=cli_table, for_cli=True)
+    assert str(info) == info.text()
+    assert str(info).startswith(f"file:        {DP}\nformat:      torch-zip")
+    assert "CheckpointInfo(" not in str(info) and "--" not in str(info).split("\n\n")[0]
+
+
+def test_reprs_are_short() -> None:
+    info = inspect(DP)
+    assert repr(info).startswith("CheckpointInfo(path=") and len(repr(info)) < 200
+    _, load = load_state_dict(DP, return_info=True)
+    assert repr(load).startswith("LoadInfo(") and len(repr(load)) < 200
+    report = diff(DP, DP)
+    assert repr(report).startswith("DiffReport(") and len(repr(report)) < 200
+
+
+def test_text_table_matches_tabulate_on_uneven_cells() -> None:
+    rows = [["a", "float32", "[1, 2]"], ["layers.{0..31}.weight ×32", "bf16", ""]]
+    headers = ("name", "dtype", "shape")
+    assert text_table(rows, headers) == cli_table(rows, headers)
+
+
+def test_diff_text_is_what_the_command_prints(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(_layers(20), a)
+    torch.save({**_layers(3), "head.bias": torch.zeros(2)}, b)
+    report = diff(a, b)
+    printed = CliRunner().invoke(cli, ["diff", str(a), str(b)], catch_exceptions=False).output
+    assert printed.startswith(report.text(table=cli_table, for_cli=True))
+    text = str(report)
+    assert "unexpected (in A, not in B): 17" in text
+    assert "  layers.{3..19}.weight ×17" in text  # folded by structure.grouping
+    assert "DiffReport(" not in text
+
+
+def test_load_and_rewrite_results_read_as_text(tmp_path: Path) -> None:
+    _, load = load_state_dict(DP, map_location="cpu", return_info=True)
+    assert str(load).startswith(f"loaded {load.tensors} tensors from {DP}")
+    result = strip_module_file(DP, tmp_path / "out.pt")
+    assert str(result) == result.text() and "RewriteResult(" not in str(result)
+    assert repr(result).startswith("RewriteResult(") and len(repr(result)) < 300
+
+
+def test_tensor_lookup_by_name() -> None:
+    info = inspect(DP)
+    first = next(iter(info))
+    assert info.tensor(first.name) is first
+    assert first.name in info and "nope" not in info and 3 not in info
+    assert len(info) == len(info.tensors) and list(info) == list(info.tensors)
+    bare = first.name.removeprefix("module.")
+    with pytest.raises(SelectError, match=rf"no tensor '{bare}'.*close: {first.name}") as err:
+        info.tensor(bare)
+    assert isinstance(err.value, KeyError) and isinstance(err.value, CheckpointError)
+    assert f"pass name='{first.name}'" in str(err.value)
+
+
+def test_package_dir_lists_lazy_names() -> None:
+    names = dir(ckpt_tools)
+    for name in ("inspect", "load_into", "diff", "DiffReport", "CheckpointInfo", "__version__"):
+        assert name in names
+
+
+def test_module_from_spec_replaces_build_model() -> None:
+    assert not hasattr(module_spec, "build_model")
+    made = module_spec.module_from_spec("torch.nn:Linear", {"in_features": 2, "out_features": 3})
+    assert isinstance(made, nn.Linear)
+
+
+def test_load_report_names_say_what_they_hold(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torch.save({"weight": torch.zeros(2, 4), "bias": torch.zeros(2)}, path)
+    report = load_into(nn.Linear(4, 3), path, strict=False)
+    assert report.model_class == "Linear"
+    mismatch = report.shape_mismatches[0]
+    assert (mismatch.checkpoint_shape, mismatch.model_shape) == ((2, 4), (3, 4))
+    # JSON keys stay as they were.
+    assert report.to_json()["model"] == "Linear"
+    assert ShapeMismatch("w", (1,), (2,)).to_json() == {
+        "key": "w",
+        "checkpoint": [1],
+        "model": [2],
+    }
+    assert "LoadReport(" not in str(report)
+
+
+def test_one_folding_helper_for_key_lists() -> None:
+    keys = [f"layers.{i}.attn.weight" for i in range(32)] + ["head.bias", "x", "y"]
+    assert (
+        fold_keys(keys, limit=2) == "layers.{0..31}.attn.weight ×32, head.bias, ... (2 more groups)"
+    )
+    assert fold_names(keys, group=False, limit=3) == (keys[:3], 32)
+
+
+def test_load_into_mismatch_message_folds_keys(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torch.save(_layers(12, "enc."), path)
+    with pytest.raises(CheckpointError, match=r"enc\.layers\.\{0\.\.11\}\.weight ×12"):
+        load_into(nn.Linear(2, 2), path)

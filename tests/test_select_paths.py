@@ -1,0 +1,153 @@
+"""One meaning of ``select`` for every caller: inspect, rewrite and load_state_dict agree.
+
+The same nested trees are saved with torch, then reached through each caller with the same
+path: nested dicts, a key that itself holds dots, list items, and object attributes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_tools.descriptors import Opaque
+from ckpt_tools.errors import SelectError
+from ckpt_tools.loading.state_dict import load_state_dict
+from ckpt_tools.ops.inspection import inspect
+from ckpt_tools.ops.rewriting import rewrite
+from ckpt_tools.structure.keys import add_rule
+from ckpt_tools.structure.paths import entries_beside, replace_at, resolve_path, walk_path
+
+
+class Holder:
+    """An object outside the allowlist that keeps a state dict as an attribute."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+        self.step = 7
+
+
+def _sd(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"fc.weight": torch.randn(3, 2, generator=g), "fc.bias": torch.randn(3, generator=g)}
+
+
+# name -> (tree, select, keys the walk takes, seed of the state dict it reaches)
+CASES: dict[str, tuple[Any, str, tuple[str, ...], int]] = {
+    "nested": (
+        {"trainer": {"model": _sd(1), "step": 3}, "epoch": 1},
+        "trainer.model",
+        ("trainer", "model"),
+        1,
+    ),
+    "dotted key": ({"model.ema": _sd(2), "other": 1}, "model.ema", ("model.ema",), 2),
+    # The longest run of parts that is a key wins: the dotted key before the nested one.
+    "dotted beats nested": (
+        {"model": {"ema": _sd(3)}, "model.ema": _sd(4)},
+        "model.ema",
+        ("model.ema",),
+        4,
+    ),
+    "dotted inside nested": (
+        {"run": {"model.ema": _sd(5)}},
+        "run.model.ema",
+        ("run", "model.ema"),
+        5,
+    ),
+    "list item": ({"models": [_sd(6), _sd(7)]}, "models.1", ("models", "1"), 7),
+    "attribute": (
+        {"holder": Holder(_sd(8)), "epoch": 2},
+        "holder.weights",
+        ("holder", "weights"),
+        8,
+    ),
+}
+_TRUSTED = ("attribute",)  # Holder is outside the allowlist
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
+    torch.save(CASES[request.param][0], tmp_path / "in.pt")
+    return request.param, tmp_path / "in.pt"
+
+
+def test_inspect_reaches_the_same_node(case: tuple[str, Path]) -> None:
+    name, path = case
+    _, select, keys, _ = CASES[name]
+    info = inspect(path, select=select)
+    assert info.selected == keys
+    assert sorted(t.name for t in info) == ["fc.bias", "fc.weight"]
+
+
+def test_load_state_dict_reaches_the_same_node(case: tuple[str, Path]) -> None:
+    name, path = case
+    _, select, keys, seed = CASES[name]
+    sd, load = load_state_dict(path, select=select, trust=name in _TRUSTED, return_info=True)
+    assert load.selected == keys
+    for key, value in _sd(seed).items():
+        assert torch.equal(sd[key], value)
+
+
+def test_rewrite_replaces_the_same_node_and_keeps_the_rest(case: tuple[str, Path]) -> None:
+    name, path = case
+    tree, select, keys, seed = CASES[name]
+    out = path.with_name("out.pt")
+    allow = ("test_select_paths.Holder",) if name in _TRUSTED else ()
+    rewrite(path, out, [add_rule("net.")], select=select, allow_globals=allow)
+    written = torch.load(out, weights_only=False)
+    node = walk_path(written, keys).node
+    node = node if isinstance(node, dict) else vars(node)
+    assert sorted(node) == ["net.fc.bias", "net.fc.weight"]
+    assert torch.equal(node["net.fc.weight"], _sd(seed)["fc.weight"])
+    # Everything beside the path is as it was (names and plain values).
+    assert [k for k, _ in entries_beside(written, keys)] == [
+        k for k, _ in entries_beside(tree, keys)
+    ]
+
+
+def test_every_caller_names_the_same_missing_entry(case: tuple[str, Path]) -> None:
+    name, path = case
+    _, select, _, _ = CASES[name]
+    wrong = select + ".nope"
+    allow = ("test_select_paths.Holder",) if name in _TRUSTED else ()
+    for call in (
+        lambda: inspect(path, select=wrong),
+        lambda: load_state_dict(path, select=wrong, trust=name in _TRUSTED),
+        lambda: rewrite(
+            path, path.with_name("o.pt"), [add_rule("x.")], select=wrong, allow_globals=allow
+        ),
+    ):
+        with pytest.raises(SelectError, match=r"select=.*no entry 'nope'"):
+            call()
+
+
+def test_resolver_follows_opaque_state_and_object_dict() -> None:
+    opaque = Opaque.__new__(Opaque)
+    vars(opaque).update(vars(Opaque.__new__(Opaque)))
+    opaque.state = {"sd": {"w": 1}}
+    assert resolve_path({"o": opaque}, "o.sd").node == {"w": 1}
+    assert resolve_path({"h": Holder({})}, "h.step").node == 7
+    assert resolve_path({0: {"a": 1}}, "0.a").node == 1  # int keys match their digits
+
+
+def test_missing_entry_lists_what_is_there() -> None:
+    with pytest.raises(SelectError, match=r"no entry 'c' under a; it has: b, x") as err:
+        resolve_path({"a": {"b": 1, "x": 2}}, "a.c")
+    assert err.value.render(for_cli=True).startswith("--select 'a.c': ")
+
+
+def test_replacer_copies_the_path_and_shares_the_rest() -> None:
+    other = {"kept": [1, 2]}
+    tree = {"a": {"b": {"w": 1}}, "other": other}
+    new = replace_at(tree, ("a", "b"), {"z": 3})
+    assert new == {"a": {"b": {"z": 3}}, "other": other}
+    assert tree["a"]["b"] == {"w": 1} and new["other"] is other
+    # As the resolver reads it: the dotted key first, the nested entry untouched.
+    both = {"a": {"b": 1}, "a.b": 2}
+    assert replace_at(both, ("a", "b"), 3) == {"a": {"b": 1}, "a.b": 3}
+    holder = Holder({"w": torch.zeros(1)})
+    swapped = replace_at({"h": holder}, ("h",), {"weights": {}, "step": 1})["h"]
+    assert type(swapped) is Holder and swapped.step == 1 and holder.step == 7
+    assert replace_at({"l": (1, 2)}, ("l", "1"), 5) == {"l": (1, 5)}
