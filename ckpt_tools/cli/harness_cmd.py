@@ -1,130 +1,162 @@
 """``ckpt harness train|parity``: the training harness and the checkpoint parity report.
 
-Usage errors from the harness are :class:`ckpt_tools.errors.UsageError` and reach
-``ckpt``'s error boundary (exit 2) unchanged. ``parity`` exits 1 when a check fails.
+The one command line of the harness: ``python -m ckpt_tools.harness`` (what ``torchrun``
+starts per rank) runs this same group. Usage errors from the harness are
+:class:`ckpt_tools.errors.UsageError` and reach the error boundary of
+:func:`ckpt_tools.cli.main.run_command` (exit 2) unchanged. ``parity`` exits 1 when a
+check fails.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 from tabulate import tabulate
 
+# config.py is torch-free: `ckpt --help` and the choices below do not import torch.
+from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, torchrun_env
+
 if TYPE_CHECKING:
     from ckpt_tools.harness.checks import CheckResult
+    from ckpt_tools.harness.config import TrainResult
+    from ckpt_tools.harness.parity import ParityReport
 
-__all__ = ["harness"]
+__all__ = ["CHECK_HEADERS", "RunOptions", "harness"]
 
-# Literal copies so that `ckpt --help` does not import torch through the harness;
-# tests/harness checks that they match ckpt_tools.harness.
-_STRATEGIES = ("single", "dp", "ddp", "manual")
-_MODELS = ("mlp", "lenet", "resnet", "resnet-syncbn")
-_CHECK_HEADERS = {
+#: Column headers of the parity table, one per check of ``harness.checks.CHECK_NAMES``.
+CHECK_HEADERS = {
     "strip_prefix": "(a) strip_prefix",
     "add_prefix": "(b) add_prefix",
     "vs_single": "(c) vs single",
     "device_roundtrip": "(d) device",
     "format_roundtrip": "(e) format",
 }
+_DEFAULT_ARCH = "mlp"
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+@dataclass(frozen=True)
+class RunOptions:
+    """The options ``train`` and ``parity`` share, named as :class:`TrainConfig` names them."""
+
+    model: str
+    steps: int
+    world_size: int | None
+    batch_size: int
+    seed: int
+    gpus: str | None
+    device: str | None
 
 
-def _common(f: _F) -> _F:
-    """Options ``train`` and ``parity`` share."""
-    options = [
-        click.option("--model", type=click.Choice(_MODELS), default="mlp", show_default=True),
-        click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True),
-        click.option(
-            "--world-size",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Ranks/replicas (default: one per GPU; 2 on the CPU).",
-        ),
-        click.option(
-            "--batch-size",
-            type=click.IntRange(min=1),
-            default=32,
-            show_default=True,
-            help="Global batch, split over the ranks.",
-        ),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--gpus", default=None, help="'0,3', or 'auto:2' for the 2 freest GPUs."),
-        click.option(
-            "--device",
-            type=click.Choice(["cpu", "cuda"]),
-            default=None,
-            help="Force the CPU (or insist on GPUs).",
-        ),
-        click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+def _arch(arch: str | None, deprecated_model: str | None) -> str:
+    """The model name from ``--arch``, or from the deprecated ``--model`` alias."""
+    if deprecated_model is None:
+        return arch or _DEFAULT_ARCH
+    click.echo("warning: --model is deprecated in `ckpt harness`; use --arch", err=True)
+    if arch is not None and arch != deprecated_model:
+        raise click.BadParameter(
+            f"--arch {arch} and --model {deprecated_model} disagree; pass only --arch",
+            param_hint="--arch",
+        )
+    return deprecated_model
 
 
-@click.group()
+_OPTIONS = [
+    click.option(
+        "--arch",
+        type=click.Choice(MODEL_NAMES),
+        default=None,
+        help=f"Model architecture.  [default: {_DEFAULT_ARCH}]",
+    ),
+    # `--model` is a MODULE:FACTORY spec in `ckpt diff`; here it was the architecture.
+    click.option("--model", "deprecated_model", type=click.Choice(MODEL_NAMES), hidden=True),
+    click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True),
+    click.option(
+        "--world-size",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Ranks/replicas (default: one per GPU; 2 on the CPU; torchrun's under torchrun).",
+    ),
+    click.option(
+        "--batch-size",
+        type=click.IntRange(min=1),
+        default=32,
+        show_default=True,
+        help="Global batch, split over the ranks.",
+    ),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--gpus", default=None, help="'0,3', or 'auto:2' for the 2 freest GPUs."),
+    click.option(
+        "--device",
+        type=click.Choice(["cpu", "cuda"]),
+        default=None,
+        help="Force the CPU (or insist on GPUs).",
+    ),
+    click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
+]
+
+
+def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the shared options; the command receives them as one ``run: RunOptions``."""
+
+    @functools.wraps(f)
+    def command(*args: Any, arch: str | None, deprecated_model: str | None, **kw: Any) -> Any:
+        shared = {name: kw.pop(name) for name in ("steps", "world_size", "batch_size", "seed")}
+        shared.update(gpus=kw.pop("gpus"), device=kw.pop("device"))
+        run = RunOptions(model=_arch(arch, deprecated_model), **shared)
+        return f(*args, run=run, **kw)
+
+    for option in reversed(_OPTIONS):
+        command = option(command)
+    return command
+
+
+# The same help options under `ckpt` and as `python -m ckpt_tools.harness` (no parent there).
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def harness() -> None:
     """Train small models single/dp/ddp/manual and check checkpoint parity.
 
     Without a GPU everything runs on the CPU: DDP as CPU processes over gloo, the manual
-    loop over CPU replicas, DataParallel as a plain forward.
+    loop over CPU replicas, DataParallel as a plain forward. Under torchrun, each rank
+    runs `train --strategy ddp` and only rank 0 prints.
     """
 
 
 @harness.command("train")
-@click.option("--strategy", type=click.Choice(_STRATEGIES), required=True)
+@click.option("--strategy", type=click.Choice(STRATEGIES), required=True)
 @click.option(
     "--out",
     "out_dir",
     type=click.Path(file_okay=False),
-    required=True,
-    help="Directory for wrapped.pt, bare.pt, trainer.pt and run.json.",
+    default=None,
+    help="Directory for wrapped.pt, bare.pt, trainer.pt and run.json (default: keep none).",
 )
 @click.option("--lr", type=float, default=0.05, show_default=True)
-@_common
+@_run_options
 def train_cmd(
-    strategy: str,
-    out_dir: str,
-    lr: float,
-    model: str,
-    steps: int,
-    world_size: int | None,
-    batch_size: int,
-    seed: int,
-    gpus: str | None,
-    device: str | None,
-    as_json: bool,
+    strategy: str, out_dir: str | None, lr: float, run: RunOptions, as_json: bool
 ) -> None:
-    """Train with one strategy and save its checkpoints into OUT."""
-    import json
+    """Train with one strategy and, with --out, save its checkpoints there."""
+    from ckpt_tools.harness.strategies import train
 
-    from ckpt_tools.harness import TrainConfig, train
+    result = train(TrainConfig(strategy=strategy, lr=lr, out_dir=out_dir, **asdict(run)))
+    env = torchrun_env()
+    if env is None or env.rank == 0:  # under torchrun every rank returns; one reports
+        _echo_train(result, as_json)
 
-    config = TrainConfig(
-        strategy=strategy,
-        model=model,
-        steps=steps,
-        world_size=world_size,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        gpus=gpus,
-        device=device,
-        out_dir=out_dir,
-    )
-    result = train(config)
+
+def _echo_train(result: TrainResult, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
         return
+    backend = f", {result.backend}" if result.backend else ""
     click.echo(
-        f"{result.strategy} on {','.join(result.devices)} "
-        f"(world size {result.world_size}, {result.launcher}"
-        + (f", {result.backend}" if result.backend else "")
-        + f") in {result.seconds:.1f}s"
+        f"{result.strategy} on {','.join(result.devices)} (world size {result.world_size}, "
+        f"{result.launcher}{backend}) in {result.seconds:.1f}s"
     )
     if result.fallback:
         click.echo(f"fallback: {result.fallback}")
@@ -159,70 +191,66 @@ def _cell(row: CheckResult) -> str:
 )
 @click.option(
     "--strategies",
-    default=",".join(_STRATEGIES),
+    default=",".join(STRATEGIES),
     show_default=True,
     help="Comma-separated strategies to run; single (the baseline) always runs.",
 )
-@_common
+@_run_options
 @click.pass_context
 def parity_cmd(
     ctx: click.Context,
     out_dir: str | None,
     plot_path: str | None,
     strategies: str,
-    model: str,
-    steps: int,
-    world_size: int | None,
-    batch_size: int,
-    seed: int,
-    gpus: str | None,
-    device: str | None,
+    run: RunOptions,
     as_json: bool,
 ) -> None:
     """Train every strategy with one seed and batch; check that checkpoints agree.
 
     Exits 0 when every parity check holds, 1 otherwise.
     """
-    from ckpt_tools.harness import CHECK_NAMES, run_parity
+    from ckpt_tools.harness.parity import run_parity
     from ckpt_tools.harness.plot import plot_losses
 
+    shared = {**asdict(run), "world_size": run.world_size if run.world_size is not None else 2}
     report = run_parity(
-        world_size=world_size if world_size is not None else 2,
-        steps=steps,
-        model=model,
         out_dir=out_dir,
         strategies=[part.strip() for part in strategies.split(",") if part.strip()],
-        seed=seed,
-        batch_size=batch_size,
-        gpus=gpus,
-        device=device,
+        **shared,
     )
     if plot_path is not None:
-        plot_losses(report.losses, plot_path, title=f"{model}: loss per step")
+        plot_losses(report.losses, plot_path, title=f"{run.model}: loss per step")
     if as_json:
         click.echo(report.to_json())
     else:
-        table = [
-            [run.strategy, ",".join(run.devices)]
-            + [_cell(report.row(run.strategy, check)) for check in CHECK_NAMES]
-            for run in report.runs
-        ]
-        headers = ["strategy", "devices", *(_CHECK_HEADERS[c] for c in CHECK_NAMES)]
-        click.echo(tabulate(table, headers=headers))
-        click.echo(
-            f"max abs diffs; (a)(b)(d)(e) must be bitwise equal, (c) within "
-            f"{report.tolerance:g} of single-device weights after {report.steps} steps"
-        )
-        for run in report.runs:
-            if run.fallback:
-                click.echo(f"{run.strategy}: {run.fallback}")
-        for row in report.rows:
-            if row.status not in ("pass", "baseline"):
-                click.echo(f"{row.strategy} {row.name} {row.status}: {row.detail}")
-        if plot_path is not None:
-            click.echo(f"loss curves: {plot_path}")
-        click.echo("parity holds" if report.all_passed else "parity FAILED")
+        _echo_parity(report, plot_path)
     if not report.all_passed:
-        # ctx.exit works both under ckpt's main() (which maps Exit to its code) and as a
+        # ctx.exit works both behind run_command (which maps Exit to its code) and as a
         # standalone click command.
         ctx.exit(1)
+
+
+def _echo_parity(report: ParityReport, plot_path: str | None) -> None:
+    """The parity table, what it means, fallbacks, failures and the verdict."""
+    from ckpt_tools.harness.checks import CHECK_NAMES
+
+    table = [
+        [run.strategy, ",".join(run.devices)]
+        + [_cell(report.row(run.strategy, check)) for check in CHECK_NAMES]
+        for run in report.runs
+    ]
+    headers = ["strategy", "devices", *(CHECK_HEADERS[c] for c in CHECK_NAMES)]
+    click.echo(tabulate(table, headers=headers))
+    click.echo(
+        f"max abs diffs; (a)(b)(d)(e) must be bitwise equal, (c) within "
+        f"{report.tolerance:g} of single-device weights after {report.steps} steps"
+    )
+    for run in report.runs:
+        if run.fallback:
+            click.echo(f"{run.strategy}: {run.fallback}")
+    for row in report.rows:
+        if row.status not in ("pass", "baseline"):
+            click.echo(f"{row.strategy} {row.name} {row.status}: {row.detail}")
+    if plot_path is not None:
+        click.echo(f"loss curves: {plot_path}")
+    click.echo("parity holds" if report.all_passed else "parity FAILED")

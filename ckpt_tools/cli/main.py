@@ -65,14 +65,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     The line is the error rendered for the command line: its remedies name flags
     (``--force``), where ``str(error)`` names the library's arguments (``force=True``).
     """
+    return run_command(cli, argv, prog_name="ckpt")
+
+
+def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name: str) -> int:
+    """Run a click command behind the one boundary that turns errors into exit codes.
+
+    ``ckpt`` runs through it, and so does ``python -m ckpt_tools.harness`` (the process
+    entry ``torchrun`` starts), so both print the same lines and exit with the same codes.
+
+    Args:
+        command: the click command or group.
+        argv: its arguments without the program name; ``sys.argv[1:]`` by default.
+        prog_name: the name usage lines and error lines show.
+
+    Returns:
+        The exit status: 0, the command's own code, or the error's exit code.
+    """
     try:
-        code = cli.main(
-            args=list(argv) if argv is not None else None, prog_name="ckpt", standalone_mode=False
+        code = command.main(
+            args=list(argv) if argv is not None else None,
+            prog_name=prog_name,
+            standalone_mode=False,
         )
     except CheckpointError as e:
         if os.environ.get("CKPT_DEBUG") == "1":
             raise
-        click.echo(f"ckpt: error: {e.render(for_cli=True)}", err=True)
+        click.echo(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
         return e.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -82,10 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Interrupted as e:
         # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and
         # 128 + the signal number, as a shell reports such a kill.
-        click.echo(f"ckpt: {e}; nothing was written and the input is unchanged", err=True)
+        click.echo(f"{prog_name}: {e}; nothing was written and the input is unchanged", err=True)
         return 128 + e.signum
     except click.exceptions.Abort:
-        click.echo("ckpt: aborted", err=True)
+        click.echo(f"{prog_name}: aborted", err=True)
         return 130
     except BrokenPipeError:
         # `ckpt inspect big.pt | head`: the reader left; that is not an error.

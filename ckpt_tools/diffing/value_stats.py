@@ -1,6 +1,9 @@
 """Streamed value statistics of two tensors: bit equality, max abs/rel diff, allclose, NaN/Inf.
 
 Fed chunk by chunk (:meth:`ValueStats.add`), so two large tensors compare in bounded memory.
+This is the one value comparison of ckpt_tools: :func:`ckpt_tools.diffing.engine.diff`
+streams file tensors through it, and the harness's parity checks compare model outputs
+with :func:`compare_tensors`.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ import math
 import torch
 
 from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import UsageError
+from ckpt_tools.loading.tensor_io import dtype_name
 
-__all__ = ["ValueStats", "compute_dtype"]
+__all__ = ["ValueStats", "compare_tensors", "compute_dtype"]
 
 # Dtypes whose values are compared in float32, float64 (quantized ones by their integer
 # representation) or complex; any other dtype is compared by its bits only.
@@ -23,6 +28,21 @@ _COMPLEX = {"complex64", "complex128"}
 
 
 def compute_dtype(a: str, b: str) -> torch.dtype | None:
+    """The dtype two tensors' values are compared in.
+
+    Args:
+        a: one side's dtype name (``"float16"``, ``"int64"``, ...).
+        b: the other side's.
+
+    Returns:
+        ``float32`` when both fit it exactly, ``float64`` for wider or integer dtypes,
+        a complex dtype when either side is complex, or ``None`` when the values cannot
+        be compared as numbers (only their bits can).
+
+    Example:
+        >>> compute_dtype("bfloat16", "float16"), compute_dtype("float32", "int64")
+        (torch.float32, torch.float64)
+    """
     names = {a, b}
     if names <= _COMPLEX | _FLOAT32_OK | _FLOAT64 and names & _COMPLEX:
         return torch.complex64 if names <= {"complex64"} | _FLOAT32_OK else torch.complex128
@@ -39,7 +59,29 @@ _INTEGRAL = _FLOAT64 - {"float64"}
 
 
 class ValueStats:
-    """Running comparison of one tensor pair, fed chunk by chunk."""
+    """Running comparison of one tensor pair, fed chunk by chunk.
+
+    Args:
+        dtype_a: dtype name of side A.
+        dtype_b: dtype name of side B (the reference: relative differences divide by it).
+        rtol: relative tolerance, as in ``torch.isclose``.
+        atol: absolute tolerance, as in ``torch.isclose``.
+
+    Attributes:
+        bit_equal: same dtype and the same bytes so far (``-0.0`` differs from ``0.0``).
+        compute: the dtype values are compared in, or ``None`` (bits only).
+        max_abs: largest ``|a - b|`` where neither side is NaN.
+        max_rel: largest ``|a - b| / |b|`` (``inf`` where ``b`` is 0 and ``a`` is not).
+        mismatched: elements not within ``atol + rtol * |b|`` (NaN in the same place is close).
+        nan_a, nan_b, inf_a, inf_b: NaN and infinity counts of each side.
+        numel: elements fed so far.
+
+    Example:
+        >>> stats = ValueStats("float32", "float32", rtol=0.0, atol=0.0)
+        >>> stats.add(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+        >>> stats.bit_equal, stats.max_abs, stats.allclose
+        (False, 0.5, False)
+    """
 
     def __init__(self, dtype_a: str, dtype_b: str, rtol: float, atol: float) -> None:
         self.rtol, self.atol = rtol, atol
@@ -51,8 +93,21 @@ class ValueStats:
         self.max_abs = self.max_rel = 0.0
         self.mismatched = self.nan_a = self.nan_b = self.inf_a = self.inf_b = self.numel = 0
 
+    @property
+    def allclose(self) -> bool:
+        """Every element so far is within tolerance (``torch.isclose(equal_nan=True)``)."""
+        return self.mismatched == 0
+
     def add(self, ca: torch.Tensor, cb: torch.Tensor) -> None:
+        """Compare the next chunk of each side.
+
+        Args:
+            ca: a flat, contiguous CPU chunk of side A.
+            cb: the chunk of side B at the same positions, as many elements.
+        """
         self.numel += ca.numel()
+        if ca.numel() == 0:  # nothing to compare, and max() of nothing raises
+            return
         equal = False
         if self.bits is not None:
             equal = torch.equal(ca.view(self.bits), cb.view(self.bits))
@@ -91,3 +146,43 @@ class ValueStats:
         self.max_abs = max(self.max_abs, float(d.max()))
         r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf)
         self.max_rel = max(self.max_rel, float(r.max()))
+
+
+def _flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements of ``tensor`` as one contiguous CPU row (quantized: the integers)."""
+    tensor = tensor.detach()
+    if tensor.is_quantized:
+        tensor = tensor.int_repr()
+    return tensor.reshape(-1).to("cpu").contiguous()
+
+
+def compare_tensors(
+    a: torch.Tensor, b: torch.Tensor, *, rtol: float = 0.0, atol: float = 0.0
+) -> ValueStats:
+    """Compare two whole in-memory tensors of the same shape.
+
+    Args:
+        a: a tensor on any device, of any layout.
+        b: the reference (relative differences divide by it).
+        rtol: relative tolerance for :attr:`ValueStats.allclose`.
+        atol: absolute tolerance for :attr:`ValueStats.allclose`.
+
+    Returns:
+        The statistics of the pair: ``bit_equal`` (same dtype and bytes), ``max_abs``,
+        ``allclose`` and the NaN/Inf counts.
+
+    Raises:
+        UsageError: the shapes differ (there is no elementwise pairing).
+
+    Example:
+        >>> stats = compare_tensors(torch.tensor([0.0]), torch.tensor([-0.0]))
+        >>> stats.bit_equal, stats.max_abs
+        (False, 0.0)
+    """
+    if a.shape != b.shape:
+        raise UsageError(
+            f"compare_tensors needs tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    stats = ValueStats(dtype_name(a.dtype), dtype_name(b.dtype), rtol, atol)
+    stats.add(_flat_cpu(a), _flat_cpu(b))
+    return stats

@@ -7,6 +7,9 @@ data-parallel loop), saving checkpoints the way users do. :func:`run_parity` the
 that ckpt_tools' key rewrites, device retagging and format conversion preserve them.
 
 This subpackage is the only part of ckpt_tools that imports ``torch.distributed``.
+Importing it imports neither torch nor click: the names below that need torch load on
+first use, and the command line (``ckpt harness``, ``python -m ckpt_tools.harness``)
+lives in :mod:`ckpt_tools.cli.harness_cmd`.
 
 Example:
     >>> from ckpt_tools.harness import TrainConfig, train
@@ -17,12 +20,28 @@ Example:
 
 from __future__ import annotations
 
-from ckpt_tools.harness.checks import CHECK_NAMES, CheckResult
-from ckpt_tools.harness.config import STRATEGIES, TrainConfig, TrainResult
-from ckpt_tools.harness.data import synthetic_fashion
-from ckpt_tools.harness.models import MODEL_NAMES, build_model
-from ckpt_tools.harness.parity import ParityReport, run_parity
-from ckpt_tools.harness.strategies import train
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, TrainResult
+
+if TYPE_CHECKING:
+    from ckpt_tools.harness.checks import CHECK_NAMES, CheckResult
+    from ckpt_tools.harness.data import synthetic_fashion
+    from ckpt_tools.harness.models import build_harness_model
+    from ckpt_tools.harness.parity import ParityReport, run_parity
+    from ckpt_tools.harness.strategies import train
+
+# Names whose modules import torch, loaded on first use.
+_LAZY = {
+    "CHECK_NAMES": "ckpt_tools.harness.checks",
+    "CheckResult": "ckpt_tools.harness.checks",
+    "ParityReport": "ckpt_tools.harness.parity",
+    "build_harness_model": "ckpt_tools.harness.models",
+    "run_parity": "ckpt_tools.harness.parity",
+    "synthetic_fashion": "ckpt_tools.harness.data",
+    "train": "ckpt_tools.harness.strategies",
+}
 
 __all__ = [
     "CHECK_NAMES",
@@ -32,8 +51,18 @@ __all__ = [
     "ParityReport",
     "TrainConfig",
     "TrainResult",
-    "build_model",
+    "build_harness_model",
     "run_parity",
     "synthetic_fashion",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ckpt_tools.harness' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,21 +1,27 @@
 """The five parity checks, run on the files training wrote, each giving a :class:`CheckResult`.
 
-(a) ``strip_prefix``: wrapped checkpoint -> ``ckpt_tools.structure.keys.strip_prefix`` -> bare model,
-    outputs bitwise equal to the wrapped model's.
-(b) ``add_prefix``: bare checkpoint -> ``ckpt_tools.structure.keys.add_prefix`` -> ``nn.DataParallel``,
-    outputs bitwise equal to the bare model's.
+(a) ``strip_prefix``: wrapped checkpoint -> ``ckpt_tools.structure.keys.strip_prefix`` -> bare
+    model, outputs bitwise equal to the wrapped model's.
+(b) ``add_prefix``: bare checkpoint -> ``ckpt_tools.structure.keys.add_prefix`` ->
+    ``nn.DataParallel``, outputs bitwise equal to the bare model's.
 (c) ``vs_single``: a strategy's final weights against single-device training's.
 (d) ``device_roundtrip``: a GPU-saved checkpoint (or, without a GPU, one retagged to
     ``cuda:1`` with ``ckpt_tools.ops.rewriting.retag``) loaded with
     ``ckpt_tools.loading.state_dict.load_state_dict(map_location="auto")``, bitwise equal.
 (e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.ops.rewriting.convert``,
     bitwise equal.
+
+Values are compared by ckpt_tools' one comparison engine: :func:`ckpt_tools.diffing.diff`
+for state dicts, :func:`ckpt_tools.diffing.value_stats.compare_tensors` for model outputs.
+A check turns only the failures it expects into a ``fail`` row (:data:`FINDINGS`); any
+other exception is a bug of the harness and propagates.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import pickle
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,22 +29,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ckpt_tools.harness.compare import (
-    bitwise_equal,
-    compare_state_dicts,
-    load_pt,
-    max_abs_diff,
-    storage_tags,
-)
+from ckpt_tools.diffing.value_stats import compare_tensors
+from ckpt_tools.errors import CheckpointError, StateDictMismatchError
 from ckpt_tools.harness.data import synthetic_fashion
 from ckpt_tools.harness.loop import deterministic
-from ckpt_tools.harness.models import build_model
-from ckpt_tools.structure.keys import add_prefix, strip_prefix
+from ckpt_tools.harness.models import build_harness_model
+from ckpt_tools.harness.reference import compare_state_dicts, load_pt, storage_tags
 from ckpt_tools.loading.state_dict import load_state_dict
 from ckpt_tools.ops.rewriting import convert, retag
+from ckpt_tools.structure.keys import add_prefix, strip_prefix
 
 __all__ = [
     "CHECK_NAMES",
+    "FINDINGS",
     "CheckResult",
     "check_add_prefix",
     "check_device_roundtrip",
@@ -55,6 +58,11 @@ CHECK_NAMES: tuple[str, ...] = (
     "device_roundtrip",
     "format_roundtrip",
 )
+#: The failures a check reports as its finding (a ``fail`` row) instead of raising:
+#: ckpt_tools' own refusals of the files under test (a missing file is a
+#: CheckpointNotFoundError, a state dict the model refuses a StateDictMismatchError), and
+#: the UnpicklingError of torch's ``weights_only`` reader refusing a global.
+FINDINGS: tuple[type[Exception], ...] = (CheckpointError, pickle.UnpicklingError)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class CheckResult:
         detail: what was compared, and why it failed if it did.
         strategy: the strategy whose checkpoints were checked.
         status: ``pass``, ``fail``, ``baseline`` or ``not comparable``.
+        error: the class name of the :data:`FINDINGS` error that failed the check, or ``""``.
     """
 
     name: str
@@ -81,18 +90,24 @@ class CheckResult:
     detail: str
     strategy: str = ""
     status: str = "pass"
+    error: str = ""
 
 
 def _result(
-    name: str, strategy: str, diff: float, tol: float | None, ok: bool, detail: str
+    name: str, strategy: str, diff_: float, tol: float | None, ok: bool, detail: str
 ) -> CheckResult:
-    return CheckResult(name, ok, diff, tol, detail, strategy, "pass" if ok else "fail")
+    return CheckResult(name, ok, diff_, tol, detail, strategy, "pass" if ok else "fail")
 
 
-def _failed(name: str, strategy: str, tol: float | None, exc: Exception) -> CheckResult:
-    return CheckResult(
-        name, False, math.inf, tol, f"{type(exc).__name__}: {exc}", strategy, status="fail"
-    )
+def _attempt(
+    name: str, strategy: str, tol: float | None, body: Callable[[], CheckResult]
+) -> CheckResult:
+    """Run a check's body; an expected failure (:data:`FINDINGS`) becomes a ``fail`` row."""
+    try:
+        return body()
+    except FINDINGS as exc:
+        detail = f"{type(exc).__name__}: {exc}"
+        return CheckResult(name, False, math.inf, tol, detail, strategy, "fail", type(exc).__name__)
 
 
 def eval_device() -> torch.device:
@@ -103,7 +118,7 @@ def eval_device() -> torch.device:
 
 
 def _fresh(model: str, model_kwargs: Mapping[str, Any], device: torch.device) -> nn.Module:
-    return build_model(model, **dict(model_kwargs)).to(device).eval()
+    return build_harness_model(model, **dict(model_kwargs)).to(device).eval()
 
 
 def _data_parallel(model: nn.Module, device: torch.device) -> nn.DataParallel:
@@ -114,11 +129,47 @@ def _data_parallel(model: nn.Module, device: torch.device) -> nn.DataParallel:
     return nn.DataParallel(model)  # no CUDA: a plain forward
 
 
+def _load_strict(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """``load_state_dict(strict=True)``; torch's RuntimeError on a mismatch becomes ours."""
+    try:
+        module.load_state_dict(state_dict, strict=True)
+    except RuntimeError as exc:  # what torch raises for missing, unexpected or reshaped keys
+        raise StateDictMismatchError(
+            f"{type(module).__name__}.load_state_dict refused the state dict: {exc}"
+        ) from exc
+
+
 def _outputs(model: nn.Module, device: torch.device) -> Tensor:
     # eval(): BatchNorm uses the loaded running statistics, so buffers are checked too.
     images = synthetic_fashion(16, seed=1234).tensors[0].to(device)
     with torch.no_grad(), deterministic():
         return model(images)
+
+
+def _prefix_check(
+    name: str, path: str | Path, model: str, kw: Mapping[str, Any] | None, strategy: str
+) -> CheckResult:
+    """(a) and (b): load the file into one form of the model, its rewrite into the other."""
+    device, kw = eval_device(), kw or {}
+    # Built before the attempt: an unknown model is the caller's UsageError, not a finding.
+    bare = _fresh(model, kw, device)
+    wrapped = _data_parallel(_fresh(model, kw, device), device)
+    saved_wrapped = name == "strip_prefix"
+    source, target = (wrapped, bare) if saved_wrapped else (bare, wrapped)
+    rewrite = strip_prefix if saved_wrapped else add_prefix
+
+    def body() -> CheckResult:
+        state_dict = load_pt(path)
+        _load_strict(source, state_dict)
+        _load_strict(target, rewrite(state_dict, "module."))
+        stats = compare_tensors(_outputs(target, device), _outputs(source, device))
+        detail = (
+            f"{len(state_dict)} tensors, strict load into {type(target).__name__}, outputs "
+            f"on {device} " + ("bitwise equal" if stats.bit_equal else "differ")
+        )
+        return _result(name, strategy, stats.max_abs, 0.0, stats.bit_equal, detail)
+
+    return _attempt(name, strategy, 0.0, body)
 
 
 def check_strip_prefix(
@@ -137,28 +188,17 @@ def check_strip_prefix(
 
     Returns:
         Passed when the stripped dict loads with ``strict=True`` and the bare model's
-        outputs are bitwise equal to the ``nn.DataParallel`` model's on the same batch.
+        outputs are bitwise equal to the ``nn.DataParallel`` model's on the same batch;
+        a :data:`FINDINGS` error is a failed result naming it.
+
+    Raises:
+        UsageError: ``model`` or ``model_kwargs`` name no harness model.
 
     Example:
         >>> check_strip_prefix("out/ddp/wrapped.pt", "mlp", {"hidden": (4,)}).passed
         True
     """
-    name = "strip_prefix"
-    try:
-        device, kw = eval_device(), model_kwargs or {}
-        wrapped_sd = load_pt(wrapped_path)
-        wrapped = _data_parallel(_fresh(model, kw, device), device)
-        wrapped.load_state_dict(wrapped_sd, strict=True)
-        bare = _fresh(model, kw, device)
-        bare.load_state_dict(strip_prefix(wrapped_sd, "module."), strict=True)
-        ref, got = _outputs(wrapped, device), _outputs(bare, device)
-    except Exception as exc:  # any failure is this check's finding, not the report's end
-        return _failed(name, strategy, 0.0, exc)
-    ok = bitwise_equal(ref, got)
-    detail = f"{len(wrapped_sd)} tensors, strict load, outputs on {device} " + (
-        "bitwise equal" if ok else "differ"
-    )
-    return _result(name, strategy, max_abs_diff(ref, got), 0.0, ok, detail)
+    return _prefix_check("strip_prefix", wrapped_path, model, model_kwargs, strategy)
 
 
 def check_add_prefix(
@@ -177,28 +217,17 @@ def check_add_prefix(
 
     Returns:
         Passed when the prefixed dict loads into DataParallel with ``strict=True`` and its
-        outputs are bitwise equal to the bare model's.
+        outputs are bitwise equal to the bare model's; a :data:`FINDINGS` error is a
+        failed result naming it.
+
+    Raises:
+        UsageError: ``model`` or ``model_kwargs`` name no harness model.
 
     Example:
         >>> check_add_prefix("out/single/bare.pt", "mlp", {"hidden": (4,)}).passed
         True
     """
-    name = "add_prefix"
-    try:
-        device, kw = eval_device(), model_kwargs or {}
-        bare_sd = load_pt(bare_path)
-        bare = _fresh(model, kw, device)
-        bare.load_state_dict(bare_sd, strict=True)
-        wrapped = _data_parallel(_fresh(model, kw, device), device)
-        wrapped.load_state_dict(add_prefix(bare_sd, "module."), strict=True)
-        ref, got = _outputs(bare, device), _outputs(wrapped, device)
-    except Exception as exc:  # any failure is this check's finding, not the report's end
-        return _failed(name, strategy, 0.0, exc)
-    ok = bitwise_equal(ref, got)
-    detail = f"{len(bare_sd)} tensors, strict load into DataParallel, outputs " + (
-        "bitwise equal" if ok else "differ"
-    )
-    return _result(name, strategy, max_abs_diff(ref, got), 0.0, ok, detail)
+    return _prefix_check("add_prefix", bare_path, model, model_kwargs, strategy)
 
 
 def check_vs_single(
@@ -221,29 +250,44 @@ def check_vs_single(
         why_not: the reason, when not comparable.
 
     Returns:
-        The comparison; integer tensors (``num_batches_tracked``) must match exactly.
+        The comparison; integer tensors (``num_batches_tracked``) must match exactly. A
+        :data:`FINDINGS` error (a missing file) is a failed result naming it.
 
     Example:
         >>> check_vs_single("out/ddp/bare.pt", "out/single/bare.pt", 1e-5).passed
         True
     """
     name = "vs_single"
-    try:
-        diff, problems = compare_state_dicts(
-            load_pt(single_path), load_pt(bare_path), bitwise=False
+
+    def body() -> CheckResult:
+        gap, problems = compare_state_dicts(
+            load_pt(single_path), load_pt(bare_path), tolerance=tolerance
         )
-    except Exception as exc:  # unreadable file: a finding, not a crash
-        return _failed(name, strategy, tolerance, exc)
-    if Path(bare_path).resolve() == Path(single_path).resolve():
-        return CheckResult(name, True, 0.0, None, "the baseline", strategy, "baseline")
-    if not comparable:
-        detail = f"not exactly comparable ({why_not}); measured gap {diff:.3g}"
-        return CheckResult(name, True, diff, None, detail, strategy, "not comparable")
-    ok = not problems and diff <= tolerance
-    detail = f"final weights vs single-device, atol {tolerance:g}" + (
-        f": {'; '.join(problems[:3])}" if problems else ""
-    )
-    return _result(name, strategy, diff, tolerance, ok, detail)
+        if Path(bare_path).resolve() == Path(single_path).resolve():
+            return CheckResult(name, True, 0.0, None, "the baseline", strategy, "baseline")
+        if not comparable:
+            detail = f"not exactly comparable ({why_not}); measured gap {gap:.3g}"
+            return CheckResult(name, True, gap, None, detail, strategy, "not comparable")
+        detail = f"final weights vs single-device, atol {tolerance:g}" + (
+            f": {'; '.join(problems[:3])}" if problems else ""
+        )
+        return _result(name, strategy, gap, tolerance, not problems, detail)
+
+    return _attempt(name, strategy, tolerance, body)
+
+
+def _gpu_tagged(source: Path, work_dir: str | Path) -> tuple[Path, str, list[str]]:
+    """The checkpoint to load with ``map_location="auto"``: as saved when a GPU saved it,
+    else a copy retagged ``cpu -> cuda:1``; with how it was made, and any problems."""
+    if any(tag.startswith("cuda") for tag in storage_tags(source)):
+        return source, "saved on GPU", []
+    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    target = Path(work_dir) / f"{source.stem}.cuda1.pt"
+    target.unlink(missing_ok=True)
+    retag(source, target, {"cpu": "cuda:1"})
+    tags = storage_tags(target)
+    problems = [] if tags == {"cuda:1"} else [f"retag left storage tags {sorted(tags)}"]
+    return target, "retagged cpu->cuda:1", problems
 
 
 def check_device_roundtrip(
@@ -262,39 +306,29 @@ def check_device_roundtrip(
 
     Returns:
         Passed when every tensor comes back with the same dtype, shape and bytes (and, on
-        a CPU-only machine, on the CPU).
+        a CPU-only machine, on the CPU); a :data:`FINDINGS` error is a failed result.
 
     Example:
         >>> check_device_roundtrip("out/ddp/wrapped.pt", "out/ddp/parity").passed
         True
     """
     name = "device_roundtrip"
-    tags = storage_tags(path)
-    cuda_saved = any(tag.startswith("cuda") for tag in tags)
-    try:
+
+    def body() -> CheckResult:
         source = Path(path)
-        if cuda_saved:
-            loaded, route = load_state_dict(source, map_location="auto"), "saved on GPU"
-        else:
-            Path(work_dir).mkdir(parents=True, exist_ok=True)
-            target = Path(work_dir) / f"{source.stem}.cuda1.pt"
-            target.unlink(missing_ok=True)
-            retag(source, target, {"cpu": "cuda:1"})
-            new_tags = storage_tags(target)
-            if new_tags != {"cuda:1"}:
-                raise AssertionError(f"retag left storage tags {sorted(new_tags)}")
-            loaded, route = load_state_dict(target, map_location="auto"), "retagged cpu->cuda:1"
+        tagged, route, problems = _gpu_tagged(source, work_dir)
+        loaded = load_state_dict(tagged, map_location="auto")
         devices = sorted({str(t.device) for t in loaded.values() if isinstance(t, Tensor)})
-        diff, problems = compare_state_dicts(load_pt(source), loaded, bitwise=True)
-    except Exception as exc:  # any failure is this check's finding, not the report's end
-        return _failed(name, strategy, 0.0, exc)
-    if not torch.cuda.is_available() and devices not in ([], ["cpu"]):
-        problems.append(f"map_location='auto' left tensors on {devices} without a GPU")
-    ok = not problems
-    detail = f"{route}, load_state_dict(map_location='auto') -> {','.join(devices)}" + (
-        f": {'; '.join(problems[:3])}" if problems else ", bitwise equal"
-    )
-    return _result(name, strategy, diff, 0.0, ok, detail)
+        gap, mismatches = compare_state_dicts(load_pt(source), loaded)
+        problems += mismatches
+        if not torch.cuda.is_available() and devices not in ([], ["cpu"]):
+            problems.append(f"map_location='auto' left tensors on {devices} without a GPU")
+        detail = f"{route}, load_state_dict(map_location='auto') -> {','.join(devices)}" + (
+            f": {'; '.join(problems[:3])}" if problems else ", bitwise equal"
+        )
+        return _result(name, strategy, gap, 0.0, not problems, detail)
+
+    return _attempt(name, strategy, 0.0, body)
 
 
 def check_format_roundtrip(
@@ -308,14 +342,16 @@ def check_format_roundtrip(
         strategy: label for the result.
 
     Returns:
-        Passed when the twice-converted file holds the same keys, dtypes, shapes and bytes.
+        Passed when the twice-converted file holds the same keys, dtypes, shapes and
+        bytes; a :data:`FINDINGS` error is a failed result naming it.
 
     Example:
         >>> check_format_roundtrip("out/ddp/wrapped.pt", "out/ddp/parity").passed
         True
     """
     name = "format_roundtrip"
-    try:
+
+    def body() -> CheckResult:
         source, work = Path(path), Path(work_dir)
         work.mkdir(parents=True, exist_ok=True)
         middle = work / f"{source.stem}.safetensors"
@@ -324,11 +360,10 @@ def check_format_roundtrip(
             stale.unlink(missing_ok=True)
         convert(source, middle)  # the format comes from the suffix
         convert(middle, back)
-        diff, problems = compare_state_dicts(load_pt(source), load_pt(back), bitwise=True)
-    except Exception as exc:  # any failure is this check's finding, not the report's end
-        return _failed(name, strategy, 0.0, exc)
-    ok = not problems
-    detail = "pt -> safetensors -> pt " + (
-        f": {'; '.join(problems[:3])}" if problems else "bitwise equal"
-    )
-    return _result(name, strategy, diff, 0.0, ok, detail)
+        gap, problems = compare_state_dicts(load_pt(source), load_pt(back))
+        detail = "pt -> safetensors -> pt " + (
+            f": {'; '.join(problems[:3])}" if problems else "bitwise equal"
+        )
+        return _result(name, strategy, gap, 0.0, not problems, detail)
+
+    return _attempt(name, strategy, 0.0, body)

@@ -1,24 +1,47 @@
-"""What a harness run is asked to do (:class:`TrainConfig`), what it did (:class:`TrainResult`)."""
+"""What a harness run is asked to do (:class:`TrainConfig`), what it did (:class:`TrainResult`).
+
+Also the harness's name tables (:data:`STRATEGIES`, :data:`MODEL_NAMES`), the checks a
+run's arguments need no machine for, and torchrun detection (:func:`torchrun_env`). This
+module imports neither torch nor click, so the ``ckpt harness`` options take their
+choices from here without making ``ckpt --help`` import torch.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.harness.models import MODEL_NAMES
 
-__all__ = ["CHECKPOINT_NAMES", "RUN_JSON", "STRATEGIES", "TrainConfig", "TrainResult"]
+__all__ = [
+    "CHECKPOINT_NAMES",
+    "MODEL_NAMES",
+    "RUN_JSON",
+    "STRATEGIES",
+    "TORCHRUN_VARS",
+    "TorchrunEnv",
+    "TrainConfig",
+    "TrainResult",
+    "check_batch_covers",
+    "check_torchrun_fit",
+    "torchrun_env",
+]
 
 #: Training strategies, in the order reports list them.
 STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual")
+#: Every model :func:`ckpt_tools.harness.models.build_harness_model` builds; ``resnet-syncbn``
+#: is the ResNet with SyncBatchNorm.
+MODEL_NAMES: tuple[str, ...] = ("mlp", "lenet", "resnet", "resnet-syncbn")
 #: The three checkpoint files every run writes into its output directory.
 CHECKPOINT_NAMES: tuple[str, ...] = ("wrapped", "bare", "trainer")
 #: Name of the run summary (losses, devices) written next to the checkpoints.
 RUN_JSON = "run.json"
+#: Environment variables torchrun sets for every worker; all present means "under torchrun".
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 #: The fixes for a global batch smaller than the ranks it is split over.
 SMALL_BATCH_REMEDIES: tuple[Remedy, ...] = (
     Remedy("batch_size", verb="raise", flag="--batch-size"),
@@ -32,7 +55,7 @@ class TrainConfig:
 
     Attributes:
         strategy: ``single``, ``dp``, ``ddp`` or ``manual``.
-        model: a name :func:`ckpt_tools.harness.models.build_model` knows.
+        model: one of :data:`MODEL_NAMES`.
         steps: number of SGD steps.
         world_size: replicas/ranks; ``None``: one per selected GPU, or 2 on the CPU.
             ``single`` always uses one device.
@@ -85,7 +108,7 @@ class TrainConfig:
                 f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
                 argument="model",
                 value=repr(self.model),
-                flag="--model",
+                flag="--arch",
             )
         if self.steps < 1:
             raise UsageError(
@@ -98,14 +121,8 @@ class TrainConfig:
                 value=repr(self.world_size),
                 flag="--world-size",
             )
-        if self.world_size is not None and self.batch_size < self.world_size:
-            raise UsageError(
-                f"leaves some of the {self.world_size} ranks without samples",
-                argument="batch_size",
-                value=repr(self.batch_size),
-                flag="--batch-size",
-                remedies=SMALL_BATCH_REMEDIES,
-            )
+        if self.world_size is not None:
+            check_batch_covers(self.batch_size, self.world_size, "ranks")
         if not 1 <= self.batch_size <= self.num_samples:
             raise UsageError(
                 f"must be between 1 and num_samples={self.num_samples}",
@@ -113,6 +130,105 @@ class TrainConfig:
                 value=repr(self.batch_size),
                 flag="--batch-size",
             )
+
+
+def check_batch_covers(
+    batch_size: int, ranks: int, what: str, remedies: tuple[Remedy, ...] = SMALL_BATCH_REMEDIES
+) -> None:
+    """Refuse a global batch too small to give each rank or replica a sample.
+
+    Args:
+        batch_size: the global batch.
+        ranks: how many ranks or replicas split it.
+        what: what they are called in the message (``"ranks"``, ``"replicas"``).
+        remedies: the fixes to suggest.
+
+    Raises:
+        UsageError: ``batch_size < ranks``, naming ``batch_size`` and the fixes.
+
+    Example:
+        >>> check_batch_covers(2, 4, "ranks")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: batch_size=2: leaves some of the 4 ranks without samples; ...
+    """
+    if batch_size < ranks:
+        raise UsageError(
+            f"leaves some of the {ranks} {what} without samples",
+            argument="batch_size",
+            value=repr(batch_size),
+            flag="--batch-size",
+            remedies=remedies,
+        )
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The rendezvous variables of one torchrun worker."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
+    """Detect a torchrun (or any env:// launcher) worker from its environment.
+
+    Args:
+        environ: the environment to read; ``os.environ`` by default.
+
+    Returns:
+        The rank layout, or ``None`` when a variable of :data:`TORCHRUN_VARS` is missing.
+
+    Example:
+        >>> torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...               "MASTER_ADDR": "127.0.0.1"}).rank
+        1
+    """
+    env = os.environ if environ is None else environ
+    if not all(env.get(name) for name in TORCHRUN_VARS):
+        return None
+    world = int(env["WORLD_SIZE"])
+    return TorchrunEnv(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env["LOCAL_RANK"]),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+    )
+
+
+def check_torchrun_fit(config: TrainConfig, env: TorchrunEnv) -> None:
+    """Refuse a run that cannot be one of torchrun's ranks, before any process group.
+
+    Args:
+        config: the run each rank was started with.
+        env: the worker's rendezvous variables (:func:`torchrun_env`).
+
+    Raises:
+        UsageError: a one-process strategy (every rank would train alone and all would
+            write ``out_dir``), or a ``world_size`` other than torchrun's.
+
+    Example:
+        >>> env = TorchrunEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
+        >>> check_torchrun_fit(TrainConfig(strategy="ddp"), env)
+    """
+    if config.strategy != "ddp":
+        message = f"runs in one process, but torchrun started {env.world_size}"
+        argument, value, flag = "strategy", repr(config.strategy), "--strategy"
+        remedies = (
+            Remedy("strategy", "'ddp'", flag="--strategy ddp", verb="use"),
+            Remedy(text="run without torchrun"),
+        )
+    elif config.world_size not in (None, env.world_size):
+        message = f"torchrun started {env.world_size} processes"
+        argument, value, flag = "world_size", repr(config.world_size), "--world-size"
+        remedies = (
+            Remedy("world_size", verb="drop", flag="--world-size"),
+            Remedy(text="match torchrun's --nproc-per-node"),
+        )
+    else:
+        return
+    raise UsageError(message, argument=argument, value=value, flag=flag, remedies=remedies)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,62 +31,24 @@ from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.harness.config import TrainConfig, TrainResult
-from ckpt_tools.harness.data import batch_indices, shard, synthetic_fashion
-from ckpt_tools.harness.loop import (
-    completed_epochs,
-    deterministic,
-    init_model,
-    local_loss,
-    make_optimizer,
-    save_checkpoints,
+from ckpt_tools.harness import loop
+from ckpt_tools.harness.config import (
+    SMALL_BATCH_REMEDIES,
+    TrainConfig,
+    TrainResult,
+    check_batch_covers,
+    check_torchrun_fit,
+    torchrun_env,
 )
-from ckpt_tools.harness.models import build_model, has_batchnorm
+from ckpt_tools.harness.data import shard
+from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.placement import resolve_devices
 
-__all__ = ["TorchrunEnv", "torchrun_env", "train_ddp"]
+__all__ = ["train_ddp"]
 
-#: Environment variables torchrun sets for every worker; all present means "under torchrun".
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 # A rank that waits longer than this for the others has lost them (crashed peer).
 _PG_TIMEOUT = timedelta(minutes=3)
 _SPAWN_ATTEMPTS = 3
-
-
-@dataclass(frozen=True)
-class TorchrunEnv:
-    """The rendezvous variables of one torchrun worker."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-
-def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
-    """Detect a torchrun (or any env:// launcher) worker from its environment.
-
-    Args:
-        environ: the environment to read; ``os.environ`` by default.
-
-    Returns:
-        The rank layout, or ``None`` when a variable of :data:`TORCHRUN_VARS` is missing.
-
-    Example:
-        >>> torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-        ...               "MASTER_ADDR": "127.0.0.1"}).rank
-        1
-    """
-    env = os.environ if environ is None else environ
-    if not all(env.get(name) for name in TORCHRUN_VARS):
-        return None
-    world = int(env["WORLD_SIZE"])
-    return TorchrunEnv(
-        rank=int(env["RANK"]),
-        world_size=world,
-        local_rank=int(env["LOCAL_RANK"]),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-    )
 
 
 def train_ddp(config: TrainConfig) -> TrainResult:
@@ -114,17 +76,7 @@ def train_ddp(config: TrainConfig) -> TrainResult:
     """
     env = torchrun_env()
     if env is not None:
-        if config.world_size is not None and config.world_size != env.world_size:
-            raise UsageError(
-                f"torchrun started {env.world_size} processes",
-                argument="world_size",
-                value=repr(config.world_size),
-                flag="--world-size",
-                remedies=(
-                    Remedy("world_size", verb="drop", flag="--world-size"),
-                    Remedy(text="match torchrun's --nproc-per-node"),
-                ),
-            )
+        check_torchrun_fit(config, env)
         devices = resolve_devices(env.local_world_size, config.gpus, config.device)
         _check_ranks(config, env.world_size, devices[0])
         return _worker(
@@ -137,23 +89,11 @@ def train_ddp(config: TrainConfig) -> TrainResult:
 
 def _check_ranks(config: TrainConfig, world: int, device: torch.device) -> None:
     """Refuse what would fail inside the workers, before any process starts."""
-    build_model(config.model, **dict(config.model_kwargs))  # bad model_kwargs: UsageError here
-    if config.batch_size < world:
-        raise UsageError(
-            f"is smaller than the {world} ranks",
-            argument="batch_size",
-            value=repr(config.batch_size),
-            flag="--batch-size",
-            remedies=(
-                Remedy("batch_size", verb="raise", flag="--batch-size"),
-                Remedy(
-                    "world_size",
-                    verb="lower",
-                    flag="--world-size",
-                    text="(or torchrun's --nproc-per-node)",
-                ),
-            ),
-        )
+    # Bad model_kwargs: a UsageError here, not a traceback in every worker.
+    build_harness_model(config.model, **dict(config.model_kwargs))
+    torchrun_fix = "(or torchrun's --nproc-per-node)"
+    remedies = (SMALL_BATCH_REMEDIES[0], replace(SMALL_BATCH_REMEDIES[1], text=torchrun_fix))
+    check_batch_covers(config.batch_size, world, "ranks", remedies)
     _check_sync_bn(config, device)
 
 
@@ -163,7 +103,9 @@ def _wants_sync_bn(config: TrainConfig, device: torch.device) -> bool:
         return True
     if config.sync_bn is not None:
         return config.sync_bn
-    return device.type == "cuda" and has_batchnorm(build_model(config.model, **config.model_kwargs))
+    if device.type != "cuda":
+        return False
+    return has_batchnorm(build_harness_model(config.model, **config.model_kwargs))
 
 
 def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
@@ -173,7 +115,7 @@ def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
             "SyncBatchNorm needs GPUs (torch implements it for CUDA only), but this DDP run "
             "is on the CPU",
             remedies=(
-                Remedy("model", "'resnet'", flag="--model resnet", text="(BatchNorm per rank)"),
+                Remedy("model", "'resnet'", flag="--arch resnet", text="(BatchNorm per rank)"),
                 Remedy(text="run on GPUs"),
             ),
         )
@@ -278,20 +220,17 @@ def _train(
     launcher: str,
 ) -> TrainResult:
     """The DDP training loop of one rank; rank 0 saves the checkpoints."""
-    model = init_model(config, sync_bn=sync_bn).to(device)
+    model = loop.init_model(config, sync_bn=sync_bn).to(device)
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
-    optimizer = make_optimizer(ddp.parameters(), config)
-    images, labels = synthetic_fashion(config.num_samples, config.seed).tensors
+    optimizer = loop.make_optimizer(ddp.parameters(), config)
     losses: list[float] = []
     started = time.perf_counter()
-    with deterministic():
-        for step in range(config.steps):
-            idx = batch_indices(step, config.num_samples, config.batch_size, config.seed)
-            local = shard(idx, rank, world)
-            x, y = images[local].to(device), labels[local].to(device)
-            loss = local_loss(ddp(x), y, len(idx), world)
+    with loop.deterministic():
+        for images, labels in loop.global_batches(config):
+            x, y = shard(images, rank, world).to(device), shard(labels, rank, world).to(device)
+            loss = loop.local_loss(ddp(x), y, len(labels), world)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP averages the gradients over ranks here
             optimizer.step()
@@ -299,27 +238,15 @@ def _train(
             logged = loss.detach().clone()
             dist.all_reduce(logged)
             losses.append(float(logged) / world)
-    checkpoints: dict[str, str] = {}
-    if rank == 0 and config.out_dir is not None:
-        checkpoints = save_checkpoints(
-            config.out_dir, ddp.state_dict(), ddp.module.state_dict(), optimizer, config
-        )
-    fallback = None
-    if device.type == "cpu":
-        why = "device='cpu'" if torch.cuda.is_available() else "no GPU"
-        fallback = f"{why}: {world} CPU processes over gloo"
-    return TrainResult(
-        strategy="ddp",
-        model=config.model,
-        world_size=world,
+    fallback = loop.cpu_fallback([device], f"{world} CPU processes over gloo")
+    result = loop.finish_run(
+        config, [device] * world, losses, ddp, ddp.module, optimizer, fallback, save=rank == 0
+    )
+    return replace(
+        result,
         devices=(str(device),),
-        losses=tuple(losses),
-        steps=config.steps,
-        epoch=completed_epochs(config),
-        fallback=fallback,
         backend=backend,
         launcher=launcher,
         sync_bn=sync_bn,
-        checkpoints=checkpoints,
         seconds=time.perf_counter() - started,
     )

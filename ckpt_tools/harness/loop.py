@@ -1,4 +1,4 @@
-"""Pieces every strategy shares: seeding, the loss, the optimizer, saving checkpoints.
+"""Pieces every strategy shares: seeding, the batches, the loss, the optimizer, the result.
 
 Keeping them in one place is what makes the strategies comparable: they differ only in
 how a global batch is spread over devices, never in the maths of a step.
@@ -7,21 +7,24 @@ how a global batch is spread over devices, never in the maths of a step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ckpt_tools.harness.config import TrainConfig
-from ckpt_tools.harness.data import steps_per_epoch
-from ckpt_tools.harness.models import build_model
+from ckpt_tools.harness.config import CHECKPOINT_NAMES, TrainConfig, TrainResult
+from ckpt_tools.harness.data import batch_indices, steps_per_epoch, synthetic_fashion
+from ckpt_tools.harness.models import build_harness_model
 
 __all__ = [
     "ModuleContainer",
     "completed_epochs",
+    "cpu_fallback",
     "deterministic",
+    "finish_run",
+    "global_batches",
     "init_model",
     "local_loss",
     "make_optimizer",
@@ -73,7 +76,31 @@ def init_model(config: TrainConfig, sync_bn: bool = False) -> nn.Module:
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        return build_model(config.model, sync_bn=sync_bn, **dict(config.model_kwargs))
+        return build_harness_model(config.model, sync_bn=sync_bn, **dict(config.model_kwargs))
+
+
+def global_batches(config: TrainConfig) -> Iterator[tuple[Tensor, Tensor]]:
+    """The images and labels of every step's global batch, in step order.
+
+    Every strategy and every process draws the same batches (see
+    :func:`ckpt_tools.harness.data.batch_indices`); replicas and ranks take their part
+    with :func:`ckpt_tools.harness.data.shard`.
+
+    Args:
+        config: the run; ``steps``, ``num_samples``, ``batch_size`` and ``seed`` are used.
+
+    Returns:
+        An iterator of ``(images, labels)`` pairs on the CPU, one per step.
+
+    Example:
+        >>> images, labels = next(global_batches(TrainConfig(batch_size=8)))
+        >>> tuple(images.shape), tuple(labels.shape)
+        ((8, 1, 28, 28), (8,))
+    """
+    images, labels = synthetic_fashion(config.num_samples, config.seed).tensors
+    for step in range(config.steps):
+        idx = batch_indices(step, config.num_samples, config.batch_size, config.seed)
+        yield images[idx], labels[idx]
 
 
 def local_loss(logits: Tensor, targets: Tensor, global_batch: int, world_size: int) -> Tensor:
@@ -195,8 +222,85 @@ def save_checkpoints(
         "epoch": completed_epochs(config),
         "step": config.steps,
     }
-    paths = {name: out / f"{name}.pt" for name in ("wrapped", "bare", "trainer")}
+    paths = {name: out / f"{name}.pt" for name in CHECKPOINT_NAMES}
     torch.save(wrapped_sd, paths["wrapped"])
     torch.save(bare_sd, paths["bare"])
     torch.save(trainer, paths["trainer"])
     return {name: str(path) for name, path in paths.items()}
+
+
+def cpu_fallback(devices: Sequence[torch.device], what: str) -> str | None:
+    """A run's ``fallback`` when it ran on the CPU only: why, then what ran instead.
+
+    Args:
+        devices: the devices the run used.
+        what: what ran in place of the GPU form, e.g. ``"2 CPU processes over gloo"``.
+
+    Returns:
+        ``None`` when some device is a GPU; else ``"no GPU: ..."``, or
+        ``"device='cpu': ..."`` when GPUs were there but not used.
+
+    Example:
+        >>> cpu_fallback([torch.device("cuda", 0)], "2 CPU processes over gloo") is None
+        True
+    """
+    if any(d.type != "cpu" for d in devices):
+        return None
+    why = "device='cpu'" if torch.cuda.is_available() else "no GPU"
+    return f"{why}: {what}"
+
+
+def finish_run(
+    config: TrainConfig,
+    devices: Sequence[torch.device],
+    losses: Sequence[float],
+    wrapped: nn.Module,
+    bare: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fallback: str | None,
+    *,
+    save: bool = True,
+) -> TrainResult:
+    """Save a finished run's checkpoints (when it has an ``out_dir``) and describe it.
+
+    Args:
+        config: the run.
+        devices: the device of every replica.
+        losses: the global-batch loss of every step.
+        wrapped: the model with the ``module.`` key layout.
+        bare: the unwrapped model.
+        optimizer: its state goes into ``trainer.pt``.
+        fallback: how the run differed from its GPU form, or ``None``.
+        save: ``False`` for the DDP ranks that leave the writing to rank 0.
+
+    Returns:
+        The result; ``out_dir`` and ``checkpoints`` are set when files were written.
+
+    Raises:
+        OSError: a checkpoint cannot be written.
+
+    Example:
+        >>> model = init_model(TrainConfig())
+        >>> optimizer = make_optimizer(model.parameters(), TrainConfig())
+        >>> cpu = [torch.device("cpu")]
+        >>> run = finish_run(TrainConfig(), cpu, [2.3], model, model, optimizer, None)
+        >>> run.world_size, run.checkpoints
+        (1, {})
+    """
+    checkpoints: dict[str, str] = {}
+    if save and config.out_dir is not None:
+        checkpoints = save_checkpoints(
+            config.out_dir, wrapped.state_dict(), bare.state_dict(), optimizer, config
+        )
+    return TrainResult(
+        strategy=config.strategy,
+        model=config.model,
+        world_size=len(devices),
+        devices=tuple(str(d) for d in devices),
+        losses=tuple(losses),
+        steps=config.steps,
+        epoch=completed_epochs(config),
+        fallback=fallback,
+        out_dir=str(config.out_dir) if checkpoints else None,
+        checkpoints=checkpoints,
+    )

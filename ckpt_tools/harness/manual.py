@@ -17,17 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ckpt_tools.harness import loop
 from ckpt_tools.harness.config import TrainConfig, TrainResult
-from ckpt_tools.harness.data import batch_indices, shard, synthetic_fashion
-from ckpt_tools.harness.loop import (
-    ModuleContainer,
-    completed_epochs,
-    deterministic,
-    init_model,
-    local_loss,
-    make_optimizer,
-    save_checkpoints,
-)
+from ckpt_tools.harness.data import shard
 
 __all__ = ["allreduce_mean_grads", "broadcast_state", "train_manual"]
 
@@ -108,21 +100,19 @@ def train_manual(config: TrainConfig, devices: Sequence[torch.device]) -> TrainR
         (2, True)
     """
     count = len(devices)
-    master = init_model(config).to(devices[0])
+    master = loop.init_model(config).to(devices[0])
     # The master is replica 0 (as in DataParallel); the others start as exact copies.
     replicas = [master] + [copy.deepcopy(master).to(d) for d in devices[1:]]
-    optimizer = make_optimizer(master.parameters(), config)
-    images, labels = synthetic_fashion(config.num_samples, config.seed).tensors
+    optimizer = loop.make_optimizer(master.parameters(), config)
     losses: list[float] = []
-    with deterministic():
-        for step in range(config.steps):
-            idx = batch_indices(step, config.num_samples, config.batch_size, config.seed)
+    with loop.deterministic():
+        for images, labels in loop.global_batches(config):
             step_loss = 0.0
             for rank, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
-                chunk = shard(idx, rank, count)  # scatter
+                # scatter: this replica's contiguous slice of the global batch
+                x, y = shard(images, rank, count).to(device), shard(labels, rank, count).to(device)
                 replica.zero_grad(set_to_none=True)
-                x, y = images[chunk].to(device), labels[chunk].to(device)
-                loss = local_loss(replica(x), y, len(idx), count)
+                loss = loop.local_loss(replica(x), y, len(labels), count)
                 loss.backward()
                 step_loss += float(loss.detach())
             allreduce_mean_grads(replicas)
@@ -131,28 +121,7 @@ def train_manual(config: TrainConfig, devices: Sequence[torch.device]) -> TrainR
             # Each local loss is scaled by count / global batch, so their mean is the
             # global-batch mean loss, comparable with the other strategies.
             losses.append(step_loss / count)
-    checkpoints: dict[str, str] = {}
-    if config.out_dir is not None:
-        checkpoints = save_checkpoints(
-            config.out_dir,
-            ModuleContainer(master).state_dict(),
-            master.state_dict(),
-            optimizer,
-            config,
-        )
-    fallback = None
-    if all(d.type == "cpu" for d in devices):
-        why = "device='cpu'" if torch.cuda.is_available() else "no GPU"
-        fallback = f"{why}: {count} replicas ran one after another on the CPU"
-    return TrainResult(
-        strategy="manual",
-        model=config.model,
-        world_size=count,
-        devices=tuple(str(d) for d in devices),
-        losses=tuple(losses),
-        steps=config.steps,
-        epoch=completed_epochs(config),
-        fallback=fallback,
-        out_dir=None if config.out_dir is None else str(config.out_dir),
-        checkpoints=checkpoints,
+    fallback = loop.cpu_fallback(devices, f"{count} replicas ran one after another on the CPU")
+    return loop.finish_run(
+        config, devices, losses, loop.ModuleContainer(master), master, optimizer, fallback
     )

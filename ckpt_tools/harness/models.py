@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ckpt_tools.errors import UsageError
+from ckpt_tools.harness.config import MODEL_NAMES
 
 __all__ = [
     "MLP",
@@ -22,7 +23,7 @@ __all__ = [
     "BasicBlock",
     "LeNet",
     "SmallResNet",
-    "build_model",
+    "build_harness_model",
     "has_batchnorm",
 ]
 
@@ -140,24 +141,25 @@ class SmallResNet(nn.Module):
         return self.fc(self.pool(x).flatten(1))
 
 
+# The classes behind MODEL_NAMES (config.py, torch-free); "resnet-syncbn" is the ResNet
+# converted to SyncBatchNorm by build_harness_model.
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "mlp": MLP,
     "lenet": LeNet,
     "resnet": SmallResNet,
 }
-#: Every name :func:`build_model` accepts.
-MODEL_NAMES: tuple[str, ...] = (*_BUILDERS, "resnet-syncbn")
 
 
-def build_model(name: str, *, sync_bn: bool = False, **kw: Any) -> nn.Module:
+def build_harness_model(name: str, *, sync_bn: bool = False, **kw: Any) -> nn.Module:
     """Build one of the harness models with freshly initialised weights.
 
     Weights come from the global torch RNG, so seed it (or use
     :func:`ckpt_tools.harness.loop.init_model`) for reproducible weights.
 
     Args:
-        name: ``"mlp"``, ``"lenet"``, ``"resnet"``, or ``"resnet-syncbn"`` (the ResNet
-            with every BatchNorm turned into :class:`torch.nn.SyncBatchNorm`).
+        name: one of :data:`MODEL_NAMES`: ``"mlp"``, ``"lenet"``, ``"resnet"``, or
+            ``"resnet-syncbn"`` (the ResNet with every BatchNorm turned into
+            :class:`torch.nn.SyncBatchNorm`).
         sync_bn: convert BatchNorm layers to SyncBatchNorm (what DDP on GPUs needs for
             batch statistics over the global batch). The state-dict keys do not change.
         **kw: passed to the model class (e.g. ``hidden=(8,)`` for the MLP).
@@ -169,20 +171,20 @@ def build_model(name: str, *, sync_bn: bool = False, **kw: Any) -> nn.Module:
         UsageError: ``name`` is not a known model, or ``kw`` does not fit it.
 
     Example:
-        >>> model = build_model("mlp", hidden=(8,))
+        >>> model = build_harness_model("mlp", hidden=(8,))
         >>> sorted(model.state_dict())[:2]
         ['net.1.bias', 'net.1.weight']
     """
     key = name.lower()
-    if key == "resnet-syncbn":
-        key, sync_bn = "resnet", True
-    if key not in _BUILDERS:
+    if key not in MODEL_NAMES:
         raise UsageError(
             f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
             argument="name",
             value=repr(name),
-            flag="--model",
+            flag="--arch",
         )
+    if key == "resnet-syncbn":
+        key, sync_bn = "resnet", True
     try:
         model = _BUILDERS[key](**kw)
     except TypeError as exc:
@@ -204,7 +206,7 @@ def has_batchnorm(model: nn.Module) -> bool:
         True when some submodule normalises with batch statistics.
 
     Example:
-        >>> has_batchnorm(build_model("resnet")), has_batchnorm(build_model("mlp"))
+        >>> has_batchnorm(build_harness_model("resnet")), has_batchnorm(build_harness_model("mlp"))
         (True, False)
     """
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())

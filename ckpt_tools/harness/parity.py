@@ -170,7 +170,12 @@ def run_parity(
     """
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
-        raise UsageError(f"unknown strategies {unknown}: expected some of {', '.join(STRATEGIES)}")
+        raise UsageError(
+            f"unknown strategies {', '.join(unknown)}; expected some of {', '.join(STRATEGIES)}",
+            argument="strategies",
+            value=repr(tuple(strategies)),
+            flag="--strategies",
+        )
     order = ["single", *(s for s in STRATEGIES if s in strategies and s != "single")]
     kw = dict(model_kwargs or {})
     with tempfile.TemporaryDirectory(prefix="ckpt-harness-parity-") as scratch:

@@ -23,7 +23,10 @@ GpuSpec = str | Sequence[int] | None
 
 
 def _pick(n: int) -> list[int]:
-    """Indices of the ``n`` GPUs with the most free memory (:func:`ckpt_tools.loading.devices.pick`)."""
+    """Indices of the ``n`` GPUs with the most free memory.
+
+    See :func:`ckpt_tools.loading.devices.pick`.
+    """
     picked = pick(n)
     if any(d.type != "cuda" for d in picked):  # pick() falls back to [cpu] without GPUs
         raise UsageError(

@@ -14,24 +14,26 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.config import SMALL_BATCH_REMEDIES, TrainConfig, TrainResult
-from ckpt_tools.harness.data import batch_indices, synthetic_fashion
+from ckpt_tools.harness.config import (
+    TrainConfig,
+    TrainResult,
+    check_batch_covers,
+    check_torchrun_fit,
+    torchrun_env,
+)
 from ckpt_tools.harness.loop import (
     ModuleContainer,
-    completed_epochs,
+    cpu_fallback,
     deterministic,
+    finish_run,
+    global_batches,
     init_model,
     local_loss,
     make_optimizer,
-    save_checkpoints,
 )
 from ckpt_tools.harness.placement import resolve_devices
 
-__all__ = ["DP_CPU_FALLBACK", "train"]
-
-#: ``TrainResult.fallback`` of the ``dp`` strategy when there is no GPU.
-DP_CPU_FALLBACK = "no GPU: DataParallel ran as a plain forward on the CPU"
+__all__ = ["run_steps", "train"]
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -46,7 +48,8 @@ def train(config: TrainConfig) -> TrainResult:
         ``torchrun`` (strategy ``ddp``), every rank returns; only rank 0 wrote files.
 
     Raises:
-        UsageError: bad strategy/model/sizes, or more ranks than selected GPUs.
+        UsageError: bad strategy/model/sizes, more ranks than selected GPUs, or a
+            one-process strategy under torchrun.
         RuntimeError: a DDP worker process failed (its traceback is in the message).
 
     Example:
@@ -55,20 +58,16 @@ def train(config: TrainConfig) -> TrainResult:
         2
     """
     config.validate()
+    env = torchrun_env()
+    if env is not None:
+        check_torchrun_fit(config, env)
     if config.strategy == "ddp":
         from ckpt_tools.harness.ddp import train_ddp  # keeps torch.distributed out otherwise
 
         return train_ddp(config)
     world_size = 1 if config.strategy == "single" else config.world_size
     devices = resolve_devices(world_size, config.gpus, config.device)
-    if config.batch_size < len(devices):
-        raise UsageError(
-            f"is smaller than the {len(devices)} replicas",
-            argument="batch_size",
-            value=repr(config.batch_size),
-            flag="--batch-size",
-            remedies=SMALL_BATCH_REMEDIES,
-        )
+    check_batch_covers(config.batch_size, len(devices), "replicas")
     started = time.perf_counter()
     if config.strategy == "manual":
         from ckpt_tools.harness.manual import train_manual
@@ -107,47 +106,16 @@ def run_steps(
         >>> len(run_steps(model, opt, TrainConfig(steps=2), torch.device("cpu")))
         2
     """
-    images, labels = synthetic_fashion(config.num_samples, config.seed).tensors
     losses: list[float] = []
     with deterministic():
-        for step in range(config.steps):
-            idx = batch_indices(step, config.num_samples, config.batch_size, config.seed)
-            x, y = images[idx].to(input_device), labels[idx].to(input_device)
-            loss = local_loss(forward(x), y, len(idx), 1)
+        for images, labels in global_batches(config):
+            x, y = images.to(input_device), labels.to(input_device)
+            loss = local_loss(forward(x), y, len(y), 1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
     return losses
-
-
-def _result(
-    config: TrainConfig,
-    devices: Sequence[torch.device],
-    losses: list[float],
-    wrapped: nn.Module,
-    bare: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    fallback: str | None,
-) -> TrainResult:
-    """Save the checkpoints (when asked to) and describe the run."""
-    checkpoints: dict[str, str] = {}
-    if config.out_dir is not None:
-        checkpoints = save_checkpoints(
-            config.out_dir, wrapped.state_dict(), bare.state_dict(), optimizer, config
-        )
-    return TrainResult(
-        strategy=config.strategy,
-        model=config.model,
-        world_size=len(devices),
-        devices=tuple(str(d) for d in devices),
-        losses=tuple(losses),
-        steps=config.steps,
-        epoch=completed_epochs(config),
-        fallback=fallback,
-        out_dir=None if config.out_dir is None else str(config.out_dir),
-        checkpoints=checkpoints,
-    )
 
 
 def _train_single(config: TrainConfig, device: torch.device) -> TrainResult:
@@ -156,7 +124,7 @@ def _train_single(config: TrainConfig, device: torch.device) -> TrainResult:
     optimizer = make_optimizer(model.parameters(), config)
     losses = run_steps(model, optimizer, config, device)
     # Wrapped checkpoint: the DataParallel key layout without DataParallel (see ModuleContainer).
-    return _result(config, [device], losses, ModuleContainer(model), model, optimizer, None)
+    return finish_run(config, [device], losses, ModuleContainer(model), model, optimizer, None)
 
 
 def _train_dp(config: TrainConfig, devices: Sequence[torch.device]) -> TrainResult:
@@ -169,16 +137,12 @@ def _train_dp(config: TrainConfig, devices: Sequence[torch.device]) -> TrainResu
         fallback, used = None, list(devices)
     else:
         asked = f" (asked for {len(devices)} replicas)" if len(devices) > 1 else ""
-        if torch.cuda.is_available():
-            # device='cpu' on a GPU machine: DataParallel would pull the model onto a
-            # GPU, so keep its key layout with the container and forward plainly.
-            wrapper = ModuleContainer(model)
-            fallback = f"device='cpu': DataParallel ran as a plain forward on the CPU{asked}"
-        else:
-            # Without CUDA, DataParallel keeps device_ids empty and just calls the module.
-            wrapper = nn.DataParallel(model)
-            fallback = DP_CPU_FALLBACK + asked
+        fallback = cpu_fallback(devices, f"DataParallel ran as a plain forward on the CPU{asked}")
+        # device='cpu' on a GPU machine: DataParallel would pull the model onto a GPU, so
+        # keep its key layout with the container and forward plainly. Without CUDA,
+        # DataParallel keeps device_ids empty and just calls the module.
+        wrapper = ModuleContainer(model) if torch.cuda.is_available() else nn.DataParallel(model)
         used = [devices[0]]
     optimizer = make_optimizer(model.parameters(), config)
     losses = run_steps(wrapper, optimizer, config, devices[0])
-    return _result(config, used, losses, wrapper, model, optimizer, fallback)
+    return finish_run(config, used, losses, wrapper, model, optimizer, fallback)

@@ -48,7 +48,7 @@ def test_parity_resnet_table_checkpoints_plot_and_batchnorm_gap(tmp_path: Path) 
     out, plot = tmp_path / "demo", tmp_path / "demo" / "parity.png"
     args = [
         "parity",
-        "--model",
+        "--arch",
         "resnet",
         "--world-size",
         "2",
@@ -90,7 +90,26 @@ def test_parity_json_in_process_strategies(tmp_path: Path) -> None:
 
 def test_parity_unknown_strategy_is_a_usage_error() -> None:
     result = CliRunner().invoke(harness, ["parity", "--strategies", "single,fsdp"])
-    assert isinstance(result.exception, UsageError) and "fsdp" in str(result.exception)
+    assert isinstance(result.exception, UsageError)
+    assert str(result.exception).startswith(
+        "strategies=('single', 'fsdp'): unknown strategies fsdp"
+    )
+
+
+def test_arch_chooses_the_model_and_model_is_a_deprecated_alias(tmp_path: Path) -> None:
+    base = ["train", "--strategy", "single", "--steps", "1", "--device", "cpu", "--json"]
+    runner = CliRunner()
+    new = runner.invoke(harness, [*base, "--arch", "lenet", "--out", str(tmp_path / "a")])
+    assert new.exit_code == 0 and new.stderr == "", new.output
+    assert json.loads(new.stdout)["model"] == "lenet"
+    old = runner.invoke(harness, [*base, "--model", "lenet", "--out", str(tmp_path / "b")])
+    assert old.exit_code == 0, old.output
+    assert json.loads(old.stdout)["model"] == "lenet"
+    assert old.stderr == "warning: --model is deprecated in `ckpt harness`; use --arch\n"
+    bad = runner.invoke(harness, [*base, "--arch", "mlp", "--model", "lenet"])
+    assert bad.exit_code == 2 and "--arch mlp and --model lenet disagree" in bad.stderr
+    help_text = runner.invoke(harness, ["train", "--help"]).stdout
+    assert "--arch [mlp|lenet|resnet|resnet-syncbn]" in help_text and "--model" not in help_text
 
 
 def test_ckpt_main_dispatches_harness_and_maps_errors_to_exit_codes(tmp_path: Path) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from ckpt_tools.errors import UsageError
 from ckpt_tools.harness import (
     CHECK_NAMES,
     STRATEGIES,
@@ -25,7 +27,7 @@ from ckpt_tools.harness.checks import (
     check_strip_prefix,
     check_vs_single,
 )
-from ckpt_tools.harness.compare import storage_tags
+from ckpt_tools.harness.reference import storage_tags
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,43 @@ def test_a_strip_prefix_gives_bitwise_equal_outputs(runs: Path) -> None:
 
 def test_a_fails_when_the_checkpoint_does_not_fit_the_model(runs: Path) -> None:
     row = check_strip_prefix(runs / "manual" / "wrapped.pt", "lenet")
-    assert not row.passed and row.status == "fail" and "Error" in row.detail
+    assert (row.passed, row.status, row.error) == (False, "fail", "StateDictMismatchError")
+    assert row.detail.startswith("StateDictMismatchError: DataParallel.load_state_dict refused")
+    assert "Missing key(s)" in row.detail and row.max_abs_diff == math.inf
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda p, work: check_strip_prefix(p, "mlp"),
+        lambda p, work: check_add_prefix(p, "mlp"),
+        lambda p, work: check_vs_single(p, p, 1e-5),
+        lambda p, work: check_device_roundtrip(p, work),
+        lambda p, work: check_format_roundtrip(p, work),
+    ],
+    ids=CHECK_NAMES,
+)
+def test_every_check_reports_a_missing_file_as_checkpoint_not_found(
+    check: Callable[[Path, Path], CheckResult], tmp_path: Path
+) -> None:
+    missing = tmp_path / "gone.pt"
+    row = check(missing, tmp_path / "work")
+    assert (row.passed, row.status, row.error) == (False, "fail", "CheckpointNotFoundError")
+    assert row.detail.startswith(
+        f"CheckpointNotFoundError: no such file or folder: {str(missing)!r}"
+    )
+
+
+def test_an_unknown_model_is_the_callers_error_not_a_finding(runs: Path) -> None:
+    with pytest.raises(UsageError, match="name='vgg': unknown model") as info:
+        check_strip_prefix(runs / "manual" / "wrapped.pt", "vgg")
+    assert "expected one of mlp, lenet" in str(info.value)
+
+
+def test_an_unexpected_error_propagates_instead_of_becoming_a_fail_row(tmp_path: Path) -> None:
+    # A folder is no .pt file: torch.load raises IsADirectoryError, which no check expects.
+    with pytest.raises(IsADirectoryError):
+        check_vs_single(tmp_path, tmp_path, 1e-5)
 
 
 def test_b_add_prefix_loads_into_data_parallel(runs: Path) -> None:
@@ -57,7 +95,9 @@ def test_b_add_prefix_loads_into_data_parallel(runs: Path) -> None:
 def test_b_fails_on_an_already_wrapped_checkpoint(runs: Path) -> None:
     # module.module.* keys cannot load strictly into DataParallel(model)
     row = check_add_prefix(runs / "single" / "wrapped.pt", "mlp")
-    assert not row.passed and "module." in row.detail
+    assert (row.passed, row.error) == (False, "StateDictMismatchError")
+    assert "MLP.load_state_dict refused" in row.detail
+    assert 'Unexpected key(s) in state_dict: "module.net.1.weight"' in row.detail
 
 
 def test_c_manual_matches_single_within_tolerance(runs: Path) -> None:
@@ -71,8 +111,17 @@ def test_c_catches_a_perturbed_weight(runs: Path, tmp_path: Path) -> None:
     sd[first] = sd[first] + 1e-3
     torch.save(sd, tmp_path / "bad.pt")
     row = check_vs_single(tmp_path / "bad.pt", runs / "single" / "bare.pt", 1e-5)
-    assert not row.passed and row.status == "fail"
+    assert (row.passed, row.status, row.error) == (False, "fail", "")
     assert row.max_abs_diff == pytest.approx(1e-3, rel=1e-2)
+    assert row.detail.endswith(f": {first}: values differ by more than 1e-05")
+
+
+def test_c_catches_an_extra_key(runs: Path, tmp_path: Path) -> None:
+    sd = torch.load(runs / "manual" / "bare.pt", weights_only=True)
+    torch.save({**sd, "extra": torch.zeros(1)}, tmp_path / "extra.pt")
+    row = check_vs_single(tmp_path / "extra.pt", runs / "single" / "bare.pt", 1e-5)
+    assert not row.passed and row.max_abs_diff == math.inf
+    assert row.detail.endswith(": unexpected keys ['extra']")
 
 
 def test_c_reports_a_not_comparable_gap_without_failing(runs: Path) -> None:
@@ -102,6 +151,12 @@ def test_e_format_roundtrip_through_safetensors(runs: Path, tmp_path: Path) -> N
     assert (tmp_path / "wrapped.roundtrip.pt").is_file()
     again = check_format_roundtrip(runs / "manual" / "wrapped.pt", tmp_path, "manual")
     assert again.passed, again.detail  # re-running over its own outputs is fine
+
+
+def test_e_reports_what_safetensors_cannot_hold(runs: Path, tmp_path: Path) -> None:
+    row = check_format_roundtrip(runs / "manual" / "trainer.pt", tmp_path, "manual")
+    assert (row.passed, row.error) == (False, "NonTensorEntriesError")
+    assert not (tmp_path / "trainer.safetensors").exists()
 
 
 @pytest.mark.slow
@@ -139,10 +194,9 @@ def test_parity_report_json_and_all_passed(parity_mlp: ParityReport) -> None:
 
 
 def test_run_parity_rejects_unknown_strategies() -> None:
-    from ckpt_tools.errors import UsageError
-
-    with pytest.raises(UsageError, match="fsdp"):
+    with pytest.raises(UsageError, match="unknown strategies fsdp; expected some of single") as e:
         run_parity(strategies=("single", "fsdp"))
+    assert e.value.render(for_cli=True).startswith("--strategies ('single', 'fsdp'): ")
 
 
 def test_failed_rows_with_nan_diffs_fail_the_report_and_json_stays_strict() -> None:

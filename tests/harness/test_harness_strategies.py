@@ -17,6 +17,10 @@ def cpu(**kw: object) -> TrainConfig:
     return TrainConfig(device="cpu", **kw)  # type: ignore[arg-type]
 
 
+#: How a CPU fallback says why it fell back.
+WHY_CPU = "device='cpu'" if torch.cuda.is_available() else "no GPU"
+
+
 def _load(path: Path | str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -48,7 +52,8 @@ def test_single_is_deterministic_and_learns(tmp_path: Path) -> None:
 def test_dp_without_gpu_runs_a_plain_forward_and_keeps_module_keys(tmp_path: Path) -> None:
     single = train(cpu(strategy="single", steps=3, out_dir=str(tmp_path / "single")))
     dp = train(cpu(strategy="dp", steps=3, world_size=2, out_dir=str(tmp_path / "dp")))
-    assert "DataParallel ran as a plain forward on the CPU" in (dp.fallback or "")
+    what = "DataParallel ran as a plain forward on the CPU (asked for 2 replicas)"
+    assert dp.fallback == f"{WHY_CPU}: {what}" and dp.devices == ("cpu",)
     assert dp.losses == single.losses  # the very same computation
     _assert_checkpoints(tmp_path / "dp", 3)
 
@@ -59,7 +64,7 @@ def test_manual_loop_over_two_cpu_replicas_matches_single(tmp_path: Path) -> Non
         cpu(strategy="manual", model="lenet", steps=3, world_size=2, out_dir=str(tmp_path / "m"))
     )
     assert manual.world_size == 2 and manual.devices == ("cpu", "cpu")
-    assert "2 replicas" in (manual.fallback or "")
+    assert manual.fallback == f"{WHY_CPU}: 2 replicas ran one after another on the CPU"
     torch.testing.assert_close(manual.losses, single.losses, rtol=0, atol=1e-5)
     a, b = _load(tmp_path / "s" / "bare.pt"), _load(tmp_path / "m" / "bare.pt")
     for key in a:
@@ -80,7 +85,8 @@ def test_ddp_spawned_over_gloo_matches_single(parity_mlp: ParityReport, parity_d
     runs = {run.strategy: run for run in parity_mlp.runs}
     ddp, single = runs["ddp"], runs["single"]
     assert (ddp.backend, ddp.launcher, ddp.world_size) == ("gloo", "spawn", 2)
-    assert ddp.devices == ("cpu", "cpu") and "gloo" in (ddp.fallback or "")
+    assert ddp.devices == ("cpu", "cpu")
+    assert ddp.fallback == f"{WHY_CPU}: 2 CPU processes over gloo"
     torch.testing.assert_close(ddp.losses, single.losses, rtol=0, atol=1e-5)
     _assert_checkpoints(parity_dir / "ddp", parity_mlp.steps)
     a, b = _load(parity_dir / "single" / "bare.pt"), _load(parity_dir / "ddp" / "bare.pt")
@@ -90,8 +96,10 @@ def test_ddp_spawned_over_gloo_matches_single(parity_mlp: ParityReport, parity_d
 
 def test_ddp_refuses_syncbn_on_cpu_before_starting_processes(tmp_path: Path) -> None:
     config = cpu(strategy="ddp", model="resnet-syncbn", world_size=2, out_dir=str(tmp_path))
-    with pytest.raises(UsageError, match="SyncBatchNorm needs GPUs"):
+    with pytest.raises(UsageError, match="SyncBatchNorm needs GPUs") as info:
         train(config)
+    assert "pass --arch resnet (BatchNorm per rank)" in info.value.render(for_cli=True)
+    assert "pass model='resnet' (BatchNorm per rank)" in str(info.value)
     assert not any(tmp_path.iterdir())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from ckpt_tools.harness import TrainConfig, train
-from ckpt_tools.harness.cli import main
+from ckpt_tools.harness.__main__ import main
 from ckpt_tools.harness.config import TrainResult
 
 
@@ -31,7 +32,7 @@ def test_torchrun_two_ranks_write_one_checkpoint_matching_single(
         "train",
         "--strategy",
         "ddp",
-        "--model",
+        "--arch",
         "mlp",
         "--steps",
         "3",
@@ -44,7 +45,7 @@ def test_torchrun_two_ranks_write_one_checkpoint_matching_single(
         command, env=subprocess_env, capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("launcher=torchrun") == 1  # only rank 0 prints
+    assert proc.stdout.count("(world size 2, torchrun, gloo)") == 1, proc.stdout  # rank 0 only
     result = TrainResult.read_json(out)
     assert (result.launcher, result.backend, result.world_size) == ("torchrun", "gloo", 2)
 
@@ -72,7 +73,10 @@ def test_under_torchrun_a_single_process_strategy_is_a_usage_error(
         monkeypatch.setenv(name, value)
     code = main(["train", "--strategy", "single", "--out", str(tmp_path)])
     assert code == 2
-    assert "use --strategy ddp" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "python -m ckpt_tools.harness: error: --strategy 'single': runs in one process, but "
+        "torchrun started 2; use --strategy ddp, or run without torchrun\n"
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -83,4 +87,22 @@ def test_under_torchrun_a_mismatched_world_size_is_a_usage_error(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert main(["train", "--strategy", "ddp", "--world-size", "3", "--device", "cpu"]) == 2
-    assert "--nproc-per-node" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("python -m ckpt_tools.harness: error: --world-size 3: torchrun started 2")
+    assert "--nproc-per-node" in err
+
+
+def test_the_process_entry_runs_the_click_group(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    command = [sys.executable, "-m", "ckpt_tools.harness", "train", "--strategy", "single"]
+    args = ["--steps", "1", "--device", "cpu", "--json", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        command + args, env=subprocess_env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["checkpoints"]["bare"] == str(tmp_path / "bare.pt")
+    bad = subprocess.run(
+        [*command, "--batch-size", "0"], env=subprocess_env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "Invalid value for '--batch-size'" in bad.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,35 +13,34 @@ from torch import nn
 
 import ckpt_tools.harness as harness
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.compare import bitwise_equal, compare_state_dicts, max_abs_diff
-from ckpt_tools.harness.config import TrainConfig, TrainResult
+from ckpt_tools.harness.config import TrainConfig, TrainResult, torchrun_env
 from ckpt_tools.harness.data import batch_indices, shard, steps_per_epoch, synthetic_fashion
-from ckpt_tools.harness.ddp import torchrun_env
 from ckpt_tools.harness.loop import deterministic, init_model, local_loss
 from ckpt_tools.harness.manual import allreduce_mean_grads, broadcast_state
-from ckpt_tools.harness.models import MODEL_NAMES, build_model, has_batchnorm
+from ckpt_tools.harness.models import MODEL_NAMES, build_harness_model, has_batchnorm
 from ckpt_tools.harness.placement import resolve_devices
+from ckpt_tools.harness.reference import compare_state_dicts
 
 PACKAGE = Path(harness.__file__).resolve().parent
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_every_model_maps_fashion_images_to_ten_logits(name: str) -> None:
-    model = build_model(name)
+    model = build_harness_model(name)
     images = synthetic_fashion(4).tensors[0]
     assert model(images).shape == (4, 10)
 
 
 def test_resnet_has_batchnorm_and_syncbn_variant_keeps_the_keys() -> None:
-    plain, synced = build_model("resnet"), build_model("resnet-syncbn")
-    assert has_batchnorm(plain) and not has_batchnorm(build_model("mlp"))
+    plain, synced = build_harness_model("resnet"), build_harness_model("resnet-syncbn")
+    assert has_batchnorm(plain) and not has_batchnorm(build_harness_model("mlp"))
     assert any(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
     assert list(plain.state_dict()) == list(synced.state_dict())
     assert "layer1.bn1.num_batches_tracked" in plain.state_dict()
 
 
 def test_lenet_is_the_tutorial_shape() -> None:
-    shapes = {k: tuple(v.shape) for k, v in build_model("lenet").state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in build_harness_model("lenet").state_dict().items()}
     assert shapes["features.0.weight"] == (20, 1, 3, 3)
     assert shapes["features.3.weight"] == (50, 20, 5, 5)
     assert shapes["classifier.1.weight"] == (128, 800)
@@ -47,9 +48,9 @@ def test_lenet_is_the_tutorial_shape() -> None:
 
 def test_unknown_model_names_the_choices() -> None:
     with pytest.raises(UsageError, match="expected one of mlp, lenet, resnet"):
-        build_model("vgg")
+        build_harness_model("vgg")
     with pytest.raises(UsageError, match="does not take"):
-        build_model("mlp", depth=3)
+        build_harness_model("mlp", depth=3)
 
 
 def test_dataset_is_a_pure_function_of_the_seed() -> None:
@@ -88,7 +89,7 @@ def test_scaled_local_losses_average_to_the_global_mean_gradient() -> None:
 
 
 def test_manual_allreduce_averages_and_broadcast_copies_buffers() -> None:
-    master, other = build_model("resnet"), build_model("resnet")
+    master, other = build_harness_model("resnet"), build_harness_model("resnet")
     for i, model in enumerate((master, other)):
         for p in model.parameters():
             p.grad = torch.full_like(p, float(2 * i))  # 0 on the master, 2 on the other
@@ -142,7 +143,7 @@ def test_without_a_gpu_asking_for_gpus_is_a_usage_error() -> None:
     ("kw", "message", "option"),
     [
         ({"strategy": "fsdp"}, "strategy='fsdp': .*expected one of single, dp, ddp, manual", None),
-        ({"model": "vgg"}, "model='vgg'", "--model 'vgg'"),
+        ({"model": "vgg"}, "model='vgg'", "--arch 'vgg'"),
         ({"steps": 0}, "steps=0", "--steps 0"),
         ({"world_size": 0}, "world_size=0", "--world-size 0"),
         ({"world_size": 4, "batch_size": 2}, "raise batch_size", "raise --batch-size"),
@@ -172,13 +173,28 @@ def test_train_result_json_round_trip(tmp_path: Path) -> None:
     assert TrainResult.read_json(tmp_path) == result
 
 
-def test_comparison_helpers_are_bitwise() -> None:
+def test_state_dict_comparison_is_bitwise_at_zero_tolerance() -> None:
     zero, neg_zero = torch.tensor([0.0]), torch.tensor([-0.0])
-    assert torch.equal(zero, neg_zero) and not bitwise_equal(zero, neg_zero)
-    assert not bitwise_equal(zero, zero.double())
-    assert max_abs_diff(torch.zeros(2), torch.zeros(3)) == float("inf")
-    diff, problems = compare_state_dicts({"a": torch.ones(2)}, {"b": torch.ones(2)})
-    assert diff == float("inf") and len(problems) == 2
+    assert torch.equal(zero, neg_zero)
+    assert compare_state_dicts({"w": zero}, {"w": neg_zero}) == (0.0, ["w: bytes differ"])
+    assert compare_state_dicts({"w": zero}, {"w": zero.clone()}) == (0.0, [])
+    gap, problems = compare_state_dicts({"w": zero}, {"w": zero.double()})
+    assert problems == ["w: float64[1], expected float32[1]"]
+    gap, problems = compare_state_dicts({"w": torch.zeros(2)}, {"w": torch.zeros(3)})
+    assert gap == float("inf") and problems == ["w: float32[3], expected float32[2]"]
+    gap, problems = compare_state_dicts({"a": torch.ones(2)}, {"b": torch.ones(2)})
+    assert gap == float("inf") and problems == ["missing keys ['a']", "unexpected keys ['b']"]
+
+
+def test_state_dict_comparison_with_a_tolerance_still_wants_equal_integers() -> None:
+    ref = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
+    close = {"w": torch.tensor([1.0, 2.0 + 2**-20]), "n": torch.tensor(3)}
+    gap, problems = compare_state_dicts(ref, close, tolerance=1e-5)
+    assert gap == 2**-20 and problems == []
+    gap, problems = compare_state_dicts(ref, {**close, "n": torch.tensor(4)}, tolerance=1e-5)
+    assert gap == 1.0 and problems == ["n: values differ by more than 1e-05"]
+    gap, problems = compare_state_dicts(ref, {**close, "w": ref["w"] + 1e-3}, tolerance=1e-5)
+    assert gap == pytest.approx(1e-3, rel=1e-3) and problems[0].startswith("w: values differ")
 
 
 def _imports(path: Path) -> set[str]:
@@ -203,10 +219,12 @@ def test_torch_distributed_is_imported_only_inside_the_harness() -> None:
 
 
 def test_harness_library_neither_prints_nor_imports_click() -> None:
-    entry_points = {"cli.py", "make_fixtures.py", "__main__.py"}
+    entry_points = {"make_fixtures.py", "__main__.py"}
     for path in PACKAGE.glob("*.py"):
         imports = _imports(path)
         assert not imports & {"click", "tabulate"}, path.name
+        if path.name != "__main__.py":  # the process entry runs the CLI group
+            assert not any(name.startswith("ckpt_tools.cli") for name in imports), path.name
         calls = {
             node.func.id
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
@@ -217,9 +235,36 @@ def test_harness_library_neither_prints_nor_imports_click() -> None:
         assert "exit" not in calls, path.name
 
 
-def test_cli_choices_match_the_library() -> None:
+def test_cli_choices_come_from_the_library_tables() -> None:
     from ckpt_tools.cli import harness_cmd
 
-    assert harness_cmd._STRATEGIES == harness.STRATEGIES
-    assert harness_cmd._MODELS == harness.MODEL_NAMES
-    assert set(harness_cmd._CHECK_HEADERS) == set(harness.CHECK_NAMES)
+    params = {p.name: p for c in harness_cmd.harness.commands.values() for p in c.params}
+    assert tuple(params["strategy"].type.choices) == harness.STRATEGIES
+    assert tuple(params["arch"].type.choices) == harness.MODEL_NAMES
+    assert set(harness_cmd.CHECK_HEADERS) == set(harness.CHECK_NAMES)
+
+
+def test_importing_the_harness_imports_neither_torch_nor_click() -> None:
+    code = (
+        "import sys, ckpt_tools.harness as h; h.TrainConfig(); "
+        "print(sorted({'torch', 'click'} & set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_output_comparison_is_bitwise_and_refuses_unpaired_shapes() -> None:
+    from ckpt_tools.diffing.value_stats import compare_tensors
+
+    zero, neg_zero = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    stats = compare_tensors(zero, neg_zero)
+    assert (stats.bit_equal, stats.max_abs, stats.allclose) == (False, 0.0, True)
+    nan = torch.tensor([float("nan"), 2.0])
+    same_nan = compare_tensors(nan, nan.clone())
+    assert same_nan.bit_equal and (same_nan.nan_a, same_nan.nan_b) == (1, 1)
+    off = compare_tensors(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), atol=0.1)
+    assert (off.bit_equal, off.max_abs, off.mismatched) == (False, 0.5, 1)
+    with pytest.raises(UsageError, match=r"one shape, got \(2,\) and \(3,\)"):
+        compare_tensors(torch.zeros(2), torch.zeros(3))

@@ -1,0 +1,123 @@
+"""The files the parity checks compare, read the plain way, and compared by ckpt_tools' engine.
+
+The reference side of every check is read with ``torch.load(weights_only=True)``, not
+with ckpt_tools' readers, so a bug in the code under test cannot hide in its own
+reference. The comparison itself is :func:`ckpt_tools.diffing.diff`, the engine behind
+``ckpt diff``: "bitwise" there means same dtype, same shape and same bytes (``-0.0``
+differs from ``0.0``, a NaN equals the same NaN), which is what a lossless rewrite keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_tools.diffing.engine import diff
+from ckpt_tools.diffing.report import DiffReport
+from ckpt_tools.formats.detect import detect_format
+
+__all__ = ["compare_state_dicts", "load_pt", "storage_tags"]
+
+
+def load_pt(path: str | Path) -> dict[str, Any]:
+    """Read a ``.pt`` file the plain way, as the reference the checks compare against.
+
+    ``torch.load`` onto the CPU with ``weights_only=True``: ckpt_tools' readers are not
+    involved, so a bug in the code under test cannot hide in its own reference.
+
+    Args:
+        path: a ``torch.save`` file.
+
+    Returns:
+        Whatever was saved, tensors on the CPU.
+
+    Raises:
+        CheckpointNotFoundError: there is no such file.
+        UnsupportedFormatError: the file is not a checkpoint.
+        pickle.UnpicklingError: the file holds objects ``weights_only`` refuses.
+
+    Example:
+        >>> load_pt("out/ddp/bare.pt")["net.1.weight"].device  # doctest: +SKIP
+        device(type='cpu')
+    """
+    detect_format(path)  # the same CheckpointNotFoundError as every ckpt_tools reader
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def storage_tags(path: str | Path) -> set[str]:
+    """The device tags (``"cpu"``, ``"cuda:1"``) recorded for the storages in a ``.pt`` file.
+
+    A ``map_location`` callable sees each storage's saved location before placing it;
+    returning the (CPU) storage unchanged reads any tag on any machine, GPU or not.
+
+    Args:
+        path: a ``torch.save`` file.
+
+    Returns:
+        The set of saved location tags.
+
+    Raises:
+        CheckpointNotFoundError: there is no such file.
+
+    Example:
+        >>> storage_tags("out/ddp/wrapped.cuda1.pt")  # doctest: +SKIP
+        {'cuda:1'}
+    """
+    seen: set[str] = set()
+
+    def record(storage: Any, location: str) -> Any:
+        seen.add(location)
+        return storage
+
+    detect_format(path)
+    torch.load(path, map_location=record, weights_only=True)
+    return seen
+
+
+def _gap(report: DiffReport, *, bitwise: bool) -> tuple[float, list[str]]:
+    """The largest value gap of a :func:`diff` report, and what breaks the comparison."""
+    keys = (("missing", report.missing), ("unexpected", report.unexpected))
+    problems = [f"{label} keys {list(names[:3])}" for label, names in keys if names]
+    gaps = [t.max_abs for t in report.tensors if t.max_abs is not None]
+    worst = math.inf if problems or report.shape_mismatches else max(gaps, default=0.0)
+    for t in report.tensors:
+        if t.status in ("shape", "dtype"):
+            problems.append(
+                f"{t.name}: {t.dtype_a}{list(t.shape_a)}, expected {t.dtype_b}{list(t.shape_b)}"
+            )
+        elif bitwise and not t.bit_equal:
+            problems.append(f"{t.name}: bytes differ")
+        elif t.status == "differ":
+            problems.append(f"{t.name}: values differ by more than {report.atol:g}")
+    return worst, problems
+
+
+def compare_state_dicts(
+    ref: Mapping[str, Any], got: Mapping[str, Any], *, tolerance: float = 0.0
+) -> tuple[float, list[str]]:
+    """Compare two flat state dicts tensor by tensor with :func:`ckpt_tools.diffing.diff`.
+
+    Args:
+        ref: the expected state dict.
+        got: the one to check.
+        tolerance: 0.0 requires the same dtype, shape and bytes; above it, values may
+            differ by up to ``tolerance`` (absolute), and integer tensors
+            (``num_batches_tracked``) must still be equal.
+
+    Returns:
+        ``(largest |got - ref| over all tensors, problems)``; the gap is ``inf`` when keys
+        or shapes do not line up, and ``problems`` names every key that breaks the
+        comparison (missing, unexpected, dtype or shape, values or bytes).
+
+    Example:
+        >>> compare_state_dicts({"w": torch.ones(2)}, {"w": torch.ones(2)})
+        (0.0, [])
+        >>> compare_state_dicts({"w": torch.zeros(1)}, {"w": torch.tensor([-0.0])})
+        (0.0, ['w: bytes differ'])
+    """
+    report = diff(dict(got), dict(ref), rtol=0.0, atol=tolerance)
+    return _gap(report, bitwise=tolerance == 0.0)
