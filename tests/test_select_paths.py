@@ -94,7 +94,7 @@ def test_rewrite_replaces_the_same_node_and_keeps_the_rest(case: tuple[str, Path
     name, path = case
     tree, select, keys, seed = CASES[name]
     out = path.with_name("out.pt")
-    allow = ("test_select_paths.Holder",) if name in _TRUSTED else ()
+    allow = (f"{Holder.__module__}.Holder",) if name in _TRUSTED else ()
     rewrite(path, out, [add_rule("net.")], select=select, allow_globals=allow)
     written = torch.load(out, weights_only=False)
     node = walk_path(written, keys).node
@@ -111,7 +111,7 @@ def test_every_caller_names_the_same_missing_entry(case: tuple[str, Path]) -> No
     name, path = case
     _, select, _, _ = CASES[name]
     wrong = select + ".nope"
-    allow = ("test_select_paths.Holder",) if name in _TRUSTED else ()
+    allow = (f"{Holder.__module__}.Holder",) if name in _TRUSTED else ()
     for call in (
         lambda: inspect(path, select=wrong),
         lambda: load_state_dict(path, select=wrong, trust=name in _TRUSTED),
