@@ -10,18 +10,21 @@ copied, never interpreted: no dtype conversion, no byte order question.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import zlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
+from ckpt_tools.formats.base import Checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "iter_row_major", "pread_exact"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "decompressed", "iter_row_major", "pread_exact"]
 
 #: Largest piece :func:`iter_row_major` yields by default.
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -119,3 +122,43 @@ def _pieces(view: np.ndarray, limit: int) -> Iterator[bytes]:
     step = limit // row
     for start in range(0, len(view), step):
         yield view[start : start + step].tobytes()
+
+
+@contextlib.contextmanager
+def decompressed(ckpt: Checkpoint, name: str) -> Iterator[Iterator[bytes]]:
+    """A compressed zip record of ``ckpt``, decompressed in pieces of bounded size.
+
+    Args:
+        ckpt: an opened torch zip checkpoint.
+        name: the record's name inside the archive's root folder (``data/0``).
+
+    Yields:
+        An iterator of pieces; zipfile checks their CRC-32 as they come (``OSError`` if the
+        record is damaged).
+
+    Raises:
+        OSError: the archive cannot be read, or the record fails its CRC-32 check.
+
+    Example:
+        >>> with decompressed(ckpt, "data/0") as chunks:  # doctest: +SKIP
+        ...     data = b"".join(chunks)
+    """
+    import zipfile
+
+    try:
+        archive = zipfile.ZipFile(ckpt.path)
+    except zipfile.BadZipFile as e:
+        raise OSError(errno.EIO, f"{ckpt.path!r}: {e}") from e
+    with archive, archive.open(f"{ckpt.archive_root}/{name}") as member:
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                try:
+                    piece = member.read(DEFAULT_CHUNK_BYTES)
+                except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+                    raise OSError(errno.EIO, f"record {name!r} does not decompress: {e}") from e
+                if not piece:
+                    return
+                yield piece
+
+        yield chunks()
