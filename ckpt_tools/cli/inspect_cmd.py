@@ -6,8 +6,8 @@ import click
 
 from ckpt_tools.cli.options import json_option, select_option
 from ckpt_tools.cli.render import counts, echo_json, human_bytes, human_count, table
-from ckpt_tools.ops.inspection import CheckpointInfo, TensorInfo, inspect
 from ckpt_tools.structure.grouping import group_names
+from ckpt_tools.ops.inspection import CheckpointInfo, TensorInfo, inspect
 
 
 @click.command("inspect")

@@ -33,9 +33,9 @@ from ckpt_tools.harness.compare import (
 from ckpt_tools.harness.data import synthetic_fashion
 from ckpt_tools.harness.loop import deterministic
 from ckpt_tools.harness.models import build_model
+from ckpt_tools.structure.keys import add_prefix, strip_prefix
 from ckpt_tools.loading.state_dict import load_state_dict
 from ckpt_tools.ops.rewriting import convert, retag
-from ckpt_tools.structure.keys import add_prefix, strip_prefix
 
 __all__ = [
     "CHECK_NAMES",

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckpt_tools.errors import StateDictMismatchError, UsageError
 from ckpt_tools.loading.devices import MapLocation
-from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state_dict
-from ckpt_tools.loading.tensor_io import dtype_name
+from ckpt_tools.errors import StateDictMismatchError, UsageError
 from ckpt_tools.structure.grouping import group_names
 from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import is_state_dict
+from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state_dict
 from ckpt_tools.structure.suggest import (
     KeyFix,
     best_fix,
@@ -31,6 +30,7 @@ from ckpt_tools.structure.suggest import (
     rank_fixes,
     wrapper_stack,
 )
+from ckpt_tools.loading.tensor_io import dtype_name
 
 if TYPE_CHECKING:
     from torch import nn

@@ -8,11 +8,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.formats.allowlist import Reduced, TorchSize
 from ckpt_tools.structure.keys import WrapperMatch, detect_wrappers
 from ckpt_tools.structure.selection import Selection, select_state_dict
+from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
 
 __all__ = [
     "CheckpointInfo",
