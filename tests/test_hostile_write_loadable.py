@@ -152,3 +152,25 @@ def test_zero_stride_view_stays_a_view_in_torch_outputs(tmp_path):
 def test_outputs_larger_than_the_free_space_are_refused(tmp_path):
     with pytest.raises(ResourceLimitError, match="free"):
         check_output_size([], 1 << 62, tmp_path / "out.pt")
+
+
+def test_strided_views_of_a_large_storage_are_gathered_in_pieces(tmp_path):
+    # A view spanning more than MAX_GATHER_SPAN of its storage is read in parts; the bytes
+    # must still be exactly torch's .contiguous() ones.
+    from safetensors.torch import load_file
+
+    from ckpt_tools.io.tensor_bytes import MAX_GATHER_SPAN
+
+    base = torch.arange(MAX_GATHER_SPAN // 4 + 4099, dtype=torch.float32)
+    views = {
+        "every7": base[3::7],
+        "grid": base[: (len(base) // 4096) * 4096].view(-1, 4096)[::3, 5::2],
+        "transposed": base[: 2048 * 2048].view(2048, 2048).t(),
+    }
+    src = tmp_path / "in.pt"
+    torch.save(views, src)
+    dst = tmp_path / "out.safetensors"
+    convert(src, dst, verify="full")
+    got = load_file(dst)
+    for name, view in views.items():
+        assert torch.equal(got[name], view.contiguous()), name
