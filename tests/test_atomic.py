@@ -31,8 +31,10 @@ from ckpt_tools.ops.rewriting import convert
 
 try:
     import rewrite_helpers as h
+    from test_hostile_write_kill import has_file_open_in
 except ImportError:  # tests/ imported as a package
     from tests import rewrite_helpers as h
+    from tests.test_hostile_write_kill import has_file_open_in
 
 
 @pytest.fixture
@@ -326,21 +328,6 @@ def test_real_disk_full_is_never_committed(suffix, make_src, tmp_path, tiny_tmpf
 # --------------------------------------------------------------------------------------------
 
 
-def _writing_in(pid: int, folder: Path) -> bool:
-    """Whether process ``pid`` has a file open in ``folder`` (its temp file, named or not)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{folder}/"):
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def _terminate_while_writing(src: Path, dst: Path) -> tuple[int, str]:
     """Start ``ckpt strip-module SRC DST``, SIGTERM it once its temp file exists."""
     env = {**os.environ, "PYTHONPATH": str(h.REPO)}
@@ -355,7 +342,7 @@ def _terminate_while_writing(src: Path, dst: Path) -> tuple[int, str]:
     )
     try:
         deadline = time.monotonic() + 30
-        while not _writing_in(proc.pid, dst.parent.resolve()):
+        while not has_file_open_in(proc.pid, dst.parent.resolve()):
             if proc.poll() is not None:
                 break  # finished (or failed) before a temp file was seen
             assert time.monotonic() < deadline, "no temp file appeared"

@@ -25,7 +25,7 @@ def _listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def _has_file_open_in(pid: int, folder: Path) -> bool:
+def has_file_open_in(pid: int, folder: Path) -> bool:
     """Whether ``pid`` holds a file open in ``folder`` (its temp file, named or not)."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
@@ -46,7 +46,7 @@ def _kill_while_writing(command: list[str], folder: Path) -> None:
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while not _has_file_open_in(proc.pid, folder.resolve()):
+        while not has_file_open_in(proc.pid, folder.resolve()):
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, "the writer never opened its temp file"
             time.sleep(0.01)

@@ -174,3 +174,14 @@ def test_strided_views_of_a_large_storage_are_gathered_in_pieces(tmp_path):
     got = load_file(dst)
     for name, view in views.items():
         assert torch.equal(got[name], view.contiguous()), name
+
+
+def test_deflated_storages_are_refused_for_safetensors_before_writing(tmp_path):
+    # A safetensors output copies spans of each storage; a deflated record has none to copy.
+    plain = tmp_path / "plain.pt"
+    torch.save(_state(), plain)
+    src = _deflate(plain, tmp_path / "in.pt")
+    result = _ckpt("convert", src, tmp_path / "out.safetensors")
+    assert result.returncode == 4, result.stderr
+    assert "is compressed" in result.stderr.splitlines()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt", "plain.pt"]

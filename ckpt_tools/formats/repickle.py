@@ -36,9 +36,10 @@ __all__ = [
 #: FRAME, MEMOIZE, SHORT_BINUNICODE and STACK_GLOBAL, which torch 2.13 rejects).
 TORCH_PICKLE_PROTOCOL = 2
 
-#: The opcodes the unpickler of ``torch.load(weights_only=True)`` executes
-#: (``torch/_weights_only_unpickler.py``, the same set from torch 2.0 to 2.13); any other
-#: opcode makes it fail with "Unsupported operand".
+#: The opcodes the unpickler of ``torch.load(weights_only=True)`` executes (read from
+#: torch 2.13's ``torch/_weights_only_unpickler.py``); any other opcode makes it fail with
+#: "Unsupported operand". A protocol 2 pickle of a checkpoint tree stays within it (an int
+#: over 255 bytes long, LONG4, is the one exception, refused by :func:`dumps`).
 WEIGHTS_ONLY_OPCODES = frozenset(
     {
         "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS",
