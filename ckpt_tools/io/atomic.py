@@ -283,7 +283,7 @@ def _name_it(fd: int, tmp: Path, unnamed: bool, target: Path) -> None:
         tmp = named
     try:
         os.replace(tmp, target)
-    except OSError:
+    except BaseException:  # a failed rename, or a signal between the link and the rename
         tmp.unlink(missing_ok=True)
         raise
 
