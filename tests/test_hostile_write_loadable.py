@@ -64,13 +64,14 @@ def _deflate(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_deflated_records_are_written_stored_and_load(tmp_path):
+@pytest.mark.parametrize("verify", ["sizes", "full"])
+def test_deflated_records_are_written_stored_and_load(verify, tmp_path):
     plain = tmp_path / "plain.pt"
     torch.save(_state(), plain)
     src = _deflate(plain, tmp_path / "in.pt")
     _assert_equal(torch.load(src, weights_only=True), _state())  # torch reads deflated zips
     dst = tmp_path / "out.pt"
-    result = _ckpt("strip-module", src, dst)
+    result = _ckpt("strip-module", src, dst, "--verify", verify)
     assert result.returncode == 0, result.stderr
     with zipfile.ZipFile(dst) as archive:
         assert {i.compress_type for i in archive.infolist()} == {zipfile.ZIP_STORED}
