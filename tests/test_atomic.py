@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,9 +25,11 @@ from ckpt_tools.errors import (
     OutputExistsError,
     SameFileError,
 )
+from ckpt_tools.io import atomic
 from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
 from ckpt_tools.ops.rewriting import convert
 from tests import helpers as h
+from tests.test_hostile_write_kill import has_file_open_in
 
 
 @pytest.fixture
@@ -59,9 +60,10 @@ def test_atomic_output_replaces_only_on_success(tmp_path):
     target = tmp_path / "t.bin"
     target.write_bytes(b"old")
     os.chmod(target, 0o640)
-    with pytest.raises(RuntimeError, match="boom"), atomic_output(target) as (f, tmp):
+    named = atomic_output(target, unnamed=False)
+    with pytest.raises(RuntimeError, match="boom"), named as (f, tmp):
         f.write(b"half")
-        assert tmp.exists() and tmp.name.endswith(TEMP_SUFFIX)
+        assert tmp.exists() and TEMP_SUFFIX in tmp.name
         assert tmp.name.startswith(".t.bin.")
         raise RuntimeError("boom")
     assert target.read_bytes() == b"old" and h.listing(tmp_path) == ["t.bin"]
@@ -114,14 +116,14 @@ def test_signal_right_after_the_temp_file_is_created_leaves_nothing(
 ):
     # The signal lands in the gap between mkstemp creating the file and the cleanup that
     # guards it: it must be held until the cleanup is armed.
-    real_mkstemp = tempfile.mkstemp
+    real_open_temp = atomic._open_temp
 
-    def mkstemp_then_signal(*args, **kwargs):
-        created = real_mkstemp(*args, **kwargs)
+    def open_temp_then_signal(*args, **kwargs):
+        created = real_open_temp(*args, **kwargs)
         os.kill(os.getpid(), signum)
         return created
 
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_signal)
+    monkeypatch.setattr(atomic, "_open_temp", open_temp_then_signal)
     entered = []
     with pytest.raises(error), atomic_output(tmp_path / "t.bin"):
         entered.append(True)
@@ -333,7 +335,7 @@ def _terminate_while_writing(src: Path, dst: Path) -> tuple[int, str]:
     )
     try:
         deadline = time.monotonic() + 30
-        while not h.temp_files(dst.parent):
+        while not has_file_open_in(proc.pid, dst.parent.resolve()):
             if proc.poll() is not None:
                 break  # finished (or failed) before a temp file was seen
             assert time.monotonic() < deadline, "no temp file appeared"

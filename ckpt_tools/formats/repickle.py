@@ -9,17 +9,46 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import pickletools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.errors import ConversionError, CorruptCheckpointError
 from ckpt_tools.formats.allowlist import Reduced, TorchSize, storage_type_ref
 from ckpt_tools.formats.pickles import gc_paused
 
-__all__ = ["Repickler", "dumps", "torch_storage_id", "zip_storage_id"]
+__all__ = [
+    "TORCH_PICKLE_PROTOCOL",
+    "WEIGHTS_ONLY_OPCODES",
+    "Repickler",
+    "check_weights_only_pickle",
+    "dumps",
+    "torch_storage_id",
+    "unsupported_opcodes",
+    "zip_storage_id",
+]
+
+#: The protocol every output pickle uses, whatever the input's: the one ``torch.save`` writes,
+#: and the only one whose opcodes ``torch.load(weights_only=True)`` reads (protocol 4 adds
+#: FRAME, MEMOIZE, SHORT_BINUNICODE and STACK_GLOBAL, which torch 2.13 rejects).
+TORCH_PICKLE_PROTOCOL = 2
+
+#: The opcodes the unpickler of ``torch.load(weights_only=True)`` executes (read from
+#: torch 2.13's ``torch/_weights_only_unpickler.py``); any other opcode makes it fail with
+#: "Unsupported operand". A protocol 2 pickle of a checkpoint tree stays within it (an int
+#: over 255 bytes long, LONG4, is the one exception, refused by :func:`dumps`).
+WEIGHTS_ONLY_OPCODES = frozenset(
+    {
+        "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS",
+        "SETITEM", "SETITEMS", "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE",
+        "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET",
+        "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING",
+        "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1",
+    }
+)  # fmt: skip
 
 
 class Repickler(pickle._Pickler):  # type: ignore[name-defined]
@@ -27,7 +56,8 @@ class Repickler(pickle._Pickler):  # type: ignore[name-defined]
 
     Args:
         file: where to write.
-        protocol: pickle protocol (torch writes 2).
+        protocol: ignored: outputs always use :data:`TORCH_PICKLE_PROTOCOL`, whatever the
+            input's protocol was (kept so callers can pass the source's).
         storage_id: maps each :class:`StorageRef` to the persistent id tuple to write, so a
             writer can rename records or retag devices.
 
@@ -39,7 +69,7 @@ class Repickler(pickle._Pickler):  # type: ignore[name-defined]
     def __init__(
         self, file: BinaryIO, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]
     ) -> None:
-        super().__init__(file, protocol=max(2, protocol))
+        super().__init__(file, protocol=TORCH_PICKLE_PROTOCOL)
         self._storage_id = storage_id
         self._callables: dict[GlobalRef, _CallableRef] = {}
 
@@ -58,12 +88,7 @@ class Repickler(pickle._Pickler):  # type: ignore[name-defined]
         if memoized is not None:
             self.write(self.get(memoized[0]))
             return
-        if self.proto >= 4:
-            self.save(ref.module)
-            self.save(ref.name)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
+        self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
         self.memoize(obj)
 
     def reducer_override(self, obj: Any) -> Any:
@@ -111,11 +136,66 @@ def _global_of(obj: Any) -> GlobalRef | None:
 
 
 def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]) -> bytes:
-    """Pickle a tree read by :func:`load_pickle` into bytes (see :class:`Repickler`)."""
+    """Pickle a tree read by :func:`load_pickle` into bytes (see :class:`Repickler`).
+
+    Raises:
+        ConversionError: the tree needs an opcode ``torch.load(weights_only=True)`` rejects
+            (an integer over 255 bytes long): nothing would load it.
+    """
     buffer = io.BytesIO()
     with gc_paused():
         Repickler(buffer, protocol, storage_id).dump(obj)
-    return buffer.getvalue()
+    payload = buffer.getvalue()
+    check_weights_only_pickle(payload)
+    return payload
+
+
+def unsupported_opcodes(payload: bytes) -> list[str]:
+    """The opcodes of ``payload`` that ``torch.load(weights_only=True)`` rejects, in order.
+
+    Args:
+        payload: a pickle (a ``data.pkl`` record).
+
+    Returns:
+        Their names, each once; a protocol other than 2 counts as ``PROTO N``.
+
+    Raises:
+        ValueError: ``payload`` is not a well-formed pickle.
+
+    Example:
+        >>> unsupported_opcodes(pickle.dumps({"a": 1}, protocol=2))
+        []
+        >>> unsupported_opcodes(pickle.dumps({"a": 1}, protocol=4))[:2]
+        ['PROTO 4', 'FRAME']
+    """
+    found: dict[str, None] = {}
+    for op, arg, _ in pickletools.genops(payload):
+        if op.name == "PROTO" and arg != TORCH_PICKLE_PROTOCOL:
+            found[f"PROTO {arg}"] = None
+        elif op.name not in WEIGHTS_ONLY_OPCODES:
+            found[op.name] = None
+    return list(found)
+
+
+def check_weights_only_pickle(payload: bytes) -> None:
+    """Refuse a pickle that ``torch.load(weights_only=True)`` could not read.
+
+    Raises:
+        ConversionError: it uses other opcodes than :data:`WEIGHTS_ONLY_OPCODES`, or a
+            protocol other than 2.
+
+    Example:
+        >>> check_weights_only_pickle(pickle.dumps([1.5, "x"], protocol=2))
+    """
+    try:
+        bad = unsupported_opcodes(payload)
+    except ValueError as e:
+        raise ConversionError(f"the output pickle is malformed ({e})") from e
+    if bad:
+        raise ConversionError(
+            "the output pickle would need opcodes torch.load(weights_only=True) rejects: "
+            + ", ".join(bad[:8])
+        )
 
 
 def torch_storage_id(storage: StorageRef, key: str, device: str) -> tuple[Any, ...]:

@@ -1,26 +1,49 @@
 """Atomic output files: a temp file in the target folder, fsync, rename, directory fsync.
 
 Whatever goes wrong (an exception, disk full, SIGTERM/SIGHUP/SIGINT), the temp file is
-removed and the target is either untouched or complete. Only SIGKILL can leave a temp file
-behind; such files are named ``.NAME.*.ckpt-tmp`` so they are easy to find.
+removed and the target is either untouched or complete.
+
+Even SIGKILL leaves nothing behind where the file system has unnamed temp files
+(``O_TMPFILE``: ext4, xfs, btrfs, tmpfs): the output is written to a file with no name,
+which the kernel frees if the process dies, and it gets a name only once it is complete
+and verified (``linkat`` through ``/proc/self/fd``, then ``rename`` over the target).
+Elsewhere the temp file is named ``.NAME.ckpt-tmp-PID-RANDOM``; a SIGKILL can leave it
+behind, and the next :func:`atomic_output` in that folder removes every such file whose
+owner PID is no longer running on this machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
+import secrets
 import signal
-import tempfile
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
 
-__all__ = ["TEMP_SUFFIX", "Interrupted", "atomic_output", "check_output_path"]
+__all__ = [
+    "PAUSE_ENV",
+    "TEMP_SUFFIX",
+    "Interrupted",
+    "atomic_output",
+    "check_output_path",
+    "remove_stale_temps",
+]
 
 TEMP_SUFFIX = ".ckpt-tmp"
+# `.NAME.ckpt-tmp-PID-RANDOM`: the owner's PID, so a later run can tell a stale temp file.
+_TEMP_NAME = re.compile(r"^\..*\.ckpt-tmp-(\d+)-[0-9a-f]+$")
+#: Tests only: seconds to sleep once the output is written, before it is named, so a test
+#: can SIGKILL a real ``ckpt`` at that point. Unset in normal use.
+PAUSE_ENV = "CKPT_TOOLS_TEST_PAUSE_BEFORE_RENAME"
 
 
 class Interrupted(BaseException):
@@ -131,6 +154,17 @@ def _signals_raise() -> Iterator[Callable[[], None]]:
                     signal.signal(signum, previous[signum])
 
 
+def _set_mode(fd: int, target: Path) -> None:
+    """The replaced file's permission bits (as editors keep them), else 0o666 less umask."""
+    try:
+        mode = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    os.fchmod(fd, mode)
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -144,13 +178,139 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _temp_name(target: Path) -> Path:
+    return target.parent / f".{target.name}{TEMP_SUFFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
+    """Remove temp files a killed ``ckpt`` left in ``folder`` (named ``.NAME.ckpt-tmp-PID-R``).
+
+    Only files whose owner PID is not running are removed, so a concurrent run's temp file
+    is kept. (On a folder shared between machines, a PID is only meaningful on its own
+    machine: such folders should be on a file system with ``O_TMPFILE``, or written from one
+    machine at a time.)
+
+    Args:
+        folder: the folder to clean.
+
+    Returns:
+        The files removed.
+
+    Example:
+        >>> import tempfile
+        >>> remove_stale_temps(tempfile.mkdtemp())
+        []
+    """
+    removed: list[Path] = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = _TEMP_NAME.match(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = Path(folder) / name
+        with contextlib.suppress(FileNotFoundError):  # another run removed it first
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+@functools.cache
+def _linkat() -> Callable[..., int] | None:
+    """libc's ``linkat``: ``os.link`` calls ``link()``, which cannot follow /proc/self/fd."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        func = ctypes.CDLL(None, use_errno=True).linkat
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    func.restype = ctypes.c_int
+    return func
+
+
+def _link_fd(fd: int, name: Path) -> None:
+    """Give the unnamed file open as ``fd`` the name ``name`` (linkat, AT_SYMLINK_FOLLOW)."""
+    import ctypes
+
+    func = _linkat()
+    assert func is not None  # _open_temp makes unnamed files only when it exists
+    at_fdcwd, at_symlink_follow = -100, 0x400
+    source = f"/proc/self/fd/{fd}".encode()
+    if func(at_fdcwd, source, at_fdcwd, os.fsencode(name), at_symlink_follow):
+        errno_ = ctypes.get_errno()
+        raise OSError(errno_, os.strerror(errno_), str(name))
+
+
+def _open_temp(target: Path, unnamed: bool) -> tuple[int, Path, bool]:
+    """An open temp file in ``target``'s folder: ``(fd, path to re-open it, unnamed)``."""
+    folder = target.parent
+    if unnamed and hasattr(os, "O_TMPFILE") and _linkat() is not None:
+        try:
+            fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError as e:
+            # EOPNOTSUPP/EISDIR/EINVAL: this file system has no unnamed files; fall back.
+            if e.errno not in (95, 21, 22):
+                raise
+        else:
+            return fd, Path(f"/proc/self/fd/{fd}"), True
+    tmp = _temp_name(target)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    return fd, tmp, False
+
+
+def _name_it(fd: int, tmp: Path, unnamed: bool, target: Path) -> None:
+    """Give the finished temp file ``target``'s name (replacing it atomically)."""
+    if unnamed:
+        # A name of its own first (linkat cannot replace), then the atomic rename; only a
+        # SIGKILL between the two leaves a named temp, which remove_stale_temps handles.
+        named = _temp_name(target)
+        _link_fd(fd, named)
+        tmp = named
+    try:
+        os.replace(tmp, target)
+    except BaseException:  # a failed rename, or a signal between the link and the rename
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _test_pause() -> None:
+    seconds = os.environ.get(PAUSE_ENV)
+    if seconds:
+        time.sleep(float(seconds))
+
+
 @contextlib.contextmanager
-def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]]:
+def atomic_output(
+    dst: str | os.PathLike[str], *, unnamed: bool = True
+) -> Iterator[tuple[BinaryIO, Path]]:
     """Write ``dst`` atomically.
 
     Yields ``(file, temp_path)``; the body writes through ``file`` (and may re-open
-    ``temp_path`` to verify it). On a clean exit the file is fsynced, renamed over ``dst``,
-    and the folder fsynced. On any exception or SIGTERM/SIGHUP the temp file is removed.
+    ``temp_path`` to verify it: for an unnamed temp file it is ``/proc/self/fd/N``). On a
+    clean exit the file is fsynced, named ``dst`` (replacing it), and the folder fsynced.
+    On any exception or SIGTERM/SIGHUP the temp file is removed; on SIGKILL an unnamed one
+    vanishes with the process, and a named one is removed by the next run in that folder
+    (:func:`remove_stale_temps`).
+
+    Args:
+        dst: the output path.
+        unnamed: use an unnamed (``O_TMPFILE``) temp file where the file system has them;
+            False forces the named fallback (``.NAME.ckpt-tmp-PID-RANDOM``).
 
     Call :func:`check_output_path` first: this function replaces ``dst`` unconditionally.
 
@@ -164,35 +324,30 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
         b'all or nothing'
     """
     target = Path(dst)
-    folder = target.resolve().parent
+    target = target.resolve().parent / target.name
+    folder = target.parent
+    remove_stale_temps(folder)
     with _signals_raise() as release:
         try:
-            fd, tmp_name = tempfile.mkstemp(
-                prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=folder
-            )
+            fd, tmp, is_unnamed = _open_temp(target, unnamed)
         except OSError as e:
             raise OutputError(
                 f"cannot create a temp file in {str(folder)!r}: {e.strerror}", path=dst
             ) from e
-        tmp = Path(tmp_name)
         f = os.fdopen(fd, "w+b")
         try:
             release()  # a signal noted since before the temp file existed is raised here
             with f:
                 yield f, tmp
                 f.flush()
+                _set_mode(f.fileno(), target)
                 os.fsync(f.fileno())
-            if target.exists():
-                # Keep the replaced file's permission bits, as editors do.
-                os.chmod(tmp, target.stat().st_mode & 0o7777)
-            else:
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, target)
+                _test_pause()
+                _name_it(f.fileno(), tmp, is_unnamed, target)
         except OSError as e:
             f.close()
-            tmp.unlink(missing_ok=True)
+            if not is_unnamed:
+                tmp.unlink(missing_ok=True)
             if isinstance(e, OutputError):
                 raise
             raise OutputError(
@@ -202,6 +357,7 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
             ) from e
         except BaseException:
             f.close()
-            tmp.unlink(missing_ok=True)
+            if not is_unnamed:
+                tmp.unlink(missing_ok=True)
             raise
     _fsync_dir(folder)

@@ -1,30 +1,37 @@
 """A tensor's elements as bytes in row-major order, read from its storage, torch-free.
 
 A contiguous tensor's bytes are one run of its storage. Any other view (transposed,
-strided, expanded) is gathered with numpy: the storage bytes the view spans
-(:attr:`~ckpt_tools.descriptors.TensorRef.byte_span`) are read once with ``pread``, an
-``as_strided`` array over them walks the view, and its elements are copied out in pieces of
-at most ``chunk_bytes``, so no second copy of the whole tensor is ever held. Bytes are
+strided, expanded) is gathered with numpy: the storage bytes the view spans are read with
+``pread`` (in parts of at most :data:`MAX_GATHER_SPAN` where splitting the view along its
+first dimension shrinks them), an ``as_strided`` array over them walks the view, and its
+elements are copied out in pieces of at most ``chunk_bytes``, so no copy of the whole
+(possibly expanded) tensor is ever held. Bytes are
 copied, never interpreted: no dtype conversion, no byte order question.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import zlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
+from ckpt_tools.formats.base import Checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "iter_row_major", "pread_exact"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "decompressed", "iter_row_major", "pread_exact"]
 
 #: Largest piece :func:`iter_row_major` yields by default.
 DEFAULT_CHUNK_BYTES = 8 << 20
+#: The most storage bytes one gather of a strided view reads at once, where splitting the
+#: view along its first dimension can keep it there.
+MAX_GATHER_SPAN = 64 << 20
 # One pread call reads at most this much (Linux caps a single read near 2 GiB).
 _MAX_READ = 1 << 30
 
@@ -106,17 +113,53 @@ def iter_row_major(
         for start in range(first, end, step):
             yield pread_exact(fd, min(step, end - start), storage_offset + start)
         return
+    yield from _gather(
+        fd, storage_offset, size, tensor.offset, tensor.shape, tensor.stride, chunk_bytes
+    )
+
+
+def _span(size: int, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Bytes from a view's first element to the end of its last (every dimension non-empty)."""
+    return (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * size
+
+
+def _gather(
+    fd: int,
+    base: int,
+    size: int,
+    offset: int,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    chunk_bytes: int,
+) -> Iterator[bytes]:
+    """Row-major pieces of a strided view, reading at most ``MAX_GATHER_SPAN`` bytes at once.
+
+    A view whose storage span is larger is split along its first dimension, while that
+    shrinks the span (a strided slice of a large storage); when it does not (a transposed
+    view, whose every row touches the whole span), the span is read once, as splitting would
+    read it again for every piece.
+    """
+    span = _span(size, offset, shape, stride)
+    if span > MAX_GATHER_SPAN and shape:
+        rows = shape[0]
+        if rows == 1:
+            yield from _gather(fd, base, size, offset, shape[1:], stride[1:], chunk_bytes)
+            return
+        half = (rows // 2, *shape[1:])
+        if _span(size, offset, half, stride) * 4 <= span * 3:
+            rest = (rows - rows // 2, *shape[1:])
+            yield from _gather(fd, base, size, offset, half, stride, chunk_bytes)
+            later = offset + (rows // 2) * stride[0]
+            yield from _gather(fd, base, size, later, rest, stride, chunk_bytes)
+            return
     import numpy as np  # only non-contiguous views need it
 
     # Elements as opaque ``size``-byte values (numpy's void type): any dtype, bf16 and float8
     # included, is copied as it is, never converted.
     element = np.dtype(f"V{size}")
-    raw = np.frombuffer(pread_exact(fd, end - first, storage_offset + first), dtype=element)
+    raw = np.frombuffer(pread_exact(fd, span, base + offset * size), dtype=element)
     view = np.lib.stride_tricks.as_strided(
-        raw,
-        shape=tensor.shape,
-        strides=tuple(s * size for s in tensor.stride),
-        writeable=False,
+        raw, shape=shape, strides=tuple(s * size for s in stride), writeable=False
     )
     yield from _pieces(view, max(chunk_bytes, size))
 
@@ -135,3 +178,43 @@ def _pieces(view: np.ndarray, limit: int) -> Iterator[bytes]:
     step = limit // row
     for start in range(0, len(view), step):
         yield view[start : start + step].tobytes()
+
+
+@contextlib.contextmanager
+def decompressed(ckpt: Checkpoint, name: str) -> Iterator[Iterator[bytes]]:
+    """A compressed zip record of ``ckpt``, decompressed in pieces of bounded size.
+
+    Args:
+        ckpt: an opened torch zip checkpoint.
+        name: the record's name inside the archive's root folder (``data/0``).
+
+    Yields:
+        An iterator of pieces; zipfile checks their CRC-32 as they come (``OSError`` if the
+        record is damaged).
+
+    Raises:
+        OSError: the archive cannot be read, or the record fails its CRC-32 check.
+
+    Example:
+        >>> with decompressed(ckpt, "data/0") as chunks:  # doctest: +SKIP
+        ...     data = b"".join(chunks)
+    """
+    import zipfile
+
+    try:
+        archive = zipfile.ZipFile(ckpt.path)
+    except zipfile.BadZipFile as e:
+        raise OSError(errno.EIO, f"{ckpt.path!r}: {e}") from e
+    with archive, archive.open(f"{ckpt.archive_root}/{name}") as member:
+
+        def chunks() -> Iterator[bytes]:
+            while True:
+                try:
+                    piece = member.read(DEFAULT_CHUNK_BYTES)
+                except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+                    raise OSError(errno.EIO, f"record {name!r} does not decompress: {e}") from e
+                if not piece:
+                    return
+                yield piece
+
+        yield chunks()

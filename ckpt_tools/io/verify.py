@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.io.zipcheck import check_torch_zip
 from ckpt_tools.structure.selection import select_state_dict
 
 __all__ = ["VERIFY_LEVELS", "Expected", "verify_output"]
@@ -21,7 +23,7 @@ VERIFY_LEVELS = ("sizes", "full", "none")
 class Expected:
     """What the output's state dict must hold: name -> source tensor, and where it is."""
 
-    tensors: Mapping[str, TensorRef]
+    tensors: Mapping[Any, TensorRef]
     select: Sequence[str]
     source: Checkpoint
 
@@ -41,14 +43,47 @@ def _digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
     return h.digest()
 
 
+def _record_crc(ckpt: Checkpoint, storage_key: str) -> int | None:
+    """The CRC-32 of a zip record's bytes as they lie in the file."""
+    import zlib
+
+    record = ckpt.records.get(f"data/{storage_key}")
+    if record is None:
+        return None
+    crc, done = 0, 0
+    fd = os.open(ckpt.path, os.O_RDONLY)
+    try:
+        while done < record.size:
+            piece = os.pread(fd, min(8 << 20, record.size - done), record.data_offset + done)
+            if not piece:
+                return None
+            crc, done = zlib.crc32(piece, crc), done + len(piece)
+    finally:
+        os.close(fd)
+    return crc
+
+
+def _same_bytes(out: Checkpoint, have: TensorRef, source: Checkpoint, want: TensorRef) -> bool:
+    """Whether the written tensor holds the source tensor's bytes (``--verify full``)."""
+    record = source.records.get(f"data/{want.storage.key}")
+    if record is not None and record.compressed:
+        # A compressed source record cannot be read in place: the written record (stored,
+        # same views) must have the CRC-32 the source records for its decompressed bytes.
+        return _record_crc(out, have.storage.key) == record.crc32
+    return _digest(out, have) == _digest(source, want)
+
+
 def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
     """Check a written file against what was meant to be written.
 
     Args:
         path: the written file (usually still the temp file).
         expected: the tensors the output's selected state dict must hold.
-        level: ``sizes`` (keys, dtypes, shapes, strides, byte counts, sharing), ``full``
-            (also every tensor's bytes), or ``none``.
+        level: ``sizes`` (keys with their types, dtypes, shapes, strides, byte counts,
+            sharing, and for torch archives the layout ``torch.load`` needs: stored aligned
+            records, small records' CRC-32s, ``data.pkl`` opcodes; see
+            :func:`~ckpt_tools.io.zipcheck.check_torch_zip`), ``full`` (also every tensor's
+            bytes), or ``none``.
 
     Returns:
         What was checked, in words.
@@ -64,6 +99,8 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         sd = select_state_dict(out.root, expected.select).state_dict
     except CheckpointError as e:
         raise VerificationError(f"the written file does not read back: {e}") from e
+    if out.format == "torch-zip":
+        check_torch_zip(path)  # laid out as torch.load reads it, not only as we read it
     # A rewrite carries globals through, never adds one: a global the input did not name
     # would be code the output runs (in torch.load(weights_only=False)) that nobody allowed.
     introduced = [g for g in out.unsafe_globals if g not in expected.source.unsafe_globals]
@@ -72,8 +109,9 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
             f"the written file names globals outside the allowlist that the input does not "
             f"({', '.join(introduced[:5])})"
         )
-    got = {str(k): v for k, v in sd.items() if isinstance(v, TensorRef)}
-    if list(got) != list(expected.tensors):
+    got = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
+    # Keys compare with their types: 0 and "0" are two keys, and 1 must not come back True.
+    if [(type(k), k) for k in got] != [(type(k), k) for k in expected.tensors]:
         missing = [k for k in expected.tensors if k not in got][:3]
         extra = [k for k in got if k not in expected.tensors][:3]
         raise VerificationError(
@@ -105,7 +143,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
                 f"{name!r} shares storage with {first_out!r} in the output but with "
                 f"{first_src!r} in the input"
             )
-        if level == "full" and _digest(out, have) != _digest(expected.source, want):
+        if level == "full" and not _same_bytes(out, have, expected.source, want):
             raise VerificationError(f"the bytes of {name!r} differ after writing")
     if level == "full":
         return f"verified: {len(got)} tensors, keys, sizes and bytes"

@@ -20,8 +20,8 @@ from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats.allowlist import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.repickle import dumps, torch_storage_id
-from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
+from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 from ckpt_tools.io.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
 
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
@@ -82,7 +82,7 @@ def write_torch_zip(
         device = (device_map or {}).get(storage.device, storage.device)
         return torch_storage_id(storage, keys[id(storage)], device)
 
-    payload = dumps(tree, source.protocol, storage_id)
+    payload = dumps(tree, TORCH_PICKLE_PROTOCOL, storage_id)
     writer = TorchZipWriter(file, source.archive_root or "archive")
     src_fd = os.open(source.path, os.O_RDONLY) if used or from_zip else -1
     try:
@@ -111,7 +111,12 @@ class _RecordSource:
 def _copy_zip_records(
     writer: TorchZipWriter, src: _RecordSource, payload: bytes, wanted: set[str]
 ) -> None:
-    """A zip source's records as they are (names, CRCs), a new data.pkl, unused data left out."""
+    """A zip source's records as they are (names, CRCs), a new data.pkl, unused data left out.
+
+    Compressed records (a re-zipping tool deflates them; torch reads such archives) are
+    decompressed, in bounded pieces, and written stored: copying their bytes as they are
+    would make stored records of compressed bytes, which nothing can read.
+    """
     for name, record in src.ckpt.records.items():
         if name == "data.pkl":
             writer.add_bytes(name, payload)
@@ -120,7 +125,13 @@ def _copy_zip_records(
         else:
             # Progress counts tensor bytes only, not torch's bookkeeping records.
             counted = src.progress if name.startswith("data/") else None
-            writer.add_copy(name, src.fd, record.data_offset, record.size, record.crc32, counted)
+            if record.compressed:
+                with decompressed(src.ckpt, name) as chunks:
+                    writer.add_stream(name, chunks, record.size, counted)
+            else:
+                writer.add_copy(
+                    name, src.fd, record.data_offset, record.size, record.crc32, counted
+                )
 
 
 def _add_new_records(

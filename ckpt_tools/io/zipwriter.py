@@ -13,7 +13,7 @@ import os
 import struct
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -250,6 +250,40 @@ class TorchZipWriter:
         copy_range(src_fd, src_offset, self._fd, start, size, progress, self._writeback)
         self._offset += size
 
+    def add_stream(
+        self,
+        name: str,
+        chunks: Iterable[bytes],
+        size: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Add a stored record from ``chunks`` (a decompressed record, piece by piece).
+
+        Args:
+            chunks: the record's bytes, in bounded pieces; their CRC-32 is computed here.
+            size: how many bytes they add up to (the header is written first).
+
+        Raises:
+            OSError: the pieces add up to another size than ``size``, or writing failed.
+        """
+        header_at = self._offset
+        start = self._begin(name, size, 0)
+        crc, done = 0, 0
+        for data in chunks:
+            if done + len(data) > size:
+                raise OSError(5, f"record {name!r} holds more than its declared {size} bytes")
+            pwrite_all(self._fd, data, start + done)
+            self._writeback.wrote(start + done, len(data))
+            crc = zlib.crc32(data, crc)
+            done += len(data)
+            if progress is not None:
+                progress(len(data))
+        if done != size:
+            raise OSError(5, f"record {name!r} ended after {done} of {size} bytes")
+        pwrite_all(self._fd, struct.pack("<I", crc), header_at + 14)
+        self._entries[-1].crc32 = crc
+        self._offset += size
+
     def _add_computed(
         self,
         name: str,
@@ -258,22 +292,16 @@ class TorchZipWriter:
         size: int,
         progress: Callable[[int], None] | None,
     ) -> None:
-        header_at = self._offset
-        start = self._begin(name, size, 0)
-        crc, done = 0, 0
-        while done < size:
-            data = os.pread(src_fd, min(_CHUNK, size - done), src_offset + done)
-            if not data:
-                raise OSError(5, f"source ended after {done} of {size} bytes")
-            pwrite_all(self._fd, data, start + done)
-            self._writeback.wrote(start + done, len(data))
-            crc = zlib.crc32(data, crc)
-            done += len(data)
-            if progress is not None:
-                progress(len(data))
-        pwrite_all(self._fd, struct.pack("<I", crc), header_at + 14)
-        self._entries[-1].crc32 = crc
-        self._offset += size
+        def chunks() -> Iterator[bytes]:
+            done = 0
+            while done < size:
+                data = os.pread(src_fd, min(_CHUNK, size - done), src_offset + done)
+                if not data:
+                    raise OSError(5, f"source ended after {done} of {size} bytes")
+                done += len(data)
+                yield data
+
+        self.add_stream(name, chunks(), size, progress)
 
     def close(self) -> None:
         """Write the central directory and end records. The file is not closed."""

@@ -15,14 +15,15 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import atomic_output, check_output_path
+from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
 from ckpt_tools.io.writers import (
     picklable_tensors,
     write_safetensors,
     write_torch_zip,
 )
+from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite_plan import (
-    check_source,
     output_format_for,
     safetensors_plan,
     summary,
@@ -115,17 +116,23 @@ def rewrite(
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=in_place)
     ckpt = opened if opened is not None and opened.path == src else open_checkpoint(src)
-    check_source(ckpt, allow_globals)
     fmt = output_format_for(dst, output_format, ckpt.format)
     selection = select_state_dict(ckpt.root, select)
+    check_rewritable(ckpt, allow_globals, selection.path)
     sd = selection.state_dict
-    plan = plan_renames([str(k) for k in sd], rules)
+    check_key_types(sd, rules, fmt, src)
+    # Rules rename str keys only; other keys keep their type and value (checked above).
+    plan = plan_renames([k for k in sd if isinstance(k, str)], rules)
     renamed_sd = apply_plan(sd, plan, rules)
     changed = [(old, new) for old, new in plan.items() if old != new]
     tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
     # Torch outputs copy every storage the checkpoint keeps (optimizer state too).
     counted = tensors.values() if fmt == "safetensors" else ()
     total = sum(t.nbytes for t in counted) or sum(s.nbytes for s in ckpt.storages.values())
+    check_output_size(list(counted), total, target)
+    if fmt == "safetensors":
+        for t in counted:
+            ckpt.span(t.storage)  # a storage that cannot be copied is refused before writing
     done = [0]
 
     def on_bytes(n: int) -> None:
@@ -156,13 +163,13 @@ def rewrite(
         selected=selection.path,
         rules=tuple(r.description for r in rules),
         renamed=len(changed),
-        total_keys=len(plan),
+        total_keys=len(sd),
         examples=tuple(changed[:3]),
         bytes_copied=done[0],
         verification=verification,
         dropped=dropped,
         device_map=dict(device_map or {}),
-        message=summary(dst, ckpt.format, fmt, len(changed), len(plan), rules, device_map),
+        message=summary(dst, ckpt.format, fmt, len(changed), len(sd), rules, device_map),
     )
 
 
@@ -209,7 +216,10 @@ def strip_module_file(
         return rewrite(src, dst, [strip_rule(prefix)], **options)
     ckpt = open_checkpoint(src)
     selection = select_state_dict(ckpt.root, options.get("select"))
-    keys = [str(k) for k in selection.state_dict]
+    # Refusals come before "nothing to strip": a file no rewrite may touch is never exit 0.
+    check_rewritable(ckpt, options.get("allow_globals", ()), selection.path)
+    keys = [k for k in selection.state_dict if isinstance(k, str)]
+    n_keys = len(selection.state_dict)
     rules, matches = strip_wrapper_rules(keys)
     if not rules:
         check_output_path(dst, src, options.get("force", False), options.get("in_place", False))
@@ -217,8 +227,8 @@ def strip_module_file(
             src,
             ckpt,
             selection.path,
-            len(keys),
-            f"nothing to strip: no wrapper prefix in the {len(keys)} keys of {src}; "
+            n_keys,
+            f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; "
             f"{os.fspath(dst)} was not written",
         )
     result = rewrite(src, dst, rules, opened=ckpt, **options)

@@ -28,7 +28,7 @@ def fingerprint(path: Path) -> tuple[str, int, int]:
 
 def temp_files(folder: Path) -> list[Path]:
     """The writers' temp files (``*.ckpt-tmp``, hidden or not) left in ``folder``."""
-    return sorted(Path(folder).glob("*.ckpt-tmp")) + sorted(Path(folder).glob(".*.ckpt-tmp"))
+    return sorted(Path(folder).glob("*.ckpt-tmp*")) + sorted(Path(folder).glob(".*.ckpt-tmp*"))
 
 
 def listing(folder: Path) -> list[str]:

@@ -1,0 +1,124 @@
+"""Checks every rewrite runs before it looks for work, and before a byte is written.
+
+The order is the promise: first "may this file be rewritten at all" (TorchScript, a pickled
+``nn.Module``, globals outside the allowlist), then "can the planned output hold what it
+must" (key types, output sizes). Only then may a rewrite say "nothing to do", so a file
+that would be refused is never waved through with exit 0 because it has no work in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.formats import Checkpoint
+from ckpt_tools.ops.rewrite_plan import check_source
+from ckpt_tools.structure.keys import KeyRule
+
+__all__ = ["check_key_types", "check_rewritable"]
+
+_SAVE_STATE_DICT = Remedy(
+    text="if you trust the file, load it with torch.load(path, weights_only=False) and "
+    "save model.state_dict() with torch.save, then rewrite that",
+)
+
+
+def _module_on_path(root: Any, path: Sequence[str]) -> str | None:
+    """The class of a pickled ``nn.Module`` at the root or on ``path``, if there is one.
+
+    A pickled module is an object whose state holds ``_parameters`` and ``_modules``
+    (what ``torch.save(model)`` writes, for any subclass).
+    """
+    node = root
+    for part in (None, *path):
+        if part is not None:
+            holder = node.state if isinstance(node, Opaque) else node
+            if isinstance(holder, Mapping):
+                node = holder.get(part, holder.get(int(part)) if part.isdigit() else None)
+            elif isinstance(holder, (list, tuple)) and part.isdigit() and int(part) < len(holder):
+                node = holder[int(part)]
+            else:
+                return None
+        state = node.state if isinstance(node, Opaque) else None
+        if isinstance(state, Mapping) and "_parameters" in state and "_modules" in state:
+            return type(node).global_ref.qualname
+    return None
+
+
+def check_rewritable(
+    ckpt: Checkpoint, allow_globals: Sequence[str], path: Sequence[str] = ()
+) -> None:
+    """Refuse a checkpoint no rewrite may touch, whether or not there is work to do.
+
+    Args:
+        ckpt: the opened input.
+        allow_globals: globals outside the allowlist the caller allows through.
+        path: the selection path of the state dict to rewrite.
+
+    Raises:
+        ConversionError: a TorchScript archive, or a pickled ``nn.Module`` (exit 7).
+        UnsafeContentError: globals outside the allowlist, not allowed (exit 3).
+        UsageError: a sharded folder (exit 2).
+
+    Example:
+        >>> check_rewritable(Checkpoint("a.pt", "torch-zip", {}, {}), ())
+    """
+    module = _module_on_path(ckpt.root, path)
+    if module is not None:
+        raise ConversionError(
+            f"{ckpt.path!r} is a pickled nn.Module ({module}), not a state dict: its "
+            "attributes cannot be rewritten without the class's code",
+            path=ckpt.path,
+            remedies=(_SAVE_STATE_DICT,),
+        )
+    check_source(ckpt, allow_globals)
+
+
+def _shown(keys: Sequence[Hashable]) -> str:
+    return ", ".join(repr(k) for k in keys[:8]) + (" ..." if len(keys) > 8 else "")
+
+
+def check_key_types(
+    sd: Mapping[Any, Any], rules: Sequence[KeyRule], output_format: str, path: str
+) -> None:
+    """Refuse, before writing, keys whose type the planned output cannot keep.
+
+    Key rules apply to ``str`` keys only; other keys (``0``, ``(1, 2)``, ``None``, bytes)
+    are carried through with their type. A rule that would rename one (it matches its
+    ``str()``) is refused, and so is any such key for safetensors, which names tensors by
+    strings only.
+
+    Args:
+        sd: the selected state dict.
+        rules: the key rules of the rewrite.
+        output_format: ``torch-zip`` or ``safetensors``.
+        path: the input, for the message.
+
+    Raises:
+        ConversionError: every offending key is named (exit 7).
+
+    Example:
+        >>> check_key_types({0: 1, "w": 2}, [], "torch-zip", "a.pt")
+    """
+    others = [k for k in sd if not isinstance(k, str)]
+    if not others:
+        return
+    if output_format == "safetensors":
+        tensors = [k for k in others if isinstance(sd[k], TensorRef)]
+        if tensors:
+            raise ConversionError(
+                f"safetensors names tensors by strings, and {path!r} has {len(tensors)} "
+                f"tensor(s) under other keys: {_shown(tensors)}",
+                path=path,
+                remedies=(Remedy(text="keep the torch format, which keeps key types"),),
+            )
+    renamed = [k for k in others if any(r.apply(str(k)) != str(k) for r in rules)]
+    if renamed:
+        raise ConversionError(
+            f"key rules rename string keys only, and would have to rename {len(renamed)} "
+            f"key(s) of another type in {path!r}: {_shown(renamed)}",
+            path=path,
+            remedies=(Remedy(text="give the keys string names before rewriting"),),
+        )

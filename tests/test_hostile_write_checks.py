@@ -1,0 +1,156 @@
+"""Issue 9, write side: rewrites refuse before "nothing to do" (class 2), and keys keep their
+types through every rewrite or are refused up front (class 4).
+
+Every hostile input is a real file made with torch; outputs are read back with torch itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.errors import ConversionError, UnsafeContentError
+from ckpt_tools.ops.rewriting import add_module_file, convert, rename_file, strip_module_file
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")
+
+CKPT = str(Path(sys.executable).with_name("ckpt"))
+
+
+def _ckpt(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CKPT, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _unsafe(path: Path) -> Path:
+    # argparse.Namespace is outside the allowlist: never imported, always refused.
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, path)
+    return path
+
+
+def _torchscript(path: Path) -> Path:
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    return path
+
+
+def _pickled_module(path: Path) -> Path:
+    torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), path)
+    return path
+
+
+# (input maker, exit code, what the one stderr line says)
+HOSTILE = {
+    "unsafe-globals": (_unsafe, 3, "outside the allowlist: argparse.Namespace"),
+    "torchscript": (_torchscript, 7, "is a TorchScript archive"),
+    "pickled-module": (_pickled_module, 7, "is a pickled nn.Module"),
+}
+COMMANDS = {
+    "strip-module": ("strip-module", "out.pt"),
+    "add-module": ("add-module", "out.pt"),
+    "rename": ("rename", "out.pt", "--sub", "nothing.=matches."),
+    "convert": ("convert", "out.safetensors"),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_rewrite_refuses_before_looking_for_work(kind, command, tmp_path):
+    make, code, says = HOSTILE[kind]
+    src = make(tmp_path / "in.pt")
+    name, dst, *extra = COMMANDS[command]
+    result = _ckpt(name, src, tmp_path / dst, *extra)
+    assert result.returncode == code, result.stderr
+    assert says in result.stderr.splitlines()[0]
+    assert _listing(tmp_path) == ["in.pt"]  # nothing written, no temp file left
+
+
+def test_pickled_module_refusal_names_the_fix(tmp_path):
+    src = _pickled_module(tmp_path / "in.pt")
+    with pytest.raises(ConversionError, match=r"state_dict\(\) with torch.save|model.state_dict"):
+        strip_module_file(src, tmp_path / "out.pt")
+    result = _ckpt("strip-module", src, tmp_path / "out.pt")
+    assert "weights_only=False" in result.stderr and "state_dict()" in result.stderr
+
+
+def test_library_refuses_unsafe_and_torchscript_with_nothing_to_strip(tmp_path):
+    with pytest.raises(UnsafeContentError, match=r"argparse\.Namespace"):
+        strip_module_file(_unsafe(tmp_path / "u.pt"), tmp_path / "out.pt")
+    with pytest.raises(ConversionError, match="TorchScript"):
+        strip_module_file(_torchscript(tmp_path / "ts.pt"), tmp_path / "out.pt")
+    # Allowed globals pass the check; then there is nothing to strip, and nothing is written.
+    result = strip_module_file(
+        tmp_path / "u.pt", tmp_path / "out.pt", allow_globals=["argparse.Namespace"]
+    )
+    assert not result.written and not (tmp_path / "out.pt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Class 4: keys that are not strings
+# --------------------------------------------------------------------------------------------
+
+
+def _odd_keys(path: Path) -> dict:
+    sd = collections.OrderedDict()
+    sd[0] = torch.arange(3.0)
+    sd["0"] = torch.arange(3.0) + 10
+    sd[(1, 2)] = torch.ones(2, dtype=torch.int64)
+    sd[None] = torch.zeros(1, dtype=torch.bfloat16)
+    sd[b"x"] = torch.full((2,), 7, dtype=torch.uint8)
+    sd["module.fc.weight"] = torch.arange(4.0).reshape(2, 2)
+    torch.save(sd, path)
+    return sd
+
+
+def _typed_keys(sd) -> list[tuple[type, object]]:
+    return [(type(k), k) for k in sd]
+
+
+def _assert_same(got, want) -> None:
+    assert _typed_keys(got) == _typed_keys(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("strip-module",), ("strip-module", "--prefix", "module."), ("rename", "--sub", "module.=")],
+)
+def test_keys_keep_their_types_through_rewrites(args, tmp_path):
+    sd = _odd_keys(tmp_path / "in.pt")
+    dst = tmp_path / "out.pt"
+    result = _ckpt(args[0], tmp_path / "in.pt", dst, *args[1:])
+    assert result.returncode == 0, result.stderr
+    want = {("fc.weight" if k == "module.fc.weight" else k): v for k, v in sd.items()}
+    _assert_same(torch.load(dst, weights_only=True), want)
+    _assert_same(torch.load(dst, weights_only=True, mmap=True), want)
+
+
+def test_a_rule_that_would_rename_a_non_str_key_is_refused_up_front(tmp_path):
+    _odd_keys(tmp_path / "in.pt")
+    result = _ckpt("add-module", tmp_path / "in.pt", tmp_path / "out.pt")
+    assert result.returncode == 7
+    assert "rename string keys only" in result.stderr.splitlines()[0]
+    with pytest.raises(ConversionError, match=r"rename string keys only.*0, \(1, 2\), None"):
+        add_module_file(tmp_path / "in.pt", tmp_path / "out.pt")
+    with pytest.raises(ConversionError, match=r"b'x'"):  # str(b"x") starts with "b"
+        rename_file(tmp_path / "in.pt", tmp_path / "out.pt", subs=[("b", "c")])
+    assert _listing(tmp_path) == ["in.pt"]
+
+
+def test_safetensors_conversion_refuses_non_str_keys_up_front(tmp_path):
+    _odd_keys(tmp_path / "in.pt")
+    result = _ckpt("convert", tmp_path / "in.pt", tmp_path / "out.safetensors")
+    assert result.returncode == 7
+    assert "safetensors names tensors by strings" in result.stderr.splitlines()[0]
+    with pytest.raises(ConversionError, match=r"4 tensor\(s\) under other keys"):
+        convert(tmp_path / "in.pt", tmp_path / "out.safetensors")
+    assert _listing(tmp_path) == ["in.pt"]

@@ -1,0 +1,188 @@
+"""Issue 9, write side: every output loads with torch (class 3), and declared output sizes
+are checked before memory or disk is spent (class 8, convert).
+
+torch is the oracle: it reads the hostile inputs, and it must read every output back with
+``weights_only=True`` and ``mmap=True``, bitwise equal.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.errors import ConversionError, ResourceLimitError, VerificationError
+from ckpt_tools.formats.repickle import check_weights_only_pickle, unsupported_opcodes
+from ckpt_tools.io.space import check_output_size
+from ckpt_tools.io.zipcheck import check_torch_zip
+from ckpt_tools.ops.rewriting import convert, strip_module_file
+
+CKPT = str(Path(sys.executable).with_name("ckpt"))
+
+
+def _ckpt(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CKPT, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {
+        "module.fc.weight": torch.arange(12.0).reshape(3, 4),
+        "module.fc.bias": torch.tensor([1, 2, 3], dtype=torch.int16),
+        "module.t": torch.arange(6.0).reshape(2, 3).t(),  # a view, kept as a view
+        "module.h": torch.arange(5, dtype=torch.bfloat16),
+    }
+
+
+def _stripped() -> dict[str, torch.Tensor]:
+    return {k.removeprefix("module."): v for k, v in _state().items()}
+
+
+def _load_both(path: Path) -> list[dict]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns about pickle protocols other than 2
+        return [torch.load(path, weights_only=True), torch.load(path, weights_only=True, mmap=True)]
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].stride() == v.stride(), k
+        assert torch.equal(got[k], v), k
+
+
+def _deflate(src: Path, dst: Path) -> Path:
+    """What any re-zipping tool does: the same records, deflated."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    return dst
+
+
+@pytest.mark.parametrize("verify", ["sizes", "full"])
+def test_deflated_records_are_written_stored_and_load(verify, tmp_path):
+    plain = tmp_path / "plain.pt"
+    torch.save(_state(), plain)
+    src = _deflate(plain, tmp_path / "in.pt")
+    _assert_equal(torch.load(src, weights_only=True), _state())  # torch reads deflated zips
+    dst = tmp_path / "out.pt"
+    result = _ckpt("strip-module", src, dst, "--verify", verify)
+    assert result.returncode == 0, result.stderr
+    with zipfile.ZipFile(dst) as archive:
+        assert {i.compress_type for i in archive.infolist()} == {zipfile.ZIP_STORED}
+    for loaded in _load_both(dst):
+        _assert_equal(loaded, _stripped())
+    assert check_torch_zip(str(dst)) > 0
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_pickle_protocol_4_and_5_inputs_come_out_as_protocol_2(protocol, tmp_path):
+    src = tmp_path / "in.pt"
+    torch.save(_state(), src, pickle_protocol=protocol)
+    with pytest.raises(pickle.UnpicklingError):  # the input itself: torch's own refusal
+        torch.load(src, weights_only=True)
+    dst = tmp_path / "out.pt"
+    strip_module_file(src, dst)
+    with zipfile.ZipFile(dst) as archive:
+        payload = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    assert payload[:2] == b"\x80\x02" and unsupported_opcodes(payload) == []
+    for loaded in _load_both(dst):
+        _assert_equal(loaded, _stripped())
+
+
+def test_default_verification_is_torch_strict(tmp_path):
+    # The strict re-read refuses what torch.load(mmap=True) or weights_only=True cannot read.
+    plain = tmp_path / "plain.pt"
+    torch.save(_state(), plain)
+    assert check_torch_zip(str(plain)) > 0
+    with pytest.raises(VerificationError, match="compressed"):
+        check_torch_zip(str(_deflate(plain, tmp_path / "deflated.pt")))
+    p4 = tmp_path / "p4.pt"
+    torch.save(_state(), p4, pickle_protocol=4)
+    with pytest.raises(VerificationError, match=r"opcodes .*FRAME"):
+        check_torch_zip(str(p4))
+
+
+def test_opcode_check_agrees_with_torch():
+    # Protocol 2 pickles torch writes pass; an opcode its unpickler rejects is caught before
+    # any byte is written.
+    assert unsupported_opcodes(pickle.dumps({"a": [1, 2.5, None, True, "x"]}, protocol=2)) == []
+    with pytest.raises(ConversionError, match="LONG4"):
+        check_weights_only_pickle(pickle.dumps(1 << 4000, protocol=2))
+
+
+# --------------------------------------------------------------------------------------------
+# Class 8 (convert): declared sizes
+# --------------------------------------------------------------------------------------------
+
+
+def _zero_stride(path: Path) -> Path:
+    # One element viewed as 2**40 elements: 4 bytes on disk, 4 TiB once written contiguous.
+    huge = torch.ones(1).as_strided((2**40,), (0,))
+    torch.save({"v": huge, "w": torch.arange(3.0)}, path)
+    return path
+
+
+def test_zero_stride_view_is_refused_before_writing(tmp_path):
+    src = _zero_stride(tmp_path / "in.pt")
+    result = _ckpt("convert", src, tmp_path / "out.safetensors")
+    assert result.returncode == 5, result.stderr
+    assert "would grow by more than 1 GiB" in result.stderr.splitlines()[0]
+    with pytest.raises(ResourceLimitError, match=r"\[1099511627776\] stride \[0\]"):
+        convert(src, tmp_path / "out.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def test_zero_stride_view_stays_a_view_in_torch_outputs(tmp_path):
+    src = _zero_stride(tmp_path / "in.pt")
+    dst = tmp_path / "out.pt"
+    result = _ckpt("rename", src, dst, "--sub", "w=weight")
+    assert result.returncode == 0, result.stderr
+    for loaded in _load_both(dst):
+        assert loaded["v"].stride() == (0,) and loaded["v"].shape == (2**40,)
+        assert loaded["v"].untyped_storage().nbytes() == 4
+        assert torch.equal(loaded["weight"], torch.arange(3.0))
+
+
+def test_outputs_larger_than_the_free_space_are_refused(tmp_path):
+    with pytest.raises(ResourceLimitError, match="free"):
+        check_output_size([], 1 << 62, tmp_path / "out.pt")
+
+
+def test_strided_views_of_a_large_storage_are_gathered_in_pieces(tmp_path):
+    # A view spanning more than MAX_GATHER_SPAN of its storage is read in parts; the bytes
+    # must still be exactly torch's .contiguous() ones.
+    from safetensors.torch import load_file
+
+    from ckpt_tools.io.tensor_bytes import MAX_GATHER_SPAN
+
+    base = torch.arange(MAX_GATHER_SPAN // 4 + 4099, dtype=torch.float32)
+    views = {
+        "every7": base[3::7],
+        "grid": base[: (len(base) // 4096) * 4096].view(-1, 4096)[::3, 5::2],
+        "transposed": base[: 2048 * 2048].view(2048, 2048).t(),
+    }
+    src = tmp_path / "in.pt"
+    torch.save(views, src)
+    dst = tmp_path / "out.safetensors"
+    convert(src, dst, verify="full")
+    got = load_file(dst)
+    for name, view in views.items():
+        assert torch.equal(got[name], view.contiguous()), name
+
+
+def test_deflated_storages_are_refused_for_safetensors_before_writing(tmp_path):
+    # A safetensors output copies spans of each storage; a deflated record has none to copy.
+    plain = tmp_path / "plain.pt"
+    torch.save(_state(), plain)
+    src = _deflate(plain, tmp_path / "in.pt")
+    result = _ckpt("convert", src, tmp_path / "out.safetensors")
+    assert result.returncode == 4, result.stderr
+    assert "is compressed" in result.stderr.splitlines()[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt", "plain.pt"]
