@@ -1,4 +1,4 @@
-"""Peak memory and time of ``ckpt_tools.diffing.engine`` on two large checkpoints, against loading both.
+"""Peak memory and time of ``ckpt_tools.diff`` on two large checkpoints, against loading both.
 
 Run:  .venv/bin/python benchmarks/bench_diff.py [--size-mb 1024] [--repeats 3]
 

@@ -57,11 +57,15 @@ def _imports(path: Path) -> list[tuple[int, str, bool]]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.lineno, node.module, id(node) in top))
             if node.module == "ckpt_tools":  # `from ckpt_tools import formats`
-                found += [(node.lineno, f"ckpt_tools.{a.name}", id(node) in top) for a in node.names]
+                found += [
+                    (node.lineno, f"ckpt_tools.{a.name}", id(node) in top) for a in node.names
+                ]
     return found
 
 
-MODULES = [p for p in _modules() if p.name not in {"__init__.py", "__main__.py"} or p.parent != PACKAGE]
+MODULES = [
+    p for p in _modules() if p.name not in {"__init__.py", "__main__.py"} or p.parent != PACKAGE
+]
 
 
 def test_every_module_is_in_a_room() -> None:
