@@ -161,7 +161,7 @@ class CheckpointInfo(Readable):
             (3,)
             >>> inspect("ddp.pt").tensor("conv.weight")
             Traceback (most recent call last):
-            ckpt_tools.errors.SelectError: no tensor 'conv.weight' in ddp.pt (close: ...)...;
+            ckpt_tools.errors.SelectError: no tensor 'conv.weight' in ddp.pt (close: ...); ...
         """
         found = self._by_name.get(name)
         if found is None:
