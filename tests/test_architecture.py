@@ -8,6 +8,7 @@ lazy imports are still dependencies), so a violation fails here before a reviewe
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,43 @@ MODULES = [
 def test_every_module_is_in_a_room() -> None:
     strays = [str(p.relative_to(PACKAGE)) for p in MODULES if _room(p) not in RANK]
     assert not strays, f"modules outside the rooms of tests/test_architecture.py: {strays}"
+
+
+def _layout_block() -> str:
+    """The package's part of README's Layout drawing (up to the first line outside it)."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    drawing = text.split("\n## Layout\n", 1)[1].split("```", 2)[1]
+    lines = drawing.strip("\n").splitlines()
+    assert lines[0] == "ckpt_tools/", lines[0]
+    package = []
+    for line in lines[1:]:
+        if not line.startswith(" "):
+            break
+        package.append(line)
+    return "\n".join(package)
+
+
+def test_the_readme_layout_is_the_tree() -> None:
+    """Every room is drawn in README's Layout, and every module it names exists in that room."""
+    block = _layout_block()
+    rooms = {line.split()[0].rstrip("/") for line in block.splitlines() if line.startswith("  ")}
+    on_disk = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert on_disk <= rooms, f"rooms missing from README's Layout: {sorted(on_disk - rooms)}"
+    room = ""
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            room = line.split()[0].rstrip("/")
+        for name in re.findall(r"\b([a-z_]+\.py)\b", line):
+            where = PACKAGE / name if room.endswith(".py") else PACKAGE / room / name
+            assert where.exists() or (PACKAGE / name).exists(), f"README names {where}"
+
+
+@pytest.mark.parametrize("room", ["structure", "io", "loading", "diffing", "ops"])
+def test_the_readme_layout_names_every_module_of_the_small_rooms(room: str) -> None:
+    block = _layout_block()
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", block))
+    modules = {p.name for p in (PACKAGE / room).glob("*.py") if p.name != "__init__.py"}
+    assert modules <= named, f"{room}/ modules missing from README's Layout: {modules - named}"
 
 
 def _upward(path: Path, room: str) -> list[str]:
