@@ -112,10 +112,15 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
     tail_len = min(size, _EOCD.size + _MAX_COMMENT)
     tail = os.pread(fd, tail_len, size - tail_len)
     at = tail.rfind(_EOCD_SIG)
-    while at >= 0 and at + _EOCD.size + _EOCD.unpack_from(tail, at)[-1] != len(tail):
+    # The end record whose comment runs exactly to the end of the file; torch.save writes
+    # none, and a signature inside a comment is skipped as zip readers skip it.
+    end = len(tail)
+    while at >= 0 and (
+        at + _EOCD.size > end or at + _EOCD.size + _EOCD.unpack_from(tail, at)[-1] != end
+    ):
         at = tail.rfind(_EOCD_SIG, 0, at)
-    if at < 0 or at + _EOCD.size > len(tail):
-        raise _corrupt(path, "no end-of-archive record ends the file (truncated, or bytes follow it)")
+    if at < 0:
+        raise _corrupt(path, "no end record ends the file (truncated, or bytes follow it)")
     _, disk, cd_disk, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
     eocd_offset = size - tail_len + at
     if disk != 0 or cd_disk != 0:
@@ -184,10 +189,11 @@ def _zip64_sizes(
     while at + 4 <= len(extra):
         tag, length = struct.unpack_from("<2H", extra, at)
         if tag == 1:
-            values = iter(struct.unpack_from(f"<{sum(wanted)}Q", extra, at + 4))
             if 8 * sum(wanted) > length:
                 break
-            usize, csize, offset = (next(values) if w else v for w, v in zip(wanted, (usize, csize, offset)))
+            values = iter(struct.unpack_from(f"<{sum(wanted)}Q", extra, at + 4))
+            declared = (usize, csize, offset)
+            usize, csize, offset = (next(values) if w else v for w, v in zip(wanted, declared))
             return usize, csize, offset
         at += 4 + length
     raise _corrupt(path, f"record {name!r} lacks the zip64 sizes its header announces")
