@@ -47,9 +47,9 @@ HOSTILE: dict[str, tuple[str, bytes]] = {
     "gap": (_json({"a": _entry(0, 8), "b": _entry(12, 20)}), bytes(20)),
     "trailing-bytes": (_json({"a": _entry(0, 8)}), bytes(12)),
     "float-offsets": (_json({"a": _entry(0.0, 8.0)}), bytes(8)),
-    "bool-offsets": (_json({"a": {"dtype": "U8", "shape": [1], "data_offsets": [False, True]}}), bytes(1)),
+    "bool-offsets": (_json({"a": _entry(False, True, dtype="U8", shape=(1,))}), bytes(1)),
     "string-offsets": (_json({"a": _entry("0", "8")}), bytes(8)),
-    "three-offsets": (_json({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 8]}}), bytes(8)),
+    "three-offsets": (_json({"a": {**_entry(0, 8), "data_offsets": [0, 8, 8]}}), bytes(8)),
     "float-shape": (_json({"a": _entry(0, 8, shape=(2.0,))}), bytes(8)),
     "negative-shape": (_json({"a": _entry(0, 8, shape=(-2,))}), bytes(8)),
     "size-mismatch": (_json({"a": _entry(0, 8, shape=(3,))}), bytes(8)),
@@ -57,8 +57,8 @@ HOSTILE: dict[str, tuple[str, bytes]] = {
     "unknown-dtype": (_json({"a": _entry(0, 8, dtype="F31")}), bytes(8)),
     "metadata-not-strings": (_json({"__metadata__": {"k": 1}, "a": _entry(0, 8)}), bytes(8)),
     "metadata-not-object": (_json({"__metadata__": ["k"], "a": _entry(0, 8)}), bytes(8)),
-    "nan": ('{"a": %s, "__metadata__": {"k": NaN}}' % _json(_entry(0, 8)), bytes(8)),
-    "lone-surrogate": ('{"\\ud800": %s}' % _json(_entry(0, 8)), bytes(8)),
+    "nan": ('{"a": ' + _json(_entry(0, 8)) + ', "__metadata__": {"k": NaN}}', bytes(8)),
+    "lone-surrogate": ('{"\\ud800": ' + _json(_entry(0, 8)) + "}", bytes(8)),
     "not-an-object": ("[1, 2]", b""),
 }
 
@@ -72,10 +72,12 @@ def _safetensors_reads(path: Path) -> dict[str, np.ndarray] | Exception:
 
 
 @pytest.mark.parametrize("case", HOSTILE.values(), ids=HOSTILE.keys())
-def test_what_safetensors_refuses_we_refuse_with_exit_4(case: tuple[str, bytes], tmp_path: Path) -> None:
+def test_what_safetensors_refuses_we_refuse_with_exit_4(
+    case: tuple[str, bytes], tmp_path: Path
+) -> None:
     path = _write(tmp_path / "bad.safetensors", *case)
     assert isinstance(_safetensors_reads(path), Exception), "the oracle reads it"
-    with pytest.raises(CorruptCheckpointError, match="bad.safetensors"):
+    with pytest.raises(CorruptCheckpointError, match=r"bad\.safetensors"):
         open_checkpoint(path)
     result = _ckpt("inspect", str(path))
     assert result.returncode == 4, result.stderr
@@ -85,7 +87,8 @@ def test_what_safetensors_refuses_we_refuse_with_exit_4(case: tuple[str, bytes],
 def test_a_repeated_key_is_refused_though_the_crate_takes_the_last(tmp_path: Path) -> None:
     """serde keeps the last of two equal keys and Python's json too; a reader that kept the
     first would see another tensor, so a repeated key is refused rather than resolved."""
-    twice = '{"a": %s, "a": %s}' % (_json(_entry(0, 8)), _json(_entry(0, 8)))
+    entry = _json(_entry(0, 8))
+    twice = f'{{"a": {entry}, "a": {entry}}}'
     path = _write(tmp_path / "twice.safetensors", twice, bytes(8))
     assert isinstance(_safetensors_reads(path), dict)
     with pytest.raises(CorruptCheckpointError, match="appears twice"):

@@ -121,9 +121,9 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
         at = tail.rfind(_EOCD_SIG, 0, at)
     if at < 0:
         raise _corrupt(path, "no end record ends the file (truncated, or bytes follow it)")
-    _, disk, cd_disk, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
+    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
     eocd_offset = size - tail_len + at
-    if disk != 0 or cd_disk != 0:
+    if disk != 0 or cd_disk != 0 or disk_count != count:
         raise _corrupt(path, "it spans several disks")
     needs_zip64 = count == _U16 or _U32 in (cd_size, cd_offset)
     locator = b""
@@ -139,6 +139,11 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
     record = _ZIP64_EOCD.unpack(os.pread(fd, _ZIP64_EOCD.size, zip64_offset))
     if record[0] != b"PK\x06\x06":
         raise _corrupt(path, "its zip64 end record is missing or misplaced")
+    if record[-4] != record[-3] or any(
+        short not in (_U16, _U32) and short != long
+        for short, long in zip((count, cd_size, cd_offset), record[-3:])
+    ):
+        raise _corrupt(path, "its end record and zip64 end record declare different records")
     return record[-3], record[-1], record[-2], zip64_offset
 
 
