@@ -57,8 +57,10 @@ def _duplicate_storage(src: Path, out: Path) -> Path:
 
 
 def _second_data_pkl(src: Path, out: Path) -> Path:
-    extra = [("other/data.pkl", b"")]
-    return _rezip(src, out, lambda n, d: [(n, d)] + ([(extra[0][0], d)] if "data.pkl" in n else []))
+    def mutate(name: str, data: bytes) -> list[tuple[str, bytes]]:
+        return [(name, data)] + ([("other/data.pkl", data)] if name.endswith("data.pkl") else [])
+
+    return _rezip(src, out, mutate)
 
 
 def _other_prefix_first(src: Path, out: Path) -> Path:
