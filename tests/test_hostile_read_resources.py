@@ -152,3 +152,12 @@ def test_legacy_file_declaring_a_huge_storage(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError):
         open_checkpoint(path)
     _ckpt_fails(path, 4, "huge.pt")
+
+
+def test_pickle_declaring_bytes_larger_than_memory(tmp_path: Path) -> None:
+    """BINBYTES8 of 2**61 bytes: CPython allocates before reading, and that MemoryError is ours."""
+    path = tmp_path / "bytes8.pkl"
+    path.write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 1 << 61) + b"abc.")
+    with pytest.raises(ResourceLimitError):
+        open_checkpoint(path)
+    _ckpt_fails(path, 5, "bytes8.pkl")

@@ -138,7 +138,11 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
         raise _corrupt(path, "its zip64 end record is misplaced")
     record = _ZIP64_EOCD.unpack(os.pread(fd, _ZIP64_EOCD.size, zip64_offset))
     if record[0] != b"PK\x06\x06":
-        raise _corrupt(path, "its zip64 end record is missing or misplaced")
+        raise _corrupt(
+            path,
+            "its zip64 end record is not where its locator says (bytes were added before or "
+            "inside the archive; torch refuses such a file)",
+        )
     if record[-4] != record[-3] or any(
         short not in (_U16, _U32) and short != long
         for short, long in zip((count, cd_size, cd_offset), record[-3:])
