@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import stat
 import struct
+import tarfile
 from pathlib import Path
 
 from ckpt_tools.errors import (
@@ -13,7 +15,7 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
 )
 
-__all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "detect_format"]
+__all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_format"]
 
 FORMATS = (
     "torch-zip",
@@ -27,7 +29,8 @@ FORMATS = (
 )
 
 LFS_SIGNATURE = b"version https://git-lfs.github.com/spec/"
-ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")
+# torch.serialization._is_zipfile: a zip is a file whose first 4 bytes are a local header.
+ZIP_SIGNATURE = b"PK\x03\x04"
 # torch's legacy MAGIC_NUMBER 0x1950A86A20F9469CFC6C, pickled as LONG1 (10 bytes, little end).
 LEGACY_MAGIC_LONG1 = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 # A sharded checkpoint's index (``model.safetensors.index.json``) is JSON text; its suffix
@@ -66,11 +69,19 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             f"{os.getcwd()!r})",
             path=p,
         )
-    if p.is_dir():
+    if check_regular(p) == "folder":
         return "hf-sharded"
-    size = p.stat().st_size
-    with open(p, "rb") as f:
-        head = f.read(512)
+    # O_NONBLOCK: if the path became a FIFO since the check, opening it does not wait for a
+    # writer, and fstat below sees what was opened.
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise _not_regular(p, opened.st_mode)
+        size = opened.st_size
+        head = os.pread(fd, 512, 0)
+    finally:
+        os.close(fd)
     if size == 0:
         raise UnsupportedFormatError(
             f"{str(p)!r} is empty (0 bytes); expected a checkpoint", path=p
@@ -83,9 +94,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
                 Remedy(command="git lfs pull", text="in its repository to fetch the real file"),
             ),
         )
-    if head.startswith(ZIP_SIGNATURES):
+    if head.startswith(ZIP_SIGNATURE):
         return "torch-zip"
-    if len(head) >= 262 and head[257:262] == b"ustar":
+    if _is_tar_header(head):
         return "torch-tar"
     if head[:1] == b"\x80" and head[2:14] == LEGACY_MAGIC_LONG1:
         return "torch-legacy"
@@ -102,6 +113,69 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         "match no torch zip, legacy torch pickle, tar, pickle or safetensors header",
         path=p,
     )
+
+
+def check_regular(path: str | os.PathLike[str]) -> str:
+    """Refuse, before any read, a path that is neither a regular file nor a folder.
+
+    Reading a FIFO, a socket or a character device blocks or never ends; a symlink counts as
+    what it points to. Every path ckpt_tools opens (shards named by an index too) comes here.
+
+    Args:
+        path: the path to check (it must exist).
+
+    Returns:
+        ``"file"`` or ``"folder"``.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path`` (or a dangling symlink).
+        UnsupportedFormatError: a FIFO, socket, device, or a symlink to one.
+
+    Example:
+        >>> check_regular(".")
+        'folder'
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"no such file or folder: {os.fspath(path)!r}", path=path
+        ) from e
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    return "file"
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_regular(path: str | os.PathLike[str], mode: int) -> UnsupportedFormatError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return UnsupportedFormatError(
+        f"{os.fspath(path)!r} is {kind}, not a checkpoint file; ckpt_tools reads regular "
+        "files and folders only",
+        path=path,
+    )
+
+
+def _is_tar_header(head: bytes) -> bool:
+    """Whether torch's legacy loader takes the file for a tar: its first block is a header.
+
+    ``torch.load`` tries ``tarfile.open(mode="r:")`` on every non-zip file first, which
+    accepts any first block whose checksum is right (with or without ``ustar``).
+    """
+    try:
+        tarfile.TarInfo.frombuf(head[: tarfile.BLOCKSIZE], "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:

@@ -9,7 +9,11 @@ from typing import Any, BinaryIO
 from ckpt_tools.descriptors import Opaque, Sealed
 from ckpt_tools.errors import ResourceLimitError
 
-__all__ = ["LimitedReader", "check_nesting"]
+__all__ = ["MAX_ZIP_DIRECTORY_BYTES", "LimitedReader", "check_nesting"]
+
+# A zip's central directory takes about 100 bytes a record; torch archives hold one record a
+# storage, so even a model with a million storages stays far below this.
+MAX_ZIP_DIRECTORY_BYTES = 256 << 20
 
 
 def _children(node: Any) -> Iterable[Any] | None:
@@ -68,10 +72,21 @@ def check_nesting(root: Any, limit: int) -> None:
 
 
 class LimitedReader(io.RawIOBase):
-    """Reads through to ``file`` and refuses to go past ``limit`` bytes."""
+    """Reads through to ``file`` and refuses to go past ``limit`` bytes.
+
+    A pickle opcode declares the length of what follows (BINUNICODE8, BINBYTES8 ...) and the
+    unpickler asks for that many bytes at once; a file object allocates what it is asked for
+    before it reads. So a read never asks for more than the limit or the rest of the file.
+    """
 
     def __init__(self, file: BinaryIO, limit: int) -> None:
         self._file, self._left, self._limit = file, limit, limit
+        try:
+            start = file.tell()
+            self._in_file = file.seek(0, io.SEEK_END) - start
+            file.seek(start)
+        except (OSError, AttributeError, ValueError):
+            self._in_file = limit  # not seekable: the limit alone bounds each read
 
     def readable(self) -> bool:
         return True
@@ -85,8 +100,14 @@ class LimitedReader(io.RawIOBase):
         self._left -= n
 
     def read(self, n: int = -1) -> bytes:
-        data = self._file.read(self._left + 1 if n is None or n < 0 else n)
+        if n is None or n < 0:
+            n = self._left + 1
+        elif n > self._left:
+            self._take(n)  # a declared length past the limit: refused before any allocation
+        # Past the end of the file the unpickler gets a short read and says "truncated".
+        data = self._file.read(min(n, max(self._in_file, 0) + 1))
         self._take(len(data))
+        self._in_file -= len(data)
         return data
 
     def readinto(self, buffer: Any) -> int:
@@ -101,6 +122,7 @@ class LimitedReader(io.RawIOBase):
         return peek(n)[: self._left + 1] if peek is not None else b""
 
     def readline(self, size: int | None = -1) -> bytes:
-        data = self._file.readline(-1 if size is None else size)
+        data = self._file.readline(self._left + 1 if size is None or size < 0 else size)
         self._take(len(data))
+        self._in_file -= len(data)
         return data

@@ -218,6 +218,13 @@ def load_pickle(
         ) from e
     except (AttributeError, KeyError, RecursionError) as e:
         raise CorruptCheckpointError(f"the pickle could not be read ({e!r})") from e
+    except MemoryError as e:
+        # The unpickler allocates a BINBYTES8/BINUNICODE8 object of its declared length
+        # before reading it, so a lying length fails here, before any byte is read.
+        raise ResourceLimitError(
+            "the pickle declares an object larger than memory allows; a checkpoint's pickle "
+            "holds no such object, so this is not one"
+        ) from e
     return ReadResult(
         root=root,
         storages=unpickler.storages,

@@ -6,11 +6,12 @@ Each tensor owns its byte range, so each becomes its own :class:`StorageRef` key
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Any
 
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.base import Checkpoint
@@ -21,8 +22,21 @@ __all__ = ["MAX_HEADER_BYTES", "open_safetensors", "read_header"]
 MAX_HEADER_BYTES = 100_000_000
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"key {twice!r} appears twice")
+    return result
+
+
 def read_header(path: str) -> tuple[int, dict[str, Any]]:
-    """Read and parse a safetensors header.
+    """Read and parse a safetensors header, as strictly as the safetensors crate.
 
     Returns:
         ``(data_start, header)``: the file offset where tensor bytes begin, and the header
@@ -49,16 +63,78 @@ def read_header(path: str) -> tuple[int, dict[str, Any]]:
             )
         raw = f.read(header_len)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("it does not start with '{'")
+        # The crate's JSON parser: no NaN/Infinity, no repeated keys, strings valid UTF-8.
+        header = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+        json.dumps(header, ensure_ascii=False).encode("utf-8")  # lone surrogates (\ud800)
+    except RecursionError as e:
+        raise CorruptCheckpointError(
+            f"{path!r}: the safetensors header nests too deeply to be a header"
+        ) from e
+    except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise CorruptCheckpointError(f"{path!r}: the safetensors header is not JSON ({e})") from e
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path!r}: the safetensors header is not a JSON object")
     return 8 + header_len, header
 
 
+def _is_index(value: Any) -> bool:
+    # serde's usize: a JSON integer >= 0; not 1.0, true or "1".
+    return type(value) is int and value >= 0
+
+
+def _entry(path: str, name: str, entry: Any) -> tuple[str, tuple[int, ...], int, int]:
+    """``(dtype, shape, begin, end)`` of one header entry, or refused."""
+    fields = entry if isinstance(entry, dict) else {}
+    shape, offsets = fields.get("shape"), fields.get("data_offsets")
+    tag = fields.get("dtype")
+    dtype = SAFETENSORS_TO_TORCH.get(tag) if isinstance(tag, str) else None
+    if (
+        dtype is None
+        or not isinstance(shape, list)
+        or not all(_is_index(n) for n in shape)
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_index(v) for v in offsets)
+    ):
+        raise CorruptCheckpointError(
+            f"{path!r}: header entry {name!r} is malformed or has an unknown dtype: "
+            f"{short_repr(entry)} (expected dtype, shape of non-negative integers, and "
+            "data_offsets [begin, end] of two non-negative integers)"
+        )
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def _check_layout(path: str, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """Tensors tile the data section: in offset order, each begins where the last ended.
+
+    ``spans`` holds ``(begin, nbytes, name)`` with ``begin`` inside the data section.
+    """
+    at = 0
+    for begin, nbytes, name in sorted(spans):
+        end = begin + nbytes
+        if begin != at:
+            what = "overlaps the previous one" if begin < at else f"leaves a gap at {at}"
+            raise CorruptCheckpointError(
+                f"{path!r}: tensor {name!r} at bytes [{begin}, {end}) {what}; safetensors "
+                "tensors must cover the data section contiguously"
+            )
+        at = end
+    if at != data_len:
+        raise CorruptCheckpointError(
+            f"{path!r}: the tensors cover {at} bytes of the {data_len}-byte data section; "
+            "safetensors refuses a file whose data section does not match its header"
+        )
+
+
 def open_safetensors(path: str) -> Checkpoint:
     """Open a ``.safetensors`` file, reading its header only.
+
+    The header is checked as the safetensors crate checks it: known dtypes, integer shapes
+    and offsets, each tensor's byte count equal to its dtype size times its element count,
+    and the tensors covering the data section exactly, without gaps or overlaps.
 
     Args:
         path: the file.
@@ -67,7 +143,7 @@ def open_safetensors(path: str) -> Checkpoint:
         A :class:`Checkpoint` whose root is a dict of name -> :class:`TensorRef`.
 
     Raises:
-        CorruptCheckpointError: bad dtype, shape, or offsets outside the data section.
+        CorruptCheckpointError: bad dtype, shape or offsets, or a layout safetensors refuses.
     """
     data_start, header = read_header(path)
     data_len = os.path.getsize(path) - data_start
@@ -80,22 +156,9 @@ def open_safetensors(path: str) -> Checkpoint:
     storages: dict[str, StorageRef] = {}
     spans: dict[str, ByteSpan] = {}
     for name, entry in header.items():
-        try:
-            dtype = SAFETENSORS_TO_TORCH[entry["dtype"]]
-            shape = tuple(int(n) for n in entry["shape"])
-            begin, end = (int(v) for v in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"{path!r}: header entry {name!r} is malformed or has an unknown dtype: {entry!r}"
-            ) from e
-        numel = 1
-        for n in shape:
-            numel *= n
-        if (
-            any(n < 0 for n in shape)
-            or not 0 <= begin <= end <= data_len
-            or end - begin != numel * itemsize(dtype)
-        ):
+        dtype, shape, begin, end = _entry(path, name, entry)
+        numel = math.prod(shape)
+        if not begin <= end <= data_len or end - begin != numel * itemsize(dtype):
             raise CorruptCheckpointError(
                 f"{path!r}: tensor {name!r} ({dtype}, shape {list(shape)}) has byte range "
                 f"[{begin}, {end}) that does not fit its size or the {data_len}-byte data section"
@@ -105,6 +168,7 @@ def open_safetensors(path: str) -> Checkpoint:
         storages[name] = storage
         spans[name] = ByteSpan(path, data_start + begin, end - begin)
         root[name] = TensorRef(storage=storage, offset=0, shape=shape, stride=stride, dtype=dtype)
+    _check_layout(path, [(s.offset - data_start, s.nbytes, n) for n, s in spans.items()], data_len)
 
     return Checkpoint(
         path=path,

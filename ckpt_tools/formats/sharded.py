@@ -14,8 +14,9 @@ from pathlib import Path
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.detect import check_regular
 
-__all__ = ["WEIGHT_FILES", "open_folder", "open_index"]
+__all__ = ["WEIGHT_FILES", "open_folder", "open_index", "shard_path"]
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -48,7 +49,7 @@ def open_folder(path: str) -> Checkpoint:
     if not indexes:
         singles = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
         if len(singles) == 1:
-            return open_checkpoint(singles[0])
+            return open_checkpoint(shard_path(str(folder), singles[0].name, path))
         listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
@@ -69,6 +70,60 @@ def open_folder(path: str) -> Checkpoint:
             ),
         )
     return open_index(str(indexes[0]))
+
+
+def _allowed_roots(folder: str) -> tuple[str, ...]:
+    """Where a shard may resolve: the folder, and in a Hugging Face cache its blob store.
+
+    A hub cache snapshot (``models--org--name/snapshots/REV/``) holds symlinks to
+    ``models--org--name/blobs/HASH``; refusing those would refuse every cached model.
+    """
+    real = os.path.realpath(folder or ".")
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots":
+        return real, os.path.join(os.path.dirname(parent), "blobs")
+    return (real,)
+
+
+def shard_path(folder: str, name: str, named_by: str) -> str:
+    """The path of the shard file ``name`` in ``folder``, refused if it leads out of it.
+
+    An index is data from whoever made the checkpoint: a shard name that is absolute, climbs
+    out with ``..``, or is a symlink resolving outside the folder would make us open (and
+    quote the first bytes of) any file on the machine.
+
+    Args:
+        folder: the folder the index (or weight file) lies in.
+        name: the shard's file name as the index gives it.
+        named_by: the index (or folder) that names it, for the message.
+
+    Returns:
+        ``folder/name``.
+
+    Raises:
+        CorruptCheckpointError: the name is not a plain relative path inside ``folder``, or
+            resolves outside it.
+
+    Example:
+        >>> shard_path("llama", "model-00001-of-00002.safetensors", "llama/x.index.json")
+        'llama/model-00001-of-00002.safetensors'
+    """
+    parts = name.replace("\\", "/").split("/")
+    if not name or os.path.isabs(name) or ".." in parts or "\0" in name:
+        raise CorruptCheckpointError(
+            f"{named_by!r} names shard {name!r}, which is not a file name inside its folder; "
+            "shards must lie beside the index",
+            path=named_by,
+        )
+    where = os.path.join(folder, name)
+    real = os.path.realpath(where)
+    if not any(os.path.commonpath([real, root]) == root for root in _allowed_roots(folder)):
+        raise CorruptCheckpointError(
+            f"{named_by!r} names shard {name!r}, a symlink that leads out of its folder "
+            f"(to {real!r}); shards must lie inside the folder",
+            path=named_by,
+        )
+    return where
 
 
 def open_index(index_path: str) -> Checkpoint:
@@ -94,10 +149,15 @@ def open_index(index_path: str) -> Checkpoint:
     """
     from ckpt_tools.formats import open_checkpoint
 
+    check_regular(index_path)  # a FIFO named *.index.json found by a folder's glob
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
         weight_map = index["weight_map"]
+    except RecursionError as e:
+        raise CorruptCheckpointError(
+            f"{index_path!r} is not a valid shard index: its JSON nests too deeply", path=index_path
+        ) from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{index_path!r} is not a valid shard index ({e!r})") from e
     if not isinstance(weight_map, dict) or not all(
@@ -110,12 +170,12 @@ def open_index(index_path: str) -> Checkpoint:
     folder = os.path.dirname(index_path)
     shards: dict[str, Checkpoint] = {}
     for shard in dict.fromkeys(weight_map.values()):
-        shard_path = os.path.join(folder, shard)
-        if not os.path.isfile(shard_path):
+        where = shard_path(folder, shard, index_path)
+        if not os.path.lexists(where):
             raise CorruptCheckpointError(
                 f"{index_path!r} names shard {shard!r}, which is missing from {folder!r}"
             )
-        shards[shard] = open_checkpoint(shard_path)
+        shards[shard] = open_checkpoint(where)
     root: dict[str, TensorRef] = {}
     owner: dict[int, Checkpoint] = {}
     storages: dict[str, StorageRef] = {}

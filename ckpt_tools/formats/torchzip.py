@@ -8,97 +8,84 @@ from __future__ import annotations
 
 import io
 import os
-import struct
-import zipfile
-import zlib
-from pathlib import PurePosixPath
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
-from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES, load_pickle
+from ckpt_tools.formats.zipdir import ZipEntry, read_entry, read_zip_directory
 
 __all__ = ["open_torch_zip"]
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
-_LOCAL_SIGNATURE = b"PK\x03\x04"
 # Records a TorchScript archive has and a torch.save archive never has.
 _TORCHSCRIPT_MARKERS = ("constants.pkl", "bytecode.pkl")
+# torch reads ``version`` (or ``.data/version``) and refuses an archive without it.
+_VERSION_RECORDS = (".data/version", "version")
+_SMALL_RECORD = 64
 
 
-def _archive_root(names: list[str], path: str) -> str:
-    roots = {str(PurePosixPath(n).parent) for n in names if PurePosixPath(n).name == "data.pkl"}
-    top_level = [r for r in roots if "/" not in r and r != "."]
-    if not top_level:
+def _archive_root(entries: list[ZipEntry], path: str) -> str:
+    """The folder torch reads from: the first record's top folder (as PyTorchStreamReader).
+
+    A record outside that folder is invisible to torch; a ``data.pkl`` there would be read
+    by a reader that looked for it elsewhere, so any such record is refused.
+    """
+    if not entries:
+        raise CorruptCheckpointError(f"{path!r} is a zip archive without records", path=path)
+    root, slash, _ = entries[0].name.partition("/")
+    if not slash or not root:
         raise CorruptCheckpointError(
-            f"{path!r} is a zip archive without a data.pkl record, so it is not a torch "
-            f"checkpoint (records: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''})"
+            f"{path!r}: its first record {entries[0].name!r} is not in a folder, so torch "
+            "cannot read it",
+            path=path,
         )
-    if len(top_level) > 1:
+    outside = [e.name for e in entries if not e.name.startswith(root + "/")]
+    if outside:
         raise CorruptCheckpointError(
-            f"{path!r} holds several torch archives ({', '.join(sorted(top_level))}); "
-            "expected one root folder"
+            f"{path!r}: records {', '.join(map(repr, outside[:3]))} lie outside the archive "
+            f"folder {root!r}, which torch ignores; the archive is ambiguous",
+            path=path,
         )
-    return top_level[0]
+    return root
 
 
-def _read_records(path: str, infos: list[zipfile.ZipInfo], root: str) -> dict[str, ZipRecord]:
-    records: dict[str, ZipRecord] = {}
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for info in infos:
-            if not info.filename.startswith(root + "/") or info.is_dir():
-                continue
-            encoded = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
-            header = os.pread(fd, _LOCAL_HEADER.size + len(encoded), info.header_offset)
-            if len(header) < _LOCAL_HEADER.size or header[:4] != _LOCAL_SIGNATURE:
-                raise CorruptCheckpointError(
-                    f"{path!r}: the local header of record {info.filename!r} is missing "
-                    "(the file is truncated or not a valid zip)"
-                )
-            name_len, extra_len = _LOCAL_HEADER.unpack(header[: _LOCAL_HEADER.size])[-2:]
-            if header[_LOCAL_HEADER.size :] != encoded or name_len != len(encoded):
-                raise CorruptCheckpointError(
-                    f"{path!r}: record {info.filename!r} is named differently in its local "
-                    "header than in the directory (the archive is damaged)"
-                )
-            data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            if data_offset + info.compress_size > size:
-                raise CorruptCheckpointError(
-                    f"{path!r}: record {info.filename!r} needs {info.compress_size} bytes at "
-                    f"offset {data_offset}, but the file ends at {size} (truncated download?)"
-                )
-            name = info.filename[len(root) + 1 :]
-            records[name] = ZipRecord(
-                name=name,
-                data_offset=data_offset,
-                size=info.file_size,
-                crc32=info.CRC,
-                compressed=info.compress_type != zipfile.ZIP_STORED,
+def _records(entries: list[ZipEntry], root: str) -> dict[str, ZipRecord]:
+    return {
+        e.name[len(root) + 1 :]: ZipRecord(
+            name=e.name[len(root) + 1 :],
+            data_offset=e.data_offset,
+            size=e.file_size,
+            crc32=e.crc32,
+            compressed=e.compressed,
+        )
+        for e in entries
+        if not e.name.endswith("/")
+    }
+
+
+def _check_torch_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> None:
+    """Refuse what torch's reader refuses: no data.pkl or version record, a foreign byte order."""
+    listing = ", ".join(list(entries)[:5]) + (" ..." if len(entries) > 5 else "")
+    for what, names in (("a data.pkl", ("data.pkl",)), ("a version", _VERSION_RECORDS)):
+        if not any(n in entries for n in names):
+            raise CorruptCheckpointError(
+                f"{path!r} is a zip archive without {what} record, so it is not a torch "
+                f"archive torch.load reads (records: {listing})",
+                path=path,
             )
-    finally:
-        os.close(fd)
-    return records
-
-
-def _read_record(path: str, record: ZipRecord) -> bytes:
-    # The directory is already parsed: one pread, checked against the record's CRC-32.
-    if record.compressed:
-        with zipfile.ZipFile(path) as archive:
-            return archive.read(f"{_root_of(archive)}/{record.name}")
-    with open(path, "rb") as f:
-        payload = os.pread(f.fileno(), record.size, record.data_offset)
-    if len(payload) != record.size or zlib.crc32(payload) != record.crc32:
-        raise CorruptCheckpointError(
-            f"{path!r}: record {record.name} fails its CRC-32 check (the file is damaged); "
-            "download or copy it again"
-        )
-    return payload
-
-
-def _root_of(archive: zipfile.ZipFile) -> str:
-    return _archive_root(archive.namelist(), archive.filename or "")
+    order = entries.get("byteorder")
+    if order is not None:
+        value = read_entry(path, fd, order, _SMALL_RECORD)
+        if value == b"big":
+            raise UnsupportedFormatError(
+                f"{path!r} was saved big-endian (torch.load byte-swaps it on loading); load "
+                "it with torch.load and save it again",
+                path=path,
+            )
+        if value != b"little":
+            raise CorruptCheckpointError(
+                f"{path!r}: its byteorder record is {value[:16]!r}, not little or big", path=path
+            )
 
 
 def open_torch_zip(path: str) -> Checkpoint:
@@ -114,26 +101,17 @@ def open_torch_zip(path: str) -> Checkpoint:
         CorruptCheckpointError: not a valid torch archive, or truncated.
         ResourceLimitError: ``data.pkl`` is implausibly large.
     """
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with zipfile.ZipFile(path) as archive:
-            infos = archive.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError) as e:
-        raise CorruptCheckpointError(
-            f"{path!r} starts like a zip archive but its directory cannot be read ({e}); "
-            "the file is probably truncated: download or copy it again"
-        ) from e
-    root = _archive_root([i.filename for i in infos], path)
-    records = _read_records(path, infos, root)
+        entries = read_zip_directory(path, fd, os.fstat(fd).st_size)
+        root = _archive_root(entries, path)
+        by_name = {e.name[len(root) + 1 :]: e for e in entries}
+        _check_torch_records(path, fd, by_name)
+        payload = read_entry(path, fd, by_name["data.pkl"], MAX_PICKLE_BYTES)
+    finally:
+        os.close(fd)
+    records = _records(entries, root)
     fmt = "torchscript" if any(m in records for m in _TORCHSCRIPT_MARKERS) else "torch-zip"
-
-    data = records["data.pkl"]
-    if data.size > MAX_PICKLE_BYTES:
-        from ckpt_tools.errors import ResourceLimitError
-
-        raise ResourceLimitError(
-            f"{path!r}: data.pkl is {data.size} bytes, over the {MAX_PICKLE_BYTES >> 20} MiB limit"
-        )
-    payload = _read_record(path, data)
     result = load_pickle(io.BytesIO(payload))
 
     for storage in result.storages.values():
@@ -150,10 +128,12 @@ def open_torch_zip(path: str) -> Checkpoint:
                 f"{path!r}: the pickle refers to storage {storage.key!r} but the archive has no "
                 f"record data/{storage.key}"
             )
-        if record.size < storage.nbytes:
+        if record.size != storage.nbytes:
+            # torch.load refuses both ways ("record size does not match expected size").
             raise CorruptCheckpointError(
                 f"{path!r}: storage {storage.key!r} needs {storage.nbytes} bytes, its record "
-                f"holds {record.size}"
+                f"holds {record.size}",
+                path=path,
             )
 
     def locate(storage: StorageRef) -> ByteSpan:

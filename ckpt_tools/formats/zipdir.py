@@ -1,0 +1,267 @@
+"""A strict reader of a zip archive's directory, read the way torch's reader (miniz) reads it.
+
+Python's :mod:`zipfile` is lenient where torch is not, and the two can then see different
+archives in the same bytes: it shifts every offset when bytes precede the archive (torch
+refuses), lets a repeated name silently replace an earlier one, and trusts the central
+directory over the local headers. This reader takes the central directory as torch does and
+refuses every such ambiguity instead of resolving it:
+
+- the end record ends the file (no trailing bytes), and the central directory ends exactly
+  where the end record (or its zip64 form) begins, so no offset needs shifting;
+- every record's local header agrees with the central directory on name (and on sizes and
+  CRC where it states them), and its bytes lie before the central directory;
+- no name repeats; only stored and deflated records, none encrypted.
+
+Every declared count and size is checked against the file size and
+:data:`~ckpt_tools.formats.limits.MAX_ZIP_DIRECTORY_BYTES` before anything is read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.formats.limits import MAX_ZIP_DIRECTORY_BYTES
+
+__all__ = ["ZipEntry", "read_entry", "read_zip_directory"]
+
+_EOCD = struct.Struct("<4s4H2LH")
+_EOCD_SIG = b"PK\x05\x06"
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
+_CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
+_CENTRAL_SIG = b"PK\x01\x02"
+_LOCAL = struct.Struct("<4s2B4HL2L2H")
+_LOCAL_SIG = b"PK\x03\x04"
+_MAX_COMMENT = 0xFFFF
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+_STORED, _DEFLATED = 0, 8
+_FLAG_ENCRYPTED, _FLAG_DATA_DESCRIPTOR, _FLAG_UTF8 = 0x1, 0x8, 0x800
+
+
+@dataclass(frozen=True)
+class ZipEntry:
+    """One record as the central directory declares it, checked against its local header."""
+
+    name: str
+    data_offset: int
+    compress_size: int
+    file_size: int
+    crc32: int
+    compressed: bool
+
+
+def _corrupt(path: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path!r} is not a zip archive torch reads the same way: {why}", path=path
+    )
+
+
+def read_zip_directory(path: str, fd: int, size: int) -> list[ZipEntry]:
+    """Read and check the central directory of the zip archive open as ``fd``.
+
+    Args:
+        path: the file, for messages.
+        fd: an open file descriptor of it.
+        size: its size in bytes.
+
+    Returns:
+        The records in central-directory order.
+
+    Raises:
+        CorruptCheckpointError: the archive is malformed, truncated, or ambiguous.
+        ResourceLimitError: the central directory is over the size limit.
+
+    Example:
+        >>> import io, os, tempfile, zipfile
+        >>> tmp = os.path.join(tempfile.mkdtemp(), "a.zip")
+        >>> with zipfile.ZipFile(tmp, "w") as z:
+        ...     z.writestr("archive/version", "3")
+        >>> fd = os.open(tmp, os.O_RDONLY)
+        >>> [e.name for e in read_zip_directory(tmp, fd, os.path.getsize(tmp))]
+        ['archive/version']
+        >>> os.close(fd)
+    """
+    try:
+        count, cd_offset, cd_size, cd_end = _end_records(path, fd, size)
+        if cd_size > MAX_ZIP_DIRECTORY_BYTES:
+            raise ResourceLimitError(
+                f"{path!r}: the zip directory declares {cd_size} bytes, over the "
+                f"{MAX_ZIP_DIRECTORY_BYTES >> 20} MiB limit",
+                path=path,
+            )
+        if cd_offset + cd_size != cd_end:
+            raise _corrupt(
+                path,
+                "its central directory does not end where the end record begins (bytes were "
+                "added before or inside the archive; torch refuses such a file)",
+            )
+        if count * _CENTRAL.size > cd_size:
+            raise _corrupt(path, f"it declares {count} records in a {cd_size}-byte directory")
+        directory = os.pread(fd, cd_size, cd_offset)
+        return _entries(path, fd, directory, count, cd_offset)
+    except (struct.error, UnicodeDecodeError) as e:
+        raise _corrupt(path, f"a header cannot be decoded ({e})") from e
+
+
+def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
+    """``(record count, directory offset, directory size, end record offset)``."""
+    tail_len = min(size, _EOCD.size + _MAX_COMMENT)
+    tail = os.pread(fd, tail_len, size - tail_len)
+    at = tail.rfind(_EOCD_SIG)
+    # The end record whose comment runs exactly to the end of the file; torch.save writes
+    # none, and a signature inside a comment is skipped as zip readers skip it.
+    end = len(tail)
+    while at >= 0 and (
+        at + _EOCD.size > end or at + _EOCD.size + _EOCD.unpack_from(tail, at)[-1] != end
+    ):
+        at = tail.rfind(_EOCD_SIG, 0, at)
+    if at < 0:
+        raise _corrupt(path, "no end record ends the file (truncated, or bytes follow it)")
+    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
+    eocd_offset = size - tail_len + at
+    if disk != 0 or cd_disk != 0 or disk_count != count:
+        raise _corrupt(path, "it spans several disks")
+    needs_zip64 = count == _U16 or _U32 in (cd_size, cd_offset)
+    locator = b""
+    if eocd_offset >= _ZIP64_LOCATOR.size:
+        locator = os.pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
+    if locator[:4] != b"PK\x06\x07":
+        if needs_zip64:
+            raise _corrupt(path, "its zip64 end record is missing")
+        return count, cd_offset, cd_size, eocd_offset
+    _, _, zip64_offset, _ = _ZIP64_LOCATOR.unpack(locator)
+    if zip64_offset + _ZIP64_EOCD.size > eocd_offset - _ZIP64_LOCATOR.size:
+        raise _corrupt(path, "its zip64 end record is misplaced")
+    record = _ZIP64_EOCD.unpack(os.pread(fd, _ZIP64_EOCD.size, zip64_offset))
+    if record[0] != b"PK\x06\x06":
+        raise _corrupt(
+            path,
+            "its zip64 end record is not where its locator says (bytes were added before or "
+            "inside the archive; torch refuses such a file)",
+        )
+    if record[-4] != record[-3] or any(
+        short not in (_U16, _U32) and short != long
+        for short, long in zip((count, cd_size, cd_offset), record[-3:])
+    ):
+        raise _corrupt(path, "its end record and zip64 end record declare different records")
+    return record[-3], record[-1], record[-2], zip64_offset
+
+
+def _entries(path: str, fd: int, directory: bytes, count: int, cd_offset: int) -> list[ZipEntry]:
+    entries: list[ZipEntry] = []
+    seen: set[bytes] = set()
+    at = 0
+    for _ in range(count):
+        fields = _CENTRAL.unpack_from(directory, at)
+        if fields[0] != _CENTRAL_SIG:
+            raise _corrupt(path, f"directory entry {len(entries)} has no signature")
+        flags, method, crc, csize, usize = fields[5], fields[6], fields[9], fields[10], fields[11]
+        name_len, extra_len, comment_len, offset = fields[12], fields[13], fields[14], fields[18]
+        start = at + _CENTRAL.size
+        raw_name = directory[start : start + name_len]
+        extra = directory[start + name_len : start + name_len + extra_len]
+        at = start + name_len + extra_len + comment_len
+        if at > len(directory):
+            raise _corrupt(path, "its central directory is truncated")
+        name = raw_name.decode("utf-8" if flags & _FLAG_UTF8 else "cp437")
+        if raw_name in seen:
+            raise _corrupt(path, f"record {name!r} appears twice (readers disagree on which one)")
+        seen.add(raw_name)
+        if flags & _FLAG_ENCRYPTED or method not in (_STORED, _DEFLATED):
+            raise _corrupt(path, f"record {name!r} is encrypted or compressed with method {method}")
+        usize, csize, offset = _zip64_sizes(path, name, extra, usize, csize, offset)
+        data_offset = _check_local(path, fd, raw_name, name, (flags, crc, csize, usize), offset)
+        if data_offset + csize > cd_offset:
+            raise _corrupt(
+                path,
+                f"record {name!r} needs {csize} bytes at offset {data_offset}, past the start "
+                f"of the central directory at {cd_offset} (truncated or overlapping)",
+            )
+        entries.append(ZipEntry(name, data_offset, csize, usize, crc, method == _DEFLATED))
+    if at != len(directory):
+        raise _corrupt(path, "its central directory holds more than the records it declares")
+    return entries
+
+
+def _zip64_sizes(
+    path: str, name: str, extra: bytes, usize: int, csize: int, offset: int
+) -> tuple[int, int, int]:
+    """Replace the 0xFFFFFFFF fields by their zip64 extra values, in the order zip64 lists them."""
+    wanted = [usize == _U32, csize == _U32, offset == _U32]
+    if not any(wanted):
+        return usize, csize, offset
+    at = 0
+    while at + 4 <= len(extra):
+        tag, length = struct.unpack_from("<2H", extra, at)
+        if tag == 1:
+            if 8 * sum(wanted) > length:
+                break
+            values = iter(struct.unpack_from(f"<{sum(wanted)}Q", extra, at + 4))
+            declared = (usize, csize, offset)
+            usize, csize, offset = (next(values) if w else v for w, v in zip(wanted, declared))
+            return usize, csize, offset
+        at += 4 + length
+    raise _corrupt(path, f"record {name!r} lacks the zip64 sizes its header announces")
+
+
+def _check_local(
+    path: str, fd: int, raw_name: bytes, name: str, central: tuple[int, int, int, int], offset: int
+) -> int:
+    """Check the local header at ``offset`` against the central entry; its data offset."""
+    header = os.pread(fd, _LOCAL.size + len(raw_name), offset)
+    if len(header) < _LOCAL.size or header[:4] != _LOCAL_SIG:
+        raise _corrupt(path, f"the local header of record {name!r} is missing")
+    fields = _LOCAL.unpack_from(header)
+    name_len, extra_len = fields[-2:]
+    if name_len != len(raw_name) or header[_LOCAL.size :] != raw_name:
+        raise _corrupt(path, f"record {name!r} is named differently in its local header")
+    flags, crc, csize, usize = central
+    local = fields[7:10]  # crc, compressed size, size
+    if not flags & _FLAG_DATA_DESCRIPTOR and any(
+        _U32 not in (a, b) and a != b for a, b in zip(local, (crc, csize, usize))
+    ):
+        raise _corrupt(path, f"record {name!r} has other sizes in its local header")
+    return offset + _LOCAL.size + name_len + extra_len
+
+
+def read_entry(path: str, fd: int, entry: ZipEntry, limit: int) -> bytes:
+    """The bytes of ``entry``, inflated if need be, checked against its size and CRC-32.
+
+    Args:
+        path: the file, for messages.
+        fd: an open file descriptor of it.
+        entry: a record from :func:`read_zip_directory`.
+        limit: refuse a record that declares more bytes than this.
+
+    Returns:
+        The record's bytes.
+
+    Raises:
+        CorruptCheckpointError: the bytes do not match the declared size or CRC-32.
+        ResourceLimitError: the record declares more than ``limit`` bytes.
+    """
+    if entry.file_size > limit:
+        raise ResourceLimitError(
+            f"{path!r}: record {entry.name!r} declares {entry.file_size} bytes, over the "
+            f"{limit >> 20} MiB limit",
+            path=path,
+        )
+    raw = os.pread(fd, entry.compress_size, entry.data_offset)
+    data = raw
+    if entry.compressed:
+        try:
+            # At most one byte past the declared size: a lying size is found, not obeyed.
+            data = zlib.decompressobj(-15).decompress(raw, entry.file_size + 1)
+        except zlib.error as e:
+            raise _corrupt(path, f"record {entry.name!r} does not inflate ({e})") from e
+    if len(data) != entry.file_size or zlib.crc32(data) != entry.crc32:
+        raise CorruptCheckpointError(
+            f"{path!r}: record {entry.name!r} fails its size or CRC-32 check (the file is "
+            "damaged); download or copy it again",
+            path=path,
+        )
+    return data
