@@ -151,6 +151,23 @@ class StorageRef(Sealed):
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
 
+    @property
+    def root_span(self) -> tuple[int, int]:
+        """``(first byte, end byte)`` of what this reference shows, within its root storage.
+
+        The whole storage, ``(0, nbytes)``, except for a legacy view, which shows its slice:
+        a tensor on a view indexes into the view, and a reader locates the view's bytes by
+        adding the first byte to where the root storage starts.
+
+        Example:
+            >>> StorageRef("0", "float32", 12, "cpu", view=("2", 4, 6)).root_span
+            (16, 40)
+        """
+        if self.view is None:
+            return 0, self.nbytes
+        size = itemsize(self.dtype)
+        return self.view[1] * size, (self.view[1] + self.view[2]) * size
+
 
 @dataclass(frozen=True, eq=False)
 class TensorRef(Sealed):
@@ -195,6 +212,29 @@ class TensorRef(Sealed):
     def byte_offset(self) -> int:
         """Offset of the first element inside the storage, in bytes."""
         return self.offset * itemsize(self.dtype)
+
+    @property
+    def byte_span(self) -> tuple[int, int]:
+        """``(first byte, end byte)`` of the storage bytes the elements lie in.
+
+        Relative to the start of the storage's bytes (:attr:`StorageRef.root_span` for a
+        legacy view). Strides are never negative (the readers refuse them), so the first
+        element is the lowest address and the end is one element past the highest: the
+        offset plus ``(size - 1) * stride`` summed over the dimensions. A tensor without
+        elements spans nothing, ``(first, first)``; a 0-d tensor spans one element, and a
+        zero stride (an expanded view) revisits the same bytes, so the span can be shorter
+        than :attr:`nbytes`.
+
+        Example:
+            >>> s = StorageRef("0", "float32", 20, "cpu")
+            >>> TensorRef(s, offset=2, shape=(3, 4), stride=(1, 3), dtype="float32").byte_span
+            (8, 56)
+        """
+        first = self.byte_offset
+        if self.numel == 0:
+            return first, first
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return first, (last + 1) * itemsize(self.dtype)
 
     def is_contiguous(self) -> bool:
         """True when the elements are laid out densely in row-major order (as torch says).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 __all__ = [
     "DTYPE_ITEMSIZE",
+    "DTYPE_STORAGE_TYPE",
     "SAFETENSORS_TO_TORCH",
     "STORAGE_TYPE_DTYPE",
     "TORCH_TO_SAFETENSORS",
@@ -70,6 +71,12 @@ STORAGE_TYPE_DTYPE: dict[str, str] = {
     "QUInt2x4Storage": "quint2x4",
     # Untyped storages count bytes.
     "UntypedStorage": "uint8",
+}
+# The typed storage class torch.save names for a tensor of each dtype (torch's own
+# ``_dtype_to_storage_type_map``). Newer dtypes (float8, uint16, ...) have none: torch saves
+# them on an ``UntypedStorage`` with ``_rebuild_tensor_v3``.
+DTYPE_STORAGE_TYPE: dict[str, str] = {
+    dtype: name for name, dtype in STORAGE_TYPE_DTYPE.items() if name != "UntypedStorage"
 }
 
 SAFETENSORS_TO_TORCH: dict[str, str] = {

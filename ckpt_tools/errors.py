@@ -5,7 +5,7 @@ keeps working, and carries the process exit code the CLI uses for it::
 
     CheckpointError                                   (exit 4 unless a leaf says otherwise)
     ├── UsageError(ValueError)                        2  bad arguments, nothing to select
-    │   ├── SelectError(KeyError)                     2  --select names no entry
+    │   ├── SelectError(KeyError)                     2  select names no entry
     │   └── CheckpointNotFoundError(FileNotFoundError) 2
     ├── UnsafeContentError(pickle.UnpicklingError)    3  globals outside the allowlist
     ├── CorruptCheckpointError(ValueError)            4  truncated, malformed, inconsistent
@@ -22,11 +22,20 @@ keeps working, and carries the process exit code the CLI uses for it::
     └── StateDictMismatchError(RuntimeError)          1  load_into(strict=True) found differences
 
 Exit codes 0 (ok) and 1 (differences found, ``ckpt diff --fail-on``) are not errors.
+
+An error speaks to whoever reads it. ``str(err)`` names Python arguments
+(``pass force=True``); the ``ckpt`` command shows ``err.render(for_cli=True)``, which names
+flags (``pass --force``). Both come from the same data on the error: the ``argument`` and
+``value`` at fault, the ``path`` it is about, and its :class:`Remedy` list.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "EXIT_CONVERSION",
@@ -46,6 +55,7 @@ __all__ = [
     "NonTensorEntriesError",
     "OutputError",
     "OutputExistsError",
+    "Remedy",
     "ResourceLimitError",
     "SameFileError",
     "SelectError",
@@ -66,14 +76,148 @@ EXIT_OUTPUT = 6
 EXIT_CONVERSION = 7
 
 
+@dataclass(frozen=True)
+class Remedy:
+    """One way to fix an error, said to a Python caller and to a command-line user.
+
+    A remedy is an argument (``argument`` and ``value`` for Python, ``flag`` for the
+    command line), or a command to run (the same for both), or words alone. ``text``
+    follows the fix and says what it does, or is the whole fix when there is nothing to
+    pass or run. A fix that only one audience can apply leaves the other side None, and
+    that audience is not told about it.
+
+    Attributes:
+        argument: the Python keyword argument that fixes it (``"force"``).
+        value: its value as Python source (``"True"``, ``"'a.b'"``); None when the verb
+            says it all (``lower world_size``).
+        flag: the command-line spelling of the same fix (``"--force"``, ``"--select a.b"``).
+        command: a command to run instead (``"git lfs pull"``), shown to both.
+        text: the words after the fix (``"to replace it"``), or the whole fix
+            (``"choose another output path"``).
+        verb: how the argument or flag is applied (``"pass"``, ``"lower"``, ``"leave out"``).
+
+    Example:
+        >>> fix = Remedy("force", "True", flag="--force", text="to replace it")
+        >>> fix.render(), fix.render(for_cli=True)
+        ('pass force=True to replace it', 'pass --force to replace it')
+    """
+
+    argument: str | None = None
+    value: str | None = None
+    flag: str | None = None
+    command: str | None = None
+    text: str = ""
+    verb: str = "pass"
+
+    def render(self, *, for_cli: bool = False) -> str | None:
+        """This fix in words, for a Python caller or (``for_cli``) a command-line user.
+
+        Args:
+            for_cli: name the flag instead of the Python argument.
+
+        Returns:
+            The phrase, or None when this audience cannot apply the fix (a Python-only
+            argument on the command line, a flag that has no Python argument).
+
+        Example:
+            >>> Remedy(command="git lfs pull", text="to fetch the real file").render()
+            'run `git lfs pull` to fetch the real file'
+        """
+        if self.argument is not None or self.flag is not None:
+            if for_cli:
+                if self.flag is None:
+                    return None
+                fix = f"{self.verb} {self.flag}"
+            else:
+                if self.argument is None:
+                    return None
+                fix = f"{self.verb} {_assignment(self.argument, self.value)}"
+        elif self.command is not None:
+            fix = f"run `{self.command}`"
+        else:
+            fix = ""
+        return " ".join(part for part in (fix, self.text) if part)
+
+
+def _assignment(argument: str, value: str | None) -> str:
+    return argument if value is None else f"{argument}={value}"
+
+
+def _sentence(remedies: Sequence[Remedy], for_cli: bool) -> str:
+    """The one place remedies become words: ``A``, ``A, or B``, ``A, B, or C``."""
+    phrases = [p for p in (r.render(for_cli=for_cli) for r in remedies) if p]
+    if len(phrases) < 2:
+        return "".join(phrases)
+    return ", ".join(phrases[:-1]) + ", or " + phrases[-1]
+
+
 class CheckpointError(Exception):
     """Root of every error ckpt_tools raises on purpose.
 
+    The message says what is wrong; what to do about it is data (``remedies``), rendered in
+    Python terms by ``str(err)`` and in command-line terms by ``err.render(for_cli=True)``.
+
+    Args:
+        message: what is wrong, without the argument at fault or the fixes.
+        path: the file or folder the error is about.
+        argument: the Python argument at fault (``"select"``).
+        value: its value as Python source (``"'model.ema'"``); when given, the message is
+            prefixed with ``argument=value`` (or ``flag value`` on the command line).
+        flag: the command-line option for ``argument`` (``"--select"``).
+        remedies: the ways to fix it, in the order to suggest them.
+
     Attributes:
         exit_code: the process exit code the ``ckpt`` command uses for this error.
+        message, path, argument, value, flag, remedies: as given.
+
+    Example:
+        >>> err = UsageError("no entry 'ema'", argument="select", value="'ema'", flag="--select")
+        >>> str(err), err.render(for_cli=True)
+        ("select='ema': no entry 'ema'", "--select 'ema': no entry 'ema'")
     """
 
     exit_code: int = EXIT_CORRUPT
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        argument: str | None = None,
+        value: str | None = None,
+        flag: str | None = None,
+        remedies: Sequence[Remedy] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = None if path is None else os.fspath(path)
+        self.argument = argument
+        self.value = value
+        self.flag = flag
+        self.remedies = tuple(remedies)
+
+    def render(self, *, for_cli: bool = False) -> str:
+        """The error in words: ``argument=value: message; remedies``.
+
+        Args:
+            for_cli: name flags (``--force``) instead of Python arguments (``force=True``).
+
+        Returns:
+            One line (or the message's own lines) for a person to read.
+        """
+        text = self.message
+        if self.argument is not None and self.value is not None:
+            if for_cli and self.flag is not None:
+                subject = f"{self.flag} {self.value}"
+            else:
+                subject = _assignment(self.argument, self.value)
+            text = f"{subject}: {text}"
+        sentence = _sentence(self.remedies, for_cli)
+        return f"{text}; {sentence}" if sentence else text
+
+    def __str__(self) -> str:
+        # One wording for every built-in parent (KeyError would quote it, OSError add errno).
+        return self.render()
 
 
 class UsageError(CheckpointError, ValueError):
@@ -84,9 +228,6 @@ class UsageError(CheckpointError, ValueError):
 
 class SelectError(UsageError, KeyError):
     """``select`` names an entry the checkpoint does not have."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 class CheckpointNotFoundError(UsageError, FileNotFoundError):
@@ -102,9 +243,9 @@ class UnsafeContentError(CheckpointError, pickle.UnpicklingError):
 
     exit_code = EXIT_UNSAFE
 
-    def __init__(self, message: str, globals: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.globals = globals
+    def __init__(self, message: str, globals: tuple[str, ...] = (), **context: Any) -> None:
+        super().__init__(message, **context)
+        self.globals = tuple(globals)
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):
@@ -133,16 +274,65 @@ class OutputError(CheckpointError, OSError):
     exit_code = EXIT_OUTPUT
 
 
+_OTHER_OUTPUT = Remedy(text="choose another output path")
+
+
 class OutputExistsError(OutputError, FileExistsError):
-    """The output path exists and ``force`` was not given."""
+    """The output path exists and ``force`` was not given.
+
+    Args:
+        path: the output path; the message and the remedies are built from it.
+
+    Example:
+        >>> err = OutputExistsError("out.pt")
+        >>> err.render(for_cli=True)
+        "output 'out.pt' already exists; pass --force to replace it, or choose another output path"
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(
+            f"output {os.fspath(path)!r} already exists",
+            path=path,
+            remedies=(Remedy("force", "True", flag="--force", text="to replace it"), _OTHER_OUTPUT),
+        )
+        self.args = (os.fspath(path),)  # what pickle passes back to __init__
 
 
 class SameFileError(OutputError):
-    """The output is the input (same path, hard link or symlink) and ``in_place`` was not given."""
+    """The output is the input (same path, hard link or symlink) and ``in_place`` was not given.
+
+    Args:
+        path: the output path; the message and the remedies are built from it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        rewrite = Remedy(
+            "in_place",
+            "True",
+            flag="--in-place",
+            text="to rewrite it (still through a temp file and a rename)",
+        )
+        super().__init__(
+            f"output {os.fspath(path)!r} is the input file (same path, hard link or symlink)",
+            path=path,
+            remedies=(rewrite, _OTHER_OUTPUT),
+        )
+        self.args = (os.fspath(path),)
 
 
 class VerificationError(OutputError):
-    """The written output does not read back as what was meant to be written."""
+    """The written output does not read back as what was meant to be written.
+
+    Raised before the temp file is renamed, so the message says the output was not kept.
+
+    Example:
+        >>> str(VerificationError("'w' reads back as float16"))
+        "'w' reads back as float16; the output was not kept"
+    """
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(f"{message}; the output was not kept", **context)
+        self.args = (message,)
 
 
 class ConversionError(CheckpointError, ValueError):
@@ -158,9 +348,14 @@ class KeyCollisionError(ConversionError):
         collisions: ``(new_key, (old_key, ...))`` pairs.
     """
 
-    def __init__(self, message: str, collisions: tuple[tuple[str, tuple[str, ...]], ...] = ()):
-        super().__init__(message)
-        self.collisions = collisions
+    def __init__(
+        self,
+        message: str,
+        collisions: tuple[tuple[str, tuple[str, ...]], ...] = (),
+        **context: Any,
+    ) -> None:
+        super().__init__(message, **context)
+        self.collisions = tuple(collisions)
 
 
 class NonTensorEntriesError(ConversionError):
@@ -170,9 +365,9 @@ class NonTensorEntriesError(ConversionError):
         entries: the names of the non-tensor entries.
     """
 
-    def __init__(self, message: str, entries: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.entries = entries
+    def __init__(self, message: str, entries: tuple[str, ...] = (), **context: Any) -> None:
+        super().__init__(message, **context)
+        self.entries = tuple(entries)
 
 
 class StateDictMismatchError(CheckpointError, RuntimeError):

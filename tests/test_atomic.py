@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import (
     ConversionError,
@@ -27,6 +26,7 @@ from ckpt_tools.errors import (
     OutputExistsError,
     SameFileError,
 )
+from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
 from ckpt_tools.ops.rewriting import convert
 
 try:
@@ -144,11 +144,11 @@ def test_check_output_path(tmp_path):
     src = tmp_path / "a.pt"
     src.write_bytes(b"a")
     assert check_output_path(tmp_path / "new.pt", src) == tmp_path / "new.pt"
-    with pytest.raises(SameFileError, match="--in-place"):
+    with pytest.raises(SameFileError, match="in_place=True"):
         check_output_path(src, src, force=True)
     assert check_output_path(src, src, in_place=True) == src.resolve()
     (tmp_path / "other.pt").write_bytes(b"o")
-    with pytest.raises(OutputExistsError, match="--force"):
+    with pytest.raises(OutputExistsError, match="force=True"):
         check_output_path(tmp_path / "other.pt", src)
     assert check_output_path(tmp_path / "other.pt", src, force=True) == tmp_path / "other.pt"
     with pytest.raises(OutputError, match="is a folder"):

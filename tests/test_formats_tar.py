@@ -17,8 +17,8 @@ from factories import bits, read_span, tensor_from_span, tools
 
 import ckpt_tools
 from ckpt_tools import CorruptCheckpointError
-from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.descriptors import StorageRef
+from ckpt_tools.formats import open_checkpoint
 
 
 def records_with_view(location: str = "cpu") -> Any:

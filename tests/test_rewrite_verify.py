@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from ckpt_tools.cli.main import main
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import VerificationError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.io.verify import Expected, verify_output
+from ckpt_tools.structure.selection import select_state_dict
 
 try:
     import rewrite_helpers as h

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import click
 
 from ckpt_tools._version import __version__
-from ckpt_tools.io.atomic import Interrupted
 from ckpt_tools.errors import EXIT_USAGE, CheckpointError
+from ckpt_tools.io.atomic import Interrupted
 
 _COMMANDS = {
     # name: (module, attribute); imported on use so `ckpt inspect` never imports torch.
@@ -60,7 +60,11 @@ def cli() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``ckpt``; every CheckpointError becomes one stderr line and its exit code."""
+    """Run ``ckpt``; every CheckpointError becomes one stderr line and its exit code.
+
+    The line is the error rendered for the command line: its remedies name flags
+    (``--force``), where ``str(error)`` names the library's arguments (``force=True``).
+    """
     try:
         code = cli.main(
             args=list(argv) if argv is not None else None, prog_name="ckpt", standalone_mode=False
@@ -68,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         if os.environ.get("CKPT_DEBUG") == "1":
             raise
-        click.echo(f"ckpt: error: {e}", err=True)
+        click.echo(f"ckpt: error: {e.render(for_cli=True)}", err=True)
         return e.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code

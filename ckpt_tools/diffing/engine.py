@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
+from ckpt_tools.diffing.value_stats import ValueStats
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.loading.tensor_io import TensorReader, dtype_name
 from ckpt_tools.structure.keys import plan_renames
 from ckpt_tools.structure.selection import is_state_dict, select_state_dict
-from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.structure.suggest import (
     Step,
     best_fix,
@@ -35,8 +37,6 @@ from ckpt_tools.structure.suggest import (
     rank_fixes,
     wrapper_stack,
 )
-from ckpt_tools.loading.tensor_io import TensorReader, dtype_name
-from ckpt_tools.diffing.value_stats import ValueStats
 
 if TYPE_CHECKING:
     from torch import nn
@@ -97,7 +97,12 @@ def _open_side(side: DiffSide, select: str | Sequence[str] | None, name: str) ->
 
     if isinstance(side, nn.Module):
         if select is not None:
-            raise UsageError(f"select_{name.lower()} applies to checkpoints, not to a module")
+            raise UsageError(
+                "applies to checkpoints, not to a module",
+                argument=f"select_{name.lower()}",
+                value=repr(select),
+                flag="--select" if name == "A" else "--select-b",
+            )
         entries, skipped = _split(side.state_dict(), torch.Tensor)
         label = f"<module {type(side).__name__}>"
         info = SideInfo(label, "module", tensors=len(entries), skipped=skipped)
@@ -235,7 +240,7 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
         yield
         return
     if threads < 1:
-        raise UsageError(f"threads must be >= 1 or None, got {threads}")
+        raise UsageError("must be >= 1 or None", argument="threads", value=repr(threads))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -289,7 +294,12 @@ def diff(
         "stripping 'module.' resolves 4 of 4 unexpected keys: ckpt strip-module ddp.pt ..."
     """
     if rtol < 0 or atol < 0:
-        raise UsageError(f"tolerances must be >= 0, got rtol={rtol} atol={atol} (--rtol/--atol)")
+        raise UsageError(
+            "tolerances must be >= 0",
+            argument="rtol" if rtol < 0 else "atol",
+            value=repr(rtol if rtol < 0 else atol),
+            flag="--rtol" if rtol < 0 else "--atol",
+        )
     with (
         _torch_threads(threads),
         _open_side(a, select_a, "A") as side_a,

@@ -15,7 +15,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open any supported checkpoint by content, reading only its structure.
 
     Args:
-        path: a checkpoint file, or a folder with ``*.index.json`` (HF sharded).
+        path: a checkpoint file, a folder with ``*.index.json`` (HF sharded), or such an
+            index itself (it opens with the shards it names).
 
     Returns:
         The opened :class:`Checkpoint`.
@@ -48,9 +49,9 @@ def _open(path: str, fmt: str) -> Checkpoint:
 
         return open_safetensors(path)
     if fmt == "hf-sharded":
-        from ckpt_tools.formats.sharded import open_folder
+        from ckpt_tools.formats.sharded import open_folder, open_index
 
-        return open_folder(path)
+        return open_folder(path) if os.path.isdir(path) else open_index(path)
     from ckpt_tools.formats import legacy
 
     if fmt == "torch-legacy":

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
-from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.descriptors import GlobalRef, Sealed, StorageRef, TensorRef, short_repr
+from ckpt_tools.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE, itemsize
+from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = [
+    "UNTYPED_STORAGE",
     "ConstantRef",
     "Reduced",
     "StorageTypeRef",
@@ -26,6 +27,7 @@ __all__ = [
     "checked_tensor",
     "is_count",
     "resolve_allowed",
+    "storage_type_ref",
 ]
 
 # Sizes, strides, offsets and element counts are int64 in torch.
@@ -48,6 +50,11 @@ class StorageTypeRef(ConstantRef):
     @property
     def dtype(self) -> str:
         return STORAGE_TYPE_DTYPE[self.name]
+
+
+# torch.save names it ``torch.storage.UntypedStorage``; torch.load(weights_only=True) refuses
+# ``torch.UntypedStorage``.
+UNTYPED_STORAGE = StorageTypeRef("torch.storage", "UntypedStorage")
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,29 +114,43 @@ def checked_tensor(
             f"tensor geometry is invalid: offset={short_repr(offset)} size={short_repr(size)} "
             f"stride={short_repr(stride)}"
         )
-    size, stride = tuple(size), tuple(stride)
     if dtype not in DTYPE_ITEMSIZE:
         raise CorruptCheckpointError(f"unknown tensor dtype {dtype!r}")
-    # A legacy storage view's tensors index into the view, not into its root storage.
-    nbytes = storage.nbytes if storage.view is None else storage.view[2] * itemsize(storage.dtype)
-    capacity = nbytes // itemsize(dtype)
-    if 0 not in size:
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-        if last >= capacity:
-            raise CorruptCheckpointError(
-                f"tensor of shape {list(size)} at offset {offset} reaches element {last}, "
-                f"but its storage {storage.key!r} holds {capacity} elements"
-            )
-    return TensorRef(
+    tensor = TensorRef(
         storage=storage,
         offset=offset,
-        shape=size,
-        stride=stride,
+        shape=tuple(size),
+        stride=tuple(stride),
         dtype=dtype,
         requires_grad=bool(requires_grad),
         func=GlobalRef(func.module, func.name),
         args=args,
     )
+    # A legacy storage view's tensors index into the view, not into its root storage.
+    first, end = storage.root_span
+    capacity = (end - first) // itemsize(dtype)
+    if tensor.numel:
+        last = tensor.byte_span[1] // itemsize(dtype) - 1
+        if last >= capacity:
+            raise CorruptCheckpointError(
+                f"tensor of shape {list(size)} at offset {offset} reaches element {last}, "
+                f"but its storage {storage.key!r} holds {capacity} elements"
+            )
+    return tensor
+
+
+def storage_type_ref(dtype: str) -> StorageTypeRef:
+    """The storage class ``torch.save`` names for a storage of ``dtype``.
+
+    The typed class where there is one (``torch.FloatStorage``), else
+    ``torch.storage.UntypedStorage``, whose elements are bytes.
+
+    Example:
+        >>> storage_type_ref("float32").qualname
+        'torch.FloatStorage'
+    """
+    name = DTYPE_STORAGE_TYPE.get(dtype)
+    return StorageTypeRef("torch", name) if name is not None else UNTYPED_STORAGE
 
 
 def _rebuild_tensor(func: GlobalRef, *args: Any) -> TensorRef:

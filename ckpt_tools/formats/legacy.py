@@ -1,5 +1,8 @@
 """Reading legacy torch files: pre-1.6 pickles (also from Python 2) and the older tar format.
 
+The tar reader (:mod:`ckpt_tools.formats.tarformat`) shares this module's byte order check
+and storage locator.
+
 Legacy pickle layout (``torch.save(..., _use_new_zipfile_serialization=False)``)::
 
     pickle(MAGIC_NUMBER) pickle(1001) pickle(sys_info) pickle(obj) pickle([storage keys])
@@ -13,15 +16,16 @@ from __future__ import annotations
 import os
 import struct
 import tarfile
+from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
+from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import load_pickle
-from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
+from ckpt_tools.formats.pickles import id_text, load_pickle
 
-__all__ = ["open_legacy", "open_pickle", "open_tar"]
+__all__ = ["check_byte_order", "offset_locator", "open_legacy", "open_pickle", "open_tar"]
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -52,12 +56,7 @@ def open_legacy(path: str) -> Checkpoint:
     with open(path, "rb") as f:
         _expect(f, "magic number", MAGIC_NUMBER, path)
         _expect(f, "protocol version", PROTOCOL_VERSION, path)
-        sys_info = load_pickle(f).root
-        if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
-            raise UnsupportedFormatError(
-                f"{path!r} was saved on a big-endian machine; load it there with torch.load "
-                "and save it again"
-            )
+        check_byte_order(load_pickle(f).root, path)
         main = load_pickle(f)
         keys = load_pickle(f).root
         if not isinstance(keys, list):
@@ -66,8 +65,7 @@ def open_legacy(path: str) -> Checkpoint:
         offsets: dict[str, int] = {}
         position = f.tell()
         for key in keys:
-            if isinstance(key, bytes):
-                key = key.decode("ascii", "replace")
+            key = id_text(key) or key
             storage = roots.get(key) if isinstance(key, str) else None
             if storage is None:
                 raise CorruptCheckpointError(
@@ -96,14 +94,6 @@ def open_legacy(path: str) -> Checkpoint:
                     f"{position - nbytes}, the file ends at {size}"
                 )
 
-    def locate(storage: StorageRef) -> ByteSpan:
-        offset = offsets[storage.key]
-        if storage.view is not None:
-            # Legacy views: (view_key, offset in elements, numel) into the root storage.
-            offset += storage.view[1] * itemsize(storage.dtype)
-            return ByteSpan(path, offset, storage.view[2] * itemsize(storage.dtype))
-        return ByteSpan(path, offset, storage.nbytes)
-
     return Checkpoint(
         path=path,
         format="torch-legacy",
@@ -111,8 +101,54 @@ def open_legacy(path: str) -> Checkpoint:
         storages=main.storages,
         unsafe_globals=main.unsafe_globals,
         protocol=main.protocol,
-        locate=locate,
+        locate=offset_locator(path, offsets),
     )
+
+
+def check_byte_order(sys_info: Any, path: str) -> None:
+    """Refuse a legacy or tar file whose ``sys_info`` says it was saved big-endian.
+
+    Args:
+        sys_info: the unpickled ``sys_info`` record (a dict with ``little_endian``).
+        path: the file, for the message.
+
+    Raises:
+        UnsupportedFormatError: the storages' bytes are big-endian.
+
+    Example:
+        >>> check_byte_order({"little_endian": True}, "old.pt")
+    """
+    if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+        raise UnsupportedFormatError(
+            f"{path!r} was saved on a big-endian machine; load it there with torch.load "
+            "and save it again"
+        )
+
+
+def offset_locator(path: str, offsets: Mapping[str, int]) -> Callable[[StorageRef], ByteSpan]:
+    """The ``Checkpoint.locate`` of a file whose root storages start at known offsets.
+
+    The legacy and tar readers record where each root storage's bytes start; a legacy view
+    (``StorageRef.view``) is located inside its root by :attr:`StorageRef.root_span`.
+
+    Args:
+        path: the file.
+        offsets: root storage key -> file offset of its first byte.
+
+    Returns:
+        A function from a storage of the file to its :class:`ByteSpan`.
+
+    Example:
+        >>> locate = offset_locator("old.pt", {"0": 96})
+        >>> locate(StorageRef("0", "float32", 12, "cpu", view=("2", 4, 6)))
+        ByteSpan(path='old.pt', offset=112, nbytes=24)
+    """
+
+    def locate(storage: StorageRef) -> ByteSpan:
+        first, end = storage.root_span
+        return ByteSpan(path, offsets[storage.key] + first, end - first)
+
+    return locate
 
 
 def open_pickle(path: str) -> Checkpoint:

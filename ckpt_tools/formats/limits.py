@@ -6,8 +6,8 @@ import io
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
-from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.descriptors import Opaque, Sealed
+from ckpt_tools.errors import ResourceLimitError
 
 __all__ = ["LimitedReader", "check_nesting"]
 

@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
-from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
 
-__all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "load_pickle"]
+__all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "id_text", "load_pickle"]
 
 # A data.pkl past this size is not a state dict; refusing it bounds what we hold in memory.
 MAX_PICKLE_BYTES = 1 << 30
@@ -101,7 +101,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return pid[1]
         if kind != "storage" or len(pid) not in (5, 6):
             raise CorruptCheckpointError(f"unexpected persistent id {short_repr(pid)}")
-        storage_type, key, location, numel = pid[1], _text(pid[2]), _text(pid[3]), pid[4]
+        storage_type, key, location, numel = pid[1], id_text(pid[2]), id_text(pid[3]), pid[4]
         if (
             not isinstance(storage_type, StorageTypeRef)
             or key is None
@@ -114,12 +114,18 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if not (
                 isinstance(view, tuple)
                 and len(view) == 3
-                and _text(view[0]) is not None
+                and id_text(view[0]) is not None
                 and is_count(view[1])
                 and is_count(view[2])
             ):
                 raise CorruptCheckpointError(f"unexpected storage view {short_repr(view)}")
-            view = (_text(view[0]), view[1], view[2])
+            view = (id_text(view[0]), view[1], view[2])
+            if view[1] + view[2] > numel:
+                # Its bytes would run into the next storage's; the tar reader refuses too.
+                raise CorruptCheckpointError(
+                    f"storage view {view[0]} ({view[2]} elements at {view[1]}) does not fit "
+                    f"in storage {key!r} of {numel} elements"
+                )
         cache_key = key if view is None else f"{key}@{view[0]}"
         found = self.storages.get(cache_key)
         if found is None:
@@ -141,8 +147,16 @@ def _python3_name(module: str, name: str) -> tuple[str, str]:
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
-def _text(value: Any) -> str | None:
-    """A storage key or location tag as text (ints and Python 2 bytes too); None otherwise."""
+def id_text(value: Any) -> str | None:
+    """A storage key or location tag as text (ints and Python 2 bytes too); None otherwise.
+
+    The one reading of the keys and tags in storage ids, in the legacy format's key list and
+    in the tar format's headers.
+
+    Example:
+        >>> id_text(b"cuda:1"), id_text(7), id_text(None)
+        ('cuda:1', '7', None)
+    """
     if isinstance(value, bytes):
         return value.decode("ascii", "replace")
     if isinstance(value, str):

@@ -13,12 +13,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.formats.allowlist import Reduced, TorchSize
-from ckpt_tools.formats.pickles import gc_paused
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.allowlist import Reduced, TorchSize, storage_type_ref
+from ckpt_tools.formats.pickles import gc_paused
 
-__all__ = ["Repickler", "dumps", "zip_storage_id"]
+__all__ = ["Repickler", "dumps", "torch_storage_id", "zip_storage_id"]
 
 
 class Repickler(pickle._Pickler):  # type: ignore[name-defined]
@@ -117,13 +118,39 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
     return buffer.getvalue()
 
 
+def torch_storage_id(storage: StorageRef, key: str, device: str) -> tuple[Any, ...]:
+    """The persistent id torch's zip format pickles for a storage: the one way ids are made.
+
+    ``("storage", storage class, record key, device tag, element count)``, as ``torch.save``
+    writes it. A storage read with its class (every pickled one) keeps it and its count as
+    read; one without (safetensors) gets the class ``torch.save`` would name for its dtype,
+    counting elements of that class.
+
+    Args:
+        storage: the storage to name.
+        key: its record name under ``data/`` in the output.
+        device: the location tag to write (``"cpu"``, ``"cuda:1"``).
+
+    Returns:
+        The persistent id tuple.
+
+    Example:
+        >>> torch_storage_id(StorageRef("w", "float32", 6, "cpu"), "0", "cpu")[1:]
+        (StorageTypeRef(module='torch', name='FloatStorage'), '0', 'cpu', 6)
+    """
+    storage_type = storage.storage_type
+    if storage_type is not None:
+        return ("storage", storage_type, key, device, storage.numel)
+    storage_type = storage_type_ref(storage.dtype)
+    numel = storage.nbytes // itemsize(storage_type.dtype)
+    return ("storage", storage_type, key, device, numel)
+
+
 def zip_storage_id(device_map: Mapping[str, str] | None = None) -> Callable[[StorageRef], tuple]:
-    """The persistent id torch's zip format uses, optionally retagging devices."""
+    """Storage ids under their own keys (:func:`torch_storage_id`), optionally retagging devices."""
 
     def storage_id(storage: StorageRef) -> tuple[Any, ...]:
-        if storage.storage_type is None:
-            raise CorruptCheckpointError(f"storage {storage.key!r} has no storage type")
         device = (device_map or {}).get(storage.device, storage.device)
-        return ("storage", storage.storage_type, storage.key, device, storage.numel)
+        return torch_storage_id(storage, storage.key, device)
 
     return storage_id

@@ -10,10 +10,10 @@ import os
 import struct
 from typing import Any
 
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 
 __all__ = ["MAX_HEADER_BYTES", "open_safetensors", "read_header"]
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
-from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
-from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
+from ckpt_tools.formats.base import Checkpoint
 
-__all__ = ["WEIGHT_FILES", "open_folder"]
+__all__ = ["WEIGHT_FILES", "open_folder", "open_index"]
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -51,18 +52,46 @@ def open_folder(path: str) -> Checkpoint:
         listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
-            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}"
+            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}",
+            path=path,
         )
     if len(indexes) > 1:
         raise UnsupportedFormatError(
-            f"{path!r} holds several indexes ({', '.join(p.name for p in indexes)}); "
-            "pass the one you mean, e.g. `ckpt inspect FOLDER/model.safetensors.index.json`"
+            f"{path!r} holds several indexes ({', '.join(p.name for p in indexes)})",
+            path=path,
+            remedies=(
+                Remedy(
+                    "path",
+                    repr(str(indexes[0])),
+                    flag=shlex.quote(str(indexes[0])),
+                    verb="open the one you mean, e.g.",
+                ),
+            ),
         )
     return open_index(str(indexes[0]))
 
 
 def open_index(index_path: str) -> Checkpoint:
-    """Open the shards an ``*.index.json`` names (see :func:`open_folder`)."""
+    """Open the shards an ``*.index.json`` names, which lie beside it.
+
+    ``open_checkpoint("FOLDER/model.safetensors.index.json")`` comes here: it is how to pick
+    one index in a folder that holds several.
+
+    Args:
+        index_path: the index file.
+
+    Returns:
+        The same ``hf-sharded`` :class:`Checkpoint` as :func:`open_folder` of its folder
+        (its ``path`` is that folder).
+
+    Raises:
+        CorruptCheckpointError: the index is malformed, or names missing shards or tensors.
+
+    Example:
+        >>> ckpt = open_index("llama/model.safetensors.index.json")  # doctest: +SKIP
+        >>> sorted(ckpt.shards)  # doctest: +SKIP
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    """
     from ckpt_tools.formats import open_checkpoint
 
     try:

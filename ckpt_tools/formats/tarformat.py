@@ -28,12 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.allowlist import StorageTypeRef, checked_tensor
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import ReadResult, load_pickle
-from ckpt_tools.descriptors import ByteSpan, GlobalRef, StorageRef, TensorRef, short_repr
+from ckpt_tools.formats.legacy import check_byte_order, offset_locator
+from ckpt_tools.formats.pickles import ReadResult, id_text, load_pickle
 
 __all__ = ["read_tar_members"]
 
@@ -148,12 +149,7 @@ class _TarReader:
     def read_sys_info(self) -> None:
         if "sys_info" not in self.members:
             return
-        info = self.pickle(self.member("sys_info"), "sys_info").root
-        if isinstance(info, dict) and info.get("little_endian") is False:
-            raise UnsupportedFormatError(
-                f"{self.path!r} was saved on a big-endian machine; load it there with torch.load "
-                "and save it again"
-            )
+        check_byte_order(self.pickle(self.member("sys_info"), "sys_info").root, self.path)
 
     def read_storages(self) -> None:
         f = self.member("storages")
@@ -183,7 +179,7 @@ class _TarReader:
                 key=name,
                 dtype=storage_type.dtype,
                 numel=numel,
-                device=location.decode("ascii") if isinstance(location, bytes) else location,
+                device=id_text(location) or "",
                 storage_type=storage_type,
             )
             f.seek(nbytes, io.SEEK_CUR)
@@ -265,22 +261,12 @@ class _TarReader:
             )
         return self.view_refs[name]
 
-    def locate(self, storage: StorageRef) -> ByteSpan:
-        offset = self.offsets[storage.key]
-        if storage.view is not None:
-            size = itemsize(storage.dtype)
-            return ByteSpan(self.path, offset + storage.view[1] * size, storage.view[2] * size)
-        return ByteSpan(self.path, offset, storage.nbytes)
-
 
 def _key(key: Any) -> str:
     """Keys are ints in one member and strings in another; torch compares them as ints."""
-    if isinstance(key, bytes):
-        key = key.decode("ascii", "replace")
-    if isinstance(key, int) and not isinstance(key, bool) and abs(key) < 1 << 63:
-        return str(key)
-    if isinstance(key, str):
-        return str(int(key)) if key.isascii() and key.isdigit() and len(key) < 19 else key
+    text = id_text(key)
+    if text is not None:
+        return str(int(text)) if text.isascii() and text.isdigit() and len(text) < 19 else text
     raise CorruptCheckpointError(f"expected a storage or tensor key, found {short_repr(key)}")
 
 
@@ -322,5 +308,5 @@ def read_tar_members(
         storages=storages,
         unsafe_globals=tuple(reader.unsafe),
         protocol=main.protocol,
-        locate=reader.locate,
+        locate=offset_locator(path, reader.offsets),
     )

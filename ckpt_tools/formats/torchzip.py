@@ -13,10 +13,10 @@ import zipfile
 import zlib
 from pathlib import PurePosixPath
 
+from ckpt_tools.descriptors import ByteSpan, StorageRef
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES, load_pickle
-from ckpt_tools.descriptors import ByteSpan, StorageRef
 
 __all__ = ["open_torch_zip"]
 
@@ -137,6 +137,13 @@ def open_torch_zip(path: str) -> Checkpoint:
     result = load_pickle(io.BytesIO(payload))
 
     for storage in result.storages.values():
+        if storage.view is not None:
+            # torch.load's zip reader unpacks exactly five fields and fails on a view's sixth;
+            # reading on would place the view's tensors in its root storage's bytes.
+            raise CorruptCheckpointError(
+                f"{path!r}: storage {storage.key!r} is a legacy storage view, which a zip "
+                "archive cannot hold (torch.load refuses it too)"
+            )
         record = records.get(f"data/{storage.key}")
         if record is None:
             raise CorruptCheckpointError(

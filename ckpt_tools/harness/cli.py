@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         return _parity(args)
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc.render(for_cli=True)}", file=sys.stderr)
         return 2
 
 

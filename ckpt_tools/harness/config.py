@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.harness.models import MODEL_NAMES
 
 __all__ = ["CHECKPOINT_NAMES", "RUN_JSON", "STRATEGIES", "TrainConfig", "TrainResult"]
@@ -19,6 +19,11 @@ STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual")
 CHECKPOINT_NAMES: tuple[str, ...] = ("wrapped", "bare", "trainer")
 #: Name of the run summary (losses, devices) written next to the checkpoints.
 RUN_JSON = "run.json"
+#: The fixes for a global batch smaller than the ranks it is split over.
+SMALL_BATCH_REMEDIES: tuple[Remedy, ...] = (
+    Remedy("batch_size", verb="raise", flag="--batch-size"),
+    Remedy("world_size", verb="lower", flag="--world-size"),
+)
 
 
 @dataclass(frozen=True)
@@ -70,26 +75,43 @@ class TrainConfig:
         """
         if self.strategy not in STRATEGIES:
             raise UsageError(
-                f"unknown strategy {self.strategy!r}: expected one of {', '.join(STRATEGIES)} "
-                "(--strategy)"
+                f"unknown strategy; expected one of {', '.join(STRATEGIES)}",
+                argument="strategy",
+                value=repr(self.strategy),
+                flag="--strategy",
             )
         if self.model.lower() not in MODEL_NAMES:
             raise UsageError(
-                f"unknown model {self.model!r}: expected one of {', '.join(MODEL_NAMES)} (--model)"
+                f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
+                argument="model",
+                value=repr(self.model),
+                flag="--model",
             )
         if self.steps < 1:
-            raise UsageError(f"steps must be at least 1, got {self.steps} (--steps)")
+            raise UsageError(
+                "must be at least 1", argument="steps", value=repr(self.steps), flag="--steps"
+            )
         if self.world_size is not None and self.world_size < 1:
-            raise UsageError(f"world_size must be at least 1, got {self.world_size} (--world-size)")
+            raise UsageError(
+                "must be at least 1",
+                argument="world_size",
+                value=repr(self.world_size),
+                flag="--world-size",
+            )
         if self.world_size is not None and self.batch_size < self.world_size:
             raise UsageError(
-                f"batch_size={self.batch_size} leaves some of the {self.world_size} ranks "
-                "without samples: raise --batch-size or lower --world-size"
+                f"leaves some of the {self.world_size} ranks without samples",
+                argument="batch_size",
+                value=repr(self.batch_size),
+                flag="--batch-size",
+                remedies=SMALL_BATCH_REMEDIES,
             )
         if not 1 <= self.batch_size <= self.num_samples:
             raise UsageError(
-                f"batch_size must be between 1 and num_samples={self.num_samples}, "
-                f"got {self.batch_size}"
+                f"must be between 1 and num_samples={self.num_samples}",
+                argument="batch_size",
+                value=repr(self.batch_size),
+                flag="--batch-size",
             )
 
 

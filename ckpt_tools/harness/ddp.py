@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 from torch.nn.parallel import DistributedDataParallel
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.harness.config import TrainConfig, TrainResult
 from ckpt_tools.harness.data import batch_indices, shard, synthetic_fashion
 from ckpt_tools.harness.loop import (
@@ -112,8 +112,14 @@ def train_ddp(config: TrainConfig) -> TrainResult:
     if env is not None:
         if config.world_size is not None and config.world_size != env.world_size:
             raise UsageError(
-                f"torchrun started {env.world_size} processes but world_size="
-                f"{config.world_size} was asked for: drop --world-size or match --nproc-per-node"
+                f"torchrun started {env.world_size} processes",
+                argument="world_size",
+                value=repr(config.world_size),
+                flag="--world-size",
+                remedies=(
+                    Remedy("world_size", verb="drop", flag="--world-size"),
+                    Remedy(text="match torchrun's --nproc-per-node"),
+                ),
             )
         devices = resolve_devices(env.local_world_size, config.gpus, config.device)
         _check_ranks(config, env.world_size, devices[0])
@@ -130,8 +136,19 @@ def _check_ranks(config: TrainConfig, world: int, device: torch.device) -> None:
     build_model(config.model, **dict(config.model_kwargs))  # bad model_kwargs: UsageError here
     if config.batch_size < world:
         raise UsageError(
-            f"batch_size={config.batch_size} is smaller than the {world} ranks: "
-            "raise --batch-size or lower --world-size / --nproc-per-node"
+            f"is smaller than the {world} ranks",
+            argument="batch_size",
+            value=repr(config.batch_size),
+            flag="--batch-size",
+            remedies=(
+                Remedy("batch_size", verb="raise", flag="--batch-size"),
+                Remedy(
+                    "world_size",
+                    verb="lower",
+                    flag="--world-size",
+                    text="(or torchrun's --nproc-per-node)",
+                ),
+            ),
         )
     _check_sync_bn(config, device)
 
@@ -150,7 +167,11 @@ def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
     if device.type == "cpu" and _wants_sync_bn(config, device):
         raise UsageError(
             "SyncBatchNorm needs GPUs (torch implements it for CUDA only), but this DDP run "
-            "is on the CPU: use --model resnet (BatchNorm per rank) or run on GPUs"
+            "is on the CPU",
+            remedies=(
+                Remedy("model", "'resnet'", flag="--model resnet", text="(BatchNorm per rank)"),
+                Remedy(text="run on GPUs"),
+            ),
         )
 
 

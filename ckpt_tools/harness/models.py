@@ -178,8 +178,10 @@ def build_model(name: str, *, sync_bn: bool = False, **kw: Any) -> nn.Module:
         key, sync_bn = "resnet", True
     if key not in _BUILDERS:
         raise UsageError(
-            f"unknown model {name!r}: expected one of {', '.join(MODEL_NAMES)} "
-            "(the model argument / --model option)"
+            f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
+            argument="name",
+            value=repr(name),
+            flag="--model",
         )
     try:
         model = _BUILDERS[key](**kw)

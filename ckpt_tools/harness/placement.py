@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.loading.devices import pick
-from ckpt_tools.errors import UsageError
 
 __all__ = ["DEFAULT_CPU_WORLD_SIZE", "parse_gpus", "resolve_devices"]
 
@@ -26,7 +26,9 @@ def _pick(n: int) -> list[int]:
     """Indices of the ``n`` GPUs with the most free memory (:func:`ckpt_tools.loading.devices.pick`)."""
     picked = pick(n)
     if any(d.type != "cuda" for d in picked):  # pick() falls back to [cpu] without GPUs
-        raise UsageError(f"gpus='auto:{n}' found no GPU to pick")
+        raise UsageError(
+            "found no GPU to pick", argument="gpus", value=repr(f"auto:{n}"), flag="--gpus"
+        )
     return [d.index or 0 for d in picked]
 
 
@@ -59,23 +61,41 @@ def parse_gpus(gpus: GpuSpec, world_size: int | None = None) -> list[int]:
             if rest == "":
                 return _pick(world_size if world_size is not None else count)
             if not rest.startswith(":") or not rest[1:].isdigit() or int(rest[1:]) < 1:
-                raise UsageError(f"bad gpus={gpus!r}: expected 'auto', 'auto:N' or '0,3'")
+                raise UsageError(
+                    "expected 'auto', 'auto:N' or '0,3'",
+                    argument="gpus",
+                    value=repr(gpus),
+                    flag="--gpus",
+                )
             return _pick(int(rest[1:]))
         try:
             ids = [int(part) for part in spec.split(",") if part.strip()]
         except ValueError:
             raise UsageError(
-                f"bad gpus={gpus!r}: expected comma-separated indices like '0,3', or 'auto:N'"
+                "expected comma-separated indices like '0,3', or 'auto:N'",
+                argument="gpus",
+                value=repr(gpus),
+                flag="--gpus",
             ) from None
     else:
         ids = [int(i) for i in gpus]
     if not ids:
-        raise UsageError(f"gpus={gpus!r} selects no GPU")
+        raise UsageError("selects no GPU", argument="gpus", value=repr(gpus), flag="--gpus")
     bad = [i for i in ids if not 0 <= i < count]
     if bad:
-        raise UsageError(f"gpus={gpus!r}: indices {bad} are not among the {count} visible GPUs")
+        raise UsageError(
+            f"indices {bad} are not among the {count} visible GPUs",
+            argument="gpus",
+            value=repr(gpus),
+            flag="--gpus",
+        )
     if len(set(ids)) != len(ids):
-        raise UsageError(f"gpus={gpus!r} repeats a GPU; each rank needs its own device")
+        raise UsageError(
+            "repeats a GPU; each rank needs its own device",
+            argument="gpus",
+            value=repr(gpus),
+            flag="--gpus",
+        )
     return ids
 
 
@@ -103,20 +123,36 @@ def resolve_devices(
         [device(type='cpu'), device(type='cpu')]
     """
     if world_size is not None and world_size < 1:
-        raise UsageError(f"world_size must be at least 1, got {world_size} (--world-size)")
+        raise UsageError(
+            "must be at least 1",
+            argument="world_size",
+            value=repr(world_size),
+            flag="--world-size",
+        )
     if device not in (None, "cpu", "cuda"):
-        raise UsageError(f"device must be 'cpu' or 'cuda', got {device!r} (--device)")
+        raise UsageError(
+            "expected 'cpu' or 'cuda'", argument="device", value=repr(device), flag="--device"
+        )
     if device == "cpu":
         if gpus is not None:
             raise UsageError(
-                f"gpus={gpus!r} and device='cpu' contradict each other: drop one (--gpus/--device)"
+                f"the GPUs {gpus!r} and the 'cpu' device contradict each other",
+                argument="gpus",
+                remedies=(
+                    Remedy("gpus", verb="drop", flag="--gpus"),
+                    Remedy("device", verb="drop", flag="--device"),
+                ),
             )
         return [torch.device("cpu")] * (world_size or DEFAULT_CPU_WORLD_SIZE)
     if not torch.cuda.is_available():
         if device == "cuda" or gpus is not None:
             raise UsageError(
-                f"no CUDA device is visible, but the run asks for GPUs (gpus={gpus!r}, "
-                f"device={device!r}): leave out --gpus, or pass --device cpu"
+                f"no CUDA device is visible, but the run asks for GPUs (GPUs {gpus!r}, "
+                f"device {device!r})",
+                remedies=(
+                    Remedy("gpus", verb="leave out", flag="--gpus"),
+                    Remedy("device", "'cpu'", flag="--device cpu"),
+                ),
             )
         return [torch.device("cpu")] * (world_size or DEFAULT_CPU_WORLD_SIZE)
     ids = parse_gpus(gpus, world_size)
@@ -124,7 +160,14 @@ def resolve_devices(
         world_size = len(ids)
     if world_size > len(ids):
         raise UsageError(
-            f"world_size={world_size} needs {world_size} GPUs, but only {len(ids)} are "
-            f"selected ({ids}): lower --world-size, select more with --gpus, or pass --device cpu"
+            f"needs {world_size} GPUs, but only {len(ids)} are selected ({ids})",
+            argument="world_size",
+            value=repr(world_size),
+            flag="--world-size",
+            remedies=(
+                Remedy("world_size", verb="lower", flag="--world-size"),
+                Remedy("gpus", verb="select more with", flag="--gpus"),
+                Remedy("device", "'cpu'", flag="--device cpu"),
+            ),
         )
     return [torch.device("cuda", i) for i in ids[:world_size]]

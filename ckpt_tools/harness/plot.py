@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 
 __all__ = ["plot_losses"]
 
@@ -41,8 +41,11 @@ def plot_losses(
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise UsageError(
-            "plotting needs matplotlib, which is not installed: "
-            "pip install 'ckpt_tools[plot]' (or leave out --plot)"
+            "plotting needs matplotlib, which is not installed",
+            remedies=(
+                Remedy(command="pip install 'ckpt_tools[plot]'"),
+                Remedy(verb="leave out", flag="--plot"),
+            ),
         ) from exc
     out = Path(path)
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.config import TrainConfig, TrainResult
+from ckpt_tools.harness.config import SMALL_BATCH_REMEDIES, TrainConfig, TrainResult
 from ckpt_tools.harness.data import batch_indices, synthetic_fashion
 from ckpt_tools.harness.loop import (
     ModuleContainer,
@@ -63,8 +63,11 @@ def train(config: TrainConfig) -> TrainResult:
     devices = resolve_devices(world_size, config.gpus, config.device)
     if config.batch_size < len(devices):
         raise UsageError(
-            f"batch_size={config.batch_size} is smaller than the {len(devices)} replicas: "
-            "raise --batch-size or lower --world-size"
+            f"is smaller than the {len(devices)} replicas",
+            argument="batch_size",
+            value=repr(config.batch_size),
+            flag="--batch-size",
+            remedies=SMALL_BATCH_REMEDIES,
         )
     started = time.perf_counter()
     if config.strategy == "manual":

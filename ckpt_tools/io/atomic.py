@@ -65,22 +65,17 @@ def check_output_path(
     out = Path(dst)
     if src is not None and out.exists() and _same_file(Path(src), out):
         if not in_place:
-            raise SameFileError(
-                f"output {str(dst)!r} is the input file (same path, hard link or symlink); "
-                "pass --in-place to rewrite it (still through a temp file and a rename), "
-                "or choose another output path"
-            )
+            raise SameFileError(dst)
         return out.resolve()
     if out.is_dir():
-        raise OutputError(f"output {str(dst)!r} is a folder; give a file path")
+        raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)
     if out.exists() and not force:
-        raise OutputExistsError(
-            f"output {str(dst)!r} already exists; pass --force to replace it, "
-            "or choose another output path"
-        )
+        raise OutputExistsError(dst)
     folder = out.resolve().parent
     if not folder.is_dir():
-        raise OutputError(f"the output folder {str(folder)!r} does not exist; create it first")
+        raise OutputError(
+            f"the output folder {str(folder)!r} does not exist; create it first", path=dst
+        )
     return out.resolve() if out.is_symlink() else out
 
 
@@ -174,7 +169,9 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
                 prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=folder
             )
         except OSError as e:
-            raise OutputError(f"cannot create a temp file in {str(folder)!r}: {e.strerror}") from e
+            raise OutputError(
+                f"cannot create a temp file in {str(folder)!r}: {e.strerror}", path=dst
+            ) from e
         tmp = Path(tmp_name)
         f = os.fdopen(fd, "w+b")
         try:
@@ -198,7 +195,8 @@ def atomic_output(dst: str | os.PathLike[str]) -> Iterator[tuple[BinaryIO, Path]
                 raise
             raise OutputError(
                 f"writing {str(dst)!r} failed ({e.strerror or e}); nothing was written and the "
-                "input is unchanged"
+                "input is unchanged",
+                path=dst,
             ) from e
         except BaseException:
             f.close()

@@ -1,26 +1,28 @@
 """Writing a (rewritten) object tree as a torch zip archive or a safetensors file.
 
 Tensor bytes are copied from the source file record by record (``copy_file_range`` where
-possible); nothing holds a whole checkpoint in memory, and torch is only imported to make
-non-contiguous views contiguous for safetensors.
+possible); nothing holds a whole checkpoint in memory, and torch is never imported:
+non-contiguous views are gathered for safetensors with numpy (:mod:`ckpt_tools.io.tensor_bytes`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, BinaryIO
 
-from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError
-from ckpt_tools.formats.allowlist import StorageTypeRef
-from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.repickle import dumps
-from ckpt_tools.io.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
+from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, TORCH_TO_SAFETENSORS
+from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.formats.allowlist import UNTYPED_STORAGE, ConstantRef, storage_type_ref
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.repickle import dumps, torch_storage_id
+from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.io.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
 
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
 
@@ -55,6 +57,11 @@ def write_torch_zip(
     Raises:
         ConversionError: legacy storage views, which the zip format cannot express.
         OSError: reading the source or writing the output failed.
+
+    Example:
+        >>> ckpt = open_checkpoint("in.pt")  # doctest: +SKIP
+        >>> with open("out.pt", "w+b") as f:  # doctest: +SKIP
+        ...     write_torch_zip(ckpt.root, ckpt, f, device_map={"cuda:0": "cpu"})
     """
     from_zip = source.format in ("torch-zip", "torchscript")
     keys: dict[int, str] = {}
@@ -70,44 +77,18 @@ def write_torch_zip(
             keys[id(storage)] = storage.key if from_zip else str(len(keys))
             used.append(storage)
         device = (device_map or {}).get(storage.device, storage.device)
-        storage_type = storage.storage_type or _storage_type_for(storage.dtype)
-        return ("storage", storage_type, keys[id(storage)], device, storage.numel)
+        return torch_storage_id(storage, keys[id(storage)], device)
 
     payload = dumps(tree, source.protocol, storage_id)
     writer = TorchZipWriter(file, source.archive_root or "archive")
     src_fd = os.open(source.path, os.O_RDONLY) if used or from_zip else -1
     try:
+        bytes_from = _RecordSource(source, src_fd, progress)
+        records = [(f"data/{keys[id(s)]}", s) for s in used]
         if from_zip:
-            wanted = {f"data/{keys[id(s)]}" for s in used}
-            for name, record in source.records.items():
-                if name == "data.pkl":
-                    writer.add_bytes(name, payload)
-                elif name.startswith("data/") and name not in wanted:
-                    continue
-                else:
-                    # Progress counts tensor bytes only, not torch's bookkeeping records.
-                    counted = progress if name.startswith("data/") else None
-                    writer.add_copy(
-                        name, src_fd, record.data_offset, record.size, record.crc32, counted
-                    )
+            _copy_zip_records(writer, bytes_from, payload, {name for name, _ in records})
         else:
-            writer.add_bytes("data.pkl", payload)
-            writer.add_bytes(".format_version", b"1")
-            writer.add_bytes(".storage_alignment", b"64")
-            writer.add_bytes("byteorder", b"little")
-            for storage in used:
-                span = source.span(storage)
-                fd = src_fd if span.path == source.path else os.open(span.path, os.O_RDONLY)
-                try:
-                    name = f"data/{keys[id(storage)]}"
-                    writer.add_copy(name, fd, span.offset, span.nbytes, None, progress)
-                finally:
-                    if fd != src_fd:
-                        os.close(fd)
-            writer.add_bytes("version", b"3\n")
-            import uuid  # only legacy and safetensors sources need a new id
-
-            writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
+            _add_new_records(writer, bytes_from, payload, records)
         writer.close()
     finally:
         if src_fd >= 0:
@@ -115,30 +96,53 @@ def write_torch_zip(
     return used
 
 
-_LEGACY_TYPES = {
-    "float64": "DoubleStorage",
-    "float32": "FloatStorage",
-    "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage",
-    "int64": "LongStorage",
-    "int32": "IntStorage",
-    "int16": "ShortStorage",
-    "int8": "CharStorage",
-    "uint8": "ByteStorage",
-    "bool": "BoolStorage",
-    "complex128": "ComplexDoubleStorage",
-    "complex64": "ComplexFloatStorage",
-}
+@dataclass(frozen=True)
+class _RecordSource:
+    """Where records' bytes come from: the source checkpoint, its open file, who is told."""
+
+    ckpt: Checkpoint
+    fd: int
+    progress: Progress | None
 
 
-# torch.save names it ``torch.storage.UntypedStorage``; torch.load(weights_only=True) refuses
-# ``torch.UntypedStorage``.
-_UNTYPED = StorageTypeRef("torch.storage", "UntypedStorage")
+def _copy_zip_records(
+    writer: TorchZipWriter, src: _RecordSource, payload: bytes, wanted: set[str]
+) -> None:
+    """A zip source's records as they are (names, CRCs), a new data.pkl, unused data left out."""
+    for name, record in src.ckpt.records.items():
+        if name == "data.pkl":
+            writer.add_bytes(name, payload)
+        elif name.startswith("data/") and name not in wanted:
+            continue
+        else:
+            # Progress counts tensor bytes only, not torch's bookkeeping records.
+            counted = src.progress if name.startswith("data/") else None
+            writer.add_copy(name, src.fd, record.data_offset, record.size, record.crc32, counted)
 
 
-def _storage_type_for(dtype: str) -> StorageTypeRef:
-    name = _LEGACY_TYPES.get(dtype)
-    return StorageTypeRef("torch", name) if name is not None else _UNTYPED
+def _add_new_records(
+    writer: TorchZipWriter,
+    src: _RecordSource,
+    payload: bytes,
+    records: Sequence[tuple[str, StorageRef]],
+) -> None:
+    """The records ``torch.save`` writes, for a source that is not a torch zip archive."""
+    writer.add_bytes("data.pkl", payload)
+    writer.add_bytes(".format_version", b"1")
+    writer.add_bytes(".storage_alignment", b"64")
+    writer.add_bytes("byteorder", b"little")
+    for name, storage in records:
+        span = src.ckpt.span(storage)
+        fd = src.fd if span.path == src.ckpt.path else os.open(span.path, os.O_RDONLY)
+        try:
+            writer.add_copy(name, fd, span.offset, span.nbytes, None, src.progress)
+        finally:
+            if fd != src.fd:
+                os.close(fd)
+    writer.add_bytes("version", b"3\n")
+    import uuid  # only legacy and safetensors sources need a new id
+
+    writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
 
 
 def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,11 +152,6 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
     ``torch.save`` does; newer dtypes (float8, uint16, ...) use ``_rebuild_tensor_v3`` on an
     untyped storage with the dtype passed explicitly.
     """
-    import collections
-    from dataclasses import replace
-
-    from ckpt_tools.formats.allowlist import ConstantRef
-
     # Keep the mapping's type (state dicts are OrderedDicts) and its ``_metadata``: torch's
     # load_state_dict reads module versions from it.
     out: dict[str, Any] = type(sd)() if isinstance(sd, dict) else {}
@@ -164,8 +163,8 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = t
             continue
         hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        if t.dtype in _LEGACY_TYPES:
-            storage = replace(t.storage, storage_type=_storage_type_for(t.dtype))
+        if t.dtype in DTYPE_STORAGE_TYPE:
+            storage = replace(t.storage, storage_type=storage_type_ref(t.dtype))
             func = GlobalRef("torch._utils", "_rebuild_tensor_v2")
             args: tuple[Any, ...] = (storage, t.offset, t.shape, t.stride, False, hooks)
         else:
@@ -173,7 +172,7 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
                 t.storage,
                 dtype="uint8",
                 numel=t.storage.nbytes,
-                storage_type=_UNTYPED,
+                storage_type=UNTYPED_STORAGE,
             )
             func = GlobalRef("torch._utils", "_rebuild_tensor_v3")
             dtype = ConstantRef("torch", t.dtype)
@@ -200,12 +199,36 @@ def write_safetensors(
     """Write tensors as a safetensors file, copying their bytes from ``source``.
 
     Contiguous tensors (whole storages or contiguous slices of one) are copied in the
-    kernel; non-contiguous views are made contiguous with torch, one at a time.
+    kernel; non-contiguous views are gathered with numpy, one bounded piece at a time
+    (:func:`~ckpt_tools.io.tensor_bytes.iter_row_major`). torch is never imported.
+
+    Args:
+        entries: the tensors, in the order their bytes are written.
+        source: the checkpoint their storages live in.
+        file: the output, opened ``w+b``.
+        metadata: the header's ``__metadata__`` (string to string), if any.
+        progress: called with the number of bytes written after each chunk.
 
     Raises:
         ConversionError: a dtype safetensors cannot hold (quantized types, complex32 ...).
         OSError: reading or writing failed.
+
+    Example:
+        >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]  # doctest: +SKIP
+        >>> with open("out.safetensors", "w+b") as f:  # doctest: +SKIP
+        ...     write_safetensors(entries, ckpt, f)
     """
+    raw = _safetensors_header(entries, metadata)
+    fd = file.fileno()
+    pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
+    end = _write_tensor_bytes(entries, source, fd, 8 + len(raw), progress)
+    os.ftruncate(fd, end)
+
+
+def _safetensors_header(
+    entries: Sequence[SafetensorsEntry], metadata: Mapping[str, str] | None
+) -> bytes:
+    """The JSON header, padded so the data starts aligned."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -215,8 +238,15 @@ def write_safetensors(
         code = TORCH_TO_SAFETENSORS.get(t.dtype)
         if code is None:
             raise ConversionError(
-                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold; "
-                "keep this checkpoint in torch format (`--format torch`)"
+                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold",
+                remedies=(
+                    Remedy(
+                        "format",
+                        "'torch'",
+                        flag="--format torch",
+                        text="to keep it in torch format",
+                    ),
+                ),
             )
         header[entry.name] = {
             "dtype": code,
@@ -228,10 +258,17 @@ def write_safetensors(
     # safetensors pads the header with spaces so data starts 8-aligned; for large files we
     # pad to 64 KiB, so the kernel copy fills whole large page-cache folios (measurably faster).
     align = _LARGE_DATA_ALIGNMENT if position >= _LARGE_DATA else 8
-    raw += b" " * ((-(8 + len(raw))) % align)
-    fd = file.fileno()
-    pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-    start = 8 + len(raw)
+    return raw + b" " * ((-(8 + len(raw))) % align)
+
+
+def _write_tensor_bytes(
+    entries: Sequence[SafetensorsEntry],
+    source: Checkpoint,
+    fd: int,
+    start: int,
+    progress: Progress | None,
+) -> int:
+    """Write every entry's bytes back to back from ``start``; returns where they end."""
     writeback = Writeback(fd)
     open_fds: dict[str, int] = {}
 
@@ -246,24 +283,22 @@ def write_safetensors(
         for entry in entries:
             t = entry.tensor
             span = source.span(t.storage)
+            first = span.offset + t.byte_span[0]
             if not t.is_contiguous():
                 _flush(run, source_fd, fd, progress, writeback)
                 run = []
-                pwrite_all(fd, _contiguous_bytes(source_fd(span.path), span.offset, t), out)
-                writeback.wrote(out, t.nbytes)
-                if progress is not None:
-                    progress(t.nbytes)
-            elif run and run[0] == span.path and run[1] + run[3] == span.offset + t.byte_offset:
+                _write_gathered(source_fd(span.path), span.offset, t, fd, out, progress, writeback)
+            elif run and run[0] == span.path and run[1] + run[3] == first:
                 run[3] += t.nbytes  # back to back in the source too: extend the copy
             else:
                 _flush(run, source_fd, fd, progress, writeback)
-                run = [span.path, span.offset + t.byte_offset, out, t.nbytes]
+                run = [span.path, first, out, t.nbytes]
             out += t.nbytes
         _flush(run, source_fd, fd, progress, writeback)
     finally:
         for open_fd in open_fds.values():
             os.close(open_fd)
-    os.ftruncate(fd, out)
+    return out
 
 
 def _flush(
@@ -278,16 +313,19 @@ def _flush(
         copy_range(source_fd(path), src_offset, fd, dst_offset, nbytes, progress, writeback)
 
 
-def _contiguous_bytes(src_fd: int, storage_offset: int, t: TensorRef) -> bytes:
-    import torch
-
-    from ckpt_tools.dtypes import itemsize
-
-    # Read only the storage range the view touches, then let torch gather it.
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) if t.numel else 0
-    raw = bytearray(os.pread(src_fd, extent * itemsize(t.dtype), storage_offset + t.byte_offset))
-    base = torch.frombuffer(raw, dtype=torch.uint8).view(getattr(torch, t.dtype))
-    view = base.as_strided(t.shape, t.stride)
-    out = bytearray(t.nbytes)
-    torch.frombuffer(out, dtype=torch.uint8).copy_(view.contiguous().reshape(-1).view(torch.uint8))
-    return bytes(out)
+def _write_gathered(
+    src_fd: int,
+    storage_offset: int,
+    t: TensorRef,
+    fd: int,
+    out: int,
+    progress: Progress | None,
+    writeback: Writeback,
+) -> None:
+    """Write a non-contiguous view's elements in row-major order at ``out``, piece by piece."""
+    for piece in iter_row_major(src_fd, storage_offset, t):
+        pwrite_all(fd, piece, out)
+        writeback.wrote(out, len(piece))
+        out += len(piece)
+        if progress is not None:
+            progress(len(piece))

@@ -45,7 +45,7 @@ class _Entry:
     crc32: int
 
 
-def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset``.
 
     ``os.pwrite`` may write only part (a full disk takes what fits and reports the count); the

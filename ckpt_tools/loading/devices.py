@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 
 __all__ = [
     "DeviceInfo",
@@ -285,21 +285,32 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
             target = map_location
         else:
             raise UsageError(
-                f"map_location={map_location!r} is not a device, a dict of tags, a callable "
-                "or 'auto'"
+                "not a device, a dict of tags, a callable or 'auto'",
+                argument="map_location",
+                value=repr(map_location),
             )
         try:
             device = torch.device(target)
         except (RuntimeError, TypeError) as e:
             raise UsageError(
-                f"map_location sends storages saved on {tag!r} to {target!r}, which is not a "
-                "device (expected 'cpu', 'cuda:0', ...); or pass map_location='auto'"
+                f"sends storages saved on {tag!r} to {target!r}, which is not a device "
+                "(expected 'cpu', 'cuda:0', ...)",
+                argument="map_location",
+                value=repr(map_location),
+                remedies=(Remedy("map_location", "'auto'"),),
             ) from e
         if not _device_available(device):
             raise UsageError(
-                f"map_location sends storages saved on {tag!r} to {str(device)!r}, which does "
-                f"not exist here (visible: {_visible()}); pass map_location='auto' to put each "
-                "storage on an existing device, or map_location='cpu'"
+                f"sends storages saved on {tag!r} to {str(device)!r}, which does not exist here "
+                f"(visible: {_visible()})",
+                argument="map_location",
+                value=repr(map_location),
+                remedies=(
+                    Remedy(
+                        "map_location", "'auto'", text="to put each storage on an existing device"
+                    ),
+                    Remedy("map_location", "'cpu'"),
+                ),
             )
         resolved[tag] = str(device)
     return resolved

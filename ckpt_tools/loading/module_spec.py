@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,11 +45,18 @@ def parse_value(text: str) -> Any:
 
 def _load_file(path: str, spec: str) -> ModuleType:
     if not os.path.isfile(path):
-        raise UsageError(f"--model {spec!r}: no such file {path!r}")
+        raise UsageError(
+            f"no such file {path!r}", argument="spec", value=repr(spec), flag="--model"
+        )
     name = "ckpt_model_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise UsageError(f"--model {spec!r}: {path!r} cannot be imported as a Python file")
+        raise UsageError(
+            f"{path!r} cannot be imported as a Python file",
+            argument="spec",
+            value=repr(spec),
+            flag="--model",
+        )
     module = importlib.util.module_from_spec(module_spec)
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
@@ -87,8 +94,11 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module
     where, sep, attribute = spec.rpartition(":")
     if not sep or not where or not attribute:
         raise UsageError(
-            f"--model {spec!r}: expected MODULE:FACTORY or path/to/file.py:FACTORY, "
-            "e.g. --model torchvision.models:resnet18 or --model net.py:Net"
+            "expected MODULE:FACTORY or path/to/file.py:FACTORY, e.g. "
+            "'torchvision.models:resnet18' or 'net.py:Net'",
+            argument="spec",
+            value=repr(spec),
+            flag="--model",
         )
     if where.endswith(".py") or os.sep in where or "/" in where:
         module = _load_file(where, spec)
@@ -97,8 +107,10 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module
             module = importlib.import_module(where)
         except ImportError as e:
             raise UsageError(
-                f"--model {spec!r}: cannot import {where!r} ({e}); give a file instead: "
-                "--model path/to/file.py:FACTORY"
+                f"cannot import {where!r} ({e}); give a file instead: path/to/file.py:FACTORY",
+                argument="spec",
+                value=repr(spec),
+                flag="--model",
             ) from e
     factory: Any = module
     for part in attribute.split("."):
@@ -107,14 +119,20 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module
                 n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
             )
             raise UsageError(
-                f"--model {spec!r}: {where!r} has no {attribute!r}; callables there: "
-                f"{', '.join(names[:15]) or 'none'}"
+                f"{where!r} has no {attribute!r}; callables there: "
+                f"{', '.join(names[:15]) or 'none'}",
+                argument="spec",
+                value=repr(spec),
+                flag="--model",
             )
         factory = getattr(factory, part)
     if not callable(factory):
         raise UsageError(
-            f"--model {spec!r}: {attribute!r} ({type(factory).__name__}) is not a class or "
-            "function returning an nn.Module"
+            f"{attribute!r} ({type(factory).__name__}) is not a class or function returning an "
+            "nn.Module",
+            argument="spec",
+            value=repr(spec),
+            flag="--model",
         )
     arguments = dict(kwargs or {})
     try:
@@ -126,13 +144,26 @@ def build_model(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module
             signature.bind(**arguments)
         except TypeError as e:
             raise UsageError(
-                f"--model {spec!r}: {attribute}{signature} does not take {arguments}: {e} "
-                "(--model-arg KEY=VALUE)"
+                f"{attribute}{signature} does not take {arguments}: {e}",
+                argument="spec",
+                value=repr(spec),
+                flag="--model",
+                remedies=(
+                    Remedy(
+                        "kwargs",
+                        "{'KEY': VALUE}",
+                        flag="--model-arg KEY=VALUE",
+                        text="with the arguments it takes",
+                    ),
+                ),
             ) from e
     model = factory(**arguments)
     if not isinstance(model, nn.Module):
         raise UsageError(
-            f"--model {spec!r} returned a {type(model).__name__}, not an nn.Module; point it "
-            "at a model class or a function returning a model"
+            f"returned a {type(model).__name__}, not an nn.Module; point it at a model class or "
+            "a function returning a model",
+            argument="spec",
+            value=repr(spec),
+            flag="--model",
         )
     return model

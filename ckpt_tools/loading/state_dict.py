@@ -20,15 +20,16 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
-from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
 from ckpt_tools.errors import (
+    Remedy,
     UnsafeContentError,
     UnsupportedFormatError,
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.structure.selection import Selection, is_state_dict, select_state_dict
+from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
 from ckpt_tools.loading.results import LoadInfo, StorageMove
+from ckpt_tools.structure.selection import Selection, is_state_dict, select_state_dict
 
 if TYPE_CHECKING:
     pass
@@ -97,20 +98,28 @@ def _check_format(ckpt: Checkpoint) -> None:
     if ckpt.format == "torchscript":
         raise UnsupportedFormatError(
             f"{ckpt.path!r} is a TorchScript archive, not a state dict; load it with "
-            f"torch.jit.load({ckpt.path!r}, map_location=...) and call .state_dict()"
+            f"torch.jit.load({ckpt.path!r}, map_location=...) and call .state_dict()",
+            path=ckpt.path,
         )
     if ckpt.format == "pickle":
         raise UnsupportedFormatError(
             f"{ckpt.path!r} is a plain pickle without torch tensors; nothing to load as a "
-            "state dict (inspect it with `ckpt inspect`)"
+            "state dict",
+            path=ckpt.path,
+            remedies=(Remedy(command=f"ckpt inspect {shlex.quote(ckpt.path)}", text="to see it"),),
         )
 
 
 def _check_trust(ckpt: Checkpoint, weights_only: bool, trust: bool) -> None:
     if not weights_only and not trust:
         raise UsageError(
-            "weights_only=False runs whatever code the checkpoint's pickle names; say so "
-            "explicitly with trust=True (only for files you trust)"
+            "runs whatever code the checkpoint's pickle names",
+            argument="weights_only",
+            value="False",
+            path=ckpt.path,
+            remedies=(
+                Remedy("trust", "True", text="to say so explicitly (only for files you trust)"),
+            ),
         )
     if ckpt.unsafe_globals and not trust:
         names = ", ".join(ckpt.unsafe_globals)
@@ -118,11 +127,17 @@ def _check_trust(ckpt: Checkpoint, weights_only: bool, trust: bool) -> None:
         out = os.path.splitext(ckpt.path.rstrip("/"))[0] + ".safetensors"
         raise UnsafeContentError(
             f"{ckpt.path!r} refers to Python globals outside the weights-only allowlist: "
-            f"{names}. Loading it would import and call them. If you trust the file, pass "
-            f"trust=True (load_state_dict({ckpt.path!r}, trust=True)); otherwise keep only "
-            f"the tensors, without running anything: `ckpt convert {shlex.quote(ckpt.path)} "
-            f"{shlex.quote(out)} --drop-extras {allow}`",
+            f"{names}; loading it would import and call them",
             ckpt.unsafe_globals,
+            path=ckpt.path,
+            remedies=(
+                Remedy("trust", "True", text="if you trust the file"),
+                Remedy(
+                    command=f"ckpt convert {shlex.quote(ckpt.path)} {shlex.quote(out)} "
+                    f"--drop-extras {allow}",
+                    text="to keep only the tensors, without running anything",
+                ),
+            ),
         )
 
 
@@ -134,9 +149,10 @@ def _torch_load(ckpt: Checkpoint, path: str, map_location: Any, trust: bool, mma
             raise
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise UnsafeContentError(
-            f"torch's weights-only unpickler refused {path!r} ({first}); if you trust the "
-            "file, pass trust=True",
+            f"torch's weights-only unpickler refused {path!r} ({first})",
             ckpt.unsafe_globals,
+            path=path,
+            remedies=(Remedy("trust", "True", text="if you trust the file"),),
         ) from e
 
 
@@ -230,8 +246,8 @@ def _selection_checked(root: Any, select: str | Sequence[str] | None, where: str
         top = list(root)[:12] if isinstance(root, Mapping) else []
         raise UsageError(
             f"{where}: no entry looks like a state dict (a mapping of names to tensors); "
-            f"top-level entries: {', '.join(map(str, top)) or 'none'}; pick one with "
-            "select='a.b' (`--select a.b`)"
+            f"top-level entries: {', '.join(map(str, top)) or 'none'}",
+            remedies=(Remedy("select", "'a.b'", flag="--select a.b", text="to pick one"),),
         )
     return selection
 
@@ -319,7 +335,11 @@ def load_state_dict(
     if not isinstance(state_dict, Mapping):
         raise UnsupportedFormatError(
             f"{where}: {'.'.join(selection.path)!r} loaded as a {type(state_dict).__name__}, "
-            "not a mapping; pick another entry with select="
+            "not a mapping",
+            path=where,
+            remedies=(
+                Remedy("select", "'a.b'", flag="--select a.b", text="to pick another entry"),
+            ),
         )
     if not isinstance(state_dict, dict):
         state_dict = dict(state_dict)

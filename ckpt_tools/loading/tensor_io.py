@@ -16,10 +16,10 @@ from types import TracebackType
 
 import torch
 
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.descriptors import TensorRef
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -148,12 +148,11 @@ class TensorReader:
         dtype = torch_dtype(ref.dtype)
         if ref.numel == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        size = itemsize(ref.dtype)
-        last = sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
-        buffer = self.read_bytes(ref, ref.byte_offset, (last + 1) * size)
+        first, end = ref.byte_span
+        buffer = self.read_bytes(ref, first, end - first)
         flat = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
         tensor = flat.as_strided(ref.shape, ref.stride, 0)
-        return tensor.clone() if last + 1 > 2 * ref.numel else tensor
+        return tensor.clone() if end - first > 2 * ref.nbytes else tensor
 
     def chunks(
         self, ref: TensorRef, chunk_bytes: int = DEFAULT_CHUNK_BYTES

@@ -11,11 +11,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.errors import ConversionError, NonTensorEntriesError, UnsafeContentError, UsageError
-from ckpt_tools.formats import Checkpoint
-from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.errors import (
+    ConversionError,
+    NonTensorEntriesError,
+    Remedy,
+    UnsafeContentError,
+    UsageError,
+)
+from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.writers import SafetensorsEntry
+from ckpt_tools.structure.keys import KeyRule
 
 __all__ = ["check_source", "output_format_for", "replace_at", "safetensors_plan", "summary"]
 
@@ -29,7 +35,12 @@ def output_format_for(dst: str | os.PathLike[str], fmt: str | None, input_format
     if fmt is not None:
         names = {"torch": "torch-zip", "pt": "torch-zip", "safetensors": "safetensors"}
         if fmt not in names:
-            raise UsageError(f"--format {fmt!r} is not one of: torch, safetensors")
+            raise UsageError(
+                "expected one of: torch, safetensors",
+                argument="format",
+                value=repr(fmt),
+                flag="--format",
+            )
         return names[fmt]
     suffix = Path(dst).suffix.lower()
     if suffix == ".safetensors":
@@ -47,16 +58,30 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
         )
     if ckpt.format == "hf-sharded":
         raise UsageError(
-            f"{ckpt.path!r} is a sharded folder; rewrite each shard file, e.g. "
-            f"`ckpt strip-module {ckpt.path}/SHARD.safetensors OUT.safetensors`"
+            f"{ckpt.path!r} is a sharded folder",
+            path=ckpt.path,
+            remedies=(
+                Remedy(
+                    command=f"ckpt strip-module {ckpt.path}/SHARD.safetensors OUT.safetensors",
+                    text="for each shard file",
+                ),
+            ),
         )
     refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
     if refused:
-        flags = " ".join(f"--allow-global {g}" for g in refused)
         raise UnsafeContentError(
-            f"{ckpt.path!r} refers to Python globals outside the allowlist: {', '.join(refused)}; "
-            f"they are never imported. To carry them through unchanged, pass {flags}",
+            f"{ckpt.path!r} refers to Python globals outside the allowlist: {', '.join(refused)} "
+            "(they are never imported)",
             refused,
+            path=ckpt.path,
+            remedies=(
+                Remedy(
+                    "allow_globals",
+                    repr(list(refused)),
+                    flag=" ".join(f"--allow-global {g}" for g in refused),
+                    text="to carry them through unchanged",
+                ),
+            ),
         )
 
 
@@ -119,8 +144,13 @@ def safetensors_plan(
         shown = ", ".join(extras[:8]) + (" ..." if len(extras) > 8 else "")
         raise NonTensorEntriesError(
             f"safetensors holds tensors only, and {ckpt.path!r} also has {len(extras)} non-tensor "
-            f"entries: {shown}; pass --drop-extras to leave them out, or keep the torch format",
+            f"entries: {shown}",
             tuple(extras),
+            path=ckpt.path,
+            remedies=(
+                Remedy("drop_extras", "True", flag="--drop-extras", text="to leave them out"),
+                Remedy(text="keep the torch format"),
+            ),
         )
     metadata = dict(ckpt.metadata or {})
     metadata.setdefault("format", "pt")

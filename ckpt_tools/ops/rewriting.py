@@ -12,9 +12,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.io.atomic import atomic_output, check_output_path
-from ckpt_tools.errors import UsageError
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.io.atomic import atomic_output, check_output_path
+from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
+from ckpt_tools.io.writers import (
+    picklable_tensors,
+    write_safetensors,
+    write_torch_zip,
+)
+from ckpt_tools.ops.rewrite_plan import (
+    check_source,
+    output_format_for,
+    replace_at,
+    safetensors_plan,
+    summary,
+)
 from ckpt_tools.structure.keys import (
     KeyRule,
     WrapperMatch,
@@ -27,20 +41,6 @@ from ckpt_tools.structure.keys import (
     sub_rule,
 )
 from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.ops.rewrite_plan import (
-    check_source,
-    output_format_for,
-    replace_at,
-    safetensors_plan,
-    summary,
-)
-from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
-from ckpt_tools.io.writers import (
-    picklable_tensors,
-    write_safetensors,
-    write_torch_zip,
-)
 
 __all__ = [
     "RewriteResult",
@@ -165,7 +165,12 @@ def rewrite(
         >>> rewrite("ddp.pt", "plain.pt", [strip_rule("module.")])  # doctest: +SKIP
     """
     if verify not in VERIFY_LEVELS:
-        raise UsageError(f"--verify {verify!r} is not one of: {', '.join(VERIFY_LEVELS)}")
+        raise UsageError(
+            f"expected one of: {', '.join(VERIFY_LEVELS)}",
+            argument="verify",
+            value=repr(verify),
+            flag="--verify",
+        )
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=in_place)
     ckpt = opened if opened is not None and opened.path == src else open_checkpoint(src)
@@ -310,7 +315,15 @@ def rename_file(
     """
     rules = [sub_rule(old, new) for old, new in subs] + [regex_rule(p, r) for p, r in regexes]
     if not rules:
-        raise UsageError("give at least one --sub OLD=NEW or --regex PATTERN=REPLACEMENT")
+        raise UsageError(
+            "give at least one rename rule",
+            remedies=(
+                Remedy("subs", "[('OLD', 'NEW')]", flag="--sub OLD=NEW"),
+                Remedy(
+                    "regexes", "[('PATTERN', 'REPLACEMENT')]", flag="--regex PATTERN=REPLACEMENT"
+                ),
+            ),
+        )
     return rewrite(src, dst, rules, **options)
 
 

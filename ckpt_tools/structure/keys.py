@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ckpt_tools.errors import KeyCollisionError, UsageError
+from ckpt_tools.errors import KeyCollisionError, Remedy, UsageError
 
 __all__ = [
     "WRAPPER_RULES",
@@ -176,7 +176,10 @@ def regex_rule(pattern: str, replacement: str) -> KeyRule:
         re.compile(pattern)
     except re.error as e:
         raise UsageError(
-            f"--regex pattern {pattern!r} is not a valid regular expression: {e}"
+            f"not a valid regular expression: {e}",
+            argument="pattern",
+            value=repr(pattern),
+            flag="--regex pattern",
         ) from e
     return KeyRule(pattern, replacement, 0, f"s/{pattern}/{replacement}/")
 
@@ -222,9 +225,12 @@ def plan_renames(keys: Sequence[str], rules: Sequence[KeyRule]) -> dict[str, str
         )
         raise KeyCollisionError(
             f"the rewrite would merge {len(collisions)} pair(s) of keys into one: {shown}"
-            f"{' ...' if len(collisions) > 3 else ''}; remove the duplicates first, or rename "
-            "one side with `ckpt rename --sub OLD=NEW`",
+            f"{' ...' if len(collisions) > 3 else ''}",
             collisions,
+            remedies=(
+                Remedy(text="remove the duplicates first"),
+                Remedy(command="ckpt rename IN OUT --sub OLD=NEW", text="to rename one side"),
+            ),
         )
     return plan
 

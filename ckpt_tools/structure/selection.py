@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.errors import SelectError
 from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.errors import SelectError
 
 __all__ = ["CANDIDATE_KEYS", "Selection", "is_state_dict", "parse_select", "select_state_dict"]
 
@@ -88,8 +88,11 @@ def _walk(root: Any, parts: tuple[str, ...]) -> tuple[tuple[str, ...], Any]:
         else:
             available = _keys_of(node)
             raise SelectError(
-                f"--select {'.'.join(parts)!r}: no entry {parts[i]!r} under "
-                f"{'.'.join(path) or 'the root'}; it has: {', '.join(available[:12]) or 'nothing'}"
+                f"no entry {parts[i]!r} under {'.'.join(path) or 'the root'}; it has: "
+                f"{', '.join(available[:12]) or 'nothing'}",
+                argument="select",
+                value=repr(".".join(parts)),
+                flag="--select",
             )
     return tuple(path), node
 
@@ -143,8 +146,10 @@ def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> S
             node = node.state
         if not isinstance(node, Mapping):
             raise SelectError(
-                f"--select {'.'.join(parts)!r} is a {type(node).__name__}, not a mapping of "
-                "tensors; pick a dict entry"
+                f"it is a {type(node).__name__}, not a mapping of tensors; pick a dict entry",
+                argument="select",
+                value=repr(".".join(parts)),
+                flag="--select",
             )
         return Selection(path, "chosen with --select", node)
     return _auto_select(root)

@@ -38,7 +38,9 @@ def test_train_rejects_unknown_strategy_and_bad_sizes(tmp_path: Path) -> None:
     result = CliRunner().invoke(harness, [*args, "--device", "cpu", "--out", str(tmp_path)])
     # UsageError reaches ckpt's error boundary (exit 2 there) unchanged
     assert isinstance(result.exception, UsageError)
-    assert "--batch-size" in str(result.exception)
+    # The library's words name the argument; the command line's name the flag.
+    assert "batch_size=2" in str(result.exception)
+    assert "--batch-size 2" in result.exception.render(for_cli=True)
 
 
 @pytest.mark.slow

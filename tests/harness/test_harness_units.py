@@ -123,7 +123,7 @@ def test_cpu_placement_and_its_errors() -> None:
     assert len(resolve_devices(None, device="cpu")) == 2
     with pytest.raises(UsageError, match="at least 1"):
         resolve_devices(0, device="cpu")
-    with pytest.raises(UsageError, match="--device"):
+    with pytest.raises(UsageError, match="device='tpu'"):
         resolve_devices(2, device="tpu")
     with pytest.raises(UsageError, match="contradict"):
         resolve_devices(2, gpus="0", device="cpu")
@@ -139,21 +139,24 @@ def test_without_a_gpu_asking_for_gpus_is_a_usage_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kw", "message"),
+    ("kw", "message", "option"),
     [
-        ({"strategy": "fsdp"}, "expected one of single, dp, ddp, manual"),
-        ({"model": "vgg"}, "--model"),
-        ({"steps": 0}, "--steps"),
-        ({"world_size": 0}, "--world-size"),
-        ({"world_size": 4, "batch_size": 2}, "raise --batch-size"),
-        ({"batch_size": 10_000}, "batch_size must be between"),
+        ({"strategy": "fsdp"}, "strategy='fsdp': .*expected one of single, dp, ddp, manual", None),
+        ({"model": "vgg"}, "model='vgg'", "--model 'vgg'"),
+        ({"steps": 0}, "steps=0", "--steps 0"),
+        ({"world_size": 0}, "world_size=0", "--world-size 0"),
+        ({"world_size": 4, "batch_size": 2}, "raise batch_size", "raise --batch-size"),
+        ({"batch_size": 10_000}, "batch_size=10000: must be between", "--batch-size 10000"),
     ],
 )
 def test_train_rejects_bad_arguments_with_the_option_that_fixes_them(
-    kw: dict[str, object], message: str
+    kw: dict[str, object], message: str, option: str | None
 ) -> None:
-    with pytest.raises(UsageError, match=message):
+    # The library names the argument; the command line names the option.
+    with pytest.raises(UsageError, match=message) as info:
         harness.train(TrainConfig(device="cpu", **kw))  # type: ignore[arg-type]
+    if option is not None:
+        assert option in info.value.render(for_cli=True)
 
 
 def test_torchrun_detection_needs_all_variables() -> None:

@@ -1,0 +1,131 @@
+"""The house rules that a file listing cannot show: rooms, the one-way import order, and who may
+import torch, torch.distributed, click and tabulate.
+
+Every ``import`` statement in the package is read with ``ast`` (function-level imports too, since
+lazy imports are still dependencies), so a violation fails here before a reviewer has to spot it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_tools"
+
+#: Rooms from the bottom up. A module may import its own room and rooms below it, never above.
+ROOMS: tuple[tuple[str, ...], ...] = (
+    ("errors", "dtypes", "_version"),
+    ("descriptors",),
+    ("structure",),
+    ("formats",),
+    ("io",),
+    ("loading",),
+    ("diffing",),
+    ("ops",),
+    ("harness",),
+    ("cli",),
+)
+RANK = {room: rank for rank, rooms in enumerate(ROOMS) for room in rooms}
+
+#: Rooms that may import torch (only when called: see test_torch_free_rooms).
+TORCH_ROOMS = {"loading", "diffing", "harness", "cli"}
+#: The CLI libraries stay in the CLI.
+CLI_ONLY = {"click", "tabulate"}
+#: Longest module a room should hold; "small modules with one job each".
+MAX_LINES = 420
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _room(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def _imports(path: Path) -> list[tuple[int, str, bool]]:
+    """``(line, dotted name, at module level)`` for every import in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module, id(node) in top))
+            if node.module == "ckpt_tools":  # `from ckpt_tools import formats`
+                found += [(node.lineno, f"ckpt_tools.{a.name}", id(node) in top) for a in node.names]
+    return found
+
+
+MODULES = [p for p in _modules() if p.name not in {"__init__.py", "__main__.py"} or p.parent != PACKAGE]
+
+
+def test_every_module_is_in_a_room() -> None:
+    strays = [str(p.relative_to(PACKAGE)) for p in MODULES if _room(p) not in RANK]
+    assert not strays, f"modules outside the rooms of tests/test_architecture.py: {strays}"
+
+
+def _upward(path: Path, room: str) -> list[str]:
+    """The imports of ``path`` (a module of ``room``) that reach a room above it."""
+    upward = []
+    for line, name, _ in _imports(path):
+        parts = name.split(".")
+        if parts[0] != "ckpt_tools" or len(parts) < 2:
+            continue
+        target = parts[1]
+        if target not in RANK:
+            continue
+        # harness/__main__.py is the harness's command-line entry point: it runs the CLI group.
+        if path.name == "__main__.py" and room == "harness" and target == "cli":
+            continue
+        if RANK[target] > RANK[room]:
+            upward.append(f"line {line}: {name} ({room} -> {target})")
+    return upward
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_run_one_way(path: Path) -> None:
+    upward = _upward(path, _room(path))
+    assert not upward, f"{path.relative_to(PACKAGE)} imports upward: {upward}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_torch_free_rooms(path: Path) -> None:
+    room = _room(path)
+    names = [(line, name, top) for line, name, top in _imports(path)]
+    torch = [f"line {ln}: {n}" for ln, n, _ in names if n.split(".")[0] == "torch"]
+    if room not in TORCH_ROOMS:
+        assert not torch, f"{room}/ must not import torch: {torch}"
+    dist = [f"line {ln}: {n}" for ln, n, _ in names if n.startswith("torch.distributed")]
+    if room != "harness":
+        assert not dist, f"only harness/ may import torch.distributed: {dist}"
+    cli_libs = [f"line {ln}: {n}" for ln, n, _ in names if n.split(".")[0] in CLI_ONLY]
+    if room != "cli":
+        assert not cli_libs, f"only cli/ may import click or tabulate: {cli_libs}"
+
+
+def test_package_root_imports_nothing_heavy() -> None:
+    heavy = {"torch", "numpy", "click", "tabulate", "safetensors"}
+    found = [n for _, n, top in _imports(PACKAGE / "__init__.py") if n.split(".")[0] in heavy]
+    assert not found
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_small(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines; split it by job"
+
+
+def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
+    """The checker itself can fail: an upward import in a synthetic module is reported."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from ckpt_tools.errors import CheckpointError\n"
+        "def f():\n    from ckpt_tools.ops.rewriting import rewrite\n"
+    )
+    assert _upward(bad, "formats") == ["line 3: ckpt_tools.ops.rewriting (formats -> ops)"]
+    assert _upward(bad, "cli") == []
