@@ -19,7 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fuzzkit.campaign import Registry, Session  # noqa: E402
+from fuzzkit.campaign import Session
+from fuzzkit.registry import Registry
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from fuzzkit import mutators, seeds
 from fuzzkit.budget import fuzz_settings
-from fuzzkit.campaign import Registry, Session, draw_plan
+from fuzzkit.campaign import Session, draw_plan
 from fuzzkit.draw import Draw
+from fuzzkit.registry import Registry
 from hypothesis import given
 from hypothesis import strategies as st
-
 from test_fuzz_library import _assert_no_new
 
 SEEDS = seeds.all_seeds()

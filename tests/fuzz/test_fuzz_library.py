@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 from fuzzkit import mutators, seeds
 from fuzzkit.budget import fuzz_settings
-from fuzzkit.campaign import Registry, Session
+from fuzzkit.campaign import Session
 from fuzzkit.draw import Draw
+from fuzzkit.registry import Registry
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,7 +29,9 @@ def _assert_no_new(registry: Registry) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[s.name for s in SEEDS])
-def test_seed_matches_the_references(seed: seeds.Seed, session: Session, registry: Registry) -> None:
+def test_seed_matches_the_references(
+    seed: seeds.Seed, session: Session, registry: Registry
+) -> None:
     """Every unmutated seed and fixture: inspect agrees with torch / safetensors."""
     pristine = not seed.name.startswith("fixture-")
     findings = session.check_library(seed.data, seed.ext, [], pristine=pristine)

@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as fixed_seed
 
-from .campaign import env_int
+from .registry import env_int
 
 LONG = os.environ.get("CKPT_FUZZ_LONG") == "1"
 

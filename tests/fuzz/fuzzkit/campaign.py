@@ -3,15 +3,14 @@
 :class:`Session` runs an input through the library (``ct.inspect`` in the sandboxed worker,
 many inputs per second) or through the command line (``python -m ckpt_tools`` in a real,
 bounded process: ``inspect --json`` and rewrites), asks the reference readers, and returns
-the :class:`~fuzzkit.checks.Finding` list. :class:`Registry` files findings as regression
-inputs under ``tests/fuzz/regressions/``.
+the :class:`~fuzzkit.checks.Finding` list. :class:`~fuzzkit.registry.Registry` files
+them as regression inputs under ``tests/fuzz/regressions/``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections import Counter
@@ -22,16 +21,8 @@ from typing import Any
 
 from . import checks
 from .checks import Finding
-from .oracle_worker import output_view
 from .workers import CLI_MEMORY, ORACLE_MEMORY, CliResult, Worker, run_ckpt
 
-HERE = Path(__file__).resolve().parents[1]
-REGRESSIONS = HERE / "regressions"
-EXPECTED_FILE = REGRESSIONS / "EXPECTED_FAILURES.json"
-CASES_FILE = REGRESSIONS / "CASES.json"
-FINDINGS_DIR = HERE / "findings"  # ignored by git: the campaign's log
-MAX_REGRESSION_BYTES = 64 * 1024
-PER_SIGNATURE = 2  # regression files kept per new signature in one run
 OLD_OUTPUT = b"an older output that a failed rewrite must leave alone\n"
 
 
@@ -95,7 +86,9 @@ def sha(path: Path) -> str | None:
 def _exception_name(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     for line in reversed(lines):
-        m = re.match(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)|[A-Z]\w+):", line)
+        m = re.match(
+            r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)|[A-Z]\w+):", line
+        )
         if m:
             return m.group(1).rsplit(".", 1)[-1]
     return "?"
@@ -182,7 +175,13 @@ class Session:
         findings = []
         if res.timed_out or res.seconds > checks.TIME_BOUND:
             findings.append(
-                Finding(8, "hang", command, "timeout", f"ran {res.seconds:.1f} s (killed: {res.timed_out})")
+                Finding(
+                    8,
+                    "hang",
+                    command,
+                    "timeout",
+                    f"ran {res.seconds:.1f} s (killed: {res.timed_out})",
+                )
             )
             return findings
         text = res.stderr + res.stdout
@@ -283,18 +282,32 @@ class Session:
         if res.returncode != 0:
             if plan.preexisting and sha(out) != old:
                 findings.append(
-                    Finding(9, "old-output-damaged", command, "changed", f"exit {res.returncode}, OUT changed")
+                    Finding(
+                        9,
+                        "old-output-damaged",
+                        command,
+                        "changed",
+                        f"exit {res.returncode}, OUT changed",
+                    )
                 )
             if not plan.preexisting and out.exists():
                 findings.append(
-                    Finding(9, "partial-output", command, "exists", f"exit {res.returncode}, OUT exists")
+                    Finding(
+                        9, "partial-output", command, "exists", f"exit {res.returncode}, OUT exists"
+                    )
                 )
             if res.returncode == 6 and not (plan.preexisting and not plan.force):
                 findings.append(self._exit6(res, ours, oracle))
             return _label(findings, plan)
         if plan.preexisting and not plan.force and sha(out) != old:
             findings.append(
-                Finding(0, "clobbered", command, "no-force", "exit 0 replaced an existing OUT without --force")
+                Finding(
+                    0,
+                    "clobbered",
+                    command,
+                    "no-force",
+                    "exit 0 replaced an existing OUT without --force",
+                )
             )
         written = out.exists() and sha(out) != old
         self.stats["rewrites-written" if written else "rewrites-not-written"] += 1
@@ -306,13 +319,15 @@ class Session:
 
     def _exit6(self, res: CliResult, ours: dict[str, Any], oracle: dict[str, Any]) -> Finding:
         fmt = ours.get("info", {}).get("format") if ours.get("ok") else None
-        ref_name, ref = checks.reference(fmt, oracle)
+        _ref_name, ref = checks.reference(fmt, oracle)
         selected = ours.get("info", {}).get("selected", []) if ours.get("ok") else []
         node = checks.navigate(ref["tree"], selected) if ref.get("ok") else None
         odd_keys = checks.key_types(node) - {"str"}
         message = f"exit 6 after writing: {res.stderr.strip()[:300]}"
         if odd_keys:
-            return Finding(4, "verify-failed", res.argv[0], "keys", message + f" (keys: {odd_keys})")
+            return Finding(
+                4, "verify-failed", res.argv[0], "keys", message + f" (keys: {odd_keys})"
+            )
         return Finding(3, "verify-failed", res.argv[0], checks.short_error(res.stderr), message)
 
     def _safety(
@@ -322,7 +337,11 @@ class Session:
         info = ours.get("info", {}) if ours.get("ok") else {}
         fmt = info.get("format")
         if fmt == "torchscript":
-            return [Finding(2, "rewrote-unsafe", command, "torchscript", "exit 0 on a TorchScript archive")]
+            return [
+                Finding(
+                    2, "rewrote-unsafe", command, "torchscript", "exit 0 on a TorchScript archive"
+                )
+            ]
         if info.get("unsafe_globals"):
             return [
                 Finding(
@@ -379,7 +398,9 @@ class Session:
         """The output loads (torch weights_only + mmap, or safetensors) and holds the input."""
         command = plan.command
         is_st = out.suffix == ".safetensors"
-        views = output_view(str(out), safetensors=is_st)
+        views = self.oracle.call({"path": str(out), "output": "st" if is_st else "torch"}, 60)
+        if "timeout" in views or "died" in views or "worker_error" in views:
+            return [Finding(3, "output-unloadable", command, "oracle-died", f"{views}"[:300])]
         self.stats["outputs-loaded"] += 1
         for loader, view in views.items():
             if not view.get("ok"):
@@ -410,7 +431,9 @@ def compare_output(
 ) -> list[Finding]:
     """Tensors of the output vs the reference's view of the input, under the command's renames."""
     command = plan.command
-    selected = result.get("selected", info.get("selected", [])) if result else info.get("selected", [])
+    selected = (
+        result.get("selected", info.get("selected", [])) if result else info.get("selected", [])
+    )
     in_tree = ref["tree"]
     in_sd = checks.navigate(in_tree, selected) if ref_name != "safetensors" else in_tree
     out_is_st = plan.out_ext == ".safetensors"
@@ -493,77 +516,3 @@ def _verdict(answer: dict[str, Any]) -> str:
         if answer.get(name, {}).get("ok"):
             return f"{name}-accepts"
     return "all-refuse"
-
-
-# ---------------------------------------------------------------------------------------------
-# Regression files
-
-
-def load_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-class Registry:
-    """Where findings go: known signatures are counted, new ones become regression files."""
-
-    def __init__(self, write: bool = True, log_name: str = "findings.jsonl") -> None:
-        self.expected = load_json(EXPECTED_FILE)
-        self.known = set()
-        for entry in self.expected.values():
-            self.known.add(entry["signature"])
-            self.known.update(entry.get("also", []))
-        self.write = write
-        self.seen: Counter[str] = Counter()
-        self.new: list[tuple[Finding, str | None]] = []
-        self.examples: dict[str, str] = {}
-        self.log = FINDINGS_DIR / log_name
-
-    def report(
-        self, findings: Sequence[Finding], data: bytes, ext: str, mutations: Sequence[str]
-    ) -> None:
-        for f in findings:
-            self.seen[f.signature] += 1
-            if f.signature in self.known or self.seen[f.signature] > PER_SIGNATURE:
-                continue
-            name = f"c{f.klass}-{hashlib.sha256(data).hexdigest()[:10]}{ext}"
-            if self.write and len(data) <= MAX_REGRESSION_BYTES:
-                REGRESSIONS.mkdir(parents=True, exist_ok=True)
-                target = REGRESSIONS / name
-                if not target.exists():
-                    target.write_bytes(data)
-                self._log(f, name, mutations)
-            elif self.write:
-                self._log(f, None, mutations)
-                name = f"(too large: {len(data)} bytes)"
-            self.examples.setdefault(f.signature, name)
-            self.new.append((f, name))
-
-    def _log(self, f: Finding, name: str | None, mutations: Sequence[str]) -> None:
-        FINDINGS_DIR.mkdir(exist_ok=True)
-        record = {
-            "file": name,
-            "signature": f.signature,
-            "class": f.klass,
-            "message": f.message,
-            "mutations": list(mutations),
-            "context": f.context,
-        }
-        with self.log.open("a") as fh:
-            fh.write(json.dumps(record, default=str) + "\n")
-
-    def summary(self) -> str:
-        lines = [f"{n:6d}  {sig}" for sig, n in sorted(self.seen.items())]
-        return "\n".join(lines) or "(no findings)"
-
-    def new_summary(self) -> str:
-        return "\n".join(f"{f}  -> regressions/{name}" for f, name in self.new)
-
-
-def env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default

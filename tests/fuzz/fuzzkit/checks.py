@@ -244,7 +244,13 @@ def check_inspect(
         torch_error = oracle.get("torch", {}).get("error", "")
         if "TorchScript" not in torch_error:
             findings.append(
-                Finding(1, "format", command, "torchscript", f"we say torchscript, torch: {torch_error[:200]}")
+                Finding(
+                    1,
+                    "format",
+                    command,
+                    "torchscript",
+                    f"we say torchscript, torch: {torch_error[:200]}",
+                )
             )
         return findings
     if fmt not in TORCH_FORMATS | {"safetensors", "pickle"}:
@@ -252,7 +258,13 @@ def check_inspect(
     ref_name, ref = reference(fmt, oracle)
     if fmt == "pickle" and oracle.get("torch", {}).get("ok"):
         findings.append(
-            Finding(1, "format", command, "pickle-vs-torch", "we read a plain pickle, torch a checkpoint")
+            Finding(
+                1,
+                "format",
+                command,
+                "pickle-vs-torch",
+                "we read a plain pickle, torch a checkpoint",
+            )
         )
         return findings
     if ref.get("ok"):
@@ -286,7 +298,9 @@ def check_inspect(
     return findings
 
 
-def check_library_answer(answer: dict[str, Any], seconds_bound: float = TIME_BOUND) -> list[Finding]:
+def check_library_answer(
+    answer: dict[str, Any], seconds_bound: float = TIME_BOUND
+) -> list[Finding]:
     """The process-level promises for one ``ct.inspect`` call in the sandboxed worker."""
     if answer.get("timeout"):
         return [Finding(8, "hang", "ct.inspect", "timeout", "ct.inspect ran past its time limit")]
@@ -315,9 +329,7 @@ def check_library_answer(answer: dict[str, Any], seconds_bound: float = TIME_BOU
             Finding(8, "multiline", "ct.inspect", answer.get("error", "?"), answer["message"][:300])
         )
     if answer.get("seconds", 0) > seconds_bound:
-        findings.append(
-            Finding(8, "slow", "ct.inspect", "time", f"took {answer['seconds']:.1f} s")
-        )
+        findings.append(Finding(8, "slow", "ct.inspect", "time", f"took {answer['seconds']:.1f} s"))
     if answer.get("torch_imported"):
         findings.append(
             Finding(0, "torch-imported", "ct.inspect", "import", "inspect imported torch")

@@ -142,7 +142,11 @@ class Describer:
             return {"t": "dict", "type": type(obj).__name__, "items": items}
         if isinstance(obj, (list, tuple)):
             kind = "tuple" if isinstance(obj, tuple) else "list"
-            return {"t": kind, "type": type(obj).__name__, "items": [self(v, depth + 1) for v in obj]}
+            return {
+                "t": kind,
+                "type": type(obj).__name__,
+                "items": [self(v, depth + 1) for v in obj],
+            }
         return {"t": "scalar", "type": type(obj).__name__, "repr": safe_repr(obj)}
 
 
@@ -203,7 +207,7 @@ def safetensors_view(path: str) -> dict[str, Any]:
             metadata = f.metadata()
             items = []
             describe = Describer({}, [])
-            for name in f.keys():
+            for name in f:
                 items.append([{"type": "str", "str": name}, describe.tensor(f.get_tensor(name))])
         tree = {"t": "dict", "type": "dict", "items": items}
         return {"ok": True, "tree": tree, "metadata": metadata}
@@ -224,6 +228,8 @@ def pickle_view(path: str) -> dict[str, Any]:
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:
     path = request["path"]
+    if "output" in request:
+        return output_view(path, safetensors=request["output"] == "st")
     out: dict[str, Any] = {"torch": torch_view(path), "safetensors": safetensors_view(path)}
     with open(path, "rb") as f:
         head = f.read(2)
@@ -233,7 +239,7 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def output_view(path: str, safetensors: bool) -> dict[str, Any]:
-    """A file ckpt wrote, read in the calling process: it must load without any fallback.
+    """A file ckpt wrote (``{"output": "torch" | "st"}``): it must load without any fallback.
 
     torch: ``weights_only=True``, then again with ``mmap=True``; safetensors: ``safe_open``.
     """

@@ -7,6 +7,7 @@ and is killed when it runs past its time. The test process never parses a fuzzed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -43,10 +44,8 @@ def child_env(marker: Path) -> dict[str, str]:
 
 
 def _kill(proc: subprocess.Popen[Any]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
