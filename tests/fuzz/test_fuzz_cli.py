@@ -15,10 +15,9 @@ from fuzzkit import mutators, seeds
 from fuzzkit.budget import fuzz_settings
 from fuzzkit.campaign import Session, draw_plan
 from fuzzkit.draw import Draw
-from fuzzkit.registry import Registry
+from fuzzkit.registry import Registry, assert_no_new
 from hypothesis import given
 from hypothesis import strategies as st
-from test_fuzz_library import _assert_no_new
 
 SEEDS = seeds.all_seeds()
 
@@ -42,4 +41,4 @@ def test_fuzz_cli(session: Session, registry: Registry) -> None:
     run()
     print(f"\ncli fuzz: {len(tried)} inputs; {dict(session.stats)}")
     print(registry.summary())
-    _assert_no_new(registry)
+    assert_no_new(registry)

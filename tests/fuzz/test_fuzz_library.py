@@ -14,18 +14,11 @@ from fuzzkit import mutators, seeds
 from fuzzkit.budget import fuzz_settings
 from fuzzkit.campaign import Session
 from fuzzkit.draw import Draw
-from fuzzkit.registry import Registry
+from fuzzkit.registry import Registry, assert_no_new
 from hypothesis import given
 from hypothesis import strategies as st
 
 SEEDS = seeds.all_seeds()
-
-
-def _assert_no_new(registry: Registry) -> None:
-    assert not registry.new, (
-        "new invariant violations (files written to tests/fuzz/regressions/; add each to "
-        "EXPECTED_FAILURES.json if it is a known open bug of issue 9):\n" + registry.new_summary()
-    )
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[s.name for s in SEEDS])
@@ -36,7 +29,7 @@ def test_seed_matches_the_references(
     pristine = not seed.name.startswith("fixture-")
     findings = session.check_library(seed.data, seed.ext, [], pristine=pristine)
     registry.report(findings, seed.data, seed.ext, [])
-    _assert_no_new(registry)
+    assert_no_new(registry)
 
 
 def test_fuzz_library(session: Session, registry: Registry) -> None:
@@ -55,4 +48,4 @@ def test_fuzz_library(session: Session, registry: Registry) -> None:
     run()
     print(f"\nlibrary fuzz: {len(tried)} inputs; {dict(session.stats)}")
     print(registry.summary())
-    _assert_no_new(registry)
+    assert_no_new(registry)

@@ -207,7 +207,7 @@ def safetensors_view(path: str) -> dict[str, Any]:
             metadata = f.metadata()
             items = []
             describe = Describer({}, [])
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 items.append([{"type": "str", "str": name}, describe.tensor(f.get_tensor(name))])
         tree = {"t": "dict", "type": "dict", "items": items}
         return {"ok": True, "tree": tree, "metadata": metadata}
