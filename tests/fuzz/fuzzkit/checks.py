@@ -278,7 +278,7 @@ def check_inspect(
                     1,
                     "unsafe-unnamed",
                     command,
-                    family(mutations),
+                    family(mutations).split(".")[0],
                     f"{ref_name} refuses global(s) {theirs}; we report "
                     f"{info.get('unsafe_globals')} and exit 0",
                 )

@@ -32,8 +32,8 @@ def drafts() -> dict[str, dict[str, Any]]:
                     "mutations": record["mutations"],
                 },
             )
-            if not record["signature"].split(":")[2].startswith("ct."):
-                entry["cli"] = True
+            if not entry["signature"].split(":")[2].startswith("ct."):
+                entry["cli"] = True  # only the command shows it
             plan = record.get("context", {}).get("plan")
             if plan and "plan" not in entry:
                 entry["plan"] = plan
