@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import load_pickle
 from ckpt_tools.formats.repickle import dumps, zip_storage_id
 from ckpt_tools.ops.inspection import TensorInfo
+from ckpt_tools.descriptors import StorageRef, TensorRef
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"

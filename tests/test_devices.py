@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ckpt_tools.cli.main import main
-from ckpt_tools.errors import UsageError
 from ckpt_tools.loading.devices import DeviceInfo, list_devices, pick, visible_devices_for
+from ckpt_tools.errors import UsageError
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

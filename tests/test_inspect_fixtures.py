@@ -32,8 +32,8 @@ from factories import (
 )
 
 import ckpt_tools
-from ckpt_tools.descriptors import iter_tensors
 from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.descriptors import iter_tensors
 
 READABLE = fixtures_where(oracle=("torch", "torch-unsafe", "jit", "safetensors", "sharded"))
 TREES = fixtures_where(oracle=("torch", "torch-unsafe"))  # whole object trees from torch.load

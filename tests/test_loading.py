@@ -18,8 +18,8 @@ from torch import nn
 
 from ckpt_tools import load_state_dict
 from ckpt_tools.cli.main import main
-from ckpt_tools.errors import SelectError, UnsafeContentError, UnsupportedFormatError, UsageError
 from ckpt_tools.loading.devices import auto_location, resolve_map_location
+from ckpt_tools.errors import SelectError, UnsafeContentError, UnsupportedFormatError, UsageError
 from ckpt_tools.loading.state_dict import LoadInfo
 from ckpt_tools.ops.rewriting import retag
 

@@ -29,12 +29,12 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.pickles import MAX_NESTING, load_pickle
 from ckpt_tools.io import zipwriter
-from ckpt_tools.io.verify import Expected, verify_output
-from ckpt_tools.ops.rewriting import convert, rewrite, strip_module_file
+from ckpt_tools.formats.pickles import MAX_NESTING, load_pickle
 from ckpt_tools.structure.keys import add_rule
 from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.ops.rewriting import convert, rewrite, strip_module_file
+from ckpt_tools.io.verify import Expected, verify_output
 
 
 def text(s: str) -> bytes:
