@@ -8,6 +8,7 @@ inputs as fit in ``CKPT_FUZZ_SECONDS`` (split between the library and the comman
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -38,10 +39,8 @@ class Clock:
 
 
 def run_until_time_up(run: Callable[[], None]) -> None:
-    try:
+    with contextlib.suppress(TimeUp):
         run()
-    except TimeUp:
-        pass
 
 
 def fuzz_settings(env: str, default: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

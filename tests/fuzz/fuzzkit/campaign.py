@@ -193,7 +193,7 @@ class Session:
                     "traceback",
                     command,
                     name,
-                    f"exit {res.returncode} with a traceback: {res.stderr.strip().splitlines()[-1][:200]}",
+                    f"exit {res.returncode} with a traceback: {_last_line(res.stderr)[:200]}",
                     {"stderr": res.stderr[-3000:]},
                 )
             )
@@ -207,14 +207,14 @@ class Session:
                     f"exit {res.returncode}: {res.stderr.strip()[-300:]}",
                 )
             )
-        elif res.returncode != 0 and len(res.stderr.strip().splitlines()) != 1:
+        elif res.returncode != 0 and (lines := len(res.stderr.strip().splitlines())) != 1:
             findings.append(
                 Finding(
                     8,
                     "stderr-lines",
                     command,
-                    str(min(len(res.stderr.strip().splitlines()), 2)),
-                    f"exit {res.returncode} with {len(res.stderr.strip().splitlines())} stderr lines: "
+                    str(min(lines, 2)),
+                    f"exit {res.returncode} with {lines} stderr lines: "
                     f"{res.stderr.strip()[:300]!r}",
                 )
             )
@@ -410,7 +410,8 @@ class Session:
                         "output-unloadable",
                         command,
                         f"{loader}:{checks.short_error(view.get('error', ''))}",
-                        f"exit 0 but {loader} cannot load the output: {view.get('error', '')[-300:]}",
+                        f"exit 0 but {loader} cannot load the output: "
+                        f"{view.get('error', '')[-300:]}",
                     )
                 ]
         fmt = ours.get("info", {}).get("format") if ours.get("ok") else None
@@ -493,6 +494,11 @@ def _normal(node: Any, command: str) -> Any:
     if isinstance(node, list):
         return [_normal(v, command) for v in node]
     return node
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def _json(text: str) -> dict[str, Any]:

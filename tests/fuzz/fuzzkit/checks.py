@@ -234,7 +234,8 @@ def check_inspect(
                             "refuses-valid",
                             command,
                             short_error(ours.get("message", "")),
-                            f"refused a file torch.save wrote and torch loads: {ours.get('message')}",
+                            "refused a file torch.save wrote and torch loads: "
+                            f"{ours.get('message')}",
                         )
                     )
         return findings
