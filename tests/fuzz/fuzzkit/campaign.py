@@ -448,6 +448,14 @@ def compare_output(
     def differs(detail: str, message: str) -> list[Finding]:
         return [Finding(3, "output-differs", command, detail, message)]
 
+    dropped = set(result.get("dropped") or []) if out_is_st else set()
+    if dropped:  # tied duplicates safetensors cannot hold: each must share a kept storage
+        kept = {t["storage"] for a, t in theirs if a not in dropped}
+        lost = [a for a, t in theirs if a in dropped and t["storage"] not in kept]
+        if lost:
+            return differs("dropped", f"dropped {lost}, which share no storage with a kept tensor")
+        theirs = [(a, t) for a, t in theirs if a not in dropped]
+
     if len(theirs) != len(mine):
         return differs("count", f"{len(theirs)} tensors in, {len(mine)} out")
     if not same_kind:
