@@ -21,7 +21,7 @@ from typing import Any
 
 from . import checks
 from .checks import Finding
-from .workers import CLI_MEMORY, ORACLE_MEMORY, CliResult, Worker, run_ckpt
+from .workers import CLI_MEMORY, CLI_TIMEOUT, ORACLE_MEMORY, CliResult, Worker, run_ckpt
 
 OLD_OUTPUT = b"an older output that a failed rewrite must leave alone\n"
 
@@ -111,6 +111,7 @@ class Session:
         self.lib = Worker("lib_worker.py", CLI_MEMORY, self.marker, workdir)
         self.stats: Counter[str] = Counter()
         self.cases = 0
+        self.cli_timeout = CLI_TIMEOUT
 
     def start(self) -> None:
         self.oracle.warm_up()
@@ -169,11 +170,11 @@ class Session:
 
     def _run(self, args: Sequence[str], cwd: Path) -> CliResult:
         self.stats["cli-runs"] += 1
-        return run_ckpt(args, cwd, self.marker)
+        return run_ckpt(args, cwd, self.marker, timeout=self.cli_timeout)
 
     def _process_checks(self, res: CliResult, command: str) -> list[Finding]:
         findings = []
-        if res.timed_out or res.seconds > checks.TIME_BOUND:
+        if res.timed_out or res.seconds > min(checks.TIME_BOUND, self.cli_timeout):
             findings.append(
                 Finding(
                     8,

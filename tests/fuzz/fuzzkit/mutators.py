@@ -112,12 +112,14 @@ def pickle_file(data: bytes, d: Draw, names: list[str]) -> bytes | None:
 def mutate_once(data: bytes, kind: str, d: Draw, names: list[str]) -> bytes:
     """One mutation: structure-aware for the format (mostly), bytes otherwise."""
     if d.bool(85):
-        if kind == "pickle":
-            out = pickle_file(data, d, names)
-        elif kind in FAMILIES:
-            table, choices = FAMILIES[kind]
-            out = table[d.choice(choices)](data, d, names)
-        else:
+        out = None
+        try:
+            if kind == "pickle":
+                out = pickle_file(data, d, names)
+            elif kind in FAMILIES:
+                table, choices = FAMILIES[kind]
+                out = table[d.choice(choices)](data, d, names)
+        except RecursionError:  # a header an earlier mutation nested too deeply to rebuild
             out = None
         if out is not None:
             return out

@@ -172,6 +172,9 @@ def built_seeds() -> tuple[Seed, ...]:
     int_keys = {0: torch.randn(2), "0": torch.randn(3), "module.a": torch.arange(4)}
     torch.manual_seed(3)
     linear = nn.Linear(2, 2)
+    odd_keys = {0: torch.ones(2), "0": torch.zeros(3), (1, 2): torch.ones(1), b"k": torch.ones(1)}
+    odd_keys.update({None: torch.ones(1), "module.a": torch.arange(3)})
+
     plain_zip = _torch_zip(sd)
     seeds = [
         Seed("zip-plain", "zip", plain_zip),
@@ -181,6 +184,7 @@ def built_seeds() -> tuple[Seed, ...]:
         Seed("zip-evil-beside", "zip", _torch_zip({"state_dict": sd, "payload": ShellPayload()})),
         Seed("zip-evil-inside", "zip", _torch_zip({**sd, "module.x": ExecPayload()})),
         Seed("zip-int-keys", "zip", _torch_zip(int_keys)),
+        Seed("zip-odd-keys", "zip", _torch_zip(odd_keys)),
         Seed("zip-proto4", "zip", _torch_zip(sd, pickle_protocol=4)),
         Seed("zip-proto5", "zip", _torch_zip(sd, pickle_protocol=5)),
         Seed("zip-deflated", "zip", _deflated(plain_zip)),

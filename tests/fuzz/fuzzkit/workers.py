@@ -25,12 +25,14 @@ HERE = Path(__file__).resolve().parent
 CLI_MEMORY = int(1.5 * (1 << 30))  # what a ckpt command may map: 1.5 GiB
 ORACLE_MEMORY = 4 << 30  # torch itself maps ~1 GiB of address space
 CLI_TIMEOUT = 30.0  # seconds; the inputs are a few KB, anything near this is a hang
+FILE_SIZE = 256 << 20  # no file a command writes may grow past this (SIGXFSZ kills it)
 
 
 def limiter(address_space: int) -> Callable[[], None]:
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE, FILE_SIZE))
         os.setsid()  # its own process group, so a kill reaches its children too
 
     return apply
