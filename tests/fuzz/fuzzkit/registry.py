@@ -43,6 +43,9 @@ class Registry:
         for entry in self.expected.values():
             self.known.add(entry["signature"])
             self.known.update(entry.get("also", []))
+        for sig in list(self.known):  # inspect shows the same bug in the library and the command
+            self.known.add(sig.replace(":ct.inspect:", ":inspect:"))
+            self.known.add(sig.replace(":inspect:", ":ct.inspect:"))
         self.write = write
         self.seen: Counter[str] = Counter()
         self.new: list[tuple[Finding, str | None]] = []
