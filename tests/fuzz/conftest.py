@@ -3,7 +3,7 @@
 Budgets come from the environment (``make fuzz`` sets the long ones):
 
 - ``CKPT_FUZZ_EXAMPLES``: inputs through the library (``ct.inspect`` in the sandboxed worker)
-  and the reference readers (default 200, derandomized);
+  and the reference readers (default 300, derandomized);
 - ``CKPT_FUZZ_CLI_EXAMPLES``: inputs through ``python -m ckpt_tools`` (inspect and one rewrite
   each; default 12, derandomized);
 - ``CKPT_FUZZ_LONG=1``: random generation (``CKPT_FUZZ_SEED`` fixes it) for

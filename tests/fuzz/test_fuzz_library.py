@@ -36,7 +36,7 @@ def test_fuzz_library(session: Session, registry: Registry) -> None:
     tried = []
     clock = Clock(share=0.7)
 
-    @fuzz_settings("CKPT_FUZZ_EXAMPLES", 200)
+    @fuzz_settings("CKPT_FUZZ_EXAMPLES", 300)
     @given(st.data())
     def run(data: st.DataObject) -> None:
         clock.check()

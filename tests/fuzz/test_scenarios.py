@@ -59,7 +59,7 @@ def test_fifo_input_is_refused_not_read(tmp_path: Path) -> None:
     """Class 5: a FIFO named as the checkpoint is refused at once (opening it would block)."""
     fifo = tmp_path / "model.pt"
     os.mkfifo(fifo)
-    res = run_ckpt(["inspect", str(fifo)], tmp_path, tmp_path / "marker", timeout=3)
+    res = run_ckpt(["inspect", str(fifo)], tmp_path, tmp_path / "marker", timeout=6)
     _one_line_refusal(res, REFUSED)
 
 
@@ -69,7 +69,7 @@ def test_fifo_input_to_a_rewrite_is_refused(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     out = tmp_path / "out" / "model.pt"
     out.parent.mkdir()
-    res = run_ckpt(["convert", str(fifo), str(out)], tmp_path, tmp_path / "marker", timeout=3)
+    res = run_ckpt(["convert", str(fifo), str(out)], tmp_path, tmp_path / "marker", timeout=6)
     _one_line_refusal(res, REFUSED)
     assert not list(out.parent.iterdir())
 
