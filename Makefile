@@ -23,8 +23,9 @@ demo: $(STAMP)
 	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/wrapped.pt $(DEMO_DIR)/ddp/stripped.pt --align --fail-on value
 	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/stripped.pt $(DEMO_DIR)/single/bare.pt --fail-on missing,unexpected,shape,dtype,value
 
+# Includes the fuzzer's short, derandomized budget (tests/fuzz; CKPT_FUZZ_LONG=0 keeps it so).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	CKPT_FUZZ_LONG=0 $(PY) -m pytest -q
 
 # The issue-9 fuzzer's long run (the short one is part of `make test`): random inputs for
 # FUZZ_SECONDS (FUZZ_SEED repeats a run). New findings are written to tests/fuzz/regressions/

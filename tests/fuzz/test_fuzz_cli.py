@@ -12,11 +12,10 @@ what the reference reader saw in the input.
 from __future__ import annotations
 
 from fuzzkit import mutators, seeds
-from fuzzkit.budget import Clock, fuzz_settings, run_until_time_up
+from fuzzkit.budget import fuzz
 from fuzzkit.campaign import Session, draw_plan
 from fuzzkit.draw import Draw
 from fuzzkit.registry import Registry, assert_no_new
-from hypothesis import given
 from hypothesis import strategies as st
 
 SEEDS = seeds.all_seeds()
@@ -24,12 +23,8 @@ SEEDS = seeds.all_seeds()
 
 def test_fuzz_cli(session: Session, registry: Registry) -> None:
     tried = []
-    clock = Clock(share=0.3)
 
-    @fuzz_settings("CKPT_FUZZ_CLI_EXAMPLES", 12)
-    @given(st.data())
     def run(data: st.DataObject) -> None:
-        clock.check()
         d = Draw(data)
         seed = d.choice(SEEDS)
         count = d.choice((0, 1, 1, 2))
@@ -40,7 +35,7 @@ def test_fuzz_cli(session: Session, registry: Registry) -> None:
         registry.report(findings, mutated, seed.ext, names)
         tried.append(plan.label())
 
-    run_until_time_up(run)
+    fuzz("CKPT_FUZZ_CLI_EXAMPLES", 12, share=0.3, rounds_of=3, body=run)
     print(f"\ncli fuzz: {len(tried)} inputs; {dict(session.stats)}")
     print(registry.summary())
     assert_no_new(registry)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 from fuzzkit import mutators, seeds
-from fuzzkit.budget import Clock, fuzz_settings, run_until_time_up
+from fuzzkit.budget import fuzz
 from fuzzkit.campaign import Session
 from fuzzkit.draw import Draw
 from fuzzkit.registry import Registry, assert_no_new
-from hypothesis import given
 from hypothesis import strategies as st
 
 SEEDS = seeds.all_seeds()
@@ -34,12 +33,8 @@ def test_seed_matches_the_references(
 
 def test_fuzz_library(session: Session, registry: Registry) -> None:
     tried = []
-    clock = Clock(share=0.7)
 
-    @fuzz_settings("CKPT_FUZZ_EXAMPLES", 300)
-    @given(st.data())
     def run(data: st.DataObject) -> None:
-        clock.check()
         d = Draw(data)
         seed = d.choice(SEEDS)
         mutated, names = mutators.mutate(seed, d, d.choice((1, 1, 1, 2, 3)))
@@ -47,7 +42,7 @@ def test_fuzz_library(session: Session, registry: Registry) -> None:
         registry.report(findings, mutated, seed.ext, names)
         tried.append(seed.name)
 
-    run_until_time_up(run)
+    fuzz("CKPT_FUZZ_EXAMPLES", 300, share=0.7, rounds_of=25, body=run)
     print(f"\nlibrary fuzz: {len(tried)} inputs; {dict(session.stats)}")
     print(registry.summary())
     assert_no_new(registry)

@@ -119,7 +119,7 @@ def mutate_once(data: bytes, kind: str, d: Draw, names: list[str]) -> bytes:
             elif kind in FAMILIES:
                 table, choices = FAMILIES[kind]
                 out = table[d.choice(choices)](data, d, names)
-        except RecursionError:  # a header an earlier mutation nested too deeply to rebuild
+        except Exception:
             out = None
         if out is not None:
             return out
