@@ -42,10 +42,9 @@ def fuzz(env: str, default: int, share: float, rounds_of: int, body: Callable[[A
     ``env`` / ``default``: the number of inputs (short budget), ``share``: this test's part of
     ``CKPT_FUZZ_SECONDS``, ``rounds_of``: inputs per round in the long budget.
     """
-    test = given(st.data())(body)
     seconds = env_int("CKPT_FUZZ_SECONDS", 0) * share if LONG else 0
     if not seconds:
-        run = _settings(env_int(env, default))(test)
+        run = _settings(env_int(env, default))(given(st.data())(body))
         if LONG and "CKPT_FUZZ_SEED" in os.environ:
             run = fixed_seed(env_int("CKPT_FUZZ_SEED", 0))(run)
         run()
@@ -56,6 +55,7 @@ def fuzz(env: str, default: int, share: float, rounds_of: int, body: Callable[[A
     round_ = 0
     while time.monotonic() < deadline and left > 0:
         examples = min(rounds_of, left)
+        test = given(st.data())(body)  # settings apply once per wrapped test
         fixed_seed(base * 100_003 + round_)(_settings(examples)(test))()
         left -= examples
         round_ += 1
