@@ -19,6 +19,7 @@ Each answer is ``{"ok": true, "tree": ...}`` or ``{"ok": false, "error": ..., "u
 
 from __future__ import annotations
 
+import _compat_pickle
 import hashlib
 import io
 import json
@@ -49,6 +50,9 @@ class RestrictedUnpickler(pickle.Unpickler):
     """``find_class`` limited to torch's weights-only allowlist; everything else refused."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # Python 2 names, as pickle's fix_imports maps them (``__builtin__.set``).
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         key = f"{module}.{name}"
         allowed = _ALLOWED.get(key)
         if allowed is None:
