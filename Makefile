@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR := demo-out
 
-.PHONY: demo test lint format venv clean bench
+.PHONY: demo test lint format venv clean bench fuzz
 
 venv: $(STAMP)
 
@@ -23,8 +23,20 @@ demo: $(STAMP)
 	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/wrapped.pt $(DEMO_DIR)/ddp/stripped.pt --align --fail-on value
 	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/stripped.pt $(DEMO_DIR)/single/bare.pt --fail-on missing,unexpected,shape,dtype,value
 
+# Includes the fuzzer's short, derandomized budget (tests/fuzz; CKPT_FUZZ_LONG=0 keeps it so).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	CKPT_FUZZ_LONG=0 $(PY) -m pytest -q
+
+# The issue-9 fuzzer's long run (the short one is part of `make test`): random inputs for
+# FUZZ_SECONDS (FUZZ_SEED repeats a run). New findings are written to tests/fuzz/regressions/
+# and logged in tests/fuzz/findings/; `cd tests/fuzz && ../../.venv/bin/python -m
+# fuzzkit.manifest` drafts their EXPECTED_FAILURES.json entries.
+FUZZ_SECONDS ?= 600
+FUZZ_SEED ?= $(shell date +%s)
+fuzz: $(STAMP)
+	CKPT_FUZZ_LONG=1 CKPT_FUZZ_SECONDS=$(FUZZ_SECONDS) CKPT_FUZZ_SEED=$(FUZZ_SEED) \
+	$(PY) -m pytest -q -s -p no:cacheprovider -p no:randomly \
+	  tests/fuzz/test_fuzz_library.py::test_fuzz_library tests/fuzz/test_fuzz_cli.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckpt_tools tests benchmarks fixtures

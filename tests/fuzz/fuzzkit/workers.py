@@ -1,0 +1,162 @@
+"""Sandboxed helper processes and the ``ckpt`` command, each with a timeout and a memory bound.
+
+Everything that reads a fuzzed file runs in a child process with ``RLIMIT_AS`` set in a
+``preexec_fn`` (Linux ignores ``RLIMIT_RSS``; the address-space limit is what bounds memory),
+and is killed when it runs past its time. The test process never parses a fuzzed input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+CLI_MEMORY = int(1.5 * (1 << 30))  # what a ckpt command may map: 1.5 GiB
+ORACLE_MEMORY = 4 << 30  # torch itself maps ~1 GiB of address space
+CLI_TIMEOUT = 30.0  # seconds; the inputs are a few KB, anything near this is a hang
+FILE_SIZE = 256 << 20  # no file a command writes may grow past this (SIGXFSZ kills it)
+
+
+def limiter(address_space: int) -> Callable[[], None]:
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE, FILE_SIZE))
+        os.setsid()  # its own process group, so a kill reaches its children too
+
+    return apply
+
+
+def child_env(marker: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPT_DEBUG", "PYTHONWARNINGS")}
+    env["CKPT_FUZZ_MARKER"] = str(marker)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _kill(proc: subprocess.Popen[Any]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class Worker:
+    """A long-lived script answering one JSON line per JSON request line.
+
+    A request that runs past ``timeout`` kills the worker (it is restarted on the next call)
+    and answers ``{"timeout": true}``; a worker that dies answers ``{"died": returncode}``.
+    """
+
+    def __init__(self, script: str, memory: int, marker: Path, cwd: Path) -> None:
+        self.script, self.memory, self.marker, self.cwd = script, memory, marker, cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.calls = 0
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / self.script)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                cwd=self.cwd,
+                env=child_env(self.marker),
+                preexec_fn=limiter(self.memory),
+            )
+        return self.proc
+
+    def warm_up(self) -> None:
+        self._start()
+
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        proc = self._start()
+        assert proc.stdin is not None and proc.stdout is not None
+        self.calls += 1
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            return self._died()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    _kill(proc)
+                    self.proc = None
+                    return {"timeout": True}
+                if sel.select(left):
+                    line = proc.stdout.readline()
+                    if not line:
+                        return self._died()
+                    return json.loads(line)
+
+    def _died(self) -> dict[str, Any]:
+        assert self.proc is not None
+        _kill(self.proc)
+        code = self.proc.returncode
+        self.proc = None
+        return {"died": code}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            _kill(self.proc)
+            self.proc = None
+
+
+@dataclass
+class CliResult:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool
+
+
+def run_ckpt(
+    args: Sequence[str],
+    cwd: Path,
+    marker: Path,
+    timeout: float = CLI_TIMEOUT,
+    memory: int = CLI_MEMORY,
+) -> CliResult:
+    """``python -m ckpt_tools ARGS`` in ``cwd``: a real process, time- and memory-bounded."""
+    argv = [sys.executable, "-m", "ckpt_tools", *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env=child_env(marker),
+        preexec_fn=limiter(memory),
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        out, err = proc.communicate()
+        timed_out = True
+    return CliResult(
+        list(args),
+        proc.returncode,
+        out.decode("utf-8", "replace"),
+        err.decode("utf-8", "replace"),
+        time.monotonic() - start,
+        timed_out,
+    )
