@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import ckpt_env
+from tests.helpers import torch_free_env
 
 
 def views() -> dict[str, torch.Tensor]:
@@ -63,13 +63,7 @@ def tensor_bytes(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
 
 @pytest.fixture
 def no_torch_env(tmp_path: Path) -> dict[str, str]:
-    """PYTHONPATH starting with a fake ``torch`` package that refuses to import."""
-    fake = tmp_path / "fake"
-    (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text(
-        'raise ImportError("a conversion must not import torch")\n'
-    )
-    return ckpt_env(PYTHONPATH=str(fake))
+    return torch_free_env(tmp_path, "a conversion must not import torch")
 
 
 def test_the_fake_torch_refuses_to_import(no_torch_env: dict[str, str]) -> None:

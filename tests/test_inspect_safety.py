@@ -14,7 +14,14 @@ import torch
 
 import ckpt_tools
 from ckpt_tools.cli.main import main
-from tests.helpers import ckpt_env, entry, fixture_path, read_data_pkl, run_ckpt, tools
+from tests.helpers import (
+    entry,
+    fixture_path,
+    read_data_pkl,
+    run_ckpt,
+    tools,
+    torch_free_env,
+)
 
 EVIL = fixture_path("evil.pt")
 MARKER = tools().MARKER
@@ -70,13 +77,7 @@ def test_cli_reports_it(
 
 @pytest.fixture
 def no_torch_env(tmp_path: Path) -> dict[str, str]:
-    """PYTHONPATH starting with a fake ``torch`` package that refuses to import."""
-    fake = tmp_path / "fake"
-    (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text(
-        'raise ImportError("ckpt inspect must not import torch")\n'
-    )
-    return ckpt_env(PYTHONPATH=str(fake))
+    return torch_free_env(tmp_path, "ckpt inspect must not import torch")
 
 
 def test_fake_torch_blocks_imports(no_torch_env: dict[str, str]) -> None:

@@ -36,7 +36,7 @@ from tests.helpers.builders import (
     transposed_views,
     with_prefix,
 )
-from tests.helpers.cli import CkptResult, ckpt_env, console_script, run_ckpt
+from tests.helpers.cli import CkptResult, ckpt_env, console_script, run_ckpt, torch_free_env
 from tests.helpers.committed import (
     FIXTURES,
     NOT_FIXTURES,
@@ -143,6 +143,7 @@ __all__ = [
     "tied",
     "tools",
     "torch_dtype",
+    "torch_free_env",
     "trained",
     "transposed_views",
     "truncated_copy",

@@ -61,6 +61,25 @@ def console_script() -> str:
     return found
 
 
+def torch_free_env(folder: Path, why: str = "this command must not import torch") -> dict[str, str]:
+    """A child-process environment in which ``import torch`` fails with ``why``.
+
+    A fake ``torch`` package that raises on import goes first on ``PYTHONPATH``, so a run
+    that passes in this environment proves the command never imported torch.
+
+    Args:
+        folder: where to write the fake package (a test's ``tmp_path``).
+        why: the ImportError's message, which the test may look for.
+
+    Returns:
+        The environment (see :func:`ckpt_env`).
+    """
+    fake = Path(folder) / "fake-torch"
+    (fake / "torch").mkdir(parents=True, exist_ok=True)
+    (fake / "torch" / "__init__.py").write_text(f"raise ImportError({why!r})\n")
+    return ckpt_env(PYTHONPATH=str(fake))
+
+
 def run_ckpt(
     *args: object,
     code: int | None = 0,
