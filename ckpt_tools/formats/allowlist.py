@@ -86,9 +86,21 @@ class _Caller(GlobalRef):
     """An allowlisted callable global; calling it (REDUCE) builds a descriptor."""
 
     build: Callable[..., Any] | None = None
+    min_args: int = 0
+    max_args: int = 0
 
     def __call__(self, *args: Any) -> Any:
         assert self.build is not None
+        if not self.min_args <= len(args) <= self.max_args:
+            takes = (
+                f"{self.min_args}"
+                if self.min_args == self.max_args
+                else f"{self.min_args} to {self.max_args}"
+            )
+            raise CorruptCheckpointError(
+                f"the pickle calls {self.qualname} with {len(args)} positional arguments; "
+                f"it takes {takes}, so torch.load fails on this call too"
+            )
         return self.build(self, *args)
 
 
@@ -239,24 +251,27 @@ def _counter(func: GlobalRef, *args: Any) -> collections.Counter[Any]:
     return collections.Counter(*args)
 
 
-_BUILDERS: dict[str, Callable[..., Any]] = {
-    "torch._utils._rebuild_tensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-    "torch._utils._rebuild_qtensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-    "torch.Size": _size,
-    "torch.device": _reduced,
-    "torch.serialization._get_layout": _reduced,
-    "torch._utils._rebuild_sparse_tensor": _reduced,
-    "torch._utils._rebuild_nested_tensor": _reduced,
-    "torch._utils._rebuild_meta_tensor_no_storage": _reduced,
-    "torch._utils._rebuild_wrapper_subclass": _reduced,
-    "torch._utils._rebuild_device_tensor_from_numpy": _reduced,
-    "collections.Counter": _counter,
-    "_codecs.encode": _codecs_encode,
+# Each callable global: its stand-in, and how many positional arguments the real function
+# accepts (min, max), as its signature in torch 2.13 (torch/_utils.py) has it. A REDUCE with
+# any other count is refused, as the real call fails there (TypeError) and torch.load with it.
+_BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
+    "torch._utils._rebuild_tensor": (_rebuild_tensor, 4, 4),
+    "torch._utils._rebuild_tensor_v2": (_rebuild_tensor, 6, 7),
+    "torch._utils._rebuild_qtensor": (_rebuild_tensor, 7, 7),
+    "torch._utils._rebuild_tensor_v3": (_rebuild_tensor_v3, 7, 8),
+    "torch._utils._rebuild_parameter": (_rebuild_parameter, 3, 3),
+    "torch._utils._rebuild_parameter_with_state": (_rebuild_parameter, 4, 4),
+    "torch._tensor._rebuild_from_type_v2": (_rebuild_from_type_v2, 4, 4),
+    "torch.Size": (_size, 0, 1),
+    "torch.device": (_reduced, 1, 2),
+    "torch.serialization._get_layout": (_reduced, 1, 1),
+    "torch._utils._rebuild_sparse_tensor": (_reduced, 2, 2),
+    "torch._utils._rebuild_nested_tensor": (_reduced, 4, 4),
+    "torch._utils._rebuild_meta_tensor_no_storage": (_reduced, 4, 4),
+    "torch._utils._rebuild_wrapper_subclass": (_reduced, 8, 8),
+    "torch._utils._rebuild_device_tensor_from_numpy": (_reduced, 4, 4),
+    "collections.Counter": (_counter, 0, 1),
+    "_codecs.encode": (_codecs_encode, 1, 3),
 }
 
 # Python types that are safe to use for real. They are built-in (immutable) types: a pickle's
@@ -298,7 +313,7 @@ def resolve_allowed(module: str, name: str) -> Any | None:
     if qualname in _PYTHON_GLOBALS:
         return _PYTHON_GLOBALS[qualname]
     if qualname in _BUILDERS:
-        return _Caller(module, name, _BUILDERS[qualname])
+        return _Caller(module, name, *_BUILDERS[qualname])
     if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_TYPE_DTYPE:
         return StorageTypeRef(module, name)
     if qualname in _TORCH_CONSTANTS:

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
-from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ResourceLimitError,
+    quote_foreign,
+)
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
 
@@ -33,6 +38,23 @@ MAX_PICKLE_BYTES = 1 << 30
 # 500 levels, state dicts are a few levels deep, and everything that walks a tree afterwards
 # (the re-pickler, layout selection, inspect) recurses, about four frames a level.
 MAX_NESTING = 200
+
+# Every built-in exception the unpickler raises on hostile bytes, other than those about size:
+# UnpicklingError (bad opcodes, stack underflow), EOFError (truncation), ValueError (bad
+# literals, UnicodeDecodeError, int digit limits), TypeError (calls with wrong arguments,
+# unhashable keys), LookupError (memo misses, empty stacks), AttributeError and
+# RecursionError (hostile nesting), ArithmeticError other than OverflowError.
+_MALFORMED = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    LookupError,
+    AttributeError,
+    RecursionError,
+    ZeroDivisionError,
+    FloatingPointError,
+)
 
 
 @contextlib.contextmanager
@@ -209,21 +231,22 @@ def load_pickle(
         with gc_paused():
             root = unpickler.load()
             check_nesting(root, MAX_NESTING)
-    except (ResourceLimitError, CorruptCheckpointError):
+    except CheckpointError:
         # Raised on purpose (by persistent_load or a rebuild check) with their own message.
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+    except _MALFORMED as e:
+        # What pickle's _Unpickler.load_* methods (and the real Python types on the allowlist:
+        # set, complex, bytearray, OrderedDict) raise on bytes that are not a valid pickle.
         raise CorruptCheckpointError(
-            f"the pickle is malformed or truncated ({type(e).__name__}: {e})"
+            f"the pickle is malformed or truncated ({quote_foreign(e)})"
         ) from e
-    except (AttributeError, KeyError, RecursionError) as e:
-        raise CorruptCheckpointError(f"the pickle could not be read ({e!r})") from e
-    except MemoryError as e:
-        # The unpickler allocates a BINBYTES8/BINUNICODE8 object of its declared length
-        # before reading it, so a lying length fails here, before any byte is read.
+    except (MemoryError, OverflowError) as e:
+        # The unpickler allocates a BINBYTES8/BINUNICODE8/BYTEARRAY8 object of its declared
+        # length before reading it, so a lying length fails here (MemoryError, or
+        # OverflowError past the address space), before any byte is read.
         raise ResourceLimitError(
             "the pickle declares an object larger than memory allows; a checkpoint's pickle "
-            "holds no such object, so this is not one"
+            f"holds no such object, so this is not one ({quote_foreign(e)})"
         ) from e
     return ReadResult(
         root=root,
