@@ -25,6 +25,7 @@ from ckpt_tools.errors import (
     CheckpointError,
     CorruptCheckpointError,
     ResourceLimitError,
+    UnsafeContentError,
     quote_foreign,
 )
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
@@ -91,10 +92,12 @@ class ReadResult:
     protocol: int
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+class _Restricted:
+    """find_class and persistent_load, for the C unpickler and for the pure-Python one."""
+
     def __init__(self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> None:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
-        super().__init__(file, encoding="utf-8")
+        super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self.storages: dict[str, StorageRef] = {}
         self.unsafe: dict[str, type[Opaque]] = {}
         self._persistent_hook = persistent_load
@@ -161,6 +164,19 @@ class _RestrictedUnpickler(pickle.Unpickler):
             )
             self.storages[cache_key] = found
         return found
+
+
+class _RestrictedUnpickler(_Restricted, pickle.Unpickler):
+    """The one that reads (C, fast)."""
+
+
+class _RestrictedPyUnpickler(_Restricted, pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """The one that parses GLOBAL as torch's weights-only unpickler does, used on failures only.
+
+    Both split a GLOBAL opcode's module and name on newlines and drop each line's last byte,
+    but the C unpickler refuses an empty line (``cposix\\n\\n``) or a last line without its
+    newline as truncation before it asks ``find_class``; this one, like torch, names the global.
+    """
 
 
 def _python3_name(module: str, name: str) -> tuple[str, str]:
@@ -231,12 +247,14 @@ def load_pickle(
         with gc_paused():
             root = unpickler.load()
             check_nesting(root, MAX_NESTING)
-    except CheckpointError:
+    except CheckpointError as e:
         # Raised on purpose (by persistent_load or a rebuild check) with their own message.
+        _refuse_unsafe_first(tuple(unpickler.unsafe), e)
         raise
     except _MALFORMED as e:
         # What pickle's _Unpickler.load_* methods (and the real Python types on the allowlist:
         # set, complex, bytearray, OrderedDict) raise on bytes that are not a valid pickle.
+        _refuse_unsafe_first(_unsafe_before(unpickler, file, start, limit), e)
         raise CorruptCheckpointError(
             f"the pickle is malformed or truncated ({quote_foreign(e)})"
         ) from e
@@ -244,6 +262,7 @@ def load_pickle(
         # The unpickler allocates a BINBYTES8/BINUNICODE8/BYTEARRAY8 object of its declared
         # length before reading it, so a lying length fails here (MemoryError, or
         # OverflowError past the address space), before any byte is read.
+        _refuse_unsafe_first(tuple(unpickler.unsafe), e)
         raise ResourceLimitError(
             "the pickle declares an object larger than memory allows; a checkpoint's pickle "
             f"holds no such object, so this is not one ({quote_foreign(e)})"
@@ -254,3 +273,45 @@ def load_pickle(
         unsafe_globals=tuple(unpickler.unsafe),
         protocol=protocol,
     )
+
+
+# On a malformed pickle, up to this many bytes are parsed again as torch parses GLOBAL.
+MAX_RESCAN_BYTES = 4 << 20
+
+
+def _unsafe_before(
+    unpickler: _RestrictedUnpickler, file: BinaryIO, start: int, limit: int
+) -> tuple[str, ...]:
+    """The globals outside the allowlist that come before the point where a pickle fails.
+
+    The C unpickler's own record, or, where it has none, the pure-Python unpickler's, which
+    parses GLOBAL lines as torch does (see :class:`_RestrictedPyUnpickler`).
+    """
+    if unpickler.unsafe:
+        return tuple(unpickler.unsafe)
+    try:
+        consumed = file.tell() - start
+        file.seek(start)
+    except (OSError, ValueError):
+        return ()
+    if consumed > MAX_RESCAN_BYTES:
+        return ()
+    rescan = _RestrictedPyUnpickler(LimitedReader(file, min(limit, consumed + 4096)))
+    try:
+        with gc_paused():
+            rescan.load()
+    except (CheckpointError, MemoryError, OverflowError, *_MALFORMED):
+        pass  # where it fails does not matter: only what it met before
+    return tuple(rescan.unsafe)
+
+
+def _refuse_unsafe_first(names: tuple[str, ...], error: BaseException) -> None:
+    """torch's weights-only unpickler refuses a pickle at its first global outside the
+    allowlist, so it never reaches a failure after one: refuse it as unsafe, naming them."""
+    if names:
+        raise UnsafeContentError(
+            f"the pickle refers to global(s) outside the allowlist ({', '.join(names)}) "
+            f"before it fails ({quote_foreign(error)}); torch.load(weights_only=True) refuses "
+            "it at the first of them",
+            globals=names,
+        ) from error
