@@ -223,3 +223,24 @@ def test_foreign_text_is_quoted_on_one_line() -> None:
     assert text.startswith("ValueError: a\\nb\\u2028c") and len(text) < 220
     assert len(text.splitlines()) == 1
     assert os.linesep not in text
+
+
+# --- the allowlist is a subset of torch's --------------------------------------------------------
+
+
+def test_every_allowlisted_global_is_on_torchs_allowlist() -> None:
+    from torch import _weights_only_unpickler as weights_only
+
+    from ckpt_tools.formats.allowlist import ALLOWED_GLOBALS
+
+    assert set(weights_only._get_allowed_globals()) >= ALLOWED_GLOBALS
+
+
+@pytest.mark.parametrize("value", [frozenset({1}), slice(1, 2)], ids=["frozenset", "slice"])
+def test_a_global_torch_refuses_is_reported_unsafe(tmp_path: Path, value: Any) -> None:
+    path = tmp_path / "plain.pkl"
+    path.write_bytes(pickle.dumps({"a": value}, protocol=2))
+    name = type(value).__name__
+    assert f"GLOBAL {name} was not an allowed global" in _torch_error(path)
+    # Named as written (protocol 2: ``__builtin__``), so a rewrite re-emits it unchanged.
+    assert ct.inspect(str(path)).unsafe_globals == (f"__builtin__.{name}",)

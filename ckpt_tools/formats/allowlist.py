@@ -19,6 +19,7 @@ from ckpt_tools.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE_TYPE, STORAGE_TYPE_D
 from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = [
+    "ALLOWED_GLOBALS",
     "UNTYPED_STORAGE",
     "ConstantRef",
     "Reduced",
@@ -274,17 +275,16 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
     "_codecs.encode": (_codecs_encode, 1, 3),
 }
 
-# Python types that are safe to use for real. They are built-in (immutable) types: a pickle's
-# BUILD opcode on the class itself cannot set attributes on them. Pure-Python classes
+# Python types that are safe to use for real (exactly those torch admits). They are built-in
+# (immutable) types: a pickle's BUILD opcode on the class itself cannot set attributes on
+# them. Pure-Python classes
 # (``collections.Counter``) and functions go through _Caller stand-ins instead, which are
 # sealed against BUILD, so a pickle can never patch a class of this process.
 _PYTHON_GLOBALS: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "builtins.set": set,
-    "builtins.frozenset": frozenset,
     "builtins.bytearray": bytearray,
     "builtins.complex": complex,
-    "builtins.slice": slice,
 }
 
 _TORCH_CONSTANTS: frozenset[str] = frozenset(
@@ -307,6 +307,26 @@ _TORCH_CONSTANTS: frozenset[str] = frozenset(
 )
 
 
+# The storage classes torch's weights-only unpickler admits: the typed ones under ``torch``,
+# all but the quantized ones under ``torch.cuda``, and ``torch.storage.UntypedStorage``
+# (``torch.UntypedStorage`` and ``torch.storage.FloatStorage`` are refused there).
+_STORAGE_TYPES: frozenset[str] = frozenset(
+    [f"torch.{n}" for n in STORAGE_TYPE_DTYPE if n != UNTYPED_STORAGE.name]
+    + [
+        f"torch.cuda.{n}"
+        for n in STORAGE_TYPE_DTYPE
+        if n != UNTYPED_STORAGE.name and not n.startswith("Q")
+    ]
+    + [UNTYPED_STORAGE.qualname]
+)
+
+# Every global the allowlist resolves: all of them are on torch's weights-only allowlist
+# (torch 2.13), so a pickle torch refuses for a global is never read here as if it were safe.
+ALLOWED_GLOBALS: frozenset[str] = frozenset(
+    [*_PYTHON_GLOBALS, *_BUILDERS, *_STORAGE_TYPES, *_TORCH_CONSTANTS]
+)
+
+
 def resolve_allowed(module: str, name: str) -> Any | None:
     """The stand-in for an allowlisted global, or None when ``module.name`` is not allowed."""
     qualname = f"{module}.{name}"
@@ -314,7 +334,7 @@ def resolve_allowed(module: str, name: str) -> Any | None:
         return _PYTHON_GLOBALS[qualname]
     if qualname in _BUILDERS:
         return _Caller(module, name, *_BUILDERS[qualname])
-    if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_TYPE_DTYPE:
+    if qualname in _STORAGE_TYPES:
         return StorageTypeRef(module, name)
     if qualname in _TORCH_CONSTANTS:
         return ConstantRef(module, name)
