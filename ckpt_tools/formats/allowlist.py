@@ -166,13 +166,24 @@ def storage_type_ref(dtype: str) -> StorageTypeRef:
     return StorageTypeRef("torch", name) if name is not None else UNTYPED_STORAGE
 
 
+def _flag(func: GlobalRef, value: Any) -> bool:
+    # torch sets ``tensor.requires_grad = value``, which refuses anything but a bool.
+    if not isinstance(value, bool):
+        raise CorruptCheckpointError(
+            f"the pickle calls {func.qualname} with requires_grad={short_repr(value, 40)}; "
+            "torch.load fails on it too (requires_grad must be a bool)"
+        )
+    return value
+
+
 def _rebuild_tensor(func: GlobalRef, *args: Any) -> TensorRef:
     # _rebuild_tensor(storage, offset, size, stride): torch < 1.0
     # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])
     # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
     if len(args) < 4:
         raise CorruptCheckpointError(f"{func.qualname} called with {len(args)} arguments")
-    requires_grad = args[4] if func.name == "_rebuild_tensor_v2" and len(args) > 4 else False
+    where = {"_rebuild_tensor_v2": 4, "_rebuild_qtensor": 5}.get(func.name)
+    requires_grad = False if where is None else _flag(func, args[where])
     return checked_tensor(func, args, args[0], _storage_dtype(args[0]), requires_grad)
 
 
@@ -182,7 +193,7 @@ def _rebuild_tensor_v3(func: GlobalRef, *args: Any) -> TensorRef:
         raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
     dtype = args[6].name
     _storage_dtype(args[0])
-    return checked_tensor(func, args, args[0], dtype, args[4])
+    return checked_tensor(func, args, args[0], dtype, _flag(func, args[4]))
 
 
 def _rebuild_parameter(func: GlobalRef, *args: Any) -> TensorRef:
@@ -192,7 +203,7 @@ def _rebuild_parameter(func: GlobalRef, *args: Any) -> TensorRef:
         raise CorruptCheckpointError(f"{func.qualname} expects a tensor, found {type(inner)!r}")
     return replace(
         inner,
-        requires_grad=bool(args[1]) if len(args) > 1 else True,
+        requires_grad=_flag(func, args[1]),
         is_parameter=True,
         func=GlobalRef(func.module, func.name),
         args=args,

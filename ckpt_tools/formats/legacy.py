@@ -82,7 +82,7 @@ def open_legacy(path: str) -> Checkpoint:
         _expect(f, "magic number", MAGIC_NUMBER, path)
         _expect(f, "protocol version", PROTOCOL_VERSION, path)
         check_byte_order(_header(f, "sys_info", path), path)
-        main = load_pickle(f)
+        main = load_pickle(f, storage_id_length=6)
         keys = _header(f, "storage key list", path)
         if not isinstance(keys, list):
             raise CorruptCheckpointError(f"{path!r}: expected the list of storage keys")

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import io
 import pickle
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -55,6 +56,7 @@ _MALFORMED = (
     RecursionError,
     ZeroDivisionError,
     FloatingPointError,
+    struct.error,  # the pure-Python unpickler's (the rescan below)
 )
 
 
@@ -95,12 +97,18 @@ class ReadResult:
 class _Restricted:
     """find_class and persistent_load, for the C unpickler and for the pure-Python one."""
 
-    def __init__(self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        file: BinaryIO,
+        persistent_load: Callable[[Any], Any] | None = None,
+        id_length: int = 5,
+    ) -> None:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
         super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self.storages: dict[str, StorageRef] = {}
         self.unsafe: dict[str, type[Opaque]] = {}
         self._persistent_hook = persistent_load
+        self._id_length = id_length
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol 0-2 pickles (torch.save writes 2) name globals as Python 2 did
@@ -124,7 +132,9 @@ class _Restricted:
         if kind == "module" and len(pid) >= 2:
             # Legacy whole-module saves: the class (an Opaque type) stands for the source check.
             return pid[1]
-        if kind != "storage" or len(pid) not in (5, 6):
+        # torch unpacks the id into exactly its names: 5 in a zip's data.pkl, 6 (with the view)
+        # in a legacy file; any other length fails there ("too many values to unpack").
+        if kind != "storage" or len(pid) != self._id_length:
             raise CorruptCheckpointError(f"unexpected persistent id {short_repr(pid)}")
         storage_type, key, location, numel = pid[1], id_text(pid[2]), id_text(pid[3]), pid[4]
         if (
@@ -208,6 +218,7 @@ def load_pickle(
     file: BinaryIO,
     limit: int = MAX_PICKLE_BYTES,
     persistent_load: Callable[[Any], Any] | None = None,
+    storage_id_length: int = 5,
 ) -> ReadResult:
     """Read one pickle from ``file`` with the restricted unpickler.
 
@@ -221,6 +232,8 @@ def load_pickle(
             ``("storage", ...)`` tuples -> :class:`StorageRef`); the tar format's main pickle
             names already-read tensors by key. The storages it returns are not collected in
             :attr:`ReadResult.storages`.
+        storage_id_length: how many fields torch's reader unpacks from a ``("storage", ...)``
+            id: 5 in a torch zip, 6 in a legacy file (the last is the view); others are refused.
 
     Returns:
         The object tree, the storages it refers to, the globals outside the allowlist.
@@ -242,7 +255,7 @@ def load_pickle(
         source: Any = file  # in memory and within the limit: read it directly (fastest)
     else:
         source = LimitedReader(file, limit)
-    unpickler = _RestrictedUnpickler(source, persistent_load)
+    unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length)
     try:
         with gc_paused():
             root = unpickler.load()
@@ -296,7 +309,8 @@ def _unsafe_before(
         return ()
     if consumed > MAX_RESCAN_BYTES:
         return ()
-    rescan = _RestrictedPyUnpickler(LimitedReader(file, min(limit, consumed + 4096)))
+    source = LimitedReader(file, min(limit, consumed + 4096))
+    rescan = _RestrictedPyUnpickler(source, unpickler._persistent_hook, unpickler._id_length)
     try:
         with gc_paused():
             rescan.load()
