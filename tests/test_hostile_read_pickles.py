@@ -244,3 +244,46 @@ def test_a_global_torch_refuses_is_reported_unsafe(tmp_path: Path, value: Any) -
     assert f"GLOBAL {name} was not an allowed global" in _torch_error(path)
     # Named as written (protocol 2: ``__builtin__``), so a rewrite re-emits it unchanged.
     assert ct.inspect(str(path)).unsafe_globals == (f"__builtin__.{name}",)
+
+
+# --- arguments torch checks: storage id lengths per format, requires_grad's type ---------------
+
+
+class _Flagged(_Rebuild):
+    """A tensor rebuilt with ``requires_grad`` set to ``flag``."""
+
+    def __init__(self, tensor: Any, flag: Any) -> None:
+        super().__init__(torch._utils._rebuild_tensor_v2, (*_v2_args(tensor)[:4], flag, {}))
+
+
+@pytest.mark.parametrize("flag", [1, None, {}], ids=["int", "none", "dict"])
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_requires_grad_that_is_not_a_bool_is_refused(
+    tmp_path: Path, flag: Any, legacy: bool
+) -> None:
+    path = tmp_path / "flag.pt"
+    tree = {"w": _Flagged(torch.ones(2), flag)}
+    torch.save(tree, path, _use_new_zipfile_serialization=not legacy)
+    assert "requires_grad must be a bool" in _torch_error(path)
+    _refused(path, CorruptCheckpointError, 4, "requires_grad")
+
+
+def test_a_legacy_storage_id_without_its_view_field_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    start, end = _legacy_pickles(data)[3]
+    main = data[start:end]
+    # The storage id is a 6-tuple closed by TUPLE right after its view field (NONE): drop it.
+    assert main.count(b"Nt") == 1
+    path.write_bytes(data[:start] + main.replace(b"Nt", b"t") + data[end:])
+    assert "not enough values to unpack" in _torch_error(path)
+    _refused(path, CorruptCheckpointError, 4, "persistent id")
+
+
+@pytest.mark.parametrize("args", [(), (1, 2, 3)], ids=["no-args", "three"])
+def test_a_pickle_that_builds_a_storage_itself_is_refused(tmp_path: Path, args: Any) -> None:
+    path = tmp_path / "plain.pkl"
+    path.write_bytes(pickle.dumps({"a": _Rebuild(torch.storage.TypedStorage, args)}, protocol=2))
+    # torch may build one or fail; no descriptor stands for it, so it is refused either way.
+    _refused(path, CorruptCheckpointError, 4, "torch.storage.TypedStorage")

@@ -259,6 +259,15 @@ def _codecs_encode(func: GlobalRef, *args: Any) -> bytes:
     return codecs.encode(text, encoding)
 
 
+def _unrepresentable(func: GlobalRef, *args: Any) -> Any:
+    # torch.save names storage classes only inside storage ids; a pickle that calls one
+    # builds a storage torch may or may not accept, and none that a descriptor can stand for.
+    raise CorruptCheckpointError(
+        f"the pickle calls {func.qualname} itself ({len(args)} arguments); torch.save never "
+        "writes that, and a storage built so cannot be read as a checkpoint's tensor data"
+    )
+
+
 def _counter(func: GlobalRef, *args: Any) -> collections.Counter[Any]:
     return collections.Counter(*args)
 
@@ -284,6 +293,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
     "torch._utils._rebuild_device_tensor_from_numpy": (_reduced, 4, 4),
     "collections.Counter": (_counter, 0, 1),
     "_codecs.encode": (_codecs_encode, 1, 3),
+    "torch.storage.TypedStorage": (_unrepresentable, 0, 1 << 62),
 }
 
 # Python types that are safe to use for real (exactly those torch admits). They are built-in
