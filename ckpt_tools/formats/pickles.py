@@ -134,8 +134,15 @@ class _Restricted:
             return pid[1]
         # torch unpacks the id into exactly its names: 5 in a zip's data.pkl, 6 (with the view)
         # in a legacy file; any other length fails there ("too many values to unpack").
-        if kind != "storage" or len(pid) != self._id_length:
+        if kind != "storage":
             raise CorruptCheckpointError(f"unexpected persistent id {short_repr(pid)}")
+        if len(pid) != self._id_length:
+            # A sixth field is a legacy storage view, which torch's zip reader does not take.
+            what = "a legacy storage view" if len(pid) == 6 else "a storage id"
+            raise CorruptCheckpointError(
+                f"unexpected persistent id {short_repr(pid)}: {what} of {len(pid)} fields, "
+                f"where torch's reader of this format unpacks {self._id_length}"
+            )
         storage_type, key, location, numel = pid[1], id_text(pid[2]), id_text(pid[3]), pid[4]
         if (
             not isinstance(storage_type, StorageTypeRef)
