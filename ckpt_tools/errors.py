@@ -64,6 +64,7 @@ __all__ = [
     "UnsupportedFormatError",
     "UsageError",
     "VerificationError",
+    "quote_foreign",
 ]
 
 EXIT_OK = 0
@@ -374,3 +375,21 @@ class StateDictMismatchError(CheckpointError, RuntimeError):
     """``load_into(strict=True)`` found keys or shapes that do not match the model."""
 
     exit_code = EXIT_DIFFERENCES
+
+
+def quote_foreign(error: BaseException, limit: int = 200) -> str:
+    """Another library's exception as one line: its type and its text, escaped and cut.
+
+    A message that quotes foreign text (an exception from ``pickle``, ``json``, ``zlib``, or
+    the file content such an exception quotes) must stay one line: control characters are
+    escaped as ``repr`` would, and the text is cut to about ``limit`` characters.
+
+    Example:
+        >>> quote_foreign(ValueError("could not convert string to float: 'x\\n'"))
+        "ValueError: could not convert string to float: 'x\\\\n'"
+    """
+    text = str(error)
+    escaped = text if text.isprintable() else repr(text)[1:-1]
+    if len(escaped) > limit:
+        escaped = escaped[: limit - 3] + "..."
+    return f"{type(error).__name__}: {escaped}" if escaped else type(error).__name__

@@ -143,7 +143,7 @@ CASES = [
         "tar-cut-in-last-member",
         tar_cut_in_last_member,
         CorruptCheckpointError,
-        r"cannot be read \(unexpected end of data\)",
+        r"cannot be read \(ReadError: unexpected end of data\)",
     ),
 ]
 

@@ -19,6 +19,7 @@ from ckpt_tools.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE_TYPE, STORAGE_TYPE_D
 from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = [
+    "ALLOWED_GLOBALS",
     "UNTYPED_STORAGE",
     "ConstantRef",
     "Reduced",
@@ -86,9 +87,21 @@ class _Caller(GlobalRef):
     """An allowlisted callable global; calling it (REDUCE) builds a descriptor."""
 
     build: Callable[..., Any] | None = None
+    min_args: int = 0
+    max_args: int = 0
 
     def __call__(self, *args: Any) -> Any:
         assert self.build is not None
+        if not self.min_args <= len(args) <= self.max_args:
+            takes = (
+                f"{self.min_args}"
+                if self.min_args == self.max_args
+                else f"{self.min_args} to {self.max_args}"
+            )
+            raise CorruptCheckpointError(
+                f"the pickle calls {self.qualname} with {len(args)} positional arguments; "
+                f"it takes {takes}, so torch.load fails on this call too"
+            )
         return self.build(self, *args)
 
 
@@ -153,13 +166,24 @@ def storage_type_ref(dtype: str) -> StorageTypeRef:
     return StorageTypeRef("torch", name) if name is not None else UNTYPED_STORAGE
 
 
+def _flag(func: GlobalRef, value: Any) -> bool:
+    # torch sets ``tensor.requires_grad = value``, which refuses anything but a bool.
+    if not isinstance(value, bool):
+        raise CorruptCheckpointError(
+            f"the pickle calls {func.qualname} with requires_grad={short_repr(value, 40)}; "
+            "torch.load fails on it too (requires_grad must be a bool)"
+        )
+    return value
+
+
 def _rebuild_tensor(func: GlobalRef, *args: Any) -> TensorRef:
     # _rebuild_tensor(storage, offset, size, stride): torch < 1.0
     # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])
     # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
     if len(args) < 4:
         raise CorruptCheckpointError(f"{func.qualname} called with {len(args)} arguments")
-    requires_grad = args[4] if func.name == "_rebuild_tensor_v2" and len(args) > 4 else False
+    where = {"_rebuild_tensor_v2": 4, "_rebuild_qtensor": 5}.get(func.name)
+    requires_grad = False if where is None else _flag(func, args[where])
     return checked_tensor(func, args, args[0], _storage_dtype(args[0]), requires_grad)
 
 
@@ -169,7 +193,7 @@ def _rebuild_tensor_v3(func: GlobalRef, *args: Any) -> TensorRef:
         raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
     dtype = args[6].name
     _storage_dtype(args[0])
-    return checked_tensor(func, args, args[0], dtype, args[4])
+    return checked_tensor(func, args, args[0], dtype, _flag(func, args[4]))
 
 
 def _rebuild_parameter(func: GlobalRef, *args: Any) -> TensorRef:
@@ -179,7 +203,7 @@ def _rebuild_parameter(func: GlobalRef, *args: Any) -> TensorRef:
         raise CorruptCheckpointError(f"{func.qualname} expects a tensor, found {type(inner)!r}")
     return replace(
         inner,
-        requires_grad=bool(args[1]) if len(args) > 1 else True,
+        requires_grad=_flag(func, args[1]),
         is_parameter=True,
         func=GlobalRef(func.module, func.name),
         args=args,
@@ -235,41 +259,53 @@ def _codecs_encode(func: GlobalRef, *args: Any) -> bytes:
     return codecs.encode(text, encoding)
 
 
+def _unrepresentable(func: GlobalRef, *args: Any) -> Any:
+    # torch.save names storage classes only inside storage ids; a pickle that calls one
+    # builds a storage torch may or may not accept, and none that a descriptor can stand for.
+    raise CorruptCheckpointError(
+        f"the pickle calls {func.qualname} itself ({len(args)} arguments); torch.save never "
+        "writes that, and a storage built so cannot be read as a checkpoint's tensor data"
+    )
+
+
 def _counter(func: GlobalRef, *args: Any) -> collections.Counter[Any]:
     return collections.Counter(*args)
 
 
-_BUILDERS: dict[str, Callable[..., Any]] = {
-    "torch._utils._rebuild_tensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-    "torch._utils._rebuild_qtensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-    "torch.Size": _size,
-    "torch.device": _reduced,
-    "torch.serialization._get_layout": _reduced,
-    "torch._utils._rebuild_sparse_tensor": _reduced,
-    "torch._utils._rebuild_nested_tensor": _reduced,
-    "torch._utils._rebuild_meta_tensor_no_storage": _reduced,
-    "torch._utils._rebuild_wrapper_subclass": _reduced,
-    "torch._utils._rebuild_device_tensor_from_numpy": _reduced,
-    "collections.Counter": _counter,
-    "_codecs.encode": _codecs_encode,
+# Each callable global: its stand-in, and how many positional arguments the real function
+# accepts (min, max), as its signature in torch 2.13 (torch/_utils.py) has it. A REDUCE with
+# any other count is refused, as the real call fails there (TypeError) and torch.load with it.
+_BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
+    "torch._utils._rebuild_tensor": (_rebuild_tensor, 4, 4),
+    "torch._utils._rebuild_tensor_v2": (_rebuild_tensor, 6, 7),
+    "torch._utils._rebuild_qtensor": (_rebuild_tensor, 7, 7),
+    "torch._utils._rebuild_tensor_v3": (_rebuild_tensor_v3, 7, 8),
+    "torch._utils._rebuild_parameter": (_rebuild_parameter, 3, 3),
+    "torch._utils._rebuild_parameter_with_state": (_rebuild_parameter, 4, 4),
+    "torch._tensor._rebuild_from_type_v2": (_rebuild_from_type_v2, 4, 4),
+    "torch.Size": (_size, 0, 1),
+    "torch.device": (_reduced, 1, 2),
+    "torch.serialization._get_layout": (_reduced, 1, 1),
+    "torch._utils._rebuild_sparse_tensor": (_reduced, 2, 2),
+    "torch._utils._rebuild_nested_tensor": (_reduced, 4, 4),
+    "torch._utils._rebuild_meta_tensor_no_storage": (_reduced, 4, 4),
+    "torch._utils._rebuild_wrapper_subclass": (_reduced, 8, 8),
+    "torch._utils._rebuild_device_tensor_from_numpy": (_reduced, 4, 4),
+    "collections.Counter": (_counter, 0, 1),
+    "_codecs.encode": (_codecs_encode, 1, 3),
+    "torch.storage.TypedStorage": (_unrepresentable, 0, 1 << 62),
 }
 
-# Python types that are safe to use for real. They are built-in (immutable) types: a pickle's
-# BUILD opcode on the class itself cannot set attributes on them. Pure-Python classes
+# Python types that are safe to use for real (exactly those torch admits). They are built-in
+# (immutable) types: a pickle's BUILD opcode on the class itself cannot set attributes on
+# them. Pure-Python classes
 # (``collections.Counter``) and functions go through _Caller stand-ins instead, which are
 # sealed against BUILD, so a pickle can never patch a class of this process.
 _PYTHON_GLOBALS: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "builtins.set": set,
-    "builtins.frozenset": frozenset,
     "builtins.bytearray": bytearray,
     "builtins.complex": complex,
-    "builtins.slice": slice,
 }
 
 _TORCH_CONSTANTS: frozenset[str] = frozenset(
@@ -292,14 +328,34 @@ _TORCH_CONSTANTS: frozenset[str] = frozenset(
 )
 
 
+# The storage classes torch's weights-only unpickler admits: the typed ones under ``torch``,
+# all but the quantized ones under ``torch.cuda``, and ``torch.storage.UntypedStorage``
+# (``torch.UntypedStorage`` and ``torch.storage.FloatStorage`` are refused there).
+_STORAGE_TYPES: frozenset[str] = frozenset(
+    [f"torch.{n}" for n in STORAGE_TYPE_DTYPE if n != UNTYPED_STORAGE.name]
+    + [
+        f"torch.cuda.{n}"
+        for n in STORAGE_TYPE_DTYPE
+        if n != UNTYPED_STORAGE.name and not n.startswith("Q")
+    ]
+    + [UNTYPED_STORAGE.qualname]
+)
+
+# Every global the allowlist resolves: all of them are on torch's weights-only allowlist
+# (torch 2.13), so a pickle torch refuses for a global is never read here as if it were safe.
+ALLOWED_GLOBALS: frozenset[str] = frozenset(
+    [*_PYTHON_GLOBALS, *_BUILDERS, *_STORAGE_TYPES, *_TORCH_CONSTANTS]
+)
+
+
 def resolve_allowed(module: str, name: str) -> Any | None:
     """The stand-in for an allowlisted global, or None when ``module.name`` is not allowed."""
     qualname = f"{module}.{name}"
     if qualname in _PYTHON_GLOBALS:
         return _PYTHON_GLOBALS[qualname]
     if qualname in _BUILDERS:
-        return _Caller(module, name, _BUILDERS[qualname])
-    if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_TYPE_DTYPE:
+        return _Caller(module, name, *_BUILDERS[qualname])
+    if qualname in _STORAGE_TYPES:
         return StorageTypeRef(module, name)
     if qualname in _TORCH_CONSTANTS:
         return ConstantRef(module, name)

@@ -21,7 +21,12 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.errors import (
+    CorruptCheckpointError,
+    UnsafeContentError,
+    UnsupportedFormatError,
+    quote_foreign,
+)
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import id_text, load_pickle
 
@@ -31,8 +36,28 @@ MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 
 
+def _header(f: BinaryIO, what: str, path: str) -> Any:
+    """Read one of the pickles around the main one, through the same restricted unpickler.
+
+    torch's ``_legacy_load`` unpickles the magic number, the protocol version, ``sys_info``
+    and the storage key list with its weights-only unpickler too, so a global outside the
+    allowlist in any of them makes it refuse the file. None of them is data a rewrite could
+    carry, so such a global is refused here, naming it, before the value is looked at.
+    """
+    result = load_pickle(f)
+    if result.unsafe_globals:
+        names = ", ".join(result.unsafe_globals)
+        raise UnsafeContentError(
+            f"{path!r}: the legacy torch {what} pickle refers to global(s) outside the "
+            f"allowlist ({names}); torch.load(weights_only=True) refuses this file too",
+            globals=result.unsafe_globals,
+        )
+    return result.root
+
+
 def _expect(f: BinaryIO, what: str, check: Any, path: str) -> Any:
-    value = load_pickle(f).root
+    # torch compares with != (so 1001.0 passes as it does there), and refuses anything else.
+    value = _header(f, what, path)
     if value != check:
         raise CorruptCheckpointError(
             f"{path!r}: expected the legacy torch {what} {check!r}, found {short_repr(value)}"
@@ -56,9 +81,9 @@ def open_legacy(path: str) -> Checkpoint:
     with open(path, "rb") as f:
         _expect(f, "magic number", MAGIC_NUMBER, path)
         _expect(f, "protocol version", PROTOCOL_VERSION, path)
-        check_byte_order(load_pickle(f).root, path)
-        main = load_pickle(f)
-        keys = load_pickle(f).root
+        check_byte_order(_header(f, "sys_info", path), path)
+        main = load_pickle(f, storage_id_length=6)
+        keys = _header(f, "storage key list", path)
         if not isinstance(keys, list):
             raise CorruptCheckpointError(f"{path!r}: expected the list of storage keys")
         roots = {s.key: s for s in main.storages.values()}
@@ -189,7 +214,9 @@ def open_tar(path: str) -> Checkpoint:
                 )
             return _read_tar(path, tar, members)
     except tarfile.TarError as e:
-        raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
+        raise CorruptCheckpointError(
+            f"{path!r}: the tar archive cannot be read ({quote_foreign(e)})"
+        ) from e
 
 
 def _read_tar(path: str, tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> Checkpoint:

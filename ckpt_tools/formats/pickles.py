@@ -16,12 +16,19 @@ import contextlib
 import gc
 import io
 import pickle
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
-from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ResourceLimitError,
+    UnsafeContentError,
+    quote_foreign,
+)
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
 
@@ -33,6 +40,24 @@ MAX_PICKLE_BYTES = 1 << 30
 # 500 levels, state dicts are a few levels deep, and everything that walks a tree afterwards
 # (the re-pickler, layout selection, inspect) recurses, about four frames a level.
 MAX_NESTING = 200
+
+# Every built-in exception the unpickler raises on hostile bytes, other than those about size:
+# UnpicklingError (bad opcodes, stack underflow), EOFError (truncation), ValueError (bad
+# literals, UnicodeDecodeError, int digit limits), TypeError (calls with wrong arguments,
+# unhashable keys), LookupError (memo misses, empty stacks), AttributeError and
+# RecursionError (hostile nesting), ArithmeticError other than OverflowError.
+_MALFORMED = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    LookupError,
+    AttributeError,
+    RecursionError,
+    ZeroDivisionError,
+    FloatingPointError,
+    struct.error,  # the pure-Python unpickler's (the rescan below)
+)
 
 
 @contextlib.contextmanager
@@ -69,13 +94,21 @@ class ReadResult:
     protocol: int
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> None:
+class _Restricted:
+    """find_class and persistent_load, for the C unpickler and for the pure-Python one."""
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        persistent_load: Callable[[Any], Any] | None = None,
+        id_length: int = 5,
+    ) -> None:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
-        super().__init__(file, encoding="utf-8")
+        super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self.storages: dict[str, StorageRef] = {}
         self.unsafe: dict[str, type[Opaque]] = {}
         self._persistent_hook = persistent_load
+        self._id_length = id_length
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol 0-2 pickles (torch.save writes 2) name globals as Python 2 did
@@ -99,8 +132,17 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if kind == "module" and len(pid) >= 2:
             # Legacy whole-module saves: the class (an Opaque type) stands for the source check.
             return pid[1]
-        if kind != "storage" or len(pid) not in (5, 6):
+        # torch unpacks the id into exactly its names: 5 in a zip's data.pkl, 6 (with the view)
+        # in a legacy file; any other length fails there ("too many values to unpack").
+        if kind != "storage":
             raise CorruptCheckpointError(f"unexpected persistent id {short_repr(pid)}")
+        if len(pid) != self._id_length:
+            # A sixth field is a legacy storage view, which torch's zip reader does not take.
+            what = "a legacy storage view" if len(pid) == 6 else "a storage id"
+            raise CorruptCheckpointError(
+                f"unexpected persistent id {short_repr(pid)}: {what} of {len(pid)} fields, "
+                f"where torch's reader of this format unpacks {self._id_length}"
+            )
         storage_type, key, location, numel = pid[1], id_text(pid[2]), id_text(pid[3]), pid[4]
         if (
             not isinstance(storage_type, StorageTypeRef)
@@ -141,6 +183,19 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return found
 
 
+class _RestrictedUnpickler(_Restricted, pickle.Unpickler):
+    """The one that reads (C, fast)."""
+
+
+class _RestrictedPyUnpickler(_Restricted, pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """The one that parses GLOBAL as torch's weights-only unpickler does, used on failures only.
+
+    Both split a GLOBAL opcode's module and name on newlines and drop each line's last byte,
+    but the C unpickler refuses an empty line (``cposix\\n\\n``) or a last line without its
+    newline as truncation before it asks ``find_class``; this one, like torch, names the global.
+    """
+
+
 def _python3_name(module: str, name: str) -> tuple[str, str]:
     if (module, name) in _compat_pickle.NAME_MAPPING:
         return _compat_pickle.NAME_MAPPING[(module, name)]
@@ -170,6 +225,7 @@ def load_pickle(
     file: BinaryIO,
     limit: int = MAX_PICKLE_BYTES,
     persistent_load: Callable[[Any], Any] | None = None,
+    storage_id_length: int = 5,
 ) -> ReadResult:
     """Read one pickle from ``file`` with the restricted unpickler.
 
@@ -183,6 +239,8 @@ def load_pickle(
             ``("storage", ...)`` tuples -> :class:`StorageRef`); the tar format's main pickle
             names already-read tensors by key. The storages it returns are not collected in
             :attr:`ReadResult.storages`.
+        storage_id_length: how many fields torch's reader unpacks from a ``("storage", ...)``
+            id: 5 in a torch zip, 6 in a legacy file (the last is the view); others are refused.
 
     Returns:
         The object tree, the storages it refers to, the globals outside the allowlist.
@@ -204,26 +262,30 @@ def load_pickle(
         source: Any = file  # in memory and within the limit: read it directly (fastest)
     else:
         source = LimitedReader(file, limit)
-    unpickler = _RestrictedUnpickler(source, persistent_load)
+    unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length)
     try:
         with gc_paused():
             root = unpickler.load()
             check_nesting(root, MAX_NESTING)
-    except (ResourceLimitError, CorruptCheckpointError):
+    except CheckpointError as e:
         # Raised on purpose (by persistent_load or a rebuild check) with their own message.
+        _refuse_unsafe_first(tuple(unpickler.unsafe), e)
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+    except _MALFORMED as e:
+        # What pickle's _Unpickler.load_* methods (and the real Python types on the allowlist:
+        # set, complex, bytearray, OrderedDict) raise on bytes that are not a valid pickle.
+        _refuse_unsafe_first(_unsafe_before(unpickler, file, start, limit), e)
         raise CorruptCheckpointError(
-            f"the pickle is malformed or truncated ({type(e).__name__}: {e})"
+            f"the pickle is malformed or truncated ({quote_foreign(e)})"
         ) from e
-    except (AttributeError, KeyError, RecursionError) as e:
-        raise CorruptCheckpointError(f"the pickle could not be read ({e!r})") from e
-    except MemoryError as e:
-        # The unpickler allocates a BINBYTES8/BINUNICODE8 object of its declared length
-        # before reading it, so a lying length fails here, before any byte is read.
+    except (MemoryError, OverflowError) as e:
+        # The unpickler allocates a BINBYTES8/BINUNICODE8/BYTEARRAY8 object of its declared
+        # length before reading it, so a lying length fails here (MemoryError, or
+        # OverflowError past the address space), before any byte is read.
+        _refuse_unsafe_first(tuple(unpickler.unsafe), e)
         raise ResourceLimitError(
             "the pickle declares an object larger than memory allows; a checkpoint's pickle "
-            "holds no such object, so this is not one"
+            f"holds no such object, so this is not one ({quote_foreign(e)})"
         ) from e
     return ReadResult(
         root=root,
@@ -231,3 +293,46 @@ def load_pickle(
         unsafe_globals=tuple(unpickler.unsafe),
         protocol=protocol,
     )
+
+
+# On a malformed pickle, up to this many bytes are parsed again as torch parses GLOBAL.
+MAX_RESCAN_BYTES = 4 << 20
+
+
+def _unsafe_before(
+    unpickler: _RestrictedUnpickler, file: BinaryIO, start: int, limit: int
+) -> tuple[str, ...]:
+    """The globals outside the allowlist that come before the point where a pickle fails.
+
+    The C unpickler's own record, or, where it has none, the pure-Python unpickler's, which
+    parses GLOBAL lines as torch does (see :class:`_RestrictedPyUnpickler`).
+    """
+    if unpickler.unsafe:
+        return tuple(unpickler.unsafe)
+    try:
+        consumed = file.tell() - start
+        file.seek(start)
+    except (OSError, ValueError):
+        return ()
+    if consumed > MAX_RESCAN_BYTES:
+        return ()
+    source = LimitedReader(file, min(limit, consumed + 4096))
+    rescan = _RestrictedPyUnpickler(source, unpickler._persistent_hook, unpickler._id_length)
+    try:
+        with gc_paused():
+            rescan.load()
+    except (CheckpointError, MemoryError, OverflowError, *_MALFORMED):
+        pass  # where it fails does not matter: only what it met before
+    return tuple(rescan.unsafe)
+
+
+def _refuse_unsafe_first(names: tuple[str, ...], error: BaseException) -> None:
+    """torch's weights-only unpickler refuses a pickle at its first global outside the
+    allowlist, so it never reaches a failure after one: refuse it as unsafe, naming them."""
+    if names:
+        raise UnsafeContentError(
+            f"the pickle refers to global(s) outside the allowlist ({', '.join(names)}) "
+            f"before it fails ({quote_foreign(error)}); torch.load(weights_only=True) refuses "
+            "it at the first of them",
+            globals=names,
+        ) from error

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import ConversionError, CorruptCheckpointError
+from ckpt_tools.errors import ConversionError, CorruptCheckpointError, quote_foreign
 from ckpt_tools.formats.allowlist import Reduced, TorchSize, storage_type_ref
 from ckpt_tools.formats.pickles import gc_paused
 
@@ -190,7 +190,7 @@ def check_weights_only_pickle(payload: bytes) -> None:
     try:
         bad = unsupported_opcodes(payload)
     except ValueError as e:
-        raise ConversionError(f"the output pickle is malformed ({e})") from e
+        raise ConversionError(f"the output pickle is malformed ({quote_foreign(e)})") from e
     if bad:
         raise ConversionError(
             "the output pickle would need opcodes torch.load(weights_only=True) rejects: "

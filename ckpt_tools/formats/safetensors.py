@@ -13,7 +13,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
-from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError, quote_foreign
 from ckpt_tools.formats.base import Checkpoint
 
 __all__ = ["MAX_HEADER_BYTES", "open_safetensors", "read_header"]
@@ -74,7 +74,9 @@ def read_header(path: str) -> tuple[int, dict[str, Any]]:
             f"{path!r}: the safetensors header nests too deeply to be a header"
         ) from e
     except (UnicodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise CorruptCheckpointError(f"{path!r}: the safetensors header is not JSON ({e})") from e
+        raise CorruptCheckpointError(
+            f"{path!r}: the safetensors header is not JSON ({quote_foreign(e)})"
+        ) from e
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path!r}: the safetensors header is not a JSON object")
     return 8 + header_len, header

@@ -12,7 +12,12 @@ import shlex
 from pathlib import Path
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
-from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
+from ckpt_tools.errors import (
+    CorruptCheckpointError,
+    Remedy,
+    UnsupportedFormatError,
+    quote_foreign,
+)
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.detect import check_regular
 
@@ -159,7 +164,9 @@ def open_index(index_path: str) -> Checkpoint:
             f"{index_path!r} is not a valid shard index: its JSON nests too deeply", path=index_path
         ) from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{index_path!r} is not a valid shard index ({e!r})") from e
+        raise CorruptCheckpointError(
+            f"{index_path!r} is not a valid shard index ({quote_foreign(e)})"
+        ) from e
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from ckpt_tools.errors import CheckpointError, VerificationError
+from ckpt_tools.errors import CheckpointError, VerificationError, quote_foreign
 from ckpt_tools.formats.repickle import unsupported_opcodes
 from ckpt_tools.formats.zipdir import ZipEntry, read_zip_directory
 from ckpt_tools.io.zipwriter import ALIGNMENT
@@ -88,6 +88,6 @@ def _check_pickle(payload: bytes) -> None:
     try:
         bad = unsupported_opcodes(payload)
     except ValueError as e:
-        raise _fail(f"data.pkl is not a well-formed pickle ({e})") from e
+        raise _fail(f"data.pkl is not a well-formed pickle ({quote_foreign(e)})") from e
     if bad:
         raise _fail(f"data.pkl uses opcodes torch.load(weights_only=True) rejects: {bad[:8]}")

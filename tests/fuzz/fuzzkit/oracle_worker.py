@@ -35,7 +35,9 @@ warnings.simplefilter("ignore")
 MAX_HASH_BYTES = 32 << 20
 MAX_NODES = 20000
 MAX_DEPTH = 64
-GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+# The name as torch's weights-only unpickler words it (any characters but a newline: a GLOBAL
+# opcode's module and name are whole lines), in its two refusals and in ours below.
+GLOBAL_RE = re.compile(r"GLOBAL ([^\n]+?) (?:whose module|was not an allowed global)")
 
 
 def _allowed() -> dict[str, Any]:
@@ -56,7 +58,9 @@ class RestrictedUnpickler(pickle.Unpickler):
         key = f"{module}.{name}"
         allowed = _ALLOWED.get(key)
         if allowed is None:
-            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {key}")
+            raise pickle.UnpicklingError(
+                f"Unsupported global: GLOBAL {key} was not an allowed global by default"
+            )
         return allowed
 
 
