@@ -93,12 +93,14 @@ def _stoull_int64(text: bytes) -> int | None:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _check_reader_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> None:
-    """What torch's reader checks when it opens any torch zip, TorchScript or not."""
+def _check_reader_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> bytes | None:
+    """What torch's reader checks when it opens any torch zip, TorchScript or not.
+
+    Returns the serialization id record's bytes (None without one).
+    """
     listing = ", ".join(list(entries)[:5]) + (" ..." if len(entries) > 5 else "")
-    serialization_id = entries.get(".data/serialization_id")
-    if serialization_id is not None:
-        _read_small(path, fd, serialization_id)
+    id_entry = entries.get(".data/serialization_id")
+    serialization_id = None if id_entry is None else _read_small(path, fd, id_entry)
     name = next((n for n in _VERSION_RECORDS if n in entries), None)
     if name is None:
         raise CorruptCheckpointError(
@@ -120,6 +122,21 @@ def _check_reader_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> N
             f"reads ({_MIN_VERSION} to {_MAX_VERSION}); torch refuses the archive",
             path=path,
         )
+    return serialization_id
+
+
+def _check_serialization_id(path: str, serialization_id: bytes | None) -> None:
+    """torch.load ends by handing the serialization id to Python as str: it must be UTF-8."""
+    if serialization_id is None:
+        return
+    try:
+        serialization_id.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(
+            f"{path!r}: its .data/serialization_id record is not UTF-8 text ({e.reason} at "
+            f"byte {e.start}); torch.load fails on it after unpickling",
+            path=path,
+        ) from e
 
 
 def _check_load_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> None:
@@ -218,7 +235,7 @@ def open_torch_zip(path: str) -> Checkpoint:
         entries = read_zip_directory(path, fd, os.fstat(fd).st_size)
         root = _archive_root(entries, path)
         by_name = {e.name[len(root) + 1 :]: e for e in entries}
-        _check_reader_records(path, fd, by_name)
+        serialization_id = _check_reader_records(path, fd, by_name)
         # Decided only now, on an archive torch's reader opens, and as torch.load decides.
         fmt = "torchscript" if _TORCHSCRIPT_MARKER in by_name else "torch-zip"
         if fmt == "torch-zip":
@@ -231,6 +248,9 @@ def open_torch_zip(path: str) -> Checkpoint:
         result = load_pickle(io.BytesIO(payload))
         records = _records(entries, root)
         _check_storage_records(path, fd, result.storages, records, by_name)
+        if fmt == "torch-zip" and not result.unsafe_globals:
+            # (torch refuses an unsafe global first, while unpickling: that refusal stands.)
+            _check_serialization_id(path, serialization_id)
     finally:
         os.close(fd)
 

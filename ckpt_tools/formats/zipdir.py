@@ -195,14 +195,18 @@ def _check_central_sizes(
 ) -> None:
     """The sanity checks miniz makes on every central entry when torch opens the archive.
 
-    torch refuses the whole archive ("invalid header or archive is corrupted") when any
-    entry fails them, whether or not that record is ever read.
+    torch refuses the whole archive ("invalid header or archive is corrupted") when an
+    entry fails them, whether or not that record is ever read: a non-empty record without
+    compressed bytes, a stored record whose two sizes differ. (miniz tests the latter only
+    when the modification time is zero too, as torch.save writes it; otherwise torch reads
+    the uncompressed size and ignores the other: such a record is refused here either way.)
     """
     if (method == _STORED and csize != usize) or (usize and not csize):
         raise _corrupt(
             path,
             f"record {name!r} declares {csize} bytes compressed and {usize} bytes "
-            f"{'stored' if method == _STORED else 'inflated'} (torch refuses such an archive)",
+            f"{'stored' if method == _STORED else 'inflated'} (torch refuses such an archive "
+            "or ignores one of the sizes)",
         )
     if disk != 0:
         raise _corrupt(path, f"record {name!r} lies on disk {disk} (it spans several disks)")
