@@ -221,3 +221,23 @@ def test_rewrites_write_parsed_records_as_torch_save_does(tmp_path):
     assert ".data/version" not in read
     loaded = torch.load(dst, weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in _state().items())
+
+
+def test_full_verify_finds_a_wrong_storage_crc_the_copy_carried(tmp_path):
+    # Records are copied without reading them, with the source's CRC-32; torch never checks
+    # CRCs, so only --verify full (which reads every byte anyway) can tell. (Small records'
+    # CRCs, up to 1 MiB, are checked by every verification; this storage is 2 MiB.)
+    src = tmp_path / "wrapped.pt"
+    torch.save({"module.w": torch.arange(1 << 19, dtype=torch.float32)}, src)
+    data = bytearray(src.read_bytes())
+    struct.pack_into("<L", data, _central(data, "data/0") + 16, 0x12345678)
+    src.write_bytes(data)
+    assert _torch_reads(src)
+    command = [CKPT, "strip-module", str(src), str(tmp_path / "out.pt"), "--verify"]
+    ok = subprocess.run([*command, "sizes"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    full = subprocess.run(
+        [*command, "full", "--force"], capture_output=True, text=True, timeout=120
+    )
+    lines = full.stderr.strip().splitlines()
+    assert full.returncode != 0 and len(lines) == 1 and "CRC-32" in lines[0], full.stderr
