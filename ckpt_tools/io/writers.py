@@ -129,11 +129,12 @@ def _copy_zip_records(
     torch parses (versions, alignment, byte order) are written as torch.save writes them,
     not copied: the output's layout and pickle are this writer's, not the source's.
     """
+    as_saved = dict((*SAVE_HEAD_RECORDS, SAVE_VERSION))
     for name, record in src.ckpt.records.items():
         if name == "data.pkl":
             writer.add_bytes(name, payload)
-            for head, value in SAVE_HEAD_RECORDS:
-                writer.add_bytes(head, value)
+        elif name in as_saved:
+            writer.add_bytes(name, as_saved.pop(name))  # in place: a torch.save file stays same
         elif name in PARSED_RECORDS or (name.startswith("data/") and name not in wanted):
             continue
         else:
@@ -146,7 +147,8 @@ def _copy_zip_records(
                 writer.add_copy(
                     name, src.fd, record.data_offset, record.size, record.crc32, counted
                 )
-    writer.add_bytes(*SAVE_VERSION)
+    for name, value in as_saved.items():  # those the source lacks
+        writer.add_bytes(name, value)
 
 
 def _add_new_records(
