@@ -1,7 +1,10 @@
 """Reading torch zip archives (``torch.save`` since 1.6, and TorchScript archives).
 
-Only the central directory, the local headers and ``data.pkl`` are read; storage records
-are located, never loaded.
+Only the central directory, the local headers, ``data.pkl`` and the small records torch
+reads and parses (versions, byte order, alignment, serialization id) are read, each checked
+as torch checks it; stored storage records are located, never loaded (torch checks no
+CRC-32 when it loads, so neither does inspect); compressed ones are inflated once, without
+keeping their bytes, because torch refuses one that does not inflate to its size.
 """
 
 from __future__ import annotations
