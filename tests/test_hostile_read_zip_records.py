@@ -241,3 +241,16 @@ def test_full_verify_finds_a_wrong_storage_crc_the_copy_carried(tmp_path):
     )
     lines = full.stderr.strip().splitlines()
     assert full.returncode != 0 and len(lines) == 1 and "CRC-32" in lines[0], full.stderr
+
+
+def test_legacy_file_written_with_protocol_4_is_detected_as_legacy(tmp_path):
+    # torch's legacy reader unpickles the first object (PROTO 4, FRAME, the magic number)
+    # whatever the protocol; detection asks the same question, not a byte pattern.
+    from ckpt_tools.formats.detect import detect_format
+
+    path = tmp_path / "legacy4.pt"
+    torch.save(_state(), path, _use_new_zipfile_serialization=False, pickle_protocol=4)
+    assert path.read_bytes()[2:3] == b"\x95"  # FRAME
+    assert detect_format(path) == "torch-legacy"
+    assert len(open_checkpoint(path).storages) == len(_state())
+    assert _inspect(path).returncode == 0
