@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import stat
 import struct
 import tarfile
@@ -153,7 +154,10 @@ def _first_pickle_is_legacy_magic(head: bytes) -> bool:
     if not head or not (head[0] == pickle.PROTO[0] or head[0] in _PICKLE_FIRST_OPCODES):
         return False
     try:
-        first = _NoGlobals(io.BytesIO(head)).load()
+        # Walked first (pure Python, nothing allocated): every declared length then lies
+        # within ``head``, so the C unpickler below never allocates what a header claims.
+        end = max(pos for _, _, pos in pickletools.genops(io.BytesIO(head))) + 1
+        first = _NoGlobals(io.BytesIO(head[:end])).load()
     except _UNPICKLE_ERRORS:
         return False
     return type(first) is int and first == _LEGACY_MAGIC
