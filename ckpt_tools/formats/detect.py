@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+import pickletools
 import stat
 import struct
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
@@ -31,8 +35,20 @@ FORMATS = (
 LFS_SIGNATURE = b"version https://git-lfs.github.com/spec/"
 # torch.serialization._is_zipfile: a zip is a file whose first 4 bytes are a local header.
 ZIP_SIGNATURE = b"PK\x03\x04"
-# torch's legacy MAGIC_NUMBER 0x1950A86A20F9469CFC6C, pickled as LONG1 (10 bytes, little end).
-LEGACY_MAGIC_LONG1 = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+# torch's legacy MAGIC_NUMBER: the first object its legacy reader unpickles must equal it.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+# What unpickling arbitrary bytes can raise (no global is ever imported: see _NoGlobals).
+_UNPICKLE_ERRORS = (
+    pickle.UnpicklingError,
+    EOFError,
+    ValueError,
+    TypeError,
+    IndexError,
+    KeyError,
+    AttributeError,
+    OverflowError,
+    RecursionError,
+)
 # A sharded checkpoint's index (``model.safetensors.index.json``) is JSON text; its suffix
 # tells it from other JSON, its first byte from a file that only borrowed the name.
 SHARD_INDEX_SUFFIX = ".index.json"
@@ -98,7 +114,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "torch-zip"
     if _is_tar_header(head):
         return "torch-tar"
-    if head[:1] == b"\x80" and head[2:14] == LEGACY_MAGIC_LONG1:
+    if _first_pickle_is_legacy_magic(head):
         return "torch-legacy"
     if p.name.endswith(SHARD_INDEX_SUFFIX) and head.lstrip()[:1] == b"{":
         return "hf-sharded"  # the index itself: it opens with the shards it names
@@ -113,6 +129,38 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         "match no torch zip, legacy torch pickle, tar, pickle or safetensors header",
         path=p,
     )
+
+
+class _NoGlobals(pickle.Unpickler):
+    """An unpickler that builds only plain values: every global is refused, never imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"global {module}.{name} refused")
+
+
+def _first_pickle_is_legacy_magic(head: bytes) -> bool:
+    """Whether the first pickle in ``head`` is torch's legacy magic number.
+
+    torch's legacy reader unpickles the file's first object, in whatever protocol it was
+    written (a protocol-4 pickle adds a FRAME before the number), and checks its value; so
+    does this, on the first bytes only, with an unpickler that imports nothing.
+
+    Example:
+        >>> _first_pickle_is_legacy_magic(pickle.dumps(_LEGACY_MAGIC, protocol=4))
+        True
+        >>> _first_pickle_is_legacy_magic(pickle.dumps({"a": 1}, protocol=2))
+        False
+    """
+    if not head or not (head[0] == pickle.PROTO[0] or head[0] in _PICKLE_FIRST_OPCODES):
+        return False
+    try:
+        # Walked first (pure Python, nothing allocated): every declared length then lies
+        # within ``head``, so the C unpickler below never allocates what a header claims.
+        end = max(pos for _, _, pos in pickletools.genops(io.BytesIO(head))) + 1
+        first = _NoGlobals(io.BytesIO(head[:end])).load()
+    except _UNPICKLE_ERRORS:
+        return False
+    return type(first) is int and first == _LEGACY_MAGIC
 
 
 def check_regular(path: str | os.PathLike[str]) -> str:

@@ -10,7 +10,9 @@ refuses every such ambiguity instead of resolving it:
   where the end record (or its zip64 form) begins, so no offset needs shifting;
 - every record's local header agrees with the central directory on name (and on sizes and
   CRC where it states them), and its bytes lie before the central directory;
-- no name repeats; only stored and deflated records, none encrypted.
+- no name repeats; only stored and deflated records, none encrypted;
+- the sanity checks miniz makes on every central entry when torch opens an archive: a
+  stored record's two sizes agree, a non-empty record has compressed bytes.
 
 Every declared count and size is checked against the file size and
 :data:`~ckpt_tools.formats.limits.MAX_ZIP_DIRECTORY_BYTES` before anything is read.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.limits import MAX_ZIP_DIRECTORY_BYTES
 
-__all__ = ["ZipEntry", "read_entry", "read_zip_directory"]
+__all__ = ["ZipEntry", "check_inflates", "read_entry", "read_zip_directory"]
 
 _EOCD = struct.Struct("<4s4H2LH")
 _EOCD_SIG = b"PK\x05\x06"
@@ -174,6 +176,7 @@ def _entries(path: str, fd: int, directory: bytes, count: int, cd_offset: int) -
         if flags & _FLAG_ENCRYPTED or method not in (_STORED, _DEFLATED):
             raise _corrupt(path, f"record {name!r} is encrypted or compressed with method {method}")
         usize, csize, offset = _zip64_sizes(path, name, extra, usize, csize, offset)
+        _check_central_sizes(path, name, method, csize, usize, fields[15])
         data_offset = _check_local(path, fd, raw_name, name, (flags, crc, csize, usize), offset)
         if data_offset + csize > cd_offset:
             raise _corrupt(
@@ -185,6 +188,28 @@ def _entries(path: str, fd: int, directory: bytes, count: int, cd_offset: int) -
     if at != len(directory):
         raise _corrupt(path, "its central directory holds more than the records it declares")
     return entries
+
+
+def _check_central_sizes(
+    path: str, name: str, method: int, csize: int, usize: int, disk: int
+) -> None:
+    """The sanity checks miniz makes on every central entry when torch opens the archive.
+
+    torch refuses the whole archive ("invalid header or archive is corrupted") when an
+    entry fails them, whether or not that record is ever read: a non-empty record without
+    compressed bytes, a stored record whose two sizes differ. (miniz tests the latter only
+    when the modification time is zero too, as torch.save writes it; otherwise torch reads
+    the uncompressed size and ignores the other: such a record is refused here either way.)
+    """
+    if (method == _STORED and csize != usize) or (usize and not csize):
+        raise _corrupt(
+            path,
+            f"record {name!r} declares {csize} bytes compressed and {usize} bytes "
+            f"{'stored' if method == _STORED else 'inflated'} (torch refuses such an archive "
+            "or ignores one of the sizes)",
+        )
+    if disk != 0:
+        raise _corrupt(path, f"record {name!r} lies on disk {disk} (it spans several disks)")
 
 
 def _zip64_sizes(
@@ -226,6 +251,41 @@ def _check_local(
     ):
         raise _corrupt(path, f"record {name!r} has other sizes in its local header")
     return offset + _LOCAL.size + name_len + extra_len
+
+
+def check_inflates(path: str, fd: int, entry: ZipEntry, chunk: int = 1 << 20) -> None:
+    """Inflate a compressed ``entry`` in bounded pieces as torch would, keeping nothing.
+
+    torch inflates a compressed record when it reads it and refuses the file when the
+    stream is damaged or inflates to another size than declared; torch does not check a
+    record's CRC-32 when it reads it (its miniz is built without reader CRC checks), so
+    neither does this.
+
+    Raises:
+        CorruptCheckpointError: the record does not inflate to exactly its declared size.
+    """
+    inflater = zlib.decompressobj(-15)
+    produced, at, end = 0, entry.data_offset, entry.data_offset + entry.compress_size
+    try:
+        while at < end and not inflater.eof:
+            raw = os.pread(fd, min(chunk, end - at), at)
+            if not raw:
+                break
+            at += len(raw)
+            while produced <= entry.file_size:
+                out = inflater.decompress(raw, chunk)
+                produced += len(out)
+                raw = inflater.unconsumed_tail
+                if not raw and len(out) < chunk:
+                    break
+    except zlib.error as e:
+        raise _corrupt(path, f"record {entry.name!r} does not inflate ({e})") from e
+    if not inflater.eof or produced != entry.file_size:
+        raise _corrupt(
+            path,
+            f"record {entry.name!r} does not inflate to its declared {entry.file_size} bytes "
+            "(torch refuses it: unexpected decompressed size)",
+        )
 
 
 def read_entry(path: str, fd: int, entry: ZipEntry, limit: int) -> bytes:

@@ -63,6 +63,21 @@ def _record_crc(ckpt: Checkpoint, storage_key: str) -> int | None:
     return crc
 
 
+def _check_record_crc(out: Checkpoint, storage_key: str) -> None:
+    """A written storage record's bytes match the CRC-32 its headers state (``full``).
+
+    Records are copied with the source's CRC-32, without reading them; torch never checks
+    CRCs when it loads, so a wrong one in the source would pass to the output unseen (and
+    other zip tools refuse it). ``--verify full`` reads the bytes anyway, so it checks.
+    """
+    record = out.records.get(f"data/{storage_key}")
+    if record is not None and _record_crc(out, storage_key) != record.crc32:
+        raise VerificationError(
+            f"record data/{storage_key} does not match its CRC-32: the source record's "
+            "CRC-32 is wrong (torch does not check it; zip tools do); the source is damaged"
+        )
+
+
 def _same_bytes(out: Checkpoint, have: TensorRef, source: Checkpoint, want: TensorRef) -> bool:
     """Whether the written tensor holds the source tensor's bytes (``--verify full``)."""
     record = source.records.get(f"data/{want.storage.key}")
@@ -145,6 +160,8 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
             )
         if level == "full" and not _same_bytes(out, have, expected.source, want):
             raise VerificationError(f"the bytes of {name!r} differ after writing")
+        if level == "full" and first_out == name:
+            _check_record_crc(out, have.storage.key)
     if level == "full":
         return f"verified: {len(got)} tensors, keys, sizes and bytes"
     return f"verified: {len(got)} tensors, keys and sizes"

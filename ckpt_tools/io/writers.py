@@ -22,7 +22,15 @@ from ckpt_tools.formats.allowlist import UNTYPED_STORAGE, ConstantRef, storage_t
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
 from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
-from ckpt_tools.io.zipwriter import TorchZipWriter, Writeback, copy_range, pwrite_all
+from ckpt_tools.io.zipwriter import (
+    PARSED_RECORDS,
+    SAVE_HEAD_RECORDS,
+    SAVE_VERSION,
+    TorchZipWriter,
+    Writeback,
+    copy_range,
+    pwrite_all,
+)
 
 __all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
 
@@ -41,8 +49,10 @@ def write_torch_zip(
     """Write ``tree`` (read from ``source``, possibly edited) as a torch zip archive.
 
     From a zip source, every record is copied as it is (same names, same CRCs) except
-    ``data.pkl``, and storage records no longer referenced are left out. From other formats,
-    storages become ``data/0``, ``data/1``, ... and torch's bookkeeping records are added.
+    ``data.pkl`` and the records torch parses (versions, alignment, byte order), which are
+    written as torch.save writes them; storage records no longer referenced are left out.
+    From other formats, storages become ``data/0``, ``data/1``, ... and torch's bookkeeping
+    records are added.
 
     Args:
         tree: the object tree to pickle.
@@ -115,12 +125,17 @@ def _copy_zip_records(
 
     Compressed records (a re-zipping tool deflates them; torch reads such archives) are
     decompressed, in bounded pieces, and written stored: copying their bytes as they are
-    would make stored records of compressed bytes, which nothing can read.
+    would make stored records of compressed bytes, which nothing can read. The records
+    torch parses (versions, alignment, byte order) are written as torch.save writes them,
+    not copied: the output's layout and pickle are this writer's, not the source's.
     """
+    as_saved = dict((*SAVE_HEAD_RECORDS, SAVE_VERSION))
     for name, record in src.ckpt.records.items():
         if name == "data.pkl":
             writer.add_bytes(name, payload)
-        elif name.startswith("data/") and name not in wanted:
+        elif name in as_saved:
+            writer.add_bytes(name, as_saved.pop(name))  # in place: a torch.save file stays same
+        elif name in PARSED_RECORDS or (name.startswith("data/") and name not in wanted):
             continue
         else:
             # Progress counts tensor bytes only, not torch's bookkeeping records.
@@ -132,6 +147,8 @@ def _copy_zip_records(
                 writer.add_copy(
                     name, src.fd, record.data_offset, record.size, record.crc32, counted
                 )
+    for name, value in as_saved.items():  # those the source lacks
+        writer.add_bytes(name, value)
 
 
 def _add_new_records(
@@ -142,9 +159,8 @@ def _add_new_records(
 ) -> None:
     """The records ``torch.save`` writes, for a source that is not a torch zip archive."""
     writer.add_bytes("data.pkl", payload)
-    writer.add_bytes(".format_version", b"1")
-    writer.add_bytes(".storage_alignment", b"64")
-    writer.add_bytes("byteorder", b"little")
+    for head, value in SAVE_HEAD_RECORDS:
+        writer.add_bytes(head, value)
     for name, storage in records:
         span = src.ckpt.span(storage)
         fd = src.fd if span.path == src.ckpt.path else os.open(span.path, os.O_RDONLY)
@@ -153,7 +169,7 @@ def _add_new_records(
         finally:
             if fd != src.fd:
                 os.close(fd)
-    writer.add_bytes("version", b"3\n")
+    writer.add_bytes(*SAVE_VERSION)
     import uuid  # only legacy and safetensors sources need a new id
 
     writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())

@@ -17,9 +17,33 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["ALIGNMENT", "TorchZipWriter", "Writeback", "copy_range", "pwrite_all"]
+__all__ = [
+    "ALIGNMENT",
+    "PARSED_RECORDS",
+    "SAVE_HEAD_RECORDS",
+    "SAVE_VERSION",
+    "TorchZipWriter",
+    "Writeback",
+    "copy_range",
+    "pwrite_all",
+]
 
 ALIGNMENT = 64
+# The bookkeeping records torch.save writes after data.pkl, with its values: every record
+# written is aligned to ALIGNMENT, which .storage_alignment states.
+SAVE_HEAD_RECORDS = (
+    (".format_version", b"1"),
+    (".storage_alignment", str(ALIGNMENT).encode()),
+    ("byteorder", b"little"),
+)
+# The file format version torch.save writes (as the last record but the serialization id).
+SAVE_VERSION = ("version", b"3\n")
+# The records torch.load parses (not only reads): a rewrite writes them as torch.save does,
+# never copies a source's bytes for them (".data/version" overrides "version" in torch's
+# reader, and torch.save never writes it).
+PARSED_RECORDS = frozenset(
+    {name for name, _ in SAVE_HEAD_RECORDS} | {SAVE_VERSION[0], ".data/version"}
+)
 _U32 = 0xFFFFFFFF
 _U16 = 0xFFFF
 # Sizes and offsets from this value on, and entry counts from _ZIP64_ENTRIES on, need zip64

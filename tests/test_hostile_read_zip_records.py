@@ -1,0 +1,256 @@
+"""Issue 9: the zip records torch's reader checks and torch.load parses, checked the same way.
+
+torch opens a zip archive with caffe2's PyTorchStreamReader (miniz underneath): it checks
+every central entry, reads ``.data/serialization_id`` and the file format version
+(``.data/version`` or ``version``, parsed by std::stoull, 1 to 10), and only then decides
+whether the archive is TorchScript (``constants.pkl``). ``torch.serialization._load`` then
+reads ``.format_version``, ``byteorder`` and ``.storage_alignment`` (``int()``) and inflates
+every compressed storage record it loads. Each test builds such an input in ``tmp_path``
+and asks torch itself (``weights_only=True``) for the verdict we must match: read the same,
+or refuse with one line and exit 4. torch does not check CRC-32s when it reads, so a wrong
+CRC on a storage record is no reason to refuse (inspect never reads tensor bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats import open_checkpoint
+
+CKPT = str(Path(sys.executable).with_name("ckpt"))
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3)}
+
+
+def _rebuilt(src: Path, dst: Path, replace: dict[str, bytes], **kw: int) -> Path:
+    """``src``'s records with some values replaced (or added, after the first record)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", **kw) as zout:
+        infos = zin.infolist()
+        root = infos[0].filename.split("/")[0]
+        todo = dict(replace)
+        for info in infos:
+            name = info.filename[len(root) + 1 :]
+            zout.writestr(info.filename, todo.pop(name, None) or zin.read(info.filename))
+        for name, value in todo.items():
+            zout.writestr(f"{root}/{name}", value)
+    return dst
+
+
+def _lie_stored_size(path: Path, suffix: str, dst: Path) -> Path:
+    """Declare 1 compressed byte for a stored record, its time zeroed as torch.save writes it.
+
+    (miniz checks a stored entry's two sizes only when its method and time are both zero.)
+    """
+    data = bytearray(path.read_bytes())
+    central = _central(data, suffix)
+    struct.pack_into("<HH", data, central + 10, 0, 0)  # method, modification time
+    struct.pack_into("<L", data, central + 20, 1)  # compressed size
+    dst.write_bytes(data)
+    return dst
+
+
+def _central(data: bytes | bytearray, suffix: str) -> int:
+    """The offset of the central directory entry whose name ends with ``suffix``."""
+    at = struct.unpack_from("<L", data, data.rfind(b"PK\x05\x06") + 16)[0]
+    while data[at : at + 4] == b"PK\x01\x02":
+        n, e, c = struct.unpack_from("<3H", data, at + 28)
+        if data[at + 46 : at + 46 + n].decode().endswith(suffix):
+            return at
+        at += 46 + n + e + c
+    raise KeyError(suffix)
+
+
+def _torch_reads(path: Path) -> bool:
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:
+        return False
+    return True
+
+
+def _inspect(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CKPT, "inspect", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def _agrees_with_torch(path: Path, words: str = "") -> None:
+    """We read ``path`` iff torch does; a refusal is one CorruptCheckpointError line, exit 4."""
+    result = _inspect(path)
+    if _torch_reads(path):
+        assert open_checkpoint(path).format == "torch-zip"
+        assert result.returncode == 0, result.stderr
+        return
+    with pytest.raises(CorruptCheckpointError, match=words):
+        open_checkpoint(path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 4, result.stderr
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.fixture()
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "plain.pt"
+    torch.save(_state(), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("record", "value"),
+    [
+        ("version", b"abc"),
+        ("version", b""),
+        ("version", b"0"),
+        ("version", b"11"),
+        ("version", b"-1"),
+        ("version", b"0x3"),
+        ("version", b"99999999999999999999999"),
+        ("version", b" +3abc"),  # stoull reads 3
+        ("version", b"\n10"),
+        (".data/version", b"11"),  # overrides a valid version record
+        (".data/version", b"2"),
+        (".storage_alignment", b"6\n6\n6"),
+        (".storage_alignment", b"\xff"),
+        (".storage_alignment", b" 64\n"),  # int() reads 64
+        (".storage_alignment", b"1_0"),
+        ("byteorder", b"LITTLE"),
+        (".format_version", b"\xff\x00"),  # compared as bytes, never parsed
+        (".data/serialization_id", b"caf\xc3\xa9"),
+        (".data/serialization_id", b"\xff" * 3),  # handed to Python as str: not UTF-8
+    ],
+)
+def test_parsed_records_read_as_torch_parses_them(saved, tmp_path, record, value):
+    path = _rebuilt(saved, tmp_path / "in.pt", {record: value})
+    _agrees_with_torch(path, record.lstrip("."))
+
+
+def test_stored_record_with_two_sizes_is_corrupt_even_when_unreferenced(saved, tmp_path):
+    # miniz refuses the whole archive at open when a stored entry's sizes differ.
+    path = _rebuilt(saved, tmp_path / "in.pt", {"extra/notes.txt": b"0123456789"})
+    path = _lie_stored_size(path, "extra/notes.txt", tmp_path / "lie.pt")
+    with pytest.raises(RuntimeError, match="corrupted"):
+        torch.load(path, weights_only=True)
+    _agrees_with_torch(path, "declares 1 bytes compressed")
+
+
+def test_torchscript_is_decided_only_on_an_archive_torch_opens(saved, tmp_path):
+    marked = _rebuilt(saved, tmp_path / "ts.pt", {"constants.pkl": b"\x80\x02).", "code/x.py": b""})
+    with pytest.raises(RuntimeError, match="TorchScript"):
+        torch.load(marked, weights_only=True)
+    assert open_checkpoint(marked).format == "torchscript"
+    # The same archive with one lying central size: torch's reader refuses it as corrupt.
+    broken = _lie_stored_size(marked, "data/0", tmp_path / "broken.pt")
+    with pytest.raises(RuntimeError, match="corrupted"):
+        torch.load(broken, weights_only=True)
+    _agrees_with_torch(broken, "declares 1 bytes compressed")
+    # A version torch's reader refuses: refused before the TorchScript question is asked.
+    _agrees_with_torch(_rebuilt(marked, tmp_path / "v.pt", {"version": b"abc"}), "version")
+
+
+def test_compressed_storage_inflating_short_is_refused(saved, tmp_path):
+    # data/0 deflated from 40 of its 48 bytes, its declared size set back to 48: torch
+    # inflates it when loading and refuses it ("unexpected decompressed size").
+    with zipfile.ZipFile(saved) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("/data/0"))
+        short = archive.read(name)[:40]
+    path = _rebuilt(saved, tmp_path / "in.pt", {"data/0": short}, compression=zipfile.ZIP_DEFLATED)
+    data = bytearray(path.read_bytes())
+    central = _central(data, "data/0")
+    local = struct.unpack_from("<L", data, central + 42)[0]
+    struct.pack_into("<L", data, central + 24, 48)
+    struct.pack_into("<L", data, local + 22, 48)
+    path.write_bytes(data)
+    with pytest.raises(RuntimeError, match="unexpected decompressed size"):
+        torch.load(path, weights_only=True)
+    _agrees_with_torch(path, "does not inflate")
+    good = _rebuilt(saved, tmp_path / "deflated.pt", {}, compression=zipfile.ZIP_DEFLATED)
+    _agrees_with_torch(good)
+
+
+def test_compressed_storage_that_is_no_deflate_stream_is_refused(saved, tmp_path):
+    # Stored bytes marked deflated. torch's miniz fails to inflate them without setting an
+    # error, and torch returns the tensor's uninitialized memory: nothing we could read the
+    # same, so the file is refused.
+    path = _rebuilt(saved, tmp_path / "in.pt", {})
+    data = bytearray(path.read_bytes())
+    central = _central(data, "data/0")
+    local = struct.unpack_from("<L", data, central + 42)[0]
+    struct.pack_into("<H", data, central + 10, 8)
+    struct.pack_into("<H", data, local + 8, 8)
+    path.write_bytes(data)
+    with pytest.raises(CorruptCheckpointError, match="does not inflate"):
+        open_checkpoint(path)
+    result = _inspect(path)
+    assert result.returncode == 4 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_storage_crc_is_not_checked_because_torch_does_not(saved, tmp_path):
+    data = bytearray(saved.read_bytes())
+    struct.pack_into("<L", data, _central(data, "data/0") + 16, 0x12345678)
+    path = tmp_path / "crc.pt"
+    path.write_bytes(data)
+    assert _torch_reads(path)
+    _agrees_with_torch(path)
+
+
+def test_rewrites_write_parsed_records_as_torch_save_does(tmp_path):
+    wrapped = {f"module.{k}": v for k, v in _state().items()}
+    src = tmp_path / "wrapped.pt"
+    torch.save(wrapped, src)
+    odd = {".storage_alignment": b" 4096\n", "version": b" +10x", ".data/version": b"9"}
+    src = _rebuilt(src, tmp_path / "odd.pt", odd)
+    assert _torch_reads(src)
+    dst = tmp_path / "out.pt"
+    result = subprocess.run(
+        [CKPT, "strip-module", str(src), str(dst)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    with zipfile.ZipFile(dst) as archive:
+        root = archive.namelist()[0].split("/")[0]
+        read = {n[len(root) + 1 :]: archive.read(n) for n in archive.namelist()}
+    assert read[".storage_alignment"] == b"64" and read["version"] == b"3\n"
+    assert read[".format_version"] == b"1" and read["byteorder"] == b"little"
+    assert ".data/version" not in read
+    loaded = torch.load(dst, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in _state().items())
+
+
+def test_full_verify_finds_a_wrong_storage_crc_the_copy_carried(tmp_path):
+    # Records are copied without reading them, with the source's CRC-32; torch never checks
+    # CRCs, so only --verify full (which reads every byte anyway) can tell. (Small records'
+    # CRCs, up to 1 MiB, are checked by every verification; this storage is 2 MiB.)
+    src = tmp_path / "wrapped.pt"
+    torch.save({"module.w": torch.arange(1 << 19, dtype=torch.float32)}, src)
+    data = bytearray(src.read_bytes())
+    struct.pack_into("<L", data, _central(data, "data/0") + 16, 0x12345678)
+    src.write_bytes(data)
+    assert _torch_reads(src)
+    command = [CKPT, "strip-module", str(src), str(tmp_path / "out.pt"), "--verify"]
+    ok = subprocess.run([*command, "sizes"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    full = subprocess.run(
+        [*command, "full", "--force"], capture_output=True, text=True, timeout=120
+    )
+    lines = full.stderr.strip().splitlines()
+    assert full.returncode != 0 and len(lines) == 1 and "CRC-32" in lines[0], full.stderr
+
+
+def test_legacy_file_written_with_protocol_4_is_detected_as_legacy(tmp_path):
+    # torch's legacy reader unpickles the first object (PROTO 4, FRAME, the magic number)
+    # whatever the protocol; detection asks the same question, not a byte pattern.
+    from ckpt_tools.formats.detect import detect_format
+
+    path = tmp_path / "legacy4.pt"
+    torch.save(_state(), path, _use_new_zipfile_serialization=False, pickle_protocol=4)
+    assert path.read_bytes()[2:3] == b"\x95"  # FRAME
+    assert detect_format(path) == "torch-legacy"
+    assert len(open_checkpoint(path).storages) == len(_state())
+    assert _inspect(path).returncode == 0
