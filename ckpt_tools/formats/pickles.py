@@ -30,6 +30,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
+from ckpt_tools.formats.expansion import check_expansion
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
 
 __all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "id_text", "load_pickle"]
@@ -262,6 +263,10 @@ def load_pickle(
         source: Any = file  # in memory and within the limit: read it directly (fastest)
     else:
         source = LimitedReader(file, limit)
+    try:  # before unpickling: the unpickler hashes dict keys, which a memo bomb makes endless
+        check_expansion(source if source is file else LimitedReader(file, limit))
+    finally:
+        file.seek(start)
     unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length)
     try:
         with gc_paused():

@@ -1,0 +1,97 @@
+"""How large a pickle's objects are once shared references are counted every time they are used.
+
+A pickle can build a tuple of two references to one tuple, and repeat that 60 times in 130
+bytes (``DUP``/``TUPLE2`` or memo ``GET``/``TUPLE2``): the objects stay small in memory, as a
+shared DAG, but anything that walks them as a tree sees 2**60 nodes. Our own walks count
+shared nodes once; Python's ``hash`` does not, and the unpickler hashes every dict key and
+set member as it builds them (``SETITEM``, ``ADDITEMS``, ``FROZENSET``), so such a pickle
+never finishes loading. This module replays the pickle's stack, with the expanded size of
+each object in place of the object, before anything is unpickled.
+"""
+
+from __future__ import annotations
+
+import pickletools
+from typing import Any
+
+from ckpt_tools.errors import ResourceLimitError
+
+__all__ = ["MAX_EXPANDED_NODES", "check_expansion"]
+
+#: A checkpoint's pickle expands to about 15 nodes a tensor; this allows millions of tensors,
+#: and hashing this many nodes still takes about a second.
+MAX_EXPANDED_NODES = 100_000_000
+
+_MARK = pickletools.markobject
+_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> None:
+    """Refuse a pickle whose objects, expanded as a tree, exceed ``limit`` nodes.
+
+    Runs in one pass over the opcodes and never builds an object. A pickle that is not
+    well-formed is left to the unpickler, which reports it in its own words.
+
+    Args:
+        pickled: the pickle's bytes, or a binary file positioned at its start (read up to
+            its STOP opcode; the caller restores the position).
+        limit: the most nodes any object may expand to.
+
+    Raises:
+        ResourceLimitError: an object expands past ``limit`` (a memo bomb).
+
+    Example:
+        >>> import pickle
+        >>> check_expansion(pickle.dumps({"w": [1, 2, 3]}, protocol=2))
+        >>> bomb = b"\\x80\\x02}N" + b"2\\x86" * 40 + b"N" + b"s."  # {DAG of 2**40 nodes: None}
+        >>> check_expansion(bomb)
+        Traceback (most recent call last):
+        ckpt_tools.errors.ResourceLimitError: the pickle's objects expand to more than ...
+    """
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[Any, int] = {}
+    try:
+        for op, arg, _ in pickletools.genops(pickled):
+            kind, below, marked, after = _SHAPES[op.code]
+            if kind == _PLAIN:
+                size = 1
+                if marked:
+                    mark = marks.pop() if marks else 0
+                    size += sum(stack[mark:])
+                    del stack[mark:]
+                for _ in range(below):
+                    size += stack.pop() if stack else 1
+                if size > limit:
+                    raise ResourceLimitError(
+                        f"the pickle's objects expand to more than {limit:,} nodes when "
+                        "shared references are followed (a memo bomb); a checkpoint's pickle "
+                        "holds a few dozen a tensor, so this is not one"
+                    )
+                stack.extend([size] * after)
+            elif kind == _MARKS:
+                marks.append(len(stack))
+            elif kind == _DUP:
+                stack.append(stack[-1] if stack else 1)
+            elif kind == _GET:
+                stack.append(memo.get(arg, 1))
+            else:  # _PUT, or MEMOIZE (which numbers the memo itself)
+                memo[len(memo) if arg is None else arg] = stack[-1] if stack else 1
+    except ValueError:
+        return  # not a well-formed pickle: the unpickler says how
+
+
+_PLAIN, _MARKS, _DUP, _GET, _PUT = range(5)
+
+
+def _shape(op: pickletools.OpcodeInfo) -> tuple[int, int, bool, int]:
+    """How an opcode moves the stack: (kind, pops below a mark, pops to a mark, pushes)."""
+    special = {"MARK": _MARKS, "DUP": _DUP, "MEMOIZE": _PUT}
+    kind = special.get(op.name, _GET if op.name in _GETS else _PUT if op.name in _PUTS else _PLAIN)
+    marked = _MARK in op.stack_before
+    below = op.stack_before.index(_MARK) if marked else len(op.stack_before)
+    return kind, below, marked, len(op.stack_after)
+
+
+_SHAPES = {op.code: _shape(op) for op in pickletools.opcodes}

@@ -1,0 +1,84 @@
+"""Memo bombs: a few hundred bytes of pickle that expand to 2**60 nodes when walked as a tree.
+
+The unpickler hashes every dict key as it builds it, and hashing a tuple walks it as a tree,
+so such a pickle used to hang ``ckpt inspect`` and every rewrite. It is refused (exit 5)
+before anything is unpickled, and a file with heavy but honest sharing still reads.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_tools
+from ckpt_tools.errors import EXIT_RESOURCE, ResourceLimitError
+from tests.helpers import console_script
+
+DOUBLINGS = 60
+
+
+def _bomb(by: str) -> bytes:
+    """``{DAG: None}`` where DAG is a tuple of two references to a tuple of two ... (2**60)."""
+    body = b"\x80\x02}N"  # PROTO 2, EMPTY_DICT, NONE
+    for i in range(DOUBLINGS):
+        if by == "dup":
+            body += b"2\x86"  # DUP, TUPLE2
+        else:  # memo: BINPUT i, BINGET i, TUPLE2
+            body += b"q" + bytes([i % 256]) + b"h" + bytes([i % 256]) + b"\x86"
+    return body + b"Ns."  # NONE, SETITEM, STOP
+
+
+def _in_torch_zip(tmp_path: Path, data_pkl: bytes) -> Path:
+    """A real torch.save archive with its data.pkl replaced."""
+    clean = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, clean)
+    path = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(clean) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            payload = data_pkl if info.filename.endswith("/data.pkl") else src.read(info)
+            dst.writestr(info, payload)
+    return path
+
+
+@pytest.mark.parametrize("by", ["dup", "memo"])
+@pytest.mark.parametrize("container", ["torch-zip"])
+def test_a_memo_bomb_is_refused_before_unpickling(tmp_path: Path, by: str, container: str) -> None:
+    if container == "pickle":
+        path = tmp_path / "bomb.pkl"
+        path.write_bytes(_bomb(by))
+    else:
+        path = _in_torch_zip(tmp_path, _bomb(by))
+    with pytest.raises(ResourceLimitError, match="memo bomb"):
+        ckpt_tools.inspect(path)
+    run = subprocess.run(
+        [console_script(), "inspect", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == EXIT_RESOURCE, run.stderr
+    assert run.stderr.count("\n") == 1 and "memo bomb" in run.stderr
+
+
+def test_heavy_honest_sharing_still_reads(tmp_path: Path) -> None:
+    """One storage viewed by many tensors, and one dict referenced from many places."""
+    base = torch.arange(64.0)
+    config = {"layers": list(range(100))}
+    obj = {f"v{i}": base[i:] for i in range(64)} | {f"cfg{i}": config for i in range(200)}
+    path = tmp_path / "shared.pt"
+    torch.save(obj, path)
+    assert len(ckpt_tools.inspect(path).tensors) == 64
+
+
+def test_a_small_bomb_is_a_dag_pickle_loads_and_torch_agrees(tmp_path: Path) -> None:
+    """Control: below the limit the same shape loads, as a shared DAG, in Python and torch."""
+    small = _bomb("dup").replace(b"2\x86" * DOUBLINGS, b"2\x86" * 8)
+    loaded = pickle.loads(small)
+    (key,) = loaded
+    assert key[0] is key[1]
+    path = tmp_path / "small.pkl"
+    path.write_bytes(small)
+    ckpt_tools.inspect(path)  # no error: 2**8 nodes
