@@ -45,3 +45,11 @@ def test_the_rewrite_runs_without_torch(case: str, tmp_path: Path) -> None:
     for (old_name, old), (new_name, new) in zip(before.items(), after.items(), strict=True):
         assert new.dtype == old.dtype and new.shape == old.shape, (old_name, new_name)
         assert torch.equal(value_bytes(new), value_bytes(old)), (old_name, new_name)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["strip-module", "--help"]])
+def test_the_command_line_starts_without_torch(argv: list[str], tmp_path: Path) -> None:
+    env = torch_free_env(tmp_path, "ckpt's start must not import torch")
+    run = run_ckpt(*argv, how="module", env=env, code=None)
+    assert run.returncode == 0, run.stderr
+    assert "Usage:" in run.stdout

@@ -6,13 +6,15 @@ import click
 
 from ckpt_tools.cli.options import json_option
 from ckpt_tools.cli.render import echo_json, human_bytes, table
-from ckpt_tools.loading.devices import list_devices
 
 
 @click.command("devices")
 @json_option
 def devices_cmd(as_json: bool) -> None:
     """List the CPU and the visible GPUs (freest first), with total and free memory."""
+    # Imported here: it needs torch, and `ckpt --help` lists this command without running it.
+    from ckpt_tools.loading.devices import list_devices
+
     devices = list_devices()
     if as_json:
         echo_json([d.to_json() for d in devices])
