@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REAL_DIR, copy_fixture, save, tools
+from tests.helpers import REAL_DIR, copy_fixture, save, tools, torch_free_env
 
 
 @pytest.fixture
@@ -42,3 +42,9 @@ def real_dir() -> Path:
     if not folder.is_dir():
         pytest.skip(f"real checkpoints not found at {folder}")
     return folder
+
+
+@pytest.fixture
+def no_torch_env(tmp_path: Path) -> dict[str, str]:
+    """A child-process environment in which ``import torch`` fails (see ``torch_free_env``)."""
+    return torch_free_env(tmp_path, "this command must not import torch")

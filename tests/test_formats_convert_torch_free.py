@@ -14,11 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from safetensors.torch import save_file
-
-from tests.helpers import torch_free_env
 
 
 def views() -> dict[str, torch.Tensor]:
@@ -59,11 +56,6 @@ def tensor_bytes(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
         )
         for name, e in header.items()
     }
-
-
-@pytest.fixture
-def no_torch_env(tmp_path: Path) -> dict[str, str]:
-    return torch_free_env(tmp_path, "a conversion must not import torch")
 
 
 def test_the_fake_torch_refuses_to_import(no_torch_env: dict[str, str]) -> None:

@@ -20,7 +20,6 @@ from tests.helpers import (
     read_data_pkl,
     run_ckpt,
     tools,
-    torch_free_env,
 )
 
 EVIL = fixture_path("evil.pt")
@@ -73,11 +72,6 @@ def test_cli_reports_it(
 
 # ---------------------------------------------------------------------------------------------
 # `ckpt inspect` without torch
-
-
-@pytest.fixture
-def no_torch_env(tmp_path: Path) -> dict[str, str]:
-    return torch_free_env(tmp_path, "ckpt inspect must not import torch")
 
 
 def test_fake_torch_blocks_imports(no_torch_env: dict[str, str]) -> None:
