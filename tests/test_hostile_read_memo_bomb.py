@@ -34,6 +34,16 @@ def _bomb(by: str) -> bytes:
     return body + b"Ns."  # NONE, SETITEM, STOP
 
 
+def _legacy_head() -> bytes:
+    """The three pickles torch's legacy writer puts before the main one (magic, protocol, sys_info)."""
+    sys_info = {
+        "protocol_version": 1001,
+        "little_endian": True,
+        "type_sizes": {"short": 2, "int": 4, "long": 4},
+    }
+    return b"".join(pickle.dumps(v, protocol=2) for v in (0x1950A86A20F9469CFC6C, 1001, sys_info))
+
+
 def _in_torch_zip(tmp_path: Path, data_pkl: bytes) -> Path:
     """A real torch.save archive with its data.pkl replaced."""
     clean = io.BytesIO()
@@ -47,11 +57,14 @@ def _in_torch_zip(tmp_path: Path, data_pkl: bytes) -> Path:
 
 
 @pytest.mark.parametrize("by", ["dup", "memo"])
-@pytest.mark.parametrize("container", ["torch-zip"])
+@pytest.mark.parametrize("container", ["pickle", "torch-legacy", "torch-zip"])
 def test_a_memo_bomb_is_refused_before_unpickling(tmp_path: Path, by: str, container: str) -> None:
     if container == "pickle":
         path = tmp_path / "bomb.pkl"
         path.write_bytes(_bomb(by))
+    elif container == "torch-legacy":
+        path = tmp_path / "bomb.pt"
+        path.write_bytes(_legacy_head() + _bomb(by))
     else:
         path = _in_torch_zip(tmp_path, _bomb(by))
     with pytest.raises(ResourceLimitError, match="memo bomb"):

@@ -78,7 +78,9 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> None:
                 stack.append(memo.get(arg, 1))
             else:  # _PUT, or MEMOIZE (which numbers the memo itself)
                 memo[len(memo) if arg is None else arg] = stack[-1] if stack else 1
-    except ValueError:
+    except ValueError as e:
+        if isinstance(e, OSError):  # io.UnsupportedOperation: the reader, not the pickle
+            raise
         return  # not a well-formed pickle: the unpickler says how
 
 

@@ -91,6 +91,11 @@ class LimitedReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def tell(self) -> int:
+        # How far it has read. pickletools.genops asks before every opcode; RawIOBase's own
+        # tell would seek, which this reader cannot.
+        return self._limit - self._left
+
     def _take(self, n: int) -> None:
         if n > self._left:
             raise ResourceLimitError(

@@ -464,7 +464,7 @@ def compare_output(
     sub = plan.args[1].split("=", 1) if plan.command == "rename" else None
     for (a, t_in), (b, t_out) in zip(theirs, mine):
         expected_ok = {
-            "strip-module": b != "" and a.endswith(b),
+            "strip-module": b != "" and (a.endswith(b) or _fsdp_clean(a).endswith(b)),
             "add-module": b == "module." + a,
             "rename": b == ((sub[1] + a[len(sub[0]) :]) if sub and a.startswith(sub[0]) else a),
         }.get(command, a == b)
@@ -494,6 +494,18 @@ def compare_output(
         if rest_in != rest_out:
             return differs("rest-of-tree", "entries beside the state dict changed")
     return []
+
+
+def _fsdp_clean(name: str) -> str:
+    """The name FSDP itself gives a parameter: its wrapper segments removed wherever they are.
+
+    FSDP (and activation checkpointing) wrap modules at any depth, so their segments sit in
+    the middle of keys; torch's own ``clean_tensor_name`` is the reference, imported only
+    when a name is not a plain suffix (the campaign process otherwise never imports torch).
+    """
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return clean_tensor_name(name)
 
 
 def _normal(node: Any, command: str) -> Any:
