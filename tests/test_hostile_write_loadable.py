@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckpt_tools
 from ckpt_tools.errors import ConversionError, ResourceLimitError, VerificationError
 from ckpt_tools.formats.repickle import check_weights_only_pickle, unsupported_opcodes
 from ckpt_tools.io.space import check_output_size
@@ -94,6 +95,26 @@ def test_pickle_protocol_4_and_5_inputs_come_out_as_protocol_2(protocol, tmp_pat
     assert payload[:2] == b"\x80\x02" and unsupported_opcodes(payload) == []
     for loaded in _load_both(dst):
         _assert_equal(loaded, _stripped())
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_inspect_says_when_torch_weights_only_refuses_the_protocol(protocol, tmp_path):
+    # We read protocols 4 and 5 (torch.load(weights_only=False) reads them, with the same
+    # meaning); inspect says so exactly when torch's weights-only unpickler refuses the file.
+    src = tmp_path / "in.pt"
+    torch.save(_state(), src, pickle_protocol=protocol)
+    try:
+        torch.load(src, weights_only=True)
+        torch_refuses = False
+    except pickle.UnpicklingError:
+        torch_refuses = True
+    info = ckpt_tools.inspect(src)
+    assert info.pickle_protocol == protocol == info.to_json()["pickle_protocol"]
+    note = [line for line in info.summary(for_cli=True).splitlines() if line.startswith("pickle:")]
+    assert bool(note) == torch_refuses
+    if note:
+        assert f"protocol {protocol}" in note[0] and f"ckpt convert {src} OUT.pt" in note[0]
 
 
 def test_default_verification_is_torch_strict(tmp_path):

@@ -113,6 +113,7 @@ def inspect_checkpoint(
         metadata=ckpt.metadata,
         shards=tuple(ckpt.shards),
         shard_of=shard_of,
+        pickle_protocol=ckpt.protocol,
     )
 
 

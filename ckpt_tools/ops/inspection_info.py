@@ -110,6 +110,7 @@ class CheckpointInfo(Readable):
         metadata: safetensors ``__metadata__`` or a shard index's ``metadata``.
         shards: shard file names, for sharded folders.
         shard_of: tensor name -> ``"shard file:"``, for sharded folders.
+        pickle_protocol: the main pickle's protocol (0 for formats without one).
     """
 
     path: str
@@ -126,6 +127,7 @@ class CheckpointInfo(Readable):
     metadata: Mapping[str, str] | None = None
     shards: tuple[str, ...] = ()
     shard_of: Mapping[str, str] = field(default_factory=dict)
+    pickle_protocol: int = 0
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -214,6 +216,16 @@ class CheckpointInfo(Readable):
             lines.append(
                 f"unsafe:      {', '.join(self.unsafe_globals)} (outside the allowlist; "
                 "never imported)"
+            )
+        if self.pickle_protocol > _WEIGHTS_ONLY_PROTOCOL:
+            fix = (
+                f"ckpt convert {self.path} OUT.pt"
+                if for_cli
+                else f"ckpt_tools.convert({self.path!r}, OUT)"
+            )
+            lines.append(
+                f"pickle:      protocol {self.pickle_protocol}; torch.load(weights_only=True) "
+                f"refuses it (its unpickler lacks the FRAME opcode), `{fix}` writes protocol 2"
             )
         if self.entries:
             lines.append("other entries:")
@@ -317,7 +329,12 @@ class CheckpointInfo(Readable):
             "devices": self.devices,
             "metadata": dict(self.metadata) if self.metadata else None,
             "shards": list(self.shards),
+            "pickle_protocol": self.pickle_protocol,
         }
+
+
+# The highest protocol torch's weights-only unpickler reads (protocol 4 adds FRAME opcodes).
+_WEIGHTS_ONLY_PROTOCOL = 3
 
 
 def _row(label: str, t: TensorInfo, count: int) -> list[str]:
