@@ -35,7 +35,7 @@ def _bomb(by: str) -> bytes:
 
 
 def _legacy_head() -> bytes:
-    """The three pickles torch's legacy writer puts before the main one (magic, protocol, sys_info)."""
+    """The pickles torch's legacy writer puts before the main one: magic, protocol, sys_info."""
     sys_info = {
         "protocol_version": 1001,
         "little_endian": True,

@@ -111,6 +111,8 @@ def test_inspect_says_when_torch_weights_only_refuses_the_protocol(protocol, tmp
         torch_refuses = True
     info = ckpt_tools.inspect(src)
     assert info.pickle_protocol == protocol == info.to_json()["pickle_protocol"]
+    assert bool(info.beyond_weights_only) == torch_refuses
+    assert info.to_json()["beyond_weights_only"] == list(info.beyond_weights_only)
     note = [line for line in info.summary(for_cli=True).splitlines() if line.startswith("pickle:")]
     assert bool(note) == torch_refuses
     if note:

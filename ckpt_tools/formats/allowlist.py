@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -232,7 +233,52 @@ def _reduced(func: GlobalRef, *args: Any) -> Reduced:
 
 
 def _size(func: GlobalRef, *args: Any) -> TorchSize:
-    return TorchSize(args[0] if args else ())
+    # torch.Size takes one iterable of ints (bools count as ints) that fit in int64.
+    dims = args[0] if args else ()
+    if not isinstance(dims, (tuple, list)) or not all(
+        isinstance(d, int) and -(1 << 63) <= d < 1 << 63 for d in dims
+    ):
+        raise CorruptCheckpointError(
+            f"the pickle calls torch.Size with {short_repr(dims, 40)}; torch.Size takes a "
+            "sequence of integers, so torch refuses this file"
+        )
+    return TorchSize(int(d) for d in dims)
+
+
+# Device types torch.device parses (c10/core/Device.cpp, torch 2.13), and the largest index it
+# keeps (c10::DeviceIndex is int8_t; larger ones wrap around, so they are refused).
+_DEVICE_TYPES = frozenset(
+    {
+        *("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve"),
+        *("fpga", "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"),
+    }
+)
+_DEVICE = re.compile(r"([a-z]+)(?::(0|[1-9][0-9]{0,2}))?")
+_MAX_DEVICE_INDEX = 127
+
+
+def _device(func: GlobalRef, *args: Any) -> Reduced:
+    # torch.save reduces a device to ("cuda", 1) or ("cpu",); torch.device refuses what it
+    # cannot parse, and so does this, without ever calling it.
+    kind, index = (*args, None)[:2]
+    match = _DEVICE.fullmatch(kind) if isinstance(kind, str) else None
+    parsed = int(match.group(2)) if match and match.group(2) is not None else None
+    valid = (
+        match is not None
+        and match.group(1) in _DEVICE_TYPES
+        and (parsed is None or parsed <= _MAX_DEVICE_INDEX)
+        and (
+            index is None
+            or (type(index) is int and parsed is None and 0 <= index <= _MAX_DEVICE_INDEX)
+        )
+    )
+    if not valid:
+        shown = ", ".join(short_repr(a, 40) for a in args)
+        raise CorruptCheckpointError(
+            f"the pickle calls torch.device({shown}), which torch refuses; a device is a "
+            "type such as 'cpu' or 'cuda' with an optional index from 0 to 127"
+        )
+    return _reduced(func, *args)
 
 
 # The codecs Python's pickler names in ``_codecs.encode(text, "latin1")`` (bytes and
@@ -284,7 +330,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
     "torch._utils._rebuild_parameter_with_state": (_rebuild_parameter, 4, 4),
     "torch._tensor._rebuild_from_type_v2": (_rebuild_from_type_v2, 4, 4),
     "torch.Size": (_size, 0, 1),
-    "torch.device": (_reduced, 1, 2),
+    "torch.device": (_device, 1, 2),
     "torch.serialization._get_layout": (_reduced, 1, 1),
     "torch._utils._rebuild_sparse_tensor": (_reduced, 2, 2),
     "torch._utils._rebuild_nested_tensor": (_reduced, 4, 4),

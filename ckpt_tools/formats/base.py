@@ -33,6 +33,8 @@ class Checkpoint:
         storages: storage key -> descriptor, in file order.
         unsafe_globals: qualified names of globals outside the allowlist.
         protocol: the pickle protocol of the main pickle (0 for safetensors).
+        beyond_weights_only: the main pickle's opcodes that ``torch.load(weights_only=True)``
+            does not implement (it refuses the file; ``weights_only=False`` reads it alike).
         metadata: the safetensors ``__metadata__`` dict, if any.
         records: zip records (torch zip formats), by name inside the root folder.
         archive_root: the zip's root folder name (``archive``), for torch zip formats.
@@ -45,6 +47,7 @@ class Checkpoint:
     storages: Mapping[str, StorageRef]
     unsafe_globals: tuple[str, ...] = ()
     protocol: int = 0
+    beyond_weights_only: tuple[str, ...] = ()
     metadata: Mapping[str, str] | None = None
     records: Mapping[str, ZipRecord] = field(default_factory=dict)
     archive_root: str = ""

@@ -16,8 +16,10 @@ from ckpt_tools.errors import (
     CheckpointNotFoundError,
     LfsPointerError,
     Remedy,
+    ResourceLimitError,
     UnsupportedFormatError,
 )
+from ckpt_tools.formats.expansion import check_expansion
 
 __all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_format"]
 
@@ -37,10 +39,6 @@ LFS_SIGNATURE = b"version https://git-lfs.github.com/spec/"
 ZIP_SIGNATURE = b"PK\x03\x04"
 # torch's legacy MAGIC_NUMBER: the first object its legacy reader unpickles must equal it.
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-# The opcodes of a pickle holding one integer, in any protocol.
-_INT_PICKLE_OPCODES = frozenset(
-    {"PROTO", "FRAME", "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STOP"}
-)
 # What unpickling arbitrary bytes can raise (no global is ever imported: see _NoGlobals).
 _UNPICKLE_ERRORS = (
     pickle.UnpicklingError,
@@ -159,14 +157,12 @@ def _first_pickle_is_legacy_magic(head: bytes) -> bool:
         return False
     try:
         # Walked first (pure Python, nothing allocated): every declared length then lies
-        # within ``head``, and a pickle of anything but one integer is not the magic number,
-        # so nothing else (a memo bomb, say, which hashing would walk forever) is built.
-        ops = list(pickletools.genops(io.BytesIO(head)))
-        if {op.name for op, _, _ in ops} - _INT_PICKLE_OPCODES:
-            return False
-        end = ops[-1][2] + 1
+        # within ``head``, so the C unpickler below never allocates what a header claims, and
+        # a memo bomb (which hashing a dict key would walk forever) is never built.
+        end = max(pos for _, _, pos in pickletools.genops(io.BytesIO(head))) + 1
+        check_expansion(head[:end])
         first = _NoGlobals(io.BytesIO(head[:end])).load()
-    except _UNPICKLE_ERRORS:
+    except (*_UNPICKLE_ERRORS, ResourceLimitError):
         return False
     return type(first) is int and first == _LEGACY_MAGIC
 

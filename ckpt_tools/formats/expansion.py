@@ -16,18 +16,31 @@ from typing import Any
 
 from ckpt_tools.errors import ResourceLimitError
 
-__all__ = ["MAX_EXPANDED_NODES", "check_expansion"]
+__all__ = ["MAX_EXPANDED_NODES", "WEIGHTS_ONLY_OPCODES", "check_expansion"]
 
 #: A checkpoint's pickle expands to about 15 nodes a tensor; this allows millions of tensors,
 #: and hashing this many nodes still takes about a second.
 MAX_EXPANDED_NODES = 100_000_000
+
+#: The opcodes the unpickler of ``torch.load(weights_only=True)`` executes (read from
+#: torch 2.13's ``torch/_weights_only_unpickler.py``); any other opcode makes it fail with
+#: "Unsupported operand", while ``weights_only=False`` reads it with the same meaning.
+WEIGHTS_ONLY_OPCODES = frozenset(
+    {
+        "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS",
+        "SETITEM", "SETITEMS", "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE",
+        "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET",
+        "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING",
+        "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1",
+    }
+)  # fmt: skip
 
 _MARK = pickletools.markobject
 _GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
 _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 
-def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> None:
+def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[str]:
     """Refuse a pickle whose objects, expanded as a tree, exceed ``limit`` nodes.
 
     Runs in one pass over the opcodes and never builds an object. A pickle that is not
@@ -38,12 +51,16 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> None:
             its STOP opcode; the caller restores the position).
         limit: the most nodes any object may expand to.
 
+    Returns:
+        The names of the opcodes it holds (as far as it is well-formed).
+
     Raises:
         ResourceLimitError: an object expands past ``limit`` (a memo bomb).
 
     Example:
         >>> import pickle
-        >>> check_expansion(pickle.dumps({"w": [1, 2, 3]}, protocol=2))
+        >>> sorted(check_expansion(pickle.dumps({"w": [1, 2, 3]}, protocol=2)))[:3]
+        ['APPENDS', 'BINGET', 'BININT1']
         >>> bomb = b"\\x80\\x02}N" + b"2\\x86" * 40 + b"N" + b"s."  # {DAG of 2**40 nodes: None}
         >>> check_expansion(bomb)
         Traceback (most recent call last):
@@ -52,8 +69,10 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> None:
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}
+    seen: set[str] = set()
     try:
         for op, arg, _ in pickletools.genops(pickled):
+            seen.add(op.name)
             kind, below, marked, after = _SHAPES[op.code]
             if kind == _PLAIN:
                 size = 1
@@ -81,7 +100,8 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> None:
     except ValueError as e:
         if isinstance(e, OSError):  # io.UnsupportedOperation: the reader, not the pickle
             raise
-        return  # not a well-formed pickle: the unpickler says how
+        # not a well-formed pickle: the unpickler says how
+    return frozenset(seen)
 
 
 _PLAIN, _MARKS, _DUP, _GET, _PUT = range(5)

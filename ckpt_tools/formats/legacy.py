@@ -126,6 +126,7 @@ def open_legacy(path: str) -> Checkpoint:
         storages=main.storages,
         unsafe_globals=main.unsafe_globals,
         protocol=main.protocol,
+        beyond_weights_only=main.beyond_weights_only,
         locate=offset_locator(path, offsets),
     )
 
@@ -195,6 +196,7 @@ def open_pickle(path: str) -> Checkpoint:
         storages={},
         unsafe_globals=result.unsafe_globals,
         protocol=result.protocol,
+        beyond_weights_only=result.beyond_weights_only,
     )
 
 

@@ -30,7 +30,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
-from ckpt_tools.formats.expansion import check_expansion
+from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, check_expansion
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
 
 __all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "id_text", "load_pickle"]
@@ -87,12 +87,14 @@ class ReadResult:
         storages: storage key -> descriptor, in first-seen order.
         unsafe_globals: qualified names outside the allowlist, in first-seen order.
         protocol: the pickle protocol (0-5) from the PROTO opcode, 0 when absent.
+        beyond_weights_only: its opcodes that torch's weights-only unpickler lacks (sorted).
     """
 
     root: Any
     storages: dict[str, StorageRef]
     unsafe_globals: tuple[str, ...]
     protocol: int
+    beyond_weights_only: tuple[str, ...] = ()
 
 
 class _Restricted:
@@ -144,7 +146,7 @@ class _Restricted:
                 f"unexpected persistent id {short_repr(pid)}: {what} of {len(pid)} fields, "
                 f"where torch's reader of this format unpacks {self._id_length}"
             )
-        storage_type, key, location, numel = pid[1], id_text(pid[2]), id_text(pid[3]), pid[4]
+        storage_type, key, location, numel = pid[1], id_text(pid[2]), _location(pid[3]), pid[4]
         if (
             not isinstance(storage_type, StorageTypeRef)
             or key is None
@@ -201,6 +203,17 @@ def _python3_name(module: str, name: str) -> tuple[str, str]:
     if (module, name) in _compat_pickle.NAME_MAPPING:
         return _compat_pickle.NAME_MAPPING[(module, name)]
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def _location(value: Any) -> str | None:
+    """A storage id's device tag as torch reads it: text, or ASCII bytes (Python 2 files).
+
+    torch hands the tag to ``re.match`` (or to ``map_location``): an int there fails with a
+    TypeError under the default ``map_location``, so it is refused, not turned into text.
+    """
+    if isinstance(value, bytes):
+        return value.decode("ascii") if value.isascii() else None
+    return value if isinstance(value, str) else None
 
 
 def id_text(value: Any) -> str | None:
@@ -264,7 +277,7 @@ def load_pickle(
     else:
         source = LimitedReader(file, limit)
     try:  # before unpickling: the unpickler hashes dict keys, which a memo bomb makes endless
-        check_expansion(source if source is file else LimitedReader(file, limit))
+        opcodes = check_expansion(source if source is file else LimitedReader(file, limit))
     finally:
         file.seek(start)
     unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length)
@@ -297,6 +310,7 @@ def load_pickle(
         storages=unpickler.storages,
         unsafe_globals=tuple(unpickler.unsafe),
         protocol=protocol,
+        beyond_weights_only=tuple(sorted(opcodes - WEIGHTS_ONLY_OPCODES)),
     )
 
 

@@ -18,6 +18,7 @@ from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError, CorruptCheckpointError, quote_foreign
 from ckpt_tools.formats.allowlist import Reduced, TorchSize, storage_type_ref
+from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES
 from ckpt_tools.formats.pickles import gc_paused
 
 __all__ = [
@@ -35,20 +36,6 @@ __all__ = [
 #: and the only one whose opcodes ``torch.load(weights_only=True)`` reads (protocol 4 adds
 #: FRAME, MEMOIZE, SHORT_BINUNICODE and STACK_GLOBAL, which torch 2.13 rejects).
 TORCH_PICKLE_PROTOCOL = 2
-
-#: The opcodes the unpickler of ``torch.load(weights_only=True)`` executes (read from
-#: torch 2.13's ``torch/_weights_only_unpickler.py``); any other opcode makes it fail with
-#: "Unsupported operand". A protocol 2 pickle of a checkpoint tree stays within it (an int
-#: over 255 bytes long, LONG4, is the one exception, refused by :func:`dumps`).
-WEIGHTS_ONLY_OPCODES = frozenset(
-    {
-        "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS",
-        "SETITEM", "SETITEMS", "MARK", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE",
-        "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET",
-        "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING",
-        "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1",
-    }
-)  # fmt: skip
 
 
 class Repickler(pickle._Pickler):  # type: ignore[name-defined]

@@ -308,5 +308,6 @@ def read_tar_members(
         storages=storages,
         unsafe_globals=tuple(reader.unsafe),
         protocol=main.protocol,
+        beyond_weights_only=main.beyond_weights_only,
         locate=offset_locator(path, reader.offsets),
     )

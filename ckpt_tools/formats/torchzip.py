@@ -273,6 +273,7 @@ def open_torch_zip(path: str) -> Checkpoint:
         storages=result.storages,
         unsafe_globals=result.unsafe_globals,
         protocol=result.protocol,
+        beyond_weights_only=result.beyond_weights_only,
         records=records,
         archive_root=root,
         locate=locate,

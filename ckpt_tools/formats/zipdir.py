@@ -135,7 +135,9 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
         if needs_zip64:
             raise _corrupt(path, "its zip64 end record is missing")
         return count, cd_offset, cd_size, eocd_offset
-    _, _, zip64_offset, _ = _ZIP64_LOCATOR.unpack(locator)
+    _, _, zip64_offset, disks = _ZIP64_LOCATOR.unpack(locator)
+    if disks != 1:  # miniz (torch's reader) refuses any other total as a multi-disk archive
+        raise _corrupt(path, f"its zip64 locator declares {disks} disks (it spans several disks)")
     if zip64_offset + _ZIP64_EOCD.size > eocd_offset - _ZIP64_LOCATOR.size:
         raise _corrupt(path, "its zip64 end record is misplaced")
     record = _ZIP64_EOCD.unpack(os.pread(fd, _ZIP64_EOCD.size, zip64_offset))
@@ -145,6 +147,10 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
             "its zip64 end record is not where its locator says (bytes were added before or "
             "inside the archive; torch refuses such a file)",
         )
+    if record[1] < _ZIP64_EOCD.size - 12:  # the size it declares for itself, as miniz checks
+        raise _corrupt(path, f"its zip64 end record declares a size of {record[1]} bytes")
+    if record[4] != 0 or record[5] != 0:
+        raise _corrupt(path, "its zip64 end record places it on another disk (several disks)")
     if record[-4] != record[-3] or any(
         short not in (_U16, _U32) and short != long
         for short, long in zip((count, cd_size, cd_offset), record[-3:])

@@ -114,6 +114,7 @@ def inspect_checkpoint(
         shards=tuple(ckpt.shards),
         shard_of=shard_of,
         pickle_protocol=ckpt.protocol,
+        beyond_weights_only=ckpt.beyond_weights_only,
     )
 
 

@@ -111,6 +111,7 @@ class CheckpointInfo(Readable):
         shards: shard file names, for sharded folders.
         shard_of: tensor name -> ``"shard file:"``, for sharded folders.
         pickle_protocol: the main pickle's protocol (0 for formats without one).
+        beyond_weights_only: its opcodes that ``torch.load(weights_only=True)`` lacks.
     """
 
     path: str
@@ -128,6 +129,7 @@ class CheckpointInfo(Readable):
     shards: tuple[str, ...] = ()
     shard_of: Mapping[str, str] = field(default_factory=dict)
     pickle_protocol: int = 0
+    beyond_weights_only: tuple[str, ...] = ()
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -217,15 +219,16 @@ class CheckpointInfo(Readable):
                 f"unsafe:      {', '.join(self.unsafe_globals)} (outside the allowlist; "
                 "never imported)"
             )
-        if self.pickle_protocol > _WEIGHTS_ONLY_PROTOCOL:
+        if self.beyond_weights_only:
             fix = (
                 f"ckpt convert {self.path} OUT.pt"
                 if for_cli
                 else f"ckpt_tools.convert({self.path!r}, OUT)"
             )
             lines.append(
-                f"pickle:      protocol {self.pickle_protocol}; torch.load(weights_only=True) "
-                f"refuses it (its unpickler lacks the FRAME opcode), `{fix}` writes protocol 2"
+                f"pickle:      protocol {self.pickle_protocol} with opcodes torch.load("
+                f"weights_only=True) lacks ({', '.join(self.beyond_weights_only[:4])}): torch "
+                f"refuses this file; `{fix}` writes one it reads"
             )
         if self.entries:
             lines.append("other entries:")
@@ -330,11 +333,8 @@ class CheckpointInfo(Readable):
             "metadata": dict(self.metadata) if self.metadata else None,
             "shards": list(self.shards),
             "pickle_protocol": self.pickle_protocol,
+            "beyond_weights_only": list(self.beyond_weights_only),
         }
-
-
-# The highest protocol torch's weights-only unpickler reads (protocol 4 adds FRAME opcodes).
-_WEIGHTS_ONLY_PROTOCOL = 3
 
 
 def _row(label: str, t: TensorInfo, count: int) -> list[str]:
