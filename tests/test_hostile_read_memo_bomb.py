@@ -2,7 +2,8 @@
 
 The unpickler hashes every dict key as it builds it, and hashing a tuple walks it as a tree,
 so such a pickle used to hang ``ckpt inspect`` and every rewrite. It is refused (exit 5)
-before anything is unpickled, and a file with heavy but honest sharing still reads.
+before anything is unpickled, and a file with heavy but honest sharing still reads. So is a
+memo index far past anything stored (the C unpickler would allocate a table that large).
 """
 
 from __future__ import annotations
@@ -95,3 +96,27 @@ def test_a_small_bomb_is_a_dag_pickle_loads_and_torch_agrees(tmp_path: Path) -> 
     path = tmp_path / "small.pkl"
     path.write_bytes(small)
     ckpt_tools.inspect(path)  # no error: 2**8 nodes
+
+
+@pytest.mark.parametrize("put", [b"r\xff\xff\xff\x7f", b"p2147483647\n"])
+@pytest.mark.parametrize("container", ["pickle", "torch-legacy", "torch-zip"])
+def test_a_huge_memo_index_is_refused_before_the_table_is_allocated(
+    tmp_path: Path, put: bytes, container: str
+) -> None:
+    # The C unpickler grows (and zero-fills) its memo table up to the index: 16 GiB here.
+    bomb = b"\x80\x02}" + put + b"NNs."  # {None: None}, the dict stored at memo index 2**31-1
+    if container == "pickle":
+        path = tmp_path / "index.pkl"
+        path.write_bytes(bomb)
+    elif container == "torch-legacy":
+        path = tmp_path / "index.pt"
+        path.write_bytes(_legacy_head() + bomb)
+    else:
+        path = _in_torch_zip(tmp_path, bomb)
+    with pytest.raises(ResourceLimitError, match="memo index 2,147,483,647"):
+        ckpt_tools.inspect(path)
+    run = subprocess.run(
+        [console_script(), "inspect", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == EXIT_RESOURCE, run.stderr
+    assert run.stderr.count("\n") == 1 and "memo index" in run.stderr

@@ -22,6 +22,9 @@ __all__ = ["MAX_EXPANDED_NODES", "WEIGHTS_ONLY_OPCODES", "check_expansion"]
 #: and hashing this many nodes still takes about a second.
 MAX_EXPANDED_NODES = 100_000_000
 
+#: How far a memo index may run ahead of its position in the pickle (8 MiB of memo table).
+MEMO_SLACK = 1 << 20
+
 #: The opcodes the unpickler of ``torch.load(weights_only=True)`` executes (read from
 #: torch 2.13's ``torch/_weights_only_unpickler.py``); any other opcode makes it fail with
 #: "Unsupported operand", while ``weights_only=False`` reads it with the same meaning.
@@ -71,7 +74,7 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[
     memo: dict[Any, int] = {}
     seen: set[str] = set()
     try:
-        for op, arg, _ in pickletools.genops(pickled):
+        for op, arg, pos in pickletools.genops(pickled):
             seen.add(op.name)
             kind, below, marked, after = _SHAPES[op.code]
             if kind == _PLAIN:
@@ -96,6 +99,15 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[
             elif kind == _GET:
                 stack.append(memo.get(arg, 1))
             else:  # _PUT, or MEMOIZE (which numbers the memo itself)
+                if arg is not None and arg > (pos or 0) + MEMO_SLACK:
+                    # The C unpickler grows its memo array to the index (zero-filled): a
+                    # PUT 2**31 spends 16 GiB. Picklers number entries 0, 1, 2 ..., so an
+                    # index never exceeds the bytes before it.
+                    raise ResourceLimitError(
+                        f"the pickle stores an object at memo index {arg:,} at byte {pos}; "
+                        "an unpickler would allocate a table that large, and no pickler "
+                        "writes such an index, so this is not a checkpoint"
+                    )
                 memo[len(memo) if arg is None else arg] = stack[-1] if stack else 1
     except ValueError as e:
         if isinstance(e, OSError):  # io.UnsupportedOperation: the reader, not the pickle
