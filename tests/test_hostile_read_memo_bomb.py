@@ -2,8 +2,8 @@
 
 The unpickler hashes every dict key as it builds it, and hashing a tuple walks it as a tree,
 so such a pickle used to hang ``ckpt inspect`` and every rewrite. It is refused (exit 5)
-before anything is unpickled, and a file with heavy but honest sharing still reads. So is a
-memo index far past anything stored (the C unpickler would allocate a table that large).
+before anything is unpickled, and a file with heavy but honest sharing still reads. A memo
+index far past anything stored is refused too (the C unpickler allocates a table that large).
 """
 
 from __future__ import annotations
