@@ -118,11 +118,12 @@ def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
 # The same help options under `ckpt` and as `python -m ckpt_tools.harness` (no parent there).
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def harness() -> None:
-    """Train small models single/dp/ddp/manual and check checkpoint parity.
+    """Train small models single/dp/ddp/manual/fsdp and check checkpoint parity.
 
-    Without a GPU everything runs on the CPU: DDP as CPU processes over gloo, the manual
-    loop over CPU replicas, DataParallel as a plain forward. Under torchrun, each rank
-    runs `train --strategy ddp` and only rank 0 prints.
+    Without a GPU everything runs on the CPU: DDP and FSDP2 as CPU processes over gloo,
+    the manual loop over CPU replicas, DataParallel as a plain forward. fsdp also saves a
+    DCP folder (dcp/). Under torchrun, each rank runs `train --strategy ddp` (or fsdp)
+    and only rank 0 prints.
     """
 
 
