@@ -113,6 +113,11 @@ def train_rank(
             dist.all_reduce(logged)
             losses.append(float(logged) / world)
     seconds = time.perf_counter() - started
+    # Buffers (BatchNorm statistics) are not sharded: each rank kept its own. Rank 0's go to
+    # every rank, as DDP broadcasts them, so that the DCP save (which keeps one rank's copy
+    # of a replicated tensor) and the gathered state agree.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
     checkpoints = _save(model, optimizer, config, rank) if config.out_dir is not None else {}
     fallback = loop.cpu_fallback([device], f"{world} CPU processes over gloo")
     # The files are written above, not by finish_run (save=False).
