@@ -248,8 +248,10 @@ def _echo_parity(report: ParityReport, plot_path: str | None) -> None:
     names = [*CHECK_NAMES, *(["dcp_roundtrip"] if _has_dcp(report) else [])]
     table = [
         [run.strategy, ",".join(run.devices)]
-        + [_cell(report.row(run.strategy, check)) if _has(report, run.strategy, check) else "-"
-           for check in names]
+        + [
+            _cell(report.row(run.strategy, check)) if _has(report, run.strategy, check) else "-"
+            for check in names
+        ]
         for run in report.runs
     ]
     headers = ["strategy", "devices", *(CHECK_HEADERS[c] for c in names)]

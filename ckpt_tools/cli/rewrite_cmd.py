@@ -13,7 +13,6 @@ from ckpt_tools.cli.options import json_option, select_option
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewriting import (
-    RewriteResult,
     add_module_file,
     convert,
     rename_file,

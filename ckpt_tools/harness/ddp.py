@@ -53,9 +53,7 @@ _SPAWN_ATTEMPTS = 3
 #: One rank's training: ``(rank, world, device, config, sync_bn, backend, launcher)`` ->
 #: that rank's result; it saves the checkpoints itself (rank 0, or every rank for DCP).
 #: A module-level function, so that ``mp.spawn`` can pickle it by name.
-TrainRank = Callable[
-    [int, int, torch.device, TrainConfig, bool, str, str], TrainResult
-]
+TrainRank = Callable[[int, int, torch.device, TrainConfig, bool, str, str], TrainResult]
 
 
 def train_ddp(config: TrainConfig) -> TrainResult:

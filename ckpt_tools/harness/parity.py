@@ -233,7 +233,11 @@ def _check_run(
 
         rows.append(
             check_dcp_roundtrip(
-                dcp, bare, model=model, model_kwargs=model_kwargs, work_dir=work,
+                dcp,
+                bare,
+                model=model,
+                model_kwargs=model_kwargs,
+                work_dir=work,
                 strategy=run.strategy,
             )
         )

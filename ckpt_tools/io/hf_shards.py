@@ -352,4 +352,3 @@ def write_hf_shards(
                 f.write((json.dumps(index, indent=2) + "\n").encode())
             written.append(INDEX_NAME)
     return tuple(written)
-

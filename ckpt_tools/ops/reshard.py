@@ -33,7 +33,11 @@ from ckpt_tools.structure.text import Readable, human_bytes
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
-    "ShardsResult", "convert_to_folder", "hf_shared_names", "reshard"]
+    "ShardsResult",
+    "convert_to_folder",
+    "hf_shared_names",
+    "reshard",
+]
 
 Progress = Callable[[int, int], None]
 
@@ -288,7 +292,9 @@ def reshard(
             value=repr(src),
             remedies=(Remedy(command=f"ckpt convert {src} OUT_DIR/ --max-shard-size SIZE"),),
         )
-    result = convert_to_folder(src, dst, max_shard_size, force=force, verify=verify, progress=progress)
+    result = convert_to_folder(
+        src, dst, max_shard_size, force=force, verify=verify, progress=progress
+    )
     shards = sum(1 for f in result.files if f.endswith(".safetensors"))
     return ShardsResult(
         **{**result.__dict__, "message": f"resharded into {shards} shard(s): wrote {result.dst}"}

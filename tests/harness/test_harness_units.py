@@ -142,7 +142,11 @@ def test_without_a_gpu_asking_for_gpus_is_a_usage_error() -> None:
 @pytest.mark.parametrize(
     ("kw", "message", "option"),
     [
-        ({"strategy": "zero3"}, "strategy='zero3': .*expected one of single, dp, ddp, manual, fsdp", None),
+        (
+            {"strategy": "zero3"},
+            "strategy='zero3': .*expected one of single, dp, ddp, manual, fsdp",
+            None,
+        ),
         ({"model": "vgg"}, "model='vgg'", "--arch 'vgg'"),
         ({"steps": 0}, "steps=0", "--steps 0"),
         ({"world_size": 0}, "world_size=0", "--world-size 0"),
