@@ -1,8 +1,8 @@
 """The ``train`` entry point, and the in-process strategies ``single`` and ``dp``.
 
 ``manual`` lives in :mod:`ckpt_tools.harness.manual`, ``ddp`` in
-:mod:`ckpt_tools.harness.ddp` and ``fsdp`` in :mod:`ckpt_tools.harness.fsdp` (imported only when asked for, so that nothing else pays
-for ``torch.distributed``).
+:mod:`ckpt_tools.harness.ddp` and ``fsdp`` in :mod:`ckpt_tools.harness.fsdp` (imported
+only when asked for, so that nothing else pays for ``torch.distributed``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ files plus ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...},
 Tensors are split greedily in their order; a tensor larger than the limit gets a shard of its
 own, as huggingface_hub's ``split_state_dict_into_shards_factory`` does.
 
-The folder is written as a whole: every shard atomically (:func:`~ckpt_tools.io.atomic.atomic_output`)
-and verified, inside a temp folder beside the target, which is renamed into place only once
+The folder is written as a whole: every shard atomically
+(:func:`~ckpt_tools.io.atomic.atomic_output`) and verified, inside a temp folder beside the target, which is renamed into place only once
 all of it is complete. torch is never imported.
 """
 
