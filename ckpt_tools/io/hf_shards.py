@@ -7,8 +7,8 @@ Tensors are split greedily in their order; a tensor larger than the limit gets a
 own, as huggingface_hub's ``split_state_dict_into_shards_factory`` does.
 
 The folder is written as a whole: every shard atomically
-(:func:`~ckpt_tools.io.atomic.atomic_output`) and verified, inside a temp folder beside the target, which is renamed into place only once
-all of it is complete. torch is never imported.
+(:func:`~ckpt_tools.io.atomic.atomic_output`) and verified, inside a temp folder beside the
+target, which is renamed into place only once all of it is complete. torch is never imported.
 """
 
 from __future__ import annotations
