@@ -70,6 +70,16 @@ def check_dcp_roundtrip(
     Example:
         >>> check_dcp_roundtrip("out/fsdp/dcp", "out/fsdp/bare.pt").passed  # doctest: +SKIP
         True
+
+        Any converter plugs in; this one just copies a state dict (the ``mlp`` fixtures
+        have one hidden layer of 4):
+
+        >>> import shutil
+        >>> copy = lambda dcp_dir, out: shutil.copy("out/single/bare.pt", out)
+        >>> row = check_dcp_roundtrip("out/single", "out/single/bare.pt", copy,
+        ...                           model_kwargs={"hidden": (4,)}, work_dir="work")
+        >>> row.passed, row.max_abs_diff
+        (True, 0.0)
     """
     name = "dcp_roundtrip"
     kw = dict(model_kwargs or {})

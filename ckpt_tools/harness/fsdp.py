@@ -55,9 +55,13 @@ def train_fsdp(config: TrainConfig) -> TrainResult:
         RuntimeError: a spawned worker failed; the message carries its traceback.
 
     Example:
-        >>> run = train_fsdp(TrainConfig(strategy="fsdp", world_size=2, steps=2, out_dir="o"))
-        >>> sorted(run.checkpoints)  # doctest: +SKIP
+        >>> config = TrainConfig(strategy="fsdp", world_size=2, steps=2, out_dir="o")
+        >>> sorted(train_fsdp(config).checkpoints)  # doctest: +SKIP
         ['bare', 'dcp', 'trainer', 'wrapped']
+        >>> train_fsdp(TrainConfig(strategy="fsdp", world_size=2, batch_size=1, device="cpu"))
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: batch_size=1: leaves some of the 2 ranks without samples; ...
     """
     return launch(config, train_rank)
 
