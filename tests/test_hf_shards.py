@@ -223,3 +223,14 @@ def test_cli_convert_to_a_folder_and_reshard(tmp_path: Path) -> None:
     data = json.loads(done.stdout)
     assert data["output_format"] == "hf-sharded" and data["files"][-1] == INDEX_NAME
     _check_index(tmp_path / "r", 2000)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf:UserWarning", "ignore:torch.quantize:UserWarning")
+def test_dtypes_safetensors_lacks_are_refused_before_any_shard_is_written(tmp_path: Path) -> None:
+    sd = {f"ok{i}": torch.randn(64) for i in range(4)}
+    sd["half_complex"] = torch.zeros(3, dtype=torch.complex32)
+    sd["quantized"] = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+    torch.save(sd, tmp_path / "odd.pt")
+    with pytest.raises(ConversionError, match=r"2 tensor\(s\).*half_complex \(complex32\)"):
+        convert(tmp_path / "odd.pt", tmp_path / "hf", max_shard_size="300B")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.pt"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.hf_shards import (
@@ -164,6 +165,23 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
     return dict(sorted(dropped.items()))
 
 
+def _check_dtypes(entries: Sequence[Any], src: str) -> None:
+    """Refuse, before any shard is written, every tensor whose dtype safetensors lacks."""
+    bad = [
+        f"{e.name} ({e.tensor.dtype})"
+        for e in entries
+        if e.tensor.dtype not in TORCH_TO_SAFETENSORS
+    ]
+    if bad:
+        raise ConversionError(
+            f"safetensors cannot hold the dtype of {len(bad)} tensor(s) in {src!r}: "
+            + ", ".join(bad[:8])
+            + (" ..." if len(bad) > 8 else ""),
+            path=src,
+            remedies=(Remedy(text="keep the torch format"),),
+        )
+
+
 def convert_to_folder(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -227,6 +245,7 @@ def convert_to_folder(
     # total_size and "format" are the writer's to set.
     extra = {k: v for k, v in metadata.items() if isinstance(v, str) and k != "format"}
     extra.update(aliases)
+    _check_dtypes(entries, src)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing

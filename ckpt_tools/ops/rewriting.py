@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
@@ -40,6 +40,9 @@ from ckpt_tools.structure.keys import (
     sub_rule,
 )
 from ckpt_tools.structure.selection import replace_at, select_state_dict
+
+if TYPE_CHECKING:
+    from ckpt_tools.ops.reshard import ShardsResult
 
 __all__ = [
     "RewriteResult",
@@ -285,7 +288,7 @@ def convert(
     *,
     max_shard_size: str | int | None = None,
     **options: Any,
-) -> Any:
+) -> RewriteResult | ShardsResult:
     """Convert between torch and safetensors (format from ``dst``'s suffix unless given).
 
     To safetensors: tied tensors are stored once (dropped names recorded in the metadata),
