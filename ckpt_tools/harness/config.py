@@ -251,7 +251,8 @@ class TrainResult:
         launcher: ``in-process``, ``spawn`` or ``torchrun``.
         sync_bn: whether BatchNorm statistics were synchronised over ranks.
         out_dir: where the checkpoints are, or ``None``.
-        checkpoints: checkpoint name (``wrapped``/``bare``/``trainer``) to path.
+        checkpoints: checkpoint name (``wrapped``/``bare``/``trainer``) to path; ``fsdp``
+            runs add ``dcp``, the folder ``torch.distributed.checkpoint.save`` wrote.
         seconds: wall time of the training itself.
     """
 

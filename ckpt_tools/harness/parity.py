@@ -1,5 +1,8 @@
 """Train every strategy with the same seed and batch, then run the parity checks on the results.
 
+A run that saved a DCP folder (``fsdp``) also gets (f) ``dcp_roundtrip``
+(:func:`ckpt_tools.harness.dcp_check.check_dcp_roundtrip`).
+
 :func:`run_parity` is what ``ckpt harness parity`` and ``make demo`` run. Its
 :class:`ParityReport` has one row per strategy and check, each strategy's loss curve,
 and ``all_passed``.
