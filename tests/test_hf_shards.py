@@ -16,8 +16,8 @@ from ckpt_tools import convert, reshard
 from ckpt_tools.errors import (
     ConversionError,
     CorruptCheckpointError,
+    OutputError,
     OutputExistsError,
-    SameFileError,
     UsageError,
 )
 from ckpt_tools.io.hf_shards import INDEX_NAME, parse_shard_size, plan_shards
@@ -181,10 +181,11 @@ def test_reshard_changes_shard_size_never_touches_the_input(tmp_path: Path) -> N
         reshard(tmp_path / "hf", tmp_path / "small", "1KB")
     reshard(tmp_path / "hf", tmp_path / "small", "1MB", force=True)
     assert sorted(p.name for p in (tmp_path / "small").iterdir()) == ["model.safetensors"]
-    with pytest.raises(SameFileError):
+    with pytest.raises(OutputError, match="is the input or holds it"):
         reshard(tmp_path / "hf", tmp_path / "hf", "1KB", force=True)
-    with pytest.raises(SameFileError):  # a folder holding the input is never replaced
+    with pytest.raises(OutputError, match="never replaced"):  # nor a folder holding the input
         convert(tmp_path / "model.pt", tmp_path, max_shard_size="1KB", force=True)
+    assert _digest(tmp_path / "hf") == before
     with pytest.raises(UsageError, match="not a sharded folder"):
         reshard(tmp_path / "model.pt", tmp_path / "x", "1KB")
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
@@ -234,3 +235,20 @@ def test_dtypes_safetensors_lacks_are_refused_before_any_shard_is_written(tmp_pa
     with pytest.raises(ConversionError, match=r"2 tensor\(s\).*half_complex \(complex32\)"):
         convert(tmp_path / "odd.pt", tmp_path / "hf", max_shard_size="300B")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.pt"]
+
+
+def test_a_killed_runs_temp_folders_are_removed_a_live_ones_kept(tmp_path: Path) -> None:
+    import os
+
+    _model_pt(tmp_path / "model.pt")
+    # PID 4194304 is pid_max's ceiling on Linux: no process has it.
+    dead = [
+        tmp_path / ".hf.ckpt-tmpdir-4194304-ab12cd34",
+        tmp_path / ".hf.ckpt-tmpdir-4194304-ab12cd34-old",
+    ]
+    live = tmp_path / f".other.ckpt-tmpdir-{os.getpid()}-ef34ab12"
+    for folder in (*dead, live):
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    assert not any(d.exists() for d in dead) and live.exists()

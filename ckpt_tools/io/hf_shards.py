@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError, UsageError
+from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, UsageError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.verify import Expected, verify_output
@@ -62,7 +62,7 @@ SIZE_UNITS: Mapping[str, int] = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 # Temp folders: not `.ckpt-tmp-` (atomic.py's file pattern, whose cleanup unlinks files).
-_TEMP_DIR = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+$")
+_TEMP_DIR = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+(?:-old)?$")
 Progress = Callable[[int], None]
 
 
@@ -194,7 +194,7 @@ def check_output_folder(
         ``dst`` as an absolute path.
 
     Raises:
-        SameFileError: ``dst`` is ``src``, or holds it.
+        OutputError: ``dst`` is ``src``, or holds it (never replaced, even with ``force``).
         OutputExistsError: ``dst`` exists, is not empty, and ``force`` is False.
         OutputError: ``dst`` is a file, or its parent folder does not exist.
 
@@ -207,7 +207,12 @@ def check_output_folder(
     if src is not None:
         real_src, real_out = os.path.realpath(src), os.path.realpath(out)
         if os.path.commonpath([real_src, real_out]) == real_out:
-            raise SameFileError(dst)
+            raise OutputError(
+                f"output folder {os.fspath(dst)!r} is the input or holds it ({os.fspath(src)!r}); "
+                "it is never replaced",
+                path=dst,
+                remedies=(Remedy(text="choose another output folder"),),
+            )
     if out.exists() and not out.is_dir():
         raise OutputError(
             f"output {os.fspath(dst)!r} is a file; a sharded output is a folder", path=dst

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
@@ -214,7 +214,7 @@ def convert_to_folder(
         UsageError: a bad ``max_shard_size`` or ``verify``.
         NonTensorEntriesError: non-tensor entries and not ``drop_extras`` (exit 7).
         ConversionError: tied tensors with no complete name, or dtypes safetensors lacks.
-        SameFileError / OutputExistsError / OutputError: the output is refused (exit 6).
+        OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
         >>> convert_to_folder("model.pt", "model-hf", "1GB").files
@@ -299,7 +299,7 @@ def reshard(
 
     Raises:
         UsageError: ``src`` is not a folder of shards.
-        SameFileError / OutputExistsError / OutputError: the output is refused (exit 6).
+        OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
         >>> reshard("sharded", "one-shard", "1GB").files
@@ -317,6 +317,4 @@ def reshard(
         src, dst, max_shard_size, force=force, verify=verify, progress=progress
     )
     shards = sum(1 for f in result.files if f.endswith(".safetensors"))
-    return ShardsResult(
-        **{**result.__dict__, "message": f"resharded into {shards} shard(s): wrote {result.dst}"}
-    )
+    return replace(result, message=f"resharded into {shards} shard(s): wrote {result.dst}")
