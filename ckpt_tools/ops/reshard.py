@@ -308,9 +308,8 @@ def reshard(
     src = os.fspath(src)
     if not (os.path.isdir(src) or src.endswith(".index.json")):
         raise UsageError(
-            "is not a sharded folder; reshard reads a folder of safetensors shards",
-            argument="src",
-            value=repr(src),
+            f"{src!r} is not a sharded folder; reshard reads a folder of safetensors shards",
+            path=src,
             remedies=(Remedy(command=f"ckpt convert {src} OUT_DIR/ --max-shard-size SIZE"),),
         )
     result = convert_to_folder(
