@@ -252,3 +252,20 @@ def test_a_killed_runs_temp_folders_are_removed_a_live_ones_kept(tmp_path: Path)
         (folder / "model-00001-of-00002.safetensors").write_bytes(b"partial")
     convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
     assert not any(d.exists() for d in dead) and live.exists()
+
+
+def test_jobs_write_the_same_bytes_as_one_writer(tmp_path: Path) -> None:
+    _model_pt(tmp_path / "model.pt")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    one = reshard(tmp_path / "hf", tmp_path / "one", 600, verify="full")
+    many = reshard(tmp_path / "hf", tmp_path / "many", 600, verify="full", jobs=4)
+    assert many.files == one.files and len(one.files) > 3
+    assert _digest(tmp_path / "many") == _digest(tmp_path / "one")
+    _check_index(tmp_path / "many", 600)
+    with pytest.raises(UsageError, match="jobs=0: must be at least 1"):
+        reshard(tmp_path / "hf", tmp_path / "none", 600, jobs=0)
+    res = run_ckpt(
+        "reshard", tmp_path / "hf", tmp_path / "cli", "--max-shard-size", "600", "--jobs", "3"
+    )
+    assert "resharded into" in res.stdout
+    assert _digest(tmp_path / "cli") == _digest(tmp_path / "one")

@@ -212,6 +212,9 @@ def convert_cmd(
     show_default=True,
     help="After writing, re-read every shard: keys and sizes, or also every byte.",
 )
+@click.option(
+    "--jobs", type=int, default=1, show_default=True, help="Shards written at once (threads)."
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @json_option
 def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
@@ -220,7 +223,13 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
 
     with _progress(kw["quiet"]) as progress:
         result = reshard(
-            src, dst, max_shard_size, force=kw["force"], verify=kw["verify"], progress=progress
+            src,
+            dst,
+            max_shard_size,
+            force=kw["force"],
+            verify=kw["verify"],
+            progress=progress,
+            jobs=kw["jobs"],
         )
     _report(result, kw["as_json"])
 

@@ -10,6 +10,7 @@ is never imported.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -193,6 +194,7 @@ def convert_to_folder(
     verify: str = "sizes",
     allow_globals: Sequence[str] = (),
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> ShardsResult:
     """Write a checkpoint's state dict as a Hugging Face sharded safetensors folder.
 
@@ -206,12 +208,14 @@ def convert_to_folder(
         verify: ``sizes`` (default), ``full`` (compare bytes) or ``none``, for every shard.
         allow_globals: qualified names outside the allowlist to accept.
         progress: called with ``(bytes_done, bytes_total)``.
+        jobs: shards written at once, by threads (see
+            :func:`~ckpt_tools.io.hf_shards.write_hf_shards`).
 
     Returns:
         A :class:`ShardsResult`.
 
     Raises:
-        UsageError: a bad ``max_shard_size`` or ``verify``.
+        UsageError: a bad ``max_shard_size``, ``verify`` or ``jobs``.
         NonTensorEntriesError: non-tensor entries and not ``drop_extras`` (exit 7).
         ConversionError: tied tensors with no complete name, or dtypes safetensors lacks.
         OutputExistsError / OutputError: the output is refused (exit 6).
@@ -229,6 +233,8 @@ def convert_to_folder(
             value=repr(verify),
             flag="--verify",
         )
+    if jobs < 1:
+        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs), flag="--jobs")
     limit = parse_shard_size(max_shard_size)
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_folder(dst, src, force=force)
@@ -251,14 +257,16 @@ def convert_to_folder(
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing
     plan = plan_shards([(e.name, e.tensor.nbytes) for e in entries], limit)
     done = [0]
+    lock = threading.Lock()  # shards may be written by several threads
 
     def on_bytes(n: int) -> None:
-        done[0] += n
-        if progress is not None:
-            progress(done[0], plan.total_size)
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], plan.total_size)
 
     files = write_hf_shards(
-        entries, ckpt, target, plan, metadata=extra, verify=verify, progress=on_bytes
+        entries, ckpt, target, plan, metadata=extra, verify=verify, progress=on_bytes, jobs=jobs
     )
     shards = len(plan.files)
     return ShardsResult(
@@ -283,6 +291,7 @@ def reshard(
     force: bool = False,
     verify: str = "sizes",
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> ShardsResult:
     """Rewrite a Hugging Face sharded folder with another shard size (``ckpt reshard``).
 
@@ -293,12 +302,13 @@ def reshard(
         force: replace a non-empty ``dst``.
         verify: ``sizes`` (default), ``full`` or ``none``, for every shard.
         progress: called with ``(bytes_done, bytes_total)``.
+        jobs: shards written at once (threads).
 
     Returns:
         A :class:`ShardsResult`.
 
     Raises:
-        UsageError: ``src`` is not a folder of shards.
+        UsageError: ``src`` is not a folder of shards, or ``jobs`` < 1.
         OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
@@ -313,7 +323,7 @@ def reshard(
             remedies=(Remedy(command=f"ckpt convert {src} OUT_DIR/ --max-shard-size SIZE"),),
         )
     result = convert_to_folder(
-        src, dst, max_shard_size, force=force, verify=verify, progress=progress
+        src, dst, max_shard_size, force=force, verify=verify, progress=progress, jobs=jobs
     )
     shards = sum(1 for f in result.files if f.endswith(".safetensors"))
     return replace(result, message=f"resharded into {shards} shard(s): wrote {result.dst}")
