@@ -11,6 +11,7 @@ reported) of:
 * ``ckpt reshard IN OUT --max-shard-size S --quiet`` (the console script: plans the new
   shards from the headers, copies tensor bytes with copy_file_range into one temp file per
   shard in a temp folder, verifies each, renames the folder into place);
+* the same with ``--jobs J`` (shards written by J threads);
 * naive: ``safetensors.torch.load_file`` of every shard into one dict, the same greedy split,
   ``save_file`` per shard and ``json.dump`` of the index (what a script built on
   ``huggingface_hub.save_torch_state_dict`` does: the whole model in memory).
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=350, help="tensors in the checkpoint")
     ap.add_argument("--workdir", default=None, help="parent folder for generated files")
     ap.add_argument("--no-naive", action="store_true", help="skip the load_file baseline")
+    ap.add_argument("--jobs", type=int, default=4, help="--jobs of the second reshard row")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
     args = ap.parse_args(argv)
 
@@ -161,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
             "cp -r IN OUT": ["cp", "-r", str(src), str(out)],
             "ckpt reshard IN OUT --quiet": ckpt_command(
                 "reshard", src, out, "--max-shard-size", str(limit), "--quiet"
+            ),
+            f"ckpt reshard ... --jobs {args.jobs}": ckpt_command(
+                "reshard",
+                src,
+                out,
+                "--max-shard-size",
+                str(limit),
+                "--quiet",
+                "--jobs",
+                str(args.jobs),
             ),
         }
         if not args.no_naive:
