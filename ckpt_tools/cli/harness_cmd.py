@@ -35,6 +35,7 @@ CHECK_HEADERS = {
     "vs_single": "(c) vs single",
     "device_roundtrip": "(d) device",
     "format_roundtrip": "(e) format",
+    "dcp_roundtrip": "(f) dcp",
 }
 _DEFAULT_ARCH = "mlp"
 
@@ -118,11 +119,12 @@ def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
 # The same help options under `ckpt` and as `python -m ckpt_tools.harness` (no parent there).
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def harness() -> None:
-    """Train small models single/dp/ddp/manual and check checkpoint parity.
+    """Train small models single/dp/ddp/manual/fsdp and check checkpoint parity.
 
-    Without a GPU everything runs on the CPU: DDP as CPU processes over gloo, the manual
-    loop over CPU replicas, DataParallel as a plain forward. Under torchrun, each rank
-    runs `train --strategy ddp` and only rank 0 prints.
+    Without a GPU everything runs on the CPU: DDP and FSDP2 as CPU processes over gloo,
+    the manual loop over CPU replicas, DataParallel as a plain forward. fsdp also saves a
+    DCP folder (dcp/). Under torchrun, each rank runs `train --strategy ddp` (or fsdp)
+    and only rank 0 prints.
     """
 
 
@@ -230,19 +232,33 @@ def parity_cmd(
         ctx.exit(1)
 
 
+def _has(report: ParityReport, strategy: str, check: str) -> bool:
+    return any(r.strategy == strategy and r.name == check for r in report.rows)
+
+
+def _has_dcp(report: ParityReport) -> bool:
+    return any(r.name == "dcp_roundtrip" for r in report.rows)
+
+
 def _echo_parity(report: ParityReport, plot_path: str | None) -> None:
     """The parity table, what it means, fallbacks, failures and the verdict."""
     from ckpt_tools.harness.checks import CHECK_NAMES
 
+    # (f) only for runs that saved a DCP folder (fsdp); a column when there is one.
+    names = [*CHECK_NAMES, *(["dcp_roundtrip"] if _has_dcp(report) else [])]
     table = [
         [run.strategy, ",".join(run.devices)]
-        + [_cell(report.row(run.strategy, check)) for check in CHECK_NAMES]
+        + [
+            _cell(report.row(run.strategy, check)) if _has(report, run.strategy, check) else "-"
+            for check in names
+        ]
         for run in report.runs
     ]
-    headers = ["strategy", "devices", *(CHECK_HEADERS[c] for c in CHECK_NAMES)]
+    headers = ["strategy", "devices", *(CHECK_HEADERS[c] for c in names)]
     click.echo(tabulate(table, headers=headers))
+    bitwise = "(a)(b)(d)(e)(f)" if len(names) > len(CHECK_NAMES) else "(a)(b)(d)(e)"
     click.echo(
-        f"max abs diffs; (a)(b)(d)(e) must be bitwise equal, (c) within "
+        f"max abs diffs; {bitwise} must be bitwise equal, (c) within "
         f"{report.tolerance:g} of single-device weights after {report.steps} steps"
     )
     for run in report.runs:

@@ -13,7 +13,6 @@ from ckpt_tools.cli.options import json_option, select_option
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewriting import (
-    RewriteResult,
     add_module_file,
     convert,
     rename_file,
@@ -84,7 +83,7 @@ def _progress(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
             state["bar"].__exit__(None, None, None)
 
 
-def _report(result: RewriteResult, as_json: bool) -> None:
+def _report(result: Any, as_json: bool) -> None:
     if as_json:
         echo_json(result.to_json())
     else:
@@ -169,10 +168,69 @@ def rename_cmd(
     help="Output format (default: from DST's suffix).",
 )
 @click.option("--drop-extras", is_flag=True, help="Leave out non-tensor entries (safetensors).")
-def convert_cmd(src: str, dst: str, fmt: str | None, drop_extras: bool, **kw: Any) -> None:
-    """Convert between torch (.pt) and safetensors; legacy inputs come out as zip archives."""
+@click.option(
+    "--max-shard-size",
+    default=None,
+    metavar="SIZE",
+    help="Write a Hugging Face sharded folder with shards up to SIZE (5GB = 5*10^9, 2GiB); "
+    "implied (5GB) when DST ends with '/' or is a folder.",
+)
+def convert_cmd(
+    src: str, dst: str, fmt: str | None, drop_extras: bool, max_shard_size: str | None, **kw: Any
+) -> None:
+    """Convert between torch (.pt), safetensors and Hugging Face sharded folders.
+
+    SRC may be a sharded folder; DST a folder (ending with '/') for sharded output.
+    Legacy inputs come out as zip archives.
+    """
     with _progress(kw["quiet"]) as progress:
-        result = convert(src, dst, format=fmt, drop_extras=drop_extras, **_options(kw, progress))
+        result = convert(
+            src,
+            dst,
+            format=fmt,
+            drop_extras=drop_extras,
+            max_shard_size=max_shard_size,
+            **_options(kw, progress),
+        )
+    _report(result, kw["as_json"])
+
+
+@click.command("reshard")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option(
+    "--max-shard-size",
+    required=True,
+    metavar="SIZE",
+    help="Largest shard: 5GB (5*10^9 bytes, as huggingface_hub), 2GiB, or bytes.",
+)
+@click.option("--force", is_flag=True, help="Replace DST if it is a non-empty folder.")
+@click.option(
+    "--verify",
+    type=click.Choice(["sizes", "full", "none"]),
+    default="sizes",
+    show_default=True,
+    help="After writing, re-read every shard: keys and sizes, or also every byte.",
+)
+@click.option(
+    "--jobs", type=int, default=1, show_default=True, help="Shards written at once (threads)."
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@json_option
+def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
+    """Rewrite a Hugging Face sharded folder with another shard size (SRC is never touched)."""
+    from ckpt_tools.ops.reshard import reshard
+
+    with _progress(kw["quiet"]) as progress:
+        result = reshard(
+            src,
+            dst,
+            max_shard_size,
+            force=kw["force"],
+            verify=kw["verify"],
+            progress=progress,
+            jobs=kw["jobs"],
+        )
     _report(result, kw["as_json"])
 
 

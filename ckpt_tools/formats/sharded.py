@@ -196,8 +196,15 @@ def open_index(index_path: str) -> Checkpoint:
         owner[id(tensor.storage)] = shards[shard]
         storages[f"{shard}:{tensor.storage.key}"] = tensor.storage
 
+    # Writers may re-type a storage (a copy with another storage class, same key): a shard's
+    # storage keys are its tensor names, which the index keeps unique across shards.
+    by_key = {t.storage.key: owner[id(t.storage)] for t in root.values()}
+
     def locate(storage: StorageRef) -> ByteSpan:
-        return owner[id(storage)].span(storage)
+        shard = owner.get(id(storage)) or by_key.get(storage.key)
+        if shard is None:
+            raise KeyError(f"storage {storage.key!r} is not one of {index_path!r}'s")
+        return shard.span(storage)
 
     unsafe = tuple(dict.fromkeys(g for c in shards.values() for g in c.unsafe_globals))
     return Checkpoint(

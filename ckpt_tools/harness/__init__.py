@@ -1,9 +1,10 @@
 """A bundled multi-GPU training harness with a CPU fallback, and checkpoint parity checks.
 
 Trains small models (MLP, LeNet, a BatchNorm ResNet) on a synthetic Fashion-MNIST-shaped
-dataset with four strategies: ``single`` device, ``dp`` (``nn.DataParallel``), ``ddp``
-(DistributedDataParallel, spawned or under ``torchrun``) and ``manual`` (the hand-written
-data-parallel loop), saving checkpoints the way users do. :func:`run_parity` then checks
+dataset with five strategies: ``single`` device, ``dp`` (``nn.DataParallel``), ``ddp``
+(DistributedDataParallel, spawned or under ``torchrun``), ``manual`` (the hand-written
+data-parallel loop) and ``fsdp`` (FSDP2 ``fully_shard``, launched as ``ddp`` is, saving a DCP
+folder too), saving checkpoints the way users do. :func:`run_parity` then checks
 that ckpt_tools' key rewrites, device retagging and format conversion preserve them.
 
 This subpackage is the only part of ckpt_tools that imports ``torch.distributed``.

@@ -20,6 +20,7 @@ from ckpt_tools.errors import Remedy, UsageError
 __all__ = [
     "CHECKPOINT_NAMES",
     "MODEL_NAMES",
+    "MULTI_PROCESS",
     "RUN_JSON",
     "STRATEGIES",
     "TORCHRUN_VARS",
@@ -32,7 +33,9 @@ __all__ = [
 ]
 
 #: Training strategies, in the order reports list them.
-STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual")
+STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual", "fsdp")
+#: The strategies that run one process per rank (spawned, or under torchrun).
+MULTI_PROCESS: tuple[str, ...] = ("ddp", "fsdp")
 #: Every model :func:`ckpt_tools.harness.models.build_harness_model` builds; ``resnet-syncbn``
 #: is the ResNet with SyncBatchNorm.
 MODEL_NAMES: tuple[str, ...] = ("mlp", "lenet", "resnet", "resnet-syncbn")
@@ -54,7 +57,7 @@ class TrainConfig:
     """One training run.
 
     Attributes:
-        strategy: ``single``, ``dp``, ``ddp`` or ``manual``.
+        strategy: ``single``, ``dp``, ``ddp``, ``manual`` or ``fsdp``.
         model: one of :data:`MODEL_NAMES`.
         steps: number of SGD steps.
         world_size: replicas/ranks; ``None``: one per selected GPU, or 2 on the CPU.
@@ -212,7 +215,7 @@ def check_torchrun_fit(config: TrainConfig, env: TorchrunEnv) -> None:
         >>> env = TorchrunEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
         >>> check_torchrun_fit(TrainConfig(strategy="ddp"), env)
     """
-    if config.strategy != "ddp":
+    if config.strategy not in MULTI_PROCESS:
         message = f"runs in one process, but torchrun started {env.world_size}"
         argument, value, flag = "strategy", repr(config.strategy), "--strategy"
         remedies = (
@@ -248,7 +251,8 @@ class TrainResult:
         launcher: ``in-process``, ``spawn`` or ``torchrun``.
         sync_bn: whether BatchNorm statistics were synchronised over ranks.
         out_dir: where the checkpoints are, or ``None``.
-        checkpoints: checkpoint name (``wrapped``/``bare``/``trainer``) to path.
+        checkpoints: checkpoint name (``wrapped``/``bare``/``trainer``) to path; ``fsdp``
+            runs add ``dcp``, the folder ``torch.distributed.checkpoint.save`` wrote.
         seconds: wall time of the training itself.
     """
 

@@ -19,7 +19,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -44,11 +44,16 @@ from ckpt_tools.harness.data import shard
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.placement import resolve_devices
 
-__all__ = ["train_ddp"]
+__all__ = ["TrainRank", "launch", "train_ddp"]
 
 # A rank that waits longer than this for the others has lost them (crashed peer).
 _PG_TIMEOUT = timedelta(minutes=3)
 _SPAWN_ATTEMPTS = 3
+
+#: One rank's training: ``(rank, world, device, config, sync_bn, backend, launcher)`` ->
+#: that rank's result; it saves the checkpoints itself (rank 0, or every rank for DCP).
+#: A module-level function, so that ``mp.spawn`` can pickle it by name.
+TrainRank = Callable[[int, int, torch.device, TrainConfig, bool, str, str], TrainResult]
 
 
 def train_ddp(config: TrainConfig) -> TrainResult:
@@ -74,17 +79,45 @@ def train_ddp(config: TrainConfig) -> TrainResult:
         ...
         ckpt_tools.errors.UsageError: batch_size=1: leaves some of the 2 ranks without samples; ...
     """
+    return launch(config, _train)
+
+
+def launch(config: TrainConfig, train_rank: TrainRank) -> TrainResult:
+    """Run ``train_rank`` on every rank: spawned here, or as this torchrun worker's rank.
+
+    The launch and rendezvous every multi-process strategy shares (``ddp``, ``fsdp``):
+    checks before any process starts, the process group (gloo on the CPU, nccl on GPUs),
+    rank 0's ``run.json``, and the barrier before anyone leaves.
+
+    Args:
+        config: the run.
+        train_rank: one rank's training (see :data:`TrainRank`).
+
+    Returns:
+        Spawned: rank 0's result. Under torchrun: this rank's result.
+
+    Raises:
+        UsageError: see :func:`train_ddp`.
+        RuntimeError: a spawned worker failed; the message carries its traceback.
+    """
     env = torchrun_env()
     if env is not None:
         check_torchrun_fit(config, env)
         devices = resolve_devices(env.local_world_size, config.gpus, config.device)
         _check_ranks(config, env.world_size, devices[0])
         return _worker(
-            env.rank, env.world_size, devices, env.local_rank, config, "env://", "torchrun"
+            env.rank,
+            env.world_size,
+            devices,
+            env.local_rank,
+            config,
+            "env://",
+            "torchrun",
+            train_rank=train_rank,
         )
     devices = resolve_devices(config.world_size, config.gpus, config.device)
     _check_ranks(config, len(devices), devices[0])
-    return _spawn(config, devices)
+    return _spawn(config, devices, train_rank)
 
 
 def _check_ranks(config: TrainConfig, world: int, device: torch.device) -> None:
@@ -128,7 +161,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(config: TrainConfig, devices: Sequence[torch.device]) -> TrainResult:
+def _spawn(
+    config: TrainConfig, devices: Sequence[torch.device], train_rank: TrainRank
+) -> TrainResult:
     """Start one process per device and return rank 0's result."""
     world = len(devices)
     with tempfile.TemporaryDirectory(prefix="ckpt-harness-ddp-") as scratch:
@@ -140,7 +175,14 @@ def _spawn(config: TrainConfig, devices: Sequence[torch.device]) -> TrainResult:
             try:
                 mp.spawn(
                     _spawn_entry,
-                    args=(world, [str(d) for d in devices], config, init_method, report_dir),
+                    args=(
+                        world,
+                        [str(d) for d in devices],
+                        config,
+                        init_method,
+                        report_dir,
+                        train_rank,
+                    ),
                     nprocs=world,
                     join=True,
                 )
@@ -150,7 +192,8 @@ def _spawn(config: TrainConfig, devices: Sequence[torch.device]) -> TrainResult:
                 port_taken = "address already in use" in str(exc).lower()
                 if port_taken and attempt + 1 < _SPAWN_ATTEMPTS:
                     continue
-                raise RuntimeError(f"a DDP worker process failed:\n{exc}") from exc
+                what = config.strategy.upper()
+                raise RuntimeError(f"a {what} worker process failed:\n{exc}") from exc
         result = TrainResult.read_json(report_dir)
         return replace(result, seconds=time.perf_counter() - started)
 
@@ -162,10 +205,11 @@ def _spawn_entry(
     config: TrainConfig,
     init_method: str,
     report_dir: str,
+    train_rank: TrainRank,
 ) -> None:
     """``mp.spawn`` target: one rank of an internally started run."""
     local = [torch.device(d) for d in devices]
-    _worker(rank, world, local, rank, config, init_method, "spawn", report_dir)
+    _worker(rank, world, local, rank, config, init_method, "spawn", report_dir, train_rank)
 
 
 def _worker(
@@ -177,8 +221,10 @@ def _worker(
     init_method: str,
     launcher: str,
     report_dir: str | None = None,
+    train_rank: TrainRank | None = None,
 ) -> TrainResult:
     """Join the process group, train on ``devices[local_rank]``, let rank 0 save, leave."""
+    train_rank = _train if train_rank is None else train_rank
     device = devices[local_rank]
     # Ranks share the machine's cores; one thread each avoids oversubscription (and keeps
     # CPU kernels on the same single-threaded code path in every rank).
@@ -194,7 +240,7 @@ def _worker(
     )
     try:
         sync_bn = _wants_sync_bn(config, device)
-        result = _train(rank, world, device, config, sync_bn, backend, launcher)
+        result = train_rank(rank, world, device, config, sync_bn, backend, launcher)
         result = replace(result, devices=tuple(str(d) for d in devices))
         if rank == 0:
             if config.out_dir is not None:

@@ -1,5 +1,8 @@
 """Train every strategy with the same seed and batch, then run the parity checks on the results.
 
+A run that saved a DCP folder (``fsdp``) also gets (f) ``dcp_roundtrip``
+(:func:`ckpt_tools.harness.dcp_check.check_dcp_roundtrip`).
+
 :func:`run_parity` is what ``ckpt harness parity`` and ``make demo`` run. Its
 :class:`ParityReport` has one row per strategy and check, each strategy's loss curve,
 and ``all_passed``.
@@ -121,7 +124,8 @@ def _why_not_comparable(run: TrainResult, uses_bn: bool) -> str:
         return ""
     return (
         f"BatchNorm statistics per replica over {run.world_size} shards vs over the whole "
-        "batch on one device" + ("; SyncBatchNorm needs GPUs" if run.strategy == "ddp" else "")
+        "batch on one device"
+        + ("; SyncBatchNorm needs GPUs" if run.strategy in ("ddp", "fsdp") else "")
     )
 
 
@@ -215,7 +219,8 @@ def _check_run(
     tolerance: float,
     uses_bn: bool,
 ) -> list[CheckResult]:
-    """The five checks on one strategy's checkpoints, in :data:`CHECK_NAMES` order."""
+    """The five checks on one strategy's checkpoints, in :data:`CHECK_NAMES` order, then
+    ``dcp_roundtrip`` for a run that saved a DCP folder (``fsdp``)."""
     wrapped, bare, work = run_dir / "wrapped.pt", run_dir / "bare.pt", run_dir / "parity"
     why_not = _why_not_comparable(run, uses_bn)
     rows = [
@@ -225,6 +230,20 @@ def _check_run(
         check_device_roundtrip(wrapped, work, run.strategy),
         check_format_roundtrip(wrapped, work, run.strategy),
     ]
+    dcp = run.checkpoints.get("dcp")
+    if dcp is not None:
+        from ckpt_tools.harness.dcp_check import check_dcp_roundtrip
+
+        rows.append(
+            check_dcp_roundtrip(
+                dcp,
+                bare,
+                model=model,
+                model_kwargs=model_kwargs,
+                work_dir=work,
+                strategy=run.strategy,
+            )
+        )
     if run.strategy != "single" and rows[2].status == "pass" and run.losses:
         baseline = TrainResult.read_json(single_bare.parent).losses
         gap = max(abs(a - b) for a, b in zip(run.losses, baseline, strict=False))

@@ -1,8 +1,8 @@
 """The ``train`` entry point, and the in-process strategies ``single`` and ``dp``.
 
-``manual`` lives in :mod:`ckpt_tools.harness.manual` and ``ddp`` in
-:mod:`ckpt_tools.harness.ddp` (imported only when asked for, so that nothing else pays
-for ``torch.distributed``).
+``manual`` lives in :mod:`ckpt_tools.harness.manual`, ``ddp`` in
+:mod:`ckpt_tools.harness.ddp` and ``fsdp`` in :mod:`ckpt_tools.harness.fsdp` (imported
+only when asked for, so that nothing else pays for ``torch.distributed``).
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ def train(config: TrainConfig) -> TrainResult:
         from ckpt_tools.harness.ddp import train_ddp  # keeps torch.distributed out otherwise
 
         return train_ddp(config)
+    if config.strategy == "fsdp":
+        from ckpt_tools.harness.fsdp import train_fsdp
+
+        return train_fsdp(config)
     world_size = 1 if config.strategy == "single" else config.world_size
     devices = resolve_devices(world_size, config.gpus, config.device)
     check_batch_covers(config.batch_size, len(devices), "replicas")

@@ -60,7 +60,6 @@ def check_rewritable(
     Raises:
         ConversionError: a TorchScript archive, or a pickled ``nn.Module`` (exit 7).
         UnsafeContentError: globals outside the allowlist, not allowed (exit 3).
-        UsageError: a sharded folder (exit 2).
 
     Example:
         >>> check_rewritable(Checkpoint("a.pt", "torch-zip", {}, {}), ())

@@ -57,17 +57,6 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
             f"{ckpt.path!r} is a TorchScript archive: its code refers to the attribute names, so "
             "renaming them would break it; load it with torch.jit.load and save the state_dict()"
         )
-    if ckpt.format == "hf-sharded":
-        raise UsageError(
-            f"{ckpt.path!r} is a sharded folder",
-            path=ckpt.path,
-            remedies=(
-                Remedy(
-                    command=f"ckpt strip-module {ckpt.path}/SHARD.safetensors OUT.safetensors",
-                    text="for each shard file",
-                ),
-            ),
-        )
     refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
     if refused:
         raise UnsafeContentError(
@@ -120,7 +109,8 @@ def safetensors_plan(
                 Remedy(text="keep the torch format"),
             ),
         )
-    metadata = dict(ckpt.metadata or {})
+    # String values only: an HF index's metadata also holds its int total_size.
+    metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
     metadata.setdefault("format", "pt")
     entries: list[SafetensorsEntry] = []
     expected: dict[str, TensorRef] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
@@ -40,6 +40,9 @@ from ckpt_tools.structure.keys import (
     sub_rule,
 )
 from ckpt_tools.structure.selection import replace_at, select_state_dict
+
+if TYPE_CHECKING:
+    from ckpt_tools.ops.reshard import ShardsResult
 
 __all__ = [
     "RewriteResult",
@@ -282,21 +285,39 @@ def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     format: str | None = None,
+    *,
+    max_shard_size: str | int | None = None,
     **options: Any,
-) -> RewriteResult:
+) -> RewriteResult | ShardsResult:
     """Convert between torch and safetensors (format from ``dst``'s suffix unless given).
 
     To safetensors: tied tensors are stored once (dropped names recorded in the metadata),
     non-contiguous views are written contiguous, ``"format": "pt"`` metadata is added, and
     non-tensor entries are refused unless ``drop_extras=True``. From safetensors to torch:
-    a plain state dict.
+    a plain state dict. ``src`` may be a Hugging Face sharded folder.
+
+    To a Hugging Face sharded folder when ``dst`` is a folder (ends with ``/`` or exists)
+    or ``max_shard_size`` is given: see :func:`ckpt_tools.ops.reshard.convert_to_folder`,
+    which returns a :class:`~ckpt_tools.ops.reshard.ShardsResult`.
 
     Example:
         >>> result = convert("model.pt", "weights.safetensors")
         >>> result.output_format, result.written
         ('safetensors', True)
     """
+    if max_shard_size is not None or _names_folder(dst):
+        from ckpt_tools.ops.reshard import DEFAULT_MAX_SHARD_SIZE, convert_to_folder
+
+        options.pop("in_place", None)  # a folder output never replaces its input
+        size = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+        return convert_to_folder(src, dst, size, **options)
     return rewrite(src, dst, (), output_format=format, **options)
+
+
+def _names_folder(dst: str | os.PathLike[str]) -> bool:
+    """``dst`` names a folder: it ends with a separator, or is an existing folder."""
+    text = os.fspath(dst)
+    return text.endswith(("/", os.sep)) or os.path.isdir(text)
 
 
 def retag(

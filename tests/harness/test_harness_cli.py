@@ -32,8 +32,8 @@ def test_train_json_output(tmp_path: Path) -> None:
 
 
 def test_train_rejects_unknown_strategy_and_bad_sizes(tmp_path: Path) -> None:
-    bad = CliRunner().invoke(harness, ["train", "--strategy", "fsdp", "--out", str(tmp_path)])
-    assert bad.exit_code == 2 and "fsdp" in bad.output
+    bad = CliRunner().invoke(harness, ["train", "--strategy", "zero3", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "zero3" in bad.output
     args = ["train", "--strategy", "manual", "--world-size", "4", "--batch-size", "2"]
     result = CliRunner().invoke(harness, [*args, "--device", "cpu", "--out", str(tmp_path)])
     # UsageError reaches ckpt's error boundary (exit 2 there) unchanged
@@ -89,10 +89,10 @@ def test_parity_json_in_process_strategies(tmp_path: Path) -> None:
 
 
 def test_parity_unknown_strategy_is_a_usage_error() -> None:
-    result = CliRunner().invoke(harness, ["parity", "--strategies", "single,fsdp"])
+    result = CliRunner().invoke(harness, ["parity", "--strategies", "single,zero3"])
     assert isinstance(result.exception, UsageError)
     assert str(result.exception).startswith(
-        "strategies=('single', 'fsdp'): unknown strategies fsdp"
+        "strategies=('single', 'zero3'): unknown strategies zero3"
     )
 
 

@@ -9,7 +9,7 @@ import torch
 
 import ckpt_tools
 from ckpt_tools.harness.config import STRATEGIES
-from ckpt_tools.harness.make_fixtures import FIXTURE_COMMAND, make_fixtures
+from ckpt_tools.harness.make_fixtures import FIXTURE_COMMAND, FIXTURE_STRATEGIES, make_fixtures
 
 COMMITTED = Path(ckpt_tools.__file__).resolve().parent.parent / "fixtures" / "harness"
 
@@ -30,8 +30,10 @@ def test_committed_fixtures_load_and_agree_across_strategies() -> None:
     total = sum(p.stat().st_size for p in COMMITTED.rglob("*") if p.is_file())
     assert total < 300_000
     assert FIXTURE_COMMAND in (COMMITTED / "README.md").read_text(encoding="utf-8")
-    bare = {s: torch.load(COMMITTED / s / "bare.pt", weights_only=True) for s in STRATEGIES}
-    for strategy in STRATEGIES:
+    committed = [s for s in STRATEGIES if (COMMITTED / s).is_dir()]
+    assert committed == list(FIXTURE_STRATEGIES) == ["single", "dp", "ddp", "manual"]
+    bare = {s: torch.load(COMMITTED / s / "bare.pt", weights_only=True) for s in committed}
+    for strategy in committed:
         wrapped = torch.load(COMMITTED / strategy / "wrapped.pt", weights_only=True)
         assert list(wrapped) == [f"module.{k}" for k in bare[strategy]]
         for key, value in bare["single"].items():

@@ -1,4 +1,5 @@
-"""GPU runs: DataParallel over 2 GPUs, DDP with nccl, a real cuda save. Skipped without CUDA."""
+"""GPU runs: DataParallel over 2 GPUs, DDP and FSDP2 with nccl, a real cuda save. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def test_resnet_with_syncbn_over_two_gpus_is_comparable() -> None:
     row = report.row("ddp", "vs_single")
     assert row.status == "pass" and row.max_abs_diff <= 1e-5, row.detail
     assert next(r for r in report.runs if r.strategy == "ddp").sync_bn
+
+
+@needs_two
+@pytest.mark.slow
+def test_fsdp_over_nccl_matches_single_and_its_dcp_round_trips(tmp_path: Path) -> None:
+    report = run_parity(world_size=2, steps=3, gpus="0,1", strategies=("fsdp",), out_dir=tmp_path)
+    run = next(r for r in report.runs if r.strategy == "fsdp")
+    assert run.backend == "nccl" and run.devices == ("cuda:0", "cuda:1")
+    row = report.row("fsdp", "vs_single")
+    assert row.status == "pass" and row.max_abs_diff <= 1e-5, row.detail
+    dcp = report.row("fsdp", "dcp_roundtrip")
+    assert dcp.passed and dcp.max_abs_diff == 0.0, dcp.detail
 
 
 def test_gpu_saved_checkpoint_loads_bitwise_with_map_location_auto(tmp_path: Path) -> None:

@@ -163,14 +163,15 @@ def test_e_reports_what_safetensors_cannot_hold(runs: Path, tmp_path: Path) -> N
 def test_run_parity_mlp_all_strategies_hold(parity_mlp: ParityReport, parity_dir: Path) -> None:
     report = parity_mlp
     assert report.strategies == STRATEGIES
-    assert len(report.rows) == len(STRATEGIES) * len(CHECK_NAMES)
+    # fsdp adds its dcp_roundtrip row.
+    assert len(report.rows) == len(STRATEGIES) * len(CHECK_NAMES) + 1
     for strategy in STRATEGIES:
         assert (parity_dir / strategy / "wrapped.pt").is_file()
         for check in ("strip_prefix", "add_prefix", "format_roundtrip"):
             assert report.row(strategy, check).passed, report.row(strategy, check).detail
             assert report.row(strategy, check).max_abs_diff == 0.0
     assert report.row("single", "vs_single").status == "baseline"
-    for strategy in ("dp", "ddp", "manual"):
+    for strategy in ("dp", "ddp", "manual", "fsdp"):
         row = report.row(strategy, "vs_single")
         assert row.status == "pass" and row.max_abs_diff <= 1e-5, row.detail
     losses = report.losses
@@ -186,17 +187,16 @@ def test_parity_report_json_and_all_passed(parity_mlp: ParityReport) -> None:
     assert set(data["losses"]) == set(STRATEGIES)
     assert {(r["strategy"], r["name"]) for r in data["rows"]} == {
         (s, c) for s in STRATEGIES for c in CHECK_NAMES
-    }
-    assert [run["launcher"] for run in data["runs"]] == ["in-process"] * 2 + ["spawn"] + [
-        "in-process"
-    ]
+    } | {("fsdp", "dcp_roundtrip")}
+    launchers = [run["launcher"] for run in data["runs"]]
+    assert launchers == ["in-process", "in-process", "spawn", "in-process", "spawn"]
     assert parity_mlp.all_passed
 
 
 def test_run_parity_rejects_unknown_strategies() -> None:
-    with pytest.raises(UsageError, match="unknown strategies fsdp; expected some of single") as e:
-        run_parity(strategies=("single", "fsdp"))
-    assert e.value.render(for_cli=True).startswith("--strategies ('single', 'fsdp'): ")
+    with pytest.raises(UsageError, match="unknown strategies zero3; expected some of single") as e:
+        run_parity(strategies=("single", "zero3"))
+    assert e.value.render(for_cli=True).startswith("--strategies ('single', 'zero3'): ")
 
 
 def test_failed_rows_with_nan_diffs_fail_the_report_and_json_stays_strict() -> None:

@@ -142,7 +142,11 @@ def test_without_a_gpu_asking_for_gpus_is_a_usage_error() -> None:
 @pytest.mark.parametrize(
     ("kw", "message", "option"),
     [
-        ({"strategy": "fsdp"}, "strategy='fsdp': .*expected one of single, dp, ddp, manual", None),
+        (
+            {"strategy": "zero3"},
+            "strategy='zero3': .*expected one of single, dp, ddp, manual, fsdp",
+            None,
+        ),
         ({"model": "vgg"}, "model='vgg'", "--arch 'vgg'"),
         ({"steps": 0}, "steps=0", "--steps 0"),
         ({"world_size": 0}, "world_size=0", "--world-size 0"),
@@ -241,7 +245,8 @@ def test_cli_choices_come_from_the_library_tables() -> None:
     params = {p.name: p for c in harness_cmd.harness.commands.values() for p in c.params}
     assert tuple(params["strategy"].type.choices) == harness.STRATEGIES
     assert tuple(params["arch"].type.choices) == harness.MODEL_NAMES
-    assert set(harness_cmd.CHECK_HEADERS) == set(harness.CHECK_NAMES)
+    # (f) dcp_roundtrip: the row of runs that saved a DCP folder (fsdp)
+    assert set(harness_cmd.CHECK_HEADERS) == {*harness.CHECK_NAMES, "dcp_roundtrip"}
 
 
 def test_importing_the_harness_imports_neither_torch_nor_click() -> None:

@@ -1,0 +1,179 @@
+"""The ``fsdp`` strategy: FSDP2 (``fully_shard``), one process per device, saved with DCP.
+
+Launched exactly as ``ddp`` is (:func:`ckpt_tools.harness.ddp.launch`: spawned here over
+tcp://, or as one rank under ``torchrun`` with env:// rendezvous; gloo on the CPU, nccl on
+GPUs). Every parameter is sharded on dim 0 over the ranks: each layer with parameters is
+its own FSDP unit, and the root holds the rest. Each rank takes its slice of the global
+batch and the loss is scaled as for DDP, so FSDP's averaging reduce-scatter gives the
+global-batch gradient and FSDP(N) matches one device up to summation order.
+
+After training, every rank takes part in two saves:
+
+* ``dcp/``: ``torch.distributed.checkpoint.save`` of ``{"model": ..., "optim": ...}``, the
+  sharded state dicts of ``get_state_dict`` (each rank writes its own ``__{rank}_0.distcp``);
+* the full state dict gathered on rank 0 (``get_model_state_dict`` with
+  ``full_state_dict=True, cpu_offload=True``), which rank 0 writes as ``bare.pt``, as
+  ``wrapped.pt`` (``module.`` keys) and, with the gathered optimizer state (keyed by
+  parameter name, as ``get_optimizer_state_dict`` gives it), as ``trainer.pt``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckpt_tools.harness import loop
+from ckpt_tools.harness.config import CHECKPOINT_NAMES, TrainConfig, TrainResult
+from ckpt_tools.harness.data import shard
+from ckpt_tools.harness.ddp import launch
+
+__all__ = ["DCP_DIR", "train_fsdp"]
+
+#: The DCP checkpoint's folder inside the run's ``out_dir``.
+DCP_DIR = "dcp"
+
+
+def train_fsdp(config: TrainConfig) -> TrainResult:
+    """Run FSDP2 training, spawning the ranks or, under torchrun, acting as one of them.
+
+    Args:
+        config: the run; ``strategy`` is taken to be ``fsdp``.
+
+    Returns:
+        Spawned: rank 0's result. Under torchrun: this rank's result. With ``out_dir``,
+        ``checkpoints`` names ``wrapped``, ``bare``, ``trainer`` and ``dcp`` (the folder).
+
+    Raises:
+        UsageError: as :func:`ckpt_tools.harness.ddp.train_ddp`.
+        RuntimeError: a spawned worker failed; the message carries its traceback.
+
+    Example:
+        >>> config = TrainConfig(strategy="fsdp", world_size=2, steps=2, out_dir="o")
+        >>> sorted(train_fsdp(config).checkpoints)  # doctest: +SKIP
+        ['bare', 'dcp', 'trainer', 'wrapped']
+        >>> train_fsdp(TrainConfig(strategy="fsdp", world_size=2, batch_size=1, device="cpu"))
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: batch_size=1: leaves some of the 2 ranks without samples; ...
+    """
+    return launch(config, train_rank)
+
+
+def _shard(model: nn.Module, mesh: Any) -> None:
+    """Every submodule with parameters of its own is an FSDP unit; the root takes the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules())[1:]:
+        if any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def train_rank(
+    rank: int,
+    world: int,
+    device: torch.device,
+    config: TrainConfig,
+    sync_bn: bool,
+    backend: str,
+    launcher: str,
+) -> TrainResult:
+    """One rank's FSDP2 training and its part of the saves (see the module docstring).
+
+    Args:
+        rank: this process's rank.
+        world: the number of ranks.
+        device: this rank's device.
+        config: the run.
+        sync_bn: convert BatchNorm to SyncBatchNorm.
+        backend: the process group's backend, for the result.
+        launcher: ``spawn`` or ``torchrun``, for the result.
+
+    Returns:
+        This rank's result (rank 0's names the files written).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = loop.init_model(config, sync_bn=sync_bn).to(device)
+    _shard(model, init_device_mesh(device.type, (world,)))
+    optimizer = loop.make_optimizer(model.parameters(), config)
+    losses: list[float] = []
+    started = time.perf_counter()
+    with loop.deterministic():
+        for images, labels in loop.global_batches(config):
+            x, y = shard(images, rank, world).to(device), shard(labels, rank, world).to(device)
+            loss = loop.local_loss(model(x), y, len(labels), world)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # FSDP reduce-scatters and averages the gradients here
+            optimizer.step()
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
+            losses.append(float(logged) / world)
+    seconds = time.perf_counter() - started
+    # Buffers (BatchNorm statistics) are not sharded: each rank kept its own. Rank 0's go to
+    # every rank, as DDP broadcasts them, so that the DCP save (which keeps one rank's copy
+    # of a replicated tensor) and the gathered state agree.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    checkpoints = _save(model, optimizer, config, rank) if config.out_dir is not None else {}
+    fallback = loop.cpu_fallback([device], f"{world} CPU processes over gloo")
+    # The files are written above, not by finish_run (save=False).
+    result = loop.finish_run(
+        config, [device] * world, losses, model, model, optimizer, fallback, save=False
+    )
+    return replace(
+        result,
+        devices=(str(device),),
+        backend=backend,
+        launcher=launcher,
+        sync_bn=sync_bn,
+        out_dir=str(config.out_dir) if checkpoints else None,
+        checkpoints=checkpoints,
+        seconds=seconds,
+    )
+
+
+def _save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, rank: int
+) -> dict[str, str]:
+    """The DCP save (every rank writes its shards) and rank 0's gathered ``.pt`` files.
+
+    Collective: every rank must call it. Returns the paths on rank 0, ``{}`` elsewhere.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+    )
+
+    out = Path(str(config.out_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / DCP_DIR))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    bare = get_model_state_dict(model, options=full)
+    optim_full = get_optimizer_state_dict(model, optimizer, options=full)
+    if rank != 0:
+        return {}
+    bare = OrderedDict(bare)
+    wrapped = OrderedDict((f"module.{k}", v) for k, v in bare.items())
+    trainer = {
+        "model": bare,
+        "optimizer": optim_full,
+        "epoch": loop.completed_epochs(config),
+        "step": config.steps,
+    }
+    paths = {name: out / f"{name}.pt" for name in CHECKPOINT_NAMES}
+    torch.save(wrapped, paths["wrapped"])
+    torch.save(bare, paths["bare"])
+    torch.save(trainer, paths["trainer"])
+    return {**{k: str(v) for k, v in paths.items()}, "dcp": str(out / DCP_DIR)}

@@ -1,0 +1,271 @@
+"""Hugging Face sharded folders: convert to and from a folder, reshard; checked with safetensors
+and torch.load, never with our own reader alone."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ckpt_tools import convert, reshard
+from ckpt_tools.errors import (
+    ConversionError,
+    CorruptCheckpointError,
+    OutputError,
+    OutputExistsError,
+    UsageError,
+)
+from ckpt_tools.io.hf_shards import INDEX_NAME, parse_shard_size, plan_shards
+from ckpt_tools.ops.reshard import hf_shared_names
+from tests.helpers.cli import run_ckpt
+
+
+def _model_pt(path: Path) -> dict[str, torch.Tensor]:
+    """A small LM-like state dict: tied embedding/head, mixed dtypes, one large tensor."""
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(50, 8, generator=g)
+    sd = {
+        "model.embed_tokens.weight": embed,
+        "model.layers.0.w": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.b": torch.randn(8, generator=g),
+        "model.layers.1.w": torch.randn(8, 8, generator=g).to(torch.float16),
+        "model.layers.1.steps": torch.arange(5, dtype=torch.int64),
+        "model.layers.1.mask": torch.tensor([True, False, True]),
+        "big": torch.randn(40, 40, generator=g),  # 6400 bytes: over the 2000-byte limit
+        "lm_head.weight": embed,  # tied: stored once, under huggingface_hub's choice of name
+    }
+    torch.save(sd, path)
+    return sd
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _union(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        part = load_file(shard)
+        assert not set(part) & set(out)
+        out.update(part)
+    return out
+
+
+def _check_index(folder: Path, limit: int) -> dict:
+    index = json.loads((folder / INDEX_NAME).read_text())
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    n = len(shards)
+    assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(set(index["weight_map"].values())) == shards
+    total = 0
+    for shard in shards:
+        with safe_open(folder / shard, "pt") as f:
+            assert f.metadata()["format"] == "pt"
+            names = list(f.keys())
+            sizes = [f.get_tensor(k).nbytes for k in names]
+        assert sorted(k for k, v in index["weight_map"].items() if v == shard) == sorted(names)
+        assert sum(sizes) <= limit or len(names) == 1  # a tensor over the limit stands alone
+        total += sum(sizes)
+    assert index["metadata"]["total_size"] == total
+    return index
+
+
+def test_parse_shard_size_like_huggingface_and_binary_units() -> None:
+    assert parse_shard_size("5GB") == 5 * 10**9
+    assert parse_shard_size("5GiB") == 5 * 2**30
+    assert parse_shard_size(" 500mb ") == 500 * 10**6
+    assert parse_shard_size("2000") == parse_shard_size(2000) == 2000
+    for bad in ("5XB", "GB", "-1GB", "0", ""):
+        with pytest.raises(UsageError, match="max_shard_size="):
+            parse_shard_size(bad)
+
+
+def test_plan_shards_follows_the_huggingface_hub_docstring_example() -> None:
+    # split_torch_state_dict_into_shards's own example: limit 10, sizes [6, 6, 2, 6, 2, 2]
+    # -> [6], [6+2], [6+2+2].
+    sizes = [("a", 6), ("b", 6), ("c", 2), ("d", 6), ("e", 2), ("f", 2)]
+    plan = plan_shards(sizes, 10)
+    assert [names for _, names in plan.files] == [("a",), ("b", "c"), ("d", "e", "f")]
+    assert plan.total_size == 24 and plan.is_sharded
+    single = plan_shards(sizes, 100)
+    assert single.files == (("model.safetensors", tuple(n for n, _ in sizes)),)
+    assert not single.is_sharded
+
+
+def test_hf_shared_names_keeps_the_sorted_first_complete_name(tmp_path: Path) -> None:
+    from ckpt_tools.formats import open_checkpoint
+
+    base = torch.zeros(16)
+    torch.save(
+        {"z.full": base, "a.view": base[:8], "m.full": base, "own": torch.ones(2)},
+        tmp_path / "t.pt",
+    )
+    root = open_checkpoint(tmp_path / "t.pt").root
+    # a.view is not complete; m.full sorts before z.full: kept, as _remove_duplicate_names does
+    assert hf_shared_names(root) == {"a.view": "m.full", "z.full": "m.full"}
+    torch.save({"x": base[:8], "y": base[4:]}, tmp_path / "partial.pt")
+    with pytest.raises(
+        ConversionError,
+        match=r"none of them covers the whole storage, so no one name can be kept: \{x, y\}",
+    ):
+        hf_shared_names(open_checkpoint(tmp_path / "partial.pt").root)
+
+
+def test_convert_pt_to_folder_shards_load_with_safetensors_and_match(tmp_path: Path) -> None:
+    sd = _model_pt(tmp_path / "model.pt")
+    result = convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    out = tmp_path / "hf"
+    index = _check_index(out, 2000)
+    assert result.files[-1] == INDEX_NAME and len(result.files) == len(list(out.iterdir()))
+    union = _union(out)
+    assert list(index["weight_map"]) == list(union) or set(index["weight_map"]) == set(union)
+    # huggingface_hub keeps the alphabetically first name: lm_head.weight, not the embedding
+    assert "model.embed_tokens.weight" not in union
+    assert index["metadata"]["model.embed_tokens.weight"] == "lm_head.weight"
+    assert set(union) == set(sd) - {"model.embed_tokens.weight"}
+    for key, value in union.items():
+        assert value.dtype == sd[key].dtype and torch.equal(value, sd[key]), key
+    # the oversized tensor has a shard of its own
+    assert [v for k, v in index["weight_map"].items() if k == "big"] and sum(
+        1 for v in index["weight_map"].values() if v == index["weight_map"]["big"]
+    ) == 1
+
+
+def test_round_trip_hf_to_pt_to_hf_is_bitwise(tmp_path: Path) -> None:
+    sd = _model_pt(tmp_path / "model.pt")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    before = _digest(tmp_path / "hf")
+    back = convert(tmp_path / "hf", tmp_path / "back.pt")
+    assert back.input_format == "hf-sharded" and _digest(tmp_path / "hf") == before
+    loaded = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert set(loaded) == set(sd) - {"model.embed_tokens.weight"}
+    for key, value in loaded.items():
+        assert torch.equal(value, sd[key]) and value.dtype == sd[key].dtype, key
+    single = convert(tmp_path / "hf", tmp_path / "one.safetensors")
+    assert single.output_format == "safetensors"
+    with safe_open(tmp_path / "one.safetensors", "pt") as f:  # alias notes carried, not total_size
+        assert f.metadata()["model.embed_tokens.weight"] == "lm_head.weight"
+        assert "total_size" not in f.metadata()
+    convert(tmp_path / "back.pt", tmp_path / "hf2/", max_shard_size="2KB")
+    index2 = json.loads((tmp_path / "hf2" / INDEX_NAME).read_text())
+    index1 = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
+    assert index2["weight_map"] == index1["weight_map"]
+    # the .pt has no alias note to carry (the dropped name is gone); the sizes agree
+    assert index2["metadata"] == {"total_size": index1["metadata"]["total_size"]}
+    for name in index1["weight_map"].values():
+        a, b = load_file(tmp_path / "hf" / name), load_file(tmp_path / "hf2" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reshard_changes_shard_size_never_touches_the_input(tmp_path: Path) -> None:
+    sd = _model_pt(tmp_path / "model.pt")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    before = _digest(tmp_path / "hf")
+    result = reshard(tmp_path / "hf", tmp_path / "big", "1MB", verify="full")
+    assert _digest(tmp_path / "hf") == before
+    # everything fits in one: a lone model.safetensors with the metadata in it, no index
+    assert result.files == ("model.safetensors",)
+    with safe_open(tmp_path / "big" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "model.embed_tokens.weight": "lm_head.weight"}
+    union = load_file(tmp_path / "big" / "model.safetensors")
+    assert all(torch.equal(union[k], sd[k]) for k in union) and len(union) == len(sd) - 1
+    small = reshard(tmp_path / "big", tmp_path / "small", 700)
+    _check_index(tmp_path / "small", 700)
+    assert len(small.files) == 4  # lm_head (1600 B) and big (6400 B) alone, the rest together
+    with pytest.raises(OutputExistsError, match="force=True"):
+        reshard(tmp_path / "hf", tmp_path / "small", "1KB")
+    reshard(tmp_path / "hf", tmp_path / "small", "1MB", force=True)
+    assert sorted(p.name for p in (tmp_path / "small").iterdir()) == ["model.safetensors"]
+    with pytest.raises(OutputError, match="is the input or holds it"):
+        reshard(tmp_path / "hf", tmp_path / "hf", "1KB", force=True)
+    with pytest.raises(OutputError, match="never replaced"):  # nor a folder holding the input
+        convert(tmp_path / "model.pt", tmp_path, max_shard_size="1KB", force=True)
+    assert _digest(tmp_path / "hf") == before
+    with pytest.raises(UsageError, match="not a sharded folder"):
+        reshard(tmp_path / "model.pt", tmp_path / "x", "1KB")
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
+
+
+def test_a_broken_index_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    _model_pt(tmp_path / "model.pt")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    index_path = tmp_path / "hf" / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["ghost"] = next(iter(index["weight_map"].values()))
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match="has no such tensor"):
+        reshard(tmp_path / "hf", tmp_path / "out", "1MB")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
+
+
+def test_cli_convert_to_a_folder_and_reshard(tmp_path: Path) -> None:
+    _model_pt(tmp_path / "model.pt")
+    res = run_ckpt("convert", tmp_path / "model.pt", f"{tmp_path / 'hf'}/")
+    assert "wrote" in res.stdout and (tmp_path / "hf" / "model.safetensors").is_file()
+    res = run_ckpt("convert", tmp_path / "model.pt", tmp_path / "hf", code=6)
+    assert "pass --force" in res.stderr
+    bad = run_ckpt("reshard", tmp_path / "hf", tmp_path / "o", "--max-shard-size", "5XB", code=2)
+    assert "--max-shard-size '5XB'" in bad.stderr
+    done = run_ckpt(
+        "reshard",
+        tmp_path / "hf",
+        tmp_path / "r",
+        "--max-shard-size",
+        "2KB",
+        "--json",
+        how="script",
+    )
+    data = json.loads(done.stdout)
+    assert data["output_format"] == "hf-sharded" and data["files"][-1] == INDEX_NAME
+    _check_index(tmp_path / "r", 2000)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf:UserWarning", "ignore:torch.quantize:UserWarning")
+def test_dtypes_safetensors_lacks_are_refused_before_any_shard_is_written(tmp_path: Path) -> None:
+    sd = {f"ok{i}": torch.randn(64) for i in range(4)}
+    sd["half_complex"] = torch.zeros(3, dtype=torch.complex32)
+    sd["quantized"] = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+    torch.save(sd, tmp_path / "odd.pt")
+    with pytest.raises(ConversionError, match=r"2 tensor\(s\).*half_complex \(complex32\)"):
+        convert(tmp_path / "odd.pt", tmp_path / "hf", max_shard_size="300B")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.pt"]
+
+
+def test_a_killed_runs_temp_folders_are_removed_a_live_ones_kept(tmp_path: Path) -> None:
+    import os
+
+    _model_pt(tmp_path / "model.pt")
+    # PID 4194304 is pid_max's ceiling on Linux: no process has it.
+    dead = [
+        tmp_path / ".hf.ckpt-tmpdir-4194304-ab12cd34",
+        tmp_path / ".hf.ckpt-tmpdir-4194304-ab12cd34-old",
+    ]
+    live = tmp_path / f".other.ckpt-tmpdir-{os.getpid()}-ef34ab12"
+    for folder in (*dead, live):
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    assert not any(d.exists() for d in dead) and live.exists()
+
+
+def test_jobs_write_the_same_bytes_as_one_writer(tmp_path: Path) -> None:
+    _model_pt(tmp_path / "model.pt")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    one = reshard(tmp_path / "hf", tmp_path / "one", 600, verify="full")
+    many = reshard(tmp_path / "hf", tmp_path / "many", 600, verify="full", jobs=4)
+    assert many.files == one.files and len(one.files) > 3
+    assert _digest(tmp_path / "many") == _digest(tmp_path / "one")
+    _check_index(tmp_path / "many", 600)
+    with pytest.raises(UsageError, match="jobs=0: must be at least 1"):
+        reshard(tmp_path / "hf", tmp_path / "none", 600, jobs=0)
+    res = run_ckpt(
+        "reshard", tmp_path / "hf", tmp_path / "cli", "--max-shard-size", "600", "--jobs", "3"
+    )
+    assert "resharded into" in res.stdout
+    assert _digest(tmp_path / "cli") == _digest(tmp_path / "one")
