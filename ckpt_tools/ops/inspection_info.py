@@ -110,6 +110,8 @@ class CheckpointInfo(Readable):
         metadata: safetensors ``__metadata__`` or a shard index's ``metadata``.
         shards: shard file names, for sharded folders.
         shard_of: tensor name -> ``"shard file:"``, for sharded folders.
+        pickled_module: when the state dict was recovered from a pickled ``nn.Module``
+            (``torch.save(model)``): ``{"class", "modules", "tensors", "caveats"}``.
     """
 
     path: str
@@ -126,6 +128,7 @@ class CheckpointInfo(Readable):
     metadata: Mapping[str, str] | None = None
     shards: tuple[str, ...] = ()
     shard_of: Mapping[str, str] = field(default_factory=dict)
+    pickled_module: Mapping[str, Any] | None = None
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -210,6 +213,8 @@ class CheckpointInfo(Readable):
             f"devices:     {counts(self.devices)}",
             *self._wrapper_lines(for_cli),
         ]
+        if self.pickled_module:
+            lines += [f"caveat:      {c}" for c in self.pickled_module["caveats"]]
         if self.unsafe_globals:
             lines.append(
                 f"unsafe:      {', '.join(self.unsafe_globals)} (outside the allowlist; "
@@ -317,6 +322,7 @@ class CheckpointInfo(Readable):
             "devices": self.devices,
             "metadata": dict(self.metadata) if self.metadata else None,
             "shards": list(self.shards),
+            "pickled_module": dict(self.pickled_module) if self.pickled_module else None,
         }
 
 
