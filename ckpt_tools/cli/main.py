@@ -20,6 +20,7 @@ _COMMANDS = {
     "rename": ("ckpt_tools.cli.rewrite_cmd", "rename_cmd"),
     "convert": ("ckpt_tools.cli.rewrite_cmd", "convert_cmd"),
     "retag": ("ckpt_tools.cli.rewrite_cmd", "retag_cmd"),
+    "sanitize": ("ckpt_tools.cli.sanitize_cmd", "sanitize_cmd"),
     "diff": ("ckpt_tools.cli.diff_cmd", "diff_cmd"),
     "devices": ("ckpt_tools.cli.devices_cmd", "devices_cmd"),
     "harness": ("ckpt_tools.cli.harness_cmd", "harness"),

@@ -13,9 +13,11 @@ same :class:`~ckpt_tools.descriptors.TensorRef` (one storage). Attributes outsid
 dictionaries (an LSTM's ``_flat_weights`` list, which references the parameters again) are
 not state and are never walked.
 
-What cannot be reproduced without the class's code, and is reported in
-:attr:`RecoveredModule.caveats`: a class overriding ``get_extra_state`` (its ``_extra_state``
-entry), state-dict hooks, and the ``_metadata`` versions (a class attribute, not pickled).
+What cannot be reproduced without the class's code: state-dict hooks (pickled with the
+module, so they are named in :attr:`RecoveredModule.caveats`, never run); a class that
+overrides ``get_extra_state`` or ``_save_to_state_dict`` (its code decides, and nothing in
+the pickled state shows it: its ``_extra_state`` key is missing); and the ``_metadata``
+versions, a class attribute that is not pickled (the recovered mapping has none).
 """
 
 from __future__ import annotations
@@ -152,8 +154,6 @@ def _walk(
         if value is not None and name not in skip:
             found[f"{prefix}{name}"] = value
     where = prefix[:-1] or "the root module"
-    if "_extra_state" in state:
-        caveats.append(f"{where} holds _extra_state: get_extra_state() cannot run here")
     if any(isinstance(state.get(h), Mapping) and state.get(h) for h in _HOOKS):
         caveats.append(f"{where} has state-dict hooks, which may change its keys; not run")
     for name, child in state["_modules"].items():
