@@ -234,6 +234,8 @@ class _Sanitizer:
         ):
             text = _PATHS[short].join(*node.args) if node.args else "."
             return self._converted(path, name, "str", text)
+        if _empty_bytes(node):
+            return self._converted(path, f"{name}()", "bytes", b"")
         if _enum_like(node, short):
             return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
         return self._drop(node, path)
@@ -281,6 +283,7 @@ class _Sanitizer:
         ):
             return self._drop(node, path)
         _, shape, dtype, fortran, raw = state
+        raw = b"" if _empty_bytes(raw) else raw
         spec = self._dtype(dtype)
         if spec is None or not isinstance(raw, (bytes, bytearray)):
             return self._drop(node, path)
@@ -326,6 +329,16 @@ def _hashable(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _empty_bytes(node: Any) -> bool:
+    # Protocol 2 pickles b"" as a call of ``bytes`` with no arguments (not on the allowlist).
+    return (
+        isinstance(node, Opaque)
+        and _name(node) in ("builtins.bytes", "__builtin__.bytes")
+        and node.args == ()
+        and not node.has_state
+    )
 
 
 def _enum_like(node: Opaque, short: str) -> bool:
