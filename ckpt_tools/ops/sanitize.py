@@ -68,6 +68,9 @@ def sanitize(
         SameFileError / OutputExistsError / OutputError: the output is refused or fails (exit 6).
 
     Example:
+        >>> report = sanitize("model.pt", "plain.pt")  # already plain: copied as it is
+        >>> report.tensors, report.converted, report.dropped
+        (17, (), ())
         >>> report = sanitize("lightning.ckpt", "plain.pt")  # doctest: +SKIP
         >>> [str(c) for c in report.converted]  # doctest: +SKIP
         ['hyper_parameters.cfg: omegaconf.dictconfig.DictConfig -> dict']
@@ -91,7 +94,7 @@ def sanitize(
         shown = "; ".join(str(c) for c in done.dropped[:8])
         raise UnsafeContentError(
             f"{len(done.dropped)} value(s) of {src!r} cannot be made plain: {shown}",
-            tuple(dict.fromkeys(c.was for c in done.dropped)),
+            tuple(dict.fromkeys(c.was.partition(" ")[0] for c in done.dropped)),
             path=src,
             remedies=(
                 Remedy(
