@@ -363,3 +363,78 @@ def test_new_records_do_not_reuse_the_source_keys():
     done = sanitize_tree(tree, {"0", "1", "3"})
     assert len(done.added) == 2 and not set(done.added) & {"0", "1", "3"}  # shared: one record
     assert done.root[0] is done.root[1]
+
+
+# Committed fixtures torch.load(weights_only=True) reads: sanitizing them changes nothing.
+PLAIN_FIXTURES = [
+    "plain.pt",
+    "legacy.pt",
+    "py2_legacy.pt",
+    "tar_format.pt",
+    "lightning.ckpt",
+    "trainer_adam.pt",
+    "dtypes.pt",
+    "tied_views.pt",
+    "legacy_tied_views.pt",
+    "module.pt",
+]
+
+
+def _assert_same_tree(got: Any, want: Any, where: str = "") -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert (got.dtype, got.shape, got.stride(), got.storage_offset()) == (
+            want.dtype,
+            want.shape,
+            want.stride(),
+            want.storage_offset(),
+        ), where
+        assert _raw(got) == _raw(want) and type(got) is type(want), where
+    elif isinstance(want, dict):
+        assert type(got) is type(want) and list(got) == list(want), where
+        assert getattr(got, "_metadata", None) == getattr(want, "_metadata", None), where
+        for key in want:
+            _assert_same_tree(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _assert_same_tree(a, b, f"{where}.{i}")
+    else:
+        assert got == want and type(got) is type(want), where
+
+
+def _sharing(tree: Any) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, t in h.walk_tensors(tree):
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    return sorted(groups.values())
+
+
+@pytest.mark.parametrize("name", PLAIN_FIXTURES)
+def test_plain_fixtures_come_out_as_torch_loads_them(name, fixture_copy, tmp_path):
+    src = fixture_copy(name)
+    # torch reads the tar format only with weights_only=False (a committed, plain fixture):
+    # after sanitize, weights_only=True reads it too.
+    want = torch.load(src, weights_only=name != "tar_format.pt")
+    report = ct.sanitize(src, tmp_path / "out.pt", verify="full")
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    _assert_same_tree(got, want)
+    assert _sharing(got) == _sharing(want)
+    assert report.converted == () and report.dropped == ()
+
+
+def test_safetensors_and_evil_fixtures(fixture_copy, tmp_path):
+    import safetensors.torch
+
+    src = fixture_copy("model.safetensors")
+    ct.sanitize(src, tmp_path / "st.pt")
+    _assert_same_tree(
+        torch.load(tmp_path / "st.pt", weights_only=True), safetensors.torch.load_file(src)
+    )
+    evil = fixture_copy("evil.pt")
+    report = ct.sanitize(evil, tmp_path / "evil_out.pt")
+    out = torch.load(tmp_path / "evil_out.pt", weights_only=True)
+    assert list(out) == ["state_dict"] and [str(c) for c in report.dropped] == [
+        "payload: posix.system object -> dropped"
+    ]
+    assert not list(tmp_path.rglob("PWNED_MARKER")) and not Path("PWNED_MARKER").exists()
