@@ -438,3 +438,17 @@ def test_safetensors_and_evil_fixtures(fixture_copy, tmp_path):
         "payload: posix.system object -> dropped"
     ]
     assert not list(tmp_path.rglob("PWNED_MARKER")) and not Path("PWNED_MARKER").exists()
+
+
+def test_verification_refuses_an_output_that_names_a_global(tmp_path):
+    from ckpt_tools.formats import open_checkpoint
+    from ckpt_tools.ops.sanitize import _verify
+    from ckpt_tools.ops.sanitize_tree import SanitizedTree
+
+    written = tmp_path / "written.pt"  # as if the writer had let a global through
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, written)
+    source = open_checkpoint(str(written))
+    plan = SanitizedTree({"w": source.root["w"]}, (), ())
+    with pytest.raises(ct.VerificationError, match=r"argparse\.Namespace"):
+        _verify(str(written), plan, (), source, "sizes")
+    assert _verify(str(written), plan, (), source, "none").startswith("not verified")
