@@ -236,6 +236,19 @@ def test_state_dict_hooks_are_named_as_a_caveat(unimportable, tmp_path):
     assert "caveat:" in str(info)
 
 
+@pytest.mark.parametrize("protocol", [1, 2, 4])
+def test_every_pickle_protocol_torch_reads_names_the_class(unimportable, tmp_path, protocol):
+    # Protocol 1 pickles objects through copy_reg._reconstructor(cls, object, None).
+    nets = unimportable("nets_i10", NETS)
+    model = nets.Hooked()
+    path = tmp_path / f"p{protocol}.pt"
+    torch.save(model, path, pickle_protocol=protocol)
+    _forget("nets_i10", tmp_path)
+    info = ct.inspect(path)
+    assert info.pickled_module["class"] == "nets_i10.Hooked"
+    assert [t.name for t in info.tensors] == list(model.state_dict())
+
+
 def _opaque_tree(obj: Any) -> Any:
     return load_pickle(__import__("io").BytesIO(pickle.dumps(obj, protocol=2))).root
 

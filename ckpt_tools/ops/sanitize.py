@@ -107,7 +107,8 @@ def sanitize(
                 ),
             ),
         )
-    check_output_size([], sum(s.nbytes for s in ckpt.storages.values()), target)
+    total = sum(s.nbytes for s in ckpt.storages.values()) + sum(map(len, done.added.values()))
+    check_output_size([], total, target)
     copied = [0]
 
     def on_bytes(n: int) -> None:

@@ -67,7 +67,7 @@ def module_class_name(node: Any) -> str:
     first argument; ``NEWOBJ`` (protocol 2, what ``torch.save`` writes) is the class itself.
     """
     ref = type(node).global_ref
-    if ref.qualname == "copyreg._reconstructor" and node.args:
+    if ref.qualname in ("copyreg._reconstructor", "copy_reg._reconstructor") and node.args:
         first = node.args[0]
         if isinstance(first, type) and issubclass(first, Opaque):
             return first.global_ref.qualname
