@@ -452,3 +452,12 @@ def test_verification_refuses_an_output_that_names_a_global(tmp_path):
     with pytest.raises(ct.VerificationError, match=r"argparse\.Namespace"):
         _verify(str(written), plan, (), source, "sizes")
     assert _verify(str(written), plan, (), source, "none").startswith("not verified")
+
+
+def test_sanitize_never_imports_torch(fake, tmp_path, no_torch_env):
+    src, original = _lightning(fake, tmp_path)
+    dst = tmp_path / "out.pt"
+    h.run_ckpt("sanitize", src, dst, how="script", env=no_torch_env)
+    out = torch.load(dst, weights_only=True)  # torch only here, in the test
+    assert list(out["pickled_model"]) == list(original["model_sd"])
+    assert not original["marker"].exists()
