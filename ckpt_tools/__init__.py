@@ -90,6 +90,8 @@ _LAZY = {
     "RewriteResult": "ckpt_tools.ops.rewrite_result",
     "reshard": "ckpt_tools.ops.reshard",
     "ShardsResult": "ckpt_tools.ops.reshard",
+    "sanitize": "ckpt_tools.ops.sanitize",
+    "SanitizeReport": "ckpt_tools.ops.sanitize_result",
     "load_state_dict": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
     "LoadReport": "ckpt_tools.loading.results",

@@ -21,6 +21,7 @@ _COMMANDS = {
     "convert": ("ckpt_tools.cli.rewrite_cmd", "convert_cmd"),
     "retag": ("ckpt_tools.cli.rewrite_cmd", "retag_cmd"),
     "reshard": ("ckpt_tools.cli.rewrite_cmd", "reshard_cmd"),
+    "sanitize": ("ckpt_tools.cli.sanitize_cmd", "sanitize_cmd"),
     "diff": ("ckpt_tools.cli.diff_cmd", "diff_cmd"),
     "devices": ("ckpt_tools.cli.devices_cmd", "devices_cmd"),
     "harness": ("ckpt_tools.cli.harness_cmd", "harness"),

@@ -45,6 +45,7 @@ def write_torch_zip(
     file: BinaryIO,
     device_map: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    added: Mapping[str, bytes] | None = None,
 ) -> list[StorageRef]:
     """Write ``tree`` (read from ``source``, possibly edited) as a torch zip archive.
 
@@ -60,9 +61,12 @@ def write_torch_zip(
         file: the output, opened ``w+b``.
         device_map: saved device tag -> new tag (``{"cuda:1": "cpu"}``).
         progress: called with the number of bytes copied after each chunk.
+        added: storage key -> bytes, for storages the tree holds that are not in
+            ``source`` (``sanitize`` turns numpy arrays into these); written as new records
+            after the copied ones.
 
     Returns:
-        The storages written, in order.
+        The storages copied from ``source``, in order.
 
     Raises:
         ConversionError: legacy storage views, which the zip format cannot express.
@@ -79,6 +83,7 @@ def write_torch_zip(
     from_zip = source.format in ("torch-zip", "torchscript")
     keys: dict[int, str] = {}
     used: list[StorageRef] = []
+    new_records: list[tuple[str, bytes]] = []
 
     def storage_id(storage: StorageRef) -> tuple[Any, ...]:
         if storage.view is not None:
@@ -88,7 +93,10 @@ def write_torch_zip(
             )
         if id(storage) not in keys:
             keys[id(storage)] = storage.key if from_zip else str(len(keys))
-            used.append(storage)
+            if added is not None and storage.key in added:
+                new_records.append((f"data/{keys[id(storage)]}", added[storage.key]))
+            else:
+                used.append(storage)
         device = (device_map or {}).get(storage.device, storage.device)
         return torch_storage_id(storage, keys[id(storage)], device)
 
@@ -102,6 +110,8 @@ def write_torch_zip(
             _copy_zip_records(writer, bytes_from, payload, {name for name, _ in records})
         else:
             _add_new_records(writer, bytes_from, payload, records)
+        for name, data in new_records:
+            writer.add_bytes(name, data)
         writer.close()
     finally:
         if src_fd >= 0:

@@ -115,7 +115,20 @@ def inspect_checkpoint(
         shard_of=shard_of,
         pickle_protocol=ckpt.protocol,
         beyond_weights_only=ckpt.beyond_weights_only,
+        pickled_module=_module_summary(selection),
     )
+
+
+def _module_summary(selection: Selection) -> dict[str, Any] | None:
+    module = selection.module
+    if module is None:
+        return None
+    return {
+        "class": module.class_name,
+        "modules": module.modules,
+        "tensors": sum(isinstance(v, TensorRef) for v in module.state_dict.values()),
+        "caveats": list(module.caveats),
+    }
 
 
 def script_module_tensors(root: Any) -> dict[str, TensorRef]:

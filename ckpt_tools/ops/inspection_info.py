@@ -112,6 +112,8 @@ class CheckpointInfo(Readable):
         shard_of: tensor name -> ``"shard file:"``, for sharded folders.
         pickle_protocol: the main pickle's protocol (0 for formats without one).
         beyond_weights_only: its opcodes that ``torch.load(weights_only=True)`` lacks.
+        pickled_module: when the state dict was recovered from a pickled ``nn.Module``
+            (``torch.save(model)``): ``{"class", "modules", "tensors", "caveats"}``.
     """
 
     path: str
@@ -130,6 +132,7 @@ class CheckpointInfo(Readable):
     shard_of: Mapping[str, str] = field(default_factory=dict)
     pickle_protocol: int = 0
     beyond_weights_only: tuple[str, ...] = ()
+    pickled_module: Mapping[str, Any] | None = None
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -214,6 +217,8 @@ class CheckpointInfo(Readable):
             f"devices:     {counts(self.devices)}",
             *self._wrapper_lines(for_cli),
         ]
+        if self.pickled_module:
+            lines += [f"caveat:      {c}" for c in self.pickled_module["caveats"]]
         if self.unsafe_globals:
             lines.append(
                 f"unsafe:      {', '.join(self.unsafe_globals)} (outside the allowlist; "
@@ -334,6 +339,7 @@ class CheckpointInfo(Readable):
             "shards": list(self.shards),
             "pickle_protocol": self.pickle_protocol,
             "beyond_weights_only": list(self.beyond_weights_only),
+            "pickled_module": dict(self.pickled_module) if self.pickled_module else None,
         }
 
 

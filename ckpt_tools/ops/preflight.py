@@ -16,6 +16,8 @@ from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.ops.rewrite_plan import check_source
 from ckpt_tools.structure.keys import KeyRule
+from ckpt_tools.structure.modules import is_pickled_module, module_globals
+from ckpt_tools.structure.paths import walk_path
 
 __all__ = ["check_key_types", "check_rewritable"]
 
@@ -48,14 +50,24 @@ def _module_on_path(root: Any, path: Sequence[str]) -> str | None:
 
 
 def check_rewritable(
-    ckpt: Checkpoint, allow_globals: Sequence[str], path: Sequence[str] = ()
+    ckpt: Checkpoint,
+    allow_globals: Sequence[str],
+    path: Sequence[str] = (),
+    output_format: str = "torch-zip",
 ) -> None:
     """Refuse a checkpoint no rewrite may touch, whether or not there is work to do.
+
+    A torch output carries the whole object tree, so globals outside the allowlist are
+    refused first (exit 3), then a pickled ``nn.Module`` on the path (exit 7: its attributes
+    cannot be rewritten without its code). A safetensors output holds the selected state
+    dict's tensors only: a pickled module selected there gives up its recovered state dict,
+    and the globals inside it (its classes, hooks) are never written.
 
     Args:
         ckpt: the opened input.
         allow_globals: globals outside the allowlist the caller allows through.
         path: the selection path of the state dict to rewrite.
+        output_format: ``torch-zip`` or ``safetensors``.
 
     Raises:
         ConversionError: a TorchScript archive, or a pickled ``nn.Module`` (exit 7).
@@ -64,15 +76,26 @@ def check_rewritable(
     Example:
         >>> check_rewritable(Checkpoint("a.pt", "torch-zip", {}, {}), ())
     """
+    if output_format == "safetensors":
+        node = walk_path(ckpt.root, tuple(path)).node
+        unwritten = module_globals(node) if is_pickled_module(node) else set()
+        check_source(ckpt, [*allow_globals, *sorted(unwritten)])
+        return
+    check_source(ckpt, allow_globals)
     module = _module_on_path(ckpt.root, path)
     if module is not None:
         raise ConversionError(
             f"{ckpt.path!r} is a pickled nn.Module ({module}), not a state dict: its "
             "attributes cannot be rewritten without the class's code",
             path=ckpt.path,
-            remedies=(_SAVE_STATE_DICT,),
+            remedies=(
+                Remedy(
+                    command=f"ckpt sanitize {ckpt.path} OUT.pt",
+                    text="to write its recovered state dict (nothing is imported or run)",
+                ),
+                _SAVE_STATE_DICT,
+            ),
         )
-    check_source(ckpt, allow_globals)
 
 
 def _shown(keys: Sequence[Hashable]) -> str:

@@ -121,7 +121,7 @@ def rewrite(
     ckpt = opened if opened is not None and opened.path == src else open_checkpoint(src)
     fmt = output_format_for(dst, output_format, ckpt.format)
     selection = select_state_dict(ckpt.root, select)
-    check_rewritable(ckpt, allow_globals, selection.path)
+    check_rewritable(ckpt, allow_globals, selection.path, fmt)
     sd = selection.state_dict
     check_key_types(sd, rules, fmt, src)
     # Rules rename str keys only; other keys keep their type and value (checked above).
@@ -220,7 +220,8 @@ def strip_module_file(
     ckpt = open_checkpoint(src)
     selection = select_state_dict(ckpt.root, options.get("select"))
     # Refusals come before "nothing to strip": a file no rewrite may touch is never exit 0.
-    check_rewritable(ckpt, options.get("allow_globals", ()), selection.path)
+    fmt = output_format_for(dst, options.get("output_format"), ckpt.format)
+    check_rewritable(ckpt, options.get("allow_globals", ()), selection.path, fmt)
     keys = [k for k in selection.state_dict if isinstance(k, str)]
     n_keys = len(selection.state_dict)
     rules, matches = strip_wrapper_rules(keys)

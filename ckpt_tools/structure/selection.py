@@ -16,6 +16,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import SelectError
+from ckpt_tools.structure.modules import RecoveredModule, recover_module
 from ckpt_tools.structure.paths import (
     PathWalk,
     attributes_of,
@@ -71,11 +72,14 @@ class Selection:
         path: keys leading to it from the root (``("state_dict",)``; ``()`` for the root).
         reason: why it was chosen, in words.
         state_dict: the chosen mapping.
+        module: when the entry is a pickled ``nn.Module`` (``torch.save(model)``), what
+            was recovered from it; ``state_dict`` is then its recovered state dict.
     """
 
     path: tuple[str, ...]
     reason: str
     state_dict: Mapping[str, Any]
+    module: RecoveredModule | None = None
 
 
 def is_state_dict(value: Any) -> bool:
@@ -108,6 +112,10 @@ def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> S
     parts = parse_select(select)
     if parts is not None:
         walk = resolve_path(root, parts)
+        recovered = recover_module(walk.node)
+        if recovered is not None:
+            why = f"chosen with --select; {recovered.description}"
+            return Selection(walk.keys, why, recovered.state_dict, recovered)
         node = mapping_at(walk.node)
         if node is None:
             raise SelectError(
@@ -133,10 +141,19 @@ def _auto_select(root: Any, memo: dict[int, Selection] | None = None) -> Selecti
     return found
 
 
+def _nested(key: str, found: Selection) -> str:
+    if found.module is not None and not found.path:
+        return f"entry {key!r}: {found.reason}"
+    return f"nested {found.reason}"
+
+
 _NOTHING = Selection((), "no state dict found; showing the root", {})
 
 
 def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
+    recovered = recover_module(root)
+    if recovered is not None:
+        return Selection((), recovered.description, recovered.state_dict, recovered)
     if is_state_dict(root):
         return Selection((), "the root is a state dict", root)
     if isinstance(root, Mapping):
@@ -148,8 +165,10 @@ def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
                 why = "Lightning checkpoint" if lightning and key == "state_dict" else "entry"
                 return Selection((key,), f"{why} {key!r} holds the weights", root[key])
             found = _auto_select(root[key], memo)
-            if found.path:
-                return Selection((key, *found.path), f"nested {found.reason}", found.state_dict)
+            if found.path or found.module is not None:
+                return Selection(
+                    (key, *found.path), _nested(key, found), found.state_dict, found.module
+                )
         best = max(
             ((k, v) for k, v in root.items() if is_state_dict(v)),
             key=lambda kv: len(kv[1]),
@@ -157,6 +176,11 @@ def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
         )
         if best is not None:
             return Selection((str(best[0]),), f"the largest tensor dict {best[0]!r}", best[1])
+        for key, value in root.items():
+            recovered = recover_module(value) if isinstance(key, str) else None
+            if recovered is not None:
+                reason = f"entry {key!r}: {recovered.description}"
+                return Selection((key,), reason, recovered.state_dict, recovered)
     if isinstance(root, Opaque) and isinstance(root.state, Mapping):
         inner = _auto_select(root.state, memo)
         if inner.path or is_state_dict(root.state):

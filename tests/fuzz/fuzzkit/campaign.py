@@ -312,7 +312,7 @@ class Session:
             )
         written = out.exists() and sha(out) != old
         self.stats["rewrites-written" if written else "rewrites-not-written"] += 1
-        findings += self._safety(command, ours, oracle, mutations)
+        findings += self._safety(command, ours, oracle, mutations, plan.out_ext)
         if written:
             result = _json(res.stdout)
             findings += self._output(out, plan, result, ours, oracle)
@@ -332,10 +332,21 @@ class Session:
         return Finding(3, "verify-failed", res.argv[0], checks.short_error(res.stderr), message)
 
     def _safety(
-        self, command: str, ours: dict[str, Any], oracle: dict[str, Any], mutations: Sequence[str]
+        self,
+        command: str,
+        ours: dict[str, Any],
+        oracle: dict[str, Any],
+        mutations: Sequence[str],
+        out_ext: str = ".pt",
     ) -> list[Finding]:
-        """A rewrite that exits 0 must be of a file that is safe and readable as torch reads it."""
+        """A rewrite that exits 0 must be of a file that is safe and readable as torch reads it.
+
+        Issue 10: a pickled nn.Module's recovered state dict may go to safetensors, which
+        holds its tensors only (none of the module objects, so none of their globals).
+        """
         info = ours.get("info", {}) if ours.get("ok") else {}
+        if out_ext == ".safetensors" and info.get("pickled_module"):
+            return []
         fmt = info.get("format")
         if fmt == "torchscript":
             return [

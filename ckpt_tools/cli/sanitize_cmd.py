@@ -1,0 +1,53 @@
+"""``ckpt sanitize IN OUT``."""
+
+from __future__ import annotations
+
+import click
+
+from ckpt_tools.cli.options import json_option, select_option
+from ckpt_tools.cli.render import echo_json
+from ckpt_tools.ops.sanitize import sanitize
+
+_EXAMPLES = """
+\b
+Examples:
+  ckpt sanitize best.pt best-plain.pt            # a pickled model: its state dict
+  ckpt sanitize last.ckpt plain.ckpt --strict    # refuse rather than drop anything
+  ckpt sanitize trainer.pt plain.pt --json       # every conversion and drop, by path
+"""
+
+
+@click.command("sanitize", epilog=_EXAMPLES)
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@select_option
+@click.option("--strict", is_flag=True, help="Refuse (exit 3) instead of dropping values.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists (never the input).")
+@click.option(
+    "--verify",
+    type=click.Choice(["sizes", "full", "none"]),
+    default="sizes",
+    show_default=True,
+    help="After writing, re-read the output: keys and sizes, or also every byte.",
+)
+@json_option
+def sanitize_cmd(
+    src: str,
+    dst: str,
+    select: str | None,
+    strict: bool,
+    force: bool,
+    verify: str,
+    as_json: bool,
+) -> None:
+    """Write SRC as DST that plain torch.load(weights_only=True) loads.
+
+    Nothing in SRC is imported or run. numpy arrays become tensors, numpy scalars numbers,
+    argparse/OmegaConf configs, defaultdicts, paths and enums plain values, pickled
+    nn.Modules their state dict; anything else is dropped and listed (--strict: refused).
+    """
+    report = sanitize(src, dst, strict=strict, select=select, force=force, verify=verify)
+    if as_json:
+        echo_json(report.to_json())
+        return
+    click.echo(report.text())
