@@ -82,7 +82,7 @@ def test_every_rewrite_refuses_before_looking_for_work(kind, command, tmp_path):
 def test_pickled_module_refusal_names_the_fix(tmp_path):
     src = _pickled_module(tmp_path / "in.pt")
     classes = ["torch.nn.modules.container.Sequential", "torch.nn.modules.linear.Linear"]
-    with pytest.raises(UnsafeContentError, match="container.Sequential"):
+    with pytest.raises(UnsafeContentError, match=r"container\.Sequential"):
         strip_module_file(src, tmp_path / "out.pt")
     with pytest.raises(ConversionError, match=r"ckpt sanitize .*in.pt OUT.pt.*state_dict\(\)"):
         strip_module_file(src, tmp_path / "out.pt", allow_globals=classes)
