@@ -14,18 +14,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, Sealed, StorageRef, TensorRef, short_repr
+from ckpt_tools.descriptors import GlobalRef, Opaque, Sealed, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "DCP_METADATA_GLOBALS",
     "UNTYPED_STORAGE",
     "ConstantRef",
+    "DataStandIn",
     "Reduced",
     "StorageTypeRef",
     "TorchSize",
     "checked_tensor",
+    "dcp_metadata_stand_ins",
     "is_count",
     "resolve_allowed",
     "storage_type_ref",
@@ -360,3 +363,58 @@ def resolve_allowed(module: str, name: str) -> Any | None:
     if qualname in _TORCH_CONSTANTS:
         return ConstantRef(module, name)
     return None
+
+
+class DataStandIn(Opaque):
+    """A class a DCP ``.metadata`` pickle names, allowed there as plain data, never imported.
+
+    Like :class:`~ckpt_tools.descriptors.Opaque` it records the call arguments and the BUILD
+    state; :mod:`ckpt_tools.formats.dcp_metadata` reads them back as fields.
+    """
+
+
+# The classes (and enums, and the path class of ``StorageMeta.checkpoint_id``) a DCP
+# ``.metadata`` pickle names, under every module path torch has used for them (the
+# TensorProperties pair moved in torch 2.3/2.4; pathlib's PosixPath is
+# ``pathlib._local.PosixPath`` on Python 3.13+). Allowed only while that one pickle is read,
+# never in a checkpoint's data.pkl, which torch.load(weights_only=True) refuses with them.
+DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
+    [
+        f"torch.distributed.checkpoint.metadata.{name}"
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+            "StorageMeta",
+            "MetadataIndex",
+        )
+    ]
+    + [
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+        "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+        "pathlib.PosixPath",
+        "pathlib._local.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib._local.WindowsPath",
+    ]
+)
+
+
+def dcp_metadata_stand_ins() -> dict[str, type[DataStandIn]]:
+    """Fresh stand-in classes for :data:`DCP_METADATA_GLOBALS`, one set per pickle read.
+
+    Fresh per read, so nothing one pickle does to a class is seen by the next.
+
+    Example:
+        >>> sorted(dcp_metadata_stand_ins())[0]
+        'pathlib.PosixPath'
+    """
+    classes: dict[str, type[DataStandIn]] = {}
+    for qualname in sorted(DCP_METADATA_GLOBALS):
+        module, _, name = qualname.rpartition(".")
+        classes[qualname] = type(name, (DataStandIn,), {"global_ref": GlobalRef(module, name)})
+    return classes
