@@ -97,8 +97,10 @@ def shard_names(count: int) -> list[str]:
     """The file names of ``count`` shards.
 
     Example:
-        >>> shard_names(2), shard_names(1)
-        (['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'], ['model.safetensors'])
+        >>> shard_names(2)
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+        >>> shard_names(1)
+        ['model.safetensors']
     """
     if count == 1:
         return ["model.safetensors"]
@@ -109,7 +111,7 @@ def index_json(files: Sequence[str], shards: Sequence[Sequence[str]], total_size
     """The ``model.safetensors.index.json`` bytes (``json.dump(indent=2)``, as the hub's).
 
     Example:
-        >>> print(index_json(["a.safetensors"], [["w"]], 8).decode())
+        >>> print(index_json(["a.safetensors"], [["w"]], 8).decode().strip())
         {
           "metadata": {
             "total_size": 8
