@@ -75,6 +75,7 @@ class ChunkData:
     chunk: DcpChunk
     tensor: TensorRef
     span: ByteSpan
+    crc32: int
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,8 @@ class DcpCheckpoint(Checkpoint):
         record = contents.records[f"data/{t.storage.key}"]
         if record.compressed:
             raise CorruptCheckpointError(f"{what} has a compressed storage record", path=where)
-        return ChunkData(
-            chunk, t, ByteSpan(where, chunk.offset + record.data_offset, t.storage.nbytes)
-        )
+        span = ByteSpan(where, chunk.offset + record.data_offset, t.storage.nbytes)
+        return ChunkData(chunk, t, span, record.crc32)
 
 
 def _read_archive(path: str, offset: int, length: int) -> ArchiveContents:
