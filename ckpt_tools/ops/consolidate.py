@@ -320,7 +320,10 @@ def _write_shards(
             )
         out.mkdir()
     paths = [str(out / n) for n in names] + ([str(out / INDEX_NAME)] if len(names) > 1 else [])
-    for p in paths:
+    # Shards of an earlier consolidation would sit beside ours under another count, and
+    # its index would name them: the folder would hold two checkpoints.
+    stale = sorted(str(p) for p in out.glob("model*.safetensors*") if str(p) not in paths)
+    for p in paths + stale:
         if os.path.lexists(p) and not force:
             raise OutputExistsError(p)
 
@@ -334,4 +337,6 @@ def _write_shards(
         total = sum(t.tensor.nbytes for t in plan.tensors)
         with atomic_output(paths[-1]) as (f, _):
             f.write(index_json(names, groups, total))
+    for p in stale:
+        os.unlink(p)  # (only with force) after ours are complete
     return tuple(paths)
