@@ -88,6 +88,8 @@ _LAZY = {
     "retag": "ckpt_tools.ops.rewriting",
     "strip_module_file": "ckpt_tools.ops.rewriting",
     "RewriteResult": "ckpt_tools.ops.rewrite_result",
+    "consolidate": "ckpt_tools.ops.consolidate",
+    "ConsolidateResult": "ckpt_tools.ops.consolidate",
     "load_state_dict": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
     "LoadReport": "ckpt_tools.loading.results",
