@@ -45,7 +45,9 @@ def _worker(rank: int, world: int, folder: str, port: int, dtype_name: str, layo
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         dtype = getattr(torch, dtype_name)
         model = tiny_model(dtype)
