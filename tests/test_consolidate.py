@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckpt_tools import consolidate
-from ckpt_tools.errors import OutputExistsError, UnsafeContentError, UsageError
+from ckpt_tools.errors import (
+    CorruptCheckpointError,
+    OutputExistsError,
+    UnsafeContentError,
+    UsageError,
+)
 from tests.helpers.cli import run_ckpt
 from tests.helpers.dcp_save import reference
 from tests.test_dcp_read import Custom, save_dcp, small_state
@@ -190,3 +196,29 @@ def test_cli_without_torch(folder: Path, tmp_path: Path, no_torch_env: dict[str,
     want = reference(folder, tmp_path / "theirs.pt")
     run_ckpt("consolidate", folder, tmp_path / "all.pt", "--all", how="script", env=no_torch_env)
     assert_same(want, torch.load(tmp_path / "all.pt", weights_only=True))
+
+
+def test_safetensors_serialization(tmp_path: Path) -> None:
+    """Chunks saved with SerializationFormat.SAFETENSORS: raw ranges of a safetensors blob.
+
+    torch 2.13's own dcp_to_torch_save cannot read such a folder (it torch.loads the raw
+    range), so the oracle is the state dict that was saved.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+
+    state = small_state()
+    writer = FileSystemWriter(tmp_path / "st", serialization_format=SerializationFormat.SAFETENSORS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.distributed.checkpoint.save(state, storage_writer=writer)
+    consolidate(tmp_path / "st", tmp_path / "all.pt", all=True)
+    got = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert_same(state["model"], got["model"])
+    assert got["optim"]["state"]["0"]["exp_avg"].equal(state["optim"]["state"][0]["exp_avg"])
+    assert got["epoch"] == 7
+    # A blob whose entry disagrees with the metadata is refused.
+    data = next((tmp_path / "st").glob("*.distcp"))
+    raw = data.read_bytes()
+    data.write_bytes(raw.replace(b'"I64"', b'"I32"', 1))
+    with pytest.raises(CorruptCheckpointError, match="stored as I32"):
+        consolidate(tmp_path / "st", tmp_path / "bad.pt")

@@ -31,6 +31,8 @@ from ckpt_tools.formats.dcp_metadata import (
     DcpTensor,
     read_metadata,
 )
+from ckpt_tools.formats.dcp_safetensors import safetensors_chunk
+from ckpt_tools.formats.detect import ZIP_SIGNATURE
 from ckpt_tools.formats.torchzip import ArchiveContents, read_torch_archive
 from ckpt_tools.formats.zipdir import FileSlice
 
@@ -75,7 +77,7 @@ class ChunkData:
     chunk: DcpChunk
     tensor: TensorRef
     span: ByteSpan
-    crc32: int
+    crc32: int | None
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,14 @@ class DcpCheckpoint(Checkpoint):
                 sizes, or its storage is compressed.
         """
         where = os.path.join(self.path, chunk.file)
+        fd = os.open(where, os.O_RDONLY)
+        try:
+            if os.pread(fd, 4, chunk.offset) != ZIP_SIGNATURE:
+                # SerializationFormat.SAFETENSORS: a raw range in the rank's safetensors blob.
+                tensor, span = safetensors_chunk(where, fd, item, chunk)
+                return ChunkData(chunk, tensor, span, None)
+        finally:
+            os.close(fd)
         contents = _read_archive(where, chunk.offset, chunk.length)
         t = contents.result.root
         what = f"{where!r}: the chunk of {item.fqn!r} at {list(chunk.offsets)}"
