@@ -155,9 +155,20 @@ def _unknown_item(meta: Any) -> None:
     meta.storage_data[MetadataIndex("ghost")] = _first_storage(meta)
 
 
+def _list_bomb(meta: Any) -> None:
+    # DCP's own set_element would grow a list of 10**9 Nones for this path.
+    meta.planner_data["epoch"] = ("epoch", 10**9)
+
+
+def _too_deep(meta: Any) -> None:
+    meta.planner_data["epoch"] = ("a",) * 1000
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
+        (_list_bomb, "planner_data places 'epoch'"),
+        (_too_deep, "planner_data places 'epoch'"),
         (_grow_chunk, "lies outside its shape"),
         (_split_overlapping, "overlapping chunks"),
         (_past_the_end, "needs bytes"),

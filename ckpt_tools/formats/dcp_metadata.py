@@ -26,7 +26,7 @@ from ckpt_tools.formats.allowlist import (
     dcp_metadata_stand_ins,
     is_count,
 )
-from ckpt_tools.formats.pickles import load_pickle
+from ckpt_tools.formats.pickles import MAX_NESTING, load_pickle
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -40,8 +40,6 @@ __all__ = [
 # A .metadata pickle grows with the number of chunks (about 300 bytes each); 256 MiB is far
 # past any checkpoint's and bounds what we hold.
 MAX_METADATA_BYTES = 256 << 20
-# DCP's set_element extends a list up to an int key: a hostile key would allocate that much.
-_MAX_LIST_INDEX = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -234,14 +232,17 @@ def _check_cover(fqn: str, shape: tuple[int, ...], chunks: list[DcpChunk], path:
                 )
 
 
-def _object_path(fqn: str, planner_data: Any, path: str) -> tuple[str | int, ...]:
+def _object_path(fqn: str, planner_data: Any, path: str, count: int) -> tuple[str | int, ...]:
+    """Where ``fqn`` goes in the nested state dict. A list index past the number of items
+    would only grow lists of Nones (DCP's set_element fills up to it), and a path deeper
+    than the unpickler's nesting limit would nest past what every tree walk allows."""
     if planner_data is None:
         return (fqn,)
     where = planner_data.get(fqn)
     if (
         not isinstance(where, tuple)
-        or not where
-        or not all(type(k) is str or (type(k) is int and 0 <= k < _MAX_LIST_INDEX) for k in where)
+        or not 0 < len(where) <= MAX_NESTING
+        or not all(type(k) is str or (type(k) is int and 0 <= k < count) for k in where)
     ):
         raise _bad(path, f"planner_data places {fqn!r} at {short_repr(where, 80)}")
     return where
@@ -285,7 +286,7 @@ def read_metadata(folder: str, metadata_file: str = ".metadata") -> DcpMetadata:
     sizes: dict[str, int] = {}
     items: dict[str, DcpTensor | DcpBytes] = {}
     for fqn, entry in entries.items():
-        where = _object_path(fqn, planner_data, path)
+        where = _object_path(fqn, planner_data, path, len(entries))
         if isinstance(entry, DataStandIn) and type(entry).global_ref.name == "BytesStorageMetadata":
             _fields(entry, "BytesStorageMetadata", path)
             if (fqn, None) not in index:
