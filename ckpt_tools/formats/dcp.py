@@ -181,9 +181,13 @@ def open_dcp(folder: str) -> DcpCheckpoint:
         UnsafeContentError: the metadata names globals outside DCP's classes.
 
     Example:
-        >>> ckpt = open_dcp("dcp_ckpt")  # doctest: +SKIP
-        >>> ckpt.format  # doctest: +SKIP
-        'dcp'
+        >>> import warnings, torch, torch.distributed.checkpoint as dcp
+        >>> with warnings.catch_warnings():  # (saving without a process group warns)
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"model": {"fc.weight": torch.zeros(2, 3)}, "step": 5}, checkpoint_id="r")
+        >>> ckpt = open_dcp("r")
+        >>> ckpt.format, ckpt.root["step"], ckpt.root["model"]["fc.weight"].shape
+        ('dcp', 5, (2, 3))
     """
     meta = read_metadata(folder, METADATA_FILE)
     root: dict[Any, Any] = {}
