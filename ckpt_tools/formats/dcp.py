@@ -184,9 +184,9 @@ def open_dcp(folder: str) -> DcpCheckpoint:
         >>> import warnings, torch, torch.distributed.checkpoint as dcp
         >>> with warnings.catch_warnings():  # (saving without a process group warns)
         ...     warnings.simplefilter("ignore")
-        ...     _ = dcp.save({"model": {"fc.weight": torch.zeros(2, 3)}, "step": 5}, checkpoint_id="r")
+        ...     _ = dcp.save({"model": {"fc.w": torch.zeros(2, 3)}, "step": 5}, checkpoint_id="r")
         >>> ckpt = open_dcp("r")
-        >>> ckpt.format, ckpt.root["step"], ckpt.root["model"]["fc.weight"].shape
+        >>> ckpt.format, ckpt.root["step"], ckpt.root["model"]["fc.w"].shape
         ('dcp', 5, (2, 3))
     """
     meta = read_metadata(folder, METADATA_FILE)

@@ -176,8 +176,8 @@ def consolidate(
         >>> with warnings.catch_warnings():  # (saving without a process group warns)
         ...     warnings.simplefilter("ignore")
         ...     _ = dcp.save({"model": {"fc.weight": torch.ones(2, 3)}}, checkpoint_id="run")
-        >>> print(consolidate("run", "fc.safetensors"))
-        consolidated run -> fc.safetensors (safetensors): 1 tensors, 24 B (24 B copied in the kernel)
+        >>> print(consolidate("run", "m.safetensors"))
+        consolidated run -> m.safetensors (safetensors): 1 tensors, 24 B (24 B copied in the kernel)
         state dict: model
         verified: keys and sizes
     """
