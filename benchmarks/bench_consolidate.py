@@ -185,6 +185,8 @@ def main() -> None:
         print(machine_note())
         print(load_note())
         os.sync()
+    if rss > TARGET_MB or o >= t or check.returncode != 0:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
