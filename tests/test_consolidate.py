@@ -222,3 +222,9 @@ def test_safetensors_serialization(tmp_path: Path) -> None:
     data.write_bytes(raw.replace(b'"I64"', b'"I32"', 1))
     with pytest.raises(CorruptCheckpointError, match="stored as I32"):
         consolidate(tmp_path / "st", tmp_path / "bad.pt")
+
+
+def test_rewrites_point_to_consolidate(folder: Path, tmp_path: Path) -> None:
+    err = run_ckpt("convert", folder, tmp_path / "x.pt", code=2).stderr
+    assert f"ckpt consolidate {folder} OUT.safetensors" in err
+    assert not (tmp_path / "x.pt").exists()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
-from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
 from ckpt_tools.formats.allowlist import storage_type_ref
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.dcp_metadata import (
@@ -223,8 +223,11 @@ def open_dcp(folder: str) -> DcpCheckpoint:
             return spans[id(storage)]
         raise UnsupportedFormatError(
             f"{folder!r}: tensor {storage.key!r} is saved in chunks across files, so it has no "
-            "single byte range; consolidate the folder into one file first",
+            "single byte range",
             path=folder,
+            remedies=(
+                Remedy(command=f"ckpt consolidate {folder} OUT.pt", text="to write one file first"),
+            ),
         )
 
     return DcpCheckpoint(

@@ -68,6 +68,18 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
                 ),
             ),
         )
+    if ckpt.format == "dcp":
+        raise UsageError(
+            f"{ckpt.path!r} is a torch.distributed.checkpoint folder: its tensors are saved in "
+            "chunks across files",
+            path=ckpt.path,
+            remedies=(
+                Remedy(
+                    command=f"ckpt consolidate {ckpt.path} OUT.safetensors",
+                    text="to write it as one file first ([--strip] removes wrappers too)",
+                ),
+            ),
+        )
     refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
     if refused:
         raise UnsafeContentError(
