@@ -94,7 +94,9 @@ def _fresh(t: TensorRef, key: str) -> TensorRef:
         device="cpu",
         storage_type=storage_type_ref(t.dtype),
     )
-    return TensorRef(storage, 0, t.shape, contiguous_stride(t.shape), t.dtype, t.requires_grad)
+    # requires_grad=False whatever DCP recorded: dcp_to_torch_save rebuilds every tensor
+    # with torch.empty(size, dtype) (its _EmptyStateDictLoadPlanner), and so do we.
+    return TensorRef(storage, 0, t.shape, contiguous_stride(t.shape), t.dtype, False)
 
 
 class _Collector:
