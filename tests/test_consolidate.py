@@ -36,7 +36,11 @@ def assert_same(want: Any, got: Any, where: str = "") -> None:
     """Equal trees: same keys in the same order, tensors equal bit for bit (dtype, shape)."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), where
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), where
+        assert (got.dtype, got.shape, got.requires_grad) == (
+            want.dtype,
+            want.shape,
+            want.requires_grad,
+        ), where
         assert (
             got.contiguous()
             .view(-1)
