@@ -378,36 +378,23 @@ class DataStandIn(Opaque):
 # TensorProperties pair moved in torch 2.3/2.4; pathlib's PosixPath is
 # ``pathlib._local.PosixPath`` on Python 3.13+). Allowed only while that one pickle is read,
 # never in a checkpoint's data.pkl, which torch.load(weights_only=True) refuses with them.
+_DCP = "torch.distributed.checkpoint"
 DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
-    [
-        f"torch.distributed.checkpoint.metadata.{name}"
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",
-            "StorageMeta",
-            "MetadataIndex",
-        )
-    ]
+    [f"{_DCP}.metadata.{n}" for n in ("Metadata", "TensorStorageMetadata", "StorageMeta")]
+    + [f"{_DCP}.metadata.{n}" for n in ("ChunkStorageMetadata", "BytesStorageMetadata")]
+    + [f"{_DCP}.metadata.{n}" for n in ("TensorProperties", "_MEM_FORMAT_ENCODING")]
+    + [f"{_DCP}.metadata.MetadataIndex", f"{_DCP}.filesystem._StorageInfo"]
     + [
-        "torch.distributed.checkpoint.filesystem._StorageInfo",
-        "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
-        "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
-        "pathlib.PosixPath",
-        "pathlib._local.PosixPath",
-        "pathlib.WindowsPath",
-        "pathlib._local.WindowsPath",
+        f"torch.distributed._shard.sharded_tensor.metadata.{n}"
+        for n in ("TensorProperties", "MEM_FORMAT_ENCODING")
     ]
+    + [f"pathlib.{m}{n}" for m in ("", "_local.") for n in ("PosixPath", "WindowsPath")]
 )
 
 
 def dcp_metadata_stand_ins() -> dict[str, type[DataStandIn]]:
-    """Fresh stand-in classes for :data:`DCP_METADATA_GLOBALS`, one set per pickle read.
-
-    Fresh per read, so nothing one pickle does to a class is seen by the next.
+    """Fresh stand-in classes for :data:`DCP_METADATA_GLOBALS`, one set per pickle read
+    (so nothing one pickle does to a class is seen by the next).
 
     Example:
         >>> sorted(dcp_metadata_stand_ins())[0]
