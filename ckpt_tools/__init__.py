@@ -92,6 +92,8 @@ _LAZY = {
     "ShardsResult": "ckpt_tools.ops.reshard",
     "sanitize": "ckpt_tools.ops.sanitize",
     "SanitizeReport": "ckpt_tools.ops.sanitize_result",
+    "consolidate": "ckpt_tools.ops.consolidate",
+    "ConsolidateResult": "ckpt_tools.ops.consolidate",
     "load_state_dict": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
     "LoadReport": "ckpt_tools.loading.results",

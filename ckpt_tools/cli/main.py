@@ -19,6 +19,7 @@ _COMMANDS = {
     "add-module": ("ckpt_tools.cli.rewrite_cmd", "add_module_cmd"),
     "rename": ("ckpt_tools.cli.rewrite_cmd", "rename_cmd"),
     "convert": ("ckpt_tools.cli.rewrite_cmd", "convert_cmd"),
+    "consolidate": ("ckpt_tools.cli.consolidate_cmd", "consolidate_cmd"),
     "retag": ("ckpt_tools.cli.rewrite_cmd", "retag_cmd"),
     "reshard": ("ckpt_tools.cli.rewrite_cmd", "reshard_cmd"),
     "sanitize": ("ckpt_tools.cli.sanitize_cmd", "sanitize_cmd"),

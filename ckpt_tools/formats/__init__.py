@@ -48,6 +48,10 @@ def _open(path: str, fmt: str) -> Checkpoint:
         from ckpt_tools.formats.safetensors import open_safetensors
 
         return open_safetensors(path)
+    if fmt == "dcp":
+        from ckpt_tools.formats.dcp import open_dcp
+
+        return open_dcp(path)
     if fmt == "hf-sharded":
         from ckpt_tools.formats.sharded import open_folder, open_index
 

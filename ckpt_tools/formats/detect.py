@@ -31,6 +31,7 @@ FORMATS = (
     "torchscript",
     "pickle",
     "hf-sharded",
+    "dcp",
     "lfs-pointer",
 )
 
@@ -69,7 +70,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     Returns:
         One of :data:`FORMATS`. ``torch-zip`` and ``torchscript`` are both zip archives: this
         returns ``torch-zip`` for any zip, and the zip reader tells them apart. A folder and
-        a shard index are both ``hf-sharded``.
+        a shard index are both ``hf-sharded``; a folder with a
+        ``.metadata`` file and ``*.distcp`` files is ``dcp`` (torch.distributed.checkpoint).
 
     Raises:
         CheckpointNotFoundError: nothing at ``path``.
@@ -88,7 +90,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             path=p,
         )
     if check_regular(p) == "folder":
-        return "hf-sharded"
+        from ckpt_tools.formats.dcp import is_dcp_folder
+
+        return "dcp" if is_dcp_folder(p) else "hf-sharded"
     # O_NONBLOCK: if the path became a FIFO since the check, opening it does not wait for a
     # writer, and fstat below sees what was opened.
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)

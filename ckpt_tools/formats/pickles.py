@@ -17,7 +17,7 @@ import gc
 import io
 import pickle
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -105,6 +105,7 @@ class _Restricted:
         file: BinaryIO,
         persistent_load: Callable[[Any], Any] | None = None,
         id_length: int = 5,
+        extra_globals: Mapping[str, Any] | None = None,
     ) -> None:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
         super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
@@ -112,13 +113,18 @@ class _Restricted:
         self.unsafe: dict[str, type[Opaque]] = {}
         self._persistent_hook = persistent_load
         self._id_length = id_length
+        self._extra_globals = extra_globals or {}
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol 0-2 pickles (torch.save writes 2) name globals as Python 2 did
         # (``__builtin__.set``); Python's own find_class, which this replaces, and torch's
         # weights-only unpickler map them to Python 3 names before any check. Unknown
         # globals keep the name as written, so a rewrite re-emits them unchanged.
-        allowed = resolve_allowed(*_python3_name(module, name))
+        py3 = _python3_name(module, name)
+        extra = self._extra_globals.get(f"{py3[0]}.{py3[1]}")
+        if extra is not None:
+            return extra
+        allowed = resolve_allowed(*py3)
         if allowed is not None:
             return allowed
         qualname = f"{module}.{name}"
@@ -240,6 +246,7 @@ def load_pickle(
     limit: int = MAX_PICKLE_BYTES,
     persistent_load: Callable[[Any], Any] | None = None,
     storage_id_length: int = 5,
+    extra_globals: Mapping[str, Any] | None = None,
 ) -> ReadResult:
     """Read one pickle from ``file`` with the restricted unpickler.
 
@@ -255,6 +262,8 @@ def load_pickle(
             :attr:`ReadResult.storages`.
         storage_id_length: how many fields torch's reader unpacks from a ``("storage", ...)``
             id: 5 in a torch zip, 6 in a legacy file (the last is the view); others are refused.
+        extra_globals: qualified name -> stand-in, allowed for this pickle only (the DCP
+            metadata classes of :data:`~ckpt_tools.formats.dcp_globals.DCP_METADATA_GLOBALS`).
 
     Returns:
         The object tree, the storages it refers to, the globals outside the allowlist.
@@ -280,7 +289,7 @@ def load_pickle(
         opcodes = check_expansion(source if source is file else LimitedReader(file, limit))
     finally:
         file.seek(start)
-    unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length)
+    unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length, extra_globals)
     try:
         with gc_paused():
             root = unpickler.load()
@@ -336,7 +345,9 @@ def _unsafe_before(
     if consumed > MAX_RESCAN_BYTES:
         return ()
     source = LimitedReader(file, min(limit, consumed + 4096))
-    rescan = _RestrictedPyUnpickler(source, unpickler._persistent_hook, unpickler._id_length)
+    rescan = _RestrictedPyUnpickler(
+        source, unpickler._persistent_hook, unpickler._id_length, unpickler._extra_globals
+    )
     try:
         with gc_paused():
             rescan.load()

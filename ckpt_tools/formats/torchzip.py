@@ -12,14 +12,21 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
-from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES, load_pickle
-from ckpt_tools.formats.zipdir import ZipEntry, check_inflates, read_entry, read_zip_directory
+from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES, ReadResult, load_pickle
+from ckpt_tools.formats.zipdir import (
+    FileSlice,
+    ZipEntry,
+    check_inflates,
+    read_entry,
+    read_zip_directory,
+)
 
-__all__ = ["open_torch_zip"]
+__all__ = ["ArchiveContents", "open_torch_zip", "read_torch_archive"]
 
 # torch.load hands an archive with this record to torch.jit.load (``_is_torchscript_zip``),
 # which ``weights_only=True`` refuses; nothing else makes an archive TorchScript to torch.
@@ -96,7 +103,9 @@ def _stoull_int64(text: bytes) -> int | None:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _check_reader_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> bytes | None:
+def _check_reader_records(
+    path: str, fd: int | FileSlice, entries: dict[str, ZipEntry]
+) -> bytes | None:
     """What torch's reader checks when it opens any torch zip, TorchScript or not.
 
     Returns the serialization id record's bytes (None without one).
@@ -142,7 +151,7 @@ def _check_serialization_id(path: str, serialization_id: bytes | None) -> None:
         ) from e
 
 
-def _check_load_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> None:
+def _check_load_records(path: str, fd: int | FileSlice, entries: dict[str, ZipEntry]) -> None:
     """What ``torch.serialization._load`` reads and parses before data.pkl, parsed as it does."""
     listing = ", ".join(list(entries)[:5]) + (" ..." if len(entries) > 5 else "")
     if "data.pkl" not in entries:
@@ -179,13 +188,13 @@ def _check_load_records(path: str, fd: int, entries: dict[str, ZipEntry]) -> Non
             ) from e
 
 
-def _read_small(path: str, fd: int, entry: ZipEntry) -> bytes:
+def _read_small(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes:
     return read_entry(path, fd, entry, _SMALL_RECORD)
 
 
 def _check_storage_records(
     path: str,
-    fd: int,
+    fd: int | FileSlice,
     storages: Mapping[str, StorageRef],
     records: Mapping[str, ZipRecord],
     entries: Mapping[str, ZipEntry],
@@ -220,6 +229,54 @@ def _check_storage_records(
             check_inflates(path, fd, entries[f"data/{storage.key}"])
 
 
+@dataclass(frozen=True)
+class ArchiveContents:
+    """What :func:`read_torch_archive` found: the format, the pickle's result, the records."""
+
+    format: str
+    result: ReadResult
+    records: dict[str, ZipRecord]
+    root: str
+
+
+def read_torch_archive(path: str, fd: int | FileSlice, size: int) -> ArchiveContents:
+    """Read and check a torch zip archive open as ``fd`` (or embedded in a file: a FileSlice).
+
+    Args:
+        path: the file, for messages.
+        fd: its open descriptor, or the slice of one that holds the archive (record offsets
+            are then relative to the slice, as torch reads DCP chunks).
+        size: the archive's size in bytes.
+
+    Returns:
+        The format (``torch-zip`` or ``torchscript``), the pickle's tree and the records.
+
+    Raises:
+        CorruptCheckpointError: not a valid torch archive, or truncated.
+        ResourceLimitError: ``data.pkl`` is implausibly large.
+    """
+    entries = read_zip_directory(path, fd, size)
+    root = _archive_root(entries, path)
+    by_name = {e.name[len(root) + 1 :]: e for e in entries}
+    serialization_id = _check_reader_records(path, fd, by_name)
+    # Decided only now, on an archive torch's reader opens, and as torch.load decides.
+    fmt = "torchscript" if _TORCHSCRIPT_MARKER in by_name else "torch-zip"
+    if fmt == "torch-zip":
+        _check_load_records(path, fd, by_name)
+    elif "data.pkl" not in by_name:
+        raise CorruptCheckpointError(
+            f"{path!r} is a TorchScript archive without data.pkl", path=path
+        )
+    payload = read_entry(path, fd, by_name["data.pkl"], MAX_PICKLE_BYTES)
+    result = load_pickle(io.BytesIO(payload))
+    records = _records(entries, root)
+    _check_storage_records(path, fd, result.storages, records, by_name)
+    if fmt == "torch-zip" and not result.unsafe_globals:
+        # (torch refuses an unsafe global first, while unpickling: that refusal stands.)
+        _check_serialization_id(path, serialization_id)
+    return ArchiveContents(fmt, result, records, root)
+
+
 def open_torch_zip(path: str) -> Checkpoint:
     """Open a torch zip archive (``torch.save`` or ``torch.jit.save``) without loading tensors.
 
@@ -235,27 +292,15 @@ def open_torch_zip(path: str) -> Checkpoint:
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        entries = read_zip_directory(path, fd, os.fstat(fd).st_size)
-        root = _archive_root(entries, path)
-        by_name = {e.name[len(root) + 1 :]: e for e in entries}
-        serialization_id = _check_reader_records(path, fd, by_name)
-        # Decided only now, on an archive torch's reader opens, and as torch.load decides.
-        fmt = "torchscript" if _TORCHSCRIPT_MARKER in by_name else "torch-zip"
-        if fmt == "torch-zip":
-            _check_load_records(path, fd, by_name)
-        elif "data.pkl" not in by_name:
-            raise CorruptCheckpointError(
-                f"{path!r} is a TorchScript archive without data.pkl", path=path
-            )
-        payload = read_entry(path, fd, by_name["data.pkl"], MAX_PICKLE_BYTES)
-        result = load_pickle(io.BytesIO(payload))
-        records = _records(entries, root)
-        _check_storage_records(path, fd, result.storages, records, by_name)
-        if fmt == "torch-zip" and not result.unsafe_globals:
-            # (torch refuses an unsafe global first, while unpickling: that refusal stands.)
-            _check_serialization_id(path, serialization_id)
+        contents = read_torch_archive(path, fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+    fmt, result, records, root = (
+        contents.format,
+        contents.result,
+        contents.records,
+        contents.root,
+    )
 
     def locate(storage: StorageRef) -> ByteSpan:
         record = records[f"data/{storage.key}"]

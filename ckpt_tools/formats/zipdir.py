@@ -28,7 +28,30 @@ from dataclasses import dataclass
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.limits import MAX_ZIP_DIRECTORY_BYTES
 
-__all__ = ["ZipEntry", "check_inflates", "read_entry", "read_zip_directory"]
+__all__ = ["FileSlice", "ZipEntry", "check_inflates", "read_entry", "read_zip_directory"]
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """``length`` bytes of an open file from ``base``, read as if they were a file of their own.
+
+    A DCP ``.distcp`` file holds one ``torch.save`` archive per chunk, back to back; each
+    archive's offsets are relative to its own start (torch reads it through a file view).
+    Every function here takes a FileSlice wherever it takes a file descriptor.
+    """
+
+    fd: int
+    base: int
+    length: int
+
+
+def _pread(fd: int | FileSlice, count: int, offset: int) -> bytes:
+    if isinstance(fd, FileSlice):
+        # Reads stop at the slice's end, as they stop at a file's end.
+        count = max(0, min(count, fd.length - offset))
+        return os.pread(fd.fd, count, fd.base + offset) if count else b""
+    return os.pread(fd, count, offset)
+
 
 _EOCD = struct.Struct("<4s4H2LH")
 _EOCD_SIG = b"PK\x05\x06"
@@ -62,7 +85,7 @@ def _corrupt(path: str, why: str) -> CorruptCheckpointError:
     )
 
 
-def read_zip_directory(path: str, fd: int, size: int) -> list[ZipEntry]:
+def read_zip_directory(path: str, fd: int | FileSlice, size: int) -> list[ZipEntry]:
     """Read and check the central directory of the zip archive open as ``fd``.
 
     Args:
@@ -103,16 +126,16 @@ def read_zip_directory(path: str, fd: int, size: int) -> list[ZipEntry]:
             )
         if count * _CENTRAL.size > cd_size:
             raise _corrupt(path, f"it declares {count} records in a {cd_size}-byte directory")
-        directory = os.pread(fd, cd_size, cd_offset)
+        directory = _pread(fd, cd_size, cd_offset)
         return _entries(path, fd, directory, count, cd_offset)
     except (struct.error, UnicodeDecodeError) as e:
         raise _corrupt(path, f"a header cannot be decoded ({e})") from e
 
 
-def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
+def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, int, int]:
     """``(record count, directory offset, directory size, end record offset)``."""
     tail_len = min(size, _EOCD.size + _MAX_COMMENT)
-    tail = os.pread(fd, tail_len, size - tail_len)
+    tail = _pread(fd, tail_len, size - tail_len)
     at = tail.rfind(_EOCD_SIG)
     # The end record whose comment runs exactly to the end of the file; torch.save writes
     # none, and a signature inside a comment is skipped as zip readers skip it.
@@ -130,7 +153,7 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
     needs_zip64 = count == _U16 or _U32 in (cd_size, cd_offset)
     locator = b""
     if eocd_offset >= _ZIP64_LOCATOR.size:
-        locator = os.pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
+        locator = _pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
     if locator[:4] != b"PK\x06\x07":
         if needs_zip64:
             raise _corrupt(path, "its zip64 end record is missing")
@@ -140,7 +163,7 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
         raise _corrupt(path, f"its zip64 locator declares {disks} disks (it spans several disks)")
     if zip64_offset + _ZIP64_EOCD.size > eocd_offset - _ZIP64_LOCATOR.size:
         raise _corrupt(path, "its zip64 end record is misplaced")
-    record = _ZIP64_EOCD.unpack(os.pread(fd, _ZIP64_EOCD.size, zip64_offset))
+    record = _ZIP64_EOCD.unpack(_pread(fd, _ZIP64_EOCD.size, zip64_offset))
     if record[0] != b"PK\x06\x06":
         raise _corrupt(
             path,
@@ -159,7 +182,9 @@ def _end_records(path: str, fd: int, size: int) -> tuple[int, int, int, int]:
     return record[-3], record[-1], record[-2], zip64_offset
 
 
-def _entries(path: str, fd: int, directory: bytes, count: int, cd_offset: int) -> list[ZipEntry]:
+def _entries(
+    path: str, fd: int | FileSlice, directory: bytes, count: int, cd_offset: int
+) -> list[ZipEntry]:
     entries: list[ZipEntry] = []
     seen: set[bytes] = set()
     at = 0
@@ -240,10 +265,15 @@ def _zip64_sizes(
 
 
 def _check_local(
-    path: str, fd: int, raw_name: bytes, name: str, central: tuple[int, int, int, int], offset: int
+    path: str,
+    fd: int | FileSlice,
+    raw_name: bytes,
+    name: str,
+    central: tuple[int, int, int, int],
+    offset: int,
 ) -> int:
     """Check the local header at ``offset`` against the central entry; its data offset."""
-    header = os.pread(fd, _LOCAL.size + len(raw_name), offset)
+    header = _pread(fd, _LOCAL.size + len(raw_name), offset)
     if len(header) < _LOCAL.size or header[:4] != _LOCAL_SIG:
         raise _corrupt(path, f"the local header of record {name!r} is missing")
     fields = _LOCAL.unpack_from(header)
@@ -259,7 +289,7 @@ def _check_local(
     return offset + _LOCAL.size + name_len + extra_len
 
 
-def check_inflates(path: str, fd: int, entry: ZipEntry, chunk: int = 1 << 20) -> None:
+def check_inflates(path: str, fd: int | FileSlice, entry: ZipEntry, chunk: int = 1 << 20) -> None:
     """Inflate a compressed ``entry`` in bounded pieces as torch would, keeping nothing.
 
     torch inflates a compressed record when it reads it and refuses the file when the
@@ -274,7 +304,7 @@ def check_inflates(path: str, fd: int, entry: ZipEntry, chunk: int = 1 << 20) ->
     produced, at, end = 0, entry.data_offset, entry.data_offset + entry.compress_size
     try:
         while at < end and not inflater.eof:
-            raw = os.pread(fd, min(chunk, end - at), at)
+            raw = _pread(fd, min(chunk, end - at), at)
             if not raw:
                 break
             at += len(raw)
@@ -294,7 +324,7 @@ def check_inflates(path: str, fd: int, entry: ZipEntry, chunk: int = 1 << 20) ->
         )
 
 
-def read_entry(path: str, fd: int, entry: ZipEntry, limit: int) -> bytes:
+def read_entry(path: str, fd: int | FileSlice, entry: ZipEntry, limit: int) -> bytes:
     """The bytes of ``entry``, inflated if need be, checked against its size and CRC-32.
 
     Args:
@@ -316,7 +346,7 @@ def read_entry(path: str, fd: int, entry: ZipEntry, limit: int) -> bytes:
             f"{limit >> 20} MiB limit",
             path=path,
         )
-    raw = os.pread(fd, entry.compress_size, entry.data_offset)
+    raw = _pread(fd, entry.compress_size, entry.data_offset)
     data = raw
     if entry.compressed:
         try:

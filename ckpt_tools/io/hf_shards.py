@@ -36,6 +36,7 @@ __all__ = [
     "SIZE_UNITS",
     "ShardPlan",
     "check_output_folder",
+    "index_bytes",
     "parse_shard_size",
     "plan_shards",
     "write_hf_shards",
@@ -293,6 +294,28 @@ def _fsync(folder: Path) -> None:
             os.close(fd)
 
 
+def index_bytes(plan: ShardPlan, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The ``model.safetensors.index.json`` of ``plan`` (``json.dumps(indent=2)``, as the hub's).
+
+    Args:
+        plan: from :func:`plan_shards`.
+        metadata: extra string entries for the index's ``metadata``, after ``total_size``.
+
+    Returns:
+        The file's bytes.
+
+    Example:
+        >>> plan = plan_shards([("a", 6), ("b", 6)], 10)
+        >>> json.loads(index_bytes(plan))["weight_map"]["b"]
+        'model-00002-of-00002.safetensors'
+    """
+    index = {
+        "metadata": {"total_size": plan.total_size, **(metadata or {})},
+        "weight_map": plan.weight_map,
+    }
+    return (json.dumps(index, indent=2) + "\n").encode()
+
+
 def write_hf_shards(
     entries: Sequence[SafetensorsEntry],
     source: Checkpoint,
@@ -364,11 +387,7 @@ def write_hf_shards(
         else:
             written = [write_one(item) for item in plan.files]
         if plan.is_sharded:
-            index = {
-                "metadata": {"total_size": plan.total_size, **extra},
-                "weight_map": plan.weight_map,
-            }
             with atomic_output(tmp / INDEX_NAME) as (f, _):
-                f.write((json.dumps(index, indent=2) + "\n").encode())
+                f.write(index_bytes(plan, extra))
             written.append(INDEX_NAME)
     return tuple(written)

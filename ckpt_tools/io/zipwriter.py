@@ -308,6 +308,21 @@ class TorchZipWriter:
         self._entries[-1].crc32 = crc
         self._offset += size
 
+    def add_written(
+        self, name: str, size: int, write: Callable[[int, int, Writeback], int]
+    ) -> None:
+        """Add a stored record of ``size`` bytes that ``write(fd, offset, writeback)`` fills.
+
+        ``write`` puts exactly ``size`` bytes at ``offset`` of ``fd`` (copied spans, assembled
+        slabs: :func:`ckpt_tools.io.assemble.write_pieces`) and returns their CRC-32.
+        """
+        header_at = self._offset
+        start = self._begin(name, size, 0)
+        crc = write(self._fd, start, self._writeback)
+        pwrite_all(self._fd, struct.pack("<I", crc), header_at + 14)
+        self._entries[-1].crc32 = crc
+        self._offset += size
+
     def _add_computed(
         self,
         name: str,

@@ -9,6 +9,7 @@ from typing import Any
 from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.formats.allowlist import Reduced, TorchSize
+from ckpt_tools.formats.dcp import DcpCheckpoint
 from ckpt_tools.ops.inspection_info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.keys import detect_wrappers
 from ckpt_tools.structure.selection import (
@@ -116,6 +117,7 @@ def inspect_checkpoint(
         pickle_protocol=ckpt.protocol,
         beyond_weights_only=ckpt.beyond_weights_only,
         pickled_module=_module_summary(selection),
+        chunks=_dcp_chunks(ckpt, named),
     )
 
 
@@ -129,6 +131,26 @@ def _module_summary(selection: Selection) -> dict[str, Any] | None:
         "tensors": sum(isinstance(v, TensorRef) for v in module.state_dict.values()),
         "caveats": list(module.caveats),
     }
+
+
+def _dcp_chunks(ckpt: Checkpoint, named: list[tuple[str, TensorRef]]) -> dict[str, tuple[Any, ...]]:
+    """Each DCP tensor's chunks, as :attr:`CheckpointInfo.chunks` lists them."""
+    if not isinstance(ckpt, DcpCheckpoint):
+        return {}
+    found: dict[str, tuple[Any, ...]] = {}
+    for name, t in named:
+        if id(t) in ckpt.tensors:
+            found[name] = tuple(
+                {
+                    "offsets": c.offsets,
+                    "sizes": c.sizes,
+                    "file": c.file,
+                    "offset": c.offset,
+                    "length": c.length,
+                }
+                for c in ckpt.item_of(t).chunks
+            )
+    return found
 
 
 def script_module_tensors(root: Any) -> dict[str, TensorRef]:

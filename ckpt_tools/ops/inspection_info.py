@@ -30,6 +30,8 @@ __all__ = ["TENSOR_COLUMNS", "CheckpointInfo", "TensorInfo"]
 
 #: The columns of :meth:`CheckpointInfo.table` (and of ``ckpt inspect``'s table).
 TENSOR_COLUMNS = ("name", "dtype", "shape", "device", "storage", "offset", "bytes", "shared with")
+# The chunk table of a DCP folder: each saved piece of a tensor and where its archive lies.
+CHUNK_COLUMNS = ("chunk of", "offsets", "sizes", "file", "at byte", "length")
 # Entries beside the state dict shown in the text; ``--json`` has them all.
 _ENTRIES_SHOWN = 20
 
@@ -114,6 +116,8 @@ class CheckpointInfo(Readable):
         beyond_weights_only: its opcodes that ``torch.load(weights_only=True)`` lacks.
         pickled_module: when the state dict was recovered from a pickled ``nn.Module``
             (``torch.save(model)``): ``{"class", "modules", "tensors", "caveats"}``.
+        chunks: tensor name -> its saved chunks (``offsets``, ``sizes``, ``file``,
+            ``offset``, ``length``), for DCP folders.
     """
 
     path: str
@@ -133,6 +137,7 @@ class CheckpointInfo(Readable):
     pickle_protocol: int = 0
     beyond_weights_only: tuple[str, ...] = ()
     pickled_module: Mapping[str, Any] | None = None
+    chunks: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -310,7 +315,21 @@ class CheckpointInfo(Readable):
             state dict:  <root> (the root is a state dict)
             ...
         """
-        return f"{self.summary(for_cli)}\n\n{self.table(group, limit, table, for_cli)}"
+        text = f"{self.summary(for_cli)}\n\n{self.table(group, limit, table, for_cli)}"
+        if self.chunks:
+            text += "\n\n" + self.chunk_table(limit, table)
+        return text
+
+    def chunk_table(self, limit: int | None = None, table: TableFormat = text_table) -> str:
+        """The DCP chunks of the selected tensors: where each piece lies, file and bytes."""
+        rows = [
+            [name, list(c["offsets"]), list(c["sizes"]), c["file"], c["offset"], c["length"]]
+            for name, chunks in self.chunks.items()
+            for c in chunks
+        ]
+        hidden = len(rows) - limit if limit is not None and len(rows) > limit else 0
+        text = table(rows[: len(rows) - hidden], CHUNK_COLUMNS)
+        return text + (f"\n... {hidden} more chunks" if hidden else "")
 
     def __repr__(self) -> str:
         return (
@@ -340,6 +359,12 @@ class CheckpointInfo(Readable):
             "pickle_protocol": self.pickle_protocol,
             "beyond_weights_only": list(self.beyond_weights_only),
             "pickled_module": dict(self.pickled_module) if self.pickled_module else None,
+            "chunks": {
+                name: [
+                    {k: list(v) if isinstance(v, tuple) else v for k, v in c.items()} for c in cs
+                ]
+                for name, cs in self.chunks.items()
+            },
         }
 
 

@@ -1,0 +1,346 @@
+"""``consolidate``: a DCP folder into one ``.pt``, one ``.safetensors``, or HF shards.
+
+Bytes move chunk by chunk (:mod:`ckpt_tools.io.assemble`): dim-0 slices with
+``copy_file_range`` straight into place, other layouts through a bounded numpy slab. Peak
+memory does not grow with the checkpoint, and torch is never imported. Every file is
+written atomically and read back before it is named (:mod:`ckpt_tools.io.atomic`).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import (
+    CheckpointError,
+    OutputError,
+    OutputExistsError,
+    UsageError,
+    VerificationError,
+)
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats.dcp import DcpCheckpoint
+from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
+from ckpt_tools.io.assemble import write_pieces
+from ckpt_tools.io.atomic import atomic_output, check_output_path
+from ckpt_tools.io.hf_shards import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    index_bytes,
+    parse_shard_size,
+    plan_shards,
+)
+from ckpt_tools.io.writers import SafetensorsEntry, _safetensors_header, picklable_tensors
+from ckpt_tools.io.zipcheck import check_torch_zip
+from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION, TorchZipWriter, Writeback
+from ckpt_tools.ops.consolidate_plan import ConsolidationPlan, OutputTensor, plan_consolidation
+from ckpt_tools.structure.text import Readable, human_bytes
+
+__all__ = ["ConsolidateResult", "consolidate"]
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+@dataclass(frozen=True)
+class ConsolidateResult(Readable):
+    """What :func:`consolidate` wrote.
+
+    Attributes:
+        src: the DCP folder.
+        dst: the output file or folder.
+        output_format: ``torch-zip``, ``safetensors`` or ``hf-sharded``.
+        files: the files written (for HF shards: the shards, then the index).
+        tensors: how many tensors were written.
+        total_bytes: their bytes.
+        copied_bytes: bytes copied in the kernel (dim-0 chunks); the rest were assembled.
+        selected: the path of the state dict written (empty with ``all``).
+        dropped: non-tensor entries left out (safetensors outputs).
+        renamed: how many keys ``strip`` changed.
+        verification: what was verified.
+    """
+
+    src: str
+    dst: str
+    output_format: str
+    files: tuple[str, ...]
+    tensors: int
+    total_bytes: int
+    copied_bytes: int
+    selected: tuple[str, ...]
+    dropped: tuple[str, ...] = ()
+    renamed: int = 0
+    verification: str = ""
+
+    def text(self) -> str:
+        """What ``ckpt consolidate`` prints.
+
+        Example:
+            >>> r = ConsolidateResult("ckpt", "model.pt", "torch-zip", ("model.pt",), 2, 64, 64, ())
+            >>> print(r)
+            consolidated ckpt -> model.pt (torch-zip): 2 tensors, 64 B (64 B copied in the kernel)
+        """
+        where = "the whole checkpoint" if not self.selected else ".".join(self.selected)
+        lines = [
+            f"consolidated {self.src} -> {self.dst} ({self.output_format}): {self.tensors} "
+            f"tensors, {human_bytes(self.total_bytes)} ({human_bytes(self.copied_bytes)} "
+            "copied in the kernel)"
+        ]
+        if self.selected:
+            lines.append(f"state dict: {where}")
+        if len(self.files) > 1:
+            lines.append(f"files: {len(self.files)} ({self.files[0]} ... {self.files[-1]})")
+        if self.renamed:
+            lines.append(f"stripped wrapper prefixes from {self.renamed} keys")
+        if self.dropped:
+            lines.append(f"left out (not tensors): {', '.join(self.dropped[:8])}")
+        if self.verification:
+            lines.append(self.verification)
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "output_format": self.output_format,
+            "files": list(self.files),
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "copied_bytes": self.copied_bytes,
+            "selected": list(self.selected),
+            "dropped": list(self.dropped),
+            "renamed": self.renamed,
+            "verification": self.verification,
+        }
+
+
+def _output_format(dst: str) -> str:
+    if dst.endswith(".safetensors"):
+        return "safetensors"
+    if dst.endswith(_TORCH_SUFFIXES):
+        return "torch-zip"
+    if os.path.isfile(dst):
+        raise UsageError(
+            f"output {dst!r} is a file without a .pt or .safetensors suffix; name a .pt, "
+            "a .safetensors, or a folder for Hugging Face shards",
+            argument="dst",
+            value=dst,
+        )
+    return "hf-sharded"
+
+
+def consolidate(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    select: str | None = None,
+    all: bool = False,
+    strip: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    jobs: int = 1,
+    force: bool = False,
+    verify: str = "sizes",
+) -> ConsolidateResult:
+    """Write a torch.distributed.checkpoint folder as one file or as HF shards, torch-free.
+
+    Args:
+        src: the DCP folder (``.metadata`` and ``*.distcp`` files).
+        dst: a ``.pt`` (torch.save format), a ``.safetensors``, or a folder for Hugging
+            Face shards (``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``).
+        select: the state dict to write (a dotted path, e.g. ``"model"``); None picks it as
+            ``inspect`` does.
+        all: write everything saved (model, optimizer, other entries), nested as saved.
+        strip: remove wrapper prefixes (``module.``, ``_orig_mod.``) from the state dict's keys.
+        max_shard_size: the most bytes per HF shard (``"5GB"``, decimal units, or an int).
+        jobs: how many HF shards to write at once.
+        force: replace existing output files.
+        verify: ``sizes`` (read every output back: keys, dtypes, shapes, layout) or ``none``.
+
+    Returns:
+        The :class:`ConsolidateResult`.
+
+    Raises:
+        UsageError: ``src`` is not a DCP folder, or bad arguments.
+        CorruptCheckpointError: the folder's metadata or chunks are malformed (nothing written).
+        OutputError: an output exists (without ``force``) or could not be written.
+
+    Example:
+        >>> import warnings, torch, torch.distributed.checkpoint as dcp
+        >>> with warnings.catch_warnings():  # (saving without a process group warns)
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"model": {"fc.weight": torch.ones(2, 3)}}, checkpoint_id="run")
+        >>> print(consolidate("run", "m.safetensors"))
+        consolidated run -> m.safetensors (safetensors): 1 tensors, 24 B (24 B copied in the kernel)
+        state dict: model
+        verified: keys and sizes
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    if jobs < 1:
+        raise UsageError("jobs must be at least 1", argument="jobs", value=jobs)
+    if verify not in ("sizes", "none"):
+        raise UsageError(f"verify={verify!r} is not one of 'sizes', 'none'", argument="verify")
+    ckpt = open_checkpoint(src)
+    if not isinstance(ckpt, DcpCheckpoint):
+        raise UsageError(
+            f"{src!r} is a {ckpt.format} checkpoint, not a torch.distributed.checkpoint folder "
+            "(a .metadata file and *.distcp files)",
+            argument="src",
+            value=src,
+        )
+    fmt = _output_format(dst)
+    limit = parse_shard_size(max_shard_size)
+    plan = plan_consolidation(
+        ckpt, select=select, everything=all, strip=strip, tensors_only=fmt != "torch-zip"
+    )
+    if fmt == "hf-sharded":
+        files = _write_shards(plan, dst, limit, jobs, force, verify)
+    else:
+        check_output_path(dst, src, force=force)
+        write = _write_torch if fmt == "torch-zip" else _write_safetensors
+        _atomic(dst, lambda f: write(plan, f), plan.tensors, verify)
+        files = (dst,)
+    return ConsolidateResult(
+        src=src,
+        dst=dst,
+        output_format=fmt,
+        files=files,
+        tensors=len(plan.tensors),
+        total_bytes=sum(t.tensor.nbytes for t in plan.tensors),
+        copied_bytes=sum(t.copied for t in plan.tensors),
+        selected=plan.selected,
+        dropped=plan.dropped,
+        renamed=len(plan.renamed),
+        verification="not verified (verify='none')"
+        if verify == "none"
+        else "verified: keys and sizes",
+    )
+
+
+def _atomic(dst: str, write: Any, tensors: Sequence[OutputTensor], verify: str) -> None:
+    with atomic_output(dst) as (f, tmp):
+        write(f)
+        f.flush()
+        if verify != "none":
+            _verify(str(tmp), tensors)
+
+
+def _verify(path: str, tensors: Sequence[OutputTensor]) -> None:
+    """The file reads back with every planned tensor, in order, with its dtype and shape."""
+    try:
+        out = open_checkpoint(path)
+        if out.format == "torch-zip":
+            check_torch_zip(path)
+    except CheckpointError as e:
+        raise VerificationError(f"the written file does not read back: {e}") from e
+    found = [t for t in _tensors_in(out.root)]
+    if out.format == "safetensors":
+        got = [(k, t.dtype, t.shape) for k, t in out.root.items()]
+        want = [(t.name, t.tensor.dtype, t.tensor.shape) for t in tensors]
+        if sorted(got) != sorted(want):
+            raise VerificationError("the written safetensors file's tensors differ from the plan")
+        return
+    got = [(t.dtype, t.shape, t.stride, t.storage.nbytes) for t in found]
+    want = [(t.tensor.dtype, t.tensor.shape, t.tensor.stride, t.tensor.nbytes) for t in tensors]
+    if got != want:
+        raise VerificationError("the written file's tensors differ from the plan")
+
+
+def _tensors_in(node: Any) -> list[TensorRef]:
+    if isinstance(node, TensorRef):
+        return [node]
+    values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    return [t for v in values for t in _tensors_in(v)]
+
+
+def _picklable(node: Any) -> Any:
+    if isinstance(node, dict):
+        node = picklable_tensors(node)
+        return {k: _picklable(v) if isinstance(v, (dict, list)) else v for k, v in node.items()}
+    if isinstance(node, list):
+        return [
+            _picklable(v) if isinstance(v, (dict, list)) else picklable_tensors({0: v})[0]
+            for v in node
+        ]
+    return picklable_tensors({0: node})[0]
+
+
+def _write_torch(plan: ConsolidationPlan, file: BinaryIO) -> None:
+    """The torch.save layout: data.pkl, torch's bookkeeping records, one record per tensor."""
+    payload = dumps(
+        _picklable(plan.tree),
+        TORCH_PICKLE_PROTOCOL,
+        lambda s: torch_storage_id(s, s.key, "cpu"),
+    )
+    writer = TorchZipWriter(file, "archive")
+    writer.add_bytes("data.pkl", payload)
+    for head, value in SAVE_HEAD_RECORDS:
+        writer.add_bytes(head, value)
+    for t in plan.tensors:
+        pieces = t.pieces
+
+        def fill(fd: int, at: int, writeback: Writeback, pieces: Any = pieces) -> int:
+            return write_pieces(fd, at, pieces, writeback)
+
+        writer.add_written(f"data/{t.tensor.storage.key}", t.tensor.nbytes, fill)
+    writer.add_bytes(*SAVE_VERSION)
+    writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
+    writer.close()
+
+
+def _write_safetensors(
+    plan: ConsolidationPlan, file: BinaryIO, tensors: Sequence[OutputTensor] | None = None
+) -> None:
+    tensors = plan.tensors if tensors is None else tensors
+    entries = [SafetensorsEntry(t.name, t.tensor) for t in tensors]
+    raw = _safetensors_header(entries, {"format": "pt"})
+    fd = file.fileno()
+    os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+    at = 8 + len(raw)
+    writeback = Writeback(fd)
+    for t in tensors:
+        write_pieces(fd, at, t.pieces, writeback)
+        at += t.tensor.nbytes
+    os.ftruncate(fd, at)
+
+
+def _write_shards(
+    plan: ConsolidationPlan, folder: str, limit: int, jobs: int, force: bool, verify: str
+) -> tuple[str, ...]:
+    """HF shards and their index, each file atomic; the index is written last."""
+    by_name = {t.name: t for t in plan.tensors}
+    shards = plan_shards([(t.name, t.tensor.nbytes) for t in plan.tensors], limit)
+    names = [file for file, _ in shards.files]
+    groups = [list(members) for _, members in shards.files]
+    out = Path(folder)
+    if not out.exists():
+        if not out.parent.is_dir():
+            raise OutputError(
+                f"the output folder's parent {str(out.parent)!r} does not exist", path=folder
+            )
+        out.mkdir()
+    paths = [str(out / n) for n in names] + ([str(out / INDEX_NAME)] if len(names) > 1 else [])
+    # Shards of an earlier consolidation would sit beside ours under another count, and
+    # its index would name them: the folder would hold two checkpoints.
+    stale = sorted(str(p) for p in out.glob("model*.safetensors*") if str(p) not in paths)
+    for p in paths + stale:
+        if os.path.lexists(p) and not force:
+            raise OutputExistsError(p)
+
+    def one(i: int) -> None:
+        tensors = [by_name[n] for n in groups[i]]
+        _atomic(paths[i], lambda f: _write_safetensors(plan, f, tensors), tensors, verify)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(one, range(len(groups))))
+    if len(names) > 1:
+        with atomic_output(paths[-1]) as (f, _):
+            f.write(index_bytes(shards))
+    for p in stale:
+        os.unlink(p)  # (only with force) after ours are complete
+    return tuple(paths)

@@ -1,0 +1,242 @@
+"""Reading torch.distributed.checkpoint (DCP) folders torch-free: detection, nesting, values,
+and refusal of mutated metadata (each mutation made on the real pickle torch wrote)."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckpt_tools import inspect
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UnsupportedFormatError
+from ckpt_tools.formats import detect_format, open_checkpoint
+from ckpt_tools.formats.dcp_metadata import read_metadata
+from tests.helpers.cli import run_ckpt
+
+
+def save_dcp(folder: Path, state: dict[str, Any]) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=str(folder))
+    return folder
+
+
+def small_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "model": {
+            "layers.0.weight": torch.randn(4, 3),
+            "layers.0.bias": torch.randn(4).to(torch.bfloat16),
+            "ids": torch.arange(5),
+            "mask": torch.tensor([True, False]),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        "epoch": 7,
+    }
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    return save_dcp(tmp_path / "ckpt", small_state())
+
+
+def mutate(folder: Path, change: Any) -> None:
+    """Load the metadata with torch's own pickle, change it, write it back."""
+    path = folder / ".metadata"
+    with open(path, "rb") as f:
+        meta = pickle.load(f)
+    change(meta)
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_detected_and_nested_as_planner_data_says(folder: Path) -> None:
+    assert detect_format(folder) == "dcp"
+    ckpt = open_checkpoint(folder)
+    expected = small_state()
+    # Dotted keys stay one key (planner_data), never split: "layers.0.weight" is not nested.
+    assert list(ckpt.root["model"]) == list(expected["model"])
+    for name, tensor in expected["model"].items():
+        got = ckpt.root["model"][name]
+        assert isinstance(got, TensorRef)
+        assert (got.dtype, got.shape) == (str(tensor.dtype).removeprefix("torch."), tensor.shape)
+    # Non-tensor values came through the restricted unpickler, nested as saved.
+    assert ckpt.root["epoch"] == 7
+    assert ckpt.root["optim"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+    assert set(ckpt.root["optim"]["state"]["0"]) == {"step", "exp_avg"}
+    assert ckpt.unsafe_globals == ()
+
+
+def test_a_folder_without_distcp_files_is_not_dcp(folder: Path) -> None:
+    for data in folder.glob("*.distcp"):
+        data.unlink()
+    assert detect_format(folder) == "hf-sharded"
+
+
+def test_chunks_located_in_their_files(folder: Path) -> None:
+    meta = read_metadata(str(folder))
+    item = meta.items["model.layers.0.weight"]
+    (chunk,) = item.chunks
+    assert (chunk.offsets, chunk.sizes) == ((0, 0), (4, 3))
+    ckpt = open_checkpoint(folder)
+    data = ckpt.chunk_tensor(item, chunk)
+    with open(data.span.path, "rb") as f:
+        f.seek(data.span.offset)
+        raw = f.read(data.span.nbytes)
+    assert raw == small_state()["model"]["layers.0.weight"].numpy().tobytes()
+
+
+def test_inspect_json_lists_chunks(folder: Path) -> None:
+    out = json.loads(run_ckpt("inspect", folder, "--json").stdout)
+    assert out["format"] == "dcp"
+    assert out["selected"] == ["model"]
+    chunk = out["chunks"]["ids"][0]
+    meta = read_metadata(str(folder)).items["model.ids"].chunks[0]
+    assert chunk == {
+        "offsets": [0],
+        "sizes": [5],
+        "file": meta.file,
+        "offset": meta.offset,
+        "length": meta.length,
+    }
+    assert "__0_0.distcp" in str(inspect(folder))
+
+
+def _first_tensor(meta: Any) -> Any:
+    return meta.state_dict_metadata["model.layers.0.weight"]
+
+
+def _first_storage(meta: Any) -> Any:
+    return next(v for k, v in meta.storage_data.items() if k.fqn == "model.layers.0.weight")
+
+
+def _grow_chunk(meta: Any) -> None:
+    _first_tensor(meta).chunks[0].sizes = torch.Size([5, 3])
+
+
+def _split_overlapping(meta: Any) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    tensor = _first_tensor(meta)
+    tensor.chunks[0].sizes = torch.Size([3, 3])
+    tensor.chunks.append(ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([1, 3])))
+    meta.storage_data[MetadataIndex("model.layers.0.weight", [2, 0])] = _first_storage(meta)
+
+
+def _past_the_end(meta: Any) -> None:
+    _first_storage(meta).length += 10**6
+
+
+def _climbs_out(meta: Any) -> None:
+    _first_storage(meta).relative_path = "../elsewhere.distcp"
+
+
+def _swap_storages(meta: Any) -> None:
+    a = next(k for k in meta.storage_data if k.fqn == "model.layers.0.weight")
+    b = next(k for k in meta.storage_data if k.fqn == "model.ids")
+    meta.storage_data[a], meta.storage_data[b] = meta.storage_data[b], meta.storage_data[a]
+
+
+def _unknown_item(meta: Any) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta.storage_data[MetadataIndex("ghost")] = _first_storage(meta)
+
+
+def _list_bomb(meta: Any) -> None:
+    # DCP's own set_element would grow a list of 10**9 Nones for this path.
+    meta.planner_data["epoch"] = ("epoch", 10**9)
+
+
+def _too_deep(meta: Any) -> None:
+    meta.planner_data["epoch"] = ("a",) * 1000
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (_list_bomb, "planner_data places 'epoch'"),
+        (_too_deep, "planner_data places 'epoch'"),
+        (_grow_chunk, "lies outside its shape"),
+        (_split_overlapping, "overlapping chunks"),
+        (_past_the_end, "needs bytes"),
+        (_climbs_out, "not a file name inside the folder"),
+        (_unknown_item, "storage entries for unknown items"),
+    ],
+)
+def test_mutated_metadata_refused(folder: Path, change: Any, match: str) -> None:
+    mutate(folder, change)
+    with pytest.raises(CorruptCheckpointError, match=match):
+        open_checkpoint(folder)
+    assert "error" in run_ckpt("inspect", folder, code=4).stderr
+
+
+def test_chunk_archive_of_another_tensor_refused(folder: Path, tmp_path: Path) -> None:
+    mutate(folder, _swap_storages)
+    ckpt = open_checkpoint(folder)  # the metadata alone is consistent
+    with pytest.raises(CorruptCheckpointError, match="the metadata says float32"):
+        from ckpt_tools import consolidate
+
+        consolidate(folder, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+    assert ckpt.format == "dcp"
+
+
+def test_compression_transform_refused_by_name(folder: Path) -> None:
+    def zstd(meta: Any) -> None:
+        _first_storage(meta).transform_descriptors = ["stream.zstd/1"]
+
+    mutate(folder, zstd)
+    with pytest.raises(UnsupportedFormatError, match=r"stream\.zstd/1"):
+        open_checkpoint(folder)
+
+
+def test_foreign_global_in_metadata_is_unsafe(folder: Path) -> None:
+    def smuggle(meta: Any) -> None:
+        meta.planner_data["epoch"] = collections.OrderedDict(when=datetime.datetime(2020, 1, 1))
+
+    mutate(folder, smuggle)
+    with pytest.raises(UnsafeContentError, match=r"datetime\.datetime"):
+        open_checkpoint(folder)
+    run_ckpt("inspect", folder, code=3)
+
+
+def test_dcp_classes_stay_refused_in_a_torch_file(tmp_path: Path) -> None:
+    # Allowed in .metadata only: torch.load(weights_only=True) refuses them in a checkpoint.
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    path = tmp_path / "c.pt"
+    torch.save({"c": ChunkStorageMetadata(torch.Size([1]), torch.Size([2]))}, path)
+    assert "torch.distributed.checkpoint.metadata.ChunkStorageMetadata" in (
+        open_checkpoint(path).unsafe_globals
+    )
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+
+
+class Custom:
+    """A value DCP pickles with torch.save (BYTE_IO): a global outside the allowlist."""
+
+    def __init__(self) -> None:
+        self.x = 1
+
+
+def test_unsafe_value_shown_not_run(tmp_path: Path) -> None:
+    state = small_state()
+    state["custom"] = Custom()
+    folder = save_dcp(tmp_path / "ckpt", state)
+    info = inspect(folder)
+    assert info.unsafe_globals == (f"{__name__}.Custom",)
+    assert info.format == "dcp"
