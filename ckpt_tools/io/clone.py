@@ -211,8 +211,13 @@ def copy_range(
         if body:
             # The head goes first, so the output grows in order; then the shared blocks.
             counts += _copy_bytes(src_fd, src_offset, dst_fd, dst_offset, head, progress, writeback)
-            _clone(src_fd, src_offset + head, dst_fd, dst_offset + head, body)
-            if progress is not None:
+            try:
+                _clone(src_fd, src_offset + head, dst_fd, dst_offset + head, body)
+            except OSError as e:
+                if e.errno not in _NOT_HERE:
+                    raise
+                body = 0  # past the source's end, or refused after the trial: copy it all
+            if progress is not None and body:
                 progress(body)
             done = head + body
             counts += CopyCounts(cloned=body)
