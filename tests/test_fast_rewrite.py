@@ -274,3 +274,15 @@ def test_the_console_script_rewrites_with_a_forced_method(tmp_path: Path) -> Non
     h.run_ckpt("strip-module", src, tmp_path / "cfr.pt", env={"CKPT_COPY_METHOD": "clone"})
     assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "cfr.pt").read_bytes()
     _assert_torch_equal(tmp_path / "out.pt", _renamed("strip-module", sd))
+
+
+def test_progress_counts_the_tensor_bytes_of_a_run_exactly(tmp_path: Path) -> None:
+    sd = _state(n=9)
+    src = h.save(sd, tmp_path / "in.pt")
+    seen: list[tuple[int, int]] = []
+    strip_module_file(
+        src, tmp_path / "out.pt", progress=lambda done, total: seen.append((done, total))
+    )
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    assert seen and seen[-1] == (total, total)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

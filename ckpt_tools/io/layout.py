@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckpt_tools.descriptors import TensorRef
@@ -32,6 +32,7 @@ from ckpt_tools.io.zipwriter import PARSED_RECORDS
 
 __all__ = [
     "LAYOUT_BLOCK",
+    "CappedProgress",
     "Run",
     "ZipLayout",
     "kept_layout",
@@ -65,6 +66,31 @@ class Run:
     start: int
     end: int
     records: tuple[tuple[str, int, int, int, int, int], ...]
+
+    @property
+    def tensor_bytes(self) -> int:
+        """The bytes of its storage records (what progress counts)."""
+        return sum(r[3] for r in self.records if r[0].startswith("data/"))
+
+
+class CappedProgress:
+    """Report a run's copy as tensor bytes: at most ``total``, all of it by :meth:`finish`.
+
+    A run also copies headers and bookkeeping records, which progress does not count.
+    """
+
+    def __init__(self, progress: Callable[[int], None] | None, total: int) -> None:
+        self._progress, self._left = progress, total
+
+    def __call__(self, n: int) -> None:
+        step = min(n, self._left)
+        if step > 0 and self._progress is not None:
+            self._left -= step
+            self._progress(step)
+
+    def finish(self) -> None:
+        """Report what the copied bytes did not cover yet."""
+        self(self._left)
 
 
 @dataclass(frozen=True)

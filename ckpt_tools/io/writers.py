@@ -23,6 +23,7 @@ from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
 from ckpt_tools.io.layout import (
     LAYOUT_BLOCK,
+    CappedProgress,
     kept_layout,
     plan_zip_layout,
     safetensors_data_start,
@@ -135,8 +136,8 @@ def _copy_zip_records(
     Compressed records (a re-zipping tool deflates them; torch reads such archives) are
     decompressed, in bounded pieces, and written stored: copying their bytes as they are
     would make stored records of compressed bytes, which nothing can read. The records
-    torch parses (versions, alignment, byte order) are written as torch.save writes them,
-    not copied: the output's layout and pickle are this writer's, not the source's.
+    torch parses (versions, alignment, byte order) hold what torch.save writes: copied
+    where the source holds exactly that, written anew (torch.save's values) otherwise.
     """
     as_saved = dict((*SAVE_HEAD_RECORDS, SAVE_VERSION))
     actions = zip_actions(src.ckpt, src.fd, as_saved, wanted)
@@ -145,10 +146,10 @@ def _copy_zip_records(
     for name, action in actions:
         record = src.ckpt.records[name]
         run = layout.runs.get(name)
-        if run is not None and writer.add_run(src.fd, run.start, run.end, run.records):
+        told = CappedProgress(src.progress, run.tensor_bytes if run else 0)
+        if run is not None and writer.add_run(src.fd, run.start, run.end, run.records, told):
             in_runs.update(r[0] for r in run.records)
-            if src.progress is not None:  # progress counts tensor bytes only
-                src.progress(sum(r[3] for r in run.records if r[0].startswith("data/")))
+            told.finish()
         if name in in_runs:
             as_saved.pop(name, None)
             continue
