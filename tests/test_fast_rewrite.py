@@ -165,7 +165,7 @@ def test_a_rezipped_source_without_data_descriptors_keeps_its_layout(tmp_path: P
     assert set(after) >= {n for n in before if n.startswith("data/")}
 
 
-@pytest.mark.parametrize("damage", ["descriptor", "extra-field"])
+@pytest.mark.parametrize("damage", ["descriptor", "extra-field", "padding"])
 def test_a_damaged_header_or_descriptor_is_written_anew_not_copied(
     tmp_path: Path, damage: str
 ) -> None:
@@ -180,10 +180,18 @@ def test_a_damaged_header_or_descriptor_is_written_anew_not_copied(
         at = offsets["data/3"] + info.file_size
         assert raw[at : at + 4] == b"PK\x07\x08"
         raw[at + 4 : at + 8] = b"\0\0\0\0"  # the CRC it states no longer matches
-    else:
+    elif damage == "extra-field":
         at = info.header_offset + 30 + len(info.filename.encode())
         assert raw[at : at + 2] == b"FB"
         raw[at : at + 2] = b"XY"  # an extra field of an unknown kind
+    else:
+        # Bytes hidden in a padding field are not carried over unread.
+        for info in zipfile.ZipFile(src).infolist():
+            at = info.header_offset + 30 + len(info.filename.encode())
+            padded = raw[at : at + 2] == b"FB" and struct.unpack_from("<H", raw, at + 2)[0] >= 6
+            if padded and "/data/" in info.filename:
+                break
+        raw[at + 4 : at + 10] = b"SECRET"
     src.write_bytes(bytes(raw))
     dst = tmp_path / "out.pt"
     strip_module_file(src, dst)
@@ -191,8 +199,10 @@ def test_a_damaged_header_or_descriptor_is_written_anew_not_copied(
     out = dst.read_bytes()
     if damage == "descriptor":
         assert bytes(raw[at : at + 16]) not in out
-    else:
+    elif damage == "extra-field":
         assert b"XY" + raw[at + 2 : at + 4] not in out
+    else:
+        assert b"SECRET" not in out
 
 
 def test_safetensors_data_keeps_its_offset_when_the_header_shrinks(tmp_path: Path) -> None:

@@ -274,7 +274,9 @@ def _extra_copyable(extra: bytes, sizes: tuple[int, int], size: int) -> bool:
             if zip64 or values not in ((size, size), sizes):
                 return False
             zip64 = True
-        elif kind != _PAD_ID:
+        elif kind != _PAD_ID or (body.strip(b"Z") and body.strip(b"\0")):
+            # Padding as torch writes it ("Z"s) or as a hole reads (zeros): nothing else is
+            # carried over unread into the output.
             return False
         at += 4 + length
     return zip64 or sizes != (-1, -1)
@@ -299,19 +301,22 @@ def safetensors_offsets(spans: Sequence[tuple[str, int, int]]) -> tuple[int, lis
             output's order (contiguous tensors only).
 
     Returns:
-        When the tensors lie in one file and, in offset order, tile one range of it without
-        gap or overlap (every tensor of a safetensors source, renamed), that range's start
-        and each tensor's offset from it: the data section is then one copy. Else None.
+        When the tensors lie in one file and, in offset order, tile one 8-aligned range of
+        it without gap or overlap (every tensor of a safetensors source, renamed), that
+        range's start and each tensor's offset from it: the data section is then one copy.
+        Else None.
 
     Example:
-        >>> safetensors_offsets([("a", 108, 4), ("a", 100, 8)])
-        (100, [8, 0])
-        >>> safetensors_offsets([("a", 100, 4), ("a", 108, 4)]) is None
+        >>> safetensors_offsets([("a", 112, 4), ("a", 104, 8)])
+        (104, [8, 0])
+        >>> safetensors_offsets([("a", 104, 4), ("a", 112, 4)]) is None
         True
     """
     if not spans or len({path for path, _, _ in spans}) != 1:
         return None
     low = min(start for _, start, _ in spans)
+    if low % 8:
+        return None  # safetensors keeps its data 8-aligned; a legacy storage may not be
     at = low
     for _, start, size in sorted(spans, key=lambda s: (s[1], s[2])):
         if start != at:
