@@ -224,6 +224,7 @@ class Measurement:
     peak_rss_kb: int
     returncode: int
     extra_s: float = 0.0  # time spent after the command (e.g. fsync of its output), timed
+    cpu_s: float = 0.0  # user + system CPU time of the command and its children
 
     @property
     def total_s(self) -> float:
@@ -289,6 +290,10 @@ def measure(
         _, status, usage = os.wait4(proc.pid, 0)  # usage: only if no report was written
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
+        # Linux's wait4 reports the child's CPU time with that of the children it waited for
+        # (the command under /usr/bin/time or the fork helper): less disturbed by other load
+        # than the wall time, which waits for a CPU whenever the machine is busy.
+        cpu = usage.ru_utime + usage.ru_stime
         # GNU time writes "Command exited with non-zero status N" first on failure; the
         # helper writes "STATUS MAXRSS". Either way the last line ends with the KiB.
         last = report.read().strip().splitlines()[-1:]
@@ -306,7 +311,7 @@ def measure(
                 f"command failed ({proc.returncode}): {' '.join(cmd)}\n"
                 + err.read().decode(errors="replace")[-4000:]
             )
-    return Measurement(wall, rss_kb, proc.returncode)
+    return Measurement(wall, rss_kb, proc.returncode, cpu_s=cpu)
 
 
 def sync_file(path: str | os.PathLike[str]) -> float:
@@ -376,6 +381,10 @@ class Summary:
     @property
     def extra_s(self) -> float:
         return statistics.median(m.extra_s for m in self.runs)
+
+    @property
+    def cpu_s(self) -> float:
+        return statistics.median(m.cpu_s for m in self.runs)
 
     @property
     def peak_rss_mb(self) -> float:

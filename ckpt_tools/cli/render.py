@@ -6,7 +6,6 @@ the same text library users get; the command only picks tabulate for the tables.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +18,8 @@ __all__ = ["counts", "echo_json", "human_bytes", "human_count", "table"]
 
 def echo_json(data: Any) -> None:
     """Print ``data`` as indented JSON on stdout."""
+    import json  # only --json needs it; `ckpt` starts faster without
+
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 

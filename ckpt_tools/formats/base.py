@@ -20,6 +20,7 @@ class ZipRecord:
     size: int
     crc32: int
     compressed: bool
+    header_offset: int = -1  # where its local header starts; -1 where unknown
 
 
 @dataclass(frozen=True)

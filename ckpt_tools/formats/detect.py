@@ -8,7 +8,6 @@ import pickle
 import pickletools
 import stat
 import struct
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +226,8 @@ def _is_tar_header(head: bytes) -> bool:
     ``torch.load`` tries ``tarfile.open(mode="r:")`` on every non-zip file first, which
     accepts any first block whose checksum is right (with or without ``ustar``).
     """
+    import tarfile  # only files that are not zips get here; `ckpt` starts faster without
+
     try:
         tarfile.TarInfo.frombuf(head[: tarfile.BLOCKSIZE], "utf-8", "surrogateescape")
     except tarfile.HeaderError:

@@ -74,6 +74,7 @@ def _records(entries: list[ZipEntry], root: str) -> dict[str, ZipRecord]:
             size=e.file_size,
             crc32=e.crc32,
             compressed=e.compressed,
+            header_offset=e.header_offset,
         )
         for e in entries
         if not e.name.endswith("/")

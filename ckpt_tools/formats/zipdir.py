@@ -77,6 +77,9 @@ class ZipEntry:
     file_size: int
     crc32: int
     compressed: bool
+    # Where the record's local header starts: a layout-preserving rewrite copies the header
+    # and the bytes as one run (io/layout.py). -1 where unknown.
+    header_offset: int = -1
 
 
 def _corrupt(path: str, why: str) -> CorruptCheckpointError:
@@ -215,7 +218,7 @@ def _entries(
                 f"record {name!r} needs {csize} bytes at offset {data_offset}, past the start "
                 f"of the central directory at {cd_offset} (truncated or overlapping)",
             )
-        entries.append(ZipEntry(name, data_offset, csize, usize, crc, method == _DEFLATED))
+        entries.append(ZipEntry(name, data_offset, csize, usize, crc, method == _DEFLATED, offset))
     if at != len(directory):
         raise _corrupt(path, "its central directory holds more than the records it declares")
     return entries

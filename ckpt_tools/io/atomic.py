@@ -18,7 +18,6 @@ import contextlib
 import functools
 import os
 import re
-import secrets
 import signal
 import sys
 import threading
@@ -179,7 +178,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _temp_name(target: Path) -> Path:
-    return target.parent / f".{target.name}{TEMP_SUFFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+    return target.parent / f".{target.name}{TEMP_SUFFIX}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -21,9 +21,16 @@ from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats.allowlist import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
+from ckpt_tools.io.layout import (
+    LAYOUT_BLOCK,
+    CappedProgress,
+    kept_layout,
+    plan_zip_layout,
+    safetensors_data_start,
+    zip_actions,
+)
 from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 from ckpt_tools.io.zipwriter import (
-    PARSED_RECORDS,
     SAVE_HEAD_RECORDS,
     SAVE_VERSION,
     TorchZipWriter,
@@ -133,19 +140,36 @@ def _copy_zip_records(
 ) -> None:
     """A zip source's records as they are (names, CRCs), a new data.pkl, unused data left out.
 
+    Records copied unchanged keep their local headers and their offsets modulo 4096, and
+    each run of them is one copy (:mod:`ckpt_tools.io.layout`).
+
     Compressed records (a re-zipping tool deflates them; torch reads such archives) are
     decompressed, in bounded pieces, and written stored: copying their bytes as they are
     would make stored records of compressed bytes, which nothing can read. The records
-    torch parses (versions, alignment, byte order) are written as torch.save writes them,
-    not copied: the output's layout and pickle are this writer's, not the source's.
+    torch parses (versions, alignment, byte order) hold what torch.save writes: copied
+    where the source holds exactly that, written anew (torch.save's values) otherwise.
     """
     as_saved = dict((*SAVE_HEAD_RECORDS, SAVE_VERSION))
-    for name, record in src.ckpt.records.items():
+    actions = zip_actions(src.ckpt, src.fd, as_saved, wanted)
+    layout = plan_zip_layout(src.ckpt, src.fd, actions)
+    in_runs: set[str] = set()
+    for name, action in actions:
+        record = src.ckpt.records[name]
+        run = layout.runs.get(name)
+        told = CappedProgress(src.progress, run.tensor_bytes if run else 0)
+        if run is not None and writer.add_run(src.fd, run.start, run.end, run.records, told):
+            in_runs.update(r[0] for r in run.records)
+            told.finish()
+        if name in in_runs:
+            as_saved.pop(name, None)
+            continue
+        if name in layout.end_before:
+            writer.end_next_record_at(layout.end_before[name], LAYOUT_BLOCK)
         if name == "data.pkl":
             writer.add_bytes(name, payload)
         elif name in as_saved:
             writer.add_bytes(name, as_saved.pop(name))  # in place: a torch.save file stays same
-        elif name in PARSED_RECORDS or (name.startswith("data/") and name not in wanted):
+        elif action == "skip":
             continue
         else:
             # Progress counts tensor bytes only, not torch's bookkeeping records.
@@ -263,23 +287,39 @@ def write_safetensors(
         >>> out.format, list(out.root) == list(ckpt.root)
         ('safetensors', True)
     """
-    raw = _safetensors_header(entries, metadata)
+    kept = kept_layout([e.tensor for e in entries], source)
+    raw = _safetensors_header(entries, metadata, kept[1] if kept else None)
     fd = file.fileno()
-    pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-    end = _write_tensor_bytes(entries, source, fd, 8 + len(raw), progress)
+    if kept is None:
+        pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        end = _write_tensor_bytes(entries, source, fd, 8 + len(raw), progress)
+    else:
+        # The tensors keep their source layout: the header is padded with spaces so the data
+        # lands at its source offset (modulo 4096 at least), and is copied in one range.
+        start = safetensors_data_start(8 + len(raw), kept[0])
+        raw += b" " * (start - 8 - len(raw))
+        pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        size = sum(e.tensor.nbytes for e in entries)
+        with open(source.span(entries[0].tensor.storage).path, "rb") as src:
+            copy_range(src.fileno(), kept[0], fd, start, size, progress, Writeback(fd))
+        end = start + size
     os.ftruncate(fd, end)
 
 
 def _safetensors_header(
-    entries: Sequence[SafetensorsEntry], metadata: Mapping[str, str] | None
+    entries: Sequence[SafetensorsEntry],
+    metadata: Mapping[str, str] | None,
+    offsets: Sequence[int] | None = None,
 ) -> bytes:
-    """The JSON header, padded so the data starts aligned."""
+    """The JSON header, padded so the data starts aligned (unpadded with ``offsets`` given)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     position = 0
-    for entry in entries:
+    for i, entry in enumerate(entries):
         t = entry.tensor
+        if offsets is not None:
+            position = offsets[i]
         code = TORCH_TO_SAFETENSORS.get(t.dtype)
         if code is None:
             raise ConversionError(
@@ -300,6 +340,8 @@ def _safetensors_header(
         }
         position += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
+    if offsets is not None:
+        return raw
     # safetensors pads the header with spaces so data starts 8-aligned; for large files we
     # pad to 64 KiB, so the kernel copy fills whole large page-cache folios (measurably faster).
     align = _LARGE_DATA_ALIGNMENT if position >= _LARGE_DATA else 8

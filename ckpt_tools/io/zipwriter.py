@@ -7,15 +7,14 @@ when sizes or offsets need them.
 
 from __future__ import annotations
 
-import errno
-import functools
 import os
 import struct
-import sys
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
+
+from ckpt_tools.io.clone import CopyCounts, Writeback, copy_range, pwrite_all
 
 __all__ = [
     "ALIGNMENT",
@@ -55,7 +54,6 @@ _CHUNK = 8 << 20
 # A fixed DOS date/time (1980-01-01 00:00), as torch's writer uses: outputs are reproducible.
 _DOS_TIME, _DOS_DATE = 0, (0 << 9) | (1 << 5) | 1
 _PAD_ID = 0x4246  # "FB", the padding extra field torch's writer uses
-_WRITEBACK_EVERY = 64 << 20
 _LARGE_RECORD = 1 << 20
 _LARGE_ALIGNMENT = 64 << 10
 _WRITTEN_PAD = 4096
@@ -67,109 +65,7 @@ class _Entry:
     header_offset: int
     size: int
     crc32: int
-
-
-def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset``.
-
-    ``os.pwrite`` may write only part (a full disk takes what fits and reports the count); the
-    rest is retried, so a full disk raises ``OSError(ENOSPC)`` instead of leaving a hole that
-    a later ``ftruncate`` would silently fill with zeros.
-
-    Raises:
-        OSError: the write failed.
-    """
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, f"no byte written at offset {offset}")
-        view, offset = view[n:], offset + n
-
-
-@functools.cache
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        func = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    func.restype = ctypes.c_int
-    return func
-
-
-class Writeback:
-    """Start writing an output's pages to disk while it is still being filled.
-
-    Outputs are fsynced once at the end; without this, all of the writeback waits for that
-    fsync and runs after the copying instead of beside it. Every ``_WRITEBACK_EVERY`` bytes
-    written, Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts the writeback of that
-    range without waiting for it. Best effort: nothing happens where the call is missing or
-    fails; durability still comes from the final fsync.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._start: int | None = None
-        self._end = 0
-
-    def wrote(self, offset: int, count: int) -> None:
-        """Record that ``count`` bytes were written at ``offset``."""
-        self._start = offset if self._start is None else min(self._start, offset)
-        self._end = max(self._end, offset + count)
-        if self._end - self._start >= _WRITEBACK_EVERY:
-            func = _sync_file_range()
-            if func is not None:
-                func(self._fd, self._start, self._end - self._start, 2)  # SYNC_FILE_RANGE_WRITE
-            self._start = None
-
-
-def copy_range(
-    src_fd: int,
-    src_offset: int,
-    dst_fd: int,
-    dst_offset: int,
-    count: int,
-    progress: Callable[[int], None] | None = None,
-    writeback: Writeback | None = None,
-) -> None:
-    """Copy ``count`` bytes between files at explicit offsets, in the kernel where possible.
-
-    Uses ``os.copy_file_range`` (which can reflink on CoW file systems), falling back to
-    ``pread``/``pwrite`` in chunks where the OS or file system does not support it.
-    ``writeback``, when given, is told of every chunk written (and chunks are then at most
-    ``_WRITEBACK_EVERY`` bytes, so large tensors are written back while they are copied).
-
-    Raises:
-        OSError: a read or write failed (disk full, I/O error), or the source ended early.
-    """
-    done = 0
-    use_kernel = hasattr(os, "copy_file_range")
-    largest = _WRITEBACK_EVERY if writeback is not None else 1 << 30
-    while done < count:
-        step = min(count - done, largest)
-        if use_kernel:
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, step, src_offset + done, dst_offset + done)
-            except OSError as e:
-                if e.errno in (18, 22, 38, 95, 1):  # EXDEV EINVAL ENOSYS EOPNOTSUPP EPERM
-                    use_kernel = False
-                    continue
-                raise
-        else:
-            data = os.pread(src_fd, min(step, _CHUNK), src_offset + done)
-            n = os.pwrite(dst_fd, data, dst_offset + done) if data else 0
-        if n == 0:
-            raise OSError(5, f"source ended after {done} of {count} bytes")
-        if writeback is not None:
-            writeback.wrote(dst_offset + done, n)
-        done += n
-        if progress is not None:
-            progress(n)
+    flags: int = 0  # a copied local header's flags (data descriptor, UTF-8), repeated here
 
 
 class TorchZipWriter:
@@ -197,6 +93,23 @@ class TorchZipWriter:
         self._offset = 0
         self._entries: list[_Entry] = []
         self._writeback = Writeback(self._fd)
+        self._end_at: tuple[int, int] | None = None
+        self.copied = CopyCounts()  # bytes copied from sources, by method
+
+    @property
+    def offset(self) -> int:
+        """Where the next record's local header goes."""
+        return self._offset
+
+    def end_next_record_at(self, residue: int, modulus: int) -> None:
+        """Pad the next record's header so that its bytes end at ``residue`` modulo ``modulus``.
+
+        A layout-preserving rewrite (:mod:`ckpt_tools.io.layout`) calls this before the
+        record that precedes a run of copied records, so the run lands at its source offset
+        modulo the file system's block size. Storage records keep their 64-byte alignment
+        first: where both cannot hold, the request is dropped.
+        """
+        self._end_at = (residue, modulus)
 
     def _local_header(self, name: bytes, size: int, crc32: int) -> tuple[bytes, int]:
         """The local header up to its padding, and how many padding bytes follow it."""
@@ -204,7 +117,13 @@ class TorchZipWriter:
         extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
         fixed = 30 + len(name) + len(extra) + 4
         pad = (-(self._offset + fixed)) % ALIGNMENT
-        if size >= _LARGE_RECORD:
+        end_at, self._end_at = self._end_at, None
+        if end_at is not None:
+            wanted = (end_at[0] - self._offset - fixed - size) % end_at[1]
+            storage = name.partition(b"/")[2].startswith(b"data/")
+            if not storage or (self._offset + fixed + wanted) % ALIGNMENT == 0:
+                pad = wanted
+        elif size >= _LARGE_RECORD:
             # Large records start on a 64 KiB boundary: the kernel's copy then fills whole
             # large page-cache folios, which measured ~30% faster than 64-byte alignment
             # (ext4, 1 GiB, copy + fsync). The padding costs no writes: it is left a hole.
@@ -271,8 +190,47 @@ class TorchZipWriter:
             self._add_computed(name, src_fd, src_offset, size, progress)
             return
         start = self._begin(name, size, crc32)
-        copy_range(src_fd, src_offset, self._fd, start, size, progress, self._writeback)
+        self.copied += copy_range(
+            src_fd, src_offset, self._fd, start, size, progress, self._writeback
+        )
         self._offset += size
+
+    def add_run(
+        self,
+        src_fd: int,
+        start: int,
+        end: int,
+        records: Sequence[tuple[str, int, int, int, int, int]],
+        progress: Callable[[int], None] | None = None,
+    ) -> bool:
+        """Copy ``[start, end)`` of a zip source as it is: records with their local headers.
+
+        Args:
+            src_fd: the source archive.
+            start: where the first record's local header starts in it.
+            end: where the last record's bytes end.
+            records: ``(name, local header offset, data offset, size, crc32, flags)`` in
+                the source, of every record in the range (stored, headers and data
+                descriptors checked by the caller); names under this writer's root folder.
+            progress: called with byte counts as the range is copied.
+
+        Returns:
+            False, having written nothing, where a storage record would not start on an
+            ``ALIGNMENT`` boundary at this position (``torch.load(mmap=True)`` needs that).
+        """
+        base = self._offset
+        entries = []
+        for name, header_offset, data_offset, size, crc32, flags in records:
+            if name.startswith("data/") and (base + data_offset - start) % ALIGNMENT:
+                return False
+            full = f"{self._root}/{name}".encode()
+            entries.append(_Entry(full, base + header_offset - start, size, crc32, flags))
+        self._entries += entries
+        self.copied += copy_range(
+            src_fd, start, self._fd, base, end - start, progress, self._writeback
+        )
+        self._offset += end - start
+        return True
 
     def add_stream(
         self,
@@ -356,7 +314,7 @@ class TorchZipWriter:
                 0x02014B50,
                 45 if zip64 else 20,
                 45 if zip64 else 20,
-                0,
+                e.flags,
                 0,
                 _DOS_TIME,
                 _DOS_DATE,

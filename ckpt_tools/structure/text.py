@@ -8,7 +8,6 @@ imports anything beyond the standard library: the command may format tables with
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -128,6 +127,8 @@ def close_matches(name: str, names: Iterable[str], limit: int = 3) -> list[str]:
     """
     pool = list(names)
     wrapped = [n for n in pool if n.endswith("." + name) or name.endswith("." + n)]
+    import difflib  # only error messages need it; `ckpt` starts faster without
+
     spelled = difflib.get_close_matches(name, pool, n=limit)
     return list(dict.fromkeys(wrapped + spelled))[:limit]
 

@@ -1,0 +1,172 @@
+"""The copy engine: reflinks, copy_file_range and read/write give the same bytes.
+
+On this machine's ext4, FICLONERANGE is refused and the fallbacks run. Where the tests run
+as root with ``mkfs.xfs`` and loop devices (``apt-get install xfsprogs``), a small XFS image
+with ``reflink=1`` is mounted and the clone path itself is checked: shared blocks, seen from
+the file system's free-space count, not from this package's own counters alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.errors import UsageError
+from ckpt_tools.io.clone import COPY_METHODS, copy_method, copy_range
+from ckpt_tools.ops.rewriting import strip_module_file
+from tests import helpers as h
+
+MIB = 1 << 20
+
+
+def _copy(src: Path, dst: Path, src_offset: int, dst_offset: int, count: int, method: str):
+    with open(src, "rb") as s, open(dst, "w+b") as d:
+        counts = copy_range(s.fileno(), src_offset, d.fileno(), dst_offset, count, method=method)
+        d.seek(dst_offset)
+        return counts, d.read()
+
+
+@pytest.fixture
+def random_file(tmp_path: Path) -> Path:
+    path = tmp_path / "src.bin"
+    path.write_bytes(os.urandom(3 * MIB + 123))
+    return path
+
+
+@pytest.mark.parametrize("method", COPY_METHODS)
+@pytest.mark.parametrize(
+    ("src_offset", "dst_offset", "count"),
+    [(0, 0, 3 * MIB + 123), (4096 + 17, 17, 2 * MIB + 5), (5, 4096 * 3 + 900, MIB), (9, 9, 0)],
+)
+def test_every_method_copies_the_same_bytes(
+    tmp_path: Path, random_file: Path, method: str, src_offset: int, dst_offset: int, count: int
+) -> None:
+    counts, data = _copy(random_file, tmp_path / "dst.bin", src_offset, dst_offset, count, method)
+    assert data == random_file.read_bytes()[src_offset : src_offset + count]
+    assert counts.cloned + counts.kernel + counts.readwrite == count
+    if method == "readwrite":
+        assert counts.readwrite == count
+
+
+def test_a_refused_clone_falls_back_to_copying(tmp_path: Path, random_file: Path) -> None:
+    """ext4 (and tmpfs) have no reflinks: FICLONERANGE fails and the kernel copy does it all."""
+    if _reflinks(tmp_path):
+        pytest.skip("this file system shares blocks; the fallback is not taken here")
+    counts, data = _copy(random_file, tmp_path / "dst.bin", 4096, 0, 2 * MIB, "clone")
+    assert counts.cloned == 0 and counts.kernel + counts.readwrite == 2 * MIB
+    assert data == random_file.read_bytes()[4096 : 4096 + 2 * MIB]
+
+
+def test_a_short_source_is_an_error_whatever_the_method(tmp_path: Path) -> None:
+    src = tmp_path / "short.bin"
+    src.write_bytes(b"x" * 1000)
+    for method in COPY_METHODS:
+        with pytest.raises(OSError, match="source ended after 1000 of 5000 bytes"):
+            _copy(src, tmp_path / "dst.bin", 0, 0, 5000, method)
+
+
+def test_the_copy_method_is_named_by_argument_or_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CKPT_COPY_METHOD", raising=False)
+    assert copy_method() == "clone"
+    monkeypatch.setenv("CKPT_COPY_METHOD", "readwrite")
+    assert copy_method() == "readwrite"
+    assert copy_method("copy_file_range") == "copy_file_range"
+    with pytest.raises(UsageError, match="expected one of: clone, copy_file_range, readwrite"):
+        copy_method("sendfile")
+    monkeypatch.setenv("CKPT_COPY_METHOD", "reflink")
+    with pytest.raises(UsageError, match="environment variable CKPT_COPY_METHOD is 'reflink'"):
+        copy_method()
+
+
+def _reflinks(folder: Path) -> bool:
+    a, b = folder / ".probe-a", folder / ".probe-b"
+    a.write_bytes(b"\0" * 8192)
+    try:
+        proc = subprocess.run(
+            ["cp", "--reflink=always", str(a), str(b)], capture_output=True, check=False
+        )
+        return proc.returncode == 0
+    finally:
+        a.unlink()
+        b.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def xfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A mounted 320 MiB loopback XFS with reflink=1; skips where that cannot be made."""
+    if os.geteuid() != 0 or shutil.which("mkfs.xfs") is None:
+        pytest.skip("needs root and mkfs.xfs (apt-get install xfsprogs) for a loopback XFS")
+    base = tmp_path_factory.mktemp("xfs")
+    image, mount = base / "xfs.img", base / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(320 * MIB)
+    made = subprocess.run(
+        ["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True, check=False
+    )
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.xfs failed: {made.stderr.decode(errors='replace')[-200:]}")
+    mounted = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here: {mounted.stderr.decode()[-200:]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+        image.unlink(missing_ok=True)
+
+
+def _free_bytes(folder: Path) -> int:
+    os.sync()
+    st = os.statvfs(folder)
+    return st.f_bfree * st.f_frsize
+
+
+def test_clone_shares_whole_blocks_and_copies_head_and_tail(xfs: Path) -> None:
+    src = xfs / "src.bin"
+    src.write_bytes(os.urandom(16 * MIB + 8192))
+    before = _free_bytes(xfs)
+    counts, data = _copy(src, xfs / "dst.bin", 4096 + 100, 100, 16 * MIB, "clone")
+    assert data == src.read_bytes()[4096 + 100 : 4096 + 100 + 16 * MIB]
+    assert counts.cloned == 16 * MIB - 4096 and counts.kernel + counts.readwrite == 4096
+    # Shared blocks take no new space: far less than the 16 MiB a copy would take.
+    assert before - _free_bytes(xfs) < 2 * MIB
+    # A range running past the source's end is refused by the ioctl, then by the copy.
+    with pytest.raises(OSError, match="source ended"):
+        _copy(src, xfs / "dst3.bin", 8192, 0, 17 * MIB, "clone")
+    # Offsets that disagree modulo the block cannot share blocks: copied instead.
+    counts, data = _copy(src, xfs / "dst2.bin", 4096, 100, 4 * MIB, "clone")
+    assert counts.cloned == 0 and data == src.read_bytes()[4096 : 4096 + 4 * MIB]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_rewrite_on_xfs_shares_the_tensor_bytes(
+    xfs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    sd = {f"module.w{i}": torch.randn(512, 1024 + i) for i in range(16)}  # ~32 MiB
+    src = xfs / f"in{suffix}"
+    if suffix == ".pt":
+        h.save(sd, src)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(sd, src)
+    before = _free_bytes(xfs)
+    strip_module_file(src, xfs / f"out{suffix}")
+    assert before - _free_bytes(xfs) < 4 * MIB  # the 32 MiB of tensors are shared
+    # The same bytes as a read/write copy on another file system.
+    monkeypatch.setenv("CKPT_COPY_METHOD", "readwrite")
+    strip_module_file(src, tmp_path / f"out{suffix}")
+    assert (xfs / f"out{suffix}").read_bytes() == (tmp_path / f"out{suffix}").read_bytes()
+    loaded = h.load(xfs / f"out{suffix}", mmap=True)
+    assert all(torch.equal(loaded[k.removeprefix("module.")], v) for k, v in sd.items())
