@@ -140,7 +140,8 @@ def test_hf_shards_load_and_index_matches(folder: Path, tmp_path: Path) -> None:
     for shard in shards:
         got = load_file(out / shard)
         assert sorted(got) == sorted(k for k, v in index["weight_map"].items() if v == shard)
-        assert os.path.getsize(out / shard) <= 60 + 200 or len(got) == 1
+        # The limit bounds tensor bytes, as huggingface_hub's does; one tensor may pass it.
+        assert sum(t.nbytes for t in got.values()) <= 60 or len(got) == 1
         for name, tensor in got.items():
             assert_same(want[name], tensor, name)
     assert result.files[-1].endswith("model.safetensors.index.json")
