@@ -96,9 +96,7 @@ def write_plan_zip(
             name, record = f"data/{keys[id(storage)]}", records[id(storage)]
             if record.span is not None:
                 fd = _open_fd(fds, record.span.path)
-                writer.add_copy(
-                    name, fd, record.span.offset, record.nbytes, record.crc32, progress
-                )
+                writer.add_copy(name, fd, record.span.offset, record.nbytes, record.crc32, progress)
             elif record.produce is not None:
                 writer.add_stream(name, record.produce(), record.nbytes, progress)
         writer.add_bytes(*SAVE_VERSION)
@@ -136,8 +134,14 @@ def write_plan_safetensors(
     for name, t, _ in entries:
         code = TORCH_TO_SAFETENSORS.get(t.dtype)
         if code is None:
-            raise ConversionError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [position, position + t.nbytes]}
+            raise ConversionError(
+                f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold"
+            )
+        header[name] = {
+            "dtype": code,
+            "shape": list(t.shape),
+            "data_offsets": [position, position + t.nbytes],
+        }
         position += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * ((-(8 + len(raw))) % 8)

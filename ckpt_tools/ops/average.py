@@ -32,7 +32,7 @@ from ckpt_tools.ops.rewrite_plan import output_format_for
 from ckpt_tools.ops.slim import finish, plan_state_dict_output
 from ckpt_tools.ops.transform_plan import PlanRow, copy_record
 from ckpt_tools.ops.transform_result import TransformResult
-from ckpt_tools.structure.keys import apply_plan, plan_renames, strip_wrapper_rules
+from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
 from ckpt_tools.structure.selection import select_state_dict
 
 __all__ = ["average", "pick_inputs"]
@@ -69,7 +69,9 @@ def _to_f64(data: bytes, dtype: str) -> np.ndarray:
     bits = np.frombuffer(data, dtype=_BITS[dtype])
     if dtype == "bfloat16":
         return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
-    return bits.view({"float64": np.float64, "float32": np.float32, "float16": np.float16}[dtype]).astype(np.float64)
+    return bits.view(
+        {"float64": np.float64, "float32": np.float32, "float16": np.float16}[dtype]
+    ).astype(np.float64)
 
 
 def _mean_record(spans: Sequence[Any], weights: Sequence[float], dtype: str, numel: int) -> Record:
@@ -118,8 +120,14 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any
                 lines.append(f"+ {key} (only in {name})")
         for key, (_, a) in first.items():
             b = other.get(key, (None, None))[1]
-            if isinstance(a, TensorRef) and isinstance(b, TensorRef) and (a.shape, a.dtype) != (b.shape, b.dtype):
-                lines.append(f"~ {key}: {a.dtype} {list(a.shape)} in {names[0]}, {b.dtype} {list(b.shape)} in {name}")
+            if (
+                isinstance(a, TensorRef)
+                and isinstance(b, TensorRef)
+                and (a.shape, a.dtype) != (b.shape, b.dtype)
+            ):
+                lines.append(
+                    f"~ {key}: {a.dtype} {list(a.shape)} in {names[0]}, {b.dtype} {list(b.shape)} in {name}"
+                )
     return lines
 
 
@@ -178,8 +186,12 @@ def average(
         raise UsageError("average needs at least two inputs", argument="inputs", value=repr(srcs))
     w = [1.0] * len(srcs) if weights is None else [float(x) for x in weights]
     if len(w) != len(srcs) or sum(w) == 0:
-        raise UsageError(f"expected {len(srcs)} weights with a non-zero sum", argument="weights",
-                         value=repr(list(weights or ())), flag="--weights")
+        raise UsageError(
+            f"expected {len(srcs)} weights with a non-zero sum",
+            argument="weights",
+            value=repr(list(weights or ())),
+            flag="--weights",
+        )
     if ints not in (None, "first", "last"):
         raise UsageError("expected first or last", argument="ints", value=repr(ints), flag="--ints")
     targets = [check_output_path(dst, s, force=force, in_place=False) for s in srcs][0]
@@ -216,32 +228,46 @@ def average(
             spans = []
             for c, o in zip(ckpts, others):
                 if (o.offset, o.stride, o.storage.nbytes) != (t.offset, t.stride, t.storage.nbytes):
-                    raise ConversionError(f"{key!r} lies differently in its storage across inputs; convert them first")
+                    raise ConversionError(
+                        f"{key!r} lies differently in its storage across inputs; convert them first"
+                    )
                 spans.append(c.span(o.storage))
             numel = t.storage.nbytes // _SIZE[t.dtype]
             storages[id(t.storage)] = (None, _mean_record(spans, w, t.dtype, numel))
         items.append((orig, orig, t))
-        rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, f"mean of {len(srcs)}"))
+        rows.append(
+            PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, f"mean of {len(srcs)}")
+        )
     if differing:
         raise ConversionError(
             f"integer tensors differ across inputs: {', '.join(differing[:8])}",
-            remedies=(Remedy("ints", "'first'", flag="--ints first", text="to take the first input's"),
-                      Remedy("ints", "'last'", flag="--ints last", text="to take the last input's")),
+            remedies=(
+                Remedy("ints", "'first'", flag="--ints first", text="to take the first input's"),
+                Remedy("ints", "'last'", flag="--ints last", text="to take the last input's"),
+            ),
         )
     fmt = output_format_for(dst, output_format, base.format)
-    plan = plan_state_dict_output(base, "average", dst, fmt, selections[0], items, weights_only=True)
+    plan = plan_state_dict_output(
+        base, "average", dst, fmt, selections[0], items, weights_only=True
+    )
     plan = _with_means(plan, storages, rows, srcs)
     return finish(plan, targets, base, verify, dry_run)
 
 
-def _with_means(plan: Any, storages: Mapping[int, Any], rows: list[PlanRow], srcs: Sequence[str]) -> Any:
+def _with_means(
+    plan: Any, storages: Mapping[int, Any], rows: list[PlanRow], srcs: Sequence[str]
+) -> Any:
     """Swap the copied float storages for their mean records (same dtype, same views)."""
     from dataclasses import replace
 
     if plan.output_format == "safetensors":
-        raise UsageError("average writes torch files for now", argument="output_format", value="'safetensors'")
+        raise UsageError(
+            "average writes torch files for now", argument="output_format", value="'safetensors'"
+        )
     records = dict(plan.records)
     for sid, (_, record) in storages.items():
         records[sid] = record
     size_after = {"weights": sum(r.nbytes for r in records.values()), "optimizer": 0, "other": 0}
-    return replace(plan, records=records, rows=tuple(rows), sources=tuple(srcs), size_after=size_after)
+    return replace(
+        plan, records=records, rows=tuple(rows), sources=tuple(srcs), size_after=size_after
+    )

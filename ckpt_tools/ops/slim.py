@@ -84,13 +84,15 @@ def _select_ema(root: Any) -> tuple[Selection, str]:
                     inner = select_state_dict(state)
                     if inner.state_dict:
                         path = ("callbacks", str(name), *inner.path)
-                        return select_state_dict(root, path), f"took Lightning callback {name!r}'s EMA state"
-    names = ", ".join(repr(k) for k in root) if isinstance(root, Mapping) else type(root).__name__
+                        return select_state_dict(
+                            root, path
+                        ), f"took Lightning callback {name!r}'s EMA state"
+    keys = list(root)[:10] if isinstance(root, Mapping) else []
+    names = ", ".join(repr(k) for k in keys) if keys else type(root).__name__
     raise SelectError(
         f"no EMA copy found: looked for {', '.join(EMA_KEYS)} and Lightning EMA callbacks; "
         f"the checkpoint has {names}",
         argument="ema",
-        value="True",
         flag="--ema",
         remedies=(Remedy("select", "'PATH'", flag="--select PATH", text="to name the copy"),),
     )
@@ -119,7 +121,9 @@ def plan_state_dict_output(
         cast_to: cast eligible floating tensors to this dtype.
         keep: keys matching any of these keep their dtype.
     """
-    out_sd: dict[Any, Any] = type(selection.state_dict)() if isinstance(selection.state_dict, dict) else {}
+    out_sd: dict[Any, Any] = (
+        type(selection.state_dict)() if isinstance(selection.state_dict, dict) else {}
+    )
     metadata = getattr(selection.state_dict, "_metadata", None)
     if metadata is not None:
         out_sd._metadata = metadata  # type: ignore[attr-defined]
@@ -152,7 +156,11 @@ def plan_state_dict_output(
         after = replaced.get(new, value) if new is not None else None
         rows.append(
             PlanRow(
-                old, new, value.dtype, after.dtype if after else None, value.nbytes,
+                old,
+                new,
+                value.dtype,
+                after.dtype if after else None,
+                value.nbytes,
                 after.nbytes if after else 0,
                 "drop" if new is None else (f"cast {value.dtype} -> {cast_to}" if cast else "copy"),
             )
@@ -162,16 +170,46 @@ def plan_state_dict_output(
     expected = {k: v for k, v in out_sd.items() if isinstance(v, TensorRef)}
     size_before = categories(ckpt, ckpt.root, selection.path, selection.state_dict)
     if fmt == "safetensors":
-        entries, st_meta = _safetensors_entries(ckpt, selection, items, weights_only, cast_to, targets)
+        entries, st_meta = _safetensors_entries(
+            ckpt, selection, items, weights_only, cast_to, targets
+        )
         size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
         expected = {name: t for name, t, _ in entries}
-        return TransformPlan(command, (ckpt.path,), dst, fmt, None, {}, tuple(entries), st_meta,
-                             expected, (), tuple(rows), tuple(dropped_entries), size_before,
-                             size_after, tuple(notes))
+        return TransformPlan(
+            command,
+            (ckpt.path,),
+            dst,
+            fmt,
+            None,
+            {},
+            tuple(entries),
+            st_meta,
+            expected,
+            (),
+            tuple(rows),
+            tuple(dropped_entries),
+            size_before,
+            size_after,
+            tuple(notes),
+        )
     size_after = _sizes_after(tree, weights_only, records, out_sd, selection.path)
-    return TransformPlan(command, (ckpt.path,), dst, fmt, tree, records, (), None, expected,
-                         () if weights_only else selection.path, tuple(rows),
-                         tuple(dropped_entries), size_before, size_after, tuple(notes))
+    return TransformPlan(
+        command,
+        (ckpt.path,),
+        dst,
+        fmt,
+        tree,
+        records,
+        (),
+        None,
+        expected,
+        () if weights_only else selection.path,
+        tuple(rows),
+        tuple(dropped_entries),
+        size_before,
+        size_after,
+        tuple(notes),
+    )
 
 
 def _size(dtype: str) -> int:
@@ -180,8 +218,13 @@ def _size(dtype: str) -> int:
     return itemsize(dtype)
 
 
-def _cast_targets(tree: Any, items: Sequence[tuple[str, str | None, Any]], cast_to: str | None,
-                  keep: Sequence[re.Pattern[str]], notes: list[str]) -> dict[int, str]:
+def _cast_targets(
+    tree: Any,
+    items: Sequence[tuple[str, str | None, Any]],
+    cast_to: str | None,
+    keep: Sequence[re.Pattern[str]],
+    notes: list[str],
+) -> dict[int, str]:
     """``id(storage)`` -> source dtype for every storage to cast."""
     if cast_to is None:
         return {}
@@ -189,24 +232,41 @@ def _cast_targets(tree: Any, items: Sequence[tuple[str, str | None, Any]], cast_
     for old, new, value in items:
         if new is None or not isinstance(value, TensorRef):
             continue
-        if value.dtype in CAST_SOURCES and value.dtype != cast_to and not any(p.search(old) for p in keep):
+        if (
+            value.dtype in CAST_SOURCES
+            and value.dtype != cast_to
+            and not any(p.search(old) for p in keep)
+        ):
             wanted.setdefault(id(value.storage), value.dtype)
     # A storage is cast only when every tensor on it in the output is cast the same way.
     users: dict[int, list[TensorRef]] = {}
     for _, t in iter_tensors(tree):
         users.setdefault(id(t.storage), []).append(t)
-    cast_ids = {id(v) for _, n, v in items if n is not None and isinstance(v, TensorRef)
-                and id(v.storage) in wanted and not any(p.search(_) for p in keep)}
+    cast_ids = {
+        id(v)
+        for _, n, v in items
+        if n is not None
+        and isinstance(v, TensorRef)
+        and id(v.storage) in wanted
+        and not any(p.search(_) for p in keep)
+    }
     for sid in list(wanted):
         ts = users.get(sid, [])
         if any(id(t) not in cast_ids or t.dtype != wanted[sid] for t in ts) or ts[0].storage.view:
-            notes.append(f"storage {ts[0].storage.key!r} kept as {wanted[sid]}: a tensor on it is not cast")
+            notes.append(
+                f"storage {ts[0].storage.key!r} kept as {wanted[sid]}: a tensor on it is not cast"
+            )
             del wanted[sid]
     return wanted
 
 
-def _sizes_after(tree: Any, weights_only: bool, records: Mapping[int, Any], sd: Mapping[Any, Any],
-                 path: Sequence[str]) -> dict[str, int]:
+def _sizes_after(
+    tree: Any,
+    weights_only: bool,
+    records: Mapping[int, Any],
+    sd: Mapping[Any, Any],
+    path: Sequence[str],
+) -> dict[str, int]:
     sizes = {"weights": 0, "optimizer": 0, "other": 0}
     seen: set[int] = set()
     for value in sd.values():
@@ -223,8 +283,14 @@ def _sizes_after(tree: Any, weights_only: bool, records: Mapping[int, Any], sd: 
     return sizes
 
 
-def _safetensors_entries(ckpt: Checkpoint, selection: Selection, items: Sequence[tuple[str, str | None, Any]],
-                         weights_only: bool, cast_to: str | None, targets: Mapping[int, str]):
+def _safetensors_entries(
+    ckpt: Checkpoint,
+    selection: Selection,
+    items: Sequence[tuple[str, str | None, Any]],
+    weights_only: bool,
+    cast_to: str | None,
+    targets: Mapping[int, str],
+):
     extras = [old for old, new, v in items if new is not None and not isinstance(v, TensorRef)]
     if not weights_only and isinstance(ckpt.root, Mapping) and selection.path:
         extras += [str(k) for k in ckpt.root if k != selection.path[0]]
@@ -233,7 +299,14 @@ def _safetensors_entries(ckpt: Checkpoint, selection: Selection, items: Sequence
             f"safetensors holds tensors only, and the output would also hold {', '.join(extras[:8])}",
             tuple(extras),
             path=ckpt.path,
-            remedies=(Remedy("weights_only", "True", flag="--weights-only", text="to write the state dict alone"),),
+            remedies=(
+                Remedy(
+                    "weights_only",
+                    "True",
+                    flag="--weights-only",
+                    text="to write the state dict alone",
+                ),
+            ),
         )
     metadata: dict[str, str] = {"format": "pt"}
     entries, kept = [], {}
@@ -316,18 +389,32 @@ def slim(
     root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
     items = [(str(k), str(k), v) for k, v in selection.state_dict.items()]
     plan = plan_state_dict_output(
-        ckpt, "slim", dst, fmt, selection, items, weights_only=weights_only, root_out=root_out,
-        cast_to=cast_to, keep=keep, dropped_entries=dropped, notes=notes,
+        ckpt,
+        "slim",
+        dst,
+        fmt,
+        selection,
+        items,
+        weights_only=weights_only,
+        root_out=root_out,
+        cast_to=cast_to,
+        keep=keep,
+        dropped_entries=dropped,
+        notes=notes,
     )
     return finish(plan, target, ckpt, verify, dry_run)
 
 
-def finish(plan: TransformPlan, target: Any, ckpt: Checkpoint, verify: str, dry_run: bool) -> TransformResult:
+def finish(
+    plan: TransformPlan, target: Any, ckpt: Checkpoint, verify: str, dry_run: bool
+) -> TransformResult:
     """Write the plan (unless ``dry_run``) and say what happened."""
     before = sum(plan.size_before.values())
     sizes = f"{before} -> {plan.output_bytes} tensor bytes"
     if dry_run:
-        return TransformResult(plan, False, "", f"dry run: would write {plan.dst} ({sizes}); nothing written")
+        return TransformResult(
+            plan, False, "", f"dry run: would write {plan.dst} ({sizes}); nothing written"
+        )
     verification = execute_plan(plan, target, ckpt, verify)
     return TransformResult(plan, True, verification, f"{plan.command}: wrote {plan.dst} ({sizes})")
 
@@ -336,7 +423,9 @@ def _dtype(dtype: str | None) -> str | None:
     if dtype is None:
         return None
     if dtype not in DTYPE_NAMES:
-        raise UsageError("expected one of: bf16, fp16, fp32", argument="dtype", value=repr(dtype), flag="--dtype")
+        raise UsageError(
+            "expected one of: bf16, fp16, fp32", argument="dtype", value=repr(dtype), flag="--dtype"
+        )
     return DTYPE_NAMES[dtype]
 
 
@@ -344,15 +433,21 @@ def _patterns(regexes: Sequence[str]) -> list[re.Pattern[str]]:
     try:
         return [re.compile(r) for r in regexes]
     except re.error as e:
-        raise UsageError(f"not a regular expression: {e}", argument="keep_dtype", flag="--keep-dtype") from e
+        raise UsageError(
+            f"not a regular expression: {e}", argument="keep_dtype", flag="--keep-dtype"
+        ) from e
 
 
-def _drop_entries(root: Any, drop: Sequence[str], path: Sequence[str]) -> tuple[Any, tuple[str, ...]]:
+def _drop_entries(
+    root: Any, drop: Sequence[str], path: Sequence[str]
+) -> tuple[Any, tuple[str, ...]]:
     names = [n for part in drop for n in part.split(",") if n]
     if not names:
         return root, ()
     if not isinstance(root, Mapping):
-        raise UsageError("only a dict checkpoint has top-level entries to drop", argument="drop", flag="--drop")
+        raise UsageError(
+            "only a dict checkpoint has top-level entries to drop", argument="drop", flag="--drop"
+        )
     missing = [n for n in names if n not in root]
     if missing or (path and path[0] in names):
         raise UsageError(

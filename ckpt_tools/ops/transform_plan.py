@@ -19,12 +19,11 @@ from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.allowlist import storage_type_ref
 from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.casting import iter_cast
+from ckpt_tools.io.casting import cast_chunk, iter_cast
 from ckpt_tools.io.plan_writer import Record, write_plan_safetensors, write_plan_zip
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.io.verify import Expected, verify_output
-from ckpt_tools.io.casting import cast_chunk
 
 __all__ = [
     "PlanRow",
@@ -210,7 +209,9 @@ def cast_tensor(t: TensorRef, storage: StorageRef, dtype: str) -> TensorRef:
     return TensorRef(storage, *view, dtype, t.requires_grad, True, param, args)
 
 
-def categories(ckpt: Checkpoint, root: Any, sd_path: Sequence[str], sd: Mapping[Any, Any]) -> dict[str, int]:
+def categories(
+    ckpt: Checkpoint, root: Any, sd_path: Sequence[str], sd: Mapping[Any, Any]
+) -> dict[str, int]:
     """Storage bytes per category: ``weights`` (the state dict), ``optimizer``, ``other``."""
     sizes = {"weights": 0, "optimizer": 0, "other": 0}
     seen: set[int] = set()
@@ -229,8 +230,13 @@ def categories(ckpt: Checkpoint, root: Any, sd_path: Sequence[str], sd: Mapping[
     return sizes
 
 
-def execute_plan(plan: TransformPlan, target: Any, source: Checkpoint, verify: str = "sizes",
-                 progress: Callable[[int], None] | None = None) -> str:
+def execute_plan(
+    plan: TransformPlan,
+    target: Any,
+    source: Checkpoint,
+    verify: str = "sizes",
+    progress: Callable[[int], None] | None = None,
+) -> str:
     """Write ``plan`` to ``target`` atomically and verify it; returns what was verified.
 
     Raises:
@@ -250,6 +256,8 @@ def execute_plan(plan: TransformPlan, target: Any, source: Checkpoint, verify: s
         if plan.output_format == "safetensors":
             write_plan_safetensors(plan.entries, file, plan.metadata, progress)
         else:
-            write_plan_zip(plan.tree, plan.records, file, source.archive_root or "archive", progress)
+            write_plan_zip(
+                plan.tree, plan.records, file, source.archive_root or "archive", progress
+            )
         file.flush()
         return verify_output(str(tmp), Expected(plan.expected, plan.select_out, source), verify)

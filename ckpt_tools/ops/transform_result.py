@@ -66,8 +66,16 @@ class TransformResult:
         if self.plan.dropped_entries:
             lines.append(f"  dropped entries: {', '.join(self.plan.dropped_entries)}")
         for row in self.plan.rows[:40]:
-            name = row.source_key if row.key in (None, row.source_key) else f"{row.source_key} -> {row.key}"
-            dtype = row.dtype_before if row.dtype_after in (None, row.dtype_before) else f"{row.dtype_before} -> {row.dtype_after}"
+            name = (
+                row.source_key
+                if row.key in (None, row.source_key)
+                else f"{row.source_key} -> {row.key}"
+            )
+            dtype = (
+                row.dtype_before
+                if row.dtype_after in (None, row.dtype_before)
+                else f"{row.dtype_before} -> {row.dtype_after}"
+            )
             lines.append(f"  {row.action:<26} {name}  {dtype}  {human_bytes(row.nbytes_after)}")
         if len(self.plan.rows) > 40:
             lines.append(f"  ... {len(self.plan.rows) - 40} more")
