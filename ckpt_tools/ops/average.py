@@ -29,7 +29,7 @@ from ckpt_tools.io.plan_writer import Record
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite_plan import output_format_for
-from ckpt_tools.ops.slim import finish, plan_state_dict_output
+from ckpt_tools.ops.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.ops.transform_plan import PlanRow, copy_record
 from ckpt_tools.ops.transform_result import TransformResult
 from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules

@@ -10,7 +10,7 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite_plan import output_format_for
-from ckpt_tools.ops.slim import finish, plan_state_dict_output
+from ckpt_tools.ops.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.ops.transform_result import TransformResult
 from ckpt_tools.structure.selection import select_state_dict
 
