@@ -72,7 +72,12 @@ def plan_state_dict_output(
         if sid in out_storage:
             continue
         src_dtype = targets.get(sid)
-        if src_dtype is None:
+        if src_dtype is None and t.func is None:
+            # Read without a pickle (safetensors): give it torch.save's storage and rebuild.
+            storage = new_storage(t.storage, t.dtype, t.storage.nbytes // _size(t.dtype))
+            out_storage[sid] = storage
+            records[id(storage)] = copy_record(ckpt, t.storage)
+        elif src_dtype is None:
             out_storage[sid] = t.storage
             records[sid] = copy_record(ckpt, t.storage)
         else:
@@ -85,7 +90,9 @@ def plan_state_dict_output(
             continue
         cast = id(value.storage) in targets
         if cast and new is not None:
-            replaced[new] = cast_tensor(value, out_storage[id(value.storage)], cast_to)  # type: ignore[arg-type]
+            replaced[new] = cast_tensor(value, out_storage[id(value.storage)], cast_to)
+        elif value.func is None and new is not None:
+            replaced[new] = cast_tensor(value, out_storage[id(value.storage)], value.dtype)  # type: ignore[arg-type]
         after = replaced.get(new, value) if new is not None else None
         rows.append(
             PlanRow(
