@@ -145,7 +145,7 @@ def cast_array(
         >>> import numpy as np
         >>> x = np.array([1.0, 1 + 2**-8, 65520.0, 1e-40], dtype=np.float32)
         >>> [hex(b) for b in cast_array(x.view(np.uint32), "float32", "bfloat16")]
-        ['0x3f80', '0x3f80', '0x4780', '0x11']
+        ['0x3f80', '0x3f80', '0x4780', '0x1']
         >>> [hex(b) for b in cast_array(x.view(np.uint32), "float32", "float16")]
         ['0x3c00', '0x3c00', '0x7c00', '0x0']
     """

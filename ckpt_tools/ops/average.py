@@ -46,8 +46,8 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
     """Expand globs; with ``last``, keep the last N by the number in their names, else by mtime.
 
     Example:
-        >>> pick_inputs(["ckpt_*.pt"], last=2)  # doctest: +SKIP
-        ['ckpt_9.pt', 'ckpt_10.pt']
+        >>> pick_inputs(["*.pt"])
+        ['ddp.pt', 'model.pt']
     """
     found: list[str] = []
     for pattern in patterns:
@@ -177,8 +177,8 @@ def average(
         UsageError: fewer than two inputs, weights of the wrong length, a bad ``ints``.
 
     Example:
-        >>> average("avg.pt", ["a.pt", "b.pt", "c.pt"]).written  # doctest: +SKIP
-        True
+        >>> average("avg.pt", ["model.pt", "ddp.pt"]).message  # module. aligned away
+        'average: wrote avg.pt (2292 -> 2292 tensor bytes)'
     """
     srcs = [os.fspath(p) for p in inputs]
     dst = os.fspath(dst)

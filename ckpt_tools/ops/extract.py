@@ -48,7 +48,8 @@ def extract(
         UsageError: no key starts with ``prefix`` (the message lists the first segments).
 
     Example:
-        >>> extract("model.pt", "backbone.pt", "backbone.", strip_prefix=True)  # doctest: +SKIP
+        >>> extract("model.pt", "layers.pt", "layers.", strip_prefix=True).kept[:2]
+        ('0.weight', '0.bias')
     """
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=False)

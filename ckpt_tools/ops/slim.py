@@ -130,9 +130,9 @@ def slim(
         NonTensorEntriesError: safetensors output with entries beside the state dict.
 
     Example:
-        >>> r = slim("trainer_adam.pt", "small.pt", dtype="bf16", weights_only=True)  # doctest: +SKIP
-        >>> r.plan.size_after["optimizer"]  # doctest: +SKIP
-        0
+        >>> r = slim("model.pt", "small.safetensors", dtype="bf16", keep_dtype=[r"^bn\."])
+        >>> r.written, r.cast[:2], "bn.weight" in r.kept
+        (True, ('conv.weight', 'conv.bias'), True)
     """
     src, dst = os.fspath(src), os.fspath(dst)
     cast_to = _dtype(dtype)
