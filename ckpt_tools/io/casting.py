@@ -147,7 +147,7 @@ def cast_array(
         >>> [hex(b) for b in cast_array(x.view(np.uint32), "float32", "bfloat16")]
         ['0x3f80', '0x3f80', '0x4780', '0x1']
         >>> [hex(b) for b in cast_array(x.view(np.uint32), "float32", "float16")]
-        ['0x3c00', '0x3c00', '0x7c00', '0x0']
+        ['0x3c00', '0x3c04', '0x7c00', '0x0']
     """
     if src not in CAST_SOURCES or dst not in CAST_TARGETS:
         raise ValueError(

@@ -130,7 +130,7 @@ def slim(
         NonTensorEntriesError: safetensors output with entries beside the state dict.
 
     Example:
-        >>> r = slim("model.pt", "small.safetensors", dtype="bf16", keep_dtype=[r"^bn\."])
+        >>> r = slim("model.pt", "small.safetensors", dtype="bf16", keep_dtype=["bn"])
         >>> r.written, r.cast[:2], "bn.weight" in r.kept
         (True, ('conv.weight', 'conv.bias'), True)
     """
