@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     ckpt_command,
     fmt_table,
     load_note,
@@ -46,9 +46,11 @@ per = weights_mb * (1 << 20) // 4 // n
 model = {f"layers.{i}.weight": torch.randn(per // 1024, 1024) for i in range(n)}
 model["bn.num_batches_tracked"] = torch.tensor(7)
 if kind == "trainer":
-    state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
+    state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(v),
+                 "exp_avg_sq": torch.rand_like(v)}
              for i, v in enumerate(t for t in model.values() if t.is_floating_point())}
-    obj = {"model": model, "optimizer": {"state": state, "param_groups": [{"lr": 1e-3, "params": list(state)}]}, "epoch": 3}
+    groups = [{"lr": 1e-3, "params": list(state)}]
+    obj = {"model": model, "optimizer": {"state": state, "param_groups": groups}, "epoch": 3}
 else:
     obj = model
 torch.save(obj, path)

@@ -138,7 +138,7 @@ def test_extract_prefix(tmp_path: Path, name: str) -> None:
     out = torch.load(tmp_path / "x.pt", weights_only=True)
     want = {k[len(prefix) :]: v for k, v in ref.items() if k.startswith(prefix)}
     assert list(out) == list(want) and all(torch.equal(out[k], want[k]) for k in want)
-    with pytest.raises(ct.UsageError, match="no key starts with 'nothing.'"):
+    with pytest.raises(ct.UsageError, match=r"no key starts with 'nothing\.'"):
         ct.extract(FIXTURES / name, tmp_path / "y.pt", "nothing.")
 
 

@@ -1,4 +1,4 @@
-"""Writing a transform plan: each output storage copied from a source span or streamed by a producer.
+"""Writing a transform plan: each output storage copied from a source, or streamed by a producer.
 
 The transforms (slim, extract, average) make new storages: a cast storage, a mean of N inputs.
 A :class:`Record` says where one output storage's bytes come from; the one zip writer

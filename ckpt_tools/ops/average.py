@@ -126,7 +126,8 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any
                 and (a.shape, a.dtype) != (b.shape, b.dtype)
             ):
                 lines.append(
-                    f"~ {key}: {a.dtype} {list(a.shape)} in {names[0]}, {b.dtype} {list(b.shape)} in {name}"
+                    f"~ {key}: {a.dtype} {list(a.shape)} in {names[0]}, "
+                    f"{b.dtype} {list(b.shape)} in {name}"
                 )
     return lines
 
@@ -194,7 +195,8 @@ def average(
         )
     if ints not in (None, "first", "last"):
         raise UsageError("expected first or last", argument="ints", value=repr(ints), flag="--ints")
-    targets = [check_output_path(dst, s, force=force, in_place=False) for s in srcs][0]
+    # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
+    target = next(iter([check_output_path(dst, s, force=force, in_place=False) for s in srcs]))
     ckpts = [open_checkpoint(s) for s in srcs]
     selections = [select_state_dict(c.root, select) for c in ckpts]
     for c, s in zip(ckpts, selections):
@@ -251,7 +253,7 @@ def average(
         base, "average", dst, fmt, selections[0], items, weights_only=True
     )
     plan = _with_means(plan, storages, rows, srcs)
-    return finish(plan, targets, base, verify, dry_run)
+    return finish(plan, target, base, verify, dry_run)
 
 
 def _with_means(

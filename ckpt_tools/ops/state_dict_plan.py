@@ -236,7 +236,8 @@ def _safetensors_entries(
         extras += [str(k) for k in ckpt.root if k != selection.path[0]]
     if extras:
         raise NonTensorEntriesError(
-            f"safetensors holds tensors only, and the output would also hold {', '.join(extras[:8])}",
+            "safetensors holds tensors only, and the output would also hold "
+            f"{', '.join(extras[:8])}",
             tuple(extras),
             path=ckpt.path,
             remedies=(

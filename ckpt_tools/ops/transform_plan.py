@@ -1,7 +1,8 @@
 """The plan every transform (slim, extract, average) builds, and the one place that executes it.
 
-A :class:`TransformPlan` holds the output's object tree and one :class:`~ckpt_tools.io.plan_writer.Record`
-per output storage: copied from a source span, or streamed by a producer (a cast, a mean).
+A :class:`TransformPlan` holds the output's object tree and one
+:class:`~ckpt_tools.io.plan_writer.Record` per output storage: copied from a source span, or
+streamed by a producer (a cast, a mean).
 :func:`execute_plan` writes it through the one writer (atomic temp file, fsync, verification,
 rename); ``dry_run`` callers render the plan instead (:meth:`TransformPlan.to_json`).
 """
@@ -127,7 +128,7 @@ class TransformPlan:
 
 
 def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
-    """A record copying ``storage``'s bytes as they are (with its CRC-32 when it is a whole record)."""
+    """A record copying ``storage``'s bytes as they are (with the CRC-32 of a whole zip record)."""
     span = ckpt.span(storage)
     zip_record = ckpt.records.get(f"data/{storage.key}")
     crc = None
@@ -157,7 +158,7 @@ def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: st
 
 
 def tensor_bytes_record(ckpt: Checkpoint, t: TensorRef, dst: str | None = None) -> Record:
-    """A record of one tensor's elements in row-major order (safetensors), cast to ``dst`` if given."""
+    """One tensor's elements in row-major order (safetensors), cast to ``dst`` if given."""
     span = ckpt.span(t.storage)
     if dst is None or dst == t.dtype:
         if t.is_contiguous():
@@ -196,7 +197,7 @@ def new_storage(like: StorageRef, dtype: str, numel: int) -> StorageRef:
 
 
 def cast_tensor(t: TensorRef, storage: StorageRef, dtype: str) -> TensorRef:
-    """``t``'s view (offset, shape, stride) over ``storage`` as ``dtype``, rebuilt as torch.save does."""
+    """``t``'s view (offset, shape, stride) over ``storage`` as ``dtype`` (torch.save's pickle)."""
     hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     v2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
     view = (t.offset, t.shape, t.stride)
