@@ -259,3 +259,52 @@ def test_cli_slim_subprocess_and_refusal_exit_codes(
     code = main(["slim", str(FIXTURES / "trainer_adam.pt"), str(tmp_path / "x.safetensors")])
     assert code == 7 and "pass --weights-only" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x.safetensors")
+
+
+def test_average_mixed_formats_to_safetensors(tmp_path: Path) -> None:
+    """A safetensors input first, a DDP .pt second; the output is safetensors."""
+    from safetensors.torch import save_file
+
+    sds = _inputs(tmp_path)
+    plain = {k: v.clone() for k, v in sds[0].items() if k != "dec.weight"}
+    save_file(plain, tmp_path / "first.safetensors")
+    second = torch.load(tmp_path / "ckpt_1.pt", weights_only=True)
+    torch.save({k: v for k, v in second.items() if k != "module.dec.weight"}, tmp_path / "ddp.pt")
+    ct.average(tmp_path / "avg.safetensors", [tmp_path / "first.safetensors", tmp_path / "ddp.pt"])
+    out = load_file(tmp_path / "avg.safetensors")
+    for key, first in plain.items():
+        if first.is_floating_point():
+            want = ((first.double() + sds[1][key].double()) / 2).to(first.dtype)
+            assert torch.equal(_bits(out[key]), _bits(want)), key
+        else:
+            assert torch.equal(out[key], first)
+
+
+def test_average_cli_globs_and_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sds = _inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["average", "avg.pt", "ckpt_*.pt", "--last", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["sources"] == ["ckpt_1.pt", "ckpt_2.pt"]
+    out = torch.load(tmp_path / "avg.pt", weights_only=True)
+    want = ((sds[1]["h"].double() + sds[2]["h"].double()) / 2).half()
+    assert torch.equal(_bits(out["module.h"]), _bits(want))  # the first input's keys (DDP)
+
+
+def test_slim_ema_from_a_lightning_callback(tmp_path: Path) -> None:
+    weights = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    ema = {k: v * 0.5 for k, v in weights.items()}
+    ckpt = {
+        "state_dict": weights,
+        "epoch": 1,
+        "global_step": 10,
+        "pytorch-lightning_version": "2.4.0",
+        "callbacks": {"EMACallback": {"ema_state_dict": ema}},
+    }
+    torch.save(ckpt, tmp_path / "l.ckpt")
+    result = ct.slim(
+        tmp_path / "l.ckpt", tmp_path / "ema.pt", ema=True, weights_only=True, dtype="fp16"
+    )
+    assert "EMACallback" in " ".join(result.plan.notes)
+    out = torch.load(tmp_path / "ema.pt", weights_only=True)
+    assert all(torch.equal(out[k], v.half()) for k, v in ema.items())

@@ -16,6 +16,7 @@ import glob
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -221,7 +222,7 @@ def average(
             if ints == "last":  # the first input's view, the last input's bytes
                 if others[-1].storage.nbytes != t.storage.nbytes:
                     raise ConversionError(f"{key!r} lies differently in its storage across inputs")
-                storages[id(t.storage)] = (None, copy_record(ckpts[-1], others[-1].storage))
+                storages[id(t.storage)] = copy_record(ckpts[-1], others[-1].storage)
             items.append((orig, orig, t))
             action = "copy (last input)" if ints == "last" else "copy (first input)"
             rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, action))
@@ -235,7 +236,7 @@ def average(
                     )
                 spans.append(c.span(o.storage))
             numel = t.storage.nbytes // _SIZE[t.dtype]
-            storages[id(t.storage)] = (None, _mean_record(spans, w, t.dtype, numel))
+            storages[id(t.storage)] = _mean_record(spans, w, t.dtype, numel)
         items.append((orig, orig, t))
         rows.append(
             PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, f"mean of {len(srcs)}")
@@ -249,27 +250,9 @@ def average(
             ),
         )
     fmt = output_format_for(dst, output_format, base.format)
+    overrides = storages
     plan = plan_state_dict_output(
-        base, "average", dst, fmt, selections[0], items, weights_only=True
+        base, "average", dst, fmt, selections[0], items, weights_only=True, overrides=overrides
     )
-    plan = _with_means(plan, storages, rows, srcs)
+    plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
     return finish(plan, target, base, verify, dry_run)
-
-
-def _with_means(
-    plan: Any, storages: Mapping[int, Any], rows: list[PlanRow], srcs: Sequence[str]
-) -> Any:
-    """Swap the copied float storages for their mean records (same dtype, same views)."""
-    from dataclasses import replace
-
-    if plan.output_format == "safetensors":
-        raise UsageError(
-            "average writes torch files for now", argument="output_format", value="'safetensors'"
-        )
-    records = dict(plan.records)
-    for sid, (_, record) in storages.items():
-        records[sid] = record
-    size_after = {"weights": sum(r.nbytes for r in records.values()), "optimizer": 0, "other": 0}
-    return replace(
-        plan, records=records, rows=tuple(rows), sources=tuple(srcs), size_after=size_after
-    )

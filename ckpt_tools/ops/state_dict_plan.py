@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef, iter_tensors
-from ckpt_tools.errors import NonTensorEntriesError, Remedy
+from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.casting import CAST_SOURCES
+from ckpt_tools.io.plan_writer import Record
 from ckpt_tools.ops.transform_plan import (
     PlanRow,
     TransformPlan,
@@ -45,6 +46,7 @@ def plan_state_dict_output(
     keep: Sequence[re.Pattern[str]] = (),
     dropped_entries: Sequence[str] = (),
     notes: Sequence[str] = (),
+    overrides: Mapping[int, Record] | None = None,
 ) -> TransformPlan:
     """The plan writing ``items`` (source key, output key or None to drop, value) as a state dict.
 
@@ -53,6 +55,8 @@ def plan_state_dict_output(
             inside ``root_out`` (the root with dropped entries removed).
         cast_to: cast eligible floating tensors to this dtype.
         keep: keys matching any of these keep their dtype.
+        overrides: ``id(source storage)`` -> the record that makes it instead of a copy
+            (a mean of N inputs), same dtype and size.
     """
     out_sd: dict[Any, Any] = (
         type(selection.state_dict)() if isinstance(selection.state_dict, dict) else {}
@@ -64,6 +68,7 @@ def plan_state_dict_output(
         if new is not None:
             out_sd[new] = value
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
+    overrides = overrides or {}
     rows, notes = [], list(notes)
     targets = _cast_targets(tree, items, cast_to, keep, notes)
     records, out_storage, replaced = {}, {}, {}
@@ -76,10 +81,10 @@ def plan_state_dict_output(
             # Read without a pickle (safetensors): give it torch.save's storage and rebuild.
             storage = new_storage(t.storage, t.dtype, t.storage.nbytes // _size(t.dtype))
             out_storage[sid] = storage
-            records[id(storage)] = copy_record(ckpt, t.storage)
+            records[id(storage)] = overrides.get(sid) or copy_record(ckpt, t.storage)
         elif src_dtype is None:
             out_storage[sid] = t.storage
-            records[sid] = copy_record(ckpt, t.storage)
+            records[sid] = overrides.get(sid) or copy_record(ckpt, t.storage)
         else:
             numel = t.storage.nbytes // _size(src_dtype)
             storage = new_storage(t.storage, cast_to, numel)  # type: ignore[arg-type]
@@ -111,7 +116,7 @@ def plan_state_dict_output(
     size_before = categories(ckpt, ckpt.root, selection.path, selection.state_dict)
     if fmt == "safetensors":
         entries, st_meta = _safetensors_entries(
-            ckpt, selection, items, weights_only, cast_to, targets
+            overrides, ckpt, selection, items, weights_only, cast_to, targets
         )
         size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
         expected = {name: t for name, t, _ in entries}
@@ -224,6 +229,7 @@ def _sizes_after(
 
 
 def _safetensors_entries(
+    overrides: Mapping[int, Record],
     ckpt: Checkpoint,
     selection: Selection,
     items: Sequence[tuple[str, str | None, Any]],
@@ -260,7 +266,13 @@ def _safetensors_entries(
             continue
         kept[identity] = new
         dst = cast_to if id(t.storage) in targets else None
-        record = tensor_bytes_record(ckpt, t, dst)
+        record = overrides.get(id(t.storage)) or tensor_bytes_record(ckpt, t, dst)
+        if id(t.storage) in overrides and (t.offset, t.nbytes) != (0, record.nbytes):
+            raise ConversionError(
+                f"{new!r} is a view of part of a storage; safetensors cannot hold the computed "
+                "storage as it is",
+                remedies=(Remedy("output_format", "'torch'", flag="--format torch"),),
+            )
         out = TensorRef(t.storage, 0, t.shape, (), dst or t.dtype)
         entries.append((new, out, record))
     return entries, metadata
