@@ -308,3 +308,41 @@ def test_slim_ema_from_a_lightning_callback(tmp_path: Path) -> None:
     assert "EMACallback" in " ".join(result.plan.notes)
     out = torch.load(tmp_path / "ema.pt", weights_only=True)
     assert all(torch.equal(out[k], v.half()) for k, v in ema.items())
+
+
+@pytest.mark.parametrize("dst", ["full.pt", "full.safetensors"])
+def test_verify_full_recomputes_every_record(tmp_path: Path, dst: str) -> None:
+    _inputs(tmp_path)
+    result = ct.slim(FIXTURES / "tied_views.pt", tmp_path / dst, dtype="bf16", verify="full")
+    assert "bytes of" in result.verification
+    result = ct.average(
+        tmp_path / f"avg_{dst}", [tmp_path / "ckpt_0.pt", tmp_path / "ckpt_2.pt"], verify="full"
+    )
+    assert "bytes of" in result.verification
+
+
+def test_verify_full_catches_a_record_that_differs_and_keeps_nothing(tmp_path: Path) -> None:
+    """A producer that yields other bytes the second time (a mutated record) is caught."""
+    import dataclasses
+    import itertools
+
+    from ckpt_tools.formats import open_checkpoint
+    from ckpt_tools.io.atomic import check_output_path
+    from ckpt_tools.ops.transform_plan import execute_plan
+
+    planned = ct.slim(FIXTURES / "plain.pt", tmp_path / "o.pt", dtype="fp16", dry_run=True).plan
+    runs = itertools.count()
+    sid, record = next((k, r) for k, r in planned.records.items() if r.produce is not None)
+
+    def flaky():  # the first run (the write) is right; the re-run for verification is not
+        for piece in record.produce():
+            yield piece if next(runs) == 0 else bytes(len(piece))
+
+    records = {**planned.records, sid: dataclasses.replace(record, produce=flaky)}
+    plan = dataclasses.replace(planned, records=records)
+    target = check_output_path(str(tmp_path / "o.pt"), str(FIXTURES / "plain.pt"))
+    with pytest.raises(
+        ct.VerificationError, match=r"record \d+ \(cast float32 -> float16\) differs"
+    ):
+        execute_plan(plan, target, open_checkpoint(str(FIXTURES / "plain.pt")), "full")
+    assert list(tmp_path.iterdir()) == []

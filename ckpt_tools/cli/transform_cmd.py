@@ -25,10 +25,10 @@ def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--force", is_flag=True, help="Replace DST if it exists (never an input)."),
         click.option(
             "--verify",
-            type=click.Choice(["sizes", "none"]),
+            type=click.Choice(["sizes", "full", "none"]),
             default="sizes",
             show_default=True,
-            help="After writing, re-read the output's keys and sizes.",
+            help="After writing, re-read keys and sizes, or also every byte (computed again).",
         ),
         click.option(
             "--allow-global",

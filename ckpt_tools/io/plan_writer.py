@@ -21,7 +21,13 @@ from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
 from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION, TorchZipWriter, pwrite_all
 
-__all__ = ["Record", "write_plan_safetensors", "write_plan_zip"]
+__all__ = [
+    "Record",
+    "record_bytes",
+    "same_record_bytes",
+    "write_plan_safetensors",
+    "write_plan_zip",
+]
 
 Progress = Callable[[int], None]
 
@@ -180,3 +186,40 @@ def _span_chunks(fd: int, span: ByteSpan, chunk: int = 8 << 20) -> Iterable[byte
             raise OSError(5, f"source ended after {done} of {span.nbytes} bytes")
         yield data
         done += len(data)
+
+
+def record_bytes(record: Record) -> Iterable[bytes]:
+    """The bytes ``record`` stands for, in bounded chunks (a producer runs again)."""
+    if record.produce is not None:
+        yield from record.produce()
+        return
+    assert record.span is not None
+    fd = os.open(record.span.path, os.O_RDONLY)
+    try:
+        yield from _span_chunks(fd, record.span)
+    finally:
+        os.close(fd)
+
+
+def same_record_bytes(path: str, start: int, record: Record) -> bool:
+    """Whether ``path`` holds ``record``'s bytes at ``start`` (``verify="full"``).
+
+    Computed records are computed again, copied ones read again from their source, and both
+    hashed against the written bytes, one chunk at a time.
+    """
+    import hashlib
+
+    want = hashlib.blake2b(digest_size=16)
+    for piece in record_bytes(record):
+        want.update(piece)
+    have = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = record.nbytes
+        while left:
+            piece = f.read(min(8 << 20, left))
+            if not piece:
+                return False
+            have.update(piece)
+            left -= len(piece)
+    return want.digest() == have.digest()

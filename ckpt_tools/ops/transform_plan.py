@@ -16,12 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, iter_tensors
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import UsageError, VerificationError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.allowlist import storage_type_ref
 from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.casting import cast_chunk, iter_cast
-from ckpt_tools.io.plan_writer import Record, write_plan_safetensors, write_plan_zip
+from ckpt_tools.io.plan_writer import (
+    Record,
+    same_record_bytes,
+    write_plan_safetensors,
+    write_plan_zip,
+)
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.io.verify import Expected, verify_output
@@ -35,9 +40,9 @@ __all__ = [
     "tensor_bytes_record",
 ]
 
-#: Verification levels a transform offers (``full`` compares bytes with the source, which a
-#: cast or a mean does not keep).
-TRANSFORM_VERIFY_LEVELS = ("sizes", "none")
+#: Verification levels a transform offers. ``full`` compares every written record with its
+#: record computed again (a cast, a mean) or read again (a copy).
+TRANSFORM_VERIFY_LEVELS = ("sizes", "full", "none")
 _OPTIMIZER_ENTRIES = ("optimizer", "optimizer_states", "optimizer_state_dict", "optim", "opt")
 
 
@@ -256,9 +261,34 @@ def execute_plan(
     with atomic_output(target) as (file, tmp):
         if plan.output_format == "safetensors":
             write_plan_safetensors(plan.entries, file, plan.metadata, progress)
+            written: list[Record] = [r for _, _, r in plan.entries]
         else:
-            write_plan_zip(
-                plan.tree, plan.records, file, source.archive_root or "archive", progress
-            )
+            root = source.archive_root or "archive"
+            used = write_plan_zip(plan.tree, plan.records, file, root, progress)
+            written = [plan.records[id(s)] for s in used]
         file.flush()
-        return verify_output(str(tmp), Expected(plan.expected, plan.select_out, source), verify)
+        level = "sizes" if verify == "full" else verify
+        checked = verify_output(str(tmp), Expected(plan.expected, plan.select_out, source), level)
+        if verify == "full":
+            checked = _verify_bytes(str(tmp), plan.output_format, written)
+        return checked
+
+
+def _verify_bytes(path: str, fmt: str, written: Sequence[Record]) -> str:
+    """Every record's bytes against the record made again (``verify="full"``)."""
+    if fmt == "safetensors":
+        with open(path, "rb") as f:
+            start = 8 + int.from_bytes(f.read(8), "little")
+        starts = []
+        for record in written:
+            starts.append(start)
+            start += record.nbytes
+    else:
+        from ckpt_tools.formats import open_checkpoint
+
+        records = open_checkpoint(path).records
+        starts = [records[f"data/{i}"].data_offset for i in range(len(written))]
+    for i, (start, record) in enumerate(zip(starts, written)):
+        if not same_record_bytes(path, start, record):
+            raise VerificationError(f"record {i} ({record.action}) differs after writing")
+    return f"verified: keys, sizes and the bytes of {len(written)} records"
