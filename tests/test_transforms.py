@@ -346,3 +346,25 @@ def test_verify_full_catches_a_record_that_differs_and_keeps_nothing(tmp_path: P
     ):
         execute_plan(plan, target, open_checkpoint(str(FIXTURES / "plain.pt")), "full")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_slim_and_extract_inflate_a_rezipped_archive(tmp_path: Path) -> None:
+    """Deflated storage records (a re-zipping tool; torch reads them) are inflated, then cast."""
+    import zipfile
+
+    src = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(FIXTURES / "trainer_adam.pt") as zin:
+        with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
+            for info in zin.infolist():
+                zout.writestr(info.filename, zin.read(info.filename))
+    ref = torch.load(src, weights_only=True)
+    ct.slim(src, tmp_path / "s.pt", dtype="fp16", verify="full")
+    out = torch.load(tmp_path / "s.pt", weights_only=True)
+    for key, value in ref["model"].items():
+        want = value.half() if value.is_floating_point() else value
+        assert torch.equal(_bits(out["model"][key]), _bits(want)), key
+    exp_avg = ref["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(out["optimizer"]["state"][0]["exp_avg"], exp_avg)  # optimizer: copied
+    ct.extract(src, tmp_path / "x.pt", "layers.", verify="full")
+    extracted = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert extracted and all(torch.equal(extracted[k], ref["model"][k]) for k in extracted)

@@ -28,7 +28,7 @@ from ckpt_tools.io.plan_writer import (
     write_plan_zip,
 )
 from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 from ckpt_tools.io.verify import Expected, verify_output
 
 __all__ = [
@@ -133,7 +133,20 @@ class TransformPlan:
 
 
 def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
-    """A record copying ``storage``'s bytes as they are (with the CRC-32 of a whole zip record)."""
+    """A record copying ``storage``'s bytes as they are (with the CRC-32 of a whole zip record).
+
+    A compressed zip record (a re-zipped archive; torch reads those) is inflated in bounded
+    pieces and written stored, as the rewrites do.
+    """
+    zip_record = _compressed(ckpt, storage)
+    if zip_record is not None:
+        name = f"data/{storage.key}"
+
+        def inflate() -> Iterable[bytes]:
+            with decompressed(ckpt, name) as chunks:
+                yield from chunks
+
+        return Record(zip_record.size, produce=inflate, action="copy (inflated)")
     span = ckpt.span(storage)
     zip_record = ckpt.records.get(f"data/{storage.key}")
     crc = None
@@ -149,6 +162,8 @@ def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
 
 def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: str) -> Record:
     """A record streaming ``storage`` (elements of ``src``) cast to ``dst``."""
+    if _compressed(ckpt, storage) is not None:
+        return _cast_stream(copy_record(ckpt, storage), src, dst)
     span = ckpt.span(storage)
     numel = span.nbytes // _itemsize(src)
 
@@ -158,6 +173,30 @@ def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: st
             yield from iter_cast(fd, span.offset, numel, src, dst)
         finally:
             os.close(fd)
+
+    return Record(numel * _itemsize(dst), produce=produce, action=f"cast {src} -> {dst}")
+
+
+def _compressed(ckpt: Checkpoint, storage: StorageRef) -> Any:
+    record = ckpt.records.get(f"data/{storage.key}") if storage.view is None else None
+    return record if record is not None and record.compressed else None
+
+
+def _cast_stream(source: Record, src: str, dst: str) -> Record:
+    """``source``'s bytes (elements of ``src``, in pieces of any length) cast to ``dst``."""
+    size = _itemsize(src)
+    numel = source.nbytes // size
+
+    def produce() -> Iterable[bytes]:
+        assert source.produce is not None
+        pending, first = b"", 0
+        for piece in source.produce():
+            pending += piece
+            whole = len(pending) - len(pending) % size
+            if whole:
+                yield cast_chunk(pending[:whole], src, dst, first, numel)
+                first += whole // size
+                pending = pending[whole:]
 
     return Record(numel * _itemsize(dst), produce=produce, action=f"cast {src} -> {dst}")
 
