@@ -353,10 +353,10 @@ def test_slim_and_extract_inflate_a_rezipped_archive(tmp_path: Path) -> None:
     import zipfile
 
     src = tmp_path / "deflated.pt"
-    with zipfile.ZipFile(FIXTURES / "trainer_adam.pt") as zin:
-        with zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
-            for info in zin.infolist():
-                zout.writestr(info.filename, zin.read(info.filename))
+    deflated = zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED)
+    with zipfile.ZipFile(FIXTURES / "trainer_adam.pt") as zin, deflated as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
     ref = torch.load(src, weights_only=True)
     ct.slim(src, tmp_path / "s.pt", dtype="fp16", verify="full")
     out = torch.load(tmp_path / "s.pt", weights_only=True)
@@ -368,3 +368,30 @@ def test_slim_and_extract_inflate_a_rezipped_archive(tmp_path: Path) -> None:
     ct.extract(src, tmp_path / "x.pt", "layers.", verify="full")
     extracted = torch.load(tmp_path / "x.pt", weights_only=True)
     assert extracted and all(torch.equal(extracted[k], ref["model"][k]) for k in extracted)
+
+
+def test_dry_run_still_refuses_what_the_write_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refusals come from planning, so a dry run says the same as the real run, exit code too."""
+    dst = tmp_path / "t.safetensors"
+    code = main(["convert", str(FIXTURES / "trainer_adam.pt"), str(dst), "--dry-run"])
+    assert code == 7 and "pass --drop-extras" in capsys.readouterr().err
+    code = main(["slim", str(FIXTURES / "trainer_adam.pt"), str(dst), "--dry-run"])
+    assert code == 7 and "pass --weights-only" in capsys.readouterr().err
+    code = main(
+        [
+            "average",
+            str(dst),
+            str(FIXTURES / "plain.pt"),
+            str(FIXTURES / "tied_views.pt"),
+            "--dry-run",
+        ]
+    )
+    assert code == 7 and "the inputs do not match" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    result = ct.rewrite(
+        FIXTURES / "dataparallel.pt", tmp_path / "p.pt", [ct.sub_rule("module.", "")], dry_run=True
+    )
+    assert not result.written and len(result.examples) == result.renamed == 17
+    assert list(tmp_path.iterdir()) == []
