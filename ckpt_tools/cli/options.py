@@ -11,3 +11,12 @@ select_option = click.option(
     help="Dotted path to the state dict inside the checkpoint (default: chosen automatically).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+
+
+def dry_run_option(func):  # type: ignore[no-untyped-def]
+    """``--dry-run`` for every command that writes: one line to add it to a new command."""
+    return click.option(
+        "--dry-run",
+        is_flag=True,
+        help="Print the plan (keys, dtypes, sizes, what is kept and dropped); write nothing.",
+    )(func)

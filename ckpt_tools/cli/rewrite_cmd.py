@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.options import json_option, select_option
+from ckpt_tools.cli.options import dry_run_option, json_option, select_option
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewriting import (
@@ -49,6 +49,7 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
         json_option,
+        dry_run_option,
     ]
     for option in reversed(options):
         func = option(func)
@@ -98,6 +99,7 @@ def _options(kw: dict[str, Any], progress: Callable[[int, int], None] | None) ->
         "verify": kw["verify"],
         "allow_globals": kw["allow_globals"],
         "progress": progress,
+        "dry_run": kw["dry_run"],
     }
 
 

@@ -73,6 +73,7 @@ def rewrite(
     drop_extras: bool = False,
     progress: Progress | None = None,
     opened: Checkpoint | None = None,
+    dry_run: bool = False,
 ) -> RewriteResult:
     """Rewrite a checkpoint file: rename its state dict's keys and/or retag devices.
 
@@ -94,6 +95,7 @@ def rewrite(
         drop_extras: for safetensors outputs, drop non-tensor entries instead of refusing.
         progress: called with ``(bytes_done, bytes_total)``.
         opened: ``src`` already opened with ``open_checkpoint`` (saves reading it twice).
+        dry_run: plan and check everything, write nothing (``written`` is False).
 
     Returns:
         A :class:`RewriteResult`.
@@ -136,6 +138,8 @@ def rewrite(
     if fmt == "safetensors":
         for t in counted:
             ckpt.span(t.storage)  # a storage that cannot be copied is refused before writing
+    if dry_run:
+        return _planned(src, dst, ckpt, fmt, selection.path, rules, changed, sd, total, drop_extras)
     done = [0]
 
     def on_bytes(n: int) -> None:
@@ -174,6 +178,36 @@ def rewrite(
         device_map=dict(device_map or {}),
         message=summary(dst, ckpt.format, fmt, len(changed), len(sd), rules, device_map),
     )
+
+
+def _planned(
+    src, dst, ckpt, fmt, selected, rules, changed, sd, total, drop_extras
+) -> RewriteResult:
+    """The result of a dry run: what would be written, refusals included; nothing is."""
+    dropped: tuple[str, ...] = ()
+    if fmt == "safetensors":
+        renamed_sd = {new: sd[old] for old, new in plan_pairs(sd, changed)}
+        dropped = safetensors_plan(ckpt, selected, renamed_sd, drop_extras)[2]
+    return RewriteResult(
+        src=src,
+        dst=dst,
+        written=False,
+        input_format=ckpt.format,
+        output_format=fmt,
+        selected=selected,
+        rules=tuple(r.description for r in rules),
+        renamed=len(changed),
+        total_keys=len(sd),
+        examples=tuple(changed),
+        dropped=dropped,
+        message=f"dry run: would write {dst} ({len(changed)} of {len(sd)} keys renamed, "
+        f"{total} tensor bytes); nothing written",
+    )
+
+
+def plan_pairs(sd: Mapping[Any, Any], changed: Sequence[tuple[str, str]]) -> list[tuple[Any, Any]]:
+    renames = dict(changed)
+    return [(k, renames.get(k, k)) for k in sd]
 
 
 def _nothing_to_do(src: str, ckpt: Checkpoint, selected: tuple[str, ...], n: int, why: str):

@@ -1,0 +1,225 @@
+"""Floating-point casts with numpy, bitwise equal to torch's ``tensor.to(dtype)`` on the CPU.
+
+torch is never imported (importing it alone costs about 223 MB of RSS). What torch does, and
+so what this module does:
+
+- every finite value is rounded to nearest, ties to even; overflow gives inf; subnormals are
+  kept (fp16 subnormals, bf16 from fp32 subnormals), never flushed;
+- a float64 source is rounded to float32 first, then to the target (torch's ``Half`` and
+  ``BFloat16`` are built from a float): ``1 + 2**-8 + 2**-40`` becomes bf16 ``1.0``, not the
+  nearest bf16. Double rounding is torch's result, so it is ours;
+- NaN bits follow torch's x86 CPU kernels (AVX2 / AVX-512), measured with torch 2.13:
+
+  ====================  ====================================================================
+  cast                   NaN becomes
+  ====================  ====================================================================
+  fp32 -> bf16           ``0xffff`` (the vectorised kernel's mask; sign and payload lost)
+  fp64 -> bf16           ``0xffff``, except the last ``n % 16`` elements: ``0x7fc0``
+  fp16 -> bf16           ``0x7fc0``
+  fp16 -> fp32           quiet, sign and payload kept (``s|0x7fc00000|m<<13``), except the
+                         last ``n % 8`` elements: ``0x7fffffff``
+  bf16 -> fp32           the same bits shifted (payload kept, not quieted)
+  fp64 -> fp32           quiet, sign kept, payload truncated (the hardware conversion)
+  any -> fp16            through fp32 as above, then quiet, sign kept, payload truncated
+  ====================  ====================================================================
+
+  ``n`` is the number of elements of the contiguous tensor cast (here: the storage), so
+  the position of each element in it matters; :func:`cast_chunk` takes it. Other torch builds
+  (ARM, CUDA) make other NaN bits; every non-NaN value is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = [
+    "CAST_SOURCES",
+    "CAST_TARGETS",
+    "cast_array",
+    "cast_chunk",
+    "iter_cast",
+]
+
+#: Dtypes a cast reads; other dtypes (integers, bool, quantized, complex, float8) are not cast.
+CAST_SOURCES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+#: Dtypes a cast writes.
+CAST_TARGETS: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+_BITS = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+# Elements per vector block of the kernels whose last ``n % block`` elements take a scalar path.
+_VECTOR_BLOCK = {("float64", "bfloat16"): 16, ("float16", "float32"): 8}
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _to_float32_bits(bits: np.ndarray, src: str) -> np.ndarray:
+    """fp32 bit patterns of ``bits`` (of dtype ``src``); exact except float64 (rounded)."""
+    if src == "float32":
+        return bits
+    if src == "bfloat16":
+        return bits.astype(np.uint32) << np.uint32(16)
+    if src == "float16":
+        with np.errstate(invalid="ignore"):
+            return bits.view(np.float16).astype(np.float32).view(np.uint32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bits.view(np.float64).astype(np.float32).view(np.uint32)
+
+
+def _f32_to_bf16(b32: np.ndarray) -> np.ndarray:
+    """Round fp32 bits to bf16 bits, nearest even (NaNs are fixed up by the caller)."""
+    bias = ((b32 >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    return ((b32 + bias) >> np.uint32(16)).astype(np.uint16)
+
+
+def _f32_to_f16(b32: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return b32.view(np.float32).astype(np.float16).view(np.uint16)
+
+
+def _nan_mask(bits: np.ndarray, src: str) -> np.ndarray:
+    if src == "float64":
+        return (bits & np.uint64(0x7FFFFFFFFFFFFFFF)) > np.uint64(0x7FF0000000000000)
+    if src == "float32":
+        return (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if src == "float16":
+        return (bits & np.uint16(0x7FFF)) > np.uint16(0x7C00)
+    return (bits & np.uint16(0x7FFF)) > np.uint16(0x7F80)
+
+
+def _quiet_f32_nan(bits: np.ndarray, src: str) -> np.ndarray:
+    """The fp32 NaN the hardware conversion makes from NaN ``bits`` (fp64 or fp32 or bf16)."""
+    if src == "float64":
+        sign = (bits >> np.uint64(32)).astype(np.uint32) & np.uint32(0x80000000)
+        payload = ((bits >> np.uint64(29)) & np.uint64(0x7FFFFF)).astype(np.uint32)
+        return sign | np.uint32(0x7FC00000) | payload
+    if src == "bfloat16":
+        return bits.astype(np.uint32) << np.uint32(16)
+    if src == "float16":
+        b = bits.astype(np.uint32)
+        return (
+            ((b & np.uint32(0x8000)) << np.uint32(16))
+            | np.uint32(0x7FC00000)
+            | ((b & np.uint32(0x3FF)) << np.uint32(13))
+        )
+    return bits | np.uint32(0x400000)
+
+
+def _f16_nan_from_f32(b32: np.ndarray) -> np.ndarray:
+    """The fp16 NaN the hardware conversion makes: quiet, sign kept, payload truncated."""
+    sign = (b32 >> np.uint32(16)) & np.uint32(0x8000)
+    payload = (b32 >> np.uint32(13)) & np.uint32(0x3FF)
+    return (sign | np.uint32(0x7E00) | payload).astype(np.uint16)
+
+
+def _tail_mask(count: int, first: int, total: int, block: int) -> np.ndarray | None:
+    """Which of ``count`` elements, starting at ``first`` of ``total``, fall in the scalar tail."""
+    tail_start = total - total % block
+    if first + count <= tail_start:
+        return None
+    return np.arange(first, first + count) >= tail_start
+
+
+def cast_array(
+    bits: np.ndarray, src: str, dst: str, first: int = 0, total: int | None = None
+) -> np.ndarray:
+    """Cast an array of ``src`` bit patterns to ``dst`` bit patterns, as torch's ``.to`` does.
+
+    Args:
+        bits: the source values as unsigned integers of the source's width (``uint16`` for
+            bf16 and fp16, ``uint32`` for fp32, ``uint64`` for fp64).
+        src: ``float64``, ``float32``, ``float16`` or ``bfloat16``.
+        dst: ``bfloat16``, ``float16`` or ``float32``.
+        first: the index of ``bits[0]`` in the tensor being cast (NaN bits depend on it).
+        total: that tensor's element count; ``len(bits)`` when None.
+
+    Returns:
+        The target's bit patterns (``uint16`` or ``uint32``), a new array.
+
+    Raises:
+        ValueError: a dtype outside :data:`CAST_SOURCES` / :data:`CAST_TARGETS`.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.array([1.0, 1 + 2**-8, 65520.0, 1e-40], dtype=np.float32)
+        >>> [hex(b) for b in cast_array(x.view(np.uint32), "float32", "bfloat16")]
+        ['0x3f80', '0x3f80', '0x4780', '0x1']
+        >>> [hex(b) for b in cast_array(x.view(np.uint32), "float32", "float16")]
+        ['0x3c00', '0x3c04', '0x7c00', '0x0']
+    """
+    if src not in CAST_SOURCES or dst not in CAST_TARGETS:
+        raise ValueError(
+            f"cannot cast {src} to {dst}: casts read {CAST_SOURCES}, write {CAST_TARGETS}"
+        )
+    bits = np.ascontiguousarray(bits, dtype=_BITS[src])
+    total = len(bits) if total is None else total
+    if src == dst:
+        return bits.copy()
+    b32 = _to_float32_bits(bits, src)
+    nan = _nan_mask(bits, src)
+    any_nan = bool(nan.any())
+    if dst == "float32":
+        out = b32.copy() if b32 is bits else b32
+        if any_nan:
+            out[nan] = _quiet_f32_nan(bits[nan], src)
+    elif dst == "bfloat16":
+        out = _f32_to_bf16(b32)
+        if any_nan:
+            out[nan] = np.uint16(0x7FC0 if src == "float16" else 0xFFFF)
+    else:
+        out = _f32_to_f16(b32)
+        if any_nan:
+            out[nan] = _f16_nan_from_f32(_quiet_f32_nan(bits[nan], src))
+    block = _VECTOR_BLOCK.get((src, dst))
+    if any_nan and block is not None:
+        tail = _tail_mask(len(bits), first, total, block)
+        if tail is not None:
+            out[nan & tail] = 0x7FC0 if dst == "bfloat16" else 0x7FFFFFFF
+    return out
+
+
+def cast_chunk(data: bytes | memoryview, src: str, dst: str, first: int, total: int) -> bytes:
+    """Cast little-endian ``src`` bytes to ``dst`` bytes (see :func:`cast_array`).
+
+    Example:
+        >>> import numpy as np
+        >>> raw = np.array([0.1, -2.5], dtype=np.float64).tobytes()
+        >>> np.frombuffer(cast_chunk(raw, "float64", "float16", 0, 2), np.float16).tolist()
+        [0.0999755859375, -2.5]
+    """
+    bits = np.frombuffer(data, dtype=np.dtype(_BITS[src]).newbyteorder("<"))
+    return (
+        cast_array(bits.astype(_BITS[src], copy=False), src, dst, first, total)
+        .astype(np.dtype(_BITS[dst]).newbyteorder("<"), copy=False)
+        .tobytes()
+    )
+
+
+def iter_cast(
+    fd: int, offset: int, numel: int, src: str, dst: str, chunk: int = _CHUNK_ELEMENTS
+) -> Iterator[bytes]:
+    """Read ``numel`` ``src`` elements at ``offset`` of ``fd`` and yield them cast, chunk by chunk.
+
+    Memory stays bounded by ``chunk`` elements whatever ``numel`` is.
+
+    Raises:
+        OSError: the file ends early.
+    """
+    size = _ITEMSIZE[src]
+    done = 0
+    while done < numel:
+        count = min(chunk, numel - done)
+        data = os.pread(fd, count * size, offset + done * size)
+        if len(data) != count * size:
+            raise OSError(
+                5, f"source ended after {done * size + len(data)} of {numel * size} bytes"
+            )
+        yield cast_chunk(data, src, dst, done, numel)
+        done += count
+
+
+def itemsize_of(dtype: str) -> int:
+    """Bytes per element of a cast dtype."""
+    return _ITEMSIZE[dtype]

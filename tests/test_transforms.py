@@ -1,0 +1,397 @@
+"""slim, extract, average and --dry-run, checked with torch.load and safetensors (the oracles)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import ckpt_tools as ct
+from ckpt_tools.cli.main import cli, main
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+NESTED = [
+    "plain.pt",
+    "state_dict.pt",
+    "model.pt",
+    "model_state_dict.pt",
+    "model_state.pt",
+    "module.pt",
+    "state_dict_ema.pt",
+    "model_ema.pt",
+    "ema_only.pt",
+    "lightning.ckpt",
+    "trainer_sgd.pt",
+    "trainer_adam.pt",
+    "dataparallel.pt",
+    "tied_views.pt",
+    "dtypes.pt",
+    "legacy.pt",
+    "model.safetensors",
+]
+
+
+def _sd(path: Path, select: tuple[str, ...]) -> dict:
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    obj = torch.load(path, weights_only=True)
+    for key in select:
+        obj = obj[key]
+    return obj
+
+
+@pytest.mark.parametrize("name", NESTED)
+def test_slim_bf16_weights_only_equals_torch_to(tmp_path: Path, name: str) -> None:
+    src = FIXTURES / name
+    result = ct.slim(
+        src, tmp_path / "out.pt", dtype="bf16", weights_only=True, keep_dtype=["running_var"]
+    )
+    assert result.written
+    ref = _sd(src, _selected(src))
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert list(out) == list(ref)
+    for key, value in ref.items():
+        castable = (
+            value.dtype in (torch.float32, torch.float64, torch.float16)
+            and "running_var" not in key
+        )
+        want = value.to(torch.bfloat16) if castable else value
+        assert out[key].dtype == want.dtype, key
+        assert torch.equal(_bits(out[key]), _bits(want)), key
+        assert out[key].stride() == value.stride()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _selected(src: Path) -> tuple[str, ...]:
+    return ct.inspect(src).selected
+
+
+@pytest.mark.parametrize("name", ["tied_views.pt", "legacy_tied_views.pt"])
+def test_slim_keeps_ties_and_views(tmp_path: Path, name: str) -> None:
+    ct.slim(FIXTURES / name, tmp_path / "out.pt", dtype="fp16", weights_only=True)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    ref = _sd(FIXTURES / name, _selected(FIXTURES / name))
+    pointers = {k: v.untyped_storage().data_ptr() for k, v in ref.items()}
+    got = {k: v.untyped_storage().data_ptr() for k, v in out.items()}
+    for a in ref:
+        for b in ref:
+            assert (pointers[a] == pointers[b]) == (got[a] == got[b]), (a, b)
+
+
+def test_slim_drop_and_keep_dtype_leave_the_rest_bit_for_bit(tmp_path: Path) -> None:
+    src = FIXTURES / "trainer_adam.pt"
+    result = ct.slim(
+        src, tmp_path / "o.pt", dtype="fp16", drop=["optimizer"], keep_dtype=[r"^bn\."]
+    )
+    ref = torch.load(src, weights_only=True)
+    out = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert set(out) == set(ref) - {"optimizer"}
+    assert out["scheduler"] == ref["scheduler"] and out["epoch"] == ref["epoch"]
+    assert out["model"]["bn.weight"].dtype == torch.float32
+    assert out["model"]["conv.weight"].dtype == torch.float16
+    assert "optimizer" in result.dropped and result.plan.size_after["optimizer"] == 0
+    assert result.plan.size_before["optimizer"] > 0
+
+
+def test_slim_refuses_unknown_drop_and_missing_ema(tmp_path: Path) -> None:
+    with pytest.raises(ct.UsageError, match="cannot drop nope"):
+        ct.slim(FIXTURES / "trainer_adam.pt", tmp_path / "o.pt", drop=["nope"])
+    with pytest.raises(ct.SelectError, match="no EMA copy found"):
+        ct.slim(FIXTURES / "trainer_adam.pt", tmp_path / "o.pt", ema=True)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("state_dict_ema.pt", "state_dict_ema"),
+        ("model_ema.pt", "model_ema"),
+        ("ema_only.pt", "model_ema"),
+    ],
+)
+def test_slim_ema_takes_the_ema_copy(tmp_path: Path, name: str, key: str) -> None:
+    result = ct.slim(FIXTURES / name, tmp_path / "e.safetensors", ema=True, weights_only=True)
+    assert any(key in n for n in result.plan.notes)
+    ref = torch.load(FIXTURES / name, weights_only=True)[key]
+    out = load_file(tmp_path / "e.safetensors")
+    assert list(out) == list(ref) and all(torch.equal(out[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize(
+    "name", ["plain.pt", "model.pt", "lightning.ckpt", "dataparallel.pt", "model.safetensors"]
+)
+def test_extract_prefix(tmp_path: Path, name: str) -> None:
+    ref = _sd(FIXTURES / name, _selected(FIXTURES / name))
+    prefix = next(k for k in ref if "layers." in k).split("layers.")[0] + "layers."
+    ct.extract(FIXTURES / name, tmp_path / "x.pt", prefix, strip_prefix=True)
+    out = torch.load(tmp_path / "x.pt", weights_only=True)
+    want = {k[len(prefix) :]: v for k, v in ref.items() if k.startswith(prefix)}
+    assert list(out) == list(want) and all(torch.equal(out[k], want[k]) for k in want)
+    with pytest.raises(ct.UsageError, match=r"no key starts with 'nothing\.'"):
+        ct.extract(FIXTURES / name, tmp_path / "y.pt", "nothing.")
+
+
+def _inputs(tmp_path: Path) -> list[dict]:
+    sds = []
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        w = torch.randn(64, 33, generator=g)
+        sd = {
+            "enc.weight": w,
+            "dec.weight": w,
+            "h": torch.randn(1001, generator=g).half(),
+            "b": torch.randn(77, generator=g).bfloat16(),
+            "d": torch.randn(5, dtype=torch.float64, generator=g),
+            "n": torch.tensor(7),
+        }
+        sds.append(sd)
+        saved = {("module." + k if i == 1 else k): v for k, v in sd.items()}  # a DDP input
+        torch.save(saved, tmp_path / f"ckpt_{i}.pt")
+    return sds
+
+
+def test_average_of_three_equals_float64_reference(tmp_path: Path) -> None:
+    sds = _inputs(tmp_path)
+    weights = [1.0, 2.0, 0.5]
+    ct.average(tmp_path / "avg.pt", [tmp_path / f"ckpt_{i}.pt" for i in range(3)], weights=weights)
+    out = torch.load(tmp_path / "avg.pt", weights_only=True)
+    for key, first in sds[0].items():
+        if not first.is_floating_point():
+            assert torch.equal(out[key], first)
+            continue
+        acc = torch.zeros(first.shape, dtype=torch.float64)
+        for sd, w in zip(sds, weights):
+            acc += sd[key].double() * w
+        want = (acc / sum(weights)).to(first.dtype)
+        assert out[key].dtype == first.dtype
+        assert torch.equal(out[key].view(torch.uint8), want.view(torch.uint8)), key
+    assert out["enc.weight"].data_ptr() == out["dec.weight"].data_ptr()  # tied: averaged once
+
+
+def test_average_refuses_mismatches(tmp_path: Path) -> None:
+    _inputs(tmp_path)
+    torch.save({"enc.weight": torch.zeros(3)}, tmp_path / "other.pt")
+    with pytest.raises(ct.ConversionError, match=r"- dec.weight \(missing in other.pt\)") as e:
+        ct.average(tmp_path / "a.pt", [tmp_path / "ckpt_0.pt", tmp_path / "other.pt"])
+    assert e.value.exit_code == 7
+    sd = torch.load(tmp_path / "ckpt_2.pt", weights_only=True)
+    sd["n"] = torch.tensor(8)
+    torch.save(sd, tmp_path / "ckpt_2.pt")
+    with pytest.raises(ct.ConversionError, match="integer tensors differ across inputs: n"):
+        ct.average(tmp_path / "a.pt", [tmp_path / f"ckpt_{i}.pt" for i in range(3)])
+    ct.average(tmp_path / "a.pt", [tmp_path / f"ckpt_{i}.pt" for i in range(3)], ints="last")
+    assert torch.load(tmp_path / "a.pt", weights_only=True)["n"].item() == 8
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["strip-module", "dataparallel.pt", "out.pt"],
+        ["add-module", "plain.pt", "out.pt"],
+        ["rename", "plain.pt", "out.pt", "--sub", "layers.=blocks."],
+        ["retag", "plain.pt", "out.pt", "--map", "cpu=cuda:0"],
+        ["convert", "plain.pt", "out.safetensors"],
+        ["slim", "trainer_adam.pt", "out.pt", "--dtype", "bf16", "--weights-only"],
+        ["extract", "plain.pt", "out.pt", "--prefix", "layers."],
+        ["average", "out.pt", "plain.pt", "other_root.pt"],
+    ],
+)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_dry_run_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], as_json: bool
+) -> None:
+    for name in ("dataparallel.pt", "plain.pt", "trainer_adam.pt", "other_root.pt"):
+        shutil.copy(FIXTURES / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(tmp_path)
+    result = CliRunner().invoke(cli, [*args, "--dry-run", *(["--json"] if as_json else [])])
+    assert result.exit_code == 0, result.output
+    assert _snapshot(tmp_path) == before
+    if as_json:
+        data = json.loads(result.output)
+        assert data["written"] is False
+    else:
+        assert "dry run" in result.output
+
+
+def test_cli_slim_subprocess_and_refusal_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = Path(sys.executable).parent / "ckpt"
+    run = subprocess.run(
+        [
+            str(ckpt),
+            "slim",
+            str(FIXTURES / "trainer_adam.pt"),
+            str(tmp_path / "w.safetensors"),
+            "--dtype",
+            "fp16",
+            "--weights-only",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["written"] and data["size_after"]["optimizer"] == 0
+    ref = torch.load(FIXTURES / "trainer_adam.pt", weights_only=True)["model"]
+    out = load_file(tmp_path / "w.safetensors")
+    assert all(
+        torch.equal(out[k], v.half() if v.is_floating_point() else v) for k, v in ref.items()
+    )
+    code = main(["slim", str(FIXTURES / "trainer_adam.pt"), str(tmp_path / "x.safetensors")])
+    assert code == 7 and "pass --weights-only" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x.safetensors")
+
+
+def test_average_mixed_formats_to_safetensors(tmp_path: Path) -> None:
+    """A safetensors input first, a DDP .pt second; the output is safetensors."""
+    from safetensors.torch import save_file
+
+    sds = _inputs(tmp_path)
+    plain = {k: v.clone() for k, v in sds[0].items() if k != "dec.weight"}
+    save_file(plain, tmp_path / "first.safetensors")
+    second = torch.load(tmp_path / "ckpt_1.pt", weights_only=True)
+    torch.save({k: v for k, v in second.items() if k != "module.dec.weight"}, tmp_path / "ddp.pt")
+    ct.average(tmp_path / "avg.safetensors", [tmp_path / "first.safetensors", tmp_path / "ddp.pt"])
+    out = load_file(tmp_path / "avg.safetensors")
+    for key, first in plain.items():
+        if first.is_floating_point():
+            want = ((first.double() + sds[1][key].double()) / 2).to(first.dtype)
+            assert torch.equal(_bits(out[key]), _bits(want)), key
+        else:
+            assert torch.equal(out[key], first)
+
+
+def test_average_cli_globs_and_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sds = _inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["average", "avg.pt", "ckpt_*.pt", "--last", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["sources"] == ["ckpt_1.pt", "ckpt_2.pt"]
+    out = torch.load(tmp_path / "avg.pt", weights_only=True)
+    want = ((sds[1]["h"].double() + sds[2]["h"].double()) / 2).half()
+    assert torch.equal(_bits(out["module.h"]), _bits(want))  # the first input's keys (DDP)
+
+
+def test_slim_ema_from_a_lightning_callback(tmp_path: Path) -> None:
+    weights = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    ema = {k: v * 0.5 for k, v in weights.items()}
+    ckpt = {
+        "state_dict": weights,
+        "epoch": 1,
+        "global_step": 10,
+        "pytorch-lightning_version": "2.4.0",
+        "callbacks": {"EMACallback": {"ema_state_dict": ema}},
+    }
+    torch.save(ckpt, tmp_path / "l.ckpt")
+    result = ct.slim(
+        tmp_path / "l.ckpt", tmp_path / "ema.pt", ema=True, weights_only=True, dtype="fp16"
+    )
+    assert "EMACallback" in " ".join(result.plan.notes)
+    out = torch.load(tmp_path / "ema.pt", weights_only=True)
+    assert all(torch.equal(out[k], v.half()) for k, v in ema.items())
+
+
+@pytest.mark.parametrize("dst", ["full.pt", "full.safetensors"])
+def test_verify_full_recomputes_every_record(tmp_path: Path, dst: str) -> None:
+    _inputs(tmp_path)
+    result = ct.slim(FIXTURES / "tied_views.pt", tmp_path / dst, dtype="bf16", verify="full")
+    assert "bytes of" in result.verification
+    result = ct.average(
+        tmp_path / f"avg_{dst}", [tmp_path / "ckpt_0.pt", tmp_path / "ckpt_2.pt"], verify="full"
+    )
+    assert "bytes of" in result.verification
+
+
+def test_verify_full_catches_a_record_that_differs_and_keeps_nothing(tmp_path: Path) -> None:
+    """A producer that yields other bytes the second time (a mutated record) is caught."""
+    import dataclasses
+    import itertools
+
+    from ckpt_tools.formats import open_checkpoint
+    from ckpt_tools.io.atomic import check_output_path
+    from ckpt_tools.ops.transform_plan import execute_plan
+
+    planned = ct.slim(FIXTURES / "plain.pt", tmp_path / "o.pt", dtype="fp16", dry_run=True).plan
+    runs = itertools.count()
+    sid, record = next((k, r) for k, r in planned.records.items() if r.produce is not None)
+
+    def flaky():  # the first run (the write) is right; the re-run for verification is not
+        for piece in record.produce():
+            yield piece if next(runs) == 0 else bytes(len(piece))
+
+    records = {**planned.records, sid: dataclasses.replace(record, produce=flaky)}
+    plan = dataclasses.replace(planned, records=records)
+    target = check_output_path(str(tmp_path / "o.pt"), str(FIXTURES / "plain.pt"))
+    with pytest.raises(
+        ct.VerificationError, match=r"record \d+ \(cast float32 -> float16\) differs"
+    ):
+        execute_plan(plan, target, open_checkpoint(str(FIXTURES / "plain.pt")), "full")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_slim_and_extract_inflate_a_rezipped_archive(tmp_path: Path) -> None:
+    """Deflated storage records (a re-zipping tool; torch reads them) are inflated, then cast."""
+    import zipfile
+
+    src = tmp_path / "deflated.pt"
+    deflated = zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED)
+    with zipfile.ZipFile(FIXTURES / "trainer_adam.pt") as zin, deflated as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    ref = torch.load(src, weights_only=True)
+    ct.slim(src, tmp_path / "s.pt", dtype="fp16", verify="full")
+    out = torch.load(tmp_path / "s.pt", weights_only=True)
+    for key, value in ref["model"].items():
+        want = value.half() if value.is_floating_point() else value
+        assert torch.equal(_bits(out["model"][key]), _bits(want)), key
+    exp_avg = ref["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(out["optimizer"]["state"][0]["exp_avg"], exp_avg)  # optimizer: copied
+    ct.extract(src, tmp_path / "x.pt", "layers.", verify="full")
+    extracted = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert extracted and all(torch.equal(extracted[k], ref["model"][k]) for k in extracted)
+
+
+def test_dry_run_still_refuses_what_the_write_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refusals come from planning, so a dry run says the same as the real run, exit code too."""
+    dst = tmp_path / "t.safetensors"
+    code = main(["convert", str(FIXTURES / "trainer_adam.pt"), str(dst), "--dry-run"])
+    assert code == 7 and "pass --drop-extras" in capsys.readouterr().err
+    code = main(["slim", str(FIXTURES / "trainer_adam.pt"), str(dst), "--dry-run"])
+    assert code == 7 and "pass --weights-only" in capsys.readouterr().err
+    code = main(
+        [
+            "average",
+            str(dst),
+            str(FIXTURES / "plain.pt"),
+            str(FIXTURES / "tied_views.pt"),
+            "--dry-run",
+        ]
+    )
+    assert code == 7 and "the inputs do not match" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    result = ct.rewrite(
+        FIXTURES / "dataparallel.pt", tmp_path / "p.pt", [ct.sub_rule("module.", "")], dry_run=True
+    )
+    assert not result.written and len(result.examples) == result.renamed == 17
+    assert list(tmp_path.iterdir()) == []
