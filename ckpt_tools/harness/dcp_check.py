@@ -1,10 +1,11 @@
 """(f) ``dcp_roundtrip``: a DCP folder, consolidated, loads into the bare model as the gathered
 reference, bitwise.
 
-The converter is a parameter: today torch's own
-``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (:func:`torch_dcp_to_pt`);
-``ckpt_tools``' consolidator plugs in the same way, as any callable
-``(dcp_dir, out_file) -> anything`` that writes a ``torch.load``-able file.
+The converter is a parameter: by default ``ckpt consolidate``'s library call
+(:func:`ckpt_consolidate`, torch-free, bounded memory); torch's own
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (:func:`torch_dcp_to_pt`)
+plugs in the same way, as any callable ``(dcp_dir, out_file) -> anything`` that writes a
+``torch.load``-able file.
 """
 
 from __future__ import annotations
@@ -22,10 +23,22 @@ from ckpt_tools.harness.checks import (
 )
 from ckpt_tools.harness.reference import compare_state_dicts, load_pt
 
-__all__ = ["Converter", "check_dcp_roundtrip", "torch_dcp_to_pt"]
+__all__ = ["Converter", "check_dcp_roundtrip", "ckpt_consolidate", "torch_dcp_to_pt"]
 
 #: ``(dcp_dir, out_file)``: writes ``out_file`` from the DCP folder.
 Converter = Callable[[Path, Path], Any]
+
+
+def ckpt_consolidate(dcp_dir: Path, out_file: Path) -> None:
+    """Ours: :func:`ckpt_tools.consolidate` of the model state dict (``ckpt consolidate``).
+
+    Args:
+        dcp_dir: the DCP checkpoint folder.
+        out_file: the ``.pt`` file to write.
+    """
+    from ckpt_tools.ops.consolidate import consolidate
+
+    consolidate(dcp_dir, out_file)
 
 
 def torch_dcp_to_pt(dcp_dir: Path, out_file: Path) -> None:
@@ -43,7 +56,7 @@ def torch_dcp_to_pt(dcp_dir: Path, out_file: Path) -> None:
 def check_dcp_roundtrip(
     dcp_dir: str | Path,
     reference: str | Path,
-    converter: Converter = torch_dcp_to_pt,
+    converter: Converter = ckpt_consolidate,
     *,
     model: str = "mlp",
     model_kwargs: Mapping[str, Any] | None = None,

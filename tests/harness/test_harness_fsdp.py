@@ -58,7 +58,7 @@ def test_fsdp_parity_row_and_dcp_roundtrip_row(parity_mlp: ParityReport) -> None
     assert row.status == "pass" and 0 < row.max_abs_diff <= 1e-5, row.detail
     dcp = parity_mlp.row("fsdp", "dcp_roundtrip")
     assert dcp.status == "pass" and dcp.max_abs_diff == 0.0 and dcp.tolerance == 0.0
-    assert "bitwise equal" in dcp.detail
+    assert "bitwise equal" in dcp.detail and "ckpt_consolidate" in dcp.detail  # ours, torch-free
     with pytest.raises(KeyError):
         parity_mlp.row("ddp", "dcp_roundtrip")  # only runs that saved DCP get the row
 
@@ -86,7 +86,8 @@ def test_dcp_roundtrip_fails_on_a_mutated_reference_or_a_lossy_converter(
 
     row = check_dcp_roundtrip(out / "dcp", out / "bare.pt", drops_a_key, **kw)
     assert (row.status, row.error) == ("fail", "StateDictMismatchError")
-    assert check_dcp_roundtrip(out / "dcp", out / "bare.pt", **kw).passed
+    assert check_dcp_roundtrip(out / "dcp", out / "bare.pt", **kw).passed  # ckpt consolidate
+    assert check_dcp_roundtrip(out / "dcp", out / "bare.pt", torch_dcp_to_pt, **kw).passed
 
 
 def test_torchrun_accepts_fsdp_and_still_refuses_single_process_strategies() -> None:

@@ -8,6 +8,7 @@ and is killed when it runs past its time. The test process never parses a fuzzed
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import resource
@@ -25,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 CLI_MEMORY = int(1.5 * (1 << 30))  # what a ckpt command may map: 1.5 GiB
 ORACLE_MEMORY = 4 << 30  # torch itself maps ~1 GiB of address space
 CLI_TIMEOUT = 30.0  # seconds; the inputs are a few KB, anything near this is a hang
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 FILE_SIZE = 256 << 20  # no file a command writes may grow past this (SIGXFSZ kills it)
 
 
@@ -34,6 +36,9 @@ def limiter(address_space: int) -> Callable[[], None]:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE, FILE_SIZE))
         os.setsid()  # its own process group, so a kill reaches its children too
+        # Killed with its parent: a worker busy on a hostile input (torch on a memo bomb
+        # never finishes) outlived a killed test run, spinning at full CPU for hours.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
     return apply
 
