@@ -1,0 +1,408 @@
+"""Building a state dict's torch objects from the torch-free reader's descriptors.
+
+:func:`build_state_dict` turns the selected mapping of an opened :class:`Checkpoint` into
+what ``torch.load(weights_only=True)`` gives for it, without unpickling anything again:
+
+- zip and safetensors records are memory-mapped once per file
+  (``torch.UntypedStorage.from_file(path, shared=False)``, as ``torch.load(mmap=True)``
+  maps them: private, page-cache backed, no anonymous copy) and each storage is a slice of
+  that map; legacy and tar records are read with ``os.pread`` into fresh storages;
+- each storage is built once, so tensors that shared one in the file (tied weights, views)
+  share it again; a legacy storage view is a slice of its root, as torch makes it;
+- storages go where ``map_location`` says through torch's own ``default_restore_location``
+  (a callable gets the CPU storage and the saved tag, as with ``torch.load``);
+- tensors get the saved dtype, shape, strides, offset, ``requires_grad``, tensor metadata
+  (conjugate and negative bits) and ``nn.Parameter``-ness; ``_metadata`` is kept.
+
+Objects of classes outside the allowlist inside the selected mapping are refused, all of
+them named in one error; anything outside it is never looked at.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import (
+    CorruptCheckpointError,
+    Remedy,
+    UnsafeContentError,
+    UnsupportedFormatError,
+)
+from ckpt_tools.formats import Checkpoint
+from ckpt_tools.formats.allowlist import ConstantRef, Reduced, TorchSize
+from ckpt_tools.loading.tensor_io import torch_dtype
+
+__all__ = ["Restore", "StorageBuilder", "build_state_dict", "unsafe_entries"]
+
+#: ``(cpu_storage, saved_tag) -> storage``: where one storage goes (``map_location`` resolved).
+Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
+
+# Formats whose records lie stored (uncompressed) in the file at fixed offsets and may be
+# mapped; legacy and tar files are read instead, as torch reads them (it cannot map them).
+_MAPPED_FORMATS = frozenset({"torch-zip", "safetensors"})
+# One pread call reads at most this much (Linux caps a single read near 2 GiB).
+_MAX_READ = 1 << 30
+_PARAMETER_TYPES = frozenset({"torch.nn.parameter.Parameter", "torch.nn.Parameter"})
+_TENSOR_TYPES = _PARAMETER_TYPES | {"torch.Tensor", "torch._tensor.Tensor"}
+
+
+@dataclass
+class StorageBuilder:
+    """Builds each storage of one opened checkpoint once, on the device ``restore`` picks.
+
+    Use it as a context manager (or call :meth:`close`): it holds file descriptors for the
+    files read with ``pread``. Mapped files stay mapped as long as a tensor uses them.
+
+    Attributes:
+        ckpt: the opened checkpoint (a sharded folder's locates storages in its shards).
+        restore: where each storage goes.
+        mapped: whether any storage came from a memory-mapped file.
+    """
+
+    ckpt: Checkpoint
+    restore: Restore
+    mapped: bool = False
+    _formats: dict[str, str] = field(default_factory=dict)
+    _maps: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    _fds: dict[str, int] = field(default_factory=dict)
+    _roots: dict[tuple[str, str], torch.UntypedStorage] = field(default_factory=dict)
+    _views: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._formats[self.ckpt.path] = self.ckpt.format
+        for sub in self.ckpt.shards.values():
+            self._formats[sub.path] = sub.format
+
+    def __enter__(self) -> StorageBuilder:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the descriptors of files read with ``pread``; mapped storages stay valid."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+        self._maps.clear()
+
+    def storage(self, ref: StorageRef) -> torch.UntypedStorage:
+        """The placed storage ``ref`` stands for (a legacy view: its slice of the root)."""
+        found = self._views.get(id(ref))
+        if found is not None:
+            return found
+        span = self.ckpt.span(ref)
+        first, end = ref.root_span
+        root_offset, root_nbytes = span.offset - first, ref.numel * itemsize(ref.dtype)
+        key = (span.path, ref.key)
+        root = self._roots.get(key)
+        if root is None:
+            cpu = self._read(span.path, root_offset, root_nbytes, ref.dtype)
+            root = self._roots[key] = _restored(self.restore(cpu, ref.device))
+        found = root if ref.view is None else root[first:end]
+        self._views[id(ref)] = found
+        return found
+
+    def _read(self, path: str, offset: int, nbytes: int, dtype: str) -> torch.UntypedStorage:
+        fmt = self._formats.get(path, "")
+        # Zip records are 64-byte aligned; a safetensors header may leave an offset that is
+        # not a multiple of the element size: such a record is read, not mapped.
+        if fmt in _MAPPED_FORMATS and (fmt == "torch-zip" or offset % itemsize(dtype) == 0):
+            whole = self._maps.get(path)
+            if whole is None:
+                size = os.path.getsize(path)
+                whole = self._maps[path] = torch.UntypedStorage.from_file(path, False, size)
+            if offset + nbytes > whole.nbytes():
+                raise CorruptCheckpointError(
+                    f"{path!r} ends before a storage does (needed {nbytes} bytes at offset "
+                    f"{offset}); the file is truncated",
+                    path=path,
+                )
+            self.mapped = True
+            return whole[offset : offset + nbytes]
+        return self._pread(path, offset, nbytes)
+
+    def _pread(self, path: str, offset: int, nbytes: int) -> torch.UntypedStorage:
+        if nbytes == 0:
+            return torch.UntypedStorage(0)
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
+            if got <= 0:
+                raise CorruptCheckpointError(
+                    f"{path!r} ends before a storage does (needed {nbytes} bytes at offset "
+                    f"{offset}); the file is truncated",
+                    path=path,
+                )
+            done += got
+        # frombuffer shares the bytearray (no copy); the storage keeps it alive.
+        return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def _restored(result: Any) -> torch.UntypedStorage:
+    # A map_location callable may hand back a TypedStorage (older code): use its bytes.
+    untyped = getattr(result, "_untyped_storage", None)
+    return untyped if untyped is not None else result
+
+
+# ---------------------------------------------------------------------------------------
+# Refusing what torch.load(weights_only=True) would refuse inside the state dict
+
+
+def _qualname(node: Any) -> str | None:
+    if isinstance(node, Opaque):
+        return type(node).global_ref.qualname
+    if isinstance(node, type) and issubclass(node, Opaque):
+        return node.global_ref.qualname
+    return None
+
+
+def unsafe_entries(node: Any, path: str = "") -> list[tuple[str, str]]:
+    """Every ``(entry path, global)`` outside the allowlist inside ``node``.
+
+    Example:
+        >>> unsafe_entries({"w": 1, "cfg": {"lr": 0.1}})
+        []
+    """
+    found: list[tuple[str, str]] = []
+    seen: set[int] = set()
+
+    def walk(item: Any, where: str) -> None:
+        name = _qualname(item)
+        if name is not None:
+            found.append((where or "<root>", name))
+            return
+        if id(item) in seen:
+            return
+        if isinstance(item, Mapping):
+            seen.add(id(item))
+            for key, value in item.items():
+                walk(value, f"{where}.{key}" if where else str(key))
+            attributes = getattr(item, "__dict__", None)  # kept alive by the mapping
+            if attributes:
+                walk(attributes, where)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            seen.add(id(item))
+            for index, value in enumerate(item):
+                walk(value, f"{where}.{index}" if where else str(index))
+        elif isinstance(item, TensorRef):
+            walk(_from_type(item)[1], where)
+            walk(_object_state(item), where)
+        elif isinstance(item, Reduced):
+            walk(item.args, where)
+
+    walk(node, path)
+    return found
+
+
+def _from_type(ref: TensorRef) -> tuple[bool, Any, Any, Any]:
+    """``(is it _rebuild_from_type_v2, its new type, inner args, state)``."""
+    if ref.func is None or ref.func.name != "_rebuild_from_type_v2" or len(ref.args) != 4:
+        return False, None, None, None
+    return True, ref.args[1], ref.args[2], ref.args[3]
+
+
+# ---------------------------------------------------------------------------------------
+# Building the tree
+
+
+class _Builder:
+    def __init__(self, storages: StorageBuilder, where: str) -> None:
+        self.storages = storages
+        self.where = where
+        self.memo: dict[int, Any] = {}
+
+    def build(self, node: Any, path: str) -> Any:
+        done = self.memo.get(id(node))
+        if done is not None:
+            return done
+        result = self._build(node, path)
+        if not isinstance(node, (str, bytes, int, float, complex, bool, type(None))):
+            self.memo[id(node)] = result
+        return result
+
+    def _build(self, node: Any, path: str) -> Any:
+        if isinstance(node, TensorRef):
+            return self.tensor(node, path)
+        if isinstance(node, TorchSize):
+            return torch.Size(node)
+        if isinstance(node, Mapping):
+            return self.mapping(node, path)
+        if isinstance(node, (list, tuple, set, frozenset)):
+            items = [self.build(v, f"{path}.{i}") for i, v in enumerate(node)]
+            return items if type(node) is list else type(node)(items)
+        if isinstance(node, ConstantRef):
+            return self.constant(node, path)
+        if isinstance(node, Reduced):
+            return self.reduced(node, path)
+        if isinstance(node, StorageRef):
+            raise UnsupportedFormatError(
+                f"{self.where}: entry {path!r} is a bare storage, not a tensor; load it with "
+                "trust=True",
+                path=self.where,
+            )
+        return node  # str, bytes, numbers, None: as unpickled
+
+    def mapping(self, node: Mapping[Any, Any], path: str) -> Any:
+        out = type(node)() if type(node) in (dict, OrderedDict, Counter) else {}
+        self.memo[id(node)] = out
+        for key, value in node.items():
+            out[key] = self.build(value, f"{path}.{key}" if path else str(key))
+        # BUILD state the pickle set on the mapping: the state dict's ``_metadata``.
+        for name, value in getattr(node, "__dict__", {}).items():
+            setattr(out, name, self.build(value, path))
+        return out
+
+    def constant(self, node: ConstantRef, path: str) -> Any:
+        if node.module == "torch" and isinstance(getattr(torch, node.name, None), torch.dtype):
+            return getattr(torch, node.name)
+        raise UnsupportedFormatError(
+            f"{self.where}: entry {path!r} is the global {node.qualname} itself; load it with "
+            "trust=True",
+            path=self.where,
+        )
+
+    def reduced(self, node: Reduced, path: str) -> Any:
+        name = node.func.qualname
+        args = self.build(node.args, path)
+        if name == "torch.device":
+            return torch.device(*args)
+        if name == "torch._utils._rebuild_meta_tensor_no_storage":
+            dtype, size, stride, requires_grad = args
+            tensor = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+            tensor.requires_grad = requires_grad
+            return tensor
+        raise UnsupportedFormatError(
+            f"{self.where}: entry {path!r} is built by {name}, which this loader does not "
+            "build (sparse, nested or subclass tensors); load it with trust=True",
+            path=self.where,
+        )
+
+    def tensor(self, ref: TensorRef, path: str) -> torch.Tensor:
+        if ref.func is not None and ref.func.name == "_rebuild_qtensor":
+            raise UnsupportedFormatError(
+                f"{self.where}: entry {path!r} is a quantized tensor ({ref.dtype}), which "
+                "this loader does not build; load it with trust=True",
+                path=self.where,
+            )
+        storage = self.storages.storage(ref.storage)
+        tensor = torch.empty((0,), dtype=torch_dtype(ref.dtype), device=storage.device)
+        tensor.set_(storage, ref.offset, ref.shape, ref.stride)
+        metadata = _tensor_metadata(ref)
+        if metadata:
+            torch._C._set_tensor_metadata(tensor, metadata)
+        from_type, new_type, _, _ = _from_type(ref)
+        if from_type and new_type.qualname not in _TENSOR_TYPES:
+            raise UnsupportedFormatError(
+                f"{self.where}: entry {path!r} is a {new_type.qualname}, a tensor subclass "
+                "this loader does not build; load it with trust=True",
+                path=self.where,
+            )
+        if ref.is_parameter:
+            tensor = torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
+        else:
+            tensor.requires_grad = ref.requires_grad
+        state = _object_state(ref)
+        if isinstance(state, tuple) and len(state) == 2:
+            # (dict state, slots state), either may be None
+            parts = [part for part in state if isinstance(part, Mapping)]
+            state = {k: v for part in parts for k, v in part.items()}
+        if isinstance(state, Mapping):
+            for name, value in state.items():  # as torch._utils._set_obj_state sets them
+                setattr(tensor, name, self.build(value, f"{path}.{name}"))
+        return tensor
+
+
+def _tensor_metadata(ref: TensorRef) -> dict[str, Any] | None:
+    """The ``metadata`` argument of the rebuild call (conjugate and negative bits), if any."""
+    name, args = (ref.func.name if ref.func is not None else ""), ref.args
+    if name.startswith("_rebuild_parameter") and args and isinstance(args[0], TensorRef):
+        return _tensor_metadata(args[0])  # the parameter's data was rebuilt first
+    if name == "_rebuild_from_type_v2" and len(args) == 4 and isinstance(args[2], tuple):
+        name = getattr(args[0], "name", "")
+        args = args[2]
+    index = {"_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}.get(name)
+    if index is None or len(args) <= index or not isinstance(args[index], Mapping):
+        return None
+    return dict(args[index])
+
+
+def _object_state(ref: TensorRef) -> Any:
+    """The attribute state ``torch._utils._set_obj_state`` would set, if any."""
+    name = ref.func.name if ref.func is not None else ""
+    if name in ("_rebuild_from_type_v2", "_rebuild_parameter_with_state") and len(ref.args) == 4:
+        return ref.args[3]
+    return None
+
+
+def build_state_dict(
+    ckpt: Checkpoint,
+    state_dict: Mapping[Any, Any],
+    restore: Restore,
+    where: str,
+    remedies: tuple[Remedy, ...] = (),
+) -> tuple[Any, bool]:
+    """The torch objects of ``state_dict`` (a mapping of ``ckpt``'s tree), and whether any
+    storage was memory-mapped.
+
+    Args:
+        ckpt: the opened checkpoint.
+        state_dict: the selected mapping, inside ``ckpt.root``.
+        restore: where each storage goes (see :data:`Restore`).
+        where: the file, for messages.
+        remedies: attached to the refusal of objects outside the allowlist.
+
+    Returns:
+        ``(mapping, mapped)``: a dict or OrderedDict as torch would load it.
+
+    Raises:
+        UnsafeContentError: the mapping holds objects of classes outside the allowlist.
+        UnsupportedFormatError: it holds what this loader does not build (quantized,
+            sparse or subclass tensors): ``trust=True`` loads those with ``torch.load``.
+        CorruptCheckpointError: a storage's bytes lie outside the file.
+
+    Example:
+        >>> from ckpt_tools.formats import open_checkpoint
+        >>> ckpt = open_checkpoint("model.pt")
+        >>> sd, mapped = build_state_dict(ckpt, ckpt.root, lambda s, tag: s, "model.pt")
+        >>> sd["head.weight"].shape, mapped
+        (torch.Size([3, 8]), True)
+    """
+    offenders = unsafe_entries(state_dict)
+    if offenders:
+        names = tuple(dict.fromkeys(name for _, name in offenders))
+        shown = ", ".join(f"{p!r} ({n})" for p, n in offenders[:8])
+        more = f" and {len(offenders) - 8} more" if len(offenders) > 8 else ""
+        raise UnsafeContentError(
+            f"{where}: the state dict holds objects of classes outside the weights-only "
+            f"allowlist: {shown}{more}; loading them would import and call "
+            f"{', '.join(names)}",
+            names,
+            path=where,
+            remedies=remedies,
+        )
+    with StorageBuilder(ckpt, restore) as storages:
+        mapping = state_dict
+        if not isinstance(mapping, (dict, OrderedDict)):
+            mapping = dict(mapping)
+        built = _Builder(storages, where).build(mapping, "")
+        return built, storages.mapped
