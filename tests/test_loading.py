@@ -213,7 +213,8 @@ def test_unsafe_globals_outside_the_state_dict_load_inside_it_are_refused_unless
     inside = net.state_dict()
     inside["fc._extra_state"] = argparse.Namespace(lr=0.1)
     path = save({"state_dict": inside}, "inside.pt")
-    with pytest.raises(UnsafeContentError, match=r"fc\._extra_state.*argparse\.Namespace.*trust=True") as info:
+    refused = r"fc\._extra_state.*argparse\.Namespace.*trust=True"
+    with pytest.raises(UnsafeContentError, match=refused) as info:
         load_state_dict(path)
     assert info.value.globals == ("argparse.Namespace",)
     # The suggested command really gives a loadable file.
