@@ -123,9 +123,7 @@ def _check_trust(ckpt: Checkpoint, weights_only: bool, trust: bool) -> None:
             argument="weights_only",
             value="False",
             path=ckpt.path,
-            remedies=(
-                Remedy("trust", "True", text="if you trust the file"),
-            ),
+            remedies=(Remedy("trust", "True", text="if you trust the file"),),
         )
 
 
