@@ -36,6 +36,8 @@ _NOT_LOADABLE |= {"torchscript.pt", "truncated.pt", "numbers_p0.pkl", "numbers_p
 def _raw(tensor: torch.Tensor) -> bytes:
     if tensor.device.type == "meta":
         return b""
+    if tensor.is_quantized:
+        tensor = tensor.int_repr()
     flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return bytes(flat.cpu().view(torch.uint8).numpy())
 
@@ -44,7 +46,11 @@ def _sharing(sd: dict[Any, Any]) -> list[list[Any]]:
     """Keys grouped by the storage their tensor views (empty storages left out)."""
     groups: dict[int, list[Any]] = {}
     for key, value in sd.items():
-        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        if (
+            isinstance(value, torch.Tensor)
+            and value.device.type != "meta"
+            and value.layout == torch.strided
+        ):
             storage = value.untyped_storage()
             if storage.nbytes():
                 groups.setdefault(storage.data_ptr(), []).append(key)
@@ -54,7 +60,24 @@ def _sharing(sd: dict[Any, Any]) -> list[list[Any]]:
 def assert_like_torch(ours: Any, theirs: Any, where: str = "", sharing: bool = True) -> None:
     """``ours`` is what torch loaded, in every property a caller can see."""
     assert type(ours) is type(theirs), where
-    if isinstance(theirs, torch.Tensor):
+    if isinstance(theirs, torch.Tensor) and theirs.layout != torch.strided:
+        assert ours.layout == theirs.layout and ours.dtype == theirs.dtype, where
+        assert ours.shape == theirs.shape, where
+        assert_like_torch(ours.to_dense(), theirs.to_dense(), where)
+    elif isinstance(theirs, torch.Tensor):
+        if theirs.is_quantized:
+            assert ours.qscheme() == theirs.qscheme(), where
+            if theirs.qscheme() == torch.per_tensor_affine:
+                assert (ours.q_scale(), ours.q_zero_point()) == (
+                    theirs.q_scale(),
+                    theirs.q_zero_point(),
+                ), where
+            else:
+                assert torch.equal(ours.q_per_channel_scales(), theirs.q_per_channel_scales())
+                assert torch.equal(
+                    ours.q_per_channel_zero_points(), theirs.q_per_channel_zero_points()
+                )
+                assert ours.q_per_channel_axis() == theirs.q_per_channel_axis(), where
         assert ours.dtype == theirs.dtype, where
         assert ours.shape == theirs.shape, where
         assert ours.stride() == theirs.stride(), where
@@ -194,10 +217,22 @@ def _zoo() -> dict[str, Any]:
             "extra._extra_state": {"n": 3, "dtype": torch.float16, "shape": torch.Size([2, 2])},
             "nested": [base[:4], (base[4:8],)],
             "device_note": torch.device("cpu"),
+            "qint8": torch.quantize_per_tensor(torch.randn(4, 3), 0.05, 2, torch.qint8),
+            "quint8_channels": torch.quantize_per_channel(
+                torch.randn(3, 4),
+                torch.tensor([0.1, 0.2, 0.3]),
+                torch.tensor([0, 1, 2]),
+                0,
+                torch.quint8,
+            ),
+            "sparse_coo": torch.eye(4).to_sparse(),
+            "sparse_csr": torch.eye(3).to_sparse_csr(),
         }
     )
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning")
 @pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
 def test_views_sharing_strides_parameters_and_dtypes_match_torch_load(
     tmp_path: Path, zipfile: bool

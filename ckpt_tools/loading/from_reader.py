@@ -21,6 +21,7 @@ them named in one error; anything outside it is never looked at.
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -207,6 +208,8 @@ def unsafe_entries(node: Any, path: str = "") -> list[tuple[str, str]]:
         elif isinstance(item, TensorRef):
             walk(_from_type(item)[1], where)
             walk(_object_state(item), where)
+            if item.func is not None and item.func.name == "_rebuild_qtensor":
+                walk(item.args[4:5], where)  # the quantizer parameters
         elif isinstance(item, Reduced):
             walk(item.args, where)
 
@@ -273,19 +276,52 @@ class _Builder:
         return out
 
     def constant(self, node: ConstantRef, path: str) -> Any:
-        if node.module == "torch" and isinstance(getattr(torch, node.name, None), torch.dtype):
-            return getattr(torch, node.name)
+        value = getattr(torch, node.name, None) if node.module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.qscheme)):
+            return value
         raise UnsupportedFormatError(
             f"{self.where}: entry {path!r} is the global {node.qualname} itself; load it with "
             "trust=True",
             path=self.where,
         )
 
+    def qtensor(self, ref: TensorRef, storage: torch.UntypedStorage, path: str) -> torch.Tensor:
+        # torch's own rebuild, called with the real storage and the built quantizer params
+        # (a qscheme and numbers, or tensors of scales and zero points): nothing unpickled.
+        typed = torch.storage.TypedStorage(
+            wrap_storage=storage, dtype=getattr(torch, ref.dtype), _internal=True
+        )
+        params = self.build(ref.args[4], path)
+        try:
+            with warnings.catch_warnings():  # torch's rebuild asks the TypedStorage for its device
+                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+                return torch._utils._rebuild_qtensor(
+                    typed, ref.offset, ref.shape, ref.stride, params, False, OrderedDict()
+                )
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise CorruptCheckpointError(
+                f"{self.where}: entry {path!r}: torch cannot rebuild this quantized tensor ({e})",
+                path=self.where,
+            ) from e
+
     def reduced(self, node: Reduced, path: str) -> Any:
         name = node.func.qualname
         args = self.build(node.args, path)
         if name == "torch.device":
             return torch.device(*args)
+        if name == "torch.serialization._get_layout" and args and isinstance(args[0], str):
+            layout = getattr(torch, args[0].removeprefix("torch."), None)
+            if isinstance(layout, torch.layout):
+                return layout
+        if name == "torch._utils._rebuild_sparse_tensor":
+            # Validated (as torch.load does) once the whole state dict is built.
+            try:
+                return torch._utils._rebuild_sparse_tensor(*args)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise CorruptCheckpointError(
+                    f"{self.where}: entry {path!r}: not a sparse tensor torch rebuilds ({e})",
+                    path=self.where,
+                ) from e
         if name == "torch._utils._rebuild_meta_tensor_no_storage":
             dtype, size, stride, requires_grad = args
             tensor = torch.empty_strided(size, stride, dtype=dtype, device="meta")
@@ -293,20 +329,17 @@ class _Builder:
             return tensor
         raise UnsupportedFormatError(
             f"{self.where}: entry {path!r} is built by {name}, which this loader does not "
-            "build (sparse, nested or subclass tensors); load it with trust=True",
+            "build (nested or subclass tensors); load it with trust=True",
             path=self.where,
         )
 
     def tensor(self, ref: TensorRef, path: str) -> torch.Tensor:
-        if ref.func is not None and ref.func.name == "_rebuild_qtensor":
-            raise UnsupportedFormatError(
-                f"{self.where}: entry {path!r} is a quantized tensor ({ref.dtype}), which "
-                "this loader does not build; load it with trust=True",
-                path=self.where,
-            )
         storage = self.storages.storage(ref.storage)
-        tensor = torch.empty((0,), dtype=torch_dtype(ref.dtype), device=storage.device)
-        tensor.set_(storage, ref.offset, ref.shape, ref.stride)
+        if ref.func is not None and ref.func.name == "_rebuild_qtensor":
+            tensor = self.qtensor(ref, storage, path)
+        else:
+            tensor = torch.empty((0,), dtype=torch_dtype(ref.dtype), device=storage.device)
+            tensor.set_(storage, ref.offset, ref.shape, ref.stride)
         metadata = _tensor_metadata(ref)
         if metadata:
             torch._C._set_tensor_metadata(tensor, metadata)
@@ -405,4 +438,10 @@ def build_state_dict(
         if not isinstance(mapping, (dict, OrderedDict)):
             mapping = dict(mapping)
         built = _Builder(storages, where).build(mapping, "")
+        try:
+            torch._utils._validate_loaded_sparse_tensors()
+        except (RuntimeError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: a sparse tensor of the state dict is invalid ({e})", path=where
+            ) from e
         return built, storages.mapped
