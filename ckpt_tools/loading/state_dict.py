@@ -30,8 +30,9 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
-from ckpt_tools.loading.from_reader import Restore, build_state_dict, unsafe_entries
+from ckpt_tools.loading.from_reader import build_state_dict, unsafe_entries
 from ckpt_tools.loading.results import LoadInfo, StorageMove
+from ckpt_tools.loading.storages import Restore
 from ckpt_tools.structure.selection import (
     Selection,
     is_state_dict,
