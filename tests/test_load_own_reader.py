@@ -297,3 +297,21 @@ def test_loaded_zip_tensors_are_private_copy_on_write_maps(tmp_path: Path) -> No
     sd["w"] += 1  # writes land in private pages (MAP_PRIVATE), never in the file
     assert path.read_bytes() == before
     assert bool((load_state_dict(path)["w"] == 0).all())
+
+
+def test_a_big_endian_file_is_refused_not_misread(tmp_path: Path) -> None:
+    import zipfile
+
+    source = tmp_path / "little.pt"
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, source)
+    big = tmp_path / "big.pt"
+    with zipfile.ZipFile(source) as src, zipfile.ZipFile(big, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("/byteorder"):
+                assert data == b"little"
+                data = b"big"
+            dst.writestr(item, data)
+    assert load_state_dict(source)["w"][1] == 1.0
+    with pytest.raises(UnsupportedFormatError, match="big-endian"):
+        load_state_dict(big)
