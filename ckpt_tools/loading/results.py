@@ -62,7 +62,8 @@ class LoadInfo(Readable):
         selection_reason: why it was chosen.
         map_location: the ``map_location`` as given, in words (``auto``, ``cpu``, ...).
         placements: one entry per saved device tag: where its storages went.
-        mmap: the file was memory-mapped (zip files loaded to the CPU, no copy).
+        mmap: storages came from the memory-mapped file (torch zip and safetensors records:
+            no copy; a GPU target copies from the mapped pages).
         trusted: loaded with ``trust=True`` (full unpickling).
         tensors: tensors in the returned state dict.
     """
