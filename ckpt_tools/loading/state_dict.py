@@ -124,7 +124,9 @@ def _check_trust(ckpt: Checkpoint, weights_only: bool, trust: bool) -> None:
             argument="weights_only",
             value="False",
             path=ckpt.path,
-            remedies=(Remedy("trust", "True", text="if you trust the file"),),
+            remedies=(
+                Remedy("trust", "True", text="to say so explicitly (only for files you trust)"),
+            ),
         )
 
 
@@ -157,7 +159,9 @@ def _restorer(
                 result = default_restore_location(storage, tag)
             target = str(result.device)
         else:
-            target = resolved.get(tag) or resolve_map_location(map_location, [tag])[tag]  # type: ignore[index]
+            target = resolved.get(tag)
+            if target is None:  # a tag seen only inside a rebuild's arguments
+                target = (resolve_map_location(map_location, [tag]) or {}).get(tag, tag)
             result = default_restore_location(storage, target)
         entry = seen.setdefault((tag, target), [0, 0])
         entry[0] += 1
@@ -349,7 +353,7 @@ def load_state_dict(
         trust: unpickle everything (``torch.load(weights_only=False)``): runs code named
             in the file. Needed only when the state dict itself holds objects outside the
             allowlist (custom classes as extra state) or tensors this loader does not build
-            (quantized, sparse, nested, subclasses).
+            (nested tensors, tensor subclasses).
         return_info: also return a :class:`LoadInfo`.
 
     Returns:
