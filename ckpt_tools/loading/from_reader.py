@@ -287,9 +287,10 @@ def build_state_dict(
 
     Raises:
         UnsafeContentError: the mapping holds objects of classes outside the allowlist.
-        UnsupportedFormatError: it holds what this loader does not build (quantized,
-            sparse or subclass tensors): ``trust=True`` loads those with ``torch.load``.
-        CorruptCheckpointError: a storage's bytes lie outside the file.
+        UnsupportedFormatError: it holds what this loader does not build (nested tensors,
+            tensor subclasses, bare storages): ``trust=True`` loads those with ``torch.load``.
+        CorruptCheckpointError: a storage's bytes lie outside the file, or torch's own
+            rebuild refuses a quantized or sparse tensor.
 
     Example:
         >>> from ckpt_tools.formats import open_checkpoint
