@@ -111,6 +111,7 @@ class _Builder:
         self.storages = storages
         self.where = where
         self.memo: dict[int, Any] = {}
+        self.sparse = False  # built a sparse tensor: torch's validation runs at the end
 
     def build(self, node: Any, path: str) -> Any:
         done = self.memo.get(id(node))
@@ -193,6 +194,7 @@ class _Builder:
                 return layout
         if name == "torch._utils._rebuild_sparse_tensor":
             # Validated (as torch.load does) once the whole state dict is built.
+            self.sparse = True
             try:
                 return torch._utils._rebuild_sparse_tensor(*args)
             except (RuntimeError, ValueError, TypeError) as e:
@@ -316,7 +318,10 @@ def build_state_dict(
         mapping = state_dict
         if not isinstance(mapping, (dict, OrderedDict)):
             mapping = dict(mapping)
-        built = _Builder(storages, where).build(mapping, "")
+        builder = _Builder(storages, where)
+        built = builder.build(mapping, "")
+        if not builder.sparse:
+            return built, storages.mapped
         try:
             torch._utils._validate_loaded_sparse_tensors()
         except (RuntimeError, ValueError) as e:
