@@ -173,7 +173,7 @@ def test_safetensors_with_every_form(net: nn.Module, tmp_path: Path) -> None:
     for form in ("auto", "cpu", {"cpu": "cpu"}, _keep):
         sd, info = load_state_dict(path, map_location=form, return_info=True)
         assert_same(sd, expected, ordered=False)
-        assert info.format == "safetensors" and not info.mmap
+        assert info.format == "safetensors" and info.mmap  # mapped, as torch zip records are
 
 
 def test_legacy_file_loads_without_mmap(net: nn.Module, save: Callable[..., str]) -> None:
@@ -201,11 +201,20 @@ def test_sharded_folder_merges_shards_in_index_order(net: nn.Module, tmp_path: P
 # --- safety -------------------------------------------------------------------------------
 
 
-def test_unsafe_globals_are_refused_unless_trusted(
+def test_unsafe_globals_outside_the_state_dict_load_inside_it_are_refused_unless_trusted(
     net: nn.Module, save: Callable[..., str]
 ) -> None:
+    # Outside the state dict (hyper-parameters): never built, the load succeeds untrusted.
     path = save({"state_dict": net.state_dict(), "hparams": argparse.Namespace(lr=0.1)})
-    with pytest.raises(UnsafeContentError, match=r"argparse\.Namespace.*trust=True") as info:
+    sd, load_info = load_state_dict(path, return_info=True)
+    assert_same(sd, net.state_dict())
+    assert not load_info.trusted and load_info.selected == ("state_dict",)
+    # Inside it (an extra state object): refused by name, with the way out.
+    inside = net.state_dict()
+    inside["fc._extra_state"] = argparse.Namespace(lr=0.1)
+    path = save({"state_dict": inside}, "inside.pt")
+    refused = r"fc\._extra_state.*argparse\.Namespace.*trust=True"
+    with pytest.raises(UnsafeContentError, match=refused) as info:
         load_state_dict(path)
     assert info.value.globals == ("argparse.Namespace",)
     # The suggested command really gives a loadable file.
@@ -216,7 +225,7 @@ def test_unsafe_globals_are_refused_unless_trusted(
     with pytest.raises(UsageError, match="trust=True"):
         load_state_dict(path, weights_only=False)
     sd, load_info = load_state_dict(path, trust=True, return_info=True)
-    assert_same(sd, net.state_dict())
+    assert sd["fc._extra_state"] == argparse.Namespace(lr=0.1)
     assert load_info.trusted and load_info.selected == ("state_dict",)
 
 

@@ -36,7 +36,7 @@ from ckpt_tools.structure.suggest import (
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["LoadReport", "ShapeMismatch", "load_into"]
+__all__ = ["LoadReport", "ShapeMismatch", "load_into", "on_meta"]
 
 logger = logging.getLogger("ckpt_tools")
 
@@ -116,6 +116,19 @@ def _source_state_dict(
     return sd, info.path, info
 
 
+def on_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the ``meta`` device (no storage).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     net = torch.nn.Linear(4, 2)
+        >>> on_meta(net), on_meta(torch.nn.Linear(4, 2))
+        (True, False)
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    return any(t.device.type == "meta" for t in tensors)
+
+
 def load_into(
     model: nn.Module,
     source: str | os.PathLike[str] | Mapping[str, Any],
@@ -123,6 +136,7 @@ def load_into(
     map_location: MapLocation = "auto",
     select: str | Sequence[str] | None = None,
     trust: bool = False,
+    assign: bool | None = None,
 ) -> LoadReport:
     """Load a checkpoint into a model, reconciling wrapper prefixes on both sides.
 
@@ -141,6 +155,13 @@ def load_into(
             the CPU (memory-mapped) since they are copied into the model's tensors anyway.
         select: dotted path to the state dict inside the checkpoint.
         trust: see :func:`load_state_dict`.
+        assign: make the loaded tensors the model's own
+            (``model.load_state_dict(..., assign=True)``) instead of copying into them.
+            Default (None): True exactly when the model has parameters or buffers on the
+            ``meta`` device, so a model built under ``torch.device("meta")`` gets tensors
+            backed by the memory-mapped file (nothing allocated, nothing copied) and
+            loading a model larger than half the RAM works. With ``assign``, the
+            checkpoint's dtypes and devices are kept (nothing is cast).
 
     Returns:
         A :class:`LoadReport`.
@@ -158,6 +179,7 @@ def load_into(
         ("stripping 'module.'",)
     """
     sd, label, info = _source_state_dict(source, map_location, select, trust)
+    assign = on_meta(model) if assign is None else assign
     target = model.state_dict()
     model_keys = list(target)
     source_keys = [str(k) for k in sd]
@@ -186,8 +208,9 @@ def load_into(
         missing=missing,
         unexpected=unexpected,
         shape_mismatches=tuple(shapes),
-        dtype_casts=tuple(casts),
+        dtype_casts=() if assign else tuple(casts),
         info=info,
+        assigned=assign,
     )
     if strict and not report.ok:
         raise StateDictMismatchError(
@@ -198,7 +221,7 @@ def load_into(
     if getattr(sd, "_metadata", None) is not None:
         filtered._metadata = sd._metadata  # type: ignore[attr-defined]
     try:
-        result = model.load_state_dict(filtered, strict=strict)
+        result = model.load_state_dict(filtered, strict=strict, assign=assign)
     except RuntimeError as e:
         raise StateDictMismatchError(
             f"{label}: {type(model).__name__}.load_state_dict refused the state dict: {e}"

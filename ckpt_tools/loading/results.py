@@ -62,7 +62,8 @@ class LoadInfo(Readable):
         selection_reason: why it was chosen.
         map_location: the ``map_location`` as given, in words (``auto``, ``cpu``, ...).
         placements: one entry per saved device tag: where its storages went.
-        mmap: the file was memory-mapped (zip files loaded to the CPU, no copy).
+        mmap: storages came from the memory-mapped file (torch zip and safetensors records:
+            no copy; a GPU target copies from the mapped pages).
         trusted: loaded with ``trust=True`` (full unpickling).
         tensors: tensors in the returned state dict.
     """
@@ -171,6 +172,8 @@ class LoadReport(Readable):
         shape_mismatches: keys present in both with different shapes (skipped).
         dtype_casts: ``(key, checkpoint dtype, model dtype)`` copied with a cast.
         info: how the file was loaded; None for an in-memory state dict.
+        assigned: the loaded tensors became the model's (``load_state_dict(assign=True)``,
+            as for a model built on the ``meta`` device): nothing was copied or cast.
     """
 
     source: str
@@ -184,6 +187,7 @@ class LoadReport(Readable):
     shape_mismatches: tuple[ShapeMismatch, ...] = ()
     dtype_casts: tuple[tuple[str, str, str], ...] = ()
     info: LoadInfo | None = None
+    assigned: bool = False
 
     @property
     def ok(self) -> bool:
@@ -201,6 +205,8 @@ class LoadReport(Readable):
         lines += [f"shape mismatch, skipped: {m}" for m in self.shape_mismatches]
         if self.dtype_casts:
             lines.append(f"cast to the model's dtype: {len(self.dtype_casts)} keys")
+        if self.assigned:
+            lines.append("assigned: the model's tensors are the loaded ones (no copy)")
         if self.info is not None and self.info.moved:
             lines.append(f"devices: {self.info.moves()}")
         return "\n".join(lines)
@@ -224,4 +230,5 @@ class LoadReport(Readable):
             "shape_mismatches": [m.to_json() for m in self.shape_mismatches],
             "dtype_casts": [list(c) for c in self.dtype_casts],
             "info": self.info.to_json() if self.info else None,
+            "assigned": self.assigned,
         }

@@ -1,10 +1,12 @@
 """Loading checkpoints on any device, and into models whatever their wrappers.
 
-:func:`load_state_dict` reads the saved device tags with the torch-free layer first, works
-out where each storage should go (``map_location="auto"``: where it was saved when that
-device exists here, else an existing GPU, else the CPU), refuses unsafe pickles unless
-trusted, then loads with ``torch.load(weights_only=True, mmap=True)`` (zip files),
-``safetensors`` or the legacy reader, and selects the model's state dict.
+:func:`load_state_dict` opens the file with the torch-free reader, selects the model's
+state dict there, works out where each storage should go (``map_location="auto"``: where
+it was saved when that device exists here, else an existing GPU, else the CPU), and builds
+only that state dict's tensors from the reader's descriptors
+(:mod:`ckpt_tools.loading.from_reader`: zip and safetensors records memory-mapped, legacy
+and tar records read). No pickle is unpickled again and ``torch.load`` is never called,
+except with ``trust=True``, which hands the file to ``torch.load(weights_only=False)``.
 
 :func:`ckpt_tools.loading.into_module.load_into` builds on it to load into wrapped or plain models.
 """
@@ -13,22 +15,24 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import torch
+from torch.serialization import default_restore_location
 
+from ckpt_tools.descriptors import iter_tensors
 from ckpt_tools.errors import (
     Remedy,
-    UnsafeContentError,
     UnsupportedFormatError,
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
+from ckpt_tools.loading.from_reader import build_state_dict, unsafe_entries
 from ckpt_tools.loading.results import LoadInfo, StorageMove
+from ckpt_tools.loading.storages import Restore
 from ckpt_tools.structure.selection import (
     Selection,
     is_state_dict,
@@ -124,39 +128,68 @@ def _check_trust(ckpt: Checkpoint, weights_only: bool, trust: bool) -> None:
                 Remedy("trust", "True", text="to say so explicitly (only for files you trust)"),
             ),
         )
-    if ckpt.unsafe_globals and not trust:
-        names = ", ".join(ckpt.unsafe_globals)
-        allow = " ".join(f"--allow-global {shlex.quote(g)}" for g in ckpt.unsafe_globals)
-        out = os.path.splitext(ckpt.path.rstrip("/"))[0] + ".safetensors"
-        raise UnsafeContentError(
-            f"{ckpt.path!r} refers to Python globals outside the weights-only allowlist: "
-            f"{names}; loading it would import and call them",
-            ckpt.unsafe_globals,
-            path=ckpt.path,
-            remedies=(
-                Remedy("trust", "True", text="if you trust the file"),
-                Remedy(
-                    command=f"ckpt convert {shlex.quote(ckpt.path)} {shlex.quote(out)} "
-                    f"--drop-extras {allow}",
-                    text="to keep only the tensors, without running anything",
-                ),
-            ),
-        )
 
 
-def _torch_load(ckpt: Checkpoint, path: str, map_location: Any, trust: bool, mmap: bool) -> Any:
-    try:
-        return torch.load(path, map_location=map_location, weights_only=not trust, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        if trust:
-            raise
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise UnsafeContentError(
-            f"torch's weights-only unpickler refused {path!r} ({first})",
-            ckpt.unsafe_globals,
-            path=path,
-            remedies=(Remedy("trust", "True", text="if you trust the file"),),
-        ) from e
+def _unsafe_remedies(ckpt: Checkpoint, names: Sequence[str]) -> tuple[Remedy, ...]:
+    allow = " ".join(f"--allow-global {shlex.quote(g)}" for g in names)
+    out = os.path.splitext(ckpt.path.rstrip("/"))[0] + ".safetensors"
+    return (
+        Remedy("trust", "True", text="if you trust the file"),
+        Remedy(
+            command=f"ckpt convert {shlex.quote(ckpt.path)} {shlex.quote(out)} "
+            f"--drop-extras {allow}",
+            text="to keep only the tensors, without running anything",
+        ),
+    )
+
+
+def _restorer(
+    map_location: MapLocation, tags: Sequence[str]
+) -> tuple[Restore, Callable[[], tuple[StorageMove, ...]]]:
+    """Where each storage goes (torch's own ``default_restore_location`` moves it), and a
+    function that says where they went."""
+    resolved = resolve_map_location(map_location, tags)
+    seen: dict[tuple[str, str], list[int]] = {}
+
+    def restore(storage: torch.UntypedStorage, tag: str) -> torch.UntypedStorage:
+        if resolved is None:
+            # A callable gets the CPU storage and the saved tag; None means "where saved".
+            result = map_location(storage, tag)  # type: ignore[operator]
+            if result is None:
+                result = default_restore_location(storage, tag)
+            target = str(result.device)
+        else:
+            target = resolved.get(tag)
+            if target is None:  # a tag seen only inside a rebuild's arguments
+                target = (resolve_map_location(map_location, [tag]) or {}).get(tag, tag)
+            result = default_restore_location(storage, target)
+        entry = seen.setdefault((tag, target), [0, 0])
+        entry[0] += 1
+        entry[1] += storage.nbytes()
+        return result
+
+    def placements() -> tuple[StorageMove, ...]:
+        return tuple(StorageMove(s, t, n, b) for (s, t), (n, b) in seen.items())
+
+    return restore, placements
+
+
+def _load_own(
+    ckpt: Checkpoint, selection: Selection, map_location: MapLocation
+) -> tuple[dict[Any, Any], tuple[StorageMove, ...], bool]:
+    """The selected state dict built from our own reader (no pickle is run)."""
+    tags = list(dict.fromkeys(t.device for _, t in iter_tensors(selection.state_dict)))
+    restore, placements = _restorer(map_location, tags)
+    names = tuple(dict.fromkeys(n for _, n in unsafe_entries(selection.state_dict)))
+    state_dict, mapped = build_state_dict(
+        ckpt, selection.state_dict, restore, ckpt.path, _unsafe_remedies(ckpt, names)
+    )
+    return state_dict, placements(), mapped
+
+
+def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
+    # Only ever reached with trust=True: the caller said the file may run its code.
+    return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
 
 
 def _load_safetensors(path: str, map_location: Any, resolved: dict[str, str] | None) -> Any:
@@ -193,7 +226,7 @@ def _load_root(
         mmap = False
     elif ckpt.format in ("torch-zip", "torch-legacy", "torch-tar"):
         mmap = ckpt.format == "torch-zip"
-        root = _torch_load(ckpt, ckpt.path, torch_location, trust, mmap)
+        root = _torch_load(ckpt.path, torch_location, mmap)
     elif ckpt.format == "hf-sharded":
         return _load_shards(ckpt, map_location, trust)
     else:
@@ -295,11 +328,16 @@ def load_state_dict(
 ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], LoadInfo]:
     """Load a checkpoint's state dict on any machine, safely.
 
-    The saved device tags are read first without torch; ``map_location`` then decides
-    where each storage goes, and targets that do not exist here are refused before any
-    byte is loaded. Zip checkpoints are memory-mapped (``mmap=True``), safetensors are read
-    with ``safetensors.torch.load_file``, legacy files with ``torch.load``. Devices that
-    changed are logged on the ``ckpt_tools`` logger (INFO) and returned in :class:`LoadInfo`.
+    The file is opened with the torch-free reader (nothing in it runs) and the state dict
+    is selected there; ``map_location`` then decides where each storage goes, and targets
+    that do not exist here are refused before any byte is loaded. Only the selected state
+    dict's tensors are built, from the reader's descriptors: torch zip and safetensors
+    records memory-mapped (as ``torch.load(mmap=True)`` maps them: no anonymous copy),
+    legacy and tar records read with ``pread``; shared storages, strides, views,
+    ``nn.Parameter`` and ``requires_grad`` as ``torch.load(weights_only=True)`` gives them.
+    Objects of classes outside the allowlist *elsewhere* in the file (hyper-parameters,
+    optimizer extras) are never built and do not stop the load. Devices that changed are
+    logged on the ``ckpt_tools`` logger (INFO) and returned in :class:`LoadInfo`.
 
     Args:
         path: a checkpoint file (torch zip, legacy, safetensors) or a sharded folder.
@@ -313,15 +351,17 @@ def load_state_dict(
         weights_only: kept for ``torch.load`` familiarity; ``False`` is accepted only
             together with ``trust=True``.
         trust: unpickle everything (``torch.load(weights_only=False)``): runs code named
-            in the file. Needed when the checkpoint holds objects outside the allowlist
-            (``argparse.Namespace`` hyperparameters, custom classes).
+            in the file. Needed only when the state dict itself holds objects outside the
+            allowlist (custom classes as extra state) or tensors this loader does not build
+            (nested tensors, tensor subclasses).
         return_info: also return a :class:`LoadInfo`.
 
     Returns:
         The state dict (as loaded, ``_metadata`` kept), or ``(state_dict, info)``.
 
     Raises:
-        UnsafeContentError: globals outside the allowlist and no ``trust=True``.
+        UnsafeContentError: the state dict holds objects of globals outside the allowlist
+            (all named) and no ``trust=True``.
         UsageError: ``map_location`` names a device that does not exist here, or
             ``weights_only=False`` without ``trust=True``, or nothing looks like a state dict.
         SelectError: ``select`` names a missing entry.
@@ -340,8 +380,11 @@ def load_state_dict(
     _check_trust(ckpt, weights_only, trust)
     where = ckpt.path
     selection = _selection_checked(ckpt.root, select, where)
-    root, placements, mmap = _load_root(ckpt, map_location, trust)
-    state_dict = _state_dict_at(root, selection.path, where)
+    if trust:
+        root, placements, mmap = _load_root(ckpt, map_location, trust)
+        state_dict: Mapping[Any, Any] = _state_dict_at(root, selection.path, where)
+    else:
+        state_dict, placements, mmap = _load_own(ckpt, selection, map_location)
     if not isinstance(state_dict, dict):
         state_dict = dict(state_dict)
     for move in placements:

@@ -1,0 +1,144 @@
+"""Where a state dict's tensor bytes come from: each storage of a checkpoint built once.
+
+Torch zip and safetensors records are memory-mapped once per file
+(``torch.UntypedStorage.from_file(path, shared=False)``, as ``torch.load(mmap=True)`` maps
+them: private, page-cache backed, no anonymous copy) and each storage is a slice of that map;
+legacy and tar records are read with ``os.pread`` into fresh storages. A legacy storage view
+is a slice of its root, as torch makes it. Storages go where ``map_location`` says through a
+:data:`Restore` function.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ckpt_tools.descriptors import StorageRef
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats import Checkpoint
+
+__all__ = ["Restore", "StorageBuilder"]
+
+#: ``(cpu_storage, saved_tag) -> storage``: where one storage goes (``map_location`` resolved).
+Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
+
+# Formats whose records lie stored (uncompressed) in the file at fixed offsets and may be
+# mapped; legacy and tar files are read instead, as torch reads them (it cannot map them).
+_MAPPED_FORMATS = frozenset({"torch-zip", "safetensors"})
+# One pread call reads at most this much (Linux caps a single read near 2 GiB).
+_MAX_READ = 1 << 30
+
+
+@dataclass
+class StorageBuilder:
+    """Builds each storage of one opened checkpoint once, on the device ``restore`` picks.
+
+    Use it as a context manager (or call :meth:`close`): it holds file descriptors for the
+    files read with ``pread``. Mapped files stay mapped as long as a tensor uses them.
+
+    Attributes:
+        ckpt: the opened checkpoint (a sharded folder's locates storages in its shards).
+        restore: where each storage goes.
+        mapped: whether any storage came from a memory-mapped file.
+    """
+
+    ckpt: Checkpoint
+    restore: Restore
+    mapped: bool = False
+    _formats: dict[str, str] = field(default_factory=dict)
+    _maps: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    _fds: dict[str, int] = field(default_factory=dict)
+    _roots: dict[tuple[str, str], torch.UntypedStorage] = field(default_factory=dict)
+    _views: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._formats[self.ckpt.path] = self.ckpt.format
+        for sub in self.ckpt.shards.values():
+            self._formats[sub.path] = sub.format
+
+    def __enter__(self) -> StorageBuilder:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the descriptors of files read with ``pread``; mapped storages stay valid."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+        self._maps.clear()
+
+    def storage(self, ref: StorageRef) -> torch.UntypedStorage:
+        """The placed storage ``ref`` stands for (a legacy view: its slice of the root)."""
+        found = self._views.get(id(ref))
+        if found is not None:
+            return found
+        span = self.ckpt.span(ref)
+        first, end = ref.root_span
+        root_offset, root_nbytes = span.offset - first, ref.numel * itemsize(ref.dtype)
+        key = (span.path, ref.key)
+        root = self._roots.get(key)
+        if root is None:
+            cpu = self._read(span.path, root_offset, root_nbytes, ref.dtype)
+            root = self._roots[key] = _restored(self.restore(cpu, ref.device))
+        found = root if ref.view is None else root[first:end]
+        self._views[id(ref)] = found
+        return found
+
+    def _read(self, path: str, offset: int, nbytes: int, dtype: str) -> torch.UntypedStorage:
+        fmt = self._formats.get(path, "")
+        # Zip records are 64-byte aligned; a safetensors header may leave an offset that is
+        # not a multiple of the element size: such a record is read, not mapped.
+        if fmt in _MAPPED_FORMATS and (fmt == "torch-zip" or offset % itemsize(dtype) == 0):
+            whole = self._maps.get(path)
+            if whole is None:
+                size = os.path.getsize(path)
+                whole = self._maps[path] = torch.UntypedStorage.from_file(path, False, size)
+            if offset + nbytes > whole.nbytes():
+                raise CorruptCheckpointError(
+                    f"{path!r} ends before a storage does (needed {nbytes} bytes at offset "
+                    f"{offset}); the file is truncated",
+                    path=path,
+                )
+            self.mapped = True
+            return whole[offset : offset + nbytes]
+        return self._pread(path, offset, nbytes)
+
+    def _pread(self, path: str, offset: int, nbytes: int) -> torch.UntypedStorage:
+        if nbytes == 0:
+            return torch.UntypedStorage(0)
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
+            if got <= 0:
+                raise CorruptCheckpointError(
+                    f"{path!r} ends before a storage does (needed {nbytes} bytes at offset "
+                    f"{offset}); the file is truncated",
+                    path=path,
+                )
+            done += got
+        # frombuffer shares the bytearray (no copy); the storage keeps it alive.
+        return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def _restored(result: Any) -> torch.UntypedStorage:
+    # A map_location callable may hand back a TypedStorage (older code): use its bytes.
+    untyped = getattr(result, "_untyped_storage", None)
+    return untyped if untyped is not None else result
