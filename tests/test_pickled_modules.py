@@ -282,3 +282,19 @@ def test_a_module_that_contains_itself_stops():
     inner["_modules"]["again"] = fake
     found = recover_module(_opaque_tree(fake))
     assert found is not None and found.modules == 1 and dict(found.state_dict) == {}
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_load_state_dict_and_load_into_use_the_recovered_state_dict(unimportable, tmp_path, wrap):
+    # Issue 10 items 1 and 2 together: the loader builds what the reader recovered, untrusted.
+    path, expected = _saved_net(unimportable, tmp_path, wrap=wrap)
+    loaded = ct.load_state_dict(path)
+    assert list(loaded) == list(expected)
+    assert all(_same(loaded[k], v) for k, v in expected.items())
+    shared = loaded["heads.a.weight"].untyped_storage().data_ptr()
+    assert loaded["heads.b.weight"].untyped_storage().data_ptr() == shared  # still tied
+    twin = unimportable("nets_i10_twin", NETS).Net()  # same architecture, other weights
+    report = ct.load_into(twin, path)
+    assert not report.missing and not report.unexpected
+    for k, v in expected.items():
+        assert _same(twin.state_dict()[k], v), k
