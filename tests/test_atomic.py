@@ -32,6 +32,24 @@ from tests import helpers as h
 from tests.test_hostile_write_kill import has_file_open_in
 
 
+@pytest.fixture(autouse=True)
+def terminal_signal_dispositions():
+    """The dispositions an interactive terminal gives, whatever launched the test run.
+
+    ``nohup`` (SIGHUP) and a shell's background jobs (SIGINT) start the run with those
+    signals ignored, and atomic_output rightly leaves ignored signals ignored.
+    """
+    wanted = {
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGHUP: signal.SIG_DFL,
+        signal.SIGTERM: signal.SIG_DFL,
+    }
+    before = {signum: signal.signal(signum, handler) for signum, handler in wanted.items()}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
 @pytest.fixture
 def make_src(tmp_path):
     """Factory: save ``obj`` as ``name`` in ``tmp_path/in`` (outputs go elsewhere)."""

@@ -192,18 +192,31 @@ def test_shared_references_do_not_make_selection_exponential():
 
 
 def test_shared_reference_and_huge_int_entries_are_described_safely(tmp_path, capsys):
-    bomb: Any = 0
-    for _ in range(60):
-        # Tuples, as torch's weights-only allowlist has no frozenset; repr() is 2**60 long.
-        bomb = ((bomb, 1), (bomb, 2))
+    shared: Any = 0
+    for _ in range(20):
+        # Tuples, as torch's weights-only allowlist has no frozenset; repr() is 2**20 long.
+        shared = ((shared, 1), (shared, 2))
     path = tmp_path / "values.pkl"
-    path.write_bytes(pickle.dumps({"bomb": bomb, "big": 10**5000, "key": {10**5000: 1}}, 2))
-    # In a fresh process with a generous timeout, not against a clock: repr() of the bomb
-    # would never return, and the timeout turns that hang into a failure.
+    path.write_bytes(pickle.dumps({"shared": shared, "big": 10**5000, "key": {10**5000: 1}}, 2))
+    # In a fresh process with a generous timeout, not against a clock: a repr() walking the
+    # shared references would take long, and the timeout turns a hang into a failure.
     entries = json.loads(run_ckpt("inspect", "--json", path, how="module").stdout)["entries"]
     assert entries["big"].startswith("int <int of ")
-    assert len(entries["bomb"]) < 100
+    assert len(entries["shared"]) < 100
     assert ckpt_tools.inspect(path).entries == entries  # the same here, now known to finish
+
+
+def test_a_value_expanding_past_the_limit_is_a_memo_bomb_even_where_nothing_hashes_it(tmp_path):
+    # 2**60 nodes as a dict *value*: the unpickler would not hang on it (values are not
+    # hashed), but every walk that expands it would, so it is refused before unpickling
+    # (exit 5), in a plain pickle as in a torch zip (tests/test_hostile_read_memo_bomb.py).
+    bomb: Any = 0
+    for _ in range(60):
+        bomb = ((bomb, 1), (bomb, 2))
+    path = tmp_path / "values.pkl"
+    path.write_bytes(pickle.dumps({"bomb": bomb}, 2))
+    with pytest.raises(ResourceLimitError, match="memo bomb"):
+        ckpt_tools.inspect(path)
 
 
 # -- formats ---------------------------------------------------------------------------------
