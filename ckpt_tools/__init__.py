@@ -98,6 +98,8 @@ _LAZY = {
     "extract": "ckpt_tools.ops.extract",
     "average": "ckpt_tools.ops.average",
     "TransformResult": "ckpt_tools.ops.transform_result",
+    "PlannedFile": "ckpt_tools.ops.output_plan",
+    "PlannedTensor": "ckpt_tools.ops.output_plan",
     "load_state_dict": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
     "LoadReport": "ckpt_tools.loading.results",

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.options import json_option, select_option
+from ckpt_tools.cli.options import dry_run_option, json_option, select_option
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.io.hf_shards import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate import consolidate
@@ -16,6 +16,7 @@ Examples:
   ckpt consolidate step-1000/ model.safetensors
   ckpt consolidate step-1000/ model.pt --all          # model, optimizer and the rest
   ckpt consolidate step-1000/ hf_model/ --max-shard-size 2GB --jobs 4
+  ckpt consolidate step-1000/ hf_model/ --max-shard-size 2GB --dry-run   # the plan only
 """
 
 
@@ -53,6 +54,7 @@ Examples:
     help="After writing, re-read every output: keys, dtypes, shapes, layout.",
 )
 @json_option
+@dry_run_option
 def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: Any) -> None:
     """Consolidate a torch.distributed.checkpoint (DCP) folder into OUT, torch-free.
 

@@ -219,6 +219,7 @@ def convert_cmd(
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @json_option
+@dry_run_option
 def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
     """Rewrite a Hugging Face sharded folder with another shard size (SRC is never touched)."""
     from ckpt_tools.ops.reshard import reshard
@@ -232,6 +233,7 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
             verify=kw["verify"],
             progress=progress,
             jobs=kw["jobs"],
+            dry_run=kw["dry_run"],
         )
     _report(result, kw["as_json"])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckpt_tools.cli.options import json_option, select_option
+from ckpt_tools.cli.options import dry_run_option, json_option, select_option
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.ops.sanitize import sanitize
 
@@ -14,6 +14,7 @@ Examples:
   ckpt sanitize best.pt best-plain.pt            # a pickled model: its state dict
   ckpt sanitize last.ckpt plain.ckpt --strict    # refuse rather than drop anything
   ckpt sanitize trainer.pt plain.pt --json       # every conversion and drop, by path
+  ckpt sanitize best.pt best-plain.pt --dry-run  # what it would convert and drop; no write
 """
 
 
@@ -31,6 +32,7 @@ Examples:
     help="After writing, re-read the output: keys and sizes, or also every byte.",
 )
 @json_option
+@dry_run_option
 def sanitize_cmd(
     src: str,
     dst: str,
@@ -39,6 +41,7 @@ def sanitize_cmd(
     force: bool,
     verify: str,
     as_json: bool,
+    dry_run: bool,
 ) -> None:
     """Write SRC as DST that plain torch.load(weights_only=True) loads.
 
@@ -46,7 +49,9 @@ def sanitize_cmd(
     argparse/OmegaConf configs, defaultdicts, paths and enums plain values, pickled
     nn.Modules their state dict; anything else is dropped and listed (--strict: refused).
     """
-    report = sanitize(src, dst, strict=strict, select=select, force=force, verify=verify)
+    report = sanitize(
+        src, dst, strict=strict, select=select, force=force, verify=verify, dry_run=dry_run
+    )
     if as_json:
         echo_json(report.to_json())
         return

@@ -88,7 +88,8 @@ Examples:
 @click.option(
     "--ema",
     is_flag=True,
-    help="Select the EMA copy (state_dict_ema, model_ema, ema, Lightning EMA).",
+    help="Select the EMA copy (state_dict_ema, model_ema, ema, Lightning EMA, Ultralytics' "
+    "pickled ema module: its state dict).",
 )
 @_writing
 def slim_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
@@ -108,6 +109,7 @@ Examples:
 @click.argument("dst", type=click.Path())
 @click.option("--prefix", required=True, help="Keep the keys starting with it.")
 @click.option("--strip-prefix", is_flag=True, help="Remove the prefix from the kept keys.")
+@click.option("--ema", is_flag=True, help="Take the EMA copy (as slim --ema).")
 @_writing
 def extract_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
     """The tensors under one prefix, as a plain state dict."""

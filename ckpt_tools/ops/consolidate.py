@@ -41,6 +41,7 @@ from ckpt_tools.io.writers import SafetensorsEntry, _safetensors_header, picklab
 from ckpt_tools.io.zipcheck import check_torch_zip
 from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION, TorchZipWriter, Writeback
 from ckpt_tools.ops.consolidate_plan import ConsolidationPlan, OutputTensor, plan_consolidation
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text
 from ckpt_tools.structure.text import Readable, human_bytes
 
 __all__ = ["ConsolidateResult", "consolidate"]
@@ -64,6 +65,8 @@ class ConsolidateResult(Readable):
         dropped: non-tensor entries left out (safetensors outputs).
         renamed: how many keys ``strip`` changed.
         verification: what was verified.
+        written: False for a dry run (``files`` are then the files it would write).
+        planned: with ``dry_run``, every file it would write and its tensors.
     """
 
     src: str
@@ -77,6 +80,8 @@ class ConsolidateResult(Readable):
     dropped: tuple[str, ...] = ()
     renamed: int = 0
     verification: str = ""
+    written: bool = True
+    planned: tuple[PlannedFile, ...] = ()
 
     def text(self) -> str:
         """What ``ckpt consolidate`` prints.
@@ -87,8 +92,9 @@ class ConsolidateResult(Readable):
             consolidated ckpt -> model.pt (torch-zip): 2 tensors, 64 B (64 B copied in the kernel)
         """
         where = "the whole checkpoint" if not self.selected else ".".join(self.selected)
+        done = "consolidated" if self.written else "dry run: would consolidate"
         lines = [
-            f"consolidated {self.src} -> {self.dst} ({self.output_format}): {self.tensors} "
+            f"{done} {self.src} -> {self.dst} ({self.output_format}): {self.tensors} "
             f"tensors, {human_bytes(self.total_bytes)} ({human_bytes(self.copied_bytes)} "
             "copied in the kernel)"
         ]
@@ -102,6 +108,8 @@ class ConsolidateResult(Readable):
             lines.append(f"left out (not tensors): {', '.join(self.dropped[:8])}")
         if self.verification:
             lines.append(self.verification)
+        if not self.written:
+            lines += [*planned_text(self.planned), "nothing written"]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -117,6 +125,9 @@ class ConsolidateResult(Readable):
             "dropped": list(self.dropped),
             "renamed": self.renamed,
             "verification": self.verification,
+            "written": self.written,
+            "dry_run": not self.written,
+            **(plan_json(self.planned) if not self.written else {}),
         }
 
 
@@ -146,6 +157,7 @@ def consolidate(
     jobs: int = 1,
     force: bool = False,
     verify: str = "sizes",
+    dry_run: bool = False,
 ) -> ConsolidateResult:
     """Write a torch.distributed.checkpoint folder as one file or as HF shards, torch-free.
 
@@ -161,6 +173,8 @@ def consolidate(
         jobs: how many HF shards to write at once.
         force: replace existing output files.
         verify: ``sizes`` (read every output back: keys, dtypes, shapes, layout) or ``none``.
+        dry_run: plan and check everything (refusals included), write nothing: the result's
+            ``planned`` lists each file, its tensors, dtypes, shapes and sizes.
 
     Returns:
         The :class:`ConsolidateResult`.
@@ -198,6 +212,8 @@ def consolidate(
     plan = plan_consolidation(
         ckpt, select=select, everything=all, strip=strip, tensors_only=fmt != "torch-zip"
     )
+    if dry_run:
+        return _planned(src, dst, fmt, plan, limit, force)
     if fmt == "hf-sharded":
         files = _write_shards(plan, dst, limit, jobs, force, verify)
     else:
@@ -219,6 +235,41 @@ def consolidate(
         verification="not verified (verify='none')"
         if verify == "none"
         else "verified: keys and sizes",
+    )
+
+
+def _planned(
+    src: str, dst: str, fmt: str, plan: ConsolidationPlan, limit: int, force: bool
+) -> ConsolidateResult:
+    """The result of a dry run: the files the plan would write, refused as a write would be."""
+    tensors = {
+        t.name: PlannedTensor(t.name, t.tensor.dtype, t.tensor.shape, t.tensor.nbytes)
+        for t in plan.tensors
+    }
+    if fmt == "hf-sharded":
+        shards, paths, _ = _shard_outputs(plan, dst, limit, force)
+        planned = [
+            PlannedFile.of(path, (tensors[n] for n in names))
+            for path, (_, names) in zip(paths, shards.files)
+        ]
+        if shards.is_sharded:
+            planned.append(PlannedFile(paths[-1], (), len(index_bytes(shards))))
+    else:
+        check_output_path(dst, src, force=force)
+        planned = [PlannedFile.of(dst, tensors.values())]
+    return ConsolidateResult(
+        src=src,
+        dst=dst,
+        output_format=fmt,
+        files=tuple(f.name for f in planned),
+        tensors=len(plan.tensors),
+        total_bytes=sum(t.tensor.nbytes for t in plan.tensors),
+        copied_bytes=sum(t.copied for t in plan.tensors),
+        selected=plan.selected,
+        dropped=plan.dropped,
+        renamed=len(plan.renamed),
+        written=False,
+        planned=tuple(planned),
     )
 
 
@@ -309,28 +360,38 @@ def _write_safetensors(
     os.ftruncate(fd, at)
 
 
+def _shard_outputs(
+    plan: ConsolidationPlan, folder: str, limit: int, force: bool
+) -> tuple[Any, list[str], list[str]]:
+    """The shard plan, the paths it writes (shards, then the index), and stale shards to
+    remove; refuses what writing would refuse, and creates nothing."""
+    shards = plan_shards([(t.name, t.tensor.nbytes) for t in plan.tensors], limit)
+    names = [file for file, _ in shards.files]
+    out = Path(folder)
+    if not out.exists() and not out.parent.is_dir():
+        raise OutputError(
+            f"the output folder's parent {str(out.parent)!r} does not exist", path=folder
+        )
+    paths = [str(out / n) for n in names] + ([str(out / INDEX_NAME)] if len(names) > 1 else [])
+    # Shards of an earlier consolidation would sit beside ours under another count, and
+    # its index would name them: the folder would hold two checkpoints.
+    found = out.glob("model*.safetensors*") if out.is_dir() else ()
+    stale = sorted(str(p) for p in found if str(p) not in paths)
+    for p in paths + stale:
+        if os.path.lexists(p) and not force:
+            raise OutputExistsError(p)
+    return shards, paths, stale
+
+
 def _write_shards(
     plan: ConsolidationPlan, folder: str, limit: int, jobs: int, force: bool, verify: str
 ) -> tuple[str, ...]:
     """HF shards and their index, each file atomic; the index is written last."""
     by_name = {t.name: t for t in plan.tensors}
-    shards = plan_shards([(t.name, t.tensor.nbytes) for t in plan.tensors], limit)
+    shards, paths, stale = _shard_outputs(plan, folder, limit, force)
     names = [file for file, _ in shards.files]
     groups = [list(members) for _, members in shards.files]
-    out = Path(folder)
-    if not out.exists():
-        if not out.parent.is_dir():
-            raise OutputError(
-                f"the output folder's parent {str(out.parent)!r} does not exist", path=folder
-            )
-        out.mkdir()
-    paths = [str(out / n) for n in names] + ([str(out / INDEX_NAME)] if len(names) > 1 else [])
-    # Shards of an earlier consolidation would sit beside ours under another count, and
-    # its index would name them: the folder would hold two checkpoints.
-    stale = sorted(str(p) for p in out.glob("model*.safetensors*") if str(p) not in paths)
-    for p in paths + stale:
-        if os.path.lexists(p) and not force:
-            raise OutputExistsError(p)
+    Path(folder).mkdir(exist_ok=True)
 
     def one(i: int) -> None:
         tensors = [by_name[n] for n in groups[i]]

@@ -10,6 +10,7 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite_plan import output_format_for
+from ckpt_tools.ops.slim import _select_ema, take_module
 from ckpt_tools.ops.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.ops.transform_result import TransformResult
 from ckpt_tools.structure.selection import select_state_dict
@@ -23,6 +24,7 @@ def extract(
     prefix: str,
     *,
     strip_prefix: bool = False,
+    ema: bool = False,
     select: str | None = None,
     output_format: str | None = None,
     force: bool = False,
@@ -39,6 +41,8 @@ def extract(
         dst: the output (``.pt`` or ``.safetensors``).
         prefix: keys starting with it are kept (``backbone.``).
         strip_prefix: remove ``prefix`` from the kept keys.
+        ema: take the EMA copy, as ``slim(ema=True)`` does. A pickled ``nn.Module``
+            selected (Ultralytics' ``model`` or ``ema``) gives up its recovered state dict.
         select, output_format, force, verify, allow_globals, dry_run: as for ``slim``.
 
     Returns:
@@ -54,8 +58,17 @@ def extract(
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=False)
     ckpt = open_checkpoint(src)
-    selection = select_state_dict(ckpt.root, select)
-    check_rewritable(ckpt, allow_globals, selection.path)
+    notes: list[str] = []
+    if ema and select is None:
+        selection, why = _select_ema(ckpt.root)
+        notes.append(why)
+    else:
+        selection = select_state_dict(ckpt.root, select)
+    if selection.module is not None:
+        selection, more = take_module(ckpt, allow_globals, selection)
+        notes += more
+    else:
+        check_rewritable(ckpt, allow_globals, selection.path)
     keys = [str(k) for k in selection.state_dict]
     if not prefix or not any(k.startswith(prefix) for k in keys):
         heads = sorted({k.split(".")[0] + "." for k in keys})
@@ -70,5 +83,7 @@ def extract(
         for k, v in zip(keys, selection.state_dict.values())
     ]
     fmt = output_format_for(dst, output_format, ckpt.format)
-    plan = plan_state_dict_output(ckpt, "extract", dst, fmt, selection, items, weights_only=True)
+    plan = plan_state_dict_output(
+        ckpt, "extract", dst, fmt, selection, items, weights_only=True, notes=notes
+    )
     return finish(plan, target, ckpt, verify, dry_run)

@@ -19,7 +19,7 @@ from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.modules import is_pickled_module, module_globals
 from ckpt_tools.structure.paths import walk_path
 
-__all__ = ["check_key_types", "check_rewritable"]
+__all__ = ["check_key_types", "check_rewritable", "check_state_dict_output"]
 
 _SAVE_STATE_DICT = Remedy(
     text="if you trust the file, load it with torch.load(path, weights_only=False) and "
@@ -96,6 +96,49 @@ def check_rewritable(
                 _SAVE_STATE_DICT,
             ),
         )
+
+
+def _module_trees(node: Any, depth: int = 0) -> list[Any]:
+    """The pickled ``nn.Module`` s at the root or in its containers (``{"ema": Model}``)."""
+    if is_pickled_module(node):
+        return [node]
+    if depth > 3:
+        return []
+    values = node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else ()
+    return [m for v in values for m in _module_trees(v, depth + 1)]
+
+
+def check_state_dict_output(
+    ckpt: Checkpoint, allow_globals: Sequence[str], state_dict: Mapping[Any, Any]
+) -> tuple[str, ...]:
+    """Refuse what an output holding ``state_dict`` alone may not be written from.
+
+    Such an output (a plain state dict, a safetensors file) writes none of the checkpoint's
+    pickled ``nn.Module`` objects: an Ultralytics ``{"model": DetectionModel, "ema":
+    DetectionModel}`` gives up the recovered state dict of one and writes no class. Their
+    globals are therefore allowed; any other global outside the allowlist, and any inside
+    ``state_dict`` itself, is refused as :func:`check_rewritable` refuses it.
+
+    Args:
+        ckpt: the opened input.
+        allow_globals: globals outside the allowlist the caller allows through.
+        state_dict: the state dict the output holds (a recovered one included).
+
+    Returns:
+        The module globals allowed because they are not written, sorted.
+
+    Raises:
+        ConversionError: a TorchScript archive (exit 7).
+        UnsafeContentError: other globals outside the allowlist, not allowed (exit 3).
+
+    Example:
+        >>> check_state_dict_output(Checkpoint("a.pt", "torch-zip", {}, {}), (), {})
+        ()
+    """
+    carried = module_globals(dict(state_dict))
+    unwritten = {g for m in _module_trees(ckpt.root) for g in module_globals(m)} - carried
+    check_source(ckpt, [*allow_globals, *sorted(unwritten)])
+    return tuple(sorted(unwritten & set(ckpt.unsafe_globals)))
 
 
 def _shown(keys: Sequence[Hashable]) -> str:

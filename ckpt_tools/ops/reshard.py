@@ -21,13 +21,17 @@ from ckpt_tools.errors import ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.hf_shards import (
     DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    ShardPlan,
     check_output_folder,
+    index_bytes,
     parse_shard_size,
     plan_shards,
     write_hf_shards,
 )
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify import VERIFY_LEVELS
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite_plan import safetensors_plan
 from ckpt_tools.structure.selection import select_state_dict
@@ -60,6 +64,8 @@ class ShardsResult(Readable):
             metadata) and, with ``drop_extras``, non-tensor entries.
         verification: what was verified.
         message: a one-line summary.
+        written: False for a dry run (``files`` are then the files it would write).
+        planned: with ``dry_run``, every file it would write and the tensors in it.
     """
 
     src: str
@@ -72,12 +78,17 @@ class ShardsResult(Readable):
     dropped: tuple[str, ...] = ()
     verification: str = ""
     message: str = ""
+    written: bool = True
+    planned: tuple[PlannedFile, ...] = ()
 
     def text(self) -> str:
         """The summary, the files, and what was left out."""
-        lines = [self.message, *(f"  {name}" for name in self.files)]
+        listed = [f"  {name}" for name in self.files]
+        lines = [self.message, *(planned_text(self.planned) if not self.written else listed)]
         if self.dropped:
             lines.append(f"left out: {', '.join(self.dropped[:8])}")
+        if not self.written:
+            return "\n".join(lines)
         lines.append(f"{human_bytes(self.total_size)} of tensors copied; {self.verification}")
         return "\n".join(lines)
 
@@ -95,6 +106,9 @@ class ShardsResult(Readable):
             "dropped": list(self.dropped),
             "verification": self.verification,
             "message": self.message,
+            "written": self.written,
+            "dry_run": not self.written,
+            **(plan_json(self.planned) if not self.written else {}),
         }
 
 
@@ -195,6 +209,7 @@ def convert_to_folder(
     allow_globals: Sequence[str] = (),
     progress: Progress | None = None,
     jobs: int = 1,
+    dry_run: bool = False,
 ) -> ShardsResult:
     """Write a checkpoint's state dict as a Hugging Face sharded safetensors folder.
 
@@ -210,6 +225,8 @@ def convert_to_folder(
         progress: called with ``(bytes_done, bytes_total)``.
         jobs: shards written at once, by threads (see
             :func:`~ckpt_tools.io.hf_shards.write_hf_shards`).
+        dry_run: plan and check everything (refusals included), write nothing, create no
+            folder: ``planned`` lists each shard, its tensors, and the index.
 
     Returns:
         A :class:`ShardsResult`.
@@ -256,6 +273,22 @@ def convert_to_folder(
     for e in entries:
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing
     plan = plan_shards([(e.name, e.tensor.nbytes) for e in entries], limit)
+    if dry_run:
+        planned = _planned_files(entries, plan, extra)
+        return ShardsResult(
+            src=src,
+            dst=dst,
+            input_format=ckpt.format,
+            files=tuple(f.name for f in planned),
+            tensors=len(entries),
+            total_size=plan.total_size,
+            max_shard_size=limit,
+            dropped=tuple(aliases) + dropped,
+            message=f"dry run: would convert {ckpt.format} to {len(plan.files)} safetensors "
+            f"shard(s) in {dst} ({plan.total_size} tensor bytes); nothing written",
+            written=False,
+            planned=planned,
+        )
     done = [0]
     lock = threading.Lock()  # shards may be written by several threads
 
@@ -283,6 +316,20 @@ def convert_to_folder(
     )
 
 
+def _planned_files(
+    entries: Sequence[Any], plan: ShardPlan, metadata: Mapping[str, str]
+) -> tuple[PlannedFile, ...]:
+    """The shards ``plan`` lays out, their tensors, and the index (its exact bytes)."""
+    by_name = {
+        e.name: PlannedTensor(e.name, e.tensor.dtype, e.tensor.shape, e.tensor.nbytes)
+        for e in entries
+    }
+    files = [PlannedFile.of(file, (by_name[n] for n in names)) for file, names in plan.files]
+    if plan.is_sharded:
+        files.append(PlannedFile(INDEX_NAME, (), len(index_bytes(plan, metadata))))
+    return tuple(files)
+
+
 def reshard(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -292,6 +339,7 @@ def reshard(
     verify: str = "sizes",
     progress: Progress | None = None,
     jobs: int = 1,
+    dry_run: bool = False,
 ) -> ShardsResult:
     """Rewrite a Hugging Face sharded folder with another shard size (``ckpt reshard``).
 
@@ -303,6 +351,7 @@ def reshard(
         verify: ``sizes`` (default), ``full`` or ``none``, for every shard.
         progress: called with ``(bytes_done, bytes_total)``.
         jobs: shards written at once (threads).
+        dry_run: plan only, as :func:`convert_to_folder`; nothing is written.
 
     Returns:
         A :class:`ShardsResult`.
@@ -323,7 +372,17 @@ def reshard(
             remedies=(Remedy(command=f"ckpt convert {src} OUT_DIR/ --max-shard-size SIZE"),),
         )
     result = convert_to_folder(
-        src, dst, max_shard_size, force=force, verify=verify, progress=progress, jobs=jobs
+        src,
+        dst,
+        max_shard_size,
+        force=force,
+        verify=verify,
+        progress=progress,
+        jobs=jobs,
+        dry_run=dry_run,
     )
     shards = sum(1 for f in result.files if f.endswith(".safetensors"))
+    if dry_run:
+        said = f"dry run: would reshard into {shards} shard(s) in {result.dst}; nothing written"
+        return replace(result, message=said)
     return replace(result, message=f"resharded into {shards} shard(s): wrote {result.dst}")

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import TensorRef, iter_tensors
 from ckpt_tools.errors import (
     Remedy,
     SelectError,
@@ -26,6 +26,7 @@ from ckpt_tools.io.atomic import atomic_output, check_output_path
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
 from ckpt_tools.io.writers import write_torch_zip
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.sanitize_result import SanitizeReport
 from ckpt_tools.ops.sanitize_tree import SanitizedTree, sanitize_tree
@@ -42,6 +43,7 @@ def sanitize(
     select: str | Sequence[str] | None = None,
     force: bool = False,
     verify: str = "sizes",
+    dry_run: bool = False,
 ) -> SanitizeReport:
     """Write ``src`` as a torch file that ``torch.load(weights_only=True)`` loads.
 
@@ -59,6 +61,8 @@ def sanitize(
             automatically when None.
         force: replace an existing ``dst`` (never the input).
         verify: ``sizes`` (default), ``full`` (compare bytes) or ``none``.
+        dry_run: plan and check everything (``strict`` refusals included), write nothing:
+            the report lists every conversion and drop, and ``planned`` the output's tensors.
 
     Returns:
         A :class:`SanitizeReport` listing every conversion and drop with its path.
@@ -109,6 +113,8 @@ def sanitize(
         )
     total = sum(s.nbytes for s in ckpt.storages.values()) + sum(map(len, done.added.values()))
     check_output_size([], total, target)
+    if dry_run:
+        return _planned(src, dst, ckpt.format, selection.path, done)
     copied = [0]
 
     def on_bytes(n: int) -> None:
@@ -134,6 +140,37 @@ def sanitize(
             f"sanitized {src}: wrote {dst} ({len(done.converted)} converted, "
             f"{len(done.dropped)} dropped); loads with torch.load(weights_only=True)"
         ),
+    )
+
+
+def _planned(
+    src: str, dst: str, input_format: str, path: tuple[str, ...], done: SanitizedTree
+) -> SanitizeReport:
+    """The report of a dry run: what would be converted, dropped and written; nothing is."""
+    tensors = iter_tensors(done.root)
+    storages = {id(t.storage): t.storage for _, t in tensors}
+    added = sum(len(b) for b in done.added.values())
+    written = sum(s.nbytes for s in storages.values())
+    planned = PlannedFile(
+        dst, tuple(PlannedTensor(k, t.dtype, t.shape, t.nbytes) for k, t in tensors), written
+    )
+    return SanitizeReport(
+        src=src,
+        dst=dst,
+        input_format=input_format,
+        selected=path,
+        tensors=len(_selected_tensors(done.root, path)),
+        converted=done.converted,
+        dropped=done.dropped,
+        bytes_copied=written - added,
+        bytes_added=added,
+        verification="",
+        message=(
+            f"dry run: would sanitize {src} into {dst} ({len(done.converted)} converted, "
+            f"{len(done.dropped)} dropped, {written} tensor bytes); nothing written"
+        ),
+        written=False,
+        planned=(planned,),
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools.ops.output_plan import PlannedFile, plan_json, planned_text
 from ckpt_tools.ops.sanitize_tree import Change
 from ckpt_tools.structure.text import Readable, human_bytes
 
@@ -30,6 +31,8 @@ class SanitizeReport(Readable):
         bytes_added: bytes of new tensor records (numpy arrays).
         verification: what was verified.
         message: a one-line summary.
+        written: False for a dry run.
+        planned: with ``dry_run``, the file it would write and the tensors in it.
     """
 
     src: str
@@ -43,6 +46,8 @@ class SanitizeReport(Readable):
     bytes_added: int
     verification: str
     message: str
+    written: bool = True
+    planned: tuple[PlannedFile, ...] = ()
 
     def text(self) -> str:
         """The message, every conversion and drop, the totals.
@@ -63,6 +68,8 @@ class SanitizeReport(Readable):
             if changes:
                 lines.append(f"{title}:")
                 lines += [f"  {c}" for c in changes]
+        if not self.written:
+            return "\n".join([*lines, *planned_text(self.planned)])
         lines.append(
             f"torch-zip, {human_bytes(self.bytes_copied)} of tensors copied, "
             f"{human_bytes(self.bytes_added)} added; {self.verification}"
@@ -82,4 +89,7 @@ class SanitizeReport(Readable):
             "bytes_added": self.bytes_added,
             "verification": self.verification,
             "message": self.message,
+            "written": self.written,
+            "dry_run": not self.written,
+            **(plan_json(self.planned) if not self.written else {}),
         }

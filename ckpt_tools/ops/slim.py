@@ -16,18 +16,21 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.ops.preflight import check_rewritable
+from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite_plan import output_format_for
 from ckpt_tools.ops.state_dict_plan import finish, plan_state_dict_output
+from ckpt_tools.ops.transform_plan import cast_tensor
 from ckpt_tools.ops.transform_result import TransformResult
 from ckpt_tools.structure.selection import Selection, select_state_dict
 
-__all__ = ["DTYPE_NAMES", "EMA_KEYS", "slim"]
+__all__ = ["DTYPE_NAMES", "EMA_KEYS", "slim", "take_module"]
 
 #: ``dtype`` spellings slim accepts, and the dtype each names.
 DTYPE_NAMES: dict[str, str] = {
@@ -86,6 +89,40 @@ def _select_ema(root: Any) -> tuple[Selection, str]:
     )
 
 
+def take_module(
+    ckpt: Any, allow_globals: Sequence[str], selection: Selection
+) -> tuple[Selection, list[str]]:
+    """A pickled ``nn.Module`` 's recovered state dict, as ``model.state_dict()`` gives it.
+
+    Its class cannot be written back without its code, so the output is that state dict
+    alone, a plain one: parameters become plain tensors (``requires_grad`` False), each on
+    its own storage as saved (tied weights stay tied); no module class is written.
+
+    Returns:
+        The selection with the plain state dict, and notes saying what was taken.
+
+    Raises:
+        UnsafeContentError: globals outside the allowlist other than module classes (exit 3).
+    """
+    module = selection.module
+    assert module is not None
+    skipped = check_state_dict_output(ckpt, allow_globals, selection.state_dict)
+    plain = {
+        k: cast_tensor(
+            TensorRef(v.storage, v.offset, v.shape, v.stride, v.dtype), v.storage, v.dtype
+        )
+        if isinstance(v, TensorRef) and v.func is not None
+        else v
+        for k, v in selection.state_dict.items()
+    }
+    where = ".".join(selection.path) or "the root"
+    notes = [
+        f"{where!r} is a {module.description}; written as a plain state dict"
+        + (f" (module classes not written: {', '.join(skipped[:4])})" if skipped else "")
+    ]
+    return replace(selection, state_dict=plain), notes + list(module.caveats)
+
+
 def slim(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -112,7 +149,9 @@ def slim(
         drop: top-level entries to leave out (``optimizer``, ``scheduler``).
         weights_only: write the selected state dict alone, as a plain state dict.
         ema: select the EMA copy (``state_dict_ema``, ``model_ema``, ``ema``, Lightning EMA
-            callbacks); refused when there is none.
+            callbacks); refused when there is none. A pickled ``nn.Module`` there
+            (Ultralytics' ``ema``) gives up its recovered state dict, written as a plain
+            state dict (as with ``weights_only``); the notes say so.
         select: dotted path of the state dict (overrides the automatic choice and ``ema``).
         output_format: ``torch`` or ``safetensors``.
         force: replace an existing ``dst``.
@@ -146,7 +185,12 @@ def slim(
         notes.append(why)
     else:
         selection = select_state_dict(ckpt.root, select)
-    check_rewritable(ckpt, allow_globals, selection.path)
+    if selection.module is not None:
+        weights_only = True
+        selection, more = take_module(ckpt, allow_globals, selection)
+        notes += more
+    else:
+        check_rewritable(ckpt, allow_globals, selection.path)
     root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
     items = [(str(k), str(k), v) for k, v in selection.state_dict.items()]
     plan = plan_state_dict_output(
