@@ -344,13 +344,6 @@ def convert(
         from ckpt_tools.ops.reshard import DEFAULT_MAX_SHARD_SIZE, convert_to_folder
 
         options.pop("in_place", None)  # a folder output never replaces its input
-        if options.pop("dry_run", False):
-            raise UsageError(
-                "a dry run of a sharded-folder output is not available yet",
-                argument="dry_run",
-                value="True",
-                flag="--dry-run",
-            )
         size = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
         return convert_to_folder(src, dst, size, **options)
     return rewrite(src, dst, (), output_format=format, **options)
