@@ -27,6 +27,7 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
     quote_foreign,
 )
+from ckpt_tools.formats.allowlist import UNTYPED_STORAGE
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import id_text, load_pickle
 
@@ -83,6 +84,7 @@ def open_legacy(path: str) -> Checkpoint:
         _expect(f, "protocol version", PROTOCOL_VERSION, path)
         check_byte_order(_header(f, "sys_info", path), path)
         main = load_pickle(f, storage_id_length=6)
+        _refuse_untyped(main.storages.values(), path)
         keys = _header(f, "storage key list", path)
         if not isinstance(keys, list):
             raise CorruptCheckpointError(f"{path!r}: expected the list of storage keys")
@@ -129,6 +131,21 @@ def open_legacy(path: str) -> Checkpoint:
         beyond_weights_only=main.beyond_weights_only,
         locate=offset_locator(path, offsets),
     )
+
+
+def _refuse_untyped(storages: Any, path: str) -> None:
+    """torch's legacy reader takes a storage's dtype from its class: an ``UntypedStorage`` (what
+    the legacy writer names for float8, uint16, complex32 ...) has none, so torch.load fails
+    ("has no attribute 'dtype'") on every such file, with or without ``weights_only``."""
+    for storage in storages:
+        ref = storage.storage_type
+        if (ref.module, ref.name) == (UNTYPED_STORAGE.module, UNTYPED_STORAGE.name):
+            raise UnsupportedFormatError(
+                f"{path!r}: storage {storage.key!r} ({storage.dtype}) is saved as "
+                "torch.storage.UntypedStorage, which torch's legacy reader cannot load; "
+                "torch.load fails on this file, so it is not read",
+                path=path,
+            )
 
 
 def check_byte_order(sys_info: Any, path: str) -> None:
