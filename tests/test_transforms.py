@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -395,3 +396,67 @@ def test_dry_run_still_refuses_what_the_write_would(
     )
     assert not result.written and len(result.examples) == result.renamed == 17
     assert list(tmp_path.iterdir()) == []
+
+
+def _casts(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.dtype.itemsize > 1  # float8 stays as it is
+
+
+@pytest.mark.parametrize("name", NESTED)
+def test_slim_keep_dtype_and_drop_on_every_nested_layout(tmp_path: Path, name: str) -> None:
+    # Issue 12's must-show: --keep-dtype and --drop on every layout, torch.load the oracle.
+    src = FIXTURES / name
+    selected = _selected(src)
+    ref_sd = _sd(src, selected)
+    kept_key = next(k for k, v in ref_sd.items() if _casts(v))
+    beside = (
+        []
+        if src.suffix == ".safetensors" or not selected
+        else [k for k in torch.load(src, weights_only=True) if k != selected[0]]
+    )
+    dst = tmp_path / ("o" + src.suffix)
+    result = ct.slim(
+        src, dst, dtype="fp16", keep_dtype=[f"^{re.escape(kept_key)}$"], drop=beside[:1]
+    )
+    assert result.written and set(beside[:1]) <= set(result.dropped)
+    out_sd = _sd(dst, selected)
+    assert list(out_sd) == list(ref_sd)
+
+    # A storage is cast only when every tensor on it is cast: a tie to the kept key, or a
+    # view sharing bytes with a tensor that is not cast, keeps the whole storage as it is.
+    def storage(key: str) -> object:
+        ptr = ref_sd[key].untyped_storage().data_ptr()
+        return ptr or key  # empty tensors have no storage to share
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for key, value in ref_sd.items():
+        groups.setdefault(storage(key), []).append(value)
+    held = {storage(kept_key)} | {
+        s
+        for s, ts in groups.items()
+        if not all(_casts(t) for t in ts) or len({t.dtype for t in ts}) > 1
+    }
+    for key, want in ref_sd.items():
+        got = out_sd[key]
+        if not _casts(want) or storage(key) in held:
+            assert got.dtype == want.dtype and torch.equal(got, want), key
+        else:
+            assert got.dtype == torch.float16 and torch.equal(got, want.to(torch.float16)), key
+    if beside:
+        root = torch.load(dst, weights_only=True)
+        assert beside[0] not in root and set(root) == set(beside[1:]) | {selected[0]}
+
+
+@pytest.mark.parametrize("name", NESTED)
+@pytest.mark.parametrize("strip", [False, True])
+def test_extract_on_every_nested_layout(tmp_path: Path, name: str, strip: bool) -> None:
+    src = FIXTURES / name
+    ref = _sd(src, _selected(src))
+    first = next(iter(ref))
+    prefix = first.split(".")[0] + "." if "." in first else first
+    ct.extract(src, tmp_path / "x.pt", prefix, strip_prefix=strip)
+    out = torch.load(tmp_path / "x.pt", weights_only=True)
+    cut = len(prefix) if strip else 0
+    want = {k[cut:]: v for k, v in ref.items() if k.startswith(prefix)}
+    assert list(out) == list(want)
+    assert all(out[k].dtype == want[k].dtype and torch.equal(out[k], want[k]) for k in want)

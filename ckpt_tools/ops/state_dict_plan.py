@@ -195,9 +195,20 @@ def _cast_targets(
         and id(v.storage) in wanted
         and not any(p.search(_) for p in keep)
     }
+    # A kept key wins over a tie: the same tensor object (a tied Parameter, pickled once) may
+    # be reached through a kept key and through a cast one, so keys are checked, not objects.
+    kept = {
+        id(v.storage)
+        for old, n, v in items
+        if n is not None and isinstance(v, TensorRef) and any(p.search(old) for p in keep)
+    }
     for sid in list(wanted):
         ts = users.get(sid, [])
-        if any(id(t) not in cast_ids or t.dtype != wanted[sid] for t in ts) or ts[0].storage.view:
+        if (
+            sid in kept
+            or any(id(t) not in cast_ids or t.dtype != wanted[sid] for t in ts)
+            or ts[0].storage.view
+        ):
             notes.append(
                 f"storage {ts[0].storage.key!r} kept as {wanted[sid]}: a tensor on it is not cast"
             )
