@@ -36,6 +36,11 @@ SIZE_ARGS = [
     ((None,),), ({"a": 1},),
 ]  # fmt: skip
 
+LAYOUTS = [
+    ("torch.strided",), ("torch.sparse_coo",), ("torch.sparse_csr",), ("torch.jagged",),
+    ("torch.nope",), ("sparse_coo",), ("torch.float32",), (3,),
+]  # fmt: skip
+
 
 def _calling(tmp_path: Path, qualname: str, args: tuple[Any, ...]) -> Path:
     """A pickle of ``{"v": qualname(*args)}``, written as torch.save's pickler would call it."""
@@ -52,7 +57,7 @@ def _torch_accepts(func: Any, args: tuple[Any, ...]) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns about 'mkldnn'
             func(*args)
-    except (RuntimeError, TypeError, ValueError):
+    except (RuntimeError, TypeError, ValueError, KeyError, AttributeError):
         return False
     return True
 
@@ -60,8 +65,11 @@ def _torch_accepts(func: Any, args: tuple[Any, ...]) -> bool:
 @pytest.mark.parametrize(
     ("qualname", "func", "args"),
     [("torch.device", torch.device, a) for a in DEVICE_ARGS]
-    + [("torch.Size", torch.Size, a) for a in SIZE_ARGS],
-    ids=[f"device{a!r}" for a in DEVICE_ARGS] + [f"Size{a!r}" for a in SIZE_ARGS],
+    + [("torch.Size", torch.Size, a) for a in SIZE_ARGS]
+    + [("torch.serialization._get_layout", torch.serialization._get_layout, a) for a in LAYOUTS],
+    ids=[f"device{a!r}" for a in DEVICE_ARGS]
+    + [f"Size{a!r}" for a in SIZE_ARGS]
+    + [f"layout{a!r}" for a in LAYOUTS],
 )
 def test_we_refuse_every_call_torch_refuses(
     tmp_path: Path, qualname: str, func: Any, args: tuple[Any, ...]
@@ -134,3 +142,23 @@ def test_a_storage_device_tag_that_is_not_text_is_refused_like_torch(
     else:
         with pytest.raises(CorruptCheckpointError, match="unexpected storage id"):
             open_checkpoint(path)
+
+
+def test_sparse_tensors_torch_saves_still_read_and_unknown_layouts_are_refused(tmp_path: Path):
+    i, v = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])
+    coo = torch.sparse_coo_tensor(i, v, (2, 2))
+    path = tmp_path / "sparse.pt"
+    torch.save({"coo": coo, "csr": coo.to_sparse_csr()}, path)
+    assert set(open_checkpoint(path).root) == {"coo", "csr"}
+    bad = tmp_path / "bad.pt"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                assert data.count(b"torch.sparse_coo") == 1
+                data = data.replace(b"torch.sparse_coo", b"torch.sparse_cox")
+            dst.writestr(info, data)
+    with pytest.raises(KeyError):  # torch's _get_layout looks the name up
+        torch.load(bad, weights_only=True)
+    with pytest.raises(CorruptCheckpointError, match="sparse_cox"):
+        open_checkpoint(bad)

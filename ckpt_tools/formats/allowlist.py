@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import codecs
 import collections
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from ckpt_tools.descriptors import GlobalRef, Sealed, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.torch_calls import check_device, check_layout, checked_size
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -233,51 +233,26 @@ def _reduced(func: GlobalRef, *args: Any) -> Reduced:
 
 
 def _size(func: GlobalRef, *args: Any) -> TorchSize:
-    # torch.Size takes one iterable of ints (bools count as ints) that fit in int64.
-    dims = args[0] if args else ()
-    if not isinstance(dims, (tuple, list)) or not all(
-        isinstance(d, int) and -(1 << 63) <= d < 1 << 63 for d in dims
-    ):
-        raise CorruptCheckpointError(
-            f"the pickle calls torch.Size with {short_repr(dims, 40)}; torch.Size takes a "
-            "sequence of integers, so torch refuses this file"
-        )
-    return TorchSize(int(d) for d in dims)
-
-
-# Device types torch.device parses (c10/core/Device.cpp, torch 2.13), and the largest index it
-# keeps (c10::DeviceIndex is int8_t; larger ones wrap around, so they are refused).
-_DEVICE_TYPES = frozenset(
-    {
-        *("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve"),
-        *("fpga", "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"),
-    }
-)
-_DEVICE = re.compile(r"([a-z]+)(?::(0|[1-9][0-9]{0,2}))?")
-_MAX_DEVICE_INDEX = 127
+    return TorchSize(checked_size(args[0] if args else ()))
 
 
 def _device(func: GlobalRef, *args: Any) -> Reduced:
-    # torch.save reduces a device to ("cuda", 1) or ("cpu",); torch.device refuses what it
-    # cannot parse, and so does this, without ever calling it.
-    kind, index = (*args, None)[:2]
-    match = _DEVICE.fullmatch(kind) if isinstance(kind, str) else None
-    parsed = int(match.group(2)) if match and match.group(2) is not None else None
-    valid = (
-        match is not None
-        and match.group(1) in _DEVICE_TYPES
-        and (parsed is None or parsed <= _MAX_DEVICE_INDEX)
-        and (
-            index is None
-            or (type(index) is int and parsed is None and 0 <= index <= _MAX_DEVICE_INDEX)
-        )
-    )
-    if not valid:
-        shown = ", ".join(short_repr(a, 40) for a in args)
-        raise CorruptCheckpointError(
-            f"the pickle calls torch.device({shown}), which torch refuses; a device is a "
-            "type such as 'cpu' or 'cuda' with an optional index from 0 to 127"
-        )
+    check_device(args)
+    return _reduced(func, *args)
+
+
+def _layout(func: GlobalRef, *args: Any) -> Reduced:
+    check_layout(args[0] if args else None)
+    return _reduced(func, *args)
+
+
+def _sparse(func: GlobalRef, *args: Any) -> Reduced:
+    # _rebuild_sparse_tensor(layout, data): a layout is pickled as _get_layout("torch.x").
+    layout = args[0] if args else None
+    name = layout.args[0] if isinstance(layout, Reduced) and layout.args else None
+    if isinstance(layout, ConstantRef):
+        name = layout.qualname
+    check_layout(name, sparse=True, shown=layout)
     return _reduced(func, *args)
 
 
@@ -331,8 +306,8 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
     "torch._tensor._rebuild_from_type_v2": (_rebuild_from_type_v2, 4, 4),
     "torch.Size": (_size, 0, 1),
     "torch.device": (_device, 1, 2),
-    "torch.serialization._get_layout": (_reduced, 1, 1),
-    "torch._utils._rebuild_sparse_tensor": (_reduced, 2, 2),
+    "torch.serialization._get_layout": (_layout, 1, 1),
+    "torch._utils._rebuild_sparse_tensor": (_sparse, 2, 2),
     "torch._utils._rebuild_nested_tensor": (_reduced, 4, 4),
     "torch._utils._rebuild_meta_tensor_no_storage": (_reduced, 4, 4),
     "torch._utils._rebuild_wrapper_subclass": (_reduced, 8, 8),

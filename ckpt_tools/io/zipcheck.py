@@ -13,14 +13,47 @@ from __future__ import annotations
 import os
 import zlib
 
-from ckpt_tools.errors import CheckpointError, VerificationError, quote_foreign
+from ckpt_tools.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    VerificationError,
+    quote_foreign,
+)
+from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import unsupported_opcodes
 from ckpt_tools.formats.zipdir import ZipEntry, read_zip_directory
 from ckpt_tools.io.zipwriter import ALIGNMENT
 
-__all__ = ["check_torch_zip"]
+__all__ = ["check_source_crcs", "check_torch_zip"]
 
 _SMALL = 1 << 20  # records up to this size have their CRC-32 checked (torch's bookkeeping)
+
+
+def check_source_crcs(ckpt: Checkpoint) -> None:
+    """Refuse, before anything is written, a zip input whose small records fail their CRC-32.
+
+    A rewrite copies records as they are, CRC included, and its verification checks the
+    CRC-32 of every record up to ``_SMALL`` bytes: the same records are checked here first, so
+    a damaged input is refused (exit 4) instead of failing verification after writing (exit 6).
+
+    Raises:
+        CorruptCheckpointError: a stored record up to ``_SMALL`` bytes does not match its CRC.
+    """
+    if ckpt.format not in ("torch-zip", "torchscript"):
+        return
+    fd = os.open(ckpt.path, os.O_RDONLY)
+    try:
+        for name, record in ckpt.records.items():
+            if record.compressed or record.size > _SMALL:
+                continue
+            if zlib.crc32(os.pread(fd, record.size, record.data_offset)) != record.crc32:
+                raise CorruptCheckpointError(
+                    f"{ckpt.path!r}: record {name!r} fails its CRC-32 check (the file is "
+                    "damaged); a copy of it would not be a valid archive",
+                    path=ckpt.path,
+                )
+    finally:
+        os.close(fd)
 
 
 def _fail(why: str) -> VerificationError:

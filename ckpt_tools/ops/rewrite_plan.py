@@ -21,6 +21,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.writers import SafetensorsEntry
+from ckpt_tools.io.zipcheck import check_source_crcs
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.selection import entries_beside
 
@@ -85,6 +86,7 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
                 ),
             ),
         )
+    check_source_crcs(ckpt)  # after the safety refusals: they say more about such a file
 
 
 def summary(
