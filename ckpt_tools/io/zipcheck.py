@@ -39,7 +39,7 @@ def check_source_crcs(ckpt: Checkpoint) -> None:
     Raises:
         CorruptCheckpointError: a stored record up to ``_SMALL`` bytes does not match its CRC.
     """
-    if ckpt.format not in ("torch-zip", "torchscript"):
+    if ckpt.format not in ("torch-zip", "torchscript") or not ckpt.records:
         return
     fd = os.open(ckpt.path, os.O_RDONLY)
     try:
