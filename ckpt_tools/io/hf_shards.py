@@ -26,8 +26,8 @@ from pathlib import Path
 from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, UsageError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.safetensors_writer import SafetensorsEntry, write_safetensors
 from ckpt_tools.io.verify import Expected, verify_output
-from ckpt_tools.io.writers import SafetensorsEntry, write_safetensors
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -330,7 +330,7 @@ def write_hf_shards(
     """Write ``entries`` as the Hugging Face folder ``plan`` lays out, then publish it.
 
     Each shard's bytes are copied record by record from ``source`` by
-    :func:`~ckpt_tools.io.writers.write_safetensors` with ``{"format": "pt"}`` metadata.
+    :func:`~ckpt_tools.io.safetensors_writer.write_safetensors` with ``{"format": "pt"}`` metadata.
     ``metadata`` (the dropped names of tied tensors, say) goes into the index when there
     is one, else into the single file, as huggingface_hub does.
 

@@ -2,13 +2,13 @@
 
 The transforms (slim, extract, average) make new storages: a cast storage, a mean of N inputs.
 A :class:`Record` says where one output storage's bytes come from; the one zip writer
-(:class:`~ckpt_tools.io.zipwriter.TorchZipWriter`, ``add_copy`` / ``add_stream``) and a
-safetensors writer beside it write them, piece by piece, so memory does not grow with the file.
+(:class:`~ckpt_tools.io.zipwriter.TorchZipWriter`, ``add_copy`` / ``add_stream``) and the
+safetensors header of :mod:`~ckpt_tools.io.safetensors_writer` write them, piece by piece,
+so memory does not grow with the file.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,10 +16,18 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
-from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
-from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION, TorchZipWriter, pwrite_all
+from ckpt_tools.io.safetensors_writer import SafetensorsEntry, safetensors_header
+from ckpt_tools.io.tensor_bytes import OpenFiles
+from ckpt_tools.io.zipwriter import (
+    SAVE_HEAD_RECORDS,
+    SAVE_VERSION,
+    TorchZipWriter,
+    Writeback,
+    copy_range,
+    pwrite_all,
+)
 
 __all__ = [
     "Record",
@@ -49,12 +57,6 @@ class Record:
     crc32: int | None = None
     produce: Callable[[], Iterable[bytes]] | None = None
     action: str = "copy"
-
-
-def _open_fd(fds: dict[str, int], path: str) -> int:
-    if path not in fds:
-        fds[path] = os.open(path, os.O_RDONLY)
-    return fds[path]
 
 
 def write_plan_zip(
@@ -96,12 +98,11 @@ def write_plan_zip(
     writer.add_bytes("data.pkl", payload)
     for head, value in SAVE_HEAD_RECORDS:
         writer.add_bytes(head, value)
-    fds: dict[str, int] = {}
-    try:
+    with OpenFiles() as files:
         for storage in used:
             name, record = f"data/{keys[id(storage)]}", records[id(storage)]
             if record.span is not None:
-                fd = _open_fd(fds, record.span.path)
+                fd = files.fd(record.span.path)
                 writer.add_copy(name, fd, record.span.offset, record.nbytes, record.crc32, progress)
             elif record.produce is not None:
                 writer.add_stream(name, record.produce(), record.nbytes, progress)
@@ -110,9 +111,6 @@ def write_plan_zip(
 
         writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
         writer.close()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
     return used
 
 
@@ -135,46 +133,30 @@ def write_plan_safetensors(
         ConversionError: a dtype safetensors cannot hold.
         OSError: reading or writing failed, or a producer yields the wrong byte count.
     """
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    position = 0
-    for name, t, _ in entries:
-        code = TORCH_TO_SAFETENSORS.get(t.dtype)
-        if code is None:
-            raise ConversionError(
-                f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold"
-            )
-        header[name] = {
-            "dtype": code,
-            "shape": list(t.shape),
-            "data_offsets": [position, position + t.nbytes],
-        }
-        position += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((-(8 + len(raw))) % 8)
+    raw = safetensors_header([SafetensorsEntry(name, t) for name, t, _ in entries], metadata)
     fd_out = file.fileno()
     pwrite_all(fd_out, struct.pack("<Q", len(raw)) + raw, 0)
     out = 8 + len(raw)
-    fds: dict[str, int] = {}
-    try:
+    writeback = Writeback(fd_out)
+    with OpenFiles() as files:
         for name, _, record in entries:
             end = out + record.nbytes
-            if record.span is not None:
-                chunks: Iterable[bytes] = _span_chunks(_open_fd(fds, record.span.path), record.span)
-            else:
-                assert record.produce is not None
-                chunks = record.produce()
-            for piece in chunks:
+            if record.span is not None:  # copied in the kernel, as every other writer does
+                src = files.fd(record.span.path)
+                copy_range(src, record.span.offset, fd_out, out, record.nbytes, progress, writeback)
+                out = end
+                continue
+            assert record.produce is not None
+            for piece in record.produce():
                 if out + len(piece) > end:
                     raise OSError(5, f"tensor {name!r} holds more than its {record.nbytes} bytes")
                 pwrite_all(fd_out, piece, out)
+                writeback.wrote(out, len(piece))
                 out += len(piece)
                 if progress is not None:
                     progress(len(piece))
             if out != end:
                 raise OSError(5, f"tensor {name!r} ended {end - out} bytes short")
-    finally:
-        for fd in fds.values():
-            os.close(fd)
     os.ftruncate(fd_out, out)
 
 

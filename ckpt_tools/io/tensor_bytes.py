@@ -25,7 +25,7 @@ from ckpt_tools.formats.base import Checkpoint
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "decompressed", "iter_row_major", "pread_exact"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "OpenFiles", "decompressed", "iter_row_major", "pread_exact"]
 
 #: Largest piece :func:`iter_row_major` yields by default.
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -34,6 +34,43 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 MAX_GATHER_SPAN = 64 << 20
 # One pread call reads at most this much (Linux caps a single read near 2 GiB).
 _MAX_READ = 1 << 30
+
+
+class OpenFiles:
+    """Read-only file descriptors, one per path, opened on first use and closed together.
+
+    Readers and writers that pull bytes from several files (shards, several inputs) keep
+    one of these instead of reopening a file per tensor.
+
+    Example:
+        >>> with open("letters.bin", "wb") as f:
+        ...     _ = f.write(b"abcdef")
+        >>> with OpenFiles() as files:
+        ...     pread_exact(files.fd("letters.bin"), 2, 1), files.fd("letters.bin") >= 0
+        (bytearray(b'bc'), True)
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        """The descriptor of ``path``, opened read-only the first time it is asked for."""
+        found = self._fds.get(path)
+        if found is None:
+            found = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        return found
+
+    def close(self) -> None:
+        """Close every descriptor opened so far (more may be opened afterwards)."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:

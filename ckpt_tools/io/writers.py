@@ -1,49 +1,40 @@
-"""Writing a (rewritten) object tree as a torch zip archive or a safetensors file.
+"""Writing a (rewritten) object tree as a torch zip archive.
 
 Tensor bytes are copied from the source file record by record (``copy_file_range`` where
-possible); nothing holds a whole checkpoint in memory, and torch is never imported:
-non-contiguous views are gathered for safetensors with numpy (:mod:`ckpt_tools.io.tensor_bytes`).
+possible); nothing holds a whole checkpoint in memory, and torch is never imported.
+Safetensors outputs are written by :mod:`ckpt_tools.io.safetensors_writer`.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import os
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
-from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
+from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.allowlist import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
 from ckpt_tools.io.layout import (
     LAYOUT_BLOCK,
     CappedProgress,
-    kept_layout,
     plan_zip_layout,
-    safetensors_data_start,
     zip_actions,
 )
-from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
+from ckpt_tools.io.tensor_bytes import decompressed
 from ckpt_tools.io.zipwriter import (
     SAVE_HEAD_RECORDS,
     SAVE_VERSION,
     TorchZipWriter,
-    Writeback,
-    copy_range,
-    pwrite_all,
 )
 
-__all__ = ["SafetensorsEntry", "picklable_tensors", "write_safetensors", "write_torch_zip"]
+__all__ = ["picklable_tensors", "write_torch_zip"]
 
 Progress = Callable[[int], None]
-_LARGE_DATA = 64 << 20
-_LARGE_DATA_ALIGNMENT = 64 << 10
 
 
 def write_torch_zip(
@@ -243,176 +234,3 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
             args = (storage, t.offset, t.shape, t.stride, False, hooks, dtype)
         out[name] = replace(t, storage=storage, func=func, args=args)
     return out
-
-
-@dataclass(frozen=True)
-class SafetensorsEntry:
-    """One tensor to write: its name and descriptor in ``source``."""
-
-    name: str
-    tensor: TensorRef
-
-
-def write_safetensors(
-    entries: Sequence[SafetensorsEntry],
-    source: Checkpoint,
-    file: BinaryIO,
-    metadata: Mapping[str, str] | None = None,
-    progress: Progress | None = None,
-) -> None:
-    """Write tensors as a safetensors file, copying their bytes from ``source``.
-
-    Contiguous tensors (whole storages or contiguous slices of one) are copied in the
-    kernel; non-contiguous views are gathered with numpy, one bounded piece at a time
-    (:func:`~ckpt_tools.io.tensor_bytes.iter_row_major`). torch is never imported.
-
-    Args:
-        entries: the tensors, in the order their bytes are written.
-        source: the checkpoint their storages live in.
-        file: the output, opened ``w+b``.
-        metadata: the header's ``__metadata__`` (string to string), if any.
-        progress: called with the number of bytes written after each chunk.
-
-    Raises:
-        ConversionError: a dtype safetensors cannot hold (quantized types, complex32 ...).
-        OSError: reading or writing failed.
-
-    Example:
-        >>> from ckpt_tools.formats import open_checkpoint
-        >>> ckpt = open_checkpoint("model.pt")
-        >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]
-        >>> with open("out.safetensors", "w+b") as f:
-        ...     write_safetensors(entries, ckpt, f, metadata={"format": "pt"})
-        >>> out = open_checkpoint("out.safetensors")
-        >>> out.format, list(out.root) == list(ckpt.root)
-        ('safetensors', True)
-    """
-    kept = kept_layout([e.tensor for e in entries], source)
-    raw = _safetensors_header(entries, metadata, kept[1] if kept else None)
-    fd = file.fileno()
-    if kept is None:
-        pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        end = _write_tensor_bytes(entries, source, fd, 8 + len(raw), progress)
-    else:
-        # The tensors keep their source layout: the header is padded with spaces so the data
-        # lands at its source offset (modulo 4096 at least), and is copied in one range.
-        start = safetensors_data_start(8 + len(raw), kept[0])
-        raw += b" " * (start - 8 - len(raw))
-        pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        size = sum(e.tensor.nbytes for e in entries)
-        with open(source.span(entries[0].tensor.storage).path, "rb") as src:
-            copy_range(src.fileno(), kept[0], fd, start, size, progress, Writeback(fd))
-        end = start + size
-    os.ftruncate(fd, end)
-
-
-def _safetensors_header(
-    entries: Sequence[SafetensorsEntry],
-    metadata: Mapping[str, str] | None,
-    offsets: Sequence[int] | None = None,
-) -> bytes:
-    """The JSON header, padded so the data starts aligned (unpadded with ``offsets`` given)."""
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    position = 0
-    for i, entry in enumerate(entries):
-        t = entry.tensor
-        if offsets is not None:
-            position = offsets[i]
-        code = TORCH_TO_SAFETENSORS.get(t.dtype)
-        if code is None:
-            raise ConversionError(
-                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold",
-                remedies=(
-                    Remedy(
-                        "format",
-                        "'torch'",
-                        flag="--format torch",
-                        text="to keep it in torch format",
-                    ),
-                ),
-            )
-        header[entry.name] = {
-            "dtype": code,
-            "shape": list(t.shape),
-            "data_offsets": [position, position + t.nbytes],
-        }
-        position += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    if offsets is not None:
-        return raw
-    # safetensors pads the header with spaces so data starts 8-aligned; for large files we
-    # pad to 64 KiB, so the kernel copy fills whole large page-cache folios (measurably faster).
-    align = _LARGE_DATA_ALIGNMENT if position >= _LARGE_DATA else 8
-    return raw + b" " * ((-(8 + len(raw))) % align)
-
-
-def _write_tensor_bytes(
-    entries: Sequence[SafetensorsEntry],
-    source: Checkpoint,
-    fd: int,
-    start: int,
-    progress: Progress | None,
-) -> int:
-    """Write every entry's bytes back to back from ``start``; returns where they end."""
-    writeback = Writeback(fd)
-    open_fds: dict[str, int] = {}
-
-    def source_fd(path: str) -> int:
-        if path not in open_fds:
-            open_fds[path] = os.open(path, os.O_RDONLY)
-        return open_fds[path]
-
-    try:
-        out = start
-        run: list[Any] = []  # [path, src_offset, dst_offset, nbytes]: one merged kernel copy
-        for entry in entries:
-            t = entry.tensor
-            span = source.span(t.storage)
-            first = span.offset + t.byte_span[0]
-            if not t.is_contiguous():
-                _flush(run, source_fd, fd, progress, writeback)
-                run = []
-                _write_gathered(source_fd(span.path), span.offset, t, fd, out, progress, writeback)
-            elif run and run[0] == span.path and run[1] + run[3] == first:
-                run[3] += t.nbytes  # back to back in the source too: extend the copy
-            else:
-                _flush(run, source_fd, fd, progress, writeback)
-                run = [span.path, first, out, t.nbytes]
-            out += t.nbytes
-        _flush(run, source_fd, fd, progress, writeback)
-    finally:
-        for open_fd in open_fds.values():
-            os.close(open_fd)
-    return out
-
-
-def _flush(
-    run: list[Any],
-    source_fd: Callable[[str], int],
-    fd: int,
-    progress: Progress | None,
-    writeback: Writeback,
-) -> None:
-    if run and run[3]:
-        path, src_offset, dst_offset, nbytes = run
-        copy_range(source_fd(path), src_offset, fd, dst_offset, nbytes, progress, writeback)
-
-
-def _write_gathered(
-    src_fd: int,
-    storage_offset: int,
-    t: TensorRef,
-    fd: int,
-    out: int,
-    progress: Progress | None,
-    writeback: Writeback,
-) -> None:
-    """Write a non-contiguous view's elements in row-major order at ``out``, piece by piece."""
-    for piece in iter_row_major(src_fd, storage_offset, t):
-        pwrite_all(fd, piece, out)
-        writeback.wrote(out, len(piece))
-        out += len(piece)
-        if progress is not None:
-            progress(len(piece))

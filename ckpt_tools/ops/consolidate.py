@@ -37,7 +37,8 @@ from ckpt_tools.io.hf_shards import (
     parse_shard_size,
     plan_shards,
 )
-from ckpt_tools.io.writers import SafetensorsEntry, _safetensors_header, picklable_tensors
+from ckpt_tools.io.safetensors_writer import SafetensorsEntry, safetensors_header
+from ckpt_tools.io.writers import picklable_tensors
 from ckpt_tools.io.zipcheck import check_torch_zip
 from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION, TorchZipWriter, Writeback
 from ckpt_tools.ops.consolidate_plan import ConsolidationPlan, OutputTensor, plan_consolidation
@@ -349,7 +350,7 @@ def _write_safetensors(
 ) -> None:
     tensors = plan.tensors if tensors is None else tensors
     entries = [SafetensorsEntry(t.name, t.tensor) for t in tensors]
-    raw = _safetensors_header(entries, {"format": "pt"})
+    raw = safetensors_header(entries, {"format": "pt"})
     fd = file.fileno()
     os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
     at = 8 + len(raw)

@@ -20,7 +20,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.writers import SafetensorsEntry
+from ckpt_tools.io.safetensors_writer import SafetensorsEntry
 from ckpt_tools.io.zipcheck import check_source_crcs
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.selection import entries_beside

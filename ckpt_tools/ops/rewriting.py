@@ -15,13 +15,10 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import atomic_output, check_output_path
+from ckpt_tools.io.safetensors_writer import write_safetensors
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
-from ckpt_tools.io.writers import (
-    picklable_tensors,
-    write_safetensors,
-    write_torch_zip,
-)
+from ckpt_tools.io.writers import picklable_tensors, write_torch_zip
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite_plan import (
     output_format_for,
