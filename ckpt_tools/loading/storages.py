@@ -10,6 +10,7 @@ is a slice of its root, as torch makes it. Storages go where ``map_location`` sa
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from ckpt_tools.descriptors import StorageRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import Checkpoint
+from ckpt_tools.io.tensor_bytes import OpenFiles, pread_exact
 
 __all__ = ["Restore", "StorageBuilder"]
 
@@ -31,8 +33,6 @@ Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
 # Formats whose records lie stored (uncompressed) in the file at fixed offsets and may be
 # mapped; legacy and tar files are read instead, as torch reads them (it cannot map them).
 _MAPPED_FORMATS = frozenset({"torch-zip", "safetensors"})
-# One pread call reads at most this much (Linux caps a single read near 2 GiB).
-_MAX_READ = 1 << 30
 
 
 @dataclass
@@ -53,7 +53,7 @@ class StorageBuilder:
     mapped: bool = False
     _formats: dict[str, str] = field(default_factory=dict)
     _maps: dict[str, torch.UntypedStorage] = field(default_factory=dict)
-    _fds: dict[str, int] = field(default_factory=dict)
+    _files: OpenFiles = field(default_factory=OpenFiles)
     _roots: dict[tuple[str, str], torch.UntypedStorage] = field(default_factory=dict)
     _views: dict[int, torch.UntypedStorage] = field(default_factory=dict)
 
@@ -75,9 +75,7 @@ class StorageBuilder:
 
     def close(self) -> None:
         """Close the descriptors of files read with ``pread``; mapped storages stay valid."""
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        self._files.close()
         self._maps.clear()
 
     def storage(self, ref: StorageRef) -> torch.UntypedStorage:
@@ -119,21 +117,16 @@ class StorageBuilder:
     def _pread(self, path: str, offset: int, nbytes: int) -> torch.UntypedStorage:
         if nbytes == 0:
             return torch.UntypedStorage(0)
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        buffer = bytearray(nbytes)
-        view = memoryview(buffer)
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
-            if got <= 0:
-                raise CorruptCheckpointError(
-                    f"{path!r} ends before a storage does (needed {nbytes} bytes at offset "
-                    f"{offset}); the file is truncated",
-                    path=path,
-                )
-            done += got
+        try:
+            buffer = pread_exact(self._files.fd(path), nbytes, offset)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            raise CorruptCheckpointError(
+                f"{path!r} ends before a storage does (needed {nbytes} bytes at offset "
+                f"{offset}); the file is truncated",
+                path=path,
+            ) from e
         # frombuffer shares the bytearray (no copy); the storage keeps it alive.
         return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 

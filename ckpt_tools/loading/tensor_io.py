@@ -9,7 +9,7 @@ memory. :func:`iter_chunks` goes further and streams a tensor as flat pieces.
 
 from __future__ import annotations
 
-import os
+import errno
 import sys
 from collections.abc import Iterator
 from types import TracebackType
@@ -20,6 +20,7 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
+from ckpt_tools.io.tensor_bytes import OpenFiles, pread_exact
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -41,8 +42,6 @@ _RAW_DTYPES = {
     "quint4x2": "uint8",
     "quint2x4": "uint8",
 }
-# One pread call reads at most this much (Linux caps a single read near 2 GiB).
-_MAX_READ = 1 << 30
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -92,7 +91,7 @@ class TensorReader:
                 "not supported"
             )
         self.ckpt = ckpt
-        self._fds: dict[str, int] = {}
+        self._files = OpenFiles()
 
     def __enter__(self) -> TensorReader:
         return self
@@ -107,15 +106,7 @@ class TensorReader:
 
     def close(self) -> None:
         """Close every file descriptor this reader opened."""
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-    def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        return fd
+        self._files.close()
 
     def read_bytes(self, ref: TensorRef, start: int, nbytes: int) -> bytearray:
         """``nbytes`` bytes of ``ref``'s storage starting ``start`` bytes into it.
@@ -129,19 +120,15 @@ class TensorReader:
                 f"{span.path!r}: tensor bytes [{start}, {start + nbytes}) lie outside storage "
                 f"{ref.storage.key!r} of {span.nbytes} bytes"
             )
-        buffer = bytearray(nbytes)
-        view = memoryview(buffer)
-        fd = self._fd(span.path)
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done : done + _MAX_READ]], span.offset + start + done)
-            if got <= 0:
-                raise CorruptCheckpointError(
-                    f"{span.path!r} ends before storage {ref.storage.key!r} does (needed "
-                    f"{nbytes} bytes at offset {span.offset + start}); the file is truncated"
-                )
-            done += got
-        return buffer
+        try:
+            return pread_exact(self._files.fd(span.path), nbytes, span.offset + start)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            raise CorruptCheckpointError(
+                f"{span.path!r} ends before storage {ref.storage.key!r} does (needed "
+                f"{nbytes} bytes at offset {span.offset + start}); the file is truncated"
+            ) from e
 
     def read(self, ref: TensorRef) -> torch.Tensor:
         """The tensor ``ref`` describes, on the CPU, in a fresh buffer of its own.
