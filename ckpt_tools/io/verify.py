@@ -14,7 +14,7 @@ from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.io.zipcheck import check_torch_zip
 from ckpt_tools.structure.selection import select_state_dict
 
-__all__ = ["VERIFY_LEVELS", "Expected", "verify_output"]
+__all__ = ["VERIFY_LEVELS", "Expected", "tensor_digest", "verify_output"]
 
 VERIFY_LEVELS = ("sizes", "full", "none")
 
@@ -28,7 +28,7 @@ class Expected:
     source: Checkpoint
 
 
-def _digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
+def tensor_digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
     """A hash of the tensor's elements in row-major order: views compare by their content."""
     import hashlib  # only --verify full needs it; rewrites start faster without
 
@@ -85,7 +85,7 @@ def _same_bytes(out: Checkpoint, have: TensorRef, source: Checkpoint, want: Tens
         # A compressed source record cannot be read in place: the written record (stored,
         # same views) must have the CRC-32 the source records for its decompressed bytes.
         return _record_crc(out, have.storage.key) == record.crc32
-    return _digest(out, have) == _digest(source, want)
+    return tensor_digest(out, have) == tensor_digest(source, want)
 
 
 def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:

@@ -23,11 +23,11 @@ import numpy as np
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, Remedy, UsageError
-from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.casting import CAST_SOURCES, cast_array
 from ckpt_tools.io.plan_writer import Record
-from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.io.verify import tensor_digest
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite_plan import output_format_for
 from ckpt_tools.ops.state_dict_plan import finish, plan_state_dict_output
@@ -133,20 +133,6 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any
     return lines
 
 
-def _digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
-    import hashlib
-
-    span = ckpt.span(t.storage)
-    h = hashlib.blake2b(digest_size=16)
-    fd = os.open(span.path, os.O_RDONLY)
-    try:
-        for piece in iter_row_major(fd, span.offset, t):
-            h.update(piece)
-    finally:
-        os.close(fd)
-    return h.digest()
-
-
 def average(
     dst: str | os.PathLike[str],
     inputs: Sequence[str | os.PathLike[str]],
@@ -217,7 +203,7 @@ def average(
             continue
         others = [a[key][1] for a in aligned]
         if t.dtype not in CAST_SOURCES:
-            if ints is None and len({_digest(c, o) for c, o in zip(ckpts, others)}) > 1:
+            if ints is None and len({tensor_digest(c, o) for c, o in zip(ckpts, others)}) > 1:
                 differing.append(key)
             if ints == "last":  # the first input's view, the last input's bytes
                 if others[-1].storage.nbytes != t.storage.nbytes:
