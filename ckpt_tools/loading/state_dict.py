@@ -33,12 +33,11 @@ from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_l
 from ckpt_tools.loading.from_reader import build_state_dict, unsafe_entries
 from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.loading.storages import Restore
+from ckpt_tools.loading.trusted_load import load_trusted
 from ckpt_tools.structure.selection import (
     Selection,
     is_state_dict,
-    mapping_at,
     select_state_dict,
-    walk_path,
 )
 
 __all__ = [
@@ -63,38 +62,6 @@ def _describe(map_location: MapLocation) -> str:
     if isinstance(map_location, Mapping):
         return repr(dict(map_location))
     return str(map_location)
-
-
-def _placements(ckpt: Checkpoint, resolved: Mapping[str, str]) -> tuple[StorageMove, ...]:
-    storages: dict[str, list[int]] = {}
-    for storage in ckpt.storages.values():
-        entry = storages.setdefault(storage.device, [0, 0])
-        entry[0] += 1
-        entry[1] += storage.nbytes
-    return tuple(
-        StorageMove(tag, resolved.get(tag, tag), count, nbytes)
-        for tag, (count, nbytes) in storages.items()
-    )
-
-
-class _Recorder:
-    """Wraps a callable ``map_location`` to record where each saved tag went."""
-
-    def __init__(self, func: Callable[[Any, str], Any]) -> None:
-        self.func = func
-        self.seen: dict[tuple[str, str], list[int]] = {}
-
-    def __call__(self, storage: Any, location: str) -> Any:
-        result = self.func(storage, location)
-        # None means "where it was saved" (torch's default_restore_location).
-        target = str(result.device) if result is not None else location
-        entry = self.seen.setdefault((location, target), [0, 0])
-        entry[0] += 1
-        entry[1] += storage.nbytes()
-        return result
-
-    def placements(self) -> tuple[StorageMove, ...]:
-        return tuple(StorageMove(s, t, n, b) for (s, t), (n, b) in self.seen.items())
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,100 +152,6 @@ def _load_own(
         ckpt, selection.state_dict, restore, ckpt.path, _unsafe_remedies(ckpt, names)
     )
     return state_dict, placements(), mapped
-
-
-def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
-    # Only ever reached with trust=True: the caller said the file may run its code.
-    return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
-
-
-def _load_safetensors(path: str, map_location: Any, resolved: dict[str, str] | None) -> Any:
-    from safetensors.torch import load_file
-
-    if resolved is not None:
-        return load_file(path, device=resolved.get("cpu", "cpu"))
-    loaded = load_file(path, device="cpu")
-    out = {}
-    for name, tensor in loaded.items():
-        moved = map_location(tensor.untyped_storage(), "cpu")
-        if moved is not None and moved.device != tensor.device:
-            tensor = torch.empty(0, dtype=tensor.dtype, device=moved.device).set_(
-                moved, tensor.storage_offset(), tensor.shape, tensor.stride()
-            )
-        out[name] = tensor
-    return out
-
-
-def _load_root(
-    ckpt: Checkpoint, map_location: MapLocation, trust: bool
-) -> tuple[Any, tuple[StorageMove, ...], bool]:
-    """The whole loaded object tree, the placements, and whether it was memory-mapped."""
-    tags = [s.device for s in ckpt.storages.values()]
-    resolved = resolve_map_location(map_location, tags)
-    recorder = None
-    if resolved is None:
-        recorder = _Recorder(map_location)  # type: ignore[arg-type]
-        torch_location: Any = recorder
-    else:
-        torch_location = resolved
-    if ckpt.format == "safetensors":
-        root = _load_safetensors(ckpt.path, map_location, resolved)
-        mmap = False
-    elif ckpt.format in ("torch-zip", "torch-legacy", "torch-tar"):
-        mmap = ckpt.format == "torch-zip"
-        root = _torch_load(ckpt.path, torch_location, mmap)
-    elif ckpt.format == "hf-sharded":
-        return _load_shards(ckpt, map_location, trust)
-    else:
-        _check_format(ckpt)
-        raise UnsupportedFormatError(f"{ckpt.path!r}: cannot load format {ckpt.format!r}")
-    placements = recorder.placements() if recorder else _placements(ckpt, resolved or {})
-    return root, placements, mmap
-
-
-def _load_shards(
-    ckpt: Checkpoint, map_location: MapLocation, trust: bool
-) -> tuple[Any, tuple[StorageMove, ...], bool]:
-    loaded: list[Any] = []
-    totals: dict[tuple[str, str], list[int]] = {}
-    mmap = False
-    for sub in ckpt.shards.values():
-        shard_root, placements, sub_mmap = _load_root(sub, map_location, trust)
-        loaded.append(shard_root)
-        mmap = mmap or sub_mmap
-        for p in placements:
-            entry = totals.setdefault((p.saved, p.target), [0, 0])
-            entry[0] += p.storages
-            entry[1] += p.nbytes
-    root: dict[str, Any] = {}
-    for name in ckpt.root:
-        for shard_root in loaded:
-            if isinstance(shard_root, Mapping) and name in shard_root:
-                root[name] = shard_root[name]
-                break
-    merged = tuple(StorageMove(s, t, n, b) for (s, t), (n, b) in totals.items())
-    return root, merged, mmap
-
-
-def _state_dict_at(root: Any, path: tuple[str, ...], where: str) -> Mapping[Any, Any]:
-    # The path was resolved on the torch-free tree: the loaded tree must hold it too, with
-    # objects as real objects (their attributes followed as the stand-ins' were).
-    walk = walk_path(root, path)
-    if not walk.found:
-        raise UnsupportedFormatError(
-            f"{where}: cannot follow {'.'.join(path)!r} in the loaded object at {walk.rest[0]!r}",
-            path=where,
-        )
-    state_dict = mapping_at(walk.node)
-    if state_dict is None:
-        raise UnsupportedFormatError(
-            f"{where}: {'.'.join(path)!r} loaded as a {type(walk.node).__name__}, not a mapping",
-            path=where,
-            remedies=(
-                Remedy("select", "'a.b'", flag="--select a.b", text="to pick another entry"),
-            ),
-        )
-    return state_dict
 
 
 def _selection_checked(root: Any, select: str | Sequence[str] | None, where: str) -> Selection:
@@ -380,9 +253,9 @@ def load_state_dict(
     _check_trust(ckpt, weights_only, trust)
     where = ckpt.path
     selection = _selection_checked(ckpt.root, select, where)
+    state_dict: Mapping[Any, Any]
     if trust:
-        root, placements, mmap = _load_root(ckpt, map_location, trust)
-        state_dict: Mapping[Any, Any] = _state_dict_at(root, selection.path, where)
+        state_dict, placements, mmap = load_trusted(ckpt, map_location, selection.path)
     else:
         state_dict, placements, mmap = _load_own(ckpt, selection, map_location)
     if not isinstance(state_dict, dict):
