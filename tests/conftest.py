@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +51,26 @@ def real_dir() -> Path:
 def no_torch_env(tmp_path: Path) -> dict[str, str]:
     """A child-process environment in which ``import torch`` fails (see ``torch_free_env``)."""
     return torch_free_env(tmp_path, "this command must not import torch")
+
+
+@pytest.fixture
+def unimportable(tmp_path: Path) -> Iterator[Callable[[str, str], Any]]:
+    """``load(name, source)`` imports ``source`` as module ``name``; afterwards it is gone."""
+    made: list[str] = []
+    folder = tmp_path / "src"
+    folder.mkdir()
+
+    def load(name: str, source: str) -> Any:
+        (folder / f"{name}.py").write_text(source)
+        sys.path.insert(0, str(folder))
+        made.append(name)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(str(folder))
+
+    yield load
+    for name in made:
+        sys.modules.pop(name, None)
+        (folder / f"{name}.py").unlink(missing_ok=True)
+        assert importlib.util.find_spec(name) is None

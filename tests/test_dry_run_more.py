@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -383,28 +383,6 @@ class DetectionModel(nn.Module):
     def forward(self, x):
         return self.model(x)
 """
-
-
-@pytest.fixture
-def unimportable(tmp_path: Path) -> Iterator[Callable[[str, str], Any]]:
-    """``load(name, source)`` imports ``source`` as module ``name``; afterwards it is gone."""
-    folder = tmp_path / "src"
-    folder.mkdir()
-    made: list[str] = []
-
-    def load(name: str, source: str) -> Any:
-        (folder / f"{name}.py").write_text(source)
-        sys.path.insert(0, str(folder))
-        made.append(name)
-        try:
-            return importlib.import_module(name)
-        finally:
-            sys.path.remove(str(folder))
-
-    yield load
-    for name in made:
-        sys.modules.pop(name, None)
-        (folder / f"{name}.py").unlink(missing_ok=True)
 
 
 def _ultralytics(

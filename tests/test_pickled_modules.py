@@ -14,7 +14,7 @@ import json
 import pickle
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,29 +64,6 @@ class Hooked(nn.Module):
         self.fc = nn.Linear(2, 2)
         self._register_state_dict_hook(hook)
 """
-
-
-@pytest.fixture
-def unimportable(tmp_path: Path) -> Iterator[Callable[[str, str], Any]]:
-    """``load(name, source)`` imports ``source`` as module ``name``; afterwards it is gone."""
-    made: list[str] = []
-    folder = tmp_path / "src"
-    folder.mkdir()
-
-    def load(name: str, source: str) -> Any:
-        (folder / f"{name}.py").write_text(source)
-        sys.path.insert(0, str(folder))
-        made.append(name)
-        try:
-            return importlib.import_module(name)
-        finally:
-            sys.path.remove(str(folder))
-
-    yield load
-    for name in made:
-        sys.modules.pop(name, None)
-        (folder / f"{name}.py").unlink(missing_ok=True)
-        assert importlib.util.find_spec(name) is None
 
 
 def _forget(name: str, tmp_path: Path) -> None:
