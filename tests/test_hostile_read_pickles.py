@@ -26,6 +26,7 @@ from ckpt_tools.errors import (
     UnsafeContentError,
     quote_foreign,
 )
+from tests.helpers.committed import tools
 
 torch = pytest.importorskip("torch")
 
@@ -287,3 +288,58 @@ def test_a_pickle_that_builds_a_storage_itself_is_refused(tmp_path: Path, args: 
     path.write_bytes(pickle.dumps({"a": _Rebuild(torch.storage.TypedStorage, args)}, protocol=2))
     # torch may build one or fail; no descriptor stands for it, so it is refused either way.
     _refused(path, CorruptCheckpointError, 4, "torch.storage.TypedStorage")
+
+
+# --- globals torch's full unpickler turns into storage types -----------------------------------
+
+
+def _calling(module: str, name: str) -> bytes:
+    """``{"a": module.name()}`` as protocol 2: the global called by REDUCE."""
+    return b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01c" + f"{module}\n{name}\n".encode() + b")Rs."
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("torch._utils", "FloatStorage"),  # the fuzzer's find (c7-ff4ec6095d)
+        ("nowhere.at_all", "HalfStorage"),
+        ("torch.cuda", "QUInt8Storage"),  # named like one, and refused by weights_only
+        ("torch", "BFloat16Storage"),  # allowlisted, and as uncallable
+    ],
+)
+def test_a_called_storage_class_is_refused_as_torch_refuses_it(
+    tmp_path: Path, module: str, name: str
+) -> None:
+    src = tmp_path / "clean.pt"
+    torch.save({"a": 1}, src)
+    path = tmp_path / "called.pt"
+    tools().rewrite_zip(src, path, replace={"data.pkl": _calling(module, name)})
+    # The oracle is the full unpickler: whatever the module, it resolves a storage class name
+    # to torch's StorageType before any import, and calling that fails; nothing else runs.
+    with pytest.raises(TypeError, match="'StorageType' object is not callable"):
+        torch.load(path, weights_only=False)
+    with pytest.raises(ct.CheckpointError, match=f"{module}.{name}"):
+        ct.inspect(str(path))
+    rc, lines = _cli(path)
+    assert rc != 0 and len(lines) == 1 and name in lines[0], lines
+
+
+def test_a_storage_class_name_used_as_a_value_stays_an_unsafe_global(tmp_path: Path) -> None:
+    src = tmp_path / "clean.pt"
+    torch.save({"a": 1}, src)
+    path = tmp_path / "value.pt"
+    payload = b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01ctorch._utils\nFloatStorage\ns."
+    tools().rewrite_zip(src, path, replace={"data.pkl": payload})
+    assert "StorageType" in str(torch.load(path, weights_only=False)["a"])
+    assert ct.inspect(str(path)).unsafe_globals == ("torch._utils.FloatStorage",)
+
+
+def test_a_called_tensor_class_is_refused_without_blaming_torch(tmp_path: Path) -> None:
+    src = tmp_path / "clean.pt"
+    torch.save({"a": 1}, src)
+    path = tmp_path / "called.pt"
+    tools().rewrite_zip(src, path, replace={"data.pkl": _calling("torch", "FloatTensor")})
+    assert torch.load(path, weights_only=True)["a"].shape == (0,)  # torch builds an empty one
+    with pytest.raises(CorruptCheckpointError, match="calls torch.FloatTensor to build") as info:
+        ct.inspect(str(path))
+    assert "torch refuses" not in str(info.value)

@@ -44,6 +44,20 @@ def is_count(value: Any) -> bool:
 class ConstantRef(GlobalRef):
     """An allowlisted global used as a value (``torch.float32``, ``torch.Tensor``)."""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Saying which global was called beats Python's bare TypeError. torch refuses calls
+        # of dtypes, layouts and storage types; it does call the tensor classes (an empty
+        # tensor), which this reader builds only through torch's rebuild functions.
+        if self.name.endswith("Tensor") or self.name == "Parameter":
+            raise CorruptCheckpointError(
+                f"the pickle calls {self.qualname} to build a tensor; tensors are read only "
+                "when built by torch._utils' rebuild functions, as torch.save writes them"
+            )
+        raise CorruptCheckpointError(
+            f"the pickle calls {self.qualname}, a value that cannot be called; "
+            "torch refuses the file too"
+        )
+
 
 @dataclass(frozen=True)
 class StorageTypeRef(ConstantRef):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
+from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
 from ckpt_tools.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -129,7 +130,12 @@ class _Restricted:
             return allowed
         qualname = f"{module}.{name}"
         if qualname not in self.unsafe:
-            self.unsafe[qualname] = type(name, (Opaque,), {"global_ref": GlobalRef(module, name)})
+            # torch.load (weights_only=False) resolves a global named like a typed storage
+            # class in *any* module to a StorageType, which cannot be called; its table has
+            # no UntypedStorage, which it imports as written.
+            typed = name in STORAGE_TYPE_DTYPE and name != "UntypedStorage"
+            base = _UncallableStorageType if typed else Opaque
+            self.unsafe[qualname] = type(name, (base,), {"global_ref": GlobalRef(module, name)})
         return self.unsafe[qualname]
 
     def persistent_load(self, pid: Any) -> Any:
@@ -190,6 +196,21 @@ class _Restricted:
             )
             self.storages[cache_key] = found
         return found
+
+
+class _UncallableStorageType(Opaque):
+    """An unlisted global named like a storage class (``torch._utils.FloatStorage``).
+
+    torch.load's full unpickler turns it into a ``StorageType``, whatever its module; calling
+    that fails ("'StorageType' object is not callable"), and so does building it here. Used as
+    a value it stays an unsafe global, named as any other.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        raise CorruptCheckpointError(
+            f"the pickle calls {cls.global_ref.qualname}, which torch.load resolves to a storage "
+            f"type ({cls.global_ref.name}) that cannot be called; torch refuses the file too"
+        )
 
 
 class _RestrictedUnpickler(_Restricted, pickle.Unpickler):
