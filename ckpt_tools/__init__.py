@@ -1,85 +1,102 @@
 """ckpt_tools: inspect, rewrite, convert, diff and load PyTorch checkpoints, on any device.
 
-The public API lives here. Importing it never imports torch: functions that need torch
-(loading, value diffs, the harness) import it when called.
+The public API lives here. Importing it imports nothing else: each name loads its module on
+first use, so ``import ckpt_tools`` and ``ckpt --version`` cost microseconds, and functions that
+need torch (loading, value diffs, the harness) import it only when called.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._version import __version__
-from ckpt_tools.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConversionError,
-    CorruptCheckpointError,
-    KeyCollisionError,
-    LfsPointerError,
-    NonTensorEntriesError,
-    OutputError,
-    OutputExistsError,
-    ResourceLimitError,
-    SameFileError,
-    SelectError,
-    StateDictMismatchError,
-    UnsafeContentError,
-    UnsupportedFormatError,
-    UsageError,
-    VerificationError,
-)
-from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
-from ckpt_tools.structure.keys import (
-    WRAPPER_RULES,
-    KeyRule,
-    WrapperMatch,
-    add_prefix,
-    detect_wrappers,
-    regex_rule,
-    rename_keys,
-    strip_prefix,
-    sub_rule,
-)
-from ckpt_tools.structure.selection import Selection, select_state_dict
 
-__all__ = [
-    "WRAPPER_RULES",
-    "Checkpoint",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "ConversionError",
-    "CorruptCheckpointError",
-    "KeyCollisionError",
-    "KeyRule",
-    "LfsPointerError",
-    "NonTensorEntriesError",
-    "OutputError",
-    "OutputExistsError",
-    "ResourceLimitError",
-    "SameFileError",
-    "SelectError",
-    "Selection",
-    "StateDictMismatchError",
-    "UnsafeContentError",
-    "UnsupportedFormatError",
-    "UsageError",
-    "VerificationError",
-    "WrapperMatch",
-    "__version__",
-    "add_prefix",
-    "detect_format",
-    "detect_wrappers",
-    "open_checkpoint",
-    "regex_rule",
-    "rename_keys",
-    "select_state_dict",
-    "strip_prefix",
-    "sub_rule",
-]
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on first use
+    from ckpt_tools.diffing.engine import diff
+    from ckpt_tools.diffing.report import DiffReport
+    from ckpt_tools.errors import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        ConversionError,
+        CorruptCheckpointError,
+        KeyCollisionError,
+        LfsPointerError,
+        NonTensorEntriesError,
+        OutputError,
+        OutputExistsError,
+        ResourceLimitError,
+        SameFileError,
+        SelectError,
+        StateDictMismatchError,
+        UnsafeContentError,
+        UnsupportedFormatError,
+        UsageError,
+        VerificationError,
+    )
+    from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
+    from ckpt_tools.loading.into_module import load_into
+    from ckpt_tools.loading.results import LoadInfo, LoadReport
+    from ckpt_tools.loading.state_dict import load_state_dict
+    from ckpt_tools.ops.average import average
+    from ckpt_tools.ops.consolidate import ConsolidateResult, consolidate
+    from ckpt_tools.ops.extract import extract
+    from ckpt_tools.ops.inspection import inspect
+    from ckpt_tools.ops.inspection_info import CheckpointInfo, TensorInfo
+    from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+    from ckpt_tools.ops.reshard import ShardsResult, reshard
+    from ckpt_tools.ops.rewrite_result import RewriteResult
+    from ckpt_tools.ops.rewriting import convert, retag, rewrite, strip_module_file
+    from ckpt_tools.ops.sanitize import sanitize
+    from ckpt_tools.ops.sanitize_result import SanitizeReport
+    from ckpt_tools.ops.slim import slim
+    from ckpt_tools.ops.transform_result import TransformResult
+    from ckpt_tools.structure.keys import (
+        WRAPPER_RULES,
+        KeyRule,
+        WrapperMatch,
+        add_prefix,
+        detect_wrappers,
+        regex_rule,
+        rename_keys,
+        strip_prefix,
+        sub_rule,
+    )
+    from ckpt_tools.structure.selection import Selection, select_state_dict
 
-# Functions whose modules import torch (or write files) load on first use. The result
-# classes come from their torch-free modules: naming one never imports torch.
-_LAZY = {
+# name: the module that defines it. Naming a result class never imports torch: they live in
+# torch-free modules.
+_PUBLIC: dict[str, str] = {
+    "CheckpointError": "ckpt_tools.errors",
+    "CheckpointNotFoundError": "ckpt_tools.errors",
+    "ConversionError": "ckpt_tools.errors",
+    "CorruptCheckpointError": "ckpt_tools.errors",
+    "KeyCollisionError": "ckpt_tools.errors",
+    "LfsPointerError": "ckpt_tools.errors",
+    "NonTensorEntriesError": "ckpt_tools.errors",
+    "OutputError": "ckpt_tools.errors",
+    "OutputExistsError": "ckpt_tools.errors",
+    "ResourceLimitError": "ckpt_tools.errors",
+    "SameFileError": "ckpt_tools.errors",
+    "SelectError": "ckpt_tools.errors",
+    "StateDictMismatchError": "ckpt_tools.errors",
+    "UnsafeContentError": "ckpt_tools.errors",
+    "UnsupportedFormatError": "ckpt_tools.errors",
+    "UsageError": "ckpt_tools.errors",
+    "VerificationError": "ckpt_tools.errors",
+    "Checkpoint": "ckpt_tools.formats",
+    "detect_format": "ckpt_tools.formats",
+    "open_checkpoint": "ckpt_tools.formats",
+    "WRAPPER_RULES": "ckpt_tools.structure.keys",
+    "KeyRule": "ckpt_tools.structure.keys",
+    "WrapperMatch": "ckpt_tools.structure.keys",
+    "add_prefix": "ckpt_tools.structure.keys",
+    "detect_wrappers": "ckpt_tools.structure.keys",
+    "regex_rule": "ckpt_tools.structure.keys",
+    "rename_keys": "ckpt_tools.structure.keys",
+    "strip_prefix": "ckpt_tools.structure.keys",
+    "sub_rule": "ckpt_tools.structure.keys",
+    "Selection": "ckpt_tools.structure.selection",
+    "select_state_dict": "ckpt_tools.structure.selection",
     "inspect": "ckpt_tools.ops.inspection",
     "CheckpointInfo": "ckpt_tools.ops.inspection_info",
     "TensorInfo": "ckpt_tools.ops.inspection_info",
@@ -107,17 +124,81 @@ _LAZY = {
     "diff": "ckpt_tools.diffing.engine",
     "DiffReport": "ckpt_tools.diffing.report",
 }
-__all__ += sorted(_LAZY)
+
+# Every name _PUBLIC maps, and __version__ (tests/test_architecture.py checks they agree).
+__all__ = [
+    "WRAPPER_RULES",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "ConsolidateResult",
+    "ConversionError",
+    "CorruptCheckpointError",
+    "DiffReport",
+    "KeyCollisionError",
+    "KeyRule",
+    "LfsPointerError",
+    "LoadInfo",
+    "LoadReport",
+    "NonTensorEntriesError",
+    "OutputError",
+    "OutputExistsError",
+    "PlannedFile",
+    "PlannedTensor",
+    "ResourceLimitError",
+    "RewriteResult",
+    "SameFileError",
+    "SanitizeReport",
+    "SelectError",
+    "Selection",
+    "ShardsResult",
+    "StateDictMismatchError",
+    "TensorInfo",
+    "TransformResult",
+    "UnsafeContentError",
+    "UnsupportedFormatError",
+    "UsageError",
+    "VerificationError",
+    "WrapperMatch",
+    "__version__",
+    "add_prefix",
+    "average",
+    "consolidate",
+    "convert",
+    "detect_format",
+    "detect_wrappers",
+    "diff",
+    "extract",
+    "inspect",
+    "load_into",
+    "load_state_dict",
+    "open_checkpoint",
+    "regex_rule",
+    "rename_keys",
+    "reshard",
+    "retag",
+    "rewrite",
+    "sanitize",
+    "select_state_dict",
+    "slim",
+    "strip_module_file",
+    "strip_prefix",
+    "sub_rule",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt_tools' has no attribute {name!r}")
+    import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'ckpt_tools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
 def __dir__() -> list[str]:
     # The lazily loaded names too, so `ct.inspect` and `ct.load_into` tab-complete.
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_PUBLIC})

@@ -8,7 +8,10 @@ lazy imports are still dependencies), so a violation fails here before a reviewe
 from __future__ import annotations
 
 import ast
+import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,6 +157,26 @@ def test_package_root_imports_nothing_heavy() -> None:
     heavy = {"torch", "numpy", "click", "tabulate", "safetensors"}
     found = [n for _, n, top in _imports(PACKAGE / "__init__.py") if n.split(".")[0] in heavy]
     assert not found
+
+
+def test_the_public_names_are_one_table() -> None:
+    import ckpt_tools
+
+    assert sorted(ckpt_tools.__all__) == sorted({"__version__", *ckpt_tools._PUBLIC})
+    for name in ckpt_tools.__all__:  # each resolves to the object its module defines
+        module = ckpt_tools._PUBLIC.get(name, "ckpt_tools._version")
+        assert getattr(ckpt_tools, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = ckpt_tools.nope
+
+
+def test_importing_the_package_loads_only_its_version() -> None:
+    # `ckpt --version` and `import ckpt_tools` pay for nothing they do not use (issue 13).
+    code = "import sys, ckpt_tools; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ckpt_tools'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.strip() == str(["ckpt_tools", "ckpt_tools._version"])
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
