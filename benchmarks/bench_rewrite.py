@@ -81,6 +81,7 @@ TARGET_REFLINK_S = 0.1
 STRIP = "ckpt strip-module IN OUT --quiet"
 ABLATED = "  same, no early writeback"
 UNSPLIT = "  same, no 64 KiB split"
+UNSYNCED = "  same, no fsync (not durable)"
 # strip-module with the early writeback (sync_file_range every 64 MiB) turned off, which
 # also makes each copy_file_range call as long as the kernel allows: does it still pay?
 NO_WRITEBACK = (
@@ -90,6 +91,11 @@ NO_WRITEBACK = (
 # strip-module with its kernel copies started wherever the run starts, not split at the
 # output's first 64 KiB boundary.
 NO_SPLIT = NO_WRITEBACK.replace("c._WRITEBACK_EVERY = 1 << 62", "c._FOLIO_ALIGNMENT = 1")
+# strip-module without its fsyncs (file and folder): what durability costs, against plain
+# `cp`, which does not sync either. The product always syncs; this measures the price.
+NO_FSYNC = NO_WRITEBACK.replace(
+    "c._WRITEBACK_EVERY = 1 << 62", "import os\nos.fsync = lambda fd: None"
+)
 
 NAIVE_PT = (
     "import sys, torch\n"
@@ -206,6 +212,7 @@ def bench_size(
         if args.ablate:
             commands[ABLATED] = python_command(NO_WRITEBACK, "strip-module", src, out, "--quiet")
             commands[UNSPLIT] = python_command(NO_SPLIT, "strip-module", src, out, "--quiet")
+            commands[UNSYNCED] = python_command(NO_FSYNC, "strip-module", src, out, "--quiet")
         if naive_ok:
             naive = NAIVE_PT if fmt == "pt" else NAIVE_ST
             commands[f"naive {fmt} load + rename + save"] = [
@@ -359,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-reflink", action="store_true", help="skip the loopback XFS part")
     ap.add_argument("--no-start", action="store_true", help="skip the start-time part")
     ap.add_argument(
-        "--no-ablate", dest="ablate", action="store_false", help="skip the no-writeback variant"
+        "--no-ablate",
+        dest="ablate",
+        action="store_false",
+        help="skip the variants (no writeback, no 64 KiB split, no fsync)",
     )
     ap.add_argument(
         "--verify",

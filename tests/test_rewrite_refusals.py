@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from ckpt_tools.errors import (
@@ -303,6 +304,25 @@ def test_usage_errors_from_the_api(ddp_file, out_dir):
     with pytest.raises(SameFileError, match="is the input file"):
         convert(src, src)
     assert h.listing(out_dir) == []
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "existing-forced"])
+def test_retag_to_safetensors_is_refused_not_written_as_a_torch_zip(tmp_path, out_dir, existing):
+    # Found by the CLI fuzzer (seed 20261128): the tags went into a torch zip named
+    # .safetensors, which safetensors refused to open ("header too large").
+    src = tmp_path / "in.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(src))
+    dst = out_dir / "out.safetensors"
+    if existing:
+        dst.write_bytes(b"old")
+    code, _, err = h.run_ckpt("retag", src, dst, "--map", "cpu=cuda:1", "--force", code=None)
+    assert code == 2 and "only torch files hold" in err and "out.pt" in err
+    assert (dst.read_bytes() == b"old") if existing else not dst.exists()
+    h.run_ckpt("retag", src, out_dir / "out.pt", "--map", "cpu=cuda:1")
+    assert torch.load(out_dir / "out.pt", map_location="cpu", weights_only=True)["w"].tolist() == [
+        1.0,
+        1.0,
+    ]
 
 
 def test_missing_input_exits_2(out_dir, capsys):

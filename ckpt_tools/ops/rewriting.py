@@ -364,7 +364,8 @@ def retag(
     CPU checkpoint look as if it was saved on a GPU (for tests).
 
     Raises:
-        UsageError: a tag that is not ``cpu``, ``cuda``, ``cuda:N``, ``mps`` or ``meta``.
+        UsageError: a tag that is not ``cpu``, ``cuda``, ``cuda:N``, ``mps`` or ``meta``, or a
+            ``.safetensors`` output (that format holds no device tags).
     """
     for tag in (*mapping.keys(), *mapping.values()):
         base, _, index = tag.partition(":")
@@ -372,4 +373,15 @@ def retag(
             index and not index.isdigit()
         ):
             raise UsageError(f"device tag {tag!r} is not like cpu, cuda or cuda:1")
+    if os.fspath(dst).lower().endswith(".safetensors"):
+        # Device tags live only in torch's format: writing one under this name would give a
+        # file that safetensors cannot open and that its name misdescribes.
+        pt = os.fspath(dst)[: -len(".safetensors")] + ".pt"
+        raise UsageError(
+            "retag writes saved device tags, which only torch files hold (a .safetensors file "
+            "has none: the device is chosen when it is loaded)",
+            argument="dst",
+            value=repr(os.fspath(dst)),
+            remedies=(Remedy(text=f"name a torch output instead, such as {pt!r}"),),
+        )
     return rewrite(src, dst, (), output_format="torch", device_map=dict(mapping), **options)

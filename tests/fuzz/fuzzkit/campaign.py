@@ -66,8 +66,8 @@ def draw_plan(d: Any, in_ext: str) -> Plan:
             ("convert", (), other),
             ("convert", ("--drop-extras",), other),
             ("convert", (), ".pt"),
-            ("retag", ("--map", "cpu=cuda:1"), in_ext),
-            ("retag", ("--map", "cuda:1=cpu"), in_ext),
+            ("retag", ("--map", "cpu=cuda:1"), in_ext),  # to .safetensors: refused (exit 2)
+            ("retag", ("--map", "cuda:1=cpu"), ".pt"),
         )
     )
     if d.bool(15):
