@@ -172,7 +172,10 @@ def test_the_public_names_are_one_table() -> None:
 
 def test_importing_the_package_loads_only_its_version() -> None:
     # `ckpt --version` and `import ckpt_tools` pay for nothing they do not use (issue 13).
-    code = "import sys, ckpt_tools; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ckpt_tools'))"
+    code = (
+        "import sys, ckpt_tools\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ckpt_tools'))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.errors import ResourceLimitError
+from ckpt_tools.formats import expansion, open_checkpoint
 from ckpt_tools.io.clone import COPY_METHODS
 from ckpt_tools.io.layout import plan_zip_layout, zip_actions
 from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION
@@ -296,3 +297,22 @@ def test_progress_counts_the_tensor_bytes_of_a_run_exactly(tmp_path: Path) -> No
     total = sum(t.numel() * t.element_size() for t in sd.values())
     assert seen and seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_a_rewrite_scans_each_pickle_once(tmp_path: Path) -> None:
+    # The output's data.pkl is checked as it is written, when its archive is verified and
+    # when it is read back: one opcode scan serves all three (issue 13).
+    src = h.save({f"module.l{i}": torch.zeros(2) for i in range(50)}, tmp_path / "in.pt")
+    expansion._remembered_scan.cache_clear()
+    strip_module_file(src, tmp_path / "out.pt")
+    info = expansion._remembered_scan.cache_info()
+    assert (info.misses, info.hits) == (2, 2)  # the input's pickle, then the output's
+    # Another payload is scanned on its own, never answered from the output's result.
+    payload = h.read_data_pkl(tmp_path / "out.pt")
+    other = payload.replace(b"\x80\x02", b"\x80\x04", 1)
+    assert expansion.scan_pickle(payload).protocols == (2,)
+    assert expansion.scan_pickle(other).protocols == (4,)
+    bomb = b"\x80\x02}N" + b"2\x86" * 40 + b"N" + b"s."
+    for _ in range(2):  # a refusal is never remembered as a pass
+        with pytest.raises(ResourceLimitError, match="memo bomb"):
+            expansion.scan_pickle(bomb)

@@ -340,6 +340,6 @@ def test_a_called_tensor_class_is_refused_without_blaming_torch(tmp_path: Path) 
     path = tmp_path / "called.pt"
     tools().rewrite_zip(src, path, replace={"data.pkl": _calling("torch", "FloatTensor")})
     assert torch.load(path, weights_only=True)["a"].shape == (0,)  # torch builds an empty one
-    with pytest.raises(CorruptCheckpointError, match="calls torch.FloatTensor to build") as info:
+    with pytest.raises(CorruptCheckpointError, match=r"calls torch\.FloatTensor to build") as info:
         ct.inspect(str(path))
     assert "torch refuses" not in str(info.value)

@@ -11,12 +11,20 @@ each object in place of the object, before anything is unpickled.
 
 from __future__ import annotations
 
+import functools
 import pickletools
+from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.errors import ResourceLimitError
 
-__all__ = ["MAX_EXPANDED_NODES", "WEIGHTS_ONLY_OPCODES", "check_expansion"]
+__all__ = [
+    "MAX_EXPANDED_NODES",
+    "WEIGHTS_ONLY_OPCODES",
+    "OpcodeScan",
+    "check_expansion",
+    "scan_pickle",
+]
 
 #: A checkpoint's pickle expands to about 15 nodes a tensor; this allows millions of tensors,
 #: and hashing this many nodes still takes about a second.
@@ -41,6 +49,22 @@ WEIGHTS_ONLY_OPCODES = frozenset(
 _MARK = pickletools.markobject
 _GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
 _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+@dataclass(frozen=True)
+class OpcodeScan:
+    """What one pass over a pickle's opcodes found.
+
+    Attributes:
+        opcodes: the opcode names, each once, in the order they first appear.
+        protocols: the PROTO opcodes' arguments, each once, in order (empty without one).
+        malformed: why the bytes are not a well-formed pickle (None when they are); the
+            names above are those read before that point.
+    """
+
+    opcodes: tuple[str, ...]
+    protocols: tuple[int, ...]
+    malformed: str | None
 
 
 def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[str]:
@@ -69,13 +93,60 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[
         Traceback (most recent call last):
         ckpt_tools.errors.ResourceLimitError: the pickle's objects expand to more than ...
     """
+    scan = scan_pickle(pickled, limit) if isinstance(pickled, bytes) else _scan(pickled, limit)
+    return frozenset(scan.opcodes)
+
+
+def scan_pickle(payload: bytes, limit: int = MAX_EXPANDED_NODES) -> OpcodeScan:
+    """One checked pass over ``payload``'s opcodes, remembered for the same bytes.
+
+    A rewrite's output pickle is checked when it is made, when its archive is verified and
+    when it is read back: the same bytes, scanned once (the last few payloads up to 64 MiB
+    are remembered). The expansion check always runs, so a result is only ever remembered
+    for a pickle that passed it.
+
+    Args:
+        payload: a whole pickle.
+        limit: as :func:`check_expansion`'s.
+
+    Returns:
+        The :class:`OpcodeScan`.
+
+    Raises:
+        ResourceLimitError: as :func:`check_expansion`.
+
+    Example:
+        >>> import pickle
+        >>> scan_pickle(pickle.dumps(None, protocol=2))
+        OpcodeScan(opcodes=('PROTO', 'NONE', 'STOP'), protocols=(2,), malformed=None)
+    """
+    if len(payload) > _REMEMBERED_BYTES:
+        return _scan(payload, limit)
+    return _remembered_scan(payload, limit)
+
+
+# The cache keeps its payloads alive: only pickles of a usual size (a few MiB holds a
+# state dict of tens of thousands of tensors) are remembered.
+_REMEMBERED_BYTES = 64 << 20
+
+
+@functools.lru_cache(maxsize=4)
+def _remembered_scan(payload: bytes, limit: int) -> OpcodeScan:
+    return _scan(payload, limit)
+
+
+def _scan(pickled: Any, limit: int) -> OpcodeScan:
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}
-    seen: set[str] = set()
+    seen: dict[str, None] = {}
+    protocols: dict[int, None] = {}
+    malformed: str | None = None
     try:
         for op, arg, pos in pickletools.genops(pickled):
-            seen.add(op.name)
+            seen[op.name] = None
+            if op.name == "PROTO":
+                protocols[arg] = None
             kind, below, marked, after = _SHAPES[op.code]
             if kind == _PLAIN:
                 size = 1
@@ -112,8 +183,8 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[
     except ValueError as e:
         if isinstance(e, OSError):  # io.UnsupportedOperation: the reader, not the pickle
             raise
-        # not a well-formed pickle: the unpickler says how
-    return frozenset(seen)
+        malformed = str(e)  # the unpickler, or the caller, says it in its own words
+    return OpcodeScan(tuple(seen), tuple(protocols), malformed)
 
 
 _PLAIN, _MARKS, _DUP, _GET, _PUT = range(5)

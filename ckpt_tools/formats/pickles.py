@@ -307,7 +307,12 @@ def load_pickle(
     else:
         source = LimitedReader(file, limit)
     try:  # before unpickling: the unpickler hashes dict keys, which a memo bomb makes endless
-        opcodes = check_expansion(source if source is file else LimitedReader(file, limit))
+        if source is file and start == 0:
+            # The whole buffer is the pickle (a zip's data.pkl): as bytes, whose scan a
+            # rewrite's verification shares with the writer's check of the same output.
+            opcodes = check_expansion(file.getvalue())
+        else:
+            opcodes = check_expansion(source if source is file else LimitedReader(file, limit))
     finally:
         file.seek(start)
     unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length, extra_globals)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
-import pickletools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -18,7 +17,7 @@ from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError, CorruptCheckpointError, quote_foreign
 from ckpt_tools.formats.allowlist import Reduced, TorchSize, storage_type_ref
-from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES
+from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, scan_pickle
 from ckpt_tools.formats.pickles import gc_paused
 
 __all__ = [
@@ -148,6 +147,7 @@ def unsupported_opcodes(payload: bytes) -> list[str]:
 
     Raises:
         ValueError: ``payload`` is not a well-formed pickle.
+        ResourceLimitError: its objects expand past the limit (a memo bomb).
 
     Example:
         >>> unsupported_opcodes(pickle.dumps({"a": 1}, protocol=2))
@@ -155,13 +155,11 @@ def unsupported_opcodes(payload: bytes) -> list[str]:
         >>> unsupported_opcodes(pickle.dumps({"a": 1}, protocol=4))[:2]
         ['PROTO 4', 'FRAME']
     """
-    found: dict[str, None] = {}
-    for op, arg, _ in pickletools.genops(payload):
-        if op.name == "PROTO" and arg != TORCH_PICKLE_PROTOCOL:
-            found[f"PROTO {arg}"] = None
-        elif op.name not in WEIGHTS_ONLY_OPCODES:
-            found[op.name] = None
-    return list(found)
+    scan = scan_pickle(payload)  # (the same bytes are scanned once per process)
+    if scan.malformed is not None:
+        raise ValueError(scan.malformed)
+    found = [f"PROTO {p}" for p in scan.protocols if p != TORCH_PICKLE_PROTOCOL]
+    return found + [name for name in scan.opcodes if name not in WEIGHTS_ONLY_OPCODES]
 
 
 def check_weights_only_pickle(payload: bytes) -> None:
