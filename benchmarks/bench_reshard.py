@@ -27,7 +27,6 @@ with the model).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from common import (
     Measurement,
     Summary,
     ckpt_command,
+    ckpt_json,
     fmt_table,
     load_note,
     machine_note,
@@ -103,13 +103,7 @@ def run_once(cmd: list[str], out: Path) -> Measurement:
 def check_output(src: Path, folder: Path, limit: int) -> str:
     """One untimed reshard whose output is loaded with safetensors and compared to the input."""
     out = folder / "check_out"
-    proc = subprocess.run(
-        ckpt_command("reshard", src, out, "--max-shard-size", str(limit), "--quiet", "--json"),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result = json.loads(proc.stdout)
+    result = ckpt_json("reshard", src, out, "--max-shard-size", str(limit))
     code = (
         "import sys, glob, torch\nfrom safetensors.torch import load_file\n"
         "def union(d):\n    out = {}\n"

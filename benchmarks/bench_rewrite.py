@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -61,6 +60,7 @@ from common import (
     Summary,
     cache_state_note,
     ckpt_command,
+    ckpt_json,
     fmt_table,
     load_note,
     machine_note,
@@ -124,13 +124,7 @@ def run_once(cmd: list[str], out: Path) -> Measurement:
 def check_outputs(src: Path, folder: Path, fmt: str) -> str:
     """One untimed strip-module run whose output is checked: keys stripped, loads in torch."""
     out = folder / f"check_out.{fmt}"
-    proc = subprocess.run(
-        ckpt_command("strip-module", src, out, "--quiet", "--json"),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result = json.loads(proc.stdout)
+    result = ckpt_json("strip-module", src, out)
     code = (
         "import sys, torch\nsd = torch.load(sys.argv[1], weights_only=True, mmap=True)\n"
         if fmt == "pt"

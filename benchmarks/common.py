@@ -24,6 +24,7 @@ this module just for :func:`measure`.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CKPT",
@@ -47,6 +49,7 @@ __all__ = [
     "cache_state_note",
     "checkpoint_shapes",
     "ckpt_command",
+    "ckpt_json",
     "drop_caches",
     "fmt_table",
     "load_note",
@@ -433,6 +436,14 @@ def python_command(code: str, *args: str | os.PathLike[str]) -> list[str]:
 def ckpt_command(*args: str | os.PathLike[str]) -> list[str]:
     """The installed ``ckpt`` console script (or ``python -m ckpt_tools``) with ARGS."""
     return [*CKPT, *(os.fspath(a) for a in args)]
+
+
+def ckpt_json(*args: str | os.PathLike[str]) -> dict[str, Any]:
+    """One untimed ``ckpt ARGS --quiet --json`` run (it must succeed): its JSON result."""
+    proc = subprocess.run(
+        ckpt_command(*args, "--quiet", "--json"), capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout)
 
 
 # --------------------------------------------------------------------------- reporting
