@@ -209,6 +209,29 @@ class TensorRef(Sealed):
         return self.storage.device
 
     @property
+    def view_bits(self) -> frozenset[str]:
+        """The view bits torch sets when it loads this tensor: ``conj``, ``neg``, or none.
+
+        torch.save writes a conjugate or negative view as its storage's bytes plus the bit
+        (the rebuild call's ``metadata`` argument, ``{"neg": True}``); torch.load sets the bit,
+        so the values are the bytes conjugated or negated. Anything that reads the bytes as
+        values must apply them, or refuse.
+
+        Example:
+            >>> TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32").view_bits
+            frozenset()
+        """
+        name, args = (self.func.name if self.func is not None else ""), self.args
+        if name.startswith("_rebuild_parameter") and args and isinstance(args[0], TensorRef):
+            return args[0].view_bits  # the parameter's data was rebuilt first
+        if name == "_rebuild_from_type_v2" and len(args) == 4 and isinstance(args[2], tuple):
+            name, args = getattr(args[0], "name", ""), args[2]
+        index = {"_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}.get(name)
+        if index is None or len(args) <= index or not isinstance(args[index], dict):
+            return frozenset()
+        return frozenset(k for k in args[index] if k in ("conj", "neg"))
+
+    @property
     def byte_offset(self) -> int:
         """Offset of the first element inside the storage, in bytes."""
         return self.offset * itemsize(self.dtype)

@@ -17,7 +17,12 @@ from typing import Any
 from ckpt_tools.descriptors import GlobalRef, Sealed, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.formats.torch_calls import check_device, check_layout, checked_size
+from ckpt_tools.formats.torch_calls import (
+    check_device,
+    check_layout,
+    check_view_metadata,
+    checked_size,
+)
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -199,7 +204,10 @@ def _rebuild_tensor(func: GlobalRef, *args: Any) -> TensorRef:
         raise CorruptCheckpointError(f"{func.qualname} called with {len(args)} arguments")
     where = {"_rebuild_tensor_v2": 4, "_rebuild_qtensor": 5}.get(func.name)
     requires_grad = False if where is None else _flag(func, args[where])
-    return checked_tensor(func, args, args[0], _storage_dtype(args[0]), requires_grad)
+    dtype = _storage_dtype(args[0])
+    if func.name == "_rebuild_tensor_v2" and len(args) > 6:
+        check_view_metadata(func.qualname, args[6], dtype)
+    return checked_tensor(func, args, args[0], dtype, requires_grad)
 
 
 def _rebuild_tensor_v3(func: GlobalRef, *args: Any) -> TensorRef:
@@ -208,6 +216,8 @@ def _rebuild_tensor_v3(func: GlobalRef, *args: Any) -> TensorRef:
         raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
     dtype = args[6].name
     _storage_dtype(args[0])
+    if len(args) > 7:
+        check_view_metadata(func.qualname, args[7], dtype)
     return checked_tensor(func, args, args[0], dtype, _flag(func, args[4]))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from ckpt_tools.descriptors import short_repr
 from ckpt_tools.errors import CorruptCheckpointError
 
-__all__ = ["check_device", "check_layout", "checked_size"]
+__all__ = ["check_device", "check_layout", "check_view_metadata", "checked_size"]
 
 # Device types torch.device parses (c10/core/Device.cpp, torch 2.13), and the largest index it
 # keeps (c10::DeviceIndex is int8_t; larger ones wrap around, so they are refused).
@@ -87,4 +87,42 @@ def check_layout(name: Any, sparse: bool = False, shown: Any = None) -> None:
         raise CorruptCheckpointError(
             f"the pickle rebuilds a {what} {short_repr(name if shown is None else shown, 40)}, "
             "which torch does not have"
+        )
+
+
+def check_view_metadata(func: str, metadata: Any, dtype: str) -> None:
+    """The rebuild's ``metadata`` (view bits): what torch.save writes, or refused.
+
+    torch ignores a false value, fails on any other non-dict ("expected dict") and on a
+    conjugate bit of a real tensor, and sets a bit for each key present whatever its value;
+    this reader reads only what torch.save writes, ``{"conj": True}`` and ``{"neg": True}``.
+
+    Args:
+        func: the rebuild function's qualified name, for the message.
+        metadata: the argument as unpickled.
+        dtype: the tensor's dtype.
+
+    Raises:
+        CorruptCheckpointError: anything else.
+
+    Example:
+        >>> check_view_metadata("torch._utils._rebuild_tensor_v2", {"neg": True}, "float32")
+    """
+    if not metadata:
+        return
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(
+            f"the pickle calls {func} with metadata {short_repr(metadata, 40)}; "
+            "torch.load fails on it too (the metadata must be a dict)"
+        )
+    if "conj" in metadata and not dtype.startswith("complex"):
+        raise CorruptCheckpointError(
+            f"the pickle calls {func} with a conjugate bit on a {dtype} tensor; "
+            "torch.load fails on it too (only complex tensors have one)"
+        )
+    if any(k not in ("conj", "neg") or v is not True for k, v in metadata.items()):
+        raise CorruptCheckpointError(
+            f"the pickle calls {func} with metadata {short_repr(metadata, 60)}; "
+            "this reader reads only the view bits torch.save writes ({'conj': True}, "
+            "{'neg': True})"
         )

@@ -19,7 +19,7 @@ from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.layout import kept_layout, safetensors_data_start
-from ckpt_tools.io.tensor_bytes import OpenFiles, iter_row_major
+from ckpt_tools.io.tensor_bytes import OpenFiles, check_plain_values, iter_row_major
 from ckpt_tools.io.zipwriter import Writeback, copy_range, pwrite_all
 
 __all__ = ["SafetensorsEntry", "safetensors_header", "write_safetensors"]
@@ -31,10 +31,18 @@ _LARGE_DATA_ALIGNMENT = 64 << 10
 
 @dataclass(frozen=True)
 class SafetensorsEntry:
-    """One tensor to write: its name and descriptor in ``source``."""
+    """One tensor to write: its name and descriptor in ``source``.
+
+    Raises:
+        ConversionError: the tensor is a conjugate or negative view, whose bit the format
+            cannot hold (:func:`~ckpt_tools.io.tensor_bytes.check_plain_values`).
+    """
 
     name: str
     tensor: TensorRef
+
+    def __post_init__(self) -> None:
+        check_plain_values(self.name, self.tensor, "a safetensors file")
 
 
 def write_safetensors(

@@ -20,12 +20,20 @@ from typing import TYPE_CHECKING
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats.base import Checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "OpenFiles", "decompressed", "iter_row_major", "pread_exact"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "OpenFiles",
+    "check_plain_values",
+    "decompressed",
+    "iter_row_major",
+    "pread_exact",
+]
 
 #: Largest piece :func:`iter_row_major` yields by default.
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -34,6 +42,40 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 MAX_GATHER_SPAN = 64 << 20
 # One pread call reads at most this much (Linux caps a single read near 2 GiB).
 _MAX_READ = 1 << 30
+
+
+def check_plain_values(name: str, tensor: TensorRef, doing: str) -> None:
+    """Refuse to take ``tensor``'s bytes as its values when torch would not.
+
+    A conjugate or negative view is saved as its storage's bytes plus a bit that torch
+    applies on loading (:attr:`TensorRef.view_bits`); a safetensors file, a cast or a mean
+    of those bytes would silently drop the bit and change the values.
+
+    Args:
+        name: the tensor's key, for the message.
+        tensor: its descriptor.
+        doing: what would take the bytes as values (``"a safetensors output"``).
+
+    Raises:
+        ConversionError: the tensor carries a view bit.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> ref = TensorRef(StorageRef("0", "float32", 1, "cpu"), 0, (1,), (1,), "float32")
+        >>> check_plain_values("w", ref, "a safetensors output")
+    """
+    bits = sorted(tensor.view_bits)
+    if bits:
+        what = " and ".join({"conj": "conjugate", "neg": "negative"}[b] for b in bits)
+        resolve = ".".join(f"resolve_{b}()" for b in bits)
+        raise ConversionError(
+            f"tensor {name!r} is saved as a {what} view: torch.load applies the bit to its "
+            f"bytes, which {doing} would take as they are, changing its values",
+            remedies=(
+                Remedy(text="keep a torch output (.pt), which carries the bit"),
+                Remedy(text=f"load it, call .{resolve} and save that"),
+            ),
+        )
 
 
 class OpenFiles:

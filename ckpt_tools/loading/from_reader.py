@@ -220,9 +220,8 @@ class _Builder:
         else:
             tensor = torch.empty((0,), dtype=torch_dtype(ref.dtype), device=storage.device)
             tensor.set_(storage, ref.offset, ref.shape, ref.stride)
-        metadata = _tensor_metadata(ref)
-        if metadata:
-            torch._C._set_tensor_metadata(tensor, metadata)
+        if ref.view_bits:  # as torch._utils.set_tensor_metadata sets them
+            torch._C._set_tensor_metadata(tensor, dict.fromkeys(ref.view_bits, True))
         from_type, new_type, _, _ = _from_type(ref)
         if from_type and new_type.qualname not in _TENSOR_TYPES:
             raise UnsupportedFormatError(
@@ -243,20 +242,6 @@ class _Builder:
             for name, value in state.items():  # as torch._utils._set_obj_state sets them
                 setattr(tensor, name, self.build(value, f"{path}.{name}"))
         return tensor
-
-
-def _tensor_metadata(ref: TensorRef) -> dict[str, Any] | None:
-    """The ``metadata`` argument of the rebuild call (conjugate and negative bits), if any."""
-    name, args = (ref.func.name if ref.func is not None else ""), ref.args
-    if name.startswith("_rebuild_parameter") and args and isinstance(args[0], TensorRef):
-        return _tensor_metadata(args[0])  # the parameter's data was rebuilt first
-    if name == "_rebuild_from_type_v2" and len(args) == 4 and isinstance(args[2], tuple):
-        name = getattr(args[0], "name", "")
-        args = args[2]
-    index = {"_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}.get(name)
-    if index is None or len(args) <= index or not isinstance(args[index], Mapping):
-        return None
-    return dict(args[index])
 
 
 def _object_state(ref: TensorRef) -> Any:

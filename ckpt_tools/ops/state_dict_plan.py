@@ -15,6 +15,7 @@ from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.plan_writer import Record
+from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.ops.transform_plan import (
     PlanRow,
     TransformPlan,
@@ -94,6 +95,8 @@ def plan_state_dict_output(
         if not isinstance(value, TensorRef):
             continue
         cast = id(value.storage) in targets
+        if new is not None and (cast or id(value.storage) in overrides):
+            check_plain_values(new, value, f"a cast to {cast_to}" if cast else "a mean")
         if cast and new is not None:
             replaced[new] = cast_tensor(value, out_storage[id(value.storage)], cast_to)
         elif value.func is None and new is not None:
