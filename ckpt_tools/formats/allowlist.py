@@ -1,8 +1,9 @@
 """The allowlist: what each permitted global of a checkpoint's pickle turns into.
 
-Globals on the list (in the spirit of torch's ``weights_only`` unpickler) resolve to
-stand-ins that build descriptors of :mod:`ckpt_tools.descriptors` (tensors, storages, sizes,
-devices) and check them; safe Python containers are real. Nothing here imports the module a
+Globals on the list (in the spirit of torch's ``weights_only`` unpickler) resolve to callers
+that build descriptors of :mod:`ckpt_tools.descriptors` (tensors, storages) and check them,
+or to the value stand-ins of :mod:`ckpt_tools.formats.standins`; safe Python containers are
+real. Nothing here imports the module a
 pickle names. :func:`resolve_allowed` is the one entry point the unpickler uses.
 """
 
@@ -14,9 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, Sealed, StorageRef, TensorRef, short_repr
-from ckpt_tools.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE, itemsize
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
+from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.standins import (
+    UNTYPED_STORAGE,
+    ConstantRef,
+    Reduced,
+    StorageTypeRef,
+    TorchSize,
+    is_count,
+)
 from ckpt_tools.formats.torch_calls import (
     check_device,
     check_layout,
@@ -24,82 +33,7 @@ from ckpt_tools.formats.torch_calls import (
     checked_size,
 )
 
-__all__ = [
-    "ALLOWED_GLOBALS",
-    "UNTYPED_STORAGE",
-    "ConstantRef",
-    "Reduced",
-    "StorageTypeRef",
-    "TorchSize",
-    "checked_tensor",
-    "is_count",
-    "resolve_allowed",
-    "storage_type_ref",
-]
-
-# Sizes, strides, offsets and element counts are int64 in torch.
-_INT64_LIMIT = 1 << 63
-
-
-def is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT64_LIMIT
-
-
-@dataclass(frozen=True)
-class ConstantRef(GlobalRef):
-    """An allowlisted global used as a value (``torch.float32``, ``torch.Tensor``)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Saying which global was called beats Python's bare TypeError. torch refuses calls
-        # of dtypes, layouts and storage types; it does call the tensor classes (an empty
-        # tensor), which this reader builds only through torch's rebuild functions.
-        if self.name.endswith("Tensor") or self.name == "Parameter":
-            raise CorruptCheckpointError(
-                f"the pickle calls {self.qualname} to build a tensor; tensors are read only "
-                "when built by torch._utils' rebuild functions, as torch.save writes them"
-            )
-        raise CorruptCheckpointError(
-            f"the pickle calls {self.qualname}, a value that cannot be called; "
-            "torch refuses the file too"
-        )
-
-
-@dataclass(frozen=True)
-class StorageTypeRef(ConstantRef):
-    """A storage class global (``torch.FloatStorage``) with the dtype it stands for."""
-
-    @property
-    def dtype(self) -> str:
-        return STORAGE_TYPE_DTYPE[self.name]
-
-
-# torch.save names it ``torch.storage.UntypedStorage``; torch.load(weights_only=True) refuses
-# ``torch.UntypedStorage``.
-UNTYPED_STORAGE = StorageTypeRef("torch.storage", "UntypedStorage")
-
-
-@dataclass(frozen=True, eq=False)
-class Reduced(Sealed):
-    """The recorded call of an allowlisted global whose result we do not interpret.
-
-    (``torch.device('cuda', 1)``, ``torch.serialization._get_layout``, sparse rebuilds.)
-    """
-
-    func: GlobalRef
-    args: tuple[Any, ...]
-
-    def __repr__(self) -> str:
-        shown = [short_repr(a, 60) for a in self.args[:8]] + ["..."] * (len(self.args) > 8)
-        return f"{self.func.qualname}({', '.join(shown)})"
-
-
-class TorchSize(tuple):
-    """``torch.Size`` read from a pickle: a tuple that re-pickles as ``torch.Size``."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"torch.Size({short_repr(list(self), 200)})"
+__all__ = ["ALLOWED_GLOBALS", "checked_tensor", "resolve_allowed"]
 
 
 @dataclass(frozen=True)
@@ -170,20 +104,6 @@ def checked_tensor(
                 f"but its storage {storage.key!r} holds {capacity} elements"
             )
     return tensor
-
-
-def storage_type_ref(dtype: str) -> StorageTypeRef:
-    """The storage class ``torch.save`` names for a storage of ``dtype``.
-
-    The typed class where there is one (``torch.FloatStorage``), else
-    ``torch.storage.UntypedStorage``, whose elements are bytes.
-
-    Example:
-        >>> storage_type_ref("float32").qualname
-        'torch.FloatStorage'
-    """
-    name = DTYPE_STORAGE_TYPE.get(dtype)
-    return StorageTypeRef("torch", name) if name is not None else UNTYPED_STORAGE
 
 
 def _flag(func: GlobalRef, value: Any) -> bool:

@@ -22,7 +22,6 @@ from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
-from ckpt_tools.formats.allowlist import storage_type_ref
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.dcp_metadata import (
     DcpBytes,
@@ -33,6 +32,7 @@ from ckpt_tools.formats.dcp_metadata import (
 )
 from ckpt_tools.formats.dcp_safetensors import safetensors_chunk
 from ckpt_tools.formats.detect import ZIP_SIGNATURE
+from ckpt_tools.formats.standins import storage_type_ref
 from ckpt_tools.formats.torchzip import ArchiveContents, read_torch_archive
 from ckpt_tools.formats.zipdir import FileSlice
 

@@ -19,9 +19,9 @@ from typing import Any
 from ckpt_tools.descriptors import short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
-from ckpt_tools.formats.allowlist import ConstantRef, Reduced, is_count
 from ckpt_tools.formats.dcp_globals import DataStandIn, dcp_metadata_stand_ins
 from ckpt_tools.formats.pickles import MAX_NESTING, load_pickle
+from ckpt_tools.formats.standins import ConstantRef, Reduced, is_count
 
 __all__ = [
     "MAX_METADATA_BYTES",

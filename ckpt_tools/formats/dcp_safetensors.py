@@ -18,8 +18,8 @@ from typing import Any
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.formats.allowlist import storage_type_ref
 from ckpt_tools.formats.dcp_metadata import DcpChunk, DcpTensor
+from ckpt_tools.formats.standins import storage_type_ref
 
 __all__ = ["safetensors_chunk"]
 

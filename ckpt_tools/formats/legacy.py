@@ -27,9 +27,9 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
     quote_foreign,
 )
-from ckpt_tools.formats.allowlist import UNTYPED_STORAGE
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import id_text, load_pickle
+from ckpt_tools.formats.standins import UNTYPED_STORAGE
 
 __all__ = ["check_byte_order", "offset_locator", "open_legacy", "open_pickle", "open_tar"]
 

@@ -30,9 +30,10 @@ from ckpt_tools.errors import (
     UnsafeContentError,
     quote_foreign,
 )
-from ckpt_tools.formats.allowlist import StorageTypeRef, is_count, resolve_allowed
+from ckpt_tools.formats.allowlist import resolve_allowed
 from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, check_expansion
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
+from ckpt_tools.formats.standins import StorageTypeRef, is_count
 
 __all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "id_text", "load_pickle"]
 

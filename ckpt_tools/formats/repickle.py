@@ -16,9 +16,9 @@ from typing import Any, BinaryIO
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError, CorruptCheckpointError, quote_foreign
-from ckpt_tools.formats.allowlist import Reduced, TorchSize, storage_type_ref
 from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, scan_pickle
 from ckpt_tools.formats.pickles import gc_paused
+from ckpt_tools.formats.standins import Reduced, TorchSize, storage_type_ref
 
 __all__ = [
     "TORCH_PICKLE_PROTOCOL",

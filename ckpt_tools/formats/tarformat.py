@@ -31,10 +31,11 @@ from typing import Any
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.formats.allowlist import StorageTypeRef, checked_tensor
+from ckpt_tools.formats.allowlist import checked_tensor
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.legacy import check_byte_order, offset_locator
 from ckpt_tools.formats.pickles import ReadResult, id_text, load_pickle
+from ckpt_tools.formats.standins import StorageTypeRef
 
 __all__ = ["read_tar_members"]
 

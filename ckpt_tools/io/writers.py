@@ -16,9 +16,9 @@ from typing import Any, BinaryIO
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
 from ckpt_tools.errors import ConversionError
-from ckpt_tools.formats.allowlist import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
+from ckpt_tools.formats.standins import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.io.layout import (
     LAYOUT_BLOCK,
     CappedProgress,

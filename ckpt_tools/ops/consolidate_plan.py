@@ -15,8 +15,8 @@ from typing import Any
 from ckpt_tools.descriptors import ByteSpan, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import KeyCollisionError, UnsafeContentError, UsageError
-from ckpt_tools.formats.allowlist import storage_type_ref
 from ckpt_tools.formats.dcp import DcpCheckpoint, contiguous_stride
+from ckpt_tools.formats.standins import storage_type_ref
 from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
 from ckpt_tools.structure.keys import rename_keys, strip_wrapper_rules
 from ckpt_tools.structure.selection import select_state_dict

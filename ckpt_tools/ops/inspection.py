@@ -8,8 +8,8 @@ from typing import Any
 
 from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.formats.allowlist import Reduced, TorchSize
 from ckpt_tools.formats.dcp import DcpCheckpoint
+from ckpt_tools.formats.standins import Reduced, TorchSize
 from ckpt_tools.ops.inspection_info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.keys import detect_wrappers
 from ckpt_tools.structure.selection import (

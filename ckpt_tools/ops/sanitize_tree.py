@@ -28,7 +28,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.formats.allowlist import ConstantRef, Reduced, TorchSize
+from ckpt_tools.formats.standins import ConstantRef, Reduced, TorchSize
 from ckpt_tools.io.writers import picklable_tensors
 from ckpt_tools.structure.modules import module_globals, recover_module
 

@@ -18,7 +18,7 @@ from typing import Any
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, iter_tensors
 from ckpt_tools.errors import UsageError, VerificationError
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.formats.allowlist import storage_type_ref
+from ckpt_tools.formats.standins import storage_type_ref
 from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.casting import cast_chunk, iter_cast
 from ckpt_tools.io.plan_writer import (
