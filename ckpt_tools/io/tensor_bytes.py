@@ -16,7 +16,7 @@ import errno
 import os
 import zlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "ClosesOnExit",
     "OpenFiles",
     "check_plain_values",
     "decompressed",
@@ -78,7 +79,20 @@ def check_plain_values(name: str, tensor: TensorRef, doing: str) -> None:
         )
 
 
-class OpenFiles:
+class ClosesOnExit:
+    """A context manager whose exit calls ``close()``: readers holding descriptors."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class OpenFiles(ClosesOnExit):
     """Read-only file descriptors, one per path, opened on first use and closed together.
 
     Readers and writers that pull bytes from several files (shards, several inputs) keep
@@ -107,12 +121,6 @@ class OpenFiles:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
-
-    def __enter__(self) -> OpenFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:

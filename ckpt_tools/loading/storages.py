@@ -14,7 +14,6 @@ import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from ckpt_tools.descriptors import StorageRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.tensor_bytes import OpenFiles, pread_exact
+from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, pread_exact
 
 __all__ = ["Restore", "StorageBuilder"]
 
@@ -36,7 +35,7 @@ _MAPPED_FORMATS = frozenset({"torch-zip", "safetensors"})
 
 
 @dataclass
-class StorageBuilder:
+class StorageBuilder(ClosesOnExit):
     """Builds each storage of one opened checkpoint once, on the device ``restore`` picks.
 
     Use it as a context manager (or call :meth:`close`): it holds file descriptors for the
@@ -61,17 +60,6 @@ class StorageBuilder:
         self._formats[self.ckpt.path] = self.ckpt.format
         for sub in self.ckpt.shards.values():
             self._formats[sub.path] = sub.format
-
-    def __enter__(self) -> StorageBuilder:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Close the descriptors of files read with ``pread``; mapped storages stay valid."""

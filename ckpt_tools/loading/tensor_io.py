@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import sys
 from collections.abc import Iterator
-from types import TracebackType
 
 import torch
 
@@ -20,7 +19,7 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.tensor_bytes import OpenFiles, pread_exact
+from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, pread_exact
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -70,7 +69,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-class TensorReader:
+class TensorReader(ClosesOnExit):
     """Reads tensors of one opened checkpoint, keeping one file descriptor per file.
 
     Use it as a context manager (or call :meth:`close`) so the descriptors are released.
@@ -92,17 +91,6 @@ class TensorReader:
             )
         self.ckpt = ckpt
         self._files = OpenFiles()
-
-    def __enter__(self) -> TensorReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Close every file descriptor this reader opened."""
