@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.options import dry_run_option, json_option, select_option
+from ckpt_tools.cli.options import dry_run_option, json_option, select_option, verify_option
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.io.hf_shards import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate import consolidate
@@ -46,12 +46,8 @@ Examples:
     help="HF shards written at once.",
 )
 @click.option("--force", is_flag=True, help="Replace existing output files.")
-@click.option(
-    "--verify",
-    type=click.Choice(["sizes", "none"]),
-    default="sizes",
-    show_default=True,
-    help="After writing, re-read every output: keys, dtypes, shapes, layout.",
+@verify_option(
+    "After writing, re-read every output: keys, dtypes, shapes, layout.", levels=("sizes", "none")
 )
 @json_option
 @dry_run_option

@@ -20,3 +20,19 @@ def dry_run_option(func):  # type: ignore[no-untyped-def]
         is_flag=True,
         help="Print the plan (keys, dtypes, sizes, what is kept and dropped); write nothing.",
     )(func)
+
+
+def verify_option(help: str, levels: tuple[str, ...] = ("sizes", "full", "none")):  # type: ignore[no-untyped-def]
+    """``--verify LEVEL`` (default ``sizes``) for a command that writes; ``help`` says what."""
+    return click.option(
+        "--verify", type=click.Choice(levels), default="sizes", show_default=True, help=help
+    )
+
+
+allow_global_option = click.option(
+    "--allow-global",
+    "allow_globals",
+    multiple=True,
+    metavar="QUALNAME",
+    help="Carry this global outside the allowlist through unchanged (never imported).",
+)

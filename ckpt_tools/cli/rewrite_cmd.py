@@ -9,7 +9,13 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.options import dry_run_option, json_option, select_option
+from ckpt_tools.cli.options import (
+    allow_global_option,
+    dry_run_option,
+    json_option,
+    select_option,
+    verify_option,
+)
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewriting import (
@@ -33,20 +39,8 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
             is_flag=True,
             help="Allow DST to be SRC (still written to a temp file, then renamed).",
         ),
-        click.option(
-            "--verify",
-            type=click.Choice(["sizes", "full", "none"]),
-            default="sizes",
-            show_default=True,
-            help="After writing, re-read the output: keys and sizes, or also every byte.",
-        ),
-        click.option(
-            "--allow-global",
-            "allow_globals",
-            multiple=True,
-            metavar="QUALNAME",
-            help="Carry this global outside the allowlist through unchanged (never imported).",
-        ),
+        verify_option("After writing, re-read the output: keys and sizes, or also every byte."),
+        allow_global_option,
         click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
         json_option,
         dry_run_option,
@@ -207,13 +201,7 @@ def convert_cmd(
     help="Largest shard: 5GB (5*10^9 bytes, as huggingface_hub), 2GiB, or bytes.",
 )
 @click.option("--force", is_flag=True, help="Replace DST if it is a non-empty folder.")
-@click.option(
-    "--verify",
-    type=click.Choice(["sizes", "full", "none"]),
-    default="sizes",
-    show_default=True,
-    help="After writing, re-read every shard: keys and sizes, or also every byte.",
-)
+@verify_option("After writing, re-read every shard: keys and sizes, or also every byte.")
 @click.option(
     "--jobs", type=int, default=1, show_default=True, help="Shards written at once (threads)."
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckpt_tools.cli.options import dry_run_option, json_option, select_option
+from ckpt_tools.cli.options import dry_run_option, json_option, select_option, verify_option
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.ops.sanitize import sanitize
 
@@ -24,13 +24,7 @@ Examples:
 @select_option
 @click.option("--strict", is_flag=True, help="Refuse (exit 3) instead of dropping values.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never the input).")
-@click.option(
-    "--verify",
-    type=click.Choice(["sizes", "full", "none"]),
-    default="sizes",
-    show_default=True,
-    help="After writing, re-read the output: keys and sizes, or also every byte.",
-)
+@verify_option("After writing, re-read the output: keys and sizes, or also every byte.")
 @json_option
 @dry_run_option
 def sanitize_cmd(

@@ -7,7 +7,13 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.options import dry_run_option, json_option, select_option
+from ckpt_tools.cli.options import (
+    allow_global_option,
+    dry_run_option,
+    json_option,
+    select_option,
+    verify_option,
+)
 from ckpt_tools.cli.render import echo_json
 
 
@@ -23,20 +29,10 @@ def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Output format (default: from DST's suffix).",
         ),
         click.option("--force", is_flag=True, help="Replace DST if it exists (never an input)."),
-        click.option(
-            "--verify",
-            type=click.Choice(["sizes", "full", "none"]),
-            default="sizes",
-            show_default=True,
-            help="After writing, re-read keys and sizes, or also every byte (computed again).",
+        verify_option(
+            "After writing, re-read keys and sizes, or also every byte (computed again)."
         ),
-        click.option(
-            "--allow-global",
-            "allow_globals",
-            multiple=True,
-            metavar="QUALNAME",
-            help="Carry this global outside the allowlist through (never imported).",
-        ),
+        allow_global_option,
         json_option,
         dry_run_option,
     ]
