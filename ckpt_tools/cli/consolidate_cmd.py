@@ -6,7 +6,13 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.options import dry_run_option, json_option, select_option, verify_option
+from ckpt_tools.cli.options import (
+    dry_run_option,
+    durable_option,
+    json_option,
+    select_option,
+    verify_option,
+)
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.io.hf_shards import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate import consolidate
@@ -49,6 +55,7 @@ Examples:
 @verify_option(
     "After writing, re-read every output: keys, dtypes, shapes, layout.", levels=("sizes", "none")
 )
+@durable_option
 @json_option
 @dry_run_option
 def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: Any) -> None:

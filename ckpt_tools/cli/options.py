@@ -36,3 +36,12 @@ allow_global_option = click.option(
     metavar="QUALNAME",
     help="Carry this global outside the allowlist through unchanged (never imported).",
 )
+
+durable_option = click.option(
+    "--fsync/--no-fsync",
+    "durable",
+    default=True,
+    show_default=True,
+    help="fsync the output before naming it. --no-fsync skips it, as cp does: faster where "
+    "syncing is slow, but a power loss soon after may leave the output incomplete.",
+)

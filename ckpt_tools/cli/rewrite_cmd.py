@@ -12,6 +12,7 @@ import click
 from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
+    durable_option,
     json_option,
     select_option,
     verify_option,
@@ -40,6 +41,7 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Allow DST to be SRC (still written to a temp file, then renamed).",
         ),
         verify_option("After writing, re-read the output: keys and sizes, or also every byte."),
+        durable_option,
         allow_global_option,
         click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
         json_option,
@@ -94,6 +96,7 @@ def _options(kw: dict[str, Any], progress: Callable[[int, int], None] | None) ->
         "allow_globals": kw["allow_globals"],
         "progress": progress,
         "dry_run": kw["dry_run"],
+        "durable": kw["durable"],
     }
 
 
@@ -202,6 +205,7 @@ def convert_cmd(
 )
 @click.option("--force", is_flag=True, help="Replace DST if it is a non-empty folder.")
 @verify_option("After writing, re-read every shard: keys and sizes, or also every byte.")
+@durable_option
 @click.option(
     "--jobs", type=int, default=1, show_default=True, help="Shards written at once (threads)."
 )
@@ -222,6 +226,7 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
             progress=progress,
             jobs=kw["jobs"],
             dry_run=kw["dry_run"],
+            durable=kw["durable"],
         )
     _report(result, kw["as_json"])
 

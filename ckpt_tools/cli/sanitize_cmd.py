@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import click
 
-from ckpt_tools.cli.options import dry_run_option, json_option, select_option, verify_option
+from ckpt_tools.cli.options import (
+    dry_run_option,
+    durable_option,
+    json_option,
+    select_option,
+    verify_option,
+)
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.ops.sanitize import sanitize
 
@@ -25,6 +31,7 @@ Examples:
 @click.option("--strict", is_flag=True, help="Refuse (exit 3) instead of dropping values.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never the input).")
 @verify_option("After writing, re-read the output: keys and sizes, or also every byte.")
+@durable_option
 @json_option
 @dry_run_option
 def sanitize_cmd(
@@ -34,6 +41,7 @@ def sanitize_cmd(
     strict: bool,
     force: bool,
     verify: str,
+    durable: bool,
     as_json: bool,
     dry_run: bool,
 ) -> None:
@@ -44,7 +52,14 @@ def sanitize_cmd(
     nn.Modules their state dict; anything else is dropped and listed (--strict: refused).
     """
     report = sanitize(
-        src, dst, strict=strict, select=select, force=force, verify=verify, dry_run=dry_run
+        src,
+        dst,
+        strict=strict,
+        select=select,
+        force=force,
+        verify=verify,
+        dry_run=dry_run,
+        durable=durable,
     )
     if as_json:
         echo_json(report.to_json())

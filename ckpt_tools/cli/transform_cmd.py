@@ -10,6 +10,7 @@ import click
 from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
+    durable_option,
     json_option,
     select_option,
     verify_option,
@@ -32,6 +33,7 @@ def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
         verify_option(
             "After writing, re-read keys and sizes, or also every byte (computed again)."
         ),
+        durable_option,
         allow_global_option,
         json_option,
         dry_run_option,

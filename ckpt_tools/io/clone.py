@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ckpt_tools.errors import UsageError
+from ckpt_tools.io.atomic import output_is_durable
 
 __all__ = [
     "COPY_METHODS",
@@ -108,11 +109,15 @@ class Writeback:
     fsync and runs after the copying instead of beside it. Every ``_WRITEBACK_EVERY`` bytes
     written, Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts the writeback of that
     range without waiting for it. Best effort: nothing happens where the call is missing or
-    fails; durability still comes from the final fsync.
+    fails; durability still comes from the final fsync. Nothing happens either inside an
+    ``atomic_output(durable=False)``: with no fsync to shorten, it would only compete with
+    the copy for the disk.
     """
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        #: False inside a non-durable output: ``wrote`` then never starts a writeback.
+        self.active = output_is_durable()
         self._start: int | None = None
         self._end = 0
 
@@ -120,7 +125,7 @@ class Writeback:
         """Record that ``count`` bytes were written at ``offset``."""
         self._start = offset if self._start is None else min(self._start, offset)
         self._end = max(self._end, offset + count)
-        if self._end - self._start >= _WRITEBACK_EVERY:
+        if self.active and self._end - self._start >= _WRITEBACK_EVERY:
             func = _sync_file_range()
             if func is not None:
                 func(self._fd, self._start, self._end - self._start, 2)  # SYNC_FILE_RANGE_WRITE
@@ -128,6 +133,8 @@ class Writeback:
 
 
 class _Told(Protocol):
+    active: bool
+
     def wrote(self, offset: int, count: int) -> None: ...
 
 
@@ -288,7 +295,7 @@ def _copy_bytes(
     done = 0
     by_kernel = 0
     use_kernel = kernel and hasattr(os, "copy_file_range")
-    largest = _WRITEBACK_EVERY if writeback is not None else _KERNEL_STEP
+    largest = _WRITEBACK_EVERY if writeback is not None and writeback.active else _KERNEL_STEP
     while done < count:
         step = min(count - done, largest)
         head = (-(dst_offset + done)) % _FOLIO_ALIGNMENT

@@ -244,11 +244,12 @@ def _dead_temp_dirs(parent: Path) -> None:
 
 
 @contextlib.contextmanager
-def _published_folder(target: Path) -> Iterator[Path]:
+def _published_folder(target: Path, durable: bool = True) -> Iterator[Path]:
     """A temp folder beside ``target`` that becomes ``target`` when the body succeeds.
 
     An existing ``target`` (checked by :func:`check_output_folder`) is moved aside first
     and removed only once the new folder has its name; on any error the temp folder goes.
+    The folders are fsynced around the rename unless ``durable`` is False.
     """
     parent = target.parent
     _dead_temp_dirs(parent)
@@ -260,7 +261,8 @@ def _published_folder(target: Path) -> Iterator[Path]:
         raise OutputError(f"cannot create a folder in {str(parent)!r}: {e.strerror}") from e
     try:
         yield tmp
-        _fsync(tmp)
+        if durable:
+            _fsync(tmp)
         old = parent / f".{target.name}.ckpt-tmpdir-{tag}-old"
         replaced = target.exists() and any(target.iterdir())
         if replaced:
@@ -271,7 +273,8 @@ def _published_folder(target: Path) -> Iterator[Path]:
             if replaced:
                 os.rename(old, target)
             raise
-        _fsync(parent)
+        if durable:
+            _fsync(parent)
         if replaced:
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
@@ -326,6 +329,7 @@ def write_hf_shards(
     verify: str = "sizes",
     progress: Progress | None = None,
     jobs: int = 1,
+    durable: bool = True,
 ) -> tuple[str, ...]:
     """Write ``entries`` as the Hugging Face folder ``plan`` lays out, then publish it.
 
@@ -346,6 +350,8 @@ def write_hf_shards(
         jobs: shards written at once, by threads. With more than one, a SIGTERM ends the
             process without cleanup: the shards' unnamed temp files vanish with it, and the
             next run in that folder removes the temp folder.
+        durable: fsync every file and the folders (default); False skips those fsyncs
+            (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Returns:
         The files written (shards, then the index), names inside ``dst``.
@@ -366,12 +372,12 @@ def write_hf_shards(
     target = Path(os.path.abspath(dst))
     extra = {str(k): str(v) for k, v in (metadata or {}).items()}
     shard_meta = {"format": "pt"} if plan.is_sharded else {**extra, "format": "pt"}
-    with _published_folder(target) as tmp:
+    with _published_folder(target, durable) as tmp:
 
         def write_one(item: tuple[str, tuple[str, ...]]) -> str:
             file, names = item
             shard = [by_name[n] for n in names]
-            with atomic_output(tmp / file) as (f, tmp_path):
+            with atomic_output(tmp / file, durable=durable) as (f, tmp_path):
                 write_safetensors(shard, source, f, shard_meta, progress)
                 f.flush()
                 expected = {e.name: e.tensor for e in shard}
@@ -387,7 +393,7 @@ def write_hf_shards(
         else:
             written = [write_one(item) for item in plan.files]
         if plan.is_sharded:
-            with atomic_output(tmp / INDEX_NAME) as (f, _):
+            with atomic_output(tmp / INDEX_NAME, durable=durable) as (f, _):
                 f.write(index_bytes(plan, extra))
             written.append(INDEX_NAME)
     return tuple(written)

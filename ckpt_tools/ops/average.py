@@ -145,6 +145,7 @@ def average(
     verify: str = "sizes",
     allow_globals: Sequence[str] = (),
     dry_run: bool = False,
+    durable: bool = True,
 ) -> TransformResult:
     """Average checkpoints element-wise into ``dst`` (a plain state dict).
 
@@ -155,7 +156,7 @@ def average(
         ints: ``first`` or ``last``: take integer/bool tensors from that input instead of
             requiring them equal.
         select: dotted path of the state dict in every input (automatic when None).
-        output_format, force, verify, allow_globals, dry_run: as for :func:`slim`.
+        output_format, force, verify, allow_globals, dry_run, durable: as for :func:`slim`.
 
     Returns:
         A :class:`TransformResult`.
@@ -241,4 +242,4 @@ def average(
         base, "average", dst, fmt, selections[0], items, weights_only=True, overrides=overrides
     )
     plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
-    return finish(plan, target, base, verify, dry_run)
+    return finish(plan, target, base, verify, dry_run, durable)

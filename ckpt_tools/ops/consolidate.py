@@ -136,6 +136,7 @@ def consolidate(
     force: bool = False,
     verify: str = "sizes",
     dry_run: bool = False,
+    durable: bool = True,
 ) -> ConsolidateResult:
     """Write a torch.distributed.checkpoint folder as one file or as HF shards, torch-free.
 
@@ -153,6 +154,8 @@ def consolidate(
         verify: ``sizes`` (read every output back: keys, dtypes, shapes, layout) or ``none``.
         dry_run: plan and check everything (refusals included), write nothing: the result's
             ``planned`` lists each file, its tensors, dtypes, shapes and sizes.
+        durable: fsync every output before naming it (default); False skips it, as ``cp``
+            does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Returns:
         The :class:`ConsolidateResult`.
@@ -193,10 +196,10 @@ def consolidate(
     if dry_run:
         return _planned(src, dst, fmt, plan, limit, force)
     if fmt == "hf-sharded":
-        files = write_shards(plan, dst, limit, jobs, force, verify)
+        files = write_shards(plan, dst, limit, jobs, force, verify, durable)
     else:
         check_output_path(dst, src, force=force)
-        write_file(dst, fmt, plan, verify)
+        write_file(dst, fmt, plan, verify, durable)
         files = (dst,)
     return ConsolidateResult(
         src=src,

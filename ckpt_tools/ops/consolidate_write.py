@@ -30,14 +30,18 @@ from ckpt_tools.ops.consolidate_plan import ConsolidationPlan, OutputTensor
 __all__ = ["shard_outputs", "write_file", "write_shards"]
 
 
-def write_file(dst: str, fmt: str, plan: ConsolidationPlan, verify: str) -> None:
+def write_file(
+    dst: str, fmt: str, plan: ConsolidationPlan, verify: str, durable: bool = True
+) -> None:
     """One ``.pt`` (``fmt='torch-zip'``) or ``.safetensors`` file at ``dst``, atomically."""
     write = _write_torch if fmt == "torch-zip" else _write_safetensors
-    _atomic(dst, lambda f: write(plan, f), plan.tensors, verify)
+    _atomic(dst, lambda f: write(plan, f), plan.tensors, verify, durable)
 
 
-def _atomic(dst: str, write: Any, tensors: Sequence[OutputTensor], verify: str) -> None:
-    with atomic_output(dst) as (f, tmp):
+def _atomic(
+    dst: str, write: Any, tensors: Sequence[OutputTensor], verify: str, durable: bool
+) -> None:
+    with atomic_output(dst, durable=durable) as (f, tmp):
         write(f)
         f.flush()
         if verify != "none":
@@ -147,7 +151,13 @@ def shard_outputs(
 
 
 def write_shards(
-    plan: ConsolidationPlan, folder: str, limit: int, jobs: int, force: bool, verify: str
+    plan: ConsolidationPlan,
+    folder: str,
+    limit: int,
+    jobs: int,
+    force: bool,
+    verify: str,
+    durable: bool = True,
 ) -> tuple[str, ...]:
     """HF shards and their index, each file atomic; the index is written last."""
     by_name = {t.name: t for t in plan.tensors}
@@ -158,12 +168,12 @@ def write_shards(
 
     def one(i: int) -> None:
         tensors = [by_name[n] for n in groups[i]]
-        _atomic(paths[i], lambda f: _write_safetensors(plan, f, tensors), tensors, verify)
+        _atomic(paths[i], lambda f: _write_safetensors(plan, f, tensors), tensors, verify, durable)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(one, range(len(groups))))
     if len(names) > 1:
-        with atomic_output(paths[-1]) as (f, _):
+        with atomic_output(paths[-1], durable=durable) as (f, _):
             f.write(index_bytes(shards))
     for p in stale:
         os.unlink(p)  # (only with force) after ours are complete

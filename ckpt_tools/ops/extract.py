@@ -31,6 +31,7 @@ def extract(
     verify: str = "sizes",
     allow_globals: Sequence[str] = (),
     dry_run: bool = False,
+    durable: bool = True,
 ) -> TransformResult:
     """Write the selected state dict's entries under ``prefix`` as a plain state dict.
 
@@ -43,7 +44,7 @@ def extract(
         strip_prefix: remove ``prefix`` from the kept keys.
         ema: take the EMA copy, as ``slim(ema=True)`` does. A pickled ``nn.Module``
             selected (Ultralytics' ``model`` or ``ema``) gives up its recovered state dict.
-        select, output_format, force, verify, allow_globals, dry_run: as for ``slim``.
+        select, output_format, force, verify, allow_globals, dry_run, durable: as for ``slim``.
 
     Returns:
         A :class:`TransformResult`.
@@ -86,4 +87,4 @@ def extract(
     plan = plan_state_dict_output(
         ckpt, "extract", dst, fmt, selection, items, weights_only=True, notes=notes
     )
-    return finish(plan, target, ckpt, verify, dry_run)
+    return finish(plan, target, ckpt, verify, dry_run, durable)

@@ -210,6 +210,7 @@ def convert_to_folder(
     progress: Progress | None = None,
     jobs: int = 1,
     dry_run: bool = False,
+    durable: bool = True,
 ) -> ShardsResult:
     """Write a checkpoint's state dict as a Hugging Face sharded safetensors folder.
 
@@ -227,6 +228,7 @@ def convert_to_folder(
             :func:`~ckpt_tools.io.hf_shards.write_hf_shards`).
         dry_run: plan and check everything (refusals included), write nothing, create no
             folder: ``planned`` lists each shard, its tensors, and the index.
+        durable: fsync the files and folders (default); False skips it, as ``cp`` does.
 
     Returns:
         A :class:`ShardsResult`.
@@ -299,7 +301,15 @@ def convert_to_folder(
                 progress(done[0], plan.total_size)
 
     files = write_hf_shards(
-        entries, ckpt, target, plan, metadata=extra, verify=verify, progress=on_bytes, jobs=jobs
+        entries,
+        ckpt,
+        target,
+        plan,
+        metadata=extra,
+        verify=verify,
+        progress=on_bytes,
+        jobs=jobs,
+        durable=durable,
     )
     shards = len(plan.files)
     return ShardsResult(
@@ -340,6 +350,7 @@ def reshard(
     progress: Progress | None = None,
     jobs: int = 1,
     dry_run: bool = False,
+    durable: bool = True,
 ) -> ShardsResult:
     """Rewrite a Hugging Face sharded folder with another shard size (``ckpt reshard``).
 
@@ -352,6 +363,7 @@ def reshard(
         progress: called with ``(bytes_done, bytes_total)``.
         jobs: shards written at once (threads).
         dry_run: plan only, as :func:`convert_to_folder`; nothing is written.
+        durable: as :func:`convert_to_folder`'s (False skips the fsyncs).
 
     Returns:
         A :class:`ShardsResult`.
@@ -380,6 +392,7 @@ def reshard(
         progress=progress,
         jobs=jobs,
         dry_run=dry_run,
+        durable=durable,
     )
     shards = sum(1 for f in result.files if f.endswith(".safetensors"))
     if dry_run:

@@ -71,6 +71,7 @@ def rewrite(
     progress: Progress | None = None,
     opened: Checkpoint | None = None,
     dry_run: bool = False,
+    durable: bool = True,
 ) -> RewriteResult:
     """Rewrite a checkpoint file: rename its state dict's keys and/or retag devices.
 
@@ -93,6 +94,9 @@ def rewrite(
         progress: called with ``(bytes_done, bytes_total)``.
         opened: ``src`` already opened with ``open_checkpoint`` (saves reading it twice).
         dry_run: plan and check everything, write nothing (``written`` is False).
+        durable: fsync the output before naming it (default). False skips the fsync, as
+            ``cp`` does: faster where syncing is slow, but a power loss soon after may leave
+            ``dst`` incomplete (see ``atomic_output``).
 
     Returns:
         A :class:`RewriteResult`.
@@ -145,7 +149,7 @@ def rewrite(
             progress(done[0], total)
 
     dropped: tuple[str, ...] = ()
-    with atomic_output(target) as (file, tmp):
+    with atomic_output(target, durable=durable) as (file, tmp):
         if fmt == "safetensors":
             entries, metadata, dropped, expected = safetensors_plan(
                 ckpt, selection.path, renamed_sd, drop_extras

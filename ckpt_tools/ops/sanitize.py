@@ -44,6 +44,7 @@ def sanitize(
     force: bool = False,
     verify: str = "sizes",
     dry_run: bool = False,
+    durable: bool = True,
 ) -> SanitizeReport:
     """Write ``src`` as a torch file that ``torch.load(weights_only=True)`` loads.
 
@@ -63,6 +64,8 @@ def sanitize(
         verify: ``sizes`` (default), ``full`` (compare bytes) or ``none``.
         dry_run: plan and check everything (``strict`` refusals included), write nothing:
             the report lists every conversion and drop, and ``planned`` the output's tensors.
+        durable: fsync the output before naming it (default); False skips it, as ``cp``
+            does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Returns:
         A :class:`SanitizeReport` listing every conversion and drop with its path.
@@ -120,7 +123,7 @@ def sanitize(
     def on_bytes(n: int) -> None:
         copied[0] += n
 
-    with atomic_output(target) as (file, tmp):
+    with atomic_output(target, durable=durable) as (file, tmp):
         write_torch_zip(done.root, ckpt, file, None, on_bytes, added=done.added)
         file.flush()
         verification = _verify(str(tmp), done, selection.path, ckpt, verify)

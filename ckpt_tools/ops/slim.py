@@ -138,6 +138,7 @@ def slim(
     verify: str = "sizes",
     allow_globals: Sequence[str] = (),
     dry_run: bool = False,
+    durable: bool = True,
 ) -> TransformResult:
     """Make a checkpoint smaller: cast weights, drop entries, keep only the (EMA) weights.
 
@@ -158,6 +159,8 @@ def slim(
         verify: ``sizes`` or ``none``.
         allow_globals: globals outside the allowlist to carry through.
         dry_run: plan only; nothing is written.
+        durable: fsync the output before naming it (default); False skips it, as ``cp``
+            does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Returns:
         A :class:`TransformResult` (sizes per category before and after, what was cast,
@@ -207,7 +210,7 @@ def slim(
         dropped_entries=dropped,
         notes=notes,
     )
-    return finish(plan, target, ckpt, verify, dry_run)
+    return finish(plan, target, ckpt, verify, dry_run, durable)
 
 
 def _dtype(dtype: str | None) -> str | None:

@@ -293,7 +293,12 @@ def _safetensors_entries(
 
 
 def finish(
-    plan: TransformPlan, target: Any, ckpt: Checkpoint, verify: str, dry_run: bool
+    plan: TransformPlan,
+    target: Any,
+    ckpt: Checkpoint,
+    verify: str,
+    dry_run: bool,
+    durable: bool = True,
 ) -> TransformResult:
     """Write the plan (unless ``dry_run``) and say what happened."""
     before = sum(plan.size_before.values())
@@ -302,5 +307,5 @@ def finish(
         return TransformResult(
             plan, False, "", f"dry run: would write {plan.dst} ({sizes}); nothing written"
         )
-    verification = execute_plan(plan, target, ckpt, verify)
+    verification = execute_plan(plan, target, ckpt, verify, durable=durable)
     return TransformResult(plan, True, verification, f"{plan.command}: wrote {plan.dst} ({sizes})")

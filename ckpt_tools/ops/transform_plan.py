@@ -281,8 +281,11 @@ def execute_plan(
     source: Checkpoint,
     verify: str = "sizes",
     progress: Callable[[int], None] | None = None,
+    durable: bool = True,
 ) -> str:
     """Write ``plan`` to ``target`` atomically and verify it; returns what was verified.
+
+    ``durable`` False skips the fsync (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Raises:
         UsageError: a verification level transforms do not offer.
@@ -297,7 +300,7 @@ def execute_plan(
             flag="--verify",
         )
     check_output_size([], plan.output_bytes, target)
-    with atomic_output(target) as (file, tmp):
+    with atomic_output(target, durable=durable) as (file, tmp):
         if plan.output_format == "safetensors":
             write_plan_safetensors(plan.entries, file, plan.metadata, progress)
             written: list[Record] = [r for _, _, r in plan.entries]
