@@ -1,0 +1,164 @@
+"""The fast walk over a pickle's bytes finds exactly what the genops walk finds.
+
+``formats/expansion.py`` scans a pickle in memory by reading each opcode's argument in place
+(``_scan_bytes``), and a pickle in a file through ``pickletools.genops`` (``_scan_stream``).
+The genops walk is the oracle here: every committed fixture, every fuzz regression input,
+pickles of every protocol, and thousands of their mutations (flipped, cut, spliced) must give
+the same opcodes, protocols and malformation message, or the same refusal, both ways.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import io
+import pickle
+import random
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.errors import ResourceLimitError
+from ckpt_tools.formats.expansion import (
+    MAX_EXPANDED_NODES,
+    OpcodeScan,
+    _scan_bytes,
+    _scan_stream,
+    scan_pickle,
+)
+
+# (both walks decode protocol-0 STRING arguments with escapes, which Python warns about)
+pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
+ROOT = Path(__file__).resolve().parents[1]
+INPUTS = sorted(
+    p
+    for folder in (ROOT / "fixtures", ROOT / "tests" / "fuzz" / "regressions")
+    for p in folder.rglob("*")
+    if p.is_file() and p.stat().st_size < (8 << 20) and p.suffix not in (".py", ".md", ".json")
+)
+
+
+def _outcome(scan: Callable[[], OpcodeScan]) -> tuple[str, object]:
+    try:
+        return "scanned", scan()
+    except ResourceLimitError as e:
+        return "refused", str(e)
+
+
+def _both(data: bytes, limit: int = MAX_EXPANDED_NODES) -> tuple[object, object]:
+    fast = _outcome(lambda: _scan_bytes(data, limit))
+    oracle = _outcome(lambda: _scan_stream(io.BytesIO(data), limit))
+    return fast, oracle
+
+
+def _pickles_in(path: Path) -> list[bytes]:
+    """The file's bytes, and each ``.pkl`` member's when it is a readable zip."""
+    data = path.read_bytes()
+    found = [data]
+    try:
+        with zipfile.ZipFile(path) as z:
+            found += [z.read(n) for n in z.namelist() if n.endswith(".pkl")]
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError, zlib.error):
+        pass
+    return found
+
+
+def _protocol_samples() -> list[bytes]:
+    od = collections.OrderedDict(a=[1, 2.5, -(2**70)], b=(None, True, False))
+    shared = ("x", b"y")
+    values = [
+        {"w": [1, 2, 3], "s": "\u00e9\U0001f600", "b": b"\x00\xff", "big": 2**200, "f": -0.0},
+        [shared, shared, {shared: shared}],
+        od,
+        {1, 2, 3},
+        frozenset({"a"}),
+        bytearray(b"abc"),
+        datetime.date(2026, 11, 23),
+        complex(1, -2),
+        ("a" * 300, b"b" * 70000, "c" * 70000),
+        [[[]] * 3] * 2,
+    ]
+    return [pickle.dumps(v, protocol=p) for v in values for p in range(pickle.HIGHEST_PROTOCOL + 1)]
+
+
+def test_the_inputs_are_there() -> None:
+    assert len(INPUTS) > 100  # the fixtures and the fuzz regressions
+
+
+@pytest.mark.parametrize("path", INPUTS, ids=lambda p: p.name)
+def test_committed_files_scan_the_same_both_ways(path: Path) -> None:
+    for data in _pickles_in(path):
+        fast, oracle = _both(data)
+        assert fast == oracle
+
+
+def test_every_protocol_scans_the_same_both_ways() -> None:
+    samples = _protocol_samples()
+    names = set()
+    for data in samples:
+        fast, oracle = _both(data)
+        assert fast == oracle
+        assert fast[0] == "scanned" and fast[1].malformed is None  # type: ignore[union-attr]
+        names.update(fast[1].opcodes)  # type: ignore[union-attr]
+    # Text opcodes (read by pickletools in both walks) and the binary ones read in place.
+    assert {"GLOBAL", "PUT", "GET", "INT", "UNICODE", "FLOAT", "LONG"} <= names
+    assert {"SHORT_BINUNICODE", "BINUNICODE", "LONG1", "BINBYTES", "FRAME", "MEMOIZE"} <= names
+    assert {"STACK_GLOBAL", "BYTEARRAY8", "EMPTY_SET", "FROZENSET", "BINFLOAT"} <= names
+
+
+def _mutants(data: bytes, rng: random.Random, count: int) -> list[bytes]:
+    out = []
+    for _ in range(count):
+        b = bytearray(data)
+        how = rng.randrange(5)
+        i = rng.randrange(len(b))
+        if how == 0:
+            b[i] = rng.randrange(256)
+        elif how == 1:
+            del b[i:]
+        elif how == 2:
+            j = rng.randrange(len(b))
+            b[i:i] = b[j : j + rng.randrange(1, 9)]
+        elif how == 3:
+            b[i : i + 4] = rng.randbytes(4)
+        else:
+            del b[i : i + rng.randrange(1, 6)]
+        out.append(bytes(b))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mutated_pickles_scan_the_same_both_ways(seed: int) -> None:
+    rng = random.Random(20261123 + seed)
+    bases = _protocol_samples()
+    bases += [p for path in INPUTS[:: 7 + seed] for p in _pickles_in(path)[1:]][:20]
+    outcomes = collections.Counter()
+    for base in bases:
+        for data in _mutants(base, rng, 40):
+            for limit in (MAX_EXPANDED_NODES, 40):
+                fast, oracle = _both(data, limit)
+                assert fast == oracle, (base[:40], data[:80], limit)
+                kind, result = fast
+                if kind == "scanned":
+                    kind = "malformed" if result.malformed else "clean"  # type: ignore[union-attr]
+                outcomes[kind] += 1
+    # The mutations reach every outcome: clean scans, genops' errors, and refusals.
+    assert min(outcomes.values()) > 20 and len(outcomes) == 3, outcomes
+
+
+def test_a_memo_bomb_is_refused_both_ways() -> None:
+    bomb = b"\x80\x02}N" + b"2\x86" * 40 + b"N" + b"s."
+    fast, oracle = _both(bomb)
+    assert fast == oracle and fast[0] == "refused"
+    with pytest.raises(ResourceLimitError, match="memo bomb"):
+        scan_pickle(bomb)
+
+
+def test_a_far_memo_index_is_refused_both_ways() -> None:
+    far = b"\x80\x02N" + b"r" + (2**31).to_bytes(4, "little") + b"."
+    fast, oracle = _both(far)
+    assert fast == oracle and fast[0] == "refused"
+    assert "memo index 2,147,483,648 at byte 3" in str(fast[1])
