@@ -9,8 +9,12 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import re
+import secrets
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
@@ -37,45 +41,16 @@ __all__ = [
 TORCH_PICKLE_PROTOCOL = 2
 
 
-class Repickler(pickle._Pickler):  # type: ignore[name-defined]
-    """Write a tree read by :func:`load_pickle` back as a torch pickle.
+class _Reductions:
+    """How the stand-ins of a tree read by :func:`load_pickle` are pickled (both picklers)."""
 
-    Args:
-        file: where to write.
-        protocol: ignored: outputs always use :data:`TORCH_PICKLE_PROTOCOL`, whatever the
-            input's protocol was (kept so callers can pass the source's).
-        storage_id: maps each :class:`StorageRef` to the persistent id tuple to write, so a
-            writer can rename records or retag devices.
-
-    Example:
-        >>> buf = io.BytesIO()
-        >>> Repickler(buf, 2, lambda s: ("storage",)).dump({"epoch": 3})
-    """
-
-    def __init__(
-        self, file: BinaryIO, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]
-    ) -> None:
-        super().__init__(file, protocol=TORCH_PICKLE_PROTOCOL)
-        self._storage_id = storage_id
-        self._callables: dict[GlobalRef, _CallableRef] = {}
+    _storage_id: Callable[[StorageRef], tuple[Any, ...]]
+    _callables: dict[GlobalRef, _CallableRef]
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageRef):
             return self._storage_id(obj)
         return None
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        ref = _global_of(obj)
-        if ref is None:
-            super().save(obj, save_persistent_id)
-            return
-        self.framer.commit_frame()
-        memoized = self.memo.get(id(obj))
-        if memoized is not None:
-            self.write(self.get(memoized[0]))
-            return
-        self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
-        self.memoize(obj)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, TensorRef):
@@ -106,6 +81,111 @@ class Repickler(pickle._Pickler):  # type: ignore[name-defined]
         return self._callables[key]
 
 
+class Repickler(_Reductions, pickle._Pickler):  # type: ignore[name-defined]
+    """Write a tree read by :func:`load_pickle` back as a torch pickle (pure Python).
+
+    :func:`dumps` writes the same bytes with the C pickler, several times faster; this one
+    is their reference (``tests/test_formats_repickle.py`` compares them).
+
+    Args:
+        file: where to write.
+        protocol: ignored: outputs always use :data:`TORCH_PICKLE_PROTOCOL`, whatever the
+            input's protocol was (kept so callers can pass the source's).
+        storage_id: maps each :class:`StorageRef` to the persistent id tuple to write, so a
+            writer can rename records or retag devices.
+
+    Example:
+        >>> buf = io.BytesIO()
+        >>> Repickler(buf, 2, lambda s: ("storage",)).dump({"epoch": 3})
+    """
+
+    def __init__(
+        self, file: BinaryIO, protocol: int, storage_id: Callable[[StorageRef], tuple[Any, ...]]
+    ) -> None:
+        super().__init__(file, protocol=TORCH_PICKLE_PROTOCOL)
+        self._storage_id = storage_id
+        self._callables = {}
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        ref = _global_of(obj)
+        if ref is None:
+            super().save(obj, save_persistent_id)
+            return
+        self.framer.commit_frame()
+        memoized = self.memo.get(id(obj))
+        if memoized is not None:
+            self.write(self.get(memoized[0]))
+            return
+        self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
+        self.memoize(obj)
+
+
+class _FastRepickler(_Reductions, pickle.Pickler):
+    """:class:`Repickler` on the C pickler.
+
+    The C pickler writes a GLOBAL only for an object it finds under that name in the
+    module the object names, and imports that module: a global that stands in for
+    ``torch._utils._rebuild_tensor_v2`` cannot be written as is. Each one is bound instead,
+    for the dump, under a placeholder name in its own (ckpt_tools) module, and the
+    placeholders are swapped for the real names afterwards (:class:`_Placeholders`).
+    """
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        storage_id: Callable[[StorageRef], tuple[Any, ...]],
+        names: _Placeholders,
+    ) -> None:
+        super().__init__(file, protocol=TORCH_PICKLE_PROTOCOL)
+        self._storage_id = storage_id
+        self._callables = {}
+        self._names = names
+
+    def reducer_override(self, obj: Any) -> Any:
+        ref = _global_of(obj)
+        if ref is not None:
+            return self._names.bind(obj, ref)  # a name: the pickler writes GLOBAL module name
+        return super().reducer_override(obj)
+
+
+class _Placeholders:
+    """Placeholder global names, bound while one dump runs, then swapped for the real ones.
+
+    The names carry a random token drawn for this dump, so no pickled string can hold one.
+    """
+
+    def __init__(self) -> None:
+        self._prefix = f"_ckpt_global_{secrets.token_hex(12)}_"
+        self._bound: list[tuple[ModuleType, str]] = []
+        self._real: dict[tuple[bytes, bytes], str] = {}
+
+    def bind(self, obj: Any, ref: GlobalRef) -> str:
+        """Bind ``obj`` under a new placeholder in its module; returns the placeholder."""
+        module = sys.modules[obj.__module__]
+        name = f"{self._prefix}{len(self._bound)}"
+        setattr(module, name, obj)
+        self._bound.append((module, name))
+        self._real[(obj.__module__.encode(), name.encode())] = f"{ref.module}\n{ref.name}\n"
+        return name
+
+    def unbind(self) -> None:
+        for module, name in self._bound:
+            delattr(module, name)
+        self._bound.clear()
+
+    def swap(self, payload: bytes) -> bytes:
+        """``payload`` with every placeholder GLOBAL naming its real global."""
+        if not self._real:
+            return payload
+        # The exact module names (each starts "ckpt_tools.", so no byte before the opcode
+        # can begin a match), then the name with this dump's token.
+        modules = b"|".join(re.escape(m) for m in {m for m, _ in self._real})
+        prefix = re.escape(self._prefix.encode())
+        pattern = re.compile(pickle.GLOBAL + b"(" + modules + rb")\n(" + prefix + rb"\d+)\n")
+        real = self._real
+        return pattern.sub(lambda m: pickle.GLOBAL + real[m.group(1), m.group(2)].encode(), payload)
+
+
 @dataclass(frozen=True)
 class _CallableRef(GlobalRef):
     # pickle's save_reduce checks callable(func); the call itself never happens.
@@ -129,9 +209,13 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
             (an integer over 255 bytes long): nothing would load it.
     """
     buffer = io.BytesIO()
-    with gc_paused():
-        Repickler(buffer, protocol, storage_id).dump(obj)
-    payload = buffer.getvalue()
+    names = _Placeholders()
+    try:
+        with gc_paused():
+            _FastRepickler(buffer, storage_id, names).dump(obj)
+    finally:
+        names.unbind()
+    payload = names.swap(buffer.getvalue())
     check_weights_only_pickle(payload)
     return payload
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import os
 import re
 import signal
@@ -236,39 +235,28 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-@functools.cache
-def _linkat() -> Callable[..., int] | None:
-    """libc's ``linkat``: ``os.link`` calls ``link()``, which cannot follow /proc/self/fd."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        func = ctypes.CDLL(None, use_errno=True).linkat
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-    func.restype = ctypes.c_int
-    return func
+def _can_link_fds() -> bool:
+    """Whether an unnamed file can be given a name: Linux ``linkat`` through /proc/self/fd."""
+    return sys.platform.startswith("linux") and os.link in os.supports_dir_fd
 
 
 def _link_fd(fd: int, name: Path) -> None:
-    """Give the unnamed file open as ``fd`` the name ``name`` (linkat, AT_SYMLINK_FOLLOW)."""
-    import ctypes
+    """Give the unnamed file open as ``fd`` the name ``name``.
 
-    func = _linkat()
-    assert func is not None  # _open_temp makes unnamed files only when it exists
-    at_fdcwd, at_symlink_follow = -100, 0x400
-    source = f"/proc/self/fd/{fd}".encode()
-    if func(at_fdcwd, source, at_fdcwd, os.fsencode(name), at_symlink_follow):
-        errno_ = ctypes.get_errno()
-        raise OSError(errno_, os.strerror(errno_), str(name))
+    ``linkat(/proc/self/fd, "N", ..., AT_SYMLINK_FOLLOW)``: os.link calls ``linkat`` (not
+    ``link``, which cannot follow /proc/self/fd) once it is given a source folder.
+    """
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(str(fd), name, src_dir_fd=proc, follow_symlinks=True)
+    finally:
+        os.close(proc)
 
 
 def _open_temp(target: Path, unnamed: bool) -> tuple[int, Path, bool]:
     """An open temp file in ``target``'s folder: ``(fd, path to re-open it, unnamed)``."""
     folder = target.parent
-    if unnamed and hasattr(os, "O_TMPFILE") and _linkat() is not None:
+    if unnamed and hasattr(os, "O_TMPFILE") and _can_link_fds():
         try:
             fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
         except OSError as e:
