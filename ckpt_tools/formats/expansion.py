@@ -162,7 +162,11 @@ def _memo_too_far(index: int, pos: int | None) -> ResourceLimitError:
 
 
 def _scan_stream(pickled: Any, limit: int) -> OpcodeScan:
-    """The walk over a file, opcode by opcode as ``pickletools.genops`` reads them."""
+    """The walk over a file, opcode by opcode as ``pickletools.genops`` reads them.
+
+    :func:`_scan_bytes` repeats this replay inline for pickles in memory (its hot loop
+    cannot afford a call per opcode); ``tests/test_expansion_scan.py`` holds the two equal.
+    """
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copyreg
 import io
+import os
 import pickle
 import re
-import secrets
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -155,7 +155,7 @@ class _Placeholders:
     """
 
     def __init__(self) -> None:
-        self._prefix = f"_ckpt_global_{secrets.token_hex(12)}_"
+        self._prefix = f"_ckpt_global_{os.urandom(12).hex()}_"
         self._bound: list[tuple[ModuleType, str]] = []
         self._real: dict[tuple[bytes, bytes], str] = {}
 
