@@ -133,7 +133,7 @@ def inputs(tmp_path: Path) -> Callable[[str], list[object]]:
                 capture_output=True,
                 env=ckpt_env(),
             )
-            return [command, folder, out, "--max-shard-size", "200"]
+            return [command, folder, out, "--max-shard-size", "200", "--jobs", "2"]
         if command == "consolidate":
             import torch.distributed.checkpoint as dcp
 
@@ -178,3 +178,26 @@ def test_no_fsync_starts_no_early_writeback(tmp_path: Path) -> None:
     fast = _sync_calls(tmp_path, "strip-module", src, tmp_path / "b.pt", "-q", "--no-fsync")
     assert sum(fast.values()) == 0, dict(fast)
     assert torch.equal(load(tmp_path / "b.pt")["w"], torch.ones(n))
+
+
+@pytest.mark.parametrize("how", ["--force", "--in-place"])
+def test_no_fsync_still_syncs_an_output_that_replaces_a_file(tmp_path: Path, how: str) -> None:
+    # Renamed over an existing file before its bytes are on disk, a power loss could lose
+    # the old file and the new one: replacing is always durable.
+    src = save({"module.w": torch.ones(3)}, tmp_path / "in.pt")
+    dst = src if how == "--in-place" else tmp_path / "out.pt"
+    if how == "--force":
+        dst.write_bytes(b"an older output")
+    calls = _sync_calls(tmp_path, "strip-module", src, dst, how, "--no-fsync", "-q")
+    assert calls["fsync"] >= 1, dict(calls)
+    assert torch.equal(load(dst)["w"], torch.ones(3))
+    fresh = _sync_calls(tmp_path, "strip-module", src, tmp_path / "new.pt", "--no-fsync", "-q")
+    assert sum(fresh.values()) == 0, dict(fresh)
+
+
+def test_no_fsync_still_syncs_a_shard_folder_that_replaces_one(tmp_path: Path) -> None:
+    src = save({f"w{i}": torch.full((64,), float(i)) for i in range(4)}, tmp_path / "in.pt")
+    out = tmp_path / "hf"
+    args = ["convert", src, f"{out}/", "--max-shard-size", "600", "--no-fsync"]
+    assert sum(_sync_calls(tmp_path, *args).values()) == 0
+    assert _sync_calls(tmp_path, *args, "--force")["fsync"] >= 3  # shards, index, folders

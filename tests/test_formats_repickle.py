@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import collections
 import io
+import pickle
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools.descriptors import StorageRef, TensorRef
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint, repickle
 from ckpt_tools.formats.repickle import Repickler, dumps, zip_storage_id
@@ -118,9 +119,9 @@ def test_the_fast_pickler_matches_the_reference_repickler() -> None:
 
 def test_placeholder_globals_are_unbound_after_every_dump(tmp_path: Path) -> None:
     from ckpt_tools import descriptors
-    from ckpt_tools.formats import pickles, standins
+    from ckpt_tools.formats import allowlist, pickles, standins
 
-    modules = (descriptors, pickles, standins, repickle)
+    modules = (descriptors, pickles, standins, allowlist, repickle)
     before = [set(vars(m)) for m in modules]
     ckpt = open_checkpoint(fixture_path("trainer_adam.pt"))
     dumps(ckpt.root, 2, zip_storage_id())
@@ -140,3 +141,23 @@ def test_a_string_that_looks_like_a_placeholder_survives(tmp_path: Path) -> None
     torch.save({fake: torch.ones(1), "note": "c" + fake, "epoch": 1}, path)
     ckpt = open_checkpoint(path)
     assert dumps(ckpt.root, 2, zip_storage_id()) == read_data_pkl(path)
+
+
+@dataclass(frozen=True)
+class _OwnRef(GlobalRef):
+    """A caller's own GlobalRef subclass: its module is not one of ckpt_tools'."""
+
+
+@pytest.mark.parametrize("module", [__name__, "copyreg", "not_imported_module"])
+def test_a_callers_own_global_ref_is_written_by_name(module: str) -> None:
+    # The C pickler could not be handed it (a module missing, or renamed to Python 2's
+    # copy_reg on the way out): the reference pickler writes it, by its own name.
+    cls = type("Own", (_OwnRef,), {"__module__": module})
+    tree = {"dtype": cls("torch", "float32"), "other": _OwnRef("torch", "int8"), "n": 1}
+    payload = dumps(tree, 2, zip_storage_id())
+    reference = io.BytesIO()
+    Repickler(reference, 2, zip_storage_id()).dump(tree)
+    assert payload == reference.getvalue()
+    assert b"ctorch\nfloat32\n" in payload and b"_ckpt_global_" not in payload
+    # Our own bytes of a known tree (no checkpoint's), so pickle itself may read them.
+    assert pickle.loads(payload) == {"dtype": torch.float32, "other": torch.int8, "n": 1}

@@ -160,8 +160,17 @@ class _Placeholders:
         self._real: dict[tuple[bytes, bytes], str] = {}
 
     def bind(self, obj: Any, ref: GlobalRef) -> str:
-        """Bind ``obj`` under a new placeholder in its module; returns the placeholder."""
-        module = sys.modules[obj.__module__]
+        """Bind ``obj`` under a new placeholder in its module; returns the placeholder.
+
+        Raises:
+            _Unbindable: ``obj``'s class is not one of ckpt_tools' (a caller's own
+                ``GlobalRef`` subclass): its module may be missing, or renamed on the way
+                out by the pickler's Python 2 name mapping.
+        """
+        module_name = getattr(obj, "__module__", None)
+        module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+        if module is None or not module_name.startswith("ckpt_tools."):
+            raise _Unbindable(module_name)
         name = f"{self._prefix}{len(self._bound)}"
         setattr(module, name, obj)
         self._bound.append((module, name))
@@ -183,7 +192,16 @@ class _Placeholders:
         prefix = re.escape(self._prefix.encode())
         pattern = re.compile(pickle.GLOBAL + b"(" + modules + rb")\n(" + prefix + rb"\d+)\n")
         real = self._real
-        return pattern.sub(lambda m: pickle.GLOBAL + real[m.group(1), m.group(2)].encode(), payload)
+        swapped = pattern.sub(
+            lambda m: pickle.GLOBAL + real[m.group(1), m.group(2)].encode(), payload
+        )
+        if self._prefix.encode() in swapped:  # a pickler that wrote them otherwise: never ship
+            raise ConversionError("a placeholder global was left in the output pickle (a bug)")
+        return swapped
+
+
+class _Unbindable(Exception):
+    """A global stand-in the C pickler cannot be handed (:meth:`_Placeholders.bind`)."""
 
 
 @dataclass(frozen=True)
@@ -213,9 +231,14 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
     try:
         with gc_paused():
             _FastRepickler(buffer, storage_id, names).dump(obj)
+        payload = names.swap(buffer.getvalue())
+    except _Unbindable:
+        buffer = io.BytesIO()  # the pure-Python reference writes any GlobalRef by name
+        with gc_paused():
+            Repickler(buffer, protocol, storage_id).dump(obj)
+        payload = buffer.getvalue()
     finally:
         names.unbind()
-    payload = names.swap(buffer.getvalue())
     check_weights_only_pickle(payload)
     return payload
 

@@ -237,7 +237,11 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
 
 def _can_link_fds() -> bool:
     """Whether an unnamed file can be given a name: Linux ``linkat`` through /proc/self/fd."""
-    return sys.platform.startswith("linux") and os.link in os.supports_dir_fd
+    return (
+        sys.platform.startswith("linux")
+        and os.link in os.supports_dir_fd
+        and os.path.isdir("/proc/self/fd")
+    )
 
 
 def _link_fd(fd: int, name: Path) -> None:
@@ -311,7 +315,9 @@ def atomic_output(
         durable: fsync the file before it is named and its folder after. False skips both
             (as ``cp`` does): still atomic (complete or absent) while the machine runs, but
             a power loss or kernel crash soon after may leave the name with missing or zero
-            bytes. For scratch copies on disks where fsync is slow.
+            bytes. For scratch copies on disks where fsync is slow. Ignored when ``dst``
+            exists: renamed over before its bytes are on disk, the old file could be lost
+            as well as the new one.
 
     Call :func:`check_output_path` first: this function replaces ``dst`` unconditionally.
 
@@ -327,6 +333,8 @@ def atomic_output(
     target = Path(dst)
     target = target.resolve().parent / target.name
     folder = target.parent
+    # Renamed over a file whose new bytes are not on disk, a power loss could lose both.
+    durable = durable or target.exists()
     remove_stale_temps(folder)
     with _signals_raise() as release:
         try:

@@ -351,7 +351,8 @@ def write_hf_shards(
             process without cleanup: the shards' unnamed temp files vanish with it, and the
             next run in that folder removes the temp folder.
         durable: fsync every file and the folders (default); False skips those fsyncs
-            (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+            (see :func:`~ckpt_tools.io.atomic.atomic_output`), unless a non-empty ``dst``
+            is replaced.
 
     Returns:
         The files written (shards, then the index), names inside ``dst``.
@@ -370,6 +371,8 @@ def write_hf_shards(
     """
     by_name = {e.name: e for e in entries}
     target = Path(os.path.abspath(dst))
+    # A folder replaced by shards not yet on disk could be lost with them (as atomic_output).
+    durable = durable or (target.is_dir() and any(target.iterdir()))
     extra = {str(k): str(v) for k, v in (metadata or {}).items()}
     shard_meta = {"format": "pt"} if plan.is_sharded else {**extra, "format": "pt"}
     with _published_folder(target, durable) as tmp:

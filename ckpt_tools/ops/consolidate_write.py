@@ -162,6 +162,7 @@ def write_shards(
     """HF shards and their index, each file atomic; the index is written last."""
     by_name = {t.name: t for t in plan.tensors}
     shards, paths, stale = shard_outputs(plan, folder, limit, force)
+    durable = durable or bool(stale)  # old shards are removed: the new ones must be on disk
     names = [file for file, _ in shards.files]
     groups = [list(members) for _, members in shards.files]
     Path(folder).mkdir(exist_ok=True)
