@@ -101,6 +101,11 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             raise _not_regular(p, opened.st_mode)
         size = opened.st_size
         head = os.pread(fd, 512, 0)
+        # A FRAME of the first pickle may run past these bytes: the unpickler needs all of
+        # it (even past a STOP inside it), so the magic-number check reads that far too.
+        frame_end = _first_frame_end(head) if head[:1] == b"\x80" and head[1:2] >= b"\x04" else 0
+        if len(head) < frame_end <= min(size, _MAX_FIRST_FRAME):
+            head = os.pread(fd, frame_end, 0)
     finally:
         os.close(fd)
     if size == 0:
@@ -162,12 +167,36 @@ def _first_pickle_is_legacy_magic(head: bytes) -> bool:
         # Walked first (pure Python, nothing allocated): every declared length then lies
         # within ``head``, so the C unpickler below never allocates what a header claims, and
         # a memo bomb (which hashing a dict key would walk forever) is never built.
-        end = max(pos for _, _, pos in pickletools.genops(io.BytesIO(head))) + 1
-        check_expansion(head[:end])
+        ops = list(pickletools.genops(io.BytesIO(head)))
+        stop = ops[-1][2] + 1
+        check_expansion(head[:stop])
+        # The unpickler reads a FRAME whole, even past a STOP inside it (as torch's does).
+        end = max(stop, _frame_end(ops))
         first = _NoGlobals(io.BytesIO(head[:end])).load()
     except (*_UNPICKLE_ERRORS, ResourceLimitError):
         return False
     return type(first) is int and first == _LEGACY_MAGIC
+
+
+# A first pickle is a magic number (a dozen bytes); a frame around it is read up to this.
+_MAX_FIRST_FRAME = 1 << 20
+
+
+def _frame_end(ops: list[tuple[Any, Any, Any]]) -> int:
+    """Where the last FRAME among ``ops`` (genops' triples) ends; 0 without one."""
+    ends = [pos + 9 + arg for op, arg, pos in ops if op.name == "FRAME"]
+    return max(ends, default=0)
+
+
+def _first_frame_end(head: bytes) -> int:
+    """Where the frames of ``head``'s first pickle end, as far as ``head`` reads (0 if none)."""
+    ops = []
+    try:
+        for op in pickletools.genops(io.BytesIO(head)):
+            ops.append(op)
+    except ValueError:
+        pass  # cut off by the end of ``head``: the frames declared so far count
+    return _frame_end(ops)
 
 
 def check_regular(path: str | os.PathLike[str]) -> str:

@@ -189,10 +189,18 @@ def load_torch(path: str, **kwargs: Any) -> dict[str, Any]:
     return {"ok": True, "tree": Describer(locations, ranges)(obj)}
 
 
-# torch's weights-only unpickler implements fewer opcodes, and BUILD on fewer objects (a plain
-# dict, say, where BUILD None means nothing), than the full one; we read as the full one does,
-# with the allowlist's globals only (README, Safety model).
-NOT_ABOUT_SAFETY = ("legacy .tar format", "Unsupported operand", "Can only build")
+# torch's weights-only unpickler implements fewer opcodes, and BUILD, SETITEM(S) and
+# APPEND(S) on fewer objects (BUILD None on a plain dict, or an empty SETITEMS on a tensor,
+# which mean nothing to the full one), than the full one; we read as the full one does, with
+# the allowlist's globals only (README, Safety model).
+NOT_ABOUT_SAFETY = (
+    "legacy .tar format",
+    "Unsupported operand",
+    "Can only build",
+    "Can only SETITEM",  # (and SETITEMS) "for dict, collections.OrderedDict, ..."
+    "Can only append to lists",
+    "Can only extend lists",
+)
 
 
 def torch_view(path: str, mmap: bool = False) -> dict[str, Any]:
