@@ -14,7 +14,7 @@ from ckpt_tools.cli.options import (
     verify_option,
 )
 from ckpt_tools.cli.render import echo_json
-from ckpt_tools.io.hf_shards import DEFAULT_MAX_SHARD_SIZE
+from ckpt_tools.io.shard_plan import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate import consolidate
 
 _EPILOG = """\b

@@ -16,7 +16,7 @@ from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.dcp import DcpCheckpoint
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.io.hf_shards import DEFAULT_MAX_SHARD_SIZE, index_bytes, parse_shard_size
+from ckpt_tools.io.shard_plan import DEFAULT_MAX_SHARD_SIZE, index_bytes, parse_shard_size
 from ckpt_tools.ops.consolidate_plan import ConsolidationPlan, plan_consolidation
 from ckpt_tools.ops.consolidate_write import shard_outputs, write_file, write_shards
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text

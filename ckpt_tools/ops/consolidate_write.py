@@ -20,8 +20,8 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
 from ckpt_tools.io.assemble import write_pieces
 from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.hf_shards import INDEX_NAME, index_bytes, plan_shards
 from ckpt_tools.io.safetensors_writer import SafetensorsEntry, safetensors_header
+from ckpt_tools.io.shard_plan import INDEX_NAME, index_bytes, plan_shards
 from ckpt_tools.io.writers import picklable_tensors
 from ckpt_tools.io.zipcheck import check_torch_zip
 from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION, TorchZipWriter, Writeback

@@ -3,7 +3,8 @@
 Any checkpoint ``convert`` reads (a ``.pt``, a ``.safetensors``, an HF folder) becomes a
 folder of ``model-0000k-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``,
 bytes copied record by record (:mod:`ckpt_tools.io.hf_shards`). Tied tensors are stored
-once, by ``huggingface_hub.save_torch_state_dict``'s rule (:func:`hf_shared_names`). torch
+once, by ``huggingface_hub.save_torch_state_dict``'s rule
+(:func:`~ckpt_tools.ops.tied_names.hf_shared_names`). torch
 is never imported.
 """
 
@@ -19,21 +20,21 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.io.hf_shards import (
+from ckpt_tools.io.hf_shards import check_output_folder, write_hf_shards
+from ckpt_tools.io.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     ShardPlan,
-    check_output_folder,
     index_bytes,
     parse_shard_size,
     plan_shards,
-    write_hf_shards,
 )
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify import VERIFY_LEVELS
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite_plan import safetensors_plan
+from ckpt_tools.ops.tied_names import hf_shared_names
 from ckpt_tools.structure.selection import select_state_dict
 from ckpt_tools.structure.text import Readable, human_bytes
 
@@ -41,7 +42,6 @@ __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "ShardsResult",
     "convert_to_folder",
-    "hf_shared_names",
     "reshard",
 ]
 
@@ -110,74 +110,6 @@ class ShardsResult(Readable):
             "dry_run": not self.written,
             **(plan_json(self.planned) if not self.written else {}),
         }
-
-
-def _areas(names: Sequence[str], sd: Mapping[str, TensorRef]) -> list[set[str]]:
-    """Split names over one storage into groups of overlapping byte ranges (safetensors'
-    ``_filter_shared_not_shared``: sorted by start, a new group where one starts past the
-    previous end)."""
-    spans = sorted((*sd[n].byte_span, n) for n in names)
-    groups = [{spans[0][2]}]
-    last_stop = spans[0][1]
-    for start, stop, name in spans[1:]:
-        if start >= last_stop:
-            groups.append({name})
-        else:
-            groups[-1].add(name)
-        last_stop = stop
-    return groups
-
-
-def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
-    """Which names of tied (memory-sharing) tensors to leave out, and the name each keeps.
-
-    huggingface_hub's rule (``_remove_duplicate_names``): tensors over one storage whose
-    bytes overlap form a group; the kept name is the alphabetically first of those that
-    cover the whole storage; the others are dropped, and the index maps kept names only.
-
-    Args:
-        sd: name -> tensor.
-
-    Returns:
-        ``{dropped name: kept name}``, in sorted order of the dropped names.
-
-    Raises:
-        ConversionError: a group where no tensor covers its whole storage (huggingface_hub
-            refuses those too), every such group named.
-
-    Example:
-        >>> from ckpt_tools.descriptors import StorageRef
-        >>> s = StorageRef("0", "float32", 4, "cpu")
-        >>> t = TensorRef(s, 0, (2, 2), (2, 1), "float32")
-        >>> hf_shared_names({"lm_head.weight": t, "embed.weight": t})
-        {'lm_head.weight': 'embed.weight'}
-    """
-    by_storage: dict[int, list[str]] = {}
-    for name, t in sd.items():
-        if t.storage.nbytes and t.nbytes:
-            by_storage.setdefault(id(t.storage), []).append(name)
-    dropped: dict[str, str] = {}
-    incomplete: list[str] = []
-    for names in by_storage.values():
-        if len(names) < 2:
-            continue
-        for group in _areas(names, sd):
-            if len(group) < 2:
-                continue
-            complete = sorted(
-                n for n in group if sd[n].byte_offset == 0 and sd[n].nbytes == sd[n].storage.nbytes
-            )
-            if not complete:
-                incomplete.append("{" + ", ".join(sorted(group)) + "}")
-                continue
-            dropped.update((n, complete[0]) for n in sorted(group) if n != complete[0])
-    if incomplete:
-        raise ConversionError(
-            f"{len(incomplete)} group(s) of tensors share memory and none of them covers the "
-            f"whole storage, so no one name can be kept: {'; '.join(incomplete[:5])}",
-            remedies=(Remedy(text="keep the torch format, which stores shared views as they are"),),
-        )
-    return dict(sorted(dropped.items()))
 
 
 def _check_dtypes(entries: Sequence[Any], src: str) -> None:
