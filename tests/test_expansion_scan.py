@@ -1,10 +1,11 @@
-"""The fast walk over a pickle's bytes finds exactly what the genops walk finds.
+"""The walk over a pickle's bytes finds exactly what a walk over ``pickletools.genops`` finds.
 
-``formats/expansion.py`` scans a pickle in memory by reading each opcode's argument in place
-(``_scan_bytes``), and a pickle in a file through ``pickletools.genops`` (``_scan_stream``).
-The genops walk is the oracle here: every committed fixture, every fuzz regression input,
-pickles of every protocol, and thousands of their mutations (flipped, cut, spliced) must give
-the same opcodes, protocols and malformation message, or the same refusal, both ways.
+``formats/expansion.py`` reads each opcode's argument in place (``_scan_bytes``); a pickle in
+a file is read as genops reads it, then walked the same way (``_scan_stream``). The oracle is
+the straightforward walk over genops's opcodes (``_genops_scan`` below, the product's walk
+before): every committed fixture, every fuzz regression input, pickles of every protocol,
+and thousands of their mutations (flipped, cut, spliced) must give the same opcodes,
+protocols and malformation message, or the same refusal, from memory and from a file.
 """
 
 from __future__ import annotations
@@ -13,18 +14,28 @@ import collections
 import datetime
 import io
 import pickle
+import pickletools
 import random
 import zipfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.expansion import (
+    _DUP,
+    _GET,
+    _MARKS,
+    _PLAIN,
+    _SHAPES,
     MAX_EXPANDED_NODES,
+    MEMO_SLACK,
     OpcodeScan,
+    _expands_past,
+    _memo_too_far,
     _scan_bytes,
     _scan_stream,
     scan_pickle,
@@ -49,9 +60,54 @@ def _outcome(scan: Callable[[], OpcodeScan]) -> tuple[str, object]:
 
 
 def _both(data: bytes, limit: int = MAX_EXPANDED_NODES) -> tuple[object, object]:
+    """(the product's scan, the oracle's); the product's from a file must equal its own."""
     fast = _outcome(lambda: _scan_bytes(data, limit))
-    oracle = _outcome(lambda: _scan_stream(io.BytesIO(data), limit))
+    assert _outcome(lambda: _scan_stream(io.BytesIO(data), limit)) == fast
+    oracle = _outcome(lambda: _genops_scan(io.BytesIO(data), limit))
     return fast, oracle
+
+
+def _genops_scan(pickled: Any, limit: int) -> OpcodeScan:
+    """The reference walk: pickletools.genops's opcodes, replayed one by one (the product's
+    walk before it read bytes in place, kept here as the oracle)."""
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[Any, int] = {}
+    seen: dict[str, None] = {}
+    protocols: dict[int, None] = {}
+    malformed: str | None = None
+    try:
+        for op, arg, pos in pickletools.genops(pickled):
+            seen[op.name] = None
+            if op.name == "PROTO":
+                protocols[arg] = None
+            kind, below, marked, after = _SHAPES[op.code]
+            if kind == _PLAIN:
+                size = 1
+                if marked:
+                    mark = marks.pop() if marks else 0
+                    size += sum(stack[mark:])
+                    del stack[mark:]
+                for _ in range(below):
+                    size += stack.pop() if stack else 1
+                if size > limit:
+                    raise _expands_past(limit)
+                stack.extend([size] * after)
+            elif kind == _MARKS:
+                marks.append(len(stack))
+            elif kind == _DUP:
+                stack.append(stack[-1] if stack else 1)
+            elif kind == _GET:
+                stack.append(memo.get(arg, 1))
+            else:  # _PUT, or MEMOIZE (which numbers the memo itself)
+                if arg is not None and arg > (pos or 0) + MEMO_SLACK:
+                    raise _memo_too_far(arg, pos)
+                memo[len(memo) if arg is None else arg] = stack[-1] if stack else 1
+    except ValueError as e:
+        if isinstance(e, OSError):  # io.UnsupportedOperation: the reader, not the pickle
+            raise
+        malformed = str(e)  # the unpickler, or the caller, says it in its own words
+    return OpcodeScan(tuple(seen), tuple(protocols), malformed)
 
 
 def _pickles_in(path: Path) -> list[bytes]:

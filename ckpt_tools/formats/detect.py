@@ -8,6 +8,7 @@ import pickle
 import pickletools
 import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,6 @@ def detect_format(path: str | os.PathLike[str]) -> str:
             raise _not_regular(p, opened.st_mode)
         size = opened.st_size
         head = os.pread(fd, 512, 0)
-        # A FRAME of the first pickle may run past these bytes: the unpickler needs all of
-        # it (even past a STOP inside it), so the magic-number check reads that far too.
-        frame_end = _first_frame_end(head) if head[:1] == b"\x80" and head[1:2] >= b"\x04" else 0
-        if len(head) < frame_end <= min(size, _MAX_FIRST_FRAME):
-            head = os.pread(fd, frame_end, 0)
     finally:
         os.close(fd)
     if size == 0:
@@ -124,7 +120,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "torch-zip"
     if _is_tar_header(head):
         return "torch-tar"
-    if _first_pickle_is_legacy_magic(head):
+    if _first_pickle_is_legacy_magic(head, lambda n: _first_bytes(p, n)):
         return "torch-legacy"
     if p.name.endswith(SHARD_INDEX_SUFFIX) and head.lstrip()[:1] == b"{":
         return "hf-sharded"  # the index itself: it opens with the shards it names
@@ -148,12 +144,16 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} refused")
 
 
-def _first_pickle_is_legacy_magic(head: bytes) -> bool:
+def _first_pickle_is_legacy_magic(
+    head: bytes, read_to: Callable[[int], bytes] | None = None
+) -> bool:
     """Whether the first pickle in ``head`` is torch's legacy magic number.
 
     torch's legacy reader unpickles the file's first object, in whatever protocol it was
     written (a protocol-4 pickle adds a FRAME before the number), and checks its value; so
-    does this, on the first bytes only, with an unpickler that imports nothing.
+    does this, on the first bytes only, with an unpickler that imports nothing. The
+    unpickler needs a FRAME's bytes whole, even past a STOP inside it: where they run past
+    ``head``, ``read_to(n)`` gives the file's first ``n`` bytes (up to 1 MiB).
 
     Example:
         >>> _first_pickle_is_legacy_magic(pickle.dumps(_LEGACY_MAGIC, protocol=4))
@@ -170,8 +170,11 @@ def _first_pickle_is_legacy_magic(head: bytes) -> bool:
         ops = list(pickletools.genops(io.BytesIO(head)))
         stop = ops[-1][2] + 1
         check_expansion(head[:stop])
-        # The unpickler reads a FRAME whole, even past a STOP inside it (as torch's does).
-        end = max(stop, _frame_end(ops))
+        end = max([stop] + [pos + 9 + arg for op, arg, pos in ops if op.name == "FRAME"])
+        if end > len(head):
+            if read_to is None or end > _MAX_FIRST_FRAME:
+                return False
+            head = read_to(end)
         first = _NoGlobals(io.BytesIO(head[:end])).load()
     except (*_UNPICKLE_ERRORS, ResourceLimitError):
         return False
@@ -182,21 +185,16 @@ def _first_pickle_is_legacy_magic(head: bytes) -> bool:
 _MAX_FIRST_FRAME = 1 << 20
 
 
-def _frame_end(ops: list[tuple[Any, Any, Any]]) -> int:
-    """Where the last FRAME among ``ops`` (genops' triples) ends; 0 without one."""
-    ends = [pos + 9 + arg for op, arg, pos in ops if op.name == "FRAME"]
-    return max(ends, default=0)
-
-
-def _first_frame_end(head: bytes) -> int:
-    """Where the frames of ``head``'s first pickle end, as far as ``head`` reads (0 if none)."""
-    ops = []
+def _first_bytes(path: Path, n: int) -> bytes:
+    """The first ``n`` bytes of ``path``, opened as :func:`detect_format` opens it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        for op in pickletools.genops(io.BytesIO(head)):
-            ops.append(op)
-    except ValueError:
-        pass  # cut off by the end of ``head``: the frames declared so far count
-    return _frame_end(ops)
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise _not_regular(path, opened.st_mode)
+        return os.pread(fd, n, 0)
+    finally:
+        os.close(fd)
 
 
 def check_regular(path: str | os.PathLike[str]) -> str:

@@ -92,13 +92,19 @@ def _dead_temp_dirs(parent: Path) -> None:
 
 
 @contextlib.contextmanager
-def _published_folder(target: Path, durable: bool = True) -> Iterator[Path]:
+def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path, bool]]:
     """A temp folder beside ``target`` that becomes ``target`` when the body succeeds.
+
+    Yields ``(temp folder, durable)``: whether to fsync what is written into it, as the
+    folders are fsynced around the rename. That is ``durable``, or True when a non-empty
+    ``target`` is replaced: renamed over before the new files are on disk, a power loss
+    could lose the old folder as well as the new one.
 
     An existing ``target`` (checked by :func:`check_output_folder`) is moved aside first
     and removed only once the new folder has its name; on any error the temp folder goes.
-    The folders are fsynced around the rename unless ``durable`` is False.
     """
+    replaced = target.exists() and any(target.iterdir())
+    durable = durable or replaced
     parent = target.parent
     _dead_temp_dirs(parent)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -108,11 +114,10 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[Path]:
     except OSError as e:
         raise OutputError(f"cannot create a folder in {str(parent)!r}: {e.strerror}") from e
     try:
-        yield tmp
+        yield tmp, durable
         if durable:
             _fsync(tmp)
         old = parent / f".{target.name}.ckpt-tmpdir-{tag}-old"
-        replaced = target.exists() and any(target.iterdir())
         if replaced:
             os.rename(target, old)
         try:
@@ -197,11 +202,9 @@ def write_hf_shards(
     """
     by_name = {e.name: e for e in entries}
     target = Path(os.path.abspath(dst))
-    # A folder replaced by shards not yet on disk could be lost with them (as atomic_output).
-    durable = durable or (target.is_dir() and any(target.iterdir()))
     extra = {str(k): str(v) for k, v in (metadata or {}).items()}
     shard_meta = {"format": "pt"} if plan.is_sharded else {**extra, "format": "pt"}
-    with _published_folder(target, durable) as tmp:
+    with _published_folder(target, durable) as (tmp, durable):
 
         def write_one(item: tuple[str, tuple[str, ...]]) -> str:
             file, names = item
