@@ -194,6 +194,7 @@ def write_hf_shards(
 
     Example:
         >>> from ckpt_tools.formats import open_checkpoint
+        >>> from ckpt_tools.io.shard_plan import plan_shards
         >>> ckpt = open_checkpoint("model.safetensors")
         >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]
         >>> plan = plan_shards([(e.name, e.tensor.nbytes) for e in entries], 1000)
