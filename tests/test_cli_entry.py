@@ -5,10 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from ckpt_tools.cli.main import cli
+from ckpt_tools.cli.main import _COMMANDS, cli
 from tests.helpers import console_script, run_ckpt
 
 
@@ -46,3 +47,65 @@ def test_the_version_loads_neither_click_nor_the_readers() -> None:
 def test_anything_else_goes_through_click(argv: list[str]) -> None:
     # Not the lone flag: the process answers as click does in-process, whatever that is.
     assert run_ckpt(*argv, code=None, how="module") == run_ckpt(*argv, code=None)
+
+
+def _command(name: str) -> click.Command:
+    command = cli.get_command(click.Context(cli), name)
+    assert command is not None, name
+    return command
+
+
+@pytest.mark.parametrize("name", sorted(_COMMANDS))
+def test_the_help_listing_summary_is_the_command_s_own(name: str) -> None:
+    # `ckpt --help` lists the table's summaries without importing the commands: each must be
+    # its command's first help paragraph, shortened by click as the command itself would be.
+    command = _command(name)
+    summary = _COMMANDS[name].summary
+    assert command.short_help is None and not command.hidden and not command.deprecated
+    assert (command.help or "").split("\n\n")[0] == summary
+    stand_in = click.Command(name, help=summary)
+    for limit in (20, 45, 62, 100, 200):
+        assert stand_in.get_short_help_str(limit) == command.get_short_help_str(limit)
+
+
+def test_every_command_is_in_the_listing_once() -> None:
+    listed = CliRunner().invoke(cli, ["--help"], prog_name="ckpt", terminal_width=200).output
+    rows = listed.split("Commands:\n", 1)[1].splitlines()
+    assert [row.split()[0] for row in rows] == list(_COMMANDS)
+    for row in rows:
+        name = row.split()[0]
+        assert row.split(None, 1)[1] == _command(name).get_short_help_str(200 - 6 - 12)
+
+
+@pytest.mark.parametrize("width", [40, 80, 120])
+def test_the_help_listing_matches_click_s_own(width: int) -> None:
+    # The oracle: click's own Group listing over the imported commands.
+    eager = click.Group(
+        "ckpt",
+        commands={name: _command(name) for name in _COMMANDS},
+        help=cli.help,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    eager.params = cli.params
+    ours = CliRunner().invoke(cli, ["--help"], prog_name="ckpt", terminal_width=width)
+    theirs = CliRunner().invoke(eager, ["--help"], prog_name="ckpt", terminal_width=width)
+    assert ours.exit_code == theirs.exit_code == 0
+    # click's Group keeps its commands sorted; ours keeps the table's order (a user's path).
+    assert sorted(ours.output.splitlines()) == sorted(theirs.output.splitlines())
+
+
+def test_the_help_imports_no_command() -> None:
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('ckpt_tools', 'torch', 'numpy') and ('_cmd' in m or '.' not in m or "
+        "m.startswith(('ckpt_tools.ops', 'ckpt_tools.formats'))))))\n"
+        "sys.argv = ['ckpt', '--help']\n"
+        "from ckpt_tools.cli.entry import run\n"
+        "run()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    ).stdout.splitlines()
+    assert "Commands:" in out
+    assert out[-1] == str(["ckpt_tools"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import click
 
@@ -12,23 +13,91 @@ from ckpt_tools._version import __version__
 from ckpt_tools.errors import EXIT_USAGE, CheckpointError
 from ckpt_tools.io.atomic import Interrupted
 
+
+class _Entry(NamedTuple):
+    module: str
+    attribute: str
+    summary: str  # the command's first help paragraph (tests/test_cli_help.py compares them)
+
+
 _COMMANDS = {
-    # name: (module, attribute); imported on use so `ckpt inspect` never imports torch.
-    "inspect": ("ckpt_tools.cli.inspect_cmd", "inspect_cmd"),
-    "strip-module": ("ckpt_tools.cli.rewrite_cmd", "strip_module_cmd"),
-    "add-module": ("ckpt_tools.cli.rewrite_cmd", "add_module_cmd"),
-    "rename": ("ckpt_tools.cli.rewrite_cmd", "rename_cmd"),
-    "convert": ("ckpt_tools.cli.rewrite_cmd", "convert_cmd"),
-    "consolidate": ("ckpt_tools.cli.consolidate_cmd", "consolidate_cmd"),
-    "retag": ("ckpt_tools.cli.rewrite_cmd", "retag_cmd"),
-    "reshard": ("ckpt_tools.cli.rewrite_cmd", "reshard_cmd"),
-    "sanitize": ("ckpt_tools.cli.sanitize_cmd", "sanitize_cmd"),
-    "slim": ("ckpt_tools.cli.transform_cmd", "slim_cmd"),
-    "extract": ("ckpt_tools.cli.transform_cmd", "extract_cmd"),
-    "average": ("ckpt_tools.cli.transform_cmd", "average_cmd"),
-    "diff": ("ckpt_tools.cli.diff_cmd", "diff_cmd"),
-    "devices": ("ckpt_tools.cli.devices_cmd", "devices_cmd"),
-    "harness": ("ckpt_tools.cli.harness_cmd", "harness"),
+    # Each command's module is imported on use, so `ckpt inspect` never imports torch and
+    # `ckpt --help` imports none of them: it lists the summaries written here.
+    "inspect": _Entry(
+        "ckpt_tools.cli.inspect_cmd",
+        "inspect_cmd",
+        "Describe a checkpoint from its structure: never runs its pickle, never imports torch.",
+    ),
+    "strip-module": _Entry(
+        "ckpt_tools.cli.rewrite_cmd",
+        "strip_module_cmd",
+        "Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...).",
+    ),
+    "add-module": _Entry(
+        "ckpt_tools.cli.rewrite_cmd",
+        "add_module_cmd",
+        "Add a wrapper prefix to every key (to load into nn.DataParallel / DDP).",
+    ),
+    "rename": _Entry(
+        "ckpt_tools.cli.rewrite_cmd",
+        "rename_cmd",
+        "Rename keys: prefix maps (--sub) then regex substitutions (--regex).",
+    ),
+    "convert": _Entry(
+        "ckpt_tools.cli.rewrite_cmd",
+        "convert_cmd",
+        "Convert between torch (.pt), safetensors and Hugging Face sharded folders.",
+    ),
+    "consolidate": _Entry(
+        "ckpt_tools.cli.consolidate_cmd",
+        "consolidate_cmd",
+        "Consolidate a torch.distributed.checkpoint (DCP) folder into OUT, torch-free.",
+    ),
+    "retag": _Entry(
+        "ckpt_tools.cli.rewrite_cmd",
+        "retag_cmd",
+        "Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere.",
+    ),
+    "reshard": _Entry(
+        "ckpt_tools.cli.rewrite_cmd",
+        "reshard_cmd",
+        "Rewrite a Hugging Face sharded folder with another shard size (SRC is never touched).",
+    ),
+    "sanitize": _Entry(
+        "ckpt_tools.cli.sanitize_cmd",
+        "sanitize_cmd",
+        "Write SRC as DST that plain torch.load(weights_only=True) loads.",
+    ),
+    "slim": _Entry(
+        "ckpt_tools.cli.transform_cmd",
+        "slim_cmd",
+        "Make a checkpoint smaller: cast, drop entries, keep the (EMA) weights only.",
+    ),
+    "extract": _Entry(
+        "ckpt_tools.cli.transform_cmd",
+        "extract_cmd",
+        "The tensors under one prefix, as a plain state dict.",
+    ),
+    "average": _Entry(
+        "ckpt_tools.cli.transform_cmd",
+        "average_cmd",
+        "Element-wise (weighted) mean of checkpoints, streamed in float64.",
+    ),
+    "diff": _Entry(
+        "ckpt_tools.cli.diff_cmd",
+        "diff_cmd",
+        "Compare two checkpoints (or a checkpoint and a model): keys, shapes, dtypes, values.",
+    ),
+    "devices": _Entry(
+        "ckpt_tools.cli.devices_cmd",
+        "devices_cmd",
+        "List the CPU and the visible GPUs (freest first), with total and free memory.",
+    ),
+    "harness": _Entry(
+        "ckpt_tools.cli.harness_cmd",
+        "harness",
+        "Train small models single/dp/ddp/manual/fsdp and check checkpoint parity.",
+    ),
 }
 
 
@@ -40,8 +109,8 @@ class LazyGroup(click.Group):
 
         return [
             name
-            for name, (module, _) in _COMMANDS.items()
-            if importlib.util.find_spec(module) is not None
+            for name, entry in _COMMANDS.items()
+            if importlib.util.find_spec(entry.module) is not None
         ]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
@@ -49,11 +118,26 @@ class LazyGroup(click.Group):
             return None
         import importlib
 
-        module, attribute = _COMMANDS[cmd_name]
+        entry = _COMMANDS[cmd_name]
         try:
-            return getattr(importlib.import_module(module), attribute)
+            return getattr(importlib.import_module(entry.module), entry.attribute)
         except ModuleNotFoundError:
             return None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # click's own listing imports every command to read its help; a stand-in carrying
+        # the same first paragraph is shortened by click exactly as the command would be,
+        # and `ckpt --help` (a new user's first command) stays as quick as `ckpt --version`.
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = [
+            (name, click.Command(name, help=_COMMANDS[name].summary).get_short_help_str(limit))
+            for name in names
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
