@@ -254,13 +254,14 @@ def strip_module_file(
         return rewrite(src, dst, [strip_rule(prefix)], **options)
     ckpt = open_checkpoint(src)
     selection = select_state_dict(ckpt.root, options.get("select"))
-    # Refusals come before "nothing to strip": a file no rewrite may touch is never exit 0.
-    fmt = output_format_for(dst, options.get("output_format"), ckpt.format)
-    check_rewritable(ckpt, options.get("allow_globals", ()), selection.path, fmt)
     keys = [k for k in selection.state_dict if isinstance(k, str)]
     n_keys = len(selection.state_dict)
     rules, matches = strip_wrapper_rules(keys)
     if not rules:
+        # Refusals come before "nothing to strip": a file no rewrite may touch is never
+        # exit 0. (With rules, rewrite() makes the same checks, once.)
+        fmt = output_format_for(dst, options.get("output_format"), ckpt.format)
+        check_rewritable(ckpt, options.get("allow_globals", ()), selection.path, fmt)
         check_output_path(dst, src, options.get("force", False), options.get("in_place", False))
         return _nothing_to_do(
             src,
