@@ -27,8 +27,9 @@ sync) and ``cp`` + ``sync`` (its wall time plus the timed fsync of its output).
 Targets (per format): strip-module <= 1.3x plain cp at 1 GiB and <= 1.1x at 4 GiB (sizes
 of 4 GiB and more), and peak RSS <= 150 MB.
 
-The start: ``python -c pass``, ``ckpt --version``, and how long ``ckpt strip-module`` takes
-from exec to its first read of the input (``strace -tt``, when installed), medians.
+The start: ``python -c pass``, ``import click``, ``ckpt --version`` and ``--help``, and how
+long ``ckpt strip-module`` takes from exec to its first open of the input (noted in the
+process by an audit hook, on the parent's clock), medians.
 
 Reflinks: run as root with ``mkfs.xfs`` (``apt-get install xfsprogs``), the script makes a
 sparse loopback XFS image with ``reflink=1``, mounts it, copies the inputs in, and times
@@ -46,6 +47,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -238,15 +240,50 @@ def fs_note(folder: Path) -> str:
     return proc.stdout.strip() or "file system unknown"
 
 
+# The console script's own code, run with an audit hook that notes (CLOCK_MONOTONIC, as the
+# parent's clock) when the process first opens the input; the hook costs microseconds.
+_FIRST_OPEN = """
+import os, sys, time
+src = os.path.abspath(sys.argv[1])
+first = []
+
+def hook(event, args):
+    if event == "open" and not first and isinstance(args[0], str):
+        if os.path.abspath(args[0]) == src:
+            first.append(time.monotonic())
+
+sys.addaudithook(hook)
+sys.argv = ["ckpt", "strip-module", "--quiet", sys.argv[1], sys.argv[2]]
+from ckpt_tools.cli.entry import run
+try:
+    run()
+finally:
+    sys.stderr.write(f"FIRST-OPEN {first[0]!r}\\n")
+"""
+
+
+def _exec_to_first_open(src: Path, out: Path) -> float:
+    """Seconds from just before exec to the input's first open, for one strip-module."""
+    start = time.monotonic()
+    run = subprocess.run(
+        [PYTHON, "-c", _FIRST_OPEN, str(src), str(out)], capture_output=True, text=True, check=True
+    )
+    line = next(x for x in run.stderr.splitlines() if x.startswith("FIRST-OPEN "))
+    return float(line.split()[1]) - start
+
+
 def bench_start(repeats: int, folder: Path) -> None:
-    """Interpreter floor, ``ckpt --version``, and exec-to-first-read of strip-module."""
+    """Interpreter floor, click's import, ``ckpt --version`` and ``--help``, and how long
+    strip-module takes from exec to its first read of the input."""
     print("\n== start ==")
     src = make_checkpoints(folder, 1, 7, stem="tiny", formats=("pt",)).pt
     out = folder / "tiny_out.pt"
     commands = {
         "python -c pass": [PYTHON, "-c", "pass"],
         "python -I -S -c pass": [PYTHON, "-I", "-S", "-c", "pass"],
+        "python -c 'import click'": [PYTHON, "-c", "import click"],
         "ckpt --version": ckpt_command("--version"),
+        "ckpt --help": ckpt_command("--help"),
         "ckpt strip-module (tiny)": ckpt_command("strip-module", src, out, "--quiet"),
     }
     rows = []
@@ -258,30 +295,26 @@ def bench_start(repeats: int, folder: Path) -> None:
             if i:
                 walls.append(m.wall_s)
         rows.append([name, f"{1000 * statistics.median(walls):.0f}", f"{1000 * min(walls):.0f}"])
-    print(fmt_table(rows, ["command", "median ms", "best ms"]))
-    if shutil.which("strace") is None:
-        print("exec to first read: skipped (strace is not installed)")
-        return
     firsts = []
-    for _ in range(repeats):
-        log = folder / "strace.txt"
-        subprocess.run(
-            [
-                *("strace", "-f", "-ttt", "-e", "trace=execve,openat", "-o", str(log)),
-                *ckpt_command("strip-module", src, out, "--quiet"),
-            ],
-            capture_output=True,
-            check=True,
-        )
+    for i in range(1 + repeats):
+        first = _exec_to_first_open(src, out)
         out.unlink(missing_ok=True)
-        lines = log.read_text().splitlines()
-        start = float(lines[0].split()[1])
-        opened = next(line for line in lines if "openat" in line and str(src) in line)
-        firsts.append(float(opened.split()[1]) - start)
+        if i:
+            firsts.append(first)
+    rows.append(
+        [
+            "  exec to its first open of the input",
+            f"{1000 * statistics.median(firsts):.0f}",
+            f"{1000 * min(firsts):.0f}",
+        ]
+    )
+    print(fmt_table(rows, ["command", "median ms", "best ms"]))
+    verdict = "PASS" if statistics.median(firsts) <= 0.060 else "FAIL"
     print(
-        f"ckpt strip-module, exec to first open of the input (strace -ttt, which slows "
-        f"syscalls): median {1000 * statistics.median(firsts):.0f} ms, best "
-        f"{1000 * min(firsts):.0f} ms (target: 60 ms)"
+        f"{verdict}  strip-module, exec to first read: "
+        f"{1000 * statistics.median(firsts):.0f} ms (target <= 60 ms; an audit hook in the "
+        "process notes the open; `python -c 'import click'` above is what any click command "
+        "pays before it can parse its arguments)"
     )
 
 

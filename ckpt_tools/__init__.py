@@ -7,11 +7,14 @@ need torch (loading, value diffs, the harness) import it only when called.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from ckpt_tools._version import __version__
 
+# Not `from typing import TYPE_CHECKING`: importing typing (and re, enum, collections with it)
+# would be most of `ckpt --version`'s time. Type checkers read this name as typing's.
+TYPE_CHECKING = False
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on first use
+    from typing import Any
+
     from ckpt_tools.diffing.engine import diff
     from ckpt_tools.diffing.report import DiffReport
     from ckpt_tools.errors import (

@@ -372,3 +372,26 @@ def test_read_only_input_is_only_read(tmp_path, capsys):
     assert code == 0, err
     assert h.fingerprint(src) == before
     assert list(h.load(tmp_path / "y.pt")) == ["m_w"]
+
+
+@pytest.mark.parametrize("name", ["rewrite", "strip_module_file", "sanitize", "reshard"])
+def test_an_unknown_verify_level_is_refused_before_the_input_is_read(name, tmp_path):
+    import ckpt_tools
+
+    call = getattr(ckpt_tools, name)
+    # Never opened: the argument check comes first. (reshard first asks whether its input
+    # is a folder, which reads nothing: an empty one is given.)
+    src = tmp_path / "missing.pt"
+    if name == "reshard":
+        (src := tmp_path / "shards").mkdir()
+    with pytest.raises(UsageError, match=r"verify='fast': expected one of: sizes, full, none"):
+        call(src, tmp_path / "out.pt", verify="fast")
+    assert sorted(os.listdir(tmp_path)) == (["shards"] if name == "reshard" else [])
+
+
+def test_slim_names_why_it_offers_its_levels(ddp_file, tmp_path):
+    import ckpt_tools
+
+    with pytest.raises(UsageError, match=r"verify='bits': .*cast and averaged bytes differ"):
+        ckpt_tools.slim(ddp_file(), tmp_path / "out.pt", dtype="float16", verify="bits")
+    assert not (tmp_path / "out.pt").exists()

@@ -11,12 +11,11 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.io.verify_levels import VERIFY_LEVELS
 from ckpt_tools.io.zipcheck import check_torch_zip
 from ckpt_tools.structure.selection import select_state_dict
 
 __all__ = ["VERIFY_LEVELS", "Expected", "tensor_digest", "verify_output"]
-
-VERIFY_LEVELS = ("sizes", "full", "none")
 
 
 @dataclass(frozen=True)

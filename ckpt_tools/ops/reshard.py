@@ -30,7 +30,7 @@ from ckpt_tools.io.shard_plan import (
     plan_shards,
 )
 from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.verify import VERIFY_LEVELS
+from ckpt_tools.io.verify_levels import check_verify_level
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite_plan import safetensors_plan
@@ -177,13 +177,7 @@ def convert_to_folder(
         >>> len(convert_to_folder("model.pt", "model-hf", "1KB", force=True).files) > 2
         True
     """
-    if verify not in VERIFY_LEVELS:
-        raise UsageError(
-            f"expected one of: {', '.join(VERIFY_LEVELS)}",
-            argument="verify",
-            value=repr(verify),
-            flag="--verify",
-        )
+    check_verify_level(verify)
     if jobs < 1:
         raise UsageError("must be at least 1", argument="jobs", value=repr(jobs), flag="--jobs")
     limit = parse_shard_size(max_shard_size)

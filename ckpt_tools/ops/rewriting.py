@@ -11,32 +11,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.io.atomic import atomic_output, check_output_path
-from ckpt_tools.io.safetensors_writer import write_safetensors
-from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
-from ckpt_tools.io.writers import picklable_tensors, write_torch_zip
-from ckpt_tools.ops.preflight import check_key_types, check_rewritable
-from ckpt_tools.ops.rewrite_plan import (
-    output_format_for,
-    safetensors_plan,
-    summary,
-)
+from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.verify_levels import check_verify_level
 from ckpt_tools.ops.rewrite_result import RewriteResult
-from ckpt_tools.structure.keys import (
-    KeyRule,
-    add_rule,
-    apply_plan,
-    plan_renames,
-    regex_rule,
-    strip_rule,
-    strip_wrapper_rules,
-    sub_rule,
-)
-from ckpt_tools.structure.selection import replace_at, select_state_dict
+from ckpt_tools.structure.keys import KeyRule, add_rule, regex_rule, strip_rule, sub_rule
 
 if TYPE_CHECKING:
     from ckpt_tools.ops.reshard import ShardsResult
@@ -45,7 +25,6 @@ __all__ = [
     "RewriteResult",
     "add_module_file",
     "convert",
-    "output_format_for",
     "rename_file",
     "retag",
     "rewrite",
@@ -112,117 +91,29 @@ def rewrite(
         >>> result.message, result.examples[0]
         ('wrote plain.pt (17 of 17 keys renamed)', ('module.conv.weight', 'conv.weight'))
     """
-    if verify not in VERIFY_LEVELS:
-        raise UsageError(
-            f"expected one of: {', '.join(VERIFY_LEVELS)}",
-            argument="verify",
-            value=repr(verify),
-            flag="--verify",
-        )
+    check_verify_level(verify)
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=in_place)
     ckpt = opened if opened is not None and opened.path == src else open_checkpoint(src)
-    fmt = output_format_for(dst, output_format, ckpt.format)
-    selection = select_state_dict(ckpt.root, select)
-    check_rewritable(ckpt, allow_globals, selection.path, fmt)
-    sd = selection.state_dict
-    check_key_types(sd, rules, fmt, src)
-    # Rules rename str keys only; other keys keep their type and value (checked above).
-    plan = plan_renames([k for k in sd if isinstance(k, str)], rules)
-    renamed_sd = apply_plan(sd, plan, rules)
-    changed = [(old, new) for old, new in plan.items() if old != new]
-    tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
-    # Torch outputs copy every storage the checkpoint keeps (optimizer state too).
-    counted = tensors.values() if fmt == "safetensors" else ()
-    total = sum(t.nbytes for t in counted) or sum(s.nbytes for s in ckpt.storages.values())
-    check_output_size(list(counted), total, target)
-    if fmt == "safetensors":
-        for t in counted:
-            ckpt.span(t.storage)  # a storage that cannot be copied is refused before writing
-    if dry_run:
-        return _planned(src, dst, ckpt, fmt, selection.path, rules, changed, sd, total, drop_extras)
-    done = [0]
+    # Imported once the input is open: the writers and the verification are half of a
+    # rewrite's modules, and a user's command reaches its first read before loading them.
+    from ckpt_tools.ops.rewrite_apply import apply_rewrite
 
-    def on_bytes(n: int) -> None:
-        done[0] += n
-        if progress is not None:
-            progress(done[0], total)
-
-    dropped: tuple[str, ...] = ()
-    with atomic_output(target, durable=durable) as (file, tmp):
-        if fmt == "safetensors":
-            entries, metadata, dropped, expected = safetensors_plan(
-                ckpt, selection.path, renamed_sd, drop_extras
-            )
-            write_safetensors(entries, ckpt, file, metadata, on_bytes)
-            select_out: Sequence[str] = ()
-        else:
-            tree = replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
-            write_torch_zip(tree, ckpt, file, device_map, on_bytes)
-            expected, select_out = tensors, selection.path
-        file.flush()
-        verification = verify_output(str(tmp), Expected(expected, select_out, ckpt), verify)
-    return RewriteResult(
-        src=src,
-        dst=dst,
-        written=True,
-        input_format=ckpt.format,
-        output_format=fmt,
-        selected=selection.path,
-        rules=tuple(r.description for r in rules),
-        renamed=len(changed),
-        total_keys=len(sd),
-        examples=tuple(changed[:3]),
-        bytes_copied=done[0],
-        verification=verification,
-        dropped=dropped,
-        device_map=dict(device_map or {}),
-        message=summary(dst, ckpt.format, fmt, len(changed), len(sd), rules, device_map),
-    )
-
-
-def _planned(
-    src, dst, ckpt, fmt, selected, rules, changed, sd, total, drop_extras
-) -> RewriteResult:
-    """The result of a dry run: what would be written, refusals included; nothing is."""
-    dropped: tuple[str, ...] = ()
-    if fmt == "safetensors":
-        renamed_sd = {new: sd[old] for old, new in plan_pairs(sd, changed)}
-        dropped = safetensors_plan(ckpt, selected, renamed_sd, drop_extras)[2]
-    return RewriteResult(
-        src=src,
-        dst=dst,
-        written=False,
-        input_format=ckpt.format,
-        output_format=fmt,
-        selected=selected,
-        rules=tuple(r.description for r in rules),
-        renamed=len(changed),
-        total_keys=len(sd),
-        examples=tuple(changed),
-        dropped=dropped,
-        message=f"dry run: would write {dst} ({len(changed)} of {len(sd)} keys renamed, "
-        f"{total} tensor bytes); nothing written",
-    )
-
-
-def plan_pairs(sd: Mapping[Any, Any], changed: Sequence[tuple[str, str]]) -> list[tuple[Any, Any]]:
-    renames = dict(changed)
-    return [(k, renames.get(k, k)) for k in sd]
-
-
-def _nothing_to_do(src: str, ckpt: Checkpoint, selected: tuple[str, ...], n: int, why: str):
-    return RewriteResult(
-        src=src,
-        dst=None,
-        written=False,
-        input_format=ckpt.format,
-        output_format=ckpt.format,
-        selected=selected,
-        rules=(),
-        renamed=0,
-        total_keys=n,
-        message=why,
+    return apply_rewrite(
+        ckpt,
+        src,
+        dst,
+        target,
+        rules,
+        select=select,
+        output_format=output_format,
+        device_map=device_map,
+        verify=verify,
+        allow_globals=allow_globals,
+        drop_extras=drop_extras,
+        progress=progress,
+        dry_run=dry_run,
+        durable=durable,
     )
 
 
@@ -252,25 +143,13 @@ def strip_module_file(
     src = os.fspath(src)
     if prefix is not None:
         return rewrite(src, dst, [strip_rule(prefix)], **options)
+    check_verify_level(options.get("verify", "sizes"))  # arguments first, as rewrite() does
     ckpt = open_checkpoint(src)
-    selection = select_state_dict(ckpt.root, options.get("select"))
-    keys = [k for k in selection.state_dict if isinstance(k, str)]
-    n_keys = len(selection.state_dict)
-    rules, matches = strip_wrapper_rules(keys)
-    if not rules:
-        # Refusals come before "nothing to strip": a file no rewrite may touch is never
-        # exit 0. (With rules, rewrite() makes the same checks, once.)
-        fmt = output_format_for(dst, options.get("output_format"), ckpt.format)
-        check_rewritable(ckpt, options.get("allow_globals", ()), selection.path, fmt)
-        check_output_path(dst, src, options.get("force", False), options.get("in_place", False))
-        return _nothing_to_do(
-            src,
-            ckpt,
-            selection.path,
-            n_keys,
-            f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; "
-            f"{os.fspath(dst)} was not written",
-        )
+    from ckpt_tools.ops.rewrite_apply import plan_strip  # (as in rewrite: after the read)
+
+    rules, matches, nothing = plan_strip(ckpt, src, os.fspath(dst), options)
+    if nothing is not None:
+        return nothing
     result = rewrite(src, dst, rules, opened=ckpt, **options)
     names = ", ".join(repr(m.prefix) for m in matches)
     return _with(result, wrappers=matches, message=f"stripped {names}: {result.message}")

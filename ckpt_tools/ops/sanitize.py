@@ -18,13 +18,13 @@ from ckpt_tools.errors import (
     Remedy,
     SelectError,
     UnsafeContentError,
-    UsageError,
     VerificationError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import atomic_output, check_output_path
 from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.verify import VERIFY_LEVELS, Expected, verify_output
+from ckpt_tools.io.verify import Expected, verify_output
+from ckpt_tools.io.verify_levels import check_verify_level
 from ckpt_tools.io.writers import write_torch_zip
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.preflight import check_source
@@ -83,13 +83,7 @@ def sanitize(
         >>> [str(c) for c in report.converted]  # doctest: +SKIP
         ['hyper_parameters.cfg: omegaconf.dictconfig.DictConfig -> dict']
     """
-    if verify not in VERIFY_LEVELS:
-        raise UsageError(
-            f"expected one of: {', '.join(VERIFY_LEVELS)}",
-            argument="verify",
-            value=repr(verify),
-            flag="--verify",
-        )
+    check_verify_level(verify)
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force)
     ckpt = open_checkpoint(src)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, iter_tensors
-from ckpt_tools.errors import UsageError, VerificationError
+from ckpt_tools.errors import VerificationError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.standins import storage_type_ref
 from ckpt_tools.io.atomic import atomic_output
@@ -30,6 +30,7 @@ from ckpt_tools.io.plan_writer import (
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 from ckpt_tools.io.verify import Expected, verify_output
+from ckpt_tools.io.verify_levels import check_verify_level
 
 __all__ = [
     "PlanRow",
@@ -291,14 +292,8 @@ def execute_plan(
         UsageError: a verification level transforms do not offer.
         VerificationError / OutputError: the output does not read back or cannot be written.
     """
-    if verify not in TRANSFORM_VERIFY_LEVELS:
-        raise UsageError(
-            f"expected one of: {', '.join(TRANSFORM_VERIFY_LEVELS)} (cast and averaged bytes "
-            "differ from the source's by design)",
-            argument="verify",
-            value=repr(verify),
-            flag="--verify",
-        )
+    why = "cast and averaged bytes differ from the source's by design"
+    check_verify_level(verify, TRANSFORM_VERIFY_LEVELS, why)
     check_output_size([], plan.output_bytes, target)
     with atomic_output(target, durable=durable) as (file, tmp):
         if plan.output_format == "safetensors":
