@@ -427,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"before: {load_note()}")
     # Installed packages carry compiled bytecode; an editable checkout run with
     # PYTHONDONTWRITEBYTECODE=1 (as here) would compile every module at every start.
-    subprocess.run([PYTHON, "-m", "compileall", "-q", str(REPO / "ckpt_tools")], check=True)
+    # Forced: compileall trusts a .pyc whose recorded mtime matches the source's second, but
+    # the import system also checks the size, so a file rewritten within the second of its
+    # compile (a formatter's fix) would be recompiled at every start and slow the timings.
+    subprocess.run([PYTHON, "-m", "compileall", "-q", "-f", str(REPO / "ckpt_tools")], check=True)
     print("bytecode: ckpt_tools compiled first (compileall), as an installed package is")
     all_ok = True
     with workdir(args.workdir, keep=args.keep) as folder:
