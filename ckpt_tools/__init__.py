@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from ckpt_tools._version import __version__
 
-# Not `from typing import TYPE_CHECKING`: importing typing (and re, enum, collections with it)
-# would be most of `ckpt --version`'s time. Type checkers read this name as typing's.
+# Not `from typing import TYPE_CHECKING`: typing (with re, enum and collections, which a
+# regular install has not loaded yet) would be most of `ckpt --version`'s own time. Type
+# checkers read this name as typing's.
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on first use
     from typing import Any

@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import subprocess
+import sys
 import types
 import zipfile
 from pathlib import Path
@@ -395,3 +397,54 @@ def test_slim_names_why_it_offers_its_levels(ddp_file, tmp_path):
     with pytest.raises(UsageError, match=r"verify='bits': .*cast and averaged bytes differ"):
         ckpt_tools.slim(ddp_file(), tmp_path / "out.pt", dtype="float16", verify="bits")
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("wrapped", [True, False], ids=["something-to-strip", "nothing-to-strip"])
+@pytest.mark.parametrize("how", [[], ["--prefix", "module."]], ids=["detected", "prefix"])
+def test_strip_module_orders_its_refusals_as_every_rewrite_does(wrapped, how, tmp_path, capsys):
+    # The output path first (exit 6), then the input's content (exit 3), whether strip-module
+    # detects its prefixes or is given one, and whether or not there is anything to strip.
+    sd = h.build_layout("plain")[0]
+    if not wrapped:
+        sd = {k.removeprefix("module."): v for k, v in sd.items()}
+    marker = tmp_path / "MARKER"
+    src = h.save({"state_dict": sd, "callback": Evil(marker)}, tmp_path / "evil.pt")
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"already here")
+
+    code, _, err = h.run_ckpt("strip-module", src, out, *how, code=None)
+    assert code == 6 and "already exists" in err, err
+    code, _, err = h.run_ckpt("strip-module", src, src, *how, code=None)
+    assert code == 6, err  # the input itself as the output: refused before it is read
+    out.unlink()
+    code, _, err = h.run_ckpt("strip-module", src, out, *how, code=None)
+    assert code == 3 and "posix.system" in err, err
+    assert not out.exists() and not marker.exists()
+
+
+def test_strip_module_reads_its_input_as_often_as_an_explicit_prefix(tmp_path):
+    # Detecting the prefixes costs no second pass over the input (its small records are
+    # CRC-checked once, by the rewrite): count the opens of the input, by an audit hook.
+    src = h.save(h.build_layout("plain")[0], tmp_path / "ddp.pt")
+    code = (
+        "import os, sys\n"
+        "from ckpt_tools.ops.rewriting import strip_module_file\n"
+        "src, out = os.path.abspath(sys.argv[1]), sys.argv[2]\n"
+        "opens = []\n"
+        "sys.addaudithook(lambda e, a: opens.append(1) if e == 'open' and isinstance(a[0], str)"
+        " and os.path.abspath(a[0]) == src else None)\n"
+        "for prefix in ('module.', None):\n"
+        "    opens.clear()\n"
+        "    strip_module_file(src, out, prefix=prefix, force=True)\n"
+        "    print(len(opens))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    given, detected = (int(n) for n in run.stdout.split())
+    assert given >= 3  # detect, read, copy: the hook sees them
+    assert detected == given

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from gettext import gettext
 from typing import NamedTuple
 
 import click
@@ -17,7 +18,7 @@ from ckpt_tools.io.atomic import Interrupted
 class _Entry(NamedTuple):
     module: str
     attribute: str
-    summary: str  # the command's first help paragraph (tests/test_cli_help.py compares them)
+    summary: str  # the command's first help paragraph (tests/test_cli_entry.py compares them)
 
 
 _COMMANDS = {
@@ -125,9 +126,12 @@ class LazyGroup(click.Group):
             return None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        # click's own listing imports every command to read its help; a stand-in carrying
-        # the same first paragraph is shortened by click exactly as the command would be,
-        # and `ckpt --help` (a new user's first command) stays as quick as `ckpt --version`.
+        """The ``Commands:`` section of ``ckpt --help``, from the table's summaries.
+
+        click's own listing imports every command to read its help; a stand-in carrying the
+        same first paragraph is shortened by click exactly as the command would be, and
+        ``ckpt --help`` (a new user's first command) imports none of them.
+        """
         names = self.list_commands(ctx)
         if not names:
             return
@@ -136,7 +140,7 @@ class LazyGroup(click.Group):
             (name, click.Command(name, help=_COMMANDS[name].summary).get_short_help_str(limit))
             for name in names
         ]
-        with formatter.section("Commands"):
+        with formatter.section(gettext("Commands")):  # click's heading, translated as it is
             formatter.write_dl(rows)
 
 

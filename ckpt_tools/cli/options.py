@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from ckpt_tools.io.verify_levels import VERIFY_LEVELS
+
 select_option = click.option(
     "--select",
     metavar="A.B",
@@ -22,7 +24,7 @@ def dry_run_option(func):  # type: ignore[no-untyped-def]
     )(func)
 
 
-def verify_option(help: str, levels: tuple[str, ...] = ("sizes", "full", "none")):  # type: ignore[no-untyped-def]
+def verify_option(help: str, levels: tuple[str, ...] = VERIFY_LEVELS):  # type: ignore[no-untyped-def]
     """``--verify LEVEL`` (default ``sizes``) for a command that writes; ``help`` says what."""
     return click.option(
         "--verify", type=click.Choice(levels), default="sizes", show_default=True, help=help

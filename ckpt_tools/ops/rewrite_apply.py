@@ -13,7 +13,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.atomic import atomic_output, check_output_path
+from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.safetensors_writer import write_safetensors
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify import Expected, verify_output
@@ -147,6 +147,7 @@ def _planned(
 
 
 def plan_pairs(sd: Mapping[Any, Any], changed: Sequence[tuple[str, str]]) -> list[tuple[Any, Any]]:
+    """Each key of ``sd`` with the name it gets: ``changed``'s new name, or its own."""
     renames = dict(changed)
     return [(k, renames.get(k, k)) for k in sd]
 
@@ -165,7 +166,7 @@ def plan_strip(
     Returns:
         ``(rules, matches, None)``; with nothing to strip, ``((), (), result)``: the result
         that says so, once the input has passed the refusals a rewrite of it would make (a
-        file no rewrite may touch is never exit 0) and ``dst`` would be accepted.
+        file no rewrite may touch is never exit 0). The caller has checked ``dst``.
     """
     selection = select_state_dict(ckpt.root, options.get("select"))
     keys = [k for k in selection.state_dict if isinstance(k, str)]
@@ -175,14 +176,15 @@ def plan_strip(
         return rules, matches, None
     fmt = output_format_for(dst, options.get("output_format"), ckpt.format)
     check_rewritable(ckpt, options.get("allow_globals", ()), selection.path, fmt)
-    check_output_path(dst, src, options.get("force", False), options.get("in_place", False))
     why = (
         f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; {dst} was not written"
     )
     return (), (), _nothing_to_do(src, ckpt, selection.path, n_keys, why)
 
 
-def _nothing_to_do(src: str, ckpt: Checkpoint, selected: tuple[str, ...], n: int, why: str):
+def _nothing_to_do(
+    src: str, ckpt: Checkpoint, selected: tuple[str, ...], n: int, why: str
+) -> RewriteResult:
     return RewriteResult(
         src=src,
         dst=None,

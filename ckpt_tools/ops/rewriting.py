@@ -143,7 +143,10 @@ def strip_module_file(
     src = os.fspath(src)
     if prefix is not None:
         return rewrite(src, dst, [strip_rule(prefix)], **options)
-    check_verify_level(options.get("verify", "sizes"))  # arguments first, as rewrite() does
+    # The arguments and the output path first, then the input: rewrite()'s order, whether
+    # or not there turns out to be something to strip.
+    check_verify_level(options.get("verify", "sizes"))
+    check_output_path(dst, src, options.get("force", False), options.get("in_place", False))
     ckpt = open_checkpoint(src)
     from ckpt_tools.ops.rewrite_apply import plan_strip  # (as in rewrite: after the read)
 
