@@ -100,10 +100,18 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         opened = os.fstat(fd)
         if not stat.S_ISREG(opened.st_mode):
             raise _not_regular(p, opened.st_mode)
-        size = opened.st_size
         head = os.pread(fd, 512, 0)
+        return _format_of(p, opened.st_size, head, lambda n: os.pread(fd, n, 0))
     finally:
         os.close(fd)
+
+
+def _format_of(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
+    """The format of the regular file ``p`` from its first 512 bytes (``head``).
+
+    ``read_to(n)`` reads its first ``n`` bytes from the same open file, for the one check
+    that may need more (a legacy magic number inside a long FRAME).
+    """
     if size == 0:
         raise UnsupportedFormatError(
             f"{str(p)!r} is empty (0 bytes); expected a checkpoint", path=p
@@ -120,7 +128,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "torch-zip"
     if _is_tar_header(head):
         return "torch-tar"
-    if _first_pickle_is_legacy_magic(head, lambda n: _first_bytes(p, n)):
+    if _first_pickle_is_legacy_magic(head, read_to):
         return "torch-legacy"
     if p.name.endswith(SHARD_INDEX_SUFFIX) and head.lstrip()[:1] == b"{":
         return "hf-sharded"  # the index itself: it opens with the shards it names
@@ -183,18 +191,6 @@ def _first_pickle_is_legacy_magic(
 
 # A first pickle is a magic number (a dozen bytes); a frame around it is read up to this.
 _MAX_FIRST_FRAME = 1 << 20
-
-
-def _first_bytes(path: Path, n: int) -> bytes:
-    """The first ``n`` bytes of ``path``, opened as :func:`detect_format` opens it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode):
-            raise _not_regular(path, opened.st_mode)
-        return os.pread(fd, n, 0)
-    finally:
-        os.close(fd)
 
 
 def check_regular(path: str | os.PathLike[str]) -> str:
