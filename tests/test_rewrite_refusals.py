@@ -448,3 +448,11 @@ def test_strip_module_reads_its_input_as_often_as_an_explicit_prefix(tmp_path):
     given, detected = (int(n) for n in run.stdout.split())
     assert given >= 3  # detect, read, copy: the hook sees them
     assert detected == given
+
+
+def test_consolidate_refuses_full_verification_before_reading(tmp_path):
+    import ckpt_tools
+
+    with pytest.raises(UsageError, match=r"verify='full': expected one of: sizes, none$"):
+        ckpt_tools.consolidate(tmp_path / "missing", tmp_path / "out.pt", verify="full")
+    assert sorted(os.listdir(tmp_path)) == []

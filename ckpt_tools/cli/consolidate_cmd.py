@@ -15,7 +15,7 @@ from ckpt_tools.cli.options import (
 )
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.io.shard_plan import DEFAULT_MAX_SHARD_SIZE
-from ckpt_tools.ops.consolidate import consolidate
+from ckpt_tools.ops.consolidate import CONSOLIDATE_VERIFY_LEVELS, consolidate
 
 _EPILOG = """\b
 Examples:
@@ -53,7 +53,8 @@ Examples:
 )
 @click.option("--force", is_flag=True, help="Replace existing output files.")
 @verify_option(
-    "After writing, re-read every output: keys, dtypes, shapes, layout.", levels=("sizes", "none")
+    "After writing, re-read every output: keys, dtypes, shapes, layout.",
+    levels=CONSOLIDATE_VERIFY_LEVELS,
 )
 @durable_option
 @json_option

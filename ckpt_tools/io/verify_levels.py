@@ -21,8 +21,8 @@ def check_verify_level(verify: str, levels: Sequence[str] = VERIFY_LEVELS, why: 
 
     Args:
         verify: the caller's ``verify=`` argument.
-        levels: the levels the command offers.
-        why: said after the list when a command offers fewer than :data:`VERIFY_LEVELS`.
+        levels: the levels the command offers (consolidate offers no ``full``).
+        why: said after the list: what the levels mean for this command.
 
     Raises:
         UsageError: ``verify`` is not one of ``levels``.

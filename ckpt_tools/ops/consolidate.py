@@ -17,12 +17,17 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.dcp import DcpCheckpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.shard_plan import DEFAULT_MAX_SHARD_SIZE, index_bytes, parse_shard_size
+from ckpt_tools.io.verify_levels import check_verify_level
 from ckpt_tools.ops.consolidate_plan import ConsolidationPlan, plan_consolidation
 from ckpt_tools.ops.consolidate_write import shard_outputs, write_file, write_shards
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text
 from ckpt_tools.structure.text import Readable, human_bytes
 
-__all__ = ["ConsolidateResult", "consolidate"]
+__all__ = ["CONSOLIDATE_VERIFY_LEVELS", "ConsolidateResult", "consolidate"]
+
+#: What consolidate's verification offers: ``sizes`` reads every output back (keys, dtypes,
+#: shapes, layout); there is no ``full``.
+CONSOLIDATE_VERIFY_LEVELS = ("sizes", "none")
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -178,8 +183,7 @@ def consolidate(
     src, dst = os.fspath(src), os.fspath(dst)
     if jobs < 1:
         raise UsageError("jobs must be at least 1", argument="jobs", value=jobs)
-    if verify not in ("sizes", "none"):
-        raise UsageError(f"verify={verify!r} is not one of 'sizes', 'none'", argument="verify")
+    check_verify_level(verify, CONSOLIDATE_VERIFY_LEVELS)
     ckpt = open_checkpoint(src)
     if not isinstance(ckpt, DcpCheckpoint):
         raise UsageError(
