@@ -505,3 +505,22 @@ def test_ema_refusals_match_between_dry_run_and_write(
         assert main(args) == 3 and capsys.readouterr().err == dry_err
         assert main([*args, "--allow-global", f"{__name__}.Unlisted"]) == 0
         os.unlink("e.pt")
+
+
+def test_a_renaming_dry_run_to_safetensors_drops_what_the_write_drops(tmp_path: Path) -> None:
+    # The dry run plans from the same renamed state dict the write uses: tied names and
+    # non-tensor entries dropped alike, after the prefixes are stripped.
+    embed = torch.randn(16, 8)
+    sd = {"module.embed.weight": embed, "module.lm_head.weight": embed, "module.step": 3}
+    torch.save(sd | {"module.fc.weight": torch.randn(4, 8)}, tmp_path / "ddp.pt")
+    kw = {"drop_extras": True}
+    planned = ct.strip_module_file(
+        tmp_path / "ddp.pt", tmp_path / "out.safetensors", dry_run=True, **kw
+    )
+    assert not planned.written and not (tmp_path / "out.safetensors").exists()
+    real = ct.strip_module_file(tmp_path / "ddp.pt", tmp_path / "out.safetensors", **kw)
+    assert real.written and real.dropped == planned.dropped
+    assert "lm_head.weight" in " ".join(real.dropped) and "step" in " ".join(real.dropped)
+    assert set(planned.examples) >= set(real.examples)
+    with safe_open(str(tmp_path / "out.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["embed.weight", "fc.weight"]

@@ -79,8 +79,20 @@ def apply_rewrite(
     if fmt == "safetensors":
         for t in counted:
             ckpt.span(t.storage)  # a storage that cannot be copied is refused before writing
-    if dry_run:
-        return _planned(src, dst, ckpt, fmt, selection.path, rules, changed, sd, total, drop_extras)
+    # What the result states, written or planned (_result).
+    stated = (src, dst, ckpt, fmt, selection.path, rules, len(changed), len(sd))
+    if dry_run:  # what would be written, refusals included; nothing is
+        dropped: tuple[str, ...] = ()
+        if fmt == "safetensors":
+            dropped = safetensors_plan(ckpt, selection.path, renamed_sd, drop_extras)[2]
+        return _result(
+            *stated,
+            written=False,
+            examples=tuple(changed),
+            dropped=dropped,
+            message=f"dry run: would write {dst} ({len(changed)} of {len(sd)} keys renamed, "
+            f"{total} tensor bytes); nothing written",
+        )
     done = [0]
 
     def on_bytes(n: int) -> None:
@@ -88,7 +100,7 @@ def apply_rewrite(
         if progress is not None:
             progress(done[0], total)
 
-    dropped: tuple[str, ...] = ()
+    dropped = ()
     with atomic_output(target, durable=durable) as (file, tmp):
         if fmt == "safetensors":
             entries, metadata, dropped, expected = safetensors_plan(
@@ -102,16 +114,9 @@ def apply_rewrite(
             expected, select_out = tensors, selection.path
         file.flush()
         verification = verify_output(str(tmp), Expected(expected, select_out, ckpt), verify)
-    return RewriteResult(
-        src=src,
-        dst=dst,
+    return _result(
+        *stated,
         written=True,
-        input_format=ckpt.format,
-        output_format=fmt,
-        selected=selection.path,
-        rules=tuple(r.description for r in rules),
-        renamed=len(changed),
-        total_keys=len(sd),
         examples=tuple(changed[:3]),
         bytes_copied=done[0],
         verification=verification,
@@ -119,37 +124,6 @@ def apply_rewrite(
         device_map=dict(device_map or {}),
         message=summary(dst, ckpt.format, fmt, len(changed), len(sd), rules, device_map),
     )
-
-
-def _planned(
-    src, dst, ckpt, fmt, selected, rules, changed, sd, total, drop_extras
-) -> RewriteResult:
-    """The result of a dry run: what would be written, refusals included; nothing is."""
-    dropped: tuple[str, ...] = ()
-    if fmt == "safetensors":
-        renamed_sd = {new: sd[old] for old, new in plan_pairs(sd, changed)}
-        dropped = safetensors_plan(ckpt, selected, renamed_sd, drop_extras)[2]
-    return RewriteResult(
-        src=src,
-        dst=dst,
-        written=False,
-        input_format=ckpt.format,
-        output_format=fmt,
-        selected=selected,
-        rules=tuple(r.description for r in rules),
-        renamed=len(changed),
-        total_keys=len(sd),
-        examples=tuple(changed),
-        dropped=dropped,
-        message=f"dry run: would write {dst} ({len(changed)} of {len(sd)} keys renamed, "
-        f"{total} tensor bytes); nothing written",
-    )
-
-
-def plan_pairs(sd: Mapping[Any, Any], changed: Sequence[tuple[str, str]]) -> list[tuple[Any, Any]]:
-    """Each key of ``sd`` with the name it gets: ``changed``'s new name, or its own."""
-    renames = dict(changed)
-    return [(k, renames.get(k, k)) for k in sd]
 
 
 def plan_strip(
@@ -179,21 +153,32 @@ def plan_strip(
     why = (
         f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; {dst} was not written"
     )
-    return (), (), _nothing_to_do(src, ckpt, selection.path, n_keys, why)
+    nothing = _result(
+        src, None, ckpt, ckpt.format, selection.path, (), 0, n_keys, written=False, message=why
+    )
+    return (), (), nothing
 
 
-def _nothing_to_do(
-    src: str, ckpt: Checkpoint, selected: tuple[str, ...], n: int, why: str
+def _result(
+    src: str,
+    dst: str | None,
+    ckpt: Checkpoint,
+    fmt: str,
+    selected: tuple[str, ...],
+    rules: Sequence[KeyRule],
+    renamed: int,
+    total_keys: int,
+    **rest: Any,
 ) -> RewriteResult:
+    """A rewrite's result: what every one states, then ``rest`` (written, planned, skipped)."""
     return RewriteResult(
         src=src,
-        dst=None,
-        written=False,
+        dst=dst,
         input_format=ckpt.format,
-        output_format=ckpt.format,
+        output_format=fmt,
         selected=selected,
-        rules=(),
-        renamed=0,
-        total_keys=n,
-        message=why,
+        rules=tuple(r.description for r in rules),
+        renamed=renamed,
+        total_keys=total_keys,
+        **rest,
     )
