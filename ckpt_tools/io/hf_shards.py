@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -107,7 +106,7 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
     durable = durable or replaced
     parent = target.parent
     _dead_temp_dirs(parent)
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tag = f"{os.getpid()}-{os.urandom(4).hex()}"  # as atomic.py names its temp files
     tmp = parent / f".{target.name}.ckpt-tmpdir-{tag}"
     try:
         tmp.mkdir()
