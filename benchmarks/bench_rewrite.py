@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     all_ok = True
     with workdir(args.workdir, keep=args.keep) as folder:
         free = shutil.disk_usage(folder).free
-        need = int(max(sizes) * MIB * 4.5)
+        need = int(max(sizes, default=0) * MIB * 4.5)
         print(f"free disk: {free / 2**30:.1f} GiB (this run needs about {need / 2**30:.1f} GiB)")
         if free < need:
             print("FAIL  not enough free disk space")
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             mount: Path | str = "--no-reflink given"
             if not args.no_reflink:
-                need = int(max(sizes) * MIB * 2.5) + (1 << 30)
+                need = int(max(sizes, default=0) * MIB * 2.5) + (1 << 30)
                 mount = stack.enter_context(loopback_xfs(folder, need))
             rows: list[list[str]] = []
             for size_mb in sizes:

@@ -1,22 +1,34 @@
-"""The ``ckpt`` console script: answers ``ckpt --version`` before importing anything.
+"""The ``ckpt`` console script: answers ``--version`` and the common key rewrites click-free.
 
-A user's first commands (``--version``, then a rewrite) should not wait for click and the
-readers to load; every other invocation goes to :func:`ckpt_tools.cli.main.run`.
+A user's first commands (``--version``, then a rewrite) should not wait for click to load:
+``--version`` is answered here, ``strip-module``/``add-module`` with plain options run
+through :mod:`ckpt_tools.cli.fastpath`, and every other invocation goes to
+:func:`ckpt_tools.cli.main.run`.
 """
 
 from __future__ import annotations
 
 import sys
 
+# The commands the fast path may take; it decides on their arguments.
+_FAST = ("strip-module", "add-module")
+
 
 def run() -> None:
-    """Console-script entry: ``--version`` at once, everything else through click."""
-    if sys.argv[1:] == ["--version"]:
+    """Console-script entry: ``--version`` at once, plain key rewrites without click."""
+    argv = sys.argv[1:]
+    if argv == ["--version"]:
         from ckpt_tools._version import __version__
 
         # The line click's version_option prints (tests/test_cli_entry.py compares them).
         sys.stdout.write(f"ckpt, version {__version__}\n")
         sys.exit(0)
+    if argv and argv[0] in _FAST:
+        from ckpt_tools.cli.fastpath import run as run_fast
+
+        code = run_fast(argv)
+        if code is not None:
+            sys.exit(code)
     from ckpt_tools.cli.main import run as run_click
 
     run_click()

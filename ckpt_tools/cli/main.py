@@ -1,8 +1,7 @@
-"""The ``ckpt`` entry point and the one boundary that turns errors into exit codes."""
+"""The ``ckpt`` click group: its command table, loaded lazily, and click's side of the boundary."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from gettext import gettext
@@ -11,8 +10,8 @@ from typing import NamedTuple
 import click
 
 from ckpt_tools._version import __version__
-from ckpt_tools.errors import EXIT_USAGE, CheckpointError
-from ckpt_tools.io.atomic import Interrupted
+from ckpt_tools.cli.boundary import guarded
+from ckpt_tools.errors import EXIT_USAGE
 
 
 class _Entry(NamedTuple):
@@ -154,10 +153,10 @@ def cli() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``ckpt``; every CheckpointError becomes one stderr line and its exit code.
+    """Run ``ckpt`` through click, behind :func:`~ckpt_tools.cli.boundary.guarded`.
 
-    The line is the error rendered for the command line: its remedies name flags
-    (``--force``), where ``str(error)`` names the library's arguments (``force=True``).
+    The console script first offers the arguments to :mod:`ckpt_tools.cli.fastpath`, which
+    runs the common key rewrites without importing click; everything else comes here.
     """
     return run_command(cli, argv, prog_name="ckpt")
 
@@ -176,36 +175,29 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
     Returns:
         The exit status: 0, the command's own code, or the error's exit code.
     """
+
+    def invoke() -> object:
+        try:
+            return command.main(
+                args=list(argv) if argv is not None else None,
+                prog_name=prog_name,
+                standalone_mode=False,
+            )
+        except click.exceptions.Exit as e:
+            return e.exit_code
+        except click.ClickException as e:
+            e.show()
+            return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+        except click.exceptions.Abort:
+            click.echo(f"{prog_name}: aborted", err=True)
+            return 130
+
     try:
-        code = command.main(
-            args=list(argv) if argv is not None else None,
-            prog_name=prog_name,
-            standalone_mode=False,
-        )
-    except CheckpointError as e:
-        if os.environ.get("CKPT_DEBUG") == "1":
-            raise
-        click.echo(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
-        return e.exit_code
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.ClickException as e:
-        e.show()
-        return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
-    except Interrupted as e:
-        # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and
-        # 128 + the signal number, as a shell reports such a kill.
-        click.echo(f"{prog_name}: {e}; nothing was written and the input is unchanged", err=True)
-        return 128 + e.signum
-    except click.exceptions.Abort:
-        click.echo(f"{prog_name}: aborted", err=True)
-        return 130
+        return guarded(invoke, prog_name)
     except BrokenPipeError:
         # `ckpt inspect big.pt | head`: the reader left; that is not an error.
         sys.stderr.close()
         return 0
-    # Commands return their exit code (``ckpt diff --fail-on``) or None for success.
-    return code if isinstance(code, int) else 0
 
 
 def run() -> None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import click
-
+from ckpt_tools.cli.boundary import echo
 from ckpt_tools.structure.text import counts, human_bytes, human_count
 
 __all__ = ["counts", "echo_json", "human_bytes", "human_count", "table"]
@@ -20,7 +19,7 @@ def echo_json(data: Any) -> None:
     """Print ``data`` as indented JSON on stdout."""
     import json  # only --json needs it; `ckpt` starts faster without
 
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
 def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -17,15 +15,15 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_json
-from ckpt_tools.errors import UsageError
-from ckpt_tools.ops.rewriting import (
-    add_module_file,
-    convert,
-    rename_file,
-    retag,
-    strip_module_file,
+from ckpt_tools.cli.rewrite_actions import (
+    add_module,
+    library_options,
+    progress_bar,
+    report,
+    strip_module,
 )
+from ckpt_tools.errors import UsageError
+from ckpt_tools.ops.rewriting import convert, rename_file, retag
 
 
 def _common(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,54 +50,6 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-@contextlib.contextmanager
-def _progress(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
-    # A bar only for people watching a terminal, and only for rewrites worth watching.
-    if quiet or not sys.stderr.isatty():
-        yield None
-        return
-    state: dict[str, Any] = {}
-
-    def update(done: int, total: int) -> None:
-        if total < (64 << 20):
-            return
-        bar = state.get("bar")
-        if bar is None:
-            bar = state["bar"] = click.progressbar(
-                length=total, label="copying tensors", file=sys.stderr, show_pos=False
-            )
-            bar.__enter__()
-            state["done"] = 0
-        bar.update(done - state["done"])
-        state["done"] = done
-
-    try:
-        yield update
-    finally:
-        if "bar" in state:
-            state["bar"].__exit__(None, None, None)
-
-
-def _report(result: Any, as_json: bool) -> None:
-    if as_json:
-        echo_json(result.to_json())
-    else:
-        click.echo(result.text())
-
-
-def _options(kw: dict[str, Any], progress: Callable[[int, int], None] | None) -> dict[str, Any]:
-    return {
-        "select": kw["select"],
-        "force": kw["force"],
-        "in_place": kw["in_place"],
-        "verify": kw["verify"],
-        "allow_globals": kw["allow_globals"],
-        "progress": progress,
-        "dry_run": kw["dry_run"],
-        "durable": kw["durable"],
-    }
-
-
 @click.command("strip-module")
 @_common
 @click.option(
@@ -109,9 +59,7 @@ def _options(kw: dict[str, Any], progress: Callable[[int, int], None] | None) ->
 )
 def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
     """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
-    with _progress(kw["quiet"]) as progress:
-        result = strip_module_file(src, dst, prefix=prefix, **_options(kw, progress))
-    _report(result, kw["as_json"])
+    strip_module(src, dst, prefix, **kw)
 
 
 @click.command("add-module")
@@ -119,9 +67,7 @@ def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
 @click.option("--prefix", default="module.", show_default=True, help="The prefix to add.")
 def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
     """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
-    with _progress(kw["quiet"]) as progress:
-        result = add_module_file(src, dst, prefix=prefix, **_options(kw, progress))
-    _report(result, kw["as_json"])
+    add_module(src, dst, prefix, **kw)
 
 
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
@@ -150,11 +96,15 @@ def rename_cmd(
     src: str, dst: str, subs: tuple[str, ...], regexes: tuple[str, ...], **kw: Any
 ) -> None:
     """Rename keys: prefix maps (--sub) then regex substitutions (--regex)."""
-    with _progress(kw["quiet"]) as progress:
+    with progress_bar(kw["quiet"]) as progress:
         result = rename_file(
-            src, dst, _pairs(subs, "--sub"), _pairs(regexes, "--regex"), **_options(kw, progress)
+            src,
+            dst,
+            _pairs(subs, "--sub"),
+            _pairs(regexes, "--regex"),
+            **library_options(kw, progress),
         )
-    _report(result, kw["as_json"])
+    report(result, kw["as_json"])
 
 
 @click.command("convert")
@@ -182,16 +132,16 @@ def convert_cmd(
     SRC may be a sharded folder; DST a folder (ending with '/') for sharded output.
     Legacy inputs come out as zip archives.
     """
-    with _progress(kw["quiet"]) as progress:
+    with progress_bar(kw["quiet"]) as progress:
         result = convert(
             src,
             dst,
             format=fmt,
             drop_extras=drop_extras,
             max_shard_size=max_shard_size,
-            **_options(kw, progress),
+            **library_options(kw, progress),
         )
-    _report(result, kw["as_json"])
+    report(result, kw["as_json"])
 
 
 @click.command("reshard")
@@ -216,7 +166,7 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
     """Rewrite a Hugging Face sharded folder with another shard size (SRC is never touched)."""
     from ckpt_tools.ops.reshard import reshard
 
-    with _progress(kw["quiet"]) as progress:
+    with progress_bar(kw["quiet"]) as progress:
         result = reshard(
             src,
             dst,
@@ -228,7 +178,7 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
             dry_run=kw["dry_run"],
             durable=kw["durable"],
         )
-    _report(result, kw["as_json"])
+    report(result, kw["as_json"])
 
 
 @click.command("retag")
@@ -243,6 +193,6 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
 )
 def retag_cmd(src: str, dst: str, maps: tuple[str, ...], **kw: Any) -> None:
     """Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere."""
-    with _progress(kw["quiet"]) as progress:
-        result = retag(src, dst, dict(_pairs(maps, "--map")), **_options(kw, progress))
-    _report(result, kw["as_json"])
+    with progress_bar(kw["quiet"]) as progress:
+        result = retag(src, dst, dict(_pairs(maps, "--map")), **library_options(kw, progress))
+    report(result, kw["as_json"])
