@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
@@ -170,3 +171,53 @@ def test_a_rewrite_reads_its_input_before_loading_the_write_side(
     assert "ckpt_tools.formats" in loaded and "ckpt_tools.ops.rewriting" in loaded
     assert not set(_WRITE_SIDE) & set(loaded)
     assert out.is_file()  # and the rewrite then loads them and writes, as before
+
+
+_LOADED_AT_EXIT = """
+import atexit, sys
+atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith("ckpt_tools."))))
+sys.argv = ["ckpt", "strip-module", "--quiet", *sys.argv[1:]]
+from ckpt_tools.cli.entry import run
+run()
+"""
+
+# What a rewrite of one format loads that the other format's rewrite must not.
+_ZIP_SIDE = {
+    "ckpt_tools.formats.pickles",
+    "ckpt_tools.formats.repickle",
+    "ckpt_tools.formats.zipdir",
+    "ckpt_tools.io.writers",
+    "ckpt_tools.io.zipcheck",
+}
+
+
+@pytest.mark.parametrize(
+    ("source", "output", "absent"),
+    [
+        ("model.safetensors", "out.safetensors", _ZIP_SIDE),
+        ("dataparallel.pt", "out.pt", {"ckpt_tools.io.safetensors_writer"}),
+    ],
+)
+def test_a_rewrite_loads_the_reader_and_writer_of_its_formats_only(
+    source: str, output: str, absent: set[str], tmp_path
+) -> None:
+    # Issue 13: a .safetensors rewrite never needs the pickle machinery, a .pt rewrite never
+    # the safetensors writer; each costs milliseconds of every start.
+    src = tmp_path / ("wrapped" + Path(source).suffix)
+    if source.endswith(".safetensors"):
+        from safetensors.torch import load_file, save_file
+
+        save_file({f"module.{k}": v for k, v in load_file(fixture_path(source)).items()}, src)
+    else:
+        src.write_bytes(fixture_path(source).read_bytes())
+    run = subprocess.run(
+        [sys.executable, "-c", _LOADED_AT_EXIT, str(src), str(tmp_path / output)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "stripped 'module.'" in run.stdout
+    loaded = set(ast.literal_eval(run.stdout.splitlines()[-1]))
+    assert "ckpt_tools.io.verify" in loaded  # it did write and verify
+    assert not absent & loaded

@@ -20,7 +20,6 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.repickle import unsupported_opcodes
 from ckpt_tools.formats.zipdir import ZipEntry, read_zip_directory
 from ckpt_tools.io.zipwriter import ALIGNMENT
 
@@ -118,6 +117,10 @@ def check_torch_zip(path: str) -> int:
 
 
 def _check_pickle(payload: bytes) -> None:
+    # Imported here: a rewrite checks its zip source's CRCs through this module before it
+    # writes, and only an output's data.pkl needs the pickle machinery.
+    from ckpt_tools.formats.repickle import unsupported_opcodes
+
     try:
         bad = unsupported_opcodes(payload)
     except ValueError as e:

@@ -14,10 +14,8 @@ from typing import Any
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.safetensors_writer import write_safetensors
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify import Expected, verify_output
-from ckpt_tools.io.writers import picklable_tensors, write_torch_zip
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite_plan import output_format_for, safetensors_plan, summary
 from ckpt_tools.ops.rewrite_result import RewriteResult
@@ -102,13 +100,18 @@ def apply_rewrite(
 
     dropped = ()
     with atomic_output(target, durable=durable) as (file, tmp):
+        # Each writer is imported for its own format: the other's modules are not needed.
         if fmt == "safetensors":
+            from ckpt_tools.io.safetensors_writer import write_safetensors
+
             entries, metadata, dropped, expected = safetensors_plan(
                 ckpt, selection.path, renamed_sd, drop_extras
             )
             write_safetensors(entries, ckpt, file, metadata, on_bytes)
             select_out: Sequence[str] = ()
         else:
+            from ckpt_tools.io.writers import picklable_tensors, write_torch_zip
+
             tree = replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
             write_torch_zip(tree, ckpt, file, device_map, on_bytes)
             expected, select_out = tensors, selection.path

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import (
@@ -20,10 +20,11 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.safetensors_writer import SafetensorsEntry
-from ckpt_tools.io.zipcheck import check_source_crcs
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.selection import entries_beside
+
+if TYPE_CHECKING:
+    from ckpt_tools.io.safetensors_writer import SafetensorsEntry
 
 __all__ = ["check_source", "output_format_for", "safetensors_plan", "summary"]
 
@@ -86,7 +87,11 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
                 ),
             ),
         )
-    check_source_crcs(ckpt)  # after the safety refusals: they say more about such a file
+    if ckpt.records:  # a zip: its records are copied as they are, CRC-32 included
+        # (Imported for zips only, as each writer is: a rewrite's start is issue 13's.)
+        from ckpt_tools.io.zipcheck import check_source_crcs
+
+        check_source_crcs(ckpt)  # after the safety refusals: they say more about such a file
 
 
 def summary(
@@ -126,6 +131,8 @@ def safetensors_plan(
     # String values only: an HF index's metadata also holds its int total_size.
     metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
     metadata.setdefault("format", "pt")
+    from ckpt_tools.io.safetensors_writer import SafetensorsEntry
+
     entries: list[SafetensorsEntry] = []
     expected: dict[str, TensorRef] = {}
     kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
