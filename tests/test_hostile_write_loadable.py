@@ -19,6 +19,7 @@ import torch
 
 import ckpt_tools
 from ckpt_tools.errors import ConversionError, ResourceLimitError, VerificationError
+from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.repickle import check_weights_only_pickle, unsupported_opcodes
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.zipcheck import check_torch_zip
@@ -119,17 +120,23 @@ def test_inspect_says_when_torch_weights_only_refuses_the_protocol(protocol, tmp
         assert f"protocol {protocol}" in note[0] and f"ckpt convert {src} OUT.pt" in note[0]
 
 
-def test_default_verification_is_torch_strict(tmp_path):
-    # The strict re-read refuses what torch.load(mmap=True) or weights_only=True cannot read.
+@pytest.mark.parametrize("reread", [True, False], ids=["reads-directory", "opened-records"])
+def test_default_verification_is_torch_strict(reread, tmp_path):
+    # The strict re-read refuses what torch.load(mmap=True) or weights_only=True cannot read,
+    # whether it reads the directory itself or takes the records open_checkpoint just read
+    # (as a rewrite's verification does): the same verdicts, in the same words.
+    def check(path: Path) -> int:
+        return check_torch_zip(str(path), None if reread else open_checkpoint(path))
+
     plain = tmp_path / "plain.pt"
     torch.save(_state(), plain)
-    assert check_torch_zip(str(plain)) > 0
-    with pytest.raises(VerificationError, match="compressed"):
-        check_torch_zip(str(_deflate(plain, tmp_path / "deflated.pt")))
+    assert check(plain) == len(zipfile.ZipFile(plain).namelist())
+    with pytest.raises(VerificationError, match=r"record '[^'/]+' is compressed"):
+        check(_deflate(plain, tmp_path / "deflated.pt"))
     p4 = tmp_path / "p4.pt"
     torch.save(_state(), p4, pickle_protocol=4)
     with pytest.raises(VerificationError, match=r"opcodes .*FRAME"):
-        check_torch_zip(str(p4))
+        check(p4)
 
 
 def test_opcode_check_agrees_with_torch():

@@ -117,7 +117,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         # never needs (a rewrite's start is issue 13's).
         from ckpt_tools.io.zipcheck import check_torch_zip
 
-        check_torch_zip(path)  # laid out as torch.load reads it, not only as we read it
+        check_torch_zip(path, out)  # laid out as torch.load reads it, not only as we read it
     # A rewrite carries globals through, never adds one: a global the input did not name
     # would be code the output runs (in torch.load(weights_only=False)) that nobody allowed.
     introduced = [g for g in out.unsafe_globals if g not in expected.source.unsafe_globals]

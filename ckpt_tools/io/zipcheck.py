@@ -67,7 +67,7 @@ def _entries(path: str, fd: int) -> list[ZipEntry]:
         raise _fail(e.message) from e
 
 
-def check_torch_zip(path: str) -> int:
+def check_torch_zip(path: str, opened: Checkpoint | None = None) -> int:
     """Check that the torch zip archive at ``path`` is laid out as ``torch.load`` reads it.
 
     The directory is read by :func:`ckpt_tools.formats.zipdir.read_zip_directory`, which
@@ -77,6 +77,9 @@ def check_torch_zip(path: str) -> int:
 
     Args:
         path: the written archive (a temp file's ``/proc/self/fd/N`` path works too).
+        opened: the same file as :func:`~ckpt_tools.formats.open_checkpoint` just read it
+            (a verification reads the output first): its records are that same directory
+            reader's, already held to one root folder, so the directory is not read again.
 
     Returns:
         How many records were checked.
@@ -90,30 +93,39 @@ def check_torch_zip(path: str) -> int:
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        entries = _entries(path, fd)
-        roots = {e.name.split("/", 1)[0] for e in entries}
-        if len(roots) != 1:
-            raise _fail(f"its records lie under {len(roots)} root folders, not one")
-        root = roots.pop()
-        for entry in entries:
-            if entry.compressed:
-                raise _fail(f"record {entry.name!r} is compressed")
-            inner = entry.name[len(root) + 1 :]
-            if inner.startswith("data/") and entry.data_offset % ALIGNMENT:
-                raise _fail(
-                    f"storage {entry.name!r} starts at {entry.data_offset}, not {ALIGNMENT}-aligned"
-                )
-            if entry.file_size <= _SMALL or inner == "data.pkl":
-                payload = os.pread(fd, entry.file_size, entry.data_offset)
-                if zlib.crc32(payload) != entry.crc32:
-                    raise _fail(f"record {entry.name!r} fails its CRC-32 check")
-                if inner == "data.pkl":
+        if opened is not None and opened.path == path and opened.format == "torch-zip":
+            records = [
+                (name, r.compressed, r.data_offset, r.size, r.crc32)
+                for name, r in opened.records.items()
+            ]
+        else:
+            records = _records(path, fd)
+        for name, compressed, offset, size, crc in records:
+            if compressed:
+                raise _fail(f"record {name!r} is compressed")
+            if name.startswith("data/") and offset % ALIGNMENT:
+                raise _fail(f"storage {name!r} starts at {offset}, not {ALIGNMENT}-aligned")
+            if size <= _SMALL or name == "data.pkl":
+                payload = os.pread(fd, size, offset)
+                if zlib.crc32(payload) != crc:
+                    raise _fail(f"record {name!r} fails its CRC-32 check")
+                if name == "data.pkl":
                     _check_pickle(payload)
     finally:
         os.close(fd)
-    if f"{root}/data.pkl" not in {e.name for e in entries}:
+    if "data.pkl" not in {r[0] for r in records}:
         raise _fail("it has no data.pkl record")
-    return len(entries)
+    return len(records)
+
+
+def _records(path: str, fd: int) -> list[tuple[str, bool, int, int, int]]:
+    """Each record's name inside the one root folder, compressed, data offset, size, CRC."""
+    entries = _entries(path, fd)
+    roots = {e.name.split("/", 1)[0] for e in entries}
+    if len(roots) != 1:
+        raise _fail(f"its records lie under {len(roots)} root folders, not one")
+    cut = len(roots.pop()) + 1
+    return [(e.name[cut:], e.compressed, e.data_offset, e.file_size, e.crc32) for e in entries]
 
 
 def _check_pickle(payload: bytes) -> None:
