@@ -27,6 +27,10 @@ sync) and ``cp`` + ``sync`` (its wall time plus the timed fsync of its output).
 Targets (per format): strip-module <= 1.3x plain cp at 1 GiB and <= 1.1x at 4 GiB (sizes
 of 4 GiB and more), and peak RSS <= 150 MB.
 
+What is timed: a regular install of this checkout, made in the temp folder (a venv whose
+site-packages holds a compiled copy of ``ckpt_tools``), as users have it; ``--editable`` times
+the development venv instead, whose editable-install finder adds about 14 ms to every start.
+
 The start: ``python -c pass``, ``import click``, ``ckpt --version`` and ``--help``, and how
 long ``ckpt strip-module`` takes from exec to its first open of the input (noted in the
 process by an audit hook, on the parent's clock), medians.
@@ -64,6 +68,7 @@ from common import (
     ckpt_command,
     ckpt_json,
     fmt_table,
+    installed_copy,
     load_note,
     machine_note,
     make_checkpoints,
@@ -71,6 +76,7 @@ from common import (
     python_command,
     sync_all,
     sync_file,
+    use_ckpt,
     verdict,
     workdir,
 )
@@ -266,7 +272,7 @@ def _exec_to_first_open(src: Path, out: Path) -> float:
     """Seconds from just before exec to the input's first open, for one strip-module."""
     start = time.monotonic()
     run = subprocess.run(
-        [PYTHON, "-c", _FIRST_OPEN, str(src), str(out)], capture_output=True, text=True, check=True
+        python_command(_FIRST_OPEN, src, out), capture_output=True, text=True, check=True
     )
     line = next(x for x in run.stderr.splitlines() if x.startswith("FIRST-OPEN "))
     return float(line.split()[1]) - start
@@ -275,16 +281,17 @@ def _exec_to_first_open(src: Path, out: Path) -> float:
 _FIRST = "  strip-module: exec to first open of the input"
 
 
-def bench_start(repeats: int, folder: Path) -> None:
+def bench_start(repeats: int, folder: Path, install: str) -> None:
     """Interpreter floor, click's import, ``ckpt --version`` and ``--help``, and how long
     strip-module takes from exec to its first read of the input."""
-    print("\n== start ==")
+    print(f"\n== start ({install}) ==")
     src = make_checkpoints(folder, 1, 7, stem="tiny", formats=("pt",)).pt
     out = folder / "tiny_out.pt"
     commands = {
-        "python -c pass": [PYTHON, "-c", "pass"],
+        "python -c pass": python_command("pass"),
+        "python -c pass (the development venv)": [PYTHON, "-c", "pass"],
         "python -I -S -c pass": [PYTHON, "-I", "-S", "-c", "pass"],
-        "python -c 'import click'": [PYTHON, "-c", "import click"],
+        "python -c 'import click'": python_command("import click"),
         "ckpt --version": ckpt_command("--version"),
         "ckpt --help": ckpt_command("--help"),
         "ckpt strip-module (tiny)": ckpt_command("strip-module", src, out, "--quiet"),
@@ -409,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="pass --verify to strip-module (default: its own default, sizes)",
     )
+    ap.add_argument(
+        "--editable",
+        action="store_true",
+        help="time the development venv's editable install (default: a regular install of "
+        "this checkout, made in the temp folder, as users have it)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
     args = ap.parse_args(argv)
     # A plain kill ends the run through `finally` blocks: the loop mount is unmounted.
@@ -431,15 +444,20 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([PYTHON, "-m", "compileall", "-q", "-f", str(REPO / "ckpt_tools")], check=True)
     print("bytecode: ckpt_tools compiled first (compileall), as an installed package is")
     all_ok = True
-    with workdir(args.workdir, keep=args.keep) as folder:
+    with workdir(args.workdir, keep=args.keep) as folder, contextlib.ExitStack() as stack_install:
         free = shutil.disk_usage(folder).free
         need = int(max(sizes, default=0) * MIB * 4.5)
         print(f"free disk: {free / 2**30:.1f} GiB (this run needs about {need / 2**30:.1f} GiB)")
         if free < need:
             print("FAIL  not enough free disk space")
             return 1
+        install = "the development venv's editable install"
+        if not args.editable:
+            use_ckpt(*stack_install.enter_context(installed_copy(folder)))
+            install = "a regular install of this checkout, in the temp folder"
+        print(f"timing: {install}")
         if not args.no_start:
-            bench_start(args.repeats, folder)
+            bench_start(args.repeats, folder, install)
         with contextlib.ExitStack() as stack:
             mount: Path | str = "--no-reflink given"
             if not args.no_reflink:
