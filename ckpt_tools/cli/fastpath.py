@@ -9,7 +9,8 @@ functions then do the work (:mod:`ckpt_tools.cli.rewrite_actions`) behind the sa
 
 Anything else goes to click, which parses and reports it as always: ``--help``, an option
 this table does not know, a value that is not one of its choices, a value that starts with
-``-``, ``--``, a wrong number of paths, and shell completion (``_CKPT_COMPLETE``).
+``-``, ``--``, a wrong number of paths, shell completion (``_CKPT_COMPLETE``), and any line
+on Windows (where click expands wildcards).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def parse(argv: Sequence[str]) -> tuple[str, dict[str, object]] | None:
     """
     if not argv or argv[0] not in COMMANDS or "_CKPT_COMPLETE" in os.environ:
         return None
+    if os.name == "nt":
+        return None  # click expands wildcards in Windows command lines; this does not
     params = dict(COMMANDS[argv[0]])
     paths: list[str] = []
     collected: dict[str, list[str]] = {}
