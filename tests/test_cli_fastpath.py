@@ -11,8 +11,10 @@ import ast
 import itertools
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -289,24 +291,83 @@ def test_the_fast_path_loads_no_click(tmp_path: Path) -> None:
     assert "click" in loaded
 
 
-def test_a_closed_stdout_ends_as_click_ends(tmp_path: Path) -> None:
-    codes = []
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+@pytest.mark.parametrize("src", [_DP, "missing.pt"])
+def test_a_broken_pipe_ends_as_click_ends(stream: str, src: str, tmp_path: Path) -> None:
+    # The reader of one stream is gone before anything is printed. What needed that stream
+    # ends with exit 1 both ways: a success that cannot report (stdout), a failure that
+    # cannot say why (stderr), which must never pass for a success (0).
+    results = []
+    out = tmp_path / "out.pt"
     for command in ([console_script()], [sys.executable, "-c", _CLICK_WAY]):
+        out.unlink(missing_ok=True)
         read, write = os.pipe()
-        os.close(read)  # the reader has gone before anything is printed
-        out = tmp_path / f"out{len(codes)}.pt"
+        os.close(read)
+        other = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: write}
         try:
             run = subprocess.run(
-                [*command, "strip-module", _DP, str(out)],
-                stdout=write,
-                stderr=subprocess.PIPE,
-                env=ckpt_env(),
-                timeout=120,
+                [*command, "strip-module", src, str(out)], env=ckpt_env(), timeout=120, **other
             )
         finally:
             os.close(write)
-        codes.append((run.returncode, run.stderr, out.exists()))
-    assert codes[0] == codes[1] == (1, b"", True)
+        results.append((run.returncode, run.stdout, run.stderr, out.exists()))
+    assert results[0] == results[1]
+    code, _, _, written = results[0]
+    assert written == (src == _DP)
+    expected = {("stdout", _DP): 1, ("stderr", _DP): 0, ("stderr", "missing.pt"): 1}
+    assert code == expected.get((stream, src), 2)  # (2: the missing input, said on stderr)
+
+
+def _as_another_user() -> list[str]:
+    """The prefix that runs a command as a user who cannot read other users' 0o200 files."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root, and no setpriv to drop privileges with: root reads every file")
+    return [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@pytest.mark.parametrize("case", ["unreadable input", "unreadable output", "unreadable folder"])
+def test_paths_click_finds_unreadable_are_left_to_click(case: str) -> None:
+    # click.Path() refuses an existing path this user cannot read (exit 2, nothing written);
+    # the fast path must leave such a line to click, not overwrite the file.
+    prefix = _as_another_user()
+    folder = Path(tempfile.mkdtemp(prefix="ckpt-unreadable-"))  # under /tmp, for any user
+    try:
+        folder.chmod(0o777)
+        src, dst = folder / "in.pt", folder / "out.pt"
+        src.write_bytes(Path(_DP).read_bytes())
+        if case == "unreadable input":
+            src.chmod(0o200)
+        elif case == "unreadable output":
+            dst.write_bytes(b"keep me")
+            dst.chmod(0o222)
+        else:
+            dst = folder / "sub"
+            dst.mkdir(mode=0o333)
+            dst.chmod(0o333)
+        results = []
+        for command in ([console_script()], [sys.executable, "-c", _CLICK_WAY]):
+            run = subprocess.run(
+                [*prefix, *command, "strip-module", str(src), str(dst), "--force"],
+                capture_output=True,
+                text=True,
+                env=ckpt_env(),
+                cwd=folder,
+                timeout=120,
+            )
+            left = sorted(p.name for p in folder.iterdir())
+            results.append((run.returncode, run.stdout, run.stderr, left))
+        assert results[0] == results[1]
+        assert results[0][0] == 2 and "is not readable" in results[0][2]
+        if case == "unreadable output":
+            dst.chmod(0o600)
+            assert dst.read_bytes() == b"keep me"
+    finally:
+        for p in folder.iterdir():
+            p.chmod(0o700)
+        shutil.rmtree(folder)
 
 
 _ECHO = """

@@ -9,6 +9,7 @@ needs it: the fast path's point is a start without click.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -47,7 +48,9 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
 
     The line is the error rendered for the command line: its remedies name flags
     (``--force``), where ``str(error)`` names the library's arguments (``force=True``).
-    ``CKPT_DEBUG=1`` lets the error through, with its traceback.
+    ``CKPT_DEBUG=1`` lets the error through, with its traceback. A pipe that breaks on
+    the way (stdout's reader gone, or stderr's while the error line is written) ends
+    with exit 1 and nothing more said, as click's own ``main`` ends on one.
 
     Args:
         call: the command's work; it returns its exit code, or None for success.
@@ -63,6 +66,17 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
         >>> guarded(fails, "ckpt")  # prints "ckpt: error: bad argument" on stderr
         2
     """
+    try:
+        return _run(call, prog_name)
+    except BrokenPipeError:
+        # Never 0: a failed command whose stderr is gone has still failed. stdout now
+        # points at /dev/null, so that the interpreter's last flush does not complain.
+        with contextlib.suppress(AttributeError, OSError):  # no stdout, or not a file
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(call: Callable[[], object], prog_name: str) -> int:
     try:
         code = call()
     except CheckpointError as e:

@@ -9,14 +9,14 @@ functions then do the work (:mod:`ckpt_tools.cli.rewrite_actions`) behind the sa
 
 Anything else goes to click, which parses and reports it as always: ``--help``, an option
 this table does not know, a value that is not one of its choices, a value that starts with
-``-``, ``--``, a wrong number of paths, shell completion (``_CKPT_COMPLETE``), and any line
-on Windows (where click expands wildcards).
+``-``, ``--``, a wrong number of paths, a path that exists but this user cannot read
+(``click.Path`` refuses it), shell completion (``_CKPT_COMPLETE``), and any line on Windows
+(where click expands wildcards).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 
 from ckpt_tools.io.verify_levels import VERIFY_LEVELS
@@ -111,11 +111,20 @@ def parse(argv: Sequence[str]) -> tuple[str, dict[str, object]] | None:
             collected.setdefault(param, []).append(value)
         else:
             params[param] = value
-    if len(paths) != 2:
+    if len(paths) != 2 or any(_unreadable(p) for p in paths):
         return None
     params.update((param, tuple(values)) for param, values in collected.items())
     params["src"], params["dst"] = paths
     return argv[0], params
+
+
+def _unreadable(path: str) -> bool:
+    """An existing path this user cannot read: ``click.Path()`` (readable) refuses it."""
+    try:
+        os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return not os.access(path, os.R_OK)
 
 
 def run(argv: Sequence[str]) -> int | None:
@@ -138,12 +147,6 @@ def run(argv: Sequence[str]) -> int | None:
     action = strip_module if name == "strip-module" else add_module
     try:
         return guarded(lambda: action(**params), "ckpt")  # type: ignore[arg-type]
-    except BrokenPipeError:
-        # As click ends on a closed stdout: exit 1, and nothing more said. Point stdout at
-        # /dev/null so that the interpreter's last flush does not complain either.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
     except (KeyboardInterrupt, EOFError):
         # click ends the line the terminal echoed ("^C"), then run_command says "aborted".
         echo("", err=True)

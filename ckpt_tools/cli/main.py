@@ -192,12 +192,7 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
             click.echo(f"{prog_name}: aborted", err=True)
             return 130
 
-    try:
-        return guarded(invoke, prog_name)
-    except BrokenPipeError:
-        # `ckpt inspect big.pt | head`: the reader left; that is not an error.
-        sys.stderr.close()
-        return 0
+    return guarded(invoke, prog_name)
 
 
 def run() -> None:
