@@ -14,8 +14,7 @@ from __future__ import annotations
 import functools
 import io
 import pickletools
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckpt_tools.errors import ResourceLimitError
 
@@ -52,8 +51,7 @@ _GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
 _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 
-@dataclass(frozen=True)
-class OpcodeScan:
+class OpcodeScan(NamedTuple):
     """What one pass over a pickle's opcodes found.
 
     Attributes:

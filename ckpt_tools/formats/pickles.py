@@ -18,8 +18,7 @@ import io
 import pickle
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
 from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
@@ -80,8 +79,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@dataclass(frozen=True)
-class ReadResult:
+class ReadResult(NamedTuple):
     """What one pickle held.
 
     Attributes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
@@ -230,8 +230,7 @@ def _check_storage_records(
             check_inflates(path, fd, entries[f"data/{storage.key}"])
 
 
-@dataclass(frozen=True)
-class ArchiveContents:
+class ArchiveContents(NamedTuple):
     """What :func:`read_torch_archive` found: the format, the pickle's result, the records."""
 
     format: str

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.limits import MAX_ZIP_DIRECTORY_BYTES
@@ -31,8 +31,7 @@ from ckpt_tools.formats.limits import MAX_ZIP_DIRECTORY_BYTES
 __all__ = ["FileSlice", "ZipEntry", "check_inflates", "read_entry", "read_zip_directory"]
 
 
-@dataclass(frozen=True)
-class FileSlice:
+class FileSlice(NamedTuple):
     """``length`` bytes of an open file from ``base``, read as if they were a file of their own.
 
     A DCP ``.distcp`` file holds one ``torch.save`` archive per chunk, back to back; each
@@ -67,8 +66,7 @@ _STORED, _DEFLATED = 0, 8
 _FLAG_ENCRYPTED, _FLAG_DATA_DESCRIPTOR, _FLAG_UTF8 = 0x1, 0x8, 0x800
 
 
-@dataclass(frozen=True)
-class ZipEntry:
+class ZipEntry(NamedTuple):
     """One record as the central directory declares it, checked against its local header."""
 
     name: str
@@ -185,10 +183,54 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
     return record[-3], record[-1], record[-2], zip64_offset
 
 
+def _prefetch(fd: int | FileSlice, spans: list[tuple[int, int]]) -> None:
+    """Ask the kernel to start reading every ``(offset, length)`` span now (advisory).
+
+    A checkpoint's local headers lie one per record across the whole file: read one by
+    one from a cold cache, each is a wait on the disk (about 9-16 ms for 350 headers here,
+    more on network storage), and a freshly cloned output (reflinks) is always cold. Asked
+    for together, the reads overlap. Without ``posix_fadvise``, or where it fails, the
+    reads simply happen one by one.
+    """
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    base, raw = (fd.base, fd.fd) if isinstance(fd, FileSlice) else (0, fd)
+    try:
+        for offset, length in spans:
+            advise(raw, base + offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        return
+
+
 def _entries(
     path: str, fd: int | FileSlice, directory: bytes, count: int, cd_offset: int
 ) -> list[ZipEntry]:
+    central = _central_entries(path, directory, count)
+    _prefetch(fd, [(offset, _LOCAL.size + len(raw)) for raw, *_, offset in central])
     entries: list[ZipEntry] = []
+    for raw_name, name, flags, method, crc, csize, usize, offset in central:
+        data_offset = _check_local(path, fd, raw_name, name, (flags, crc, csize, usize), offset)
+        if data_offset + csize > cd_offset:
+            raise _corrupt(
+                path,
+                f"record {name!r} needs {csize} bytes at offset {data_offset}, past the start "
+                f"of the central directory at {cd_offset} (truncated or overlapping)",
+            )
+        entries.append(ZipEntry(name, data_offset, csize, usize, crc, method == _DEFLATED, offset))
+    return entries
+
+
+def _central_entries(
+    path: str, directory: bytes, count: int
+) -> list[tuple[bytes, str, int, int, int, int, int, int]]:
+    """The central directory's entries, checked on their own (their local headers are not).
+
+    Returns:
+        ``(raw name, name, flags, method, crc32, compressed size, size, local header
+        offset)`` of each, with zip64 values in place.
+    """
+    entries: list[tuple[bytes, str, int, int, int, int, int, int]] = []
     seen: set[bytes] = set()
     at = 0
     for _ in range(count):
@@ -211,14 +253,7 @@ def _entries(
             raise _corrupt(path, f"record {name!r} is encrypted or compressed with method {method}")
         usize, csize, offset = _zip64_sizes(path, name, extra, usize, csize, offset)
         _check_central_sizes(path, name, method, csize, usize, fields[15])
-        data_offset = _check_local(path, fd, raw_name, name, (flags, crc, csize, usize), offset)
-        if data_offset + csize > cd_offset:
-            raise _corrupt(
-                path,
-                f"record {name!r} needs {csize} bytes at offset {data_offset}, past the start "
-                f"of the central directory at {cd_offset} (truncated or overlapping)",
-            )
-        entries.append(ZipEntry(name, data_offset, csize, usize, crc, method == _DEFLATED, offset))
+        entries.append((raw_name, name, flags, method, crc, csize, usize, offset))
     if at != len(directory):
         raise _corrupt(path, "its central directory holds more than the records it declares")
     return entries

@@ -27,8 +27,7 @@ import os
 import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.atomic import output_is_durable
@@ -138,8 +137,7 @@ class _Told(Protocol):
     def wrote(self, offset: int, count: int) -> None: ...
 
 
-@dataclass(frozen=True)
-class CopyCounts:
+class CopyCounts(NamedTuple):
     """How many bytes of a copy each method moved."""
 
     cloned: int = 0

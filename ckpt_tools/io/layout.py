@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
@@ -51,8 +51,7 @@ _DESCRIPTOR_SIG = 0x08074B50
 _FLAG_DESCRIPTOR, _FLAG_UTF8 = 0x8, 0x800
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """Records copied as one range of the source, local headers included.
 
     Attributes:
@@ -93,8 +92,7 @@ class CappedProgress:
         self(self._left)
 
 
-@dataclass(frozen=True)
-class ZipLayout:
+class ZipLayout(NamedTuple):
     """How a zip source's records are written.
 
     Attributes:

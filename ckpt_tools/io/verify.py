@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointError, VerificationError
@@ -17,8 +16,7 @@ from ckpt_tools.structure.selection import select_state_dict
 __all__ = ["VERIFY_LEVELS", "Expected", "tensor_digest", "verify_output"]
 
 
-@dataclass(frozen=True)
-class Expected:
+class Expected(NamedTuple):
     """What the output's state dict must hold: name -> source tensor, and where it is."""
 
     tensors: Mapping[Any, TensorRef]

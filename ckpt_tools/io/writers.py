@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, BinaryIO
+from dataclasses import replace
+from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
@@ -117,8 +117,7 @@ def write_torch_zip(
     return used
 
 
-@dataclass(frozen=True)
-class _RecordSource:
+class _RecordSource(NamedTuple):
     """Where records' bytes come from: the source checkpoint, its open file, who is told."""
 
     ckpt: Checkpoint

@@ -11,7 +11,6 @@ import os
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import BinaryIO
 
 from ckpt_tools.io.clone import CopyCounts, Writeback, copy_range, pwrite_all
@@ -59,13 +58,18 @@ _LARGE_ALIGNMENT = 64 << 10
 _WRITTEN_PAD = 4096
 
 
-@dataclass
 class _Entry:
-    name: bytes
-    header_offset: int
-    size: int
-    crc32: int
-    flags: int = 0  # a copied local header's flags (data descriptor, UTF-8), repeated here
+    # One per record; a plain class, as its CRC-32 is filled in once its bytes are written.
+    __slots__ = ("crc32", "flags", "header_offset", "name", "size")
+
+    def __init__(
+        self, name: bytes, header_offset: int, size: int, crc32: int, flags: int = 0
+    ) -> None:
+        self.name = name
+        self.header_offset = header_offset
+        self.size = size
+        self.crc32 = crc32
+        self.flags = flags  # a copied local header's flags (data descriptor, UTF-8), repeated
 
 
 class TorchZipWriter:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckpt_tools.descriptors import Opaque, Sealed, TensorRef, short_repr
 from ckpt_tools.errors import SelectError
@@ -50,8 +49,7 @@ def parse_select(select: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(select)
 
 
-@dataclass(frozen=True)
-class PathWalk:
+class PathWalk(NamedTuple):
     """How far a path reached in an object tree.
 
     Attributes:

@@ -1,0 +1,83 @@
+"""The zip directory reader asks for all local headers at once, and stays exact doing so.
+
+``formats/zipdir.py`` reads the central directory first, asks the kernel for every record's
+local header together (``posix_fadvise(WILLNEED)``: one wait on the disk instead of one per
+record, which is what a cold or freshly cloned file costs), then checks each header. The
+prefetch is advisory: these tests hold the reader to ``zipfile``'s view of the same archives
+read cold, and show the prefetch never fails a read where the kernel refuses the advice.
+The time it saves is measured in ``benchmarks/`` (issue 13), not here.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.formats.zipdir import FileSlice, _prefetch, read_zip_directory
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # only clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _saved(tmp_path: Path, n: int = 40) -> Path:
+    path = tmp_path / "many.pt"
+    torch.save({f"module.layer{i}.weight": torch.full((64, 17), float(i)) for i in range(n)}, path)
+    return path
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_a_cold_archive_reads_as_zipfile_reads_it(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    _drop_cache(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        cold = read_zip_directory(str(path), fd, os.fstat(fd).st_size)
+        warm = read_zip_directory(str(path), fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    assert cold == warm
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        oracle = [(i.filename, i.header_offset, i.file_size, i.CRC) for i in infos]
+        data = {i.filename: z.read(i) for i in infos}
+    assert [(e.name, e.header_offset, e.file_size, e.crc32) for e in cold] == oracle
+    with open(path, "rb") as f:
+        for e in cold:  # each data offset is where the record's bytes are
+            f.seek(e.data_offset)
+            assert f.read(e.file_size) == data[e.name]
+
+
+def test_an_archive_inside_a_file_reads_the_same_through_a_slice(tmp_path: Path) -> None:
+    path = _saved(tmp_path, n=5)
+    inner = path.read_bytes()
+    outer = tmp_path / "outer.bin"
+    outer.write_bytes(b"x" * 4099 + inner + b"y" * 77)
+    _drop_cache(outer)
+    fd_outer, fd_inner = os.open(outer, os.O_RDONLY), os.open(path, os.O_RDONLY)
+    try:
+        sliced = read_zip_directory(str(outer), FileSlice(fd_outer, 4099, len(inner)), len(inner))
+        plain = read_zip_directory(str(path), fd_inner, len(inner))
+    finally:
+        os.close(fd_outer)
+        os.close(fd_inner)
+    assert sliced == plain
+
+
+def test_advice_the_kernel_refuses_is_ignored() -> None:
+    read_end, write_end = os.pipe()  # fadvise on a pipe fails with ESPIPE
+    try:
+        _prefetch(read_end, [(0, 30), (4096, 30)])
+        _prefetch(FileSlice(read_end, 10, 100), [(0, 30)])
+    finally:
+        os.close(read_end)
+        os.close(write_end)
