@@ -1,8 +1,9 @@
-"""The zip directory reader asks for all local headers at once, and stays exact doing so.
+"""The zip directory reader asks for local headers together, and stays exact doing so.
 
-``formats/zipdir.py`` reads the central directory first, asks the kernel for every record's
-local header together (``posix_fadvise(WILLNEED)``: one wait on the disk instead of one per
-record, which is what a cold or freshly cloned file costs), then checks each header. The
+``formats/zipdir.py`` reads the central directory a window of entries at a time, asks the
+kernel for the window's local headers together (``posix_fadvise(WILLNEED)``: one wait on the
+disk instead of one per record, which is what a cold or freshly cloned file costs), then
+checks each header. The
 prefetch is advisory: these tests hold the reader to ``zipfile``'s view of the same archives
 read cold, and show the prefetch never fails a read where the kernel refuses the advice.
 The time it saves is measured in ``benchmarks/`` (issue 13), not here.
@@ -11,13 +12,20 @@ The time it saves is measured in ``benchmarks/`` (issue 13), not here.
 from __future__ import annotations
 
 import os
+import struct
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from ckpt_tools.formats.zipdir import FileSlice, _prefetch, read_zip_directory
+from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.zipdir import (
+    _PREFETCH_WINDOW,
+    FileSlice,
+    _prefetch,
+    read_zip_directory,
+)
 
 
 def _drop_cache(path: Path) -> None:
@@ -36,8 +44,9 @@ def _saved(tmp_path: Path, n: int = 40) -> Path:
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
-def test_a_cold_archive_reads_as_zipfile_reads_it(tmp_path: Path) -> None:
-    path = _saved(tmp_path)
+@pytest.mark.parametrize("n", [40, 2 * _PREFETCH_WINDOW - 5])  # one window, and three
+def test_a_cold_archive_reads_as_zipfile_reads_it(tmp_path: Path, n: int) -> None:
+    path = _saved(tmp_path, n)
     _drop_cache(path)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -71,6 +80,33 @@ def test_an_archive_inside_a_file_reads_the_same_through_a_slice(tmp_path: Path)
         os.close(fd_outer)
         os.close(fd_inner)
     assert sliced == plain
+
+
+def test_extra_bytes_after_the_last_window_are_still_refused(tmp_path: Path) -> None:
+    # The directory's own end check runs once every window is read: a whole window of
+    # records, then bytes the end record counts but no entry holds.
+    path = tmp_path / "window.zip"
+    with zipfile.ZipFile(path, "w") as z:  # no zip64 records, unlike torch.save's
+        for i in range(_PREFETCH_WINDOW):
+            z.writestr(f"archive/data/{i}", b"x")
+    data = bytearray(path.read_bytes())
+    eocd = data.rindex(b"PK\x05\x06")
+    count, cd_size = struct.unpack_from("<HL", data, eocd + 10)
+    assert count == _PREFETCH_WINDOW
+    data[eocd:eocd] = b"\0" * 16  # inside the directory, after its last entry
+    struct.pack_into("<L", data, eocd + 16 + 12, cd_size + 16)
+    bad = tmp_path / "bad.zip"
+    bad.write_bytes(bytes(data))
+    for name, size in ((path, len(data) - 16), (bad, len(data))):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            if name == path:
+                assert len(read_zip_directory(str(name), fd, size)) == _PREFETCH_WINDOW
+                continue
+            with pytest.raises(CorruptCheckpointError, match="holds more than the records"):
+                read_zip_directory(str(name), fd, size)
+        finally:
+            os.close(fd)
 
 
 def test_advice_the_kernel_refuses_is_ignored() -> None:
