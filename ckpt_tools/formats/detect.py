@@ -112,6 +112,23 @@ def _format_of(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes])
     ``read_to(n)`` reads its first ``n`` bytes from the same open file, for the one check
     that may need more (a legacy magic number inside a long FRAME).
     """
+    found = _content_format(p, size, head, read_to)
+    if p.name.endswith(".safetensors") and found != "safetensors":
+        # torch.load(path) reads a path ending in ".safetensors" with safetensors (torch
+        # 2.13), which refuses anything else, as safetensors' own loaders do: read as what
+        # it holds, such a file would load here and nowhere else.
+        raise UnsupportedFormatError(
+            f"{str(p)!r} is named .safetensors but holds a {found} checkpoint; torch.load "
+            "and safetensors read such a path as safetensors and refuse it",
+            path=p,
+            remedies=(
+                Remedy(text="rename it to what it holds (a .pt name for a torch checkpoint)"),
+            ),
+        )
+    return found
+
+
+def _content_format(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
     if size == 0:
         raise UnsupportedFormatError(
             f"{str(p)!r} is empty (0 bytes); expected a checkpoint", path=p
