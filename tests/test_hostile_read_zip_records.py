@@ -13,6 +13,7 @@ CRC on a storage record is no reason to refuse (inspect never reads tensor bytes
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import torch
 
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats.zipdir import FileSlice, read_zip_directory
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 
@@ -254,3 +256,66 @@ def test_legacy_file_written_with_protocol_4_is_detected_as_legacy(tmp_path):
     assert detect_format(path) == "torch-legacy"
     assert len(open_checkpoint(path).storages) == len(_state())
     assert _inspect(path).returncode == 0
+
+
+def _far_local_header(src: Path, dst: Path, suffix: str, offset: int) -> Path:
+    """``src`` with ``suffix``'s local header moved to a zip64 ``offset`` (central entry only).
+
+    The central entry's 32-bit offset becomes 0xFFFFFFFF and a zip64 extra field carries the
+    real one; the directory grows by that field, so its size in both end records and the zip64
+    end record's place in the locator move with it, and nothing else changes.
+    """
+    data = bytearray(src.read_bytes())
+    central = _central(data, suffix)
+    name_len, extra_len = struct.unpack_from("<2H", data, central + 28)
+    assert extra_len == 0  # as torch.save writes its central entries
+    extra = struct.pack("<2HQ", 1, 8, offset)
+    struct.pack_into("<H", data, central + 30, len(extra))
+    struct.pack_into("<L", data, central + 42, 0xFFFFFFFF)
+    data[central + 46 + name_len : central + 46 + name_len] = extra
+    zip64_end = data.rfind(b"PK\x06\x06")
+    locator, end = data.rfind(b"PK\x06\x07"), data.rfind(b"PK\x05\x06")
+    struct.pack_into(
+        "<Q", data, zip64_end + 40, struct.unpack_from("<Q", data, zip64_end + 40)[0] + 12
+    )
+    struct.pack_into("<Q", data, locator + 8, zip64_end)
+    if struct.unpack_from("<L", data, end + 12)[0] != 0xFFFFFFFF:
+        struct.pack_into("<L", data, end + 12, struct.unpack_from("<L", data, end + 12)[0] + 12)
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["the directory's start", "past the file", "past off_t (2**63 + 5)", "2**64 - 1"],
+)
+def test_a_local_header_declared_past_the_records_is_missing_not_a_crash(saved, tmp_path, where):
+    # A zip64 offset can exceed what os.pread and posix_fadvise take (off_t): review of
+    # issue 13's prefetch found 2**63 + 5 ending in an OverflowError traceback.
+    directory = struct.unpack_from(
+        "<Q", saved.read_bytes(), saved.read_bytes().rfind(b"PK\x06\x06") + 48
+    )[0]
+    offset = {
+        "the directory's start": directory,
+        "past the file": saved.stat().st_size + 4096,
+        "past off_t (2**63 + 5)": 2**63 + 5,
+        "2**64 - 1": 2**64 - 1,
+    }[where]
+    path = _far_local_header(saved, tmp_path / "far.pt", "data.pkl", offset)
+    with zipfile.ZipFile(path) as z:  # the mutation is the one intended, seen by another reader
+        assert z.getinfo(z.namelist()[0]).header_offset == offset
+    assert not _torch_reads(path)
+    _agrees_with_torch(path, "local header of record")
+
+
+def test_a_far_local_header_inside_a_file_slice_is_missing_not_a_crash(saved, tmp_path):
+    # A DCP .distcp file holds one archive per chunk, each read through a FileSlice.
+    archive = _far_local_header(saved, tmp_path / "far.pt", "data.pkl", 2**63 + 5).read_bytes()
+    outer = tmp_path / "outer.distcp"
+    outer.write_bytes(b"x" * 100 + archive + b"y" * 50)
+    fd = os.open(outer, os.O_RDONLY)
+    try:
+        with pytest.raises(CorruptCheckpointError, match=r"local header of record .* is missing"):
+            read_zip_directory(str(outer), FileSlice(fd, 100, len(archive)), len(archive))
+    finally:
+        os.close(fd)

@@ -117,3 +117,16 @@ def test_advice_the_kernel_refuses_is_ignored() -> None:
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_advice_for_an_offset_past_off_t_is_ignored(tmp_path: Path) -> None:
+    # read_zip_directory refuses such an offset before advising; advice stays advisory anyway.
+    path = tmp_path / "small.bin"
+    path.write_bytes(b"\0" * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset in (2**63 + 5, 2**64 - 1, -1):
+            _prefetch(fd, [(offset, 30)])
+            _prefetch(FileSlice(fd, 2**62, 100), [(offset, 30)])
+    finally:
+        os.close(fd)

@@ -71,8 +71,12 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
     except BrokenPipeError:
         # Never 0: a failed command whose stderr is gone has still failed. stdout now
         # points at /dev/null, so that the interpreter's last flush does not complain.
-        with contextlib.suppress(AttributeError, OSError):  # no stdout, or not a file
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # No stdout, one that is no file, or one already closed: nothing to silence.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stdout = sys.stdout.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stdout)
+            os.close(devnull)
         return 1
 
 

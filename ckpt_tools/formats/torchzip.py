@@ -18,13 +18,8 @@ from ckpt_tools.descriptors import ByteSpan, StorageRef
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES, ReadResult, load_pickle
-from ckpt_tools.formats.zipdir import (
-    FileSlice,
-    ZipEntry,
-    check_inflates,
-    read_entry,
-    read_zip_directory,
-)
+from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, read_zip_directory
+from ckpt_tools.formats.ziprecords import check_inflates, read_entry
 
 __all__ = ["ArchiveContents", "open_torch_zip", "read_torch_archive"]
 

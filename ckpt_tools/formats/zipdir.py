@@ -23,14 +23,13 @@ from __future__ import annotations
 import itertools
 import os
 import struct
-import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.limits import MAX_ZIP_DIRECTORY_BYTES
 
-__all__ = ["FileSlice", "ZipEntry", "check_inflates", "read_entry", "read_zip_directory"]
+__all__ = ["FileSlice", "ZipEntry", "corrupt_zip", "pread", "read_zip_directory"]
 
 
 class FileSlice(NamedTuple):
@@ -46,7 +45,11 @@ class FileSlice(NamedTuple):
     length: int
 
 
-def _pread(fd: int | FileSlice, count: int, offset: int) -> bytes:
+def pread(fd: int | FileSlice, count: int, offset: int) -> bytes:
+    """Up to ``count`` bytes at ``offset`` of a file descriptor or a :class:`FileSlice`.
+
+    Fewer where the file (or slice) ends first, as ``os.pread`` returns them.
+    """
     if isinstance(fd, FileSlice):
         # Reads stop at the slice's end, as they stop at a file's end.
         count = max(0, min(count, fd.length - offset))
@@ -86,7 +89,8 @@ class ZipEntry(NamedTuple):
     header_offset: int = -1
 
 
-def _corrupt(path: str, why: str) -> CorruptCheckpointError:
+def corrupt_zip(path: str, why: str) -> CorruptCheckpointError:
+    """The error for an archive torch's reader refuses or might read otherwise: ``why``."""
     return CorruptCheckpointError(
         f"{path!r} is not a zip archive torch reads the same way: {why}", path=path
     )
@@ -126,23 +130,23 @@ def read_zip_directory(path: str, fd: int | FileSlice, size: int) -> list[ZipEnt
                 path=path,
             )
         if cd_offset + cd_size != cd_end:
-            raise _corrupt(
+            raise corrupt_zip(
                 path,
                 "its central directory does not end where the end record begins (bytes were "
                 "added before or inside the archive; torch refuses such a file)",
             )
         if count * _CENTRAL.size > cd_size:
-            raise _corrupt(path, f"it declares {count} records in a {cd_size}-byte directory")
-        directory = _pread(fd, cd_size, cd_offset)
+            raise corrupt_zip(path, f"it declares {count} records in a {cd_size}-byte directory")
+        directory = pread(fd, cd_size, cd_offset)
         return _entries(path, fd, directory, count, cd_offset)
     except (struct.error, UnicodeDecodeError) as e:
-        raise _corrupt(path, f"a header cannot be decoded ({e})") from e
+        raise corrupt_zip(path, f"a header cannot be decoded ({e})") from e
 
 
 def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, int, int]:
     """``(record count, directory offset, directory size, end record offset)``."""
     tail_len = min(size, _EOCD.size + _MAX_COMMENT)
-    tail = _pread(fd, tail_len, size - tail_len)
+    tail = pread(fd, tail_len, size - tail_len)
     at = tail.rfind(_EOCD_SIG)
     # The end record whose comment runs exactly to the end of the file; torch.save writes
     # none, and a signature inside a comment is skipped as zip readers skip it.
@@ -152,40 +156,42 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
     ):
         at = tail.rfind(_EOCD_SIG, 0, at)
     if at < 0:
-        raise _corrupt(path, "no end record ends the file (truncated, or bytes follow it)")
+        raise corrupt_zip(path, "no end record ends the file (truncated, or bytes follow it)")
     _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
     eocd_offset = size - tail_len + at
     if disk != 0 or cd_disk != 0 or disk_count != count:
-        raise _corrupt(path, "it spans several disks")
+        raise corrupt_zip(path, "it spans several disks")
     needs_zip64 = count == _U16 or _U32 in (cd_size, cd_offset)
     locator = b""
     if eocd_offset >= _ZIP64_LOCATOR.size:
-        locator = _pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
+        locator = pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
     if locator[:4] != b"PK\x06\x07":
         if needs_zip64:
-            raise _corrupt(path, "its zip64 end record is missing")
+            raise corrupt_zip(path, "its zip64 end record is missing")
         return count, cd_offset, cd_size, eocd_offset
     _, _, zip64_offset, disks = _ZIP64_LOCATOR.unpack(locator)
     if disks != 1:  # miniz (torch's reader) refuses any other total as a multi-disk archive
-        raise _corrupt(path, f"its zip64 locator declares {disks} disks (it spans several disks)")
+        raise corrupt_zip(
+            path, f"its zip64 locator declares {disks} disks (it spans several disks)"
+        )
     if zip64_offset + _ZIP64_EOCD.size > eocd_offset - _ZIP64_LOCATOR.size:
-        raise _corrupt(path, "its zip64 end record is misplaced")
-    record = _ZIP64_EOCD.unpack(_pread(fd, _ZIP64_EOCD.size, zip64_offset))
+        raise corrupt_zip(path, "its zip64 end record is misplaced")
+    record = _ZIP64_EOCD.unpack(pread(fd, _ZIP64_EOCD.size, zip64_offset))
     if record[0] != b"PK\x06\x06":
-        raise _corrupt(
+        raise corrupt_zip(
             path,
             "its zip64 end record is not where its locator says (bytes were added before or "
             "inside the archive; torch refuses such a file)",
         )
     if record[1] < _ZIP64_EOCD.size - 12:  # the size it declares for itself, as miniz checks
-        raise _corrupt(path, f"its zip64 end record declares a size of {record[1]} bytes")
+        raise corrupt_zip(path, f"its zip64 end record declares a size of {record[1]} bytes")
     if record[4] != 0 or record[5] != 0:
-        raise _corrupt(path, "its zip64 end record places it on another disk (several disks)")
+        raise corrupt_zip(path, "its zip64 end record places it on another disk (several disks)")
     if record[-4] != record[-3] or any(
         short not in (_U16, _U32) and short != long
         for short, long in zip((count, cd_size, cd_offset), record[-3:])
     ):
-        raise _corrupt(path, "its end record and zip64 end record declare different records")
+        raise corrupt_zip(path, "its end record and zip64 end record declare different records")
     return record[-3], record[-1], record[-2], zip64_offset
 
 
@@ -203,7 +209,7 @@ def _prefetch(fd: int | FileSlice, spans: list[tuple[int, int]]) -> None:
     try:
         for offset, length in spans:
             advise(raw, base + offset, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
+    except (OSError, OverflowError, ValueError):  # refused, or an offset past off_t
         return
 
 
@@ -211,7 +217,7 @@ def _entries(
     path: str, fd: int | FileSlice, directory: bytes, count: int, cd_offset: int
 ) -> list[ZipEntry]:
     entries: list[ZipEntry] = []
-    central = _central_entries(path, directory, count)
+    central = _central_entries(path, directory, count, cd_offset)
     # A window at a time: the reads overlap, and the pages asked for stay few (a million
     # records would otherwise ask for gigabytes at once).
     while window := list(itertools.islice(central, _PREFETCH_WINDOW)):
@@ -220,7 +226,7 @@ def _entries(
             central_fields = (flags, crc, csize, usize)
             data_offset = _check_local(path, fd, raw_name, name, central_fields, offset)
             if data_offset + csize > cd_offset:
-                raise _corrupt(
+                raise corrupt_zip(
                     path,
                     f"record {name!r} needs {csize} bytes at offset {data_offset}, past the "
                     f"start of the central directory at {cd_offset} (truncated or overlapping)",
@@ -234,9 +240,13 @@ _PREFETCH_WINDOW = 1024
 
 
 def _central_entries(
-    path: str, directory: bytes, count: int
+    path: str, directory: bytes, count: int, cd_offset: int
 ) -> Iterator[tuple[bytes, str, int, int, int, int, int, int]]:
     """The central directory's entries, checked on their own (their local headers are not).
+
+    A local header must end before the central directory begins (``cd_offset``); one
+    declared past it is missing, and is refused before any read or advice is given an
+    offset (a zip64 offset can exceed what ``off_t`` holds).
 
     Yields:
         ``(raw name, name, flags, method, crc32, compressed size, size, local header
@@ -247,7 +257,7 @@ def _central_entries(
     for index in range(count):
         fields = _CENTRAL.unpack_from(directory, at)
         if fields[0] != _CENTRAL_SIG:
-            raise _corrupt(path, f"directory entry {index} has no signature")
+            raise corrupt_zip(path, f"directory entry {index} has no signature")
         flags, method, crc, csize, usize = fields[5], fields[6], fields[9], fields[10], fields[11]
         name_len, extra_len, comment_len, offset = fields[12], fields[13], fields[14], fields[18]
         start = at + _CENTRAL.size
@@ -255,22 +265,30 @@ def _central_entries(
         extra = directory[start + name_len : start + name_len + extra_len]
         at = start + name_len + extra_len + comment_len
         if at > len(directory):
-            raise _corrupt(path, "its central directory is truncated")
+            raise corrupt_zip(path, "its central directory is truncated")
         name = raw_name.decode("utf-8" if flags & _FLAG_UTF8 else "cp437")
         if raw_name in seen:
-            raise _corrupt(path, f"record {name!r} appears twice (readers disagree on which one)")
+            raise corrupt_zip(
+                path, f"record {name!r} appears twice (readers disagree on which one)"
+            )
         seen.add(raw_name)
         if flags & _FLAGS_REFUSED or method not in (_STORED, _DEFLATED):
-            raise _corrupt(
+            raise corrupt_zip(
                 path,
                 f"record {name!r} is encrypted, patched or compressed with method {method} "
                 f"(flags 0x{flags:04x}), which torch's zip reader does not support",
             )
         usize, csize, offset = _zip64_sizes(path, name, extra, usize, csize, offset)
+        if offset + _LOCAL.size + name_len > cd_offset:
+            raise corrupt_zip(
+                path,
+                f"the local header of record {name!r} is missing (declared at offset "
+                f"{offset}, past the start of the central directory at {cd_offset})",
+            )
         _check_central_sizes(path, name, method, csize, usize, fields[15])
         yield raw_name, name, flags, method, crc, csize, usize, offset
     if at != len(directory):
-        raise _corrupt(path, "its central directory holds more than the records it declares")
+        raise corrupt_zip(path, "its central directory holds more than the records it declares")
 
 
 def _check_central_sizes(
@@ -285,14 +303,14 @@ def _check_central_sizes(
     the uncompressed size and ignores the other: such a record is refused here either way.)
     """
     if (method == _STORED and csize != usize) or (usize and not csize):
-        raise _corrupt(
+        raise corrupt_zip(
             path,
             f"record {name!r} declares {csize} bytes compressed and {usize} bytes "
             f"{'stored' if method == _STORED else 'inflated'} (torch refuses such an archive "
             "or ignores one of the sizes)",
         )
     if disk != 0:
-        raise _corrupt(path, f"record {name!r} lies on disk {disk} (it spans several disks)")
+        raise corrupt_zip(path, f"record {name!r} lies on disk {disk} (it spans several disks)")
 
 
 def _zip64_sizes(
@@ -313,7 +331,7 @@ def _zip64_sizes(
             usize, csize, offset = (next(values) if w else v for w, v in zip(wanted, declared))
             return usize, csize, offset
         at += 4 + length
-    raise _corrupt(path, f"record {name!r} lacks the zip64 sizes its header announces")
+    raise corrupt_zip(path, f"record {name!r} lacks the zip64 sizes its header announces")
 
 
 def _check_local(
@@ -325,91 +343,17 @@ def _check_local(
     offset: int,
 ) -> int:
     """Check the local header at ``offset`` against the central entry; its data offset."""
-    header = _pread(fd, _LOCAL.size + len(raw_name), offset)
+    header = pread(fd, _LOCAL.size + len(raw_name), offset)
     if len(header) < _LOCAL.size or header[:4] != _LOCAL_SIG:
-        raise _corrupt(path, f"the local header of record {name!r} is missing")
+        raise corrupt_zip(path, f"the local header of record {name!r} is missing")
     fields = _LOCAL.unpack_from(header)
     name_len, extra_len = fields[-2:]
     if name_len != len(raw_name) or header[_LOCAL.size :] != raw_name:
-        raise _corrupt(path, f"record {name!r} is named differently in its local header")
+        raise corrupt_zip(path, f"record {name!r} is named differently in its local header")
     flags, crc, csize, usize = central
     local = fields[7:10]  # crc, compressed size, size
     if not flags & _FLAG_DATA_DESCRIPTOR and any(
         _U32 not in (a, b) and a != b for a, b in zip(local, (crc, csize, usize))
     ):
-        raise _corrupt(path, f"record {name!r} has other sizes in its local header")
+        raise corrupt_zip(path, f"record {name!r} has other sizes in its local header")
     return offset + _LOCAL.size + name_len + extra_len
-
-
-def check_inflates(path: str, fd: int | FileSlice, entry: ZipEntry, chunk: int = 1 << 20) -> None:
-    """Inflate a compressed ``entry`` in bounded pieces as torch would, keeping nothing.
-
-    torch inflates a compressed record when it reads it and refuses the file when the
-    stream is damaged or inflates to another size than declared; torch does not check a
-    record's CRC-32 when it reads it (its miniz is built without reader CRC checks), so
-    neither does this.
-
-    Raises:
-        CorruptCheckpointError: the record does not inflate to exactly its declared size.
-    """
-    inflater = zlib.decompressobj(-15)
-    produced, at, end = 0, entry.data_offset, entry.data_offset + entry.compress_size
-    try:
-        while at < end and not inflater.eof:
-            raw = _pread(fd, min(chunk, end - at), at)
-            if not raw:
-                break
-            at += len(raw)
-            while produced <= entry.file_size:
-                out = inflater.decompress(raw, chunk)
-                produced += len(out)
-                raw = inflater.unconsumed_tail
-                if not raw and len(out) < chunk:
-                    break
-    except zlib.error as e:
-        raise _corrupt(path, f"record {entry.name!r} does not inflate ({e})") from e
-    if not inflater.eof or produced != entry.file_size:
-        raise _corrupt(
-            path,
-            f"record {entry.name!r} does not inflate to its declared {entry.file_size} bytes "
-            "(torch refuses it: unexpected decompressed size)",
-        )
-
-
-def read_entry(path: str, fd: int | FileSlice, entry: ZipEntry, limit: int) -> bytes:
-    """The bytes of ``entry``, inflated if need be, checked against its size and CRC-32.
-
-    Args:
-        path: the file, for messages.
-        fd: an open file descriptor of it.
-        entry: a record from :func:`read_zip_directory`.
-        limit: refuse a record that declares more bytes than this.
-
-    Returns:
-        The record's bytes.
-
-    Raises:
-        CorruptCheckpointError: the bytes do not match the declared size or CRC-32.
-        ResourceLimitError: the record declares more than ``limit`` bytes.
-    """
-    if entry.file_size > limit:
-        raise ResourceLimitError(
-            f"{path!r}: record {entry.name!r} declares {entry.file_size} bytes, over the "
-            f"{limit >> 20} MiB limit",
-            path=path,
-        )
-    raw = _pread(fd, entry.compress_size, entry.data_offset)
-    data = raw
-    if entry.compressed:
-        try:
-            # At most one byte past the declared size: a lying size is found, not obeyed.
-            data = zlib.decompressobj(-15).decompress(raw, entry.file_size + 1)
-        except zlib.error as e:
-            raise _corrupt(path, f"record {entry.name!r} does not inflate ({e})") from e
-    if len(data) != entry.file_size or zlib.crc32(data) != entry.crc32:
-        raise CorruptCheckpointError(
-            f"{path!r}: record {entry.name!r} fails its size or CRC-32 check (the file is "
-            "damaged); download or copy it again",
-            path=path,
-        )
-    return data

@@ -1,0 +1,66 @@
+"""The one boundary between the library and the shell: ``ckpt_tools.cli.boundary.guarded``.
+
+A broken pipe ends every command with exit 1 (``test_cli_fastpath`` runs that end to end);
+these hold what ``guarded`` does to stdout on the way out, for the stdouts a caller may hand
+it: a real file (silenced, no descriptor left open), one already closed, and none that is a
+file at all.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.cli.boundary import guarded
+from ckpt_tools.errors import UsageError
+
+
+def _pipe_breaks() -> None:
+    raise BrokenPipeError(32, "Broken pipe")
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_broken_pipe_silences_a_real_stdout_and_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "stdout.txt"
+    with target.open("w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        before = _open_descriptors()
+        assert guarded(_pipe_breaks, "ckpt") == 1
+        assert _open_descriptors() == before
+        # What the interpreter flushes at exit now goes nowhere, and raises nothing.
+        stdout.write("late output\n")
+        stdout.flush()
+    assert target.read_text() == ""
+
+
+@pytest.mark.parametrize("kind", ["closed", "not a file", "none"])
+def test_a_broken_pipe_ends_with_exit_1_whatever_stdout_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    if kind == "closed":
+        stdout: object = (tmp_path / "stdout.txt").open("w")
+        stdout.close()  # type: ignore[attr-defined]
+    else:
+        stdout = io.StringIO() if kind == "not a file" else None
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert guarded(_pipe_breaks, "ckpt") == 1
+
+
+def test_an_error_becomes_one_line_and_its_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    def fails() -> None:
+        raise UsageError("expected one input, found two")
+
+    assert guarded(fails, "ckpt") == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "ckpt: error: expected one input, found two\n"
