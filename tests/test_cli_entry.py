@@ -221,3 +221,42 @@ def test_a_rewrite_loads_the_reader_and_writer_of_its_formats_only(
     loaded = set(ast.literal_eval(run.stdout.splitlines()[-1]))
     assert "ckpt_tools.io.verify" in loaded  # it did write and verify
     assert not absent & loaded
+
+
+_GC_AT_EXIT = """
+import atexit, gc, sys
+atexit.register(lambda: print("gc", gc.isenabled(), gc.get_freeze_count() > 0))
+sys.argv = ["ckpt", *sys.argv[1:]]
+from ckpt_tools.cli.entry import run
+run()
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "fast"),
+    [
+        (["strip-module", "{src}", "{out}"], True),
+        (["strip-module", "{src}", "{missing}"], True),  # a refusal through the fast path
+        (["strip-module", "--help"], False),  # left to click
+        (["inspect", "{src}"], False),
+    ],
+)
+def test_only_the_fast_path_runs_without_the_cyclic_collector(
+    args: list[str], fast: bool, tmp_path: Path
+) -> None:
+    # Issue 13: a fast rewrite skips the collector (about 10 ms of its fixed cost, measured
+    # in benchmarks/README.md); every other command, training included, keeps it.
+    values = {
+        "src": str(fixture_path("dataparallel.pt")),
+        "out": str(tmp_path / "out.pt"),
+        "missing": str(tmp_path / "no" / "such" / "out.pt"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", _GC_AT_EXIT, *(a.format(**values) for a in args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.stdout.splitlines()[-1] == f"gc {not fast} {fast}", run.stderr
+    if args[-1] == "{out}":
+        assert run.returncode == 0 and (tmp_path / "out.pt").stat().st_size > 0
