@@ -4,8 +4,9 @@ Run:  .venv/bin/python benchmarks/bench_rewrite.py [--sizes-mb 1024,4096] [--rep
 
 Generates, in a temp folder (removed at the end), a ~SIZE MiB ``.pt`` and ``.safetensors``
 with ~350 float32 tensors whose keys are DataParallel-wrapped (``module.layers.{i}...``), and
-measures, per format, as interleaved rounds (cp, strip, naive, cp, strip, naive, ...; one
-untimed warm-up round first, then REPEATS timed rounds; medians reported):
+measures, per format, as interleaved rounds (cp, strip, naive, then strip, naive, cp, ...:
+each round starts one command further along; one untimed warm-up round first, then REPEATS
+timed rounds; medians reported):
 
 * ``cp IN OUT``                                   (coreutils; copy_file_range on Linux);
 * ``ckpt strip-module IN OUT --quiet``            (the installed console script: re-pickles
@@ -154,12 +155,21 @@ def paired(a: Summary, b: Summary, attr: str = "total_s") -> float:
 
 
 def interleaved(commands: dict[str, list[str]], out: Path, repeats: int) -> dict[str, Summary]:
-    """One untimed warm-up round, then ``repeats`` rounds of every command in turn."""
+    """One untimed warm-up round, then ``repeats`` rounds of every command in turn.
+
+    Each round starts one command further along (round 1 at the second command, and so on),
+    so that no command always runs in the same place. The place matters here: on this
+    machine's disk (ext4, mounted with ``discard``), a 4 GiB write that follows the deletion
+    of another 4 GiB output took 2-4 s where the same write took 1.1-1.3 s one place later,
+    whatever the command (benchmarks/README.md, issue 13, seventh pass).
+    """
     results = {name: Summary(name) for name in commands}
+    names = list(commands)
     print(f"measuring: 1 warm-up round + {repeats} timed rounds, interleaved ...", flush=True)
     for i in range(1 + repeats):
-        for name, cmd in commands.items():
-            m = run_once(cmd, out)
+        start = i % len(names)
+        for name in names[start:] + names[:start]:
+            m = run_once(commands[name], out)
             if i >= 1:
                 results[name].add(m)
     return results
