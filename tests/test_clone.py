@@ -54,6 +54,38 @@ def test_every_method_copies_the_same_bytes(
         assert counts.readwrite == count
 
 
+@pytest.mark.parametrize("dst_offset", [0, 17, 64 * 1024 - 1, 3 * 4096])
+def test_kernel_copies_go_in_few_calls_on_64_kib_boundaries(
+    tmp_path: Path, random_file: Path, monkeypatch: pytest.MonkeyPatch, dst_offset: int
+) -> None:
+    # The real step is 2 GiB less 64 KiB (a 4 GiB copy in 1 GiB calls was throttled by the
+    # kernel's dirty limits: benchmarks/README.md, issue 13, seventh pass); a 256 KiB step
+    # shows the same loop on a 3 MiB file. The spy passes every call to the real function.
+    from ckpt_tools.io import clone
+
+    assert clone._KERNEL_STEP % (64 << 10) == 0
+    assert clone._KERNEL_STEP <= 0x7FFFF000  # Linux's MAX_RW_COUNT: one call's most
+    calls: list[tuple[int, int]] = []
+    real = os.copy_file_range
+
+    def spy(src: int, dst: int, count: int, offset_src: int, offset_dst: int) -> int:
+        calls.append((offset_dst, count))
+        return real(src, dst, count, offset_src, offset_dst)
+
+    monkeypatch.setattr(clone, "_KERNEL_STEP", 256 << 10)
+    monkeypatch.setattr(os, "copy_file_range", spy)
+    count = 3 * MIB + 100
+    counts, data = _copy(
+        random_file, tmp_path / "dst.bin", 11, dst_offset, count, "copy_file_range"
+    )
+    assert data == random_file.read_bytes()[11 : 11 + count]
+    assert counts.kernel == count
+    assert all(offset % (64 << 10) == 0 for offset, _ in calls[1:])
+    assert all(n <= 256 << 10 for _, n in calls)
+    head = 1 if dst_offset % (64 << 10) else 0
+    assert len(calls) == head + -(-(count - (-dst_offset % (64 << 10))) // (256 << 10))
+
+
 def test_a_refused_clone_falls_back_to_copying(tmp_path: Path, random_file: Path) -> None:
     """ext4 (and tmpfs) have no reflinks: FICLONERANGE fails and the kernel copy does it all."""
     if _reflinks(tmp_path):

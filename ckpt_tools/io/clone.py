@@ -62,7 +62,12 @@ _NOT_HERE = frozenset(
 )
 _CHUNK = 8 << 20
 _WRITEBACK_EVERY = 64 << 20
-_KERNEL_STEP = 1 << 30
+# One copy_file_range call moves at most MAX_RW_COUNT (2 GiB - 4 KiB) on Linux; ask for the
+# most below it that keeps the next call on a 64 KiB boundary. Fewer calls pay once a copy
+# outgrows the kernel's dirty limits: a 4 GiB copy took 2.7-4.4 s in 1 GiB calls (the
+# fourth throttled for 2-3 s) and 1.3-1.9 s in 2 GiB calls, as many as `cp` makes
+# (benchmarks/README.md, issue 13, seventh pass).
+_KERNEL_STEP = (2 << 30) - (64 << 10)
 _FOLIO_ALIGNMENT = 64 << 10
 # (source device, output device) pairs where FICLONERANGE failed: not asked again.
 _NO_CLONE: set[tuple[int, int]] = set()
