@@ -10,8 +10,10 @@ timed rounds; medians reported):
 
 * ``cp IN OUT``                                   (coreutils; copy_file_range on Linux);
 * ``ckpt strip-module IN OUT --quiet``            (the installed console script: re-pickles
-  data.pkl or writes a new header, copies tensor bytes with copy_file_range into a temp
-  file, fsyncs, renames, fsyncs the folder, re-reads the output to verify keys and sizes);
+  data.pkl or writes a new header, writes the tensor bytes straight to the disk (O_DIRECT;
+  copy_file_range for the unaligned ends) into a temp file, fsyncs, renames, fsyncs the
+  folder, re-reads the output to verify keys and sizes); with ``--no-fsync``, the tensor
+  bytes are copied with copy_file_range and nothing is fsynced;
 * naive: ``torch.load`` + key loop + ``torch.save`` (.pt), or
   ``safetensors.torch.load_file`` + key loop + ``save_file`` (.safetensors).
 
@@ -88,18 +90,26 @@ LARGE_MB = 4096
 TARGET_MB = 150.0
 TARGET_REFLINK_S = 0.1
 STRIP = "ckpt strip-module IN OUT --quiet"
-ABLATED = "  same, no early writeback"
-UNSPLIT = "  same, no 64 KiB split"
+NO_DIRECT = "  same, no direct write"
+ABLATED = "  same, no direct write, no early writeback"
+UNSPLIT = "  --no-fsync, no 64 KiB split"
 FAST = "ckpt strip-module IN OUT --quiet --no-fsync"
-# strip-module with the early writeback (sync_file_range every 64 MiB) turned off, which
-# also makes each copy_file_range call as long as the kernel allows: does it still pay?
-NO_WRITEBACK = (
-    "import sys\nimport ckpt_tools.io.clone as c\nc._WRITEBACK_EVERY = 1 << 62\n"
+# strip-module (through click, not the fast path) with one part of the copy engine undone.
+PATCHED = (
+    "import sys\nimport ckpt_tools.io.clone as c\n{patch}\n"
     "from ckpt_tools.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 )
-# strip-module with its kernel copies started wherever the run starts, not split at the
+# The durable output's tensor bytes go through the page cache, as before the direct writes
+# (io/direct.py), with the early writeback (sync_file_range every 64 MiB).
+NO_DIRECT_CODE = PATCHED.format(patch="c.direct_span = lambda *args: (0, 0)")
+# ... and without the early writeback, which also makes each copy_file_range call as long
+# as the kernel allows: does it still pay?
+NO_WRITEBACK_CODE = PATCHED.format(
+    patch="c.direct_span = lambda *args: (0, 0)\nc._WRITEBACK_EVERY = 1 << 62"
+)
+# --no-fsync, with its kernel copies started wherever the run starts, not split at the
 # output's first 64 KiB boundary.
-NO_SPLIT = NO_WRITEBACK.replace("c._WRITEBACK_EVERY = 1 << 62", "c._FOLIO_ALIGNMENT = 1")
+NO_SPLIT_CODE = PATCHED.format(patch="c._FOLIO_ALIGNMENT = 1")
 
 NAIVE_PT = (
     "import sys, torch\n"
@@ -219,8 +229,10 @@ def bench_size(
             FAST: ckpt_command("strip-module", src, out, "--quiet", "--no-fsync", *verify_opt),
         }
         if args.ablate:
-            commands[ABLATED] = python_command(NO_WRITEBACK, "strip-module", src, out, "--quiet")
-            commands[UNSPLIT] = python_command(NO_SPLIT, "strip-module", src, out, "--quiet")
+            strip_args = ("strip-module", src, out, "--quiet")
+            commands[NO_DIRECT] = python_command(NO_DIRECT_CODE, *strip_args)
+            commands[ABLATED] = python_command(NO_WRITEBACK_CODE, *strip_args)
+            commands[UNSPLIT] = python_command(NO_SPLIT_CODE, *strip_args, "--no-fsync")
         if naive_ok:
             naive = NAIVE_PT if fmt == "pt" else NAIVE_ST
             commands[f"naive {fmt} load + rename + save"] = [
@@ -418,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-ablate",
         dest="ablate",
         action="store_false",
-        help="skip the variants (no early writeback, no 64 KiB split)",
+        help="skip the variants (no direct write, no early writeback, no 64 KiB split)",
     )
     ap.add_argument(
         "--verify",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +55,34 @@ def test_a_broken_pipe_ends_with_exit_1_whatever_stdout_is(
         stdout = io.StringIO() if kind == "not a file" else None
     monkeypatch.setattr(sys, "stdout", stdout)
     assert guarded(_pipe_breaks, "ckpt") == 1
+
+
+_STDOUT_CLOSED_UNDERNEATH = """
+import os, sys
+from ckpt_tools.cli.boundary import guarded
+
+def pipe_breaks():
+    raise BrokenPipeError(32, "Broken pipe")
+
+os.close(1)  # sys.stdout still says fileno() == 1; /dev/null will be opened as 1
+code = guarded(pipe_breaks, "ckpt")
+print(code, os.path.exists("/proc/self/fd/1"), file=sys.stderr)
+sys.stdout.write("late output\\n")
+sys.stdout.flush()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_stdout_closed_underneath_is_silenced_not_closed_again() -> None:
+    # A review found it: /dev/null opened as stdout's own number, then closed as a spare.
+    done = subprocess.run(
+        [sys.executable, "-c", _STDOUT_CLOSED_UNDERNEATH],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, "1 True\n")
 
 
 def test_an_error_becomes_one_line_and_its_exit_code(capsys: pytest.CaptureFixture[str]) -> None:

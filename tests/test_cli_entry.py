@@ -136,6 +136,7 @@ finally:
 # The write side of a rewrite: none of it is needed to start reading the input.
 _WRITE_SIDE = (
     "ckpt_tools.io.clone",
+    "ckpt_tools.io.direct",
     "ckpt_tools.io.safetensors_writer",
     "ckpt_tools.io.verify",
     "ckpt_tools.io.writers",

@@ -49,7 +49,7 @@ def test_every_method_copies_the_same_bytes(
 ) -> None:
     counts, data = _copy(random_file, tmp_path / "dst.bin", src_offset, dst_offset, count, method)
     assert data == random_file.read_bytes()[src_offset : src_offset + count]
-    assert counts.cloned + counts.kernel + counts.readwrite == count
+    assert counts.cloned + counts.direct + counts.kernel + counts.readwrite == count
     if method == "readwrite":
         assert counts.readwrite == count
 
@@ -88,7 +88,7 @@ def test_kernel_copies_go_in_few_calls_on_64_kib_boundaries(
 
 def test_a_refused_clone_falls_back_to_copying(tmp_path: Path, random_file: Path) -> None:
     """ext4 (and tmpfs) have no reflinks: FICLONERANGE fails and the kernel copy does it all."""
-    if _reflinks(tmp_path):
+    if h.shares_blocks(tmp_path):
         pytest.skip("this file system shares blocks; the fallback is not taken here")
     counts, data = _copy(random_file, tmp_path / "dst.bin", 4096, 0, 2 * MIB, "clone")
     assert counts.cloned == 0 and counts.kernel + counts.readwrite == 2 * MIB
@@ -111,24 +111,13 @@ def test_the_copy_method_is_named_by_argument_or_environment(
     monkeypatch.setenv("CKPT_COPY_METHOD", "readwrite")
     assert copy_method() == "readwrite"
     assert copy_method("copy_file_range") == "copy_file_range"
-    with pytest.raises(UsageError, match="expected one of: clone, copy_file_range, readwrite"):
+    with pytest.raises(
+        UsageError, match="expected one of: clone, direct, copy_file_range, readwrite"
+    ):
         copy_method("sendfile")
     monkeypatch.setenv("CKPT_COPY_METHOD", "reflink")
     with pytest.raises(UsageError, match="environment variable CKPT_COPY_METHOD is 'reflink'"):
         copy_method()
-
-
-def _reflinks(folder: Path) -> bool:
-    a, b = folder / ".probe-a", folder / ".probe-b"
-    a.write_bytes(b"\0" * 8192)
-    try:
-        proc = subprocess.run(
-            ["cp", "--reflink=always", str(a), str(b)], capture_output=True, check=False
-        )
-        return proc.returncode == 0
-    finally:
-        a.unlink()
-        b.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

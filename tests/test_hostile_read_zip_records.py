@@ -319,3 +319,30 @@ def test_a_far_local_header_inside_a_file_slice_is_missing_not_a_crash(saved, tm
             read_zip_directory(str(outer), FileSlice(fd, 100, len(archive)), len(archive))
     finally:
         os.close(fd)
+
+
+def test_a_local_header_may_end_where_the_directory_starts_not_a_byte_later(saved, tmp_path):
+    # The bound is exact (a review of issue 13 found no test holding it): an empty last
+    # record, as `zipfile` writes one, has its local header end at the directory's first byte.
+    path = tmp_path / "adjacent.pt"
+    with zipfile.ZipFile(saved) as zin, zipfile.ZipFile(path, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+        zout.writestr(f"{zin.namelist()[0].split('/')[0]}/zz_empty", b"")
+    with zipfile.ZipFile(path) as z:
+        last = z.infolist()[-1]
+        assert last.header_offset + 30 + len(last.filename) == z.start_dir
+    assert _torch_reads(path)
+    _agrees_with_torch(path)
+    # One byte later it overlaps the directory. torch never reads that record, so it loads
+    # the file; we refuse a record we cannot read, whoever reads it.
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<L", data, _central(data, "zz_empty") + 42, last.header_offset + 1)
+    later = tmp_path / "later.pt"
+    later.write_bytes(bytes(data))
+    with pytest.raises(
+        CorruptCheckpointError, match=r"local header of record .*zz_empty.* is missing"
+    ):
+        open_checkpoint(later)
+    result = _inspect(later)
+    assert result.returncode == 4 and "Traceback" not in result.stderr

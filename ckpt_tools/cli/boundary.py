@@ -75,8 +75,13 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
         with contextlib.suppress(AttributeError, OSError, ValueError):
             stdout = sys.stdout.fileno()
             devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stdout)
-            os.close(devnull)
+            try:
+                os.dup2(devnull, stdout)
+            finally:
+                # A stdout whose descriptor was closed gets /dev/null as that very number:
+                # closing it then would close stdout again.
+                if devnull != stdout:
+                    os.close(devnull)
         return 1
 
 

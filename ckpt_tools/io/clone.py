@@ -1,4 +1,4 @@
-"""Copying byte ranges between files: reflinks, then ``copy_file_range``, then read/write.
+"""Copying byte ranges between files: reflinks, direct writes, ``copy_file_range``, read/write.
 
 Every copy of a source's bytes into an output goes through :func:`copy_range`. It tries, in
 this order, and falls back on the errors that mean "not here" (EOPNOTSUPP, EXDEV, EINVAL,
@@ -8,14 +8,19 @@ ENOSYS, ENOTTY, EPERM ...), never on a failing disk:
    with ``reflink=1``, btrfs): no byte is copied or written back, whatever the size. Only
    whole blocks can be shared, and only when source and output offsets agree modulo the
    block size (the layout-preserving rewrites of :mod:`ckpt_tools.io.layout` arrange that);
-   the unaligned head and tail are copied by the next method.
-2. ``copy_file_range``: the kernel copies page-cache pages (and may reflink by itself).
-3. ``readwrite``: ``pread``/``pwrite`` in 8 MiB pieces.
+   the unaligned head and tail are copied by ``copy_file_range``.
+2. ``direct``: for an output that will be fsynced (or when named), the whole pages of a
+   large range are written with ``O_DIRECT`` from a mapping of the source
+   (:mod:`ckpt_tools.io.direct`): the bytes must reach the disk before the command ends
+   anyway, and this way they do not pile up as dirty pages first. Where source and output
+   offsets agree modulo the page size only; the head and tail go on to the next method.
+3. ``copy_file_range``: the kernel copies page-cache pages (and may reflink by itself).
+4. ``readwrite``: ``pread``/``pwrite`` in 8 MiB pieces.
 
 The environment variable ``CKPT_COPY_METHOD`` (:data:`COPY_METHOD_ENV`), or the ``method``
-argument, names the first method tried: ``clone`` (the default), ``copy_file_range`` or
-``readwrite``. Later methods remain fallbacks, so forcing a method never makes a copy fail;
-tests force each one and compare the outputs byte for byte.
+argument, names the first method tried: ``clone`` (the default), ``direct``,
+``copy_file_range`` or ``readwrite``. Later methods remain fallbacks, so forcing a method
+never makes a copy fail; tests force each one and compare the outputs byte for byte.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import NamedTuple, Protocol
 
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.atomic import output_is_durable
+from ckpt_tools.io.direct import copy_direct, direct_span
 
 __all__ = [
     "COPY_METHODS",
@@ -42,7 +48,7 @@ __all__ = [
     "pwrite_all",
 ]
 
-COPY_METHODS = ("clone", "copy_file_range", "readwrite")
+COPY_METHODS = ("clone", "direct", "copy_file_range", "readwrite")
 COPY_METHOD_ENV = "CKPT_COPY_METHOD"
 # _IOW(0x94, 13, struct file_clone_range): {s64 src_fd; u64 src_offset, src_length, dest_offset}
 _FICLONERANGE = 0x4020940D
@@ -148,12 +154,14 @@ class CopyCounts(NamedTuple):
     cloned: int = 0
     kernel: int = 0
     readwrite: int = 0
+    direct: int = 0
 
     def __add__(self, other: CopyCounts) -> CopyCounts:
         return CopyCounts(
             self.cloned + other.cloned,
             self.kernel + other.kernel,
             self.readwrite + other.readwrite,
+            self.direct + other.direct,
         )
 
 
@@ -216,36 +224,88 @@ def copy_range(
         (b'23456', 5)
     """
     first = copy_method(method)
-    counts = CopyCounts()
-    if first == "clone" and count > 0:
+    if count > 0 and first == "clone":
         head, body = _clone_span(src_fd, src_offset, dst_fd, dst_offset, count)
         if body:
-            # The head goes first, so the output grows in order; then the shared blocks.
-            counts += _copy_bytes(src_fd, src_offset, dst_fd, dst_offset, head, progress, writeback)
-            try:
-                _clone(src_fd, src_offset + head, dst_fd, dst_offset + head, body)
-            except OSError as e:
-                if e.errno not in _NOT_HERE:
-                    raise
-                body = 0  # past the source's end, or refused after the trial: copy it all
-            if progress is not None and body:
-                progress(body)
-            done = head + body
-            counts += CopyCounts(cloned=body)
-            rest = _copy_bytes(
+
+            def share() -> CopyCounts:
+                return _clone_body(
+                    src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress
+                )
+
+            return _around(
+                src_fd, src_offset, dst_fd, dst_offset, count, head, share, progress, writeback
+            )
+    durable = writeback is not None and writeback.active
+    if count > 0 and (first == "direct" or (first == "clone" and durable)):
+        head, body = direct_span(src_offset, dst_offset, count)
+        if body:
+
+            def write_direct() -> CopyCounts:
+                sent = copy_direct(
+                    src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress
+                )
+                return CopyCounts(direct=sent)
+
+            return _around(
                 src_fd,
-                src_offset + done,
+                src_offset,
                 dst_fd,
-                dst_offset + done,
-                count - done,
+                dst_offset,
+                count,
+                head,
+                write_direct,
                 progress,
                 writeback,
             )
-            return counts + rest
     kernel = first != "readwrite"
-    return counts + _copy_bytes(
+    return _copy_bytes(
         src_fd, src_offset, dst_fd, dst_offset, count, progress, writeback, kernel=kernel
     )
+
+
+def _around(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    count: int,
+    head: int,
+    middle: Callable[[], CopyCounts],
+    progress: Callable[[int], None] | None,
+    writeback: _Told | None,
+) -> CopyCounts:
+    """Copy ``head`` bytes, let ``middle`` move what it can after them, then copy the rest.
+
+    The head goes first, so the output grows in order. ``middle`` reports (and passes to
+    ``progress``) only what it moved; whatever it left is copied by ``_copy_bytes``.
+    """
+    counts = _copy_bytes(src_fd, src_offset, dst_fd, dst_offset, head, progress, writeback)
+    counts += middle()
+    done = head + counts.cloned + counts.direct
+    return counts + _copy_bytes(
+        src_fd, src_offset + done, dst_fd, dst_offset + done, count - done, progress, writeback
+    )
+
+
+def _clone_body(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    body: int,
+    progress: Callable[[int], None] | None,
+) -> CopyCounts:
+    """Share ``body`` bytes of whole blocks; nothing where the clone is refused after the trial."""
+    try:
+        _clone(src_fd, src_offset, dst_fd, dst_offset, body)
+    except OSError as e:
+        if e.errno not in _NOT_HERE:
+            raise
+        return CopyCounts()  # past the source's end, or refused after the trial: copy it all
+    if progress is not None:
+        progress(body)
+    return CopyCounts(cloned=body)
 
 
 def _clone_span(

@@ -6,6 +6,7 @@ import hashlib
 import io
 import os
 import pickletools
+import subprocess
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,20 @@ def fingerprint(path: Path) -> tuple[str, int, int]:
 def temp_files(folder: Path) -> list[Path]:
     """The writers' temp files (``*.ckpt-tmp``, hidden or not) left in ``folder``."""
     return sorted(Path(folder).glob("*.ckpt-tmp*")) + sorted(Path(folder).glob(".*.ckpt-tmp*"))
+
+
+def shares_blocks(folder: Path) -> bool:
+    """Whether ``folder``'s file system has reflinks (``cp --reflink=always`` succeeds there)."""
+    a, b = Path(folder) / ".probe-a", Path(folder) / ".probe-b"
+    a.write_bytes(b"\0" * 8192)
+    try:
+        proc = subprocess.run(
+            ["cp", "--reflink=always", str(a), str(b)], capture_output=True, check=False
+        )
+        return proc.returncode == 0
+    finally:
+        a.unlink()
+        b.unlink(missing_ok=True)
 
 
 def listing(folder: Path) -> list[str]:

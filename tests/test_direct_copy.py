@@ -1,0 +1,277 @@
+"""Direct (``O_DIRECT``) writes of a durable output's large ranges give the same bytes.
+
+Oracles: the source's own bytes read back with plain file reads; ``torch.load`` and
+``safetensors`` on whole rewrites; the output's file status flags as the kernel reports them;
+and, for "did the direct write happen", the ``fcntl.fcntl`` audit event Python raises for
+every ``fcntl`` call. Where the file system refuses ``O_DIRECT`` (ramfs) or fills up (a tiny
+loopback ext4), the tests mount one when they run as root and skip otherwise.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckpt_tools.io import direct
+from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.clone import COPY_METHODS, CopyCounts, Writeback, copy_range
+from ckpt_tools.io.direct import DIRECT_MIN, direct_span
+from ckpt_tools.ops.rewriting import strip_module_file
+from tests import helpers as h
+
+MIB = 1 << 20
+PAGE = 4096
+
+pytestmark = pytest.mark.skipif(
+    not getattr(os, "O_DIRECT", 0), reason="O_DIRECT is a Linux (and BSD) flag"
+)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """72 MiB of random bytes: more than one 64 MiB window of direct writes."""
+    path = tmp_path_factory.mktemp("direct") / "src.bin"
+    path.write_bytes(os.urandom(72 * MIB + 123))
+    return path
+
+
+def _copy(
+    src: Path,
+    dst: Path,
+    src_offset: int,
+    dst_offset: int,
+    count: int,
+    method: str | None = None,
+    writeback: bool = True,
+) -> tuple[CopyCounts, bytes, int]:
+    """Copy, then return the counts, the bytes at ``dst_offset`` and the output's flags."""
+    with open(src, "rb") as s, open(dst, "w+b") as d:
+        told = Writeback(d.fileno()) if writeback else None
+        counts = copy_range(
+            s.fileno(), src_offset, d.fileno(), dst_offset, count, writeback=told, method=method
+        )
+        flags = fcntl.fcntl(d.fileno(), fcntl.F_GETFL)
+        d.seek(dst_offset)
+        return counts, d.read(count), flags
+
+
+def _expected(src: Path, offset: int, count: int) -> bytes:
+    with open(src, "rb") as f:
+        f.seek(offset)
+        return f.read(count)
+
+
+@pytest.mark.parametrize(
+    ("src_offset", "dst_offset", "count"),
+    [
+        (0, 0, 20 * MIB),
+        (3 * PAGE + 100, 100, 17 * MIB + 5),  # unaligned head and tail, offsets agree
+        (PAGE, 0, 70 * MIB + 3 * PAGE + 7),  # two windows
+    ],
+)
+def test_a_durable_copy_writes_whole_pages_direct_and_the_ends_through_the_cache(
+    tmp_path: Path, source: Path, src_offset: int, dst_offset: int, count: int
+) -> None:
+    head, body = direct_span(src_offset, dst_offset, count)
+    assert body >= DIRECT_MIN and (dst_offset + head) % PAGE == 0 and body % PAGE == 0
+    for method in ("direct", None):  # named, and the default for a durable output
+        counts, data, flags = _copy(
+            source, tmp_path / "dst.bin", src_offset, dst_offset, count, method
+        )
+        assert data == _expected(source, src_offset, count)
+        if method is None and counts.cloned:
+            continue  # a file system with reflinks shared the blocks instead
+        assert counts.direct == body
+        assert counts.direct + counts.kernel + counts.readwrite == count
+        assert not flags & os.O_DIRECT  # the output's flags are as they were
+
+
+def test_a_copy_that_is_not_fsynced_stays_in_the_page_cache(tmp_path: Path, source: Path) -> None:
+    # --no-fsync: the bytes need not reach the disk before the command ends, and the page
+    # cache takes them faster than the disk does.
+    for durable in (False, True):
+        with (
+            open(source, "rb") as s,
+            atomic_output(tmp_path / f"{durable}.bin", durable=durable) as (
+                f,
+                _,
+            ),
+        ):
+            counts = copy_range(
+                s.fileno(), 0, f.fileno(), 0, 20 * MIB, writeback=Writeback(f.fileno())
+            )
+        assert (tmp_path / f"{durable}.bin").read_bytes() == _expected(source, 0, 20 * MIB)
+        if not counts.cloned:
+            assert counts.direct == (20 * MIB if durable else 0)
+    # Without a writeback to tell, a copy is not known to be durable: not direct either.
+    counts, data, _ = _copy(source, tmp_path / "x.bin", 0, 0, 20 * MIB, writeback=False)
+    assert counts.direct == 0 and data == _expected(source, 0, 20 * MIB)
+
+
+@pytest.mark.parametrize(
+    ("src_offset", "dst_offset", "count"),
+    [
+        (100, 0, 20 * MIB),  # offsets disagree modulo the page: memory would be unaligned
+        (0, 0, DIRECT_MIN - PAGE),  # too small to be worth a wait on the device
+        (PAGE - 1, PAGE - 1, DIRECT_MIN),  # under DIRECT_MIN once the ends are cut
+    ],
+)
+def test_ranges_direct_writes_cannot_take_go_through_the_page_cache(
+    tmp_path: Path, source: Path, src_offset: int, dst_offset: int, count: int
+) -> None:
+    assert direct_span(src_offset, dst_offset, count) == (0, 0)
+    counts, data, _ = _copy(source, tmp_path / "dst.bin", src_offset, dst_offset, count, "direct")
+    assert counts.direct == 0 and counts.kernel + counts.readwrite == count
+    assert data == _expected(source, src_offset, count)
+
+
+def test_a_short_source_is_an_error_and_does_not_rule_out_the_device(
+    tmp_path: Path, source: Path
+) -> None:
+    size = source.stat().st_size
+    # The first window is written direct, the second cannot be mapped: the page-cache copy
+    # takes the rest over and finds the source's end.
+    with pytest.raises(OSError, match="source ended after"):
+        _copy(source, tmp_path / "a.bin", 0, 0, size + 8 * MIB, "direct")
+    # One window, past the end from the start (offsets that agree: it gets as far as mapping).
+    start = (size - 10 * MIB) // PAGE * PAGE
+    assert direct_span(start, 0, 20 * MIB) == (0, 20 * MIB)
+    with pytest.raises(OSError, match="source ended after"):
+        _copy(source, tmp_path / "b.bin", start, 0, 20 * MIB, "direct")
+    counts, data, _ = _copy(source, tmp_path / "c.bin", 0, 0, 20 * MIB, "direct")
+    assert counts.direct == 20 * MIB and data == _expected(source, 0, 20 * MIB)
+
+
+def _mount(kind: str, folder: Path, *options: str) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a {kind}")
+    folder.mkdir()
+    done = subprocess.run(["mount", *options, str(folder)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a {kind} here: {done.stderr.decode(errors='replace')[-200:]}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A mounted ramfs: a file system whose files refuse ``O_DIRECT`` (EINVAL)."""
+    yield from _mount("ramfs", tmp_path / "ramfs", "-t", "ramfs", "none")
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_a_page_cache_copy(
+    ramfs: Path, source: Path
+) -> None:
+    probe = os.open(ramfs / "probe", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(OSError) as refused:
+            fcntl.fcntl(probe, fcntl.F_SETFL, fcntl.fcntl(probe, fcntl.F_GETFL) | os.O_DIRECT)
+        assert refused.value.errno == errno.EINVAL
+    finally:
+        os.close(probe)
+    for name in ("first", "again"):  # the second is not asked again (remembered per device)
+        counts, data, flags = _copy(source, ramfs / f"{name}.bin", 0, 0, 20 * MIB, "direct")
+        assert counts.direct == 0 and counts.kernel + counts.readwrite == 20 * MIB
+        assert data == _expected(source, 0, 20 * MIB) and not flags & os.O_DIRECT
+    assert os.stat(ramfs).st_dev in direct._NO_DIRECT
+    # The same source onto this machine's disk still goes direct: the refusal was the
+    # output's file system's, not the source's.
+    shutil.copy(source, ramfs / "src.bin")
+    counts, data, _ = _copy(ramfs / "src.bin", source.parent / "from_ramfs.bin", 0, 0, 20 * MIB)
+    assert data == _expected(source, 0, 20 * MIB)
+    if not counts.cloned:
+        assert counts.direct == 20 * MIB
+
+
+@pytest.fixture
+def tiny_ext4(tmp_path: Path) -> Iterator[Path]:
+    """A mounted 16 MiB ext4: too small for the copies below."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs mkfs.ext4 (e2fsprogs)")
+    image = tmp_path / "ext4.img"
+    with open(image, "wb") as f:
+        f.truncate(16 * MIB)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.decode(errors='replace')[-200:]}")
+    yield from _mount("loopback ext4", tmp_path / "ext4", "-o", "loop", str(image))
+
+
+def test_a_full_disk_is_an_error_not_a_reason_to_try_another_way(
+    tiny_ext4: Path, source: Path
+) -> None:
+    with pytest.raises(OSError) as full:
+        _copy(source, tiny_ext4 / "out.bin", 0, 0, 20 * MIB, "direct")
+    assert full.value.errno == errno.ENOSPC
+    assert os.stat(tiny_ext4).st_dev not in direct._NO_DIRECT
+
+
+class _FcntlSeen:
+    """``fcntl.fcntl`` calls that set ``O_DIRECT``, seen through Python's audit events."""
+
+    calls: list[int] = []
+    listening = False
+
+    @classmethod
+    def hook(cls, event: str, args: tuple) -> None:
+        setting = cls.listening and event == "fcntl.fcntl" and args[1] == fcntl.F_SETFL
+        if setting and isinstance(args[2], int) and args[2] & os.O_DIRECT:
+            cls.calls.append(args[0])
+
+
+sys.addaudithook(_FcntlSeen.hook)
+
+
+def _direct_writes(run: Callable[[], object]) -> int:
+    _FcntlSeen.calls.clear()
+    _FcntlSeen.listening = True
+    try:
+        run()
+    finally:
+        _FcntlSeen.listening = False
+    return len(_FcntlSeen.calls)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_durable_rewrite_writes_its_tensor_bytes_direct_with_every_method_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    g = torch.Generator().manual_seed(13)
+    # Odd sizes, so the records and the data section start off the page boundary.
+    sd = {f"module.w{i}": torch.randn(1000 + 7 * i, 701, generator=g) for i in range(8)}
+    src = tmp_path / f"in{suffix}"
+    if suffix == ".pt":
+        h.save(sd, src)
+    else:
+        save_file(sd, src)
+    if h.shares_blocks(tmp_path):
+        pytest.skip("this file system shares blocks: a rewrite clones instead")
+    monkeypatch.delenv("CKPT_COPY_METHOD", raising=False)
+    durable = tmp_path / f"durable{suffix}"
+    assert _direct_writes(lambda: strip_module_file(src, durable)) == 1
+    assert (
+        _direct_writes(lambda: strip_module_file(src, tmp_path / f"c{suffix}", durable=False)) == 0
+    )
+    outputs = {"durable": durable.read_bytes()}
+    for method in COPY_METHODS:
+        monkeypatch.setenv("CKPT_COPY_METHOD", method)
+        dst = tmp_path / f"{method}{suffix}"
+        seen = _direct_writes(lambda dst=dst: strip_module_file(src, dst))
+        assert seen == (1 if method in ("clone", "direct") else 0)
+        outputs[method] = dst.read_bytes()
+    assert len(set(outputs.values())) == 1
+    loaded = h.load(durable)
+    assert loaded.keys() == {k.removeprefix("module.") for k in sd}
+    assert all(torch.equal(loaded[k.removeprefix("module.")], v) for k, v in sd.items())
