@@ -126,8 +126,7 @@ def xfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if os.geteuid() != 0 or shutil.which("mkfs.xfs") is None:
         pytest.skip("needs root and mkfs.xfs (apt-get install xfsprogs) for a loopback XFS")
     base = tmp_path_factory.mktemp("xfs")
-    image, mount = base / "xfs.img", base / "mnt"
-    mount.mkdir()
+    image = base / "xfs.img"
     with open(image, "wb") as f:
         f.truncate(320 * MIB)
     made = subprocess.run(
@@ -135,15 +134,9 @@ def xfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     )
     if made.returncode != 0:
         pytest.skip(f"mkfs.xfs failed: {made.stderr.decode(errors='replace')[-200:]}")
-    mounted = subprocess.run(
-        ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, check=False
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a loop device here: {mounted.stderr.decode()[-200:]}")
     try:
-        yield mount
+        yield from h.mounted("loopback XFS", base / "mnt", "-o", "loop", str(image))
     finally:
-        subprocess.run(["umount", str(mount)], check=False)
         image.unlink(missing_ok=True)
 
 

@@ -152,23 +152,10 @@ def test_a_short_source_is_an_error_and_does_not_rule_out_the_device(
     assert counts.direct == 20 * MIB and data == _expected(source, 0, 20 * MIB)
 
 
-def _mount(kind: str, folder: Path, *options: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip(f"needs root to mount a {kind}")
-    folder.mkdir()
-    done = subprocess.run(["mount", *options, str(folder)], capture_output=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a {kind} here: {done.stderr.decode(errors='replace')[-200:]}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=False)
-
-
 @pytest.fixture
 def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A mounted ramfs: a file system whose files refuse ``O_DIRECT`` (EINVAL)."""
-    yield from _mount("ramfs", tmp_path / "ramfs", "-t", "ramfs", "none")
+    yield from h.mounted("ramfs", tmp_path / "ramfs", "-t", "ramfs", "none")
 
 
 def test_a_file_system_that_refuses_direct_writes_gets_a_page_cache_copy(
@@ -206,7 +193,7 @@ def tiny_ext4(tmp_path: Path) -> Iterator[Path]:
     made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, check=False)
     if made.returncode != 0:
         pytest.skip(f"mkfs.ext4 failed: {made.stderr.decode(errors='replace')[-200:]}")
-    yield from _mount("loopback ext4", tmp_path / "ext4", "-o", "loop", str(image))
+    yield from h.mounted("loopback ext4", tmp_path / "ext4", "-o", "loop", str(image))
 
 
 def test_a_full_disk_is_an_error_not_a_reason_to_try_another_way(

@@ -8,9 +8,10 @@ import os
 import pickletools
 import subprocess
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckpt_tools.descriptors import StorageRef, TensorRef
@@ -44,6 +45,23 @@ def shares_blocks(folder: Path) -> bool:
     finally:
         a.unlink()
         b.unlink(missing_ok=True)
+
+
+def mounted(kind: str, folder: Path, *options: str) -> Iterator[Path]:
+    """Mount at a new ``folder`` (``mount OPTIONS FOLDER``) for a fixture to yield from.
+
+    Skips the test where this is not root or the mount fails; unmounts when it ends.
+    """
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a {kind}")
+    folder.mkdir()
+    done = subprocess.run(["mount", *options, str(folder)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a {kind} here: {done.stderr.decode(errors='replace')[-200:]}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
 
 
 def listing(folder: Path) -> list[str]:
