@@ -36,23 +36,14 @@ _WINDOW = 64 << 20
 # it, and the unit mmap offsets come in.
 _ALIGN = max(mmap.ALLOCATIONGRANULARITY, mmap.PAGESIZE, 4096)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-# Errors meaning "not this way for these files": the caller copies through the page cache.
-# EFAULT and ENXIO: the mapping reached past the source's end (the source shrank), which
-# the page-cache copy then reports as a short source.
-_DECLINED = frozenset(
-    {
-        errno.EINVAL,
-        errno.EOPNOTSUPP,
-        errno.ENOSYS,
-        errno.ENOTTY,
-        errno.EPERM,
-        errno.EACCES,
-        errno.EBADF,
-        errno.ENODEV,
-        errno.EFAULT,
-        errno.ENXIO,
-    }
-)
+# What a file system says when it does not take O_DIRECT (F_SETFL), or not these offsets or
+# this memory (pwrite): the caller copies through the page cache. Nothing else is taken as
+# a refusal: a device gone (ENODEV), an unsupported operation below the file system
+# (EOPNOTSUPP), an I/O error or a full disk is the disk failing, and fails the copy.
+_REFUSED = frozenset({errno.EINVAL})
+# The mapped source could not be read (it shrank after it was mapped, or a read failed):
+# the page-cache copy reads the same bytes again, and reports a short source or the error.
+_SOURCE_FAILED = frozenset({errno.EFAULT})
 # Output devices where O_DIRECT was refused: not asked again in this process.
 _NO_DIRECT: set[int] = set()
 
@@ -116,15 +107,15 @@ def copy_direct(
         return 0
     if device in _NO_DIRECT:
         return 0
-    try:
-        fcntl.fcntl(dst_fd, fcntl.F_SETFL, flags | _O_DIRECT)
-    except OSError as e:
-        if e.errno not in _DECLINED:
-            raise
-        _NO_DIRECT.add(device)
-        return 0
     done = 0
     try:
+        try:
+            fcntl.fcntl(dst_fd, fcntl.F_SETFL, flags | _O_DIRECT)
+        except OSError as e:
+            if e.errno not in _REFUSED:
+                raise
+            _NO_DIRECT.add(device)
+            return 0
         while done < count:
             n = _write_window(src_fd, src_offset + done, dst_fd, dst_offset + done, count - done)
             if n <= 0:
@@ -137,6 +128,8 @@ def copy_direct(
             if n % _ALIGN:
                 break  # a short write leaves the next offset unaligned: the rest goes buffered
     finally:
+        # Inside the same try as the F_SETFL that set it, so that no exception in between
+        # can leave the output in O_DIRECT (putting back flags never changed is harmless).
         fcntl.fcntl(dst_fd, fcntl.F_SETFL, flags)
     return done
 
@@ -156,9 +149,11 @@ def _write_window(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, le
             try:
                 return os.pwrite(dst_fd, view, dst_offset)
             except OSError as e:
-                if e.errno not in _DECLINED:
-                    raise
-                return -1 if e.errno in (errno.EFAULT, errno.ENXIO) else 0
+                if e.errno in _SOURCE_FAILED:
+                    return -1
+                if e.errno in _REFUSED:
+                    return 0
+                raise
 
 
 def _advise_willneed(fd: int, offset: int, length: int) -> None:
