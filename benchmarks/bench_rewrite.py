@@ -171,7 +171,9 @@ def interleaved(commands: dict[str, list[str]], out: Path, repeats: int) -> dict
     so that no command always runs in the same place. The place matters here: on this
     machine's disk (ext4, mounted with ``discard``), a 4 GiB write that follows the deletion
     of another 4 GiB output took 2-4 s where the same write took 1.1-1.3 s one place later,
-    whatever the command (benchmarks/README.md, issue 13, seventh pass).
+    whatever the command (benchmarks/README.md, issue 13, seventh pass). The order stays
+    cyclic, so each command always follows the same one: a page-cache copy that follows a
+    direct write swings more on this VM (eighth pass).
     """
     results = {name: Summary(name) for name in commands}
     names = list(commands)

@@ -44,8 +44,9 @@ _TEMP_NAME = re.compile(r"^\..*\.ckpt-tmp-(\d+)-[0-9a-f]+$")
 #: Tests only: seconds to sleep once the output is written, before it is named, so a test
 #: can SIGKILL a real ``ckpt`` at that point. Unset in normal use.
 PAUSE_ENV = "CKPT_TOOLS_TEST_PAUSE_BEFORE_RENAME"
-# Whether the output being written will be fsynced: writers start its writeback early only
-# to shorten that fsync (io/clone.Writeback), which is wasted I/O when there is none.
+# Whether the output being written will be fsynced: writers start its writeback early
+# (io/clone.Writeback) or write large ranges straight to the disk (io/direct.py) only
+# because of that fsync; without one, the page cache takes the bytes faster.
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_durable", default=True)
 
 
