@@ -5,8 +5,9 @@ Run:  .venv/bin/python benchmarks/bench_rewrite.py [--sizes-mb 1024,4096] [--rep
 Generates, in a temp folder (removed at the end), a ~SIZE MiB ``.pt`` and ``.safetensors``
 with ~350 float32 tensors whose keys are DataParallel-wrapped (``module.layers.{i}...``), and
 measures, per format, as interleaved rounds (cp, strip, naive, then strip, naive, cp, ...:
-each round starts one command further along; one untimed warm-up round first, then REPEATS
-timed rounds; medians reported):
+each round starts one command further along, and every other block of rounds goes in
+reverse order, so no command always has the same place or follows the same command; one
+untimed warm-up round first, then REPEATS timed rounds; medians reported):
 
 * ``cp IN OUT``                                   (coreutils; copy_file_range on Linux);
 * ``ckpt strip-module IN OUT --quiet``            (the installed console script: re-pickles
@@ -168,19 +169,21 @@ def interleaved(commands: dict[str, list[str]], out: Path, repeats: int) -> dict
     """One untimed warm-up round, then ``repeats`` rounds of every command in turn.
 
     Each round starts one command further along (round 1 at the second command, and so on),
-    so that no command always runs in the same place. The place matters here: on this
-    machine's disk (ext4, mounted with ``discard``), a 4 GiB write that follows the deletion
-    of another 4 GiB output took 2-4 s where the same write took 1.1-1.3 s one place later,
-    whatever the command (benchmarks/README.md, issue 13, seventh pass). The order stays
-    cyclic, so each command always follows the same one: a page-cache copy that follows a
-    direct write swings more on this VM (eighth pass).
+    so that no command always runs in the same place, and every other block of rounds runs
+    the commands in reverse order, so that no command always follows the same one. Both
+    matter here: on this machine's disk a 4 GiB write that follows the deletion of another
+    4 GiB output took 2-4 s where the same write took 1.1-1.3 s one place later (seventh
+    pass), and on this VM a page-cache copy that follows a direct write, which frees no page
+    cache for it, swings between 1.1 and 3.5 s (benchmarks/README.md, issue 13, eighth pass).
+    With n commands, 2n rounds give each one every place and every predecessor equally often.
     """
     results = {name: Summary(name) for name in commands}
     names = list(commands)
     print(f"measuring: 1 warm-up round + {repeats} timed rounds, interleaved ...", flush=True)
     for i in range(1 + repeats):
+        order = names if (i // len(names)) % 2 == 0 else names[::-1]
         start = i % len(names)
-        for name in names[start:] + names[:start]:
+        for name in order[start:] + order[:start]:
             m = run_once(commands[name], out)
             if i >= 1:
                 results[name].add(m)
