@@ -36,7 +36,7 @@ from typing import NamedTuple, Protocol
 
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.atomic import output_is_durable
-from ckpt_tools.io.direct import copy_direct, direct_span
+from ckpt_tools.io.direct import aligned_span, copy_direct, direct_span
 
 __all__ = [
     "COPY_METHODS",
@@ -224,64 +224,22 @@ def copy_range(
         (b'23456', 5)
     """
     first = copy_method(method)
+    head, body, middle = 0, 0, _clone_body
     if count > 0 and first == "clone":
         head, body = _clone_span(src_fd, src_offset, dst_fd, dst_offset, count)
-        if body:
-
-            def share() -> CopyCounts:
-                return _clone_body(
-                    src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress
-                )
-
-            return _around(
-                src_fd, src_offset, dst_fd, dst_offset, count, head, share, progress, writeback
-            )
     durable = writeback is not None and writeback.active
-    if count > 0 and (first == "direct" or (first == "clone" and durable)):
+    if not body and count > 0 and (first == "direct" or (first == "clone" and durable)):
         head, body = direct_span(src_offset, dst_offset, count)
-        if body:
-
-            def write_direct() -> CopyCounts:
-                sent = copy_direct(
-                    src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress
-                )
-                return CopyCounts(direct=sent)
-
-            return _around(
-                src_fd,
-                src_offset,
-                dst_fd,
-                dst_offset,
-                count,
-                head,
-                write_direct,
-                progress,
-                writeback,
-            )
-    kernel = first != "readwrite"
-    return _copy_bytes(
-        src_fd, src_offset, dst_fd, dst_offset, count, progress, writeback, kernel=kernel
-    )
-
-
-def _around(
-    src_fd: int,
-    src_offset: int,
-    dst_fd: int,
-    dst_offset: int,
-    count: int,
-    head: int,
-    middle: Callable[[], CopyCounts],
-    progress: Callable[[int], None] | None,
-    writeback: _Told | None,
-) -> CopyCounts:
-    """Copy ``head`` bytes, let ``middle`` move what it can after them, then copy the rest.
-
-    The head goes first, so the output grows in order. ``middle`` reports (and passes to
-    ``progress``) only what it moved; whatever it left is copied by ``_copy_bytes``.
-    """
+        middle = _direct_body
+    if not body:
+        kernel = first != "readwrite"
+        return _copy_bytes(
+            src_fd, src_offset, dst_fd, dst_offset, count, progress, writeback, kernel=kernel
+        )
+    # The head goes first, so the output grows in order; then the middle moves what it can,
+    # and whatever it left is copied after it.
     counts = _copy_bytes(src_fd, src_offset, dst_fd, dst_offset, head, progress, writeback)
-    counts += middle()
+    counts += middle(src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress)
     done = head + counts.cloned + counts.direct
     return counts + _copy_bytes(
         src_fd, src_offset + done, dst_fd, dst_offset + done, count - done, progress, writeback
@@ -308,6 +266,18 @@ def _clone_body(
     return CopyCounts(cloned=body)
 
 
+def _direct_body(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    body: int,
+    progress: Callable[[int], None] | None,
+) -> CopyCounts:
+    """Write ``body`` bytes of whole pages direct; what the output or source declined is not."""
+    return CopyCounts(direct=copy_direct(src_fd, src_offset, dst_fd, dst_offset, body, progress))
+
+
 def _clone_span(
     src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int
 ) -> tuple[int, int]:
@@ -322,11 +292,8 @@ def _clone_span(
         block = max(os.fstatvfs(dst_fd).f_frsize, 1)
     except OSError:
         return 0, 0
-    if key in _NO_CLONE or (src_offset - dst_offset) % block:
-        return 0, 0
-    head = (-src_offset) % block
-    body = (count - head) // block * block if count > head else 0
-    if body <= 0:
+    head, body = aligned_span(src_offset, dst_offset, count, block)
+    if key in _NO_CLONE or not body:
         return 0, 0
     try:
         # Trial: the first block alone (the head is not written yet; a clone past the end of

@@ -18,14 +18,15 @@ every range this module declines, are copied through the page cache by the calle
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
 import os
 from collections.abc import Callable
 
-__all__ = ["DIRECT_MIN", "copy_direct", "direct_span"]
+from ckpt_tools.formats.readahead import advise_willneed
+
+__all__ = ["DIRECT_MIN", "aligned_span", "copy_direct", "direct_span"]
 
 #: Ranges with fewer whole pages than this are left to the page cache: each direct write
 #: waits for the device, and many small ones would wait in turn where one fsync waits once.
@@ -48,6 +49,26 @@ _SOURCE_FAILED = frozenset({errno.EFAULT})
 _NO_DIRECT: set[int] = set()
 
 
+def aligned_span(src_offset: int, dst_offset: int, count: int, unit: int) -> tuple[int, int]:
+    """``(head, body)``: bytes before the first ``unit`` boundary, then whole units after it.
+
+    ``(0, 0)`` where source and output offsets disagree modulo ``unit`` (no boundary of one
+    is a boundary of the other) or the range holds no whole unit. Reflinks share whole
+    blocks, direct writes take whole pages: both cut a range this way.
+
+    Example:
+        >>> aligned_span(4096 + 100, 100, 3 * 4096, 4096)
+        (3996, 8192)
+        >>> aligned_span(0, 100, 3 * 4096, 4096)
+        (0, 0)
+    """
+    if (src_offset - dst_offset) % unit:
+        return 0, 0
+    head = -dst_offset % unit
+    body = (count - head) // unit * unit if count > head else 0
+    return (head, body) if body > 0 else (0, 0)
+
+
 def direct_span(src_offset: int, dst_offset: int, count: int) -> tuple[int, int]:
     """``(head, body)``: bytes before the first aligned offset, and aligned bytes to write direct.
 
@@ -60,13 +81,10 @@ def direct_span(src_offset: int, dst_offset: int, count: int) -> tuple[int, int]
         >>> direct_span(0, 100, 64 << 20)
         (0, 0)
     """
-    if not _O_DIRECT or (src_offset - dst_offset) % _ALIGN:
+    if not _O_DIRECT:
         return 0, 0
-    head = -dst_offset % _ALIGN
-    body = (count - head) // _ALIGN * _ALIGN if count > head else 0
-    if body < DIRECT_MIN:
-        return 0, 0
-    return head, body
+    head, body = aligned_span(src_offset, dst_offset, count, _ALIGN)
+    return (head, body) if body >= DIRECT_MIN else (0, 0)
 
 
 def copy_direct(
@@ -144,7 +162,7 @@ def _write_window(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, le
     with window:
         if left > size:
             # Ask for the next window while the device takes this one (cold sources).
-            _advise_willneed(src_fd, src_offset + size, min(left - size, _WINDOW))
+            advise_willneed(src_fd, [(src_offset + size, min(left - size, _WINDOW))])
         with memoryview(window) as view:
             try:
                 return os.pwrite(dst_fd, view, dst_offset)
@@ -154,10 +172,3 @@ def _write_window(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, le
                 if e.errno in _REFUSED:
                     return 0
                 raise
-
-
-def _advise_willneed(fd: int, offset: int, length: int) -> None:
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        with contextlib.suppress(OSError):  # advice only
-            advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
