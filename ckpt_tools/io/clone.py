@@ -224,23 +224,24 @@ def copy_range(
         (b'23456', 5)
     """
     first = copy_method(method)
-    head, body, middle = 0, 0, _clone_body
+    head, body, middle, method_used = 0, 0, _clone_body, "cloned"
     if count > 0 and first == "clone":
         head, body = _clone_span(src_fd, src_offset, dst_fd, dst_offset, count)
     durable = writeback is not None and writeback.active
     if not body and count > 0 and (first == "direct" or (first == "clone" and durable)):
         head, body = direct_span(src_offset, dst_offset, count)
-        middle = _direct_body
+        middle, method_used = copy_direct, "direct"
     if not body:
         kernel = first != "readwrite"
         return _copy_bytes(
             src_fd, src_offset, dst_fd, dst_offset, count, progress, writeback, kernel=kernel
         )
-    # The head goes first, so the output grows in order; then the middle moves what it can,
-    # and whatever it left is copied after it.
+    # The head goes first, so the output grows in order; then the middle moves what it can
+    # (and reports it to ``progress``), and whatever it left is copied after it.
     counts = _copy_bytes(src_fd, src_offset, dst_fd, dst_offset, head, progress, writeback)
-    counts += middle(src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress)
-    done = head + counts.cloned + counts.direct
+    moved = middle(src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress)
+    counts += CopyCounts(**{method_used: moved})
+    done = head + moved
     return counts + _copy_bytes(
         src_fd, src_offset + done, dst_fd, dst_offset + done, count - done, progress, writeback
     )
@@ -253,29 +254,17 @@ def _clone_body(
     dst_offset: int,
     body: int,
     progress: Callable[[int], None] | None,
-) -> CopyCounts:
-    """Share ``body`` bytes of whole blocks; nothing where the clone is refused after the trial."""
+) -> int:
+    """Share ``body`` bytes of whole blocks; 0 where the clone is refused after the trial."""
     try:
         _clone(src_fd, src_offset, dst_fd, dst_offset, body)
     except OSError as e:
         if e.errno not in _NOT_HERE:
             raise
-        return CopyCounts()  # past the source's end, or refused after the trial: copy it all
+        return 0  # past the source's end, or refused after the trial: copy it all
     if progress is not None:
         progress(body)
-    return CopyCounts(cloned=body)
-
-
-def _direct_body(
-    src_fd: int,
-    src_offset: int,
-    dst_fd: int,
-    dst_offset: int,
-    body: int,
-    progress: Callable[[int], None] | None,
-) -> CopyCounts:
-    """Write ``body`` bytes of whole pages direct; what the output or source declined is not."""
-    return CopyCounts(direct=copy_direct(src_fd, src_offset, dst_fd, dst_offset, body, progress))
+    return body
 
 
 def _clone_span(
