@@ -9,8 +9,6 @@ the file system's free-space count, not from this package's own counters alone.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,18 +16,11 @@ import pytest
 import torch
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.io.clone import COPY_METHODS, copy_method, copy_range
+from ckpt_tools.io.clone import COPY_METHODS, copy_method
 from ckpt_tools.ops.rewriting import strip_module_file
 from tests import helpers as h
 
 MIB = 1 << 20
-
-
-def _copy(src: Path, dst: Path, src_offset: int, dst_offset: int, count: int, method: str):
-    with open(src, "rb") as s, open(dst, "w+b") as d:
-        counts = copy_range(s.fileno(), src_offset, d.fileno(), dst_offset, count, method=method)
-        d.seek(dst_offset)
-        return counts, d.read()
 
 
 @pytest.fixture
@@ -47,7 +38,9 @@ def random_file(tmp_path: Path) -> Path:
 def test_every_method_copies_the_same_bytes(
     tmp_path: Path, random_file: Path, method: str, src_offset: int, dst_offset: int, count: int
 ) -> None:
-    counts, data = _copy(random_file, tmp_path / "dst.bin", src_offset, dst_offset, count, method)
+    counts, data, _ = h.copy_between(
+        random_file, tmp_path / "dst.bin", src_offset, dst_offset, count, method
+    )
     assert data == random_file.read_bytes()[src_offset : src_offset + count]
     assert counts.cloned + counts.direct + counts.kernel + counts.readwrite == count
     if method == "readwrite":
@@ -75,7 +68,7 @@ def test_kernel_copies_go_in_few_calls_on_64_kib_boundaries(
     monkeypatch.setattr(clone, "_KERNEL_STEP", 256 << 10)
     monkeypatch.setattr(os, "copy_file_range", spy)
     count = 3 * MIB + 100
-    counts, data = _copy(
+    counts, data, _ = h.copy_between(
         random_file, tmp_path / "dst.bin", 11, dst_offset, count, "copy_file_range"
     )
     assert data == random_file.read_bytes()[11 : 11 + count]
@@ -90,7 +83,7 @@ def test_a_refused_clone_falls_back_to_copying(tmp_path: Path, random_file: Path
     """ext4 (and tmpfs) have no reflinks: FICLONERANGE fails and the kernel copy does it all."""
     if h.shares_blocks(tmp_path):
         pytest.skip("this file system shares blocks; the fallback is not taken here")
-    counts, data = _copy(random_file, tmp_path / "dst.bin", 4096, 0, 2 * MIB, "clone")
+    counts, data, _ = h.copy_between(random_file, tmp_path / "dst.bin", 4096, 0, 2 * MIB, "clone")
     assert counts.cloned == 0 and counts.kernel + counts.readwrite == 2 * MIB
     assert data == random_file.read_bytes()[4096 : 4096 + 2 * MIB]
 
@@ -100,7 +93,7 @@ def test_a_short_source_is_an_error_whatever_the_method(tmp_path: Path) -> None:
     src.write_bytes(b"x" * 1000)
     for method in COPY_METHODS:
         with pytest.raises(OSError, match="source ended after 1000 of 5000 bytes"):
-            _copy(src, tmp_path / "dst.bin", 0, 0, 5000, method)
+            h.copy_between(src, tmp_path / "dst.bin", 0, 0, 5000, method)
 
 
 def test_the_copy_method_is_named_by_argument_or_environment(
@@ -123,21 +116,12 @@ def test_the_copy_method_is_named_by_argument_or_environment(
 @pytest.fixture(scope="module")
 def xfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A mounted 320 MiB loopback XFS with reflink=1; skips where that cannot be made."""
-    if os.geteuid() != 0 or shutil.which("mkfs.xfs") is None:
-        pytest.skip("needs root and mkfs.xfs (apt-get install xfsprogs) for a loopback XFS")
-    base = tmp_path_factory.mktemp("xfs")
-    image = base / "xfs.img"
-    with open(image, "wb") as f:
-        f.truncate(320 * MIB)
-    made = subprocess.run(
-        ["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True, check=False
+    yield from h.loop_mounted(
+        tmp_path_factory.mktemp("xfs"),
+        320 * MIB,
+        ["mkfs.xfs", "-q", "-m", "reflink=1"],
+        "loopback XFS (apt-get install xfsprogs)",
     )
-    if made.returncode != 0:
-        pytest.skip(f"mkfs.xfs failed: {made.stderr.decode(errors='replace')[-200:]}")
-    try:
-        yield from h.mounted("loopback XFS", base / "mnt", "-o", "loop", str(image))
-    finally:
-        image.unlink(missing_ok=True)
 
 
 def _free_bytes(folder: Path) -> int:
@@ -150,16 +134,16 @@ def test_clone_shares_whole_blocks_and_copies_head_and_tail(xfs: Path) -> None:
     src = xfs / "src.bin"
     src.write_bytes(os.urandom(16 * MIB + 8192))
     before = _free_bytes(xfs)
-    counts, data = _copy(src, xfs / "dst.bin", 4096 + 100, 100, 16 * MIB, "clone")
+    counts, data, _ = h.copy_between(src, xfs / "dst.bin", 4096 + 100, 100, 16 * MIB, "clone")
     assert data == src.read_bytes()[4096 + 100 : 4096 + 100 + 16 * MIB]
     assert counts.cloned == 16 * MIB - 4096 and counts.kernel + counts.readwrite == 4096
     # Shared blocks take no new space: far less than the 16 MiB a copy would take.
     assert before - _free_bytes(xfs) < 2 * MIB
     # A range running past the source's end is refused by the ioctl, then by the copy.
     with pytest.raises(OSError, match="source ended"):
-        _copy(src, xfs / "dst3.bin", 8192, 0, 17 * MIB, "clone")
+        h.copy_between(src, xfs / "dst3.bin", 8192, 0, 17 * MIB, "clone")
     # Offsets that disagree modulo the block cannot share blocks: copied instead.
-    counts, data = _copy(src, xfs / "dst2.bin", 4096, 100, 4 * MIB, "clone")
+    counts, data, _ = h.copy_between(src, xfs / "dst2.bin", 4096, 100, 4 * MIB, "clone")
     assert counts.cloned == 0 and data == src.read_bytes()[4096 : 4096 + 4 * MIB]
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 
 from ckpt_tools.io import direct
 from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.clone import COPY_METHODS, CopyCounts, Writeback, copy_range
+from ckpt_tools.io.clone import COPY_METHODS, Writeback, copy_range
 from ckpt_tools.io.direct import DIRECT_MIN, direct_span
 from tests import helpers as h
 
@@ -44,25 +45,8 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _copy(
-    src: Path,
-    dst: Path,
-    src_offset: int,
-    dst_offset: int,
-    count: int,
-    method: str | None = None,
-    writeback: bool = True,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[CopyCounts, bytes, int]:
-    """Copy, then return the counts, the bytes at ``dst_offset`` and the output's flags."""
-    with open(src, "rb") as s, open(dst, "w+b") as d:
-        told = Writeback(d.fileno()) if writeback else None
-        counts = copy_range(
-            s.fileno(), src_offset, d.fileno(), dst_offset, count, progress, told, method
-        )
-        flags = fcntl.fcntl(d.fileno(), fcntl.F_GETFL)
-        d.seek(dst_offset)
-        return counts, d.read(count), flags
+# Copies told of their output's writeback, as every writer's are: durable unless said not.
+_copy = functools.partial(h.copy_between, writeback=True)
 
 
 def _expected(src: Path, offset: int, count: int) -> bytes:
@@ -194,15 +178,7 @@ def test_a_file_system_that_refuses_direct_writes_gets_a_page_cache_copy(
 @pytest.fixture
 def tiny_ext4(tmp_path: Path) -> Iterator[Path]:
     """A mounted 16 MiB ext4: too small for the copies below."""
-    if shutil.which("mkfs.ext4") is None:
-        pytest.skip("needs mkfs.ext4 (e2fsprogs)")
-    image = tmp_path / "ext4.img"
-    with open(image, "wb") as f:
-        f.truncate(16 * MIB)
-    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, check=False)
-    if made.returncode != 0:
-        pytest.skip(f"mkfs.ext4 failed: {made.stderr.decode(errors='replace')[-200:]}")
-    yield from h.mounted("loopback ext4", tmp_path / "ext4", "-o", "loop", str(image))
+    yield from h.loop_mounted(tmp_path, 16 * MIB, ["mkfs.ext4", "-q", "-F"], "loopback ext4")
 
 
 def test_a_full_disk_is_an_error_not_a_reason_to_try_another_way(

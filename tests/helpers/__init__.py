@@ -53,9 +53,11 @@ from tests.helpers.committed import (
 )
 from tests.helpers.counting import CountingDict, LookupBudget, OverBudget
 from tests.helpers.files import (
+    copy_between,
     data_pkl_name,
     fingerprint,
     listing,
+    loop_mounted,
     mounted,
     pickle_globals,
     pickle_protocol,
@@ -111,6 +113,7 @@ __all__ = [
     "child",
     "ckpt_env",
     "console_script",
+    "copy_between",
     "copy_fixture",
     "data_pkl_name",
     "describe",
@@ -122,6 +125,7 @@ __all__ = [
     "listing",
     "load",
     "load_truth",
+    "loop_mounted",
     "make_model",
     "manifest",
     "mixed_dtypes",

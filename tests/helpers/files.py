@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import os
 import pickletools
+import shutil
 import subprocess
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickles import load_pickle
 from ckpt_tools.formats.repickle import dumps, zip_storage_id
+from ckpt_tools.io.clone import CopyCounts, Writeback, copy_range
 from tests.helpers.committed import tools
 from tests.helpers.trees import torch_dtype
 
@@ -62,6 +65,53 @@ def mounted(kind: str, folder: Path, *options: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", str(folder)], check=False)
+
+
+def loop_mounted(folder: Path, size: int, mkfs: Sequence[str], kind: str) -> Iterator[Path]:
+    """A ``size``-byte image made by ``mkfs ... IMAGE``, loop-mounted at ``folder/mnt``.
+
+    For a fixture to yield from; skips where this is not root, ``mkfs`` is missing or fails,
+    or the mount fails. Unmounts and removes the image when it ends.
+    """
+    if os.geteuid() != 0 or shutil.which(mkfs[0]) is None:
+        pytest.skip(f"needs root and {mkfs[0]} for a {kind}")
+    image = folder / "fs.img"
+    with open(image, "wb") as f:
+        f.truncate(size)
+    made = subprocess.run([*mkfs, str(image)], capture_output=True, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"{mkfs[0]} failed: {made.stderr.decode(errors='replace')[-200:]}")
+    try:
+        yield from mounted(kind, folder / "mnt", "-o", "loop", str(image))
+    finally:
+        image.unlink(missing_ok=True)
+
+
+def copy_between(
+    src: Path,
+    dst: Path,
+    src_offset: int,
+    dst_offset: int,
+    count: int,
+    method: str | None = None,
+    *,
+    writeback: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[CopyCounts, bytes, int]:
+    """``copy_range`` from ``src`` into a fresh ``dst``: the counts, the bytes written, the flags.
+
+    ``writeback`` passes a :class:`Writeback` of the output, which tells the copy whether
+    the output is durable (outside an ``atomic_output``: yes). The flags are the output's
+    file status flags after the copy, as the kernel reports them.
+    """
+    with open(src, "rb") as s, open(dst, "w+b") as d:
+        told = Writeback(d.fileno()) if writeback else None
+        counts = copy_range(
+            s.fileno(), src_offset, d.fileno(), dst_offset, count, progress, told, method
+        )
+        flags = fcntl.fcntl(d.fileno(), fcntl.F_GETFL)
+        d.seek(dst_offset)
+        return counts, d.read(), flags
 
 
 def listing(folder: Path) -> list[str]:
