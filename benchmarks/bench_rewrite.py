@@ -94,6 +94,8 @@ STRIP = "ckpt strip-module IN OUT --quiet"
 NO_DIRECT = "  same, no direct write"
 ABLATED = "  same, no direct write, no early writeback"
 UNSPLIT = "  --no-fsync, no 64 KiB split"
+FAST_DIRECT = "  --no-fsync, all direct"
+FAST_CACHED = "  --no-fsync, page cache only"
 FAST = "ckpt strip-module IN OUT --quiet --no-fsync"
 # strip-module (through click, not the fast path) with one part of the copy engine undone.
 PATCHED = (
@@ -111,6 +113,12 @@ NO_WRITEBACK_CODE = PATCHED.format(
 # --no-fsync, with its kernel copies started wherever the run starts, not split at the
 # output's first 64 KiB boundary.
 NO_SPLIT_CODE = PATCHED.format(patch="c._FOLIO_ALIGNMENT = 1")
+# --no-fsync with all of the tensor bytes written straight to the disk (CKPT_COPY_METHOD=
+# direct): no page cache to fill, but the command waits for the disk for every byte.
+DIRECT_CODE = PATCHED.format(patch="import os\nos.environ[c.COPY_METHOD_ENV] = 'direct'")
+# --no-fsync with all of them through the page cache (CKPT_COPY_METHOD=copy_file_range), as
+# before the part past the kernel's dirty room went direct (io/dirty_room.py).
+CACHED_CODE = PATCHED.format(patch="import os\nos.environ[c.COPY_METHOD_ENV] = 'copy_file_range'")
 
 NAIVE_PT = (
     "import sys, torch\n"
@@ -238,6 +246,8 @@ def bench_size(
             commands[NO_DIRECT] = python_command(NO_DIRECT_CODE, *strip_args)
             commands[ABLATED] = python_command(NO_WRITEBACK_CODE, *strip_args)
             commands[UNSPLIT] = python_command(NO_SPLIT_CODE, *strip_args, "--no-fsync")
+            commands[FAST_CACHED] = python_command(CACHED_CODE, *strip_args, "--no-fsync")
+            commands[FAST_DIRECT] = python_command(DIRECT_CODE, *strip_args, "--no-fsync")
         if naive_ok:
             naive = NAIVE_PT if fmt == "pt" else NAIVE_ST
             commands[f"naive {fmt} load + rename + save"] = [
@@ -435,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         "--no-ablate",
         dest="ablate",
         action="store_false",
-        help="skip the variants (no direct write, no early writeback, no 64 KiB split)",
+        help="skip the variants (no direct write, no early writeback, no 64 KiB split, "
+        "--no-fsync all through the page cache or all direct)",
     )
     ap.add_argument(
         "--verify",

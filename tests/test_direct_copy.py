@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_tools.io import direct
+from ckpt_tools.io import direct, dirty_room
 from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.clone import COPY_METHODS, Writeback, copy_range
 from ckpt_tools.io.direct import DIRECT_MIN, direct_span
@@ -89,9 +89,22 @@ def test_a_durable_copy_writes_whole_pages_direct_and_the_ends_through_the_cache
         assert not flags & os.O_DIRECT  # the output's flags are as they were
 
 
+@pytest.fixture
+def roomy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's dirty room as a machine with little dirty data has it: 1 GiB."""
+    vmstat = tmp_path / "vmstat"
+    pages = (2 << 30) // PAGE
+    vmstat.write_text(
+        f"nr_dirty 0\nnr_writeback 0\nnr_dirty_threshold {pages}\nnr_dirty_background_threshold 0\n"
+    )
+    monkeypatch.setattr(dirty_room, "VMSTAT", vmstat)
+
+
+@pytest.mark.usefixtures("roomy")
 def test_a_copy_that_is_not_fsynced_stays_in_the_page_cache(tmp_path: Path, source: Path) -> None:
     # --no-fsync: the bytes need not reach the disk before the command ends, and the page
-    # cache takes them faster than the disk does.
+    # cache takes them faster than the disk does, within the kernel's dirty room (past it,
+    # tests/test_dirty_room.py).
     for durable in (False, True):
         with (
             open(source, "rb") as s,
@@ -199,6 +212,10 @@ import fcntl, os, sys
 from ckpt_tools.ops.rewriting import strip_module_file
 
 seen = []
+if len(sys.argv) > 4:  # a file in /proc/vmstat's format: the kernel's dirty room to assume
+    import ckpt_tools.io.dirty_room
+
+    ckpt_tools.io.dirty_room.VMSTAT = sys.argv[4]
 
 def hook(event, args):
     if event == "fcntl.fcntl" and args[1] == fcntl.F_SETFL and args[2] & os.O_DIRECT:
@@ -210,12 +227,15 @@ print(len(seen))
 """
 
 
-def _direct_writes(src: Path, dst: Path, durable: bool = True, method: str = "") -> int:
+def _direct_writes(
+    src: Path, dst: Path, durable: bool = True, method: str = "", vmstat: Path | None = None
+) -> int:
     env = {k: v for k, v in os.environ.items() if k != "CKPT_COPY_METHOD"}
     if method:
         env["CKPT_COPY_METHOD"] = method
+    args = [str(src), str(dst), "durable" if durable else "no"]
     done = subprocess.run(
-        [sys.executable, "-c", _COUNT_DIRECT, str(src), str(dst), "durable" if durable else "no"],
+        [sys.executable, "-c", _COUNT_DIRECT, *args, *([str(vmstat)] if vmstat else [])],
         capture_output=True,
         text=True,
         env=env,
@@ -241,8 +261,15 @@ def test_a_durable_rewrite_writes_its_tensor_bytes_direct_with_every_method_alik
         pytest.skip("this file system shares blocks: a rewrite clones instead")
     durable = tmp_path / f"durable{suffix}"
     assert _direct_writes(src, durable) == 1
-    assert _direct_writes(src, tmp_path / f"c{suffix}", durable=False) == 0
-    outputs = {"durable": durable.read_bytes()}
+    # Not durable: the page cache, within the kernel's dirty room; past it, direct too.
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text(f"nr_dirty 0\nnr_writeback 0\nnr_dirty_threshold {1 << 20}\n")
+    vmstat.write_text(vmstat.read_text() + "nr_dirty_background_threshold 0\n")
+    assert _direct_writes(src, tmp_path / f"c{suffix}", durable=False, vmstat=vmstat) == 0
+    vmstat.write_text(vmstat.read_text().replace(f"threshold {1 << 20}", "threshold 0"))
+    no_room = tmp_path / f"no_room{suffix}"
+    assert _direct_writes(src, no_room, durable=False, vmstat=vmstat) == 1
+    outputs = {"durable": durable.read_bytes(), "no room": no_room.read_bytes()}
     for method in COPY_METHODS:
         dst = tmp_path / f"{method}{suffix}"
         seen = _direct_writes(src, dst, method=method)

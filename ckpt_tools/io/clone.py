@@ -12,8 +12,12 @@ ENOSYS, ENOTTY, EPERM ...), never on a failing disk:
 2. ``direct``: for an output that will be fsynced (or when named), the whole pages of a
    large range are written with ``O_DIRECT`` from a mapping of the source
    (:mod:`ckpt_tools.io.direct`): the bytes must reach the disk before the command ends
-   anyway, and this way they do not pile up as dirty pages first. Where source and output
-   offsets agree modulo the page size only; the head and tail go on to the next method.
+   anyway, and this way they do not pile up as dirty pages first. For an output that will
+   not be fsynced, only the part of a range past the kernel's dirty room
+   (:mod:`ckpt_tools.io.dirty_room`): up to it the page cache takes the bytes without
+   waiting for the disk; past it the kernel would make the copy wait for the writeback.
+   Where source and output offsets agree modulo the page size only; the head and tail go
+   on to the next method.
 3. ``copy_file_range``: the kernel copies page-cache pages (and may reflink by itself).
 4. ``readwrite``: ``pread``/``pwrite`` in 8 MiB pieces.
 
@@ -36,7 +40,8 @@ from typing import NamedTuple, Protocol
 
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.atomic import output_is_durable
-from ckpt_tools.io.direct import aligned_span, copy_direct, direct_span
+from ckpt_tools.io.direct import DIRECT_MIN, aligned_span, copy_direct, direct_span
+from ckpt_tools.io.dirty_room import dirty_room
 
 __all__ = [
     "COPY_METHODS",
@@ -231,6 +236,13 @@ def copy_range(
     if not body and count > 0 and (first == "direct" or (first == "clone" and durable)):
         head, body = direct_span(src_offset, dst_offset, count)
         middle, method_used = copy_direct, "direct"
+    elif not body and first == "clone" and count > DIRECT_MIN:
+        # Not durable: the page cache takes what the kernel lets in unpaced; the rest would
+        # wait for the writeback anyway, and goes straight to the disk instead.
+        room = dirty_room()
+        if room is not None and room < count:
+            skip, body = direct_span(src_offset + room, dst_offset + room, count - room)
+            head, middle, method_used = room + skip, copy_direct, "direct"
     if not body:
         kernel = first != "readwrite"
         return _copy_bytes(
