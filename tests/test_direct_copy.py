@@ -92,11 +92,7 @@ def test_a_durable_copy_writes_whole_pages_direct_and_the_ends_through_the_cache
 @pytest.fixture
 def roomy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's dirty room as a machine with little dirty data has it: 1 GiB."""
-    vmstat = tmp_path / "vmstat"
-    pages = (2 << 30) // PAGE
-    vmstat.write_text(
-        f"nr_dirty 0\nnr_writeback 0\nnr_dirty_threshold {pages}\nnr_dirty_background_threshold 0\n"
-    )
+    vmstat = h.vmstat_file(tmp_path / "vmstat", (2 << 30) // PAGE, 0, 0)
     monkeypatch.setattr(dirty_room, "VMSTAT", vmstat)
 
 
@@ -262,11 +258,9 @@ def test_a_durable_rewrite_writes_its_tensor_bytes_direct_with_every_method_alik
     durable = tmp_path / f"durable{suffix}"
     assert _direct_writes(src, durable) == 1
     # Not durable: the page cache, within the kernel's dirty room; past it, direct too.
-    vmstat = tmp_path / "vmstat"
-    vmstat.write_text(f"nr_dirty 0\nnr_writeback 0\nnr_dirty_threshold {1 << 20}\n")
-    vmstat.write_text(vmstat.read_text() + "nr_dirty_background_threshold 0\n")
+    vmstat = h.vmstat_file(tmp_path / "vmstat", 1 << 20, 0, 0)
     assert _direct_writes(src, tmp_path / f"c{suffix}", durable=False, vmstat=vmstat) == 0
-    vmstat.write_text(vmstat.read_text().replace(f"threshold {1 << 20}", "threshold 0"))
+    h.vmstat_file(vmstat, 0, 0, 0)
     no_room = tmp_path / f"no_room{suffix}"
     assert _direct_writes(src, no_room, durable=False, vmstat=vmstat) == 1
     outputs = {"durable": durable.read_bytes(), "no room": no_room.read_bytes()}

@@ -24,17 +24,7 @@ MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _vmstat(path: Path, threshold: int, background: int, dirty: int, writeback: int = 0) -> Path:
-    """A /proc/vmstat-like file with these page counts, among lines the reader must skip."""
-    path.write_text(
-        "nr_free_pages 123456\n"
-        f"nr_dirty {dirty}\n"
-        f"nr_writeback {writeback}\n"
-        "nr_dirtied 99999999\n"
-        f"nr_dirty_threshold {threshold}\n"
-        f"nr_dirty_background_threshold {background}\n"
-    )
-    return path
+_vmstat = h.vmstat_file
 
 
 @pytest.mark.parametrize(
@@ -67,11 +57,15 @@ def test_counters_that_cannot_be_read_give_no_room_figure(tmp_path: Path, text: 
     assert dirty_room(tmp_path / "missing") is None
 
 
-@pytest.mark.skipif(not Path("/proc/vmstat").exists(), reason="Linux's /proc/vmstat")
-def test_this_machines_room_is_within_its_memory() -> None:
+def test_this_machines_room_is_read_from_its_kernel_counters() -> None:
+    try:
+        text = Path("/proc/vmstat").read_text()
+    except OSError:
+        pytest.skip("no /proc/vmstat (not Linux)")
+    if "nr_dirty_threshold " not in text:
+        pytest.skip("this kernel publishes no dirty thresholds")
     room = dirty_room()
-    assert room is not None
-    assert 0 <= room <= os.sysconf("SC_PHYS_PAGES") * PAGE
+    assert isinstance(room, int) and room % PAGE == 0
 
 
 @pytest.fixture
@@ -123,6 +117,14 @@ def test_the_part_past_the_room_goes_straight_to_the_disk(
     assert data == source.read_bytes()[3 * PAGE + 100 : 3 * PAGE + 100 + part]
     assert counts.kernel == (12 * MIB + PAGE - 100) + 100  # to the boundary, and the tail
     assert counts.direct == part - 12 * MIB - PAGE
+    # A room past half of the copy: the page cache takes it, the disk the 16 MiB after.
+    _vmstat(vmstat, 2 * 24 * MIB // PAGE, 0, 0)
+    reported: list[int] = []
+    counts, data, _ = h.copy_between(
+        source, tmp_path / "most.bin", 0, 0, count, progress=reported.append
+    )
+    assert data == source.read_bytes()[:count] and sum(reported) == count
+    assert counts.kernel == 24 * MIB and counts.direct == 16 * MIB
     # Room for all of it, or no figure at all: the page cache takes everything, as before.
     _vmstat(vmstat, 2 * count // PAGE, 0, 0)
     assert _copy_not_durable(source, tmp_path / "fits.bin", count).direct == 0

@@ -15,7 +15,7 @@ ENOSYS, ENOTTY, EPERM ...), never on a failing disk:
    anyway, and this way they do not pile up as dirty pages first. For an output that will
    not be fsynced, only the part of a range past the kernel's dirty room
    (:mod:`ckpt_tools.io.dirty_room`): up to it the page cache takes the bytes without
-   waiting for the disk; past it the kernel would make the copy wait for the writeback.
+   waiting for the disk; past it the kernel limits the copy to about the writeback's pace.
    Where source and output offsets agree modulo the page size only; the head and tail go
    on to the next method.
 3. ``copy_file_range``: the kernel copies page-cache pages (and may reflink by itself).
@@ -238,7 +238,7 @@ def copy_range(
         middle, method_used = copy_direct, "direct"
     elif not body and first == "clone" and count > DIRECT_MIN:
         # Not durable: the page cache takes what the kernel lets in unpaced; the rest would
-        # wait for the writeback anyway, and goes straight to the disk instead.
+        # be paced to the writeback anyway, and goes straight to the disk instead.
         room = dirty_room()
         if room is not None and room < count:
             skip, body = direct_span(src_offset + room, dst_offset + room, count - room)

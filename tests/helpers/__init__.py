@@ -68,6 +68,7 @@ from tests.helpers.files import (
     temp_files,
     tensor_from_span,
     truncated_copy,
+    vmstat_file,
 )
 from tests.helpers.trees import (
     GEOMETRY,
@@ -156,6 +157,7 @@ __all__ = [
     "transposed_views",
     "truncated_copy",
     "value_bytes",
+    "vmstat_file",
     "walk_tensors",
     "with_prefix",
 ]

@@ -114,6 +114,24 @@ def copy_between(
         return counts, d.read(), flags
 
 
+def vmstat_file(
+    path: Path, threshold: int, background: int, dirty: int, writeback: int = 0
+) -> Path:
+    """A file in ``/proc/vmstat``'s format with these page counts (among lines to skip).
+
+    Points :data:`ckpt_tools.io.dirty_room.VMSTAT` at a kernel dirty room of a test's choosing.
+    """
+    path.write_text(
+        "nr_free_pages 123456\n"
+        f"nr_dirty {dirty}\n"
+        f"nr_writeback {writeback}\n"
+        "nr_dirtied 99999999\n"
+        f"nr_dirty_threshold {threshold}\n"
+        f"nr_dirty_background_threshold {background}\n"
+    )
+    return path
+
+
 def listing(folder: Path) -> list[str]:
     """The names in ``folder``, sorted."""
     return sorted(p.name for p in Path(folder).iterdir())
