@@ -148,16 +148,24 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
     """``(record count, directory offset, directory size, end record offset)``."""
     tail_len = min(size, _EOCD.size + _MAX_COMMENT)
     tail = pread(fd, tail_len, size - tail_len)
-    at = tail.rfind(_EOCD_SIG)
-    # The end record whose comment runs exactly to the end of the file; torch.save writes
-    # none, and a signature inside a comment is skipped as zip readers skip it.
+    # torch's reader (miniz) takes the last signature with a whole record after it, whatever
+    # its comment length says, so a signature inside another record's comment is the one it
+    # reads. That record's comment must then run exactly to the end of the file (torch.save
+    # writes none): anything else is refused.
     end = len(tail)
-    while at >= 0 and (
-        at + _EOCD.size > end or at + _EOCD.size + _EOCD.unpack_from(tail, at)[-1] != end
-    ):
+    at = tail.rfind(_EOCD_SIG)
+    while at >= 0 and at + _EOCD.size > end:
         at = tail.rfind(_EOCD_SIG, 0, at)
     if at < 0:
         raise corrupt_zip(path, "no end record ends the file (truncated, or bytes follow it)")
+    comment = _EOCD.unpack_from(tail, at)[-1]
+    if at + _EOCD.size + comment != end:
+        raise corrupt_zip(
+            path,
+            f"its last end record declares a {comment}-byte comment where "
+            f"{end - at - _EOCD.size} bytes follow it (bytes were added after the archive, or "
+            "its comment holds another end record, which is the one torch reads)",
+        )
     _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
     eocd_offset = size - tail_len + at
     if disk != 0 or cd_disk != 0 or disk_count != count:
