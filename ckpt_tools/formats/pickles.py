@@ -32,9 +32,16 @@ from ckpt_tools.errors import (
 from ckpt_tools.formats.allowlist import resolve_allowed
 from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, check_expansion
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
-from ckpt_tools.formats.standins import StorageTypeRef, is_count
+from ckpt_tools.formats.standins import StorageTypeRef, is_count, module_record
 
-__all__ = ["MAX_NESTING", "MAX_PICKLE_BYTES", "ReadResult", "gc_paused", "id_text", "load_pickle"]
+__all__ = [
+    "MAX_NESTING",
+    "MAX_PICKLE_BYTES",
+    "ReadResult",
+    "gc_paused",
+    "id_text",
+    "load_pickle",
+]
 
 # A data.pkl past this size is not a state dict; refusing it bounds what we hold in memory.
 MAX_PICKLE_BYTES = 1 << 30
@@ -143,9 +150,8 @@ class _Restricted:
         if not isinstance(pid, tuple) or not pid:
             raise CorruptCheckpointError(f"unexpected persistent id {short_repr(pid)}")
         kind = pid[0].decode("ascii") if isinstance(pid[0], bytes) else pid[0]
-        if kind == "module" and len(pid) >= 2:
-            # Legacy whole-module saves: the class (an Opaque type) stands for the source check.
-            return pid[1]
+        if kind == "module":  # legacy whole-module saves: the class (an Opaque type)
+            return module_record(pid[1:])
         # torch unpacks the id into exactly its names: 5 in a zip's data.pkl, 6 (with the view)
         # in a legacy file; any other length fails there ("too many values to unpack").
         if kind != "storage":

@@ -21,6 +21,7 @@ __all__ = [
     "StorageTypeRef",
     "TorchSize",
     "is_count",
+    "module_record",
     "storage_type_ref",
 ]
 
@@ -102,3 +103,27 @@ def storage_type_ref(dtype: str) -> StorageTypeRef:
     """
     name = DTYPE_STORAGE_TYPE.get(dtype)
     return StorageTypeRef("torch", name) if name is not None else UNTYPED_STORAGE
+
+
+def module_record(record: tuple[Any, ...]) -> Any:
+    """The class a legacy file's module record ``(class, source file, source)`` stands for.
+
+    torch's legacy readers call ``_check_container_source(*record)`` when the last two are
+    set, which takes exactly three values and needs a class (any other record fails there,
+    as in a fuzzed file holding ``("5",)``), and return the first. We take the shape
+    ``torch.save`` wrote and refuse the rest.
+
+    Raises:
+        CorruptCheckpointError: any other record.
+    """
+    sources = record[1:]
+    if (
+        len(record) == 3
+        and isinstance(record[0], type)
+        and all(isinstance(value, str | None) for value in sources)
+    ):
+        return record[0]
+    raise CorruptCheckpointError(
+        f"unexpected module record {short_repr(record)} (torch's reader takes a class, its "
+        "source file and its source)"
+    )

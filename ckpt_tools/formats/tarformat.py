@@ -35,7 +35,7 @@ from ckpt_tools.formats.allowlist import checked_tensor
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.legacy import check_byte_order, offset_locator
 from ckpt_tools.formats.pickles import ReadResult, id_text, load_pickle
-from ckpt_tools.formats.standins import StorageTypeRef
+from ckpt_tools.formats.standins import StorageTypeRef, module_record
 
 __all__ = ["read_tar_members"]
 
@@ -231,11 +231,8 @@ class _TarReader:
 
         Errors raised here are prefixed with the file name by :meth:`pickle`.
         """
-        if isinstance(pid, tuple):
-            # (module class, source file, source): torch only compares the source.
-            if not pid:
-                raise CorruptCheckpointError("empty persistent id")
-            return pid[0]
+        if isinstance(pid, tuple):  # (module class, source file, source)
+            return module_record(pid)
         name = _key(pid)
         if name in self.tensors:
             return self.tensors[name]

@@ -67,6 +67,8 @@ _CENTRAL_SIG = b"PK\x01\x02"
 _LOCAL = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIG = b"PK\x03\x04"
 _MAX_COMMENT = 0xFFFF
+# torch's reader (miniz) looks for the end record in blocks of this size, from the end back.
+_MINIZ_BLOCK = 4096
 _U16, _U32 = 0xFFFF, 0xFFFFFFFF
 _STORED, _DEFLATED = 0, 8
 _FLAG_DATA_DESCRIPTOR, _FLAG_UTF8 = 0x8, 0x800
@@ -158,16 +160,33 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
         at = tail.rfind(_EOCD_SIG, 0, at)
     if at < 0:
         raise corrupt_zip(path, "no end record ends the file (truncated, or bytes follow it)")
+    eocd_offset = size - tail_len + at
     comment = _EOCD.unpack_from(tail, at)[-1]
-    if at + _EOCD.size + comment != end:
+    follows = end - at - _EOCD.size
+    if comment > follows:
         raise corrupt_zip(
             path,
-            f"its last end record declares a {comment}-byte comment where "
-            f"{end - at - _EOCD.size} bytes follow it (bytes were added after the archive, or "
-            "its comment holds another end record, which is the one torch reads)",
+            f"its end record (at byte {eocd_offset}) declares a {comment}-byte comment where "
+            f"{follows} bytes follow it (the file is truncated, or the length is corrupt)",
+        )
+    if comment < follows:
+        raise corrupt_zip(
+            path,
+            f"{follows - comment} bytes follow its last end record and comment (at byte "
+            f"{eocd_offset}: bytes were appended after the archive, or that record lies inside "
+            "another record's comment, and it is the one torch reads); "
+            f"an archive ends at byte {eocd_offset + _EOCD.size + comment}",
+        )
+    if size > _MINIZ_BLOCK and eocd_offset < (size - _MINIZ_BLOCK) % (_MINIZ_BLOCK - 3):
+        # miniz scans back in 4 KiB blocks, each 3 bytes over the last, and one that would
+        # start before byte 0 wraps around and fails instead of starting at 0.
+        raise corrupt_zip(
+            path,
+            f"its end record (at byte {eocd_offset}) lies before byte "
+            f"{(size - _MINIZ_BLOCK) % (_MINIZ_BLOCK - 3)}, where torch's reader stops looking "
+            f"for it in a {size}-byte file (a long comment in a small archive)",
         )
     _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
-    eocd_offset = size - tail_len + at
     if disk != 0 or cd_disk != 0 or disk_count != count:
         raise corrupt_zip(path, "it spans several disks")
     needs_zip64 = count == _U16 or _U32 in (cd_size, cd_offset)
