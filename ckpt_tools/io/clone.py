@@ -232,17 +232,10 @@ def copy_range(
     head, body, middle, method_used = 0, 0, _clone_body, "cloned"
     if count > 0 and first == "clone":
         head, body = _clone_span(src_fd, src_offset, dst_fd, dst_offset, count)
-    durable = writeback is not None and writeback.active
-    if not body and count > 0 and (first == "direct" or (first == "clone" and durable)):
-        head, body = direct_span(src_offset, dst_offset, count)
-        middle, method_used = copy_direct, "direct"
-    elif not body and first == "clone" and count > DIRECT_MIN:
-        # Not durable: the page cache takes what the kernel lets in unpaced; the rest would
-        # be paced to the writeback anyway, and goes straight to the disk instead.
-        room = dirty_room()
-        if room is not None and room < count:
-            skip, body = direct_span(src_offset + room, dst_offset + room, count - room)
-            head, middle, method_used = room + skip, copy_direct, "direct"
+    start = None if body else _direct_start(first, writeback, count)
+    if start is not None:
+        skip, body = direct_span(src_offset + start, dst_offset + start, count - start)
+        head, middle, method_used = start + skip, copy_direct, "direct"
     if not body:
         kernel = first != "readwrite"
         return _copy_bytes(
@@ -257,6 +250,21 @@ def copy_range(
     return counts + _copy_bytes(
         src_fd, src_offset + done, dst_fd, dst_offset + done, count - done, progress, writeback
     )
+
+
+def _direct_start(first: str, writeback: _Told | None, count: int) -> int | None:
+    """Where in a range direct writes may start; ``None``: nowhere (all through the cache).
+
+    A durable output (or a named ``direct``) from its start: its bytes must reach the disk
+    anyway. Any other output, with the default method, past the kernel's dirty room: up to it
+    the page cache takes the bytes unpaced, past it they would be paced to the writeback.
+    """
+    if first == "direct" or (first == "clone" and writeback is not None and writeback.active):
+        return 0
+    if first != "clone" or count <= DIRECT_MIN:
+        return None
+    room = dirty_room()
+    return room if room is not None and room < count else None
 
 
 def _clone_body(
