@@ -116,11 +116,10 @@ def module_record(record: tuple[Any, ...]) -> Any:
     Raises:
         CorruptCheckpointError: any other record.
     """
-    sources = record[1:]
     if (
         len(record) == 3
         and isinstance(record[0], type)
-        and all(isinstance(value, str | None) for value in sources)
+        and all(isinstance(value, str | None) for value in record[1:])
     ):
         return record[0]
     raise CorruptCheckpointError(

@@ -161,7 +161,7 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
     if at < 0:
         raise corrupt_zip(path, "no end record ends the file (truncated, or bytes follow it)")
     eocd_offset = size - tail_len + at
-    comment = _EOCD.unpack_from(tail, at)[-1]
+    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
     follows = end - at - _EOCD.size
     if comment > follows:
         raise corrupt_zip(
@@ -177,16 +177,16 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
             "another record's comment, and it is the one torch reads); "
             f"an archive ends at byte {eocd_offset + _EOCD.size + comment}",
         )
-    if size > _MINIZ_BLOCK and eocd_offset < (size - _MINIZ_BLOCK) % (_MINIZ_BLOCK - 3):
-        # miniz scans back in 4 KiB blocks, each 3 bytes over the last, and one that would
-        # start before byte 0 wraps around and fails instead of starting at 0.
+    # miniz scans back in 4 KiB blocks, each 3 bytes over the last, and one that would start
+    # before byte 0 wraps around and fails instead of starting at 0.
+    scanned_from = (size - _MINIZ_BLOCK) % (_MINIZ_BLOCK - 3) if size > _MINIZ_BLOCK else 0
+    if eocd_offset < scanned_from:
         raise corrupt_zip(
             path,
-            f"its end record (at byte {eocd_offset}) lies before byte "
-            f"{(size - _MINIZ_BLOCK) % (_MINIZ_BLOCK - 3)}, where torch's reader stops looking "
-            f"for it in a {size}-byte file (a long comment in a small archive)",
+            f"its end record (at byte {eocd_offset}) lies before byte {scanned_from}, where "
+            f"torch's reader stops looking for it in a {size}-byte file (a long comment in a "
+            "small archive)",
         )
-    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
     if disk != 0 or cd_disk != 0 or disk_count != count:
         raise corrupt_zip(path, "it spans several disks")
     needs_zip64 = count == _U16 or _U32 in (cd_size, cd_offset)
