@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MIB, fmt_table, machine_note, sync_all, workdir
+from common import MIB, fmt_table, machine_note, meminfo_bytes, sync_all, workdir
 
 CALL = 256 * MIB
 FOLIO = 64 << 10
@@ -56,17 +56,6 @@ def reported_kib() -> int | None:
         return int(REPORTED.read_text())
     except (OSError, ValueError):
         return None
-
-
-def free_bytes() -> int:
-    """MemFree from /proc/meminfo (0 where unreadable): touching more would evict the input."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemFree:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def touch(nbytes: int) -> None:
@@ -128,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(os.urandom(min(CALL, args.size_mb * MIB - f.tell())))
         sync_all()
         copy_profile(src, out, 0)  # untimed: reads the input into the page cache
-        touch_bytes = min(args.touch_mb * MIB, max(free_bytes() - 512 * MIB, 0))
+        touch_bytes = min(args.touch_mb * MIB, max((meminfo_bytes("MemFree") or 0) - 512 * MIB, 0))
         print(f"touched state: {touch_bytes / MIB:.0f} MiB written and released before each run")
         for r in range(args.rounds):
             for state, prepare in states.items():

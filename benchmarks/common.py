@@ -539,6 +539,19 @@ def load_note() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
+def meminfo_bytes(field: str) -> int | None:
+    """A ``/proc/meminfo`` figure (``MemTotal``, ``MemFree`` ...) in bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name == field:
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def machine_note() -> str:
     """CPU count, RAM, Python and torch versions (torch version read without importing it)."""
     try:
@@ -547,12 +560,8 @@ def machine_note() -> str:
         torch_v = version("torch")
     except Exception:
         torch_v = "?"
-    try:
-        with open("/proc/meminfo") as f:
-            mem_kb = int(f.readline().split()[1])
-        mem = f"{mem_kb / (1 << 20):.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        mem = "? RAM"
+    total = meminfo_bytes("MemTotal")
+    mem = f"{total / (1 << 30):.0f} GiB RAM" if total is not None else "? RAM"
     return (
         f"{os.cpu_count()} CPUs, {mem}, Python {sys.version.split()[0]}, torch {torch_v}, "
         f"peak RSS via {rss_method()}"

@@ -49,6 +49,26 @@ def _copied_end(data: bytes) -> bytes:
     return _with_comment(data, data[at : at + EOCD.size])
 
 
+def _saved(tmp_path: Path) -> bytes:
+    """The bytes of a small ``torch.save`` file, the one every case changes."""
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2)}, good)
+    return good.read_bytes()
+
+
+def _both_read(path: Path) -> tuple[dict | None, dict | None]:
+    """``(torch's state dict, ours)``, each ``None`` where that reader refuses the file."""
+    try:
+        theirs = torch.load(path, weights_only=True)
+    except (RuntimeError, OSError):  # miniz's refusals; a failed read past byte 0 is OSError
+        theirs = None
+    try:
+        ours = load_state_dict(path)
+    except CorruptCheckpointError:
+        ours = None
+    return theirs, ours
+
+
 def _long_comment(length: int) -> Callable[[bytes], bytes]:
     return lambda data: _with_comment(data, b"x" * length)
 
@@ -90,19 +110,9 @@ CASES: dict[str, tuple[Callable[[bytes], bytes], str]] = {
 @pytest.mark.parametrize("case", CASES)
 def test_the_end_record_torch_reads_is_the_one_we_read(tmp_path: Path, case: str) -> None:
     change, expected = CASES[case]
-    sd = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2)}
-    good = tmp_path / "good.pt"
-    torch.save(sd, good)
     path = tmp_path / "changed.pt"
-    path.write_bytes(change(good.read_bytes()))
-    try:
-        theirs = torch.load(path, weights_only=True)
-    except (RuntimeError, OSError):  # miniz's refusals; a failed read past byte 0 is OSError
-        theirs = None
-    try:
-        ours = load_state_dict(path)
-    except CorruptCheckpointError:
-        ours = None
+    path.write_bytes(change(_saved(tmp_path)))
+    theirs, ours = _both_read(path)
     assert (theirs is not None) == (expected != BOTH_REFUSE), f"torch no longer: {expected}"
     assert (ours is not None) == (expected == BOTH_READ), f"{case}: expected {expected}"
     if ours is not None:
@@ -123,24 +133,12 @@ def test_the_fuzz_input_is_refused_in_one_line(tmp_path: Path) -> None:
 def test_plain_comments_of_every_length_are_read_where_torch_reads_them(tmp_path: Path) -> None:
     # Where a plain comment pushes the end record before the first block torch's reader
     # looks at depends on the file's size modulo 4093: a sweep of lengths, torch the oracle.
-    sd = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2)}
-    good = tmp_path / "good.pt"
-    torch.save(sd, good)
-    data = good.read_bytes()
+    data = _saved(tmp_path)
     verdicts = {True: 0, False: 0}
     for length in range(1500, 65536, 197):
         path = tmp_path / "commented.pt"
         path.write_bytes(_with_comment(data, b"c" * length))
-        try:
-            torch.load(path, weights_only=True)
-            theirs = True
-        except (RuntimeError, OSError):
-            theirs = False
-        try:
-            load_state_dict(path)
-            ours = True
-        except CorruptCheckpointError:
-            ours = False
+        theirs, ours = (result is not None for result in _both_read(path))
         assert ours == theirs, f"a {length}-byte comment: torch reads it: {theirs}"
         verdicts[theirs] += 1
     assert verdicts[True] and verdicts[False]  # the sweep crosses both sides
