@@ -39,8 +39,8 @@ _SMALL_RECORD = 1 << 16
 def _archive_root(entries: list[ZipEntry], path: str) -> str:
     """The folder torch reads from: the first record's top folder (as PyTorchStreamReader).
 
-    A record outside that folder is invisible to torch; a ``data.pkl`` there would be read
-    by a reader that looked for it elsewhere, so any such record is refused.
+    torch.load lists every record when it opens an archive and refuses one outside that
+    folder (compared exactly, case included); so do we.
     """
     if not entries:
         raise CorruptCheckpointError(f"{path!r} is a zip archive without records", path=path)
@@ -55,10 +55,69 @@ def _archive_root(entries: list[ZipEntry], path: str) -> str:
     if outside:
         raise CorruptCheckpointError(
             f"{path!r}: records {', '.join(map(repr, outside[:3]))} lie outside the archive "
-            f"folder {root!r}, which torch ignores; the archive is ambiguous",
+            f"folder {root!r} (named by its first record); torch.load refuses such an archive",
             path=path,
         )
     return root
+
+
+class _Lookup:
+    """The records of an archive found by name as torch's reader finds them.
+
+    torch's reader (miniz's ``mz_zip_reader_locate_file``, a binary search over the names
+    sorted without regard to ASCII case) finds ``root/name`` in any case: an archive with
+    ``data.pkl`` and ``DATA.PKL`` gives torch one of the two, by the order of the sort.
+    So a name torch looks up must match exactly one record, spelled exactly as torch.save
+    spells it; anything else is refused, naming the records (torch.save never writes them).
+    """
+
+    def __init__(self, path: str, entries: list[ZipEntry], root: str) -> None:
+        self._path = path
+        self._prefix = f"{root}/"
+        self._by_folded: dict[bytes, list[ZipEntry]] = {}
+        for entry in entries:
+            self._by_folded.setdefault(entry.raw_name.lower(), []).append(entry)
+
+    def find(self, name: str) -> ZipEntry | None:
+        """The record torch reads as ``name`` (inside the root folder); None without one.
+
+        Raises:
+            CorruptCheckpointError: several records answer to ``name``, or one that is
+                spelled otherwise.
+        """
+        wanted = (self._prefix + name).encode("utf-8", "surrogatepass")
+        found = self._by_folded.get(wanted.lower())
+        if not found:
+            return None
+        if len(found) > 1:
+            raise CorruptCheckpointError(
+                f"{self._path!r}: records {' and '.join(repr(e.name) for e in found[:2])} both "
+                f"answer torch's lookup of {name!r} (it ignores case), and torch reads one of "
+                "them by the order of its sort: the archive is ambiguous",
+                path=self._path,
+            )
+        if found[0].raw_name != wanted:
+            raise CorruptCheckpointError(
+                f"{self._path!r}: record {found[0].name!r} is the one torch reads as {name!r} "
+                "(its lookup ignores case); torch.save never spells a record so, and a "
+                "reader that does not ignore case reads another archive",
+                path=self._path,
+            )
+        return found[0]
+
+    def listing(self) -> str:
+        """The first few record names, for messages."""
+        names = [e.name for entries in self._by_folded.values() for e in entries]
+        return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+    def __contains__(self, name: str) -> bool:
+        return self.find(name) is not None
+
+    def __getitem__(self, name: str) -> ZipEntry:
+        found = self.find(name)
+        if found is None:
+            raise KeyError(name)
+        return found
 
 
 def _records(entries: list[ZipEntry], root: str) -> dict[str, ZipRecord]:
@@ -99,21 +158,18 @@ def _stoull_int64(text: bytes) -> int | None:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _check_reader_records(
-    path: str, fd: int | FileSlice, entries: dict[str, ZipEntry]
-) -> bytes | None:
+def _check_reader_records(path: str, fd: int | FileSlice, entries: _Lookup) -> bytes | None:
     """What torch's reader checks when it opens any torch zip, TorchScript or not.
 
     Returns the serialization id record's bytes (None without one).
     """
-    listing = ", ".join(list(entries)[:5]) + (" ..." if len(entries) > 5 else "")
-    id_entry = entries.get(".data/serialization_id")
+    id_entry = entries.find(".data/serialization_id")
     serialization_id = None if id_entry is None else _read_small(path, fd, id_entry)
     name = next((n for n in _VERSION_RECORDS if n in entries), None)
     if name is None:
         raise CorruptCheckpointError(
             f"{path!r} is a zip archive without a version record, so it is not a torch "
-            f"archive torch.load reads (records: {listing})",
+            f"archive torch.load reads (records: {entries.listing()})",
             path=path,
         )
     text = _read_small(path, fd, entries[name])
@@ -147,18 +203,17 @@ def _check_serialization_id(path: str, serialization_id: bytes | None) -> None:
         ) from e
 
 
-def _check_load_records(path: str, fd: int | FileSlice, entries: dict[str, ZipEntry]) -> None:
+def _check_load_records(path: str, fd: int | FileSlice, entries: _Lookup) -> None:
     """What ``torch.serialization._load`` reads and parses before data.pkl, parsed as it does."""
-    listing = ", ".join(list(entries)[:5]) + (" ..." if len(entries) > 5 else "")
     if "data.pkl" not in entries:
         raise CorruptCheckpointError(
             f"{path!r} is a zip archive without a data.pkl record, so it is not a torch "
-            f"archive torch.load reads (records: {listing})",
+            f"archive torch.load reads (records: {entries.listing()})",
             path=path,
         )
     if ".format_version" in entries:
         _read_small(path, fd, entries[".format_version"])  # compared as bytes: any value
-    order = entries.get("byteorder")
+    order = entries.find("byteorder")
     if order is not None:
         value = _read_small(path, fd, order)
         if value == b"big":
@@ -171,7 +226,7 @@ def _check_load_records(path: str, fd: int | FileSlice, entries: dict[str, ZipEn
             raise CorruptCheckpointError(
                 f"{path!r}: its byteorder record is {value[:16]!r}, not little or big", path=path
             )
-    alignment = entries.get(".storage_alignment")
+    alignment = entries.find(".storage_alignment")
     if alignment is not None:
         value = _read_small(path, fd, alignment)
         try:
@@ -192,8 +247,7 @@ def _check_storage_records(
     path: str,
     fd: int | FileSlice,
     storages: Mapping[str, StorageRef],
-    records: Mapping[str, ZipRecord],
-    entries: Mapping[str, ZipEntry],
+    entries: _Lookup,
 ) -> None:
     """Every storage record torch.load would read exists, has the size it needs, and reads.
 
@@ -208,21 +262,21 @@ def _check_storage_records(
                 f"{path!r}: storage {storage.key!r} is a legacy storage view, which a zip "
                 "archive cannot hold (torch.load refuses it too)"
             )
-        record = records.get(f"data/{storage.key}")
+        record = entries.find(f"data/{storage.key}")
         if record is None:
             raise CorruptCheckpointError(
                 f"{path!r}: the pickle refers to storage {storage.key!r} but the archive has no "
                 f"record data/{storage.key}"
             )
-        if record.size != storage.nbytes:
+        if record.file_size != storage.nbytes:
             # torch.load refuses both ways ("record size does not match expected size").
             raise CorruptCheckpointError(
                 f"{path!r}: storage {storage.key!r} needs {storage.nbytes} bytes, its record "
-                f"holds {record.size}",
+                f"holds {record.file_size}",
                 path=path,
             )
         if record.compressed:
-            check_inflates(path, fd, entries[f"data/{storage.key}"])
+            check_inflates(path, fd, record)
 
 
 class ArchiveContents(NamedTuple):
@@ -252,20 +306,22 @@ def read_torch_archive(path: str, fd: int | FileSlice, size: int) -> ArchiveCont
     """
     entries = read_zip_directory(path, fd, size)
     root = _archive_root(entries, path)
-    by_name = {e.name[len(root) + 1 :]: e for e in entries}
-    serialization_id = _check_reader_records(path, fd, by_name)
-    # Decided only now, on an archive torch's reader opens, and as torch.load decides.
-    fmt = "torchscript" if _TORCHSCRIPT_MARKER in by_name else "torch-zip"
+    lookup = _Lookup(path, entries, root)
+    serialization_id = _check_reader_records(path, fd, lookup)
+    # Decided only now, on an archive torch's reader opens, and as torch.load decides: by
+    # the exact name in the list of records, not by a lookup.
+    is_script = any(e.name == f"{root}/{_TORCHSCRIPT_MARKER}" for e in entries)
+    fmt = "torchscript" if is_script else "torch-zip"
     if fmt == "torch-zip":
-        _check_load_records(path, fd, by_name)
-    elif "data.pkl" not in by_name:
+        _check_load_records(path, fd, lookup)
+    elif "data.pkl" not in lookup:
         raise CorruptCheckpointError(
             f"{path!r} is a TorchScript archive without data.pkl", path=path
         )
-    payload = read_entry(path, fd, by_name["data.pkl"], MAX_PICKLE_BYTES)
+    payload = read_entry(path, fd, lookup["data.pkl"], MAX_PICKLE_BYTES)
     result = load_pickle(io.BytesIO(payload))
     records = _records(entries, root)
-    _check_storage_records(path, fd, result.storages, records, by_name)
+    _check_storage_records(path, fd, result.storages, lookup)
     if fmt == "torch-zip" and not result.unsafe_globals:
         # (torch refuses an unsafe global first, while unpickling: that refusal stands.)
         _check_serialization_id(path, serialization_id)

@@ -71,7 +71,7 @@ _MAX_COMMENT = 0xFFFF
 _MINIZ_BLOCK = 4096
 _U16, _U32 = 0xFFFF, 0xFFFFFFFF
 _STORED, _DEFLATED = 0, 8
-_FLAG_DATA_DESCRIPTOR, _FLAG_UTF8 = 0x8, 0x800
+_FLAG_DATA_DESCRIPTOR = 0x8
 # The central-directory flags torch's reader (miniz) refuses: encryption (0x1), patched data
 # (0x20) and strong encryption (0x40) when the record is read; a masked local header (0x2000,
 # an encrypted central directory) when the archive is opened. We refuse them on any record.
@@ -90,6 +90,8 @@ class ZipEntry(NamedTuple):
     # Where the record's local header starts: a layout-preserving rewrite copies the header
     # and the bytes as one run (io/layout.py). -1 where unknown.
     header_offset: int = -1
+    # The name's bytes as stored: torch's reader compares those, not the decoded text.
+    raw_name: bytes = b""
 
 
 def corrupt_zip(path: str, why: str) -> CorruptCheckpointError:
@@ -255,7 +257,9 @@ def _entries(
                     f"start of the central directory at {cd_offset} (truncated or overlapping)",
                 )
             compressed = method == _DEFLATED
-            entries.append(ZipEntry(name, data_offset, csize, usize, crc, compressed, offset))
+            entries.append(
+                ZipEntry(name, data_offset, csize, usize, crc, compressed, offset, raw_name)
+            )
     return entries
 
 
@@ -289,7 +293,16 @@ def _central_entries(
         at = start + name_len + extra_len + comment_len
         if at > len(directory):
             raise corrupt_zip(path, "its central directory is truncated")
-        name = raw_name.decode("utf-8" if flags & _FLAG_UTF8 else "cp437")
+        try:
+            # torch.load lists the records as Python text, UTF-8 whatever the flags say
+            # (``get_all_records``), and fails on any other name.
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise corrupt_zip(
+                path,
+                f"record {raw_name!r} is not named in UTF-8 ({e.reason} at byte {e.start}); "
+                "torch.load fails listing the archive's records",
+            ) from e
         if raw_name in seen:
             raise corrupt_zip(
                 path, f"record {name!r} appears twice (readers disagree on which one)"

@@ -43,7 +43,21 @@ def z_rename(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     if model is None or not model.entries:
         return None
     e = d.choice(model.entries)
-    how = d.choice(("root", "record", "traversal", "absolute", "case", "strip_root", "backslash"))
+    how = d.choice(
+        (
+            "root",
+            "record",
+            "traversal",
+            "absolute",
+            "case",
+            "record_case",
+            "strip_root",
+            "backslash",
+            "double_slash",
+            "dot_segment",
+            "not_utf8",
+        )
+    )
     if how == "root":
         e.name = d.choice(("other", "archive", "", "a/b", "..")) + "/" + e.rel
     elif how == "record":
@@ -54,8 +68,16 @@ def z_rename(data: bytes, d: Draw, names: list[str]) -> bytes | None:
         e.name = "/" + e.name
     elif how == "case":
         e.name = e.name.upper()
+    elif how == "record_case":  # torch's lookup ignores case; its folder check does not
+        e.name = e.root + "/" + _flip_case(e.rel, d)
     elif how == "backslash":
         e.name = e.name.replace("/", "\\")
+    elif how == "double_slash":
+        e.name = e.root + "//" + e.rel
+    elif how == "dot_segment":
+        e.name = e.root + "/./" + e.rel
+    elif how == "not_utf8":  # written as the byte 0xff (build_zip encodes surrogateescape)
+        e.name = e.name + "\udcff"
     else:
         e.name = e.rel
     names.append(f"zip.rename.{how}")
@@ -96,6 +118,60 @@ def z_duplicate(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     else:
         model.entries.append(copy) if d.bool() else model.entries.insert(0, copy)
     names.append("zip.duplicate")
+    return _build(model, d)
+
+
+def _flip_case(name: str, d: Draw) -> str:
+    """``name`` with the case of some of its letters changed (at least one, where it has one)."""
+    letters = [i for i, c in enumerate(name) if c.isascii() and c.isalpha()]
+    if not letters:
+        return name
+    flips = {d.choice(letters)} | {i for i in letters if d.bool(30)}
+    return "".join(c.swapcase() if i in flips else c for i, c in enumerate(name))
+
+
+# The records torch's reader looks up by name (case-insensitively) when torch.load reads a zip.
+LOOKED_UP = (
+    "data.pkl",
+    "version",
+    ".data/version",
+    "byteorder",
+    ".format_version",
+    ".storage_alignment",
+    ".data/serialization_id",
+)
+
+
+def z_case_twin(data: bytes, d: Draw, names: list[str]) -> bytes | None:
+    """A record torch looks up gets a twin named the same but for case, with other bytes,
+    before or after it; or is renamed to such a spelling (torch still finds it)."""
+    model = _zip(data)
+    if model is None:
+        return None
+    looked_up = [e for e in model.entries if e.rel in LOOKED_UP or e.rel.startswith("data/")]
+    if not looked_up:
+        return None
+    original = d.choice(looked_up)
+    twin_name = original.root + "/" + _flip_case(original.rel, d)
+    if twin_name == original.name:
+        return None
+    if d.bool(25):
+        original.name = twin_name
+        names.append("zip.case_twin.renamed")
+        return _build(model, d)
+    payload = original.payload()
+    if original.rel == "data.pkl":
+        parsed = po.parse(payload)
+        ops = p_payload([list(o) for o in parsed[0]], d) if parsed is not None else None
+        payload = po.assemble(ops) if ops else (mutate_pickle(payload, d, [], "zip") or payload)
+    elif original.rel.startswith("data/"):
+        payload = bytes(len(payload)) if d.bool() else payload[::-1]
+    else:
+        payload = d.choice((b"99", b"big", b"3", b"\xff", payload + b"0"))
+    twin = zipfmt.Entry.make(twin_name, payload, original.method)
+    at = model.entries.index(original)
+    model.entries.insert(at + 1 if d.bool() else at, twin)
+    names.append("zip.case_twin." + ("pkl" if original.rel == "data.pkl" else "other"))
     return _build(model, d)
 
 
@@ -279,6 +355,7 @@ ZIP_MUTATORS: dict[str, Callable[[bytes, Draw, list[str]], bytes | None]] = {
     "rename": z_rename,
     "drop": z_drop,
     "duplicate": z_duplicate,
+    "case_twin": z_case_twin,
     "reorder": z_reorder,
     "size": z_size,
     "crc": z_crc,
@@ -292,4 +369,12 @@ ZIP_MUTATORS: dict[str, Callable[[bytes, Draw, list[str]], bytes | None]] = {
     "comment": z_comment,
     "style": z_style,
 }
-ZIP_WEIGHTS = {"pickle": 8, "storage": 2, "size": 2, "duplicate": 2, "prefix": 2, "deflate": 2}
+ZIP_WEIGHTS = {
+    "pickle": 8,
+    "storage": 2,
+    "size": 2,
+    "duplicate": 2,
+    "case_twin": 2,
+    "prefix": 2,
+    "deflate": 2,
+}
