@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.ops.rewriting import convert, retag, rewrite, strip_module_file
     from ckpt_tools.ops.sanitize import sanitize
     from ckpt_tools.ops.sanitize_result import SanitizeReport
+    from ckpt_tools.ops.scan import FileScan, Finding, ScanReport, scan
     from ckpt_tools.ops.slim import slim
     from ckpt_tools.ops.transform_result import TransformResult
     from ckpt_tools.structure.keys import (
@@ -113,6 +114,10 @@ _PUBLIC: dict[str, str] = {
     "ShardsResult": "ckpt_tools.ops.reshard",
     "sanitize": "ckpt_tools.ops.sanitize",
     "SanitizeReport": "ckpt_tools.ops.sanitize_result",
+    "scan": "ckpt_tools.ops.scan",
+    "ScanReport": "ckpt_tools.ops.scan",
+    "FileScan": "ckpt_tools.ops.scan",
+    "Finding": "ckpt_tools.ops.scan",
     "consolidate": "ckpt_tools.ops.consolidate",
     "ConsolidateResult": "ckpt_tools.ops.consolidate",
     "slim": "ckpt_tools.ops.slim",
@@ -140,6 +145,8 @@ __all__ = [
     "ConversionError",
     "CorruptCheckpointError",
     "DiffReport",
+    "FileScan",
+    "Finding",
     "KeyCollisionError",
     "KeyRule",
     "LfsPointerError",
@@ -154,6 +161,7 @@ __all__ = [
     "RewriteResult",
     "SameFileError",
     "SanitizeReport",
+    "ScanReport",
     "SelectError",
     "Selection",
     "ShardsResult",
@@ -184,6 +192,7 @@ __all__ = [
     "retag",
     "rewrite",
     "sanitize",
+    "scan",
     "select_state_dict",
     "slim",
     "strip_module_file",

@@ -28,6 +28,11 @@ _COMMANDS = {
         "inspect_cmd",
         "Describe a checkpoint from its structure: never runs its pickle, never imports torch.",
     ),
+    "scan": _Entry(
+        "ckpt_tools.cli.scan_cmd",
+        "scan_cmd",
+        "Can loading these checkpoints run code? A verdict per file, running nothing in it.",
+    ),
     "strip-module": _Entry(
         "ckpt_tools.cli.rewrite_cmd",
         "strip_module_cmd",

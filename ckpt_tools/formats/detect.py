@@ -61,11 +61,13 @@ _PICKLE_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVX")
 _MAX_SAFETENSORS_HEADER = 100_000_000
 
 
-def detect_format(path: str | os.PathLike[str]) -> str:
+def detect_format(path: str | os.PathLike[str], *, content_only: bool = False) -> str:
     """Detect a checkpoint's format by content.
 
     Args:
         path: a file, a folder, or a shard index (``*.index.json``).
+        content_only: tell the format from the content alone: a torch checkpoint named
+            ``*.safetensors`` (which torch.load refuses by its name) is then ``torch-zip``.
 
     Returns:
         One of :data:`FORMATS`. ``torch-zip`` and ``torchscript`` are both zip archives: this
@@ -101,7 +103,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         if not stat.S_ISREG(opened.st_mode):
             raise _not_regular(p, opened.st_mode)
         head = os.pread(fd, 512, 0)
-        return _format_of(p, opened.st_size, head, lambda n: os.pread(fd, n, 0))
+        find = _content_format if content_only else _format_of
+        return find(p, opened.st_size, head, lambda n: os.pread(fd, n, 0))
     finally:
         os.close(fd)
 

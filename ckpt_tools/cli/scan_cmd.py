@@ -1,0 +1,72 @@
+"""``ckpt scan PATH...``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import click
+
+from ckpt_tools.cli.render import echo_json
+from ckpt_tools.ops.scan import scan
+
+_EXAMPLES = """
+\b
+Examples:
+  ckpt scan model.pt                      one file: its verdict and findings
+  ckpt scan ~/downloads/ runs/            every checkpoint under these folders, by content
+  ckpt scan --fail-on nonstandard ckpts/  also fail on numpy, Namespace, OmegaConf ...
+  ckpt scan --format sarif models/ > scan.sarif
+"""
+
+
+@click.command("scan", epilog=_EXAMPLES)
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["text", "json", "sarif"]),
+    default="text",
+    show_default=True,
+    help="How to print the verdicts (sarif: SARIF 2.1.0, for code-scanning tools).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the same as --format json).")
+@click.option(
+    "--fail-on",
+    type=click.Choice(["dangerous", "nonstandard"]),
+    default="dangerous",
+    show_default=True,
+    help="Exit 1 on this severity or worse (nonstandard: numpy, Namespace, OmegaConf ...).",
+)
+def scan_cmd(paths: tuple[str, ...], output_format: str, as_json: bool, fail_on: str) -> int:
+    """Can loading these checkpoints run code? A verdict per file, running nothing in it.
+
+    Every pickle in each file is read without being run, and each global it imports is
+    judged: dangerous (can run code, or unknown), nonstandard (known data types that
+    torch's weights_only refuses), or allowed. Verdicts: clean, nonstandard, unreadable
+    (not read the way torch reads it), dangerous. Exit 0: nothing dangerous; 1: something
+    dangerous (or nonstandard, with --fail-on nonstandard); 4: an unreadable file.
+    """
+    report = scan(paths, progress=_progress_line())
+    if output_format == "sarif":
+        echo_json(report.to_sarif())
+    elif as_json or output_format == "json":
+        echo_json(report.to_json())
+    else:
+        click.echo(report.text())
+    return report.exit_code(fail_on=fail_on)  # type: ignore[arg-type]
+
+
+def _progress_line() -> Callable[[int, int, str], None] | None:
+    """One line on a terminal's stderr, rewritten per file, for scans of several files."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int, path: str) -> None:
+        if total > 1:
+            line = f"scanning {done + 1}/{total} {path}"[:78]
+            end = "\n" if done + 1 == total else ""
+            sys.stderr.write(f"\r{line:<78}{end}")
+            sys.stderr.flush()
+
+    return show

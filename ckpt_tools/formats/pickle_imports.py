@@ -1,0 +1,192 @@
+"""Every global a pickle imports, found without running it.
+
+A pickle has no branches: every opcode before its STOP runs when it is loaded, so every
+``GLOBAL``, ``INST``, ``STACK_GLOBAL`` and extension code in that span is an import that
+``pickle.load`` (and ``torch.load(weights_only=False)``) performs. This walk replays the
+stack with the strings a pickle pushes (and memoizes) and nothing else, so a
+``STACK_GLOBAL`` whose module and name were memoized long before is still named; one whose
+operands are not plain strings (built by a call) is reported unresolved, never guessed.
+Names are given as Python 3 resolves them (``__builtin__.eval`` is ``builtins.eval``).
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import io
+import pickletools
+from typing import BinaryIO, NamedTuple
+
+from ckpt_tools.errors import ResourceLimitError
+from ckpt_tools.formats.limits import LimitedReader
+
+__all__ = ["ImportScan", "PickleImport", "find_imports", "starts_like_pickle"]
+
+
+class PickleImport(NamedTuple):
+    """One import a pickle performs.
+
+    Attributes:
+        module: the module, None where the pickle computes it (unresolved).
+        name: the attribute (dotted for nested ones), None where computed.
+        position: the byte offset of the opcode that imports it.
+        opcode: ``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``OBJ`` or ``EXT1``/``EXT2``/``EXT4``.
+    """
+
+    module: str | None
+    name: str | None
+    position: int
+    opcode: str
+
+    @property
+    def qualname(self) -> str:
+        """``module.name``, or a description of what could not be resolved."""
+        if self.module is None or self.name is None:
+            if self.opcode.startswith("EXT"):
+                return "<copyreg extension code>"
+            return "<computed global>"
+        return f"{self.module}.{self.name}"
+
+
+class ImportScan(NamedTuple):
+    """What one walk over a pickle found.
+
+    Attributes:
+        imports: the imports, in the order the pickle performs them.
+        end: the offset just past the STOP opcode; None where there was none.
+        malformed: why the bytes stop being a pickle (None when they are one); the imports
+            above are those before that point, each of which a loader would perform.
+        truncated: the bytes ran out before a STOP (more bytes may complete the pickle).
+    """
+
+    imports: tuple[PickleImport, ...]
+    end: int | None
+    malformed: str | None = None
+    truncated: bool = False
+
+
+# Protocol 2+ pickles start with PROTO; these opcodes start the protocol 0 and 1 pickles that
+# Python writes (a mark, a container, a global, a value).
+_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVXiJKM")
+_MARK = pickletools.markobject
+_STRINGS = frozenset(
+    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE"}
+    | {"BINUNICODE8"}
+)
+_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_EXTS = frozenset({"EXT1", "EXT2", "EXT4"})
+
+
+def starts_like_pickle(head: bytes) -> bool:
+    """Whether ``head`` starts as the pickles Python writes do (PROTO 2-5, or a protocol 0/1
+    opcode that begins a value); a cheap test before a walk.
+
+    Example:
+        >>> import pickle
+        >>> starts_like_pickle(pickle.dumps([1])), starts_like_pickle(b"\\x00\\x00\\x80?")
+        (True, False)
+    """
+    if head[:1] == b"\x80":
+        return len(head) > 1 and 2 <= head[1] <= 5
+    return bool(head) and head[0] in _FIRST_OPCODES
+
+
+def _python3(module: str, name: str) -> tuple[str, str]:
+    # As Python's Unpickler.find_class does for protocols 0-2 (fix_imports, torch's default).
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -> ImportScan:
+    """Walk the pickle at ``start`` of ``data`` up to its STOP and list its imports.
+
+    Args:
+        data: the bytes holding the pickle (more may follow it), or a binary file.
+        start: where it begins.
+        limit: the most bytes the walk reads (a declared length past it ends the walk).
+
+    Returns:
+        The :class:`ImportScan`; a malformed or truncated pickle gives the imports before
+        the point where it fails.
+
+    Example:
+        >>> import os, pickle
+        >>> class Call:
+        ...     def __reduce__(self):
+        ...         return (os.system, ("true",))
+        >>> scan = find_imports(pickle.dumps({"x": Call()}, protocol=4))
+        >>> [i.qualname for i in scan.imports], scan.end is not None
+        (['posix.system'], True)
+    """
+    if isinstance(data, bytes):  # in memory, its length bounds every read
+        stream: BinaryIO | LimitedReader = io.BytesIO(data)
+        stream.seek(start)
+        base = 0
+    else:
+        data.seek(start)
+        stream, base = LimitedReader(data, limit), start
+    imports: list[PickleImport] = []
+    # The stack holds the strings the pickle pushed, None for any other object, and _MARK.
+    stack: list[object] = []
+    memo: dict[object, object] = {}
+    try:
+        for op, arg, pos in pickletools.genops(stream):
+            name = op.name
+            if name in _STRINGS:
+                stack.append(arg if isinstance(arg, str) else _latin1(arg))
+            elif name in ("GLOBAL", "INST"):
+                module, _, attr = str(arg).partition(" ")
+                imports.append(PickleImport(*_python3(module, attr), pos, name))
+                _apply(op, stack)
+            elif name == "STACK_GLOBAL":
+                attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
+                if isinstance(module, str) and isinstance(attr, str):
+                    imports.append(PickleImport(module, attr, pos, name))
+                else:
+                    imports.append(PickleImport(None, None, pos, name))
+                stack.append(None)
+            elif name in _EXTS:
+                imports.append(PickleImport(None, None, pos, name))
+                stack.append(None)
+            elif name in _GETS:
+                stack.append(memo.get(arg))
+            elif name in _PUTS:
+                memo[arg] = stack[-1] if stack else None
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1] if stack else None
+            elif name == "DUP":
+                stack.append(stack[-1] if stack else None)
+            elif name == "MARK":
+                stack.append(_MARK)
+            else:
+                _apply(op, stack)
+            if name == "STOP":
+                return ImportScan(tuple(imports), base + stream.tell())
+    except ResourceLimitError as e:
+        return ImportScan(tuple(imports), None, str(e))
+    except ValueError as e:
+        message = str(e)
+        truncated = "exhausted" in message or ("only" in message and "remain" in message)
+        return ImportScan(tuple(imports), None, message, truncated)
+    return ImportScan(tuple(imports), None, "no STOP opcode", True)
+
+
+def _latin1(value: object) -> object:
+    # Python 2 strings (STRING, BINSTRING) come as bytes; find_class gets them as text.
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+def _apply(op: pickletools.OpcodeInfo, stack: list[object]) -> None:
+    """Pop what ``op`` consumes (down to a mark where it takes one) and push its results."""
+    before = op.stack_before
+    if _MARK in before:
+        while stack and stack[-1] is not _MARK:
+            stack.pop()
+        if stack:
+            stack.pop()
+        below = before.index(_MARK)  # what the opcode takes from under the mark
+    else:
+        below = len(before)
+    del stack[max(0, len(stack) - below) :]
+    stack.extend([None] * len(op.stack_after))

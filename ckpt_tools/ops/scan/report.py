@@ -1,0 +1,209 @@
+"""What ``scan`` found: a verdict per file, its findings, and the report over them all.
+
+Verdicts, from best to worst: ``clean`` (every import is on torch's ``weights_only``
+allowlist), ``nonstandard`` (known data types outside it, or TorchScript code),
+``unreadable`` (not read the way torch reads it: a finding too) and ``dangerous`` (an import
+that can run code, or one the table does not know). A file that is both unreadable and
+dangerous is dangerous.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckpt_tools._version import __version__
+from ckpt_tools.errors import EXIT_CORRUPT, EXIT_DIFFERENCES, EXIT_OK
+from ckpt_tools.ops.scan.severity import Severity
+
+__all__ = ["VERDICTS", "FileScan", "Finding", "ScanReport", "Verdict"]
+
+Verdict = Literal["clean", "nonstandard", "unreadable", "dangerous"]
+#: Best to worst.
+VERDICTS: tuple[Verdict, ...] = ("clean", "nonstandard", "unreadable", "dangerous")
+_SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+_SARIF_RULES = {
+    "dangerous-global": ("error", "A pickle imports a global that can run code"),
+    "nonstandard-global": ("warning", "A pickle imports a data type outside weights_only"),
+    "unreadable": ("error", "The file cannot be read the way torch reads it"),
+    "torchscript-code": ("note", "A TorchScript archive holds code (by design)"),
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One import of a pickle that is not on the allowlist.
+
+    Attributes:
+        global_name: the qualified name (``posix.system``), or ``<computed global>``.
+        record: where the pickle lies in the file (``archive/data.pkl``, ``main pickle``).
+        severity: ``nonstandard`` or ``dangerous``.
+        reason: why, from the severity table.
+        position: the byte offset of the importing opcode in that pickle (None when only
+            the reader saw it).
+    """
+
+    global_name: str
+    record: str
+    severity: Severity
+    reason: str
+    position: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """This finding as JSON-ready data."""
+        return {
+            "global": self.global_name,
+            "record": self.record,
+            "severity": self.severity,
+            "reason": self.reason,
+            "position": self.position,
+        }
+
+
+@dataclass(frozen=True)
+class FileScan:
+    """The verdict on one file (or DCP folder).
+
+    Attributes:
+        path: the file.
+        format: its format by content (None where it has none we read).
+        verdict: see :data:`VERDICTS`.
+        findings: the imports off the allowlist, each once per record.
+        error: why the file is unreadable (None otherwise).
+        pickles: how many pickles were walked.
+        allowed: how many imports were on the allowlist.
+        code: TorchScript code files and the classes they define.
+    """
+
+    path: str
+    format: str | None
+    verdict: Verdict
+    findings: tuple[Finding, ...] = ()
+    error: str | None = None
+    pickles: int = 0
+    allowed: int = 0
+    code: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """This file's verdict as JSON-ready data."""
+        return {
+            "path": self.path,
+            "format": self.format,
+            "verdict": self.verdict,
+            "error": self.error,
+            "pickles": self.pickles,
+            "allowed": self.allowed,
+            "findings": [f.to_json() for f in self.findings],
+            "code": list(self.code),
+        }
+
+    def text(self) -> str:
+        """One line for the file, then one per finding, indented."""
+        head = f"{self.verdict:<12} {self.path}" + (f" ({self.format})" if self.format else "")
+        lines = [head]
+        if self.error:
+            lines.append(f"    {self.error}")
+        records: dict[tuple[str, str, str], list[str]] = {}
+        for f in self.findings:  # a global imported by many records is one line
+            records.setdefault((f.severity, f.global_name, f.reason), []).append(f.record)
+        for (severity, name, reason), where in records.items():
+            more = f" and {len(where) - 1} more" if len(where) > 1 else ""
+            lines.append(f"    {severity}: {name} in {where[0]}{more}: {reason}")
+        lines.extend(f"    code: {c}" for c in self.code)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ScanReport:
+    """The verdicts on every file scanned.
+
+    Attributes:
+        files: one :class:`FileScan` per checkpoint, in the order found.
+        skipped: files inside scanned folders that are not checkpoints (by content).
+
+    Example:
+        >>> from ckpt_tools import scan
+        >>> report = scan(["model.pt"])
+        >>> report.verdict, report.exit_code()
+        ('clean', 0)
+    """
+
+    files: tuple[FileScan, ...]
+    skipped: tuple[str, ...] = field(default=())
+
+    @property
+    def verdict(self) -> Verdict:
+        """The worst verdict of any file (``clean`` when there are none)."""
+        return max((f.verdict for f in self.files), key=VERDICTS.index, default="clean")
+
+    def exit_code(self, *, fail_on: Literal["dangerous", "nonstandard"] = "dangerous") -> int:
+        """The ``ckpt scan`` exit code: 1 for something dangerous (or nonstandard, with
+        ``fail_on="nonstandard"``), 4 for an unreadable file, else 0 (the worst decides)."""
+        verdict = self.verdict
+        if verdict == "dangerous" or (verdict == "nonstandard" and fail_on == "nonstandard"):
+            return EXIT_DIFFERENCES
+        return EXIT_CORRUPT if verdict == "unreadable" else EXIT_OK
+
+    def summary(self) -> str:
+        """``3 files: 1 dangerous, 2 clean`` (and the files skipped)."""
+        counts = Counter(f.verdict for f in self.files)
+        parts = [f"{counts[v]} {v}" for v in reversed(VERDICTS) if counts[v]]
+        noun = "file" if len(self.files) == 1 else "files"
+        line = f"{len(self.files)} {noun}: {', '.join(parts) or 'none'}"
+        if self.skipped:
+            line += f"; {len(self.skipped)} skipped (not checkpoints)"
+        return line
+
+    def text(self) -> str:
+        """Each file's lines, then the summary."""
+        return "\n".join([*(f.text() for f in self.files), self.summary()])
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready data."""
+        return {
+            "verdict": self.verdict,
+            "files": [f.to_json() for f in self.files],
+            "skipped": list(self.skipped),
+        }
+
+    def to_sarif(self) -> dict[str, Any]:
+        """The report as a SARIF 2.1.0 log (for code-scanning tools): one result per finding,
+        per unreadable file and per TorchScript code file."""
+        results = []
+        for file in self.files:
+            location = [{"physicalLocation": {"artifactLocation": {"uri": _uri(file.path)}}}]
+            for f in file.findings:
+                rule = f"{f.severity}-global"
+                text = f"{f.global_name} in {f.record}: {f.reason}"
+                results.append(_result(rule, text, location, {"record": f.record}))
+            if file.error:
+                results.append(_result("unreadable", file.error, location, {}))
+            for code in file.code:
+                results.append(_result("torchscript-code", code, location, {}))
+        rules = [
+            {"id": rule, "shortDescription": {"text": text}, "defaultConfiguration": {"level": lv}}
+            for rule, (lv, text) in _SARIF_RULES.items()
+        ]
+        driver = {"name": "ckpt scan", "version": __version__, "rules": rules}
+        return {
+            "$schema": _SARIF_SCHEMA,
+            "version": "2.1.0",
+            "runs": [{"tool": {"driver": driver}, "results": results}],
+        }
+
+
+def _result(rule: str, text: str, location: list[Any], properties: dict[str, Any]) -> Any:
+    return {
+        "ruleId": rule,
+        "level": _SARIF_RULES[rule][0],
+        "message": {"text": text},
+        "locations": location,
+        **({"properties": properties} if properties else {}),
+    }
+
+
+def _uri(path: str) -> str:
+    from pathlib import PurePath
+
+    return PurePath(path).as_posix()

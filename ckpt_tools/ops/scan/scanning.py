@@ -1,0 +1,212 @@
+"""``scan``: can loading this file run code? A verdict per checkpoint, files and folders.
+
+Each file is looked at twice, and nothing in it is ever run:
+
+1. read as torch reads it (:func:`~ckpt_tools.formats.open_checkpoint`, the restricted
+   unpickler): a file our reader refuses is ``unreadable``, and the globals it met that
+   are off the allowlist are findings;
+2. every pickle it holds is walked for its imports
+   (:func:`~ckpt_tools.ops.scan.sources.walk_pickles`), including the pickles torch.load
+   never reads but other loaders do, each import judged by the severity table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from ckpt_tools.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafeContentError,
+    UnsupportedFormatError,
+)
+from ckpt_tools.formats import detect_format, open_checkpoint
+from ckpt_tools.formats.pickle_imports import find_imports, starts_like_pickle
+from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
+from ckpt_tools.ops.scan.severity import Context, classify
+from ckpt_tools.ops.scan.sources import Walked, code_files, walk_pickles
+
+__all__ = ["scan", "scan_file"]
+
+#: A progress callback: (files done, files in all, the file now).
+ScanProgress = Callable[[int, int, str], None]
+
+
+def scan(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    progress: ScanProgress | None = None,
+) -> ScanReport:
+    """Give each checkpoint under ``paths`` a security verdict, running nothing in it.
+
+    Args:
+        paths: files and folders. Folders are walked recursively and every file in them
+            that is a checkpoint by content (whatever its name) is scanned; a DCP folder is
+            scanned as one checkpoint; other files are listed as skipped.
+        progress: called before each file with (files done, files in all, the file).
+
+    Returns:
+        A :class:`~ckpt_tools.ops.scan.report.ScanReport`: a verdict per file
+        (``clean``, ``nonstandard``, ``unreadable``, ``dangerous``) with its findings.
+
+    Raises:
+        CheckpointNotFoundError: a path does not exist.
+
+    Example:
+        >>> report = scan(["model.pt"])
+        >>> [(f.path, f.verdict) for f in report.files]
+        [('model.pt', 'clean')]
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    targets: list[tuple[str, bool]] = []  # (path, named by the caller)
+    for given in map(os.fspath, paths):
+        if not os.path.lexists(given):
+            raise CheckpointNotFoundError(f"no such file or folder: {given!r}", path=given)
+        if os.path.isdir(given) and not _is_dcp(given):
+            targets.extend((found, False) for found in _files_under(given))
+        else:
+            targets.append((given, True))
+    files: list[FileScan] = []
+    skipped: list[str] = []
+    for done, (path, named) in enumerate(targets):
+        if progress is not None:
+            progress(done, len(targets), path)
+        result = scan_file(path)
+        if result is None and named:
+            files.append(_unreadable(path, None, _not_a_checkpoint(path)))
+        elif result is None:
+            skipped.append(path)
+        else:
+            files.append(result)
+    return ScanReport(tuple(files), tuple(skipped))
+
+
+def _files_under(folder: str) -> Iterator[str]:
+    """Every file under ``folder`` (DCP folders whole), in a stable order; no symlinked
+    folders are followed (a link can loop)."""
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in sorted(dirs):
+            if _is_dcp(os.path.join(root, name)):
+                dirs.remove(name)
+                yield os.path.join(root, name)
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            if os.path.isfile(path):
+                yield path
+
+
+def _is_dcp(path: str) -> bool:
+    from ckpt_tools.formats.dcp import is_dcp_folder
+
+    return os.path.isdir(path) and is_dcp_folder(path)
+
+
+def scan_file(path: str) -> FileScan | None:
+    """The verdict on one file or DCP folder; None where it is not a checkpoint by content
+    (an empty file, text, a git-lfs pointer, an image).
+
+    Example:
+        >>> scan_file("model.pt").verdict
+        'clean'
+    """
+    try:
+        fmt = _content_format(path)
+    except (CheckpointError, OSError) as e:  # not a regular file, or unreadable
+        return _unreadable(path, None, str(e))
+    if fmt is None:
+        return None
+    error, reader_globals = _read_as_torch(path)
+    walked: list[Walked] = []
+    try:
+        walked.extend(walk_pickles(path, fmt))
+    except (CheckpointError, OSError, EOFError) as e:
+        error = error or str(e)
+    findings, allowed = _findings(walked, reader_globals)
+    code = ()
+    if fmt == "torch-zip" and any(w.context == "torchscript" for w in walked):
+        fmt = "torchscript"
+        try:
+            code = code_files(path)
+        except (CheckpointError, OSError) as e:
+            error = error or str(e)
+    verdict = _verdict(findings, error, bool(code))
+    return FileScan(path, fmt, verdict, findings, error, len(walked), allowed, code)
+
+
+def _content_format(path: str) -> str | None:
+    """The format by content; ``pickle`` for any file that parses as one; None for others."""
+    try:
+        fmt = detect_format(path, content_only=True)
+    except UnsupportedFormatError:
+        if not os.path.isfile(path):
+            raise
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        if not starts_like_pickle(head):
+            return None
+        scan = find_imports(head)
+        return "pickle" if scan.end is not None or (scan.truncated and scan.imports) else None
+    return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
+
+
+def _not_a_checkpoint(path: str) -> str:
+    """Why ``path`` is no checkpoint, in the format detector's words (a git-lfs pointer
+    says how to fetch the file)."""
+    try:
+        detect_format(path, content_only=True)
+    except CheckpointError as e:
+        return str(e)
+    return f"{path!r} is not a checkpoint (by content)"
+
+
+def _read_as_torch(path: str) -> tuple[str | None, tuple[str, ...]]:
+    """(why our reader refuses the file, or None; the globals it met off the allowlist)."""
+    try:
+        ckpt = open_checkpoint(path)
+    except UnsafeContentError as e:
+        return None, e.globals  # refused for what it imports: the findings say it
+    except (CheckpointError, OSError) as e:
+        return str(e), ()
+    return None, tuple(ckpt.unsafe_globals)
+
+
+def _findings(
+    walked: Sequence[Walked], reader_globals: Sequence[str]
+) -> tuple[tuple[Finding, ...], int]:
+    """The imports off the allowlist, once per (global, record); and how many were on it."""
+    found: dict[tuple[str, str], Finding] = {}
+    allowed = 0
+    for w in walked:
+        for imp in w.scan.imports:
+            rule = classify(imp.qualname, w.context)
+            if rule.severity == "allowed":
+                allowed += 1
+                continue
+            found.setdefault(
+                (imp.qualname, w.record),
+                Finding(imp.qualname, w.record, rule.severity, rule.reason, imp.position),
+            )
+    seen = {name for name, _ in found}
+    script = any(w.context == "torchscript" for w in walked)
+    context: Context = "torchscript" if script else "pickle"
+    for name in reader_globals:
+        if name not in seen:  # the walk missed it (a computed global the reader resolved)
+            rule = classify(name, context)
+            if rule.severity != "allowed":
+                found[(name, "")] = Finding(name, "main pickle", rule.severity, rule.reason)
+    return tuple(found.values()), allowed
+
+
+def _verdict(findings: Sequence[Finding], error: str | None, code: bool) -> Verdict:
+    if any(f.severity == "dangerous" for f in findings):
+        return "dangerous"
+    if error is not None:
+        return "unreadable"
+    return "nonstandard" if findings or code else "clean"
+
+
+def _unreadable(path: str, fmt: str | None, why: str) -> FileScan:
+    return FileScan(path, fmt, "unreadable", error=why)

@@ -1,0 +1,210 @@
+"""How dangerous each global a pickle imports is: a table, each entry with its reason.
+
+Three severities:
+
+- ``allowed``: on torch's ``weights_only`` allowlist (what our reader resolves itself).
+- ``nonstandard``: a known data type outside that allowlist (numpy arrays, ``argparse``
+  namespaces, OmegaConf containers, paths, the classes of a pickled ``nn.Module``): loading
+  it needs ``weights_only=False``, but it runs no code of its own choosing.
+  ``ckpt sanitize`` turns such a file into a plain one.
+- ``dangerous``: can run code or touch the system (``os``, ``subprocess``, ``eval``, torch
+  functions that load, compile or call), and every global the table does not know: an
+  unknown class is imported, then called or given its state, which is code.
+
+Rules are matched in order against the global's qualified name (``fnmatch`` patterns: ``*``
+matches dots too), so specific entries come before the families that contain them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from typing import Literal, NamedTuple
+
+from ckpt_tools.formats.allowlist import ALLOWED_GLOBALS
+from ckpt_tools.formats.dcp_globals import DCP_METADATA_GLOBALS
+
+__all__ = ["RULES", "Context", "Rule", "Severity", "classify"]
+
+Severity = Literal["allowed", "nonstandard", "dangerous"]
+#: Where a pickle lies: a plain pickle or checkpoint, a TorchScript archive's, or a DCP
+#: folder's ``.metadata`` (whose classes DCP reads as data).
+Context = Literal["pickle", "torchscript", "dcp-metadata"]
+SEVERITIES: tuple[Severity, ...] = ("allowed", "nonstandard", "dangerous")
+
+
+class Rule(NamedTuple):
+    """One row of the table: a pattern over qualified names, its severity, and why."""
+
+    pattern: str
+    severity: Severity
+    reason: str
+
+
+_RUNS = "runs commands or code, or touches files, processes or the network"
+_CALLS = "calls or reaches any function it is given (a gadget for the others)"
+_LOADS = "loads, compiles or runs code or another pickle"
+
+RULES: tuple[Rule, ...] = (
+    # Code, processes, files, the network.
+    *(
+        Rule(p, "dangerous", _RUNS)
+        for p in (
+            "os.*", "posix.*", "nt.*", "subprocess.*", "pty.*", "commands.*", "popen2.*",
+            "shutil.*", "sys.*", "socket.*", "ssl.*", "select.*", "signal.*", "ctypes.*",
+            "_ctypes.*", "multiprocessing.*", "_posixsubprocess.*", "threading.*", "_thread.*",
+            "asyncio.*", "webbrowser.*", "urllib.*", "urllib2.*", "http.*", "httplib.*",
+            "ftplib.*", "smtplib.*", "telnetlib.*", "requests.*", "aiohttp.*", "io.*",
+            "_io.*", "tempfile.*", "glob.*", "zipfile.*", "tarfile.*", "pip.*", "setuptools.*",
+            "distutils.*", "venv.*", "ensurepip.*", "logging.*", "platform.*", "resource.*",
+        )
+    ),
+    *(
+        Rule(p, "dangerous", _LOADS)
+        for p in (
+            "builtins.eval", "builtins.exec", "builtins.compile", "builtins.__import__",
+            "builtins.open", "builtins.input", "builtins.breakpoint", "builtins.help",
+            "builtins.exit", "builtins.quit", "runpy.*", "importlib.*", "imp.*", "pkgutil.*",
+            "zipimport.*", "pickle.*", "_pickle.*", "cPickle.*", "dill.*", "cloudpickle.*",
+            "joblib.*", "marshal.*", "types.*", "code.*", "codeop.*", "pdb.*", "bdb.*",
+            "trace.*", "timeit.*", "cProfile.*", "profile.*", "doctest.*", "unittest.*",
+            "pydoc.*", "idlelib.*", "lib2to3.*", "numpy.load", "numpy.loads",
+            "numpy.lib.npyio.*", "numpy.lib.format.*", "numpy.testing.*", "numpy.f2py.*",
+            "numpy.distutils.*", "numpy.ctypeslib.*",
+        )
+    ),
+    *(
+        Rule(p, "dangerous", _CALLS)
+        for p in (
+            "builtins.getattr", "builtins.setattr", "builtins.delattr", "builtins.globals",
+            "builtins.locals", "builtins.vars", "builtins.dir", "builtins.apply",
+            "builtins.map", "builtins.filter", "builtins.staticmethod",
+            "builtins.classmethod", "builtins.property", "builtins.super", "builtins.type",
+            "operator.*", "_operator.*", "functools.*", "_functools.*", "itertools.*",
+            "contextlib.*", "weakref.*", "inspect.*", "ast.*", "dis.*",
+        )
+    ),
+    # torch's own gadgets: loading, compiling, JIT, hub, packages, ops and extensions.
+    *(
+        Rule(p, "dangerous", f"torch: {_LOADS}")
+        for p in (
+            "torch.load", "torch.serialization.*", "torch.storage._load_from_bytes",
+            "torch.jit.*", "torch._C.*", "torch.hub.*", "torch.package.*", "torch.compile",
+            "torch._dynamo.*", "torch._inductor.*", "torch._functorch.*", "torch.fx.*",
+            "torch.export.*", "torch._export.*", "torch.utils.cpp_extension.*",
+            "torch.utils._config_module.*", "torch.utils.data.*", "torch.utils.hooks.*",
+            "torch.ops.*", "torch._ops.*", "torch.library.*", "torch._library.*",
+            "torch.classes.*", "torch._classes.*", "torch.distributed.*", "torch.multiprocessing.*",
+            "torch.backends.*", "torch.cuda.*", "torch._utils._import_dotted_name",
+            "torch.autograd.*", "torch.overrides.*", "torch.testing.*", "torch._higher_order_ops.*",
+        )
+    ),
+    # Known data types that torch's weights_only unpickler does not admit.
+    *(
+        Rule(p, "nonstandard", "a numpy array, scalar or dtype (numpy builds it from bytes)")
+        for p in (
+            "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+            "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.ndarray",
+            "numpy.dtype", "numpy.dtypes.*DType", "numpy.core.numeric._frombuffer",
+            "numpy._core.numeric._frombuffer", "numpy.ma.core._mareconstruct",
+            "numpy.ma.core.MaskedArray",
+        )
+    ),
+    Rule(
+        "numpy.random._pickle.__*_ctor",
+        "nonstandard",
+        "numpy's random generator state (rebuilds a generator of numpy's own)",
+    ),
+    Rule("numpy.random._*.*", "nonstandard", "numpy's random generator classes"),
+    Rule("argparse.Namespace", "nonstandard", "hyperparameters as an argparse.Namespace"),
+    *(
+        Rule(p, "nonstandard", "an OmegaConf / Hydra config container")
+        for p in (
+            "omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig",
+            "omegaconf.base.ContainerMetadata", "omegaconf.base.Metadata", "omegaconf.nodes.*",
+        )
+    ),
+    Rule("typing.Any", "nonstandard", "a type annotation (OmegaConf stores them)"),
+    *(
+        Rule(p, "nonstandard", "rebuilds an object of the class it is given (judged on its own)")
+        for p in ("copyreg._reconstructor", "copyreg.__newobj__", "copyreg.__newobj_ex__")
+    ),
+    *(
+        Rule(f"pathlib.{c}", "nonstandard", "a file system path (a value, nothing is opened)")
+        for c in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath")
+    ),
+    *(
+        Rule(p, "nonstandard", "a standard library data type")
+        for p in (
+            "collections.defaultdict", "collections.deque", "datetime.datetime", "datetime.date",
+            "datetime.time", "datetime.timedelta", "datetime.timezone", "decimal.Decimal",
+            "fractions.Fraction", "uuid.UUID", "enum.Enum", "re._compile", "builtins.dict",
+            "builtins.list", "builtins.tuple", "builtins.frozenset", "builtins.int",
+            "builtins.float", "builtins.str", "builtins.bytes", "builtins.bool", "builtins.slice",
+            "builtins.range", "builtins.object", "builtins.NotImplemented", "builtins.Ellipsis",
+        )
+    ),
+    Rule(
+        "torch._utils._rebuild_*",
+        "nonstandard",
+        "a torch tensor rebuild function outside torch's weights_only allowlist",
+    ),
+    *(
+        Rule(p, "nonstandard", "a torch data type or constant")
+        for p in (
+            "torch.strided", "torch.sparse_*", "torch.*_format", "torch.Generator",
+            "torch.nn.parameter.Buffer", "torch.nn.parameter.UninitializedParameter",
+            "torch.storage.*Storage", "torch.finfo", "torch.iinfo", "torch.dtype",
+        )
+    ),
+    Rule(
+        "torch.nn.*",
+        "nonstandard",
+        "a class of a pickled nn.Module (torch's own; the model's own classes are not)",
+    ),
+    Rule("torch.optim.*", "nonstandard", "a pickled optimizer or learning-rate scheduler"),
+    Rule("torch.amp.*", "nonstandard", "a pickled gradient scaler"),
+)  # fmt: skip
+
+# In a TorchScript archive, torch.jit.load resolves classes from the archive's own code/
+# (TorchScript, compiled by torch), not by importing Python modules.
+_TORCHSCRIPT = (
+    Rule("__torch__.*", "nonstandard", "a TorchScript class, defined in the archive's code/"),
+    Rule("torch.jit._pickle.*", "nonstandard", "TorchScript's own pickle helpers"),
+)
+_UNKNOWN = Rule(
+    "*",
+    "dangerous",
+    "not in the table: loading imports its module and calls or builds it, which can run code",
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def classify(qualname: str, context: Context = "pickle") -> Rule:
+    """The rule that decides ``qualname``'s severity where a pickle of ``context`` imports it.
+
+    Args:
+        qualname: ``module.name`` as Python 3 resolves it (``posix.system``), or a
+            description in angle brackets for a global the pickle computes.
+        context: where the pickle lies.
+
+    Returns:
+        The first matching :class:`Rule`; unknown and computed globals are dangerous.
+
+    Example:
+        >>> classify("posix.system").severity, classify("numpy.ndarray").severity
+        ('dangerous', 'nonstandard')
+        >>> classify("torch._utils._rebuild_tensor_v2").severity
+        'allowed'
+        >>> classify("mypackage.Net").reason
+        'not in the table: loading imports its module and calls or builds it, which can run code'
+    """
+    if qualname in ALLOWED_GLOBALS:
+        return Rule(qualname, "allowed", "on torch's weights_only allowlist")
+    if context == "dcp-metadata" and qualname in DCP_METADATA_GLOBALS:
+        return Rule(qualname, "allowed", "a DCP metadata class (read as data)")
+    rules = (*_TORCHSCRIPT, *RULES) if context == "torchscript" else RULES
+    for rule in rules:
+        if fnmatch.fnmatchcase(qualname, rule.pattern):
+            return rule
+    return _UNKNOWN

@@ -1,0 +1,196 @@
+"""Every pickle a checkpoint file holds, found by its format's layout, and walked.
+
+- torch zip (and TorchScript): ``data.pkl`` and every other record that is a pickle by
+  content (``torch.package`` archives hold several; any record can hold one), including
+  records a name lookup would never reach; TorchScript's ``code/`` files are listed.
+- legacy (pre-1.6): the five pickles torch reads back to back (magic number, protocol,
+  ``sys_info``, the main pickle, the storage keys).
+- tar (torch < 0.4): the ``sys_info`` and ``pickle`` members, and the first pickle of the
+  others (the reader sees the rest).
+- plain pickles: each pickle that follows the last.
+- DCP: ``.metadata``, and every item's archive in the ``.distcp`` files.
+
+Nothing is unpickled here: :func:`~ckpt_tools.formats.pickle_imports.find_imports` walks the
+opcodes. Reads are bounded: a record that is not a pickle is told apart by its first bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+import zlib
+from collections.abc import Iterator
+from typing import BinaryIO, NamedTuple
+
+from ckpt_tools.errors import CheckpointError
+from ckpt_tools.formats.pickle_imports import ImportScan, find_imports, starts_like_pickle
+from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, pread, read_zip_directory
+from ckpt_tools.formats.ziprecords import read_entry
+from ckpt_tools.ops.scan.severity import Context
+
+__all__ = ["Walked", "code_files", "walk_pickles"]
+
+# A record is first tested on this many bytes; one that still parses as a pickle there is
+# walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
+_HEAD = 64 << 10
+_MOST = 64 << 20
+# Plain pickle files: pickles read back to back, at most this many.
+_MAX_SEQUENCE = 16
+_LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle", "storage keys")
+_CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
+
+
+class Walked(NamedTuple):
+    """One pickle found in a file: where, in which context, and what its walk found."""
+
+    record: str
+    context: Context
+    scan: ImportScan
+
+
+def walk_pickles(path: str, fmt: str) -> Iterator[Walked]:
+    """Every pickle in the file (or DCP folder) ``path`` of format ``fmt``, walked.
+
+    Raises:
+        CheckpointError: the layout itself cannot be read (a broken zip directory).
+        OSError: the file cannot be read.
+    """
+    if fmt in ("torch-zip", "torchscript"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            yield from _zip_pickles(path, fd, os.fstat(fd).st_size, "")
+        finally:
+            os.close(fd)
+    elif fmt == "torch-legacy":
+        yield from _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES)
+    elif fmt == "pickle":
+        yield from _sequence(path, _MAX_SEQUENCE, ())
+    elif fmt == "torch-tar":
+        yield from _tar_pickles(path)
+    elif fmt == "dcp":
+        yield from _dcp_pickles(path)
+
+
+def _zip_pickles(path: str, fd: int | FileSlice, size: int, prefix: str) -> Iterator[Walked]:
+    entries = read_zip_directory(path, fd, size)
+    script = any(e.name.endswith("/constants.pkl") for e in entries)
+    context: Context = "torchscript" if script else "pickle"
+    for entry in entries:
+        if entry.name.endswith("/"):
+            continue
+        data = _record_pickle(path, fd, entry)
+        if data is not None:
+            yield Walked(prefix + entry.name, context, find_imports(data))
+
+
+def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | None:
+    """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
+    head = _record_head(path, fd, entry, _HEAD)
+    if not starts_like_pickle(head):
+        return None
+    scan = find_imports(head)
+    if scan.truncated and entry.file_size > len(head):
+        head = _record_head(path, fd, entry, _MOST)
+        scan = find_imports(head)
+    if scan.end is None and not (scan.truncated and scan.imports):
+        return None  # not a pickle: a tensor's bytes, text, anything else
+    return head
+
+
+def _record_head(path: str, fd: int | FileSlice, entry: ZipEntry, count: int) -> bytes:
+    """The first ``count`` bytes of a record's contents (inflated where it is deflated)."""
+    if not entry.compressed:
+        return pread(fd, min(count, entry.file_size), entry.data_offset)
+    if entry.file_size <= count:
+        try:
+            return read_entry(path, fd, entry, count)
+        except CheckpointError:
+            pass  # a damaged record: its first bytes are still worth a look
+    inflater = zlib.decompressobj(-15)
+    out, at, end = bytearray(), entry.data_offset, entry.data_offset + entry.compress_size
+    try:
+        while at < end and len(out) < count and not inflater.eof:
+            raw = pread(fd, min(1 << 20, end - at), at)
+            if not raw:
+                break
+            at += len(raw)
+            out += inflater.decompress(raw, count - len(out))
+    except zlib.error:
+        pass
+    return bytes(out)
+
+
+def _sequence(path: str, most: int, names: tuple[str, ...]) -> Iterator[Walked]:
+    """Pickles back to back from the start of ``path`` (named by ``names`` where given)."""
+    with open(path, "rb") as f:
+        start, size = 0, os.fstat(f.fileno()).st_size
+        for index in range(most):
+            if start >= size or (index and not starts_like_pickle(_peek(f, start))):
+                return
+            scan = find_imports(f, start)
+            name = names[index] if index < len(names) else f"pickle {index + 1}"
+            yield Walked(name, "pickle", scan)
+            if scan.end is None:
+                return
+            start = scan.end
+
+
+def _peek(f: BinaryIO, at: int) -> bytes:
+    f.seek(at)
+    return f.read(2)
+
+
+def _tar_pickles(path: str) -> Iterator[Walked]:
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar.getmembers():
+            if member.name not in ("sys_info", "pickle", "storages", "tensors"):
+                continue
+            file = tar.extractfile(member)
+            if file is None:
+                continue
+            with file:
+                yield Walked(member.name, "pickle", find_imports(file))
+
+
+def _dcp_pickles(folder: str) -> Iterator[Walked]:
+    from ckpt_tools.formats.dcp import METADATA_FILE
+    from ckpt_tools.formats.dcp_metadata import DcpTensor, read_metadata
+
+    metadata = os.path.join(folder, METADATA_FILE)
+    with open(metadata, "rb") as f:
+        yield Walked(METADATA_FILE, "dcp-metadata", find_imports(f))
+    try:
+        items = read_metadata(folder, METADATA_FILE).items.values()
+    except CheckpointError:
+        return  # the reader reports it; the metadata's own pickle was walked above
+    spans = {
+        (c.file, c.offset, c.length)
+        for item in items
+        for c in (item.chunks if isinstance(item, DcpTensor) else (item,))
+    }
+    for file, offset, length in sorted(spans):
+        fd = os.open(os.path.join(folder, file), os.O_RDONLY)
+        try:
+            yield from _zip_pickles(
+                folder, FileSlice(fd, offset, length), length, f"{file}@{offset}:"
+            )
+        finally:
+            os.close(fd)
+
+
+def code_files(path: str) -> tuple[str, ...]:
+    """A TorchScript archive's code files, each with the classes it defines
+    (``archive/code/__torch__.py: class TinyNet``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = []
+        for entry in read_zip_directory(path, fd, os.fstat(fd).st_size):
+            if "/code/" not in entry.name or not entry.name.endswith(".py"):
+                continue
+            source = _record_head(path, fd, entry, _MOST)
+            classes = [m.decode("ascii") for m in _CLASS.findall(source)]
+            found.append(f"{entry.name}: " + (f"class {', '.join(classes)}" if classes else "code"))
+        return tuple(found)
+    finally:
+        os.close(fd)
