@@ -19,7 +19,14 @@ from typing import BinaryIO, NamedTuple
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.limits import LimitedReader
 
-__all__ = ["ImportScan", "PickleImport", "find_imports", "starts_like_pickle"]
+__all__ = [
+    "ImportScan",
+    "PickleImport",
+    "find_imports",
+    "npy_pickle_offset",
+    "python3_qualname",
+    "starts_like_pickle",
+]
 
 
 class PickleImport(NamedTuple):
@@ -89,6 +96,41 @@ def starts_like_pickle(head: bytes) -> bool:
     if head[:1] == b"\x80":
         return len(head) > 1 and 2 <= head[1] <= 5
     return bool(head) and head[0] in _FIRST_OPCODES
+
+
+def npy_pickle_offset(head: bytes) -> int | None:
+    """Where the pickle of a numpy ``.npy`` file of objects starts (``numpy.load`` with
+    ``allow_pickle=True`` unpickles it); None for anything else.
+
+    Example:
+        >>> import io, numpy as np
+        >>> buf = io.BytesIO(); np.save(buf, np.array([{}], dtype=object), allow_pickle=True)
+        >>> buf.getvalue()[npy_pickle_offset(buf.getvalue())]
+        128
+    """
+    if not head.startswith(b"\x93NUMPY") or len(head) < 12:
+        return None
+    # Format 1.0 gives the header's length in 2 bytes, 2.0 and 3.0 in 4.
+    width = 2 if head[6] == 1 else 4
+    start = 8 + width + int.from_bytes(head[8 : 8 + width], "little")
+    return start if starts_like_pickle(head[start : start + 2]) else None
+
+
+def python3_qualname(qualname: str) -> str:
+    """A global named as a Python 2 pickle names it (``__builtin__.long``), as Python 3
+    resolves it (``builtins.int``); other names unchanged.
+
+    Example:
+        >>> python3_qualname("__builtin__.long"), python3_qualname("copy_reg._reconstructor")
+        ('builtins.int', 'copyreg._reconstructor')
+    """
+    at = qualname.find(".")
+    while at > 0:
+        module, name = qualname[:at], qualname[at + 1 :]
+        if (module, name) in _compat_pickle.NAME_MAPPING or module in _compat_pickle.IMPORT_MAPPING:
+            return ".".join(_python3(module, name))
+        at = qualname.find(".", at + 1)
+    return qualname
 
 
 def _python3(module: str, name: str) -> tuple[str, str]:

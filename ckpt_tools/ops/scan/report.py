@@ -36,7 +36,8 @@ class Finding:
     """One import of a pickle that is not on the allowlist.
 
     Attributes:
-        global_name: the qualified name (``posix.system``), or ``<computed global>``.
+        global_name: the qualified name (``posix.system``), or ``<computed global>``; None
+            for a finding about the file's format itself (the record names the format).
         record: where the pickle lies in the file (``archive/data.pkl``, ``main pickle``).
         severity: ``nonstandard`` or ``dangerous``.
         reason: why, from the severity table.
@@ -44,7 +45,7 @@ class Finding:
             the reader saw it).
     """
 
-    global_name: str
+    global_name: str | None
     record: str
     severity: Severity
     reason: str
@@ -104,12 +105,13 @@ class FileScan:
         lines = [head]
         if self.error:
             lines.append(f"    {self.error}")
-        records: dict[tuple[str, str, str], list[str]] = {}
+        records: dict[tuple[str, str | None, str], list[str]] = {}
         for f in self.findings:  # a global imported by many records is one line
             records.setdefault((f.severity, f.global_name, f.reason), []).append(f.record)
         for (severity, name, reason), where in records.items():
             more = f" and {len(where) - 1} more" if len(where) > 1 else ""
-            lines.append(f"    {severity}: {name} in {where[0]}{more}: {reason}")
+            what = f"{name} in {where[0]}{more}" if name else f"the {where[0]} format"
+            lines.append(f"    {severity}: {what}: {reason}")
         lines.extend(f"    code: {c}" for c in self.code)
         return "\n".join(lines)
 
@@ -175,7 +177,8 @@ class ScanReport:
             location = [{"physicalLocation": {"artifactLocation": {"uri": _uri(file.path)}}}]
             for f in file.findings:
                 rule = f"{f.severity}-global"
-                text = f"{f.global_name} in {f.record}: {f.reason}"
+                what = f"{f.global_name} in {f.record}" if f.global_name else f"{f.record} format"
+                text = f"{what}: {f.reason}"
                 results.append(_result(rule, text, location, {"record": f.record}))
             if file.error:
                 results.append(_result("unreadable", file.error, location, {}))

@@ -22,7 +22,12 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
 )
 from ckpt_tools.formats import detect_format, open_checkpoint
-from ckpt_tools.formats.pickle_imports import find_imports, starts_like_pickle
+from ckpt_tools.formats.pickle_imports import (
+    find_imports,
+    npy_pickle_offset,
+    python3_qualname,
+    starts_like_pickle,
+)
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify
 from ckpt_tools.ops.scan.sources import Walked, code_files, walk_pickles
@@ -118,13 +123,16 @@ def scan_file(path: str) -> FileScan | None:
         return _unreadable(path, None, str(e))
     if fmt is None:
         return None
-    error, reader_globals = _read_as_torch(path)
+    # numpy.load reads an .npy, not torch: there is no torch reading to compare with.
+    error, reader_globals = (None, ()) if fmt == "numpy" else _read_as_torch(path)
     walked: list[Walked] = []
     try:
         walked.extend(walk_pickles(path, fmt))
     except (CheckpointError, OSError, EOFError) as e:
         error = error or str(e)
     findings, allowed = _findings(walked, reader_globals)
+    if fmt in _FORMATS_BEYOND_WEIGHTS_ONLY:
+        findings += (Finding(None, fmt, "nonstandard", _FORMATS_BEYOND_WEIGHTS_ONLY[fmt]),)
     code = ()
     if fmt == "torch-zip" and any(w.context == "torchscript" for w in walked):
         fmt = "torchscript"
@@ -136,6 +144,13 @@ def scan_file(path: str) -> FileScan | None:
     return FileScan(path, fmt, verdict, findings, error, len(walked), allowed, code)
 
 
+# Formats torch.load(weights_only=True) refuses whatever their pickles hold.
+_FORMATS_BEYOND_WEIGHTS_ONLY = {
+    "torch-tar": "torch.load(weights_only=True) refuses the tar format (torch < 0.4); "
+    "loading it needs weights_only=False, which runs its pickles",
+}
+
+
 def _content_format(path: str) -> str | None:
     """The format by content; ``pickle`` for any file that parses as one; None for others."""
     try:
@@ -145,6 +160,8 @@ def _content_format(path: str) -> str | None:
             raise
         with open(path, "rb") as f:
             head = f.read(1 << 16)
+        if npy_pickle_offset(head) is not None:
+            return "numpy"
         if not starts_like_pickle(head):
             return None
         scan = find_imports(head)
@@ -192,7 +209,7 @@ def _findings(
     seen = {name for name, _ in found}
     script = any(w.context == "torchscript" for w in walked)
     context: Context = "torchscript" if script else "pickle"
-    for name in reader_globals:
+    for name in map(python3_qualname, reader_globals):
         if name not in seen:  # the walk missed it (a computed global the reader resolved)
             rule = classify(name, context)
             if rule.severity != "allowed":

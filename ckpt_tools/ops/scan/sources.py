@@ -9,6 +9,7 @@
   others (the reader sees the rest).
 - plain pickles: each pickle that follows the last.
 - DCP: ``.metadata``, and every item's archive in the ``.distcp`` files.
+- numpy: the pickle of an ``.npy`` array of objects (also inside an ``.npz`` zip).
 
 Nothing is unpickled here: :func:`~ckpt_tools.formats.pickle_imports.find_imports` walks the
 opcodes. Reads are bounded: a record that is not a pickle is told apart by its first bytes.
@@ -24,7 +25,12 @@ from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
 from ckpt_tools.errors import CheckpointError
-from ckpt_tools.formats.pickle_imports import ImportScan, find_imports, starts_like_pickle
+from ckpt_tools.formats.pickle_imports import (
+    ImportScan,
+    find_imports,
+    npy_pickle_offset,
+    starts_like_pickle,
+)
 from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, pread, read_zip_directory
 from ckpt_tools.formats.ziprecords import read_entry
 from ckpt_tools.ops.scan.severity import Context
@@ -70,6 +76,11 @@ def walk_pickles(path: str, fmt: str) -> Iterator[Walked]:
         yield from _tar_pickles(path)
     elif fmt == "dcp":
         yield from _dcp_pickles(path)
+    elif fmt == "numpy":
+        with open(path, "rb") as f:
+            start = npy_pickle_offset(f.read(_HEAD))
+            if start is not None:
+                yield Walked("object array", "pickle", find_imports(f, start))
 
 
 def _zip_pickles(path: str, fd: int | FileSlice, size: int, prefix: str) -> Iterator[Walked]:
@@ -87,12 +98,17 @@ def _zip_pickles(path: str, fd: int | FileSlice, size: int, prefix: str) -> Iter
 def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | None:
     """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
     head = _record_head(path, fd, entry, _HEAD)
+    skip = npy_pickle_offset(head)  # an .npz archive's object arrays
+    if skip is not None:
+        head = _record_head(path, fd, entry, _MOST)[skip:]
     if not starts_like_pickle(head):
         return None
     scan = find_imports(head)
     if scan.truncated and entry.file_size > len(head):
         head = _record_head(path, fd, entry, _MOST)
         scan = find_imports(head)
+    if entry.name.endswith(".pkl"):
+        return head  # named a pickle: what a loader would import before it fails counts
     if scan.end is None and not (scan.truncated and scan.imports):
         return None  # not a pickle: a tensor's bytes, text, anything else
     return head

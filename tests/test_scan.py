@@ -1,0 +1,251 @@
+"""``scan`` and ``ckpt scan``: a verdict per file, against live payloads and real checkpoints.
+
+The malicious corpus (``tests/helpers/scan_corpus.py``) is proven live by
+``tests/test_scan_corpus.py``; here every one of its files must be called dangerous, every
+benign one clean, and every nonstandard one nonstandard. What ``scan`` calls clean must load
+with torch's own weights-only unpickler (or be refused by it only for an opcode the README
+names). Scanning never runs anything: no marker ever appears.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckpt_tools import scan
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.ops.scan.report import VERDICTS
+from tests.helpers.cli import run_ckpt
+from tests.helpers.committed import fixture_path
+from tests.helpers.scan_corpus import BENIGN, MALICIOUS, NONSTANDARD, CorpusEntry, build_corpus
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "realckpt"
+# Fixtures that are not benign checkpoints, and what scan says of each.
+NOT_BENIGN = {
+    "evil.pt": "dangerous",
+    "truncated.pt": "unreadable",
+    "no_data_pkl.pt": "unreadable",
+    "empty.pt": "unreadable",
+    "random.bin": "unreadable",
+    "lfs_pointer.pt": "unreadable",
+    "torchscript.pt": "nonstandard",
+    "tar_format.pt": "nonstandard",  # torch.load(weights_only=True) refuses the format
+}
+EXPECTED = {MALICIOUS: "dangerous", BENIGN: "clean", NONSTANDARD: "nonstandard"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[CorpusEntry], Path]:
+    folder = tmp_path_factory.mktemp("corpus")
+    markers = tmp_path_factory.mktemp("markers")
+    return build_corpus(folder, markers), markers
+
+
+def _fixtures() -> list[Path]:
+    folder = fixture_path("plain.pt").parent
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and p.suffix not in (".py", ".md", ".json")
+    )
+
+
+def test_every_corpus_file_gets_its_verdict_and_nothing_runs(corpus) -> None:
+    entries, markers = corpus
+    report = scan([e.path for e in entries])
+    verdicts = {Path(f.path).name: f.verdict for f in report.files}
+    wrong = {
+        e.name: (EXPECTED[e.kind], verdicts[e.path.name])
+        for e in entries
+        if verdicts[e.path.name] != EXPECTED[e.kind]
+    }
+    assert not wrong
+    assert {e.kind for e in entries} == {MALICIOUS, BENIGN, NONSTANDARD}
+    assert not list(markers.iterdir())  # nothing was run
+
+
+@pytest.mark.parametrize("kind", [MALICIOUS, NONSTANDARD, BENIGN])
+def test_the_command_exits_by_the_worst_verdict(corpus, kind: str) -> None:
+    entries, markers = corpus
+    paths = [str(e.path) for e in entries if e.kind == kind]
+    code = {MALICIOUS: 1, NONSTANDARD: 0, BENIGN: 0}[kind]
+    res = run_ckpt("scan", *paths, code=code)
+    assert res.stdout.count("\n") >= len(paths)
+    strict = {MALICIOUS: 1, NONSTANDARD: 1, BENIGN: 0}[kind]
+    run_ckpt("scan", "--fail-on", "nonstandard", *paths, code=strict)
+    assert not list(markers.iterdir())
+
+
+def test_each_malicious_file_alone_exits_1_naming_a_dangerous_global(corpus) -> None:
+    entries, _ = corpus
+    for e in (e for e in entries if e.kind == MALICIOUS):
+        res = run_ckpt("scan", "--json", e.path, code=1)
+        (found,) = json.loads(res.stdout)["files"]
+        assert found["verdict"] == "dangerous", e.name
+        assert any(f["severity"] == "dangerous" for f in found["findings"]), e.name
+
+
+def test_fixtures_get_their_verdicts_and_torchscript_is_listed_as_code() -> None:
+    report = scan(_fixtures())
+    verdicts = {Path(f.path).name: f for f in report.files}
+    for name, found in verdicts.items():
+        assert found.verdict == NOT_BENIGN.get(name, "clean"), (name, found)
+    script = verdicts["torchscript.pt"]
+    assert any("class TinyNet" in line for line in script.code)
+    assert all(f.severity == "nonstandard" for f in script.findings)
+    benign = [p for p in _fixtures() if p.name not in NOT_BENIGN]
+    run_ckpt("scan", *benign, fixture_path("torchscript.pt"), code=0)
+
+
+def test_the_fixture_folder_mixes_verdicts_and_the_worst_decides(tmp_path: Path) -> None:
+    folder = tmp_path / "mixed"
+    shutil.copytree(fixture_path("plain.pt").parent, folder)
+    (folder / "notes.md").write_text("# not a checkpoint\n")
+    res = run_ckpt("scan", "--json", folder, code=1)
+    data = json.loads(res.stdout)
+    by_name = {Path(f["path"]).name: f["verdict"] for f in data["files"]}
+    assert by_name["evil.pt"] == "dangerous" and by_name["plain.pt"] == "clean"
+    assert by_name["truncated.pt"] == "unreadable"
+    assert data["verdict"] == "dangerous"
+    # Files that are not checkpoints by content are skipped, whatever their names.
+    assert {Path(p).name for p in data["skipped"]} >= {"notes.md", "random.bin", "empty.pt"}
+    (folder / "evil.pt").unlink()
+    run_ckpt("scan", folder, code=4)  # now the worst is an unreadable file
+    for name in ("truncated.pt", "no_data_pkl.pt"):
+        (folder / name).unlink()
+    run_ckpt("scan", folder, code=0)
+    run_ckpt("scan", "--fail-on", "nonstandard", folder, code=1)  # torchscript.pt
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/realckpt is absent")
+def test_real_checkpoints_nobody_here_wrote_are_clean() -> None:
+    res = run_ckpt("scan", "--json", REAL, code=0)
+    data = json.loads(res.stdout)
+    assert data["files"] and all(f["verdict"] == "clean" for f in data["files"])
+    # The git-lfs pointer and the adapter's JSON are not checkpoints.
+    assert any("lfs_pointer" in p for p in data["skipped"])
+
+
+def test_unreadable_files_exit_4_with_the_reason(tmp_path: Path) -> None:
+    bad = tmp_path / "cut.pt"
+    torch.save({"w": torch.ones(4)}, tmp_path / "good.pt")
+    bad.write_bytes((tmp_path / "good.pt").read_bytes()[:300])
+    res = run_ckpt("scan", bad, fixture_path("lfs_pointer.pt"), code=4)
+    assert "unreadable" in res.stdout and "git lfs pull" in res.stdout
+    run_ckpt("scan", tmp_path / "missing.pt", code=2)
+
+
+def _weights_only_load(path: Path, fmt: str) -> None:
+    """Load ``path`` as torch's weights-only unpickler would, by its format."""
+    if fmt == "safetensors":
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                f.get_tensor(key)
+    elif fmt == "pickle":  # torch.load reads no plain pickle; its unpickler does
+        from torch._weights_only_unpickler import Unpickler
+
+        with path.open("rb") as f:
+            Unpickler(f).load()
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.load(path, weights_only=True)
+
+
+def test_what_scan_calls_clean_loads_with_weights_only(corpus) -> None:
+    entries, markers = corpus
+    paths = [e.path for e in entries if e.kind != MALICIOUS] + _fixtures()
+    report = scan(paths)
+    clean = [f for f in report.files if f.verdict == "clean"]
+    assert len(clean) >= 30
+    for found in clean:
+        path = Path(found.path)
+        try:
+            _weights_only_load(path, found.format or "")
+        except pickle.UnpicklingError as e:
+            # Only for an opcode outside torch's subset, which the README names.
+            assert "Unsupported operand" in str(e), (path, e)
+            assert open_checkpoint(path).beyond_weights_only, path
+    assert not list(markers.iterdir())
+
+
+def test_extra_pickle_records_are_scanned_even_where_torch_never_reads_them(
+    tmp_path: Path,
+) -> None:
+    """A torch.package-style record beside data.pkl: torch.load ignores it, a scan does not."""
+    path = tmp_path / "archive.pt"  # torch.save names the zip's folder after the file
+    torch.save({"w": torch.ones(2)}, path)
+    payload = b"\x80\x02cbuiltins\neval\nX\x03\x00\x00\x001+1\x85R."
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr("archive/extra/model.pkl", payload)
+    assert torch.load(path, weights_only=True)["w"].shape == (2,)
+    (found,) = scan(path).files
+    assert found.verdict == "dangerous"
+    assert [(f.global_name, f.record) for f in found.findings] == [
+        ("builtins.eval", "archive/extra/model.pkl")
+    ]
+
+
+def test_a_case_twin_record_is_dangerous_and_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "archive.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr("archive/DATA.PKL", b"\x80\x02cposix\nsystem\nX\x04\x00\x00\x00true\x85R.")
+    (found,) = scan(path).files
+    assert found.verdict == "dangerous" and "both answer torch's lookup" in found.error
+    assert [(f.global_name, f.record) for f in found.findings] == [
+        ("posix.system", "archive/DATA.PKL")
+    ]
+
+
+def test_a_torch_file_named_safetensors_is_still_scanned(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    shutil.copy(fixture_path("evil.pt"), path)
+    (found,) = scan(path).files
+    assert found.format == "torch-zip" and found.verdict == "dangerous"
+
+
+def test_numpy_values_and_object_arrays(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2), "mean": np.zeros(3)}, tmp_path / "np.pt")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "numbers.npy", np.zeros(3))
+    report = scan(tmp_path)
+    verdicts = {Path(f.path).name: f.verdict for f in report.files}
+    assert verdicts == {"np.pt": "nonstandard", "objects.npy": "nonstandard"}
+    assert [Path(p).name for p in report.skipped] == ["numbers.npy"]
+
+
+def test_a_dcp_folder_is_one_checkpoint(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.zeros(2, 3)}, "step": 5}, checkpoint_id=tmp_path / "run")
+    (found,) = scan(tmp_path).files
+    assert found.format == "dcp" and found.verdict == "clean"
+    assert found.pickles >= 3  # .metadata, the tensor's archive, the value's archive
+
+
+def test_json_and_sarif_name_each_finding(tmp_path: Path) -> None:
+    res = run_ckpt("scan", "--format", "sarif", fixture_path("evil.pt"), code=1)
+    sarif = json.loads(res.stdout)
+    assert sarif["version"] == "2.1.0"
+    (run,) = sarif["runs"]
+    (result,) = run["results"]
+    assert result["ruleId"] == "dangerous-global" and result["level"] == "error"
+    assert "posix.system" in result["message"]["text"]
+    assert result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"].endswith("evil.pt")
+    assert {r["id"] for r in run["tool"]["driver"]["rules"]} >= {result["ruleId"]}
+    data = json.loads(run_ckpt("scan", "--json", fixture_path("evil.pt"), code=1).stdout)
+    (finding,) = data["files"][0]["findings"]
+    assert finding["global"] == "posix.system" and finding["record"] == "archive/data.pkl"
+    assert finding["severity"] == "dangerous" and finding["reason"]
+    assert data["verdict"] in VERDICTS
