@@ -164,8 +164,9 @@ def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -
     if isinstance(data, bytes):  # in memory, its length bounds every read
         stream: BinaryIO | LimitedReader = io.BytesIO(data)
         stream.seek(start)
-        base = 0
+        base, size = 0, len(data)
     else:
+        size = data.seek(0, io.SEEK_END)
         data.seek(start)
         stream, base = LimitedReader(data, limit), start
     imports: list[PickleImport] = []
@@ -208,9 +209,10 @@ def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -
     except ResourceLimitError as e:
         return ImportScan(tuple(imports), None, str(e))
     except ValueError as e:
-        message = str(e)
-        truncated = "exhausted" in message or ("only" in message and "remain" in message)
-        return ImportScan(tuple(imports), None, message, truncated)
+        # Truncated where the walk failed for want of bytes (it read to the end, and not
+        # to an opcode that does not exist).
+        short = base + stream.tell() >= size and "unknown" not in str(e)
+        return ImportScan(tuple(imports), None, str(e), short)
     return ImportScan(tuple(imports), None, "no STOP opcode", True)
 
 

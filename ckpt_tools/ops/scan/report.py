@@ -72,8 +72,7 @@ class FileScan:
         verdict: see :data:`VERDICTS`.
         findings: the imports off the allowlist, each once per record.
         error: why the file is unreadable (None otherwise).
-        pickles: how many pickles were walked.
-        allowed: how many imports were on the allowlist.
+        pickles: how many pickles were read or walked.
         code: TorchScript code files and the classes they define.
     """
 
@@ -83,7 +82,6 @@ class FileScan:
     findings: tuple[Finding, ...] = ()
     error: str | None = None
     pickles: int = 0
-    allowed: int = 0
     code: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -94,7 +92,6 @@ class FileScan:
             "verdict": self.verdict,
             "error": self.error,
             "pickles": self.pickles,
-            "allowed": self.allowed,
             "findings": [f.to_json() for f in self.findings],
             "code": list(self.code),
         }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from ckpt_tools.errors import (
     CheckpointError,
@@ -124,24 +125,28 @@ def scan_file(path: str) -> FileScan | None:
     if fmt is None:
         return None
     # numpy.load reads an .npy, not torch: there is no torch reading to compare with.
-    error, reader_globals = (None, ()) if fmt == "numpy" else _read_as_torch(path)
+    reading = _Reading(None, (), "", frozenset()) if fmt == "numpy" else _read_as_torch(path)
+    error, fmt = reading.error, reading.format or fmt
     walked: list[Walked] = []
     try:
-        walked.extend(walk_pickles(path, fmt))
+        walked.extend(walk_pickles(path, fmt, skip=reading.read))
     except (CheckpointError, OSError, EOFError) as e:
         error = error or str(e)
-    findings, allowed = _findings(walked, reader_globals)
+    if fmt == "torch-zip" and any(w.context == "torchscript" for w in walked):
+        fmt = "torchscript"  # (the reader refused it: the walk still tells)
+    context: Context = "torchscript" if fmt == "torchscript" else "pickle"
+    findings = _findings(walked, reading, context)
     if fmt in _FORMATS_BEYOND_WEIGHTS_ONLY:
         findings += (Finding(None, fmt, "nonstandard", _FORMATS_BEYOND_WEIGHTS_ONLY[fmt]),)
-    code = ()
-    if fmt == "torch-zip" and any(w.context == "torchscript" for w in walked):
-        fmt = "torchscript"
+    code: tuple[str, ...] = ()
+    if fmt == "torchscript":
         try:
             code = code_files(path)
         except (CheckpointError, OSError) as e:
             error = error or str(e)
     verdict = _verdict(findings, error, bool(code))
-    return FileScan(path, fmt, verdict, findings, error, len(walked), allowed, code)
+    pickles = len(walked) + len(reading.read)
+    return FileScan(path, fmt, verdict, findings, error, pickles, code)
 
 
 # Formats torch.load(weights_only=True) refuses whatever their pickles hold.
@@ -179,42 +184,50 @@ def _not_a_checkpoint(path: str) -> str:
     return f"{path!r} is not a checkpoint (by content)"
 
 
-def _read_as_torch(path: str) -> tuple[str | None, tuple[str, ...]]:
-    """(why our reader refuses the file, or None; the globals it met off the allowlist)."""
+class _Reading(NamedTuple):
+    """What our reader (the way torch reads the file) made of it."""
+
+    error: str | None  # why it refuses the file; None where it reads it
+    globals: tuple[str, ...]  # the globals off the allowlist it met, as written
+    record: str  # where it met them
+    read: frozenset[str]  # records it read whole, which need no walk of their own
+    format: str | None = None
+
+
+def _read_as_torch(path: str) -> _Reading:
     try:
         ckpt = open_checkpoint(path)
-    except UnsafeContentError as e:
-        return None, e.globals  # refused for what it imports: the findings say it
+    except UnsafeContentError as e:  # refused for what it imports: the findings say it
+        return _Reading(None, e.globals, "main pickle", frozenset())
     except (CheckpointError, OSError) as e:
-        return str(e), ()
-    return None, tuple(ckpt.unsafe_globals)
+        return _Reading(str(e), (), "", frozenset())
+    if ckpt.format in ("torch-zip", "torchscript"):
+        # The C unpickler read data.pkl to its STOP and asked for every global in it (the
+        # same unpickler torch.load runs with weights_only=False): a walk would add nothing.
+        record = f"{ckpt.archive_root}/data.pkl"
+        return _Reading(None, ckpt.unsafe_globals, record, frozenset({record}), ckpt.format)
+    return _Reading(None, ckpt.unsafe_globals, "main pickle", frozenset(), ckpt.format)
 
 
-def _findings(
-    walked: Sequence[Walked], reader_globals: Sequence[str]
-) -> tuple[tuple[Finding, ...], int]:
-    """The imports off the allowlist, once per (global, record); and how many were on it."""
+def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> tuple[Finding, ...]:
+    """The imports off the allowlist, once per (global, record)."""
     found: dict[tuple[str, str], Finding] = {}
-    allowed = 0
     for w in walked:
         for imp in w.scan.imports:
             rule = classify(imp.qualname, w.context)
-            if rule.severity == "allowed":
-                allowed += 1
-                continue
-            found.setdefault(
-                (imp.qualname, w.record),
-                Finding(imp.qualname, w.record, rule.severity, rule.reason, imp.position),
-            )
+            if rule.severity != "allowed":
+                found.setdefault(
+                    (imp.qualname, w.record),
+                    Finding(imp.qualname, w.record, rule.severity, rule.reason, imp.position),
+                )
     seen = {name for name, _ in found}
-    script = any(w.context == "torchscript" for w in walked)
-    context: Context = "torchscript" if script else "pickle"
-    for name in map(python3_qualname, reader_globals):
-        if name not in seen:  # the walk missed it (a computed global the reader resolved)
+    for name in map(python3_qualname, reading.globals):
+        # Where the walk did not read the pickle, or could not name a computed global.
+        if name not in seen:
             rule = classify(name, context)
             if rule.severity != "allowed":
-                found[(name, "")] = Finding(name, "main pickle", rule.severity, rule.reason)
-    return tuple(found.values()), allowed
+                found[(name, "")] = Finding(name, reading.record, rule.severity, rule.reason)
+    return tuple(found.values())
 
 
 def _verdict(findings: Sequence[Finding], error: str | None, code: bool) -> Verdict:

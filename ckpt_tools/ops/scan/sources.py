@@ -31,6 +31,7 @@ from ckpt_tools.formats.pickle_imports import (
     npy_pickle_offset,
     starts_like_pickle,
 )
+from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES
 from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, pread, read_zip_directory
 from ckpt_tools.formats.ziprecords import read_entry
 from ckpt_tools.ops.scan.severity import Context
@@ -55,8 +56,10 @@ class Walked(NamedTuple):
     scan: ImportScan
 
 
-def walk_pickles(path: str, fmt: str) -> Iterator[Walked]:
+def walk_pickles(path: str, fmt: str, *, skip: frozenset[str] = frozenset()) -> Iterator[Walked]:
     """Every pickle in the file (or DCP folder) ``path`` of format ``fmt``, walked.
+
+    ``skip`` names zip records not to walk (read already, by the restricted unpickler).
 
     Raises:
         CheckpointError: the layout itself cannot be read (a broken zip directory).
@@ -65,7 +68,7 @@ def walk_pickles(path: str, fmt: str) -> Iterator[Walked]:
     if fmt in ("torch-zip", "torchscript"):
         fd = os.open(path, os.O_RDONLY)
         try:
-            yield from _zip_pickles(path, fd, os.fstat(fd).st_size, "")
+            yield from _zip_pickles(path, fd, os.fstat(fd).st_size, "", skip)
         finally:
             os.close(fd)
     elif fmt == "torch-legacy":
@@ -83,12 +86,14 @@ def walk_pickles(path: str, fmt: str) -> Iterator[Walked]:
                 yield Walked("object array", "pickle", find_imports(f, start))
 
 
-def _zip_pickles(path: str, fd: int | FileSlice, size: int, prefix: str) -> Iterator[Walked]:
+def _zip_pickles(
+    path: str, fd: int | FileSlice, size: int, prefix: str, skip: frozenset[str] = frozenset()
+) -> Iterator[Walked]:
     entries = read_zip_directory(path, fd, size)
     script = any(e.name.endswith("/constants.pkl") for e in entries)
     context: Context = "torchscript" if script else "pickle"
     for entry in entries:
-        if entry.name.endswith("/"):
+        if entry.name.endswith("/") or entry.name in skip:
             continue
         data = _record_pickle(path, fd, entry)
         if data is not None:
@@ -97,18 +102,19 @@ def _zip_pickles(path: str, fd: int | FileSlice, size: int, prefix: str) -> Iter
 
 def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | None:
     """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
+    if entry.name.endswith(".pkl"):  # named a pickle: read whole, walked even if malformed
+        head = _record_head(path, fd, entry, MAX_PICKLE_BYTES)
+        return head if starts_like_pickle(head) else None
     head = _record_head(path, fd, entry, _HEAD)
-    skip = npy_pickle_offset(head)  # an .npz archive's object arrays
-    if skip is not None:
-        head = _record_head(path, fd, entry, _MOST)[skip:]
+    at = npy_pickle_offset(head)  # an .npz archive's object arrays
+    if at is not None:
+        head = _record_head(path, fd, entry, _MOST)[at:]
     if not starts_like_pickle(head):
         return None
     scan = find_imports(head)
     if scan.truncated and entry.file_size > len(head):
         head = _record_head(path, fd, entry, _MOST)
         scan = find_imports(head)
-    if entry.name.endswith(".pkl"):
-        return head  # named a pickle: what a loader would import before it fails counts
     if scan.end is None and not (scan.truncated and scan.imports):
         return None  # not a pickle: a tensor's bytes, text, anything else
     return head
