@@ -132,6 +132,7 @@ RULES: tuple[Rule, ...] = (
     *(
         Rule(f"pathlib.{c}", "nonstandard", "a file system path (a value, nothing is opened)")
         for c in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath")
+        + ("_local.PosixPath", "_local.WindowsPath")  # as Python 3.13 pickles them
     ),
     *(
         Rule(p, "nonstandard", "a standard library data type")
@@ -179,6 +180,19 @@ _UNKNOWN = Rule(
 )
 
 
+# On torch 2.13's weights_only allowlist too, but not resolved by our reader (which refuses
+# such a file as unreadable): sparse tensor types and the sub-byte integer dtypes.
+_TORCH_ONLY_ALLOWED: frozenset[str] = frozenset(
+    [f"torch.{n}int{b}" for n in ("", "u") for b in range(1, 8)]
+    + [
+        f"torch.{where}sparse.{kind}Tensor"
+        for where in ("", "cuda.")
+        for kind in ("BFloat16", "Byte", "Char", "Double", "Float", "Half", "Int", "Long", "Short")
+    ]
+    + ["torch._utils._rebuild_device_tensor_from_cpu_tensor"]
+)
+
+
 @functools.lru_cache(maxsize=4096)
 def classify(qualname: str, context: Context = "pickle") -> Rule:
     """The rule that decides ``qualname``'s severity where a pickle of ``context`` imports it.
@@ -199,7 +213,7 @@ def classify(qualname: str, context: Context = "pickle") -> Rule:
         >>> classify("mypackage.Net").reason
         'not in the table: loading imports its module and calls or builds it, which can run code'
     """
-    if qualname in ALLOWED_GLOBALS:
+    if qualname in ALLOWED_GLOBALS or qualname in _TORCH_ONLY_ALLOWED:
         return Rule(qualname, "allowed", "on torch's weights_only allowlist")
     if context == "dcp-metadata" and qualname in DCP_METADATA_GLOBALS:
         return Rule(qualname, "allowed", "a DCP metadata class (read as data)")

@@ -1,0 +1,96 @@
+"""The severity table: torch's own weights_only allowlist is the oracle for ``allowed``,
+and each family of gadget is dangerous wherever it is named."""
+
+from __future__ import annotations
+
+import pytest
+from torch._weights_only_unpickler import _get_allowed_globals
+
+from ckpt_tools.formats.allowlist import ALLOWED_GLOBALS
+from ckpt_tools.formats.dcp_globals import DCP_METADATA_GLOBALS
+from ckpt_tools.ops.scan.severity import RULES, SEVERITIES, classify
+
+
+def test_allowed_is_exactly_torchs_weights_only_allowlist() -> None:
+    theirs = set(_get_allowed_globals())
+    assert {name for name in theirs if classify(name).severity != "allowed"} == set()
+    # Nothing else is allowed outside a DCP folder's metadata: the table's families are not.
+    candidates = ALLOWED_GLOBALS | {r.pattern for r in RULES if "*" not in r.pattern}
+    assert {n for n in candidates if classify(n).severity == "allowed"} <= theirs
+
+
+def test_every_rule_says_why() -> None:
+    assert all(r.severity in SEVERITIES and len(r.reason) > 10 for r in RULES)
+    patterns = [r.pattern for r in RULES]
+    assert len(patterns) == len(set(patterns))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os.system",
+        "posix.system",
+        "nt.system",
+        "subprocess.Popen",
+        "builtins.eval",
+        "builtins.exec",
+        "builtins.getattr",
+        "builtins.__import__",
+        "operator.attrgetter",
+        "functools.partial",
+        "runpy._run_code",
+        "importlib.import_module",
+        "pickle.loads",
+        "torch.load",
+        "torch.storage._load_from_bytes",
+        "torch.serialization.load",
+        "torch.jit.load",
+        "torch.hub.load",
+        "torch._ops.ops",
+        "torch.fx.graph_module.reduce_graph_module",
+        "torch.utils.cpp_extension.load_inline",
+        "numpy.load",
+        "numpy.testing._private.utils.runstring",
+        "pathlib.Path.write_text",
+        "__main__.Net",
+        "mypackage.models.Net",
+        "<computed global>",
+        "<copyreg extension code>",
+    ],
+)
+def test_gadgets_and_unknown_globals_are_dangerous(name: str) -> None:
+    assert classify(name).severity == "dangerous"
+    assert classify(name, "torchscript").severity == "dangerous" or name.startswith("torch.jit")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "numpy.core.multiarray._reconstruct",
+        "numpy._core.multiarray.scalar",
+        "numpy.dtype",
+        "numpy.dtypes.Float32DType",
+        "argparse.Namespace",
+        "omegaconf.dictconfig.DictConfig",
+        "omegaconf.nodes.AnyNode",
+        "typing.Any",
+        "pathlib.PosixPath",
+        "collections.defaultdict",
+        "builtins.int",
+        "copyreg._reconstructor",
+        "torch.nn.modules.linear.Linear",
+        "torch.optim.adam.Adam",
+    ],
+)
+def test_known_data_types_are_nonstandard(name: str) -> None:
+    assert classify(name).severity == "nonstandard"
+
+
+def test_context_decides_torchscript_classes_and_dcp_metadata() -> None:
+    assert classify("__torch__.TinyNet").severity == "dangerous"
+    assert classify("__torch__.TinyNet", "torchscript").severity == "nonstandard"
+    assert classify("torch.jit._pickle.build_intlist", "torchscript").severity == "nonstandard"
+    for name in DCP_METADATA_GLOBALS:
+        assert classify(name, "dcp-metadata").severity == "allowed"
+        outside = classify(name).severity
+        assert outside == ("nonstandard" if name.startswith("pathlib.") else "dangerous")
