@@ -131,8 +131,11 @@ RULES: tuple[Rule, ...] = (
     ),
     *(
         Rule(f"pathlib.{c}", "nonstandard", "a file system path (a value, nothing is opened)")
-        for c in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath")
-        + ("_local.PosixPath", "_local.WindowsPath")  # as Python 3.13 pickles them
+        # (Python 3.13 pickles paths from pathlib._local.)
+        for c in (
+            "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+            "_local.PosixPath", "_local.WindowsPath",
+        )
     ),
     *(
         Rule(p, "nonstandard", "a standard library data type")

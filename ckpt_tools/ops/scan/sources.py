@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import tarfile
+import zipfile
 import zlib
 from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
@@ -45,6 +46,18 @@ _MOST = 64 << 20
 # Plain pickle files: pickles read back to back, at most this many.
 _MAX_SEQUENCE = 16
 _LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle", "storage keys")
+# What Python's zipfile raises on archives it cannot read (RuntimeError: encrypted;
+# NotImplementedError: a compression method or flag it lacks).
+_ZIPFILE_ERRORS = (
+    zipfile.BadZipFile,
+    OSError,
+    ValueError,
+    EOFError,
+    zlib.error,
+    RuntimeError,
+    NotImplementedError,
+)
+_TAR_MEMBERS = ("sys_info", "pickle", "storages", "tensors")
 _CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
 
 
@@ -89,7 +102,15 @@ def walk_pickles(path: str, fmt: str, *, skip: frozenset[str] = frozenset()) -> 
 def _zip_pickles(
     path: str, fd: int | FileSlice, size: int, prefix: str, skip: frozenset[str] = frozenset()
 ) -> Iterator[Walked]:
-    entries = read_zip_directory(path, fd, size)
+    try:
+        entries = read_zip_directory(path, fd, size)
+    except CheckpointError:
+        if isinstance(fd, FileSlice):
+            raise
+        # Our reader refuses the archive (the scan says why); torch's reader or another
+        # tool may still read it, so its records are looked at the lenient way too.
+        yield from _lenient_zip_pickles(path)
+        raise
     script = any(e.name.endswith("/constants.pkl") for e in entries)
     context: Context = "torchscript" if script else "pickle"
     for entry in entries:
@@ -98,6 +119,30 @@ def _zip_pickles(
         data = _record_pickle(path, fd, entry)
         if data is not None:
             yield Walked(prefix + entry.name, context, find_imports(data))
+
+
+def _lenient_zip_pickles(path: str) -> Iterator[Walked]:
+    """The pickles of a zip our reader refuses, as Python's zipfile (lenient) reads it."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except _ZIPFILE_ERRORS:
+        return
+    with archive:
+        infos = archive.infolist()
+        script = any(i.filename.endswith("/constants.pkl") for i in infos)
+        context: Context = "torchscript" if script else "pickle"
+        for info in infos:
+            try:
+                with archive.open(info) as record:
+                    named = info.filename.endswith(".pkl")
+                    head = record.read(MAX_PICKLE_BYTES if named else _MOST)
+            except _ZIPFILE_ERRORS:
+                continue
+            if not starts_like_pickle(head):
+                continue
+            scan = find_imports(head)
+            if named or scan.end is not None:
+                yield Walked(info.filename, context, scan)
 
 
 def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | None:
@@ -166,7 +211,12 @@ def _peek(f: BinaryIO, at: int) -> bytes:
 def _tar_pickles(path: str) -> Iterator[Walked]:
     with tarfile.open(path, mode="r:") as tar:
         for member in tar.getmembers():
-            if member.name not in ("sys_info", "pickle", "storages", "tensors"):
+            if not member.isreg() or member.name not in (
+                "sys_info",
+                "pickle",
+                "storages",
+                "tensors",
+            ):
                 continue
             file = tar.extractfile(member)
             if file is None:

@@ -162,6 +162,7 @@ class Session:
         oracle = self.ask_oracle(path)
         if "timeout" not in answer and "died" not in answer and not answer.get("crash"):
             findings += checks.check_inspect(answer, oracle, mutations, "ct.inspect", pristine)
+        findings += checks.check_scan(answer, oracle)
         findings += self._after(path, digest, "ct.inspect")
         shutil.rmtree(case, ignore_errors=True)
         return findings

@@ -307,6 +307,58 @@ def check_inspect(
     return findings
 
 
+def check_scan(answer: dict[str, Any], oracle: dict[str, Any] | None) -> list[Finding]:
+    """``ct.scan``'s verdict on the file, against torch's weights-only reading of it.
+
+    It never crashes; where torch's weights-only unpickler names a global it refuses, the
+    scan names it too, off the allowlist; where torch loads the file, nothing in the pickle
+    torch read (``data.pkl``) is dangerous.
+    """
+    found = answer.get("scan")
+    if not found:
+        return []
+    if "crash" in found:
+        return [
+            Finding(
+                8,
+                "traceback",
+                "ct.scan",
+                found["crash"],
+                f"{found['crash']} (not a verdict): {found.get('message', '')[:200]}",
+                {"traceback": found.get("traceback", "")},
+            )
+        ]
+    torch_ref = (oracle or {}).get("torch", {})
+    flagged = [f["global"] for f in found["findings"] if f["global"]]
+    theirs = unsafe_named(torch_ref)
+    if theirs and not covers(flagged, theirs):
+        return [
+            Finding(
+                1,
+                "scan-unnamed",
+                "ct.scan",
+                found["verdict"],
+                f"torch refuses global(s) {theirs}; scan says {found['verdict']} with {flagged}",
+            )
+        ]
+    read = [
+        f["global"]
+        for f in found["findings"]
+        if f["severity"] == "dangerous" and f["record"].endswith("/data.pkl")
+    ]
+    if torch_ref.get("ok") and read:
+        return [
+            Finding(
+                1,
+                "scan-false-alarm",
+                "ct.scan",
+                "data.pkl",
+                f"torch loads the file with weights_only=True; scan calls {read} dangerous",
+            )
+        ]
+    return []
+
+
 def check_library_answer(
     answer: dict[str, Any], seconds_bound: float = TIME_BOUND
 ) -> list[Finding]:

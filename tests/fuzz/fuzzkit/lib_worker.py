@@ -1,4 +1,5 @@
-"""The public ckpt_tools API, in a sandboxed process: ``ct.inspect`` on one file per request.
+"""The public ckpt_tools API, in a sandboxed process: ``ct.inspect`` and ``ct.scan`` on one file
+per request (the scan's answer under ``"scan"``).
 
 Run as a script by :class:`fuzzkit.workers.Worker` under an address-space limit, so that a
 hostile input that makes the library allocate or loop cannot take the test process with it.
@@ -42,8 +43,26 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
             "traceback": "".join(traceback.format_exception(e))[-3000:],
         }
     result["seconds"] = time.monotonic() - start
+    result["scan"] = _scan(request["path"])
     result["torch_imported"] = not torch_before and "torch" in sys.modules
     return result
+
+
+def _scan(path: str) -> dict[str, Any]:
+    """``ct.scan`` of the same file: its verdict and findings, or the crash."""
+    import ckpt_tools as ct
+
+    try:
+        (found,) = ct.scan([path]).files
+        return found.to_json()
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return {
+            "crash": type(e).__name__,
+            "message": str(e)[:500],
+            "traceback": "".join(traceback.format_exception(e))[-3000:],
+        }
 
 
 def main() -> None:
