@@ -53,3 +53,42 @@ def test_zip_saved_to_a_path_is_rooted_at_its_stem(make_checkpoint: Callable[...
     info = ckpt_tools.inspect(path)
     assert info.selected == ("state_dict",)
     assert [t.name for t in info.tensors] == list(torch.load(path, weights_only=True)["state_dict"])
+
+
+def test_views_of_one_storage_hold_one_sharing_tuple(make_checkpoint: Callable[..., Path]) -> None:
+    base = torch.arange(6.0)
+    sd = {f"t{i}": base[i : i + 1] for i in range(6)}
+    sd["alone"] = torch.ones(2)
+    path = make_checkpoint(sd, "views.pt")
+    info = ckpt_tools.inspect(path)
+    views = [t for t in info.tensors if t.name != "alone"]
+    # One tuple for the whole storage, not a list of the others per tensor.
+    assert all(t.sharing is views[0].sharing for t in views)
+    assert views[0].sharing == tuple(f"t{i}" for i in range(6))
+    loaded = torch.load(path, weights_only=True)
+    for t in info.tensors:  # torch's own answer: which loaded tensors share its storage
+        ptr = loaded[t.name].untyped_storage().data_ptr()
+        others = [n for n, v in loaded.items() if v.untyped_storage().data_ptr() == ptr]
+        assert t.shared_with == tuple(n for n in others if n != t.name)
+    assert info.tensor("alone").shared_with == ()
+    rows = {row[0]: row[-1] for row in info.rows()}
+    assert rows["t0"] == "t1, t2 ..." and rows["t1"] == "t0, t2 ..." and rows["alone"] == ""
+    assert info.to_json()["tensors"][5]["shared_with"] == ["t0", "t1", "t2", "t3", "t4"]
+
+
+def test_json_refuses_shared_with_lists_past_the_limit(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_tools.errors import ResourceLimitError
+    from ckpt_tools.ops import inspection_info
+
+    base = torch.arange(4.0)
+    path = make_checkpoint({f"t{i}": base[i : i + 1] for i in range(4)}, "views.pt")
+    info = ckpt_tools.inspect(path)
+    monkeypatch.setattr(inspection_info, "MAX_SHARED_NAMES", 12)  # 4 views name 4 * 3
+    assert len(info.to_json()["tensors"]) == 4
+    monkeypatch.setattr(inspection_info, "MAX_SHARED_NAMES", 11)
+    with pytest.raises(ResourceLimitError, match="4 tensors view one storage") as caught:
+        info.to_json()
+    assert "leave out --json" in caught.value.render(for_cli=True)
+    assert "t0, t1 ..." in info.text()  # the text never lists them all

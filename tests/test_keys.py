@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from ckpt_tools.errors import KeyCollisionError, UsageError
+from ckpt_tools.errors import KeyCollisionError, ResourceLimitError, UsageError
 from ckpt_tools.structure.keys import (
+    MAX_WRAPPER_DEPTH,
     WRAPPER_RULES,
     add_prefix,
     add_rule,
@@ -88,6 +89,25 @@ def test_stacked_wrappers_are_peeled_outermost_first(keys, expected):
     assert all(m.count == m.of == len(keys) and not m.inner for m in detect_wrappers(keys))
     rules, _ = strip_wrapper_rules(keys)
     assert list(plan_renames(keys, rules).values()) == BARE
+
+
+def test_wrapper_stack_up_to_the_limit_is_peeled_like_torch():
+    sd = {"module." * MAX_WRAPPER_DEPTH + k: torch.zeros(1) for k in BARE}
+    assert [m.prefix for m in detect_wrappers(sd)] == ["module."] * MAX_WRAPPER_DEPTH
+    stripped = collections.OrderedDict(sd)
+    for _ in range(MAX_WRAPPER_DEPTH):  # torch's helper strips one layer a call
+        consume_prefix_in_state_dict_if_present(stripped, "module.")
+    rules, _ = strip_wrapper_rules(list(sd))
+    assert list(plan_renames(list(sd), rules).values()) == list(stripped) == BARE
+
+
+def test_wrapper_stack_past_the_limit_is_refused():
+    # One key among many with a deep stack: each layer is a pass over every key.
+    keys = BARE * 100 + ["_orig_mod." * (MAX_WRAPPER_DEPTH + 1) + "w"]
+    with pytest.raises(ResourceLimitError, match=f"more than {MAX_WRAPPER_DEPTH} wrapper"):
+        detect_wrappers(keys)
+    with pytest.raises(ResourceLimitError):
+        strip_wrapper_rules(keys)
 
 
 def test_real_stacked_wrappers():

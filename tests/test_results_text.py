@@ -128,6 +128,12 @@ def test_one_folding_helper_for_key_lists() -> None:
     assert fold_names(keys, group=False, limit=3) == (keys[:3], 32)
 
 
+def test_folding_indices_far_apart_takes_no_memory_for_the_gap() -> None:
+    keys = ["h.0.w", f"h.{10**15}.w", "h.1.w"]
+    assert fold_names(keys) == ([f"h.{{0,1,{10**15}}}.w ×3"], 0)
+    assert fold_keys(["h.7.w", "h.5.w", "h.6.w"]) == "h.{5..7}.w ×3"
+
+
 def test_load_into_mismatch_message_folds_keys(tmp_path: Path) -> None:
     path = tmp_path / "m.pt"
     torch.save(_layers(12, "enc."), path)

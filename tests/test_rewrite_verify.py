@@ -160,3 +160,29 @@ def test_verify_safetensors_output_against_a_pt_source(saved, tmp_path):
     save_file({"w": m.contiguous().view(3, 2)}, str(bad))  # same bytes as m, not as m.t()
     with pytest.raises(VerificationError, match="the bytes of 'w' differ"):
         verify_output(str(bad), expected_from(a), "full")
+
+
+def test_verify_full_reads_a_compressed_record_once_for_all_its_views(saved, tmp_path, monkeypatch):
+    import zipfile
+
+    from ckpt_tools.io import verify as verify_module
+
+    base = torch.arange(64.0)
+    stored = saved("stored.pt", {f"module.t{i}": base[i : i + 1] for i in range(64)})
+    deflated = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(stored) as src, zipfile.ZipFile(deflated, "w") as dst:
+        for item in src.infolist():
+            method = zipfile.ZIP_DEFLATED if item.filename.endswith("/data/0") else None
+            dst.writestr(item, src.read(item), compress_type=method or item.compress_type)
+    assert open_checkpoint(deflated).records["data/0"].compressed
+    calls = []
+    real = verify_module._record_crc
+    monkeypatch.setattr(
+        verify_module, "_record_crc", lambda ckpt, key: calls.append(key) or real(ckpt, key)
+    )
+    out = tmp_path / "out.pt"
+    assert main(["strip-module", str(deflated), str(out), "--verify", "full", "-q"]) == 0
+    # Once for the comparison with the source's CRC, once for the written record's own.
+    assert calls == ["0", "0"]
+    loaded = torch.load(out, weights_only=True)
+    assert all(torch.equal(loaded[f"t{i}"], base[i : i + 1]) for i in range(64))

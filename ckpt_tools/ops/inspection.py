@@ -76,10 +76,13 @@ def inspect_checkpoint(
         if flat:
             selection = Selection((), "TorchScript module: its parameters and buffers", flat)
     sd = selection.state_dict
-    by_storage: dict[int, list[str]] = {}
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRef)]
+    by_storage: dict[int, list[str]] = {}
     for name, tensor in named:
         by_storage.setdefault(id(tensor.storage), []).append(name)
+    # One tuple per storage, held by each of its tensors: a list of the others per tensor
+    # grows with the square of the views of one storage.
+    sharing = {key: tuple(names) for key, names in by_storage.items()}
     shard_of = _shard_owner(ckpt)
     tensors = tuple(
         TensorInfo(
@@ -93,7 +96,7 @@ def inspect_checkpoint(
             storage=shard_of.get(name, "") + t.storage.key if shard_of else t.storage.key,
             offset=t.offset,
             storage_nbytes=t.storage.nbytes,
-            shared_with=tuple(n for n in by_storage[id(t.storage)] if n != name),
+            sharing=sharing[id(t.storage)],
             is_parameter=t.is_parameter,
         )
         for name, t in named

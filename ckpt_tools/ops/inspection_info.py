@@ -10,9 +10,10 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import islice
 from typing import Any
 
-from ckpt_tools.errors import Remedy, SelectError
+from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError
 from ckpt_tools.structure.grouping import group_names
 from ckpt_tools.structure.keys import WrapperMatch
 from ckpt_tools.structure.text import (
@@ -26,7 +27,7 @@ from ckpt_tools.structure.text import (
     text_table,
 )
 
-__all__ = ["TENSOR_COLUMNS", "CheckpointInfo", "TensorInfo"]
+__all__ = ["MAX_SHARED_NAMES", "TENSOR_COLUMNS", "CheckpointInfo", "TensorInfo"]
 
 #: The columns of :meth:`CheckpointInfo.table` (and of ``ckpt inspect``'s table).
 TENSOR_COLUMNS = ("name", "dtype", "shape", "device", "storage", "offset", "bytes", "shared with")
@@ -34,6 +35,9 @@ TENSOR_COLUMNS = ("name", "dtype", "shape", "device", "storage", "offset", "byte
 CHUNK_COLUMNS = ("chunk of", "offsets", "sizes", "file", "at byte", "length")
 # Entries beside the state dict shown in the text; ``--json`` has them all.
 _ENTRIES_SHOWN = 20
+#: The most names :meth:`CheckpointInfo.to_json` lists under ``shared_with``, all tensors
+#: together: n views of one storage list n * (n - 1) names, which no memory holds for large n.
+MAX_SHARED_NAMES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,8 @@ class TensorInfo:
         storage: storage key; tensors with the same key share memory.
         offset: storage offset in elements.
         storage_nbytes: the whole storage's size.
-        shared_with: other keys of the state dict viewing the same storage.
+        sharing: every key of the state dict viewing the same storage, this one included,
+            in key order (one tuple, shared by all of them).
         is_parameter: saved as ``nn.Parameter``.
     """
 
@@ -65,8 +70,13 @@ class TensorInfo:
     storage: str
     offset: int
     storage_nbytes: int
-    shared_with: tuple[str, ...] = ()
+    sharing: tuple[str, ...] = ()
     is_parameter: bool = False
+
+    @property
+    def shared_with(self) -> tuple[str, ...]:
+        """The other keys of the state dict viewing the same storage, in key order."""
+        return tuple(n for n in self.sharing if n != self.name)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -339,7 +349,13 @@ class CheckpointInfo(Readable):
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The public ``ckpt inspect --json`` schema (stable fields, plus extras)."""
+        """The public ``ckpt inspect --json`` schema (stable fields, plus extras).
+
+        Raises:
+            ResourceLimitError: the ``shared_with`` lists would name more than
+                :data:`MAX_SHARED_NAMES` keys in all (thousands of views of one storage).
+        """
+        _check_shared_names(self.tensors, self.path)
         return {
             "path": self.path,
             "format": self.format,
@@ -368,9 +384,29 @@ class CheckpointInfo(Readable):
         }
 
 
+def _check_shared_names(tensors: tuple[TensorInfo, ...], path: str) -> None:
+    listed = sum(len(t.sharing) - 1 for t in tensors if t.sharing)
+    if listed > MAX_SHARED_NAMES:
+        widest = max(len(t.sharing) for t in tensors)
+        raise ResourceLimitError(
+            f"{path}: {widest} tensors view one storage, so their shared_with lists would "
+            f"name {listed:,} keys (the limit is {MAX_SHARED_NAMES:,})",
+            path=path,
+            remedies=(
+                Remedy(
+                    flag="--json",
+                    verb="leave out",
+                    text="(the table's storage column shows which tensors share memory)",
+                ),
+            ),
+        )
+
+
 def _row(label: str, t: TensorInfo, count: int) -> list[str]:
-    # A folded row stands for ``count`` tensors: per-tensor columns stay empty.
-    shared = ", ".join(t.shared_with[:2]) + (" ..." if len(t.shared_with) > 2 else "")
+    # A folded row stands for ``count`` tensors: per-tensor columns stay empty. Only the
+    # first others are looked at, never every view of the storage.
+    others = list(islice((n for n in t.sharing if n != t.name), 3))
+    shared = ", ".join(others[:2]) + (" ..." if len(others) > 2 else "")
     one = count == 1
     return [
         label,

@@ -44,7 +44,9 @@ def fold_indices(values: Sequence[int]) -> str:
     ordered = sorted(set(values))
     if len(ordered) == 1:
         return str(ordered[0])
-    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+    # Distinct sorted values are a run exactly when they span their count; building the
+    # range to compare with would take memory for {0, 10**12}.
+    if ordered[-1] - ordered[0] + 1 == len(ordered):
         return f"{{{ordered[0]}..{ordered[-1]}}}"
     return "{" + ",".join(map(str, ordered)) + "}"
 

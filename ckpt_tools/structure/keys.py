@@ -14,9 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ckpt_tools.errors import KeyCollisionError, Remedy, UsageError
+from ckpt_tools.errors import KeyCollisionError, Remedy, ResourceLimitError, UsageError
 
 __all__ = [
+    "MAX_WRAPPER_DEPTH",
     "WRAPPER_RULES",
     "KeyRule",
     "WrapperMatch",
@@ -65,6 +66,11 @@ WRAPPER_RULES: tuple[WrapperRule, ...] = (
 )
 
 
+#: The most wrapper prefixes :func:`detect_wrappers` peels from the start of keys. Training
+#: wrappers stack a few; each layer costs a pass over every key and a rule in every rewrite.
+MAX_WRAPPER_DEPTH = 32
+
+
 @dataclass(frozen=True)
 class WrapperMatch:
     """A wrapper found in a set of keys.
@@ -100,6 +106,9 @@ def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
     Returns:
         The matches, outermost prefix first, then inner ones.
 
+    Raises:
+        ResourceLimitError: keys start with more than :data:`MAX_WRAPPER_DEPTH` wrappers.
+
     Example:
         >>> [m.prefix for m in detect_wrappers(["module._orig_mod.fc.weight"])]
         ['module.', '_orig_mod.']
@@ -112,6 +121,8 @@ def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
         for rule in WRAPPER_RULES:
             count = sum(k.startswith(rule.prefix) for k in current)
             if count and (count == len(current) or not rule.whole):
+                if len(found) == MAX_WRAPPER_DEPTH:
+                    raise _too_deep(rule.prefix)
                 found.append(WrapperMatch(rule.prefix, rule.kind, count, total))
                 peeled.add(rule.prefix)
                 current = [
@@ -127,6 +138,13 @@ def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
         if count:
             found.append(WrapperMatch(rule.prefix, rule.kind, count, total, inner=True))
     return tuple(found)
+
+
+def _too_deep(prefix: str) -> ResourceLimitError:
+    return ResourceLimitError(
+        f"keys start with more than {MAX_WRAPPER_DEPTH} wrapper prefixes (the next is "
+        f"{prefix!r}); training wrappers stack a few, so these are not a model's keys"
+    )
 
 
 @dataclass(frozen=True)
