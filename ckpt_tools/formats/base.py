@@ -21,6 +21,7 @@ class ZipRecord:
     crc32: int
     compressed: bool
     header_offset: int = -1  # where its local header starts; -1 where unknown
+    compress_size: int = -1  # its stored bytes (its size unless deflated); -1 where unknown
 
 
 @dataclass(frozen=True)

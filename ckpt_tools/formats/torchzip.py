@@ -129,6 +129,7 @@ def _records(entries: list[ZipEntry], root: str) -> dict[str, ZipRecord]:
             crc32=e.crc32,
             compressed=e.compressed,
             header_offset=e.header_offset,
+            compress_size=e.compress_size,
         )
         for e in entries
         if not e.name.endswith("/")

@@ -29,6 +29,7 @@ from ckpt_tools.formats.pickle_imports import (
     python3_qualname,
     starts_like_pickle,
 )
+from ckpt_tools.formats.zipdir import ZipEntry
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify
 from ckpt_tools.ops.scan.sources import Walked, code_files, walk_pickles
@@ -129,7 +130,7 @@ def scan_file(path: str) -> FileScan | None:
     error, fmt = reading.error, reading.format or fmt
     walked: list[Walked] = []
     try:
-        walked.extend(walk_pickles(path, fmt, skip=reading.read))
+        walked.extend(walk_pickles(path, fmt, skip=reading.read, entries=reading.entries))
     except (CheckpointError, OSError, EOFError) as e:
         error = error or str(e)
     if fmt == "torch-zip" and any(w.context == "torchscript" for w in walked):
@@ -167,10 +168,14 @@ def _content_format(path: str) -> str | None:
             head = f.read(1 << 16)
         if npy_pickle_offset(head) is not None:
             return "numpy"
-        if not starts_like_pickle(head):
-            return None
-        scan = find_imports(head)
-        return "pickle" if scan.end is not None or (scan.truncated and scan.imports) else None
+        if starts_like_pickle(head):
+            scan = find_imports(head)
+            return "pickle" if scan.end is not None or (scan.truncated and scan.imports) else None
+        # Any opcode can start a pickle (a damaged legacy file's magic number is one long
+        # integer): whole pickles that import something are worth a verdict.
+        walks = list(walk_pickles(path, "pickle"))
+        whole = walks and walks[0].scan.end is not None
+        return "pickle" if whole and any(w.scan.imports for w in walks) else None
     return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
 
 
@@ -192,6 +197,7 @@ class _Reading(NamedTuple):
     record: str  # where it met them
     read: frozenset[str]  # records it read whole, which need no walk of their own
     format: str | None = None
+    entries: tuple[ZipEntry, ...] | None = None  # a zip's records, as it listed them
 
 
 def _read_as_torch(path: str) -> _Reading:
@@ -205,7 +211,20 @@ def _read_as_torch(path: str) -> _Reading:
         # The C unpickler read data.pkl to its STOP and asked for every global in it (the
         # same unpickler torch.load runs with weights_only=False): a walk would add nothing.
         record = f"{ckpt.archive_root}/data.pkl"
-        return _Reading(None, ckpt.unsafe_globals, record, frozenset({record}), ckpt.format)
+        entries = tuple(
+            ZipEntry(
+                f"{ckpt.archive_root}/{r.name}",
+                r.data_offset,
+                r.compress_size,
+                r.size,
+                r.crc32,
+                r.compressed,
+                r.header_offset,
+            )
+            for r in ckpt.records.values()
+        )
+        read = frozenset({record})
+        return _Reading(None, ckpt.unsafe_globals, record, read, ckpt.format, entries)
     return _Reading(None, ckpt.unsafe_globals, "main pickle", frozenset(), ckpt.format)
 
 

@@ -22,10 +22,10 @@ import re
 import tarfile
 import zipfile
 import zlib
-from collections.abc import Iterator
-from typing import BinaryIO, NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
-from ckpt_tools.errors import CheckpointError
+from ckpt_tools.errors import CheckpointError, CorruptCheckpointError
 from ckpt_tools.formats.pickle_imports import (
     ImportScan,
     find_imports,
@@ -46,17 +46,8 @@ _MOST = 64 << 20
 # Plain pickle files: pickles read back to back, at most this many.
 _MAX_SEQUENCE = 16
 _LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle", "storage keys")
-# What Python's zipfile raises on archives it cannot read (RuntimeError: encrypted;
-# NotImplementedError: a compression method or flag it lacks).
-_ZIPFILE_ERRORS = (
-    zipfile.BadZipFile,
-    OSError,
-    ValueError,
-    EOFError,
-    zlib.error,
-    RuntimeError,
-    NotImplementedError,
-)
+# What Python's zipfile raises listing an archive it cannot read.
+_ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError)
 _TAR_MEMBERS = ("sys_info", "pickle", "storages", "tensors")
 _CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
 
@@ -69,10 +60,17 @@ class Walked(NamedTuple):
     scan: ImportScan
 
 
-def walk_pickles(path: str, fmt: str, *, skip: frozenset[str] = frozenset()) -> Iterator[Walked]:
+def walk_pickles(
+    path: str,
+    fmt: str,
+    *,
+    skip: frozenset[str] = frozenset(),
+    entries: Sequence[ZipEntry] | None = None,
+) -> Iterator[Walked]:
     """Every pickle in the file (or DCP folder) ``path`` of format ``fmt``, walked.
 
-    ``skip`` names zip records not to walk (read already, by the restricted unpickler).
+    ``skip`` names zip records not to walk (read already, by the restricted unpickler);
+    ``entries`` are a zip's records where our reader listed them already.
 
     Raises:
         CheckpointError: the layout itself cannot be read (a broken zip directory).
@@ -81,7 +79,7 @@ def walk_pickles(path: str, fmt: str, *, skip: frozenset[str] = frozenset()) -> 
     if fmt in ("torch-zip", "torchscript"):
         fd = os.open(path, os.O_RDONLY)
         try:
-            yield from _zip_pickles(path, fd, os.fstat(fd).st_size, "", skip)
+            yield from _zip_pickles(path, fd, os.fstat(fd).st_size, "", skip, entries)
         finally:
             os.close(fd)
     elif fmt == "torch-legacy":
@@ -100,10 +98,16 @@ def walk_pickles(path: str, fmt: str, *, skip: frozenset[str] = frozenset()) -> 
 
 
 def _zip_pickles(
-    path: str, fd: int | FileSlice, size: int, prefix: str, skip: frozenset[str] = frozenset()
+    path: str,
+    fd: int | FileSlice,
+    size: int,
+    prefix: str,
+    skip: frozenset[str] = frozenset(),
+    entries: Sequence[ZipEntry] | None = None,
 ) -> Iterator[Walked]:
     try:
-        entries = read_zip_directory(path, fd, size)
+        if entries is None:
+            entries = read_zip_directory(path, fd, size)
     except CheckpointError:
         if isinstance(fd, FileSlice):
             raise
@@ -122,27 +126,46 @@ def _zip_pickles(
 
 
 def _lenient_zip_pickles(path: str) -> Iterator[Walked]:
-    """The pickles of a zip our reader refuses, as Python's zipfile (lenient) reads it."""
+    """The pickles of a zip our reader refuses, found the lenient way (Python's zipfile
+    lists the records) and read as torch reads them (no CRC-32 check)."""
     try:
-        archive = zipfile.ZipFile(path)
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
     except _ZIPFILE_ERRORS:
         return
-    with archive:
-        infos = archive.infolist()
-        script = any(i.filename.endswith("/constants.pkl") for i in infos)
-        context: Context = "torchscript" if script else "pickle"
+    script = any(i.filename.endswith("/constants.pkl") for i in infos)
+    context: Context = "torchscript" if script else "pickle"
+    fd = os.open(path, os.O_RDONLY)
+    try:
         for info in infos:
-            try:
-                with archive.open(info) as record:
-                    named = info.filename.endswith(".pkl")
-                    head = record.read(MAX_PICKLE_BYTES if named else _MOST)
-            except _ZIPFILE_ERRORS:
-                continue
-            if not starts_like_pickle(head):
-                continue
-            scan = find_imports(head)
-            if named or scan.end is not None:
-                yield Walked(info.filename, context, scan)
+            entry = _entry_of(fd, info)
+            if entry is not None:
+                data = _record_pickle(path, fd, entry)
+                if data is not None:
+                    yield Walked(info.filename, context, find_imports(data))
+    finally:
+        os.close(fd)
+
+
+def _entry_of(fd: int, info: zipfile.ZipInfo) -> ZipEntry | None:
+    """``info`` as a :class:`ZipEntry`, its data offset from its local header; None where
+    it has none, or is compressed other than by deflate."""
+    local = pread(fd, 30, info.header_offset)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04" or info.compress_type not in (0, 8):
+        return None
+    name_len, extra_len = (
+        int.from_bytes(local[26:28], "little"),
+        int.from_bytes(local[28:30], "little"),
+    )
+    return ZipEntry(
+        info.filename,
+        info.header_offset + 30 + name_len + extra_len,
+        info.compress_size,
+        info.file_size,
+        info.CRC,
+        info.compress_type == 8,
+        info.header_offset,
+    )
 
 
 def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | None:
@@ -150,6 +173,9 @@ def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | N
     if entry.name.endswith(".pkl"):  # named a pickle: read whole, walked even if malformed
         head = _record_head(path, fd, entry, MAX_PICKLE_BYTES)
         return head if starts_like_pickle(head) else None
+    first = _record_head(path, fd, entry, 2)  # most records are told apart here
+    if first != b"\x93N" and not starts_like_pickle(first):
+        return None
     head = _record_head(path, fd, entry, _HEAD)
     at = npy_pickle_offset(head)  # an .npz archive's object arrays
     if at is not None:
@@ -189,26 +215,32 @@ def _record_head(path: str, fd: int | FileSlice, entry: ZipEntry, count: int) ->
 
 
 def _sequence(path: str, most: int, names: tuple[str, ...]) -> Iterator[Walked]:
-    """Pickles back to back from the start of ``path`` (named by ``names`` where given)."""
+    """Pickles back to back from the start of ``path``: the ``names`` ones whatever they
+    hold (a loader reads each), then each further one that is a whole pickle."""
     with open(path, "rb") as f:
         start, size = 0, os.fstat(f.fileno()).st_size
         for index in range(most):
-            if start >= size or (index and not starts_like_pickle(_peek(f, start))):
+            if start >= size:
                 return
             scan = find_imports(f, start)
-            name = names[index] if index < len(names) else f"pickle {index + 1}"
-            yield Walked(name, "pickle", scan)
+            if index and index >= len(names) and scan.end is None:
+                return  # what follows the last pickle is not one
+            yield Walked(
+                names[index] if index < len(names) else f"pickle {index + 1}", "pickle", scan
+            )
             if scan.end is None:
                 return
             start = scan.end
 
 
-def _peek(f: BinaryIO, at: int) -> bytes:
-    f.seek(at)
-    return f.read(2)
-
-
 def _tar_pickles(path: str) -> Iterator[Walked]:
+    try:
+        yield from _tar_members(path)
+    except (tarfile.TarError, EOFError) as e:
+        raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
+
+
+def _tar_members(path: str) -> Iterator[Walked]:
     with tarfile.open(path, mode="r:") as tar:
         for member in tar.getmembers():
             if not member.isreg() or member.name not in (

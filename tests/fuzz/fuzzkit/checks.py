@@ -346,7 +346,8 @@ def check_scan(answer: dict[str, Any], oracle: dict[str, Any] | None) -> list[Fi
         for f in found["findings"]
         if f["severity"] == "dangerous" and f["record"].endswith("/data.pkl")
     ]
-    if torch_ref.get("ok") and read:
+    if torch_ref.get("ok") and read and not found["error"]:
+        # (Where our reader refuses the archive, records may share a name: torch read one.)
         return [
             Finding(
                 1,
