@@ -65,6 +65,7 @@ def test_cli_reports_it(
     assert main(["inspect", "evil.pt"]) == 0  # a path relative to the folder with the marker
     text = capsys.readouterr().out
     assert "unsafe:" in text and "posix.system" in text
+    assert "`ckpt scan evil.pt`" in text  # where the verdict is
     assert main(["inspect", "evil.pt", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["unsafe_globals"] == ["posix.system"]
     assert not (in_tmp / MARKER).exists()

@@ -24,11 +24,11 @@ from safetensors import safe_open
 from ckpt_tools import scan
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.scan.report import VERDICTS
+from tests.helpers import REAL_DIR
 from tests.helpers.cli import run_ckpt
 from tests.helpers.committed import fixture_path
 from tests.helpers.scan_corpus import BENIGN, MALICIOUS, NONSTANDARD, CorpusEntry, build_corpus
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "realckpt"
 # Fixtures that are not benign checkpoints, and what scan says of each.
 NOT_BENIGN = {
     "evil.pt": "dangerous",
@@ -125,9 +125,9 @@ def test_the_fixture_folder_mixes_verdicts_and_the_worst_decides(tmp_path: Path)
 
 
 @pytest.mark.real
-@pytest.mark.skipif(not REAL.is_dir(), reason="../shared/realckpt is absent")
+@pytest.mark.skipif(not REAL_DIR.is_dir(), reason="../shared/realckpt is absent")
 def test_real_checkpoints_nobody_here_wrote_are_clean() -> None:
-    res = run_ckpt("scan", "--json", REAL, code=0)
+    res = run_ckpt("scan", "--json", REAL_DIR, code=0)
     data = json.loads(res.stdout)
     assert data["files"] and all(f["verdict"] == "clean" for f in data["files"])
     # The git-lfs pointer and the adapter's JSON are not checkpoints.
@@ -249,3 +249,9 @@ def test_json_and_sarif_name_each_finding(tmp_path: Path) -> None:
     assert finding["global"] == "posix.system" and finding["record"] == "archive/data.pkl"
     assert finding["severity"] == "dangerous" and finding["reason"]
     assert data["verdict"] in VERDICTS
+
+
+def test_scan_never_imports_torch(no_torch_env: dict[str, str]) -> None:
+    folder = fixture_path("plain.pt").parent
+    res = run_ckpt("scan", folder, code=1, how="module", env=no_torch_env)
+    assert "dangerous" in res.stdout and "evil.pt" in res.stdout

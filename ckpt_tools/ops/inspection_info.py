@@ -235,9 +235,10 @@ class CheckpointInfo(Readable):
         if self.pickled_module:
             lines += [f"caveat:      {c}" for c in self.pickled_module["caveats"]]
         if self.unsafe_globals:
+            verdict = f"ckpt scan {self.path}" if for_cli else f"ckpt_tools.scan({self.path!r})"
             lines.append(
                 f"unsafe:      {', '.join(self.unsafe_globals)} (outside the allowlist; "
-                "never imported)"
+                f"never imported): `{verdict}` says whether loading it can run code"
             )
         if self.beyond_weights_only:
             fix = (

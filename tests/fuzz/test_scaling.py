@@ -110,6 +110,10 @@ def _inspect(path: Path, _: Path) -> list[str]:
     return ["inspect", str(path)]
 
 
+def _scan(path: Path, _: Path) -> list[str]:
+    return ["scan", str(path)]
+
+
 def _inspect_group(path: Path, _: Path) -> list[str]:
     return ["inspect", "--group", str(path)]
 
@@ -175,7 +179,7 @@ def test_tensors_grow_linearly(tmp_path: Path) -> None:
 
 
 def test_views_of_one_storage_grow_linearly(tmp_path: Path) -> None:
-    _grows_linearly(tmp_path, _views, [_inspect, _inspect_group, _strip_full])
+    _grows_linearly(tmp_path, _views, [_inspect, _inspect_group, _strip_full, _scan])
 
 
 def test_long_shared_key_prefixes_grow_linearly(tmp_path: Path) -> None:
@@ -188,7 +192,7 @@ def test_nesting_depth_grows_linearly(tmp_path: Path) -> None:
 
 
 def test_zip_records_grow_linearly(tmp_path: Path) -> None:
-    _grows_linearly(tmp_path, _extra_records, [_inspect, _strip])
+    _grows_linearly(tmp_path, _extra_records, [_inspect, _strip, _scan])
 
 
 def test_nesting_past_the_limit_is_one_line(tmp_path: Path) -> None:
@@ -217,8 +221,9 @@ def views_200k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [
         lambda path, out: ["inspect", "--limit", "20", str(path)],
         lambda path, out: [*_strip(path, out), "--verify", "none"],
+        _scan,
     ],
-    ids=["inspect", "strip-module"],
+    ids=["inspect", "strip-module", "scan"],
 )
 def test_200k_views_of_one_storage_finish_or_refuse_in_one_line(
     views_200k: Path, tmp_path: Path, command: Callable[[Path, Path], list[str]]
