@@ -12,7 +12,7 @@ import zlib
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, corrupt_zip, pread
 
-__all__ = ["check_inflates", "read_entry"]
+__all__ = ["check_inflates", "read_entry", "read_head"]
 
 
 def check_inflates(path: str, fd: int | FileSlice, entry: ZipEntry, chunk: int = 1 << 20) -> None:
@@ -87,3 +87,26 @@ def read_entry(path: str, fd: int | FileSlice, entry: ZipEntry, limit: int) -> b
             path=path,
         )
     return data
+
+
+def read_head(fd: int | FileSlice, entry: ZipEntry, count: int) -> bytes:
+    """The first ``count`` bytes of ``entry``'s contents, inflated where it is deflated.
+
+    Nothing is checked (a scan looks at what a lenient reader would see): a damaged stream
+    gives the bytes inflated before the damage.
+    """
+    if not entry.compressed:
+        return pread(fd, min(count, entry.file_size), entry.data_offset)
+    inflater = zlib.decompressobj(-15)
+    out, at, end = bytearray(), entry.data_offset, entry.data_offset + entry.compress_size
+    try:
+        while at < end and len(out) < count and not inflater.eof:
+            raw = pread(fd, min(1 << 20, end - at), at)
+            if not raw:
+                break
+            at += len(raw)
+            # (What max_length leaves unconsumed is not needed: the loop ends at count.)
+            out += inflater.decompress(raw, count - len(out))
+    except zlib.error:
+        pass
+    return bytes(out)

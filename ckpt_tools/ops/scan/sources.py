@@ -21,7 +21,6 @@ import os
 import re
 import tarfile
 import zipfile
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -34,7 +33,7 @@ from ckpt_tools.formats.pickle_imports import (
 )
 from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES
 from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, pread, read_zip_directory
-from ckpt_tools.formats.ziprecords import read_entry
+from ckpt_tools.formats.ziprecords import read_head
 from ckpt_tools.ops.scan.severity import Context
 
 __all__ = ["Walked", "code_files", "walk_pickles"]
@@ -171,47 +170,24 @@ def _entry_of(fd: int, info: zipfile.ZipInfo) -> ZipEntry | None:
 def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | None:
     """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
     if entry.name.endswith(".pkl"):  # named a pickle: read whole, walked even if malformed
-        head = _record_head(path, fd, entry, MAX_PICKLE_BYTES)
+        head = read_head(fd, entry, MAX_PICKLE_BYTES)
         return head if starts_like_pickle(head) else None
-    first = _record_head(path, fd, entry, 2)  # most records are told apart here
+    first = read_head(fd, entry, 2)  # most records are told apart here
     if first != b"\x93N" and not starts_like_pickle(first):
         return None
-    head = _record_head(path, fd, entry, _HEAD)
+    head = read_head(fd, entry, _HEAD)
     at = npy_pickle_offset(head)  # an .npz archive's object arrays
     if at is not None:
-        head = _record_head(path, fd, entry, _MOST)[at:]
+        head = read_head(fd, entry, _MOST)[at:]
     if not starts_like_pickle(head):
         return None
     scan = find_imports(head)
     if scan.truncated and entry.file_size > len(head):
-        head = _record_head(path, fd, entry, _MOST)
+        head = read_head(fd, entry, _MOST)
         scan = find_imports(head)
     if scan.end is None and not (scan.truncated and scan.imports):
         return None  # not a pickle: a tensor's bytes, text, anything else
     return head
-
-
-def _record_head(path: str, fd: int | FileSlice, entry: ZipEntry, count: int) -> bytes:
-    """The first ``count`` bytes of a record's contents (inflated where it is deflated)."""
-    if not entry.compressed:
-        return pread(fd, min(count, entry.file_size), entry.data_offset)
-    if entry.file_size <= count:
-        try:
-            return read_entry(path, fd, entry, count)
-        except CheckpointError:
-            pass  # a damaged record: its first bytes are still worth a look
-    inflater = zlib.decompressobj(-15)
-    out, at, end = bytearray(), entry.data_offset, entry.data_offset + entry.compress_size
-    try:
-        while at < end and len(out) < count and not inflater.eof:
-            raw = pread(fd, min(1 << 20, end - at), at)
-            if not raw:
-                break
-            at += len(raw)
-            out += inflater.decompress(raw, count - len(out))
-    except zlib.error:
-        pass
-    return bytes(out)
 
 
 def _sequence(path: str, most: int, names: tuple[str, ...]) -> Iterator[Walked]:
@@ -292,7 +268,7 @@ def code_files(path: str) -> tuple[str, ...]:
         for entry in read_zip_directory(path, fd, os.fstat(fd).st_size):
             if "/code/" not in entry.name or not entry.name.endswith(".py"):
                 continue
-            source = _record_head(path, fd, entry, _MOST)
+            source = read_head(fd, entry, _MOST)
             classes = [m.decode("ascii") for m in _CLASS.findall(source)]
             found.append(f"{entry.name}: " + (f"class {', '.join(classes)}" if classes else "code"))
         return tuple(found)
