@@ -38,6 +38,7 @@ _ENTRIES_SHOWN = 20
 #: The most names :meth:`CheckpointInfo.to_json` lists under ``shared_with``, all tensors
 #: together: n views of one storage list n * (n - 1) names, which no memory holds for large n.
 MAX_SHARED_NAMES = 1 << 22
+_SHARING_SHOWN = "(the table's storage column shows which tensors share memory)"
 
 
 @dataclass(frozen=True)
@@ -393,13 +394,7 @@ def _check_shared_names(tensors: tuple[TensorInfo, ...], path: str) -> None:
             f"{path}: {widest} tensors view one storage, so their shared_with lists would "
             f"name {listed:,} keys (the limit is {MAX_SHARED_NAMES:,})",
             path=path,
-            remedies=(
-                Remedy(
-                    flag="--json",
-                    verb="leave out",
-                    text="(the table's storage column shows which tensors share memory)",
-                ),
-            ),
+            remedies=(Remedy(flag="--json", verb="leave out", text=_SHARING_SHOWN),),
         )
 
 
