@@ -255,3 +255,18 @@ def test_scan_never_imports_torch(no_torch_env: dict[str, str]) -> None:
     folder = fixture_path("plain.pt").parent
     res = run_ckpt("scan", folder, code=1, how="module", env=no_torch_env)
     assert "dangerous" in res.stdout and "evil.pt" in res.stdout
+
+
+def test_progress_is_told_each_file_before_it_is_scanned(tmp_path: Path) -> None:
+    for name in ("a.pt", "b.pt", "notes.txt"):
+        shutil.copy(fixture_path("plain.pt"), tmp_path / name)
+    (tmp_path / "notes.txt").write_text("text")
+    told: list[tuple[int, int, str]] = []
+    report = scan(tmp_path, progress=lambda done, total, path: told.append((done, total, path)))
+    assert [(d, t, Path(p).name) for d, t, p in told] == [
+        (0, 3, "a.pt"),
+        (1, 3, "b.pt"),
+        (2, 3, "notes.txt"),
+    ]
+    assert [Path(f.path).name for f in report.files] == ["a.pt", "b.pt"]
+    assert [Path(p).name for p in report.skipped] == ["notes.txt"]
