@@ -1,4 +1,8 @@
-"""``ckpt scan`` beside picklescan, modelscan, fickling and modelaudit, on live payloads.
+"""``ckpt scan`` beside picklescan, modelscan, fickling and modelaudit: live payloads, and speed.
+
+Two parts: the verdicts on a corpus of small files (below), and the speed on a folder of
+realistic checkpoints (``--realistic N``, further below), where interpreter start-up no
+longer dominates as it does on the corpus's tiny files.
 
 The corpus (``tests/helpers/scan_corpus.py``; ``tests/test_scan_corpus.py`` proves every
 malicious file in it runs its payload under the load its entry names) is built in a temp
@@ -44,10 +48,39 @@ The scanners go in a venv of their own, never ckpt_tools' (``python3 -m venv /tm
 /tmp/scanners/bin/pip install picklescan modelscan fickling modelaudit``); the script finds
 them by ``--scanners-venv`` or on PATH, and leaves out (with a note) any it cannot find.
 
-Run: ``.venv/bin/python benchmarks/bench_scan.py --scanners-venv /tmp/scanners``
-(``--tools ckpt,picklescan`` to pick tools, ``--no-fixtures``, ``--no-real``, ``--repeats N``
-for the whole-corpus runs, ``--keep`` to keep the corpus, ``--details`` for the per-file
-table).
+The realistic folder (``--realistic N``, default 8; 0 leaves it out) holds N torch
+checkpoints of the shapes people save, 10-40 MB each (about 215 MiB for 8), random data
+from fixed seeds, built with torch in the work folder (no download): a ResNet-50 state dict
+(torchvision's 320 keys, half width, fp32, ``.pth``), a BERT state dict (Hugging Face keys,
+12 layers: 200 entries, hidden 256, fp16, ``pytorch_model.bin``), a trainer dict (model,
+Adam state, scheduler, epoch), a Lightning ``.ckpt`` (``model.`` keys, optimizer states,
+callbacks, loops), an LSTM language model in the legacy format
+(``_use_new_zipfile_serialization=False``), a ViT with DataParallel ``module.`` keys, a
+MobileNetV2 state dict saved with ``pickle_protocol=4``, and a Llama-style ``.safetensors``
+(bf16); past 8 the kinds repeat with other seeds. First one run per file: ``ckpt scan`` must
+call each ``clean`` (exit 0) and picklescan flag none (it skips the ``.safetensors``). Then
+every tool named by ``--realistic-tools`` that takes folders (default ckpt, picklescan and
+its ``--strict`` row, modelscan, modelaudit; fickling takes no folder) runs on the whole
+folder with the argv of the corpus runs (``ckpt scan FOLDER --json``, ``picklescan --path
+FOLDER``, ...): one warm-up run each (which also leaves the folder in the page cache for
+all), then ``--repeats`` rounds, each tool once a round, the first tool rotating from round
+to round. Printed per tool: the median wall time, min-max, median CPU time, the worst peak
+RSS (:func:`common.measure`), the ratio to picklescan and the folder verdict. Target:
+``ckpt scan`` median <= picklescan median (ratio <= 1.0). The package is byte-compiled
+first (``python -m compileall ckpt_tools``, as ``make bytecode``): this machine sets
+``PYTHONDONTWRITEBYTECODE``, and without .pyc files every ``ckpt`` start would compile the
+package.
+
+The exit status is 1 when a target is missed: a malicious file not ``dangerous``, another
+file ``dangerous``, a nonstandard corpus file not ``nonstandard``, a realistic file not
+``clean`` or flagged by picklescan, or ckpt scan slower than picklescan on the folder.
+
+Run: ``.venv/bin/python benchmarks/bench_scan.py --scanners-venv /tmp/scanners --repeats 5
+--realistic 8`` (``--tools ckpt,picklescan`` to pick tools, ``--realistic-tools
+ckpt,picklescan,modelscan`` to leave modelaudit out of the realistic part only,
+``--no-fixtures``, ``--no-real``, ``--no-corpus`` for the realistic part alone, ``--repeats
+N`` for the whole-folder runs of both parts, ``--keep`` to keep the files, ``--details`` for
+the per-file table).
 """
 
 from __future__ import annotations
@@ -68,13 +101,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    MIB,
     REPO,
+    Measurement,
+    Summary,
     ckpt_command,
     fmt_table,
     load_note,
     machine_note,
     measure,
     ratio,
+    sync_file,
     workdir,
 )
 
@@ -121,6 +158,7 @@ class Run:
     stdout: str
     report: str  # the JSON report file some tools write ("" when none)
     wall_s: float
+    measurement: Measurement | None = None  # wall time, peak RSS, CPU time
 
 
 @dataclass
@@ -351,6 +389,307 @@ def build_items(folder: Path, markers: Path, fixtures: bool, real: bool) -> list
     return items
 
 
+# --------------------------------------------------------------------------- realistic folder
+
+
+@dataclass(frozen=True)
+class RealisticFile:
+    path: Path
+    shape: str  # what it is, in words
+    n_tensors: int
+
+
+def _realistic_kinds():
+    """(file name, description, build) for each kind of checkpoint, in folder order.
+
+    ``build(torch, seed)`` returns ``(obj, save_kwargs)``; ``save_kwargs`` is ``None`` for a
+    safetensors file. Every tensor is random (seeded), built on the CPU; sizes 10-40 MB.
+    """
+
+    def rand(torch, g, *shape, dtype=None):
+        t = torch.randn(*shape, generator=g)
+        return t.to(dtype) if dtype is not None else t
+
+    def bn(torch, g, sd, name, c):
+        sd[f"{name}.weight"] = 1 + 0.1 * rand(torch, g, c)
+        sd[f"{name}.bias"] = 0.1 * rand(torch, g, c)
+        sd[f"{name}.running_mean"] = 0.1 * rand(torch, g, c)
+        sd[f"{name}.running_var"] = torch.rand(c, generator=g) + 0.5
+        sd[f"{name}.num_batches_tracked"] = torch.tensor(125_000, dtype=torch.long)
+
+    def resnet50(torch, seed, width=0.5):
+        # torchvision's resnet50 key layout (320 entries), at half width (a quarter the bytes).
+        g, sd = torch.Generator().manual_seed(seed), {}
+        c = int(64 * width)
+        sd["conv1.weight"] = rand(torch, g, c, 3, 7, 7)
+        bn(torch, g, sd, "bn1", c)
+        inplanes = c
+        for li, (blocks, planes) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512)), 1):
+            p = int(planes * width)
+            for b in range(blocks):
+                pre = f"layer{li}.{b}"
+                for j, (cout, cin, k) in enumerate(((p, inplanes, 1), (p, p, 3), (4 * p, p, 1)), 1):
+                    sd[f"{pre}.conv{j}.weight"] = rand(torch, g, cout, cin, k, k)
+                    bn(torch, g, sd, f"{pre}.bn{j}", cout)
+                if b == 0:
+                    sd[f"{pre}.downsample.0.weight"] = rand(torch, g, 4 * p, inplanes, 1, 1)
+                    bn(torch, g, sd, f"{pre}.downsample.1", 4 * p)
+                inplanes = 4 * p
+        sd["fc.weight"] = rand(torch, g, 1000, inplanes)
+        sd["fc.bias"] = rand(torch, g, 1000)
+        return sd, {}
+
+    def bert(torch, seed, h=256, layers=12, vocab=30522):
+        # Hugging Face BertModel key layout (bert-base: 12 layers, 200 entries), fp16,
+        # narrowed to hidden 256 to stay under 40 MB; as saved to pytorch_model.bin.
+        g, sd, f16 = torch.Generator().manual_seed(seed), {}, torch.float16
+        e = "bert.embeddings"
+        sd[f"{e}.position_ids"] = torch.arange(512).unsqueeze(0)
+        sd[f"{e}.word_embeddings.weight"] = rand(torch, g, vocab, h, dtype=f16)
+        sd[f"{e}.position_embeddings.weight"] = rand(torch, g, 512, h, dtype=f16)
+        sd[f"{e}.token_type_embeddings.weight"] = rand(torch, g, 2, h, dtype=f16)
+        sd[f"{e}.LayerNorm.weight"] = torch.ones(h, dtype=f16)
+        sd[f"{e}.LayerNorm.bias"] = torch.zeros(h, dtype=f16)
+        for i in range(layers):
+            pre = f"bert.encoder.layer.{i}"
+            for name, (dout, din) in (
+                ("attention.self.query", (h, h)),
+                ("attention.self.key", (h, h)),
+                ("attention.self.value", (h, h)),
+                ("attention.output.dense", (h, h)),
+                ("intermediate.dense", (4 * h, h)),
+                ("output.dense", (h, 4 * h)),
+            ):
+                sd[f"{pre}.{name}.weight"] = rand(torch, g, dout, din, dtype=f16)
+                sd[f"{pre}.{name}.bias"] = rand(torch, g, dout, dtype=f16)
+            for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+                sd[f"{pre}.{ln}.weight"] = 1 + rand(torch, g, h, dtype=f16) / 10
+                sd[f"{pre}.{ln}.bias"] = rand(torch, g, h, dtype=f16) / 10
+        sd["bert.pooler.dense.weight"] = rand(torch, g, h, h, dtype=f16)
+        sd["bert.pooler.dense.bias"] = rand(torch, g, h, dtype=f16)
+        return sd, {}
+
+    def adam_after_steps(torch, model, steps=3):
+        opt = torch.optim.Adam(model.parameters(), lr=3e-4, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+        for _ in range(steps):
+            for prm in model.parameters():
+                prm.grad = torch.randn_like(prm)
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    def trainer(torch, seed):
+        # A training script's checkpoint: {model, optimizer (Adam), scheduler, epoch, ...}.
+        torch.manual_seed(seed)
+        nn = torch.nn
+        layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
+        model = nn.Sequential(
+            nn.TransformerEncoder(layer, 3, enable_nested_tensor=False), nn.Linear(256, 1000)
+        )
+        opt, sched = adam_after_steps(torch, model)
+        obj = {
+            "epoch": 7,
+            "global_step": 7000,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "best_val_loss": 1.2345,
+            "config": {"lr": 3e-4, "batch_size": 64, "layers": 3, "d_model": 256},
+        }
+        return obj, {}
+
+    def lightning(torch, seed):
+        # PyTorch Lightning's ModelCheckpoint layout ("model." keys, callbacks, loops ...).
+        torch.manual_seed(seed)
+        nn = torch.nn
+        convs: list = []
+        for cin, cout in ((3, 64), (64, 128), (128, 256), (256, 512)):
+            convs += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        model = nn.Sequential(*convs, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+        opt, sched = adam_after_steps(torch, model)
+        score = torch.tensor(0.4321)
+        path = "/runs/exp1/checkpoints/epoch=4-step=1234.ckpt"
+        mc = (
+            "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min', 'every_n_train_steps': 0, "
+            "'every_n_epochs': 1, 'train_time_interval': None}"
+        )
+        obj = {
+            "epoch": 4,
+            "global_step": 1234,
+            "pytorch-lightning_version": "2.4.0",
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "loops": {
+                "fit_loop": {
+                    "state_dict": {},
+                    "epoch_loop.state_dict": {"_batches_that_stepped": 1234},
+                    "epoch_progress": {
+                        "total": {"ready": 5, "started": 5, "processed": 5, "completed": 4},
+                        "current": {"ready": 5, "started": 5, "processed": 5, "completed": 4},
+                    },
+                }
+            },
+            "callbacks": {
+                mc: {
+                    "monitor": "val_loss",
+                    "best_model_score": score,
+                    "best_model_path": path,
+                    "current_score": score,
+                    "dirpath": "/runs/exp1/checkpoints",
+                    "best_k_models": {path: score},
+                    "kth_best_model_path": path,
+                    "kth_value": score,
+                    "last_model_path": "",
+                },
+                "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}": {
+                    "wait_count": 0,
+                    "stopped_epoch": 0,
+                    "best_score": score,
+                    "patience": 3,
+                },
+            },
+            "optimizer_states": [opt.state_dict()],
+            "lr_schedulers": [sched.state_dict()],
+            "hparams_name": "kwargs",
+            "hyper_parameters": {"lr": 3e-4, "num_classes": 1000, "widths": [64, 128, 256, 512]},
+        }
+        return obj, {}
+
+    def lstm_legacy(torch, seed):
+        # word_language_model-style LSTM, saved in torch's pre-1.6 (non-zip) format.
+        torch.manual_seed(seed)
+        nn = torch.nn
+
+        class RNNModel(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.encoder = nn.Embedding(3000, 400)
+                self.rnn = nn.LSTM(400, 512, 2)
+                self.decoder = nn.Linear(512, 3000)
+
+        return RNNModel().state_dict(), {"_use_new_zipfile_serialization": False}
+
+    def vit_dataparallel(torch, seed, h=384, blocks=4):
+        # timm ViT-S/16 key layout, first 4 blocks, saved from nn.DataParallel ("module.").
+        g, sd = torch.Generator().manual_seed(seed), {}
+        sd["cls_token"] = rand(torch, g, 1, 1, h)
+        sd["pos_embed"] = rand(torch, g, 1, 197, h)
+        sd["patch_embed.proj.weight"] = rand(torch, g, h, 3, 16, 16)
+        sd["patch_embed.proj.bias"] = rand(torch, g, h)
+        for i in range(blocks):
+            pre = f"blocks.{i}"
+            for name, (dout, din) in (
+                ("attn.qkv", (3 * h, h)),
+                ("attn.proj", (h, h)),
+                ("mlp.fc1", (4 * h, h)),
+                ("mlp.fc2", (h, 4 * h)),
+            ):
+                sd[f"{pre}.{name}.weight"] = rand(torch, g, dout, din)
+                sd[f"{pre}.{name}.bias"] = rand(torch, g, dout)
+            for norm in ("norm1", "norm2"):
+                sd[f"{pre}.{norm}.weight"] = torch.ones(h)
+                sd[f"{pre}.{norm}.bias"] = torch.zeros(h)
+        sd["norm.weight"], sd["norm.bias"] = torch.ones(h), torch.zeros(h)
+        sd["head.weight"], sd["head.bias"] = rand(torch, g, 1000, h), rand(torch, g, 1000)
+        return {f"module.{k}": v for k, v in sd.items()}, {}
+
+    def mobilenet_v2_proto4(torch, seed):
+        # torchvision's mobilenet_v2 key layout (314 entries), saved with pickle_protocol=4.
+        g, sd = torch.Generator().manual_seed(seed), {}
+
+        def conv_bn(pre, cout, cin, k, groups=1):
+            sd[f"{pre}.0.weight"] = rand(torch, g, cout, cin // groups, k, k)
+            bn(torch, g, sd, f"{pre}.1", cout)
+
+        conv_bn("features.0", 32, 3, 3)
+        cin, idx = 32, 1
+        for t, c, n in ((1, 16, 1), (6, 24, 2), (6, 32, 3), (6, 64, 4), (6, 96, 3), (6, 160, 3)):
+            for _ in range(n):
+                hid, pre, j = cin * t, f"features.{idx}.conv", 0
+                if t != 1:
+                    conv_bn(f"{pre}.0", hid, cin, 1)
+                    j = 1
+                conv_bn(f"{pre}.{j}", hid, hid, 3, groups=hid)
+                sd[f"{pre}.{j + 1}.weight"] = rand(torch, g, c, hid, 1, 1)
+                bn(torch, g, sd, f"{pre}.{j + 2}", c)
+                cin, idx = c, idx + 1
+        hid, pre = cin * 6, f"features.{idx}.conv"
+        conv_bn(f"{pre}.0", hid, cin, 1)
+        conv_bn(f"{pre}.1", hid, hid, 3, groups=hid)
+        sd[f"{pre}.2.weight"] = rand(torch, g, 320, hid, 1, 1)
+        bn(torch, g, sd, f"{pre}.3", 320)
+        conv_bn(f"features.{idx + 1}", 1280, 320, 1)
+        sd["classifier.1.weight"] = rand(torch, g, 1000, 1280)
+        sd["classifier.1.bias"] = rand(torch, g, 1000)
+        return sd, {"pickle_protocol": 4}
+
+    def llama_safetensors(torch, seed, h=384, inter=1024, layers=6, vocab=8000):
+        # Hugging Face LlamaForCausalLM key layout, bf16, as model.safetensors.
+        g, sd, bf16 = torch.Generator().manual_seed(seed), {}, torch.bfloat16
+        sd["model.embed_tokens.weight"] = rand(torch, g, vocab, h, dtype=bf16)
+        for i in range(layers):
+            pre = f"model.layers.{i}"
+            for name, (dout, din) in (
+                ("self_attn.q_proj", (h, h)),
+                ("self_attn.k_proj", (h, h)),
+                ("self_attn.v_proj", (h, h)),
+                ("self_attn.o_proj", (h, h)),
+                ("mlp.gate_proj", (inter, h)),
+                ("mlp.up_proj", (inter, h)),
+                ("mlp.down_proj", (h, inter)),
+            ):
+                sd[f"{pre}.{name}.weight"] = rand(torch, g, dout, din, dtype=bf16)
+            sd[f"{pre}.input_layernorm.weight"] = torch.ones(h, dtype=bf16)
+            sd[f"{pre}.post_attention_layernorm.weight"] = torch.ones(h, dtype=bf16)
+        sd["model.norm.weight"] = torch.ones(h, dtype=bf16)
+        sd["lm_head.weight"] = rand(torch, g, vocab, h, dtype=bf16)
+        return sd, None
+
+    return [
+        ("resnet50_w05.pth", "ResNet-50 state dict (torchvision keys, half width), fp32", resnet50),
+        ("pytorch_model.bin", "BERT state dict (HF keys, 12 layers, hidden 256), fp16", bert),
+        ("trainer_epoch7.pt", "trainer dict: Transformer model + Adam + scheduler", trainer),
+        ("lightning_epoch4.ckpt", "Lightning checkpoint: CNN + Adam + callbacks", lightning),
+        ("lstm_lm_legacy.pt", "LSTM language model, legacy (non-zip) format", lstm_legacy),
+        ("vit_dataparallel.pth", "ViT-S (4 blocks), DataParallel module. keys", vit_dataparallel),
+        ("mobilenet_v2_p4.pt", "MobileNetV2 state dict, pickle_protocol=4", mobilenet_v2_proto4),
+        ("model.safetensors", "Llama-style (6 layers, hidden 384), bf16", llama_safetensors),
+    ]
+
+
+def count_tensors(torch, obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(count_tensors(torch, v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(count_tensors(torch, v) for v in obj)
+    return 0
+
+
+def build_realistic(folder: Path, n: int) -> list[RealisticFile]:
+    """``n`` realistic checkpoints in ``folder``: the kinds of :func:`_realistic_kinds` in
+    turn (past the eighth, again with another seed), each written and fsynced."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    kinds = _realistic_kinds()
+    out = []
+    for i in range(n):
+        name, shape, build = kinds[i % len(kinds)]
+        obj, kwargs = build(torch, 1000 + i)
+        path = folder / (name if i < len(kinds) else f"r{i // len(kinds)}_{name}")
+        if kwargs is None:
+            save_file(obj, str(path), metadata={"format": "pt"})
+        else:
+            torch.save(obj, str(path), **kwargs)
+        sync_file(path)
+        out.append(RealisticFile(path, shape, count_tensors(torch, obj)))
+        del obj
+    return out
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -368,7 +707,7 @@ def run_one(tool: Tool, target: Path, scratch: Path) -> Run:
         text = text if text.lstrip().startswith("{") else report_text
     else:
         report_text = ""
-    return Run(m.returncode, text, report_text, m.wall_s)
+    return Run(m.returncode, text, report_text, m.wall_s, m)
 
 
 def run_all(tools: list[Tool], items: list[Item], folder: Path, scratch: Path, repeats: int):
@@ -381,6 +720,95 @@ def run_all(tools: list[Tool], items: list[Item], folder: Path, scratch: Path, r
         else:
             tool.corpus_s.append(sum(r.wall_s for r in tool.runs.values()))
         print(f"  {tool.name}: done", flush=True)
+
+
+def compile_package() -> None:
+    """``make bytecode`` for the package: this machine sets PYTHONDONTWRITEBYTECODE, and an
+    editable checkout without .pyc files would compile every module at every start."""
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(REPO / "ckpt_tools")],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def realistic_checks(
+    tools: list[Tool], files: list[RealisticFile], scratch: Path
+) -> list[tuple[bool, str]]:
+    """One run of ckpt scan and picklescan per realistic file: ckpt scan must call each
+    clean (exit 0), picklescan (without --strict) must flag none."""
+    checks = []
+    for tool in tools:
+        if tool.name not in ("ckpt scan", "picklescan"):
+            continue
+        read = next(iter(tool.readings.values()))
+        marks = {f.path.name: read(run_one(tool, f.path, scratch)) for f in files}
+        if tool.name == "ckpt scan":
+            bad = [f"{name} ({m})" for name, m in marks.items() if m != CLEAN]
+            checks.append(
+                (
+                    not bad,
+                    f"ckpt scan: realistic files clean: {len(files) - len(bad)}/{len(files)}"
+                    + (f" (not: {', '.join(bad)})" if bad else ""),
+                )
+            )
+        else:
+            bad = [f"{name} ({m})" for name, m in marks.items() if m in (FLAGGED, ERROR)]
+            skipped = sum(m == SKIPPED for m in marks.values())
+            checks.append(
+                (
+                    not bad,
+                    f"picklescan: realistic files flagged or failed: {len(bad)} (target: 0;"
+                    f" {skipped} not scanned)" + (f" ({', '.join(bad)})" if bad else ""),
+                )
+            )
+    return checks
+
+
+def time_folder(
+    tools: list[Tool], folder: Path, scratch: Path, repeats: int
+) -> tuple[dict[str, Summary], dict[str, Run]]:
+    """One warm-up run of each tool on ``folder`` (which also warms the page cache for all),
+    then ``repeats`` rounds, each tool once a round, the first tool rotating round by round.
+    Returns the timed runs' :class:`Summary` and the warm-up run (for the verdict) per tool."""
+    warm = {t.name: run_one(t, folder, scratch) for t in tools}
+    summaries = {t.name: Summary(t.name) for t in tools}
+    for r in range(repeats):
+        k = r % len(tools)
+        for tool in tools[k:] + tools[:k]:
+            run = run_one(tool, folder, scratch)
+            assert run.measurement is not None
+            summaries[tool.name].add(run.measurement)
+            if run.returncode != warm[tool.name].returncode:
+                print(
+                    f"  note: {tool.name} exited {run.returncode} (warm-up: "
+                    f"{warm[tool.name].returncode})"
+                )
+        print(f"  round {r + 1}/{repeats} done", flush=True)
+    return summaries, warm
+
+
+def realistic_rows(
+    tools: list[Tool], summaries: dict[str, Summary], warm: dict[str, Run]
+) -> list[list[str]]:
+    base = summaries.get("picklescan")
+    rows = []
+    for tool in tools:
+        s = summaries[tool.name]
+        verdicts = ", ".join(read(warm[tool.name]) for read in tool.readings.values())
+        rows.append(
+            [
+                tool.name,
+                tool.version,
+                f"{s.wall_s:.3f}",
+                s.spread,
+                f"{s.cpu_s:.3f}",
+                f"{s.peak_rss_mb:.1f}",
+                ratio(s.wall_s, base.wall_s) if base else "n/a",
+                f"{verdicts} (exit {warm[tool.name].returncode})",
+            ]
+        )
+    return rows
 
 
 # --------------------------------------------------------------------------- reporting
@@ -472,61 +900,140 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-fixtures", action="store_true")
     parser.add_argument("--no-real", action="store_true")
-    parser.add_argument("--repeats", type=int, default=1, help="whole-corpus runs per tool")
+    parser.add_argument("--no-corpus", action="store_true", help="only the realistic folder")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed whole-folder runs per tool (corpus, realistic)",
+    )
+    parser.add_argument(
+        "--realistic",
+        type=int,
+        default=8,
+        metavar="N",
+        help="realistic checkpoints (10-40 MB each) in the speed folder; 0: no such folder",
+    )
+    parser.add_argument(
+        "--realistic-tools",
+        default="ckpt,picklescan,modelscan,modelaudit",
+        help="comma list of the --tools timed on the realistic folder (fickling takes no folder)",
+    )
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--details", action="store_true", help="print the per-file table")
     args = parser.parse_args(argv)
     wanted = [t.strip() for t in args.tools.split(",") if t.strip()]
+    realistic_wanted = {t.strip() for t in args.realistic_tools.split(",") if t.strip()}
 
+    compile_package()
     print(machine_note())
     print(load_note())
     print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     tools = ([t] if "ckpt" in wanted and (t := ckpt_tool()) else []) + scanner_tools(
         args.scanners_venv, wanted
     )
+    items: list[Item] = []
+    targets: list[tuple[bool, str]] = []
     with workdir(args.workdir, keep=args.keep) as root:
-        folder, markers = root / "files", Path(tempfile.mkdtemp(prefix="markers-", dir=root))
-        folder.mkdir()
         scratch = root / "scratch"
         scratch.mkdir()
-        items = build_items(folder, markers, not args.no_fixtures, not args.no_real)
-        counts = {g: sum(i.group == g for i in items) for g in GROUPS}
-        print(f"corpus: {len(items)} files {counts} in {folder}")
-        run_all(tools, items, folder, scratch, args.repeats)
-        ran = sorted(p.name for p in markers.iterdir())
-        if ran:
-            print(f"FAIL: a payload ran during the scans (markers {ran})")
-            return 1
-        print("no payload ran during the scans (the markers folder is empty)")
+        if not args.no_corpus:
+            folder, markers = root / "files", Path(tempfile.mkdtemp(prefix="markers-", dir=root))
+            folder.mkdir()
+            items = build_items(folder, markers, not args.no_fixtures, not args.no_real)
+            counts = {g: sum(i.group == g for i in items) for g in GROUPS}
+            print(f"corpus: {len(items)} files {counts} in {folder}")
+            run_all(tools, items, folder, scratch, args.repeats)
+            ran = sorted(p.name for p in markers.iterdir())
+            if ran:
+                print(f"FAIL: a payload ran during the scans (markers {ran})")
+                return 1
+            print("no payload ran during the scans (the markers folder is empty)")
+            print(load_note())
+        if args.realistic > 0:
+            timed = [
+                t
+                for t in tools
+                if t.takes_folders
+                and t.name.split()[0] in realistic_wanted  # "ckpt scan", "picklescan --strict"
+            ]
+            real_folder = root / "realistic"
+            files = build_realistic(real_folder, args.realistic)
+            size = sum(f.path.stat().st_size for f in files)
+            print(f"\nrealistic folder: {len(files)} files, {size / MIB:.1f} MiB in {real_folder}")
+            print(
+                fmt_table(
+                    [
+                        [f.path.name, f.shape, f.n_tensors, f"{f.path.stat().st_size / MIB:.1f}"]
+                        for f in files
+                    ],
+                    ["file", "what", "tensors", "MiB"],
+                )
+            )
+            realistic_targets = realistic_checks(tools, files, scratch)
+            print(f"timing {', '.join(t.name for t in timed)} on it: 1 warm-up + {args.repeats}")
+            summaries, warm = time_folder(timed, real_folder, scratch, args.repeats)
+            print(load_note())
 
-    print()
-    print(
-        fmt_table(
-            summary_rows(tools, items),
-            [
-                "tool",
-                "version",
-                *(f"{g} flagged" for g in GROUPS),
-                "errors",
-                "skipped",
-                "corpus s",
-                "vs ckpt",
-                "per file s",
-            ],
-        )
-    )
-    print(
-        "\nflagged = the tool's verdict (see the docstring); corpus s = one run on the whole "
-        "folder (fickling: the sum of its per-file runs); per file s = median per-file run."
-    )
-    print()
-    print("\n".join(misses(tools, items)))
-    if args.details:
-        labels = [label for t in tools for label in t.readings]
+    if items:
         print()
-        print(fmt_table(detail_rows(tools, items), ["file", "group", *labels]))
-    targets = ckpt_targets(tools, items)
+        print(
+            fmt_table(
+                summary_rows(tools, items),
+                [
+                    "tool",
+                    "version",
+                    *(f"{g} flagged" for g in GROUPS),
+                    "errors",
+                    "skipped",
+                    "corpus s",
+                    "vs ckpt",
+                    "per file s",
+                ],
+            )
+        )
+        print(
+            "\nflagged = the tool's verdict (see the docstring); corpus s = one run on the whole "
+            "folder (fickling: the sum of its per-file runs); per file s = median per-file run."
+        )
+        print()
+        print("\n".join(misses(tools, items)))
+        if args.details:
+            labels = [label for t in tools for label in t.readings]
+            print()
+            print(fmt_table(detail_rows(tools, items), ["file", "group", *labels]))
+        targets += ckpt_targets(tools, items)
+    if args.realistic > 0:
+        print(
+            f"\nrealistic folder ({len(files)} files, {size / MIB:.0f} MiB, warm page cache), "
+            f"median of {args.repeats} interleaved rounds after a warm-up run each:"
+        )
+        print(
+            fmt_table(
+                realistic_rows(timed, summaries, warm),
+                [
+                    "tool",
+                    "version",
+                    "median s",
+                    "min-max",
+                    "cpu s",
+                    "peak RSS MB",
+                    "vs picklescan",
+                    "folder verdict",
+                ],
+            )
+        )
+        targets += realistic_targets
+        if "ckpt scan" in summaries and "picklescan" in summaries:
+            ours, theirs = summaries["ckpt scan"].wall_s, summaries["picklescan"].wall_s
+            targets.append(
+                (
+                    ours <= theirs,
+                    f"ckpt scan / picklescan on the realistic folder: {ours / theirs:.2f}x "
+                    f"({ours:.3f} s / {theirs:.3f} s, medians; target <= 1.0x)",
+                )
+            )
     print()
     for ok, line in targets:
         print(f"{'PASS' if ok else 'FAIL'}  {line}")
