@@ -270,3 +270,181 @@ def test_progress_is_told_each_file_before_it_is_scanned(tmp_path: Path) -> None
     ]
     assert [Path(f.path).name for f in report.files] == ["a.pt", "b.pt"]
     assert [Path(p).name for p in report.skipped] == ["notes.txt"]
+
+
+# Shapes a review found: each loads a payload (proven below in one child process) that an
+# earlier scan called nonstandard, clean or skipped.
+def _sbu(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw
+
+
+def _touch(marker: Path) -> bytes:
+    """A protocol 0 call of posix.system that creates ``marker``."""
+    return b"cposix\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR."
+
+
+def _review_shapes(folder: Path, markers: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, how it is loaded): each creates ``markers/<name>`` when loaded."""
+    shapes: dict[str, tuple[Path, str]] = {}
+    # A dotted attribute path from a module a family calls nonstandard, to os.system.
+    path = folder / "attribute_path.pkl"
+    m = markers / "attribute_path"
+    path.write_bytes(
+        b"\x80\x04"
+        + _sbu("torch.nn.functional")
+        + _sbu("torch.serialization.os.system")
+        + b"\x93"
+        + _sbu(f"touch {m}")
+        + b"\x85R."
+    )
+    shapes["attribute_path"] = (path, "pickle")
+    # A protocol 0 int that pickletools refuses and the C unpickler reads, before the call.
+    path = folder / "pytorch_model.bin"
+    path.write_bytes(b"I0x1\n0" + _touch(markers / "hex_int"))
+    shapes["hex_int"] = (path, "torch")
+    # An object array whose pickle is protocol 1, behind a header past 64 KiB.
+    header = "{'descr': '|O', 'fortran_order': False, 'shape': (1,), }"
+    header = header + " " * (70_000 - len(header)) + "\n"
+    path = folder / "objects.npy"
+    path.write_bytes(
+        b"\x93NUMPY\x02\x00" + len(header).to_bytes(4, "little") + header.encode()
+        + b"\x80\x01(" + _touch(markers / "npy")[:-1] + b"l."
+    )  # fmt: skip
+    shapes["npy"] = (path, "numpy")
+    return shapes
+
+
+_LOAD_ALL = """
+import pickle, sys, numpy, torch
+for path, how in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        if how == "pickle":
+            pickle.load(open(path, "rb"))
+        elif how == "numpy":
+            numpy.load(path, allow_pickle=True)
+        else:
+            torch.load(path, weights_only=False)
+    except Exception:
+        pass  # the payload ran first, or did not: the markers tell
+"""
+
+
+def test_review_shapes_are_live_and_dangerous(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    folder, markers, scratch = tmp_path / "files", tmp_path / "markers", tmp_path / "cwd"
+    for made in (folder, markers, scratch):
+        made.mkdir()
+    shapes = _review_shapes(folder, markers)
+    report = scan(folder)
+    verdicts = {Path(f.path).name: f.verdict for f in report.files}
+    assert {p.name: verdicts.get(p.name) for p, _ in shapes.values()} == {
+        p.name: "dangerous" for p, _ in shapes.values()
+    }
+    assert not list(markers.iterdir())  # scanning ran nothing
+    argv = [str(x) for path, how in shapes.values() for x in (path, how)]
+    subprocess.run([sys.executable, "-c", _LOAD_ALL, *argv], cwd=scratch, timeout=120)
+    assert sorted(p.name for p in markers.iterdir()) == sorted(shapes)
+
+
+def test_a_dcp_folder_does_not_hide_the_files_beside_it(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(3)}, checkpoint_id=run)
+    (run / "sub").mkdir()
+    shutil.copy(fixture_path("evil.pt"), run / "extra_state.pt")
+    shutil.copy(fixture_path("evil.pt"), run / "sub" / "model.pt")
+    for target in (tmp_path, run):
+        report = scan(target)
+        by_name = {Path(f.path).name: f for f in report.files}
+        assert by_name["run"].format == "dcp" and by_name["run"].verdict == "clean"
+        assert by_name["extra_state.pt"].verdict == by_name["model.pt"].verdict == "dangerous"
+
+
+def test_fifos_and_symlinked_folders(tmp_path: Path) -> None:
+    import os
+
+    dcp_like = tmp_path / "d"
+    dcp_like.mkdir()
+    (dcp_like / "x.distcp").write_bytes(b"")
+    os.mkfifo(dcp_like / ".metadata")
+    res = run_ckpt("scan", dcp_like, code=4, timeout=30)  # refused, not waited on
+    assert "FIFO" in res.stdout
+    run_ckpt("inspect", dcp_like, code=4, timeout=30)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(fixture_path("plain.pt").parent, linked / "fixtures")
+    report = scan(linked)
+    assert report.files == () and [Path(p).name for p in report.skipped] == ["fixtures"]
+
+
+def test_torchscript_with_setstate_is_dangerous(tmp_path: Path) -> None:
+    class Stateful(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+        @torch.jit.export
+        def __getstate__(self) -> tuple[torch.Tensor, bool]:
+            return (self.w, self.training)
+
+        @torch.jit.export
+        def __setstate__(self, state: tuple[torch.Tensor, bool]) -> None:
+            self.w = state[0]
+            self.training = state[1]
+
+    torch.jit.save(torch.jit.script(Stateful()), tmp_path / "stateful.pt")
+    (found,) = scan(tmp_path / "stateful.pt").files
+    assert found.format == "torchscript" and found.verdict == "dangerous"
+    assert [f.global_name for f in found.findings if f.severity == "dangerous"] == ["__setstate__"]
+
+
+def test_ordinary_state_objects_are_not_dangerous(tmp_path: Path) -> None:
+    import types
+
+    torch.save(
+        {
+            "generator": torch.Generator(),
+            "rng": np.random.default_rng(0),
+            "legacy_rng": np.random.RandomState(0),
+            "config": types.SimpleNamespace(lr=0.1),
+            "scaler": torch.amp.GradScaler("cpu"),
+        },
+        tmp_path / "state.pt",
+    )
+    np.savez(tmp_path / "arrays.npz", a=np.arange(3))
+    verdicts = {Path(f.path).name: (f.format, f.verdict) for f in scan(tmp_path).files}
+    assert verdicts == {
+        "state.pt": ("torch-zip", "nonstandard"),
+        "arrays.npz": ("numpy", "clean"),
+    }
+
+
+def test_tar_pickles_past_the_first_and_a_tar_torch_reads_as_legacy(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    # A header torch's tarfile.open refuses; torch then reads the file as legacy pickles.
+    info = tarfile.TarInfo("cposix\nsystem\n(S'true'\ntR.")
+    info.type, info.size = tarfile.XHDTYPE, 0
+    (tmp_path / "model.bin").write_bytes(info.tobuf(format=tarfile.USTAR_FORMAT))
+    # A payload in the second pickle of the storages member (torch reads every one).
+    shutil.copy(fixture_path("tar_format.pt"), tmp_path / "tar.pt")
+    with tarfile.open(fixture_path("tar_format.pt")) as src:
+        members = [(m, src.extractfile(m).read()) for m in src.getmembers()]
+    with tarfile.open(tmp_path / "tar.pt", "w", format=tarfile.PAX_FORMAT) as out:
+        for member, data in members:
+            if member.name == "storages":
+                data = pickle.dumps(1, protocol=2) + b"\x80\x02" + b"cposix\nsystem\n(S'x'\ntR."
+                member.size = len(data)
+            out.addfile(member, io.BytesIO(data))
+    verdicts = {Path(f.path).name: f.verdict for f in scan(tmp_path).files}
+    assert verdicts == {"model.bin": "dangerous", "tar.pt": "dangerous"}

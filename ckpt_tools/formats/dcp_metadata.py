@@ -20,6 +20,7 @@ from ckpt_tools.descriptors import short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.dcp_globals import DataStandIn, dcp_metadata_stand_ins
+from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickles import MAX_NESTING, load_pickle
 from ckpt_tools.formats.standins import ConstantRef, Reduced, is_count
 
@@ -259,6 +260,7 @@ def read_metadata(folder: str, metadata_file: str = ".metadata") -> DcpMetadata:
         UnsafeContentError: it names globals outside DCP's classes and the allowlist.
     """
     path = os.path.join(folder, metadata_file)
+    check_regular(path)  # a FIFO of that name would block the open below
     with open(path, "rb") as f:
         result = load_pickle(f, MAX_METADATA_BYTES, extra_globals=dcp_metadata_stand_ins())
     if result.unsafe_globals:

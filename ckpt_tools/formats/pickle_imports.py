@@ -12,9 +12,11 @@ Names are given as Python 3 resolves them (``__builtin__.eval`` is ``builtins.ev
 from __future__ import annotations
 
 import _compat_pickle
+import ast
 import io
 import pickletools
-from typing import BinaryIO, NamedTuple
+from collections.abc import Iterator
+from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.limits import LimitedReader
@@ -99,21 +101,33 @@ def starts_like_pickle(head: bytes) -> bool:
 
 
 def npy_pickle_offset(head: bytes) -> int | None:
-    """Where the pickle of a numpy ``.npy`` file of objects starts (``numpy.load`` with
-    ``allow_pickle=True`` unpickles it); None for anything else.
+    """Where the pickle of a numpy ``.npy`` array of objects starts, from the file's first
+    bytes (``numpy.load`` with ``allow_pickle=True`` unpickles what follows the header,
+    whatever its first byte); None for anything else.
+
+    Where the header runs past ``head`` its dtype is not known, and the offset is given:
+    a walk from there tells.
 
     Example:
         >>> import io, numpy as np
         >>> buf = io.BytesIO(); np.save(buf, np.array([{}], dtype=object), allow_pickle=True)
         >>> buf.getvalue()[npy_pickle_offset(buf.getvalue())]
         128
+        >>> buf = io.BytesIO(); np.save(buf, np.zeros(3)); npy_pickle_offset(buf.getvalue())
     """
     if not head.startswith(b"\x93NUMPY") or len(head) < 12:
         return None
     # Format 1.0 gives the header's length in 2 bytes, 2.0 and 3.0 in 4.
     width = 2 if head[6] == 1 else 4
     start = 8 + width + int.from_bytes(head[8 : 8 + width], "little")
-    return start if starts_like_pickle(head[start : start + 2]) else None
+    if start > len(head):
+        return start
+    try:
+        header = ast.literal_eval(head[8 + width : start].decode("latin-1"))
+        descr = header["descr"]
+    except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError):
+        return None  # numpy.load refuses such a header before any pickle
+    return start if "O" in repr(descr) else None
 
 
 def python3_qualname(qualname: str) -> str:
@@ -174,12 +188,12 @@ def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -
     stack: list[object] = []
     memo: dict[object, object] = {}
     try:
-        for op, arg, pos in pickletools.genops(stream):
+        for op, arg, pos in _opcodes(stream):
             name = op.name
             if name in _STRINGS:
                 stack.append(arg if isinstance(arg, str) else _latin1(arg))
             elif name in ("GLOBAL", "INST"):
-                module, _, attr = str(arg).partition(" ")
+                module, attr = arg  # type: ignore[misc]
                 imports.append(PickleImport(*_python3(module, attr), pos, name))
                 _apply(op, stack)
             elif name == "STACK_GLOBAL":
@@ -214,6 +228,78 @@ def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -
         short = base + stream.tell() >= size and "unknown" not in str(e)
         return ImportScan(tuple(imports), None, str(e), short)
     return ImportScan(tuple(imports), None, "no STOP opcode", True)
+
+
+_LENGTH_WIDTHS = {
+    pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
+    pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+    pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
+    pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
+}
+_VALUED = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+
+
+def _opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
+    """``(opcode, argument, position)`` as the C unpickler reads them, up to STOP.
+
+    Not ``pickletools.genops``: it parses a protocol 0 argument more strictly than the
+    unpickler does (``I0x1`` is an int to ``pickle.load``, an error to genops), and a walk
+    that stops there would miss the imports after it. Only the arguments the walk uses are
+    decoded: strings, memo indices, and a GLOBAL's module and name.
+    """
+    while True:
+        pos = stream.tell()
+        code = stream.read(1)
+        if not code:
+            raise ValueError("pickle exhausted before seeing STOP")
+        op = pickletools.code2op.get(code.decode("latin-1"))
+        if op is None:
+            raise ValueError(f"at position {pos}, opcode {code!r} unknown")
+        yield op, _argument(stream, op), pos
+        if op.name == "STOP":
+            return
+
+
+def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
+    if op.arg is None:
+        return None
+    n, name = op.arg.n, op.name
+    if n == pickletools.UP_TO_NEWLINE:
+        line = _line(stream)
+        if name in ("GLOBAL", "INST"):
+            return line.decode("utf-8"), _line(stream).decode("utf-8")
+        if name == "UNICODE":
+            return line.decode("raw-unicode-escape")
+        if name == "STRING":  # a quoted Python 2 literal: its text, roughly, is enough
+            return line.strip(b"'\"").decode("latin-1")
+        if name in ("GET", "PUT"):
+            return int(line)
+        return None  # ints, longs, floats and persistent ids: not needed
+    if n in _LENGTH_WIDTHS:
+        width, signed = _LENGTH_WIDTHS[n]
+        length = int.from_bytes(_exactly(stream, width), "little", signed=signed)
+        if length < 0:
+            raise ValueError(f"{name} declares a negative length")
+        data = _exactly(stream, length)
+        if name in _STRINGS:
+            return data.decode("utf-8", "surrogatepass") if "UNICODE" in name else data
+        return None
+    data = _exactly(stream, n)
+    return int.from_bytes(data, "little") if name in _VALUED else None
+
+
+def _line(stream: Any) -> bytes:
+    line = stream.readline()
+    if not line.endswith(b"\n"):
+        raise ValueError("no newline found when trying to read an argument")
+    return line[:-1]
+
+
+def _exactly(stream: Any, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise ValueError(f"expected {n} bytes, but only {len(data)} remain")
+    return data
 
 
 def _latin1(value: object) -> object:

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError
 from ckpt_tools.formats.allowlist import checked_tensor
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.legacy import check_byte_order, offset_locator
@@ -289,12 +289,22 @@ def read_tar_members(
     """
     del tar  # the offsets in ``members`` are all we need
     fd = os.open(path, os.O_RDONLY)
+    reader = _TarReader(path, fd, members)
     try:
-        reader = _TarReader(path, fd, members)
         reader.read_sys_info()
         reader.read_storages()
         reader.read_tensors()
         main = reader.pickle(reader.member("pickle"), "the pickle", persistent_load=reader.resolve)
+    except CorruptCheckpointError as e:
+        if reader.unsafe:  # torch's weights-only unpickler stops at the first of them
+            names = tuple(reader.unsafe)
+            raise UnsafeContentError(
+                f"{path!r}: its pickles refer to global(s) outside the allowlist "
+                f"({', '.join(names)}) before the file fails ({e})",
+                globals=names,
+                path=path,
+            ) from e
+        raise
     finally:
         os.close(fd)
     storages = dict(reader.storages)

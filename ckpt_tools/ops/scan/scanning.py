@@ -68,15 +68,16 @@ def scan(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     targets: list[tuple[str, bool]] = []  # (path, named by the caller)
+    skipped: list[str] = []
     for given in map(os.fspath, paths):
         if not os.path.lexists(given):
             raise CheckpointNotFoundError(f"no such file or folder: {given!r}", path=given)
-        if os.path.isdir(given) and not _is_dcp(given):
-            targets.extend((found, False) for found in _files_under(given))
+        if os.path.isdir(given):
+            for found, followed in _files_under(given):
+                (targets.append((found, False)) if followed else skipped.append(found))
         else:
             targets.append((given, True))
     files: list[FileScan] = []
-    skipped: list[str] = []
     for done, (path, named) in enumerate(targets):
         if progress is not None:
             progress(done, len(targets), path)
@@ -90,19 +91,26 @@ def scan(
     return ScanReport(tuple(files), tuple(skipped))
 
 
-def _files_under(folder: str) -> Iterator[str]:
-    """Every file under ``folder`` (DCP folders whole), in a stable order; no symlinked
-    folders are followed (a link can loop)."""
+def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
+    """``(path, to scan)`` for everything under ``folder``, in a stable order: each file, and
+    each DCP folder as one checkpoint (its other files and folders are walked too);
+    symlinked folders are listed, never followed (a link can loop), as not scanned."""
+    from ckpt_tools.formats.dcp import DATA_SUFFIX, METADATA_FILE
+
     for root, dirs, names in os.walk(folder):
         dirs.sort()
-        for name in sorted(dirs):
-            if _is_dcp(os.path.join(root, name)):
-                dirs.remove(name)
-                yield os.path.join(root, name)
+        for name in [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            dirs.remove(name)
+            yield os.path.join(root, name), False
+        dcp = _is_dcp(root)
+        if dcp:
+            yield root, True
         for name in sorted(names):
             path = os.path.join(root, name)
+            if dcp and (name == METADATA_FILE or name.endswith(DATA_SUFFIX)):
+                continue  # read as the DCP checkpoint's
             if os.path.isfile(path):
-                yield path
+                yield path, True
 
 
 def _is_dcp(path: str) -> bool:
@@ -142,14 +150,24 @@ def scan_file(path: str) -> FileScan | None:
     code: tuple[str, ...] = ()
     if fmt == "torchscript":
         try:
-            code = code_files(path)
+            files = code_files(path)
         except (CheckpointError, OSError) as e:
-            error = error or str(e)
+            error, files = error or str(e), ()
+        code = tuple(map(str, files))
+        findings += tuple(
+            Finding("__setstate__", f.record, "dangerous", _RUNS_ON_LOAD)
+            for f in files
+            if f.runs_on_load
+        )
     verdict = _verdict(findings, error, bool(code))
     pickles = len(walked) + len(reading.read)
     return FileScan(path, fmt, verdict, findings, error, pickles, code)
 
 
+_RUNS_ON_LOAD = (
+    "torch.jit.load runs a TorchScript __setstate__ while it loads the archive (torch.load "
+    "hands it one), and TorchScript can read and write files"
+)
 # Formats torch.load(weights_only=True) refuses whatever their pickles hold.
 _FORMATS_BEYOND_WEIGHTS_ONLY = {
     "torch-tar": "torch.load(weights_only=True) refuses the tar format (torch < 0.4); "
@@ -176,7 +194,21 @@ def _content_format(path: str) -> str | None:
         walks = list(walk_pickles(path, "pickle"))
         whole = walks and walks[0].scan.end is not None
         return "pickle" if whole and any(w.scan.imports for w in walks) else None
+    if fmt == "torch-zip" and _is_npz(path):
+        return "numpy"
     return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
+
+
+def _is_npz(path: str) -> bool:
+    """A zip of ``.npy`` records only (``numpy.savez``), which numpy, not torch, reads."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
+        return False
+    return bool(names) and all(n.endswith(".npy") for n in names)
 
 
 def _not_a_checkpoint(path: str) -> str:
@@ -209,7 +241,8 @@ def _read_as_torch(path: str) -> _Reading:
         return _Reading(str(e), (), "", frozenset())
     if ckpt.format in ("torch-zip", "torchscript"):
         # The C unpickler read data.pkl to its STOP and asked for every global in it (the
-        # same unpickler torch.load runs with weights_only=False): a walk would add nothing.
+        # same unpickler torch.load runs with weights_only=False): where all were on the
+        # allowlist, a walk would add nothing.
         record = f"{ckpt.archive_root}/data.pkl"
         entries = tuple(
             ZipEntry(
@@ -223,7 +256,9 @@ def _read_as_torch(path: str) -> _Reading:
             )
             for r in ckpt.records.values()
         )
-        read = frozenset({record})
+        # Where it met globals off the allowlist, the walk still names their modules apart
+        # from their attribute paths (the reader joins the two).
+        read = frozenset() if ckpt.unsafe_globals else frozenset({record})
         return _Reading(None, ckpt.unsafe_globals, record, read, ckpt.format, entries)
     return _Reading(None, ckpt.unsafe_globals, "main pickle", frozenset(), ckpt.format)
 
@@ -233,7 +268,7 @@ def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> 
     found: dict[tuple[str, str], Finding] = {}
     for w in walked:
         for imp in w.scan.imports:
-            rule = classify(imp.qualname, w.context)
+            rule = classify(imp.qualname, w.context, exact="." in (imp.name or ""))
             if rule.severity != "allowed":
                 found.setdefault(
                     (imp.qualname, w.record),
@@ -243,7 +278,7 @@ def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> 
     for name in map(python3_qualname, reading.globals):
         # Where the walk did not read the pickle, or could not name a computed global.
         if name not in seen:
-            rule = classify(name, context)
+            rule = classify(name, context, exact=True)  # its module and name are not known
             if rule.severity != "allowed":
                 found[(name, "")] = Finding(name, reading.record, rule.severity, rule.reason)
     return tuple(found.values())

@@ -11,8 +11,9 @@ Three severities:
   functions that load, compile or call), and every global the table does not know: an
   unknown class is imported, then called or given its state, which is code.
 
-Rules are matched in order against the global's qualified name (``fnmatch`` patterns: ``*``
-matches dots too), so specific entries come before the families that contain them.
+A rule naming the global itself decides first; then families (``fnmatch`` patterns, ``*``
+matching dots too) in order. A global imported by an attribute path (a dotted name, which
+the unpickler follows attribute by attribute) is judged by exact names only.
 """
 
 from __future__ import annotations
@@ -116,6 +117,16 @@ RULES: tuple[Rule, ...] = (
         "numpy's random generator state (rebuilds a generator of numpy's own)",
     ),
     Rule("numpy.random._*.*", "nonstandard", "numpy's random generator classes"),
+    *(
+        Rule(p, "nonstandard", "numpy's random generator state")
+        for p in (
+            "numpy.random.bit_generator.SeedSequence",
+            "numpy.random.bit_generator.__pyx_unpickle_SeedSequence",
+        )
+    ),
+    Rule("types.SimpleNamespace", "nonstandard", "a plain namespace of values"),
+    Rule("torch._C.Generator", "nonstandard", "a torch random generator's state"),
+    Rule("torch.cuda.amp.grad_scaler.GradScaler", "nonstandard", "a pickled gradient scaler"),
     Rule("argparse.Namespace", "nonstandard", "hyperparameters as an argparse.Namespace"),
     *(
         Rule(p, "nonstandard", "an OmegaConf / Hydra config container")
@@ -196,14 +207,26 @@ _TORCH_ONLY_ALLOWED: frozenset[str] = frozenset(
 )
 
 
+_PATH = Rule(
+    "",
+    "dangerous",
+    "an attribute path: the unpickler follows it attribute by attribute from the module, "
+    "which reaches any object the module can reach",
+)
+
+
 @functools.lru_cache(maxsize=4096)
-def classify(qualname: str, context: Context = "pickle") -> Rule:
+def classify(qualname: str, context: Context = "pickle", *, exact: bool = False) -> Rule:
     """The rule that decides ``qualname``'s severity where a pickle of ``context`` imports it.
 
     Args:
         qualname: ``module.name`` as Python 3 resolves it (``posix.system``), or a
             description in angle brackets for a global the pickle computes.
         context: where the pickle lies.
+        exact: judge only by the table's exact names, not its families: for a name that is
+            an attribute path (``torch.nn.functional`` + ``torch.serialization.os.system``,
+            which a family would take for a class of ``torch.nn``), or one whose split into
+            module and name is not known.
 
     Returns:
         The first matching :class:`Rule`; unknown and computed globals are dangerous.
@@ -221,7 +244,9 @@ def classify(qualname: str, context: Context = "pickle") -> Rule:
     if context == "dcp-metadata" and qualname in DCP_METADATA_GLOBALS:
         return Rule(qualname, "allowed", "a DCP metadata class (read as data)")
     rules = (*_TORCHSCRIPT, *RULES) if context == "torchscript" else RULES
-    for rule in rules:
-        if fnmatch.fnmatchcase(qualname, rule.pattern):
-            return rule
-    return _UNKNOWN
+    named = next((rule for rule in rules if rule.pattern == qualname), None)
+    if named is not None:  # an entry for the name itself comes before any family
+        return named
+    if exact:
+        return _PATH
+    return next((r for r in rules if fnmatch.fnmatchcase(qualname, r.pattern)), _UNKNOWN)

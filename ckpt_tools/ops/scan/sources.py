@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError
+from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickle_imports import (
     ImportScan,
     find_imports,
@@ -36,7 +37,7 @@ from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, pread, read_zip_direc
 from ckpt_tools.formats.ziprecords import read_head
 from ckpt_tools.ops.scan.severity import Context
 
-__all__ = ["Walked", "code_files", "walk_pickles"]
+__all__ = ["CodeFile", "Walked", "code_files", "walk_pickles"]
 
 # A record is first tested on this many bytes; one that still parses as a pickle there is
 # walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
@@ -49,6 +50,7 @@ _LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle"
 _ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError)
 _TAR_MEMBERS = ("sys_info", "pickle", "storages", "tensors")
 _CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
+_SETSTATE = re.compile(rb"^\s+def __setstate__\(", re.MULTILINE)
 
 
 class Walked(NamedTuple):
@@ -89,6 +91,8 @@ def walk_pickles(
         yield from _tar_pickles(path)
     elif fmt == "dcp":
         yield from _dcp_pickles(path)
+    elif fmt == "numpy" and zipfile.is_zipfile(path):  # .npz: a zip of .npy records
+        yield from _lenient_zip_pickles(path)
     elif fmt == "numpy":
         with open(path, "rb") as f:
             start = npy_pickle_offset(f.read(_HEAD))
@@ -176,9 +180,9 @@ def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | N
     if first != b"\x93N" and not starts_like_pickle(first):
         return None
     head = read_head(fd, entry, _HEAD)
-    at = npy_pickle_offset(head)  # an .npz archive's object arrays
+    at = npy_pickle_offset(head)  # an .npz archive's object arrays: numpy unpickles them
     if at is not None:
-        head = read_head(fd, entry, _MOST)[at:]
+        return read_head(fd, entry, _MOST)[at:]
     if not starts_like_pickle(head):
         return None
     scan = find_imports(head)
@@ -213,6 +217,8 @@ def _tar_pickles(path: str) -> Iterator[Walked]:
     try:
         yield from _tar_members(path)
     except (tarfile.TarError, EOFError) as e:
+        # torch.load does not give up there: it reads the file as the legacy format.
+        yield from _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES)
         raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
 
 
@@ -238,6 +244,7 @@ def _dcp_pickles(folder: str) -> Iterator[Walked]:
     from ckpt_tools.formats.dcp_metadata import DcpTensor, read_metadata
 
     metadata = os.path.join(folder, METADATA_FILE)
+    check_regular(metadata)  # a FIFO named .metadata would block an open()
     with open(metadata, "rb") as f:
         yield Walked(METADATA_FILE, "dcp-metadata", find_imports(f))
     try:
@@ -250,6 +257,7 @@ def _dcp_pickles(folder: str) -> Iterator[Walked]:
         for c in (item.chunks if isinstance(item, DcpTensor) else (item,))
     }
     for file, offset, length in sorted(spans):
+        check_regular(os.path.join(folder, file))
         fd = os.open(os.path.join(folder, file), os.O_RDONLY)
         try:
             yield from _zip_pickles(
@@ -259,9 +267,20 @@ def _dcp_pickles(folder: str) -> Iterator[Walked]:
             os.close(fd)
 
 
-def code_files(path: str) -> tuple[str, ...]:
-    """A TorchScript archive's code files, each with the classes it defines
-    (``archive/code/__torch__.py: class TinyNet``)."""
+class CodeFile(NamedTuple):
+    """A TorchScript archive's code file: the classes it defines, and whether one of them
+    has a ``__setstate__`` (which ``torch.jit.load`` runs while it loads the archive)."""
+
+    record: str
+    classes: tuple[str, ...]
+    runs_on_load: bool
+
+    def __str__(self) -> str:
+        return f"{self.record}: " + (f"class {', '.join(self.classes)}" if self.classes else "code")
+
+
+def code_files(path: str) -> tuple[CodeFile, ...]:
+    """A TorchScript archive's code files (``archive/code/__torch__.py: class TinyNet``)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         found = []
@@ -269,8 +288,8 @@ def code_files(path: str) -> tuple[str, ...]:
             if "/code/" not in entry.name or not entry.name.endswith(".py"):
                 continue
             source = read_head(fd, entry, _MOST)
-            classes = [m.decode("ascii") for m in _CLASS.findall(source)]
-            found.append(f"{entry.name}: " + (f"class {', '.join(classes)}" if classes else "code"))
+            classes = tuple(m.decode("ascii") for m in _CLASS.findall(source))
+            found.append(CodeFile(entry.name, classes, bool(_SETSTATE.search(source))))
         return tuple(found)
     finally:
         os.close(fd)
