@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools.errors import EXIT_RESOURCE, ResourceLimitError
+from ckpt_tools.errors import EXIT_RESOURCE, CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.formats import open_checkpoint
 from tests.helpers import console_script
 
 DOUBLINGS = 60
@@ -120,3 +121,12 @@ def test_a_huge_memo_index_is_refused_before_the_table_is_allocated(
     )
     assert run.returncode == EXIT_RESOURCE, run.stderr
     assert run.stderr.count("\n") == 1 and "memo index" in run.stderr
+
+
+def test_a_bomb_behind_an_argument_only_the_unpickler_reads_is_refused(tmp_path: Path) -> None:
+    """``I0x1`` is an int to the C unpickler and an error to the check, whose walk stops
+    there: the unpickler is given no byte past that point, so the bomb after it never runs."""
+    path = tmp_path / "bomb.pkl"
+    path.write_bytes(b"\x80\x02I0x1\n0}N" + b"2\x86" * 40 + b"Ns.")
+    with pytest.raises(CorruptCheckpointError, match="malformed or truncated at byte 2"):
+        open_checkpoint(path)

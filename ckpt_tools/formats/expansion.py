@@ -23,6 +23,7 @@ __all__ = [
     "WEIGHTS_ONLY_OPCODES",
     "OpcodeScan",
     "check_expansion",
+    "checked_scan",
     "scan_pickle",
 ]
 
@@ -59,11 +60,15 @@ class OpcodeScan(NamedTuple):
         protocols: the PROTO opcodes' arguments, each once, in order (empty without one).
         malformed: why the bytes are not a well-formed pickle (None when they are); the
             names above are those read before that point.
+        end: where the walk stopped, from the pickle's start: just past its STOP, or at the
+            opcode it could not read. The unpickler must not read past it: it accepts some
+            arguments this walk refuses (``I0x1``), and what follows was never checked.
     """
 
     opcodes: tuple[str, ...]
     protocols: tuple[int, ...]
     malformed: str | None
+    end: int | None = None
 
 
 def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[str]:
@@ -92,8 +97,16 @@ def check_expansion(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> frozenset[
         Traceback (most recent call last):
         ckpt_tools.errors.ResourceLimitError: the pickle's objects expand to more than ...
     """
-    scan = scan_pickle(pickled, limit) if isinstance(pickled, bytes) else _scan(pickled, limit)
-    return frozenset(scan.opcodes)
+    return frozenset(checked_scan(pickled, limit).opcodes)
+
+
+def checked_scan(pickled: Any, limit: int = MAX_EXPANDED_NODES) -> OpcodeScan:
+    """:func:`check_expansion`'s pass, giving the whole :class:`OpcodeScan`.
+
+    Raises:
+        ResourceLimitError: as :func:`check_expansion`.
+    """
+    return scan_pickle(pickled, limit) if isinstance(pickled, bytes) else _scan(pickled, limit)
 
 
 def scan_pickle(payload: bytes, limit: int = MAX_EXPANDED_NODES) -> OpcodeScan:
@@ -117,7 +130,7 @@ def scan_pickle(payload: bytes, limit: int = MAX_EXPANDED_NODES) -> OpcodeScan:
     Example:
         >>> import pickle
         >>> scan_pickle(pickle.dumps(None, protocol=2))
-        OpcodeScan(opcodes=('PROTO', 'NONE', 'STOP'), protocols=(2,), malformed=None)
+        OpcodeScan(opcodes=('PROTO', 'NONE', 'STOP'), protocols=(2,), malformed=None, end=4)
     """
     if len(payload) > _REMEMBERED_BYTES:
         return _scan(payload, limit)
@@ -226,12 +239,13 @@ def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
     seen: dict[int, None] = {}
     protocols: dict[int, None] = {}
     malformed: str | None = None
-    push, end, pos = stack.append, len(data), 0
+    push, end, pos, at = stack.append, len(data), 0, 0
     try:
         while True:
+            at = pos
             if pos >= end:
                 raise ValueError("pickle exhausted before seeing STOP")
-            at, code = pos, data[pos]
+            code = data[pos]
             entry = _FAST[code]
             if entry is None:
                 raise ValueError(f"at position {at}, opcode {bytes([code])!r} unknown")
@@ -287,7 +301,7 @@ def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
     except ValueError as e:
         malformed = str(e)
     names = tuple(pickletools.code2op[chr(code)].name for code in seen)
-    return OpcodeScan(names, tuple(protocols), malformed)
+    return OpcodeScan(names, tuple(protocols), malformed, at if malformed else pos)
 
 
 def _read_arg(data: bytes, at: int) -> tuple[Any, int]:

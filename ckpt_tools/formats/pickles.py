@@ -30,7 +30,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.allowlist import resolve_allowed
-from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, check_expansion
+from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, checked_scan
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
 from ckpt_tools.formats.standins import StorageTypeRef, is_count, module_record
 
@@ -315,11 +315,20 @@ def load_pickle(
         if source is file and start == 0:
             # The whole buffer is the pickle (a zip's data.pkl): as bytes, whose scan a
             # rewrite's verification shares with the writer's check of the same output.
-            opcodes = check_expansion(file.getvalue())
+            scan = checked_scan(file.getvalue())
         else:
-            opcodes = check_expansion(source if source is file else LimitedReader(file, limit))
+            scan = checked_scan(source if source is file else LimitedReader(file, limit))
+        read_from, read_start = file, start  # what the unpicklers below may read
+        cut = _past_lenient_literal(file, start, scan)
+        if cut is not None:
+            # The check stopped at a literal the unpicklers read (``I0x1``): they are given
+            # nothing past it, so what follows (a memo bomb?) is never built, and they fail.
+            file.seek(start)
+            read_from, read_start = io.BytesIO(file.read(cut)), 0
+            source = read_from
     finally:
         file.seek(start)
+    opcodes = frozenset(scan.opcodes)
     unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length, extra_globals)
     try:
         with gc_paused():
@@ -332,7 +341,12 @@ def load_pickle(
     except _MALFORMED as e:
         # What pickle's _Unpickler.load_* methods (and the real Python types on the allowlist:
         # set, complex, bytearray, OrderedDict) raise on bytes that are not a valid pickle.
-        _refuse_unsafe_first(_unsafe_before(unpickler, file, start, limit), e)
+        _refuse_unsafe_first(_unsafe_before(unpickler, read_from, read_start, limit), e)
+        if read_from is not file:  # stopped where the check stopped: its reason is the one
+            raise CorruptCheckpointError(
+                f"the pickle is malformed or truncated at byte {scan.end} ({scan.malformed}; "
+                "Python's unpickler reads that literal, and nothing after it was checked)"
+            ) from e
         raise CorruptCheckpointError(
             f"the pickle is malformed or truncated ({quote_foreign(e)})"
         ) from e
@@ -352,6 +366,24 @@ def load_pickle(
         protocol=protocol,
         beyond_weights_only=tuple(sorted(opcodes - WEIGHTS_ONLY_OPCODES)),
     )
+
+
+# Opcodes whose text argument Python's unpicklers parse more loosely than the check's walk
+# (pickletools): ints in any base (``I0x1``), floats, quoted strings.
+_TEXT_LITERALS = frozenset(b"ILFSV")
+
+
+def _past_lenient_literal(file: BinaryIO, start: int, scan: Any) -> int | None:
+    """Where the text literal that stopped the check ends, from ``start``; None when the
+    check stopped elsewhere (the unpicklers then fail where it did)."""
+    if scan.malformed is None or scan.end is None:
+        return None
+    file.seek(start + scan.end)
+    head = file.read(1)
+    if not head or head[0] not in _TEXT_LITERALS:
+        return None
+    line = file.readline(MAX_RESCAN_BYTES)
+    return scan.end + 1 + len(line) if line.endswith(b"\n") else None
 
 
 # On a malformed pickle, up to this many bytes are parsed again as torch parses GLOBAL.
