@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import io
 import pickletools
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.errors import ResourceLimitError
 
@@ -24,6 +24,7 @@ __all__ = [
     "OpcodeScan",
     "check_expansion",
     "checked_scan",
+    "past_lenient_literal",
     "scan_pickle",
 ]
 
@@ -351,3 +352,22 @@ _FAST: list[tuple[int, int, bool, int, int, bool] | None] = [
     (*_SHAPES[op.code], _how(op), op.name in _VALUED) if (op := _BY_CODE.get(code)) else None
     for code in range(256)
 ]
+
+
+# Opcodes whose text argument Python's unpicklers parse more loosely than the check's walk
+# (pickletools): ints in any base (``I0x1``), floats, quoted strings.
+_TEXT_LITERALS = frozenset(b"ILFSV")
+_MAX_LITERAL = 4 << 20
+
+
+def past_lenient_literal(file: BinaryIO, start: int, scan: OpcodeScan) -> int | None:
+    """Where the text literal that stopped the check ends, from ``start``; None when the
+    check stopped elsewhere (the unpicklers then fail where it did)."""
+    if scan.malformed is None or scan.end is None:
+        return None
+    file.seek(start + scan.end)
+    head = file.read(1)
+    if not head or head[0] not in _TEXT_LITERALS:
+        return None
+    line = file.readline(_MAX_LITERAL)
+    return scan.end + 1 + len(line) if line.endswith(b"\n") else None

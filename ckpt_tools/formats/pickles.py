@@ -30,7 +30,11 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.allowlist import resolve_allowed
-from ckpt_tools.formats.expansion import WEIGHTS_ONLY_OPCODES, checked_scan
+from ckpt_tools.formats.expansion import (
+    WEIGHTS_ONLY_OPCODES,
+    checked_scan,
+    past_lenient_literal,
+)
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
 from ckpt_tools.formats.standins import StorageTypeRef, is_count, module_record
 
@@ -319,7 +323,7 @@ def load_pickle(
         else:
             scan = checked_scan(source if source is file else LimitedReader(file, limit))
         read_from, read_start = file, start  # what the unpicklers below may read
-        cut = _past_lenient_literal(file, start, scan)
+        cut = past_lenient_literal(file, start, scan)
         if cut is not None:
             # The check stopped at a literal the unpicklers read (``I0x1``): they are given
             # nothing past it, so what follows (a memo bomb?) is never built, and they fail.
@@ -366,24 +370,6 @@ def load_pickle(
         protocol=protocol,
         beyond_weights_only=tuple(sorted(opcodes - WEIGHTS_ONLY_OPCODES)),
     )
-
-
-# Opcodes whose text argument Python's unpicklers parse more loosely than the check's walk
-# (pickletools): ints in any base (``I0x1``), floats, quoted strings.
-_TEXT_LITERALS = frozenset(b"ILFSV")
-
-
-def _past_lenient_literal(file: BinaryIO, start: int, scan: Any) -> int | None:
-    """Where the text literal that stopped the check ends, from ``start``; None when the
-    check stopped elsewhere (the unpicklers then fail where it did)."""
-    if scan.malformed is None or scan.end is None:
-        return None
-    file.seek(start + scan.end)
-    head = file.read(1)
-    if not head or head[0] not in _TEXT_LITERALS:
-        return None
-    line = file.readline(MAX_RESCAN_BYTES)
-    return scan.end + 1 + len(line) if line.endswith(b"\n") else None
 
 
 # On a malformed pickle, up to this many bytes are parsed again as torch parses GLOBAL.
