@@ -33,8 +33,8 @@ demo: bytecode
 test: bytecode
 	CKPT_FUZZ_LONG=0 $(PY) -m pytest -q
 
-# The issue-9 fuzzer's long run (the short one is part of `make test`): random inputs for
-# FUZZ_SECONDS (FUZZ_SEED repeats a run). New findings are written to tests/fuzz/regressions/
+# The fuzzer's long run (the short one is part of `make test`): random inputs for
+# FUZZ_SECONDS (FUZZ_SEED repeats a run), and the scaling scenario at its full size. New findings are written to tests/fuzz/regressions/
 # and logged in tests/fuzz/findings/; `cd tests/fuzz && ../../.venv/bin/python -m
 # fuzzkit.manifest` drafts their EXPECTED_FAILURES.json entries.
 FUZZ_SECONDS ?= 600
@@ -42,7 +42,8 @@ FUZZ_SEED ?= $(shell date +%s)
 fuzz: $(STAMP)
 	CKPT_FUZZ_LONG=1 CKPT_FUZZ_SECONDS=$(FUZZ_SECONDS) CKPT_FUZZ_SEED=$(FUZZ_SEED) \
 	$(PY) -m pytest -q -s -p no:cacheprovider -p no:randomly \
-	  tests/fuzz/test_fuzz_library.py::test_fuzz_library tests/fuzz/test_fuzz_cli.py
+	  tests/fuzz/test_fuzz_library.py::test_fuzz_library tests/fuzz/test_fuzz_cli.py \
+	  tests/fuzz/test_scaling.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckpt_tools tests benchmarks fixtures
