@@ -272,7 +272,7 @@ def test_progress_is_told_each_file_before_it_is_scanned(tmp_path: Path) -> None
     assert [Path(p).name for p in report.skipped] == ["notes.txt"]
 
 
-# Shapes a review found: each loads a payload (proven below in one child process) that an
+# Shapes that evade a looser scan: each loads a payload (proven below in one child process) that an
 # earlier scan called nonstandard, clean or skipped.
 def _sbu(text: str) -> bytes:
     raw = text.encode()
@@ -284,7 +284,7 @@ def _touch(marker: Path) -> bytes:
     return b"cposix\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR."
 
 
-def _review_shapes(folder: Path, markers: Path) -> dict[str, tuple[Path, str]]:
+def _evasive_shapes(folder: Path, markers: Path) -> dict[str, tuple[Path, str]]:
     """name -> (file, how it is loaded): each creates ``markers/<name>`` when loaded."""
     shapes: dict[str, tuple[Path, str]] = {}
     # A dotted attribute path from a module a family calls nonstandard, to os.system.
@@ -330,14 +330,14 @@ for path, how in zip(sys.argv[1::2], sys.argv[2::2]):
 """
 
 
-def test_review_shapes_are_live_and_dangerous(tmp_path: Path) -> None:
+def test_evasive_shapes_are_live_and_dangerous(tmp_path: Path) -> None:
     import subprocess
     import sys
 
     folder, markers, scratch = tmp_path / "files", tmp_path / "markers", tmp_path / "cwd"
     for made in (folder, markers, scratch):
         made.mkdir()
-    shapes = _review_shapes(folder, markers)
+    shapes = _evasive_shapes(folder, markers)
     report = scan(folder)
     verdicts = {Path(f.path).name: f.verdict for f in report.files}
     assert {p.name: verdicts.get(p.name) for p, _ in shapes.values()} == {
