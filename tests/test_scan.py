@@ -272,8 +272,8 @@ def test_progress_is_told_each_file_before_it_is_scanned(tmp_path: Path) -> None
     assert [Path(p).name for p in report.skipped] == ["notes.txt"]
 
 
-# Shapes that evade a looser scan: each loads a payload (proven below in one child process) that an
-# earlier scan called nonstandard, clean or skipped.
+# Shapes that evade a looser scan: each loads a payload (proven below in one child process) that a
+# looser scan would call nonstandard, clean or skipped.
 def _sbu(text: str) -> bytes:
     raw = text.encode()
     return b"\x8c" + bytes([len(raw)]) + raw
