@@ -12,7 +12,9 @@ Three severities:
   unknown class is imported, then called or given its state, which is code.
 
 A rule naming the global itself decides first; then families (``fnmatch`` patterns, ``*``
-matching dots too) in order. A global imported by an attribute path (a dotted name, which
+matching dots too) in order. The families of classes (``torch.nn``, ``torch.optim``, numpy's
+generators) take names that start in upper case only: a module-level function there is
+judged as unknown. A global imported by an attribute path (a dotted name, which
 the unpickler follows attribute by attribute) is judged by exact names only.
 """
 
@@ -116,7 +118,7 @@ RULES: tuple[Rule, ...] = (
         "nonstandard",
         "numpy's random generator state (rebuilds a generator of numpy's own)",
     ),
-    Rule("numpy.random._*.*", "nonstandard", "numpy's random generator classes"),
+    Rule("numpy.random._*.[A-Z]*", "nonstandard", "numpy's random generator classes"),
     *(
         Rule(p, "nonstandard", "numpy's random generator state")
         for p in (
@@ -173,12 +175,22 @@ RULES: tuple[Rule, ...] = (
         )
     ),
     Rule(
-        "torch.nn.*",
+        "torch.nn.*.[A-Z]*",
         "nonstandard",
         "a class of a pickled nn.Module (torch's own; the model's own classes are not)",
     ),
-    Rule("torch.optim.*", "nonstandard", "a pickled optimizer or learning-rate scheduler"),
-    Rule("torch.amp.*", "nonstandard", "a pickled gradient scaler"),
+    Rule(
+        "torch.nn.functional.*",
+        "nonstandard",
+        "a torch.nn.functional function a pickled module holds (tensor arithmetic)",
+    ),
+    Rule("torch.optim.*.[A-Z]*", "nonstandard", "a pickled optimizer or learning-rate scheduler"),
+    Rule("torch.amp.*.[A-Z]*", "nonstandard", "a pickled gradient scaler"),
+    Rule(
+        "torch.amp.grad_scaler._refresh_per_optimizer_state",
+        "nonstandard",
+        "a gradient scaler's default-state factory (returns a fresh dict)",
+    ),
 )  # fmt: skip
 
 # In a TorchScript archive, torch.jit.load resolves classes from the archive's own code/
