@@ -448,3 +448,28 @@ def test_tar_pickles_past_the_first_and_a_tar_torch_reads_as_legacy(tmp_path: Pa
             out.addfile(member, io.BytesIO(data))
     verdicts = {Path(f.path).name: f.verdict for f in scan(tmp_path).files}
     assert verdicts == {"model.bin": "dangerous", "tar.pt": "dangerous"}
+
+
+def test_a_tar_member_that_is_a_hard_link_is_read_as_its_target(tmp_path: Path) -> None:
+    """torch extracts a hard-link member as the member it names; so does the scan."""
+    import io
+    import tarfile
+
+    with tarfile.open(fixture_path("tar_format.pt")) as src:
+        members = [(m, src.extractfile(m).read()) for m in src.getmembers()]
+    path = tmp_path / "linked.pt"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as out:
+        payload = b"\x80\x02cposix\nsystem\n(S'true'\ntR."
+        hidden = tarfile.TarInfo("x")
+        hidden.size = len(payload)
+        out.addfile(hidden, io.BytesIO(payload))
+        for member, data in members:
+            if member.name == "pickle":
+                link = tarfile.TarInfo("pickle")
+                link.type, link.linkname = tarfile.LNKTYPE, "x"
+                out.addfile(link)
+            else:
+                out.addfile(member, io.BytesIO(data))
+    (found,) = scan(path).files
+    assert found.verdict == "dangerous"
+    assert ("posix.system", "pickle") in [(f.global_name, f.record) for f in found.findings]

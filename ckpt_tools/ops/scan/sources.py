@@ -225,14 +225,13 @@ def _tar_pickles(path: str) -> Iterator[Walked]:
 def _tar_members(path: str) -> Iterator[Walked]:
     with tarfile.open(path, mode="r:") as tar:
         for member in tar.getmembers():
-            if not member.isreg() or member.name not in (
-                "sys_info",
-                "pickle",
-                "storages",
-                "tensors",
-            ):
+            # A hard link is read as the member it names (torch extracts it so).
+            if member.name not in _TAR_MEMBERS or not (member.isreg() or member.islnk()):
                 continue
-            file = tar.extractfile(member)
+            try:
+                file = tar.extractfile(member)
+            except KeyError:  # a link to a member the archive does not hold
+                continue
             if file is None:
                 continue
             with file:
