@@ -26,6 +26,7 @@ __all__ = [
     "PickleImport",
     "find_imports",
     "npy_pickle_offset",
+    "python3_name",
     "python3_qualname",
     "starts_like_pickle",
 ]
@@ -142,13 +143,19 @@ def python3_qualname(qualname: str) -> str:
     while at > 0:
         module, name = qualname[:at], qualname[at + 1 :]
         if (module, name) in _compat_pickle.NAME_MAPPING or module in _compat_pickle.IMPORT_MAPPING:
-            return ".".join(_python3(module, name))
+            return ".".join(python3_name(module, name))
         at = qualname.find(".", at + 1)
     return qualname
 
 
-def _python3(module: str, name: str) -> tuple[str, str]:
-    # As Python's Unpickler.find_class does for protocols 0-2 (fix_imports, torch's default).
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` as Python's ``Unpickler.find_class`` maps a Python 2 name
+    (``fix_imports``, torch's default) before it imports anything.
+
+    Example:
+        >>> python3_name("__builtin__", "set")
+        ('builtins', 'set')
+    """
     if (module, name) in _compat_pickle.NAME_MAPPING:
         return _compat_pickle.NAME_MAPPING[(module, name)]
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
@@ -194,7 +201,7 @@ def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -
                 stack.append(arg if isinstance(arg, str) else _latin1(arg))
             elif name in ("GLOBAL", "INST"):
                 module, attr = arg  # type: ignore[misc]
-                imports.append(PickleImport(*_python3(module, attr), pos, name))
+                imports.append(PickleImport(*python3_name(module, attr), pos, name))
                 _apply(op, stack)
             elif name == "STACK_GLOBAL":
                 attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)

@@ -11,7 +11,6 @@ storage ids into :class:`~ckpt_tools.descriptors.StorageRef` s.
 
 from __future__ import annotations
 
-import _compat_pickle
 import contextlib
 import gc
 import io
@@ -36,6 +35,7 @@ from ckpt_tools.formats.expansion import (
     past_lenient_literal,
 )
 from ckpt_tools.formats.limits import LimitedReader, check_nesting
+from ckpt_tools.formats.pickle_imports import python3_name
 from ckpt_tools.formats.standins import StorageTypeRef, is_count, module_record
 
 __all__ = [
@@ -131,7 +131,7 @@ class _Restricted:
         # (``__builtin__.set``); Python's own find_class, which this replaces, and torch's
         # weights-only unpickler map them to Python 3 names before any check. Unknown
         # globals keep the name as written, so a rewrite re-emits them unchanged.
-        py3 = _python3_name(module, name)
+        py3 = python3_name(module, name)
         extra = self._extra_globals.get(f"{py3[0]}.{py3[1]}")
         if extra is not None:
             return extra
@@ -233,12 +233,6 @@ class _RestrictedPyUnpickler(_Restricted, pickle._Unpickler):  # type: ignore[na
     but the C unpickler refuses an empty line (``cposix\\n\\n``) or a last line without its
     newline as truncation before it asks ``find_class``; this one, like torch, names the global.
     """
-
-
-def _python3_name(module: str, name: str) -> tuple[str, str]:
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[(module, name)]
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 def _location(value: Any) -> str | None:

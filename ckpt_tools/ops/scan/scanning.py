@@ -32,7 +32,7 @@ from ckpt_tools.formats.pickle_imports import (
 from ckpt_tools.formats.zipdir import ZipEntry
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify
-from ckpt_tools.ops.scan.sources import Walked, code_files, walk_pickles
+from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, walk_pickles
 
 __all__ = ["scan", "scan_file"]
 
@@ -194,21 +194,9 @@ def _content_format(path: str) -> str | None:
         walks = list(walk_pickles(path, "pickle"))
         whole = walks and walks[0].scan.end is not None
         return "pickle" if whole and any(w.scan.imports for w in walks) else None
-    if fmt == "torch-zip" and _is_npz(path):
+    if fmt == "torch-zip" and is_npz(path):
         return "numpy"
     return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
-
-
-def _is_npz(path: str) -> bool:
-    """A zip of ``.npy`` records only (``numpy.savez``), which numpy, not torch, reads."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError):
-        return False
-    return bool(names) and all(n.endswith(".npy") for n in names)
 
 
 def _not_a_checkpoint(path: str) -> str:

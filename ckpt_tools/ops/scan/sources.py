@@ -37,7 +37,7 @@ from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, pread, read_zip_direc
 from ckpt_tools.formats.ziprecords import read_head
 from ckpt_tools.ops.scan.severity import Context
 
-__all__ = ["CodeFile", "Walked", "code_files", "walk_pickles"]
+__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "walk_pickles"]
 
 # A record is first tested on this many bytes; one that still parses as a pickle there is
 # walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
@@ -91,7 +91,7 @@ def walk_pickles(
         yield from _tar_pickles(path)
     elif fmt == "dcp":
         yield from _dcp_pickles(path)
-    elif fmt == "numpy" and zipfile.is_zipfile(path):  # .npz: a zip of .npy records
+    elif fmt == "numpy" and is_npz(path):
         yield from _lenient_zip_pickles(path)
     elif fmt == "numpy":
         with open(path, "rb") as f:
@@ -126,6 +126,16 @@ def _zip_pickles(
         data = _record_pickle(path, fd, entry)
         if data is not None:
             yield Walked(prefix + entry.name, context, find_imports(data))
+
+
+def is_npz(path: str) -> bool:
+    """A zip of ``.npy`` records only (``numpy.savez``), which numpy, not torch, reads."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except _ZIPFILE_ERRORS:
+        return False
+    return bool(names) and all(n.endswith(".npy") for n in names)
 
 
 def _lenient_zip_pickles(path: str) -> Iterator[Walked]:
