@@ -3,7 +3,7 @@
 Run:  .venv/bin/python benchmarks/bench_page_cache.py [--size-mb 4096] [--rounds 3]
 
 Why it exists (issue 13): ``ckpt strip-module --no-fsync`` copies tensor bytes with
-``copy_file_range`` in calls that start on a 64 KiB boundary of the output (``io/clone.py``,
+``copy_file_range`` in calls that start on a 64 KiB boundary of the output (``io/copy/clone.py``,
 ``_FOLIO_ALIGNMENT``), so that the kernel fills the output's page cache with 64 KiB folios
 rather than 4 KiB ones. On the 4 GiB benchmark its ratio to ``cp`` swung between 0.66x and
 2.7x. This script takes the ``ckpt`` process, the checkpoint format and ``cp`` out of it and

@@ -99,11 +99,11 @@ FAST_CACHED = "  --no-fsync, page cache only"
 FAST = "ckpt strip-module IN OUT --quiet --no-fsync"
 # strip-module (through click, not the fast path) with one part of the copy engine undone.
 PATCHED = (
-    "import sys\nimport ckpt_tools.io.clone as c\n{patch}\n"
+    "import sys\nimport ckpt_tools.io.copy.clone as c\n{patch}\n"
     "from ckpt_tools.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
 )
 # The durable output's tensor bytes go through the page cache, as before the direct writes
-# (io/direct.py), with the early writeback (sync_file_range every 64 MiB).
+# (io/copy/direct.py), with the early writeback (sync_file_range every 64 MiB).
 NO_DIRECT_CODE = PATCHED.format(patch="c.direct_span = lambda *args: (0, 0)")
 # ... and without the early writeback, which also makes each copy_file_range call as long
 # as the kernel allows: does it still pay?
@@ -117,7 +117,7 @@ NO_SPLIT_CODE = PATCHED.format(patch="c._FOLIO_ALIGNMENT = 1")
 # direct): no page cache to fill, but the command waits for the disk for every byte.
 DIRECT_CODE = PATCHED.format(patch="import os\nos.environ[c.COPY_METHOD_ENV] = 'direct'")
 # --no-fsync with all of them through the page cache (CKPT_COPY_METHOD=copy_file_range), as
-# before the part past the kernel's dirty room went direct (io/dirty_room.py).
+# before the part past the kernel's dirty room went direct (io/copy/dirty_room.py).
 CACHED_CODE = PATCHED.format(patch="import os\nos.environ[c.COPY_METHOD_ENV] = 'copy_file_range'")
 
 NAIVE_PT = (

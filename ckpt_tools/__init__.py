@@ -41,20 +41,20 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.loading.into_module import load_into
     from ckpt_tools.loading.results import LoadInfo, LoadReport
     from ckpt_tools.loading.state_dict import load_state_dict
-    from ckpt_tools.ops.average import average
-    from ckpt_tools.ops.consolidate import ConsolidateResult, consolidate
-    from ckpt_tools.ops.extract import extract
-    from ckpt_tools.ops.inspection import inspect
-    from ckpt_tools.ops.inspection_info import CheckpointInfo, TensorInfo
+    from ckpt_tools.ops.consolidate.consolidation import ConsolidateResult, consolidate
+    from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
+    from ckpt_tools.ops.inspect.inspection import inspect
     from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
-    from ckpt_tools.ops.reshard import ShardsResult, reshard
-    from ckpt_tools.ops.rewrite_result import RewriteResult
-    from ckpt_tools.ops.rewriting import convert, retag, rewrite, strip_module_file
-    from ckpt_tools.ops.sanitize import sanitize
-    from ckpt_tools.ops.sanitize_result import SanitizeReport
+    from ckpt_tools.ops.rewrite.result import RewriteResult
+    from ckpt_tools.ops.rewrite.rewriting import convert, retag, rewrite, strip_module_file
+    from ckpt_tools.ops.sanitize.result import SanitizeReport
+    from ckpt_tools.ops.sanitize.sanitizing import sanitize
     from ckpt_tools.ops.scan import FileScan, Finding, ScanReport, scan
-    from ckpt_tools.ops.slim import slim
-    from ckpt_tools.ops.transform_result import TransformResult
+    from ckpt_tools.ops.transform.average import average
+    from ckpt_tools.ops.transform.extract import extract
+    from ckpt_tools.ops.transform.reshard import ShardsResult, reshard
+    from ckpt_tools.ops.transform.result import TransformResult
+    from ckpt_tools.ops.transform.slim import slim
     from ckpt_tools.structure.keys import (
         WRAPPER_RULES,
         KeyRule,
@@ -102,28 +102,28 @@ _PUBLIC: dict[str, str] = {
     "sub_rule": "ckpt_tools.structure.keys",
     "Selection": "ckpt_tools.structure.selection",
     "select_state_dict": "ckpt_tools.structure.selection",
-    "inspect": "ckpt_tools.ops.inspection",
-    "CheckpointInfo": "ckpt_tools.ops.inspection_info",
-    "TensorInfo": "ckpt_tools.ops.inspection_info",
-    "rewrite": "ckpt_tools.ops.rewriting",
-    "convert": "ckpt_tools.ops.rewriting",
-    "retag": "ckpt_tools.ops.rewriting",
-    "strip_module_file": "ckpt_tools.ops.rewriting",
-    "RewriteResult": "ckpt_tools.ops.rewrite_result",
-    "reshard": "ckpt_tools.ops.reshard",
-    "ShardsResult": "ckpt_tools.ops.reshard",
-    "sanitize": "ckpt_tools.ops.sanitize",
-    "SanitizeReport": "ckpt_tools.ops.sanitize_result",
+    "inspect": "ckpt_tools.ops.inspect.inspection",
+    "CheckpointInfo": "ckpt_tools.ops.inspect.info",
+    "TensorInfo": "ckpt_tools.ops.inspect.info",
+    "rewrite": "ckpt_tools.ops.rewrite.rewriting",
+    "convert": "ckpt_tools.ops.rewrite.rewriting",
+    "retag": "ckpt_tools.ops.rewrite.rewriting",
+    "strip_module_file": "ckpt_tools.ops.rewrite.rewriting",
+    "RewriteResult": "ckpt_tools.ops.rewrite.result",
+    "reshard": "ckpt_tools.ops.transform.reshard",
+    "ShardsResult": "ckpt_tools.ops.transform.reshard",
+    "sanitize": "ckpt_tools.ops.sanitize.sanitizing",
+    "SanitizeReport": "ckpt_tools.ops.sanitize.result",
     "scan": "ckpt_tools.ops.scan",
     "ScanReport": "ckpt_tools.ops.scan",
     "FileScan": "ckpt_tools.ops.scan",
     "Finding": "ckpt_tools.ops.scan",
-    "consolidate": "ckpt_tools.ops.consolidate",
-    "ConsolidateResult": "ckpt_tools.ops.consolidate",
-    "slim": "ckpt_tools.ops.slim",
-    "extract": "ckpt_tools.ops.extract",
-    "average": "ckpt_tools.ops.average",
-    "TransformResult": "ckpt_tools.ops.transform_result",
+    "consolidate": "ckpt_tools.ops.consolidate.consolidation",
+    "ConsolidateResult": "ckpt_tools.ops.consolidate.consolidation",
+    "slim": "ckpt_tools.ops.transform.slim",
+    "extract": "ckpt_tools.ops.transform.extract",
+    "average": "ckpt_tools.ops.transform.average",
+    "TransformResult": "ckpt_tools.ops.transform.result",
     "PlannedFile": "ckpt_tools.ops.output_plan",
     "PlannedTensor": "ckpt_tools.ops.output_plan",
     "load_state_dict": "ckpt_tools.loading.state_dict",

@@ -193,7 +193,7 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
         "from ckpt_tools.errors import CheckpointError\n"
-        "def f():\n    from ckpt_tools.ops.rewriting import rewrite\n"
+        "def f():\n    from ckpt_tools.ops.rewrite.rewriting import rewrite\n"
     )
-    assert _upward(bad, "formats") == ["line 3: ckpt_tools.ops.rewriting (formats -> ops)"]
+    assert _upward(bad, "formats") == ["line 3: ckpt_tools.ops.rewrite.rewriting (formats -> ops)"]
     assert _upward(bad, "cli") == []

@@ -135,13 +135,13 @@ finally:
 
 # The write side of a rewrite: none of it is needed to start reading the input.
 _WRITE_SIDE = (
-    "ckpt_tools.io.clone",
-    "ckpt_tools.io.direct",
-    "ckpt_tools.io.safetensors_writer",
-    "ckpt_tools.io.verify",
-    "ckpt_tools.io.writers",
-    "ckpt_tools.io.zipwriter",
-    "ckpt_tools.ops.rewrite_apply",
+    "ckpt_tools.io.copy.clone",
+    "ckpt_tools.io.copy.direct",
+    "ckpt_tools.io.writers.safetensors",
+    "ckpt_tools.io.verify.outputs",
+    "ckpt_tools.io.writers.torchzip",
+    "ckpt_tools.io.writers.zipfile",
+    "ckpt_tools.ops.rewrite.apply",
 )
 
 
@@ -169,7 +169,7 @@ def test_a_rewrite_reads_its_input_before_loading_the_write_side(
     assert run.returncode == 0, run.stderr
     loaded = ast.literal_eval(run.stdout.splitlines()[-1])
     assert loaded, "the input was never opened"
-    assert "ckpt_tools.formats" in loaded and "ckpt_tools.ops.rewriting" in loaded
+    assert "ckpt_tools.formats" in loaded and "ckpt_tools.ops.rewrite.rewriting" in loaded
     assert not set(_WRITE_SIDE) & set(loaded)
     assert out.is_file()  # and the rewrite then loads them and writes, as before
 
@@ -184,11 +184,11 @@ run()
 
 # What a rewrite of one format loads that the other format's rewrite must not.
 _ZIP_SIDE = {
-    "ckpt_tools.formats.pickles",
-    "ckpt_tools.formats.repickle",
-    "ckpt_tools.formats.zipdir",
-    "ckpt_tools.io.writers",
-    "ckpt_tools.io.zipcheck",
+    "ckpt_tools.formats.pickle.unpickler",
+    "ckpt_tools.formats.pickle.repickle",
+    "ckpt_tools.formats.zip.directory",
+    "ckpt_tools.io.writers.torchzip",
+    "ckpt_tools.io.verify.zipcheck",
 }
 
 
@@ -196,7 +196,7 @@ _ZIP_SIDE = {
     ("source", "output", "absent"),
     [
         ("model.safetensors", "out.safetensors", _ZIP_SIDE),
-        ("dataparallel.pt", "out.pt", {"ckpt_tools.io.safetensors_writer"}),
+        ("dataparallel.pt", "out.pt", {"ckpt_tools.io.writers.safetensors"}),
     ],
 )
 def test_a_rewrite_loads_the_reader_and_writer_of_its_formats_only(
@@ -220,7 +220,7 @@ def test_a_rewrite_loads_the_reader_and_writer_of_its_formats_only(
     assert run.returncode == 0, run.stderr
     assert "stripped 'module.'" in run.stdout
     loaded = set(ast.literal_eval(run.stdout.splitlines()[-1]))
-    assert "ckpt_tools.io.verify" in loaded  # it did write and verify
+    assert "ckpt_tools.io.verify.outputs" in loaded  # it did write and verify
     assert not absent & loaded
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.io.clone import COPY_METHODS, copy_method
-from ckpt_tools.ops.rewriting import strip_module_file
+from ckpt_tools.io.copy.clone import COPY_METHODS, copy_method
+from ckpt_tools.ops.rewrite.rewriting import strip_module_file
 from tests import helpers as h
 
 MIB = 1 << 20
@@ -54,7 +54,7 @@ def test_kernel_copies_go_in_few_calls_on_64_kib_boundaries(
     # The real step is 2 GiB less 64 KiB (a 4 GiB copy in 1 GiB calls was throttled by the
     # kernel's dirty limits: benchmarks/README.md, issue 13, seventh pass); a 256 KiB step
     # shows the same loop on a 3 MiB file. The spy passes every call to the real function.
-    from ckpt_tools.io import clone
+    from ckpt_tools.io.copy import clone
 
     assert clone._KERNEL_STEP % (64 << 10) == 0
     assert clone._KERNEL_STEP <= 0x7FFFF000  # Linux's MAX_RW_COUNT: one call's most

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt_tools import consolidate
-from ckpt_tools.formats.dcp_metadata import read_metadata
+from ckpt_tools.formats.dcp.metadata import read_metadata
 from tests.helpers.dcp_save import reference, save_fsdp, tiny_model
 from tests.test_consolidate import assert_same
 

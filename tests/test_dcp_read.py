@@ -19,7 +19,7 @@ from ckpt_tools import inspect
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UnsupportedFormatError
 from ckpt_tools.formats import detect_format, open_checkpoint
-from ckpt_tools.formats.dcp_metadata import read_metadata
+from ckpt_tools.formats.dcp.metadata import read_metadata
 from tests.helpers.cli import run_ckpt
 
 

@@ -286,11 +286,11 @@ def test_package_functions_survive_importing_their_modules() -> None:
     # A submodule named like a function would replace it on import; ours are named apart.
     import ckpt_tools.diffing.engine
     import ckpt_tools.loading.into_module
-    import ckpt_tools.ops.rewriting
+    import ckpt_tools.ops.rewrite.rewriting
 
     assert ckpt_tools.diff({"w": torch.ones(1)}, {"w": torch.ones(1)}).identical
     assert ckpt_tools.diff is ckpt_tools.diffing.engine.diff
-    assert ckpt_tools.rewrite is ckpt_tools.ops.rewriting.rewrite
+    assert ckpt_tools.rewrite is ckpt_tools.ops.rewrite.rewriting.rewrite
     assert ckpt_tools.load_into is ckpt_tools.loading.into_module.load_into
     assert ckpt_tools.DiffReport is ckpt_tools.diffing.engine.DiffReport
 

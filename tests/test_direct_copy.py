@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 
 from ckpt_tools.io import direct, dirty_room
 from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.clone import COPY_METHODS, Writeback, copy_range
-from ckpt_tools.io.direct import DIRECT_MIN, direct_span
+from ckpt_tools.io.copy.clone import COPY_METHODS, Writeback, copy_range
+from ckpt_tools.io.copy.direct import DIRECT_MIN, direct_span
 from tests import helpers as h
 
 MIB = 1 << 20
@@ -205,13 +205,13 @@ def test_a_full_disk_is_an_error_not_a_reason_to_try_another_way(
 # each) while one rewrite runs, in a process of its own: an audit hook cannot be removed.
 _COUNT_DIRECT = """
 import fcntl, os, sys
-from ckpt_tools.ops.rewriting import strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import strip_module_file
 
 seen = []
 if len(sys.argv) > 4:  # a file in /proc/vmstat's format: the kernel's dirty room to assume
-    import ckpt_tools.io.dirty_room
+    import ckpt_tools.io.copy.dirty_room
 
-    ckpt_tools.io.dirty_room.VMSTAT = sys.argv[4]
+    ckpt_tools.io.copy.dirty_room.VMSTAT = sys.argv[4]
 
 def hook(event, args):
     if event == "fcntl.fcntl" and args[1] == fcntl.F_SETFL and args[2] & os.O_DIRECT:

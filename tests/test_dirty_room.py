@@ -2,7 +2,7 @@
 
 Oracles: the kernel's own counters (``/proc/vmstat``: the dirty thresholds it computed and
 the pages dirty now), the source's bytes read back, and the ``CopyCounts`` of each method. A
-copy's room is set by pointing :data:`ckpt_tools.io.dirty_room.VMSTAT` at a file written like
+copy's room is set by pointing :data:`ckpt_tools.io.copy.dirty_room.VMSTAT` at a file written like
 ``/proc/vmstat``, so that the split lands where the test says, whatever this machine is doing.
 """
 
@@ -15,9 +15,9 @@ import pytest
 
 from ckpt_tools.io import dirty_room as room_module
 from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.clone import Writeback, copy_range
-from ckpt_tools.io.direct import DIRECT_MIN
-from ckpt_tools.io.dirty_room import dirty_room
+from ckpt_tools.io.copy.clone import Writeback, copy_range
+from ckpt_tools.io.copy.direct import DIRECT_MIN
+from ckpt_tools.io.copy.dirty_room import dirty_room
 from tests import helpers as h
 
 MIB = 1 << 20

@@ -30,8 +30,8 @@ from safetensors import safe_open
 
 import ckpt_tools as ct
 from ckpt_tools.cli.main import cli, main
-from ckpt_tools.ops.consolidate import consolidate
-from ckpt_tools.ops.reshard import convert_to_folder, reshard
+from ckpt_tools.ops.consolidate.consolidation import consolidate
+from ckpt_tools.ops.transform.reshard import convert_to_folder, reshard
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CKPT = str(Path(sys.executable).with_name("ckpt"))

@@ -20,8 +20,8 @@ import torch
 
 from ckpt_tools.cli.main import cli
 from ckpt_tools.io.atomic import atomic_output, output_is_durable
-from ckpt_tools.io.clone import _WRITEBACK_EVERY, Writeback
-from ckpt_tools.ops.rewriting import strip_module_file
+from ckpt_tools.io.copy.clone import _WRITEBACK_EVERY, Writeback
+from ckpt_tools.ops.rewrite.rewriting import strip_module_file
 from tests.helpers.builders import load, save
 from tests.helpers.cli import ckpt_env, console_script
 

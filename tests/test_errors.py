@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ckpt_tools import open_checkpoint
+from ckpt_tools.cli.commands.rewrite import convert_cmd, strip_module_cmd
 from ckpt_tools.cli.main import main
-from ckpt_tools.cli.rewrite_cmd import convert_cmd, strip_module_cmd
 from ckpt_tools.errors import (
     EXIT_CONVERSION,
     EXIT_CORRUPT,
@@ -40,7 +40,7 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.harness.placement import resolve_devices
-from ckpt_tools.ops.rewriting import convert, rewrite, strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import convert, rewrite, strip_module_file
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_tools"
 

@@ -1,6 +1,6 @@
 """The walk over a pickle's bytes finds exactly what a walk over ``pickletools.genops`` finds.
 
-``formats/expansion.py`` reads each opcode's argument in place (``_scan_bytes``); a pickle in
+``formats/pickle/expansion.py`` reads each opcode's argument in place (``_scan_bytes``); a pickle in
 a file is read as genops reads it, then walked the same way (``_scan_stream``). The oracle is
 the straightforward walk over genops's opcodes (``_genops_scan`` below, the product's walk
 before): every committed fixture, every fuzz regression input, pickles of every protocol,
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from ckpt_tools.errors import ResourceLimitError
-from ckpt_tools.formats.expansion import (
+from ckpt_tools.formats.pickle.expansion import (
     _DUP,
     _GET,
     _MARKS,

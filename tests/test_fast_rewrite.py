@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats import expansion, open_checkpoint
-from ckpt_tools.io.clone import COPY_METHODS
-from ckpt_tools.io.layout import plan_zip_layout, zip_actions
-from ckpt_tools.io.zipwriter import SAVE_HEAD_RECORDS, SAVE_VERSION
-from ckpt_tools.ops.rewriting import add_module_file, rename_file, retag, strip_module_file
+from ckpt_tools.io.copy.clone import COPY_METHODS
+from ckpt_tools.io.copy.layout import plan_zip_layout, zip_actions
+from ckpt_tools.io.writers.zipfile import SAVE_HEAD_RECORDS, SAVE_VERSION
+from ckpt_tools.ops.rewrite.rewriting import add_module_file, rename_file, retag, strip_module_file
 from tests import helpers as h
 
 BLOCK = 4096

@@ -18,8 +18,8 @@ import torch
 from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, itemsize
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.legacy import offset_locator
-from ckpt_tools.formats.repickle import torch_storage_id
+from ckpt_tools.formats.legacy.reader import offset_locator
+from ckpt_tools.formats.pickle.repickle import torch_storage_id
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.loading.tensor_io import read_tensor
 from tests.helpers import dtype_name, value_bytes
@@ -112,7 +112,7 @@ def test_byte_span_without_a_file() -> None:
 def test_a_tensor_past_its_storage_is_refused(tmp_path: Path) -> None:
     """The reader's bounds check uses the same span: one element past the end is refused."""
     from ckpt_tools.errors import CorruptCheckpointError
-    from ckpt_tools.formats.allowlist import checked_tensor, resolve_allowed
+    from ckpt_tools.formats.pickle.allowlist import checked_tensor, resolve_allowed
 
     storage = StorageRef("0", "float32", 12, "cpu")
     func = resolve_allowed("torch._utils", "_rebuild_tensor_v2")

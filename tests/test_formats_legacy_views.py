@@ -20,8 +20,8 @@ import torch
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.repickle import dumps
-from ckpt_tools.formats.standins import StorageTypeRef
+from ckpt_tools.formats.pickle.repickle import dumps
+from ckpt_tools.formats.pickle.standins import StorageTypeRef
 from tests.helpers import tensor_from_span, tools, value_bytes
 
 FLOAT = StorageTypeRef("torch", "FloatStorage")

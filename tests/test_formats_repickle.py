@@ -21,7 +21,7 @@ import ckpt_tools
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint, repickle
-from ckpt_tools.formats.repickle import Repickler, dumps, zip_storage_id
+from ckpt_tools.formats.pickle.repickle import Repickler, dumps, zip_storage_id
 from tests.helpers import (
     assert_bitwise_equal,
     by_name,

@@ -20,8 +20,8 @@ from ckpt_tools.errors import (
     OutputExistsError,
     UsageError,
 )
-from ckpt_tools.io.shard_plan import INDEX_NAME, parse_shard_size, plan_shards
-from ckpt_tools.ops.tied_names import hf_shared_names
+from ckpt_tools.io.writers.shard_plan import INDEX_NAME, parse_shard_size, plan_shards
+from ckpt_tools.ops.transform.tied_names import hf_shared_names
 from tests.helpers.cli import run_ckpt
 
 

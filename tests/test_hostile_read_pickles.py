@@ -232,7 +232,7 @@ def test_foreign_text_is_quoted_on_one_line() -> None:
 def test_every_allowlisted_global_is_on_torchs_allowlist() -> None:
     from torch import _weights_only_unpickler as weights_only
 
-    from ckpt_tools.formats.allowlist import ALLOWED_GLOBALS
+    from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 
     assert set(weights_only._get_allowed_globals()) >= ALLOWED_GLOBALS
 

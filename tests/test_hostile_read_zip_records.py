@@ -25,7 +25,7 @@ import torch
 
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.zipdir import FileSlice, read_zip_directory
+from ckpt_tools.formats.zip.directory import FileSlice, read_zip_directory
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 

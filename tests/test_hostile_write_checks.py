@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from ckpt_tools.errors import ConversionError, UnsafeContentError
-from ckpt_tools.ops.rewriting import add_module_file, convert, rename_file, strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import (
+    add_module_file,
+    convert,
+    rename_file,
+    strip_module_file,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")
 

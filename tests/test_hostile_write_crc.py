@@ -15,7 +15,7 @@ import torch
 
 from ckpt_tools.errors import EXIT_CORRUPT, CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.ops.rewriting import convert, strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import convert, strip_module_file
 from tests.helpers import console_script
 
 

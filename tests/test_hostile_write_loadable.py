@@ -20,10 +20,10 @@ import torch
 import ckpt_tools
 from ckpt_tools.errors import ConversionError, ResourceLimitError, VerificationError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.repickle import check_weights_only_pickle, unsupported_opcodes
+from ckpt_tools.formats.pickle.repickle import check_weights_only_pickle, unsupported_opcodes
 from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.zipcheck import check_torch_zip
-from ckpt_tools.ops.rewriting import convert, strip_module_file
+from ckpt_tools.io.verify.zipcheck import check_torch_zip
+from ckpt_tools.ops.rewrite.rewriting import convert, strip_module_file
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 

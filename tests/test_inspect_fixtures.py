@@ -142,7 +142,7 @@ def test_byte_locations_hold_the_tensors(entry: dict[str, Any]) -> None:
     ckpt = open_checkpoint(fixture_path(entry["name"]))
     selected = ckpt_tools.select_state_dict(ckpt.root, entry["select"] or None).state_dict
     if entry["format"] == "torchscript":
-        from ckpt_tools.ops.inspection import script_module_tensors
+        from ckpt_tools.ops.inspect.inspection import script_module_tensors
 
         selected = script_module_tensors(ckpt.root)
     assert set(selected) >= set(expected)

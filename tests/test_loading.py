@@ -21,7 +21,7 @@ from ckpt_tools.cli.main import main
 from ckpt_tools.errors import SelectError, UnsafeContentError, UnsupportedFormatError, UsageError
 from ckpt_tools.loading.devices import auto_location, resolve_map_location
 from ckpt_tools.loading.state_dict import LoadInfo
-from ckpt_tools.ops.rewriting import retag
+from ckpt_tools.ops.rewrite.rewriting import retag
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

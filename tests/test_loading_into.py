@@ -14,7 +14,7 @@ from torch import nn
 from ckpt_tools import load_into
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import StateDictMismatchError
-from ckpt_tools.ops.rewriting import retag
+from ckpt_tools.ops.rewrite.rewriting import retag
 
 # torch.compile's import path touches deprecated torch.jit APIs.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")

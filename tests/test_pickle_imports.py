@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_tools.formats.pickle_imports import find_imports, python3_qualname, starts_like_pickle
+from ckpt_tools.formats.pickle.imports import find_imports, python3_qualname, starts_like_pickle
 from tests.helpers.committed import fixture_path
 from tests.helpers.scan_corpus import PICKLE_LOAD, build_corpus, zip_records
 

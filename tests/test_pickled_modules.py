@@ -26,7 +26,7 @@ from click.testing import CliRunner
 import ckpt_tools as ct
 from ckpt_tools.cli.main import cli
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.pickles import load_pickle
+from ckpt_tools.formats.pickle.unpickler import load_pickle
 from ckpt_tools.structure.modules import is_pickled_module, recover_module
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))

@@ -18,8 +18,8 @@ from ckpt_tools.loading import module_spec
 from ckpt_tools.loading.into_module import load_into
 from ckpt_tools.loading.results import ShapeMismatch
 from ckpt_tools.loading.state_dict import load_state_dict
-from ckpt_tools.ops.inspection import inspect
-from ckpt_tools.ops.rewriting import strip_module_file
+from ckpt_tools.ops.inspect.inspection import inspect
+from ckpt_tools.ops.rewrite.rewriting import strip_module_file
 from ckpt_tools.structure.grouping import fold_keys, fold_names
 from ckpt_tools.structure.text import text_table
 

@@ -26,10 +26,10 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.pickles import MAX_NESTING, load_pickle
+from ckpt_tools.formats.pickle.unpickler import MAX_NESTING, load_pickle
 from ckpt_tools.io import zipwriter
-from ckpt_tools.io.verify import Expected, verify_output
-from ckpt_tools.ops.rewriting import convert, rewrite, strip_module_file
+from ckpt_tools.io.verify.outputs import Expected, verify_output
+from ckpt_tools.ops.rewrite.rewriting import convert, rewrite, strip_module_file
 from ckpt_tools.structure.keys import add_rule
 from ckpt_tools.structure.selection import select_state_dict
 from tests.helpers import CountingDict, LookupBudget, ckpt_env, run_ckpt
@@ -109,7 +109,7 @@ def test_codecs_encode_takes_only_the_codecs_pickle_writes(codec):
     payload = b"\x80\x02c_codecs\nencode\n" + text("abc") + text(codec) + b"\x86R."
     script = (
         "import io, sys\n"
-        "from ckpt_tools.formats.pickles import load_pickle\n"
+        "from ckpt_tools.formats.pickle.unpickler import load_pickle\n"
         "from ckpt_tools.errors import CorruptCheckpointError\n"
         "before = set(sys.modules)\n"
         "try:\n"

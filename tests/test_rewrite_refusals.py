@@ -28,7 +28,7 @@ from ckpt_tools.errors import (
     UnsafeContentError,
     UsageError,
 )
-from ckpt_tools.ops.rewriting import convert, rename_file, strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import convert, rename_file, strip_module_file
 from tests import helpers as h
 
 
@@ -428,7 +428,7 @@ def test_strip_module_reads_its_input_as_often_as_an_explicit_prefix(tmp_path):
     src = h.save(h.build_layout("plain")[0], tmp_path / "ddp.pt")
     code = (
         "import os, sys\n"
-        "from ckpt_tools.ops.rewriting import strip_module_file\n"
+        "from ckpt_tools.ops.rewrite.rewriting import strip_module_file\n"
         "src, out = os.path.abspath(sys.argv[1]), sys.argv[2]\n"
         "opens = []\n"
         "sys.addaudithook(lambda e, a: opens.append(1) if e == 'open' and isinstance(a[0], str)"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_tools.ops.rewriting import add_module_file, convert, retag, strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import add_module_file, convert, retag, strip_module_file
 from tests import helpers as h
 
 # What puts each prefix on the keys, to load the round-tripped file into the real wrapper.

@@ -11,7 +11,7 @@ from ckpt_tools.cli.main import main
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import VerificationError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.io.verify import Expected, verify_output
+from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.structure.selection import select_state_dict
 from tests import helpers as h
 
@@ -165,7 +165,7 @@ def test_verify_safetensors_output_against_a_pt_source(saved, tmp_path):
 def test_verify_full_reads_a_compressed_record_once_for_all_its_views(saved, tmp_path, monkeypatch):
     import zipfile
 
-    from ckpt_tools.io import verify as verify_module
+    from ckpt_tools.io.verify import outputs as verify_module
 
     base = torch.arange(64.0)
     stored = saved("stored.pt", {f"module.t{i}": base[i : i + 1] for i in range(64)})

@@ -30,8 +30,8 @@ from click.testing import CliRunner
 
 import ckpt_tools as ct
 from ckpt_tools.cli.main import cli
-from ckpt_tools.formats.pickles import load_pickle
-from ckpt_tools.ops.sanitize_tree import sanitize_tree
+from ckpt_tools.formats.pickle.unpickler import load_pickle
+from ckpt_tools.ops.sanitize.tree import sanitize_tree
 from tests import helpers as h
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
@@ -442,8 +442,8 @@ def test_safetensors_and_evil_fixtures(fixture_copy, tmp_path):
 
 def test_verification_refuses_an_output_that_names_a_global(tmp_path):
     from ckpt_tools.formats import open_checkpoint
-    from ckpt_tools.ops.sanitize import _verify
-    from ckpt_tools.ops.sanitize_tree import SanitizedTree
+    from ckpt_tools.ops.sanitize.sanitizing import _verify
+    from ckpt_tools.ops.sanitize.tree import SanitizedTree
 
     written = tmp_path / "written.pt"  # as if the writer had let a global through
     torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, written)

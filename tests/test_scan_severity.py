@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from torch._weights_only_unpickler import _get_allowed_globals
 
-from ckpt_tools.formats.allowlist import ALLOWED_GLOBALS
-from ckpt_tools.formats.dcp_globals import DCP_METADATA_GLOBALS
+from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS
+from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 from ckpt_tools.ops.scan.severity import RULES, SEVERITIES, classify
 
 

@@ -15,8 +15,8 @@ import torch
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import SelectError
 from ckpt_tools.loading.state_dict import load_state_dict
-from ckpt_tools.ops.inspection import inspect
-from ckpt_tools.ops.rewriting import rewrite
+from ckpt_tools.ops.inspect.inspection import inspect
+from ckpt_tools.ops.rewrite.rewriting import rewrite
 from ckpt_tools.structure.keys import add_rule
 from ckpt_tools.structure.paths import entries_beside, replace_at, resolve_path, walk_path
 

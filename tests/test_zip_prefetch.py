@@ -1,6 +1,6 @@
 """The zip directory reader asks for local headers together, and stays exact doing so.
 
-``formats/zipdir.py`` reads the central directory a window of entries at a time, asks the
+``formats/zip/directory.py`` reads the central directory a window of entries at a time, asks the
 kernel for the window's local headers together (``posix_fadvise(WILLNEED)``: one wait on the
 disk instead of one per record, which is what a cold or freshly cloned file costs), then
 checks each header. The
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.formats.zipdir import (
+from ckpt_tools.formats.zip.directory import (
     _PREFETCH_WINDOW,
     FileSlice,
     _prefetch,

@@ -4,7 +4,7 @@ A key rewrite of a large file takes little more than a copy, so start-up shows: 
 click costs about as long as Python's own start. The common command line (two paths, then
 the rewrite options in their plain spellings) is parsed here, from a table that
 ``tests/test_cli_fastpath.py`` holds equal to the click commands' own parameters; the same
-functions then do the work (:mod:`ckpt_tools.cli.rewrite_actions`) behind the same boundary
+functions then do the work (:mod:`ckpt_tools.cli.commands.rewrite_actions`) behind the same boundary
 (:func:`~ckpt_tools.cli.boundary.guarded`).
 
 Anything else goes to click, which parses and reports it as always: ``--help``, an option
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ckpt_tools.io.verify_levels import VERIFY_LEVELS
+from ckpt_tools.io.verify.levels import VERIFY_LEVELS
 
 __all__ = ["COMMANDS", "OPTIONS", "parse", "run"]
 
@@ -141,7 +141,7 @@ def run(argv: Sequence[str]) -> int | None:
     if parsed is None:
         return None
     from ckpt_tools.cli.boundary import echo, guarded
-    from ckpt_tools.cli.rewrite_actions import add_module, strip_module
+    from ckpt_tools.cli.commands.rewrite_actions import add_module, strip_module
 
     name, params = parsed
     action = strip_module if name == "strip-module" else add_module

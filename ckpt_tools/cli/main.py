@@ -24,82 +24,82 @@ _COMMANDS = {
     # Each command's module is imported on use, so `ckpt inspect` never imports torch and
     # `ckpt --help` imports none of them: it lists the summaries written here.
     "inspect": _Entry(
-        "ckpt_tools.cli.inspect_cmd",
+        "ckpt_tools.cli.commands.inspect",
         "inspect_cmd",
         "Describe a checkpoint from its structure: never runs its pickle, never imports torch.",
     ),
     "scan": _Entry(
-        "ckpt_tools.cli.scan_cmd",
+        "ckpt_tools.cli.commands.scan",
         "scan_cmd",
         "Can loading these checkpoints run code? A verdict per file, running nothing in it.",
     ),
     "strip-module": _Entry(
-        "ckpt_tools.cli.rewrite_cmd",
+        "ckpt_tools.cli.commands.rewrite",
         "strip_module_cmd",
         "Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...).",
     ),
     "add-module": _Entry(
-        "ckpt_tools.cli.rewrite_cmd",
+        "ckpt_tools.cli.commands.rewrite",
         "add_module_cmd",
         "Add a wrapper prefix to every key (to load into nn.DataParallel / DDP).",
     ),
     "rename": _Entry(
-        "ckpt_tools.cli.rewrite_cmd",
+        "ckpt_tools.cli.commands.rewrite",
         "rename_cmd",
         "Rename keys: prefix maps (--sub) then regex substitutions (--regex).",
     ),
     "convert": _Entry(
-        "ckpt_tools.cli.rewrite_cmd",
+        "ckpt_tools.cli.commands.rewrite",
         "convert_cmd",
         "Convert between torch (.pt), safetensors and Hugging Face sharded folders.",
     ),
     "consolidate": _Entry(
-        "ckpt_tools.cli.consolidate_cmd",
+        "ckpt_tools.cli.commands.consolidate",
         "consolidate_cmd",
         "Consolidate a torch.distributed.checkpoint (DCP) folder into OUT, torch-free.",
     ),
     "retag": _Entry(
-        "ckpt_tools.cli.rewrite_cmd",
+        "ckpt_tools.cli.commands.rewrite",
         "retag_cmd",
         "Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere.",
     ),
     "reshard": _Entry(
-        "ckpt_tools.cli.rewrite_cmd",
+        "ckpt_tools.cli.commands.rewrite",
         "reshard_cmd",
         "Rewrite a Hugging Face sharded folder with another shard size (SRC is never touched).",
     ),
     "sanitize": _Entry(
-        "ckpt_tools.cli.sanitize_cmd",
+        "ckpt_tools.cli.commands.sanitize",
         "sanitize_cmd",
         "Write SRC as DST that plain torch.load(weights_only=True) loads.",
     ),
     "slim": _Entry(
-        "ckpt_tools.cli.transform_cmd",
+        "ckpt_tools.cli.commands.transform",
         "slim_cmd",
         "Make a checkpoint smaller: cast, drop entries, keep the (EMA) weights only.",
     ),
     "extract": _Entry(
-        "ckpt_tools.cli.transform_cmd",
+        "ckpt_tools.cli.commands.transform",
         "extract_cmd",
         "The tensors under one prefix, as a plain state dict.",
     ),
     "average": _Entry(
-        "ckpt_tools.cli.transform_cmd",
+        "ckpt_tools.cli.commands.transform",
         "average_cmd",
         "Element-wise (weighted) mean of checkpoints, streamed in float64.",
     ),
     "diff": _Entry(
-        "ckpt_tools.cli.diff_cmd",
+        "ckpt_tools.cli.commands.diff",
         "diff_cmd",
         "Compare two checkpoints (or a checkpoint and a model): keys, shapes, dtypes, values.",
     ),
     "devices": _Entry(
-        "ckpt_tools.cli.devices_cmd",
+        "ckpt_tools.cli.commands.devices",
         "devices_cmd",
         "List the CPU and the visible GPUs (freest first), with total and free memory.",
     ),
     "harness": _Entry(
-        "ckpt_tools.cli.harness_cmd",
+        "ckpt_tools.cli.commands.harness",
         "harness",
         "Train small models single/dp/ddp/manual/fsdp and check checkpoint parity.",
     ),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ckpt_tools.io.verify_levels import VERIFY_LEVELS
+from ckpt_tools.io.verify.levels import VERIFY_LEVELS
 
 select_option = click.option(
     "--select",

@@ -1,1 +1,3 @@
-"""diffing"""
+"""Differences between a checkpoint and a module or another checkpoint: keys, shapes, dtypes,
+values, and the exact fix.
+"""

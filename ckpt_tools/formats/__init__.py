@@ -41,7 +41,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 def _open(path: str, fmt: str) -> Checkpoint:
     if fmt == "torch-zip":
-        from ckpt_tools.formats.torchzip import open_torch_zip
+        from ckpt_tools.formats.zip.torchzip import open_torch_zip
 
         return open_torch_zip(path)
     if fmt == "safetensors":
@@ -49,14 +49,14 @@ def _open(path: str, fmt: str) -> Checkpoint:
 
         return open_safetensors(path)
     if fmt == "dcp":
-        from ckpt_tools.formats.dcp import open_dcp
+        from ckpt_tools.formats.dcp.reader import open_dcp
 
         return open_dcp(path)
     if fmt == "hf-sharded":
-        from ckpt_tools.formats.sharded import open_folder, open_index
+        from ckpt_tools.formats.hf import open_folder, open_index
 
         return open_folder(path) if os.path.isdir(path) else open_index(path)
-    from ckpt_tools.formats import legacy
+    from ckpt_tools.formats.legacy import reader as legacy
 
     if fmt == "torch-legacy":
         return legacy.open_legacy(path)

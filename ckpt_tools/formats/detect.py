@@ -19,7 +19,7 @@ from ckpt_tools.errors import (
     ResourceLimitError,
     UnsupportedFormatError,
 )
-from ckpt_tools.formats.expansion import check_expansion
+from ckpt_tools.formats.pickle.expansion import check_expansion
 
 __all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_format"]
 
@@ -92,7 +92,7 @@ def detect_format(path: str | os.PathLike[str], *, content_only: bool = False) -
             path=p,
         )
     if check_regular(p) == "folder":
-        from ckpt_tools.formats.dcp import is_dcp_folder
+        from ckpt_tools.formats.dcp.reader import is_dcp_folder
 
         return "dcp" if is_dcp_folder(p) else "hf-sharded"
     # O_NONBLOCK: if the path became a FIFO since the check, opening it does not wait for a

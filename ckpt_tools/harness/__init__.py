@@ -10,7 +10,7 @@ that ckpt_tools' key rewrites, device retagging and format conversion preserve t
 This subpackage is the only part of ckpt_tools that imports ``torch.distributed``.
 Importing it imports neither torch nor click: the names below that need torch load on
 first use, and the command line (``ckpt harness``, ``python -m ckpt_tools.harness``)
-lives in :mod:`ckpt_tools.cli.harness_cmd`.
+lives in :mod:`ckpt_tools.cli.commands.harness`.
 
 Example:
     >>> from ckpt_tools.harness import TrainConfig, train

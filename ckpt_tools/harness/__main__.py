@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckpt_tools.cli.harness_cmd import harness
+from ckpt_tools.cli.commands.harness import harness
 from ckpt_tools.cli.main import run_command
 
 __all__ = ["main"]

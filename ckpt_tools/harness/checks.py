@@ -6,9 +6,9 @@
     ``nn.DataParallel``, outputs bitwise equal to the bare model's.
 (c) ``vs_single``: a strategy's final weights against single-device training's.
 (d) ``device_roundtrip``: a GPU-saved checkpoint (or, without a GPU, one retagged to
-    ``cuda:1`` with ``ckpt_tools.ops.rewriting.retag``) loaded with
+    ``cuda:1`` with ``ckpt_tools.ops.rewrite.rewriting.retag``) loaded with
     ``ckpt_tools.loading.state_dict.load_state_dict(map_location="auto")``, bitwise equal.
-(e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.ops.rewriting.convert``,
+(e) ``format_roundtrip``: pt -> safetensors -> pt with ``ckpt_tools.ops.rewrite.rewriting.convert``,
     bitwise equal.
 
 Values are compared by ckpt_tools' one comparison engine: :func:`ckpt_tools.diffing.diff`
@@ -36,7 +36,7 @@ from ckpt_tools.harness.loop import deterministic
 from ckpt_tools.harness.models import build_harness_model
 from ckpt_tools.harness.reference import compare_state_dicts, load_pt, storage_tags
 from ckpt_tools.loading.state_dict import load_state_dict
-from ckpt_tools.ops.rewriting import convert, retag
+from ckpt_tools.ops.rewrite.rewriting import convert, retag
 from ckpt_tools.structure.keys import add_prefix, strip_prefix
 
 __all__ = [
@@ -296,7 +296,7 @@ def check_device_roundtrip(
     """(d) Load a GPU-tagged checkpoint with ``map_location="auto"``; bitwise equal.
 
     A checkpoint saved from a GPU is loaded as is. A CPU-saved one is first retagged
-    ``cpu -> cuda:1`` with ``ckpt_tools.ops.rewriting.retag`` into ``work_dir``, which is what a
+    ``cpu -> cuda:1`` with ``ckpt_tools.retag`` into ``work_dir``, which is what a
     GPU save looks like to a CPU-only machine.
 
     Args:
@@ -334,7 +334,7 @@ def check_device_roundtrip(
 def check_format_roundtrip(
     path: str | Path, work_dir: str | Path, strategy: str = ""
 ) -> CheckResult:
-    """(e) pt -> safetensors -> pt with ``ckpt_tools.ops.rewriting.convert``; bitwise equal.
+    """(e) pt -> safetensors -> pt with ``ckpt_tools.ops.rewrite.rewriting.convert``; bitwise equal.
 
     Args:
         path: a ``.pt`` state dict.

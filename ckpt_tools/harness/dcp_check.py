@@ -36,7 +36,7 @@ def ckpt_consolidate(dcp_dir: Path, out_file: Path) -> None:
         dcp_dir: the DCP checkpoint folder.
         out_file: the ``.pt`` file to write.
     """
-    from ckpt_tools.ops.consolidate import consolidate
+    from ckpt_tools.ops.consolidate.consolidation import consolidate
 
     consolidate(dcp_dir, out_file)
 

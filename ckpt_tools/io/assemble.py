@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckpt_tools.descriptors import ByteSpan, TensorRef
-from ckpt_tools.io.zipwriter import Writeback, copy_range, pwrite_all
+from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 
 __all__ = [
     "SLAB_BYTES",

@@ -45,7 +45,7 @@ _TEMP_NAME = re.compile(r"^\..*\.ckpt-tmp-(\d+)-[0-9a-f]+$")
 #: can SIGKILL a real ``ckpt`` at that point. Unset in normal use.
 PAUSE_ENV = "CKPT_TOOLS_TEST_PAUSE_BEFORE_RENAME"
 # Whether the output being written will be fsynced: writers start its writeback early
-# (io/clone.Writeback) or write large ranges straight to the disk (io/direct.py) only
+# (io/clone.Writeback) or write large ranges straight to the disk (io/copy/direct.py) only
 # because of that fsync; without one, the page cache takes the bytes faster.
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_durable", default=True)
 

@@ -136,7 +136,7 @@ def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:
 
     Raises:
         OSError: the read failed, or the file ends first (``EIO``, as
-            :func:`ckpt_tools.io.zipwriter.copy_range` reports a short source).
+            :func:`ckpt_tools.io.writers.zipfile.copy_range` reports a short source).
 
     Example:
         >>> with open("letters.bin", "wb") as f:

@@ -33,7 +33,7 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
 )
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.formats.standins import ConstantRef, Reduced, TorchSize
+from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
 from ckpt_tools.loading.storages import Restore, StorageBuilder
 from ckpt_tools.loading.tensor_io import torch_dtype
 

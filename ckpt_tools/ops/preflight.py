@@ -14,7 +14,7 @@ from typing import Any
 from ckpt_tools.descriptors import Opaque, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.ops.rewrite_plan import check_source
+from ckpt_tools.ops.rewrite.plan import check_source
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.modules import is_pickled_module, module_globals
 from ckpt_tools.structure.paths import walk_path

@@ -1,1 +1,3 @@
-"""structure"""
+"""What keys and nesting mean, torch-free: selection, key rules, wrapper prefixes, module
+grouping, and the suggested fix for a mismatch.
+"""

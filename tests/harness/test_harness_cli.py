@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckpt_tools.cli.harness_cmd import harness
+from ckpt_tools.cli.commands.harness import harness
 from ckpt_tools.errors import UsageError
 
 

@@ -240,7 +240,7 @@ def test_harness_library_neither_prints_nor_imports_click() -> None:
 
 
 def test_cli_choices_come_from_the_library_tables() -> None:
-    from ckpt_tools.cli import harness_cmd
+    from ckpt_tools.cli.commands import harness as harness_cmd
 
     params = {p.name: p for c in harness_cmd.harness.commands.values() for p in c.params}
     assert tuple(params["strategy"].type.choices) == harness.STRATEGIES

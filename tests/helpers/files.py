@@ -18,9 +18,9 @@ import torch
 
 from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickles import load_pickle
-from ckpt_tools.formats.repickle import dumps, zip_storage_id
-from ckpt_tools.io.clone import CopyCounts, Writeback, copy_range
+from ckpt_tools.formats.pickle.repickle import dumps, zip_storage_id
+from ckpt_tools.formats.pickle.unpickler import load_pickle
+from ckpt_tools.io.copy.clone import CopyCounts, Writeback, copy_range
 from tests.helpers.committed import tools
 from tests.helpers.trees import torch_dtype
 
@@ -119,7 +119,7 @@ def vmstat_file(
 ) -> Path:
     """A file in ``/proc/vmstat``'s format with these page counts (among lines to skip).
 
-    Points :data:`ckpt_tools.io.dirty_room.VMSTAT` at a kernel dirty room of a test's choosing.
+    Points :data:`ckpt_tools.io.copy.dirty_room.VMSTAT` at a kernel dirty room of a test's choosing.
     """
     path.write_text(
         "nr_free_pages 123456\n"

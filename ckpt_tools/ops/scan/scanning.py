@@ -23,13 +23,13 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
 )
 from ckpt_tools.formats import detect_format, open_checkpoint
-from ckpt_tools.formats.pickle_imports import (
+from ckpt_tools.formats.pickle.imports import (
     find_imports,
     npy_pickle_offset,
     python3_qualname,
     starts_like_pickle,
 )
-from ckpt_tools.formats.zipdir import ZipEntry
+from ckpt_tools.formats.zip.directory import ZipEntry
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify
 from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, walk_pickles
@@ -95,7 +95,7 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
     """``(path, to scan)`` for everything under ``folder``, in a stable order: each file, and
     each DCP folder as one checkpoint (its other files and folders are walked too);
     symlinked folders are listed, never followed (a link can loop), as not scanned."""
-    from ckpt_tools.formats.dcp import DATA_SUFFIX, METADATA_FILE
+    from ckpt_tools.formats.dcp.reader import DATA_SUFFIX, METADATA_FILE
 
     for root, dirs, names in os.walk(folder):
         dirs.sort()
@@ -114,7 +114,7 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
 
 
 def _is_dcp(path: str) -> bool:
-    from ckpt_tools.formats.dcp import is_dcp_folder
+    from ckpt_tools.formats.dcp.reader import is_dcp_folder
 
     return os.path.isdir(path) and is_dcp_folder(path)
 

@@ -24,8 +24,8 @@ import fnmatch
 import functools
 from typing import Literal, NamedTuple
 
-from ckpt_tools.formats.allowlist import ALLOWED_GLOBALS
-from ckpt_tools.formats.dcp_globals import DCP_METADATA_GLOBALS
+from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS
+from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 
 __all__ = ["RULES", "Context", "Rule", "Severity", "classify"]
 

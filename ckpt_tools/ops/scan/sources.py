@@ -11,7 +11,7 @@
 - DCP: ``.metadata``, and every item's archive in the ``.distcp`` files.
 - numpy: the pickle of an ``.npy`` array of objects (also inside an ``.npz`` zip).
 
-Nothing is unpickled here: :func:`~ckpt_tools.formats.pickle_imports.find_imports` walks the
+Nothing is unpickled here: :func:`~ckpt_tools.formats.pickle.imports.find_imports` walks the
 opcodes. Reads are bounded: a record that is not a pickle is told apart by its first bytes.
 """
 
@@ -26,15 +26,15 @@ from typing import NamedTuple
 
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError
 from ckpt_tools.formats.detect import check_regular
-from ckpt_tools.formats.pickle_imports import (
+from ckpt_tools.formats.pickle.imports import (
     ImportScan,
     find_imports,
     npy_pickle_offset,
     starts_like_pickle,
 )
-from ckpt_tools.formats.pickles import MAX_PICKLE_BYTES
-from ckpt_tools.formats.zipdir import FileSlice, ZipEntry, pread, read_zip_directory
-from ckpt_tools.formats.ziprecords import read_head
+from ckpt_tools.formats.pickle.unpickler import MAX_PICKLE_BYTES
+from ckpt_tools.formats.zip.directory import FileSlice, ZipEntry, pread, read_zip_directory
+from ckpt_tools.formats.zip.records import read_head
 from ckpt_tools.ops.scan.severity import Context
 
 __all__ = ["CodeFile", "Walked", "code_files", "is_npz", "walk_pickles"]
@@ -249,8 +249,8 @@ def _tar_members(path: str) -> Iterator[Walked]:
 
 
 def _dcp_pickles(folder: str) -> Iterator[Walked]:
-    from ckpt_tools.formats.dcp import METADATA_FILE
-    from ckpt_tools.formats.dcp_metadata import DcpTensor, read_metadata
+    from ckpt_tools.formats.dcp.metadata import DcpTensor, read_metadata
+    from ckpt_tools.formats.dcp.reader import METADATA_FILE
 
     metadata = os.path.join(folder, METADATA_FILE)
     check_regular(metadata)  # a FIFO named .metadata would block an open()

@@ -1,0 +1,3 @@
+"""The ``ckpt`` commands: each parses its options, calls one library function, renders the
+result.
+"""

@@ -1,0 +1,73 @@
+"""``ckpt consolidate DCP_DIR OUT``: a DCP folder into one file or Hugging Face shards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ckpt_tools.cli.options import (
+    dry_run_option,
+    durable_option,
+    json_option,
+    select_option,
+    verify_option,
+)
+from ckpt_tools.cli.render import echo_json
+from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE
+from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, consolidate
+
+_EPILOG = """\b
+Examples:
+  ckpt consolidate step-1000/ model.safetensors
+  ckpt consolidate step-1000/ model.pt --all          # model, optimizer and the rest
+  ckpt consolidate step-1000/ hf_model/ --max-shard-size 2GB --jobs 4
+  ckpt consolidate step-1000/ hf_model/ --max-shard-size 2GB --dry-run   # the plan only
+"""
+
+
+@click.command("consolidate", epilog=_EPILOG)
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@select_option
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Write everything saved (model, optimizer, other entries), nested as saved.",
+)
+@click.option("--strip", is_flag=True, help="Also remove wrapper prefixes (module., _orig_mod.).")
+@click.option(
+    "--max-shard-size",
+    default=DEFAULT_MAX_SHARD_SIZE,
+    show_default=True,
+    help="Most bytes per Hugging Face shard (OUT a folder); decimal units: 5GB = 5*10**9.",
+)
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="HF shards written at once.",
+)
+@click.option("--force", is_flag=True, help="Replace existing output files.")
+@verify_option(
+    "After writing, re-read every output: keys, dtypes, shapes, layout.",
+    levels=CONSOLIDATE_VERIFY_LEVELS,
+)
+@durable_option
+@json_option
+@dry_run_option
+def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: Any) -> None:
+    """Consolidate a torch.distributed.checkpoint (DCP) folder into OUT, torch-free.
+
+    OUT is a .pt (torch.save format), a .safetensors, or a folder for Hugging Face shards
+    (model-00001-of-0000N.safetensors + model.safetensors.index.json). Chunks are copied
+    straight into place; memory does not grow with the checkpoint.
+    """
+    result = consolidate(src, dst, all=everything, **kw)
+    if as_json:
+        echo_json(result.to_json())
+    else:
+        click.echo(result.text())

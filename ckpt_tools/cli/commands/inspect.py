@@ -1,0 +1,26 @@
+"""``ckpt inspect FILE``."""
+
+from __future__ import annotations
+
+import click
+
+from ckpt_tools.cli.options import json_option, select_option
+from ckpt_tools.cli.render import echo_json, table
+from ckpt_tools.ops.inspect.inspection import inspect
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path())
+@select_option
+@json_option
+@click.option("--group", is_flag=True, help="Fold repeated layers: layers.{0..31}.fc.weight ×32.")
+@click.option("--limit", type=int, default=None, help="Show at most this many table rows.")
+def inspect_cmd(
+    path: str, select: str | None, as_json: bool, group: bool, limit: int | None
+) -> None:
+    """Describe a checkpoint from its structure: never runs its pickle, never imports torch."""
+    info = inspect(path, select=select)
+    if as_json:
+        echo_json(info.to_json())
+        return
+    click.echo(info.text(group=group, limit=limit, table=table, for_cli=True))

@@ -1,0 +1,67 @@
+"""``ckpt sanitize IN OUT``."""
+
+from __future__ import annotations
+
+import click
+
+from ckpt_tools.cli.options import (
+    dry_run_option,
+    durable_option,
+    json_option,
+    select_option,
+    verify_option,
+)
+from ckpt_tools.cli.render import echo_json
+from ckpt_tools.ops.sanitize.sanitizing import sanitize
+
+_EXAMPLES = """
+\b
+Examples:
+  ckpt sanitize best.pt best-plain.pt            # a pickled model: its state dict
+  ckpt sanitize last.ckpt plain.ckpt --strict    # refuse rather than drop anything
+  ckpt sanitize trainer.pt plain.pt --json       # every conversion and drop, by path
+  ckpt sanitize best.pt best-plain.pt --dry-run  # what it would convert and drop; no write
+"""
+
+
+@click.command("sanitize", epilog=_EXAMPLES)
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@select_option
+@click.option("--strict", is_flag=True, help="Refuse (exit 3) instead of dropping values.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists (never the input).")
+@verify_option("After writing, re-read the output: keys and sizes, or also every byte.")
+@durable_option
+@json_option
+@dry_run_option
+def sanitize_cmd(
+    src: str,
+    dst: str,
+    select: str | None,
+    strict: bool,
+    force: bool,
+    verify: str,
+    durable: bool,
+    as_json: bool,
+    dry_run: bool,
+) -> None:
+    """Write SRC as DST that plain torch.load(weights_only=True) loads.
+
+    Nothing in SRC is imported or run. numpy arrays become tensors, numpy scalars numbers,
+    argparse/OmegaConf configs, defaultdicts, paths and enums plain values, pickled
+    nn.Modules their state dict; anything else is dropped and listed (--strict: refused).
+    """
+    report = sanitize(
+        src,
+        dst,
+        strict=strict,
+        select=select,
+        force=force,
+        verify=verify,
+        dry_run=dry_run,
+        durable=durable,
+    )
+    if as_json:
+        echo_json(report.to_json())
+        return
+    click.echo(report.text())

@@ -1,0 +1,164 @@
+"""``ckpt slim``, ``ckpt extract``, ``ckpt average``: one library call each, then render."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ckpt_tools.cli.options import (
+    allow_global_option,
+    dry_run_option,
+    durable_option,
+    json_option,
+    select_option,
+    verify_option,
+)
+from ckpt_tools.cli.render import echo_json
+
+
+def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Options every transform takes (the output side)."""
+    options = [
+        select_option,
+        click.option(
+            "--format",
+            "output_format",
+            type=click.Choice(["torch", "safetensors"]),
+            default=None,
+            help="Output format (default: from DST's suffix).",
+        ),
+        click.option("--force", is_flag=True, help="Replace DST if it exists (never an input)."),
+        verify_option(
+            "After writing, re-read keys and sizes, or also every byte (computed again)."
+        ),
+        durable_option,
+        allow_global_option,
+        json_option,
+        dry_run_option,
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _report(result: Any, as_json: bool) -> None:
+    if as_json:
+        echo_json(result.to_json())
+    else:
+        click.echo(result.text())
+
+
+@click.command(
+    "slim",
+    epilog="""\b
+Examples:
+  ckpt slim trainer.pt weights.safetensors --dtype bf16 --weights-only
+  ckpt slim run.ckpt small.ckpt --drop optimizer_states,lr_schedulers --dtype fp16 --keep-dtype norm
+  ckpt slim timm.pth ema.pt --ema --weights-only --dry-run""",
+)
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Cast the state dict's floating tensors (bitwise as torch's .to).",
+)
+@click.option(
+    "--keep-dtype",
+    multiple=True,
+    metavar="REGEX",
+    help="Keys matching keep their dtype (repeatable).",
+)
+@click.option(
+    "--drop",
+    multiple=True,
+    metavar="A,B",
+    help="Top-level entries to leave out (optimizer,scheduler).",
+)
+@click.option(
+    "--weights-only",
+    is_flag=True,
+    help="Write the selected state dict alone, as a plain state dict.",
+)
+@click.option(
+    "--ema",
+    is_flag=True,
+    help="Select the EMA copy (state_dict_ema, model_ema, ema, Lightning EMA, Ultralytics' "
+    "pickled ema module: its state dict).",
+)
+@_writing
+def slim_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
+    """Make a checkpoint smaller: cast, drop entries, keep the (EMA) weights only."""
+    from ckpt_tools.ops.transform.slim import slim
+
+    _report(slim(src, dst, **kw), as_json)
+
+
+@click.command(
+    "extract",
+    epilog="""\b
+Examples:
+  ckpt extract model.pt backbone.pt --prefix backbone. --strip-prefix""",
+)
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--prefix", required=True, help="Keep the keys starting with it.")
+@click.option("--strip-prefix", is_flag=True, help="Remove the prefix from the kept keys.")
+@click.option("--ema", is_flag=True, help="Take the EMA copy (as slim --ema).")
+@_writing
+def extract_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
+    """The tensors under one prefix, as a plain state dict."""
+    from ckpt_tools.ops.transform.extract import extract
+
+    _report(extract(src, dst, **kw), as_json)
+
+
+def _weights(value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        return [float(w) for w in value.split(",")]
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: expected numbers, e.g. 1,1,2") from e
+
+
+@click.command(
+    "average",
+    epilog="""\b
+Examples:
+  ckpt average avg.pt run/ckpt_*.pt --last 5
+  ckpt average soup.pt a.pt b.pt c.pt --weights 1,1,2 --ints first""",
+)
+@click.argument("dst", type=click.Path())
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per input.")
+@click.option(
+    "--ints",
+    type=click.Choice(["first", "last"]),
+    default=None,
+    help="Take integer tensors from this input instead of requiring them equal.",
+)
+@click.option(
+    "--last",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Of the inputs (globs expanded), the last N by the number in the name, else mtime.",
+)
+@_writing
+def average_cmd(
+    dst: str,
+    inputs: tuple[str, ...],
+    weights: str | None,
+    last: int | None,
+    as_json: bool,
+    **kw: Any,
+) -> None:
+    """Element-wise (weighted) mean of checkpoints, streamed in float64."""
+    from ckpt_tools.ops.transform.average import average, pick_inputs
+
+    picked = pick_inputs(list(inputs), last)
+    _report(average(dst, picked, weights=_weights(weights), **kw), as_json)

@@ -1,0 +1,244 @@
+"""Reading legacy torch files: pre-1.6 pickles (also from Python 2) and the older tar format.
+
+The tar reader (:mod:`ckpt_tools.formats.legacy.tar`) shares this module's byte order check
+and storage locator.
+
+Legacy pickle layout (``torch.save(..., _use_new_zipfile_serialization=False)``)::
+
+    pickle(MAGIC_NUMBER) pickle(1001) pickle(sys_info) pickle(obj) pickle([storage keys])
+    then, per key: int64 element count, then the storage's bytes
+
+Only the pickles and the 8-byte counts are read; storage bytes are skipped by seeking.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tarfile
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO
+
+from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import (
+    CorruptCheckpointError,
+    UnsafeContentError,
+    UnsupportedFormatError,
+    quote_foreign,
+)
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE
+from ckpt_tools.formats.pickle.unpickler import id_text, load_pickle
+
+__all__ = ["check_byte_order", "offset_locator", "open_legacy", "open_pickle", "open_tar"]
+
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+PROTOCOL_VERSION = 1001
+
+
+def _header(f: BinaryIO, what: str, path: str) -> Any:
+    """Read one of the pickles around the main one, through the same restricted unpickler.
+
+    torch's ``_legacy_load`` unpickles the magic number, the protocol version, ``sys_info``
+    and the storage key list with its weights-only unpickler too, so a global outside the
+    allowlist in any of them makes it refuse the file. None of them is data a rewrite could
+    carry, so such a global is refused here, naming it, before the value is looked at.
+    """
+    result = load_pickle(f)
+    if result.unsafe_globals:
+        names = ", ".join(result.unsafe_globals)
+        raise UnsafeContentError(
+            f"{path!r}: the legacy torch {what} pickle refers to global(s) outside the "
+            f"allowlist ({names}); torch.load(weights_only=True) refuses this file too",
+            globals=result.unsafe_globals,
+        )
+    return result.root
+
+
+def _expect(f: BinaryIO, what: str, check: Any, path: str) -> Any:
+    # torch compares with != (so 1001.0 passes as it does there), and refuses anything else.
+    value = _header(f, what, path)
+    if value != check:
+        raise CorruptCheckpointError(
+            f"{path!r}: expected the legacy torch {what} {check!r}, found {short_repr(value)}"
+        )
+    return value
+
+
+def open_legacy(path: str) -> Checkpoint:
+    """Open a legacy (pre-1.6, non-zip) torch file without loading tensors.
+
+    Args:
+        path: the file.
+
+    Returns:
+        A :class:`Checkpoint` of format ``torch-legacy``.
+
+    Raises:
+        CorruptCheckpointError: the layout is broken or the file is truncated.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        _expect(f, "magic number", MAGIC_NUMBER, path)
+        _expect(f, "protocol version", PROTOCOL_VERSION, path)
+        check_byte_order(_header(f, "sys_info", path), path)
+        main = load_pickle(f, storage_id_length=6)
+        _refuse_untyped(main.storages.values(), path)
+        keys = _header(f, "storage key list", path)
+        if not isinstance(keys, list):
+            raise CorruptCheckpointError(f"{path!r}: expected the list of storage keys")
+        roots = {s.key: s for s in main.storages.values()}
+        offsets: dict[str, int] = {}
+        position = f.tell()
+        for key in keys:
+            key = id_text(key) or key
+            storage = roots.get(key) if isinstance(key, str) else None
+            if storage is None:
+                raise CorruptCheckpointError(
+                    f"{path!r}: storage key {short_repr(key)} is not in the pickle"
+                )
+            f.seek(position)
+            count_bytes = f.read(8)
+            if len(count_bytes) < 8:
+                raise CorruptCheckpointError(
+                    f"{path!r} is truncated: storage {key!r} is missing (file ends at {size})"
+                )
+            (count,) = struct.unpack("<q", count_bytes)
+            nbytes = count * itemsize(storage.dtype)
+            if nbytes != storage.nbytes:
+                # torch.load refuses this too ("storage has wrong size"); reading on would
+                # take the next storage's bytes for this one's.
+                raise CorruptCheckpointError(
+                    f"{path!r}: storage {key!r} holds {count} elements in the file, but the "
+                    f"pickle says {storage.numel}; the file is damaged"
+                )
+            offsets[storage.key] = position + 8
+            position += 8 + nbytes
+            if position > size:
+                raise CorruptCheckpointError(
+                    f"{path!r} is truncated: storage {key!r} needs {nbytes} bytes at offset "
+                    f"{position - nbytes}, the file ends at {size}"
+                )
+
+    return Checkpoint(
+        path=path,
+        format="torch-legacy",
+        root=main.root,
+        storages=main.storages,
+        unsafe_globals=main.unsafe_globals,
+        protocol=main.protocol,
+        beyond_weights_only=main.beyond_weights_only,
+        locate=offset_locator(path, offsets),
+    )
+
+
+def _refuse_untyped(storages: Any, path: str) -> None:
+    """torch's legacy reader takes a storage's dtype from its class: an ``UntypedStorage`` (what
+    the legacy writer names for float8, uint16, complex32 ...) has none, so torch.load fails
+    ("has no attribute 'dtype'") on every such file, with or without ``weights_only``."""
+    for storage in storages:
+        ref = storage.storage_type
+        if (ref.module, ref.name) == (UNTYPED_STORAGE.module, UNTYPED_STORAGE.name):
+            raise UnsupportedFormatError(
+                f"{path!r}: storage {storage.key!r} ({storage.dtype}) is saved as "
+                "torch.storage.UntypedStorage, which torch's legacy reader cannot load; "
+                "torch.load fails on this file, so it is not read",
+                path=path,
+            )
+
+
+def check_byte_order(sys_info: Any, path: str) -> None:
+    """Refuse a legacy or tar file whose ``sys_info`` says it was saved big-endian.
+
+    Args:
+        sys_info: the unpickled ``sys_info`` record (a dict with ``little_endian``).
+        path: the file, for the message.
+
+    Raises:
+        UnsupportedFormatError: the storages' bytes are big-endian.
+
+    Example:
+        >>> check_byte_order({"little_endian": True}, "old.pt")
+    """
+    if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+        raise UnsupportedFormatError(
+            f"{path!r} was saved on a big-endian machine; load it there with torch.load "
+            "and save it again"
+        )
+
+
+def offset_locator(path: str, offsets: Mapping[str, int]) -> Callable[[StorageRef], ByteSpan]:
+    """The ``Checkpoint.locate`` of a file whose root storages start at known offsets.
+
+    The legacy and tar readers record where each root storage's bytes start; a legacy view
+    (``StorageRef.view``) is located inside its root by :attr:`StorageRef.root_span`.
+
+    Args:
+        path: the file.
+        offsets: root storage key -> file offset of its first byte.
+
+    Returns:
+        A function from a storage of the file to its :class:`ByteSpan`.
+
+    Example:
+        >>> locate = offset_locator("old.pt", {"0": 96})
+        >>> locate(StorageRef("0", "float32", 12, "cpu", view=("2", 4, 6)))
+        ByteSpan(path='old.pt', offset=112, nbytes=24)
+    """
+
+    def locate(storage: StorageRef) -> ByteSpan:
+        first, end = storage.root_span
+        return ByteSpan(path, offsets[storage.key] + first, end - first)
+
+    return locate
+
+
+def open_pickle(path: str) -> Checkpoint:
+    """Open a plain pickle file (``pickle.dump`` of a dict of numbers, say) safely.
+
+    Raises:
+        CorruptCheckpointError: not a readable pickle.
+    """
+    with open(path, "rb") as f:
+        result = load_pickle(f)
+    if result.storages:
+        raise CorruptCheckpointError(
+            f"{path!r}: a plain pickle that refers to torch storages it does not contain"
+        )
+    return Checkpoint(
+        path=path,
+        format="pickle",
+        root=result.root,
+        storages={},
+        unsafe_globals=result.unsafe_globals,
+        protocol=result.protocol,
+        beyond_weights_only=result.beyond_weights_only,
+    )
+
+
+def open_tar(path: str) -> Checkpoint:
+    """Open a torch tar-format file (torch < 0.4): members sys_info, pickle, storages, tensors.
+
+    Raises:
+        CorruptCheckpointError: a member is missing or broken.
+    """
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            members = {m.name: m for m in tar.getmembers()}
+            missing = {"pickle", "storages", "tensors"} - set(members)
+            if missing:
+                raise CorruptCheckpointError(
+                    f"{path!r} is a tar archive without the torch members {sorted(missing)}"
+                )
+            return _read_tar(path, tar, members)
+    except tarfile.TarError as e:
+        raise CorruptCheckpointError(
+            f"{path!r}: the tar archive cannot be read ({quote_foreign(e)})"
+        ) from e
+
+
+def _read_tar(path: str, tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> Checkpoint:
+    from ckpt_tools.formats.legacy.tar import read_tar_members
+
+    return read_tar_members(path, tar, members)

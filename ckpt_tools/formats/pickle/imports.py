@@ -1,0 +1,329 @@
+"""Every global a pickle imports, found without running it.
+
+A pickle has no branches: every opcode before its STOP runs when it is loaded, so every
+``GLOBAL``, ``INST``, ``STACK_GLOBAL`` and extension code in that span is an import that
+``pickle.load`` (and ``torch.load(weights_only=False)``) performs. This walk replays the
+stack with the strings a pickle pushes (and memoizes) and nothing else, so a
+``STACK_GLOBAL`` whose module and name were memoized long before is still named; one whose
+operands are not plain strings (built by a call) is reported unresolved, never guessed.
+Names are given as Python 3 resolves them (``__builtin__.eval`` is ``builtins.eval``).
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import ast
+import io
+import pickletools
+from collections.abc import Iterator
+from typing import Any, BinaryIO, NamedTuple
+
+from ckpt_tools.errors import ResourceLimitError
+from ckpt_tools.formats.pickle.limits import LimitedReader
+
+__all__ = [
+    "ImportScan",
+    "PickleImport",
+    "find_imports",
+    "npy_pickle_offset",
+    "python3_name",
+    "python3_qualname",
+    "starts_like_pickle",
+]
+
+
+class PickleImport(NamedTuple):
+    """One import a pickle performs.
+
+    Attributes:
+        module: the module, None where the pickle computes it (unresolved).
+        name: the attribute (dotted for nested ones), None where computed.
+        position: the byte offset of the opcode that imports it.
+        opcode: ``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``OBJ`` or ``EXT1``/``EXT2``/``EXT4``.
+    """
+
+    module: str | None
+    name: str | None
+    position: int
+    opcode: str
+
+    @property
+    def qualname(self) -> str:
+        """``module.name``, or a description of what could not be resolved."""
+        if self.module is None or self.name is None:
+            if self.opcode.startswith("EXT"):
+                return "<copyreg extension code>"
+            return "<computed global>"
+        return f"{self.module}.{self.name}"
+
+
+class ImportScan(NamedTuple):
+    """What one walk over a pickle found.
+
+    Attributes:
+        imports: the imports, in the order the pickle performs them.
+        end: the offset just past the STOP opcode; None where there was none.
+        malformed: why the bytes stop being a pickle (None when they are one); the imports
+            above are those before that point, each of which a loader would perform.
+        truncated: the bytes ran out before a STOP (more bytes may complete the pickle).
+    """
+
+    imports: tuple[PickleImport, ...]
+    end: int | None
+    malformed: str | None = None
+    truncated: bool = False
+
+
+# Protocol 2+ pickles start with PROTO; these opcodes start the protocol 0 and 1 pickles that
+# Python writes (a mark, a container, a global, a value).
+_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVXiJKM")
+_MARK = pickletools.markobject
+_STRINGS = frozenset(
+    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE"}
+    | {"BINUNICODE8"}
+)
+_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_EXTS = frozenset({"EXT1", "EXT2", "EXT4"})
+
+
+def starts_like_pickle(head: bytes) -> bool:
+    """Whether ``head`` starts as the pickles Python writes do (PROTO 2-5, or a protocol 0/1
+    opcode that begins a value); a cheap test before a walk.
+
+    Example:
+        >>> import pickle
+        >>> starts_like_pickle(pickle.dumps([1])), starts_like_pickle(b"\\x00\\x00\\x80?")
+        (True, False)
+    """
+    if head[:1] == b"\x80":
+        return len(head) > 1 and 2 <= head[1] <= 5
+    return bool(head) and head[0] in _FIRST_OPCODES
+
+
+def npy_pickle_offset(head: bytes) -> int | None:
+    """Where the pickle of a numpy ``.npy`` array of objects starts, from the file's first
+    bytes (``numpy.load`` with ``allow_pickle=True`` unpickles what follows the header,
+    whatever its first byte); None for anything else.
+
+    Where the header runs past ``head`` its dtype is not known, and the offset is given:
+    a walk from there tells.
+
+    Example:
+        >>> import io, numpy as np
+        >>> buf = io.BytesIO(); np.save(buf, np.array([{}], dtype=object), allow_pickle=True)
+        >>> buf.getvalue()[npy_pickle_offset(buf.getvalue())]
+        128
+        >>> buf = io.BytesIO(); np.save(buf, np.zeros(3)); npy_pickle_offset(buf.getvalue())
+    """
+    if not head.startswith(b"\x93NUMPY") or len(head) < 12:
+        return None
+    # Format 1.0 gives the header's length in 2 bytes, 2.0 and 3.0 in 4.
+    width = 2 if head[6] == 1 else 4
+    start = 8 + width + int.from_bytes(head[8 : 8 + width], "little")
+    if start > len(head):
+        return start
+    try:
+        header = ast.literal_eval(head[8 + width : start].decode("latin-1"))
+        descr = header["descr"]
+    except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError):
+        return None  # numpy.load refuses such a header before any pickle
+    return start if "O" in repr(descr) else None
+
+
+def python3_qualname(qualname: str) -> str:
+    """A global named as a Python 2 pickle names it (``__builtin__.long``), as Python 3
+    resolves it (``builtins.int``); other names unchanged.
+
+    Example:
+        >>> python3_qualname("__builtin__.long"), python3_qualname("copy_reg._reconstructor")
+        ('builtins.int', 'copyreg._reconstructor')
+    """
+    at = qualname.find(".")
+    while at > 0:
+        module, name = qualname[:at], qualname[at + 1 :]
+        if (module, name) in _compat_pickle.NAME_MAPPING or module in _compat_pickle.IMPORT_MAPPING:
+            return ".".join(python3_name(module, name))
+        at = qualname.find(".", at + 1)
+    return qualname
+
+
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` as Python's ``Unpickler.find_class`` maps a Python 2 name
+    (``fix_imports``, torch's default) before it imports anything.
+
+    Example:
+        >>> python3_name("__builtin__", "set")
+        ('builtins', 'set')
+    """
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -> ImportScan:
+    """Walk the pickle at ``start`` of ``data`` up to its STOP and list its imports.
+
+    Args:
+        data: the bytes holding the pickle (more may follow it), or a binary file.
+        start: where it begins.
+        limit: the most bytes the walk reads (a declared length past it ends the walk).
+
+    Returns:
+        The :class:`ImportScan`; a malformed or truncated pickle gives the imports before
+        the point where it fails.
+
+    Example:
+        >>> import os, pickle
+        >>> class Call:
+        ...     def __reduce__(self):
+        ...         return (os.system, ("true",))
+        >>> scan = find_imports(pickle.dumps({"x": Call()}, protocol=4))
+        >>> [i.qualname for i in scan.imports], scan.end is not None
+        (['posix.system'], True)
+    """
+    if isinstance(data, bytes):  # in memory, its length bounds every read
+        stream: BinaryIO | LimitedReader = io.BytesIO(data)
+        stream.seek(start)
+        base, size = 0, len(data)
+    else:
+        size = data.seek(0, io.SEEK_END)
+        data.seek(start)
+        stream, base = LimitedReader(data, limit), start
+    imports: list[PickleImport] = []
+    # The stack holds the strings the pickle pushed, None for any other object, and _MARK.
+    stack: list[object] = []
+    memo: dict[object, object] = {}
+    try:
+        for op, arg, pos in _opcodes(stream):
+            name = op.name
+            if name in _STRINGS:
+                stack.append(arg if isinstance(arg, str) else _latin1(arg))
+            elif name in ("GLOBAL", "INST"):
+                module, attr = arg  # type: ignore[misc]
+                imports.append(PickleImport(*python3_name(module, attr), pos, name))
+                _apply(op, stack)
+            elif name == "STACK_GLOBAL":
+                attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
+                if isinstance(module, str) and isinstance(attr, str):
+                    imports.append(PickleImport(module, attr, pos, name))
+                else:
+                    imports.append(PickleImport(None, None, pos, name))
+                stack.append(None)
+            elif name in _EXTS:
+                imports.append(PickleImport(None, None, pos, name))
+                stack.append(None)
+            elif name in _GETS:
+                stack.append(memo.get(arg))
+            elif name in _PUTS:
+                memo[arg] = stack[-1] if stack else None
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1] if stack else None
+            elif name == "DUP":
+                stack.append(stack[-1] if stack else None)
+            elif name == "MARK":
+                stack.append(_MARK)
+            else:
+                _apply(op, stack)
+            if name == "STOP":
+                return ImportScan(tuple(imports), base + stream.tell())
+    except ResourceLimitError as e:
+        return ImportScan(tuple(imports), None, str(e))
+    except ValueError as e:
+        # Truncated where the walk failed for want of bytes (it read to the end, and not
+        # to an opcode that does not exist).
+        short = base + stream.tell() >= size and "unknown" not in str(e)
+        return ImportScan(tuple(imports), None, str(e), short)
+    return ImportScan(tuple(imports), None, "no STOP opcode", True)
+
+
+_LENGTH_WIDTHS = {
+    pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
+    pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+    pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
+    pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
+}
+_VALUED = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+
+
+def _opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
+    """``(opcode, argument, position)`` as the C unpickler reads them, up to STOP.
+
+    Not ``pickletools.genops``: it parses a protocol 0 argument more strictly than the
+    unpickler does (``I0x1`` is an int to ``pickle.load``, an error to genops), and a walk
+    that stops there would miss the imports after it. Only the arguments the walk uses are
+    decoded: strings, memo indices, and a GLOBAL's module and name.
+    """
+    while True:
+        pos = stream.tell()
+        code = stream.read(1)
+        if not code:
+            raise ValueError("pickle exhausted before seeing STOP")
+        op = pickletools.code2op.get(code.decode("latin-1"))
+        if op is None:
+            raise ValueError(f"at position {pos}, opcode {code!r} unknown")
+        yield op, _argument(stream, op), pos
+        if op.name == "STOP":
+            return
+
+
+def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
+    if op.arg is None:
+        return None
+    n, name = op.arg.n, op.name
+    if n == pickletools.UP_TO_NEWLINE:
+        line = _line(stream)
+        if name in ("GLOBAL", "INST"):
+            return line.decode("utf-8"), _line(stream).decode("utf-8")
+        if name == "UNICODE":
+            return line.decode("raw-unicode-escape")
+        if name == "STRING":  # a quoted Python 2 literal: its text, roughly, is enough
+            return line.strip(b"'\"").decode("latin-1")
+        if name in ("GET", "PUT"):
+            return int(line)
+        return None  # ints, longs, floats and persistent ids: not needed
+    if n in _LENGTH_WIDTHS:
+        width, signed = _LENGTH_WIDTHS[n]
+        length = int.from_bytes(_exactly(stream, width), "little", signed=signed)
+        if length < 0:
+            raise ValueError(f"{name} declares a negative length")
+        data = _exactly(stream, length)
+        if name in _STRINGS:
+            return data.decode("utf-8", "surrogatepass") if "UNICODE" in name else data
+        return None
+    data = _exactly(stream, n)
+    return int.from_bytes(data, "little") if name in _VALUED else None
+
+
+def _line(stream: Any) -> bytes:
+    line = stream.readline()
+    if not line.endswith(b"\n"):
+        raise ValueError("no newline found when trying to read an argument")
+    return line[:-1]
+
+
+def _exactly(stream: Any, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise ValueError(f"expected {n} bytes, but only {len(data)} remain")
+    return data
+
+
+def _latin1(value: object) -> object:
+    # Python 2 strings (STRING, BINSTRING) come as bytes; find_class gets them as text.
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+def _apply(op: pickletools.OpcodeInfo, stack: list[object]) -> None:
+    """Pop what ``op`` consumes (down to a mark where it takes one) and push its results."""
+    before = op.stack_before
+    if _MARK in before:
+        while stack and stack[-1] is not _MARK:
+            stack.pop()
+        if stack:
+            stack.pop()
+        below = before.index(_MARK)  # what the opcode takes from under the mark
+    else:
+        below = len(before)
+    del stack[max(0, len(stack) - below) :]
+    stack.extend([None] * len(op.stack_after))

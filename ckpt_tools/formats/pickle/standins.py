@@ -1,0 +1,128 @@
+"""Stand-ins for values an allowlisted pickle holds: dtypes, storage classes, sizes, recorded calls.
+
+They are what :mod:`ckpt_tools.formats.pickle.allowlist` resolves globals to (and what its rebuild
+functions return besides tensor descriptors); readers, the re-pickler and the loaders
+recognise them. None imports the module a pickle names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_tools.descriptors import GlobalRef, Sealed, short_repr
+from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE
+from ckpt_tools.errors import CorruptCheckpointError
+
+__all__ = [
+    "UNTYPED_STORAGE",
+    "ConstantRef",
+    "Reduced",
+    "StorageTypeRef",
+    "TorchSize",
+    "is_count",
+    "module_record",
+    "storage_type_ref",
+]
+
+# Sizes, strides, offsets and element counts are int64 in torch.
+_INT64_LIMIT = 1 << 63
+
+
+def is_count(value: Any) -> bool:
+    """A size, stride, offset or element count torch takes: an int in ``[0, 2**63)``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT64_LIMIT
+
+
+@dataclass(frozen=True)
+class ConstantRef(GlobalRef):
+    """An allowlisted global used as a value (``torch.float32``, ``torch.Tensor``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Saying which global was called beats Python's bare TypeError. torch refuses calls
+        # of dtypes, layouts and storage types; it does call the tensor classes (an empty
+        # tensor), which this reader builds only through torch's rebuild functions.
+        if self.name.endswith("Tensor") or self.name == "Parameter":
+            raise CorruptCheckpointError(
+                f"the pickle calls {self.qualname} to build a tensor; tensors are read only "
+                "when built by torch._utils' rebuild functions, as torch.save writes them"
+            )
+        raise CorruptCheckpointError(
+            f"the pickle calls {self.qualname}, a value that cannot be called; "
+            "torch refuses the file too"
+        )
+
+
+@dataclass(frozen=True)
+class StorageTypeRef(ConstantRef):
+    """A storage class global (``torch.FloatStorage``) with the dtype it stands for."""
+
+    @property
+    def dtype(self) -> str:
+        return STORAGE_TYPE_DTYPE[self.name]
+
+
+# torch.save names it ``torch.storage.UntypedStorage``; torch.load(weights_only=True) refuses
+# ``torch.UntypedStorage``.
+UNTYPED_STORAGE = StorageTypeRef("torch.storage", "UntypedStorage")
+
+
+@dataclass(frozen=True, eq=False)
+class Reduced(Sealed):
+    """The recorded call of an allowlisted global whose result we do not interpret.
+
+    (``torch.device('cuda', 1)``, ``torch.serialization._get_layout``, sparse rebuilds.)
+    """
+
+    func: GlobalRef
+    args: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        shown = [short_repr(a, 60) for a in self.args[:8]] + ["..."] * (len(self.args) > 8)
+        return f"{self.func.qualname}({', '.join(shown)})"
+
+
+class TorchSize(tuple):
+    """``torch.Size`` read from a pickle: a tuple that re-pickles as ``torch.Size``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"torch.Size({short_repr(list(self), 200)})"
+
+
+def storage_type_ref(dtype: str) -> StorageTypeRef:
+    """The storage class ``torch.save`` names for a storage of ``dtype``.
+
+    The typed class where there is one (``torch.FloatStorage``), else
+    ``torch.storage.UntypedStorage``, whose elements are bytes.
+
+    Example:
+        >>> storage_type_ref("float32").qualname
+        'torch.FloatStorage'
+    """
+    name = DTYPE_STORAGE_TYPE.get(dtype)
+    return StorageTypeRef("torch", name) if name is not None else UNTYPED_STORAGE
+
+
+def module_record(record: tuple[Any, ...]) -> Any:
+    """The class a legacy file's module record ``(class, source file, source)`` stands for.
+
+    torch's legacy readers call ``_check_container_source(*record)`` when the last two are
+    set, which takes exactly three values and needs a class (any other record fails there,
+    as in a fuzzed file holding ``("5",)``), and return the first. We take the shape
+    ``torch.save`` wrote and refuse the rest.
+
+    Raises:
+        CorruptCheckpointError: any other record.
+    """
+    if (
+        len(record) == 3
+        and isinstance(record[0], type)
+        and all(isinstance(value, str | None) for value in record[1:])
+    ):
+        return record[0]
+    raise CorruptCheckpointError(
+        f"unexpected module record {short_repr(record)} (torch's reader takes a class, its "
+        "source file and its source)"
+    )

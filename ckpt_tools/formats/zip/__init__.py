@@ -1,0 +1,3 @@
+"""Zip archives as torch reads them: the central directory, record lookup and the torch zip
+reader.
+"""

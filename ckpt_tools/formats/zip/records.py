@@ -1,0 +1,112 @@
+"""The bytes of one zip record, read or inflated as torch's reader (miniz) reads them.
+
+:mod:`ckpt_tools.formats.zip.directory` checks where each record lies; this module reads what lies
+there: a small record whole (checked against its size and CRC-32), a tensor's compressed
+record inflated in bounded pieces and dropped (checked against its size only, as torch checks it).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.formats.zip.directory import FileSlice, ZipEntry, corrupt_zip, pread
+
+__all__ = ["check_inflates", "read_entry", "read_head"]
+
+
+def check_inflates(path: str, fd: int | FileSlice, entry: ZipEntry, chunk: int = 1 << 20) -> None:
+    """Inflate a compressed ``entry`` in bounded pieces as torch would, keeping nothing.
+
+    torch inflates a compressed record when it reads it and refuses the file when the
+    stream is damaged or inflates to another size than declared; torch does not check a
+    record's CRC-32 when it reads it (its miniz is built without reader CRC checks), so
+    neither does this.
+
+    Raises:
+        CorruptCheckpointError: the record does not inflate to exactly its declared size.
+    """
+    inflater = zlib.decompressobj(-15)
+    produced, at, end = 0, entry.data_offset, entry.data_offset + entry.compress_size
+    try:
+        while at < end and not inflater.eof:
+            raw = pread(fd, min(chunk, end - at), at)
+            if not raw:
+                break
+            at += len(raw)
+            while produced <= entry.file_size:
+                out = inflater.decompress(raw, chunk)
+                produced += len(out)
+                raw = inflater.unconsumed_tail
+                if not raw and len(out) < chunk:
+                    break
+    except zlib.error as e:
+        raise corrupt_zip(path, f"record {entry.name!r} does not inflate ({e})") from e
+    if not inflater.eof or produced != entry.file_size:
+        raise corrupt_zip(
+            path,
+            f"record {entry.name!r} does not inflate to its declared {entry.file_size} bytes "
+            "(torch refuses it: unexpected decompressed size)",
+        )
+
+
+def read_entry(path: str, fd: int | FileSlice, entry: ZipEntry, limit: int) -> bytes:
+    """The bytes of ``entry``, inflated if need be, checked against its size and CRC-32.
+
+    Args:
+        path: the file, for messages.
+        fd: an open file descriptor of it.
+        entry: a record from :func:`read_zip_directory`.
+        limit: refuse a record that declares more bytes than this.
+
+    Returns:
+        The record's bytes.
+
+    Raises:
+        CorruptCheckpointError: the bytes do not match the declared size or CRC-32.
+        ResourceLimitError: the record declares more than ``limit`` bytes.
+    """
+    if entry.file_size > limit:
+        raise ResourceLimitError(
+            f"{path!r}: record {entry.name!r} declares {entry.file_size} bytes, over the "
+            f"{limit >> 20} MiB limit",
+            path=path,
+        )
+    raw = pread(fd, entry.compress_size, entry.data_offset)
+    data = raw
+    if entry.compressed:
+        try:
+            # At most one byte past the declared size: a lying size is found, not obeyed.
+            data = zlib.decompressobj(-15).decompress(raw, entry.file_size + 1)
+        except zlib.error as e:
+            raise corrupt_zip(path, f"record {entry.name!r} does not inflate ({e})") from e
+    if len(data) != entry.file_size or zlib.crc32(data) != entry.crc32:
+        raise CorruptCheckpointError(
+            f"{path!r}: record {entry.name!r} fails its size or CRC-32 check (the file is "
+            "damaged); download or copy it again",
+            path=path,
+        )
+    return data
+
+
+def read_head(fd: int | FileSlice, entry: ZipEntry, count: int) -> bytes:
+    """The first ``count`` bytes of ``entry``'s contents, inflated where it is deflated.
+
+    Nothing is checked (a scan looks at what a lenient reader would see): a damaged stream
+    gives the bytes inflated before the damage.
+    """
+    if not entry.compressed:
+        return pread(fd, min(count, entry.file_size), entry.data_offset)
+    inflater = zlib.decompressobj(-15)
+    out, at, end = bytearray(), entry.data_offset, entry.data_offset + entry.compress_size
+    try:
+        while at < end and len(out) < count and not inflater.eof:
+            raw = pread(fd, min(1 << 20, end - at), at)
+            if not raw:
+                break
+            at += len(raw)
+            # (What max_length leaves unconsumed is not needed: the loop ends at count.)
+            out += inflater.decompress(raw, count - len(out))
+    except zlib.error:
+        pass
+    return bytes(out)

@@ -1,0 +1,367 @@
+"""Copying byte ranges between files: reflinks, direct writes, ``copy_file_range``, read/write.
+
+Every copy of a source's bytes into an output goes through :func:`copy_range`. It tries, in
+this order, and falls back on the errors that mean "not here" (EOPNOTSUPP, EXDEV, EINVAL,
+ENOSYS, ENOTTY, EPERM ...), never on a failing disk:
+
+1. ``clone``: the ``FICLONERANGE`` ioctl shares the source's blocks with the output (XFS
+   with ``reflink=1``, btrfs): no byte is copied or written back, whatever the size. Only
+   whole blocks can be shared, and only when source and output offsets agree modulo the
+   block size (the layout-preserving rewrites of :mod:`ckpt_tools.io.copy.layout` arrange that);
+   the unaligned head and tail are copied by ``copy_file_range``.
+2. ``direct``: for an output that will be fsynced (or when named), the whole pages of a
+   large range are written with ``O_DIRECT`` from a mapping of the source
+   (:mod:`ckpt_tools.io.copy.direct`): the bytes must reach the disk before the command ends
+   anyway, and this way they do not pile up as dirty pages first. For an output that will
+   not be fsynced, only the part of a range past the kernel's dirty room
+   (:mod:`ckpt_tools.io.copy.dirty_room`): up to it the page cache takes the bytes without
+   waiting for the disk; past it the kernel limits the copy to about the writeback's pace.
+   Where source and output offsets agree modulo the page size only; the head and tail go
+   on to the next method.
+3. ``copy_file_range``: the kernel copies page-cache pages (and may reflink by itself).
+4. ``readwrite``: ``pread``/``pwrite`` in 8 MiB pieces.
+
+The environment variable ``CKPT_COPY_METHOD`` (:data:`COPY_METHOD_ENV`), or the ``method``
+argument, names the first method tried: ``clone`` (the default), ``direct``,
+``copy_file_range`` or ``readwrite``. Later methods remain fallbacks, so forcing a method
+never makes a copy fail; tests force each one and compare the outputs byte for byte.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import os
+import struct
+import sys
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+from ckpt_tools.errors import UsageError
+from ckpt_tools.io.atomic import output_is_durable
+from ckpt_tools.io.copy.direct import DIRECT_MIN, aligned_span, copy_direct, direct_span
+from ckpt_tools.io.copy.dirty_room import dirty_room
+
+__all__ = [
+    "COPY_METHODS",
+    "COPY_METHOD_ENV",
+    "CopyCounts",
+    "Writeback",
+    "copy_method",
+    "copy_range",
+    "pwrite_all",
+]
+
+COPY_METHODS = ("clone", "direct", "copy_file_range", "readwrite")
+COPY_METHOD_ENV = "CKPT_COPY_METHOD"
+# _IOW(0x94, 13, struct file_clone_range): {s64 src_fd; u64 src_offset, src_length, dest_offset}
+_FICLONERANGE = 0x4020940D
+_CLONE_RANGE = struct.Struct("=qQQQ")
+# Errors meaning "this method is not available for these files": try the next one.
+_NOT_HERE = frozenset(
+    {
+        errno.EXDEV,
+        errno.EINVAL,
+        errno.ENOSYS,
+        errno.EOPNOTSUPP,
+        errno.ENOTTY,
+        errno.EPERM,
+        errno.EBADF,
+        errno.ETXTBSY,
+    }
+)
+_CHUNK = 8 << 20
+_WRITEBACK_EVERY = 64 << 20
+# One copy_file_range call moves at most MAX_RW_COUNT (2 GiB - 4 KiB) on Linux; ask for the
+# most below it that keeps the next call on a 64 KiB boundary. Fewer calls pay once a copy
+# outgrows the kernel's dirty limits: a 4 GiB copy took 2.7-4.4 s in 1 GiB calls (the
+# fourth throttled for 2-3 s) and 1.3-1.9 s in 2 GiB calls, as many as `cp` makes
+# (benchmarks/README.md, issue 13, seventh pass).
+_KERNEL_STEP = (2 << 30) - (64 << 10)
+_FOLIO_ALIGNMENT = 64 << 10
+# (source device, output device) pairs where FICLONERANGE failed: not asked again.
+_NO_CLONE: set[tuple[int, int]] = set()
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``.
+
+    ``os.pwrite`` may write only part (a full disk takes what fits and reports the count); the
+    rest is retried, so a full disk raises ``OSError(ENOSPC)`` instead of leaving a hole that
+    a later ``ftruncate`` would silently fill with zeros.
+
+    Raises:
+        OSError: the write failed.
+    """
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, f"no byte written at offset {offset}")
+        view, offset = view[n:], offset + n
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        func = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
+
+
+class Writeback:
+    """Start writing an output's pages to disk while it is still being filled.
+
+    Outputs are fsynced once at the end; without this, all of the writeback waits for that
+    fsync and runs after the copying instead of beside it. Every ``_WRITEBACK_EVERY`` bytes
+    written, Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts the writeback of that
+    range without waiting for it. Best effort: nothing happens where the call is missing or
+    fails; durability still comes from the final fsync. Nothing happens either inside an
+    ``atomic_output(durable=False)``: with no fsync to shorten, it would only compete with
+    the copy for the disk.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        #: False inside a non-durable output: ``wrote`` then never starts a writeback.
+        self.active = output_is_durable()
+        self._start: int | None = None
+        self._end = 0
+
+    def wrote(self, offset: int, count: int) -> None:
+        """Record that ``count`` bytes were written at ``offset``."""
+        self._start = offset if self._start is None else min(self._start, offset)
+        self._end = max(self._end, offset + count)
+        if self.active and self._end - self._start >= _WRITEBACK_EVERY:
+            func = _sync_file_range()
+            if func is not None:
+                func(self._fd, self._start, self._end - self._start, 2)  # SYNC_FILE_RANGE_WRITE
+            self._start = None
+
+
+class _Told(Protocol):
+    active: bool
+
+    def wrote(self, offset: int, count: int) -> None: ...
+
+
+class CopyCounts(NamedTuple):
+    """How many bytes of a copy each method moved."""
+
+    cloned: int = 0
+    kernel: int = 0
+    readwrite: int = 0
+    direct: int = 0
+
+    def __add__(self, other: CopyCounts) -> CopyCounts:
+        return CopyCounts(
+            self.cloned + other.cloned,
+            self.kernel + other.kernel,
+            self.readwrite + other.readwrite,
+            self.direct + other.direct,
+        )
+
+
+def copy_method(method: str | None = None) -> str:
+    """The first copy method to try: ``method``, else ``$CKPT_COPY_METHOD``, else ``clone``.
+
+    Raises:
+        UsageError: a name not in :data:`COPY_METHODS`.
+
+    Example:
+        >>> copy_method("readwrite"), copy_method(None) in COPY_METHODS
+        ('readwrite', True)
+    """
+    chosen = method if method is not None else os.environ.get(COPY_METHOD_ENV) or "clone"
+    if chosen not in COPY_METHODS:
+        source = "method" if method is not None else f"environment variable {COPY_METHOD_ENV}"
+        raise UsageError(
+            f"{source} is {chosen!r}; expected one of: {', '.join(COPY_METHODS)}",
+            argument="method" if method is not None else None,
+            value=repr(chosen),
+        )
+    return chosen
+
+
+def copy_range(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    count: int,
+    progress: Callable[[int], None] | None = None,
+    writeback: _Told | None = None,
+    method: str | None = None,
+) -> CopyCounts:
+    """Copy ``count`` bytes between files at explicit offsets, sharing blocks where possible.
+
+    Args:
+        src_fd: the source, open for reading.
+        src_offset: where the bytes start in the source.
+        dst_fd: the output, open for writing.
+        dst_offset: where they go in the output.
+        count: how many bytes.
+        progress: called with each piece's byte count as it is done.
+        writeback: told of every range written (not of shared blocks, which dirty nothing).
+        method: the first method to try (see :func:`copy_method`).
+
+    Returns:
+        The :class:`CopyCounts` of bytes each method moved.
+
+    Raises:
+        OSError: a read or write failed (disk full, I/O error), or the source ended early.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as a, tempfile.TemporaryFile() as b:
+        ...     _ = a.write(b"0123456789")
+        ...     a.flush()
+        ...     counts = copy_range(a.fileno(), 2, b.fileno(), 0, 5, method="readwrite")
+        ...     os.pread(b.fileno(), 10, 0), counts.readwrite
+        (b'23456', 5)
+    """
+    first = copy_method(method)
+    head, body, middle, method_used = 0, 0, _clone_body, "cloned"
+    if count > 0 and first == "clone":
+        head, body = _clone_span(src_fd, src_offset, dst_fd, dst_offset, count)
+    start = None if body else _direct_start(first, writeback, count)
+    if start is not None:
+        skip, body = direct_span(src_offset + start, dst_offset + start, count - start)
+        head, middle, method_used = start + skip, copy_direct, "direct"
+    if not body:
+        kernel = first != "readwrite"
+        return _copy_bytes(
+            src_fd, src_offset, dst_fd, dst_offset, count, progress, writeback, kernel=kernel
+        )
+    # The head goes first, so the output grows in order; then the middle moves what it can
+    # (and reports it to ``progress``), and whatever it left is copied after it.
+    counts = _copy_bytes(src_fd, src_offset, dst_fd, dst_offset, head, progress, writeback)
+    moved = middle(src_fd, src_offset + head, dst_fd, dst_offset + head, body, progress)
+    counts += CopyCounts(**{method_used: moved})
+    done = head + moved
+    return counts + _copy_bytes(
+        src_fd, src_offset + done, dst_fd, dst_offset + done, count - done, progress, writeback
+    )
+
+
+def _direct_start(first: str, writeback: _Told | None, count: int) -> int | None:
+    """Where in a range direct writes may start; ``None``: nowhere (all through the cache).
+
+    A durable output (or a named ``direct``) from its start: its bytes must reach the disk
+    anyway. Any other output, with the default method, past the kernel's dirty room: up to it
+    the page cache takes the bytes unpaced, past it they would be paced to the writeback.
+    """
+    if first == "direct" or (first == "clone" and writeback is not None and writeback.active):
+        return 0
+    if first != "clone" or count <= DIRECT_MIN:
+        return None
+    room = dirty_room()
+    return room if room is not None and room < count else None
+
+
+def _clone_body(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    body: int,
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Share ``body`` bytes of whole blocks; 0 where the clone is refused after the trial."""
+    try:
+        _clone(src_fd, src_offset, dst_fd, dst_offset, body)
+    except OSError as e:
+        if e.errno not in _NOT_HERE:
+            raise
+        return 0  # past the source's end, or refused after the trial: copy it all
+    if progress is not None:
+        progress(body)
+    return body
+
+
+def _clone_span(
+    src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int
+) -> tuple[int, int]:
+    """``(head, body)``: bytes before the first shareable block, and whole blocks to share.
+
+    ``(0, 0)`` when nothing can be shared: the offsets disagree modulo the block size, the
+    range holds no whole block, or FICLONERANGE already failed between these devices. A
+    trial clone of the first block decides for the rest of the process.
+    """
+    try:
+        key = (os.fstat(src_fd).st_dev, os.fstat(dst_fd).st_dev)
+        block = max(os.fstatvfs(dst_fd).f_frsize, 1)
+    except OSError:
+        return 0, 0
+    head, body = aligned_span(src_offset, dst_offset, count, block)
+    if key in _NO_CLONE or not body:
+        return 0, 0
+    try:
+        # Trial: the first block alone (the head is not written yet; a clone past the end of
+        # the output is allowed and the head fills the gap before it).
+        _clone(src_fd, src_offset + head, dst_fd, dst_offset + head, block)
+    except OSError as e:
+        if e.errno not in _NOT_HERE:
+            raise
+        _NO_CLONE.add(key)
+        return 0, 0
+    return head, body
+
+
+def _clone(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, length: int) -> None:
+    fcntl.ioctl(dst_fd, _FICLONERANGE, _CLONE_RANGE.pack(src_fd, src_offset, length, dst_offset))
+
+
+def _copy_bytes(
+    src_fd: int,
+    src_offset: int,
+    dst_fd: int,
+    dst_offset: int,
+    count: int,
+    progress: Callable[[int], None] | None,
+    writeback: _Told | None,
+    kernel: bool = True,
+) -> CopyCounts:
+    """Copy with ``copy_file_range`` (unless ``kernel`` is False), else pread/pwrite."""
+    done = 0
+    by_kernel = 0
+    use_kernel = kernel and hasattr(os, "copy_file_range")
+    largest = _WRITEBACK_EVERY if writeback is not None and writeback.active else _KERNEL_STEP
+    while done < count:
+        step = min(count - done, largest)
+        head = (-(dst_offset + done)) % _FOLIO_ALIGNMENT
+        if use_kernel and head and count - done > _FOLIO_ALIGNMENT:
+            # The kernel copies in pieces from where the call starts: from an output offset
+            # off a 64 KiB boundary every piece fills small page-cache folios (measured ~30%
+            # slower on ext4, see benchmarks/README.md). Copy up to the boundary first.
+            step = min(step, head)
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, step, src_offset + done, dst_offset + done)
+            except OSError as e:
+                if e.errno in _NOT_HERE:
+                    use_kernel = False
+                    continue
+                raise
+            by_kernel += n
+        else:
+            data = os.pread(src_fd, min(step, _CHUNK), src_offset + done)
+            if data:
+                pwrite_all(dst_fd, data, dst_offset + done)
+            n = len(data)
+        if n == 0:
+            raise OSError(errno.EIO, f"source ended after {done} of {count} bytes")
+        if writeback is not None:
+            writeback.wrote(dst_offset + done, n)
+        done += n
+        if progress is not None:
+            progress(n)
+    return CopyCounts(kernel=by_kernel, readwrite=done - by_kernel)

@@ -1,0 +1,3 @@
+"""Checking a written output before it is named: the verification levels and what each reads
+back.
+"""

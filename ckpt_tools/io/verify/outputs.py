@@ -1,0 +1,177 @@
+"""Re-reading a written checkpoint and checking it says what was meant to be written."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import CheckpointError, VerificationError
+from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.io.verify.levels import VERIFY_LEVELS
+from ckpt_tools.structure.selection import select_state_dict
+
+__all__ = ["VERIFY_LEVELS", "Expected", "tensor_digest", "verify_output"]
+
+
+class Expected(NamedTuple):
+    """What the output's state dict must hold: name -> source tensor, and where it is."""
+
+    tensors: Mapping[Any, TensorRef]
+    select: Sequence[str]
+    source: Checkpoint
+
+
+def tensor_digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
+    """A hash of the tensor's elements in row-major order: views compare by their content."""
+    import hashlib  # only --verify full needs it; rewrites start faster without
+
+    span = ckpt.span(t.storage)
+    h = hashlib.blake2b(digest_size=16)
+    fd = os.open(span.path, os.O_RDONLY)
+    try:
+        for piece in iter_row_major(fd, span.offset, t):
+            h.update(piece)
+    finally:
+        os.close(fd)
+    return h.digest()
+
+
+def _record_crc(ckpt: Checkpoint, storage_key: str) -> int | None:
+    """The CRC-32 of a zip record's bytes as they lie in the file."""
+    import zlib
+
+    record = ckpt.records.get(f"data/{storage_key}")
+    if record is None:
+        return None
+    crc, done = 0, 0
+    fd = os.open(ckpt.path, os.O_RDONLY)
+    try:
+        while done < record.size:
+            piece = os.pread(fd, min(8 << 20, record.size - done), record.data_offset + done)
+            if not piece:
+                return None
+            crc, done = zlib.crc32(piece, crc), done + len(piece)
+    finally:
+        os.close(fd)
+    return crc
+
+
+def _check_record_crc(out: Checkpoint, storage_key: str) -> None:
+    """A written storage record's bytes match the CRC-32 its headers state (``full``).
+
+    Records are copied with the source's CRC-32, without reading them; torch never checks
+    CRCs when it loads, so a wrong one in the source would pass to the output unseen (and
+    other zip tools refuse it). ``--verify full`` reads the bytes anyway, so it checks.
+    """
+    record = out.records.get(f"data/{storage_key}")
+    if record is not None and _record_crc(out, storage_key) != record.crc32:
+        raise VerificationError(
+            f"record data/{storage_key} does not match its CRC-32: the source record's "
+            "CRC-32 is wrong (torch does not check it; zip tools do); the source is damaged"
+        )
+
+
+def _same_bytes(
+    out: Checkpoint, have: TensorRef, source: Checkpoint, want: TensorRef, crc_done: set[str]
+) -> bool:
+    """Whether the written tensor holds the source tensor's bytes (``--verify full``).
+
+    ``crc_done`` holds the written records already compared whole; the caller keeps it.
+    """
+    record = source.records.get(f"data/{want.storage.key}")
+    if record is not None and record.compressed:
+        # A compressed source record cannot be read in place: the written record (stored,
+        # same views) must have the CRC-32 the source records for its decompressed bytes.
+        # One comparison answers for every view of it: once per view grows with the square.
+        if have.storage.key in crc_done:
+            return True
+        crc_done.add(have.storage.key)
+        return _record_crc(out, have.storage.key) == record.crc32
+    return tensor_digest(out, have) == tensor_digest(source, want)
+
+
+def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
+    """Check a written file against what was meant to be written.
+
+    Args:
+        path: the written file (usually still the temp file).
+        expected: the tensors the output's selected state dict must hold.
+        level: ``sizes`` (keys with their types, dtypes, shapes, strides, byte counts,
+            sharing, and for torch archives the layout ``torch.load`` needs: stored aligned
+            records, small records' CRC-32s, ``data.pkl`` opcodes; see
+            :func:`~ckpt_tools.io.verify.zipcheck.check_torch_zip`), ``full`` (also every tensor's
+            bytes), or ``none``.
+
+    Returns:
+        What was checked, in words.
+
+    Raises:
+        VerificationError: the output does not read back as expected.
+        OSError: reading tensor bytes failed (``full``).
+    """
+    if level == "none":
+        return "not verified (--verify none)"
+    try:
+        out = open_checkpoint(path)
+        sd = select_state_dict(out.root, expected.select).state_dict
+    except CheckpointError as e:
+        raise VerificationError(f"the written file does not read back: {e}") from e
+    if out.format == "torch-zip":
+        # Imported here: the zip checks load the pickle machinery a safetensors output
+        # never needs (a rewrite's start is issue 13's).
+        from ckpt_tools.io.verify.zipcheck import check_torch_zip
+
+        check_torch_zip(path, out)  # laid out as torch.load reads it, not only as we read it
+    # A rewrite carries globals through, never adds one: a global the input did not name
+    # would be code the output runs (in torch.load(weights_only=False)) that nobody allowed.
+    introduced = [g for g in out.unsafe_globals if g not in expected.source.unsafe_globals]
+    if introduced:
+        raise VerificationError(
+            f"the written file names globals outside the allowlist that the input does not "
+            f"({', '.join(introduced[:5])})"
+        )
+    got = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
+    # Keys compare with their types: 0 and "0" are two keys, and 1 must not come back True.
+    if [(type(k), k) for k in got] != [(type(k), k) for k in expected.tensors]:
+        missing = [k for k in expected.tensors if k not in got][:3]
+        extra = [k for k in got if k not in expected.tensors][:3]
+        raise VerificationError(
+            f"the written file's keys differ from the planned ones (missing {missing}, "
+            f"unexpected {extra})"
+        )
+    sharing_src: dict[int, str] = {}
+    sharing_out: dict[int, str] = {}
+    crc_done: set[str] = set()
+    for name, want in expected.tensors.items():
+        have = got[name]
+        if (have.dtype, have.shape, have.nbytes) != (want.dtype, want.shape, want.nbytes):
+            raise VerificationError(
+                f"{name!r} reads back as {have.dtype} {list(have.shape)}, expected "
+                f"{want.dtype} {list(want.shape)}"
+            )
+        # Torch outputs keep every view as it was; safetensors stores each one contiguous.
+        if out.format != "safetensors" and (have.stride, have.offset) != (
+            want.stride,
+            want.offset,
+        ):
+            raise VerificationError(
+                f"{name!r} reads back with strides {list(have.stride)} at storage offset "
+                f"{have.offset}, expected {list(want.stride)} at {want.offset}"
+            )
+        first_src = sharing_src.setdefault(id(want.storage), name)
+        first_out = sharing_out.setdefault(id(have.storage), name)
+        if first_src != first_out and out.format != "safetensors":
+            raise VerificationError(
+                f"{name!r} shares storage with {first_out!r} in the output but with "
+                f"{first_src!r} in the input"
+            )
+        if level == "full" and not _same_bytes(out, have, expected.source, want, crc_done):
+            raise VerificationError(f"the bytes of {name!r} differ after writing")
+        if level == "full" and first_out == name:
+            _check_record_crc(out, have.storage.key)
+    if level == "full":
+        return f"verified: {len(got)} tensors, keys, sizes and bytes"
+    return f"verified: {len(got)} tensors, keys and sizes"

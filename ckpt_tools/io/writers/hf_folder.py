@@ -1,0 +1,231 @@
+"""Hugging Face sharded folders written, as :mod:`ckpt_tools.io.writers.shard_plan` lays them out.
+
+The folder is written as a whole: every shard atomically
+(:func:`~ckpt_tools.io.atomic.atomic_output`) and verified, inside a temp folder beside the
+target, which is renamed into place only once all of it is complete. torch is never imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+from ckpt_tools.errors import OutputError, OutputExistsError, Remedy
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.verify.outputs import Expected, verify_output
+from ckpt_tools.io.writers.safetensors import SafetensorsEntry, write_safetensors
+from ckpt_tools.io.writers.shard_plan import INDEX_NAME, ShardPlan, index_bytes
+
+__all__ = ["check_output_folder", "write_hf_shards"]
+
+# Temp folders: not `.ckpt-tmp-` (atomic.py's file pattern, whose cleanup unlinks files).
+_TEMP_DIR = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+(?:-old)?$")
+Progress = Callable[[int], None]
+
+
+def check_output_folder(
+    dst: str | os.PathLike[str], src: str | os.PathLike[str] | None = None, force: bool = False
+) -> Path:
+    """Refuse an output folder that would clobber something, before any work is done.
+
+    Args:
+        dst: the output folder (it may exist empty).
+        src: the input file or folder; never replaced, nor any folder holding it.
+        force: replace an existing non-empty ``dst``.
+
+    Returns:
+        ``dst`` as an absolute path.
+
+    Raises:
+        OutputError: ``dst`` is ``src``, or holds it (never replaced, even with ``force``).
+        OutputExistsError: ``dst`` exists, is not empty, and ``force`` is False.
+        OutputError: ``dst`` is a file, or its parent folder does not exist.
+
+    Example:
+        >>> check_output_folder("sharded")
+        Traceback (most recent call last):
+        ckpt_tools.errors.OutputExistsError: output 'sharded' already exists; ...
+    """
+    out = Path(os.path.abspath(dst))
+    if src is not None:
+        real_src, real_out = os.path.realpath(src), os.path.realpath(out)
+        if os.path.commonpath([real_src, real_out]) == real_out:
+            raise OutputError(
+                f"output folder {os.fspath(dst)!r} is the input or holds it ({os.fspath(src)!r}); "
+                "it is never replaced",
+                path=dst,
+                remedies=(Remedy(text="choose another output folder"),),
+            )
+    if out.exists() and not out.is_dir():
+        raise OutputError(
+            f"output {os.fspath(dst)!r} is a file; a sharded output is a folder", path=dst
+        )
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise OutputExistsError(dst)
+    if not out.parent.is_dir():
+        raise OutputError(
+            f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
+            path=dst,
+        )
+    return out
+
+
+def _dead_temp_dirs(parent: Path) -> None:
+    """Remove temp folders a killed run left in ``parent`` (owner PID no longer running)."""
+    with contextlib.suppress(OSError):
+        for entry in parent.iterdir():
+            match = _TEMP_DIR.match(entry.name)
+            if match is None:
+                continue
+            try:
+                os.kill(int(match.group(1)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(entry, ignore_errors=True)
+            except PermissionError:
+                pass
+
+
+@contextlib.contextmanager
+def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path, bool]]:
+    """A temp folder beside ``target`` that becomes ``target`` when the body succeeds.
+
+    Yields ``(temp folder, durable)``: whether to fsync what is written into it, as the
+    folders are fsynced around the rename. That is ``durable``, or True when a non-empty
+    ``target`` is replaced: renamed over before the new files are on disk, a power loss
+    could lose the old folder as well as the new one.
+
+    An existing ``target`` (checked by :func:`check_output_folder`) is moved aside first
+    and removed only once the new folder has its name; on any error the temp folder goes.
+    """
+    replaced = target.exists() and any(target.iterdir())
+    durable = durable or replaced
+    parent = target.parent
+    _dead_temp_dirs(parent)
+    tag = f"{os.getpid()}-{os.urandom(4).hex()}"  # as atomic.py names its temp files
+    tmp = parent / f".{target.name}.ckpt-tmpdir-{tag}"
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise OutputError(f"cannot create a folder in {str(parent)!r}: {e.strerror}") from e
+    try:
+        yield tmp, durable
+        if durable:
+            _fsync(tmp)
+        old = parent / f".{target.name}.ckpt-tmpdir-{tag}-old"
+        if replaced:
+            os.rename(target, old)
+        try:
+            os.rename(tmp, target)  # also replaces an empty folder
+        except OSError:
+            if replaced:
+                os.rename(old, target)
+            raise
+        if durable:
+            _fsync(parent)
+        if replaced:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        if isinstance(e, OutputError):
+            raise
+        raise OutputError(
+            f"writing {str(target)!r} failed ({e.strerror or e}); the input is unchanged",
+            path=str(target),
+        ) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_hf_shards(
+    entries: Sequence[SafetensorsEntry],
+    source: Checkpoint,
+    dst: str | os.PathLike[str],
+    plan: ShardPlan,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    verify: str = "sizes",
+    progress: Progress | None = None,
+    jobs: int = 1,
+    durable: bool = True,
+) -> tuple[str, ...]:
+    """Write ``entries`` as the Hugging Face folder ``plan`` lays out, then publish it.
+
+    Each shard's bytes are copied record by record from ``source`` by
+    :func:`~ckpt_tools.io.writers.safetensors.write_safetensors` with ``{"format": "pt"}`` metadata.
+    ``metadata`` (the dropped names of tied tensors, say) goes into the index when there
+    is one, else into the single file, as huggingface_hub does.
+
+    Args:
+        entries: the tensors, every name of ``plan`` once.
+        source: the checkpoint their bytes lie in.
+        dst: the output folder, checked first with :func:`check_output_folder`.
+        plan: from :func:`plan_shards` over these entries.
+        metadata: extra string metadata.
+        verify: ``sizes``, ``full`` or ``none``, for every shard.
+        progress: called with the bytes written after each chunk (from several threads
+            when ``jobs`` > 1).
+        jobs: shards written at once, by threads. With more than one, a SIGTERM ends the
+            process without cleanup: the shards' unnamed temp files vanish with it, and the
+            next run in that folder removes the temp folder.
+        durable: fsync every file and the folders (default); False skips those fsyncs
+            (see :func:`~ckpt_tools.io.atomic.atomic_output`), unless a non-empty ``dst``
+            is replaced.
+
+    Returns:
+        The files written (shards, then the index), names inside ``dst``.
+
+    Raises:
+        ConversionError: a dtype safetensors cannot hold.
+        OutputError / VerificationError: writing or verifying failed; ``dst`` is untouched.
+
+    Example:
+        >>> from ckpt_tools.formats import open_checkpoint
+        >>> from ckpt_tools.io.writers.shard_plan import plan_shards
+        >>> ckpt = open_checkpoint("model.safetensors")
+        >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]
+        >>> plan = plan_shards([(e.name, e.tensor.nbytes) for e in entries], 1000)
+        >>> write_hf_shards(entries, ckpt, "model-hf", plan)[-1]
+        'model.safetensors.index.json'
+    """
+    by_name = {e.name: e for e in entries}
+    target = Path(os.path.abspath(dst))
+    extra = {str(k): str(v) for k, v in (metadata or {}).items()}
+    shard_meta = {"format": "pt"} if plan.is_sharded else {**extra, "format": "pt"}
+    with _published_folder(target, durable) as (tmp, durable):
+
+        def write_one(item: tuple[str, tuple[str, ...]]) -> str:
+            file, names = item
+            shard = [by_name[n] for n in names]
+            with atomic_output(tmp / file, durable=durable) as (f, tmp_path):
+                write_safetensors(shard, source, f, shard_meta, progress)
+                f.flush()
+                expected = {e.name: e.tensor for e in shard}
+                verify_output(str(tmp_path), Expected(expected, (), source), verify)
+            return file
+
+        if jobs > 1 and len(plan.files) > 1:
+            # copy_file_range and fsync release the GIL: shards overlap their disk waits.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(jobs, len(plan.files))) as pool:
+                written = list(pool.map(write_one, plan.files))
+        else:
+            written = [write_one(item) for item in plan.files]
+        if plan.is_sharded:
+            with atomic_output(tmp / INDEX_NAME, durable=durable) as (f, _):
+                f.write(index_bytes(plan, extra))
+            written.append(INDEX_NAME)
+    return tuple(written)

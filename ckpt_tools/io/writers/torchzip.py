@@ -1,0 +1,235 @@
+"""Writing a (rewritten) object tree as a torch zip archive.
+
+Tensor bytes are copied from the source file record by record (``copy_file_range`` where
+possible); nothing holds a whole checkpoint in memory, and torch is never imported.
+Safetensors outputs are written by :mod:`ckpt_tools.io.writers.safetensors`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, BinaryIO, NamedTuple
+
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
+from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
+from ckpt_tools.errors import ConversionError
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.pickle.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
+from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, ConstantRef, storage_type_ref
+from ckpt_tools.io.copy.layout import (
+    LAYOUT_BLOCK,
+    CappedProgress,
+    plan_zip_layout,
+    zip_actions,
+)
+from ckpt_tools.io.tensor_bytes import decompressed
+from ckpt_tools.io.writers.zipfile import (
+    SAVE_HEAD_RECORDS,
+    SAVE_VERSION,
+    TorchZipWriter,
+)
+
+__all__ = ["picklable_tensors", "write_torch_zip"]
+
+Progress = Callable[[int], None]
+
+
+def write_torch_zip(
+    tree: Any,
+    source: Checkpoint,
+    file: BinaryIO,
+    device_map: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+    added: Mapping[str, bytes] | None = None,
+) -> list[StorageRef]:
+    """Write ``tree`` (read from ``source``, possibly edited) as a torch zip archive.
+
+    From a zip source, every record is copied as it is (same names, same CRCs) except
+    ``data.pkl`` and the records torch parses (versions, alignment, byte order), which are
+    written as torch.save writes them; storage records no longer referenced are left out.
+    From other formats, storages become ``data/0``, ``data/1``, ... and torch's bookkeeping
+    records are added.
+
+    Args:
+        tree: the object tree to pickle.
+        source: the checkpoint the tree's storages live in.
+        file: the output, opened ``w+b``.
+        device_map: saved device tag -> new tag (``{"cuda:1": "cpu"}``).
+        progress: called with the number of bytes copied after each chunk.
+        added: storage key -> bytes, for storages the tree holds that are not in
+            ``source`` (``sanitize`` turns numpy arrays into these); written as new records
+            after the copied ones.
+
+    Returns:
+        The storages copied from ``source``, in order.
+
+    Raises:
+        ConversionError: legacy storage views, which the zip format cannot express.
+        OSError: reading the source or writing the output failed.
+
+    Example:
+        >>> from ckpt_tools.formats import open_checkpoint
+        >>> ckpt = open_checkpoint("model.pt")
+        >>> with open("on_gpu.pt", "w+b") as f:
+        ...     stored = write_torch_zip(ckpt.root, ckpt, f, device_map={"cpu": "cuda:0"})
+        >>> len(stored), {t.device for t in open_checkpoint("on_gpu.pt").root.values()}
+        (17, {'cuda:0'})
+    """
+    from_zip = source.format in ("torch-zip", "torchscript")
+    keys: dict[int, str] = {}
+    used: list[StorageRef] = []
+    new_records: list[tuple[str, bytes]] = []
+
+    def storage_id(storage: StorageRef) -> tuple[Any, ...]:
+        if storage.view is not None:
+            raise ConversionError(
+                f"storage {storage.key!r} is a legacy storage view (torch < 1.0), which the zip "
+                "format cannot express; load and re-save it with that torch version"
+            )
+        if id(storage) not in keys:
+            keys[id(storage)] = storage.key if from_zip else str(len(keys))
+            if added is not None and storage.key in added:
+                new_records.append((f"data/{keys[id(storage)]}", added[storage.key]))
+            else:
+                used.append(storage)
+        device = (device_map or {}).get(storage.device, storage.device)
+        return torch_storage_id(storage, keys[id(storage)], device)
+
+    payload = dumps(tree, TORCH_PICKLE_PROTOCOL, storage_id)
+    writer = TorchZipWriter(file, source.archive_root or "archive")
+    src_fd = os.open(source.path, os.O_RDONLY) if used or from_zip else -1
+    try:
+        bytes_from = _RecordSource(source, src_fd, progress)
+        records = [(f"data/{keys[id(s)]}", s) for s in used]
+        if from_zip:
+            _copy_zip_records(writer, bytes_from, payload, {name for name, _ in records})
+        else:
+            _add_new_records(writer, bytes_from, payload, records)
+        for name, data in new_records:
+            writer.add_bytes(name, data)
+        writer.close()
+    finally:
+        if src_fd >= 0:
+            os.close(src_fd)
+    return used
+
+
+class _RecordSource(NamedTuple):
+    """Where records' bytes come from: the source checkpoint, its open file, who is told."""
+
+    ckpt: Checkpoint
+    fd: int
+    progress: Progress | None
+
+
+def _copy_zip_records(
+    writer: TorchZipWriter, src: _RecordSource, payload: bytes, wanted: set[str]
+) -> None:
+    """A zip source's records as they are (names, CRCs), a new data.pkl, unused data left out.
+
+    Records copied unchanged keep their local headers and their offsets modulo 4096, and
+    each run of them is one copy (:mod:`ckpt_tools.io.copy.layout`).
+
+    Compressed records (a re-zipping tool deflates them; torch reads such archives) are
+    decompressed, in bounded pieces, and written stored: copying their bytes as they are
+    would make stored records of compressed bytes, which nothing can read. The records
+    torch parses (versions, alignment, byte order) hold what torch.save writes: copied
+    where the source holds exactly that, written anew (torch.save's values) otherwise.
+    """
+    as_saved = dict((*SAVE_HEAD_RECORDS, SAVE_VERSION))
+    actions = zip_actions(src.ckpt, src.fd, as_saved, wanted)
+    layout = plan_zip_layout(src.ckpt, src.fd, actions)
+    in_runs: set[str] = set()
+    for name, action in actions:
+        record = src.ckpt.records[name]
+        run = layout.runs.get(name)
+        told = CappedProgress(src.progress, run.tensor_bytes if run else 0)
+        if run is not None and writer.add_run(src.fd, run.start, run.end, run.records, told):
+            in_runs.update(r[0] for r in run.records)
+            told.finish()
+        if name in in_runs:
+            as_saved.pop(name, None)
+            continue
+        if name in layout.end_before:
+            writer.end_next_record_at(layout.end_before[name], LAYOUT_BLOCK)
+        if name == "data.pkl":
+            writer.add_bytes(name, payload)
+        elif name in as_saved:
+            writer.add_bytes(name, as_saved.pop(name))  # in place: a torch.save file stays same
+        elif action == "skip":
+            continue
+        else:
+            # Progress counts tensor bytes only, not torch's bookkeeping records.
+            counted = src.progress if name.startswith("data/") else None
+            if record.compressed:
+                with decompressed(src.ckpt, name) as chunks:
+                    writer.add_stream(name, chunks, record.size, counted)
+            else:
+                writer.add_copy(
+                    name, src.fd, record.data_offset, record.size, record.crc32, counted
+                )
+    for name, value in as_saved.items():  # those the source lacks
+        writer.add_bytes(name, value)
+
+
+def _add_new_records(
+    writer: TorchZipWriter,
+    src: _RecordSource,
+    payload: bytes,
+    records: Sequence[tuple[str, StorageRef]],
+) -> None:
+    """The records ``torch.save`` writes, for a source that is not a torch zip archive."""
+    writer.add_bytes("data.pkl", payload)
+    for head, value in SAVE_HEAD_RECORDS:
+        writer.add_bytes(head, value)
+    for name, storage in records:
+        span = src.ckpt.span(storage)
+        fd = src.fd if span.path == src.ckpt.path else os.open(span.path, os.O_RDONLY)
+        try:
+            writer.add_copy(name, fd, span.offset, span.nbytes, None, src.progress)
+        finally:
+            if fd != src.fd:
+                os.close(fd)
+    writer.add_bytes(*SAVE_VERSION)
+    import uuid  # only legacy and safetensors sources need a new id
+
+    writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
+
+
+def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """Give tensors read from formats without a pickle (safetensors) torch's rebuild call.
+
+    Dtypes with a legacy storage class use ``_rebuild_tensor_v2`` on a typed storage, as
+    ``torch.save`` does; newer dtypes (float8, uint16, ...) use ``_rebuild_tensor_v3`` on an
+    untyped storage with the dtype passed explicitly.
+    """
+    # Keep the mapping's type (state dicts are OrderedDicts) and its ``_metadata``: torch's
+    # load_state_dict reads module versions from it.
+    out: dict[str, Any] = type(sd)() if isinstance(sd, dict) else {}
+    metadata = getattr(sd, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
+    for name, t in sd.items():
+        if not isinstance(t, TensorRef) or t.func is not None:
+            out[name] = t
+            continue
+        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        if t.dtype in DTYPE_STORAGE_TYPE:
+            storage = replace(t.storage, storage_type=storage_type_ref(t.dtype))
+            func = GlobalRef("torch._utils", "_rebuild_tensor_v2")
+            args: tuple[Any, ...] = (storage, t.offset, t.shape, t.stride, False, hooks)
+        else:
+            storage = replace(
+                t.storage,
+                dtype="uint8",
+                numel=t.storage.nbytes,
+                storage_type=UNTYPED_STORAGE,
+            )
+            func = GlobalRef("torch._utils", "_rebuild_tensor_v3")
+            dtype = ConstantRef("torch", t.dtype)
+            args = (storage, t.offset, t.shape, t.stride, False, hooks, dtype)
+        out[name] = replace(t, storage=storage, func=func, args=args)
+    return out

@@ -1,0 +1,212 @@
+"""Planning a consolidation: what goes into the output, and where each tensor's bytes come from.
+
+Everything that can refuse happens here, before any byte is written: the selection, key
+collisions after ``strip``, non-tensor entries for safetensors, and every chunk archive
+(each is read and checked, its tensor located).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_tools.descriptors import ByteSpan, Opaque, StorageRef, TensorRef
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import KeyCollisionError, UnsafeContentError, UsageError
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint, contiguous_stride
+from ckpt_tools.formats.pickle.standins import storage_type_ref
+from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
+from ckpt_tools.structure.keys import rename_keys, strip_wrapper_rules
+from ckpt_tools.structure.selection import select_state_dict
+
+__all__ = ["ConsolidationPlan", "OutputTensor", "plan_consolidation"]
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the output: its flat name, its new descriptor, and its byte pieces."""
+
+    name: str
+    tensor: TensorRef
+    pieces: tuple[Piece, ...]
+
+    @property
+    def copied(self) -> int:
+        """Bytes moved by kernel copies (the rest is assembled through a buffer)."""
+        return sum(p.nbytes for p in self.pieces if isinstance(p, SpanPiece))
+
+
+@dataclass(frozen=True)
+class ConsolidationPlan:
+    """The output tree (for torch files) and its tensors in writing order.
+
+    Attributes:
+        tree: the object tree to pickle, its tensors replaced by :attr:`tensors`' descriptors.
+        tensors: every output tensor, in the tree's order.
+        selected: the path of the selected state dict (empty with ``all``).
+        dropped: names of non-tensor entries left out (safetensors outputs).
+        renamed: ``(old, new)`` key pairs from ``strip``.
+    """
+
+    tree: Any
+    tensors: tuple[OutputTensor, ...]
+    selected: tuple[str, ...]
+    dropped: tuple[str, ...]
+    renamed: tuple[tuple[str, str], ...]
+
+
+def _pieces(ckpt: DcpCheckpoint, t: TensorRef) -> tuple[Piece, ...]:
+    """Where ``t``'s bytes come from, in row-major order."""
+    size = itemsize(t.dtype)
+    if id(t) not in ckpt.tensors:
+        # A tensor inside a value (BYTE_IO): one archive's storage, like any torch file's.
+        if not t.is_contiguous():
+            raise UsageError(f"a tensor inside a saved value is a strided view of {t.shape}")
+        span = ckpt.span(t.storage)
+        return (SpanPiece(ByteSpan(span.path, span.offset + t.byte_offset, t.nbytes)),)
+    item = ckpt.item_of(t)
+    chunks = [
+        ckpt.chunk_tensor(item, c)
+        for c in sorted(item.chunks, key=lambda c: c.offsets)
+        if math.prod(c.sizes)
+    ]
+    if all(d.chunk.sizes[1:] == item.shape[1:] and d.tensor.is_contiguous() for d in chunks):
+        # Dim-0 slices (FSDP), sorted and known to tile the tensor: back to back they are it.
+        return tuple(
+            SpanPiece(
+                ByteSpan(d.span.path, d.span.offset + d.tensor.byte_offset, d.tensor.nbytes),
+                d.crc32 if d.tensor.covers_storage() else None,
+            )
+            for d in chunks
+        )
+    sources = tuple(ChunkSource(d.chunk.offsets, d.tensor, d.span) for d in chunks)
+    return (AssembledPiece(item.shape, size, sources),)
+
+
+def _fresh(t: TensorRef, key: str) -> TensorRef:
+    """A contiguous tensor of ``t``'s dtype and shape on a new storage ``key``, on cpu."""
+    storage = StorageRef(
+        key=key,
+        dtype=t.dtype,
+        numel=t.numel,
+        device="cpu",
+        storage_type=storage_type_ref(t.dtype),
+    )
+    # requires_grad=False whatever DCP recorded: dcp_to_torch_save rebuilds every tensor
+    # with torch.empty(size, dtype) (its _EmptyStateDictLoadPlanner), and so do we.
+    return TensorRef(storage, 0, t.shape, contiguous_stride(t.shape), t.dtype, False)
+
+
+class _Collector:
+    """Replaces each tensor of a tree by its output descriptor, collecting the plan."""
+
+    def __init__(self, ckpt: DcpCheckpoint) -> None:
+        self.ckpt = ckpt
+        self.tensors: list[OutputTensor] = []
+
+    def tensor(self, name: str, t: TensorRef) -> TensorRef:
+        out = _fresh(t, str(len(self.tensors)))
+        self.tensors.append(OutputTensor(name, out, _pieces(self.ckpt, t)))
+        return out
+
+    def tree(self, node: Any, name: str) -> Any:
+        if isinstance(node, TensorRef):
+            return self.tensor(name, node)
+        if isinstance(node, dict):
+            return {k: self.tree(v, f"{name}.{k}" if name else str(k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [self.tree(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(node)]
+        if isinstance(node, Opaque):
+            # A rewrite never adds a global the user did not allow: refuse, naming it.
+            qualname = type(node).global_ref.qualname
+            raise UnsafeContentError(
+                f"{self.ckpt.path!r}: the saved value {name!r} is a {qualname}, a global "
+                "outside the allowlist; leave it out (select the state dict only)",
+                globals=(qualname,),
+                path=self.ckpt.path,
+            )
+        return node
+
+
+def _strip(sd: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
+    keys = [k for k in sd if isinstance(k, str)]
+    rules, _ = strip_wrapper_rules(keys)
+    if not rules:
+        return dict(sd), ()
+    out = rename_keys(sd, rules)
+    return out, tuple((a, b) for a, b in zip(sd, out) if a != b)
+
+
+def _replace_at(root: Any, path: tuple[str, ...], value: Any) -> Any:
+    if not path:
+        return value
+    copy = dict(root)
+    copy[path[0]] = _replace_at(root[path[0]], path[1:], value)
+    return copy
+
+
+def plan_consolidation(
+    ckpt: DcpCheckpoint,
+    *,
+    select: str | None,
+    everything: bool,
+    strip: bool,
+    tensors_only: bool,
+) -> ConsolidationPlan:
+    """Plan the output of :func:`~ckpt_tools.ops.consolidate.consolidation.consolidate`.
+
+    Args:
+        ckpt: the opened DCP folder.
+        select: the state dict to write (a dotted path); None picks it as ``inspect`` does.
+        everything: write the whole saved tree (model, optimizer, other entries).
+        strip: remove wrapper prefixes from the selected state dict's keys.
+        tensors_only: the output holds tensors only (safetensors): values are left out
+            (listed in ``dropped``), and names are the flattened keys.
+
+    Raises:
+        SelectError: ``select`` names no entry.
+        KeyCollisionError: stripping makes two keys one.
+        UnsafeContentError: a value to write names globals outside the allowlist.
+    """
+    selection = select_state_dict(ckpt.root, select)
+    sd, renamed = _strip(selection.state_dict) if strip else (dict(selection.state_dict), ())
+    if everything:
+        tree: Any = _replace_at(ckpt.root, selection.path, sd) if renamed else ckpt.root
+    else:
+        tree = sd
+    collector = _Collector(ckpt)
+    dropped: list[str] = []
+    if tensors_only:
+        flat: dict[str, Any] = {}
+        _flatten(tree, "", flat)
+        out_tree: Any = {}
+        for name, value in flat.items():
+            if isinstance(value, TensorRef):
+                out_tree[name] = collector.tensor(name, value)
+            else:
+                dropped.append(name)
+    else:
+        out_tree = collector.tree(tree, "")
+    return ConsolidationPlan(
+        tree=out_tree,
+        tensors=tuple(collector.tensors),
+        selected=() if everything else tuple(selection.path),
+        dropped=tuple(dropped),
+        renamed=renamed,
+    )
+
+
+def _flatten(node: Any, name: str, out: dict[str, Any]) -> None:
+    """Dotted names for a nested tree (safetensors keys), leaves kept as they are."""
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            _flatten(v, f"{name}.{k}" if name else str(k), out)
+    elif isinstance(node, list) and node:
+        for i, v in enumerate(node):
+            _flatten(v, f"{name}.{i}" if name else str(i), out)
+    elif name in out:
+        raise KeyCollisionError(f"two saved entries flatten to the same name {name!r}")
+    else:
+        out[name] = node

@@ -1,0 +1,416 @@
+"""What :func:`~.inspection.inspect` returns: :class:`CheckpointInfo`, torch-free.
+
+Its text (``str(info)``) is what ``ckpt inspect`` prints: the command renders through
+:meth:`CheckpointInfo.text`, only choosing the table format.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import islice
+from typing import Any
+
+from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError
+from ckpt_tools.structure.grouping import group_names
+from ckpt_tools.structure.keys import WrapperMatch
+from ckpt_tools.structure.text import (
+    Readable,
+    TableFormat,
+    close_matches,
+    counts,
+    human_bytes,
+    human_count,
+    more_hint,
+    text_table,
+)
+
+__all__ = ["MAX_SHARED_NAMES", "TENSOR_COLUMNS", "CheckpointInfo", "TensorInfo"]
+
+#: The columns of :meth:`CheckpointInfo.table` (and of ``ckpt inspect``'s table).
+TENSOR_COLUMNS = ("name", "dtype", "shape", "device", "storage", "offset", "bytes", "shared with")
+# The chunk table of a DCP folder: each saved piece of a tensor and where its archive lies.
+CHUNK_COLUMNS = ("chunk of", "offsets", "sizes", "file", "at byte", "length")
+# Entries beside the state dict shown in the text; ``--json`` has them all.
+_ENTRIES_SHOWN = 20
+#: The most names :meth:`CheckpointInfo.to_json` lists under ``shared_with``, all tensors
+#: together: n views of one storage list n * (n - 1) names, which no memory holds for large n.
+MAX_SHARED_NAMES = 1 << 22
+_SHARING_SHOWN = "(the table's storage column shows which tensors share memory)"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the selected state dict.
+
+    Attributes:
+        name: its key.
+        dtype: torch dtype name without ``torch.``.
+        shape: sizes.
+        stride: strides in elements.
+        numel: element count.
+        nbytes: bytes its elements take.
+        device: saved device tag.
+        storage: storage key; tensors with the same key share memory.
+        offset: storage offset in elements.
+        storage_nbytes: the whole storage's size.
+        sharing: every key of the state dict viewing the same storage, this one included,
+            in key order (one tuple, shared by all of them).
+        is_parameter: saved as ``nn.Parameter``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    numel: int
+    nbytes: int
+    device: str
+    storage: str
+    offset: int
+    storage_nbytes: int
+    sharing: tuple[str, ...] = ()
+    is_parameter: bool = False
+
+    @property
+    def shared_with(self) -> tuple[str, ...]:
+        """The other keys of the state dict viewing the same storage, in key order."""
+        return tuple(n for n in self.sharing if n != self.name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "numel": self.numel,
+            "nbytes": self.nbytes,
+            "device": self.device,
+            "storage": self.storage,
+            "offset": self.offset,
+            "storage_nbytes": self.storage_nbytes,
+            "shared_with": list(self.shared_with),
+        }
+
+    def __str__(self) -> str:
+        """``layers.0.weight float32 [64, 32] cpu``."""
+        return f"{self.name} {self.dtype} {list(self.shape)} {self.device}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo(Readable):
+    """The result of :func:`inspect`: a container of :class:`TensorInfo` by name.
+
+    ``info.tensor("fc.weight")``, ``"fc.weight" in info``, ``len(info)`` and
+    ``for t in info`` look up, count and walk the selected state dict's tensors;
+    ``print(info)`` shows what ``ckpt inspect`` shows.
+
+    Attributes:
+        path: the file or folder.
+        format: see :data:`ckpt_tools.formats.FORMATS`.
+        selected: keys leading to the chosen state dict (``()`` for the root).
+        selection_reason: why it was chosen.
+        tensors: the state dict's tensors, in key order.
+        wrappers: wrapper prefixes found in its keys.
+        unsafe_globals: globals outside the allowlist (never imported).
+        entries: non-tensor entries beside the state dict, summarised (``{"epoch": "int 3"}``),
+            plus non-tensor values inside it.
+        total_params: elements over all tensors.
+        total_bytes: bytes over all tensors.
+        storage_bytes: bytes of the distinct storages they view (shared memory counted once).
+        metadata: safetensors ``__metadata__`` or a shard index's ``metadata``.
+        shards: shard file names, for sharded folders.
+        shard_of: tensor name -> ``"shard file:"``, for sharded folders.
+        pickle_protocol: the main pickle's protocol (0 for formats without one).
+        beyond_weights_only: its opcodes that ``torch.load(weights_only=True)`` lacks.
+        pickled_module: when the state dict was recovered from a pickled ``nn.Module``
+            (``torch.save(model)``): ``{"class", "modules", "tensors", "caveats"}``.
+        chunks: tensor name -> its saved chunks (``offsets``, ``sizes``, ``file``,
+            ``offset``, ``length``), for DCP folders.
+    """
+
+    path: str
+    format: str
+    selected: tuple[str, ...]
+    selection_reason: str
+    tensors: tuple[TensorInfo, ...]
+    wrappers: tuple[WrapperMatch, ...]
+    unsafe_globals: tuple[str, ...]
+    entries: Mapping[str, str]
+    total_params: int
+    total_bytes: int
+    storage_bytes: int
+    metadata: Mapping[str, str] | None = None
+    shards: tuple[str, ...] = ()
+    shard_of: Mapping[str, str] = field(default_factory=dict)
+    pickle_protocol: int = 0
+    beyond_weights_only: tuple[str, ...] = ()
+    pickled_module: Mapping[str, Any] | None = None
+    chunks: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
+
+    @property
+    def dtypes(self) -> dict[str, int]:
+        """dtype -> tensor count."""
+        return dict(Counter(t.dtype for t in self.tensors))
+
+    @property
+    def devices(self) -> dict[str, int]:
+        """saved device tag -> tensor count."""
+        return dict(Counter(t.device for t in self.tensors))
+
+    # --- lookups ------------------------------------------------------------------------
+
+    @cached_property
+    def _by_name(self) -> dict[str, TensorInfo]:
+        return {t.name: t for t in self.tensors}
+
+    def tensor(self, name: str) -> TensorInfo:
+        """The tensor saved under ``name``.
+
+        Args:
+            name: its key in the selected state dict.
+
+        Returns:
+            Its :class:`TensorInfo`.
+
+        Raises:
+            SelectError: no such tensor (a ``KeyError``); the message names close matches.
+
+        Example:
+            >>> from ckpt_tools import inspect
+            >>> inspect("ddp.pt").tensor("module.head.bias").shape
+            (3,)
+            >>> inspect("ddp.pt").tensor("conv.weight")
+            Traceback (most recent call last):
+            ckpt_tools.errors.SelectError: no tensor 'conv.weight' in ddp.pt (close: ...); ...
+        """
+        found = self._by_name.get(name)
+        if found is None:
+            near = close_matches(name, self._by_name)
+            raise SelectError(
+                f"no tensor {name!r} in {self.path}"
+                + (f" (close: {', '.join(near)})" if near else ""),
+                path=self.path,
+                remedies=tuple(Remedy("name", repr(n), text="(a close match)") for n in near),
+            )
+        return found
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors)
+
+    def __bool__(self) -> bool:
+        # A result, not only a container: true even when no tensor was found.
+        return True
+
+    # --- text ---------------------------------------------------------------------------
+
+    def summary(self, for_cli: bool = False) -> str:
+        """The header block: format, selection, counts, dtypes, devices, wrappers, globals.
+
+        Args:
+            for_cli: word hints for the ``ckpt`` command (``--json``, ``ckpt strip-module``)
+                instead of for Python.
+        """
+        spread = self.storage_bytes != self.total_bytes
+        lines = [
+            f"file:        {self.path}",
+            f"format:      {self.format}"
+            + (f" ({len(self.shards)} shards)" if self.shards else ""),
+            f"state dict:  {'.'.join(self.selected) or '<root>'} ({self.selection_reason})",
+            f"tensors:     {len(self.tensors)}",
+            f"parameters:  {human_count(self.total_params)} ({self.total_params})",
+            f"bytes:       {human_bytes(self.total_bytes)}"
+            + (f" ({human_bytes(self.storage_bytes)} in distinct storages)" if spread else ""),
+            f"dtypes:      {counts(self.dtypes)}",
+            f"devices:     {counts(self.devices)}",
+            *self._wrapper_lines(for_cli),
+        ]
+        if self.pickled_module:
+            lines += [f"caveat:      {c}" for c in self.pickled_module["caveats"]]
+        if self.unsafe_globals:
+            verdict = f"ckpt scan {self.path}" if for_cli else f"ckpt_tools.scan({self.path!r})"
+            lines.append(
+                f"unsafe:      {', '.join(self.unsafe_globals)} (outside the allowlist; "
+                f"never imported): `{verdict}` says whether loading it can run code"
+            )
+        if self.beyond_weights_only:
+            fix = (
+                f"ckpt convert {self.path} OUT.pt"
+                if for_cli
+                else f"ckpt_tools.convert({self.path!r}, OUT)"
+            )
+            lines.append(
+                f"pickle:      protocol {self.pickle_protocol} with opcodes torch.load("
+                f"weights_only=True) lacks ({', '.join(self.beyond_weights_only[:4])}): torch "
+                f"refuses this file; `{fix}` writes one it reads"
+            )
+        if self.entries:
+            lines.append("other entries:")
+            lines += [f"  {k}: {v}" for k, v in list(self.entries.items())[:_ENTRIES_SHOWN]]
+            if len(self.entries) > _ENTRIES_SHOWN:
+                lines.append("  " + more_hint(len(self.entries) - _ENTRIES_SHOWN, for_cli))
+        return "\n".join(lines)
+
+    def _wrapper_lines(self, for_cli: bool) -> list[str]:
+        if not self.wrappers:
+            return ["wrappers:    none"]
+        fix = (
+            f"ckpt strip-module {self.path} OUT"
+            if for_cli
+            else f"ckpt_tools.strip_module_file({self.path!r}, OUT)"
+        )
+        found = "; ".join(
+            f"{w.prefix!r} {w.kind} ({w.count}/{w.of} keys{', inside keys' if w.inner else ''})"
+            for w in self.wrappers
+        )
+        return [
+            f"wrappers:    {found}",
+            f"             strip them: {fix}",
+        ]
+
+    def rows(self, group: bool = False) -> list[list[str]]:
+        """The tensor table's cells, one row per tensor (or per folded group), under
+        :data:`TENSOR_COLUMNS`."""
+        if not group:
+            return [_row(t.name, t, 1) for t in self.tensors]
+        groups = group_names(self.tensors, lambda t: t.name, lambda t: (t.dtype, t.shape, t.device))
+        return [_row(g.label, members[0], g.count) for g, members in groups]
+
+    def table(
+        self,
+        group: bool = False,
+        limit: int | None = None,
+        table: TableFormat = text_table,
+        for_cli: bool = False,
+    ) -> str:
+        """The tensor table.
+
+        Args:
+            group: fold repeated layers (``layers.{0..31}.fc.weight ×32``).
+            limit: show at most this many rows, and say how many were left out.
+            table: formats the rows (the ``ckpt`` command passes its tabulate table).
+            for_cli: word the "more rows" hint for the command (``--limit``).
+        """
+        rows = self.rows(group)
+        hidden = 0
+        if limit is not None and len(rows) > limit:
+            hidden, rows = len(rows) - limit, rows[:limit]
+        text = table(rows, TENSOR_COLUMNS)
+        drop = "drop --limit" if for_cli else "raise limit="
+        return text + (f"\n... {hidden} more rows ({drop})" if hidden else "")
+
+    def text(
+        self,
+        group: bool = False,
+        limit: int | None = None,
+        table: TableFormat = text_table,
+        for_cli: bool = False,
+    ) -> str:
+        """The summary, a blank line, the tensor table: what ``ckpt inspect`` prints.
+
+        Args:
+            group, limit, table, for_cli: as :meth:`table` and :meth:`summary` take them.
+
+        Example:
+            >>> from ckpt_tools import inspect
+            >>> print(inspect("model.pt").text(group=True))
+            file:        model.pt
+            format:      torch-zip
+            state dict:  <root> (the root is a state dict)
+            ...
+        """
+        text = f"{self.summary(for_cli)}\n\n{self.table(group, limit, table, for_cli)}"
+        if self.chunks:
+            text += "\n\n" + self.chunk_table(limit, table)
+        return text
+
+    def chunk_table(self, limit: int | None = None, table: TableFormat = text_table) -> str:
+        """The DCP chunks of the selected tensors: where each piece lies, file and bytes."""
+        rows = [
+            [name, list(c["offsets"]), list(c["sizes"]), c["file"], c["offset"], c["length"]]
+            for name, chunks in self.chunks.items()
+            for c in chunks
+        ]
+        hidden = len(rows) - limit if limit is not None and len(rows) > limit else 0
+        text = table(rows[: len(rows) - hidden], CHUNK_COLUMNS)
+        return text + (f"\n... {hidden} more chunks" if hidden else "")
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointInfo(path={self.path!r}, format={self.format!r}, "
+            f"selected={'.'.join(self.selected)!r}, tensors={len(self.tensors)}, "
+            f"total_params={self.total_params})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The public ``ckpt inspect --json`` schema (stable fields, plus extras).
+
+        Raises:
+            ResourceLimitError: the ``shared_with`` lists would name more than
+                :data:`MAX_SHARED_NAMES` keys in all (thousands of views of one storage).
+        """
+        _check_shared_names(self.tensors, self.path)
+        return {
+            "path": self.path,
+            "format": self.format,
+            "selected": list(self.selected),
+            "selection_reason": self.selection_reason,
+            "tensors": [t.to_json() for t in self.tensors],
+            "wrappers": [w.to_json() for w in self.wrappers],
+            "unsafe_globals": list(self.unsafe_globals),
+            "entries": dict(self.entries),
+            "total_params": self.total_params,
+            "total_bytes": self.total_bytes,
+            "storage_bytes": self.storage_bytes,
+            "dtypes": self.dtypes,
+            "devices": self.devices,
+            "metadata": dict(self.metadata) if self.metadata else None,
+            "shards": list(self.shards),
+            "pickle_protocol": self.pickle_protocol,
+            "beyond_weights_only": list(self.beyond_weights_only),
+            "pickled_module": dict(self.pickled_module) if self.pickled_module else None,
+            "chunks": {
+                name: [
+                    {k: list(v) if isinstance(v, tuple) else v for k, v in c.items()} for c in cs
+                ]
+                for name, cs in self.chunks.items()
+            },
+        }
+
+
+def _check_shared_names(tensors: tuple[TensorInfo, ...], path: str) -> None:
+    listed = sum(len(t.sharing) - 1 for t in tensors if t.sharing)
+    if listed > MAX_SHARED_NAMES:
+        widest = max(len(t.sharing) for t in tensors)
+        raise ResourceLimitError(
+            f"{path}: {widest} tensors view one storage, so their shared_with lists would "
+            f"name {listed:,} keys (the limit is {MAX_SHARED_NAMES:,})",
+            path=path,
+            remedies=(Remedy(flag="--json", verb="leave out", text=_SHARING_SHOWN),),
+        )
+
+
+def _row(label: str, t: TensorInfo, count: int) -> list[str]:
+    # A folded row stands for ``count`` tensors: per-tensor columns stay empty. Only the
+    # first others are looked at, never every view of the storage.
+    others = list(islice((n for n in t.sharing if n != t.name), 3))
+    shared = ", ".join(others[:2]) + (" ..." if len(others) > 2 else "")
+    one = count == 1
+    return [
+        label,
+        t.dtype,
+        "[" + ", ".join(map(str, t.shape)) + "]",
+        t.device,
+        t.storage if one else "",
+        str(t.offset) if one else "",
+        human_bytes(t.nbytes * count),
+        shared if one else "",
+    ]

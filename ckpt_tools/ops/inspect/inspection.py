@@ -1,0 +1,214 @@
+"""``inspect``: what a checkpoint holds, from its structure alone. Never imports torch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
+from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.formats.pickle.standins import Reduced, TorchSize
+from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
+from ckpt_tools.structure.keys import detect_wrappers
+from ckpt_tools.structure.selection import (
+    Selection,
+    entries_beside,
+    key_text,
+    select_state_dict,
+)
+
+__all__ = [
+    "CheckpointInfo",
+    "TensorInfo",
+    "describe_value",
+    "inspect",
+    "inspect_checkpoint",
+    "script_module_tensors",
+]
+
+
+def describe_value(value: Any, limit: int = 60) -> str:
+    """A short, safe summary of a non-tensor value (``int 3``, ``dict (2 keys: a, b)``)."""
+    if isinstance(value, TensorRef):
+        return f"tensor {value.dtype} {list(value.shape)}"
+    if isinstance(value, Opaque):
+        return f"{value.global_ref.qualname} object (not imported)"
+    if isinstance(value, type) and issubclass(value, Opaque):
+        return f"{value.global_ref.qualname} (global, not imported)"
+    if isinstance(value, (Reduced, TorchSize)):
+        return _clip(repr(value), limit)
+    if isinstance(value, (bool, int, float, complex, str, bytes, bytearray, set, frozenset)):
+        # Unpickled values: repr() of a shared-reference bomb or a 5,000-digit int is not safe.
+        return f"{type(value).__name__} {short_repr(value, limit)}"
+    if isinstance(value, Mapping):
+        tensors = sum(isinstance(v, TensorRef) for v in value.values())
+        keys = ", ".join(key_text(k) for k in list(value)[:4]) + (", ..." if len(value) > 4 else "")
+        extra = f", {tensors} tensors" if tensors else ""
+        return f"{type(value).__name__} ({len(value)} keys{extra}: {keys})"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} ({len(value)} items)"
+    return f"{type(value).__name__} {short_repr(value, limit)}"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> dict[str, str]:
+    """Non-tensor entries beside the state dict and inside it, by dotted name, summarised."""
+    entries = {name: describe_value(value) for name, value in entries_beside(root, path)}
+    prefix = "".join(f"{part}." for part in path)
+    for key, value in state_dict.items():
+        if not isinstance(value, TensorRef):
+            entries[f"{prefix}{key_text(key)}"] = describe_value(value)
+    return entries
+
+
+def inspect_checkpoint(
+    ckpt: Checkpoint, select: str | Sequence[str] | None = None
+) -> CheckpointInfo:
+    """Describe an opened checkpoint (see :func:`inspect`)."""
+    selection = select_state_dict(ckpt.root, select)
+    if select is None and ckpt.format == "torchscript" and not selection.path:
+        flat = script_module_tensors(ckpt.root)
+        if flat:
+            selection = Selection((), "TorchScript module: its parameters and buffers", flat)
+    sd = selection.state_dict
+    named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRef)]
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in named:
+        by_storage.setdefault(id(tensor.storage), []).append(name)
+    # One tuple per storage, held by each of its tensors: a list of the others per tensor
+    # grows with the square of the views of one storage.
+    sharing = {key: tuple(names) for key, names in by_storage.items()}
+    shard_of = _shard_owner(ckpt)
+    tensors = tuple(
+        TensorInfo(
+            name=name,
+            dtype=t.dtype,
+            shape=t.shape,
+            stride=t.stride,
+            numel=t.numel,
+            nbytes=t.nbytes,
+            device=t.device,
+            storage=shard_of.get(name, "") + t.storage.key if shard_of else t.storage.key,
+            offset=t.offset,
+            storage_nbytes=t.storage.nbytes,
+            sharing=sharing[id(t.storage)],
+            is_parameter=t.is_parameter,
+        )
+        for name, t in named
+    )
+    distinct = {id(t.storage): t.storage.nbytes for _, t in named}
+    return CheckpointInfo(
+        path=ckpt.path,
+        format=ckpt.format,
+        selected=selection.path,
+        selection_reason=selection.reason,
+        tensors=tensors,
+        wrappers=detect_wrappers(name for name, _ in named),
+        unsafe_globals=ckpt.unsafe_globals,
+        entries=_entries(ckpt.root, selection.path, sd),
+        total_params=sum(t.numel for t in tensors),
+        total_bytes=sum(t.nbytes for t in tensors),
+        storage_bytes=sum(distinct.values()),
+        metadata=ckpt.metadata,
+        shards=tuple(ckpt.shards),
+        shard_of=shard_of,
+        pickle_protocol=ckpt.protocol,
+        beyond_weights_only=ckpt.beyond_weights_only,
+        pickled_module=_module_summary(selection),
+        chunks=_dcp_chunks(ckpt, named),
+    )
+
+
+def _module_summary(selection: Selection) -> dict[str, Any] | None:
+    module = selection.module
+    if module is None:
+        return None
+    return {
+        "class": module.class_name,
+        "modules": module.modules,
+        "tensors": sum(isinstance(v, TensorRef) for v in module.state_dict.values()),
+        "caveats": list(module.caveats),
+    }
+
+
+def _dcp_chunks(ckpt: Checkpoint, named: list[tuple[str, TensorRef]]) -> dict[str, tuple[Any, ...]]:
+    """Each DCP tensor's chunks, as :attr:`CheckpointInfo.chunks` lists them."""
+    if not isinstance(ckpt, DcpCheckpoint):
+        return {}
+    found: dict[str, tuple[Any, ...]] = {}
+    for name, t in named:
+        if id(t) in ckpt.tensors:
+            found[name] = tuple(
+                {
+                    "offsets": c.offsets,
+                    "sizes": c.sizes,
+                    "file": c.file,
+                    "offset": c.offset,
+                    "length": c.length,
+                }
+                for c in ckpt.item_of(t).chunks
+            )
+    return found
+
+
+def script_module_tensors(root: Any) -> dict[str, TensorRef]:
+    """The tensors of a TorchScript module tree by dotted name, as ``state_dict()`` names them.
+
+    A TorchScript archive pickles each module as an object whose state maps its attribute
+    names to tensors, submodules and plain values. Tensor attributes that are neither
+    parameters nor buffers are listed too: telling them apart needs the archive's code.
+    """
+    found: dict[str, TensorRef] = {}
+    seen: set[int] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if id(node) in seen or not isinstance(node, Opaque) or not isinstance(node.state, Mapping):
+            return
+        seen.add(id(node))
+        for key, value in node.state.items():
+            if isinstance(value, TensorRef):
+                found[f"{prefix}{key}"] = value
+            else:
+                walk(value, f"{prefix}{key}.")
+
+    walk(root, "")
+    return found
+
+
+def _shard_owner(ckpt: Checkpoint) -> dict[str, str]:
+    if not ckpt.shards:
+        return {}
+    owner: dict[str, str] = {}
+    for shard, sub in ckpt.shards.items():
+        for name in sub.root if isinstance(sub.root, Mapping) else ():
+            owner[str(name)] = f"{shard}:"
+    return owner
+
+
+def inspect(
+    path: str | os.PathLike[str], select: str | Sequence[str] | None = None
+) -> CheckpointInfo:
+    """Describe a checkpoint without importing torch or reading tensor bytes.
+
+    Args:
+        path: a checkpoint file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.safetensors``, legacy
+            or tar torch files, pickles) or a sharded folder.
+        select: a dotted path to the state dict, overriding the automatic choice.
+
+    Returns:
+        A :class:`CheckpointInfo`.
+
+    Raises:
+        CheckpointError: the file is missing, corrupt, unsupported, or ``select`` is wrong.
+
+    Example:
+        >>> info = inspect("ddp.pt")
+        >>> info.format, info.wrappers[0].prefix, info.total_params
+        ('torch-zip', 'module.', 572)
+    """
+    return inspect_checkpoint(open_checkpoint(path), select)

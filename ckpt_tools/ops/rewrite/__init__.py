@@ -1,0 +1,1 @@
+"""Key rewrites (strip-module, add-module, rename, convert, retag): plan, apply, result."""

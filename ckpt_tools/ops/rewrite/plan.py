@@ -1,0 +1,152 @@
+"""Planning a rewrite: is the source rewritable, which output format, what goes in it.
+
+Kept apart from :mod:`~.rewriting` (which opens, writes and verifies) so each module has one job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import (
+    ConversionError,
+    NonTensorEntriesError,
+    Remedy,
+    UnsafeContentError,
+    UsageError,
+)
+from ckpt_tools.formats import Checkpoint
+from ckpt_tools.structure.keys import KeyRule
+from ckpt_tools.structure.selection import entries_beside
+
+if TYPE_CHECKING:
+    from ckpt_tools.io.writers.safetensors import SafetensorsEntry
+
+__all__ = ["check_source", "output_format_for", "safetensors_plan", "summary"]
+
+
+def output_format_for(dst: str | os.PathLike[str], fmt: str | None, input_format: str) -> str:
+    """The output format: explicit ``fmt``, else from ``dst``'s suffix, else the input's family.
+
+    Raises:
+        UsageError: an unknown format name.
+    """
+    if fmt is not None:
+        names = {"torch": "torch-zip", "pt": "torch-zip", "safetensors": "safetensors"}
+        if fmt not in names:
+            raise UsageError(
+                "expected one of: torch, safetensors",
+                argument="format",
+                value=repr(fmt),
+                flag="--format",
+            )
+        return names[fmt]
+    suffix = Path(dst).suffix.lower()
+    if suffix == ".safetensors":
+        return "safetensors"
+    if suffix in (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"):
+        return "torch-zip"
+    return "safetensors" if input_format == "safetensors" else "torch-zip"
+
+
+def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
+    if ckpt.format == "torchscript":
+        raise ConversionError(
+            f"{ckpt.path!r} is a TorchScript archive: its code refers to the attribute names, so "
+            "renaming them would break it; load it with torch.jit.load and save the state_dict()"
+        )
+    if ckpt.format == "dcp":
+        raise UsageError(
+            f"{ckpt.path!r} is a torch.distributed.checkpoint folder: its tensors are saved in "
+            "chunks across files",
+            path=ckpt.path,
+            remedies=(
+                Remedy(
+                    command=f"ckpt consolidate {ckpt.path} OUT.safetensors",
+                    text="to write it as one file first ([--strip] removes wrappers too)",
+                ),
+            ),
+        )
+    refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
+    if refused:
+        raise UnsafeContentError(
+            f"{ckpt.path!r} refers to Python globals outside the allowlist: {', '.join(refused)} "
+            "(they are never imported)",
+            refused,
+            path=ckpt.path,
+            remedies=(
+                Remedy(
+                    "allow_globals",
+                    repr(list(refused)),
+                    flag=" ".join(f"--allow-global {g}" for g in refused),
+                    text="to carry them through unchanged",
+                ),
+            ),
+        )
+    if ckpt.records:  # a zip: its records are copied as they are, CRC-32 included
+        # (Imported for zips only, as each writer is: a rewrite's start is issue 13's.)
+        from ckpt_tools.io.verify.zipcheck import check_source_crcs
+
+        check_source_crcs(ckpt)  # after the safety refusals: they say more about such a file
+
+
+def summary(
+    dst: str,
+    input_format: str,
+    output_format: str,
+    renamed: int,
+    total: int,
+    rules: Sequence[KeyRule],
+    device_map: Mapping[str, str] | None,
+) -> str:
+    if rules:
+        return f"wrote {dst} ({renamed} of {total} keys renamed)"
+    if device_map:
+        moved = ", ".join(f"{a} -> {b}" for a, b in device_map.items())
+        return f"retagged saved devices ({moved}): wrote {dst}"
+    return f"converted {input_format} to {output_format}: wrote {dst} ({total} entries)"
+
+
+def safetensors_plan(
+    ckpt: Checkpoint, path: Sequence[str], sd: Mapping[str, Any], drop_extras: bool
+) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
+    extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
+    extras += [name for name, _ in entries_beside(ckpt.root, path)]
+    if extras and not drop_extras:
+        shown = ", ".join(extras[:8]) + (" ..." if len(extras) > 8 else "")
+        raise NonTensorEntriesError(
+            f"safetensors holds tensors only, and {ckpt.path!r} also has {len(extras)} non-tensor "
+            f"entries: {shown}",
+            tuple(extras),
+            path=ckpt.path,
+            remedies=(
+                Remedy("drop_extras", "True", flag="--drop-extras", text="to leave them out"),
+                Remedy(text="keep the torch format"),
+            ),
+        )
+    # String values only: an HF index's metadata also holds its int total_size.
+    metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
+    metadata.setdefault("format", "pt")
+    from ckpt_tools.io.writers.safetensors import SafetensorsEntry
+
+    entries: list[SafetensorsEntry] = []
+    expected: dict[str, TensorRef] = {}
+    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    dropped: list[str] = []
+    for name, t in sd.items():
+        if not isinstance(t, TensorRef):
+            continue
+        # Tied tensors (the same view of one storage) are stored once, as safetensors'
+        # save_model does; the dropped name maps to the kept one in the metadata.
+        identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
+        if identity in kept:
+            metadata[str(name)] = kept[identity]
+            dropped.append(str(name))
+            continue
+        kept[identity] = str(name)
+        entries.append(SafetensorsEntry(str(name), t))
+        expected[str(name)] = t
+    return entries, metadata, tuple(extras) + tuple(dropped), expected

@@ -1,0 +1,373 @@
+"""The object-tree half of ``sanitize``: every value made plain, nothing imported or called.
+
+Objects of classes outside the allowlist arrive as :class:`~ckpt_tools.descriptors.Opaque`
+stand-ins that recorded their pickled arguments and state. Those whose shape is known become
+values ``torch.load(weights_only=True)`` accepts, read from that record alone:
+
+- numpy arrays -> tensors, from the raw bytes in their pickled state (byte order and
+  Fortran order kept; new storage records); numpy scalars -> Python scalars (``struct``);
+- pickled ``nn.Module`` s -> their recovered state dict (:mod:`ckpt_tools.structure.modules`);
+- ``argparse.Namespace``, ``types.SimpleNamespace``, OmegaConf ``DictConfig``/``ListConfig``
+  (their ``_content`` of nodes holding ``_val``) and ``collections.defaultdict`` -> dicts and
+  lists; ``pathlib`` paths -> strings; enums (a class called with one plain value) -> the value.
+
+Everything else (other objects, classes used as values) is dropped and reported with its
+path. The walk copies containers and keeps shared references shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import ntpath
+import posixpath
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
+from ckpt_tools.io.writers.torchzip import picklable_tensors
+from ckpt_tools.structure.modules import module_globals, recover_module
+
+__all__ = ["Change", "SanitizedTree", "sanitize_tree"]
+
+# numpy's dtype codes -> (torch dtype, struct format of one element).
+_NUMPY_DTYPES: dict[str, tuple[str, str]] = {
+    "b1": ("bool", "?"),
+    "i1": ("int8", "b"),
+    "u1": ("uint8", "B"),
+    "i2": ("int16", "h"),
+    "u2": ("uint16", "H"),
+    "i4": ("int32", "i"),
+    "u4": ("uint32", "I"),
+    "i8": ("int64", "q"),
+    "u8": ("uint64", "Q"),
+    "f2": ("float16", "e"),
+    "f4": ("float32", "f"),
+    "f8": ("float64", "d"),
+    "c8": ("complex64", "ff"),
+    "c16": ("complex128", "dd"),
+}
+_NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
+_PATHS = {"PosixPath": posixpath, "PurePosixPath": posixpath}
+_PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
+_NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
+_DROP = object()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One conversion or drop: where in the checkpoint, what it was, what it became."""
+
+    path: str
+    was: str
+    became: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "was": self.was, "became": self.became}
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.was} -> {self.became}"
+
+
+@dataclass(frozen=True)
+class SanitizedTree:
+    """What :func:`sanitize_tree` made.
+
+    Attributes:
+        root: the new tree: plain containers, values and tensors only.
+        converted: every object turned into plain values.
+        dropped: every value left out (dict entries removed; list and tuple items None).
+        added: new storage key -> its bytes (numpy arrays become these records).
+    """
+
+    root: Any
+    converted: tuple[Change, ...]
+    dropped: tuple[Change, ...]
+    added: Mapping[str, bytes] = field(default_factory=dict)
+
+
+def sanitize_tree(root: Any, taken_keys: set[str]) -> SanitizedTree:
+    """Make a checkpoint's object tree loadable by ``torch.load(weights_only=True)``.
+
+    Args:
+        root: the tree read by the restricted unpickler.
+        taken_keys: storage keys (and record names under ``data/``) the source already uses.
+
+    Returns:
+        A :class:`SanitizedTree`.
+
+    Example:
+        >>> import argparse, io, pickle
+        >>> from ckpt_tools.formats.pickle.unpickler import load_pickle
+        >>> tree = load_pickle(io.BytesIO(pickle.dumps({"args": argparse.Namespace(lr=0.1)})))
+        >>> done = sanitize_tree(tree.root, set())
+        >>> done.root, str(done.converted[0])
+        ({'args': {'lr': 0.1}}, 'args: argparse.Namespace -> dict')
+    """
+    walker = _Sanitizer(taken_keys)
+    new_root = walker.value(root, "")
+    if new_root is _DROP:
+        new_root = None
+    return SanitizedTree(new_root, tuple(walker.converted), tuple(walker.dropped), walker.added)
+
+
+def _name(node: Any) -> str:
+    return type(node).global_ref.qualname
+
+
+class _Sanitizer:
+    def __init__(self, taken_keys: set[str]) -> None:
+        self.converted: list[Change] = []
+        self.dropped: list[Change] = []
+        self.added: dict[str, bytes] = {}
+        self.memo: dict[int, Any] = {}
+        self._taken = taken_keys
+        self._next_key = 1 + max((int(k) for k in taken_keys if k.isdigit()), default=-1)
+
+    def value(self, node: Any, path: str) -> Any:
+        if isinstance(node, (*_PLAIN, ConstantRef, TorchSize)):
+            return node
+        if id(node) in self.memo:
+            return self.memo[id(node)]
+        if isinstance(node, TensorRef):
+            made = self._tensor(node, path)
+        elif isinstance(node, Reduced):
+            made = node if not module_globals(node.args) else self._drop(node, path)
+        elif isinstance(node, Mapping):
+            made = self._mapping(node, path)
+        elif isinstance(node, list):
+            made = self.memo[id(node)] = []
+            made += [self._item(v, _at(path, i)) for i, v in enumerate(node)]
+        elif isinstance(node, tuple):
+            made = tuple(self._item(v, _at(path, i)) for i, v in enumerate(node))
+        elif isinstance(node, (set, frozenset)):
+            items = [self.value(v, path) for v in node]
+            made = type(node)(v for v in items if v is not _DROP and _hashable(v))
+        elif isinstance(node, Opaque):
+            made = self._opaque(node, path)
+        else:
+            made = self._drop(node, path)
+        self.memo[id(node)] = made
+        return made
+
+    def _item(self, node: Any, path: str) -> Any:
+        made = self.value(node, path)
+        return None if made is _DROP else made
+
+    def _drop(self, node: Any, path: str) -> Any:
+        if isinstance(node, type) and issubclass(node, Opaque):
+            was = f"{node.global_ref.qualname} (a class)"
+        elif isinstance(node, Opaque):
+            was = f"{_name(node)} object"
+        else:
+            was = type(node).__name__
+        self.dropped.append(Change(path, was, "dropped"))
+        return _DROP
+
+    def _converted(self, path: str, was: str, became: str, made: Any) -> Any:
+        self.converted.append(Change(path, was, became))
+        return made
+
+    def _mapping(self, node: Mapping[Any, Any], path: str) -> Any:
+        made: Any = type(node)() if type(node) in (dict, collections.OrderedDict) else {}
+        self.memo[id(node)] = made
+        for key, value in node.items():
+            where = _at(path, key)
+            new_key = self.value(key, where)
+            if new_key is _DROP or not _hashable(new_key):
+                self.dropped.append(Change(where, "an entry whose key cannot be kept", "dropped"))
+                continue
+            new_value = self.value(value, where)
+            if new_value is _DROP:
+                continue
+            made[new_key] = new_value
+        metadata = getattr(node, "_metadata", None)
+        if isinstance(metadata, Mapping) and isinstance(made, collections.OrderedDict):
+            made._metadata = self.value(metadata, f"{path}._metadata")  # type: ignore[attr-defined]
+        return made
+
+    def _tensor(self, t: TensorRef, path: str) -> Any:
+        if t.func is not None and not module_globals(t.args):
+            return t
+        # A tensor subclass (its class in the rebuild call), or one read without a pickle:
+        # written as the plain tensor torch.save makes.
+        plain = picklable_tensors({"t": replace(t, func=None, args=())})["t"]
+        if t.func is None:
+            return plain
+        return self._converted(path, "tensor of a class outside the allowlist", "tensor", plain)
+
+    def _opaque(self, node: Opaque, path: str) -> Any:
+        name = _name(node)
+        module, _, short = name.rpartition(".")
+        recovered = recover_module(node)
+        if recovered is not None:
+            self.memo[id(node)] = made = {}
+            for key, value in recovered.state_dict.items():
+                kept = self.value(value, _at(path, key))
+                if kept is not _DROP:
+                    made[key] = kept
+            notes = "".join(f"; {c}" for c in recovered.caveats)
+            was = f"pickled nn.Module {name}{notes}"
+            return self._converted(path, was, f"state dict ({len(made)} entries)", made)
+        if module in _NUMPY_MODULES and short == "_reconstruct":
+            return self._ndarray(node, path)
+        if module in _NUMPY_MODULES and short == "scalar":
+            return self._scalar(node, path)
+        state = node.state if isinstance(node.state, Mapping) else None
+        if state is not None and "_metadata" in state and ("_content" in state or "_val" in state):
+            return self._omegaconf(node, state, path)
+        if name in _NAMESPACES and state is not None:
+            made = self.value(dict(state), path)
+            return self._converted(path, name, "dict", made)
+        if name == "collections.defaultdict":
+            made = self.value(dict(node.dictitems), path)
+            return self._converted(path, name, "dict", made)
+        if (
+            module in ("pathlib", "pathlib._local")
+            and short in _PATHS
+            and all(isinstance(a, str) for a in node.args)
+        ):
+            text = _PATHS[short].join(*node.args) if node.args else "."
+            return self._converted(path, name, "str", text)
+        if _empty_bytes(node):
+            return self._converted(path, f"{name}()", "bytes", b"")
+        if _enum_like(node, short):
+            return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
+        return self._drop(node, path)
+
+    def _omegaconf(self, node: Opaque, state: Mapping[str, Any], path: str) -> Any:
+        # OmegaConf pickles a container's __dict__: ``_content`` maps keys (or lists items)
+        # to nodes; a value node's ``_val`` holds the value. None, "???" (missing) and
+        # "${...}" (interpolations) are kept as they are.
+        if "_val" in state:
+            made = self.value(state["_val"], path)
+            return made if made is not _DROP else self._drop(node, path)
+        content = state["_content"]
+        if isinstance(content, Mapping):
+            made = self.value(dict(content), path)
+        elif isinstance(content, (list, tuple)):
+            made = self.value(list(content), path)
+        else:
+            made = self.value(content, path)
+        became = type(made).__name__ if made is not _DROP else "dropped"
+        return self._converted(path, _name(node), became, made)
+
+    def _dtype(self, dtype: Any) -> tuple[str, str, str] | None:
+        """(torch dtype, struct format, byte order) of a pickled ``numpy.dtype``, if plain."""
+        if not (isinstance(dtype, Opaque) and _name(dtype) == "numpy.dtype" and dtype.args):
+            return None
+        code, state = dtype.args[0], dtype.state
+        if not isinstance(code, str) or code not in _NUMPY_DTYPES:
+            return None
+        if not (isinstance(state, tuple) and len(state) >= 5 and state[3] is None):
+            return None  # structured dtypes (names) have no tensor equivalent
+        order = ">" if state[1] == ">" else "<"
+        return (*_NUMPY_DTYPES[code], order)
+
+    def _ndarray(self, node: Opaque, path: str) -> Any:
+        state = node.state
+        cls = node.args[0] if node.args else None
+        if not (
+            isinstance(cls, type)
+            and issubclass(cls, Opaque)
+            and cls.global_ref.qualname in ("numpy.ndarray", "numpy.core.ndarray")
+            and isinstance(state, tuple)
+            and len(state) == 5
+            and isinstance(state[1], tuple)
+            and all(isinstance(n, int) and n >= 0 for n in state[1])
+        ):
+            return self._drop(node, path)
+        _, shape, dtype, fortran, raw = state
+        raw = b"" if _empty_bytes(raw) else raw
+        spec = self._dtype(dtype)
+        if spec is None or not isinstance(raw, (bytes, bytearray)):
+            return self._drop(node, path)
+        torch_dtype, fmt, order = spec
+        size = itemsize(torch_dtype)
+        if len(raw) != math.prod(shape) * size:
+            return self._drop(node, path)
+        data = bytes(raw) if order == "<" else _to_little(raw, size // len(fmt))
+        key = self._new_key()
+        self.added[key] = data
+        storage = StorageRef(key, torch_dtype, math.prod(shape), "cpu")
+        stride = _strides(shape, bool(fortran))
+        t = TensorRef(storage, 0, tuple(shape), stride, torch_dtype)
+        made = picklable_tensors({"t": t})["t"]
+        became = f"tensor {torch_dtype} {list(shape)}"
+        return self._converted(path, "numpy.ndarray", became, made)
+
+    def _scalar(self, node: Opaque, path: str) -> Any:
+        spec = self._dtype(node.args[0]) if len(node.args) == 2 else None
+        raw = node.args[1] if spec is not None else None
+        if spec is None or not isinstance(raw, bytes) or len(raw) != struct.calcsize(spec[1]):
+            return self._drop(node, path)
+        torch_dtype, fmt, order = spec
+        parts = struct.unpack(order + fmt, raw)
+        made = complex(*parts) if len(parts) == 2 else parts[0]
+        return self._converted(path, f"numpy {torch_dtype} scalar", type(made).__name__, made)
+
+    def _new_key(self) -> str:
+        while str(self._next_key) in self._taken:
+            self._next_key += 1
+        key = str(self._next_key)
+        self._taken.add(key)
+        return key
+
+
+def _at(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _empty_bytes(node: Any) -> bool:
+    # Protocol 2 pickles b"" as a call of ``bytes`` with no arguments (not on the allowlist).
+    return (
+        isinstance(node, Opaque)
+        and _name(node) in ("builtins.bytes", "__builtin__.bytes")
+        and node.args == ()
+        and not node.has_state
+    )
+
+
+def _enum_like(node: Opaque, short: str) -> bool:
+    # An Enum member pickles as its class called with its value. Functions (``posix.system``)
+    # are named in lower case by convention: only a capitalised class called with one plain
+    # value, and nothing else recorded, is read as an enum member.
+    return (
+        not node.newobj
+        and len(node.args) == 1
+        and isinstance(node.args[0], (bool, int, float, str))
+        and short[:1].isupper()
+        and not node.has_state
+        and not node.listitems
+        and not node.dictitems
+    )
+
+
+def _strides(shape: tuple[int, ...], fortran: bool) -> tuple[int, ...]:
+    order = range(len(shape)) if fortran else reversed(range(len(shape)))
+    strides = [0] * len(shape)
+    step = 1
+    for dim in order:
+        strides[dim] = step
+        step *= max(shape[dim], 1)
+    return tuple(strides)
+
+
+def _to_little(raw: bytes | bytearray, width: int) -> bytes:
+    """Big-endian elements (complex: each part) as little-endian bytes."""
+    import numpy as np  # only big-endian arrays need it; it never sees a foreign object
+
+    return np.frombuffer(raw, dtype=np.dtype(f"u{width}")).byteswap().tobytes()

@@ -1,0 +1,245 @@
+"""``average``: the element-wise (weighted) mean of N checkpoints, streamed, torch-free.
+
+Floating tensors are accumulated in float64 chunk by chunk with numpy (bf16 through its bits),
+``sum(w_i * x_i) / sum(w_i)`` in input order, then cast back to each tensor's dtype exactly as
+torch's ``.to`` would (:mod:`ckpt_tools.io.casting`). Memory is a few chunks, whatever N and the
+file sizes. Each storage is averaged once, so tied weights are not averaged twice.
+
+Keys are aligned as ``load_into`` aligns them: wrapper prefixes (``module.``, ``_orig_mod.``,
+...) are stripped per input, so a DDP checkpoint averages with a plain one. The output is the
+averaged state dict, as a plain state dict, under the first input's keys.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import ConversionError, Remedy, UsageError
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.casting import CAST_SOURCES, cast_array
+from ckpt_tools.io.verify.outputs import tensor_digest
+from ckpt_tools.io.writers.plan import Record
+from ckpt_tools.ops.preflight import check_rewritable
+from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.transform.plan import PlanRow, copy_record
+from ckpt_tools.ops.transform.result import TransformResult
+from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
+from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
+from ckpt_tools.structure.selection import select_state_dict
+
+__all__ = ["average", "pick_inputs"]
+
+_CHUNK = 1 << 20
+_BITS = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
+_SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
+    """Expand globs; with ``last``, keep the last N by the number in their names, else by mtime.
+
+    Example:
+        >>> pick_inputs(["*.pt"])
+        ['ddp.pt', 'model.pt']
+    """
+    found: list[str] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        found += [m for m in matches if m not in found]
+    if last is not None:
+        numbers = [re.findall(r"\d+", os.path.basename(p)) for p in found]
+        if all(numbers):
+            found.sort(key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[-1]))
+        else:
+            found.sort(key=lambda p: os.stat(p).st_mtime_ns)
+        found = found[-last:]
+    if not found:
+        raise UsageError("no input matches", argument="inputs", value=repr(list(patterns)))
+    return found
+
+
+def _to_f64(data: bytes, dtype: str) -> np.ndarray:
+    bits = np.frombuffer(data, dtype=_BITS[dtype])
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return bits.view(
+        {"float64": np.float64, "float32": np.float32, "float16": np.float16}[dtype]
+    ).astype(np.float64)
+
+
+def _mean_record(spans: Sequence[Any], weights: Sequence[float], dtype: str, numel: int) -> Record:
+    size = _SIZE[dtype]
+    total_w = float(sum(weights))
+
+    def produce() -> Iterable[bytes]:
+        fds = [os.open(s.path, os.O_RDONLY) for s in spans]
+        try:
+            for first in range(0, numel, _CHUNK):
+                count = min(_CHUNK, numel - first)
+                acc = np.zeros(count, np.float64)
+                for fd, span, w in zip(fds, spans, weights):
+                    data = os.pread(fd, count * size, span.offset + first * size)
+                    if len(data) != count * size:
+                        raise OSError(5, f"{span.path} ended early")
+                    acc += _to_f64(data, dtype) * w
+                acc /= total_w
+                if dtype == "float64":
+                    yield acc.tobytes()
+                else:
+                    yield cast_array(acc.view(np.uint64), "float64", dtype, first, numel).tobytes()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    return Record(numel * size, produce=produce, action=f"mean of {len(spans)}")
+
+
+def _aligned(sd: Mapping[Any, Any]) -> dict[str, tuple[str, Any]]:
+    keys = [k for k in sd if isinstance(k, str)]
+    rules, _ = strip_wrapper_rules(keys)
+    plan = plan_renames(keys, rules) if rules else {k: k for k in keys}
+    return {plan.get(k, k): (k, v) for k, v in sd.items() if isinstance(k, str)}
+
+
+def _mismatches(names: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]]) -> list[str]:
+    lines: list[str] = []
+    first = aligned[0]
+    for name, other in zip(names[1:], aligned[1:]):
+        for key in first:
+            if key not in other:
+                lines.append(f"- {key} (missing in {name})")
+        for key in other:
+            if key not in first:
+                lines.append(f"+ {key} (only in {name})")
+        for key, (_, a) in first.items():
+            b = other.get(key, (None, None))[1]
+            if (
+                isinstance(a, TensorRef)
+                and isinstance(b, TensorRef)
+                and (a.shape, a.dtype) != (b.shape, b.dtype)
+            ):
+                lines.append(
+                    f"~ {key}: {a.dtype} {list(a.shape)} in {names[0]}, "
+                    f"{b.dtype} {list(b.shape)} in {name}"
+                )
+    return lines
+
+
+def average(
+    dst: str | os.PathLike[str],
+    inputs: Sequence[str | os.PathLike[str]],
+    *,
+    weights: Sequence[float] | None = None,
+    ints: str | None = None,
+    select: str | None = None,
+    output_format: str | None = None,
+    force: bool = False,
+    verify: str = "sizes",
+    allow_globals: Sequence[str] = (),
+    dry_run: bool = False,
+    durable: bool = True,
+) -> TransformResult:
+    """Average checkpoints element-wise into ``dst`` (a plain state dict).
+
+    Args:
+        dst: the output.
+        inputs: two or more checkpoints (any readable format, any wrapper prefixes).
+        weights: one weight per input (default: equal).
+        ints: ``first`` or ``last``: take integer/bool tensors from that input instead of
+            requiring them equal.
+        select: dotted path of the state dict in every input (automatic when None).
+        output_format, force, verify, allow_globals, dry_run, durable: as for :func:`slim`.
+
+    Returns:
+        A :class:`TransformResult`.
+
+    Raises:
+        ConversionError: keys, shapes or dtypes differ, or integer tensors differ (exit 7).
+        UsageError: fewer than two inputs, weights of the wrong length, a bad ``ints``.
+
+    Example:
+        >>> average("avg.pt", ["model.pt", "ddp.pt"]).message  # module. aligned away
+        'average: wrote avg.pt (2292 -> 2292 tensor bytes)'
+    """
+    srcs = [os.fspath(p) for p in inputs]
+    dst = os.fspath(dst)
+    if len(srcs) < 2:
+        raise UsageError("average needs at least two inputs", argument="inputs", value=repr(srcs))
+    w = [1.0] * len(srcs) if weights is None else [float(x) for x in weights]
+    if len(w) != len(srcs) or sum(w) == 0:
+        raise UsageError(
+            f"expected {len(srcs)} weights with a non-zero sum",
+            argument="weights",
+            value=repr(list(weights or ())),
+            flag="--weights",
+        )
+    if ints not in (None, "first", "last"):
+        raise UsageError("expected first or last", argument="ints", value=repr(ints), flag="--ints")
+    # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
+    target = next(iter([check_output_path(dst, s, force=force, in_place=False) for s in srcs]))
+    ckpts = [open_checkpoint(s) for s in srcs]
+    selections = [select_state_dict(c.root, select) for c in ckpts]
+    for c, s in zip(ckpts, selections):
+        check_rewritable(c, allow_globals, s.path)
+    aligned = [_aligned(s.state_dict) for s in selections]
+    names = [os.path.basename(s) for s in srcs]
+    lines = _mismatches(names, aligned)
+    if lines:
+        shown = "\n".join(lines[:20]) + (f"\n... {len(lines) - 20} more" if len(lines) > 20 else "")
+        raise ConversionError(f"the inputs do not match (keys, shapes, dtypes):\n{shown}")
+    base, first = ckpts[0], aligned[0]
+    differing, rows, storages = [], [], {}
+    items: list[tuple[str, str | None, Any]] = []
+    for key, (orig, t) in first.items():
+        if not isinstance(t, TensorRef):
+            items.append((orig, orig, t))
+            continue
+        others = [a[key][1] for a in aligned]
+        if t.dtype not in CAST_SOURCES:
+            if ints is None and len({tensor_digest(c, o) for c, o in zip(ckpts, others)}) > 1:
+                differing.append(key)
+            if ints == "last":  # the first input's view, the last input's bytes
+                if others[-1].storage.nbytes != t.storage.nbytes:
+                    raise ConversionError(f"{key!r} lies differently in its storage across inputs")
+                storages[id(t.storage)] = copy_record(ckpts[-1], others[-1].storage)
+            items.append((orig, orig, t))
+            action = "copy (last input)" if ints == "last" else "copy (first input)"
+            rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, action))
+            continue
+        if id(t.storage) not in storages:
+            spans = []
+            for c, o in zip(ckpts, others):
+                if (o.offset, o.stride, o.storage.nbytes) != (t.offset, t.stride, t.storage.nbytes):
+                    raise ConversionError(
+                        f"{key!r} lies differently in its storage across inputs; convert them first"
+                    )
+                spans.append(c.span(o.storage))
+            numel = t.storage.nbytes // _SIZE[t.dtype]
+            storages[id(t.storage)] = _mean_record(spans, w, t.dtype, numel)
+        items.append((orig, orig, t))
+        rows.append(
+            PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, f"mean of {len(srcs)}")
+        )
+    if differing:
+        raise ConversionError(
+            f"integer tensors differ across inputs: {', '.join(differing[:8])}",
+            remedies=(
+                Remedy("ints", "'first'", flag="--ints first", text="to take the first input's"),
+                Remedy("ints", "'last'", flag="--ints last", text="to take the last input's"),
+            ),
+        )
+    fmt = output_format_for(dst, output_format, base.format)
+    overrides = storages
+    plan = plan_state_dict_output(
+        base, "average", dst, fmt, selections[0], items, weights_only=True, overrides=overrides
+    )
+    plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
+    return finish(plan, target, base, verify, dry_run, durable)

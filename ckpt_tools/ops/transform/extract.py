@@ -1,0 +1,90 @@
+"""``extract``: the tensors under one prefix, as a plain state dict (a backbone, an encoder)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ckpt_tools.errors import UsageError
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.ops.preflight import check_rewritable
+from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.transform.result import TransformResult
+from ckpt_tools.ops.transform.slim import _select_ema, take_module
+from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
+from ckpt_tools.structure.selection import select_state_dict
+
+__all__ = ["extract"]
+
+
+def extract(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    prefix: str,
+    *,
+    strip_prefix: bool = False,
+    ema: bool = False,
+    select: str | None = None,
+    output_format: str | None = None,
+    force: bool = False,
+    verify: str = "sizes",
+    allow_globals: Sequence[str] = (),
+    dry_run: bool = False,
+    durable: bool = True,
+) -> TransformResult:
+    """Write the selected state dict's entries under ``prefix`` as a plain state dict.
+
+    Bytes are copied as they are (tied tensors stay tied, views stay views in torch outputs).
+
+    Args:
+        src: the input.
+        dst: the output (``.pt`` or ``.safetensors``).
+        prefix: keys starting with it are kept (``backbone.``).
+        strip_prefix: remove ``prefix`` from the kept keys.
+        ema: take the EMA copy, as ``slim(ema=True)`` does. A pickled ``nn.Module``
+            selected (Ultralytics' ``model`` or ``ema``) gives up its recovered state dict.
+        select, output_format, force, verify, allow_globals, dry_run, durable: as for ``slim``.
+
+    Returns:
+        A :class:`TransformResult`.
+
+    Raises:
+        UsageError: no key starts with ``prefix`` (the message lists the first segments).
+
+    Example:
+        >>> extract("model.pt", "layers.pt", "layers.", strip_prefix=True).kept[:2]
+        ('0.weight', '0.bias')
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    target = check_output_path(dst, src, force=force, in_place=False)
+    ckpt = open_checkpoint(src)
+    notes: list[str] = []
+    if ema and select is None:
+        selection, why = _select_ema(ckpt.root)
+        notes.append(why)
+    else:
+        selection = select_state_dict(ckpt.root, select)
+    if selection.module is not None:
+        selection, more = take_module(ckpt, allow_globals, selection)
+        notes += more
+    else:
+        check_rewritable(ckpt, allow_globals, selection.path)
+    keys = [str(k) for k in selection.state_dict]
+    if not prefix or not any(k.startswith(prefix) for k in keys):
+        heads = sorted({k.split(".")[0] + "." for k in keys})
+        raise UsageError(
+            f"no key starts with {prefix!r}; the keys start with {', '.join(heads[:10])}",
+            argument="prefix",
+            value=repr(prefix),
+            flag="--prefix",
+        )
+    items = [
+        (k, (k[len(prefix) :] if strip_prefix else k) if k.startswith(prefix) else None, v)
+        for k, v in zip(keys, selection.state_dict.values())
+    ]
+    fmt = output_format_for(dst, output_format, ckpt.format)
+    plan = plan_state_dict_output(
+        ckpt, "extract", dst, fmt, selection, items, weights_only=True, notes=notes
+    )
+    return finish(plan, target, ckpt, verify, dry_run, durable)

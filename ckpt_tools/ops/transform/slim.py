@@ -1,0 +1,259 @@
+"""``slim``: cast a checkpoint's weights, drop entries, keep the weights or the EMA copy only.
+
+Casts are computed with numpy (:mod:`ckpt_tools.io.casting`, bitwise equal to torch's
+``.to(dtype)``), one storage at a time, streamed through the one writer; torch is never imported.
+
+Only the selected state dict's floating-point tensors (float64/32/16, bfloat16) are cast.
+Integer, bool, quantized, complex and float8 tensors, and every tensor outside the state dict
+(optimizer state, ...), are copied bit for bit. A storage is cast once, for every tensor on it
+(tied weights stay tied, views stay views over the cast storage); a storage also used by a
+tensor that is not cast (another dtype, a ``keep_dtype`` key, an optimizer entry) is copied
+as it is, and the plan's notes say so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import Remedy, SelectError, UsageError
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
+from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.transform.plan import cast_tensor
+from ckpt_tools.ops.transform.result import TransformResult
+from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
+from ckpt_tools.structure.selection import Selection, select_state_dict
+
+__all__ = ["DTYPE_NAMES", "EMA_KEYS", "slim", "take_module"]
+
+#: ``dtype`` spellings slim accepts, and the dtype each names.
+DTYPE_NAMES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+#: Top-level entries holding an EMA copy (timm, common trainers), looked for in this order;
+#: then Lightning callbacks' state whose name contains "ema".
+EMA_KEYS: tuple[str, ...] = (
+    "state_dict_ema",
+    "model_ema",
+    "ema",
+    "ema_state_dict",
+    "model_ema_state_dict",
+    "ema_model",
+)
+
+
+def _select_ema(root: Any) -> tuple[Selection, str]:
+    """The EMA copy's state dict, and where it was found, in words."""
+    if isinstance(root, Mapping):
+        for key in EMA_KEYS:
+            if key in root:
+                try:
+                    found = select_state_dict(root, (key,))
+                except SelectError:
+                    continue
+                inner = select_state_dict(found.state_dict)  # {"module": ...} wrappers
+                if inner.path:
+                    found = select_state_dict(root, (key, *inner.path))
+                return found, f"took the EMA copy {'.'.join(found.path)!r}"
+        callbacks = root.get("callbacks")
+        if isinstance(callbacks, Mapping):
+            for name, state in callbacks.items():
+                if "ema" in str(name).lower() and isinstance(state, Mapping):
+                    inner = select_state_dict(state)
+                    if inner.state_dict:
+                        path = ("callbacks", str(name), *inner.path)
+                        return select_state_dict(
+                            root, path
+                        ), f"took Lightning callback {name!r}'s EMA state"
+    keys = list(root)[:10] if isinstance(root, Mapping) else []
+    names = ", ".join(repr(k) for k in keys) if keys else type(root).__name__
+    raise SelectError(
+        f"no EMA copy found: looked for {', '.join(EMA_KEYS)} and Lightning EMA callbacks; "
+        f"the checkpoint has {names}",
+        argument="ema",
+        flag="--ema",
+        remedies=(Remedy("select", "'PATH'", flag="--select PATH", text="to name the copy"),),
+    )
+
+
+def take_module(
+    ckpt: Any, allow_globals: Sequence[str], selection: Selection
+) -> tuple[Selection, list[str]]:
+    """A pickled ``nn.Module`` 's recovered state dict, as ``model.state_dict()`` gives it.
+
+    Its class cannot be written back without its code, so the output is that state dict
+    alone, a plain one: parameters become plain tensors (``requires_grad`` False), each on
+    its own storage as saved (tied weights stay tied); no module class is written.
+
+    Returns:
+        The selection with the plain state dict, and notes saying what was taken.
+
+    Raises:
+        UnsafeContentError: globals outside the allowlist other than module classes (exit 3).
+    """
+    module = selection.module
+    assert module is not None
+    skipped = check_state_dict_output(ckpt, allow_globals, selection.state_dict)
+    plain = {
+        k: cast_tensor(
+            TensorRef(v.storage, v.offset, v.shape, v.stride, v.dtype), v.storage, v.dtype
+        )
+        if isinstance(v, TensorRef) and v.func is not None
+        else v
+        for k, v in selection.state_dict.items()
+    }
+    where = ".".join(selection.path) or "the root"
+    notes = [
+        f"{where!r} is a {module.description}; written as a plain state dict"
+        + (f" (module classes not written: {', '.join(skipped[:4])})" if skipped else "")
+    ]
+    return replace(selection, state_dict=plain), notes + list(module.caveats)
+
+
+def slim(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    keep_dtype: Sequence[str] = (),
+    drop: Sequence[str] = (),
+    weights_only: bool = False,
+    ema: bool = False,
+    select: str | None = None,
+    output_format: str | None = None,
+    force: bool = False,
+    verify: str = "sizes",
+    allow_globals: Sequence[str] = (),
+    dry_run: bool = False,
+    durable: bool = True,
+) -> TransformResult:
+    """Make a checkpoint smaller: cast weights, drop entries, keep only the (EMA) weights.
+
+    Args:
+        src: the input checkpoint.
+        dst: the output (``.pt`` or ``.safetensors``; ``output_format`` overrides the suffix).
+        dtype: ``bf16``, ``fp16`` or ``fp32``: cast the state dict's floating tensors to it.
+        keep_dtype: regexes; matching keys keep their dtype (``norm``, ``running_var``).
+        drop: top-level entries to leave out (``optimizer``, ``scheduler``).
+        weights_only: write the selected state dict alone, as a plain state dict.
+        ema: select the EMA copy (``state_dict_ema``, ``model_ema``, ``ema``, Lightning EMA
+            callbacks); refused when there is none. A pickled ``nn.Module`` there
+            (Ultralytics' ``ema``) gives up its recovered state dict, written as a plain
+            state dict (as with ``weights_only``); the notes say so.
+        select: dotted path of the state dict (overrides the automatic choice and ``ema``).
+        output_format: ``torch`` or ``safetensors``.
+        force: replace an existing ``dst``.
+        verify: ``sizes`` or ``none``.
+        allow_globals: globals outside the allowlist to carry through.
+        dry_run: plan only; nothing is written.
+        durable: fsync the output before naming it (default); False skips it, as ``cp``
+            does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+
+    Returns:
+        A :class:`TransformResult` (sizes per category before and after, what was cast,
+        kept and dropped).
+
+    Raises:
+        UsageError: an unknown dtype, a ``drop`` name the checkpoint lacks, a bad regex.
+        SelectError: ``ema`` and no EMA copy.
+        NonTensorEntriesError: safetensors output with entries beside the state dict.
+
+    Example:
+        >>> r = slim("model.pt", "small.safetensors", dtype="bf16", keep_dtype=["bn"])
+        >>> r.written, r.cast[:2], "bn.weight" in r.kept
+        (True, ('conv.weight', 'conv.bias'), True)
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    cast_to = _dtype(dtype)
+    keep = _patterns(keep_dtype)
+    target = check_output_path(dst, src, force=force, in_place=False)
+    ckpt = open_checkpoint(src)
+    fmt = output_format_for(dst, output_format, ckpt.format)
+    notes: list[str] = []
+    if ema and select is None:
+        selection, why = _select_ema(ckpt.root)
+        notes.append(why)
+    else:
+        selection = select_state_dict(ckpt.root, select)
+    if selection.module is not None:
+        weights_only = True
+        selection, more = take_module(ckpt, allow_globals, selection)
+        notes += more
+    else:
+        check_rewritable(ckpt, allow_globals, selection.path)
+    root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
+    items = [(str(k), str(k), v) for k, v in selection.state_dict.items()]
+    plan = plan_state_dict_output(
+        ckpt,
+        "slim",
+        dst,
+        fmt,
+        selection,
+        items,
+        weights_only=weights_only,
+        root_out=root_out,
+        cast_to=cast_to,
+        keep=keep,
+        dropped_entries=dropped,
+        notes=notes,
+    )
+    return finish(plan, target, ckpt, verify, dry_run, durable)
+
+
+def _dtype(dtype: str | None) -> str | None:
+    if dtype is None:
+        return None
+    if dtype not in DTYPE_NAMES:
+        raise UsageError(
+            "expected one of: bf16, fp16, fp32", argument="dtype", value=repr(dtype), flag="--dtype"
+        )
+    return DTYPE_NAMES[dtype]
+
+
+def _patterns(regexes: Sequence[str]) -> list[re.Pattern[str]]:
+    try:
+        return [re.compile(r) for r in regexes]
+    except re.error as e:
+        raise UsageError(
+            f"not a regular expression: {e}", argument="keep_dtype", flag="--keep-dtype"
+        ) from e
+
+
+def _drop_entries(
+    root: Any, drop: Sequence[str], path: Sequence[str]
+) -> tuple[Any, tuple[str, ...]]:
+    names = [n for part in drop for n in part.split(",") if n]
+    if not names:
+        return root, ()
+    if not isinstance(root, Mapping):
+        raise UsageError(
+            "only a dict checkpoint has top-level entries to drop", argument="drop", flag="--drop"
+        )
+    missing = [n for n in names if n not in root]
+    if missing or (path and path[0] in names):
+        raise UsageError(
+            f"cannot drop {', '.join(missing) or path[0]}: the checkpoint's top-level entries are "
+            f"{', '.join(repr(k) for k in root)}"
+            + ("" if missing else " and the state dict to keep is under it"),
+            argument="drop",
+            value=repr(names),
+            flag="--drop",
+        )
+    out = type(root)() if isinstance(root, dict) else {}
+    for key, value in root.items():
+        if key not in names:
+            out[key] = value
+    return out, tuple(names)

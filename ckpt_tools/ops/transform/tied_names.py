@@ -1,0 +1,82 @@
+"""Tied tensors in a Hugging Face folder: which names are stored and which are dropped.
+
+huggingface_hub stores memory-sharing tensors once (``_remove_duplicate_names``); this is
+its rule, on descriptors. Used by :mod:`ckpt_tools.ops.transform.reshard`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import ConversionError, Remedy
+
+__all__ = ["hf_shared_names"]
+
+
+def _areas(names: Sequence[str], sd: Mapping[str, TensorRef]) -> list[set[str]]:
+    """Split names over one storage into groups of overlapping byte ranges (safetensors'
+    ``_filter_shared_not_shared``: sorted by start, a new group where one starts past the
+    previous end)."""
+    spans = sorted((*sd[n].byte_span, n) for n in names)
+    groups = [{spans[0][2]}]
+    last_stop = spans[0][1]
+    for start, stop, name in spans[1:]:
+        if start >= last_stop:
+            groups.append({name})
+        else:
+            groups[-1].add(name)
+        last_stop = stop
+    return groups
+
+
+def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
+    """Which names of tied (memory-sharing) tensors to leave out, and the name each keeps.
+
+    huggingface_hub's rule (``_remove_duplicate_names``): tensors over one storage whose
+    bytes overlap form a group; the kept name is the alphabetically first of those that
+    cover the whole storage; the others are dropped, and the index maps kept names only.
+
+    Args:
+        sd: name -> tensor.
+
+    Returns:
+        ``{dropped name: kept name}``, in sorted order of the dropped names.
+
+    Raises:
+        ConversionError: a group where no tensor covers its whole storage (huggingface_hub
+            refuses those too), every such group named.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> s = StorageRef("0", "float32", 4, "cpu")
+        >>> t = TensorRef(s, 0, (2, 2), (2, 1), "float32")
+        >>> hf_shared_names({"lm_head.weight": t, "embed.weight": t})
+        {'lm_head.weight': 'embed.weight'}
+    """
+    by_storage: dict[int, list[str]] = {}
+    for name, t in sd.items():
+        if t.storage.nbytes and t.nbytes:
+            by_storage.setdefault(id(t.storage), []).append(name)
+    dropped: dict[str, str] = {}
+    incomplete: list[str] = []
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        for group in _areas(names, sd):
+            if len(group) < 2:
+                continue
+            complete = sorted(
+                n for n in group if sd[n].byte_offset == 0 and sd[n].nbytes == sd[n].storage.nbytes
+            )
+            if not complete:
+                incomplete.append("{" + ", ".join(sorted(group)) + "}")
+                continue
+            dropped.update((n, complete[0]) for n in sorted(group) if n != complete[0])
+    if incomplete:
+        raise ConversionError(
+            f"{len(incomplete)} group(s) of tensors share memory and none of them covers the "
+            f"whole storage, so no one name can be kept: {'; '.join(incomplete[:5])}",
+            remedies=(Remedy(text="keep the torch format, which stores shared views as they are"),),
+        )
+    return dict(sorted(dropped.items()))
