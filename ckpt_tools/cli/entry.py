@@ -20,7 +20,7 @@ def run() -> None:
     if argv == ["--version"]:
         from ckpt_tools._version import __version__
 
-        # The line click's version_option prints (tests/test_cli_entry.py compares them).
+        # The line click's version_option prints (tests/cli/test_entry.py compares them).
         sys.stdout.write(f"ckpt, version {__version__}\n")
         sys.exit(0)
     if argv and argv[0] in _FAST:

@@ -3,7 +3,7 @@
 A key rewrite of a large file takes little more than a copy, so start-up shows: importing
 click costs about as long as Python's own start. The common command line (two paths, then
 the rewrite options in their plain spellings) is parsed here, from a table that
-``tests/test_cli_fastpath.py`` holds equal to the click commands' own parameters; the same
+``tests/cli/test_fastpath.py`` holds equal to the click commands' own parameters; the same
 functions then do the work (:mod:`ckpt_tools.cli.commands.rewrite_actions`) behind the same boundary
 (:func:`~ckpt_tools.cli.boundary.guarded`).
 

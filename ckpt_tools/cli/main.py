@@ -17,7 +17,7 @@ from ckpt_tools.errors import EXIT_USAGE
 class _Entry(NamedTuple):
     module: str
     attribute: str
-    summary: str  # the command's first help paragraph (tests/test_cli_entry.py compares them)
+    summary: str  # the command's first help paragraph (tests/cli/test_entry.py compares them)
 
 
 _COMMANDS = {

@@ -227,7 +227,7 @@ _SHAPES = {op.code: _shape(op) for op in pickletools.opcodes}
 def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
     """The walk: each opcode's stack effect replayed with sizes for objects, arguments read
     in place (1.4-2x faster than replaying ``pickletools.genops``, which the tests use as
-    the oracle: ``tests/test_expansion_scan.py``).
+    the oracle: ``tests/formats/test_pickle_expansion.py``).
 
     Only PROTO's and the memo opcodes' arguments are decoded, and strings are checked as
     genops checks them (UTF-8). A newline-ended argument is read by pickletools' own reader,

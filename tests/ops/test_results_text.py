@@ -23,7 +23,7 @@ from ckpt_tools.ops.rewrite.rewriting import strip_module_file
 from ckpt_tools.structure.grouping import fold_keys, fold_names
 from ckpt_tools.structure.text import text_table
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 DP = FIXTURES / "dataparallel.pt"
 
 

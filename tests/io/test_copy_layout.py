@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_tools.errors import ResourceLimitError
-from ckpt_tools.formats import expansion, open_checkpoint
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats.pickle import expansion
 from ckpt_tools.io.copy.clone import COPY_METHODS
 from ckpt_tools.io.copy.layout import plan_zip_layout, zip_actions
 from ckpt_tools.io.writers.zipfile import SAVE_HEAD_RECORDS, SAVE_VERSION

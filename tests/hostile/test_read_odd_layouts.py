@@ -27,8 +27,8 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.pickle.unpickler import MAX_NESTING, load_pickle
-from ckpt_tools.io import zipwriter
 from ckpt_tools.io.verify.outputs import Expected, verify_output
+from ckpt_tools.io.writers import zipfile as zipwriter
 from ckpt_tools.ops.rewrite.rewriting import convert, rewrite, strip_module_file
 from ckpt_tools.structure.keys import add_rule
 from ckpt_tools.structure.selection import select_state_dict
@@ -209,7 +209,7 @@ def test_shared_reference_and_huge_int_entries_are_described_safely(tmp_path, ca
 def test_a_value_expanding_past_the_limit_is_a_memo_bomb_even_where_nothing_hashes_it(tmp_path):
     # 2**60 nodes as a dict *value*: the unpickler would not hang on it (values are not
     # hashed), but every walk that expands it would, so it is refused before unpickling
-    # (exit 5), in a plain pickle as in a torch zip (tests/test_hostile_read_memo_bomb.py).
+    # (exit 5), in a plain pickle as in a torch zip (tests/hostile/test_read_memo_bomb.py).
     bomb: Any = 0
     for _ in range(60):
         bomb = ((bomb, 1), (bomb, 2))

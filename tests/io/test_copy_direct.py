@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_tools.io import direct, dirty_room
 from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.copy import direct, dirty_room
 from ckpt_tools.io.copy.clone import COPY_METHODS, Writeback, copy_range
 from ckpt_tools.io.copy.direct import DIRECT_MIN, direct_span
 from tests import helpers as h
@@ -100,7 +100,7 @@ def roomy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_copy_that_is_not_fsynced_stays_in_the_page_cache(tmp_path: Path, source: Path) -> None:
     # --no-fsync: the bytes need not reach the disk before the command ends, and the page
     # cache takes them faster than the disk does, within the kernel's dirty room (past it,
-    # tests/test_dirty_room.py).
+    # tests/io/test_copy_dirty_room.py).
     for durable in (False, True):
         with (
             open(source, "rb") as s,

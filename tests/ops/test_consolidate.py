@@ -1,7 +1,8 @@
 """``consolidate`` on DCP folders saved in one process, against torch's ``dcp_to_torch_save``.
 
 The oracle is torch's converter plus ``torch.load``; safetensors outputs are read with the
-``safetensors`` package. FSDP2 checkpoints from several processes: test_consolidate_fsdp.py.
+``safetensors`` package. FSDP2 checkpoints from several processes:
+tests/ops/test_consolidate_fsdp.py.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.io.assemble import crc32_combine
+from tests.formats.test_dcp import Custom, save_dcp, small_state
 from tests.helpers.cli import run_ckpt
 from tests.helpers.dcp_save import reference
-from tests.test_dcp_read import Custom, save_dcp, small_state
 
 
 def assert_same(want: Any, got: Any, where: str = "") -> None:

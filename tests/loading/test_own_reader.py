@@ -26,7 +26,7 @@ from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.structure.selection import walk_path
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 REAL = Path("/work/shared/realckpt/github")
 # torch refuses these, or they hold no state dict; each has its own test elsewhere.
 _NOT_LOADABLE = {"empty.pt", "evil.pt", "lfs_pointer.pt", "no_data_pkl.pt", "random.bin"}

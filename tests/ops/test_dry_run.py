@@ -33,7 +33,7 @@ from ckpt_tools.cli.main import cli, main
 from ckpt_tools.ops.consolidate.consolidation import consolidate
 from ckpt_tools.ops.transform.reshard import convert_to_folder, reshard
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 TORCH_DTYPES = {
     "F32": "float32",

@@ -12,7 +12,7 @@ from torch import nn
 
 from ckpt_tools import load_into, load_state_dict
 from ckpt_tools.ops.rewrite.rewriting import retag
-from tests.test_load_own_reader import _zoo, assert_like_torch
+from tests.loading.test_own_reader import _zoo, assert_like_torch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,7 +30,7 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.detect import _NoGlobals
 from ckpt_tools.formats.pickle.unpickler import _Restricted
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 
 class _Forbidden(AssertionError):

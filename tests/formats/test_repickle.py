@@ -20,7 +20,8 @@ import torch
 import ckpt_tools
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError
-from ckpt_tools.formats import open_checkpoint, repickle
+from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats.pickle import repickle
 from ckpt_tools.formats.pickle.repickle import Repickler, dumps, zip_storage_id
 from tests.helpers import (
     assert_bitwise_equal,
@@ -33,7 +34,7 @@ from tests.helpers import (
 
 ZIPS = fixtures_where(format="torch-zip", oracle="torch")
 SCRIPTS = fixtures_where(format="torchscript")
-REGRESSIONS = Path(__file__).parent / "fuzz" / "regressions"
+REGRESSIONS = Path(__file__).resolve().parents[1] / "fuzz" / "regressions"
 
 
 @pytest.mark.parametrize("entry", **by_name(ZIPS))
@@ -119,7 +120,8 @@ def test_the_fast_pickler_matches_the_reference_repickler() -> None:
 
 def test_placeholder_globals_are_unbound_after_every_dump(tmp_path: Path) -> None:
     from ckpt_tools import descriptors
-    from ckpt_tools.formats import allowlist, pickles, standins
+    from ckpt_tools.formats.pickle import allowlist, standins
+    from ckpt_tools.formats.pickle import unpickler as pickles
 
     modules = (descriptors, pickles, standins, allowlist, repickle)
     before = [set(vars(m)) for m in modules]

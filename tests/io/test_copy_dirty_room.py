@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.io import dirty_room as room_module
 from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.copy import dirty_room as room_module
 from ckpt_tools.io.copy.clone import Writeback, copy_range
 from ckpt_tools.io.copy.direct import DIRECT_MIN
 from ckpt_tools.io.copy.dirty_room import dirty_room

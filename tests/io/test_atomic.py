@@ -29,7 +29,7 @@ from ckpt_tools.io import atomic
 from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
 from ckpt_tools.ops.rewrite.rewriting import convert
 from tests import helpers as h
-from tests.test_hostile_write_kill import has_file_open_in
+from tests.hostile.test_write_kill import has_file_open_in
 
 
 @pytest.fixture(autouse=True)

@@ -80,7 +80,7 @@ def test_json_refuses_shared_with_lists_past_the_limit(
     make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ckpt_tools.errors import ResourceLimitError
-    from ckpt_tools.ops import inspection_info
+    from ckpt_tools.ops.inspect import info as inspection_info
 
     base = torch.arange(4.0)
     path = make_checkpoint({f"t{i}": base[i : i + 1] for i in range(4)}, "views.pt")

@@ -58,7 +58,7 @@ HOSTILE = {
     "torchscript": (_torchscript, 7, "is a TorchScript archive"),
     # Issue 10: a .pt output would carry the module objects, so their classes are refused
     # (exit 3); with them allowed, exit 7 below. Converting to safetensors writes the
-    # recovered state dict instead (tests/test_pickled_modules.py).
+    # recovered state dict instead (tests/structure/test_modules.py).
     "pickled-module": (_pickled_module, 3, "outside the allowlist: torch.nn.modules.container"),
 }
 COMMANDS = {
@@ -71,7 +71,7 @@ COMMANDS = {
 
 @pytest.mark.parametrize(
     ("kind", "command"),
-    # A pickled module converts to safetensors (tests/test_pickled_modules.py).
+    # A pickled module converts to safetensors (tests/structure/test_modules.py).
     [(k, c) for k in HOSTILE for c in COMMANDS if (k, c) != ("pickled-module", "convert")],
 )
 def test_every_rewrite_refuses_before_looking_for_work(kind, command, tmp_path):

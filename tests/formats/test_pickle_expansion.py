@@ -43,7 +43,7 @@ from ckpt_tools.formats.pickle.expansion import (
 
 # (both walks decode protocol-0 STRING arguments with escapes, which Python warns about)
 pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INPUTS = sorted(
     p
     for folder in (ROOT / "fixtures", ROOT / "tests" / "fuzz" / "regressions")
