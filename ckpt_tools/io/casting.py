@@ -1,7 +1,7 @@
 """Floating-point casts with numpy, bitwise equal to torch's ``tensor.to(dtype)`` on the CPU.
 
-torch is never imported (importing it alone costs about 223 MB of RSS). What torch does, and
-so what this module does:
+torch is never imported (importing it alone costs hundreds of megabytes of memory). What
+torch does, and so what this module does:
 
 - every finite value is rounded to nearest, ties to even; overflow gives inf; subnormals are
   kept (fp16 subnormals, bf16 from fp32 subnormals), never flushed;

@@ -1,8 +1,8 @@
 """Which devices this machine has, which GPUs are the freest, and where saved storages go.
 
 ``torch.cuda.mem_get_info`` reports free memory as the driver sees it, so memory held by
-other processes counts. Querying it creates a CUDA context on each GPU (a few hundred MB):
-fine in a launcher or a CLI, worth knowing in a long-lived process.
+other processes counts. Querying it creates a CUDA context on each GPU, which holds GPU
+memory of its own: fine in a launcher or a CLI, worth knowing in a long-lived process.
 """
 
 from __future__ import annotations

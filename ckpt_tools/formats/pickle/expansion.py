@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 #: A checkpoint's pickle expands to about 15 nodes a tensor; this allows millions of tensors,
-#: and hashing this many nodes still takes about a second.
+#: while hashing this many nodes stays quick enough to bound a memo bomb's cost.
 MAX_EXPANDED_NODES = 100_000_000
 
 #: How far a memo index may run ahead of its position in the pickle (8 MiB of memo table).
@@ -226,8 +226,8 @@ _SHAPES = {op.code: _shape(op) for op in pickletools.opcodes}
 
 def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
     """The walk: each opcode's stack effect replayed with sizes for objects, arguments read
-    in place (1.4-2x faster than replaying ``pickletools.genops``, which the tests use as
-    the oracle: ``tests/formats/test_pickle_expansion.py``).
+    in place (faster than replaying ``pickletools.genops``, which the tests use as the
+    oracle: ``tests/formats/test_pickle_expansion.py``).
 
     Only PROTO's and the memo opcodes' arguments are decoded, and strings are checked as
     genops checks them (UTF-8). A newline-ended argument is read by pickletools' own reader,

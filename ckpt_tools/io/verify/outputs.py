@@ -121,7 +121,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         raise VerificationError(f"the written file does not read back: {e}") from e
     if out.format == "torch-zip":
         # Imported here: the zip checks load the pickle machinery a safetensors output
-        # never needs (a rewrite's start is issue 13's).
+        # never needs, and a rewrite should not pay for it at startup.
         from ckpt_tools.io.verify.zipcheck import check_torch_zip
 
         check_torch_zip(path, out)  # laid out as torch.load reads it, not only as we read it
