@@ -5,7 +5,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR := demo-out
 
-.PHONY: demo test lint format venv bytecode clean bench fuzz
+# Modules compiled once and reused, as an installed package has them: a machine that sets
+# PYTHONDONTWRITEBYTECODE would make every `ckpt` process the suite starts compile them again.
+unexport PYTHONDONTWRITEBYTECODE
+
+.PHONY: demo test lint format venv clean bench fuzz
 
 venv: $(STAMP)
 
@@ -15,13 +19,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-# Compiled modules on disk, as an installed package has them: where PYTHONDONTWRITEBYTECODE
-# is set (this machine sets it), every `ckpt` process, and the suite starts hundreds, would
-# otherwise compile the package again (about 0.1 s of CPU each). Only changed files recompile.
-bytecode: $(STAMP)
-	$(PY) -m compileall -q -j 0 ckpt_tools tests > /dev/null
-
-demo: bytecode
+demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/ckpt harness parity --world-size 2 --steps 5 --out $(DEMO_DIR) --plot $(DEMO_DIR)/parity.png
 	$(VENV)/bin/ckpt inspect $(DEMO_DIR)/ddp/wrapped.pt
@@ -30,7 +28,7 @@ demo: bytecode
 	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/stripped.pt $(DEMO_DIR)/single/bare.pt --fail-on missing,unexpected,shape,dtype,value
 
 # Includes the fuzzer's short, derandomized budget (tests/fuzz; CKPT_FUZZ_LONG=0 keeps it so).
-test: bytecode
+test: $(STAMP)
 	CKPT_FUZZ_LONG=0 $(PY) -m pytest -q
 
 # The fuzzer's long run (the short one is part of `make test`): random inputs for

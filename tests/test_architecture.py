@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,41 +76,72 @@ def test_every_module_is_in_a_room() -> None:
     assert not strays, f"modules outside the rooms of tests/test_architecture.py: {strays}"
 
 
-def _layout_block() -> str:
-    """The package's part of README's Layout drawing (up to the first line outside it)."""
-    text = (PACKAGE.parent / "README.md").read_text()
-    drawing = text.split("\n## Layout\n", 1)[1].split("```", 2)[1]
-    lines = drawing.strip("\n").splitlines()
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _drawn_tree() -> set[str]:
+    """The paths docs/architecture.md draws under ``ckpt_tools/`` (``formats/zip/directory.py``)."""
+    text = ARCHITECTURE.read_text()
+    block = text.split("\n## The tree\n", 1)[1].split("```", 2)[1]
+    lines = block.strip("\n").splitlines()
     assert lines[0] == "ckpt_tools/", lines[0]
-    package = []
+    drawn: set[str] = set()
+    stack: list[str] = []
     for line in lines[1:]:
-        if not line.startswith(" "):
-            break
-        package.append(line)
-    return "\n".join(package)
+        indent = len(line) - len(line.lstrip(" "))
+        assert indent % 2 == 0 and indent >= 2, f"odd indentation in the tree: {line!r}"
+        depth = indent // 2 - 1
+        name = line.split()[0]
+        del stack[depth:]
+        assert len(stack) == depth, f"{line!r} is indented below no package"
+        if name.endswith("/"):
+            stack.append(name.rstrip("/"))
+            drawn.add("/".join(stack) + "/")
+        else:
+            drawn.add("/".join([*stack, name]))
+    return drawn
 
 
-def test_the_readme_layout_is_the_tree() -> None:
-    """Every room is drawn in README's Layout, and every module it names exists in that room."""
-    block = _layout_block()
-    rooms = {line.split()[0].rstrip("/") for line in block.splitlines() if line.startswith("  ")}
+def _on_disk() -> set[str]:
+    found: set[str] = set()
+    for p in _modules():
+        rel = p.relative_to(PACKAGE)
+        if p.name != "__init__.py" or p.parent == PACKAGE:
+            found.add(rel.as_posix())
+        if p.parent != PACKAGE:
+            found.add(rel.parent.as_posix() + "/")
+    return found
+
+
+def test_the_architecture_page_draws_the_tree() -> None:
+    """docs/architecture.md names every module and package on disk, and nothing else."""
+    drawn, disk = _drawn_tree(), _on_disk()
+    assert not disk - drawn, f"on disk, missing from docs/architecture.md: {sorted(disk - drawn)}"
+    assert not drawn - disk, f"named in docs/architecture.md, not on disk: {sorted(drawn - disk)}"
+
+
+def test_the_readme_picture_shows_every_room() -> None:
+    """README's short picture names each room once and links to the full page."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1]
+    assert "docs/architecture.md" in section.split("\n## ", 1)[0]
+    picture = section.split("```", 2)[1].strip("\n").splitlines()
+    assert picture[0] == "ckpt_tools/" and len(picture) <= 14, picture
+    rooms = {line.split()[0].rstrip("/") for line in picture[1:] if line.startswith("  ")}
     on_disk = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert on_disk <= rooms, f"rooms missing from README's Layout: {sorted(on_disk - rooms)}"
-    room = ""
-    for line in block.splitlines():
-        if line.startswith("  ") and not line.startswith("   "):
-            room = line.split()[0].rstrip("/")
-        for name in re.findall(r"\b([a-z_]+\.py)\b", line):
-            where = PACKAGE / name if room.endswith(".py") else PACKAGE / room / name
-            assert where.exists() or (PACKAGE / name).exists(), f"README names {where}"
+    assert rooms >= on_disk, f"rooms missing from README's picture: {sorted(on_disk - rooms)}"
 
 
-@pytest.mark.parametrize("room", ["structure", "io", "loading", "diffing", "ops"])
-def test_the_readme_layout_names_every_module_of_the_small_rooms(room: str) -> None:
-    block = _layout_block()
-    named = set(re.findall(r"\b([a-z_]+\.py)\b", block))
-    modules = {p.name for p in (PACKAGE / room).glob("*.py") if p.name != "__init__.py"}
-    assert modules <= named, f"{room}/ modules missing from README's Layout: {modules - named}"
+def test_the_tree_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module dropped from the page, and a module the page invents, are both reported."""
+    page = tmp_path / "architecture.md"
+    text = ARCHITECTURE.read_text()
+    page.write_text(text.replace("      records.py ", "      recordz.py ", 1))
+    true_drawn, disk = _drawn_tree(), _on_disk()
+    monkeypatch.setattr(sys.modules[__name__], "ARCHITECTURE", page)
+    drawn = _drawn_tree()
+    assert (disk - drawn) - (disk - true_drawn) == {"formats/zip/records.py"}
+    assert (drawn - disk) - (true_drawn - disk) == {"formats/zip/recordz.py"}
 
 
 def _upward(path: Path, room: str) -> list[str]:
