@@ -1,10 +1,8 @@
-"""The one boundary that turns the library's errors into a line and an exit code, click-free.
+"""The one boundary that turns the library's errors into a line and an exit code.
 
-Both ways into ``ckpt`` pass through :func:`guarded`: click's (every command, through
-:func:`ckpt_tools.cli.main.run_command`) and the key rewrites' fast path
-(:mod:`ckpt_tools.cli.fastpath`), so an error prints the same line and ends with the same
-code however the arguments were parsed. It and :func:`echo` import click only when the text
-needs it: the fast path's point is a start without click.
+Every ``ckpt`` command passes through :func:`guarded` (by
+:func:`ckpt_tools.cli.main.run_command`), and so does ``python -m ckpt_tools.harness``: an
+error prints the same line and ends with the same code whichever command met it.
 """
 
 from __future__ import annotations
@@ -14,33 +12,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from ckpt_tools.errors import CheckpointError
-from ckpt_tools.io.atomic import Interrupted
+import click
 
-__all__ = ["echo", "guarded"]
-
-
-def echo(message: str, err: bool = False) -> None:
-    """Print ``message`` and a newline on stdout (stderr with ``err``), as ``click.echo`` does.
-
-    click strips ANSI escapes on a stream that is not a terminal, re-encodes a stream whose
-    encoding it finds misconfigured (ASCII) and drives the Windows console; plain ASCII text
-    without escapes comes out as the same bytes either way, so only other text (a key with
-    an escape sequence in it, a non-ASCII name) is handed to click.
-
-    Example:
-        >>> echo("wrote out.pt")
-        wrote out.pt
-    """
-    stream = sys.stderr if err else sys.stdout
-    if stream is not None and sys.platform != "win32" and message.isascii():
-        if "\x1b" not in message:
-            stream.write(message + "\n")
-            stream.flush()
-            return
-    import click
-
-    click.echo(message, err=err)
+__all__ = ["guarded"]
 
 
 def guarded(call: Callable[[], object], prog_name: str) -> int:
@@ -88,15 +62,21 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
 def _run(call: Callable[[], object], prog_name: str) -> int:
     try:
         code = call()
-    except CheckpointError as e:
-        if os.environ.get("CKPT_DEBUG") == "1":
-            raise
-        echo(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
-        return e.exit_code
-    except Interrupted as e:
-        # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and
-        # 128 + the signal number, as a shell reports such a kill.
-        echo(f"{prog_name}: {e}; nothing was written and the input is unchanged", err=True)
-        return 128 + e.signum
+    except BaseException as e:
+        # Imported once something was raised: `ckpt --version` and `ckpt --help` start
+        # without the error tree and the write machinery.
+        from ckpt_tools.errors import CheckpointError
+        from ckpt_tools.io.atomic import Interrupted
+
+        if isinstance(e, CheckpointError) and os.environ.get("CKPT_DEBUG") != "1":
+            click.echo(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
+            return e.exit_code
+        if isinstance(e, Interrupted):
+            # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and
+            # 128 + the signal number, as a shell reports such a kill.
+            msg = f"{prog_name}: {e}; nothing was written and the input is unchanged"
+            click.echo(msg, err=True)
+            return 128 + e.signum
+        raise
     # Commands return their exit code (``ckpt diff --fail-on``) or None for success.
     return code if isinstance(code, int) else 0

@@ -1,4 +1,8 @@
-"""The ``ckpt`` click group: its command table, loaded lazily, and click's side of the boundary."""
+"""The ``ckpt`` click group: its command table, loaded lazily, and click's side of the boundary.
+
+``ckpt --version`` and ``ckpt --help`` import click, this module and the boundary only: each
+command's module, the error tree and the readers load when a command runs.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ import click
 
 from ckpt_tools._version import __version__
 from ckpt_tools.cli.boundary import guarded
-from ckpt_tools.errors import EXIT_USAGE
 
 
 class _Entry(NamedTuple):
@@ -158,11 +161,7 @@ def cli() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``ckpt`` through click, behind :func:`~ckpt_tools.cli.boundary.guarded`.
-
-    The console script first offers the arguments to :mod:`ckpt_tools.cli.fastpath`, which
-    runs the common key rewrites without importing click; everything else comes here.
-    """
+    """Run ``ckpt`` through click, behind :func:`~ckpt_tools.cli.boundary.guarded`."""
     return run_command(cli, argv, prog_name="ckpt")
 
 
@@ -180,7 +179,6 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
     Returns:
         The exit status: 0, the command's own code, or the error's exit code.
     """
-
     def invoke() -> object:
         try:
             return command.main(
@@ -191,6 +189,8 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
         except click.exceptions.Exit as e:
             return e.exit_code
         except click.ClickException as e:
+            from ckpt_tools.errors import EXIT_USAGE  # the error tree, on an error only
+
             e.show()
             return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
         except click.exceptions.Abort:
@@ -203,3 +203,7 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
 def run() -> None:
     """Console-script entry: exit with :func:`main`'s code."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

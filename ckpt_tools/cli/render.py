@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ckpt_tools.cli.boundary import echo
+import click
+
 from ckpt_tools.structure.text import counts, human_bytes, human_count
 
 __all__ = ["counts", "echo_json", "human_bytes", "human_count", "table"]
@@ -19,7 +20,7 @@ def echo_json(data: Any) -> None:
     """Print ``data`` as indented JSON on stdout."""
     import json  # only --json needs it; `ckpt` starts faster without
 
-    echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
 def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:

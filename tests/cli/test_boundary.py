@@ -1,9 +1,9 @@
 """The one boundary between the library and the shell: ``ckpt_tools.cli.boundary.guarded``.
 
-A broken pipe ends every command with exit 1 (``test_cli_fastpath`` runs that end to end);
-these hold what ``guarded`` does to stdout on the way out, for the stdouts a caller may hand
-it: a real file (silenced, no descriptor left open), one already closed, and none that is a
-file at all.
+A broken pipe ends every command with exit 1 (the console script's runs below hold that end
+to end); the others hold what ``guarded`` does to stdout on the way out, for the stdouts a
+caller may hand it: a real file (silenced, no descriptor left open), one already closed, and
+none that is a file at all.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 from ckpt_tools.cli.boundary import guarded
 from ckpt_tools.errors import UsageError
+from tests.helpers import ckpt_env, console_script, fixture_path
 
 
 def _pipe_breaks() -> None:
@@ -74,7 +75,7 @@ sys.stdout.flush()
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 def test_a_stdout_closed_underneath_is_silenced_not_closed_again() -> None:
-    # A review found it: /dev/null opened as stdout's own number, then closed as a spare.
+    # /dev/null must not be opened as stdout's own number, then closed as a spare.
     done = subprocess.run(
         [sys.executable, "-c", _STDOUT_CLOSED_UNDERNEATH],
         capture_output=True,
@@ -93,3 +94,49 @@ def test_an_error_becomes_one_line_and_its_exit_code(capsys: pytest.CaptureFixtu
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "ckpt: error: expected one input, found two\n"
+
+
+_DP = str(fixture_path("dataparallel.pt"))
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+@pytest.mark.parametrize("src", [_DP, "missing.pt"])
+def test_a_broken_pipe_ends_the_console_script_with_exit_1(
+    stream: str, src: str, tmp_path: Path
+) -> None:
+    # The reader of one stream is gone before anything is printed. What needed that stream
+    # ends with exit 1: a success that cannot report (stdout), a failure that cannot say why
+    # (stderr), which must never pass for a success (0).
+    out = tmp_path / "out.pt"
+    read, write = os.pipe()
+    os.close(read)
+    other = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: write}
+    try:
+        run = subprocess.run(
+            [console_script(), "strip-module", src, str(out)],
+            env=ckpt_env(),
+            cwd=tmp_path,
+            timeout=120,
+            check=False,
+            **other,
+        )
+    finally:
+        os.close(write)
+    assert out.exists() == (src == _DP)
+    expected = {("stdout", _DP): 1, ("stderr", _DP): 0, ("stderr", "missing.pt"): 1}
+    assert run.returncode == expected.get((stream, src), 2)  # 2: the missing input, said
+
+
+def test_with_ckpt_debug_the_error_comes_with_its_traceback(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [console_script(), "strip-module", "missing.pt", "out.pt"],
+        capture_output=True,
+        text=True,
+        env=ckpt_env(CKPT_DEBUG="1"),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 1
+    assert "Traceback" in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("ckpt_tools.errors.")

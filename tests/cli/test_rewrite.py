@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -272,3 +274,88 @@ def test_the_installed_entry_point(tmp_path):
         h.load(src), strict=True
     )  # the input itself still loads as it was
     h.make_model(3).load_state_dict(h.load(tmp_path / "o.pt"), strict=True)
+
+
+def test_the_console_script_refuses_an_existing_output_and_shows_help(tmp_path):
+    src = h.fixture_path("dataparallel.pt")
+    script = h.console_script()
+    first = subprocess.run(
+        [script, "strip-module", src, "out.pt", "--json"],
+        capture_output=True,
+        text=True,
+        env=h.ckpt_env(),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["written"] is True
+    again = subprocess.run(
+        [script, "strip-module", src, "out.pt"],
+        capture_output=True,
+        text=True,
+        env=h.ckpt_env(),
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert again.returncode == 6 and "already exists" in again.stderr
+    shown = subprocess.run(
+        [script, "strip-module", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert shown.returncode == 0 and "Usage: ckpt strip-module" in shown.stdout
+
+
+# Runs `ckpt ARGV` in the working folder as a user who cannot read other users' 0o200 files.
+# As root it first refuses a line (what click's usage errors import loads then), then drops
+# to uid/gid 65534 (in /etc/passwd or not): the interpreter, the venv and the checkout,
+# wherever they are and whoever may enter them, were read before; the paths are relative,
+# so only the working folder must be open to that user.
+_AS_ANOTHER_USER = """
+import contextlib, io, os, sys
+from ckpt_tools.cli.main import main
+with contextlib.redirect_stderr(io.StringIO()):
+    assert main(["strip-module"]) == 2
+if os.geteuid() == 0:
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("case", ["unreadable input", "unreadable output", "unreadable folder"])
+def test_a_path_this_user_cannot_read_is_refused_before_anything_is_written(case, tmp_path):
+    # click.Path() refuses an existing path this user cannot read: exit 2, nothing written,
+    # the existing output untouched.
+    tmp_path.chmod(0o777)
+    (tmp_path / "in.pt").write_bytes(h.fixture_path("dataparallel.pt").read_bytes())
+    dst = "out.pt"
+    if case == "unreadable input":
+        (tmp_path / "in.pt").chmod(0o200)
+    elif case == "unreadable output":
+        (tmp_path / dst).write_bytes(b"keep me")
+        (tmp_path / dst).chmod(0o222)
+    else:
+        dst = "sub"
+        (tmp_path / dst).mkdir(mode=0o333)
+        (tmp_path / dst).chmod(0o333)
+    before = h.listing(tmp_path)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _AS_ANOTHER_USER, "strip-module", "in.pt", dst, "--force"],
+            capture_output=True,
+            text=True,
+            env=h.ckpt_env(),
+            cwd=tmp_path,
+            timeout=120,
+            check=False,
+        )
+        assert run.returncode == 2, run.stderr
+        assert "is not readable" in run.stderr
+        assert h.listing(tmp_path) == before
+    finally:
+        for path in tmp_path.iterdir():
+            path.chmod(0o700)
+    if case == "unreadable output":
+        assert (tmp_path / dst).read_bytes() == b"keep me"

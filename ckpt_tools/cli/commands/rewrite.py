@@ -1,19 +1,14 @@
-"""``ckpt strip-module``, ``add-module``, ``rename``, ``convert``, ``retag``."""
+"""``ckpt strip-module``, ``add-module``, ``rename``, ``convert``, ``retag``, ``reshard``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
 
-from ckpt_tools.cli.commands.rewrite_actions import (
-    add_module,
-    library_options,
-    progress_bar,
-    report,
-    strip_module,
-)
 from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
@@ -22,8 +17,78 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
+from ckpt_tools.cli.render import echo_json
 from ckpt_tools.errors import UsageError
-from ckpt_tools.ops.rewrite.rewriting import convert, rename_file, retag
+from ckpt_tools.ops.rewrite.rewriting import (
+    add_module_file,
+    convert,
+    rename_file,
+    retag,
+    strip_module_file,
+)
+
+# The progress bar is drawn only for rewrites worth watching.
+_BAR_BYTES = 64 << 20
+
+
+@contextlib.contextmanager
+def progress_bar(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress callback that draws a bar on a terminal (stderr), or None.
+
+    Args:
+        quiet: the command's ``--quiet``: no bar.
+
+    Yields:
+        ``progress(done, total)`` for the library call, or None when no bar is wanted
+        (quiet, stderr not a terminal); the bar appears once ``total`` reaches 64 MiB.
+    """
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    state: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if total < _BAR_BYTES:
+            return
+        bar = state.get("bar")
+        if bar is None:
+            bar = state["bar"] = click.progressbar(
+                length=total, label="copying tensors", file=sys.stderr, show_pos=False
+            )
+            bar.__enter__()
+            state["done"] = 0
+        bar.update(done - state["done"])
+        state["done"] = done
+
+    try:
+        yield update
+    finally:
+        if "bar" in state:
+            state["bar"].__exit__(None, None, None)
+
+
+def report(result: Any, as_json: bool) -> None:
+    """Print a rewrite's result: its text, or its JSON (``--json``)."""
+    if as_json:
+        echo_json(result.to_json())
+    else:
+        click.echo(result.text())
+
+
+def library_options(
+    kw: dict[str, Any], progress: Callable[[int, int], None] | None
+) -> dict[str, Any]:
+    """The library's keyword arguments for the options every rewrite command takes."""
+    return {
+        "select": kw["select"],
+        "force": kw["force"],
+        "in_place": kw["in_place"],
+        "verify": kw["verify"],
+        "allow_globals": kw["allow_globals"],
+        "progress": progress,
+        "dry_run": kw["dry_run"],
+        "durable": kw["durable"],
+    }
 
 
 def _common(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -59,7 +124,9 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
 )
 def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
     """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
-    strip_module(src, dst, prefix, **kw)
+    with progress_bar(kw["quiet"]) as progress:
+        result = strip_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
+    report(result, kw["as_json"])
 
 
 @click.command("add-module")
@@ -67,7 +134,9 @@ def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
 @click.option("--prefix", default="module.", show_default=True, help="The prefix to add.")
 def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
     """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
-    add_module(src, dst, prefix, **kw)
+    with progress_bar(kw["quiet"]) as progress:
+        result = add_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
+    report(result, kw["as_json"])
 
 
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
