@@ -15,7 +15,6 @@ owner PID is no longer running on this machine.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import re
 import signal
@@ -23,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -31,10 +31,10 @@ from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
 __all__ = [
     "PAUSE_ENV",
     "TEMP_SUFFIX",
+    "AtomicFile",
     "Interrupted",
     "atomic_output",
     "check_output_path",
-    "output_is_durable",
     "remove_stale_temps",
 ]
 
@@ -44,15 +44,23 @@ _TEMP_NAME = re.compile(r"^\..*\.ckpt-tmp-(\d+)-[0-9a-f]+$")
 #: Tests only: seconds to sleep once the output is written, before it is named, so a test
 #: can SIGKILL a real ``ckpt`` at that point. Unset in normal use.
 PAUSE_ENV = "CKPT_TOOLS_TEST_PAUSE_BEFORE_RENAME"
-# Whether the output being written will be fsynced: writers start its writeback early
-# (io/clone.Writeback) or write large ranges straight to the disk (io/copy/direct.py) only
-# because of that fsync; without one, the page cache takes the bytes faster.
-_DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_durable", default=True)
 
 
-def output_is_durable() -> bool:
-    """Whether the :func:`atomic_output` being written (if any) will be fsynced."""
-    return _DURABLE.get()
+@dataclass(frozen=True)
+class AtomicFile:
+    """The output :func:`atomic_output` is writing: what a writer needs to fill it.
+
+    Attributes:
+        file: the temp file, opened ``w+b``.
+        path: a path that re-opens it (to verify it); ``/proc/self/fd/N`` for an unnamed one.
+        durable: whether it will be fsynced before it is named. Writers pass it on to the
+            copy engine: bytes that must reach the disk anyway are written so that they
+            do, and bytes that need not are left to the page cache.
+    """
+
+    file: BinaryIO
+    path: Path
+    durable: bool
 
 
 class Interrupted(BaseException):
@@ -299,12 +307,12 @@ def _test_pause() -> None:
 @contextlib.contextmanager
 def atomic_output(
     dst: str | os.PathLike[str], *, unnamed: bool = True, durable: bool = True
-) -> Iterator[tuple[BinaryIO, Path]]:
+) -> Iterator[AtomicFile]:
     """Write ``dst`` atomically.
 
-    Yields ``(file, temp_path)``; the body writes through ``file`` (and may re-open
-    ``temp_path`` to verify it: for an unnamed temp file it is ``/proc/self/fd/N``). On a
-    clean exit the file is fsynced, named ``dst`` (replacing it), and the folder fsynced.
+    Yields an :class:`AtomicFile`; the body writes through its ``file`` (and may re-open
+    its ``path`` to verify it), and passes its ``durable`` to the writers. On a clean exit
+    the file is fsynced, named ``dst`` (replacing it), and the folder fsynced.
     On any exception or SIGTERM/SIGHUP the temp file is removed; on SIGKILL an unnamed one
     vanishes with the process, and a named one is removed by the next run in that folder
     (:func:`remove_stale_temps`).
@@ -318,7 +326,7 @@ def atomic_output(
             a power loss or kernel crash soon after may leave the name with missing or zero
             bytes. For scratch copies on disks where fsync is slow. Ignored when ``dst``
             exists: renamed over before its bytes are on disk, the old file could be lost
-            as well as the new one.
+            as well as the new one (the yielded ``durable`` is then True).
 
     Call :func:`check_output_path` first: this function replaces ``dst`` unconditionally.
 
@@ -326,8 +334,8 @@ def atomic_output(
         OutputError: the temp file cannot be created or written (disk full, permissions).
 
     Example:
-        >>> with atomic_output("notes.txt") as (f, tmp):
-        ...     _ = f.write(b"all or nothing")
+        >>> with atomic_output("notes.txt") as out:
+        ...     _ = out.file.write(b"all or nothing")
         >>> open("notes.txt", "rb").read()
         b'all or nothing'
     """
@@ -348,11 +356,7 @@ def atomic_output(
         try:
             release()  # a signal noted since before the temp file existed is raised here
             with f:
-                token = _DURABLE.set(durable)
-                try:
-                    yield f, tmp
-                finally:
-                    _DURABLE.reset(token)
+                yield AtomicFile(f, tmp, durable)
                 f.flush()
                 _set_mode(f.fileno(), target)
                 if durable:

@@ -100,12 +100,12 @@ def copy_between(
 ) -> tuple[CopyCounts, bytes, int]:
     """``copy_range`` from ``src`` into a fresh ``dst``: the counts, the bytes written, the flags.
 
-    ``writeback`` passes a :class:`Writeback` of the output, which tells the copy whether
-    the output is durable (outside an ``atomic_output``: yes). The flags are the output's
+    ``writeback`` passes a durable :class:`Writeback` of the output (as a writer does for an
+    output that will be fsynced). The flags are the output's
     file status flags after the copy, as the kernel reports them.
     """
     with open(src, "rb") as s, open(dst, "w+b") as d:
-        told = Writeback(d.fileno()) if writeback else None
+        told = Writeback(d.fileno(), durable=True) if writeback else None
         counts = copy_range(
             s.fileno(), src_offset, d.fileno(), dst_offset, count, progress, told, method
         )

@@ -93,8 +93,8 @@ def test_sigkill_mid_write_leaves_nothing(args, name, src, tmp_path):
 _NAMED_WRITER = """
 import sys
 from ckpt_tools.io.atomic import atomic_output
-with atomic_output(sys.argv[1], unnamed=False) as (f, tmp):
-    f.write(b"x" * 100_000)
+with atomic_output(sys.argv[1], unnamed=False) as out:
+    out.file.write(b"x" * 100_000)
 """
 
 
@@ -126,9 +126,9 @@ def test_stale_temps_of_live_processes_are_kept(tmp_path):
 def test_unnamed_temp_is_invisible_while_writing(tmp_path):
     if not _has_unnamed_files(tmp_path):
         pytest.skip("this file system has no O_TMPFILE")
-    with atomic_output(tmp_path / "t.bin") as (f, tmp):
-        f.write(b"data")
-        f.flush()
+    with atomic_output(tmp_path / "t.bin") as out:
+        out.file.write(b"data")
+        out.file.flush()
         assert _listing(tmp_path) == []  # nothing named until it is complete
-        assert Path(tmp).read_bytes() == b"data"  # yet it can be re-read to verify it
+        assert out.path.read_bytes() == b"data"  # yet it can be re-read to verify it
     assert _listing(tmp_path) == ["t.bin"] and (tmp_path / "t.bin").read_bytes() == b"data"

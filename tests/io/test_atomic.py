@@ -79,22 +79,22 @@ def test_atomic_output_replaces_only_on_success(tmp_path):
     target.write_bytes(b"old")
     os.chmod(target, 0o640)
     named = atomic_output(target, unnamed=False)
-    with pytest.raises(RuntimeError, match="boom"), named as (f, tmp):
-        f.write(b"half")
-        assert tmp.exists() and TEMP_SUFFIX in tmp.name
-        assert tmp.name.startswith(".t.bin.")
+    with pytest.raises(RuntimeError, match="boom"), named as out:
+        out.file.write(b"half")
+        assert out.path.exists() and TEMP_SUFFIX in out.path.name
+        assert out.path.name.startswith(".t.bin.")
         raise RuntimeError("boom")
     assert target.read_bytes() == b"old" and h.listing(tmp_path) == ["t.bin"]
 
-    with atomic_output(target) as (f, tmp):
-        f.write(b"new")
+    with atomic_output(target) as out:
+        out.file.write(b"new")
     assert target.read_bytes() == b"new" and h.listing(tmp_path) == ["t.bin"]
     assert target.stat().st_mode & 0o777 == 0o640  # the replaced file's mode is kept
 
 
 def test_atomic_output_cleans_up_on_keyboard_interrupt(tmp_path):
-    with pytest.raises(KeyboardInterrupt), atomic_output(tmp_path / "t.bin") as (f, _):
-        f.write(b"x")
+    with pytest.raises(KeyboardInterrupt), atomic_output(tmp_path / "t.bin") as out:
+        out.file.write(b"x")
         raise KeyboardInterrupt
     assert h.listing(tmp_path) == []
 
@@ -103,8 +103,8 @@ def test_atomic_output_cleans_up_on_keyboard_interrupt(tmp_path):
 def test_atomic_output_turns_signals_into_interrupted(signum, tmp_path):
     before = signal.getsignal(signum)
     interrupted = pytest.raises(Interrupted, match=signal.Signals(signum).name)
-    with interrupted as info, atomic_output(tmp_path / "t.bin") as (f, _):
-        f.write(b"x" * 1000)
+    with interrupted as info, atomic_output(tmp_path / "t.bin") as out:
+        out.file.write(b"x" * 1000)
         os.kill(os.getpid(), signum)
         time.sleep(1)  # the handler raises before this ends
     assert info.value.signum == signum
@@ -116,8 +116,8 @@ def test_ignored_signals_stay_ignored(tmp_path):
     # `nohup ckpt convert ...`: SIGHUP is ignored, and the rewrite must survive it.
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with atomic_output(tmp_path / "t.bin") as (f, _):
-            f.write(b"x")
+        with atomic_output(tmp_path / "t.bin") as out:
+            out.file.write(b"x")
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(0.05)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN

@@ -104,14 +104,10 @@ def test_a_copy_that_is_not_fsynced_stays_in_the_page_cache(tmp_path: Path, sour
     for durable in (False, True):
         with (
             open(source, "rb") as s,
-            atomic_output(tmp_path / f"{durable}.bin", durable=durable) as (
-                f,
-                _,
-            ),
+            atomic_output(tmp_path / f"{durable}.bin", durable=durable) as out,
         ):
-            counts = copy_range(
-                s.fileno(), 0, f.fileno(), 0, 20 * MIB, writeback=Writeback(f.fileno())
-            )
+            told = Writeback(out.file.fileno(), durable=out.durable)
+            counts = copy_range(s.fileno(), 0, out.file.fileno(), 0, 20 * MIB, writeback=told)
         assert (tmp_path / f"{durable}.bin").read_bytes() == _expected(source, 0, 20 * MIB)
         if not counts.cloned:
             assert counts.direct == (20 * MIB if durable else 0)

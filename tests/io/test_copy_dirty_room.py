@@ -76,9 +76,15 @@ def source(tmp_path: Path) -> Path:
 
 
 def _copy_not_durable(src: Path, dst: Path, count: int, method: str | None = None):
-    with open(src, "rb") as s, atomic_output(dst, durable=False) as (f, _):
+    with open(src, "rb") as s, atomic_output(dst, durable=False) as out:
         counts = copy_range(
-            s.fileno(), 0, f.fileno(), 0, count, writeback=Writeback(f.fileno()), method=method
+            s.fileno(),
+            0,
+            out.file.fileno(),
+            0,
+            count,
+            writeback=Writeback(out.file.fileno(), durable=False),
+            method=method,
         )
     assert dst.read_bytes() == src.read_bytes()[:count]
     return counts

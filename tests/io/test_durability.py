@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ckpt_tools.cli.main import cli
-from ckpt_tools.io.atomic import atomic_output, output_is_durable
-from ckpt_tools.io.copy.clone import _WRITEBACK_EVERY, Writeback
+from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.copy.clone import _WRITEBACK_EVERY
 from ckpt_tools.ops.rewrite.rewriting import strip_module_file
 from tests.helpers.builders import load, save
 from tests.helpers.cli import ckpt_env, console_script
@@ -28,29 +28,30 @@ from tests.helpers.cli import ckpt_env, console_script
 SYNCS = ("fsync", "fdatasync", "sync_file_range", "syncfs", "sync", "msync")
 
 
-def test_writers_see_whether_their_output_will_be_synced(tmp_path: Path) -> None:
-    assert output_is_durable()
-    with atomic_output(tmp_path / "a.bin", durable=False) as (f, _):
-        assert not output_is_durable()
-        assert not Writeback(f.fileno()).active
-        with atomic_output(tmp_path / "b.bin") as (g, _):
-            assert output_is_durable() and Writeback(g.fileno()).active
-            g.write(b"inner")
-        assert not output_is_durable()
-        f.write(b"outer")
-    assert output_is_durable()
+def test_writers_are_told_whether_their_output_will_be_synced(tmp_path: Path) -> None:
+    with atomic_output(tmp_path / "a.bin", durable=False) as outer:
+        assert not outer.durable
+        with atomic_output(tmp_path / "b.bin") as inner:
+            assert inner.durable
+            inner.file.write(b"inner")
+        assert not outer.durable  # each output's own, however they nest
+        outer.file.write(b"outer")
     assert (tmp_path / "a.bin").read_bytes() == b"outer"
     assert (tmp_path / "b.bin").read_bytes() == b"inner"
+    # Replacing a file is always durable, and the writers are told so.
+    with atomic_output(tmp_path / "a.bin", durable=False) as again:
+        assert again.durable
+        again.file.write(b"again")
+    assert (tmp_path / "a.bin").read_bytes() == b"again"
 
 
-def test_a_failed_non_durable_output_leaves_nothing_and_resets(tmp_path: Path) -> None:
+def test_a_failed_non_durable_output_leaves_nothing(tmp_path: Path) -> None:
     with (
         pytest.raises(RuntimeError, match="boom"),
-        atomic_output(tmp_path / "a.bin", durable=False) as (f, _),
+        atomic_output(tmp_path / "a.bin", durable=False) as out,
     ):
-        f.write(b"partial")
+        out.file.write(b"partial")
         raise RuntimeError("boom")
-    assert output_is_durable()
     assert list(tmp_path.iterdir()) == []
 
 

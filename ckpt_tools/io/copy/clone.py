@@ -39,7 +39,6 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.io.atomic import output_is_durable
 from ckpt_tools.io.copy.direct import DIRECT_MIN, aligned_span, copy_direct, direct_span
 from ckpt_tools.io.copy.dirty_room import dirty_room
 
@@ -118,21 +117,32 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 class Writeback:
-    """Start writing an output's pages to disk while it is still being filled.
+    """An output's writeback: whether it will be fsynced, and its early start where it will.
 
-    Outputs are fsynced once at the end; without this, all of the writeback waits for that
-    fsync and runs after the copying instead of beside it. Every ``_WRITEBACK_EVERY`` bytes
-    written, Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts the writeback of that
-    range without waiting for it. Best effort: nothing happens where the call is missing or
-    fails; durability still comes from the final fsync. Nothing happens either inside an
-    ``atomic_output(durable=False)``: with no fsync to shorten, it would only compete with
-    the copy for the disk.
+    A durable output is fsynced once at the end; without an early start, all of its
+    writeback waits for that fsync and runs after the copying instead of beside it. Every
+    ``_WRITEBACK_EVERY`` bytes written, Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``
+    starts the writeback of that range without waiting for it. Best effort: nothing happens
+    where the call is missing or fails; durability still comes from the final fsync. Nothing
+    happens either for an output that will not be fsynced: with no fsync to shorten, it would
+    only compete with the copy for the disk.
+
+    Args:
+        fd: the output.
+        durable: whether the output will be fsynced (``AtomicFile.durable``). The copy
+            engine reads it here: :func:`copy_range` writes a durable output's large ranges
+            straight to the disk.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     Writeback(f.fileno(), durable=False).durable
+        False
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, *, durable: bool) -> None:
         self._fd = fd
-        #: False inside a non-durable output: ``wrote`` then never starts a writeback.
-        self.active = output_is_durable()
+        self.durable = durable
         self._start: int | None = None
         self._end = 0
 
@@ -140,7 +150,7 @@ class Writeback:
         """Record that ``count`` bytes were written at ``offset``."""
         self._start = offset if self._start is None else min(self._start, offset)
         self._end = max(self._end, offset + count)
-        if self.active and self._end - self._start >= _WRITEBACK_EVERY:
+        if self.durable and self._end - self._start >= _WRITEBACK_EVERY:
             func = _sync_file_range()
             if func is not None:
                 func(self._fd, self._start, self._end - self._start, 2)  # SYNC_FILE_RANGE_WRITE
@@ -148,7 +158,7 @@ class Writeback:
 
 
 class _Told(Protocol):
-    active: bool
+    durable: bool
 
     def wrote(self, offset: int, count: int) -> None: ...
 
@@ -259,7 +269,7 @@ def _direct_start(first: str, writeback: _Told | None, count: int) -> int | None
     anyway. Any other output, with the default method, past the kernel's dirty room: up to it
     the page cache takes the bytes unpaced, past it they would be paced to the writeback.
     """
-    if first == "direct" or (first == "clone" and writeback is not None and writeback.active):
+    if first == "direct" or (first == "clone" and writeback is not None and writeback.durable):
         return 0
     if first != "clone" or count <= DIRECT_MIN:
         return None
@@ -334,7 +344,7 @@ def _copy_bytes(
     done = 0
     by_kernel = 0
     use_kernel = kernel and hasattr(os, "copy_file_range")
-    largest = _WRITEBACK_EVERY if writeback is not None and writeback.active else _KERNEL_STEP
+    largest = _WRITEBACK_EVERY if writeback is not None and writeback.durable else _KERNEL_STEP
     while done < count:
         step = min(count - done, largest)
         head = (-(dst_offset + done)) % _FOLIO_ALIGNMENT

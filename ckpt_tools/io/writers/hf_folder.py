@@ -209,11 +209,13 @@ def write_hf_shards(
         def write_one(item: tuple[str, tuple[str, ...]]) -> str:
             file, names = item
             shard = [by_name[n] for n in names]
-            with atomic_output(tmp / file, durable=durable) as (f, tmp_path):
-                write_safetensors(shard, source, f, shard_meta, progress)
-                f.flush()
+            with atomic_output(tmp / file, durable=durable) as out:
+                write_safetensors(
+                    shard, source, out.file, shard_meta, progress, durable=out.durable
+                )
+                out.file.flush()
                 expected = {e.name: e.tensor for e in shard}
-                verify_output(str(tmp_path), Expected(expected, (), source), verify)
+                verify_output(str(out.path), Expected(expected, (), source), verify)
             return file
 
         if jobs > 1 and len(plan.files) > 1:
@@ -225,7 +227,7 @@ def write_hf_shards(
         else:
             written = [write_one(item) for item in plan.files]
         if plan.is_sharded:
-            with atomic_output(tmp / INDEX_NAME, durable=durable) as (f, _):
-                f.write(index_bytes(plan, extra))
+            with atomic_output(tmp / INDEX_NAME, durable=durable) as out:
+                out.file.write(index_bytes(plan, extra))
             written.append(INDEX_NAME)
     return tuple(written)

@@ -65,6 +65,8 @@ def write_plan_zip(
     file: BinaryIO,
     root: str = "archive",
     progress: Progress | None = None,
+    *,
+    durable: bool,
 ) -> list[StorageRef]:
     """Write ``tree`` as a torch zip archive; each storage's bytes come from ``records``.
 
@@ -74,6 +76,7 @@ def write_plan_zip(
         file: the output, opened ``w+b``.
         root: the archive's root folder name.
         progress: called with the number of tensor bytes written after each chunk.
+        durable: whether the output will be fsynced (``AtomicFile.durable``).
 
     Returns:
         The storages written, in order (named ``data/0``, ``data/1``, ... as torch.save does).
@@ -94,7 +97,7 @@ def write_plan_zip(
         return torch_storage_id(storage, keys[id(storage)], storage.device)
 
     payload = dumps(tree, TORCH_PICKLE_PROTOCOL, storage_id)
-    writer = TorchZipWriter(file, root)
+    writer = TorchZipWriter(file, root, durable=durable)
     writer.add_bytes("data.pkl", payload)
     for head, value in SAVE_HEAD_RECORDS:
         writer.add_bytes(head, value)
@@ -119,6 +122,8 @@ def write_plan_safetensors(
     file: BinaryIO,
     metadata: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    *,
+    durable: bool,
 ) -> None:
     """Write tensors as a safetensors file; each one's (contiguous) bytes come from its record.
 
@@ -128,6 +133,7 @@ def write_plan_safetensors(
         file: the output, opened ``w+b``.
         metadata: the header's ``__metadata__``.
         progress: called with the number of bytes written after each chunk.
+        durable: whether the output will be fsynced (``AtomicFile.durable``).
 
     Raises:
         ConversionError: a dtype safetensors cannot hold.
@@ -137,7 +143,7 @@ def write_plan_safetensors(
     fd_out = file.fileno()
     pwrite_all(fd_out, struct.pack("<Q", len(raw)) + raw, 0)
     out = 8 + len(raw)
-    writeback = Writeback(fd_out)
+    writeback = Writeback(fd_out, durable=durable)
     with OpenFiles() as files:
         for name, _, record in entries:
             end = out + record.nbytes

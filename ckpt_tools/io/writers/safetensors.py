@@ -51,6 +51,8 @@ def write_safetensors(
     file: BinaryIO,
     metadata: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    *,
+    durable: bool,
 ) -> None:
     """Write tensors as a safetensors file, copying their bytes from ``source``.
 
@@ -64,6 +66,7 @@ def write_safetensors(
         file: the output, opened ``w+b``.
         metadata: the header's ``__metadata__`` (string to string), if any.
         progress: called with the number of bytes written after each chunk.
+        durable: whether the output will be fsynced (``AtomicFile.durable``).
 
     Raises:
         ConversionError: a dtype safetensors cannot hold (quantized types, complex32 ...).
@@ -74,7 +77,7 @@ def write_safetensors(
         >>> ckpt = open_checkpoint("model.pt")
         >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]
         >>> with open("out.safetensors", "w+b") as f:
-        ...     write_safetensors(entries, ckpt, f, metadata={"format": "pt"})
+        ...     write_safetensors(entries, ckpt, f, metadata={"format": "pt"}, durable=False)
         >>> out = open_checkpoint("out.safetensors")
         >>> out.format, list(out.root) == list(ckpt.root)
         ('safetensors', True)
@@ -82,9 +85,10 @@ def write_safetensors(
     kept = kept_layout([e.tensor for e in entries], source)
     raw = safetensors_header(entries, metadata, kept[1] if kept else None)
     fd = file.fileno()
+    writeback = Writeback(fd, durable=durable)
     if kept is None:
         pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        end = _write_tensor_bytes(entries, source, fd, 8 + len(raw), progress)
+        end = _write_tensor_bytes(entries, source, fd, 8 + len(raw), progress, writeback)
     else:
         # The tensors keep their source layout: the header is padded with spaces so the data
         # lands at its source offset (modulo 4096 at least), and is copied in one range.
@@ -93,7 +97,7 @@ def write_safetensors(
         pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
         size = sum(e.tensor.nbytes for e in entries)
         with open(source.span(entries[0].tensor.storage).path, "rb") as src:
-            copy_range(src.fileno(), kept[0], fd, start, size, progress, Writeback(fd))
+            copy_range(src.fileno(), kept[0], fd, start, size, progress, writeback)
         end = start + size
     os.ftruncate(fd, end)
 
@@ -166,9 +170,9 @@ def _write_tensor_bytes(
     fd: int,
     start: int,
     progress: Progress | None,
+    writeback: Writeback,
 ) -> int:
     """Write every entry's bytes back to back from ``start``; returns where they end."""
-    writeback = Writeback(fd)
     files = OpenFiles()
     source_fd = files.fd
     try:

@@ -44,6 +44,8 @@ def write_torch_zip(
     device_map: Mapping[str, str] | None = None,
     progress: Progress | None = None,
     added: Mapping[str, bytes] | None = None,
+    *,
+    durable: bool,
 ) -> list[StorageRef]:
     """Write ``tree`` (read from ``source``, possibly edited) as a torch zip archive.
 
@@ -62,6 +64,7 @@ def write_torch_zip(
         added: storage key -> bytes, for storages the tree holds that are not in
             ``source`` (``sanitize`` turns numpy arrays into these); written as new records
             after the copied ones.
+        durable: whether the output will be fsynced (``AtomicFile.durable``).
 
     Returns:
         The storages copied from ``source``, in order.
@@ -74,7 +77,9 @@ def write_torch_zip(
         >>> from ckpt_tools.formats import open_checkpoint
         >>> ckpt = open_checkpoint("model.pt")
         >>> with open("on_gpu.pt", "w+b") as f:
-        ...     stored = write_torch_zip(ckpt.root, ckpt, f, device_map={"cpu": "cuda:0"})
+        ...     stored = write_torch_zip(
+        ...         ckpt.root, ckpt, f, device_map={"cpu": "cuda:0"}, durable=False
+        ...     )
         >>> len(stored), {t.device for t in open_checkpoint("on_gpu.pt").root.values()}
         (17, {'cuda:0'})
     """
@@ -99,7 +104,7 @@ def write_torch_zip(
         return torch_storage_id(storage, keys[id(storage)], device)
 
     payload = dumps(tree, TORCH_PICKLE_PROTOCOL, storage_id)
-    writer = TorchZipWriter(file, source.archive_root or "archive")
+    writer = TorchZipWriter(file, source.archive_root or "archive", durable=durable)
     src_fd = os.open(source.path, os.O_RDONLY) if used or from_zip else -1
     try:
         bytes_from = _RecordSource(source, src_fd, progress)

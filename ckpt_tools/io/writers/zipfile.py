@@ -78,11 +78,13 @@ class TorchZipWriter:
     Args:
         file: the output, opened ``w+b`` and empty (positions are tracked explicitly).
         root: the archive's root folder name (torch uses the file stem or ``archive``).
+        durable: whether the output will be fsynced (``AtomicFile.durable``); the copies
+            into it are made to suit (:class:`~ckpt_tools.io.copy.clone.Writeback`).
 
     Example:
         >>> import pickle, zipfile
         >>> with open("tiny.pt", "w+b") as f:
-        ...     w = TorchZipWriter(f, "tiny")
+        ...     w = TorchZipWriter(f, "tiny", durable=False)
         ...     w.add_bytes("data.pkl", pickle.dumps({"epoch": 3}, protocol=2))
         ...     w.add_bytes("version", b"3")
         ...     w.close()
@@ -90,13 +92,13 @@ class TorchZipWriter:
         ['tiny/data.pkl', 'tiny/version']
     """
 
-    def __init__(self, file: BinaryIO, root: str = "archive") -> None:
+    def __init__(self, file: BinaryIO, root: str = "archive", *, durable: bool) -> None:
         self._file = file
         self._fd = file.fileno()
         self._root = root
         self._offset = 0
         self._entries: list[_Entry] = []
-        self._writeback = Writeback(self._fd)
+        self._writeback = Writeback(self._fd, durable=durable)
         self._end_at: tuple[int, int] | None = None
         self.copied = CopyCounts()  # bytes copied from sources, by method
 

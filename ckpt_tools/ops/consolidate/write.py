@@ -6,20 +6,21 @@ read back before it is named: every planned tensor, in order, with its dtype and
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointError, OutputError, OutputExistsError, VerificationError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.pickle.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
 from ckpt_tools.io.assemble import write_pieces
-from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.atomic import AtomicFile, atomic_output
 from ckpt_tools.io.verify.zipcheck import check_torch_zip
 from ckpt_tools.io.writers.safetensors import SafetensorsEntry, safetensors_header
 from ckpt_tools.io.writers.shard_plan import INDEX_NAME, index_bytes, plan_shards
@@ -35,17 +36,17 @@ def write_file(
 ) -> None:
     """One ``.pt`` (``fmt='torch-zip'``) or ``.safetensors`` file at ``dst``, atomically."""
     write = _write_torch if fmt == "torch-zip" else _write_safetensors
-    _atomic(dst, lambda f: write(plan, f), plan.tensors, verify, durable)
+    _atomic(dst, lambda out: write(plan, out), plan.tensors, verify, durable)
 
 
 def _atomic(
     dst: str, write: Any, tensors: Sequence[OutputTensor], verify: str, durable: bool
 ) -> None:
-    with atomic_output(dst, durable=durable) as (f, tmp):
-        write(f)
-        f.flush()
+    with atomic_output(dst, durable=durable) as out:
+        write(out)
+        out.file.flush()
         if verify != "none":
-            _verify(str(tmp), tensors)
+            _verify(str(out.path), tensors)
 
 
 def _verify(path: str, tensors: Sequence[OutputTensor]) -> None:
@@ -88,14 +89,14 @@ def _picklable(node: Any) -> Any:
     return picklable_tensors({0: node})[0]
 
 
-def _write_torch(plan: ConsolidationPlan, file: BinaryIO) -> None:
+def _write_torch(plan: ConsolidationPlan, out: AtomicFile) -> None:
     """The torch.save layout: data.pkl, torch's bookkeeping records, one record per tensor."""
     payload = dumps(
         _picklable(plan.tree),
         TORCH_PICKLE_PROTOCOL,
         lambda s: torch_storage_id(s, s.key, "cpu"),
     )
-    writer = TorchZipWriter(file, "archive")
+    writer = TorchZipWriter(out.file, "archive", durable=out.durable)
     writer.add_bytes("data.pkl", payload)
     for head, value in SAVE_HEAD_RECORDS:
         writer.add_bytes(head, value)
@@ -112,15 +113,15 @@ def _write_torch(plan: ConsolidationPlan, file: BinaryIO) -> None:
 
 
 def _write_safetensors(
-    plan: ConsolidationPlan, file: BinaryIO, tensors: Sequence[OutputTensor] | None = None
+    plan: ConsolidationPlan, out: AtomicFile, tensors: Sequence[OutputTensor] | None = None
 ) -> None:
     tensors = plan.tensors if tensors is None else tensors
     entries = [SafetensorsEntry(t.name, t.tensor) for t in tensors]
     raw = safetensors_header(entries, {"format": "pt"})
-    fd = file.fileno()
+    fd = out.file.fileno()
     os.pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
     at = 8 + len(raw)
-    writeback = Writeback(fd)
+    writeback = Writeback(fd, durable=out.durable)
     for t in tensors:
         write_pieces(fd, at, t.pieces, writeback)
         at += t.tensor.nbytes
@@ -169,13 +170,14 @@ def write_shards(
 
     def one(i: int) -> None:
         tensors = [by_name[n] for n in groups[i]]
-        _atomic(paths[i], lambda f: _write_safetensors(plan, f, tensors), tensors, verify, durable)
+        write = functools.partial(_write_safetensors, plan, tensors=tensors)
+        _atomic(paths[i], write, tensors, verify, durable)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(one, range(len(groups))))
     if len(names) > 1:
-        with atomic_output(paths[-1], durable=durable) as (f, _):
-            f.write(index_bytes(shards))
+        with atomic_output(paths[-1], durable=durable) as out:
+            out.file.write(index_bytes(shards))
     for p in stale:
         os.unlink(p)  # (only with force) after ours are complete
     return tuple(paths)

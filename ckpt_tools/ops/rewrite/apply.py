@@ -99,7 +99,7 @@ def apply_rewrite(
             progress(done[0], total)
 
     dropped = ()
-    with atomic_output(target, durable=durable) as (file, tmp):
+    with atomic_output(target, durable=durable) as out:
         # Each writer is imported for its own format: the other's modules are not needed.
         if fmt == "safetensors":
             from ckpt_tools.io.writers.safetensors import write_safetensors
@@ -107,16 +107,16 @@ def apply_rewrite(
             entries, metadata, dropped, expected = safetensors_plan(
                 ckpt, selection.path, renamed_sd, drop_extras
             )
-            write_safetensors(entries, ckpt, file, metadata, on_bytes)
+            write_safetensors(entries, ckpt, out.file, metadata, on_bytes, durable=out.durable)
             select_out: Sequence[str] = ()
         else:
             from ckpt_tools.io.writers.torchzip import picklable_tensors, write_torch_zip
 
             tree = replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
-            write_torch_zip(tree, ckpt, file, device_map, on_bytes)
+            write_torch_zip(tree, ckpt, out.file, device_map, on_bytes, durable=out.durable)
             expected, select_out = tensors, selection.path
-        file.flush()
-        verification = verify_output(str(tmp), Expected(expected, select_out, ckpt), verify)
+        out.file.flush()
+        verification = verify_output(str(out.path), Expected(expected, select_out, ckpt), verify)
     return _result(
         *stated,
         written=True,

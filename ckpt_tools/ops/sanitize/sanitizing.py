@@ -117,10 +117,12 @@ def sanitize(
     def on_bytes(n: int) -> None:
         copied[0] += n
 
-    with atomic_output(target, durable=durable) as (file, tmp):
-        write_torch_zip(done.root, ckpt, file, None, on_bytes, added=done.added)
-        file.flush()
-        verification = _verify(str(tmp), done, selection.path, ckpt, verify)
+    with atomic_output(target, durable=durable) as out:
+        write_torch_zip(
+            done.root, ckpt, out.file, None, on_bytes, added=done.added, durable=out.durable
+        )
+        out.file.flush()
+        verification = _verify(str(out.path), done, selection.path, ckpt, verify)
     tensors = _selected_tensors(done.root, selection.path)
     return SanitizeReport(
         src=src,

@@ -293,19 +293,24 @@ def execute_plan(
     # mean) or read again (a copy).
     check_verify_level(verify, why="cast and averaged bytes differ from the source's by design")
     check_output_size([], plan.output_bytes, target)
-    with atomic_output(target, durable=durable) as (file, tmp):
+    with atomic_output(target, durable=durable) as out:
         if plan.output_format == "safetensors":
-            write_plan_safetensors(plan.entries, file, plan.metadata, progress)
+            write_plan_safetensors(
+                plan.entries, out.file, plan.metadata, progress, durable=out.durable
+            )
             written: list[Record] = [r for _, _, r in plan.entries]
         else:
             root = source.archive_root or "archive"
-            used = write_plan_zip(plan.tree, plan.records, file, root, progress)
+            used = write_plan_zip(
+                plan.tree, plan.records, out.file, root, progress, durable=out.durable
+            )
             written = [plan.records[id(s)] for s in used]
-        file.flush()
+        out.file.flush()
         level = "sizes" if verify == "full" else verify
-        checked = verify_output(str(tmp), Expected(plan.expected, plan.select_out, source), level)
+        expected = Expected(plan.expected, plan.select_out, source)
+        checked = verify_output(str(out.path), expected, level)
         if verify == "full":
-            checked = _verify_bytes(str(tmp), plan.output_format, written)
+            checked = _verify_bytes(str(out.path), plan.output_format, written)
         return checked
 
 
