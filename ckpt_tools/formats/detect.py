@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import pickletools
 import stat
 import struct
 from collections.abc import Callable
@@ -19,7 +18,6 @@ from ckpt_tools.errors import (
     ResourceLimitError,
     UnsupportedFormatError,
 )
-from ckpt_tools.formats.pickle.expansion import check_expansion
 
 __all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_format"]
 
@@ -115,8 +113,13 @@ def _format_of(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes])
     ``read_to(n)`` reads its first ``n`` bytes from the same open file, for the one check
     that may need more (a legacy magic number inside a long FRAME).
     """
+    named_safetensors = p.name.endswith(".safetensors")
+    if named_safetensors and _looks_like_safetensors(head, size):
+        # torch.load and safetensors read such a name as safetensors whatever else its
+        # first block could be (a tar header); the tar and pickle checks are not needed.
+        return "safetensors"
     found = _content_format(p, size, head, read_to)
-    if p.name.endswith(".safetensors") and found != "safetensors":
+    if named_safetensors and found != "safetensors":
         # torch.load(path) reads a path ending in ".safetensors" with safetensors (torch
         # 2.13), which refuses anything else, as safetensors' own loaders do: read as what
         # it holds, such a file would load here and nowhere else.
@@ -191,6 +194,10 @@ def _first_pickle_is_legacy_magic(
     """
     if not head or not (head[0] == pickle.PROTO[0] or head[0] in _PICKLE_FIRST_OPCODES):
         return False
+    import pickletools  # only files that may be pickles get here
+
+    from ckpt_tools.formats.pickle.expansion import check_expansion
+
     try:
         # Walked first (pure Python, nothing allocated): every declared length then lies
         # within ``head``, so the C unpickler below never allocates what a header claims, and

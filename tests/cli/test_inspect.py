@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 import ckpt_tools
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import EXIT_USAGE
-from tests.helpers import at_path, describe, fixture_path, run_ckpt, tensors_of
+from tests.helpers import at_path, ckpt_env, describe, fixture_path, run_ckpt, tensors_of
 
 TENSOR_FIELDS = {"name", "dtype", "shape", "nbytes", "device", "storage", "offset"}
 WRAPPER_FIELDS = {"prefix", "kind", "count", "of"}
@@ -154,3 +157,71 @@ def test_installed_console_script() -> None:
     report: dict[str, Any] = json.loads(run.stdout)
     assert report == ckpt_tools.inspect(path).to_json()
     assert [w["prefix"] for w in report["wrappers"]] == ["model."]
+
+
+# `ckpt ARGV` in a fresh process, then the names of every module it loaded.
+_LOADED_AFTER = """
+import sys
+from ckpt_tools.cli.main import main
+code = main(sys.argv[1:])
+print(sorted(sys.modules))
+sys.exit(code)
+"""
+
+# What describing a file never needs: torch, numpy, the writers, and every reader but its own.
+_NEVER = ("torch", "numpy", "ckpt_tools.io.writers", "ckpt_tools.io.copy", "ckpt_tools.io.atomic")
+_OTHER_READERS = {
+    "model.safetensors": (
+        "tarfile",
+        "pickletools",
+        "ckpt_tools.formats.dcp",
+        "ckpt_tools.formats.zip",
+        "ckpt_tools.formats.pickle",
+        "ckpt_tools.formats.legacy",
+        "ckpt_tools.formats.hf",
+    ),
+    "model.pt": (
+        "tarfile",
+        "ckpt_tools.formats.dcp",
+        "ckpt_tools.formats.safetensors",
+        "ckpt_tools.formats.legacy",
+        "ckpt_tools.formats.hf",
+    ),
+}
+# The reader a file's format needs is loaded: the test sees the imports it means to.
+_OWN_READER = {
+    "model.safetensors": "ckpt_tools.formats.safetensors",
+    "model.pt": "ckpt_tools.formats.zip.torchzip",
+}
+
+
+def _loaded(name: str, *options: str) -> set[str]:
+    run = subprocess.run(
+        [sys.executable, "-c", _LOADED_AFTER, "inspect", str(fixture_path(name)), *options],
+        capture_output=True,
+        text=True,
+        env=ckpt_env(),
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    return set(ast.literal_eval(run.stdout.splitlines()[-1]))
+
+
+def _among(loaded: set[str], packages: tuple[str, ...]) -> list[str]:
+    return sorted(
+        m for m in loaded if m in packages or m.startswith(tuple(f"{p}." for p in packages))
+    )
+
+
+@pytest.mark.parametrize("name", sorted(_OTHER_READERS))
+def test_inspect_imports_its_format_s_reader_only(name: str) -> None:
+    # Each module a command imports costs every run of it: a reader is imported where a
+    # file of its format was detected, tabulate where a table is printed.
+    table = _loaded(name)
+    as_json = _loaded(name, "--json")
+    for loaded in (table, as_json):
+        assert _OWN_READER[name] in loaded
+        assert _among(loaded, _NEVER + _OTHER_READERS[name]) == []
+    assert "tabulate" in table
+    assert _among(as_json, ("tabulate", "zipfile")) == []

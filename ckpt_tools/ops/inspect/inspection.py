@@ -8,8 +8,6 @@ from typing import Any
 
 from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.formats.dcp.reader import DcpCheckpoint
-from ckpt_tools.formats.pickle.standins import Reduced, TorchSize
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.keys import detect_wrappers
 from ckpt_tools.structure.selection import (
@@ -37,6 +35,9 @@ def describe_value(value: Any, limit: int = 60) -> str:
         return f"{value.global_ref.qualname} object (not imported)"
     if isinstance(value, type) and issubclass(value, Opaque):
         return f"{value.global_ref.qualname} (global, not imported)"
+    # Only the pickle reader makes these: a safetensors file is described without it.
+    from ckpt_tools.formats.pickle.standins import Reduced, TorchSize
+
     if isinstance(value, (Reduced, TorchSize)):
         return _clip(repr(value), limit)
     if isinstance(value, (bool, int, float, complex, str, bytes, bytearray, set, frozenset)):
@@ -138,6 +139,10 @@ def _module_summary(selection: Selection) -> dict[str, Any] | None:
 
 def _dcp_chunks(ckpt: Checkpoint, named: list[tuple[str, TensorRef]]) -> dict[str, tuple[Any, ...]]:
     """Each DCP tensor's chunks, as :attr:`CheckpointInfo.chunks` lists them."""
+    if ckpt.format != "dcp":
+        return {}  # the DCP reader is imported only where a DCP folder was opened
+    from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+
     if not isinstance(ckpt, DcpCheckpoint):
         return {}
     found: dict[str, tuple[Any, ...]] = {}
