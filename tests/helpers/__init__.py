@@ -56,6 +56,7 @@ from tests.helpers.files import (
     copy_between,
     data_pkl_name,
     fingerprint,
+    force_copy_method,
     listing,
     loop_mounted,
     mounted,
@@ -68,7 +69,6 @@ from tests.helpers.files import (
     temp_files,
     tensor_from_span,
     truncated_copy,
-    vmstat_file,
 )
 from tests.helpers.trees import (
     GEOMETRY,
@@ -123,6 +123,7 @@ __all__ = [
     "fingerprint",
     "fixture_path",
     "fixtures_where",
+    "force_copy_method",
     "listing",
     "load",
     "load_truth",
@@ -157,7 +158,6 @@ __all__ = [
     "transposed_views",
     "truncated_copy",
     "value_bytes",
-    "vmstat_file",
     "walk_tensors",
     "with_prefix",
 ]

@@ -104,32 +104,24 @@ def copy_between(
     output that will be fsynced). The flags are the output's
     file status flags after the copy, as the kernel reports them.
     """
+    how = {} if method is None else {"method": method}
     with open(src, "rb") as s, open(dst, "w+b") as d:
         told = Writeback(d.fileno(), durable=True) if writeback else None
         counts = copy_range(
-            s.fileno(), src_offset, d.fileno(), dst_offset, count, progress, told, method
+            s.fileno(), src_offset, d.fileno(), dst_offset, count, progress, told, **how
         )
         flags = fcntl.fcntl(d.fileno(), fcntl.F_GETFL)
         d.seek(dst_offset)
         return counts, d.read(), flags
 
 
-def vmstat_file(
-    path: Path, threshold: int, background: int, dirty: int, writeback: int = 0
-) -> Path:
-    """A file in ``/proc/vmstat``'s format with these page counts (among lines to skip).
+def force_copy_method(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """Make ``method`` the first one tried by every copy the writers make, for one test.
 
-    Points :data:`ckpt_tools.io.copy.dirty_room.VMSTAT` at a kernel dirty room of a test's choosing.
+    The writers call :func:`copy_range` without naming a method, so its keyword default is
+    what they get; the test's monkeypatch puts the default back when it ends.
     """
-    path.write_text(
-        "nr_free_pages 123456\n"
-        f"nr_dirty {dirty}\n"
-        f"nr_writeback {writeback}\n"
-        "nr_dirtied 99999999\n"
-        f"nr_dirty_threshold {threshold}\n"
-        f"nr_dirty_background_threshold {background}\n"
-    )
-    return path
+    monkeypatch.setitem(copy_range.__kwdefaults__, "method", method)
 
 
 def listing(folder: Path) -> list[str]:

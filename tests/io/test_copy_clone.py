@@ -8,6 +8,7 @@ the file system's free-space count, not from this package's own counters alone.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.io.copy.clone import COPY_METHODS, copy_method
+from ckpt_tools.io.copy.clone import COPY_METHODS, copy_method, copy_range
 from ckpt_tools.ops.rewrite.rewriting import strip_module_file
 from tests import helpers as h
 
@@ -96,21 +97,18 @@ def test_a_short_source_is_an_error_whatever_the_method(tmp_path: Path) -> None:
             h.copy_between(src, tmp_path / "dst.bin", 0, 0, 5000, method)
 
 
-def test_the_copy_method_is_named_by_argument_or_environment(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("CKPT_COPY_METHOD", raising=False)
-    assert copy_method() == "clone"
-    monkeypatch.setenv("CKPT_COPY_METHOD", "readwrite")
-    assert copy_method() == "readwrite"
+def test_the_copy_method_is_an_argument_checked_before_any_byte_moves(tmp_path: Path) -> None:
+    assert inspect.signature(copy_range).parameters["method"].default == "clone"
     assert copy_method("copy_file_range") == "copy_file_range"
     with pytest.raises(
         UsageError, match="expected one of: clone, direct, copy_file_range, readwrite"
     ):
         copy_method("sendfile")
-    monkeypatch.setenv("CKPT_COPY_METHOD", "reflink")
-    with pytest.raises(UsageError, match="environment variable CKPT_COPY_METHOD is 'reflink'"):
-        copy_method()
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 1000)
+    with pytest.raises(UsageError, match="method is 'reflink'"):
+        h.copy_between(src, tmp_path / "dst.bin", 0, 0, 1000, "reflink")
+    assert (tmp_path / "dst.bin").read_bytes() == b""
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +161,7 @@ def test_a_rewrite_on_xfs_shares_the_tensor_bytes(
     strip_module_file(src, xfs / f"out{suffix}")
     assert before - _free_bytes(xfs) < 4 * MIB  # the 32 MiB of tensors are shared
     # The same bytes as a read/write copy on another file system.
-    monkeypatch.setenv("CKPT_COPY_METHOD", "readwrite")
+    h.force_copy_method(monkeypatch, "readwrite")
     strip_module_file(src, tmp_path / f"out{suffix}")
     assert (xfs / f"out{suffix}").read_bytes() == (tmp_path / f"out{suffix}").read_bytes()
     loaded = h.load(xfs / f"out{suffix}", mmap=True)

@@ -253,7 +253,7 @@ def test_every_copy_method_writes_the_same_bytes(
         save_file(sd, src)
     outputs = {}
     for method in COPY_METHODS:
-        monkeypatch.setenv("CKPT_COPY_METHOD", method)
+        h.force_copy_method(monkeypatch, method)
         dst = tmp_path / f"{method}{suffix}"
         strip_module_file(src, dst)
         outputs[method] = dst.read_bytes()
@@ -261,30 +261,15 @@ def test_every_copy_method_writes_the_same_bytes(
     assert h.load(tmp_path / f"readwrite{suffix}").keys() == _renamed("strip-module", sd).keys()
 
 
-def test_the_copy_method_variable_is_checked(
+def test_the_console_script_rewrites_as_a_read_write_copy_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src = h.save(_state(), tmp_path / "in.pt")
-    result = h.run_ckpt(
-        "strip-module", src, tmp_path / "out.pt", code=2, env={"CKPT_COPY_METHOD": "splice"}
-    )
-    assert "CKPT_COPY_METHOD" in result.stderr and "readwrite" in result.stderr
-    assert not (tmp_path / "out.pt").exists()
-    assert h.temp_files(tmp_path) == []
-
-
-def test_the_console_script_rewrites_with_a_forced_method(tmp_path: Path) -> None:
     sd = _state()
     src = h.save(sd, tmp_path / "in.pt")
-    h.run_ckpt(
-        "strip-module",
-        src,
-        tmp_path / "out.pt",
-        how="script",
-        env={"CKPT_COPY_METHOD": "readwrite"},
-    )
-    h.run_ckpt("strip-module", src, tmp_path / "cfr.pt", env={"CKPT_COPY_METHOD": "clone"})
-    assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "cfr.pt").read_bytes()
+    h.run_ckpt("strip-module", src, tmp_path / "out.pt", how="script")
+    h.force_copy_method(monkeypatch, "readwrite")
+    h.run_ckpt("strip-module", src, tmp_path / "readwrite.pt")
+    assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "readwrite.pt").read_bytes()
     _assert_torch_equal(tmp_path / "out.pt", _renamed("strip-module", sd))
 
 

@@ -1,30 +1,27 @@
 """Copying byte ranges between files: reflinks, direct writes, ``copy_file_range``, read/write.
 
-Every copy of a source's bytes into an output goes through :func:`copy_range`. It tries, in
-this order, and falls back on the errors that mean "not here" (EOPNOTSUPP, EXDEV, EINVAL,
-ENOSYS, ENOTTY, EPERM ...), never on a failing disk:
+Every copy of a source's bytes into an output goes through :func:`copy_range`, and every
+choice it makes comes from its arguments: the method to try first, and the output's
+:class:`Writeback`, which says whether the output will be fsynced. It tries, in this order,
+and falls back on the errors that mean "not here" (EOPNOTSUPP, EXDEV, EINVAL, ENOSYS,
+ENOTTY, EPERM ...), never on a failing disk:
 
 1. ``clone``: the ``FICLONERANGE`` ioctl shares the source's blocks with the output (XFS
    with ``reflink=1``, btrfs): no byte is copied or written back, whatever the size. Only
    whole blocks can be shared, and only when source and output offsets agree modulo the
-   block size (the layout-preserving rewrites of :mod:`ckpt_tools.io.copy.layout` arrange that);
-   the unaligned head and tail are copied by ``copy_file_range``.
-2. ``direct``: for an output that will be fsynced (or when named), the whole pages of a
-   large range are written with ``O_DIRECT`` from a mapping of the source
-   (:mod:`ckpt_tools.io.copy.direct`): the bytes must reach the disk before the command ends
-   anyway, and this way they do not pile up as dirty pages first. For an output that will
-   not be fsynced, only the part of a range past the kernel's dirty room
-   (:mod:`ckpt_tools.io.copy.dirty_room`): up to it the page cache takes the bytes without
-   waiting for the disk; past it the kernel limits the copy to about the writeback's pace.
-   Where source and output offsets agree modulo the page size only; the head and tail go
-   on to the next method.
+   block size (the layout-preserving rewrites of :mod:`ckpt_tools.io.copy.layout` arrange
+   that); the unaligned head and tail are copied by the next methods.
+2. ``direct``: for an output that will be fsynced, the whole pages of a large range are
+   written with ``O_DIRECT`` from a mapping of the source (:mod:`ckpt_tools.io.copy.direct`):
+   those bytes must reach the disk before the command ends anyway, and this way they do not
+   pile up as dirty pages first. An output that will not be fsynced (``--no-fsync``) is
+   copied through the page cache, as ``cp`` copies.
 3. ``copy_file_range``: the kernel copies page-cache pages (and may reflink by itself).
 4. ``readwrite``: ``pread``/``pwrite`` in 8 MiB pieces.
 
-The environment variable ``CKPT_COPY_METHOD`` (:data:`COPY_METHOD_ENV`), or the ``method``
-argument, names the first method tried: ``clone`` (the default), ``direct``,
-``copy_file_range`` or ``readwrite``. Later methods remain fallbacks, so forcing a method
-never makes a copy fail; tests force each one and compare the outputs byte for byte.
+The ``method`` argument names the first method tried (``clone`` by default). Later methods
+remain fallbacks, so naming a method never makes a copy fail; tests name each one and
+compare the outputs byte for byte.
 """
 
 from __future__ import annotations
@@ -39,12 +36,10 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.io.copy.direct import DIRECT_MIN, aligned_span, copy_direct, direct_span
-from ckpt_tools.io.copy.dirty_room import dirty_room
+from ckpt_tools.io.copy.direct import aligned_span, copy_direct, direct_span
 
 __all__ = [
     "COPY_METHODS",
-    "COPY_METHOD_ENV",
     "CopyCounts",
     "Writeback",
     "copy_method",
@@ -53,7 +48,6 @@ __all__ = [
 ]
 
 COPY_METHODS = ("clone", "direct", "copy_file_range", "readwrite")
-COPY_METHOD_ENV = "CKPT_COPY_METHOD"
 # _IOW(0x94, 13, struct file_clone_range): {s64 src_fd; u64 src_offset, src_length, dest_offset}
 _FICLONERANGE = 0x4020940D
 _CLONE_RANGE = struct.Struct("=qQQQ")
@@ -73,14 +67,10 @@ _NOT_HERE = frozenset(
 _CHUNK = 8 << 20
 _WRITEBACK_EVERY = 64 << 20
 # One copy_file_range call moves at most MAX_RW_COUNT (2 GiB - 4 KiB) on Linux; ask for the
-# most below it that keeps the next call on a 64 KiB boundary. Fewer calls pay once a copy
-# outgrows the kernel's dirty limits: a 4 GiB copy took 2.7-4.4 s in 1 GiB calls (the
-# fourth throttled for 2-3 s) and 1.3-1.9 s in 2 GiB calls, as many as `cp` makes
-# (benchmarks/README.md, issue 13, seventh pass).
+# most below it that keeps the next call on a 64 KiB boundary, so a large copy takes as few
+# calls as ``cp`` makes.
 _KERNEL_STEP = (2 << 30) - (64 << 10)
-_FOLIO_ALIGNMENT = 64 << 10
-# (source device, output device) pairs where FICLONERANGE failed: not asked again.
-_NO_CLONE: set[tuple[int, int]] = set()
+_KERNEL_ALIGN = 64 << 10
 
 
 def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
@@ -180,25 +170,23 @@ class CopyCounts(NamedTuple):
         )
 
 
-def copy_method(method: str | None = None) -> str:
-    """The first copy method to try: ``method``, else ``$CKPT_COPY_METHOD``, else ``clone``.
+def copy_method(method: str) -> str:
+    """``method``, checked: the name of a copy method to try first.
 
     Raises:
         UsageError: a name not in :data:`COPY_METHODS`.
 
     Example:
-        >>> copy_method("readwrite"), copy_method(None) in COPY_METHODS
-        ('readwrite', True)
+        >>> copy_method("readwrite")
+        'readwrite'
     """
-    chosen = method if method is not None else os.environ.get(COPY_METHOD_ENV) or "clone"
-    if chosen not in COPY_METHODS:
-        source = "method" if method is not None else f"environment variable {COPY_METHOD_ENV}"
+    if method not in COPY_METHODS:
         raise UsageError(
-            f"{source} is {chosen!r}; expected one of: {', '.join(COPY_METHODS)}",
-            argument="method" if method is not None else None,
-            value=repr(chosen),
+            f"method is {method!r}; expected one of: {', '.join(COPY_METHODS)}",
+            argument="method",
+            value=repr(method),
         )
-    return chosen
+    return method
 
 
 def copy_range(
@@ -209,7 +197,8 @@ def copy_range(
     count: int,
     progress: Callable[[int], None] | None = None,
     writeback: _Told | None = None,
-    method: str | None = None,
+    *,
+    method: str = "clone",
 ) -> CopyCounts:
     """Copy ``count`` bytes between files at explicit offsets, sharing blocks where possible.
 
@@ -220,14 +209,17 @@ def copy_range(
         dst_offset: where they go in the output.
         count: how many bytes.
         progress: called with each piece's byte count as it is done.
-        writeback: told of every range written (not of shared blocks, which dirty nothing).
-        method: the first method to try (see :func:`copy_method`).
+        writeback: the output's :class:`Writeback`: told of every range written (not of
+            shared blocks, which dirty nothing), and whether the output will be fsynced.
+            ``None``: an output that will not be, copied through the page cache.
+        method: the first method to try, one of :data:`COPY_METHODS`.
 
     Returns:
         The :class:`CopyCounts` of bytes each method moved.
 
     Raises:
         OSError: a read or write failed (disk full, I/O error), or the source ended early.
+        UsageError: ``method`` is not a copy method.
 
     Example:
         >>> import tempfile
@@ -239,13 +231,14 @@ def copy_range(
         (b'23456', 5)
     """
     first = copy_method(method)
+    durable = writeback is not None and writeback.durable
     head, body, middle, method_used = 0, 0, _clone_body, "cloned"
     if count > 0 and first == "clone":
         head, body = _clone_span(src_fd, src_offset, dst_fd, dst_offset, count)
-    start = None if body else _direct_start(first, writeback, count)
-    if start is not None:
-        skip, body = direct_span(src_offset + start, dst_offset + start, count - start)
-        head, middle, method_used = start + skip, copy_direct, "direct"
+    # Direct writes only where the bytes must reach the disk before the command ends anyway.
+    if not body and (first == "direct" or (first == "clone" and durable)):
+        head, body = direct_span(src_offset, dst_offset, count)
+        middle, method_used = copy_direct, "direct"
     if not body:
         kernel = first != "readwrite"
         return _copy_bytes(
@@ -260,21 +253,6 @@ def copy_range(
     return counts + _copy_bytes(
         src_fd, src_offset + done, dst_fd, dst_offset + done, count - done, progress, writeback
     )
-
-
-def _direct_start(first: str, writeback: _Told | None, count: int) -> int | None:
-    """Where in a range direct writes may start; ``None``: nowhere (all through the cache).
-
-    A durable output (or a named ``direct``) from its start: its bytes must reach the disk
-    anyway. Any other output, with the default method, past the kernel's dirty room: up to it
-    the page cache takes the bytes unpaced, past it they would be paced to the writeback.
-    """
-    if first == "direct" or (first == "clone" and writeback is not None and writeback.durable):
-        return 0
-    if first != "clone" or count <= DIRECT_MIN:
-        return None
-    room = dirty_room()
-    return room if room is not None and room < count else None
 
 
 def _clone_body(
@@ -303,16 +281,17 @@ def _clone_span(
     """``(head, body)``: bytes before the first shareable block, and whole blocks to share.
 
     ``(0, 0)`` when nothing can be shared: the offsets disagree modulo the block size, the
-    range holds no whole block, or FICLONERANGE already failed between these devices. A
-    trial clone of the first block decides for the rest of the process.
+    range holds no whole block, or a trial clone of the first block is refused. The trial is
+    made for every range, not remembered: it costs one system call, and a refusal depends
+    on the pair of open files (their file systems, and their mounts: EXDEV), not on a key
+    a cache could hold.
     """
     try:
-        key = (os.fstat(src_fd).st_dev, os.fstat(dst_fd).st_dev)
         block = max(os.fstatvfs(dst_fd).f_frsize, 1)
     except OSError:
         return 0, 0
     head, body = aligned_span(src_offset, dst_offset, count, block)
-    if key in _NO_CLONE or not body:
+    if not body:
         return 0, 0
     try:
         # Trial: the first block alone (the head is not written yet; a clone past the end of
@@ -321,7 +300,6 @@ def _clone_span(
     except OSError as e:
         if e.errno not in _NOT_HERE:
             raise
-        _NO_CLONE.add(key)
         return 0, 0
     return head, body
 
@@ -347,11 +325,10 @@ def _copy_bytes(
     largest = _WRITEBACK_EVERY if writeback is not None and writeback.durable else _KERNEL_STEP
     while done < count:
         step = min(count - done, largest)
-        head = (-(dst_offset + done)) % _FOLIO_ALIGNMENT
-        if use_kernel and head and count - done > _FOLIO_ALIGNMENT:
-            # The kernel copies in pieces from where the call starts: from an output offset
-            # off a 64 KiB boundary every piece fills small page-cache folios (measured ~30%
-            # slower on ext4, see benchmarks/README.md). Copy up to the boundary first.
+        head = (-(dst_offset + done)) % _KERNEL_ALIGN
+        if use_kernel and head and count - done > _KERNEL_ALIGN:
+            # The kernel copies in pieces from where the call starts: copy up to the output's
+            # next 64 KiB boundary first, so the long call that follows starts on it.
             step = min(step, head)
         if use_kernel:
             try:

@@ -2,12 +2,11 @@
 
 A durable output is fsynced before it is named, so its bytes go to the disk before the
 command ends whatever the copy does. Copied through the page cache, gigabytes of dirty pages
-pile up faster than the kernel writes them back: past its dirty limits the copy is throttled
-to the pace of the writeback, and the final fsync waits for the rest (a 4 GiB copy with
-``copy_file_range`` and early writeback took 1.2-4.5 s on ext4 here, ``cp`` + fsync 2.3-5.0 s).
-Written with ``O_DIRECT`` from a read-only mapping of the source, the same bytes go from the
-source's page cache to the device in one step, at the device's pace, dirtying nothing: 0.9-1.0 s
-(benchmarks/README.md, issue 13, eighth pass).
+pile up faster than the kernel writes them back: past its dirty limits the copy is paced to
+the writeback, and the final fsync waits for the rest, so every byte is copied twice (into
+the cache, then to the device). Written with ``O_DIRECT`` from a read-only mapping of the
+source, the same bytes go from the source's page cache to the device in one step, at the
+device's pace, dirtying nothing (benchmarks/README.md has the measurements).
 
 Only the part of a range that lies on whole pages in both files goes this way, and only where
 source and output offsets agree modulo the page size (the layout-preserving rewrites of
@@ -45,8 +44,6 @@ _REFUSED = frozenset({errno.EINVAL})
 # The mapped source could not be read (it shrank after it was mapped, or a read failed):
 # the page-cache copy reads the same bytes again, and reports a short source or the error.
 _SOURCE_FAILED = frozenset({errno.EFAULT})
-# Output devices where O_DIRECT was refused: not asked again in this process.
-_NO_DIRECT: set[int] = set()
 
 
 def aligned_span(src_offset: int, dst_offset: int, count: int, unit: int) -> tuple[int, int]:
@@ -99,7 +96,8 @@ def copy_direct(
 
     Offsets and ``count`` must come from :func:`direct_span` (aligned, and agreeing modulo
     the page size). The output's file descriptor has ``O_DIRECT`` set for the copy and its
-    flags restored after, whatever happens.
+    flags restored after, whatever happens. A refusal is not remembered: asking again
+    costs one ``fcntl`` call.
 
     Args:
         src_fd: the source, open for reading (it is mapped read-only).
@@ -119,11 +117,8 @@ def copy_direct(
             a full disk).
     """
     try:
-        device = os.fstat(dst_fd).st_dev
         flags = fcntl.fcntl(dst_fd, fcntl.F_GETFL)
     except OSError:
-        return 0
-    if device in _NO_DIRECT:
         return 0
     done = 0
     try:
@@ -132,13 +127,10 @@ def copy_direct(
         except OSError as e:
             if e.errno not in _REFUSED:
                 raise
-            _NO_DIRECT.add(device)
             return 0
         while done < count:
             n = _write_window(src_fd, src_offset + done, dst_fd, dst_offset + done, count - done)
             if n <= 0:
-                if n == 0 and not done:
-                    _NO_DIRECT.add(device)
                 break
             done += n
             if progress is not None:
