@@ -234,12 +234,31 @@ def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
     and so is an argument running past the end, so a malformed pickle fails in genops'
     words.
     """
+    seen: dict[int, None] = {}  # opcode bytes, in first-seen order
+    protocols: dict[int, None] = {}
+    end, malformed = _walk(data, limit, seen, protocols)
+    names = tuple(pickletools.code2op[chr(code)].name for code in seen)
+    return OpcodeScan(names, tuple(protocols), malformed, end)
+
+
+def _walk(
+    data: bytes, limit: int, seen: dict[int, None], protocols: dict[int, None]
+) -> tuple[int, str | None]:
+    """Replay ``data``'s opcodes up to STOP, noting each opcode and PROTO version met.
+
+    One loop with the stack effects written out in it: it runs once per opcode, millions of
+    times for a large state dict, so only the string arguments take a call (:func:`_sized_end`).
+
+    Returns:
+        ``(where STOP ends, None)``, or for a malformed pickle ``(where the opcode that
+        failed starts, genops' message)``.
+
+    Raises:
+        ResourceLimitError: an object expands past ``limit``, or a memo index runs too far.
+    """
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}
-    seen: dict[int, None] = {}
-    protocols: dict[int, None] = {}
-    malformed: str | None = None
     push, end, pos, at = stack.append, len(data), 0, 0
     try:
         while True:
@@ -263,15 +282,8 @@ def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
                 pos += how
             elif how == _NEWLINE:
                 arg, pos = _read_arg(data, at)
-            elif how < 0:  # a length, then that many bytes
-                width, signed, utf8 = _LENGTHS[how]
-                head = pos + width
-                n = int.from_bytes(data[pos:head], "little", signed=signed)
-                if head > end or n < 0 or head + n > end:
-                    arg, pos = _read_arg(data, at)  # (raises)
-                elif utf8:
-                    str(data[head : head + n], "utf-8", "surrogatepass")
-                pos = head + n
+            elif how < 0:
+                pos = _sized_end(data, at, how)
             seen[code] = None  # (once its argument reads, as genops yields it)
             if kind == _PLAIN:
                 size = 1
@@ -279,14 +291,13 @@ def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
                     mark = marks.pop() if marks else 0
                     size += sum(stack[mark:])
                     del stack[mark:]
-                for _ in range(below):
-                    size += stack.pop() if stack else 1
+                if below:  # (most plain opcodes pop nothing: skip building a range)
+                    for _ in range(below):
+                        size += stack.pop() if stack else 1
                 if size > limit:
                     raise _expands_past(limit)
-                if after == 1:
+                if after:  # a plain opcode pushes at most one object (DUP is not plain)
                     push(size)
-                elif after:
-                    stack.extend([size] * after)
             elif kind == _GET:
                 push(memo.get(arg, 1))
             elif kind == _PUT:
@@ -298,11 +309,28 @@ def _scan_bytes(data: bytes, limit: int) -> OpcodeScan:
             else:  # _DUP
                 push(stack[-1] if stack else 1)
             if code == _STOP:
-                break
+                return pos, None
     except ValueError as e:
-        malformed = str(e)
-    names = tuple(pickletools.code2op[chr(code)].name for code in seen)
-    return OpcodeScan(names, tuple(protocols), malformed, at if malformed else pos)
+        return at, str(e)
+
+
+def _sized_end(data: bytes, at: int, how: int) -> int:
+    """Where the argument of the opcode at ``at`` ends: a little-endian length (``how``, a
+    key of :data:`_LENGTHS`), then that many bytes, checked as UTF-8 where genops decodes
+    them so.
+
+    Raises:
+        ValueError: the length is negative or runs past the end (pickletools' words), or
+            the bytes are not UTF-8.
+    """
+    width, signed, utf8 = _LENGTHS[how]
+    head = at + 1 + width
+    n = int.from_bytes(data[at + 1 : head], "little", signed=signed)
+    if head > len(data) or n < 0 or head + n > len(data):
+        return _read_arg(data, at)[1]  # (raises, in pickletools' words)
+    if utf8:
+        str(data[head : head + n], "utf-8", "surrogatepass")
+    return head + n
 
 
 def _read_arg(data: bytes, at: int) -> tuple[Any, int]:
