@@ -179,6 +179,7 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
     Returns:
         The exit status: 0, the command's own code, or the error's exit code.
     """
+
     def invoke() -> object:
         try:
             return command.main(
