@@ -43,20 +43,18 @@ def parse_value(text: str) -> Any:
     return text
 
 
+def _spec_error(message: str, spec: str, remedies: tuple[Remedy, ...] = ()) -> UsageError:
+    """A :class:`UsageError` about the ``--model`` spec the user typed."""
+    return UsageError(message, argument="spec", value=repr(spec), flag="--model", remedies=remedies)
+
+
 def _load_file(path: str, spec: str) -> ModuleType:
     if not os.path.isfile(path):
-        raise UsageError(
-            f"no such file {path!r}", argument="spec", value=repr(spec), flag="--model"
-        )
+        raise _spec_error(f"no such file {path!r}", spec)
     name = "ckpt_model_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise UsageError(
-            f"{path!r} cannot be imported as a Python file",
-            argument="spec",
-            value=repr(spec),
-            flag="--model",
-        )
+        raise _spec_error(f"{path!r} cannot be imported as a Python file", spec)
     module = importlib.util.module_from_spec(module_spec)
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
@@ -68,6 +66,61 @@ def _load_file(path: str, spec: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def _import(where: str, spec: str) -> ModuleType:
+    """The module part of a spec: a file when it looks like a path, else an import."""
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        return _load_file(where, spec)
+    try:
+        return importlib.import_module(where)
+    except ImportError as e:
+        raise _spec_error(
+            f"cannot import {where!r} ({e}); give a file instead: path/to/file.py:FACTORY", spec
+        ) from e
+
+
+def _factory(module: ModuleType, where: str, attribute: str, spec: str) -> Any:
+    """The callable a spec's (possibly dotted) attribute names in ``module``."""
+    factory: Any = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            names = sorted(
+                n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+            )
+            raise _spec_error(
+                f"{where!r} has no {attribute!r}; callables there: "
+                f"{', '.join(names[:15]) or 'none'}",
+                spec,
+            )
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise _spec_error(
+            f"{attribute!r} ({type(factory).__name__}) is not a class or function returning an "
+            "nn.Module",
+            spec,
+        )
+    return factory
+
+
+def _check_arguments(factory: Any, attribute: str, arguments: dict[str, Any], spec: str) -> None:
+    """Refuse arguments the factory's signature does not take, before calling it."""
+    try:
+        signature = inspect.signature(factory)
+    except ValueError:
+        return  # no signature to check (some builtins): let the call decide
+    try:
+        signature.bind(**arguments)
+    except TypeError as e:
+        remedy = Remedy(
+            "kwargs",
+            "{'KEY': VALUE}",
+            flag="--model-arg KEY=VALUE",
+            text="with the arguments it takes",
+        )
+        raise _spec_error(
+            f"{attribute}{signature} does not take {arguments}: {e}", spec, (remedy,)
+        ) from e
 
 
 def module_from_spec(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
@@ -93,77 +146,19 @@ def module_from_spec(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.M
 
     where, sep, attribute = spec.rpartition(":")
     if not sep or not where or not attribute:
-        raise UsageError(
+        raise _spec_error(
             "expected MODULE:FACTORY or path/to/file.py:FACTORY, e.g. "
             "'torchvision.models:resnet18' or 'net.py:Net'",
-            argument="spec",
-            value=repr(spec),
-            flag="--model",
+            spec,
         )
-    if where.endswith(".py") or os.sep in where or "/" in where:
-        module = _load_file(where, spec)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise UsageError(
-                f"cannot import {where!r} ({e}); give a file instead: path/to/file.py:FACTORY",
-                argument="spec",
-                value=repr(spec),
-                flag="--model",
-            ) from e
-    factory: Any = module
-    for part in attribute.split("."):
-        if not hasattr(factory, part):
-            names = sorted(
-                n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-            )
-            raise UsageError(
-                f"{where!r} has no {attribute!r}; callables there: "
-                f"{', '.join(names[:15]) or 'none'}",
-                argument="spec",
-                value=repr(spec),
-                flag="--model",
-            )
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise UsageError(
-            f"{attribute!r} ({type(factory).__name__}) is not a class or function returning an "
-            "nn.Module",
-            argument="spec",
-            value=repr(spec),
-            flag="--model",
-        )
+    factory = _factory(_import(where, spec), where, attribute, spec)
     arguments = dict(kwargs or {})
-    try:
-        signature = inspect.signature(factory)
-    except ValueError:
-        signature = None  # no signature to check (some builtins): let the call decide
-    if signature is not None:
-        try:
-            signature.bind(**arguments)
-        except TypeError as e:
-            raise UsageError(
-                f"{attribute}{signature} does not take {arguments}: {e}",
-                argument="spec",
-                value=repr(spec),
-                flag="--model",
-                remedies=(
-                    Remedy(
-                        "kwargs",
-                        "{'KEY': VALUE}",
-                        flag="--model-arg KEY=VALUE",
-                        text="with the arguments it takes",
-                    ),
-                ),
-            ) from e
+    _check_arguments(factory, attribute, arguments, spec)
     model = factory(**arguments)
     if not isinstance(model, nn.Module):
-        raise UsageError(
+        raise _spec_error(
             f"returned a {type(model).__name__}, not an nn.Module; point it at a model class or "
             "a function returning a model",
-            argument="spec",
-            value=repr(spec),
-            flag="--model",
+            spec,
         )
     return model
