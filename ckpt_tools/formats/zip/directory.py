@@ -149,7 +149,27 @@ def read_zip_directory(path: str, fd: int | FileSlice, size: int) -> list[ZipEnt
 
 
 def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, int, int]:
-    """``(record count, directory offset, directory size, end record offset)``."""
+    """``(record count, directory offset, directory size, end record offset)``, from the end
+    record and, where the archive has one, its zip64 end record."""
+    eocd_offset, fields = _end_record(path, fd, size)
+    disk, cd_disk, disk_count, count, cd_size, cd_offset = fields
+    if disk != 0 or cd_disk != 0 or disk_count != count:
+        raise corrupt_zip(path, "it spans several disks")
+    locator = b""
+    if eocd_offset >= _ZIP64_LOCATOR.size:
+        locator = pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
+    if locator[:4] != b"PK\x06\x07":
+        if count == _U16 or _U32 in (cd_size, cd_offset):
+            raise corrupt_zip(path, "its zip64 end record is missing")
+        return count, cd_offset, cd_size, eocd_offset
+    return _zip64_end_record(path, fd, locator, eocd_offset, (count, cd_size, cd_offset))
+
+
+def _end_record(
+    path: str, fd: int | FileSlice, size: int
+) -> tuple[int, tuple[int, int, int, int, int, int]]:
+    """Where the end record torch's reader takes lies, and its fields ``(disk, directory
+    disk, records on this disk, records, directory size, directory offset)``."""
     tail_len = min(size, _EOCD.size + _MAX_COMMENT)
     tail = pread(fd, tail_len, size - tail_len)
     # torch's reader (miniz) takes the last signature with a whole record after it, whatever
@@ -189,16 +209,19 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
             f"torch's reader stops looking for it in a {size}-byte file (a long comment in a "
             "small archive)",
         )
-    if disk != 0 or cd_disk != 0 or disk_count != count:
-        raise corrupt_zip(path, "it spans several disks")
-    needs_zip64 = count == _U16 or _U32 in (cd_size, cd_offset)
-    locator = b""
-    if eocd_offset >= _ZIP64_LOCATOR.size:
-        locator = pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
-    if locator[:4] != b"PK\x06\x07":
-        if needs_zip64:
-            raise corrupt_zip(path, "its zip64 end record is missing")
-        return count, cd_offset, cd_size, eocd_offset
+    return eocd_offset, (disk, cd_disk, disk_count, count, cd_size, cd_offset)
+
+
+def _zip64_end_record(
+    path: str,
+    fd: int | FileSlice,
+    locator: bytes,
+    eocd_offset: int,
+    declared: tuple[int, int, int],
+) -> tuple[int, int, int, int]:
+    """The zip64 end record ``locator`` points at, checked as miniz checks it and against the
+    end record's ``(record count, directory size, directory offset)``; returns what
+    :func:`_end_records` does."""
     _, _, zip64_offset, disks = _ZIP64_LOCATOR.unpack(locator)
     if disks != 1:  # miniz (torch's reader) refuses any other total as a multi-disk archive
         raise corrupt_zip(
@@ -218,8 +241,7 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
     if record[4] != 0 or record[5] != 0:
         raise corrupt_zip(path, "its zip64 end record places it on another disk (several disks)")
     if record[-4] != record[-3] or any(
-        short not in (_U16, _U32) and short != long
-        for short, long in zip((count, cd_size, cd_offset), record[-3:])
+        short not in (_U16, _U32) and short != long for short, long in zip(declared, record[-3:])
     ):
         raise corrupt_zip(path, "its end record and zip64 end record declare different records")
     return record[-3], record[-1], record[-2], zip64_offset
