@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 from pathlib import Path
+from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import (
@@ -152,37 +153,8 @@ def open_index(index_path: str) -> Checkpoint:
         >>> sorted(ckpt.shards)
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
-    from ckpt_tools.formats import open_checkpoint
-
-    check_regular(index_path)  # a FIFO named *.index.json found by a folder's glob
-    try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
-        weight_map = index["weight_map"]
-    except RecursionError as e:
-        raise CorruptCheckpointError(
-            f"{index_path!r} is not a valid shard index: its JSON nests too deeply", path=index_path
-        ) from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(
-            f"{index_path!r} is not a valid shard index ({quote_foreign(e)})"
-        ) from e
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CorruptCheckpointError(
-            f"{index_path!r} is not a valid shard index: its weight_map must map tensor names "
-            "to shard file names"
-        )
-    folder = os.path.dirname(index_path)
-    shards: dict[str, Checkpoint] = {}
-    for shard in dict.fromkeys(weight_map.values()):
-        where = shard_path(folder, shard, index_path)
-        if not os.path.lexists(where):
-            raise CorruptCheckpointError(
-                f"{index_path!r} names shard {shard!r}, which is missing from {folder!r}"
-            )
-        shards[shard] = open_checkpoint(where)
+    index, weight_map = _read_index(index_path)
+    shards = _open_shards(index_path, weight_map)
     root: dict[str, TensorRef] = {}
     owner: dict[int, Checkpoint] = {}
     storages: dict[str, StorageRef] = {}
@@ -217,3 +189,44 @@ def open_index(index_path: str) -> Checkpoint:
         shards=shards,
         locate=locate,
     )
+
+
+def _read_index(index_path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The index's JSON and its ``weight_map`` (tensor name -> shard file name), checked."""
+    check_regular(index_path)  # a FIFO named *.index.json found by a folder's glob
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        weight_map = index["weight_map"]
+    except RecursionError as e:
+        raise CorruptCheckpointError(
+            f"{index_path!r} is not a valid shard index: its JSON nests too deeply", path=index_path
+        ) from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"{index_path!r} is not a valid shard index ({quote_foreign(e)})"
+        ) from e
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpointError(
+            f"{index_path!r} is not a valid shard index: its weight_map must map tensor names "
+            "to shard file names"
+        )
+    return index, weight_map
+
+
+def _open_shards(index_path: str, weight_map: dict[str, str]) -> dict[str, Checkpoint]:
+    """Each shard the index names, opened, in the order it first names them."""
+    from ckpt_tools.formats import open_checkpoint
+
+    folder = os.path.dirname(index_path)
+    shards: dict[str, Checkpoint] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        where = shard_path(folder, shard, index_path)
+        if not os.path.lexists(where):
+            raise CorruptCheckpointError(
+                f"{index_path!r} names shard {shard!r}, which is missing from {folder!r}"
+            )
+        shards[shard] = open_checkpoint(where)
+    return shards
