@@ -114,6 +114,18 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
     """
     if level == "none":
         return "not verified (--verify none)"
+    out, sd = _read_back(path, expected)
+    got = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
+    _check_keys(got, expected)
+    _check_tensors(out, got, expected, level)
+    if level == "full":
+        return f"verified: {len(got)} tensors, keys, sizes and bytes"
+    return f"verified: {len(got)} tensors, keys and sizes"
+
+
+def _read_back(path: str, expected: Expected) -> tuple[Checkpoint, Mapping[Any, Any]]:
+    """The written file opened with our readers, its layout checked as ``torch.load`` needs it
+    (torch archives), and its selected state dict."""
     try:
         out = open_checkpoint(path)
         sd = select_state_dict(out.root, expected.select).state_dict
@@ -133,7 +145,11 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
             f"the written file names globals outside the allowlist that the input does not "
             f"({', '.join(introduced[:5])})"
         )
-    got = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
+    return out, sd
+
+
+def _check_keys(got: Mapping[Any, TensorRef], expected: Expected) -> None:
+    """The written tensors' keys are the planned ones, in order."""
     # Keys compare with their types: 0 and "0" are two keys, and 1 must not come back True.
     if [(type(k), k) for k in got] != [(type(k), k) for k in expected.tensors]:
         missing = [k for k in expected.tensors if k not in got][:3]
@@ -142,6 +158,13 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
             f"the written file's keys differ from the planned ones (missing {missing}, "
             f"unexpected {extra})"
         )
+
+
+def _check_tensors(
+    out: Checkpoint, got: Mapping[Any, TensorRef], expected: Expected, level: str
+) -> None:
+    """Each written tensor as planned: dtype, shape and size; for torch outputs its view and
+    which tensors share its storage; at ``full`` its bytes and its record's CRC-32."""
     sharing_src: dict[int, str] = {}
     sharing_out: dict[int, str] = {}
     crc_done: set[str] = set()
@@ -172,6 +195,3 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
             raise VerificationError(f"the bytes of {name!r} differ after writing")
         if level == "full" and first_out == name:
             _check_record_crc(out, have.storage.key)
-    if level == "full":
-        return f"verified: {len(got)} tensors, keys, sizes and bytes"
-    return f"verified: {len(got)} tensors, keys and sizes"
