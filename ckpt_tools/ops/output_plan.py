@@ -1,9 +1,11 @@
-"""What a dry run shows of the files a command would write: files, tensors, dtypes, sizes.
+"""What every writing operation returns, and the one rendering of it for people and programs.
 
-``consolidate``, ``sanitize``, ``reshard`` and ``convert IN OUT_DIR/`` plan their output
-before writing a byte (which tensors go to which file, from their plan objects); with
-``dry_run=True`` they stop there and put the plan, as :class:`PlannedFile` s, in their
-result. The same text and JSON renderings serve every one of them, so the plans read alike.
+Every operation that writes a file (the rewrites, ``slim``, ``extract``, ``average``,
+``convert`` to a folder, ``reshard``, ``consolidate``, ``sanitize``) returns a
+:class:`WriteResult` subclass, with the same names for the same things. With
+``dry_run=True`` it plans its output before writing a byte (which tensors go to which file)
+and stops there: the plan is the result's ``planned`` files, rendered here for every
+operation alike, so the plans read the same whatever wrote them.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.structure.text import human_bytes
+from ckpt_tools.descriptors import TensorRef, iter_tensors
+from ckpt_tools.structure.text import Readable, human_bytes
 
-__all__ = ["PlannedFile", "PlannedTensor", "planned_text"]
+__all__ = ["PlannedFile", "PlannedTensor", "WriteResult", "plan_json", "planned_text"]
 
-# Tensors listed per file in the text; ``--json`` has them all.
+# Tensors listed per file, and names left out, in the text; ``--json`` has them all.
 _TENSORS_SHOWN = 40
+_NAMES_SHOWN = 8
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,11 @@ class PlannedTensor:
     shape: tuple[int, ...]
     nbytes: int
 
+    @classmethod
+    def of(cls, key: str, tensor: TensorRef) -> PlannedTensor:
+        """The planned row of ``tensor`` written under ``key``."""
+        return cls(key, tensor.dtype, tuple(tensor.shape), tensor.nbytes)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "key": self.key,
@@ -47,10 +56,10 @@ class PlannedTensor:
 
 @dataclass(frozen=True)
 class PlannedFile:
-    """One file a command would write.
+    """One file an operation would write.
 
     Attributes:
-        name: the file's path (for folder outputs: its name inside the folder).
+        name: the file's path (inside the output folder for folder outputs).
         tensors: the tensors it would hold, in writing order (none for an index file).
         nbytes: tensor bytes it would hold; for an index, the index's exact size.
     """
@@ -68,7 +77,7 @@ class PlannedFile:
 
     @classmethod
     def of(cls, name: str, tensors: Iterable[PlannedTensor]) -> PlannedFile:
-        """A data file: its bytes are its tensors' bytes.
+        """A data file whose bytes are its tensors' bytes (safetensors: one record each).
 
         Example:
             >>> PlannedFile.of("m.safetensors", [PlannedTensor("w", "float32", (2,), 8)]).nbytes
@@ -76,6 +85,23 @@ class PlannedFile:
         """
         listed = tuple(tensors)
         return cls(name, listed, sum(t.nbytes for t in listed))
+
+    @classmethod
+    def of_tree(cls, name: str, tree: Any) -> PlannedFile:
+        """A torch file holding ``tree``: every tensor listed, each storage's bytes once.
+
+        Example:
+            >>> from ckpt_tools.descriptors import StorageRef
+            >>> s = StorageRef("0", "float32", 4, "cpu")
+            >>> w = TensorRef(storage=s, offset=0, shape=(4,), stride=(1,), dtype="float32")
+            >>> tied = PlannedFile.of_tree("m.pt", {"w": w, "tied": w})
+            >>> len(tied.tensors), tied.nbytes
+            (2, 16)
+        """
+        found = iter_tensors(tree)
+        storages = {id(t.storage): t.storage.nbytes for _, t in found}
+        listed = tuple(PlannedTensor.of(k, t) for k, t in found)
+        return cls(name, listed, sum(storages.values()))
 
 
 def planned_text(files: Sequence[PlannedFile], shown: int = _TENSORS_SHOWN) -> list[str]:
@@ -103,3 +129,105 @@ def plan_json(files: Sequence[PlannedFile]) -> dict[str, Any]:
         "planned_files": [f.to_json() for f in files],
         "planned_bytes": sum(f.nbytes for f in files if f.tensors),
     }
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class WriteResult(Readable):
+    """What a writing operation did, or with ``dry_run`` would do: the fields all share.
+
+    Attributes:
+        src: the input (the first of several, for ``average``).
+        dst: the output path as given (a file, or a folder for sharded outputs).
+        input_format: format of the input.
+        output_format: ``torch-zip``, ``safetensors`` or ``hf-sharded``.
+        written: the files written, in order (shards before their index); empty for a dry
+            run, or when there was nothing to do.
+        dry_run: nothing was written; ``planned`` says what would have been.
+        bytes_written: tensor bytes the output holds (for a dry run, would hold).
+        bytes_copied: of those, the bytes copied from an input as they are; the rest were
+            computed (casts, means, numpy arrays' new records, chunks assembled or views
+            gathered through a buffer).
+        verification: what was verified after writing (empty for a dry run).
+        message: one line for people.
+        notes: what else was decided, in words.
+        dropped: names left out of the output (tied duplicates, non-tensor entries, ...).
+        planned: for a dry run, every file it would write and the tensors in it.
+    """
+
+    src: str
+    dst: str
+    input_format: str
+    output_format: str
+    written: tuple[str, ...] = ()
+    dry_run: bool = False
+    bytes_written: int = 0
+    bytes_copied: int = 0
+    verification: str = ""
+    message: str = ""
+    notes: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    planned: tuple[PlannedFile, ...] = ()
+
+    def __repr__(self) -> str:
+        # Subclasses are declared with repr=False: this short form is everyone's.
+        return (
+            f"{type(self).__name__}(src={self.src!r}, dst={self.dst!r}, "
+            f"output_format={self.output_format!r}, written={len(self.written)} file(s), "
+            f"dry_run={self.dry_run})"
+        )
+
+    def details(self) -> list[str]:
+        """Lines an operation adds under the message (renames, casts, conversions)."""
+        return []
+
+    def left_out(self) -> list[str]:
+        """The lines naming what was left out."""
+        if not self.dropped:
+            return []
+        more = " ..." if len(self.dropped) > _NAMES_SHOWN else ""
+        return [f"left out: {', '.join(self.dropped[:_NAMES_SHOWN])}{more}"]
+
+    def text(self) -> str:
+        """The message, the operation's details, then the plan (dry run) or the totals.
+
+        Example:
+            >>> r = WriteResult(src="a.pt", dst="b.pt", input_format="torch-zip",
+            ...     output_format="torch-zip", written=("b.pt",), bytes_written=2048,
+            ...     bytes_copied=2048, verification="verified: keys and sizes",
+            ...     message="wrote b.pt")
+            >>> print(r)
+            wrote b.pt
+            torch-zip, 2.0 KiB of tensors written, 2.0 KiB of them copied; verified: keys and sizes
+        """
+        lines = [self.message, *self.details()]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += self.left_out()
+        if self.dry_run:
+            return "\n".join([*lines, *planned_text(self.planned), "nothing written"])
+        if not self.written:
+            return "\n".join(lines)
+        if len(self.written) > 1:
+            lines += [f"  {path}" for path in self.written]
+        lines.append(
+            f"{self.output_format}, {human_bytes(self.bytes_written)} of tensors written, "
+            f"{human_bytes(self.bytes_copied)} of them copied; {self.verification}"
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready data: the shared fields, then (for a dry run) the planned files."""
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "input_format": self.input_format,
+            "output_format": self.output_format,
+            "written": list(self.written),
+            "dry_run": self.dry_run,
+            "bytes_written": self.bytes_written,
+            "bytes_copied": self.bytes_copied,
+            "verification": self.verification,
+            "message": self.message,
+            "notes": list(self.notes),
+            "dropped": list(self.dropped),
+            **(plan_json(self.planned) if self.dry_run else {}),
+        }

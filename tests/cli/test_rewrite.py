@@ -16,6 +16,9 @@ JSON_FIELDS = {
     "src",
     "dst",
     "written",
+    "dry_run",
+    "bytes_written",
+    "notes",
     "input_format",
     "output_format",
     "selected",
@@ -83,7 +86,7 @@ def test_strip_module_json(invoke, layout, tmp_path):
     out = tmp_path / "bare.pt"
     data = json.loads(invoke("strip-module", src, out, "--json", "--verify", "full").stdout)
     assert set(data) == JSON_FIELDS
-    assert data["src"] == str(src) and data["dst"] == str(out) and data["written"] is True
+    assert data["src"] == str(src) and data["dst"] == str(out) and data["written"] == [str(out)]
     assert (data["input_format"], data["output_format"]) == ("torch-zip", "torch-zip")
     assert data["selected"] == ["model"]
     assert data["rules"] == ["strip 'module.'"]
@@ -98,7 +101,8 @@ def test_strip_module_json(invoke, layout, tmp_path):
         }
     ]
     # The whole file is copied (optimizer state too), tensor bytes only.
-    assert data["bytes_copied"] == unique_storage_bytes(h.load(src))
+    assert data["bytes_copied"] == data["bytes_written"] == unique_storage_bytes(h.load(src))
+    assert data["dry_run"] is False and data["notes"] == []
     assert data["verification"] == "verified: 11 tensors, keys, sizes and bytes"
     assert data["dropped"] == [] and data["device_map"] == {}
     assert data["message"].startswith("stripped 'module.': wrote")
@@ -114,7 +118,7 @@ def test_strip_module_with_nothing_to_strip_writes_nothing(invoke, tmp_path):
     assert text.startswith("nothing to strip: no wrapper prefix in the 11 keys")
     assert f"{out} was not written" in text
     data = json.loads(invoke("strip-module", src, out, "--json").stdout)
-    assert data["written"] is False and data["dst"] is None and data["renamed"] == 0
+    assert data["written"] == [] and data["dst"] == str(out) and data["renamed"] == 0
     assert data["wrappers"] == [] and data["total_keys"] == 11
     assert not out.exists() and h.listing(tmp_path) == ["plain.pt"]
 
@@ -218,7 +222,8 @@ def test_convert_json_and_format_option(invoke, tmp_path):
     )
     assert (data["input_format"], data["output_format"]) == ("torch-zip", "safetensors")
     assert data["dropped"] == ["tied"] and data["renamed"] == 0 and data["rules"] == []
-    assert data["bytes_copied"] == 4 * (12 + 12)
+    # "a" copied as it lies; the transposed view "b" gathered row by row ("tied" is "a")
+    assert (data["bytes_written"], data["bytes_copied"]) == (4 * (12 + 12), 4 * 12)
     assert h.safetensors_metadata(out) == {"format": "pt", "tied": "a"}
 
     text = invoke("convert", out, tmp_path / "back.pt").stdout
@@ -289,7 +294,7 @@ def test_the_console_script_refuses_an_existing_output_and_shows_help(tmp_path):
         check=False,
     )
     assert first.returncode == 0, first.stderr
-    assert json.loads(first.stdout)["written"] is True
+    assert json.loads(first.stdout)["written"] == ["out.pt"]
     again = subprocess.run(
         [script, "strip-module", src, "out.pt"],
         capture_output=True,

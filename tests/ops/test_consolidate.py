@@ -80,7 +80,7 @@ def test_all_equals_dcp_to_torch_save(folder: Path, tmp_path: Path) -> None:
     assert_same(want, got)
     assert result.output_format == "torch-zip" and result.selected == ()
     # The transposed chunk was assembled, every other one copied in the kernel.
-    assert result.total_bytes - result.copied_bytes == 24 * 4
+    assert result.bytes_written - result.bytes_copied == 24 * 4
     assert torch.load(tmp_path / "ours.pt", mmap=True, weights_only=True)["epoch"] == 7
     # Every record's CRC-32 (combined from the chunks' records, or computed while assembling)
     # is right: Python's zip reader checks them all.
@@ -145,7 +145,7 @@ def test_hf_shards_load_and_index_matches(folder: Path, tmp_path: Path) -> None:
         assert sum(t.nbytes for t in got.values()) <= 60 or len(got) == 1
         for name, tensor in got.items():
             assert_same(want[name], tensor, name)
-    assert result.files[-1].endswith("model.safetensors.index.json")
+    assert result.written[-1].endswith("model.safetensors.index.json")
 
 
 def test_hf_folder_with_other_shards_refused_then_replaced(folder: Path, tmp_path: Path) -> None:

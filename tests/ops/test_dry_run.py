@@ -121,7 +121,7 @@ def _dry_json(args: list[str]) -> dict[str, Any]:
     result = CliRunner().invoke(cli, [*args, "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["written"] is False and data["dry_run"] is True
+    assert data["written"] == [] and data["dry_run"] is True
     return data
 
 
@@ -142,8 +142,8 @@ def test_consolidate_dry_run_plans_exactly_what_the_write_writes(tmp_path: Path,
     real = consolidate(
         src, out, all=bool(extra) and out == "m.pt", max_shard_size=100 if out == "hf/" else "5GB"
     )
-    assert real.written and [f["name"] for f in data["planned_files"]] == list(real.files)
-    assert data["tensors"] == real.tensors and data["total_bytes"] == real.total_bytes
+    assert real.written and [f["name"] for f in data["planned_files"]] == list(real.written)
+    assert data["tensors"] == real.tensors and data["bytes_written"] == real.bytes_written
     for planned in data["planned_files"]:
         path = Path(planned["name"])
         if path.name.endswith(".index.json"):
@@ -246,9 +246,12 @@ def test_sanitize_dry_run_plans_exactly_what_the_write_writes(tmp_path: Path) ->
 
     real = ct.sanitize("in.pt", "out.pt")
     assert [c.to_json() for c in real.converted] == data["converted"]
-    assert [c.to_json() for c in real.dropped] == data["dropped"] and len(data["dropped"]) == 1
-    assert (data["bytes_copied"], data["bytes_added"]) == (real.bytes_copied, real.bytes_added)
-    assert data["bytes_added"] == 24 and data["tensors"] == real.tensors == 3
+    assert [c.to_json() for c in real.dropped_values] == data["dropped_values"]
+    assert list(real.dropped) == data["dropped"] and len(data["dropped"]) == 1
+    assert (data["bytes_copied"], data["bytes_written"]) == (real.bytes_copied, real.bytes_written)
+    assert (
+        data["bytes_written"] - data["bytes_copied"] == 24 and data["tensors"] == real.tensors == 3
+    )
     loaded = _flat(torch.load("out.pt", weights_only=True))
     got = {
         k: (str(t.dtype)[6:], tuple(t.shape), t.numel() * t.element_size())
@@ -294,15 +297,15 @@ def _tied(path: Path) -> None:
     torch.save(sd, path)
 
 
-def _check_folder_plan(data: dict[str, Any], folder: Path, files: tuple[str, ...]) -> None:
+def _check_folder_plan(data: dict[str, Any], files: tuple[str, ...]) -> None:
     assert [f["name"] for f in data["planned_files"]] == list(files)
     for planned in data["planned_files"]:
-        path = folder / planned["name"]
+        path = Path(planned["name"])
         if planned["name"].endswith(".index.json"):
             assert planned["nbytes"] == path.stat().st_size
             weight_map = json.loads(path.read_text())["weight_map"]
             assert weight_map == {
-                t["key"]: f["name"] for f in data["planned_files"] for t in f["tensors"]
+                t["key"]: Path(f["name"]).name for f in data["planned_files"] for t in f["tensors"]
             }
         else:
             assert _safetensors_rows(path) == _planned_rows(planned)
@@ -328,15 +331,15 @@ def test_convert_to_folder_and_reshard_dry_runs_plan_what_they_write(tmp_path: P
     assert (
         real.written
         and real.dropped == tuple(data["dropped"])
-        and real.total_size == data["planned_bytes"]
+        and real.bytes_written == data["planned_bytes"]
     )
-    _check_folder_plan(data, tmp_path / "hf", real.files)
+    _check_folder_plan(data, real.written)
 
     before = _snapshot(tmp_path)
     data = _dry_json(["reshard", "hf", "hf2", "--max-shard-size", "1000"])
     assert _snapshot(tmp_path) == before
     real = reshard("hf", "hf2", "1000")
-    _check_folder_plan(data, tmp_path / "hf2", real.files)
+    _check_folder_plan(data, real.written)
     assert data["message"].startswith("dry run: would reshard")
 
 
@@ -473,7 +476,7 @@ def test_extract_takes_a_pickled_module_and_other_globals_still_refuse(
 ) -> None:
     expected = _ultralytics(tmp_path, unimportable)
     result = ct.extract("best.pt", "conv0.pt", "model.0.", strip_prefix=True, ema=True)
-    assert result.written and any("'ema' is a pickled nn.Module" in n for n in result.plan.notes)
+    assert result.written and any("'ema' is a pickled nn.Module" in n for n in result.notes)
     out = torch.load("conv0.pt", weights_only=True)
     assert list(out) == ["weight", "bias"]
     assert torch.equal(out["weight"], expected["model.0.weight"])

@@ -121,7 +121,8 @@ def test_convert_pt_to_folder_shards_load_with_safetensors_and_match(tmp_path: P
     result = convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
     out = tmp_path / "hf"
     index = _check_index(out, 2000)
-    assert result.files[-1] == INDEX_NAME and len(result.files) == len(list(out.iterdir()))
+    assert result.written[-1] == str(out / INDEX_NAME)
+    assert len(result.written) == len(list(out.iterdir()))
     union = _union(out)
     assert list(index["weight_map"]) == list(union) or set(index["weight_map"]) == set(union)
     # huggingface_hub keeps the alphabetically first name: lm_head.weight, not the embedding
@@ -169,14 +170,14 @@ def test_reshard_changes_shard_size_never_touches_the_input(tmp_path: Path) -> N
     result = reshard(tmp_path / "hf", tmp_path / "big", "1MB", verify="full")
     assert _digest(tmp_path / "hf") == before
     # everything fits in one: a lone model.safetensors with the metadata in it, no index
-    assert result.files == ("model.safetensors",)
+    assert result.written == (str(tmp_path / "big" / "model.safetensors"),)
     with safe_open(tmp_path / "big" / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt", "model.embed_tokens.weight": "lm_head.weight"}
     union = load_file(tmp_path / "big" / "model.safetensors")
     assert all(torch.equal(union[k], sd[k]) for k in union) and len(union) == len(sd) - 1
     small = reshard(tmp_path / "big", tmp_path / "small", 700)
     _check_index(tmp_path / "small", 700)
-    assert len(small.files) == 4  # lm_head (1600 B) and big (6400 B) alone, the rest together
+    assert len(small.written) == 4  # lm_head (1600 B) and big (6400 B) alone, the rest together
     with pytest.raises(OutputExistsError, match="force=True"):
         reshard(tmp_path / "hf", tmp_path / "small", "1KB")
     reshard(tmp_path / "hf", tmp_path / "small", "1MB", force=True)
@@ -222,7 +223,8 @@ def test_cli_convert_to_a_folder_and_reshard(tmp_path: Path) -> None:
         how="script",
     )
     data = json.loads(done.stdout)
-    assert data["output_format"] == "hf-sharded" and data["files"][-1] == INDEX_NAME
+    assert data["output_format"] == "hf-sharded"
+    assert data["written"][-1] == str(tmp_path / "r" / INDEX_NAME)
     _check_index(tmp_path / "r", 2000)
 
 
@@ -259,7 +261,8 @@ def test_jobs_write_the_same_bytes_as_one_writer(tmp_path: Path) -> None:
     convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
     one = reshard(tmp_path / "hf", tmp_path / "one", 600, verify="full")
     many = reshard(tmp_path / "hf", tmp_path / "many", 600, verify="full", jobs=4)
-    assert many.files == one.files and len(one.files) > 3
+    names = [Path(p).name for p in one.written]
+    assert [Path(p).name for p in many.written] == names and len(names) > 3
     assert _digest(tmp_path / "many") == _digest(tmp_path / "one")
     _check_index(tmp_path / "many", 600)
     with pytest.raises(UsageError, match="jobs=0: must be at least 1"):

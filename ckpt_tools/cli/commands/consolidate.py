@@ -51,7 +51,9 @@ Examples:
     show_default=True,
     help="HF shards written at once.",
 )
-@click.option("--force", is_flag=True, help="Replace existing output files.")
+@click.option(
+    "--force", is_flag=True, help="Replace OUT if it exists (a folder whole; never the input)."
+)
 @verify_option(
     "After writing, re-read every output: keys, dtypes, shapes, layout.",
     levels=CONSOLIDATE_VERIFY_LEVELS,

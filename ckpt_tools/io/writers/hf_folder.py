@@ -1,8 +1,9 @@
-"""Hugging Face sharded folders written, as :mod:`ckpt_tools.io.writers.shard_plan` lays them out.
+"""Folder outputs: Hugging Face sharded folders, as :mod:`~ckpt_tools.io.writers.shard_plan`
+lays them out.
 
-The folder is written as a whole: every shard atomically
-(:func:`~ckpt_tools.io.atomic.atomic_output`) and verified, inside a temp folder beside the
-target, which is renamed into place only once all of it is complete. torch is never imported.
+The folder is written as a whole: every file by :func:`~ckpt_tools.io.writers.output.write_file`
+(atomic, verified), inside a temp folder beside the target, which is renamed into place only
+once all of it is complete. torch is never imported.
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import OutputError, OutputExistsError, Remedy
-from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.verify.outputs import Expected, verify_output
-from ckpt_tools.io.writers.safetensors import SafetensorsEntry, write_safetensors
+from ckpt_tools.io.atomic import AtomicFile
+from ckpt_tools.io.writers.output import Check, Fill, write_file
+from ckpt_tools.io.writers.progress import ByteCounter
+from ckpt_tools.io.writers.records import Record
+from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.io.writers.shard_plan import INDEX_NAME, ShardPlan, index_bytes
 
-__all__ = ["check_output_folder", "write_hf_shards"]
+__all__ = ["FolderFile", "check_output_folder", "write_folder", "write_hf_shards"]
 
 # Temp folders: not `.ckpt-tmp-` (atomic.py's file pattern, whose cleanup unlinks files).
 _TEMP_DIR = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+(?:-old)?$")
-Progress = Callable[[int], None]
 
 
 def check_output_folder(
@@ -149,40 +152,83 @@ def _fsync(folder: Path) -> None:
             os.close(fd)
 
 
+class FolderFile(NamedTuple):
+    """One file of a folder output: its name inside the folder, what writes it, what checks it."""
+
+    name: str
+    fill: Fill
+    check: Check
+
+
+def write_folder(
+    dst: str | os.PathLike[str],
+    files: Sequence[FolderFile],
+    *,
+    jobs: int = 1,
+    durable: bool = True,
+) -> tuple[str, ...]:
+    """Write ``files`` into a temp folder beside ``dst``, each by :func:`write_file`, then
+    publish the folder as ``dst`` by one rename.
+
+    Args:
+        dst: the output folder, checked first with :func:`check_output_folder`.
+        files: the files, in order.
+        jobs: files written at once, by threads. With more than one, a SIGTERM ends the
+            process without cleanup: the files' unnamed temp files vanish with it, and the
+            next run in that folder removes the temp folder.
+        durable: fsync every file and the folders (default); False skips those fsyncs
+            (see :func:`~ckpt_tools.io.atomic.atomic_output`), unless a non-empty ``dst``
+            is replaced.
+
+    Returns:
+        The names written inside ``dst``, in order.
+
+    Raises:
+        OutputError / VerificationError: writing or checking failed; ``dst`` is untouched.
+    """
+    target = Path(os.path.abspath(dst))
+    with _published_folder(target, durable) as (tmp, durable):
+
+        def write_one(f: FolderFile) -> str:
+            write_file(tmp / f.name, f.fill, f.check, durable=durable)
+            return f.name
+
+        if jobs > 1 and len(files) > 1:
+            # copy_file_range and fsync release the GIL: files overlap their disk waits.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(jobs, len(files))) as pool:
+                return tuple(pool.map(write_one, files))
+        return tuple(write_one(f) for f in files)
+
+
 def write_hf_shards(
-    entries: Sequence[SafetensorsEntry],
-    source: Checkpoint,
+    entries: Sequence[tuple[str, TensorRef, Record]],
     dst: str | os.PathLike[str],
     plan: ShardPlan,
+    check: Callable[[Sequence[str]], Check],
     *,
     metadata: Mapping[str, str] | None = None,
-    verify: str = "sizes",
-    progress: Progress | None = None,
+    counter: ByteCounter | None = None,
     jobs: int = 1,
     durable: bool = True,
 ) -> tuple[str, ...]:
     """Write ``entries`` as the Hugging Face folder ``plan`` lays out, then publish it.
 
-    Each shard's bytes are copied record by record from ``source`` by
-    :func:`~ckpt_tools.io.writers.safetensors.write_safetensors` with ``{"format": "pt"}`` metadata.
-    ``metadata`` (the dropped names of tied tensors, say) goes into the index when there
-    is one, else into the single file, as huggingface_hub does.
+    Each shard is written by :func:`~ckpt_tools.io.writers.safetensors.write_safetensors`
+    with ``{"format": "pt"}`` metadata. ``metadata`` (the dropped names of tied tensors,
+    say) goes into the index when there is one, else into the single file, as
+    huggingface_hub does.
 
     Args:
-        entries: the tensors, every name of ``plan`` once.
-        source: the checkpoint their bytes lie in.
+        entries: ``(name, tensor, record)`` of every name of ``plan``, once.
         dst: the output folder, checked first with :func:`check_output_folder`.
-        plan: from :func:`plan_shards` over these entries.
+        plan: from :func:`~ckpt_tools.io.writers.shard_plan.plan_shards` over these entries.
+        check: given a shard's tensor names, the verification of that shard.
         metadata: extra string metadata.
-        verify: ``sizes``, ``full`` or ``none``, for every shard.
-        progress: called with the bytes written after each chunk (from several threads
-            when ``jobs`` > 1).
-        jobs: shards written at once, by threads. With more than one, a SIGTERM ends the
-            process without cleanup: the shards' unnamed temp files vanish with it, and the
-            next run in that folder removes the temp folder.
-        durable: fsync every file and the folders (default); False skips those fsyncs
-            (see :func:`~ckpt_tools.io.atomic.atomic_output`), unless a non-empty ``dst``
-            is replaced.
+        counter: told the byte count of every piece written (from several threads when
+            ``jobs`` > 1).
+        jobs, durable: as for :func:`write_folder`.
 
     Returns:
         The files written (shards, then the index), names inside ``dst``.
@@ -193,41 +239,27 @@ def write_hf_shards(
 
     Example:
         >>> from ckpt_tools.formats import open_checkpoint
+        >>> from ckpt_tools.io.writers.safetensors import SafetensorsEntry, source_records
         >>> from ckpt_tools.io.writers.shard_plan import plan_shards
         >>> ckpt = open_checkpoint("model.safetensors")
-        >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]
-        >>> plan = plan_shards([(e.name, e.tensor.nbytes) for e in entries], 1000)
-        >>> write_hf_shards(entries, ckpt, "model-hf", plan)[-1]
+        >>> entries = source_records([SafetensorsEntry(k, t) for k, t in ckpt.root.items()], ckpt)
+        >>> plan = plan_shards([(name, r.nbytes) for name, _, r in entries], 1000)
+        >>> write_hf_shards(entries, "model-hf", plan, lambda names: lambda path: "")[-1]
         'model.safetensors.index.json'
     """
-    by_name = {e.name: e for e in entries}
-    target = Path(os.path.abspath(dst))
+    by_name = {entry[0]: entry for entry in entries}
     extra = {str(k): str(v) for k, v in (metadata or {}).items()}
     shard_meta = {"format": "pt"} if plan.is_sharded else {**extra, "format": "pt"}
-    with _published_folder(target, durable) as (tmp, durable):
 
-        def write_one(item: tuple[str, tuple[str, ...]]) -> str:
-            file, names = item
-            shard = [by_name[n] for n in names]
-            with atomic_output(tmp / file, durable=durable) as out:
-                write_safetensors(
-                    shard, source, out.file, shard_meta, progress, durable=out.durable
-                )
-                out.file.flush()
-                expected = {e.name: e.tensor for e in shard}
-                verify_output(str(out.path), Expected(expected, (), source), verify)
-            return file
+    def shard(file: str, names: Sequence[str]) -> FolderFile:
+        def fill(out: AtomicFile) -> None:
+            part = [by_name[n] for n in names]
+            write_safetensors(part, out.file, shard_meta, counter, durable=out.durable)
 
-        if jobs > 1 and len(plan.files) > 1:
-            # copy_file_range and fsync release the GIL: shards overlap their disk waits.
-            from concurrent.futures import ThreadPoolExecutor
+        return FolderFile(file, fill, check(names))
 
-            with ThreadPoolExecutor(min(jobs, len(plan.files))) as pool:
-                written = list(pool.map(write_one, plan.files))
-        else:
-            written = [write_one(item) for item in plan.files]
-        if plan.is_sharded:
-            with atomic_output(tmp / INDEX_NAME, durable=durable) as out:
-                out.file.write(index_bytes(plan, extra))
-            written.append(INDEX_NAME)
-    return tuple(written)
+    files = [shard(file, names) for file, names in plan.files]
+    if plan.is_sharded:
+        index = index_bytes(plan, extra)
+        files.append(FolderFile(INDEX_NAME, lambda out: out.file.write(index), lambda path: ""))
+    return write_folder(dst, files, jobs=jobs, durable=durable)

@@ -1,8 +1,9 @@
-"""Writing tensors as a safetensors file, their bytes copied from a source checkpoint.
+"""Writing tensors as a safetensors file: the one safetensors writer, every plan's.
 
-Contiguous runs are copied in the kernel (``copy_file_range``, or one range when the source
-layout is kept); non-contiguous views are gathered with numpy, a bounded piece at a time.
-torch is never imported.
+Each tensor's bytes come from a :class:`~ckpt_tools.io.writers.records.Record`: spans are
+copied by the copy engine (back-to-back spans as one range, or the whole data section as
+one range when the source layout is kept); DCP chunk pieces are copied or assembled; casts,
+means and non-contiguous views are produced in bounded pieces. torch is never imported.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -18,13 +19,13 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.io.copy.layout import kept_layout, safetensors_data_start
-from ckpt_tools.io.tensor_bytes import OpenFiles, check_plain_values, iter_row_major
+from ckpt_tools.io.copy.layout import safetensors_data_start, safetensors_offsets
+from ckpt_tools.io.tensor_bytes import OpenFiles, check_plain_values
+from ckpt_tools.io.writers.progress import ByteCounter
+from ckpt_tools.io.writers.records import Record, tensor_bytes_record
 from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 
-__all__ = ["SafetensorsEntry", "safetensors_header", "write_safetensors"]
-
-Progress = Callable[[int], None]
+__all__ = ["SafetensorsEntry", "safetensors_header", "source_records", "write_safetensors"]
 _LARGE_DATA = 64 << 20
 _LARGE_DATA_ALIGNMENT = 64 << 10
 
@@ -46,60 +47,74 @@ class SafetensorsEntry:
 
 
 def write_safetensors(
-    entries: Sequence[SafetensorsEntry],
-    source: Checkpoint,
+    entries: Sequence[tuple[str, TensorRef, Record]],
     file: BinaryIO,
     metadata: Mapping[str, str] | None = None,
-    progress: Progress | None = None,
+    counter: ByteCounter | None = None,
     *,
     durable: bool,
 ) -> None:
-    """Write tensors as a safetensors file, copying their bytes from ``source``.
+    """Write tensors as a safetensors file; each one's bytes come from its record.
 
-    Contiguous tensors (whole storages or contiguous slices of one) are copied in the
-    kernel; non-contiguous views are gathered with numpy, one bounded piece at a time
-    (:func:`~ckpt_tools.io.tensor_bytes.iter_row_major`). torch is never imported.
+    Spans back to back in one source are copied as one range. When every record is a span
+    and together they tile one range of one file (every tensor of a safetensors source,
+    renamed), the header is padded so the data lands at its source offset modulo 4096 and
+    is copied in one range (:func:`~ckpt_tools.io.copy.layout.safetensors_offsets`).
 
     Args:
-        entries: the tensors, in the order their bytes are written.
-        source: the checkpoint their storages live in.
+        entries: ``(name, output tensor, record)`` in the order they are written; each record
+            holds exactly the tensor's bytes in row-major order.
         file: the output, opened ``w+b``.
         metadata: the header's ``__metadata__`` (string to string), if any.
-        progress: called with the number of bytes written after each chunk.
+        counter: told the byte count of every piece written.
         durable: whether the output will be fsynced (``AtomicFile.durable``).
 
     Raises:
         ConversionError: a dtype safetensors cannot hold (quantized types, complex32 ...).
-        OSError: reading or writing failed.
+        OSError: reading or writing failed, or a producer yields the wrong byte count.
 
     Example:
         >>> from ckpt_tools.formats import open_checkpoint
         >>> ckpt = open_checkpoint("model.pt")
-        >>> entries = [SafetensorsEntry(k, t) for k, t in ckpt.root.items()]
+        >>> entries = source_records([SafetensorsEntry(k, t) for k, t in ckpt.root.items()], ckpt)
         >>> with open("out.safetensors", "w+b") as f:
-        ...     write_safetensors(entries, ckpt, f, metadata={"format": "pt"}, durable=False)
+        ...     write_safetensors(entries, f, metadata={"format": "pt"}, durable=False)
         >>> out = open_checkpoint("out.safetensors")
         >>> out.format, list(out.root) == list(ckpt.root)
         ('safetensors', True)
     """
-    kept = kept_layout([e.tensor for e in entries], source)
-    raw = safetensors_header(entries, metadata, kept[1] if kept else None)
+    spans = [(r.span.path, r.span.offset, r.nbytes) for _, _, r in entries if r.span is not None]
+    kept = safetensors_offsets(spans) if len(spans) == len(entries) else None
+    header = [SafetensorsEntry(name, t) for name, t, _ in entries]
+    raw = safetensors_header(header, metadata, kept[1] if kept else None)
     fd = file.fileno()
     writeback = Writeback(fd, durable=durable)
     if kept is None:
         pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        end = _write_tensor_bytes(entries, source, fd, 8 + len(raw), progress, writeback)
+        end = _write_records(entries, fd, 8 + len(raw), counter, writeback)
     else:
         # The tensors keep their source layout: the header is padded with spaces so the data
         # lands at its source offset (modulo 4096 at least), and is copied in one range.
         start = safetensors_data_start(8 + len(raw), kept[0])
         raw += b" " * (start - 8 - len(raw))
         pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
-        size = sum(e.tensor.nbytes for e in entries)
-        with open(source.span(entries[0].tensor.storage).path, "rb") as src:
-            copy_range(src.fileno(), kept[0], fd, start, size, progress, writeback)
+        size = sum(r.nbytes for _, _, r in entries)
+        with open(spans[0][0], "rb") as src:
+            copy_range(src.fileno(), kept[0], fd, start, size, counter, writeback)
         end = start + size
     os.ftruncate(fd, end)
+
+
+def source_records(
+    entries: Sequence[SafetensorsEntry], source: Checkpoint
+) -> list[tuple[str, TensorRef, Record]]:
+    """:func:`write_safetensors`' entries for tensors of ``source`` written as they are.
+
+    Contiguous tensors are spans of the source; a non-contiguous view is gathered in
+    row-major order, a bounded piece at a time
+    (:func:`~ckpt_tools.io.writers.records.tensor_bytes_record`).
+    """
+    return [(e.name, e.tensor, tensor_bytes_record(source, e.tensor)) for e in entries]
 
 
 def safetensors_header(
@@ -159,70 +174,72 @@ def safetensors_header(
     if offsets is not None:
         return raw
     # safetensors pads the header with spaces so data starts 8-aligned; for large files we
-    # pad to 64 KiB, so the kernel copy fills whole large page-cache folios (measurably faster).
+    # pad to 64 KiB, so the kernel copy fills whole large page-cache folios.
     align = _LARGE_DATA_ALIGNMENT if position >= _LARGE_DATA else 8
     return raw + b" " * ((-(8 + len(raw))) % align)
 
 
-def _write_tensor_bytes(
-    entries: Sequence[SafetensorsEntry],
-    source: Checkpoint,
+def _write_records(
+    entries: Sequence[tuple[str, TensorRef, Record]],
     fd: int,
     start: int,
-    progress: Progress | None,
+    counter: ByteCounter | None,
     writeback: Writeback,
 ) -> int:
-    """Write every entry's bytes back to back from ``start``; returns where they end."""
-    files = OpenFiles()
-    source_fd = files.fd
-    try:
-        out = start
-        run: list[Any] = []  # [path, src_offset, dst_offset, nbytes]: one merged kernel copy
-        for entry in entries:
-            t = entry.tensor
-            span = source.span(t.storage)
-            first = span.offset + t.byte_span[0]
-            if not t.is_contiguous():
-                _flush(run, source_fd, fd, progress, writeback)
-                run = []
-                _write_gathered(source_fd(span.path), span.offset, t, fd, out, progress, writeback)
-            elif run and run[0] == span.path and run[1] + run[3] == first:
-                run[3] += t.nbytes  # back to back in the source too: extend the copy
+    """Write every record back to back from ``start``; returns where they end."""
+    out = start
+    run: list[Any] = []  # [path, src_offset, dst_offset, nbytes]: one merged kernel copy
+    with OpenFiles() as files:
+        for name, _, record in entries:
+            span = record.span
+            if span is not None and run and run[0] == span.path and run[1] + run[3] == span.offset:
+                run[3] += record.nbytes  # back to back in the source too: extend the copy
+            elif span is not None:
+                _flush(run, files, fd, counter, writeback)
+                run = [span.path, span.offset, out, record.nbytes]
             else:
-                _flush(run, source_fd, fd, progress, writeback)
-                run = [span.path, first, out, t.nbytes]
-            out += t.nbytes
-        _flush(run, source_fd, fd, progress, writeback)
-    finally:
-        files.close()
+                _flush(run, files, fd, counter, writeback)
+                run = []
+                _write_made(name, record, fd, out, counter, writeback)
+            out += record.nbytes
+        _flush(run, files, fd, counter, writeback)
     return out
 
 
 def _flush(
     run: list[Any],
-    source_fd: Callable[[str], int],
+    files: OpenFiles,
     fd: int,
-    progress: Progress | None,
+    counter: ByteCounter | None,
     writeback: Writeback,
 ) -> None:
     if run and run[3]:
         path, src_offset, dst_offset, nbytes = run
-        copy_range(source_fd(path), src_offset, fd, dst_offset, nbytes, progress, writeback)
+        copy_range(files.fd(path), src_offset, fd, dst_offset, nbytes, counter, writeback)
 
 
-def _write_gathered(
-    src_fd: int,
-    storage_offset: int,
-    t: TensorRef,
+def _write_made(
+    name: str,
+    record: Record,
     fd: int,
     out: int,
-    progress: Progress | None,
+    counter: ByteCounter | None,
     writeback: Writeback,
 ) -> None:
-    """Write a non-contiguous view's elements in row-major order at ``out``, piece by piece."""
-    for piece in iter_row_major(src_fd, storage_offset, t):
+    """Write a record that is not one span at ``out``: DCP chunk pieces, or produced bytes."""
+    if record.produce is None:  # chunk pieces (none, for an empty tensor)
+        from ckpt_tools.io.assemble import write_pieces
+
+        write_pieces(fd, out, record.pieces, writeback, counter)
+        return
+    end = out + record.nbytes
+    for piece in record.produce():
+        if out + len(piece) > end:
+            raise OSError(5, f"tensor {name!r} holds more than its {record.nbytes} bytes")
         pwrite_all(fd, piece, out)
         writeback.wrote(out, len(piece))
         out += len(piece)
-        if progress is not None:
-            progress(len(piece))
+        if counter is not None:
+            counter(len(piece))
+    if out != end:
+        raise OSError(5, f"tensor {name!r} ended {end - out} bytes short")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, BinaryIO, NamedTuple
 
@@ -26,6 +26,7 @@ from ckpt_tools.io.copy.layout import (
     zip_actions,
 )
 from ckpt_tools.io.tensor_bytes import decompressed
+from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.zipfile import (
     SAVE_HEAD_RECORDS,
     SAVE_VERSION,
@@ -34,15 +35,13 @@ from ckpt_tools.io.writers.zipfile import (
 
 __all__ = ["picklable_tensors", "write_torch_zip"]
 
-Progress = Callable[[int], None]
-
 
 def write_torch_zip(
     tree: Any,
     source: Checkpoint,
     file: BinaryIO,
     device_map: Mapping[str, str] | None = None,
-    progress: Progress | None = None,
+    counter: ByteCounter | None = None,
     added: Mapping[str, bytes] | None = None,
     *,
     durable: bool,
@@ -60,7 +59,7 @@ def write_torch_zip(
         source: the checkpoint the tree's storages live in.
         file: the output, opened ``w+b``.
         device_map: saved device tag -> new tag (``{"cuda:1": "cpu"}``).
-        progress: called with the number of bytes copied after each chunk.
+        counter: told the byte count of every piece of tensor data written.
         added: storage key -> bytes, for storages the tree holds that are not in
             ``source`` (``sanitize`` turns numpy arrays into these); written as new records
             after the copied ones.
@@ -107,7 +106,7 @@ def write_torch_zip(
     writer = TorchZipWriter(file, source.archive_root or "archive", durable=durable)
     src_fd = os.open(source.path, os.O_RDONLY) if used or from_zip else -1
     try:
-        bytes_from = _RecordSource(source, src_fd, progress)
+        bytes_from = _RecordSource(source, src_fd, counter)
         records = [(f"data/{keys[id(s)]}", s) for s in used]
         if from_zip:
             _copy_zip_records(writer, bytes_from, payload, {name for name, _ in records})
@@ -115,6 +114,8 @@ def write_torch_zip(
             _add_new_records(writer, bytes_from, payload, records)
         for name, data in new_records:
             writer.add_bytes(name, data)
+            if counter is not None:
+                counter(len(data))
         writer.close()
     finally:
         if src_fd >= 0:
@@ -127,7 +128,7 @@ class _RecordSource(NamedTuple):
 
     ckpt: Checkpoint
     fd: int
-    progress: Progress | None
+    counter: ByteCounter | None
 
 
 def _copy_zip_records(
@@ -151,7 +152,7 @@ def _copy_zip_records(
     for name, action in actions:
         record = src.ckpt.records[name]
         run = layout.runs.get(name)
-        told = CappedProgress(src.progress, run.tensor_bytes if run else 0)
+        told = CappedProgress(src.counter, run.tensor_bytes if run else 0)
         if run is not None and writer.add_run(src.fd, run.start, run.end, run.records, told):
             in_runs.update(r[0] for r in run.records)
             told.finish()
@@ -168,7 +169,7 @@ def _copy_zip_records(
             continue
         else:
             # Progress counts tensor bytes only, not torch's bookkeeping records.
-            counted = src.progress if name.startswith("data/") else None
+            counted = src.counter if name.startswith("data/") else None
             if record.compressed:
                 with decompressed(src.ckpt, name) as chunks:
                     writer.add_stream(name, chunks, record.size, counted)
@@ -194,7 +195,7 @@ def _add_new_records(
         span = src.ckpt.span(storage)
         fd = src.fd if span.path == src.ckpt.path else os.open(span.path, os.O_RDONLY)
         try:
-            writer.add_copy(name, fd, span.offset, span.nbytes, None, src.progress)
+            writer.add_copy(name, fd, span.offset, span.nbytes, None, src.counter)
         finally:
             if fd != src.fd:
                 os.close(fd)

@@ -131,8 +131,8 @@ class TorchZipWriter:
                 pad = wanted
         elif size >= _LARGE_RECORD:
             # Large records start on a 64 KiB boundary: the kernel's copy then fills whole
-            # large page-cache folios, which measured ~30% faster than 64-byte alignment
-            # (ext4, 1 GiB, copy + fsync). The padding costs no writes: it is left a hole.
+            # large page-cache folios (benchmarks/README.md has the figures). The padding
+            # costs no writes: it is left a hole.
             big = (-(self._offset + fixed)) % _LARGE_ALIGNMENT
             if big + len(extra) + 4 <= _U16:
                 pad = big
@@ -184,7 +184,7 @@ class TorchZipWriter:
         src_offset: int,
         size: int,
         crc32: int | None,
-        progress: Callable[[int], None] | None = None,
+        counter: Callable[[int], None] | None = None,
     ) -> None:
         """Add a record whose bytes are copied from ``src_fd`` at ``src_offset``.
 
@@ -193,11 +193,11 @@ class TorchZipWriter:
                 it while copying (which reads the bytes through Python).
         """
         if crc32 is None:
-            self._add_computed(name, src_fd, src_offset, size, progress)
+            self._add_computed(name, src_fd, src_offset, size, counter)
             return
         start = self._begin(name, size, crc32)
         self.copied += copy_range(
-            src_fd, src_offset, self._fd, start, size, progress, self._writeback
+            src_fd, src_offset, self._fd, start, size, counter, self._writeback
         )
         self._offset += size
 
@@ -207,7 +207,7 @@ class TorchZipWriter:
         start: int,
         end: int,
         records: Sequence[tuple[str, int, int, int, int, int]],
-        progress: Callable[[int], None] | None = None,
+        counter: Callable[[int], None] | None = None,
     ) -> bool:
         """Copy ``[start, end)`` of a zip source as it is: records with their local headers.
 
@@ -218,7 +218,7 @@ class TorchZipWriter:
             records: ``(name, local header offset, data offset, size, crc32, flags)`` in
                 the source, of every record in the range (stored, headers and data
                 descriptors checked by the caller); names under this writer's root folder.
-            progress: called with byte counts as the range is copied.
+            counter: told the byte counts as the range is copied.
 
         Returns:
             False, having written nothing, where a storage record would not start on an
@@ -233,7 +233,7 @@ class TorchZipWriter:
             entries.append(_Entry(full, base + header_offset - start, size, crc32, flags))
         self._entries += entries
         self.copied += copy_range(
-            src_fd, start, self._fd, base, end - start, progress, self._writeback
+            src_fd, start, self._fd, base, end - start, counter, self._writeback
         )
         self._offset += end - start
         return True
@@ -243,7 +243,7 @@ class TorchZipWriter:
         name: str,
         chunks: Iterable[bytes],
         size: int,
-        progress: Callable[[int], None] | None = None,
+        counter: Callable[[int], None] | None = None,
     ) -> None:
         """Add a stored record from ``chunks`` (a decompressed record, piece by piece).
 
@@ -264,8 +264,8 @@ class TorchZipWriter:
             self._writeback.wrote(start + done, len(data))
             crc = zlib.crc32(data, crc)
             done += len(data)
-            if progress is not None:
-                progress(len(data))
+            if counter is not None:
+                counter(len(data))
         if done != size:
             raise OSError(5, f"record {name!r} ended after {done} of {size} bytes")
         pwrite_all(self._fd, struct.pack("<I", crc), header_at + 14)
@@ -293,7 +293,7 @@ class TorchZipWriter:
         src_fd: int,
         src_offset: int,
         size: int,
-        progress: Callable[[int], None] | None,
+        counter: Callable[[int], None] | None,
     ) -> None:
         def chunks() -> Iterator[bytes]:
             done = 0
@@ -304,7 +304,7 @@ class TorchZipWriter:
                 done += len(data)
                 yield data
 
-        self.add_stream(name, chunks(), size, progress)
+        self.add_stream(name, chunks(), size, counter)
 
     def close(self) -> None:
         """Write the central directory and end records. The file is not closed."""

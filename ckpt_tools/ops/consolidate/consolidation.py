@@ -17,11 +17,19 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.verify.levels import check_verify_level
-from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE, index_bytes, parse_shard_size
+from ckpt_tools.io.writers.hf_folder import check_output_folder
+from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.io.writers.shard_plan import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    ShardPlan,
+    index_bytes,
+    parse_shard_size,
+    plan_shards,
+)
 from ckpt_tools.ops.consolidate.plan import ConsolidationPlan, plan_consolidation
-from ckpt_tools.ops.consolidate.write import shard_outputs, write_file, write_shards
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text
-from ckpt_tools.structure.text import Readable, human_bytes
+from ckpt_tools.ops.consolidate.write import write_file_output, write_folder_output
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
 
 __all__ = ["CONSOLIDATE_VERIFY_LEVELS", "ConsolidateResult", "consolidate"]
 
@@ -30,87 +38,50 @@ __all__ = ["CONSOLIDATE_VERIFY_LEVELS", "ConsolidateResult", "consolidate"]
 CONSOLIDATE_VERIFY_LEVELS = ("sizes", "none")
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+_VERIFIED = {"sizes": "verified: keys and sizes", "none": "not verified (verify='none')"}
 
 
-@dataclass(frozen=True)
-class ConsolidateResult(Readable):
-    """What :func:`consolidate` wrote.
+@dataclass(frozen=True, kw_only=True, repr=False)
+class ConsolidateResult(WriteResult):
+    """What :func:`consolidate` wrote: the fields of
+    :class:`~ckpt_tools.ops.output_plan.WriteResult` (``bytes_copied``: the chunks copied in
+    the kernel, the rest assembled through a buffer; ``dropped``: non-tensor entries left out
+    of a safetensors output), and
 
     Attributes:
-        src: the DCP folder.
-        dst: the output file or folder.
-        output_format: ``torch-zip``, ``safetensors`` or ``hf-sharded``.
-        files: the files written (for HF shards: the shards, then the index).
         tensors: how many tensors were written.
-        total_bytes: their bytes.
-        copied_bytes: bytes copied in the kernel (dim-0 chunks); the rest were assembled.
         selected: the path of the state dict written (empty with ``all``).
-        dropped: non-tensor entries left out (safetensors outputs).
         renamed: how many keys ``strip`` changed.
-        verification: what was verified.
-        written: False for a dry run (``files`` are then the files it would write).
-        planned: with ``dry_run``, every file it would write and its tensors.
     """
 
-    src: str
-    dst: str
-    output_format: str
-    files: tuple[str, ...]
-    tensors: int
-    total_bytes: int
-    copied_bytes: int
-    selected: tuple[str, ...]
-    dropped: tuple[str, ...] = ()
+    tensors: int = 0
+    selected: tuple[str, ...] = ()
     renamed: int = 0
-    verification: str = ""
-    written: bool = True
-    planned: tuple[PlannedFile, ...] = ()
 
-    def text(self) -> str:
-        """What ``ckpt consolidate`` prints.
+    def details(self) -> list[str]:
+        """The state dict written and the keys stripped.
 
         Example:
-            >>> r = ConsolidateResult("ckpt", "model.pt", "torch-zip", ("model.pt",), 2, 64, 64, ())
+            >>> r = ConsolidateResult(src="ckpt", dst="m.pt", input_format="dcp",
+            ...     output_format="torch-zip", written=("m.pt",), bytes_written=64,
+            ...     bytes_copied=64, message="consolidated ckpt: wrote m.pt (2 tensors)",
+            ...     verification="verified: keys and sizes", tensors=2, selected=("model",))
             >>> print(r)
-            consolidated ckpt -> model.pt (torch-zip): 2 tensors, 64 B (64 B copied in the kernel)
+            consolidated ckpt: wrote m.pt (2 tensors)
+            state dict: model
+            torch-zip, 64 B of tensors written, 64 B of them copied; verified: keys and sizes
         """
-        where = "the whole checkpoint" if not self.selected else ".".join(self.selected)
-        done = "consolidated" if self.written else "dry run: would consolidate"
-        lines = [
-            f"{done} {self.src} -> {self.dst} ({self.output_format}): {self.tensors} "
-            f"tensors, {human_bytes(self.total_bytes)} ({human_bytes(self.copied_bytes)} "
-            "copied in the kernel)"
-        ]
-        if self.selected:
-            lines.append(f"state dict: {where}")
-        if len(self.files) > 1:
-            lines.append(f"files: {len(self.files)} ({self.files[0]} ... {self.files[-1]})")
+        lines = [f"state dict: {'.'.join(self.selected)}"] if self.selected else []
         if self.renamed:
             lines.append(f"stripped wrapper prefixes from {self.renamed} keys")
-        if self.dropped:
-            lines.append(f"left out (not tensors): {', '.join(self.dropped[:8])}")
-        if self.verification:
-            lines.append(self.verification)
-        if not self.written:
-            lines += [*planned_text(self.planned), "nothing written"]
-        return "\n".join(lines)
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "src": self.src,
-            "dst": self.dst,
-            "output_format": self.output_format,
-            "files": list(self.files),
+            **super().to_json(),
             "tensors": self.tensors,
-            "total_bytes": self.total_bytes,
-            "copied_bytes": self.copied_bytes,
             "selected": list(self.selected),
-            "dropped": list(self.dropped),
             "renamed": self.renamed,
-            "verification": self.verification,
-            "written": self.written,
-            "dry_run": not self.written,
-            **(plan_json(self.planned) if not self.written else {}),
         }
 
 
@@ -142,6 +113,7 @@ def consolidate(
     verify: str = "sizes",
     dry_run: bool = False,
     durable: bool = True,
+    progress: Progress | None = None,
 ) -> ConsolidateResult:
     """Write a torch.distributed.checkpoint folder as one file or as HF shards, torch-free.
 
@@ -155,12 +127,15 @@ def consolidate(
         strip: remove wrapper prefixes (``module.``, ``_orig_mod.``) from the state dict's keys.
         max_shard_size: the most bytes per HF shard (``"5GB"``, decimal units, or an int).
         jobs: how many HF shards to write at once.
-        force: replace existing output files.
+        force: replace an existing output (never the input): a file, or for HF shards a
+            non-empty folder, replaced whole as ``convert`` and ``reshard`` replace theirs.
         verify: ``sizes`` (read every output back: keys, dtypes, shapes, layout) or ``none``.
         dry_run: plan and check everything (refusals included), write nothing: the result's
             ``planned`` lists each file, its tensors, dtypes, shapes and sizes.
         durable: fsync every output before naming it (default); False skips it, as ``cp``
             does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+        progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
+            (:data:`~ckpt_tools.io.writers.progress.Progress`).
 
     Returns:
         The :class:`ConsolidateResult`.
@@ -176,9 +151,9 @@ def consolidate(
         ...     warnings.simplefilter("ignore")
         ...     _ = dcp.save({"model": {"fc.weight": torch.ones(2, 3)}}, checkpoint_id="run")
         >>> print(consolidate("run", "m.safetensors"))
-        consolidated run -> m.safetensors (safetensors): 1 tensors, 24 B (24 B copied in the kernel)
+        consolidated run: wrote m.safetensors (1 tensors)
         state dict: model
-        verified: keys and sizes
+        safetensors, 24 B of tensors written, 24 B of them copied; verified: keys and sizes
     """
     src, dst = os.fspath(src), os.fspath(dst)
     if jobs < 1:
@@ -194,64 +169,61 @@ def consolidate(
         )
     fmt = _output_format(dst)
     limit = parse_shard_size(max_shard_size)
+    if fmt == "hf-sharded":
+        target = check_output_folder(dst, src, force=force)
+    else:
+        target = check_output_path(dst, src, force=force)
     plan = plan_consolidation(
         ckpt, select=select, everything=all, strip=strip, tensors_only=fmt != "torch-zip"
     )
-    if dry_run:
-        return _planned(src, dst, fmt, plan, limit, force)
-    if fmt == "hf-sharded":
-        files = write_shards(plan, dst, limit, jobs, force, verify, durable)
-    else:
-        check_output_path(dst, src, force=force)
-        write_file(dst, fmt, plan, verify, durable)
-        files = (dst,)
-    return ConsolidateResult(
-        src=src,
-        dst=dst,
-        output_format=fmt,
-        files=files,
-        tensors=len(plan.tensors),
-        total_bytes=sum(t.tensor.nbytes for t in plan.tensors),
-        copied_bytes=sum(t.copied for t in plan.tensors),
-        selected=plan.selected,
-        dropped=plan.dropped,
-        renamed=len(plan.renamed),
-        verification="not verified (verify='none')"
-        if verify == "none"
-        else "verified: keys and sizes",
-    )
-
-
-def _planned(
-    src: str, dst: str, fmt: str, plan: ConsolidationPlan, limit: int, force: bool
-) -> ConsolidateResult:
-    """The result of a dry run: the files the plan would write, refused as a write would be."""
-    tensors = {
-        t.name: PlannedTensor(t.name, t.tensor.dtype, t.tensor.shape, t.tensor.nbytes)
-        for t in plan.tensors
+    shared = {
+        "src": src,
+        "dst": dst,
+        "input_format": ckpt.format,
+        "output_format": fmt,
+        "bytes_written": sum(t.tensor.nbytes for t in plan.tensors),
+        "bytes_copied": sum(t.copied for t in plan.tensors),
+        "dropped": plan.dropped,
+        "tensors": len(plan.tensors),
+        "selected": plan.selected,
+        "renamed": len(plan.renamed),
     }
+    if dry_run:
+        planned = _planned(dst, fmt, plan, limit)
+        message = f"dry run: would consolidate {src} into {dst} ({len(plan.tensors)} tensors)"
+        return ConsolidateResult(**shared, dry_run=True, planned=planned, message=message)
+    counter = ByteCounter(progress, shared["bytes_written"])
     if fmt == "hf-sharded":
-        shards, paths, _ = shard_outputs(plan, dst, limit, force)
-        planned = [
-            PlannedFile.of(path, (tensors[n] for n in names))
-            for path, (_, names) in zip(paths, shards.files)
-        ]
-        if shards.is_sharded:
-            planned.append(PlannedFile(paths[-1], (), len(index_bytes(shards))))
+        shards = _shards(plan, limit)
+        names = write_folder_output(target, plan, shards, verify, counter, jobs, durable)
+        written = tuple(os.path.join(dst, name) for name in names)
+        verification = _VERIFIED[verify]
     else:
-        check_output_path(dst, src, force=force)
-        planned = [PlannedFile.of(dst, tensors.values())]
+        verification = write_file_output(target, fmt, plan, verify, counter, durable)
+        written = (dst,)
     return ConsolidateResult(
-        src=src,
-        dst=dst,
-        output_format=fmt,
-        files=tuple(f.name for f in planned),
-        tensors=len(plan.tensors),
-        total_bytes=sum(t.tensor.nbytes for t in plan.tensors),
-        copied_bytes=sum(t.copied for t in plan.tensors),
-        selected=plan.selected,
-        dropped=plan.dropped,
-        renamed=len(plan.renamed),
-        written=False,
-        planned=tuple(planned),
+        **shared,
+        written=written,
+        message=f"consolidated {src}: wrote {dst} ({len(plan.tensors)} tensors)",
+        verification=verification,
     )
+
+
+def _shards(plan: ConsolidationPlan, limit: int) -> ShardPlan:
+    return plan_shards([(t.name, t.tensor.nbytes) for t in plan.tensors], limit)
+
+
+def _planned(dst: str, fmt: str, plan: ConsolidationPlan, limit: int) -> tuple[PlannedFile, ...]:
+    """The files the plan would write."""
+    tensors = {t.name: PlannedTensor.of(t.name, t.tensor) for t in plan.tensors}
+    if fmt != "hf-sharded":
+        return (PlannedFile.of(dst, tensors.values()),)
+    shards = _shards(plan, limit)
+    planned = [
+        PlannedFile.of(os.path.join(dst, file), (tensors[n] for n in names))
+        for file, names in shards.files
+    ]
+    if shards.is_sharded:
+        index = len(index_bytes(shards))
+        planned.append(PlannedFile(os.path.join(dst, INDEX_NAME), (), index))
+    return tuple(planned)

@@ -1,21 +1,25 @@
 """A rewrite of an opened checkpoint: plan the keys, check, write atomically, verify.
 
-:mod:`ckpt_tools.ops.rewrite.rewriting` checks a rewrite's arguments and opens its input, then hands
-it here. Apart so that the writers and the verification (half of a rewrite's modules) are
-imported once the input is open: a user's command reaches its first read sooner (issue 13).
+:mod:`ckpt_tools.ops.rewrite.rewriting` checks a rewrite's arguments and opens its input, then
+hands it here. Apart so that the writers and the verification (half of a rewrite's modules) are
+imported once the input is open: a user's command reaches its first read sooner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.atomic import atomic_output
+from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.outputs import Expected, verify_output
+from ckpt_tools.io.writers.output import Check, Fill, write_file
+from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for, safetensors_plan, summary
 from ckpt_tools.ops.rewrite.result import RewriteResult
@@ -26,7 +30,10 @@ from ckpt_tools.structure.keys import (
     plan_renames,
     strip_wrapper_rules,
 )
-from ckpt_tools.structure.selection import replace_at, select_state_dict
+from ckpt_tools.structure.selection import Selection, replace_at, select_state_dict
+
+if TYPE_CHECKING:
+    from ckpt_tools.io.writers.safetensors import SafetensorsEntry
 
 __all__ = ["apply_rewrite", "plan_strip"]
 
@@ -44,7 +51,7 @@ def apply_rewrite(
     verify: str,
     allow_globals: Sequence[str],
     drop_extras: bool,
-    progress: Callable[[int, int], None] | None,
+    progress: Progress | None,
     dry_run: bool,
     durable: bool,
 ) -> RewriteResult:
@@ -63,70 +70,129 @@ def apply_rewrite(
     fmt = output_format_for(dst, output_format, ckpt.format)
     selection = select_state_dict(ckpt.root, select)
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
-    sd = selection.state_dict
-    check_key_types(sd, rules, fmt, src)
-    # Rules rename str keys only; other keys keep their type and value (checked above).
-    plan = plan_renames([k for k in sd if isinstance(k, str)], rules)
-    renamed_sd = apply_plan(sd, plan, rules)
-    changed = [(old, new) for old, new in plan.items() if old != new]
-    tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
-    # Torch outputs copy every storage the checkpoint keeps (optimizer state too).
-    counted = tensors.values() if fmt == "safetensors" else ()
-    total = sum(t.nbytes for t in counted) or sum(s.nbytes for s in ckpt.storages.values())
-    check_output_size(list(counted), total, target)
-    if fmt == "safetensors":
-        for t in counted:
-            ckpt.span(t.storage)  # a storage that cannot be copied is refused before writing
-    # What the result states, written or planned (_result).
-    stated = (src, dst, ckpt, fmt, selection.path, rules, len(changed), len(sd))
+    check_key_types(selection.state_dict, rules, fmt, src)
+    plan = _plan(ckpt, selection, rules, fmt, drop_extras, target)
+    renamed, n_keys = len(plan.changed), len(selection.state_dict)
+    stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
     if dry_run:  # what would be written, refusals included; nothing is
-        dropped: tuple[str, ...] = ()
-        if fmt == "safetensors":
-            dropped = safetensors_plan(ckpt, selection.path, renamed_sd, drop_extras)[2]
         return _result(
             *stated,
-            written=False,
-            examples=tuple(changed),
-            dropped=dropped,
-            message=f"dry run: would write {dst} ({len(changed)} of {len(sd)} keys renamed, "
-            f"{total} tensor bytes); nothing written",
+            dry_run=True,
+            examples=tuple(plan.changed),
+            dropped=plan.dropped,
+            bytes_written=plan.total,
+            bytes_copied=plan.copied,
+            planned=(plan.planned(dst),),
+            message=f"dry run: would write {dst} ({renamed} of {n_keys} keys renamed, "
+            f"{plan.total} tensor bytes)",
         )
-    done = [0]
-
-    def on_bytes(n: int) -> None:
-        done[0] += n
-        if progress is not None:
-            progress(done[0], total)
-
-    dropped = ()
-    with atomic_output(target, durable=durable) as out:
-        # Each writer is imported for its own format: the other's modules are not needed.
-        if fmt == "safetensors":
-            from ckpt_tools.io.writers.safetensors import write_safetensors
-
-            entries, metadata, dropped, expected = safetensors_plan(
-                ckpt, selection.path, renamed_sd, drop_extras
-            )
-            write_safetensors(entries, ckpt, out.file, metadata, on_bytes, durable=out.durable)
-            select_out: Sequence[str] = ()
-        else:
-            from ckpt_tools.io.writers.torchzip import picklable_tensors, write_torch_zip
-
-            tree = replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
-            write_torch_zip(tree, ckpt, out.file, device_map, on_bytes, durable=out.durable)
-            expected, select_out = tensors, selection.path
-        out.file.flush()
-        verification = verify_output(str(out.path), Expected(expected, select_out, ckpt), verify)
+    counter = ByteCounter(progress, plan.total)
+    verification = write_file(
+        target, plan.fill(ckpt, device_map, counter), plan.check(ckpt, verify), durable=durable
+    )
     return _result(
         *stated,
-        written=True,
-        examples=tuple(changed[:3]),
-        bytes_copied=done[0],
+        written=(dst,),
+        examples=tuple(plan.changed[:3]),
+        bytes_written=plan.total,
+        bytes_copied=plan.copied,
         verification=verification,
-        dropped=dropped,
+        dropped=plan.dropped,
         device_map=dict(device_map or {}),
-        message=summary(dst, ckpt.format, fmt, len(changed), len(sd), rules, device_map),
+        message=summary(dst, ckpt.format, fmt, renamed, n_keys, rules, device_map),
     )
+
+
+@dataclass(frozen=True)
+class _RewritePlan:
+    """A rewrite planned: what it writes, in the output's format, and what it leaves out.
+
+    Attributes:
+        changed: ``(old, new)`` of every key renamed.
+        total: tensor bytes the output holds.
+        copied: of those, the bytes copied as they lie in the input (views are gathered).
+        dropped: names left out (tied tensors and non-tensor entries, for safetensors).
+        tree: the torch output's object tree (None for safetensors).
+        entries: the safetensors output's tensors.
+        metadata: the safetensors header's ``__metadata__``.
+        expected: the tensors the output's state dict must hold.
+        select_out: where that state dict is in the output.
+    """
+
+    changed: list[tuple[str, str]]
+    total: int
+    copied: int
+    dropped: tuple[str, ...]
+    tree: Any
+    entries: Sequence[SafetensorsEntry]
+    metadata: Mapping[str, str]
+    expected: Mapping[Any, TensorRef]
+    select_out: Sequence[str]
+
+    def planned(self, dst: str) -> PlannedFile:
+        """The file a dry run shows."""
+        if self.tree is None:
+            return PlannedFile.of(dst, (PlannedTensor.of(e.name, e.tensor) for e in self.entries))
+        return PlannedFile.of_tree(dst, self.tree)
+
+    def fill(
+        self, ckpt: Checkpoint, device_map: Mapping[str, str] | None, counter: ByteCounter
+    ) -> Fill:
+        """What writes the output: the format's writer, copying from ``ckpt``."""
+
+        def fill(out: AtomicFile) -> None:
+            # Each writer is imported for its own format: the other's modules are not needed.
+            if self.tree is None:
+                from ckpt_tools.io.writers.safetensors import source_records, write_safetensors
+
+                records = source_records(self.entries, ckpt)
+                write_safetensors(records, out.file, self.metadata, counter, durable=out.durable)
+            else:
+                from ckpt_tools.io.writers.torchzip import write_torch_zip
+
+                write_torch_zip(self.tree, ckpt, out.file, device_map, counter, durable=out.durable)
+
+        return fill
+
+    def check(self, ckpt: Checkpoint, verify: str) -> Check:
+        """The output read back against the planned tensors, at the level ``verify``."""
+        expected = Expected(self.expected, self.select_out, ckpt)
+        return lambda path: verify_output(path, expected, verify)
+
+
+def _plan(
+    ckpt: Checkpoint,
+    selection: Selection,
+    rules: Sequence[KeyRule],
+    fmt: str,
+    drop_extras: bool,
+    target: Path,
+) -> _RewritePlan:
+    """Rename the keys, then plan the output; every refusal happens here."""
+    sd = selection.state_dict
+    # Rules rename str keys only; other keys keep their type and value (checked above).
+    renames = plan_renames([k for k in sd if isinstance(k, str)], rules)
+    renamed_sd = apply_plan(sd, renames, rules)
+    changed = [(old, new) for old, new in renames.items() if old != new]
+    tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
+    if fmt == "safetensors":
+        entries, metadata, dropped, expected = safetensors_plan(
+            ckpt, selection.path, renamed_sd, drop_extras
+        )
+        total = sum(e.tensor.nbytes for e in entries)
+        check_output_size([e.tensor for e in entries], total, target)
+        for e in entries:
+            ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused here
+        copied = sum(e.tensor.nbytes for e in entries if e.tensor.is_contiguous())
+        plan = (changed, total, copied, dropped, None, entries, metadata, expected, ())
+        return _RewritePlan(*plan)
+    from ckpt_tools.io.writers.torchzip import picklable_tensors
+
+    # Torch outputs copy every storage the checkpoint keeps (optimizer state too).
+    total = sum(s.nbytes for s in ckpt.storages.values())
+    check_output_size([], total, target)
+    tree = replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
+    return _RewritePlan(changed, total, total, (), tree, (), {}, tensors, selection.path)
 
 
 def plan_strip(
@@ -156,15 +222,13 @@ def plan_strip(
     why = (
         f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; {dst} was not written"
     )
-    nothing = _result(
-        src, None, ckpt, ckpt.format, selection.path, (), 0, n_keys, written=False, message=why
-    )
+    nothing = _result(src, dst, ckpt, ckpt.format, selection.path, (), 0, n_keys, message=why)
     return (), (), nothing
 
 
 def _result(
     src: str,
-    dst: str | None,
+    dst: str,
     ckpt: Checkpoint,
     fmt: str,
     selected: tuple[str, ...],

@@ -87,7 +87,7 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
             ),
         )
     if ckpt.records:  # a zip: its records are copied as they are, CRC-32 included
-        # (Imported for zips only, as each writer is: a rewrite's start is issue 13's.)
+        # Imported for zips only, as each writer is: a rewrite reaches its first read sooner.
         from ckpt_tools.io.verify.zipcheck import check_source_crcs
 
         check_source_crcs(ckpt)  # after the safety refusals: they say more about such a file

@@ -9,57 +9,39 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_tools.ops.output_plan import WriteResult
 from ckpt_tools.structure.keys import WrapperMatch
-from ckpt_tools.structure.text import Readable, human_bytes
 
 __all__ = ["RewriteResult"]
 
-# Names left out of the output shown in the text; ``--json`` has them all.
-_DROPPED_SHOWN = 8
+# Renames listed in the text; ``--json`` has those the result holds.
+_EXAMPLES_SHOWN = 3
 
 
-@dataclass(frozen=True)
-class RewriteResult(Readable):
-    """What a rewrite did.
+@dataclass(frozen=True, kw_only=True, repr=False)
+class RewriteResult(WriteResult):
+    """What a rewrite did: the fields of :class:`~ckpt_tools.ops.output_plan.WriteResult`, and
 
     Attributes:
-        src: the input.
-        dst: the output; None when nothing was written.
-        written: whether the output was written.
-        input_format: format of the input.
-        output_format: ``torch-zip`` or ``safetensors``.
         selected: path of the state dict that was rewritten.
         rules: the key rules applied, in words.
         renamed: how many keys changed.
         total_keys: keys in the state dict.
-        examples: a few ``(old, new)`` pairs.
+        examples: ``(old, new)`` pairs: a few, or every one for a dry run.
         wrappers: wrappers stripped (for ``strip-module`` without ``--prefix``).
-        bytes_copied: tensor bytes copied.
-        verification: what was verified.
-        dropped: names left out (deduplicated tied tensors, non-tensor entries).
         device_map: saved device tag -> new tag, for retags.
-        message: a one-line summary for people; ``str(result)`` adds the details.
     """
 
-    src: str
-    dst: str | None
-    written: bool
-    input_format: str
-    output_format: str
-    selected: tuple[str, ...]
-    rules: tuple[str, ...]
-    renamed: int
-    total_keys: int
+    selected: tuple[str, ...] = ()
+    rules: tuple[str, ...] = ()
+    renamed: int = 0
+    total_keys: int = 0
     examples: tuple[tuple[str, str], ...] = ()
     wrappers: tuple[WrapperMatch, ...] = ()
-    bytes_copied: int = 0
-    verification: str = ""
-    dropped: tuple[str, ...] = ()
     device_map: Mapping[str, str] = field(default_factory=dict)
-    message: str = ""
 
-    def text(self) -> str:
-        """What the ``ckpt`` rewrite commands print: the message, a few renames, the totals.
+    def details(self) -> list[str]:
+        """A few renames, and the device tags of a retag.
 
         Example:
             >>> from ckpt_tools import strip_module_file
@@ -68,45 +50,23 @@ class RewriteResult(Readable):
               module.conv.weight -> conv.weight
             ...
         """
-        if not self.written:
-            return self.message
-        lines = [self.message]
-        lines += [f"  {old} -> {new}" for old, new in self.examples]
-        if self.renamed > len(self.examples):
-            lines.append(f"  ... and {self.renamed - len(self.examples)} more")
-        if self.dropped:
-            lines.append(f"left out: {', '.join(self.dropped[:_DROPPED_SHOWN])}")
+        shown = self.examples[:_EXAMPLES_SHOWN]
+        lines = [f"  {old} -> {new}" for old, new in shown]
+        if self.renamed > len(shown):
+            lines.append(f"  ... and {self.renamed - len(shown)} more")
         if self.device_map:
             moved = ", ".join(f"{a} -> {b}" for a, b in self.device_map.items())
             lines.append(f"device tags: {moved}")
-        lines.append(
-            f"{self.output_format}, {human_bytes(self.bytes_copied)} of tensors copied; "
-            f"{self.verification}"
-        )
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return (
-            f"RewriteResult(src={self.src!r}, dst={self.dst!r}, written={self.written}, "
-            f"output_format={self.output_format!r}, renamed={self.renamed}/{self.total_keys})"
-        )
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "src": self.src,
-            "dst": self.dst,
-            "written": self.written,
-            "input_format": self.input_format,
-            "output_format": self.output_format,
+            **super().to_json(),
             "selected": list(self.selected),
             "rules": list(self.rules),
             "renamed": self.renamed,
             "total_keys": self.total_keys,
             "examples": [list(e) for e in self.examples],
             "wrappers": [w.to_json() for w in self.wrappers],
-            "bytes_copied": self.bytes_copied,
-            "verification": self.verification,
-            "dropped": list(self.dropped),
             "device_map": dict(self.device_map),
-            "message": self.message,
         }

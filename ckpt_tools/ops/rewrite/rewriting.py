@@ -8,13 +8,14 @@ bytes are copied record by record.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.verify.levels import check_verify_level
+from ckpt_tools.io.writers.progress import Progress
 from ckpt_tools.ops.rewrite.result import RewriteResult
 from ckpt_tools.structure.keys import KeyRule, add_rule, regex_rule, strip_rule, sub_rule
 
@@ -30,8 +31,6 @@ __all__ = [
     "rewrite",
     "strip_module_file",
 ]
-
-Progress = Callable[[int, int], None]
 
 
 def rewrite(
@@ -67,15 +66,18 @@ def rewrite(
         device_map: saved device tag -> new tag for every storage (torch outputs).
         force: replace an existing ``dst`` (never the input).
         in_place: allow ``dst`` to be ``src``.
-        verify: ``sizes`` (default), ``full`` (compare bytes) or ``none``.
+        verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
+            ``full`` (also every byte, compared with the input's) or ``none``.
         allow_globals: qualified names outside the allowlist to carry through unchanged.
         drop_extras: for safetensors outputs, drop non-tensor entries instead of refusing.
-        progress: called with ``(bytes_done, bytes_total)``.
+        progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
+            (:data:`~ckpt_tools.io.writers.progress.Progress`).
         opened: ``src`` already opened with ``open_checkpoint`` (saves reading it twice).
-        dry_run: plan and check everything, write nothing (``written`` is False).
-        durable: fsync the output before naming it (default). False skips the fsync, as
-            ``cp`` does: faster where syncing is slow, but a power loss soon after may leave
-            ``dst`` incomplete (see ``atomic_output``).
+        dry_run: plan and check everything (refusals included), write nothing: the
+            result's ``planned`` lists the file and its tensors, ``written`` is empty.
+        durable: fsync the output before naming it (default); False skips it, as ``cp``
+            does: faster where syncing is slow, but a power loss soon after may leave
+            ``dst`` incomplete (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Returns:
         A :class:`RewriteResult`.
@@ -134,7 +136,7 @@ def strip_module_file(
 
     Returns:
         The :class:`RewriteResult`; when there is nothing to strip, nothing is written and
-        ``written`` is False.
+        ``written`` is empty.
 
     Example:
         >>> strip_module_file("ddp.pt", "plain.pt").wrappers[0].prefix
@@ -222,7 +224,7 @@ def convert(
     Example:
         >>> result = convert("model.pt", "weights.safetensors")
         >>> result.output_format, result.written
-        ('safetensors', True)
+        ('safetensors', ('weights.safetensors',))
     """
     if max_shard_size is not None or _names_folder(dst):
         from ckpt_tools.ops.transform.reshard import DEFAULT_MAX_SHARD_SIZE, convert_to_folder

@@ -8,88 +8,60 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.ops.output_plan import PlannedFile, plan_json, planned_text
+from ckpt_tools.ops.output_plan import WriteResult
 from ckpt_tools.ops.sanitize.tree import Change
-from ckpt_tools.structure.text import Readable, human_bytes
 
 __all__ = ["Change", "SanitizeReport"]
 
 
-@dataclass(frozen=True)
-class SanitizeReport(Readable):
-    """What :func:`~ckpt_tools.ops.sanitize.sanitizing.sanitize` did.
+@dataclass(frozen=True, kw_only=True, repr=False)
+class SanitizeReport(WriteResult):
+    """What :func:`~ckpt_tools.ops.sanitize.sanitizing.sanitize` did: the fields of
+    :class:`~ckpt_tools.ops.output_plan.WriteResult` (``dropped``: the path of every value
+    left out; ``bytes_copied``: tensor bytes copied from the input, the rest being numpy
+    arrays' new records), and
 
     Attributes:
-        src: the input.
-        dst: the output.
-        input_format: format of the input.
         selected: path of the state dict in the output (as in the input).
         tensors: tensors in the output's selected state dict.
         converted: every object turned into plain values, with its path in the checkpoint.
-        dropped: every value left out, with its path.
-        bytes_copied: tensor bytes copied from the input.
-        bytes_added: bytes of new tensor records (numpy arrays).
-        verification: what was verified.
-        message: a one-line summary.
-        written: False for a dry run.
-        planned: with ``dry_run``, the file it would write and the tensors in it.
+        dropped_values: every value left out: its path, and what it was.
     """
 
-    src: str
-    dst: str
-    input_format: str
-    selected: tuple[str, ...]
-    tensors: int
-    converted: tuple[Change, ...]
-    dropped: tuple[Change, ...]
-    bytes_copied: int
-    bytes_added: int
-    verification: str
-    message: str
-    written: bool = True
-    planned: tuple[PlannedFile, ...] = ()
+    selected: tuple[str, ...] = ()
+    tensors: int = 0
+    converted: tuple[Change, ...] = ()
+    dropped_values: tuple[Change, ...] = ()
 
-    def text(self) -> str:
-        """The message, every conversion and drop, the totals.
+    def details(self) -> list[str]:
+        """Every conversion.
 
         Example:
             >>> change = Change("args", "argparse.Namespace", "dict")
-            >>> report = SanitizeReport(
-            ...     "a.pt", "b.pt", "torch-zip", (), 2, (change,), (), 8, 0, "verified", "wrote"
-            ... )
+            >>> report = SanitizeReport(src="a.pt", dst="b.pt", input_format="torch-zip",
+            ...     output_format="torch-zip", written=("b.pt",), bytes_written=8,
+            ...     bytes_copied=8, verification="verified", message="wrote", converted=(change,))
             >>> print(report)
             wrote
             converted:
               args: argparse.Namespace -> dict
-            torch-zip, 8 B of tensors copied, 0 B added; verified
+            torch-zip, 8 B of tensors written, 8 B of them copied; verified
         """
-        lines = [self.message]
-        for title, changes in (("converted", self.converted), ("dropped", self.dropped)):
-            if changes:
-                lines.append(f"{title}:")
-                lines += [f"  {c}" for c in changes]
-        if not self.written:
-            return "\n".join([*lines, *planned_text(self.planned)])
-        lines.append(
-            f"torch-zip, {human_bytes(self.bytes_copied)} of tensors copied, "
-            f"{human_bytes(self.bytes_added)} added; {self.verification}"
-        )
-        return "\n".join(lines)
+        if not self.converted:
+            return []
+        return ["converted:", *(f"  {c}" for c in self.converted)]
+
+    def left_out(self) -> list[str]:
+        """Every value left out, with what it was."""
+        if not self.dropped_values:
+            return []
+        return ["dropped:", *(f"  {c}" for c in self.dropped_values)]
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "src": self.src,
-            "dst": self.dst,
-            "input_format": self.input_format,
+            **super().to_json(),
             "selected": list(self.selected),
             "tensors": self.tensors,
             "converted": [c.to_json() for c in self.converted],
-            "dropped": [c.to_json() for c in self.dropped],
-            "bytes_copied": self.bytes_copied,
-            "bytes_added": self.bytes_added,
-            "verification": self.verification,
-            "message": self.message,
-            "written": self.written,
-            "dry_run": not self.written,
-            **(plan_json(self.planned) if not self.written else {}),
+            "dropped_values": [c.to_json() for c in self.dropped_values],
         }

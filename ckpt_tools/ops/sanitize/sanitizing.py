@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools.descriptors import TensorRef, iter_tensors
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import (
     Remedy,
     SelectError,
@@ -21,12 +21,14 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.io.atomic import atomic_output, check_output_path
+from ckpt_tools.io.atomic import AtomicFile, check_output_path
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, verify_output
+from ckpt_tools.io.writers.output import write_file
+from ckpt_tools.io.writers.progress import ByteCounter, Progress
 from ckpt_tools.io.writers.torchzip import write_torch_zip
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+from ckpt_tools.ops.output_plan import PlannedFile
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.sanitize.result import SanitizeReport
 from ckpt_tools.ops.sanitize.tree import SanitizedTree, sanitize_tree
@@ -45,6 +47,7 @@ def sanitize(
     verify: str = "sizes",
     dry_run: bool = False,
     durable: bool = True,
+    progress: Progress | None = None,
 ) -> SanitizeReport:
     """Write ``src`` as a torch file that ``torch.load(weights_only=True)`` loads.
 
@@ -61,11 +64,14 @@ def sanitize(
         select: dotted path to the state dict whose tensors are verified; chosen
             automatically when None.
         force: replace an existing ``dst`` (never the input).
-        verify: ``sizes`` (default), ``full`` (compare bytes) or ``none``.
+        verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
+            ``full`` (also every byte, compared with the input's) or ``none``.
         dry_run: plan and check everything (``strict`` refusals included), write nothing:
             the report lists every conversion and drop, and ``planned`` the output's tensors.
         durable: fsync the output before naming it (default); False skips it, as ``cp``
             does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+        progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
+            (:data:`~ckpt_tools.io.writers.progress.Progress`).
 
     Returns:
         A :class:`SanitizeReport` listing every conversion and drop with its path.
@@ -93,83 +99,62 @@ def sanitize(
     taken = set(ckpt.storages) | {name[5:] for name in ckpt.records if name.startswith("data/")}
     done = sanitize_tree(ckpt.root, taken)
     if strict and done.dropped:
-        shown = "; ".join(str(c) for c in done.dropped[:8])
-        raise UnsafeContentError(
-            f"{len(done.dropped)} value(s) of {src!r} cannot be made plain: {shown}",
-            tuple(dict.fromkeys(c.was.partition(" ")[0] for c in done.dropped)),
-            path=src,
-            remedies=(
-                Remedy(
-                    "strict",
-                    "False",
-                    flag="--strict",
-                    verb="leave out",
-                    text="to drop them and list them in the report",
-                ),
-            ),
-        )
-    total = sum(s.nbytes for s in ckpt.storages.values()) + sum(map(len, done.added.values()))
-    check_output_size([], total, target)
-    if dry_run:
-        return _planned(src, dst, ckpt.format, selection.path, done)
-    copied = [0]
-
-    def on_bytes(n: int) -> None:
-        copied[0] += n
-
-    with atomic_output(target, durable=durable) as out:
-        write_torch_zip(
-            done.root, ckpt, out.file, None, on_bytes, added=done.added, durable=out.durable
-        )
-        out.file.flush()
-        verification = _verify(str(out.path), done, selection.path, ckpt, verify)
-    tensors = _selected_tensors(done.root, selection.path)
-    return SanitizeReport(
-        src=src,
-        dst=dst,
-        input_format=ckpt.format,
-        selected=selection.path,
-        tensors=len(tensors),
-        converted=done.converted,
-        dropped=done.dropped,
-        bytes_copied=copied[0],
-        bytes_added=sum(len(b) for b in done.added.values()),
-        verification=verification,
-        message=(
-            f"sanitized {src}: wrote {dst} ({len(done.converted)} converted, "
-            f"{len(done.dropped)} dropped); loads with torch.load(weights_only=True)"
-        ),
-    )
-
-
-def _planned(
-    src: str, dst: str, input_format: str, path: tuple[str, ...], done: SanitizedTree
-) -> SanitizeReport:
-    """The report of a dry run: what would be converted, dropped and written; nothing is."""
-    tensors = iter_tensors(done.root)
-    storages = {id(t.storage): t.storage for _, t in tensors}
+        _refuse_drops(src, done)
+    planned = PlannedFile.of_tree(dst, done.root)
+    check_output_size([], planned.nbytes, target)
     added = sum(len(b) for b in done.added.values())
-    written = sum(s.nbytes for s in storages.values())
-    planned = PlannedFile(
-        dst, tuple(PlannedTensor(k, t.dtype, t.shape, t.nbytes) for k, t in tensors), written
-    )
+    shared: dict[str, Any] = {
+        "src": src,
+        "dst": dst,
+        "input_format": ckpt.format,
+        "output_format": "torch-zip",
+        "bytes_written": planned.nbytes,
+        "bytes_copied": planned.nbytes - added,
+        "dropped": tuple(c.path for c in done.dropped),
+        "selected": selection.path,
+        "tensors": len(_selected_tensors(done.root, selection.path)),
+        "converted": done.converted,
+        "dropped_values": done.dropped,
+    }
+    counts = f"{len(done.converted)} converted, {len(done.dropped)} dropped"
+    if dry_run:
+        message = (
+            f"dry run: would sanitize {src} into {dst} ({counts}, {planned.nbytes} tensor bytes)"
+        )
+        return SanitizeReport(**shared, dry_run=True, planned=(planned,), message=message)
+    counter = ByteCounter(progress, planned.nbytes)
+
+    def fill(out: AtomicFile) -> None:
+        write_torch_zip(done.root, ckpt, out.file, None, counter, done.added, durable=out.durable)
+
+    def check(path: str) -> str:
+        return _verify(path, done, selection.path, ckpt, verify)
+
     return SanitizeReport(
-        src=src,
-        dst=dst,
-        input_format=input_format,
-        selected=path,
-        tensors=len(_selected_tensors(done.root, path)),
-        converted=done.converted,
-        dropped=done.dropped,
-        bytes_copied=written - added,
-        bytes_added=added,
-        verification="",
-        message=(
-            f"dry run: would sanitize {src} into {dst} ({len(done.converted)} converted, "
-            f"{len(done.dropped)} dropped, {written} tensor bytes); nothing written"
+        **shared,
+        written=(dst,),
+        verification=write_file(target, fill, check, durable=durable),
+        message=f"sanitized {src}: wrote {dst} ({counts}); "
+        "loads with torch.load(weights_only=True)",
+    )
+
+
+def _refuse_drops(src: str, done: SanitizedTree) -> None:
+    """``strict``: refuse (exit 3), naming what would be dropped."""
+    shown = "; ".join(str(c) for c in done.dropped[:8])
+    raise UnsafeContentError(
+        f"{len(done.dropped)} value(s) of {src!r} cannot be made plain: {shown}",
+        tuple(dict.fromkeys(c.was.partition(" ")[0] for c in done.dropped)),
+        path=src,
+        remedies=(
+            Remedy(
+                "strict",
+                "False",
+                flag="--strict",
+                verb="leave out",
+                text="to drop them and list them in the report",
+            ),
         ),
-        written=False,
-        planned=(planned,),
     )
 
 

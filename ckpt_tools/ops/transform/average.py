@@ -23,14 +23,15 @@ import numpy as np
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, Remedy, UsageError
-from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.casting import CAST_SOURCES, cast_array
 from ckpt_tools.io.verify.outputs import tensor_digest
-from ckpt_tools.io.writers.plan import Record
+from ckpt_tools.io.writers.progress import Progress
+from ckpt_tools.io.writers.records import Record, copy_record
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
-from ckpt_tools.ops.transform.plan import PlanRow, copy_record
+from ckpt_tools.ops.transform.plan import PlanRow
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
@@ -146,6 +147,7 @@ def average(
     allow_globals: Sequence[str] = (),
     dry_run: bool = False,
     durable: bool = True,
+    progress: Progress | None = None,
 ) -> TransformResult:
     """Average checkpoints element-wise into ``dst`` (a plain state dict).
 
@@ -156,7 +158,8 @@ def average(
         ints: ``first`` or ``last``: take integer/bool tensors from that input instead of
             requiring them equal.
         select: dotted path of the state dict in every input (automatic when None).
-        output_format, force, verify, allow_globals, dry_run, durable: as for :func:`slim`.
+        output_format, force, verify, allow_globals, dry_run, durable, progress: as for
+            :func:`~ckpt_tools.ops.transform.slim.slim`.
 
     Returns:
         A :class:`TransformResult`.
@@ -171,6 +174,29 @@ def average(
     """
     srcs = [os.fspath(p) for p in inputs]
     dst = os.fspath(dst)
+    w = _weights(srcs, weights, ints)
+    # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
+    target = next(iter([check_output_path(dst, s, force=force, in_place=False) for s in srcs]))
+    ckpts = [open_checkpoint(s) for s in srcs]
+    selections = [select_state_dict(c.root, select) for c in ckpts]
+    for c, s in zip(ckpts, selections):
+        check_rewritable(c, allow_globals, s.path)
+    aligned = [_aligned(s.state_dict) for s in selections]
+    lines = _mismatches([os.path.basename(s) for s in srcs], aligned)
+    if lines:
+        shown = "\n".join(lines[:20]) + (f"\n... {len(lines) - 20} more" if len(lines) > 20 else "")
+        raise ConversionError(f"the inputs do not match (keys, shapes, dtypes):\n{shown}")
+    items, rows, storages = _mean_items(ckpts, aligned, w, ints)
+    fmt = output_format_for(dst, output_format, ckpts[0].format)
+    plan = plan_state_dict_output(
+        ckpts[0], "average", dst, fmt, selections[0], items, weights_only=True, overrides=storages
+    )
+    plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
+    return finish(plan, target, ckpts[0], verify, dry_run, durable, progress)
+
+
+def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | None) -> list[float]:
+    """Each input's weight, once the arguments are checked."""
     if len(srcs) < 2:
         raise UsageError("average needs at least two inputs", argument="inputs", value=repr(srcs))
     w = [1.0] * len(srcs) if weights is None else [float(x) for x in weights]
@@ -183,51 +209,43 @@ def average(
         )
     if ints not in (None, "first", "last"):
         raise UsageError("expected first or last", argument="ints", value=repr(ints), flag="--ints")
-    # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
-    target = next(iter([check_output_path(dst, s, force=force, in_place=False) for s in srcs]))
-    ckpts = [open_checkpoint(s) for s in srcs]
-    selections = [select_state_dict(c.root, select) for c in ckpts]
-    for c, s in zip(ckpts, selections):
-        check_rewritable(c, allow_globals, s.path)
-    aligned = [_aligned(s.state_dict) for s in selections]
-    names = [os.path.basename(s) for s in srcs]
-    lines = _mismatches(names, aligned)
-    if lines:
-        shown = "\n".join(lines[:20]) + (f"\n... {len(lines) - 20} more" if len(lines) > 20 else "")
-        raise ConversionError(f"the inputs do not match (keys, shapes, dtypes):\n{shown}")
-    base, first = ckpts[0], aligned[0]
-    differing, rows, storages = [], [], {}
+    return w
+
+
+def _mean_items(
+    ckpts: Sequence[Checkpoint],
+    aligned: Sequence[dict[str, tuple[str, Any]]],
+    w: Sequence[float],
+    ints: str | None,
+) -> tuple[list[tuple[str, str | None, Any]], list[PlanRow], dict[int, Record]]:
+    """The output items, their rows, and the record making each storage (a mean, or a copy).
+
+    Raises:
+        ConversionError: a tensor lies differently across inputs, or integer tensors differ
+            and ``ints`` does not say which to take.
+    """
+    differing: list[str] = []
+    rows: list[PlanRow] = []
+    storages: dict[int, Record] = {}
     items: list[tuple[str, str | None, Any]] = []
-    for key, (orig, t) in first.items():
+    for key, (orig, t) in aligned[0].items():
+        items.append((orig, orig, t))
         if not isinstance(t, TensorRef):
-            items.append((orig, orig, t))
             continue
         others = [a[key][1] for a in aligned]
-        if t.dtype not in CAST_SOURCES:
+        if t.dtype in CAST_SOURCES:
+            if id(t.storage) not in storages:
+                storages[id(t.storage)] = _mean_of(key, t, ckpts, others, w)
+            action = f"mean of {len(ckpts)}"
+        else:
             if ints is None and len({tensor_digest(c, o) for c, o in zip(ckpts, others)}) > 1:
                 differing.append(key)
             if ints == "last":  # the first input's view, the last input's bytes
                 if others[-1].storage.nbytes != t.storage.nbytes:
                     raise ConversionError(f"{key!r} lies differently in its storage across inputs")
                 storages[id(t.storage)] = copy_record(ckpts[-1], others[-1].storage)
-            items.append((orig, orig, t))
             action = "copy (last input)" if ints == "last" else "copy (first input)"
-            rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, action))
-            continue
-        if id(t.storage) not in storages:
-            spans = []
-            for c, o in zip(ckpts, others):
-                if (o.offset, o.stride, o.storage.nbytes) != (t.offset, t.stride, t.storage.nbytes):
-                    raise ConversionError(
-                        f"{key!r} lies differently in its storage across inputs; convert them first"
-                    )
-                spans.append(c.span(o.storage))
-            numel = t.storage.nbytes // _SIZE[t.dtype]
-            storages[id(t.storage)] = _mean_record(spans, w, t.dtype, numel)
-        items.append((orig, orig, t))
-        rows.append(
-            PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, f"mean of {len(srcs)}")
-        )
+        rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, action))
     if differing:
         raise ConversionError(
             f"integer tensors differ across inputs: {', '.join(differing[:8])}",
@@ -236,10 +254,23 @@ def average(
                 Remedy("ints", "'last'", flag="--ints last", text="to take the last input's"),
             ),
         )
-    fmt = output_format_for(dst, output_format, base.format)
-    overrides = storages
-    plan = plan_state_dict_output(
-        base, "average", dst, fmt, selections[0], items, weights_only=True, overrides=overrides
-    )
-    plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
-    return finish(plan, target, base, verify, dry_run, durable)
+    return items, rows, storages
+
+
+def _mean_of(
+    key: str,
+    t: TensorRef,
+    ckpts: Sequence[Checkpoint],
+    others: Sequence[TensorRef],
+    w: Sequence[float],
+) -> Record:
+    """The record averaging ``t``'s storage over every input (each laid out as the first)."""
+    spans = []
+    for c, o in zip(ckpts, others):
+        if (o.offset, o.stride, o.storage.nbytes) != (t.offset, t.stride, t.storage.nbytes):
+            raise ConversionError(
+                f"{key!r} lies differently in its storage across inputs; convert them first"
+            )
+        spans.append(c.span(o.storage))
+    numel = t.storage.nbytes // _SIZE[t.dtype]
+    return _mean_record(spans, w, t.dtype, numel)

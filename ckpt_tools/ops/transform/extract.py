@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.writers.progress import Progress
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
@@ -32,6 +33,7 @@ def extract(
     allow_globals: Sequence[str] = (),
     dry_run: bool = False,
     durable: bool = True,
+    progress: Progress | None = None,
 ) -> TransformResult:
     """Write the selected state dict's entries under ``prefix`` as a plain state dict.
 
@@ -44,7 +46,8 @@ def extract(
         strip_prefix: remove ``prefix`` from the kept keys.
         ema: take the EMA copy, as ``slim(ema=True)`` does. A pickled ``nn.Module``
             selected (Ultralytics' ``model`` or ``ema``) gives up its recovered state dict.
-        select, output_format, force, verify, allow_globals, dry_run, durable: as for ``slim``.
+        select, output_format, force, verify, allow_globals, dry_run, durable, progress: as
+            for :func:`~ckpt_tools.ops.transform.slim.slim`.
 
     Returns:
         A :class:`TransformResult`.
@@ -87,4 +90,4 @@ def extract(
     plan = plan_state_dict_output(
         ckpt, "extract", dst, fmt, selection, items, weights_only=True, notes=notes
     )
-    return finish(plan, target, ckpt, verify, dry_run, durable)
+    return finish(plan, target, ckpt, verify, dry_run, durable, progress)

@@ -1,17 +1,16 @@
-"""The plan every transform (slim, extract, average) builds, and the one place that executes it.
+"""The plan every transform (slim, extract, average) builds, and its execution.
 
 A :class:`TransformPlan` holds the output's object tree and one
-:class:`~ckpt_tools.io.writers.plan.Record` per output storage: copied from a source span, or
-streamed by a producer (a cast, a mean).
-:func:`execute_plan` writes it through the one writer (atomic temp file, fsync, verification,
-rename); ``dry_run`` callers render the plan instead (:meth:`TransformPlan.to_json`).
+:class:`~ckpt_tools.io.writers.records.Record` per output storage: copied from a source span,
+or streamed by a producer (a cast, a mean). :func:`execute_plan` hands it to the writer layer
+(:func:`~ckpt_tools.io.writers.output.write_file`: temp file, records, verification, fsync,
+rename); ``dry_run`` callers return the plan in their result instead.
 """
 
 from __future__ import annotations
 
 import collections
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,27 +18,17 @@ from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, iter_tensor
 from ckpt_tools.errors import VerificationError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.pickle.standins import storage_type_ref
-from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.casting import cast_chunk, iter_cast
+from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, verify_output
-from ckpt_tools.io.writers.plan import (
-    Record,
-    same_record_bytes,
-    write_plan_safetensors,
-    write_plan_zip,
-)
+from ckpt_tools.io.writers.output import write_file
+from ckpt_tools.io.writers.plan import write_plan_zip
+from ckpt_tools.io.writers.progress import ByteCounter
+from ckpt_tools.io.writers.records import Record, same_record_bytes
+from ckpt_tools.io.writers.safetensors import write_safetensors
 
-__all__ = [
-    "PlanRow",
-    "TransformPlan",
-    "cast_tensor",
-    "copy_record",
-    "execute_plan",
-    "tensor_bytes_record",
-]
+__all__ = ["PlanRow", "TransformPlan", "cast_tensor", "execute_plan"]
 
 _OPTIMIZER_ENTRIES = ("optimizer", "optimizer_states", "optimizer_state_dict", "optim", "opt")
 
@@ -113,125 +102,6 @@ class TransformPlan:
             return sum(r.nbytes for _, _, r in self.entries)
         return sum(r.nbytes for r in self.records.values())
 
-    def to_json(self) -> dict[str, Any]:
-        """The plan as JSON-ready data (what ``--dry-run --json`` prints)."""
-        return {
-            "command": self.command,
-            "sources": list(self.sources),
-            "dst": self.dst,
-            "output_format": self.output_format,
-            "select_out": list(self.select_out),
-            "output_bytes": self.output_bytes,
-            "size_before": dict(self.size_before),
-            "size_after": dict(self.size_after),
-            "dropped_entries": list(self.dropped_entries),
-            "notes": list(self.notes),
-            "tensors": [row.to_json() for row in self.rows],
-        }
-
-
-def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
-    """A record copying ``storage``'s bytes as they are (with the CRC-32 of a whole zip record).
-
-    A compressed zip record (a re-zipped archive; torch reads those) is inflated in bounded
-    pieces and written stored, as the rewrites do.
-    """
-    zip_record = _compressed(ckpt, storage)
-    if zip_record is not None:
-        name = f"data/{storage.key}"
-
-        def inflate() -> Iterable[bytes]:
-            with decompressed(ckpt, name) as chunks:
-                yield from chunks
-
-        return Record(zip_record.size, produce=inflate, action="copy (inflated)")
-    span = ckpt.span(storage)
-    zip_record = ckpt.records.get(f"data/{storage.key}")
-    crc = None
-    if (
-        zip_record is not None
-        and not zip_record.compressed
-        and zip_record.size == span.nbytes
-        and os.path.samefile(span.path, ckpt.path)
-    ):
-        crc = zip_record.crc32
-    return Record(span.nbytes, span=span, crc32=crc)
-
-
-def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: str) -> Record:
-    """A record streaming ``storage`` (elements of ``src``) cast to ``dst``."""
-    if _compressed(ckpt, storage) is not None:
-        return _cast_stream(copy_record(ckpt, storage), src, dst)
-    span = ckpt.span(storage)
-    numel = span.nbytes // _itemsize(src)
-
-    def produce() -> Iterable[bytes]:
-        fd = os.open(span.path, os.O_RDONLY)
-        try:
-            yield from iter_cast(fd, span.offset, numel, src, dst)
-        finally:
-            os.close(fd)
-
-    return Record(numel * _itemsize(dst), produce=produce, action=f"cast {src} -> {dst}")
-
-
-def _compressed(ckpt: Checkpoint, storage: StorageRef) -> Any:
-    record = ckpt.records.get(f"data/{storage.key}") if storage.view is None else None
-    return record if record is not None and record.compressed else None
-
-
-def _cast_stream(source: Record, src: str, dst: str) -> Record:
-    """``source``'s bytes (elements of ``src``, in pieces of any length) cast to ``dst``."""
-    size = _itemsize(src)
-    numel = source.nbytes // size
-
-    def produce() -> Iterable[bytes]:
-        assert source.produce is not None
-        pending, first = b"", 0
-        for piece in source.produce():
-            pending += piece
-            whole = len(pending) - len(pending) % size
-            if whole:
-                yield cast_chunk(pending[:whole], src, dst, first, numel)
-                first += whole // size
-                pending = pending[whole:]
-
-    return Record(numel * _itemsize(dst), produce=produce, action=f"cast {src} -> {dst}")
-
-
-def tensor_bytes_record(ckpt: Checkpoint, t: TensorRef, dst: str | None = None) -> Record:
-    """One tensor's elements in row-major order (safetensors), cast to ``dst`` if given."""
-    span = ckpt.span(t.storage)
-    if dst is None or dst == t.dtype:
-        if t.is_contiguous():
-            start = span.offset + t.byte_span[0]
-            from ckpt_tools.descriptors import ByteSpan
-
-            return Record(t.nbytes, span=ByteSpan(span.path, start, t.nbytes))
-        dst = t.dtype
-
-    def produce() -> Iterable[bytes]:
-        fd = os.open(span.path, os.O_RDONLY)
-        done = 0
-        try:
-            for piece in iter_row_major(fd, span.offset, t):
-                if dst == t.dtype:
-                    yield piece
-                else:
-                    yield cast_chunk(piece, t.dtype, dst, done, t.numel)
-                done += len(piece) // _itemsize(t.dtype)
-        finally:
-            os.close(fd)
-
-    action = "copy" if dst == t.dtype else f"cast {t.dtype} -> {dst}"
-    return Record(t.numel * _itemsize(dst), produce=produce, action=action)
-
-
-def _itemsize(dtype: str) -> int:
-    from ckpt_tools.dtypes import itemsize
-
-    return itemsize(dtype)
-
 
 def new_storage(like: StorageRef, dtype: str, numel: int) -> StorageRef:
     """An output storage of ``numel`` elements of ``dtype`` on ``like``'s device."""
@@ -278,56 +148,58 @@ def execute_plan(
     target: Any,
     source: Checkpoint,
     verify: str = "sizes",
-    progress: Callable[[int], None] | None = None,
+    counter: ByteCounter | None = None,
     durable: bool = True,
 ) -> str:
-    """Write ``plan`` to ``target`` atomically and verify it; returns what was verified.
+    """Write ``plan`` to ``target`` through the writer layer; returns what was verified.
 
-    ``durable`` False skips the fsync (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+    Args:
+        plan: the transform's plan.
+        target: the output path, accepted by :func:`~ckpt_tools.io.atomic.check_output_path`.
+        source: the checkpoint the plan was made from (the first input, for ``average``).
+        verify: ``sizes``, ``full`` (every record made again and compared) or ``none``.
+        counter: told the byte count of every piece written.
+        durable: fsync the output before naming it (see
+            :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Raises:
         UsageError: a verification level transforms do not offer.
         VerificationError / OutputError: the output does not read back or cannot be written.
     """
-    # ``full`` compares every written record with its record computed again (a cast, a
-    # mean) or read again (a copy).
     check_verify_level(verify, why="cast and averaged bytes differ from the source's by design")
     check_output_size([], plan.output_bytes, target)
-    with atomic_output(target, durable=durable) as out:
+    used: list[Record] = []
+
+    def fill(out: AtomicFile) -> None:
         if plan.output_format == "safetensors":
-            write_plan_safetensors(
-                plan.entries, out.file, plan.metadata, progress, durable=out.durable
-            )
-            written: list[Record] = [r for _, _, r in plan.entries]
-        else:
-            root = source.archive_root or "archive"
-            used = write_plan_zip(
-                plan.tree, plan.records, out.file, root, progress, durable=out.durable
-            )
-            written = [plan.records[id(s)] for s in used]
-        out.file.flush()
-        level = "sizes" if verify == "full" else verify
+            write_safetensors(plan.entries, out.file, plan.metadata, counter, durable=out.durable)
+            used.extend(r for _, _, r in plan.entries)
+            return
+        root = source.archive_root or "archive"
+        storages = write_plan_zip(
+            plan.tree, plan.records, out.file, root, counter, durable=out.durable
+        )
+        used.extend(plan.records[id(s)] for s in storages)
+
+    def check(path: str) -> str:
+        # ``full`` compares every written record with its record computed again (a cast, a
+        # mean) or read again (a copy), not with the source's bytes.
         expected = Expected(plan.expected, plan.select_out, source)
-        checked = verify_output(str(out.path), expected, level)
-        if verify == "full":
-            checked = _verify_bytes(str(out.path), plan.output_format, written)
-        return checked
+        checked = verify_output(path, expected, "sizes" if verify == "full" else verify)
+        return _verify_bytes(path, plan, used) if verify == "full" else checked
+
+    return write_file(target, fill, check, durable=durable)
 
 
-def _verify_bytes(path: str, fmt: str, written: Sequence[Record]) -> str:
+def _verify_bytes(path: str, plan: TransformPlan, written: Sequence[Record]) -> str:
     """Every record's bytes against the record made again (``verify="full"``)."""
-    if fmt == "safetensors":
-        with open(path, "rb") as f:
-            start = 8 + int.from_bytes(f.read(8), "little")
-        starts = []
-        for record in written:
-            starts.append(start)
-            start += record.nbytes
-    else:
-        from ckpt_tools.formats import open_checkpoint
+    from ckpt_tools.formats import open_checkpoint
 
-        records = open_checkpoint(path).records
-        starts = [records[f"data/{i}"].data_offset for i in range(len(written))]
+    out = open_checkpoint(path)
+    if plan.output_format == "safetensors":
+        starts = [out.span(out.root[name].storage).offset for name, _, _ in plan.entries]
+    else:
+        starts = [out.records[f"data/{i}"].data_offset for i in range(len(written))]
     for i, (start, record) in enumerate(zip(starts, written)):
         if not same_record_bytes(path, start, record):
             raise VerificationError(f"record {i} ({record.action}) differs after writing")

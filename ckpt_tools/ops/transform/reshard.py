@@ -11,18 +11,22 @@ is never imported.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, Remedy, UsageError
-from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
+from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.hf_folder import check_output_folder, write_hf_shards
+from ckpt_tools.io.writers.output import Check
+from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.io.writers.safetensors import SafetensorsEntry, source_records
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -31,12 +35,11 @@ from ckpt_tools.io.writers.shard_plan import (
     parse_shard_size,
     plan_shards,
 )
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, plan_json, planned_text
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import safetensors_plan
 from ckpt_tools.ops.transform.tied_names import hf_shared_names
 from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.structure.text import Readable, human_bytes
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -45,70 +48,27 @@ __all__ = [
     "reshard",
 ]
 
-Progress = Callable[[int, int], None]
 
-
-@dataclass(frozen=True)
-class ShardsResult(Readable):
-    """What writing a sharded folder did.
+@dataclass(frozen=True, kw_only=True, repr=False)
+class ShardsResult(WriteResult):
+    """What writing a sharded folder did: the fields of
+    :class:`~ckpt_tools.ops.output_plan.WriteResult` (``written``: the shards, then the
+    index if any; ``dropped``: tied tensors stored once, whose kept name is in the metadata,
+    and with ``drop_extras`` non-tensor entries), and
 
     Attributes:
-        src: the input.
-        dst: the output folder.
-        input_format: format of the input.
-        files: the files written inside ``dst`` (shards, then the index if any).
         tensors: tensors written.
-        total_size: bytes of tensor data written (the index's ``total_size``).
         max_shard_size: the shard limit, in bytes.
-        dropped: names left out: tied tensors stored once (their kept name is in the
-            metadata) and, with ``drop_extras``, non-tensor entries.
-        verification: what was verified.
-        message: a one-line summary.
-        written: False for a dry run (``files`` are then the files it would write).
-        planned: with ``dry_run``, every file it would write and the tensors in it.
     """
 
-    src: str
-    dst: str
-    input_format: str
-    files: tuple[str, ...]
-    tensors: int
-    total_size: int
-    max_shard_size: int
-    dropped: tuple[str, ...] = ()
-    verification: str = ""
-    message: str = ""
-    written: bool = True
-    planned: tuple[PlannedFile, ...] = ()
-
-    def text(self) -> str:
-        """The summary, the files, and what was left out."""
-        listed = [f"  {name}" for name in self.files]
-        lines = [self.message, *(planned_text(self.planned) if not self.written else listed)]
-        if self.dropped:
-            lines.append(f"left out: {', '.join(self.dropped[:8])}")
-        if not self.written:
-            return "\n".join(lines)
-        lines.append(f"{human_bytes(self.total_size)} of tensors copied; {self.verification}")
-        return "\n".join(lines)
+    tensors: int = 0
+    max_shard_size: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict of every field."""
         return {
-            "src": self.src,
-            "dst": self.dst,
-            "input_format": self.input_format,
-            "output_format": "hf-sharded",
-            "files": list(self.files),
+            **super().to_json(),
             "tensors": self.tensors,
-            "total_size": self.total_size,
             "max_shard_size": self.max_shard_size,
-            "dropped": list(self.dropped),
-            "verification": self.verification,
-            "message": self.message,
-            "written": self.written,
-            "dry_run": not self.written,
-            **(plan_json(self.planned) if not self.written else {}),
         }
 
 
@@ -172,9 +132,9 @@ def convert_to_folder(
         OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
-        >>> convert_to_folder("model.pt", "model-hf", "1GB").files
-        ('model.safetensors',)
-        >>> len(convert_to_folder("model.pt", "model-hf", "1KB", force=True).files) > 2
+        >>> convert_to_folder("model.pt", "model-hf", "1GB").written
+        ('model-hf/model.safetensors',)
+        >>> len(convert_to_folder("model.pt", "model-hf", "1KB", force=True).written) > 2
         True
     """
     check_verify_level(verify)
@@ -184,10 +144,73 @@ def convert_to_folder(
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_folder(dst, src, force=force)
     ckpt = open_checkpoint(src)
+    folder = _plan_folder(ckpt, select, drop_extras, allow_globals, limit, target)
+    shared = {
+        "src": src,
+        "dst": dst,
+        "input_format": ckpt.format,
+        "output_format": "hf-sharded",
+        "bytes_written": folder.shards.total_size,
+        "bytes_copied": folder.shards.total_size,
+        "dropped": folder.dropped,
+        "tensors": len(folder.entries),
+        "max_shard_size": limit,
+    }
+    count = len(folder.shards.files)
+    if dry_run:
+        message = (
+            f"dry run: would convert {ckpt.format} to {count} safetensors shard(s) in {dst} "
+            f"({folder.shards.total_size} tensor bytes)"
+        )
+        planned = _planned_files(dst, folder.entries, folder.shards, folder.metadata)
+        return ShardsResult(**shared, dry_run=True, message=message, planned=planned)
+    counter = ByteCounter(progress, folder.shards.total_size)
+    by_name = {e.name: e.tensor for e in folder.entries}
+
+    def check(names: Sequence[str]) -> Check:
+        expected = Expected({n: by_name[n] for n in names}, (), ckpt)
+        return lambda path: verify_output(path, expected, verify)
+
+    names = write_hf_shards(
+        source_records(folder.entries, ckpt),
+        target,
+        folder.shards,
+        check,
+        metadata=folder.metadata,
+        counter=counter,
+        jobs=jobs,
+        durable=durable,
+    )
+    return ShardsResult(
+        **shared,
+        written=tuple(os.path.join(dst, name) for name in names),
+        verification=f"verified ({verify})" if verify != "none" else "not verified",
+        message=f"converted {ckpt.format} to {count} safetensors shard(s): wrote {dst}",
+    )
+
+
+class _FolderPlan(NamedTuple):
+    """A folder output planned: its tensors, the index's metadata, what is left out, the shards."""
+
+    entries: list[SafetensorsEntry]
+    metadata: dict[str, str]
+    dropped: tuple[str, ...]
+    shards: ShardPlan
+
+
+def _plan_folder(
+    ckpt: Checkpoint,
+    select: str | Sequence[str] | None,
+    drop_extras: bool,
+    allow_globals: Sequence[str],
+    limit: int,
+    target: Path,
+) -> _FolderPlan:
+    """Everything ``convert_to_folder`` refuses, checked; then the shards it writes."""
     selection = select_state_dict(ckpt.root, select)
     check_rewritable(ckpt, allow_globals, selection.path)
     sd = selection.state_dict
-    check_key_types(sd, (), "safetensors", src)
+    check_key_types(sd, (), "safetensors", ckpt.path)
     tensors = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
     aliases = hf_shared_names(tensors)
     kept = {k: v for k, v in sd.items() if k not in aliases}
@@ -196,73 +219,26 @@ def convert_to_folder(
     # total_size and "format" are the writer's to set.
     extra = {k: v for k, v in metadata.items() if isinstance(v, str) and k != "format"}
     extra.update(aliases)
-    _check_dtypes(entries, src)
+    _check_dtypes(entries, ckpt.path)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing
-    plan = plan_shards([(e.name, e.tensor.nbytes) for e in entries], limit)
-    if dry_run:
-        planned = _planned_files(entries, plan, extra)
-        return ShardsResult(
-            src=src,
-            dst=dst,
-            input_format=ckpt.format,
-            files=tuple(f.name for f in planned),
-            tensors=len(entries),
-            total_size=plan.total_size,
-            max_shard_size=limit,
-            dropped=tuple(aliases) + dropped,
-            message=f"dry run: would convert {ckpt.format} to {len(plan.files)} safetensors "
-            f"shard(s) in {dst} ({plan.total_size} tensor bytes); nothing written",
-            written=False,
-            planned=planned,
-        )
-    done = [0]
-    lock = threading.Lock()  # shards may be written by several threads
-
-    def on_bytes(n: int) -> None:
-        with lock:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], plan.total_size)
-
-    files = write_hf_shards(
-        entries,
-        ckpt,
-        target,
-        plan,
-        metadata=extra,
-        verify=verify,
-        progress=on_bytes,
-        jobs=jobs,
-        durable=durable,
-    )
-    shards = len(plan.files)
-    return ShardsResult(
-        src=src,
-        dst=dst,
-        input_format=ckpt.format,
-        files=files,
-        tensors=len(entries),
-        total_size=plan.total_size,
-        max_shard_size=limit,
-        dropped=tuple(aliases) + dropped,
-        verification=f"verified ({verify})" if verify != "none" else "not verified",
-        message=f"converted {ckpt.format} to {shards} safetensors shard(s): wrote {dst}",
-    )
+    shards = plan_shards([(e.name, e.tensor.nbytes) for e in entries], limit)
+    return _FolderPlan(entries, extra, tuple(aliases) + dropped, shards)
 
 
 def _planned_files(
-    entries: Sequence[Any], plan: ShardPlan, metadata: Mapping[str, str]
+    dst: str, entries: Sequence[Any], plan: ShardPlan, metadata: Mapping[str, str]
 ) -> tuple[PlannedFile, ...]:
-    """The shards ``plan`` lays out, their tensors, and the index (its exact bytes)."""
-    by_name = {
-        e.name: PlannedTensor(e.name, e.tensor.dtype, e.tensor.shape, e.tensor.nbytes)
-        for e in entries
-    }
-    files = [PlannedFile.of(file, (by_name[n] for n in names)) for file, names in plan.files]
+    """The shards ``plan`` lays out in ``dst``, their tensors, and the index (its exact bytes)."""
+    by_name = {e.name: PlannedTensor.of(e.name, e.tensor) for e in entries}
+    files = [
+        PlannedFile.of(os.path.join(dst, file), (by_name[n] for n in names))
+        for file, names in plan.files
+    ]
     if plan.is_sharded:
-        files.append(PlannedFile(INDEX_NAME, (), len(index_bytes(plan, metadata))))
+        index = len(index_bytes(plan, metadata))
+        files.append(PlannedFile(os.path.join(dst, INDEX_NAME), (), index))
     return tuple(files)
 
 
@@ -299,8 +275,8 @@ def reshard(
         OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
-        >>> reshard("sharded", "one-shard", "1GB").files
-        ('model.safetensors',)
+        >>> reshard("sharded", "one-shard", "1GB").written
+        ('one-shard/model.safetensors',)
     """
     src = os.fspath(src)
     if not (os.path.isdir(src) or src.endswith(".index.json")):
@@ -320,8 +296,10 @@ def reshard(
         dry_run=dry_run,
         durable=durable,
     )
-    shards = sum(1 for f in result.files if f.endswith(".safetensors"))
+    files = result.planned if dry_run else result.written
+    names = [f.name if isinstance(f, PlannedFile) else f for f in files]
+    shards = sum(1 for name in names if name.endswith(".safetensors"))
     if dry_run:
-        said = f"dry run: would reshard into {shards} shard(s) in {result.dst}; nothing written"
+        said = f"dry run: would reshard into {shards} shard(s) in {result.dst}"
         return replace(result, message=said)
     return replace(result, message=f"resharded into {shards} shard(s): wrote {result.dst}")

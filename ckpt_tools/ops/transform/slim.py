@@ -23,6 +23,7 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.writers.progress import Progress
 from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.plan import cast_tensor
@@ -139,6 +140,7 @@ def slim(
     allow_globals: Sequence[str] = (),
     dry_run: bool = False,
     durable: bool = True,
+    progress: Progress | None = None,
 ) -> TransformResult:
     """Make a checkpoint smaller: cast weights, drop entries, keep only the (EMA) weights.
 
@@ -155,12 +157,16 @@ def slim(
             state dict (as with ``weights_only``); the notes say so.
         select: dotted path of the state dict (overrides the automatic choice and ``ema``).
         output_format: ``torch`` or ``safetensors``.
-        force: replace an existing ``dst``.
-        verify: ``sizes`` or ``none``.
+        force: replace an existing ``dst`` (never the input).
+        verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
+            ``full`` (also every byte, each record computed or read again) or ``none``.
         allow_globals: globals outside the allowlist to carry through.
-        dry_run: plan only; nothing is written.
+        dry_run: plan and check everything (refusals included), write nothing: the
+            result's ``planned`` lists the file and its tensors.
         durable: fsync the output before naming it (default); False skips it, as ``cp``
             does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+        progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
+            (:data:`~ckpt_tools.io.writers.progress.Progress`).
 
     Returns:
         A :class:`TransformResult` (sizes per category before and after, what was cast,
@@ -174,7 +180,7 @@ def slim(
     Example:
         >>> r = slim("model.pt", "small.safetensors", dtype="bf16", keep_dtype=["bn"])
         >>> r.written, r.cast[:2], "bn.weight" in r.kept
-        (True, ('conv.weight', 'conv.bias'), True)
+        (('small.safetensors',), ('conv.weight', 'conv.bias'), True)
     """
     src, dst = os.fspath(src), os.fspath(dst)
     cast_to = _dtype(dtype)
@@ -210,7 +216,7 @@ def slim(
         dropped_entries=dropped,
         notes=notes,
     )
-    return finish(plan, target, ckpt, verify, dry_run, durable)
+    return finish(plan, target, ckpt, verify, dry_run, durable, progress)
 
 
 def _dtype(dtype: str | None) -> str | None:

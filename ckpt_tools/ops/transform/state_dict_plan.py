@@ -10,22 +10,26 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt_tools.descriptors import TensorRef, iter_tensors
+from ckpt_tools.descriptors import StorageRef, TensorRef, iter_tensors
 from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
-from ckpt_tools.io.writers.plan import Record
+from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.io.writers.records import (
+    Record,
+    cast_storage_record,
+    copy_record,
+    tensor_bytes_record,
+)
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.transform.plan import (
     PlanRow,
     TransformPlan,
-    cast_storage_record,
     cast_tensor,
     categories,
-    copy_record,
     execute_plan,
     new_storage,
-    tensor_bytes_record,
 )
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.structure.selection import Selection, replace_at
@@ -59,49 +63,126 @@ def plan_state_dict_output(
         overrides: ``id(source storage)`` -> the record that makes it instead of a copy
             (a mean of N inputs), same dtype and size.
     """
-    out_sd: dict[Any, Any] = (
-        type(selection.state_dict)() if isinstance(selection.state_dict, dict) else {}
+    out_sd = _output_state_dict(selection, items)
+    tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
+    overrides = overrides or {}
+    notes = list(notes)
+    targets = _cast_targets(tree, items, cast_to, keep, notes)
+    records, out_storage = _storage_records(ckpt, tree, targets, cast_to, overrides)
+    rows, replaced = _rows(items, out_storage, targets, overrides, cast_to)
+    out_sd.update(replaced)
+    shared: dict[str, Any] = {
+        "command": command,
+        "sources": (ckpt.path,),
+        "dst": dst,
+        "output_format": fmt,
+        "rows": tuple(rows),
+        "dropped_entries": tuple(dropped_entries),
+        "size_before": categories(ckpt, ckpt.root, selection.path, selection.state_dict),
+        "notes": tuple(notes),
+    }
+    if fmt == "safetensors":
+        entries, st_meta = _safetensors_entries(
+            overrides, ckpt, selection, items, weights_only, cast_to, targets
+        )
+        size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
+        expected = {name: t for name, t, _ in entries}
+        return TransformPlan(
+            **shared,
+            tree=None,
+            records={},
+            entries=tuple(entries),
+            metadata=st_meta,
+            expected=expected,
+            select_out=(),
+            size_after=size_after,
+        )
+    return TransformPlan(
+        **shared,
+        tree=tree,
+        records=records,
+        entries=(),
+        metadata=None,
+        expected={k: v for k, v in out_sd.items() if isinstance(v, TensorRef)},
+        select_out=() if weights_only else selection.path,
+        size_after=_sizes_after(tree, weights_only, records, out_sd, selection.path),
     )
-    metadata = getattr(selection.state_dict, "_metadata", None)
+
+
+def _output_state_dict(
+    selection: Selection, items: Sequence[tuple[str, str | None, Any]]
+) -> dict[Any, Any]:
+    """The output state dict: the kept items under their new keys, of the selection's type."""
+    sd = selection.state_dict
+    out_sd: dict[Any, Any] = type(sd)() if isinstance(sd, dict) else {}
+    metadata = getattr(sd, "_metadata", None)
     if metadata is not None:
         out_sd._metadata = metadata  # type: ignore[attr-defined]
     for _, new, value in items:
         if new is not None:
             out_sd[new] = value
-    tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
-    overrides = overrides or {}
-    rows, notes = [], list(notes)
-    targets = _cast_targets(tree, items, cast_to, keep, notes)
-    records, out_storage, replaced = {}, {}, {}
+    return out_sd
+
+
+def _storage_records(
+    ckpt: Checkpoint,
+    tree: Any,
+    targets: Mapping[int, str],
+    cast_to: str | None,
+    overrides: Mapping[int, Record],
+) -> tuple[dict[int, Record], dict[int, StorageRef]]:
+    """One record per output storage, and each source storage's output storage.
+
+    Returns:
+        ``id(output storage)`` -> its record, and ``id(source storage)`` -> output storage.
+    """
+    records: dict[int, Record] = {}
+    out_storage: dict[int, StorageRef] = {}
     for _, t in iter_tensors(tree):
         sid = id(t.storage)
         if sid in out_storage:
             continue
         src_dtype = targets.get(sid)
-        if src_dtype is None and t.func is None:
+        if src_dtype is not None and cast_to is not None:
+            numel = t.storage.nbytes // _size(src_dtype)
+            storage = new_storage(t.storage, cast_to, numel)
+            records[id(storage)] = cast_storage_record(ckpt, t.storage, src_dtype, cast_to)
+        elif t.func is None:
             # Read without a pickle (safetensors): give it torch.save's storage and rebuild.
             storage = new_storage(t.storage, t.dtype, t.storage.nbytes // _size(t.dtype))
-            out_storage[sid] = storage
             records[id(storage)] = overrides.get(sid) or copy_record(ckpt, t.storage)
-        elif src_dtype is None:
-            out_storage[sid] = t.storage
-            records[sid] = overrides.get(sid) or copy_record(ckpt, t.storage)
         else:
-            numel = t.storage.nbytes // _size(src_dtype)
-            storage = new_storage(t.storage, cast_to, numel)  # type: ignore[arg-type]
-            out_storage[sid] = storage
-            records[id(storage)] = cast_storage_record(ckpt, t.storage, src_dtype, cast_to)  # type: ignore[arg-type]
+            storage = t.storage
+            records[sid] = overrides.get(sid) or copy_record(ckpt, t.storage)
+        out_storage[sid] = storage
+    return records, out_storage
+
+
+def _rows(
+    items: Sequence[tuple[str, str | None, Any]],
+    out_storage: Mapping[int, StorageRef],
+    targets: Mapping[int, str],
+    overrides: Mapping[int, Record],
+    cast_to: str | None,
+) -> tuple[list[PlanRow], dict[str, TensorRef]]:
+    """One row per tensor item, and the output tensors that differ from the input's.
+
+    A tensor on a cast storage is described as ``cast_to``; one read without a pickle gets
+    torch.save's rebuild call on its output storage.
+    """
+    rows: list[PlanRow] = []
+    replaced: dict[str, TensorRef] = {}
     for old, new, value in items:
         if not isinstance(value, TensorRef):
             continue
         cast = id(value.storage) in targets
         if new is not None and (cast or id(value.storage) in overrides):
             check_plain_values(new, value, f"a cast to {cast_to}" if cast else "a mean")
-        if cast and new is not None:
-            replaced[new] = cast_tensor(value, out_storage[id(value.storage)], cast_to)
-        elif value.func is None and new is not None:
-            replaced[new] = cast_tensor(value, out_storage[id(value.storage)], value.dtype)  # type: ignore[arg-type]
+        if new is not None and (cast or value.func is None):
+            dtype = cast_to if cast and cast_to is not None else value.dtype
+            replaced[new] = cast_tensor(value, out_storage[id(value.storage)], dtype)
         after = replaced.get(new, value) if new is not None else None
+        action = "drop" if new is None else (f"cast {value.dtype} -> {cast_to}" if cast else "copy")
         rows.append(
             PlanRow(
                 old,
@@ -110,54 +191,10 @@ def plan_state_dict_output(
                 after.dtype if after else None,
                 value.nbytes,
                 after.nbytes if after else 0,
-                "drop" if new is None else (f"cast {value.dtype} -> {cast_to}" if cast else "copy"),
+                action,
             )
         )
-    for key, t in replaced.items():
-        out_sd[key] = t
-    expected = {k: v for k, v in out_sd.items() if isinstance(v, TensorRef)}
-    size_before = categories(ckpt, ckpt.root, selection.path, selection.state_dict)
-    if fmt == "safetensors":
-        entries, st_meta = _safetensors_entries(
-            overrides, ckpt, selection, items, weights_only, cast_to, targets
-        )
-        size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
-        expected = {name: t for name, t, _ in entries}
-        return TransformPlan(
-            command,
-            (ckpt.path,),
-            dst,
-            fmt,
-            None,
-            {},
-            tuple(entries),
-            st_meta,
-            expected,
-            (),
-            tuple(rows),
-            tuple(dropped_entries),
-            size_before,
-            size_after,
-            tuple(notes),
-        )
-    size_after = _sizes_after(tree, weights_only, records, out_sd, selection.path)
-    return TransformPlan(
-        command,
-        (ckpt.path,),
-        dst,
-        fmt,
-        tree,
-        records,
-        (),
-        None,
-        expected,
-        () if weights_only else selection.path,
-        tuple(rows),
-        tuple(dropped_entries),
-        size_before,
-        size_after,
-        tuple(notes),
-    )
+    return rows, replaced
 
 
 def _size(dtype: str) -> int:
@@ -299,13 +336,45 @@ def finish(
     verify: str,
     dry_run: bool,
     durable: bool = True,
+    progress: Progress | None = None,
 ) -> TransformResult:
-    """Write the plan (unless ``dry_run``) and say what happened."""
-    before = sum(plan.size_before.values())
-    sizes = f"{before} -> {plan.output_bytes} tensor bytes"
+    """Write the plan (unless ``dry_run``) and say what happened.
+
+    ``verify``, ``dry_run``, ``durable`` and ``progress`` are the transform's own, as
+    :func:`~ckpt_tools.ops.transform.slim.slim` documents them.
+    """
+    if plan.output_format == "safetensors":
+        records = [r for _, _, r in plan.entries]
+        planned = PlannedFile.of(plan.dst, (PlannedTensor.of(k, t) for k, t, _ in plan.entries))
+    else:
+        records = list(plan.records.values())
+        planned = PlannedFile.of_tree(plan.dst, plan.tree)
+    rows_dropped = tuple(r.source_key for r in plan.rows if r.key is None)
+    sizes = f"{sum(plan.size_before.values())} -> {plan.output_bytes} tensor bytes"
+    shared: dict[str, Any] = {
+        "src": plan.sources[0],
+        "dst": plan.dst,
+        "input_format": ckpt.format,
+        "output_format": plan.output_format,
+        "bytes_written": plan.output_bytes,
+        "bytes_copied": sum(r.nbytes for r in records if r.action.startswith("copy")),
+        "notes": plan.notes,
+        "dropped": plan.dropped_entries + rows_dropped,
+        "command": plan.command,
+        "sources": plan.sources,
+        "rows": plan.rows,
+        "size_before": plan.size_before,
+        "size_after": plan.size_after,
+        "plan": plan,
+    }
     if dry_run:
-        return TransformResult(
-            plan, False, "", f"dry run: would write {plan.dst} ({sizes}); nothing written"
-        )
-    verification = execute_plan(plan, target, ckpt, verify, durable=durable)
-    return TransformResult(plan, True, verification, f"{plan.command}: wrote {plan.dst} ({sizes})")
+        message = f"dry run: would write {plan.dst} ({sizes})"
+        return TransformResult(**shared, dry_run=True, planned=(planned,), message=message)
+    counter = ByteCounter(progress, plan.output_bytes)
+    verification = execute_plan(plan, target, ckpt, verify, counter, durable=durable)
+    return TransformResult(
+        **shared,
+        written=(plan.dst,),
+        verification=verification,
+        message=f"{plan.command}: wrote {plan.dst} ({sizes})",
+    )

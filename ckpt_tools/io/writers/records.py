@@ -1,0 +1,228 @@
+"""Where each record of an output comes from: a span copied from a source, or a producer.
+
+A :class:`Record` is one output record's bytes (a storage of a torch file, a tensor of a
+safetensors file): a span of a source file copied as it is, the pieces of a tensor
+assembled from DCP chunks, or a producer that yields them in bounded chunks (a cast, a mean
+of N inputs, an inflated zip record, a view gathered in row-major order). The writers of
+:mod:`ckpt_tools.io.writers` write records; ``verify="full"`` makes each one again and
+compares it with what was written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
+
+if TYPE_CHECKING:
+    from ckpt_tools.io.assemble import Piece
+
+# io.assemble and io.casting compute with numpy: imported where a record needs them, so a
+# rewrite that only copies never loads numpy.
+
+__all__ = [
+    "Record",
+    "cast_storage_record",
+    "copy_record",
+    "record_bytes",
+    "same_record_bytes",
+    "tensor_bytes_record",
+]
+
+
+@dataclass(frozen=True)
+class Record:
+    """Where one output record's bytes come from: a source span, chunk pieces, or a producer.
+
+    Exactly one of ``span``, ``pieces`` and ``produce`` is given.
+
+    Attributes:
+        nbytes: the record's size.
+        span: bytes to copy as they are (the copy engine), or None.
+        crc32: the span's CRC-32 when known (a whole zip record), so it is not recomputed.
+        pieces: the record's bytes as DCP chunk pieces, back to back
+            (:func:`~ckpt_tools.io.assemble.write_pieces`: spans copied, the rest assembled).
+        produce: called once when the record is written; yields its bytes in bounded chunks.
+        action: what makes it, in words (``copy``, ``cast float32 -> bfloat16``, ``mean of 3``).
+    """
+
+    nbytes: int
+    span: ByteSpan | None = None
+    crc32: int | None = None
+    pieces: tuple[Piece, ...] = ()
+    produce: Callable[[], Iterable[bytes]] | None = None
+    action: str = "copy"
+
+    @property
+    def copied(self) -> int:
+        """Bytes of it copied from a source as they lie there (spans), not computed."""
+        if self.span is not None:
+            return self.nbytes
+        return sum(p.nbytes for p in self.pieces if isinstance(getattr(p, "span", None), ByteSpan))
+
+
+def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
+    """A record copying ``storage``'s bytes as they are (with the CRC-32 of a whole zip record).
+
+    A compressed zip record (a re-zipped archive; torch reads those) is inflated in bounded
+    pieces and written stored, as the rewrites do.
+    """
+    zip_record = _compressed(ckpt, storage)
+    if zip_record is not None:
+        name = f"data/{storage.key}"
+
+        def inflate() -> Iterable[bytes]:
+            with decompressed(ckpt, name) as chunks:
+                yield from chunks
+
+        return Record(zip_record.size, produce=inflate, action="copy (inflated)")
+    span = ckpt.span(storage)
+    zip_record = ckpt.records.get(f"data/{storage.key}")
+    crc = None
+    if (
+        zip_record is not None
+        and not zip_record.compressed
+        and zip_record.size == span.nbytes
+        and os.path.samefile(span.path, ckpt.path)
+    ):
+        crc = zip_record.crc32
+    return Record(span.nbytes, span=span, crc32=crc)
+
+
+def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: str) -> Record:
+    """A record streaming ``storage`` (elements of ``src``) cast to ``dst``."""
+    if _compressed(ckpt, storage) is not None:
+        return _cast_stream(copy_record(ckpt, storage), src, dst)
+    span = ckpt.span(storage)
+    numel = span.nbytes // itemsize(src)
+
+    def produce() -> Iterable[bytes]:
+        from ckpt_tools.io.casting import iter_cast
+
+        fd = os.open(span.path, os.O_RDONLY)
+        try:
+            yield from iter_cast(fd, span.offset, numel, src, dst)
+        finally:
+            os.close(fd)
+
+    return Record(numel * itemsize(dst), produce=produce, action=f"cast {src} -> {dst}")
+
+
+def _compressed(ckpt: Checkpoint, storage: StorageRef) -> Any:
+    record = ckpt.records.get(f"data/{storage.key}") if storage.view is None else None
+    return record if record is not None and record.compressed else None
+
+
+def _cast_stream(source: Record, src: str, dst: str) -> Record:
+    """``source``'s bytes (elements of ``src``, in pieces of any length) cast to ``dst``."""
+    size = itemsize(src)
+    numel = source.nbytes // size
+
+    def produce() -> Iterable[bytes]:
+        from ckpt_tools.io.casting import cast_chunk
+
+        assert source.produce is not None
+        pending, first = b"", 0
+        for piece in source.produce():
+            pending += piece
+            whole = len(pending) - len(pending) % size
+            if whole:
+                yield cast_chunk(pending[:whole], src, dst, first, numel)
+                first += whole // size
+                pending = pending[whole:]
+
+    return Record(numel * itemsize(dst), produce=produce, action=f"cast {src} -> {dst}")
+
+
+def tensor_bytes_record(ckpt: Checkpoint, t: TensorRef, dst: str | None = None) -> Record:
+    """One tensor's elements in row-major order (safetensors), cast to ``dst`` if given."""
+    span = ckpt.span(t.storage)
+    if dst is None or dst == t.dtype:
+        if t.is_contiguous():
+            start = span.offset + t.byte_span[0]
+            return Record(t.nbytes, span=ByteSpan(span.path, start, t.nbytes))
+        dst = t.dtype
+
+    def produce() -> Iterable[bytes]:
+        from ckpt_tools.io.casting import cast_chunk
+
+        fd = os.open(span.path, os.O_RDONLY)
+        done = 0
+        try:
+            for piece in iter_row_major(fd, span.offset, t):
+                if dst == t.dtype:
+                    yield piece
+                else:
+                    yield cast_chunk(piece, t.dtype, dst, done, t.numel)
+                done += len(piece) // itemsize(t.dtype)
+        finally:
+            os.close(fd)
+
+    action = "copy" if dst == t.dtype else f"cast {t.dtype} -> {dst}"
+    return Record(t.numel * itemsize(dst), produce=produce, action=action)
+
+
+def _span_chunks(fd: int, span: ByteSpan, chunk: int = 8 << 20) -> Iterable[bytes]:
+    done = 0
+    while done < span.nbytes:
+        data = os.pread(fd, min(chunk, span.nbytes - done), span.offset + done)
+        if not data:
+            raise OSError(5, f"source ended after {done} of {span.nbytes} bytes")
+        yield data
+        done += len(data)
+
+
+def record_bytes(record: Record) -> Iterable[bytes]:
+    """The bytes ``record`` stands for, in bounded chunks (a producer runs again)."""
+    if record.produce is not None:
+        yield from record.produce()
+        return
+    spans = [record.span] if record.span is not None else []
+    for piece in record.pieces or ():
+        span = getattr(piece, "span", None)
+        if span is not None:
+            spans.append(span)
+            continue
+        yield from _spans_bytes(spans)
+        spans = []
+        yield from (bytes(slab) for slab in piece.iter_bytes())  # type: ignore[union-attr]
+    yield from _spans_bytes(spans)
+
+
+def _spans_bytes(spans: Sequence[ByteSpan]) -> Iterable[bytes]:
+    for span in spans:
+        fd = os.open(span.path, os.O_RDONLY)
+        try:
+            yield from _span_chunks(fd, span)
+        finally:
+            os.close(fd)
+
+
+def same_record_bytes(path: str, start: int, record: Record) -> bool:
+    """Whether ``path`` holds ``record``'s bytes at ``start`` (``verify="full"``).
+
+    Computed records are computed again, copied ones read again from their source, and both
+    hashed against the written bytes, one chunk at a time.
+    """
+    import hashlib
+
+    want = hashlib.blake2b(digest_size=16)
+    for piece in record_bytes(record):
+        want.update(piece)
+    have = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = record.nbytes
+        while left:
+            piece = f.read(min(8 << 20, left))
+            if not piece:
+                return False
+            have.update(piece)
+            left -= len(piece)
+    return want.digest() == have.digest()
