@@ -38,13 +38,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
         VerificationError,
     )
     from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
+    from ckpt_tools.io.writers.progress import Progress
     from ckpt_tools.loading.into_module import load_into
     from ckpt_tools.loading.results import LoadInfo, LoadReport
     from ckpt_tools.loading.state_dict import load_state_dict
     from ckpt_tools.ops.consolidate.consolidation import ConsolidateResult, consolidate
     from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
     from ckpt_tools.ops.inspect.inspection import inspect
-    from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+    from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
     from ckpt_tools.ops.rewrite.result import RewriteResult
     from ckpt_tools.ops.rewrite.rewriting import convert, retag, rewrite, strip_module_file
     from ckpt_tools.ops.sanitize.result import SanitizeReport
@@ -126,6 +127,8 @@ _PUBLIC: dict[str, str] = {
     "TransformResult": "ckpt_tools.ops.transform.result",
     "PlannedFile": "ckpt_tools.ops.output_plan",
     "PlannedTensor": "ckpt_tools.ops.output_plan",
+    "WriteResult": "ckpt_tools.ops.output_plan",
+    "Progress": "ckpt_tools.io.writers.progress",
     "load_state_dict": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
     "LoadReport": "ckpt_tools.loading.results",
@@ -157,6 +160,7 @@ __all__ = [
     "OutputExistsError",
     "PlannedFile",
     "PlannedTensor",
+    "Progress",
     "ResourceLimitError",
     "RewriteResult",
     "SameFileError",
@@ -173,6 +177,7 @@ __all__ = [
     "UsageError",
     "VerificationError",
     "WrapperMatch",
+    "WriteResult",
     "__version__",
     "add_prefix",
     "average",
