@@ -28,8 +28,8 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE
-from ckpt_tools.formats.pickle.unpickler import id_text, load_pickle
+from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, id_text
+from ckpt_tools.formats.pickle.unpickler import load_pickle
 
 __all__ = ["check_byte_order", "offset_locator", "open_legacy", "open_pickle", "open_tar"]
 

@@ -34,8 +34,8 @@ from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.legacy.reader import check_byte_order, offset_locator
 from ckpt_tools.formats.pickle.allowlist import checked_tensor
-from ckpt_tools.formats.pickle.standins import StorageTypeRef, module_record
-from ckpt_tools.formats.pickle.unpickler import ReadResult, id_text, load_pickle
+from ckpt_tools.formats.pickle.standins import StorageTypeRef, id_text, module_record
+from ckpt_tools.formats.pickle.unpickler import ReadResult, load_pickle
 
 __all__ = ["read_tar_members"]
 

@@ -20,8 +20,10 @@ __all__ = [
     "Reduced",
     "StorageTypeRef",
     "TorchSize",
+    "id_text",
     "is_count",
     "module_record",
+    "storage_location",
     "storage_type_ref",
 ]
 
@@ -126,3 +128,33 @@ def module_record(record: tuple[Any, ...]) -> Any:
         f"unexpected module record {short_repr(record)} (torch's reader takes a class, its "
         "source file and its source)"
     )
+
+
+def storage_location(value: Any) -> str | None:
+    """A storage id's device tag as torch reads it: text, or ASCII bytes (Python 2 files).
+
+    torch hands the tag to ``re.match`` (or to ``map_location``): an int there fails with a
+    TypeError under the default ``map_location``, so it is refused, not turned into text.
+    """
+    if isinstance(value, bytes):
+        return value.decode("ascii") if value.isascii() else None
+    return value if isinstance(value, str) else None
+
+
+def id_text(value: Any) -> str | None:
+    """A storage key or location tag as text (ints and Python 2 bytes too); None otherwise.
+
+    The one reading of the keys and tags in storage ids, in the legacy format's key list and
+    in the tar format's headers.
+
+    Example:
+        >>> id_text(b"cuda:1"), id_text(7), id_text(None)
+        ('cuda:1', '7', None)
+    """
+    if isinstance(value, bytes):
+        return value.decode("ascii", "replace")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and is_count(value):
+        return str(value)
+    return None

@@ -31,19 +31,25 @@ from ckpt_tools.errors import (
 from ckpt_tools.formats.pickle.allowlist import resolve_allowed
 from ckpt_tools.formats.pickle.expansion import (
     WEIGHTS_ONLY_OPCODES,
+    OpcodeScan,
     checked_scan,
     past_lenient_literal,
 )
 from ckpt_tools.formats.pickle.imports import python3_name
 from ckpt_tools.formats.pickle.limits import LimitedReader, check_nesting
-from ckpt_tools.formats.pickle.standins import StorageTypeRef, is_count, module_record
+from ckpt_tools.formats.pickle.standins import (
+    StorageTypeRef,
+    id_text,
+    is_count,
+    module_record,
+    storage_location,
+)
 
 __all__ = [
     "MAX_NESTING",
     "MAX_PICKLE_BYTES",
     "ReadResult",
     "gc_paused",
-    "id_text",
     "load_pickle",
 ]
 
@@ -78,8 +84,8 @@ def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a pickle tree is built or written.
 
     Building thousands of small containers triggers collections that re-scan the growing
-    tree (measured: 40% of ``inspect`` time at 1,400 tensors). The trees hold no cycles to
-    collect, so pausing costs nothing; the previous state is restored.
+    tree again and again, a large share of reading a big state dict. The trees hold no cycles
+    to collect, so pausing costs nothing; the previous state is restored.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -167,7 +173,8 @@ class _Restricted:
                 f"unexpected persistent id {short_repr(pid)}: {what} of {len(pid)} fields, "
                 f"where torch's reader of this format unpacks {self._id_length}"
             )
-        storage_type, key, location, numel = pid[1], id_text(pid[2]), _location(pid[3]), pid[4]
+        storage_type, key, numel = pid[1], id_text(pid[2]), pid[4]
+        location = storage_location(pid[3])
         if (
             not isinstance(storage_type, StorageTypeRef)
             or key is None
@@ -235,36 +242,6 @@ class _RestrictedPyUnpickler(_Restricted, pickle._Unpickler):  # type: ignore[na
     """
 
 
-def _location(value: Any) -> str | None:
-    """A storage id's device tag as torch reads it: text, or ASCII bytes (Python 2 files).
-
-    torch hands the tag to ``re.match`` (or to ``map_location``): an int there fails with a
-    TypeError under the default ``map_location``, so it is refused, not turned into text.
-    """
-    if isinstance(value, bytes):
-        return value.decode("ascii") if value.isascii() else None
-    return value if isinstance(value, str) else None
-
-
-def id_text(value: Any) -> str | None:
-    """A storage key or location tag as text (ints and Python 2 bytes too); None otherwise.
-
-    The one reading of the keys and tags in storage ids, in the legacy format's key list and
-    in the tar format's headers.
-
-    Example:
-        >>> id_text(b"cuda:1"), id_text(7), id_text(None)
-        ('cuda:1', '7', None)
-    """
-    if isinstance(value, bytes):
-        return value.decode("ascii", "replace")
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and is_count(value):
-        return str(value)
-    return None
-
-
 def load_pickle(
     file: BinaryIO,
     limit: int = MAX_PICKLE_BYTES,
@@ -305,29 +282,59 @@ def load_pickle(
     head = file.read(2)
     file.seek(start)
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 0
+    source, read_from, scan = _checked_source(file, start, limit)
+    unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length, extra_globals)
+    read_start = start if read_from is file else 0
+    root = _unpickle(unpickler, scan, file, read_from, read_start, limit)
+    return ReadResult(
+        root=root,
+        storages=unpickler.storages,
+        unsafe_globals=tuple(unpickler.unsafe),
+        protocol=protocol,
+        beyond_weights_only=tuple(sorted(frozenset(scan.opcodes) - WEIGHTS_ONLY_OPCODES)),
+    )
+
+
+def _checked_source(file: BinaryIO, start: int, limit: int) -> tuple[Any, BinaryIO, OpcodeScan]:
+    """Scan the pickle at ``start`` before anything unpickles it, and say what may be read:
+    ``(what the unpickler reads, the file that is or holds it, the scan)``.
+
+    The unpickler hashes dict keys, which a memo bomb makes endless, so the scan comes
+    first; the file is left at ``start``.
+    """
     if isinstance(file, io.BytesIO) and file.getbuffer().nbytes - start <= limit:
         source: Any = file  # in memory and within the limit: read it directly (fastest)
     else:
         source = LimitedReader(file, limit)
-    try:  # before unpickling: the unpickler hashes dict keys, which a memo bomb makes endless
+    read_from: BinaryIO = file
+    try:
         if source is file and start == 0:
             # The whole buffer is the pickle (a zip's data.pkl): as bytes, whose scan a
             # rewrite's verification shares with the writer's check of the same output.
             scan = checked_scan(file.getvalue())
         else:
             scan = checked_scan(source if source is file else LimitedReader(file, limit))
-        read_from, read_start = file, start  # what the unpicklers below may read
         cut = past_lenient_literal(file, start, scan)
         if cut is not None:
             # The check stopped at a literal the unpicklers read (``I0x1``): they are given
             # nothing past it, so what follows (a memo bomb?) is never built, and they fail.
             file.seek(start)
-            read_from, read_start = io.BytesIO(file.read(cut)), 0
-            source = read_from
+            read_from = source = io.BytesIO(file.read(cut))
     finally:
         file.seek(start)
-    opcodes = frozenset(scan.opcodes)
-    unpickler = _RestrictedUnpickler(source, persistent_load, storage_id_length, extra_globals)
+    return source, read_from, scan
+
+
+def _unpickle(
+    unpickler: _RestrictedUnpickler,
+    scan: OpcodeScan,
+    file: BinaryIO,
+    read_from: BinaryIO,
+    read_start: int,
+    limit: int,
+) -> Any:
+    """Run the restricted unpickler; every failure becomes one of our errors, and a pickle
+    that names an unsafe global before it fails is refused as unsafe, as torch refuses it."""
     try:
         with gc_paused():
             root = unpickler.load()
@@ -357,13 +364,7 @@ def load_pickle(
             "the pickle declares an object larger than memory allows; a checkpoint's pickle "
             f"holds no such object, so this is not one ({quote_foreign(e)})"
         ) from e
-    return ReadResult(
-        root=root,
-        storages=unpickler.storages,
-        unsafe_globals=tuple(unpickler.unsafe),
-        protocol=protocol,
-        beyond_weights_only=tuple(sorted(opcodes - WEIGHTS_ONLY_OPCODES)),
-    )
+    return root
 
 
 # On a malformed pickle, up to this many bytes are parsed again as torch parses GLOBAL.
