@@ -18,12 +18,7 @@ from ckpt_tools.formats.pickle.repickle import TORCH_PICKLE_PROTOCOL, dumps, tor
 from ckpt_tools.io.tensor_bytes import OpenFiles
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record
-from ckpt_tools.io.writers.zipfile import (
-    SAVE_HEAD_RECORDS,
-    SAVE_VERSION,
-    TorchZipWriter,
-    Writeback,
-)
+from ckpt_tools.io.writers.zipfile import TorchZipWriter, Writeback, write_save_layout
 
 __all__ = ["write_plan_zip"]
 
@@ -68,17 +63,14 @@ def write_plan_zip(
 
     payload = dumps(tree, TORCH_PICKLE_PROTOCOL, storage_id)
     writer = TorchZipWriter(file, root, durable=durable)
-    writer.add_bytes("data.pkl", payload)
-    for head, value in SAVE_HEAD_RECORDS:
-        writer.add_bytes(head, value)
     with OpenFiles() as files:
-        for storage in used:
-            _add_record(writer, f"data/{keys[id(storage)]}", records[id(storage)], files, counter)
-        writer.add_bytes(*SAVE_VERSION)
-        import uuid
 
-        writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
-        writer.close()
+        def add_storages() -> None:
+            for storage in used:
+                name = f"data/{keys[id(storage)]}"
+                _add_record(writer, name, records[id(storage)], files, counter)
+
+        write_save_layout(writer, payload, add_storages)
     return used
 
 

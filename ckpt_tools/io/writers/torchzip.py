@@ -31,6 +31,7 @@ from ckpt_tools.io.writers.zipfile import (
     SAVE_HEAD_RECORDS,
     SAVE_VERSION,
     TorchZipWriter,
+    write_save_layout,
 )
 
 __all__ = ["picklable_tensors", "write_torch_zip"]
@@ -110,13 +111,10 @@ def write_torch_zip(
         records = [(f"data/{keys[id(s)]}", s) for s in used]
         if from_zip:
             _copy_zip_records(writer, bytes_from, payload, {name for name, _ in records})
+            _add_bytes(writer, new_records, counter)
+            writer.close()
         else:
-            _add_new_records(writer, bytes_from, payload, records)
-        for name, data in new_records:
-            writer.add_bytes(name, data)
-            if counter is not None:
-                counter(len(data))
-        writer.close()
+            _add_new_records(writer, bytes_from, payload, records, new_records)
     finally:
         if src_fd >= 0:
             os.close(src_fd)
@@ -186,23 +184,32 @@ def _add_new_records(
     src: _RecordSource,
     payload: bytes,
     records: Sequence[tuple[str, StorageRef]],
+    added: Sequence[tuple[str, bytes]],
 ) -> None:
     """The records ``torch.save`` writes, for a source that is not a torch zip archive."""
-    writer.add_bytes("data.pkl", payload)
-    for head, value in SAVE_HEAD_RECORDS:
-        writer.add_bytes(head, value)
-    for name, storage in records:
-        span = src.ckpt.span(storage)
-        fd = src.fd if span.path == src.ckpt.path else os.open(span.path, os.O_RDONLY)
-        try:
-            writer.add_copy(name, fd, span.offset, span.nbytes, None, src.counter)
-        finally:
-            if fd != src.fd:
-                os.close(fd)
-    writer.add_bytes(*SAVE_VERSION)
-    import uuid  # only legacy and safetensors sources need a new id
 
-    writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
+    def add_storages() -> None:
+        for name, storage in records:
+            span = src.ckpt.span(storage)
+            fd = src.fd if span.path == src.ckpt.path else os.open(span.path, os.O_RDONLY)
+            try:
+                writer.add_copy(name, fd, span.offset, span.nbytes, None, src.counter)
+            finally:
+                if fd != src.fd:
+                    os.close(fd)
+        _add_bytes(writer, added, src.counter)
+
+    write_save_layout(writer, payload, add_storages)
+
+
+def _add_bytes(
+    writer: TorchZipWriter, added: Sequence[tuple[str, bytes]], counter: ByteCounter | None
+) -> None:
+    """New storage records (numpy arrays' bytes, from ``sanitize``), counted as written."""
+    for name, data in added:
+        writer.add_bytes(name, data)
+        if counter is not None:
+            counter(len(data))
 
 
 def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:

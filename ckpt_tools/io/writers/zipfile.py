@@ -24,6 +24,7 @@ __all__ = [
     "Writeback",
     "copy_range",
     "pwrite_all",
+    "write_save_layout",
 ]
 
 ALIGNMENT = 64
@@ -360,3 +361,30 @@ class TorchZipWriter:
         pwrite_all(self._fd, end, self._offset)
         self._offset += len(end)
         os.ftruncate(self._fd, self._offset)
+
+
+def write_save_layout(
+    writer: TorchZipWriter, payload: bytes, add_storages: Callable[[], None]
+) -> None:
+    """The records ``torch.save`` writes, in its order, then the archive's end records.
+
+    ``data.pkl`` (``payload``), the bookkeeping records torch parses, the storage records
+    (``add_storages`` adds them), the format version, and a new serialization id.
+
+    Example:
+        >>> import pickle, zipfile
+        >>> with open("tiny.pt", "w+b") as f:
+        ...     w = TorchZipWriter(f, "tiny", durable=False)
+        ...     write_save_layout(w, pickle.dumps({}, protocol=2), lambda: None)
+        >>> zipfile.ZipFile("tiny.pt").namelist()[-2:]
+        ['tiny/version', 'tiny/.data/serialization_id']
+    """
+    writer.add_bytes("data.pkl", payload)
+    for head, value in SAVE_HEAD_RECORDS:
+        writer.add_bytes(head, value)
+    add_storages()
+    writer.add_bytes(*SAVE_VERSION)
+    import uuid  # only new archives need an id
+
+    writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
+    writer.close()
