@@ -1,8 +1,8 @@
-"""Issue 9, class 1: a legacy (non-zip) file is read for every dtype exactly when torch reads it.
+"""A legacy (non-zip) file is read for every dtype exactly when torch reads it.
 
 torch's legacy writer names an ``UntypedStorage`` for dtypes without a typed storage class
-(float8, uint16, uint32, complex32), and its own reader then fails on the file. Found by the
-issue-10 loader's differential test; torch is the oracle here, dtype by dtype.
+(float8, uint16, uint32, complex32), and its own reader then fails on the file; torch is the
+oracle here, dtype by dtype.
 """
 
 from __future__ import annotations

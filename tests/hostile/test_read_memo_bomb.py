@@ -1,7 +1,7 @@
 """Memo bombs: a few hundred bytes of pickle that expand to 2**60 nodes when walked as a tree.
 
 The unpickler hashes every dict key as it builds it, and hashing a tuple walks it as a tree,
-so such a pickle used to hang ``ckpt inspect`` and every rewrite. It is refused (exit 5)
+so such a pickle, unpickled, would hang ``ckpt inspect`` and every rewrite. It is refused (exit 5)
 before anything is unpickled, and a file with heavy but honest sharing still reads. A memo
 index far past anything stored is refused too (the C unpickler allocates a table that large).
 """

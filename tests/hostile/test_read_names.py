@@ -3,7 +3,7 @@
 torch 2.13's ``torch.load(path)`` hands such a path to ``safetensors`` (no fallback), which
 refuses anything but a safetensors file; safetensors' own loaders do the same. So a torch
 checkpoint named ``.safetensors`` loads nowhere by its name, and we refuse it too, with the
-rename that fixes it (found by the fuzz, seed 20261143: ``regressions/c1-b92e67444b``).
+rename that fixes it (the fuzz input ``tests/fuzz/regressions/c1-b92e67444b`` is one).
 torch is the oracle here: every case is loaded by it first.
 """
 

@@ -1,4 +1,4 @@
-"""Regressions found in review: pickle tricks, resource limits, zip64, odd layouts."""
+"""Inputs at the edges: pickle tricks, resource limits, zip64, odd layouts."""
 
 from __future__ import annotations
 

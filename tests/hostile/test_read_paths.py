@@ -1,4 +1,4 @@
-"""Issue 9, class 6: a shard path must stay inside its folder; nothing outside is opened.
+"""A shard path must stay inside its folder; nothing outside is opened.
 
 The file "outside" is a FIFO: had anything opened it, the read would block and the
 subprocess timeout would fail the test, so these tests also prove it was never opened.

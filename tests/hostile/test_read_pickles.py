@@ -1,4 +1,4 @@
-"""Issue 9, the pickle side: hostile pickles are read as torch.load(weights_only=True) reads them,
+"""Hostile pickles are read as torch.load(weights_only=True) reads them,
 or refused with one line and the exit code of their class.
 
 Each test builds a class of input in ``tmp_path``, asks torch what it makes of it (the oracle),
@@ -131,7 +131,7 @@ def test_a_global_in_a_legacy_header_pickle_is_refused_naming_it(
 
 
 def test_a_global_in_the_magic_number_pickle_is_named(tmp_path: Path) -> None:
-    # With the magic number no longer at offset 2 the file reads as a plain pickle: the
+    # With the magic number moved off offset 2 the file reads as a plain pickle: the
     # global is reported (inspect exits 0), and a rewrite refuses it (exit 3).
     path = tmp_path / "legacy.pt"
     _splice_payload(path, 0)

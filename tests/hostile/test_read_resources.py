@@ -1,4 +1,4 @@
-"""Issue 9, class 8: inputs built to exhaust a resource fail as one line, exit 4 or 5.
+"""Inputs built to exhaust a resource fail as one line, exit 4 or 5.
 
 Deep JSON, deep pickles, lying zip sizes and huge declared lengths must never surface as a
 RecursionError, MemoryError, zlib.error or BadZipFile traceback, and are refused before the

@@ -1,4 +1,4 @@
-"""Issue 9, class 7: safetensors headers are checked as strictly as the safetensors crate.
+"""Safetensors headers are checked as strictly as the safetensors crate.
 
 Each hostile file is also opened with ``safetensors.safe_open``: every file it refuses, we
 refuse with exit 4; the valid edge cases it reads, we read with the same tensors.

@@ -1,4 +1,4 @@
-"""Issue 9, class 5: FIFOs, sockets, devices (and symlinks to them) are refused at once.
+"""FIFOs, sockets, devices (and symlinks to them) are refused at once.
 
 Every path is checked with ``os.stat`` before it is opened, shard files named by an index
 too; a reader that opened a FIFO would block until killed, which the timeouts here catch.

@@ -1,11 +1,11 @@
-"""Issue 9, class 7: the torch calls a pickle may make are checked as torch checks them.
+"""The torch calls a pickle may make are checked as torch checks them.
 
 So are the storage ids torch's ``persistent_load`` unpacks: a device tag that is not text
 (an int, non-ASCII bytes) fails in torch's ``default_restore_location``, and is refused here.
 
 ``torch.device`` and ``torch.Size`` are on the allowlist; their stand-ins never call torch,
-so they must refuse every argument torch itself refuses (found by the fuzzer: a device
-string and a size that were shell commands). The real call is the oracle.
+so they must refuse every argument torch itself refuses (a device string or a size that is
+a shell command, say). The real call is the oracle.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 9, class 1: a zip archive is read as torch reads it, or refused with exit 4.
+"""A zip archive is read as torch reads it, or refused with exit 4.
 
 Each hostile archive is also given to ``torch.load(weights_only=True)``: where torch reads
 something, we must read the same thing or refuse; we never read something else.
@@ -89,7 +89,7 @@ def _longer_record(src: Path, out: Path) -> Path:
 
 def _renamed_local_header(src: Path, out: Path) -> Path:
     data = bytearray(src.read_bytes())
-    # The first local header's name (at offset 30) no longer matches the directory's.
+    # The first local header's name (at offset 30) is changed to differ from the directory's.
     name_len = struct.unpack_from("<H", data, 26)[0]
     data[30 + name_len - 1] ^= 0x01
     out.write_bytes(bytes(data))

@@ -1,4 +1,4 @@
-"""Issue 9, class 7: the multi-disk fields of a zip's end records, checked as torch checks them.
+"""The multi-disk fields of a zip's end records, checked as torch checks them.
 
 torch.save writes a zip64 end record, its locator and a classic end record, each with disk
 numbers and counts that only matter to archives split over several disks. torch's reader

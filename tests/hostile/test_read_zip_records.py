@@ -1,4 +1,4 @@
-"""Issue 9: the zip records torch's reader checks and torch.load parses, checked the same way.
+"""The zip records torch's reader checks and torch.load parses, checked the same way.
 
 torch opens a zip archive with caffe2's PyTorchStreamReader (miniz underneath): it checks
 every central entry, reads ``.data/serialization_id`` and the file format version
@@ -290,8 +290,8 @@ def _far_local_header(src: Path, dst: Path, suffix: str, offset: int) -> Path:
     ["the directory's start", "past the file", "past off_t (2**63 + 5)", "2**64 - 1"],
 )
 def test_a_local_header_declared_past_the_records_is_missing_not_a_crash(saved, tmp_path, where):
-    # A zip64 offset can exceed what os.pread and posix_fadvise take (off_t): review of
-    # issue 13's prefetch found 2**63 + 5 ending in an OverflowError traceback.
+    # A zip64 offset can exceed what os.pread and posix_fadvise take (off_t): 2**63 + 5 must
+    # be a missing record, not an OverflowError traceback from the prefetch.
     directory = struct.unpack_from(
         "<Q", saved.read_bytes(), saved.read_bytes().rfind(b"PK\x06\x06") + 48
     )[0]
@@ -322,7 +322,7 @@ def test_a_far_local_header_inside_a_file_slice_is_missing_not_a_crash(saved, tm
 
 
 def test_a_local_header_may_end_where_the_directory_starts_not_a_byte_later(saved, tmp_path):
-    # The bound is exact (a review of issue 13 found no test holding it): an empty last
+    # The bound is exact, with no byte to spare: an empty last
     # record, as `zipfile` writes one, has its local header end at the directory's first byte.
     path = tmp_path / "adjacent.pt"
     with zipfile.ZipFile(saved) as zin, zipfile.ZipFile(path, "w") as zout:

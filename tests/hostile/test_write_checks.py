@@ -1,5 +1,5 @@
-"""Issue 9, write side: rewrites refuse before "nothing to do" (class 2), and keys keep their
-types through every rewrite or are refused up front (class 4).
+"""Rewrites run their safety checks before deciding there is "nothing to do", and keys keep
+their types through every rewrite or are refused up front.
 
 Every hostile input is a real file made with torch; outputs are read back with torch itself.
 """
@@ -56,7 +56,7 @@ def _pickled_module(path: Path) -> Path:
 HOSTILE = {
     "unsafe-globals": (_unsafe, 3, "outside the allowlist: argparse.Namespace"),
     "torchscript": (_torchscript, 7, "is a TorchScript archive"),
-    # Issue 10: a .pt output would carry the module objects, so their classes are refused
+    # A pickled nn.Module: a .pt output would carry the module objects, so their classes are refused
     # (exit 3); with them allowed, exit 7 below. Converting to safetensors writes the
     # recovered state dict instead (tests/structure/test_modules.py).
     "pickled-module": (_pickled_module, 3, "outside the allowlist: torch.nn.modules.container"),
@@ -110,7 +110,7 @@ def test_library_refuses_unsafe_and_torchscript_with_nothing_to_strip(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Class 4: keys that are not strings
+# Keys that are not strings
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,8 +1,8 @@
-"""Issue 9, class 3: a rewrite refuses a damaged input up front instead of failing after writing.
+"""A rewrite refuses a damaged input up front instead of failing after writing.
 
 A rewrite copies records as they are, CRC included, and the default verification checks the
-CRC-32 of every small record; a record whose bytes no longer match its CRC (found by the
-fuzzer, with the layout-preserving copy) is refused before anything is written (exit 4).
+CRC-32 of every small record; a record whose bytes do not match its CRC (the layout-preserving
+copy would carry it over unchanged) is refused before anything is written (exit 4).
 """
 
 from __future__ import annotations

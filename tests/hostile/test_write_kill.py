@@ -1,4 +1,4 @@
-"""Issue 9, write side, class 9: a ``ckpt`` killed with SIGKILL mid-write leaves nothing.
+"""A ``ckpt`` killed with SIGKILL mid-write leaves nothing.
 
 Real ``ckpt`` processes are paused (``PAUSE_ENV``, read only for tests) once their output is
 written and verified but not yet named, then killed with SIGKILL.

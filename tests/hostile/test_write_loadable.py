@@ -1,5 +1,5 @@
-"""Issue 9, write side: every output loads with torch (class 3), and declared output sizes
-are checked before memory or disk is spent (class 8, convert).
+"""Every output loads with torch, and declared output sizes are checked before memory or disk
+is spent (convert).
 
 torch is the oracle: it reads the hostile inputs, and it must read every output back with
 ``weights_only=True`` and ``mmap=True``, bitwise equal.
@@ -148,7 +148,7 @@ def test_opcode_check_agrees_with_torch():
 
 
 # --------------------------------------------------------------------------------------------
-# Class 8 (convert): declared sizes
+# Declared sizes (convert)
 # --------------------------------------------------------------------------------------------
 
 
