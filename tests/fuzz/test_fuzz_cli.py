@@ -1,4 +1,4 @@
-"""Issue 9: mutated checkpoints through the real ``ckpt`` command (inspect and rewrites).
+"""Mutated checkpoints through the real ``ckpt`` command (inspect and rewrites).
 
 Each input runs ``python -m ckpt_tools inspect --json`` and one rewrite (strip-module,
 add-module, rename, convert, retag; sometimes over an existing OUT, with or without

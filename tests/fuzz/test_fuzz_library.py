@@ -1,4 +1,4 @@
-"""Issue 9: mutated checkpoints through ``ct.inspect`` (sandboxed) and the reference readers.
+"""Mutated checkpoints through ``ct.inspect`` (sandboxed) and the reference readers.
 
 Every input is checked for the process-level promises (a CheckpointError or an answer, never
 another exception; one-line messages; bounded time and memory; nothing executed; the input

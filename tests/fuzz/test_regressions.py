@@ -1,4 +1,4 @@
-"""Issue 9: every committed regression input, through the same invariants as the fuzzer.
+"""Every committed regression input, through the same invariants as the fuzzer.
 
 Each file under ``regressions/`` runs through ``ct.inspect`` (sandboxed) and the reference
 readers, ``ckpt inspect --json``, and the rewrite that showed its bug (the manifest's
@@ -25,7 +25,7 @@ def _param(path: Path) -> object:
     entry = EXPECTED.get(path.name)
     if entry is None:
         return pytest.param(path, id=path.name)
-    reason = f"issue 9 class {entry['class']}: {entry['what']}"
+    reason = f"finding class {entry['class']}: {entry['what']}"
     return pytest.param(path, id=path.name, marks=pytest.mark.xfail(strict=True, reason=reason))
 
 
@@ -59,7 +59,7 @@ def test_regression_input(path: Path, session: Session) -> None:
 
 
 def test_manifest_names_committed_files() -> None:
-    """Every manifest entry names a committed file and a class of issue 9."""
+    """Every manifest entry names a committed file and a finding class (fuzzkit.checks)."""
     names = {p.name for p in FILES}
     scenarios = {k for k in EXPECTED if k.startswith("scenario:")}
     assert set(EXPECTED) - scenarios <= names, set(EXPECTED) - scenarios - names

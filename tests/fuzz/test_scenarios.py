@@ -1,5 +1,5 @@
-"""Issue 9, the classes a byte mutation cannot reach: non-regular files (5), index.json paths that
-leave the folder (6), and a SIGKILL during a rewrite (9).
+"""The finding classes a byte mutation cannot reach: non-regular files (5), index.json paths
+that leave the folder (6), and a SIGKILL during a rewrite (9).
 
 Each scenario runs the real ``ckpt`` command, bounded in time and memory, and checks the same
 promises as the fuzzer. A scenario listed in ``EXPECTED_FAILURES.json`` as ``scenario:<name>``
@@ -31,7 +31,7 @@ def _scenario(name: str) -> Callable[[Callable[..., None]], Callable[..., None]]
     entry = EXPECTED.get(f"scenario:{name}")
     if entry is None:
         return lambda f: f
-    reason = f"issue 9 class {entry['class']}: {entry['what']}"
+    reason = f"finding class {entry['class']}: {entry['what']}"
     return pytest.mark.xfail(strict=True, reason=reason)
 
 
@@ -99,7 +99,7 @@ def _escape(target: str, via: str, key: str) -> object:
     entry = EXPECTED.get(f"scenario:index-escape-{key}")
     marks = []
     if entry is not None:
-        reason = f"issue 9 class {entry['class']}: {entry['what']}"
+        reason = f"finding class {entry['class']}: {entry['what']}"
         marks = [pytest.mark.xfail(strict=True, reason=reason)]
     return pytest.param(target, via, marks=marks, id=f"{via}-{key}")
 

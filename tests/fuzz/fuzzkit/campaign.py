@@ -352,7 +352,7 @@ class Session:
     ) -> list[Finding]:
         """A rewrite that exits 0 must be of a file that is safe and readable as torch reads it.
 
-        Issue 10: a pickled nn.Module's recovered state dict may go to safetensors, which
+        A pickled nn.Module's recovered state dict may go to safetensors, which
         holds its tensors only (none of the module objects, so none of their globals).
         """
         info = ours.get("info", {}) if ours.get("ok") else {}

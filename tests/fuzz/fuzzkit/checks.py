@@ -1,9 +1,9 @@
 """The invariants and the differential oracle, as pure functions over recorded results.
 
-Every check returns :class:`Finding` objects. A finding names the issue-9 class it belongs to
-(1..9; 0 for a promise outside those classes: something ran, or the input changed) and a
-``signature`` coarse enough that one bug gives one signature, so a campaign of thousands of
-inputs reports each bug once.
+Every check returns :class:`Finding` objects. A finding names the class it belongs to
+(:data:`CLASS_TITLES`: 1..9; 0 for a promise outside those classes: something ran, or the
+input changed) and a ``signature`` coarse enough that one bug gives one signature, so a
+campaign of thousands of inputs reports each bug once.
 """
 
 from __future__ import annotations

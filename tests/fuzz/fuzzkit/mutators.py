@@ -4,7 +4,7 @@ Each mutator takes the file's bytes and a :class:`~fuzzkit.draw.Draw` and return
 or None when it does not apply (the driver then falls back to a byte-level mutator). Names
 are ``<family>.<what>``; :data:`FORMAT_DECISIONS` lists those that change which bytes a reader
 takes as the file (prepended bytes, duplicate entries, ...), which the oracle reports as
-issue-9 class 1 rather than class 7.
+finding class 1 (read differently from torch) rather than 7 (validation below the format).
 """
 
 from __future__ import annotations

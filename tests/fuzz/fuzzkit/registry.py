@@ -1,6 +1,6 @@
 """The regression corpus: files under ``tests/fuzz/regressions/`` and their manifest.
 
-``EXPECTED_FAILURES.json`` maps a regression file name to the issue-9 class it shows, the
+``EXPECTED_FAILURES.json`` maps a regression file name to the finding class it shows, the
 signature of the finding, what goes wrong, and which run shows it (``via``: ``ct.inspect``,
 or a ``ckpt`` command with its arguments). A file listed there is a known open bug: its
 regression test is ``xfail(strict=True)``, so a fix flips it to XPASS and the entry must be
@@ -104,7 +104,7 @@ def assert_no_new(registry: Registry) -> None:
     """Fail on findings no manifest entry knows (their inputs are already filed)."""
     assert not registry.new, (
         "new invariant violations (files written to tests/fuzz/regressions/; add each to "
-        "EXPECTED_FAILURES.json if it is a known open bug of issue 9):\n" + registry.new_summary()
+        "EXPECTED_FAILURES.json if it is a known open bug):\n" + registry.new_summary()
     )
 
 

@@ -153,7 +153,7 @@ def _safetensors(tensors: dict[str, Any], metadata: dict[str, str] | None = None
 
 @cache
 def built_seeds() -> tuple[Seed, ...]:
-    """Small checkpoints of each format and layout the issue names."""
+    """Small checkpoints of each format and layout ckpt reads."""
     import torch
     from torch import nn
 
