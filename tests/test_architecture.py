@@ -2,7 +2,7 @@
 import torch, torch.distributed, click and tabulate.
 
 Every ``import`` statement in the package is read with ``ast`` (function-level imports too, since
-lazy imports are still dependencies), so a violation fails here before a reviewer has to spot it.
+lazy imports are still dependencies), so a violation fails here, before anyone has to spot it.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def test_the_public_names_are_one_table() -> None:
 
 
 def test_importing_the_package_loads_only_its_version() -> None:
-    # `ckpt --version` and `import ckpt_tools` pay for nothing they do not use (issue 13).
+    # `ckpt --version` and `import ckpt_tools` pay for nothing they do not use.
     code = (
         "import sys, ckpt_tools\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ckpt_tools'))"

@@ -3,10 +3,10 @@
 ``formats/zip/directory.py`` reads the central directory a window of entries at a time, asks the
 kernel for the window's local headers together (``posix_fadvise(WILLNEED)``: one wait on the
 disk instead of one per record, which is what a cold or freshly cloned file costs), then
-checks each header. The
-prefetch is advisory: these tests hold the reader to ``zipfile``'s view of the same archives
-read cold, and show the prefetch never fails a read where the kernel refuses the advice.
-The time it saves is measured in ``benchmarks/`` (issue 13), not here.
+checks each header. The prefetch is advisory: these tests hold the reader to ``zipfile``'s
+view of the same archives read cold, and show the prefetch never fails a read where the
+kernel refuses the advice.
+The time it saves is measured in ``benchmarks/``, not here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10, item 2: pickled nn.Modules (``torch.save(model)``) give up their state dict.
+"""Pickled nn.Modules (``torch.save(model)``) give up their state dict.
 
 Every model is an instance of a class defined in a module written to tmp_path, imported,
 saved, then removed from the path and from ``sys.modules``: nothing can import it again.
@@ -263,7 +263,7 @@ def test_a_module_that_contains_itself_stops():
 
 @pytest.mark.parametrize("wrap", [False, True])
 def test_load_state_dict_and_load_into_use_the_recovered_state_dict(unimportable, tmp_path, wrap):
-    # Issue 10 items 1 and 2 together: the loader builds what the reader recovered, untrusted.
+    # The loader builds what the reader recovered from a pickled module, untrusted.
     path, expected = _saved_net(unimportable, tmp_path, wrap=wrap)
     loaded = ct.load_state_dict(path)
     assert list(loaded) == list(expected)
