@@ -1,9 +1,10 @@
 """The copy engine: reflinks, copy_file_range and read/write give the same bytes.
 
-On this machine's ext4, FICLONERANGE is refused and the fallbacks run. Where the tests run
-as root with ``mkfs.xfs`` and loop devices (``apt-get install xfsprogs``), a small XFS image
-with ``reflink=1`` is mounted and the clone path itself is checked: shared blocks, seen from
-the file system's free-space count, not from this package's own counters alone.
+On a file system without reflinks (ext4), FICLONERANGE is refused and the fallbacks run.
+Where the tests run as root with ``mkfs.xfs`` and loop devices (``apt-get install
+xfsprogs``), a small XFS image with ``reflink=1`` is mounted and the clone path itself is
+checked: shared blocks, seen from the file system's free-space count, not from this
+package's own counters alone.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def test_every_method_copies_the_same_bytes(
 def test_kernel_copies_go_in_few_calls_on_64_kib_boundaries(
     tmp_path: Path, random_file: Path, monkeypatch: pytest.MonkeyPatch, dst_offset: int
 ) -> None:
-    # The real step is 2 GiB less 64 KiB (a 4 GiB copy in 1 GiB calls was throttled by the
-    # kernel's dirty limits: benchmarks/README.md, issue 13, seventh pass); a 256 KiB step
-    # shows the same loop on a 3 MiB file. The spy passes every call to the real function.
+    # The real step is 2 GiB less 64 KiB (a large copy in 1 GiB calls is throttled by the
+    # kernel's dirty limits: benchmarks/README.md); a 256 KiB step shows the same loop on a
+    # 3 MiB file. The spy passes every call to the real function.
     from ckpt_tools.io.copy import clone
 
     assert clone._KERNEL_STEP % (64 << 10) == 0

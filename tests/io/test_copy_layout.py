@@ -287,7 +287,7 @@ def test_progress_counts_the_tensor_bytes_of_a_run_exactly(tmp_path: Path) -> No
 
 def test_a_rewrite_scans_each_pickle_once(tmp_path: Path) -> None:
     # The output's data.pkl is checked as it is written, when its archive is verified and
-    # when it is read back: one opcode scan serves all three (issue 13).
+    # when it is read back: one opcode scan serves all three.
     src = h.save({f"module.l{i}": torch.zeros(2) for i in range(50)}, tmp_path / "in.pt")
     expansion._remembered_scan.cache_clear()
     strip_module_file(src, tmp_path / "out.pt")

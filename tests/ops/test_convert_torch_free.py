@@ -70,7 +70,7 @@ def test_views_convert_without_torch_to_safetensors_bytes(
     tmp_path: Path, no_torch_env: dict[str, str]
 ) -> None:
     tensors = views()
-    assert not tensors["transposed"].is_contiguous()  # the case torch used to be imported for
+    assert not tensors["transposed"].is_contiguous()  # gathered without torch too
     src, out, reference = tmp_path / "views.pt", tmp_path / "out.safetensors", tmp_path / "ref"
     torch.save(tensors, src)
     command = [sys.executable, "-m", "ckpt_tools", "convert", str(src), str(out)]

@@ -1,4 +1,4 @@
-"""Issue 12, item 4 finished: ``--dry-run`` on consolidate, sanitize, reshard and convert to a
+"""``--dry-run`` on consolidate, sanitize, reshard and convert to a
 folder, and ``--ema`` / ``extract`` on a pickled Ultralytics-style ``ema`` module.
 
 Every dry run is checked against the real run that follows it: the files, keys, dtypes, shapes

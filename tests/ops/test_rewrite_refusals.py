@@ -310,8 +310,8 @@ def test_usage_errors_from_the_api(ddp_file, out_dir):
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "existing-forced"])
 def test_retag_to_safetensors_is_refused_not_written_as_a_torch_zip(tmp_path, out_dir, existing):
-    # Found by the CLI fuzzer (seed 20261128): the tags went into a torch zip named
-    # .safetensors, which safetensors refused to open ("header too large").
+    # Written, the tags would go into a torch zip named .safetensors, which safetensors
+    # refuses to open ("header too large").
     src = tmp_path / "in.safetensors"
     safetensors.torch.save_file({"w": torch.ones(2)}, str(src))
     dst = out_dir / "out.safetensors"

@@ -1,4 +1,4 @@
-"""Issue 10, item 3: ``ckpt sanitize`` writes a file plain ``torch.load(weights_only=True)`` loads.
+"""``ckpt sanitize`` writes a file plain ``torch.load(weights_only=True)`` loads.
 
 The inputs are built like the real cases: a Lightning-style checkpoint whose hparams are
 OmegaConf-like configs from a module that is gone when the file is read, numpy arrays and

@@ -404,7 +404,7 @@ def _casts(t: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("name", NESTED)
 def test_slim_keep_dtype_and_drop_on_every_nested_layout(tmp_path: Path, name: str) -> None:
-    # Issue 12's must-show: --keep-dtype and --drop on every layout, torch.load the oracle.
+    # --keep-dtype and --drop on every layout, torch.load the oracle.
     src = FIXTURES / name
     selected = _selected(src)
     ref_sd = _sd(src, selected)
