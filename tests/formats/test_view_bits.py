@@ -3,7 +3,7 @@
 Reads keep the bit (torch is the oracle for every value), torch outputs carry it, and any
 output that would take the bytes as values (safetensors, a cast, a mean) is refused instead
 of silently changing them. The rebuild's ``metadata`` argument is read as torch reads it, or
-refused (fuzz seed 20261129 found a dtype there, which torch refuses and we had read).
+refused as torch refuses it (a dtype there, say).
 """
 
 from __future__ import annotations

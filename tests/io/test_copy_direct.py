@@ -160,7 +160,7 @@ def test_a_file_system_that_refuses_direct_writes_gets_a_page_cache_copy(
         counts, data, flags = _copy(source, ramfs / f"{name}.bin", 0, 0, 20 * MIB, "direct")
         assert counts.direct == 0 and counts.kernel + counts.readwrite == 20 * MIB
         assert data == _expected(source, 0, 20 * MIB) and not flags & os.O_DIRECT
-    # The same source onto this machine's disk still goes direct: the refusal was the
+    # The same source onto tmp_path's file system still goes direct: the refusal was the
     # output's file system's, not the source's.
     shutil.copy(source, ramfs / "src.bin")
     counts, data, _ = _copy(ramfs / "src.bin", source.parent / "from_ramfs.bin", 0, 0, 20 * MIB)
