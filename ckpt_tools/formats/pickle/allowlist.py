@@ -263,9 +263,9 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
 
 # Python types that are safe to use for real (exactly those torch admits). They are built-in
 # (immutable) types: a pickle's BUILD opcode on the class itself cannot set attributes on
-# them. Pure-Python classes
-# (``collections.Counter``) and functions go through _Caller stand-ins instead, which are
-# sealed against BUILD, so a pickle can never patch a class of this process.
+# them. Pure-Python classes (``collections.Counter``) and functions go through _Caller
+# stand-ins instead, which are sealed against BUILD, so a pickle can never patch a class of
+# this process.
 _PYTHON_GLOBALS: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "builtins.set": set,
