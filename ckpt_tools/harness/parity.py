@@ -12,7 +12,8 @@ float32. Every strategy does the same maths on the same global batch; only the o
 in which per-sample gradients are summed differs (per shard, then averaged across ranks
 or replicas). Each such reordering moves a float32 result by a few ulps (~1e-7 relative);
 a handful of SGD steps at lr 0.05 keeps that near 1e-7, while real mistakes (a wrong
-shard, a missing average, a skipped step) move weights by 1e-3 or more. 1e-5 separates the two with two orders of margin each way.
+shard, a missing average, a skipped step) move weights by 1e-3 or more. 1e-5 separates the
+two with two orders of margin each way.
 """
 
 from __future__ import annotations
