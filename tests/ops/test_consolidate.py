@@ -157,6 +157,21 @@ def test_hf_folder_with_other_shards_refused_then_replaced(folder: Path, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
 
 
+@pytest.mark.parametrize("out", ["m.pt", "m.safetensors", "hf"])
+def test_verify_full_makes_every_record_again(folder: Path, tmp_path: Path, out: str) -> None:
+    result = consolidate(
+        folder, tmp_path / out, verify="full", max_shard_size=60, all=out == "m.pt"
+    )
+    assert result.verification.startswith("verified: keys, sizes and") and "bytes" in (
+        result.verification
+    )
+    want = reference(folder, tmp_path / "theirs.pt")
+    if out == "m.safetensors":
+        got = load_file(tmp_path / out)
+        for name, tensor in got.items():
+            assert_same(want["model"][name], tensor, name)
+
+
 def test_strip_removes_wrapper_prefixes(tmp_path: Path) -> None:
     state = {"model": {f"module.{k}": v for k, v in small_state()["model"].items()}}
     folder = save_dcp(tmp_path / "ddp", state)

@@ -343,7 +343,7 @@ def test_verify_full_catches_a_record_that_differs_and_keeps_nothing(tmp_path: P
     plan = dataclasses.replace(planned, records=records)
     target = check_output_path(str(tmp_path / "o.pt"), str(FIXTURES / "plain.pt"))
     with pytest.raises(
-        ct.VerificationError, match=r"record \d+ \(cast float32 -> float16\) differs"
+        ct.VerificationError, match=r"record 'data/\d+' \(cast float32 -> float16\) differs"
     ):
         execute_plan(plan, target, open_checkpoint(str(FIXTURES / "plain.pt")), "full")
     assert list(tmp_path.iterdir()) == []

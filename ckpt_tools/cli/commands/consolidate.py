@@ -55,7 +55,7 @@ Examples:
     "--force", is_flag=True, help="Replace OUT if it exists (a folder whole; never the input)."
 )
 @verify_option(
-    "After writing, re-read every output: keys, dtypes, shapes, layout.",
+    "After writing, re-read every output: keys, dtypes, shapes, layout, or also every byte.",
     levels=CONSOLIDATE_VERIFY_LEVELS,
 )
 @durable_option

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Record",
     "cast_storage_record",
+    "check_records",
     "copy_record",
     "record_bytes",
     "same_record_bytes",
@@ -226,3 +227,31 @@ def same_record_bytes(path: str, start: int, record: Record) -> bool:
             have.update(piece)
             left -= len(piece)
     return want.digest() == have.digest()
+
+
+def check_records(path: str, written: Sequence[tuple[str, Record]]) -> str:
+    """Every written record's bytes against the record made again (``verify="full"``).
+
+    Args:
+        path: the written file (usually still the temp file).
+        written: ``(name, record)`` of every record written: a zip record's name
+            (``data/0``) in a torch file, a tensor's name in a safetensors file.
+
+    Returns:
+        What was verified, in words.
+
+    Raises:
+        VerificationError: a record's bytes differ from the record made again.
+    """
+    from ckpt_tools.errors import VerificationError
+    from ckpt_tools.formats import open_checkpoint
+
+    out = open_checkpoint(path)
+    for name, record in written:
+        if out.format == "safetensors":
+            start = out.span(out.root[name].storage).offset
+        else:
+            start = out.records[name].data_offset
+        if not same_record_bytes(path, start, record):
+            raise VerificationError(f"record {name!r} ({record.action}) differs after writing")
+    return f"verified: keys, sizes and the bytes of {len(written)} records"

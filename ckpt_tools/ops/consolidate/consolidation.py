@@ -16,7 +16,7 @@ from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.io.verify.levels import check_verify_level
+from ckpt_tools.io.verify.levels import VERIFY_LEVELS, check_verify_level
 from ckpt_tools.io.writers.hf_folder import check_output_folder
 from ckpt_tools.io.writers.progress import ByteCounter, Progress
 from ckpt_tools.io.writers.shard_plan import (
@@ -33,12 +33,17 @@ from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
 
 __all__ = ["CONSOLIDATE_VERIFY_LEVELS", "ConsolidateResult", "consolidate"]
 
-#: What consolidate's verification offers: ``sizes`` reads every output back (keys, dtypes,
-#: shapes, layout); there is no ``full``.
-CONSOLIDATE_VERIFY_LEVELS = ("sizes", "none")
+#: What consolidate's verification offers, as every writing operation: ``sizes`` reads every
+#: output back (keys, dtypes, shapes, layout), ``full`` also makes every record's bytes
+#: again from the chunks and compares them.
+CONSOLIDATE_VERIFY_LEVELS = VERIFY_LEVELS
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-_VERIFIED = {"sizes": "verified: keys and sizes", "none": "not verified (verify='none')"}
+_VERIFIED = {
+    "sizes": "verified: keys and sizes",
+    "full": "verified: keys, sizes and bytes",
+    "none": "not verified (verify='none')",
+}
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -129,7 +134,8 @@ def consolidate(
         jobs: how many HF shards to write at once.
         force: replace an existing output (never the input): a file, or for HF shards a
             non-empty folder, replaced whole as ``convert`` and ``reshard`` replace theirs.
-        verify: ``sizes`` (read every output back: keys, dtypes, shapes, layout) or ``none``.
+        verify: ``sizes`` (default: read every output back, keys, dtypes, shapes, layout),
+            ``full`` (also every byte, each record made again from the chunks) or ``none``.
         dry_run: plan and check everything (refusals included), write nothing: the result's
             ``planned`` lists each file, its tensors, dtypes, shapes and sizes.
         durable: fsync every output before naming it (default); False skips it, as ``cp``

@@ -7,7 +7,8 @@ a ``.safetensors`` and each Hugging Face shard by
 :func:`~ckpt_tools.io.writers.safetensors.write_safetensors`, every file through
 :func:`~ckpt_tools.io.writers.output.write_file` and a folder through
 :func:`~ckpt_tools.io.writers.hf_folder.write_hf_shards`. Unless ``verify='none'``, each file
-is read back before it is named: every planned tensor, in order, with its dtype and shape.
+is read back before it is named: every planned tensor, in order, with its dtype and shape,
+and with ``verify='full'`` every record's bytes, made again from the chunks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ckpt_tools.io.writers.hf_folder import write_hf_shards
 from ckpt_tools.io.writers.output import Check, write_file
 from ckpt_tools.io.writers.plan import write_plan_zip
 from ckpt_tools.io.writers.progress import ByteCounter
-from ckpt_tools.io.writers.records import Record
+from ckpt_tools.io.writers.records import Record, check_records
 from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.io.writers.shard_plan import ShardPlan
 from ckpt_tools.io.writers.torchzip import picklable_tensors
@@ -45,21 +46,24 @@ def write_file_output(
 ) -> str:
     """One ``.pt`` (``fmt='torch-zip'``) or ``.safetensors`` file at ``dst``; returns what was
     verified."""
+    written: list[tuple[str, Record]] = []
     if fmt == "torch-zip":
         tree = _picklable(plan.tree)
         by_key = {t.tensor.storage.key: _record(t) for t in plan.tensors}
         records = {id(t.storage): by_key[t.storage.key] for _, t in iter_tensors(tree)}
 
         def fill(out: AtomicFile) -> None:
-            write_plan_zip(tree, records, out.file, "archive", counter, durable=out.durable)
+            used = write_plan_zip(tree, records, out.file, "archive", counter, durable=out.durable)
+            written.extend((f"data/{i}", records[id(s)]) for i, s in enumerate(used))
 
     else:
         entries = [(t.name, t.tensor, _record(t)) for t in plan.tensors]
+        written.extend((name, r) for name, _, r in entries)
 
         def fill(out: AtomicFile) -> None:
             write_safetensors(entries, out.file, {"format": "pt"}, counter, durable=out.durable)
 
-    return write_file(dst, fill, _check(plan.tensors, verify), durable=durable)
+    return write_file(dst, fill, _check(plan.tensors, written, verify), durable=durable)
 
 
 def write_folder_output(
@@ -75,9 +79,10 @@ def write_folder_output(
     names written inside it."""
     by_name = {t.name: t for t in plan.tensors}
     entries = [(t.name, t.tensor, _record(t)) for t in plan.tensors]
+    records = {name: record for name, _, record in entries}
 
     def check(names: Sequence[str]) -> Check:
-        return _check([by_name[n] for n in names], verify)
+        return _check([by_name[n] for n in names], [(n, records[n]) for n in names], verify)
 
     return write_hf_shards(entries, dst, shards, check, counter=counter, jobs=jobs, durable=durable)
 
@@ -88,13 +93,18 @@ def _record(t: OutputTensor) -> Record:
     return Record(t.tensor.nbytes, pieces=t.pieces, action="copy" if copied else "assemble")
 
 
-def _check(tensors: Sequence[OutputTensor], verify: str) -> Check:
-    """The file reads back with every planned tensor, in order, with its dtype and shape."""
+def _check(
+    tensors: Sequence[OutputTensor], written: Sequence[tuple[str, Record]], verify: str
+) -> Check:
+    """The file reads back with every planned tensor, in order, with its dtype and shape;
+    with ``full``, every record's bytes are made again and compared too."""
 
     def check(path: str) -> str:
         if verify == "none":
             return "not verified (verify='none')"
         _verify(path, tensors)
+        if verify == "full":
+            return check_records(path, written)
         return "verified: keys and sizes"
 
     return check

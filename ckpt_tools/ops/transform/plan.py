@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, iter_tensors
-from ckpt_tools.errors import VerificationError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.io.atomic import AtomicFile
@@ -25,7 +24,7 @@ from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.output import write_file
 from ckpt_tools.io.writers.plan import write_plan_zip
 from ckpt_tools.io.writers.progress import ByteCounter
-from ckpt_tools.io.writers.records import Record, same_record_bytes
+from ckpt_tools.io.writers.records import Record, check_records
 from ckpt_tools.io.writers.safetensors import write_safetensors
 
 __all__ = ["PlanRow", "TransformPlan", "cast_tensor", "execute_plan"]
@@ -168,39 +167,24 @@ def execute_plan(
     """
     check_verify_level(verify, why="cast and averaged bytes differ from the source's by design")
     check_output_size([], plan.output_bytes, target)
-    used: list[Record] = []
+    written: list[tuple[str, Record]] = []
 
     def fill(out: AtomicFile) -> None:
         if plan.output_format == "safetensors":
             write_safetensors(plan.entries, out.file, plan.metadata, counter, durable=out.durable)
-            used.extend(r for _, _, r in plan.entries)
+            written.extend((name, r) for name, _, r in plan.entries)
             return
         root = source.archive_root or "archive"
         storages = write_plan_zip(
             plan.tree, plan.records, out.file, root, counter, durable=out.durable
         )
-        used.extend(plan.records[id(s)] for s in storages)
+        written.extend((f"data/{i}", plan.records[id(s)]) for i, s in enumerate(storages))
 
     def check(path: str) -> str:
         # ``full`` compares every written record with its record computed again (a cast, a
         # mean) or read again (a copy), not with the source's bytes.
         expected = Expected(plan.expected, plan.select_out, source)
         checked = verify_output(path, expected, "sizes" if verify == "full" else verify)
-        return _verify_bytes(path, plan, used) if verify == "full" else checked
+        return check_records(path, written) if verify == "full" else checked
 
     return write_file(target, fill, check, durable=durable)
-
-
-def _verify_bytes(path: str, plan: TransformPlan, written: Sequence[Record]) -> str:
-    """Every record's bytes against the record made again (``verify="full"``)."""
-    from ckpt_tools.formats import open_checkpoint
-
-    out = open_checkpoint(path)
-    if plan.output_format == "safetensors":
-        starts = [out.span(out.root[name].storage).offset for name, _, _ in plan.entries]
-    else:
-        starts = [out.records[f"data/{i}"].data_offset for i in range(len(written))]
-    for i, (start, record) in enumerate(zip(starts, written)):
-        if not same_record_bytes(path, start, record):
-            raise VerificationError(f"record {i} ({record.action}) differs after writing")
-    return f"verified: keys, sizes and the bytes of {len(written)} records"

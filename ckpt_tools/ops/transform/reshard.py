@@ -112,15 +112,18 @@ def convert_to_folder(
         max_shard_size: the shard limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes).
         select: dotted path to the state dict; chosen automatically when None.
         drop_extras: leave out non-tensor entries instead of refusing.
-        force: replace a non-empty ``dst`` (never a folder holding the input).
-        verify: ``sizes`` (default), ``full`` (compare bytes) or ``none``, for every shard.
+        force: replace a non-empty ``dst`` whole (never the input, nor a folder holding it).
+        verify: ``sizes`` (default: read every shard back, keys, dtypes, shapes, sizes),
+            ``full`` (also every byte, compared with the input's) or ``none``.
         allow_globals: qualified names outside the allowlist to accept.
-        progress: called with ``(bytes_done, bytes_total)``.
+        progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
+            (:data:`~ckpt_tools.io.writers.progress.Progress`).
         jobs: shards written at once, by threads (see
-            :func:`~ckpt_tools.io.writers.hf_folder.write_hf_shards`).
+            :func:`~ckpt_tools.io.writers.hf_folder.write_folder`).
         dry_run: plan and check everything (refusals included), write nothing, create no
-            folder: ``planned`` lists each shard, its tensors, and the index.
-        durable: fsync the files and folders (default); False skips it, as ``cp`` does.
+            folder: the result's ``planned`` lists each shard, its tensors, and the index.
+        durable: fsync every file and the folders before the folder is named (default);
+            False skips it, as ``cp`` does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Returns:
         A :class:`ShardsResult`.
@@ -260,12 +263,7 @@ def reshard(
         src: the sharded folder (or its ``*.index.json``).
         dst: the output folder (not ``src``, which is never touched).
         max_shard_size: the new limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes).
-        force: replace a non-empty ``dst``.
-        verify: ``sizes`` (default), ``full`` or ``none``, for every shard.
-        progress: called with ``(bytes_done, bytes_total)``.
-        jobs: shards written at once (threads).
-        dry_run: plan only, as :func:`convert_to_folder`; nothing is written.
-        durable: as :func:`convert_to_folder`'s (False skips the fsyncs).
+        force, verify, progress, jobs, dry_run, durable: as for :func:`convert_to_folder`.
 
     Returns:
         A :class:`ShardsResult`.
