@@ -394,7 +394,7 @@ def _ultralytics(
     """``{"model": DetectionModel, "ema": DetectionModel, "updates": ...}`` as Ultralytics saves
     it (half precision), the class gone afterwards; returns the EMA's ``state_dict()``."""
     torch.manual_seed(3)
-    mod = load("ultra_i12", ULTRA)
+    mod = load("ultra_model", ULTRA)
     model = mod.DetectionModel()
     model.model[1].running_mean.uniform_()
     model.model[1].num_batches_tracked += 4
@@ -421,9 +421,9 @@ def _ultralytics(
         },
         tmp_path / "best.pt",
     )
-    sys.modules.pop("ultra_i12")
-    (tmp_path / "src" / "ultra_i12.py").unlink()
-    assert importlib.util.find_spec("ultra_i12") is None
+    sys.modules.pop("ultra_model")
+    (tmp_path / "src" / "ultra_model.py").unlink()
+    assert importlib.util.find_spec("ultra_model") is None
     return expected
 
 

@@ -450,9 +450,10 @@ def test_strip_module_reads_its_input_as_often_as_an_explicit_prefix(tmp_path):
     assert detected == given
 
 
-def test_consolidate_refuses_full_verification_before_reading(tmp_path):
+def test_consolidate_refuses_a_verification_level_before_reading(tmp_path):
+    # consolidate offers the levels every writing operation offers, and checks them first.
     import ckpt_tools
 
-    with pytest.raises(UsageError, match=r"verify='full': expected one of: sizes, none$"):
-        ckpt_tools.consolidate(tmp_path / "missing", tmp_path / "out.pt", verify="full")
+    with pytest.raises(UsageError, match=r"verify='fast': expected one of: sizes, full, none$"):
+        ckpt_tools.consolidate(tmp_path / "missing", tmp_path / "out.pt", verify="fast")
     assert sorted(os.listdir(tmp_path)) == []

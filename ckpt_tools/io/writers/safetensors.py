@@ -25,7 +25,13 @@ from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record, tensor_bytes_record
 from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 
-__all__ = ["SafetensorsEntry", "safetensors_header", "source_records", "write_safetensors"]
+__all__ = [
+    "SafetensorsEntry",
+    "check_dtypes",
+    "safetensors_header",
+    "source_records",
+    "write_safetensors",
+]
 _LARGE_DATA = 64 << 20
 _LARGE_DATA_ALIGNMENT = 64 << 10
 
@@ -115,6 +121,35 @@ def source_records(
     (:func:`~ckpt_tools.io.writers.records.tensor_bytes_record`).
     """
     return [(e.name, e.tensor, tensor_bytes_record(source, e.tensor)) for e in entries]
+
+
+def check_dtypes(
+    tensors: Sequence[tuple[str, str]], path: str, remedies: Sequence[Remedy] = ()
+) -> None:
+    """Refuse, while planning, every tensor whose dtype safetensors cannot hold.
+
+    Args:
+        tensors: ``(name, dtype)`` of every tensor of the planned output.
+        path: the input, for the message.
+        remedies: what to do instead; "keep the torch format" when none is given.
+
+    Raises:
+        ConversionError: naming every offending tensor (the first eight in the message).
+
+    Example:
+        >>> check_dtypes([("w", "float32"), ("q", "qint8")], "a.pt")
+        Traceback (most recent call last):
+        ckpt_tools.errors.ConversionError: safetensors cannot hold ... 'a.pt': q (qint8); ...
+    """
+    bad = [f"{name} ({dtype})" for name, dtype in tensors if dtype not in TORCH_TO_SAFETENSORS]
+    if bad:
+        raise ConversionError(
+            f"safetensors cannot hold the dtype of {len(bad)} tensor(s) in {path!r}: "
+            + ", ".join(bad[:8])
+            + (" ..." if len(bad) > 8 else ""),
+            path=path,
+            remedies=tuple(remedies) or (Remedy(text="keep the torch format"),),
+        )
 
 
 def safetensors_header(

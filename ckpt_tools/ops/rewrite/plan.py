@@ -130,7 +130,7 @@ def safetensors_plan(
     # String values only: an HF index's metadata also holds its int total_size.
     metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
     metadata.setdefault("format", "pt")
-    from ckpt_tools.io.writers.safetensors import SafetensorsEntry
+    from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes
 
     entries: list[SafetensorsEntry] = []
     expected: dict[str, TensorRef] = {}
@@ -149,4 +149,6 @@ def safetensors_plan(
         kept[identity] = str(name)
         entries.append(SafetensorsEntry(str(name), t))
         expected[str(name)] = t
+    to_torch = Remedy("format", "'torch'", flag="--format torch", text="to keep it in torch format")
+    check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path, (to_torch,))
     return entries, metadata, tuple(extras) + tuple(dropped), expected

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError, Remedy, UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
@@ -26,7 +25,7 @@ from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.hf_folder import check_output_folder, write_hf_shards
 from ckpt_tools.io.writers.output import Check
 from ckpt_tools.io.writers.progress import ByteCounter, Progress
-from ckpt_tools.io.writers.safetensors import SafetensorsEntry, source_records
+from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes, source_records
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -70,23 +69,6 @@ class ShardsResult(WriteResult):
             "tensors": self.tensors,
             "max_shard_size": self.max_shard_size,
         }
-
-
-def _check_dtypes(entries: Sequence[Any], src: str) -> None:
-    """Refuse, before any shard is written, every tensor whose dtype safetensors lacks."""
-    bad = [
-        f"{e.name} ({e.tensor.dtype})"
-        for e in entries
-        if e.tensor.dtype not in TORCH_TO_SAFETENSORS
-    ]
-    if bad:
-        raise ConversionError(
-            f"safetensors cannot hold the dtype of {len(bad)} tensor(s) in {src!r}: "
-            + ", ".join(bad[:8])
-            + (" ..." if len(bad) > 8 else ""),
-            path=src,
-            remedies=(Remedy(text="keep the torch format"),),
-        )
 
 
 def convert_to_folder(
@@ -222,7 +204,7 @@ def _plan_folder(
     # total_size and "format" are the writer's to set.
     extra = {k: v for k, v in metadata.items() if isinstance(v, str) and k != "format"}
     extra.update(aliases)
-    _check_dtypes(entries, ckpt.path)
+    check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing

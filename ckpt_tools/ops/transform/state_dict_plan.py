@@ -22,6 +22,7 @@ from ckpt_tools.io.writers.records import (
     copy_record,
     tensor_bytes_record,
 )
+from ckpt_tools.io.writers.safetensors import check_dtypes
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.transform.plan import (
     PlanRow,
@@ -326,6 +327,7 @@ def _safetensors_entries(
             )
         out = TensorRef(t.storage, 0, t.shape, (), dst or t.dtype)
         entries.append((new, out, record))
+    check_dtypes([(name, out.dtype) for name, out, _ in entries], ckpt.path)
     return entries, metadata
 
 
