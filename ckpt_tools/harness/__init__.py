@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any
 from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, TrainResult
 
 if TYPE_CHECKING:
-    from ckpt_tools.harness.checks import CHECK_NAMES, CheckResult
     from ckpt_tools.harness.data import synthetic_fashion
     from ckpt_tools.harness.models import build_harness_model
-    from ckpt_tools.harness.parity import ParityReport, run_parity
+    from ckpt_tools.harness.parity.checks import CHECK_NAMES, CheckResult
+    from ckpt_tools.harness.parity.run import ParityReport, run_parity
     from ckpt_tools.harness.strategies import train
 
 # Names whose modules import torch, loaded on first use.
 _LAZY = {
-    "CHECK_NAMES": "ckpt_tools.harness.checks",
-    "CheckResult": "ckpt_tools.harness.checks",
-    "ParityReport": "ckpt_tools.harness.parity",
+    "CHECK_NAMES": "ckpt_tools.harness.parity.checks",
+    "CheckResult": "ckpt_tools.harness.parity.checks",
+    "ParityReport": "ckpt_tools.harness.parity.run",
     "build_harness_model": "ckpt_tools.harness.models",
-    "run_parity": "ckpt_tools.harness.parity",
+    "run_parity": "ckpt_tools.harness.parity.run",
     "synthetic_fashion": "ckpt_tools.harness.data",
     "train": "ckpt_tools.harness.strategies",
 }

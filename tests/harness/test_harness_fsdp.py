@@ -14,7 +14,7 @@ import torch
 from ckpt_tools.errors import UsageError
 from ckpt_tools.harness import ParityReport, TrainConfig, train
 from ckpt_tools.harness.config import TorchrunEnv, TrainResult, check_torchrun_fit
-from ckpt_tools.harness.dcp_check import check_dcp_roundtrip, torch_dcp_to_pt
+from ckpt_tools.harness.parity.dcp_check import check_dcp_roundtrip, torch_dcp_to_pt
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ckpt_tools.harness import TrainConfig, run_parity, train
-from ckpt_tools.harness.checks import check_device_roundtrip
-from ckpt_tools.harness.reference import storage_tags
+from ckpt_tools.harness.parity.checks import check_device_roundtrip
+from ckpt_tools.harness.parity.reference import storage_tags
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

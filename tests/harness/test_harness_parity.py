@@ -20,14 +20,14 @@ from ckpt_tools.harness import (
     run_parity,
     train,
 )
-from ckpt_tools.harness.checks import (
+from ckpt_tools.harness.parity.checks import (
     check_add_prefix,
     check_device_roundtrip,
     check_format_roundtrip,
     check_strip_prefix,
     check_vs_single,
 )
-from ckpt_tools.harness.reference import storage_tags
+from ckpt_tools.harness.parity.reference import storage_tags
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from ckpt_tools.harness.data import batch_indices, shard, steps_per_epoch, synth
 from ckpt_tools.harness.loop import deterministic, init_model, local_loss
 from ckpt_tools.harness.manual import allreduce_mean_grads, broadcast_state
 from ckpt_tools.harness.models import MODEL_NAMES, build_harness_model, has_batchnorm
+from ckpt_tools.harness.parity.reference import compare_state_dicts
 from ckpt_tools.harness.placement import resolve_devices
-from ckpt_tools.harness.reference import compare_state_dicts
 
 PACKAGE = Path(harness.__file__).resolve().parent
 

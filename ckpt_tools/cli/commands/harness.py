@@ -22,9 +22,9 @@ from tabulate import tabulate
 from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, torchrun_env
 
 if TYPE_CHECKING:
-    from ckpt_tools.harness.checks import CheckResult
     from ckpt_tools.harness.config import TrainResult
-    from ckpt_tools.harness.parity import ParityReport
+    from ckpt_tools.harness.parity.checks import CheckResult
+    from ckpt_tools.harness.parity.run import ParityReport
 
 __all__ = ["CHECK_HEADERS", "RunOptions", "harness"]
 
@@ -211,8 +211,8 @@ def parity_cmd(
 
     Exits 0 when every parity check holds, 1 otherwise.
     """
-    from ckpt_tools.harness.parity import run_parity
-    from ckpt_tools.harness.plot import plot_losses
+    from ckpt_tools.harness.parity.plot import plot_losses
+    from ckpt_tools.harness.parity.run import run_parity
 
     shared = {**asdict(run), "world_size": run.world_size if run.world_size is not None else 2}
     report = run_parity(
@@ -242,7 +242,7 @@ def _has_dcp(report: ParityReport) -> bool:
 
 def _echo_parity(report: ParityReport, plot_path: str | None) -> None:
     """The parity table, what it means, fallbacks, failures and the verdict."""
-    from ckpt_tools.harness.checks import CHECK_NAMES
+    from ckpt_tools.harness.parity.checks import CHECK_NAMES
 
     # (f) only for runs that saved a DCP folder (fsdp); a column when there is one.
     names = [*CHECK_NAMES, *(["dcp_roundtrip"] if _has_dcp(report) else [])]

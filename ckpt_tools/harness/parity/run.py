@@ -1,7 +1,7 @@
 """Train every strategy with the same seed and batch, then run the parity checks on the results.
 
 A run that saved a DCP folder (``fsdp``) also gets (f) ``dcp_roundtrip``
-(:func:`ckpt_tools.harness.dcp_check.check_dcp_roundtrip`).
+(:func:`ckpt_tools.harness.parity.dcp_check.check_dcp_roundtrip`).
 
 :func:`run_parity` is what ``ckpt harness parity`` and ``make demo`` run. Its
 :class:`ParityReport` has one row per strategy and check, each strategy's loss curve,
@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.checks import (
+from ckpt_tools.harness.config import STRATEGIES, TrainConfig, TrainResult
+from ckpt_tools.harness.loop import init_model
+from ckpt_tools.harness.models import has_batchnorm
+from ckpt_tools.harness.parity.checks import (
     CheckResult,
     check_add_prefix,
     check_device_roundtrip,
@@ -35,9 +38,6 @@ from ckpt_tools.harness.checks import (
     check_strip_prefix,
     check_vs_single,
 )
-from ckpt_tools.harness.config import STRATEGIES, TrainConfig, TrainResult
-from ckpt_tools.harness.loop import init_model
-from ckpt_tools.harness.models import has_batchnorm
 from ckpt_tools.harness.strategies import train
 
 __all__ = ["DEFAULT_TOLERANCE", "ParityReport", "run_parity"]
@@ -232,7 +232,7 @@ def _check_run(
     ]
     dcp = run.checkpoints.get("dcp")
     if dcp is not None:
-        from ckpt_tools.harness.dcp_check import check_dcp_roundtrip
+        from ckpt_tools.harness.parity.dcp_check import check_dcp_roundtrip
 
         rows.append(
             check_dcp_roundtrip(

@@ -14,14 +14,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.harness.checks import (
+from ckpt_tools.harness.parity.checks import (
     CheckResult,
     _attempt,
     _fresh,
     _load_strict,
     _result,
 )
-from ckpt_tools.harness.reference import compare_state_dicts, load_pt
+from ckpt_tools.harness.parity.reference import compare_state_dicts, load_pt
 
 __all__ = ["Converter", "check_dcp_roundtrip", "ckpt_consolidate", "torch_dcp_to_pt"]
 
@@ -78,7 +78,7 @@ def check_dcp_roundtrip(
     Returns:
         Passed when the converted model state dict loads with ``strict=True`` and the
         model's state dict then equals the reference in keys, dtypes, shapes and bytes; a
-        :data:`~ckpt_tools.harness.checks.FINDINGS` error is a failed result naming it.
+        :data:`~ckpt_tools.harness.parity.checks.FINDINGS` error is a failed result naming it.
 
     Example:
         >>> check_dcp_roundtrip("out/fsdp/dcp", "out/fsdp/bare.pt").passed  # doctest: +SKIP

@@ -34,7 +34,7 @@ from ckpt_tools.errors import CheckpointError, StateDictMismatchError
 from ckpt_tools.harness.data import synthetic_fashion
 from ckpt_tools.harness.loop import deterministic
 from ckpt_tools.harness.models import build_harness_model
-from ckpt_tools.harness.reference import compare_state_dicts, load_pt, storage_tags
+from ckpt_tools.harness.parity.reference import compare_state_dicts, load_pt, storage_tags
 from ckpt_tools.loading.state_dict import load_state_dict
 from ckpt_tools.ops.rewrite.rewriting import convert, retag
 from ckpt_tools.structure.keys import add_prefix, strip_prefix
