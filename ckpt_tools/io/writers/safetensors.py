@@ -124,13 +124,15 @@ def source_records(
 
 
 def check_dtypes(
-    tensors: Sequence[tuple[str, str]], path: str, remedies: Sequence[Remedy] = ()
+    tensors: Sequence[tuple[str, str]], path: str | None, remedies: Sequence[Remedy] = ()
 ) -> None:
     """Refuse, while planning, every tensor whose dtype safetensors cannot hold.
 
+    Operations call it while planning; :func:`safetensors_header` calls it again, as a guard.
+
     Args:
         tensors: ``(name, dtype)`` of every tensor of the planned output.
-        path: the input, for the message.
+        path: the input, for the message, if known.
         remedies: what to do instead; "keep the torch format" when none is given.
 
     Raises:
@@ -144,7 +146,8 @@ def check_dtypes(
     bad = [f"{name} ({dtype})" for name, dtype in tensors if dtype not in TORCH_TO_SAFETENSORS]
     if bad:
         raise ConversionError(
-            f"safetensors cannot hold the dtype of {len(bad)} tensor(s) in {path!r}: "
+            f"safetensors cannot hold the dtype of {len(bad)} tensor(s)"
+            + (f" in {path!r}: " if path else ": ")
             + ", ".join(bad[:8])
             + (" ..." if len(bad) > 8 else ""),
             path=path,
@@ -178,6 +181,7 @@ def safetensors_header(
         >>> safetensors_header([SafetensorsEntry("w", w)], None).rstrip()
         b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
     """
+    check_dtypes([(e.name, e.tensor.dtype) for e in entries], None)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -186,21 +190,8 @@ def safetensors_header(
         t = entry.tensor
         if offsets is not None:
             position = offsets[i]
-        code = TORCH_TO_SAFETENSORS.get(t.dtype)
-        if code is None:
-            raise ConversionError(
-                f"tensor {entry.name!r} has dtype {t.dtype}, which safetensors cannot hold",
-                remedies=(
-                    Remedy(
-                        "format",
-                        "'torch'",
-                        flag="--format torch",
-                        text="to keep it in torch format",
-                    ),
-                ),
-            )
         header[entry.name] = {
-            "dtype": code,
+            "dtype": TORCH_TO_SAFETENSORS[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [position, position + t.nbytes],
         }
