@@ -35,6 +35,8 @@ __all__ = [
     "Interrupted",
     "atomic_output",
     "check_output_path",
+    "fsync_folder",
+    "remove_orphans",
     "remove_stale_temps",
 ]
 
@@ -182,7 +184,16 @@ def _set_mode(fd: int, target: Path) -> None:
     os.fchmod(fd, mode)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_folder(folder: str | os.PathLike[str]) -> None:
+    """fsync a folder, so that the names just made or renamed in it survive a power loss.
+
+    Args:
+        folder: the folder; one its file system cannot open or fsync is passed over.
+
+    Example:
+        >>> import tempfile
+        >>> fsync_folder(tempfile.mkdtemp())
+    """
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -209,13 +220,49 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def remove_orphans(
+    folder: str | os.PathLike[str], pattern: re.Pattern[str], remove: Callable[[Path], None]
+) -> list[Path]:
+    """Remove what killed runs left in ``folder``: the entries whose name ``pattern`` matches
+    (its first group the owner's PID) and whose owner is not running.
+
+    A concurrent run's entries are kept. (On a folder shared between machines, a PID is only
+    meaningful on its own machine: such folders should be on a file system with
+    ``O_TMPFILE``, or written from one machine at a time.)
+
+    Args:
+        folder: the folder to clean.
+        pattern: names of the entries to consider, group 1 the owner's PID.
+        remove: removes one entry (a file's unlink, a folder's rmtree).
+
+    Returns:
+        The entries removed.
+
+    Example:
+        >>> import re, tempfile
+        >>> remove_orphans(tempfile.mkdtemp(), re.compile(r"^\\.x-(\\d+)$"), Path.unlink)
+        []
+    """
+    removed: list[Path] = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.match(name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        path = Path(folder) / name
+        with contextlib.suppress(FileNotFoundError):  # another run removed it first
+            remove(path)
+            removed.append(path)
+    return removed
+
+
 def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
     """Remove temp files a killed ``ckpt`` left in ``folder`` (named ``.NAME.ckpt-tmp-PID-R``).
 
-    Only files whose owner PID is not running are removed, so a concurrent run's temp file
-    is kept. (On a folder shared between machines, a PID is only meaningful on its own
-    machine: such folders should be on a file system with ``O_TMPFILE``, or written from one
-    machine at a time.)
+    Only files whose owner PID is not running are removed (see :func:`remove_orphans`).
 
     Args:
         folder: the folder to clean.
@@ -228,20 +275,7 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
         >>> remove_stale_temps(tempfile.mkdtemp())
         []
     """
-    removed: list[Path] = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for name in names:
-        match = _TEMP_NAME.match(name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        path = Path(folder) / name
-        with contextlib.suppress(FileNotFoundError):  # another run removed it first
-            path.unlink()
-            removed.append(path)
-    return removed
+    return remove_orphans(folder, _TEMP_NAME, Path.unlink)
 
 
 def _can_link_fds() -> bool:
@@ -380,4 +414,4 @@ def atomic_output(
                 tmp.unlink(missing_ok=True)
             raise
     if durable:
-        _fsync_dir(folder)
+        fsync_folder(folder)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import OutputError, OutputExistsError, Remedy
-from ckpt_tools.io.atomic import AtomicFile
+from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
 from ckpt_tools.io.writers.output import Check, Fill, write_file
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record
@@ -78,21 +78,6 @@ def check_output_folder(
     return out
 
 
-def _dead_temp_dirs(parent: Path) -> None:
-    """Remove temp folders a killed run left in ``parent`` (owner PID no longer running)."""
-    with contextlib.suppress(OSError):
-        for entry in parent.iterdir():
-            match = _TEMP_DIR.match(entry.name)
-            if match is None:
-                continue
-            try:
-                os.kill(int(match.group(1)), 0)
-            except ProcessLookupError:
-                shutil.rmtree(entry, ignore_errors=True)
-            except PermissionError:
-                pass
-
-
 @contextlib.contextmanager
 def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path, bool]]:
     """A temp folder beside ``target`` that becomes ``target`` when the body succeeds.
@@ -108,7 +93,7 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
     replaced = target.exists() and any(target.iterdir())
     durable = durable or replaced
     parent = target.parent
-    _dead_temp_dirs(parent)
+    remove_orphans(parent, _TEMP_DIR, lambda entry: shutil.rmtree(entry, ignore_errors=True))
     tag = f"{os.getpid()}-{os.urandom(4).hex()}"  # as atomic.py names its temp files
     tmp = parent / f".{target.name}.ckpt-tmpdir-{tag}"
     try:
@@ -118,7 +103,7 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
     try:
         yield tmp, durable
         if durable:
-            _fsync(tmp)
+            fsync_folder(tmp)
         old = parent / f".{target.name}.ckpt-tmpdir-{tag}-old"
         if replaced:
             os.rename(target, old)
@@ -129,7 +114,7 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
                 os.rename(old, target)
             raise
         if durable:
-            _fsync(parent)
+            fsync_folder(parent)
         if replaced:
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
@@ -141,15 +126,6 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
         ) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class FolderFile(NamedTuple):
