@@ -21,6 +21,14 @@ def make_checkpoint(tmp_path: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    """An empty folder ``tmp_path/out`` for outputs, apart from the inputs."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture
 def make_tar(tmp_path: Path) -> Callable[..., Path]:
     """``make_tar(records, name="tar.pt") -> Path``: torch's tar format from ``TarRecords``."""
 

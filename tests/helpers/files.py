@@ -124,6 +124,21 @@ def force_copy_method(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
     monkeypatch.setitem(copy_range.__kwdefaults__, "method", method)
 
 
+def has_file_open_in(pid: int, folder: Path) -> bool:
+    """Whether ``pid`` holds a file open in ``folder`` (its temp file, named or not)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{folder}/"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def listing(folder: Path) -> list[str]:
     """The names in ``folder``, sorted."""
     return sorted(p.name for p in Path(folder).iterdir())

@@ -90,6 +90,13 @@ def test_pickle_declaring_a_huge_string(length: int, tmp_path: Path) -> None:
     _ckpt_fails(path, code, "huge.pkl")
 
 
+def _deflated_copy(src: Path, dst: Path) -> None:
+    """``src``'s members, every one deflated, into the archive ``dst``."""
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as b:
+        for info in a.infolist():
+            b.writestr(info.filename, a.read(info.filename))
+
+
 def _central_entry(data: bytes, name: bytes) -> int:
     at = data.index(b"PK\x01\x02")
     while data[at + 46 : at + 46 + len(name)] != name:
@@ -100,9 +107,7 @@ def _central_entry(data: bytes, name: bytes) -> int:
 def test_zip_whose_declared_size_lies(tmp_path: Path) -> None:
     """data.pkl deflated, its size shrunk in both headers: inflating finds more than declared."""
     src, path = _torch_zip(tmp_path), tmp_path / "lying.pt"
-    with zipfile.ZipFile(src) as a, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as b:
-        for info in a.infolist():
-            b.writestr(info.filename, a.read(info.filename))
+    _deflated_copy(src, path)
     data = bytearray(path.read_bytes())
     assert data[30 : 30 + 13] == b"good/data.pkl"
     struct.pack_into("<L", data, 22, 10)  # local header: uncompressed size
@@ -115,9 +120,7 @@ def test_zip_whose_declared_size_lies(tmp_path: Path) -> None:
 
 def test_zip_that_does_not_inflate(tmp_path: Path) -> None:
     src, path = _torch_zip(tmp_path), tmp_path / "garbled.pt"
-    with zipfile.ZipFile(src) as a, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as b:
-        for info in a.infolist():
-            b.writestr(info.filename, a.read(info.filename))
+    _deflated_copy(src, path)
     data = bytearray(path.read_bytes())
     data[43:53] = b"\xff" * 10  # the start of data.pkl's deflate stream
     path.write_bytes(bytes(data))

@@ -72,6 +72,16 @@ def _central(data: bytes | bytearray, suffix: str) -> int:
     raise KeyError(suffix)
 
 
+def _set_in_both_headers(path: Path, fmt: str, central: int, local: int, value: int) -> None:
+    """Set one field of data/0's central entry (at ``central``) and local header (``local``)."""
+    data = bytearray(path.read_bytes())
+    entry = _central(data, "data/0")
+    header = struct.unpack_from("<L", data, entry + 42)[0]
+    struct.pack_into(fmt, data, entry + central, value)
+    struct.pack_into(fmt, data, header + local, value)
+    path.write_bytes(data)
+
+
 def _torch_reads(path: Path) -> bool:
     try:
         torch.load(path, weights_only=True)
@@ -164,12 +174,7 @@ def test_compressed_storage_inflating_short_is_refused(saved, tmp_path):
         name = next(n for n in archive.namelist() if n.endswith("/data/0"))
         short = archive.read(name)[:40]
     path = _rebuilt(saved, tmp_path / "in.pt", {"data/0": short}, compression=zipfile.ZIP_DEFLATED)
-    data = bytearray(path.read_bytes())
-    central = _central(data, "data/0")
-    local = struct.unpack_from("<L", data, central + 42)[0]
-    struct.pack_into("<L", data, central + 24, 48)
-    struct.pack_into("<L", data, local + 22, 48)
-    path.write_bytes(data)
+    _set_in_both_headers(path, "<L", 24, 22, 48)  # the uncompressed size
     with pytest.raises(RuntimeError, match="unexpected decompressed size"):
         torch.load(path, weights_only=True)
     _agrees_with_torch(path, "does not inflate")
@@ -182,12 +187,7 @@ def test_compressed_storage_that_is_no_deflate_stream_is_refused(saved, tmp_path
     # error, and torch returns the tensor's uninitialized memory: nothing we could read the
     # same, so the file is refused.
     path = _rebuilt(saved, tmp_path / "in.pt", {})
-    data = bytearray(path.read_bytes())
-    central = _central(data, "data/0")
-    local = struct.unpack_from("<L", data, central + 42)[0]
-    struct.pack_into("<H", data, central + 10, 8)
-    struct.pack_into("<H", data, local + 8, 8)
-    path.write_bytes(data)
+    _set_in_both_headers(path, "<H", 10, 8, 8)  # the method: deflated
     with pytest.raises(CorruptCheckpointError, match="does not inflate"):
         open_checkpoint(path)
     result = _inspect(path)

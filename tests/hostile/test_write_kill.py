@@ -17,27 +17,13 @@ import pytest
 import torch
 
 from ckpt_tools.io.atomic import PAUSE_ENV, atomic_output, remove_stale_temps
+from tests.helpers import has_file_open_in
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 
 
 def _listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
-
-
-def has_file_open_in(pid: int, folder: Path) -> bool:
-    """Whether ``pid`` holds a file open in ``folder`` (its temp file, named or not)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{folder}/"):
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def _kill_while_writing(command: list[str], folder: Path) -> None:

@@ -29,7 +29,6 @@ from ckpt_tools.io import atomic
 from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
 from ckpt_tools.ops.rewrite.rewriting import convert
 from tests import helpers as h
-from tests.hostile.test_write_kill import has_file_open_in
 
 
 @pytest.fixture(autouse=True)
@@ -60,13 +59,6 @@ def make_src(tmp_path):
         return h.save(obj, folder / name)
 
     return make
-
-
-@pytest.fixture
-def out_dir(tmp_path):
-    folder = tmp_path / "out"
-    folder.mkdir()
-    return folder
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,7 +345,7 @@ def _terminate_while_writing(src: Path, dst: Path) -> tuple[int, str]:
     )
     try:
         deadline = time.monotonic() + 30
-        while not has_file_open_in(proc.pid, dst.parent.resolve()):
+        while not h.has_file_open_in(proc.pid, dst.parent.resolve()):
             if proc.poll() is not None:
                 break  # finished (or failed) before a temp file was seen
             assert time.monotonic() < deadline, "no temp file appeared"

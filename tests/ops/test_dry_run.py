@@ -65,6 +65,22 @@ def _snapshot(folder: Path) -> dict[str, bytes | None]:
     }
 
 
+def _dry_run_then_write(
+    args: list[str], folder: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str]:
+    """``ckpt ARGS --dry-run`` changes nothing in ``folder``, then ``ckpt ARGS`` exits with the
+    same code and the same stderr; returns that ``(code, stderr)``."""
+    before = _snapshot(folder)
+    dry = main([*args, "--dry-run"])
+    dry_err = capsys.readouterr().err
+    assert _snapshot(folder) == before, (args, dry_err)
+    real = main(args)
+    real_err = capsys.readouterr().err
+    assert dry == real, (args, dry_err, real_err)
+    assert dry_err == real_err
+    return dry, dry_err
+
+
 def _dcp(folder: Path) -> Path:
     """A DCP folder saved by torch in this process: a model, a nested entry, a step."""
     import torch.distributed.checkpoint as dcp
@@ -184,14 +200,8 @@ def test_consolidate_dry_run_refuses_with_the_write_s_exit_codes(
         ["consolidate", "run", "x.pt", "--select", "nope"],  # no such entry
     ]
     for args in cases:
-        before = _snapshot(tmp_path)
-        dry = main([*args, "--dry-run"])
-        dry_err = capsys.readouterr().err
-        assert _snapshot(tmp_path) == before
-        real = main(args)
-        real_err = capsys.readouterr().err
-        assert dry == real != 0, (args, dry_err, real_err)
-        assert dry_err == real_err
+        got, err = _dry_run_then_write(args, tmp_path, capsys)
+        assert got != 0, (args, err)
     assert main(["consolidate", "run", "taken.safetensors", "--force", "--dry-run"]) == 0
     assert Path("taken.safetensors").read_bytes() == b"x"
 
@@ -274,12 +284,8 @@ def test_sanitize_dry_run_refuses_with_the_write_s_exit_codes(
         (["sanitize", "in.pt", "in.pt", "--force"], 6),
         (["sanitize", str(FIXTURES / "torchscript.pt"), "o.pt"], 7),
     ):
-        before = _snapshot(tmp_path)
-        assert main([*args, "--dry-run"]) == code, capsys.readouterr().err
-        dry_err = capsys.readouterr().err
-        assert _snapshot(tmp_path) == before
-        assert main(args) == code
-        assert capsys.readouterr().err == dry_err
+        got, err = _dry_run_then_write(args, tmp_path, capsys)
+        assert got == code, (args, err)
 
 
 # --- convert to a folder, reshard ----------------------------------------------------------
@@ -360,12 +366,8 @@ def test_folder_dry_runs_refuse_with_the_write_s_exit_codes(
         (["reshard", "in.pt", "r/", "--max-shard-size", "1KB"], 2),
         (["reshard", "full", "r/", "--max-shard-size", "0"], 2),
     ):
-        before = _snapshot(tmp_path)
-        assert main([*args, "--dry-run"]) == code, capsys.readouterr().err
-        dry_err = capsys.readouterr().err
-        assert _snapshot(tmp_path) == before
-        assert main(args) == code
-        assert capsys.readouterr().err == dry_err
+        got, err = _dry_run_then_write(args, tmp_path, capsys)
+        assert got == code, (args, err)
 
 
 # --- slim --ema and extract on a pickled Ultralytics-style module --------------------------
@@ -501,11 +503,8 @@ def test_ema_refusals_match_between_dry_run_and_write(
         ["slim", "best.pt", "e.pt", "--ema"],
         ["extract", "best.pt", "e.pt", "--prefix", "model.", "--ema"],
     ):
-        before = _snapshot(tmp_path)
-        assert main([*args, "--dry-run"]) == 3
-        dry_err = capsys.readouterr().err
-        assert _snapshot(tmp_path) == before and "Unlisted" in dry_err
-        assert main(args) == 3 and capsys.readouterr().err == dry_err
+        code, dry_err = _dry_run_then_write(args, tmp_path, capsys)
+        assert code == 3 and "Unlisted" in dry_err
         assert main([*args, "--allow-global", f"{__name__}.Unlisted"]) == 0
         os.unlink("e.pt")
 

@@ -45,13 +45,6 @@ def ddp_file(tmp_path):
     return make
 
 
-@pytest.fixture
-def out_dir(tmp_path):
-    folder = tmp_path / "out"
-    folder.mkdir()
-    return folder
-
-
 COMMANDS = {
     "strip-module": [],
     "add-module": [],
