@@ -21,7 +21,15 @@ from typing import Any
 
 from . import checks
 from .checks import Finding
-from .workers import CLI_MEMORY, CLI_TIMEOUT, ORACLE_MEMORY, CliResult, Worker, run_ckpt
+from .workers import (
+    CLI_MEMORY,
+    CLI_TIMEOUT,
+    ORACLE_MEMORY,
+    ORACLE_TIMEOUT,
+    CliResult,
+    Worker,
+    run_ckpt,
+)
 
 OLD_OUTPUT = b"an older output that a failed rewrite must leave alone\n"
 
@@ -151,7 +159,7 @@ class Session:
         answer = self._oracle_answers.get(digest)
         if answer is None:
             answer = self._oracle_answers[digest] = self.oracle.call(
-                {"path": str(path)}, timeout=60
+                {"path": str(path)}, timeout=ORACLE_TIMEOUT
             )
             if len(self._oracle_answers) > 64:
                 self._oracle_answers.pop(next(iter(self._oracle_answers)))
