@@ -13,7 +13,7 @@ import click
 
 from ckpt_tools.structure.text import counts, human_bytes, human_count
 
-__all__ = ["counts", "echo_json", "human_bytes", "human_count", "table"]
+__all__ = ["counts", "echo_json", "echo_result", "human_bytes", "human_count", "table"]
 
 
 def echo_json(data: Any) -> None:
@@ -21,6 +21,14 @@ def echo_json(data: Any) -> None:
     import json  # only --json needs it; `ckpt` starts faster without
 
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def echo_result(result: Any, as_json: bool) -> None:
+    """Print a command's result: its ``text()``, or its ``to_json()`` (``--json``)."""
+    if as_json:
+        echo_json(result.to_json())
+    else:
+        click.echo(result.text())
 
 
 def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:

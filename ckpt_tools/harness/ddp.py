@@ -44,7 +44,7 @@ from ckpt_tools.harness.data import shard
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.placement import resolve_devices
 
-__all__ = ["TrainRank", "launch", "train_ddp"]
+__all__ = ["TrainRank", "launch", "train_ddp", "train_steps"]
 
 # A rank that waits longer than this for the others has lost them (crashed peer).
 _PG_TIMEOUT = timedelta(minutes=3)
@@ -271,19 +271,8 @@ def _train(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
     optimizer = loop.make_optimizer(ddp.parameters(), config)
-    losses: list[float] = []
     started = time.perf_counter()
-    with loop.deterministic():
-        for images, labels in loop.global_batches(config):
-            x, y = shard(images, rank, world).to(device), shard(labels, rank, world).to(device)
-            loss = loop.local_loss(ddp(x), y, len(labels), world)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP averages the gradients over ranks here
-            optimizer.step()
-            # Sum of the scaled local losses over ranks / world = global-batch mean loss.
-            logged = loss.detach().clone()
-            dist.all_reduce(logged)
-            losses.append(float(logged) / world)
+    losses = train_steps(ddp, optimizer, config, rank, world, device)
     fallback = loop.cpu_fallback([device], f"{world} CPU processes over gloo")
     result = loop.finish_run(
         config, [device] * world, losses, ddp, ddp.module, optimizer, fallback, save=rank == 0
@@ -296,3 +285,40 @@ def _train(
         sync_bn=sync_bn,
         seconds=time.perf_counter() - started,
     )
+
+
+def train_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> list[float]:
+    """One rank's training steps on its slice of each global batch.
+
+    Args:
+        model: the wrapped model (DDP, FSDP), which averages the gradients over the ranks
+            in ``backward``.
+        optimizer: steps ``model``'s parameters.
+        config: the run (steps, batches, seed).
+        rank: this process's rank.
+        world: the number of ranks.
+        device: this rank's device.
+
+    Returns:
+        The global-batch mean loss of every step, the same on every rank.
+    """
+    losses: list[float] = []
+    with loop.deterministic():
+        for images, labels in loop.global_batches(config):
+            x, y = shard(images, rank, world).to(device), shard(labels, rank, world).to(device)
+            loss = loop.local_loss(model(x), y, len(labels), world)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            # Sum of the scaled local losses over ranks / world = global-batch mean loss.
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
+            losses.append(float(logged) / world)
+    return losses

@@ -31,8 +31,7 @@ from torch import nn
 
 from ckpt_tools.harness import loop
 from ckpt_tools.harness.config import CHECKPOINT_NAMES, TrainConfig, TrainResult
-from ckpt_tools.harness.data import shard
-from ckpt_tools.harness.ddp import launch
+from ckpt_tools.harness.ddp import launch, train_steps
 
 __all__ = ["DCP_DIR", "train_fsdp"]
 
@@ -104,18 +103,9 @@ def train_rank(
     model = loop.init_model(config, sync_bn=sync_bn).to(device)
     _shard(model, init_device_mesh(device.type, (world,)))
     optimizer = loop.make_optimizer(model.parameters(), config)
-    losses: list[float] = []
     started = time.perf_counter()
-    with loop.deterministic():
-        for images, labels in loop.global_batches(config):
-            x, y = shard(images, rank, world).to(device), shard(labels, rank, world).to(device)
-            loss = loop.local_loss(model(x), y, len(labels), world)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # FSDP reduce-scatters and averages the gradients here
-            optimizer.step()
-            logged = loss.detach().clone()
-            dist.all_reduce(logged)
-            losses.append(float(logged) / world)
+    # FSDP reduce-scatters and averages the gradients in backward.
+    losses = train_steps(model, optimizer, config, rank, world, device)
     seconds = time.perf_counter() - started
     # Buffers (BatchNorm statistics) are not sharded: each rank kept its own. Rank 0's go to
     # every rank, as DDP broadcasts them, so that the DCP save (which keeps one rank's copy

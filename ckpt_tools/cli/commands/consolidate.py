@@ -13,7 +13,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_json
+from ckpt_tools.cli.render import echo_result
 from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, consolidate
 
@@ -68,8 +68,4 @@ def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: A
     (model-00001-of-0000N.safetensors + model.safetensors.index.json). Chunks are copied
     straight into place; memory does not grow with the checkpoint.
     """
-    result = consolidate(src, dst, all=everything, **kw)
-    if as_json:
-        echo_json(result.to_json())
-    else:
-        click.echo(result.text())
+    echo_result(consolidate(src, dst, all=everything, **kw), as_json)

@@ -17,7 +17,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_json
+from ckpt_tools.cli.render import echo_result
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewrite.rewriting import (
     add_module_file,
@@ -65,14 +65,6 @@ def progress_bar(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
     finally:
         if "bar" in state:
             state["bar"].__exit__(None, None, None)
-
-
-def report(result: Any, as_json: bool) -> None:
-    """Print a rewrite's result: its text, or its JSON (``--json``)."""
-    if as_json:
-        echo_json(result.to_json())
-    else:
-        click.echo(result.text())
 
 
 def library_options(
@@ -126,7 +118,7 @@ def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
     """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
     with progress_bar(kw["quiet"]) as progress:
         result = strip_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
-    report(result, kw["as_json"])
+    echo_result(result, kw["as_json"])
 
 
 @click.command("add-module")
@@ -136,7 +128,7 @@ def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
     """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
     with progress_bar(kw["quiet"]) as progress:
         result = add_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
-    report(result, kw["as_json"])
+    echo_result(result, kw["as_json"])
 
 
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
@@ -173,7 +165,7 @@ def rename_cmd(
             _pairs(regexes, "--regex"),
             **library_options(kw, progress),
         )
-    report(result, kw["as_json"])
+    echo_result(result, kw["as_json"])
 
 
 @click.command("convert")
@@ -210,7 +202,7 @@ def convert_cmd(
             max_shard_size=max_shard_size,
             **library_options(kw, progress),
         )
-    report(result, kw["as_json"])
+    echo_result(result, kw["as_json"])
 
 
 @click.command("reshard")
@@ -247,7 +239,7 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
             dry_run=kw["dry_run"],
             durable=kw["durable"],
         )
-    report(result, kw["as_json"])
+    echo_result(result, kw["as_json"])
 
 
 @click.command("retag")
@@ -264,4 +256,4 @@ def retag_cmd(src: str, dst: str, maps: tuple[str, ...], **kw: Any) -> None:
     """Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere."""
     with progress_bar(kw["quiet"]) as progress:
         result = retag(src, dst, dict(_pairs(maps, "--map")), **library_options(kw, progress))
-    report(result, kw["as_json"])
+    echo_result(result, kw["as_json"])

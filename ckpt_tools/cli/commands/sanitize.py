@@ -11,7 +11,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_json
+from ckpt_tools.cli.render import echo_result
 from ckpt_tools.ops.sanitize.sanitizing import sanitize
 
 _EXAMPLES = """
@@ -61,7 +61,4 @@ def sanitize_cmd(
         dry_run=dry_run,
         durable=durable,
     )
-    if as_json:
-        echo_json(report.to_json())
-        return
-    click.echo(report.text())
+    echo_result(report, as_json)

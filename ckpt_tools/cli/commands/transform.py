@@ -15,7 +15,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_json
+from ckpt_tools.cli.render import echo_result
 
 
 def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -41,13 +41,6 @@ def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         func = option(func)
     return func
-
-
-def _report(result: Any, as_json: bool) -> None:
-    if as_json:
-        echo_json(result.to_json())
-    else:
-        click.echo(result.text())
 
 
 @click.command(
@@ -94,7 +87,7 @@ def slim_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
     """Make a checkpoint smaller: cast, drop entries, keep the (EMA) weights only."""
     from ckpt_tools.ops.transform.slim import slim
 
-    _report(slim(src, dst, **kw), as_json)
+    echo_result(slim(src, dst, **kw), as_json)
 
 
 @click.command(
@@ -113,7 +106,7 @@ def extract_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
     """The tensors under one prefix, as a plain state dict."""
     from ckpt_tools.ops.transform.extract import extract
 
-    _report(extract(src, dst, **kw), as_json)
+    echo_result(extract(src, dst, **kw), as_json)
 
 
 def _weights(value: str | None) -> list[float] | None:
@@ -161,4 +154,4 @@ def average_cmd(
     from ckpt_tools.ops.transform.average import average, pick_inputs
 
     picked = pick_inputs(list(inputs), last)
-    _report(average(dst, picked, weights=_weights(weights), **kw), as_json)
+    echo_result(average(dst, picked, weights=_weights(weights), **kw), as_json)
