@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -227,3 +228,54 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     )
     assert _upward(bad, "formats") == ["line 3: ckpt_tools.ops.rewrite.rewriting (formats -> ops)"]
     assert _upward(bad, "cli") == []
+
+
+#: Longest function body (its docstring aside): a function longer than this is several steps.
+MAX_BODY_LINES = 60
+
+
+def _long_functions(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        if body and body[-1].end_lineno - body[0].lineno + 1 > MAX_BODY_LINES:
+            found.append(f"{node.name} (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_functions_stay_short(path: Path) -> None:
+    long = _long_functions(path)
+    assert not long, f"{path.relative_to(PACKAGE)}: split into named steps: {long}"
+
+
+#: What a tracker outside the repository would have to explain: issue and review references.
+TRACKER = re.compile(r"\b(issue|review)s? #?\d+|\bfound in review\b|\bhelper-\d+\b", re.IGNORECASE)
+
+
+def _tracker_references(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if TRACKER.search(line):
+                found.append(f"{path.relative_to(root.parent)}:{number}: {line.strip()}")
+    return found
+
+
+@pytest.mark.parametrize("room", ["ckpt_tools", "tests", "benchmarks", "fixtures"])
+def test_code_does_not_cite_the_tracker(room: str) -> None:
+    found = _tracker_references(PACKAGE.parent / room)
+    assert not found, "\n".join(found)
+
+
+def test_the_length_and_tracker_checks_can_fail(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def f():\n    '''doc'''\n" + "    x = 1\n" * 61 + "# see {} 13\n".format("issue")
+    )
+    assert _long_functions(module) == ["f (line 1)"]
+    assert len(_tracker_references(tmp_path)) == 1
