@@ -199,8 +199,8 @@ def safetensors_header(
     raw = json.dumps(header, separators=(",", ":")).encode()
     if offsets is not None:
         return raw
-    # safetensors pads the header with spaces so data starts 8-aligned; for large files we
-    # pad to 64 KiB, so the kernel copy fills whole large page-cache folios.
+    # safetensors pads the header with spaces so data starts 8-aligned; large files are
+    # padded to 64 KiB, so kernel copies of the data move whole pages.
     align = _LARGE_DATA_ALIGNMENT if position >= _LARGE_DATA else 8
     return raw + b" " * ((-(8 + len(raw))) % align)
 

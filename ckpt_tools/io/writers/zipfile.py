@@ -131,9 +131,8 @@ class TorchZipWriter:
             if not storage or (self._offset + fixed + wanted) % ALIGNMENT == 0:
                 pad = wanted
         elif size >= _LARGE_RECORD:
-            # Large records start on a 64 KiB boundary: the kernel's copy then fills whole
-            # large page-cache folios (benchmarks/README.md has the figures). The padding
-            # costs no writes: it is left a hole.
+            # Large records start on a 64 KiB boundary, so kernel copies move whole pages
+            # instead of splitting them at the record's start. The padding is left a hole.
             big = (-(self._offset + fixed)) % _LARGE_ALIGNMENT
             if big + len(extra) + 4 <= _U16:
                 pad = big
