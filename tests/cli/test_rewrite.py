@@ -284,26 +284,12 @@ def test_the_installed_entry_point(tmp_path):
 def test_the_console_script_refuses_an_existing_output_and_shows_help(tmp_path):
     src = h.fixture_path("dataparallel.pt")
     script = h.console_script()
-    first = subprocess.run(
-        [script, "strip-module", src, "out.pt", "--json"],
-        capture_output=True,
-        text=True,
-        env=h.ckpt_env(),
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
+    first = h.run_ckpt(
+        "strip-module", src, "out.pt", "--json", code=None, how="script", cwd=tmp_path
     )
     assert first.returncode == 0, first.stderr
     assert json.loads(first.stdout)["written"] == ["out.pt"]
-    again = subprocess.run(
-        [script, "strip-module", src, "out.pt"],
-        capture_output=True,
-        text=True,
-        env=h.ckpt_env(),
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
+    again = h.run_ckpt("strip-module", src, "out.pt", code=None, how="script", cwd=tmp_path)
     assert again.returncode == 6 and "already exists" in again.stderr
     shown = subprocess.run(
         [script, "strip-module", "--help"], capture_output=True, text=True, timeout=120
