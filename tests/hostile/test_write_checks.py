@@ -22,6 +22,7 @@ from ckpt_tools.ops.rewrite.rewriting import (
     rename_file,
     strip_module_file,
 )
+from tests.helpers import listing
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")
 
@@ -30,10 +31,6 @@ CKPT = str(Path(sys.executable).with_name("ckpt"))
 
 def _ckpt(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([CKPT, *map(str, args)], capture_output=True, text=True, timeout=120)
-
-
-def _listing(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
 
 
 def _unsafe(path: Path) -> Path:
@@ -81,7 +78,7 @@ def test_every_rewrite_refuses_before_looking_for_work(kind, command, tmp_path):
     result = _ckpt(name, src, tmp_path / dst, *extra)
     assert result.returncode == code, result.stderr
     assert says in result.stderr.splitlines()[0]
-    assert _listing(tmp_path) == ["in.pt"]  # nothing written, no temp file left
+    assert listing(tmp_path) == ["in.pt"]  # nothing written, no temp file left
 
 
 def test_pickled_module_refusal_names_the_fix(tmp_path):
@@ -159,7 +156,7 @@ def test_a_rule_that_would_rename_a_non_str_key_is_refused_up_front(tmp_path):
         add_module_file(tmp_path / "in.pt", tmp_path / "out.pt")
     with pytest.raises(ConversionError, match=r"b'x'"):  # str(b"x") starts with "b"
         rename_file(tmp_path / "in.pt", tmp_path / "out.pt", subs=[("b", "c")])
-    assert _listing(tmp_path) == ["in.pt"]
+    assert listing(tmp_path) == ["in.pt"]
 
 
 def test_safetensors_conversion_refuses_non_str_keys_up_front(tmp_path):
@@ -169,4 +166,4 @@ def test_safetensors_conversion_refuses_non_str_keys_up_front(tmp_path):
     assert "safetensors names tensors by strings" in result.stderr.splitlines()[0]
     with pytest.raises(ConversionError, match=r"4 tensor\(s\) under other keys"):
         convert(tmp_path / "in.pt", tmp_path / "out.safetensors")
-    assert _listing(tmp_path) == ["in.pt"]
+    assert listing(tmp_path) == ["in.pt"]

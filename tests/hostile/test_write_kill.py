@@ -17,13 +17,9 @@ import pytest
 import torch
 
 from ckpt_tools.io.atomic import PAUSE_ENV, atomic_output, remove_stale_temps
-from tests.helpers import has_file_open_in
+from tests.helpers import has_file_open_in, listing
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
-
-
-def _listing(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
 
 
 def _kill_while_writing(command: list[str], folder: Path) -> None:
@@ -72,7 +68,7 @@ def test_sigkill_mid_write_leaves_nothing(args, name, src, tmp_path):
         pytest.skip("this file system has no O_TMPFILE: the named fallback is tested below")
     before = src.read_bytes()
     _kill_while_writing([CKPT, *args, str(src), str(out / name)], out)
-    assert _listing(out) == []  # the unnamed temp file died with the process
+    assert listing(out) == []  # the unnamed temp file died with the process
     assert src.read_bytes() == before
 
 
@@ -88,13 +84,13 @@ def test_named_fallback_temp_is_removed_by_the_next_run(src, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     _kill_while_writing([sys.executable, "-c", _NAMED_WRITER, str(out / "a.bin")], out)
-    (stale,) = _listing(out)  # the fallback's named temp survives a SIGKILL ...
+    (stale,) = listing(out)  # the fallback's named temp survives a SIGKILL ...
     assert stale.startswith(".a.bin.ckpt-tmp-")
     result = subprocess.run(
         [CKPT, "strip-module", str(src), str(out / "plain.pt")], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert _listing(out) == ["plain.pt"]  # ... and the next run in that folder removes it
+    assert listing(out) == ["plain.pt"]  # ... and the next run in that folder removes it
     assert list(torch.load(out / "plain.pt", weights_only=True, mmap=True)) == ["w", "b"]
 
 
@@ -106,7 +102,7 @@ def test_stale_temps_of_live_processes_are_kept(tmp_path):
     theirs = tmp_path / f".y.pt.ckpt-tmp-{dead.pid}-0abc"
     theirs.write_bytes(b"left by a killed run")
     assert remove_stale_temps(tmp_path) == [theirs]
-    assert _listing(tmp_path) == [mine.name]
+    assert listing(tmp_path) == [mine.name]
 
 
 def test_unnamed_temp_is_invisible_while_writing(tmp_path):
@@ -115,6 +111,6 @@ def test_unnamed_temp_is_invisible_while_writing(tmp_path):
     with atomic_output(tmp_path / "t.bin") as out:
         out.file.write(b"data")
         out.file.flush()
-        assert _listing(tmp_path) == []  # nothing named until it is complete
+        assert listing(tmp_path) == []  # nothing named until it is complete
         assert out.path.read_bytes() == b"data"  # yet it can be re-read to verify it
-    assert _listing(tmp_path) == ["t.bin"] and (tmp_path / "t.bin").read_bytes() == b"data"
+    assert listing(tmp_path) == ["t.bin"] and (tmp_path / "t.bin").read_bytes() == b"data"
