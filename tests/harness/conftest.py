@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,48 @@ def parity_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def parity_mlp(parity_dir: Path) -> ParityReport:
     """All four strategies, MLP, world size 2, 3 steps, on the CPU (DDP spawned over gloo)."""
     return run_parity(world_size=2, steps=3, model="mlp", out_dir=parity_dir, device="cpu")
+
+
+@pytest.fixture
+def torchrun_train(
+    subprocess_env: dict[str, str],
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``torchrun_train(launcher, strategy, steps, out, timeout)``: ``ckpt_tools.harness train``
+    as two CPU ranks under ``launcher`` (torchrun's argv), which must exit 0 with only rank 0
+    printing its line."""
+
+    def run(
+        launcher: Sequence[str], strategy: str, steps: int, out: Path, timeout: int
+    ) -> subprocess.CompletedProcess[str]:
+        command = [
+            *launcher,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ckpt_tools.harness",
+            "train",
+            "--strategy",
+            strategy,
+            "--arch",
+            "mlp",
+            "--steps",
+            str(steps),
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+        proc = subprocess.run(
+            command,
+            env=subprocess_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("(world size 2, torchrun, gloo)") == 1, proc.stdout  # rank 0
+        return proc
+
+    return run

@@ -4,8 +4,8 @@ folder against torch's own converter; the parity row."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -101,34 +101,12 @@ def test_torchrun_accepts_fsdp_and_still_refuses_single_process_strategies() -> 
 
 @pytest.mark.slow
 def test_fsdp_under_torchrun_matches_single_and_round_trips(
-    tmp_path: Path, subprocess_env: dict[str, str]
+    tmp_path: Path, torchrun_train: Callable[..., object]
 ) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     out = tmp_path / "fsdp"
-    command = [
-        str(torchrun) if torchrun.exists() else shutil.which("torchrun") or "torchrun",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "ckpt_tools.harness",
-        "train",
-        "--strategy",
-        "fsdp",
-        "--arch",
-        "mlp",
-        "--steps",
-        "2",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        command, env=subprocess_env, capture_output=True, text=True, timeout=180, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("(world size 2, torchrun, gloo)") == 1, proc.stdout  # rank 0 only
+    launcher = str(torchrun) if torchrun.exists() else shutil.which("torchrun") or "torchrun"
+    torchrun_train([launcher], "fsdp", 2, out, timeout=180)
     result = TrainResult.read_json(out)
     assert (result.strategy, result.launcher, result.world_size) == ("fsdp", "torchrun", 2)
     assert {p.name for p in (out / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,35 +18,10 @@ from ckpt_tools.harness.config import TrainResult
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_write_one_checkpoint_matching_single(
-    tmp_path: Path, subprocess_env: dict[str, str]
+    tmp_path: Path, torchrun_train: Callable[..., object]
 ) -> None:
     out = tmp_path / "ddp"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "ckpt_tools.harness",
-        "train",
-        "--strategy",
-        "ddp",
-        "--arch",
-        "mlp",
-        "--steps",
-        "3",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        command, env=subprocess_env, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("(world size 2, torchrun, gloo)") == 1, proc.stdout  # rank 0 only
+    torchrun_train([sys.executable, "-m", "torch.distributed.run"], "ddp", 3, out, timeout=120)
     result = TrainResult.read_json(out)
     assert (result.launcher, result.backend, result.world_size) == ("torchrun", "gloo", 2)
 
