@@ -100,7 +100,7 @@ _DP = str(fixture_path("dataparallel.pt"))
 
 
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
-@pytest.mark.parametrize("src", [_DP, "missing.pt"])
+@pytest.mark.parametrize("src", [_DP, "missing.pt"], ids=["dataparallel.pt", "missing.pt"])
 def test_a_broken_pipe_ends_the_console_script_with_exit_1(
     stream: str, src: str, tmp_path: Path
 ) -> None:

@@ -48,7 +48,9 @@ INPUTS = sorted(
     p
     for folder in (ROOT / "fixtures", ROOT / "tests" / "fuzz" / "regressions")
     for p in folder.rglob("*")
-    if p.is_file() and p.stat().st_size < (8 << 20) and p.suffix not in (".py", ".md", ".json")
+    if p.is_file()
+    and p.stat().st_size < (8 << 20)
+    and p.suffix not in (".py", ".pyc", ".md", ".json")
 )
 
 
