@@ -213,7 +213,7 @@ def _temp_name(target: Path) -> Path:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a PID no process can have
         return False
     except PermissionError:
         return True  # someone else's live process

@@ -105,6 +105,23 @@ def test_stale_temps_of_live_processes_are_kept(tmp_path):
     assert listing(tmp_path) == [mine.name]
 
 
+def test_a_temp_named_with_a_pid_no_process_can_have_is_stale(tmp_path):
+    # No process can own it (os.kill cannot even be asked about it): removed, file or folder.
+    odd = tmp_path / f".x.pt.ckpt-tmp-{'9' * 30}-0abc"
+    odd.write_bytes(b"x")
+    assert remove_stale_temps(tmp_path) == [odd]
+    (tmp_path / f".out.ckpt-tmpdir-{'9' * 30}-0abc").mkdir()
+    torch.save({"w": torch.zeros(2)}, tmp_path / "in.pt")
+    result = subprocess.run(
+        [CKPT, "convert", str(tmp_path / "in.pt"), f"{tmp_path / 'out'}/"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert listing(tmp_path) == ["in.pt", "out"]
+
+
 def test_unnamed_temp_is_invisible_while_writing(tmp_path):
     if not _has_unnamed_files(tmp_path):
         pytest.skip("this file system has no O_TMPFILE")
