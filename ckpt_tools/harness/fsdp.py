@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_tools.harness import loop
-from ckpt_tools.harness.config import CHECKPOINT_NAMES, TrainConfig, TrainResult
+from ckpt_tools.harness.config import TrainConfig, TrainResult
 from ckpt_tools.harness.ddp import launch, train_steps
 
 __all__ = ["DCP_DIR", "train_fsdp"]
@@ -156,14 +156,5 @@ def _save(
         return {}
     bare = OrderedDict(bare)
     wrapped = OrderedDict((f"module.{k}", v) for k, v in bare.items())
-    trainer = {
-        "model": bare,
-        "optimizer": optim_full,
-        "epoch": loop.completed_epochs(config),
-        "step": config.steps,
-    }
-    paths = {name: out / f"{name}.pt" for name in CHECKPOINT_NAMES}
-    torch.save(wrapped, paths["wrapped"])
-    torch.save(bare, paths["bare"])
-    torch.save(trainer, paths["trainer"])
-    return {**{k: str(v) for k, v in paths.items()}, "dcp": str(out / DCP_DIR)}
+    paths = loop.save_checkpoints(out, wrapped, bare, optim_full, config)
+    return {**paths, "dcp": str(out / DCP_DIR)}

@@ -186,7 +186,7 @@ def save_checkpoints(
     out_dir: str | Path,
     wrapped_sd: Mapping[str, Any],
     bare_sd: Mapping[str, Any],
-    optimizer: torch.optim.Optimizer,
+    optimizer_sd: Mapping[str, Any],
     config: TrainConfig,
 ) -> dict[str, str]:
     """Write ``wrapped.pt``, ``bare.pt`` and ``trainer.pt`` the way training scripts do.
@@ -198,7 +198,7 @@ def save_checkpoints(
         out_dir: created if missing.
         wrapped_sd: the wrapped model's state dict (``module.`` keys).
         bare_sd: the unwrapped model's state dict.
-        optimizer: its ``state_dict()`` goes into the trainer dict.
+        optimizer_sd: the optimizer's state dict, for the trainer dict.
         config: the run, for ``epoch`` and ``step``.
 
     Returns:
@@ -211,14 +211,14 @@ def save_checkpoints(
         >>> model = nn.Linear(2, 2)
         >>> opt = make_optimizer(model.parameters(), TrainConfig())
         >>> sorted(save_checkpoints("out", ModuleContainer(model).state_dict(),
-        ...                         model.state_dict(), opt, TrainConfig()))
+        ...                         model.state_dict(), opt.state_dict(), TrainConfig()))
         ['bare', 'trainer', 'wrapped']
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trainer = {
         "model": bare_sd,
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_sd,
         "epoch": completed_epochs(config),
         "step": config.steps,
     }
@@ -290,7 +290,7 @@ def finish_run(
     checkpoints: dict[str, str] = {}
     if save and config.out_dir is not None:
         checkpoints = save_checkpoints(
-            config.out_dir, wrapped.state_dict(), bare.state_dict(), optimizer, config
+            config.out_dir, wrapped.state_dict(), bare.state_dict(), optimizer.state_dict(), config
         )
     return TrainResult(
         strategy=config.strategy,
