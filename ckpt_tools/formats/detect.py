@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
 import stat
 import struct
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import (
@@ -55,6 +55,8 @@ _UNPICKLE_ERRORS = (
 SHARD_INDEX_SUFFIX = ".index.json"
 # Protocol-0/1 pickles start with one of these opcodes; torch never writes them, users might.
 _PICKLE_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVX")
+# ...and are read as pickles only under these names.
+_PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt")
 # safetensors refuses longer headers (ckpt_tools.formats.safetensors.MAX_HEADER_BYTES).
 _MAX_SAFETENSORS_HEADER = 100_000_000
 
@@ -82,10 +84,11 @@ def detect_format(path: str | os.PathLike[str], *, content_only: bool = False) -
         >>> detect_format("model.safetensors"), detect_format("model.pt")
         ('safetensors', 'torch-zip')
     """
-    p = Path(path)
-    if not p.exists():
+    # The path as given, through os: pathlib is a large import that reading needs nothing of.
+    p = os.fspath(path)
+    if not _exists(p):
         raise CheckpointNotFoundError(
-            f"no such file or folder: {str(p)!r}; check the path (relative paths start at "
+            f"no such file or folder: {p!r}; check the path (relative paths start at "
             f"{os.getcwd()!r})",
             path=p,
         )
@@ -107,13 +110,29 @@ def detect_format(path: str | os.PathLike[str], *, content_only: bool = False) -
         os.close(fd)
 
 
-def _format_of(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
+# What ``Path.exists`` takes for "nothing there"; any other failure to stat is raised.
+_MISSING = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno not in _MISSING:
+            raise
+        return False
+    except ValueError:  # a NUL in the path
+        return False
+    return True
+
+
+def _format_of(p: str, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
     """The format of the regular file ``p`` from its first 512 bytes (``head``).
 
     ``read_to(n)`` reads its first ``n`` bytes from the same open file, for the one check
     that may need more (a legacy magic number inside a long FRAME).
     """
-    named_safetensors = p.name.endswith(".safetensors")
+    named_safetensors = os.path.basename(p).endswith(".safetensors")
     if named_safetensors and _looks_like_safetensors(head, size):
         # torch.load and safetensors read such a name as safetensors whatever else its
         # first block could be (a tar header); the tar and pickle checks are not needed.
@@ -124,7 +143,7 @@ def _format_of(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes])
         # 2.13), which refuses anything else, as safetensors' own loaders do: read as what
         # it holds, such a file would load here and nowhere else.
         raise UnsupportedFormatError(
-            f"{str(p)!r} is named .safetensors but holds a {found} checkpoint; torch.load "
+            f"{p!r} is named .safetensors but holds a {found} checkpoint; torch.load "
             "and safetensors read such a path as safetensors and refuse it",
             path=p,
             remedies=(
@@ -134,14 +153,12 @@ def _format_of(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes])
     return found
 
 
-def _content_format(p: Path, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
+def _content_format(p: str, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
     if size == 0:
-        raise UnsupportedFormatError(
-            f"{str(p)!r} is empty (0 bytes); expected a checkpoint", path=p
-        )
+        raise UnsupportedFormatError(f"{p!r} is empty (0 bytes); expected a checkpoint", path=p)
     if head.startswith(LFS_SIGNATURE):
         raise LfsPointerError(
-            f"{str(p)!r} is a git-lfs pointer ({size} bytes of text), not the checkpoint itself",
+            f"{p!r} is a git-lfs pointer ({size} bytes of text), not the checkpoint itself",
             path=p,
             remedies=(
                 Remedy(command="git lfs pull", text="in its repository to fetch the real file"),
@@ -153,16 +170,21 @@ def _content_format(p: Path, size: int, head: bytes, read_to: Callable[[int], by
         return "torch-tar"
     if _first_pickle_is_legacy_magic(head, read_to):
         return "torch-legacy"
-    if p.name.endswith(SHARD_INDEX_SUFFIX) and head.lstrip()[:1] == b"{":
+    name = os.path.basename(p)
+    if name.endswith(SHARD_INDEX_SUFFIX) and head.lstrip()[:1] == b"{":
         return "hf-sharded"  # the index itself: it opens with the shards it names
     if _looks_like_safetensors(head, size):
         return "safetensors"
     if head[:1] == b"\x80" and len(head) > 1 and head[1] <= 5:
         return "pickle"
-    if head[:1] and head[0] in _PICKLE_FIRST_OPCODES and p.suffix in (".pkl", ".pickle", ".pt"):
+    if (
+        head[:1]
+        and head[0] in _PICKLE_FIRST_OPCODES
+        and os.path.splitext(name)[1] in _PICKLE_SUFFIXES
+    ):
         return "pickle"
     raise UnsupportedFormatError(
-        f"{str(p)!r} is not a checkpoint ckpt_tools can read: its first bytes {head[:16]!r} "
+        f"{p!r} is not a checkpoint ckpt_tools can read: its first bytes {head[:16]!r} "
         "match no torch zip, legacy torch pickle, tar, pickle or safetensors header",
         path=p,
     )
