@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures"
 REAL_DIR = ROOT.parent / "shared" / "realckpt"
 # Files in fixtures/ that are not fixtures, and folders that belong to other tests.
-NOT_FIXTURES = frozenset({"make_fixtures.py", "manifest.json", "README.md", "harness", "__pycache__"})
+NOT_FIXTURES = frozenset(
+    {"make_fixtures.py", "manifest.json", "README.md", "harness", "__pycache__"}
+)
 
 
 @cache
