@@ -24,7 +24,8 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
     (``--force``), where ``str(error)`` names the library's arguments (``force=True``).
     ``CKPT_DEBUG=1`` lets the error through, with its traceback. A pipe that breaks on
     the way (stdout's reader gone, or stderr's while the error line is written) ends
-    with exit 1 and nothing more said, as click's own ``main`` ends on one.
+    with exit 1 and nothing more said, as click's own ``main`` ends on one: stdout, and a
+    stderr whose pipe broke, then point at /dev/null, so exiting cannot fail again.
 
     Args:
         call: the command's work; it returns its exit code, or None for success.
@@ -43,20 +44,38 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
     try:
         return _run(call, prog_name)
     except BrokenPipeError:
-        # Never 0: a failed command whose stderr is gone has still failed. stdout now
-        # points at /dev/null, so that the interpreter's last flush does not complain.
-        # No stdout, one that is no file, or one already closed: nothing to silence.
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            stdout = sys.stdout.fileno()
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, stdout)
-            finally:
-                # A stdout whose descriptor was closed gets /dev/null as that very number:
-                # closing it then would close stdout again.
-                if devnull != stdout:
-                    os.close(devnull)
+        # Never 0: a failed command whose stderr is gone has still failed.
+        _silence(sys.stdout, always=True)
+        _silence(sys.stderr, always=False)
         return 1
+
+
+def _silence(stream: object, *, always: bool) -> None:
+    """Point ``stream``'s descriptor at /dev/null, so the interpreter's last flush cannot fail.
+
+    A buffered stream keeps what a broken pipe refused and offers it again at exit, where
+    the failure turns the exit code into 120 (Python's advice for SIGPIPE: dup2 /dev/null
+    over the descriptor). What a working stream holds is delivered first. ``always=False``
+    leaves a stream whose flush succeeds as it is: its reader still hears what comes next.
+    No stream, one that is no file, or one already closed: nothing to silence.
+    """
+    try:
+        stream.flush()  # type: ignore[attr-defined]
+        broken = False
+    except (AttributeError, OSError, ValueError):
+        broken = True
+    if not (always or broken):
+        return
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        fd = stream.fileno()  # type: ignore[attr-defined]
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            # A stream whose descriptor was closed gets /dev/null as that very number:
+            # closing it then would close the stream again.
+            if devnull != fd:
+                os.close(devnull)
 
 
 def _run(call: Callable[[], object], prog_name: str) -> int:
