@@ -96,6 +96,19 @@ def wrap(value, parent, key):
 class Mode(enum.Enum):
     TRAIN = "train"
 
+    # By value, as Python 3.11.5 and later pickle a member (3.11.0 to 3.11.4: by name), so
+    # that the file under test is the same on every Python.
+    def __reduce_ex__(self, protocol):
+        return type(self), (self._value_,)
+
+
+class Stage(enum.Enum):
+    FIT = "fit"
+
+    # By name, as Python 3.11.0 to 3.11.4 pickle a member: a call of builtins.getattr.
+    def __reduce_ex__(self, protocol):
+        return getattr, (type(self), self._name_)
+
 
 class Payload:
     def __init__(self, marker):
@@ -284,6 +297,27 @@ def test_strict_refuses_and_writes_nothing(fake, tmp_path):
     assert "cannot be made plain" in result.stderr and "leave out --strict" in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "src"]
     assert not original["marker"].exists()
+
+
+def test_an_enum_pickled_by_name_is_dropped_or_refused(fake, tmp_path):
+    # Python 3.11.0 to 3.11.4 pickle an enum member as getattr(its class, its name): a call
+    # of a builtin function, which sanitize neither runs nor reads as an enum member.
+    src = tmp_path / "by_name.ckpt"
+    hparams = {"stage": fake.Stage.FIT, "lr": 0.1}
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": hparams}, src)
+    _forget(tmp_path)
+    report = ct.sanitize(src, tmp_path / "plain.ckpt")
+    out = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    assert out["hyper_parameters"] == {"lr": 0.1}
+    assert [str(c) for c in report.dropped_values] == [
+        "hyper_parameters.stage: __builtin__.getattr object -> dropped"
+    ]
+    assert report.dropped == ("hyper_parameters.stage",) and report.converted == ()
+    refused = tmp_path / "strict.ckpt"
+    said = r"1 value\(s\).*hyper_parameters\.stage: __builtin__\.getattr object -> dropped"
+    with pytest.raises(ct.UnsafeContentError, match=said) as e:
+        ct.sanitize(src, refused, strict=True)
+    assert e.value.globals == ("__builtin__.getattr",) and not refused.exists()
 
 
 def test_cli_json_report_and_a_real_process(fake, tmp_path):
