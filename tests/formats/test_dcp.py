@@ -240,3 +240,133 @@ def test_unsafe_value_shown_not_run(tmp_path: Path) -> None:
     info = inspect(folder)
     assert info.unsafe_globals == (f"{__name__}.Custom",)
     assert info.format == "dcp"
+
+
+def _member(obj: Any) -> tuple[Any, ...]:
+    """What Python 3.11.0-3.11.4 pickle an enum member as: ``getattr(Enum, "NAME")``."""
+    return (type(obj), obj.name)
+
+
+def enums_by_name(
+    folder: Path, args: Any = _member, protocol: int = pickle.DEFAULT_PROTOCOL
+) -> bytes:
+    """Write the folder's ``.metadata`` again with each enum member pickled as
+    ``getattr(*args(member))``; the default is byte for byte what Python 3.11.0-3.11.4 write."""
+    import enum
+    import io
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            return (getattr, args(obj)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    path = folder / ".metadata"
+    with open(path, "rb") as f:
+        meta = pickle.load(f)
+    buf = io.BytesIO()
+    ByName(buf, protocol=protocol).dump(meta)
+    path.write_bytes(buf.getvalue())
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_enum_members_pickled_by_name_read_as_by_value(folder: Path, protocol: int) -> None:
+    by_value = read_metadata(str(folder))
+    written = enums_by_name(folder, protocol=protocol)
+    # Protocol 2 names it as Python 2 did (GLOBAL __builtin__ getattr), 4 as builtins.
+    assert (b"__builtin__\ngetattr" if protocol == 2 else b"\x8c\x07getattr") in written
+    assert b"TORCH_CONTIGUOUS_FORMAT" in written
+    assert read_metadata(str(folder)) == by_value
+    # torch's own reader takes the file as it is (a plain pickle.load).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert sorted(FileSystemReader(str(folder)).read_metadata().state_dict_metadata) == sorted(
+        by_value.items
+    )
+    info = inspect(folder)
+    assert info.format == "dcp" and info.unsafe_globals == ()
+    run_ckpt("inspect", folder)
+
+
+def test_enum_members_by_name_consolidate_as_torch_does(folder: Path, tmp_path: Path) -> None:
+    from ckpt_tools import consolidate
+    from tests.helpers.dcp_save import reference
+
+    consolidate(folder, tmp_path / "by_value.pt", all=True)
+    enums_by_name(folder)
+    consolidate(folder, tmp_path / "by_name.pt", all=True)
+    records = [_records(tmp_path / name) for name in ("by_value.pt", "by_name.pt")]
+    assert records[0] == records[1]
+    want = reference(folder, tmp_path / "theirs.pt")
+    got = torch.load(tmp_path / "by_name.pt", weights_only=True)
+    assert got["epoch"] == want["epoch"]
+    for key, tensor in want["model"].items():
+        assert got["model"][key].dtype == tensor.dtype and torch.equal(got["model"][key], tensor)
+
+
+def _records(path: Path) -> dict[str, bytes]:
+    """A torch zip's records, but its serialization id (random on every save)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return {n: z.read(n) for n in z.namelist() if not n.endswith("/serialization_id")}
+
+
+def _properties_getattr(meta: Any) -> None:
+    # The getattr function itself as a value (named, never called), in a field our reader
+    # does not look at: pickle.load keeps it.
+    meta.storage_meta = getattr
+
+
+def _by_value_then(args: Any) -> Any:
+    def change(folder: Path) -> None:
+        enums_by_name(folder, args)
+
+    return change
+
+
+def _classmethod_of_a_dcp_class(obj: Any) -> tuple[Any, ...]:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    return (TensorProperties, "create_from_tensor")
+
+
+HOSTILE_GETATTR = {
+    # pickle.load gives a bound classmethod of another DCP class.
+    "another class": _by_value_then(_classmethod_of_a_dcp_class),
+    "a dunder": _by_value_then(lambda obj: (type(obj), "__class__")),
+    "a plain attribute that is not a member": _by_value_then(lambda obj: (type(obj), "mro")),
+    "a name that is not a str": _by_value_then(lambda obj: (type(obj), obj.value)),
+    "three arguments": _by_value_then(lambda obj: (type(obj), obj.name, None)),
+    "a value": lambda folder: mutate(folder, _properties_getattr),
+}
+
+
+@pytest.mark.parametrize("change", HOSTILE_GETATTR.values(), ids=list(HOSTILE_GETATTR))
+def test_getattr_in_any_other_form_refused(folder: Path, change: Any) -> None:
+    change(folder)
+    assert b"getattr" in (folder / ".metadata").read_bytes()
+    with pytest.raises(UnsafeContentError, match=r"builtins\.getattr") as caught:
+        open_checkpoint(folder)
+    assert "builtins.getattr" in caught.value.globals
+    run_ckpt("inspect", folder, code=3)
+
+
+def test_enum_getattr_stays_refused_in_a_torch_file(tmp_path: Path) -> None:
+    # Allowed in .metadata only: in a checkpoint's data.pkl it stays a global off the list.
+    import enum
+    import types
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            return (getattr, _member(obj)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    module = types.SimpleNamespace(Pickler=ByName, __name__="pickle")
+    path = tmp_path / "m.pt"
+    torch.save({"m": _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT}, path, pickle_module=module)
+    assert b"getattr" in Path(path).read_bytes()
+    # Named as written: torch.save writes protocol 2, whose name is Python 2's.
+    assert {"builtins.getattr", "__builtin__.getattr"} & set(open_checkpoint(path).unsafe_globals)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)

@@ -234,6 +234,29 @@ def test_a_dcp_folder_is_one_checkpoint(tmp_path: Path) -> None:
     assert found.pickles >= 3  # .metadata, the tensor's archive, the value's archive
 
 
+def test_dcp_enum_members_by_name_scan_as_by_value(tmp_path: Path) -> None:
+    # Python 3.11.0-3.11.4 pickle DCP's memory format enum as getattr(Enum, "MEMBER").
+    from tests.formats.test_dcp import enums_by_name, save_dcp, small_state
+
+    folder = save_dcp(tmp_path / "run", small_state())
+    enums_by_name(folder)
+    (found,) = scan(tmp_path).files
+    assert (found.format, found.verdict, found.findings, found.error) == ("dcp", "clean", (), None)
+    run_ckpt("scan", folder)
+
+
+@pytest.mark.parametrize("form", ["another class", "a dunder", "a value"])
+def test_dcp_getattr_in_any_other_form_is_dangerous(tmp_path: Path, form: str) -> None:
+    from tests.formats.test_dcp import HOSTILE_GETATTR, save_dcp, small_state
+
+    folder = save_dcp(tmp_path / "run", small_state())
+    HOSTILE_GETATTR[form](folder)
+    (found,) = scan(tmp_path).files
+    assert found.verdict == "dangerous"
+    assert ("builtins.getattr", ".metadata") in {(f.global_name, f.record) for f in found.findings}
+    run_ckpt("scan", folder, code=1)
+
+
 def test_json_and_sarif_name_each_finding(tmp_path: Path) -> None:
     res = run_ckpt("scan", "--format", "sarif", fixture_path("evil.pt"), code=1)
     sarif = json.loads(res.stdout)

@@ -102,3 +102,8 @@ def test_context_decides_torchscript_classes_and_dcp_metadata() -> None:
         assert classify(name, "dcp-metadata").severity == "allowed"
         outside = classify(name).severity
         assert outside == ("nonstandard" if name.startswith("pathlib.") else "dangerous")
+        assert classify(name, "dcp-metadata-read").severity == "allowed"
+    # getattr only in a .metadata our reader read (each call the by-name form of an enum member).
+    assert classify("builtins.getattr", "dcp-metadata-read").severity == "allowed"
+    for context in ("pickle", "torchscript", "dcp-metadata"):
+        assert classify("builtins.getattr", context).severity == "dangerous"  # type: ignore[arg-type]

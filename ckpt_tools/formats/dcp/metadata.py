@@ -18,8 +18,8 @@ from typing import Any
 
 from ckpt_tools.descriptors import short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE
-from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
-from ckpt_tools.formats.dcp.globals import DataStandIn, dcp_metadata_stand_ins
+from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UnsupportedFormatError
+from ckpt_tools.formats.dcp.globals import ENUM_GETATTR, DataStandIn, dcp_metadata_stand_ins
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, is_count
 from ckpt_tools.formats.pickle.unpickler import MAX_NESTING, load_pickle
@@ -30,6 +30,8 @@ __all__ = [
     "DcpChunk",
     "DcpMetadata",
     "DcpTensor",
+    "load_metadata_pickle",
+    "parse_metadata",
     "read_metadata",
 ]
 
@@ -244,6 +246,42 @@ def _object_path(fqn: str, planner_data: Any, path: str, count: int) -> tuple[st
     return where
 
 
+def load_metadata_pickle(path: str) -> Any:
+    """Unpickle a DCP ``.metadata`` file through the restricted unpickler, DCP's classes
+    resolved to :class:`DataStandIn` s (and ``getattr`` only as
+    :class:`~ckpt_tools.formats.dcp.globals.EnumByName` allows it); nothing is checked beyond.
+
+    Args:
+        path: the ``.metadata`` file.
+
+    Returns:
+        The unpickled tree (a ``Metadata`` stand-in, if the file is one).
+
+    Raises:
+        CorruptCheckpointError: the bytes are not a valid pickle.
+        UnsafeContentError: it names globals outside DCP's classes and the allowlist, or uses
+            ``getattr`` other than to name a member of DCP's memory format enum.
+    """
+    check_regular(path)  # a FIFO of that name would block the open below
+    stand_ins = dcp_metadata_stand_ins()
+    try:
+        with open(path, "rb") as f:
+            result = load_pickle(f, MAX_METADATA_BYTES, extra_globals=stand_ins)
+        if result.unsafe_globals:
+            raise UnsafeContentError(
+                f"{path!r} refers to globals outside DCP's metadata classes and the allowlist "
+                f"({', '.join(result.unsafe_globals[:5])}); it is not read",
+                globals=result.unsafe_globals,
+                path=path,
+            )
+        stand_ins[ENUM_GETATTR].refuse_uncalled(result.root)
+    except UnsafeContentError as e:
+        if e.path is not None:
+            raise
+        raise UnsafeContentError(f"{path!r}: {e}", globals=e.globals, path=path) from e
+    return result.root
+
+
 def read_metadata(folder: str, metadata_file: str = ".metadata") -> DcpMetadata:
     """Read and check a DCP folder's metadata, through the restricted unpickler.
 
@@ -260,19 +298,20 @@ def read_metadata(folder: str, metadata_file: str = ".metadata") -> DcpMetadata:
         UnsafeContentError: it names globals outside DCP's classes and the allowlist.
     """
     path = os.path.join(folder, metadata_file)
-    check_regular(path)  # a FIFO of that name would block the open below
-    with open(path, "rb") as f:
-        result = load_pickle(f, MAX_METADATA_BYTES, extra_globals=dcp_metadata_stand_ins())
-    if result.unsafe_globals:
-        from ckpt_tools.errors import UnsafeContentError
+    return parse_metadata(load_metadata_pickle(path), folder, path)
 
-        raise UnsafeContentError(
-            f"{path!r} refers to globals outside DCP's metadata classes and the allowlist "
-            f"({', '.join(result.unsafe_globals[:5])}); it is not read",
-            globals=result.unsafe_globals,
-            path=path,
-        )
-    top = _fields(result.root, "Metadata", path)
+
+def parse_metadata(root: Any, folder: str, path: str) -> DcpMetadata:
+    """Check the tree :func:`load_metadata_pickle` read from ``path`` in DCP folder ``folder``.
+
+    Returns:
+        The checked :class:`DcpMetadata`.
+
+    Raises:
+        CorruptCheckpointError: the metadata is malformed or inconsistent with the files.
+        UnsupportedFormatError: it records transforms (compression) or layouts we cannot read.
+    """
+    top = _fields(root, "Metadata", path)
     entries, planner_data = top.get("state_dict_metadata"), top.get("planner_data")
     if not isinstance(entries, dict) or not all(isinstance(k, str) for k in entries):
         raise _bad(path, "state_dict_metadata is not a dict of keys")

@@ -9,15 +9,15 @@ from typing import Any, BinaryIO
 from ckpt_tools.descriptors import Opaque, Sealed
 from ckpt_tools.errors import ResourceLimitError
 
-__all__ = ["MAX_ZIP_DIRECTORY_BYTES", "LimitedReader", "check_nesting"]
+__all__ = ["MAX_ZIP_DIRECTORY_BYTES", "LimitedReader", "check_nesting", "tree_children"]
 
 # A zip's central directory takes about 100 bytes a record; torch archives hold one record a
 # storage, so even a model with a million storages stays far below this.
 MAX_ZIP_DIRECTORY_BYTES = 256 << 20
 
 
-def _children(node: Any) -> Iterable[Any] | None:
-    """What a tree node holds, or None for a leaf."""
+def tree_children(node: Any) -> Iterable[Any] | None:
+    """What a node of an unpickled tree holds, or None for a leaf."""
     if isinstance(node, dict):
         return (*node.keys(), *node.values())
     if isinstance(node, (list, tuple, set, frozenset)):
@@ -50,7 +50,7 @@ def check_nesting(root: Any, limit: int) -> None:
         if kids is None:
             if key in height or key in open_:
                 continue  # done already, or a cycle back to an ancestor
-            children = _children(node)
+            children = tree_children(node)
             if children is None:
                 continue
             kids = [c for c in children if type(c) not in _SCALARS]

@@ -264,7 +264,8 @@ def load_pickle(
         storage_id_length: how many fields torch's reader unpacks from a ``("storage", ...)``
             id: 5 in a torch zip, 6 in a legacy file (the last is the view); others are refused.
         extra_globals: qualified name -> stand-in, allowed for this pickle only (the DCP
-            metadata classes of :data:`~ckpt_tools.formats.dcp.globals.DCP_METADATA_GLOBALS`).
+            metadata classes of :data:`~ckpt_tools.formats.dcp.globals.DCP_METADATA_GLOBALS`,
+            and the ``getattr`` of :class:`~ckpt_tools.formats.dcp.globals.EnumByName`).
 
     Returns:
         The object tree, the storages it refers to, the globals outside the allowlist.

@@ -24,15 +24,17 @@ import fnmatch
 import functools
 from typing import Literal, NamedTuple
 
-from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS
+from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS, ENUM_GETATTR
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 
 __all__ = ["RULES", "Context", "Rule", "Severity", "classify"]
 
 Severity = Literal["allowed", "nonstandard", "dangerous"]
 #: Where a pickle lies: a plain pickle or checkpoint, a TorchScript archive's, or a DCP
-#: folder's ``.metadata`` (whose classes DCP reads as data).
-Context = Literal["pickle", "torchscript", "dcp-metadata"]
+#: folder's ``.metadata`` (whose classes DCP reads as data); ``dcp-metadata-read`` is one
+#: our reader read, so each ``getattr`` call in it was one it admits
+#: (:class:`~ckpt_tools.formats.dcp.globals.EnumByName`: an enum member by name).
+Context = Literal["pickle", "torchscript", "dcp-metadata", "dcp-metadata-read"]
 SEVERITIES: tuple[Severity, ...] = ("allowed", "nonstandard", "dangerous")
 
 
@@ -253,8 +255,10 @@ def classify(qualname: str, context: Context = "pickle", *, exact: bool = False)
     """
     if qualname in ALLOWED_GLOBALS or qualname in _TORCH_ONLY_ALLOWED:
         return Rule(qualname, "allowed", "on torch's weights_only allowlist")
-    if context == "dcp-metadata" and qualname in DCP_METADATA_GLOBALS:
+    if context in ("dcp-metadata", "dcp-metadata-read") and qualname in DCP_METADATA_GLOBALS:
         return Rule(qualname, "allowed", "a DCP metadata class (read as data)")
+    if context == "dcp-metadata-read" and qualname == ENUM_GETATTR:
+        return Rule(qualname, "allowed", "names a DCP enum member (as Python 3.11.0-3.11.4 do)")
     rules = (*_TORCHSCRIPT, *RULES) if context == "torchscript" else RULES
     named = next((rule for rule in rules if rule.pattern == qualname), None)
     if named is not None:  # an entry for the name itself comes before any family

@@ -249,17 +249,23 @@ def _tar_members(path: str) -> Iterator[Walked]:
 
 
 def _dcp_pickles(folder: str) -> Iterator[Walked]:
-    from ckpt_tools.formats.dcp.metadata import DcpTensor, read_metadata
+    from ckpt_tools.formats.dcp.metadata import DcpTensor, load_metadata_pickle, parse_metadata
     from ckpt_tools.formats.dcp.reader import METADATA_FILE
 
     metadata = os.path.join(folder, METADATA_FILE)
     check_regular(metadata)  # a FIFO named .metadata would block an open()
     with open(metadata, "rb") as f:
-        yield Walked(METADATA_FILE, "dcp-metadata", find_imports(f))
+        walk = find_imports(f)
     try:
-        items = read_metadata(folder, METADATA_FILE).items.values()
+        root = load_metadata_pickle(metadata)
     except CheckpointError:
-        return  # the reader reports it; the metadata's own pickle was walked above
+        root = None  # the reader reports it; the pickle's own walk is judged as it stands
+    # Read, its getattr calls (if any) were each the one form the reader admits.
+    yield Walked(METADATA_FILE, "dcp-metadata" if root is None else "dcp-metadata-read", walk)
+    try:
+        items = parse_metadata(root, folder, metadata).items.values() if root is not None else ()
+    except CheckpointError:
+        return
     spans = {
         (c.file, c.offset, c.length)
         for item in items
