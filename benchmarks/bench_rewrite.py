@@ -288,7 +288,7 @@ def hook(event, args):
 
 sys.addaudithook(hook)
 sys.argv = ["ckpt", "strip-module", "--quiet", sys.argv[1], sys.argv[2]]
-from ckpt_tools.cli.entry import run
+from ckpt_tools.cli.main import run
 try:
     run()
 finally:

@@ -487,7 +487,7 @@ def installed_copy(folder: Path) -> Iterator[tuple[str, str]]:
     script = venv / "bin" / "ckpt"
     body = _CKPT_SCRIPT.read_text().split("\n", 1)[1] if _CKPT_SCRIPT.exists() else ""
     if "ckpt_tools" not in body:
-        body = "import sys\nfrom ckpt_tools.cli.entry import run\nsys.exit(run())\n"
+        body = "import sys\nfrom ckpt_tools.cli.main import run\nsys.exit(run())\n"
     script.write_text(f"#!{python}\n{body}")
     script.chmod(0o755)
     try:

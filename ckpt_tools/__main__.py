@@ -1,5 +1,5 @@
 """``python -m ckpt_tools``: the ``ckpt`` command."""
 
-from ckpt_tools.cli.entry import run
+from ckpt_tools.cli.main import run
 
 run()

@@ -34,7 +34,7 @@ def test_the_version_loads_click_and_the_group_only() -> None:
         "atexit.register(lambda: print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('ckpt_tools', 'torch', 'numpy', 'tabulate'))))\n"
         "sys.argv = ['ckpt', '--version']\n"
-        "from ckpt_tools.cli.entry import run\n"
+        "from ckpt_tools.cli.main import run\n"
         "run()\n"
     )
     out = subprocess.run(
@@ -47,7 +47,6 @@ def test_the_version_loads_click_and_the_group_only() -> None:
             "ckpt_tools._version",
             "ckpt_tools.cli",
             "ckpt_tools.cli.boundary",
-            "ckpt_tools.cli.entry",
             "ckpt_tools.cli.main",
         ]
     )
@@ -113,7 +112,7 @@ def test_the_help_imports_no_command() -> None:
         "('ckpt_tools', 'torch', 'numpy') and ('_cmd' in m or '.' not in m or "
         "m.startswith(('ckpt_tools.ops', 'ckpt_tools.formats'))))))\n"
         "sys.argv = ['ckpt', '--help']\n"
-        "from ckpt_tools.cli.entry import run\n"
+        "from ckpt_tools.cli.main import run\n"
         "run()\n"
     )
     out = subprocess.run(
@@ -136,7 +135,7 @@ def hook(event, args):
 
 sys.addaudithook(hook)
 sys.argv = ["ckpt", *sys.argv[3:], sys.argv[1], sys.argv[2]]
-from ckpt_tools.cli.entry import run
+from ckpt_tools.cli.main import run
 try:
     run()
 finally:
@@ -188,7 +187,7 @@ _LOADED_AT_EXIT = """
 import atexit, sys
 atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith("ckpt_tools."))))
 sys.argv = ["ckpt", "strip-module", "--quiet", *sys.argv[1:]]
-from ckpt_tools.cli.entry import run
+from ckpt_tools.cli.main import run
 run()
 """
 
