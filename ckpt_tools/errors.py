@@ -6,12 +6,13 @@ keeps working, and carries the process exit code the CLI uses for it::
     CheckpointError                                   (exit 4 unless a leaf says otherwise)
     ├── UsageError(ValueError)                        2  bad arguments, nothing to select
     │   ├── SelectError(KeyError)                     2  select names no entry
-    │   └── CheckpointNotFoundError(FileNotFoundError) 2
+    │   ├── CheckpointNotFoundError(FileNotFoundError) 2
+    │   └── MissingExtraError(ImportError)            2  an extra is not installed ([torch])
     ├── UnsafeContentError(pickle.UnpicklingError)    3  globals outside the allowlist
     ├── CorruptCheckpointError(ValueError)            4  truncated, malformed, inconsistent
     │   ├── UnsupportedFormatError                    4  not a checkpoint we can read
     │   └── LfsPointerError                           4  a git-lfs pointer, not the file
-    ├── ResourceLimitError(MemoryError)               5  input exceeds a safety limit
+    ├── ResourceLimitError(ValueError)                5  input exceeds a safety limit
     ├── OutputError(OSError)                          6  output refused or failed
     │   ├── OutputExistsError(FileExistsError)        6
     │   ├── SameFileError                             6  OUT is IN
@@ -52,6 +53,7 @@ __all__ = [
     "CorruptCheckpointError",
     "KeyCollisionError",
     "LfsPointerError",
+    "MissingExtraError",
     "NonTensorEntriesError",
     "OutputError",
     "OutputExistsError",
@@ -235,6 +237,32 @@ class CheckpointNotFoundError(UsageError, FileNotFoundError):
     """The input path does not exist."""
 
 
+class MissingExtraError(UsageError, ImportError):
+    """A feature needs a package that only an extra installs (``pip install 'ckpt_tools[torch]'``).
+
+    ``import ckpt_tools`` and every torch-free operation work without the extras; the first
+    call that needs one raises this, saying which package and which extra.
+
+    Args:
+        feature: what needs it, as the caller knows it (``"load_state_dict"``, ``"ckpt diff"``).
+        package: the missing import (``"torch"``).
+        extra: the extra that installs it (``"torch"``, ``"plot"``).
+
+    Attributes:
+        feature, package, extra: as given; ``name`` is ``package``, as on any ImportError.
+
+    Example:
+        >>> str(MissingExtraError("load_state_dict"))
+        "load_state_dict needs torch: pip install 'ckpt_tools[torch]'"
+    """
+
+    def __init__(self, feature: str, package: str = "torch", extra: str = "torch") -> None:
+        super().__init__(f"{feature} needs {package}: pip install 'ckpt_tools[{extra}]'")
+        self.feature, self.package, self.extra = feature, package, extra
+        self.name = package  # ImportError's own attribute: the module that could not be imported
+        self.args = (feature, package, extra)  # what pickle passes back to __init__
+
+
 class UnsafeContentError(CheckpointError, pickle.UnpicklingError):
     """The checkpoint refers to Python globals outside the allowlist.
 
@@ -263,8 +291,12 @@ class LfsPointerError(UnsupportedFormatError):
     """The file is a git-lfs pointer: the real file was never downloaded."""
 
 
-class ResourceLimitError(CheckpointError, MemoryError):
-    """The input exceeds a safety limit (pickle size, nesting, entry count)."""
+class ResourceLimitError(CheckpointError, ValueError):
+    """The input exceeds a safety limit (pickle size, nesting, entry count).
+
+    A ``ValueError``, not a ``MemoryError``: the input is refused before anything is
+    allocated, and a handler for running out of memory must not catch a refused file.
+    """
 
     exit_code = EXIT_RESOURCE
 
