@@ -16,6 +16,14 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on first use
     from typing import Any
 
+    from ckpt_tools._types import (
+        MapLocation,
+        OutputFormat,
+        Progress,
+        Select,
+        StrPath,
+        VerifyLevel,
+    )
     from ckpt_tools.diffing.engine import diff
     from ckpt_tools.diffing.report import DiffReport
     from ckpt_tools.errors import (
@@ -38,7 +46,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
         VerificationError,
     )
     from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
-    from ckpt_tools.io.writers.progress import Progress
+    from ckpt_tools.loading.devices import DeviceInfo, list_devices, pick_devices
     from ckpt_tools.loading.into_module import load_into
     from ckpt_tools.loading.results import LoadInfo, LoadReport
     from ckpt_tools.loading.state_dict import load_state_dict
@@ -128,11 +136,19 @@ _PUBLIC: dict[str, str] = {
     "PlannedFile": "ckpt_tools.ops.output_plan",
     "PlannedTensor": "ckpt_tools.ops.output_plan",
     "WriteResult": "ckpt_tools.ops.output_plan",
-    "Progress": "ckpt_tools.io.writers.progress",
+    "MapLocation": "ckpt_tools._types",
+    "OutputFormat": "ckpt_tools._types",
+    "Progress": "ckpt_tools._types",
+    "Select": "ckpt_tools._types",
+    "StrPath": "ckpt_tools._types",
+    "VerifyLevel": "ckpt_tools._types",
     "load_state_dict": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
     "LoadReport": "ckpt_tools.loading.results",
     "LoadInfo": "ckpt_tools.loading.results",
+    "DeviceInfo": "ckpt_tools.loading.devices",
+    "list_devices": "ckpt_tools.loading.devices",
+    "pick_devices": "ckpt_tools.loading.devices",
     "diff": "ckpt_tools.diffing.engine",
     "DiffReport": "ckpt_tools.diffing.report",
 }
@@ -147,6 +163,7 @@ __all__ = [
     "ConsolidateResult",
     "ConversionError",
     "CorruptCheckpointError",
+    "DeviceInfo",
     "DiffReport",
     "FileScan",
     "Finding",
@@ -155,9 +172,11 @@ __all__ = [
     "LfsPointerError",
     "LoadInfo",
     "LoadReport",
+    "MapLocation",
     "NonTensorEntriesError",
     "OutputError",
     "OutputExistsError",
+    "OutputFormat",
     "PlannedFile",
     "PlannedTensor",
     "Progress",
@@ -166,16 +185,19 @@ __all__ = [
     "SameFileError",
     "SanitizeReport",
     "ScanReport",
+    "Select",
     "SelectError",
     "Selection",
     "ShardsResult",
     "StateDictMismatchError",
+    "StrPath",
     "TensorInfo",
     "TransformResult",
     "UnsafeContentError",
     "UnsupportedFormatError",
     "UsageError",
     "VerificationError",
+    "VerifyLevel",
     "WrapperMatch",
     "WriteResult",
     "__version__",
@@ -188,9 +210,11 @@ __all__ = [
     "diff",
     "extract",
     "inspect",
+    "list_devices",
     "load_into",
     "load_state_dict",
     "open_checkpoint",
+    "pick_devices",
     "regex_rule",
     "rename_keys",
     "reshard",

@@ -25,6 +25,7 @@ from ckpt_tools.errors import (
     EXIT_CONVERSION,
     EXIT_CORRUPT,
     EXIT_OUTPUT,
+    EXIT_RESOURCE,
     EXIT_UNSAFE,
     EXIT_USAGE,
     CheckpointError,
@@ -33,6 +34,7 @@ from ckpt_tools.errors import (
     OutputError,
     OutputExistsError,
     Remedy,
+    ResourceLimitError,
     SameFileError,
     SelectError,
     UnsafeContentError,
@@ -286,6 +288,18 @@ def test_built_in_parents_still_catch() -> None:
     # KeyError would quote its message, OSError prefix an errno: neither does here.
     assert str(SelectError("no entry 'x'")) == "no entry 'x'"
     assert str(OutputError("disk full")) == "disk full"
+
+
+def test_a_refused_file_is_not_out_of_memory() -> None:
+    """A handler for MemoryError (running out of memory) does not catch a refused input."""
+    err = ResourceLimitError("more than 10 wrapper prefixes")
+    assert isinstance(err, ValueError) and not isinstance(err, MemoryError)
+    assert err.exit_code == EXIT_RESOURCE
+    with pytest.raises(ResourceLimitError):
+        try:
+            raise err
+        except MemoryError:  # pragma: no cover - the point is that this does not run
+            pytest.fail("ResourceLimitError was caught as a MemoryError")
 
 
 def test_leaf_signatures_keep_working() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.loading.devices import pick
+from ckpt_tools.loading.devices import pick_devices
 
 __all__ = ["DEFAULT_CPU_WORLD_SIZE", "parse_gpus", "resolve_devices"]
 
@@ -25,10 +25,10 @@ GpuSpec = str | Sequence[int] | None
 def _pick(n: int) -> list[int]:
     """Indices of the ``n`` GPUs with the most free memory.
 
-    See :func:`ckpt_tools.loading.devices.pick`.
+    See :func:`ckpt_tools.loading.devices.pick_devices`.
     """
-    picked = pick(n)
-    if any(d.type != "cuda" for d in picked):  # pick() falls back to [cpu] without GPUs
+    picked = pick_devices(count=n)
+    if any(d.type != "cuda" for d in picked):  # pick_devices() falls back to [cpu] without GPUs
         raise UsageError(
             "found no GPU to pick", argument="gpus", value=repr(f"auto:{n}"), flag="--gpus"
         )

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ckpt_tools._types import MapLocation
 from ckpt_tools.errors import Remedy, UsageError
 
 __all__ = [
@@ -22,13 +23,10 @@ __all__ = [
     "MapLocation",
     "auto_location",
     "list_devices",
-    "pick",
+    "pick_devices",
     "resolve_map_location",
     "visible_devices_for",
 ]
-
-#: Every form ``torch.load`` takes, plus ``"auto"``.
-MapLocation = str | torch.device | Mapping[str, str] | Callable[[Any, str], Any] | None
 
 
 @dataclass(frozen=True)
@@ -157,23 +155,23 @@ def _freest(n: int) -> list[DeviceInfo]:
     return gpus[:n]
 
 
-def pick(n: int = 1) -> list[torch.device]:
-    """The ``n`` GPUs with the most free memory, freest first; ``[cpu]`` when there is none.
+def pick_devices(*, count: int = 1) -> list[torch.device]:
+    """The ``count`` GPUs with the most free memory, freest first; ``[cpu]`` when there is none.
 
     Args:
-        n: how many GPUs.
+        count: how many GPUs.
 
     Returns:
         ``torch.device("cuda", i)`` for each, or ``[torch.device("cpu")]`` without GPUs.
 
     Raises:
-        UsageError: ``n`` < 1, or more GPUs asked for than are visible.
+        UsageError: ``count`` < 1, or more GPUs asked for than are visible.
 
     Example:
-        >>> pick(1) if not torch.cuda.is_available() else [torch.device("cpu")]
+        >>> pick_devices() if not torch.cuda.is_available() else [torch.device("cpu")]
         [device(type='cpu')]
     """
-    gpus = _freest(n)
+    gpus = _freest(count)
     if not gpus:
         return [torch.device("cpu")]
     return [torch.device("cuda", d.index) for d in gpus]

@@ -10,7 +10,8 @@ import torch
 
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import UsageError
-from ckpt_tools.loading.devices import DeviceInfo, list_devices, pick, visible_devices_for
+from ckpt_tools import list_devices, pick_devices
+from ckpt_tools.loading.devices import DeviceInfo, visible_devices_for
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -30,14 +31,14 @@ def test_list_devices_ends_with_the_cpu() -> None:
 
 @cpu_only
 def test_without_gpus_pick_gives_the_cpu() -> None:
-    assert pick() == [torch.device("cpu")]
-    assert pick(3) == [torch.device("cpu")]
+    assert pick_devices() == [torch.device("cpu")]
+    assert pick_devices(count=3) == [torch.device("cpu")]
     assert visible_devices_for(2) == ""
 
 
 def test_asking_for_no_device_is_an_error() -> None:
     with pytest.raises(UsageError, match="at least 1"):
-        pick(0)
+        pick_devices(count=0)
     with pytest.raises(UsageError, match="at least 1"):
         visible_devices_for(-1)
 
@@ -61,13 +62,13 @@ def test_cli_devices(capsys: pytest.CaptureFixture[str]) -> None:
 @needs_cuda
 def test_pick_orders_gpus_by_free_memory() -> None:
     count = torch.cuda.device_count()
-    picked = pick(count)
+    picked = pick_devices(count=count)
     assert sorted(d.index for d in picked) == list(range(count))
     free = [torch.cuda.mem_get_info(d.index)[0] for d in picked]
     # Free memory moves a little between calls; the order must hold within 256 MiB.
     assert all(a >= b - (256 << 20) for a, b in itertools.pairwise(free))
     with pytest.raises(UsageError, match=f"{count} are visible"):
-        pick(count + 1)
+        pick_devices(count=count + 1)
 
 
 @gpu

@@ -10,12 +10,11 @@ bytes with one :class:`ByteCounter`, which the copy engine
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+
+# Defined once with the other shared option types; the writers' callers import it from here.
+from ckpt_tools._types import Progress
 
 __all__ = ["ByteCounter", "Progress"]
-
-#: ``progress(done_bytes, total_bytes)``: tensor bytes written so far, of the output's total.
-Progress = Callable[[int, int], None]
 
 
 class ByteCounter:
