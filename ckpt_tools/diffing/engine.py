@@ -193,27 +193,47 @@ def _inverse(steps: Sequence[Step]) -> tuple[Step, ...] | None:
     return tuple(s.inverse for s in reversed(steps))
 
 
+def _apply_command(
+    side: SideInfo, steps: Sequence[Step], select: Any, keys: Sequence[str], name: str
+) -> str:
+    """How to apply ``steps`` to one side: a ``ckpt`` command for a file, a Python call for a
+    state dict (called ``name``), nothing for a module."""
+    if side.kind == "file":
+        return fix_command(side.label, steps, select, keys)
+    if side.kind == "state_dict":
+        return fix_python(steps, name)
+    return ""
+
+
 def _suggestions(
-    a: _Side, b: _Side, select_a: Any, select_b: Any, limit: int = 3
+    a: _Side,
+    b: _Side,
+    select_a: Any,
+    select_b: Any,
+    aligned: tuple[Step, ...] = (),
+    stored_a: Sequence[str] | None = None,
+    limit: int = 3,
 ) -> tuple[Suggestion, ...]:
+    """Rewrites of A's keys (after ``aligned``, if any) that make more of them match B's.
+
+    The commands apply ``aligned`` and then the suggested steps, since they run on the files
+    as stored (``stored_a``: A's keys before the alignment); the description names only the
+    suggested steps.
+    """
     keys_a, keys_b = list(a.entries), list(b.entries)
+    stored = keys_a if stored_a is None else list(stored_a)
     out = []
     shapes = ({k: a.meta(k)[1] for k in keys_a}, {k: b.meta(k)[1] for k in keys_b})
     for fix in rank_fixes(keys_a, keys_b, shapes=shapes)[:limit]:
-        command = inverse_command = inverse_text = ""
-        if a.info.kind == "file":
-            command = fix_command(a.info.label, fix.steps, select_a, keys_a)
-        elif a.info.kind == "state_dict":
-            command = fix_python(fix.steps, "sd_a")
-        inverse = _inverse(fix.steps)
+        steps = (*aligned, *fix.steps)
+        command = _apply_command(a.info, steps, select_a, stored, "sd_a")
+        inverse_command = inverse_text = ""
+        inverse = _inverse(steps)
         if inverse is not None:
             inverse_text = ", then ".join(step.describe() for step in inverse)
-            if b.info.kind == "file":
-                inverse_command = fix_command(b.info.label, inverse, select_b, keys_b)
-            elif b.info.kind == "state_dict":
-                inverse_command = fix_python(inverse, "sd_b")
+            inverse_command = _apply_command(b.info, inverse, select_b, keys_b, "sd_b")
         note = ""
-        if b.info.kind == "module" and not any(s.action == "sub" for s in fix.steps):
+        if b.info.kind == "module" and not any(s.action == "sub" for s in steps):
             note = "ckpt_tools.load_into(model, ...) applies this rewrite by itself"
         out.append(
             Suggestion(
@@ -276,8 +296,8 @@ def diff(
             one (spinning worker threads). None leaves torch's setting alone.
         align: first rewrite A's keys with the wrapper rewrite that best matches B's (as
             :func:`ckpt_tools.load_into` does: ``module.``, ``_orig_mod.``, ``model.`` ...),
-            then compare; the report says which (``aligned``), and its suggestions still show
-            the command that makes the rewrite permanent.
+            then compare; the report says which (``aligned``) and how to make it permanent
+            (``aligned_command``); suggestions are only for the keys it left unmatched.
 
     Returns:
         A :class:`DiffReport`: missing and unexpected keys, one :class:`TensorDiff` per
@@ -309,12 +329,19 @@ def diff(
         _open_side(a, select_a, "A") as side_a,
         _open_side(b, select_b, "B") as side_b,
     ):
-        has_unexpected = any(k not in side_b.entries for k in side_a.entries)
-        suggestions = _suggestions(side_a, side_b, select_a, select_b) if has_unexpected else ()
-        fix = best_fix(list(side_a.entries), list(side_b.entries)) if align else None
+        stored = list(side_a.entries)
+        fix = best_fix(stored, list(side_b.entries)) if align else None
+        aligned = fix.steps if fix is not None else ()
         if fix is not None:
-            plan = plan_renames(list(side_a.entries), fix.rules)
+            plan = plan_renames(stored, fix.rules)
             side_a.entries = {plan[k]: v for k, v in side_a.entries.items()}
+        # Suggested after the alignment: never the rewrite --align has just applied.
+        has_unexpected = any(k not in side_b.entries for k in side_a.entries)
+        suggestions = (
+            _suggestions(side_a, side_b, select_a, select_b, aligned, stored)
+            if has_unexpected
+            else ()
+        )
         missing = tuple(k for k in side_b.entries if k not in side_a.entries)
         unexpected = tuple(k for k in side_a.entries if k not in side_b.entries)
         tensors = tuple(
@@ -331,5 +358,8 @@ def diff(
             unexpected=unexpected,
             tensors=tensors,
             suggestions=suggestions,
-            aligned=tuple(step.describe() for step in fix.steps) if fix else (),
+            aligned=tuple(step.describe() for step in aligned),
+            aligned_command=(
+                _apply_command(side_a.info, aligned, select_a, stored, "sd_a") if aligned else ""
+            ),
         )

@@ -221,9 +221,14 @@ class DiffReport(Readable):
         missing: keys of B absent from A.
         unexpected: keys of A absent from B.
         tensors: every key on both sides, compared, in A's order.
-        suggestions: key rewrites explaining the mismatch of the keys as stored, best first.
+        suggestions: key rewrites explaining the key mismatch, best first. After an
+            alignment, only for the keys it left unmatched: a suggestion describes what
+            remains to rewrite, and its commands include the alignment, so that they apply
+            to the files as stored.
         aligned: the wrapper rewrite applied to A's keys before comparing (``diff(align=True)``),
             in words; missing, unexpected and tensors are after it.
+        aligned_command: how to apply that rewrite to A for good (a ``ckpt`` command for a
+            file, a Python call for a state dict); empty without an alignment or for a module.
     """
 
     a: SideInfo
@@ -235,6 +240,7 @@ class DiffReport(Readable):
     tensors: tuple[TensorDiff, ...]
     suggestions: tuple[Suggestion, ...] = ()
     aligned: tuple[str, ...] = ()
+    aligned_command: str = ""
 
     @property
     def shape_mismatches(self) -> tuple[TensorDiff, ...]:
@@ -332,7 +338,9 @@ class DiffReport(Readable):
             f"tolerances: rtol={self.rtol:g} atol={self.atol:g}",
         ]
         if self.aligned:
-            lines.append(f"aligned: A's keys compared after {', then '.join(self.aligned)}")
+            line = f"aligned: A's keys compared after {', then '.join(self.aligned)}"
+            how = f"; to make it permanent: {self.aligned_command}"
+            lines.append(line + (how if self.aligned_command else ""))
         lines.append("")
         shown = [t for t in self.tensors if show_all or t.status != "equal"]
         if shown:
@@ -351,7 +359,10 @@ class DiffReport(Readable):
                 more = [more_hint(hidden, for_cli)] if hidden else []
                 lines += [f"{title}: {len(keys)}", *(f"  {k}" for k in labels + more)]
         if self.suggestions:
-            lines.append("suggestions:")
+            # After --align, what the alignment fixed is said above, never suggested again.
+            lines.append(
+                "suggestions for what the alignment left:" if self.aligned else "suggestions:"
+            )
             lines += [f"  {s.text()}" for s in self.suggestions]
         if self.identical:
             lines.append("identical: same keys, every tensor bit-equal")
@@ -377,4 +388,5 @@ class DiffReport(Readable):
             "tensors": [t.to_json() for t in self.tensors],
             "suggestions": [s.to_json() for s in self.suggestions],
             "aligned": list(self.aligned),
+            "aligned_command": self.aligned_command,
         }

@@ -13,6 +13,7 @@ import torch
 
 from ckpt_tools.loading.module_spec import parse_value
 from tests.helpers import run_ckpt
+from tests.helpers.committed import fixture_path
 
 NET_PY = textwrap.dedent(
     """
@@ -121,6 +122,19 @@ def test_align_compares_values_through_the_wrapper(files: Any, capsys: Any) -> N
     assert "ckpt strip-module" in out  # how to make it permanent
     code, out, _ = run_ckpt(*args[:-1], "value", "--json", code=None)
     assert code == 1 and json.loads(out)["aligned"] == ["stripping '_orig_mod.'"]
+
+
+def test_align_that_fixes_everything_suggests_nothing(capsys: Any) -> None:
+    # dataparallel.pt is plain.pt's model under nn.DataParallel: --align strips 'module.'.
+    ddp, plain = fixture_path("dataparallel.pt"), fixture_path("plain.pt")
+    _, out, _ = run_ckpt("diff", ddp, plain, "--align", "--fail-on", "any")
+    assert "identical: same keys, every tensor bit-equal" in out
+    assert "suggestions" not in out and "add-module" not in out and "adding 'module.'" not in out
+    assert out.count("ckpt strip-module") == 1  # once, in the aligned line
+    _, out, _ = run_ckpt("diff", ddp, plain, "--align", "--json")
+    assert json.loads(out)["suggestions"] == []
+    _, out, _ = run_ckpt("diff", ddp, plain, code=None)  # without --align: the suggestion
+    assert "suggestions:" in out and "adding 'module.' on B" in out
 
 
 def test_model_from_a_file_with_typed_args(tmp_path: Path, capsys: Any) -> None:
