@@ -292,11 +292,8 @@ class LfsPointerError(UnsupportedFormatError):
 
 
 class ResourceLimitError(CheckpointError, ValueError):
-    """The input exceeds a safety limit (pickle size, nesting, entry count).
-
-    A ``ValueError``, not a ``MemoryError``: the input is refused before anything is
-    allocated, and a handler for running out of memory must not catch a refused file.
-    """
+    """The input exceeds a safety limit (pickle size, nesting, entry count): a refusal, not a
+    ``MemoryError``, so that a handler for running out of memory does not catch it."""
 
     exit_code = EXIT_RESOURCE
 
