@@ -25,6 +25,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, TrainResult
+from ckpt_tools.loading.extras import require_torch
 
 if TYPE_CHECKING:
     from ckpt_tools.harness.data import synthetic_fashion
@@ -61,6 +62,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        require_torch(f"ckpt_tools.harness.{name}")  # one clear error when torch is missing
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ckpt_tools.harness' has no attribute {name!r}")
 
