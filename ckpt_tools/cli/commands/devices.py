@@ -13,6 +13,9 @@ from ckpt_tools.cli.render import echo_json, human_bytes, table
 def devices_cmd(as_json: bool) -> None:
     """List the CPU and the visible GPUs (freest first), with total and free memory."""
     # Imported here: it needs torch, and `ckpt --help` lists this command without running it.
+    from ckpt_tools.loading.extras import require_torch
+
+    require_torch("ckpt devices")
     from ckpt_tools.loading.devices import list_devices
 
     devices = list_devices()

@@ -102,6 +102,9 @@ def diff_cmd(
         raise UsageError("give B or --model MODULE:FACTORY (exactly one): `ckpt diff A B`")
     if model_args and model_spec is None:
         raise UsageError("--model-arg needs --model MODULE:FACTORY")
+    from ckpt_tools.loading.extras import require_torch
+
+    require_torch("ckpt diff")  # values are compared with torch
     from ckpt_tools.diffing.engine import diff
 
     if model_spec is not None:

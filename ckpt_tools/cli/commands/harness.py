@@ -126,6 +126,9 @@ def harness() -> None:
     DCP folder (dcp/). Under torchrun, each rank runs `train --strategy ddp` (or fsdp)
     and only rank 0 prints.
     """
+    from ckpt_tools.loading.extras import require_torch
+
+    require_torch("ckpt harness")  # before any subcommand; --help needs no torch
 
 
 @harness.command("train")
