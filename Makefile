@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel -c constraints.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[torch,plot,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
