@@ -11,12 +11,14 @@ import os
 import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import MapLocation
 from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.loading.extras import require_torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DeviceInfo",
@@ -102,6 +104,8 @@ def _visible_ids(count: int) -> list[str]:
 
 
 def _gpus() -> list[DeviceInfo]:
+    import torch
+
     if not torch.cuda.is_available():
         return []
     count = torch.cuda.device_count()
@@ -135,6 +139,7 @@ def list_devices() -> tuple[DeviceInfo, ...]:
         >>> list_devices()[-1].device
         'cpu'
     """
+    torch = require_torch("list_devices")
     devices = _gpus()
     if torch.backends.mps.is_available():
         total = getattr(torch.mps, "recommended_max_memory", lambda: None)()
@@ -168,9 +173,11 @@ def pick_devices(*, count: int = 1) -> list[torch.device]:
         UsageError: ``count`` < 1, or more GPUs asked for than are visible.
 
     Example:
+        >>> import torch
         >>> pick_devices() if not torch.cuda.is_available() else [torch.device("cpu")]
         [device(type='cpu')]
     """
+    torch = require_torch("pick_devices")
     gpus = _freest(count)
     if not gpus:
         return [torch.device("cpu")]
@@ -200,6 +207,7 @@ def visible_devices_for(n: int = 1) -> str:
         ...
         ckpt_tools.errors.UsageError: asked for 0 GPUs; ask for at least 1
     """
+    require_torch("visible_devices_for")
     return ",".join(d.visible_id or str(d.index) for d in _freest(n))
 
 
@@ -208,6 +216,8 @@ def visible_devices_for(n: int = 1) -> str:
 
 
 def _device_available(device: torch.device) -> bool:
+    import torch
+
     if device.type in ("cpu", "meta"):
         return True
     module = getattr(torch, device.type, None)
@@ -235,6 +245,7 @@ def auto_location(tag: str) -> str:
         >>> auto_location("cpu")
         'cpu'
     """
+    torch = require_torch("auto_location")
     try:
         device = torch.device(tag)
     except RuntimeError:
@@ -272,6 +283,7 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
         >>> resolve_map_location("auto", ["cpu"])
         {'cpu': 'cpu'}
     """
+    torch = require_torch("resolve_map_location")
     if callable(map_location) and not isinstance(map_location, (str, torch.device, Mapping)):
         return None
     resolved: dict[str, str] = {}
@@ -319,6 +331,8 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
 
 
 def _visible() -> str:
+    import torch
+
     names = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if torch.backends.mps.is_available():
         names.append("mps")
