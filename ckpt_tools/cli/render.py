@@ -23,11 +23,16 @@ def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
-def echo_result(result: Any, as_json: bool) -> None:
-    """Print a command's result: its ``text()``, or its ``to_json()`` (``--json``)."""
+def echo_result(result: Any, as_json: bool, quiet: bool = False) -> None:
+    """Print a command's result: its ``text()``, or its ``to_json()`` (``--json``).
+
+    ``quiet`` (``--quiet``) prints nothing: a script that only checks the exit code reads
+    silence as success, and errors still print their line at the boundary. Output that was
+    asked for by name still prints: ``--json``, and the plan of a ``--dry-run``.
+    """
     if as_json:
         echo_json(result.to_json())
-    else:
+    elif not quiet or getattr(result, "dry_run", False):
         click.echo(result.text())
 
 

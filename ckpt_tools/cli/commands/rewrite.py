@@ -98,7 +98,12 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
         verify_option("After writing, re-read the output: keys and sizes, or also every byte."),
         durable_option,
         allow_global_option,
-        click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+        click.option(
+            "--quiet",
+            "-q",
+            is_flag=True,
+            help="Print nothing on success: no progress bar, no summary.",
+        ),
         json_option,
         dry_run_option,
     ]
@@ -118,7 +123,7 @@ def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
     """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
     with progress_bar(kw["quiet"]) as progress:
         result = strip_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
-    echo_result(result, kw["as_json"])
+    echo_result(result, kw["as_json"], kw["quiet"])
 
 
 @click.command("add-module")
@@ -128,7 +133,7 @@ def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
     """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
     with progress_bar(kw["quiet"]) as progress:
         result = add_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
-    echo_result(result, kw["as_json"])
+    echo_result(result, kw["as_json"], kw["quiet"])
 
 
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
@@ -165,7 +170,7 @@ def rename_cmd(
             _pairs(regexes, "--regex"),
             **library_options(kw, progress),
         )
-    echo_result(result, kw["as_json"])
+    echo_result(result, kw["as_json"], kw["quiet"])
 
 
 @click.command("convert")
@@ -202,7 +207,7 @@ def convert_cmd(
             max_shard_size=max_shard_size,
             **library_options(kw, progress),
         )
-    echo_result(result, kw["as_json"])
+    echo_result(result, kw["as_json"], kw["quiet"])
 
 
 @click.command("reshard")
@@ -220,7 +225,9 @@ def convert_cmd(
 @click.option(
     "--jobs", type=int, default=1, show_default=True, help="Shards written at once (threads)."
 )
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
+)
 @json_option
 @dry_run_option
 def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
@@ -239,7 +246,7 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
             dry_run=kw["dry_run"],
             durable=kw["durable"],
         )
-    echo_result(result, kw["as_json"])
+    echo_result(result, kw["as_json"], kw["quiet"])
 
 
 @click.command("retag")
@@ -256,4 +263,4 @@ def retag_cmd(src: str, dst: str, maps: tuple[str, ...], **kw: Any) -> None:
     """Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere."""
     with progress_bar(kw["quiet"]) as progress:
         result = retag(src, dst, dict(_pairs(maps, "--map")), **library_options(kw, progress))
-    echo_result(result, kw["as_json"])
+    echo_result(result, kw["as_json"], kw["quiet"])
