@@ -17,10 +17,7 @@ import logging
 import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, overload
-
-import torch
-from torch.serialization import default_restore_location
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ckpt_tools.descriptors import iter_tensors
 from ckpt_tools.errors import (
@@ -30,15 +27,18 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
-from ckpt_tools.loading.from_reader import build_state_dict, unsafe_entries
+from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
-from ckpt_tools.loading.storages import Restore
-from ckpt_tools.loading.trusted_load import load_trusted
 from ckpt_tools.structure.selection import (
     Selection,
     is_state_dict,
     select_state_dict,
 )
+
+if TYPE_CHECKING:  # torch and the modules that import it load when a load runs
+    import torch
+
+    from ckpt_tools.loading.storages import Restore
 
 __all__ = [
     "LoadInfo",
@@ -57,6 +57,8 @@ logger = logging.getLogger("ckpt_tools")
 
 
 def _describe(map_location: MapLocation) -> str:
+    import torch
+
     if callable(map_location) and not isinstance(map_location, (str, torch.device)):
         return f"<callable {getattr(map_location, '__qualname__', type(map_location).__name__)}>"
     if isinstance(map_location, Mapping):
@@ -115,6 +117,8 @@ def _restorer(
 ) -> tuple[Restore, Callable[[], tuple[StorageMove, ...]]]:
     """Where each storage goes (torch's own ``default_restore_location`` moves it), and a
     function that says where they went."""
+    from torch.serialization import default_restore_location
+
     resolved = resolve_map_location(map_location, tags)
     seen: dict[tuple[str, str], list[int]] = {}
 
@@ -145,6 +149,8 @@ def _load_own(
     ckpt: Checkpoint, selection: Selection, map_location: MapLocation
 ) -> tuple[dict[Any, Any], tuple[StorageMove, ...], bool]:
     """The selected state dict built from our own reader (no pickle is run)."""
+    from ckpt_tools.loading.from_reader import build_state_dict, unsafe_entries
+
     tags = list(dict.fromkeys(t.device for _, t in iter_tensors(selection.state_dict)))
     restore, placements = _restorer(map_location, tags)
     names = tuple(dict.fromkeys(n for _, n in unsafe_entries(selection.state_dict)))
@@ -248,6 +254,7 @@ def load_state_dict(
         >>> [(p.saved, p.target) for p in info.moved], sd["conv.weight"].device
         ([('cuda:1', 'cpu')], device(type='cpu'))
     """
+    torch = require_torch("load_state_dict")
     ckpt = open_checkpoint(path)
     _check_format(ckpt)
     _check_trust(ckpt, weights_only, trust)
@@ -255,6 +262,8 @@ def load_state_dict(
     selection = _selection_checked(ckpt.root, select, where)
     state_dict: Mapping[Any, Any]
     if trust:
+        from ckpt_tools.loading.trusted_load import load_trusted
+
         state_dict, placements, mmap = load_trusted(ckpt, map_location, selection.path)
     else:
         state_dict, placements, mmap = _load_own(ckpt, selection, map_location)
