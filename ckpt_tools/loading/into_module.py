@@ -14,13 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ckpt_tools.errors import StateDictMismatchError, UsageError
 from ckpt_tools.loading.devices import MapLocation
+from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch
 from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state_dict
-from ckpt_tools.loading.tensor_io import dtype_name
 from ckpt_tools.structure.grouping import fold_keys
 from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import is_state_dict
@@ -120,6 +118,7 @@ def on_meta(model: nn.Module) -> bool:
     """Whether any parameter or buffer of ``model`` is on the ``meta`` device (no storage).
 
     Example:
+        >>> import torch
         >>> with torch.device("meta"):
         ...     net = torch.nn.Linear(4, 2)
         >>> on_meta(net), on_meta(torch.nn.Linear(4, 2))
@@ -172,12 +171,16 @@ def load_into(
         UsageError, UnsafeContentError, CheckpointError: see :func:`load_state_dict`.
 
     Example:
+        >>> import torch
         >>> net = torch.nn.Linear(4, 2)
         >>> torch.save({f"module.{k}": v for k, v in net.state_dict().items()}, "dp.pt")  # DDP keys
         >>> report = load_into(torch.nn.Linear(4, 2), "dp.pt")
         >>> report.rewrites
         ("stripping 'module.'",)
     """
+    torch = require_torch("load_into")
+    from ckpt_tools.loading.tensor_io import dtype_name
+
     sd, label, info = _source_state_dict(source, map_location, select, trust)
     assign = on_meta(model) if assign is None else assign
     target = model.state_dict()
