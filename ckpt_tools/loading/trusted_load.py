@@ -16,6 +16,7 @@ import torch
 from ckpt_tools.errors import Remedy, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.loading.devices import MapLocation, resolve_map_location
+from ckpt_tools.loading.extras import require_safetensors
 from ckpt_tools.loading.results import StorageMove
 from ckpt_tools.structure.selection import mapping_at, walk_path
 
@@ -81,8 +82,7 @@ def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
 
 
 def _load_safetensors(path: str, map_location: Any, resolved: dict[str, str] | None) -> Any:
-    from safetensors.torch import load_file
-
+    load_file = require_safetensors("load_state_dict(trust=True)").load_file
     if resolved is not None:
         return load_file(path, device=resolved.get("cpu", "cpu"))
     loaded = load_file(path, device="cpu")
