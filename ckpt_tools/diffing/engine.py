@@ -18,15 +18,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
-import torch
-
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
-from ckpt_tools.diffing.value_stats import ValueStats
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.loading.tensor_io import TensorReader, dtype_name
+from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.structure.keys import plan_renames
 from ckpt_tools.structure.selection import is_state_dict, select_state_dict
 from ckpt_tools.structure.suggest import (
@@ -38,8 +35,11 @@ from ckpt_tools.structure.suggest import (
     wrapper_stack,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and the modules that import it load when a diff runs
+    import torch
     from torch import nn
+
+    from ckpt_tools.loading.tensor_io import TensorReader
 
 __all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDiff", "diff"]
 
@@ -62,6 +62,8 @@ class _Side:
         self.reader = reader
 
     def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        from ckpt_tools.loading.tensor_io import dtype_name
+
         value = self.entries[name]
         if isinstance(value, TensorRef):
             return value.dtype, value.shape
@@ -93,7 +95,10 @@ def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple
 
 @contextlib.contextmanager
 def _open_side(side: DiffSide, select: str | Sequence[str] | None, name: str) -> Iterator[_Side]:
+    import torch
     from torch import nn
+
+    from ckpt_tools.loading.tensor_io import TensorReader
 
     if isinstance(side, nn.Module):
         if select is not None:
@@ -158,6 +163,8 @@ def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:
 def _compare(
     name: str, a: _Side, b: _Side, rtol: float, atol: float, chunk_bytes: int
 ) -> TensorDiff:
+    from ckpt_tools.diffing.value_stats import ValueStats
+
     (dtype_a, shape_a), (dtype_b, shape_b) = a.meta(name), b.meta(name)
     base = TensorDiff(name, dtype_a, dtype_b, shape_a, shape_b)
     if shape_a != shape_b or not (a.comparable(name) and b.comparable(name)):
@@ -256,6 +263,8 @@ def _suggestions(
 
 @contextlib.contextmanager
 def _torch_threads(threads: int | None) -> Iterator[None]:
+    import torch
+
     if threads is None or threads == torch.get_num_threads():
         yield
         return
@@ -317,6 +326,7 @@ def diff(
         >>> diff("ddp.pt", "model.pt", align=True).identical
         True
     """
+    require_torch("diff")
     if rtol < 0 or atol < 0:
         raise UsageError(
             "tolerances must be >= 0",
