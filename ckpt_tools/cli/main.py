@@ -129,7 +129,11 @@ class LazyGroup(click.Group):
         entry = _COMMANDS[cmd_name]
         try:
             return getattr(importlib.import_module(entry.module), entry.attribute)
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as e:
+            # Only the command's own module missing means no such command. Anything it imports
+            # that is missing (torch on the way to a torch-free command) must not pass for one.
+            if e.name != entry.module:
+                raise
             return None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
