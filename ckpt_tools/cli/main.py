@@ -128,13 +128,14 @@ class LazyGroup(click.Group):
 
         entry = _COMMANDS[cmd_name]
         try:
-            return getattr(importlib.import_module(entry.module), entry.attribute)
+            command = getattr(importlib.import_module(entry.module), entry.attribute)
         except ModuleNotFoundError as e:
             # Only the command's own module missing means no such command. Anything it imports
             # that is missing (torch on the way to a torch-free command) must not pass for one.
             if e.name != entry.module:
                 raise
             return None
+        return _with_examples(command, cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The ``Commands:`` section of ``ckpt --help``, from the table's summaries.
@@ -153,6 +154,28 @@ class LazyGroup(click.Group):
         ]
         with formatter.section(gettext("Commands")):  # click's heading, translated as it is
             formatter.write_dl(rows)
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """``ckpt --help`` ends with examples too; read from the table only when help is shown."""
+        from ckpt_tools.cli.examples import epilog
+
+        self.epilog = epilog("")
+        super().format_epilog(ctx, formatter)
+
+
+def _with_examples(command: click.Command, path: str) -> click.Command:
+    """Give ``command`` (and a group's subcommands) the examples of the one table.
+
+    Every example lives in :mod:`ckpt_tools.cli.examples`, where a test runs each of them;
+    a command gets its own as its help's epilog when it is loaded.
+    """
+    from ckpt_tools.cli.examples import epilog
+
+    command.epilog = epilog(path)
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            _with_examples(sub, f"{path} {name}")
+    return command
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

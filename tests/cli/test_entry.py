@@ -11,6 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from ckpt_tools.cli.examples import epilog
 from ckpt_tools.cli.main import _COMMANDS, cli
 from tests.helpers import console_script, fixture_path, run_ckpt
 
@@ -81,7 +82,8 @@ def test_the_help_listing_summary_is_the_command_s_own(name: str) -> None:
 
 def test_every_command_is_in_the_listing_once() -> None:
     listed = CliRunner().invoke(cli, ["--help"], prog_name="ckpt", terminal_width=200).output
-    rows = listed.split("Commands:\n", 1)[1].splitlines()
+    # The rows end where the examples start, after a blank line.
+    rows = listed.split("Commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [row.split()[0] for row in rows] == list(_COMMANDS)
     for row in rows:
         name = row.split()[0]
@@ -95,6 +97,7 @@ def test_the_help_listing_matches_click_s_own(width: int) -> None:
         "ckpt",
         commands={name: _command(name) for name in _COMMANDS},
         help=cli.help,
+        epilog=epilog(""),
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     eager.params = cli.params
@@ -186,7 +189,7 @@ def test_a_rewrite_reads_its_input_before_loading_the_write_side(
 _LOADED_AT_EXIT = """
 import atexit, sys
 atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith("ckpt_tools."))))
-sys.argv = ["ckpt", "strip-module", "--quiet", *sys.argv[1:]]
+sys.argv = ["ckpt", "strip-module", *sys.argv[1:]]
 from ckpt_tools.cli.main import run
 run()
 """

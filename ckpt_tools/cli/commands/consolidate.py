@@ -17,16 +17,8 @@ from ckpt_tools.cli.render import echo_result
 from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, consolidate
 
-_EPILOG = """\b
-Examples:
-  ckpt consolidate step-1000/ model.safetensors
-  ckpt consolidate step-1000/ model.pt --all          # model, optimizer and the rest
-  ckpt consolidate step-1000/ hf_model/ --max-shard-size 2GB --jobs 4
-  ckpt consolidate step-1000/ hf_model/ --max-shard-size 2GB --dry-run   # the plan only
-"""
 
-
-@click.command("consolidate", epilog=_EPILOG)
+@click.command("consolidate")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @select_option

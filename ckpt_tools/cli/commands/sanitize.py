@@ -14,17 +14,8 @@ from ckpt_tools.cli.options import (
 from ckpt_tools.cli.render import echo_result
 from ckpt_tools.ops.sanitize.sanitizing import sanitize
 
-_EXAMPLES = """
-\b
-Examples:
-  ckpt sanitize best.pt best-plain.pt            # a pickled model: its state dict
-  ckpt sanitize last.ckpt plain.ckpt --strict    # refuse rather than drop anything
-  ckpt sanitize trainer.pt plain.pt --json       # every conversion and drop, by path
-  ckpt sanitize best.pt best-plain.pt --dry-run  # what it would convert and drop; no write
-"""
 
-
-@click.command("sanitize", epilog=_EXAMPLES)
+@click.command("sanitize")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @select_option

@@ -10,17 +10,8 @@ import click
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.ops.scan import scan
 
-_EXAMPLES = """
-\b
-Examples:
-  ckpt scan model.pt                      one file: its verdict and findings
-  ckpt scan ~/downloads/ runs/            every checkpoint under these folders, by content
-  ckpt scan --fail-on nonstandard ckpts/  also fail on numpy, Namespace, OmegaConf ...
-  ckpt scan --format sarif models/ > scan.sarif
-"""
 
-
-@click.command("scan", epilog=_EXAMPLES)
+@click.command("scan")
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option(
     "--format",

@@ -43,14 +43,7 @@ def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-@click.command(
-    "slim",
-    epilog="""\b
-Examples:
-  ckpt slim trainer.pt weights.safetensors --dtype bf16 --weights-only
-  ckpt slim run.ckpt small.ckpt --drop optimizer_states,lr_schedulers --dtype fp16 --keep-dtype norm
-  ckpt slim timm.pth ema.pt --ema --weights-only --dry-run""",
-)
+@click.command("slim")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option(
@@ -90,12 +83,7 @@ def slim_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
     echo_result(slim(src, dst, **kw), as_json)
 
 
-@click.command(
-    "extract",
-    epilog="""\b
-Examples:
-  ckpt extract model.pt backbone.pt --prefix backbone. --strip-prefix""",
-)
+@click.command("extract")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--prefix", required=True, help="Keep the keys starting with it.")
@@ -118,13 +106,7 @@ def _weights(value: str | None) -> list[float] | None:
         raise click.BadParameter(f"{value!r}: expected numbers, e.g. 1,1,2") from e
 
 
-@click.command(
-    "average",
-    epilog="""\b
-Examples:
-  ckpt average avg.pt run/ckpt_*.pt --last 5
-  ckpt average soup.pt a.pt b.pt c.pt --weights 1,1,2 --ints first""",
-)
+@click.command("average")
 @click.argument("dst", type=click.Path())
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per input.")
