@@ -106,6 +106,8 @@ def _genops_scan(pickled: Any, limit: int) -> OpcodeScan:
                 if arg is not None and arg > (pos or 0) + MEMO_SLACK:
                     raise _memo_too_far(arg, pos)
                 memo[len(memo) if arg is None else arg] = stack[-1] if stack else 1
+    except ResourceLimitError:  # a ValueError too: a refusal, not a malformed pickle
+        raise
     except ValueError as e:
         if isinstance(e, OSError):  # io.UnsupportedOperation: the reader, not the pickle
             raise

@@ -185,6 +185,8 @@ def _scan_stream(pickled: Any, limit: int) -> OpcodeScan:
     try:
         for _ in pickletools.genops(read):
             pass
+    except ResourceLimitError:  # a ValueError too, and a refusal: not where genops stopped
+        raise
     except ValueError as e:
         if isinstance(e, OSError):  # io.UnsupportedOperation: the reader, not the pickle
             raise
@@ -310,6 +312,8 @@ def _walk(
                 push(stack[-1] if stack else 1)
             if code == _STOP:
                 return pos, None
+    except ResourceLimitError:  # a ValueError too: a refusal, not a malformed pickle
+        raise
     except ValueError as e:
         return at, str(e)
 

@@ -19,7 +19,12 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import ConversionError, CorruptCheckpointError, quote_foreign
+from ckpt_tools.errors import (
+    ConversionError,
+    CorruptCheckpointError,
+    ResourceLimitError,
+    quote_foreign,
+)
 from ckpt_tools.formats.pickle.expansion import WEIGHTS_ONLY_OPCODES, scan_pickle
 from ckpt_tools.formats.pickle.standins import Reduced, TorchSize, storage_type_ref
 from ckpt_tools.formats.pickle.unpickler import gc_paused
@@ -281,6 +286,8 @@ def check_weights_only_pickle(payload: bytes) -> None:
     """
     try:
         bad = unsupported_opcodes(payload)
+    except ResourceLimitError:  # a ValueError too: a refusal, not a malformed pickle
+        raise
     except ValueError as e:
         raise ConversionError(f"the output pickle is malformed ({quote_foreign(e)})") from e
     if bad:

@@ -16,6 +16,7 @@ import zlib
 from ckpt_tools.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    ResourceLimitError,
     VerificationError,
     quote_foreign,
 )
@@ -135,6 +136,8 @@ def _check_pickle(payload: bytes) -> None:
 
     try:
         bad = unsupported_opcodes(payload)
+    except ResourceLimitError:  # a ValueError too: a refusal, not a malformed pickle
+        raise
     except ValueError as e:
         raise _fail(f"data.pkl is not a well-formed pickle ({quote_foreign(e)})") from e
     if bad:
