@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import REAL_DIR, copy_fixture, save, tools, torch_free_env
+from tests.helpers.zero_runs import ZeroRuns, make_zero_runs
 
 
 @pytest.fixture
@@ -53,6 +54,13 @@ def real_dir() -> Path:
     if not folder.is_dir():
         pytest.skip(f"real checkpoints not found at {folder}")
     return folder
+
+
+@pytest.fixture(scope="session")
+def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> ZeroRuns:
+    """DeepSpeed checkpoints of real ZeRO runs and their ``zero_to_fp32`` state dicts, made
+    once a session (``tests/helpers/zero_runs.py``); skips without DeepSpeed."""
+    return make_zero_runs(tmp_path_factory.mktemp("zero"))
 
 
 @pytest.fixture

@@ -1,0 +1,371 @@
+"""DeepSpeed ZeRO checkpoints made by real training, on CPU processes (gloo) or GPUs.
+
+:func:`make_zero_checkpoints` starts ``world_size`` ranks under ``torchrun`` and each rank
+runs :func:`main`: one process group for every run it is given, and for each run a fresh
+:class:`ZeroNet` trained for a few steps by a DeepSpeed engine at the run's ZeRO stage and
+dtype, then saved with ``engine.save_checkpoint`` into ``out/<run name>/``; rank 0 may then
+save DeepSpeed's own ``zero_to_fp32`` state dict of each saved tag (:func:`reference_path`),
+the oracle a consolidation is compared with. Running several runs in one launch pays for
+the interpreters and DeepSpeed's import once.
+
+The model holds what a ZeRO checkpoint must carry besides plain weights: a frozen
+parameter, a tied (shared) parameter and BatchNorm buffers (float and integer).
+
+On the CPU, DeepSpeed's shared-memory communication op is turned off before the process
+group starts (it would be compiled on first use, which needs a compiler), fp16 is let
+through the accelerator's check (DeepSpeed's CPU accelerator refuses it, yet trains and
+saves it), and each rank leaves with ``os._exit`` once the process group is gone: DeepSpeed's
+threads can abort the interpreter's own exit after a complete save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ckpt_tools.errors import UsageError
+
+__all__ = [
+    "ZERO_DTYPES",
+    "ZeroLaunch",
+    "ZeroNet",
+    "ZeroRun",
+    "deepspeed_config",
+    "main",
+    "make_zero_checkpoints",
+    "reference_path",
+    "start_zero_runs",
+]
+
+#: Training dtypes a run may ask for.
+ZERO_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+#: Vocabulary and width of :class:`ZeroNet`: odd sizes, so that no parameter splits evenly
+#: over the ranks and every rank's partition needs padding.
+VOCAB, WIDTH = 13, 7
+
+
+@dataclass(frozen=True)
+class ZeroRun:
+    """One DeepSpeed training run and its checkpoint.
+
+    Attributes:
+        name: the folder under the output directory that ``save_checkpoint`` writes to.
+        stage: the ZeRO stage (0 to 3).
+        dtype: ``fp32``, ``bf16`` or ``fp16`` training.
+        steps: optimizer steps before the save.
+        tag: the checkpoint's tag (None: DeepSpeed's ``global_step{N}``).
+        sub_group_size: ZeRO-3's flat sub-group size in elements (small values split the
+            fp32 partition of every rank into several flat groups).
+        parameter_alignment: stage 1/2's per-parameter alignment padding.
+        saves: how many of the last steps end with a save (each under its own tag, so
+            ``saves=2`` leaves an older tag beside the one ``latest`` names).
+        seed: seeds the weights and the batches.
+    """
+
+    name: str
+    stage: int
+    dtype: str = "fp32"
+    steps: int = 2
+    tag: str | None = None
+    sub_group_size: int | None = None
+    parameter_alignment: bool = False
+    saves: int = 1
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Check the run's arguments.
+
+        Raises:
+            UsageError: an unknown stage or dtype, or no steps.
+
+        Example:
+            >>> ZeroRun("r", stage=4).validate()
+            Traceback (most recent call last):
+            ...
+            ckpt_tools.errors.UsageError: stage=4: ZeRO has stages 0 to 3
+        """
+        if self.stage not in (0, 1, 2, 3):
+            raise UsageError("ZeRO has stages 0 to 3", argument="stage", value=self.stage)
+        if self.dtype not in ZERO_DTYPES:
+            raise UsageError(
+                f"expected one of {', '.join(ZERO_DTYPES)}", argument="dtype", value=self.dtype
+            )
+        if self.steps < 1:
+            raise UsageError("must be at least 1", argument="steps", value=self.steps)
+        if not 1 <= self.saves <= self.steps or (self.tag is not None and self.saves > 1):
+            raise UsageError(
+                "must be between 1 and steps (1 with a tag)", argument="saves", value=self.saves
+            )
+
+
+class ZeroNet(nn.Module):
+    """A small token model: embedding, BatchNorm, a frozen projection, a tied output head.
+
+    ``head.weight`` is ``embed.weight`` (tied), ``frozen`` never trains, and ``norm`` has
+    float running statistics and an integer ``num_batches_tracked``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.norm = nn.BatchNorm1d(WIDTH)
+        self.hidden = nn.Linear(WIDTH, 2 * WIDTH + 1)
+        self.frozen = nn.Linear(2 * WIDTH + 1, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.norm(self.embed(tokens))
+        x = self.frozen(torch.relu(self.hidden(x)))
+        return self.head(x)
+
+
+def deepspeed_config(run: ZeroRun, batch_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of ``run`` for a global batch of ``batch_size``.
+
+    Example:
+        >>> deepspeed_config(ZeroRun("r", stage=2, dtype="bf16"), 8)["bf16"]
+        {'enabled': True}
+    """
+    zero: dict[str, Any] = {"stage": run.stage}
+    if run.stage == 3 and run.sub_group_size is not None:
+        zero["sub_group_size"] = run.sub_group_size
+    config: dict[str, Any] = {
+        "train_batch_size": batch_size,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+        "zero_optimization": zero,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if run.parameter_alignment:
+        config["zero_optimization"]["parameter_alignment"] = True
+    if run.dtype == "bf16":
+        # 16-bit training casts parameters, not buffers: BatchNorm's would stay fp32.
+        config["bf16"] = {"enabled": True}
+        config["data_types"] = {"buffer_dtype": "bf16"}
+    elif run.dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+        config["data_types"] = {"buffer_dtype": "fp16"}
+    return config
+
+
+def _train_and_save(run: ZeroRun, out: Path, rank: int, world: int) -> list[str]:
+    """One run on this rank: a fresh engine, ``run.steps`` steps, the saves (collective).
+
+    Returns the tags saved, oldest first.
+    """
+    import deepspeed
+
+    torch.manual_seed(run.seed)
+    model = ZeroNet()
+    batch = 4 * world
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_config(run, batch),
+    )
+    generator = torch.Generator().manual_seed(run.seed + 1)
+    tags = []
+    for step in range(1, run.steps + 1):
+        tokens = torch.randint(0, VOCAB, (batch,), generator=generator)
+        mine = tokens[rank * 4 : (rank + 1) * 4].to(engine.device)
+        loss = nn.functional.cross_entropy(engine(mine).float(), mine)
+        engine.backward(loss)
+        engine.step()
+        if step > run.steps - run.saves:
+            tag = run.tag or f"global_step{step}"
+            engine.save_checkpoint(str(out / run.name), tag=tag)
+            tags.append(tag)
+    engine.destroy()
+    return tags
+
+
+def _allow_cpu_fp16() -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 by its own check, yet trains and saves it."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        type(accelerator).is_fp16_supported = lambda self: True
+
+
+def reference_path(out: str | os.PathLike[str], name: str, tag: str) -> Path:
+    """Where :func:`main` saves ``zero_to_fp32``'s state dict of run ``name``'s ``tag``.
+
+    Example:
+        >>> str(reference_path("o", "s2", "global_step2"))
+        'o/s2-global_step2.zero_to_fp32.pt'
+    """
+    return Path(out) / f"{name}-{tag}.zero_to_fp32.pt"
+
+
+def _save_references(out: Path, name: str, tags: Sequence[str]) -> None:
+    """DeepSpeed's own consolidation of every saved tag, as ``torch.save`` files."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for tag in tags:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(out / name), tag=tag)
+        torch.save(state, reference_path(out, name, tag))
+
+
+def main(argv: Sequence[str]) -> None:
+    """One rank's work under torchrun: ``argv`` is ``[out_dir, runs_json, references]``.
+
+    Trains and saves every run in turn; with ``references`` = ``"1"``, rank 0 then saves
+    ``zero_to_fp32``'s state dict of each saved tag (:func:`reference_path`). Leaves the
+    process with ``os._exit``.
+    """
+    out, runs = Path(argv[0]), [ZeroRun(**r) for r in json.loads(argv[1])]
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    # Off before the process group starts: it would be compiled (c++, ninja) on first use.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    _allow_cpu_fp16()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = {run.name: _train_and_save(run, out, rank, world) for run in runs}
+    dist.barrier()
+    if rank == 0 and argv[2:] == ["1"]:
+        for name, tags in saved.items():
+            _save_references(out, name, tags)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@dataclass
+class ZeroLaunch:
+    """A started :func:`start_zero_runs`: wait for it with :meth:`wait`."""
+
+    out: Path
+    runs: tuple[ZeroRun, ...]
+    process: subprocess.Popen[str]
+
+    def wait(self, timeout: float = 600) -> dict[str, Path]:
+        """Wait for the ranks to finish.
+
+        Returns:
+            Each run's name -> its save folder (``latest``, the tag folders, DeepSpeed's
+            scripts).
+
+        Raises:
+            RuntimeError: the launch failed or left a run unsaved; the message carries the
+                end of its output.
+        """
+        try:
+            output, _ = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            output, _ = self.process.communicate()
+        missing = [r.name for r in self.runs if not (self.out / r.name / "latest").is_file()]
+        if self.process.returncode != 0 or missing:
+            raise RuntimeError(
+                f"DeepSpeed training exited {self.process.returncode} (runs not saved: "
+                f"{missing}):\n{output[-6000:]}"
+            )
+        return {r.name: self.out / r.name for r in self.runs}
+
+
+def start_zero_runs(
+    out: str | os.PathLike[str],
+    runs: Sequence[ZeroRun],
+    *,
+    world_size: int = 2,
+    references: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> ZeroLaunch:
+    """Start training and saving ``runs`` with DeepSpeed on ``world_size`` CPU ranks (gloo)
+    under torchrun, one run after the other in the same ranks.
+
+    Args:
+        out: the folder that receives one save folder per run.
+        runs: the runs.
+        world_size: the number of ranks (the data-parallel world size).
+        references: also save ``zero_to_fp32``'s state dict of every saved tag
+            (:func:`reference_path`).
+        env: the ranks' environment (default: this process's).
+
+    Returns:
+        The running launch.
+
+    Raises:
+        UsageError: a bad run, or two with one name.
+    """
+    for run in runs:
+        run.validate()
+    if len({r.name for r in runs}) != len(runs):
+        raise UsageError("two runs have the same name", argument="runs")
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    child_env = dict(os.environ if env is None else env)
+    child_env.setdefault("DS_ACCELERATOR", "cpu")
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world_size),
+        "-m",
+        "ckpt_tools.harness.zero",
+        str(folder),
+        json.dumps([asdict(r) for r in runs]),
+        "1" if references else "0",
+    ]
+    process = subprocess.Popen(
+        command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return ZeroLaunch(folder, tuple(runs), process)
+
+
+def make_zero_checkpoints(
+    out: str | os.PathLike[str],
+    runs: Sequence[ZeroRun],
+    *,
+    world_size: int = 2,
+    references: bool = False,
+    timeout: float = 600,
+) -> dict[str, Path]:
+    """Train and save ``runs`` with DeepSpeed on ``world_size`` CPU ranks, and wait.
+
+    Args:
+        out, runs, world_size, references: as :func:`start_zero_runs` takes them.
+        timeout: seconds the launch may take.
+
+    Returns:
+        Each run's name -> its save folder.
+
+    Raises:
+        UsageError: a bad run.
+        RuntimeError: the launch failed; the message carries its output.
+
+    Example:
+        >>> make_zero_checkpoints("o", [ZeroRun("s2", stage=2)])  # doctest: +SKIP
+        {'s2': PosixPath('o/s2')}
+        >>> make_zero_checkpoints("o", [ZeroRun("s4", stage=4)])
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: stage=4: ZeRO has stages 0 to 3
+    """
+    launch = start_zero_runs(out, runs, world_size=world_size, references=references)
+    return launch.wait(timeout)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
