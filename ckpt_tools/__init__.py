@@ -54,14 +54,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
     from ckpt_tools.ops.inspect.inspection import inspect
     from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
+    from ckpt_tools.ops.rewrite.conversion import convert, retag
     from ckpt_tools.ops.rewrite.result import RewriteResult
-    from ckpt_tools.ops.rewrite.rewriting import convert, retag, rewrite, strip_module_file
+    from ckpt_tools.ops.rewrite.rewriting import add_module, rename, rewrite, strip_module
     from ckpt_tools.ops.sanitize.result import SanitizeReport
     from ckpt_tools.ops.sanitize.sanitizing import sanitize
     from ckpt_tools.ops.scan import FileScan, Finding, ScanReport, scan
     from ckpt_tools.ops.transform.average import average
     from ckpt_tools.ops.transform.extract import extract
-    from ckpt_tools.ops.transform.reshard import ShardsResult, reshard
+    from ckpt_tools.ops.transform.reshard import reshard
     from ckpt_tools.ops.transform.result import TransformResult
     from ckpt_tools.ops.transform.slim import slim
     from ckpt_tools.structure.keys import (
@@ -115,12 +116,13 @@ _PUBLIC: dict[str, str] = {
     "CheckpointInfo": "ckpt_tools.ops.inspect.info",
     "TensorInfo": "ckpt_tools.ops.inspect.info",
     "rewrite": "ckpt_tools.ops.rewrite.rewriting",
-    "convert": "ckpt_tools.ops.rewrite.rewriting",
-    "retag": "ckpt_tools.ops.rewrite.rewriting",
-    "strip_module_file": "ckpt_tools.ops.rewrite.rewriting",
+    "strip_module": "ckpt_tools.ops.rewrite.rewriting",
+    "add_module": "ckpt_tools.ops.rewrite.rewriting",
+    "rename": "ckpt_tools.ops.rewrite.rewriting",
+    "convert": "ckpt_tools.ops.rewrite.conversion",
+    "retag": "ckpt_tools.ops.rewrite.conversion",
     "RewriteResult": "ckpt_tools.ops.rewrite.result",
     "reshard": "ckpt_tools.ops.transform.reshard",
-    "ShardsResult": "ckpt_tools.ops.transform.reshard",
     "sanitize": "ckpt_tools.ops.sanitize.sanitizing",
     "SanitizeReport": "ckpt_tools.ops.sanitize.result",
     "scan": "ckpt_tools.ops.scan",
@@ -188,7 +190,6 @@ __all__ = [
     "Select",
     "SelectError",
     "Selection",
-    "ShardsResult",
     "StateDictMismatchError",
     "StrPath",
     "TensorInfo",
@@ -201,6 +202,7 @@ __all__ = [
     "WrapperMatch",
     "WriteResult",
     "__version__",
+    "add_module",
     "add_prefix",
     "average",
     "consolidate",
@@ -216,6 +218,7 @@ __all__ = [
     "open_checkpoint",
     "pick_devices",
     "regex_rule",
+    "rename",
     "rename_keys",
     "reshard",
     "retag",
@@ -224,7 +227,7 @@ __all__ = [
     "scan",
     "select_state_dict",
     "slim",
-    "strip_module_file",
+    "strip_module",
     "strip_prefix",
     "sub_rule",
 ]

@@ -42,7 +42,8 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.harness.placement import resolve_devices
-from ckpt_tools.ops.rewrite.rewriting import convert, rewrite, strip_module_file
+from ckpt_tools.ops.rewrite.conversion import convert
+from ckpt_tools.ops.rewrite.rewriting import rewrite, strip_module
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_tools"
 
@@ -119,7 +120,7 @@ def test_select_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(
         SelectError, match=r"^select='nope': no entry 'nope' under the root"
     ) as info:
-        strip_module_file(src, tmp_path / "out.pt", select="nope")
+        strip_module(src, tmp_path / "out.pt", select="nope")
     err = info.value
     assert "--select" not in str(err)
     assert (err.argument, err.value, err.flag) == ("select", "'nope'", "--select")

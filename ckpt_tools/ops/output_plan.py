@@ -152,6 +152,9 @@ class WriteResult(Readable):
         notes: what else was decided, in words.
         dropped: names left out of the output (tied duplicates, non-tensor entries, ...).
         planned: for a dry run, every file it would write and the tensors in it.
+        selected: the path of the state dict acted on, in the input (empty: the root, or
+            everything, as ``consolidate(include_all=True)`` writes it).
+        tensors: tensors the output holds (for a dry run, would hold).
     """
 
     src: str
@@ -167,6 +170,8 @@ class WriteResult(Readable):
     notes: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     planned: tuple[PlannedFile, ...] = ()
+    selected: tuple[str, ...] = ()
+    tensors: int = 0
 
     def __repr__(self) -> str:
         # Subclasses are declared with repr=False: this short form is everyone's.
@@ -229,5 +234,7 @@ class WriteResult(Readable):
             "message": self.message,
             "notes": list(self.notes),
             "dropped": list(self.dropped),
+            "selected": list(self.selected),
+            "tensors": self.tensors,
             **(plan_json(self.planned) if self.dry_run else {}),
         }

@@ -22,6 +22,8 @@ JSON_FIELDS = {
     "input_format",
     "output_format",
     "selected",
+    "tensors",
+    "max_shard_size",
     "rules",
     "renamed",
     "total_keys",
@@ -216,7 +218,11 @@ def test_convert_json_and_format_option(invoke, tmp_path):
     sd = {"a": torch.randn(3, 4), "b": torch.randn(4, 3).t()}
     sd["tied"] = sd["a"]
     src = h.save(sd, tmp_path / "in.pt")
-    out = tmp_path / "weights.bin"  # the suffix says torch; --format wins
+    # A safetensors file under a torch name is refused, with the name that fits; nothing written.
+    _, _, err = invoke("convert", src, tmp_path / "weights.bin", "--format", "safetensors", code=2)
+    assert "is named as a torch file" in err and repr(str(tmp_path / "weights.safetensors")) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+    out = tmp_path / "weights"  # no suffix to say a format: --format decides
     data = json.loads(
         invoke("convert", src, out, "--format", "safetensors", "--json", "--verify", "full").stdout
     )
@@ -230,6 +236,21 @@ def test_convert_json_and_format_option(invoke, tmp_path):
     assert text.startswith(f"converted safetensors to torch-zip: wrote {tmp_path / 'back.pt'}")
     back = h.load(tmp_path / "back.pt")
     h.assert_values_bitwise(sd["b"], back["b"], "b")
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt", "fits"),
+    [("x.safetensors", "torch", "x.pt"), ("x.pt", "safetensors", "x.safetensors")],
+)
+def test_convert_refuses_a_format_its_output_name_contradicts(invoke, tmp_path, name, fmt, fits):
+    # torch.load refuses a torch zip named .safetensors by path, and a safetensors file under a
+    # torch name is read as neither: the name that fits is suggested, and nothing is written.
+    src = h.save({"w": torch.ones(2)}, tmp_path / "in.pt")
+    _, _, err = invoke("convert", src, tmp_path / name, "--format", fmt, code=2)
+    assert f"--format '{fmt}'" in err and f"name it {str(tmp_path / fits)!r}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+    invoke("convert", src, tmp_path / fits, "--format", fmt)  # the suggested name works
+    assert h.load(tmp_path / fits)["w"].tolist() == [1.0, 1.0]
 
 
 def test_convert_drop_extras(invoke, layout, tmp_path):

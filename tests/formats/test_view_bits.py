@@ -48,7 +48,7 @@ def test_loading_keeps_the_bits_as_torch_does(views: Path) -> None:
 @pytest.mark.parametrize(
     "run",
     [
-        lambda src, out: ct.strip_module_file(src, out / "o.pt"),
+        lambda src, out: ct.strip_module(src, out / "o.pt"),
         lambda src, out: ct.convert(src, out / "o.pt"),
         lambda src, out: ct.slim(src, out / "o.pt"),
         lambda src, out: ct.sanitize(src, out / "o.pt"),

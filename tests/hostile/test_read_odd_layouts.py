@@ -29,7 +29,8 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.pickle.unpickler import MAX_NESTING, load_pickle
 from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers import zipfile as zipwriter
-from ckpt_tools.ops.rewrite.rewriting import convert, rewrite, strip_module_file
+from ckpt_tools.ops.rewrite.conversion import convert
+from ckpt_tools.ops.rewrite.rewriting import rewrite, strip_module
 from ckpt_tools.structure.keys import add_rule
 from ckpt_tools.structure.selection import select_state_dict
 from tests.helpers import CountingDict, LookupBudget, ckpt_env, run_ckpt
@@ -98,7 +99,7 @@ def test_counter_still_round_trips(tmp_path):
     src = tmp_path / "c.pt"
     torch.save({"module.w": torch.ones(2), "counts": collections.Counter(a=2)}, src)
     assert ckpt_tools.inspect(src).unsafe_globals == ()
-    strip_module_file(src, tmp_path / "out.pt")
+    strip_module(src, tmp_path / "out.pt")
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert out["counts"] == collections.Counter(a=2) and type(out["counts"]) is collections.Counter
 
@@ -142,7 +143,7 @@ def test_python2_names_of_allowed_builtins_are_allowed(tmp_path):
     info = ckpt_tools.inspect(src)
     assert info.unsafe_globals == ()
     assert info.entries["blob"] == "bytes b'abc'"
-    strip_module_file(src, tmp_path / "out.pt")  # no --allow-global needed
+    strip_module(src, tmp_path / "out.pt")  # no --allow-global needed
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     del out["w"], obj["module.w"]
     assert out == obj
@@ -176,7 +177,7 @@ def test_nesting_torch_can_write_is_still_read_and_rewritten(tmp_path):
         node = node["n"]
     src = tmp_path / "nested.pt"
     torch.save(root, src)
-    rewrite(src, tmp_path / "out.pt", [add_rule("m.")])
+    rewrite(src, tmp_path / "out.pt", rules=[add_rule("m.")])
     assert "m.w" in torch.load(tmp_path / "out.pt", weights_only=True)
 
 
@@ -272,7 +273,8 @@ def test_zip64_records_load_in_torch_and_zipfile(tmp_path, monkeypatch):
 
     save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "src.safetensors")
     outs = [
-        rewrite(src, tmp_path / "copied.pt", [add_rule("m.")], verify="full").dst,  # CRCs known
+        # CRCs known
+        rewrite(src, tmp_path / "copied.pt", rules=[add_rule("m.")], verify="full").dst,
         convert(tmp_path / "src.safetensors", tmp_path / "computed.pt", verify="full").dst,
     ]
     for out, prefix in zip(outs, ("m.", "")):

@@ -16,12 +16,9 @@ import pytest
 import torch
 
 from ckpt_tools.errors import ConversionError, UnsafeContentError
-from ckpt_tools.ops.rewrite.rewriting import (
-    add_module_file,
-    convert,
-    rename_file,
-    strip_module_file,
-)
+from ckpt_tools.ops.rewrite.conversion import convert
+from ckpt_tools.ops.rewrite.rewriting import add_module, rename, strip_module
+from ckpt_tools.structure.keys import sub_rule
 from tests.helpers import listing
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:DeprecationWarning")
@@ -85,9 +82,9 @@ def test_pickled_module_refusal_names_the_fix(tmp_path):
     src = _pickled_module(tmp_path / "in.pt")
     classes = ["torch.nn.modules.container.Sequential", "torch.nn.modules.linear.Linear"]
     with pytest.raises(UnsafeContentError, match=r"container\.Sequential"):
-        strip_module_file(src, tmp_path / "out.pt")
+        strip_module(src, tmp_path / "out.pt")
     with pytest.raises(ConversionError, match=r"ckpt sanitize .*in.pt OUT.pt.*state_dict\(\)"):
-        strip_module_file(src, tmp_path / "out.pt", allow_globals=classes)
+        strip_module(src, tmp_path / "out.pt", allow_globals=classes)
     allowed = [arg for name in classes for arg in ("--allow-global", name)]
     result = _ckpt("strip-module", src, tmp_path / "out.pt", *allowed)
     assert result.returncode == 7, result.stderr
@@ -96,11 +93,11 @@ def test_pickled_module_refusal_names_the_fix(tmp_path):
 
 def test_library_refuses_unsafe_and_torchscript_with_nothing_to_strip(tmp_path):
     with pytest.raises(UnsafeContentError, match=r"argparse\.Namespace"):
-        strip_module_file(_unsafe(tmp_path / "u.pt"), tmp_path / "out.pt")
+        strip_module(_unsafe(tmp_path / "u.pt"), tmp_path / "out.pt")
     with pytest.raises(ConversionError, match="TorchScript"):
-        strip_module_file(_torchscript(tmp_path / "ts.pt"), tmp_path / "out.pt")
+        strip_module(_torchscript(tmp_path / "ts.pt"), tmp_path / "out.pt")
     # Allowed globals pass the check; then there is nothing to strip, and nothing is written.
-    result = strip_module_file(
+    result = strip_module(
         tmp_path / "u.pt", tmp_path / "out.pt", allow_globals=["argparse.Namespace"]
     )
     assert not result.written and not (tmp_path / "out.pt").exists()
@@ -153,9 +150,9 @@ def test_a_rule_that_would_rename_a_non_str_key_is_refused_up_front(tmp_path):
     assert result.returncode == 7
     assert "rename string keys only" in result.stderr.splitlines()[0]
     with pytest.raises(ConversionError, match=r"rename string keys only.*0, \(1, 2\), None"):
-        add_module_file(tmp_path / "in.pt", tmp_path / "out.pt")
+        add_module(tmp_path / "in.pt", tmp_path / "out.pt")
     with pytest.raises(ConversionError, match=r"b'x'"):  # str(b"x") starts with "b"
-        rename_file(tmp_path / "in.pt", tmp_path / "out.pt", subs=[("b", "c")])
+        rename(tmp_path / "in.pt", tmp_path / "out.pt", rules=[sub_rule("b", "c")])
     assert listing(tmp_path) == ["in.pt"]
 
 

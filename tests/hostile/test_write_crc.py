@@ -15,7 +15,8 @@ import torch
 
 from ckpt_tools.errors import EXIT_CORRUPT, CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.ops.rewrite.rewriting import convert, strip_module_file
+from ckpt_tools.ops.rewrite.conversion import convert
+from ckpt_tools.ops.rewrite.rewriting import strip_module
 from tests.helpers import console_script
 
 
@@ -29,7 +30,7 @@ def _damaged(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("rewrite", [strip_module_file, convert])
+@pytest.mark.parametrize("rewrite", [strip_module, convert])
 def test_a_record_failing_its_crc_is_refused_before_writing(tmp_path: Path, rewrite) -> None:
     src = _damaged(tmp_path)
     with pytest.raises(CorruptCheckpointError, match=r"'data/0' fails its CRC-32 check"):

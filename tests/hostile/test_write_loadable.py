@@ -23,7 +23,8 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.pickle.repickle import check_weights_only_pickle, unsupported_opcodes
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.zipcheck import check_torch_zip
-from ckpt_tools.ops.rewrite.rewriting import convert, strip_module_file
+from ckpt_tools.ops.rewrite.conversion import convert
+from ckpt_tools.ops.rewrite.rewriting import strip_module
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 
@@ -90,7 +91,7 @@ def test_pickle_protocol_4_and_5_inputs_come_out_as_protocol_2(protocol, tmp_pat
     with pytest.raises(pickle.UnpicklingError):  # the input itself: torch's own refusal
         torch.load(src, weights_only=True)
     dst = tmp_path / "out.pt"
-    strip_module_file(src, dst)
+    strip_module(src, dst)
     with zipfile.ZipFile(dst) as archive:
         payload = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
     assert payload[:2] == b"\x80\x02" and unsupported_opcodes(payload) == []

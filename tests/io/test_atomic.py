@@ -27,7 +27,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.io import atomic
 from ckpt_tools.io.atomic import TEMP_SUFFIX, Interrupted, atomic_output, check_output_path
-from ckpt_tools.ops.rewrite.rewriting import convert
+from ckpt_tools.ops.rewrite.conversion import convert
 from tests import helpers as h
 
 

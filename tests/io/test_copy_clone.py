@@ -19,7 +19,7 @@ import torch
 
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.copy.clone import COPY_METHODS, copy_method, copy_range
-from ckpt_tools.ops.rewrite.rewriting import strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import strip_module
 from tests import helpers as h
 
 MIB = 1 << 20
@@ -159,11 +159,11 @@ def test_a_rewrite_on_xfs_shares_the_tensor_bytes(
 
         save_file(sd, src)
     before = _free_bytes(xfs)
-    strip_module_file(src, xfs / f"out{suffix}")
+    strip_module(src, xfs / f"out{suffix}")
     assert before - _free_bytes(xfs) < 4 * MIB  # the 32 MiB of tensors are shared
     # The same bytes as a read/write copy on another file system.
     h.force_copy_method(monkeypatch, "readwrite")
-    strip_module_file(src, tmp_path / f"out{suffix}")
+    strip_module(src, tmp_path / f"out{suffix}")
     assert (xfs / f"out{suffix}").read_bytes() == (tmp_path / f"out{suffix}").read_bytes()
     loaded = h.load(xfs / f"out{suffix}", mmap=True)
     assert all(torch.equal(loaded[k.removeprefix("module.")], v) for k, v in sd.items())

@@ -193,7 +193,7 @@ def test_a_full_disk_is_an_error_not_a_reason_to_try_another_way(
 # each) while one rewrite runs, in a process of its own: an audit hook cannot be removed.
 _COUNT_DIRECT = """
 import fcntl, os, sys
-from ckpt_tools.ops.rewrite.rewriting import strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import strip_module
 
 seen = []
 if len(sys.argv) > 4:  # the method every copy tries first (the writers name none)
@@ -206,7 +206,7 @@ def hook(event, args):
         seen.append(args[0])
 
 sys.addaudithook(hook)
-strip_module_file(sys.argv[1], sys.argv[2], durable=sys.argv[3] == "durable")
+strip_module(sys.argv[1], sys.argv[2], durable=sys.argv[3] == "durable")
 print(len(seen))
 """
 

@@ -24,7 +24,9 @@ from ckpt_tools.formats.pickle import expansion
 from ckpt_tools.io.copy.clone import COPY_METHODS
 from ckpt_tools.io.copy.layout import plan_zip_layout, zip_actions
 from ckpt_tools.io.writers.zipfile import SAVE_HEAD_RECORDS, SAVE_VERSION
-from ckpt_tools.ops.rewrite.rewriting import add_module_file, rename_file, retag, strip_module_file
+from ckpt_tools.ops.rewrite.conversion import retag
+from ckpt_tools.ops.rewrite.rewriting import add_module, rename, strip_module
+from ckpt_tools.structure.keys import sub_rule
 from tests import helpers as h
 
 BLOCK = 4096
@@ -65,10 +67,10 @@ def _assert_torch_equal(path: Path, expected: dict[str, torch.Tensor]) -> None:
 
 
 REWRITES = {
-    "strip-module": lambda src, dst: strip_module_file(src, dst),
-    "add-module": lambda src, dst: add_module_file(src, dst, "wrapper."),
-    "rename": lambda src, dst: rename_file(src, dst, subs=[("module.layer", "block")]),
-    "retag": lambda src, dst: retag(src, dst, {"cpu": "cuda:0"}),
+    "strip-module": lambda src, dst: strip_module(src, dst),
+    "add-module": lambda src, dst: add_module(src, dst, prefix="wrapper."),
+    "rename": lambda src, dst: rename(src, dst, rules=[sub_rule("module.layer", "block")]),
+    "retag": lambda src, dst: retag(src, dst, mapping={"cpu": "cuda:0"}),
 }
 
 
@@ -127,7 +129,7 @@ def test_the_output_is_the_source_but_for_data_pkl_when_the_pickle_shrinks(
     sd = _state()
     src = h.save(sd, tmp_path / "in.pt")
     dst = tmp_path / "out.pt"
-    strip_module_file(src, dst)
+    strip_module(src, dst)
     before, after = _zip_data_offsets(src), _zip_data_offsets(dst)
     # The shorter pickle is padded up to where the source's next record began.
     assert {n: after[n] for n in before if n != "data.pkl"} == {
@@ -139,7 +141,7 @@ def test_a_longer_pickle_moves_records_by_whole_blocks(tmp_path: Path) -> None:
     sd = _state(prefix="", n=40)
     src = h.save(sd, tmp_path / "in.pt")
     dst = tmp_path / "out.pt"
-    add_module_file(src, dst, "a_rather_long_wrapper_name_that_grows_the_pickle." * 3)
+    add_module(src, dst, prefix="a_rather_long_wrapper_name_that_grows_the_pickle." * 3)
     before, after = _zip_data_offsets(src), _zip_data_offsets(dst)
     moved = {after[n] - before[n] for n in before if n.startswith("data/")}
     assert len(moved) == 1 and moved.pop() % BLOCK == 0
@@ -158,7 +160,7 @@ def test_a_rezipped_source_without_data_descriptors_keeps_its_layout(tmp_path: P
         for info in z.infolist():
             out.writestr(info.filename.replace("saved/", "in/"), z.read(info))
     dst = tmp_path / "out.pt"
-    strip_module_file(src, dst)
+    strip_module(src, dst)
     _assert_torch_equal(dst, _renamed("strip-module", sd))
     before, after = _zip_data_offsets(src), _zip_data_offsets(dst)
     # zipfile does not align storages to 64 bytes; the output must (mmap loads need it),
@@ -196,7 +198,7 @@ def test_a_damaged_header_or_descriptor_is_written_anew_not_copied(
         raw[at + 4 : at + 10] = b"SECRET"
     src.write_bytes(bytes(raw))
     dst = tmp_path / "out.pt"
-    strip_module_file(src, dst)
+    strip_module(src, dst)
     _assert_torch_equal(dst, _renamed("strip-module", sd))
     out = dst.read_bytes()
     if damage == "descriptor":
@@ -212,7 +214,7 @@ def test_safetensors_data_keeps_its_offset_when_the_header_shrinks(tmp_path: Pat
     src = tmp_path / "in.safetensors"
     save_file(sd, src, metadata={"format": "pt"})
     dst = tmp_path / "out.safetensors"
-    strip_module_file(src, dst)
+    strip_module(src, dst)
     (start_in, offsets_in), (start_out, offsets_out) = (
         _safetensors_layout(src),
         _safetensors_layout(dst),
@@ -233,7 +235,7 @@ def test_safetensors_data_keeps_its_offset_modulo_4096_when_the_header_grows(
     save_file(sd, src)
     dst = tmp_path / "out.safetensors"
     prefix = "wrapper." * 40
-    add_module_file(src, dst, prefix)
+    add_module(src, dst, prefix=prefix)
     start_in, _ = _safetensors_layout(src)
     start_out, _ = _safetensors_layout(dst)
     assert start_out > start_in and start_out % BLOCK == start_in % BLOCK
@@ -255,7 +257,7 @@ def test_every_copy_method_writes_the_same_bytes(
     for method in COPY_METHODS:
         h.force_copy_method(monkeypatch, method)
         dst = tmp_path / f"{method}{suffix}"
-        strip_module_file(src, dst)
+        strip_module(src, dst)
         outputs[method] = dst.read_bytes()
     assert len(set(outputs.values())) == 1
     assert h.load(tmp_path / f"readwrite{suffix}").keys() == _renamed("strip-module", sd).keys()
@@ -277,9 +279,7 @@ def test_progress_counts_the_tensor_bytes_of_a_run_exactly(tmp_path: Path) -> No
     sd = _state(n=9)
     src = h.save(sd, tmp_path / "in.pt")
     seen: list[tuple[int, int]] = []
-    strip_module_file(
-        src, tmp_path / "out.pt", progress=lambda done, total: seen.append((done, total))
-    )
+    strip_module(src, tmp_path / "out.pt", progress=lambda done, total: seen.append((done, total)))
     total = sum(t.numel() * t.element_size() for t in sd.values())
     assert seen and seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -290,7 +290,7 @@ def test_a_rewrite_scans_each_pickle_once(tmp_path: Path) -> None:
     # when it is read back: one opcode scan serves all three.
     src = h.save({f"module.l{i}": torch.zeros(2) for i in range(50)}, tmp_path / "in.pt")
     expansion._remembered_scan.cache_clear()
-    strip_module_file(src, tmp_path / "out.pt")
+    strip_module(src, tmp_path / "out.pt")
     info = expansion._remembered_scan.cache_info()
     assert (info.misses, info.hits) == (2, 2)  # the input's pickle, then the output's
     # Another payload is scanned on its own, never answered from the output's result.

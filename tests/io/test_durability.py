@@ -21,7 +21,7 @@ import torch
 from ckpt_tools.cli.main import cli
 from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.copy.clone import _WRITEBACK_EVERY
-from ckpt_tools.ops.rewrite.rewriting import strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import strip_module
 from tests.helpers.builders import load, save
 from tests.helpers.cli import ckpt_env, console_script
 
@@ -58,8 +58,8 @@ def test_a_failed_non_durable_output_leaves_nothing(tmp_path: Path) -> None:
 def test_a_non_durable_rewrite_writes_what_a_durable_one_writes(tmp_path: Path) -> None:
     sd = {"module.w": torch.arange(6.0).reshape(2, 3), "module.b": torch.ones(3)}
     src = save(sd, tmp_path / "in.pt")
-    synced = strip_module_file(src, tmp_path / "synced.pt")
-    fast = strip_module_file(src, tmp_path / "fast.pt", durable=False)
+    synced = strip_module(src, tmp_path / "synced.pt")
+    fast = strip_module(src, tmp_path / "fast.pt", durable=False)
     assert fast.verification == synced.verification
     assert fast.bytes_copied == synced.bytes_copied
     a, b = load(tmp_path / "synced.pt"), load(tmp_path / "fast.pt")

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from ckpt_tools import list_devices, pick_devices
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import UsageError
-from ckpt_tools import list_devices, pick_devices
 from ckpt_tools.loading.devices import DeviceInfo, visible_devices_for
 
 gpu = pytest.mark.gpu

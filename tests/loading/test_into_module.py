@@ -14,7 +14,7 @@ from torch import nn
 from ckpt_tools import load_into
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import StateDictMismatchError
-from ckpt_tools.ops.rewrite.rewriting import retag
+from ckpt_tools.ops.rewrite.conversion import retag
 
 # torch.compile's import path touches deprecated torch.jit APIs.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -142,7 +142,7 @@ def test_cuda1_checkpoint_loads_into_a_cpu_model(
     plain = tmp_path / "plain.pt"
     torch.save(nn.DataParallel(source).state_dict(), plain)
     tagged = tmp_path / "cuda1.pt"
-    retag(plain, tagged, {"cpu": "cuda:1"})
+    retag(plain, tagged, mapping={"cpu": "cuda:1"})
     target = make_net(1)
     with caplog.at_level(logging.INFO, logger="ckpt_tools"):
         report = load_into(target, tagged)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ckpt_tools import load_into, load_state_dict
-from ckpt_tools.ops.rewrite.rewriting import retag
+from ckpt_tools.ops.rewrite.conversion import retag
 from tests.loading.test_own_reader import _zoo, assert_like_torch
 
 pytestmark = [
@@ -49,7 +49,7 @@ def test_auto_puts_gpu_tagged_storages_on_a_gpu_and_callables_get_cpu_storages(
     plain = str(tmp_path / "plain.pt")
     torch.save(weights, plain)
     tagged = str(tmp_path / "cuda0.pt")
-    retag(plain, tagged, {"cpu": "cuda:0"})
+    retag(plain, tagged, mapping={"cpu": "cuda:0"})
     sd = load_state_dict(tagged)
     assert {str(t.device) for t in sd.values()} == {"cuda:0"}
     seen: list[tuple[str, str]] = []

@@ -21,7 +21,7 @@ from ckpt_tools.cli.main import main
 from ckpt_tools.errors import SelectError, UnsafeContentError, UnsupportedFormatError, UsageError
 from ckpt_tools.loading.devices import auto_location, resolve_map_location
 from ckpt_tools.loading.state_dict import LoadInfo
-from ckpt_tools.ops.rewrite.rewriting import retag
+from ckpt_tools.ops.rewrite.conversion import retag
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -60,7 +60,7 @@ def cuda1_file(net: nn.Module, save: Callable[..., str], tmp_path: Path) -> str:
     """The net's state dict with every storage tagged cuda:1 (as if saved on GPU 1)."""
     plain = save(net.state_dict(), "plain.pt")
     out = str(tmp_path / "cuda1.pt")
-    retag(plain, out, {"cpu": "cuda:1"})
+    retag(plain, out, mapping={"cpu": "cuda:1"})
     return out
 
 
@@ -156,7 +156,7 @@ def test_auto_puts_cuda_storages_on_an_existing_gpu(net: nn.Module, tmp_path: Pa
     torch.save(net.state_dict(), plain)
     count = torch.cuda.device_count()
     tagged = str(tmp_path / "cuda9.pt")
-    retag(plain, tagged, {"cpu": "cuda:9"})
+    retag(plain, tagged, mapping={"cpu": "cuda:9"})
     sd = load_state_dict(tagged)
     assert {str(t.device) for t in sd.values()} == {f"cuda:{9 % count}"}
     sd = load_state_dict(plain, map_location="cuda:0")

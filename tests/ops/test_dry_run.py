@@ -333,7 +333,7 @@ def test_convert_to_folder_and_reshard_dry_runs_plan_what_they_write(tmp_path: P
     )
     assert data["dropped"] == ["lm_head.weight"]  # tied: stored once, as huggingface_hub does
 
-    real = convert_to_folder("in.pt", "hf/", "600")
+    real = convert_to_folder("in.pt", "hf/", max_shard_size="600")
     assert (
         real.written
         and real.dropped == tuple(data["dropped"])
@@ -344,7 +344,7 @@ def test_convert_to_folder_and_reshard_dry_runs_plan_what_they_write(tmp_path: P
     before = _snapshot(tmp_path)
     data = _dry_json(["reshard", "hf", "hf2", "--max-shard-size", "1000"])
     assert _snapshot(tmp_path) == before
-    real = reshard("hf", "hf2", "1000")
+    real = reshard("hf", "hf2", max_shard_size="1000")
     _check_folder_plan(data, real.written)
     assert data["message"].startswith("dry run: would reshard")
 
@@ -516,11 +516,9 @@ def test_a_renaming_dry_run_to_safetensors_drops_what_the_write_drops(tmp_path: 
     sd = {"module.embed.weight": embed, "module.lm_head.weight": embed, "module.step": 3}
     torch.save(sd | {"module.fc.weight": torch.randn(4, 8)}, tmp_path / "ddp.pt")
     kw = {"drop_extras": True}
-    planned = ct.strip_module_file(
-        tmp_path / "ddp.pt", tmp_path / "out.safetensors", dry_run=True, **kw
-    )
+    planned = ct.strip_module(tmp_path / "ddp.pt", tmp_path / "out.safetensors", dry_run=True, **kw)
     assert not planned.written and not (tmp_path / "out.safetensors").exists()
-    real = ct.strip_module_file(tmp_path / "ddp.pt", tmp_path / "out.safetensors", **kw)
+    real = ct.strip_module(tmp_path / "ddp.pt", tmp_path / "out.safetensors", **kw)
     assert real.written and real.dropped == planned.dropped
     assert "lm_head.weight" in " ".join(real.dropped) and "step" in " ".join(real.dropped)
     assert set(planned.examples) >= set(real.examples)

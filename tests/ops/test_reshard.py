@@ -167,7 +167,7 @@ def test_reshard_changes_shard_size_never_touches_the_input(tmp_path: Path) -> N
     sd = _model_pt(tmp_path / "model.pt")
     convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
     before = _digest(tmp_path / "hf")
-    result = reshard(tmp_path / "hf", tmp_path / "big", "1MB", verify="full")
+    result = reshard(tmp_path / "hf", tmp_path / "big", max_shard_size="1MB", verify="full")
     assert _digest(tmp_path / "hf") == before
     # everything fits in one: a lone model.safetensors with the metadata in it, no index
     assert result.written == (str(tmp_path / "big" / "model.safetensors"),)
@@ -175,20 +175,20 @@ def test_reshard_changes_shard_size_never_touches_the_input(tmp_path: Path) -> N
         assert f.metadata() == {"format": "pt", "model.embed_tokens.weight": "lm_head.weight"}
     union = load_file(tmp_path / "big" / "model.safetensors")
     assert all(torch.equal(union[k], sd[k]) for k in union) and len(union) == len(sd) - 1
-    small = reshard(tmp_path / "big", tmp_path / "small", 700)
+    small = reshard(tmp_path / "big", tmp_path / "small", max_shard_size=700)
     _check_index(tmp_path / "small", 700)
     assert len(small.written) == 4  # lm_head (1600 B) and big (6400 B) alone, the rest together
     with pytest.raises(OutputExistsError, match="force=True"):
-        reshard(tmp_path / "hf", tmp_path / "small", "1KB")
-    reshard(tmp_path / "hf", tmp_path / "small", "1MB", force=True)
+        reshard(tmp_path / "hf", tmp_path / "small", max_shard_size="1KB")
+    reshard(tmp_path / "hf", tmp_path / "small", max_shard_size="1MB", force=True)
     assert sorted(p.name for p in (tmp_path / "small").iterdir()) == ["model.safetensors"]
     with pytest.raises(OutputError, match="is the input or holds it"):
-        reshard(tmp_path / "hf", tmp_path / "hf", "1KB", force=True)
+        reshard(tmp_path / "hf", tmp_path / "hf", max_shard_size="1KB", force=True)
     with pytest.raises(OutputError, match="never replaced"):  # nor a folder holding the input
         convert(tmp_path / "model.pt", tmp_path, max_shard_size="1KB", force=True)
     assert _digest(tmp_path / "hf") == before
     with pytest.raises(UsageError, match="not a sharded folder"):
-        reshard(tmp_path / "model.pt", tmp_path / "x", "1KB")
+        reshard(tmp_path / "model.pt", tmp_path / "x", max_shard_size="1KB")
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
 
 
@@ -200,7 +200,7 @@ def test_a_broken_index_is_refused_and_nothing_is_written(tmp_path: Path) -> Non
     index["weight_map"]["ghost"] = next(iter(index["weight_map"].values()))
     index_path.write_text(json.dumps(index))
     with pytest.raises(CorruptCheckpointError, match="has no such tensor"):
-        reshard(tmp_path / "hf", tmp_path / "out", "1MB")
+        reshard(tmp_path / "hf", tmp_path / "out", max_shard_size="1MB")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
 
@@ -259,14 +259,14 @@ def test_a_killed_runs_temp_folders_are_removed_a_live_ones_kept(tmp_path: Path)
 def test_jobs_write_the_same_bytes_as_one_writer(tmp_path: Path) -> None:
     _model_pt(tmp_path / "model.pt")
     convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
-    one = reshard(tmp_path / "hf", tmp_path / "one", 600, verify="full")
-    many = reshard(tmp_path / "hf", tmp_path / "many", 600, verify="full", jobs=4)
+    one = reshard(tmp_path / "hf", tmp_path / "one", max_shard_size=600, verify="full")
+    many = reshard(tmp_path / "hf", tmp_path / "many", max_shard_size=600, verify="full", jobs=4)
     names = [Path(p).name for p in one.written]
     assert [Path(p).name for p in many.written] == names and len(names) > 3
     assert _digest(tmp_path / "many") == _digest(tmp_path / "one")
     _check_index(tmp_path / "many", 600)
     with pytest.raises(UsageError, match="jobs=0: must be at least 1"):
-        reshard(tmp_path / "hf", tmp_path / "none", 600, jobs=0)
+        reshard(tmp_path / "hf", tmp_path / "none", max_shard_size=600, jobs=0)
     res = run_ckpt(
         "reshard", tmp_path / "hf", tmp_path / "cli", "--max-shard-size", "600", "--jobs", "3"
     )

@@ -19,7 +19,7 @@ from ckpt_tools.loading.into_module import load_into
 from ckpt_tools.loading.results import ShapeMismatch
 from ckpt_tools.loading.state_dict import load_state_dict
 from ckpt_tools.ops.inspect.inspection import inspect
-from ckpt_tools.ops.rewrite.rewriting import strip_module_file
+from ckpt_tools.ops.rewrite.rewriting import strip_module
 from ckpt_tools.structure.grouping import fold_keys, fold_names
 from ckpt_tools.structure.text import text_table
 
@@ -73,7 +73,7 @@ def test_diff_text_is_what_the_command_prints(tmp_path: Path) -> None:
 def test_load_and_rewrite_results_read_as_text(tmp_path: Path) -> None:
     _, load = load_state_dict(DP, map_location="cpu", return_info=True)
     assert str(load).startswith(f"loaded {load.tensors} tensors from {DP}")
-    result = strip_module_file(DP, tmp_path / "out.pt")
+    result = strip_module(DP, tmp_path / "out.pt")
     assert str(result) == result.text() and "RewriteResult(" not in str(result)
     assert repr(result).startswith("RewriteResult(") and len(repr(result)) < 300
 

@@ -28,7 +28,9 @@ from ckpt_tools.errors import (
     UnsafeContentError,
     UsageError,
 )
-from ckpt_tools.ops.rewrite.rewriting import convert, rename_file, strip_module_file
+from ckpt_tools.ops.rewrite.conversion import convert
+from ckpt_tools.ops.rewrite.rewriting import rename, strip_module
+from ckpt_tools.structure.keys import regex_rule, sub_rule
 from tests import helpers as h
 
 
@@ -141,13 +143,13 @@ def test_collision_is_refused_naming_both_keys(ddp_file, out_dir, capsys):
     assert h.fingerprint(src) == before and h.listing(out_dir) == []
 
     with pytest.raises(KeyCollisionError, match=r"'module\.w' and 'w'") as info:
-        strip_module_file(src, out_dir / "out.pt", prefix="module.")
+        strip_module(src, out_dir / "out.pt", prefix="module.")
     assert info.value.collisions == (("w", ("module.w", "w")),)
     with pytest.raises(KeyCollisionError, match=r"'a\.x' and 'b\.x' -> 'c\.x'"):
-        rename_file(
+        rename(
             ddp_file("ab.pt", {"a.x": torch.ones(1), "b.x": torch.ones(1)}),
             out_dir / "out.pt",
-            subs=[("a.", "c."), ("b.", "c.")],
+            rules=[sub_rule("a.", "c."), sub_rule("b.", "c.")],
         )
     assert h.listing(out_dir) == []
 
@@ -219,7 +221,7 @@ def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path,
         assert "posix.system" in err and "--allow-global posix.system" in err
         assert not out.exists() and h.temp_files(tmp_path) == []
     with pytest.raises(UnsafeContentError, match=r"posix\.system") as info:
-        strip_module_file(src, out)
+        strip_module(src, out)
     assert info.value.globals == ("posix.system",)
 
     code, stdout, err = h.run_ckpt(
@@ -287,14 +289,14 @@ def test_usage_errors_exit_2(args, message, ddp_file, out_dir, capsys):
 
 def test_usage_errors_from_the_api(ddp_file, out_dir):
     src = ddp_file()
-    with pytest.raises(UsageError, match=r"at least one rename rule; pass subs=\[\('OLD'"):
-        rename_file(src, out_dir / "o.pt")
+    with pytest.raises(UsageError, match=r"at least one rename rule; pass rules=\[sub_rule\('OLD'"):
+        rename(src, out_dir / "o.pt", rules=[])
     with pytest.raises(UsageError, match=r"pattern='\(x': not a valid regular expression"):
-        rename_file(src, out_dir / "o.pt", regexes=[("(x", "y")])
+        rename(src, out_dir / "o.pt", rules=[regex_rule("(x", "y")])
     other = src.parent / "other.pt"
     other.write_bytes(b"x")
     with pytest.raises(OutputExistsError, match="already exists"):
-        strip_module_file(src, other)
+        strip_module(src, other)
     assert other.read_bytes() == b"x"
     with pytest.raises(SameFileError, match="is the input file"):
         convert(src, src)
@@ -369,7 +371,7 @@ def test_read_only_input_is_only_read(tmp_path, capsys):
     assert list(h.load(tmp_path / "y.pt")) == ["m_w"]
 
 
-@pytest.mark.parametrize("name", ["rewrite", "strip_module_file", "sanitize", "reshard"])
+@pytest.mark.parametrize("name", ["rewrite", "strip_module", "sanitize", "reshard"])
 def test_an_unknown_verify_level_is_refused_before_the_input_is_read(name, tmp_path):
     import ckpt_tools
 
@@ -421,14 +423,14 @@ def test_strip_module_reads_its_input_as_often_as_an_explicit_prefix(tmp_path):
     src = h.save(h.build_layout("plain")[0], tmp_path / "ddp.pt")
     code = (
         "import os, sys\n"
-        "from ckpt_tools.ops.rewrite.rewriting import strip_module_file\n"
+        "from ckpt_tools.ops.rewrite.rewriting import strip_module\n"
         "src, out = os.path.abspath(sys.argv[1]), sys.argv[2]\n"
         "opens = []\n"
         "sys.addaudithook(lambda e, a: opens.append(1) if e == 'open' and isinstance(a[0], str)"
         " and os.path.abspath(a[0]) == src else None)\n"
         "for prefix in ('module.', None):\n"
         "    opens.clear()\n"
-        "    strip_module_file(src, out, prefix=prefix, force=True)\n"
+        "    strip_module(src, out, prefix=prefix, force=True)\n"
         "    print(len(opens))\n"
     )
     run = subprocess.run(

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_tools.ops.rewrite.rewriting import add_module_file, convert, retag, strip_module_file
+from ckpt_tools.ops.rewrite.conversion import convert, retag
+from ckpt_tools.ops.rewrite.rewriting import add_module, strip_module
 from tests import helpers as h
 
 # What puts each prefix on the keys, to load the round-tripped file into the real wrapper.
@@ -45,11 +46,11 @@ def test_strip_then_add_is_bitwise_identity(layout, layout_file, tmp_path):
     bare = tmp_path / f"bare{src.suffix}"
     again = tmp_path / f"again{src.suffix}"
 
-    stripped = strip_module_file(src, bare, verify="full")
+    stripped = strip_module(src, bare, verify="full")
     assert stripped.written
     assert "".join(w.prefix for w in stripped.wrappers) == prefix
     assert stripped.renamed == stripped.total_keys > 0
-    added = add_module_file(bare, again, prefix=prefix, verify="full")
+    added = add_module(bare, again, prefix=prefix, verify="full")
     assert added.written and added.renamed == added.total_keys
 
     original = h.load(src)
@@ -70,8 +71,8 @@ def test_strip_then_add_is_bitwise_identity(layout, layout_file, tmp_path):
 @pytest.mark.parametrize("layout", h.MODEL_LAYOUTS)
 def test_stripped_loads_into_bare_model_and_readded_into_wrapper(layout, layout_file, tmp_path):
     src, prefix, sel = layout_file(layout)
-    strip_module_file(src, tmp_path / "bare.pt")
-    add_module_file(tmp_path / "bare.pt", tmp_path / "wrapped.pt", prefix=prefix)
+    strip_module(src, tmp_path / "bare.pt")
+    add_module(tmp_path / "bare.pt", tmp_path / "wrapped.pt", prefix=prefix)
     want = {k[len(prefix) :]: v for k, v in h.at_path(h.load(src), sel).items()}
 
     for mmap in (False, True):
@@ -94,7 +95,7 @@ def test_stripped_loads_into_bare_model_and_readded_into_wrapper(layout, layout_
 def test_add_module_output_loads_into_dataparallel_strict(tmp_path):
     model = h.make_model()
     src = h.save(model.state_dict(), tmp_path / "plain.pt")
-    add_module_file(src, tmp_path / "dp.pt")
+    add_module(src, tmp_path / "dp.pt")
     for mmap in (False, True):
         dp = nn.DataParallel(h.make_model(seed=5))
         dp.load_state_dict(h.load(tmp_path / "dp.pt", mmap=mmap), strict=True)
@@ -113,8 +114,8 @@ def test_add_then_strip_is_bitwise_identity(tmp_path):
     sd = model.state_dict()
     sd.update(h.nan_payloads())
     src = h.save(sd, tmp_path / "plain.pt")
-    add_module_file(src, tmp_path / "dp.pt", verify="full")
-    result = strip_module_file(tmp_path / "dp.pt", tmp_path / "back.pt", verify="full")
+    add_module(src, tmp_path / "dp.pt", verify="full")
+    result = strip_module(tmp_path / "dp.pt", tmp_path / "back.pt", verify="full")
     assert [w.prefix for w in result.wrappers] == ["module."]
     h.assert_bitwise_equal(h.load(src), h.load(tmp_path / "back.pt"))
 
@@ -214,12 +215,12 @@ def test_pt_to_pt_convert_of_a_trainer_dict_is_bitwise_identity(layout_file, tmp
 def test_retag_round_trip(tmp_path):
     sd = _zoo()
     src = h.save(sd, tmp_path / "cpu.pt")
-    result = retag(src, tmp_path / "gpu.pt", {"cpu": "cuda:1"})
+    result = retag(src, tmp_path / "gpu.pt", mapping={"cpu": "cuda:1"})
     assert result.device_map == {"cpu": "cuda:1"}
     payload = h.read_data_pkl(tmp_path / "gpu.pt")
     assert b"cuda:1" in payload and b"cpu" not in payload
     # Loads anywhere with map_location, bytes unchanged.
     mapped = torch.load(tmp_path / "gpu.pt", weights_only=True, map_location="cpu")
     h.assert_bitwise_equal(h.load(src), mapped)
-    retag(tmp_path / "gpu.pt", tmp_path / "back.pt", {"cuda:1": "cpu"})
+    retag(tmp_path / "gpu.pt", tmp_path / "back.pt", mapping={"cuda:1": "cpu"})
     h.assert_bitwise_equal(h.load(src), h.load(tmp_path / "back.pt"))

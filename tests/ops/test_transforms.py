@@ -392,7 +392,10 @@ def test_dry_run_still_refuses_what_the_write_would(
     assert code == 7 and "the inputs do not match" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     result = ct.rewrite(
-        FIXTURES / "dataparallel.pt", tmp_path / "p.pt", [ct.sub_rule("module.", "")], dry_run=True
+        FIXTURES / "dataparallel.pt",
+        tmp_path / "p.pt",
+        rules=[ct.sub_rule("module.", "")],
+        dry_run=True,
     )
     assert not result.written and len(result.examples) == result.renamed == 17
     assert list(tmp_path.iterdir()) == []

@@ -177,7 +177,7 @@ def test_pt_rewrites_still_refuse_the_module_objects(unimportable, tmp_path):
     assert "nets_i10.Net" in result.stderr and not out.exists()
     names = ct.inspect(path).unsafe_globals
     with pytest.raises(ct.ConversionError, match=r"pickled nn\.Module"):
-        ct.rewrite(path, out, [ct.sub_rule("conv.", "c.")], allow_globals=names)
+        ct.rewrite(path, out, rules=[ct.sub_rule("conv.", "c.")], allow_globals=names)
     assert not out.exists()
     # To safetensors, nothing of the module objects is written: the classes need no allowing.
     result = subprocess.run(

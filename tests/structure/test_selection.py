@@ -95,7 +95,7 @@ def test_rewrite_replaces_the_same_node_and_keeps_the_rest(case: tuple[str, Path
     tree, select, keys, seed = CASES[name]
     out = path.with_name("out.pt")
     allow = (f"{Holder.__module__}.Holder",) if name in _TRUSTED else ()
-    rewrite(path, out, [add_rule("net.")], select=select, allow_globals=allow)
+    rewrite(path, out, rules=[add_rule("net.")], select=select, allow_globals=allow)
     written = torch.load(out, weights_only=False)
     node = walk_path(written, keys).node
     node = node if isinstance(node, dict) else vars(node)
@@ -116,7 +116,7 @@ def test_every_caller_names_the_same_missing_entry(case: tuple[str, Path]) -> No
         lambda: inspect(path, select=wrong),
         lambda: load_state_dict(path, select=wrong, trust=name in _TRUSTED),
         lambda: rewrite(
-            path, path.with_name("o.pt"), [add_rule("x.")], select=wrong, allow_globals=allow
+            path, path.with_name("o.pt"), rules=[add_rule("x.")], select=wrong, allow_globals=allow
         ),
     ):
         with pytest.raises(SelectError, match=r"select=.*no entry 'nope'"):

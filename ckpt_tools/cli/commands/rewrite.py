@@ -19,13 +19,9 @@ from ckpt_tools.cli.options import (
 )
 from ckpt_tools.cli.render import echo_result
 from ckpt_tools.errors import UsageError
-from ckpt_tools.ops.rewrite.rewriting import (
-    add_module_file,
-    convert,
-    rename_file,
-    retag,
-    strip_module_file,
-)
+from ckpt_tools.ops.rewrite.conversion import convert, retag
+from ckpt_tools.ops.rewrite.rewriting import add_module, rename, strip_module
+from ckpt_tools.structure.keys import regex_rule, sub_rule
 
 # The progress bar is drawn only for rewrites worth watching.
 _BAR_BYTES = 64 << 20
@@ -122,7 +118,7 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
 def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
     """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
     with progress_bar(kw["quiet"]) as progress:
-        result = strip_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
+        result = strip_module(src, dst, prefix=prefix, **library_options(kw, progress))
     echo_result(result, kw["as_json"], kw["quiet"])
 
 
@@ -132,7 +128,7 @@ def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
 def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
     """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
     with progress_bar(kw["quiet"]) as progress:
-        result = add_module_file(src, dst, prefix=prefix, **library_options(kw, progress))
+        result = add_module(src, dst, prefix=prefix, **library_options(kw, progress))
     echo_result(result, kw["as_json"], kw["quiet"])
 
 
@@ -163,13 +159,9 @@ def rename_cmd(
 ) -> None:
     """Rename keys: prefix maps (--sub) then regex substitutions (--regex)."""
     with progress_bar(kw["quiet"]) as progress:
-        result = rename_file(
-            src,
-            dst,
-            _pairs(subs, "--sub"),
-            _pairs(regexes, "--regex"),
-            **library_options(kw, progress),
-        )
+        rules = [sub_rule(old, new) for old, new in _pairs(subs, "--sub")]
+        rules += [regex_rule(p, r) for p, r in _pairs(regexes, "--regex")]
+        result = rename(src, dst, rules=rules, **library_options(kw, progress))
     echo_result(result, kw["as_json"], kw["quiet"])
 
 
@@ -202,7 +194,7 @@ def convert_cmd(
         result = convert(
             src,
             dst,
-            format=fmt,
+            output_format=fmt,
             drop_extras=drop_extras,
             max_shard_size=max_shard_size,
             **library_options(kw, progress),
@@ -238,7 +230,7 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
         result = reshard(
             src,
             dst,
-            max_shard_size,
+            max_shard_size=max_shard_size,
             force=kw["force"],
             verify=kw["verify"],
             progress=progress,
@@ -262,5 +254,6 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
 def retag_cmd(src: str, dst: str, maps: tuple[str, ...], **kw: Any) -> None:
     """Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere."""
     with progress_bar(kw["quiet"]) as progress:
-        result = retag(src, dst, dict(_pairs(maps, "--map")), **library_options(kw, progress))
+        mapping = dict(_pairs(maps, "--map"))
+        result = retag(src, dst, mapping=mapping, **library_options(kw, progress))
     echo_result(result, kw["as_json"], kw["quiet"])

@@ -36,7 +36,7 @@ from ckpt_tools.harness.loop import deterministic
 from ckpt_tools.harness.models import build_harness_model
 from ckpt_tools.harness.parity.reference import compare_state_dicts, load_pt, storage_tags
 from ckpt_tools.loading.state_dict import load_state_dict
-from ckpt_tools.ops.rewrite.rewriting import convert, retag
+from ckpt_tools.ops.rewrite.conversion import convert, retag
 from ckpt_tools.structure.keys import add_prefix, strip_prefix
 
 __all__ = [
@@ -284,7 +284,7 @@ def _gpu_tagged(source: Path, work_dir: str | Path) -> tuple[Path, str, list[str
     Path(work_dir).mkdir(parents=True, exist_ok=True)
     target = Path(work_dir) / f"{source.stem}.cuda1.pt"
     target.unlink(missing_ok=True)
-    retag(source, target, {"cpu": "cuda:1"})
+    retag(source, target, mapping={"cpu": "cuda:1"})
     tags = storage_tags(target)
     problems = [] if tags == {"cuda:1"} else [f"retag left storage tags {sorted(tags)}"]
     return target, "retagged cpu->cuda:1", problems

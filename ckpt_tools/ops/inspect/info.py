@@ -265,7 +265,7 @@ class CheckpointInfo(Readable):
         fix = (
             f"ckpt strip-module {self.path} OUT"
             if for_cli
-            else f"ckpt_tools.strip_module_file({self.path!r}, OUT)"
+            else f"ckpt_tools.strip_module({self.path!r}, OUT)"
         )
         found = "; ".join(
             f"{w.prefix!r} {w.kind} ({w.count}/{w.of} keys{', inside keys' if w.inner else ''})"

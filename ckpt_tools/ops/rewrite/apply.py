@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpt_tools._types import Select
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.atomic import AtomicFile
@@ -45,7 +46,7 @@ def apply_rewrite(
     target: Path,
     rules: Sequence[KeyRule],
     *,
-    select: str | Sequence[str] | None,
+    select: Select,
     output_format: str | None,
     device_map: Mapping[str, str] | None,
     verify: str,
@@ -80,6 +81,7 @@ def apply_rewrite(
             dry_run=True,
             examples=tuple(plan.changed),
             dropped=plan.dropped,
+            tensors=len(plan.expected),
             bytes_written=plan.total,
             bytes_copied=plan.copied,
             planned=(plan.planned(dst),),
@@ -98,6 +100,7 @@ def apply_rewrite(
         bytes_copied=plan.copied,
         verification=verification,
         dropped=plan.dropped,
+        tensors=len(plan.expected),
         device_map=dict(device_map or {}),
         message=summary(dst, ckpt.format, fmt, renamed, n_keys, rules, device_map),
     )
@@ -196,7 +199,12 @@ def _plan(
 
 
 def plan_strip(
-    ckpt: Checkpoint, src: str, dst: str, options: Mapping[str, Any]
+    ckpt: Checkpoint,
+    src: str,
+    dst: str,
+    select: Select,
+    output_format: str | None,
+    allow_globals: Sequence[str],
 ) -> tuple[tuple[KeyRule, ...], tuple[WrapperMatch, ...], RewriteResult | None]:
     """The wrapper rules ``strip-module`` applies to the opened ``ckpt``'s state dict.
 
@@ -204,21 +212,22 @@ def plan_strip(
         ckpt: the opened input.
         src: its path, as the caller gave it.
         dst: the output path.
-        options: :func:`~ckpt_tools.ops.rewrite.rewriting.rewrite`'s keyword arguments.
+        select, output_format, allow_globals: the caller's, as
+            :func:`~ckpt_tools.ops.rewrite.rewriting.strip_module` takes them.
 
     Returns:
         ``(rules, matches, None)``; with nothing to strip, ``((), (), result)``: the result
         that says so, once the input has passed the refusals a rewrite of it would make (a
         file no rewrite may touch is never exit 0). The caller has checked ``dst``.
     """
-    selection = select_state_dict(ckpt.root, options.get("select"))
+    selection = select_state_dict(ckpt.root, select)
     keys = [k for k in selection.state_dict if isinstance(k, str)]
     n_keys = len(selection.state_dict)
     rules, matches = strip_wrapper_rules(keys)
     if rules:
         return rules, matches, None
-    fmt = output_format_for(dst, options.get("output_format"), ckpt.format)
-    check_rewritable(ckpt, options.get("allow_globals", ()), selection.path, fmt)
+    fmt = output_format_for(dst, output_format, ckpt.format)
+    check_rewritable(ckpt, allow_globals, selection.path, fmt)
     why = (
         f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; {dst} was not written"
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.descriptors import TensorRef
@@ -25,31 +24,87 @@ from ckpt_tools.structure.selection import entries_beside
 if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
 
-__all__ = ["check_source", "output_format_for", "safetensors_plan", "summary"]
+__all__ = ["check_source", "format_named_by", "output_format_for", "safetensors_plan", "summary"]
 
 
-def output_format_for(dst: str | os.PathLike[str], fmt: str | None, input_format: str) -> str:
-    """The output format: explicit ``fmt``, else from ``dst``'s suffix, else the input's family.
+#: Suffixes that name a torch file; ``.safetensors`` names a safetensors file.
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl")
+_FORMATS = {"torch": "torch-zip", "safetensors": "safetensors"}
+_SUFFIX = {"torch-zip": ".pt", "safetensors": ".safetensors"}
 
-    Raises:
-        UsageError: an unknown format name.
+
+def format_named_by(dst: str | os.PathLike[str]) -> str | None:
+    """The format ``dst``'s suffix names: ``safetensors``, ``torch-zip``, or None for another.
+
+    The one place a file name decides a format (every rewrite, transform and consolidate).
+
+    Example:
+        >>> format_named_by("w.safetensors"), format_named_by("w.PT"), format_named_by("out/")
+        ('safetensors', 'torch-zip', None)
     """
-    if fmt is not None:
-        names = {"torch": "torch-zip", "pt": "torch-zip", "safetensors": "safetensors"}
-        if fmt not in names:
-            raise UsageError(
-                "expected one of: torch, safetensors",
-                argument="format",
-                value=repr(fmt),
-                flag="--format",
-            )
-        return names[fmt]
-    suffix = Path(dst).suffix.lower()
+    suffix = os.path.splitext(os.fspath(dst))[1].lower()
     if suffix == ".safetensors":
         return "safetensors"
-    if suffix in (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"):
-        return "torch-zip"
-    return "safetensors" if input_format == "safetensors" else "torch-zip"
+    return "torch-zip" if suffix in _TORCH_SUFFIXES else None
+
+
+def output_format_for(
+    dst: str | os.PathLike[str],
+    output_format: str | None,
+    input_format: str,
+    *,
+    why: str = "",
+) -> str:
+    """The output format: ``output_format``, else ``dst``'s suffix, else the input's family.
+
+    Args:
+        dst: the output path.
+        output_format: the caller's ``output_format`` (``torch``, ``safetensors`` or None).
+        input_format: the input's format (a safetensors input stays safetensors).
+        why: what asks for ``output_format`` when the caller did not (``retag`` writes
+            torch): said instead of naming the argument when the name contradicts it.
+
+    Returns:
+        ``torch-zip`` or ``safetensors``.
+
+    Raises:
+        UsageError: an unknown format, or one ``dst``'s suffix contradicts (a torch file
+            under a ``.safetensors`` name, or the reverse): the remedy names the file that
+            fits. Nothing has been written.
+
+    Example:
+        >>> try:
+        ...     output_format_for("x.safetensors", "torch", "torch-zip")
+        ... except UsageError as e:
+        ...     print(e)
+        output_format='torch': 'x.safetensors' is named as a safetensors file, and a torch
+        file would be written under it; name it 'x.pt'
+    """
+    named = format_named_by(dst)
+    if output_format is None:
+        return named or ("safetensors" if input_format == "safetensors" else "torch-zip")
+    fmt = _FORMATS.get(output_format)
+    if fmt is None:
+        raise UsageError(
+            "expected one of: torch, safetensors",
+            argument="output_format",
+            value=repr(output_format),
+            flag="--format",
+        )
+    if named is not None and named != fmt:
+        name = os.fspath(dst)
+        fits = os.path.splitext(name)[0] + _SUFFIX[fmt]
+        noun = {"torch-zip": "a torch file", "safetensors": "a safetensors file"}
+        message = f"{name!r} is named as {noun[named]}, and {noun[fmt]} would be written under it"
+        raise UsageError(
+            f"{why}: {message}" if why else message,
+            argument=None if why else "output_format",
+            value=None if why else repr(output_format),
+            flag=None if why else "--format",
+            path=name,
+            remedies=(Remedy(text=f"name it {fits!r}"),),
+        )
+    return fmt
 
 
 def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
@@ -149,6 +204,8 @@ def safetensors_plan(
         kept[identity] = str(name)
         entries.append(SafetensorsEntry(str(name), t))
         expected[str(name)] = t
-    to_torch = Remedy("format", "'torch'", flag="--format torch", text="to keep it in torch format")
+    to_torch = Remedy(
+        "output_format", "'torch'", flag="--format torch", text="to keep it in torch format"
+    )
     check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path, (to_torch,))
     return entries, metadata, tuple(extras) + tuple(dropped), expected

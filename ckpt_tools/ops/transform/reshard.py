@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
@@ -24,7 +25,7 @@ from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.hf_folder import check_output_folder, write_hf_shards
 from ckpt_tools.io.writers.output import Check
-from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes, source_records
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -34,98 +35,87 @@ from ckpt_tools.io.writers.shard_plan import (
     parse_shard_size,
     plan_shards,
 )
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import safetensors_plan
+from ckpt_tools.ops.rewrite.result import RewriteResult
 from ckpt_tools.ops.transform.tied_names import hf_shared_names
 from ckpt_tools.structure.selection import select_state_dict
 
-__all__ = [
-    "DEFAULT_MAX_SHARD_SIZE",
-    "ShardsResult",
-    "convert_to_folder",
-    "reshard",
-]
-
-
-@dataclass(frozen=True, kw_only=True, repr=False)
-class ShardsResult(WriteResult):
-    """What writing a sharded folder did: the fields of
-    :class:`~ckpt_tools.ops.output_plan.WriteResult` (``written``: the shards, then the
-    index if any; ``dropped``: tied tensors stored once, whose kept name is in the metadata,
-    and with ``drop_extras`` non-tensor entries), and
-
-    Attributes:
-        tensors: tensors written.
-        max_shard_size: the shard limit, in bytes.
-    """
-
-    tensors: int = 0
-    max_shard_size: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **super().to_json(),
-            "tensors": self.tensors,
-            "max_shard_size": self.max_shard_size,
-        }
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "convert_to_folder", "reshard"]
 
 
 def convert_to_folder(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    src: StrPath,
+    dst: StrPath,
     *,
-    select: str | Sequence[str] | None = None,
+    max_shard_size: str | int | None = None,
+    output_format: OutputFormat | None = None,
+    select: Select = None,
     drop_extras: bool = False,
-    force: bool = False,
-    verify: str = "sizes",
     allow_globals: Sequence[str] = (),
+    force: bool = False,
+    verify: VerifyLevel = "sizes",
+    durable: bool = True,
+    dry_run: bool = False,
     progress: Progress | None = None,
     jobs: int = 1,
-    dry_run: bool = False,
-    durable: bool = True,
-) -> ShardsResult:
+) -> RewriteResult:
     """Write a checkpoint's state dict as a Hugging Face sharded safetensors folder.
+
+    What :func:`~ckpt_tools.ops.rewrite.conversion.convert` does for a folder output.
 
     Args:
         src: a ``.pt``, ``.safetensors`` or sharded folder.
         dst: the output folder; it must not exist, or be empty, unless ``force``.
-        max_shard_size: the shard limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes).
+        max_shard_size: the shard limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes); None:
+            ``"5GB"``, as ``huggingface_hub``.
+        output_format: None or ``safetensors`` (a folder holds safetensors shards).
         select: dotted path to the state dict; chosen automatically when None.
         drop_extras: leave out non-tensor entries instead of refusing.
+        allow_globals: qualified names outside the allowlist to accept.
         force: replace a non-empty ``dst`` whole (never the input, nor a folder holding it).
         verify: ``sizes`` (default: read every shard back, keys, dtypes, shapes, sizes),
             ``full`` (also every byte, compared with the input's) or ``none``.
-        allow_globals: qualified names outside the allowlist to accept.
-        progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
-            (:data:`~ckpt_tools.io.writers.progress.Progress`).
-        jobs: shards written at once, by threads (see
-            :func:`~ckpt_tools.io.writers.hf_folder.write_folder`).
-        dry_run: plan and check everything (refusals included), write nothing, create no
-            folder: the result's ``planned`` lists each shard, its tensors, and the index.
         durable: fsync every file and the folders before the folder is named (default);
             False skips it, as ``cp`` does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+        dry_run: plan and check everything (refusals included), write nothing, create no
+            folder: the result's ``planned`` lists each shard, its tensors, and the index.
+        progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
+            (:data:`~ckpt_tools._types.Progress`).
+        jobs: shards written at once, by threads (see
+            :func:`~ckpt_tools.io.writers.hf_folder.write_folder`).
 
     Returns:
-        A :class:`ShardsResult`.
+        A :class:`~ckpt_tools.ops.rewrite.result.RewriteResult` (``written``: the shards, then
+        the index if any; ``dropped``: tied tensors stored once, whose kept name is in the
+        metadata, and with ``drop_extras`` non-tensor entries; ``max_shard_size``: the limit).
 
     Raises:
-        UsageError: a bad ``max_shard_size``, ``verify`` or ``jobs``.
+        UsageError: a bad ``max_shard_size``, ``verify``, ``jobs`` or ``output_format``.
         NonTensorEntriesError: non-tensor entries and not ``drop_extras`` (exit 7).
         ConversionError: tied tensors with no complete name, or dtypes safetensors lacks.
         OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
-        >>> convert_to_folder("model.pt", "model-hf", "1GB").written
+        >>> convert_to_folder("model.pt", "model-hf", max_shard_size="1GB").written
         ('model-hf/model.safetensors',)
-        >>> len(convert_to_folder("model.pt", "model-hf", "1KB", force=True).written) > 2
+        >>> result = convert_to_folder("model.pt", "model-hf", max_shard_size="1KB", force=True)
+        >>> len(result.written) > 2
         True
     """
     check_verify_level(verify)
     if jobs < 1:
         raise UsageError("must be at least 1", argument="jobs", value=repr(jobs), flag="--jobs")
-    limit = parse_shard_size(max_shard_size)
+    if output_format not in (None, "safetensors"):
+        raise UsageError(
+            f"{os.fspath(dst)!r} is a folder output, which holds safetensors shards",
+            argument="output_format",
+            value=repr(output_format),
+            flag="--format",
+            remedies=(Remedy(text="name a file (such as 'model.pt') for a torch output"),),
+        )
+    limit = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_folder(dst, src, force=force)
     ckpt = open_checkpoint(src)
@@ -138,7 +128,9 @@ def convert_to_folder(
         "bytes_written": folder.shards.total_size,
         "bytes_copied": folder.shards.total_size,
         "dropped": folder.dropped,
+        "selected": folder.selected,
         "tensors": len(folder.entries),
+        "total_keys": folder.total_keys,
         "max_shard_size": limit,
     }
     count = len(folder.shards.files)
@@ -148,7 +140,7 @@ def convert_to_folder(
             f"({folder.shards.total_size} tensor bytes)"
         )
         planned = _planned_files(dst, folder.entries, folder.shards, folder.metadata)
-        return ShardsResult(**shared, dry_run=True, message=message, planned=planned)
+        return RewriteResult(**shared, dry_run=True, message=message, planned=planned)
     counter = ByteCounter(progress, folder.shards.total_size)
     by_name = {e.name: e.tensor for e in folder.entries}
 
@@ -166,7 +158,7 @@ def convert_to_folder(
         jobs=jobs,
         durable=durable,
     )
-    return ShardsResult(
+    return RewriteResult(
         **shared,
         written=tuple(os.path.join(dst, name) for name in names),
         verification=f"verified ({verify})" if verify != "none" else "not verified",
@@ -181,11 +173,13 @@ class _FolderPlan(NamedTuple):
     metadata: dict[str, str]
     dropped: tuple[str, ...]
     shards: ShardPlan
+    selected: tuple[str, ...]
+    total_keys: int
 
 
 def _plan_folder(
     ckpt: Checkpoint,
-    select: str | Sequence[str] | None,
+    select: Select,
     drop_extras: bool,
     allow_globals: Sequence[str],
     limit: int,
@@ -209,7 +203,8 @@ def _plan_folder(
     for e in entries:
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing
     shards = plan_shards([(e.name, e.tensor.nbytes) for e in entries], limit)
-    return _FolderPlan(entries, extra, tuple(aliases) + dropped, shards)
+    dropped_names = tuple(aliases) + dropped
+    return _FolderPlan(entries, extra, dropped_names, shards, selection.path, len(sd))
 
 
 def _planned_files(
@@ -228,34 +223,35 @@ def _planned_files(
 
 
 def reshard(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    src: StrPath,
+    dst: StrPath,
     *,
+    max_shard_size: str | int | None = None,
     force: bool = False,
-    verify: str = "sizes",
+    verify: VerifyLevel = "sizes",
+    durable: bool = True,
+    dry_run: bool = False,
     progress: Progress | None = None,
     jobs: int = 1,
-    dry_run: bool = False,
-    durable: bool = True,
-) -> ShardsResult:
+) -> RewriteResult:
     """Rewrite a Hugging Face sharded folder with another shard size (``ckpt reshard``).
 
     Args:
         src: the sharded folder (or its ``*.index.json``).
         dst: the output folder (not ``src``, which is never touched).
-        max_shard_size: the new limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes).
-        force, verify, progress, jobs, dry_run, durable: as for :func:`convert_to_folder`.
+        max_shard_size: the new limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes); None:
+            ``"5GB"``.
+        force, verify, durable, dry_run, progress, jobs: as for :func:`convert_to_folder`.
 
     Returns:
-        A :class:`ShardsResult`.
+        A :class:`~ckpt_tools.ops.rewrite.result.RewriteResult`.
 
     Raises:
         UsageError: ``src`` is not a folder of shards, or ``jobs`` < 1.
         OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
-        >>> reshard("sharded", "one-shard", "1GB").written
+        >>> reshard("sharded", "one-shard", max_shard_size="1GB").written
         ('one-shard/model.safetensors',)
     """
     src = os.fspath(src)
@@ -268,7 +264,7 @@ def reshard(
     result = convert_to_folder(
         src,
         dst,
-        max_shard_size,
+        max_shard_size=max_shard_size,
         force=force,
         verify=verify,
         progress=progress,
