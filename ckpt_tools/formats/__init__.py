@@ -52,6 +52,10 @@ def _open(path: str, fmt: str) -> Checkpoint:
         from ckpt_tools.formats.dcp.reader import open_dcp
 
         return open_dcp(path)
+    if fmt == "deepspeed":
+        from ckpt_tools.formats.deepspeed.reader import open_deepspeed
+
+        return open_deepspeed(path)
     if fmt == "hf-sharded":
         from ckpt_tools.formats.hf import open_folder, open_index
 

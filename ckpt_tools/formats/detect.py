@@ -30,6 +30,7 @@ FORMATS = (
     "pickle",
     "hf-sharded",
     "dcp",
+    "deepspeed",
     "lfs-pointer",
 )
 
@@ -73,7 +74,9 @@ def detect_format(path: str | os.PathLike[str], *, content_only: bool = False) -
         One of :data:`FORMATS`. ``torch-zip`` and ``torchscript`` are both zip archives: this
         returns ``torch-zip`` for any zip, and the zip reader tells them apart. A folder and
         a shard index are both ``hf-sharded``; a folder with a
-        ``.metadata`` file and ``*.distcp`` files is ``dcp`` (torch.distributed.checkpoint).
+        ``.metadata`` file and ``*.distcp`` files is ``dcp`` (torch.distributed.checkpoint), and
+        a DeepSpeed save folder (``latest``) or tag folder (``*_model_states.pt``) is
+        ``deepspeed``.
 
     Raises:
         CheckpointNotFoundError: nothing at ``path``.
@@ -94,7 +97,10 @@ def detect_format(path: str | os.PathLike[str], *, content_only: bool = False) -
         )
     if check_regular(p) == "folder":
         from ckpt_tools.formats.dcp.reader import is_dcp_folder
+        from ckpt_tools.formats.deepspeed.layout import is_deepspeed_folder
 
+        if is_deepspeed_folder(p):
+            return "deepspeed"
         return "dcp" if is_dcp_folder(p) else "hf-sharded"
     # O_NONBLOCK: if the path became a FIFO since the check, opening it does not wait for a
     # writer, and fstat below sees what was opened.

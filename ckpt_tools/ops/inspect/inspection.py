@@ -122,6 +122,7 @@ def inspect_checkpoint(
         beyond_weights_only=ckpt.beyond_weights_only,
         pickled_module=_module_summary(selection),
         chunks=_dcp_chunks(ckpt, named),
+        deepspeed=getattr(ckpt, "zero", None),
     )
 
 

@@ -1,0 +1,194 @@
+"""Where a DeepSpeed checkpoint's files are: the save folder, ``latest``, the tag folder.
+
+``engine.save_checkpoint(save_dir, tag)`` writes ``save_dir/latest`` (the tag, as text) and
+``save_dir/<tag>/`` with the rank files, named as DeepSpeed's engine names them:
+
+* ``mp_rank_{mp:02d}_model_states.pt``: the model states (ZeRO 0, 1 and 2), written once;
+* ``zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt``: one per data-parallel rank (ZeRO-3);
+* ``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``: each rank's optimizer
+  partition (``bf16_`` when training in bf16).
+
+A run is opened from its save folder (the tag ``latest`` names, or one given) or from a tag
+folder itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ckpt_tools.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    Remedy,
+    UnsupportedFormatError,
+)
+
+__all__ = [
+    "LATEST",
+    "ZeroFiles",
+    "find_zero_files",
+    "is_deepspeed_folder",
+]
+
+#: The file in the save folder that names the newest tag.
+LATEST = "latest"
+_MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d\d+)_model_states\.pt")
+_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d\d+)_optim_states\.pt")
+# A tag is a folder name DeepSpeed made from the user's tag: read as text, never a path.
+_MAX_TAG_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ZeroFiles:
+    """A DeepSpeed tag folder's rank files, ordered by data-parallel rank.
+
+    Attributes:
+        folder: the tag folder.
+        tag: its name.
+        save_dir: the save folder it was found from (None: given as the tag folder).
+        model_files: the model states files, by data-parallel rank (one below ZeRO-3).
+        optim_files: the optimizer states files, by data-parallel rank.
+        others: every other file in the tag folder, sorted.
+    """
+
+    folder: str
+    tag: str
+    save_dir: str | None
+    model_files: tuple[str, ...]
+    optim_files: tuple[str, ...]
+    others: tuple[str, ...]
+
+    def path(self, name: str) -> str:
+        """The full path of a file of the tag folder."""
+        return os.path.join(self.folder, name)
+
+
+def _has_rank_files(folder: str) -> bool:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(_MODEL.fullmatch(n) for n in names)
+
+
+def is_deepspeed_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a DeepSpeed save folder (a ``latest`` file) or a tag folder (model
+    states files).
+
+    Example:
+        >>> is_deepspeed_folder(".")
+        False
+    """
+    p = os.fspath(path)
+    return os.path.isfile(os.path.join(p, LATEST)) or _has_rank_files(p)
+
+
+def _read_latest(save_dir: str) -> str:
+    where = os.path.join(save_dir, LATEST)
+    with open(where, "rb") as f:
+        raw = f.read(_MAX_TAG_BYTES + 1)
+    tag = raw.decode("utf-8", "replace").strip()
+    if len(raw) > _MAX_TAG_BYTES or not tag:
+        raise CorruptCheckpointError(f"{where!r} does not hold a tag name", path=where)
+    return tag
+
+
+def _check_tag(save_dir: str, tag: str, source: str) -> str:
+    """The tag folder ``tag`` names in ``save_dir``; ``source`` says where the tag came from."""
+    bad = tag in (".", "..") or any(c in tag for c in "/\\\0")
+    folder = os.path.join(save_dir, tag)
+    if bad or not os.path.isdir(folder):
+        tags = sorted(n for n in os.listdir(save_dir) if _has_rank_files(os.path.join(save_dir, n)))
+        raise CorruptCheckpointError(
+            f"{source} names tag {tag!r}, which is not a folder in {save_dir!r}"
+            + (f" (tags there: {', '.join(tags[:5])})" if tags else ""),
+            path=folder,
+            remedies=tuple(Remedy(flag="--tag", value=t) for t in tags[:3]),
+        )
+    return folder
+
+
+def find_zero_files(path: str | os.PathLike[str], tag: str | None = None) -> ZeroFiles:
+    """Find a DeepSpeed checkpoint's tag folder and its rank files.
+
+    Args:
+        path: the save folder (with ``latest``) or a tag folder.
+        tag: the tag to open in a save folder (default: the one ``latest`` names).
+
+    Returns:
+        The :class:`ZeroFiles`.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a folder.
+        CorruptCheckpointError: ``latest`` or ``tag`` names no folder, the folder holds no
+            model states, or its rank files do not run 0..N-1.
+        UnsupportedFormatError: model-parallel (``mp_rank_01``) or pipeline files.
+
+    Example:
+        >>> find_zero_files("run").tag  # doctest: +SKIP
+        'global_step2'
+        >>> find_zero_files("sharded")
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.CorruptCheckpointError: 'sharded' holds no *_model_states.pt file, ...
+    """
+    save_dir = os.fspath(path)
+    if not os.path.isdir(save_dir):
+        raise CheckpointNotFoundError(f"no such folder: {save_dir!r}", path=save_dir)
+    if tag is not None:
+        folder = _check_tag(save_dir, tag, "--tag")
+    elif os.path.isfile(os.path.join(save_dir, LATEST)):
+        tag = _read_latest(save_dir)
+        folder = _check_tag(save_dir, tag, repr(os.path.join(save_dir, LATEST)))
+    else:
+        folder, save_dir, tag = save_dir, None, os.path.basename(os.path.abspath(save_dir))
+    return _rank_files(folder, tag, save_dir)
+
+
+def _rank_files(folder: str, tag: str, save_dir: str | None) -> ZeroFiles:
+    models: dict[int, str] = {}
+    optims: dict[int, str] = {}
+    others: list[str] = []
+    for name in sorted(os.listdir(folder)):
+        model, optim = _MODEL.fullmatch(name), _OPTIM.fullmatch(name)
+        match = model or optim
+        if match is None:
+            others.append(name)
+            continue
+        mp = int(match.group(2) if model else match.group(3))
+        if mp != 0:
+            raise UnsupportedFormatError(
+                f"{os.path.join(folder, name)!r} is a model-parallel rank's file (mp_rank "
+                f"{mp}); only data-parallel ZeRO checkpoints (mp_rank_00) are read",
+                path=folder,
+            )
+        found, rank = (models, int(model.group(1) or 0)) if model else (optims, int(match.group(2)))
+        if rank in found:
+            raise CorruptCheckpointError(
+                f"{folder!r} holds two files of data-parallel rank {rank}: {found[rank]!r} and "
+                f"{name!r}",
+                path=folder,
+            )
+        found[rank] = name
+    if not models:
+        raise CorruptCheckpointError(
+            f"{folder!r} holds no *_model_states.pt file, so it is not a DeepSpeed tag folder",
+            path=folder,
+        )
+    for what, found in (("model states", models), ("optimizer states", optims)):
+        if found and sorted(found) != list(range(len(found))):
+            missing = sorted(set(range(max(found) + 1)) - set(found))
+            raise CorruptCheckpointError(
+                f"{folder!r}: the {what} files of data-parallel ranks {missing} are missing",
+                path=folder,
+            )
+    return ZeroFiles(
+        folder=folder,
+        tag=tag,
+        save_dir=save_dir,
+        model_files=tuple(models[r] for r in sorted(models)),
+        optim_files=tuple(optims[r] for r in sorted(optims)),
+        others=tuple(others),
+    )
