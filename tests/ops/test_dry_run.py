@@ -477,13 +477,13 @@ def test_extract_takes_a_pickled_module_and_other_globals_still_refuse(
     tmp_path: Path, unimportable: Callable[[str, str], Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
     expected = _ultralytics(tmp_path, unimportable)
-    result = ct.extract("best.pt", "conv0.pt", "model.0.", strip_prefix=True, ema=True)
+    result = ct.extract("best.pt", "conv0.pt", prefix="model.0.", strip_prefix=True, ema=True)
     assert result.written and any("'ema' is a pickled nn.Module" in n for n in result.notes)
     out = torch.load("conv0.pt", weights_only=True)
     assert list(out) == ["weight", "bias"]
     assert torch.equal(out["weight"], expected["model.0.weight"])
     # Without --ema extract selects as inspect does: Ultralytics' live "model", recovered too.
-    live = ct.extract("best.pt", "live.pt", "head.", select="model")
+    live = ct.extract("best.pt", "live.pt", prefix="head.", select="model")
     assert live.kept == ("head.weight", "head.bias")
     assert not torch.equal(
         torch.load("live.pt", weights_only=True)["head.weight"], expected["head.weight"]
@@ -491,7 +491,9 @@ def test_extract_takes_a_pickled_module_and_other_globals_still_refuse(
 
     # The dry run plans the same: nothing written, the same keys.
     before = _snapshot(tmp_path)
-    planned = ct.extract("best.pt", "x.pt", "model.0.", strip_prefix=True, ema=True, dry_run=True)
+    planned = ct.extract(
+        "best.pt", "x.pt", prefix="model.0.", strip_prefix=True, ema=True, dry_run=True
+    )
     assert _snapshot(tmp_path) == before and planned.kept == result.kept
 
 

@@ -135,12 +135,12 @@ def test_slim_ema_takes_the_ema_copy(tmp_path: Path, name: str, key: str) -> Non
 def test_extract_prefix(tmp_path: Path, name: str) -> None:
     ref = _sd(FIXTURES / name, _selected(FIXTURES / name))
     prefix = next(k for k in ref if "layers." in k).split("layers.")[0] + "layers."
-    ct.extract(FIXTURES / name, tmp_path / "x.pt", prefix, strip_prefix=True)
+    ct.extract(FIXTURES / name, tmp_path / "x.pt", prefix=prefix, strip_prefix=True)
     out = torch.load(tmp_path / "x.pt", weights_only=True)
     want = {k[len(prefix) :]: v for k, v in ref.items() if k.startswith(prefix)}
     assert list(out) == list(want) and all(torch.equal(out[k], want[k]) for k in want)
     with pytest.raises(ct.UsageError, match=r"no key starts with 'nothing\.'"):
-        ct.extract(FIXTURES / name, tmp_path / "y.pt", "nothing.")
+        ct.extract(FIXTURES / name, tmp_path / "y.pt", prefix="nothing.")
 
 
 def _inputs(tmp_path: Path) -> list[dict]:
@@ -165,7 +165,7 @@ def _inputs(tmp_path: Path) -> list[dict]:
 def test_average_of_three_equals_float64_reference(tmp_path: Path) -> None:
     sds = _inputs(tmp_path)
     weights = [1.0, 2.0, 0.5]
-    ct.average(tmp_path / "avg.pt", [tmp_path / f"ckpt_{i}.pt" for i in range(3)], weights=weights)
+    ct.average([tmp_path / f"ckpt_{i}.pt" for i in range(3)], tmp_path / "avg.pt", weights=weights)
     out = torch.load(tmp_path / "avg.pt", weights_only=True)
     for key, first in sds[0].items():
         if not first.is_floating_point():
@@ -184,15 +184,77 @@ def test_average_refuses_mismatches(tmp_path: Path) -> None:
     _inputs(tmp_path)
     torch.save({"enc.weight": torch.zeros(3)}, tmp_path / "other.pt")
     with pytest.raises(ct.ConversionError, match=r"- dec.weight \(missing in other.pt\)") as e:
-        ct.average(tmp_path / "a.pt", [tmp_path / "ckpt_0.pt", tmp_path / "other.pt"])
+        ct.average([tmp_path / "ckpt_0.pt", tmp_path / "other.pt"], tmp_path / "a.pt")
     assert e.value.exit_code == 7
     sd = torch.load(tmp_path / "ckpt_2.pt", weights_only=True)
     sd["n"] = torch.tensor(8)
     torch.save(sd, tmp_path / "ckpt_2.pt")
     with pytest.raises(ct.ConversionError, match="integer tensors differ across inputs: n"):
-        ct.average(tmp_path / "a.pt", [tmp_path / f"ckpt_{i}.pt" for i in range(3)])
-    ct.average(tmp_path / "a.pt", [tmp_path / f"ckpt_{i}.pt" for i in range(3)], ints="last")
+        ct.average([tmp_path / f"ckpt_{i}.pt" for i in range(3)], tmp_path / "a.pt")
+    ct.average([tmp_path / f"ckpt_{i}.pt" for i in range(3)], tmp_path / "a.pt", ints="last")
     assert torch.load(tmp_path / "a.pt", weights_only=True)["n"].item() == 8
+
+
+def test_an_input_given_twice_is_named_not_miscounted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ``ckpt average OUT a.pt a.pt``: two inputs given, one file. Averaging a file with itself
+    # is never what naming it twice meant; a weight says "count this one more".
+    sds = _inputs(tmp_path)
+    first = tmp_path / "ckpt_0.pt"
+    before = _snapshot(tmp_path)
+    with pytest.raises(ct.UsageError, match=r"'ckpt_0.pt' is given twice \(inputs 1 and 2 of 2\)"):
+        ct.average(["ckpt_0.pt", "ckpt_0.pt"], tmp_path / "avg.pt")
+    os.link(first, tmp_path / "same.pt")  # one file, two names
+    before["same.pt"] = before["ckpt_0.pt"]
+    with pytest.raises(ct.UsageError, match=r"ckpt_0.pt' and '.*same.pt' are the same file") as e:
+        ct.average([first, tmp_path / "ckpt_1.pt", tmp_path / "same.pt"], tmp_path / "avg.pt")
+    assert "(inputs 1 and 3 of 3)" in str(e.value) and "pass weights" in str(e.value)
+    assert _snapshot(tmp_path) == before  # nothing written
+
+    assert main(["average", str(tmp_path / "avg.pt"), str(first), str(first)]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(first)!r} is given twice" in err and "--weights" in err, err
+    assert "at least two inputs" not in err
+    assert _snapshot(tmp_path) == before
+
+    # What repeating it meant, said with a weight.
+    ct.average([first, tmp_path / "ckpt_2.pt"], tmp_path / "avg.pt", weights=[2, 1])
+    out = torch.load(tmp_path / "avg.pt", weights_only=True)
+    want = ((2 * sds[0]["d"] + sds[2]["d"]) / 3).to(torch.float64)
+    assert torch.equal(out["d"], want)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda src, dst, fmt: ct.rewrite(src, dst, output_format=fmt),
+        lambda src, dst, fmt: ct.strip_module(src, dst, prefix="module.", output_format=fmt),
+        lambda src, dst, fmt: ct.add_module(src, dst, output_format=fmt),
+        lambda src, dst, fmt: ct.convert(src, dst, output_format=fmt),
+        lambda src, dst, fmt: ct.slim(src, dst, weights_only=True, output_format=fmt),
+        lambda src, dst, fmt: ct.extract(src, dst, prefix="enc.", output_format=fmt),
+        lambda src, dst, fmt: ct.average([src, src.with_name("ckpt_2.pt")], dst, output_format=fmt),
+    ],
+    ids=["rewrite", "strip_module", "add_module", "convert", "slim", "extract", "average"],
+)
+@pytest.mark.parametrize(
+    ("name", "fmt", "fits"),
+    [("out.safetensors", "torch", "out.pt"), ("out.pth", "safetensors", "out.safetensors")],
+)
+def test_an_output_format_its_name_contradicts_is_refused(tmp_path, call, name, fmt, fits):
+    # A torch zip named .safetensors is refused by torch.load and by safetensors alike, and a
+    # safetensors file under a torch name likewise: refused before a byte is written, with
+    # the name that fits.
+    _inputs(tmp_path)
+    src = tmp_path / "ckpt_0.pt"
+    before = _snapshot(tmp_path)
+    with pytest.raises(ct.UsageError, match=rf"output_format='{fmt}': .* name it '.*{fits}'"):
+        call(src, tmp_path / name, fmt)
+    assert _snapshot(tmp_path) == before
+    result = call(src, tmp_path / fits, fmt)  # the name it suggests works
+    assert result.written == (str(tmp_path / fits),)
+    assert result.output_format == {"torch": "torch-zip", "safetensors": "safetensors"}[fmt]
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -271,7 +333,7 @@ def test_average_mixed_formats_to_safetensors(tmp_path: Path) -> None:
     save_file(plain, tmp_path / "first.safetensors")
     second = torch.load(tmp_path / "ckpt_1.pt", weights_only=True)
     torch.save({k: v for k, v in second.items() if k != "module.dec.weight"}, tmp_path / "ddp.pt")
-    ct.average(tmp_path / "avg.safetensors", [tmp_path / "first.safetensors", tmp_path / "ddp.pt"])
+    ct.average([tmp_path / "first.safetensors", tmp_path / "ddp.pt"], tmp_path / "avg.safetensors")
     out = load_file(tmp_path / "avg.safetensors")
     for key, first in plain.items():
         if first.is_floating_point():
@@ -317,7 +379,7 @@ def test_verify_full_recomputes_every_record(tmp_path: Path, dst: str) -> None:
     result = ct.slim(FIXTURES / "tied_views.pt", tmp_path / dst, dtype="bf16", verify="full")
     assert "bytes of" in result.verification
     result = ct.average(
-        tmp_path / f"avg_{dst}", [tmp_path / "ckpt_0.pt", tmp_path / "ckpt_2.pt"], verify="full"
+        [tmp_path / "ckpt_0.pt", tmp_path / "ckpt_2.pt"], tmp_path / f"avg_{dst}", verify="full"
     )
     assert "bytes of" in result.verification
 
@@ -366,7 +428,7 @@ def test_slim_and_extract_inflate_a_rezipped_archive(tmp_path: Path) -> None:
         assert torch.equal(_bits(out["model"][key]), _bits(want)), key
     exp_avg = ref["optimizer"]["state"][0]["exp_avg"]
     assert torch.equal(out["optimizer"]["state"][0]["exp_avg"], exp_avg)  # optimizer: copied
-    ct.extract(src, tmp_path / "x.pt", "layers.", verify="full")
+    ct.extract(src, tmp_path / "x.pt", prefix="layers.", verify="full")
     extracted = torch.load(tmp_path / "x.pt", weights_only=True)
     assert extracted and all(torch.equal(extracted[k], ref["model"][k]) for k in extracted)
 
@@ -457,7 +519,7 @@ def test_extract_on_every_nested_layout(tmp_path: Path, name: str, strip: bool) 
     ref = _sd(src, _selected(src))
     first = next(iter(ref))
     prefix = first.split(".")[0] + "." if "." in first else first
-    ct.extract(src, tmp_path / "x.pt", prefix, strip_prefix=strip)
+    ct.extract(src, tmp_path / "x.pt", prefix=prefix, strip_prefix=strip)
     out = torch.load(tmp_path / "x.pt", weights_only=True)
     cut = len(prefix) if strip else 0
     want = {k[cut:]: v for k, v in ref.items() if k.startswith(prefix)}

@@ -136,4 +136,4 @@ def average_cmd(
     from ckpt_tools.ops.transform.average import average, pick_inputs
 
     picked = pick_inputs(list(inputs), last)
-    echo_result(average(dst, picked, weights=_weights(weights), **kw), as_json)
+    echo_result(average(picked, dst, weights=_weights(weights), **kw), as_json)

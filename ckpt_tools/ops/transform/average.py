@@ -17,17 +17,17 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.casting import CAST_SOURCES, cast_array
 from ckpt_tools.io.verify.outputs import tensor_digest
-from ckpt_tools.io.writers.progress import Progress
 from ckpt_tools.io.writers.records import Record, copy_record
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
@@ -47,14 +47,16 @@ _SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
     """Expand globs; with ``last``, keep the last N by the number in their names, else by mtime.
 
+    A file named twice stays twice: :func:`average` says so, rather than averaging one file
+    fewer than the user counted.
+
     Example:
         >>> pick_inputs(["*.pt"])
         ['ddp.pt', 'model.pt']
     """
     found: list[str] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        found += [m for m in matches if m not in found]
+        found += sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
     if last is not None:
         numbers = [re.findall(r"\d+", os.path.basename(p)) for p in found]
         if all(numbers):
@@ -63,7 +65,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
             found.sort(key=lambda p: os.stat(p).st_mtime_ns)
         found = found[-last:]
     if not found:
-        raise UsageError("no input matches", argument="inputs", value=repr(list(patterns)))
+        raise UsageError("no input matches", argument="srcs", value=repr(list(patterns)))
     return found
 
 
@@ -135,30 +137,31 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any
 
 
 def average(
-    dst: str | os.PathLike[str],
-    inputs: Sequence[str | os.PathLike[str]],
+    srcs: Sequence[StrPath],
+    dst: StrPath,
     *,
     weights: Sequence[float] | None = None,
-    ints: str | None = None,
-    select: str | None = None,
-    output_format: str | None = None,
-    force: bool = False,
-    verify: str = "sizes",
+    ints: Literal["first", "last"] | None = None,
+    select: Select = None,
+    output_format: OutputFormat | None = None,
     allow_globals: Sequence[str] = (),
-    dry_run: bool = False,
+    force: bool = False,
+    verify: VerifyLevel = "sizes",
     durable: bool = True,
+    dry_run: bool = False,
     progress: Progress | None = None,
 ) -> TransformResult:
     """Average checkpoints element-wise into ``dst`` (a plain state dict).
 
     Args:
+        srcs: two or more checkpoints (any readable format, any wrapper prefixes), each
+            once: to count one more than another, give it a larger weight.
         dst: the output.
-        inputs: two or more checkpoints (any readable format, any wrapper prefixes).
         weights: one weight per input (default: equal).
         ints: ``first`` or ``last``: take integer/bool tensors from that input instead of
             requiring them equal.
         select: dotted path of the state dict in every input (automatic when None).
-        output_format, force, verify, allow_globals, dry_run, durable, progress: as for
+        output_format, allow_globals, force, verify, durable, dry_run, progress: as for
             :func:`~ckpt_tools.ops.transform.slim.slim`.
 
     Returns:
@@ -166,13 +169,14 @@ def average(
 
     Raises:
         ConversionError: keys, shapes or dtypes differ, or integer tensors differ (exit 7).
-        UsageError: fewer than two inputs, weights of the wrong length, a bad ``ints``.
+        UsageError: fewer than two inputs, an input given twice (the same file, however
+            named), weights of the wrong length, a bad ``ints``.
 
     Example:
-        >>> average("avg.pt", ["model.pt", "ddp.pt"]).message  # module. aligned away
+        >>> average(["model.pt", "ddp.pt"], "avg.pt").message  # module. aligned away
         'average: wrote avg.pt (2292 -> 2292 tensor bytes)'
     """
-    srcs = [os.fspath(p) for p in inputs]
+    srcs = [os.fspath(p) for p in srcs]
     dst = os.fspath(dst)
     w = _weights(srcs, weights, ints)
     # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
@@ -197,8 +201,9 @@ def average(
 
 def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | None) -> list[float]:
     """Each input's weight, once the arguments are checked."""
+    _check_distinct(srcs)
     if len(srcs) < 2:
-        raise UsageError("average needs at least two inputs", argument="inputs", value=repr(srcs))
+        raise UsageError("average needs at least two inputs", argument="srcs", value=repr(srcs))
     w = [1.0] * len(srcs) if weights is None else [float(x) for x in weights]
     if len(w) != len(srcs) or sum(w) == 0:
         raise UsageError(
@@ -210,6 +215,38 @@ def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | N
     if ints not in (None, "first", "last"):
         raise UsageError("expected first or last", argument="ints", value=repr(ints), flag="--ints")
     return w
+
+
+def _check_distinct(srcs: Sequence[str]) -> None:
+    """Refuse an input given twice: the same path, or two names of one file.
+
+    Averaging a file with itself is never what was meant by naming it twice (a glob that
+    overlaps another, a typo); a file meant to count more gets a larger weight.
+    """
+    seen: dict[object, int] = {}
+    for i, src in enumerate(srcs):
+        try:
+            st = os.stat(src)
+            identity: object = (st.st_dev, st.st_ino)
+        except OSError:  # missing: named as given (opening it will say it is missing)
+            identity = os.path.normpath(src)
+        first = seen.setdefault(identity, i)
+        if first == i:
+            continue
+        said = (
+            f"{src!r} is given twice"
+            if srcs[first] == src
+            else f"{srcs[first]!r} and {src!r} are the same file"
+        )
+        raise UsageError(
+            f"{said} (inputs {first + 1} and {i + 1} of {len(srcs)}); average each input once",
+            path=src,
+            remedies=(
+                Remedy(
+                    "weights", None, flag="--weights", text="to count one input more than another"
+                ),
+            ),
+        )
 
 
 def _mean_items(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.io.writers.progress import Progress
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
@@ -20,19 +20,19 @@ __all__ = ["extract"]
 
 
 def extract(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    prefix: str,
+    src: StrPath,
+    dst: StrPath,
     *,
+    prefix: str,
     strip_prefix: bool = False,
     ema: bool = False,
-    select: str | None = None,
-    output_format: str | None = None,
-    force: bool = False,
-    verify: str = "sizes",
+    select: Select = None,
+    output_format: OutputFormat | None = None,
     allow_globals: Sequence[str] = (),
-    dry_run: bool = False,
+    force: bool = False,
+    verify: VerifyLevel = "sizes",
     durable: bool = True,
+    dry_run: bool = False,
     progress: Progress | None = None,
 ) -> TransformResult:
     """Write the selected state dict's entries under ``prefix`` as a plain state dict.
@@ -46,7 +46,7 @@ def extract(
         strip_prefix: remove ``prefix`` from the kept keys.
         ema: take the EMA copy, as ``slim(ema=True)`` does. A pickled ``nn.Module``
             selected (Ultralytics' ``model`` or ``ema``) gives up its recovered state dict.
-        select, output_format, force, verify, allow_globals, dry_run, durable, progress: as
+        select, output_format, allow_globals, force, verify, durable, dry_run, progress: as
             for :func:`~ckpt_tools.ops.transform.slim.slim`.
 
     Returns:
@@ -56,7 +56,7 @@ def extract(
         UsageError: no key starts with ``prefix`` (the message lists the first segments).
 
     Example:
-        >>> extract("model.pt", "layers.pt", "layers.", strip_prefix=True).kept[:2]
+        >>> extract("model.pt", "layers.pt", prefix="layers.", strip_prefix=True).kept[:2]
         ('0.weight', '0.bias')
     """
     src, dst = os.fspath(src), os.fspath(dst)

@@ -76,6 +76,7 @@ class TransformPlan:
         size_before: bytes per category (weights, optimizer, other) in the input.
         size_after: bytes per category in the output (records; the pickle not counted).
         notes: what else was decided (which EMA copy, storages kept uncast ...).
+        selected: the path of the state dict acted on, in the (first) input.
     """
 
     command: str
@@ -93,6 +94,7 @@ class TransformPlan:
     size_before: Mapping[str, int] = field(default_factory=dict)
     size_after: Mapping[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    selected: tuple[str, ...] = ()
 
     @property
     def output_bytes(self) -> int:

@@ -72,12 +72,13 @@ class TransformResult(WriteResult):
         return lines
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready data: the shared fields, the sizes, and every tensor's row."""
+        """JSON-ready data: the shared fields (``tensors``: how many the output holds), the
+        sizes, and every tensor's row (``rows``)."""
         return {
             **super().to_json(),
             "command": self.command,
             "sources": list(self.sources),
             "size_before": dict(self.size_before),
             "size_after": dict(self.size_after),
-            "tensors": [row.to_json() for row in self.rows],
+            "rows": [row.to_json() for row in self.rows],
         }

@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.io.writers.progress import Progress
 from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.plan import cast_tensor
@@ -125,21 +125,21 @@ def take_module(
 
 
 def slim(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
+    src: StrPath,
+    dst: StrPath,
     *,
     dtype: str | None = None,
     keep_dtype: Sequence[str] = (),
     drop: Sequence[str] = (),
     weights_only: bool = False,
     ema: bool = False,
-    select: str | None = None,
-    output_format: str | None = None,
-    force: bool = False,
-    verify: str = "sizes",
+    select: Select = None,
+    output_format: OutputFormat | None = None,
     allow_globals: Sequence[str] = (),
-    dry_run: bool = False,
+    force: bool = False,
+    verify: VerifyLevel = "sizes",
     durable: bool = True,
+    dry_run: bool = False,
     progress: Progress | None = None,
 ) -> TransformResult:
     """Make a checkpoint smaller: cast weights, drop entries, keep only the (EMA) weights.
@@ -156,24 +156,26 @@ def slim(
             (Ultralytics' ``ema``) gives up its recovered state dict, written as a plain
             state dict (as with ``weights_only``); the notes say so.
         select: dotted path of the state dict (overrides the automatic choice and ``ema``).
-        output_format: ``torch`` or ``safetensors``.
+        output_format: ``torch`` or ``safetensors``; from ``dst``'s suffix when None, and
+            refused where the suffix says otherwise.
+        allow_globals: globals outside the allowlist to carry through.
         force: replace an existing ``dst`` (never the input).
         verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
             ``full`` (also every byte, each record computed or read again) or ``none``.
-        allow_globals: globals outside the allowlist to carry through.
-        dry_run: plan and check everything (refusals included), write nothing: the
-            result's ``planned`` lists the file and its tensors.
         durable: fsync the output before naming it (default); False skips it, as ``cp``
             does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+        dry_run: plan and check everything (refusals included), write nothing: the
+            result's ``planned`` lists the file and its tensors.
         progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
-            (:data:`~ckpt_tools.io.writers.progress.Progress`).
+            (:data:`~ckpt_tools._types.Progress`).
 
     Returns:
         A :class:`TransformResult` (sizes per category before and after, what was cast,
         kept and dropped).
 
     Raises:
-        UsageError: an unknown dtype, a ``drop`` name the checkpoint lacks, a bad regex.
+        UsageError: an unknown dtype, a ``drop`` name the checkpoint lacks, a bad regex, an
+            ``output_format`` the name of ``dst`` contradicts.
         SelectError: ``ema`` and no EMA copy.
         NonTensorEntriesError: safetensors output with entries beside the state dict.
 

@@ -10,12 +10,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckpt_tools._types import Progress, VerifyLevel
 from ckpt_tools.descriptors import StorageRef, TensorRef, iter_tensors
 from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
-from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import (
     Record,
     cast_storage_record,
@@ -81,6 +82,7 @@ def plan_state_dict_output(
         "dropped_entries": tuple(dropped_entries),
         "size_before": categories(ckpt, ckpt.root, selection.path, selection.state_dict),
         "notes": tuple(notes),
+        "selected": tuple(selection.path),
     }
     if fmt == "safetensors":
         entries, st_meta = _safetensors_entries(
@@ -335,7 +337,7 @@ def finish(
     plan: TransformPlan,
     target: Any,
     ckpt: Checkpoint,
-    verify: str,
+    verify: VerifyLevel,
     dry_run: bool,
     durable: bool = True,
     progress: Progress | None = None,
@@ -362,6 +364,8 @@ def finish(
         "bytes_copied": sum(r.nbytes for r in records if r.action.startswith("copy")),
         "notes": plan.notes,
         "dropped": plan.dropped_entries + rows_dropped,
+        "selected": plan.selected,
+        "tensors": sum(1 for r in plan.rows if r.key is not None),
         "command": plan.command,
         "sources": plan.sources,
         "rows": plan.rows,
