@@ -9,7 +9,7 @@ DEMO_DIR := demo-out
 # PYTHONDONTWRITEBYTECODE would make every `ckpt` process the suite starts compile them again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test lint format venv clean bench fuzz
+.PHONY: demo test lint format venv clean bench fuzz check-torch-free
 
 venv: $(STAMP)
 
@@ -46,6 +46,11 @@ fuzz: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckpt_tools tests benchmarks fixtures
 	$(VENV)/bin/ruff format --check ckpt_tools tests benchmarks fixtures
+
+# `pip install .` without extras in a fresh venv: no torch; the torch-free commands work on the
+# fixtures and the torch ones name the extra (.ci/torch-free; the venv here saves its DCP input).
+check-torch-free: $(STAMP)
+	.ci/torch-free
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format ckpt_tools tests benchmarks fixtures
