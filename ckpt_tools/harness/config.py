@@ -22,6 +22,7 @@ __all__ = [
     "MODEL_NAMES",
     "MULTI_PROCESS",
     "RUN_JSON",
+    "STEPS_DIR",
     "STRATEGIES",
     "TORCHRUN_VARS",
     "TorchrunEnv",
@@ -43,6 +44,9 @@ MODEL_NAMES: tuple[str, ...] = ("mlp", "lenet", "resnet", "resnet-syncbn")
 CHECKPOINT_NAMES: tuple[str, ...] = ("wrapped", "bare", "trainer")
 #: Name of the run summary (losses, devices) written next to the checkpoints.
 RUN_JSON = "run.json"
+#: The folder of a run's ``out_dir`` that ``record_steps`` fills: ``00001.pt`` ... one file per
+#: optimizer step, the list of the model's parameters after that step.
+STEPS_DIR = "steps"
 #: Environment variables torchrun sets for every worker; all present means "under torchrun".
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 #: The fixes for a global batch smaller than the ranks it is split over.
@@ -76,6 +80,9 @@ class TrainConfig:
         model_kwargs: extra arguments for the model class, e.g. ``{"hidden": (8,)}``.
         sync_bn: use SyncBatchNorm under DDP; ``None`` means "when the model has
             BatchNorm and the ranks are GPUs" (SyncBatchNorm has no CPU implementation).
+        record_steps: also save the parameters after every step into ``out_dir/``
+            :data:`STEPS_DIR` (the parity plot's per-step weight differences); needs
+            ``out_dir``.
     """
 
     strategy: str = "single"
@@ -92,6 +99,7 @@ class TrainConfig:
     out_dir: str | None = None
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     sync_bn: bool | None = None
+    record_steps: bool = False
 
     def validate(self) -> None:
         """Check the arguments that do not depend on the machine.
@@ -126,6 +134,12 @@ class TrainConfig:
             )
         if self.world_size is not None:
             check_batch_covers(self.batch_size, self.world_size, "ranks")
+        if self.record_steps and self.out_dir is None:
+            raise UsageError(
+                "needs out_dir: the parameters of every step are saved there",
+                argument="record_steps",
+                value="True",
+            )
         if not 1 <= self.batch_size <= self.num_samples:
             raise UsageError(
                 f"must be between 1 and num_samples={self.num_samples}",

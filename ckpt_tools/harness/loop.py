@@ -14,12 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ckpt_tools.harness.config import CHECKPOINT_NAMES, TrainConfig, TrainResult
+from ckpt_tools.harness.config import CHECKPOINT_NAMES, STEPS_DIR, TrainConfig, TrainResult
 from ckpt_tools.harness.data import batch_indices, steps_per_epoch, synthetic_fashion
 from ckpt_tools.harness.models import build_harness_model
 
 __all__ = [
     "ModuleContainer",
+    "StepRecorder",
     "completed_epochs",
     "cpu_fallback",
     "deterministic",
@@ -130,15 +131,53 @@ def local_loss(logits: Tensor, targets: Tensor, global_batch: int, world_size: i
     return total * (world_size / global_batch)
 
 
+class StepRecorder:
+    """An optimizer step hook that saves the parameters after every step.
+
+    Step ``n`` goes to ``out_dir/steps/0000n.pt`` as the list of parameters in the
+    optimizer's order (the model's own order in every strategy), on the CPU. Parameters
+    sharded by FSDP are gathered first, which every rank takes part in; in a process group
+    only rank 0 writes.
+
+    Args:
+        out_dir: the run's output folder.
+
+    Example:
+        >>> model = nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> _ = optimizer.register_step_post_hook(StepRecorder("out"))
+        >>> model(torch.ones(1, 2)).sum().backward(); optimizer.step()
+        >>> len(torch.load("out/steps/00001.pt", weights_only=True))
+        2
+    """
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.folder = Path(out_dir) / STEPS_DIR
+        self.step = 0
+
+    @torch.no_grad()
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed and torch.distributed.get_rank() != 0:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        saved = [t.detach().to("cpu", copy=True) for t in full]
+        torch.save(saved, self.folder / f"{self.step:05d}.pt")
+
+
 def make_optimizer(params: Iterable[nn.Parameter], config: TrainConfig) -> torch.optim.SGD:
     """SGD with the run's learning rate and momentum.
 
     ``foreach=False``: the plain per-parameter loop, so the update is the same code path
-    on every device and in every process.
+    on every device and in every process. With ``config.record_steps``, a
+    :class:`StepRecorder` saves the parameters after each step.
 
     Args:
         params: parameters to optimise.
-        config: the run; ``lr`` and ``momentum`` are used.
+        config: the run; ``lr``, ``momentum``, ``record_steps`` and ``out_dir`` are used.
 
     Returns:
         The optimizer.
@@ -147,7 +186,10 @@ def make_optimizer(params: Iterable[nn.Parameter], config: TrainConfig) -> torch
         >>> make_optimizer(nn.Linear(2, 2).parameters(), TrainConfig()).defaults["momentum"]
         0.9
     """
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, foreach=False)
+    optimizer = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, foreach=False)
+    if config.record_steps and config.out_dir is not None:
+        optimizer.register_step_post_hook(StepRecorder(config.out_dir))
+    return optimizer
 
 
 def completed_epochs(config: TrainConfig) -> int:

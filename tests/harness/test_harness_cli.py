@@ -85,6 +85,8 @@ def test_parity_json_in_process_strategies(tmp_path: Path) -> None:
     rows = {(r["strategy"], r["name"]): r for r in data["rows"]}
     assert rows[("manual", "vs_single")]["status"] == "pass"
     assert rows[("manual", "vs_single")]["max_abs_diff"] <= 1e-5
+    gaps = data["weight_gaps"]["manual"]  # per step, ending at (c)'s difference
+    assert len(gaps) == 2 and gaps[-1] == rows[("manual", "vs_single")]["max_abs_diff"]
     assert data["all_passed"] and result.exit_code == 0
 
 

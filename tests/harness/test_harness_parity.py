@@ -193,6 +193,19 @@ def test_parity_report_json_and_all_passed(parity_mlp: ParityReport) -> None:
     assert parity_mlp.all_passed
 
 
+@pytest.mark.slow
+def test_run_parity_records_each_strategy_s_weight_gap_per_step(parity_mlp: ParityReport) -> None:
+    gaps = parity_mlp.weight_gaps
+    assert list(gaps) == [s for s in STRATEGIES if s != "single"]
+    for strategy, values in gaps.items():
+        assert len(values) == parity_mlp.steps and all(0 <= g <= 1e-5 for g in values)
+        # The last step's gap is (c)'s: the same final weights (the MLP has no buffers).
+        assert values[-1] == parity_mlp.row(strategy, "vs_single").max_abs_diff, strategy
+    assert gaps["dp"] == (0.0,) * parity_mlp.steps  # dp on the CPU: single's very maths
+    data = json.loads(parity_mlp.to_json())
+    assert data["weight_gaps"] == {k: list(v) for k, v in gaps.items()}
+
+
 def test_run_parity_rejects_unknown_strategies() -> None:
     with pytest.raises(UsageError, match="unknown strategies zero3; expected some of single") as e:
         run_parity(strategies=("single", "zero3"))

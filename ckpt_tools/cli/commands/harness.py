@@ -192,7 +192,8 @@ def _cell(row: CheckResult) -> str:
     "plot_path",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Draw each strategy's loss curve into this image (needs matplotlib).",
+    help="Draw each strategy's loss and weight difference from single-device training per "
+    "step into this image (needs matplotlib).",
 )
 @click.option(
     "--strategies",
@@ -214,7 +215,7 @@ def parity_cmd(
 
     Exits 0 when every parity check holds, 1 otherwise.
     """
-    from ckpt_tools.harness.parity.plot import plot_losses
+    from ckpt_tools.harness.parity.plot import plot_parity
     from ckpt_tools.harness.parity.run import run_parity
 
     shared = {**asdict(run), "world_size": run.world_size if run.world_size is not None else 2}
@@ -224,7 +225,10 @@ def parity_cmd(
         **shared,
     )
     if plot_path is not None:
-        plot_losses(report.losses, plot_path, title=f"{run.model}: loss per step")
+        title = f"{run.model}: parity with single-device training, {run.steps} steps"
+        plot_parity(
+            report.losses, report.weight_gaps, plot_path, tolerance=report.tolerance, title=title
+        )
     if as_json:
         click.echo(report.to_json())
     else:
@@ -271,5 +275,5 @@ def _echo_parity(report: ParityReport, plot_path: str | None) -> None:
         if row.status not in ("pass", "baseline"):
             click.echo(f"{row.strategy} {row.name} {row.status}: {row.detail}")
     if plot_path is not None:
-        click.echo(f"loss curves: {plot_path}")
+        click.echo(f"parity plot (loss, weight difference per step): {plot_path}")
     click.echo("parity holds" if report.all_passed else "parity FAILED")

@@ -1,27 +1,65 @@
-"""Loss curves of a parity run as a PNG, with matplotlib imported only when asked for.
+"""The parity plot: each strategy's loss, and how far its weights are from single-device training.
 
-The figure is drawn on an Agg canvas directly (no ``pyplot``), so plotting neither needs
-a display nor changes the process-wide matplotlib backend of whoever calls us.
+Two panels share the steps. Left, the loss of every strategy: the curves coincide when
+parity holds, so there they only show that training went as expected. Right, what parity
+is about: per step, the largest absolute difference of each strategy's parameters from
+single-device training's, on a log axis, against the tolerance of check (c). A difference
+of exactly 0 (the same maths in the same order) has no place on a log axis: it is drawn on
+a floor line marked "0", below every real difference. Each strategy keeps one colour, marker
+and dash in both panels, and its markers sit a little to one side of the step, so that
+strategies with the same values stay apart.
+
+matplotlib is imported only when asked for, and the figure is drawn on an Agg canvas
+directly (no ``pyplot``), so plotting neither needs a display nor changes the process-wide
+matplotlib backend of whoever calls us.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ckpt_tools.errors import Remedy, UsageError
 
-__all__ = ["plot_losses"]
+__all__ = ["parity_figure", "plot_parity", "zero_floor"]
+
+_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+# Sideways shift between strategies' markers, in steps.
+_SHIFT = 0.09
 
 
-def plot_losses(
-    losses: Mapping[str, Sequence[float]], path: str | Path, title: str = "loss per step"
+def zero_floor(gaps: Mapping[str, Sequence[float]], tolerance: float) -> float:
+    """Where a difference of exactly 0 is drawn on the log axis: a decade below the smallest
+    non-zero difference (or the tolerance), so that it never passes for a real one.
+
+    Example:
+        >>> zero_floor({"ddp": [0.0, 3e-8], "dp": [0.0, 0.0]}, 1e-5)
+        3e-09
+    """
+    positive = [g for values in gaps.values() for g in values if 0 < g < math.inf]
+    return min([*positive, tolerance]) / 10
+
+
+def plot_parity(
+    losses: Mapping[str, Sequence[float]],
+    gaps: Mapping[str, Sequence[float]],
+    path: str | Path,
+    *,
+    tolerance: float,
+    title: str = "parity with single-device training",
 ) -> Path:
-    """Draw one loss curve per strategy over the steps and save it.
+    """Draw the loss per step and the weight difference from single-device training per step.
 
     Args:
-        losses: strategy name to its loss per step (e.g. ``ParityReport.losses``).
+        losses: strategy name to its loss per step (``ParityReport.losses``), ``single``
+            included.
+        gaps: strategy name to the largest absolute difference of its parameters from
+            single-device training's after each step (``ParityReport.weight_gaps``).
         path: output image; the suffix picks the format (``.png``, ``.svg``, ``.pdf``).
+        tolerance: the allowed difference of check (c), drawn as a line.
         title: the figure title.
 
     Returns:
@@ -32,13 +70,39 @@ def plot_losses(
         OSError: the file cannot be written.
 
     Example:
-        >>> plot_losses({"single": [2.3, 2.2], "ddp": [2.3, 2.2]}, "parity.png")
+        >>> losses = {"single": [2.3, 2.2], "dp": [2.3, 2.2], "ddp": [2.3, 2.2]}
+        >>> gaps = {"dp": [0.0, 0.0], "ddp": [7e-9, 1.5e-8]}
+        >>> plot_parity(losses, gaps, "parity.png", tolerance=1e-5)
         PosixPath('parity.png')
+    """
+    out = Path(path)
+    parity_figure(losses, gaps, tolerance=tolerance, title=title).savefig(out, dpi=110)
+    return out
+
+
+def parity_figure(
+    losses: Mapping[str, Sequence[float]],
+    gaps: Mapping[str, Sequence[float]],
+    *,
+    tolerance: float,
+    title: str = "parity with single-device training",
+) -> Any:
+    """The figure :func:`plot_parity` saves: loss panel left, weight-difference panel right.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` on an Agg canvas.
+
+    Raises:
+        UsageError: matplotlib is not installed.
+
+    Example:
+        >>> fig = parity_figure({"single": [2.3]}, {"dp": [0.0]}, tolerance=1e-5)
+        >>> [ax.get_yscale() for ax in fig.axes]
+        ['linear', 'log']
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise UsageError(
             "plotting needs matplotlib, which is not installed",
@@ -47,26 +111,99 @@ def plot_losses(
                 Remedy(verb="leave out", flag="--plot"),
             ),
         ) from exc
-    out = Path(path)
-    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    fig = Figure(figsize=(11.0, 4.4), layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to the figure; savefig renders through it
-    ax = fig.add_subplot()
-    # Curves often coincide exactly; markers and a dash cycle keep each one visible.
-    styles = ["-", "--", ":", "-."]
-    markers = ["o", "s", "^", "x", "d"]
-    for i, (name, values) in enumerate(losses.items()):
-        ax.plot(
-            range(1, len(values) + 1),
-            list(values),
-            linestyle=styles[i % len(styles)],
-            marker=markers[i % len(markers)],
-            label=name,
-        )
+    loss_ax, gap_ax = fig.subplots(1, 2)
+    names = list(dict.fromkeys([*losses, *gaps]))
+    styles = {name: _style(i, len(names)) for i, name in enumerate(names)}
+    _draw_losses(loss_ax, losses, styles)
+    _draw_gaps(gap_ax, gaps, styles, tolerance)
+    fig.suptitle(title)
+    return fig
+
+
+def _style(index: int, count: int) -> dict[str, Any]:
+    """One strategy's colour, marker, dash and sideways shift, the same in both panels."""
+    return {
+        "color": f"C{index % 10}",
+        "marker": _MARKERS[index % len(_MARKERS)],
+        "linestyle": _STYLES[index % len(_STYLES)],
+        "shift": (index - (count - 1) / 2) * _SHIFT,
+    }
+
+
+def _plot(ax: Any, name: str, values: Sequence[float], style: dict[str, Any], **kw: Any) -> None:
+    steps = [i + 1 + style["shift"] for i in range(len(values))]
+    ax.plot(
+        steps,
+        list(values),
+        color=style["color"],
+        marker=style["marker"],
+        linestyle=style["linestyle"],
+        markersize=6,
+        markerfacecolor="none",
+        label=name,
+        **kw,
+    )
+
+
+def _steps_axis(ax: Any, count: int) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (global batch mean)")
-    ax.set_title(title)
+    ax.set_xlim(0.5, count + 0.5)
+    ax.set_xlabel("step (markers shifted sideways to keep strategies apart)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.savefig(out)
-    return out
+
+
+def _draw_losses(
+    ax: Any, losses: Mapping[str, Sequence[float]], styles: Mapping[str, dict[str, Any]]
+) -> None:
+    for name, values in losses.items():
+        _plot(ax, name, values, styles[name])
+    _steps_axis(ax, max((len(v) for v in losses.values()), default=1))
+    ax.set_ylabel("loss (global batch mean, before the step)")
+    ax.set_title("loss per step")
+    ax.legend(fontsize="small")
+
+
+def _draw_gaps(
+    ax: Any,
+    gaps: Mapping[str, Sequence[float]],
+    styles: Mapping[str, dict[str, Any]],
+    tolerance: float,
+) -> None:
+    floor = zero_floor(gaps, tolerance)
+    top = max([g for v in gaps.values() for g in v if g < math.inf] + [tolerance])
+    for name, values in gaps.items():
+        # 0 is drawn on the floor line; a step whose weights did not pair up is left out.
+        shown = [max(g, floor) if g < math.inf else math.nan for g in values]
+        label = name + (" (0: equal to single at every step)" if values and not any(values) else "")
+        _plot(ax, label, shown, styles[name])
+    ax.set_yscale("log")
+    ax.axhline(tolerance, color="red", linestyle="--", linewidth=1.2)
+    ax.annotate(
+        f"tolerance {tolerance:g}",
+        (0.01, tolerance),
+        xycoords=("axes fraction", "data"),
+        xytext=(0, 3),
+        textcoords="offset points",
+        color="red",
+        fontsize="small",
+    )
+    ax.axhline(floor, color="grey", linestyle=":", linewidth=1.0)
+    ax.annotate(
+        "0 (equal): drawn here",
+        (0.01, floor),
+        xycoords=("axes fraction", "data"),
+        xytext=(0, 3),
+        textcoords="offset points",
+        color="grey",
+        fontsize="small",
+    )
+    ax.set_ylim(floor / 4, top * 20)
+    _steps_axis(ax, max((len(v) for v in gaps.values()), default=1))
+    ax.set_ylabel("max |w - w_single| over all parameters")
+    ax.set_title("weight difference from single-device training (log)")
+    if gaps:
+        ax.legend(fontsize="small", loc="center right")

@@ -18,9 +18,11 @@ import torch
 
 from ckpt_tools.diffing.engine import diff
 from ckpt_tools.diffing.report import DiffReport
+from ckpt_tools.diffing.value_stats import compare_tensors
 from ckpt_tools.formats.detect import detect_format
+from ckpt_tools.harness.config import STEPS_DIR
 
-__all__ = ["compare_state_dicts", "load_pt", "storage_tags"]
+__all__ = ["compare_state_dicts", "load_pt", "step_gaps", "storage_tags"]
 
 
 def load_pt(path: str | Path) -> dict[str, Any]:
@@ -121,3 +123,43 @@ def compare_state_dicts(
     """
     report = diff(dict(got), dict(ref), rtol=0.0, atol=tolerance)
     return _gap(report, bitwise=tolerance == 0.0)
+
+
+def step_gaps(run_dir: str | Path, single_dir: str | Path) -> tuple[float, ...]:
+    """Per step, the largest ``|w - w_single|`` over every parameter of two recorded runs.
+
+    Both runs were trained with ``record_steps`` (:class:`ckpt_tools.harness.loop.StepRecorder`
+    saved ``steps/00001.pt`` ...); each step's parameters are read with
+    ``torch.load(weights_only=True)`` and compared pairwise by the diff engine's
+    :func:`~ckpt_tools.diffing.value_stats.compare_tensors`.
+
+    Args:
+        run_dir: a strategy's output folder.
+        single_dir: the single-device run's output folder.
+
+    Returns:
+        One gap per step both runs recorded, in step order: 0.0 where every parameter is
+        equal in value, ``inf`` where the parameters do not pair up (count or shapes).
+
+    Example:
+        >>> from ckpt_tools.harness import TrainConfig, train
+        >>> for strategy in ("single", "manual"):
+        ...     run = TrainConfig(strategy=strategy, world_size=2, steps=2, device="cpu",
+        ...                       out_dir=f"runs/{strategy}", record_steps=True)
+        ...     _ = train(run)
+        >>> [gap < 1e-5 for gap in step_gaps("runs/manual", "runs/single")]
+        [True, True]
+    """
+    mine, base = Path(run_dir) / STEPS_DIR, Path(single_dir) / STEPS_DIR
+    gaps: list[float] = []
+    for ref_path in sorted(base.glob("*.pt")):
+        if not (mine / ref_path.name).is_file():
+            break
+        ref = torch.load(ref_path, map_location="cpu", weights_only=True)
+        got = torch.load(mine / ref_path.name, map_location="cpu", weights_only=True)
+        if len(ref) != len(got) or any(a.shape != b.shape for a, b in zip(got, ref)):
+            gaps.append(math.inf)
+            continue
+        stats = [compare_tensors(a, b) for a, b in zip(got, ref)]
+        gaps.append(max((s.max_abs for s in stats), default=0.0))
+    return tuple(gaps)

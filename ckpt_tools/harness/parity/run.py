@@ -5,7 +5,8 @@ A run that saved a DCP folder (``fsdp``) also gets (f) ``dcp_roundtrip``
 
 :func:`run_parity` is what ``ckpt harness parity`` and ``make demo`` run. Its
 :class:`ParityReport` has one row per strategy and check, each strategy's loss curve,
-and ``all_passed``.
+its parameters' distance from single-device training's after every step (each run saves its
+parameters per step, :class:`ckpt_tools.harness.loop.StepRecorder`), and ``all_passed``.
 
 Tolerance for (c), final weights against single-device training: 1e-5 absolute for
 float32. Every strategy does the same maths on the same global batch; only the order
@@ -22,7 +23,7 @@ import json
 import math
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ckpt_tools.harness.parity.checks import (
     check_strip_prefix,
     check_vs_single,
 )
+from ckpt_tools.harness.parity.reference import step_gaps
 from ckpt_tools.harness.strategies import train
 
 __all__ = ["DEFAULT_TOLERANCE", "ParityReport", "run_parity"]
@@ -48,7 +50,7 @@ DEFAULT_TOLERANCE = 1e-5
 
 @dataclass(frozen=True)
 class ParityReport:
-    """Strategies x checks, with loss curves.
+    """Strategies x checks, with loss curves and per-step weight gaps.
 
     Attributes:
         model: the model trained.
@@ -58,6 +60,9 @@ class ParityReport:
         tolerance: the atol of the ``vs_single`` check.
         runs: one :class:`TrainResult` per strategy (losses, devices, fallbacks).
         rows: one :class:`CheckResult` per strategy and check.
+        weight_gaps: per strategy other than ``single``, the largest absolute difference
+            of its parameters from single-device training's after each step (the last one
+            is (c)'s ``max_abs_diff`` for a model without buffers).
     """
 
     model: str
@@ -67,6 +72,7 @@ class ParityReport:
     tolerance: float
     runs: tuple[TrainResult, ...]
     rows: tuple[CheckResult, ...]
+    weight_gaps: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     @property
     def all_passed(self) -> bool:
@@ -100,6 +106,7 @@ class ParityReport:
         data["runs"] = [run.to_dict() for run in self.runs]
         data["all_passed"] = self.all_passed
         data["losses"] = {k: list(v) for k, v in self.losses.items()}
+        data["weight_gaps"] = {k: list(v) for k, v in self.weight_gaps.items()}
         return _finite(data)
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -197,6 +204,7 @@ def run_parity(
                 device=device,
                 out_dir=str(root / strategy),
                 model_kwargs=kw,
+                record_steps=True,
             )
             runs.append(train(config))
         uses_bn = has_batchnorm(init_model(TrainConfig(model=model, model_kwargs=kw)))
@@ -204,10 +212,17 @@ def run_parity(
         single_bare = root / "single" / "bare.pt"
         for run in runs:
             rows += _check_run(run, root / run.strategy, single_bare, model, kw, tolerance, uses_bn)
+        gaps = {
+            run.strategy: step_gaps(root / run.strategy, root / "single")
+            for run in runs
+            if run.strategy != "single"
+        }
         if out_dir is None:
             # The files are about to go with the scratch directory: do not point at them.
             runs = [replace(run, out_dir=None, checkpoints={}) for run in runs]
-    return ParityReport(model, world_size, steps, seed, tolerance, tuple(runs), tuple(rows))
+    return ParityReport(
+        model, world_size, steps, seed, tolerance, tuple(runs), tuple(rows), weight_gaps=gaps
+    )
 
 
 def _check_run(
