@@ -1,0 +1,74 @@
+"""The ``--json`` schemas of docs/formats.md describe what the commands print, exactly.
+
+Each schema's commands run in one fresh example folder; every output must fit its schema,
+and every optional part of a schema must show up in some output (see ``schemas.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.docs.blocks import all_blocks
+from tests.docs.schemas import Checker, Schema, schema_of
+from tests.docs.workspace import fresh_copy
+from tests.helpers import run_ckpt
+
+SCHEMAS = {s.name: s for s in (schema_of(b) for b in all_blocks() if "schema" in b.markers)}
+# What formats.md promises: a schema for each command that prints JSON of its own kind.
+DOCUMENTED = {"inspect", "diff", "scan", "write-result"}
+
+
+def _output(command: str) -> object:
+    words = shlex.split(command)
+    assert words[0] == "ckpt" and "--json" in words, f"not a ckpt --json command: {command}"
+    # Exit codes are the examples' business; here only the JSON counts (diff and scan may
+    # exit 1 and still print it).
+    result = run_ckpt(*words[1:], code=None)
+    assert result.stdout.strip(), f"`{command}` printed no JSON:\n{result.stderr}"
+    return json.loads(result.stdout)
+
+
+def test_every_json_output_fits_its_schema(
+    docs_template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every field printed is documented with its type, and every field documented is printed."""
+    monkeypatch.chdir(fresh_copy(docs_template, tmp_path / "work"))
+    checker = Checker(SCHEMAS)
+    for schema in SCHEMAS.values():
+        for command in schema.commands:
+            checker.fit(_output(command), schema.shape, f"{schema.name} (`{command}`)")
+    assert checker.errors == []
+    assert checker.unseen() == []
+
+
+def test_the_page_documents_each_kind_of_output() -> None:
+    """inspect, diff, scan and the writing commands each have a schema that something runs."""
+    assert set(SCHEMAS) >= DOCUMENTED, sorted(SCHEMAS)
+    for name in DOCUMENTED - {"write-result"}:
+        assert SCHEMAS[name].commands, f"nothing checks the {name} schema"
+
+
+def test_the_checker_finds_each_kind_of_drift() -> None:
+    """A field printed but not documented, one documented but gone, a type and a stale option."""
+    base = Schema("base", (), {"path": "str", "size?": "int"}, "test")
+    shape = {"...": "base", "count": "int", "items": [{"name": "str"}]}
+    schemas = {"base": base}
+
+    def errors(value: object) -> list[str]:
+        checker = Checker(schemas)
+        checker.fit(value, shape, "out")
+        return checker.errors + checker.unseen()
+
+    good = {"path": "a", "size": 1, "count": 2, "items": [{"name": "x"}]}
+    assert errors(good) == []
+    assert errors({**good, "extra": 1}) == ["out.extra: printed, not in the schema"]
+    assert errors({k: v for k, v in good.items() if k != "count"}) == [
+        "out.count: in the schema, not printed"
+    ]
+    assert errors({**good, "count": "2"}) == ["out.count: '2' is not int"]
+    assert errors({**good, "size": None}) == ["out.size?: never seen in any output"]
+    assert errors({**good, "items": []}) == ["out.items[]: never seen in any output"]
