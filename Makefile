@@ -9,7 +9,7 @@ DEMO_DIR := demo-out
 # PYTHONDONTWRITEBYTECODE would make every `ckpt` process the suite starts compile them again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test lint format venv clean bench fuzz check-torch-free
+.PHONY: demo test lint format venv clean bench fuzz check-torch-free docs
 
 venv: $(STAMP)
 
@@ -18,6 +18,16 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel -c constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[torch,plot,dev]'
 	touch $(STAMP)
+
+# The documentation site into site/: offline, and strict (a warning fails the build). Its
+# tools are the docs extra, installed into the venv once.
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 demo: $(STAMP)
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
@@ -57,4 +67,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix ckpt_tools tests benchmarks fixtures
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) *.egg-info
+	rm -rf $(VENV) $(DEMO_DIR) site *.egg-info
