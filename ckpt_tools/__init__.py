@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.ops.rewrite.conversion import convert, retag
     from ckpt_tools.ops.rewrite.result import RewriteResult
     from ckpt_tools.ops.rewrite.rewriting import add_module, rename, rewrite, strip_module
-    from ckpt_tools.ops.sanitize.result import SanitizeReport
+    from ckpt_tools.ops.sanitize.result import SanitizeResult
     from ckpt_tools.ops.sanitize.sanitizing import sanitize
     from ckpt_tools.ops.scan import FileScan, Finding, ScanReport, scan
     from ckpt_tools.ops.transform.average import average
@@ -124,7 +124,7 @@ _PUBLIC: dict[str, str] = {
     "RewriteResult": "ckpt_tools.ops.rewrite.result",
     "reshard": "ckpt_tools.ops.transform.reshard",
     "sanitize": "ckpt_tools.ops.sanitize.sanitizing",
-    "SanitizeReport": "ckpt_tools.ops.sanitize.result",
+    "SanitizeResult": "ckpt_tools.ops.sanitize.result",
     "scan": "ckpt_tools.ops.scan",
     "ScanReport": "ckpt_tools.ops.scan",
     "FileScan": "ckpt_tools.ops.scan",
@@ -185,7 +185,7 @@ __all__ = [
     "ResourceLimitError",
     "RewriteResult",
     "SameFileError",
-    "SanitizeReport",
+    "SanitizeResult",
     "ScanReport",
     "Select",
     "SelectError",

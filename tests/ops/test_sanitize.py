@@ -291,12 +291,26 @@ def test_strict_refuses_and_writes_nothing(fake, tmp_path):
     src, original = _lightning(fake, tmp_path)
     dst = tmp_path / "out.pt"
     with pytest.raises(ct.UnsafeContentError, match=r"2 value\(s\).*callbacks\.payload") as e:
-        ct.sanitize(src, dst, strict=True)
+        ct.sanitize(src, dst, refuse_unsafe=True)
     assert e.value.globals == ("posix.system",)
+    said = str(e.value)
+    assert "pass refuse_unsafe=False to drop them" in said and "--strict" not in said
     result = h.run_ckpt("sanitize", src, dst, "--strict", code=3)
     assert "cannot be made plain" in result.stderr and "leave out --strict" in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "src"]
     assert not original["marker"].exists()
+
+
+def test_a_safetensors_name_is_refused_before_the_input_is_read(tmp_path):
+    # sanitize writes a torch file: under a .safetensors name neither torch.load (by path)
+    # nor safetensors would read it.
+    src = tmp_path / "missing.pt"  # never opened: the name is refused first
+    named = r"sanitize writes a torch file: .* name it '.*out\.pt'"
+    with pytest.raises(ct.UsageError, match=named):
+        ct.sanitize(src, tmp_path / "out.safetensors")
+    result = h.run_ckpt("sanitize", src, tmp_path / "out.safetensors", code=2)
+    assert "is named as a safetensors file" in result.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_an_enum_pickled_by_name_is_dropped_or_refused(fake, tmp_path):
@@ -316,7 +330,7 @@ def test_an_enum_pickled_by_name_is_dropped_or_refused(fake, tmp_path):
     refused = tmp_path / "strict.ckpt"
     said = r"1 value\(s\).*hyper_parameters\.stage: __builtin__\.getattr object -> dropped"
     with pytest.raises(ct.UnsafeContentError, match=said) as e:
-        ct.sanitize(src, refused, strict=True)
+        ct.sanitize(src, refused, refuse_unsafe=True)
     assert e.value.globals == ("__builtin__.getattr",) and not refused.exists()
 
 

@@ -45,7 +45,7 @@ def sanitize_cmd(
     report = sanitize(
         src,
         dst,
-        strict=strict,
+        refuse_unsafe=strict,
         select=select,
         force=force,
         verify=verify,

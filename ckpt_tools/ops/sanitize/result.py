@@ -1,6 +1,6 @@
-"""What ``sanitize`` returns: :class:`SanitizeReport`, and its text for people.
+"""What ``sanitize`` returns: :class:`SanitizeResult`, and its text for people.
 
-``str(report)`` is what ``ckpt sanitize`` prints; ``report.to_json()`` is ``--json``.
+``str(result)`` is what ``ckpt sanitize`` prints; ``result.to_json()`` is ``--json``.
 """
 
 from __future__ import annotations
@@ -11,25 +11,22 @@ from typing import Any
 from ckpt_tools.ops.output_plan import WriteResult
 from ckpt_tools.ops.sanitize.tree import Change
 
-__all__ = ["Change", "SanitizeReport"]
+__all__ = ["Change", "SanitizeResult"]
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class SanitizeReport(WriteResult):
+class SanitizeResult(WriteResult):
     """What :func:`~ckpt_tools.ops.sanitize.sanitizing.sanitize` did: the fields of
     :class:`~ckpt_tools.ops.output_plan.WriteResult` (``dropped``: the path of every value
     left out; ``bytes_copied``: tensor bytes copied from the input, the rest being numpy
-    arrays' new records), and
+    arrays' new records; ``selected``: the state dict's path, in the output as in the input;
+    ``tensors``: the tensors of the output's selected state dict), and
 
     Attributes:
-        selected: path of the state dict in the output (as in the input).
-        tensors: tensors in the output's selected state dict.
         converted: every object turned into plain values, with its path in the checkpoint.
         dropped_values: every value left out: its path, and what it was.
     """
 
-    selected: tuple[str, ...] = ()
-    tensors: int = 0
     converted: tuple[Change, ...] = ()
     dropped_values: tuple[Change, ...] = ()
 
@@ -38,10 +35,10 @@ class SanitizeReport(WriteResult):
 
         Example:
             >>> change = Change("args", "argparse.Namespace", "dict")
-            >>> report = SanitizeReport(src="a.pt", dst="b.pt", input_format="torch-zip",
+            >>> result = SanitizeResult(src="a.pt", dst="b.pt", input_format="torch-zip",
             ...     output_format="torch-zip", written=("b.pt",), bytes_written=8,
             ...     bytes_copied=8, verification="verified", message="wrote", converted=(change,))
-            >>> print(report)
+            >>> print(result)
             wrote
             converted:
               args: argparse.Namespace -> dict
@@ -60,8 +57,6 @@ class SanitizeReport(WriteResult):
     def to_json(self) -> dict[str, Any]:
         return {
             **super().to_json(),
-            "selected": list(self.selected),
-            "tensors": self.tensors,
             "converted": [c.to_json() for c in self.converted],
             "dropped_values": [c.to_json() for c in self.dropped_values],
         }

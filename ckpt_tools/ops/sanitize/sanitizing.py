@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import (
     Remedy,
@@ -26,71 +27,76 @@ from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.output import write_file
-from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.torchzip import write_torch_zip
 from ckpt_tools.ops.output_plan import PlannedFile
 from ckpt_tools.ops.preflight import check_source
-from ckpt_tools.ops.sanitize.result import SanitizeReport
+from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.sanitize.result import SanitizeResult
 from ckpt_tools.ops.sanitize.tree import SanitizedTree, sanitize_tree
 from ckpt_tools.structure.selection import select_state_dict
 
-__all__ = ["SanitizeReport", "sanitize"]
+__all__ = ["SanitizeResult", "sanitize"]
 
 
 def sanitize(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
+    src: StrPath,
+    dst: StrPath,
     *,
-    strict: bool = False,
-    select: str | Sequence[str] | None = None,
+    refuse_unsafe: bool = False,
+    select: Select = None,
     force: bool = False,
-    verify: str = "sizes",
-    dry_run: bool = False,
+    verify: VerifyLevel = "sizes",
     durable: bool = True,
+    dry_run: bool = False,
     progress: Progress | None = None,
-) -> SanitizeReport:
+) -> SanitizeResult:
     """Write ``src`` as a torch file that ``torch.load(weights_only=True)`` loads.
 
     Everything representable is kept, without importing or calling any class the file
     names: numpy arrays become tensors (bit-exact, from their pickled bytes), numpy scalars
     Python scalars, ``argparse.Namespace``, OmegaConf configs and ``defaultdict`` plain dicts
     and lists, paths strings, enums their values, pickled ``nn.Module`` s their state dict.
-    Anything else is dropped and listed in the report (or, with ``strict``, refused).
+    Anything else is dropped and listed in the result (or, with ``refuse_unsafe``, refused).
 
     Args:
         src: the input checkpoint.
-        dst: the output path (a torch zip file).
-        strict: refuse (exit 3) instead of dropping what cannot be kept.
+        dst: the output path (a torch zip file: not a ``.safetensors`` name).
+        refuse_unsafe: refuse (exit 3) instead of dropping what cannot be kept
+            (``ckpt sanitize --strict``).
         select: dotted path to the state dict whose tensors are verified; chosen
             automatically when None.
         force: replace an existing ``dst`` (never the input).
         verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
             ``full`` (also every byte, compared with the input's) or ``none``.
-        dry_run: plan and check everything (``strict`` refusals included), write nothing:
-            the report lists every conversion and drop, and ``planned`` the output's tensors.
         durable: fsync the output before naming it (default); False skips it, as ``cp``
             does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+        dry_run: plan and check everything (``refuse_unsafe`` refusals included), write
+            nothing: the result lists every conversion and drop, and ``planned`` the
+            output's tensors.
         progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
-            (:data:`~ckpt_tools.io.writers.progress.Progress`).
+            (:data:`~ckpt_tools._types.Progress`).
 
     Returns:
-        A :class:`SanitizeReport` listing every conversion and drop with its path.
+        A :class:`SanitizeResult` listing every conversion and drop with its path.
 
     Raises:
-        UnsafeContentError: ``strict`` and something would be dropped (exit 3).
-        UsageError: a bad ``verify``, or a sharded folder or TorchScript archive (exit 2 / 7).
+        UnsafeContentError: ``refuse_unsafe`` and something would be dropped (exit 3).
+        UsageError: a bad ``verify``, a ``.safetensors`` output name, or a sharded folder or
+            TorchScript archive (exit 2 / 7).
         SameFileError / OutputExistsError / OutputError: the output is refused or fails (exit 6).
 
     Example:
-        >>> report = sanitize("model.pt", "plain.pt")  # already plain: copied as it is
-        >>> report.tensors, report.converted, report.dropped
+        >>> result = sanitize("model.pt", "plain.pt")  # already plain: copied as it is
+        >>> result.tensors, result.converted, result.dropped
         (17, (), ())
-        >>> report = sanitize("lightning.ckpt", "plain.pt")  # doctest: +SKIP
-        >>> [str(c) for c in report.converted]  # doctest: +SKIP
+        >>> result = sanitize("lightning.ckpt", "plain.pt")  # doctest: +SKIP
+        >>> [str(c) for c in result.converted]  # doctest: +SKIP
         ['hyper_parameters.cfg: omegaconf.dictconfig.DictConfig -> dict']
     """
     check_verify_level(verify)
     src, dst = os.fspath(src), os.fspath(dst)
+    output_format_for(dst, "torch", "torch-zip", why="sanitize writes a torch file")
     target = check_output_path(dst, src, force=force)
     ckpt = open_checkpoint(src)
     # Refuses TorchScript and sharded folders; every global is allowed, since none is written.
@@ -98,7 +104,7 @@ def sanitize(
     selection = select_state_dict(ckpt.root, select)
     taken = set(ckpt.storages) | {name[5:] for name in ckpt.records if name.startswith("data/")}
     done = sanitize_tree(ckpt.root, taken)
-    if strict and done.dropped:
+    if refuse_unsafe and done.dropped:
         _refuse_drops(src, done)
     planned = PlannedFile.of_tree(dst, done.root)
     check_output_size([], planned.nbytes, target)
@@ -121,7 +127,7 @@ def sanitize(
         message = (
             f"dry run: would sanitize {src} into {dst} ({counts}, {planned.nbytes} tensor bytes)"
         )
-        return SanitizeReport(**shared, dry_run=True, planned=(planned,), message=message)
+        return SanitizeResult(**shared, dry_run=True, planned=(planned,), message=message)
     counter = ByteCounter(progress, planned.nbytes)
 
     def fill(out: AtomicFile) -> None:
@@ -130,7 +136,7 @@ def sanitize(
     def check(path: str) -> str:
         return _verify(path, done, selection.path, ckpt, verify)
 
-    return SanitizeReport(
+    return SanitizeResult(
         **shared,
         written=(dst,),
         verification=write_file(target, fill, check, durable=durable),
@@ -139,21 +145,20 @@ def sanitize(
     )
 
 
+_DROP_THEM = "to drop them and list them in the result"
+
+
 def _refuse_drops(src: str, done: SanitizedTree) -> None:
-    """``strict``: refuse (exit 3), naming what would be dropped."""
+    """``refuse_unsafe``: refuse (exit 3), naming what would be dropped."""
     shown = "; ".join(str(c) for c in done.dropped[:8])
     raise UnsafeContentError(
         f"{len(done.dropped)} value(s) of {src!r} cannot be made plain: {shown}",
         tuple(dict.fromkeys(c.was.partition(" ")[0] for c in done.dropped)),
         path=src,
         remedies=(
-            Remedy(
-                "strict",
-                "False",
-                flag="--strict",
-                verb="leave out",
-                text="to drop them and list them in the report",
-            ),
+            # One fix, said to each audience in its own words.
+            Remedy("refuse_unsafe", "False", text=_DROP_THEM),
+            Remedy(flag="--strict", verb="leave out", text=_DROP_THEM),
         ),
     )
 
