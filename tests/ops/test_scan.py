@@ -280,12 +280,12 @@ def test_scan_never_imports_torch(no_torch_env: dict[str, str]) -> None:
     assert "dangerous" in res.stdout and "evil.pt" in res.stdout
 
 
-def test_progress_is_told_each_file_before_it_is_scanned(tmp_path: Path) -> None:
+def test_on_file_is_told_each_file_before_it_is_scanned(tmp_path: Path) -> None:
     for name in ("a.pt", "b.pt", "notes.txt"):
         shutil.copy(fixture_path("plain.pt"), tmp_path / name)
     (tmp_path / "notes.txt").write_text("text")
     told: list[tuple[int, int, str]] = []
-    report = scan(tmp_path, progress=lambda done, total, path: told.append((done, total, path)))
+    report = scan(tmp_path, on_file=lambda done, total, path: told.append((done, total, path)))
     assert [(d, t, Path(p).name) for d, t, p in told] == [
         (0, 3, "a.pt"),
         (1, 3, "b.pt"),

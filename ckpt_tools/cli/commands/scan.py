@@ -38,7 +38,7 @@ def scan_cmd(paths: tuple[str, ...], output_format: str, as_json: bool, fail_on:
     (not read the way torch reads it), dangerous. Exit 0: nothing dangerous; 1: something
     dangerous (or nonstandard, with --fail-on nonstandard); 4: an unreadable file.
     """
-    report = scan(paths, progress=_progress_line())
+    report = scan(paths, on_file=_progress_line())
     if output_format == "sarif":
         echo_json(report.to_sarif())
     elif as_json or output_format == "json":

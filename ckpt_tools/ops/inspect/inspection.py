@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckpt_tools._types import Select, StrPath
 from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
@@ -67,9 +67,7 @@ def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> d
     return entries
 
 
-def inspect_checkpoint(
-    ckpt: Checkpoint, select: str | Sequence[str] | None = None
-) -> CheckpointInfo:
+def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInfo:
     """Describe an opened checkpoint (see :func:`inspect`)."""
     selection = select_state_dict(ckpt.root, select)
     if select is None and ckpt.format == "torchscript" and not selection.path:
@@ -196,9 +194,7 @@ def _shard_owner(ckpt: Checkpoint) -> dict[str, str]:
     return owner
 
 
-def inspect(
-    path: str | os.PathLike[str], select: str | Sequence[str] | None = None
-) -> CheckpointInfo:
+def inspect(path: StrPath, *, select: Select = None) -> CheckpointInfo:
     """Describe a checkpoint without importing torch or reading tensor bytes.
 
     Args:

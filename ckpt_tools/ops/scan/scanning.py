@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+from ckpt_tools._types import StrPath
 from ckpt_tools.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -36,14 +37,15 @@ from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, walk_pickles
 
 __all__ = ["scan", "scan_file"]
 
-#: A progress callback: (files done, files in all, the file now).
-ScanProgress = Callable[[int, int, str], None]
+#: Told before each file: (files done, files in all, the file now). Not a
+#: :data:`~ckpt_tools._types.Progress`, which counts the bytes an operation writes.
+OnFile = Callable[[int, int, str], None]
 
 
 def scan(
-    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    paths: StrPath | Iterable[StrPath],
     *,
-    progress: ScanProgress | None = None,
+    on_file: OnFile | None = None,
 ) -> ScanReport:
     """Give each checkpoint under ``paths`` a security verdict, running nothing in it.
 
@@ -51,7 +53,7 @@ def scan(
         paths: files and folders. Folders are walked recursively and every file in them
             that is a checkpoint by content (whatever its name) is scanned; a DCP folder is
             scanned as one checkpoint; other files are listed as skipped.
-        progress: called before each file with (files done, files in all, the file).
+        on_file: called before each file with (files done, files in all, the file).
 
     Returns:
         A :class:`~ckpt_tools.ops.scan.report.ScanReport`: a verdict per file
@@ -79,8 +81,8 @@ def scan(
             targets.append((given, True))
     files: list[FileScan] = []
     for done, (path, named) in enumerate(targets):
-        if progress is not None:
-            progress(done, len(targets), path)
+        if on_file is not None:
+            on_file(done, len(targets), path)
         result = scan_file(path)
         if result is None and named:
             files.append(_unreadable(path, None, _not_a_checkpoint(path)))
