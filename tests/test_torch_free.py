@@ -167,15 +167,23 @@ def _extra_line(feature: str) -> str:
         (("diff", "{ddp}", "{ddp}"), "ckpt diff"),
         (("diff", "{ddp}", "--model", "torch.nn:Linear"), "ckpt diff"),
         (("devices",), "ckpt devices"),
-        (("harness", "train", "--strategy", "single"), "ckpt harness"),
+        (("harness", "train", "--strategy", "single"), "ckpt harness train"),
+        (("harness", "parity", "--steps", "1"), "ckpt harness parity"),
     ],
-    ids=["diff", "diff-model", "devices", "harness"],
+    ids=["diff", "diff-model", "devices", "harness-train", "harness-parity"],
 )
 def test_torch_commands_name_the_extra(
     args: tuple[str, ...], feature: str, ddp: Path, tmp_path: Path
 ) -> None:
     err = ckpt(*(a.format(ddp=ddp) for a in args), cwd=tmp_path, code=2)
     assert err == _extra_line(feature)
+
+
+@pytest.mark.parametrize(
+    "command", ["diff", "devices", "harness", "harness train", "harness parity"]
+)
+def test_their_help_needs_no_torch(command: str, tmp_path: Path) -> None:
+    assert ckpt(*command.split(), "--help", cwd=tmp_path).startswith(f"Usage: ckpt {command} ")
 
 
 LIBRARY_CALLS = {

@@ -20,6 +20,7 @@ from tabulate import tabulate
 
 # config.py is torch-free: `ckpt --help` and the choices below do not import torch.
 from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, torchrun_env
+from ckpt_tools.loading.extras import require_torch
 
 if TYPE_CHECKING:
     from ckpt_tools.harness.config import TrainResult
@@ -126,9 +127,6 @@ def harness() -> None:
     DCP folder (dcp/). Under torchrun, each rank runs `train --strategy ddp` (or fsdp)
     and only rank 0 prints.
     """
-    from ckpt_tools.loading.extras import require_torch
-
-    require_torch("ckpt harness")  # before any subcommand; --help needs no torch
 
 
 @harness.command("train")
@@ -146,6 +144,7 @@ def train_cmd(
     strategy: str, out_dir: str | None, lr: float, run: RunOptions, as_json: bool
 ) -> None:
     """Train with one strategy and, with --out, save its checkpoints there."""
+    require_torch("ckpt harness train")
     from ckpt_tools.harness.strategies import train
 
     result = train(TrainConfig(strategy=strategy, lr=lr, out_dir=out_dir, **asdict(run)))
@@ -215,6 +214,7 @@ def parity_cmd(
 
     Exits 0 when every parity check holds, 1 otherwise.
     """
+    require_torch("ckpt harness parity")
     from ckpt_tools.harness.parity.plot import plot_parity
     from ckpt_tools.harness.parity.run import run_parity
 
