@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.loading.devices import DeviceInfo, list_devices, pick_devices
     from ckpt_tools.loading.into_module import load_into
     from ckpt_tools.loading.results import LoadInfo, LoadReport
-    from ckpt_tools.loading.state_dict import load_state_dict
+    from ckpt_tools.loading.state_dict import load_state_dict, load_with_info
     from ckpt_tools.ops.consolidate.consolidation import ConsolidateResult, consolidate
     from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
     from ckpt_tools.ops.inspect.inspection import inspect
@@ -145,6 +145,7 @@ _PUBLIC: dict[str, str] = {
     "StrPath": "ckpt_tools._types",
     "VerifyLevel": "ckpt_tools._types",
     "load_state_dict": "ckpt_tools.loading.state_dict",
+    "load_with_info": "ckpt_tools.loading.state_dict",
     "load_into": "ckpt_tools.loading.into_module",
     "LoadReport": "ckpt_tools.loading.results",
     "LoadInfo": "ckpt_tools.loading.results",
@@ -215,6 +216,7 @@ __all__ = [
     "list_devices",
     "load_into",
     "load_state_dict",
+    "load_with_info",
     "open_checkpoint",
     "pick_devices",
     "regex_rule",

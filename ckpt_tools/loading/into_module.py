@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.errors import StateDictMismatchError, UsageError
-from ckpt_tools.loading.devices import MapLocation
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch
-from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state_dict
+from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_with_info
 from ckpt_tools.structure.grouping import fold_keys
 from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import is_state_dict
@@ -41,7 +41,7 @@ logger = logging.getLogger("ckpt_tools")
 
 def _mismatch_message(
     report: LoadReport,
-    select: str | Sequence[str] | None,
+    select: Select,
     source_keys: Sequence[str],
     model_keys: Sequence[str],
     applied: KeyFix | None,
@@ -89,9 +89,9 @@ def _mismatch_message(
 
 
 def _source_state_dict(
-    source: str | os.PathLike[str] | Mapping[str, Any],
+    source: StrPath | Mapping[str, Any],
     map_location: MapLocation,
-    select: str | Sequence[str] | None,
+    select: Select,
     trust: bool,
 ) -> tuple[Mapping[str, Any], str, LoadInfo | None]:
     if isinstance(source, Mapping):
@@ -100,15 +100,13 @@ def _source_state_dict(
         return source, "<state dict>", None
     if not isinstance(source, (str, os.PathLike)):
         raise UsageError(
-            f"load_into source must be a checkpoint path or a state dict, got "
+            f"load_into's src must be a checkpoint path or a state dict, got "
             f"{type(source).__name__}"
         )
     # The model's tensors are where the data ends up: stage on the CPU (memory-mapped) and
     # copy once, rather than holding a second copy on the GPU.
     location = "cpu" if isinstance(map_location, str) and map_location == "auto" else map_location
-    sd, info = load_state_dict(
-        source, map_location=location, select=select, trust=trust, return_info=True
-    )
+    sd, info = load_with_info(source, map_location=location, select=select, trust=trust)
     if location is not map_location:
         info = replace(info, map_location="auto (staged on cpu)")
     return sd, info.path, info
@@ -130,10 +128,11 @@ def on_meta(model: nn.Module) -> bool:
 
 def load_into(
     model: nn.Module,
-    source: str | os.PathLike[str] | Mapping[str, Any],
+    src: StrPath | Mapping[str, Any],
+    *,
     strict: bool = True,
     map_location: MapLocation = "auto",
-    select: str | Sequence[str] | None = None,
+    select: Select = None,
     trust: bool = False,
     assign: bool | None = None,
 ) -> LoadReport:
@@ -146,7 +145,7 @@ def load_into(
 
     Args:
         model: the target module (wrapped or not).
-        source: a checkpoint path, or an in-memory state dict (or a dict holding one).
+        src: a checkpoint path, or an in-memory state dict (or a dict holding one).
         strict: with True, any missing or unexpected key or shape mismatch raises and the
             model is left untouched; with False, matching keys load and the rest is reported
             (shape mismatches are skipped, where ``nn.Module.load_state_dict`` would raise).
@@ -181,7 +180,7 @@ def load_into(
     torch = require_torch("load_into")
     from ckpt_tools.loading.tensor_io import dtype_name
 
-    sd, label, info = _source_state_dict(source, map_location, select, trust)
+    sd, label, info = _source_state_dict(src, map_location, select, trust)
     assign = on_meta(model) if assign is None else assign
     target = model.state_dict()
     model_keys = list(target)

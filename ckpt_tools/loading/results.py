@@ -91,8 +91,8 @@ class LoadInfo(Readable):
         """How the file was loaded, for people: source, selection, storages by device.
 
         Example:
-            >>> from ckpt_tools import load_state_dict
-            >>> print(load_state_dict("ddp.pt", return_info=True)[1])
+            >>> from ckpt_tools import load_with_info
+            >>> print(load_with_info("ddp.pt")[1])
             loaded 17 tensors from ddp.pt (torch-zip, memory-mapped)
             state dict: <root> (the root is a state dict)
             map_location: auto

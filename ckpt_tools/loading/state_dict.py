@@ -17,8 +17,9 @@ import logging
 import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
+from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.descriptors import iter_tensors
 from ckpt_tools.errors import (
     Remedy,
@@ -26,7 +27,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.loading.devices import MapLocation, auto_location, resolve_map_location
+from ckpt_tools.loading.devices import auto_location, resolve_map_location
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.structure.selection import (
@@ -46,6 +47,7 @@ __all__ = [
     "StorageMove",
     "auto_location",
     "load_state_dict",
+    "load_with_info",
     "resolve_map_location",
 ]
 
@@ -83,19 +85,6 @@ def _check_format(ckpt: Checkpoint) -> None:
             "state dict",
             path=ckpt.path,
             remedies=(Remedy(command=f"ckpt inspect {shlex.quote(ckpt.path)}", text="to see it"),),
-        )
-
-
-def _check_trust(ckpt: Checkpoint, weights_only: bool, trust: bool) -> None:
-    if not weights_only and not trust:
-        raise UsageError(
-            "runs whatever code the checkpoint's pickle names",
-            argument="weights_only",
-            value="False",
-            path=ckpt.path,
-            remedies=(
-                Remedy("trust", "True", text="to say so explicitly (only for files you trust)"),
-            ),
         )
 
 
@@ -160,7 +149,7 @@ def _load_own(
     return state_dict, placements(), mapped
 
 
-def _selection_checked(root: Any, select: str | Sequence[str] | None, where: str) -> Selection:
+def _selection_checked(root: Any, select: Select, where: str) -> Selection:
     selection = select_state_dict(root, select)
     if select is None and not is_state_dict(selection.state_dict):
         top = list(root)[:12] if isinstance(root, Mapping) else []
@@ -172,39 +161,13 @@ def _selection_checked(root: Any, select: str | Sequence[str] | None, where: str
     return selection
 
 
-@overload
 def load_state_dict(
-    path: str | os.PathLike[str],
-    map_location: MapLocation = ...,
-    select: str | Sequence[str] | None = ...,
-    weights_only: bool = ...,
-    trust: bool = ...,
+    path: StrPath,
     *,
-    return_info: Literal[False] = ...,
-) -> dict[str, torch.Tensor]: ...
-
-
-@overload
-def load_state_dict(
-    path: str | os.PathLike[str],
-    map_location: MapLocation = ...,
-    select: str | Sequence[str] | None = ...,
-    weights_only: bool = ...,
-    trust: bool = ...,
-    *,
-    return_info: Literal[True],
-) -> tuple[dict[str, torch.Tensor], LoadInfo]: ...
-
-
-def load_state_dict(
-    path: str | os.PathLike[str],
     map_location: MapLocation = "auto",
-    select: str | Sequence[str] | None = None,
-    weights_only: bool = True,
+    select: Select = None,
     trust: bool = False,
-    *,
-    return_info: bool = False,
-) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], LoadInfo]:
+) -> dict[str, torch.Tensor]:
     """Load a checkpoint's state dict on any machine, safely.
 
     The file is opened with the torch-free reader (nothing in it runs) and the state dict
@@ -216,7 +179,7 @@ def load_state_dict(
     ``nn.Parameter`` and ``requires_grad`` as ``torch.load(weights_only=True)`` gives them.
     Objects of classes outside the allowlist *elsewhere* in the file (hyper-parameters,
     optimizer extras) are never built and do not stop the load. Devices that changed are
-    logged on the ``ckpt_tools`` logger (INFO) and returned in :class:`LoadInfo`.
+    logged on the ``ckpt_tools`` logger (INFO); :func:`load_with_info` also returns them.
 
     Args:
         path: a checkpoint file (torch zip, legacy, safetensors) or a sharded folder.
@@ -227,37 +190,69 @@ def load_state_dict(
             a callable ``(storage, tag) -> storage | None``; ``None`` keeps saved devices.
         select: dotted path to the state dict (``"model.ema"``); default: chosen as
             :func:`ckpt_tools.select_state_dict` does.
-        weights_only: kept for ``torch.load`` familiarity; ``False`` is accepted only
-            together with ``trust=True``.
         trust: unpickle everything (``torch.load(weights_only=False)``): runs code named
-            in the file. Needed only when the state dict itself holds objects outside the
-            allowlist (custom classes as extra state) or tensors this loader does not build
-            (nested tensors, tensor subclasses).
-        return_info: also return a :class:`LoadInfo`.
+            in the file. The one way to run a file's code; needed only when the state dict
+            itself holds objects outside the allowlist (custom classes as extra state) or
+            tensors this loader does not build (nested tensors, tensor subclasses).
 
     Returns:
-        The state dict (as loaded, ``_metadata`` kept), or ``(state_dict, info)``.
+        The state dict, as loaded (``_metadata`` kept).
 
     Raises:
+        MissingExtraError: torch is not installed (``pip install 'ckpt_tools[torch]'``).
         UnsafeContentError: the state dict holds objects of globals outside the allowlist
             (all named) and no ``trust=True``.
-        UsageError: ``map_location`` names a device that does not exist here, or
-            ``weights_only=False`` without ``trust=True``, or nothing looks like a state dict.
+        UsageError: ``map_location`` names a device that does not exist here, or nothing
+            looks like a state dict.
         SelectError: ``select`` names a missing entry.
         UnsupportedFormatError: a TorchScript archive or a plain pickle.
         CheckpointError: the file is missing, truncated or malformed.
 
     Example:
+        >>> sd = load_state_dict("ddp.pt", map_location="cpu")
+        >>> sd["module.conv.weight"].shape
+        torch.Size([8, 3, 3, 3])
+    """
+    return _load(path, map_location, select, trust, "load_state_dict")[0]
+
+
+def load_with_info(
+    path: StrPath,
+    *,
+    map_location: MapLocation = "auto",
+    select: Select = None,
+    trust: bool = False,
+) -> tuple[dict[str, torch.Tensor], LoadInfo]:
+    """:func:`load_state_dict`, and what it did: where storages went, what was selected.
+
+    Args:
+        path, map_location, select, trust: as for :func:`load_state_dict`.
+
+    Returns:
+        ``(state_dict, info)``: the state dict as :func:`load_state_dict` returns it, and a
+        :class:`LoadInfo` (the state dict's path and why it was chosen, each storage's saved
+        and target device, memory-mapped or read, trusted or not).
+
+    Raises:
+        As :func:`load_state_dict`.
+
+    Example:
         >>> from ckpt_tools import retag
-        >>> _ = retag("model.pt", "gpu1.pt", {"cpu": "cuda:1"})  # as if saved on GPU 1
-        >>> sd, info = load_state_dict("gpu1.pt", map_location="cpu", return_info=True)
+        >>> _ = retag("model.pt", "gpu1.pt", mapping={"cpu": "cuda:1"})  # as if saved on GPU 1
+        >>> sd, info = load_with_info("gpu1.pt", map_location="cpu")
         >>> [(p.saved, p.target) for p in info.moved], sd["conv.weight"].device
         ([('cuda:1', 'cpu')], device(type='cpu'))
     """
-    torch = require_torch("load_state_dict")
+    return _load(path, map_location, select, trust, "load_with_info")
+
+
+def _load(
+    path: StrPath, map_location: MapLocation, select: Select, trust: bool, feature: str
+) -> tuple[dict[str, torch.Tensor], LoadInfo]:
+    """The one load both public calls make; ``feature`` names the caller to a missing extra."""
+    torch = require_torch(feature)
     ckpt = open_checkpoint(path)
     _check_format(ckpt)
-    _check_trust(ckpt, weights_only, trust)
     where = ckpt.path
     selection = _selection_checked(ckpt.root, select, where)
     state_dict: Mapping[Any, Any]
@@ -280,8 +275,6 @@ def load_state_dict(
                 move.target,
             )
     logger.debug("%s: state dict %r (%s)", where, ".".join(selection.path), selection.reason)
-    if not return_info:
-        return state_dict
     info = LoadInfo(
         path=where,
         format=ckpt.format,

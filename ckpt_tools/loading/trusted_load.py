@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
+from ckpt_tools._types import MapLocation
 from ckpt_tools.errors import Remedy, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.loading.devices import MapLocation, resolve_map_location
+from ckpt_tools.loading.devices import resolve_map_location
 from ckpt_tools.loading.extras import require_safetensors
 from ckpt_tools.loading.results import StorageMove
 from ckpt_tools.structure.selection import mapping_at, walk_path

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ckpt_tools import load_into, load_state_dict
+from ckpt_tools import load_into, load_with_info
 from ckpt_tools.loading.into_module import on_meta
 
 
@@ -149,7 +149,7 @@ def test_explicit_assign_overrides_the_automatic_choice(trained: tuple[Tiny, str
 
 def test_the_state_dict_behind_assign_is_plain_load_state_dict(trained: tuple[Tiny, str]) -> None:
     _, path = trained
-    sd, info = load_state_dict(path, return_info=True)
+    sd, info = load_with_info(path)
     assert info.mmap and not isinstance(sd["block.0.weight"], nn.Parameter)
     meta = _meta_tiny()
     meta.load_state_dict(sd, assign=True)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ckpt_tools import load_state_dict
+from ckpt_tools import load_state_dict, load_with_info
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.structure.selection import walk_path
@@ -104,7 +104,7 @@ def assert_like_torch(ours: Any, theirs: Any, where: str = "", sharing: bool = T
 
 
 def _compare_with_torch_load(path: str, *, weights_only: bool = True, **load: Any) -> None:
-    ours, info = load_state_dict(path, return_info=True, map_location="cpu")
+    ours, info = load_with_info(path, map_location="cpu")
     theirs_root = torch.load(path, weights_only=weights_only, map_location="cpu", **load)
     walk = walk_path(theirs_root, info.selected)
     assert walk.found
@@ -121,7 +121,7 @@ def test_every_fixture_loads_as_torch_load_gives_it(name: str) -> None:
     path = str(FIXTURES / name)
     fmt = open_checkpoint(path).format
     if fmt == "safetensors":
-        ours, info = load_state_dict(path, return_info=True)
+        ours, info = load_with_info(path)
         assert info.mmap
         # safetensors gives each tensor its own storage: so does its oracle.
         assert_like_torch(ours, load_file(path))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_tools import load_into, load_state_dict
+from ckpt_tools import load_into, load_state_dict, load_with_info
 from ckpt_tools.ops.rewrite.conversion import retag
 from tests.loading.test_own_reader import _zoo, assert_like_torch
 
@@ -34,7 +34,7 @@ def test_map_location_cuda_matches_torch_load(tmp_path: Path, form: Any) -> None
     zoo.pop("meta")
     path = str(tmp_path / "zoo.pt")
     torch.save(zoo, path)
-    ours, info = load_state_dict(path, map_location=form, return_info=True)
+    ours, info = load_with_info(path, map_location=form)
     theirs = torch.load(path, map_location=form, weights_only=True)
     assert_like_torch(ours, theirs)  # devices, sharing (on the GPU) and bytes included
     assert {p.target.partition(":")[0] for p in info.placements} == {"cuda"}
@@ -58,7 +58,7 @@ def test_auto_puts_gpu_tagged_storages_on_a_gpu_and_callables_get_cpu_storages(
         seen.append((str(storage.device), tag))
         return storage.cuda(0)
 
-    sd, info = load_state_dict(plain, map_location=to_gpu, return_info=True)
+    sd, info = load_with_info(plain, map_location=to_gpu)
     assert seen == [("cpu", "cpu")] * len(weights)  # as torch.load calls it
     assert [(p.saved, p.target) for p in info.placements] == [("cpu", "cuda:0")]
     for key, value in weights.items():

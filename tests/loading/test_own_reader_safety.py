@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_tools import load_state_dict
+from ckpt_tools import load_state_dict, load_with_info
 from ckpt_tools.errors import UnsafeContentError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.detect import _NoGlobals
@@ -188,7 +188,7 @@ def test_foreign_objects_outside_the_state_dict_load_untrusted_and_never_run(
     path, marker, weights = foreign_checkpoint
     ckpt = open_checkpoint(path)
     assert {"foreign_mod_i10.make_marker", "foreign_mod_i10.DictConfig"} <= set(ckpt.unsafe_globals)
-    sd, info = load_state_dict(path, return_info=True)
+    sd, info = load_with_info(path)
     assert info.selected == ("state_dict",) and not info.trusted
     assert list(sd) == list(weights)
     for key, value in weights.items():

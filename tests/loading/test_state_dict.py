@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ckpt_tools import load_state_dict
+from ckpt_tools import load_state_dict, load_with_info
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import SelectError, UnsafeContentError, UnsupportedFormatError, UsageError
 from ckpt_tools.loading.devices import auto_location, resolve_map_location
@@ -92,7 +92,7 @@ def test_every_map_location_form_loads_a_cpu_file(
     net: nn.Module, save: Callable[..., str], map_location: Any
 ) -> None:
     path = save(net.state_dict())
-    sd, info = load_state_dict(path, map_location=map_location, return_info=True)
+    sd, info = load_with_info(path, map_location=map_location)
     assert_same(sd, net.state_dict())
     assert all(t.device.type == "cpu" for t in sd.values())
     assert [(p.saved, p.target) for p in info.placements] == [("cpu", "cpu")]
@@ -108,7 +108,7 @@ def test_plain_torch_load_fails_on_a_cuda1_file_but_auto_loads_it(
     with pytest.raises(RuntimeError, match="CUDA"):
         torch.load(cuda1_file)
     with caplog.at_level(logging.INFO, logger="ckpt_tools"):
-        sd, info = load_state_dict(cuda1_file, return_info=True)
+        sd, info = load_with_info(cuda1_file)
     assert_same(sd, net.state_dict())
     assert [(m.saved, m.target, m.storages) for m in info.moved] == [("cuda:1", "cpu", 7)]
     assert "saved on cuda:1 loaded on cpu" in caplog.text
@@ -122,7 +122,7 @@ def test_plain_torch_load_fails_on_a_cuda1_file_but_auto_loads_it(
 def test_explicit_forms_move_cuda1_storages(
     net: nn.Module, cuda1_file: str, map_location: Any
 ) -> None:
-    sd, info = load_state_dict(cuda1_file, map_location=map_location, return_info=True)
+    sd, info = load_with_info(cuda1_file, map_location=map_location)
     assert_same(sd, net.state_dict())
     assert [(m.saved, m.target) for m in info.placements] == [("cuda:1", "cpu")]
 
@@ -171,14 +171,14 @@ def test_safetensors_with_every_form(net: nn.Module, tmp_path: Path) -> None:
     expected = {k: v.contiguous() for k, v in net.state_dict().items()}
     save_file(expected, path)
     for form in ("auto", "cpu", {"cpu": "cpu"}, _keep):
-        sd, info = load_state_dict(path, map_location=form, return_info=True)
+        sd, info = load_with_info(path, map_location=form)
         assert_same(sd, expected, ordered=False)
         assert info.format == "safetensors" and info.mmap  # mapped, as torch zip records are
 
 
 def test_legacy_file_loads_without_mmap(net: nn.Module, save: Callable[..., str]) -> None:
     path = save(net.state_dict(), "legacy.pt", _use_new_zipfile_serialization=False)
-    sd, info = load_state_dict(path, return_info=True)
+    sd, info = load_with_info(path)
     assert_same(sd, net.state_dict())
     assert info.format == "torch-legacy" and not info.mmap
 
@@ -192,7 +192,7 @@ def test_sharded_folder_merges_shards_in_index_order(net: nn.Module, tmp_path: P
         k: "model-1.safetensors" if i < 3 else "model-2.safetensors" for i, k in enumerate(names)
     }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    loaded, info = load_state_dict(tmp_path, return_info=True)
+    loaded, info = load_with_info(tmp_path)
     assert_same(loaded, sd)  # the index's order
     assert info.format == "hf-sharded"
     assert sum(p.storages for p in info.placements) == len(sd)
@@ -206,7 +206,7 @@ def test_unsafe_globals_outside_the_state_dict_load_inside_it_are_refused_unless
 ) -> None:
     # Outside the state dict (hyper-parameters): never built, the load succeeds untrusted.
     path = save({"state_dict": net.state_dict(), "hparams": argparse.Namespace(lr=0.1)})
-    sd, load_info = load_state_dict(path, return_info=True)
+    sd, load_info = load_with_info(path)
     assert_same(sd, net.state_dict())
     assert not load_info.trusted and load_info.selected == ("state_dict",)
     # Inside it (an extra state object): refused by name, with the way out.
@@ -222,9 +222,10 @@ def test_unsafe_globals_outside_the_state_dict_load_inside_it_are_refused_unless
     assert command.endswith("--drop-extras --allow-global argparse.Namespace")
     assert main([*shlex.split(command)[1:], "-q"]) == 0
     assert_same(load_state_dict(path.replace(".pt", ".safetensors")), net.state_dict(), False)
-    with pytest.raises(UsageError, match="trust=True"):
-        load_state_dict(path, weights_only=False)
-    sd, load_info = load_state_dict(path, trust=True, return_info=True)
+    # trust is the one knob that runs a file's code: torch's weights_only is not a second one.
+    with pytest.raises(TypeError, match="weights_only"):
+        load_state_dict(path, weights_only=False)  # type: ignore[call-arg]
+    sd, load_info = load_with_info(path, trust=True)
     assert sd["fc._extra_state"] == argparse.Namespace(lr=0.1)
     assert load_info.trusted and load_info.selected == ("state_dict",)
 
@@ -235,7 +236,7 @@ def test_unsafe_globals_outside_the_state_dict_load_inside_it_are_refused_unless
 def test_selects_like_inspect_and_obeys_select(net: nn.Module, save: Callable[..., str]) -> None:
     ema = {k: v + 1 for k, v in net.state_dict().items()}
     path = save({"epoch": 3, "model": net.state_dict(), "ema": ema})
-    sd, info = load_state_dict(path, return_info=True)
+    sd, info = load_with_info(path)
     assert info.selected == ("model",)
     assert_same(sd, net.state_dict())
     assert_same(load_state_dict(path, select="ema"), ema)
@@ -258,7 +259,7 @@ def test_torchscript_is_refused_with_the_right_loader(net: nn.Module, tmp_path: 
 
 
 def test_load_info_serialises(net: nn.Module, save: Callable[..., str]) -> None:
-    _, info = load_state_dict(save(net.state_dict()), return_info=True)
+    _, info = load_with_info(save(net.state_dict()))
     assert isinstance(info, LoadInfo)
     data = json.loads(json.dumps(info.to_json()))
     assert data["placements"][0]["saved"] == "cpu" and os.path.isfile(data["path"])

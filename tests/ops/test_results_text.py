@@ -17,7 +17,7 @@ from ckpt_tools.errors import CheckpointError, SelectError
 from ckpt_tools.loading import module_spec
 from ckpt_tools.loading.into_module import load_into
 from ckpt_tools.loading.results import ShapeMismatch
-from ckpt_tools.loading.state_dict import load_state_dict
+from ckpt_tools.loading.state_dict import load_with_info
 from ckpt_tools.ops.inspect.inspection import inspect
 from ckpt_tools.ops.rewrite.rewriting import strip_module
 from ckpt_tools.structure.grouping import fold_keys, fold_names
@@ -45,7 +45,7 @@ def test_inspect_text_is_what_the_command_prints() -> None:
 def test_reprs_are_short() -> None:
     info = inspect(DP)
     assert repr(info).startswith("CheckpointInfo(path=") and len(repr(info)) < 200
-    _, load = load_state_dict(DP, return_info=True)
+    _, load = load_with_info(DP)
     assert repr(load).startswith("LoadInfo(") and len(repr(load)) < 200
     report = diff(DP, DP)
     assert repr(report).startswith("DiffReport(") and len(repr(report)) < 200
@@ -71,7 +71,7 @@ def test_diff_text_is_what_the_command_prints(tmp_path: Path) -> None:
 
 
 def test_load_and_rewrite_results_read_as_text(tmp_path: Path) -> None:
-    _, load = load_state_dict(DP, map_location="cpu", return_info=True)
+    _, load = load_with_info(DP, map_location="cpu")
     assert str(load).startswith(f"loaded {load.tensors} tensors from {DP}")
     result = strip_module(DP, tmp_path / "out.pt")
     assert str(result) == result.text() and "RewriteResult(" not in str(result)

@@ -14,7 +14,7 @@ import torch
 
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import SelectError
-from ckpt_tools.loading.state_dict import load_state_dict
+from ckpt_tools.loading.state_dict import load_state_dict, load_with_info
 from ckpt_tools.ops.inspect.inspection import inspect
 from ckpt_tools.ops.rewrite.rewriting import rewrite
 from ckpt_tools.structure.keys import add_rule
@@ -84,7 +84,7 @@ def test_inspect_reaches_the_same_node(case: tuple[str, Path]) -> None:
 def test_load_state_dict_reaches_the_same_node(case: tuple[str, Path]) -> None:
     name, path = case
     _, select, keys, seed = CASES[name]
-    sd, load = load_state_dict(path, select=select, trust=name in _TRUSTED, return_info=True)
+    sd, load = load_with_info(path, select=select, trust=name in _TRUSTED)
     assert load.selected == keys
     for key, value in _sd(seed).items():
         assert torch.equal(sd[key], value)
