@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
+from ckpt_tools._types import Select
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
 from ckpt_tools.dtypes import itemsize
@@ -94,7 +95,7 @@ def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple
 
 
 @contextlib.contextmanager
-def _open_side(side: DiffSide, select: str | Sequence[str] | None, name: str) -> Iterator[_Side]:
+def _open_side(side: DiffSide, select: Select, name: str) -> Iterator[_Side]:
     import torch
     from torch import nn
 
@@ -262,16 +263,16 @@ def _suggestions(
 
 
 @contextlib.contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
+def _torch_threads(jobs: int) -> Iterator[None]:
     import torch
 
-    if threads is None or threads == torch.get_num_threads():
+    if jobs < 1:
+        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs))
+    if jobs == torch.get_num_threads():
         yield
         return
-    if threads < 1:
-        raise UsageError("must be >= 1 or None", argument="threads", value=repr(threads))
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(jobs)
     try:
         yield
     finally:
@@ -281,13 +282,14 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
 def diff(
     a: DiffSide,
     b: DiffSide,
+    *,
     rtol: float = 1e-5,
     atol: float = 1e-8,
-    select_a: str | Sequence[str] | None = None,
-    select_b: str | Sequence[str] | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-    threads: int | None = 1,
+    select_a: Select = None,
+    select_b: Select = None,
     align: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+    jobs: int = 1,
 ) -> DiffReport:
     """Compare two state dicts key by key and tensor by tensor, in bounded memory.
 
@@ -299,21 +301,22 @@ def diff(
         rtol, atol: tolerances, as in ``torch.isclose``.
         select_a, select_b: dotted paths to the state dict in each checkpoint (default:
             chosen automatically, as ``ckpt inspect`` does).
-        chunk_bytes: bytes read per side at a time while comparing one tensor.
-        threads: torch intra-op threads while comparing, restored afterwards. The work is
-            memory-bound: one thread is as fast on an idle machine and far faster on a busy
-            one (spinning worker threads). None leaves torch's setting alone.
         align: first rewrite A's keys with the wrapper rewrite that best matches B's (as
             :func:`ckpt_tools.load_into` does: ``module.``, ``_orig_mod.``, ``model.`` ...),
             then compare; the report says which (``aligned``) and how to make it permanent
             (``aligned_command``); suggestions are only for the keys it left unmatched.
+        chunk_bytes: bytes read per side at a time while comparing one tensor.
+        jobs: torch intra-op threads while comparing, restored afterwards. The work is
+            memory-bound: one thread is as fast on an idle machine and far faster on a busy
+            one (spinning worker threads).
 
     Returns:
         A :class:`DiffReport`: missing and unexpected keys, one :class:`TensorDiff` per
         common key, and :class:`Suggestion` s for rewrites explaining key mismatches.
 
     Raises:
-        UsageError: a side is of an unsupported type, or ``select`` is given for a module.
+        UsageError: a side is of an unsupported type, ``select`` is given for a module, or
+            ``jobs`` < 1.
         SelectError: ``select`` names a missing entry.
         CheckpointError: a file is missing, truncated or malformed.
 
@@ -335,7 +338,7 @@ def diff(
             flag="--rtol" if rtol < 0 else "--atol",
         )
     with (
-        _torch_threads(threads),
+        _torch_threads(jobs),
         _open_side(a, select_a, "A") as side_a,
         _open_side(b, select_b, "B") as side_b,
     ):

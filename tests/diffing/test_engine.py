@@ -53,6 +53,23 @@ def test_identical_files_are_identical(save: Callable[..., str]) -> None:
     assert all(t.status == "equal" and t.max_abs == 0 for t in report.tensors)
 
 
+def test_jobs_sets_torch_threads_while_comparing_and_restores_them() -> None:
+    sd = {"w": torch.arange(8.0)}
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    class Spy(dict):  # a state dict side that notes the thread count as it is read
+        def items(self):  # type: ignore[override]
+            seen.append(torch.get_num_threads())
+            return super().items()
+
+    assert diff(Spy(sd), sd, jobs=2).identical
+    assert seen and set(seen) == {2} and torch.get_num_threads() == before
+    with pytest.raises(UsageError, match=r"jobs=0: must be at least 1"):
+        diff(sd, sd, jobs=0)
+    assert torch.get_num_threads() == before
+
+
 def test_nan_negative_zero_and_inf() -> None:
     nan, inf = math.nan, math.inf
     a = {
