@@ -206,4 +206,4 @@ def _draw_gaps(
     ax.set_ylabel("max |w - w_single| over all parameters")
     ax.set_title("weight difference from single-device training (log)")
     if gaps:
-        ax.legend(fontsize="small", loc="center right")
+        ax.legend(fontsize="small", loc="best")
