@@ -29,6 +29,8 @@ from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, 
     help="Write everything saved (model, optimizer, other entries), nested as saved.",
 )
 @click.option("--strip", is_flag=True, help="Also remove wrapper prefixes (module., _orig_mod.).")
+@click.option("--tag", help="DeepSpeed: the tag to read (default: the one 'latest' names).")
+@click.option("--exclude-frozen", is_flag=True, help="DeepSpeed: leave the frozen parameters out.")
 @click.option(
     "--max-shard-size",
     default=DEFAULT_MAX_SHARD_SIZE,
@@ -54,10 +56,12 @@ from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, 
 @json_option
 @dry_run_option
 def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: Any) -> None:
-    """Consolidate a torch.distributed.checkpoint (DCP) folder into OUT, torch-free.
+    """Consolidate a torch.distributed.checkpoint (DCP) folder or a DeepSpeed ZeRO checkpoint
+    (its save folder, or a tag folder) into OUT, torch-free.
 
     OUT is a .pt (torch.save format), a .safetensors, or a folder for Hugging Face shards
     (model-00001-of-0000N.safetensors + model.safetensors.index.json). Chunks are copied
-    straight into place; memory does not grow with the checkpoint.
+    straight into place; memory does not grow with the checkpoint. A DeepSpeed checkpoint is
+    written as zero_to_fp32 writes it: fp32 master weights, frozen ones as trained.
     """
     echo_result(consolidate(src, dst, all=everything, **kw), as_json)

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS, check_verify_level
 from ckpt_tools.io.writers.hf_folder import check_output_folder
@@ -27,7 +25,8 @@ from ckpt_tools.io.writers.shard_plan import (
     parse_shard_size,
     plan_shards,
 )
-from ckpt_tools.ops.consolidate.plan import ConsolidationPlan, plan_consolidation
+from ckpt_tools.ops.consolidate.deepspeed import open_source, plan_source
+from ckpt_tools.ops.consolidate.plan import ConsolidationPlan
 from ckpt_tools.ops.consolidate.write import write_file_output, write_folder_output
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
 
@@ -112,6 +111,8 @@ def consolidate(
     select: str | None = None,
     all: bool = False,
     strip: bool = False,
+    tag: str | None = None,
+    exclude_frozen: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     jobs: int = 1,
     force: bool = False,
@@ -120,16 +121,23 @@ def consolidate(
     durable: bool = True,
     progress: Progress | None = None,
 ) -> ConsolidateResult:
-    """Write a torch.distributed.checkpoint folder as one file or as HF shards, torch-free.
+    """Write a torch.distributed.checkpoint folder or a DeepSpeed ZeRO checkpoint as one file
+    or as HF shards, torch-free.
 
     Args:
-        src: the DCP folder (``.metadata`` and ``*.distcp`` files).
+        src: the DCP folder (``.metadata`` and ``*.distcp`` files), or a DeepSpeed ZeRO
+            checkpoint (stage 1, 2 or 3): its save folder (``latest`` names the tag) or a
+            tag folder. It is written as the state dict ``zero_to_fp32`` gives (fp32 master
+            weights, frozen ones in their 16-bit dtype, float buffers in fp32), its bytes cut
+            from the ranks' partitions.
         dst: a ``.pt`` (torch.save format), a ``.safetensors``, or a folder for Hugging
             Face shards (``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``).
         select: the state dict to write (a dotted path, e.g. ``"model"``); None picks it as
             ``inspect`` does.
         all: write everything saved (model, optimizer, other entries), nested as saved.
         strip: remove wrapper prefixes (``module.``, ``_orig_mod.``) from the state dict's keys.
+        tag: the DeepSpeed tag to read (default: the one ``latest`` names).
+        exclude_frozen: leave a DeepSpeed checkpoint's frozen parameters out.
         max_shard_size: the most bytes per HF shard (``"5GB"``, decimal units, or an int).
         jobs: how many HF shards to write at once.
         force: replace an existing output (never the input): a file, or for HF shards a
@@ -147,7 +155,7 @@ def consolidate(
         The :class:`ConsolidateResult`.
 
     Raises:
-        UsageError: ``src`` is not a DCP folder, or bad arguments.
+        UsageError: ``src`` is not a DCP folder or a DeepSpeed checkpoint, or bad arguments.
         CorruptCheckpointError: the folder's metadata or chunks are malformed (nothing written).
         OutputError: an output exists (without ``force``) or could not be written.
 
@@ -165,30 +173,29 @@ def consolidate(
     if jobs < 1:
         raise UsageError("jobs must be at least 1", argument="jobs", value=jobs)
     check_verify_level(verify, CONSOLIDATE_VERIFY_LEVELS)
-    ckpt = open_checkpoint(src)
-    if not isinstance(ckpt, DcpCheckpoint):
-        raise UsageError(
-            f"{src!r} is a {ckpt.format} checkpoint, not a torch.distributed.checkpoint folder "
-            "(a .metadata file and *.distcp files)",
-            argument="src",
-            value=src,
-        )
+    ckpt = open_source(src, tag=tag, exclude_frozen=exclude_frozen)
     fmt = _output_format(dst)
     limit = parse_shard_size(max_shard_size)
     if fmt == "hf-sharded":
         target = check_output_folder(dst, src, force=force)
     else:
         target = check_output_path(dst, src, force=force)
-    plan = plan_consolidation(
-        ckpt, select=select, everything=all, strip=strip, tensors_only=fmt != "torch-zip"
+    plan = plan_source(
+        ckpt,
+        select=select,
+        everything=all,
+        strip=strip,
+        exclude_frozen=exclude_frozen,
+        tensors_only=fmt != "torch-zip",
     )
     shared = {
         "src": src,
         "dst": dst,
         "input_format": ckpt.format,
         "output_format": fmt,
-        "bytes_written": sum(t.tensor.nbytes for t in plan.tensors),
-        "bytes_copied": sum(t.copied for t in plan.tensors),
+        "bytes_written": plan.nbytes,
+        "bytes_copied": plan.copied,
+        "notes": plan.notes,
         "dropped": plan.dropped,
         "tensors": len(plan.tensors),
         "selected": plan.selected,

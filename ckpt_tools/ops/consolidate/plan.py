@@ -18,6 +18,7 @@ from ckpt_tools.errors import KeyCollisionError, UnsafeContentError, UsageError
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint, contiguous_stride
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
+from ckpt_tools.io.writers.records import Record
 from ckpt_tools.structure.keys import rename_keys, strip_wrapper_rules
 from ckpt_tools.structure.selection import select_state_dict
 
@@ -26,15 +27,19 @@ __all__ = ["ConsolidationPlan", "OutputTensor", "plan_consolidation"]
 
 @dataclass(frozen=True)
 class OutputTensor:
-    """One tensor of the output: its flat name, its new descriptor, and its byte pieces."""
+    """One tensor of the output: its flat name, its new descriptor, and its byte pieces (or,
+    for bytes computed rather than cut from pieces, the record that makes them)."""
 
     name: str
     tensor: TensorRef
     pieces: tuple[Piece, ...]
+    record: Record | None = None
 
     @property
     def copied(self) -> int:
         """Bytes moved by kernel copies (the rest is assembled through a buffer)."""
+        if self.record is not None:
+            return self.record.copied
         return sum(p.nbytes for p in self.pieces if isinstance(p, SpanPiece))
 
 
@@ -48,6 +53,7 @@ class ConsolidationPlan:
         selected: the path of the selected state dict (empty with ``all``).
         dropped: names of non-tensor entries left out (safetensors outputs).
         renamed: ``(old, new)`` key pairs from ``strip``.
+        notes: what else was decided, in words.
     """
 
     tree: Any
@@ -55,6 +61,17 @@ class ConsolidationPlan:
     selected: tuple[str, ...]
     dropped: tuple[str, ...]
     renamed: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the output's tensors (tied names share one storage, written once)."""
+        return sum({id(t.tensor.storage): t.tensor.nbytes for t in self.tensors}.values())
+
+    @property
+    def copied(self) -> int:
+        """Of those, the bytes kernel copies move."""
+        return sum({id(t.tensor.storage): t.copied for t in self.tensors}.values())
 
 
 def _pieces(ckpt: DcpCheckpoint, t: TensorRef) -> tuple[Piece, ...]:

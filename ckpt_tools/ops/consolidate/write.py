@@ -89,6 +89,8 @@ def write_folder_output(
 
 def _record(t: OutputTensor) -> Record:
     """The record of one output tensor: its chunk pieces, back to back."""
+    if t.record is not None:
+        return t.record
     copied = all(isinstance(p, SpanPiece) for p in t.pieces)
     return Record(t.tensor.nbytes, pieces=t.pieces, action="copy" if copied else "assemble")
 
@@ -137,14 +139,18 @@ def _tensors_in(node: Any) -> list[TensorRef]:
     return [t for v in values for t in _tensors_in(v)]
 
 
-def _picklable(node: Any) -> Any:
-    """The tree with every tensor given torch.save's rebuild call (``picklable_tensors``)."""
+def _picklable(node: Any, made: dict[int, Any] | None = None) -> Any:
+    """The tree with every tensor given torch.save's rebuild call (``picklable_tensors``); a
+    tensor the tree holds twice (tied names) stays one tensor, over one storage."""
+    made = {} if made is None else made
+    if isinstance(node, TensorRef):
+        if id(node) not in made:
+            made[id(node)] = picklable_tensors({0: node})[0]
+        return made[id(node)]
     if isinstance(node, dict):
-        node = picklable_tensors(node)
-        return {k: _picklable(v) if isinstance(v, (dict, list)) else v for k, v in node.items()}
+        out = picklable_tensors(node)  # the mapping's type and its _metadata kept
+        out.update((k, _picklable(v, made)) for k, v in node.items())
+        return out
     if isinstance(node, list):
-        return [
-            _picklable(v) if isinstance(v, (dict, list)) else picklable_tensors({0: v})[0]
-            for v in node
-        ]
-    return picklable_tensors({0: node})[0]
+        return [_picklable(v, made) for v in node]
+    return node

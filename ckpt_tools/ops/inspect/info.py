@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError
 from ckpt_tools.structure.grouping import group_names
@@ -26,9 +26,6 @@ from ckpt_tools.structure.text import (
     more_hint,
     text_table,
 )
-
-if TYPE_CHECKING:
-    from ckpt_tools.formats.deepspeed.info import ZeroInfo
 
 __all__ = ["MAX_SHARED_NAMES", "TENSOR_COLUMNS", "CheckpointInfo", "TensorInfo"]
 
@@ -132,8 +129,7 @@ class CheckpointInfo(Readable):
             (``torch.save(model)``): ``{"class", "modules", "tensors", "caveats"}``.
         chunks: tensor name -> its saved chunks (``offsets``, ``sizes``, ``file``,
             ``offset``, ``length``), for DCP folders.
-        deepspeed: for a DeepSpeed checkpoint, its tag, ZeRO stage, world sizes, dtypes,
-            frozen and shared parameters, and what each rank file holds.
+        format_info: the format's own record, as ``lines()`` and ``to_json()`` (``ZeroInfo``).
     """
 
     path: str
@@ -154,7 +150,7 @@ class CheckpointInfo(Readable):
     beyond_weights_only: tuple[str, ...] = ()
     pickled_module: Mapping[str, Any] | None = None
     chunks: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
-    deepspeed: ZeroInfo | None = None
+    format_info: Any = None
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -238,7 +234,7 @@ class CheckpointInfo(Readable):
             f"dtypes:      {counts(self.dtypes)}",
             f"devices:     {counts(self.devices)}",
             *self._wrapper_lines(for_cli),
-            *(self.deepspeed.lines() if self.deepspeed is not None else ()),
+            *(self.format_info.lines() if self.format_info is not None else ()),
         ]
         if self.pickled_module:
             lines += [f"caveat:      {c}" for c in self.pickled_module["caveats"]]
@@ -384,7 +380,7 @@ class CheckpointInfo(Readable):
             "pickle_protocol": self.pickle_protocol,
             "beyond_weights_only": list(self.beyond_weights_only),
             "pickled_module": dict(self.pickled_module) if self.pickled_module else None,
-            "deepspeed": self.deepspeed.to_json() if self.deepspeed is not None else None,
+            "format_info": self.format_info and self.format_info.to_json(),
             "chunks": {
                 name: [
                     {k: list(v) if isinstance(v, tuple) else v for k, v in c.items()} for c in cs

@@ -120,7 +120,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         beyond_weights_only=ckpt.beyond_weights_only,
         pickled_module=_module_summary(selection),
         chunks=_dcp_chunks(ckpt, named),
-        deepspeed=getattr(ckpt, "zero", None),
+        format_info=getattr(ckpt, "zero", None),
     )
 
 

@@ -91,7 +91,7 @@ def test_inspect_reports_the_run(
     frozen: bool,
 ) -> None:
     info = inspect(zero_runs.folder(ranks, name))
-    zero = info.deepspeed
+    zero = info.format_info
     assert zero is not None and info.format == "deepspeed"
     assert (zero.tag, zero.stage, zero.dp_world_size, zero.mp_world_size) == (
         "global_step2",
@@ -122,7 +122,7 @@ def test_ckpt_inspect_prints_and_dumps_it(zero_runs: ZeroRuns) -> None:
     assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt: float32 partition" in out
     code, out, _ = run_ckpt("inspect", str(folder / "global_step1"), "--json")
     assert code == 0
-    dumped = json.loads(out)["deepspeed"]
+    dumped = json.loads(out)["format_info"]
     assert dumped["tag"] == "global_step1" and dumped["stage"] == 2
     assert dumped["shared"] == {"head.weight": "embed.weight"}
 

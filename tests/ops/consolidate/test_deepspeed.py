@@ -1,0 +1,196 @@
+"""``consolidate`` on DeepSpeed ZeRO checkpoints, against DeepSpeed's own ``zero_to_fp32``.
+
+The inputs are the session's real ZeRO runs (``zero_runs``: stages 1-3, fp32/bf16/fp16, 2 and
+3 ranks, a frozen layer, a tied head, BatchNorm buffers); the oracle is ``zero_to_fp32``'s
+state dict of the same tag, saved by DeepSpeed in the run and read here with ``torch.load``;
+safetensors outputs are read with the ``safetensors`` package. Damaged copies of a run are
+refused with one line naming the file, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpt_tools import consolidate
+from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UsageError
+from tests.helpers import read_data_pkl, run_ckpt, tools, truncated_copy
+from tests.helpers.zero_runs import RUN_IDS, ZeroRuns
+
+FROZEN = ("frozen.weight", "frozen.bias")
+TAG = "global_step2"
+
+
+def assert_bitwise(want: torch.Tensor, got: torch.Tensor, where: str) -> None:
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), where
+    assert (
+        got.contiguous()
+        .view(-1)
+        .view(torch.uint8)
+        .equal(want.contiguous().view(-1).view(torch.uint8))
+    ), where
+
+
+def module_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / TAG / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+
+
+@pytest.mark.parametrize(("ranks", "name"), RUN_IDS, ids=[f"{r}-{n}" for r, n in RUN_IDS])
+def test_pt_equals_zero_to_fp32(zero_runs: ZeroRuns, tmp_path: Path, ranks: int, name: str) -> None:
+    folder = zero_runs.folder(ranks, name)
+    result = consolidate(folder, tmp_path / "m.pt")
+    want = torch.load(zero_runs.reference(ranks, name), weights_only=True)
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    # the tied tensor's bytes once
+    assert result.bytes_written == sum(t.nbytes for k, t in got.items() if k != "head.weight")
+    if name.startswith("z1"):
+        # ZeRO-1: zero_to_fp32 leaves the frozen layer out; we take it from the module
+        assert not set(FROZEN) & set(want) and result.notes
+        for key in FROZEN:
+            assert_bitwise(module_weights(folder)[key], got.pop(key), key)
+    assert list(got) == list(want)
+    for key in want:
+        assert_bitwise(want[key], got[key], key)
+    # tied names share one storage, as zero_to_fp32 gives them
+    assert got["head.weight"].data_ptr() == got["embed.weight"].data_ptr()
+    assert result.input_format == "deepspeed" and result.bytes_copied > 0
+
+
+@pytest.mark.parametrize(("ranks", "name"), [(2, "z3-bf16"), (3, "z2")])
+def test_safetensors_store_the_tied_tensor_once(
+    zero_runs: ZeroRuns, tmp_path: Path, ranks: int, name: str
+) -> None:
+    result = consolidate(zero_runs.folder(ranks, name), tmp_path / "m.safetensors", verify="full")
+    want = torch.load(zero_runs.reference(ranks, name), weights_only=True)
+    got = load_file(tmp_path / "m.safetensors")
+    assert result.dropped == ("head.weight",)
+    assert "head.weight is stored once, as embed.weight (tied)" in result.notes
+    assert sorted(got) == sorted(k for k in want if k != "head.weight")
+    for key in got:
+        assert_bitwise(want[key], got[key], key)
+
+
+def test_hf_folder_shards(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = consolidate(zero_runs.folder(2, "z3"), out, max_shard_size=600, jobs=2)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and len(result.written) > 2
+    got: dict[str, torch.Tensor] = {}
+    for shard in set(index["weight_map"].values()):
+        got.update(load_file(out / shard))
+    want = torch.load(zero_runs.reference(2, "z3"), weights_only=True)
+    assert sorted(got) == sorted(k for k in want if k != "head.weight")
+    for key in got:
+        assert_bitwise(want[key], got[key], key)
+
+
+def test_tag_and_exclude_frozen(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    folder = zero_runs.folder(2, "z2-bf16")
+    consolidate(folder, tmp_path / "old.pt", tag="global_step1", exclude_frozen=True)
+    want = torch.load(zero_runs.reference(2, "z2-bf16", "global_step1"), weights_only=True)
+    got = torch.load(tmp_path / "old.pt", weights_only=True)
+    # zero_to_fp32's exclude_frozen_parameters: the same state dict less the frozen layer
+    assert list(got) == [k for k in want if k not in FROZEN]
+    for key in got:
+        assert_bitwise(want[key], got[key], key)
+    newer = torch.load(zero_runs.reference(2, "z2-bf16"), weights_only=True)
+    assert not torch.equal(newer["hidden.weight"], got["hidden.weight"])
+
+
+def test_cli_writes_reports_and_runs_without_torch(
+    zero_runs: ZeroRuns, tmp_path: Path, no_torch_env: dict[str, str]
+) -> None:
+    folder = zero_runs.folder(3, "z3-bf16")
+    code, out, err = run_ckpt("consolidate", str(folder), str(tmp_path / "dry.pt"), "--dry-run")
+    assert code == 0, err
+    assert "would consolidate" in out and not (tmp_path / "dry.pt").exists()
+    code, out, err = run_ckpt(
+        "consolidate", str(folder), str(tmp_path / "m.pt"), "--json", how="module", env=no_torch_env
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["input_format"] == "deepspeed" and report["tensors"] == 11
+    want = torch.load(zero_runs.reference(3, "z3-bf16"), weights_only=True)
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    for key in want:
+        assert_bitwise(want[key], got[key], key)
+
+
+def test_options_that_do_not_apply_are_refused(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="select does not apply"):
+        consolidate(zero_runs.folder(2, "z3"), tmp_path / "m.pt", select="module")
+    with pytest.raises(UsageError, match="tag is for DeepSpeed"):
+        consolidate(tmp_path, tmp_path / "m.pt", tag="global_step1")
+    assert os.listdir(tmp_path) == []
+
+
+# --- damaged copies: refused while planning, one line naming the file, nothing written -------
+
+
+def _drop_rank(folder: Path) -> str:
+    (folder / TAG / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()  # the last
+    return "a rank's file is missing"
+
+
+def _truncate_partition(folder: Path) -> str:
+    path = folder / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    truncated_copy(path, path.with_suffix(".cut"), -100)
+    path.with_suffix(".cut").replace(path)
+    return "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def _latest_names_nothing(folder: Path) -> str:
+    (folder / "latest").write_text("global_step9")
+    return "names tag 'global_step9', which is not a folder"
+
+
+def _shapes_do_not_fit(folder: Path) -> str:
+    path = folder / TAG / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=True)
+    states["param_shapes"][0]["hidden.bias"] = torch.Size([17])
+    torch.save(states, path)
+    return "mp_rank_00_model_states.pt': its parameter shapes do not fit"
+
+
+DAMAGE = {
+    "missing-rank": _drop_rank,
+    "truncated-partition": _truncate_partition,
+    "latest-names-no-folder": _latest_names_nothing,
+    "shapes-do-not-fit": _shapes_do_not_fit,
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_runs_are_refused(zero_runs: ZeroRuns, tmp_path: Path, damage: str) -> None:
+    folder = zero_runs.copy(3, "z2", tmp_path / "run")
+    said = DAMAGE[damage](folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    code, stdout, err = run_ckpt("consolidate", folder, out / "m.pt", code=None)
+    assert code == CorruptCheckpointError.exit_code, err
+    assert len(err.strip().splitlines()) == 1 and said in err, err
+    assert os.listdir(out) == [] and not stdout
+
+
+def test_a_hostile_global_in_a_rank_file_is_never_run(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    folder = zero_runs.copy(2, "z2-bf16", tmp_path / "run")
+    marker = tmp_path / "ran"
+    path = folder / TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    payload = read_data_pkl(path)
+    version = b"X\x06\x00\x00\x000.19.8"  # the ds_version string, as protocol 2 writes it
+    command = f"touch {marker}".encode()
+    call = b"cposix\nsystem\n(X" + len(command).to_bytes(4, "little") + command + b"tR"
+    assert version in payload
+    hostile = tmp_path / "hostile.pt"
+    tools().rewrite_zip(path, hostile, replace={"data.pkl": payload.replace(version, call, 1)})
+    hostile.replace(path)
+    with pytest.raises(UnsafeContentError, match=r"posix\.system"):
+        consolidate(folder, tmp_path / "m.pt")
+    code, _, err = run_ckpt("consolidate", folder, tmp_path / "m.pt", code=None)
+    assert code == UnsafeContentError.exit_code and "posix.system" in err
+    assert not marker.exists() and not (tmp_path / "m.pt").exists()
