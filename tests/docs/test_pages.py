@@ -41,3 +41,14 @@ def test_every_page_is_in_the_site_navigation() -> None:
     config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
     assert [p for p in pages if f": {p}" not in config] == []
+
+
+def test_the_api_reference_shows_every_public_name() -> None:
+    """docs/reference.md renders each name of ``ckpt_tools.__all__``, and no other."""
+    import ckpt_tools
+
+    page = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")
+    shown = set(re.findall(r"^::: ckpt_tools\.(\w+)$", page, re.MULTILINE))
+    public = set(ckpt_tools.__all__) - {"__version__"}
+    assert sorted(public - shown) == [], "public names missing from docs/reference.md"
+    assert sorted(shown - public) == [], "docs/reference.md shows names that are not public"
