@@ -238,18 +238,13 @@ class CheckpointNotFoundError(UsageError, FileNotFoundError):
 
 
 class MissingExtraError(UsageError, ImportError):
-    """A feature needs a package that only an extra installs (``pip install 'ckpt_tools[torch]'``).
-
-    ``import ckpt_tools`` and every torch-free operation work without the extras; the first
-    call that needs one raises this, saying which package and which extra.
+    """A feature needs a package only an extra installs: ``pip install 'ckpt_tools[torch]'``.
 
     Args:
         feature: what needs it, as the caller knows it (``"load_state_dict"``, ``"ckpt diff"``).
-        package: the missing import (``"torch"``).
-        extra: the extra that installs it (``"torch"``, ``"plot"``).
-
-    Attributes:
-        feature, package, extra: as given; ``name`` is ``package``, as on any ImportError.
+        package: the missing import (``"torch"``), also the error's ``name`` as on any
+            ImportError.
+        extra: the extra that installs it.
 
     Example:
         >>> str(MissingExtraError("load_state_dict"))
