@@ -114,7 +114,7 @@ def _open_side(side: DiffSide, select: Select, name: str) -> Iterator[_Side]:
         info = SideInfo(label, "module", tensors=len(entries), skipped=skipped)
     elif isinstance(side, Mapping):
         selection = (
-            select_state_dict(side, select)
+            select_state_dict(side, select=select)
             if select is not None or not is_state_dict(side)
             else None
         )
@@ -130,7 +130,7 @@ def _open_side(side: DiffSide, select: Select, name: str) -> Iterator[_Side]:
         )
     elif isinstance(side, (str, os.PathLike)):
         ckpt = open_checkpoint(side)
-        selection = select_state_dict(ckpt.root, select)
+        selection = select_state_dict(ckpt.root, select=select)
         entries, skipped = _split(selection.state_dict, TensorRef)
         info = SideInfo(
             os.fspath(side),

@@ -150,7 +150,7 @@ def _load_own(
 
 
 def _selection_checked(root: Any, select: Select, where: str) -> Selection:
-    selection = select_state_dict(root, select)
+    selection = select_state_dict(root, select=select)
     if select is None and not is_state_dict(selection.state_dict):
         top = list(root)[:12] if isinstance(root, Mapping) else []
         raise UsageError(

@@ -307,7 +307,7 @@ def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
     return apply_plan(sd, plan_renames(list(sd), rules), rules)
 
 
-def strip_prefix(sd: Mapping[str, Any], prefix: str = "module.") -> dict:
+def strip_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
     """Remove ``prefix`` from the keys that start with it (nn.DataParallel / DDP -> plain).
 
     Raises:
@@ -320,7 +320,7 @@ def strip_prefix(sd: Mapping[str, Any], prefix: str = "module.") -> dict:
     return rename_keys(sd, [strip_rule(prefix)])
 
 
-def add_prefix(sd: Mapping[str, Any], prefix: str = "module.") -> dict:
+def add_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
     """Put ``prefix`` in front of every key (plain -> nn.DataParallel / DDP layout).
 
     ``_metadata`` gains the wrapper's own root entry, as a wrapped model's state dict has.

@@ -10,10 +10,11 @@ its walker and replacer are re-exported here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._types import Select
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import SelectError
 from ckpt_tools.structure.modules import RecoveredModule, recover_module
@@ -90,7 +91,7 @@ def is_state_dict(value: Any) -> bool:
     return tensors > 0 and tensors * 2 >= len(value) and all(isinstance(k, str) for k in value)
 
 
-def select_state_dict(root: Any, select: str | Sequence[str] | None = None) -> Selection:
+def select_state_dict(root: Any, *, select: Select = None) -> Selection:
     """Pick the model's state dict inside a checkpoint's object tree.
 
     Args:

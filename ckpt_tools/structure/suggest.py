@@ -354,13 +354,13 @@ def fix_python(steps: Sequence[Step], name: str = "sd") -> str:
 
     Example:
         >>> fix_python([Step("add", "module.")])
-        "ckpt_tools.add_prefix(sd, 'module.')"
+        "ckpt_tools.add_prefix(sd, prefix='module.')"
     """
     old, new, inner, subs = _collapse(steps)
     if not subs and not inner and not (old and new):
         if new:
-            return f"ckpt_tools.add_prefix({name}, {new!r})"
-        return f"ckpt_tools.strip_prefix({name}, {old!r})"
+            return f"ckpt_tools.add_prefix({name}, prefix={new!r})"
+        return f"ckpt_tools.strip_prefix({name}, prefix={old!r})"
     rules = [f"ckpt_tools.sub_rule({old!r}, {new!r})"] if old or new else []
     rules += [f"ckpt_tools.sub_rule({s.prefix!r}, {s.new!r})" for s in subs]
     rules += [f"ckpt_tools.regex_rule({_inner_pattern(p)!r}, '')" for p in inner]

@@ -56,7 +56,7 @@ def test_an_aligned_state_dict_or_module_gets_no_suggestion_either() -> None:
     sd = wrapped(model.state_dict(), "_orig_mod.")
     report = diff(sd, model, align=True)
     assert report.identical and report.suggestions == ()
-    assert report.aligned_command == "ckpt_tools.strip_prefix(sd_a, '_orig_mod.')"
+    assert report.aligned_command == "ckpt_tools.strip_prefix(sd_a, prefix='_orig_mod.')"
     unaligned = diff(sd, model)  # without --align the same rewrite is the suggestion
     assert unaligned.suggestions[0].description == "stripping '_orig_mod.'"
     assert diff(model, model.state_dict(), align=True).aligned_command == ""

@@ -291,9 +291,9 @@ def test_enum_members_by_name_consolidate_as_torch_does(folder: Path, tmp_path: 
     from ckpt_tools import consolidate
     from tests.helpers.dcp_save import reference
 
-    consolidate(folder, tmp_path / "by_value.pt", all=True)
+    consolidate(folder, tmp_path / "by_value.pt", include_all=True)
     enums_by_name(folder)
-    consolidate(folder, tmp_path / "by_name.pt", all=True)
+    consolidate(folder, tmp_path / "by_name.pt", include_all=True)
     records = [_records(tmp_path / name) for name in ("by_value.pt", "by_name.pt")]
     assert records[0] == records[1]
     want = reference(folder, tmp_path / "theirs.pt")

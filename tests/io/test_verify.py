@@ -19,7 +19,7 @@ from tests import helpers as h
 def expected_from(path: Path, select: str | None = None) -> Expected:
     """What ``path``'s state dict holds, as the expectation another file is checked against."""
     ckpt = open_checkpoint(path)
-    selection = select_state_dict(ckpt.root, select)
+    selection = select_state_dict(ckpt.root, select=select)
     tensors = {k: v for k, v in selection.state_dict.items() if isinstance(v, TensorRef)}
     return Expected(tensors, selection.path, ckpt)
 

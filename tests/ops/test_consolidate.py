@@ -75,7 +75,7 @@ def folder(tmp_path: Path) -> Path:
 
 def test_all_equals_dcp_to_torch_save(folder: Path, tmp_path: Path) -> None:
     want = reference(folder, tmp_path / "theirs.pt")
-    result = consolidate(folder, tmp_path / "ours.pt", all=True)
+    result = consolidate(folder, tmp_path / "ours.pt", include_all=True)
     got = torch.load(tmp_path / "ours.pt", weights_only=True)
     assert_same(want, got)
     assert result.output_format == "torch-zip" and result.selected == ()
@@ -118,7 +118,7 @@ def test_safetensors_output(folder: Path, tmp_path: Path) -> None:
 
 def test_safetensors_all_flattens_and_leaves_out_values(folder: Path, tmp_path: Path) -> None:
     want = reference(folder, tmp_path / "theirs.pt")
-    result = consolidate(folder, tmp_path / "all.safetensors", all=True)
+    result = consolidate(folder, tmp_path / "all.safetensors", include_all=True)
     got = load_file(tmp_path / "all.safetensors")
     assert_same(want["optim"]["state"]["0"]["exp_avg"], got["optim.state.0.exp_avg"])
     assert_same(want["model"]["ids"], got["model.ids"])
@@ -160,7 +160,7 @@ def test_hf_folder_with_other_shards_refused_then_replaced(folder: Path, tmp_pat
 @pytest.mark.parametrize("out", ["m.pt", "m.safetensors", "hf"])
 def test_verify_full_makes_every_record_again(folder: Path, tmp_path: Path, out: str) -> None:
     result = consolidate(
-        folder, tmp_path / out, verify="full", max_shard_size=60, all=out == "m.pt"
+        folder, tmp_path / out, verify="full", max_shard_size=60, include_all=out == "m.pt"
     )
     assert result.verification.startswith("verified: keys, sizes and") and "bytes" in (
         result.verification
@@ -213,7 +213,7 @@ def test_unsafe_values_refused_with_all_only(tmp_path: Path) -> None:
     folder = save_dcp(tmp_path / "ckpt", state)
     consolidate(folder, tmp_path / "model.pt")  # the model alone holds no foreign global
     with pytest.raises(UnsafeContentError, match="Custom"):
-        consolidate(folder, tmp_path / "all.pt", all=True)
+        consolidate(folder, tmp_path / "all.pt", include_all=True)
     run_ckpt("consolidate", folder, tmp_path / "all.pt", "--all", code=3)
     assert not (tmp_path / "all.pt").exists()
 
@@ -245,7 +245,7 @@ def test_safetensors_serialization(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.distributed.checkpoint.save(state, storage_writer=writer)
-    consolidate(tmp_path / "st", tmp_path / "all.pt", all=True)
+    consolidate(tmp_path / "st", tmp_path / "all.pt", include_all=True)
     got = torch.load(tmp_path / "all.pt", weights_only=True)
     assert_same(state["model"], got["model"])
     assert got["optim"]["state"]["0"]["exp_avg"].equal(state["optim"]["state"][0]["exp_avg"])

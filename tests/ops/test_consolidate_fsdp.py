@@ -43,7 +43,7 @@ def test_all_equals_dcp_to_torch_save(
     ranks: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     folder, want = request.getfixturevalue(ranks)
-    result = consolidate(folder, tmp_path / "all.pt", all=True)
+    result = consolidate(folder, tmp_path / "all.pt", include_all=True)
     assert_same(want, torch.load(tmp_path / "all.pt", weights_only=True))
     # Model, optimizer (exp_avg, exp_avg_sq, step per parameter) and the extra layouts.
     assert set(want) == {"model", "optim", "extra", "step"}
@@ -96,7 +96,7 @@ def test_safetensors_of_everything_holds_int_and_bool(
 ) -> None:
     # torch's own safetensors consolidator raises on int and bool dtypes (torch.finfo).
     folder, want = four_ranks
-    consolidate(folder, tmp_path / "all.safetensors", all=True)
+    consolidate(folder, tmp_path / "all.safetensors", include_all=True)
     got = load_file(tmp_path / "all.safetensors")
     assert_same(want["model"]["counts"], got["model.counts"])
     assert_same(want["model"]["mask"], got["model.mask"])

@@ -156,7 +156,10 @@ def test_consolidate_dry_run_plans_exactly_what_the_write_writes(tmp_path: Path,
     assert _snapshot(tmp_path) == before
 
     real = consolidate(
-        src, out, all=bool(extra) and out == "m.pt", max_shard_size=100 if out == "hf/" else "5GB"
+        src,
+        out,
+        include_all=bool(extra) and out == "m.pt",
+        max_shard_size=100 if out == "hf/" else "5GB",
     )
     assert real.written and [f["name"] for f in data["planned_files"]] == list(real.written)
     assert data["tensors"] == real.tensors and data["bytes_written"] == real.bytes_written

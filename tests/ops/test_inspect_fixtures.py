@@ -140,7 +140,7 @@ def test_byte_locations_hold_the_tensors(entry: dict[str, Any]) -> None:
     """Reading each storage's bytes where our reader says they are gives torch's values."""
     expected = truth_state_dict(entry)
     ckpt = open_checkpoint(fixture_path(entry["name"]))
-    selected = ckpt_tools.select_state_dict(ckpt.root, entry["select"] or None).state_dict
+    selected = ckpt_tools.select_state_dict(ckpt.root, select=entry["select"] or None).state_dict
     if entry["format"] == "torchscript":
         from ckpt_tools.ops.inspect.inspection import script_module_tensors
 

@@ -201,7 +201,7 @@ def torch_strip(sd, prefix: str):
 )
 def test_strip_prefix_matches_consume_prefix_in_state_dict_if_present(wrapped):
     sd = wrapped().state_dict()
-    ours = strip_prefix(sd, "module.")
+    ours = strip_prefix(sd, prefix="module.")
     theirs = torch_strip(sd, "module.")
     assert type(ours) is collections.OrderedDict
     assert list(ours) == list(theirs)
@@ -213,7 +213,7 @@ def test_strip_prefix_matches_consume_prefix_in_state_dict_if_present(wrapped):
 
 def test_strip_prefix_stacked_matches_torch_applied_twice():
     sd = nn.DataParallel(h.Compiled(nn.BatchNorm1d(3))).state_dict()
-    ours = strip_prefix(strip_prefix(sd, "module."), "_orig_mod.")
+    ours = strip_prefix(strip_prefix(sd, prefix="module."), prefix="_orig_mod.")
     theirs = torch_strip(torch_strip(sd, "module."), "_orig_mod.")
     bn_keys = ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
     assert list(ours) == list(theirs) == bn_keys
@@ -266,16 +266,16 @@ def test_add_prefix_is_what_dataparallel_saves_and_loads():
 
 def test_add_prefix_with_several_levels_and_without_metadata():
     model = h.make_model()
-    stacked = add_prefix(model.state_dict(), "module._orig_mod.")
+    stacked = add_prefix(model.state_dict(), prefix="module._orig_mod.")
     reference = nn.DataParallel(h.Compiled(model)).state_dict()
     assert list(stacked) == list(reference)
     assert list(stacked._metadata.items()) == list(reference._metadata.items())
     nn.DataParallel(h.Compiled(h.make_model(seed=2))).load_state_dict(stacked, strict=True)
 
     plain = {"w": 1, "b": 2}
-    out = add_prefix(plain, "m.")
+    out = add_prefix(plain, prefix="m.")
     assert out == {"m.w": 1, "m.b": 2} and type(out) is dict
-    assert add_prefix({"w": 1}, "a\\b.") == {"a\\b.w": 1}  # no regex escapes in prefixes
+    assert add_prefix({"w": 1}, prefix="a\\b.") == {"a\\b.w": 1}  # no regex escapes in prefixes
 
 
 # --------------------------------------------------------------------------------------------

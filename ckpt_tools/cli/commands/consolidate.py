@@ -64,4 +64,4 @@ def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: A
     straight into place; memory does not grow with the checkpoint. A DeepSpeed checkpoint is
     written as zero_to_fp32 writes it: fp32 master weights, frozen ones as trained.
     """
-    echo_result(consolidate(src, dst, all=everything, **kw), as_json)
+    echo_result(consolidate(src, dst, include_all=everything, **kw), as_json)

@@ -128,7 +128,7 @@ def _read_back(path: str, expected: Expected) -> tuple[Checkpoint, Mapping[Any, 
     (torch archives), and its selected state dict."""
     try:
         out = open_checkpoint(path)
-        sd = select_state_dict(out.root, expected.select).state_dict
+        sd = select_state_dict(out.root, select=expected.select).state_dict
     except CheckpointError as e:
         raise VerificationError(f"the written file does not read back: {e}") from e
     if out.format == "torch-zip":

@@ -12,11 +12,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS, check_verify_level
 from ckpt_tools.io.writers.hf_folder import check_output_folder
-from ckpt_tools.io.writers.progress import ByteCounter, Progress
+from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -29,6 +30,7 @@ from ckpt_tools.ops.consolidate.deepspeed import open_source, plan_source
 from ckpt_tools.ops.consolidate.plan import ConsolidationPlan
 from ckpt_tools.ops.consolidate.write import write_file_output, write_folder_output
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
+from ckpt_tools.ops.rewrite.plan import format_named_by
 
 __all__ = ["CONSOLIDATE_VERIFY_LEVELS", "ConsolidateResult", "consolidate"]
 
@@ -37,7 +39,6 @@ __all__ = ["CONSOLIDATE_VERIFY_LEVELS", "ConsolidateResult", "consolidate"]
 #: again from the chunks and compares them.
 CONSOLIDATE_VERIFY_LEVELS = VERIFY_LEVELS
 
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _VERIFIED = {
     "sizes": "verified: keys and sizes",
     "full": "verified: keys, sizes and bytes",
@@ -50,16 +51,13 @@ class ConsolidateResult(WriteResult):
     """What :func:`consolidate` wrote: the fields of
     :class:`~ckpt_tools.ops.output_plan.WriteResult` (``bytes_copied``: the chunks copied in
     the kernel, the rest assembled through a buffer; ``dropped``: non-tensor entries left out
-    of a safetensors output), and
+    of a safetensors output; ``selected``: the state dict written, empty with
+    ``include_all``), and
 
     Attributes:
-        tensors: how many tensors were written.
-        selected: the path of the state dict written (empty with ``all``).
         renamed: how many keys ``strip`` changed.
     """
 
-    tensors: int = 0
-    selected: tuple[str, ...] = ()
     renamed: int = 0
 
     def details(self) -> list[str]:
@@ -81,19 +79,13 @@ class ConsolidateResult(WriteResult):
         return lines
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            **super().to_json(),
-            "tensors": self.tensors,
-            "selected": list(self.selected),
-            "renamed": self.renamed,
-        }
+        return {**super().to_json(), "renamed": self.renamed}
 
 
 def _output_format(dst: str) -> str:
-    if dst.endswith(".safetensors"):
-        return "safetensors"
-    if dst.endswith(_TORCH_SUFFIXES):
-        return "torch-zip"
+    named = format_named_by(dst)
+    if named is not None:
+        return named
     if os.path.isfile(dst):
         raise UsageError(
             f"output {dst!r} is a file without a .pt or .safetensors suffix; name a .pt, "
@@ -105,21 +97,21 @@ def _output_format(dst: str) -> str:
 
 
 def consolidate(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
+    src: StrPath,
+    dst: StrPath,
     *,
-    select: str | None = None,
-    all: bool = False,
+    include_all: bool = False,
     strip: bool = False,
     tag: str | None = None,
     exclude_frozen: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    jobs: int = 1,
+    max_shard_size: str | int | None = None,
+    select: Select = None,
     force: bool = False,
-    verify: str = "sizes",
-    dry_run: bool = False,
+    verify: VerifyLevel = "sizes",
     durable: bool = True,
+    dry_run: bool = False,
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> ConsolidateResult:
     """Write a torch.distributed.checkpoint folder or a DeepSpeed ZeRO checkpoint as one file
     or as HF shards, torch-free.
@@ -132,14 +124,15 @@ def consolidate(
             from the ranks' partitions.
         dst: a ``.pt`` (torch.save format), a ``.safetensors``, or a folder for Hugging
             Face shards (``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``).
-        select: the state dict to write (a dotted path, e.g. ``"model"``); None picks it as
-            ``inspect`` does.
-        all: write everything saved (model, optimizer, other entries), nested as saved.
+        include_all: write everything saved (model, optimizer, other entries), nested as
+            saved, instead of the selected state dict alone.
         strip: remove wrapper prefixes (``module.``, ``_orig_mod.``) from the state dict's keys.
         tag: the DeepSpeed tag to read (default: the one ``latest`` names).
         exclude_frozen: leave a DeepSpeed checkpoint's frozen parameters out.
-        max_shard_size: the most bytes per HF shard (``"5GB"``, decimal units, or an int).
-        jobs: how many HF shards to write at once.
+        max_shard_size: the most bytes per HF shard (``"5GB"``, decimal units, or an int);
+            None: ``"5GB"``.
+        select: the state dict to write, or with ``include_all`` the one ``strip`` acts on
+            (a dotted path, e.g. ``"model"``); None picks it as ``inspect`` does.
         force: replace an existing output (never the input): a file, or for HF shards a
             non-empty folder, replaced whole as ``convert`` and ``reshard`` replace theirs.
         verify: ``sizes`` (default: read every output back, keys, dtypes, shapes, layout),
@@ -149,7 +142,8 @@ def consolidate(
         durable: fsync every output before naming it (default); False skips it, as ``cp``
             does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
         progress: called with ``(done_bytes, total_bytes)`` as tensor bytes are written
-            (:data:`~ckpt_tools.io.writers.progress.Progress`).
+            (:data:`~ckpt_tools._types.Progress`).
+        jobs: how many HF shards to write at once.
 
     Returns:
         The :class:`ConsolidateResult`.
@@ -175,7 +169,7 @@ def consolidate(
     check_verify_level(verify, CONSOLIDATE_VERIFY_LEVELS)
     ckpt = open_source(src, tag=tag, exclude_frozen=exclude_frozen)
     fmt = _output_format(dst)
-    limit = parse_shard_size(max_shard_size)
+    limit = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     if fmt == "hf-sharded":
         target = check_output_folder(dst, src, force=force)
     else:
@@ -183,7 +177,7 @@ def consolidate(
     plan = plan_source(
         ckpt,
         select=select,
-        everything=all,
+        everything=include_all,
         strip=strip,
         exclude_frozen=exclude_frozen,
         tensors_only=fmt != "torch-zip",

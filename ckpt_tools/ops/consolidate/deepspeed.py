@@ -114,13 +114,14 @@ def plan_deepspeed(
         UsageError: ``select`` or ``everything`` given.
         KeyCollisionError: stripping makes two keys one.
     """
-    for name, value in (("select", select), ("all", everything)):
+    for name, value, flag in (("select", select, "--select"), ("include_all", everything, "--all")):
         if value:
             raise UsageError(
                 f"{name} does not apply to a DeepSpeed checkpoint, which holds one state dict "
                 "(the model's)",
                 argument=name,
-                value=value,
+                value=repr(value),
+                flag=flag,
             )
     sd = _names(ckpt, exclude_frozen)
     named_from = {id(t): ckpt.aliases.get(n, n) for n, t in sd.items() if n not in ckpt.aliases}

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._types import Select
 from ckpt_tools.descriptors import ByteSpan, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import KeyCollisionError, UnsafeContentError, UsageError
@@ -167,7 +168,7 @@ def _replace_at(root: Any, path: tuple[str, ...], value: Any) -> Any:
 def plan_consolidation(
     ckpt: DcpCheckpoint,
     *,
-    select: str | None,
+    select: Select,
     everything: bool,
     strip: bool,
     tensors_only: bool,
@@ -187,7 +188,7 @@ def plan_consolidation(
         KeyCollisionError: stripping makes two keys one.
         UnsafeContentError: a value to write names globals outside the allowlist.
     """
-    selection = select_state_dict(ckpt.root, select)
+    selection = select_state_dict(ckpt.root, select=select)
     sd, renamed = _strip(selection.state_dict) if strip else (dict(selection.state_dict), ())
     if everything:
         tree: Any = _replace_at(ckpt.root, selection.path, sd) if renamed else ckpt.root

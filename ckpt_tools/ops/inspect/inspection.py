@@ -69,7 +69,7 @@ def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> d
 
 def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInfo:
     """Describe an opened checkpoint (see :func:`inspect`)."""
-    selection = select_state_dict(ckpt.root, select)
+    selection = select_state_dict(ckpt.root, select=select)
     if select is None and ckpt.format == "torchscript" and not selection.path:
         flat = script_module_tensors(ckpt.root)
         if flat:

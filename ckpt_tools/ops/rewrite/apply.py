@@ -69,7 +69,7 @@ def apply_rewrite(
         As :func:`~ckpt_tools.ops.rewrite.rewriting.rewrite`.
     """
     fmt = output_format_for(dst, output_format, ckpt.format)
-    selection = select_state_dict(ckpt.root, select)
+    selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
     check_key_types(selection.state_dict, rules, fmt, src)
     plan = _plan(ckpt, selection, rules, fmt, drop_extras, target)
@@ -220,7 +220,7 @@ def plan_strip(
         that says so, once the input has passed the refusals a rewrite of it would make (a
         file no rewrite may touch is never exit 0). The caller has checked ``dst``.
     """
-    selection = select_state_dict(ckpt.root, select)
+    selection = select_state_dict(ckpt.root, select=select)
     keys = [k for k in selection.state_dict if isinstance(k, str)]
     n_keys = len(selection.state_dict)
     rules, matches = strip_wrapper_rules(keys)

@@ -101,7 +101,7 @@ def sanitize(
     ckpt = open_checkpoint(src)
     # Refuses TorchScript and sharded folders; every global is allowed, since none is written.
     check_source(ckpt, ckpt.unsafe_globals)
-    selection = select_state_dict(ckpt.root, select)
+    selection = select_state_dict(ckpt.root, select=select)
     taken = set(ckpt.storages) | {name[5:] for name in ckpt.records if name.startswith("data/")}
     done = sanitize_tree(ckpt.root, taken)
     if refuse_unsafe and done.dropped:
@@ -165,7 +165,7 @@ def _refuse_drops(src: str, done: SanitizedTree) -> None:
 
 def _selected_tensors(root: Any, path: Sequence[str]) -> dict[Any, TensorRef]:
     try:
-        sd = select_state_dict(root, tuple(path)).state_dict
+        sd = select_state_dict(root, select=tuple(path)).state_dict
     except SelectError:  # the selection was dropped, or the root holds no mapping
         return {}
     return {k: v for k, v in sd.items() if isinstance(v, TensorRef)}

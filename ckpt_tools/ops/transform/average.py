@@ -182,7 +182,7 @@ def average(
     # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
     target = next(iter([check_output_path(dst, s, force=force, in_place=False) for s in srcs]))
     ckpts = [open_checkpoint(s) for s in srcs]
-    selections = [select_state_dict(c.root, select) for c in ckpts]
+    selections = [select_state_dict(c.root, select=select) for c in ckpts]
     for c, s in zip(ckpts, selections):
         check_rewritable(c, allow_globals, s.path)
     aligned = [_aligned(s.state_dict) for s in selections]

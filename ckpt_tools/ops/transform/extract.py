@@ -67,7 +67,7 @@ def extract(
         selection, why = _select_ema(ckpt.root)
         notes.append(why)
     else:
-        selection = select_state_dict(ckpt.root, select)
+        selection = select_state_dict(ckpt.root, select=select)
     if selection.module is not None:
         selection, more = take_module(ckpt, allow_globals, selection)
         notes += more

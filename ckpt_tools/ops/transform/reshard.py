@@ -186,7 +186,7 @@ def _plan_folder(
     target: Path,
 ) -> _FolderPlan:
     """Everything ``convert_to_folder`` refuses, checked; then the shards it writes."""
-    selection = select_state_dict(ckpt.root, select)
+    selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path)
     sd = selection.state_dict
     check_key_types(sd, (), "safetensors", ckpt.path)

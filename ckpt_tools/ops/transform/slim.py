@@ -62,12 +62,12 @@ def _select_ema(root: Any) -> tuple[Selection, str]:
         for key in EMA_KEYS:
             if key in root:
                 try:
-                    found = select_state_dict(root, (key,))
+                    found = select_state_dict(root, select=(key,))
                 except SelectError:
                     continue
                 inner = select_state_dict(found.state_dict)  # {"module": ...} wrappers
                 if inner.path:
-                    found = select_state_dict(root, (key, *inner.path))
+                    found = select_state_dict(root, select=(key, *inner.path))
                 return found, f"took the EMA copy {'.'.join(found.path)!r}"
         callbacks = root.get("callbacks")
         if isinstance(callbacks, Mapping):
@@ -77,7 +77,7 @@ def _select_ema(root: Any) -> tuple[Selection, str]:
                     if inner.state_dict:
                         path = ("callbacks", str(name), *inner.path)
                         return select_state_dict(
-                            root, path
+                            root, select=path
                         ), f"took Lightning callback {name!r}'s EMA state"
     keys = list(root)[:10] if isinstance(root, Mapping) else []
     names = ", ".join(repr(k) for k in keys) if keys else type(root).__name__
@@ -195,7 +195,7 @@ def slim(
         selection, why = _select_ema(ckpt.root)
         notes.append(why)
     else:
-        selection = select_state_dict(ckpt.root, select)
+        selection = select_state_dict(ckpt.root, select=select)
     if selection.module is not None:
         weights_only = True
         selection, more = take_module(ckpt, allow_globals, selection)
