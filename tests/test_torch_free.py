@@ -188,10 +188,11 @@ def test_their_help_needs_no_torch(command: str, tmp_path: Path) -> None:
 
 LIBRARY_CALLS = {
     "load_state_dict": "ckpt_tools.load_state_dict(PATH)",
+    "load_with_info": "ckpt_tools.load_with_info(PATH)",
     "load_into": "ckpt_tools.load_into(object(), PATH)",
     "diff": "ckpt_tools.diff(PATH, PATH)",
-    "list_devices": "ckpt_tools.loading.devices.list_devices()",
-    "pick_devices": "ckpt_tools.loading.devices.pick_devices()",
+    "list_devices": "ckpt_tools.list_devices()",
+    "pick_devices": "ckpt_tools.pick_devices()",
     "ckpt_tools.harness.train": "ckpt_tools.harness.train",
 }
 
@@ -199,7 +200,7 @@ LIBRARY_CALLS = {
 @pytest.mark.parametrize("feature", LIBRARY_CALLS)
 def test_library_calls_raise_missing_extra(feature: str, ddp: Path, tmp_path: Path) -> None:
     code = (
-        "import ckpt_tools, ckpt_tools.harness, ckpt_tools.loading.devices\n"
+        "import ckpt_tools, ckpt_tools.harness\n"
         f"PATH = {str(ddp)!r}\n"
         "try:\n"
         f"    {LIBRARY_CALLS[feature]}\n"
