@@ -1,6 +1,8 @@
-"""How ``ckpt consolidate DCP_DIR OUT`` compares with torch's ``dcp_to_torch_save``.
+"""How ``ckpt consolidate`` compares with torch's ``dcp_to_torch_save`` (a DCP folder) and with
+DeepSpeed's ``zero_to_fp32.py`` (a ZeRO checkpoint, ``--deepspeed``).
 
 Run:  .venv/bin/python benchmarks/bench_consolidate.py [--size-mb 1024] [--ranks 4] [--repeats 2]
+      .venv/bin/python benchmarks/bench_consolidate.py --deepspeed [--stage 3] [--size-mb 1024]
 
 Generates, in a temp folder (removed at the end), a ~SIZE MiB DCP checkpoint saved by
 ``torch.distributed.checkpoint.save`` from RANKS spawned gloo CPU processes: ~RANKS*4
@@ -21,16 +23,25 @@ own), then deleted with ``sync`` (untimed). Wall time and peak RSS (GNU time or 
 are reported per command; medians over REPEATS rounds after one untimed warm-up round.
 Finally the two outputs are compared tensor by tensor (torch.load, mmap) to be equal.
 
+With ``--deepspeed``, the checkpoint is a real DeepSpeed run's (``ckpt_tools.harness.zero``:
+RANKS CPU ranks under torchrun, one AdamW step, ``save_checkpoint`` at ZeRO stage STAGE) of a
+model with ~SIZE MiB of fp32 weights, half of them frozen (the frozen half lies in the model
+states files, the trained half in the optimizer partitions with their AdamW moments). Theirs
+is then ``python DIR/zero_to_fp32.py DIR OUT_DIR`` (the script DeepSpeed copies beside the
+tags; it writes ``OUT_DIR/pytorch_model.bin``), ours ``ckpt consolidate DIR ours.pt``.
+
 Targets: ours peak RSS <= 150 MB, and ours total < theirs total.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -98,6 +109,15 @@ if __name__ == "__main__":
     mp.spawn(worker, args=(world, folder, port, sizes, dim1), nprocs=world)
 """
 
+COMPARE_ZERO = (
+    "import sys, torch\n"
+    "a = torch.load(sys.argv[1], mmap=True, weights_only=True)\n"
+    "b = torch.load(sys.argv[2], mmap=True, weights_only=True)\n"
+    "assert list(a) == list(b), (list(a)[:3], list(b)[:3])\n"
+    "assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)\n"
+    "print(len(a), 'tensors equal')\n"
+)
+
 COMPARE = (
     "import sys, torch\n"
     "a = torch.load(sys.argv[1], mmap=True, weights_only=True)\n"
@@ -122,70 +142,127 @@ def _run(cmd: list[str], out: Path) -> Measurement:
     return Measurement(m.wall_s, m.peak_rss_kb, m.returncode, extra)
 
 
+def _generate_dcp(tmp: Path, args: argparse.Namespace) -> tuple[Path, str]:
+    folder = tmp / "dcp"
+    script = tmp / "generate.py"
+    script.write_text(GENERATE)
+    gen = measure(
+        [
+            PYTHON,
+            str(script),
+            str(folder),
+            str(args.ranks),
+            str(_free_port()),
+            str(args.size_mb - args.dim1_mb),
+            str(args.dim1_mb),
+        ]
+    )
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    files = len(list(folder.glob("*.distcp")))
+    return folder, (
+        f"DCP checkpoint: {size / (1 << 20):.0f} MiB in {files} .distcp files from "
+        f"{args.ranks} spawned ranks ({gen.wall_s:.0f} s to save)"
+    )
+
+
+def _generate_zero(tmp: Path, args: argparse.Namespace) -> tuple[Path, str]:
+    import time
+
+    from ckpt_tools.harness.zero import ZeroRun, make_zero_checkpoints
+
+    # ZeroNet holds about 4 * width**2 parameters, half of them frozen.
+    width = max(8, int(math.sqrt(args.size_mb * (1 << 20) / 4 / 4)))
+    started = time.perf_counter()
+    run = ZeroRun("zero", stage=args.stage, steps=1, width=width)
+    folder = make_zero_checkpoints(tmp, [run], world_size=args.ranks, timeout=3600)["zero"]
+    seconds = time.perf_counter() - started
+    tag = (folder / "latest").read_text()
+    size = sum(p.stat().st_size for p in (folder / tag).iterdir())
+    return folder, (
+        f"DeepSpeed ZeRO-{args.stage} checkpoint (width {width}): {size / (1 << 20):.0f} MiB "
+        f"in {tag}/ (weights and AdamW moments) from {args.ranks} torchrun ranks "
+        f"({seconds:.0f} s to train and save)"
+    )
+
+
+def _commands(folder: Path, tmp: Path, deepspeed: bool) -> list[tuple[str, list[str], Path]]:
+    """(name, command, output) of theirs, then ours."""
+    ours = tmp / "ours.pt"
+    if deepspeed:
+        out = tmp / "theirs"
+        theirs_cmd = [PYTHON, str(folder / "zero_to_fp32.py"), str(folder), str(out)]
+        return [
+            ("zero_to_fp32.py", theirs_cmd, out / "pytorch_model.bin"),
+            ("ckpt consolidate", ckpt_command("consolidate", folder, ours), ours),
+        ]
+    theirs = tmp / "theirs.pt"
+    return [
+        ("dcp_to_torch_save", python_command(THEIRS, folder, theirs), theirs),
+        ("ckpt consolidate", ckpt_command("consolidate", folder, ours), ours),
+    ]
+
+
+def _rounds(commands: list[tuple[str, list[str], Path]], repeats: int) -> dict[str, list[Any]]:
+    """Interleaved rounds of every command; round 0 warms the page cache and is not kept."""
+    runs: dict[str, list[Measurement]] = {name: [] for name, _, _ in commands}
+    for i in range(repeats + 1):
+        for name, cmd, out in commands:
+            m = _run(cmd, out)
+            if i:
+                runs[name].append(m)
+            if i < repeats:
+                out.unlink()
+                sync_all()
+    return runs
+
+
+def _report(runs: dict[str, list[Any]], equal: bool) -> bool:
+    """Print the table and the verdicts; whether every target was met."""
+    rows = []
+    for name, ms in runs.items():
+        rows.append(
+            [
+                name,
+                f"{statistics.median(m.wall_s for m in ms):.2f}",
+                f"{statistics.median(m.total_s for m in ms):.2f}",
+                f"{max(m.peak_rss_mb for m in ms):.0f}",
+            ]
+        )
+    print(fmt_table(rows, ["command", "wall s", "total s (+fsync)", "peak RSS MB"]))
+    theirs_name = next(n for n in runs if n != "ckpt consolidate")
+    t = statistics.median(m.total_s for m in runs[theirs_name])
+    o = statistics.median(m.total_s for m in runs["ckpt consolidate"])
+    rss = max(m.peak_rss_mb for m in runs["ckpt consolidate"])
+    print(f"ours / theirs total time: {ratio(o, t)}; outputs equal: {equal}")
+    print(verdict("ckpt consolidate peak RSS", rss, TARGET_MB, "MB"))
+    print(verdict(f"ckpt consolidate / {theirs_name} time", o / t, 1.0, "x"))
+    print(machine_note())
+    print(load_note())
+    return rss <= TARGET_MB and o < t and equal
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--dim1-mb", type=float, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--deepspeed", action="store_true", help="a DeepSpeed ZeRO checkpoint")
+    parser.add_argument("--stage", type=int, default=3, help="the ZeRO stage (--deepspeed)")
     parser.add_argument("--dir", default=None, help="parent folder for the temp files")
     args = parser.parse_args()
     with workdir(args.dir) as tmp:
-        folder = tmp / "dcp"
-        script = tmp / "generate.py"
-        script.write_text(GENERATE)
-        gen = measure(
-            [
-                PYTHON,
-                str(script),
-                str(folder),
-                str(args.ranks),
-                str(_free_port()),
-                str(args.size_mb - args.dim1_mb),
-                str(args.dim1_mb),
-            ]
-        )
-        size = sum(p.stat().st_size for p in folder.iterdir())
-        files = len(list(folder.glob("*.distcp")))
-        print(
-            f"DCP checkpoint: {size / (1 << 20):.0f} MiB in {files} .distcp files from "
-            f"{args.ranks} spawned ranks ({gen.wall_s:.0f} s to save)"
-        )
-        theirs, ours = tmp / "theirs.pt", tmp / "ours.pt"
-        runs: dict[str, list[Measurement]] = {"dcp_to_torch_save": [], "ckpt consolidate": []}
-        for i in range(args.repeats + 1):
-            for name, cmd, out in (
-                ("dcp_to_torch_save", python_command(THEIRS, folder, theirs), theirs),
-                ("ckpt consolidate", ckpt_command("consolidate", folder, ours), ours),
-            ):
-                m = _run(cmd, out)
-                if i:  # round 0 warms the page cache
-                    runs[name].append(m)
-                if i < args.repeats:
-                    out.unlink()
-                    sync_all()
-        check = measure([PYTHON, "-c", COMPARE, str(ours), str(theirs)], stdout=None)
-        rows = []
-        for name, ms in runs.items():
-            rows.append(
-                [
-                    name,
-                    f"{statistics.median(m.wall_s for m in ms):.2f}",
-                    f"{statistics.median(m.total_s for m in ms):.2f}",
-                    f"{max(m.peak_rss_mb for m in ms):.0f}",
-                ]
-            )
-        print(fmt_table(rows, ["command", "wall s", "total s (+fsync)", "peak RSS MB"]))
-        t = statistics.median(m.total_s for m in runs["dcp_to_torch_save"])
-        o = statistics.median(m.total_s for m in runs["ckpt consolidate"])
-        rss = max(m.peak_rss_mb for m in runs["ckpt consolidate"])
-        print(f"ours / theirs total time: {ratio(o, t)}; outputs equal: {check.returncode == 0}")
-        print(verdict("ckpt consolidate peak RSS", rss, TARGET_MB, "MB"))
-        print(verdict("ckpt consolidate / dcp_to_torch_save time", o / t, 1.0, "x"))
-        print(machine_note())
-        print(load_note())
+        generate = _generate_zero if args.deepspeed else _generate_dcp
+        folder, what = generate(tmp, args)
+        print(what)
+        commands = _commands(folder, tmp, args.deepspeed)
+        runs = _rounds(commands, args.repeats)
+        (_, _, theirs), (_, _, ours) = commands
+        code = COMPARE_ZERO if args.deepspeed else COMPARE
+        check = measure([PYTHON, "-c", code, str(ours), str(theirs)], stdout=None)
+        ok = _report(runs, check.returncode == 0)
         os.sync()
-    if rss > TARGET_MB or o >= t or check.returncode != 0:
+    if not ok:
         sys.exit(1)
 
 

@@ -70,6 +70,10 @@ class ZeroRun:
         saves: how many of the last steps end with a save (each under its own tag, so
             ``saves=2`` leaves an older tag beside the one ``latest`` names).
         seed: seeds the weights and the batches.
+        width: :class:`ZeroNet`'s width (its parameters grow with its square: 4096 gives
+            about 67M, 268 MB in fp32).
+        fp32_grads: accumulate 16-bit gradients in fp32 (``data_types.grad_accum_dtype``):
+            with bf16 at stage 1, DeepSpeed then trains with its separate bf16 optimizer.
     """
 
     name: str
@@ -81,6 +85,8 @@ class ZeroRun:
     parameter_alignment: bool = False
     saves: int = 1
     seed: int = 0
+    width: int = WIDTH
+    fp32_grads: bool = False
 
     def validate(self) -> None:
         """Check the run's arguments.
@@ -113,16 +119,19 @@ class ZeroNet(nn.Module):
 
     ``head.weight`` is ``embed.weight`` (tied), ``frozen`` never trains, and ``norm`` has
     float running statistics and an integer ``num_batches_tracked``.
+
+    Args:
+        width: the embedding's width; the hidden layer is ``2 * width + 1`` wide.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.norm = nn.BatchNorm1d(WIDTH)
-        self.hidden = nn.Linear(WIDTH, 2 * WIDTH + 1)
-        self.frozen = nn.Linear(2 * WIDTH + 1, WIDTH)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.hidden = nn.Linear(width, 2 * width + 1)
+        self.frozen = nn.Linear(2 * width + 1, width)
         self.frozen.requires_grad_(False)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head = nn.Linear(width, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -150,13 +159,14 @@ def deepspeed_config(run: ZeroRun, batch_size: int) -> dict[str, Any]:
     }
     if run.parameter_alignment:
         config["zero_optimization"]["parameter_alignment"] = True
-    if run.dtype == "bf16":
+    if run.dtype != "fp32":
         # 16-bit training casts parameters, not buffers: BatchNorm's would stay fp32.
-        config["bf16"] = {"enabled": True}
-        config["data_types"] = {"buffer_dtype": "bf16"}
-    elif run.dtype == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
-        config["data_types"] = {"buffer_dtype": "fp16"}
+        config["data_types"] = {"buffer_dtype": run.dtype}
+        config[run.dtype] = {"enabled": True}
+    if run.dtype == "fp16":
+        config["fp16"]["initial_scale_power"] = 8
+    if run.fp32_grads:
+        config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     return config
 
 
@@ -168,7 +178,7 @@ def _train_and_save(run: ZeroRun, out: Path, rank: int, world: int) -> list[str]
     import deepspeed
 
     torch.manual_seed(run.seed)
-    model = ZeroNet()
+    model = ZeroNet(run.width)
     batch = 4 * world
     engine, *_ = deepspeed.initialize(
         model=model,
