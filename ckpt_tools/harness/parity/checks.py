@@ -161,7 +161,7 @@ def _prefix_check(
     def body() -> CheckResult:
         state_dict = load_pt(path)
         _load_strict(source, state_dict)
-        _load_strict(target, rewrite(state_dict, "module."))
+        _load_strict(target, rewrite(state_dict, prefix="module."))
         stats = compare_tensors(_outputs(target, device), _outputs(source, device))
         detail = (
             f"{len(state_dict)} tensors, strict load into {type(target).__name__}, outputs "
