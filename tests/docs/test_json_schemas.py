@@ -1,7 +1,9 @@
 """The ``--json`` schemas of docs/formats.md describe what the commands print, exactly.
 
 Each schema's commands run in one fresh example folder; every output must fit its schema,
-and every optional part of a schema must show up in some output (see ``schemas.py``).
+and every optional part of a schema must show up in some output (see ``schemas.py``). A
+command naming ``{zero_run}`` reads a DeepSpeed ZeRO run, which only DeepSpeed training on
+several ranks makes: it runs beside the session's ZeRO runs (``zero_runs``), in its own test.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +23,9 @@ from tests.helpers import run_ckpt
 SCHEMAS = {s.name: s for s in (schema_of(b) for b in all_blocks() if "schema" in b.markers)}
 # What formats.md promises: a schema for each command that prints JSON of its own kind.
 DOCUMENTED = {"inspect", "diff", "scan", "write-result"}
+ZERO_RUN = "{zero_run}"
+# The part of inspect's output only a DeepSpeed folder fills, checked with the ZeRO runs.
+DEEPSPEED_PART = ".format_info"
 
 
 def _output(command: str) -> object:
@@ -39,10 +45,25 @@ def test_every_json_output_fits_its_schema(
     monkeypatch.chdir(fresh_copy(docs_template, tmp_path / "work"))
     checker = Checker(SCHEMAS)
     for schema in SCHEMAS.values():
-        for command in schema.commands:
+        for command in (c for c in schema.commands if ZERO_RUN not in c):
             checker.fit(_output(command), schema.shape, f"{schema.name} (`{command}`)")
     assert checker.errors == []
-    assert checker.unseen() == []
+    assert [u for u in checker.unseen() if DEEPSPEED_PART not in u] == []
+
+
+def test_a_deepspeed_folder_fits_the_inspect_schema(zero_runs: Any) -> None:
+    """inspect's ``format_info``, on real ZeRO runs (stage 1 and 3, two and three ranks)."""
+    checker = Checker(SCHEMAS)
+    runs = [zero_runs.folder(2, "z1"), zero_runs.folder(3, "z3-bf16")]
+    commands = [c for s in SCHEMAS.values() for c in s.commands if ZERO_RUN in c]
+    assert commands, "formats.md names no command on a DeepSpeed folder"
+    for schema in SCHEMAS.values():
+        for command in (c for c in schema.commands if ZERO_RUN in c):
+            for run in runs:
+                line = command.replace(ZERO_RUN, shlex.quote(str(run)))
+                checker.fit(_output(line), schema.shape, f"{schema.name} (`{command}`)")
+    assert checker.errors == []
+    assert [u for u in checker.unseen() if u.endswith(f"{DEEPSPEED_PART}?")] == []
 
 
 def test_the_page_documents_each_kind_of_output() -> None:
