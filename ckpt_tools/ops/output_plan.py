@@ -155,6 +155,8 @@ class WriteResult(Readable):
         selected: the path of the state dict acted on, in the input (empty: the root, or
             everything, as ``consolidate(include_all=True)`` writes it).
         tensors: tensors the output holds (for a dry run, would hold).
+        renamed: keys of the state dict the operation renamed (a rewrite's rules,
+            ``strip``, ``strip_prefix``).
     """
 
     src: str
@@ -172,6 +174,7 @@ class WriteResult(Readable):
     planned: tuple[PlannedFile, ...] = ()
     selected: tuple[str, ...] = ()
     tensors: int = 0
+    renamed: int = 0
 
     def __repr__(self) -> str:
         # Subclasses are declared with repr=False: this short form is everyone's.
@@ -236,5 +239,6 @@ class WriteResult(Readable):
             "dropped": list(self.dropped),
             "selected": list(self.selected),
             "tensors": self.tensors,
+            "renamed": self.renamed,
             **(plan_json(self.planned) if self.dry_run else {}),
         }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.errors import UsageError
@@ -52,13 +51,8 @@ class ConsolidateResult(WriteResult):
     :class:`~ckpt_tools.ops.output_plan.WriteResult` (``bytes_copied``: the chunks copied in
     the kernel, the rest assembled through a buffer; ``dropped``: non-tensor entries left out
     of a safetensors output; ``selected``: the state dict written, empty with
-    ``include_all``), and
-
-    Attributes:
-        renamed: how many keys ``strip`` changed.
+    ``include_all``; ``renamed``: how many keys ``strip`` changed).
     """
-
-    renamed: int = 0
 
     def details(self) -> list[str]:
         """The state dict written and the keys stripped.
@@ -77,9 +71,6 @@ class ConsolidateResult(WriteResult):
         if self.renamed:
             lines.append(f"stripped wrapper prefixes from {self.renamed} keys")
         return lines
-
-    def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "renamed": self.renamed}
 
 
 def _output_format(dst: str) -> str:

@@ -27,7 +27,6 @@ class RewriteResult(WriteResult):
 
     Attributes:
         rules: the key rules applied, in words.
-        renamed: how many keys changed.
         total_keys: keys in the state dict.
         examples: ``(old, new)`` pairs: a few, or every one for a dry run.
         wrappers: wrappers stripped (for ``strip_module`` without ``prefix``).
@@ -37,7 +36,6 @@ class RewriteResult(WriteResult):
     """
 
     rules: tuple[str, ...] = ()
-    renamed: int = 0
     total_keys: int = 0
     examples: tuple[tuple[str, str], ...] = ()
     wrappers: tuple[WrapperMatch, ...] = ()
@@ -67,7 +65,6 @@ class RewriteResult(WriteResult):
         return {
             **super().to_json(),
             "rules": list(self.rules),
-            "renamed": self.renamed,
             "total_keys": self.total_keys,
             "examples": [list(e) for e in self.examples],
             "wrappers": [w.to_json() for w in self.wrappers],

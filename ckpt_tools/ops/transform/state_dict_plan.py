@@ -366,6 +366,7 @@ def finish(
         "dropped": plan.dropped_entries + rows_dropped,
         "selected": plan.selected,
         "tensors": sum(1 for r in plan.rows if r.key is not None),
+        "renamed": sum(1 for r in plan.rows if r.key not in (None, r.source_key)),
         "command": plan.command,
         "sources": plan.sources,
         "rows": plan.rows,
