@@ -88,6 +88,18 @@ class ZeroRun:
     width: int = WIDTH
     fp32_grads: bool = False
 
+    @property
+    def zero_to_fp32_reads(self) -> bool:
+        """Whether DeepSpeed's ``zero_to_fp32`` reads this run's checkpoint: it refuses
+        ZeRO-0 and the bf16 optimizer's files (bf16 at stage 1 with fp32 gradients).
+
+        Example:
+            >>> ZeroRun("r", stage=0).zero_to_fp32_reads, ZeroRun("r", stage=3).zero_to_fp32_reads
+            (False, True)
+        """
+        bf16_optimizer = self.stage == 1 and self.dtype == "bf16" and self.fp32_grads
+        return self.stage > 0 and not bf16_optimizer
+
     def validate(self) -> None:
         """Check the run's arguments.
 
@@ -233,8 +245,8 @@ def main(argv: Sequence[str]) -> None:
     """One rank's work under torchrun: ``argv`` is ``[out_dir, runs_json, references]``.
 
     Trains and saves every run in turn; with ``references`` = ``"1"``, rank 0 then saves
-    ``zero_to_fp32``'s state dict of each saved tag (:func:`reference_path`). Leaves the
-    process with ``os._exit``.
+    ``zero_to_fp32``'s state dict of each saved tag (:func:`reference_path`) of the runs it
+    reads. Leaves the process with ``os._exit``.
     """
     out, runs = Path(argv[0]), [ZeroRun(**r) for r in json.loads(argv[1])]
     import deepspeed
@@ -249,8 +261,9 @@ def main(argv: Sequence[str]) -> None:
     saved = {run.name: _train_and_save(run, out, rank, world) for run in runs}
     dist.barrier()
     if rank == 0 and argv[2:] == ["1"]:
-        for name, tags in saved.items():
-            _save_references(out, name, tags)
+        for run in runs:
+            if run.zero_to_fp32_reads:
+                _save_references(out, run.name, saved[run.name])
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -307,7 +320,7 @@ def start_zero_runs(
         runs: the runs.
         world_size: the number of ranks (the data-parallel world size).
         references: also save ``zero_to_fp32``'s state dict of every saved tag
-            (:func:`reference_path`).
+            (:func:`reference_path`) of the runs it reads.
         env: the ranks' environment (default: this process's).
 
     Returns:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.cli import ckpt_env
 
-#: ``(ranks, run name)`` of every run, as test ids use them.
+#: ``(ranks, run name)`` of the runs ``zero_to_fp32`` reads, as test ids use them.
 RUN_IDS: tuple[tuple[int, str], ...] = (
     (2, "z1"),
     (2, "z1a-bf16"),
@@ -30,6 +30,9 @@ RUN_IDS: tuple[tuple[int, str], ...] = (
     (3, "z2"),
     (3, "z3-bf16"),
 )
+#: The runs it refuses: ZeRO-0 (fp32, and fp16 let through on the CPU), and bf16 at stage 1
+#: with fp32 gradients, which DeepSpeed trains with its separate bf16 optimizer.
+REFUSED_IDS: tuple[tuple[int, str], ...] = ((2, "z0"), (2, "z0-fp16"), (2, "z1-bf16opt"))
 
 
 def _runs(ranks: int) -> list[object]:
@@ -46,6 +49,9 @@ def _runs(ranks: int) -> list[object]:
             # flat sub-groups of 50 elements: parameters straddle them
             ZeroRun("z3", stage=3, sub_group_size=50),
             ZeroRun("z3-bf16", stage=3, dtype="bf16"),
+            ZeroRun("z0", stage=0),
+            ZeroRun("z0-fp16", stage=0, dtype="fp16"),
+            ZeroRun("z1-bf16opt", stage=1, dtype="bf16", fp32_grads=True),
         ]
     return [
         ZeroRun("z1-bf16", stage=1, dtype="bf16"),

@@ -6,7 +6,7 @@ what each file of the tag folder holds).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,8 @@ class ZeroInfo:
         tag: the tag read.
         tags: every tag folder of the save folder (just ``tag`` for a tag folder).
         stage: the ZeRO stage.
-        optimizer: ``ZeRO`` or ``bf16 optimizer`` (DeepSpeed's BF16_Optimizer).
+        optimizer: ``ZeRO``, ``bf16 optimizer`` (DeepSpeed's BF16_Optimizer), or ``none``
+            (ZeRO-0, whose module weights are the model).
         dp_world_size: data-parallel ranks (the partitions).
         mp_world_size: model-parallel ranks, as recorded.
         master_dtype: the dtype of the optimizer's master weights.
@@ -68,7 +69,9 @@ class ZeroInfo:
             f"deepspeed:   tag {self.tag}"
             + (f" (tags: {', '.join(self.tags)})" if len(self.tags) > 1 else "")
             + f", ZeRO stage {self.stage}"
-            + (" with the bf16 optimizer" if self.optimizer != "ZeRO" else "")
+            + {"ZeRO": "", "none": " (the module weights as saved)"}.get(
+                self.optimizer, f" with the {self.optimizer}"
+            )
             + f", DeepSpeed {self.ds_version or '?'}",
             f"ranks:       data-parallel {self.dp_world_size}, model-parallel {self.mp_world_size}",
             f"weights:     master {self.master_dtype}, module {self.weights_dtype}",
@@ -112,7 +115,8 @@ def _holds_model(m: ModelStates, stage: int) -> str:
     parts = [f"{weights} and buffers ({len(m.module)} tensors)"]
     if m.frozen_fragments:
         parts.append(f"{len(m.frozen_fragments)} frozen fragments")
-    parts.append("parameter shapes")
+    if m.param_shapes:
+        parts.append("parameter shapes")
     if run:
         parts.append("run state (" + ", ".join(run) + ")")
     if client:
@@ -127,6 +131,17 @@ def _holds_optim(o: OptimStates) -> str:
     return ", ".join([what, *o.holds])
 
 
+def _optimizer(optims: Sequence[OptimStates]) -> str:
+    if not optims:
+        return "none"  # ZeRO-0: the module's weights are the model
+    return "ZeRO" if optims[0].stage is not None else "bf16 optimizer"
+
+
+def _count(base: ModelStates, key: str) -> int:
+    value = base.others.get(key)
+    return value if type(value) is int and value > 0 else 1
+
+
 def zero_info(
     files: ZeroFiles,
     models: Sequence[ModelStates],
@@ -134,6 +149,7 @@ def zero_info(
     stage: int,
     frozen: tuple[str, ...],
     from_module: bool,
+    shared: Mapping[str, str],
 ) -> ZeroInfo:
     """What the read rank files say about the checkpoint.
 
@@ -143,6 +159,7 @@ def zero_info(
         stage: the ZeRO stage.
         frozen: the frozen parameters' names.
         from_module: they were read from the module weights (ZeRO-1).
+        shared: alias -> the name it shares.
 
     Returns:
         The :class:`ZeroInfo`.
@@ -155,7 +172,7 @@ def zero_info(
     ]
     weights = [t.dtype for n, t in base.module.items() if n not in base.buffer_names]
     found = {g for f in (*models, *optims) for g in f.ckpt.unsafe_globals}
-    mp, version = base.others.get("mp_world_size"), base.others.get("ds_version")
+    version = base.others.get("ds_version")
     tags = [files.tag]
     if files.save_dir is not None:
         tags = sorted(
@@ -165,15 +182,15 @@ def zero_info(
         tag=files.tag,
         tags=tuple(tags),
         stage=stage,
-        optimizer="ZeRO" if optims[0].stage is not None else "bf16 optimizer",
-        dp_world_size=optims[0].partition_count,
-        mp_world_size=mp if isinstance(mp, int) else 1,
-        master_dtype=optims[0].flat_groups[0].dtype,
+        optimizer=_optimizer(optims),
+        dp_world_size=optims[0].partition_count if optims else _count(base, "dp_world_size"),
+        mp_world_size=_count(base, "mp_world_size"),
+        master_dtype=optims[0].flat_groups[0].dtype if optims else "none",
         weights_dtype=max(set(weights), key=weights.count) if weights else "none",
         ds_version=version if isinstance(version, str) else None,
         frozen=frozen,
         frozen_from_module=from_module,
-        shared=tuple(base.shared.items()),
+        shared=tuple(shared.items()),
         files=tuple(files_),
         data_globals=tuple(sorted(found & DEEPSPEED_GLOBALS)),
     )

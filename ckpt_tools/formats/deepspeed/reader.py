@@ -223,7 +223,8 @@ def _check_ranks(
                 "partition count, the groups or their dtype",
                 path=o.path,
             )
-    stage = 2 if first.stage is None else first.stage
+    # The bf16 optimizer records no stage; it partitions as ZeRO-1 does (frozen weights too).
+    stage = first.stage if first.stage is not None else min(_config_stage(models[0]) or 1, 2)
     if stage == 3 and len(models) != world:
         raise CorruptCheckpointError(
             f"{files.folder!r} holds {len(models)} ZeRO-3 model states files for {world} "
@@ -252,8 +253,7 @@ def open_deepspeed(path: str | os.PathLike[str], *, tag: str | None = None) -> D
     Raises:
         CorruptCheckpointError: a missing or truncated rank file, a ``latest`` or tag that
             names no folder, shapes that do not fit the partitions.
-        UnsupportedFormatError: a layout this reader does not read (model parallelism,
-            ZeRO-0).
+        UnsupportedFormatError: a layout this reader does not read (model parallelism).
         UnsafeContentError: a rank file refers to a global outside DeepSpeed's classes
             where only they may be.
 
@@ -266,24 +266,17 @@ def open_deepspeed(path: str | os.PathLike[str], *, tag: str | None = None) -> D
     files = find_zero_files(path, tag)
     models = [read_model_states(files.path(n)) for n in files.model_files]
     optims = [read_optim_states(files.path(n)) for n in files.optim_files]
-    if not optims:
-        raise UnsupportedFormatError(
-            f"{files.folder!r} holds no optimizer states files (a ZeRO-0 checkpoint, or one "
-            "saved without its optimizer): only ZeRO 1, 2 and 3 partitions are read",
-            path=files.folder,
-        )
-    stage = _check_ranks(files, models, optims)
     into = _Builder()
-    _buffers(into, models[0])
-    frozen = _frozen(into, models, stage)
-    from_module = not frozen and stage < 2
-    if from_module:
-        frozen = _frozen_from_module(into, models[0])
-    _trained(into, models, optims, stage)
-    aliases = {a: s for a, s in models[0].shared.items() if s in into.root and a not in into.root}
-    root: dict[str, TensorRef] = dict(into.root)
-    for alias, source in aliases.items():
-        root[alias] = into.root[source]
+    if optims:
+        stage = _check_ranks(files, models, optims)
+        frozen, from_module, aliases = _partitioned(into, models, optims, stage)
+        root: dict[str, TensorRef] = dict(into.root)
+        for alias, source in aliases.items():
+            root[alias] = into.root[source]
+    else:
+        stage, frozen, from_module = _plain_stage(files, models[0]), (), False
+        aliases = _plain(into, models[0])
+        root = {n: into.root[aliases.get(n, n)] for n in models[0].module}
     where = os.fspath(path)
     return DeepSpeedCheckpoint(
         path=where,
@@ -294,10 +287,78 @@ def open_deepspeed(path: str | os.PathLike[str], *, tag: str | None = None) -> D
             sorted({g for m in models for g in m.ckpt.unsafe_globals} - DEEPSPEED_GLOBALS)
         ),
         locate=_locator(where, into),
-        zero=zero_info(files, models, optims, stage, frozen, from_module),
+        zero=zero_info(files, models, optims, stage, frozen, from_module, aliases),
         sources=into.sources,
         aliases=aliases,
     )
+
+
+def _partitioned(
+    into: _Builder, models: Sequence[ModelStates], optims: Sequence[OptimStates], stage: int
+) -> tuple[tuple[str, ...], bool, dict[str, str]]:
+    """ZeRO 1-3: buffers, frozen and trained parameters, in ``zero_to_fp32``'s order.
+
+    Returns the frozen names, whether they came from the module weights, and the aliases.
+    """
+    _buffers(into, models[0])
+    frozen = _frozen(into, models, stage)
+    from_module = not frozen and stage < 2
+    if from_module:
+        frozen = _frozen_from_module(into, models[0])
+    _trained(into, models, optims, stage)
+    shared = models[0].shared.items()
+    return frozen, from_module, {a: s for a, s in shared if s in into.root and a not in into.root}
+
+
+def _config_stage(base: ModelStates) -> int | None:
+    """The ZeRO stage the run's saved ``ds_config`` asks for (0 without a ZeRO section), None
+    where the config was saved as a path or not at all."""
+    config = base.others.get("ds_config")
+    if not isinstance(config, dict):
+        return None
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    return stage if type(stage) is int else None
+
+
+def _plain_stage(files: ZeroFiles, base: ModelStates) -> int:
+    """0, for a tag folder without optimizer partitions whose run asked for no ZeRO.
+
+    Raises:
+        CorruptCheckpointError: the run's config asks for ZeRO 1-3: its partitions are gone.
+        UnsupportedFormatError: the config was not saved, so the stage is unknown.
+    """
+    stage = _config_stage(base)
+    if stage == 0 and len(files.model_files) == 1:
+        return 0
+    if stage is None:
+        raise UnsupportedFormatError(
+            f"{files.folder!r} holds no optimizer states files and its ds_config is not saved, "
+            "so its ZeRO stage is unknown",
+            path=files.folder,
+        )
+    raise CorruptCheckpointError(
+        f"{files.folder!r} holds no optimizer states files, though its run trained with ZeRO "
+        f"stage {stage}: the ranks' partitions are missing",
+        path=files.folder,
+    )
+
+
+def _plain(into: _Builder, base: ModelStates) -> dict[str, str]:
+    """ZeRO-0: the module's tensors as saved (no master copy to read); a name over the same
+    view as an earlier one is its alias. Returns the aliases."""
+    seen: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in base.module.items():
+        view = (id(t.storage), t.offset, t.shape, t.stride)
+        if view in seen:
+            aliases[name] = seen[view]
+            continue
+        seen[view] = name
+        kind = "buffer" if name in base.buffer_names else "trained"
+        source = TensorSource(kind, t.dtype, (_whole(base.ckpt, t, name),))
+        into.add(name, t.shape, t.dtype, source)
+    return aliases
 
 
 def _locator(where: str, into: _Builder) -> Any:

@@ -196,7 +196,8 @@ def read_model_states(path: str) -> ModelStates:
     if not isinstance(names, list) or not all(type(n) is str for n in names):
         raise _bad(path, "model states", f"buffer_names is {short_repr(names, 60)}")
     groups = root.get("param_shapes")
-    groups = [groups] if isinstance(groups, dict) else groups
+    # one dict in older DeepSpeed; none at ZeRO-0, which partitions nothing
+    groups = [groups] if isinstance(groups, dict) else [] if groups is None else groups
     if not isinstance(groups, list):
         raise _bad(path, "model states", f"param_shapes is {short_repr(groups, 60)}, not a list")
     shapes = tuple(

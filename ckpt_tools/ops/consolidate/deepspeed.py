@@ -142,6 +142,8 @@ def plan_deepspeed(
     notes = [f"{a} is stored once, as {b} (tied)" for a, b in dropped.items()]
     if ckpt.zero is not None and ckpt.zero.frozen_from_module and not exclude_frozen:
         notes.append("frozen parameters read from the module weights (ZeRO-1 records none)")
+    if ckpt.zero is not None and ckpt.zero.stage == 0:
+        notes.append("ZeRO-0: the module weights as saved (no partition, no master copy)")
     return ConsolidationPlan(
         tree={t.name: t.tensor for t in tensors},
         tensors=tuple(tensors),

@@ -133,3 +133,43 @@ def test_detects_save_and_tag_folders(zero_runs: ZeroRuns) -> None:
     assert open_deepspeed(folder).zero.tag == "global_step2"  # type: ignore[union-attr]
     older = open_deepspeed(zero_runs.folder(2, "z2-bf16"), tag="global_step1")
     assert older.zero.tag == "global_step1"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("name", ["z0", "z0-fp16"])
+def test_zero0_is_the_module_as_saved(zero_runs: ZeroRuns, name: str) -> None:
+    """zero_to_fp32 refuses ZeRO-0; its module weights are the model, tied names included."""
+    folder = zero_runs.folder(2, name)
+    module = torch.load(folder / "global_step2" / "mp_rank_00_model_states.pt", weights_only=True)[
+        "module"
+    ]
+    ckpt = open_deepspeed(folder)
+    assert list(ckpt.root) == list(module)
+    for key, t in ckpt.root.items():
+        assert torch.equal(spans_tensor(ckpt, key), module[key]), key
+        assert t.dtype == dtype_name(module[key].dtype), key
+    assert ckpt.root["head.weight"] is ckpt.root["embed.weight"]
+    zero = ckpt.zero
+    assert zero is not None
+    assert (zero.stage, zero.optimizer, zero.master_dtype) == (0, "none", "none")
+    assert zero.shared == (("head.weight", "embed.weight"),)
+
+
+def test_bf16_optimizer_partitions_are_read(zero_runs: ZeroRuns) -> None:
+    """bf16 at stage 1 with fp32 gradients: DeepSpeed's bf16 optimizer, whose files
+    zero_to_fp32 refuses. Its fp32 master weights, cast to bf16 by torch, are the module's
+    bf16 weights; the frozen layer comes from the module, as at ZeRO-1."""
+    folder = zero_runs.folder(2, "z1-bf16opt")
+    module = torch.load(folder / "global_step2" / "mp_rank_00_model_states.pt", weights_only=True)[
+        "module"
+    ]
+    ckpt = open_deepspeed(folder)
+    zero = ckpt.zero
+    assert zero is not None
+    assert (zero.stage, zero.optimizer, zero.master_dtype) == (1, "bf16 optimizer", "float32")
+    assert zero.frozen == tuple(FROZEN) and zero.frozen_from_module
+    assert set(ckpt.root) == set(module) | {"head.weight"}
+    for key, want in module.items():
+        got = spans_tensor(ckpt, key)
+        assert torch.equal(got.to(want.dtype), want), key
+        if ckpt.sources[ckpt.aliases.get(key, key)].kind == "trained":
+            assert got.dtype == torch.float32, key

@@ -121,6 +121,24 @@ def test_cli_writes_reports_and_runs_without_torch(
         assert_bitwise(want[key], got[key], key)
 
 
+@pytest.mark.parametrize("name", ["z0", "z0-fp16", "z1-bf16opt"])
+def test_runs_zero_to_fp32_refuses(zero_runs: ZeroRuns, tmp_path: Path, name: str) -> None:
+    """ZeRO-0: the module's weights as saved; the bf16 optimizer's fp32 master weights, which
+    torch's cast to bf16 turns into the module's."""
+    folder = zero_runs.folder(2, name)
+    result = consolidate(folder, tmp_path / "m.pt")
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    module = module_weights(folder)
+    assert set(got) == set(module) | {"head.weight"}
+    for key, want in module.items():
+        if name.startswith("z0"):
+            assert_bitwise(want, got[key], key)
+        else:
+            assert torch.equal(got[key].to(want.dtype), want), key
+    assert got["head.weight"].data_ptr() == got["embed.weight"].data_ptr()
+    assert result.notes
+
+
 def test_options_that_do_not_apply_are_refused(zero_runs: ZeroRuns, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="select does not apply"):
         consolidate(zero_runs.folder(2, "z3"), tmp_path / "m.pt", select="module")
@@ -157,8 +175,15 @@ def _shapes_do_not_fit(folder: Path) -> str:
     return "mp_rank_00_model_states.pt': its parameter shapes do not fit"
 
 
+def _drop_partitions(folder: Path) -> str:
+    for path in (folder / TAG).glob("*_optim_states.pt"):
+        path.unlink()
+    return "though its run trained with ZeRO stage 2: the ranks' partitions are missing"
+
+
 DAMAGE = {
     "missing-rank": _drop_rank,
+    "no-partitions": _drop_partitions,
     "truncated-partition": _truncate_partition,
     "latest-names-no-folder": _latest_names_nothing,
     "shapes-do-not-fit": _shapes_do_not_fit,
