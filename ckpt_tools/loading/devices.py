@@ -135,6 +135,9 @@ def list_devices() -> tuple[DeviceInfo, ...]:
     Returns:
         The devices; the CPU is always last and always there.
 
+    Raises:
+        MissingExtraError: torch is not installed (``pip install 'ckpt_tools[torch]'``).
+
     Example:
         >>> list_devices()[-1].device
         'cpu'

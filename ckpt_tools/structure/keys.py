@@ -180,15 +180,41 @@ def add_rule(prefix: str) -> KeyRule:
 
 
 def sub_rule(old: str, new: str) -> KeyRule:
-    """A prefix map: keys starting with ``old`` start with ``new`` instead."""
+    """A prefix map: keys starting with ``old`` start with ``new`` instead.
+
+    Args:
+        old: the prefix to replace.
+        new: what replaces it (``""`` strips it).
+
+    Returns:
+        The :class:`KeyRule`, for :func:`rename_keys` or ``ckpt_tools.rename(..., rules=)``.
+
+    Raises:
+        Nothing: any two strings make a rule.
+
+    Example:
+        >>> rename_keys({"backbone.w": 1, "head.w": 2}, [sub_rule("backbone.", "encoder.")])
+        {'encoder.w': 1, 'head.w': 2}
+    """
     return KeyRule(f"^{re.escape(old)}", new.replace("\\", "\\\\"), 1, f"{old!r} -> {new!r}")
 
 
 def regex_rule(pattern: str, replacement: str) -> KeyRule:
-    """A regex substitution on every key (all matches).
+    """A regex substitution on every key (all matches), as ``re.sub`` makes it.
+
+    Args:
+        pattern: a regular expression.
+        replacement: its replacement (``\\1`` for groups).
+
+    Returns:
+        The :class:`KeyRule`, for :func:`rename_keys` or ``ckpt_tools.rename(..., rules=)``.
 
     Raises:
         UsageError: the pattern does not compile.
+
+    Example:
+        >>> rename_keys({"blocks.0.w": 1}, [regex_rule(r"^blocks\\.", "layers.")])
+        {'layers.0.w': 1}
     """
     try:
         re.compile(pattern)
@@ -310,6 +336,13 @@ def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
 def strip_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
     """Remove ``prefix`` from the keys that start with it (nn.DataParallel / DDP -> plain).
 
+    Args:
+        sd: a state dict (values are left as they are, tensors are not copied).
+        prefix: the prefix to remove.
+
+    Returns:
+        A new dict of the same type, keys stripped, ``_metadata`` kept in step.
+
     Raises:
         KeyCollisionError: stripping would merge two keys.
 
@@ -324,6 +357,17 @@ def add_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
     """Put ``prefix`` in front of every key (plain -> nn.DataParallel / DDP layout).
 
     ``_metadata`` gains the wrapper's own root entry, as a wrapped model's state dict has.
+
+    Args:
+        sd: a state dict (values are left as they are, tensors are not copied).
+        prefix: the prefix to add.
+
+    Returns:
+        A new dict of the same type, keys prefixed.
+
+    Raises:
+        KeyCollisionError: never in practice (a prefix keeps distinct keys distinct); as
+            :func:`rename_keys`.
 
     Example:
         >>> add_prefix({"fc.weight": 0})
