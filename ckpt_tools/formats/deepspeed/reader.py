@@ -366,9 +366,13 @@ def _locator(where: str, into: _Builder) -> Any:
         source = into.sources[storage.key]
         if len(source.spans) == 1 and source.dtype == storage.dtype:
             return source.spans[0]
+        how = (
+            f"is saved as {source.dtype} and read as its {storage.dtype} upcast"
+            if len(source.spans) == 1
+            else "is cut from the ranks' partitions"
+        )
         raise UnsupportedFormatError(
-            f"{where!r}: tensor {storage.key!r} is cut from the ranks' partitions, so it has "
-            "no single byte range",
+            f"{where!r}: tensor {storage.key!r} {how}, so it has no single byte range",
             path=where,
             remedies=(
                 Remedy(command=f"ckpt consolidate {where} OUT.pt", text="to write one file first"),

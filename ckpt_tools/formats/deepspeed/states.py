@@ -3,15 +3,17 @@
 Each file is a torch zip archive opened by :func:`~ckpt_tools.formats.zip.torchzip.open_torch_zip`
 (the restricted unpickler: no global is imported). DeepSpeed's own classes
 (:data:`DEEPSPEED_GLOBALS`) come back as inert stand-ins and are read here as data:
-``ZeroStageEnum(2)`` as the stage 2, a loss scaler's BUILD state as a dict. An optimizer
-states file holds nothing else; a global outside that set there is refused. A model states
+``ZeroStageEnum(2)`` as the stage 2 (or ``getattr(ZeroStageEnum, "gradients")``, as Python
+3.11.0-3.11.4 pickle it: ``builtins.getattr`` is allowed in that one form), a loss scaler's
+BUILD state as a dict. An optimizer states file holds nothing else; a global outside that
+set there is refused. A model states
 file may carry the caller's client state (an ``argparse.Namespace``, say): its globals are
 reported, never imported, and refused only inside the entries this reader uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,11 @@ DEEPSPEED_GLOBALS: frozenset[str] = frozenset(
     }
 )
 _STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
+#: How Python 3.11.0-3.11.4 pickle an enum member: ``getattr(ZeroStageEnum, "gradients")``.
+#: Allowed in an optimizer states file in that one form (:func:`_stage_by_name`), as the
+#: stage enum's by-value form is.
+ENUM_GETATTR = "builtins.getattr"
+_STAGE_MEMBERS = {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3}
 # The model states entries this reader uses: no global may hide in them.
 _MODEL_KEYS = (
     "module",
@@ -118,9 +125,8 @@ def _bad(path: str, what: str, why: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path!r} is not a DeepSpeed {what} file: {why}", path=path)
 
 
-def _globals_in(node: Any) -> list[str]:
-    """Every global a subtree holds (stand-in objects, or classes kept as values)."""
-    found: dict[str, None] = {}
+def _walk(node: Any) -> Iterator[Any]:
+    """Every node of a subtree, once."""
     seen: set[int] = set()
     stack = [node]
     while stack:
@@ -128,12 +134,39 @@ def _globals_in(node: Any) -> list[str]:
         if id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, type) and issubclass(item, Opaque):
-            found[item.global_ref.qualname] = None
-        elif isinstance(item, Opaque):
-            found[type(item).global_ref.qualname] = None
+        yield item
         stack.extend(tree_children(item) or ())
-    return list(found)
+
+
+def _global_of(item: Any) -> str | None:
+    """The global a node stands for: a stand-in object's class, or a class kept as a value."""
+    if isinstance(item, type) and issubclass(item, Opaque):
+        return item.global_ref.qualname
+    return type(item).global_ref.qualname if isinstance(item, Opaque) else None
+
+
+def _globals_in(node: Any) -> list[str]:
+    """Every global a subtree holds (stand-in objects, or classes kept as values)."""
+    return list(dict.fromkeys(g for g in map(_global_of, _walk(node)) if g is not None))
+
+
+def _stage_by_name(item: Any) -> int | None:
+    """The stage of ``getattr(ZeroStageEnum, "<member>")``, None for any other node."""
+    if not isinstance(item, Opaque) or type(item).global_ref.qualname != ENUM_GETATTR:
+        return None
+    if item.newobj or item.has_state or item.listitems or item.dictitems or len(item.args) != 2:
+        return None
+    enum, member = item.args
+    if _global_of(enum) != _STAGE_ENUM or not isinstance(enum, type) or type(member) is not str:
+        return None
+    return _STAGE_MEMBERS.get(member)
+
+
+def _getattr_refused(root: Any) -> bool:
+    """Whether ``builtins.getattr`` appears other than as a stage enum member by name."""
+    return any(
+        _global_of(item) == ENUM_GETATTR and _stage_by_name(item) is None for item in _walk(root)
+    )
 
 
 def _refuse(path: str, names: list[str], where: str) -> UnsafeContentError:
@@ -228,7 +261,9 @@ def read_model_states(path: str) -> ModelStates:
 
 def _stage(value: Any, path: str) -> int:
     """The ZeRO stage: ``ZeroStageEnum(n)``'s stand-in, or a plain int (older DeepSpeed)."""
-    if isinstance(value, Opaque) and type(value).global_ref.qualname == _STAGE_ENUM:
+    if _stage_by_name(value) is not None:
+        value = _stage_by_name(value)
+    elif isinstance(value, Opaque) and type(value).global_ref.qualname == _STAGE_ENUM:
         simple = not (value.newobj or value.has_state or value.listitems or value.dictitems)
         value = value.args[0] if simple and len(value.args) == 1 else None
     if type(value) is not int or not 0 <= value <= 3:
@@ -281,6 +316,8 @@ def read_optim_states(path: str) -> OptimStates:
     """
     ckpt, root = _open(path, "optimizer states")
     foreign = [g for g in ckpt.unsafe_globals if g not in DEEPSPEED_GLOBALS]
+    if ENUM_GETATTR in foreign and not _getattr_refused(root):
+        foreign.remove(ENUM_GETATTR)
     if foreign:
         raise _refuse(path, foreign, "its pickle")
     state = root.get("optimizer_state_dict")

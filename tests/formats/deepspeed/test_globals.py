@@ -1,0 +1,67 @@
+"""The globals of DeepSpeed's rank files: DeepSpeed's classes read as data, nothing else.
+
+A rank file pickled by Python 3.11.0-3.11.4 names the ZeRO stage as
+``getattr(ZeroStageEnum, "gradients")`` (those Pythons pickle an enum member by name; later
+ones, like the session's, by value). The files here are the session's real runs with their
+stage re-pickled that way; any other use of ``getattr`` is refused, never run.
+"""
+
+from __future__ import annotations
+
+import pickletools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools import consolidate
+from ckpt_tools.errors import UnsafeContentError
+from ckpt_tools.formats.deepspeed.reader import open_deepspeed
+from tests.helpers import read_data_pkl, tools
+from tests.helpers.zero_runs import ZeroRuns
+
+ENUM = b"cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
+
+
+def stage_by_name(payload: bytes, member: bytes) -> bytes:
+    """``ZeroStageEnum(n)`` (GLOBAL, BINPUT, BININT1 n, TUPLE1, ... REDUCE) turned into
+    ``getattr(ZeroStageEnum, member)`` as Python 3.11.0-3.11.4 write it."""
+    found = re.search(re.escape(ENUM) + rb"(q.)K.\x85", payload, re.DOTALL)
+    assert found is not None
+    call = b"cbuiltins\ngetattr\n" + ENUM + found.group(1)
+    call += b"X" + len(member).to_bytes(4, "little") + member + b"\x86"
+    return payload[: found.start()] + call + payload[found.end() :]
+
+
+def by_name_copy(zero_runs: ZeroRuns, dst: Path, member: bytes) -> Path:
+    folder = zero_runs.copy(3, "z2", dst)
+    for path in (folder / "global_step2").glob("*_optim_states.pt"):
+        payload = stage_by_name(read_data_pkl(path), member)
+        assert any(op.name == "REDUCE" for op, _, _ in pickletools.genops(payload))
+        tools().rewrite_zip(path, path.with_suffix(".new"), replace={"data.pkl": payload})
+        path.with_suffix(".new").replace(path)
+    return folder
+
+
+def test_a_stage_pickled_by_name_reads_as_by_value(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    folder = by_name_copy(zero_runs, tmp_path / "run", b"gradients")
+    assert b"getattr" in read_data_pkl(
+        folder / "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )
+    assert open_deepspeed(folder).zero.stage == 2  # type: ignore[union-attr]
+    consolidate(folder, tmp_path / "m.pt")
+    want = torch.load(zero_runs.reference(3, "z2"), weights_only=True)
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("member", [b"__class__", b"mro", b"weightss"])
+def test_any_other_getattr_is_refused(zero_runs: ZeroRuns, tmp_path: Path, member: bytes) -> None:
+    folder = by_name_copy(zero_runs, tmp_path / "run", member)
+    with pytest.raises(UnsafeContentError, match=r"builtins\.getattr"):
+        open_deepspeed(folder)
+    with pytest.raises(UnsafeContentError):
+        consolidate(folder, tmp_path / "m.pt")
+    assert not (tmp_path / "m.pt").exists()
