@@ -57,6 +57,11 @@ class LitStyle(nn.Module):
         return self.model(x)
 
 
+def data_parallel(model: nn.Module) -> nn.Module:
+    # DataParallel moves its module to cuda:0 when a GPU is visible; these tests compare on the CPU.
+    return nn.DataParallel(model).cpu()
+
+
 def compiled(model: nn.Module) -> nn.Module:
     # Wrapping is lazy: nothing is compiled until a forward, which these tests never run.
     return torch.compile(model)
@@ -64,7 +69,7 @@ def compiled(model: nn.Module) -> nn.Module:
 
 WRAP: dict[str, Callable[[nn.Module], nn.Module]] = {
     "plain": lambda m: m,
-    "dataparallel": nn.DataParallel,
+    "dataparallel": data_parallel,
     "ddp": DDPStyle,
     "compiled": compiled,
     "lightning": LitStyle,
@@ -140,7 +145,7 @@ def test_cuda1_checkpoint_loads_into_a_cpu_model(
     source: Net, x: torch.Tensor, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     plain = tmp_path / "plain.pt"
-    torch.save(nn.DataParallel(source).state_dict(), plain)
+    torch.save(data_parallel(source).state_dict(), plain)
     tagged = tmp_path / "cuda1.pt"
     retag(plain, tagged, mapping={"cpu": "cuda:1"})
     target = make_net(1)
@@ -216,7 +221,7 @@ def test_dtype_casts_are_reported(source: Net) -> None:
 def test_mismatch_message_suggests_a_working_command(source: Net, tmp_path: Path) -> None:
     path = tmp_path / "bb.pt"
     torch.save({"module.backbone." + k: v for k, v in source.state_dict().items()}, path)
-    target = nn.DataParallel(make_net(1))
+    target = data_parallel(make_net(1))
     with pytest.raises(
         StateDictMismatchError, match=r"renaming 'module\.backbone\.' to 'module\.'"
     ) as error:
@@ -226,6 +231,6 @@ def test_mismatch_message_suggests_a_working_command(source: Net, tmp_path: Path
     assert main([*args[1:], "-q"]) == 0
     assert load_into(target, tmp_path / "bb.renamed.pt").ok
     with pytest.raises(
-        StateDictMismatchError, match=r"ckpt_tools\.strip_prefix\(sd, 'backbone\.'\)"
+        StateDictMismatchError, match=r"ckpt_tools\.strip_prefix\(sd, prefix='backbone\.'\)"
     ):
         load_into(make_net(1), {"backbone." + k: v for k, v in source.state_dict().items()})
