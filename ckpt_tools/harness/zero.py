@@ -155,6 +155,13 @@ class ZeroNet(nn.Module):
 def deepspeed_config(run: ZeroRun, batch_size: int) -> dict[str, Any]:
     """The DeepSpeed config of ``run`` for a global batch of ``batch_size``.
 
+    Args:
+        run: the run.
+        batch_size: the global batch (``train_batch_size``), over every rank.
+
+    Returns:
+        The config dict ``deepspeed.initialize`` takes.
+
     Example:
         >>> deepspeed_config(ZeroRun("r", stage=2, dtype="bf16"), 8)["bf16"]
         {'enabled': True}
@@ -225,6 +232,14 @@ def _allow_cpu_fp16() -> None:
 def reference_path(out: str | os.PathLike[str], name: str, tag: str) -> Path:
     """Where :func:`main` saves ``zero_to_fp32``'s state dict of run ``name``'s ``tag``.
 
+    Args:
+        out: the folder of the launch's save folders.
+        name: the run's name.
+        tag: the saved tag.
+
+    Returns:
+        ``out/<name>-<tag>.zero_to_fp32.pt``.
+
     Example:
         >>> str(reference_path("o", "s2", "global_step2"))
         'o/s2-global_step2.zero_to_fp32.pt'
@@ -242,7 +257,11 @@ def _save_references(out: Path, name: str, tags: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    """One rank's work under torchrun: ``argv`` is ``[out_dir, runs_json, references]``.
+    """One rank's work under torchrun.
+
+    Args:
+        argv: ``[out_dir, runs_json, references]``: the folder, the runs as a JSON list of
+            :class:`ZeroRun` fields, and ``"1"`` to save the references.
 
     Trains and saves every run in turn; with ``references`` = ``"1"``, rank 0 then saves
     ``zero_to_fp32``'s state dict of each saved tag (:func:`reference_path`) of the runs it
@@ -281,6 +300,9 @@ class ZeroLaunch:
 
     def wait(self, timeout: float = 600) -> dict[str, Path]:
         """Wait for the ranks to finish.
+
+        Args:
+            timeout: seconds to wait before killing them.
 
         Returns:
             Each run's name -> its save folder (``latest``, the tag folders, DeepSpeed's

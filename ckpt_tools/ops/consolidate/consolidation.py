@@ -109,7 +109,7 @@ def consolidate(
 
     Args:
         src: the DCP folder (``.metadata`` and ``*.distcp`` files), or a DeepSpeed ZeRO
-            checkpoint (stage 1, 2 or 3): its save folder (``latest`` names the tag) or a
+            checkpoint (stages 0 to 3): its save folder (``latest`` names the tag) or a
             tag folder. It is written as the state dict ``zero_to_fp32`` gives (fp32 master
             weights, frozen ones in their 16-bit dtype, float buffers in fp32), its bytes cut
             from the ranks' partitions.

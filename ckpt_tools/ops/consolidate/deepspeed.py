@@ -38,6 +38,14 @@ __all__ = ["open_source", "plan_deepspeed", "plan_source"]
 def open_source(src: str, *, tag: str | None, exclude_frozen: bool) -> Checkpoint:
     """Open what ``consolidate`` reads: a DCP folder or a DeepSpeed checkpoint.
 
+    Args:
+        src: the folder.
+        tag: the DeepSpeed tag to read (None: the one ``latest`` names).
+        exclude_frozen: DeepSpeed's frozen parameters are to be left out.
+
+    Returns:
+        The opened :class:`DcpCheckpoint` or :class:`DeepSpeedCheckpoint`.
+
     Raises:
         UsageError: another format, or DeepSpeed's options for a DCP folder.
     """
@@ -110,6 +118,9 @@ def plan_deepspeed(
         exclude_frozen: leave the frozen parameters out.
         tensors_only: a safetensors output: each tied tensor stored once.
 
+    Returns:
+        The :class:`ConsolidationPlan`: ``zero_to_fp32``'s state dict, each tensor's record.
+
     Raises:
         UsageError: ``select`` or ``everything`` given.
         KeyCollisionError: stripping makes two keys one.
@@ -164,7 +175,15 @@ def plan_source(
     tensors_only: bool,
 ) -> ConsolidationPlan:
     """The plan of :func:`plan_deepspeed` for a DeepSpeed checkpoint, else of
-    :func:`~ckpt_tools.ops.consolidate.plan.plan_consolidation` (a DCP folder)."""
+    :func:`~ckpt_tools.ops.consolidate.plan.plan_consolidation` (a DCP folder).
+
+    Args:
+        ckpt: what :func:`open_source` opened.
+        select, everything, strip, exclude_frozen, tensors_only: as those take them.
+
+    Returns:
+        The :class:`ConsolidationPlan`.
+    """
     if isinstance(ckpt, DeepSpeedCheckpoint):
         return plan_deepspeed(
             ckpt,
