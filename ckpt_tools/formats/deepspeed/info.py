@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.formats.deepspeed.layout import ZeroFiles
+from ckpt_tools.formats.deepspeed.layout import ZeroFiles, tags_in
 from ckpt_tools.formats.deepspeed.states import DEEPSPEED_GLOBALS, ModelStates, OptimStates
 
 __all__ = ["RankFile", "ZeroInfo", "zero_info"]
@@ -175,9 +175,7 @@ def zero_info(
     version = base.others.get("ds_version")
     tags = [files.tag]
     if files.save_dir is not None:
-        tags = sorted(
-            n for n in os.listdir(files.save_dir) if os.path.isdir(os.path.join(files.save_dir, n))
-        )
+        tags = tags_in(files.save_dir)
     return ZeroInfo(
         tag=files.tag,
         tags=tuple(tags),

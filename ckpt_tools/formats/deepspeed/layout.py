@@ -27,13 +27,18 @@ from ckpt_tools.errors import (
 
 __all__ = [
     "LATEST",
+    "OFFLOADED",
     "ZeroFiles",
     "find_zero_files",
     "is_deepspeed_folder",
+    "tags_in",
 ]
 
 #: The file in the save folder that names the newest tag.
 LATEST = "latest"
+#: The folder of a tag whose optimizer states were offloaded to NVMe: the rank files then
+#: hold empty fp32 groups, the partitions lie in DeepSpeed's swap files.
+OFFLOADED = "offloaded_tensors"
 _MODEL = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d\d+)_model_states\.pt")
 _OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d\d+)_optim_states\.pt")
 # A tag is a folder name DeepSpeed made from the user's tag: read as text, never a path.
@@ -63,6 +68,16 @@ class ZeroFiles:
     def path(self, name: str) -> str:
         """The full path of a file of the tag folder."""
         return os.path.join(self.folder, name)
+
+
+def tags_in(save_dir: str) -> list[str]:
+    """The tag folders of a save folder, sorted.
+
+    Example:
+        >>> tags_in(".")
+        []
+    """
+    return sorted(n for n in os.listdir(save_dir) if _has_rank_files(os.path.join(save_dir, n)))
 
 
 def _has_rank_files(folder: str) -> bool:
@@ -100,7 +115,7 @@ def _check_tag(save_dir: str, tag: str, source: str) -> str:
     bad = tag in (".", "..") or any(c in tag for c in "/\\\0")
     folder = os.path.join(save_dir, tag)
     if bad or not os.path.isdir(folder):
-        tags = sorted(n for n in os.listdir(save_dir) if _has_rank_files(os.path.join(save_dir, n)))
+        tags = tags_in(save_dir)
         raise CorruptCheckpointError(
             f"{source} names tag {tag!r}, which is not a folder in {save_dir!r}"
             + (f" (tags there: {', '.join(tags[:5])})" if tags else ""),
@@ -172,6 +187,12 @@ def _rank_files(folder: str, tag: str, save_dir: str | None) -> ZeroFiles:
                 path=folder,
             )
         found[rank] = name
+    if OFFLOADED in others:
+        raise UnsupportedFormatError(
+            f"{folder!r} was saved with its optimizer states offloaded to NVMe ({OFFLOADED}/): "
+            "its rank files hold no fp32 partitions, so it is not read",
+            path=folder,
+        )
     if not models:
         raise CorruptCheckpointError(
             f"{folder!r} holds no *_model_states.pt file, so it is not a DeepSpeed tag folder",

@@ -181,7 +181,13 @@ def _drop_partitions(folder: Path) -> str:
     return "though its run trained with ZeRO stage 2: the ranks' partitions are missing"
 
 
+def _offloaded(folder: Path) -> str:
+    (folder / TAG / "offloaded_tensors").mkdir()  # as an NVMe-offloaded save leaves it
+    return "offloaded to NVMe"
+
+
 DAMAGE = {
+    "nvme-offload": _offloaded,
     "missing-rank": _drop_rank,
     "no-partitions": _drop_partitions,
     "truncated-partition": _truncate_partition,
@@ -197,7 +203,7 @@ def test_damaged_runs_are_refused(zero_runs: ZeroRuns, tmp_path: Path, damage: s
     out = tmp_path / "out"
     out.mkdir()
     code, stdout, err = run_ckpt("consolidate", folder, out / "m.pt", code=None)
-    assert code == CorruptCheckpointError.exit_code, err
+    assert code == CorruptCheckpointError.exit_code, err  # UnsupportedFormatError's too
     assert len(err.strip().splitlines()) == 1 and said in err, err
     assert os.listdir(out) == [] and not stdout
 
