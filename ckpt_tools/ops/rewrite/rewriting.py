@@ -131,8 +131,8 @@ def strip_module(
         dst: the output.
         prefix: the prefix to strip; None strips every wrapper :func:`detect_wrappers` finds
             (``module.``, ``_orig_mod.``, FSDP and checkpoint-wrapper segments, ...).
-        select, output_format, drop_extras, allow_globals, force, in_place, verify, durable,
-            dry_run, progress: as for :func:`rewrite`.
+        select, output_format, drop_extras, allow_globals, in_place: as for :func:`rewrite`.
+        force, verify, durable, dry_run, progress: as for :func:`rewrite`.
 
     Returns:
         The :class:`RewriteResult`; when there is nothing to strip, nothing is written and
@@ -202,8 +202,8 @@ def add_module(
         src: the input.
         dst: the output.
         prefix: the prefix to add.
-        select, output_format, drop_extras, allow_globals, force, in_place, verify, durable,
-            dry_run, progress: as for :func:`rewrite`.
+        select, output_format, drop_extras, allow_globals, in_place: as for :func:`rewrite`.
+        force, verify, durable, dry_run, progress: as for :func:`rewrite`.
 
     Returns:
         The :class:`RewriteResult`.
@@ -255,8 +255,8 @@ def rename(
         dst: the output.
         rules: :class:`~ckpt_tools.structure.keys.KeyRule` s, applied in order:
             ``sub_rule("backbone.", "encoder.")``, ``regex_rule(r"^blocks\\.", "layers.")``.
-        select, output_format, drop_extras, allow_globals, force, in_place, verify, durable,
-            dry_run, progress: as for :func:`rewrite`.
+        select, output_format, drop_extras, allow_globals, in_place: as for :func:`rewrite`.
+        force, verify, durable, dry_run, progress: as for :func:`rewrite`.
 
     Returns:
         The :class:`RewriteResult`.
