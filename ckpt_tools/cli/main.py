@@ -59,7 +59,7 @@ _COMMANDS = {
     "consolidate": _Entry(
         "ckpt_tools.cli.commands.consolidate",
         "consolidate_cmd",
-        "Consolidate a torch.distributed.checkpoint (DCP) folder into OUT, torch-free.",
+        "Consolidate a DCP folder or a DeepSpeed ZeRO checkpoint into OUT, torch-free.",
     ),
     "retag": _Entry(
         "ckpt_tools.cli.commands.rewrite",

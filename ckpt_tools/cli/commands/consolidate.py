@@ -56,8 +56,10 @@ from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, 
 @json_option
 @dry_run_option
 def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: Any) -> None:
-    """Consolidate a torch.distributed.checkpoint (DCP) folder or a DeepSpeed ZeRO checkpoint
-    (its save folder, or a tag folder) into OUT, torch-free.
+    """Consolidate a DCP folder or a DeepSpeed ZeRO checkpoint into OUT, torch-free.
+
+    SRC is a torch.distributed.checkpoint (DCP) folder, or a DeepSpeed ZeRO checkpoint: its
+    save folder (latest names the tag) or a tag folder.
 
     OUT is a .pt (torch.save format), a .safetensors, or a folder for Hugging Face shards
     (model-00001-of-0000N.safetensors + model.safetensors.index.json). Chunks are copied
