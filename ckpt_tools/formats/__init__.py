@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ckpt_tools._types import StrPath
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.detect import FORMATS, detect_format
@@ -11,7 +12,7 @@ from ckpt_tools.formats.detect import FORMATS, detect_format
 __all__ = ["FORMATS", "Checkpoint", "ZipRecord", "detect_format", "open_checkpoint"]
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(path: StrPath) -> Checkpoint:
     """Open any supported checkpoint by content, reading only its structure.
 
     Args:

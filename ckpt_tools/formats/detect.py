@@ -11,6 +11,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from ckpt_tools._types import StrPath
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
     LfsPointerError,
@@ -62,7 +63,7 @@ _PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt")
 _MAX_SAFETENSORS_HEADER = 100_000_000
 
 
-def detect_format(path: str | os.PathLike[str], *, content_only: bool = False) -> str:
+def detect_format(path: StrPath, *, content_only: bool = False) -> str:
     """Detect a checkpoint's format by content.
 
     Args:
