@@ -36,8 +36,8 @@ def zero_floor(gaps: Mapping[str, Sequence[float]], tolerance: float) -> float:
     non-zero difference (or the tolerance), so that it never passes for a real one.
 
     Example:
-        >>> zero_floor({"ddp": [0.0, 3e-8], "dp": [0.0, 0.0]}, 1e-5)
-        3e-09
+        >>> zero_floor({"ddp": [0.0, 2e-8], "dp": [0.0, 0.0]}, 1e-5)
+        2e-09
     """
     positive = [g for values in gaps.values() for g in values if 0 < g < math.inf]
     return min([*positive, tolerance]) / 10
