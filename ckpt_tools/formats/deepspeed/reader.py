@@ -122,29 +122,38 @@ def _buffers(into: _Builder, base: ModelStates) -> None:
             into.add(name, t.shape, dtype, source)
 
 
+def _fragments(
+    models: Sequence[ModelStates], name: str, numel: int
+) -> list[tuple[ModelStates, TensorRef]]:
+    """Each model file's saved fragment of frozen parameter ``name``, checked to hold its
+    ``numel`` elements together, each contiguous."""
+    found = [(m, (m.frozen_fragments or {}).get(name)) for m in models]
+    pieces = [(m, p) for m, p in found if p is not None and p.is_contiguous()]
+    if len(pieces) < len(found) or sum(p.numel for _, p in pieces) < numel:
+        raise CorruptCheckpointError(
+            f"{models[0].path!r}: the saved fragments of frozen parameter {name!r} do not hold "
+            f"its {numel} elements",
+            path=models[0].path,
+        )
+    return pieces
+
+
 def _frozen(into: _Builder, models: Sequence[ModelStates], stage: int) -> tuple[str, ...]:
-    """The frozen parameters DeepSpeed recorded (stage 2 and 3); returns their names."""
+    """The frozen parameters DeepSpeed recorded (stage 2 and 3: rank 0's whole parameter,
+    or every rank's fragment, cut to its size as ``zero_to_fp32`` cuts it); their names."""
     base = models[0]
-    if base.frozen_shapes is None or base.frozen_fragments is None:
+    if base.frozen_shapes is None:
         return ()
     for name, shape in base.frozen_shapes.items():
         numel = math.prod(shape)
-        pieces = [m.frozen_fragments.get(name) if m.frozen_fragments else None for m in models]
-        if stage < 3:
-            pieces = pieces[:1]
-        if any(p is None for p in pieces) or sum(p.numel for p in pieces) < numel:  # type: ignore[union-attr]
-            raise CorruptCheckpointError(
-                f"{base.path!r}: the saved fragments of frozen parameter {name!r} do not hold "
-                f"its {numel} elements",
-                path=base.path,
-            )
+        pieces = _fragments(models if stage == 3 else models[:1], name, numel)
         spans, left = [], numel
-        for m, p in zip(models, pieces):
-            take = min(left, p.numel)  # type: ignore[union-attr]
+        for m, p in pieces:
+            take = min(left, p.numel)
             if take:
-                spans.append(_spans_of(m.ckpt, p, 0, take))  # type: ignore[arg-type]
+                spans.append(_spans_of(m.ckpt, p, 0, take))
             left -= take
-        dtype = pieces[0].dtype  # type: ignore[union-attr]
+        dtype = pieces[0][1].dtype
         into.add(name, shape, dtype, TensorSource("frozen", dtype, tuple(spans)))
     return tuple(base.frozen_shapes)
 
