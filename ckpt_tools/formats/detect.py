@@ -100,9 +100,9 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
         from ckpt_tools.formats.dcp.reader import is_dcp_folder
         from ckpt_tools.formats.deepspeed.layout import is_deepspeed_folder
 
-        if is_deepspeed_folder(p):
-            return "deepspeed"
-        return "dcp" if is_dcp_folder(p) else "hf-sharded"
+        if is_dcp_folder(p):
+            return "dcp"
+        return "deepspeed" if is_deepspeed_folder(p) else "hf-sharded"
     # O_NONBLOCK: if the path became a FIFO since the check, opening it does not wait for a
     # writer, and fstat below sees what was opened.
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
