@@ -3,7 +3,9 @@
 A rank file pickled by Python 3.11.0-3.11.4 names the ZeRO stage as
 ``getattr(ZeroStageEnum, "gradients")`` (those Pythons pickle an enum member by name; later
 ones, like the session's, by value). The files here are the session's real runs with their
-stage re-pickled that way; any other use of ``getattr`` is refused, never run.
+stage re-pickled that way; any other use of ``getattr`` is refused, never run. A call of
+``posix.system`` planted in a model states file is listed and never run where the reader
+does not use the entry (the client state), and refused where it does.
 """
 
 from __future__ import annotations
@@ -65,3 +67,43 @@ def test_any_other_getattr_is_refused(zero_runs: ZeroRuns, tmp_path: Path, membe
     with pytest.raises(UnsafeContentError):
         consolidate(folder, tmp_path / "m.pt")
     assert not (tmp_path / "m.pt").exists()
+
+
+def planted(path: Path, old: bytes, marker: Path) -> None:
+    """Replace the pickled string ``old`` (protocol 2's BINUNICODE) in ``path``'s data.pkl
+    by ``posix.system("touch MARKER")``, which loading with pickle would run."""
+    payload = read_data_pkl(path)
+    value = b"X" + len(old).to_bytes(4, "little") + old
+    command = f"touch {marker}".encode()
+    call = b"cposix\nsystem\n(X" + len(command).to_bytes(4, "little") + command + b"tR"
+    assert payload.count(value) >= 1
+    tools().rewrite_zip(
+        path, path.with_suffix(".new"), replace={"data.pkl": payload.replace(value, call, 1)}
+    )
+    path.with_suffix(".new").replace(path)
+
+
+def test_a_global_in_the_client_state_is_reported_never_run(
+    zero_runs: ZeroRuns, tmp_path: Path
+) -> None:
+    """The model states file's entries besides the model (here ds_version, as a client
+    state's Namespace would be) may name any global: it is listed, never imported."""
+    folder = zero_runs.copy(2, "z2-bf16", tmp_path / "run")
+    marker = tmp_path / "ran"
+    planted(folder / "global_step2" / "mp_rank_00_model_states.pt", b"0.19.8", marker)
+    ckpt = open_deepspeed(folder)
+    assert ckpt.unsafe_globals == ("posix.system",)
+    consolidate(folder, tmp_path / "m.pt")
+    want = torch.load(zero_runs.reference(2, "z2-bf16"), weights_only=True)
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not marker.exists()
+
+
+def test_a_global_in_an_entry_we_read_is_refused(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    folder = zero_runs.copy(2, "z2-bf16", tmp_path / "run")
+    marker = tmp_path / "ran"
+    planted(folder / "global_step2" / "mp_rank_00_model_states.pt", b"norm.running_mean", marker)
+    with pytest.raises(UnsafeContentError, match=r"posix\.system"):
+        consolidate(folder, tmp_path / "m.pt")
+    assert not marker.exists() and not (tmp_path / "m.pt").exists()
