@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.ops.consolidate.consolidation import ConsolidateResult, consolidate
     from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
     from ckpt_tools.ops.inspect.inspection import inspect
+    from ckpt_tools.ops.merge.merging import merge_lora
+    from ckpt_tools.ops.merge.result import MergeResult
     from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
     from ckpt_tools.ops.rewrite.conversion import convert, retag
     from ckpt_tools.ops.rewrite.result import RewriteResult
@@ -135,6 +137,8 @@ _PUBLIC: dict[str, str] = {
     "extract": "ckpt_tools.ops.transform.extract",
     "average": "ckpt_tools.ops.transform.average",
     "TransformResult": "ckpt_tools.ops.transform.result",
+    "merge_lora": "ckpt_tools.ops.merge.merging",
+    "MergeResult": "ckpt_tools.ops.merge.result",
     "PlannedFile": "ckpt_tools.ops.output_plan",
     "PlannedTensor": "ckpt_tools.ops.output_plan",
     "WriteResult": "ckpt_tools.ops.output_plan",
@@ -176,6 +180,7 @@ __all__ = [
     "LoadInfo",
     "LoadReport",
     "MapLocation",
+    "MergeResult",
     "NonTensorEntriesError",
     "OutputError",
     "OutputExistsError",
@@ -217,6 +222,7 @@ __all__ = [
     "load_into",
     "load_state_dict",
     "load_with_info",
+    "merge_lora",
     "open_checkpoint",
     "pick_devices",
     "regex_rule",

@@ -121,6 +121,14 @@ EXAMPLES: dict[str, tuple[Example, ...]] = {
         ),
         Example("ckpt extract timm.pth head.safetensors --prefix head. --ema", "from the EMA"),
     ),
+    "merge-lora": (
+        Example("ckpt merge-lora model.pt lora merged.pt", "W += B @ A * scaling, as PEFT"),
+        Example(
+            "ckpt merge-lora model-hf lora merged.safetensors --dtype bf16",
+            "an HF folder, cast after merging",
+        ),
+        Example("ckpt merge-lora ddp.pt lora merged.pt --dry-run", "each module's rank, scaling"),
+    ),
     "average": (
         Example("ckpt average avg.pt 'run/ckpt_*.pt' --last 5", "the last five of a run"),
         Example("ckpt average soup.pt a.pt b.pt --weights 1,3", "a weighted mean"),

@@ -61,6 +61,11 @@ _COMMANDS = {
         "consolidate_cmd",
         "Consolidate a DCP folder or a DeepSpeed ZeRO checkpoint into OUT, torch-free.",
     ),
+    "merge-lora": _Entry(
+        "ckpt_tools.cli.commands.merge",
+        "merge_lora_cmd",
+        "Merge a PEFT LoRA adapter folder into its base checkpoint, as PEFT merges, torch-free.",
+    ),
     "retag": _Entry(
         "ckpt_tools.cli.commands.rewrite",
         "retag_cmd",

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tests.helpers import FIXTURES, run_ckpt
+from tests.helpers.lora import write_tiny_adapter
 
 # workspace name: committed fixture it copies.
 COPIES = {
@@ -87,6 +88,7 @@ def build(folder: Path) -> Path:
     _old_style(folder / "old.pt", tinynet)
     _whole_model(folder, tinynet)
     _dcp(folder / "step-1000", tinynet)
+    write_tiny_adapter(folder / "lora")  # a PEFT LoRA adapter of model.pt
     return folder
 
 

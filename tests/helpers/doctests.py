@@ -11,6 +11,7 @@ import doctest
 from pathlib import Path
 
 from tests.helpers.committed import copy_fixture
+from tests.helpers.lora import write_tiny_adapter
 
 # Name in the examples' folder -> committed fixture it is a copy of.
 EXAMPLE_FILES = {
@@ -26,6 +27,7 @@ def fill_example_folder(folder: Path) -> None:
     """Copy :data:`EXAMPLE_FILES` into ``folder``."""
     for name, fixture in EXAMPLE_FILES.items():
         copy_fixture(fixture, folder, as_name=name)
+    write_tiny_adapter(folder / "lora")  # a PEFT LoRA adapter of model.pt
 
 
 def example_sections(docstring: str) -> list[str]:

@@ -28,7 +28,23 @@ from ckpt_tools import RewriteResult, TransformResult, WriteResult
 from ckpt_tools._types import Select, VerifyLevel
 
 #: The names an operation's inputs (and output) take; only these come positionally.
-INPUTS = frozenset({"src", "dst", "srcs", "path", "paths", "a", "b", "sd", "model", "root", "keys"})
+INPUTS = frozenset(
+    {
+        "src",
+        "dst",
+        "srcs",
+        "path",
+        "paths",
+        "a",
+        "b",
+        "sd",
+        "model",
+        "root",
+        "keys",
+        "base",
+        "adapter",
+    }
+)
 
 #: Values made of their positional parts: a rule is its two strings, and ``rename_keys``
 #: applies its rules to a dict, as ``sorted(seq, key)`` might.

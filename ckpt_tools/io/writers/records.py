@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Record",
     "cast_storage_record",
+    "cast_stream",
     "check_records",
     "copy_record",
     "record_bytes",
@@ -99,7 +100,7 @@ def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
 def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: str) -> Record:
     """A record streaming ``storage`` (elements of ``src``) cast to ``dst``."""
     if _compressed(ckpt, storage) is not None:
-        return _cast_stream(copy_record(ckpt, storage), src, dst)
+        return cast_stream(copy_record(ckpt, storage), src, dst)
     span = ckpt.span(storage)
     numel = span.nbytes // itemsize(src)
 
@@ -120,7 +121,7 @@ def _compressed(ckpt: Checkpoint, storage: StorageRef) -> Any:
     return record if record is not None and record.compressed else None
 
 
-def _cast_stream(source: Record, src: str, dst: str) -> Record:
+def cast_stream(source: Record, src: str, dst: str) -> Record:
     """``source``'s bytes (elements of ``src``, in pieces of any length) cast to ``dst``."""
     size = itemsize(src)
     numel = source.nbytes // size

@@ -20,6 +20,7 @@ from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import (
     Record,
     cast_storage_record,
+    cast_stream,
     copy_record,
     tensor_bytes_record,
 )
@@ -149,7 +150,11 @@ def _storage_records(
         if src_dtype is not None and cast_to is not None:
             numel = t.storage.nbytes // _size(src_dtype)
             storage = new_storage(t.storage, cast_to, numel)
-            records[id(storage)] = cast_storage_record(ckpt, t.storage, src_dtype, cast_to)
+            records[id(storage)] = (
+                cast_stream(overrides[sid], src_dtype, cast_to)
+                if sid in overrides
+                else cast_storage_record(ckpt, t.storage, src_dtype, cast_to)
+            )
         elif t.func is None:
             # Read without a pickle (safetensors): give it torch.save's storage and rebuild.
             storage = new_storage(t.storage, t.dtype, t.storage.nbytes // _size(t.dtype))
@@ -327,6 +332,8 @@ def _safetensors_entries(
                 "storage as it is",
                 remedies=(Remedy("output_format", "'torch'", flag="--format torch"),),
             )
+        if dst is not None and id(t.storage) in overrides:  # a computed storage, then cast
+            record = cast_stream(record, t.dtype, dst)
         out = TensorRef(t.storage, 0, t.shape, (), dst or t.dtype)
         entries.append((new, out, record))
     check_dtypes([(name, out.dtype) for name, out, _ in entries], ckpt.path)

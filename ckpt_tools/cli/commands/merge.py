@@ -1,0 +1,56 @@
+"""``ckpt merge-lora``: one library call, then render."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ckpt_tools.cli.commands.rewrite import progress_bar
+from ckpt_tools.cli.options import (
+    allow_global_option,
+    dry_run_option,
+    durable_option,
+    json_option,
+    select_option,
+    verify_option,
+)
+from ckpt_tools.cli.render import echo_result
+
+
+@click.command("merge-lora")
+@click.argument("base", type=click.Path())
+@click.argument("adapter", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Cast the merged state dict's floating tensors (default: the base's dtypes).",
+)
+@select_option
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["torch", "safetensors"]),
+    default=None,
+    help="Output format (default: from OUT's suffix).",
+)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (never an input).")
+@verify_option("After writing, re-read keys and sizes, or also every byte (computed again).")
+@durable_option
+@allow_global_option
+@click.option(
+    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
+)
+@json_option
+@dry_run_option
+def merge_lora_cmd(
+    base: str, adapter: str, out: str, as_json: bool, quiet: bool, **kw: Any
+) -> None:
+    """Merge a PEFT LoRA adapter folder into its base checkpoint, as PEFT merges, torch-free."""
+    from ckpt_tools.ops.merge.merging import merge_lora
+
+    with progress_bar(quiet or as_json) as progress:
+        result = merge_lora(base, adapter, out, progress=progress, **kw)
+    echo_result(result, as_json, quiet)

@@ -1,0 +1,1 @@
+"""merge-lora: a PEFT LoRA adapter folder merged into its base checkpoint, torch-free."""

@@ -1,0 +1,282 @@
+"""A PEFT LoRA adapter folder read as data: its config, and one target per adapted module.
+
+The folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or a pickled
+``adapter_model.bin``, read by the restricted reader, never unpickled with code). PEFT saves
+each tensor as ``base_model.model.<module>.<part>`` with the adapter's name removed; the
+module's rank and alpha come from ``rank_pattern`` / ``alpha_pattern`` as PEFT resolves them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, CorruptCheckpointError
+from ckpt_tools.formats import Checkpoint, open_checkpoint
+
+__all__ = ["CONFIG_NAME", "LoraAdapter", "LoraTarget", "is_adapter_folder", "read_adapter"]
+
+CONFIG_NAME = "adapter_config.json"
+_WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+_PREFIX = "base_model.model."
+# PEFT's parts of a LoRA module, as saved (embeddings and DoRA's vector have no ``.weight``).
+_PARTS = {
+    "lora_A.weight": "A",
+    "lora_B.weight": "B",
+    "lora_B.bias": "bias",
+    "lora_embedding_A": "A",
+    "lora_embedding_B": "B",
+    "lora_magnitude_vector": "magnitude",
+}
+_PART_RE = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(map(re.escape, _PARTS)) + ")$")
+# Config fields that change what a merge computes, which this merge does not do.
+_UNSUPPORTED_FIELDS = ("trainable_token_indices", "target_parameters", "use_qalora")
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One adapted module: its tensors in the adapter, its rank, alpha and scaling.
+
+    Attributes:
+        module: the module's path in the base model (``model.layers.0.self_attn.q_proj``).
+        kind: ``linear`` (``lora_A`` / ``lora_B``) or ``embedding`` (``lora_embedding_*``).
+        a, b: the adapter's ``A`` ``(r, in)`` and ``B`` ``(out, r)`` tensors.
+        bias: ``lora_B.bias`` (``lora_bias=True``), or None.
+        magnitude: DoRA's magnitude vector, or None (plain LoRA).
+        r, alpha: the module's rank and alpha after ``rank_pattern`` / ``alpha_pattern``.
+        scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
+    """
+
+    module: str
+    kind: str
+    a: TensorRef
+    b: TensorRef
+    bias: TensorRef | None
+    magnitude: TensorRef | None
+    r: int
+    alpha: float
+    scaling: float
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The adapter keys this target reads (as PEFT saves them, without the prefix)."""
+        parts = (
+            ("lora_embedding_A", "lora_embedding_B")
+            if self.kind == "embedding"
+            else (
+                "lora_A.weight",
+                "lora_B.weight",
+            )
+        )
+        return tuple(f"{self.module}.{p}" for p in parts)
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter folder read as data.
+
+    Attributes:
+        path: the folder.
+        weights: its weight file (``adapter_model.safetensors`` or ``.bin``).
+        config: ``adapter_config.json`` as parsed.
+        ckpt: the weight file, opened by the reader.
+        targets: one per adapted module, in the file's order.
+        modules_to_save: base key (module path and parameter) -> the adapter's full copy.
+        base_layers: module -> the base weight saved with the adapter (PEFT saves a targeted
+            embedding's weight, ``save_embedding_layers``); the merge starts from it.
+    """
+
+    path: str
+    weights: str
+    config: Mapping[str, Any]
+    ckpt: Checkpoint
+    targets: tuple[LoraTarget, ...]
+    modules_to_save: Mapping[str, TensorRef] = field(default_factory=dict)
+    base_layers: Mapping[str, TensorRef] = field(default_factory=dict)
+
+    @property
+    def peft_type(self) -> str:
+        """PEFT's adapter type (``LORA``)."""
+        return str(self.config.get("peft_type", "LORA"))
+
+    @property
+    def base_model(self) -> str | None:
+        """``base_model_name_or_path`` as saved."""
+        return self.config.get("base_model_name_or_path")
+
+    @property
+    def parameters(self) -> int:
+        """Elements of every tensor the adapter holds."""
+        return sum(t.numel for t in _tensors(self.ckpt.root).values())
+
+
+def is_adapter_folder(path: str) -> bool:
+    """Whether ``path`` is a folder holding an ``adapter_config.json``.
+
+    Example:
+        >>> is_adapter_folder("model.pt")
+        False
+    """
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG_NAME))
+
+
+def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
+    """Read a PEFT LoRA adapter folder: its config, and each adapted module's tensors.
+
+    Args:
+        path: the folder holding ``adapter_config.json`` and ``adapter_model.*``.
+        allow_globals: globals outside the allowlist a pickled ``adapter_model.bin`` may name.
+
+    Returns:
+        The :class:`LoraAdapter`.
+
+    Raises:
+        CheckpointNotFoundError: no ``adapter_config.json`` or weight file.
+        ConversionError: an adapter type other than LoRA, a config field that changes the
+            merge in a way this merge does not compute, or a key it does not know (exit 7).
+        UnsafeContentError: a pickled weight file names a global outside the allowlist.
+
+    Example:
+        >>> read_adapter("lora").targets[0].module
+        'head'
+    """
+    config = _read_config(path)
+    peft_type = str(config.get("peft_type", ""))
+    if peft_type != "LORA":
+        raise ConversionError(
+            f"{path!r} is a {peft_type or 'untyped'} adapter; merge-lora merges LoRA adapters "
+            "(DoRA and rsLoRA included)"
+        )
+    for name in _UNSUPPORTED_FIELDS:
+        if config.get(name):
+            raise ConversionError(f"{path!r}: adapters with {name} are not merged")
+    weights = next((os.path.join(path, n) for n in _WEIGHT_NAMES if _exists(path, n)), None)
+    if weights is None:
+        raise CheckpointNotFoundError(f"{path!r} holds no {' or '.join(_WEIGHT_NAMES)}")
+    ckpt = open_checkpoint(weights)
+    _check_globals(ckpt, allow_globals)
+    tensors = {_unprefixed(k): v for k, v in _tensors(ckpt.root).items()}
+    targets, rest = _targets(tensors, config, weights)
+    modules = {t.module for t in targets}
+    base_layers = {
+        k[: -len(".base_layer.weight")]: rest.pop(k)
+        for k in list(rest)
+        if k.endswith(".base_layer.weight") and k[: -len(".base_layer.weight")] in modules
+    }
+    saved = _modules_to_save(rest, config, weights)
+    return LoraAdapter(path, weights, config, ckpt, tuple(targets), saved, base_layers)
+
+
+def _exists(folder: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(folder, name))
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    config_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise CheckpointNotFoundError(f"{path!r} is not an adapter folder: no {CONFIG_NAME}")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{config_path!r} is not JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{config_path!r} holds no JSON object")
+    return config
+
+
+def _check_globals(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
+    from ckpt_tools.ops.preflight import check_rewritable
+
+    check_rewritable(ckpt, allow_globals)
+
+
+def _tensors(root: Any) -> dict[str, TensorRef]:
+    if not isinstance(root, Mapping):
+        raise CorruptCheckpointError("an adapter's weight file holds a state dict")
+    return {str(k): v for k, v in root.items() if isinstance(v, TensorRef)}
+
+
+def _unprefixed(key: str) -> str:
+    return key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
+    """The first pattern that names ``module``, as PEFT's ``get_pattern_key`` finds it."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None
+
+
+def _rank_alpha(config: Mapping[str, Any], module: str) -> tuple[int, float, float]:
+    """The module's rank, alpha and scaling, as PEFT's ``LoraModel`` sets them."""
+    ranks = config.get("rank_pattern") or {}
+    alphas = config.get("alpha_pattern") or {}
+    r_key, a_key = _pattern_key(ranks, module), _pattern_key(alphas, module)
+    r = int(ranks[r_key] if r_key is not None else config.get("r", 8))
+    alpha = alphas[a_key] if a_key is not None else config.get("lora_alpha", 8)
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return r, alpha, scaling
+
+
+def _targets(
+    tensors: Mapping[str, TensorRef], config: Mapping[str, Any], weights: str
+) -> tuple[list[LoraTarget], dict[str, TensorRef]]:
+    """One target per module with LoRA parts; the other tensors returned as they are."""
+    parts: dict[str, dict[str, tuple[str, TensorRef]]] = {}
+    rest: dict[str, TensorRef] = {}
+    for key, t in tensors.items():
+        m = _PART_RE.match(key)
+        if m is None:
+            rest[key] = t
+            continue
+        part = m.group("part")
+        parts.setdefault(m.group("module"), {})[_PARTS[part]] = (part, t)
+    targets = []
+    for module, found in parts.items():
+        if "A" not in found or "B" not in found:
+            missing = "A" if "A" not in found else "B"
+            raise ConversionError(f"{weights!r}: {module!r} has no lora_{missing}")
+        kind = "embedding" if found["A"][0].startswith("lora_embedding") else "linear"
+        r, alpha, scaling = _rank_alpha(config, module)
+        a, b = found["A"][1], found["B"][1]
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise ConversionError(
+                f"{weights!r}: {module!r} is not a rank-{r} {kind} adapter "
+                f"(A {list(a.shape)}, B {list(b.shape)}); only Linear, Conv1D and Embedding "
+                "targets are merged"
+            )
+        bias = found.get("bias", (None, None))[1]
+        magnitude = found.get("magnitude", (None, None))[1]
+        if magnitude is not None and kind == "embedding":
+            raise ConversionError(f"{weights!r}: {module!r}: DoRA on an embedding is not merged")
+        targets.append(LoraTarget(module, kind, a, b, bias, magnitude, r, alpha, scaling))
+    return targets, rest
+
+
+def _modules_to_save(
+    rest: Mapping[str, TensorRef], config: Mapping[str, Any], weights: str
+) -> dict[str, TensorRef]:
+    """The full copies of ``modules_to_save``, by base key; any other key is refused."""
+    names = config.get("modules_to_save") or []
+    saved: dict[str, TensorRef] = {}
+    unknown = []
+    for key, t in rest.items():
+        module = key.rsplit(".", 1)[0]
+        if any(module == n or module.endswith(f".{n}") for n in names):
+            saved[key.replace(".modules_to_save.default.", ".")] = t
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ConversionError(
+            f"{weights!r} holds tensors that are no LoRA part nor in modules_to_save: "
+            + ", ".join(unknown[:8])
+        )
+    return saved

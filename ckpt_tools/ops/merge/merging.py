@@ -1,0 +1,247 @@
+"""``merge_lora``: a PEFT LoRA adapter merged into its base checkpoint, streamed, torch-free.
+
+The adapter's modules are found under the base's keys (``<module>.weight``), wrapper prefixes
+aligned away as ``average`` aligns them. Each merged weight is a producer record in the plan
+every transform builds (:mod:`ckpt_tools.ops.transform.state_dict_plan`); every other tensor
+is copied as rewrites copy it, so it is bitwise the base's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import ConversionError, UsageError
+from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.writers.records import Record
+from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
+from ckpt_tools.ops.merge.records import bias_record, merge_record, replace_record
+from ckpt_tools.ops.merge.result import MergedModule, MergeResult
+from ckpt_tools.ops.preflight import check_rewritable
+from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.transform.slim import DTYPE_NAMES
+from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
+from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
+from ckpt_tools.structure.selection import select_state_dict
+
+__all__ = ["merge_lora"]
+
+_FLOATING = ("float64", "float32", "float16", "bfloat16")
+
+
+def merge_lora(
+    base: StrPath,
+    adapter: StrPath,
+    dst: StrPath,
+    *,
+    dtype: str | None = None,
+    select: Select = None,
+    output_format: OutputFormat | None = None,
+    allow_globals: Sequence[str] = (),
+    force: bool = False,
+    verify: VerifyLevel = "sizes",
+    durable: bool = True,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> MergeResult:
+    """Merge a PEFT LoRA adapter into its base checkpoint, as PEFT's ``merge_and_unload`` does.
+
+    ``W += transpose(B @ A) * scaling`` for Linear, GPT-2 ``Conv1D`` (``fan_in_fan_out``) and
+    Embedding targets, in float32 and rounded once to the weight's dtype, in PEFT's order
+    (rsLoRA, ``rank_pattern`` and ``alpha_pattern`` as PEFT resolves them); DoRA rescales each
+    output row by its magnitude over the row's norm; ``modules_to_save`` copies replace the
+    base's tensors. Every other tensor is copied bitwise. One merged tensor is in memory at a
+    time, and torch is never imported.
+
+    Args:
+        base: the base checkpoint: a ``.pt``, ``.safetensors`` or Hugging Face folder (sharded
+            or not), with or without a wrapper prefix (``module.``).
+        adapter: a PEFT adapter folder (``adapter_config.json`` and
+            ``adapter_model.safetensors`` or ``.bin``, read without running its pickle).
+        dst: the output file (its suffix picks torch or safetensors), a plain state dict
+            under the base's keys.
+        dtype: ``bf16``, ``fp16`` or ``fp32``: cast the merged state dict's floating tensors
+            (the merge rounds to the base's dtype first, as merging then ``.to`` does).
+        select, output_format, allow_globals, force, verify, durable, dry_run, progress: as
+            for :func:`~ckpt_tools.ops.transform.slim.slim`; ``allow_globals`` also applies to
+            a pickled adapter.
+
+    Returns:
+        A :class:`~ckpt_tools.ops.merge.result.MergeResult` (``merged``: each module with its
+        rank, alpha and scaling; ``replaced``: the ``modules_to_save`` keys).
+
+    Raises:
+        ConversionError: an adapter type other than LoRA, a target missing from the base, or
+            a shape that does not fit (exit 7), each named.
+        UnsafeContentError: a pickled adapter or base names a global outside the allowlist.
+        UsageError: a bad ``dtype`` or ``verify``.
+        OutputExistsError / OutputError: the output is refused (exit 6).
+
+    Example:
+        >>> result = merge_lora("model.pt", "lora", "merged.pt")
+        >>> [(m.key, m.r, m.scaling) for m in result.merged]
+        [('head.weight', 2, 2.0), ('layers.0.weight', 2, 2.0)]
+    """
+    base, adapter, dst = os.fspath(base), os.fspath(adapter), os.fspath(dst)
+    cast_to = _dtype(dtype)
+    target = check_output_path(dst, base, force=force, in_place=False)
+    lora = read_adapter(adapter, allow_globals)
+    ckpt = open_checkpoint(base)
+    selection = select_state_dict(ckpt.root, select=select)
+    check_rewritable(ckpt, allow_globals, selection.path)
+    aligned = _aligned(selection.state_dict)
+    merged, overrides, actions = _plan_merges(ckpt, aligned, lora)
+    replaced = _plan_replacements(aligned, lora, overrides, actions)
+    items = [(k, k, v) for k, v in selection.state_dict.items() if isinstance(k, str)]
+    fmt = output_format_for(dst, output_format, ckpt.format)
+    plan = plan_state_dict_output(
+        ckpt,
+        "merge-lora",
+        dst,
+        fmt,
+        selection,
+        items,
+        weights_only=True,
+        cast_to=cast_to,
+        overrides=overrides,
+    )
+    rows = tuple(
+        replace(r, action=actions[r.source_key]) if r.source_key in actions else r
+        for r in plan.rows
+    )
+    plan = replace(plan, rows=rows, sources=(base, lora.weights))
+    done = finish(plan, target, ckpt, verify, dry_run, durable, progress)
+    shared = {f.name: getattr(done, f.name) for f in fields(done) if f.init}
+    return MergeResult(**shared, adapter=adapter, merged=tuple(merged), replaced=replaced)
+
+
+def _dtype(dtype: str | None) -> str | None:
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise UsageError(
+            "expected one of: bf16, fp16, fp32", argument="dtype", value=repr(dtype), flag="--dtype"
+        )
+    return None if dtype is None else DTYPE_NAMES[dtype]
+
+
+def _aligned(sd: Mapping[Any, Any]) -> dict[str, tuple[str, TensorRef]]:
+    """Base tensors by their key without wrapper prefixes: (key as saved, tensor)."""
+    keys = [k for k in sd if isinstance(k, str)]
+    rules, _ = strip_wrapper_rules(keys)
+    plan = plan_renames(keys, rules) if rules else {k: k for k in keys}
+    return {
+        plan.get(k, k): (k, v)
+        for k, v in sd.items()
+        if isinstance(k, str) and isinstance(v, TensorRef)
+    }
+
+
+def _plan_merges(
+    ckpt: Checkpoint, aligned: Mapping[str, tuple[str, TensorRef]], lora: LoraAdapter
+) -> tuple[list[MergedModule], dict[int, Record], dict[str, str]]:
+    """Each target's base weight found and checked, and the record that merges into it.
+
+    Raises:
+        ConversionError: targets missing from the base or whose shapes do not fit, all named.
+    """
+    problems: list[str] = []
+    merged: list[MergedModule] = []
+    overrides: dict[int, Record] = {}
+    actions: dict[str, str] = {}
+    for t in lora.targets:
+        found = aligned.get(f"{t.module}.weight")
+        if found is None:
+            problems.append(f"{t.module}.weight (missing from the base)")
+            continue
+        key, weight = found
+        transpose, why = _layout(t, weight, lora.config)
+        if why:
+            problems.append(f"{key}: {why}")
+            continue
+        _check_whole(key, weight)
+        start = lora.base_layers.get(t.module)
+        if start is not None and start.shape != weight.shape:
+            problems.append(f"{key}: the adapter's copy is {list(start.shape)} (resized?)")
+            continue
+        overrides[id(weight.storage)] = merge_record(ckpt, weight, lora.ckpt, t, transpose, start)
+        kind = _kind(t, transpose)
+        actions[key] = f"merge {kind} r={t.r} scaling={t.scaling:g}"
+        merged.append(MergedModule(t.module, key, kind, t.r, t.alpha, t.scaling))
+        if t.bias is not None:
+            bias = aligned.get(f"{t.module}.bias")
+            if bias is None or bias[1].shape != t.bias.shape:
+                problems.append(f"{t.module}.bias (lora_bias needs a base bias of its shape)")
+                continue
+            _check_whole(bias[0], bias[1])
+            overrides[id(bias[1].storage)] = bias_record(ckpt, bias[1], lora.ckpt, t)
+            actions[bias[0]] = f"merge lora bias scaling={t.scaling:g}"
+    if problems:
+        raise ConversionError(
+            f"the adapter does not fit the base: {'; '.join(problems[:8])}"
+            + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+        )
+    return merged, overrides, actions
+
+
+def _layout(t: LoraTarget, weight: TensorRef, config: Mapping[str, Any]) -> tuple[bool, str]:
+    """Whether the delta is transposed (Conv1D, embeddings), or why the weight does not fit."""
+    r_out, r_in = t.b.shape[0], t.a.shape[1]
+    if weight.dtype not in _FLOATING:
+        return False, f"a {weight.dtype} weight cannot be merged"
+    if t.kind == "embedding":
+        # lora_embedding_A is (r, num_embeddings), B is (dim, r); the weight (num_embeddings, dim).
+        return True, "" if weight.shape == (r_in, r_out) else _misfit(t, weight, (r_in, r_out))
+    # A square weight does not say whether it is a Linear or a Conv1D: the config does.
+    if weight.shape == (r_out, r_in) and (r_out != r_in or not config.get("fan_in_fan_out")):
+        return False, ""
+    if weight.shape == (r_in, r_out):
+        return True, ""
+    return False, _misfit(t, weight, (r_out, r_in))
+
+
+def _misfit(t: LoraTarget, weight: TensorRef, wanted: tuple[int, int]) -> str:
+    return (
+        f"shape {list(weight.shape)} does not fit lora_A {list(t.a.shape)} and "
+        f"lora_B {list(t.b.shape)} (expected {list(wanted)})"
+    )
+
+
+def _kind(t: LoraTarget, transpose: bool) -> str:
+    kind = t.kind if t.kind == "embedding" else ("conv1d" if transpose else "linear")
+    return kind + ("+dora" if t.magnitude is not None else "")
+
+
+def _check_whole(key: str, t: TensorRef) -> None:
+    """A merged tensor is written as its whole storage: refuse a view of part of one."""
+    if t.offset != 0 or t.storage.nbytes != t.nbytes or not t.is_contiguous():
+        raise ConversionError(
+            f"{key!r} is a view of part of a storage; merge-lora merges whole tensors "
+            "(convert the base to safetensors first)"
+        )
+
+
+def _plan_replacements(
+    aligned: Mapping[str, tuple[str, TensorRef]],
+    lora: LoraAdapter,
+    overrides: dict[int, Record],
+    actions: dict[str, str],
+) -> tuple[str, ...]:
+    """The records replacing base tensors by their ``modules_to_save`` copies."""
+    problems, replaced = [], []
+    for name, saved in lora.modules_to_save.items():
+        found = aligned.get(name)
+        if found is None or found[1].shape != saved.shape:
+            problems.append(f"{name} (modules_to_save: {'shape differs' if found else 'missing'})")
+            continue
+        key, base_t = found
+        _check_whole(key, base_t)
+        overrides[id(base_t.storage)] = replace_record(lora.ckpt, saved, base_t)
+        actions[key] = "replace (modules_to_save)"
+        replaced.append(key)
+    if problems:
+        raise ConversionError(f"the adapter does not fit the base: {'; '.join(problems[:8])}")
+    return tuple(replaced)
