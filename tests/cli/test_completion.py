@@ -35,7 +35,7 @@ def test_a_command_name_completes() -> None:
 def test_every_command_is_offered(tmp_path: Path) -> None:
     offered = complete("ckpt ", **torch_free_env(tmp_path))  # listing them imports no torch
     assert "plain,inspect" in offered and "plain,harness" in offered
-    assert len(offered) == 16
+    assert len(offered) == 17
 
 
 def test_options_and_their_values_complete() -> None:

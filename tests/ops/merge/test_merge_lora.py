@@ -1,0 +1,259 @@
+"""merge_lora against PEFT's own merge: tiny models from configs, LoRA applied and trained a
+little (B made non-zero), ``merge_and_unload()`` the expected output.
+
+Plain LoRA merges are bitwise PEFT's. DoRA's row norm may sum in another order than torch's,
+so DoRA outputs are held to one unit in the last place plus 2**-16 of the tensor's largest
+magnitude. Tensors not merged are bitwise the base's.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckpt_tools as ct
+from tests.helpers import run_ckpt
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+class Case(NamedTuple):
+    base: Path  # the base checkpoint as saved
+    adapter: Path  # the adapter folder PEFT saved
+    base_sd: dict[str, torch.Tensor]
+    merged: dict[str, torch.Tensor]  # merge_and_unload()'s state dict
+
+
+def _llama() -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2() -> Any:
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _perturb(model: Any, seed: int) -> None:
+    """Move every adapter parameter off its initial value (B starts at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.1)
+
+
+def make_case(
+    folder: Path,
+    build: Callable[[], Any],
+    config: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    save: Callable[[Any, Path], Path] | None = None,
+    autocast: bool = True,
+    **save_kwargs: Any,
+) -> Case:
+    """Save a tiny model's weights, apply LoRA with PEFT, save the adapter, merge with PEFT."""
+    folder.mkdir(parents=True)
+    torch.manual_seed(0)
+    model = build().to(dtype)
+    base_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if save is None:
+        base = folder / "base.pt"
+        torch.save(base_sd, base)
+    else:
+        base = save(model, folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora = peft.get_peft_model(model, config, autocast_adapter_dtype=autocast)
+        _perturb(lora, 1)
+        lora.save_pretrained(folder / "adapter", **save_kwargs)
+        merged = {k: v.clone() for k, v in lora.merge_and_unload().state_dict().items()}
+    return Case(base, folder / "adapter", base_sd, merged)
+
+
+def ulp_bound(expected: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each expected value, plus 2**-16 of the largest."""
+    e = expected.float().abs()
+    ulp = torch.nextafter(e.to(expected.dtype), torch.tensor(float("inf"), dtype=expected.dtype))
+    return (ulp.float() - e) + e.max() * 2**-16
+
+
+def compare(out: dict[str, torch.Tensor], case: Case, *, exact: bool = True) -> list[str]:
+    """Keys whose merged tensors differ from PEFT's; unmerged tensors must be the base's."""
+    assert sorted(out) == sorted(case.base_sd)
+    differing = []
+    for key, got in out.items():
+        want = case.merged.get(key, case.base_sd[key])
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        if torch.equal(
+            got.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8)
+        ):
+            continue
+        differing.append(key)
+        assert not exact, f"{key}: {(got.double() - want.double()).abs().max()}"
+        assert ((got.float() - want.float()).abs() <= ulp_bound(want)).all(), key
+    return differing
+
+
+def _targets(*names: str, **kwargs: Any) -> Any:
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(names), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
+    """Each case built once for the module, on first use."""
+    root = tmp_path_factory.mktemp("lora")
+    made: dict[str, Case] = {}
+    recipes: dict[str, Callable[[Path], Case]] = {
+        "linear": lambda f: make_case(f, _llama, _targets("q_proj", "v_proj", "up_proj")),
+        "bf16": lambda f: make_case(
+            f, _llama, _targets("q_proj", "down_proj"), dtype=torch.bfloat16
+        ),
+        "bf16-adapter": lambda f: make_case(
+            f, _llama, _targets("q_proj", "embed_tokens"), dtype=torch.bfloat16, autocast=False
+        ),
+        "rslora": lambda f: make_case(f, _llama, _targets("q_proj", "o_proj", use_rslora=True)),
+        "patterns": lambda f: make_case(
+            f,
+            _llama,
+            _targets(
+                "q_proj",
+                "v_proj",
+                rank_pattern={"layers.1.self_attn.q_proj": 2},
+                alpha_pattern={"v_proj": 3},
+            ),
+        ),
+        "conv1d": lambda f: make_case(f, _gpt2, _targets("c_attn", "c_proj", fan_in_fan_out=True)),
+        "embedding": lambda f: make_case(
+            f, _llama, _targets("embed_tokens", "q_proj", modules_to_save=["lm_head"])
+        ),
+        "dora": lambda f: make_case(f, _llama, _targets("q_proj", "down_proj", use_dora=True)),
+        "dora-conv1d": lambda f: make_case(
+            f, _gpt2, _targets("c_attn", "c_fc", fan_in_fan_out=True, use_dora=True)
+        ),
+        "bin": lambda f: make_case(
+            f, _llama, _targets("q_proj", "k_proj"), safe_serialization=False
+        ),
+        "sharded": lambda f: make_case(f, _llama, _targets("q_proj", "gate_proj"), save=_sharded),
+        "ddp": lambda f: make_case(f, _llama, _targets("v_proj"), save=_wrapped),
+    }
+
+    def get(name: str) -> Case:
+        if name not in made:
+            made[name] = recipes[name](root / name)
+        return made[name]
+
+    return get
+
+
+def _sharded(model: Any, folder: Path) -> Path:
+    model.save_pretrained(folder / "base-hf", max_shard_size="20KB")
+    assert (folder / "base-hf" / "model.safetensors.index.json").exists()
+    return folder / "base-hf"
+
+
+def _wrapped(model: Any, folder: Path) -> Path:
+    torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, folder / "ddp.pt")
+    return folder / "ddp.pt"
+
+
+@pytest.mark.parametrize(
+    "name", ["linear", "bf16", "bf16-adapter", "rslora", "patterns", "conv1d", "embedding", "bin"]
+)
+def test_merge_is_bitwise_peft(cases: Callable[[str], Case], tmp_path: Path, name: str) -> None:
+    case = cases(name)
+    weights = "adapter_model.bin" if name == "bin" else "adapter_model.safetensors"
+    assert (case.adapter / weights).is_file()
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "merged.pt")
+    assert result.merged and not result.dry_run
+    assert compare(torch.load(tmp_path / "merged.pt"), case) == []
+
+
+def test_dora_is_within_one_ulp(cases: Callable[[str], Case], tmp_path: Path) -> None:
+    for name in ("dora", "dora-conv1d"):
+        case = cases(name)
+        result = ct.merge_lora(case.base, case.adapter, tmp_path / f"{name}.safetensors")
+        assert {m.kind for m in result.merged} == {
+            "linear+dora" if name == "dora" else "conv1d+dora"
+        }
+        compare(load_file(tmp_path / f"{name}.safetensors"), case, exact=False)
+
+
+def test_patterns_set_each_modules_rank_and_scaling(
+    cases: Callable[[str], Case], tmp_path: Path
+) -> None:
+    result = ct.merge_lora(cases("patterns").base, cases("patterns").adapter, tmp_path / "m.pt")
+    by_key = {m.key: (m.r, m.alpha, m.scaling) for m in result.merged}
+    assert by_key["model.layers.1.self_attn.q_proj.weight"] == (2, 8, 4.0)
+    assert by_key["model.layers.0.self_attn.q_proj.weight"] == (4, 8, 2.0)
+    assert by_key["model.layers.0.self_attn.v_proj.weight"] == (4, 3, 0.75)
+
+
+def test_embedding_and_modules_to_save(cases: Callable[[str], Case], tmp_path: Path) -> None:
+    case = cases("embedding")
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    assert result.replaced == ("lm_head.weight",)
+    assert "model.embed_tokens.weight" in {m.key for m in result.merged}
+    assert not torch.equal(case.merged["lm_head.weight"], case.base_sd["lm_head.weight"])
+
+
+def test_wrapped_base_keeps_its_keys(cases: Callable[[str], Case], tmp_path: Path) -> None:
+    case = cases("ddp")
+    ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    out = torch.load(tmp_path / "m.pt")
+    assert all(k.startswith("module.") for k in out)
+    compare({k.removeprefix("module."): v for k, v in out.items()}, case)
+
+
+def test_sharded_hf_base(cases: Callable[[str], Case], tmp_path: Path) -> None:
+    case = cases("sharded")
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    assert result.input_format == "hf-sharded"
+    out = load_file(tmp_path / "m.safetensors")
+    # save_pretrained drops the tied lm_head, as the index does; every other tensor is here.
+    compare(out, case._replace(base_sd={k: case.base_sd[k] for k in out}))
+
+
+def test_dtype_casts_after_merging(cases: Callable[[str], Case], tmp_path: Path) -> None:
+    case = cases("linear")
+    ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt", dtype="bf16")
+    out = torch.load(tmp_path / "m.pt")
+    for key, want in case.merged.items():
+        assert torch.equal(out[key], want.to(torch.bfloat16)), key
+
+
+def test_dry_run_lists_each_merge_and_writes_nothing(
+    cases: Callable[[str], Case], tmp_path: Path
+) -> None:
+    case = cases("rslora")
+    _, out, _ = run_ckpt("merge-lora", case.base, case.adapter, tmp_path / "m.pt", "--dry-run")
+    assert "merge linear" in out and "r=4 alpha=8 scaling=4" in out
+    assert not (tmp_path / "m.pt").exists()
+    _, out, _ = run_ckpt("merge-lora", case.base, case.adapter, tmp_path / "m.pt", "--json")
+    data = json.loads(out)
+    assert {m["scaling"] for m in data["merged"]} == {4.0} and len(data["merged"]) == 4
+    assert compare(torch.load(tmp_path / "m.pt"), case) == []

@@ -1,0 +1,168 @@
+"""merge-lora's refusals: one line, its exit code, nothing written; and inputs mutated."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.helpers import FIXTURES, run_ckpt, torch_free_env
+from tests.helpers.lora import write_tiny_adapter
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> tuple[Path, Path]:
+    """TinyNet's state dict and a LoRA adapter of its ``layers.0`` and ``head``."""
+    shutil.copyfile(FIXTURES / "plain.pt", tmp_path / "model.pt")
+    return tmp_path / "model.pt", write_tiny_adapter(tmp_path / "lora")
+
+
+def refused(*args: Any, code: int, names: tuple[str, ...]) -> str:
+    """Run merge-lora, expect ``code`` and one stderr line naming ``names``; nothing written."""
+    out = Path(args[-1])
+    _, stdout, stderr = run_ckpt("merge-lora", *args, code=code)
+    assert stdout == "" and len(stderr.strip().splitlines()) == 1, stderr
+    for name in names:
+        assert name in stderr, stderr
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+    return stderr
+
+
+def _peft_adapter(folder: Path, config: Any) -> Path:
+    """A tiny Llama's adapter of ``config``'s type, saved by PEFT."""
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft.get_peft_model(model, config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]), "IA3"),
+        (lambda: peft.LoHaConfig(r=2, target_modules=["q_proj"]), "LOHA"),
+        (lambda: peft.LoKrConfig(r=2, target_modules=["q_proj"]), "LOKR"),
+    ],
+)
+def test_other_adapter_types_are_refused(tiny: tuple[Path, Path], make: Any, name: str) -> None:
+    base, _ = tiny
+    adapter = _peft_adapter(base.parent / name, make())
+    refused(base, adapter, base.parent / "out.pt", code=7, names=(name,))
+
+
+def test_prompt_tuning_is_refused(tiny: tuple[Path, Path]) -> None:
+    base, _ = tiny
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    adapter = _peft_adapter(base.parent / "prompt", config)
+    refused(base, adapter, base.parent / "out.pt", code=7, names=("PROMPT_TUNING",))
+
+
+def test_a_target_missing_from_the_base_is_named(tiny: tuple[Path, Path]) -> None:
+    base, _ = tiny
+    adapter = _peft_adapter(base.parent / "llama", peft.LoraConfig(target_modules=["q_proj"]))
+    refused(
+        base,
+        adapter,
+        base.parent / "out.pt",
+        code=7,
+        names=("model.layers.0.self_attn.q_proj.weight", "missing"),
+    )
+
+
+def test_a_shape_that_does_not_fit_is_named(tiny: tuple[Path, Path]) -> None:
+    base, adapter = tiny
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    tensors["base_model.model.layers.0.lora_A.weight"] = np.ones((2, 5), np.float32)
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    refused(base, adapter, base.parent / "out.pt", code=7, names=("layers.0.weight", "[8, 8]"))
+
+
+def test_a_pickled_adapter_with_an_unsafe_global_is_refused(tiny: tuple[Path, Path]) -> None:
+    base, adapter = tiny
+    (adapter / "adapter_model.safetensors").unlink()
+    shutil.copyfile(FIXTURES / "evil.pt", adapter / "adapter_model.bin")
+    refused(base, adapter, base.parent / "out.pt", code=3, names=("adapter_model.bin",))
+
+
+def _edit_config(adapter: Path, **changes: Any) -> None:
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config.update(changes)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"r": 4}, ("rank-4", "head")),
+        ({"trainable_token_indices": [1, 2]}, ("trainable_token_indices",)),
+        ({"peft_type": "VERA"}, ("VERA",)),
+    ],
+)
+def test_mutated_configs_are_refused(
+    tiny: tuple[Path, Path], changes: dict[str, Any], names: tuple[str, ...]
+) -> None:
+    base, adapter = tiny
+    _edit_config(adapter, **changes)
+    refused(base, adapter, base.parent / "out.pt", code=7, names=names)
+
+
+def test_a_config_that_is_not_json_is_corrupt(tiny: tuple[Path, Path]) -> None:
+    base, adapter = tiny
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", ')
+    refused(base, adapter, base.parent / "out.pt", code=4, names=("adapter_config.json",))
+
+
+@pytest.mark.parametrize(
+    ("drop", "add", "names"),
+    [
+        ("base_model.model.head.lora_B.weight", None, ("head", "lora_B")),
+        (None, "base_model.model.head.lora_C.weight", ("lora_C", "modules_to_save")),
+    ],
+)
+def test_mutated_adapter_tensors_are_refused(
+    tiny: tuple[Path, Path], drop: str | None, add: str | None, names: tuple[str, ...]
+) -> None:
+    base, adapter = tiny
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    if drop:
+        del tensors[drop]
+    if add:
+        tensors[add] = np.zeros((2, 2), np.float32)
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    refused(base, adapter, base.parent / "out.pt", code=7, names=names)
+
+
+def test_an_existing_output_needs_force(tiny: tuple[Path, Path]) -> None:
+    base, adapter = tiny
+    out = base.parent / "out.pt"
+    out.write_bytes(b"keep")
+    run_ckpt("merge-lora", base, adapter, out, code=6)
+    assert out.read_bytes() == b"keep"
+    run_ckpt("merge-lora", base, adapter, out, "--force", "--quiet")
+    assert out.read_bytes() != b"keep"
+
+
+def test_merging_imports_no_torch(tiny: tuple[Path, Path]) -> None:
+    base, adapter = tiny
+    env = torch_free_env(base.parent)
+    run_ckpt("merge-lora", base, adapter, base.parent / "out.safetensors", how="module", env=env)
+    assert (base.parent / "out.safetensors").is_file()
