@@ -158,6 +158,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
         "bin": lambda f: make_case(
             f, _llama, _targets("q_proj", "k_proj"), safe_serialization=False
         ),
+        "lora-bias": lambda f: make_case(f, _gpt2, _targets("c_attn", lora_bias=True)),
+        "fp16": lambda f: make_case(f, _llama, _targets("k_proj"), dtype=torch.float16),
         "sharded": lambda f: make_case(f, _llama, _targets("q_proj", "gate_proj"), save=_sharded),
         "ddp": lambda f: make_case(f, _llama, _targets("v_proj"), save=_wrapped),
     }
@@ -182,7 +184,19 @@ def _wrapped(model: Any, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "name", ["linear", "bf16", "bf16-adapter", "rslora", "patterns", "conv1d", "embedding", "bin"]
+    "name",
+    [
+        "linear",
+        "bf16",
+        "bf16-adapter",
+        "rslora",
+        "patterns",
+        "conv1d",
+        "embedding",
+        "bin",
+        "lora-bias",
+        "fp16",
+    ],
 )
 def test_merge_is_bitwise_peft(cases: Callable[[str], Case], tmp_path: Path, name: str) -> None:
     case = cases(name)
@@ -257,3 +271,12 @@ def test_dry_run_lists_each_merge_and_writes_nothing(
     data = json.loads(out)
     assert {m["scaling"] for m in data["merged"]} == {4.0} and len(data["merged"]) == 4
     assert compare(torch.load(tmp_path / "m.pt"), case) == []
+
+
+def test_lora_bias_changes_the_bias(cases: Callable[[str], Case], tmp_path: Path) -> None:
+    case = cases("lora-bias")
+    key = "transformer.h.0.attn.c_attn.bias"
+    assert not torch.equal(case.merged[key], case.base_sd[key])  # the oracle merged a bias
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    assert {r.key: r.action for r in result.rows}[key].startswith("merge lora bias")
+    assert torch.equal(torch.load(tmp_path / "m.pt")[key], case.merged[key])
