@@ -8,7 +8,7 @@ Generates, in a temp folder (removed at the end):
   of about SIZE MiB in all (fp32 weights a third of it), and times
   ``ckpt slim IN OUT --dtype bf16 --weights-only`` against
   ``torch.load`` + ``.to(bfloat16)`` of the weights + ``torch.save``;
-* four fp32 state dicts of about AVG MiB each, and times ``ckpt average OUT IN1..IN4``
+* four fp32 state dicts of about AVG MiB each, and times ``ckpt average IN1..IN4 OUT``
   against loading all four and averaging in float64 (``sum(x.double()) / 4``, ``.to(dtype)``).
 
 Each command runs in a fresh subprocess (wall time and peak RSS of that process); outputs are
@@ -100,7 +100,7 @@ def main() -> None:
             ),
             (
                 "average of 4",
-                ckpt_command("average", tmp / "avg_a.pt", *inputs),
+                ckpt_command("average", *inputs, tmp / "avg_a.pt"),
                 python_command(_AVG_BASELINE, tmp / "avg_b.pt", *inputs),
                 tmp / "avg_a.pt",
                 tmp / "avg_b.pt",

@@ -130,8 +130,8 @@ EXAMPLES: dict[str, tuple[Example, ...]] = {
         Example("ckpt merge-lora ddp.pt lora merged.pt --dry-run", "each module's rank, scaling"),
     ),
     "average": (
-        Example("ckpt average avg.pt 'run/ckpt_*.pt' --last 5", "the last five of a run"),
-        Example("ckpt average soup.pt a.pt b.pt --weights 1,3", "a weighted mean"),
+        Example("ckpt average 'run/ckpt_*.pt' avg.pt --last 5", "the last five of a run"),
+        Example("ckpt average a.pt b.pt soup.pt --weights 1,3", "a weighted mean (OUT last)"),
     ),
     "diff": (
         Example("ckpt diff a.pt b.pt", "keys, shapes, dtypes and values"),

@@ -70,7 +70,7 @@ def test_torch_outputs_carry_the_bits(tmp_path: Path, run: Any) -> None:
         (["convert", "{src}", "{out}/o.safetensors"], "a safetensors file"),
         (["convert", "{src}", "{out}/hf/"], "a safetensors file"),
         (["slim", "{src}", "{out}/o.pt", "--dtype", "bf16"], "a cast to bfloat16"),
-        (["average", "{out}/o.pt", "{src}", "{src2}"], "a mean"),
+        (["average", "{src}", "{src2}", "{out}/o.pt"], "a mean"),
     ],
     ids=["safetensors", "hf-folder", "cast", "average"],
 )

@@ -143,7 +143,7 @@ def inputs(tmp_path: Path) -> Callable[[str], list[object]]:
                 dcp.save({"model": dict(sd)}, checkpoint_id=str(tmp_path / "dcp"))
             return [command, tmp_path / "dcp", out.with_suffix(".pt")]
         if command == "average":
-            return [command, out.with_suffix(".pt"), pt, other]
+            return [command, pt, other, out.with_suffix(".pt")]
         extra = {
             "convert": [f"{out}/", "--max-shard-size", "100"],
             "extract": [out.with_suffix(".pt"), "--prefix", "module."],
@@ -163,7 +163,7 @@ def test_no_fsync_makes_no_sync_call_and_the_default_syncs(
     args = inputs(command)
     synced = _sync_calls(tmp_path, *args)
     assert synced["fsync"] >= 1, f"ckpt {command} wrote without an fsync: {dict(synced)}"
-    out = Path(str(args[2] if command != "average" else args[1]))
+    out = Path(str(args[2] if command != "average" else args[3]))
     shutil.rmtree(out) if out.is_dir() else out.unlink()
     unsynced = _sync_calls(tmp_path, *args, "--no-fsync")
     assert sum(unsynced.values()) == 0, f"ckpt {command} --no-fsync synced: {dict(unsynced)}"

@@ -198,7 +198,7 @@ def test_average_refuses_mismatches(tmp_path: Path) -> None:
 def test_an_input_given_twice_is_named_not_miscounted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # ``ckpt average OUT a.pt a.pt``: two inputs given, one file. Averaging a file with itself
+    # ``ckpt average a.pt a.pt OUT``: two inputs given, one file. Averaging a file with itself
     # is never what naming it twice meant; a weight says "count this one more".
     sds = _inputs(tmp_path)
     first = tmp_path / "ckpt_0.pt"
@@ -212,7 +212,7 @@ def test_an_input_given_twice_is_named_not_miscounted(
     assert "(inputs 1 and 3 of 3)" in str(e.value) and "pass weights" in str(e.value)
     assert _snapshot(tmp_path) == before  # nothing written
 
-    assert main(["average", str(tmp_path / "avg.pt"), str(first), str(first)]) == 2
+    assert main(["average", str(first), str(first), str(tmp_path / "avg.pt")]) == 2
     err = capsys.readouterr().err
     assert f"{str(first)!r} is given twice" in err and "--weights" in err, err
     assert "at least two inputs" not in err
@@ -271,7 +271,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
         ["convert", "plain.pt", "out.safetensors"],
         ["slim", "trainer_adam.pt", "out.pt", "--dtype", "bf16", "--weights-only"],
         ["extract", "plain.pt", "out.pt", "--prefix", "layers."],
-        ["average", "out.pt", "plain.pt", "other_root.pt"],
+        ["average", "plain.pt", "other_root.pt", "out.pt"],
     ],
 )
 @pytest.mark.parametrize("as_json", [False, True])
@@ -346,12 +346,53 @@ def test_average_mixed_formats_to_safetensors(tmp_path: Path) -> None:
 def test_average_cli_globs_and_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sds = _inputs(tmp_path)
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, ["average", "avg.pt", "ckpt_*.pt", "--last", "2", "--json"])
+    result = CliRunner().invoke(cli, ["average", "ckpt_*.pt", "avg.pt", "--last", "2", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["sources"] == ["ckpt_1.pt", "ckpt_2.pt"]
     out = torch.load(tmp_path / "avg.pt", weights_only=True)
     want = ((sds[1]["h"].double() + sds[2]["h"].double()) / 2).half()
     assert torch.equal(_bits(out["module.h"]), _bits(want))  # the first input's keys (DDP)
+
+
+def test_average_cli_writes_its_last_argument_as_cp_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # INPUT... OUT, as the library's average(srcs, dst): the first input is never overwritten.
+    sds = _inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    first = (tmp_path / "ckpt_0.pt").read_bytes()
+    args = ["average", "ckpt_0.pt", "ckpt_1.pt", "ckpt_2.pt", "--force"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "ckpt_0.pt").read_bytes() == first
+    out = torch.load(tmp_path / "ckpt_2.pt", weights_only=True)
+    want = ((sds[0]["d"] + sds[1]["d"]) / 2).to(torch.float64)
+    assert torch.equal(out["d"], want)  # mean(ckpt_0, ckpt_1), written over the last argument
+    assert "ckpt_2.pt" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["ckpt_*.pt", "missing.pt", "avg.pt", "--last", "2"], ["ckpt_0.pt", "missing.pt", "avg.pt"]],
+    ids=["last", "plain"],
+)
+def test_average_a_missing_input_is_named_not_a_traceback(
+    tmp_path: Path, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _inputs(tmp_path)
+    before = _snapshot(tmp_path)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = main(["average", *args])
+        with pytest.raises(ct.CheckpointNotFoundError, match=r"missing\.pt"):
+            ct.average(["ckpt_0.pt", "missing.pt"], "avg.pt")
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert code == ct.CheckpointNotFoundError.exit_code, err
+    assert err.startswith("ckpt: error: ") and "missing.pt" in err and "Traceback" not in err
+    assert _snapshot(tmp_path) == before
 
 
 def test_slim_ema_from_a_lightning_callback(tmp_path: Path) -> None:
@@ -445,9 +486,9 @@ def test_dry_run_still_refuses_what_the_write_would(
     code = main(
         [
             "average",
-            str(dst),
             str(FIXTURES / "plain.pt"),
             str(FIXTURES / "tied_views.pt"),
+            str(dst),
             "--dry-run",
         ]
     )

@@ -107,8 +107,8 @@ def _weights(value: str | None) -> list[float] | None:
 
 
 @click.command("average")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @click.argument("dst", type=click.Path())
-@click.argument("inputs", nargs=-1, required=True)
 @click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per input.")
 @click.option(
     "--ints",
@@ -123,17 +123,27 @@ def _weights(value: str | None) -> list[float] | None:
     metavar="N",
     help="Of the inputs (globs expanded), the last N by the number in the name, else mtime.",
 )
+@click.option(
+    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
+)
 @_writing
 def average_cmd(
-    dst: str,
     inputs: tuple[str, ...],
+    dst: str,
     weights: str | None,
     last: int | None,
     as_json: bool,
+    quiet: bool,
     **kw: Any,
 ) -> None:
-    """Element-wise (weighted) mean of checkpoints, streamed in float64."""
+    """Element-wise (weighted) mean of checkpoints, streamed in float64.
+
+    The INPUTs (globs expanded) are averaged into DST, the last argument, as cp takes it.
+    """
+    from ckpt_tools.cli.commands.rewrite import progress_bar
     from ckpt_tools.ops.transform.average import average, pick_inputs
 
     picked = pick_inputs(list(inputs), last)
-    echo_result(average(picked, dst, weights=_weights(weights), **kw), as_json)
+    with progress_bar(quiet or as_json) as progress:
+        result = average(picked, dst, weights=_weights(weights), progress=progress, **kw)
+    echo_result(result, as_json, quiet)

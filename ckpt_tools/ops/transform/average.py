@@ -23,7 +23,7 @@ import numpy as np
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import ConversionError, Remedy, UsageError
+from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.casting import CAST_SOURCES, cast_array
@@ -50,13 +50,22 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
     A file named twice stays twice: :func:`average` says so, rather than averaging one file
     fewer than the user counted.
 
+    Raises:
+        CheckpointNotFoundError: a path named without a glob does not exist.
+        UsageError: nothing matches.
+
     Example:
         >>> pick_inputs(["*.pt"])
         ['ddp.pt', 'model.pt']
     """
     found: list[str] = []
     for pattern in patterns:
-        found += sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if glob.has_magic(pattern):
+            found += sorted(glob.glob(pattern))
+        elif os.path.exists(pattern):
+            found.append(pattern)
+        else:  # named, not matched: before --last sorts by mtime, which would stat it
+            raise CheckpointNotFoundError(f"no such file or folder: {pattern!r}", path=pattern)
     if last is not None:
         numbers = [re.findall(r"\d+", os.path.basename(p)) for p in found]
         if all(numbers):
