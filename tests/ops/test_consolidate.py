@@ -148,13 +148,17 @@ def test_hf_shards_load_and_index_matches(folder: Path, tmp_path: Path) -> None:
     assert result.written[-1].endswith("model.safetensors.index.json")
 
 
-def test_hf_folder_with_other_shards_refused_then_replaced(folder: Path, tmp_path: Path) -> None:
+def test_hf_folder_with_other_shards_refused_then_its_weights_replaced(
+    folder: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "hf"
     consolidate(folder, out, max_shard_size=60)
     with pytest.raises(OutputExistsError, match="already exists"):
         consolidate(folder, out)
+    (out / "config.json").write_text("{}")  # not a weight file: force keeps it
     consolidate(folder, out, force=True)  # one shard now: the old ones and their index go
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == "{}"
 
 
 @pytest.mark.parametrize("out", ["m.pt", "m.safetensors", "hf"])

@@ -46,7 +46,10 @@ from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, 
     help="HF shards written at once.",
 )
 @click.option(
-    "--force", is_flag=True, help="Replace OUT if it exists (a folder whole; never the input)."
+    "--force",
+    is_flag=True,
+    help="Replace OUT if it exists (never the input); a folder OUT keeps all but its weight "
+    "files (model*.safetensors, pytorch_model*.bin and their index).",
 )
 @verify_option(
     "After writing, re-read every output: keys, dtypes, shapes, layout, or also every byte.",

@@ -85,7 +85,12 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
         click.argument("src", type=click.Path()),
         click.argument("dst", type=click.Path()),
         select_option,
-        click.option("--force", is_flag=True, help="Replace DST if it exists (never the input)."),
+        click.option(
+            "--force",
+            is_flag=True,
+            help="Replace DST if it exists (never the input); a folder DST keeps all but its "
+            "weight files (model*.safetensors, pytorch_model*.bin and their index).",
+        ),
         click.option(
             "--in-place",
             is_flag=True,
@@ -211,7 +216,12 @@ def convert_cmd(
     metavar="SIZE",
     help="Largest shard: 5GB (5*10^9 bytes, as huggingface_hub), 2GiB, or bytes.",
 )
-@click.option("--force", is_flag=True, help="Replace DST if it is a non-empty folder.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Write into a non-empty DST folder: replace its weight files (model*.safetensors, "
+    "pytorch_model*.bin and their index), keep everything else.",
+)
 @verify_option("After writing, re-read every shard: keys and sizes, or also every byte.")
 @durable_option
 @click.option(

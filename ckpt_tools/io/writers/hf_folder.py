@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import OutputError, OutputExistsError, Remedy
+from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, UsageError
 from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
 from ckpt_tools.io.writers.output import Check, Fill, write_file
 from ckpt_tools.io.writers.progress import ByteCounter
@@ -25,10 +25,33 @@ from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.io.writers.shard_plan import INDEX_NAME, ShardPlan, index_bytes
 
-__all__ = ["FolderFile", "check_output_folder", "write_folder", "write_hf_shards"]
+__all__ = [
+    "FORCE_REPLACES",
+    "WEIGHT_FILES",
+    "FolderFile",
+    "check_output_folder",
+    "write_folder",
+    "write_hf_shards",
+]
 
 # Temp folders: not `.ckpt-tmp-` (atomic.py's file pattern, whose cleanup unlinks files).
 _TEMP_DIR = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+(?:-old)?$")
+
+
+#: The files ``force`` replaces in an existing output folder: a checkpoint's weights as
+#: Hugging Face names them (single file, shards, index; safetensors and torch ``.bin``).
+#: Everything else in the folder (config.json, tokenizer files, notes, subfolders) is kept.
+WEIGHT_FILES = re.compile(
+    r"^(?:model(?:-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|pytorch_model(?:-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json)$"
+)
+#: What ``force`` does to an existing folder, in the words every refusal and help text uses.
+FORCE_REPLACES = (
+    "its weight files (model*.safetensors, pytorch_model*.bin and their index) and keep "
+    "everything else"
+)
+# A sharded output is a folder: a name with a file's suffix is a mistake, not a folder name.
+_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl", ".safetensors")
 
 
 def check_output_folder(
@@ -39,7 +62,8 @@ def check_output_folder(
     Args:
         dst: the output folder (it may exist empty).
         src: the input file or folder; never replaced, nor any folder holding it.
-        force: replace an existing non-empty ``dst``.
+        force: write into an existing non-empty ``dst``: its weight files
+            (:data:`WEIGHT_FILES`) are replaced, everything else in it is kept.
 
     Returns:
         ``dst`` as an absolute path.
@@ -48,6 +72,7 @@ def check_output_folder(
         OutputError: ``dst`` is ``src``, or holds it (never replaced, even with ``force``).
         OutputExistsError: ``dst`` exists, is not empty, and ``force`` is False.
         OutputError: ``dst`` is a file, or its parent folder does not exist.
+        UsageError: ``dst`` is not a folder yet and its name has a file's suffix (``out.pt``).
 
     Example:
         >>> check_output_folder("sharded")
@@ -68,14 +93,57 @@ def check_output_folder(
         raise OutputError(
             f"output {os.fspath(dst)!r} is a file; a sharded output is a folder", path=dst
         )
+    if not out.exists() and out.name.lower().endswith(_FILE_SUFFIXES):
+        raise UsageError(
+            f"a sharded output is a folder, and {os.fspath(dst)!r} names a file",
+            path=dst,
+            remedies=(Remedy(text=f"name a folder, e.g. {Path(out.name).stem}/"),),
+        )
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise OutputExistsError(dst)
+        err = OutputExistsError(dst)
+        err.remedies = (
+            Remedy("force", "True", flag="--force", text=f"to replace {FORCE_REPLACES}"),
+            *err.remedies[1:],
+        )
+        raise err
     if not out.parent.is_dir():
         raise OutputError(
             f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
             path=dst,
         )
     return out
+
+
+def _kept_entries(target: Path) -> list[str]:
+    """The names in an existing ``target`` that a new output keeps: all but weight files."""
+    if not target.is_dir():
+        return []
+    return sorted(n for n in os.listdir(target) if not WEIGHT_FILES.match(n))
+
+
+def _link_into(src: Path, dst: Path) -> None:
+    """Make ``dst`` the same entry as ``src`` without moving it: a hard link of a file (or a
+    symlink), a tree of hard links for a folder. The original stays where it is until the
+    swap, so a crash before it loses nothing."""
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+    else:
+        os.link(src, dst, follow_symlinks=False)
+
+
+def _carry(target: Path, tmp: Path, names: Sequence[str]) -> list[str]:
+    """Put ``names`` of ``target`` into ``tmp``, by hard links where the file system has
+    them, else by rename. Returns the names renamed (to be put back if the swap fails)."""
+    moved: list[str] = []
+    for name in names:
+        try:
+            _link_into(target / name, tmp / name)
+        except OSError:
+            if (tmp / name).is_dir():
+                shutil.rmtree(tmp / name, ignore_errors=True)
+            os.rename(target / name, tmp / name)
+            moved.append(name)
+    return moved
 
 
 @contextlib.contextmanager
@@ -87,8 +155,11 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
     ``target`` is replaced: renamed over before the new files are on disk, a power loss
     could lose the old folder as well as the new one.
 
-    An existing ``target`` (checked by :func:`check_output_folder`) is moved aside first
-    and removed only once the new folder has its name; on any error the temp folder goes.
+    An existing ``target`` (checked by :func:`check_output_folder`) keeps everything but its
+    weight files: once the new files are complete, the kept entries are carried into the temp
+    folder (hard links, else renames), the old folder is moved aside, the temp folder takes
+    its name, and the old one (its weight files) is removed. On any error the renamed entries
+    go back and the temp folder goes.
     """
     replaced = target.exists() and any(target.iterdir())
     durable = durable or replaced
@@ -100,23 +171,17 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
         tmp.mkdir()
     except OSError as e:
         raise OutputError(f"cannot create a folder in {str(parent)!r}: {e.strerror}") from e
+    moved: list[str] = []
     try:
         yield tmp, durable
+        if replaced:
+            moved = _carry(target, tmp, _kept_entries(target))
         if durable:
             fsync_folder(tmp)
-        old = parent / f".{target.name}.ckpt-tmpdir-{tag}-old"
-        if replaced:
-            os.rename(target, old)
-        try:
-            os.rename(tmp, target)  # also replaces an empty folder
-        except OSError:
-            if replaced:
-                os.rename(old, target)
-            raise
+        _swap(target, tmp, parent / f".{target.name}.ckpt-tmpdir-{tag}-old", replaced)
+        moved = []
         if durable:
             fsync_folder(parent)
-        if replaced:
-            shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         if isinstance(e, OutputError):
             raise
@@ -125,7 +190,25 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
             path=str(target),
         ) from e
     finally:
+        for name in moved:  # the swap did not happen: the renamed entries go back
+            with contextlib.suppress(OSError):
+                os.rename(tmp / name, target / name)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap(target: Path, tmp: Path, old: Path, replaced: bool) -> None:
+    """Give ``tmp`` the name ``target``; an old non-empty ``target`` is moved aside, put back
+    if the rename fails, and removed once the new folder has its name."""
+    if replaced:
+        os.rename(target, old)
+    try:
+        os.rename(tmp, target)  # also replaces an empty folder
+    except OSError:
+        if replaced:
+            os.rename(old, target)
+        raise
+    if replaced:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 class FolderFile(NamedTuple):

@@ -124,8 +124,10 @@ def consolidate(
             None: ``"5GB"``.
         select: the state dict to write, or with ``include_all`` the one ``strip`` acts on
             (a dotted path, e.g. ``"model"``); None picks it as ``inspect`` does.
-        force: replace an existing output (never the input): a file, or for HF shards a
-            non-empty folder, replaced whole as ``convert`` and ``reshard`` replace theirs.
+        force: replace an existing output (never the input): a file, or for HF shards the
+            weight files of a non-empty folder (``model*.safetensors``,
+            ``pytorch_model*.bin`` and their index), keeping everything else in it, as
+            ``convert`` and ``reshard`` do.
         verify: ``sizes`` (default: read every output back, keys, dtypes, shapes, layout),
             ``full`` (also every byte, each record made again from the chunks) or ``none``.
         dry_run: plan and check everything (refusals included), write nothing: the result's

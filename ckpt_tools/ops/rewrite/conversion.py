@@ -44,7 +44,9 @@ def convert(
         src: a ``.pt``, ``.safetensors`` or sharded folder (any format
             :func:`~ckpt_tools.formats.open_checkpoint` reads).
         dst: the output file, or a folder for Hugging Face shards (it ends with ``/`` or is
-            an existing folder; it must be empty unless ``force``).
+            an existing folder; it must be empty unless ``force``, which replaces its weight
+            files and keeps the rest, as ``reshard`` does). A sharded output named like
+            a file (``out.pt``) is refused.
         output_format: ``torch`` or ``safetensors``; from ``dst``'s suffix when None, and
             refused where the suffix says otherwise. A folder output is safetensors.
         max_shard_size: write a sharded folder with shards up to this size (``"5GB"`` =

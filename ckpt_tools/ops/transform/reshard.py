@@ -74,7 +74,10 @@ def convert_to_folder(
         select: dotted path to the state dict; chosen automatically when None.
         drop_extras: leave out non-tensor entries instead of refusing.
         allow_globals: qualified names outside the allowlist to accept.
-        force: replace a non-empty ``dst`` whole (never the input, nor a folder holding it).
+        force: write into a non-empty ``dst``: its weight files (``model*.safetensors``,
+            ``pytorch_model*.bin`` and their index) are replaced, everything else in it
+            (config, tokenizer files, subfolders) is kept. Never the input, nor a folder
+            holding it.
         verify: ``sizes`` (default: read every shard back, keys, dtypes, shapes, sizes),
             ``full`` (also every byte, compared with the input's) or ``none``.
         durable: fsync every file and the folders before the folder is named (default);

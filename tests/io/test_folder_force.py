@@ -1,0 +1,164 @@
+"""``--force`` into an existing output folder: the checkpoint's weight files are replaced, the
+rest of the folder (config, tokenizer files, notes, subfolders) is kept, and the swap stays
+atomic. Outputs are read back with ``safetensors``; inputs are made with ``torch.save`` and
+``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckpt_tools.io.writers.hf_folder as hf_folder
+from ckpt_tools import convert, reshard
+from ckpt_tools.errors import OutputError, OutputExistsError
+from tests.formats.test_dcp import save_dcp, small_state
+from tests.helpers.cli import run_ckpt
+
+
+def _plain(path: Path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    sd = {"fc.weight": torch.randn(16, 16, generator=g), "fc.bias": torch.randn(16, generator=g)}
+    torch.save(sd, path)
+    return sd
+
+
+def _user_folder(folder: Path, plain: Path) -> dict[str, bytes]:
+    """An HF-like folder with old weights and files of the user's; returns what must stay."""
+    folder.mkdir()
+    (folder / "notes.txt").write_text("x\n")
+    (folder / "config.json").write_text('{"model_type": "toy"}')
+    (folder / "other.pt").write_bytes(plain.read_bytes())
+    (folder / "tokenizer").mkdir()
+    (folder / "tokenizer" / "vocab.txt").write_text("a\nb\n")
+    for old in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (folder / old).write_bytes(b"old shard")
+    (folder / "model.safetensors.index.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"old bin")
+    return {
+        "notes.txt": b"x\n",
+        "config.json": b'{"model_type": "toy"}',
+        "other.pt": plain.read_bytes(),
+        "tokenizer/vocab.txt": b"a\nb\n",
+    }
+
+
+def _assert_kept(folder: Path, kept: dict[str, bytes]) -> None:
+    for name, data in kept.items():
+        assert (folder / name).read_bytes() == data, name
+    assert not (folder / "pytorch_model.bin").exists()
+    assert not [p for p in folder.parent.iterdir() if ".ckpt-tmp" in p.name]
+
+
+def _weights(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if hf_folder.WEIGHT_FILES.match(p.name))
+
+
+def test_convert_force_keeps_the_users_files(tmp_path: Path) -> None:
+    sd = _plain(tmp_path / "plain.pt")
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+    run_ckpt("convert", tmp_path / "plain.pt", f"{tmp_path / 'd'}/", "--force")
+    _assert_kept(tmp_path / "d", kept)
+    assert _weights(tmp_path / "d") == ["model.safetensors"]  # old shards and index gone
+    got = load_file(tmp_path / "d" / "model.safetensors")
+    assert all(torch.equal(got[k], sd[k]) for k in sd) and len(got) == len(sd)
+
+
+def test_reshard_force_keeps_the_users_files(tmp_path: Path) -> None:
+    sd = _plain(tmp_path / "plain.pt")
+    convert(tmp_path / "plain.pt", tmp_path / "hf", max_shard_size="1MB")
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+    run_ckpt("reshard", tmp_path / "hf", tmp_path / "d", "--max-shard-size", "1KB", "--force")
+    _assert_kept(tmp_path / "d", kept)
+    assert _weights(tmp_path / "d") == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    got: dict[str, torch.Tensor] = {}
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        got.update(load_file(tmp_path / "d" / shard))
+    assert all(torch.equal(got[k], sd[k]) for k in sd) and len(got) == len(sd)
+
+
+def test_consolidate_force_keeps_the_users_files(tmp_path: Path) -> None:
+    _plain(tmp_path / "plain.pt")
+    dcp_folder = save_dcp(tmp_path / "dcp", small_state())
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+    run_ckpt("consolidate", dcp_folder, tmp_path / "d", "--force")
+    _assert_kept(tmp_path / "d", kept)
+    assert _weights(tmp_path / "d") == ["model.safetensors"]
+    got = load_file(tmp_path / "d" / "model.safetensors")
+    want = small_state()["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want) and len(got) == len(want)
+
+
+def test_without_force_a_non_empty_folder_is_refused_and_says_what_force_does(
+    tmp_path: Path,
+) -> None:
+    _plain(tmp_path / "plain.pt")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("x\n")
+    res = run_ckpt("convert", tmp_path / "plain.pt", f"{tmp_path / 'd'}/", code=6)
+    assert "pass --force to replace its weight files" in res.stderr
+    assert "keep everything else" in res.stderr
+    assert sorted(os.listdir(tmp_path / "d")) == ["notes.txt"]
+    convert(tmp_path / "plain.pt", tmp_path / "hf", max_shard_size="1MB")
+    with pytest.raises(OutputExistsError, match="force=True to replace its weight files"):
+        reshard(tmp_path / "hf", tmp_path / "d", max_shard_size="1KB")
+    assert sorted(os.listdir(tmp_path / "d")) == ["notes.txt"]
+
+
+def test_a_failed_write_leaves_the_old_folder_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _plain(tmp_path / "plain.pt")
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir() if p.is_file()}
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OutputError("disk full")
+
+    monkeypatch.setattr(hf_folder, "write_file", fail)
+    with pytest.raises(OutputError, match="disk full"):
+        convert(tmp_path / "plain.pt", tmp_path / "d", max_shard_size="1KB", force=True)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "d").iterdir() if p.is_file()}
+    assert (
+        after == before
+        and (tmp_path / "d" / "tokenizer" / "vocab.txt").read_bytes()
+        == (kept["tokenizer/vocab.txt"])
+    )
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
+
+
+def test_without_hard_links_the_kept_files_are_moved_and_put_back_on_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _plain(tmp_path / "plain.pt")
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(hf_folder.os, "link", no_links)
+    real_rename = os.rename
+
+    def rename(src: object, dst: object) -> None:  # the temp folder cannot take the name
+        swap = str(dst) == str(tmp_path / "d") and ".ckpt-tmpdir-" in str(src)
+        if swap and not str(src).endswith("-old"):
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf_folder.os, "rename", rename)
+    with pytest.raises(OutputError, match="Input/output error"):
+        convert(tmp_path / "plain.pt", tmp_path / "d", max_shard_size="1KB", force=True)
+    for name, data in kept.items():
+        assert (tmp_path / "d" / name).read_bytes() == data, name
+    assert (tmp_path / "d" / "pytorch_model.bin").read_bytes() == b"old bin"
+    monkeypatch.setattr(hf_folder.os, "rename", real_rename)
+    convert(tmp_path / "plain.pt", tmp_path / "d", max_shard_size="1KB", force=True)
+    _assert_kept(tmp_path / "d", kept)
