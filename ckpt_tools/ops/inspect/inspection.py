@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -199,7 +200,8 @@ def inspect(path: StrPath, *, select: Select = None) -> CheckpointInfo:
 
     Args:
         path: a checkpoint file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.safetensors``, legacy
-            or tar torch files, pickles) or a sharded folder.
+            or tar torch files, pickles), a sharded folder, or a PEFT adapter folder (its
+            config is the result's ``format_info``).
         select: a dotted path to the state dict, overriding the automatic choice.
 
     Returns:
@@ -213,4 +215,9 @@ def inspect(path: StrPath, *, select: Select = None) -> CheckpointInfo:
         >>> info.format, info.wrappers[0].prefix, info.total_params
         ('torch-zip', 'module.', 572)
     """
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a PEFT adapter folder
+        from ckpt_tools.ops.merge.info import inspect_adapter
+
+        return inspect_adapter(path, select)
     return inspect_checkpoint(open_checkpoint(path), select)

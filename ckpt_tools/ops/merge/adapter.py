@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +20,19 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, CorruptCheckpointError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 
-__all__ = ["CONFIG_NAME", "LoraAdapter", "LoraTarget", "is_adapter_folder", "read_adapter"]
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHT_NAMES",
+    "LoraAdapter",
+    "LoraTarget",
+    "is_adapter_folder",
+    "read_adapter",
+    "read_config",
+    "target_modules",
+]
 
 CONFIG_NAME = "adapter_config.json"
-_WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 _PREFIX = "base_model.model."
 # PEFT's parts of a LoRA module, as saved (embeddings and DoRA's vector have no ``.weight``).
 _PARTS = {
@@ -146,7 +155,7 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
         >>> read_adapter("lora").targets[0].module
         'head'
     """
-    config = _read_config(path)
+    config = read_config(path)
     peft_type = str(config.get("peft_type", ""))
     if peft_type != "LORA":
         raise ConversionError(
@@ -156,9 +165,9 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
     for name in _UNSUPPORTED_FIELDS:
         if config.get(name):
             raise ConversionError(f"{path!r}: adapters with {name} are not merged")
-    weights = next((os.path.join(path, n) for n in _WEIGHT_NAMES if _exists(path, n)), None)
+    weights = next((os.path.join(path, n) for n in WEIGHT_NAMES if _exists(path, n)), None)
     if weights is None:
-        raise CheckpointNotFoundError(f"{path!r} holds no {' or '.join(_WEIGHT_NAMES)}")
+        raise CheckpointNotFoundError(f"{path!r} holds no {' or '.join(WEIGHT_NAMES)}")
     ckpt = open_checkpoint(weights)
     _check_globals(ckpt, allow_globals)
     tensors = {_unprefixed(k): v for k, v in _tensors(ckpt.root).items()}
@@ -177,7 +186,13 @@ def _exists(folder: str, name: str) -> bool:
     return os.path.isfile(os.path.join(folder, name))
 
 
-def _read_config(path: str) -> dict[str, Any]:
+def read_config(path: str) -> dict[str, Any]:
+    """``adapter_config.json`` of the folder ``path``, as a dict.
+
+    Raises:
+        CheckpointNotFoundError: no config there.
+        CorruptCheckpointError: it is not a JSON object.
+    """
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise CheckpointNotFoundError(f"{path!r} is not an adapter folder: no {CONFIG_NAME}")
@@ -189,6 +204,18 @@ def _read_config(path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CorruptCheckpointError(f"{config_path!r} holds no JSON object")
     return config
+
+
+def target_modules(keys: Iterable[str]) -> tuple[str, ...]:
+    """The modules whose LoRA parts ``keys`` name, once each, in order (any adapter type's
+    keys may be given: only LoRA's parts count).
+
+    Example:
+        >>> target_modules(["base_model.model.fc.lora_A.weight", "fc.lora_B.weight", "x.bias"])
+        ('fc',)
+    """
+    found = (_PART_RE.match(_unprefixed(k)) for k in keys)
+    return tuple(dict.fromkeys(m.group("module") for m in found if m is not None))
 
 
 def _check_globals(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:

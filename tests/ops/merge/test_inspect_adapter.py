@@ -1,0 +1,73 @@
+"""``ckpt inspect ADAPTER_DIR``: PEFT's config read beside the weight file's tensors."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+import ckpt_tools as ct
+from tests.helpers import run_ckpt
+from tests.helpers.lora import write_tiny_adapter
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+def _saved(folder: Path, config: object) -> Path:
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.name_or_path = "tiny-llama"  # what PEFT saves as base_model_name_or_path
+        peft.get_peft_model(model, config).save_pretrained(folder)
+    return folder
+
+
+def test_a_dora_rslora_adapter_is_described(tmp_path: Path) -> None:
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=16,
+        use_rslora=True,
+        use_dora=True,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"],
+    )
+    adapter = _saved(tmp_path / "a", config)
+    info = ct.inspect(adapter)
+    a = info.format_info
+    assert (a.peft_type, a.base_model, a.r, a.alpha, a.rslora, a.dora) == (
+        "LORA",
+        "tiny-llama",
+        4,
+        16,
+        True,
+        True,
+    )
+    assert sorted(a.target_modules) == ["q_proj", "v_proj"] and len(a.modules) == 4
+    assert a.modules_to_save == ("lm_head",) and a.parameters == info.total_params > 0
+    _, out, _ = run_ckpt("inspect", adapter)
+    assert "adapter:     LORA, rsLoRA, DoRA, base tiny-llama" in out
+    assert "(4 modules adapted)" in out and "lm_head (modules_to_save)" in out
+    _, out, _ = run_ckpt("inspect", adapter, "--json")
+    assert json.loads(out)["format_info"]["modules_to_save"] == ["lm_head"]
+
+
+def test_other_types_are_named_and_the_tiny_adapter_counted(tmp_path: Path) -> None:
+    ia3 = _saved(
+        tmp_path / "ia3", peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[])
+    )
+    assert ct.inspect(ia3).format_info.peft_type == "IA3"
+    tiny = ct.inspect(write_tiny_adapter(tmp_path / "lora")).format_info
+    # layers.0: A (2, 8) and B (8, 2); head: A (2, 8) and B (3, 2)
+    assert tiny.modules == ("head", "layers.0") and tiny.parameters == 16 + 16 + 16 + 6
