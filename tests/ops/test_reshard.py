@@ -272,3 +272,17 @@ def test_jobs_write_the_same_bytes_as_one_writer(tmp_path: Path) -> None:
     )
     assert "resharded into" in res.stdout
     assert _digest(tmp_path / "cli") == _digest(tmp_path / "one")
+
+
+@pytest.mark.parametrize("name", ["out.pt", "out.bin", "out.safetensors", "OUT.CKPT"])
+def test_a_sharded_output_named_like_a_file_is_refused(tmp_path: Path, name: str) -> None:
+    _model_pt(tmp_path / "model.pt")
+    res = run_ckpt(
+        "convert", tmp_path / "model.pt", tmp_path / name, "--max-shard-size", "200B", code=2
+    )
+    assert "a sharded output is a folder" in res.stderr and "name a folder, e.g. " in res.stderr
+    assert not (tmp_path / name).exists()
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    with pytest.raises(UsageError, match=r"name a folder, e\.g\. out/"):
+        reshard(tmp_path / "hf", tmp_path / "out.pt", max_shard_size="1KB")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.pt"]
