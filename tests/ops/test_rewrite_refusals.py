@@ -452,3 +452,34 @@ def test_consolidate_refuses_a_verification_level_before_reading(tmp_path):
     with pytest.raises(UsageError, match=r"verify='fast': expected one of: sizes, full, none$"):
         ckpt_tools.consolidate(tmp_path / "missing", tmp_path / "out.pt", verify="fast")
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def _saved_locations(path: Path) -> collections.Counter[str]:
+    """The saved device tag of every storage, as ``torch.load`` hands them to map_location."""
+    seen: collections.Counter[str] = collections.Counter()
+
+    def note(storage, location):
+        seen[location] += 1
+        return storage
+
+    torch.load(path, map_location=note, weights_only=True)
+    return seen
+
+
+def test_retag_that_matches_no_storage_is_refused(tmp_path: Path) -> None:
+    from ckpt_tools import retag
+
+    torch.save({f"w{i}": torch.ones(2) for i in range(9)}, tmp_path / "plain.pt")
+    retag(tmp_path / "plain.pt", tmp_path / "g.pt", mapping={"cpu": "cuda:1"})
+    assert _saved_locations(tmp_path / "g.pt") == {"cuda:1": 9}
+    res = h.run_ckpt("retag", tmp_path / "g.pt", tmp_path / "g2.pt", "--map", "cuda:0=cpu", code=2)
+    assert "no storage is saved on cuda:0 (saved: cuda:1 ×9); pass --map cuda:1=cpu" in res.stderr
+    assert not (tmp_path / "g2.pt").exists()
+    with pytest.raises(UsageError, match=r"pass mapping=\{'cuda:1': 'cpu'\}"):
+        retag(tmp_path / "g.pt", tmp_path / "g2.pt", mapping={"cuda:0": "cpu"}, dry_run=True)
+    # Of several mappings, the result reports the one that matched.
+    result = retag(
+        tmp_path / "g.pt", tmp_path / "g2.pt", mapping={"cuda:0": "cpu", "cuda:1": "cpu"}
+    )
+    assert result.device_map == {"cuda:1": "cpu"} and "cuda:0" not in str(result)
+    assert _saved_locations(tmp_path / "g2.pt") == {"cpu": 9}

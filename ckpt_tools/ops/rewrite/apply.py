@@ -22,7 +22,12 @@ from ckpt_tools.io.writers.output import Check, Fill, write_file
 from ckpt_tools.io.writers.progress import ByteCounter, Progress
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
-from ckpt_tools.ops.rewrite.plan import output_format_for, safetensors_plan, summary
+from ckpt_tools.ops.rewrite.plan import (
+    matched_device_map,
+    output_format_for,
+    safetensors_plan,
+    summary,
+)
 from ckpt_tools.ops.rewrite.result import RewriteResult
 from ckpt_tools.structure.keys import (
     KeyRule,
@@ -73,6 +78,7 @@ def apply_rewrite(
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
     check_key_types(selection.state_dict, rules, fmt, src)
     plan = _plan(ckpt, selection, rules, fmt, drop_extras, target)
+    device_map = matched_device_map(ckpt, device_map) if device_map else None
     renamed, n_keys = len(plan.changed), len(selection.state_dict)
     stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
     if dry_run:  # what would be written, refusals included; nothing is

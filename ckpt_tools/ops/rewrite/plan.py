@@ -24,7 +24,14 @@ from ckpt_tools.structure.selection import entries_beside
 if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
 
-__all__ = ["check_source", "format_named_by", "output_format_for", "safetensors_plan", "summary"]
+__all__ = [
+    "check_source",
+    "format_named_by",
+    "matched_device_map",
+    "output_format_for",
+    "safetensors_plan",
+    "summary",
+]
 
 
 #: Suffixes that name a torch file; ``.safetensors`` names a safetensors file.
@@ -146,6 +153,35 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
         from ckpt_tools.io.verify.zipcheck import check_source_crcs
 
         check_source_crcs(ckpt)  # after the safety refusals: they say more about such a file
+
+
+def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[str, str]:
+    """The entries of ``device_map`` whose saved tag some storage of ``ckpt`` has.
+
+    A retag that matches nothing would write a copy and call it retagged: it is refused,
+    with the tags the file does have and the mapping that would move them.
+
+    Raises:
+        UsageError: no storage is saved on any tag ``device_map`` names.
+    """
+    saved: dict[str, int] = {}
+    for storage in ckpt.storages.values():
+        saved[storage.device] = saved.get(storage.device, 0) + 1
+    matched = {a: b for a, b in device_map.items() if a in saved}
+    if matched or not device_map:
+        return matched
+    target = next(iter(device_map.values()))
+    has = ", ".join(f"{tag} ×{n}" for tag, n in saved.items()) or "no storages"
+    fixes = [
+        Remedy("mapping", repr({tag: target}), flag=f"--map {tag}={target}")
+        for tag in saved
+        if tag != target
+    ]
+    raise UsageError(
+        f"no storage is saved on {' or '.join(device_map)} (saved: {has})",
+        path=ckpt.path,
+        remedies=fixes or (Remedy(text=f"nothing to retag: every storage is on {target}"),),
+    )
 
 
 def summary(
