@@ -14,7 +14,16 @@ import numpy as np
 
 from ckpt_tools.io.casting import cast_array
 
-__all__ = ["dora_merge", "lora_delta", "plain_merge", "promote", "rounded", "to_bits"]
+__all__ = [
+    "dora_merge",
+    "from_bits",
+    "lora_delta",
+    "matmul",
+    "plain_merge",
+    "promote",
+    "rounded",
+    "to_bits",
+]
 
 _NP = {"float64": np.float64, "float32": np.float32}
 
@@ -73,6 +82,32 @@ def to_bits(x: np.ndarray, dtype: str) -> bytes:
     return cast_array(flat, src, dtype).astype("<u2").tobytes()
 
 
+def matmul(b: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """``b @ a`` in float32 as torch's CPU matmul (MKL's sgemm) computes it for a small inner
+    dimension: for each element, one fused multiply-add per ``k``, in order.
+
+    A fused multiply-add rounds once: the product of two float32 values is exact in float64,
+    and so (but for a double rounding too rare to meet) is its sum with the accumulator,
+    rounded to float32 at each step. numpy's own matmul sums in another order. float64
+    inputs are multiplied by numpy.
+
+    Example:
+        >>> b = np.array([[1.0, 2**-24]], np.float32); a = np.array([[1.0], [1.0]], np.float32)
+        >>> matmul(b, a).tolist()  # 1 + 2**-24 rounds to 1 in float32
+        [[1.0]]
+    """
+    if np.float64 in (a.dtype.type, b.dtype.type):
+        return b.astype(np.float64) @ a.astype(np.float64)
+    b64, a64 = b.astype(np.float64), a.astype(np.float64)
+    acc = np.zeros((b.shape[0], a.shape[1]), np.float32)
+    step = np.empty(acc.shape, np.float64)
+    for k in range(a.shape[0]):
+        np.multiply(b64[:, k, None], a64[None, k, :], out=step)
+        step += acc
+        acc[...] = step
+    return acc
+
+
 def lora_delta(
     a: np.ndarray, b: np.ndarray, scaling: float, transpose: bool, adapter_dtype: str
 ) -> np.ndarray:
@@ -92,8 +127,8 @@ def lora_delta(
         >>> lora_delta(a, b, 0.5, False, "float32").tolist()[0]
         [1.0, 1.0, 1.0]
     """
-    calc = _calc(promote(str(a.dtype), str(b.dtype)))
-    delta = b.astype(calc, copy=False) @ a.astype(calc, copy=False)
+    delta = matmul(b, a)
+    calc = delta.dtype.type
     if transpose:
         delta = delta.T
     # torch multiplies a float32 tensor by a Python float in float32.

@@ -28,6 +28,8 @@ from ckpt_tools.ops.merge.arithmetic import (
 __all__ = ["bias_record", "merge_record", "replace_record", "values"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# Elements merged at once: a few arrays of this size (float64 among them) are in memory.
+_BLOCK = 1 << 20
 
 
 def values(ckpt: Checkpoint, t: TensorRef) -> np.ndarray:
@@ -43,6 +45,22 @@ def values(ckpt: Checkpoint, t: TensorRef) -> np.ndarray:
     return from_bits(bits, t.dtype).reshape(t.shape)
 
 
+def rows(ckpt: Checkpoint, t: TensorRef, first: int, count: int) -> np.ndarray:
+    """Rows ``[first, first + count)`` of a whole, contiguous 2-D tensor, as float32."""
+    size = t.nbytes // max(t.numel, 1)
+    width = t.shape[1] * size
+    span = ckpt.span(t.storage)
+    fd = os.open(span.path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, count * width, span.offset + t.offset * size + first * width)
+    finally:
+        os.close(fd)
+    if len(data) != count * width:
+        raise OSError(5, f"{span.path} ended early")
+    bits = np.frombuffer(data, dtype=np.dtype(_UINT[size]).newbyteorder("<")).astype(_UINT[size])
+    return from_bits(bits, t.dtype).reshape(count, t.shape[1])
+
+
 def merge_record(
     base: Checkpoint,
     weight: TensorRef,
@@ -53,28 +71,57 @@ def merge_record(
 ) -> Record:
     """The record of ``weight`` with ``target`` merged into it (LoRA or DoRA).
 
+    Made in blocks of rows, each element computed as it would be over the whole tensor,
+    so memory stays a few blocks whatever the weight's size; DoRA over a transposed
+    (``Conv1D``) weight needs whole columns, and merges the tensor at once.
     ``start``: the adapter's own copy of the weight (``save_embedding_layers``), which PEFT
     loads into the base (rounded to its dtype) before merging.
     """
+    whole = target.magnitude is not None and transpose
+    height, width = weight.shape
+    block = height if whole else max(1, _BLOCK // max(width, 1))
 
     def produce() -> Iterable[bytes]:
         a, b = values(adapter, target.a), values(adapter, target.b)
-        delta_dtype = target.a.dtype if target.kind == "embedding" else target.b.dtype
-        delta = lora_delta(a, b, target.scaling, transpose, delta_dtype)
-        w = values(base, weight) if start is None else rounded(values(adapter, start), weight.dtype)
-        if target.kind == "embedding":
-            # Embedding.merge rounds the delta to the weight's dtype before adding it.
-            delta, delta_dtype = rounded(delta, weight.dtype), weight.dtype
-        if target.magnitude is None:
-            out = plain_merge(w, weight.dtype, delta, delta_dtype)
-        else:
-            m = values(adapter, target.magnitude)
-            out = dora_merge(
-                w, weight.dtype, delta, delta_dtype, m, target.magnitude.dtype, transpose
-            )
-        yield to_bits(out, weight.dtype)
+        m = None if target.magnitude is None else values(adapter, target.magnitude)
+        for first in range(0, height, block):
+            count = min(block, height - first)
+            if start is None:
+                w = rows(base, weight, first, count)
+            else:
+                w = rounded(rows(adapter, start, first, count), weight.dtype)
+            # A block of W's rows is a block of B's rows, or (transposed) of A's columns.
+            if whole:
+                part, mm = (a, b), m
+            elif transpose:
+                part, mm = (a[:, first : first + count], b), m
+            else:
+                part, mm = (
+                    (a, b[first : first + count]),
+                    None if m is None else m[first : first + count],
+                )
+            yield to_bits(_merged(w, weight.dtype, target, part, mm, transpose), weight.dtype)
 
     return Record(weight.nbytes, produce=produce, action=f"merge lora r={target.r}")
+
+
+def _merged(
+    w: np.ndarray,
+    w_dtype: str,
+    target: LoraTarget,
+    ab: tuple[np.ndarray, np.ndarray],
+    m: np.ndarray | None,
+    transpose: bool,
+) -> np.ndarray:
+    """One block of rows merged: PEFT's delta, then the plain or DoRA merge."""
+    delta_dtype = target.a.dtype if target.kind == "embedding" else target.b.dtype
+    delta = lora_delta(ab[0], ab[1], target.scaling, transpose, delta_dtype)
+    if target.kind == "embedding":
+        # Embedding.merge rounds the delta to the weight's dtype before adding it.
+        delta, delta_dtype = rounded(delta, w_dtype), w_dtype
+    if m is None or target.magnitude is None:
+        return plain_merge(w, w_dtype, delta, delta_dtype)
+    return dora_merge(w, w_dtype, delta, delta_dtype, m, target.magnitude.dtype, transpose)
 
 
 def bias_record(

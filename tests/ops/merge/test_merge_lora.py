@@ -280,3 +280,17 @@ def test_lora_bias_changes_the_bias(cases: Callable[[str], Case], tmp_path: Path
     result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
     assert {r.key: r.action for r in result.rows}[key].startswith("merge lora bias")
     assert torch.equal(torch.load(tmp_path / "m.pt")[key], case.merged[key])
+
+
+@pytest.mark.parametrize("name", ["linear", "conv1d", "embedding", "dora", "dora-conv1d", "bf16"])
+def test_blocks_of_rows_change_nothing(
+    cases: Callable[[str], Case], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    case = cases(name)
+    ct.merge_lora(case.base, case.adapter, tmp_path / "whole.pt")
+    # 40 elements: a block of one row or a few, and a last block shorter than the others
+    monkeypatch.setattr("ckpt_tools.ops.merge.records._BLOCK", 40)
+    ct.merge_lora(case.base, case.adapter, tmp_path / "blocks.pt")
+    whole, blocks = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "blocks.pt")
+    for key, t in whole.items():
+        assert torch.equal(t.view(torch.uint8), blocks[key].view(torch.uint8)), key
