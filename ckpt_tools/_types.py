@@ -13,15 +13,33 @@ default (``tests/structure/test_public_api.py`` checks every name in ``ckpt_tool
 - ``map_location: MapLocation = "auto"``: where loaded storages go.
 
 Nothing here imports torch: :data:`MapLocation` names ``torch.device`` as a forward reference.
+
+The public operations check their sequence and mapping options here (:func:`items_of`,
+:func:`str_mapping`): a single item where a sequence is expected is that one item (as
+``select`` takes ``"model.ema"``), and a value of the wrong type is a
+:class:`~ckpt_tools.errors.UsageError` naming the argument, never a Python error from deep
+inside.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
-__all__ = ["MapLocation", "OutputFormat", "Progress", "Select", "StrPath", "VerifyLevel"]
+from ckpt_tools.errors import UsageError
+
+__all__ = [
+    "MapLocation",
+    "OutputFormat",
+    "Progress",
+    "Select",
+    "StrPath",
+    "VerifyLevel",
+    "items_of",
+    "str_items",
+    "str_mapping",
+]
 
 #: A path as ``open`` takes it: a string or an ``os.PathLike`` (``pathlib.Path``).
 StrPath = str | os.PathLike[str]
@@ -45,3 +63,88 @@ Progress = Callable[[int, int], None]
 #: None for the saved devices), plus ``"auto"``. ``torch.device`` is named, not imported: this
 #: module stays torch-free.
 MapLocation = Union[str, "torch.device", Mapping[str, str], Callable[[Any, str], Any], None]  # noqa: F821
+
+
+_T = TypeVar("_T")
+
+
+def _shown(value: object) -> str:
+    """``value`` as Python source, cut short: an error names it, not all of it."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def items_of(value: object, argument: str, item: type[_T], expected: str) -> tuple[_T, ...]:
+    """A sequence option's items: one ``item`` alone is that one item.
+
+    A ``str`` is an item when ``item`` is ``str``, never a sequence of characters; a
+    mapping is not a sequence of its keys.
+
+    Args:
+        value: what the caller passed.
+        argument: the option's name, for the error.
+        item: the type every item must have.
+        expected: the type in words, for the error (``"a str or a sequence of str"``).
+
+    Returns:
+        The items, in order.
+
+    Raises:
+        UsageError: ``value`` is not an ``item`` nor a sequence of them.
+
+    Example:
+        >>> items_of("optimizer", "drop", str, "a str or a sequence of str")
+        ('optimizer',)
+        >>> items_of(3, "drop", str, "a str or a sequence of str")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: drop=3: expected a str or a sequence of str, got int
+    """
+    if isinstance(value, item):
+        return (value,)
+    if isinstance(value, (Sequence, set, frozenset)) and not isinstance(value, (str, bytes)):
+        items = tuple(value)
+        wrong = [x for x in items if not isinstance(x, item)]
+        if not wrong:
+            return items  # type: ignore[return-value]
+        got = f"a {type(value).__name__} holding {type(wrong[0]).__name__} {_shown(wrong[0])}"
+    else:
+        got = type(value).__name__
+    raise UsageError(f"expected {expected}, got {got}", argument=argument, value=_shown(value))
+
+
+def str_items(value: object, argument: str) -> tuple[str, ...]:
+    """A ``Sequence[str]`` option's items (``drop``, ``allow_globals``): one str is one item.
+
+    Example:
+        >>> str_items("optimizer", "drop"), str_items(["a", "b"], "drop")
+        (('optimizer',), ('a', 'b'))
+    """
+    return items_of(value, argument, str, "a str or a sequence of str")
+
+
+def str_mapping(value: object, argument: str, expected: str) -> dict[str, str]:
+    """A ``str -> str`` mapping option, checked.
+
+    Args:
+        value: what the caller passed.
+        argument: the option's name, for the error.
+        expected: the mapping in words, for the error (``"a dict of saved tag -> new tag"``).
+
+    Returns:
+        A plain dict of it, in order.
+
+    Raises:
+        UsageError: ``value`` is not a mapping of strings to strings.
+
+    Example:
+        >>> str_mapping({"cuda:1": "cpu"}, "mapping", "a dict of saved tag -> new tag")
+        {'cuda:1': 'cpu'}
+    """
+    if isinstance(value, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        return dict(value)
+    got = type(value).__name__
+    if isinstance(value, Mapping):
+        got = f"a {got} with a key or value that is not a str"
+    raise UsageError(f"expected {expected}, got {got}", argument=argument, value=_shown(value))

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ckpt_tools._types import items_of
 from ckpt_tools.errors import KeyCollisionError, Remedy, ResourceLimitError, UsageError
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "plan_renames",
     "regex_rule",
     "rename_keys",
+    "rule_items",
     "strip_prefix",
     "strip_rule",
     "strip_wrapper_rules",
@@ -313,6 +315,16 @@ def apply_plan(sd: Mapping[str, Any], plan: Mapping[str, str], rules: Sequence[K
     return out
 
 
+def rule_items(rules: object) -> tuple[KeyRule, ...]:
+    """``rules`` checked: a :class:`KeyRule` or a sequence of them (one rule alone is one).
+
+    Raises:
+        UsageError: anything else (a ``"OLD=NEW"`` string, ``("OLD", "NEW")`` pairs, a dict).
+    """
+    expected = "a KeyRule or a sequence of KeyRule, such as [sub_rule('OLD', 'NEW')]"
+    return items_of(rules, "rules", KeyRule, expected)
+
+
 def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
     """Rename the keys of an in-memory state dict by ``rules``.
 
@@ -325,11 +337,13 @@ def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
 
     Raises:
         KeyCollisionError: two keys would become one.
+        UsageError: ``rules`` is not a :class:`KeyRule` or a sequence of them.
 
     Example:
         >>> rename_keys({"a.w": 1}, [sub_rule("a.", "b.")])
         {'b.w': 1}
     """
+    rules = rule_items(rules)
     return apply_plan(sd, plan_renames(list(sd), rules), rules)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_mapping
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.rewrite.result import RewriteResult
@@ -149,14 +149,16 @@ def retag(
         The :class:`RewriteResult` (``device_map``: the tags rewritten).
 
     Raises:
-        UsageError: a tag that is not ``cpu``, ``cuda``, ``cuda:N``, ``mps`` or ``meta``, or a
-            ``.safetensors`` output (that format holds no device tags).
+        UsageError: ``mapping`` is not a dict of str; a tag that is not ``cpu``, ``cuda``,
+            ``cuda:N``, ``mps`` or ``meta``; a ``.safetensors`` output (that format holds no
+            device tags); no storage saved on a tag ``mapping`` names.
         And as :func:`rewrite`.
 
     Example:
         >>> retag("model.pt", "gpu1.pt", mapping={"cpu": "cuda:1"}).device_map
         {'cpu': 'cuda:1'}
     """
+    mapping = str_mapping(mapping, "mapping", "a dict of saved tag -> new tag")
     for tag in (*mapping.keys(), *mapping.values()):
         base, _, index = tag.partition(":")
         if base not in ("cpu", "cuda", "mps", "meta", "xpu", "hpu") or (

@@ -11,13 +11,21 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import (
+    OutputFormat,
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    str_items,
+    str_mapping,
+)
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.structure.keys import KeyRule, add_rule, strip_rule
+from ckpt_tools.structure.keys import KeyRule, add_rule, rule_items, strip_rule
 
 __all__ = ["RewriteResult", "add_module", "rename", "rewrite", "strip_module"]
 
@@ -71,7 +79,8 @@ def rewrite(
         A :class:`RewriteResult`.
 
     Raises:
-        UsageError: a bad ``verify`` or ``output_format``, or one ``dst``'s name contradicts.
+        UsageError: a bad ``verify`` or ``output_format``, or one ``dst``'s name contradicts;
+            ``rules``, ``allow_globals`` or ``device_map`` of the wrong type.
         UnsafeContentError: globals outside the allowlist and not in ``allow_globals`` (exit 3).
         KeyCollisionError: two keys would become one (exit 7).
         NonTensorEntriesError: safetensors output with non-tensor entries (exit 7).
@@ -83,6 +92,9 @@ def rewrite(
         ('wrote plain.pt (17 of 17 keys renamed)', ('module.conv.weight', 'conv.weight'))
     """
     check_verify_level(verify)
+    rules, allow_globals = rule_items(rules), str_items(allow_globals, "allow_globals")
+    if device_map is not None:
+        device_map = str_mapping(device_map, "device_map", "a dict of saved tag -> new tag")
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_path(dst, src, force=force, in_place=in_place)
     ckpt = open_checkpoint(src)
@@ -149,7 +161,7 @@ def strip_module(
         "select": select,
         "output_format": output_format,
         "drop_extras": drop_extras,
-        "allow_globals": allow_globals,
+        "allow_globals": str_items(allow_globals, "allow_globals"),
         "verify": verify,
         "durable": durable,
         "dry_run": dry_run,
@@ -262,7 +274,8 @@ def rename(
         The :class:`RewriteResult`.
 
     Raises:
-        UsageError: no rule was given.
+        UsageError: no rule was given, or ``rules`` is not :class:`KeyRule` s (a
+            ``"OLD=NEW"`` string, ``("OLD", "NEW")`` pairs).
         KeyCollisionError, and as :func:`rewrite`.
 
     Example:
@@ -270,6 +283,7 @@ def rename(
         >>> rename("model.pt", "renamed.pt", rules=[sub_rule("conv.", "stem.")]).examples[0]
         ('conv.weight', 'stem.weight')
     """
+    rules = rule_items(rules)
     if not rules:
         raise UsageError(
             "give at least one rename rule",

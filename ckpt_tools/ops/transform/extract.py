@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
@@ -60,6 +60,7 @@ def extract(
         ('0.weight', '0.bias')
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    allow_globals = str_items(allow_globals, "allow_globals")
     target = check_output_path(dst, src, force=force, in_place=False)
     ckpt = open_checkpoint(src)
     notes: list[str] = []

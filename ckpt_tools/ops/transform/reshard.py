@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
@@ -95,7 +95,8 @@ def convert_to_folder(
         metadata, and with ``drop_extras`` non-tensor entries; ``max_shard_size``: the limit).
 
     Raises:
-        UsageError: a bad ``max_shard_size``, ``verify``, ``jobs`` or ``output_format``.
+        UsageError: a bad ``max_shard_size``, ``verify``, ``jobs`` or ``output_format``;
+            ``allow_globals`` not a str or a sequence of str.
         NonTensorEntriesError: non-tensor entries and not ``drop_extras`` (exit 7).
         ConversionError: tied tensors with no complete name, or dtypes safetensors lacks.
         OutputExistsError / OutputError: the output is refused (exit 6).
@@ -107,18 +108,9 @@ def convert_to_folder(
         >>> len(result.written) > 2
         True
     """
-    check_verify_level(verify)
-    if jobs < 1:
-        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs), flag="--jobs")
-    if output_format not in (None, "safetensors"):
-        raise UsageError(
-            f"{os.fspath(dst)!r} is a folder output, which holds safetensors shards",
-            argument="output_format",
-            value=repr(output_format),
-            flag="--format",
-            remedies=(Remedy(text="name a file (such as 'model.pt') for a torch output"),),
-        )
+    _check_options(dst, verify, jobs, output_format)
     limit = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    allow_globals = str_items(allow_globals, "allow_globals")
     src, dst = os.fspath(src), os.fspath(dst)
     target = check_output_folder(dst, src, force=force)
     ckpt = open_checkpoint(src)
@@ -167,6 +159,21 @@ def convert_to_folder(
         verification=f"verified ({verify})" if verify != "none" else "not verified",
         message=f"converted {ckpt.format} to {count} safetensors shard(s): wrote {dst}",
     )
+
+
+def _check_options(dst: StrPath, verify: str, jobs: int, output_format: str | None) -> None:
+    """``convert_to_folder``'s arguments checked, before anything is read."""
+    check_verify_level(verify)
+    if jobs < 1:
+        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs), flag="--jobs")
+    if output_format not in (None, "safetensors"):
+        raise UsageError(
+            f"{os.fspath(dst)!r} is a folder output, which holds safetensors shards",
+            argument="output_format",
+            value=repr(output_format),
+            flag="--format",
+            remedies=(Remedy(text="name a file (such as 'model.pt') for a torch output"),),
+        )
 
 
 class _FolderPlan(NamedTuple):

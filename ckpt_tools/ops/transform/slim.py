@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.formats import open_checkpoint
@@ -175,7 +175,8 @@ def slim(
 
     Raises:
         UsageError: an unknown dtype, a ``drop`` name the checkpoint lacks, a bad regex, an
-            ``output_format`` the name of ``dst`` contradicts.
+            ``output_format`` the name of ``dst`` contradicts; ``drop``, ``keep_dtype`` or
+            ``allow_globals`` not a str or a sequence of str (one str is one item).
         SelectError: ``ema`` and no EMA copy.
         NonTensorEntriesError: safetensors output with entries beside the state dict.
 
@@ -185,8 +186,9 @@ def slim(
         (('small.safetensors',), ('conv.weight', 'conv.bias'), True)
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    allow_globals, drop = str_items(allow_globals, "allow_globals"), str_items(drop, "drop")
     cast_to = _dtype(dtype)
-    keep = _patterns(keep_dtype)
+    keep = _patterns(str_items(keep_dtype, "keep_dtype"))
     target = check_output_path(dst, src, force=force, in_place=False)
     ckpt = open_checkpoint(src)
     fmt = output_format_for(dst, output_format, ckpt.format)

@@ -1,0 +1,107 @@
+"""Sequence and mapping options of the public operations: one str (or one rule) where a
+sequence is expected is that one item, and a wrong type is a UsageError naming the argument,
+before anything is read or written. Outputs are read back with ``torch.load``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_tools as ct
+from ckpt_tools.errors import UsageError
+
+
+@pytest.fixture
+def lightning(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path / "in.pt"
+    state = {
+        "state_dict": {"fc.weight": torch.randn(4, 4), "norm.weight": torch.randn(4)},
+        "optimizer_states": [{"state": {}, "param_groups": []}],
+        "epoch": 3,
+    }
+    torch.save(state, path)
+    return path
+
+
+def test_a_single_str_is_one_item(lightning: Path, tmp_path: Path) -> None:
+    out = tmp_path / "slim.pt"
+    result = ct.slim(lightning, out, drop="optimizer_states", dtype="bf16", keep_dtype="norm")
+    got = torch.load(out, weights_only=True)
+    assert sorted(got) == ["epoch", "state_dict"] and "optimizer_states" in result.dropped
+    assert got["state_dict"]["fc.weight"].dtype == torch.bfloat16
+    assert got["state_dict"]["norm.weight"].dtype == torch.float32  # kept by the one regex
+    ct.convert(lightning, tmp_path / "c.pt", allow_globals="collections.OrderedDict")
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["epoch"] == 3
+
+
+def test_a_single_rule_is_one_rule(lightning: Path, tmp_path: Path) -> None:
+    ct.rename(lightning, tmp_path / "r.pt", rules=ct.sub_rule("fc.", "proj."))
+    got = torch.load(tmp_path / "r.pt", weights_only=True)["state_dict"]
+    assert sorted(got) == ["norm.weight", "proj.weight"]
+    assert ct.rename_keys({"fc.w": 1}, ct.sub_rule("fc.", "proj.")) == {"proj.w": 1}
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda src, dst: ct.rename(src, dst, rules="fc.=proj."),
+            r"rules='fc\.=proj\.': expected a KeyRule or a sequence of KeyRule.*got str",
+        ),
+        (
+            lambda src, dst: ct.rename(src, dst, rules=[("fc.", "proj.")]),
+            r"expected a KeyRule or a sequence of KeyRule.*got a list holding tuple",
+        ),
+        (
+            lambda src, dst: ct.rewrite(src, dst, rules={"fc.": "proj."}),
+            r"rules=\{'fc\.': 'proj\.'\}: expected a KeyRule.*got dict",
+        ),
+        (
+            lambda src, dst: ct.retag(src, dst, mapping=[("cpu", "cpu")]),
+            r"mapping=\[\('cpu', 'cpu'\)\]: expected a dict of saved tag -> new tag, got list",
+        ),
+        (
+            lambda src, dst: ct.retag(src, dst, mapping={"cpu": 0}),
+            r"expected a dict of saved tag -> new tag, got a dict with a key or value",
+        ),
+        (
+            lambda src, dst: ct.slim(src, dst, drop=["optimizer_states", 3]),
+            r"drop=.*expected a str or a sequence of str, got a list holding int 3",
+        ),
+        (
+            lambda src, dst: ct.slim(src, dst, keep_dtype=None),
+            r"keep_dtype=None: expected a str or a sequence of str, got NoneType",
+        ),
+        (
+            lambda src, dst: ct.extract(src, dst, prefix="fc.", allow_globals=7),
+            r"allow_globals=7: expected a str or a sequence of str, got int",
+        ),
+        (
+            lambda src, dst: ct.strip_module(src, dst, allow_globals=b"x"),
+            r"allow_globals=b'x': expected a str or a sequence of str, got bytes",
+        ),
+        (
+            lambda src, dst: ct.convert(
+                src, dst.with_suffix(""), max_shard_size=10, allow_globals=1.0
+            ),
+            r"allow_globals=1\.0: expected a str or a sequence of str, got float",
+        ),
+    ],
+)
+def test_a_wrong_type_is_a_usage_error_naming_the_argument(
+    lightning: Path, tmp_path: Path, call, match: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(UsageError, match=match):
+        call(lightning, out / "o.pt")
+    assert list(out.iterdir()) == []
+
+
+def test_rename_keys_refuses_a_dict_of_renames() -> None:
+    with pytest.raises(UsageError, match=r"rules=\{'fc\.': 'proj\.'\}: expected a KeyRule"):
+        ct.rename_keys({"fc.w": 1}, {"fc.": "proj."})
