@@ -36,6 +36,13 @@ from ckpt_tools.cli.render import echo_result
     default=None,
     help="Output format (default: from OUT's suffix).",
 )
+@click.option(
+    "--max-shard-size",
+    default=None,
+    metavar="SIZE",
+    help="Write OUT as a Hugging Face folder with shards up to SIZE (5GB, 2GiB; default 5GB "
+    "when OUT ends with / or is a folder).",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (never an input).")
 @verify_option("After writing, re-read keys and sizes, or also every byte (computed again).")
 @durable_option
@@ -48,7 +55,12 @@ from ckpt_tools.cli.render import echo_result
 def merge_lora_cmd(
     base: str, adapter: str, out: str, as_json: bool, quiet: bool, **kw: Any
 ) -> None:
-    """Merge a PEFT LoRA adapter folder into its base checkpoint, as PEFT merges, torch-free."""
+    """Merge a PEFT LoRA adapter folder into its base checkpoint, as PEFT merges, torch-free.
+
+    BASE: a .pt, .safetensors or Hugging Face folder. ADAPTER: the folder PEFT saved
+    (adapter_config.json and adapter_model.safetensors or .bin). OUT: a file (.pt or
+    .safetensors), or a Hugging Face folder when it ends with / or --max-shard-size is given.
+    """
     from ckpt_tools.ops.merge.merging import merge_lora
 
     with progress_bar(quiet or as_json) as progress:

@@ -18,8 +18,10 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.writers.hf_folder import check_output_folder
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
+from ckpt_tools.ops.merge.folder import names_folder, write_merged_folder
 from ckpt_tools.ops.merge.records import bias_record, merge_record, replace_record
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
@@ -42,6 +44,7 @@ def merge_lora(
     dtype: str | None = None,
     select: Select = None,
     output_format: OutputFormat | None = None,
+    max_shard_size: str | int | None = None,
     allow_globals: Sequence[str] = (),
     force: bool = False,
     verify: VerifyLevel = "sizes",
@@ -63,10 +66,13 @@ def merge_lora(
             or not), with or without a wrapper prefix (``module.``).
         adapter: a PEFT adapter folder (``adapter_config.json`` and
             ``adapter_model.safetensors`` or ``.bin``, read without running its pickle).
-        dst: the output file (its suffix picks torch or safetensors), a plain state dict
-            under the base's keys.
+        dst: the output, a plain state dict under the base's keys: a file (its suffix picks
+            torch or safetensors), or a Hugging Face folder of safetensors shards when it ends
+            with ``/``, is an existing folder, or ``max_shard_size`` is given.
         dtype: ``bf16``, ``fp16`` or ``fp32``: cast the merged state dict's floating tensors
             (the merge rounds to the base's dtype first, as merging then ``.to`` does).
+        max_shard_size: a folder output's shard limit (``"5GB"`` when None), as for
+            :func:`~ckpt_tools.ops.rewrite.conversion.convert`.
         select, output_format, allow_globals, force, verify, durable, dry_run, progress: as
             for :func:`~ckpt_tools.ops.transform.slim.slim`; ``allow_globals`` also applies to
             a pickled adapter.
@@ -89,7 +95,12 @@ def merge_lora(
     """
     base, adapter, dst = os.fspath(base), os.fspath(adapter), os.fspath(dst)
     cast_to = _dtype(dtype)
-    target = check_output_path(dst, base, force=force, in_place=False)
+    folder = names_folder(dst) or max_shard_size is not None
+    if folder:
+        _check_folder_format(dst, output_format)
+        target = check_output_folder(dst, base, force=force)
+    else:
+        target = check_output_path(dst, base, force=force, in_place=False)
     lora = read_adapter(adapter, allow_globals)
     ckpt = open_checkpoint(base)
     selection = select_state_dict(ckpt.root, select=select)
@@ -98,7 +109,7 @@ def merge_lora(
     merged, overrides, actions = _plan_merges(ckpt, aligned, lora)
     replaced = _plan_replacements(aligned, lora, overrides, actions)
     items = [(k, k, v) for k, v in selection.state_dict.items() if isinstance(k, str)]
-    fmt = output_format_for(dst, output_format, ckpt.format)
+    fmt = "safetensors" if folder else output_format_for(dst, output_format, ckpt.format)
     plan = plan_state_dict_output(
         ckpt,
         "merge-lora",
@@ -115,9 +126,30 @@ def merge_lora(
         for r in plan.rows
     )
     plan = replace(plan, rows=rows, sources=(base, lora.weights))
-    done = finish(plan, target, ckpt, verify, dry_run, durable, progress)
+    done = finish(plan, target, ckpt, verify, dry_run or folder, durable, progress)
+    if folder:
+        done = write_merged_folder(
+            plan,
+            replace(done, dry_run=dry_run),
+            target,
+            ckpt,
+            max_shard_size=max_shard_size,
+            verify=verify,
+            durable=durable,
+            progress=progress,
+        )
     shared = {f.name: getattr(done, f.name) for f in fields(done) if f.init}
     return MergeResult(**shared, adapter=adapter, merged=tuple(merged), replaced=replaced)
+
+
+def _check_folder_format(dst: str, output_format: str | None) -> None:
+    if output_format not in (None, "safetensors"):
+        raise UsageError(
+            f"{dst!r} is a folder output, which holds safetensors shards",
+            argument="output_format",
+            value=repr(output_format),
+            flag="--format",
+        )
 
 
 def _dtype(dtype: str | None) -> str | None:

@@ -9,6 +9,7 @@ magnitude. Tensors not merged are bitwise the base's.
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -294,3 +295,17 @@ def test_blocks_of_rows_change_nothing(
     whole, blocks = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "blocks.pt")
     for key, t in whole.items():
         assert torch.equal(t.view(torch.uint8), blocks[key].view(torch.uint8)), key
+
+
+def test_a_folder_output_loads_in_transformers(
+    cases: Callable[[str], Case], tmp_path: Path
+) -> None:
+    case = cases("sharded")
+    out = tmp_path / "merged-hf"
+    _, text, _ = run_ckpt(
+        "merge-lora", case.base, case.adapter, f"{out}/", "--max-shard-size", "30KB"
+    )
+    assert (out / "model.safetensors.index.json").is_file() and "merge-lora: wrote" in text
+    shutil.copyfile(case.base / "config.json", out / "config.json")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert compare(loaded, case) == []
