@@ -9,7 +9,8 @@ prints JSON that must fit the block. The block is JSON that reads as a type:
 - ``[S]``: a list whose items fit ``S``;
 - ``{"key": S, "other?": S}``: an object with exactly these keys; ``other?`` may be absent or
   null; ``{"<what>": S}`` (one key in angle brackets) maps any key to ``S``;
-- ``{"...": "NAME", ...}``: the keys of schema ``NAME`` and these.
+- ``{"...": "NAME", ...}``: the keys of schema ``NAME`` and these;
+- ``{"one of": [S1, S2, ...]}``: a value that fits one of them (each must be seen).
 
 Fitting every output is half of it: each optional key, each mapped key and each list of
 objects or lists must be seen (not null, not empty) at least once across all outputs, so that
@@ -59,6 +60,8 @@ class Checker:
             self._scalar(value, shape, path)
         elif isinstance(shape, list):
             self._list(value, shape, path)
+        elif set(shape) == {"one of"}:
+            self._one_of(value, shape["one of"], path)
         elif not isinstance(value, dict):
             self.errors.append(f"{path}: expected an object, got {value!r}")
         elif len(shape) == 1 and next(iter(shape)).startswith("<"):
@@ -92,6 +95,23 @@ class Checker:
         for i, item in enumerate(value):
             self.seen.add(key)
             self.fit(item, shape[0], f"{path}[{i}]")
+
+    def _one_of(self, value: Any, forms: list[Any], path: str) -> None:
+        for form in forms:
+            self.expected.setdefault((id(form), "form"), f"{path} (form with {form_name(form)})")
+        tries = []
+        for form in forms:
+            key = (id(form), "form")
+            trial = Checker(self.schemas)
+            trial.fit(value, form, path)
+            if not trial.errors:
+                self.seen |= trial.seen | {key}
+                for part, where in trial.expected.items():
+                    self.expected.setdefault(part, where)
+                return
+            tries.append(trial.errors)
+        fewest = min(tries, key=len)
+        self.errors.append(f"{path}: fits none of the {len(forms)} forms; closest: {fewest}")
 
     def _map(self, value: dict[str, Any], shape: dict[str, Any], path: str) -> None:
         ((name, item),) = shape.items()
@@ -132,6 +152,11 @@ def schema_of(block: Block) -> Schema:
     """The schema a marked ``json`` block describes."""
     name, *commands = (part.strip() for part in block.markers["schema"].split(";"))
     return Schema(name, tuple(c for c in commands if c), json.loads(block.text), block.id)
+
+
+def form_name(form: Any) -> str:
+    """How a form of a ``one of`` is named in messages: by its first key."""
+    return repr(next(iter(form))) if isinstance(form, dict) and form else repr(form)
 
 
 def _is(value: Any, name: str) -> bool:
