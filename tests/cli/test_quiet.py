@@ -43,6 +43,10 @@ def test_the_rewrites_have_quiet() -> None:
     assert rewrites <= set(QUIET)
 
 
+def test_the_other_writing_commands_have_quiet() -> None:
+    assert {"consolidate", "sanitize", "slim", "extract", "average"} <= set(QUIET)
+
+
 @pytest.mark.parametrize("name", QUIET)
 def test_quiet_prints_nothing_on_success(name: str, examples_folder: Path) -> None:
     args = first_write(name)

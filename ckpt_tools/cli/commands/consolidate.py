@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     dry_run_option,
     durable_option,
@@ -56,9 +57,12 @@ from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, 
     levels=CONSOLIDATE_VERIFY_LEVELS,
 )
 @durable_option
+@quiet_option
 @json_option
 @dry_run_option
-def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: Any) -> None:
+def consolidate_cmd(
+    src: str, dst: str, as_json: bool, quiet: bool, everything: bool, **kw: Any
+) -> None:
     """Consolidate a DCP folder or a DeepSpeed ZeRO checkpoint into OUT, torch-free.
 
     SRC is a torch.distributed.checkpoint (DCP) folder, or a DeepSpeed ZeRO checkpoint: its
@@ -69,4 +73,6 @@ def consolidate_cmd(src: str, dst: str, as_json: bool, everything: bool, **kw: A
     straight into place; memory does not grow with the checkpoint. A DeepSpeed checkpoint is
     written as zero_to_fp32 writes it: fp32 master weights, frozen ones as trained.
     """
-    echo_result(consolidate(src, dst, include_all=everything, **kw), as_json)
+    with progress_bar(quiet or as_json) as progress:
+        result = consolidate(src, dst, include_all=everything, progress=progress, **kw)
+    echo_result(result, as_json, quiet)

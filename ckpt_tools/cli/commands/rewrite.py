@@ -26,6 +26,12 @@ from ckpt_tools.structure.keys import regex_rule, sub_rule
 # The progress bar is drawn only for rewrites worth watching.
 _BAR_BYTES = 64 << 20
 
+#: ``--quiet``/``-q`` of every writing command: goes with :func:`progress_bar` and
+#: ``echo_result(quiet=)``.
+quiet_option = click.option(
+    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
+)
+
 
 @contextlib.contextmanager
 def progress_bar(quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
@@ -99,12 +105,7 @@ def _common(func: Callable[..., Any]) -> Callable[..., Any]:
         verify_option("After writing, re-read the output: keys and sizes, or also every byte."),
         durable_option,
         allow_global_option,
-        click.option(
-            "--quiet",
-            "-q",
-            is_flag=True,
-            help="Print nothing on success: no progress bar, no summary.",
-        ),
+        quiet_option,
         json_option,
         dry_run_option,
     ]
@@ -227,9 +228,7 @@ def convert_cmd(
 @click.option(
     "--jobs", type=int, default=1, show_default=True, help="Shards written at once (threads)."
 )
-@click.option(
-    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
-)
+@quiet_option
 @json_option
 @dry_run_option
 def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     dry_run_option,
     durable_option,
@@ -23,6 +24,7 @@ from ckpt_tools.ops.sanitize.sanitizing import sanitize
 @click.option("--force", is_flag=True, help="Replace DST if it exists (never the input).")
 @verify_option("After writing, re-read the output: keys and sizes, or also every byte.")
 @durable_option
+@quiet_option
 @json_option
 @dry_run_option
 def sanitize_cmd(
@@ -33,6 +35,7 @@ def sanitize_cmd(
     force: bool,
     verify: str,
     durable: bool,
+    quiet: bool,
     as_json: bool,
     dry_run: bool,
 ) -> None:
@@ -42,14 +45,16 @@ def sanitize_cmd(
     argparse/OmegaConf configs, defaultdicts, paths and enums plain values, pickled
     nn.Modules their state dict; anything else is dropped and listed (--strict: refused).
     """
-    report = sanitize(
-        src,
-        dst,
-        refuse_unsafe=strict,
-        select=select,
-        force=force,
-        verify=verify,
-        dry_run=dry_run,
-        durable=durable,
-    )
-    echo_result(report, as_json)
+    with progress_bar(quiet or as_json) as progress:
+        report = sanitize(
+            src,
+            dst,
+            refuse_unsafe=strict,
+            select=select,
+            force=force,
+            verify=verify,
+            dry_run=dry_run,
+            durable=durable,
+            progress=progress,
+        )
+    echo_result(report, as_json, quiet)

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
@@ -75,12 +76,15 @@ def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
     help="Select the EMA copy (state_dict_ema, model_ema, ema, Lightning EMA, Ultralytics' "
     "pickled ema module: its state dict).",
 )
+@quiet_option
 @_writing
-def slim_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
+def slim_cmd(src: str, dst: str, as_json: bool, quiet: bool, **kw: Any) -> None:
     """Make a checkpoint smaller: cast, drop entries, keep the (EMA) weights only."""
     from ckpt_tools.ops.transform.slim import slim
 
-    echo_result(slim(src, dst, **kw), as_json)
+    with progress_bar(quiet or as_json) as progress:
+        result = slim(src, dst, progress=progress, **kw)
+    echo_result(result, as_json, quiet)
 
 
 @click.command("extract")
@@ -89,12 +93,15 @@ def slim_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
 @click.option("--prefix", required=True, help="Keep the keys starting with it.")
 @click.option("--strip-prefix", is_flag=True, help="Remove the prefix from the kept keys.")
 @click.option("--ema", is_flag=True, help="Take the EMA copy (as slim --ema).")
+@quiet_option
 @_writing
-def extract_cmd(src: str, dst: str, as_json: bool, **kw: Any) -> None:
+def extract_cmd(src: str, dst: str, as_json: bool, quiet: bool, **kw: Any) -> None:
     """The tensors under one prefix, as a plain state dict."""
     from ckpt_tools.ops.transform.extract import extract
 
-    echo_result(extract(src, dst, **kw), as_json)
+    with progress_bar(quiet or as_json) as progress:
+        result = extract(src, dst, progress=progress, **kw)
+    echo_result(result, as_json, quiet)
 
 
 def _weights(value: str | None) -> list[float] | None:
