@@ -49,9 +49,11 @@ def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
 @click.argument("dst", type=click.Path())
 @click.option(
     "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
     default=None,
-    help="Cast the state dict's floating tensors (bitwise as torch's .to).",
+    metavar="DTYPE",
+    # Checked by slim itself, which takes the same spellings from Python and from here.
+    help="Cast the state dict's floating tensors (bitwise as torch's .to): bf16/bfloat16, "
+    "fp16/float16/half, fp32/float32/float.",
 )
 @click.option(
     "--keep-dtype",

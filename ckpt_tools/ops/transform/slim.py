@@ -147,7 +147,8 @@ def slim(
     Args:
         src: the input checkpoint.
         dst: the output (``.pt`` or ``.safetensors``; ``output_format`` overrides the suffix).
-        dtype: ``bf16``, ``fp16`` or ``fp32``: cast the state dict's floating tensors to it.
+        dtype: ``bf16``/``bfloat16``, ``fp16``/``float16``/``half`` or
+            ``fp32``/``float32``/``float``: cast the state dict's floating tensors to it.
         keep_dtype: regexes; matching keys keep their dtype (``norm``, ``running_var``).
         drop: top-level entries to leave out (``optimizer``, ``scheduler``).
         weights_only: write the selected state dict alone, as a plain state dict.
@@ -228,7 +229,10 @@ def _dtype(dtype: str | None) -> str | None:
         return None
     if dtype not in DTYPE_NAMES:
         raise UsageError(
-            "expected one of: bf16, fp16, fp32", argument="dtype", value=repr(dtype), flag="--dtype"
+            f"expected one of: {', '.join(DTYPE_NAMES)}",
+            argument="dtype",
+            value=repr(dtype),
+            flag="--dtype",
         )
     return DTYPE_NAMES[dtype]
 
