@@ -19,12 +19,14 @@ from ckpt_tools.errors import Remedy, UsageError
 
 __all__ = [
     "CHECKPOINT_NAMES",
+    "DEEPSPEED_DIR",
     "MODEL_NAMES",
     "MULTI_PROCESS",
     "RUN_JSON",
     "STEPS_DIR",
     "STRATEGIES",
     "TORCHRUN_VARS",
+    "ZERO_STAGES",
     "TorchrunEnv",
     "TrainConfig",
     "TrainResult",
@@ -34,9 +36,14 @@ __all__ = [
 ]
 
 #: Training strategies, in the order reports list them.
-STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual", "fsdp")
+STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual", "fsdp", "zero")
 #: The strategies that run one process per rank (spawned, or under torchrun).
-MULTI_PROCESS: tuple[str, ...] = ("ddp", "fsdp")
+MULTI_PROCESS: tuple[str, ...] = ("ddp", "fsdp", "zero")
+#: The ZeRO stages the ``zero`` strategy trains with; 3 (parameters, gradients and optimizer
+#: states all partitioned, FSDP's counterpart) unless asked otherwise.
+ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
+#: The folder of a ``zero`` run's ``out_dir`` that ``engine.save_checkpoint`` writes.
+DEEPSPEED_DIR = "deepspeed"
 #: Every model :func:`ckpt_tools.harness.models.build_harness_model` builds; ``resnet-syncbn``
 #: is the ResNet with SyncBatchNorm.
 MODEL_NAMES: tuple[str, ...] = ("mlp", "lenet", "resnet", "resnet-syncbn")
@@ -61,7 +68,7 @@ class TrainConfig:
     """One training run.
 
     Attributes:
-        strategy: ``single``, ``dp``, ``ddp``, ``manual`` or ``fsdp``.
+        strategy: ``single``, ``dp``, ``ddp``, ``manual``, ``fsdp`` or ``zero`` (DeepSpeed).
         model: one of :data:`MODEL_NAMES`.
         steps: number of SGD steps.
         world_size: replicas/ranks; ``None``: one per selected GPU, or 2 on the CPU.
@@ -83,6 +90,7 @@ class TrainConfig:
         record_steps: also save the parameters after every step into ``out_dir/``
             :data:`STEPS_DIR` (the parity plot's per-step weight differences); needs
             ``out_dir``.
+        zero_stage: the ZeRO stage of the ``zero`` strategy, one of :data:`ZERO_STAGES`.
     """
 
     strategy: str = "single"
@@ -100,6 +108,7 @@ class TrainConfig:
     model_kwargs: Mapping[str, Any] = field(default_factory=dict)
     sync_bn: bool | None = None
     record_steps: bool = False
+    zero_stage: int = 3
 
     def validate(self) -> None:
         """Check the arguments that do not depend on the machine.
@@ -131,6 +140,13 @@ class TrainConfig:
                 argument="world_size",
                 value=repr(self.world_size),
                 flag="--world-size",
+            )
+        if self.zero_stage not in ZERO_STAGES:
+            raise UsageError(
+                f"expected one of {', '.join(map(str, ZERO_STAGES))}",
+                argument="zero_stage",
+                value=repr(self.zero_stage),
+                flag="--zero-stage",
             )
         if self.world_size is not None:
             check_batch_covers(self.batch_size, self.world_size, "ranks")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -210,6 +211,12 @@ def _spawn_entry(
     """``mp.spawn`` target: one rank of an internally started run."""
     local = [torch.device(d) for d in devices]
     _worker(rank, world, local, rank, config, init_method, "spawn", report_dir, train_rank)
+    if config.strategy == "zero":
+        # DeepSpeed's threads can abort the interpreter's own exit after a complete run (the
+        # ranks have written and passed the last barrier): leave without running it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _worker(

@@ -1,7 +1,8 @@
 """The ``train`` entry point, and the in-process strategies ``single`` and ``dp``.
 
 ``manual`` lives in :mod:`ckpt_tools.harness.manual`, ``ddp`` in
-:mod:`ckpt_tools.harness.ddp` and ``fsdp`` in :mod:`ckpt_tools.harness.fsdp` (imported
+:mod:`ckpt_tools.harness.ddp`, ``fsdp`` in :mod:`ckpt_tools.harness.fsdp` and ``zero``
+(DeepSpeed) in :mod:`ckpt_tools.harness.zero` (imported
 only when asked for, so that nothing else pays for ``torch.distributed``).
 """
 
@@ -69,6 +70,10 @@ def train(config: TrainConfig) -> TrainResult:
         from ckpt_tools.harness.fsdp import train_fsdp
 
         return train_fsdp(config)
+    if config.strategy == "zero":
+        from ckpt_tools.harness.zero import train_zero
+
+        return train_zero(config)
     world_size = 1 if config.strategy == "single" else config.world_size
     devices = resolve_devices(world_size, config.gpus, config.device)
     check_batch_covers(config.batch_size, len(devices), "replicas")

@@ -34,7 +34,8 @@ def parity_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def parity_mlp(parity_dir: Path) -> ParityReport:
-    """All four strategies, MLP, world size 2, 3 steps, on the CPU (DDP spawned over gloo)."""
+    """Every strategy, MLP, world size 2, 3 steps, on the CPU (DDP, FSDP and ZeRO-3 spawned
+    over gloo; ZeRO only where DeepSpeed is installed)."""
     return run_parity(world_size=2, steps=3, model="mlp", out_dir=parity_dir, device="cpu")
 
 
@@ -42,12 +43,17 @@ def parity_mlp(parity_dir: Path) -> ParityReport:
 def torchrun_train(
     subprocess_env: dict[str, str],
 ) -> Callable[..., subprocess.CompletedProcess[str]]:
-    """``torchrun_train(launcher, strategy, steps, out, timeout)``: ``ckpt_tools.harness train``
-    as two CPU ranks under ``launcher`` (torchrun's argv), which must exit 0 with only rank 0
-    printing its line."""
+    """``torchrun_train(launcher, strategy, steps, out, timeout, extra=())``:
+    ``ckpt_tools.harness train`` as two CPU ranks under ``launcher`` (torchrun's argv), with
+    the ``extra`` options, which must exit 0 with only rank 0 printing its line."""
 
     def run(
-        launcher: Sequence[str], strategy: str, steps: int, out: Path, timeout: int
+        launcher: Sequence[str],
+        strategy: str,
+        steps: int,
+        out: Path,
+        timeout: int,
+        extra: Sequence[str] = (),
     ) -> subprocess.CompletedProcess[str]:
         command = [
             *launcher,
@@ -67,6 +73,7 @@ def torchrun_train(
             "cpu",
             "--out",
             str(out),
+            *extra,
         ]
         proc = subprocess.run(
             command,

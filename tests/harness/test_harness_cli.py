@@ -56,6 +56,8 @@ def test_parity_resnet_table_checkpoints_plot_and_batchnorm_gap(tmp_path: Path) 
         "2",
         "--batch-size",
         "16",
+        "--strategies",
+        "single,dp,ddp,manual,fsdp",
     ]
     result = CliRunner().invoke(
         harness, [*args, "--device", "cpu", "--out", str(out), "--plot", str(plot)]

@@ -28,6 +28,16 @@ from ckpt_tools.harness.parity.checks import (
     check_vs_single,
 )
 from ckpt_tools.harness.parity.reference import storage_tags
+from ckpt_tools.harness.zero import zero_missing
+
+#: The strategies the shared parity run trains: every one, zero only with DeepSpeed installed
+#: (without it, zero has one skipped row instead).
+RAN = tuple(s for s in STRATEGIES if s != "zero" or zero_missing() is None)
+#: fsdp's dcp_roundtrip, and zero's zero_roundtrip or skipped row.
+EXTRA_ROWS = {
+    ("fsdp", "dcp_roundtrip"),
+    ("zero", "zero_roundtrip" if "zero" in RAN else "vs_single"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +172,10 @@ def test_e_reports_what_safetensors_cannot_hold(runs: Path, tmp_path: Path) -> N
 @pytest.mark.slow
 def test_run_parity_mlp_all_strategies_hold(parity_mlp: ParityReport, parity_dir: Path) -> None:
     report = parity_mlp
-    assert report.strategies == STRATEGIES
-    # fsdp adds its dcp_roundtrip row.
-    assert len(report.rows) == len(STRATEGIES) * len(CHECK_NAMES) + 1
-    for strategy in STRATEGIES:
+    assert report.strategies == RAN
+    # fsdp adds its dcp_roundtrip row, zero its zero_roundtrip (or its skipped) row.
+    assert len(report.rows) == len(RAN) * len(CHECK_NAMES) + 2
+    for strategy in RAN:
         assert (parity_dir / strategy / "wrapped.pt").is_file()
         for check in ("strip_prefix", "add_prefix", "format_roundtrip"):
             assert report.row(strategy, check).passed, report.row(strategy, check).detail
@@ -175,7 +185,7 @@ def test_run_parity_mlp_all_strategies_hold(parity_mlp: ParityReport, parity_dir
         row = report.row(strategy, "vs_single")
         assert row.status == "pass" and row.max_abs_diff <= 1e-5, row.detail
     losses = report.losses
-    assert set(losses) == set(STRATEGIES) and all(len(v) == 3 for v in losses.values())
+    assert set(losses) == set(RAN) and all(len(v) == 3 for v in losses.values())
     ddp_keys = torch.load(parity_dir / "ddp" / "wrapped.pt", weights_only=True)
     assert all(k.startswith("module.") for k in ddp_keys)
 
@@ -184,19 +194,20 @@ def test_run_parity_mlp_all_strategies_hold(parity_mlp: ParityReport, parity_dir
 def test_parity_report_json_and_all_passed(parity_mlp: ParityReport) -> None:
     data = json.loads(parity_mlp.to_json())
     assert data["all_passed"] == parity_mlp.all_passed
-    assert set(data["losses"]) == set(STRATEGIES)
+    assert set(data["losses"]) == set(RAN)
     assert {(r["strategy"], r["name"]) for r in data["rows"]} == {
-        (s, c) for s in STRATEGIES for c in CHECK_NAMES
-    } | {("fsdp", "dcp_roundtrip")}
+        (s, c) for s in RAN for c in CHECK_NAMES
+    } | EXTRA_ROWS
     launchers = [run["launcher"] for run in data["runs"]]
-    assert launchers == ["in-process", "in-process", "spawn", "in-process", "spawn"]
+    spawned = ["spawn"] * (len(RAN) - 4)  # fsdp, and zero where it ran
+    assert launchers == ["in-process", "in-process", "spawn", "in-process", *spawned]
     assert parity_mlp.all_passed
 
 
 @pytest.mark.slow
 def test_run_parity_records_each_strategy_s_weight_gap_per_step(parity_mlp: ParityReport) -> None:
     gaps = parity_mlp.weight_gaps
-    assert list(gaps) == [s for s in STRATEGIES if s != "single"]
+    assert list(gaps) == [s for s in RAN if s != "single"]
     for strategy, values in gaps.items():
         assert len(values) == parity_mlp.steps and all(0 <= g <= 1e-5 for g in values)
         # The last step's gap is (c)'s: the same final weights (the MLP has no buffers).

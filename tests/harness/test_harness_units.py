@@ -245,8 +245,13 @@ def test_cli_choices_come_from_the_library_tables() -> None:
     params = {p.name: p for c in harness_cmd.harness.commands.values() for p in c.params}
     assert tuple(params["strategy"].type.choices) == harness.STRATEGIES
     assert tuple(params["arch"].type.choices) == harness.MODEL_NAMES
-    # (f) dcp_roundtrip: the row of runs that saved a DCP folder (fsdp)
-    assert set(harness_cmd.CHECK_HEADERS) == {*harness.CHECK_NAMES, "dcp_roundtrip"}
+    # (f) dcp_roundtrip and (g) zero_roundtrip: the rows of runs that saved a DCP folder
+    # (fsdp) or a DeepSpeed one (zero)
+    assert set(harness_cmd.CHECK_HEADERS) == {
+        *harness.CHECK_NAMES,
+        "dcp_roundtrip",
+        "zero_roundtrip",
+    }
 
 
 def test_importing_the_harness_imports_neither_torch_nor_click() -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,7 +21,13 @@ import click
 from tabulate import tabulate
 
 # config.py is torch-free: `ckpt --help` and the choices below do not import torch.
-from ckpt_tools.harness.config import MODEL_NAMES, STRATEGIES, TrainConfig, torchrun_env
+from ckpt_tools.harness.config import (
+    MODEL_NAMES,
+    STRATEGIES,
+    ZERO_STAGES,
+    TrainConfig,
+    torchrun_env,
+)
 from ckpt_tools.loading.extras import require_torch
 
 if TYPE_CHECKING:
@@ -37,7 +45,10 @@ CHECK_HEADERS = {
     "device_roundtrip": "(d) device",
     "format_roundtrip": "(e) format",
     "dcp_roundtrip": "(f) dcp",
+    "zero_roundtrip": "(g) zero",
 }
+#: The checks only some strategies' runs have (a column when a row has one).
+_EXTRA_CHECKS = ("dcp_roundtrip", "zero_roundtrip")
 _DEFAULT_ARCH = "mlp"
 
 
@@ -52,6 +63,7 @@ class RunOptions:
     seed: int
     gpus: str | None
     device: str | None
+    zero_stage: int
 
 
 def _arch(arch: str | None, deprecated_model: str | None) -> str:
@@ -98,6 +110,14 @@ _OPTIONS = [
         default=None,
         help="Force the CPU (or insist on GPUs).",
     ),
+    click.option(
+        "--zero-stage",
+        type=click.Choice([str(stage) for stage in ZERO_STAGES]),
+        default="3",
+        show_default=True,
+        help="ZeRO stage of the zero strategy (DeepSpeed): 1 partitions the optimizer states, "
+        "2 also the gradients, 3 also the parameters.",
+    ),
     click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
 ]
 
@@ -109,6 +129,7 @@ def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
     def command(*args: Any, arch: str | None, deprecated_model: str | None, **kw: Any) -> Any:
         shared = {name: kw.pop(name) for name in ("steps", "world_size", "batch_size", "seed")}
         shared.update(gpus=kw.pop("gpus"), device=kw.pop("device"))
+        shared["zero_stage"] = int(kw.pop("zero_stage"))
         run = RunOptions(model=_arch(arch, deprecated_model), **shared)
         return f(*args, run=run, **kw)
 
@@ -120,12 +141,13 @@ def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
 # The same help options under `ckpt` and as `python -m ckpt_tools.harness` (no parent there).
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def harness() -> None:
-    """Train small models single/dp/ddp/manual/fsdp and check checkpoint parity.
+    """Train small models single/dp/ddp/manual/fsdp/zero and check checkpoint parity.
 
-    Without a GPU everything runs on the CPU: DDP and FSDP2 as CPU processes over gloo,
-    the manual loop over CPU replicas, DataParallel as a plain forward. fsdp also saves a
-    DCP folder (dcp/). Under torchrun, each rank runs `train --strategy ddp` (or fsdp)
-    and only rank 0 prints.
+    Without a GPU everything runs on the CPU: DDP, FSDP2 and DeepSpeed ZeRO as CPU
+    processes over gloo, the manual loop over CPU replicas, DataParallel as a plain
+    forward. fsdp also saves a DCP folder (dcp/), zero a DeepSpeed folder (deepspeed/; zero
+    needs pip install 'ckpt_tools[deepspeed]'). Under torchrun, each rank runs `train
+    --strategy ddp` (or fsdp, zero) and only rank 0 prints.
     """
 
 
@@ -151,6 +173,12 @@ def train_cmd(
     env = torchrun_env()
     if env is None or env.rank == 0:  # under torchrun every rank returns; one reports
         _echo_train(result, as_json)
+    if strategy == "zero" and env is not None:
+        # DeepSpeed's threads can abort the interpreter's own exit after a complete run
+        # (every rank has written and passed the last barrier): leave without running it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _echo_train(result: TrainResult, as_json: bool) -> None:
@@ -243,16 +271,18 @@ def _has(report: ParityReport, strategy: str, check: str) -> bool:
     return any(r.strategy == strategy and r.name == check for r in report.rows)
 
 
-def _has_dcp(report: ParityReport) -> bool:
-    return any(r.name == "dcp_roundtrip" for r in report.rows)
+def _extra_checks(report: ParityReport) -> list[str]:
+    """The checks of :data:`_EXTRA_CHECKS` that some row of the report has."""
+    return [c for c in _EXTRA_CHECKS if any(r.name == c for r in report.rows)]
 
 
 def _echo_parity(report: ParityReport, plot_path: str | None) -> None:
     """The parity table, what it means, fallbacks, failures and the verdict."""
     from ckpt_tools.harness.parity.checks import CHECK_NAMES
 
-    # (f) only for runs that saved a DCP folder (fsdp); a column when there is one.
-    names = [*CHECK_NAMES, *(["dcp_roundtrip"] if _has_dcp(report) else [])]
+    # (f) only for runs that saved a DCP folder (fsdp), (g) a DeepSpeed one (zero).
+    extra = _extra_checks(report)
+    names = [*CHECK_NAMES, *extra]
     table = [
         [run.strategy, ",".join(run.devices)]
         + [
@@ -263,7 +293,7 @@ def _echo_parity(report: ParityReport, plot_path: str | None) -> None:
     ]
     headers = ["strategy", "devices", *(CHECK_HEADERS[c] for c in names)]
     click.echo(tabulate(table, headers=headers))
-    bitwise = "(a)(b)(d)(e)(f)" if len(names) > len(CHECK_NAMES) else "(a)(b)(d)(e)"
+    bitwise = "(a)(b)(d)(e)" + "".join(CHECK_HEADERS[c].split()[0] for c in extra)
     click.echo(
         f"max abs diffs; {bitwise} must be bitwise equal, (c) within "
         f"{report.tolerance:g} of single-device weights after {report.steps} steps"

@@ -79,7 +79,8 @@ class CheckResult:
             the comparison is not meaningful.
         detail: what was compared, and why it failed if it did.
         strategy: the strategy whose checkpoints were checked.
-        status: ``pass``, ``fail``, ``baseline`` or ``not comparable``.
+        status: ``pass``, ``fail``, ``baseline``, ``not comparable`` or ``skipped`` (the
+            strategy could not run here: ``detail`` says why and how to install it).
         error: the class name of the :data:`FINDINGS` error that failed the check, or ``""``.
     """
 

@@ -1,5 +1,6 @@
 """(f) ``dcp_roundtrip``: a DCP folder, consolidated, loads into the bare model as the gathered
-reference, bitwise.
+reference, bitwise. (g) ``zero_roundtrip``: a DeepSpeed ZeRO folder, consolidated, loads into
+the bare model and equals DeepSpeed's own ``zero_to_fp32`` state dict, bitwise.
 
 The converter is a parameter: by default ``ckpt consolidate``'s library call
 (:func:`ckpt_consolidate`, torch-free, bounded memory); torch's own
@@ -23,7 +24,13 @@ from ckpt_tools.harness.parity.checks import (
 )
 from ckpt_tools.harness.parity.reference import compare_state_dicts, load_pt
 
-__all__ = ["Converter", "check_dcp_roundtrip", "ckpt_consolidate", "torch_dcp_to_pt"]
+__all__ = [
+    "Converter",
+    "check_dcp_roundtrip",
+    "check_zero_roundtrip",
+    "ckpt_consolidate",
+    "torch_dcp_to_pt",
+]
 
 #: ``(dcp_dir, out_file)``: writes ``out_file`` from the DCP folder.
 Converter = Callable[[Path, Path], Any]
@@ -33,7 +40,7 @@ def ckpt_consolidate(dcp_dir: Path, out_file: Path) -> None:
     """Ours: :func:`ckpt_tools.consolidate` of the model state dict (``ckpt consolidate``).
 
     Args:
-        dcp_dir: the DCP checkpoint folder.
+        dcp_dir: the DCP checkpoint folder, or a DeepSpeed ZeRO save folder.
         out_file: the ``.pt`` file to write.
     """
     from ckpt_tools.ops.consolidate.consolidation import consolidate
@@ -113,6 +120,64 @@ def check_dcp_roundtrip(
         what = getattr(converter, "__name__", type(converter).__name__)
         detail = f"DCP -> {what} -> strict load into the bare model " + (
             f": {'; '.join(problems[:3])}" if problems else "bitwise equal to the gathered state"
+        )
+        return _result(name, strategy, gap, 0.0, not problems, detail)
+
+    return _attempt(name, strategy, 0.0, body)
+
+
+def check_zero_roundtrip(
+    deepspeed_dir: str | Path,
+    reference: str | Path,
+    converter: Converter = ckpt_consolidate,
+    *,
+    model: str = "mlp",
+    model_kwargs: Mapping[str, Any] | None = None,
+    work_dir: str | Path | None = None,
+    strategy: str = "zero",
+) -> CheckResult:
+    """(g) DeepSpeed folder -> ``converter`` == ``zero_to_fp32``'s state dict, bitwise, and
+    loads strictly into the bare model.
+
+    Args:
+        deepspeed_dir: the save folder ``engine.save_checkpoint`` wrote (``latest`` names
+            the tag).
+        reference: DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` of that folder,
+            as ``torch.save`` wrote it (``zero_to_fp32.pt``).
+        converter: writes a single ``torch.save`` file from ``deepspeed_dir``.
+        model: the harness model the run trained.
+        model_kwargs: its extra arguments.
+        work_dir: where the consolidated file goes (default: beside ``deepspeed_dir``).
+        strategy: label for the result.
+
+    Returns:
+        Passed when the converted state dict equals the reference in keys, dtypes, shapes
+        and bytes and loads into the model with ``strict=True``; a
+        :data:`~ckpt_tools.harness.parity.checks.FINDINGS` error is a failed result naming it.
+
+    Example:
+        >>> check_zero_roundtrip("out/zero/deepspeed", "out/zero/zero_to_fp32.pt").passed
+        ... # doctest: +SKIP
+        True
+    """
+    name = "zero_roundtrip"
+    bare = _fresh(model, dict(model_kwargs or {}), _cpu())  # an unknown model is the caller's
+
+    def body() -> CheckResult:
+        source = Path(deepspeed_dir)
+        work = Path(work_dir) if work_dir is not None else source.parent
+        work.mkdir(parents=True, exist_ok=True)
+        out = work / f"{source.name}.consolidated.pt"
+        out.unlink(missing_ok=True)  # a re-run must not read its own old output
+        converter(source, out)
+        converted = load_pt(out)
+        _load_strict(bare, converted)
+        gap, problems = compare_state_dicts(load_pt(reference), converted)
+        what = getattr(converter, "__name__", type(converter).__name__)
+        detail = f"DeepSpeed folder -> {what}, strict load into the bare model, " + (
+            f"vs zero_to_fp32: {'; '.join(problems[:3])}"
+            if problems
+            else "bitwise equal to zero_to_fp32"
         )
         return _result(name, strategy, gap, 0.0, not problems, detail)
 

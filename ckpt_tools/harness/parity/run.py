@@ -1,7 +1,12 @@
 """Train every strategy with the same seed and batch, then run the parity checks on the results.
 
 A run that saved a DCP folder (``fsdp``) also gets (f) ``dcp_roundtrip``
-(:func:`ckpt_tools.harness.parity.dcp_check.check_dcp_roundtrip`).
+(:func:`ckpt_tools.harness.parity.dcp_check.check_dcp_roundtrip`), and one that saved a
+DeepSpeed folder (``zero``) (g) ``zero_roundtrip``
+(:func:`ckpt_tools.harness.parity.dcp_check.check_zero_roundtrip`). A ``zero`` run's
+``bare.pt`` is ``ckpt consolidate``'s output of its DeepSpeed folder, so (c) compares that
+with single-device training. Without DeepSpeed installed, ``zero`` is not trained: its one
+row is ``skipped`` and says how to install it, and the other strategies run.
 
 :func:`run_parity` is what ``ckpt harness parity`` and ``make demo`` run. Its
 :class:`ParityReport` has one row per strategy and check, each strategy's loss curve,
@@ -76,7 +81,7 @@ class ParityReport:
 
     @property
     def all_passed(self) -> bool:
-        """Every row passed (``not comparable`` rows count as passed)."""
+        """Every row passed (``not comparable`` and ``skipped`` rows count as passed)."""
         return all(row.passed for row in self.rows)
 
     @property
@@ -132,7 +137,7 @@ def _why_not_comparable(run: TrainResult, uses_bn: bool) -> str:
     return (
         f"BatchNorm statistics per replica over {run.world_size} shards vs over the whole "
         "batch on one device"
-        + ("; SyncBatchNorm needs GPUs" if run.strategy in ("ddp", "fsdp") else "")
+        + ("; SyncBatchNorm needs GPUs" if run.strategy in ("ddp", "fsdp", "zero") else "")
     )
 
 
@@ -149,6 +154,7 @@ def run_parity(
     gpus: str | tuple[int, ...] | None = None,
     device: str | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
+    zero_stage: int = 3,
 ) -> ParityReport:
     """Train each strategy on the same seed and global batch, then check parity.
 
@@ -166,6 +172,7 @@ def run_parity(
         gpus: GPU selection, see :func:`ckpt_tools.harness.placement.parse_gpus`.
         device: ``"cpu"`` forces the CPU.
         model_kwargs: extra model arguments.
+        zero_stage: the ZeRO stage of the ``zero`` strategy.
 
     Returns:
         The report; ``report.all_passed`` tells whether every check held.
@@ -188,6 +195,8 @@ def run_parity(
             flag="--strategies",
         )
     order = ["single", *(s for s in STRATEGIES if s in strategies and s != "single")]
+    skipped = _skipped(order)
+    order = [s for s in order if s not in {row.strategy for row in skipped}]
     kw = dict(model_kwargs or {})
     with tempfile.TemporaryDirectory(prefix="ckpt-harness-parity-") as scratch:
         root = Path(out_dir) if out_dir is not None else Path(scratch)
@@ -205,10 +214,11 @@ def run_parity(
                 out_dir=str(root / strategy),
                 model_kwargs=kw,
                 record_steps=True,
+                zero_stage=zero_stage,
             )
             runs.append(train(config))
         uses_bn = has_batchnorm(init_model(TrainConfig(model=model, model_kwargs=kw)))
-        rows: list[CheckResult] = []
+        rows: list[CheckResult] = list(skipped)
         single_bare = root / "single" / "bare.pt"
         for run in runs:
             rows += _check_run(run, root / run.strategy, single_bare, model, kw, tolerance, uses_bn)
@@ -225,6 +235,18 @@ def run_parity(
     )
 
 
+def _skipped(order: Sequence[str]) -> list[CheckResult]:
+    """One ``skipped`` row per strategy that cannot run here (``zero`` without DeepSpeed)."""
+    if "zero" not in order:
+        return []
+    from ckpt_tools.harness.zero import zero_missing
+
+    why = zero_missing()
+    if why is None:
+        return []
+    return [CheckResult("vs_single", True, math.nan, None, why, "zero", "skipped")]
+
+
 def _check_run(
     run: TrainResult,
     run_dir: Path,
@@ -235,7 +257,8 @@ def _check_run(
     uses_bn: bool,
 ) -> list[CheckResult]:
     """The five checks on one strategy's checkpoints, in :data:`CHECK_NAMES` order, then
-    ``dcp_roundtrip`` for a run that saved a DCP folder (``fsdp``)."""
+    ``dcp_roundtrip`` for a run that saved a DCP folder (``fsdp``) and ``zero_roundtrip``
+    for one that saved a DeepSpeed folder (``zero``)."""
     wrapped, bare, work = run_dir / "wrapped.pt", run_dir / "bare.pt", run_dir / "parity"
     why_not = _why_not_comparable(run, uses_bn)
     rows = [
@@ -257,6 +280,16 @@ def _check_run(
                 model_kwargs=model_kwargs,
                 work_dir=work,
                 strategy=run.strategy,
+            )
+        )
+    deepspeed = run.checkpoints.get("deepspeed")
+    if deepspeed is not None:
+        from ckpt_tools.harness.parity.dcp_check import check_zero_roundtrip
+
+        reference = run.checkpoints["zero_to_fp32"]
+        rows.append(
+            check_zero_roundtrip(
+                deepspeed, reference, model=model, model_kwargs=model_kwargs, work_dir=work
             )
         )
     if run.strategy != "single" and rows[2].status == "pass" and run.losses:
