@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 _NP = {"float64": np.float64, "float32": np.float32}
+_TILE = 1 << 17  # elements of a matmul tile: 1 MiB of float64
 
 
 def promote(a: str, b: str) -> str:
@@ -100,11 +101,16 @@ def matmul(b: np.ndarray, a: np.ndarray) -> np.ndarray:
         return b.astype(np.float64) @ a.astype(np.float64)
     b64, a64 = b.astype(np.float64), a.astype(np.float64)
     acc = np.zeros((b.shape[0], a.shape[1]), np.float32)
-    step = np.empty(acc.shape, np.float64)
-    for k in range(a.shape[0]):
-        np.multiply(b64[:, k, None], a64[None, k, :], out=step)
-        step += acc
-        acc[...] = step
+    # Tiles of rows that stay in the cache while every k passes over them.
+    rows = max(1, _TILE // max(a.shape[1], 1))
+    step = np.empty((rows, a.shape[1]), np.float64)
+    for first in range(0, b.shape[0], rows):
+        tile, out = b64[first : first + rows], acc[first : first + rows]
+        buf = step[: len(tile)]
+        for k in range(a.shape[0]):
+            np.multiply(tile[:, k, None], a64[None, k, :], out=buf)
+            buf += out
+            out[...] = buf
     return acc
 
 
