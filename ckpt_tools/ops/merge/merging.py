@@ -102,6 +102,8 @@ def merge_lora(
     else:
         target = check_output_path(dst, base, force=force, in_place=False)
     lora = read_adapter(adapter, allow_globals)
+    if not folder:  # nor may OUT be the adapter's weight file
+        check_output_path(dst, lora.weights, force=force, in_place=False)
     ckpt = open_checkpoint(base)
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path)

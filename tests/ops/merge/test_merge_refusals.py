@@ -161,6 +161,14 @@ def test_an_existing_output_needs_force(tiny: tuple[Path, Path]) -> None:
     assert out.read_bytes() != b"keep"
 
 
+def test_the_adapter_is_never_the_output(tiny: tuple[Path, Path]) -> None:
+    base, adapter = tiny
+    weights = adapter / "adapter_model.safetensors"
+    before = weights.read_bytes()
+    _, _, err = run_ckpt("merge-lora", base, adapter, weights, "--force", code=6)
+    assert "adapter_model.safetensors" in err and weights.read_bytes() == before
+
+
 def test_merging_imports_no_torch(tiny: tuple[Path, Path]) -> None:
     base, adapter = tiny
     env = torch_free_env(base.parent)
