@@ -21,6 +21,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.detect import check_regular
+from ckpt_tools.formats.safetensors import tied_aliases
 
 __all__ = ["WEIGHT_FILES", "open_folder", "open_index", "shard_path"]
 
@@ -171,6 +172,11 @@ def open_index(index_path: str) -> Checkpoint:
     # Writers may re-type a storage (a copy with another storage class, same key): a shard's
     # storage keys are its tensor names, which the index keeps unique across shards.
     by_key = {t.storage.key: owner[id(t.storage)] for t in root.values()}
+    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else None
+    aliases = tied_aliases(root, metadata)
+    root.update((alias, root[kept]) for alias, kept in aliases.items())
+    if metadata is not None and aliases:  # names in the root now, as in open_safetensors
+        metadata = {k: v for k, v in metadata.items() if k not in aliases}
 
     def locate(storage: StorageRef) -> ByteSpan:
         shard = owner.get(id(storage)) or by_key.get(storage.key)
@@ -185,7 +191,7 @@ def open_index(index_path: str) -> Checkpoint:
         root=root,
         storages=storages,
         unsafe_globals=unsafe,
-        metadata=index.get("metadata") if isinstance(index.get("metadata"), dict) else None,
+        metadata=metadata,
         shards=shards,
         locate=locate,
     )

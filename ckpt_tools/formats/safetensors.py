@@ -1,6 +1,9 @@
 """Reading safetensors headers: 8-byte little-endian length, a JSON header, then the bytes.
 
 Each tensor owns its byte range, so each becomes its own :class:`StorageRef` keyed by name.
+A tied name that the writer left out (safetensors' ``save_model``, our writers) comes back
+from the metadata over its kept tensor's storage (:func:`tied_aliases`), as ``torch.load``
+of the original gives both names over one storage.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, short_repr
@@ -16,7 +20,7 @@ from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError, quote_foreign
 from ckpt_tools.formats.base import Checkpoint
 
-__all__ = ["MAX_HEADER_BYTES", "open_safetensors", "read_header"]
+__all__ = ["MAX_HEADER_BYTES", "open_safetensors", "read_header", "tied_aliases"]
 
 # safetensors itself refuses headers over 100 MB.
 MAX_HEADER_BYTES = 100_000_000
@@ -171,15 +175,54 @@ def open_safetensors(path: str) -> Checkpoint:
         spans[name] = ByteSpan(path, data_start + begin, end - begin)
         root[name] = TensorRef(storage=storage, offset=0, shape=shape, stride=stride, dtype=dtype)
     _check_layout(path, [(s.offset - data_start, s.nbytes, n) for n, s in spans.items()], data_len)
-
+    aliases = tied_aliases(root, metadata)
+    root.update((alias, root[kept]) for alias, kept in aliases.items())
     return Checkpoint(
         path=path,
         format="safetensors",
         root=root,
         storages=storages,
-        metadata=metadata,
+        metadata=_without(metadata, aliases),
         locate=lambda storage: spans[storage.key],
     )
+
+
+def tied_aliases(stored: Mapping[str, Any], metadata: Mapping[str, Any] | None) -> dict[str, str]:
+    """The tied names a writer left out, each with the stored name it shares memory with.
+
+    ``safetensors.torch.save_model`` (and our writers, in a file's ``__metadata__`` or an HF
+    index's ``metadata``) store tied tensors once and record ``{dropped name: kept name}``.
+    Only that exact form is an alias: a metadata key that is not a stored tensor name, whose
+    value is one; ``format`` is the writer's own key. Anything else stays plain metadata.
+    The readers add each alias to the root over its kept tensor and take it out of the
+    checkpoint's metadata; this is the one place that decides what an alias is.
+
+    Args:
+        stored: the tensors the file (or index) holds, by name.
+        metadata: the file's ``__metadata__`` or the index's ``metadata`` (None when absent).
+
+    Returns:
+        ``{alias: stored name}``, in metadata order.
+
+    Example:
+        >>> tied_aliases({"emb.weight": 0}, {"format": "pt", "head.weight": "emb.weight"})
+        {'head.weight': 'emb.weight'}
+        >>> tied_aliases({"emb.weight": 0}, {"note": "head.weight", "emb.weight": "x"})
+        {}
+    """
+    return {
+        key: value
+        for key, value in (metadata or {}).items()
+        if key != "format" and key not in stored and isinstance(value, str) and value in stored
+    }
+
+
+def _without(metadata: dict[str, Any] | None, aliases: Mapping[str, str]) -> Any:
+    """The metadata less its alias notes: those are names in the root now, and a writer
+    records them again from the tensors (under the names they have then)."""
+    if metadata is None or not aliases:
+        return metadata
+    return {k: v for k, v in metadata.items() if k not in aliases}
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -144,9 +144,11 @@ def test_round_trip_hf_to_pt_to_hf_is_bitwise(tmp_path: Path) -> None:
     back = convert(tmp_path / "hf", tmp_path / "back.pt")
     assert back.input_format == "hf-sharded" and _digest(tmp_path / "hf") == before
     loaded = torch.load(tmp_path / "back.pt", weights_only=True)
-    assert set(loaded) == set(sd) - {"model.embed_tokens.weight"}
+    assert set(loaded) == set(sd)  # the tied name the index records comes back
     for key, value in loaded.items():
         assert torch.equal(value, sd[key]) and value.dtype == sd[key].dtype, key
+    tied = loaded["model.embed_tokens.weight"].untyped_storage().data_ptr()
+    assert tied == loaded["lm_head.weight"].untyped_storage().data_ptr()  # over one storage
     single = convert(tmp_path / "hf", tmp_path / "one.safetensors")
     assert single.output_format == "safetensors"
     with safe_open(tmp_path / "one.safetensors", "pt") as f:  # alias notes carried, not total_size
@@ -156,8 +158,9 @@ def test_round_trip_hf_to_pt_to_hf_is_bitwise(tmp_path: Path) -> None:
     index2 = json.loads((tmp_path / "hf2" / INDEX_NAME).read_text())
     index1 = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
     assert index2["weight_map"] == index1["weight_map"]
-    # the .pt has no alias note to carry (the dropped name is gone); the sizes agree
-    assert index2["metadata"] == {"total_size": index1["metadata"]["total_size"]}
+    # the .pt kept the tied name over one storage, so the alias note is written again
+    assert index2["metadata"] == index1["metadata"]
+    assert index2["metadata"]["model.embed_tokens.weight"] == "lm_head.weight"
     for name in index1["weight_map"].values():
         a, b = load_file(tmp_path / "hf" / name), load_file(tmp_path / "hf2" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -158,10 +158,13 @@ def test_convert_pt_to_safetensors_to_pt_is_bit_exact(tmp_path):
     assert back.output_format == "torch-zip" and zipfile.is_zipfile(tmp_path / "back.pt")
     for mmap in (False, True):
         pt = h.load(tmp_path / "back.pt", mmap=mmap)
-        assert list(pt) == kept
+        assert list(pt) == [*kept, "decoder.weight"]  # the tied name is back, after the stored
         for k in kept:
             h.assert_values_bitwise(original[k], pt[k], k)
             assert pt[k].is_contiguous() and pt[k].storage_offset() == 0
+        h.assert_values_bitwise(original["decoder.weight"], pt["decoder.weight"], "decoder.weight")
+        shared = pt["decoder.weight"].untyped_storage().data_ptr()
+        assert shared == pt["encoder.weight"].untyped_storage().data_ptr()  # over one storage
     assert h.fingerprint(src) == before
     assert h.temp_files(tmp_path) == []
 

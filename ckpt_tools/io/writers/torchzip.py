@@ -225,21 +225,25 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
     metadata = getattr(sd, "_metadata", None)
     if metadata is not None:
         out._metadata = metadata  # type: ignore[attr-defined]
+    # One re-typed storage per storage: tied names (a safetensors alias) stay tied.
+    retyped: dict[int, StorageRef] = {}
     for name, t in sd.items():
         if not isinstance(t, TensorRef) or t.func is not None:
             out[name] = t
             continue
         hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
         if t.dtype in DTYPE_STORAGE_TYPE:
-            storage = replace(t.storage, storage_type=storage_type_ref(t.dtype))
+            storage = retyped.setdefault(
+                id(t.storage), replace(t.storage, storage_type=storage_type_ref(t.dtype))
+            )
             func = GlobalRef("torch._utils", "_rebuild_tensor_v2")
             args: tuple[Any, ...] = (storage, t.offset, t.shape, t.stride, False, hooks)
         else:
-            storage = replace(
-                t.storage,
-                dtype="uint8",
-                numel=t.storage.nbytes,
-                storage_type=UNTYPED_STORAGE,
+            storage = retyped.setdefault(
+                id(t.storage),
+                replace(
+                    t.storage, dtype="uint8", numel=t.storage.nbytes, storage_type=UNTYPED_STORAGE
+                ),
             )
             func = GlobalRef("torch._utils", "_rebuild_tensor_v3")
             dtype = ConstantRef("torch", t.dtype)

@@ -227,6 +227,7 @@ def safetensors_plan(
     expected: dict[str, TensorRef] = {}
     kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     dropped: list[str] = []
+    tied: dict[str, TensorRef] = {}
     for name, t in sd.items():
         if not isinstance(t, TensorRef):
             continue
@@ -236,10 +237,12 @@ def safetensors_plan(
         if identity in kept:
             metadata[str(name)] = kept[identity]
             dropped.append(str(name))
+            tied[str(name)] = t
             continue
         kept[identity] = str(name)
         entries.append(SafetensorsEntry(str(name), t))
         expected[str(name)] = t
+    expected.update(tied)  # reading the output gives them back, after the stored names
     to_torch = Remedy(
         "output_format", "'torch'", flag="--format torch", text="to keep it in torch format"
     )
