@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from ckpt_tools.cli.commands.harness import harness
 from ckpt_tools.errors import MissingExtraError, UsageError
 from ckpt_tools.harness import ParityReport, TrainConfig, run_parity, train
-from ckpt_tools.harness import zero as zero_module
+from ckpt_tools.harness import zero_strategy as zero_module
 from ckpt_tools.harness.config import TrainResult
 from ckpt_tools.harness.parity.dcp_check import check_zero_roundtrip
 

@@ -239,7 +239,7 @@ def _skipped(order: Sequence[str]) -> list[CheckResult]:
     """One ``skipped`` row per strategy that cannot run here (``zero`` without DeepSpeed)."""
     if "zero" not in order:
         return []
-    from ckpt_tools.harness.zero import zero_missing
+    from ckpt_tools.harness.zero_strategy import zero_missing
 
     why = zero_missing()
     if why is None:
