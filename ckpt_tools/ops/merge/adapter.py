@@ -46,6 +46,7 @@ _PARTS = {
 _PART_RE = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(map(re.escape, _PARTS)) + ")$")
 # Config fields that change what a merge computes, which this merge does not do.
 _UNSUPPORTED_FIELDS = ("trainable_token_indices", "target_parameters", "use_qalora")
+_FLOATING = ("float64", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -71,19 +72,6 @@ class LoraTarget:
     r: int
     alpha: float
     scaling: float
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """The adapter keys this target reads (as PEFT saves them, without the prefix)."""
-        parts = (
-            ("lora_embedding_A", "lora_embedding_B")
-            if self.kind == "embedding"
-            else (
-                "lora_A.weight",
-                "lora_B.weight",
-            )
-        )
-        return tuple(f"{self.module}.{p}" for p in parts)
 
 
 @dataclass(frozen=True)
@@ -274,7 +262,14 @@ def _targets(
         kind = "embedding" if found["A"][0].startswith("lora_embedding") else "linear"
         r, alpha, scaling = _rank_alpha(config, module)
         a, b = found["A"][1], found["B"][1]
-        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
+        floating = all(t.dtype in _FLOATING for t in (a, b))
+        if (
+            not floating
+            or len(a.shape) != 2
+            or len(b.shape) != 2
+            or a.shape[0] != r
+            or b.shape[1] != r
+        ):
             raise ConversionError(
                 f"{weights!r}: {module!r} is not a rank-{r} {kind} adapter "
                 f"(A {list(a.shape)}, B {list(b.shape)}); only Linear, Conv1D and Embedding "
@@ -284,6 +279,12 @@ def _targets(
         magnitude = found.get("magnitude", (None, None))[1]
         if magnitude is not None and kind == "embedding":
             raise ConversionError(f"{weights!r}: {module!r}: DoRA on an embedding is not merged")
+        for name, t in (("lora_B.bias", bias), ("lora_magnitude_vector", magnitude)):
+            if t is not None and (t.shape != (b.shape[0],) or t.dtype not in _FLOATING):
+                raise ConversionError(
+                    f"{weights!r}: {module}.{name} is {t.dtype} {list(t.shape)}, not one "
+                    f"floating value per output ({b.shape[0]})"
+                )
         targets.append(LoraTarget(module, kind, a, b, bias, magnitude, r, alpha, scaling))
     return targets, rest
 
@@ -296,9 +297,10 @@ def _modules_to_save(
     saved: dict[str, TensorRef] = {}
     unknown = []
     for key, t in rest.items():
+        key = key.replace(".modules_to_save.default.", ".")  # the wrapper's own name, if saved
         module = key.rsplit(".", 1)[0]
         if any(module == n or module.endswith(f".{n}") for n in names):
-            saved[key.replace(".modules_to_save.default.", ".")] = t
+            saved[key] = t
         else:
             unknown.append(key)
     if unknown:

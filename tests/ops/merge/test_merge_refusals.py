@@ -174,3 +174,13 @@ def test_merging_imports_no_torch(tiny: tuple[Path, Path]) -> None:
     env = torch_free_env(base.parent)
     run_ckpt("merge-lora", base, adapter, base.parent / "out.safetensors", how="module", env=env)
     assert (base.parent / "out.safetensors").is_file()
+
+
+def test_a_magnitude_vector_of_the_wrong_length_is_refused(tiny: tuple[Path, Path]) -> None:
+    base, adapter = tiny
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    tensors["base_model.model.head.lora_magnitude_vector"] = np.ones(5, np.float32)
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    refused(
+        base, adapter, base.parent / "out.pt", code=7, names=("head.lora_magnitude_vector", "[5]")
+    )
