@@ -370,3 +370,40 @@ def test_enum_getattr_stays_refused_in_a_torch_file(tmp_path: Path) -> None:
     assert {"builtins.getattr", "__builtin__.getattr"} & set(open_checkpoint(path).unsafe_globals)
     with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)
+
+
+def test_every_reader_of_a_dcp_folder_says_consolidate_it(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Saved in one process, each tensor is one chunk, yet still its own archive in a .distcp
+    # file: the folder needs consolidating. One reason, one remedy, a usage refusal (exit 2),
+    # whichever command or call meets it.
+    import ckpt_tools as ct
+    from ckpt_tools.cli.main import main
+    from ckpt_tools.errors import UsageError
+
+    torch.save(small_state()["model"], tmp_path / "x.pt")
+    remedy = f"ckpt consolidate {folder} OUT.safetensors"
+    calls = [
+        lambda: ct.load_state_dict(folder, select="model"),
+        lambda: ct.load_with_info(folder, select="model"),
+        lambda: ct.load_into(torch.nn.Linear(3, 4), folder, select="model", strict=False),
+        lambda: ct.strip_module(folder, tmp_path / "o.pt"),
+        lambda: ct.convert(folder, tmp_path / "o.pt"),
+    ]
+    for call in calls:
+        with pytest.raises(UsageError) as e:
+            call()
+        message = str(e.value)
+        assert not isinstance(e.value, CorruptCheckpointError), message
+        assert "torch.distributed.checkpoint folder" in message and "own archive" in message
+        assert remedy in message and "chunks across files" not in message
+    for args in (
+        ["diff", folder, tmp_path / "x.pt", "--select", "model"],
+        ["convert", folder, "o.pt"],
+    ):
+        code = main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert remedy in err and "own archive" in err
+    assert not (tmp_path / "o.pt").exists()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
-from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, UsageError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.dcp.metadata import (
     DcpBytes,
@@ -36,7 +36,14 @@ from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.formats.zip.directory import FileSlice
 from ckpt_tools.formats.zip.torchzip import ArchiveContents, read_torch_archive
 
-__all__ = ["DATA_SUFFIX", "METADATA_FILE", "DcpCheckpoint", "is_dcp_folder", "open_dcp"]
+__all__ = [
+    "DATA_SUFFIX",
+    "METADATA_FILE",
+    "DcpCheckpoint",
+    "is_dcp_folder",
+    "needs_consolidating",
+    "open_dcp",
+]
 
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -221,14 +228,7 @@ def open_dcp(folder: str) -> DcpCheckpoint:
     def locate(storage: StorageRef) -> ByteSpan:
         if id(storage) in spans:
             return spans[id(storage)]
-        raise UnsupportedFormatError(
-            f"{folder!r}: tensor {storage.key!r} is saved in chunks across files, so it has no "
-            "single byte range",
-            path=folder,
-            remedies=(
-                Remedy(command=f"ckpt consolidate {folder} OUT.pt", text="to write one file first"),
-            ),
-        )
+        raise needs_consolidating(folder, storage.key)
 
     return DcpCheckpoint(
         path=folder,
@@ -239,6 +239,39 @@ def open_dcp(folder: str) -> DcpCheckpoint:
         locate=locate,
         dcp=meta,
         tensors=tensors,
+    )
+
+
+def needs_consolidating(folder: str, tensor: str | None = None) -> UsageError:
+    """The refusal for reading a DCP folder's tensors as a file's: the one reason and remedy.
+
+    DCP writes each tensor, or each chunk of it, as its own ``torch.save`` archive inside
+    the ``.distcp`` files, even when one process saved it whole; what reads a tensor's bytes
+    from one place needs the folder consolidated into one file first.
+
+    Args:
+        folder: the DCP folder.
+        tensor: the tensor being read, when one is.
+
+    Returns:
+        The :class:`~ckpt_tools.errors.UsageError` to raise (exit 2).
+
+    Example:
+        >>> err = needs_consolidating("run/step_100", "model.fc.weight")
+        >>> "run `ckpt consolidate run/step_100 OUT.safetensors`" in str(err), err.exit_code
+        (True, 2)
+    """
+    which = f" (reading {tensor!r})" if tensor is not None else ""
+    return UsageError(
+        f"{folder!r} is a torch.distributed.checkpoint folder, which stores each tensor (or "
+        f"each chunk of it) as its own archive in its .distcp files{which}",
+        path=folder,
+        remedies=(
+            Remedy(
+                command=f"ckpt consolidate {folder} OUT.safetensors",
+                text="to write it as one file first",
+            ),
+        ),
     )
 
 

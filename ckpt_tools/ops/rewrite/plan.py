@@ -121,17 +121,9 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
             "renaming them would break it; load it with torch.jit.load and save the state_dict()"
         )
     if ckpt.format == "dcp":
-        raise UsageError(
-            f"{ckpt.path!r} is a torch.distributed.checkpoint folder: its tensors are saved in "
-            "chunks across files",
-            path=ckpt.path,
-            remedies=(
-                Remedy(
-                    command=f"ckpt consolidate {ckpt.path} OUT.safetensors",
-                    text="to write it as one file first ([--strip] removes wrappers too)",
-                ),
-            ),
-        )
+        from ckpt_tools.formats.dcp.reader import needs_consolidating
+
+        raise needs_consolidating(ckpt.path)
     refused = tuple(g for g in ckpt.unsafe_globals if g not in set(allow_globals))
     if refused:
         raise UnsafeContentError(
