@@ -335,3 +335,20 @@ def test_positional_data_must_match_its_row() -> None:
     assert positional_inputs_only("rename_keys", rename_keys) == [
         "rename_keys: positional ('sd',), expected ('sd', 'rules')"
     ]
+
+
+def test_every_error_class_is_exported_and_the_type_aliases_are_types() -> None:
+    # ``except ct.MissingExtraError`` must work as every other error of the tree does.
+    from ckpt_tools import errors
+
+    tree = {
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, errors.CheckpointError)
+    }
+    assert sorted(tree - set(ckpt_tools.__all__)) == []
+    assert ckpt_tools.MissingExtraError is errors.MissingExtraError
+    # The aliases of ckpt_tools._types are exported as types, never checked as functions
+    # (inspect.signature of one raises).
+    aliases = {"MapLocation", "OutputFormat", "Progress", "Select", "StrPath", "VerifyLevel"}
+    assert aliases <= set(ckpt_tools.__all__) and not aliases & set(PUBLIC)
