@@ -44,7 +44,7 @@ def test_the_rewrites_have_quiet() -> None:
 
 
 def test_the_other_writing_commands_have_quiet() -> None:
-    assert {"consolidate", "sanitize", "slim", "extract", "average"} <= set(QUIET)
+    assert {"consolidate", "sanitize", "slim", "extract", "average", "merge-lora"} <= set(QUIET)
 
 
 @pytest.mark.parametrize("name", QUIET)

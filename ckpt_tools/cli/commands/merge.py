@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.commands.rewrite import progress_bar
+from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
@@ -47,9 +47,7 @@ from ckpt_tools.cli.render import echo_result
 @verify_option("After writing, re-read keys and sizes, or also every byte (computed again).")
 @durable_option
 @allow_global_option
-@click.option(
-    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
-)
+@quiet_option
 @json_option
 @dry_run_option
 def merge_lora_cmd(
