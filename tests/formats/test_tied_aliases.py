@@ -80,6 +80,8 @@ def test_diff_convert_back_and_inspect_see_the_alias(
         info = ct.inspect(src)
         shared = {t.name: t.shared_with for t in info.tensors}
         assert "emb.weight" in shared["head.weight"] and "head.weight" in shared["emb.weight"]
+        storage = {t.name: t.storage for t in info.tensors}
+        assert storage["head.weight"] == storage["emb.weight"]  # one storage, one label
         assert "head.weight" not in (info.metadata or {})  # a name now, not a note
     capsys.readouterr()
 

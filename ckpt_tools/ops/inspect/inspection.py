@@ -84,6 +84,10 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
     # grows with the square of the views of one storage.
     sharing = {key: tuple(names) for key, names in by_storage.items()}
     shard_of = _shard_owner(ckpt)
+    # Labelled by its first name: a tied name an index records is in no shard of its own.
+    label: dict[int, str] = {}
+    for name, t in named:
+        label.setdefault(id(t.storage), shard_of.get(name, "") + t.storage.key)
     tensors = tuple(
         TensorInfo(
             name=name,
@@ -93,7 +97,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
             numel=t.numel,
             nbytes=t.nbytes,
             device=t.device,
-            storage=shard_of.get(name, "") + t.storage.key if shard_of else t.storage.key,
+            storage=label[id(t.storage)],
             offset=t.offset,
             storage_nbytes=t.storage.nbytes,
             sharing=sharing[id(t.storage)],
