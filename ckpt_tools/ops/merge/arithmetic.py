@@ -22,11 +22,13 @@ __all__ = [
     "plain_merge",
     "promote",
     "rounded",
+    "row_norm",
     "to_bits",
 ]
 
 _NP = {"float64": np.float64, "float32": np.float32}
 _TILE = 1 << 17  # elements of a matmul tile: 1 MiB of float64
+_LANES = 8  # float32 lanes of torch's AVX2 reduction kernels
 
 
 def promote(a: str, b: str) -> str:
@@ -158,6 +160,34 @@ def plain_merge(w: np.ndarray, w_dtype: str, delta: np.ndarray, delta_dtype: str
     )
 
 
+def row_norm(rows: np.ndarray) -> np.ndarray:
+    """Each row's 2-norm, summed in the order torch's CPU kernel sums a contiguous float32 row.
+
+    That kernel (AVX2: 8 lanes) adds the squares of each 8 elements into 8 accumulators,
+    adds the accumulators from the first to the last, then the squares of the last
+    ``n % 8`` elements one by one. A row read with a stride (a ``Conv1D`` weight's column)
+    takes another kernel, whose order this does not follow: there, and on machines whose
+    torch uses other vector widths, the norm may differ in its last place.
+
+    Example:
+        >>> row_norm(np.array([[3.0, 4.0]], np.float32)).tolist()
+        [5.0]
+    """
+    if rows.dtype != np.float32 or not rows.flags.c_contiguous:
+        return np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=rows.dtype))
+    full = rows.shape[1] - rows.shape[1] % _LANES
+    lanes = np.zeros((rows.shape[0], _LANES), np.float32)
+    for first in range(0, full, _LANES):
+        block = rows[:, first : first + _LANES]
+        lanes += block * block
+    total = lanes[:, 0].copy()
+    for lane in range(1, _LANES):
+        total += lanes[:, lane]
+    for column in range(full, rows.shape[1]):
+        total += rows[:, column] * rows[:, column]
+    return np.sqrt(total)
+
+
 def dora_merge(
     w: np.ndarray,
     w_dtype: str,
@@ -184,8 +214,7 @@ def dora_merge(
     total = plain_merge(w, w_dtype, delta, delta_dtype)
     rows = total.T if transpose else total
     calc = _calc(summed)
-    # torch's CPU norm of float32 accumulates in float32 (its summation order may differ).
-    norm = rounded(np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=calc)).astype(calc), summed)
+    norm = rounded(row_norm(rows).astype(calc), summed)
     factor_dtype = promote(magnitude_dtype, summed)
     factor = rounded(
         magnitude.astype(_calc(factor_dtype)) / norm.astype(_calc(factor_dtype)), factor_dtype

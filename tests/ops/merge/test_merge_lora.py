@@ -1,9 +1,10 @@
 """merge_lora against PEFT's own merge: tiny models from configs, LoRA applied and trained a
 little (B made non-zero), ``merge_and_unload()`` the expected output.
 
-Plain LoRA merges are bitwise PEFT's. DoRA's row norm may sum in another order than torch's,
-so DoRA outputs are held to one unit in the last place plus 2**-16 of the tensor's largest
-magnitude. Tensors not merged are bitwise the base's.
+Plain LoRA merges are bitwise PEFT's. DoRA's row norm is summed in the order of torch's AVX2
+kernel; a torch using other vector widths sums in another, so DoRA outputs are held to one
+unit in the last place plus 2**-16 of the tensor's largest magnitude. Tensors not merged are
+bitwise the base's.
 """
 
 from __future__ import annotations
