@@ -100,6 +100,21 @@ def test_save_model_files_read_the_same(tmp_path: Path) -> None:
     assert set(ct.load_state_dict(tmp_path / "again.safetensors")) == set(sd)
 
 
+def test_a_partial_view_is_written_as_its_own_tensor_not_an_alias(tmp_path: Path) -> None:
+    # The metadata names the kept tensor, not a view of it: only a whole view is an alias.
+    base = torch.randn(4, 3)
+    torch.save({"a": base, "b": base[:2], "c": base}, tmp_path / "views.pt")
+    want = torch.load(tmp_path / "views.pt", weights_only=True)
+    for dst in ("v.safetensors", "hf/"):  # a trailing / names a folder output
+        ct.convert(tmp_path / "views.pt", f"{tmp_path}/{dst}", verify="full")
+        got = ct.load_state_dict(tmp_path / dst)
+        assert (tmp_path / dst).is_dir() == dst.endswith("/")
+        assert set(got) == set(want), dst
+        for key, value in want.items():
+            assert got[key].shape == value.shape and torch.equal(got[key], value), (dst, key)
+        assert _tied({"head.weight": got["c"], "emb.weight": got["a"]}), dst
+
+
 def test_the_alias_form_is_a_name_over_its_kept_tensor(tmp_path: Path) -> None:
     metadata = {"format": "pt", "head.weight": "emb.weight"}
     save_file({"emb.weight": torch.ones(2)}, tmp_path / "m.safetensors", metadata=metadata)

@@ -4,7 +4,8 @@ Any checkpoint ``convert`` reads (a ``.pt``, a ``.safetensors``, an HF folder) b
 folder of ``model-0000k-of-0000N.safetensors`` shards plus ``model.safetensors.index.json``,
 bytes copied record by record (:mod:`ckpt_tools.io.writers.hf_folder`). Tied tensors are stored
 once, by ``huggingface_hub.save_torch_state_dict``'s rule
-(:func:`~ckpt_tools.ops.transform.tied_names.hf_shared_names`). torch
+(:func:`~ckpt_tools.ops.transform.tied_names.hf_shared_names`), where the names are one view
+(the index records a name, not a view: a partial view is written as its own tensor). torch
 is never imported.
 """
 
@@ -187,6 +188,10 @@ class _FolderPlan(NamedTuple):
     total_keys: int
 
 
+def _same_view(a: TensorRef, b: TensorRef) -> bool:
+    return (a.offset, a.shape, a.stride, a.dtype) == (b.offset, b.shape, b.stride, b.dtype)
+
+
 def _plan_folder(
     ckpt: Checkpoint,
     select: Select,
@@ -201,7 +206,13 @@ def _plan_folder(
     sd = selection.state_dict
     check_key_types(sd, (), "safetensors", ckpt.path)
     tensors = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
-    aliases = hf_shared_names(tensors)
+    # A name is left to the index's metadata only where it is its kept name's very view: the
+    # note says which name, not which view, so a partial view is written as its own tensor.
+    aliases = {
+        name: kept
+        for name, kept in hf_shared_names(tensors).items()
+        if _same_view(tensors[name], tensors[kept])
+    }
     kept = {k: v for k, v in sd.items() if k not in aliases}
     entries, metadata, dropped, _ = safetensors_plan(ckpt, selection.path, kept, drop_extras)
     # The source's string metadata carries over (an HF index's alias notes among it); its
