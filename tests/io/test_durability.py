@@ -24,6 +24,8 @@ from ckpt_tools.io.copy.clone import _WRITEBACK_EVERY
 from ckpt_tools.ops.rewrite.rewriting import strip_module
 from tests.helpers.builders import load, save
 from tests.helpers.cli import ckpt_env, console_script
+from tests.helpers.committed import FIXTURES
+from tests.helpers.lora import write_tiny_adapter
 
 SYNCS = ("fsync", "fdatasync", "sync_file_range", "syncfs", "sync", "msync")
 
@@ -144,6 +146,9 @@ def inputs(tmp_path: Path) -> Callable[[str], list[object]]:
             return [command, tmp_path / "dcp", out.with_suffix(".pt")]
         if command == "average":
             return [command, pt, other, out.with_suffix(".pt")]
+        if command == "merge-lora":
+            base = shutil.copyfile(FIXTURES / "plain.pt", tmp_path / "tiny.pt")
+            return [command, base, write_tiny_adapter(tmp_path / "lora"), out.with_suffix(".pt")]
         extra = {
             "convert": [f"{out}/", "--max-shard-size", "100"],
             "extract": [out.with_suffix(".pt"), "--prefix", "module."],
@@ -163,7 +168,7 @@ def test_no_fsync_makes_no_sync_call_and_the_default_syncs(
     args = inputs(command)
     synced = _sync_calls(tmp_path, *args)
     assert synced["fsync"] >= 1, f"ckpt {command} wrote without an fsync: {dict(synced)}"
-    out = Path(str(args[2] if command != "average" else args[3]))
+    out = Path(str(args[3] if command in ("average", "merge-lora") else args[2]))
     shutil.rmtree(out) if out.is_dir() else out.unlink()
     unsynced = _sync_calls(tmp_path, *args, "--no-fsync")
     assert sum(unsynced.values()) == 0, f"ckpt {command} --no-fsync synced: {dict(unsynced)}"
