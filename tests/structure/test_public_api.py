@@ -201,8 +201,9 @@ def test_the_operations_are_there() -> None:
     # The file operations named like the CLI commands, and the loaders beside them.
     commands = {
         "rewrite", "strip_module", "add_module", "rename", "retag", "convert", "slim",
-        "extract", "average", "reshard", "consolidate", "sanitize", "inspect", "scan", "diff",
-        "merge_lora", "load_state_dict", "load_with_info", "load_into", "list_devices", "pick_devices",
+        "extract", "average", "merge_lora", "reshard", "consolidate", "sanitize", "inspect",
+        "scan", "diff", "load_state_dict", "load_with_info", "load_into", "list_devices",
+        "pick_devices",
     }  # fmt: skip
     assert commands <= set(PUBLIC), sorted(commands - set(PUBLIC))
     assert not {"strip_module_file", "add_module_file", "rename_file"} & set(ckpt_tools.__all__)
