@@ -132,9 +132,7 @@ def _weights(value: str | None) -> list[float] | None:
     metavar="N",
     help="Of the inputs (globs expanded), the last N by the number in the name, else mtime.",
 )
-@click.option(
-    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
-)
+@quiet_option
 @_writing
 def average_cmd(
     inputs: tuple[str, ...],
@@ -149,7 +147,6 @@ def average_cmd(
 
     The INPUTs (globs expanded) are averaged into DST, the last argument, as cp takes it.
     """
-    from ckpt_tools.cli.commands.rewrite import progress_bar
     from ckpt_tools.ops.transform.average import average, pick_inputs
 
     picked = pick_inputs(list(inputs), last)
