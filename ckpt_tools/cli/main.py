@@ -109,7 +109,7 @@ _COMMANDS = {
     "harness": _Entry(
         "ckpt_tools.cli.commands.harness",
         "harness",
-        "Train small models single/dp/ddp/manual/fsdp and check checkpoint parity.",
+        "Train small models single/dp/ddp/manual/fsdp/zero and check checkpoint parity.",
     ),
 }
 
