@@ -159,6 +159,15 @@ def check_zero_roundtrip(
         >>> check_zero_roundtrip("out/zero/deepspeed", "out/zero/zero_to_fp32.pt").passed
         ... # doctest: +SKIP
         True
+
+        Any converter plugs in; this one copies a state dict in place of consolidating:
+
+        >>> import shutil
+        >>> copy = lambda folder, out: shutil.copy("out/single/bare.pt", out)
+        >>> row = check_zero_roundtrip("out/single", "out/single/bare.pt", copy,
+        ...                            model_kwargs={"hidden": (4,)}, work_dir="work")
+        >>> row.passed
+        True
     """
     name = "zero_roundtrip"
     bare = _fresh(model, dict(model_kwargs or {}), _cpu())  # an unknown model is the caller's
