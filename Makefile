@@ -13,10 +13,12 @@ unexport PYTHONDONTWRITEBYTECODE
 
 venv: $(STAMP)
 
+# --no-compile: pip would byte-compile every module of torch, transformers and deepspeed, most
+# of which no test imports; an import compiles (and caches) what it needs.
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip setuptools wheel -c constraints.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[torch,plot,dev]'
+	$(PY) -m pip install --quiet --no-compile --upgrade pip setuptools wheel -c constraints.txt
+	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e '.[torch,plot,dev]'
 	touch $(STAMP)
 
 # The documentation site into site/: offline, and strict (a warning fails the build). Its
