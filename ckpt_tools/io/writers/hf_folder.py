@@ -30,9 +30,18 @@ __all__ = [
     "WEIGHT_FILES",
     "FolderFile",
     "check_output_folder",
+    "wants_folder",
     "write_folder",
     "write_hf_shards",
 ]
+
+
+def wants_folder(dst: str | os.PathLike[str], max_shard_size: str | int | None) -> bool:
+    """An output is a Hugging Face folder when a shard size is given or ``dst`` names a folder
+    (it ends with a separator, or is an existing folder)."""
+    text = os.fspath(dst)
+    return max_shard_size is not None or text.endswith(("/", os.sep)) or os.path.isdir(text)
+
 
 # Temp folders: not `.ckpt-tmp-` (atomic.py's file pattern, whose cleanup unlinks files).
 _TEMP_DIR = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+(?:-old)?$")

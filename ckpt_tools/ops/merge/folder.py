@@ -25,12 +25,7 @@ from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.transform.plan import TransformPlan
 from ckpt_tools.ops.transform.result import TransformResult
 
-__all__ = ["names_folder", "write_merged_folder"]
-
-
-def names_folder(dst: str) -> bool:
-    """``dst`` names a folder: it ends with a separator, or is an existing folder."""
-    return dst.endswith(("/", os.sep)) or os.path.isdir(dst)
+__all__ = ["write_merged_folder"]
 
 
 def write_merged_folder(

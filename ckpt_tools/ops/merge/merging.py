@@ -18,10 +18,10 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.io.writers.hf_folder import check_output_folder
+from ckpt_tools.io.writers.hf_folder import check_output_folder, wants_folder
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
-from ckpt_tools.ops.merge.folder import names_folder, write_merged_folder
+from ckpt_tools.ops.merge.folder import write_merged_folder
 from ckpt_tools.ops.merge.records import bias_record, merge_record, replace_record
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
@@ -95,7 +95,7 @@ def merge_lora(
     """
     base, adapter, dst = os.fspath(base), os.fspath(adapter), os.fspath(dst)
     cast_to = _dtype(dtype)
-    folder = names_folder(dst) or max_shard_size is not None
+    folder = wants_folder(dst, max_shard_size)
     if folder:
         _check_folder_format(dst, output_format)
         target = check_output_folder(dst, base, force=force)

@@ -4,7 +4,6 @@ its saved device tags) rather than its keys.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_mapping
@@ -73,7 +72,9 @@ def convert(
         >>> convert("model.pt", "model-hf/").written
         ('model-hf/model.safetensors',)
     """
-    if max_shard_size is None and not _names_folder(dst):
+    from ckpt_tools.io.writers.hf_folder import wants_folder
+
+    if not wants_folder(dst, max_shard_size):
         return rewrite(
             src,
             dst,
@@ -105,12 +106,6 @@ def convert(
         progress=progress,
         jobs=jobs,
     )
-
-
-def _names_folder(dst: StrPath) -> bool:
-    """``dst`` names a folder: it ends with a separator, or is an existing folder."""
-    text = os.fspath(dst)
-    return text.endswith(("/", os.sep)) or os.path.isdir(text)
 
 
 _DEVICE_TAGS_WHY = (
