@@ -168,7 +168,8 @@ def _generate_dcp(tmp: Path, args: argparse.Namespace) -> tuple[Path, str]:
 def _generate_zero(tmp: Path, args: argparse.Namespace) -> tuple[Path, str]:
     import time
 
-    from ckpt_tools.harness.zero import ZeroRun, make_zero_checkpoints
+    from ckpt_tools.harness.zero import ZeroRun
+    from ckpt_tools.harness.zero_launch import make_zero_checkpoints
 
     # ZeroNet holds about 4 * width**2 parameters, half of them frozen.
     width = max(8, int(math.sqrt(args.size_mb * (1 << 20) / 4 / 4)))

@@ -89,7 +89,7 @@ def make_zero_runs(root: Path) -> ZeroRuns:
     """Train and save every run of :data:`RUN_IDS` into ``root``; skip without DeepSpeed."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed: pip install 'ckpt_tools[deepspeed]'")
-    from ckpt_tools.harness.zero import start_zero_runs
+    from ckpt_tools.harness.zero_launch import start_zero_runs
 
     launches = [
         start_zero_runs(
