@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Record",
+    "cast_span_record",
     "cast_storage_record",
     "cast_stream",
     "check_records",
@@ -102,7 +103,12 @@ def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: st
     if _compressed(ckpt, storage) is not None:
         return cast_stream(copy_record(ckpt, storage), src, dst)
     span = ckpt.span(storage)
-    numel = span.nbytes // itemsize(src)
+    return cast_span_record(span, span.nbytes // itemsize(src), src, dst)
+
+
+def cast_span_record(span: Any, numel: int, src: str, dst: str) -> Record:
+    """A record streaming ``numel`` elements of ``src`` from ``span`` (a file's bytes at an
+    offset), cast to ``dst``."""
 
     def produce() -> Iterable[bytes]:
         from ckpt_tools.io.casting import iter_cast

@@ -10,8 +10,6 @@ Hugging Face output stores such a tensor once, under the name huggingface_hub ke
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
@@ -22,7 +20,7 @@ from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from ckpt_tools.formats.deepspeed.reader import DeepSpeedCheckpoint, TensorSource, open_deepspeed
 from ckpt_tools.formats.detect import detect_format
 from ckpt_tools.io.assemble import SpanPiece
-from ckpt_tools.io.writers.records import Record
+from ckpt_tools.io.writers.records import Record, cast_span_record
 from ckpt_tools.ops.consolidate.plan import (
     ConsolidationPlan,
     OutputTensor,
@@ -75,18 +73,7 @@ def _record(source: TensorSource, t: TensorRef) -> tuple[tuple[SpanPiece, ...], 
     if source.dtype == t.dtype:
         return tuple(SpanPiece(s) for s in source.spans), None
     (span,) = source.spans  # only a buffer is cast, and a buffer is one span
-    numel, src, dst = t.numel, source.dtype, t.dtype
-
-    def produce() -> Iterable[bytes]:
-        from ckpt_tools.io.casting import iter_cast
-
-        fd = os.open(span.path, os.O_RDONLY)
-        try:
-            yield from iter_cast(fd, span.offset, numel, src, dst)
-        finally:
-            os.close(fd)
-
-    return (), Record(t.nbytes, produce=produce, action=f"cast {src} -> {dst}")
+    return (), cast_span_record(span, t.numel, source.dtype, t.dtype)
 
 
 def _names(ckpt: DeepSpeedCheckpoint, exclude_frozen: bool) -> dict[str, TensorRef]:
