@@ -20,7 +20,10 @@ keeps working, and carries the process exit code the CLI uses for it::
     ├── ConversionError(ValueError)                   7  the conversion is impossible
     │   ├── KeyCollisionError                         7
     │   └── NonTensorEntriesError                     7
-    └── StateDictMismatchError(RuntimeError)          1  load_into(strict=True) found differences
+    ├── StateDictMismatchError(RuntimeError)          1  load_into(strict=True) found differences
+    └── RemoteError(OSError)                          8  a URL could not be read: network, status
+        ├── RemoteAccessError(PermissionError)        8  401/403, missing credentials
+        └── RangeNotSupportedError                    8  the server ignores byte ranges
 
 Exit codes 0 (ok) and 1 (differences found, ``ckpt diff --fail-on``) are not errors.
 
@@ -35,8 +38,9 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from ckpt_tools._remedies import Remedy, assignment, sentence
 
 __all__ = [
     "EXIT_CONVERSION",
@@ -44,6 +48,7 @@ __all__ = [
     "EXIT_DIFFERENCES",
     "EXIT_OK",
     "EXIT_OUTPUT",
+    "EXIT_REMOTE",
     "EXIT_RESOURCE",
     "EXIT_UNSAFE",
     "EXIT_USAGE",
@@ -57,7 +62,10 @@ __all__ = [
     "NonTensorEntriesError",
     "OutputError",
     "OutputExistsError",
+    "RangeNotSupportedError",
     "Remedy",
+    "RemoteAccessError",
+    "RemoteError",
     "ResourceLimitError",
     "SameFileError",
     "SelectError",
@@ -77,81 +85,7 @@ EXIT_CORRUPT = 4
 EXIT_RESOURCE = 5
 EXIT_OUTPUT = 6
 EXIT_CONVERSION = 7
-
-
-@dataclass(frozen=True)
-class Remedy:
-    """One way to fix an error, said to a Python caller and to a command-line user.
-
-    A remedy is an argument (``argument`` and ``value`` for Python, ``flag`` for the
-    command line), or a command to run (the same for both), or words alone. ``text``
-    follows the fix and says what it does, or is the whole fix when there is nothing to
-    pass or run. A fix that only one audience can apply leaves the other side None, and
-    that audience is not told about it.
-
-    Attributes:
-        argument: the Python keyword argument that fixes it (``"force"``).
-        value: its value as Python source (``"True"``, ``"'a.b'"``); None when the verb
-            says it all (``lower world_size``).
-        flag: the command-line spelling of the same fix (``"--force"``, ``"--select a.b"``).
-        command: a command to run instead (``"git lfs pull"``), shown to both.
-        text: the words after the fix (``"to replace it"``), or the whole fix
-            (``"choose another output path"``).
-        verb: how the argument or flag is applied (``"pass"``, ``"lower"``, ``"leave out"``).
-
-    Example:
-        >>> fix = Remedy("force", "True", flag="--force", text="to replace it")
-        >>> fix.render(), fix.render(for_cli=True)
-        ('pass force=True to replace it', 'pass --force to replace it')
-    """
-
-    argument: str | None = None
-    value: str | None = None
-    flag: str | None = None
-    command: str | None = None
-    text: str = ""
-    verb: str = "pass"
-
-    def render(self, *, for_cli: bool = False) -> str | None:
-        """This fix in words, for a Python caller or (``for_cli``) a command-line user.
-
-        Args:
-            for_cli: name the flag instead of the Python argument.
-
-        Returns:
-            The phrase, or None when this audience cannot apply the fix (a Python-only
-            argument on the command line, a flag that has no Python argument).
-
-        Example:
-            >>> Remedy(command="git lfs pull", text="to fetch the real file").render()
-            'run `git lfs pull` to fetch the real file'
-        """
-        if self.argument is not None or self.flag is not None:
-            if for_cli:
-                if self.flag is None:
-                    return None
-                fix = f"{self.verb} {self.flag}"
-            else:
-                if self.argument is None:
-                    return None
-                fix = f"{self.verb} {_assignment(self.argument, self.value)}"
-        elif self.command is not None:
-            fix = f"run `{self.command}`"
-        else:
-            fix = ""
-        return " ".join(part for part in (fix, self.text) if part)
-
-
-def _assignment(argument: str, value: str | None) -> str:
-    return argument if value is None else f"{argument}={value}"
-
-
-def _sentence(remedies: Sequence[Remedy], for_cli: bool) -> str:
-    """The one place remedies become words: ``A``, ``A, or B``, ``A, B, or C``."""
-    phrases = [p for p in (r.render(for_cli=for_cli) for r in remedies) if p]
-    if len(phrases) < 2:
-        return "".join(phrases)
-    return ", ".join(phrases[:-1]) + ", or " + phrases[-1]
+EXIT_REMOTE = 8
 
 
 class CheckpointError(Exception):
@@ -213,10 +147,10 @@ class CheckpointError(Exception):
             if for_cli and self.flag is not None:
                 subject = f"{self.flag} {self.value}"
             else:
-                subject = _assignment(self.argument, self.value)
+                subject = assignment(self.argument, self.value)
             text = f"{subject}: {text}"
-        sentence = _sentence(self.remedies, for_cli)
-        return f"{text}; {sentence}" if sentence else text
+        fixes = sentence(self.remedies, for_cli)
+        return f"{text}; {fixes}" if fixes else text
 
     def __str__(self) -> str:
         # One wording for every built-in parent (KeyError would quote it, OSError add errno).
@@ -399,6 +333,23 @@ class StateDictMismatchError(CheckpointError, RuntimeError):
     """``load_into(strict=True)`` found keys or shapes that do not match the model."""
 
     exit_code = EXIT_DIFFERENCES
+
+
+class RemoteError(CheckpointError, OSError):
+    """A remote file (``https://``, ``hf://``, ``s3://``) could not be read: a refused or
+    timed-out connection, an unexpected status, an answer that is not what was asked."""
+
+    exit_code = EXIT_REMOTE
+
+
+class RemoteAccessError(RemoteError, PermissionError):
+    """The server refused the credentials sent, or none were sent (401, 403): the message
+    names the setting that supplies them (``HF_TOKEN``, the AWS credentials)."""
+
+
+class RangeNotSupportedError(RemoteError):
+    """The server answered a byte range with the whole file: refused before its body is read,
+    so a metadata read never turns into a download."""
 
 
 def quote_foreign(error: BaseException, limit: int = 200) -> str:
