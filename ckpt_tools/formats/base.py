@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
 
-__all__ = ["Checkpoint", "ZipRecord"]
+__all__ = ["Checkpoint", "RangeSource", "ZipRecord"]
+
+
+class RangeSource(Protocol):
+    """A file read by byte ranges instead of a descriptor: a remote file (``io/remote``)."""
+
+    size: int
+
+    def pread(self, count: int, offset: int) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class Checkpoint:
         records: zip records (torch zip formats), by name inside the root folder.
         archive_root: the zip's root folder name (``archive``), for torch zip formats.
         shards: for sharded folders, shard file -> its own Checkpoint.
+        remote: for a checkpoint read from a URL, each remote file by its URL.
     """
 
     path: str
@@ -55,6 +64,9 @@ class Checkpoint:
     archive_root: str = ""
     shards: Mapping[str, Checkpoint] = field(default_factory=dict)
     locate: Callable[[StorageRef], ByteSpan] | None = field(default=None, repr=False)
+    # The remote files its bytes are read from, by URL: a span's path names one of them.
+    # Empty for a local checkpoint.
+    remote: Mapping[str, RangeSource] = field(default_factory=dict, repr=False)
 
     def span(self, storage: StorageRef) -> ByteSpan:
         """Where ``storage``'s bytes lie in the file.

@@ -20,7 +20,7 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
 )
 
-__all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_format"]
+__all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_bytes", "detect_format"]
 
 FORMATS = (
     "torch-zip",
@@ -115,6 +115,29 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
         return find(p, opened.st_size, head, lambda n: os.pread(fd, n, 0))
     finally:
         os.close(fd)
+
+
+def detect_bytes(name: str, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
+    """The format of a file known by its bytes (a remote file), decided as for a local one.
+
+    Args:
+        name: its name or URL: the suffix is a hint, as for a path; messages quote it.
+        size: its size in bytes.
+        head: its first 512 bytes (fewer if it is shorter).
+        read_to: ``read_to(n)`` gives its first ``n`` bytes.
+
+    Returns:
+        One of :data:`FORMATS` that a single file can be (not a folder format).
+
+    Raises:
+        LfsPointerError: a git-lfs pointer file.
+        UnsupportedFormatError: not a format ckpt_tools reads.
+
+    Example:
+        >>> detect_bytes("x.bin", 30, b"PK\x03\x04" + bytes(26), lambda n: b"")
+        'torch-zip'
+    """
+    return _format_of(name.split("?", 1)[0], size, head, read_to)
 
 
 # What ``Path.exists`` takes for "nothing there"; any other failure to stat is raised.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import (
     CorruptCheckpointError,
     Remedy,
+    ResourceLimitError,
     UnsupportedFormatError,
     quote_foreign,
 )
-from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.base import Checkpoint, RangeSource
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.safetensors import tied_aliases
 
@@ -133,14 +135,22 @@ def shard_path(folder: str, name: str, named_by: str) -> str:
     return where
 
 
-def open_index(index_path: str) -> Checkpoint:
+def open_index(
+    index_path: str,
+    *,
+    source: RangeSource | None = None,
+    open_shard: Callable[[str], Checkpoint] | None = None,
+) -> Checkpoint:
     """Open the shards an ``*.index.json`` names, which lie beside it.
 
     ``open_checkpoint("FOLDER/model.safetensors.index.json")`` comes here: it is how to pick
     one index in a folder that holds several.
 
     Args:
-        index_path: the index file.
+        index_path: the index file (its URL where ``source`` is given).
+        source: the index read by ranges (a remote file); None reads ``index_path``.
+        open_shard: opens a shard by the file name the index gives it (remote shards);
+            None opens the file of that name beside a local index.
 
     Returns:
         The same ``hf-sharded`` :class:`Checkpoint` as :func:`open_folder` of its folder
@@ -154,8 +164,11 @@ def open_index(index_path: str) -> Checkpoint:
         >>> sorted(ckpt.shards)
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
-    index, weight_map = _read_index(index_path)
-    shards = _open_shards(index_path, weight_map)
+    index, weight_map = _read_index(index_path, source)
+    if open_shard is None:
+        shards = _open_shards(index_path, weight_map)
+    else:
+        shards = {shard: open_shard(shard) for shard in dict.fromkeys(weight_map.values())}
     root: dict[str, TensorRef] = {}
     owner: dict[int, Checkpoint] = {}
     storages: dict[str, StorageRef] = {}
@@ -186,7 +199,9 @@ def open_index(index_path: str) -> Checkpoint:
 
     unsafe = tuple(dict.fromkeys(g for c in shards.values() for g in c.unsafe_globals))
     return Checkpoint(
-        path=os.path.dirname(index_path) or ".",
+        path=(os.path.dirname(index_path) or ".")
+        if source is None
+        else index_path.rsplit("/", 1)[0],
         format="hf-sharded",
         root=root,
         storages=storages,
@@ -197,12 +212,31 @@ def open_index(index_path: str) -> Checkpoint:
     )
 
 
-def _read_index(index_path: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The index's JSON and its ``weight_map`` (tensor name -> shard file name), checked."""
-    check_regular(index_path)  # a FIFO named *.index.json found by a folder's glob
-    try:
+# An index names each tensor once: a few MB for the largest models. A remote index that
+# declares more is refused before it is fetched.
+MAX_INDEX_BYTES = 64 << 20
+
+
+def _index_text(index_path: str, source: RangeSource | None) -> str:
+    if source is None:
+        check_regular(index_path)  # a FIFO named *.index.json found by a folder's glob
         with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
+            return f.read()
+    if source.size > MAX_INDEX_BYTES:
+        raise ResourceLimitError(
+            f"{index_path!r}: a shard index of {source.size} bytes is over the "
+            f"{MAX_INDEX_BYTES >> 20} MiB limit",
+            path=index_path,
+        )
+    return source.pread(source.size, 0).decode("utf-8")
+
+
+def _read_index(
+    index_path: str, source: RangeSource | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The index's JSON and its ``weight_map`` (tensor name -> shard file name), checked."""
+    try:
+        index = json.loads(_index_text(index_path, source))
         weight_map = index["weight_map"]
     except RecursionError as e:
         raise CorruptCheckpointError(

@@ -12,13 +12,13 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError, quote_foreign
-from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.base import Checkpoint, RangeSource
 
 __all__ = ["MAX_HEADER_BYTES", "open_safetensors", "read_header", "tied_aliases"]
 
@@ -39,8 +39,12 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def read_header(path: str) -> tuple[int, dict[str, Any]]:
+def read_header(path: str, *, source: RangeSource | None = None) -> tuple[int, dict[str, Any]]:
     """Read and parse a safetensors header, as strictly as the safetensors crate.
+
+    Args:
+        path: the file (its URL where ``source`` is given).
+        source: the file read by ranges (a remote file); None reads ``path``.
 
     Returns:
         ``(data_start, header)``: the file offset where tensor bytes begin, and the header
@@ -50,22 +54,32 @@ def read_header(path: str) -> tuple[int, dict[str, Any]]:
         CorruptCheckpointError: the header is malformed or does not fit the file.
         ResourceLimitError: the header is over :data:`MAX_HEADER_BYTES`.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CorruptCheckpointError(f"{path!r} is too short for a safetensors header")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > MAX_HEADER_BYTES:
-            raise ResourceLimitError(
-                f"{path!r}: safetensors header of {header_len} bytes is over the "
-                f"{MAX_HEADER_BYTES} byte limit"
-            )
-        if 8 + header_len > size:
-            raise CorruptCheckpointError(
-                f"{path!r}: the header claims {header_len} bytes but the file has {size - 8}"
-            )
-        raw = f.read(header_len)
+    if source is None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _parse_header(path, os.fstat(fd).st_size, lambda n, at: os.pread(fd, n, at))
+        finally:
+            os.close(fd)
+    return _parse_header(path, source.size, source.pread)
+
+
+def _parse_header(
+    path: str, size: int, pread: Callable[[int, int], bytes]
+) -> tuple[int, dict[str, Any]]:
+    prefix = pread(8, 0)
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(f"{path!r} is too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > MAX_HEADER_BYTES:
+        raise ResourceLimitError(
+            f"{path!r}: safetensors header of {header_len} bytes is over the "
+            f"{MAX_HEADER_BYTES} byte limit"
+        )
+    if 8 + header_len > size:
+        raise CorruptCheckpointError(
+            f"{path!r}: the header claims {header_len} bytes but the file has {size - 8}"
+        )
+    raw = pread(header_len, 8)
     try:
         text = raw.decode("utf-8")
         if not text.startswith("{"):
@@ -135,7 +149,7 @@ def _check_layout(path: str, spans: list[tuple[int, int, str]], data_len: int) -
         )
 
 
-def open_safetensors(path: str) -> Checkpoint:
+def open_safetensors(path: str, *, source: RangeSource | None = None) -> Checkpoint:
     """Open a ``.safetensors`` file, reading its header only.
 
     The header is checked as the safetensors crate checks it: known dtypes, integer shapes
@@ -143,7 +157,8 @@ def open_safetensors(path: str) -> Checkpoint:
     and the tensors covering the data section exactly, without gaps or overlaps.
 
     Args:
-        path: the file.
+        path: the file (its URL where ``source`` is given).
+        source: the file read by ranges (a remote file); None reads ``path``.
 
     Returns:
         A :class:`Checkpoint` whose root is a dict of name -> :class:`TensorRef`.
@@ -151,8 +166,9 @@ def open_safetensors(path: str) -> Checkpoint:
     Raises:
         CorruptCheckpointError: bad dtype, shape or offsets, or a layout safetensors refuses.
     """
-    data_start, header = read_header(path)
-    data_len = os.path.getsize(path) - data_start
+    data_start, header = read_header(path, source=source)
+    size = os.path.getsize(path) if source is None else source.size
+    data_len = size - data_start
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())

@@ -13,10 +13,12 @@ Only the pickles and the 8-byte counts are read; storage bytes are skipped by se
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import struct
 import tarfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
@@ -27,7 +29,7 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
     quote_foreign,
 )
-from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.base import Checkpoint, RangeSource
 from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, id_text
 from ckpt_tools.formats.pickle.unpickler import load_pickle
 
@@ -66,11 +68,14 @@ def _expect(f: BinaryIO, what: str, check: Any, path: str) -> Any:
     return value
 
 
-def open_legacy(path: str) -> Checkpoint:
+def open_legacy(path: str, *, source: RangeSource | None = None) -> Checkpoint:
     """Open a legacy (pre-1.6, non-zip) torch file without loading tensors.
 
     Args:
-        path: the file.
+        path: the file (its URL where ``source`` is given).
+        source: the file read by ranges (a remote file); None reads ``path``. Each
+            storage's element count (8 bytes before its bytes) is then checked when the
+            storage is located, not now: remotely each costs a request.
 
     Returns:
         A :class:`Checkpoint` of format ``torch-legacy``.
@@ -78,8 +83,7 @@ def open_legacy(path: str) -> Checkpoint:
     Raises:
         CorruptCheckpointError: the layout is broken or the file is truncated.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with _opened(path, source) as (f, size):
         _expect(f, "magic number", MAGIC_NUMBER, path)
         _expect(f, "protocol version", PROTOCOL_VERSION, path)
         check_byte_order(_header(f, "sys_info", path), path)
@@ -98,29 +102,18 @@ def open_legacy(path: str) -> Checkpoint:
                 raise CorruptCheckpointError(
                     f"{path!r}: storage key {short_repr(key)} is not in the pickle"
                 )
-            f.seek(position)
-            count_bytes = f.read(8)
-            if len(count_bytes) < 8:
-                raise CorruptCheckpointError(
-                    f"{path!r} is truncated: storage {key!r} is missing (file ends at {size})"
-                )
-            (count,) = struct.unpack("<q", count_bytes)
-            nbytes = count * itemsize(storage.dtype)
-            if nbytes != storage.nbytes:
-                # torch.load refuses this too ("storage has wrong size"); reading on would
-                # take the next storage's bytes for this one's.
-                raise CorruptCheckpointError(
-                    f"{path!r}: storage {key!r} holds {count} elements in the file, but the "
-                    f"pickle says {storage.numel}; the file is damaged"
-                )
+            if source is None:
+                _check_count(path, storage, lambda n, at: os.pread(f.fileno(), n, at), position)
             offsets[storage.key] = position + 8
-            position += 8 + nbytes
+            position += 8 + storage.nbytes
             if position > size:
                 raise CorruptCheckpointError(
-                    f"{path!r} is truncated: storage {key!r} needs {nbytes} bytes at offset "
-                    f"{position - nbytes}, the file ends at {size}"
+                    f"{path!r} is truncated: storage {key!r} needs {storage.nbytes} bytes at "
+                    f"offset {position - storage.nbytes}, the file ends at {size}"
                 )
-
+    locate = offset_locator(path, offsets)
+    if source is not None:
+        locate = _counted(path, roots, offsets, source, locate)
     return Checkpoint(
         path=path,
         format="torch-legacy",
@@ -129,8 +122,59 @@ def open_legacy(path: str) -> Checkpoint:
         unsafe_globals=main.unsafe_globals,
         protocol=main.protocol,
         beyond_weights_only=main.beyond_weights_only,
-        locate=offset_locator(path, offsets),
+        locate=locate,
     )
+
+
+@contextlib.contextmanager
+def _opened(path: str, source: RangeSource | None) -> Iterator[tuple[BinaryIO, int]]:
+    """``path`` (or ``source``) as a buffered binary file, and its size."""
+    if source is None:
+        with open(path, "rb") as f:
+            yield f, os.fstat(f.fileno()).st_size
+        return
+    yield io.BufferedReader(source), source.size  # type: ignore[arg-type]
+
+
+def _check_count(
+    path: str, storage: StorageRef, pread: Callable[[int, int], bytes], position: int
+) -> None:
+    """The element count before a storage's bytes, checked as torch checks it."""
+    count_bytes = pread(8, position)
+    if len(count_bytes) < 8:
+        raise CorruptCheckpointError(
+            f"{path!r} is truncated: storage {storage.key!r} is missing (its count at "
+            f"offset {position} is past the end)"
+        )
+    (count,) = struct.unpack("<q", count_bytes)
+    if count * itemsize(storage.dtype) != storage.nbytes:
+        # torch.load refuses this too ("storage has wrong size"); reading on would take the
+        # next storage's bytes for this one's.
+        raise CorruptCheckpointError(
+            f"{path!r}: storage {storage.key!r} holds {count} elements in the file, but the "
+            f"pickle says {storage.numel}; the file is damaged"
+        )
+
+
+def _counted(
+    path: str,
+    roots: Mapping[str, StorageRef],
+    offsets: Mapping[str, int],
+    source: RangeSource,
+    locate: Callable[[StorageRef], ByteSpan],
+) -> Callable[[StorageRef], ByteSpan]:
+    """``locate``, with each root storage's count checked the first time it is located."""
+    checked: set[str] = set()
+
+    def counted(storage: StorageRef) -> ByteSpan:
+        span = locate(storage)
+        root = storage.key  # a view's key is its root storage's
+        if root not in checked and root in offsets:
+            _check_count(path, roots[root], source.pread, offsets[root] - 8)
+            checked.add(root)
+        return span
+
+    return counted
 
 
 def _refuse_untyped(storages: Any, path: str) -> None:
@@ -194,13 +238,17 @@ def offset_locator(path: str, offsets: Mapping[str, int]) -> Callable[[StorageRe
     return locate
 
 
-def open_pickle(path: str) -> Checkpoint:
+def open_pickle(path: str, *, source: RangeSource | None = None) -> Checkpoint:
     """Open a plain pickle file (``pickle.dump`` of a dict of numbers, say) safely.
+
+    Args:
+        path: the file (its URL where ``source`` is given).
+        source: the file read by ranges (a remote file); None reads ``path``.
 
     Raises:
         CorruptCheckpointError: not a readable pickle.
     """
-    with open(path, "rb") as f:
+    with _opened(path, source) as (f, _):
         result = load_pickle(f)
     if result.storages:
         raise CorruptCheckpointError(

@@ -27,10 +27,19 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.pickle.limits import MAX_ZIP_DIRECTORY_BYTES
 from ckpt_tools.formats.readahead import advise_willneed
 
-__all__ = ["FileSlice", "ZipEntry", "corrupt_zip", "pread", "read_zip_directory"]
+__all__ = [
+    "FileSlice",
+    "RangeSource",
+    "ZipEntry",
+    "corrupt_zip",
+    "located",
+    "pread",
+    "read_zip_directory",
+]
 
 
 class FileSlice(NamedTuple):
@@ -46,16 +55,23 @@ class FileSlice(NamedTuple):
     length: int
 
 
-def pread(fd: int | FileSlice, count: int, offset: int) -> bytes:
-    """Up to ``count`` bytes at ``offset`` of a file descriptor or a :class:`FileSlice`.
+# Whatever the zip reader reads from: a descriptor, a slice of one, or a remote file.
+ZipSource = int | FileSlice | RangeSource
+
+
+def pread(fd: ZipSource, count: int, offset: int) -> bytes:
+    """Up to ``count`` bytes at ``offset`` of a file descriptor, a :class:`FileSlice` or a
+    remote file read by ranges.
 
     Fewer where the file (or slice) ends first, as ``os.pread`` returns them.
     """
+    if isinstance(fd, int):
+        return os.pread(fd, count, offset)
     if isinstance(fd, FileSlice):
         # Reads stop at the slice's end, as they stop at a file's end.
         count = max(0, min(count, fd.length - offset))
         return os.pread(fd.fd, count, fd.base + offset) if count else b""
-    return os.pread(fd, count, offset)
+    return fd.pread(count, offset)
 
 
 _EOCD = struct.Struct("<4s4H2LH")
@@ -92,6 +108,10 @@ class ZipEntry(NamedTuple):
     header_offset: int = -1
     # The name's bytes as stored: torch's reader compares those, not the decoded text.
     raw_name: bytes = b""
+    # Where its local header was not read yet (``data_offset`` is then -1): the directory's
+    # flags and where the record's bytes must end (the central directory's offset).
+    flags: int = 0
+    bound: int = -1
 
 
 def corrupt_zip(path: str, why: str) -> CorruptCheckpointError:
@@ -101,13 +121,19 @@ def corrupt_zip(path: str, why: str) -> CorruptCheckpointError:
     )
 
 
-def read_zip_directory(path: str, fd: int | FileSlice, size: int) -> list[ZipEntry]:
+def read_zip_directory(
+    path: str, fd: ZipSource, size: int, *, defer_local: bool = False
+) -> list[ZipEntry]:
     """Read and check the central directory of the zip archive open as ``fd``.
 
     Args:
         path: the file, for messages.
-        fd: an open file descriptor of it.
+        fd: an open file descriptor of it (or a slice of one, or a remote file).
         size: its size in bytes.
+        defer_local: leave each record's local header unread (``data_offset`` -1) until
+            :func:`located` is asked for it. Remotely each local header costs a request,
+            so a metadata read trusts the central directory and the check happens when a
+            record's bytes are read.
 
     Returns:
         The records in central-directory order.
@@ -143,12 +169,12 @@ def read_zip_directory(path: str, fd: int | FileSlice, size: int) -> list[ZipEnt
         if count * _CENTRAL.size > cd_size:
             raise corrupt_zip(path, f"it declares {count} records in a {cd_size}-byte directory")
         directory = pread(fd, cd_size, cd_offset)
-        return _entries(path, fd, directory, count, cd_offset)
+        return _entries(path, fd, directory, count, cd_offset, defer_local)
     except (struct.error, UnicodeDecodeError) as e:
         raise corrupt_zip(path, f"a header cannot be decoded ({e})") from e
 
 
-def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, int, int]:
+def _end_records(path: str, fd: ZipSource, size: int) -> tuple[int, int, int, int]:
     """``(record count, directory offset, directory size, end record offset)``, from the end
     record and, where the archive has one, its zip64 end record."""
     eocd_offset, fields = _end_record(path, fd, size)
@@ -166,7 +192,7 @@ def _end_records(path: str, fd: int | FileSlice, size: int) -> tuple[int, int, i
 
 
 def _end_record(
-    path: str, fd: int | FileSlice, size: int
+    path: str, fd: ZipSource, size: int
 ) -> tuple[int, tuple[int, int, int, int, int, int]]:
     """Where the end record torch's reader takes lies, and its fields ``(disk, directory
     disk, records on this disk, records, directory size, directory offset)``."""
@@ -214,7 +240,7 @@ def _end_record(
 
 def _zip64_end_record(
     path: str,
-    fd: int | FileSlice,
+    fd: ZipSource,
     locator: bytes,
     eocd_offset: int,
     declared: tuple[int, int, int],
@@ -247,7 +273,7 @@ def _zip64_end_record(
     return record[-3], record[-1], record[-2], zip64_offset
 
 
-def _prefetch(fd: int | FileSlice, spans: list[tuple[int, int]]) -> None:
+def _prefetch(fd: ZipSource, spans: list[tuple[int, int]]) -> None:
     """Ask the kernel to start reading every ``(offset, length)`` span now (advisory).
 
     Local headers lie one per record across the file; read one by one from a cold cache (a
@@ -257,32 +283,27 @@ def _prefetch(fd: int | FileSlice, spans: list[tuple[int, int]]) -> None:
     """
     if isinstance(fd, FileSlice):
         advise_willneed(fd.fd, ((fd.base + offset, length) for offset, length in spans))
-    else:
+    elif isinstance(fd, int):
         advise_willneed(fd, spans)
 
 
 def _entries(
-    path: str, fd: int | FileSlice, directory: bytes, count: int, cd_offset: int
+    path: str, fd: ZipSource, directory: bytes, count: int, cd_offset: int, defer_local: bool
 ) -> list[ZipEntry]:
+    unchecked = (
+        ZipEntry(name, -1, csize, usize, crc, method == _DEFLATED, offset, raw, flags, cd_offset)
+        for raw, name, flags, method, crc, csize, usize, offset in _central_entries(
+            path, directory, count, cd_offset
+        )
+    )
+    if defer_local:
+        return list(unchecked)
     entries: list[ZipEntry] = []
-    central = _central_entries(path, directory, count, cd_offset)
     # A window at a time: the reads overlap, and the pages asked for stay few (a million
     # records would otherwise ask for gigabytes at once).
-    while window := list(itertools.islice(central, _PREFETCH_WINDOW)):
-        _prefetch(fd, [(offset, _LOCAL.size + len(raw)) for raw, *_, offset in window])
-        for raw_name, name, flags, method, crc, csize, usize, offset in window:
-            central_fields = (flags, crc, csize, usize)
-            data_offset = _check_local(path, fd, raw_name, name, central_fields, offset)
-            if data_offset + csize > cd_offset:
-                raise corrupt_zip(
-                    path,
-                    f"record {name!r} needs {csize} bytes at offset {data_offset}, past the "
-                    f"start of the central directory at {cd_offset} (truncated or overlapping)",
-                )
-            compressed = method == _DEFLATED
-            entries.append(
-                ZipEntry(name, data_offset, csize, usize, crc, compressed, offset, raw_name)
-            )
+    while window := list(itertools.islice(unchecked, _PREFETCH_WINDOW)):
+        _prefetch(fd, [(e.header_offset, _LOCAL.size + len(e.raw_name)) for e in window])
+        entries.extend(located(path, fd, e) for e in window)
     return entries
 
 
@@ -393,9 +414,30 @@ def _zip64_sizes(
     raise corrupt_zip(path, f"record {name!r} lacks the zip64 sizes its header announces")
 
 
+def located(path: str, fd: ZipSource, entry: ZipEntry) -> ZipEntry:
+    """``entry`` with its local header read and checked, where the directory deferred it.
+
+    Raises:
+        CorruptCheckpointError: the local header is missing or disagrees with the central
+            directory, or the record's bytes run into the central directory.
+    """
+    if entry.data_offset >= 0:
+        return entry
+    central = (entry.flags, entry.crc32, entry.compress_size, entry.file_size)
+    data_offset = _check_local(path, fd, entry.raw_name, entry.name, central, entry.header_offset)
+    if data_offset + entry.compress_size > entry.bound:
+        raise corrupt_zip(
+            path,
+            f"record {entry.name!r} needs {entry.compress_size} bytes at offset {data_offset}, "
+            f"past the start of the central directory at {entry.bound} (truncated or "
+            "overlapping)",
+        )
+    return entry._replace(data_offset=data_offset)
+
+
 def _check_local(
     path: str,
-    fd: int | FileSlice,
+    fd: ZipSource,
     raw_name: bytes,
     name: str,
     central: tuple[int, int, int, int],

@@ -10,12 +10,12 @@ from __future__ import annotations
 import zlib
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
-from ckpt_tools.formats.zip.directory import FileSlice, ZipEntry, corrupt_zip, pread
+from ckpt_tools.formats.zip.directory import ZipEntry, ZipSource, corrupt_zip, located, pread
 
 __all__ = ["check_inflates", "read_entry", "read_head"]
 
 
-def check_inflates(path: str, fd: int | FileSlice, entry: ZipEntry, chunk: int = 1 << 20) -> None:
+def check_inflates(path: str, fd: ZipSource, entry: ZipEntry, chunk: int = 1 << 20) -> None:
     """Inflate a compressed ``entry`` in bounded pieces as torch would, keeping nothing.
 
     torch inflates a compressed record when it reads it and refuses the file when the
@@ -26,6 +26,7 @@ def check_inflates(path: str, fd: int | FileSlice, entry: ZipEntry, chunk: int =
     Raises:
         CorruptCheckpointError: the record does not inflate to exactly its declared size.
     """
+    entry = located(path, fd, entry)
     inflater = zlib.decompressobj(-15)
     produced, at, end = 0, entry.data_offset, entry.data_offset + entry.compress_size
     try:
@@ -50,7 +51,7 @@ def check_inflates(path: str, fd: int | FileSlice, entry: ZipEntry, chunk: int =
         )
 
 
-def read_entry(path: str, fd: int | FileSlice, entry: ZipEntry, limit: int) -> bytes:
+def read_entry(path: str, fd: ZipSource, entry: ZipEntry, limit: int) -> bytes:
     """The bytes of ``entry``, inflated if need be, checked against its size and CRC-32.
 
     Args:
@@ -72,6 +73,7 @@ def read_entry(path: str, fd: int | FileSlice, entry: ZipEntry, limit: int) -> b
             f"{limit >> 20} MiB limit",
             path=path,
         )
+    entry = located(path, fd, entry)
     raw = pread(fd, entry.compress_size, entry.data_offset)
     data = raw
     if entry.compressed:
@@ -89,7 +91,7 @@ def read_entry(path: str, fd: int | FileSlice, entry: ZipEntry, limit: int) -> b
     return data
 
 
-def read_head(fd: int | FileSlice, entry: ZipEntry, count: int) -> bytes:
+def read_head(fd: ZipSource, entry: ZipEntry, count: int) -> bytes:
     """The first ``count`` bytes of ``entry``'s contents, inflated where it is deflated.
 
     Nothing is checked (a scan looks at what a lenient reader would see): a damaged stream

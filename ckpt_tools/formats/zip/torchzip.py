@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
-from ckpt_tools.formats.base import Checkpoint, ZipRecord
+from ckpt_tools.formats.base import Checkpoint, RangeSource, ZipRecord
 from ckpt_tools.formats.pickle.unpickler import MAX_PICKLE_BYTES, ReadResult, load_pickle
-from ckpt_tools.formats.zip.directory import FileSlice, ZipEntry, read_zip_directory
+from ckpt_tools.formats.zip.directory import (
+    ZipEntry,
+    ZipSource,
+    located,
+    read_zip_directory,
+)
 from ckpt_tools.formats.zip.records import check_inflates, read_entry
 
 __all__ = ["ArchiveContents", "open_torch_zip", "read_torch_archive"]
@@ -159,7 +164,7 @@ def _stoull_int64(text: bytes) -> int | None:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _check_reader_records(path: str, fd: int | FileSlice, entries: _Lookup) -> bytes | None:
+def _check_reader_records(path: str, fd: ZipSource, entries: _Lookup) -> bytes | None:
     """What torch's reader checks when it opens any torch zip, TorchScript or not.
 
     Returns the serialization id record's bytes (None without one).
@@ -204,7 +209,7 @@ def _check_serialization_id(path: str, serialization_id: bytes | None) -> None:
         ) from e
 
 
-def _check_load_records(path: str, fd: int | FileSlice, entries: _Lookup) -> None:
+def _check_load_records(path: str, fd: ZipSource, entries: _Lookup) -> None:
     """What ``torch.serialization._load`` reads and parses before data.pkl, parsed as it does."""
     if "data.pkl" not in entries:
         raise CorruptCheckpointError(
@@ -240,15 +245,17 @@ def _check_load_records(path: str, fd: int | FileSlice, entries: _Lookup) -> Non
             ) from e
 
 
-def _read_small(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes:
+def _read_small(path: str, fd: ZipSource, entry: ZipEntry) -> bytes:
     return read_entry(path, fd, entry, _SMALL_RECORD)
 
 
 def _check_storage_records(
     path: str,
-    fd: int | FileSlice,
+    fd: ZipSource,
     storages: Mapping[str, StorageRef],
     entries: _Lookup,
+    *,
+    inflate: bool = True,
 ) -> None:
     """Every storage record torch.load would read exists, has the size it needs, and reads.
 
@@ -276,7 +283,7 @@ def _check_storage_records(
                 f"holds {record.file_size}",
                 path=path,
             )
-        if record.compressed:
+        if record.compressed and inflate:
             check_inflates(path, fd, record)
 
 
@@ -287,9 +294,13 @@ class ArchiveContents(NamedTuple):
     result: ReadResult
     records: dict[str, ZipRecord]
     root: str
+    # The records as the directory declares them, by name inside the root folder.
+    entries: Mapping[str, ZipEntry] = {}
 
 
-def read_torch_archive(path: str, fd: int | FileSlice, size: int) -> ArchiveContents:
+def read_torch_archive(
+    path: str, fd: ZipSource, size: int, *, defer_local: bool = False
+) -> ArchiveContents:
     """Read and check a torch zip archive open as ``fd`` (or embedded in a file: a FileSlice).
 
     Args:
@@ -297,6 +308,9 @@ def read_torch_archive(path: str, fd: int | FileSlice, size: int) -> ArchiveCont
         fd: its open descriptor, or the slice of one that holds the archive (record offsets
             are then relative to the slice, as torch reads DCP chunks).
         size: the archive's size in bytes.
+        defer_local: read a remote file: each record's local header is checked when its
+            bytes are read, not now (:func:`~ckpt_tools.formats.zip.directory.located`),
+            and a compressed storage record is inflated then too.
 
     Returns:
         The format (``torch-zip`` or ``torchscript``), the pickle's tree and the records.
@@ -305,7 +319,7 @@ def read_torch_archive(path: str, fd: int | FileSlice, size: int) -> ArchiveCont
         CorruptCheckpointError: not a valid torch archive, or truncated.
         ResourceLimitError: ``data.pkl`` is implausibly large.
     """
-    entries = read_zip_directory(path, fd, size)
+    entries = read_zip_directory(path, fd, size, defer_local=defer_local)
     root = _archive_root(entries, path)
     lookup = _Lookup(path, entries, root)
     serialization_id = _check_reader_records(path, fd, lookup)
@@ -322,18 +336,21 @@ def read_torch_archive(path: str, fd: int | FileSlice, size: int) -> ArchiveCont
     payload = read_entry(path, fd, lookup["data.pkl"], MAX_PICKLE_BYTES)
     result = load_pickle(io.BytesIO(payload))
     records = _records(entries, root)
-    _check_storage_records(path, fd, result.storages, lookup)
+    _check_storage_records(path, fd, result.storages, lookup, inflate=not defer_local)
     if fmt == "torch-zip" and not result.unsafe_globals:
         # (torch refuses an unsafe global first, while unpickling: that refusal stands.)
         _check_serialization_id(path, serialization_id)
-    return ArchiveContents(fmt, result, records, root)
+    cut = len(root) + 1
+    return ArchiveContents(fmt, result, records, root, {e.name[cut:]: e for e in entries})
 
 
-def open_torch_zip(path: str) -> Checkpoint:
+def open_torch_zip(path: str, *, source: RangeSource | None = None) -> Checkpoint:
     """Open a torch zip archive (``torch.save`` or ``torch.jit.save``) without loading tensors.
 
     Args:
-        path: the archive.
+        path: the archive (its URL where ``source`` is given).
+        source: the archive read by ranges (a remote file); None reads ``path``. Its
+            records' local headers are then checked when their bytes are located.
 
     Returns:
         A :class:`Checkpoint` of format ``torch-zip`` or ``torchscript``.
@@ -342,27 +359,16 @@ def open_torch_zip(path: str) -> Checkpoint:
         CorruptCheckpointError: not a valid torch archive, or truncated.
         ResourceLimitError: ``data.pkl`` is implausibly large.
     """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        contents = read_torch_archive(path, fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    fmt, result, records, root = (
-        contents.format,
-        contents.result,
-        contents.records,
-        contents.root,
-    )
-
-    def locate(storage: StorageRef) -> ByteSpan:
-        record = records[f"data/{storage.key}"]
-        if record.compressed:
-            raise CorruptCheckpointError(
-                f"{path!r}: record data/{storage.key} is compressed; torch writes storages "
-                "stored, so this archive was re-zipped: re-save it with torch.save"
-            )
-        return ByteSpan(path, record.data_offset, storage.nbytes)
-
+    if source is not None:
+        contents = read_torch_archive(path, source, source.size, defer_local=True)
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            contents = read_torch_archive(path, fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    fmt, result, records, root = contents.format, contents.result, contents.records, contents.root
+    locate = _locator(path, records, contents.entries, source)
     return Checkpoint(
         path=path,
         format=fmt,
@@ -375,3 +381,30 @@ def open_torch_zip(path: str) -> Checkpoint:
         archive_root=root,
         locate=locate,
     )
+
+
+def _locator(
+    path: str,
+    records: Mapping[str, ZipRecord],
+    entries: Mapping[str, ZipEntry],
+    source: RangeSource | None,
+) -> Callable[[StorageRef], ByteSpan]:
+    """Where a storage's bytes lie: its record's data; a remote record's local header is read
+    and checked the first time (the read that was deferred)."""
+    found: dict[str, int] = {}
+
+    def locate(storage: StorageRef) -> ByteSpan:
+        record = records[f"data/{storage.key}"]
+        if record.compressed:
+            raise CorruptCheckpointError(
+                f"{path!r}: record data/{storage.key} is compressed; torch writes storages "
+                "stored, so this archive was re-zipped: re-save it with torch.save"
+            )
+        offset = record.data_offset
+        if offset < 0 and source is not None:
+            if record.name not in found:
+                found[record.name] = located(path, source, entries[record.name]).data_offset
+            offset = found[record.name]
+        return ByteSpan(path, offset, storage.nbytes)
+
+    return locate

@@ -1,0 +1,127 @@
+"""A checkpoint at a URL, opened from the few byte ranges its structure needs.
+
+The same readers as for local files, given the remote file instead of a path: the format is
+told from the first bytes as torch.load tells it, every limit and refusal applies, nothing
+fetched is executed. What a remote read leaves for later (each zip record's local header, a
+legacy storage's element count) is checked when that record's bytes are read.
+"""
+
+from __future__ import annotations
+
+from ckpt_tools._types import StrPath
+from ckpt_tools.errors import UnsupportedFormatError
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.io.remote.rangefile import RemoteFile
+from ckpt_tools.io.remote.session import RemoteSession
+from ckpt_tools.io.remote.urls import folder_candidates, is_url, sibling
+
+__all__ = ["open_path", "open_url"]
+
+def open_path(path: StrPath, *, session: RemoteSession | None = None) -> Checkpoint:
+    """Open a checkpoint at a local path or a URL (``https://``, ``hf://``, ``s3://``).
+
+    Args:
+        path: a local path (see :func:`~ckpt_tools.formats.open_checkpoint`) or a URL.
+        session: where remote reads go and are counted; None makes one for a URL.
+
+    Returns:
+        The opened :class:`~ckpt_tools.formats.base.Checkpoint`.
+
+    Raises:
+        CheckpointError: as :func:`open_url` or ``open_checkpoint`` raise.
+
+    Example:
+        >>> open_path("model.pt").format
+        'torch-zip'
+    """
+    if is_url(path):
+        return open_url(str(path), session=session)
+    from ckpt_tools.formats import open_checkpoint
+
+    return open_checkpoint(path)
+
+
+def open_url(url: str, *, session: RemoteSession | None = None) -> Checkpoint:
+    """Open the checkpoint at ``url``, reading only the ranges its structure needs.
+
+    A folder URL (``hf://ORG/REPO``, or a URL ending in ``/``) opens the first of its weight
+    files that exists, in the order transformers tries them: a sharded index with each
+    shard's header, or one file.
+
+    Args:
+        url: an ``http(s)://``, ``hf://`` or ``s3://`` URL of a file or a folder.
+        session: where the reads go and are counted; None makes one.
+
+    Returns:
+        The opened :class:`~ckpt_tools.formats.base.Checkpoint`; its ``path`` is ``url``
+        (a sharded folder's is the folder's URL) and ``remote`` holds the files read.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``url`` (HTTP 404, no such key).
+        RemoteError: the server refused, timed out, or ignores byte ranges.
+        CheckpointError: the file is corrupt or unsafe, as for a local file.
+
+    Example:
+        >>> ckpt = open_url("hf://org/model")  # doctest: +SKIP
+        >>> ckpt.format, len(ckpt.shards)  # doctest: +SKIP
+        ('hf-sharded', 2)
+    """
+    session = session if session is not None else RemoteSession()
+    if folder_candidates(url) is not None:
+        name, file = session.open_folder(url)
+        url = sibling(url, name)
+    else:
+        file = session.open(url)
+    return _open_file(url, file, session)
+
+
+def _open_file(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoint:
+    from ckpt_tools.formats.detect import detect_bytes
+
+    fmt = detect_bytes(url, file.size, file.pread(512, 0), lambda n: file.pread(n, 0))
+    if fmt == "torch-zip":
+        from ckpt_tools.formats.zip.torchzip import open_torch_zip
+
+        ckpt = open_torch_zip(url, source=file)
+    elif fmt == "safetensors":
+        from ckpt_tools.formats.safetensors import open_safetensors
+
+        ckpt = open_safetensors(url, source=file)
+    elif fmt == "hf-sharded":
+        return _open_index(url, file, session)
+    elif fmt == "torch-legacy":
+        from ckpt_tools.formats.legacy.reader import open_legacy
+
+        ckpt = open_legacy(url, source=file)
+    elif fmt == "pickle":
+        from ckpt_tools.formats.legacy.reader import open_pickle
+
+        ckpt = open_pickle(url, source=file)
+    else:
+        raise UnsupportedFormatError(
+            f"{url!r} is a {fmt} checkpoint, which ckpt_tools reads from local files only "
+            "(it is read member by member: a request each); download it and pass its path",
+            path=url,
+        )
+    return _with_remote(ckpt, {url: file})
+
+
+def _open_index(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoint:
+    from ckpt_tools.formats.hf import open_index
+
+    files: dict[str, RemoteFile] = {url: file}
+
+    def open_shard(name: str) -> Checkpoint:
+        shard_url = sibling(url, name)
+        shard = _open_file(shard_url, session.open(shard_url), session)
+        files.update(shard.remote)  # type: ignore[arg-type]
+        return shard
+
+    ckpt = open_index(url, source=file, open_shard=open_shard)
+    return _with_remote(ckpt, files)
+
+
+def _with_remote(ckpt: Checkpoint, files: dict[str, RemoteFile]) -> Checkpoint:
+    import dataclasses
+
+    return dataclasses.replace(ckpt, remote=files)

@@ -1,0 +1,169 @@
+"""A remote file read by byte ranges, through a small cache: the one way remote bytes are read.
+
+Every reader reads a file with ``pread(count, offset)`` (or as a file object for a pickle
+stream). Here each read that misses the cache becomes one ranged request: the first takes
+the object's first :data:`HEAD_FETCH` bytes, a read in its last :data:`HEAD_FETCH` bytes
+takes all of them (a zip's end records, its central directory and last records lie
+there), any other at least :data:`MIN_FETCH`. So the few small reads that parse a
+checkpoint's structure cost a request or two in all, not one per field. What was fetched is
+kept up to :data:`CACHE_BYTES`, except reads over :data:`KEEP_LIMIT` (a tensor's bytes).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["HEAD_FETCH", "MIN_FETCH", "RangeTransport", "RemoteFile", "TransferStats"]
+
+# The first request, and the one for the object's end: a .pt's data.pkl and a safetensors
+# header of a few hundred tensors fit in the first, a zip's end records with its central
+# directory in the last.
+HEAD_FETCH = 256 << 10
+# Any other request: one record's local header and first bytes (a scan reads those).
+MIN_FETCH = 64 << 10
+# What the cache keeps at most, and the largest read it keeps.
+CACHE_BYTES = 8 << 20
+KEEP_LIMIT = 1 << 20
+# Bytes per request when a record's bytes are streamed out.
+STREAM_CHUNK = 8 << 20
+
+
+class RangeTransport(Protocol):
+    """A remote object read by byte ranges: an HTTP URL, an S3 object.
+
+    ``get(start, end)`` returns the bytes ``[start, min(end, size))`` and the object's total
+    size, in one request; it raises a :class:`~ckpt_tools.errors.CheckpointError` for a
+    missing object, refused credentials, a network failure, or a server that answers a
+    range with the whole object.
+    """
+
+    url: str
+
+    def get(self, start: int, end: int) -> tuple[bytes, int]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class TransferStats:
+    """What reading remote files cost: requests made and bytes received (bodies only)."""
+
+    requests: int = 0
+    bytes_received: int = 0
+
+    def add(self, received: int) -> None:
+        self.requests += 1
+        self.bytes_received += received
+
+
+class RemoteFile(io.RawIOBase):
+    """A remote object as a read-only, seekable file with ``pread`` and a range cache.
+
+    Args:
+        transport: how the object's ranges are fetched.
+        stats: where requests and bytes are counted (shared by the files of one read).
+
+    Attributes:
+        url: the object's URL, as the user gave it.
+        size: its size in bytes (learned from the first request).
+
+    Example:
+        >>> class Bytes:
+        ...     url = "mem://x"
+        ...     def __init__(self, data): self.data = data
+        ...     def get(self, start, end): return self.data[start:end], len(self.data)
+        ...     def close(self): pass
+        >>> f = RemoteFile(Bytes(b"0123456789"))
+        >>> f.size, f.pread(3, 2), f.stats.requests
+        (10, b'234', 1)
+    """
+
+    def __init__(self, transport: RangeTransport, stats: TransferStats | None = None) -> None:
+        super().__init__()
+        self.transport = transport
+        self.url = transport.url
+        self.stats = stats if stats is not None else TransferStats()
+        self._extents: list[tuple[int, bytes]] = []  # (offset, bytes), most recent last
+        self._position = 0
+        data, self.size = transport.get(0, HEAD_FETCH)
+        self.stats.add(len(data))
+        self._keep(0, data)
+
+    # -- ranged reads ------------------------------------------------------------------
+
+    def pread(self, count: int, offset: int) -> bytes:
+        """Up to ``count`` bytes at ``offset``; fewer where the object ends, as ``os.pread``."""
+        if offset < 0 or count < 0:
+            raise ValueError(f"negative offset or count: {offset}, {count}")
+        end = min(offset + count, self.size)
+        if end <= offset:
+            return b""
+        cached = self._cached(offset, end)
+        if cached is not None:
+            return cached
+        start, stop = offset, max(end, offset + MIN_FETCH)
+        if stop > self.size - HEAD_FETCH:  # near the end: take the whole tail block
+            start, stop = min(offset, max(0, self.size - HEAD_FETCH)), self.size
+        data = self._fetch(start, stop)
+        if len(data) <= KEEP_LIMIT:
+            self._keep(start, data)
+        return data[offset - start : end - start]
+
+    def iter_range(self, offset: int, count: int) -> Iterator[bytes]:
+        """``count`` bytes at ``offset`` in chunks of at most :data:`STREAM_CHUNK`, one
+        request each (a record's bytes, streamed into an output)."""
+        done = 0
+        while done < count:
+            piece = self.pread(min(STREAM_CHUNK, count - done), offset + done)
+            if not piece:
+                return
+            done += len(piece)
+            yield piece
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        data, _ = self.transport.get(start, end)
+        self.stats.add(len(data))
+        return data
+
+    def _cached(self, start: int, end: int) -> bytes | None:
+        for at, data in reversed(self._extents):
+            if at <= start and end <= at + len(data):
+                return data[start - at : end - at]
+        return None
+
+    def _keep(self, offset: int, data: bytes) -> None:
+        self._extents.append((offset, data))
+        while sum(len(d) for _, d in self._extents) > CACHE_BYTES and len(self._extents) > 1:
+            self._extents.pop(0)
+
+    # -- the file object (pickle streams read through it) -------------------------------
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        data = self.pread(len(buffer), self._position)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.transport.close()
+        super().close()
