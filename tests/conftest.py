@@ -12,6 +12,18 @@ from typing import Any
 import pytest
 
 from tests.helpers import REAL_DIR, copy_fixture, save, tools, torch_free_env
+
+# The remote tests' servers, started once a session when a test asks for one.
+from tests.helpers.servers import (  # noqa: F401
+    dead_ends,
+    hub,
+    hub_server,
+    no_range,
+    no_range_server,
+    remote_env,
+    s3,
+    s3_server,
+)
 from tests.helpers.zero_runs import ZeroRuns, make_zero_runs
 
 
