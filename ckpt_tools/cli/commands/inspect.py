@@ -15,11 +15,23 @@ from ckpt_tools.ops.inspect.inspection import inspect
 @json_option
 @click.option("--group", is_flag=True, help="Fold repeated layers: layers.{0..31}.fc.weight ×32.")
 @click.option("--limit", type=int, default=None, help="Show at most this many table rows.")
+@click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="For a URL, also print on stderr the requests made and the bytes received.",
+)
 def inspect_cmd(
-    path: str, select: str | None, as_json: bool, group: bool, limit: int | None
+    path: str, select: str | None, as_json: bool, group: bool, limit: int | None, verbose: bool
 ) -> None:
-    """Describe a checkpoint from its structure: never runs its pickle, never imports torch."""
+    """Describe a checkpoint from its structure: never runs its pickle, never imports torch.
+
+    PATH is a file, a folder, or a URL (https://, hf://ORG/REPO[@REV][/FILE], s3://BUCKET/KEY)
+    of which only the structure is fetched, by byte ranges.
+    """
     info = inspect(path, select=select)
+    if verbose and info.transfer is not None:
+        click.echo(f"remote: {info.transfer}", err=True)
     if as_json:
         echo_json(info.to_json())
         return

@@ -13,9 +13,10 @@ from ckpt_tools.errors import UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.remote.rangefile import RemoteFile
 from ckpt_tools.io.remote.session import RemoteSession
-from ckpt_tools.io.remote.urls import folder_candidates, is_url, sibling
+from ckpt_tools.io.remote.urls import is_folder_url, is_url, sibling
 
 __all__ = ["open_path", "open_url"]
+
 
 def open_path(path: StrPath, *, session: RemoteSession | None = None) -> Checkpoint:
     """Open a checkpoint at a local path or a URL (``https://``, ``hf://``, ``s3://``).
@@ -67,7 +68,7 @@ def open_url(url: str, *, session: RemoteSession | None = None) -> Checkpoint:
         ('hf-sharded', 2)
     """
     session = session if session is not None else RemoteSession()
-    if folder_candidates(url) is not None:
+    if is_folder_url(url):
         name, file = session.open_folder(url)
         url = sibling(url, name)
     else:

@@ -55,8 +55,19 @@ class TransferStats:
     bytes_received: int = 0
 
     def add(self, received: int) -> None:
+        """Count one request that received ``received`` body bytes."""
         self.requests += 1
         self.bytes_received += received
+
+    def __str__(self) -> str:
+        """``2 requests, 512 KiB received (524,288 bytes)``."""
+        from ckpt_tools.structure.text import human_bytes
+
+        plural = "" if self.requests == 1 else "s"
+        return (
+            f"{self.requests} request{plural}, {human_bytes(self.bytes_received)} received "
+            f"({self.bytes_received:,} bytes)"
+        )
 
 
 class RemoteFile(io.RawIOBase):

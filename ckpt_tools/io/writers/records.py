@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 
@@ -34,6 +35,7 @@ __all__ = [
     "check_records",
     "copy_record",
     "record_bytes",
+    "remote_span_record",
     "same_record_bytes",
     "tensor_bytes_record",
 ]
@@ -86,6 +88,9 @@ def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
 
         return Record(zip_record.size, produce=inflate, action="copy (inflated)")
     span = ckpt.span(storage)
+    remote = remote_span_record(ckpt, span)
+    if remote is not None:
+        return remote
     zip_record = ckpt.records.get(f"data/{storage.key}")
     crc = None
     if (
@@ -100,7 +105,7 @@ def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
 
 def cast_storage_record(ckpt: Checkpoint, storage: StorageRef, src: str, dst: str) -> Record:
     """A record streaming ``storage`` (elements of ``src``) cast to ``dst``."""
-    if _compressed(ckpt, storage) is not None:
+    if _compressed(ckpt, storage) is not None or ckpt.remote:
         return cast_stream(copy_record(ckpt, storage), src, dst)
     span = ckpt.span(storage)
     return cast_span_record(span, span.nbytes // itemsize(src), src, dst)
@@ -151,11 +156,21 @@ def cast_stream(source: Record, src: str, dst: str) -> Record:
 def tensor_bytes_record(ckpt: Checkpoint, t: TensorRef, dst: str | None = None) -> Record:
     """One tensor's elements in row-major order (safetensors), cast to ``dst`` if given."""
     span = ckpt.span(t.storage)
-    if dst is None or dst == t.dtype:
-        if t.is_contiguous():
-            start = span.offset + t.byte_span[0]
-            return Record(t.nbytes, span=ByteSpan(span.path, start, t.nbytes))
-        dst = t.dtype
+    if t.is_contiguous():
+        piece = ByteSpan(span.path, span.offset + t.byte_span[0], t.nbytes)
+        record = remote_span_record(ckpt, piece) or Record(t.nbytes, span=piece)
+        if dst is None or dst == t.dtype:
+            return record
+        if ckpt.remote:
+            return cast_stream(record, t.dtype, dst)
+    elif ckpt.remote:
+        raise UnsupportedFormatError(
+            f"{ckpt.path!r}: tensor over storage {t.storage.key!r} is a strided view (not "
+            "contiguous), which is gathered from a local file only; download the file and "
+            "pass its path",
+            path=ckpt.path,
+        )
+    dst = t.dtype if dst is None else dst
 
     def produce() -> Iterable[bytes]:
         from ckpt_tools.io.casting import cast_chunk
@@ -174,6 +189,33 @@ def tensor_bytes_record(ckpt: Checkpoint, t: TensorRef, dst: str | None = None) 
 
     action = "copy" if dst == t.dtype else f"cast {t.dtype} -> {dst}"
     return Record(t.numel * itemsize(dst), produce=produce, action=action)
+
+
+def remote_span_record(ckpt: Checkpoint, span: ByteSpan) -> Record | None:
+    """A record fetching ``span`` from the remote file it lies in, in bounded requests; None
+    where ``span`` lies in a local file."""
+    source = ckpt.remote.get(span.path)
+    if source is None:
+        return None
+
+    def produce() -> Iterable[bytes]:
+        done = 0
+        while done < span.nbytes:
+            piece = source.pread(min(_FETCH_CHUNK, span.nbytes - done), span.offset + done)
+            if not piece:
+                raise CorruptCheckpointError(
+                    f"{span.path!r} ended after {done} of the {span.nbytes} bytes at offset "
+                    f"{span.offset} (the remote file changed or is truncated)",
+                    path=span.path,
+                )
+            yield piece
+            done += len(piece)
+
+    return Record(span.nbytes, produce=produce, action="fetch")
+
+
+# A remote record's bytes are fetched in requests of this size, one in memory at a time.
+_FETCH_CHUNK = 8 << 20
 
 
 def _span_chunks(fd: int, span: ByteSpan, chunk: int = 8 << 20) -> Iterable[bytes]:

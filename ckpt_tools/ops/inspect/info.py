@@ -14,7 +14,6 @@ from itertools import islice
 from typing import Any
 
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError
-from ckpt_tools.structure.grouping import group_names
 from ckpt_tools.structure.keys import WrapperMatch
 from ckpt_tools.structure.text import (
     Readable,
@@ -130,6 +129,8 @@ class CheckpointInfo(Readable):
         chunks: tensor name -> its saved chunks (``offsets``, ``sizes``, ``file``,
             ``offset``, ``length``), for DCP folders.
         format_info: the format's own record, as ``lines()`` and ``to_json()`` (``ZeroInfo``).
+        transfer: for a checkpoint read from a URL, the
+            :class:`~ckpt_tools.io.remote.TransferStats` of the read.
     """
 
     path: str
@@ -151,6 +152,9 @@ class CheckpointInfo(Readable):
     pickled_module: Mapping[str, Any] | None = None
     chunks: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
     format_info: Any = None
+    # What reading it from a URL cost (requests, bytes received); None for a local file.
+    # Not part of to_json(): the description of a file is the same wherever it lies.
+    transfer: Any = None
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -284,6 +288,8 @@ class CheckpointInfo(Readable):
         :data:`TENSOR_COLUMNS`."""
         if not group:
             return [_row(t.name, t, 1) for t in self.tensors]
+        from ckpt_tools.structure.grouping import group_names  # only --group folds
+
         groups = group_names(self.tensors, lambda t: t.name, lambda t: (t.dtype, t.shape, t.device))
         return [_row(g.label, members[0], g.count) for g, members in groups]
 

@@ -205,7 +205,10 @@ def inspect(path: StrPath, *, select: Select = None) -> CheckpointInfo:
     Args:
         path: a checkpoint file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``, ``.safetensors``, legacy
             or tar torch files, pickles), a sharded folder, or a PEFT adapter folder (its
-            config is the result's ``format_info``).
+            config is the result's ``format_info``); or the URL of a file or folder
+            (``https://``, ``hf://ORG/REPO[@REV][/PATH]``, ``s3://BUCKET/KEY``), read by
+            byte ranges: only its structure is fetched (the result's ``transfer`` says
+            what it cost).
         select: a dotted path to the state dict, overriding the automatic choice.
 
     Returns:
@@ -220,8 +223,25 @@ def inspect(path: StrPath, *, select: Select = None) -> CheckpointInfo:
         ('torch-zip', 'module.', 572)
     """
     path = os.fspath(path)
+    if "://" in path:
+        from ckpt_tools.io.remote.urls import is_url
+
+        if is_url(path):
+            return _inspect_url(path, select)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a PEFT adapter folder
         from ckpt_tools.ops.merge.info import inspect_adapter
 
         return inspect_adapter(path, select)
     return inspect_checkpoint(open_checkpoint(path), select)
+
+
+def _inspect_url(url: str, select: Select) -> CheckpointInfo:
+    """Inspect the checkpoint at ``url``, with what reading it cost."""
+    import dataclasses
+
+    from ckpt_tools.io.remote import RemoteSession
+    from ckpt_tools.io.remote.checkpoint import open_url
+
+    with RemoteSession() as session:
+        info = inspect_checkpoint(open_url(url, session=session), select)
+    return dataclasses.replace(info, transfer=session.stats)

@@ -140,7 +140,9 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
                 ),
             ),
         )
-    if ckpt.records:  # a zip: its records are copied as they are, CRC-32 included
+    # A zip's records are copied as they are, CRC-32 included. A remote zip's records are
+    # fetched and written anew (the writer computes each CRC), so its input is not re-read.
+    if ckpt.records and not ckpt.remote:
         # Imported for zips only, as each writer is: a rewrite reaches its first read sooner.
         from ckpt_tools.io.verify.zipcheck import check_source_crcs
 

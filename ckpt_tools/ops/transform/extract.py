@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.errors import UsageError
-from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
@@ -62,7 +62,7 @@ def extract(
     src, dst = os.fspath(src), os.fspath(dst)
     allow_globals = str_items(allow_globals, "allow_globals")
     target = check_output_path(dst, src, force=force, in_place=False)
-    ckpt = open_checkpoint(src)
+    ckpt = open_path(src)
     notes: list[str] = []
     if ema and select is None:
         selection, why = _select_ema(ckpt.root)

@@ -22,8 +22,8 @@ from typing import Any
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
-from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.plan import cast_tensor
@@ -191,7 +191,7 @@ def slim(
     cast_to = _dtype(dtype)
     keep = _patterns(str_items(keep_dtype, "keep_dtype"))
     target = check_output_path(dst, src, force=force, in_place=False)
-    ckpt = open_checkpoint(src)
+    ckpt = open_path(src)
     fmt = output_format_for(dst, output_format, ckpt.format)
     notes: list[str] = []
     if ema and select is None:

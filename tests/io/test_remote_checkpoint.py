@@ -1,0 +1,157 @@
+"""Checkpoints read where they live: ``ckpt inspect`` and ``extract`` on URLs, against real
+servers started by the suite, compared with the same command on the downloaded file."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import save_file
+
+from tests.helpers.cli import run_ckpt
+
+# What a remote inspect may cost at most, whatever the file's size.
+MAX_REQUESTS = 8
+MAX_BYTES = 4 << 20
+
+
+def _state_dict(tensors: int = 24, width: int = 32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    sd = {
+        f"model.layers.{i}.weight": torch.randn(width, width, generator=gen) for i in range(tensors)
+    }
+    sd["model.embed.weight"] = torch.randn(100, width, generator=gen)
+    sd["model.norm.num_batches_tracked"] = torch.tensor(3)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same state dict as a .pt, a legacy .bin, a .safetensors and a sharded folder."""
+    folder = tmp_path_factory.mktemp("local")
+    sd = _state_dict()
+    torch.save(sd, folder / "model.pt")
+    torch.save(sd, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    save_file(sd, folder / "model.safetensors")
+    sharded = folder / "sharded"
+    sharded.mkdir()
+    save_torch_state_dict(sd, sharded, max_shard_size="20KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    return {
+        "pt": folder / "model.pt",
+        "bin": folder / "pytorch_model.bin",
+        "safetensors": folder / "model.safetensors",
+        "sharded": sharded,
+    }
+
+
+def _inspect_json(target: str | Path) -> dict:
+    code, out, err = run_ckpt("inspect", "--json", str(target))
+    assert code == 0, err
+    data = json.loads(out)
+    data.pop("path")
+    return data
+
+
+@pytest.mark.parametrize("kind", ["pt", "bin", "safetensors"])
+def test_inspect_hf_file_equals_the_downloaded_file(hub, local, kind):
+    name = local[kind].name
+    url = hub.put("org/model", name, local[kind])
+    assert _inspect_json(url) == _inspect_json(local[kind])
+    path = hub.path("org/model", name)
+    assert 1 <= hub.log.requests(path) <= MAX_REQUESTS
+    assert hub.log.sent(path) <= MAX_BYTES
+
+
+def test_inspect_sharded_repo_equals_the_downloaded_folder(hub, local):
+    for file in local["sharded"].iterdir():
+        hub.put("org/sharded", file.name, file)
+    remote = _inspect_json("hf://org/sharded")
+    assert remote == _inspect_json(local["sharded"])
+    assert len(remote["shards"]) > 1
+    # The index and one header per shard; the misses before the index would be 404s.
+    assert hub.log.requests() <= 1 + len(remote["shards"])
+
+
+def test_inspect_http_and_s3_urls(hub, s3, local):
+    expected = _inspect_json(local["pt"])
+    assert _inspect_json(hub.put_file("model.pt", local["pt"])) == expected
+    assert _inspect_json(s3.put("runs/model.pt", local["pt"])) == expected
+
+
+def test_verbose_reports_requests_and_bytes(hub, local):
+    url = hub.put("org/model", "model.safetensors", local["safetensors"])
+    code, _, err = run_ckpt("inspect", "--verbose", url)
+    assert code == 0, err
+    path = hub.path("org/model", "model.safetensors")
+    hub.log.settle()
+    assert f"remote: {hub.log.requests(path)} request" in err
+    assert f"({hub.log.sent(path):,} bytes)" in err
+
+
+def test_many_tensors_cost_a_few_requests(hub, tmp_path):
+    """A .pt of 350 tensors (its pickle, its central directory, its end records) and a
+    safetensors file of as many: bytes moved stay far below the file's size."""
+    sd = {f"blocks.{i // 10}.layer{i % 10}.weight": torch.zeros(64, 512) for i in range(350)}
+    for name in ("many.pt", "many.safetensors"):
+        target = tmp_path / name
+        torch.save(sd, target) if name.endswith(".pt") else save_file(sd, target)
+        url = hub.put("org/many", name, target)
+        assert _inspect_json(url) == _inspect_json(target)
+        path = hub.path("org/many", name)
+        assert hub.log.requests(path) <= MAX_REQUESTS
+        assert hub.log.sent(path) <= MAX_BYTES < target.stat().st_size
+
+
+def test_server_ignoring_range_is_refused(no_range, tmp_path):
+    """Answered 200 with the whole body of a file larger than the first range asked for."""
+    target = tmp_path / "model.pt"
+    torch.save({"w": torch.zeros(1 << 20)}, target)
+    url = no_range.put("model.pt", target)
+    code, out, err = run_ckpt("inspect", url, code=None)
+    assert code == 8 and out == ""
+    assert "Range" in err and "download" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_lying_header_is_refused_before_anything_large_is_fetched(hub, tmp_path):
+    """A safetensors header that claims 90 MB in a small file: refused from the size the
+    first response gave, with nothing more requested."""
+    target = tmp_path / "liar.safetensors"
+    target.write_bytes(struct.pack("<Q", 90_000_000) + b'{"a":' + bytes(1000))
+    url = hub.put("org/liar", "model.safetensors", target)
+    _, _, err = run_ckpt("inspect", url, code=4)
+    assert "90000000" in err
+    assert hub.log.requests(hub.path("org/liar", "model.safetensors")) == 1
+
+
+def test_extract_fetches_only_the_kept_records(hub, tmp_path):
+    sd = {"embed.weight": torch.randn(256, 64), "body.weight": torch.randn(2048, 512)}
+    src = tmp_path / "model.pt"
+    torch.save(sd, src)
+    url = hub.put("org/big", "model.pt", src)
+    out = tmp_path / "embed.safetensors"
+    code, _, err = run_ckpt("extract", url, str(out), "--prefix", "embed.")
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(out)["embed.weight"], sd["embed.weight"])
+    sent = hub.log.sent(hub.path("org/big", "model.pt"))
+    assert sent < sd["body.weight"].nbytes // 4
+
+
+def test_slim_from_a_url(hub, tmp_path, local):
+    url = hub.put("org/model", "model.pt", local["pt"])
+    out = tmp_path / "slim.pt"
+    code, _, err = run_ckpt("slim", url, str(out), "--dtype", "bf16", "--weights-only")
+    assert code == 0, err
+    got = torch.load(out, weights_only=True)
+    want = torch.load(local["pt"], weights_only=True)
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert torch.equal(got[key], expected), key
