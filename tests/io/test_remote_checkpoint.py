@@ -155,3 +155,49 @@ def test_slim_from_a_url(hub, tmp_path, local):
     for key, tensor in want.items():
         expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
         assert torch.equal(got[key], expected), key
+
+
+def test_errors_are_one_line_with_an_exit_code(hub, dead_ends, monkeypatch, local):
+    """404, 401 (naming HF_TOKEN), a timeout and a refused connection: one line each."""
+    hub.put("org/gated", "model.pt", local["pt"])
+    hub.gated["org/gated"] = "secret"
+    monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "0.5")
+    cases = [
+        ("hf://org/missing/model.pt", 2, "404"),
+        ("hf://org/gated/model.pt", 8, "HF_TOKEN"),
+        (f"{dead_ends.stalled}/model.pt", 8, "CKPT_REMOTE_TIMEOUT"),
+        (f"{dead_ends.refused}/model.pt", 8, "refused"),
+    ]
+    for url, code, words in cases:
+        _, out, err = run_ckpt("inspect", url, code=code)
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert words in err, err
+    monkeypatch.setenv("HF_TOKEN", "secret")
+    assert _inspect_json("hf://org/gated/model.pt") == _inspect_json(local["pt"])
+
+
+def test_redirects_to_a_cdn_are_followed(hub, local):
+    url = hub.put("org/model", "model.safetensors", local["safetensors"])
+    hub.redirect = True
+    assert _inspect_json(url) == _inspect_json(local["safetensors"])
+    assert any("/cdn/" in hit.path for hit in hub.log.for_path())
+
+
+def test_a_broken_local_header_is_found_when_the_record_is_read(hub, tmp_path):
+    """Remotely, inspect trusts the central directory; the local header of a record is
+    checked when its bytes are read, and refused then as torch refuses it."""
+    src = tmp_path / "model.pt"
+    torch.save({"a": torch.ones(4096), "b": torch.zeros(4096)}, src)
+    data = bytearray(src.read_bytes())
+    header = data.rindex(b"PK\x03\x04", 0, data.index(b"model/data/1"))
+    data[header + 3] = 0x05  # its local header's signature
+    src.write_bytes(bytes(data))
+    url = hub.put("org/broken", "model.pt", src)
+    info = _inspect_json(url)
+    assert [t["name"] for t in info["tensors"]] == ["a", "b"]
+    run_ckpt("extract", url, str(tmp_path / "a.pt"), "--prefix", "a", code=0)
+    _, _, err = run_ckpt("extract", url, str(tmp_path / "b.pt"), "--prefix", "b", code=4)
+    assert "local header" in err
+    with pytest.raises(RuntimeError):
+        torch.load(src, weights_only=True)
+    run_ckpt("inspect", str(src), code=4)  # locally every local header is read at once
