@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 
 from ckpt_tools._types import StrPath
-from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, ResourceLimitError, UsageError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.detect import FORMATS, detect_format
 
 __all__ = ["FORMATS", "Checkpoint", "ZipRecord", "detect_format", "open_checkpoint"]
+
+
+# The URLs io/remote reads (open_url); here they are refused with the commands that read them.
+_URL_SCHEMES = ("http", "https", "hf", "s3")
 
 
 def open_checkpoint(path: StrPath) -> Checkpoint:
@@ -31,6 +35,13 @@ def open_checkpoint(path: StrPath) -> Checkpoint:
         ('torch-zip', ['bn.bias', 'bn.num_batches_tracked'])
     """
     path = os.fspath(path)
+    if path.partition("://")[0].lower() in _URL_SCHEMES and not os.path.exists(path):
+        raise UsageError(
+            f"{path!r} is a URL; inspect, scan, diff, extract and slim read URLs (only the "
+            "bytes they need), other commands read local files",
+            path=path,
+            remedies=(Remedy(text="download the file and pass its path"),),
+        )
     try:
         return _open(path, detect_format(path))
     except (CorruptCheckpointError, ResourceLimitError) as e:
