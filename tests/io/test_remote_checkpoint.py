@@ -144,17 +144,27 @@ def test_extract_fetches_only_the_kept_records(hub, tmp_path):
     assert sent < sd["body.weight"].nbytes // 4
 
 
-def test_slim_from_a_url(hub, tmp_path, local):
-    url = hub.put("org/model", "model.pt", local["pt"])
-    out = tmp_path / "slim.pt"
+def test_slim_weights_only_from_a_url_fetches_only_the_weights(hub, tmp_path):
+    """A trainer checkpoint: the model's weights cast to bf16, the optimizer's moments
+    (twice the weights' bytes) never fetched."""
+    model = {f"layers.{i}.weight": torch.randn(256, 256) for i in range(4)}
+    moments = {
+        i: {"exp_avg": torch.randn(256, 256), "exp_avg_sq": torch.rand(256, 256)} for i in range(4)
+    }
+    src = tmp_path / "trainer.pt"
+    torch.save({"model": model, "optimizer": {"state": moments}, "epoch": 3}, src)
+    url = hub.put("org/run", "trainer.pt", src)
+    out = tmp_path / "weights.safetensors"
     code, _, err = run_ckpt("slim", url, str(out), "--dtype", "bf16", "--weights-only")
     assert code == 0, err
-    got = torch.load(out, weights_only=True)
-    want = torch.load(local["pt"], weights_only=True)
-    assert set(got) == set(want)
-    for key, tensor in want.items():
-        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
-        assert torch.equal(got[key], expected), key
+    from safetensors.torch import load_file
+
+    got = load_file(out)
+    assert set(got) == set(model)
+    for key, tensor in model.items():
+        assert torch.equal(got[key], tensor.to(torch.bfloat16)), key
+    weights = sum(t.nbytes for t in model.values())
+    assert hub.log.sent(hub.path("org/run", "trainer.pt")) < weights + (1 << 20)
 
 
 def test_errors_are_one_line_with_an_exit_code(hub, dead_ends, monkeypatch, local):
