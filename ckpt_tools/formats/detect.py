@@ -117,7 +117,14 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
         os.close(fd)
 
 
-def detect_bytes(name: str, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
+def detect_bytes(
+    name: str,
+    size: int,
+    head: bytes,
+    read_to: Callable[[int], bytes],
+    *,
+    content_only: bool = False,
+) -> str:
     """The format of a file known by its bytes (a remote file), decided as for a local one.
 
     Args:
@@ -125,6 +132,7 @@ def detect_bytes(name: str, size: int, head: bytes, read_to: Callable[[int], byt
         size: its size in bytes.
         head: its first 512 bytes (fewer if it is shorter).
         read_to: ``read_to(n)`` gives its first ``n`` bytes.
+        content_only: as for :func:`detect_format`: the content alone decides.
 
     Returns:
         One of :data:`FORMATS` that a single file can be (not a folder format).
@@ -137,7 +145,8 @@ def detect_bytes(name: str, size: int, head: bytes, read_to: Callable[[int], byt
         >>> detect_bytes("x.bin", 30, b"PK\x03\x04" + bytes(26), lambda n: b"")
         'torch-zip'
     """
-    return _format_of(name.split("?", 1)[0], size, head, read_to)
+    find = _content_format if content_only else _format_of
+    return find(name.split("?", 1)[0], size, head, read_to)
 
 
 # What ``Path.exists`` takes for "nothing there"; any other failure to stat is raised.

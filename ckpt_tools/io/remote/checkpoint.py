@@ -15,7 +15,7 @@ from ckpt_tools.io.remote.rangefile import RemoteFile
 from ckpt_tools.io.remote.session import RemoteSession
 from ckpt_tools.io.remote.urls import is_folder_url, is_url, sibling
 
-__all__ = ["open_path", "open_url"]
+__all__ = ["open_file", "open_path", "open_url"]
 
 
 def open_path(path: StrPath, *, session: RemoteSession | None = None) -> Checkpoint:
@@ -73,10 +73,33 @@ def open_url(url: str, *, session: RemoteSession | None = None) -> Checkpoint:
         url = sibling(url, name)
     else:
         file = session.open(url)
-    return _open_file(url, file, session)
+    return open_file(url, file, session)
 
 
-def _open_file(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoint:
+def open_file(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoint:
+    """Open the checkpoint in ``file``, a remote file opened already (a scan has its bytes).
+
+    Args:
+        url: the file's URL (a shard index's shards are opened beside it).
+        file: the open remote file, from ``session``.
+        session: where further reads go and are counted.
+
+    Returns:
+        The opened :class:`~ckpt_tools.formats.base.Checkpoint`, as :func:`open_url` returns it.
+
+    Raises:
+        UnsupportedFormatError: a format read member by member (tar), or not a checkpoint.
+        CheckpointError: as :func:`open_url` raises.
+
+    Example:
+        >>> class InMemory:  # a transport serving a local file's bytes
+        ...     url = "https://host.example/model.pt"
+        ...     data = open("model.pt", "rb").read()
+        ...     def get(self, start, end): return self.data[start:end], len(self.data)
+        ...     def close(self): pass
+        >>> open_file(InMemory.url, RemoteFile(InMemory()), RemoteSession()).format
+        'torch-zip'
+    """
     from ckpt_tools.formats.detect import detect_bytes
 
     fmt = detect_bytes(url, file.size, file.pread(512, 0), lambda n: file.pread(n, 0))
@@ -114,7 +137,7 @@ def _open_index(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoin
 
     def open_shard(name: str) -> Checkpoint:
         shard_url = sibling(url, name)
-        shard = _open_file(shard_url, session.open(shard_url), session)
+        shard = open_file(shard_url, session.open(shard_url), session)
         files.update(shard.remote)  # type: ignore[arg-type]
         return shard
 
