@@ -21,20 +21,22 @@ Every declared count and size is checked against the file size and
 from __future__ import annotations
 
 import itertools
-import os
 import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
+from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.pickle.limits import MAX_ZIP_DIRECTORY_BYTES
 from ckpt_tools.formats.readahead import advise_willneed
+from ckpt_tools.formats.zip.end_records import end_records
+from ckpt_tools.formats.zip.source import FileSlice, ZipSource, corrupt_zip, pread
 
 __all__ = [
     "FileSlice",
     "RangeSource",
     "ZipEntry",
+    "ZipSource",
     "corrupt_zip",
     "located",
     "pread",
@@ -42,49 +44,10 @@ __all__ = [
 ]
 
 
-class FileSlice(NamedTuple):
-    """``length`` bytes of an open file from ``base``, read as if they were a file of their own.
-
-    A DCP ``.distcp`` file holds one ``torch.save`` archive per chunk, back to back; each
-    archive's offsets are relative to its own start (torch reads it through a file view).
-    Every function here takes a FileSlice wherever it takes a file descriptor.
-    """
-
-    fd: int
-    base: int
-    length: int
-
-
-# Whatever the zip reader reads from: a descriptor, a slice of one, or a remote file.
-ZipSource = int | FileSlice | RangeSource
-
-
-def pread(fd: ZipSource, count: int, offset: int) -> bytes:
-    """Up to ``count`` bytes at ``offset`` of a file descriptor, a :class:`FileSlice` or a
-    remote file read by ranges.
-
-    Fewer where the file (or slice) ends first, as ``os.pread`` returns them.
-    """
-    if isinstance(fd, int):
-        return os.pread(fd, count, offset)
-    if isinstance(fd, FileSlice):
-        # Reads stop at the slice's end, as they stop at a file's end.
-        count = max(0, min(count, fd.length - offset))
-        return os.pread(fd.fd, count, fd.base + offset) if count else b""
-    return fd.pread(count, offset)
-
-
-_EOCD = struct.Struct("<4s4H2LH")
-_EOCD_SIG = b"PK\x05\x06"
-_ZIP64_LOCATOR = struct.Struct("<4sLQL")
-_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
 _CENTRAL_SIG = b"PK\x01\x02"
 _LOCAL = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIG = b"PK\x03\x04"
-_MAX_COMMENT = 0xFFFF
-# torch's reader (miniz) looks for the end record in blocks of this size, from the end back.
-_MINIZ_BLOCK = 4096
 _U16, _U32 = 0xFFFF, 0xFFFFFFFF
 _STORED, _DEFLATED = 0, 8
 _FLAG_DATA_DESCRIPTOR = 0x8
@@ -112,13 +75,6 @@ class ZipEntry(NamedTuple):
     # flags and where the record's bytes must end (the central directory's offset).
     flags: int = 0
     bound: int = -1
-
-
-def corrupt_zip(path: str, why: str) -> CorruptCheckpointError:
-    """The error for an archive torch's reader refuses or might read otherwise: ``why``."""
-    return CorruptCheckpointError(
-        f"{path!r} is not a zip archive torch reads the same way: {why}", path=path
-    )
 
 
 def read_zip_directory(
@@ -153,7 +109,7 @@ def read_zip_directory(
         >>> os.close(fd)
     """
     try:
-        count, cd_offset, cd_size, cd_end = _end_records(path, fd, size)
+        count, cd_offset, cd_size, cd_end = end_records(path, fd, size)
         if cd_size > MAX_ZIP_DIRECTORY_BYTES:
             raise ResourceLimitError(
                 f"{path!r}: the zip directory declares {cd_size} bytes, over the "
@@ -172,105 +128,6 @@ def read_zip_directory(
         return _entries(path, fd, directory, count, cd_offset, defer_local)
     except (struct.error, UnicodeDecodeError) as e:
         raise corrupt_zip(path, f"a header cannot be decoded ({e})") from e
-
-
-def _end_records(path: str, fd: ZipSource, size: int) -> tuple[int, int, int, int]:
-    """``(record count, directory offset, directory size, end record offset)``, from the end
-    record and, where the archive has one, its zip64 end record."""
-    eocd_offset, fields = _end_record(path, fd, size)
-    disk, cd_disk, disk_count, count, cd_size, cd_offset = fields
-    if disk != 0 or cd_disk != 0 or disk_count != count:
-        raise corrupt_zip(path, "it spans several disks")
-    locator = b""
-    if eocd_offset >= _ZIP64_LOCATOR.size:
-        locator = pread(fd, _ZIP64_LOCATOR.size, eocd_offset - _ZIP64_LOCATOR.size)
-    if locator[:4] != b"PK\x06\x07":
-        if count == _U16 or _U32 in (cd_size, cd_offset):
-            raise corrupt_zip(path, "its zip64 end record is missing")
-        return count, cd_offset, cd_size, eocd_offset
-    return _zip64_end_record(path, fd, locator, eocd_offset, (count, cd_size, cd_offset))
-
-
-def _end_record(
-    path: str, fd: ZipSource, size: int
-) -> tuple[int, tuple[int, int, int, int, int, int]]:
-    """Where the end record torch's reader takes lies, and its fields ``(disk, directory
-    disk, records on this disk, records, directory size, directory offset)``."""
-    tail_len = min(size, _EOCD.size + _MAX_COMMENT)
-    tail = pread(fd, tail_len, size - tail_len)
-    # torch's reader (miniz) takes the last signature with a whole record after it, whatever
-    # its comment length says, so a signature inside another record's comment is the one it
-    # reads. That record's comment must then run exactly to the end of the file (torch.save
-    # writes none): anything else is refused.
-    end = len(tail)
-    at = tail.rfind(_EOCD_SIG)
-    while at >= 0 and at + _EOCD.size > end:
-        at = tail.rfind(_EOCD_SIG, 0, at)
-    if at < 0:
-        raise corrupt_zip(path, "no end record ends the file (truncated, or bytes follow it)")
-    eocd_offset = size - tail_len + at
-    _, disk, cd_disk, disk_count, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, at)
-    follows = end - at - _EOCD.size
-    if comment > follows:
-        raise corrupt_zip(
-            path,
-            f"its end record (at byte {eocd_offset}) declares a {comment}-byte comment where "
-            f"{follows} bytes follow it (the file is truncated, or the length is corrupt)",
-        )
-    if comment < follows:
-        raise corrupt_zip(
-            path,
-            f"{follows - comment} bytes follow its last end record and comment (at byte "
-            f"{eocd_offset}: bytes were appended after the archive, or that record lies inside "
-            "another record's comment, and it is the one torch reads); "
-            f"an archive ends at byte {eocd_offset + _EOCD.size + comment}",
-        )
-    # miniz scans back in 4 KiB blocks, each 3 bytes over the last, and one that would start
-    # before byte 0 wraps around and fails instead of starting at 0.
-    scanned_from = (size - _MINIZ_BLOCK) % (_MINIZ_BLOCK - 3) if size > _MINIZ_BLOCK else 0
-    if eocd_offset < scanned_from:
-        raise corrupt_zip(
-            path,
-            f"its end record (at byte {eocd_offset}) lies before byte {scanned_from}, where "
-            f"torch's reader stops looking for it in a {size}-byte file (a long comment in a "
-            "small archive)",
-        )
-    return eocd_offset, (disk, cd_disk, disk_count, count, cd_size, cd_offset)
-
-
-def _zip64_end_record(
-    path: str,
-    fd: ZipSource,
-    locator: bytes,
-    eocd_offset: int,
-    declared: tuple[int, int, int],
-) -> tuple[int, int, int, int]:
-    """The zip64 end record ``locator`` points at, checked as miniz checks it and against the
-    end record's ``(record count, directory size, directory offset)``; returns what
-    :func:`_end_records` does."""
-    _, _, zip64_offset, disks = _ZIP64_LOCATOR.unpack(locator)
-    if disks != 1:  # miniz (torch's reader) refuses any other total as a multi-disk archive
-        raise corrupt_zip(
-            path, f"its zip64 locator declares {disks} disks (it spans several disks)"
-        )
-    if zip64_offset + _ZIP64_EOCD.size > eocd_offset - _ZIP64_LOCATOR.size:
-        raise corrupt_zip(path, "its zip64 end record is misplaced")
-    record = _ZIP64_EOCD.unpack(pread(fd, _ZIP64_EOCD.size, zip64_offset))
-    if record[0] != b"PK\x06\x06":
-        raise corrupt_zip(
-            path,
-            "its zip64 end record is not where its locator says (bytes were added before or "
-            "inside the archive; torch refuses such a file)",
-        )
-    if record[1] < _ZIP64_EOCD.size - 12:  # the size it declares for itself, as miniz checks
-        raise corrupt_zip(path, f"its zip64 end record declares a size of {record[1]} bytes")
-    if record[4] != 0 or record[5] != 0:
-        raise corrupt_zip(path, "its zip64 end record places it on another disk (several disks)")
-    if record[-4] != record[-3] or any(
-        short not in (_U16, _U32) and short != long for short, long in zip(declared, record[-3:])
-    ):
-        raise corrupt_zip(path, "its end record and zip64 end record declare different records")
-    return record[-3], record[-1], record[-2], zip64_offset
 
 
 def _prefetch(fd: ZipSource, spans: list[tuple[int, int]]) -> None:
