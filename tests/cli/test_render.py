@@ -1,0 +1,60 @@
+"""The command's tables are tabulate's ``simple`` tables, whichever function lays them out.
+
+``cli.render.table`` lays out plain tables (one line of printable ASCII a cell) with the
+library's ``text_table`` and leaves the rest to tabulate; the oracle is tabulate itself.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from ckpt_tools.cli.render import table
+from ckpt_tools.ops.inspect.inspection import inspect
+
+
+def _tabulate(rows: list[list[Any]], headers: list[str]) -> str:
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def test_inspect_table_is_tabulate_s(tmp_path: Path) -> None:
+    names = ["fc.weight", "  padded  ", "tab\there", "line\nbreak", "\x1b[31mred\x1b[0m", "\x01"]
+    names += ["幅広い", "e\u0301", "×", "1e5", "True", ""]
+    path = tmp_path / "odd.pt"
+    base = torch.zeros(8)
+    torch.save({n: base[i : i + 2] for i, n in enumerate(names)} | {"own": torch.ones(3)}, path)
+    info = inspect(path)
+    for group in (False, True):
+        rows = info.rows(group)
+        headers = ["name", "dtype", "shape", "device", "storage", "offset", "bytes", "shared with"]
+        for some in ([r for r in rows if r[0] in ("fc.weight", "own")], rows):
+            assert table(some, headers) == _tabulate(some, headers)
+
+
+def test_random_tables_are_tabulate_s() -> None:
+    rng = random.Random(0)
+    alphabet = string.printable[:95] + "  ×\n\x1b"
+    pool = ["1", "-2.50", "1e5", "nan", "True", "False", "None", "[1, 2]", "", " ", "\x01"]
+    for _ in range(3000):
+        width = rng.randint(1, 5)
+
+        def cell() -> str:
+            if rng.random() < 0.3:
+                return rng.choice(pool)
+            return "".join(rng.choice(alphabet) for _ in range(rng.choice([0, 1, 4, 12])))
+
+        headers = [cell() for _ in range(width)]
+        rows = [[cell() for _ in range(width)] for _ in range(rng.randint(0, 4))]
+        assert table(rows, headers) == _tabulate(rows, headers), (headers, rows)
+
+
+def test_cells_that_are_not_text_are_tabulate_s() -> None:
+    headers = ["chunk of", "offsets", "file", "at byte"]
+    rows: list[list[Any]] = [["w", [0, 4], "__0_0.distcp", 128], [None, (), b"x", True]]
+    assert table(rows, headers) == _tabulate(rows, headers)
+    assert table([["a", "b"], ["c"]], ["x", "y"]) == _tabulate([["a", "b"], ["c"]], ["x", "y"])
