@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import io
 import pickletools
+import struct
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.errors import ResourceLimitError
@@ -261,7 +262,7 @@ def _walk(
     stack: list[int] = []
     marks: list[int] = []
     memo: dict[Any, int] = {}
-    push, end, pos, at = stack.append, len(data), 0, 0
+    push, pop, end, pos, at = stack.append, stack.pop, len(data), 0, 0
     try:
         while True:
             at = pos
@@ -277,41 +278,42 @@ def _walk(
             if how > 0:  # a fixed width
                 if pos + how > end:
                     arg, pos = _read_arg(data, at)  # (raises)
-                elif valued:
-                    arg = data[pos] if how == 1 else int.from_bytes(data[pos : pos + how], "little")
+                if valued:
+                    arg = data[pos] if how == 1 else _UINT32(data, pos)[0]
                     if code == _PROTO:
                         protocols[arg] = None
                 pos += how
             elif how == _NEWLINE:
                 arg, pos = _read_arg(data, at)
-            elif how < 0:
+            elif how:
                 pos = _sized_end(data, at, how)
             seen[code] = None  # (once its argument reads, as genops yields it)
-            if kind == _PLAIN:
+            if kind == _PUT:
+                if arg is not None and arg > at + MEMO_SLACK:
+                    raise _memo_too_far(arg, at)
+                memo[len(memo) if arg is None else arg] = stack[-1] if stack else 1
+            elif kind == _GET:
+                push(memo.get(arg, 1))
+            elif kind == _PLAIN:
                 size = 1
                 if marked:
                     mark = marks.pop() if marks else 0
                     size += sum(stack[mark:])
                     del stack[mark:]
-                if below:  # (most plain opcodes pop nothing: skip building a range)
-                    for _ in range(below):
-                        size += stack.pop() if stack else 1
+                while below and stack:  # (each object missing from the stack counts 1)
+                    size += pop()
+                    below -= 1
+                size += below
                 if size > limit:
                     raise _expands_past(limit)
                 if after:  # a plain opcode pushes at most one object (DUP is not plain)
                     push(size)
-            elif kind == _GET:
-                push(memo.get(arg, 1))
-            elif kind == _PUT:
-                if arg is not None and arg > at + MEMO_SLACK:
-                    raise _memo_too_far(arg, at)
-                memo[len(memo) if arg is None else arg] = stack[-1] if stack else 1
+                elif code == _STOP:
+                    return pos, None
             elif kind == _MARKS:
                 marks.append(len(stack))
             else:  # _DUP
                 push(stack[-1] if stack else 1)
-            if code == _STOP:
-                return pos, None
     except ResourceLimitError:  # a ValueError too: a refusal, not a malformed pickle
         raise
     except ValueError as e:
@@ -365,7 +367,9 @@ _UTF8_READERS = (
     pickletools.read_unicodestring4,
     pickletools.read_unicodestring8,
 )
+# The opcodes whose argument the walk decodes: one byte, or (LONG_BINGET, LONG_BINPUT) four.
 _VALUED = frozenset({"PROTO", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+_UINT32 = struct.Struct("<I").unpack_from
 _BY_CODE = {ord(op.code): op for op in pickletools.opcodes}
 _PROTO, _STOP = (ord(op.code) for op in pickletools.opcodes if op.name in ("PROTO", "STOP"))
 
