@@ -66,17 +66,23 @@ class RequestLog:
             self.hits.append(hit)
         return hit
 
-    def for_path(self, path: str | None = None) -> list[Hit]:
+    def for_path(self, path: str | None = None, method: str | None = None) -> list[Hit]:
+        """The requests for ``path`` (all paths when None) made with ``method`` (any when
+        None), once the server has answered them."""
         self.settle()
-        return [h for h in self.hits if path is None or h.path == path]
+        return [
+            h
+            for h in self.hits
+            if (path is None or h.path == path) and (method is None or h.method == method)
+        ]
 
-    def requests(self, path: str | None = None) -> int:
-        """Requests for ``path`` (all paths when None)."""
-        return len(self.for_path(path))
+    def requests(self, path: str | None = None, method: str | None = None) -> int:
+        """How many requests :meth:`for_path` finds."""
+        return len(self.for_path(path, method))
 
-    def sent(self, path: str | None = None) -> int:
-        """Body bytes sent for ``path`` (all paths when None)."""
-        return sum(h.sent for h in self.for_path(path))
+    def sent(self, path: str | None = None, method: str | None = None) -> int:
+        """The body bytes sent in answer to them."""
+        return sum(h.sent for h in self.for_path(path, method))
 
     def settle(self, timeout: float = 10.0) -> None:
         """Wait until every request so far is answered (or its client gone)."""

@@ -1,0 +1,296 @@
+"""Ranged reads over HTTP (``https://``, ``http://`` and the Hub's ``hf://``), with httpx.
+
+Each :meth:`HttpTransport.get` is one ``GET`` with ``Range: bytes=a-b``. The answer is
+checked before its body is read: a ``206`` must cover exactly the bytes asked for, and a
+``200`` (a server that ignores ``Range``) is refused unless the whole object is no larger
+than what was asked, so a metadata read never turns into a download. Redirects are followed
+(the Hub sends files from a CDN); httpx drops ``Authorization`` when a redirect leaves the
+origin, so the Hub token never reaches the CDN.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from ckpt_tools._version import __version__
+from ckpt_tools.errors import (
+    CheckpointNotFoundError,
+    MissingExtraError,
+    RangeNotSupportedError,
+    Remedy,
+    RemoteAccessError,
+    RemoteError,
+    UsageError,
+    quote_foreign,
+)
+from ckpt_tools.io.remote.urls import at_hub, scheme
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "TIMEOUT_ENV",
+    "HttpTransport",
+    "check_content_range",
+    "import_httpx",
+    "make_client",
+    "range_refused",
+    "remote_timeout",
+]
+
+TIMEOUT_ENV = "CKPT_REMOTE_TIMEOUT"
+DEFAULT_TIMEOUT = 30.0
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_UNSATISFIED = re.compile(r"bytes \*/(\d+)")
+_SLOW = Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow")
+_LOCAL = Remedy(text="download the file and pass the local path")
+
+
+def remote_timeout() -> float:
+    """Seconds to wait for a connection or a read: ``CKPT_REMOTE_TIMEOUT``, else 30.
+
+    Raises:
+        UsageError: ``CKPT_REMOTE_TIMEOUT`` is not a positive number.
+
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch.dict("os.environ", {"CKPT_REMOTE_TIMEOUT": "2.5"}):
+        ...     remote_timeout()
+        2.5
+    """
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UsageError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds")
+    return seconds
+
+
+def import_httpx(url: str = "https://") -> Any:
+    """The httpx module, or MissingExtraError naming the ``remote`` extra.
+
+    Example:
+        >>> import_httpx().__name__
+        'httpx'
+    """
+    try:
+        import httpx
+    except ImportError as e:
+        feature = f"reading {scheme(url) or 'https'}:// URLs"
+        raise MissingExtraError(feature, "httpx", "remote") from e
+    return httpx
+
+
+def make_client(timeout: float) -> httpx.Client:
+    """The one httpx client of a session: redirects followed, no compression, ``timeout``
+    seconds for each connect and each read.
+
+    Example:
+        >>> with make_client(5.0) as client:
+        ...     client.follow_redirects, client.timeout.read
+        (True, 5.0)
+    """
+    httpx = import_httpx()
+    headers = {"Accept-Encoding": "identity", "User-Agent": f"ckpt_tools/{__version__}"}
+    return httpx.Client(follow_redirects=True, timeout=timeout, headers=headers)
+
+
+def range_refused(url: str, size: int | None) -> RangeNotSupportedError:
+    """The refusal of a server that answered a byte range with the whole object."""
+    whole = "the whole file" if size is None else f"the whole {size}-byte file"
+    return RangeNotSupportedError(
+        f"{url}: the server ignored Range and would send {whole}; ckpt_tools reads remote "
+        "files only from servers that answer byte ranges",
+        path=url,
+        remedies=(_LOCAL,),
+    )
+
+
+def check_content_range(url: str, header: str | None, start: int, end: int) -> tuple[int, int]:
+    """A ``Content-Range`` answer to a request for ``[start, end)``: ``(length, total)``.
+
+    Args:
+        url: the URL, for the error.
+        header: the ``Content-Range`` header (``bytes a-b/N``).
+        start, end: the range asked for.
+
+    Returns:
+        The body's length, which must be ``min(end, N) - start``, and the object's size N.
+
+    Raises:
+        RemoteError: a header missing or malformed, an unknown size, or a range other than
+            the one asked for.
+
+    Example:
+        >>> check_content_range("u", "bytes 10-19/15000", 10, 20)
+        (10, 15000)
+    """
+    found = _CONTENT_RANGE.fullmatch((header or "").strip())
+    if found is None or found[3] == "*":
+        raise RemoteError(f"{url}: a ranged answer without a usable Content-Range: {header!r}")
+    first, last, total = int(found[1]), int(found[2]), int(found[3])
+    if first != start or last + 1 != min(end, total) or last < first:
+        raise RemoteError(
+            f"{url}: asked for bytes {start}-{end - 1}, the server answered {header!r}"
+        )
+    return last + 1 - first, total
+
+
+class HttpTransport:
+    """One URL read by byte ranges over a shared httpx client.
+
+    Args:
+        client: the session's client (:func:`make_client`); closing is the session's job.
+        url: the URL as the user gave it (``hf://...`` or ``https://...``): errors name it.
+        resolved: the ``http(s)`` URL requests go to; ``url`` when None.
+        headers: sent with every request (the Hub token, see
+            :func:`~ckpt_tools.io.remote.urls.auth_headers`).
+
+    Example:
+        >>> import httpx
+        >>> def server(request):
+        ...     return httpx.Response(206, content=b"23", headers={"Content-Range": "bytes 2-3/10"})
+        >>> client = httpx.Client(transport=httpx.MockTransport(server))
+        >>> HttpTransport(client, "https://host.example/m.bin").get(2, 4)
+        (b'23', 10)
+    """
+
+    def __init__(
+        self,
+        client: httpx.Client,
+        url: str,
+        *,
+        resolved: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.url = url
+        self.resolved = resolved or url
+        self.headers = dict(headers or {})
+        self._client = client
+
+    def get(self, start: int, end: int) -> tuple[bytes, int]:
+        """The bytes ``[start, min(end, size))`` and the object's size, in one request.
+
+        Args:
+            start, end: the range, ``0 <= start < end``.
+
+        Returns:
+            ``(data, size)``; ``data`` is empty when ``start`` is at or past the end.
+
+        Raises:
+            CheckpointNotFoundError: 404 or 410.
+            RemoteAccessError: 401 or 403; the message says which credentials to set.
+            RangeNotSupportedError: the server answered with the whole object, larger than
+                the range asked for (its body is not read).
+            RemoteError: another status, a wrong range, a timeout or a failed connection.
+        """
+        if not 0 <= start < end:
+            raise ValueError(f"bad range [{start}, {end})")
+        httpx = import_httpx(self.url)
+        headers = {**self.headers, "Range": f"bytes={start}-{end - 1}"}
+        try:
+            request = self._client.build_request("GET", self.resolved, headers=headers)
+            response = self._client.send(request, stream=True)
+            try:
+                return self._answer(response, start, end)
+            finally:  # unread, the body is dropped with the connection
+                response.close()
+        except httpx.InvalidURL as e:
+            raise UsageError(f"{self.url}: not a URL httpx can request: {quote_foreign(e)}") from e
+        except httpx.TimeoutException as e:
+            raise self._network_error(e, "no answer", remedies=(_SLOW,)) from e
+        except httpx.ConnectError as e:
+            raise self._network_error(e, "could not connect to") from e
+        except httpx.RequestError as e:
+            raise self._network_error(e, "the request failed at") from e
+
+    def close(self) -> None:
+        """Nothing to release: the client belongs to the session."""
+
+    def _answer(self, response: httpx.Response, start: int, end: int) -> tuple[bytes, int]:
+        if response.status_code == 206:
+            length, total = check_content_range(
+                self.url, response.headers.get("content-range"), start, end
+            )
+            return self._body(response, length, exact=True), total
+        if response.status_code == 200:
+            size = _content_length(response)
+            if size is not None and size > end - start:
+                raise range_refused(self.url, size)
+            whole = self._body(response, end - start, exact=False)
+            return whole[start:end], len(whole)
+        if response.status_code == 416:
+            found = _UNSATISFIED.fullmatch(response.headers.get("content-range", "").strip())
+            return b"", int(found[1]) if found else 0
+        raise self._status_error(response)
+
+    def _body(self, response: httpx.Response, limit: int, *, exact: bool) -> bytes:
+        """The body, refused once it grows past ``limit`` bytes (a server that lied about
+        its length); with ``exact``, it must be ``limit`` bytes."""
+        chunks: list[bytes] = []
+        received = 0
+        for chunk in response.iter_bytes():
+            chunks.append(chunk)
+            received += len(chunk)
+            if received > limit:
+                if exact:
+                    raise RemoteError(f"{self.url}: the server sent more than the range asked for")
+                raise range_refused(self.url, None)
+        if exact and received != limit:
+            raise RemoteError(
+                f"{self.url}: the answer ended after {received} of {limit} bytes", path=self.url
+            )
+        return b"".join(chunks)
+
+    def _status_error(self, response: httpx.Response) -> RemoteError | CheckpointNotFoundError:
+        status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
+        where = "" if str(response.url) == self.url else f" from {response.url}"
+        if response.status_code in (404, 410):
+            return CheckpointNotFoundError(
+                f"{self.url}: not found ({status}{where})", path=self.url
+            )
+        if response.status_code in (401, 403):
+            return RemoteAccessError(
+                f"{self.url}: access refused ({status})",
+                path=self.url,
+                remedies=(self._credentials(),),
+            )
+        return RemoteError(f"{self.url}: {status}{where}", path=self.url)
+
+    def _credentials(self) -> Remedy:
+        if "Authorization" in self.headers:
+            return Remedy(
+                text="the token in HF_TOKEN (or the token file) cannot read this repo: "
+                "a gated repo needs its terms accepted with that account"
+            )
+        if at_hub(self.url):
+            return Remedy(text="set HF_TOKEN to a token that can read it (gated and private repos)")
+        return Remedy(text="the server wants credentials ckpt_tools does not send: " + _LOCAL.text)
+
+    def _network_error(
+        self, error: Exception, what: str, remedies: tuple[Remedy, ...] = ()
+    ) -> RemoteError:
+        try:  # the redirect that failed, when it was one
+            host = str(error.request.url.netloc, "ascii", "replace")  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):
+            host = urlsplit(self.resolved).netloc
+        if remedies:
+            what = f"{what} from {host} within {self._client.timeout.read:g} s"
+        else:
+            what = f"{what} {host}"
+        return RemoteError(
+            f"{self.url}: {what}: {quote_foreign(error)}", path=self.url, remedies=remedies
+        )
+
+
+def _content_length(response: httpx.Response) -> int | None:
+    text = response.headers.get("content-length", "")
+    return int(text) if text.isdigit() else None

@@ -1,0 +1,199 @@
+"""Ranged reads of ``s3://BUCKET/KEY`` with botocore, configured by the usual AWS environment.
+
+botocore reads the endpoint (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``), the region
+(``AWS_REGION``, ``AWS_DEFAULT_REGION``) and the credentials (``AWS_ACCESS_KEY_ID`` and
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, the shared files, an instance role) as every AWS
+tool does. With a custom endpoint (MinIO, a local server) buckets are addressed by path,
+since such endpoints rarely resolve ``BUCKET.host`` names.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from ckpt_tools.errors import (
+    CheckpointNotFoundError,
+    MissingExtraError,
+    Remedy,
+    RemoteAccessError,
+    RemoteError,
+    quote_foreign,
+)
+from ckpt_tools.io.remote.http import TIMEOUT_ENV, check_content_range, range_refused
+from ckpt_tools.io.remote.urls import split_s3
+
+__all__ = ["S3Transport", "make_s3_client"]
+
+_CREDENTIALS = Remedy(
+    text="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials "
+    "that can read it"
+)
+_MISSING = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
+_REFUSED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
+_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def _botocore(feature: str = "reading s3:// URLs") -> Any:
+    try:
+        import botocore.config
+        import botocore.exceptions
+        import botocore.loaders
+        import botocore.session
+    except ImportError as e:
+        raise MissingExtraError(feature, "botocore", "remote") from e
+    return botocore
+
+
+@functools.cache
+def _models() -> Any:
+    """botocore's loader of service models, shared by every client: a new session would
+    parse the S3 model again (half a second). Credentials and endpoint stay per client."""
+    return _botocore().loaders.create_loader()
+
+
+def make_s3_client(timeout: float) -> Any:
+    """An S3 client from the AWS environment, ``timeout`` seconds per connect and read.
+
+    Args:
+        timeout: seconds (:func:`~ckpt_tools.io.remote.http.remote_timeout`).
+
+    Returns:
+        A botocore S3 client.
+
+    Raises:
+        MissingExtraError: botocore is not installed.
+
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch.dict("os.environ", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}):
+        ...     client = make_s3_client(5.0)
+        >>> client.meta.endpoint_url, client.meta.config.s3["addressing_style"]
+        ('http://127.0.0.1:9', 'path')
+    """
+    botocore = _botocore()
+    custom = any(os.environ.get(name) for name in _ENDPOINT_VARIABLES)
+    config = botocore.config.Config(
+        connect_timeout=timeout,
+        read_timeout=timeout,
+        retries={"mode": "standard", "max_attempts": 3},
+        s3={"addressing_style": "path"} if custom else None,
+    )
+    session = botocore.session.get_session()
+    session.register_component("data_loader", _models())
+    return session.create_client("s3", config=config)
+
+
+class S3Transport:
+    """One S3 object read by byte ranges (``get_object`` with ``Range``).
+
+    Args:
+        client: the session's S3 client (:func:`make_s3_client`).
+        url: ``s3://BUCKET/KEY``, as the user gave it.
+
+    Example:
+        >>> import io
+        >>> from botocore.stub import Stubber
+        >>> client = make_s3_client(5.0)
+        >>> stub = Stubber(client)
+        >>> answer = {"ContentRange": "bytes 0-2/3", "Body": io.BytesIO(b"abc")}
+        >>> stub.add_response("get_object", answer)
+        >>> with stub:
+        ...     S3Transport(client, "s3://runs/last.ckpt").get(0, 1024)
+        (b'abc', 3)
+    """
+
+    def __init__(self, client: Any, url: str) -> None:
+        self.url = url
+        self.bucket, self.key = split_s3(url)
+        self._client = client
+
+    def get(self, start: int, end: int) -> tuple[bytes, int]:
+        """The bytes ``[start, min(end, size))`` and the object's size, in one request.
+
+        Args:
+            start, end: the range, ``0 <= start < end``.
+
+        Returns:
+            ``(data, size)``; ``data`` is empty when ``start`` is at or past the end.
+
+        Raises:
+            CheckpointNotFoundError: no such key or bucket.
+            RemoteAccessError: no credentials, or credentials refused.
+            RangeNotSupportedError: the whole object came back, larger than asked for.
+            RemoteError: the endpoint could not be reached, timed out or failed.
+        """
+        if not 0 <= start < end:
+            raise ValueError(f"bad range [{start}, {end})")
+        botocore = _botocore()
+        try:
+            answer = self._client.get_object(
+                Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}"
+            )
+        except botocore.exceptions.ClientError as e:
+            return self._client_error(e, start)
+        except (
+            botocore.exceptions.NoCredentialsError,
+            botocore.exceptions.PartialCredentialsError,
+        ) as e:
+            raise RemoteAccessError(
+                f"{self.url}: {quote_foreign(e)}", path=self.url, remedies=(_CREDENTIALS,)
+            ) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._endpoint_error(e) from e
+        try:
+            return self._body(answer, start, end)
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._endpoint_error(e) from e
+        finally:
+            answer["Body"].close()
+
+    def close(self) -> None:
+        """Nothing to release: the client belongs to the session."""
+
+    def _body(self, answer: dict[str, Any], start: int, end: int) -> tuple[bytes, int]:
+        if answer.get("ContentRange") is None:  # the whole object, not a range
+            size = int(answer.get("ContentLength", 0))
+            if size > end - start:
+                raise range_refused(self.url, size)
+            whole = answer["Body"].read(end - start + 1)
+            return whole[start:end], len(whole)
+        length, total = check_content_range(self.url, answer["ContentRange"], start, end)
+        data = answer["Body"].read(length + 1)
+        if len(data) != length:
+            raise RemoteError(f"{self.url}: got {len(data)} bytes for a range of {length}")
+        return data, total
+
+    def _client_error(self, error: Any, start: int) -> tuple[bytes, int]:
+        details = error.response.get("Error", {})
+        code = str(details.get("Code", ""))
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "InvalidRange" or status == 416:
+            size = str(details.get("ActualObjectSize", ""))
+            if size.isdigit():
+                return b"", int(size)
+            if start == 0:  # an empty object has no byte 0
+                return b"", 0
+        if code in _MISSING or status == 404:
+            raise CheckpointNotFoundError(
+                f"{self.url}: not found (S3 {code or status})", path=self.url
+            ) from error
+        if code in _REFUSED or status in (401, 403):
+            raise RemoteAccessError(
+                f"{self.url}: access refused (S3 {code or status})",
+                path=self.url,
+                remedies=(_CREDENTIALS,),
+            ) from error
+        raise RemoteError(f"{self.url}: {quote_foreign(error)}", path=self.url) from error
+
+    def _endpoint_error(self, error: Exception) -> RemoteError:
+        endpoint = self._client.meta.endpoint_url
+        remedies = ()
+        if "Timeout" in type(error).__name__:
+            remedies = (Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow"),)
+        return RemoteError(
+            f"{self.url}: S3 endpoint {endpoint}: {quote_foreign(error)}",
+            path=self.url,
+            remedies=remedies,
+        )

@@ -1,0 +1,134 @@
+"""A remote read: one HTTP client and one S3 client, made when first needed, and one count of
+what every file opened through them cost.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+from ckpt_tools.errors import CheckpointNotFoundError, UsageError
+from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
+from ckpt_tools.io.remote.rangefile import RangeTransport, RemoteFile, TransferStats
+from ckpt_tools.io.remote.s3 import S3Transport, make_s3_client
+from ckpt_tools.io.remote.urls import (
+    at_hub,
+    auth_headers,
+    folder_candidates,
+    hf_token,
+    is_folder_url,
+    is_url,
+    resolve,
+    scheme,
+)
+
+__all__ = ["RemoteSession"]
+
+
+class RemoteSession:
+    """Opens URLs as :class:`~ckpt_tools.io.remote.rangefile.RemoteFile` objects.
+
+    Use it as a context manager: leaving it closes the clients and so every file opened
+    through it.
+
+    Args:
+        timeout: seconds per connect and per read; ``CKPT_REMOTE_TIMEOUT`` (else 30) when
+            None, read now.
+
+    Attributes:
+        stats: the requests made and body bytes received by every file of the session,
+            and the misses of :meth:`open_folder`.
+        timeout: as given or read.
+
+    Example:
+        >>> with RemoteSession(timeout=5) as remote:
+        ...     remote.stats
+        TransferStats(requests=0, bytes_received=0)
+        >>> with RemoteSession() as remote:  # doctest: +SKIP
+        ...     f = remote.open("hf://openai-community/gpt2/model.safetensors")
+        ...     header_size = int.from_bytes(f.pread(8, 0), "little")
+    """
+
+    def __init__(self, *, timeout: float | None = None) -> None:
+        self.timeout = remote_timeout() if timeout is None else float(timeout)
+        self.stats = TransferStats()
+        self._http: Any = None
+        self._s3: Any = None
+
+    def open(self, url: str) -> RemoteFile:
+        """The file at ``url``, its size learned and its first bytes read (one request).
+
+        Args:
+            url: an ``http(s)://``, ``hf://`` or ``s3://`` URL of a file.
+
+        Returns:
+            The open :class:`~ckpt_tools.io.remote.rangefile.RemoteFile`.
+
+        Raises:
+            UsageError: not a URL, or a folder URL (use :meth:`open_folder`).
+            MissingExtraError: the remote extra is not installed.
+            CheckpointNotFoundError: no such file.
+            RemoteError: as :meth:`HttpTransport.get` and :meth:`S3Transport.get` say.
+        """
+        if not is_url(url):
+            raise UsageError(f"not a URL ckpt_tools reads (http, https, hf, s3): {url!r}")
+        if is_folder_url(url):
+            raise UsageError(f"{url} is a folder: open_folder finds the checkpoint in it")
+        return RemoteFile(self._transport(url), self.stats)
+
+    def open_folder(self, url: str) -> tuple[str, RemoteFile]:
+        """The first of the folder's checkpoint files that exists, as transformers looks.
+
+        Tries ``model.safetensors.index.json``, ``model.safetensors``,
+        ``pytorch_model.bin.index.json``, ``pytorch_model.bin`` in the folder ``url``; each
+        miss is one request.
+
+        Args:
+            url: a folder URL (``hf://ORG/REPO[@REV]``, or a path ending in ``/``).
+
+        Returns:
+            ``(name, file)``: the file's name in the folder and the open file.
+
+        Raises:
+            CheckpointNotFoundError: none of them exists; the message names them.
+            RemoteError: anything but a missing file (a refused token stops the search).
+        """
+        tried = []
+        for candidate in folder_candidates(url):
+            try:
+                return candidate.rpartition("/")[2], self.open(candidate)
+            except CheckpointNotFoundError:
+                self.stats.add(0)
+                tried.append(candidate.rpartition("/")[2])
+        raise CheckpointNotFoundError(
+            f"{url}: no checkpoint in this folder (tried {', '.join(tried)})", path=url
+        )
+
+    def _transport(self, url: str) -> RangeTransport:
+        if scheme(url) == "s3":
+            if self._s3 is None:
+                self._s3 = make_s3_client(self.timeout)
+            return S3Transport(self._s3, url)
+        if self._http is None:
+            self._http = make_client(self.timeout)
+        headers = auth_headers(url, hf_token()) if at_hub(url) else {}
+        return HttpTransport(self._http, url, resolved=resolve(url), headers=headers)
+
+    def close(self) -> None:
+        """Close the clients (and with them every file of the session)."""
+        if self._http is not None:
+            self._http.close()
+        if self._s3 is not None:
+            self._s3.close()
+        self._http = self._s3 = None
+
+    def __enter__(self) -> RemoteSession:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,338 @@
+"""Which strings are remote URLs, where each one points, and the names around it.
+
+Three schemes are read: ``http(s)://``, ``hf://`` and ``s3://``. An ``hf://`` path is
+resolved as huggingface_hub resolves it (``hf_hub_url``): ``HF_ENDPOINT``, the revision
+URL-quoted, the token from ``HF_TOKEN`` or the token file, sent to the endpoint only. A
+*folder URL* (``hf://ORG/REPO`` with no path, or any URL whose path ends with ``/``) is
+looked into for the files transformers looks for, in its order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+from ckpt_tools.errors import UsageError
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "FOLDER_FILES",
+    "SCHEMES",
+    "HubPath",
+    "at_hub",
+    "auth_headers",
+    "folder_candidates",
+    "hf_endpoint",
+    "hf_token",
+    "is_folder_url",
+    "is_url",
+    "parse_hf",
+    "resolve",
+    "scheme",
+    "sibling",
+    "split_s3",
+]
+
+SCHEMES = ("http", "https", "hf", "s3")
+DEFAULT_ENDPOINT = "https://huggingface.co"
+# What a folder URL is looked into for, in the order transformers' from_pretrained tries.
+FOLDER_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+# hf://TYPE/...: the URI's type prefix -> the prefix of the resolve URL's path.
+_TYPE_PREFIX = {"models": "", "datasets": "datasets/", "spaces": "spaces/"}
+# Revisions that hold a slash, as huggingface_hub's HfFileSystem recognizes them.
+_SPECIAL_REF = re.compile(r"refs/(?:pr/\d+|convert/\w+)(?=/|$)")
+_REPO_PART = re.compile(r"[\w][\w.-]*")
+
+
+def scheme(url: str) -> str:
+    """The URL's scheme in lower case (``""`` for a path)."""
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep and head.isalnum() else ""
+
+
+def is_url(obj: object) -> bool:
+    """Whether ``obj`` is a remote URL ckpt_tools reads (``http(s)://``, ``hf://``, ``s3://``).
+
+    Args:
+        obj: anything a path argument may be given as.
+
+    Returns:
+        True for a ``str`` whose scheme (in any case) is one of :data:`SCHEMES`.
+
+    Example:
+        >>> is_url("HF://org/model"), is_url("s3://bucket/key"), is_url("model.pt")
+        (True, True, False)
+    """
+    return isinstance(obj, str) and scheme(obj) in SCHEMES
+
+
+@dataclass(frozen=True)
+class HubPath:
+    """An ``hf://`` URI taken apart.
+
+    Attributes:
+        prefix: the resolve URL's path prefix for the repo type: ``""`` (model),
+            ``"datasets/"``, ``"spaces/"``.
+        repo_id: ``ORG/REPO``.
+        revision: a branch, tag, commit or ``refs/pr/N`` (unquoted).
+        path: the file in the repo, as given (``""`` for the repo itself).
+        base: the URI up to the path (``hf://ORG/REPO@REV/``), for names beside it.
+    """
+
+    prefix: str
+    repo_id: str
+    revision: str
+    path: str
+    base: str
+
+    def resolve(self, endpoint: str | None = None) -> str:
+        """The HTTP URL the Hub serves this file at.
+
+        Args:
+            endpoint: the Hub's address; :func:`hf_endpoint` when None.
+
+        Returns:
+            ``{endpoint}/[datasets/|spaces/]ORG/REPO/resolve/{REV}/{PATH}``, the revision
+            quoted whole (``refs%2Fpr%2F1``) and the path quoted as huggingface_hub does.
+
+        Example:
+            >>> parse_hf("hf://org/m@refs/pr/1/a b.bin").resolve("https://hub.example")
+            'https://hub.example/org/m/resolve/refs%2Fpr%2F1/a%20b.bin'
+        """
+        endpoint = (endpoint or hf_endpoint()).rstrip("/")
+        rev = quote(self.revision, safe="")
+        return f"{endpoint}/{self.prefix}{self.repo_id}/resolve/{rev}/{quote(self.path)}"
+
+
+def parse_hf(url: str) -> HubPath:
+    """``hf://[TYPE/]ORG/REPO[@REV][/PATH]`` taken apart (TYPE: models, datasets, spaces).
+
+    Args:
+        url: an ``hf://`` URI. The revision defaults to ``main``; it may be URL-quoted, and
+            ``refs/pr/N`` and ``refs/convert/NAME`` may be written with their slashes.
+
+    Returns:
+        The :class:`HubPath`.
+
+    Raises:
+        UsageError: not an ``hf://`` URI, no ``ORG/REPO``, an empty revision, or a path
+            with ``.`` or ``..`` segments.
+
+    Example:
+        >>> hub = parse_hf("hf://datasets/org/data@v1.0/sub/model.pt")
+        >>> hub.prefix, hub.repo_id, hub.revision, hub.path
+        ('datasets/', 'org/data', 'v1.0', 'sub/model.pt')
+    """
+    if scheme(url) != "hf":
+        raise UsageError(f"not an hf:// URL: {url!r}")
+    rest = url.split("://", 1)[1]
+    parts = rest.split("/")
+    prefix = ""
+    if parts[0] in _TYPE_PREFIX and len(parts) > 2:
+        prefix = _TYPE_PREFIX[parts.pop(0)]
+    org, repo, revision = parts[0], parts[1] if len(parts) > 1 else "", "main"
+    tail = "/".join(parts[2:])
+    if "@" in repo:
+        repo, _, after = "/".join(parts[1:]).partition("@")
+        special = _SPECIAL_REF.match(after)
+        revision = special.group() if special else after.split("/", 1)[0]
+        tail = after[len(revision) + 1 :]
+        revision = unquote(revision)
+    _check_hf(url, org, repo, revision, tail)
+    return HubPath(prefix, f"{org}/{repo}", revision, tail, url[: len(url) - len(tail)])
+
+
+def _check_hf(url: str, org: str, repo: str, revision: str, path: str) -> None:
+    if not (_REPO_PART.fullmatch(org) and _REPO_PART.fullmatch(repo)):
+        raise UsageError(
+            f"{url!r} names no repository: write hf://ORG/REPO[@REV][/PATH] "
+            "(datasets/ or spaces/ before ORG for those repos)"
+        )
+    if not revision:
+        raise UsageError(f"{url!r}: empty revision after '@'")
+    if any(part in (".", "..") for part in path.split("/")):
+        raise UsageError(f"{url!r}: a path in a repository has no '.' or '..' parts")
+
+
+def hf_endpoint() -> str:
+    """The Hub's address: ``HF_ENDPOINT``, else ``https://huggingface.co``."""
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def hf_token() -> str | None:
+    """The Hub token huggingface_hub would send, or None.
+
+    ``HF_TOKEN`` (or the older ``HUGGING_FACE_HUB_TOKEN``), else the file at
+    ``HF_TOKEN_PATH``, else ``$HF_HOME/token`` (``HF_HOME`` defaults to
+    ``$XDG_CACHE_HOME/huggingface``, that to ``~/.cache/huggingface``).
+
+    Returns:
+        The token, stripped of surrounding whitespace; None when none is set.
+
+    Raises:
+        UsageError: the token holds characters an HTTP header cannot carry (the message
+            names where it came from, never the token).
+
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch.dict("os.environ", {"HF_TOKEN": " hf_example\\n"}):
+        ...     hf_token()
+        'hf_example'
+    """
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        if os.environ.get(name, "").strip():
+            return _header_safe(os.environ[name].strip(), name)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    home = os.environ.get("HF_HOME") or os.path.join(cache, "huggingface")
+    path = os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")
+    try:
+        token = Path(os.path.expandvars(path)).expanduser().read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):
+        return None
+    return _header_safe(token, f"the token file {path}") if token else None
+
+
+def _header_safe(token: str, source: str) -> str:
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        raise UsageError(f"the Hub token in {source} holds characters a header cannot carry")
+    return token
+
+
+def at_hub(url: str) -> bool:
+    """Whether ``url`` is the Hub's: ``hf://``, or an ``http(s)`` URL at ``HF_ENDPOINT``'s origin.
+
+    Example:
+        >>> at_hub("hf://org/model"), at_hub("https://elsewhere.example/x.bin")
+        (True, False)
+    """
+    if scheme(url) == "hf":
+        return True
+    parts, hub = urlsplit(url), urlsplit(hf_endpoint())
+    return (parts.scheme.lower(), parts.netloc.lower()) == (hub.scheme.lower(), hub.netloc.lower())
+
+
+def auth_headers(url: str, token: str | None) -> dict[str, str]:
+    """The headers that carry the Hub token, for ``hf://`` URLs and URLs at ``HF_ENDPOINT``.
+
+    Args:
+        url: the URL as given.
+        token: the token (:func:`hf_token`), or None.
+
+    Returns:
+        ``{"Authorization": "Bearer ..."}``, or ``{}`` when there is no token or the URL
+        is elsewhere (a token is never sent to another host).
+
+    Example:
+        >>> auth_headers("https://elsewhere.example/x.bin", "hf_abc")
+        {}
+    """
+    return {"Authorization": f"Bearer {token}"} if token is not None and at_hub(url) else {}
+
+
+def resolve(url: str) -> str:
+    """The URL a request goes to: ``hf://`` resolved (:meth:`HubPath.resolve`), others as given.
+
+    Example:
+        >>> resolve("https://host.example/m.bin")
+        'https://host.example/m.bin'
+    """
+    return parse_hf(url).resolve() if scheme(url) == "hf" else url
+
+
+def split_s3(url: str) -> tuple[str, str]:
+    """``s3://BUCKET/KEY`` -> ``(BUCKET, KEY)``; the key as given (``""`` for the bucket).
+
+    Raises:
+        UsageError: no bucket.
+
+    Example:
+        >>> split_s3("s3://runs/exp1/last.ckpt")
+        ('runs', 'exp1/last.ckpt')
+    """
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    if not bucket:
+        raise UsageError(f"{url!r} names no bucket: write s3://BUCKET/KEY")
+    return bucket, key
+
+
+def _path(url: str) -> str:
+    """The part of ``url`` that names a file in its repo, bucket or host."""
+    kind = scheme(url)
+    if kind == "hf":
+        return parse_hf(url).path
+    if kind == "s3":
+        return split_s3(url)[1]
+    return urlsplit(url).path
+
+
+def is_folder_url(url: str) -> bool:
+    """Whether ``url`` names a folder: ``hf://ORG/REPO[@REV]`` alone, or a path ending in ``/``.
+
+    Example:
+        >>> is_folder_url("hf://org/model@v2"), is_folder_url("hf://org/model/model.pt")
+        (True, False)
+    """
+    path = _path(url)
+    return path == "" or path.endswith("/")
+
+
+def folder_candidates(url: str) -> list[str]:
+    """The URLs tried for a folder URL, in order: :data:`FOLDER_FILES` inside it.
+
+    Example:
+        >>> folder_candidates("hf://org/model@refs/pr/1")[0]
+        'hf://org/model@refs/pr/1/model.safetensors.index.json'
+        >>> folder_candidates("https://host.example/runs/")[-1]
+        'https://host.example/runs/pytorch_model.bin'
+    """
+    return [_join(url, name) for name in FOLDER_FILES]
+
+
+def _join(folder: str, name: str) -> str:
+    """``name`` (already checked) inside the folder URL ``folder``."""
+    if scheme(folder) in ("hf", "s3"):
+        return f"{folder.rstrip('/')}/{name}"
+    parts = urlsplit(folder)
+    path = parts.path if parts.path.endswith("/") else parts.path + "/"
+    return urlunsplit((parts.scheme, parts.netloc, path + quote(name), "", ""))
+
+
+def sibling(url: str, name: str) -> str:
+    """The URL of ``name``, a file named in the file at ``url`` (an index's shard).
+
+    Args:
+        url: the naming file's URL; ``name`` is relative to its folder.
+        name: a relative name, ``/``-separated.
+
+    Returns:
+        The file's URL, in the same scheme as ``url`` (an ``hf://`` URL stays one).
+
+    Raises:
+        UsageError: ``name`` is empty, absolute, holds a backslash, or has an empty,
+            ``.`` or ``..`` part: it would leave the folder.
+
+    Example:
+        >>> sibling("hf://org/m@v1/sub/model.safetensors.index.json", "model-00001.safetensors")
+        'hf://org/m@v1/sub/model-00001.safetensors'
+    """
+    parts = name.split("/")
+    if not name or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        raise UsageError(f"{url!r} names {name!r}, which is not a file beside it")
+    kind = scheme(url)
+    if kind == "hf":
+        hub = parse_hf(url)
+        return _join(hub.base + hub.path.rpartition("/")[0], name)
+    if kind == "s3":
+        bucket, key = split_s3(url)
+        return _join(f"s3://{bucket}/{key.rpartition('/')[0]}", name)
+    split = urlsplit(url)
+    folder = urlunsplit((split.scheme, split.netloc, split.path.rpartition("/")[0] + "/", "", ""))
+    return _join(folder, name)

@@ -1,0 +1,133 @@
+"""Ranged reads of s3:// URLs against moto's S3 server, started by the suite, with the AWS
+environment set for each test only (tests/helpers/servers.py): exact bytes, the requests and
+bytes counted on the server's side, missing objects, refused and missing credentials, an
+endpoint that never answers or refuses.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.errors import (
+    EXIT_REMOTE,
+    CheckpointNotFoundError,
+    RemoteAccessError,
+    RemoteError,
+)
+from ckpt_tools.io.remote import RemoteSession
+from tests.helpers.servers import DeadEnds, Hit, S3Bucket
+
+SIZE = (2 << 20) + 777
+
+
+def _bytes(size: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def _asked(hit: Hit, size: int) -> range:
+    """The bytes a ranged GET asked for, within the object."""
+    first, last = hit.range.removeprefix("bytes=").split("-")  # type: ignore[union-attr]
+    return range(int(first), min(int(last) + 1, size))
+
+
+def test_ranged_reads_return_the_objects_bytes(s3: S3Bucket) -> None:
+    data = _bytes(SIZE)
+    url = s3.put("runs/exp 1/last.ckpt", data)
+    rng = random.Random(2)
+    offsets = [0, 1, 65535, 65536, 262144, 1 << 20, SIZE - 1, SIZE, SIZE + 5]
+    counts = [0, 1, 100, 65536, 262145, SIZE]
+    pairs = [(o, c) for o in offsets for c in counts]
+    pairs += [(rng.randrange(SIZE), rng.randrange(300_000)) for _ in range(20)]
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        assert f.size == SIZE and f.url == url
+        for offset, count in pairs:
+            assert f.pread(count, offset) == data[offset : offset + count], (offset, count)
+        f.seek(3)
+        assert f.read() == data[3:]
+    path = s3.path("runs/exp 1/last.ckpt")
+    gets = s3.server.log.for_path(method="GET")
+    assert {h.path for h in gets} == {path} and all(h.status == 206 for h in gets)
+    assert [h.sent for h in gets] == [len(_asked(h, SIZE)) for h in gets]
+    assert remote.stats.requests == len(gets)
+    assert remote.stats.bytes_received == s3.server.log.sent(path, "GET")
+
+
+def test_the_first_request_learns_the_size(s3: S3Bucket) -> None:
+    url = s3.put("m.safetensors", _bytes(SIZE))
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        [first] = s3.server.log.for_path(method="GET")
+        assert f.size == SIZE and first.range.startswith("bytes=0-")  # type: ignore[union-attr]
+        assert first.sent == remote.stats.bytes_received < SIZE
+        f.pread(16, 8)
+        assert s3.server.log.requests(method="GET") == 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000])
+def test_small_and_empty_objects(s3: S3Bucket, size: int) -> None:
+    data = _bytes(size)
+    url = s3.put("small.pt", data)
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        assert f.size == size and f.read() == data and f.pread(10, size) == b""
+    assert remote.stats.requests == s3.server.log.requests(method="GET") == 1
+
+
+@pytest.mark.parametrize("url", ["s3://ckpts/nope.pt", "s3://no-such-bucket/x.pt"])
+def test_a_missing_object_is_not_found(s3: S3Bucket, url: str) -> None:
+    with RemoteSession() as remote, pytest.raises(CheckpointNotFoundError) as info:
+        remote.open(url)
+    assert info.value.path == url and str(info.value).startswith(f"{url}: not found (S3 NoSuch")
+
+
+def test_refused_credentials(s3: S3Bucket) -> None:
+    """The server checks signatures against keys it issued: ours are refused."""
+    url = s3.put("m.pt", b"weights")
+    s3.server.check_credentials(True)
+    with RemoteSession() as remote, pytest.raises(RemoteAccessError) as info:
+        remote.open(url)
+    message = str(info.value)
+    assert "access refused (S3 InvalidAccessKeyId)" in message and "AWS_ACCESS_KEY_ID" in message
+    assert isinstance(info.value, PermissionError) and info.value.exit_code == EXIT_REMOTE
+
+
+def test_no_credentials(s3: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = s3.put("m.pt", b"weights")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with RemoteSession() as remote, pytest.raises(RemoteAccessError) as info:
+        remote.open(url)
+    assert "Unable to locate credentials" in str(info.value)
+    assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in str(info.value)
+    assert s3.server.log.requests(method="GET") == 0  # nothing was sent unsigned
+
+
+def test_an_endpoint_that_never_answers(
+    s3: S3Bucket, dead_ends: DeadEnds, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead_ends.stalled)
+    monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "0.2")
+    with RemoteSession() as remote, pytest.raises(RemoteError) as info:
+        remote.open("s3://ckpts/m.pt")
+    message = str(info.value)
+    assert f"S3 endpoint {dead_ends.stalled}" in message and "CKPT_REMOTE_TIMEOUT" in message
+    assert "\n" not in message
+
+
+def test_an_endpoint_that_refuses(
+    s3: S3Bucket, dead_ends: DeadEnds, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead_ends.refused)
+    with RemoteSession() as remote, pytest.raises(RemoteError) as info:
+        remote.open("s3://ckpts/m.pt")
+    assert f"S3 endpoint {dead_ends.refused}" in str(info.value)
+    assert "Could not connect" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_local_path_is_never_read_as_s3(s3: S3Bucket, tmp_path: Path) -> None:
+    with RemoteSession() as remote, pytest.raises(ValueError, match="not a URL"):
+        remote.open(str(tmp_path / "s3:" / "x.pt"))

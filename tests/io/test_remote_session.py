@@ -1,0 +1,129 @@
+"""RemoteSession: what it opens and refuses, folder URLs searched in transformers' order
+(each miss one request, counted on both sides), and the remote extra missing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.errors import (
+    EXIT_USAGE,
+    CheckpointNotFoundError,
+    MissingExtraError,
+    RemoteAccessError,
+    UsageError,
+)
+from ckpt_tools.io.remote import RemoteSession, TransferStats
+from ckpt_tools.io.remote.urls import FOLDER_FILES
+from tests.helpers.servers import HubServer, S3Bucket
+
+
+@pytest.mark.parametrize("path", ["model.pt", "/abs/model.pt", "ftp://host/x.pt", "hf:/org/m"])
+def test_open_refuses_what_is_not_a_url(path: str) -> None:
+    with RemoteSession(timeout=1) as remote, pytest.raises(UsageError, match="not a URL"):
+        remote.open(path)
+
+
+@pytest.mark.parametrize("url", ["hf://org/m", "hf://org/m@v1", "https://h/runs/", "s3://b/run/"])
+def test_open_refuses_a_folder(url: str) -> None:
+    with RemoteSession(timeout=1) as remote, pytest.raises(UsageError, match="open_folder"):
+        remote.open(url)
+
+
+def test_a_folder_is_searched_in_order(hub: HubServer) -> None:
+    """Only pytorch_model.bin: found after the three names before it miss."""
+    hub.put("org/old", "pytorch_model.bin", b"legacy weights")
+    with RemoteSession() as remote:
+        name, f = remote.open_folder("hf://org/old")
+        assert (name, f.url, f.read()) == (
+            "pytorch_model.bin",
+            "hf://org/old/pytorch_model.bin",
+            b"legacy weights",
+        )
+    assert [h.path for h in hub.log.hits] == [hub.path("org/old", n) for n in FOLDER_FILES]
+    assert [h.status for h in hub.log.hits] == [404, 404, 404, 206]
+    assert remote.stats == TransferStats(requests=4, bytes_received=len(b"legacy weights"))
+
+
+@pytest.mark.parametrize(
+    ("present", "found"),
+    [
+        (FOLDER_FILES, "model.safetensors.index.json"),
+        (("model.safetensors", "pytorch_model.bin"), "model.safetensors"),
+        (("pytorch_model.bin.index.json", "pytorch_model.bin"), "pytorch_model.bin.index.json"),
+    ],
+)
+def test_the_first_present_name_wins(hub: HubServer, present: tuple[str, ...], found: str) -> None:
+    for name in present:
+        hub.put("org/m", name, name.encode(), revision="refs/pr/2")
+    with RemoteSession() as remote:
+        name, f = remote.open_folder("hf://org/m@refs/pr/2")
+        assert name == found and f.read() == found.encode()
+    assert hub.log.requests() == FOLDER_FILES.index(found) + 1 == remote.stats.requests
+
+
+def test_a_folder_over_plain_http_and_s3(hub: HubServer, s3: S3Bucket) -> None:
+    folder = hub.put_file("run/model.safetensors", b"st").rpartition("/")[0] + "/"
+    s3.put("run/pytorch_model.bin", b"pt")
+    with RemoteSession() as remote:
+        assert remote.open_folder(folder)[0] == "model.safetensors"
+        name, f = remote.open_folder("s3://ckpts/run/")
+        assert (name, f.url, f.read()) == (
+            "pytorch_model.bin",
+            "s3://ckpts/run/pytorch_model.bin",
+            b"pt",
+        )
+    assert s3.server.log.requests(method="GET") == 4
+
+
+def test_an_empty_folder_names_what_was_tried(hub: HubServer) -> None:
+    hub.put("org/empty", "README.md", b"# nothing here")
+    with RemoteSession() as remote, pytest.raises(CheckpointNotFoundError) as info:
+        remote.open_folder("hf://org/empty")
+    message = str(info.value)
+    assert message.startswith("hf://org/empty: no checkpoint in this folder (tried ")
+    assert all(name in message for name in FOLDER_FILES)
+    assert info.value.exit_code == EXIT_USAGE and info.value.path == "hf://org/empty"
+    assert hub.log.requests() == 4 == remote.stats.requests
+
+
+def test_a_refused_token_stops_the_search(hub: HubServer) -> None:
+    hub.put("org/gated", "pytorch_model.bin", b"w")
+    hub.gated["org/gated"] = "hf_granted"
+    with RemoteSession() as remote, pytest.raises(RemoteAccessError, match="HF_TOKEN"):
+        remote.open_folder("hf://org/gated")
+    assert hub.log.requests() == 1
+
+
+@pytest.mark.parametrize(
+    ("module", "url"),
+    [("httpx", "https://h/x.pt"), ("httpx", "hf://org/m/x.pt"), ("botocore", "s3://b/x.pt")],
+)
+def test_without_the_remote_extra(
+    remote_env: Path, monkeypatch: pytest.MonkeyPatch, module: str, url: str
+) -> None:
+    """The package missing (an import that fails, as in an environment without it)."""
+    for name in [m for m in sys.modules if m == module or m.startswith(f"{module}.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with RemoteSession(timeout=1) as remote, pytest.raises(MissingExtraError) as info:
+        remote.open(url)
+    err = info.value
+    assert f"needs {module}: pip install 'ckpt_tools[remote]'" in str(err)
+    assert isinstance(err, ImportError) and err.name == module and err.exit_code == EXIT_USAGE
+
+
+def test_importing_the_package_imports_no_client() -> None:
+    """httpx and botocore load when a URL of theirs is opened, not before."""
+    import subprocess
+
+    code = (
+        "import sys, ckpt_tools.io.remote\n"
+        "print(sorted({'httpx', 'botocore'} & {m.split('.')[0] for m in sys.modules}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,232 @@
+"""URLs taken apart: which strings are URLs, hf:// resolved as huggingface_hub resolves it, the
+Hub token and where it is sent, folder candidates, and names beside a file.
+
+The resolution is checked against huggingface_hub's own ``hf_hub_url`` where it is installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.errors import UsageError
+from ckpt_tools.io.remote.urls import (
+    FOLDER_FILES,
+    auth_headers,
+    folder_candidates,
+    hf_token,
+    is_folder_url,
+    is_url,
+    parse_hf,
+    resolve,
+    sibling,
+    split_s3,
+)
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        ("https://host/x.pt", True),
+        ("HTTP://host/x.pt", True),
+        ("hf://org/repo", True),
+        ("Hf://org/repo/x.bin", True),
+        ("s3://bucket/key", True),
+        ("ftp://host/x.pt", False),
+        ("model.pt", False),
+        ("./hf:/org", False),
+        ("C:\\models\\x.pt", False),
+        (Path("hf://org/repo"), False),  # a Path is a local path, whatever it spells
+        (b"https://host/x", False),
+        (None, False),
+    ],
+)
+def test_is_url(obj: object, expected: bool) -> None:
+    assert is_url(obj) is expected
+
+
+@pytest.mark.parametrize(
+    ("url", "prefix", "repo", "revision", "path"),
+    [
+        ("hf://org/m", "", "org/m", "main", ""),
+        ("hf://org/m/model.safetensors", "", "org/m", "main", "model.safetensors"),
+        ("hf://org/m@v1.0/sub/a.bin", "", "org/m", "v1.0", "sub/a.bin"),
+        ("hf://org/m@refs/pr/1/a.bin", "", "org/m", "refs/pr/1", "a.bin"),
+        ("hf://org/m@refs%2Fpr%2F12/a.bin", "", "org/m", "refs/pr/12", "a.bin"),
+        ("hf://org/m@refs/convert/parquet", "", "org/m", "refs/convert/parquet", ""),
+        ("hf://org/m@abc123def", "", "org/m", "abc123def", ""),
+        ("hf://models/org/m/x.pt", "", "org/m", "main", "x.pt"),
+        ("hf://datasets/org/d@dev/x.pt", "datasets/", "org/d", "dev", "x.pt"),
+        ("hf://spaces/org/s/app.pt", "spaces/", "org/s", "main", "app.pt"),
+        ("hf://org/m/", "", "org/m", "main", ""),
+    ],
+)
+def test_parse_hf(url: str, prefix: str, repo: str, revision: str, path: str) -> None:
+    hub = parse_hf(url)
+    assert (hub.prefix, hub.repo_id, hub.revision, hub.path) == (prefix, repo, revision, path)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["hf://gpt2", "hf://org/", "hf://org/m@/x.bin", "hf://org/m/../x.bin", "hf://o rg/m/x", "x.pt"],
+)
+def test_parse_hf_refuses(url: str) -> None:
+    with pytest.raises(UsageError):
+        parse_hf(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "kind", "repo", "revision", "filename"),
+    [
+        ("hf://org/m/model.safetensors", None, "org/m", None, "model.safetensors"),
+        ("hf://org/m@refs/pr/1/sub/a b.bin", None, "org/m", "refs/pr/1", "sub/a b.bin"),
+        ("hf://datasets/org/d@v2/x.pt", "dataset", "org/d", "v2", "x.pt"),
+        ("hf://spaces/org/s/app.pt", "space", "org/s", None, "app.pt"),
+    ],
+)
+def test_resolution_matches_huggingface_hub(
+    url: str, kind: str | None, repo: str, revision: str | None, filename: str
+) -> None:
+    """The URL a request goes to is the one huggingface_hub's hf_hub_url builds."""
+    file_download = pytest.importorskip("huggingface_hub.file_download")
+    endpoint = "https://hub.example"
+    expected = file_download.hf_hub_url(
+        repo, filename, repo_type=kind, revision=revision, endpoint=endpoint
+    )
+    assert parse_hf(url).resolve(endpoint) == expected
+
+
+def test_resolve_uses_hf_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    assert resolve("hf://org/m/x.pt") == "https://huggingface.co/org/m/resolve/main/x.pt"
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9/")
+    assert resolve("hf://org/m/x.pt") == "http://127.0.0.1:9/org/m/resolve/main/x.pt"
+    assert resolve("https://a.example/x.pt") == "https://a.example/x.pt"
+
+
+def test_split_s3() -> None:
+    assert split_s3("s3://bucket/a/b.pt") == ("bucket", "a/b.pt")
+    assert split_s3("s3://bucket") == ("bucket", "")
+    with pytest.raises(UsageError, match="no bucket"):
+        split_s3("s3:///key")
+
+
+@pytest.mark.parametrize(
+    ("url", "folder"),
+    [
+        ("hf://org/m", True),
+        ("hf://org/m@refs/pr/3", True),
+        ("hf://org/m/sub/", True),
+        ("hf://org/m/x.bin", False),
+        ("https://host/runs/", True),
+        ("https://host", True),
+        ("https://host/runs/x.pt?download=1", False),
+        ("s3://bucket/run/", True),
+        ("s3://bucket", True),
+        ("s3://bucket/run/last.ckpt", False),
+    ],
+)
+def test_is_folder_url(url: str, folder: bool) -> None:
+    assert is_folder_url(url) is folder
+
+
+def test_folder_candidates_in_transformers_order() -> None:
+    assert FOLDER_FILES == (
+        "model.safetensors.index.json",
+        "model.safetensors",
+        "pytorch_model.bin.index.json",
+        "pytorch_model.bin",
+    )
+    for folder, base in [
+        ("hf://org/m", "hf://org/m/"),
+        ("hf://org/m@refs/pr/1", "hf://org/m@refs/pr/1/"),
+        ("hf://datasets/org/d/sub/", "hf://datasets/org/d/sub/"),
+        ("https://host/runs", "https://host/runs/"),
+        ("https://host/runs/?x=1", "https://host/runs/"),
+        ("s3://bucket/run/", "s3://bucket/run/"),
+        ("s3://bucket", "s3://bucket/"),
+    ]:
+        assert folder_candidates(folder) == [base + name for name in FOLDER_FILES]
+    # A revision with slashes still parses after a name is joined on.
+    assert parse_hf(folder_candidates("hf://org/m@refs/pr/1")[1]).revision == "refs/pr/1"
+
+
+@pytest.mark.parametrize(
+    ("url", "name", "expected"),
+    [
+        ("hf://org/m/model.safetensors.index.json", "a.safetensors", "hf://org/m/a.safetensors"),
+        ("hf://org/m@refs/pr/1/sub/i.json", "a.bin", "hf://org/m@refs/pr/1/sub/a.bin"),
+        ("hf://org/m@v1/i.json", "shards/a.bin", "hf://org/m@v1/shards/a.bin"),
+        ("https://h/x/i.json?sig=1", "a b.bin", "https://h/x/a%20b.bin"),
+        ("https://h/i.json", "a%2e%2e.bin", "https://h/a%252e%252e.bin"),
+        ("s3://b/run/i.json", "a.bin", "s3://b/run/a.bin"),
+        ("s3://b/i.json", "a.bin", "s3://b/a.bin"),
+    ],
+)
+def test_sibling(url: str, name: str, expected: str) -> None:
+    assert sibling(url, name) == expected
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../x.bin",
+        "sub/../../x.bin",
+        "/abs.bin",
+        "",
+        "./x.bin",
+        "a//b.bin",
+        "..\\x.bin",
+        "https://e/x",
+    ],
+)
+def test_sibling_refuses_names_that_leave_the_folder(name: str) -> None:
+    for url in ("hf://org/m/i.json", "https://h/d/i.json", "s3://b/d/i.json"):
+        with pytest.raises(UsageError, match="not a file beside it"):
+            sibling(url, name)
+
+
+# --- the Hub token ------------------------------------------------------------------------
+
+
+def test_token_order(remote_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """HF_TOKEN, else the file at HF_TOKEN_PATH, else HF_HOME/token; none -> None."""
+    assert hf_token() is None
+    (remote_env / "token").write_text("hf_home_file\n")
+    assert hf_token() == "hf_home_file"
+    other = tmp_path / "elsewhere"
+    other.write_text("  hf_token_path  ")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(other))
+    assert hf_token() == "hf_token_path"
+    monkeypatch.setenv("HF_TOKEN", "hf_env\n")
+    assert hf_token() == "hf_env"
+
+
+def test_token_home_defaults_to_the_cache_folder(
+    remote_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("HF_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "huggingface").mkdir(parents=True)
+    (tmp_path / "cache" / "huggingface" / "token").write_text("hf_xdg")
+    assert hf_token() == "hf_xdg"
+
+
+def test_a_token_no_header_can_carry_is_refused_without_showing_it(
+    remote_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_se cret")
+    with pytest.raises(UsageError, match="HF_TOKEN") as info:
+        hf_token()
+    assert "cret" not in str(info.value)
+
+
+def test_the_token_goes_to_the_endpoint_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example")
+    bearer = {"Authorization": "Bearer t"}
+    assert auth_headers("hf://org/m/x.pt", "t") == bearer
+    assert auth_headers("https://HUB.example/org/m/resolve/main/x.pt", "t") == bearer
+    assert auth_headers("https://cdn.example/x.pt", "t") == {}
+    assert auth_headers("http://hub.example/x.pt", "t") == {}  # another scheme, another origin
+    assert auth_headers("hf://org/m/x.pt", None) == {}
