@@ -107,8 +107,8 @@ def range_refused(url: str, size: int | None) -> RangeNotSupportedError:
     """The refusal of a server that answered a byte range with the whole object."""
     whole = "the whole file" if size is None else f"the whole {size}-byte file"
     return RangeNotSupportedError(
-        f"{url}: the server ignored Range and would send {whole}; ckpt_tools reads remote "
-        "files only from servers that answer byte ranges",
+        f"{url}: the server ignored Range and would send {whole} (refused before reading "
+        "it); ckpt_tools reads remote files only from servers that answer byte ranges",
         path=url,
         remedies=(_LOCAL,),
     )
