@@ -133,7 +133,13 @@ def _opened(path: str, source: RangeSource | None) -> Iterator[tuple[BinaryIO, i
         with open(path, "rb") as f:
             yield f, os.fstat(f.fileno()).st_size
         return
-    yield io.BufferedReader(source), source.size  # type: ignore[arg-type]
+    buffered = io.BufferedReader(source)  # type: ignore[arg-type]
+    try:
+        yield buffered, source.size
+    finally:
+        # Detached, not closed: collected, a buffer closes its raw file, and the remote
+        # file is read again later (a record's bytes, a scan's walk).
+        buffered.detach()
 
 
 def _check_count(
