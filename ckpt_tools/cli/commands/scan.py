@@ -29,7 +29,15 @@ from ckpt_tools.ops.scan import scan
     show_default=True,
     help="Exit 1 on this severity or worse (nonstandard: numpy, Namespace, OmegaConf ...).",
 )
-def scan_cmd(paths: tuple[str, ...], output_format: str, as_json: bool, fail_on: str) -> int:
+@click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="For URLs, also print on stderr the requests made and the bytes received.",
+)
+def scan_cmd(
+    paths: tuple[str, ...], output_format: str, as_json: bool, fail_on: str, verbose: bool
+) -> int:
     """Can loading these checkpoints run code? A verdict per file, running nothing in it.
 
     Every pickle in each file is read without being run, and each global it imports is
@@ -37,8 +45,17 @@ def scan_cmd(paths: tuple[str, ...], output_format: str, as_json: bool, fail_on:
     torch's weights_only refuses), or allowed. Verdicts: clean, nonstandard, unreadable
     (not read the way torch reads it), dangerous. Exit 0: nothing dangerous; 1: something
     dangerous (or nonstandard, with --fail-on nonstandard); 4: an unreadable file.
+
+    A PATH may be a URL (https://, hf://ORG/REPO[@REV][/FILE], s3://BUCKET/KEY): the bytes a
+    scan reads are fetched by byte ranges (each zip record's header and first bytes, a
+    request each), never the tensors; a folder URL is scanned as its weight files.
     """
     report = scan(paths, on_file=_progress_line())
+    if verbose and report.transfer is not None:
+        for file in report.files:
+            if file.transfer is not None and len(report.files) > 1:
+                click.echo(f"remote: {file.path}: {file.transfer}", err=True)
+        click.echo(f"remote: {report.transfer}", err=True)
     if output_format == "sarif":
         echo_json(report.to_sarif())
     elif as_json or output_format == "json":

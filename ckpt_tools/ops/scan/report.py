@@ -74,6 +74,8 @@ class FileScan:
         error: why the file is unreadable (None otherwise).
         pickles: how many pickles were read or walked.
         code: TorchScript code files and the classes they define.
+        transfer: for a file read from a URL, the requests its scan made and the bytes it
+            received (:class:`~ckpt_tools.io.remote.TransferStats`); None for a local file.
     """
 
     path: str
@@ -83,6 +85,8 @@ class FileScan:
     error: str | None = None
     pickles: int = 0
     code: tuple[str, ...] = ()
+    # Not part of to_json() or of equality: a file's verdict is the same wherever it lies.
+    transfer: Any = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """This file's verdict as JSON-ready data."""
@@ -119,7 +123,10 @@ class ScanReport:
 
     Attributes:
         files: one :class:`FileScan` per checkpoint, in the order found.
-        skipped: files inside scanned folders that are not checkpoints (by content).
+        skipped: files inside scanned folders that are not checkpoints (by content), and
+            the shard indexes of folder URLs.
+        transfer: where URLs were scanned, what reading them cost in all (requests, bytes
+            received, a folder's look-ups included); None where every path was local.
 
     Example:
         >>> from ckpt_tools import scan
@@ -130,6 +137,7 @@ class ScanReport:
 
     files: tuple[FileScan, ...]
     skipped: tuple[str, ...] = field(default=())
+    transfer: Any = field(default=None, compare=False)
 
     @property
     def verdict(self) -> Verdict:

@@ -8,22 +8,29 @@ Each file is looked at twice, and nothing in it is ever run:
 2. every pickle it holds is walked for its imports
    (:func:`~ckpt_tools.ops.scan.sources.walk_pickles`), including the pickles torch.load
    never reads but other loaders do, each import judged by the severity table.
+
+A URL is scanned as its downloaded file would be, from the bytes that scan reads
+(:mod:`~ckpt_tools.ops.scan.remote`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 from ckpt_tools._types import StrPath
 from ckpt_tools.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    RemoteError,
     UnsafeContentError,
     UnsupportedFormatError,
 )
 from ckpt_tools.formats import detect_format, open_checkpoint
+from ckpt_tools.formats.base import RangeSource
+from ckpt_tools.formats.detect import detect_bytes
 from ckpt_tools.formats.pickle.imports import (
     find_imports,
     npy_pickle_offset,
@@ -31,6 +38,9 @@ from ckpt_tools.formats.pickle.imports import (
     starts_like_pickle,
 )
 from ckpt_tools.formats.zip.directory import ZipEntry
+from ckpt_tools.io.remote import RemoteFile, RemoteSession, TransferStats
+from ckpt_tools.io.remote.urls import is_folder_url, is_url
+from ckpt_tools.ops.scan.remote import Remote, open_remote, refuse_local_only, url_targets
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify
 from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, walk_pickles
@@ -50,17 +60,27 @@ def scan(
     """Give each checkpoint under ``paths`` a security verdict, running nothing in it.
 
     Args:
-        paths: files and folders. Folders are walked recursively and every file in them
-            that is a checkpoint by content (whatever its name) is scanned; a DCP folder is
-            scanned as one checkpoint; other files are listed as skipped.
+        paths: files, folders and URLs. Folders are walked recursively and every file in
+            them that is a checkpoint by content (whatever its name) is scanned; a DCP folder
+            is scanned as one checkpoint; other files are listed as skipped. A URL
+            (``https://``, ``hf://ORG/REPO[@REV][/PATH]``, ``s3://BUCKET/KEY``) gets the
+            verdict of its downloaded file, from ranged reads of the bytes a scan reads (each
+            zip record's header and first bytes: a request each); a folder URL is scanned as
+            the weight files a loader takes from it (``model.safetensors``,
+            ``pytorch_model.bin``, and each shard their indexes name).
         on_file: called before each file with (files done, files in all, the file).
 
     Returns:
         A :class:`~ckpt_tools.ops.scan.report.ScanReport`: a verdict per file
-        (``clean``, ``nonstandard``, ``unreadable``, ``dangerous``) with its findings.
+        (``clean``, ``nonstandard``, ``unreadable``, ``dangerous``) with its findings;
+        where URLs were read, its ``transfer`` (and each remote file's) says what it cost.
 
     Raises:
-        CheckpointNotFoundError: a path does not exist.
+        CheckpointNotFoundError: a path does not exist, or nothing is at a URL.
+        RemoteError: a URL could not be read (refused credentials, a timeout, a refused
+            connection, a server that ignores byte ranges).
+        UnsupportedFormatError: a URL of a format read member by member (tar) or of a DCP
+            or DeepSpeed folder: those are scanned from a local copy.
 
     Example:
         >>> report = scan(["model.pt"])
@@ -69,28 +89,70 @@ def scan(
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    targets: list[tuple[str, bool]] = []  # (path, named by the caller)
+    given = list(map(os.fspath, paths))
+    if not any(is_url(p) for p in given):
+        return _scan_all(given, on_file, None)
+    with RemoteSession() as session:
+        report = _scan_all(given, on_file, session)
+    return replace(report, transfer=session.stats)
+
+
+class _Target(NamedTuple):
+    path: str
+    named: bool  # by the caller, not found in a folder
+    remote: bool
+    file: RemoteFile | None = None  # a remote file opened already (found in a folder)
+
+
+def _scan_all(
+    given: Sequence[str], on_file: OnFile | None, session: RemoteSession | None
+) -> ScanReport:
+    targets: list[_Target] = []
     skipped: list[str] = []
-    for given in map(os.fspath, paths):
-        if not os.path.lexists(given):
-            raise CheckpointNotFoundError(f"no such file or folder: {given!r}", path=given)
-        if os.path.isdir(given):
-            for found, followed in _files_under(given):
-                (targets.append((found, False)) if followed else skipped.append(found))
+    for path in given:
+        if session is not None and is_url(path):
+            found, indexes = url_targets(path, session)
+            named = not is_folder_url(path)
+            targets += [_Target(url, named, True, file) for url, file in found]
+            skipped += indexes
+        elif not os.path.lexists(path):
+            raise CheckpointNotFoundError(f"no such file or folder: {path!r}", path=path)
+        elif os.path.isdir(path):
+            for found_path, followed in _files_under(path):
+                if followed:
+                    targets.append(_Target(found_path, False, False))
+                else:
+                    skipped.append(found_path)
         else:
-            targets.append((given, True))
+            targets.append(_Target(path, True, False))
     files: list[FileScan] = []
-    for done, (path, named) in enumerate(targets):
+    for done, target in enumerate(targets):
         if on_file is not None:
-            on_file(done, len(targets), path)
-        result = scan_file(path)
-        if result is None and named:
-            files.append(_unreadable(path, None, _not_a_checkpoint(path)))
-        elif result is None:
-            skipped.append(path)
+            on_file(done, len(targets), target.path)
+        if session is not None and target.remote:
+            result = _scan_url(target, session)
         else:
-            files.append(result)
+            result = scan_file(target.path)
+            if result is None and target.named:
+                result = _unreadable(target.path, None, _not_a_checkpoint(target.path))
+        (skipped.append(target.path) if result is None else files.append(result))
     return ScanReport(tuple(files), tuple(skipped))
+
+
+def _scan_url(target: _Target, session: RemoteSession) -> FileScan | None:
+    """:func:`scan_file` of a remote file, with what its reads cost."""
+    before = TransferStats(session.stats.requests, session.stats.bytes_received)
+    file = target.file if target.file is not None else session.open(target.path)
+    result = _scan(target.path, Remote(file, session))
+    if result is None and target.named:
+        result = _unreadable(target.path, None, _not_a_checkpoint(target.path, file))
+    if result is None:
+        return None
+    cost = TransferStats(
+        session.stats.requests - before.requests,
+        session.stats.bytes_received - before.bytes_received,
+    )
+    return replace(result, transfer=cost)
 
 
 def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
@@ -129,19 +191,36 @@ def scan_file(path: str) -> FileScan | None:
         >>> scan_file("model.pt").verdict
         'clean'
     """
+    return _scan(path, None)
+
+
+def _scan(path: str, remote: Remote | None) -> FileScan | None:
+    """:func:`scan_file` of ``path``, or of the remote file at the URL ``path``."""
+    source = None if remote is None else remote.file
     try:
-        fmt = _content_format(path)
+        content = _content_format(path, source)
     except (CheckpointError, OSError) as e:  # not a regular file, or unreadable
+        _raise_remote(e, source)
         return _unreadable(path, None, str(e))
-    if fmt is None:
+    if content is None:
         return None
+    if remote is not None:
+        refuse_local_only(path, content)
     # numpy.load reads an .npy, not torch: there is no torch reading to compare with.
-    reading = _Reading(None, (), "", frozenset()) if fmt == "numpy" else _read_as_torch(path)
-    error, fmt = reading.error, reading.format or fmt
+    numpy = content == "numpy"
+    reading = _Reading(None, (), "", frozenset()) if numpy else _read_as_torch(path, remote)
+    error, fmt = reading.error, reading.format or content
     walked: list[Walked] = []
     try:
-        walked.extend(walk_pickles(path, fmt, skip=reading.read, entries=reading.entries))
+        walked.extend(
+            walk_pickles(path, fmt, skip=reading.read, entries=reading.entries, source=source)
+        )
     except (CheckpointError, OSError, EOFError) as e:
+        _raise_remote(e, source)
+        if source is not None and error is None:
+            # A remote record's local header, checked only as the walk reached it: the
+            # archive is one our reader refuses, walked the lenient way.
+            reading, fmt = _Reading(str(e), (), "", frozenset()), content
         error = error or str(e)
     if fmt == "torch-zip" and any(w.context == "torchscript" for w in walked):
         fmt = "torchscript"  # (the reader refused it: the walk still tells)
@@ -152,8 +231,9 @@ def scan_file(path: str) -> FileScan | None:
     code: tuple[str, ...] = ()
     if fmt == "torchscript":
         try:
-            files = code_files(path)
+            files = code_files(path, source)
         except (CheckpointError, OSError) as e:
+            _raise_remote(e, source)
             error, files = error or str(e), ()
         code = tuple(map(str, files))
         findings += tuple(
@@ -177,15 +257,34 @@ _FORMATS_BEYOND_WEIGHTS_ONLY = {
 }
 
 
-def _content_format(path: str) -> str | None:
+def _raise_remote(error: BaseException, source: RangeSource | None) -> None:
+    """Raise what failed reading a URL (no answer, refused credentials, nothing there): a
+    failure of the scan, not a verdict on the file."""
+    if source is not None and isinstance(error, (RemoteError, CheckpointNotFoundError)):
+        raise error
+
+
+def _detect(path: str, source: RangeSource | None) -> str:
+    """The format by content alone, of a local file or of the remote file at ``path``."""
+    if source is None:
+        return detect_format(path, content_only=True)
+    return detect_bytes(
+        path, source.size, source.pread(512, 0), lambda n: source.pread(n, 0), content_only=True
+    )
+
+
+def _content_format(path: str, source: RangeSource | None = None) -> str | None:
     """The format by content; ``pickle`` for any file that parses as one; None for others."""
     try:
-        fmt = detect_format(path, content_only=True)
+        fmt = _detect(path, source)
     except UnsupportedFormatError:
-        if not os.path.isfile(path):
+        if source is None and not os.path.isfile(path):
             raise
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
+        if source is not None:
+            head = source.pread(1 << 16, 0)
+        else:
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
         if npy_pickle_offset(head) is not None:
             return "numpy"
         if starts_like_pickle(head):
@@ -193,19 +292,19 @@ def _content_format(path: str) -> str | None:
             return "pickle" if scan.end is not None or (scan.truncated and scan.imports) else None
         # Any opcode can start a pickle (a damaged legacy file's magic number is one long
         # integer): whole pickles that import something are worth a verdict.
-        walks = list(walk_pickles(path, "pickle"))
+        walks = list(walk_pickles(path, "pickle", source=source))
         whole = walks and walks[0].scan.end is not None
         return "pickle" if whole and any(w.scan.imports for w in walks) else None
-    if fmt == "torch-zip" and is_npz(path):
+    if fmt == "torch-zip" and is_npz(path, source):
         return "numpy"
     return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
 
 
-def _not_a_checkpoint(path: str) -> str:
+def _not_a_checkpoint(path: str, source: RangeSource | None = None) -> str:
     """Why ``path`` is no checkpoint, in the format detector's words (a git-lfs pointer
     says how to fetch the file)."""
     try:
-        detect_format(path, content_only=True)
+        _detect(path, source)
     except CheckpointError as e:
         return str(e)
     return f"{path!r} is not a checkpoint (by content)"
@@ -222,29 +321,35 @@ class _Reading(NamedTuple):
     entries: tuple[ZipEntry, ...] | None = None  # a zip's records, as it listed them
 
 
-def _read_as_torch(path: str) -> _Reading:
+def _read_as_torch(path: str, remote: Remote | None = None) -> _Reading:
     try:
-        ckpt = open_checkpoint(path)
+        ckpt = open_checkpoint(path) if remote is None else open_remote(path, remote)
     except UnsafeContentError as e:  # refused for what it imports: the findings say it
         return _Reading(None, e.globals, "main pickle", frozenset())
     except (CheckpointError, OSError) as e:
+        _raise_remote(e, None if remote is None else remote.file)
         return _Reading(str(e), (), "", frozenset())
     if ckpt.format in ("torch-zip", "torchscript"):
         # The C unpickler read data.pkl to its STOP and asked for every global in it (the
         # same unpickler torch.load runs with weights_only=False): where all were on the
         # allowlist, a walk would add nothing.
         record = f"{ckpt.archive_root}/data.pkl"
-        entries = tuple(
-            ZipEntry(
-                f"{ckpt.archive_root}/{r.name}",
-                r.data_offset,
-                r.compress_size,
-                r.size,
-                r.crc32,
-                r.compressed,
-                r.header_offset,
+        # (A remote zip's are read again from its cached directory, headers unread.)
+        entries = (
+            None
+            if remote is not None
+            else tuple(
+                ZipEntry(
+                    f"{ckpt.archive_root}/{r.name}",
+                    r.data_offset,
+                    r.compress_size,
+                    r.size,
+                    r.crc32,
+                    r.compressed,
+                    r.header_offset,
+                )
+                for r in ckpt.records.values()
             )
-            for r in ckpt.records.values()
         )
         # Where it met globals off the allowlist, the walk still names their modules apart
         # from their attribute paths (the reader joins the two).

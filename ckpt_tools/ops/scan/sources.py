@@ -13,18 +13,25 @@
 
 Nothing is unpickled here: :func:`~ckpt_tools.formats.pickle.imports.find_imports` walks the
 opcodes. Reads are bounded: a record that is not a pickle is told apart by its first bytes.
+
+A remote file (``source``, read by ranges) is walked the same way through its range cache: a
+zip's records, whose local headers its reader left unread, each have their header read and
+checked before their first bytes are looked at (a request each, as torch reads each record).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import tarfile
 import zipfile
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
-from ckpt_tools.errors import CheckpointError, CorruptCheckpointError
+from ckpt_tools.errors import CheckpointError, CorruptCheckpointError, RemoteError
+from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickle.imports import (
     ImportScan,
@@ -33,11 +40,18 @@ from ckpt_tools.formats.pickle.imports import (
     starts_like_pickle,
 )
 from ckpt_tools.formats.pickle.unpickler import MAX_PICKLE_BYTES
-from ckpt_tools.formats.zip.directory import FileSlice, ZipEntry, pread, read_zip_directory
+from ckpt_tools.formats.zip.directory import (
+    FileSlice,
+    ZipEntry,
+    ZipSource,
+    located,
+    pread,
+    read_zip_directory,
+)
 from ckpt_tools.formats.zip.records import read_head
 from ckpt_tools.ops.scan.severity import Context
 
-__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "walk_pickles"]
+__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "opened", "walk_pickles"]
 
 # A record is first tested on this many bytes; one that still parses as a pickle there is
 # walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
@@ -67,34 +81,39 @@ def walk_pickles(
     *,
     skip: frozenset[str] = frozenset(),
     entries: Sequence[ZipEntry] | None = None,
+    source: RangeSource | None = None,
 ) -> Iterator[Walked]:
     """Every pickle in the file (or DCP folder) ``path`` of format ``fmt``, walked.
 
     ``skip`` names zip records not to walk (read already, by the restricted unpickler);
-    ``entries`` are a zip's records where our reader listed them already.
+    ``entries`` are a zip's records where our reader listed them already; ``source`` is the
+    file read by ranges where ``path`` is its URL (not for tar or DCP, read member by member).
 
     Raises:
-        CheckpointError: the layout itself cannot be read (a broken zip directory).
+        CheckpointError: the layout itself cannot be read (a broken zip directory, a
+            remote record's local header).
         OSError: the file cannot be read.
     """
-    if fmt in ("torch-zip", "torchscript"):
+    if fmt in ("torch-zip", "torchscript") and source is not None:
+        yield from _zip_pickles(path, source, source.size, "", skip, entries)
+    elif fmt in ("torch-zip", "torchscript"):
         fd = os.open(path, os.O_RDONLY)
         try:
             yield from _zip_pickles(path, fd, os.fstat(fd).st_size, "", skip, entries)
         finally:
             os.close(fd)
     elif fmt == "torch-legacy":
-        yield from _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES)
+        yield from _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES, source)
     elif fmt == "pickle":
-        yield from _sequence(path, _MAX_SEQUENCE, ())
+        yield from _sequence(path, _MAX_SEQUENCE, (), source)
     elif fmt == "torch-tar":
         yield from _tar_pickles(path)
     elif fmt == "dcp":
         yield from _dcp_pickles(path)
-    elif fmt == "numpy" and is_npz(path):
-        yield from _lenient_zip_pickles(path)
+    elif fmt == "numpy" and is_npz(path, source):
+        yield from _lenient_zip_pickles(path, source)
     elif fmt == "numpy":
-        with open(path, "rb") as f:
+        with opened(path, source) as f:
             start = npy_pickle_offset(f.read(_HEAD))
             if start is not None:
                 yield Walked("object array", "pickle", find_imports(f, start))
@@ -102,24 +121,28 @@ def walk_pickles(
 
 def _zip_pickles(
     path: str,
-    fd: int | FileSlice,
+    fd: ZipSource,
     size: int,
     prefix: str,
     skip: frozenset[str] = frozenset(),
     entries: Sequence[ZipEntry] | None = None,
 ) -> Iterator[Walked]:
+    remote = not isinstance(fd, (int, FileSlice))
     try:
         if entries is None:
-            entries = read_zip_directory(path, fd, size)
+            entries = read_zip_directory(path, fd, size, defer_local=remote)
     except CheckpointError:
         if isinstance(fd, FileSlice):
             raise
         # Our reader refuses the archive (the scan says why); torch's reader or another
         # tool may still read it, so its records are looked at the lenient way too.
-        yield from _lenient_zip_pickles(path)
+        yield from _lenient_zip_pickles(path, fd if remote else None)
         raise
     script = any(e.name.endswith("/constants.pkl") for e in entries)
     context: Context = "torchscript" if script else "pickle"
+    if remote:
+        yield from _remote_zip_pickles(path, fd, entries, skip, context)  # type: ignore[arg-type]
+        return
     for entry in entries:
         if entry.name.endswith("/") or entry.name in skip:
             continue
@@ -128,39 +151,81 @@ def _zip_pickles(
             yield Walked(prefix + entry.name, context, find_imports(data))
 
 
-def is_npz(path: str) -> bool:
-    """A zip of ``.npy`` records only (``numpy.savez``), which numpy, not torch, reads."""
+def _remote_zip_pickles(
+    path: str,
+    source: RangeSource,
+    entries: Sequence[ZipEntry],
+    skip: frozenset[str],
+    context: Context,
+) -> Iterator[Walked]:
+    """A remote zip's pickles, each record's local header checked first (as our reader checks
+    them all when it opens a local zip). Walked in one pass, so each header's request also
+    brings the record's first bytes; yielded only once every header passed, since a bad one
+    makes it the archive our reader refuses, which is walked the lenient way instead."""
+    found: list[Walked] = []
     try:
-        with zipfile.ZipFile(path) as archive:
+        for listed in entries:
+            entry = located(path, source, listed)
+            if entry.name.endswith("/") or entry.name in skip:
+                continue
+            data = _record_pickle(path, source, entry)
+            if data is not None:
+                found.append(Walked(entry.name, context, find_imports(data)))
+    except CorruptCheckpointError:
+        yield from _lenient_zip_pickles(path, source)
+        raise
+    yield from found
+
+
+def is_npz(path: str, source: RangeSource | None = None) -> bool:
+    """A zip of ``.npy`` records only (``numpy.savez``), which numpy, not torch, reads.
+
+    ``source`` is the file read by ranges where ``path`` is its URL.
+    """
+    try:
+        with zipfile.ZipFile(path if source is None else source) as archive:  # type: ignore[arg-type]
             names = archive.namelist()
+    except RemoteError:
+        raise
     except _ZIPFILE_ERRORS:
         return False
     return bool(names) and all(n.endswith(".npy") for n in names)
 
 
-def _lenient_zip_pickles(path: str) -> Iterator[Walked]:
+def _lenient_zip_pickles(path: str, source: RangeSource | None = None) -> Iterator[Walked]:
     """The pickles of a zip our reader refuses, found the lenient way (Python's zipfile
     lists the records) and read as torch reads them (no CRC-32 check)."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(path if source is None else source) as archive:  # type: ignore[arg-type]
             infos = archive.infolist()
+    except RemoteError:
+        raise
     except _ZIPFILE_ERRORS:
         return
     script = any(i.filename.endswith("/constants.pkl") for i in infos)
     context: Context = "torchscript" if script else "pickle"
+    if source is not None:
+        yield from _lenient_records(path, source, infos, context)
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
-        for info in infos:
-            entry = _entry_of(fd, info)
-            if entry is not None:
-                data = _record_pickle(path, fd, entry)
-                if data is not None:
-                    yield Walked(info.filename, context, find_imports(data))
+        yield from _lenient_records(path, fd, infos, context)
     finally:
         os.close(fd)
 
 
-def _entry_of(fd: int, info: zipfile.ZipInfo) -> ZipEntry | None:
+def _lenient_records(
+    path: str, fd: ZipSource, infos: Sequence[zipfile.ZipInfo], context: Context
+) -> Iterator[Walked]:
+    for info in infos:
+        entry = _entry_of(fd, info)
+        if entry is not None:
+            data = _record_pickle(path, fd, entry)
+            if data is not None:
+                yield Walked(info.filename, context, find_imports(data))
+
+
+def _entry_of(fd: ZipSource, info: zipfile.ZipInfo) -> ZipEntry | None:
     """``info`` as a :class:`ZipEntry`, its data offset from its local header; None where
     it has none, or is compressed other than by deflate."""
     local = pread(fd, 30, info.header_offset)
@@ -181,7 +246,7 @@ def _entry_of(fd: int, info: zipfile.ZipInfo) -> ZipEntry | None:
     )
 
 
-def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | None:
+def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
     """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
     if entry.name.endswith(".pkl"):  # named a pickle: read whole, walked even if malformed
         head = read_head(fd, entry, MAX_PICKLE_BYTES)
@@ -204,11 +269,29 @@ def _record_pickle(path: str, fd: int | FileSlice, entry: ZipEntry) -> bytes | N
     return head
 
 
-def _sequence(path: str, most: int, names: tuple[str, ...]) -> Iterator[Walked]:
+@contextlib.contextmanager
+def opened(path: str, source: RangeSource | None) -> Iterator[BinaryIO]:
+    """``path`` as a buffered binary file, or ``source`` (the remote file at the URL
+    ``path``) as one, left open: its session closes it."""
+    if source is None:
+        with open(path, "rb") as f:
+            yield f
+        return
+    source.seek(0)  # type: ignore[attr-defined]  # (zipfile may have moved it)
+    buffered = io.BufferedReader(source)  # type: ignore[arg-type]
+    try:
+        yield buffered
+    finally:
+        buffered.detach()
+
+
+def _sequence(
+    path: str, most: int, names: tuple[str, ...], source: RangeSource | None = None
+) -> Iterator[Walked]:
     """Pickles back to back from the start of ``path``: the ``names`` ones whatever they
     hold (a loader reads each), then each further one that is a whole pickle."""
-    with open(path, "rb") as f:
-        start, size = 0, os.fstat(f.fileno()).st_size
+    with opened(path, source) as f:
+        start, size = 0, f.seek(0, io.SEEK_END)
         for index in range(most):
             if start >= size:
                 return
@@ -294,17 +377,25 @@ class CodeFile(NamedTuple):
         return f"{self.record}: " + (f"class {', '.join(self.classes)}" if self.classes else "code")
 
 
-def code_files(path: str) -> tuple[CodeFile, ...]:
-    """A TorchScript archive's code files (``archive/code/__torch__.py: class TinyNet``)."""
+def code_files(path: str, source: RangeSource | None = None) -> tuple[CodeFile, ...]:
+    """A TorchScript archive's code files (``archive/code/__torch__.py: class TinyNet``);
+    ``source`` is the file read by ranges where ``path`` is its URL."""
+    if source is not None:
+        return _code_files(path, source, source.size)
     fd = os.open(path, os.O_RDONLY)
     try:
-        found = []
-        for entry in read_zip_directory(path, fd, os.fstat(fd).st_size):
-            if "/code/" not in entry.name or not entry.name.endswith(".py"):
-                continue
-            source = read_head(fd, entry, _MOST)
-            classes = tuple(m.decode("ascii") for m in _CLASS.findall(source))
-            found.append(CodeFile(entry.name, classes, bool(_SETSTATE.search(source))))
-        return tuple(found)
+        return _code_files(path, fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def _code_files(path: str, fd: ZipSource, size: int) -> tuple[CodeFile, ...]:
+    found = []
+    remote = not isinstance(fd, int)
+    for entry in read_zip_directory(path, fd, size, defer_local=remote):
+        if "/code/" not in entry.name or not entry.name.endswith(".py"):
+            continue
+        text = read_head(fd, located(path, fd, entry), _MOST)
+        classes = tuple(m.decode("ascii") for m in _CLASS.findall(text))
+        found.append(CodeFile(entry.name, classes, bool(_SETSTATE.search(text))))
+    return tuple(found)

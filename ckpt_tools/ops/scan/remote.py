@@ -1,0 +1,193 @@
+"""Scanning checkpoints at URLs: which files a URL names, and what a remote read left unchecked.
+
+A file URL is scanned as that file. A folder URL (``hf://ORG/REPO``, a path ending in ``/``)
+cannot be listed, so it is scanned as the weight files a loader takes from it: every file
+that transformers' names find there (``model.safetensors``, ``pytorch_model.bin``) and every
+shard their indexes name, as a local folder scan finds them among its files.
+
+A remote file is opened the way ``inspect`` opens it, which trusts the zip directory and
+leaves each record's local header, a compressed storage's inflation and a legacy storage's
+element count unread. A scan is the security verdict: it reads them all as torch would, a
+request each, before it gives one. Formats read member by member (tar) and folder formats
+(DCP, DeepSpeed) are refused with the fix: download them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+from ckpt_tools.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ResourceLimitError,
+    UnsupportedFormatError,
+)
+from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.detect import SHARD_INDEX_SUFFIX
+from ckpt_tools.formats.zip.directory import read_zip_directory
+from ckpt_tools.formats.zip.records import check_inflates
+from ckpt_tools.io.remote.checkpoint import open_file
+from ckpt_tools.io.remote.rangefile import RemoteFile
+from ckpt_tools.io.remote.session import RemoteSession
+from ckpt_tools.io.remote.urls import folder_candidates, is_folder_url, sibling
+
+__all__ = ["Remote", "open_remote", "refuse_local_only", "url_targets"]
+
+# Folder formats told by one file: DCP's metadata, DeepSpeed's tag pointer.
+_FOLDER_MARKERS = ((".metadata", "DCP"), ("latest", "DeepSpeed"))
+
+
+class Remote(NamedTuple):
+    """A remote file being scanned, and the session its reads go through and are counted."""
+
+    file: RemoteFile
+    session: RemoteSession
+
+
+def url_targets(
+    url: str, session: RemoteSession
+) -> tuple[list[tuple[str, RemoteFile | None]], list[str]]:
+    """The files to scan for ``url``, and the files skipped (a folder's shard indexes).
+
+    Args:
+        url: a file or folder URL.
+        session: where the folder's look-ups go.
+
+    Returns:
+        ``(targets, skipped)``: each target's URL with its file where it was opened
+        already (else None), in name order as a local folder is walked; the index URLs.
+
+    Raises:
+        CheckpointNotFoundError: a folder holds none of the files looked for.
+        UnsupportedFormatError: a folder is a DCP or DeepSpeed checkpoint.
+        CorruptCheckpointError: an index that names no shards.
+
+    Example:
+        >>> url_targets("https://host.example/model.pt", RemoteSession())
+        ([('https://host.example/model.pt', None)], [])
+    """
+    if not is_folder_url(url):
+        return [(url, None)], []
+    found: dict[str, tuple[str, RemoteFile | None]] = {}  # name -> (URL, file)
+    indexes: list[str] = []
+    for candidate in folder_candidates(url):
+        file = _opened_or_none(candidate, session)
+        if file is None:
+            continue
+        if candidate.endswith(SHARD_INDEX_SUFFIX):
+            indexes.append(candidate)
+            for name in _shard_names(candidate, file):
+                found.setdefault(name, (sibling(candidate, name), None))
+        else:
+            found[candidate.rpartition("/")[2]] = (candidate, file)
+    if not found and not indexes:
+        _refuse_folder_format(url, session)
+        tried = ", ".join(c.rpartition("/")[2] for c in folder_candidates(url))
+        raise CheckpointNotFoundError(
+            f"{url}: no checkpoint in this folder (tried {tried})", path=url
+        )
+    return [found[name] for name in sorted(found)], sorted(indexes)
+
+
+def _opened_or_none(url: str, session: RemoteSession) -> RemoteFile | None:
+    try:
+        return session.open(url)
+    except CheckpointNotFoundError:
+        session.stats.add(0)  # the miss was a request too
+        return None
+
+
+def _shard_names(url: str, file: RemoteFile) -> list[str]:
+    """The shard files an index names (its ``weight_map``'s values), in name order."""
+    from ckpt_tools.formats.hf import MAX_INDEX_BYTES
+
+    if file.size > MAX_INDEX_BYTES:
+        raise ResourceLimitError(
+            f"{url}: a shard index of {file.size} bytes is over the "
+            f"{MAX_INDEX_BYTES >> 20} MiB limit",
+            path=url,
+        )
+    try:
+        weight_map = json.loads(file.pread(file.size, 0))["weight_map"]
+        names = sorted(set(weight_map.values()))
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError("a shard name is not a string")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CorruptCheckpointError(
+            f"{url}: not a shard index, so its shards are not known ({type(e).__name__}: "
+            f"{str(e)[:200]})",
+            path=url,
+        ) from e
+    return names
+
+
+def _refuse_folder_format(url: str, session: RemoteSession) -> None:
+    """Refuse a folder that is a DCP or DeepSpeed checkpoint (told by one file each)."""
+    first = folder_candidates(url)[0]
+    for name, fmt in _FOLDER_MARKERS:
+        if _opened_or_none(sibling(first, name), session) is not None:
+            raise UnsupportedFormatError(
+                f"{url} is a {fmt} checkpoint folder, which ckpt_tools reads from local "
+                "folders only (a file per rank, read member by member); download the folder "
+                "and pass its path",
+                path=url,
+            )
+
+
+def refuse_local_only(url: str, fmt: str) -> None:
+    """Refuse a remote file of a format read member by member (tar): a request each.
+
+    Raises:
+        UnsupportedFormatError: ``fmt`` is one of them.
+
+    Example:
+        >>> refuse_local_only("hf://org/model/model.pt", "torch-zip")  # read by ranges
+    """
+    if fmt in ("torch-tar", "dcp", "deepspeed"):
+        raise UnsupportedFormatError(
+            f"{url!r} is a {fmt} checkpoint, which ckpt_tools reads from local files only "
+            "(it is read member by member: a request each); download it and pass its path",
+            path=url,
+        )
+
+
+def open_remote(url: str, remote: Remote) -> Checkpoint:
+    """Open the remote checkpoint, checked as our reader checks a local file: with every
+    check a remote metadata read leaves for later made now.
+
+    Raises:
+        CheckpointError: the file is refused, as the local file would be.
+
+    Example:
+        >>> class InMemory:  # a transport serving a local file's bytes
+        ...     url = "https://host.example/model.pt"
+        ...     data = open("model.pt", "rb").read()
+        ...     def get(self, start, end): return self.data[start:end], len(self.data)
+        ...     def close(self): pass
+        >>> remote = Remote(RemoteFile(InMemory()), RemoteSession())
+        >>> open_remote(InMemory.url, remote).format
+        'torch-zip'
+    """
+    ckpt = open_file(url, remote.file, remote.session)
+    if ckpt.format in ("torch-zip", "torchscript"):
+        _inflate_compressed_storages(url, ckpt, remote.file)
+    elif ckpt.format == "torch-legacy":
+        for storage in ckpt.storages.values():
+            ckpt.span(storage)  # checks its element count, as the local reader does
+    return ckpt
+
+
+def _inflate_compressed_storages(url: str, ckpt: Checkpoint, file: RemoteFile) -> None:
+    """Inflate each deflated storage record, as our reader does when it opens a local zip
+    (torch inflates them when it loads): only re-zipped archives have one."""
+    offsets = {
+        record.header_offset
+        for storage in ckpt.storages.values()
+        if (record := ckpt.records.get(f"data/{storage.key}")) is not None and record.compressed
+    }
+    if not offsets:
+        return
+    for entry in read_zip_directory(url, file, file.size, defer_local=True):
+        if entry.header_offset in offsets:
+            check_inflates(url, file, entry)

@@ -1,0 +1,188 @@
+"""``scan`` and ``ckpt scan`` on URLs: the verdict of the downloaded file, against real servers.
+
+Every file of the malicious corpus and of the committed fixtures is served by the suite's
+Hub look-alike (``tests/helpers/servers.py``) and scanned by URL; its report must equal the
+local file's, path aside. Request and byte counts are the server's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+
+from ckpt_tools import scan
+from ckpt_tools.formats.zip.directory import read_zip_directory
+from tests.helpers.cli import run_ckpt
+from tests.helpers.committed import fixture_path
+from tests.helpers.scan_corpus import MALICIOUS, CorpusEntry, build_corpus
+
+# Read member by member: refused for URLs (scanned from a local copy).
+TAR = {"tar_pickle.pt", "tar_storages.pt", "tar_format.pt"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[CorpusEntry], Path]:
+    folder = tmp_path_factory.mktemp("corpus")
+    markers = tmp_path_factory.mktemp("markers")
+    return build_corpus(folder, markers), markers
+
+
+def _fixtures() -> list[Path]:
+    folder = fixture_path("plain.pt").parent
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and p.suffix not in (".py", ".md", ".json") and p.name not in TAR
+    )
+
+
+def _same_path(data: dict, url: str, local: Path) -> dict:
+    """``data`` with the URL written as the local path (paths are quoted in messages)."""
+    return json.loads(json.dumps(data).replace(url, str(local)))
+
+
+def test_every_corpus_file_and_fixture_gets_the_local_report(hub, corpus) -> None:
+    entries, markers = corpus
+    paths = [e.path for e in entries if e.path.name not in TAR] + _fixtures()
+    urls = [hub.put("org/corpus", p.name, p) for p in paths]
+    remote, local = scan(urls), scan(paths)
+    assert len(remote.files) == len(paths) and remote.skipped == local.skipped == ()
+    for url, path, got, want in zip(urls, paths, remote.files, local.files):
+        assert got.path == url
+        assert _same_path(got.to_json(), url, path) == want.to_json(), path.name
+        assert got.transfer.requests >= 1
+    assert {f.verdict for f in remote.files} == {"dangerous", "clean", "nonstandard", "unreadable"}
+    assert remote.transfer.requests == hub.log.requests()
+    assert remote.transfer.bytes_received == hub.log.sent()
+    assert not list(markers.iterdir())  # nothing fetched was run
+
+
+@pytest.mark.parametrize(
+    "name", ["os_system.pkl", "zip_reduce_p2.pt", "zip_deflated.pt", "legacy_main.pt", "evil.pt"]
+)
+def test_the_command_gives_a_dangerous_url_the_local_json_and_exit_code(hub, corpus, name) -> None:
+    entries, markers = corpus
+    path = next((e.path for e in entries if e.path.name == name), None) or fixture_path(name)
+    url = hub.put("org/evil", name, path)
+    remote = run_ckpt("scan", "--json", url, code=1)
+    local = run_ckpt("scan", "--json", path, code=1)
+    assert _same_path(json.loads(remote.stdout), url, path) == json.loads(local.stdout)
+    assert json.loads(remote.stdout)["verdict"] == "dangerous"
+    assert not list(markers.iterdir())
+
+
+def test_s3_and_plain_http_urls(hub, s3, corpus) -> None:
+    entries, _ = corpus
+    evil = next(e for e in entries if e.kind == MALICIOUS and e.path.suffix == ".pt")
+    for url in (s3.put(f"runs/{evil.path.name}", evil.path), hub.put_file("x.pt", evil.path)):
+        (found,) = scan(url).files
+        assert found.verdict == "dangerous" and found.format == "torch-zip", url
+
+
+def _local_header_renamed(src: Path, dst: Path, record: str) -> None:
+    """``src`` with one record's name changed in its local header only (same length)."""
+    data = bytearray(src.read_bytes())
+    fd_entries = read_zip_directory(str(src), _Bytes(bytes(data)), len(data))
+    entry = next(e for e in fd_entries if e.name.endswith(record))
+    at = entry.header_offset + 30 + len(entry.raw_name) - 1
+    data[at] = ord("Z")
+    dst.write_bytes(bytes(data))
+
+
+class _Bytes:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.size = data, len(data)
+
+    def pread(self, count: int, offset: int) -> bytes:
+        return self.data[offset : offset + count]
+
+
+def test_a_local_header_checked_only_when_reached_gives_the_local_verdict(hub, tmp_path) -> None:
+    """A remote read trusts the directory; the scan reads every record's local header, and
+    one that disagrees makes the archive the one our reader refuses, as it is locally."""
+    good = tmp_path / "good.pt"
+    torch.save({f"w{i}": torch.full((4,), float(i)) for i in range(4)}, good)
+    bad = tmp_path / "bad.pt"
+    _local_header_renamed(good, bad, "data/3")
+    url = hub.put("org/bad", "bad.pt", bad)
+    (remote,) = scan(url).files
+    (local,) = scan(bad).files
+    assert local.verdict == "unreadable" and "local header" in (local.error or "")
+    assert _same_path(remote.to_json(), url, bad) == local.to_json()
+
+
+def test_a_folder_url_scans_the_weight_files_a_loader_takes(hub, tmp_path, corpus) -> None:
+    """A sharded repo: each shard its index names, as the local folder scan finds them; the
+    index is skipped. A pytorch_model.bin beside a model.safetensors is scanned too."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    sd = {f"layers.{i}.weight": torch.randn(32, 32) for i in range(8)}
+    save_torch_state_dict(sd, folder, max_shard_size="10KB")
+    for file in folder.iterdir():
+        hub.put("org/sharded", file.name, file)
+    remote = scan("hf://org/sharded")
+    local = scan(folder)
+    assert len(remote.files) > 1 and all(f.verdict == "clean" for f in remote.files)
+    got = json.loads(json.dumps(remote.to_json()).replace("hf://org/sharded", str(folder)))
+    assert got == local.to_json()
+    entries, _ = corpus
+    evil = next(e.path for e in entries if e.path.name == "zip_reduce_p2.pt")
+    hub.put("org/both", "model.safetensors", fixture_path("model.safetensors"))
+    hub.put("org/both", "pytorch_model.bin", evil)
+    _, out, _ = run_ckpt("scan", "--json", "hf://org/both", code=1)
+    verdicts = {Path(f["path"]).name: f["verdict"] for f in json.loads(out)["files"]}
+    assert verdicts == {"model.safetensors": "clean", "pytorch_model.bin": "dangerous"}
+
+
+def test_tar_dcp_and_deepspeed_urls_are_refused_with_the_fix(hub) -> None:
+    url = hub.put("org/old", "tar_format.pt", fixture_path("tar_format.pt"))
+    hub.put("org/dcp", ".metadata", b"\x80\x04N.")
+    hub.put("org/dcp", "__0_0.distcp", b"PK")
+    hub.put("org/ds", "latest", b"global_step10")
+    for target, what in ((url, "torch-tar"), ("hf://org/dcp", "DCP"), ("hf://org/ds", "DeepSpeed")):
+        _, out, err = run_ckpt("scan", target, code=4)
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert what in err and "download" in err and "local" in err
+
+
+def test_a_scan_reads_each_record_head_never_the_tensors(hub, tmp_path) -> None:
+    """One request per record (its local header and first bytes), never a tensor whole:
+    the server sends a fraction of the file, and --verbose says what it sent."""
+    records = 100
+    src = tmp_path / "big.pt"
+    torch.save({f"layer{i}.weight": torch.zeros(128, 512) for i in range(records)}, src)
+    url = hub.put("org/big", "big.pt", src)
+    _, out, err = run_ckpt("scan", "--verbose", url, code=0)
+    assert "clean" in out
+    path = hub.path("org/big", "big.pt")
+    requests, sent = hub.log.requests(path), hub.log.sent(path)
+    assert requests <= records + 8
+    assert sent < src.stat().st_size // 3
+    assert re.search(rf"remote: {requests} requests, .* \({sent:,} bytes\)", err), err
+    ranges = [h.range for h in hub.log.for_path(path)]
+    assert all(r is not None for r in ranges)  # no request for the whole file
+
+
+@pytest.mark.parametrize("case", ["404", "401", "timeout", "refused", "no-range"])
+def test_failures_to_read_give_one_line_and_an_exit_code(
+    hub, no_range, dead_ends, monkeypatch, tmp_path, case
+) -> None:
+    monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "1")
+    big = tmp_path / "big.pt"  # larger than the first range asked for
+    torch.save({"w": torch.zeros(1 << 18)}, big)
+    url, code, words = {
+        "404": ("hf://org/none/model.pt", 2, "not found"),
+        "401": (hub.put("org/gated", "model.pt", big), 8, "HF_TOKEN"),
+        "timeout": (f"{dead_ends.stalled}/model.pt", 8, "CKPT_REMOTE_TIMEOUT"),
+        "refused": (f"{dead_ends.refused}/model.pt", 8, "could not connect"),
+        "no-range": (no_range.put("model.pt", big), 8, "Range"),
+    }[case]
+    hub.gated["org/gated"] = "secret"
+    _, out, err = run_ckpt("scan", url, code=code)
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert words in err
