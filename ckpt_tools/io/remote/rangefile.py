@@ -115,6 +115,9 @@ class RemoteFile(io.RawIOBase):
         cached = self._cached(offset, end)
         if cached is not None:
             return cached
+        head = self._cached_head(offset, end)
+        if head:  # (a record's first bytes came with its local header): fetch only the rest
+            return head + self.pread(end - offset - len(head), offset + len(head))
         start, stop = offset, max(end, offset + MIN_FETCH)
         if stop > self.size - HEAD_FETCH:  # near the end: take the whole tail block
             start, stop = min(offset, max(0, self.size - HEAD_FETCH)), self.size
@@ -144,6 +147,15 @@ class RemoteFile(io.RawIOBase):
             if at <= start and end <= at + len(data):
                 return data[start - at : end - at]
         return None
+
+    def _cached_head(self, start: int, end: int) -> bytes:
+        """The longest cached run of bytes from ``start`` towards ``end``."""
+        runs = [
+            data[start - at : end - at]
+            for at, data in self._extents
+            if at <= start < at + len(data)
+        ]
+        return max(runs, key=len, default=b"")
 
     def _keep(self, offset: int, data: bytes) -> None:
         self._extents.append((offset, data))
