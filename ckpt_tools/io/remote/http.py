@@ -242,7 +242,9 @@ class HttpTransport:
             received += len(chunk)
             if received > limit:
                 if exact:
-                    raise RemoteError(f"{self.url}: the server sent more than the range asked for")
+                    raise RemoteError(
+                        f"{self.url}: the server sent more than the range asked for", path=self.url
+                    )
                 raise range_refused(self.url, None)
         if exact and received != limit:
             raise RemoteError(
