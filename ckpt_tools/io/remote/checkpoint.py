@@ -8,6 +8,9 @@ legacy storage's element count) is checked when that record's bytes are read.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from ckpt_tools._types import StrPath
 from ckpt_tools.errors import UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
@@ -15,7 +18,7 @@ from ckpt_tools.io.remote.rangefile import RemoteFile
 from ckpt_tools.io.remote.session import RemoteSession
 from ckpt_tools.io.remote.urls import is_folder_url, is_url, sibling
 
-__all__ = ["open_file", "open_path", "open_url"]
+__all__ = ["open_file", "open_path", "open_url", "opened"]
 
 
 def open_path(path: StrPath, *, session: RemoteSession | None = None) -> Checkpoint:
@@ -42,6 +45,32 @@ def open_path(path: StrPath, *, session: RemoteSession | None = None) -> Checkpo
     return open_checkpoint(path)
 
 
+@contextlib.contextmanager
+def opened(path: StrPath) -> Iterator[Checkpoint]:
+    """The checkpoint at ``path`` (a local path or a URL), for as long as its bytes are read:
+    a URL's connections are closed when the block ends.
+
+    Args:
+        path: as for :func:`open_path`.
+
+    Yields:
+        The opened :class:`~ckpt_tools.formats.base.Checkpoint`.
+
+    Raises:
+        CheckpointError: as :func:`open_path` raises.
+
+    Example:
+        >>> with opened("model.pt") as ckpt:
+        ...     ckpt.format
+        'torch-zip'
+    """
+    if not is_url(path):
+        yield open_path(path)
+        return
+    with RemoteSession() as session:
+        yield open_url(str(path), session=session)
+
+
 def open_url(url: str, *, session: RemoteSession | None = None) -> Checkpoint:
     """Open the checkpoint at ``url``, reading only the ranges its structure needs.
 
@@ -63,6 +92,8 @@ def open_url(url: str, *, session: RemoteSession | None = None) -> Checkpoint:
         CheckpointError: the file is corrupt or unsafe, as for a local file.
 
     Example:
+        >>> is_folder_url("hf://org/model")  # a repo: its weight files are looked for
+        True
         >>> ckpt = open_url("hf://org/model")  # doctest: +SKIP
         >>> ckpt.format, len(ckpt.shards)  # doctest: +SKIP
         ('hf-sharded', 2)

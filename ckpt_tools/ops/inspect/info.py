@@ -14,6 +14,7 @@ from itertools import islice
 from typing import Any
 
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError
+from ckpt_tools.ops.inspect.tensor_info import TensorInfo
 from ckpt_tools.structure.keys import WrapperMatch
 from ckpt_tools.structure.text import (
     Readable,
@@ -38,64 +39,6 @@ _ENTRIES_SHOWN = 20
 #: together: n views of one storage list n * (n - 1) names, which no memory holds for large n.
 MAX_SHARED_NAMES = 1 << 22
 _SHARING_SHOWN = "(the table's storage column shows which tensors share memory)"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of the selected state dict.
-
-    Attributes:
-        name: its key.
-        dtype: torch dtype name without ``torch.``.
-        shape: sizes.
-        stride: strides in elements.
-        numel: element count.
-        nbytes: bytes its elements take.
-        device: saved device tag.
-        storage: storage key; tensors with the same key share memory.
-        offset: storage offset in elements.
-        storage_nbytes: the whole storage's size.
-        sharing: every key of the state dict viewing the same storage, this one included,
-            in key order (one tuple, shared by all of them).
-        is_parameter: saved as ``nn.Parameter``.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    numel: int
-    nbytes: int
-    device: str
-    storage: str
-    offset: int
-    storage_nbytes: int
-    sharing: tuple[str, ...] = ()
-    is_parameter: bool = False
-
-    @property
-    def shared_with(self) -> tuple[str, ...]:
-        """The other keys of the state dict viewing the same storage, in key order."""
-        return tuple(n for n in self.sharing if n != self.name)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "stride": list(self.stride),
-            "numel": self.numel,
-            "nbytes": self.nbytes,
-            "device": self.device,
-            "storage": self.storage,
-            "offset": self.offset,
-            "storage_nbytes": self.storage_nbytes,
-            "shared_with": list(self.shared_with),
-        }
-
-    def __str__(self) -> str:
-        """``layers.0.weight float32 [64, 32] cpu``."""
-        return f"{self.name} {self.dtype} {list(self.shape)} {self.device}"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.io.remote.checkpoint import open_path
+from ckpt_tools.io.remote.checkpoint import opened
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
@@ -62,33 +62,33 @@ def extract(
     src, dst = os.fspath(src), os.fspath(dst)
     allow_globals = str_items(allow_globals, "allow_globals")
     target = check_output_path(dst, src, force=force, in_place=False)
-    ckpt = open_path(src)
-    notes: list[str] = []
-    if ema and select is None:
-        selection, why = _select_ema(ckpt.root)
-        notes.append(why)
-    else:
-        selection = select_state_dict(ckpt.root, select=select)
-    if selection.module is not None:
-        selection, more = take_module(ckpt, allow_globals, selection)
-        notes += more
-    else:
-        check_rewritable(ckpt, allow_globals, selection.path)
-    keys = [str(k) for k in selection.state_dict]
-    if not prefix or not any(k.startswith(prefix) for k in keys):
-        heads = sorted({k.split(".")[0] + "." for k in keys})
-        raise UsageError(
-            f"no key starts with {prefix!r}; the keys start with {', '.join(heads[:10])}",
-            argument="prefix",
-            value=repr(prefix),
-            flag="--prefix",
+    with opened(src) as ckpt:
+        notes: list[str] = []
+        if ema and select is None:
+            selection, why = _select_ema(ckpt.root)
+            notes.append(why)
+        else:
+            selection = select_state_dict(ckpt.root, select=select)
+        if selection.module is not None:
+            selection, more = take_module(ckpt, allow_globals, selection)
+            notes += more
+        else:
+            check_rewritable(ckpt, allow_globals, selection.path)
+        keys = [str(k) for k in selection.state_dict]
+        if not prefix or not any(k.startswith(prefix) for k in keys):
+            heads = sorted({k.split(".")[0] + "." for k in keys})
+            raise UsageError(
+                f"no key starts with {prefix!r}; the keys start with {', '.join(heads[:10])}",
+                argument="prefix",
+                value=repr(prefix),
+                flag="--prefix",
+            )
+        items = [
+            (k, (k[len(prefix) :] if strip_prefix else k) if k.startswith(prefix) else None, v)
+            for k, v in zip(keys, selection.state_dict.values())
+        ]
+        fmt = output_format_for(dst, output_format, ckpt.format)
+        plan = plan_state_dict_output(
+            ckpt, "extract", dst, fmt, selection, items, weights_only=True, notes=notes
         )
-    items = [
-        (k, (k[len(prefix) :] if strip_prefix else k) if k.startswith(prefix) else None, v)
-        for k, v in zip(keys, selection.state_dict.values())
-    ]
-    fmt = output_format_for(dst, output_format, ckpt.format)
-    plan = plan_state_dict_output(
-        ckpt, "extract", dst, fmt, selection, items, weights_only=True, notes=notes
-    )
-    return finish(plan, target, ckpt, verify, dry_run, durable, progress)
+        return finish(plan, target, ckpt, verify, dry_run, durable, progress)

@@ -23,7 +23,7 @@ from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLev
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.io.atomic import check_output_path
-from ckpt_tools.io.remote.checkpoint import open_path
+from ckpt_tools.io.remote.checkpoint import opened
 from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.plan import cast_tensor
@@ -191,37 +191,37 @@ def slim(
     cast_to = _dtype(dtype)
     keep = _patterns(str_items(keep_dtype, "keep_dtype"))
     target = check_output_path(dst, src, force=force, in_place=False)
-    ckpt = open_path(src)
-    fmt = output_format_for(dst, output_format, ckpt.format)
-    notes: list[str] = []
-    if ema and select is None:
-        selection, why = _select_ema(ckpt.root)
-        notes.append(why)
-    else:
-        selection = select_state_dict(ckpt.root, select=select)
-    if selection.module is not None:
-        weights_only = True
-        selection, more = take_module(ckpt, allow_globals, selection)
-        notes += more
-    else:
-        check_rewritable(ckpt, allow_globals, selection.path)
-    root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
-    items = [(str(k), str(k), v) for k, v in selection.state_dict.items()]
-    plan = plan_state_dict_output(
-        ckpt,
-        "slim",
-        dst,
-        fmt,
-        selection,
-        items,
-        weights_only=weights_only,
-        root_out=root_out,
-        cast_to=cast_to,
-        keep=keep,
-        dropped_entries=dropped,
-        notes=notes,
-    )
-    return finish(plan, target, ckpt, verify, dry_run, durable, progress)
+    with opened(src) as ckpt:
+        fmt = output_format_for(dst, output_format, ckpt.format)
+        notes: list[str] = []
+        if ema and select is None:
+            selection, why = _select_ema(ckpt.root)
+            notes.append(why)
+        else:
+            selection = select_state_dict(ckpt.root, select=select)
+        if selection.module is not None:
+            weights_only = True
+            selection, more = take_module(ckpt, allow_globals, selection)
+            notes += more
+        else:
+            check_rewritable(ckpt, allow_globals, selection.path)
+        root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
+        items = [(str(k), str(k), v) for k, v in selection.state_dict.items()]
+        plan = plan_state_dict_output(
+            ckpt,
+            "slim",
+            dst,
+            fmt,
+            selection,
+            items,
+            weights_only=weights_only,
+            root_out=root_out,
+            cast_to=cast_to,
+            keep=keep,
+            dropped_entries=dropped,
+            notes=notes,
+        )
+        return finish(plan, target, ckpt, verify, dry_run, durable, progress)
 
 
 def _dtype(dtype: str | None) -> str | None:

@@ -1,0 +1,66 @@
+"""One tensor as :func:`~.inspection.inspect` describes it: :class:`TensorInfo`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TensorInfo"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the selected state dict.
+
+    Attributes:
+        name: its key.
+        dtype: torch dtype name without ``torch.``.
+        shape: sizes.
+        stride: strides in elements.
+        numel: element count.
+        nbytes: bytes its elements take.
+        device: saved device tag.
+        storage: storage key; tensors with the same key share memory.
+        offset: storage offset in elements.
+        storage_nbytes: the whole storage's size.
+        sharing: every key of the state dict viewing the same storage, this one included,
+            in key order (one tuple, shared by all of them).
+        is_parameter: saved as ``nn.Parameter``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    numel: int
+    nbytes: int
+    device: str
+    storage: str
+    offset: int
+    storage_nbytes: int
+    sharing: tuple[str, ...] = ()
+    is_parameter: bool = False
+
+    @property
+    def shared_with(self) -> tuple[str, ...]:
+        """The other keys of the state dict viewing the same storage, in key order."""
+        return tuple(n for n in self.sharing if n != self.name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "numel": self.numel,
+            "nbytes": self.nbytes,
+            "device": self.device,
+            "storage": self.storage,
+            "offset": self.offset,
+            "storage_nbytes": self.storage_nbytes,
+            "shared_with": list(self.shared_with),
+        }
+
+    def __str__(self) -> str:
+        """``layers.0.weight float32 [64, 32] cpu``."""
+        return f"{self.name} {self.dtype} {list(self.shape)} {self.device}"
