@@ -6,6 +6,8 @@ between them), which Markdown renders as nothing:
 - ``<!-- needs: gpu -->``: runs only where torch sees a CUDA device; skipped elsewhere.
 - ``<!-- needs: cluster -->``: several processes or machines (torchrun, spawned ranks); always
   skipped here, with that reason.
+- ``<!-- needs: network -->``: reads a remote file (the Hub, a bucket, a web server); always
+  skipped here, with that reason: the suite's own servers test the same commands.
 - ``<!-- file: NAME -->``: the block is a file the page's other examples use: it is written
   as ``NAME`` into the folder every example of the page runs in.
 - ``<!-- schema: NAME -->``: a ``--json`` schema (see ``tests/docs/schemas.py``).
@@ -26,6 +28,7 @@ SHOWN = frozenset({"", "text", "json", "toml", "ini", "yaml"})
 NEEDS = {
     "gpu": "needs a CUDA device",
     "cluster": "needs several processes or machines (torchrun, spawned ranks)",
+    "network": "reads a remote file over the network (tests/io/test_remote_*.py run local servers)",
 }
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)[^`]*$")
