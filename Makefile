@@ -40,8 +40,12 @@ demo: $(STAMP)
 	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/stripped.pt $(DEMO_DIR)/single/bare.pt --fail-on missing,unexpected,shape,dtype,value
 
 # Includes the fuzzer's short, derandomized budget (tests/fuzz; CKPT_FUZZ_LONG=0 keeps it so).
+# Two workers (pytest-xdist); tests that share a costly fixture run on one of them (the
+# xdist_group marks of tests/conftest.py). `make test PYTEST_ARGS=-n0` runs it in one process,
+# and PYTEST_ARGS="-n 2 tests/io" the tests of one folder.
+PYTEST_ARGS ?= -n 2
 test: $(STAMP)
-	CKPT_FUZZ_LONG=0 $(PY) -m pytest -q
+	CKPT_FUZZ_LONG=0 $(PY) -m pytest -q --dist loadgroup $(PYTEST_ARGS)
 
 # The fuzzer's long run (the short one is part of `make test`): random inputs for
 # FUZZ_SECONDS (FUZZ_SEED repeats a run), and the scaling scenario at its full size. New findings are written to tests/fuzz/regressions/

@@ -2,16 +2,47 @@
 
 The examples (doctests, ``--help`` examples, the docs' workspace) name ``lora/`` beside
 ``model.pt``; its keys and config are PEFT's, its values fixed by a seed. The merge itself is
-checked against PEFT in ``tests/ops/merge``.
+checked against PEFT in ``tests/ops/merge``, which imports PEFT with :class:`ImportedWhenUsed`.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
+
+#: For the test modules that check against PEFT: skipped without PEFT and transformers, and
+#: run on one pytest-xdist worker (``--dist loadgroup``), the one process that imports them.
+NEEDS_PEFT = [
+    pytest.mark.skipif(
+        any(importlib.util.find_spec(name) is None for name in ("peft", "transformers")),
+        reason="needs peft and transformers (pip install 'ckpt_tools[dev]')",
+    ),
+    pytest.mark.xdist_group("peft"),
+]
+
+
+class ImportedWhenUsed:
+    """A module imported on its first attribute access (``peft.LoraConfig``), not before.
+
+    PEFT and the transformers it imports take seconds to import: named this way, a test
+    module costs nothing to collect, and only a process that runs its tests imports them.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # not set yet (a copy), or private: not the module's
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
 
 #: module -> (in, out) of TinyNet's adapted linears.
 _TARGETS = {"layers.0": (8, 8), "head": (8, 3)}

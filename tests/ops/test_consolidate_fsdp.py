@@ -21,9 +21,12 @@ from ckpt_tools.formats.dcp.metadata import read_metadata
 from tests.helpers.dcp_save import reference, save_fsdp, tiny_model
 from tests.ops.test_consolidate import assert_same
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available(), reason="torch.distributed is not built in"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.distributed.is_available(), reason="torch.distributed is not built in"
+    ),
+    pytest.mark.slow,  # ranks spawned to train a step and save
+]
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,13 @@ import json
 import warnings
 from pathlib import Path
 
-import pytest
-
 import ckpt_tools as ct
 from tests.helpers import run_ckpt
-from tests.helpers.lora import write_tiny_adapter
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, write_tiny_adapter
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+pytestmark = NEEDS_PEFT
+peft = ImportedWhenUsed("peft")
+transformers = ImportedWhenUsed("transformers")
 
 
 def _saved(folder: Path, config: object) -> Path:

@@ -22,9 +22,11 @@ from safetensors.torch import load_file
 
 import ckpt_tools as ct
 from tests.helpers import run_ckpt
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+pytestmark = NEEDS_PEFT
+peft = ImportedWhenUsed("peft")
+transformers = ImportedWhenUsed("transformers")
 
 #: The merge follows the order of torch's AVX2 kernels (MKL's sgemm, the norm's 8 lanes); a
 #: torch using other vector widths may round differently, within the bound of ulp_bound.

@@ -13,10 +13,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.helpers import FIXTURES, run_ckpt, torch_free_env
-from tests.helpers.lora import write_tiny_adapter
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, write_tiny_adapter
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+pytestmark = NEEDS_PEFT
+peft = ImportedWhenUsed("peft")
+transformers = ImportedWhenUsed("transformers")
 
 
 @pytest.fixture
