@@ -1,10 +1,14 @@
 """Comparing two state dicts: keys, shapes, dtypes and values, tensor by tensor.
 
-Each side is a checkpoint path, an in-memory state dict or an ``nn.Module``. File sides
-are never loaded whole: each tensor is streamed from the file in pieces
+Each side is a checkpoint path or URL, an in-memory state dict or an ``nn.Module``. File
+sides are never loaded whole: each tensor is streamed from the file in pieces
 (:mod:`ckpt_tools.loading.tensor_io`), compared against the other side's piece, and dropped, so
 two large checkpoints diff in bounded memory. Key mismatches come with the rewrite that
 best explains them (:mod:`ckpt_tools.structure.suggest`) and the command that applies it.
+
+Keys, shapes and dtypes come from each file's structure; values are read only when they are
+compared, which is by default unless a side is a URL (``values=True`` fetches the compared
+tensors' bytes by ranges). A diff of two files without values runs without torch.
 
 Convention: A is what you have, B is what it should match (a model or a reference), as in
 ``load_into``: *missing* keys are in B and not in A, *unexpected* keys are in A and not in B.
@@ -13,148 +17,32 @@ Convention: A is what you have, B is what it should match (a model or a referenc
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
+from ckpt_tools.diffing.sides import DiffSide, Side, is_file, open_side
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
-from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.io.remote.urls import is_url
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.structure.keys import plan_renames
-from ckpt_tools.structure.selection import is_state_dict, select_state_dict
-from ckpt_tools.structure.suggest import (
-    Step,
-    best_fix,
-    fix_command,
-    fix_python,
-    rank_fixes,
-    wrapper_stack,
-)
+from ckpt_tools.structure.suggest import Step, best_fix, fix_command, fix_python, rank_fixes
 
-if TYPE_CHECKING:  # torch and the modules that import it load when a diff runs
-    import torch
-    from torch import nn
-
-    from ckpt_tools.loading.tensor_io import TensorReader
-
-__all__ = ["FAIL_CATEGORIES", "DiffReport", "SideInfo", "Suggestion", "TensorDiff", "diff"]
-
-DiffSide = Union[str, "os.PathLike[str]", Mapping[str, Any], "nn.Module"]
+__all__ = [
+    "FAIL_CATEGORIES",
+    "DiffReport",
+    "SideInfo",
+    "Suggestion",
+    "TensorDiff",
+    "compares_values",
+    "diff",
+]
 
 #: Bytes :func:`diff` reads per side at a time; a chunk's temporaries are a few times this.
 CHUNK_BYTES = 1 << 20
-
-
-# ---------------------------------------------------------------------------------------
-# Sides
-
-
-class _Side:
-    """Names -> tensor descriptors or tensors, and a way to stream each one's elements."""
-
-    def __init__(self, info: SideInfo, entries: dict[str, Any], reader: TensorReader | None):
-        self.info = info
-        self.entries = entries
-        self.reader = reader
-
-    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
-        from ckpt_tools.loading.tensor_io import dtype_name
-
-        value = self.entries[name]
-        if isinstance(value, TensorRef):
-            return value.dtype, value.shape
-        return dtype_name(value.dtype), tuple(value.shape)
-
-    def comparable(self, name: str) -> bool:
-        value = self.entries[name]
-        return isinstance(value, TensorRef) or not value.is_meta
-
-    def chunks(self, name: str, elements: int) -> Iterator[torch.Tensor]:
-        value = self.entries[name]
-        if isinstance(value, TensorRef):
-            assert self.reader is not None
-            yield from self.reader.chunks(value, elements * itemsize(value.dtype))
-            return
-        tensor = value.detach()
-        if tensor.is_quantized:
-            tensor = tensor.int_repr()
-        flat = tensor.reshape(-1)
-        for start in range(0, flat.numel(), elements):
-            yield flat[start : start + elements].to("cpu").contiguous()
-
-
-def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple[dict, tuple]:
-    entries = {str(k): v for k, v in sd.items() if isinstance(v, tensor_type)}
-    skipped = tuple(str(k) for k, v in sd.items() if not isinstance(v, tensor_type))
-    return entries, skipped
-
-
-@contextlib.contextmanager
-def _open_side(side: DiffSide, select: Select, name: str) -> Iterator[_Side]:
-    import torch
-    from torch import nn
-
-    from ckpt_tools.loading.tensor_io import TensorReader
-
-    if isinstance(side, nn.Module):
-        if select is not None:
-            raise UsageError(
-                "applies to checkpoints, not to a module",
-                argument=f"select_{name.lower()}",
-                value=repr(select),
-                flag="--select" if name == "A" else "--select-b",
-            )
-        entries, skipped = _split(side.state_dict(), torch.Tensor)
-        label = f"<module {type(side).__name__}>"
-        info = SideInfo(label, "module", tensors=len(entries), skipped=skipped)
-    elif isinstance(side, Mapping):
-        selection = (
-            select_state_dict(side, select=select)
-            if select is not None or not is_state_dict(side)
-            else None
-        )
-        sd = selection.state_dict if selection else side
-        entries, skipped = _split(sd, torch.Tensor)
-        info = SideInfo(
-            "<state dict>",
-            "state_dict",
-            selected=selection.path if selection else (),
-            selection_reason=selection.reason if selection else "given",
-            tensors=len(entries),
-            skipped=skipped,
-        )
-    elif isinstance(side, (str, os.PathLike)):
-        ckpt = open_checkpoint(side)
-        selection = select_state_dict(ckpt.root, select=select)
-        entries, skipped = _split(selection.state_dict, TensorRef)
-        info = SideInfo(
-            os.fspath(side),
-            "file",
-            path=ckpt.path,
-            format=ckpt.format,
-            selected=selection.path,
-            selection_reason=selection.reason,
-            tensors=len(entries),
-            skipped=skipped,
-        )
-        with TensorReader(ckpt) as reader:
-            yield _Side(_with_wrappers(info, entries), entries, reader)
-        return
-    else:
-        raise UsageError(
-            f"diff side {name} must be a checkpoint path, a state dict or an nn.Module, got "
-            f"{type(side).__name__}"
-        )
-    yield _Side(_with_wrappers(info, entries), entries, None)
-
-
-def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:
-    return replace(info, wrappers=tuple(m.prefix for m in wrapper_stack(list(entries))))
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,14 +50,14 @@ def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:
 
 
 def _compare(
-    name: str, a: _Side, b: _Side, rtol: float, atol: float, chunk_bytes: int
+    name: str, a: Side, b: Side, rtol: float, atol: float, chunk_bytes: int, values: bool
 ) -> TensorDiff:
+    (dtype_a, shape_a), (dtype_b, shape_b) = a.meta(name), b.meta(name)
+    base = TensorDiff(name, dtype_a, dtype_b, shape_a, shape_b, values_compared=values)
+    if not values or shape_a != shape_b or not (a.comparable(name) and b.comparable(name)):
+        return base
     from ckpt_tools.diffing.value_stats import ValueStats
 
-    (dtype_a, shape_a), (dtype_b, shape_b) = a.meta(name), b.meta(name)
-    base = TensorDiff(name, dtype_a, dtype_b, shape_a, shape_b)
-    if shape_a != shape_b or not (a.comparable(name) and b.comparable(name)):
-        return base
     elements = max(1, chunk_bytes // max(itemsize(dtype_a), itemsize(dtype_b)))
     stats = ValueStats(dtype_a, dtype_b, rtol, atol)
     for ca, cb in zip(a.chunks(name, elements), b.chunks(name, elements)):
@@ -205,7 +93,9 @@ def _apply_command(
     side: SideInfo, steps: Sequence[Step], select: Any, keys: Sequence[str], name: str
 ) -> str:
     """How to apply ``steps`` to one side: a ``ckpt`` command for a file, a Python call for a
-    state dict (called ``name``), nothing for a module."""
+    state dict (called ``name``), nothing for a module or a URL (rewrites read local files)."""
+    if side.kind == "file" and is_url(side.label):
+        return ""
     if side.kind == "file":
         return fix_command(side.label, steps, select, keys)
     if side.kind == "state_dict":
@@ -214,8 +104,8 @@ def _apply_command(
 
 
 def _suggestions(
-    a: _Side,
-    b: _Side,
+    a: Side,
+    b: Side,
     select_a: Any,
     select_b: Any,
     aligned: tuple[Step, ...] = (),
@@ -243,6 +133,8 @@ def _suggestions(
         note = ""
         if b.info.kind == "module" and not any(s.action == "sub" for s in steps):
             note = "ckpt_tools.load_into(model, ...) applies this rewrite by itself"
+        elif a.info.kind == "file" and is_url(a.info.label):
+            note = "A is a URL: the ckpt rewrites read local files, so download it to apply this"
         out.append(
             Suggestion(
                 description=fix.describe(),
@@ -266,8 +158,6 @@ def _suggestions(
 def _torch_threads(jobs: int) -> Iterator[None]:
     import torch
 
-    if jobs < 1:
-        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs))
     if jobs == torch.get_num_threads():
         yield
         return
@@ -277,6 +167,19 @@ def _torch_threads(jobs: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def compares_values(a: object, b: object, values: bool | None) -> bool:
+    """Whether :func:`diff` compares values: as ``values`` says, and by default (None) unless
+    a side is a URL (its keys, shapes and dtypes come from its structure alone).
+
+    Example:
+        >>> compares_values("a.pt", "hf://org/model", None), compares_values("a.pt", "b.pt", None)
+        (False, True)
+    """
+    if values is not None:
+        return values
+    return not (is_url(a) or is_url(b))
 
 
 def diff(
@@ -290,13 +193,15 @@ def diff(
     align: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
     jobs: int = 1,
+    values: bool | None = None,
 ) -> DiffReport:
     """Compare two state dicts key by key and tensor by tensor, in bounded memory.
 
     Args:
         a: what you have: a checkpoint path (any format :func:`ckpt_tools.open_checkpoint`
-            reads; never unpickled with code, never loaded whole), a state dict, or an
-            ``nn.Module`` (its ``state_dict()``).
+            reads; never unpickled with code, never loaded whole) or URL (``https://``,
+            ``hf://ORG/REPO[@REV][/PATH]``, ``s3://BUCKET/KEY``: its structure is fetched by
+            byte ranges), a state dict, or an ``nn.Module`` (its ``state_dict()``).
         b: what it should match, in the same forms.
         rtol, atol: tolerances, as in ``torch.isclose``.
         select_a, select_b: dotted paths to the state dict in each checkpoint (default:
@@ -309,16 +214,23 @@ def diff(
         jobs: torch intra-op threads while comparing, restored afterwards. The work is
             memory-bound: one thread is as fast on an idle machine and far faster on a busy
             one (spinning worker threads).
+        values: compare values too. None (the default) compares them unless a side is a
+            URL; True also reads a URL's compared tensors (only theirs, by ranges); False
+            compares keys, shapes and dtypes only, which for two file sides needs no torch.
+            The report's ``values_compared`` says which.
 
     Returns:
         A :class:`DiffReport`: missing and unexpected keys, one :class:`TensorDiff` per
-        common key, and :class:`Suggestion` s for rewrites explaining key mismatches.
+        common key, and :class:`Suggestion` s for rewrites explaining key mismatches; where
+        a URL was read, its ``transfer`` says what that cost.
 
     Raises:
         UsageError: a side is of an unsupported type, ``select`` is given for a module, or
             ``jobs`` < 1.
         SelectError: ``select`` names a missing entry.
         CheckpointError: a file is missing, truncated or malformed.
+        RemoteError: a URL could not be read (refused credentials, a timeout, a refused
+            connection, a server that ignores byte ranges).
 
     Example:
         >>> report = diff("ddp.pt", "model.pt")  # the same weights, saved from DataParallel
@@ -328,8 +240,12 @@ def diff(
         "stripping 'module.' resolves 17 of 17 unexpected keys: ckpt strip-module ddp.pt ..."
         >>> diff("ddp.pt", "model.pt", align=True).identical
         True
+        >>> diff("model.pt", "model.pt", values=False).tensor("conv.weight").status
+        'unchecked'
     """
-    require_torch("diff")
+    compare = compares_values(a, b, values)
+    if compare or not (is_file(a) and is_file(b)):
+        require_torch("diff")
     if rtol < 0 or atol < 0:
         raise UsageError(
             "tolerances must be >= 0",
@@ -337,42 +253,66 @@ def diff(
             value=repr(rtol if rtol < 0 else atol),
             flag="--rtol" if rtol < 0 else "--atol",
         )
-    with (
-        _torch_threads(jobs),
-        _open_side(a, select_a, "A") as side_a,
-        _open_side(b, select_b, "B") as side_b,
-    ):
-        stored = list(side_a.entries)
-        fix = best_fix(stored, list(side_b.entries)) if align else None
-        aligned = fix.steps if fix is not None else ()
-        if fix is not None:
-            plan = plan_renames(stored, fix.rules)
-            side_a.entries = {plan[k]: v for k, v in side_a.entries.items()}
-        # Suggested after the alignment: never the rewrite --align has just applied.
-        has_unexpected = any(k not in side_b.entries for k in side_a.entries)
-        suggestions = (
-            _suggestions(side_a, side_b, select_a, select_b, aligned, stored)
-            if has_unexpected
-            else ()
+    if jobs < 1:
+        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs))
+    with contextlib.ExitStack() as stack:
+        session = None
+        if is_url(a) or is_url(b):
+            from ckpt_tools.io.remote import RemoteSession
+
+            session = stack.enter_context(RemoteSession())
+        if compare:
+            stack.enter_context(_torch_threads(jobs))
+        side_a = open_side(a, select_a, "A", compare, session, stack)
+        side_b = open_side(b, select_b, "B", compare, session, stack)
+        report = _report(
+            side_a, side_b, rtol, atol, select_a, select_b, align, chunk_bytes, compare
         )
-        missing = tuple(k for k in side_b.entries if k not in side_a.entries)
-        unexpected = tuple(k for k in side_a.entries if k not in side_b.entries)
-        tensors = tuple(
-            _compare(name, side_a, side_b, rtol, atol, chunk_bytes)
-            for name in side_a.entries
-            if name in side_b.entries
-        )
-        return DiffReport(
-            a=side_a.info,
-            b=side_b.info,
-            rtol=rtol,
-            atol=atol,
-            missing=missing,
-            unexpected=unexpected,
-            tensors=tensors,
-            suggestions=suggestions,
-            aligned=tuple(step.describe() for step in aligned),
-            aligned_command=(
-                _apply_command(side_a.info, aligned, select_a, stored, "sd_a") if aligned else ""
-            ),
-        )
+        return replace(report, transfer=session.stats) if session is not None else report
+
+
+def _report(
+    side_a: Side,
+    side_b: Side,
+    rtol: float,
+    atol: float,
+    select_a: Select,
+    select_b: Select,
+    align: bool,
+    chunk_bytes: int,
+    values: bool,
+) -> DiffReport:
+    """Keys matched (after the alignment, if asked), tensors compared, suggestions made."""
+    stored = list(side_a.entries)
+    fix = best_fix(stored, list(side_b.entries)) if align else None
+    aligned = fix.steps if fix is not None else ()
+    if fix is not None:
+        plan = plan_renames(stored, fix.rules)
+        side_a.entries = {plan[k]: v for k, v in side_a.entries.items()}
+    # Suggested after the alignment: never the rewrite --align has just applied.
+    has_unexpected = any(k not in side_b.entries for k in side_a.entries)
+    suggestions = (
+        _suggestions(side_a, side_b, select_a, select_b, aligned, stored) if has_unexpected else ()
+    )
+    missing = tuple(k for k in side_b.entries if k not in side_a.entries)
+    unexpected = tuple(k for k in side_a.entries if k not in side_b.entries)
+    tensors = tuple(
+        _compare(name, side_a, side_b, rtol, atol, chunk_bytes, values)
+        for name in side_a.entries
+        if name in side_b.entries
+    )
+    return DiffReport(
+        a=side_a.info,
+        b=side_b.info,
+        rtol=rtol,
+        atol=atol,
+        missing=missing,
+        unexpected=unexpected,
+        tensors=tensors,
+        suggestions=suggestions,
+        aligned=tuple(step.describe() for step in aligned),
+        aligned_command=(
+            _apply_command(side_a.info, aligned, select_a, stored, "sd_a") if aligned else ""
+        ),
+        values_compared=values,
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -107,6 +107,8 @@ class TensorDiff:
         mismatched: elements that are not close.
         nan_a, nan_b, inf_a, inf_b: NaN and infinity counts on each side.
         numel: elements compared.
+        values_compared: whether values were read at all (``diff(values=...)``); where not,
+            the status of a pair with the same shape and dtype is ``unchecked``.
     """
 
     name: str
@@ -124,12 +126,16 @@ class TensorDiff:
     inf_a: int = 0
     inf_b: int = 0
     numel: int = 0
+    values_compared: bool = True
 
     @property
     def status(self) -> str:
-        """``shape``, ``equal`` (bit-equal), ``dtype``, ``close``, ``differ`` or ``unknown``."""
+        """``shape``, ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``, ``unknown``, or
+        ``unchecked`` (same shape and dtype, values not compared)."""
         if self.shape_a != self.shape_b:
             return "shape"
+        if not self.values_compared:
+            return "dtype" if self.dtype_a != self.dtype_b else "unchecked"
         if self.bit_equal:
             return "equal"
         if self.dtype_a != self.dtype_b:
@@ -229,6 +235,10 @@ class DiffReport(Readable):
             in words; missing, unexpected and tensors are after it.
         aligned_command: how to apply that rewrite to A for good (a ``ckpt`` command for a
             file, a Python call for a state dict); empty without an alignment or for a module.
+        values_compared: whether values were compared (``diff(values=...)``; by default not
+            when a side is a URL); where not, only keys, shapes and dtypes were.
+        transfer: where a side is a URL, what reading it cost
+            (:class:`~ckpt_tools.io.remote.TransferStats`); None otherwise.
     """
 
     a: SideInfo
@@ -241,6 +251,9 @@ class DiffReport(Readable):
     suggestions: tuple[Suggestion, ...] = ()
     aligned: tuple[str, ...] = ()
     aligned_command: str = ""
+    values_compared: bool = True
+    # Not part of to_json(): what a diff finds is the same wherever the files lie.
+    transfer: Any = field(default=None, compare=False)
 
     @property
     def shape_mismatches(self) -> tuple[TensorDiff, ...]:
@@ -332,17 +345,13 @@ class DiffReport(Readable):
             table: formats the table (the ``ckpt`` command passes its tabulate table).
             for_cli: point at ``--json`` rather than ``to_json()`` for keys left out.
         """
-        lines = [
-            self.a.line("A"),
-            self.b.line("B", model_spec),
-            f"tolerances: rtol={self.rtol:g} atol={self.atol:g}",
-        ]
+        lines = [self.a.line("A"), self.b.line("B", model_spec), self._values_line(for_cli)]
         if self.aligned:
             line = f"aligned: A's keys compared after {', then '.join(self.aligned)}"
             how = f"; to make it permanent: {self.aligned_command}"
             lines.append(line + (how if self.aligned_command else ""))
         lines.append("")
-        shown = [t for t in self.tensors if show_all or t.status != "equal"]
+        shown = [t for t in self.tensors if show_all or t.status not in ("equal", "unchecked")]
         if shown:
             lines += [table(diff_rows(shown, group), DIFF_COLUMNS), ""]
         statuses: dict[str, int] = {}
@@ -366,7 +375,23 @@ class DiffReport(Readable):
             lines += [f"  {s.text()}" for s in self.suggestions]
         if self.identical:
             lines.append("identical: same keys, every tensor bit-equal")
+        elif not self.values_compared and not self.found():
+            lines.append("same keys, shapes and dtypes (values not compared)")
         return "\n".join(lines)
+
+    def _values_line(self, for_cli: bool) -> str:
+        if self.values_compared:
+            return f"tolerances: rtol={self.rtol:g} atol={self.atol:g}"
+        from ckpt_tools.io.remote.urls import is_url
+
+        urls = [n for n, side in (("A", self.a), ("B", self.b)) if is_url(side.label)]
+        why = (
+            f"{' and '.join(urls)} {'is a URL' if len(urls) == 1 else 'are URLs'}: " if urls else ""
+        )
+        how = "--values" if for_cli else "diff(..., values=True)"
+        return f"values: not compared ({why}keys, shapes and dtypes only); {how} compares them" + (
+            ", fetching only the compared tensors' bytes" if urls else ""
+        )
 
     def __repr__(self) -> str:
         return (
@@ -389,4 +414,5 @@ class DiffReport(Readable):
             "suggestions": [s.to_json() for s in self.suggestions],
             "aligned": list(self.aligned),
             "aligned_command": self.aligned_command,
+            "values_compared": self.values_compared,
         }

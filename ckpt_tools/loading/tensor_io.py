@@ -5,6 +5,10 @@ reads just the bytes a tensor view covers with ``os.pread`` into a fresh buffer 
 the tensor over it. Nothing is memory-mapped (mapped pages count in RSS) and nothing else
 of the file is read, so comparing two large checkpoints tensor by tensor stays in bounded
 memory. :func:`iter_chunks` goes further and streams a tensor as flat pieces.
+
+A checkpoint read from a URL (its ``remote`` files) is read the same way, each range fetched
+in requests of at most :data:`~ckpt_tools.io.remote.rangefile.STREAM_CHUNK` bytes: only the
+tensors asked for travel.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from collections.abc import Iterator
 
 import torch
 
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import ByteSpan, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
+from ckpt_tools.formats.base import RangeSource
+from ckpt_tools.io.remote.rangefile import STREAM_CHUNK
 from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, pread_exact
 
 __all__ = [
@@ -108,6 +114,9 @@ class TensorReader(ClosesOnExit):
                 f"{span.path!r}: tensor bytes [{start}, {start + nbytes}) lie outside storage "
                 f"{ref.storage.key!r} of {span.nbytes} bytes"
             )
+        source = self.ckpt.remote.get(span.path)
+        if source is not None:
+            return _fetch(source, span, start, nbytes, ref.storage.key)
         try:
             return pread_exact(self._files.fd(span.path), nbytes, span.offset + start)
         except OSError as e:
@@ -139,6 +148,8 @@ class TensorReader(ClosesOnExit):
         """``ref``'s elements in row-major order as flat CPU tensors of about ``chunk_bytes``.
 
         A contiguous tensor is read piece by piece; any other is read whole, then sliced.
+        A remote one is fetched :data:`~ckpt_tools.io.remote.rangefile.STREAM_CHUNK` bytes at a
+        time (fewer, larger requests), then sliced.
         """
         dtype = torch_dtype(ref.dtype)
         size = itemsize(ref.dtype)
@@ -148,10 +159,29 @@ class TensorReader(ClosesOnExit):
             for start in range(0, flat.numel(), step):
                 yield flat[start : start + step]
             return
-        for start in range(0, ref.numel, step):
-            count = min(step, ref.numel - start)
+        per_read = max(step, STREAM_CHUNK // size) if self.ckpt.remote else step
+        for start in range(0, ref.numel, per_read):
+            count = min(per_read, ref.numel - start)
             buffer = self.read_bytes(ref, ref.byte_offset + start * size, count * size)
-            yield torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
+            flat = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
+            for at in range(0, count, step):
+                yield flat[at : at + step]
+
+
+def _fetch(source: RangeSource, span: ByteSpan, start: int, nbytes: int, key: str) -> bytearray:
+    """``nbytes`` bytes ``start`` bytes into a remote span, in bounded requests."""
+    buffer = bytearray()
+    while len(buffer) < nbytes:
+        at = span.offset + start + len(buffer)
+        piece = source.pread(min(STREAM_CHUNK, nbytes - len(buffer)), at)
+        if not piece:
+            raise CorruptCheckpointError(
+                f"{span.path!r} ends before storage {key!r} does (needed {nbytes} bytes at "
+                f"offset {span.offset + start}); the remote file is truncated or changed",
+                path=span.path,
+            )
+        buffer += piece
+    return buffer
 
 
 def read_tensor(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:

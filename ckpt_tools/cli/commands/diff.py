@@ -73,8 +73,20 @@ def parse_model_args(values: tuple[str, ...]) -> dict[str, Any]:
     is_flag=True,
     help="Match wrapper prefixes first (module., _orig_mod., model. ...), as load_into does.",
 )
+@click.option(
+    "--values/--no-values",
+    default=None,
+    help="Compare values too (the default unless A or B is a URL, whose compared tensors "
+    "--values fetches); --no-values: keys, shapes and dtypes only, with no torch needed.",
+)
 @click.option("--all", "show_all", is_flag=True, help="Also list bit-equal tensors.")
 @click.option("--no-group", is_flag=True, help="Do not fold repeated layers.")
+@click.option(
+    "--verbose",
+    "-v",
+    is_flag=True,
+    help="For URLs, also print on stderr the requests made and the bytes received.",
+)
 @json_option
 def diff_cmd(
     a: str,
@@ -87,25 +99,31 @@ def diff_cmd(
     atol: float,
     fail_on: str | None,
     align: bool,
+    values: bool | None,
     show_all: bool,
     no_group: bool,
+    verbose: bool,
     as_json: bool,
 ) -> int:
     """Compare two checkpoints (or a checkpoint and a model): keys, shapes, dtypes, values.
 
     Files are streamed tensor by tensor, never loaded whole and never unpickled with code.
     A is what you have, B what it should match: "missing" keys are in B only,
-    "unexpected" keys in A only.
+    "unexpected" keys in A only. A or B may be a URL (https://, hf://ORG/REPO[@REV][/FILE],
+    s3://BUCKET/KEY): its keys, shapes and dtypes are read from its structure by byte
+    ranges, and its values only with --values (which fetches the compared tensors only).
     """
     categories = parse_fail_on(fail_on)
     if (b is None) == (model_spec is None):
         raise UsageError("give B or --model MODULE:FACTORY (exactly one): `ckpt diff A B`")
     if model_args and model_spec is None:
         raise UsageError("--model-arg needs --model MODULE:FACTORY")
-    from ckpt_tools.loading.extras import require_torch
+    from ckpt_tools.diffing.engine import compares_values, diff
 
-    require_torch("ckpt diff")  # values are compared with torch
-    from ckpt_tools.diffing.engine import diff
+    if model_spec is not None or compares_values(a, b, values):
+        from ckpt_tools.loading.extras import require_torch
+
+        require_torch("ckpt diff")  # values (and models) are compared with torch
 
     if model_spec is not None:
         from ckpt_tools.loading.module_spec import module_from_spec
@@ -113,7 +131,18 @@ def diff_cmd(
         other: Any = module_from_spec(model_spec, parse_model_args(model_args))
     else:
         other = b
-    report = diff(a, other, rtol=rtol, atol=atol, select_a=select, select_b=select_b, align=align)
+    report = diff(
+        a,
+        other,
+        rtol=rtol,
+        atol=atol,
+        select_a=select,
+        select_b=select_b,
+        align=align,
+        values=values,
+    )
+    if verbose and report.transfer is not None:
+        click.echo(f"remote: {report.transfer}", err=True)
     failed = sorted(report.found() & categories)
     if as_json:
         echo_json({**report.to_json(), "fail_on": sorted(categories), "failed_on": failed})

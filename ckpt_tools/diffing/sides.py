@@ -1,0 +1,204 @@
+"""The two sides of a diff: names -> tensor descriptors (a file's or a URL's) or tensors (a
+state dict's, a module's), and how each tensor's elements are streamed.
+
+A file side is opened by its structure alone (:func:`~ckpt_tools.io.remote.checkpoint.open_path`:
+a local file, or a URL read by byte ranges); its tensors are read, through a
+:class:`~ckpt_tools.loading.tensor_io.TensorReader`, only when values are compared, so a diff of
+two files without values imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Union
+
+from ckpt_tools._types import Select
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.diffing.report import SideInfo
+from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import UsageError
+from ckpt_tools.io.remote.checkpoint import open_path
+from ckpt_tools.structure.selection import is_state_dict, select_state_dict
+from ckpt_tools.structure.suggest import wrapper_stack
+
+if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads values
+    import torch
+    from torch import nn
+
+    from ckpt_tools.io.remote import RemoteSession
+    from ckpt_tools.loading.tensor_io import TensorReader
+
+__all__ = ["DiffSide", "Side", "is_file", "open_side"]
+
+#: What :func:`~ckpt_tools.diffing.engine.diff` compares: a checkpoint path or URL, a state
+#: dict, or a module.
+DiffSide = Union[str, "os.PathLike[str]", Mapping[str, Any], "nn.Module"]
+
+
+class Side:
+    """Names -> tensor descriptors or tensors, and a way to stream each one's elements.
+
+    Attributes:
+        info: what the report says of this side.
+        entries: name -> :class:`~ckpt_tools.descriptors.TensorRef` (a file's) or tensor.
+        reader: reads a file's tensors; None where values are not compared, or for tensors.
+    """
+
+    def __init__(self, info: SideInfo, entries: dict[str, Any], reader: TensorReader | None):
+        self.info = info
+        self.entries = entries
+        self.reader = reader
+
+    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        value = self.entries[name]
+        if isinstance(value, TensorRef):
+            return value.dtype, value.shape
+        from ckpt_tools.loading.tensor_io import dtype_name  # a tensor: torch is loaded
+
+        return dtype_name(value.dtype), tuple(value.shape)
+
+    def comparable(self, name: str) -> bool:
+        value = self.entries[name]
+        return isinstance(value, TensorRef) or not value.is_meta
+
+    def chunks(self, name: str, elements: int) -> Iterator[torch.Tensor]:
+        value = self.entries[name]
+        if isinstance(value, TensorRef):
+            assert self.reader is not None
+            yield from self.reader.chunks(value, elements * itemsize(value.dtype))
+            return
+        tensor = value.detach()
+        if tensor.is_quantized:
+            tensor = tensor.int_repr()
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), elements):
+            yield flat[start : start + elements].to("cpu").contiguous()
+
+
+def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple[dict, tuple]:
+    entries = {str(k): v for k, v in sd.items() if isinstance(v, tensor_type)}
+    skipped = tuple(str(k) for k, v in sd.items() if not isinstance(v, tensor_type))
+    return entries, skipped
+
+
+def _file_side(
+    side: str | os.PathLike[str],
+    select: Select,
+    values: bool,
+    session: RemoteSession | None,
+    stack: contextlib.ExitStack,
+) -> Side:
+    """A checkpoint file's (or URL's) side; its tensors are read only to compare values."""
+    ckpt = open_path(side, session=session)
+    selection = select_state_dict(ckpt.root, select=select)
+    entries, skipped = _split(selection.state_dict, TensorRef)
+    info = SideInfo(
+        os.fspath(side),
+        "file",
+        path=ckpt.path,
+        format=ckpt.format,
+        selected=selection.path,
+        selection_reason=selection.reason,
+        tensors=len(entries),
+        skipped=skipped,
+    )
+    reader = None
+    if values:
+        from ckpt_tools.loading.tensor_io import TensorReader
+
+        reader = stack.enter_context(TensorReader(ckpt))
+    return Side(_with_wrappers(info, entries), entries, reader)
+
+
+def is_file(side: object) -> bool:
+    """Whether ``side`` names a checkpoint file, folder or URL (not a state dict or module).
+
+    Example:
+        >>> is_file("hf://org/model"), is_file({"w": 1})
+        (True, False)
+    """
+    return isinstance(side, (str, os.PathLike))
+
+
+@contextlib.contextmanager
+def _in_memory(side: DiffSide, select: Select, name: str) -> Iterator[Side]:
+    import torch
+    from torch import nn
+
+    if isinstance(side, nn.Module):
+        if select is not None:
+            raise UsageError(
+                "applies to checkpoints, not to a module",
+                argument=f"select_{name.lower()}",
+                value=repr(select),
+                flag="--select" if name == "A" else "--select-b",
+            )
+        entries, skipped = _split(side.state_dict(), torch.Tensor)
+        label = f"<module {type(side).__name__}>"
+        info = SideInfo(label, "module", tensors=len(entries), skipped=skipped)
+    elif isinstance(side, Mapping):
+        selection = (
+            select_state_dict(side, select=select)
+            if select is not None or not is_state_dict(side)
+            else None
+        )
+        sd = selection.state_dict if selection else side
+        entries, skipped = _split(sd, torch.Tensor)
+        info = SideInfo(
+            "<state dict>",
+            "state_dict",
+            selected=selection.path if selection else (),
+            selection_reason=selection.reason if selection else "given",
+            tensors=len(entries),
+            skipped=skipped,
+        )
+    else:
+        raise UsageError(
+            f"diff side {name} must be a checkpoint path, a state dict or an nn.Module, got "
+            f"{type(side).__name__}"
+        )
+    yield Side(_with_wrappers(info, entries), entries, None)
+
+
+def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:
+    return replace(info, wrappers=tuple(m.prefix for m in wrapper_stack(list(entries))))
+
+
+def open_side(
+    side: DiffSide,
+    select: Select,
+    name: str,
+    values: bool,
+    session: RemoteSession | None,
+    stack: contextlib.ExitStack,
+) -> Side:
+    """One side of a diff, open until ``stack`` closes.
+
+    Args:
+        side: a checkpoint path or URL, a state dict, or a module.
+        select: the dotted path to the state dict in a checkpoint (None: chosen as
+            ``ckpt inspect`` chooses).
+        name: ``A`` or ``B``, for messages.
+        values: whether values will be compared (a file's tensors are then readable).
+        session: where a URL's reads go; None where neither side is a URL.
+        stack: closes what the side holds open (file descriptors).
+
+    Returns:
+        The :class:`Side`.
+
+    Raises:
+        UsageError: an unsupported type, or ``select`` for a module.
+        CheckpointError: a file cannot be opened.
+
+    Example:
+        >>> with contextlib.ExitStack() as stack:
+        ...     side = open_side("model.pt", None, "A", False, None, stack)
+        >>> side.info.format, side.reader is None
+        ('torch-zip', True)
+    """
+    if is_file(side):
+        return _file_side(side, select, values, session, stack)  # type: ignore[arg-type]
+    return stack.enter_context(_in_memory(side, select, name))
