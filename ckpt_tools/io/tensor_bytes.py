@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import zlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
@@ -294,22 +295,42 @@ def decompressed(ckpt: Checkpoint, name: str) -> Iterator[Iterator[bytes]]:
         ...     len(b"".join(chunks))  # conv.weight: 8*3*3*3 float32
         864
     """
+
+    # A remote archive is read through its range cache, as a file; detached after, so that
+    # the buffer does not close the remote file when it is collected.
+    remote = ckpt.remote.get(ckpt.path)
+    source = io.BufferedReader(remote) if remote is not None else None  # type: ignore[arg-type]
+    try:
+        with (
+            _zip_archive(ckpt.path, source) as archive,
+            archive.open(f"{ckpt.archive_root}/{name}") as member,
+        ):
+            yield _member_chunks(member, name)
+    finally:
+        if source is not None:
+            source.detach()
+
+
+@contextlib.contextmanager
+def _zip_archive(path: str, source: io.BufferedReader | None) -> Iterator[Any]:
     import zipfile
 
     try:
-        archive = zipfile.ZipFile(ckpt.path)
+        archive = zipfile.ZipFile(source if source is not None else path)
     except zipfile.BadZipFile as e:
-        raise OSError(errno.EIO, f"{ckpt.path!r}: {e}") from e
-    with archive, archive.open(f"{ckpt.archive_root}/{name}") as member:
+        raise OSError(errno.EIO, f"{path!r}: {e}") from e
+    with archive:
+        yield archive
 
-        def chunks() -> Iterator[bytes]:
-            while True:
-                try:
-                    piece = member.read(DEFAULT_CHUNK_BYTES)
-                except (zipfile.BadZipFile, zlib.error, EOFError) as e:
-                    raise OSError(errno.EIO, f"record {name!r} does not decompress: {e}") from e
-                if not piece:
-                    return
-                yield piece
 
-        yield chunks()
+def _member_chunks(member: Any, name: str) -> Iterator[bytes]:
+    import zipfile
+
+    while True:
+        try:
+            piece = member.read(DEFAULT_CHUNK_BYTES)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+            raise OSError(errno.EIO, f"record {name!r} does not decompress: {e}") from e
+        if not piece:
+            return
+        yield piece

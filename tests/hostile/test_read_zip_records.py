@@ -346,3 +346,30 @@ def test_a_local_header_may_end_where_the_directory_starts_not_a_byte_later(save
         open_checkpoint(later)
     result = _inspect(later)
     assert result.returncode == 4 and "Traceback" not in result.stderr
+
+
+def test_compressed_bytes_beyond_what_deflate_needs_are_refused_unread(tmp_path: Path) -> None:
+    """A record that declares far more compressed bytes than its size could need (a stream
+    padded with a megabyte): refused from its sizes, before those bytes are read."""
+    import zlib
+
+    from ckpt_tools.formats.zip.directory import ZipEntry
+    from ckpt_tools.formats.zip.records import deflate_bound, read_entry
+
+    payload = b"\x80\x02}q\x00."
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    stream = packer.compress(payload) + packer.flush()
+    target = tmp_path / "padded.bin"
+    target.write_bytes(stream + bytes(1 << 20))
+    padded = ZipEntry(
+        "archive/data.pkl", 0, len(stream) + (1 << 20), len(payload), zlib.crc32(payload), True
+    )
+    exact = padded._replace(compress_size=len(stream))
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        assert read_entry(str(target), fd, exact, 1 << 20) == payload
+        assert len(stream) <= deflate_bound(len(payload)) < padded.compress_size
+        with pytest.raises(CorruptCheckpointError, match="more than deflate ever needs"):
+            read_entry(str(target), fd, padded, 1 << 20)
+    finally:
+        os.close(fd)

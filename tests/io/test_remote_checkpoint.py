@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,18 @@ def test_a_broken_local_header_is_found_when_the_record_is_read(hub, tmp_path):
     with pytest.raises(RuntimeError):
         torch.load(src, weights_only=True)
     run_ckpt("inspect", str(src), code=4)  # locally every local header is read at once
+
+
+def test_a_rezipped_archive_is_extracted_from_a_url(hub, tmp_path):
+    """Compressed records (an archive re-zipped by a zip tool; torch reads it) are fetched
+    and inflated in bounded pieces."""
+    src, rezipped = tmp_path / "model.pt", tmp_path / "deflated.pt"
+    torch.save({"a": torch.arange(1000.0), "b": torch.ones(10)}, src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(rezipped, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+    url = hub.put("org/zipped", "model.pt", rezipped)
+    assert _inspect_json(url) == _inspect_json(rezipped)
+    out = tmp_path / "a.pt"
+    run_ckpt("extract", url, str(out), "--prefix", "a", code=0)
+    assert torch.equal(torch.load(out, weights_only=True)["a"], torch.arange(1000.0))

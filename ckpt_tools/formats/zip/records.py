@@ -11,8 +11,9 @@ import zlib
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.zip.directory import ZipEntry, ZipSource, corrupt_zip, located, pread
+from ckpt_tools.structure.text import human_bytes
 
-__all__ = ["check_inflates", "read_entry", "read_head"]
+__all__ = ["check_inflates", "deflate_bound", "read_entry", "read_head"]
 
 
 def check_inflates(path: str, fd: ZipSource, entry: ZipEntry, chunk: int = 1 << 20) -> None:
@@ -64,13 +65,23 @@ def read_entry(path: str, fd: ZipSource, entry: ZipEntry, limit: int) -> bytes:
         The record's bytes.
 
     Raises:
-        CorruptCheckpointError: the bytes do not match the declared size or CRC-32.
+        CorruptCheckpointError: the bytes do not match the declared size or CRC-32, or a
+            compressed record declares more bytes than deflate needs for its size.
         ResourceLimitError: the record declares more than ``limit`` bytes.
     """
     if entry.file_size > limit:
         raise ResourceLimitError(
             f"{path!r}: record {entry.name!r} declares {entry.file_size} bytes, over the "
-            f"{limit >> 20} MiB limit",
+            f"{human_bytes(limit)} limit",
+            path=path,
+        )
+    if entry.compressed and entry.compress_size > deflate_bound(entry.file_size):
+        # Bytes no deflate stream of that size needs: refused unread (a remote read would
+        # fetch them all, a local one hold them in memory).
+        raise CorruptCheckpointError(
+            f"{path!r}: record {entry.name!r} fails its size or CRC-32 check: it declares "
+            f"{entry.compress_size} compressed bytes for {entry.file_size} bytes, more than "
+            f"deflate ever needs ({deflate_bound(entry.file_size)}); the file is damaged",
             path=path,
         )
     entry = located(path, fd, entry)
@@ -89,6 +100,18 @@ def read_entry(path: str, fd: ZipSource, entry: ZipEntry, limit: int) -> bytes:
             path=path,
         )
     return data
+
+
+def deflate_bound(size: int) -> int:
+    """The most bytes a deflate stream of ``size`` bytes takes (zlib's ``compressBound``).
+
+    Example:
+        >>> import zlib
+        >>> data = bytes(range(256)) * 4096
+        >>> len(zlib.compress(data, 0)) <= deflate_bound(len(data))
+        True
+    """
+    return size + (size >> 12) + (size >> 14) + (size >> 25) + 13
 
 
 def read_head(fd: ZipSource, entry: ZipEntry, count: int) -> bytes:
