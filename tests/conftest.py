@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,17 +28,10 @@ from tests.helpers.servers import (  # noqa: F401
 )
 from tests.helpers.zero_runs import ZeroRuns, make_zero_runs
 
-# `make test` runs the suite on two workers (pytest-xdist, ``--dist loadgroup``). Tests of one
-# xdist_group run on one worker, one at a time:
-# - "multi-process": the runs that start process groups of ranks (marked slow, or using the
-#   session's ZeRO or MLP parity runs, so those are made once). Each keeps both cores busy on
-#   its own, and the ranks of two runs at once could meet on one localhost port.
-# - "loop-mounts": two loop mounts at once can race for a loop device, and a failed mount skips.
-# - a test module with a module-scoped fixture of its own, whole, so the fixture is made once
-#   (a test may ask for it by name); in the group of one of its tests where one has a group.
-MULTI_PROCESS = "multi-process"
-MULTI_PROCESS_FIXTURES = ("zero_runs", "parity_mlp")
-LOOP_MOUNT_FIXTURES = ("xfs", "tiny_ext4")
+# `make test` runs the suite on two pytest-xdist workers (-n 2 --dist loadgroup); which tests
+# share one, and why: tests/helpers/worker_groups.py. The workers write each test's group to a
+# file that the controller's scheduler reads (imported here only where xdist runs).
+GROUPS_FILE = pytest.StashKey[Path]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,39 +39,35 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give each test its ``xdist_group`` (see above), unless it has one already."""
-    own = {item.nodeid: _own_group(item) for item in items}
-    modules = {_module_of(item): _module_of(item) for item in items if _own_module_fixture(item)}
-    for item in sorted(items, key=lambda i: own[i.nodeid] != MULTI_PROCESS):
-        module = _module_of(item)
-        if own[item.nodeid] is not None and modules.get(module) == module:
-            modules[module] = own[item.nodeid]
-    for item in items:
-        group = modules.get(_module_of(item), own[item.nodeid])
-        if group is not None and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if GROUPS_FILE in config.stash:
+        shutil.rmtree(config.stash[GROUPS_FILE].parent, ignore_errors=True)
 
 
-def _own_group(item: pytest.Item) -> str | None:
-    names = getattr(item, "fixturenames", ())
-    if item.get_closest_marker("slow") or any(n in names for n in MULTI_PROCESS_FIXTURES):
-        return MULTI_PROCESS
-    return "loop-mounts" if any(n in names for n in LOOP_MOUNT_FIXTURES) else None
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """The controller tells each worker where to write the groups."""
+    if GROUPS_FILE not in node.config.stash:
+        node.config.stash[GROUPS_FILE] = Path(tempfile.mkdtemp(prefix="ckpt-groups-")) / "g"
+    node.workerinput["ckpt_groups_file"] = str(node.config.stash[GROUPS_FILE])
 
 
-def _module_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+@pytest.hookimpl(trylast=True)  # the final list, after deselection
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    path = getattr(config, "workerinput", {}).get("ckpt_groups_file")
+    if path is not None:
+        from tests.helpers.worker_groups import write_groups
+
+        write_groups(items, Path(path), config.workerinput["workerid"])
 
 
-def _own_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module-scoped fixture defined in its own test module."""
-    info = getattr(item, "_fixtureinfo", None)
-    definitions = info.name2fixturedefs.values() if info is not None else ()
-    return any(
-        d.scope == "module" and d.baseid == _module_of(item) for defs in definitions for d in defs
-    )
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup" or GROUPS_FILE not in config.stash:
+        return None
+    from tests.helpers.worker_groups import GroupScheduling
+
+    return GroupScheduling(config, log, config.stash[GROUPS_FILE])
 
 
 @pytest.fixture

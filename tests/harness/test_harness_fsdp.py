@@ -64,6 +64,7 @@ def test_fsdp_parity_row_and_dcp_roundtrip_row(parity_mlp: ParityReport) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("parity_mlp")  # its fsdp run's files in parity_dir
 def test_dcp_roundtrip_fails_on_a_mutated_reference_or_a_lossy_converter(
     parity_dir: Path, tmp_path: Path
 ) -> None:

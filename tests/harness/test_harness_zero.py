@@ -73,6 +73,7 @@ def test_zero3_parity_row_consolidates_to_single_and_to_zero_to_fp32(
 
 @NEEDS_DEEPSPEED
 @pytest.mark.slow
+@pytest.mark.usefixtures("parity_mlp")  # its zero run's files in parity_dir
 def test_zero_roundtrip_fails_when_the_reference_differs(parity_dir: Path, tmp_path: Path) -> None:
     reference = tensors(parity_dir / "zero" / "zero_to_fp32.pt")
     first = next(iter(reference))

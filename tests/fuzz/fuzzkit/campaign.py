@@ -154,11 +154,12 @@ class Session:
 
     def ask_oracle(self, path: Path) -> dict[str, Any]:
         # The same bytes get the same answer: the library's and the command's checks of one
-        # input ask once (an input torch hangs on costs its timeout once, not twice).
-        digest = sha(path)
-        answer = self._oracle_answers.get(digest)
+        # input ask once (an input torch hangs on costs its timeout once, not twice). Under
+        # the same suffix only: torch.load reads a path ending in .safetensors with safetensors.
+        key = f"{sha(path)}{path.suffix}"
+        answer = self._oracle_answers.get(key)
         if answer is None:
-            answer = self._oracle_answers[digest] = self.oracle.call(
+            answer = self._oracle_answers[key] = self.oracle.call(
                 {"path": str(path)}, timeout=ORACLE_TIMEOUT
             )
             if len(self._oracle_answers) > 64:
