@@ -21,6 +21,10 @@ most 1.5x ``python -c pass``; ``ckpt inspect`` of the .safetensors at or below c
 ``info --json``; ``ckpt inspect`` of the .pt in 0.1 s or less. ``--installed`` times a
 regular (non-editable) install of this checkout instead (see ``common.installed_copy``),
 whose interpreter starts without the editable finder.
+
+The inspect targets are judged with ``--installed``: users run a regular install, and ckptkit
+is timed as one, while the development venv's editable finder runs at every start of its
+interpreter. Without the flag the figures describe the development venv.
 """
 
 from __future__ import annotations
@@ -192,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             python, script = stack.enter_context(installed_copy(folder))
             use_ckpt(python, script)
             print(f"timing a regular install: {script}")
+        else:
+            print("timing the development venv (an editable install: its finder runs at start)")
         print(f"generating checkpoints in {folder} ...", flush=True)
         pair = make_checkpoints(folder, args.size_mb, args.tensors, stem="startup")
         print(f"  {pair.label}: .pt {pair.pt.stat().st_size / 2**20:.0f} MiB")
