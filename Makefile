@@ -40,9 +40,9 @@ demo: $(STAMP)
 	$(VENV)/bin/ckpt diff $(DEMO_DIR)/ddp/stripped.pt $(DEMO_DIR)/single/bare.pt --fail-on missing,unexpected,shape,dtype,value
 
 # Includes the fuzzer's short, derandomized budget (tests/fuzz; CKPT_FUZZ_LONG=0 keeps it so).
-# Two workers (pytest-xdist); tests that share a costly fixture run on one of them (the
-# xdist_group marks of tests/conftest.py). `make test PYTEST_ARGS=-n0` runs it in one process,
-# and PYTEST_ARGS="-n 2 tests/io" the tests of one folder.
+# Two workers (pytest-xdist); tests that share a costly fixture, or must not run at once, run
+# on one of them (tests/helpers/worker_groups.py). `make test PYTEST_ARGS=-n0` runs the suite in
+# one process, and PYTEST_ARGS="-n 2 tests/io" the tests of one folder.
 PYTEST_ARGS ?= -n 2
 test: $(STAMP)
 	CKPT_FUZZ_LONG=0 $(PY) -m pytest -q --dist loadgroup $(PYTEST_ARGS)
