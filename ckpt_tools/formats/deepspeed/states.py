@@ -47,6 +47,8 @@ _STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
 #: Allowed in an optimizer states file in that one form (:func:`_stage_by_name`), as the
 #: stage enum's by-value form is.
 ENUM_GETATTR = "builtins.getattr"
+# torch.save pickles with protocol 2, which names builtins by their Python 2 module.
+_GETATTR_NAMES = frozenset({ENUM_GETATTR, "__builtin__.getattr"})
 _STAGE_MEMBERS = {"disabled": 0, "optimizer_states": 1, "gradients": 2, "weights": 3}
 # The model states entries this reader uses: no global may hide in them.
 _MODEL_KEYS = (
@@ -152,7 +154,7 @@ def _globals_in(node: Any) -> list[str]:
 
 def _stage_by_name(item: Any) -> int | None:
     """The stage of ``getattr(ZeroStageEnum, "<member>")``, None for any other node."""
-    if not isinstance(item, Opaque) or type(item).global_ref.qualname != ENUM_GETATTR:
+    if not isinstance(item, Opaque) or type(item).global_ref.qualname not in _GETATTR_NAMES:
         return None
     if item.newobj or item.has_state or item.listitems or item.dictitems or len(item.args) != 2:
         return None
@@ -165,7 +167,7 @@ def _stage_by_name(item: Any) -> int | None:
 def _getattr_refused(root: Any) -> bool:
     """Whether ``builtins.getattr`` appears other than as a stage enum member by name."""
     return any(
-        _global_of(item) == ENUM_GETATTR and _stage_by_name(item) is None for item in _walk(root)
+        _global_of(item) in _GETATTR_NAMES and _stage_by_name(item) is None for item in _walk(root)
     )
 
 
@@ -316,8 +318,8 @@ def read_optim_states(path: str) -> OptimStates:
     """
     ckpt, root = _open(path, "optimizer states")
     foreign = [g for g in ckpt.unsafe_globals if g not in DEEPSPEED_GLOBALS]
-    if ENUM_GETATTR in foreign and not _getattr_refused(root):
-        foreign.remove(ENUM_GETATTR)
+    if _GETATTR_NAMES & set(foreign) and not _getattr_refused(root):
+        foreign = [g for g in foreign if g not in _GETATTR_NAMES]
     if foreign:
         raise _refuse(path, foreign, "its pickle")
     state = root.get("optimizer_state_dict")

@@ -26,28 +26,34 @@ from tests.helpers.zero_runs import ZeroRuns
 ENUM = b"cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
 
 
-def stage_by_name(payload: bytes, member: bytes) -> bytes:
+def stage_by_name(payload: bytes, member: bytes, module: bytes = b"builtins") -> bytes:
     """``ZeroStageEnum(n)`` (GLOBAL, BINPUT, BININT1 n, TUPLE1, ... REDUCE) turned into
-    ``getattr(ZeroStageEnum, member)`` as Python 3.11.0-3.11.4 write it."""
+    ``getattr(ZeroStageEnum, member)`` as Python 3.11.0-3.11.4 write it (``module`` is
+    ``__builtin__`` in protocol 2, torch.save's, and ``builtins`` from protocol 3)."""
     found = re.search(re.escape(ENUM) + rb"(q.)K.\x85", payload, re.DOTALL)
     assert found is not None
-    call = b"cbuiltins\ngetattr\n" + ENUM + found.group(1)
+    call = b"c" + module + b"\ngetattr\n" + ENUM + found.group(1)
     call += b"X" + len(member).to_bytes(4, "little") + member + b"\x86"
     return payload[: found.start()] + call + payload[found.end() :]
 
 
-def by_name_copy(zero_runs: ZeroRuns, dst: Path, member: bytes) -> Path:
+def by_name_copy(
+    zero_runs: ZeroRuns, dst: Path, member: bytes, module: bytes = b"builtins"
+) -> Path:
     folder = zero_runs.copy(3, "z2", dst)
     for path in (folder / "global_step2").glob("*_optim_states.pt"):
-        payload = stage_by_name(read_data_pkl(path), member)
+        payload = stage_by_name(read_data_pkl(path), member, module)
         assert any(op.name == "REDUCE" for op, _, _ in pickletools.genops(payload))
         tools().rewrite_zip(path, path.with_suffix(".new"), replace={"data.pkl": payload})
         path.with_suffix(".new").replace(path)
     return folder
 
 
-def test_a_stage_pickled_by_name_reads_as_by_value(zero_runs: ZeroRuns, tmp_path: Path) -> None:
-    folder = by_name_copy(zero_runs, tmp_path / "run", b"gradients")
+@pytest.mark.parametrize("module", [b"builtins", b"__builtin__"])
+def test_a_stage_pickled_by_name_reads_as_by_value(
+    zero_runs: ZeroRuns, tmp_path: Path, module: bytes
+) -> None:
+    folder = by_name_copy(zero_runs, tmp_path / "run", b"gradients", module)
     assert b"getattr" in read_data_pkl(
         folder / "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"
     )
@@ -59,10 +65,13 @@ def test_a_stage_pickled_by_name_reads_as_by_value(zero_runs: ZeroRuns, tmp_path
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("module", [b"builtins", b"__builtin__"])
 @pytest.mark.parametrize("member", [b"__class__", b"mro", b"weightss"])
-def test_any_other_getattr_is_refused(zero_runs: ZeroRuns, tmp_path: Path, member: bytes) -> None:
-    folder = by_name_copy(zero_runs, tmp_path / "run", member)
-    with pytest.raises(UnsafeContentError, match=r"builtins\.getattr"):
+def test_any_other_getattr_is_refused(
+    zero_runs: ZeroRuns, tmp_path: Path, member: bytes, module: bytes
+) -> None:
+    folder = by_name_copy(zero_runs, tmp_path / "run", member, module)
+    with pytest.raises(UnsafeContentError, match=module.decode() + r"\.getattr"):
         open_deepspeed(folder)
     with pytest.raises(UnsafeContentError):
         consolidate(folder, tmp_path / "m.pt")
