@@ -197,11 +197,12 @@ def remote_span_record(ckpt: Checkpoint, span: ByteSpan) -> Record | None:
     source = ckpt.remote.get(span.path)
     if source is None:
         return None
+    from ckpt_tools.io.remote.rangefile import STREAM_CHUNK
 
     def produce() -> Iterable[bytes]:
         done = 0
         while done < span.nbytes:
-            piece = source.pread(min(_FETCH_CHUNK, span.nbytes - done), span.offset + done)
+            piece = source.pread(min(STREAM_CHUNK, span.nbytes - done), span.offset + done)
             if not piece:
                 raise CorruptCheckpointError(
                     f"{span.path!r} ended after {done} of the {span.nbytes} bytes at offset "
@@ -212,10 +213,6 @@ def remote_span_record(ckpt: Checkpoint, span: ByteSpan) -> Record | None:
             done += len(piece)
 
     return Record(span.nbytes, produce=produce, action="fetch")
-
-
-# A remote record's bytes are fetched in requests of this size, one in memory at a time.
-_FETCH_CHUNK = 8 << 20
 
 
 def _span_chunks(fd: int, span: ByteSpan, chunk: int = 8 << 20) -> Iterable[bytes]:
