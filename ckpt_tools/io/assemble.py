@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckpt_tools.descriptors import ByteSpan, TensorRef
+from ckpt_tools.io.ranges import fd_pread, pread_chunks
 from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 
 __all__ = [
@@ -169,12 +170,9 @@ def write_pieces(
 
 
 def _crc_of(fd: int, offset: int, count: int) -> int:
-    crc, done = 0, 0
-    while done < count:
-        data = os.pread(fd, min(8 << 20, count - done), offset + done)
-        if not data:
-            raise OSError(5, f"source ended after {done} of {count} bytes")
-        crc, done = zlib.crc32(data, crc), done + len(data)
+    crc = 0
+    for data in pread_chunks(fd_pread(fd), offset, count):
+        crc = zlib.crc32(data, crc)
     return crc
 
 

@@ -24,6 +24,7 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.base import RangeSource
+from ckpt_tools.io.ranges import SourceEndedError, pread_chunks
 from ckpt_tools.io.remote.rangefile import STREAM_CHUNK
 from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, pread_exact
 
@@ -171,16 +172,15 @@ class TensorReader(ClosesOnExit):
 def _fetch(source: RangeSource, span: ByteSpan, start: int, nbytes: int, key: str) -> bytearray:
     """``nbytes`` bytes ``start`` bytes into a remote span, in bounded requests."""
     buffer = bytearray()
-    while len(buffer) < nbytes:
-        at = span.offset + start + len(buffer)
-        piece = source.pread(min(STREAM_CHUNK, nbytes - len(buffer)), at)
-        if not piece:
-            raise CorruptCheckpointError(
-                f"{span.path!r} ends before storage {key!r} does (needed {nbytes} bytes at "
-                f"offset {span.offset + start}); the remote file is truncated or changed",
-                path=span.path,
-            )
-        buffer += piece
+    try:
+        for piece in pread_chunks(source.pread, span.offset + start, nbytes, chunk=STREAM_CHUNK):
+            buffer += piece
+    except SourceEndedError as e:
+        raise CorruptCheckpointError(
+            f"{span.path!r} ends before storage {key!r} does (needed {nbytes} bytes at "
+            f"offset {span.offset + start}); the remote file is truncated or changed",
+            path=span.path,
+        ) from e
     return buffer
 
 

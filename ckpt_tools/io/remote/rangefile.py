@@ -12,7 +12,6 @@ kept up to :data:`CACHE_BYTES`, except reads over :data:`KEEP_LIMIT` (a tensor's
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -125,17 +124,6 @@ class RemoteFile(io.RawIOBase):
         if len(data) <= KEEP_LIMIT:
             self._keep(start, data)
         return data[offset - start : end - start]
-
-    def iter_range(self, offset: int, count: int) -> Iterator[bytes]:
-        """``count`` bytes at ``offset`` in chunks of at most :data:`STREAM_CHUNK`, one
-        request each (a record's bytes, streamed into an output)."""
-        done = 0
-        while done < count:
-            piece = self.pread(min(STREAM_CHUNK, count - done), offset + done)
-            if not piece:
-                return
-            done += len(piece)
-            yield piece
 
     def _fetch(self, start: int, end: int) -> bytes:
         data, _ = self.transport.get(start, end)

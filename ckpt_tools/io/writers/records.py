@@ -19,6 +19,7 @@ from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.io.ranges import SourceEndedError, fd_pread, pread_chunks
 from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 
 if TYPE_CHECKING:
@@ -200,29 +201,16 @@ def remote_span_record(ckpt: Checkpoint, span: ByteSpan) -> Record | None:
     from ckpt_tools.io.remote.rangefile import STREAM_CHUNK
 
     def produce() -> Iterable[bytes]:
-        done = 0
-        while done < span.nbytes:
-            piece = source.pread(min(STREAM_CHUNK, span.nbytes - done), span.offset + done)
-            if not piece:
-                raise CorruptCheckpointError(
-                    f"{span.path!r} ended after {done} of the {span.nbytes} bytes at offset "
-                    f"{span.offset} (the remote file changed or is truncated)",
-                    path=span.path,
-                )
-            yield piece
-            done += len(piece)
+        try:
+            yield from pread_chunks(source.pread, span.offset, span.nbytes, chunk=STREAM_CHUNK)
+        except SourceEndedError as e:
+            raise CorruptCheckpointError(
+                f"{span.path!r} ended after {e.done} of the {span.nbytes} bytes at offset "
+                f"{span.offset} (the remote file changed or is truncated)",
+                path=span.path,
+            ) from e
 
     return Record(span.nbytes, produce=produce, action="fetch")
-
-
-def _span_chunks(fd: int, span: ByteSpan, chunk: int = 8 << 20) -> Iterable[bytes]:
-    done = 0
-    while done < span.nbytes:
-        data = os.pread(fd, min(chunk, span.nbytes - done), span.offset + done)
-        if not data:
-            raise OSError(5, f"source ended after {done} of {span.nbytes} bytes")
-        yield data
-        done += len(data)
 
 
 def record_bytes(record: Record) -> Iterable[bytes]:
@@ -246,7 +234,7 @@ def _spans_bytes(spans: Sequence[ByteSpan]) -> Iterable[bytes]:
     for span in spans:
         fd = os.open(span.path, os.O_RDONLY)
         try:
-            yield from _span_chunks(fd, span)
+            yield from pread_chunks(fd_pread(fd), span.offset, span.nbytes)
         finally:
             os.close(fd)
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO
 
 from ckpt_tools.io.copy.clone import CopyCounts, Writeback, copy_range, pwrite_all
+from ckpt_tools.io.ranges import fd_pread, pread_chunks
 
 __all__ = [
     "ALIGNMENT",
@@ -295,16 +296,8 @@ class TorchZipWriter:
         size: int,
         counter: Callable[[int], None] | None,
     ) -> None:
-        def chunks() -> Iterator[bytes]:
-            done = 0
-            while done < size:
-                data = os.pread(src_fd, min(_CHUNK, size - done), src_offset + done)
-                if not data:
-                    raise OSError(5, f"source ended after {done} of {size} bytes")
-                done += len(data)
-                yield data
-
-        self.add_stream(name, chunks(), size, counter)
+        chunks = pread_chunks(fd_pread(src_fd), src_offset, size, chunk=_CHUNK)
+        self.add_stream(name, chunks, size, counter)
 
     def close(self) -> None:
         """Write the central directory and end records. The file is not closed."""
