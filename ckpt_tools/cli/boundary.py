@@ -85,7 +85,7 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
         # Imported once something was raised: `ckpt --version` and `ckpt --help` start
         # without the error tree and the write machinery.
         from ckpt_tools.errors import CheckpointError
-        from ckpt_tools.io.atomic import Interrupted
+        from ckpt_tools.io.interrupts import Interrupted
 
         if isinstance(e, CheckpointError) and os.environ.get("CKPT_DEBUG") != "1":
             click.echo(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)

@@ -17,9 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,12 +25,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
+from ckpt_tools.io.interrupts import signals_raise
 
 __all__ = [
     "PAUSE_ENV",
     "TEMP_SUFFIX",
     "AtomicFile",
-    "Interrupted",
     "atomic_output",
     "check_output_path",
     "fsync_folder",
@@ -63,14 +61,6 @@ class AtomicFile:
     file: BinaryIO
     path: Path
     durable: bool
-
-
-class Interrupted(BaseException):
-    """A signal arrived while an output was being written (the temp file is removed)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by signal {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -119,58 +109,6 @@ def check_output_path(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
     return out.resolve() if out.is_symlink() else out
-
-
-_RAISED = (signal.SIGTERM, signal.SIGHUP)
-_HELD = (*_RAISED, signal.SIGINT)
-
-
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[Callable[[], None]]:
-    """Inside, SIGTERM and SIGHUP raise :class:`Interrupted`.
-
-    Until the yielded ``release`` is called, they and SIGINT are only noted, then raised
-    again by ``release``: a temp file is created and its cleanup armed before any of them
-    can interrupt. (Blocking them with ``pthread_sigmask`` would not do: the kernel hands a
-    process-wide signal to any thread that does not block it, torch's among them.)
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    pending: list[int] = []
-
-    def hold(signum: int, frame: object) -> None:
-        pending.append(signum)
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise Interrupted(signum)
-
-    previous = {signum: signal.signal(signum, hold) for signum in _HELD}
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if released:
-            return
-        released = True
-        for signum in _HELD:
-            old = previous[signum]
-            # An ignored signal stays ignored (`nohup ckpt ...` must survive its SIGHUP).
-            handler = interrupt if signum in _RAISED and old is not signal.SIG_IGN else old
-            if handler is not None:
-                signal.signal(signum, handler)
-        for signum in dict.fromkeys(pending):
-            signal.raise_signal(signum)  # its handler runs now, in the caller's cleanup
-
-    try:
-        yield release
-    finally:
-        try:
-            release()
-        finally:
-            for signum in _RAISED:
-                if previous[signum] is not None:
-                    signal.signal(signum, previous[signum])
 
 
 def _set_mode(fd: int, target: Path) -> None:
@@ -379,7 +317,7 @@ def atomic_output(
     # Renamed over a file whose new bytes are not on disk, a power loss could lose both.
     durable = durable or target.exists()
     remove_stale_temps(folder)
-    with _signals_raise() as release:
+    with signals_raise() as release:
         try:
             fd, tmp, is_unnamed = _open_temp(target, unnamed)
         except OSError as e:

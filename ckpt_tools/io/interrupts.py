@@ -1,0 +1,72 @@
+"""Signals while an output is written: SIGTERM and SIGHUP become an exception, raised where the
+writer's cleanup runs, and none of them lands before that cleanup is armed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+__all__ = ["Interrupted", "signals_raise"]
+
+
+class Interrupted(BaseException):
+    """A signal arrived while an output was being written (the temp file is removed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+_RAISED = (signal.SIGTERM, signal.SIGHUP)
+_HELD = (*_RAISED, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[Callable[[], None]]:
+    """Inside, SIGTERM and SIGHUP raise :class:`Interrupted`.
+
+    Until the yielded ``release`` is called, they and SIGINT are only noted, then raised
+    again by ``release``: a temp file is created and its cleanup armed before any of them
+    can interrupt. (Blocking them with ``pthread_sigmask`` would not do: the kernel hands a
+    process-wide signal to any thread that does not block it, torch's among them.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        pending.append(signum)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, hold) for signum in _HELD}
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        for signum in _HELD:
+            old = previous[signum]
+            # An ignored signal stays ignored (`nohup ckpt ...` must survive its SIGHUP).
+            handler = interrupt if signum in _RAISED and old is not signal.SIG_IGN else old
+            if handler is not None:
+                signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)  # its handler runs now, in the caller's cleanup
+
+    try:
+        yield release
+    finally:
+        try:
+            release()
+        finally:
+            for signum in _RAISED:
+                if previous[signum] is not None:
+                    signal.signal(signum, previous[signum])
