@@ -1,7 +1,8 @@
 """The walk over a pickle's bytes finds exactly what a walk over ``pickletools.genops`` finds.
 
-``formats/pickle/expansion.py`` reads each opcode's argument in place (``_scan_bytes``); a pickle in
-a file is read as genops reads it, then walked the same way (``_scan_stream``). The oracle is
+``formats/pickle/opcode_walk.py`` reads each opcode's argument in place (``scan_bytes``); a
+pickle in a file is read as genops reads it, then walked the same way (``_scan_stream``). The
+oracle is
 the straightforward walk over genops's opcodes (``_genops_scan`` below, the product's walk
 before): every committed fixture, every fuzz regression input, pickles of every protocol,
 and thousands of their mutations (flipped, cut, spliced) must give the same opcodes,
@@ -25,21 +26,19 @@ from typing import Any
 import pytest
 
 from ckpt_tools.errors import ResourceLimitError
-from ckpt_tools.formats.pickle.expansion import (
+from ckpt_tools.formats.pickle.expansion import MAX_EXPANDED_NODES, _scan_stream, scan_pickle
+from ckpt_tools.formats.pickle.opcode_walk import (
     _DUP,
     _GET,
     _MARKS,
     _PLAIN,
     _SHAPES,
-    MAX_EXPANDED_NODES,
     MEMO_SLACK,
     OpcodeScan,
     _expands_past,
     _memo_too_far,
-    _scan_bytes,
-    _scan_stream,
-    scan_pickle,
 )
+from ckpt_tools.formats.pickle.opcode_walk import scan_bytes as _scan_bytes
 
 # (both walks decode protocol-0 STRING arguments with escapes, which Python warns about)
 pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
