@@ -55,8 +55,7 @@ from common import (
     measure,
     python_command,
     ratio,
-    sync_all,
-    sync_file,
+    synced_run,
     verdict,
     workdir,
 )
@@ -136,12 +135,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(cmd: list[str], out: Path) -> Measurement:
-    m = measure(cmd)
-    extra = sync_file(out)
-    return Measurement(m.wall_s, m.peak_rss_kb, m.returncode, extra)
-
-
 def _generate_dcp(tmp: Path, args: argparse.Namespace) -> tuple[Path, str]:
     folder = tmp / "dcp"
     script = tmp / "generate.py"
@@ -208,12 +201,10 @@ def _rounds(commands: list[tuple[str, list[str], Path]], repeats: int) -> dict[s
     runs: dict[str, list[Measurement]] = {name: [] for name, _, _ in commands}
     for i in range(repeats + 1):
         for name, cmd, out in commands:
-            m = _run(cmd, out)
+            # The last round's outputs stay, for the comparison after the timing.
+            m = synced_run(cmd, out, remove=i < repeats)
             if i:
                 runs[name].append(m)
-            if i < repeats:
-                out.unlink()
-                sync_all()
     return runs
 
 

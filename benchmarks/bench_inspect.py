@@ -35,15 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     PYTHON,
     GeneratedPair,
-    Summary,
     cache_state_note,
     ckpt_command,
     drop_caches,
     fmt_table,
+    interleaved_rounds,
     load_note,
     machine_note,
     make_checkpoints,
-    measure,
     python_command,
     ratio,
     verdict,
@@ -72,21 +71,6 @@ ST_LOAD_FILE = (
     "sd = load_file(sys.argv[1])\n"
     "print(len(sd), sum(t.numel() for t in sd.values()))\n"
 )
-
-
-def run_round_robin(
-    commands: dict[str, list[str]], repeats: int, cold: bool, warmup: int = 1
-) -> dict[str, Summary]:
-    """Each command ``warmup + repeats`` times, interleaved; the warm-up runs are dropped."""
-    out = {name: Summary(name) for name in commands}
-    for i in range(warmup + repeats):
-        for name, cmd in commands.items():
-            if cold:
-                drop_caches()
-            m = measure(cmd)
-            if i >= warmup:
-                out[name].add(m)
-    return out
 
 
 INSPECT_IN_PROCESS = (
@@ -222,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                     path = getattr(pairs[key], fmt)
                     scaling[f"{key}/{fmt}"] = ckpt_command("inspect", path, "--json")
         print(f"measuring ({args.repeats} timed runs each after 1 warm-up, interleaved) ...")
-        results = run_round_robin({**commands, **scaling}, args.repeats, cold)
+        results = interleaved_rounds(
+            {**commands, **scaling}, args.repeats, before=drop_caches if cold else None
+        )
 
         def row(name: str, base: str | None) -> list[str]:
             s = results[name]

@@ -87,38 +87,34 @@ if kind == "meta":
     shapes = [(k, ref.shape) for k, ref in iter_tensors(open_checkpoint(path).root)]
     with torch.device("meta"):
         model = build(shapes)
-anon0 = rss_anon()
-start = time.perf_counter()
-if kind == "ckpt":
-    sd = load_state_dict(path)
-elif kind == "torch":
-    sd = torch.load(path, mmap=True, weights_only=True)
-elif kind == "st":
-    sd = load_file(path)
-else:
+
+def load(model):
+    if kind == "ckpt":
+        return load_state_dict(path)
+    if kind == "torch":
+        return torch.load(path, mmap=True, weights_only=True)
+    if kind == "st":
+        return load_file(path)
     result = load_into(model, path)
     assert result.assigned and result.ok, result
-    sd = model.state_dict()
+    return model.state_dict()
+
+anon0 = rss_anon()
+start = time.perf_counter()
+sd = load(model)
 load_s = time.perf_counter() - start
 anon1 = rss_anon()
 # Again, in the same process: the first call also imports what the loader imports lazily
 # (for ckpt_tools: the zip reader, unpickler and allowlist modules; torch.load's are part of
-# import torch).
-start = time.perf_counter()
-if kind == "ckpt":
-    again = load_state_dict(path)
-elif kind == "torch":
-    again = torch.load(path, mmap=True, weights_only=True)
-elif kind == "st":
-    again = load_file(path)
-else:
+# import torch). load_into needs a fresh meta model, built before the clock starts.
+model2 = None
+if kind == "meta":
     with torch.device("meta"):
         model2 = build(shapes)
-    start = time.perf_counter()
-    load_into(model2, path)
-    again, model2 = model2, None
+start = time.perf_counter()
+again = load(model2)
 load2_s = time.perf_counter() - start
-del again
+del again, model2
 start = time.perf_counter()
 total = 0.0
 for t in sd.values():

@@ -30,25 +30,22 @@ import argparse
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
     PYTHON,
-    Measurement,
-    Summary,
     ckpt_command,
     ckpt_json,
     fmt_table,
+    interleaved_rounds,
     load_note,
     machine_note,
     make_checkpoints,
-    measure,
     ratio,
     sync_all,
-    sync_file,
+    synced_run,
     verdict,
     workdir,
 )
@@ -83,23 +80,6 @@ NAIVE = (
 )
 
 
-def sync_folder(folder: Path) -> float:
-    """fsync every file of ``folder``; returns the seconds it took."""
-    start = time.perf_counter()
-    for path in folder.iterdir():
-        sync_file(path)
-    return time.perf_counter() - start
-
-
-def run_once(cmd: list[str], out: Path) -> Measurement:
-    """Run ``cmd`` (which writes the folder ``out``), fsync it (timed), delete it, ``sync``."""
-    m = measure(cmd)
-    extra = sync_folder(out)
-    shutil.rmtree(out)
-    sync_all()
-    return Measurement(m.wall_s, m.peak_rss_kb, m.returncode, extra_s=extra)
-
-
 def check_output(src: Path, folder: Path, limit: int) -> str:
     """One untimed reshard whose output is loaded with safetensors and compared to the input."""
     out = folder / "check_out"
@@ -119,7 +99,7 @@ def check_output(src: Path, folder: Path, limit: int) -> str:
     shutil.rmtree(out)
     sync_all()
     return (
-        f"check: {len(result['files']) - 1} shards, {result['verification']}; "
+        f"check: {len(result['written']) - 1} shards, {result['verification']}; "
         f"the union loads with safetensors and equals the input ({loaded} tensors)"
     )
 
@@ -173,13 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             commands["naive load_file all + save_file"] = [
                 PYTHON, "-c", NAIVE, str(src), str(out), str(limit)
             ]  # fmt: skip
-        results = {name: Summary(name) for name in commands}
         print(f"measuring: 1 warm-up round + {args.repeats} timed rounds, interleaved ...")
-        for i in range(1 + args.repeats):
-            for name, cmd in commands.items():
-                m = run_once(cmd, out)
-                if i >= 1:
-                    results[name].add(m)
+        results = interleaved_rounds(commands, args.repeats, lambda cmd: synced_run(cmd, out))
         cp = results["cp -r IN OUT"]
         size_mib = pair.nbytes / 2**20
         rows = [

@@ -29,16 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
     PYTHON,
-    Measurement,
-    Summary,
     ckpt_command,
     fmt_table,
+    interleaved_rounds,
     load_note,
     machine_note,
-    measure,
     ratio,
-    sync_all,
-    sync_file,
+    synced_run,
     verdict,
     workdir,
 )
@@ -73,14 +70,6 @@ CHECK = (
     "assert torch.equal(a['config']['mean'], b['config']['mean'])\n"
     "print(len(a['model']))\n"
 )
-
-
-def run_once(cmd: list[str], out: Path) -> Measurement:
-    m = measure(cmd)
-    extra = sync_file(out)
-    out.unlink()
-    sync_all()
-    return Measurement(m.wall_s, m.peak_rss_kb, m.returncode, extra_s=extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,16 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                 str(out),
             ],
         }
-        results = {name: Summary(name) for name in commands}
         print(
             f"== file {size_mib:.1f} MiB, {args.layers} layers; 1 warm-up + "
             f"{args.repeats} timed rounds =="
         )
-        for i in range(1 + args.repeats):
-            for name, cmd in commands.items():
-                m = run_once(cmd, out)
-                if i >= 1:
-                    results[name].add(m)
+        results = interleaved_rounds(commands, args.repeats, lambda cmd: synced_run(cmd, out))
         cp_s = results["cp IN OUT"].total_s
         rows = [
             [

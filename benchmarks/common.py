@@ -5,8 +5,9 @@ What is here:
 * generating synthetic checkpoints: :func:`make_checkpoints` writes a ``.pt`` (``torch.save``
   of a dict of float32 tensors with DataParallel keys ``module.layers.{i}.{...}.weight``) and
   the same tensors as ``.safetensors``;
-* measuring a command run as a subprocess: :func:`measure` (wall time and peak RSS) and
-  :func:`median_runs`;
+* measuring a command run as a subprocess: :func:`measure` (wall time and peak RSS),
+  :func:`synced_run` (a command that writes an output, with the output's fsync timed),
+  :func:`interleaved_rounds` and :func:`median_runs`;
 * the page cache: :func:`drop_caches` (works only as root, outside most containers' limits)
   and :func:`cache_state_note`;
 * formatting: :func:`fmt_table`, :func:`ratio`, :func:`verdict`.
@@ -53,6 +54,7 @@ __all__ = [
     "drop_caches",
     "fmt_table",
     "installed_copy",
+    "interleaved_rounds",
     "load_note",
     "machine_note",
     "make_checkpoints",
@@ -65,6 +67,8 @@ __all__ = [
     "save_safetensors",
     "sync_all",
     "sync_file",
+    "sync_folder",
+    "synced_run",
     "use_ckpt",
     "verdict",
     "workdir",
@@ -335,6 +339,32 @@ def sync_all() -> None:
     os.sync()
 
 
+def sync_folder(folder: str | os.PathLike[str]) -> float:
+    """fsync every file of ``folder``; returns the seconds it took."""
+    start = time.perf_counter()
+    for path in Path(folder).iterdir():
+        sync_file(path)
+    return time.perf_counter() - start
+
+
+def synced_run(cmd: Sequence[str], out: Path, *, remove: bool = True) -> Measurement:
+    """Run ``cmd`` (which writes ``out``, a file or a folder), fsync ``out`` (timed).
+
+    The fsync is the run's ``extra_s``: a command that returns before its bytes are on disk
+    would otherwise look faster than one that waits for them. With ``remove`` (the default)
+    ``out`` is then deleted and everything ``sync``-ed (untimed), so the next run starts clean.
+    """
+    m = measure(cmd)
+    extra = sync_folder(out) if out.is_dir() else sync_file(out)
+    if remove:
+        if out.is_dir():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
+        sync_all()
+    return Measurement(m.wall_s, m.peak_rss_kb, m.returncode, extra_s=extra, cpu_s=m.cpu_s)
+
+
 def drop_caches() -> bool:
     """``sync; echo 3 > /proc/sys/vm/drop_caches``. True when the kernel accepted it.
 
@@ -407,6 +437,31 @@ class Summary:
         return f"{walls[0]:.3f}-{walls[-1]:.3f}"
 
 
+def interleaved_rounds(
+    commands: dict[str, Sequence[str]],
+    repeats: int,
+    run: Callable[[Sequence[str]], Measurement] = measure,
+    *,
+    warmup: int = 1,
+    before: Callable[[], None] | None = None,
+) -> dict[str, Summary]:
+    """Each command ``warmup + repeats`` times, interleaved; a :class:`Summary` of the timed ones.
+
+    Interleaved (round after round of every command) so that a slow spell of the machine
+    falls on every command alike. ``run`` measures one command (default :func:`measure`);
+    ``before`` is called (untimed) before every run, e.g. to drop caches.
+    """
+    out = {name: Summary(name) for name in commands}
+    for i in range(warmup + repeats):
+        for name, cmd in commands.items():
+            if before is not None:
+                before()
+            m = run(cmd)
+            if i >= warmup:
+                out[name].add(m)
+    return out
+
+
 def median_runs(
     label: str,
     cmd: Sequence[str],
@@ -418,16 +473,13 @@ def median_runs(
 ) -> Summary:
     """Run ``cmd`` ``warmup`` + ``repeats`` times; :class:`Summary` of the timed ones.
 
-    ``before`` is called (untimed) before every run, e.g. to drop caches.
+    ``before`` is called (untimed) before every run, e.g. to drop caches; ``kwargs`` go to
+    :func:`measure`.
     """
-    out = Summary(label)
-    for i in range(warmup + repeats):
-        if before is not None:
-            before()
-        m = measure(cmd, **kwargs)
-        if i >= warmup:
-            out.add(m)
-    return out
+    rounds = interleaved_rounds(
+        {label: cmd}, repeats, lambda c: measure(c, **kwargs), warmup=warmup, before=before
+    )
+    return rounds[label]
 
 
 # The interpreter python_command runs (the one ckpt_tools is installed in): use_ckpt sets it.
