@@ -45,7 +45,7 @@ from ckpt_tools.harness.data import shard
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.placement import resolve_devices
 
-__all__ = ["TrainRank", "launch", "train_ddp", "train_steps"]
+__all__ = ["TrainRank", "launch", "rank_result", "train_ddp", "train_steps"]
 
 # A rank that waits longer than this for the others has lost them (crashed peer).
 _PG_TIMEOUT = timedelta(minutes=3)
@@ -55,6 +55,43 @@ _SPAWN_ATTEMPTS = 3
 #: that rank's result; it saves the checkpoints itself (rank 0, or every rank for DCP).
 #: A module-level function, so that ``mp.spawn`` can pickle it by name.
 TrainRank = Callable[[int, int, torch.device, TrainConfig, bool, str, str], TrainResult]
+
+
+def rank_result(
+    result: TrainResult,
+    device: torch.device,
+    backend: str,
+    launcher: str,
+    sync_bn: bool,
+    seconds: float,
+) -> TrainResult:
+    """One rank's result: ``result`` (from ``loop.finish_run``) with this rank's own launch.
+
+    Args:
+        result: the run as ``loop.finish_run`` described it (every rank's device).
+        device: this rank's device: a rank reports its own, the launcher gathers them.
+        backend: the process group's backend.
+        launcher: ``spawn`` or ``torchrun``.
+        sync_bn: whether BatchNorm was converted to SyncBatchNorm.
+        seconds: wall time of this rank's training.
+
+    Returns:
+        ``result`` with those fields replaced.
+
+    Example:
+        >>> run = TrainResult("ddp", "mlp", 2, ("cpu", "cpu"), (2.3,), steps=1, epoch=0)
+        >>> rank = rank_result(run, torch.device("cpu"), "gloo", "spawn", False, 0.5)
+        >>> rank.devices, rank.world_size, rank.backend, rank.seconds
+        (('cpu',), 2, 'gloo', 0.5)
+    """
+    return replace(
+        result,
+        devices=(str(device),),
+        backend=backend,
+        launcher=launcher,
+        sync_bn=sync_bn,
+        seconds=seconds,
+    )
 
 
 def train_ddp(config: TrainConfig) -> TrainResult:
@@ -284,14 +321,7 @@ def _train(
     result = loop.finish_run(
         config, [device] * world, losses, ddp, ddp.module, optimizer, fallback, save=rank == 0
     )
-    return replace(
-        result,
-        devices=(str(device),),
-        backend=backend,
-        launcher=launcher,
-        sync_bn=sync_bn,
-        seconds=time.perf_counter() - started,
-    )
+    return rank_result(result, device, backend, launcher, sync_bn, time.perf_counter() - started)
 
 
 def train_steps(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from torch import nn
 
 from ckpt_tools.harness import loop
 from ckpt_tools.harness.config import TrainConfig, TrainResult
-from ckpt_tools.harness.ddp import launch, train_steps
+from ckpt_tools.harness.ddp import launch, rank_result, train_steps
 
 __all__ = ["DCP_DIR", "train_fsdp"]
 
@@ -114,20 +113,11 @@ def train_rank(
         dist.broadcast(buffer, src=0)
     checkpoints = _save(model, optimizer, config, rank) if config.out_dir is not None else {}
     fallback = loop.cpu_fallback([device], f"{world} CPU processes over gloo")
-    # The files are written above, not by finish_run (save=False).
+    # The files are written above, not by finish_run.
     result = loop.finish_run(
-        config, [device] * world, losses, model, model, optimizer, fallback, save=False
+        config, [device] * world, losses, model, model, optimizer, fallback, written=checkpoints
     )
-    return replace(
-        result,
-        devices=(str(device),),
-        backend=backend,
-        launcher=launcher,
-        sync_bn=sync_bn,
-        out_dir=str(config.out_dir) if checkpoints else None,
-        checkpoints=checkpoints,
-        seconds=seconds,
-    )
+    return rank_result(result, device, backend, launcher, sync_bn, seconds)
 
 
 def _save(

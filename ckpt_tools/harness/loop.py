@@ -302,6 +302,7 @@ def finish_run(
     fallback: str | None,
     *,
     save: bool = True,
+    written: Mapping[str, str] | None = None,
 ) -> TrainResult:
     """Save a finished run's checkpoints (when it has an ``out_dir``) and describe it.
 
@@ -314,6 +315,8 @@ def finish_run(
         optimizer: its state goes into ``trainer.pt``.
         fallback: how the run differed from its GPU form, or ``None``.
         save: ``False`` for the DDP ranks that leave the writing to rank 0.
+        written: the checkpoints the caller wrote itself (sharded saves, where every rank
+            writes its part): nothing is saved here, and these are the result's files.
 
     Returns:
         The result; ``out_dir`` and ``checkpoints`` are set when files were written.
@@ -329,8 +332,8 @@ def finish_run(
         >>> run.world_size, run.checkpoints
         (1, {})
     """
-    checkpoints: dict[str, str] = {}
-    if save and config.out_dir is not None:
+    checkpoints = dict(written) if written is not None else {}
+    if written is None and save and config.out_dir is not None:
         checkpoints = save_checkpoints(
             config.out_dir, wrapped.state_dict(), bare.state_dict(), optimizer.state_dict(), config
         )

@@ -241,6 +241,8 @@ def train_rank(
     Returns:
         This rank's result (rank 0's names the files written).
     """
+    from ckpt_tools.harness.ddp import rank_result
+
     # DeepSpeed reads the rank layout from the environment; spawned ranks have none.
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("LOCAL_RANK", str(device.index if device.type == "cuda" else rank))
@@ -264,15 +266,6 @@ def train_rank(
         model,
         engine.optimizer,
         loop.cpu_fallback([device], what),
-        save=False,
+        written=checkpoints,
     )
-    return replace(
-        result,
-        devices=(str(device),),
-        backend=backend,
-        launcher=launcher,
-        sync_bn=sync_bn,
-        out_dir=str(config.out_dir) if checkpoints else None,
-        checkpoints=checkpoints,
-        seconds=seconds,
-    )
+    return rank_result(result, device, backend, launcher, sync_bn, seconds)

@@ -106,18 +106,11 @@ def check_dcp_roundtrip(
     bare = _fresh(model, kw, _cpu())  # an unknown model is the caller's UsageError
 
     def body() -> CheckResult:
-        source = Path(dcp_dir)
-        work = Path(work_dir) if work_dir is not None else source.parent
-        work.mkdir(parents=True, exist_ok=True)
-        out = work / f"{source.name}.consolidated.pt"
-        out.unlink(missing_ok=True)  # a re-run must not read its own old output
-        converter(source, out)
-        converted = load_pt(out)
+        converted, what = _convert(converter, Path(dcp_dir), work_dir)
         state_dict = converted.get("model", converted)
         _load_strict(bare, state_dict)
         loaded = {k: v.detach() for k, v in bare.state_dict().items()}
         gap, problems = compare_state_dicts(load_pt(reference), loaded)
-        what = getattr(converter, "__name__", type(converter).__name__)
         detail = f"DCP -> {what} -> strict load into the bare model " + (
             f": {'; '.join(problems[:3])}" if problems else "bitwise equal to the gathered state"
         )
@@ -173,16 +166,9 @@ def check_zero_roundtrip(
     bare = _fresh(model, dict(model_kwargs or {}), _cpu())  # an unknown model is the caller's
 
     def body() -> CheckResult:
-        source = Path(deepspeed_dir)
-        work = Path(work_dir) if work_dir is not None else source.parent
-        work.mkdir(parents=True, exist_ok=True)
-        out = work / f"{source.name}.consolidated.pt"
-        out.unlink(missing_ok=True)  # a re-run must not read its own old output
-        converter(source, out)
-        converted = load_pt(out)
+        converted, what = _convert(converter, Path(deepspeed_dir), work_dir)
         _load_strict(bare, converted)
         gap, problems = compare_state_dicts(load_pt(reference), converted)
-        what = getattr(converter, "__name__", type(converter).__name__)
         detail = f"DeepSpeed folder -> {what}, strict load into the bare model, " + (
             f"vs zero_to_fp32: {'; '.join(problems[:3])}"
             if problems
@@ -191,6 +177,17 @@ def check_zero_roundtrip(
         return _result(name, strategy, gap, 0.0, not problems, detail)
 
     return _attempt(name, strategy, 0.0, body)
+
+
+def _convert(converter: Converter, source: Path, work_dir: str | Path | None) -> tuple[Any, str]:
+    """Run ``converter`` from ``source`` into a fresh file in ``work_dir`` (default: beside
+    ``source``); what it wrote, loaded, and the converter's name for the result's detail."""
+    work = Path(work_dir) if work_dir is not None else source.parent
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"{source.name}.consolidated.pt"
+    out.unlink(missing_ok=True)  # a re-run must not read its own old output
+    converter(source, out)
+    return load_pt(out), getattr(converter, "__name__", type(converter).__name__)
 
 
 def _cpu() -> Any:
