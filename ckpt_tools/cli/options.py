@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import click
 
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS
@@ -13,6 +16,39 @@ select_option = click.option(
     help="Dotted path to the state dict inside the checkpoint (default: chosen automatically).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+
+
+def option_group(*options: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """One decorator that applies ``options`` (click options, arguments) in their order.
+
+    Example:
+        >>> writing = option_group(select_option, json_option)
+        >>> @click.command()
+        ... @writing
+        ... def cmd(select, as_json):
+        ...     pass
+        >>> [p.name for p in cmd.params]
+        ['select', 'as_json']
+    """
+
+    def apply(func: Any) -> Any:
+        # The decorator nearest the function is applied first: reversed keeps --help's order.
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return apply
+
+
+def output_format_option(output: str):  # type: ignore[no-untyped-def]
+    """``--format torch|safetensors`` as ``output_format``; ``output`` names the output."""
+    return click.option(
+        "--format",
+        "output_format",
+        type=click.Choice(["torch", "safetensors"]),
+        default=None,
+        help=f"Output format (default: from {output}'s suffix).",
+    )
 
 
 def dry_run_option(func):  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ from ckpt_tools.cli.options import (
     dry_run_option,
     durable_option,
     json_option,
+    output_format_option,
     select_option,
     verify_option,
 )
@@ -29,13 +30,7 @@ from ckpt_tools.cli.render import echo_result
     help="Cast the merged state dict's floating tensors (default: the base's dtypes).",
 )
 @select_option
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["torch", "safetensors"]),
-    default=None,
-    help="Output format (default: from OUT's suffix).",
-)
+@output_format_option("OUT")
 @click.option(
     "--max-shard-size",
     default=None,

@@ -13,35 +13,31 @@ from ckpt_tools.cli.options import (
     dry_run_option,
     durable_option,
     json_option,
+    option_group,
+    output_format_option,
     select_option,
     verify_option,
 )
 from ckpt_tools.cli.render import echo_result
 
+#: Options every transform takes (the output side).
+_writing = option_group(
+    select_option,
+    output_format_option("DST"),
+    click.option("--force", is_flag=True, help="Replace DST if it exists (never an input)."),
+    verify_option("After writing, re-read keys and sizes, or also every byte (computed again)."),
+    durable_option,
+    allow_global_option,
+    json_option,
+    dry_run_option,
+)
 
-def _writing(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Options every transform takes (the output side)."""
-    options = [
-        select_option,
-        click.option(
-            "--format",
-            "output_format",
-            type=click.Choice(["torch", "safetensors"]),
-            default=None,
-            help="Output format (default: from DST's suffix).",
-        ),
-        click.option("--force", is_flag=True, help="Replace DST if it exists (never an input)."),
-        verify_option(
-            "After writing, re-read keys and sizes, or also every byte (computed again)."
-        ),
-        durable_option,
-        allow_global_option,
-        json_option,
-        dry_run_option,
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+
+def _write(call: Callable[..., Any], *args: Any, as_json: bool, quiet: bool, **kw: Any) -> None:
+    """``call(*args, **kw)`` with a progress bar (unless quiet or JSON), then its result shown."""
+    with progress_bar(quiet or as_json) as progress:
+        result = call(*args, progress=progress, **kw)
+    echo_result(result, as_json, quiet)
 
 
 @click.command("slim")
@@ -84,9 +80,7 @@ def slim_cmd(src: str, dst: str, as_json: bool, quiet: bool, **kw: Any) -> None:
     """Make a checkpoint smaller: cast, drop entries, keep the (EMA) weights only."""
     from ckpt_tools.ops.transform.slim import slim
 
-    with progress_bar(quiet or as_json) as progress:
-        result = slim(src, dst, progress=progress, **kw)
-    echo_result(result, as_json, quiet)
+    _write(slim, src, dst, as_json=as_json, quiet=quiet, **kw)
 
 
 @click.command("extract")
@@ -101,9 +95,7 @@ def extract_cmd(src: str, dst: str, as_json: bool, quiet: bool, **kw: Any) -> No
     """The tensors under one prefix, as a plain state dict."""
     from ckpt_tools.ops.transform.extract import extract
 
-    with progress_bar(quiet or as_json) as progress:
-        result = extract(src, dst, progress=progress, **kw)
-    echo_result(result, as_json, quiet)
+    _write(extract, src, dst, as_json=as_json, quiet=quiet, **kw)
 
 
 def _weights(value: str | None) -> list[float] | None:
@@ -150,6 +142,4 @@ def average_cmd(
     from ckpt_tools.ops.transform.average import average, pick_inputs
 
     picked = pick_inputs(list(inputs), last)
-    with progress_bar(quiet or as_json) as progress:
-        result = average(picked, dst, weights=_weights(weights), progress=progress, **kw)
-    echo_result(result, as_json, quiet)
+    _write(average, picked, dst, weights=_weights(weights), as_json=as_json, quiet=quiet, **kw)

@@ -9,12 +9,10 @@ from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLev
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
-from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
-from ckpt_tools.ops.transform.slim import _select_ema, take_module
+from ckpt_tools.ops.transform.slim import select_weights
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
-from ckpt_tools.structure.selection import select_state_dict
 
 __all__ = ["extract"]
 
@@ -63,17 +61,7 @@ def extract(
     allow_globals = str_items(allow_globals, "allow_globals")
     target = check_output_path(dst, src, force=force, in_place=False)
     with opened(src) as ckpt:
-        notes: list[str] = []
-        if ema and select is None:
-            selection, why = _select_ema(ckpt.root)
-            notes.append(why)
-        else:
-            selection = select_state_dict(ckpt.root, select=select)
-        if selection.module is not None:
-            selection, more = take_module(ckpt, allow_globals, selection)
-            notes += more
-        else:
-            check_rewritable(ckpt, allow_globals, selection.path)
+        selection, notes = select_weights(ckpt, allow_globals, select, ema)
         keys = [str(k) for k in selection.state_dict]
         if not prefix or not any(k.startswith(prefix) for k in keys):
             heads = sorted({k.split(".")[0] + "." for k in keys})

@@ -31,7 +31,7 @@ from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.selection import Selection, select_state_dict
 
-__all__ = ["DTYPE_NAMES", "EMA_KEYS", "slim", "take_module"]
+__all__ = ["DTYPE_NAMES", "EMA_KEYS", "select_weights", "slim", "take_module"]
 
 #: ``dtype`` spellings slim accepts, and the dtype each names.
 DTYPE_NAMES: dict[str, str] = {
@@ -124,6 +124,39 @@ def take_module(
     return replace(selection, state_dict=plain), notes + list(module.caveats)
 
 
+def select_weights(
+    ckpt: Any, allow_globals: Sequence[str], select: Select, ema: bool
+) -> tuple[Selection, list[str]]:
+    """The state dict ``slim`` and ``extract`` write: the EMA copy or the selected one.
+
+    Args:
+        ckpt: the opened checkpoint.
+        allow_globals: globals allowed beyond the allowlist.
+        select: the state dict's path (``None``: found as ``select_state_dict`` finds it).
+        ema: take the EMA copy (``EMA_KEYS``, Lightning EMA callbacks) when no ``select``.
+
+    Returns:
+        The selection (a pickled module's as :func:`take_module` recovers it; its
+        ``module`` stays set) and notes saying what was taken.
+
+    Raises:
+        SelectError: ``select`` names nothing, or ``ema`` finds no EMA copy.
+        UnsafeContentError: globals outside the allowlist (exit 3).
+    """
+    notes: list[str] = []
+    if ema and select is None:
+        selection, why = _select_ema(ckpt.root)
+        notes.append(why)
+    else:
+        selection = select_state_dict(ckpt.root, select=select)
+    if selection.module is not None:
+        selection, more = take_module(ckpt, allow_globals, selection)
+        notes += more
+    else:
+        check_rewritable(ckpt, allow_globals, selection.path)
+    return selection, notes
+
+
 def slim(
     src: StrPath,
     dst: StrPath,
@@ -193,18 +226,9 @@ def slim(
     target = check_output_path(dst, src, force=force, in_place=False)
     with opened(src) as ckpt:
         fmt = output_format_for(dst, output_format, ckpt.format)
-        notes: list[str] = []
-        if ema and select is None:
-            selection, why = _select_ema(ckpt.root)
-            notes.append(why)
-        else:
-            selection = select_state_dict(ckpt.root, select=select)
-        if selection.module is not None:
-            weights_only = True
-            selection, more = take_module(ckpt, allow_globals, selection)
-            notes += more
-        else:
-            check_rewritable(ckpt, allow_globals, selection.path)
+        selection, notes = select_weights(ckpt, allow_globals, select, ema)
+        # A module's class is not written back: only its weights can be.
+        weights_only = weights_only or selection.module is not None
         root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
         items = [(str(k), str(k), v) for k, v in selection.state_dict.items()]
         plan = plan_state_dict_output(
