@@ -12,7 +12,7 @@ import pickle
 import shutil
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -70,6 +70,16 @@ def by_name(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def fixture_path(name: str) -> Path:
     """Where committed fixture ``name`` lives."""
     return FIXTURES / name
+
+
+def fixture_files(exclude: Collection[str] = ()) -> list[Path]:
+    """The committed fixture files (not the scripts, manifest, notes or folders), sorted, less
+    the names in ``exclude``."""
+    return sorted(
+        p
+        for p in FIXTURES.iterdir()
+        if p.is_file() and p.suffix not in (".py", ".md", ".json") and p.name not in exclude
+    )
 
 
 def entry(name: str) -> dict[str, Any]:

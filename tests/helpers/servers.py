@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import pytest
@@ -484,13 +484,20 @@ def remote_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return home
 
 
-@pytest.fixture(scope="session")
-def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
-    """The session's :class:`HubServer`; tests use :func:`hub`."""
-    server = HubServer(tmp_path_factory.mktemp("hub"))
+_Served = TypeVar("_Served", HubServer, NoRangeServer, S3Server)
+
+
+def _serving(server: _Served) -> Iterator[_Served]:
+    """A session fixture's body: ``server`` started, yielded, stopped after the session."""
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+    """The session's :class:`HubServer`; tests use :func:`hub`."""
+    yield from _serving(HubServer(tmp_path_factory.mktemp("hub")))
 
 
 @pytest.fixture
@@ -504,10 +511,7 @@ def hub(hub_server: HubServer, remote_env: Path, monkeypatch: pytest.MonkeyPatch
 @pytest.fixture(scope="session")
 def no_range_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NoRangeServer]:
     """The session's :class:`NoRangeServer`; tests use :func:`no_range`."""
-    server = NoRangeServer(tmp_path_factory.mktemp("no-range"))
-    server.start()
-    yield server
-    server.stop()
+    yield from _serving(NoRangeServer(tmp_path_factory.mktemp("no-range")))
 
 
 @pytest.fixture
@@ -528,10 +532,7 @@ def dead_ends() -> Iterator[DeadEnds]:
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     """The session's :class:`S3Server`; tests use :func:`s3`."""
-    server = S3Server()
-    server.start()
-    yield server
-    server.stop()
+    yield from _serving(S3Server())
 
 
 @dataclass

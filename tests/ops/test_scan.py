@@ -26,8 +26,8 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.scan.report import VERDICTS
 from tests.helpers import REAL_DIR
 from tests.helpers.cli import run_ckpt
-from tests.helpers.committed import fixture_path
-from tests.helpers.scan_corpus import BENIGN, MALICIOUS, NONSTANDARD, CorpusEntry, build_corpus
+from tests.helpers.committed import fixture_files, fixture_path
+from tests.helpers.scan_corpus import BENIGN, MALICIOUS, NONSTANDARD
 
 # Fixtures that are not benign checkpoints, and what scan says of each.
 NOT_BENIGN = {
@@ -41,20 +41,6 @@ NOT_BENIGN = {
     "tar_format.pt": "nonstandard",  # torch.load(weights_only=True) refuses the format
 }
 EXPECTED = {MALICIOUS: "dangerous", BENIGN: "clean", NONSTANDARD: "nonstandard"}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[CorpusEntry], Path]:
-    folder = tmp_path_factory.mktemp("corpus")
-    markers = tmp_path_factory.mktemp("markers")
-    return build_corpus(folder, markers), markers
-
-
-def _fixtures() -> list[Path]:
-    folder = fixture_path("plain.pt").parent
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and p.suffix not in (".py", ".md", ".json")
-    )
 
 
 def test_every_corpus_file_gets_its_verdict_and_nothing_runs(corpus) -> None:
@@ -93,14 +79,14 @@ def test_each_malicious_file_alone_exits_1_naming_a_dangerous_global(corpus) -> 
 
 
 def test_fixtures_get_their_verdicts_and_torchscript_is_listed_as_code() -> None:
-    report = scan(_fixtures())
+    report = scan(fixture_files())
     verdicts = {Path(f.path).name: f for f in report.files}
     for name, found in verdicts.items():
         assert found.verdict == NOT_BENIGN.get(name, "clean"), (name, found)
     script = verdicts["torchscript.pt"]
     assert any("class TinyNet" in line for line in script.code)
     assert all(f.severity == "nonstandard" for f in script.findings)
-    benign = [p for p in _fixtures() if p.name not in NOT_BENIGN]
+    benign = [p for p in fixture_files() if p.name not in NOT_BENIGN]
     run_ckpt("scan", *benign, fixture_path("torchscript.pt"), code=0)
 
 
@@ -162,7 +148,7 @@ def _weights_only_load(path: Path, fmt: str) -> None:
 
 def test_what_scan_calls_clean_loads_with_weights_only(corpus) -> None:
     entries, markers = corpus
-    paths = [e.path for e in entries if e.kind != MALICIOUS] + _fixtures()
+    paths = [e.path for e in entries if e.kind != MALICIOUS] + fixture_files()
     report = scan(paths)
     clean = [f for f in report.files if f.verdict == "clean"]
     assert len(clean) >= 30

@@ -18,27 +18,11 @@ from huggingface_hub import save_torch_state_dict
 from ckpt_tools import scan
 from ckpt_tools.formats.zip.directory import read_zip_directory
 from tests.helpers.cli import run_ckpt
-from tests.helpers.committed import fixture_path
-from tests.helpers.scan_corpus import MALICIOUS, CorpusEntry, build_corpus
+from tests.helpers.committed import fixture_files, fixture_path
+from tests.helpers.scan_corpus import MALICIOUS
 
 # Read member by member: refused for URLs (scanned from a local copy).
 TAR = {"tar_pickle.pt", "tar_storages.pt", "tar_format.pt"}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[CorpusEntry], Path]:
-    folder = tmp_path_factory.mktemp("corpus")
-    markers = tmp_path_factory.mktemp("markers")
-    return build_corpus(folder, markers), markers
-
-
-def _fixtures() -> list[Path]:
-    folder = fixture_path("plain.pt").parent
-    return sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_file() and p.suffix not in (".py", ".md", ".json") and p.name not in TAR
-    )
 
 
 def _same_path(data: dict, url: str, local: Path) -> dict:
@@ -48,7 +32,7 @@ def _same_path(data: dict, url: str, local: Path) -> dict:
 
 def test_every_corpus_file_and_fixture_gets_the_local_report(hub, corpus) -> None:
     entries, markers = corpus
-    paths = [e.path for e in entries if e.path.name not in TAR] + _fixtures()
+    paths = [e.path for e in entries if e.path.name not in TAR] + fixture_files(exclude=TAR)
     urls = [hub.put("org/corpus", p.name, p) for p in paths]
     remote, local = scan(urls), scan(paths)
     assert len(remote.files) == len(paths) and remote.skipped == local.skipped == ()
