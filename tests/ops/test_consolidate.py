@@ -31,23 +31,15 @@ from ckpt_tools.io.assemble import crc32_combine
 from tests.formats.test_dcp import Custom, save_dcp, small_state
 from tests.helpers.cli import run_ckpt
 from tests.helpers.dcp_save import reference
+from tests.helpers.trees import assert_values_bitwise
 
 
 def assert_same(want: Any, got: Any, where: str = "") -> None:
     """Equal trees: same keys in the same order, tensors equal bit for bit (dtype, shape)."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), where
-        assert (got.dtype, got.shape, got.requires_grad) == (
-            want.dtype,
-            want.shape,
-            want.requires_grad,
-        ), where
-        assert (
-            got.contiguous()
-            .view(-1)
-            .view(torch.uint8)
-            .equal(want.contiguous().view(-1).view(torch.uint8))
-        ), where
+        assert got.requires_grad == want.requires_grad, where
+        assert_values_bitwise(want, got, where)
     elif isinstance(want, dict):
         assert list(got) == list(want), where
         for k in want:

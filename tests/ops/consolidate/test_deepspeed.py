@@ -20,20 +20,11 @@ from safetensors.torch import load_file
 from ckpt_tools import consolidate
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UsageError
 from tests.helpers import read_data_pkl, run_ckpt, tools, truncated_copy
+from tests.helpers.trees import assert_values_bitwise
 from tests.helpers.zero_runs import RUN_IDS, ZeroRuns
 
 FROZEN = ("frozen.weight", "frozen.bias")
 TAG = "global_step2"
-
-
-def assert_bitwise(want: torch.Tensor, got: torch.Tensor, where: str) -> None:
-    assert (got.dtype, got.shape) == (want.dtype, want.shape), where
-    assert (
-        got.contiguous()
-        .view(-1)
-        .view(torch.uint8)
-        .equal(want.contiguous().view(-1).view(torch.uint8))
-    ), where
 
 
 def module_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -52,10 +43,10 @@ def test_pt_equals_zero_to_fp32(zero_runs: ZeroRuns, tmp_path: Path, ranks: int,
         # ZeRO-1: zero_to_fp32 leaves the frozen layer out; we take it from the module
         assert not set(FROZEN) & set(want) and result.notes
         for key in FROZEN:
-            assert_bitwise(module_weights(folder)[key], got.pop(key), key)
+            assert_values_bitwise(module_weights(folder)[key], got.pop(key), key)
     assert list(got) == list(want)
     for key in want:
-        assert_bitwise(want[key], got[key], key)
+        assert_values_bitwise(want[key], got[key], key)
     # tied names share one storage, as zero_to_fp32 gives them
     assert got["head.weight"].data_ptr() == got["embed.weight"].data_ptr()
     assert result.input_format == "deepspeed" and result.bytes_copied > 0
@@ -72,7 +63,7 @@ def test_safetensors_store_the_tied_tensor_once(
     assert "head.weight is stored once, as embed.weight (tied)" in result.notes
     assert sorted(got) == sorted(k for k in want if k != "head.weight")
     for key in got:
-        assert_bitwise(want[key], got[key], key)
+        assert_values_bitwise(want[key], got[key], key)
 
 
 def test_hf_folder_shards(zero_runs: ZeroRuns, tmp_path: Path) -> None:
@@ -86,7 +77,7 @@ def test_hf_folder_shards(zero_runs: ZeroRuns, tmp_path: Path) -> None:
     want = torch.load(zero_runs.reference(2, "z3"), weights_only=True)
     assert sorted(got) == sorted(k for k in want if k != "head.weight")
     for key in got:
-        assert_bitwise(want[key], got[key], key)
+        assert_values_bitwise(want[key], got[key], key)
 
 
 def test_tag_and_exclude_frozen(zero_runs: ZeroRuns, tmp_path: Path) -> None:
@@ -97,7 +88,7 @@ def test_tag_and_exclude_frozen(zero_runs: ZeroRuns, tmp_path: Path) -> None:
     # zero_to_fp32's exclude_frozen_parameters: the same state dict less the frozen layer
     assert list(got) == [k for k in want if k not in FROZEN]
     for key in got:
-        assert_bitwise(want[key], got[key], key)
+        assert_values_bitwise(want[key], got[key], key)
     newer = torch.load(zero_runs.reference(2, "z2-bf16"), weights_only=True)
     assert not torch.equal(newer["hidden.weight"], got["hidden.weight"])
 
@@ -118,7 +109,7 @@ def test_cli_writes_reports_and_runs_without_torch(
     want = torch.load(zero_runs.reference(3, "z3-bf16"), weights_only=True)
     got = torch.load(tmp_path / "m.pt", weights_only=True)
     for key in want:
-        assert_bitwise(want[key], got[key], key)
+        assert_values_bitwise(want[key], got[key], key)
 
 
 @pytest.mark.parametrize("name", ["z0", "z0-fp16", "z1-bf16opt"])
@@ -132,7 +123,7 @@ def test_runs_zero_to_fp32_refuses(zero_runs: ZeroRuns, tmp_path: Path, name: st
     assert set(got) == set(module) | {"head.weight"}
     for key, want in module.items():
         if name.startswith("z0"):
-            assert_bitwise(want, got[key], key)
+            assert_values_bitwise(want, got[key], key)
         else:
             assert torch.equal(got[key].to(want.dtype), want), key
     assert got["head.weight"].data_ptr() == got["embed.weight"].data_ptr()
