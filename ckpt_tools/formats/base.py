@@ -1,14 +1,16 @@
-"""The opened-checkpoint handle every format reader returns."""
+"""The opened-checkpoint handle every format reader returns, and the file it reads from."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import io
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
 
-__all__ = ["Checkpoint", "RangeSource", "ZipRecord"]
+__all__ = ["Checkpoint", "RangeSource", "ZipRecord", "open_buffered"]
 
 
 class RangeSource(Protocol):
@@ -17,6 +19,38 @@ class RangeSource(Protocol):
     size: int
 
     def pread(self, count: int, offset: int) -> bytes: ...
+
+
+@contextlib.contextmanager
+def open_buffered(path: str, source: RangeSource | None) -> Iterator[BinaryIO]:
+    """``path`` as a buffered binary file, or ``source`` (the remote file at the URL
+    ``path``) as one, from its start.
+
+    Args:
+        path: the file (its URL where ``source`` is given).
+        source: the file read by ranges; None opens ``path``.
+
+    Yields:
+        The file; a local one is closed after, a remote one left open (its session
+        closes it).
+
+    Example:
+        >>> with open_buffered("model.pt", None) as f:
+        ...     f.read(2)
+        b'PK'
+    """
+    if source is None:
+        with open(path, "rb") as f:
+            yield f
+        return
+    source.seek(0)  # type: ignore[attr-defined]  # (zipfile may have moved it)
+    buffered = io.BufferedReader(source)  # type: ignore[arg-type]
+    try:
+        yield buffered
+    finally:
+        # Detached, not closed: collected, a buffer closes its raw file, and the remote
+        # file is read again later (a record's bytes, a scan's walk).
+        buffered.detach()
 
 
 @dataclass(frozen=True)

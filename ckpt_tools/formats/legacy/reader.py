@@ -14,7 +14,6 @@ Only the pickles and the 8-byte counts are read; storage bytes are skipped by se
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import struct
 import tarfile
@@ -29,7 +28,7 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
     quote_foreign,
 )
-from ckpt_tools.formats.base import Checkpoint, RangeSource
+from ckpt_tools.formats.base import Checkpoint, RangeSource, open_buffered
 from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, id_text
 from ckpt_tools.formats.pickle.unpickler import load_pickle
 
@@ -129,17 +128,8 @@ def open_legacy(path: str, *, source: RangeSource | None = None) -> Checkpoint:
 @contextlib.contextmanager
 def _opened(path: str, source: RangeSource | None) -> Iterator[tuple[BinaryIO, int]]:
     """``path`` (or ``source``) as a buffered binary file, and its size."""
-    if source is None:
-        with open(path, "rb") as f:
-            yield f, os.fstat(f.fileno()).st_size
-        return
-    buffered = io.BufferedReader(source)  # type: ignore[arg-type]
-    try:
-        yield buffered, source.size
-    finally:
-        # Detached, not closed: collected, a buffer closes its raw file, and the remote
-        # file is read again later (a record's bytes, a scan's walk).
-        buffered.detach()
+    with open_buffered(path, source) as f:
+        yield f, os.fstat(f.fileno()).st_size if source is None else source.size
 
 
 def _check_count(

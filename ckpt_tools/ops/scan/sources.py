@@ -21,17 +21,16 @@ checked before their first bytes are looked at (a request each, as torch reads e
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
 import tarfile
 import zipfile
 from collections.abc import Iterator, Sequence
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError, RemoteError
-from ckpt_tools.formats.base import RangeSource
+from ckpt_tools.formats.base import RangeSource, open_buffered
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickle.imports import (
     ImportScan,
@@ -51,7 +50,7 @@ from ckpt_tools.formats.zip.directory import (
 from ckpt_tools.formats.zip.records import read_head
 from ckpt_tools.ops.scan.severity import Context
 
-__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "opened", "walk_pickles"]
+__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "walk_pickles"]
 
 # A record is first tested on this many bytes; one that still parses as a pickle there is
 # walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
@@ -113,7 +112,7 @@ def walk_pickles(
     elif fmt == "numpy" and is_npz(path, source):
         yield from _lenient_zip_pickles(path, source)
     elif fmt == "numpy":
-        with opened(path, source) as f:
+        with open_buffered(path, source) as f:
             start = npy_pickle_offset(f.read(_HEAD))
             if start is not None:
                 yield Walked("object array", "pickle", find_imports(f, start))
@@ -182,25 +181,27 @@ def is_npz(path: str, source: RangeSource | None = None) -> bool:
 
     ``source`` is the file read by ranges where ``path`` is its URL.
     """
+    infos = _zip_listing(path, source) or []
+    return bool(infos) and all(i.filename.endswith(".npy") for i in infos)
+
+
+def _zip_listing(path: str, source: RangeSource | None) -> list[zipfile.ZipInfo] | None:
+    """The records Python's zipfile lists (``source`` read by ranges where ``path`` is its
+    URL), or None where zipfile cannot read the archive."""
     try:
         with zipfile.ZipFile(path if source is None else source) as archive:  # type: ignore[arg-type]
-            names = archive.namelist()
+            return archive.infolist()
     except RemoteError:
-        raise
+        raise  # a failed request is the caller's to report, not a zip zipfile cannot read
     except _ZIPFILE_ERRORS:
-        return False
-    return bool(names) and all(n.endswith(".npy") for n in names)
+        return None
 
 
 def _lenient_zip_pickles(path: str, source: RangeSource | None = None) -> Iterator[Walked]:
     """The pickles of a zip our reader refuses, found the lenient way (Python's zipfile
     lists the records) and read as torch reads them (no CRC-32 check)."""
-    try:
-        with zipfile.ZipFile(path if source is None else source) as archive:  # type: ignore[arg-type]
-            infos = archive.infolist()
-    except RemoteError:
-        raise
-    except _ZIPFILE_ERRORS:
+    infos = _zip_listing(path, source)
+    if infos is None:
         return
     script = any(i.filename.endswith("/constants.pkl") for i in infos)
     context: Context = "torchscript" if script else "pickle"
@@ -269,28 +270,12 @@ def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
     return head
 
 
-@contextlib.contextmanager
-def opened(path: str, source: RangeSource | None) -> Iterator[BinaryIO]:
-    """``path`` as a buffered binary file, or ``source`` (the remote file at the URL
-    ``path``) as one, left open: its session closes it."""
-    if source is None:
-        with open(path, "rb") as f:
-            yield f
-        return
-    source.seek(0)  # type: ignore[attr-defined]  # (zipfile may have moved it)
-    buffered = io.BufferedReader(source)  # type: ignore[arg-type]
-    try:
-        yield buffered
-    finally:
-        buffered.detach()
-
-
 def _sequence(
     path: str, most: int, names: tuple[str, ...], source: RangeSource | None = None
 ) -> Iterator[Walked]:
     """Pickles back to back from the start of ``path``: the ``names`` ones whatever they
     hold (a loader reads each), then each further one that is a whole pickle."""
-    with opened(path, source) as f:
+    with open_buffered(path, source) as f:
         start, size = 0, f.seek(0, io.SEEK_END)
         for index in range(most):
             if start >= size:
