@@ -10,11 +10,12 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.cli import modules_loaded_by
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_tools"
 
@@ -203,14 +204,8 @@ def test_the_public_names_are_one_table() -> None:
 
 def test_importing_the_package_loads_only_its_version() -> None:
     # `ckpt --version` and `import ckpt_tools` pay for nothing they do not use.
-    code = (
-        "import sys, ckpt_tools\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ckpt_tools'))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
-    assert out.strip() == str(["ckpt_tools", "ckpt_tools._version"])
+    loaded = modules_loaded_by("import ckpt_tools", ["ckpt_tools"])
+    assert loaded == ["ckpt_tools", "ckpt_tools._version"]
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))

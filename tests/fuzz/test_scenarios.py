@@ -23,6 +23,8 @@ from fuzzkit.checks import DOCUMENTED_EXIT_CODES
 from fuzzkit.registry import expected
 from fuzzkit.workers import CLI_MEMORY, child_env, limiter, run_ckpt
 
+from tests.helpers.files import has_file_open_in
+
 EXPECTED = expected()
 REFUSED = {2, 3, 4, 5}
 
@@ -126,20 +128,6 @@ def test_index_shard_paths_stay_in_the_folder(tmp_path: Path, target: str, via: 
     _one_line_refusal(res, REFUSED)
 
 
-def _fds_into(pid: int, folder: Path) -> bool:
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in names:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(str(folder) + "/"):
-                return True
-        except OSError:
-            pass
-    return False
-
-
 @_scenario("sigkill-temp")
 def test_sigkill_during_a_rewrite_leaves_nothing(tmp_path: Path) -> None:
     """Class 9: SIGKILL while the output is being written leaves no temp file behind."""
@@ -158,7 +146,7 @@ def test_sigkill_during_a_rewrite_leaves_nothing(tmp_path: Path) -> None:
     deadline = time.monotonic() + 60
     killed = False
     while proc.poll() is None and time.monotonic() < deadline:
-        if _fds_into(proc.pid, out_dir):
+        if has_file_open_in(proc.pid, out_dir):
             os.kill(proc.pid, signal.SIGKILL)
             killed = True
             break

@@ -4,15 +4,17 @@ In this process, :func:`run_ckpt` calls :func:`ckpt_tools.cli.main.main`, the re
 boundary that turns errors into exit codes, under click's ``CliRunner`` isolation (stdout
 and stderr captured apart, ``CKPT_DEBUG`` unset). In a fresh process it runs
 ``python -m ckpt_tools`` or the installed ``ckpt`` console script, with a timeout.
+:func:`modules_loaded_by` runs a line of Python in a fresh process and says what it imported.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -78,6 +80,19 @@ def torch_free_env(folder: Path, why: str = "this command must not import torch"
     (fake / "torch").mkdir(parents=True, exist_ok=True)
     (fake / "torch" / "__init__.py").write_text(f"raise ImportError({why!r})\n")
     return ckpt_env(PYTHONPATH=str(fake))
+
+
+def modules_loaded_by(code: str, packages: Collection[str]) -> list[str]:
+    """The modules of ``packages`` (top-level names) that ``code`` leaves imported in a fresh
+    interpreter, sorted: what an import costs, unaffected by this process's imports."""
+    probe = (
+        f"import sys\n{code}\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(packages)!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
 
 
 def run_ckpt(

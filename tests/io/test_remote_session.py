@@ -18,6 +18,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.io.remote import RemoteSession, TransferStats
 from ckpt_tools.io.remote.urls import FOLDER_FILES
+from tests.helpers.cli import modules_loaded_by
 from tests.helpers.servers import HubServer, S3Bucket
 
 
@@ -117,13 +118,4 @@ def test_without_the_remote_extra(
 
 def test_importing_the_package_imports_no_client() -> None:
     """httpx and botocore load when a URL of theirs is opened, not before."""
-    import subprocess
-
-    code = (
-        "import sys, ckpt_tools.io.remote\n"
-        "print(sorted({'httpx', 'botocore'} & {m.split('.')[0] for m in sys.modules}))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    assert out.stdout.strip() == "[]"
+    assert modules_loaded_by("import ckpt_tools.io.remote", ["httpx", "botocore"]) == []

@@ -167,6 +167,22 @@ def _draw_losses(
     ax.legend(fontsize="small")
 
 
+def _labelled_line(
+    ax: Any, y: float, text: str, color: str, linestyle: str, linewidth: float
+) -> None:
+    """A horizontal line at ``y`` with ``text`` just above its left end."""
+    ax.axhline(y, color=color, linestyle=linestyle, linewidth=linewidth)
+    ax.annotate(
+        text,
+        (0.01, y),
+        xycoords=("axes fraction", "data"),
+        xytext=(0, 3),
+        textcoords="offset points",
+        color=color,
+        fontsize="small",
+    )
+
+
 def _draw_gaps(
     ax: Any,
     gaps: Mapping[str, Sequence[float]],
@@ -181,26 +197,8 @@ def _draw_gaps(
         label = name + (" (0: equal to single at every step)" if values and not any(values) else "")
         _plot(ax, label, shown, styles[name])
     ax.set_yscale("log")
-    ax.axhline(tolerance, color="red", linestyle="--", linewidth=1.2)
-    ax.annotate(
-        f"tolerance {tolerance:g}",
-        (0.01, tolerance),
-        xycoords=("axes fraction", "data"),
-        xytext=(0, 3),
-        textcoords="offset points",
-        color="red",
-        fontsize="small",
-    )
-    ax.axhline(floor, color="grey", linestyle=":", linewidth=1.0)
-    ax.annotate(
-        "0 (equal): drawn here",
-        (0.01, floor),
-        xycoords=("axes fraction", "data"),
-        xytext=(0, 3),
-        textcoords="offset points",
-        color="grey",
-        fontsize="small",
-    )
+    _labelled_line(ax, tolerance, f"tolerance {tolerance:g}", "red", "--", 1.2)
+    _labelled_line(ax, floor, "0 (equal): drawn here", "grey", ":", 1.0)
     ax.set_ylim(floor / 4, top * 20)
     _steps_axis(ax, max((len(v) for v in gaps.values()), default=1))
     ax.set_ylabel("max |w - w_single| over all parameters")
