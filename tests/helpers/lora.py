@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,40 @@ class ImportedWhenUsed:
         if attr.startswith("_"):  # not set yet (a copy), or private: not the module's
             raise AttributeError(attr)
         return getattr(importlib.import_module(self._name), attr)
+
+
+def save_peft_adapter(
+    folder: Path, config: Any, layers: int = 2, base_name: str | None = None
+) -> Path:
+    """A tiny Llama's adapter of ``config``'s type (a PEFT config), saved by PEFT.
+
+    Args:
+        folder: where PEFT saves it.
+        config: e.g. ``peft.LoraConfig(...)``.
+        layers: the Llama's hidden layers.
+        base_name: the model's ``name_or_path``, which PEFT saves as
+            ``base_model_name_or_path`` (default: none set).
+
+    Returns:
+        ``folder``.
+    """
+    peft, transformers = importlib.import_module("peft"), importlib.import_module("transformers")
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if base_name is not None:
+            model.name_or_path = base_name
+        peft.get_peft_model(model, config).save_pretrained(folder)
+    return folder
 
 
 #: module -> (in, out) of TinyNet's adapted linears.

@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import ckpt_tools as ct
 from tests.helpers import run_ckpt
-from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, write_tiny_adapter
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, save_peft_adapter, write_tiny_adapter
 
 pytestmark = NEEDS_PEFT
 peft = ImportedWhenUsed("peft")
-transformers = ImportedWhenUsed("transformers")
 
 
 def _saved(folder: Path, config: object) -> Path:
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.name_or_path = "tiny-llama"  # what PEFT saves as base_model_name_or_path
-        peft.get_peft_model(model, config).save_pretrained(folder)
-    return folder
+    return save_peft_adapter(folder, config, layers=2, base_name="tiny-llama")
 
 
 def test_a_dora_rslora_adapter_is_described(tmp_path: Path) -> None:

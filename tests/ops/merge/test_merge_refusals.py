@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.helpers import FIXTURES, run_ckpt, torch_free_env
-from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, write_tiny_adapter
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, save_peft_adapter, write_tiny_adapter
 
 pytestmark = NEEDS_PEFT
 peft = ImportedWhenUsed("peft")
-transformers = ImportedWhenUsed("transformers")
 
 
 @pytest.fixture
@@ -39,21 +37,8 @@ def refused(*args: Any, code: int, names: tuple[str, ...]) -> str:
 
 
 def _peft_adapter(folder: Path, config: Any) -> Path:
-    """A tiny Llama's adapter of ``config``'s type, saved by PEFT."""
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        peft.get_peft_model(model, config).save_pretrained(folder)
-    return folder
+    """A tiny (one-layer) Llama's adapter of ``config``'s type, saved by PEFT."""
+    return save_peft_adapter(folder, config, layers=1)
 
 
 @pytest.mark.parametrize(
