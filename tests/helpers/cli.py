@@ -95,6 +95,21 @@ def modules_loaded_by(code: str, packages: Collection[str]) -> list[str]:
     return ast.literal_eval(out.strip().splitlines()[-1])
 
 
+def assert_refused_alike(path: Path, error: type[Exception], match: str, says: str) -> None:
+    """The library and the command refuse ``path`` alike: ``open_checkpoint`` raises ``error``
+    (its message matching ``match``), ``ckpt inspect`` exits 4 with one stderr line saying
+    ``says``. The command runs with a timeout: a read that blocks fails, not hangs."""
+    import pytest
+
+    from ckpt_tools.formats import open_checkpoint
+
+    with pytest.raises(error, match=match):
+        open_checkpoint(path)
+    result = run_ckpt("inspect", path, code=4, how="script", timeout=30)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
+
+
 def run_ckpt(
     *args: object,
     code: int | None = 0,

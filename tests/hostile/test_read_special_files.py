@@ -9,31 +9,16 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from safetensors.numpy import save_file
 
 from ckpt_tools.errors import UnsupportedFormatError
-from ckpt_tools.formats import open_checkpoint
-
-CKPT = str(Path(sys.executable).with_name("ckpt"))
-
-
-def _ckpt(*args: str) -> subprocess.CompletedProcess[str]:
-    # A blocked read would hang: the timeout turns that into a failure, not a stuck suite.
-    return subprocess.run([CKPT, *args], capture_output=True, text=True, timeout=30)
+from tests.helpers.cli import assert_refused_alike
 
 
 def _refused(path: Path, kind: str) -> None:
-    with pytest.raises(UnsupportedFormatError, match=kind):
-        open_checkpoint(path)
-    result = _ckpt("inspect", str(path))
-    assert result.returncode == 4, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and kind in lines[0], result.stderr
+    assert_refused_alike(path, UnsupportedFormatError, kind, kind)
 
 
 def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
