@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import struct
 import tarfile
+from collections.abc import Callable
 from typing import Any
 
 from . import pickleops as po
 from .draw import Draw
 from .mutate_pickle import mutate_pickle
+
+Mutator = Callable[[bytes, Draw, list[str]], bytes | None]
 
 # ---------------------------------------------------------------------------------------------
 # Legacy (pre-1.6) files: five pickles, then the storages
@@ -183,56 +187,68 @@ def _tensor_records(payload: bytes) -> list[tuple[int, int]] | None:
     return found
 
 
-def t_binary(data: bytes, d: Draw, names: list[str]) -> bytes | None:
+def _on_member(
+    name: str,
+) -> Callable[[Callable[[bytearray, Draw, list[str]], bool]], Mutator]:
+    """A mutation of the member ``name`` of a tar-format file: ``edit(payload, d, names)``
+    changes a copy of its bytes in place (False: it found nothing to change), the tar is
+    built again around it; no input without that member."""
+
+    def wrap(edit: Callable[[bytearray, Draw, list[str]], bool]) -> Mutator:
+        @functools.wraps(edit)
+        def mutate(data: bytes, d: Draw, names: list[str]) -> bytes | None:
+            members = _tar_members(data)
+            if not members:
+                return None
+            named = {info.name: i for i, (info, _) in enumerate(members)}
+            if name not in named:
+                return None
+            i = named[name]
+            payload = bytearray(members[i][1])
+            if not edit(payload, d, names):
+                return None
+            members[i] = (members[i][0], bytes(payload))
+            return _tar_build(members)
+
+        return mutate
+
+    return wrap
+
+
+@_on_member("tensors")
+def t_binary(payload: bytearray, d: Draw, names: list[str]) -> bool:
     """Shapes, strides, offsets and ndim of the ``tensors`` member; counts of ``storages``."""
-    members = _tar_members(data)
-    if not members:
-        return None
-    named = {info.name: i for i, (info, _) in enumerate(members)}
-    if "tensors" not in named:
-        return None
-    i = named["tensors"]
-    payload = bytearray(members[i][1])
     records = _tensor_records(bytes(payload))
     if not records:
-        return None
+        return False
     at, ndim = d.choice(records)
     field = d.choice(("ndim", "shape", "stride", "offset"))
     if field == "ndim":
         struct.pack_into("<i", payload, at, d.choice((ndim + 1, ndim - 1, 0, 1 << 20, -1)))
     else:
         if field != "offset" and ndim == 0:
-            return None
+            return False
         base = {"shape": 8, "stride": 8 + 8 * ndim, "offset": 8 + 16 * ndim}[field]
         where = at + base + (8 * d.int(0, ndim - 1) if field != "offset" else 0)
         (old,) = struct.unpack_from("<q", payload, where)
         new = max(-(2**63), min(2**63 - 1, d.interesting_int(old)))
         struct.pack_into("<q", payload, where, new)
-    members[i] = (members[i][0], bytes(payload))
     names.append(f"tar.tensors.{field}")
-    return _tar_build(members)
+    return True
 
 
-def t_storage_count(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    members = _tar_members(data)
-    if not members:
-        return None
-    named = {info.name: i for i, (info, _) in enumerate(members)}
-    if "storages" not in named:
-        return None
-    i = named["storages"]
-    payload = bytearray(members[i][1])
+@_on_member("storages")
+def t_storage_count(payload: bytearray, d: Draw, names: list[str]) -> bool:
     first = po.parse(bytes(payload))
     second = po.parse(bytes(payload), first[1]) if first else None
     if second is None or second[1] + 8 > len(payload):
-        return None
+        return False
     (old,) = struct.unpack_from("<q", payload, second[1])
     struct.pack_into(
         "<q", payload, second[1], max(-(2**63), min(2**63 - 1, d.interesting_int(old)))
     )
-    members[i] = (members[i][0], bytes(payload))
     names.append("tar.storages.count")
-    return _tar_build(members)
+    return True
 
 
 def t_members(data: bytes, d: Draw, names: list[str]) -> bytes | None:

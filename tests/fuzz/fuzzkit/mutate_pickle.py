@@ -4,6 +4,7 @@ protocols, nesting, lying lengths. Used inside every pickle-bearing format.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -170,52 +171,60 @@ def _payload_ops(d: Draw) -> list[list[Any]]:
     ]
 
 
-def p_int(ops: list[list[Any]], d: Draw) -> list[list[Any]] | None:
-    found = [i for i, o in enumerate(ops) if o[0] in po.INT_OPS and isinstance(o[1], int)]
-    if not found:
-        return None
-    i = d.choice(found)
-    value = d.interesting_int(int(ops[i][1]))
-    name = ops[i][0] if ops[i][0] in ("INT", "LONG", "LONG4") else po.best_int(value)[0]
-    ops[i] = po.op(name, value)
-    return ops
+OpsMutator = Callable[[list[list[Any]], Draw], list[list[Any]] | None]
 
 
-def p_memo(ops: list[list[Any]], d: Draw) -> list[list[Any]] | None:
-    found = [i for i, o in enumerate(ops) if o[0] in po.MEMO_OPS]
-    if not found:
-        return None
-    i = d.choice(found)
-    value = d.choice((0, 1, 2, int(ops[i][1]) + 1, 255, 2**31 - 1))
-    name = ops[i][0]
+def _on_an_op(
+    wanted: Callable[[list[Any]], bool],
+) -> Callable[[Callable[[list[Any], Draw], list[Any]]], OpsMutator]:
+    """A mutation of one op drawn from those ``wanted`` picks: ``edit(op, d)`` returns the op
+    that replaces it; no input without such an op."""
+
+    def wrap(edit: Callable[[list[Any], Draw], list[Any]]) -> OpsMutator:
+        @functools.wraps(edit)
+        def mutate(ops: list[list[Any]], d: Draw) -> list[list[Any]] | None:
+            found = [i for i, o in enumerate(ops) if wanted(o)]
+            if not found:
+                return None
+            i = d.choice(found)
+            ops[i] = edit(ops[i], d)
+            return ops
+
+        return mutate
+
+    return wrap
+
+
+@_on_an_op(lambda o: o[0] in po.INT_OPS and isinstance(o[1], int))
+def p_int(op: list[Any], d: Draw) -> list[Any]:
+    value = d.interesting_int(int(op[1]))
+    name = op[0] if op[0] in ("INT", "LONG", "LONG4") else po.best_int(value)[0]
+    return po.op(name, value)
+
+
+@_on_an_op(lambda o: o[0] in po.MEMO_OPS)
+def p_memo(op: list[Any], d: Draw) -> list[Any]:
+    value = d.choice((0, 1, 2, int(op[1]) + 1, 255, 2**31 - 1))
+    name = op[0]
     if name in ("BINPUT", "BINGET") and value > 255:
         name = "LONG_" + name
-    ops[i] = po.op(name, value)
-    return ops
+    return po.op(name, value)
 
 
-def p_str(ops: list[list[Any]], d: Draw) -> list[list[Any]] | None:
-    found = [i for i, o in enumerate(ops) if o[0] in po.STR_OPS]
-    if not found:
-        return None
-    i = d.choice(found)
-    old = str(ops[i][1])
+@_on_an_op(lambda o: o[0] in po.STR_OPS)
+def p_str(op: list[Any], d: Draw) -> list[Any]:
+    old = str(op[1])
     if old and d.bool(30):
         at = d.int(0, len(old) - 1)
         new = old[:at] + d.choice(("x", ".", "/", "\x00", "", old[at] * 2, "é")) + old[at + 1 :]
     else:
         new = d.choice(STRINGS)
-    ops[i] = po.op(ops[i][0], new)
-    return ops
+    return po.op(op[0], new)
 
 
-def p_global(ops: list[list[Any]], d: Draw) -> list[list[Any]] | None:
-    found = [i for i, o in enumerate(ops) if o[0] in ("GLOBAL", "INST")]
-    if not found:
-        return None
-    i = d.choice(found)
-    ops[i] = po.op(ops[i][0], d.choice(GLOBALS))
-    return ops
+@_on_an_op(lambda o: o[0] in ("GLOBAL", "INST"))
+def p_global(op: list[Any], d: Draw) -> list[Any]:
+    return po.op(op[0], d.choice(GLOBALS))
 
 
 def p_delete(ops: list[list[Any]], d: Draw) -> list[list[Any]] | None:

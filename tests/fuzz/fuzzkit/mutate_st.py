@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from .draw import Draw
@@ -137,27 +139,36 @@ def s_offsets(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     return _st_join(pairs, body, d)
 
 
+def _on_a_tensor(
+    edit: Callable[[list[list[Any]], list[Any], Draw, list[str]], None],
+) -> Callable[[bytes, Draw, list[str]], bytes | None]:
+    """A mutation of one tensor entry drawn from the header (``edit(pairs, entry, d, names)``
+    changes it in place), the file joined again after; no input without tensors."""
+
+    @functools.wraps(edit)
+    def mutate(data: bytes, d: Draw, names: list[str]) -> bytes | None:
+        split = _st_split(data)
+        if split is None or not _tensors(split[0]):
+            return None
+        pairs, body = split
+        edit(pairs, d.choice(_tensors(pairs)), d, names)
+        return _st_join(pairs, body, d)
+
+    return mutate
+
+
 ST_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64")
 ST_DTYPES += ("BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "C64", "f32", "", "F31")
 
 
-def s_dtype(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    split = _st_split(data)
-    if split is None or not _tensors(split[0]):
-        return None
-    pairs, body = split
-    t = d.choice(_tensors(pairs))
+@_on_a_tensor
+def s_dtype(pairs: list[list[Any]], t: list[Any], d: Draw, names: list[str]) -> None:
     _set(t, "dtype", d.choice((*ST_DTYPES, 4, None, ["F32"])))
     names.append("st.dtype")
-    return _st_join(pairs, body, d)
 
 
-def s_shape(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    split = _st_split(data)
-    if split is None or not _tensors(split[0]):
-        return None
-    pairs, body = split
-    t = d.choice(_tensors(pairs))
+@_on_a_tensor
+def s_shape(pairs: list[list[Any]], t: list[Any], d: Draw, names: list[str]) -> None:
     shape = _entry(t).get("shape")
     shape = list(shape) if isinstance(shape, list) else []
     how = d.choice(("grow", "shrink", "scalar", "zero", "negative", "float", "string", "huge"))
@@ -180,7 +191,6 @@ def s_shape(data: bytes, d: Draw, names: list[str]) -> bytes | None:
         shape = d.choice(([2**62, 4], [2**32, 2**32], [2**64], [1] * 100, [2**31, 2**31, 0]))
     _set(t, "shape", shape)
     names.append(f"st.shape.{how}")
-    return _st_join(pairs, body, d)
 
 
 def s_nest(data: bytes, d: Draw, names: list[str]) -> bytes | None:
@@ -294,27 +304,18 @@ def s_json_text(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     return _st_join(pairs, body, d, raw=text)
 
 
-def s_duplicate_key(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    split = _st_split(data)
-    if split is None or not _tensors(split[0]):
-        return None
-    pairs, body = split
-    t = d.choice(_tensors(pairs))
+@_on_a_tensor
+def s_duplicate_key(pairs: list[list[Any]], t: list[Any], d: Draw, names: list[str]) -> None:
     twin = [t[0], [list(x) for x in t[1]]]
     off = _entry(twin).get("data_offsets")
     if isinstance(off, list) and len(off) == 2 and d.bool():
         _set(twin, "data_offsets", [0, off[1] - off[0]])
     pairs.insert(d.choice((0, len(pairs))), twin)
     names.append("st.duplicate_key")
-    return _st_join(pairs, body, d)
 
 
-def s_fields(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    split = _st_split(data)
-    if split is None or not _tensors(split[0]):
-        return None
-    pairs, body = split
-    t = d.choice(_tensors(pairs))
+@_on_a_tensor
+def s_fields(pairs: list[list[Any]], t: list[Any], d: Draw, names: list[str]) -> None:
     how = d.choice(("drop", "extra", "not_object", "rename_key", "empty_key"))
     if how == "drop" and t[1]:
         t[1].pop(d.index(t[1]))
@@ -327,7 +328,6 @@ def s_fields(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     else:
         t[0] = ""
     names.append(f"st.fields.{how}")
-    return _st_join(pairs, body, d)
 
 
 def s_body(data: bytes, d: Draw, names: list[str]) -> bytes | None:

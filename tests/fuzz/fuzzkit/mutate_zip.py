@@ -4,6 +4,7 @@ CRCs, compression, storages, the end record, prepended bytes.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import struct
 from collections.abc import Callable
@@ -26,6 +27,23 @@ def _build(model: zipfmt.ZipModel, d: Draw, **kwargs: Any) -> bytes:
     return zipfmt.build_zip(model, torch_style=d.bool(80), **kwargs)
 
 
+def _on_an_entry(
+    edit: Callable[[zipfmt.ZipModel, zipfmt.Entry, Draw, list[str]], None],
+) -> Callable[[bytes, Draw, list[str]], bytes | None]:
+    """A mutation of one entry drawn from the zip (``edit(model, entry, d, names)`` changes
+    it in place), the zip built again after; no input without entries."""
+
+    @functools.wraps(edit)
+    def mutate(data: bytes, d: Draw, names: list[str]) -> bytes | None:
+        model = _zip(data)
+        if model is None or not model.entries:
+            return None
+        edit(model, d.choice(model.entries), d, names)
+        return _build(model, d)
+
+    return mutate
+
+
 def z_pickle(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     model = _zip(data)
     entry = model.data_pkl() if model else None
@@ -38,11 +56,8 @@ def z_pickle(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     return _build(model, d)
 
 
-def z_rename(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    model = _zip(data)
-    if model is None or not model.entries:
-        return None
-    e = d.choice(model.entries)
+@_on_an_entry
+def z_rename(model: zipfmt.ZipModel, e: zipfmt.Entry, d: Draw, names: list[str]) -> None:
     how = d.choice(
         (
             "root",
@@ -81,7 +96,6 @@ def z_rename(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     else:
         e.name = e.rel
     names.append(f"zip.rename.{how}")
-    return _build(model, d)
 
 
 def z_drop(data: bytes, d: Draw, names: list[str]) -> bytes | None:
@@ -202,28 +216,20 @@ SIZE_FIELDS = ("csize", "usize", "local_csize", "local_usize", "desc_csize", "de
 SIZE_FIELDS += ("central_csize", "central_usize")
 
 
-def z_size(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    model = _zip(data)
-    if model is None or not model.entries:
-        return None
-    e = d.choice(model.entries)
+@_on_an_entry
+def z_size(model: zipfmt.ZipModel, e: zipfmt.Entry, d: Draw, names: list[str]) -> None:
     field = d.choice(SIZE_FIELDS)
     true = len(e.raw) if "csize" in field else e.usize
     e.lies[field] = d.interesting_int(true) & 0xFFFFFFFF
     names.append(f"zip.size.{field}")
-    return _build(model, d)
 
 
-def z_crc(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    model = _zip(data)
-    if model is None or not model.entries:
-        return None
-    e = d.choice(model.entries)
+@_on_an_entry
+def z_crc(model: zipfmt.ZipModel, e: zipfmt.Entry, d: Draw, names: list[str]) -> None:
     bad = (e.crc ^ (1 << d.int(0, 31))) & 0xFFFFFFFF
     for field in d.choice((("crc",), ("central_crc",), ("local_crc", "desc_crc"))):
         e.lies[field] = bad
     names.append("zip.crc")
-    return _build(model, d)
 
 
 def z_deflate(data: bytes, d: Draw, names: list[str]) -> bytes | None:
@@ -238,25 +244,17 @@ def z_deflate(data: bytes, d: Draw, names: list[str]) -> bytes | None:
     return _build(model, d)
 
 
-def z_method_lie(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    model = _zip(data)
-    if model is None or not model.entries:
-        return None
-    e = d.choice(model.entries)
+@_on_an_entry
+def z_method_lie(model: zipfmt.ZipModel, e: zipfmt.Entry, d: Draw, names: list[str]) -> None:
     e.lies[d.choice(("local_method", "central_method"))] = d.choice((8, 0, 12, 14, 99))
     names.append("zip.method_lie")
-    return _build(model, d)
 
 
-def z_local_name(data: bytes, d: Draw, names: list[str]) -> bytes | None:
-    model = _zip(data)
-    if model is None or not model.entries:
-        return None
-    e = d.choice(model.entries)
+@_on_an_entry
+def z_local_name(model: zipfmt.ZipModel, e: zipfmt.Entry, d: Draw, names: list[str]) -> None:
     other = d.choice(model.entries).name
     e.lies["local_name"] = (other if other != e.name else e.name + "x").encode()
     names.append("zip.local_name")
-    return _build(model, d)
 
 
 def z_storage(data: bytes, d: Draw, names: list[str]) -> bytes | None:
