@@ -84,11 +84,13 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
     except BaseException as e:
         # Imported once something was raised: `ckpt --version` and `ckpt --help` start
         # without the error tree and the write machinery.
+        from ckpt_tools.cli.render import echo_text
         from ckpt_tools.errors import CheckpointError
         from ckpt_tools.io.interrupts import Interrupted
 
         if isinstance(e, CheckpointError) and os.environ.get("CKPT_DEBUG") != "1":
-            click.echo(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
+            # A message may quote a key from the file: escaped as the command's output is.
+            echo_text(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
             return e.exit_code
         if isinstance(e, Interrupted):
             # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and

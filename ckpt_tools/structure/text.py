@@ -19,6 +19,7 @@ __all__ = [
     "human_bytes",
     "human_count",
     "more_hint",
+    "shown",
     "text_table",
 ]
 
@@ -75,12 +76,45 @@ def counts(mapping: Mapping[str, int]) -> str:
     return ", ".join(f"{k} ×{v}" for k, v in mapping.items()) or "none"
 
 
+def shown(text: str, *, lines: bool = False) -> str:
+    """``text`` safe to write to a terminal: what ``repr`` escapes is written as it escapes it.
+
+    A name read from a checkpoint may hold escape sequences, carriage returns, line breaks or
+    bidi overrides that would drive the terminal or disguise the name. Every character that
+    is not printable (``str.isprintable``: control and format characters, line and
+    paragraph separators, spaces other than ``" "``, unassigned code points, lone
+    surrogates) becomes its ``repr`` escape (``\\x1b``, ``\\n``, ``\\u202e``), so the
+    name stays recognisable and distinct; printable text, accents and CJK included, is
+    returned as it is.
+
+    Args:
+        text: the text to show.
+        lines: keep ``\\n`` as a line break, for a whole output laid out in lines; every
+            other character is still escaped.
+
+    Returns:
+        ``text``, or its escaped form.
+
+    Example:
+        >>> print(shown("fc\\x1b[2J.weight\\u202e"))
+        fc\\x1b[2J.weight\\u202e
+        >>> shown("权重.ñ")
+        '权重.ñ'
+    """
+    if text.isprintable():
+        return text
+    if lines:
+        return "\n".join(map(shown, text.split("\n")))
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def text_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
     """A fixed-width table: left-aligned columns under a header and a dashed rule.
 
     The layout is that of tabulate's ``simple`` format for one-line cells: each column as
     wide as its widest cell or its header plus two, columns two spaces apart, trailing spaces
-    dropped.
+    dropped. Cells are :func:`shown`: a name with a line break or an escape sequence stays
+    one line of its column, and never reaches a terminal raw.
 
     Args:
         rows: the cells, one sequence per row (converted with ``str``).
@@ -95,7 +129,8 @@ def text_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
         ------  -------
         w       float32
     """
-    cells = [[str(cell).strip() for cell in row] for row in rows]
+    # Escape, then strip: a name's trailing "\n" or "\t" shows instead of being stripped away.
+    cells = [[shown(str(cell)).strip() for cell in row] for row in rows]
     widths = [
         max([len(header) + _PADDING, *(len(row[i]) for row in cells)])
         for i, header in enumerate(headers)

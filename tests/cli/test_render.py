@@ -1,7 +1,9 @@
 """The command's tables are tabulate's ``simple`` tables, whichever function lays them out.
 
-``cli.render.table`` lays out plain tables (one line of printable ASCII a cell) with the
-library's ``text_table`` and leaves the rest to tabulate; the oracle is tabulate itself.
+``cli.render.table`` escapes each text cell (``structure.text.shown``: a name's control and
+format characters as ``repr`` writes them), then lays out plain tables (one line of printable
+ASCII a cell) with the library's ``text_table`` and leaves the rest to tabulate; the oracle is
+tabulate itself, laying out the same escaped cells (the very cells, where they are safe).
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ from tabulate import tabulate
 
 from ckpt_tools.cli.render import table
 from ckpt_tools.ops.inspect.inspection import inspect
+from ckpt_tools.structure.text import shown
 
 
 def _tabulate(rows: list[list[Any]], headers: list[str]) -> str:
+    rows = [[shown(c) if isinstance(c, str) else c for c in row] for row in rows]
+    headers = [shown(h) for h in headers]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def _one_line_cells(text: str) -> bool:
+    """Whether every line of a table is printable: no cell brought a control character."""
+    return all(line.isprintable() for line in text.split("\n"))
 
 
 def test_inspect_table_is_tabulate_s(tmp_path: Path) -> None:
@@ -34,6 +44,8 @@ def test_inspect_table_is_tabulate_s(tmp_path: Path) -> None:
         headers = ["name", "dtype", "shape", "device", "storage", "offset", "bytes", "shared with"]
         for some in ([r for r in rows if r[0] in ("fc.weight", "own")], rows):
             assert table(some, headers) == _tabulate(some, headers)
+            assert _one_line_cells(table(some, headers))
+    assert len(table(info.rows(), ["name"] * 8).splitlines()) == len(names) + 1 + 2
 
 
 def test_random_tables_are_tabulate_s() -> None:
@@ -51,6 +63,10 @@ def test_random_tables_are_tabulate_s() -> None:
         headers = [cell() for _ in range(width)]
         rows = [[cell() for _ in range(width)] for _ in range(rng.randint(0, 4))]
         assert table(rows, headers) == _tabulate(rows, headers), (headers, rows)
+        assert _one_line_cells(table(rows, headers)), (headers, rows)
+        if "".join([*headers, *(c for row in rows for c in row)]).isprintable():
+            raw = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+            assert table(rows, headers) == raw, (headers, rows)
 
 
 def test_cells_that_are_not_text_are_tabulate_s() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from ckpt_tools.cli.options import json_option, select_option
-from ckpt_tools.cli.render import echo_json, table
+from ckpt_tools.cli.render import echo_json, echo_text, table
 from ckpt_tools.diffing.report import FAIL_CATEGORIES
 from ckpt_tools.errors import EXIT_DIFFERENCES, EXIT_OK, UsageError
 
@@ -142,7 +142,7 @@ def diff_cmd(
         values=values,
     )
     if verbose and report.transfer is not None:
-        click.echo(f"remote: {report.transfer}", err=True)
+        echo_text(f"remote: {report.transfer}", err=True)
     failed = sorted(report.found() & categories)
     if as_json:
         echo_json({**report.to_json(), "fail_on": sorted(categories), "failed_on": failed})
@@ -150,7 +150,7 @@ def diff_cmd(
         text = report.text(
             show_all=show_all, group=not no_group, model_spec=model_spec, table=table, for_cli=True
         )
-        click.echo(text)
+        echo_text(text)
         if failed:
             click.echo(f"failing on: {', '.join(failed)}")
     return EXIT_DIFFERENCES if failed else EXIT_OK

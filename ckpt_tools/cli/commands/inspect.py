@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ckpt_tools.cli.options import json_option, select_option
-from ckpt_tools.cli.render import echo_json, table
+from ckpt_tools.cli.render import echo_json, echo_text, table
 from ckpt_tools.ops.inspect.inspection import inspect
 
 
@@ -31,8 +31,8 @@ def inspect_cmd(
     """
     info = inspect(path, select=select)
     if verbose and info.transfer is not None:
-        click.echo(f"remote: {info.transfer}", err=True)
+        echo_text(f"remote: {info.transfer}", err=True)
     if as_json:
         echo_json(info.to_json())
         return
-    click.echo(info.text(group=group, limit=limit, table=table, for_cli=True))
+    echo_text(info.text(group=group, limit=limit, table=table, for_cli=True))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import click
 
-from ckpt_tools.cli.render import echo_json
+from ckpt_tools.cli.render import echo_json, echo_text, shown
 from ckpt_tools.ops.scan import scan
 
 
@@ -54,14 +54,14 @@ def scan_cmd(
     if verbose and report.transfer is not None:
         for file in report.files:
             if file.transfer is not None and len(report.files) > 1:
-                click.echo(f"remote: {file.path}: {file.transfer}", err=True)
-        click.echo(f"remote: {report.transfer}", err=True)
+                echo_text(f"remote: {file.path}: {file.transfer}", err=True)
+        echo_text(f"remote: {report.transfer}", err=True)
     if output_format == "sarif":
         echo_json(report.to_sarif())
     elif as_json or output_format == "json":
         echo_json(report.to_json())
     else:
-        click.echo(report.text())
+        echo_text(report.text())
     return report.exit_code(fail_on=fail_on)  # type: ignore[arg-type]
 
 
@@ -72,7 +72,7 @@ def _progress_line() -> Callable[[int, int, str], None] | None:
 
     def show(done: int, total: int, path: str) -> None:
         if total > 1:
-            line = f"scanning {done + 1}/{total} {path}"[:78]
+            line = f"scanning {done + 1}/{total} {shown(path)}"[:78]
             end = "\n" if done + 1 == total else ""
             sys.stderr.write(f"\r{line:<78}{end}")
             sys.stderr.flush()

@@ -1,0 +1,169 @@
+"""Names read from a checkpoint reach the terminal escaped, as ``repr`` escapes them.
+
+A tensor key, a global named in a pickle, a record name inside a zip or a file name may hold
+escape sequences, carriage returns, NUL, DEL, C1 controls or bidi overrides. The ``ckpt``
+console script runs in a fresh process on real files (``torch.save``, safetensors'
+``save_file``, a zip and a pickle written by hand), and its output is read as bytes: no
+character that is not printable reaches stdout or stderr but the line breaks of the layout,
+each name shows as ``repr`` writes it, and ordinary names (accents, CJK) print as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import ckpt_env, console_script
+
+HOSTILE = [
+    "\x1b]0;pwned\x07evil",  # OSC: sets the window title
+    "a\x1b[2J",  # CSI: clears the screen
+    "cr\rret",
+    "tab\tbed",
+    "rtl\u202eexe.pt",  # a bidi override: the rest reads backwards
+    "nul\x00x",
+    "del\x7fx",
+    "csi\x9b31m",  # C1: a one-byte CSI
+    "sep\u2028x",  # a line separator
+    "zw\u200bj",  # a zero-width space: hides in the name
+]
+LINE_BREAK = "line\nbreak"
+ORDINARY = ["ñ.weight", "权重", "fc.weight"]
+
+
+def _escaped(name: str) -> str:
+    """How the name must show: as ``repr`` writes it, without the quotes."""
+    return repr(name)[1:-1]
+
+
+def _ckpt(*args: object, code: int) -> tuple[str, str]:
+    """Run the console script; its stdout and stderr, decoded from the bytes written."""
+    proc = subprocess.run(
+        [console_script(), *map(str, args)],
+        capture_output=True,  # bytes: text mode would turn a raw "\r" into "\n"
+        env=ckpt_env(PYTHONIOENCODING="utf-8"),
+        timeout=120,
+        check=False,
+    )
+    out, err = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
+    assert proc.returncode == code, f"ckpt {args}: exit {proc.returncode}\n{out}\n{err}"
+    return out, err
+
+
+def _assert_safe(text: str) -> None:
+    raw = sorted({c for c in text if not c.isprintable() and c != "\n"})
+    assert raw == [], f"raw characters reached the terminal: {raw}\n{text}"
+
+
+def _tensors(names: list[str]) -> dict[str, torch.Tensor]:
+    return {name: torch.full((2,), float(i)) for i, name in enumerate(names)}
+
+
+@pytest.fixture
+def hostile_pt(tmp_path: Path) -> Path:
+    path = tmp_path / "hostile.pt"
+    torch.save(_tensors([*HOSTILE, LINE_BREAK, *ORDINARY]), path)
+    return path
+
+
+def test_inspect_escapes_keys_in_its_table(hostile_pt: Path, tmp_path: Path) -> None:
+    safetensors = tmp_path / "hostile.safetensors"
+    save_file(_tensors([*HOSTILE, LINE_BREAK, *ORDINARY]), safetensors)
+    for path in (hostile_pt, safetensors):
+        out, err = _ckpt("inspect", path, code=0)
+        _assert_safe(out + err)
+        for name in [*HOSTILE, LINE_BREAK]:
+            assert _escaped(name) in out
+        for name in ORDINARY:
+            assert name in out
+        # One row a tensor: the line break in a key stays inside its row.
+        rows = out.split("\n\n")[1].splitlines()[2:]
+        assert len(rows) == len(HOSTILE) + 1 + len(ORDINARY)
+
+
+def test_inspect_escapes_a_file_name_and_the_zip_records_named(tmp_path: Path) -> None:
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    path = folder / "ev\x1b[2Jil\u202e.pt"
+    torch.save({"w": torch.zeros(1), "cfg": argparse.Namespace(a=1)}, path)
+    out, err = _ckpt("inspect", path, code=0)
+    _assert_safe(out + err)
+    assert _escaped(str(path)) in out
+    out, err = _ckpt("scan", folder, code=0)
+    _assert_safe(out + err)
+    assert f"nonstandard  {_escaped(str(path))} (torch-zip)" in out
+
+
+def test_scan_escapes_globals_and_record_names(hostile_pt: Path, tmp_path: Path) -> None:
+    # A pickle whose one global is named with escape sequences, a bidi override and C1.
+    module, name = "os\x1b]0;pwned\x07", "sys\x9btem\u202e"
+    pickled = b"\x80\x04"
+    for text in (module, name):
+        encoded = text.encode("utf-8")
+        pickled += b"\x8c" + bytes([len(encoded)]) + encoded  # SHORT_BINUNICODE
+    pickle_path = tmp_path / "global.pkl"
+    pickle_path.write_bytes(pickled + b"\x93)R.")  # STACK_GLOBAL, (), REDUCE, STOP
+    # A torch zip whose records lie under a folder named with an escape sequence.
+    record_root = "ar\x1b[2Jch\u202e"
+    saved = io.BytesIO()
+    torch.save({"w": torch.zeros(1), "cfg": argparse.Namespace(a=1)}, saved)
+    renamed = tmp_path / "records.pt"
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(renamed, "w") as out_zip:
+        for info in src.infolist():
+            out_zip.writestr(info.filename.replace("archive", record_root, 1), src.read(info))
+    assert set(torch.load(renamed, weights_only=False)) == {"w", "cfg"}
+
+    out, err = _ckpt("scan", pickle_path, renamed, hostile_pt, code=1)
+    _assert_safe(out + err)
+    assert f"dangerous: {_escaped(module)}.{_escaped(name)} in pickle" in out
+    assert f"argparse.Namespace in {_escaped(record_root)}/data.pkl" in out
+
+
+def test_diff_escapes_keys_in_its_table_and_its_key_lists(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    half = len(HOSTILE) // 2
+    common = [*HOSTILE[:half], LINE_BREAK, *ORDINARY]
+    torch.save(_tensors([*common, *HOSTILE[half:-1]]), a)
+    torch.save({k: v + 1 for k, v in _tensors(common).items()} | {HOSTILE[-1]: torch.zeros(1)}, b)
+    out, err = _ckpt("diff", a, b, code=0)
+    _assert_safe(out + err)
+    for name in [*HOSTILE, LINE_BREAK]:
+        assert _escaped(name) in out
+    for name in ORDINARY:
+        assert name in out
+    assert f"missing (in B, not in A): 1\n  {_escaped(HOSTILE[-1])}\n" in out
+
+
+def test_an_error_message_escapes_the_keys_it_quotes(tmp_path: Path) -> None:
+    path = tmp_path / "hostile.pt"
+    names = [*HOSTILE, "ñ.weight", "权重"]  # as many as the message lists
+    torch.save(_tensors(names), path)
+    out, err = _ckpt("inspect", path, "--select", "missing", code=2)
+    _assert_safe(out + err)
+    assert err.startswith("ckpt: error: ") and err.count("\n") == 1
+    for name in names:
+        assert _escaped(name) in err
+
+
+def test_json_stays_exact_and_ascii(hostile_pt: Path, tmp_path: Path) -> None:
+    """--json is for programs: every name exact once parsed, and nothing raw on the wire
+    (json.dumps escapes controls and, by default, every non-ASCII character)."""
+    safetensors = tmp_path / "meta.safetensors"
+    metadata = {"note\x1b[2J": "v\x1b]0;t\x07\u202e", "权重": "ñ"}
+    save_file(_tensors([*HOSTILE, LINE_BREAK, *ORDINARY]), safetensors, metadata=metadata)
+    out, _ = _ckpt("inspect", safetensors, "--json", code=0)
+    assert out.isascii()
+    data = json.loads(out)
+    assert {t["name"] for t in data["tensors"]} == {*HOSTILE, LINE_BREAK, *ORDINARY}
+    assert data["metadata"] == metadata
+    out, _ = _ckpt("diff", hostile_pt, safetensors, "--json", code=0)
+    assert out.isascii()
+    assert {t["name"] for t in json.loads(out)["tensors"]} == {*HOSTILE, LINE_BREAK, *ORDINARY}

@@ -1,0 +1,60 @@
+"""``structure.text.shown``: text made safe for a terminal, as ``repr`` escapes it.
+
+The oracle is ``repr``: every character it escapes is escaped the same way, every other
+character is left as it is; and ``text_table`` keeps one line a row whatever its cells hold.
+"""
+
+from __future__ import annotations
+
+import sys
+import unicodedata
+
+from ckpt_tools.structure.text import shown, text_table
+
+ORDINARY = ["fc.weight", "ñ.weight", "权重", "e\u0301", "layers.{0..31}.fc ×32", "a b", "", "\\x1b"]
+
+
+def test_ordinary_text_is_returned_as_it_is() -> None:
+    for text in ORDINARY:
+        assert shown(text) is text
+        assert shown(text, lines=True) is text
+
+
+def test_every_character_is_escaped_as_repr_escapes_it() -> None:
+    # Controls, Latin, bidi and format marks, the lone surrogates, the start of private use,
+    # the specials and the last code point: each alone shows as repr writes it (unquoted).
+    for code in [*range(0x3000), *range(0xD7F0, 0xE010), *range(0xFE00, 0x10000), sys.maxunicode]:
+        char = chr(code)
+        expected = char if char in "'\\" else repr(char)[1:-1]
+        assert shown(char) == expected, hex(code)
+
+
+def test_the_categories_that_drive_or_disguise_text_are_escaped() -> None:
+    for code in range(0x10000):
+        char = chr(code)
+        if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp"):
+            assert shown(char).startswith("\\") and shown(char).isprintable(), hex(code)
+
+
+def test_a_name_stays_recognisable() -> None:
+    assert shown("\x1b]0;pwned\x07evil") == "\\x1b]0;pwned\\x07evil"
+    assert shown("rtl\u202eexe.pt") == "rtl\\u202eexe.pt"
+    assert shown("a\r\nb\t\x00\x7f\x9b") == "a\\r\\nb\\t\\x00\\x7f\\x9b"
+    assert shown(shown("a\x1b[2J")) == shown("a\x1b[2J")  # escaped text is safe text
+
+
+def test_lines_keeps_line_breaks_only() -> None:
+    assert shown("a\x1b[2J\nb\rc\u2028", lines=True) == "a\\x1b[2J\nb\\rc\\u2028"
+    assert shown("one\ntwo", lines=True) == "one\ntwo"
+    assert shown("one\ntwo") == "one\\ntwo"
+
+
+def test_text_table_keeps_one_line_a_row() -> None:
+    rows = [["line\nbreak", "float32"], ["\x1b[31mred\x1b[0m\t", "bf16"], ["权重", "x"]]
+    table = text_table(rows, ["name", "dtype"])
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert all(line.isprintable() for line in lines)
+    assert lines[2].startswith("line\\nbreak  ")
+    assert lines[3].startswith("\\x1b[31mred\\x1b[0m\\t  ")
+    assert lines[4].startswith("权重")
