@@ -167,3 +167,11 @@ def test_json_stays_exact_and_ascii(hostile_pt: Path, tmp_path: Path) -> None:
     out, _ = _ckpt("diff", hostile_pt, safetensors, "--json", code=0)
     assert out.isascii()
     assert {t["name"] for t in json.loads(out)["tensors"]} == {*HOSTILE, LINE_BREAK, *ORDINARY}
+
+
+def test_a_lone_surrogate_in_a_key_is_shown_not_a_crash(tmp_path: Path) -> None:
+    # pickle stores it (surrogatepass); written raw, it could not be encoded for the terminal.
+    path = tmp_path / "surrogate.pt"
+    torch.save({"a\ud800b": torch.zeros(1)}, path)
+    out, err = _ckpt("inspect", path, code=0)
+    assert "a\\ud800b" in out and err == ""
