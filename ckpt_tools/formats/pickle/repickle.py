@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import (
+    CheckpointError,
     ConversionError,
     CorruptCheckpointError,
     ResourceLimitError,
@@ -274,26 +275,39 @@ def unsupported_opcodes(payload: bytes) -> list[str]:
     return found + [name for name in scan.opcodes if name not in WEIGHTS_ONLY_OPCODES]
 
 
-def check_weights_only_pickle(payload: bytes) -> None:
+def check_weights_only_pickle(
+    payload: bytes,
+    *,
+    what: str = "the output pickle",
+    error: Callable[[str], CheckpointError] = ConversionError,
+) -> None:
     """Refuse a pickle that ``torch.load(weights_only=True)`` could not read.
 
+    Args:
+        payload: the pickle.
+        what: how messages name it.
+        error: makes the refusal from its message (a written archive's check raises its own).
+
     Raises:
-        ConversionError: it uses other opcodes than :data:`WEIGHTS_ONLY_OPCODES`, or a
-            protocol other than 2.
+        ConversionError: (or what ``error`` makes) it is malformed, or uses other opcodes
+            than :data:`WEIGHTS_ONLY_OPCODES` or a protocol other than 2.
+        ResourceLimitError: its objects expand past the limit (a memo bomb).
 
     Example:
         >>> check_weights_only_pickle(pickle.dumps([1.5, "x"], protocol=2))
+        >>> check_weights_only_pickle(pickle.dumps([1.5], protocol=4))
+        Traceback (most recent call last):
+        ckpt_tools.errors.ConversionError: the output pickle uses opcodes ... PROTO 4, FRAME, MEMOIZE
     """
     try:
         bad = unsupported_opcodes(payload)
     except ResourceLimitError:  # a ValueError too: a refusal, not a malformed pickle
         raise
     except ValueError as e:
-        raise ConversionError(f"the output pickle is malformed ({quote_foreign(e)})") from e
+        raise error(f"{what} is not a well-formed pickle ({quote_foreign(e)})") from e
     if bad:
-        raise ConversionError(
-            "the output pickle would need opcodes torch.load(weights_only=True) rejects: "
-            + ", ".join(bad[:8])
+        raise error(
+            f"{what} uses opcodes torch.load(weights_only=True) rejects: " + ", ".join(bad[:8])
         )
 
 

@@ -16,9 +16,7 @@ import zlib
 from ckpt_tools.errors import (
     CheckpointError,
     CorruptCheckpointError,
-    ResourceLimitError,
     VerificationError,
-    quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.zip.directory import ZipEntry, read_zip_directory
@@ -132,13 +130,6 @@ def _records(path: str, fd: int) -> list[tuple[str, bool, int, int, int]]:
 def _check_pickle(payload: bytes) -> None:
     # Imported here: a rewrite checks its zip source's CRCs through this module before it
     # writes, and only an output's data.pkl needs the pickle machinery.
-    from ckpt_tools.formats.pickle.repickle import unsupported_opcodes
+    from ckpt_tools.formats.pickle.repickle import check_weights_only_pickle
 
-    try:
-        bad = unsupported_opcodes(payload)
-    except ResourceLimitError:  # a ValueError too: a refusal, not a malformed pickle
-        raise
-    except ValueError as e:
-        raise _fail(f"data.pkl is not a well-formed pickle ({quote_foreign(e)})") from e
-    if bad:
-        raise _fail(f"data.pkl uses opcodes torch.load(weights_only=True) rejects: {bad[:8]}")
+    check_weights_only_pickle(payload, what="data.pkl", error=_fail)
