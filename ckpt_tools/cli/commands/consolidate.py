@@ -6,7 +6,6 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     dry_run_option,
     durable_option,
@@ -14,7 +13,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_result
+from ckpt_tools.cli.writing import quiet_option, run_and_show
 from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, consolidate
 
@@ -73,6 +72,4 @@ def consolidate_cmd(
     straight into place; memory does not grow with the checkpoint. A DeepSpeed checkpoint is
     written as zero_to_fp32 writes it: fp32 master weights, frozen ones as trained.
     """
-    with progress_bar(quiet or as_json) as progress:
-        result = consolidate(src, dst, include_all=everything, progress=progress, **kw)
-    echo_result(result, as_json, quiet)
+    run_and_show(consolidate, src, dst, include_all=everything, as_json=as_json, quiet=quiet, **kw)

@@ -6,7 +6,6 @@ from typing import Any
 
 import click
 
-from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
@@ -16,7 +15,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_result
+from ckpt_tools.cli.writing import quiet_option, run_and_show
 
 
 @click.command("merge-lora")
@@ -56,6 +55,4 @@ def merge_lora_cmd(
     """
     from ckpt_tools.ops.merge.merging import merge_lora
 
-    with progress_bar(quiet or as_json) as progress:
-        result = merge_lora(base, adapter, out, progress=progress, **kw)
-    echo_result(result, as_json, quiet)
+    run_and_show(merge_lora, base, adapter, out, as_json=as_json, quiet=quiet, **kw)

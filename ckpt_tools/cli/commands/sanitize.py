@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     dry_run_option,
     durable_option,
@@ -12,7 +11,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_result
+from ckpt_tools.cli.writing import quiet_option, run_and_show
 from ckpt_tools.ops.sanitize.sanitizing import sanitize
 
 
@@ -45,16 +44,16 @@ def sanitize_cmd(
     argparse/OmegaConf configs, defaultdicts, paths and enums plain values, pickled
     nn.Modules their state dict; anything else is dropped and listed (--strict: refused).
     """
-    with progress_bar(quiet or as_json) as progress:
-        report = sanitize(
-            src,
-            dst,
-            refuse_unsafe=strict,
-            select=select,
-            force=force,
-            verify=verify,
-            dry_run=dry_run,
-            durable=durable,
-            progress=progress,
-        )
-    echo_result(report, as_json, quiet)
+    run_and_show(
+        sanitize,
+        src,
+        dst,
+        as_json=as_json,
+        quiet=quiet,
+        refuse_unsafe=strict,
+        select=select,
+        force=force,
+        verify=verify,
+        dry_run=dry_run,
+        durable=durable,
+    )

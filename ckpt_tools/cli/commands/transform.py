@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import click
 
-from ckpt_tools.cli.commands.rewrite import progress_bar, quiet_option
 from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
@@ -18,7 +16,7 @@ from ckpt_tools.cli.options import (
     select_option,
     verify_option,
 )
-from ckpt_tools.cli.render import echo_result
+from ckpt_tools.cli.writing import quiet_option, run_and_show
 
 #: Options every transform takes (the output side).
 _writing = option_group(
@@ -31,13 +29,6 @@ _writing = option_group(
     json_option,
     dry_run_option,
 )
-
-
-def _write(call: Callable[..., Any], *args: Any, as_json: bool, quiet: bool, **kw: Any) -> None:
-    """``call(*args, **kw)`` with a progress bar (unless quiet or JSON), then its result shown."""
-    with progress_bar(quiet or as_json) as progress:
-        result = call(*args, progress=progress, **kw)
-    echo_result(result, as_json, quiet)
 
 
 @click.command("slim")
@@ -80,7 +71,7 @@ def slim_cmd(src: str, dst: str, as_json: bool, quiet: bool, **kw: Any) -> None:
     """Make a checkpoint smaller: cast, drop entries, keep the (EMA) weights only."""
     from ckpt_tools.ops.transform.slim import slim
 
-    _write(slim, src, dst, as_json=as_json, quiet=quiet, **kw)
+    run_and_show(slim, src, dst, as_json=as_json, quiet=quiet, **kw)
 
 
 @click.command("extract")
@@ -95,7 +86,7 @@ def extract_cmd(src: str, dst: str, as_json: bool, quiet: bool, **kw: Any) -> No
     """The tensors under one prefix, as a plain state dict."""
     from ckpt_tools.ops.transform.extract import extract
 
-    _write(extract, src, dst, as_json=as_json, quiet=quiet, **kw)
+    run_and_show(extract, src, dst, as_json=as_json, quiet=quiet, **kw)
 
 
 def _weights(value: str | None) -> list[float] | None:
@@ -142,4 +133,6 @@ def average_cmd(
     from ckpt_tools.ops.transform.average import average, pick_inputs
 
     picked = pick_inputs(list(inputs), last)
-    _write(average, picked, dst, weights=_weights(weights), as_json=as_json, quiet=quiet, **kw)
+    run_and_show(
+        average, picked, dst, weights=_weights(weights), as_json=as_json, quiet=quiet, **kw
+    )
