@@ -154,3 +154,15 @@ def test_a_zip_record_read_through_zipfile_matches(tmp_path: Path) -> None:
     with zipfile.ZipFile(fixture_path("evil.pt")) as z:
         data = z.read("archive/data.pkl")
     assert "posix.system" in [i.qualname for i in find_imports(data).imports]
+
+
+@pytest.mark.parametrize("length", [1 << 63, (1 << 64) - 1, 1 << 40])
+def test_a_declared_length_no_file_holds_ends_the_walk_as_malformed(length: int) -> None:
+    # MARK, then BINUNICODE8 or BINBYTES8 with an 8-byte length: how a float tensor's bytes
+    # may begin (float32 [-0.7834, -0.6990, ...] start with 28 8d).
+    for opcode in (b"\x8d", b"\x8e"):
+        data = b"(" + opcode + length.to_bytes(8, "little") + b"rest of the bytes"
+        scan = find_imports(data)
+        assert scan.imports == () and scan.end is None and scan.malformed
+        with io.BytesIO(data) as f:
+            assert find_imports(f).end is None

@@ -482,3 +482,13 @@ def test_a_tar_member_that_is_a_hard_link_is_read_as_its_target(tmp_path: Path) 
     (found,) = scan(path).files
     assert found.verdict == "dangerous"
     assert ("posix.system", "pickle") in [(f.global_name, f.record) for f in found.findings]
+
+
+def test_tensor_bytes_that_begin_like_a_pickle_are_data(tmp_path: Path) -> None:
+    # These four floats begin with MARK, BINUNICODE8 and a length past any file: scanning
+    # their storage record for a pickle must find none, not fail.
+    raw = bytes.fromhex("288d48bfdaf032bfdeab1bbfd2e9c7bf")
+    path = tmp_path / "floats.pt"
+    torch.save({"w": torch.frombuffer(bytearray(raw), dtype=torch.float32).clone()}, path)
+    assert scan(path).verdict == "clean"
+    assert "clean" in run_ckpt("scan", path, code=0).stdout

@@ -15,6 +15,7 @@ import _compat_pickle
 import ast
 import io
 import pickletools
+import sys
 from collections.abc import Iterator
 from typing import Any, BinaryIO, NamedTuple
 
@@ -303,6 +304,8 @@ def _line(stream: Any) -> bytes:
 
 
 def _exactly(stream: Any, n: int) -> bytes:
+    if n > sys.maxsize:  # (a declared 8-byte length no read can even be asked for)
+        raise ValueError(f"expected {n} bytes, more than any file holds")
     data = stream.read(n)
     if len(data) != n:
         raise ValueError(f"expected {n} bytes, but only {len(data)} remain")
