@@ -98,6 +98,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
@@ -284,79 +285,87 @@ def ckpt_tool() -> Tool | None:
     )
 
 
+def _scanner(label: str, version: str, argv, readings, takes_folders: bool = True) -> Tool:
+    """A third-party scanner's :class:`Tool`, run with :data:`SCANNER_ENV`."""
+    return Tool(label, version, argv, readings, takes_folders=takes_folders, env=SCANNER_ENV)
+
+
+def _picklescan_tools(script: str, _python: str, version: str) -> list[Tool]:
+    """picklescan, and again with ``--strict`` (its "suspicious" globals count as dangerous)."""
+    return [
+        _scanner(
+            label,
+            version,
+            lambda t, _r, extra=extra: [script, "--path", str(t), *extra],
+            {label: picklescan_verdict},
+        )
+        for label, extra in (("picklescan", []), ("picklescan --strict", ["--strict"]))
+    ]
+
+
+def _modelscan_tools(script: str, _python: str, version: str) -> list[Tool]:
+    return [
+        _scanner(
+            "modelscan",
+            version,
+            lambda t, r: [script, "-p", str(t), "-r", "json", "-o", str(r)],
+            {"modelscan": modelscan_verdict},
+        )
+    ]
+
+
+def _fickling_tools(script: str, python: str, version: str) -> list[Tool]:
+    """fickling's CLI, and its Hugging Face dispatch through its Python API (no folders)."""
+    api_readings = {"fickling-api": fickling_api_verdict, "fickling-api-overt": fickling_api_overt}
+    return [
+        _scanner(
+            "fickling",
+            version,
+            lambda t, r: [script, "--check-safety", "--json-output", str(r), str(t)],
+            {"fickling": by_exit},
+            takes_folders=False,
+        ),
+        _scanner(
+            "fickling-api",
+            version,
+            lambda t, _r: [python, "-c", FICKLING_API, str(t)],
+            api_readings,
+            takes_folders=False,
+        ),
+    ]
+
+
+def _modelaudit_tools(script: str, _python: str, version: str) -> list[Tool]:
+    return [
+        _scanner(
+            "modelaudit",
+            version,
+            lambda t, _r: [script, "scan", "--format", "json", "--no-cache", str(t)],
+            {"modelaudit": modelaudit_critical, "modelaudit-exit": by_exit},
+        )
+    ]
+
+
+# Each scanner's console script and distribution name, and its tools (script, python, version).
+SCANNERS: dict[str, Callable[[str, str, str], list[Tool]]] = {
+    "picklescan": _picklescan_tools,
+    "modelscan": _modelscan_tools,
+    "fickling": _fickling_tools,
+    "modelaudit": _modelaudit_tools,
+}
+
+
 def scanner_tools(venv: Path | None, wanted: Sequence[str]) -> list[Tool]:
     tools: list[Tool] = []
-    specs: dict[str, tuple[str, str]] = {
-        "picklescan": ("picklescan", "picklescan"),
-        "modelscan": ("modelscan", "modelscan"),
-        "fickling": ("fickling", "fickling"),
-        "modelaudit": ("modelaudit", "modelaudit"),
-    }
-    for name, (script_name, dist) in specs.items():
+    for name, make_tools in SCANNERS.items():
         if name not in wanted:
             continue
-        script = find_script(script_name, venv)
+        script = find_script(name, venv)
         if script is None:
             print(f"{name}: not found (in --scanners-venv or on PATH); skipped")
             continue
         python = script_python(script)
-        version = dist_version(python, dist)
-        s = str(script)
-        if name == "picklescan":
-            for label, extra in ((name, []), (f"{name} --strict", ["--strict"])):
-                tools.append(
-                    Tool(
-                        label,
-                        version,
-                        lambda t, _r, s=s, extra=extra: [s, "--path", str(t), *extra],
-                        {label: picklescan_verdict},
-                        env=SCANNER_ENV,
-                    )
-                )
-        elif name == "modelscan":
-            tools.append(
-                Tool(
-                    name,
-                    version,
-                    lambda t, r, s=s: [s, "-p", str(t), "-r", "json", "-o", str(r)],
-                    {name: modelscan_verdict},
-                    env=SCANNER_ENV,
-                )
-            )
-        elif name == "fickling":
-            tools.append(
-                Tool(
-                    name,
-                    version,
-                    lambda t, r, s=s: [s, "--check-safety", "--json-output", str(r), str(t)],
-                    {"fickling": by_exit},
-                    takes_folders=False,
-                    env=SCANNER_ENV,
-                )
-            )
-            tools.append(
-                Tool(
-                    "fickling-api",
-                    version,
-                    lambda t, _r, p=python: [p, "-c", FICKLING_API, str(t)],
-                    {
-                        "fickling-api": fickling_api_verdict,
-                        "fickling-api-overt": fickling_api_overt,
-                    },
-                    takes_folders=False,
-                    env=SCANNER_ENV,
-                )
-            )
-        else:
-            tools.append(
-                Tool(
-                    name,
-                    version,
-                    lambda t, _r, s=s: [s, "scan", "--format", "json", "--no-cache", str(t)],
-                    {"modelaudit": modelaudit_critical, "modelaudit-exit": by_exit},
-                    env=SCANNER_ENV,
-                )
-            )
+        tools += make_tools(str(script), python, dist_version(python, name))
     return tools
 
 
@@ -399,262 +408,306 @@ class RealisticFile:
     n_tensors: int
 
 
-def _realistic_kinds():
-    """(file name, description, build) for each kind of checkpoint, in folder order.
+# Every builder is ``build(torch, seed) -> (obj, save_kwargs)``, ``save_kwargs`` ``None`` for a
+# safetensors file; every tensor is random (seeded), built on the CPU; sizes 10-40 MB. torch is
+# passed in, not imported, so that the corpus part runs without importing it.
 
-    ``build(torch, seed)`` returns ``(obj, save_kwargs)``; ``save_kwargs`` is ``None`` for a
-    safetensors file. Every tensor is random (seeded), built on the CPU; sizes 10-40 MB.
-    """
 
-    def rand(torch, g, *shape, dtype=None):
-        t = torch.randn(*shape, generator=g)
-        return t.to(dtype) if dtype is not None else t
+def _rand(torch, g, *shape, dtype=None):
+    t = torch.randn(*shape, generator=g)
+    return t.to(dtype) if dtype is not None else t
 
-    def bn(torch, g, sd, name, c):
-        sd[f"{name}.weight"] = 1 + 0.1 * rand(torch, g, c)
-        sd[f"{name}.bias"] = 0.1 * rand(torch, g, c)
-        sd[f"{name}.running_mean"] = 0.1 * rand(torch, g, c)
-        sd[f"{name}.running_var"] = torch.rand(c, generator=g) + 0.5
-        sd[f"{name}.num_batches_tracked"] = torch.tensor(125_000, dtype=torch.long)
 
-    def resnet50(torch, seed, width=0.5):
-        # torchvision's resnet50 key layout (320 entries), at half width (a quarter the bytes).
-        g, sd = torch.Generator().manual_seed(seed), {}
-        c = int(64 * width)
-        sd["conv1.weight"] = rand(torch, g, c, 3, 7, 7)
-        bn(torch, g, sd, "bn1", c)
-        inplanes = c
-        for li, (blocks, planes) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512)), 1):
-            p = int(planes * width)
-            for b in range(blocks):
-                pre = f"layer{li}.{b}"
-                for j, (cout, cin, k) in enumerate(((p, inplanes, 1), (p, p, 3), (4 * p, p, 1)), 1):
-                    sd[f"{pre}.conv{j}.weight"] = rand(torch, g, cout, cin, k, k)
-                    bn(torch, g, sd, f"{pre}.bn{j}", cout)
-                if b == 0:
-                    sd[f"{pre}.downsample.0.weight"] = rand(torch, g, 4 * p, inplanes, 1, 1)
-                    bn(torch, g, sd, f"{pre}.downsample.1", 4 * p)
-                inplanes = 4 * p
-        sd["fc.weight"] = rand(torch, g, 1000, inplanes)
-        sd["fc.bias"] = rand(torch, g, 1000)
-        return sd, {}
+def _bn(torch, g, sd, name, c):
+    sd[f"{name}.weight"] = 1 + 0.1 * _rand(torch, g, c)
+    sd[f"{name}.bias"] = 0.1 * _rand(torch, g, c)
+    sd[f"{name}.running_mean"] = 0.1 * _rand(torch, g, c)
+    sd[f"{name}.running_var"] = torch.rand(c, generator=g) + 0.5
+    sd[f"{name}.num_batches_tracked"] = torch.tensor(125_000, dtype=torch.long)
 
-    def bert(torch, seed, h=256, layers=12, vocab=30522):
-        # Hugging Face BertModel key layout (bert-base: 12 layers, 200 entries), fp16,
-        # narrowed to hidden 256 to stay under 40 MB; as saved to pytorch_model.bin.
-        g, sd, f16 = torch.Generator().manual_seed(seed), {}, torch.float16
-        e = "bert.embeddings"
-        sd[f"{e}.position_ids"] = torch.arange(512).unsqueeze(0)
-        sd[f"{e}.word_embeddings.weight"] = rand(torch, g, vocab, h, dtype=f16)
-        sd[f"{e}.position_embeddings.weight"] = rand(torch, g, 512, h, dtype=f16)
-        sd[f"{e}.token_type_embeddings.weight"] = rand(torch, g, 2, h, dtype=f16)
-        sd[f"{e}.LayerNorm.weight"] = torch.ones(h, dtype=f16)
-        sd[f"{e}.LayerNorm.bias"] = torch.zeros(h, dtype=f16)
-        for i in range(layers):
-            pre = f"bert.encoder.layer.{i}"
-            for name, (dout, din) in (
-                ("attention.self.query", (h, h)),
-                ("attention.self.key", (h, h)),
-                ("attention.self.value", (h, h)),
-                ("attention.output.dense", (h, h)),
-                ("intermediate.dense", (4 * h, h)),
-                ("output.dense", (h, 4 * h)),
-            ):
-                sd[f"{pre}.{name}.weight"] = rand(torch, g, dout, din, dtype=f16)
-                sd[f"{pre}.{name}.bias"] = rand(torch, g, dout, dtype=f16)
-            for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
-                sd[f"{pre}.{ln}.weight"] = 1 + rand(torch, g, h, dtype=f16) / 10
-                sd[f"{pre}.{ln}.bias"] = rand(torch, g, h, dtype=f16) / 10
-        sd["bert.pooler.dense.weight"] = rand(torch, g, h, h, dtype=f16)
-        sd["bert.pooler.dense.bias"] = rand(torch, g, h, dtype=f16)
-        return sd, {}
 
-    def adam_after_steps(torch, model, steps=3):
-        opt = torch.optim.Adam(model.parameters(), lr=3e-4, weight_decay=0.01)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
-        for _ in range(steps):
-            for prm in model.parameters():
-                prm.grad = torch.randn_like(prm)
-            opt.step()
-            sched.step()
-        return opt, sched
+def _conv_bn(torch, g, sd, pre, cout, cin, k, groups=1):
+    sd[f"{pre}.0.weight"] = _rand(torch, g, cout, cin // groups, k, k)
+    _bn(torch, g, sd, f"{pre}.1", cout)
 
-    def trainer(torch, seed):
-        # A training script's checkpoint: {model, optimizer (Adam), scheduler, epoch, ...}.
-        torch.manual_seed(seed)
-        nn = torch.nn
-        layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
-        model = nn.Sequential(
-            nn.TransformerEncoder(layer, 3, enable_nested_tensor=False), nn.Linear(256, 1000)
-        )
-        opt, sched = adam_after_steps(torch, model)
-        obj = {
-            "epoch": 7,
-            "global_step": 7000,
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "best_val_loss": 1.2345,
-            "config": {"lr": 3e-4, "batch_size": 64, "layers": 3, "d_model": 256},
-        }
-        return obj, {}
 
-    def lightning(torch, seed):
-        # PyTorch Lightning's ModelCheckpoint layout ("model." keys, callbacks, loops ...).
-        torch.manual_seed(seed)
-        nn = torch.nn
-        convs: list = []
-        for cin, cout in ((3, 64), (64, 128), (128, 256), (256, 512)):
-            convs += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
-        model = nn.Sequential(*convs, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
-        opt, sched = adam_after_steps(torch, model)
-        score = torch.tensor(0.4321)
-        path = "/runs/exp1/checkpoints/epoch=4-step=1234.ckpt"
-        mc = (
-            "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min', 'every_n_train_steps': 0, "
-            "'every_n_epochs': 1, 'train_time_interval': None}"
-        )
-        obj = {
-            "epoch": 4,
-            "global_step": 1234,
-            "pytorch-lightning_version": "2.4.0",
-            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-            "loops": {
-                "fit_loop": {
-                    "state_dict": {},
-                    "epoch_loop.state_dict": {"_batches_that_stepped": 1234},
-                    "epoch_progress": {
-                        "total": {"ready": 5, "started": 5, "processed": 5, "completed": 4},
-                        "current": {"ready": 5, "started": 5, "processed": 5, "completed": 4},
-                    },
-                }
-            },
-            "callbacks": {
-                mc: {
-                    "monitor": "val_loss",
-                    "best_model_score": score,
-                    "best_model_path": path,
-                    "current_score": score,
-                    "dirpath": "/runs/exp1/checkpoints",
-                    "best_k_models": {path: score},
-                    "kth_best_model_path": path,
-                    "kth_value": score,
-                    "last_model_path": "",
-                },
-                "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}": {
-                    "wait_count": 0,
-                    "stopped_epoch": 0,
-                    "best_score": score,
-                    "patience": 3,
-                },
-            },
-            "optimizer_states": [opt.state_dict()],
-            "lr_schedulers": [sched.state_dict()],
-            "hparams_name": "kwargs",
-            "hyper_parameters": {"lr": 3e-4, "num_classes": 1000, "widths": [64, 128, 256, 512]},
-        }
-        return obj, {}
+def _linears(torch, g, sd, pre, layout, dtype=None, bias=True):
+    """``{pre}.{name}.weight`` (and ``.bias``) for each ``(name, (out, in))`` of ``layout``."""
+    for name, (dout, din) in layout:
+        sd[f"{pre}.{name}.weight"] = _rand(torch, g, dout, din, dtype=dtype)
+        if bias:
+            sd[f"{pre}.{name}.bias"] = _rand(torch, g, dout, dtype=dtype)
 
-    def lstm_legacy(torch, seed):
-        # word_language_model-style LSTM, saved in torch's pre-1.6 (non-zip) format.
-        torch.manual_seed(seed)
-        nn = torch.nn
 
-        class RNNModel(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.encoder = nn.Embedding(3000, 400)
-                self.rnn = nn.LSTM(400, 512, 2)
-                self.decoder = nn.Linear(512, 3000)
+def _resnet50(torch, seed, width=0.5):
+    # torchvision's resnet50 key layout (320 entries), at half width (a quarter the bytes).
+    g, sd = torch.Generator().manual_seed(seed), {}
+    c = int(64 * width)
+    sd["conv1.weight"] = _rand(torch, g, c, 3, 7, 7)
+    _bn(torch, g, sd, "bn1", c)
+    inplanes = c
+    for li, (blocks, planes) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512)), 1):
+        p = int(planes * width)
+        for b in range(blocks):
+            pre = f"layer{li}.{b}"
+            for j, (cout, cin, k) in enumerate(((p, inplanes, 1), (p, p, 3), (4 * p, p, 1)), 1):
+                sd[f"{pre}.conv{j}.weight"] = _rand(torch, g, cout, cin, k, k)
+                _bn(torch, g, sd, f"{pre}.bn{j}", cout)
+            if b == 0:
+                sd[f"{pre}.downsample.0.weight"] = _rand(torch, g, 4 * p, inplanes, 1, 1)
+                _bn(torch, g, sd, f"{pre}.downsample.1", 4 * p)
+            inplanes = 4 * p
+    sd["fc.weight"] = _rand(torch, g, 1000, inplanes)
+    sd["fc.bias"] = _rand(torch, g, 1000)
+    return sd, {}
 
-        return RNNModel().state_dict(), {"_use_new_zipfile_serialization": False}
 
-    def vit_dataparallel(torch, seed, h=384, blocks=4):
-        # timm ViT-S/16 key layout, first 4 blocks, saved from nn.DataParallel ("module.").
-        g, sd = torch.Generator().manual_seed(seed), {}
-        sd["cls_token"] = rand(torch, g, 1, 1, h)
-        sd["pos_embed"] = rand(torch, g, 1, 197, h)
-        sd["patch_embed.proj.weight"] = rand(torch, g, h, 3, 16, 16)
-        sd["patch_embed.proj.bias"] = rand(torch, g, h)
-        for i in range(blocks):
-            pre = f"blocks.{i}"
-            for name, (dout, din) in (
-                ("attn.qkv", (3 * h, h)),
-                ("attn.proj", (h, h)),
-                ("mlp.fc1", (4 * h, h)),
-                ("mlp.fc2", (h, 4 * h)),
-            ):
-                sd[f"{pre}.{name}.weight"] = rand(torch, g, dout, din)
-                sd[f"{pre}.{name}.bias"] = rand(torch, g, dout)
-            for norm in ("norm1", "norm2"):
-                sd[f"{pre}.{norm}.weight"] = torch.ones(h)
-                sd[f"{pre}.{norm}.bias"] = torch.zeros(h)
-        sd["norm.weight"], sd["norm.bias"] = torch.ones(h), torch.zeros(h)
-        sd["head.weight"], sd["head.bias"] = rand(torch, g, 1000, h), rand(torch, g, 1000)
-        return {f"module.{k}": v for k, v in sd.items()}, {}
-
-    def mobilenet_v2_proto4(torch, seed):
-        # torchvision's mobilenet_v2 key layout (314 entries), saved with pickle_protocol=4.
-        g, sd = torch.Generator().manual_seed(seed), {}
-
-        def conv_bn(pre, cout, cin, k, groups=1):
-            sd[f"{pre}.0.weight"] = rand(torch, g, cout, cin // groups, k, k)
-            bn(torch, g, sd, f"{pre}.1", cout)
-
-        conv_bn("features.0", 32, 3, 3)
-        cin, idx = 32, 1
-        for t, c, n in ((1, 16, 1), (6, 24, 2), (6, 32, 3), (6, 64, 4), (6, 96, 3), (6, 160, 3)):
-            for _ in range(n):
-                hid, pre, j = cin * t, f"features.{idx}.conv", 0
-                if t != 1:
-                    conv_bn(f"{pre}.0", hid, cin, 1)
-                    j = 1
-                conv_bn(f"{pre}.{j}", hid, hid, 3, groups=hid)
-                sd[f"{pre}.{j + 1}.weight"] = rand(torch, g, c, hid, 1, 1)
-                bn(torch, g, sd, f"{pre}.{j + 2}", c)
-                cin, idx = c, idx + 1
-        hid, pre = cin * 6, f"features.{idx}.conv"
-        conv_bn(f"{pre}.0", hid, cin, 1)
-        conv_bn(f"{pre}.1", hid, hid, 3, groups=hid)
-        sd[f"{pre}.2.weight"] = rand(torch, g, 320, hid, 1, 1)
-        bn(torch, g, sd, f"{pre}.3", 320)
-        conv_bn(f"features.{idx + 1}", 1280, 320, 1)
-        sd["classifier.1.weight"] = rand(torch, g, 1000, 1280)
-        sd["classifier.1.bias"] = rand(torch, g, 1000)
-        return sd, {"pickle_protocol": 4}
-
-    def llama_safetensors(torch, seed, h=384, inter=1024, layers=6, vocab=8000):
-        # Hugging Face LlamaForCausalLM key layout, bf16, as model.safetensors.
-        g, sd, bf16 = torch.Generator().manual_seed(seed), {}, torch.bfloat16
-        sd["model.embed_tokens.weight"] = rand(torch, g, vocab, h, dtype=bf16)
-        for i in range(layers):
-            pre = f"model.layers.{i}"
-            for name, (dout, din) in (
-                ("self_attn.q_proj", (h, h)),
-                ("self_attn.k_proj", (h, h)),
-                ("self_attn.v_proj", (h, h)),
-                ("self_attn.o_proj", (h, h)),
-                ("mlp.gate_proj", (inter, h)),
-                ("mlp.up_proj", (inter, h)),
-                ("mlp.down_proj", (h, inter)),
-            ):
-                sd[f"{pre}.{name}.weight"] = rand(torch, g, dout, din, dtype=bf16)
-            sd[f"{pre}.input_layernorm.weight"] = torch.ones(h, dtype=bf16)
-            sd[f"{pre}.post_attention_layernorm.weight"] = torch.ones(h, dtype=bf16)
-        sd["model.norm.weight"] = torch.ones(h, dtype=bf16)
-        sd["lm_head.weight"] = rand(torch, g, vocab, h, dtype=bf16)
-        return sd, None
-
-    return [
-        ("resnet50_w05.pth", "ResNet-50 state dict (torchvision keys, half width), fp32", resnet50),
-        ("pytorch_model.bin", "BERT state dict (HF keys, 12 layers, hidden 256), fp16", bert),
-        ("trainer_epoch7.pt", "trainer dict: Transformer model + Adam + scheduler", trainer),
-        ("lightning_epoch4.ckpt", "Lightning checkpoint: CNN + Adam + callbacks", lightning),
-        ("lstm_lm_legacy.pt", "LSTM language model, legacy (non-zip) format", lstm_legacy),
-        ("vit_dataparallel.pth", "ViT-S (4 blocks), DataParallel module. keys", vit_dataparallel),
-        ("mobilenet_v2_p4.pt", "MobileNetV2 state dict, pickle_protocol=4", mobilenet_v2_proto4),
-        ("model.safetensors", "Llama-style (6 layers, hidden 384), bf16", llama_safetensors),
+def _bert(torch, seed, h=256, layers=12, vocab=30522):
+    # Hugging Face BertModel key layout (bert-base: 12 layers, 200 entries), fp16,
+    # narrowed to hidden 256 to stay under 40 MB; as saved to pytorch_model.bin.
+    g, sd, f16 = torch.Generator().manual_seed(seed), {}, torch.float16
+    e = "bert.embeddings"
+    sd[f"{e}.position_ids"] = torch.arange(512).unsqueeze(0)
+    sd[f"{e}.word_embeddings.weight"] = _rand(torch, g, vocab, h, dtype=f16)
+    sd[f"{e}.position_embeddings.weight"] = _rand(torch, g, 512, h, dtype=f16)
+    sd[f"{e}.token_type_embeddings.weight"] = _rand(torch, g, 2, h, dtype=f16)
+    sd[f"{e}.LayerNorm.weight"] = torch.ones(h, dtype=f16)
+    sd[f"{e}.LayerNorm.bias"] = torch.zeros(h, dtype=f16)
+    attention = [(f"attention.self.{n}", (h, h)) for n in ("query", "key", "value")]
+    layout = [
+        *attention,
+        ("attention.output.dense", (h, h)),
+        ("intermediate.dense", (4 * h, h)),
+        ("output.dense", (h, 4 * h)),
     ]
+    for i in range(layers):
+        pre = f"bert.encoder.layer.{i}"
+        _linears(torch, g, sd, pre, layout, dtype=f16)
+        for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+            sd[f"{pre}.{ln}.weight"] = 1 + _rand(torch, g, h, dtype=f16) / 10
+            sd[f"{pre}.{ln}.bias"] = _rand(torch, g, h, dtype=f16) / 10
+    _linears(torch, g, sd, "bert.pooler", [("dense", (h, h))], dtype=f16)
+    return sd, {}
+
+
+def _adam_after_steps(torch, model, steps=3):
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+    for _ in range(steps):
+        for prm in model.parameters():
+            prm.grad = torch.randn_like(prm)
+        opt.step()
+        sched.step()
+    return opt, sched
+
+
+def _trainer(torch, seed):
+    # A training script's checkpoint: {model, optimizer (Adam), scheduler, epoch, ...}.
+    torch.manual_seed(seed)
+    nn = torch.nn
+    layer = nn.TransformerEncoderLayer(256, 8, 1024, batch_first=True)
+    model = nn.Sequential(
+        nn.TransformerEncoder(layer, 3, enable_nested_tensor=False), nn.Linear(256, 1000)
+    )
+    opt, sched = _adam_after_steps(torch, model)
+    obj = {
+        "epoch": 7,
+        "global_step": 7000,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "best_val_loss": 1.2345,
+        "config": {"lr": 3e-4, "batch_size": 64, "layers": 3, "d_model": 256},
+    }
+    return obj, {}
+
+
+_LIGHTNING_PATH = "/runs/exp1/checkpoints/epoch=4-step=1234.ckpt"
+_LIGHTNING_MC = (
+    "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min', 'every_n_train_steps': 0, "
+    "'every_n_epochs': 1, 'train_time_interval': None}"
+)
+_LIGHTNING_PROGRESS = {"ready": 5, "started": 5, "processed": 5, "completed": 4}
+
+
+def _lightning_callbacks(score) -> dict:
+    """Lightning's ModelCheckpoint and EarlyStopping states, ``score`` their best score."""
+    path = _LIGHTNING_PATH
+    return {
+        _LIGHTNING_MC: {
+            "monitor": "val_loss",
+            "best_model_score": score,
+            "best_model_path": path,
+            "current_score": score,
+            "dirpath": "/runs/exp1/checkpoints",
+            "best_k_models": {path: score},
+            "kth_best_model_path": path,
+            "kth_value": score,
+            "last_model_path": "",
+        },
+        "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}": {
+            "wait_count": 0,
+            "stopped_epoch": 0,
+            "best_score": score,
+            "patience": 3,
+        },
+    }
+
+
+def _lightning(torch, seed):
+    # PyTorch Lightning's ModelCheckpoint layout ("model." keys, callbacks, loops ...).
+    torch.manual_seed(seed)
+    nn = torch.nn
+    convs: list = []
+    for cin, cout in ((3, 64), (64, 128), (128, 256), (256, 512)):
+        convs += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+    model = nn.Sequential(*convs, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+    opt, sched = _adam_after_steps(torch, model)
+    fit_loop = {
+        "state_dict": {},
+        "epoch_loop.state_dict": {"_batches_that_stepped": 1234},
+        "epoch_progress": {
+            "total": dict(_LIGHTNING_PROGRESS),
+            "current": dict(_LIGHTNING_PROGRESS),
+        },
+    }
+    obj = {
+        "epoch": 4,
+        "global_step": 1234,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "loops": {"fit_loop": fit_loop},
+        "callbacks": _lightning_callbacks(torch.tensor(0.4321)),
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched.state_dict()],
+        "hparams_name": "kwargs",
+        "hyper_parameters": {"lr": 3e-4, "num_classes": 1000, "widths": [64, 128, 256, 512]},
+    }
+    return obj, {}
+
+
+def _lstm_legacy(torch, seed):
+    # word_language_model-style LSTM, saved in torch's pre-1.6 (non-zip) format.
+    torch.manual_seed(seed)
+    nn = torch.nn
+
+    class RNNModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Embedding(3000, 400)
+            self.rnn = nn.LSTM(400, 512, 2)
+            self.decoder = nn.Linear(512, 3000)
+
+    return RNNModel().state_dict(), {"_use_new_zipfile_serialization": False}
+
+
+def _vit_dataparallel(torch, seed, h=384, blocks=4):
+    # timm ViT-S/16 key layout, first 4 blocks, saved from nn.DataParallel ("module.").
+    g, sd = torch.Generator().manual_seed(seed), {}
+    sd["cls_token"] = _rand(torch, g, 1, 1, h)
+    sd["pos_embed"] = _rand(torch, g, 1, 197, h)
+    sd["patch_embed.proj.weight"] = _rand(torch, g, h, 3, 16, 16)
+    sd["patch_embed.proj.bias"] = _rand(torch, g, h)
+    layout = [
+        ("attn.qkv", (3 * h, h)),
+        ("attn.proj", (h, h)),
+        ("mlp.fc1", (4 * h, h)),
+        ("mlp.fc2", (h, 4 * h)),
+    ]
+    for i in range(blocks):
+        pre = f"blocks.{i}"
+        _linears(torch, g, sd, pre, layout)
+        for norm in ("norm1", "norm2"):
+            sd[f"{pre}.{norm}.weight"] = torch.ones(h)
+            sd[f"{pre}.{norm}.bias"] = torch.zeros(h)
+    sd["norm.weight"], sd["norm.bias"] = torch.ones(h), torch.zeros(h)
+    sd["head.weight"], sd["head.bias"] = _rand(torch, g, 1000, h), _rand(torch, g, 1000)
+    return {f"module.{k}": v for k, v in sd.items()}, {}
+
+
+# torchvision's mobilenet_v2 inverted residual settings: (expansion, channels, blocks).
+_MOBILENET_V2_BLOCKS = ((1, 16, 1), (6, 24, 2), (6, 32, 3), (6, 64, 4), (6, 96, 3), (6, 160, 3))
+
+
+def _mobilenet_v2_proto4(torch, seed):
+    # torchvision's mobilenet_v2 key layout (314 entries), saved with pickle_protocol=4.
+    g, sd = torch.Generator().manual_seed(seed), {}
+    _conv_bn(torch, g, sd, "features.0", 32, 3, 3)
+    cin, idx = 32, 1
+    for t, c, n in _MOBILENET_V2_BLOCKS:
+        for _ in range(n):
+            hid, pre, j = cin * t, f"features.{idx}.conv", 0
+            if t != 1:
+                _conv_bn(torch, g, sd, f"{pre}.0", hid, cin, 1)
+                j = 1
+            _conv_bn(torch, g, sd, f"{pre}.{j}", hid, hid, 3, groups=hid)
+            sd[f"{pre}.{j + 1}.weight"] = _rand(torch, g, c, hid, 1, 1)
+            _bn(torch, g, sd, f"{pre}.{j + 2}", c)
+            cin, idx = c, idx + 1
+    hid, pre = cin * 6, f"features.{idx}.conv"
+    _conv_bn(torch, g, sd, f"{pre}.0", hid, cin, 1)
+    _conv_bn(torch, g, sd, f"{pre}.1", hid, hid, 3, groups=hid)
+    sd[f"{pre}.2.weight"] = _rand(torch, g, 320, hid, 1, 1)
+    _bn(torch, g, sd, f"{pre}.3", 320)
+    _conv_bn(torch, g, sd, f"features.{idx + 1}", 1280, 320, 1)
+    sd["classifier.1.weight"] = _rand(torch, g, 1000, 1280)
+    sd["classifier.1.bias"] = _rand(torch, g, 1000)
+    return sd, {"pickle_protocol": 4}
+
+
+def _llama_safetensors(torch, seed, h=384, inter=1024, layers=6, vocab=8000):
+    # Hugging Face LlamaForCausalLM key layout, bf16, as model.safetensors.
+    g, sd, bf16 = torch.Generator().manual_seed(seed), {}, torch.bfloat16
+    sd["model.embed_tokens.weight"] = _rand(torch, g, vocab, h, dtype=bf16)
+    attention = [(f"self_attn.{n}_proj", (h, h)) for n in "qkvo"]
+    mlp = [
+        ("mlp.gate_proj", (inter, h)),
+        ("mlp.up_proj", (inter, h)),
+        ("mlp.down_proj", (h, inter)),
+    ]
+    for i in range(layers):
+        pre = f"model.layers.{i}"
+        _linears(torch, g, sd, pre, attention + mlp, dtype=bf16, bias=False)
+        sd[f"{pre}.input_layernorm.weight"] = torch.ones(h, dtype=bf16)
+        sd[f"{pre}.post_attention_layernorm.weight"] = torch.ones(h, dtype=bf16)
+    sd["model.norm.weight"] = torch.ones(h, dtype=bf16)
+    sd["lm_head.weight"] = _rand(torch, g, vocab, h, dtype=bf16)
+    return sd, None
+
+
+class RealisticKind(NamedTuple):
+    name: str  # the file name
+    shape: str  # what it is, in words
+    build: Callable  # (torch, seed) -> (obj, save_kwargs); save_kwargs None: safetensors
+
+
+# In folder order; past the last, the kinds repeat with other seeds.
+REALISTIC_KINDS = (
+    RealisticKind(
+        "resnet50_w05.pth", "ResNet-50 state dict (torchvision keys, half width), fp32", _resnet50
+    ),
+    RealisticKind(
+        "pytorch_model.bin", "BERT state dict (HF keys, 12 layers, hidden 256), fp16", _bert
+    ),
+    RealisticKind(
+        "trainer_epoch7.pt", "trainer dict: Transformer model + Adam + scheduler", _trainer
+    ),
+    RealisticKind(
+        "lightning_epoch4.ckpt", "Lightning checkpoint: CNN + Adam + callbacks", _lightning
+    ),
+    RealisticKind(
+        "lstm_lm_legacy.pt", "LSTM language model, legacy (non-zip) format", _lstm_legacy
+    ),
+    RealisticKind(
+        "vit_dataparallel.pth", "ViT-S (4 blocks), DataParallel module. keys", _vit_dataparallel
+    ),
+    RealisticKind(
+        "mobilenet_v2_p4.pt", "MobileNetV2 state dict, pickle_protocol=4", _mobilenet_v2_proto4
+    ),
+    RealisticKind(
+        "model.safetensors", "Llama-style (6 layers, hidden 384), bf16", _llama_safetensors
+    ),
+)
 
 
 def count_tensors(torch, obj) -> int:
@@ -668,13 +721,13 @@ def count_tensors(torch, obj) -> int:
 
 
 def build_realistic(folder: Path, n: int) -> list[RealisticFile]:
-    """``n`` realistic checkpoints in ``folder``: the kinds of :func:`_realistic_kinds` in
+    """``n`` realistic checkpoints in ``folder``: the kinds of :data:`REALISTIC_KINDS` in
     turn (past the eighth, again with another seed), each written and fsynced."""
     import torch
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    kinds = _realistic_kinds()
+    kinds = REALISTIC_KINDS
     out = []
     for i in range(n):
         name, shape, build = kinds[i % len(kinds)]
@@ -892,7 +945,7 @@ def ckpt_targets(tools: list[Tool], items: list[Item]) -> list[tuple[bool, str]]
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--scanners-venv", type=Path, default=None)
     parser.add_argument(
@@ -922,118 +975,166 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--details", action="store_true", help="print the per-file table")
-    args = parser.parse_args(argv)
-    wanted = [t.strip() for t in args.tools.split(",") if t.strip()]
-    realistic_wanted = {t.strip() for t in args.realistic_tools.split(",") if t.strip()}
+    return parser.parse_args(argv)
 
+
+def comma_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def select_tools(args: argparse.Namespace) -> list[Tool]:
+    """ckpt scan (when asked for and available), then the scanners asked for and found."""
+    wanted = comma_list(args.tools)
+    ckpt = ckpt_tool() if "ckpt" in wanted else None
+    return ([ckpt] if ckpt else []) + scanner_tools(args.scanners_venv, wanted)
+
+
+def corpus_part(
+    args: argparse.Namespace, tools: list[Tool], root: Path, scratch: Path
+) -> list[Item] | None:
+    """Build the corpus and run every tool on it; ``None`` when a payload ran."""
+    folder, markers = root / "files", Path(tempfile.mkdtemp(prefix="markers-", dir=root))
+    folder.mkdir()
+    items = build_items(folder, markers, not args.no_fixtures, not args.no_real)
+    counts = {g: sum(i.group == g for i in items) for g in GROUPS}
+    print(f"corpus: {len(items)} files {counts} in {folder}")
+    run_all(tools, items, folder, scratch, args.repeats)
+    ran = sorted(p.name for p in markers.iterdir())
+    if ran:
+        print(f"FAIL: a payload ran during the scans (markers {ran})")
+        return None
+    print("no payload ran during the scans (the markers folder is empty)")
+    print(load_note())
+    return items
+
+
+@dataclass
+class RealisticResult:
+    """What the realistic part measured, for :func:`report_realistic`."""
+
+    files: list[RealisticFile]
+    size: int  # bytes in all
+    timed: list[Tool]
+    summaries: dict[str, Summary]
+    warm: dict[str, Run]
+    checks: list[tuple[bool, str]]
+
+
+def realistic_part(
+    args: argparse.Namespace, tools: list[Tool], root: Path, scratch: Path
+) -> RealisticResult:
+    """Build the realistic folder, check each file's verdict, time the folder tools on it."""
+    realistic_wanted = set(comma_list(args.realistic_tools))
+    timed = [
+        t
+        for t in tools
+        if t.takes_folders
+        and t.name.split()[0] in realistic_wanted  # "ckpt scan", "picklescan --strict"
+    ]
+    real_folder = root / "realistic"
+    files = build_realistic(real_folder, args.realistic)
+    size = sum(f.path.stat().st_size for f in files)
+    print(f"\nrealistic folder: {len(files)} files, {size / MIB:.1f} MiB in {real_folder}")
+    print(
+        fmt_table(
+            [
+                [f.path.name, f.shape, f.n_tensors, f"{f.path.stat().st_size / MIB:.1f}"]
+                for f in files
+            ],
+            ["file", "what", "tensors", "MiB"],
+        )
+    )
+    checks = realistic_checks(tools, files, scratch)
+    print(f"timing {', '.join(t.name for t in timed)} on it: 1 warm-up + {args.repeats}")
+    summaries, warm = time_folder(timed, real_folder, scratch, args.repeats)
+    print(load_note())
+    return RealisticResult(files, size, timed, summaries, warm, checks)
+
+
+CORPUS_HEADERS = [
+    "tool",
+    "version",
+    *(f"{g} flagged" for g in GROUPS),
+    "errors",
+    "skipped",
+    "corpus s",
+    "vs ckpt",
+    "per file s",
+]
+REALISTIC_HEADERS = [
+    "tool",
+    "version",
+    "median s",
+    "min-max",
+    "cpu s",
+    "peak RSS MB",
+    "vs picklescan",
+    "folder verdict",
+]
+
+
+def report_corpus(tools: list[Tool], items: list[Item], details: bool) -> list[tuple[bool, str]]:
+    """Print the corpus tables and misses; return ckpt scan's targets."""
+    print()
+    print(fmt_table(summary_rows(tools, items), CORPUS_HEADERS))
+    print(
+        "\nflagged = the tool's verdict (see the docstring); corpus s = one run on the whole "
+        "folder (fickling: the sum of its per-file runs); per file s = median per-file run."
+    )
+    print()
+    print("\n".join(misses(tools, items)))
+    if details:
+        labels = [label for t in tools for label in t.readings]
+        print()
+        print(fmt_table(detail_rows(tools, items), ["file", "group", *labels]))
+    return ckpt_targets(tools, items)
+
+
+def report_realistic(result: RealisticResult, repeats: int) -> list[tuple[bool, str]]:
+    """Print the realistic folder's table; return its targets."""
+    print(
+        f"\nrealistic folder ({len(result.files)} files, {result.size / MIB:.0f} MiB, warm page "
+        f"cache), median of {repeats} interleaved rounds after a warm-up run each:"
+    )
+    print(fmt_table(realistic_rows(result.timed, result.summaries, result.warm), REALISTIC_HEADERS))
+    targets = list(result.checks)
+    summaries = result.summaries
+    if "ckpt scan" in summaries and "picklescan" in summaries:
+        ours, theirs = summaries["ckpt scan"].wall_s, summaries["picklescan"].wall_s
+        targets.append(
+            (
+                ours <= theirs,
+                f"ckpt scan / picklescan on the realistic folder: {ours / theirs:.2f}x "
+                f"({ours:.3f} s / {theirs:.3f} s, medians; target <= 1.0x)",
+            )
+        )
+    return targets
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     compile_package()
     print(machine_note())
     print(load_note())
     print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    tools = ([t] if "ckpt" in wanted and (t := ckpt_tool()) else []) + scanner_tools(
-        args.scanners_venv, wanted
-    )
+    tools = select_tools(args)
     items: list[Item] = []
-    targets: list[tuple[bool, str]] = []
+    realistic = None
     with workdir(args.workdir, keep=args.keep) as root:
         scratch = root / "scratch"
         scratch.mkdir()
         if not args.no_corpus:
-            folder, markers = root / "files", Path(tempfile.mkdtemp(prefix="markers-", dir=root))
-            folder.mkdir()
-            items = build_items(folder, markers, not args.no_fixtures, not args.no_real)
-            counts = {g: sum(i.group == g for i in items) for g in GROUPS}
-            print(f"corpus: {len(items)} files {counts} in {folder}")
-            run_all(tools, items, folder, scratch, args.repeats)
-            ran = sorted(p.name for p in markers.iterdir())
-            if ran:
-                print(f"FAIL: a payload ran during the scans (markers {ran})")
+            corpus = corpus_part(args, tools, root, scratch)
+            if corpus is None:
                 return 1
-            print("no payload ran during the scans (the markers folder is empty)")
-            print(load_note())
+            items = corpus
         if args.realistic > 0:
-            timed = [
-                t
-                for t in tools
-                if t.takes_folders
-                and t.name.split()[0] in realistic_wanted  # "ckpt scan", "picklescan --strict"
-            ]
-            real_folder = root / "realistic"
-            files = build_realistic(real_folder, args.realistic)
-            size = sum(f.path.stat().st_size for f in files)
-            print(f"\nrealistic folder: {len(files)} files, {size / MIB:.1f} MiB in {real_folder}")
-            print(
-                fmt_table(
-                    [
-                        [f.path.name, f.shape, f.n_tensors, f"{f.path.stat().st_size / MIB:.1f}"]
-                        for f in files
-                    ],
-                    ["file", "what", "tensors", "MiB"],
-                )
-            )
-            realistic_targets = realistic_checks(tools, files, scratch)
-            print(f"timing {', '.join(t.name for t in timed)} on it: 1 warm-up + {args.repeats}")
-            summaries, warm = time_folder(timed, real_folder, scratch, args.repeats)
-            print(load_note())
-
+            realistic = realistic_part(args, tools, root, scratch)
+    targets: list[tuple[bool, str]] = []
     if items:
-        print()
-        print(
-            fmt_table(
-                summary_rows(tools, items),
-                [
-                    "tool",
-                    "version",
-                    *(f"{g} flagged" for g in GROUPS),
-                    "errors",
-                    "skipped",
-                    "corpus s",
-                    "vs ckpt",
-                    "per file s",
-                ],
-            )
-        )
-        print(
-            "\nflagged = the tool's verdict (see the docstring); corpus s = one run on the whole "
-            "folder (fickling: the sum of its per-file runs); per file s = median per-file run."
-        )
-        print()
-        print("\n".join(misses(tools, items)))
-        if args.details:
-            labels = [label for t in tools for label in t.readings]
-            print()
-            print(fmt_table(detail_rows(tools, items), ["file", "group", *labels]))
-        targets += ckpt_targets(tools, items)
-    if args.realistic > 0:
-        print(
-            f"\nrealistic folder ({len(files)} files, {size / MIB:.0f} MiB, warm page cache), "
-            f"median of {args.repeats} interleaved rounds after a warm-up run each:"
-        )
-        print(
-            fmt_table(
-                realistic_rows(timed, summaries, warm),
-                [
-                    "tool",
-                    "version",
-                    "median s",
-                    "min-max",
-                    "cpu s",
-                    "peak RSS MB",
-                    "vs picklescan",
-                    "folder verdict",
-                ],
-            )
-        )
-        targets += realistic_targets
-        if "ckpt scan" in summaries and "picklescan" in summaries:
-            ours, theirs = summaries["ckpt scan"].wall_s, summaries["picklescan"].wall_s
-            targets.append(
-                (
-                    ours <= theirs,
-                    f"ckpt scan / picklescan on the realistic folder: {ours / theirs:.2f}x "
-                    f"({ours:.3f} s / {theirs:.3f} s, medians; target <= 1.0x)",
-                )
-            )
+        targets += report_corpus(tools, items, args.details)
+    if realistic is not None:
+        targets += report_realistic(realistic, args.repeats)
     print()
     for ok, line in targets:
         print(f"{'PASS' if ok else 'FAIL'}  {line}")
