@@ -170,3 +170,15 @@ def test_failures_to_read_give_one_line_and_an_exit_code(
     _, out, err = run_ckpt("scan", url, code=code)
     assert out == "" and len(err.strip().splitlines()) == 1, err
     assert words in err
+
+
+@pytest.mark.parametrize("name", ["c8-3480d58089.pt", "c8-d2e6c4c788.pt"])
+def test_a_zip_zipfile_shifts_before_its_start_gets_the_local_verdict(hub, name) -> None:
+    """zipfile lists such an archive's records at negative offsets; the lenient walk skips
+    them, and a read there is refused by a remote file as os.pread refuses it."""
+    path = Path(__file__).parents[1] / "fuzz" / "regressions" / name
+    url = hub.put("org/fuzz", name, path)
+    remote = run_ckpt("scan", "--json", url, code=None)
+    local = run_ckpt("scan", "--json", path, code=None)
+    assert (remote.returncode, local.returncode) == (4, 4), remote.stderr
+    assert _same_path(json.loads(remote.stdout), url, path) == json.loads(local.stdout)

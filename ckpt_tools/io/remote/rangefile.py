@@ -11,6 +11,7 @@ kept up to :data:`CACHE_BYTES`, except reads over :data:`KEEP_LIMIT` (a tensor's
 
 from __future__ import annotations
 
+import errno
 import io
 from dataclasses import dataclass
 from typing import Protocol
@@ -105,9 +106,13 @@ class RemoteFile(io.RawIOBase):
     # -- ranged reads ------------------------------------------------------------------
 
     def pread(self, count: int, offset: int) -> bytes:
-        """Up to ``count`` bytes at ``offset``; fewer where the object ends, as ``os.pread``."""
+        """Up to ``count`` bytes at ``offset``; fewer where the object ends, as ``os.pread``.
+
+        Raises:
+            OSError: ``EINVAL`` for a negative offset or count, as ``os.pread`` raises it.
+        """
         if offset < 0 or count < 0:
-            raise ValueError(f"negative offset or count: {offset}, {count}")
+            raise OSError(errno.EINVAL, f"negative offset or count: {offset}, {count}")
         end = min(offset + count, self.size)
         if end <= offset:
             return b""

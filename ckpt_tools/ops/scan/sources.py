@@ -229,6 +229,8 @@ def _lenient_records(
 def _entry_of(fd: ZipSource, info: zipfile.ZipInfo) -> ZipEntry | None:
     """``info`` as a :class:`ZipEntry`, its data offset from its local header; None where
     it has none, or is compressed other than by deflate."""
+    if info.header_offset < 0:  # zipfile's shift for bytes before a corrupt archive
+        return None
     local = pread(fd, 30, info.header_offset)
     if len(local) < 30 or local[:4] != b"PK\x03\x04" or info.compress_type not in (0, 8):
         return None
