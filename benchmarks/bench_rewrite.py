@@ -67,21 +67,23 @@ from common import (
     MIB,
     PYTHON,
     REPO,
+    SYNCED_HEADERS,
     GeneratedPair,
-    Measurement,
     Summary,
     cache_state_note,
     ckpt_command,
     ckpt_json,
     fmt_table,
     installed_copy,
+    interleaved_rounds,
     load_note,
     machine_note,
     make_checkpoints,
     measure,
     python_command,
     sync_all,
-    sync_file,
+    synced_cells,
+    synced_run,
     use_ckpt,
     verdict,
     workdir,
@@ -130,15 +132,6 @@ NAIVE_ST = (
 )
 
 
-def run_once(cmd: list[str], out: Path) -> Measurement:
-    """Run ``cmd`` (which writes ``out``), fsync ``out`` (timed), delete it, ``sync`` (untimed)."""
-    m = measure(cmd)
-    extra = sync_file(out)
-    out.unlink()
-    sync_all()
-    return Measurement(m.wall_s, m.peak_rss_kb, m.returncode, extra_s=extra, cpu_s=m.cpu_s)
-
-
 def check_outputs(src: Path, folder: Path, fmt: str) -> str:
     """One untimed strip-module run whose output is checked: keys stripped, loads in torch."""
     out = folder / f"check_out.{fmt}"
@@ -169,27 +162,10 @@ def paired(a: Summary, b: Summary, attr: str = "total_s") -> float:
 
 
 def interleaved(commands: dict[str, list[str]], out: Path, repeats: int) -> dict[str, Summary]:
-    """One untimed warm-up round, then ``repeats`` rounds of every command in turn.
-
-    Each round starts one command further along (round 1 at the second command, and so on),
-    so that no command always runs in the same place, and every other block of rounds runs
-    the commands in reverse order, so that no command always follows the same one. Both
-    matter on a VM's disk: a large write that follows the deletion of another output, or a
-    page-cache copy that follows a direct write (which frees no page cache for it), can take
-    several times as long as the same command one place later (benchmarks/README.md). With
-    n commands, 2n rounds give each one every place and every predecessor equally often.
-    """
-    results = {name: Summary(name) for name in commands}
-    names = list(commands)
+    """One untimed warm-up round, then ``repeats`` rounds of every command, each run writing
+    ``out`` (:func:`common.synced_run`), in :func:`common.rotated_order` (why: its docstring)."""
     print(f"measuring: 1 warm-up round + {repeats} timed rounds, interleaved ...", flush=True)
-    for i in range(1 + repeats):
-        order = names if (i // len(names)) % 2 == 0 else names[::-1]
-        start = i % len(names)
-        for name in order[start:] + order[:start]:
-            m = run_once(commands[name], out)
-            if i >= 1:
-                results[name].add(m)
-    return results
+    return interleaved_rounds(commands, repeats, lambda cmd: synced_run(cmd, out), rotate=True)
 
 
 def report(results: dict[str, Summary], size_mib: float) -> None:
@@ -197,10 +173,7 @@ def report(results: dict[str, Summary], size_mib: float) -> None:
     rows = [
         [
             name,
-            f"{s.wall_s:.3f}",
-            f"{s.extra_s:.3f}",
-            f"{s.total_s:.3f}",
-            s.spread,
+            *synced_cells(s),
             f"{s.cpu_s:.3f}",
             f"{size_mib / s.total_s:.0f}",
             f"{s.peak_rss_mb:.1f}",
@@ -209,7 +182,7 @@ def report(results: dict[str, Summary], size_mib: float) -> None:
         ]
         for name, s in results.items()
     ]
-    headers = ["command", "cmd s", "+fsync s", "total s", "min-max total", "cpu s", "MiB/s"]
+    headers = ["command", *SYNCED_HEADERS, "cpu s", "MiB/s"]
     headers += ["peak RSS MB", "cmd / cp", "total / (cp+sync)"]
     print(fmt_table(rows, headers))
 

@@ -44,6 +44,7 @@ __all__ = [
     "MIB",
     "PYTHON",
     "REPO",
+    "SYNCED_HEADERS",
     "GeneratedPair",
     "Measurement",
     "Summary",
@@ -62,12 +63,14 @@ __all__ = [
     "median_runs",
     "python_command",
     "ratio",
+    "rotated_order",
     "rss_method",
     "save_pt",
     "save_safetensors",
     "sync_all",
     "sync_file",
     "sync_folder",
+    "synced_cells",
     "synced_run",
     "use_ckpt",
     "verdict",
@@ -365,6 +368,15 @@ def synced_run(cmd: Sequence[str], out: Path, *, remove: bool = True) -> Measure
     return Measurement(m.wall_s, m.peak_rss_kb, m.returncode, extra_s=extra, cpu_s=m.cpu_s)
 
 
+# The columns of a command run with synced_run: its own time, the fsync after it, the sum.
+SYNCED_HEADERS = ["cmd s", "+fsync s", "total s", "min-max total"]
+
+
+def synced_cells(s: Summary) -> list[str]:
+    """The :data:`SYNCED_HEADERS` cells of commands run with :func:`synced_run`."""
+    return [f"{s.wall_s:.3f}", f"{s.extra_s:.3f}", f"{s.total_s:.3f}", s.spread]
+
+
 def drop_caches() -> bool:
     """``sync; echo 3 > /proc/sys/vm/drop_caches``. True when the kernel accepted it.
 
@@ -437,6 +449,25 @@ class Summary:
         return f"{walls[0]:.3f}-{walls[-1]:.3f}"
 
 
+def rotated_order(names: Sequence[str], i: int) -> list[str]:
+    """Round ``i``'s order: one name further along each round, every other block reversed.
+
+    Round ``i`` starts at ``names[i % n]``; the rounds of every other block of ``n`` rounds
+    take the names in reverse order. On a VM's disk a large write that follows the deletion
+    of another output, or a page-cache copy that follows a direct write (which frees no page
+    cache for it), can take several times as long as the same command one place later
+    (benchmarks/README.md); with ``n`` names, ``2n`` rounds give each one every place and
+    every predecessor equally often.
+
+    Example:
+        >>> [rotated_order("abc", i) for i in range(4)]
+        [['a', 'b', 'c'], ['b', 'c', 'a'], ['c', 'a', 'b'], ['c', 'b', 'a']]
+    """
+    order = list(names) if (i // len(names)) % 2 == 0 else list(names)[::-1]
+    start = i % len(names)
+    return order[start:] + order[:start]
+
+
 def interleaved_rounds(
     commands: dict[str, Sequence[str]],
     repeats: int,
@@ -444,19 +475,22 @@ def interleaved_rounds(
     *,
     warmup: int = 1,
     before: Callable[[], None] | None = None,
+    rotate: bool = False,
 ) -> dict[str, Summary]:
     """Each command ``warmup + repeats`` times, interleaved; a :class:`Summary` of the timed ones.
 
     Interleaved (round after round of every command) so that a slow spell of the machine
     falls on every command alike. ``run`` measures one command (default :func:`measure`);
-    ``before`` is called (untimed) before every run, e.g. to drop caches.
+    ``before`` is called (untimed) before every run, e.g. to drop caches. With ``rotate``,
+    round ``i`` (warm-up rounds counted) runs the commands in :func:`rotated_order`, so that
+    no command always has the same place or follows the same command; else in order.
     """
     out = {name: Summary(name) for name in commands}
     for i in range(warmup + repeats):
-        for name, cmd in commands.items():
+        for name in rotated_order(list(commands), i) if rotate else commands:
             if before is not None:
                 before()
-            m = run(cmd)
+            m = run(commands[name])
             if i >= warmup:
                 out[name].add(m)
     return out
