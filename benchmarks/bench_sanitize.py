@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
     PYTHON,
+    Summary,
     ckpt_command,
     fmt_table,
     interleaved_rounds,
@@ -72,13 +73,50 @@ CHECK = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=float, default=1024, help="checkpoint size (MiB)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
     ap.add_argument("--layers", type=int, default=64, help="Linear layers in the model")
     ap.add_argument("--workdir", default=None, help="parent folder for generated files")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def check_output(src: Path, folder: Path) -> str:
+    """One untimed run: sanitize's output equals the trusting conversion's, in torch."""
+    out, ref = folder / "out.pt", folder / "ref.pt"
+    subprocess.run(ckpt_command("sanitize", src, out), check=True, capture_output=True)
+    subprocess.run([PYTHON, "-c", TRUSTING, str(src), str(ref)], check=True)
+    n = subprocess.run(
+        [PYTHON, "-c", CHECK, str(out), str(ref)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    out.unlink()
+    ref.unlink()
+    return f"check: sanitize output equals the trusting conversion ({n} model tensors)"
+
+
+def report(results: dict[str, Summary]) -> bool:
+    """Print the table and the PASS/FAIL lines; True when both targets pass."""
+    cp_s = results["cp IN OUT"].total_s
+    rows = [
+        [name, f"{s.total_s:.3f}", s.spread, f"{s.peak_rss_mb:.1f}", ratio(s.total_s, cp_s)]
+        for name, s in results.items()
+    ]
+    print(fmt_table(rows, ["command", "total s", "min-max", "peak RSS MB", "total / cp"]))
+    san = results["ckpt sanitize IN OUT"]
+    lines = [
+        verdict("sanitize total / cp total", san.total_s / cp_s, TARGET_RATIO, "x"),
+        verdict("sanitize peak RSS", san.peak_rss_mb, TARGET_MB, "MB"),
+    ]
+    print("\n".join(lines))
+    return all(line.startswith("PASS") for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     print(f"machine: {machine_note()}")
     print(f"before: {load_note()}")
     with workdir(args.workdir) as folder:
@@ -87,19 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             [PYTHON, "-c", MAKE, str(src), str(args.size_mb), str(args.layers)], check=True
         )
         size_mib = src.stat().st_size / 2**20
+        print(check_output(src, folder))
         out = folder / "out.pt"
-        # One checked run: sanitize's output equals the trusting conversion's, in torch.
-        subprocess.run(ckpt_command("sanitize", src, out), check=True, capture_output=True)
-        subprocess.run([PYTHON, "-c", TRUSTING, str(src), str(folder / "ref.pt")], check=True)
-        n = subprocess.run(
-            [PYTHON, "-c", CHECK, str(out), str(folder / "ref.pt")],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        print(f"check: sanitize output equals the trusting conversion ({n} model tensors)")
-        out.unlink()
-        (folder / "ref.pt").unlink()
         commands = {
             "cp IN OUT": ["cp", str(src), str(out)],
             "ckpt sanitize IN OUT": ckpt_command("sanitize", src, out),
@@ -116,26 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.repeats} timed rounds =="
         )
         results = interleaved_rounds(commands, args.repeats, lambda cmd: synced_run(cmd, out))
-        cp_s = results["cp IN OUT"].total_s
-        rows = [
-            [
-                name,
-                f"{s.total_s:.3f}",
-                s.spread,
-                f"{s.peak_rss_mb:.1f}",
-                ratio(s.total_s, cp_s),
-            ]
-            for name, s in results.items()
-        ]
-        print(fmt_table(rows, ["command", "total s", "min-max", "peak RSS MB", "total / cp"]))
-        san = results["ckpt sanitize IN OUT"]
-        lines = [
-            verdict("sanitize total / cp total", san.total_s / cp_s, TARGET_RATIO, "x"),
-            verdict("sanitize peak RSS", san.peak_rss_mb, TARGET_MB, "MB"),
-        ]
-        print("\n".join(lines))
+        ok = report(results)
     print(f"after: {load_note()}")
-    return 0 if all(line.startswith("PASS") for line in lines) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

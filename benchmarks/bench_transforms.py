@@ -77,72 +77,81 @@ torch.save(out, sys.argv[1])
 """
 
 
+def make_inputs(tmp: Path, size_mb: int, avg_mb: int) -> tuple[Path, list[Path]]:
+    """The trainer checkpoint for slim and the four plain ones for average."""
+    trainer = tmp / "trainer.pt"
+    measure(python_command(_MAKE, trainer, str(size_mb), "trainer"))
+    inputs = [tmp / f"ckpt_{i}.pt" for i in range(4)]
+    for i, p in enumerate(inputs):
+        measure(python_command(_MAKE, p, str(avg_mb), "plain", str(i)))
+    sync_all()
+    return trainer, inputs
+
+
+def make_cases(tmp: Path, trainer: Path, inputs: list[Path]) -> list[tuple]:
+    """(task, ckpt's command, the baseline's, ckpt's output, the baseline's) per task."""
+    return [
+        (
+            "slim --dtype bf16 --weights-only",
+            ckpt_command("slim", trainer, tmp / "a.pt", "--dtype", "bf16", "--weights-only"),
+            python_command(_SLIM_BASELINE, trainer, tmp / "b.pt"),
+            tmp / "a.pt",
+            tmp / "b.pt",
+        ),
+        (
+            "average of 4",
+            ckpt_command("average", *inputs, tmp / "avg_a.pt"),
+            python_command(_AVG_BASELINE, tmp / "avg_b.pt", *inputs),
+            tmp / "avg_a.pt",
+            tmp / "avg_b.pt",
+        ),
+    ]
+
+
+def measure_case(name: str, ours_cmd, base_cmd, ours_out: Path, base_out: Path) -> list[str]:
+    """ckpt's command, then the baseline, each with its output's fsync; one table row."""
+    ours = measure(ours_cmd)
+    ours_sync = sync_file(ours_out)
+    base = measure(base_cmd)
+    base_sync = sync_file(base_out)
+    o_s, b_s = ours.wall_s + ours_sync, base.wall_s + base_sync
+    ours_out.unlink()
+    base_out.unlink()
+    sync_all()
+    return [
+        name,
+        f"{o_s:.2f} s",
+        f"{ours.peak_rss_mb:.0f} MB",
+        f"{b_s:.2f} s",
+        f"{base.peak_rss_mb:.0f} MB",
+        f"{b_s / o_s:.2f}x",
+        "ok" if ours.peak_rss_mb <= 200 and o_s < b_s else "MISSED",
+    ]
+
+
+HEADERS = [
+    "task",
+    "ckpt",
+    "ckpt RSS",
+    "baseline",
+    "baseline RSS",
+    "speed-up",
+    "target (<=200 MB, faster)",
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--avg-mb", type=int, default=256)
     args = parser.parse_args()
-    rows = []
     with workdir() as tmp:
-        trainer = tmp / "trainer.pt"
-        measure(python_command(_MAKE, trainer, str(args.size_mb), "trainer"))
-        inputs = [tmp / f"ckpt_{i}.pt" for i in range(4)]
-        for i, p in enumerate(inputs):
-            measure(python_command(_MAKE, p, str(args.avg_mb), "plain", str(i)))
-        sync_all()
-        cases = [
-            (
-                "slim --dtype bf16 --weights-only",
-                ckpt_command("slim", trainer, tmp / "a.pt", "--dtype", "bf16", "--weights-only"),
-                python_command(_SLIM_BASELINE, trainer, tmp / "b.pt"),
-                tmp / "a.pt",
-                tmp / "b.pt",
-            ),
-            (
-                "average of 4",
-                ckpt_command("average", *inputs, tmp / "avg_a.pt"),
-                python_command(_AVG_BASELINE, tmp / "avg_b.pt", *inputs),
-                tmp / "avg_a.pt",
-                tmp / "avg_b.pt",
-            ),
-        ]
-        for name, ours_cmd, base_cmd, ours_out, base_out in cases:
-            ours = measure(ours_cmd)
-            ours_sync = sync_file(ours_out)
-            base = measure(base_cmd)
-            base_sync = sync_file(base_out)
-            o_s, b_s = ours.wall_s + ours_sync, base.wall_s + base_sync
-            rows.append(
-                [
-                    name,
-                    f"{o_s:.2f} s",
-                    f"{ours.peak_rss_mb:.0f} MB",
-                    f"{b_s:.2f} s",
-                    f"{base.peak_rss_mb:.0f} MB",
-                    f"{b_s / o_s:.2f}x",
-                    "ok" if ours.peak_rss_mb <= 200 and o_s < b_s else "MISSED",
-                ]
-            )
-            ours_out.unlink()
-            base_out.unlink()
-            sync_all()
+        trainer, inputs = make_inputs(tmp, args.size_mb, args.avg_mb)
+        rows = [measure_case(*case) for case in make_cases(tmp, trainer, inputs)]
     print(machine_note())
     print(load_note())
     print(f"trainer checkpoint {args.size_mb} MiB; average inputs 4 x {args.avg_mb} MiB")
-    print(
-        fmt_table(
-            rows,
-            [
-                "task",
-                "ckpt",
-                "ckpt RSS",
-                "baseline",
-                "baseline RSS",
-                "speed-up",
-                "target (<=200 MB, faster)",
-            ],
-        )
-    )
+    print(fmt_table(rows, HEADERS))
 
 
 if __name__ == "__main__":
