@@ -135,36 +135,29 @@ def _run(kind: str, path: Path, folder: Path) -> dict:
     return data
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--tensors", type=int, default=350)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--keep", action="store_true")
-    args = parser.parse_args(argv)
-    print(machine_note())
-    print(load_note())
-    with workdir(args.workdir, args.keep) as folder:
-        pair = make_checkpoints(folder, args.size_mb, args.tensors)
-        size = {"pt": pair.pt.stat().st_size, "st": pair.safetensors.stat().st_size}
-        print(f"inputs: {pair.label}; .pt {size['pt'] / MIB:.0f} MiB (page cache warm)")
-        cases = {
-            "pt load_state_dict": ("ckpt", pair.pt),
-            "pt torch.load(mmap=True)": ("torch", pair.pt),
-            "pt load_into(meta)": ("meta", pair.pt),
-            "st load_state_dict": ("ckpt", pair.safetensors),
-            "st safetensors load_file": ("st", pair.safetensors),
-            "st load_into(meta)": ("meta", pair.safetensors),
-        }
-        runs: dict[str, list[dict]] = {name: [] for name in cases}
-        for i in range(1 + args.repeats):
-            for name, (kind, path) in cases.items():
-                data = _run(kind, path, folder)
-                if i:
-                    runs[name].append(data)
-        sums = {name: {d["sum"] for d in rs} for name, rs in runs.items()}
-        same = len({s for name, ss in sums.items() if name.startswith("pt") for s in ss}) == 1
+    return parser.parse_args(argv)
+
+
+def run_cases(cases: dict[str, tuple[str, Path]], repeats: int, folder: Path) -> dict[str, list]:
+    """One warm-up round, then ``repeats`` rounds of every case; the timed runs' reports."""
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
+    for i in range(1 + repeats):
+        for name, (kind, path) in cases.items():
+            data = _run(kind, path, folder)
+            if i:
+                runs[name].append(data)
+    return runs
+
+
+def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per case, the median of each reading; the worst peak RSS and anonymous growth."""
     med = {
         name: {key: statistics.median(d[key] for d in rs) for key in rs[0] if key != "sum"}
         for name, rs in runs.items()
@@ -172,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, rs in runs.items():
         med[name]["peak_mb"] = max(d["peak_mb"] for d in rs)
         med[name]["anon_load"] = max(d["anon_load"] for d in rs)
+    return med
+
+
+def print_table(med: dict[str, dict[str, float]]) -> None:
     rows = [
         [
             name,
@@ -188,17 +185,30 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["case", "load s", "2nd load s", "read-all s", "process s", "peak MB", "anon MB"]
     headers.append("anon+read MB")
     print(fmt_table(rows, headers))
-    ours, torch_s = med["pt load_state_dict"]["load_s"], med["pt torch.load(mmap=True)"]["load_s"]
-    print(f"load_state_dict / torch.load(mmap=True): {ratio(ours, torch_s)} (first call)")
-    ours2 = med["pt load_state_dict"]["load2_s"]
-    torch2 = med["pt torch.load(mmap=True)"]["load2_s"]
-    print(f"load_state_dict / torch.load(mmap=True): {ratio(ours2, torch2)} (second call)")
-    st_ours, st_base = (
-        med["st load_state_dict"]["load_s"],
-        med["st safetensors load_file"]["load_s"],
+
+
+def print_ratios(med: dict[str, dict[str, float]]) -> None:
+    """load_state_dict against torch.load (first and second call) and safetensors."""
+    ours, torch_s = med["pt load_state_dict"], med["pt torch.load(mmap=True)"]
+    print(
+        "load_state_dict / torch.load(mmap=True): "
+        f"{ratio(ours['load_s'], torch_s['load_s'])} (first call)"
     )
-    print(f"load_state_dict / safetensors load_file: {ratio(st_ours, st_base)} (load call)")
-    checks = [
+    print(
+        "load_state_dict / torch.load(mmap=True): "
+        f"{ratio(ours['load2_s'], torch_s['load2_s'])} (second call)"
+    )
+    st_ours, st_base = med["st load_state_dict"], med["st safetensors load_file"]
+    print(
+        "load_state_dict / safetensors load_file: "
+        f"{ratio(st_ours['load_s'], st_base['load_s'])} (load call)"
+    )
+
+
+def checks(med: dict[str, dict[str, float]], size: dict[str, int], same: bool) -> list[str]:
+    """The PASS/FAIL lines."""
+    ours, torch_s = med["pt load_state_dict"]["load_s"], med["pt torch.load(mmap=True)"]["load_s"]
+    return [
         verdict("pt load_state_dict vs torch.load(mmap=True)", ours / torch_s, 1.2, "x"),
         verdict(
             "pt load_into(meta) anonymous RSS growth",
@@ -214,8 +224,33 @@ def main(argv: list[str] | None = None) -> int:
         ),
         verdict("every .pt case read the same values", 0, 0, "", ok=same),
     ]
-    print("\n".join(checks))
-    return 0 if all(c.startswith("PASS") for c in checks) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(machine_note())
+    print(load_note())
+    with workdir(args.workdir, args.keep) as folder:
+        pair = make_checkpoints(folder, args.size_mb, args.tensors)
+        size = {"pt": pair.pt.stat().st_size, "st": pair.safetensors.stat().st_size}
+        print(f"inputs: {pair.label}; .pt {size['pt'] / MIB:.0f} MiB (page cache warm)")
+        cases = {
+            "pt load_state_dict": ("ckpt", pair.pt),
+            "pt torch.load(mmap=True)": ("torch", pair.pt),
+            "pt load_into(meta)": ("meta", pair.pt),
+            "st load_state_dict": ("ckpt", pair.safetensors),
+            "st safetensors load_file": ("st", pair.safetensors),
+            "st load_into(meta)": ("meta", pair.safetensors),
+        }
+        runs = run_cases(cases, args.repeats, folder)
+        sums = {name: {d["sum"] for d in rs} for name, rs in runs.items()}
+        same = len({s for name, ss in sums.items() if name.startswith("pt") for s in ss}) == 1
+    med = medians(runs)
+    print_table(med)
+    print_ratios(med)
+    lines = checks(med, size, same)
+    print("\n".join(lines))
+    return 0 if all(c.startswith("PASS") for c in lines) else 1
 
 
 if __name__ == "__main__":
