@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
+from ckpt_tools.errors import CheckpointError, OutputError, OutputExistsError, SameFileError
 from ckpt_tools.io.interrupts import signals_raise
 
 __all__ = [
@@ -339,7 +339,7 @@ def atomic_output(
             f.close()
             if not is_unnamed:
                 tmp.unlink(missing_ok=True)
-            if isinstance(e, OutputError):
+            if isinstance(e, CheckpointError):  # the output's own, or the input's (a URL's)
                 raise
             raise OutputError(
                 f"writing {str(dst)!r} failed ({e.strerror or e}); nothing was written and the "

@@ -141,6 +141,8 @@ class HubServer:
         redirect: resolve URLs answer ``302`` to ``http://localhost:PORT/cdn/...``.
         gated: repo id -> the token it needs (``401`` without one, ``403`` with another).
         statuses: request path -> the status to answer it with instead.
+        replaced: request path -> (file, data): once the path's first request is answered,
+            ``data`` overwrites the file (see :meth:`replace_later`).
     """
 
     def __init__(self, root: Path) -> None:
@@ -149,6 +151,7 @@ class HubServer:
         self.redirect = False
         self.gated: dict[str, str] = {}
         self.statuses: dict[str, int] = {}
+        self.replaced: dict[str, tuple[Path, bytes | Path]] = {}
         self.url = ""
         self.port = 0
         self._server: Any = None
@@ -176,6 +179,14 @@ class HubServer:
         at = "" if revision == "main" else f"@{revision}"
         return f"hf://{prefix}{repo}{at}/{name}"
 
+    def replace_later(
+        self, repo: str, name: str, data: bytes | Path, *, revision: str = "main"
+    ) -> None:
+        """Overwrite a model repo's file with ``data`` once its first request is answered, as
+        a re-upload or a moved branch replaces a file while a client reads it."""
+        file = self.root / "models" / repo / revision / name
+        self.replaced[self.path(repo, name, revision=revision)] = (file, data)
+
     def put_file(self, name: str, data: bytes | Path) -> str:
         """Place ``data`` at ``/files/NAME``; returns its ``http://`` URL."""
         _write(self.root / "files" / name, data)
@@ -188,6 +199,7 @@ class HubServer:
         self.redirect = False
         self.gated.clear()
         self.statuses.clear()
+        self.replaced.clear()
 
     # -- the answers ---------------------------------------------------------------------
 
@@ -197,6 +209,8 @@ class HubServer:
 
         if raw_path in self.statuses:
             return PlainTextResponse("forced", status_code=self.statuses[raw_path])
+        if raw_path in self.replaced and sum(h.path == raw_path for h in self.log.hits) > 1:
+            _write(*self.replaced.pop(raw_path))
         parts = [unquote(p) for p in raw_path.split("/")[1:]]
         if any(p in ("", ".", "..") for p in parts):
             return PlainTextResponse("bad path", status_code=400)

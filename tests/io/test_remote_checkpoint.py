@@ -227,3 +227,25 @@ def test_a_rezipped_archive_is_extracted_from_a_url(hub, tmp_path):
     out = tmp_path / "a.pt"
     run_ckpt("extract", url, str(out), "--prefix", "a", code=0)
     assert torch.equal(torch.load(out, weights_only=True)["a"], torch.arange(1000.0))
+
+
+def test_a_file_replaced_while_extracted_is_refused_not_mixed(hub, tmp_path):
+    """The server overwrites the file after its first request (a re-upload of the same
+    size): extract and inspect refuse (exit 8) instead of reading old and new bytes as one."""
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    for seed, path in ((0, old), (1, new)):
+        gen = torch.Generator().manual_seed(seed)
+        save_file({f"w{i}": torch.randn(512, 512, generator=gen) for i in range(6)}, path)
+    assert old.stat().st_size == new.stat().st_size
+    url = hub.put("org/moving", "model.safetensors", old)
+    hub.replace_later("org/moving", "model.safetensors", new)
+    out = tmp_path / "out.safetensors"
+    _, _, err = run_ckpt("extract", url, out, "--prefix", "w", "-q", code=8)
+    assert "the remote file changed while it was read" in err and not out.exists()
+    assert len(err.strip().splitlines()) == 1, err
+    grown = tmp_path / "grown.pt"
+    torch.save({f"w{i}": torch.zeros(1 << 16) for i in range(8)}, grown)
+    url = hub.put("org/moving", "model.pt", grown)
+    hub.replace_later("org/moving", "model.pt", grown.read_bytes() + bytes(1000))
+    _, _, err = run_ckpt("inspect", url, code=8)
+    assert "the remote file changed while it was read" in err, err

@@ -246,6 +246,20 @@ def test_other_statuses_are_remote_errors(hub: HubServer) -> None:
     assert "HTTP 503 Service Unavailable" in str(info.value) and info.value.exit_code == 8
 
 
+@pytest.mark.parametrize("grown", [0, 100])
+def test_a_file_replaced_while_read_is_refused(hub: HubServer, data: bytes, grown: int) -> None:
+    """The file is overwritten between two reads (the same size, or larger): the second
+    answer's ETag or size is not the first's, and its bytes are not returned."""
+    url = hub.put("org/m", "model.bin", data)
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        hub.put("org/m", "model.bin", _bytes(SIZE + grown, seed=1))
+        with pytest.raises(RemoteError, match="the remote file changed while it was read") as info:
+            f.pread(10, SIZE // 2)
+    assert info.value.exit_code == EXIT_REMOTE and "\n" not in str(info.value)
+    assert str(info.value).startswith(f"{url}: ") and "read it again" in str(info.value)
+
+
 # --- a server that ignores Range ----------------------------------------------------------
 
 

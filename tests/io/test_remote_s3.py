@@ -131,3 +131,16 @@ def test_an_endpoint_that_refuses(
 def test_a_local_path_is_never_read_as_s3(s3: S3Bucket, tmp_path: Path) -> None:
     with RemoteSession() as remote, pytest.raises(ValueError, match="not a URL"):
         remote.open(str(tmp_path / "s3:" / "x.pt"))
+
+
+@pytest.mark.parametrize("grown", [0, 100])
+def test_an_object_replaced_while_read_is_refused(s3: S3Bucket, grown: int) -> None:
+    """Another upload to the key between two reads: the second answer's ETag (and size)
+    are not the first's, and nothing of the new object is returned as the old one's."""
+    url = s3.put("m.pt", _bytes(SIZE))
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        s3.put("m.pt", _bytes(SIZE + grown, seed=1))
+        with pytest.raises(RemoteError, match="the remote file changed while it was read") as info:
+            f.pread(10, SIZE // 2)
+    assert info.value.exit_code == EXIT_REMOTE and "\n" not in str(info.value)

@@ -26,6 +26,7 @@ from ckpt_tools.errors import (
     UsageError,
     quote_foreign,
 )
+from ckpt_tools.io.remote.rangefile import SameObject
 from ckpt_tools.io.remote.urls import at_hub, scheme
 
 if TYPE_CHECKING:
@@ -175,6 +176,7 @@ class HttpTransport:
         self.resolved = resolved or url
         self.headers = dict(headers or {})
         self._client = client
+        self._same = SameObject(url)
 
     def get(self, start: int, end: int) -> tuple[bytes, int]:
         """The bytes ``[start, min(end, size))`` and the object's size, in one request.
@@ -190,7 +192,8 @@ class HttpTransport:
             RemoteAccessError: 401 or 403; the message says which credentials to set.
             RangeNotSupportedError: the server answered with the whole object, larger than
                 the range asked for (its body is not read).
-            RemoteError: another status, a wrong range, a timeout or a failed connection.
+            RemoteError: another status, a wrong range, a timeout or a failed connection,
+                or a size or ETag other than the first answer's (the file changed).
         """
         if not 0 <= start < end:
             raise ValueError(f"bad range [{start}, {end})")
@@ -216,6 +219,12 @@ class HttpTransport:
         """Nothing to release: the client belongs to the session."""
 
     def _answer(self, response: httpx.Response, start: int, end: int) -> tuple[bytes, int]:
+        data, size = self._read_answer(response, start, end)
+        headers = response.headers
+        self._same.check(size, headers.get("etag"), headers.get("last-modified"))
+        return data, size
+
+    def _read_answer(self, response: httpx.Response, start: int, end: int) -> tuple[bytes, int]:
         if response.status_code == 206:
             length, total = check_content_range(
                 self.url, response.headers.get("content-range"), start, end

@@ -16,7 +16,16 @@ import io
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["HEAD_FETCH", "MIN_FETCH", "RangeTransport", "RemoteFile", "TransferStats"]
+from ckpt_tools.errors import RemoteError
+
+__all__ = [
+    "HEAD_FETCH",
+    "MIN_FETCH",
+    "RangeTransport",
+    "RemoteFile",
+    "SameObject",
+    "TransferStats",
+]
 
 # The first request, and the one for the object's end: a .pt's data.pkl and a safetensors
 # header of a few hundred tensors fit in the first, a zip's end records with its central
@@ -67,6 +76,57 @@ class TransferStats:
         return (
             f"{self.requests} request{plural}, {human_bytes(self.bytes_received)} received "
             f"({self.bytes_received:,} bytes)"
+        )
+
+
+class SameObject:
+    """What names the object a transport reads, from its first answer, checked against every
+    later answer: a file replaced between two requests must not be read as one file.
+
+    The size is always compared; the ETag where both answers carry one, else the
+    Last-Modified date. A weak or strong ETag is compared as a string, so nothing relies on
+    how a server treats ``If-Match`` or ``If-Range``.
+
+    Args:
+        url: the URL, for the error.
+
+    Example:
+        >>> same = SameObject("u")
+        >>> same.check(10, '"a"', None)
+        >>> try:
+        ...     same.check(10, '"b"', None)
+        ... except RemoteError as e:
+        ...     print(e)
+        u: the remote file changed while it was read (ETag '"a"' then '"b"'); read it again
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._first: tuple[int, str | None, str | None] | None = None
+
+    def check(self, size: int, etag: str | None, modified: str | None) -> None:
+        """Remember the first answer's ``size``, ``etag`` and ``modified``; refuse a later
+        answer that differs.
+
+        Raises:
+            RemoteError: the object changed (the message says how).
+        """
+        if self._first is None:
+            self._first = (size, etag, modified)
+            return
+        was_size, was_etag, was_modified = self._first
+        if size != was_size:
+            self._refuse(f"{was_size} bytes then {size}")
+        if was_etag and etag:
+            if etag != was_etag:
+                self._refuse(f"ETag {was_etag!r} then {etag!r}")
+        elif was_modified and modified and modified != was_modified:
+            self._refuse(f"Last-Modified {was_modified!r} then {modified!r}")
+
+    def _refuse(self, how: str) -> None:
+        raise RemoteError(
+            f"{self.url}: the remote file changed while it was read ({how}); read it again",
+            path=self.url,
         )
 
 

@@ -22,6 +22,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.io.remote.http import TIMEOUT_ENV, check_content_range, range_refused
+from ckpt_tools.io.remote.rangefile import SameObject
 from ckpt_tools.io.remote.urls import split_s3
 
 __all__ = ["S3Transport", "make_s3_client"]
@@ -108,6 +109,7 @@ class S3Transport:
         self.url = url
         self.bucket, self.key = split_s3(url)
         self._client = client
+        self._same = SameObject(url)
 
     def get(self, start: int, end: int) -> tuple[bytes, int]:
         """The bytes ``[start, min(end, size))`` and the object's size, in one request.
@@ -122,7 +124,8 @@ class S3Transport:
             CheckpointNotFoundError: no such key or bucket.
             RemoteAccessError: no credentials, or credentials refused.
             RangeNotSupportedError: the whole object came back, larger than asked for.
-            RemoteError: the endpoint could not be reached, timed out or failed.
+            RemoteError: the endpoint could not be reached, timed out or failed, or the
+                object's size or ETag is not the first answer's (it was replaced).
         """
         if not 0 <= start < end:
             raise ValueError(f"bad range [{start}, {end})")
@@ -143,11 +146,14 @@ class S3Transport:
         except botocore.exceptions.BotoCoreError as e:
             raise self._endpoint_error(e) from e
         try:
-            return self._body(answer, start, end)
+            data, size = self._body(answer, start, end)
         except botocore.exceptions.BotoCoreError as e:
             raise self._endpoint_error(e) from e
         finally:
             answer["Body"].close()
+        modified = answer.get("LastModified")
+        self._same.check(size, answer.get("ETag"), None if modified is None else str(modified))
+        return data, size
 
     def close(self) -> None:
         """Nothing to release: the client belongs to the session."""
