@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     PYTHON,
     GeneratedPair,
+    Summary,
     cache_state_note,
     ckpt_command,
     drop_caches,
@@ -144,7 +145,7 @@ def profile_inspect(path: Path, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-mb", type=float, default=1024, help="main checkpoint size (MiB)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per command (median)")
@@ -158,160 +159,163 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-scaling", action="store_true", help="skip the 1/8-bytes and 4x files")
     ap.add_argument("--profile", action="store_true", help="always print the profile")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def make_inputs(args: argparse.Namespace, folder: Path) -> dict[str, GeneratedPair]:
+    """The main pair and (unless ``--no-scaling``) the 1/8-bytes and 4x-tensors pairs."""
+    print(f"generating checkpoints in {folder} ...", flush=True)
+    pairs = {"main": make_checkpoints(folder, args.size_mb, args.tensors, stem="main")}
+    if not args.no_scaling:
+        pairs["eighth"] = make_checkpoints(
+            folder, args.size_mb / 8, args.tensors, stem="eighth_bytes"
+        )
+        pairs["4x"] = make_checkpoints(
+            folder, args.size_mb, args.tensors * 4, stem="four_x_tensors"
+        )
+    for key, p in pairs.items():
+        print(
+            f"  {key:6s} {p.label}: {p.pt.name} {p.pt.stat().st_size / 2**20:.1f} MiB, "
+            f"{p.safetensors.name} {p.safetensors.stat().st_size / 2**20:.1f} MiB"
+        )
+    # Free this process's tensors' memory before measuring (measurements are subprocesses
+    # whose RSS is their own, but a smaller parent keeps the machine quieter).
+    import gc
+
+    gc.collect()
+    return pairs
+
+
+PT, ST = "ckpt inspect .pt --json", "ckpt inspect .safetensors --json"
+# The main table's rows, in order: (command, the ckpt inspect row it is compared with).
+MAIN_ROWS = [
+    ("python -c pass", None),
+    ("ckpt --version", None),
+    ("python -c 'import torch'", None),
+    (PT, None),
+    ("torch.load(.pt, mmap=True, weights_only=True)", PT),
+    (ST, None),
+    ("safe_open(.safetensors) keys+shapes", ST),
+    ("safetensors.torch.load_file(.safetensors)", ST),
+]
+
+
+def inspect_commands(pairs: dict[str, GeneratedPair]) -> dict[str, list[str]]:
+    """The main table's commands, then ``ckpt inspect`` of each scaling file."""
+    pt, st = pairs["main"].pt, pairs["main"].safetensors
+    commands = {
+        "python -c pass": python_command("pass"),
+        "ckpt --version": ckpt_command("--version"),
+        "python -c 'import torch'": python_command("import torch"),
+        PT: ckpt_command("inspect", pt, "--json"),
+        "torch.load(.pt, mmap=True, weights_only=True)": python_command(TORCH_MMAP, pt),
+        ST: ckpt_command("inspect", st, "--json"),
+        "safe_open(.safetensors) keys+shapes": python_command(ST_SAFE_OPEN, st),
+        "safetensors.torch.load_file(.safetensors)": python_command(ST_LOAD_FILE, st),
+    }
+    for key in ("eighth", "4x"):
+        if key in pairs:
+            for fmt in ("pt", "safetensors"):
+                path = getattr(pairs[key], fmt)
+                commands[f"{key}/{fmt}"] = ckpt_command("inspect", path, "--json")
+    return commands
+
+
+def print_main_table(results: dict[str, Summary], main_pair: GeneratedPair) -> None:
+    def row(name: str, base: str | None) -> list[str]:
+        s = results[name]
+        r = ratio(s.wall_s, results[base].wall_s) if base else ""
+        rr = ratio(s.peak_rss_mb, results[base].peak_rss_mb) if base else ""
+        return [name, f"{s.wall_s:.3f}", s.spread, f"{s.peak_rss_mb:.1f}", r, rr]
+
+    headers = [
+        "command",
+        "wall s (median)",
+        "min-max",
+        "peak RSS MB",
+        "wall/inspect",
+        "RSS/inspect",
+    ]
+    print()
+    print(f"== {main_pair.label} ({main_pair.pt.stat().st_size / 2**20:.0f} MiB .pt) ==")
+    print(fmt_table([row(name, base) for name, base in MAIN_ROWS], headers))
+    print("(ratios > 1 mean the baseline is slower / bigger than ckpt inspect)")
+
+
+def print_scaling_table(
+    results: dict[str, Summary], pairs: dict[str, GeneratedPair], repeats: int
+) -> None:
+    """CLI and in-process inspect time of the main, 1/8-bytes and 4x-tensors files."""
+    calls = max(15, repeats)
+    print()
+    print("== inspect time vs tensor count and bytes ==")
+    print(
+        "CLI wall = `ckpt inspect FILE --json` (median); in-process = "
+        f"ckpt_tools.inspect(FILE) + its JSON, median of {calls} calls in one process "
+        "(no interpreter start-up: the per-file work alone, far less noisy)"
+    )
+    rows = []
+    for fmt, base_name in (("pt", PT), ("safetensors", ST)):
+        base_ms = None
+        for key, name in (("main", base_name), ("eighth", f"eighth/{fmt}"), ("4x", f"4x/{fmt}")):
+            s, p = results[name], pairs[key]
+            ms = inprocess_ms(getattr(p, fmt), calls)
+            base_ms = base_ms if base_ms is not None else ms
+            rows.append(
+                [
+                    f".{fmt} {p.label}",
+                    f"{s.wall_s:.3f}",
+                    f"{ms:.1f}",
+                    ratio(ms, base_ms),
+                    f"{s.peak_rss_mb:.1f}",
+                ]
+            )
+    headers = ["file", "CLI wall s", "in-process ms", "in-process / 350 tensors", "peak RSS MB"]
+    print(fmt_table(rows, headers))
+
+
+def inspect_checks(results: dict[str, Summary]) -> list[tuple[bool, str]]:
+    """Wall time and peak RSS of ``ckpt inspect`` on each format against the targets."""
+    checks = []
+    for fmt, name in (("pt", PT), ("safetensors", ST)):
+        s = results[name]
+        checks.append(
+            (s.wall_s <= TARGET_S, verdict(f"inspect .{fmt} wall", s.wall_s, TARGET_S, "s"))
+        )
+        checks.append(
+            (
+                s.peak_rss_mb <= TARGET_MB,
+                verdict(f"inspect .{fmt} peak RSS", s.peak_rss_mb, TARGET_MB, "MB"),
+            )
+        )
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     dropped = drop_caches() if args.cold else None
     print(f"machine: {machine_note()}")
     print(cache_state_note(args.cold, dropped))
     cold = bool(args.cold and dropped)
     print(f"before: {load_note()}")
-
     with workdir(args.workdir, keep=args.keep) as folder:
-        print(f"generating checkpoints in {folder} ...", flush=True)
-        main_pair = make_checkpoints(folder, args.size_mb, args.tensors, stem="main")
-        pairs: dict[str, GeneratedPair] = {"main": main_pair}
-        if not args.no_scaling:
-            pairs["eighth"] = make_checkpoints(
-                folder, args.size_mb / 8, args.tensors, stem="eighth_bytes"
-            )
-            pairs["4x"] = make_checkpoints(
-                folder, args.size_mb, args.tensors * 4, stem="four_x_tensors"
-            )
-        for key, p in pairs.items():
-            print(
-                f"  {key:6s} {p.label}: {p.pt.name} {p.pt.stat().st_size / 2**20:.1f} MiB, "
-                f"{p.safetensors.name} {p.safetensors.stat().st_size / 2**20:.1f} MiB"
-            )
-        # Free this process's tensors' memory before measuring (measurements are subprocesses
-        # whose RSS is their own, but a smaller parent keeps the machine quieter).
-        import gc
-
-        gc.collect()
-
-        pt, st = main_pair.pt, main_pair.safetensors
-        commands = {
-            "python -c pass": python_command("pass"),
-            "ckpt --version": ckpt_command("--version"),
-            "python -c 'import torch'": python_command("import torch"),
-            "ckpt inspect .pt --json": ckpt_command("inspect", pt, "--json"),
-            "torch.load(.pt, mmap=True, weights_only=True)": python_command(TORCH_MMAP, pt),
-            "ckpt inspect .safetensors --json": ckpt_command("inspect", st, "--json"),
-            "safe_open(.safetensors) keys+shapes": python_command(ST_SAFE_OPEN, st),
-            "safetensors.torch.load_file(.safetensors)": python_command(ST_LOAD_FILE, st),
-        }
-        scaling: dict[str, list[str]] = {}
-        if not args.no_scaling:
-            for key in ("eighth", "4x"):
-                for fmt in ("pt", "safetensors"):
-                    path = getattr(pairs[key], fmt)
-                    scaling[f"{key}/{fmt}"] = ckpt_command("inspect", path, "--json")
+        pairs = make_inputs(args, folder)
+        commands = inspect_commands(pairs)
         print(f"measuring ({args.repeats} timed runs each after 1 warm-up, interleaved) ...")
-        results = interleaved_rounds(
-            {**commands, **scaling}, args.repeats, before=drop_caches if cold else None
-        )
-
-        def row(name: str, base: str | None) -> list[str]:
-            s = results[name]
-            r = ratio(s.wall_s, results[base].wall_s) if base else ""
-            rr = ratio(s.peak_rss_mb, results[base].peak_rss_mb) if base else ""
-            return [name, f"{s.wall_s:.3f}", s.spread, f"{s.peak_rss_mb:.1f}", r, rr]
-
-        headers = [
-            "command",
-            "wall s (median)",
-            "min-max",
-            "peak RSS MB",
-            "wall/inspect",
-            "RSS/inspect",
-        ]
-        print()
-        print(f"== {main_pair.label} ({pt.stat().st_size / 2**20:.0f} MiB .pt) ==")
-        rows = [
-            row("python -c pass", None),
-            row("ckpt --version", None),
-            row("python -c 'import torch'", None),
-            row("ckpt inspect .pt --json", None),
-            row("torch.load(.pt, mmap=True, weights_only=True)", "ckpt inspect .pt --json"),
-            row("ckpt inspect .safetensors --json", None),
-            row("safe_open(.safetensors) keys+shapes", "ckpt inspect .safetensors --json"),
-            row(
-                "safetensors.torch.load_file(.safetensors)",
-                "ckpt inspect .safetensors --json",
-            ),
-        ]
-        print(fmt_table(rows, headers))
-        print("(ratios > 1 mean the baseline is slower / bigger than ckpt inspect)")
-
-        if scaling:
-            calls = max(15, args.repeats)
-            print()
-            print("== inspect time vs tensor count and bytes ==")
-            print(
-                "CLI wall = `ckpt inspect FILE --json` (median); in-process = "
-                f"ckpt_tools.inspect(FILE) + its JSON, median of {calls} calls in one process "
-                "(no interpreter start-up: the per-file work alone, far less noisy)"
-            )
-            srows = []
-            for fmt, base_name in (
-                ("pt", "ckpt inspect .pt --json"),
-                ("safetensors", "ckpt inspect .safetensors --json"),
-            ):
-                base_ms = None
-                for key, name in (
-                    ("main", base_name),
-                    ("eighth", f"eighth/{fmt}"),
-                    ("4x", f"4x/{fmt}"),
-                ):
-                    s = results[name]
-                    p = pairs[key]
-                    ms = inprocess_ms(getattr(p, fmt), calls)
-                    base_ms = base_ms if base_ms is not None else ms
-                    srows.append(
-                        [
-                            f".{fmt} {p.label}",
-                            f"{s.wall_s:.3f}",
-                            f"{ms:.1f}",
-                            ratio(ms, base_ms),
-                            f"{s.peak_rss_mb:.1f}",
-                        ]
-                    )
-            print(
-                fmt_table(
-                    srows,
-                    [
-                        "file",
-                        "CLI wall s",
-                        "in-process ms",
-                        "in-process / 350 tensors",
-                        "peak RSS MB",
-                    ],
-                )
-            )
-
+        results = interleaved_rounds(commands, args.repeats, before=drop_caches if cold else None)
+        print_main_table(results, pairs["main"])
+        if not args.no_scaling:
+            print_scaling_table(results, pairs, args.repeats)
         print(f"(after measuring: {load_note()})")
         print()
-        checks = []
-        for fmt, name in (
-            ("pt", "ckpt inspect .pt --json"),
-            ("safetensors", "ckpt inspect .safetensors --json"),
-        ):
-            s = results[name]
-            checks.append(
-                (s.wall_s <= TARGET_S, verdict(f"inspect .{fmt} wall", s.wall_s, TARGET_S, "s"))
-            )
-            checks.append(
-                (
-                    s.peak_rss_mb <= TARGET_MB,
-                    verdict(f"inspect .{fmt} peak RSS", s.peak_rss_mb, TARGET_MB, "MB"),
-                )
-            )
+        checks = inspect_checks(results)
         for _, line in checks:
             print(line)
         if args.profile or not all(ok for ok, _ in checks):
             print()
-            print(profile_inspect(pt))
+            print(profile_inspect(pairs["main"].pt))
             print()
-            print(profile_inspect(st))
+            print(profile_inspect(pairs["main"].safetensors))
     return 0 if all(ok for ok, _ in checks) else 1
 
 
