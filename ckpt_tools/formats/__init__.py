@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from ckpt_tools._types import StrPath
 from ckpt_tools.errors import CorruptCheckpointError, Remedy, ResourceLimitError, UsageError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.detect import FORMATS, detect_format
 
-__all__ = ["FORMATS", "Checkpoint", "ZipRecord", "detect_format", "open_checkpoint"]
+__all__ = ["FORMATS", "Checkpoint", "ZipRecord", "detect_format", "naming", "open_checkpoint"]
 
 
 # The URLs io/remote reads (open_url); here they are refused with the commands that read them.
@@ -42,12 +44,35 @@ def open_checkpoint(path: StrPath) -> Checkpoint:
             path=path,
             remedies=(Remedy(text="download the file and pass its path"),),
         )
-    try:
+    with naming(path):
         return _open(path, detect_format(path))
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Make every corrupt-file or limit error raised in the block name ``path`` (a local
+    path or a URL), as the one place that adds it.
+
+    Low-level readers (pickle, tar) do not know the file name; every message names it.
+
+    Args:
+        path: the file being read, as the user gave it.
+
+    Raises:
+        CorruptCheckpointError, ResourceLimitError: the block's, prefixed with
+            ``'path': `` unless the message names the file already.
+
+    Example:
+        >>> with naming("model.pt"):
+        ...     raise CorruptCheckpointError("the pickle ends early")
+        Traceback (most recent call last):
+        ckpt_tools.errors.CorruptCheckpointError: 'model.pt': the pickle ends early
+    """
+    try:
+        yield
     except (CorruptCheckpointError, ResourceLimitError) as e:
         if repr(path) in str(e) or path in str(e):
             raise
-        # Low-level readers (pickle, tar) do not know the file name; every message names it.
         raise type(e)(f"{path!r}: {e}") from e
 
 

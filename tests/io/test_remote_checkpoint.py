@@ -14,6 +14,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import save_file
 
 from tests.helpers.cli import run_ckpt
+from tests.helpers.committed import fixture_path
 
 # What a remote inspect may cost at most, whatever the file's size.
 MAX_REQUESTS = 8
@@ -249,3 +250,17 @@ def test_a_file_replaced_while_extracted_is_refused_not_mixed(hub, tmp_path):
     hub.replace_later("org/moving", "model.pt", grown.read_bytes() + bytes(1000))
     _, _, err = run_ckpt("inspect", url, code=8)
     assert "the remote file changed while it was read" in err, err
+
+
+@pytest.mark.parametrize("name", ["c7-b020549112.pt", "c1-5a4effd25b.pt", "c8-3e0e334096.pt"])
+def test_a_malformed_file_is_named_by_its_url_as_a_local_one_by_its_path(hub, name):
+    """Errors of the pickle reader, which knows no file name, name the URL as they name a
+    local path: the same one line, the URL where the path was."""
+    path = Path(__file__).parents[1] / "fuzz" / "regressions" / name
+    url = hub.put("org/broken", name, path)
+    code, _, local = run_ckpt("inspect", path, code=None)
+    assert code in (4, 5) and f"{str(path)!r}: " in local, local
+    _, _, remote = run_ckpt("inspect", url, code=code)
+    assert remote == local.replace(str(path), url)
+    _, _, both = run_ckpt("diff", fixture_path("model.pt"), url, code=code)
+    assert f"{url!r}: " in both

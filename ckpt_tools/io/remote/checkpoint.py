@@ -131,34 +131,38 @@ def open_file(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoint:
         >>> open_file(InMemory.url, RemoteFile(InMemory()), RemoteSession()).format
         'torch-zip'
     """
+    from ckpt_tools.formats import naming
     from ckpt_tools.formats.detect import detect_bytes
 
-    fmt = detect_bytes(url, file.size, file.pread(512, 0), lambda n: file.pread(n, 0))
+    with naming(url):
+        fmt = detect_bytes(url, file.size, file.pread(512, 0), lambda n: file.pread(n, 0))
+        if fmt != "hf-sharded":
+            return _with_remote(_open_one(url, fmt, file), {url: file})
+    return _open_index(url, file, session)  # a shard's errors name the shard (open_file)
+
+
+def _open_one(url: str, fmt: str, file: RemoteFile) -> Checkpoint:
     if fmt == "torch-zip":
         from ckpt_tools.formats.zip.torchzip import open_torch_zip
 
-        ckpt = open_torch_zip(url, source=file)
-    elif fmt == "safetensors":
+        return open_torch_zip(url, source=file)
+    if fmt == "safetensors":
         from ckpt_tools.formats.safetensors import open_safetensors
 
-        ckpt = open_safetensors(url, source=file)
-    elif fmt == "hf-sharded":
-        return _open_index(url, file, session)
-    elif fmt == "torch-legacy":
+        return open_safetensors(url, source=file)
+    if fmt == "torch-legacy":
         from ckpt_tools.formats.legacy.reader import open_legacy
 
-        ckpt = open_legacy(url, source=file)
-    elif fmt == "pickle":
+        return open_legacy(url, source=file)
+    if fmt == "pickle":
         from ckpt_tools.formats.legacy.reader import open_pickle
 
-        ckpt = open_pickle(url, source=file)
-    else:
-        raise UnsupportedFormatError(
-            f"{url!r} is a {fmt} checkpoint, which ckpt_tools reads from local files only "
-            "(it is read member by member: a request each); download it and pass its path",
-            path=url,
-        )
-    return _with_remote(ckpt, {url: file})
+        return open_pickle(url, source=file)
+    raise UnsupportedFormatError(
+        f"{url!r} is a {fmt} checkpoint, which ckpt_tools reads from local files only "
+        "(it is read member by member: a request each); download it and pass its path",
+        path=url,
+    )
 
 
 def _open_index(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoint:
