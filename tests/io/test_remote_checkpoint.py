@@ -264,3 +264,23 @@ def test_a_malformed_file_is_named_by_its_url_as_a_local_one_by_its_path(hub, na
     assert remote == local.replace(str(path), url)
     _, _, both = run_ckpt("diff", fixture_path("model.pt"), url, code=code)
     assert f"{url!r}: " in both
+
+
+@pytest.mark.parametrize("shard", ["../model.safetensors", "/etc/passwd", "sub/../x", "a\\b"])
+def test_an_index_naming_a_shard_outside_its_folder_is_corrupt_as_locally(hub, tmp_path, shard):
+    """The index is the file's content, not the user's argument: exit 4 by URL as by path,
+    with no request for the shard."""
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": shard}}))
+    url = hub.put("org/idx", index.name, index)
+    run_ckpt("inspect", index, code=4)
+    for target in (url, "hf://org/idx"):
+        _, out, err = run_ckpt("inspect", target, code=4)
+        assert out == "" and "shards must lie beside the index" in err, err
+    _, _, err = run_ckpt("scan", "hf://org/idx", code=4)
+    assert "shards must lie beside the index" in err, err
+    assert {h.path for h in hub.log.for_path()} <= {
+        hub.path("org/idx", name) for name in (index.name, "model.safetensors")
+    }

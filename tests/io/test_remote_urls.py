@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import CorruptCheckpointError, UsageError
 from ckpt_tools.io.remote.urls import (
     FOLDER_FILES,
     auth_headers,
@@ -183,7 +183,7 @@ def test_sibling(url: str, name: str, expected: str) -> None:
 )
 def test_sibling_refuses_names_that_leave_the_folder(name: str) -> None:
     for url in ("hf://org/m/i.json", "https://h/d/i.json", "s3://b/d/i.json"):
-        with pytest.raises(UsageError, match="not a file beside it"):
+        with pytest.raises(CorruptCheckpointError, match="not a file beside it"):
             sibling(url, name)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import CorruptCheckpointError, UsageError
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -316,8 +316,9 @@ def sibling(url: str, name: str) -> str:
         The file's URL, in the same scheme as ``url`` (an ``hf://`` URL stays one).
 
     Raises:
-        UsageError: ``name`` is empty, absolute, holds a backslash, or has an empty,
-            ``.`` or ``..`` part: it would leave the folder.
+        CorruptCheckpointError: ``name`` is empty, absolute, holds a backslash, or has an
+            empty, ``.`` or ``..`` part: it would leave the folder. The name comes from a
+            file (a shard index), so it is the file's fault, as for a local index.
 
     Example:
         >>> sibling("hf://org/m@v1/sub/model.safetensors.index.json", "model-00001.safetensors")
@@ -325,7 +326,11 @@ def sibling(url: str, name: str) -> str:
     """
     parts = name.split("/")
     if not name or "\\" in name or any(p in ("", ".", "..") for p in parts):
-        raise UsageError(f"{url!r} names {name!r}, which is not a file beside it")
+        raise CorruptCheckpointError(
+            f"{url!r} names {name!r}, which is not a file beside it; shards must lie beside "
+            "the index",
+            path=url,
+        )
     kind = scheme(url)
     if kind == "hf":
         hub = parse_hf(url)
