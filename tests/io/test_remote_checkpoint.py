@@ -284,3 +284,29 @@ def test_an_index_naming_a_shard_outside_its_folder_is_corrupt_as_locally(hub, t
     assert {h.path for h in hub.log.for_path()} <= {
         hub.path("org/idx", name) for name in (index.name, "model.safetensors")
     }
+
+
+@pytest.mark.parametrize(
+    "url, timeout, words",
+    [
+        ("http://[::1/x.pt", None, "Invalid IPv6 URL"),
+        ("http://[zz]/x.pt", None, "'zz' does not appear to be an IPv4 or IPv6 address"),
+        ("https:///x.pt", None, "names no host"),
+        ("http://127.0.0.1:99999/x.pt", None, "Port out of range"),
+        ("hf://org/model/model.pt", "inf", "CKPT_REMOTE_TIMEOUT='inf'"),
+        ("hf://org/model/model.pt", "1e300", "CKPT_REMOTE_TIMEOUT='1e300'"),
+        ("hf://org/model/model.pt", "nan", "CKPT_REMOTE_TIMEOUT='nan'"),
+        ("hf://org/model/model.pt", "-1", "CKPT_REMOTE_TIMEOUT='-1'"),
+    ],
+)
+def test_a_bad_url_or_timeout_is_one_line_and_exit_2(hub, monkeypatch, url, timeout, words):
+    """The value at fault and what to write instead, never a traceback, for every command
+    that reads URLs; nothing is requested."""
+    if timeout is not None:
+        monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", timeout)
+    expected = "write http(s)://HOST/PATH" if timeout is None else "at most 86400"
+    for command in (("inspect", url), ("scan", url), ("diff", url, url)):
+        _, out, err = run_ckpt(*command, code=2)
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert words in err and expected in err, err
+    assert hub.log.requests() == 0

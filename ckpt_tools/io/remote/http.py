@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_TIMEOUT",
     "TIMEOUT_ENV",
     "HttpTransport",
     "check_content_range",
@@ -45,6 +46,8 @@ __all__ = [
 
 TIMEOUT_ENV = "CKPT_REMOTE_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0
+# The longest wait a setting may ask for: a day; a socket cannot wait for inf or 1e300 s.
+MAX_TIMEOUT = 86400.0
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED = re.compile(r"bytes \*/(\d+)")
 _SLOW = Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow")
@@ -55,7 +58,8 @@ def remote_timeout() -> float:
     """Seconds to wait for a connection or a read: ``CKPT_REMOTE_TIMEOUT``, else 30.
 
     Raises:
-        UsageError: ``CKPT_REMOTE_TIMEOUT`` is not a positive number.
+        UsageError: ``CKPT_REMOTE_TIMEOUT`` is not a number of seconds above 0 and at most
+            :data:`MAX_TIMEOUT` (a day).
 
     Example:
         >>> from unittest import mock
@@ -70,8 +74,11 @@ def remote_timeout() -> float:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise UsageError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds")
+    if not 0 < seconds <= MAX_TIMEOUT:  # nan, inf, and what a socket cannot wait for
+        raise UsageError(
+            f"{TIMEOUT_ENV}={text!r} is not a number of seconds above 0 and at most "
+            f"{MAX_TIMEOUT:g} (a day)"
+        )
     return seconds
 
 

@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, quote, unquote, urlsplit, urlunsplit
 
 from ckpt_tools.errors import CorruptCheckpointError, UsageError
 
@@ -33,6 +33,7 @@ __all__ = [
     "resolve",
     "scheme",
     "sibling",
+    "split_http",
     "split_s3",
 ]
 
@@ -215,7 +216,7 @@ def at_hub(url: str) -> bool:
     """
     if scheme(url) == "hf":
         return True
-    parts, hub = urlsplit(url), urlsplit(hf_endpoint())
+    parts, hub = split_http(url), split_http(hf_endpoint())
     return (parts.scheme.lower(), parts.netloc.lower()) == (hub.scheme.lower(), hub.netloc.lower())
 
 
@@ -263,6 +264,33 @@ def split_s3(url: str) -> tuple[str, str]:
     return bucket, key
 
 
+def split_http(url: str) -> SplitResult:
+    """An ``http(s)://`` URL taken apart (``urlsplit``), refused where it has no host or a
+    malformed one (an unclosed ``[``, a bracketed host that is no IP address, a bad port).
+
+    Raises:
+        UsageError: the URL, what is wrong with it, and what to write.
+
+    Example:
+        >>> split_http("https://host.example/m.pt").netloc
+        'host.example'
+        >>> split_http("https:///m.pt")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: 'https:///m.pt' names no host: write http(s)://HOST/PATH
+    """
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number or too large)
+    except ValueError as e:
+        raise UsageError(
+            f"{url!r} is not a URL that can be requested ({e}): write http(s)://HOST/PATH",
+            path=url,
+        ) from e
+    if not parts.hostname:
+        raise UsageError(f"{url!r} names no host: write http(s)://HOST/PATH", path=url)
+    return parts
+
+
 def _path(url: str) -> str:
     """The part of ``url`` that names a file in its repo, bucket or host."""
     kind = scheme(url)
@@ -270,7 +298,7 @@ def _path(url: str) -> str:
         return parse_hf(url).path
     if kind == "s3":
         return split_s3(url)[1]
-    return urlsplit(url).path
+    return split_http(url).path
 
 
 def is_folder_url(url: str) -> bool:
@@ -300,7 +328,7 @@ def _join(folder: str, name: str) -> str:
     """``name`` (already checked) inside the folder URL ``folder``."""
     if scheme(folder) in ("hf", "s3"):
         return f"{folder.rstrip('/')}/{name}"
-    parts = urlsplit(folder)
+    parts = split_http(folder)
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
     return urlunsplit((parts.scheme, parts.netloc, path + quote(name), "", ""))
 
@@ -338,6 +366,6 @@ def sibling(url: str, name: str) -> str:
     if kind == "s3":
         bucket, key = split_s3(url)
         return _join(f"s3://{bucket}/{key.rpartition('/')[0]}", name)
-    split = urlsplit(url)
+    split = split_http(url)
     folder = urlunsplit((split.scheme, split.netloc, split.path.rpartition("/")[0] + "/", "", ""))
     return _join(folder, name)
