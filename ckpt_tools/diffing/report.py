@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from ckpt_tools.diffing.table import DIFF_COLUMNS, diff_rows
-from ckpt_tools.errors import SelectError
+from ckpt_tools.errors import SelectError, shown
 from ckpt_tools.structure.grouping import fold_names
 from ckpt_tools.structure.suggest import Step
 from ckpt_tools.structure.text import (
@@ -74,7 +74,7 @@ class SideInfo:
             bits.append("wrappers " + " ".join(self.wrappers))
         if self.skipped:
             bits.append(f"{len(self.skipped)} non-tensor entries not compared")
-        return f"{name}: {label} ({', '.join(bits)})"
+        return shown(f"{name}: {label} ({', '.join(bits)})")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -199,7 +199,7 @@ class Suggestion:
                 line += f" (or {other})"
         elif self.inverse_command:
             line += f"; that is {other}"
-        return line + (f"; {self.note}" if self.note else "")
+        return shown(line + (f"; {self.note}" if self.note else ""))
 
     def __str__(self) -> str:
         return self.text()
@@ -310,7 +310,7 @@ class DiffReport(Readable):
             side = "B" if name in self.missing else "A"
             raise SelectError(f"{name!r} is only in {side}, so it was not compared")
         near = close_matches(name, self._by_name)
-        hint = f"; did you mean: {', '.join(near)}?" if near else ""
+        hint = f"; did you mean: {shown(', '.join(near))}?" if near else ""
         raise SelectError(f"no tensor {name!r} on both sides{hint}")
 
     def __contains__(self, name: object) -> bool:
@@ -349,11 +349,11 @@ class DiffReport(Readable):
         if self.aligned:
             line = f"aligned: A's keys compared after {', then '.join(self.aligned)}"
             how = f"; to make it permanent: {self.aligned_command}"
-            lines.append(line + (how if self.aligned_command else ""))
+            lines.append(shown(line + (how if self.aligned_command else "")))
         lines.append("")
-        shown = [t for t in self.tensors if show_all or t.status not in ("equal", "unchecked")]
-        if shown:
-            lines += [table(diff_rows(shown, group), DIFF_COLUMNS), ""]
+        listed = [t for t in self.tensors if show_all or t.status not in ("equal", "unchecked")]
+        if listed:
+            lines += [table(diff_rows(listed, group), DIFF_COLUMNS), ""]
         statuses: dict[str, int] = {}
         for t in self.tensors:
             statuses[t.status] = statuses.get(t.status, 0) + 1
@@ -366,7 +366,7 @@ class DiffReport(Readable):
             if keys:
                 labels, hidden = fold_names(keys, _KEYS_SHOWN, group=group)
                 more = [more_hint(hidden, for_cli)] if hidden else []
-                lines += [f"{title}: {len(keys)}", *(f"  {k}" for k in labels + more)]
+                lines += [f"{title}: {len(keys)}", *(f"  {shown(k)}" for k in labels + more)]
         if self.suggestions:
             # After --align, what the alignment fixed is said above, never suggested again.
             lines.append(

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ckpt_tools.descriptors import Opaque, Sealed, TensorRef, short_repr
-from ckpt_tools.errors import SelectError
+from ckpt_tools.errors import SelectError, shown
 
 __all__ = [
     "PathWalk",
@@ -173,9 +173,12 @@ def resolve_path(root: Any, select: str | Sequence[str]) -> PathWalk:
     walk = walk_path(root, parts)
     if not walk.found:
         available = [key_text(k) for k, _ in _items(walk.node)]
+        # Shown: a key holding a line break must not start a line of the error of its own.
         raise SelectError(
-            f"no entry {walk.rest[0]!r} under {'.'.join(walk.keys) or 'the root'}; "
-            f"it has: {', '.join(available[:12]) or 'nothing'}",
+            shown(
+                f"no entry {walk.rest[0]!r} under {'.'.join(walk.keys) or 'the root'}; "
+                f"it has: {', '.join(available[:12]) or 'nothing'}"
+            ),
             argument="select",
             value=repr(".".join(parts)),
             flag="--select",

@@ -2,14 +2,17 @@
 
 The ``__str__`` of every result (``print(ckpt_tools.inspect(path))``) and the ``ckpt`` command
 build their text with these, so the library and the command cannot drift apart. Nothing here
-imports anything beyond the standard library: the command may format tables with
-``tabulate``, the library never does.
+imports anything beyond the standard library and the package's bottom
+(:func:`~ckpt_tools.errors.shown`, the one escaping of names, is re-exported): the command
+may format tables with ``tabulate``, the library never does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+from ckpt_tools.errors import shown
 
 __all__ = [
     "Readable",
@@ -74,38 +77,6 @@ def counts(mapping: Mapping[str, int]) -> str:
         'float32 ×3, int64 ×1'
     """
     return ", ".join(f"{k} ×{v}" for k, v in mapping.items()) or "none"
-
-
-def shown(text: str, *, lines: bool = False) -> str:
-    """``text`` safe to write to a terminal: what ``repr`` escapes is written as it escapes it.
-
-    A name read from a checkpoint may hold escape sequences, carriage returns, line breaks or
-    bidi overrides that would drive the terminal or disguise the name. Every character that
-    is not printable (``str.isprintable``: control and format characters, line and
-    paragraph separators, spaces other than ``" "``, unassigned code points, lone
-    surrogates) becomes its ``repr`` escape (``\\x1b``, ``\\n``, ``\\u202e``), so the
-    name stays recognisable and distinct; printable text, accents and CJK included, is
-    returned as it is.
-
-    Args:
-        text: the text to show.
-        lines: keep ``\\n`` as a line break, for a whole output laid out in lines; every
-            other character is still escaped.
-
-    Returns:
-        ``text``, or its escaped form.
-
-    Example:
-        >>> print(shown("fc\\x1b[2J.weight\\u202e"))
-        fc\\x1b[2J.weight\\u202e
-        >>> shown("权重.ñ")
-        '权重.ñ'
-    """
-    if text.isprintable():
-        return text
-    if lines:
-        return "\n".join(map(shown, text.split("\n")))
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def text_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:

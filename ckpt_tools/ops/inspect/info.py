@@ -13,7 +13,7 @@ from functools import cached_property
 from itertools import islice
 from typing import Any
 
-from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError
+from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError, shown
 from ckpt_tools.ops.inspect.tensor_info import TensorInfo
 from ckpt_tools.structure.keys import WrapperMatch
 from ckpt_tools.structure.text import (
@@ -139,8 +139,8 @@ class CheckpointInfo(Readable):
         if found is None:
             near = close_matches(name, self._by_name)
             raise SelectError(
-                f"no tensor {name!r} in {self.path}"
-                + (f" (close: {', '.join(near)})" if near else ""),
+                shown(f"no tensor {name!r} in {self.path}")
+                + (f" (close: {shown(', '.join(near))})" if near else ""),
                 path=self.path,
                 remedies=tuple(Remedy("name", repr(n), text="(a close match)") for n in near),
             )
@@ -207,7 +207,8 @@ class CheckpointInfo(Readable):
             lines += [f"  {k}: {v}" for k, v in list(self.entries.items())[:_ENTRIES_SHOWN]]
             if len(self.entries) > _ENTRIES_SHOWN:
                 lines.append("  " + more_hint(len(self.entries) - _ENTRIES_SHOWN, for_cli))
-        return "\n".join(lines)
+        # Each line shown: a name with a line break (a key, a global, the path) stays in its line.
+        return "\n".join(map(shown, lines))
 
     def _wrapper_lines(self, for_cli: bool) -> list[str]:
         if not self.wrappers:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckpt_tools._version import __version__
-from ckpt_tools.errors import EXIT_CORRUPT, EXIT_DIFFERENCES, EXIT_OK
+from ckpt_tools.errors import EXIT_CORRUPT, EXIT_DIFFERENCES, EXIT_OK, shown
 from ckpt_tools.ops.scan.severity import Severity
 
 __all__ = ["VERDICTS", "FileScan", "Finding", "ScanReport", "Verdict"]
@@ -101,7 +101,10 @@ class FileScan:
         }
 
     def text(self) -> str:
-        """One line for the file, then one per finding, indented."""
+        """One line for the file, then one per finding, indented.
+
+        Each line is :func:`~ckpt_tools.errors.shown`: a path, global or record name holding a
+        line break cannot start a line of its own (and forge a verdict)."""
         head = f"{self.verdict:<12} {self.path}" + (f" ({self.format})" if self.format else "")
         lines = [head]
         if self.error:
@@ -114,7 +117,7 @@ class FileScan:
             what = f"{name} in {where[0]}{more}" if name else f"the {where[0]} format"
             lines.append(f"    {severity}: {what}: {reason}")
         lines.extend(f"    code: {c}" for c in self.code)
-        return "\n".join(lines)
+        return "\n".join(map(shown, lines))
 
 
 @dataclass(frozen=True)
