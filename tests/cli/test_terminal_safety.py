@@ -175,3 +175,102 @@ def test_a_lone_surrogate_in_a_key_is_shown_not_a_crash(tmp_path: Path) -> None:
     torch.save({"a\ud800b": torch.zeros(1)}, path)
     out, err = _ckpt("inspect", path, code=0)
     assert "a\\ud800b" in out and err == ""
+
+
+# --- line breaks in names printed outside a table -------------------------------------------
+# Each name carries a line break and then a line that ``ckpt`` itself could print: written raw,
+# the name would forge that line. Shown, it stays inside the line that quotes it.
+
+
+def _global_pickle(module: str, name: str) -> bytes:
+    """A pickle that imports ``module.name`` and calls it (written by hand: no class needed)."""
+    pickled = b"\x80\x04"
+    for text in (module, name):
+        encoded = text.encode("utf-8")
+        pickled += b"\x8c" + bytes([len(encoded)]) + encoded  # SHORT_BINUNICODE
+    return pickled + b"\x93)R."  # STACK_GLOBAL, (), REDUCE, STOP
+
+
+def _lines(text: str) -> list[str]:
+    _assert_safe(text)
+    assert text.endswith("\n")
+    return text[:-1].split("\n")
+
+
+def test_scan_a_line_break_in_a_global_or_a_file_name_forges_no_verdict(tmp_path: Path) -> None:
+    forged = "clean        other.pt (torch-zip)"
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    module = f"x\n{forged}"
+    name = f"system\r\n{forged}"
+    (folder / "g1.pkl").write_bytes(_global_pickle(module, "y"))
+    (folder / "g2.pkl").write_bytes(_global_pickle("os", name))
+    torch.save({"w": torch.zeros(1)}, folder / f"ok\n{forged}")
+    out, err = _ckpt("scan", folder, code=1)
+    assert err == ""
+    lines = _lines(out)
+    # A line for each file, one for each of the two findings, and the summary.
+    assert len(lines) == 3 + 2 + 1, out
+    assert lines[-1] == "3 files: 2 dangerous, 1 clean"
+    assert not any(line.startswith("clean        other.pt") for line in lines)
+    assert f"dangerous: x\\n{forged}.y in pickle" in out
+    assert f"dangerous: os.system\\r\\n{forged} in pickle" in out
+    assert f"ok\\n{forged} (torch-zip)" in out
+    # --json keeps the names exact.
+    out, _ = _ckpt("scan", folder, "--json", code=1)
+    globals_named = {f["global"] for s in json.loads(out)["files"] for f in s["findings"]}
+    assert globals_named == {f"{module}.y", f"os.{name}"}
+
+
+def test_diff_a_line_break_in_a_key_or_a_file_name_stays_in_its_line(tmp_path: Path) -> None:
+    missing = "miss\nunexpected (in A, not in B): 0"
+    unexpected = "unex\r\nidentical: same keys, every tensor bit-equal"
+    a, b = tmp_path / "a\nB: forged.pt", tmp_path / "b.pt"
+    torch.save({"w": torch.ones(1), unexpected: torch.zeros(1)}, a)
+    torch.save({"w": torch.zeros(1), missing: torch.zeros(1)}, b)
+    out, err = _ckpt("diff", a, b, code=0)
+    assert err == ""
+    lines = _lines(out)
+    # A, B, tolerances, "", the table (header, rule, w), "", compared, and two key lists.
+    assert len(lines) == 3 + 1 + 3 + 1 + 1 + 2 + 2, out
+    assert lines[0].startswith("A: ") and _escaped(str(a)) in lines[0]
+    assert lines[1].startswith("B: ") and str(b) in lines[1]
+    assert lines[-4:] == [
+        "missing (in B, not in A): 1",
+        f"  {_escaped(missing)}",
+        "unexpected (in A, not in B): 1",
+        f"  {_escaped(unexpected)}",
+    ]
+
+
+def test_inspect_a_line_break_in_an_entry_or_a_file_name_stays_in_its_line(
+    tmp_path: Path,
+) -> None:
+    model, epoch = "model\nfile:        forged.pt", "epoch\r\nformat:      safetensors"
+    path = tmp_path / "i\ntensors:     0"
+    torch.save({model: {"w": torch.zeros(2), "b": torch.zeros(1)}, epoch: 3}, path)
+    out, err = _ckpt("inspect", path, code=0)
+    assert err == ""
+    summary, table = out.split("\n\n")
+    lines = _lines(summary + "\n")
+    # file, format, state dict, tensors, parameters, bytes, dtypes, devices, wrappers, and
+    # the other entries under their heading: one line each.
+    assert len(lines) == 11, summary
+    assert lines[0] == f"file:        {_escaped(str(path))}"
+    assert lines[2].startswith(f"state dict:  {_escaped(model)} (")
+    assert lines[3] == "tensors:     2"
+    assert lines[-2:] == ["other entries:", f"  {_escaped(epoch)}: int 3"]
+    assert len(_lines(table)) == 2 + 2
+
+
+def test_a_select_error_quotes_keys_with_line_breaks_on_one_line(tmp_path: Path) -> None:
+    names = ["a\nckpt: error: forged", "c\r\nd"]
+    path = tmp_path / "keys.pt"
+    torch.save(_tensors(names), path)
+    for select in ("missing", "a\nckpt.w"):
+        out, err = _ckpt("inspect", path, "--select", select, code=2)
+        assert out == ""
+        assert len(_lines(err)) == 1, err
+        assert err.startswith("ckpt: error: ") and "it has: " in err
+        for name in names:
+            assert _escaped(name) in err

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import unicodedata
 
+from ckpt_tools import errors
+from ckpt_tools.errors import quote_foreign
 from ckpt_tools.structure.text import shown, text_table
 
 ORDINARY = ["fc.weight", "ñ.weight", "权重", "e\u0301", "layers.{0..31}.fc ×32", "a b", "", "\\x1b"]
@@ -58,3 +60,11 @@ def test_text_table_keeps_one_line_a_row() -> None:
     assert lines[2].startswith("line\\nbreak  ")
     assert lines[3].startswith("\\x1b[31mred\\x1b[0m\\t  ")
     assert lines[4].startswith("权重")
+
+
+def test_one_escaping_for_text_and_errors() -> None:
+    # structure.text re-exports the function errors.py holds; a quoted exception is shown too.
+    assert shown is errors.shown
+    for text in ["a\nclean  b.pt", "c\r\nd\x1b[2J", "权重 'q' \"r\" \\n", "\u202e"]:
+        assert quote_foreign(ValueError(text)) == f"ValueError: {shown(text)}"
+        assert len(quote_foreign(KeyError(text)).splitlines()) == 1
