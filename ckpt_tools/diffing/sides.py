@@ -21,6 +21,7 @@ from ckpt_tools.diffing.report import SideInfo
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
+from ckpt_tools.io.remote.httpurls import shown_url
 from ckpt_tools.structure.selection import is_state_dict, select_state_dict
 from ckpt_tools.structure.suggest import wrapper_stack
 
@@ -96,7 +97,7 @@ def _file_side(
     selection = select_state_dict(ckpt.root, select=select)
     entries, skipped = _split(selection.state_dict, TensorRef)
     info = SideInfo(
-        os.fspath(side),
+        shown_url(os.fspath(side)),  # a URL's password is never shown
         "file",
         path=ckpt.path,
         format=ckpt.format,

@@ -139,6 +139,8 @@ class HubServer:
         root: the served folder; :meth:`put` and :meth:`put_file` write into it.
         log: what was requested, counted on the server's side.
         redirect: resolve URLs answer ``302`` to ``http://localhost:PORT/cdn/...``.
+        signature: a query string the CDN URL carries (``?Expires=...&Signature=...``), as
+            the Hub's CDN URLs are signed; ignored by the CDN here.
         gated: repo id -> the token it needs (``401`` without one, ``403`` with another).
         statuses: request path -> the status to answer it with instead.
         replaced: request path -> (file, data): once the path's first request is answered,
@@ -149,6 +151,7 @@ class HubServer:
         self.root = root
         self.log = RequestLog()
         self.redirect = False
+        self.signature = ""
         self.gated: dict[str, str] = {}
         self.statuses: dict[str, int] = {}
         self.replaced: dict[str, tuple[Path, bytes | Path]] = {}
@@ -197,6 +200,7 @@ class HubServer:
         _empty(self.root)
         self.log.clear()
         self.redirect = False
+        self.signature = ""
         self.gated.clear()
         self.statuses.clear()
         self.replaced.clear()
@@ -231,7 +235,7 @@ class HubServer:
             return PlainTextResponse("Entry not found", 404, {"X-Error-Code": "EntryNotFound"})
         if self.redirect:
             cdn = f"http://{CDN_HOST}:{self.port}/cdn/{kind}/{repo}/{quote(revision)}/{quote(name)}"
-            return RedirectResponse(cdn, status_code=302)
+            return RedirectResponse(cdn + self.signature, status_code=302)
         return FileResponse(file)
 
     def _gate(self, repo: str, authorization: str | None) -> tuple[int, str] | None:

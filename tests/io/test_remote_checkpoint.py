@@ -310,3 +310,42 @@ def test_a_bad_url_or_timeout_is_one_line_and_exit_2(hub, monkeypatch, url, time
         assert out == "" and len(err.strip().splitlines()) == 1, err
         assert words in err and expected in err, err
     assert hub.log.requests() == 0
+
+
+@pytest.mark.parametrize("status", [404, 500])
+def test_a_signed_cdn_url_is_never_shown(hub, local, status):
+    """The Hub redirects to a CDN URL whose query is a short-lived credential: a failure
+    there names the CDN's host and path, never its query."""
+    url = hub.put("org/model", "model.pt", local["pt"])
+    hub.redirect = True
+    hub.signature = "?Expires=1&Signature=SIGSECRET&Key-Pair-Id=K"
+    hub.statuses["/cdn/models/org/model/main/model.pt"] = status
+    _, out, err = run_ckpt("inspect", url, code=2 if status == 404 else 8)
+    assert f"from http://localhost:{hub.port}/cdn/models/org/model/main/model.pt" in err, err
+    assert "SIGSECRET" not in err and "Expires" not in err and out == ""
+
+
+def test_a_password_in_a_url_is_sent_never_shown(hub, local):
+    """``https://user:password@host/...``: sent as Basic auth to that host, shards of a
+    folder included, and absent from the JSON and every message, which name the user."""
+    good = hub.put_file("model.pt", local["pt"]).replace("://", "://me:PASSW0RD@")
+    for file in local["sharded"].iterdir():
+        hub.put_file(f"sharded/{file.name}", file)
+    folder = f"{hub.url}/files/sharded/".replace("://", "://me:PASSW0RD@")
+    missing = f"{hub.url}/files/none.pt".replace("://", "://me:PASSW0RD@")
+    runs = [
+        run_ckpt("inspect", "--json", good),
+        run_ckpt("inspect", "--json", folder),
+        run_ckpt("scan", "--json", good),
+        run_ckpt("scan", "--json", folder),
+        run_ckpt("diff", good, folder, "--no-values", code=None),
+        run_ckpt("inspect", missing, code=2),
+        run_ckpt("scan", "--json", missing, code=2),
+    ]
+    for _, out, err in runs:
+        assert "PASSW0RD" not in out + err, out + err
+    assert json.loads(runs[0].stdout)["path"] == good.replace(":PASSW0RD", "")
+    assert "me@127.0.0.1" in runs[-2].stderr
+    hits = hub.log.for_path()
+    assert len(hits) > len(list(local["sharded"].iterdir()))
+    assert all(h.authorization and h.authorization.startswith("Basic ") for h in hits)

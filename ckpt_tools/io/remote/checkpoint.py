@@ -99,6 +99,7 @@ def open_url(url: str, *, session: RemoteSession | None = None) -> Checkpoint:
         ('hf-sharded', 2)
     """
     session = session if session is not None else RemoteSession()
+    url = session.named(url)  # shown without its password; the session sends it
     if is_folder_url(url):
         name, file = session.open_folder(url)
         url = sibling(url, name)

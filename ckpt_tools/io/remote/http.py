@@ -26,6 +26,7 @@ from ckpt_tools.errors import (
     UsageError,
     quote_foreign,
 )
+from ckpt_tools.io.remote.httpurls import shown_url
 from ckpt_tools.io.remote.rangefile import SameObject
 from ckpt_tools.io.remote.urls import at_hub, scheme
 
@@ -157,7 +158,8 @@ class HttpTransport:
 
     Args:
         client: the session's client (:func:`make_client`); closing is the session's job.
-        url: the URL as the user gave it (``hf://...`` or ``https://...``): errors name it.
+        url: the URL as the user gave it (``hf://...`` or ``https://...``): errors name it,
+            without its password (:func:`~ckpt_tools.io.remote.urls.shown_url`).
         resolved: the ``http(s)`` URL requests go to; ``url`` when None.
         headers: sent with every request (the Hub token, see
             :func:`~ckpt_tools.io.remote.urls.auth_headers`).
@@ -179,7 +181,7 @@ class HttpTransport:
         resolved: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        self.url = url
+        self.url = shown_url(url)
         self.resolved = resolved or url
         self.headers = dict(headers or {})
         self._client = client
@@ -270,7 +272,9 @@ class HttpTransport:
 
     def _status_error(self, response: httpx.Response) -> RemoteError | CheckpointNotFoundError:
         status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
-        where = "" if str(response.url) == self.url else f" from {response.url}"
+        # A redirect's target (a CDN's signed URL) without its query: a credential.
+        target = shown_url(str(response.url), target=True)
+        where = "" if target == shown_url(self.url, target=True) else f" from {target}"
         if response.status_code in (404, 410):
             return CheckpointNotFoundError(
                 f"{self.url}: not found ({status}{where})", path=self.url
@@ -299,7 +303,7 @@ class HttpTransport:
         try:  # the redirect that failed, when it was one
             host = str(error.request.url.netloc, "ascii", "replace")  # type: ignore[attr-defined]
         except (AttributeError, RuntimeError):
-            host = urlsplit(self.resolved).netloc
+            host = urlsplit(shown_url(self.resolved, target=True)).netloc
         if remedies:
             what = f"{what} from {host} within {self._client.timeout.read:g} s"
         else:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ckpt_tools.errors import CheckpointNotFoundError, UsageError
 from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
+from ckpt_tools.io.remote.httpurls import credentials, shown_url, with_userinfo
 from ckpt_tools.io.remote.rangefile import RangeTransport, RemoteFile, TransferStats
 from ckpt_tools.io.remote.s3 import S3Transport, make_s3_client
 from ckpt_tools.io.remote.urls import (
@@ -54,6 +55,20 @@ class RemoteSession:
         self.stats = TransferStats()
         self._http: Any = None
         self._s3: Any = None
+        self._userinfo: dict[str, str] = {}  # origin -> user:password, from a URL given
+
+    def named(self, url: str) -> str:
+        """``url`` as messages and reports show it, without its password, which the session
+        keeps and sends to that host (a shard beside it is named without one too).
+
+        Example:
+            >>> RemoteSession(timeout=5).named("https://me:secret@host.example/m.pt")
+            'https://me@host.example/m.pt'
+        """
+        origin, userinfo = credentials(url)
+        if userinfo is not None:
+            self._userinfo[origin] = userinfo
+        return shown_url(url)
 
     def open(self, url: str) -> RemoteFile:
         """The file at ``url``, its size learned and its first bytes read (one request).
@@ -72,8 +87,9 @@ class RemoteSession:
         """
         if not is_url(url):
             raise UsageError(f"not a URL ckpt_tools reads (http, https, hf, s3): {url!r}")
+        shown = self.named(url)
         if is_folder_url(url):
-            raise UsageError(f"{url} is a folder: open_folder finds the checkpoint in it")
+            raise UsageError(f"{shown} is a folder: open_folder finds the checkpoint in it")
         return RemoteFile(self._transport(url), self.stats)
 
     def open_folder(self, url: str) -> tuple[str, RemoteFile]:
@@ -94,6 +110,7 @@ class RemoteSession:
             RemoteError: anything but a missing file (a refused token stops the search).
         """
         tried = []
+        url = self.named(url)
         for candidate in folder_candidates(url):
             try:
                 return candidate.rpartition("/")[2], self.open(candidate)
@@ -112,6 +129,9 @@ class RemoteSession:
         if self._http is None:
             self._http = make_client(self.timeout)
         headers = auth_headers(url, hf_token()) if at_hub(url) else {}
+        origin, userinfo = credentials(url)
+        if userinfo is None and origin in self._userinfo:  # a URL named without its password
+            url = with_userinfo(url, self._userinfo[origin])
         return HttpTransport(self._http, url, resolved=resolve(url), headers=headers)
 
     def close(self) -> None:

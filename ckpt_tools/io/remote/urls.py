@@ -13,9 +13,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import SplitResult, quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlunsplit
 
 from ckpt_tools.errors import CorruptCheckpointError, UsageError
+from ckpt_tools.io.remote.httpurls import split_http
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -33,7 +34,6 @@ __all__ = [
     "resolve",
     "scheme",
     "sibling",
-    "split_http",
     "split_s3",
 ]
 
@@ -262,33 +262,6 @@ def split_s3(url: str) -> tuple[str, str]:
     if not bucket:
         raise UsageError(f"{url!r} names no bucket: write s3://BUCKET/KEY")
     return bucket, key
-
-
-def split_http(url: str) -> SplitResult:
-    """An ``http(s)://`` URL taken apart (``urlsplit``), refused where it has no host or a
-    malformed one (an unclosed ``[``, a bracketed host that is no IP address, a bad port).
-
-    Raises:
-        UsageError: the URL, what is wrong with it, and what to write.
-
-    Example:
-        >>> split_http("https://host.example/m.pt").netloc
-        'host.example'
-        >>> split_http("https:///m.pt")
-        Traceback (most recent call last):
-        ckpt_tools.errors.UsageError: 'https:///m.pt' names no host: write http(s)://HOST/PATH
-    """
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError for a port that is no number or too large)
-    except ValueError as e:
-        raise UsageError(
-            f"{url!r} is not a URL that can be requested ({e}): write http(s)://HOST/PATH",
-            path=url,
-        ) from e
-    if not parts.hostname:
-        raise UsageError(f"{url!r} names no host: write http(s)://HOST/PATH", path=url)
-    return parts
 
 
 def _path(url: str) -> str:

@@ -67,6 +67,7 @@ def url_targets(
         >>> url_targets("https://host.example/model.pt", RemoteSession())
         ([('https://host.example/model.pt', None)], [])
     """
+    url = session.named(url)  # shown without its password; the session sends it
     if not is_folder_url(url):
         return [(url, None)], []
     found: dict[str, tuple[str, RemoteFile | None]] = {}  # name -> (URL, file)
