@@ -12,7 +12,8 @@ values ``torch.load(weights_only=True)`` accepts, read from that record alone:
   lists; ``pathlib`` paths -> strings; enums (a class called with one plain value) -> the value.
 
 Everything else (other objects, classes used as values) is dropped and reported with its
-path. The walk copies containers and keeps shared references shared.
+path. The walk copies containers and keeps shared references shared: an object the pickle
+holds in several places becomes the same thing in each, and each place is listed.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ class _Sanitizer:
         self.dropped: list[Change] = []
         self.added: dict[str, bytes] = {}
         self.memo: dict[int, Any] = {}
+        # id -> (first path, where its changes start and end in ``dropped`` and ``converted``).
+        self._walked: dict[int, tuple[str, tuple[int, int], tuple[int, int]]] = {}
+        # Every node memoized stays alive until the walk ends, so that no id is reused by a
+        # temporary (``dict(state)`` of a namespace) and answered from the memo.
+        self._held: list[Any] = []
         self._taken = taken_keys
         self._next_key = 1 + max((int(k) for k in taken_keys if k.isdigit()), default=-1)
 
@@ -133,7 +139,10 @@ class _Sanitizer:
         if isinstance(node, (*_PLAIN, ConstantRef, TorchSize)):
             return node
         if id(node) in self.memo:
+            self._again(id(node), path)
             return self.memo[id(node)]
+        self._held.append(node)
+        start = (len(self.dropped), len(self.converted))
         if isinstance(node, TensorRef):
             made = self._tensor(node, path)
         elif isinstance(node, Reduced):
@@ -153,7 +162,18 @@ class _Sanitizer:
         else:
             made = self._drop(node, path)
         self.memo[id(node)] = made
+        self._walked[id(node)] = (path, start, (len(self.dropped), len(self.converted)))
         return made
+
+    def _again(self, key: int, path: str) -> None:
+        # The pickle memoized this object: it stands here too, and becomes here what it
+        # became in its first place, so every drop and conversion found there is listed
+        # under this path as well. A node still being walked is a cycle: nothing new below.
+        if key not in self._walked:
+            return
+        first, (d0, c0), (d1, c1) = self._walked[key]
+        self.dropped += [_moved(c, first, path) for c in self.dropped[d0:d1]]
+        self.converted += [_moved(c, first, path) for c in self.converted[c0:c1]]
 
     def _item(self, node: Any, path: str) -> Any:
         made = self.value(node, path)
@@ -317,6 +337,14 @@ class _Sanitizer:
         key = str(self._next_key)
         self._taken.add(key)
         return key
+
+
+def _moved(change: Change, first: str, path: str) -> Change:
+    """``change``, found under ``first``, as it stands under ``path``."""
+    rest = change.path[len(first) :]
+    if first == "" and rest:
+        rest = "." + rest
+    return replace(change, path=(path + rest) if path else rest.removeprefix("."))
 
 
 def _at(path: str, key: Any) -> str:
