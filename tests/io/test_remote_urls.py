@@ -69,7 +69,18 @@ def test_parse_hf(url: str, prefix: str, repo: str, revision: str, path: str) ->
 
 @pytest.mark.parametrize(
     "url",
-    ["hf://gpt2", "hf://org/", "hf://org/m@/x.bin", "hf://org/m/../x.bin", "hf://o rg/m/x", "x.pt"],
+    [
+        "hf://gpt2",
+        "hf://org/",
+        "hf://org/m@/x.bin",
+        "hf://org/m/../x.bin",
+        "hf://o rg/m/x",
+        "x.pt",
+        "hf://org/m@../x.bin",
+        "hf://org/m@%2e%2e/x.bin",
+        "hf://org/m@.",
+        "hf://org/m@v1%2F..%2Fmain/x.bin",
+    ],
 )
 def test_parse_hf_refuses(url: str) -> None:
     with pytest.raises(UsageError):

@@ -124,8 +124,8 @@ def parse_hf(url: str) -> HubPath:
         The :class:`HubPath`.
 
     Raises:
-        UsageError: not an ``hf://`` URI, no ``ORG/REPO``, an empty revision, or a path
-            with ``.`` or ``..`` segments.
+        UsageError: not an ``hf://`` URI, no ``ORG/REPO``, an empty revision, or a
+            revision or a path with ``.`` or ``..`` segments (``%2e%2e`` too, once unquoted).
 
     Example:
         >>> hub = parse_hf("hf://datasets/org/data@v1.0/sub/model.pt")
@@ -159,6 +159,10 @@ def _check_hf(url: str, org: str, repo: str, revision: str, path: str) -> None:
         )
     if not revision:
         raise UsageError(f"{url!r}: empty revision after '@'")
+    if any(part in (".", "..") for part in revision.split("/")):  # the request's path would climb
+        raise UsageError(
+            f"{url!r}: a revision has no '.' or '..' parts: write a branch, tag or commit"
+        )
     if any(part in (".", "..") for part in path.split("/")):
         raise UsageError(f"{url!r}: a path in a repository has no '.' or '..' parts")
 
