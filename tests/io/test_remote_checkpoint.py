@@ -349,3 +349,27 @@ def test_a_password_in_a_url_is_sent_never_shown(hub, local):
     hits = hub.log.for_path()
     assert len(hits) > len(list(local["sharded"].iterdir()))
     assert all(h.authorization and h.authorization.startswith("Basic ") for h in hits)
+
+
+def test_a_sharded_checkpoint_keeps_no_cache_per_shard(hub, tmp_path):
+    """Each shard's first bytes are dropped once its header is read: what the range caches
+    hold after opening stays within one file's cache however many shards the index names."""
+    from ckpt_tools.io.remote import RemoteSession
+    from ckpt_tools.io.remote.checkpoint import open_url
+    from ckpt_tools.io.remote.rangefile import CACHE_BYTES
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    sd = {f"layers.{i}.weight": torch.zeros(64, 64) for i in range(48)}
+    save_torch_state_dict(sd, folder, max_shard_size="40KB")
+    shards = list(folder.glob("*.safetensors"))
+    assert len(shards) >= 20
+    for file in folder.iterdir():
+        hub.put("org/many", file.name, file)
+    with RemoteSession() as session:
+        ckpt = open_url("hf://org/many", session=session)
+        assert len(ckpt.remote) == len(shards) + 1
+        shard_files = [f for url, f in ckpt.remote.items() if url.endswith(".safetensors")]
+        assert sum(f.cached_bytes for f in shard_files) == 0
+        assert sum(f.cached_bytes for f in ckpt.remote.values()) <= CACHE_BYTES
+    assert _inspect_json("hf://org/many") == _inspect_json(folder)

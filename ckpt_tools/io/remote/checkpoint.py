@@ -173,7 +173,9 @@ def _open_index(url: str, file: RemoteFile, session: RemoteSession) -> Checkpoin
 
     def open_shard(name: str) -> Checkpoint:
         shard_url = sibling(url, name)
-        shard = open_file(shard_url, session.open(shard_url), session)
+        file = session.open(shard_url)
+        shard = open_file(shard_url, file, session)
+        file.forget()  # its header is read; a cache per shard would grow with the shard count
         files.update(shard.remote)  # type: ignore[arg-type]
         return shard
 

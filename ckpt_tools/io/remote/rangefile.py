@@ -210,6 +210,16 @@ class RemoteFile(io.RawIOBase):
         ]
         return max(runs, key=len, default=b"")
 
+    @property
+    def cached_bytes(self) -> int:
+        """How many fetched bytes the cache holds now (at most :data:`CACHE_BYTES`)."""
+        return sum(len(data) for _, data in self._extents)
+
+    def forget(self) -> None:
+        """Drop the cache: the file's structure is read, and many such files (a sharded
+        checkpoint's shards) would otherwise each keep their first bytes."""
+        self._extents.clear()
+
     def _keep(self, offset: int, data: bytes) -> None:
         self._extents.append((offset, data))
         while sum(len(d) for _, d in self._extents) > CACHE_BYTES and len(self._extents) > 1:
