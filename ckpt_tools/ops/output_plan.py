@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef, iter_tensors
-from ckpt_tools.structure.text import Readable, human_bytes
+from ckpt_tools.structure.text import Readable, human_bytes, shown
 
 __all__ = ["PlannedFile", "PlannedTensor", "WriteResult", "plan_json", "planned_text"]
 
@@ -104,8 +104,8 @@ class PlannedFile:
         return cls(name, listed, sum(storages.values()))
 
 
-def planned_text(files: Sequence[PlannedFile], shown: int = _TENSORS_SHOWN) -> list[str]:
-    """Lines listing every planned file and its first ``shown`` tensors.
+def planned_text(files: Sequence[PlannedFile], limit: int = _TENSORS_SHOWN) -> list[str]:
+    """Lines listing every planned file and its first ``limit`` tensors.
 
     Example:
         >>> f = PlannedFile.of("m.pt", [PlannedTensor("fc.weight", "float32", (2, 3), 24)])
@@ -116,10 +116,10 @@ def planned_text(files: Sequence[PlannedFile], shown: int = _TENSORS_SHOWN) -> l
     lines = []
     for f in files:
         lines.append(f"  {f.name}  {human_bytes(f.nbytes)}, {len(f.tensors)} tensors")
-        for t in f.tensors[:shown]:
+        for t in f.tensors[:limit]:
             lines.append(f"    {t.key}  {t.dtype}  {tuple(t.shape)}  {human_bytes(t.nbytes)}")
-        if len(f.tensors) > shown:
-            lines.append(f"    ... {len(f.tensors) - shown} more")
+        if len(f.tensors) > limit:
+            lines.append(f"    ... {len(f.tensors) - limit} more")
     return lines
 
 
@@ -211,16 +211,16 @@ class WriteResult(Readable):
         lines += [f"  note: {n}" for n in self.notes]
         lines += self.left_out()
         if self.dry_run:
-            return "\n".join([*lines, *planned_text(self.planned), "nothing written"])
-        if not self.written:
-            return "\n".join(lines)
-        if len(self.written) > 1:
-            lines += [f"  {path}" for path in self.written]
-        lines.append(
-            f"{self.output_format}, {human_bytes(self.bytes_written)} of tensors written, "
-            f"{human_bytes(self.bytes_copied)} of them copied; {self.verification}"
-        )
-        return "\n".join(lines)
+            lines += [*planned_text(self.planned), "nothing written"]
+        elif self.written:
+            if len(self.written) > 1:
+                lines += [f"  {path}" for path in self.written]
+            lines.append(
+                f"{self.output_format}, {human_bytes(self.bytes_written)} of tensors written, "
+                f"{human_bytes(self.bytes_copied)} of them copied; {self.verification}"
+            )
+        # Each line escaped whole: a name with a line break in it cannot start a line.
+        return "\n".join(map(shown, lines))
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready data: the shared fields, then (for a dry run) the planned files."""

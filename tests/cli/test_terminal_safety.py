@@ -274,3 +274,15 @@ def test_a_select_error_quotes_keys_with_line_breaks_on_one_line(tmp_path: Path)
         assert err.startswith("ckpt: error: ") and "it has: " in err
         for name in names:
             assert _escaped(name) in err
+
+
+def test_a_write_s_summary_and_dry_run_keep_a_line_break_in_its_line(tmp_path: Path) -> None:
+    src, dst = tmp_path / "wrapped.pt", tmp_path / "out.pt"
+    forged = "a\nclean     other.pt (torch-zip)"
+    torch.save({"module." + forged: torch.zeros(2), "module.b": torch.ones(2)}, src)
+    for dry in (("--dry-run",), ()):
+        out, err = _ckpt("strip-module", src, dst, *dry, code=0)
+        _assert_safe(out + err)
+        assert _escaped(forged) in out
+        assert not any(line.startswith("clean") for line in _lines(out))
+    assert sorted(torch.load(dst, weights_only=True)) == sorted(["b", forged])  # exact names
