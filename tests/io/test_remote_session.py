@@ -107,12 +107,13 @@ def test_without_the_remote_extra(
     remote_env: Path, monkeypatch: pytest.MonkeyPatch, module: str, url: str
 ) -> None:
     """The package missing (an import that fails, as in an environment without it)."""
-    for name in [m for m in sys.modules if m == module or m.startswith(f"{module}.")]:
+    for name in [module, *(m for m in sys.modules if m.startswith(f"{module}."))]:
         monkeypatch.setitem(sys.modules, name, None)
     with RemoteSession(timeout=1) as remote, pytest.raises(MissingExtraError) as info:
         remote.open(url)
     err = info.value
     assert f"needs {module}: pip install 'ckpt_tools[remote]'" in str(err)
+    assert str(err).startswith(f"reading {url.partition(':')[0]}:// URLs needs"), str(err)
     assert isinstance(err, ImportError) and err.name == module and err.exit_code == EXIT_USAGE
 
 

@@ -98,16 +98,17 @@ def import_httpx(url: str = "https://") -> Any:
     return httpx
 
 
-def make_client(timeout: float) -> httpx.Client:
+def make_client(timeout: float, url: str = "https://") -> httpx.Client:
     """The one httpx client of a session: redirects followed, no compression, ``timeout``
-    seconds for each connect and each read.
+    seconds for each connect and each read; ``url``, the first URL it reads, names its
+    scheme when httpx is missing.
 
     Example:
         >>> with make_client(5.0) as client:
         ...     client.follow_redirects, client.timeout.read
         (True, 5.0)
     """
-    httpx = import_httpx()
+    httpx = import_httpx(url)
     headers = {"Accept-Encoding": "identity", "User-Agent": f"ckpt_tools/{__version__}"}
     return httpx.Client(follow_redirects=True, timeout=timeout, headers=headers)
 

@@ -127,7 +127,7 @@ class RemoteSession:
                 self._s3 = make_s3_client(self.timeout)
             return S3Transport(self._s3, url)
         if self._http is None:
-            self._http = make_client(self.timeout)
+            self._http = make_client(self.timeout, url)
         headers = auth_headers(url, hf_token()) if at_hub(url) else {}
         origin, userinfo = credentials(url)
         if userinfo is None and origin in self._userinfo:  # a URL named without its password
