@@ -297,7 +297,7 @@ def check_weights_only_pickle(
         >>> check_weights_only_pickle(pickle.dumps([1.5, "x"], protocol=2))
         >>> check_weights_only_pickle(pickle.dumps([1.5], protocol=4))
         Traceback (most recent call last):
-        ckpt_tools.errors.ConversionError: the output pickle uses opcodes ... PROTO 4, FRAME, MEMOIZE
+        ckpt_tools.errors.ConversionError: the output pickle uses ... PROTO 4, FRAME, MEMOIZE
     """
     try:
         bad = unsupported_opcodes(payload)
