@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ckpt_tools import convert, reshard
 from ckpt_tools.errors import (
@@ -289,3 +289,23 @@ def test_a_sharded_output_named_like_a_file_is_refused(tmp_path: Path, name: str
     with pytest.raises(UsageError, match=r"name a folder, e\.g\. out/"):
         reshard(tmp_path / "hf", tmp_path / "out.pt", max_shard_size="1KB")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.pt"]
+
+
+def test_shards_cut_from_one_safetensors_hold_small_headers(tmp_path: Path) -> None:
+    # Each shard's tensors tile a range deep inside the source: its data keeps the source's
+    # offset modulo a block, never the whole offset (a header padded by tens of MB).
+    src = tmp_path / "model.safetensors"
+    tensors = {f"layers.{i}.weight": torch.rand(64, 64) for i in range(48)}  # 16 KiB each
+    save_file(tensors, src)
+    convert(src, tmp_path / "hf", max_shard_size=200_000)
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) >= 4
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with shard.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+        data = sum(t.numel() * t.element_size() for t in load_file(shard).values())
+        assert header < 8 * 1024 and shard.stat().st_size == 8 + header + data
+        loaded.update(load_file(shard))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)

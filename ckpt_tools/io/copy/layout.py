@@ -331,13 +331,14 @@ def safetensors_data_start(header_len: int, source_start: int) -> int:
         source_start: where the tensors' bytes start in the source.
 
     Returns:
-        ``source_start`` when the header fits before it, else the first offset past the
-        header at the same residue modulo :data:`LAYOUT_BLOCK`.
+        The first offset at or past the header at ``source_start``'s residue modulo
+        :data:`LAYOUT_BLOCK`: what block-aligned copies and reflinks need, and never more
+        than a block of padding (a shard's data may start deep in its source).
 
     Example:
         >>> safetensors_data_start(100, 4104), safetensors_data_start(5000, 4104)
         (4104, 8200)
+        >>> safetensors_data_start(100, 107_000_000)  # a later shard's range
+        192
     """
-    if header_len <= source_start:
-        return source_start
     return header_len + (source_start - header_len) % LAYOUT_BLOCK
