@@ -22,7 +22,8 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Select
-from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport, SideInfo, Suggestion, TensorDiff
+from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff
+from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport
 from ckpt_tools.diffing.sides import DiffSide, Side, is_file, open_side
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError

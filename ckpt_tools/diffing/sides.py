@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.diffing.report import SideInfo
+from ckpt_tools.diffing.parts import SideInfo
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.remote.checkpoint import open_path

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_tools.structure.grouping import group_names
 
 if TYPE_CHECKING:
-    from ckpt_tools.diffing.report import TensorDiff
+    from ckpt_tools.diffing.parts import TensorDiff
 
 __all__ = ["DIFF_COLUMNS", "diff_rows"]
 

@@ -1,0 +1,199 @@
+"""The parts of a :class:`~ckpt_tools.diffing.report.DiffReport`: each side, each tensor
+that differs, each key rewrite that explains a mismatch. Frozen dataclasses, torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_tools.errors import shown
+from ckpt_tools.structure.suggest import Step
+
+__all__ = ["SideInfo", "Suggestion", "TensorDiff"]
+
+
+@dataclass(frozen=True)
+class SideInfo:
+    """One side of a diff.
+
+    Attributes:
+        label: the path, ``<state dict>`` or ``<module Net>``.
+        kind: ``file``, ``state_dict`` or ``module``.
+        path: the file, for file sides.
+        format: the file's format, for file sides.
+        selected: keys leading to the compared state dict.
+        selection_reason: why it was chosen.
+        tensors: tensors compared from this side.
+        wrappers: wrapper prefixes of its keys, outermost first.
+        skipped: non-tensor entries of the state dict (not compared).
+    """
+
+    label: str
+    kind: str
+    path: str | None = None
+    format: str | None = None
+    selected: tuple[str, ...] = ()
+    selection_reason: str = ""
+    tensors: int = 0
+    wrappers: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+
+    def line(self, name: str, model_spec: str | None = None) -> str:
+        """``A: ddp.pt (torch-zip, state dict 'model', 17 tensors, wrappers module.)``.
+
+        Args:
+            name: ``A`` or ``B``.
+            model_spec: for a module side, the ``MODULE:FACTORY`` it was built from.
+        """
+        label = f"{model_spec} {self.label}" if self.kind == "module" and model_spec else self.label
+        bits = [self.format] if self.format else [self.kind.replace("_", " ")]
+        if self.selected:
+            bits.append(f"state dict {'.'.join(self.selected)!r}")
+        bits.append(f"{self.tensors} tensors")
+        if self.wrappers:
+            bits.append("wrappers " + " ".join(self.wrappers))
+        if self.skipped:
+            bits.append(f"{len(self.skipped)} non-tensor entries not compared")
+        return shown(f"{name}: {label} ({', '.join(bits)})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "path": self.path,
+            "format": self.format,
+            "selected": list(self.selected),
+            "selection_reason": self.selection_reason,
+            "tensors": self.tensors,
+            "wrappers": list(self.wrappers),
+            "skipped": list(self.skipped),
+        }
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """One key present on both sides.
+
+    Attributes:
+        name: the key.
+        dtype_a, dtype_b: dtypes (torch names without ``torch.``).
+        shape_a, shape_b: shapes.
+        bit_equal: same dtype, shape and bytes; None when the shapes differ.
+        max_abs: largest ``|a - b|`` over elements where neither is NaN (``inf - inf`` of
+            equal sign counts 0); None when not compared.
+        max_rel: largest ``|a - b| / |b|`` (``inf`` where ``b`` is 0 and ``a`` is not).
+        allclose: every element satisfies ``|a - b| <= atol + rtol * |b|``, NaNs in the same
+            places count as close (``torch.isclose(equal_nan=True)``).
+        mismatched: elements that are not close.
+        nan_a, nan_b, inf_a, inf_b: NaN and infinity counts on each side.
+        numel: elements compared.
+        values_compared: whether values were read at all (``diff(values=...)``); where not,
+            the status of a pair with the same shape and dtype is ``unchecked``.
+    """
+
+    name: str
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
+    bit_equal: bool | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    allclose: bool | None = None
+    mismatched: int | None = None
+    nan_a: int = 0
+    nan_b: int = 0
+    inf_a: int = 0
+    inf_b: int = 0
+    numel: int = 0
+    values_compared: bool = True
+
+    @property
+    def status(self) -> str:
+        """``shape``, ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``, ``unknown``, or
+        ``unchecked`` (same shape and dtype, values not compared)."""
+        if self.shape_a != self.shape_b:
+            return "shape"
+        if not self.values_compared:
+            return "dtype" if self.dtype_a != self.dtype_b else "unchecked"
+        if self.bit_equal:
+            return "equal"
+        if self.dtype_a != self.dtype_b:
+            return "dtype"
+        if self.allclose is None:
+            return "differ" if self.bit_equal is False else "unknown"
+        return "close" if self.allclose else "differ"
+
+    def to_json(self) -> dict[str, Any]:
+        def number(x: float | None) -> float | str | None:
+            return x if x is None or math.isfinite(x) else str(x)
+
+        return {
+            "name": self.name,
+            "status": self.status,
+            "dtype": [self.dtype_a, self.dtype_b],
+            "shape": [list(self.shape_a), list(self.shape_b)],
+            "bit_equal": self.bit_equal,
+            "max_abs": number(self.max_abs),
+            "max_rel": number(self.max_rel),
+            "allclose": self.allclose,
+            "mismatched": self.mismatched,
+            "nan": [self.nan_a, self.nan_b],
+            "inf": [self.inf_a, self.inf_b],
+            "numel": self.numel,
+        }
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A key rewrite that explains (part of) the key mismatch.
+
+    Attributes:
+        description: the rewrite of A's keys, in words (``stripping 'module.'``).
+        steps: that rewrite.
+        resolved: unexpected keys of A it makes match.
+        of: unexpected keys of A.
+        command: how to apply it to A (a ``ckpt`` command for a file, a Python call for a
+            state dict); empty when A is a module.
+        inverse_description: the same change made to B instead (``adding 'module.'``).
+        inverse_command: how to apply that to B, when B is a file or a state dict.
+        note: extra advice (``load_into`` applies wrapper rewrites by itself).
+    """
+
+    description: str
+    steps: tuple[Step, ...]
+    resolved: int
+    of: int
+    command: str = ""
+    inverse_description: str = ""
+    inverse_command: str = ""
+    note: str = ""
+
+    def text(self) -> str:
+        """``stripping 'module.' resolves 62 of 62 unexpected keys: ckpt strip-module ...``."""
+        line = f"{self.description} resolves {self.resolved} of {self.of} unexpected keys"
+        other = f"{self.inverse_description} on B: {self.inverse_command}"
+        if self.command:
+            line += ": " + self.command
+            if self.inverse_command:
+                line += f" (or {other})"
+        elif self.inverse_command:
+            line += f"; that is {other}"
+        return shown(line + (f"; {self.note}" if self.note else ""))
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "description": self.description,
+            "resolved": self.resolved,
+            "of": self.of,
+            "command": self.command,
+            "inverse_description": self.inverse_description,
+            "inverse_command": self.inverse_command,
+            "note": self.note,
+            "text": self.text(),
+        }
