@@ -22,37 +22,23 @@ import collections
 import math
 import ntpath
 import posixpath
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
-from ckpt_tools.dtypes import itemsize
 from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
 from ckpt_tools.io.writers.torchzip import picklable_tensors
+from ckpt_tools.ops.sanitize.numpy_values import (
+    NUMPY_MODULES,
+    empty_bytes,
+    ndarray_parts,
+    numpy_scalar,
+)
 from ckpt_tools.structure.modules import module_globals, recover_module
 
 __all__ = ["Change", "SanitizedTree", "sanitize_tree"]
 
-# numpy's dtype codes -> (torch dtype, struct format of one element).
-_NUMPY_DTYPES: dict[str, tuple[str, str]] = {
-    "b1": ("bool", "?"),
-    "i1": ("int8", "b"),
-    "u1": ("uint8", "B"),
-    "i2": ("int16", "h"),
-    "u2": ("uint16", "H"),
-    "i4": ("int32", "i"),
-    "u4": ("uint32", "I"),
-    "i8": ("int64", "q"),
-    "u8": ("uint64", "Q"),
-    "f2": ("float16", "e"),
-    "f4": ("float32", "f"),
-    "f8": ("float64", "d"),
-    "c8": ("complex64", "ff"),
-    "c16": ("complex128", "dd"),
-}
-_NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
 _PATHS = {"PosixPath": posixpath, "PurePosixPath": posixpath}
 _PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
 _NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
@@ -234,9 +220,9 @@ class _Sanitizer:
             notes = "".join(f"; {c}" for c in recovered.caveats)
             was = f"pickled nn.Module {name}{notes}"
             return self._converted(path, was, f"state dict ({len(made)} entries)", made)
-        if module in _NUMPY_MODULES and short == "_reconstruct":
+        if module in NUMPY_MODULES and short == "_reconstruct":
             return self._ndarray(node, path)
-        if module in _NUMPY_MODULES and short == "scalar":
+        if module in NUMPY_MODULES and short == "scalar":
             return self._scalar(node, path)
         state = node.state if isinstance(node.state, Mapping) else None
         if state is not None and "_metadata" in state and ("_content" in state or "_val" in state):
@@ -254,7 +240,7 @@ class _Sanitizer:
         ):
             text = _PATHS[short].join(*node.args) if node.args else "."
             return self._converted(path, name, "str", text)
-        if _empty_bytes(node):
+        if empty_bytes(node):
             return self._converted(path, f"{name}()", "bytes", b"")
         if _enum_like(node, short):
             return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
@@ -277,58 +263,23 @@ class _Sanitizer:
         became = type(made).__name__ if made is not _DROP else "dropped"
         return self._converted(path, _name(node), became, made)
 
-    def _dtype(self, dtype: Any) -> tuple[str, str, str] | None:
-        """(torch dtype, struct format, byte order) of a pickled ``numpy.dtype``, if plain."""
-        if not (isinstance(dtype, Opaque) and _name(dtype) == "numpy.dtype" and dtype.args):
-            return None
-        code, state = dtype.args[0], dtype.state
-        if not isinstance(code, str) or code not in _NUMPY_DTYPES:
-            return None
-        if not (isinstance(state, tuple) and len(state) >= 5 and state[3] is None):
-            return None  # structured dtypes (names) have no tensor equivalent
-        order = ">" if state[1] == ">" else "<"
-        return (*_NUMPY_DTYPES[code], order)
-
     def _ndarray(self, node: Opaque, path: str) -> Any:
-        state = node.state
-        cls = node.args[0] if node.args else None
-        if not (
-            isinstance(cls, type)
-            and issubclass(cls, Opaque)
-            and cls.global_ref.qualname in ("numpy.ndarray", "numpy.core.ndarray")
-            and isinstance(state, tuple)
-            and len(state) == 5
-            and isinstance(state[1], tuple)
-            and all(isinstance(n, int) and n >= 0 for n in state[1])
-        ):
+        parts = ndarray_parts(node)
+        if parts is None:
             return self._drop(node, path)
-        _, shape, dtype, fortran, raw = state
-        raw = b"" if _empty_bytes(raw) else raw
-        spec = self._dtype(dtype)
-        if spec is None or not isinstance(raw, (bytes, bytearray)):
-            return self._drop(node, path)
-        torch_dtype, fmt, order = spec
-        size = itemsize(torch_dtype)
-        if len(raw) != math.prod(shape) * size:
-            return self._drop(node, path)
-        data = bytes(raw) if order == "<" else _to_little(raw, size // len(fmt))
         key = self._new_key()
-        self.added[key] = data
-        storage = StorageRef(key, torch_dtype, math.prod(shape), "cpu")
-        stride = _strides(shape, bool(fortran))
-        t = TensorRef(storage, 0, tuple(shape), stride, torch_dtype)
+        self.added[key] = parts.data
+        storage = StorageRef(key, parts.dtype, math.prod(parts.shape), "cpu")
+        t = TensorRef(storage, 0, parts.shape, parts.stride, parts.dtype)
         made = picklable_tensors({"t": t})["t"]
-        became = f"tensor {torch_dtype} {list(shape)}"
+        became = f"tensor {parts.dtype} {list(parts.shape)}"
         return self._converted(path, "numpy.ndarray", became, made)
 
     def _scalar(self, node: Opaque, path: str) -> Any:
-        spec = self._dtype(node.args[0]) if len(node.args) == 2 else None
-        raw = node.args[1] if spec is not None else None
-        if spec is None or not isinstance(raw, bytes) or len(raw) != struct.calcsize(spec[1]):
+        found = numpy_scalar(node)
+        if found is None:
             return self._drop(node, path)
-        torch_dtype, fmt, order = spec
-        parts = struct.unpack(order + fmt, raw)
-        made = complex(*parts) if len(parts) == 2 else parts[0]
+        torch_dtype, made = found
         return self._converted(path, f"numpy {torch_dtype} scalar", type(made).__name__, made)
 
     def _new_key(self) -> str:
@@ -359,16 +310,6 @@ def _hashable(value: Any) -> bool:
     return True
 
 
-def _empty_bytes(node: Any) -> bool:
-    # Protocol 2 pickles b"" as a call of ``bytes`` with no arguments (not on the allowlist).
-    return (
-        isinstance(node, Opaque)
-        and _name(node) in ("builtins.bytes", "__builtin__.bytes")
-        and node.args == ()
-        and not node.has_state
-    )
-
-
 def _enum_like(node: Opaque, short: str) -> bool:
     # An Enum member pickles as its class called with its value. Functions (``posix.system``)
     # are named in lower case by convention: only a capitalised class called with one plain
@@ -382,20 +323,3 @@ def _enum_like(node: Opaque, short: str) -> bool:
         and not node.listitems
         and not node.dictitems
     )
-
-
-def _strides(shape: tuple[int, ...], fortran: bool) -> tuple[int, ...]:
-    order = range(len(shape)) if fortran else reversed(range(len(shape)))
-    strides = [0] * len(shape)
-    step = 1
-    for dim in order:
-        strides[dim] = step
-        step *= max(shape[dim], 1)
-    return tuple(strides)
-
-
-def _to_little(raw: bytes | bytearray, width: int) -> bytes:
-    """Big-endian elements (complex: each part) as little-endian bytes."""
-    import numpy as np  # only big-endian arrays need it; it never sees a foreign object
-
-    return np.frombuffer(raw, dtype=np.dtype(f"u{width}")).byteswap().tobytes()
