@@ -28,7 +28,7 @@ from ckpt_tools import load_state_dict, load_with_info
 from ckpt_tools.errors import UnsafeContentError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.detect import _NoGlobals
-from ckpt_tools.formats.pickle.unpickler import _Restricted
+from ckpt_tools.formats.pickle.restricted import _Restricted
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
