@@ -346,3 +346,14 @@ def test_a_bad_timeout_setting_is_a_usage_error(
     monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", value)
     with pytest.raises(UsageError, match="CKPT_REMOTE_TIMEOUT"):
         RemoteSession()
+
+
+def test_a_file_replaced_while_read_never_shows_the_url_s_password(hub: HubServer) -> None:
+    url = hub.put_file("plain.bin", _bytes(SIZE))
+    secret = url.replace("://", "://me:s3cret@", 1)
+    with RemoteSession() as remote:
+        f = remote.open(secret)
+        hub.put_file("plain.bin", _bytes(SIZE + 4096, seed=1))
+        with pytest.raises(RemoteError, match="changed while it was read") as info:
+            f.pread(10, SIZE // 2)
+    assert "s3cret" not in str(info.value) and "me@" in str(info.value)

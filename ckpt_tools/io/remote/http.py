@@ -186,7 +186,7 @@ class HttpTransport:
         self.resolved = resolved or url
         self.headers = dict(headers or {})
         self._client = client
-        self._same = SameObject(url)
+        self._same = SameObject(self.url)  # (the URL as shown: without its password)
 
     def get(self, start: int, end: int) -> tuple[bytes, int]:
         """The bytes ``[start, min(end, size))`` and the object's size, in one request.
