@@ -35,6 +35,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ckpt_tools.io.ranges import SourceEndedError
+
 __all__ = [
     "CAST_SOURCES",
     "CAST_TARGETS",
@@ -213,9 +215,7 @@ def iter_cast(
         count = min(chunk, numel - done)
         data = os.pread(fd, count * size, offset + done * size)
         if len(data) != count * size:
-            raise OSError(
-                5, f"source ended after {done * size + len(data)} of {numel * size} bytes"
-            )
+            raise SourceEndedError(done * size + len(data), numel * size)
         yield cast_chunk(data, src, dst, done, numel)
         done += count
 

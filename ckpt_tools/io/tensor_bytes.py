@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import zlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, BinaryIO, Self
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError, Remedy
-from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.base import Checkpoint, open_buffered
+from ckpt_tools.io.ranges import SourceEndedError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -136,8 +136,8 @@ def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:
         The bytes, in a buffer of their own.
 
     Raises:
-        OSError: the read failed, or the file ends first (``EIO``, as
-            :func:`ckpt_tools.io.writers.zipfile.copy_range` reports a short source).
+        OSError: the read failed.
+        SourceEndedError: the file ends first (an ``OSError`` with ``EIO``).
 
     Example:
         >>> with open("letters.bin", "wb") as f:
@@ -148,7 +148,7 @@ def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:
         >>> pread_exact(fd, 4, 4)
         Traceback (most recent call last):
         ...
-        OSError: [Errno 5] source ended after 2 of 4 bytes
+        ckpt_tools.io.ranges.SourceEndedError: [Errno 5] source ended after 2 of 4 bytes
         >>> os.close(fd)
     """
     buffer = bytearray(nbytes)
@@ -157,7 +157,7 @@ def pread_exact(fd: int, nbytes: int, offset: int) -> bytearray:
     while done < nbytes:
         got = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
         if got <= 0:
-            raise OSError(errno.EIO, f"source ended after {done} of {nbytes} bytes")
+            raise SourceEndedError(done, nbytes)
         done += got
     return buffer
 
@@ -296,27 +296,21 @@ def decompressed(ckpt: Checkpoint, name: str) -> Iterator[Iterator[bytes]]:
         864
     """
 
-    # A remote archive is read through its range cache, as a file; detached after, so that
-    # the buffer does not close the remote file when it is collected.
-    remote = ckpt.remote.get(ckpt.path)
-    source = io.BufferedReader(remote) if remote is not None else None  # type: ignore[arg-type]
-    try:
-        with (
-            _zip_archive(ckpt.path, source) as archive,
-            archive.open(f"{ckpt.archive_root}/{name}") as member,
-        ):
-            yield _member_chunks(member, name)
-    finally:
-        if source is not None:
-            source.detach()
+    # A remote archive is read through its range cache, as a file.
+    with (
+        open_buffered(ckpt.path, ckpt.remote.get(ckpt.path)) as source,
+        _zip_archive(ckpt.path, source) as archive,
+        archive.open(f"{ckpt.archive_root}/{name}") as member,
+    ):
+        yield _member_chunks(member, name)
 
 
 @contextlib.contextmanager
-def _zip_archive(path: str, source: io.BufferedReader | None) -> Iterator[Any]:
+def _zip_archive(path: str, source: BinaryIO) -> Iterator[Any]:
     import zipfile
 
     try:
-        archive = zipfile.ZipFile(source if source is not None else path)
+        archive = zipfile.ZipFile(source)
     except zipfile.BadZipFile as e:
         raise OSError(errno.EIO, f"{path!r}: {e}") from e
     with archive:

@@ -37,6 +37,7 @@ from typing import NamedTuple, Protocol
 
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.copy.direct import aligned_span, copy_direct, direct_span
+from ckpt_tools.io.ranges import SourceEndedError
 
 __all__ = [
     "COPY_METHODS",
@@ -346,7 +347,7 @@ def _copy_bytes(
                 pwrite_all(dst_fd, data, dst_offset + done)
             n = len(data)
         if n == 0:
-            raise OSError(errno.EIO, f"source ended after {done} of {count} bytes")
+            raise SourceEndedError(done, count)
         if writeback is not None:
             writeback.wrote(dst_offset + done, n)
         done += n

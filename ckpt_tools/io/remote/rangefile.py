@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ckpt_tools.errors import RemoteError
+from ckpt_tools.io.ranges import CHUNK
 
 __all__ = [
     "HEAD_FETCH",
@@ -36,8 +37,8 @@ MIN_FETCH = 64 << 10
 # What the cache keeps at most, and the largest read it keeps.
 CACHE_BYTES = 8 << 20
 KEEP_LIMIT = 1 << 20
-# Bytes per request when a record's bytes are streamed out.
-STREAM_CHUNK = 8 << 20
+# Bytes per request when a record's bytes are streamed out: the shared range reader's.
+STREAM_CHUNK = CHUNK
 
 
 class RangeTransport(Protocol):
@@ -222,7 +223,7 @@ class RemoteFile(io.RawIOBase):
 
     def _keep(self, offset: int, data: bytes) -> None:
         self._extents.append((offset, data))
-        while sum(len(d) for _, d in self._extents) > CACHE_BYTES and len(self._extents) > 1:
+        while self.cached_bytes > CACHE_BYTES and len(self._extents) > 1:
             self._extents.pop(0)
 
     # -- the file object (pickle streams read through it) -------------------------------

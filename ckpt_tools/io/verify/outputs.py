@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.io.ranges import SourceEndedError, fd_pread, pread_chunks
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS
 from ckpt_tools.structure.selection import select_state_dict
@@ -46,14 +47,13 @@ def _record_crc(ckpt: Checkpoint, storage_key: str) -> int | None:
     record = ckpt.records.get(f"data/{storage_key}")
     if record is None:
         return None
-    crc, done = 0, 0
+    crc = 0
     fd = os.open(ckpt.path, os.O_RDONLY)
     try:
-        while done < record.size:
-            piece = os.pread(fd, min(8 << 20, record.size - done), record.data_offset + done)
-            if not piece:
-                return None
-            crc, done = zlib.crc32(piece, crc), done + len(piece)
+        for piece in pread_chunks(fd_pread(fd), record.data_offset, record.size):
+            crc = zlib.crc32(piece, crc)
+    except SourceEndedError:
+        return None
     finally:
         os.close(fd)
     return crc

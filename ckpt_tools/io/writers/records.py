@@ -198,11 +198,10 @@ def remote_span_record(ckpt: Checkpoint, span: ByteSpan) -> Record | None:
     source = ckpt.remote.get(span.path)
     if source is None:
         return None
-    from ckpt_tools.io.remote.rangefile import STREAM_CHUNK
 
     def produce() -> Iterable[bytes]:
         try:
-            yield from pread_chunks(source.pread, span.offset, span.nbytes, chunk=STREAM_CHUNK)
+            yield from pread_chunks(source.pread, span.offset, span.nbytes)
         except SourceEndedError as e:
             raise CorruptCheckpointError(
                 f"{span.path!r} ended after {e.done} of the {span.nbytes} bytes at offset "

@@ -51,7 +51,6 @@ _U16 = 0xFFFF
 # field markers, so a test can move the thresholds down and check those records on small files.
 _ZIP64_AT = _U32
 _ZIP64_ENTRIES = _U16
-_CHUNK = 8 << 20
 # A fixed DOS date/time (1980-01-01 00:00), as torch's writer uses: outputs are reproducible.
 _DOS_TIME, _DOS_DATE = 0, (0 << 9) | (1 << 5) | 1
 _PAD_ID = 0x4246  # "FB", the padding extra field torch's writer uses
@@ -296,7 +295,7 @@ class TorchZipWriter:
         size: int,
         counter: Callable[[int], None] | None,
     ) -> None:
-        chunks = pread_chunks(fd_pread(src_fd), src_offset, size, chunk=_CHUNK)
+        chunks = pread_chunks(fd_pread(src_fd), src_offset, size)
         self.add_stream(name, chunks, size, counter)
 
     def close(self) -> None:
