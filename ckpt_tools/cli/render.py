@@ -82,10 +82,12 @@ def table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
     characters, None and bytes).
     """
     rows = [list(row) for row in rows]
-    if not _plain(rows, headers):  # a plain table has nothing to escape
+    plain = _plain(rows, headers)
+    if not plain:  # a plain table has nothing to escape
         rows = [[shown(c) if isinstance(c, str) else c for c in row] for row in rows]
         headers = [shown(h) for h in headers]
-    if _plain(rows, headers):
+        plain = _plain(rows, headers)
+    if plain:
         return text_table(rows, headers)
     from tabulate import tabulate  # imported on use: most tables never need it
 

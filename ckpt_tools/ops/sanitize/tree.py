@@ -113,11 +113,11 @@ class _Sanitizer:
         self.dropped: list[Change] = []
         self.added: dict[str, bytes] = {}
         self.memo: dict[int, Any] = {}
-        # id -> (first path, where its changes start and end in ``dropped`` and ``converted``).
-        self._walked: dict[int, tuple[str, tuple[int, int], tuple[int, int]]] = {}
-        # Every node memoized stays alive until the walk ends, so that no id is reused by a
-        # temporary (``dict(state)`` of a namespace) and answered from the memo.
-        self._held: list[Any] = []
+        # id -> (the node, its first path, where its changes start and end in ``dropped`` and
+        # ``converted``). Holding the node keeps it alive until the walk ends, so that no id
+        # is reused by a temporary (``dict(state)`` of a namespace) and answered from the memo;
+        # while it is being walked, the caller's stack holds it.
+        self._walked: dict[int, tuple[Any, str, tuple[int, int], tuple[int, int]]] = {}
         self._taken = taken_keys
         self._next_key = 1 + max((int(k) for k in taken_keys if k.isdigit()), default=-1)
 
@@ -127,7 +127,6 @@ class _Sanitizer:
         if id(node) in self.memo:
             self._again(id(node), path)
             return self.memo[id(node)]
-        self._held.append(node)
         start = (len(self.dropped), len(self.converted))
         if isinstance(node, TensorRef):
             made = self._tensor(node, path)
@@ -148,7 +147,7 @@ class _Sanitizer:
         else:
             made = self._drop(node, path)
         self.memo[id(node)] = made
-        self._walked[id(node)] = (path, start, (len(self.dropped), len(self.converted)))
+        self._walked[id(node)] = (node, path, start, (len(self.dropped), len(self.converted)))
         return made
 
     def _again(self, key: int, path: str) -> None:
@@ -157,7 +156,7 @@ class _Sanitizer:
         # under this path as well. A node still being walked is a cycle: nothing new below.
         if key not in self._walked:
             return
-        first, (d0, c0), (d1, c1) = self._walked[key]
+        _, first, (d0, c0), (d1, c1) = self._walked[key]
         self.dropped += [_moved(c, first, path) for c in self.dropped[d0:d1]]
         self.converted += [_moved(c, first, path) for c in self.converted[c0:c1]]
 
