@@ -83,3 +83,37 @@ durable_option = click.option(
     help="fsync the output before naming it. --no-fsync skips it, as cp does: faster where "
     "syncing is slow, but a power loss soon after may leave the output incomplete.",
 )
+
+
+def max_shard_size_option(what: str, *, required: bool = False):  # type: ignore[no-untyped-def]
+    """``--max-shard-size SIZE``, spelled and parsed alike by every command that shards;
+    ``what`` says what the size does there."""
+    return click.option(
+        "--max-shard-size",
+        required=required,
+        default=None,
+        metavar="SIZE",
+        help=f"{what} SIZE: 5GB (5*10^9 bytes, as huggingface_hub), 2GiB, or bytes.",
+    )
+
+
+jobs_option = click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Hugging Face shards written at once (threads).",
+)
+
+
+def cast_dtype_option(what: str):  # type: ignore[no-untyped-def]
+    """``--dtype DTYPE``: a float dtype in any spelling ``slim`` takes, checked by the library
+    (so Python callers and the command line accept the same words); ``what`` is cast."""
+    return click.option(
+        "--dtype",
+        default=None,
+        metavar="DTYPE",
+        help=f"Cast {what} floating tensors (bitwise as torch's .to): bf16/bfloat16, "
+        "fp16/float16/half, fp32/float32/float.",
+    )

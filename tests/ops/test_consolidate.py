@@ -153,11 +153,21 @@ def test_hf_folder_with_other_shards_refused_then_its_weights_replaced(
     assert (out / "config.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("out", ["m.pt", "m.safetensors"])
+def test_a_shard_size_asks_for_a_folder_as_convert_s_does(
+    folder: Path, tmp_path: Path, out: str
+) -> None:
+    with pytest.raises(UsageError, match="a sharded output is a folder"):
+        consolidate(folder, tmp_path / out, max_shard_size="1GB")
+    assert list(tmp_path.iterdir()) == [folder]
+    result = consolidate(folder, tmp_path / "plain", max_shard_size=60)
+    assert result.output_format == "hf-sharded" and len(result.written) > 2
+
+
 @pytest.mark.parametrize("out", ["m.pt", "m.safetensors", "hf"])
 def test_verify_full_makes_every_record_again(folder: Path, tmp_path: Path, out: str) -> None:
-    result = consolidate(
-        folder, tmp_path / out, verify="full", max_shard_size=60, include_all=out == "m.pt"
-    )
+    shards = {"max_shard_size": 60} if out == "hf" else {}
+    result = consolidate(folder, tmp_path / out, verify="full", include_all=out == "m.pt", **shards)
     assert result.verification.startswith("verified: keys, sizes and") and "bytes" in (
         result.verification
     )

@@ -9,12 +9,13 @@ import click
 from ckpt_tools.cli.options import (
     dry_run_option,
     durable_option,
+    jobs_option,
     json_option,
+    max_shard_size_option,
     select_option,
     verify_option,
 )
 from ckpt_tools.cli.writing import quiet_option, run_and_show
-from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE
 from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, consolidate
 
 
@@ -31,20 +32,10 @@ from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, 
 @click.option("--strip", is_flag=True, help="Also remove wrapper prefixes (module., _orig_mod.).")
 @click.option("--tag", help="DeepSpeed: the tag to read (default: the one 'latest' names).")
 @click.option("--exclude-frozen", is_flag=True, help="DeepSpeed: leave the frozen parameters out.")
-@click.option(
-    "--max-shard-size",
-    default=DEFAULT_MAX_SHARD_SIZE,
-    show_default=True,
-    help="Most bytes per Hugging Face shard (OUT a folder); decimal units: 5GB = 5*10**9.",
+@max_shard_size_option(
+    "Write OUT as a Hugging Face folder with shards up to SIZE (default 5GB when OUT is a folder)."
 )
-@click.option(
-    "--jobs",
-    "-j",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="HF shards written at once.",
-)
+@jobs_option
 @click.option(
     "--force",
     is_flag=True,

@@ -8,9 +8,11 @@ import click
 
 from ckpt_tools.cli.options import (
     allow_global_option,
+    cast_dtype_option,
     dry_run_option,
     durable_option,
     json_option,
+    max_shard_size_option,
     output_format_option,
     select_option,
     verify_option,
@@ -22,20 +24,12 @@ from ckpt_tools.cli.writing import quiet_option, run_and_show
 @click.argument("base", type=click.Path())
 @click.argument("adapter", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option(
-    "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
-    default=None,
-    help="Cast the merged state dict's floating tensors (default: the base's dtypes).",
-)
+@cast_dtype_option("the merged state dict's")
 @select_option
 @output_format_option("OUT")
-@click.option(
-    "--max-shard-size",
-    default=None,
-    metavar="SIZE",
-    help="Write OUT as a Hugging Face folder with shards up to SIZE (5GB, 2GiB; default 5GB "
-    "when OUT ends with / or is a folder).",
+@max_shard_size_option(
+    "Write OUT as a Hugging Face folder with shards up to SIZE (default 5GB when OUT ends "
+    "with / or is a folder)."
 )
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (never an input).")
 @verify_option("After writing, re-read keys and sizes, or also every byte (computed again).")

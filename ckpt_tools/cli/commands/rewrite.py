@@ -11,7 +11,9 @@ from ckpt_tools.cli.options import (
     allow_global_option,
     dry_run_option,
     durable_option,
+    jobs_option,
     json_option,
+    max_shard_size_option,
     option_group,
     output_format_option,
     select_option,
@@ -120,19 +122,18 @@ def rename_cmd(
 @_common
 @output_format_option("DST")
 @click.option("--drop-extras", is_flag=True, help="Leave out non-tensor entries (safetensors).")
-@click.option(
-    "--max-shard-size",
-    default=None,
-    metavar="SIZE",
-    help="Write a Hugging Face sharded folder with shards up to SIZE (5GB = 5*10^9, 2GiB); "
-    "implied (5GB) when DST ends with '/' or is a folder.",
+@max_shard_size_option(
+    "Write DST as a Hugging Face folder with shards up to SIZE (default 5GB when DST ends "
+    "with / or is a folder)."
 )
+@jobs_option
 def convert_cmd(
     src: str,
     dst: str,
     output_format: str | None,
     drop_extras: bool,
     max_shard_size: str | None,
+    jobs: int,
     **kw: Any,
 ) -> None:
     """Convert between torch (.pt), safetensors and Hugging Face sharded folders.
@@ -148,18 +149,14 @@ def convert_cmd(
         output_format=output_format,
         drop_extras=drop_extras,
         max_shard_size=max_shard_size,
+        jobs=jobs,
     )
 
 
 @click.command("reshard")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option(
-    "--max-shard-size",
-    required=True,
-    metavar="SIZE",
-    help="Largest shard: 5GB (5*10^9 bytes, as huggingface_hub), 2GiB, or bytes.",
-)
+@max_shard_size_option("Largest shard.", required=True)
 @click.option(
     "--force",
     is_flag=True,
@@ -168,9 +165,7 @@ def convert_cmd(
 )
 @verify_option("After writing, re-read every shard: keys and sizes, or also every byte.")
 @durable_option
-@click.option(
-    "--jobs", type=int, default=1, show_default=True, help="Shards written at once (threads)."
-)
+@jobs_option
 @quiet_option
 @json_option
 @dry_run_option

@@ -8,6 +8,7 @@ import click
 
 from ckpt_tools.cli.options import (
     allow_global_option,
+    cast_dtype_option,
     dry_run_option,
     durable_option,
     json_option,
@@ -34,14 +35,7 @@ _writing = option_group(
 @click.command("slim")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option(
-    "--dtype",
-    default=None,
-    metavar="DTYPE",
-    # Checked by slim itself, which takes the same spellings from Python and from here.
-    help="Cast the state dict's floating tensors (bitwise as torch's .to): bf16/bfloat16, "
-    "fp16/float16/half, fp32/float32/float.",
-)
+@cast_dtype_option("the state dict's")
 @click.option(
     "--keep-dtype",
     multiple=True,

@@ -73,7 +73,9 @@ class ConsolidateResult(WriteResult):
         return lines
 
 
-def _output_format(dst: str) -> str:
+def _output_format(dst: str, max_shard_size: str | int | None) -> str:
+    if max_shard_size is not None:  # as convert and merge_lora: a shard size asks for shards
+        return "hf-sharded"
     named = format_named_by(dst)
     if named is not None:
         return named
@@ -120,8 +122,9 @@ def consolidate(
         strip: remove wrapper prefixes (``module.``, ``_orig_mod.``) from the state dict's keys.
         tag: the DeepSpeed tag to read (default: the one ``latest`` names).
         exclude_frozen: leave a DeepSpeed checkpoint's frozen parameters out.
-        max_shard_size: the most bytes per HF shard (``"5GB"``, decimal units, or an int);
-            None: ``"5GB"``.
+        max_shard_size: the most bytes per HF shard (``"5GB"``, ``"2GiB"``, or an int);
+            given, the output is a folder of shards, as with :func:`convert`; None: ``"5GB"``
+            where ``dst`` is a folder.
         select: the state dict to write, or with ``include_all`` the one ``strip`` acts on
             (a dotted path, e.g. ``"model"``); None picks it as ``inspect`` does.
         force: replace an existing output (never the input): a file, or for HF shards the
@@ -161,7 +164,7 @@ def consolidate(
         raise UsageError("jobs must be at least 1", argument="jobs", value=jobs)
     check_verify_level(verify, CONSOLIDATE_VERIFY_LEVELS)
     ckpt = open_source(src, tag=tag, exclude_frozen=exclude_frozen)
-    fmt = _output_format(dst)
+    fmt = _output_format(dst, max_shard_size)
     limit = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     if fmt == "hf-sharded":
         target = check_output_folder(dst, src, force=force)

@@ -26,7 +26,7 @@ from ckpt_tools.ops.merge.records import bias_record, merge_record, replace_reco
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
-from ckpt_tools.ops.transform.slim import DTYPE_NAMES
+from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
 from ckpt_tools.structure.selection import select_state_dict
@@ -69,7 +69,8 @@ def merge_lora(
         dst: the output, a plain state dict under the base's keys: a file (its suffix picks
             torch or safetensors), or a Hugging Face folder of safetensors shards when it ends
             with ``/``, is an existing folder, or ``max_shard_size`` is given.
-        dtype: ``bf16``, ``fp16`` or ``fp32``: cast the merged state dict's floating tensors
+        dtype: ``bf16``, ``fp16`` or ``fp32`` (or another spelling :func:`slim` takes): cast
+            the merged state dict's floating tensors
             (the merge rounds to the base's dtype first, as merging then ``.to`` does).
         max_shard_size: a folder output's shard limit (``"5GB"`` when None), as for
             :func:`~ckpt_tools.ops.rewrite.conversion.convert`.
@@ -94,7 +95,7 @@ def merge_lora(
         [('head.weight', 2, 2.0), ('layers.0.weight', 2, 2.0)]
     """
     base, adapter, dst = os.fspath(base), os.fspath(adapter), os.fspath(dst)
-    cast_to = _dtype(dtype)
+    cast_to = cast_target(dtype)
     folder = wants_folder(dst, max_shard_size)
     if folder:
         _check_folder_format(dst, output_format)
@@ -152,14 +153,6 @@ def _check_folder_format(dst: str, output_format: str | None) -> None:
             value=repr(output_format),
             flag="--format",
         )
-
-
-def _dtype(dtype: str | None) -> str | None:
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise UsageError(
-            "expected one of: bf16, fp16, fp32", argument="dtype", value=repr(dtype), flag="--dtype"
-        )
-    return None if dtype is None else DTYPE_NAMES[dtype]
 
 
 def _aligned(sd: Mapping[Any, Any]) -> dict[str, tuple[str, TensorRef]]:

@@ -31,7 +31,7 @@ from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.selection import Selection, select_state_dict
 
-__all__ = ["DTYPE_NAMES", "EMA_KEYS", "select_weights", "slim", "take_module"]
+__all__ = ["DTYPE_NAMES", "EMA_KEYS", "cast_target", "select_weights", "slim", "take_module"]
 
 #: ``dtype`` spellings slim accepts, and the dtype each names.
 DTYPE_NAMES: dict[str, str] = {
@@ -221,7 +221,7 @@ def slim(
     """
     src, dst = os.fspath(src), os.fspath(dst)
     allow_globals, drop = str_items(allow_globals, "allow_globals"), str_items(drop, "drop")
-    cast_to = _dtype(dtype)
+    cast_to = cast_target(dtype)
     keep = _patterns(str_items(keep_dtype, "keep_dtype"))
     target = check_output_path(dst, src, force=force, in_place=False)
     with opened(src) as ckpt:
@@ -248,7 +248,16 @@ def slim(
         return finish(plan, target, ckpt, verify, dry_run, durable, progress)
 
 
-def _dtype(dtype: str | None) -> str | None:
+def cast_target(dtype: str | None) -> str | None:
+    """The dtype a ``dtype`` option names (any spelling of :data:`DTYPE_NAMES`), or None.
+
+    Raises:
+        UsageError: not one of those spellings.
+
+    Example:
+        >>> cast_target("half"), cast_target(None)
+        ('float16', None)
+    """
     if dtype is None:
         return None
     if dtype not in DTYPE_NAMES:

@@ -277,6 +277,16 @@ def test_dtype_casts_after_merging(cases: Callable[[str], Case], tmp_path: Path)
         assert close(out[key], want.to(torch.bfloat16)), key
 
 
+def test_dtype_takes_slim_s_spellings_on_the_command_line(
+    cases: Callable[[str], Case], tmp_path: Path
+) -> None:
+    case = cases("linear")
+    run_ckpt("merge-lora", case.base, case.adapter, tmp_path / "m.pt", "--dtype", "half")
+    out = torch.load(tmp_path / "m.pt")
+    for key, want in case.merged.items():
+        assert out[key].dtype == torch.float16 and close(out[key], want.half()), key
+
+
 def test_dry_run_lists_each_merge_and_writes_nothing(
     cases: Callable[[str], Case], tmp_path: Path
 ) -> None:
