@@ -88,7 +88,13 @@ _OPTIONS = [
     ),
     # `--model` is a MODULE:FACTORY spec in `ckpt diff`; here it was the architecture.
     click.option("--model", "deprecated_model", type=click.Choice(MODEL_NAMES), hidden=True),
-    click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True),
+    click.option(
+        "--steps",
+        type=click.IntRange(min=1),
+        default=5,
+        show_default=True,
+        help="Optimizer steps, one batch each.",
+    ),
     click.option(
         "--world-size",
         type=click.IntRange(min=1),
@@ -102,7 +108,13 @@ _OPTIONS = [
         show_default=True,
         help="Global batch, split over the ranks.",
     ),
-    click.option("--seed", type=int, default=0, show_default=True),
+    click.option(
+        "--seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Seeds the initial weights, the synthetic data and its order.",
+    ),
     click.option("--gpus", default=None, help="'0,3', or 'auto:2' for the 2 freest GPUs."),
     click.option(
         "--device",
@@ -160,7 +172,13 @@ def harness() -> None:
     default=None,
     help="Directory for wrapped.pt, bare.pt, trainer.pt and run.json (default: keep none).",
 )
-@click.option("--lr", type=float, default=0.05, show_default=True)
+@click.option(
+    "--lr",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="The learning rate of SGD (with momentum).",
+)
 @_run_options
 def train_cmd(
     strategy: str, out_dir: str | None, lr: float, run: RunOptions, as_json: bool
