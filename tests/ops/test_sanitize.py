@@ -510,3 +510,21 @@ def test_sanitize_never_imports_torch(fake, tmp_path, no_torch_env):
     out = torch.load(dst, weights_only=True)  # torch only here, in the test
     assert list(out["pickled_model"]) == list(original["model_sd"])
     assert not original["marker"].exists()
+
+
+def test_a_value_dropped_inside_a_config_node_or_as_a_key_is_listed_once(fake, tmp_path):
+    # The thing dropped is listed at its place, once: not again as the node holding it, nor
+    # again as the entry its key would have made.
+    src = tmp_path / "inner.ckpt"
+    marker = tmp_path / "PAYLOAD_RAN"
+    cfg = fake.DictConfig({"lr": 0.1, "hook": fake.Payload(marker)})
+    meta = {fake.Mode.TRAIN: 1, "kept": 2, fake.Payload(marker): 3}
+    torch.save({"state_dict": {"w": torch.ones(2)}, "cfg": cfg, "meta": meta}, src)
+    _forget(tmp_path)
+    report = ct.sanitize(src, tmp_path / "plain.ckpt")
+    out = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    assert out["cfg"] == {"lr": 0.1} and out["meta"] == {"train": 1, "kept": 2}
+    dropped = [c.path for c in report.dropped_values]
+    assert len(dropped) == 2 and dropped[0] == "cfg.hook", dropped
+    assert dropped[1].startswith("meta.") and "system" in dropped[1], dropped
+    assert not marker.exists()

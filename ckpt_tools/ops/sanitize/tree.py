@@ -184,7 +184,9 @@ class _Sanitizer:
         for key, value in node.items():
             where = _at(path, key)
             new_key = self.value(key, where)
-            if new_key is _DROP or not _hashable(new_key):
+            if new_key is _DROP:  # listed at ``where`` already, as what the key was
+                continue
+            if not _hashable(new_key):
                 self.dropped.append(Change(where, "an entry whose key cannot be kept", "dropped"))
                 continue
             new_value = self.value(value, where)
@@ -249,9 +251,8 @@ class _Sanitizer:
         # OmegaConf pickles a container's __dict__: ``_content`` maps keys (or lists items)
         # to nodes; a value node's ``_val`` holds the value. None, "???" (missing) and
         # "${...}" (interpolations) are kept as they are.
-        if "_val" in state:
-            made = self.value(state["_val"], path)
-            return made if made is not _DROP else self._drop(node, path)
+        if "_val" in state:  # a value dropped here is listed here already
+            return self.value(state["_val"], path)
         content = state["_content"]
         if isinstance(content, Mapping):
             made = self.value(dict(content), path)
