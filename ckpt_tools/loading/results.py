@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools.errors import shown
 from ckpt_tools.structure.grouping import fold_keys
 from ckpt_tools.structure.text import Readable, human_bytes
 
@@ -106,7 +107,8 @@ class LoadInfo(Readable):
             f"state dict: {'.'.join(self.selected) or '<root>'} ({self.selection_reason})",
             f"map_location: {self.map_location}",
         ]
-        return "\n".join(lines + [f"  {p}" for p in self.placements])
+        # Line by line: a path or device tag read from the file cannot start a line of its own.
+        return "\n".join(map(shown, lines + [f"  {p}" for p in self.placements]))
 
     def __repr__(self) -> str:
         return (
@@ -209,7 +211,7 @@ class LoadReport(Readable):
             lines.append("assigned: the model's tensors are the loaded ones (no copy)")
         if self.info is not None and self.info.moved:
             lines.append(f"devices: {self.info.moves()}")
-        return "\n".join(lines)
+        return "\n".join(map(shown, lines))  # (a key cannot start a line of its own)
 
     def __repr__(self) -> str:
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,41 @@ def test_load_into_mismatch_message_folds_keys(tmp_path: Path) -> None:
     torch.save(_layers(12, "enc."), path)
     with pytest.raises(CheckpointError, match=r"enc\.layers\.\{0\.\.11\}\.weight ×12"):
         load_into(nn.Linear(2, 2), path)
+
+
+def test_a_name_with_a_line_break_cannot_start_a_line_of_a_load_report(tmp_path: Path) -> None:
+    sd = nn.Linear(2, 2).state_dict()
+    sd["evil\nloaded 99 keys from x"] = torch.ones(1)
+    path = tmp_path / "odd\nname.pt"
+    torch.save(sd, path)
+    report = load_into(nn.Linear(2, 2), path, strict=False)
+    info = load_with_info(path)[1]
+    for text in (str(report), str(info)):
+        assert "odd\\nname.pt" in text
+        assert not any(line.startswith(("loaded 99", "name.pt")) for line in text.splitlines())
+    assert "evil\\nloaded 99 keys from x" in str(report)
+    assert report.unexpected == ("evil\nloaded 99 keys from x",)  # the data keeps the name
+
+
+def test_names_in_an_adapter_summary_and_a_tensor_line_are_escaped() -> None:
+    from ckpt_tools.ops.merge.info import AdapterInfo
+
+    adapter = AdapterInfo(
+        peft_type="LORA",
+        base_model="base\x1b[2J",
+        r=2,
+        alpha=4.0,
+        rslora=False,
+        dora=False,
+        target_modules=["q_proj\nrank:        forged"],
+        modules=("q_proj",),
+        modules_to_save=("head\rx",),
+        patterns={},
+        parameters=0,
+    )
+    lines = adapter.lines()
+    assert all(line.isprintable() for line in lines) and len(lines) == 4
+    assert "q_proj\\nrank:        forged" in lines[2] and "\\x1b[2J" in lines[0]
+    tensor = inspect(DP).tensors[0]
+    odd = dataclasses.replace(tensor, name="w\n\x1b")
+    assert str(odd).startswith("w\\n\\x1b ") and str(odd).isprintable()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools.errors import shown
+
 __all__ = ["TensorInfo"]
 
 
@@ -63,4 +65,4 @@ class TensorInfo:
 
     def __str__(self) -> str:
         """``layers.0.weight float32 [64, 32] cpu``."""
-        return f"{self.name} {self.dtype} {list(self.shape)} {self.device}"
+        return shown(f"{self.name} {self.dtype} {list(self.shape)} {self.device}")

@@ -9,6 +9,7 @@ from typing import Any
 
 from ckpt_tools._types import Select
 from ckpt_tools.errors import CheckpointNotFoundError
+from ckpt_tools.errors import shown as escaped
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo
 from ckpt_tools.ops.merge.adapter import WEIGHT_NAMES, read_config, target_modules
@@ -59,7 +60,7 @@ class AdapterInfo:
         ]
         if self.modules_to_save:
             lines.append(f"saved:       {', '.join(self.modules_to_save)} (modules_to_save)")
-        return lines
+        return [escaped(line) for line in lines]  # names from the adapter's config
 
     def to_json(self) -> dict[str, Any]:
         return {
