@@ -88,6 +88,34 @@ def test_parse_hf_refuses(url: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("hf://datasets/org", "datasets"),
+        ("hf://datasets/org/", "datasets"),
+        ("hf://datasets/org@v1", "datasets"),
+        ("hf://datasets/org@v1/x.pt", "datasets"),
+        ("hf://spaces/org", "spaces"),
+        ("hf://models/org", "models"),
+        ("HF://datasets", "datasets"),
+    ],
+)
+def test_a_repo_type_without_a_repo_says_so(url: str, kind: str) -> None:
+    """``hf://datasets/ORG`` is not the model repo ``datasets/ORG``: the message names the
+    form that fixes it, as ``ckpt`` prints it (one line, exit 2), not a candidate file."""
+    from tests.helpers.cli import run_ckpt
+
+    with pytest.raises(UsageError) as info:
+        parse_hf(url)
+    message = str(info.value)
+    assert message.startswith(f"{url!r}: hf://{kind}/ORG/REPO needs a repo"), message
+    assert f"write hf://{kind}/ORG/REPO[@REV][/PATH]" in message and "\n" not in message
+    with pytest.raises(UsageError, match="needs a repo"):
+        is_folder_url(url)
+    _, out, err = run_ckpt("inspect", url, code=2)
+    assert out == "" and err.strip().endswith(message), err
+
+
+@pytest.mark.parametrize(
     ("url", "kind", "repo", "revision", "filename"),
     [
         ("hf://org/m/model.safetensors", None, "org/m", None, "model.safetensors"),

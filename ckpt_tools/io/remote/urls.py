@@ -124,8 +124,9 @@ def parse_hf(url: str) -> HubPath:
         The :class:`HubPath`.
 
     Raises:
-        UsageError: not an ``hf://`` URI, no ``ORG/REPO``, an empty revision, or a
-            revision or a path with ``.`` or ``..`` segments (``%2e%2e`` too, once unquoted).
+        UsageError: not an ``hf://`` URI, no ``ORG/REPO`` (after a repo type too:
+            ``hf://datasets/ORG`` is no repo), an empty revision, or a revision or a path
+            with ``.`` or ``..`` segments (``%2e%2e`` too, once unquoted).
 
     Example:
         >>> hub = parse_hf("hf://datasets/org/data@v1.0/sub/model.pt")
@@ -137,8 +138,14 @@ def parse_hf(url: str) -> HubPath:
     rest = url.split("://", 1)[1]
     parts = rest.split("/")
     prefix = ""
-    if parts[0] in _TYPE_PREFIX and len(parts) > 2:
-        prefix = _TYPE_PREFIX[parts.pop(0)]
+    if parts[0] in _TYPE_PREFIX:  # (no model repo's owner is named models, datasets or spaces)
+        kind = parts.pop(0)
+        prefix = _TYPE_PREFIX[kind]
+        if len(parts) < 2 or not parts[1] or "@" in parts[0]:
+            raise UsageError(
+                f"{url!r}: hf://{kind}/ORG/REPO needs a repo: write "
+                f"hf://{kind}/ORG/REPO[@REV][/PATH]"
+            )
     org, repo, revision = parts[0], parts[1] if len(parts) > 1 else "", "main"
     tail = "/".join(parts[2:])
     if "@" in repo:
