@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from starlette.responses import Response
 
 from ckpt_tools.errors import (
     EXIT_REMOTE,
@@ -45,6 +46,21 @@ def _fetched(hit: Hit) -> range:
 @pytest.fixture
 def data() -> bytes:
     return _bytes(SIZE)
+
+
+def _answers_first(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch, path: str, *responses: Response
+) -> None:
+    """The hub answers ``path``'s first requests with ``responses``, in order; later ones, and
+    every other path, as it always does."""
+    queue, answer = list(responses), hub.answer
+
+    def first(raw_path: str, authorization: str | None) -> Response:
+        if raw_path == path and queue:
+            return queue.pop(0)
+        return answer(raw_path, authorization)
+
+    monkeypatch.setattr(hub, "answer", first)
 
 
 def test_ranged_reads_return_the_files_bytes(hub: HubServer, data: bytes) -> None:
@@ -244,6 +260,23 @@ def test_other_statuses_are_remote_errors(hub: HubServer) -> None:
         remote.open(url)
     assert not isinstance(info.value, CheckpointNotFoundError)
     assert "HTTP 503 Service Unavailable" in str(info.value) and info.value.exit_code == 8
+
+
+def test_a_416_without_content_range_is_refused_not_taken_as_empty(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 416 says the range lies past the end only with ``Content-Range: bytes */SIZE``;
+    without it the size is unknown, and the file is not an empty one (exit 4)."""
+    url = hub.put("org/m", "model.bin", _bytes(1000))
+    _answers_first(hub, monkeypatch, hub.path("org/m", "model.bin"), Response(status_code=416))
+    with RemoteSession() as remote, pytest.raises(RemoteError) as info:
+        remote.open(url)
+    message = str(info.value)
+    assert message.startswith(f"{url}: the server refused the range (HTTP 416) without "), message
+    assert "the file's size" in message and "\n" not in message
+    assert info.value.exit_code == EXIT_REMOTE and info.value.path == url
+    with RemoteSession() as remote:  # answered with its size, an empty file is read as one
+        assert remote.open(hub.put("org/m", "empty.bin", b"")).size == 0
 
 
 @pytest.mark.parametrize("grown", [0, 100])

@@ -246,9 +246,15 @@ class HttpTransport:
                 raise range_refused(self.url, size)
             whole = self._body(response, end - start, exact=False)
             return whole[start:end], len(whole)
-        if response.status_code == 416:
+        if response.status_code == 416:  # past the end: the size is in the Content-Range
             found = _UNSATISFIED.fullmatch(response.headers.get("content-range", "").strip())
-            return b"", int(found[1]) if found else 0
+            if found is None:  # (not an empty file: a size no answer gave)
+                raise RemoteError(
+                    f"{self.url}: the server refused the range (HTTP 416) without saying the "
+                    "file's size (no Content-Range: bytes */SIZE)",
+                    path=self.url,
+                )
+            return b"", int(found[1])
         raise self._status_error(response)
 
     def _body(self, response: httpx.Response, limit: int, *, exact: bool) -> bytes:
