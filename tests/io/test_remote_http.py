@@ -5,6 +5,7 @@ side), redirects, tokens, statuses, a server that ignores Range, timeouts and re
 
 from __future__ import annotations
 
+import gzip
 import random
 from pathlib import Path
 
@@ -277,6 +278,28 @@ def test_a_416_without_content_range_is_refused_not_taken_as_empty(
     assert info.value.exit_code == EXIT_REMOTE and info.value.path == url
     with RemoteSession() as remote:  # answered with its size, an empty file is read as one
         assert remote.open(hub.put("org/m", "empty.bin", b"")).size == 0
+
+
+@pytest.mark.parametrize("bomb", [False, True])
+def test_a_compressed_range_answer_is_refused_before_its_body_is_read(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch, bomb: bool
+) -> None:
+    """A Content-Range counts the encoded bytes, so a gzip answer to a range is not the
+    file's bytes, even where it inflates to as many: refused on its headers, never inflated
+    (a small body may inflate a thousandfold)."""
+    data = _bytes(1000)
+    url = hub.put("org/m", "model.bin", data)
+    body = gzip.compress(bytes(16 << 20) if bomb else data)
+    size = len(body) if bomb else len(data)  # what the encoded or the inflated bytes match
+    headers = {"Content-Range": f"bytes 0-{size - 1}/{size}", "Content-Encoding": "gzip"}
+    answer = Response(body, status_code=206, headers=headers)
+    _answers_first(hub, monkeypatch, hub.path("org/m", "model.bin"), answer)
+    with RemoteSession() as remote, pytest.raises(RemoteError) as info:
+        remote.open(url)
+    message = str(info.value)
+    assert message.startswith(f"{url}: the server compressed a range answer "), message
+    assert "'gzip'" in message and "\n" not in message and info.value.exit_code == EXIT_REMOTE
+    assert remote.stats.bytes_received == 0
 
 
 @pytest.mark.parametrize("grown", [0, 100])

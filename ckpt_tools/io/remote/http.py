@@ -202,8 +202,9 @@ class HttpTransport:
             RemoteAccessError: 401 or 403; the message says which credentials to set.
             RangeNotSupportedError: the server answered with the whole object, larger than
                 the range asked for (its body is not read).
-            RemoteError: another status, a wrong range, a timeout or a failed connection,
-                or a size or ETag other than the first answer's (the file changed).
+            RemoteError: another status, a wrong range, a compressed answer, a 416 that
+                does not give the size, a timeout or a failed connection, or a size or
+                ETag other than the first answer's (the file changed).
         """
         if not 0 <= start < end:
             raise ValueError(f"bad range [{start}, {end})")
@@ -235,6 +236,16 @@ class HttpTransport:
         return data, size
 
     def _read_answer(self, response: httpx.Response, start: int, end: int) -> tuple[bytes, int]:
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        if response.status_code in (200, 206) and encoding not in ("", "identity"):
+            # A Content-Range counts encoded bytes, and inflating first may cost a
+            # thousandfold: the answer is refused on its headers, as asked (identity).
+            raise RemoteError(
+                f"{self.url}: the server compressed a range answer (Content-Encoding: "
+                f"{encoding!r}) though asked not to; its bytes are not the file's (refused "
+                "before reading it)",
+                path=self.url,
+            )
         if response.status_code == 206:
             length, total = check_content_range(
                 self.url, response.headers.get("content-range"), start, end
@@ -262,7 +273,7 @@ class HttpTransport:
         its length); with ``exact``, it must be ``limit`` bytes."""
         chunks: list[bytes] = []
         received = 0
-        for chunk in response.iter_bytes():
+        for chunk in response.iter_raw():  # (the bytes as sent: nothing to decode)
             chunks.append(chunk)
             received += len(chunk)
             if received > limit:
