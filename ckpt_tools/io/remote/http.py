@@ -273,7 +273,7 @@ class HttpTransport:
         its length); with ``exact``, it must be ``limit`` bytes."""
         chunks: list[bytes] = []
         received = 0
-        for chunk in response.iter_raw():  # (the bytes as sent: nothing to decode)
+        for chunk in response.iter_bytes():  # (identity only: nothing is decoded)
             chunks.append(chunk)
             received += len(chunk)
             if received > limit:
