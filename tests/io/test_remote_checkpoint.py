@@ -195,6 +195,19 @@ def test_redirects_to_a_cdn_are_followed(hub, local):
     assert any("/cdn/" in hit.path for hit in hub.log.for_path())
 
 
+def test_verbose_counts_every_request_of_a_redirected_file(hub, tmp_path):
+    """A file the Hub redirects to its CDN is resolved once: its start and its end cost the
+    redirect and two ranges at the CDN, and --verbose counts the three."""
+    torch.save({f"w{i}": torch.zeros(256, 256) for i in range(12)}, tmp_path / "big.pt")
+    url = hub.put("org/model", "big.pt", tmp_path / "big.pt")
+    hub.redirect = True
+    code, _, err = run_ckpt("inspect", "--verbose", url)
+    assert code == 0, err
+    assert hub.log.requests(hub.path("org/model", "big.pt")) == 1
+    assert hub.log.requests() == 3 and "remote: 3 requests" in err, err
+    assert f"({hub.log.sent():,} bytes)" in err
+
+
 def test_a_broken_local_header_is_found_when_the_record_is_read(hub, tmp_path):
     """Remotely, inspect trusts the central directory; the local header of a record is
     checked when its bytes are read, and refused then as torch refuses it."""

@@ -50,16 +50,15 @@ def data() -> bytes:
 
 
 def _answers_first(
-    hub: HubServer, monkeypatch: pytest.MonkeyPatch, path: str, *responses: Response
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch, path: str, *responses: Response | None
 ) -> None:
-    """The hub answers ``path``'s first requests with ``responses``, in order; later ones, and
-    every other path, as it always does."""
+    """The hub answers ``path``'s first requests with ``responses``, in order (None: as it
+    always does); later ones, and every other path, as it always does."""
     queue, answer = list(responses), hub.answer
 
     def first(raw_path: str, authorization: str | None) -> Response:
-        if raw_path == path and queue:
-            return queue.pop(0)
-        return answer(raw_path, authorization)
+        response = queue.pop(0) if raw_path == path and queue else None
+        return answer(raw_path, authorization) if response is None else response
 
     monkeypatch.setattr(hub, "answer", first)
 
@@ -180,21 +179,71 @@ def test_hf_urls_resolve_at_hf_endpoint(
 def test_redirects_are_followed_and_the_token_stays_at_the_hub(
     hub: HubServer, data: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Hub answers resolve URLs with a redirect to its CDN, another origin: both requests
-    are made, and the token is sent to the Hub and not to the CDN."""
+    """The Hub answers resolve URLs with a redirect to its CDN, another origin: the file is
+    resolved once, its later ranges asked of the CDN URL it redirected to, the token sent to
+    the Hub and never to the CDN, and every request counted, the redirect too."""
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     url = hub.put("org/m", "model.bin", data)
     hub.redirect = True
+    hub.signature = "?Expires=1&Signature=SIGSECRET"
     with RemoteSession() as remote:
         f = remote.open(url)
         assert f.pread(10, SIZE - 10) == data[-10:]
-    resolve, cdn, resolve_again, cdn_again = hub.log.hits
-    assert resolve.path == resolve_again.path == hub.path("org/m", "model.bin")
+        assert f.pread(10, SIZE // 2) == data[SIZE // 2 : SIZE // 2 + 10]
+    resolve, cdn, *cdn_again = hub.log.hits
+    assert resolve.path == hub.path("org/m", "model.bin") and len(cdn_again) == 2
     assert resolve.status == 302 and resolve.sent == 0
-    assert cdn.path == cdn_again.path == "/cdn/models/org/m/main/model.bin"
+    assert all(h.path == "/cdn/models/org/m/main/model.bin" for h in [cdn, *cdn_again])
     assert cdn.status == 206 and cdn.range == resolve.range and cdn.sent == len(_fetched(cdn))
-    assert resolve.authorization == "Bearer hf_secret" and cdn.authorization is None
-    assert remote.stats.requests == 2 and remote.stats.bytes_received == hub.log.sent()
+    assert all(h.status == 206 and h.sent == len(_fetched(h)) for h in cdn_again)
+    assert resolve.authorization == "Bearer hf_secret"
+    assert all(h.authorization is None for h in [cdn, *cdn_again])
+    assert remote.stats.requests == 4 == hub.log.requests()
+    assert remote.stats.bytes_received == hub.log.sent()
+
+
+@pytest.mark.parametrize("status", [403, 404, 410])
+def test_an_expired_cdn_url_is_resolved_again_once(
+    hub: HubServer, data: bytes, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    """A signed CDN URL that stops answering (expired: 403, or 404, 410) is resolved again
+    at the Hub, with the token, and the read goes on at the new one; each request counted."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    url = hub.put("org/m", "model.bin", data)
+    hub.redirect = True
+    cdn = "/cdn/models/org/m/main/model.bin"
+    _answers_first(hub, monkeypatch, cdn, None, Response(status_code=status))
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        assert f.pread(10, SIZE - 10) == data[-10:]
+        assert f.pread(10, SIZE // 2) == data[SIZE // 2 : SIZE // 2 + 10]
+    hits = hub.log.for_path()
+    assert [(h.path == cdn, h.status) for h in hits] == [
+        (False, 302), (True, 206), (True, status), (False, 302), (True, 206), (True, 206)
+    ]  # fmt: skip
+    assert [h.authorization for h in hits if h.path != cdn] == ["Bearer hf_secret"] * 2
+    assert remote.stats.requests == 6 == hub.log.requests()
+    assert remote.stats.bytes_received == hub.log.sent()
+
+
+def test_a_cdn_url_failing_again_after_resolving_is_refused(
+    hub: HubServer, data: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resolved again once, not in a loop; the failure names the CDN without its signature."""
+    url = hub.put("org/m", "model.bin", data)
+    hub.redirect = True
+    hub.signature = "?Expires=1&Signature=SIGSECRET"
+    cdn = "/cdn/models/org/m/main/model.bin"
+    gone = Response(status_code=404)
+    _answers_first(hub, monkeypatch, cdn, None, gone, Response(status_code=404))
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        with pytest.raises(CheckpointNotFoundError) as info:
+            f.pread(10, SIZE - 10)
+    assert [h.status for h in hub.log.for_path()] == [302, 206, 404, 302, 404]
+    message = str(info.value)
+    assert f"not found (HTTP 404 Not Found from http://localhost:{hub.port}{cdn})" in message
+    assert "SIGSECRET" not in message and "Expires" not in message
 
 
 def test_a_missing_file_is_not_found(hub: HubServer) -> None:
@@ -302,11 +351,16 @@ def test_a_compressed_range_answer_is_refused_before_its_body_is_read(
     assert remote.stats.bytes_received == 0
 
 
+@pytest.mark.parametrize("redirect", [False, True])
 @pytest.mark.parametrize("grown", [0, 100])
-def test_a_file_replaced_while_read_is_refused(hub: HubServer, data: bytes, grown: int) -> None:
+def test_a_file_replaced_while_read_is_refused(
+    hub: HubServer, data: bytes, grown: int, redirect: bool
+) -> None:
     """The file is overwritten between two reads (the same size, or larger): the second
-    answer's ETag or size is not the first's, and its bytes are not returned."""
+    answer's ETag or size is not the first's, and its bytes are not returned; the same when
+    the second is asked of the CDN URL the first was redirected to."""
     url = hub.put("org/m", "model.bin", data)
+    hub.redirect = redirect
     with RemoteSession() as remote:
         f = remote.open(url)
         hub.put("org/m", "model.bin", _bytes(SIZE + grown, seed=1))

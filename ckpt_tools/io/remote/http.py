@@ -27,7 +27,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.io.remote.httpurls import shown_url
-from ckpt_tools.io.remote.rangefile import SameObject
+from ckpt_tools.io.remote.rangefile import SameObject, TransferStats
 from ckpt_tools.io.remote.urls import at_hub, scheme
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ DEFAULT_TIMEOUT = 30.0
 MAX_TIMEOUT = 86400.0
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED = re.compile(r"bytes \*/(\d+)")
+# What a CDN's signed URL answers once it has expired: the Hub is asked for a new one.
+_EXPIRED = (403, 404, 410)
 _SLOW = Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow")
 _LOCAL = Remedy(text="download the file and pass the local path")
 
@@ -157,6 +159,11 @@ def check_content_range(url: str, header: str | None, start: int, end: int) -> t
 class HttpTransport:
     """One URL read by byte ranges over a shared httpx client.
 
+    A URL that redirects (the Hub's resolve URL, to its CDN) is resolved once: later ranges
+    are asked of the URL it redirected to, with the headers that reached it (no token where
+    the redirect left the origin), until that URL answers 403, 404 or 410 (a signed URL
+    expired), when the URL is resolved again, once.
+
     Args:
         client: the session's client (:func:`make_client`); closing is the session's job.
         url: the URL as the user gave it (``hf://...`` or ``https://...``): errors name it,
@@ -164,6 +171,9 @@ class HttpTransport:
         resolved: the ``http(s)`` URL requests go to; ``url`` when None.
         headers: sent with every request (the Hub token, see
             :func:`~ckpt_tools.io.remote.urls.auth_headers`).
+        stats: where the requests a :meth:`get` makes besides its answer's are counted (a
+            redirect, an expired URL); the caller counts the answer
+            (:class:`~ckpt_tools.io.remote.rangefile.RemoteFile` does).
 
     Example:
         >>> import httpx
@@ -181,12 +191,17 @@ class HttpTransport:
         *,
         resolved: str | None = None,
         headers: dict[str, str] | None = None,
+        stats: TransferStats | None = None,
     ) -> None:
         self.url = shown_url(url)
         self.resolved = resolved or url
         self.headers = dict(headers or {})
+        self.stats = stats if stats is not None else TransferStats()
         self._client = client
         self._same = SameObject(self.url)  # (the URL as shown: without its password)
+        # Where the resolve URL redirected to, and the headers that reached it: a credential
+        # (a signed query), kept here and never shown.
+        self._final: tuple[str, dict[str, str]] | None = None
 
     def get(self, start: int, end: int) -> tuple[bytes, int]:
         """The bytes ``[start, min(end, size))`` and the object's size, in one request.
@@ -209,10 +224,8 @@ class HttpTransport:
         if not 0 <= start < end:
             raise ValueError(f"bad range [{start}, {end})")
         httpx = import_httpx(self.url)
-        headers = {**self.headers, "Range": f"bytes={start}-{end - 1}"}
         try:
-            request = self._client.build_request("GET", self.resolved, headers=headers)
-            response = self._client.send(request, stream=True)
+            response = self._exchange({"Range": f"bytes={start}-{end - 1}"})
             try:
                 return self._answer(response, start, end)
             finally:  # unread, the body is dropped with the connection
@@ -228,6 +241,32 @@ class HttpTransport:
 
     def close(self) -> None:
         """Nothing to release: the client belongs to the session."""
+
+    def _exchange(self, span: dict[str, str]) -> httpx.Response:
+        """The answer to one range request: asked of the URL a resolve redirected to, else
+        (or once that URL has expired) of the resolve URL, its redirects followed."""
+        if self._final is not None:
+            url, headers = self._final
+            response = self._send(url, {**headers, **span})
+            if response.status_code not in _EXPIRED:
+                return response
+            response.close()
+            self.stats.add(0)  # the expired URL's answer, a request too
+            self._final = None
+        response = self._send(self.resolved, {**self.headers, **span})
+        if response.history and response.status_code in (200, 206):
+            sent = response.request  # (httpx dropped the token if the redirect left the origin)
+            token = sent.headers.get("authorization")
+            self._final = (str(sent.url), {"Authorization": token} if token else {})
+        return response
+
+    def _send(self, url: str, headers: dict[str, str]) -> httpx.Response:
+        response = self._client.send(
+            self._client.build_request("GET", url, headers=headers), stream=True
+        )
+        for hop in response.history:  # each redirect was a request of its own (body read)
+            self.stats.add(len(hop.content))
+        return response
 
     def _answer(self, response: httpx.Response, start: int, end: int) -> tuple[bytes, int]:
         data, size = self._read_answer(response, start, end)

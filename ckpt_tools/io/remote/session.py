@@ -132,7 +132,9 @@ class RemoteSession:
         origin, userinfo = credentials(url)
         if userinfo is None and origin in self._userinfo:  # a URL named without its password
             url = with_userinfo(url, self._userinfo[origin])
-        return HttpTransport(self._http, url, resolved=resolve(url), headers=headers)
+        return HttpTransport(
+            self._http, url, resolved=resolve(url), headers=headers, stats=self.stats
+        )
 
     def close(self) -> None:
         """Close the clients (and with them every file of the session)."""
