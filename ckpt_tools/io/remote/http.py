@@ -10,8 +10,11 @@ origin, so the Hub token never reaches the CDN.
 
 from __future__ import annotations
 
+import email.utils
 import os
 import re
+import time
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -19,7 +22,6 @@ from ckpt_tools._version import __version__
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
     MissingExtraError,
-    RangeNotSupportedError,
     Remedy,
     RemoteAccessError,
     RemoteError,
@@ -27,7 +29,13 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.io.remote.httpurls import shown_url
-from ckpt_tools.io.remote.rangefile import SameObject, TransferStats
+from ckpt_tools.io.remote.rangefile import (
+    DOWNLOAD_FIRST,
+    SameObject,
+    TransferStats,
+    check_content_range,
+    range_refused,
+)
 from ckpt_tools.io.remote.urls import at_hub, scheme
 
 if TYPE_CHECKING:
@@ -35,26 +43,30 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_RETRY_WAIT",
     "MAX_TIMEOUT",
+    "RETRIES",
     "TIMEOUT_ENV",
     "HttpTransport",
-    "check_content_range",
     "import_httpx",
     "make_client",
-    "range_refused",
     "remote_timeout",
+    "retry_after",
 ]
 
 TIMEOUT_ENV = "CKPT_REMOTE_TIMEOUT"
 DEFAULT_TIMEOUT = 30.0
 # The longest wait a setting may ask for: a day; a socket cannot wait for inf or 1e300 s.
 MAX_TIMEOUT = 86400.0
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _UNSATISFIED = re.compile(r"bytes \*/(\d+)")
+# A 429 or 503 that says when to come back (Retry-After) is asked again, this many times,
+# after the wait it names, cut to MAX_RETRY_WAIT seconds.
+RETRIES = 3
+MAX_RETRY_WAIT = 30.0
+_BUSY = (429, 503)
 # What a CDN's signed URL answers once it has expired: the Hub is asked for a new one.
 _EXPIRED = (403, 404, 410)
 _SLOW = Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow")
-_LOCAL = Remedy(text="download the file and pass the local path")
 
 
 def remote_timeout() -> float:
@@ -85,6 +97,32 @@ def remote_timeout() -> float:
     return seconds
 
 
+def retry_after(value: str | None) -> float | None:
+    """The seconds a ``Retry-After`` header asks a client to wait, at most
+    :data:`MAX_RETRY_WAIT`: whole seconds, or an HTTP date (0 once past).
+
+    Returns:
+        The wait; None for no header or one that is neither.
+
+    Example:
+        >>> retry_after("2"), retry_after("3600"), retry_after("Thu, 01 Jan 2015 00:00:00 GMT")
+        (2.0, 30.0, 0.0)
+        >>> retry_after("soon") is None
+        True
+    """
+    text = (value or "").strip()
+    if re.fullmatch(r"[0-9]+", text):
+        return min(float(text), MAX_RETRY_WAIT)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # (an HTTP date is in GMT)
+        when = when.replace(tzinfo=timezone.utc)
+    seconds = (when - datetime.now(timezone.utc)).total_seconds()
+    return min(max(seconds, 0.0), MAX_RETRY_WAIT)
+
+
 def import_httpx(url: str = "https://") -> Any:
     """The httpx module, or MissingExtraError naming the ``remote`` extra.
 
@@ -113,47 +151,6 @@ def make_client(timeout: float, url: str = "https://") -> httpx.Client:
     httpx = import_httpx(url)
     headers = {"Accept-Encoding": "identity", "User-Agent": f"ckpt_tools/{__version__}"}
     return httpx.Client(follow_redirects=True, timeout=timeout, headers=headers)
-
-
-def range_refused(url: str, size: int | None) -> RangeNotSupportedError:
-    """The refusal of a server that answered a byte range with the whole object."""
-    whole = "the whole file" if size is None else f"the whole {size}-byte file"
-    return RangeNotSupportedError(
-        f"{url}: the server ignored Range and would send {whole} (refused before reading "
-        "it); ckpt_tools reads remote files only from servers that answer byte ranges",
-        path=url,
-        remedies=(_LOCAL,),
-    )
-
-
-def check_content_range(url: str, header: str | None, start: int, end: int) -> tuple[int, int]:
-    """A ``Content-Range`` answer to a request for ``[start, end)``: ``(length, total)``.
-
-    Args:
-        url: the URL, for the error.
-        header: the ``Content-Range`` header (``bytes a-b/N``).
-        start, end: the range asked for.
-
-    Returns:
-        The body's length, which must be ``min(end, N) - start``, and the object's size N.
-
-    Raises:
-        RemoteError: a header missing or malformed, an unknown size, or a range other than
-            the one asked for.
-
-    Example:
-        >>> check_content_range("u", "bytes 10-19/15000", 10, 20)
-        (10, 15000)
-    """
-    found = _CONTENT_RANGE.fullmatch((header or "").strip())
-    if found is None or found[3] == "*":
-        raise RemoteError(f"{url}: a ranged answer without a usable Content-Range: {header!r}")
-    first, last, total = int(found[1]), int(found[2]), int(found[3])
-    if first != start or last + 1 != min(end, total) or last < first:
-        raise RemoteError(
-            f"{url}: asked for bytes {start}-{end - 1}, the server answered {header!r}"
-        )
-    return last + 1 - first, total
 
 
 class HttpTransport:
@@ -225,7 +222,7 @@ class HttpTransport:
             raise ValueError(f"bad range [{start}, {end})")
         httpx = import_httpx(self.url)
         try:
-            response = self._exchange({"Range": f"bytes={start}-{end - 1}"})
+            response = self._retried({"Range": f"bytes={start}-{end - 1}"})
             try:
                 return self._answer(response, start, end)
             finally:  # unread, the body is dropped with the connection
@@ -241,6 +238,27 @@ class HttpTransport:
 
     def close(self) -> None:
         """Nothing to release: the client belongs to the session."""
+
+    def _retried(self, span: dict[str, str]) -> httpx.Response:
+        """The answer to a range request, asked again (:data:`RETRIES` times at most) while
+        it is a 429 or a 503 with a ``Retry-After``, after the wait that asks for."""
+        for _ in range(RETRIES):
+            response = self._exchange(span)
+            wait = _busy_wait(response)
+            if wait is None:
+                return response
+            response.close()
+            self.stats.add(0)  # the busy answer, a request too
+            time.sleep(wait)
+        response = self._exchange(span)
+        if _busy_wait(response) is None:
+            return response
+        response.close()
+        raise RemoteError(
+            f"{self._status_error(response)}, asked again {RETRIES} times at the waits its "
+            "Retry-After named",
+            path=self.url,
+        )
 
     def _exchange(self, span: dict[str, str]) -> httpx.Response:
         """The answer to one range request: asked of the URL a resolve redirected to, else
@@ -352,7 +370,9 @@ class HttpTransport:
             )
         if at_hub(self.url):
             return Remedy(text="set HF_TOKEN to a token that can read it (gated and private repos)")
-        return Remedy(text="the server wants credentials ckpt_tools does not send: " + _LOCAL.text)
+        return Remedy(
+            text="the server wants credentials ckpt_tools does not send: " + DOWNLOAD_FIRST.text
+        )
 
     def _network_error(
         self, error: Exception, what: str, remedies: tuple[Remedy, ...] = ()
@@ -368,6 +388,13 @@ class HttpTransport:
         return RemoteError(
             f"{self.url}: {what}: {quote_foreign(error)}", path=self.url, remedies=remedies
         )
+
+
+def _busy_wait(response: httpx.Response) -> float | None:
+    """How long to wait before asking again: for a 429 or 503 its ``Retry-After``, else None."""
+    if response.status_code not in _BUSY:
+        return None
+    return retry_after(response.headers.get("retry-after"))
 
 
 def _content_length(response: httpx.Response) -> int | None:

@@ -7,25 +7,33 @@ takes all of them (a zip's end records, its central directory and last records l
 there), any other at least :data:`MIN_FETCH`. So the few small reads that parse a
 checkpoint's structure cost a request or two in all, not one per field. What was fetched is
 kept up to :data:`CACHE_BYTES`, except reads over :data:`KEEP_LIMIT` (a tensor's bytes).
+
+The checks every transport (HTTP, S3) makes of a ranged answer are here too: its
+``Content-Range`` (:func:`check_content_range`), a whole object sent instead
+(:func:`range_refused`), and the same object at every request (:class:`SameObject`).
 """
 
 from __future__ import annotations
 
 import errno
 import io
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from ckpt_tools.errors import RemoteError
+from ckpt_tools.errors import RangeNotSupportedError, Remedy, RemoteError
 from ckpt_tools.io.ranges import CHUNK
 
 __all__ = [
+    "DOWNLOAD_FIRST",
     "HEAD_FETCH",
     "MIN_FETCH",
     "RangeTransport",
     "RemoteFile",
     "SameObject",
     "TransferStats",
+    "check_content_range",
+    "range_refused",
 ]
 
 # The first request, and the one for the object's end: a .pt's data.pkl and a safetensors
@@ -39,6 +47,9 @@ CACHE_BYTES = 8 << 20
 KEEP_LIMIT = 1 << 20
 # Bytes per request when a record's bytes are streamed out: the shared range reader's.
 STREAM_CHUNK = CHUNK
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+#: What to do with a file a server will not serve by ranges.
+DOWNLOAD_FIRST = Remedy(text="download the file and pass the local path")
 
 
 class RangeTransport(Protocol):
@@ -78,6 +89,47 @@ class TransferStats:
             f"{self.requests} request{plural}, {human_bytes(self.bytes_received)} received "
             f"({self.bytes_received:,} bytes)"
         )
+
+
+def range_refused(url: str, size: int | None) -> RangeNotSupportedError:
+    """The refusal of a server that answered a byte range with the whole object."""
+    whole = "the whole file" if size is None else f"the whole {size}-byte file"
+    return RangeNotSupportedError(
+        f"{url}: the server ignored Range and would send {whole} (refused before reading "
+        "it); ckpt_tools reads remote files only from servers that answer byte ranges",
+        path=url,
+        remedies=(DOWNLOAD_FIRST,),
+    )
+
+
+def check_content_range(url: str, header: str | None, start: int, end: int) -> tuple[int, int]:
+    """A ``Content-Range`` answer to a request for ``[start, end)``: ``(length, total)``.
+
+    Args:
+        url: the URL, for the error.
+        header: the ``Content-Range`` header (``bytes a-b/N``).
+        start, end: the range asked for.
+
+    Returns:
+        The body's length, which must be ``min(end, N) - start``, and the object's size N.
+
+    Raises:
+        RemoteError: a header missing or malformed, an unknown size, or a range other than
+            the one asked for.
+
+    Example:
+        >>> check_content_range("u", "bytes 10-19/15000", 10, 20)
+        (10, 15000)
+    """
+    found = _CONTENT_RANGE.fullmatch((header or "").strip())
+    if found is None or found[3] == "*":
+        raise RemoteError(f"{url}: a ranged answer without a usable Content-Range: {header!r}")
+    first, last, total = int(found[1]), int(found[2]), int(found[3])
+    if first != start or last + 1 != min(end, total) or last < first:
+        raise RemoteError(
+            f"{url}: asked for bytes {start}-{end - 1}, the server answered {header!r}"
+        )
+    return last + 1 - first, total
 
 
 class SameObject:

@@ -21,8 +21,8 @@ from ckpt_tools.errors import (
     RemoteError,
     quote_foreign,
 )
-from ckpt_tools.io.remote.http import TIMEOUT_ENV, check_content_range, range_refused
-from ckpt_tools.io.remote.rangefile import SameObject
+from ckpt_tools.io.remote.http import TIMEOUT_ENV
+from ckpt_tools.io.remote.rangefile import SameObject, check_content_range, range_refused
 from ckpt_tools.io.remote.urls import split_s3
 
 __all__ = ["S3Transport", "make_s3_client"]
