@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from ckpt_tools.errors import EXIT_REMOTE, CheckpointNotFoundError, RemoteError
 from ckpt_tools.io.remote import RemoteSession
-from ckpt_tools.io.remote.http import MAX_RETRY_WAIT, RETRIES, retry_after
+from ckpt_tools.io.remote.retries import MAX_RETRY_WAIT, RETRIES, retry_after
 from tests.helpers.servers import HubServer
 
 SIZE = (3 << 20) + 12345  # several cache blocks: its start and its end are two requests

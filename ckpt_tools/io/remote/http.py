@@ -10,11 +10,9 @@ origin, so the Hub token never reaches the CDN.
 
 from __future__ import annotations
 
-import email.utils
 import os
 import re
 import time
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -36,6 +34,7 @@ from ckpt_tools.io.remote.rangefile import (
     check_content_range,
     range_refused,
 )
+from ckpt_tools.io.remote.retries import RETRIES, busy_wait
 from ckpt_tools.io.remote.urls import at_hub, scheme
 
 if TYPE_CHECKING:
@@ -43,15 +42,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "MAX_RETRY_WAIT",
     "MAX_TIMEOUT",
-    "RETRIES",
     "TIMEOUT_ENV",
     "HttpTransport",
     "import_httpx",
     "make_client",
     "remote_timeout",
-    "retry_after",
 ]
 
 TIMEOUT_ENV = "CKPT_REMOTE_TIMEOUT"
@@ -59,11 +55,6 @@ DEFAULT_TIMEOUT = 30.0
 # The longest wait a setting may ask for: a day; a socket cannot wait for inf or 1e300 s.
 MAX_TIMEOUT = 86400.0
 _UNSATISFIED = re.compile(r"bytes \*/(\d+)")
-# A 429 or 503 that says when to come back (Retry-After) is asked again, this many times,
-# after the wait it names, cut to MAX_RETRY_WAIT seconds.
-RETRIES = 3
-MAX_RETRY_WAIT = 30.0
-_BUSY = (429, 503)
 # What a CDN's signed URL answers once it has expired: the Hub is asked for a new one.
 _EXPIRED = (403, 404, 410)
 _SLOW = Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow")
@@ -95,32 +86,6 @@ def remote_timeout() -> float:
             f"{MAX_TIMEOUT:g} (a day)"
         )
     return seconds
-
-
-def retry_after(value: str | None) -> float | None:
-    """The seconds a ``Retry-After`` header asks a client to wait, at most
-    :data:`MAX_RETRY_WAIT`: whole seconds, or an HTTP date (0 once past).
-
-    Returns:
-        The wait; None for no header or one that is neither.
-
-    Example:
-        >>> retry_after("2"), retry_after("3600"), retry_after("Thu, 01 Jan 2015 00:00:00 GMT")
-        (2.0, 30.0, 0.0)
-        >>> retry_after("soon") is None
-        True
-    """
-    text = (value or "").strip()
-    if re.fullmatch(r"[0-9]+", text):
-        return min(float(text), MAX_RETRY_WAIT)
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if when.tzinfo is None:  # (an HTTP date is in GMT)
-        when = when.replace(tzinfo=timezone.utc)
-    seconds = (when - datetime.now(timezone.utc)).total_seconds()
-    return min(max(seconds, 0.0), MAX_RETRY_WAIT)
 
 
 def import_httpx(url: str = "https://") -> Any:
@@ -242,18 +207,16 @@ class HttpTransport:
     def _retried(self, span: dict[str, str]) -> httpx.Response:
         """The answer to a range request, asked again (:data:`RETRIES` times at most) while
         it is a 429 or a 503 with a ``Retry-After``, after the wait that asks for."""
-        for _ in range(RETRIES):
+        for asked in range(RETRIES + 1):
             response = self._exchange(span)
-            wait = _busy_wait(response)
+            wait = busy_wait(response.status_code, response.headers.get("retry-after"))
             if wait is None:
                 return response
             response.close()
+            if asked == RETRIES:
+                break
             self.stats.add(0)  # the busy answer, a request too
             time.sleep(wait)
-        response = self._exchange(span)
-        if _busy_wait(response) is None:
-            return response
-        response.close()
         raise RemoteError(
             f"{self._status_error(response)}, asked again {RETRIES} times at the waits its "
             "Retry-After named",
@@ -388,13 +351,6 @@ class HttpTransport:
         return RemoteError(
             f"{self.url}: {what}: {quote_foreign(error)}", path=self.url, remedies=remedies
         )
-
-
-def _busy_wait(response: httpx.Response) -> float | None:
-    """How long to wait before asking again: for a 429 or 503 its ``Retry-After``, else None."""
-    if response.status_code not in _BUSY:
-        return None
-    return retry_after(response.headers.get("retry-after"))
 
 
 def _content_length(response: httpx.Response) -> int | None:
