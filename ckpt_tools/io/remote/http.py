@@ -4,8 +4,9 @@ Each :meth:`HttpTransport.get` is one ``GET`` with ``Range: bytes=a-b``. The ans
 checked before its body is read: a ``206`` must cover exactly the bytes asked for, and a
 ``200`` (a server that ignores ``Range``) is refused unless the whole object is no larger
 than what was asked, so a metadata read never turns into a download. Redirects are followed
-(the Hub sends files from a CDN); httpx drops ``Authorization`` when a redirect leaves the
-origin, so the Hub token never reaches the CDN.
+(the Hub sends files from a CDN) without reading their bodies
+(:func:`~ckpt_tools.io.remote.redirects.send_following`); httpx drops ``Authorization`` when
+a redirect leaves the origin, so the Hub token never reaches the CDN.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ckpt_tools.io.remote.rangefile import (
     check_content_range,
     range_refused,
 )
+from ckpt_tools.io.remote.redirects import send_following
 from ckpt_tools.io.remote.retries import RETRIES, busy_wait
 from ckpt_tools.io.remote.urls import at_hub, scheme
 
@@ -104,18 +106,19 @@ def import_httpx(url: str = "https://") -> Any:
 
 
 def make_client(timeout: float, url: str = "https://") -> httpx.Client:
-    """The one httpx client of a session: redirects followed, no compression, ``timeout``
-    seconds for each connect and each read; ``url``, the first URL it reads, names its
-    scheme when httpx is missing.
+    """The one httpx client of a session: no compression, ``timeout`` seconds for each
+    connect and each read; ``url``, the first URL it reads, names its scheme when httpx is
+    missing. It does not follow redirects: httpx would read each one's body whole first
+    (:func:`~ckpt_tools.io.remote.redirects.send_following` follows them).
 
     Example:
         >>> with make_client(5.0) as client:
         ...     client.follow_redirects, client.timeout.read
-        (True, 5.0)
+        (False, 5.0)
     """
     httpx = import_httpx(url)
     headers = {"Accept-Encoding": "identity", "User-Agent": f"ckpt_tools/{__version__}"}
-    return httpx.Client(follow_redirects=True, timeout=timeout, headers=headers)
+    return httpx.Client(follow_redirects=False, timeout=timeout, headers=headers)
 
 
 class HttpTransport:
@@ -242,12 +245,8 @@ class HttpTransport:
         return response
 
     def _send(self, url: str, headers: dict[str, str]) -> httpx.Response:
-        response = self._client.send(
-            self._client.build_request("GET", url, headers=headers), stream=True
-        )
-        for hop in response.history:  # each redirect was a request of its own (body read)
-            self.stats.add(len(hop.content))
-        return response
+        request = self._client.build_request("GET", url, headers=headers)
+        return send_following(self._client, request, self.stats)  # (each redirect counted)
 
     def _answer(self, response: httpx.Response, start: int, end: int) -> tuple[bytes, int]:
         data, size = self._read_answer(response, start, end)

@@ -1,0 +1,91 @@
+"""Redirects followed without reading their bodies into memory.
+
+httpx, left to follow redirects itself, reads each redirect's body whole before it follows
+it, and a server may send gigabytes there, or a chunked body that never ends. So the client
+does not follow them: httpx still builds each redirect's request
+(``Response.next_request``: a relative ``Location`` joined, ``Authorization`` dropped where
+the redirect leaves the origin, except an ``http`` to ``https`` upgrade of the same host),
+and :func:`send_following` sends it, once it has read at most :data:`REDIRECT_BODY` bytes of
+the redirect's body and closed it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckpt_tools.io.remote.rangefile import TransferStats
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["REDIRECT_BODY", "send_following"]
+
+# The most of a redirect's body read: a short one (a line of HTML) is read to its end, which
+# leaves the connection open for the next request; a longer one is cut off with it.
+REDIRECT_BODY = 64 << 10
+
+
+def send_following(
+    client: httpx.Client, request: httpx.Request, stats: TransferStats
+) -> httpx.Response:
+    """The answer to ``request``, its redirects followed as httpx follows them, and as many
+    (``client.max_redirects``); each redirect is counted in ``stats`` as a request.
+
+    Args:
+        client: the client to send with.
+        request: the first request (``client.build_request``).
+        stats: where each redirect, and the bytes read of its body, are counted; the final
+            answer is the caller's to count.
+
+    Returns:
+        The final answer, its body not read yet (a stream); its ``history`` holds the
+        redirects, closed.
+
+    Raises:
+        httpx.TooManyRedirects: more redirects than ``client.max_redirects`` (a loop).
+        httpx.RequestError: as ``client.send`` raises it.
+
+    Example:
+        >>> import httpx
+        >>> def server(request):
+        ...     if request.url.path == "/old":
+        ...         return httpx.Response(302, headers={"Location": "/new"}, content=b"moved")
+        ...     return httpx.Response(200, content=b"weights")
+        >>> client = httpx.Client(transport=httpx.MockTransport(server))
+        >>> stats = TransferStats()
+        >>> request = client.build_request("GET", "https://h.example/old")
+        >>> answer = send_following(client, request, stats)
+        >>> str(answer.url), answer.read(), len(answer.history), stats.requests
+        ('https://h.example/new', b'weights', 1, 1)
+    """
+    import httpx  # (the caller has it: the remote extra)
+
+    hops: list[httpx.Response] = []
+    response = client.send(request, stream=True, follow_redirects=False)
+    while response.next_request is not None:
+        following = response.next_request
+        stats.add(_discard(response))
+        hops.append(response)
+        if len(hops) > client.max_redirects:
+            raise httpx.TooManyRedirects(
+                f"more than {client.max_redirects} redirects", request=following
+            )
+        # The headers httpx chose for the redirect go as they are: no auth added again.
+        response = client.send(following, stream=True, follow_redirects=False, auth=httpx.Auth())
+    response.history = hops
+    return response
+
+
+def _discard(response: httpx.Response) -> int:
+    """Read at most about :data:`REDIRECT_BODY` bytes of a redirect's body, then close it;
+    returns the bytes read."""
+    received = 0
+    try:
+        if not response.is_stream_consumed:  # (an answer made in memory is read already)
+            for chunk in response.iter_raw():  # raw: a compressed body is not inflated
+                received += len(chunk)
+                if received > REDIRECT_BODY:
+                    break
+    finally:
+        response.close()
+    return received
