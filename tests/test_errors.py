@@ -160,10 +160,10 @@ def test_non_tensor_entries_to_safetensors(
 ) -> None:
     src = _saved(tmp_path, {**_weights(), "epoch": 3})
     dst = tmp_path / "out.safetensors"
-    with pytest.raises(NonTensorEntriesError, match=r"non-tensor entries: epoch") as info:
+    with pytest.raises(NonTensorEntriesError, match=r"1 non-tensor entry: epoch") as info:
         convert(src, dst)
     err = info.value
-    assert "pass drop_extras=True to leave them out, or keep the torch format" in str(err)
+    assert "pass drop_extras=True to leave it out, or keep the torch format" in str(err)
     assert "--drop-extras" not in str(err)
     assert err.entries == ("epoch",) and err.path == str(src)
     assert err.remedies[0].argument == "drop_extras" and err.remedies[0].flag in _flags(convert_cmd)
@@ -171,7 +171,7 @@ def test_non_tensor_entries_to_safetensors(
 
     code, stderr = _cli(capsys, "convert", src, dst)
     assert code == EXIT_CONVERSION
-    assert "pass --drop-extras to leave them out" in stderr and "drop_extras" not in stderr
+    assert "pass --drop-extras to leave it out" in stderr and "drop_extras" not in stderr
     assert not dst.exists()
     assert convert(src, dst, drop_extras=True).dropped == ("epoch",)
 

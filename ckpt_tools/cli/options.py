@@ -75,6 +75,15 @@ allow_global_option = click.option(
     help="Carry this global outside the allowlist through unchanged (never imported).",
 )
 
+# safetensors holds tensors only: every command that may write it refuses other entries
+# unless told to leave them out.
+drop_extras_option = click.option(
+    "--drop-extras",
+    is_flag=True,
+    help="A .safetensors output leaves out non-tensor entries (an epoch, a step) instead of "
+    "refusing them.",
+)
+
 durable_option = click.option(
     "--fsync/--no-fsync",
     "durable",

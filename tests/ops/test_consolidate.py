@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from ckpt_tools import consolidate
 from ckpt_tools.errors import (
     CorruptCheckpointError,
+    NonTensorEntriesError,
     OutputExistsError,
     UnsafeContentError,
     UsageError,
@@ -110,7 +111,13 @@ def test_safetensors_output(folder: Path, tmp_path: Path) -> None:
 
 def test_safetensors_all_flattens_and_leaves_out_values(folder: Path, tmp_path: Path) -> None:
     want = reference(folder, tmp_path / "theirs.pt")
-    result = consolidate(folder, tmp_path / "all.safetensors", include_all=True)
+    # safetensors holds tensors only: the values are refused, as convert refuses them ...
+    with pytest.raises(NonTensorEntriesError, match="pass drop_extras=True") as info:
+        consolidate(folder, tmp_path / "all.safetensors", include_all=True)
+    assert "epoch" in info.value.entries and "optim.param_groups.0.lr" in info.value.entries
+    assert not (tmp_path / "all.safetensors").exists()
+    # ... and left out, each named, when asked.
+    result = consolidate(folder, tmp_path / "all.safetensors", include_all=True, drop_extras=True)
     got = load_file(tmp_path / "all.safetensors")
     assert_same(want["optim"]["state"]["0"]["exp_avg"], got["optim.state.0.exp_avg"])
     assert_same(want["model"]["ids"], got["model.ids"])

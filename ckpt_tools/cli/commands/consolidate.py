@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from ckpt_tools.cli.options import (
+    drop_extras_option,
     dry_run_option,
     durable_option,
     jobs_option,
@@ -36,6 +37,7 @@ from ckpt_tools.ops.consolidate.consolidation import CONSOLIDATE_VERIFY_LEVELS, 
     "Write OUT as a Hugging Face folder with shards up to SIZE (default 5GB when OUT is a folder)."
 )
 @jobs_option
+@drop_extras_option
 @click.option(
     "--force",
     is_flag=True,

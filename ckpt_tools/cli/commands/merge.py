@@ -9,6 +9,7 @@ import click
 from ckpt_tools.cli.options import (
     allow_global_option,
     cast_dtype_option,
+    drop_extras_option,
     dry_run_option,
     durable_option,
     json_option,
@@ -27,6 +28,7 @@ from ckpt_tools.cli.writing import quiet_option, run_and_show
 @cast_dtype_option("the merged state dict's")
 @select_option
 @output_format_option("OUT")
+@drop_extras_option
 @max_shard_size_option(
     "Write OUT as a Hugging Face folder with shards up to SIZE (default 5GB when OUT ends "
     "with / or is a folder)."

@@ -9,6 +9,7 @@ import click
 
 from ckpt_tools.cli.options import (
     allow_global_option,
+    drop_extras_option,
     dry_run_option,
     durable_option,
     jobs_option,
@@ -69,22 +70,24 @@ _common = option_group(
 
 @click.command("strip-module")
 @_common
+@drop_extras_option
 @click.option(
     "--prefix",
     default=None,
     help="Strip exactly this prefix (default: every wrapper found: module., _orig_mod., ...).",
 )
-def strip_module_cmd(src: str, dst: str, prefix: str | None, **kw: Any) -> None:
+def strip_module_cmd(src: str, dst: str, prefix: str | None, drop_extras: bool, **kw: Any) -> None:
     """Strip wrapper prefixes (DataParallel/DDP 'module.', torch.compile '_orig_mod.', ...)."""
-    _rewrite(strip_module, src, dst, kw, prefix=prefix)
+    _rewrite(strip_module, src, dst, kw, prefix=prefix, drop_extras=drop_extras)
 
 
 @click.command("add-module")
 @_common
+@drop_extras_option
 @click.option("--prefix", default="module.", show_default=True, help="The prefix to add.")
-def add_module_cmd(src: str, dst: str, prefix: str, **kw: Any) -> None:
+def add_module_cmd(src: str, dst: str, prefix: str, drop_extras: bool, **kw: Any) -> None:
     """Add a wrapper prefix to every key (to load into nn.DataParallel / DDP)."""
-    _rewrite(add_module, src, dst, kw, prefix=prefix)
+    _rewrite(add_module, src, dst, kw, prefix=prefix, drop_extras=drop_extras)
 
 
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
@@ -101,6 +104,7 @@ def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
 
 @click.command("rename")
 @_common
+@drop_extras_option
 @click.option("--sub", "subs", multiple=True, metavar="OLD=NEW", help="Prefix map (repeatable).")
 @click.option(
     "--regex",
@@ -110,18 +114,23 @@ def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
     help="Regex substitution (repeatable).",
 )
 def rename_cmd(
-    src: str, dst: str, subs: tuple[str, ...], regexes: tuple[str, ...], **kw: Any
+    src: str,
+    dst: str,
+    subs: tuple[str, ...],
+    regexes: tuple[str, ...],
+    drop_extras: bool,
+    **kw: Any,
 ) -> None:
     """Rename keys: prefix maps (--sub) then regex substitutions (--regex)."""
     rules = [sub_rule(old, new) for old, new in _pairs(subs, "--sub")]
     rules += [regex_rule(p, r) for p, r in _pairs(regexes, "--regex")]
-    _rewrite(rename, src, dst, kw, rules=rules)
+    _rewrite(rename, src, dst, kw, rules=rules, drop_extras=drop_extras)
 
 
 @click.command("convert")
 @_common
 @output_format_option("DST")
-@click.option("--drop-extras", is_flag=True, help="Leave out non-tensor entries (safetensors).")
+@drop_extras_option
 @max_shard_size_option(
     "Write DST as a Hugging Face folder with shards up to SIZE (default 5GB when DST ends "
     "with / or is a folder)."

@@ -9,6 +9,7 @@ import click
 from ckpt_tools.cli.options import (
     allow_global_option,
     cast_dtype_option,
+    drop_extras_option,
     dry_run_option,
     durable_option,
     json_option,
@@ -23,6 +24,7 @@ from ckpt_tools.cli.writing import quiet_option, run_and_show
 _writing = option_group(
     select_option,
     output_format_option("DST"),
+    drop_extras_option,
     click.option("--force", is_flag=True, help="Replace DST if it exists (never an input)."),
     verify_option("After writing, re-read keys and sizes, or also every byte (computed again)."),
     durable_option,

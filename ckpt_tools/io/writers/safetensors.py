@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.copy.layout import safetensors_data_start, safetensors_offsets
 from ckpt_tools.io.tensor_bytes import OpenFiles, check_plain_values
@@ -28,6 +28,7 @@ from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 __all__ = [
     "SafetensorsEntry",
     "check_dtypes",
+    "leave_out_extras",
     "safetensors_header",
     "source_records",
     "write_safetensors",
@@ -153,6 +154,60 @@ def check_dtypes(
             path=path,
             remedies=tuple(remedies) or (Remedy(text="keep the torch format"),),
         )
+
+
+def leave_out_extras(
+    extras: Sequence[str],
+    path: str | None,
+    *,
+    drop_extras: bool,
+    remedies: Sequence[Remedy] = (),
+) -> tuple[str, ...]:
+    """The non-tensor entries a safetensors output leaves out, or the refusal to.
+
+    safetensors holds tensors only, so every operation writing it refuses other entries (an
+    epoch, an optimizer's ``param_groups``, a string in the state dict) unless told to leave
+    them out, and names them either way.
+
+    Args:
+        extras: the names of the entries that are not tensors, in order.
+        path: the input, for the message, if known.
+        drop_extras: leave them out instead of refusing (``--drop-extras``).
+        remedies: fixes of the caller's own, said before ``--drop-extras``
+            (``--weights-only``, where every entry is beside the state dict).
+
+    Returns:
+        The names left out: ``extras``, or ``()`` when there are none.
+
+    Raises:
+        NonTensorEntriesError: ``extras`` is not empty and ``drop_extras`` is false
+            (exit 7), naming the first eight.
+
+    Example:
+        >>> leave_out_extras(["epoch"], "a.pt", drop_extras=True)
+        ('epoch',)
+        >>> leave_out_extras(["epoch"], "a.pt", drop_extras=False)
+        Traceback (most recent call last):
+        ckpt_tools.errors.NonTensorEntriesError: ... 1 non-tensor entry: epoch; pass drop_extras=...
+    """
+    if drop_extras or not extras:
+        return tuple(extras)
+    n = len(extras)
+    them = "it" if n == 1 else "them"
+    raise NonTensorEntriesError(
+        "safetensors holds tensors only, and "
+        + (f"{path!r} also has " if path else "the output would also hold ")
+        + f"{n} non-tensor {'entry' if n == 1 else 'entries'}: "
+        + ", ".join(extras[:8])
+        + (" ..." if n > 8 else ""),
+        tuple(extras),
+        path=path,
+        remedies=(
+            *remedies,
+            Remedy("drop_extras", "True", flag="--drop-extras", text=f"to leave {them} out"),
+            Remedy(text="keep the torch format"),
+        ),
+    )
 
 
 def safetensors_header(

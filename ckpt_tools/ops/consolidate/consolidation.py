@@ -99,6 +99,7 @@ def consolidate(
     exclude_frozen: bool = False,
     max_shard_size: str | int | None = None,
     select: Select = None,
+    drop_extras: bool = False,
     force: bool = False,
     verify: VerifyLevel = "sizes",
     durable: bool = True,
@@ -127,6 +128,9 @@ def consolidate(
             where ``dst`` is a folder.
         select: the state dict to write, or with ``include_all`` the one ``strip`` acts on
             (a dotted path, e.g. ``"model"``); None picks it as ``inspect`` does.
+        drop_extras: a safetensors output (a file or shards) leaves out the values that are
+            not tensors (an optimizer's ``param_groups``, a step count), listed in the
+            result's ``dropped``, instead of refusing them.
         force: replace an existing output (never the input): a file, or for HF shards the
             weight files of a non-empty folder (``model*.safetensors``,
             ``pytorch_model*.bin`` and their index), keeping everything else in it, as
@@ -148,6 +152,8 @@ def consolidate(
         UsageError: ``src`` is not a DCP folder or a DeepSpeed checkpoint, or bad arguments.
         CorruptCheckpointError: the folder's metadata or chunks are malformed (nothing written).
         OutputError: an output exists (without ``force``) or could not be written.
+        NonTensorEntriesError: a safetensors output, values that are not tensors (with
+            ``include_all``, an optimizer's ``param_groups``) and not ``drop_extras``.
 
     Example:
         >>> import warnings, torch, torch.distributed.checkpoint as dcp
@@ -177,6 +183,7 @@ def consolidate(
         strip=strip,
         exclude_frozen=exclude_frozen,
         tensors_only=fmt != "torch-zip",
+        drop_extras=drop_extras,
     )
     shared = {
         "src": src,

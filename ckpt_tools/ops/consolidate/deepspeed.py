@@ -160,13 +160,15 @@ def plan_source(
     strip: bool,
     exclude_frozen: bool,
     tensors_only: bool,
+    drop_extras: bool = False,
 ) -> ConsolidationPlan:
     """The plan of :func:`plan_deepspeed` for a DeepSpeed checkpoint, else of
     :func:`~ckpt_tools.ops.consolidate.plan.plan_consolidation` (a DCP folder).
 
     Args:
         ckpt: what :func:`open_source` opened.
-        select, everything, strip, exclude_frozen, tensors_only: as those take them.
+        select, everything, strip, exclude_frozen, tensors_only, drop_extras: as those take
+            them (a DeepSpeed checkpoint holds tensors only).
 
     Returns:
         The :class:`ConsolidationPlan`.
@@ -182,5 +184,10 @@ def plan_source(
         )
     assert isinstance(ckpt, DcpCheckpoint)
     return plan_consolidation(
-        ckpt, select=select, everything=everything, strip=strip, tensors_only=tensors_only
+        ckpt,
+        select=select,
+        everything=everything,
+        strip=strip,
+        tensors_only=tensors_only,
+        drop_extras=drop_extras,
     )

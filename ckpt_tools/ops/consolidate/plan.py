@@ -20,6 +20,7 @@ from ckpt_tools.formats.dcp.reader import DcpCheckpoint, contiguous_stride
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
 from ckpt_tools.io.writers.records import Record
+from ckpt_tools.io.writers.safetensors import leave_out_extras
 from ckpt_tools.structure.keys import rename_keys, strip_wrapper_rules
 from ckpt_tools.structure.selection import select_state_dict
 
@@ -172,6 +173,7 @@ def plan_consolidation(
     everything: bool,
     strip: bool,
     tensors_only: bool,
+    drop_extras: bool = False,
 ) -> ConsolidationPlan:
     """Plan the output of :func:`~ckpt_tools.ops.consolidate.consolidation.consolidate`.
 
@@ -180,13 +182,17 @@ def plan_consolidation(
         select: the state dict to write (a dotted path); None picks it as ``inspect`` does.
         everything: write the whole saved tree (model, optimizer, other entries).
         strip: remove wrapper prefixes from the selected state dict's keys.
-        tensors_only: the output holds tensors only (safetensors): values are left out
-            (listed in ``dropped``), and names are the flattened keys.
+        tensors_only: the output holds tensors only (safetensors): names are the flattened
+            keys, and any other value is refused, or with ``drop_extras`` left out (listed in
+            ``dropped``).
+        drop_extras: leave out the values that are not tensors instead of refusing them.
 
     Raises:
         SelectError: ``select`` names no entry.
         KeyCollisionError: stripping makes two keys one.
         UnsafeContentError: a value to write names globals outside the allowlist.
+        NonTensorEntriesError: ``tensors_only``, values that are not tensors and not
+            ``drop_extras`` (exit 7).
     """
     selection = select_state_dict(ckpt.root, select=select)
     sd, renamed = _strip(selection.state_dict) if strip else (dict(selection.state_dict), ())
@@ -205,6 +211,7 @@ def plan_consolidation(
                 out_tree[name] = collector.tensor(name, value)
             else:
                 dropped.append(name)
+        leave_out_extras(dropped, ckpt.path, drop_extras=drop_extras)
     else:
         out_tree = collector.tree(tree, "")
     return ConsolidationPlan(

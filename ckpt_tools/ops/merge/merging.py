@@ -45,6 +45,7 @@ def merge_lora(
     select: Select = None,
     output_format: OutputFormat | None = None,
     max_shard_size: str | int | None = None,
+    drop_extras: bool = False,
     allow_globals: Sequence[str] = (),
     force: bool = False,
     verify: VerifyLevel = "sizes",
@@ -74,9 +75,9 @@ def merge_lora(
             (the merge rounds to the base's dtype first, as merging then ``.to`` does).
         max_shard_size: a folder output's shard limit (``"5GB"`` when None), as for
             :func:`~ckpt_tools.ops.rewrite.conversion.convert`.
-        select, output_format, allow_globals, force, verify, durable, dry_run, progress: as
-            for :func:`~ckpt_tools.ops.transform.slim.slim`; ``allow_globals`` also applies to
-            a pickled adapter.
+        select, output_format, drop_extras, allow_globals, force, verify, durable, dry_run,
+            progress: as for :func:`~ckpt_tools.ops.transform.slim.slim`; ``allow_globals``
+            also applies to a pickled adapter.
 
     Returns:
         A :class:`~ckpt_tools.ops.merge.result.MergeResult` (``merged``: each module with its
@@ -87,6 +88,8 @@ def merge_lora(
             a shape that does not fit (exit 7), each named.
         UnsafeContentError: a pickled adapter or base names a global outside the allowlist.
         UsageError: a bad ``dtype`` or ``verify``.
+        NonTensorEntriesError: a safetensors output, non-tensor entries in the base's state
+            dict and not ``drop_extras`` (exit 7).
         OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
@@ -121,6 +124,7 @@ def merge_lora(
         selection,
         items,
         weights_only=True,
+        drop_extras=drop_extras,
         cast_to=cast_to,
         overrides=overrides,
     )

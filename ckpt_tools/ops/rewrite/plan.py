@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import (
     ConversionError,
-    NonTensorEntriesError,
     Remedy,
     UnsafeContentError,
     UsageError,
@@ -198,24 +197,14 @@ def summary(
 def safetensors_plan(
     ckpt: Checkpoint, path: Sequence[str], sd: Mapping[str, Any], drop_extras: bool
 ) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
+    from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes, leave_out_extras
+
     extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
     extras += [name for name, _ in entries_beside(ckpt.root, path)]
-    if extras and not drop_extras:
-        shown = ", ".join(extras[:8]) + (" ..." if len(extras) > 8 else "")
-        raise NonTensorEntriesError(
-            f"safetensors holds tensors only, and {ckpt.path!r} also has {len(extras)} non-tensor "
-            f"entries: {shown}",
-            tuple(extras),
-            path=ckpt.path,
-            remedies=(
-                Remedy("drop_extras", "True", flag="--drop-extras", text="to leave them out"),
-                Remedy(text="keep the torch format"),
-            ),
-        )
+    left_out = leave_out_extras(extras, ckpt.path, drop_extras=drop_extras)
     # String values only: an HF index's metadata also holds its int total_size.
     metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
     metadata.setdefault("format", "pt")
-    from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes
 
     entries: list[SafetensorsEntry] = []
     expected: dict[str, TensorRef] = {}
@@ -241,4 +230,4 @@ def safetensors_plan(
         "output_format", "'torch'", flag="--format torch", text="to keep it in torch format"
     )
     check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path, (to_torch,))
-    return entries, metadata, tuple(extras) + tuple(dropped), expected
+    return entries, metadata, left_out + tuple(dropped), expected

@@ -153,6 +153,7 @@ def average(
     ints: Literal["first", "last"] | None = None,
     select: Select = None,
     output_format: OutputFormat | None = None,
+    drop_extras: bool = False,
     allow_globals: Sequence[str] = (),
     force: bool = False,
     verify: VerifyLevel = "sizes",
@@ -170,8 +171,8 @@ def average(
         ints: ``first`` or ``last``: take integer/bool tensors from that input instead of
             requiring them equal.
         select: dotted path of the state dict in every input (automatic when None).
-        output_format, allow_globals, force, verify, durable, dry_run, progress: as for
-            :func:`~ckpt_tools.ops.transform.slim.slim`.
+        output_format, drop_extras, allow_globals, force, verify, durable, dry_run, progress:
+            as for :func:`~ckpt_tools.ops.transform.slim.slim`.
 
     Returns:
         A :class:`TransformResult`.
@@ -202,7 +203,15 @@ def average(
     items, rows, storages = _mean_items(ckpts, aligned, w, ints)
     fmt = output_format_for(dst, output_format, ckpts[0].format)
     plan = plan_state_dict_output(
-        ckpts[0], "average", dst, fmt, selections[0], items, weights_only=True, overrides=storages
+        ckpts[0],
+        "average",
+        dst,
+        fmt,
+        selections[0],
+        items,
+        weights_only=True,
+        drop_extras=drop_extras,
+        overrides=storages,
     )
     plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
     return finish(plan, target, ckpts[0], verify, dry_run, durable, progress)

@@ -26,6 +26,7 @@ def extract(
     ema: bool = False,
     select: Select = None,
     output_format: OutputFormat | None = None,
+    drop_extras: bool = False,
     allow_globals: Sequence[str] = (),
     force: bool = False,
     verify: VerifyLevel = "sizes",
@@ -44,14 +45,16 @@ def extract(
         strip_prefix: remove ``prefix`` from the kept keys.
         ema: take the EMA copy, as ``slim(ema=True)`` does. A pickled ``nn.Module``
             selected (Ultralytics' ``model`` or ``ema``) gives up its recovered state dict.
-        select, output_format, allow_globals, force, verify, durable, dry_run, progress: as
-            for :func:`~ckpt_tools.ops.transform.slim.slim`.
+        select, output_format, drop_extras, allow_globals, force, verify, durable, dry_run,
+            progress: as for :func:`~ckpt_tools.ops.transform.slim.slim`.
 
     Returns:
         A :class:`TransformResult`.
 
     Raises:
         UsageError: no key starts with ``prefix`` (the message lists the first segments).
+        NonTensorEntriesError: a safetensors output, non-tensor entries under ``prefix`` and
+            not ``drop_extras`` (exit 7).
 
     Example:
         >>> extract("model.pt", "layers.pt", prefix="layers.", strip_prefix=True).kept[:2]
@@ -77,6 +80,14 @@ def extract(
         ]
         fmt = output_format_for(dst, output_format, ckpt.format)
         plan = plan_state_dict_output(
-            ckpt, "extract", dst, fmt, selection, items, weights_only=True, notes=notes
+            ckpt,
+            "extract",
+            dst,
+            fmt,
+            selection,
+            items,
+            weights_only=True,
+            drop_extras=drop_extras,
+            notes=notes,
         )
         return finish(plan, target, ckpt, verify, dry_run, durable, progress)

@@ -168,6 +168,7 @@ def slim(
     ema: bool = False,
     select: Select = None,
     output_format: OutputFormat | None = None,
+    drop_extras: bool = False,
     allow_globals: Sequence[str] = (),
     force: bool = False,
     verify: VerifyLevel = "sizes",
@@ -192,6 +193,8 @@ def slim(
         select: dotted path of the state dict (overrides the automatic choice and ``ema``).
         output_format: ``torch`` or ``safetensors``; from ``dst``'s suffix when None, and
             refused where the suffix says otherwise.
+        drop_extras: a safetensors output leaves out non-tensor entries (listed in the
+            result's ``dropped``) instead of refusing them.
         allow_globals: globals outside the allowlist to carry through.
         force: replace an existing ``dst`` (never the input).
         verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
@@ -212,7 +215,8 @@ def slim(
             ``output_format`` the name of ``dst`` contradicts; ``drop``, ``keep_dtype`` or
             ``allow_globals`` not a str or a sequence of str (one str is one item).
         SelectError: ``ema`` and no EMA copy.
-        NonTensorEntriesError: safetensors output with entries beside the state dict.
+        NonTensorEntriesError: a safetensors output, non-tensor entries (in the state dict,
+            or beside it without ``weights_only``) and not ``drop_extras`` (exit 7).
 
     Example:
         >>> r = slim("model.pt", "small.safetensors", dtype="bf16", keep_dtype=["bn"])
@@ -239,6 +243,7 @@ def slim(
             selection,
             items,
             weights_only=weights_only,
+            drop_extras=drop_extras,
             root_out=root_out,
             cast_to=cast_to,
             keep=keep,

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckpt_tools._types import Progress, VerifyLevel
 from ckpt_tools.descriptors import StorageRef, TensorRef, iter_tensors
-from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
+from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
@@ -24,7 +24,7 @@ from ckpt_tools.io.writers.records import (
     copy_record,
     tensor_bytes_record,
 )
-from ckpt_tools.io.writers.safetensors import check_dtypes
+from ckpt_tools.io.writers.safetensors import check_dtypes, leave_out_extras
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.transform.plan import (
     PlanRow,
@@ -49,6 +49,7 @@ def plan_state_dict_output(
     items: Sequence[tuple[str, str | None, Any]],
     *,
     weights_only: bool,
+    drop_extras: bool = False,
     root_out: Any = None,
     cast_to: str | None = None,
     keep: Sequence[re.Pattern[str]] = (),
@@ -61,6 +62,8 @@ def plan_state_dict_output(
     Args:
         weights_only: the output is the state dict alone; else it replaces the selection
             inside ``root_out`` (the root with dropped entries removed).
+        drop_extras: a safetensors output leaves out non-tensor entries instead of
+            refusing them.
         cast_to: cast eligible floating tensors to this dtype.
         keep: keys matching any of these keep their dtype.
         overrides: ``id(source storage)`` -> the record that makes it instead of a copy
@@ -86,9 +89,10 @@ def plan_state_dict_output(
         "selected": tuple(selection.path),
     }
     if fmt == "safetensors":
-        entries, st_meta = _safetensors_entries(
-            overrides, ckpt, selection, items, weights_only, cast_to, targets
+        entries, st_meta, left_out = _safetensors_entries(
+            overrides, ckpt, selection, items, weights_only, drop_extras, cast_to, targets
         )
+        shared["dropped_entries"] += left_out
         size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
         expected = {name: t for name, t, _ in entries}
         return TransformPlan(
@@ -293,31 +297,27 @@ def _safetensors_entries(
     selection: Selection,
     items: Sequence[tuple[str, str | None, Any]],
     weights_only: bool,
+    drop_extras: bool,
     cast_to: str | None,
     targets: Mapping[int, str],
 ):
-    extras = [old for old, new, v in items if new is not None and not isinstance(v, TensorRef)]
+    inside = [old for old, new, v in items if new is not None and not isinstance(v, TensorRef)]
+    beside: list[str] = []
     if not weights_only and isinstance(ckpt.root, Mapping) and selection.path:
-        extras += [str(k) for k in ckpt.root if k != selection.path[0]]
-    if extras:
-        raise NonTensorEntriesError(
-            "safetensors holds tensors only, and the output would also hold "
-            f"{', '.join(extras[:8])}",
-            tuple(extras),
-            path=ckpt.path,
-            remedies=(
-                Remedy(
-                    "weights_only",
-                    "True",
-                    flag="--weights-only",
-                    text="to write the state dict alone",
-                ),
-            ),
-        )
+        beside = [str(k) for k in ckpt.root if k != selection.path[0]]
+    alone = Remedy(
+        "weights_only", "True", flag="--weights-only", text="to write the state dict alone"
+    )
+    left_out = leave_out_extras(
+        inside + beside,
+        ckpt.path,
+        drop_extras=drop_extras,
+        remedies=(alone,) if beside and not inside else (),
+    )
     metadata: dict[str, str] = {"format": "pt"}
     entries, kept = [], {}
     for _, new, t in items:
-        if new is None:
+        if new is None or not isinstance(t, TensorRef):
             continue
         identity = (id(t.storage), t.offset, t.shape, t.stride)
         if identity in kept:  # tied: stored once, as safetensors' save_model does
@@ -337,7 +337,7 @@ def _safetensors_entries(
         out = TensorRef(t.storage, 0, t.shape, (), dst or t.dtype)
         entries.append((new, out, record))
     check_dtypes([(name, out.dtype) for name, out, _ in entries], ckpt.path)
-    return entries, metadata
+    return entries, metadata, left_out
 
 
 def finish(
