@@ -1,15 +1,21 @@
 """Ranged reads of s3:// URLs against moto's S3 server, started by the suite, with the AWS
 environment set for each test only (tests/helpers/servers.py): exact bytes, the requests and
 bytes counted on the server's side, missing objects, refused and missing credentials, an
-endpoint that never answers or refuses.
+endpoint that never answers or refuses; and a scripted endpoint whose 503s botocore retries
+by itself, each attempt counted.
 """
 
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from ckpt_tools.errors import (
     EXIT_REMOTE,
@@ -18,7 +24,8 @@ from ckpt_tools.errors import (
     RemoteError,
 )
 from ckpt_tools.io.remote import RemoteSession
-from tests.helpers.servers import DeadEnds, Hit, S3Bucket
+from tests.helpers.cli import run_ckpt
+from tests.helpers.servers import LOCAL, DeadEnds, Hit, RequestLog, S3Bucket
 
 SIZE = (2 << 20) + 777
 
@@ -144,3 +151,101 @@ def test_an_object_replaced_while_read_is_refused(s3: S3Bucket, grown: int) -> N
         with pytest.raises(RemoteError, match="the remote file changed while it was read") as info:
             f.pread(10, SIZE // 2)
     assert info.value.exit_code == EXIT_REMOTE and "\n" not in str(info.value)
+
+
+# --- botocore's own retries -----------------------------------------------------------------
+
+_SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    """An S3 endpoint of one object, ``server.data`` at every key, that answers its first
+    ``server.busy`` GETs with ``503 SlowDown`` (which botocore retries by itself), then each
+    range as S3 does: ``206`` with ``Content-Range``, an ETag and a date."""
+
+    protocol_version = "HTTP/1.1"
+    server: _ScriptedS3
+
+    def do_GET(self) -> None:
+        hit = self.server.log.add("GET", self.path, self.headers.get("Range"), None)
+        data = self.server.data
+        if self.server.busy > 0:
+            self.server.busy -= 1
+            status, body, headers = 503, _SLOW_DOWN, {"Content-Type": "application/xml"}
+        else:
+            first, last = hit.range.removeprefix("bytes=").split("-")  # type: ignore[union-attr]
+            start, stop = int(first), min(int(last) + 1, len(data))
+            status, body = 206, data[start:stop]
+            headers = {
+                "Content-Range": f"bytes {start}-{stop - 1}/{len(data)}",
+                "ETag": '"0123456789abcdef"',
+                "Last-Modified": "Thu, 01 Jan 2026 00:00:00 GMT",
+            }
+        hit.status = status
+        self.send_response(status)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+        hit.sent = len(body)
+        hit.done.set()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _ScriptedS3(ThreadingHTTPServer):
+    daemon_threads = True
+    log: RequestLog
+    data: bytes
+    busy: int
+
+
+@pytest.fixture
+def scripted_s3(s3: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> Iterator[_ScriptedS3]:
+    """The scripted endpoint, with the AWS environment of :func:`s3` pointing at it."""
+    server = _ScriptedS3((LOCAL, 0), _Scripted)
+    server.log, server.data, server.busy = RequestLog(), b"", 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{LOCAL}:{server.server_address[1]}")
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=30)
+
+
+def test_inspect_verbose_counts_the_attempts_botocore_retried(
+    scripted_s3: _ScriptedS3, tmp_path: Path
+) -> None:
+    """botocore asks again, by itself, after a 503 (SlowDown): --verbose counts both
+    requests the endpoint answered, not only the answer that came back."""
+    save_file({"w": np.ones((4, 4), np.float32)}, str(tmp_path / "m.safetensors"))
+    scripted_s3.data, scripted_s3.busy = (tmp_path / "m.safetensors").read_bytes(), 1
+    code, out, err = run_ckpt("inspect", "--verbose", "s3://ckpts/m.safetensors")
+    assert code == 0 and "safetensors" in out, err
+    assert [h.status for h in scripted_s3.log.for_path()] == [503, 206]
+    assert "remote: 2 requests" in err, err
+    assert f"({scripted_s3.log.sent() - len(_SLOW_DOWN):,} bytes)" in err, err
+
+
+def test_every_attempt_is_counted_and_one_past_the_retries_fails(
+    scripted_s3: _ScriptedS3,
+) -> None:
+    """botocore sends a request 4 times in all (3 retries) before it gives up: each is
+    counted, and the last answer is the error (exit 8)."""
+    scripted_s3.data, scripted_s3.busy = _bytes(SIZE), 2
+    with RemoteSession() as remote:
+        f = remote.open("s3://ckpts/m.pt")
+        assert f.pread(10, SIZE - 10) == scripted_s3.data[-10:]
+    assert [h.status for h in scripted_s3.log.for_path()] == [503, 503, 206, 206]
+    assert remote.stats.requests == 4
+    scripted_s3.log.clear()
+    scripted_s3.busy = 4
+    with RemoteSession() as remote, pytest.raises(RemoteError, match="SlowDown") as info:
+        remote.open("s3://ckpts/m.pt")
+    assert info.value.exit_code == EXIT_REMOTE and "\n" not in str(info.value)
+    assert [h.status for h in scripted_s3.log.for_path()] == [503] * 4

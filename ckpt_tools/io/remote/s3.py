@@ -9,8 +9,10 @@ since such endpoints rarely resolve ``BUCKET.host`` names.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ckpt_tools.errors import (
@@ -22,7 +24,12 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.io.remote.http import TIMEOUT_ENV
-from ckpt_tools.io.remote.rangefile import SameObject, check_content_range, range_refused
+from ckpt_tools.io.remote.rangefile import (
+    SameObject,
+    TransferStats,
+    check_content_range,
+    range_refused,
+)
 from ckpt_tools.io.remote.urls import split_s3
 
 __all__ = ["S3Transport", "make_s3_client"]
@@ -55,7 +62,9 @@ def _models() -> Any:
 
 
 def make_s3_client(timeout: float) -> Any:
-    """An S3 client from the AWS environment, ``timeout`` seconds per connect and read.
+    """An S3 client from the AWS environment, ``timeout`` seconds per connect and read; a
+    request answered 500, 503 or a throttle, or whose connection failed, is sent again by
+    botocore itself, 3 times at most (:class:`S3Transport` counts each attempt).
 
     Args:
         timeout: seconds (:func:`~ckpt_tools.io.remote.http.remote_timeout`).
@@ -86,12 +95,30 @@ def make_s3_client(timeout: float) -> Any:
     return session.create_client("s3", config=config)
 
 
+@contextlib.contextmanager
+def _counting(client: Any, sent: list[str]) -> Iterator[None]:
+    """Each request ``client`` sends meanwhile, into ``sent``, botocore's own retries
+    included (it emits ``before-send`` before each attempt)."""
+
+    def count(event_name: str, **_: Any) -> None:
+        sent.append(event_name)
+
+    client.meta.events.register("before-send.s3", count)
+    try:
+        yield
+    finally:
+        client.meta.events.unregister("before-send.s3", count)
+
+
 class S3Transport:
     """One S3 object read by byte ranges (``get_object`` with ``Range``).
 
     Args:
         client: the session's S3 client (:func:`make_s3_client`).
         url: ``s3://BUCKET/KEY``, as the user gave it.
+        stats: where the requests a :meth:`get` makes besides its answer's are counted (the
+            attempts botocore sent again); the caller counts the answer
+            (:class:`~ckpt_tools.io.remote.rangefile.RemoteFile` does).
 
     Example:
         >>> import io
@@ -105,9 +132,10 @@ class S3Transport:
         (b'abc', 3)
     """
 
-    def __init__(self, client: Any, url: str) -> None:
+    def __init__(self, client: Any, url: str, stats: TransferStats | None = None) -> None:
         self.url = url
         self.bucket, self.key = split_s3(url)
+        self.stats = stats if stats is not None else TransferStats()
         self._client = client
         self._same = SameObject(url)
 
@@ -130,10 +158,12 @@ class S3Transport:
         if not 0 <= start < end:
             raise ValueError(f"bad range [{start}, {end})")
         botocore = _botocore()
+        sent: list[str] = []
         try:
-            answer = self._client.get_object(
-                Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}"
-            )
+            with _counting(self._client, sent):
+                answer = self._client.get_object(
+                    Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}"
+                )
         except botocore.exceptions.ClientError as e:
             return self._client_error(e, start)
         except (
@@ -145,6 +175,9 @@ class S3Transport:
             ) from e
         except botocore.exceptions.BotoCoreError as e:
             raise self._endpoint_error(e) from e
+        finally:
+            for _ in sent[1:]:  # each attempt botocore sent again, a request too
+                self.stats.add(0)
         try:
             data, size = self._body(answer, start, end)
         except botocore.exceptions.BotoCoreError as e:

@@ -125,7 +125,7 @@ class RemoteSession:
         if scheme(url) == "s3":
             if self._s3 is None:
                 self._s3 = make_s3_client(self.timeout)
-            return S3Transport(self._s3, url)
+            return S3Transport(self._s3, url, self.stats)
         if self._http is None:
             self._http = make_client(self.timeout, url)
         headers = auth_headers(url, hf_token()) if at_hub(url) else {}
