@@ -276,14 +276,15 @@ def _sequence(
     path: str, most: int, names: tuple[str, ...], source: RangeSource | None = None
 ) -> Iterator[Walked]:
     """Pickles back to back from the start of ``path``: the ``names`` ones whatever they
-    hold (a loader reads each), then each further one that is a whole pickle."""
+    hold (a loader reads each), then each further one that is a whole pickle, or that names
+    a global before it breaks (a loader reading in order meets that global first)."""
     with open_buffered(path, source) as f:
         start, size = 0, f.seek(0, io.SEEK_END)
         for index in range(most):
             if start >= size:
                 return
             scan = find_imports(f, start)
-            if index and index >= len(names) and scan.end is None:
+            if index and index >= len(names) and scan.end is None and not scan.imports:
                 return  # what follows the last pickle is not one
             yield Walked(
                 names[index] if index < len(names) else f"pickle {index + 1}", "pickle", scan
