@@ -266,14 +266,18 @@ def legacy_with(path: Path, which: int, payload: bytes) -> None:
     path.write_bytes(data[:start] + inject(data[start:end], payload) + data[end:])
 
 
-def tar_with(path: Path, member: str, payload: bytes) -> None:
+def tar_with(
+    path: Path, member: str, payload: bytes, *, at: int = 0, sys_info: bytes | None = None
+) -> None:
     """torch's tar format (torch < 0.4) of a two-tensor state dict, ``payload`` in ``member``.
 
     Members as ``legacy_load`` in torch/serialization.py reads them: ``storages`` (a count
     pickle, then per storage a pickle ``(key, location, storage class)``, an int64 element
     count and the bytes, then a pickle of views), ``tensors`` (a count, then per tensor a
     pickle ``(key, storage key, tensor class)``, ndim, sizes, strides, offset), ``pickle``
-    (the main object, tensors as persistent ids).
+    (the main object, tensors as persistent ids). ``at`` picks the member's pickle that
+    carries the payload (0: the first); ``sys_info`` replaces that member's bytes (torch
+    never reads them).
     """
     weight = torch.arange(6, dtype=torch.float32)
     bias = torch.ones(2, dtype=torch.float32)
@@ -281,14 +285,19 @@ def tar_with(path: Path, member: str, payload: bytes) -> None:
     def dump(obj: Any) -> bytes:
         return pickle.dumps(obj, protocol=2)
 
-    storages = [dump(2)]
-    tensors = [dump(2)]
+    # Each member as its pieces: (bytes, whether they are a pickle).
+    storages = [(dump(2), True)]
+    tensors = [(dump(2), True)]
     for key, t in ((1, weight), (2, bias)):
-        storages.append(dump((key, "cpu", torch.FloatStorage)))
-        storages.append(struct.pack("<q", t.numel()) + t.numpy().tobytes())
-        tensors.append(dump((10 + key, key, torch.FloatTensor)))
-        tensors.append(struct.pack("<i4x", 1) + struct.pack("<qqq", t.numel(), 1, 0))
-    storages.append(dump([]))
+        storages.append((dump((key, "cpu", torch.FloatStorage)), True))
+        storages.append((struct.pack("<q", t.numel()) + t.numpy().tobytes(), False))
+        tensors.append((dump((10 + key, key, torch.FloatTensor)), True))
+        tensors.append((struct.pack("<i4x", 1) + struct.pack("<qqq", t.numel(), 1, 0), False))
+    storages.append((dump([]), True))
+    if member in ("storages", "tensors"):
+        pieces = storages if member == "storages" else tensors
+        index = [i for i, (_, is_pickle) in enumerate(pieces) if is_pickle][at]
+        pieces[index] = (inject(pieces[index][0], payload), True)
 
     class KeyPickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> str | None:
@@ -299,10 +308,13 @@ def tar_with(path: Path, member: str, payload: bytes) -> None:
     members = {
         "sys_info": dump({"protocol_version": 1001, "little_endian": True}),
         "pickle": main.getvalue(),
-        "tensors": b"".join(tensors),
-        "storages": b"".join(storages),
+        "tensors": b"".join(piece for piece, _ in tensors),
+        "storages": b"".join(piece for piece, _ in storages),
     }
-    members[member] = inject(members[member], payload)
+    if member not in ("storages", "tensors"):
+        members[member] = inject(members[member], payload)
+    if sys_info is not None:
+        members["sys_info"] = sys_info
     with tarfile.open(path, mode="w:", format=tarfile.PAX_FORMAT) as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
@@ -493,6 +505,22 @@ def write_tar_pickle(path: Path, m: Path) -> None:
 
 def write_tar_storages(path: Path, m: Path) -> None:
     tar_with(path, "storages", _os_system(m))
+
+
+# A sys_info torch never reads, which a reader that does read it refuses.
+_BROKEN_SYS_INFO = b"\x80\x02}q\x00"
+
+
+def write_tar_storage_item(path: Path, m: Path) -> None:
+    tar_with(path, "storages", _os_system(m), at=2, sys_info=_BROKEN_SYS_INFO)
+
+
+def write_tar_storage_views(path: Path, m: Path) -> None:
+    tar_with(path, "storages", _os_system(m), at=3, sys_info=_BROKEN_SYS_INFO)
+
+
+def write_tar_tensor_item(path: Path, m: Path) -> None:
+    tar_with(path, "tensors", _os_system(m), at=2, sys_info=_BROKEN_SYS_INFO)
 
 
 def write_npy_object(path: Path, m: Path) -> None:
@@ -804,6 +832,27 @@ _MALICIOUS: tuple[tuple[str, str, str, str, Writer], ...] = (
         TORCH_LOAD,
         "tar_storages.pt",
         write_tar_storages,
+    ),
+    (
+        "tar_storage_item",
+        "tar (torch < 0.4): payload in the second storage's pickle, sys_info broken",
+        TORCH_LOAD,
+        "tar_storage_item.pt",
+        write_tar_storage_item,
+    ),
+    (
+        "tar_storage_views",
+        "tar (torch < 0.4): payload in the storage views pickle, sys_info broken",
+        TORCH_LOAD,
+        "tar_storage_views.pt",
+        write_tar_storage_views,
+    ),
+    (
+        "tar_tensor_item",
+        "tar (torch < 0.4): payload in the second tensor's pickle, sys_info broken",
+        TORCH_LOAD,
+        "tar_tensor_item.pt",
+        write_tar_tensor_item,
     ),
     # -- the same payloads under names scanners skip
     ("name_no_suffix", "zip reduce, no suffix", TORCH_LOAD, "checkpoint", write_zip_reduce),

@@ -5,8 +5,9 @@
   records a name lookup would never reach; TorchScript's ``code/`` files are listed.
 - legacy (pre-1.6): the five pickles torch reads back to back (magic number, protocol,
   ``sys_info``, the main pickle, the storage keys).
-- tar (torch < 0.4): the ``sys_info`` and ``pickle`` members, and the first pickle of the
-  others (the reader sees the rest).
+- tar (torch < 0.4): the ``sys_info`` and ``pickle`` members, and every pickle of
+  ``storages`` and ``tensors``, found as torch reads them
+  (:mod:`~ckpt_tools.ops.scan.tar_layout`).
 - plain pickles: each pickle that follows the last.
 - DCP: ``.metadata``, and every item's archive in the ``.distcp`` files.
 - numpy: the pickle of an ``.npy`` array of objects (also inside an ``.npz`` zip).
@@ -49,6 +50,7 @@ from ckpt_tools.formats.zip.directory import (
 )
 from ckpt_tools.formats.zip.records import read_head
 from ckpt_tools.ops.scan.severity import Context
+from ckpt_tools.ops.scan.tar_layout import member_pickles
 
 __all__ = ["CodeFile", "Walked", "code_files", "is_npz", "walk_pickles"]
 
@@ -316,7 +318,8 @@ def _tar_members(path: str) -> Iterator[Walked]:
             if file is None:
                 continue
             with file:
-                yield Walked(member.name, "pickle", find_imports(file))
+                for where, scan in member_pickles(member.name, file):
+                    yield Walked(where, "pickle", scan)
 
 
 def _dcp_pickles(folder: str) -> Iterator[Walked]:
