@@ -22,7 +22,14 @@ from tests.helpers.committed import fixture_files, fixture_path
 from tests.helpers.scan_corpus import MALICIOUS
 
 # Read member by member: refused for URLs (scanned from a local copy).
-TAR = {"tar_pickle.pt", "tar_storages.pt", "tar_format.pt"}
+TAR = {
+    "tar_pickle.pt",
+    "tar_storages.pt",
+    "tar_storage_item.pt",
+    "tar_storage_views.pt",
+    "tar_tensor_item.pt",
+    "tar_format.pt",
+}
 
 
 def _same_path(data: dict, url: str, local: Path) -> dict:

@@ -107,3 +107,36 @@ def test_context_decides_torchscript_classes_and_dcp_metadata() -> None:
     assert classify("builtins.getattr", "dcp-metadata-read").severity == "allowed"
     for context in ("pickle", "torchscript", "dcp-metadata"):
         assert classify("builtins.getattr", context).severity == "dangerous"  # type: ignore[arg-type]
+
+
+def test_a_storage_class_in_another_module_is_read_by_its_name(tmp_path) -> None:
+    """torch.load takes ``any_module.FloatStorage`` in data.pkl for torch.FloatStorage and
+    never imports the module: nonstandard (weights_only refuses it), not dangerous; a plain
+    pickle's unpickler imports the module, so there it stays dangerous."""
+    import io
+    import pickle
+    import zipfile
+
+    import torch
+
+    from ckpt_tools import scan
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buf)
+    path = tmp_path / "renamed.pt"
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for name in src.namelist():
+            data = src.read(name)
+            if name.endswith("/data.pkl"):
+                data = data.replace(b"ctorch\nFloatStorage\n", b"cnot_a_module\nFloatStorage\n")
+            out.writestr(name, data)
+    assert torch.equal(torch.load(path, weights_only=False)["w"], torch.ones(3))  # the oracle
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    found = scan([path]).files[0]
+    assert found.verdict == "nonstandard"
+    assert [(f.global_name, f.severity) for f in found.findings] == [
+        ("not_a_module.FloatStorage", "nonstandard")
+    ]
+    (tmp_path / "plain.pkl").write_bytes(b"\x80\x02cnot_a_module\nFloatStorage\n.")
+    assert scan([tmp_path / "plain.pkl"]).files[0].verdict == "dangerous"

@@ -42,7 +42,7 @@ from ckpt_tools.io.remote import RemoteFile, RemoteSession, TransferStats
 from ckpt_tools.io.remote.urls import is_folder_url, is_url
 from ckpt_tools.ops.scan.remote import Remote, open_remote, refuse_local_only, url_targets
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
-from ckpt_tools.ops.scan.severity import Context, classify
+from ckpt_tools.ops.scan.severity import Context, classify, storage_class_rule
 from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, walk_pickles
 
 __all__ = ["scan", "scan_file"]
@@ -363,7 +363,9 @@ def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> 
     found: dict[tuple[str, str], Finding] = {}
     for w in walked:
         for imp in w.scan.imports:
-            rule = classify(imp.qualname, w.context, exact="." in (imp.name or ""))
+            rule = storage_class_rule(imp.qualname, imp.name, w.record) or classify(
+                imp.qualname, w.context, exact="." in (imp.name or "")
+            )
             if rule.severity != "allowed":
                 found.setdefault(
                     (imp.qualname, w.record),

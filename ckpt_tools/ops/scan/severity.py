@@ -24,10 +24,11 @@ import fnmatch
 import functools
 from typing import Literal, NamedTuple
 
+from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
 from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS, ENUM_GETATTR
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 
-__all__ = ["RULES", "Context", "Rule", "Severity", "classify"]
+__all__ = ["RULES", "Context", "Rule", "Severity", "classify", "storage_class_rule"]
 
 Severity = Literal["allowed", "nonstandard", "dangerous"]
 #: Where a pickle lies: a plain pickle or checkpoint, a TorchScript archive's, or a DCP
@@ -227,6 +228,34 @@ _PATH = Rule(
     "an attribute path: the unpickler follows it attribute by attribute from the module, "
     "which reaches any object the module can reach",
 )
+
+
+# The pickles torch.load reads through its own find_class, which takes any global named like
+# a typed storage class (in whatever module) for that class and never imports the module:
+# a zip's data.pkl, a legacy file's main pickle, a tar file's pickle member.
+_STORAGE_BY_NAME = ("main pickle", "pickle")
+
+
+def storage_class_rule(qualname: str, name: str | None, record: str) -> Rule | None:
+    """The rule for a global named like a typed storage class outside ``torch`` (``x.FloatStorage``)
+    in a pickle torch.load resolves such names in; None for any other.
+
+    Example:
+        >>> storage_class_rule("foo.HalfStorage", "HalfStorage", "archive/data.pkl").severity
+        'nonstandard'
+        >>> storage_class_rule("foo.HalfStorage", "HalfStorage", "notes.pkl") is None
+        True
+    """
+    if name not in STORAGE_TYPE_DTYPE or qualname == f"torch.{name}":
+        return None
+    if not (record.endswith("/data.pkl") or record in _STORAGE_BY_NAME):
+        return None
+    return Rule(
+        qualname,
+        "nonstandard",
+        f"torch.load reads it as torch.{name} by its name, never importing its module; "
+        "torch.load(weights_only=True) refuses it",
+    )
 
 
 @functools.lru_cache(maxsize=4096)
