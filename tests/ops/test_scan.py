@@ -437,6 +437,29 @@ def test_ordinary_state_objects_are_not_dangerous(tmp_path: Path) -> None:
     }
 
 
+def test_a_zip_no_directory_reader_lists_is_searched_by_its_local_headers(tmp_path: Path) -> None:
+    """Its central directory gone, neither our reader nor zipfile lists the records; a pickle
+    a reader could still find by its local header is walked, and its payload named."""
+    src = tmp_path / "full.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    data = src.read_bytes()
+    with zipfile.ZipFile(src) as z:
+        info = z.getinfo(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    lengths = data[info.header_offset + 26 : info.header_offset + 30]  # the local header's
+    start = info.header_offset + 30 + int.from_bytes(lengths[:2], "little")
+    start += int.from_bytes(lengths[2:], "little")
+    pkl = data[start : start + info.compress_size]
+    # os.system, called and popped right after PROTO.
+    payload = b"cposix\nsystem\n(S'true'\ntR0"
+    evil = pkl[:2] + payload + pkl[2:]
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[:start] + evil + data[start + len(pkl) : data.rfind(b"PK\x01\x02")])
+    with pytest.raises(zipfile.BadZipFile):
+        zipfile.ZipFile(cut)
+    found = scan([cut]).files[0]
+    assert found.verdict == "dangerous" and found.findings[0].global_name == "posix.system"
+
+
 def test_tar_pickles_past_the_first_and_a_tar_torch_reads_as_legacy(tmp_path: Path) -> None:
     import io
     import tarfile

@@ -32,6 +32,10 @@ TAR = {
 }
 
 
+# No directory lists its records: searched by their local headers in a local file only.
+LOCAL_SEARCH = {"truncated.pt"}
+
+
 def _same_path(data: dict, url: str, local: Path) -> dict:
     """``data`` with the URL written as the local path (paths are quoted in messages)."""
     return json.loads(json.dumps(data).replace(url, str(local)))
@@ -45,7 +49,10 @@ def test_every_corpus_file_and_fixture_gets_the_local_report(hub, corpus) -> Non
     assert len(remote.files) == len(paths) and remote.skipped == local.skipped == ()
     for url, path, got, want in zip(urls, paths, remote.files, local.files):
         assert got.path == url
-        assert _same_path(got.to_json(), url, path) == want.to_json(), path.name
+        got_json, want_json = _same_path(got.to_json(), url, path), want.to_json()
+        if path.name in LOCAL_SEARCH:  # (its records found by their local headers locally)
+            assert want_json.pop("pickles") > got_json.pop("pickles") == 0
+        assert got_json == want_json, path.name
         assert got.transfer.requests >= 1
     assert {f.verdict for f in remote.files} == {"dangerous", "clean", "nonstandard", "unreadable"}
     assert remote.transfer.requests == hub.log.requests()

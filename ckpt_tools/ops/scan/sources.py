@@ -49,6 +49,7 @@ from ckpt_tools.formats.zip.directory import (
     read_zip_directory,
 )
 from ckpt_tools.formats.zip.records import read_head
+from ckpt_tools.ops.scan.local_headers import local_entries
 from ckpt_tools.ops.scan.severity import Context
 from ckpt_tools.ops.scan.tar_layout import member_pickles
 
@@ -204,6 +205,8 @@ def _lenient_zip_pickles(path: str, source: RangeSource | None = None) -> Iterat
     lists the records) and read as torch reads them (no CRC-32 check)."""
     infos = _zip_listing(path, source)
     if infos is None:
+        if source is None:  # (a remote one is not searched byte by byte)
+            yield from _local_header_pickles(path)
         return
     script = any(i.filename.endswith("/constants.pkl") for i in infos)
     context: Context = "torchscript" if script else "pickle"
@@ -213,6 +216,21 @@ def _lenient_zip_pickles(path: str, source: RangeSource | None = None) -> Iterat
     fd = os.open(path, os.O_RDONLY)
     try:
         yield from _lenient_records(path, fd, infos, context)
+    finally:
+        os.close(fd)
+
+
+def _local_header_pickles(path: str) -> Iterator[Walked]:
+    """The pickles of a zip whose directory zipfile cannot read either, found by their
+    local headers (:mod:`~ckpt_tools.ops.scan.local_headers`)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        entries = local_entries(fd, os.fstat(fd).st_size)
+        script = any(e.name.endswith("/constants.pkl") for e in entries)
+        for entry in entries:
+            data = _record_pickle(path, fd, entry)
+            if data is not None:
+                yield Walked(entry.name, "torchscript" if script else "pickle", find_imports(data))
     finally:
         os.close(fd)
 
