@@ -263,9 +263,16 @@ class SameFileError(OutputError):
 
     Args:
         path: the output path; the message and the remedies are built from it.
+        offer_in_place: the operation takes ``in_place`` (``--in-place``), so it is offered;
+            False where it has no such option (``slim``, ``sanitize``): another output path
+            is the only fix said.
+
+    Example:
+        >>> SameFileError("in.pt", offer_in_place=False).render(for_cli=True).split("; ")[1]
+        'choose another output path'
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], offer_in_place: bool = True) -> None:
         rewrite = Remedy(
             "in_place",
             "True",
@@ -275,9 +282,9 @@ class SameFileError(OutputError):
         super().__init__(
             f"output {os.fspath(path)!r} is the input file (same path, hard link or symlink)",
             path=path,
-            remedies=(rewrite, _OTHER_OUTPUT),
+            remedies=(rewrite, _OTHER_OUTPUT) if offer_in_place else (_OTHER_OUTPUT,),
         )
-        self.args = (os.fspath(path),)
+        self.args = (os.fspath(path), offer_in_place)  # what pickle passes back to __init__
 
 
 class VerificationError(OutputError):

@@ -75,7 +75,7 @@ def check_output_path(
     dst: str | os.PathLike[str],
     src: str | os.PathLike[str] | None = None,
     force: bool = False,
-    in_place: bool = False,
+    in_place: bool | None = False,
 ) -> Path:
     """Refuse outputs that would clobber something, before any work is done.
 
@@ -83,7 +83,8 @@ def check_output_path(
         dst: the output path.
         src: the input path, if any, to refuse writing over it.
         force: allow replacing an existing ``dst`` (never the input).
-        in_place: allow ``dst`` to be ``src`` (still written through a temp file and rename).
+        in_place: allow ``dst`` to be ``src`` (still written through a temp file and rename);
+            None where the operation has no such option, so the refusal does not offer it.
 
     Returns:
         The output path, with a symlink at ``dst`` resolved (the link is kept, its target
@@ -97,7 +98,7 @@ def check_output_path(
     out = Path(dst)
     if src is not None and out.exists() and _same_file(Path(src), out):
         if not in_place:
-            raise SameFileError(dst)
+            raise SameFileError(dst, offer_in_place=in_place is not None)
         return out.resolve()
     if out.is_dir():
         raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)

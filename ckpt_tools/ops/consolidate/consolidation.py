@@ -175,7 +175,7 @@ def consolidate(
     if fmt == "hf-sharded":
         target = check_output_folder(dst, src, force=force)
     else:
-        target = check_output_path(dst, src, force=force)
+        target = check_output_path(dst, src, force=force, in_place=None)
     plan = plan_source(
         ckpt,
         select=select,

@@ -104,10 +104,10 @@ def merge_lora(
         _check_folder_format(dst, output_format)
         target = check_output_folder(dst, base, force=force)
     else:
-        target = check_output_path(dst, base, force=force, in_place=False)
+        target = check_output_path(dst, base, force=force, in_place=None)
     lora = read_adapter(adapter, allow_globals)
     if not folder:  # nor may OUT be the adapter's weight file
-        check_output_path(dst, lora.weights, force=force, in_place=False)
+        check_output_path(dst, lora.weights, force=force, in_place=None)
     ckpt = open_checkpoint(base)
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path)

@@ -97,7 +97,7 @@ def sanitize(
     check_verify_level(verify)
     src, dst = os.fspath(src), os.fspath(dst)
     output_format_for(dst, "torch", "torch-zip", why="sanitize writes a torch file")
-    target = check_output_path(dst, src, force=force)
+    target = check_output_path(dst, src, force=force, in_place=None)
     ckpt = open_checkpoint(src)
     # Refuses TorchScript and sharded folders; every global is allowed, since none is written.
     check_source(ckpt, ckpt.unsafe_globals)

@@ -190,7 +190,7 @@ def average(
     dst = os.fspath(dst)
     w = _weights(srcs, weights, ints)
     # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
-    target = next(iter([check_output_path(dst, s, force=force, in_place=False) for s in srcs]))
+    target = next(iter([check_output_path(dst, s, force=force, in_place=None) for s in srcs]))
     ckpts = [open_checkpoint(s) for s in srcs]
     selections = [select_state_dict(c.root, select=select) for c in ckpts]
     for c, s in zip(ckpts, selections):

@@ -62,7 +62,7 @@ def extract(
     """
     src, dst = os.fspath(src), os.fspath(dst)
     allow_globals = str_items(allow_globals, "allow_globals")
-    target = check_output_path(dst, src, force=force, in_place=False)
+    target = check_output_path(dst, src, force=force, in_place=None)
     with opened(src) as ckpt:
         selection, notes = select_weights(ckpt, allow_globals, select, ema)
         keys = [str(k) for k in selection.state_dict]

@@ -227,7 +227,7 @@ def slim(
     allow_globals, drop = str_items(allow_globals, "allow_globals"), str_items(drop, "drop")
     cast_to = cast_target(dtype)
     keep = _patterns(str_items(keep_dtype, "keep_dtype"))
-    target = check_output_path(dst, src, force=force, in_place=False)
+    target = check_output_path(dst, src, force=force, in_place=None)
     with opened(src) as ckpt:
         fmt = output_format_for(dst, output_format, ckpt.format)
         selection, notes = select_weights(ckpt, allow_globals, select, ema)

@@ -1,0 +1,90 @@
+"""A refusal names only options of the command that met it.
+
+Errors carry their fixes as remedies (a Python argument and a command-line flag); the CLI
+prints the flag. Each case here runs a command into a refusal that a library function shared
+by several commands raises, and checks that every ``pass --FLAG`` the message names is an
+option of that command (and, for Python callers, that every ``pass NAME=`` is a keyword of
+the function they called).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+import pytest
+import torch
+
+import ckpt_tools
+from ckpt_tools.cli.main import cli
+from ckpt_tools.errors import SameFileError
+from tests import helpers as h
+from tests.helpers.lora import write_tiny_adapter
+
+W = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+
+
+def _flags(command: str) -> set[str]:
+    found = cli.get_command(click.Context(cli), command)
+    assert found is not None
+    return {o for p in found.params if isinstance(p, click.Option) for o in p.opts}
+
+
+def _named(stderr: str) -> set[str]:
+    """The flags a refusal tells the user to pass."""
+    return set(re.findall(r"pass (--[a-z-]+)", stderr))
+
+
+def _plain(tmp: Path, name: str = "in.pt") -> Path:
+    path = tmp / name
+    torch.save({"module.a.weight": W}, path)
+    return path
+
+
+#: command -> its command line up to OUT, whose input is the file it returns last.
+SAME_FILE: dict[str, Callable[[Path], list[object]]] = {
+    "strip-module": lambda t: ["strip-module", _plain(t)],
+    "add-module": lambda t: ["add-module", _plain(t)],
+    "rename": lambda t: ["rename", "--sub", "module.=m.", _plain(t)],
+    "convert": lambda t: ["convert", _plain(t)],
+    "retag": lambda t: ["retag", "--map", "cpu=cpu", _plain(t)],
+    "slim": lambda t: ["slim", _plain(t)],
+    "extract": lambda t: ["extract", "--prefix", "module.", _plain(t)],
+    "average": lambda t: ["average", _plain(t), _plain(t, "b.pt")],
+    "merge-lora": lambda t: ["merge-lora", _plain(t), write_tiny_adapter(t / "lora"), t / "in.pt"],
+    "sanitize": lambda t: ["sanitize", _plain(t)],
+}
+
+
+@pytest.mark.parametrize("command", sorted(SAME_FILE))
+def test_an_output_that_is_the_input_names_in_place_only_where_it_is_an_option(
+    command: str, tmp_path: Path
+) -> None:
+    args = SAME_FILE[command](tmp_path)
+    if command == "merge-lora":
+        args = args[:-1]
+    before = (tmp_path / "in.pt").read_bytes()
+
+    _, _, stderr = h.run_ckpt(*args, tmp_path / "in.pt", code=6)
+    assert "is the input file" in stderr and "choose another output path" in stderr, stderr
+    named = _named(stderr)
+    assert named <= _flags(command), (named, stderr)
+    assert ("--in-place" in named) == ("--in-place" in _flags(command)), stderr
+    assert (tmp_path / "in.pt").read_bytes() == before
+
+
+def test_python_callers_are_offered_in_place_only_where_it_is_a_keyword(tmp_path: Path) -> None:
+    src = _plain(tmp_path)
+    for name, call in (
+        ("slim", lambda: ckpt_tools.slim(src, src)),
+        ("sanitize", lambda: ckpt_tools.sanitize(src, src)),
+        ("strip_module", lambda: ckpt_tools.strip_module(src, src)),
+    ):
+        with pytest.raises(SameFileError) as info:
+            call()
+        keywords = set(inspect.signature(getattr(ckpt_tools, name)).parameters)
+        offered = {r.argument for r in info.value.remedies if r.argument is not None}
+        assert offered <= keywords and ("in_place" in offered) == ("in_place" in keywords), name
