@@ -20,7 +20,7 @@ import torch
 
 import ckpt_tools
 from ckpt_tools.cli.main import cli
-from ckpt_tools.errors import SameFileError
+from ckpt_tools.errors import CorruptCheckpointError, SameFileError
 from tests import helpers as h
 from tests.helpers.lora import write_tiny_adapter
 
@@ -88,3 +88,51 @@ def test_python_callers_are_offered_in_place_only_where_it_is_a_keyword(tmp_path
         keywords = set(inspect.signature(getattr(ckpt_tools, name)).parameters)
         offered = {r.argument for r in info.value.remedies if r.argument is not None}
         assert offered <= keywords and ("in_place" in offered) == ("in_place" in keywords), name
+
+
+def _save_folder(tmp: Path) -> Path:
+    """A DeepSpeed save folder whose ``latest`` names a tag that is not there.
+
+    The tags are refused before a rank file is read: their files need only their names.
+    """
+    run = tmp / "run"
+    for tag in ("global_step1", "global_step2"):
+        (run / tag).mkdir(parents=True)
+        (run / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (run / "latest").write_text("global_step3")
+    return run
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "slim", "diff", "consolidate"])
+def test_a_latest_naming_no_tag_is_fixed_by_what_every_command_takes(
+    command: str, tmp_path: Path
+) -> None:
+    run = _save_folder(tmp_path)
+    args: list[object] = [command, run]
+    if command == "diff":
+        args.append(run)
+    elif command != "inspect":
+        args.append(tmp_path / "out.pt")
+
+    _, _, stderr = h.run_ckpt(*args, code=4)
+    assert "names tag 'global_step3', which is not a folder" in stderr, stderr
+    assert _named(stderr) <= _flags(command), stderr
+    assert re.search(r"open a tag folder instead, e\.g\. \S+global_step1$", stderr.strip()), stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_tag_option_naming_no_tag_names_the_tags_there(tmp_path: Path) -> None:
+    run = _save_folder(tmp_path)
+    out = tmp_path / "out.pt"
+    _, _, stderr = h.run_ckpt("consolidate", run, out, "--tag", "global_step9", code=4)
+    assert "--tag 'global_step9': not a folder in" in stderr, stderr
+    assert "pass --tag global_step1, or pass --tag global_step2" in stderr, stderr
+
+    # The tag it names is taken: what follows is about that tag's (empty) rank file.
+    _, _, stderr = h.run_ckpt("consolidate", run, out, "--tag", "global_step1", code=None)
+    assert "not a folder" not in stderr and "global_step1" in stderr, stderr
+
+    with pytest.raises(CorruptCheckpointError) as info:
+        ckpt_tools.consolidate(run, out, tag="global_step9")
+    assert "pass tag='global_step1', or pass tag='global_step2'" in str(info.value)
+    assert not out.exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 
 from ckpt_tools.errors import (
@@ -110,17 +111,32 @@ def _read_latest(save_dir: str) -> str:
     return tag
 
 
-def _check_tag(save_dir: str, tag: str, source: str) -> str:
-    """The tag folder ``tag`` names in ``save_dir``; ``source`` says where the tag came from."""
+def _check_tag(save_dir: str, tag: str, latest: str | None) -> str:
+    """The tag folder ``tag`` names in ``save_dir``: the caller's ``tag``, or ``latest``'s.
+
+    A ``tag`` the caller passed (``consolidate --tag``) is fixed by another one. One that
+    ``latest`` names may have been met by any command that reads the folder, most of which
+    take no tag: the fix said is a tag folder as the input, which all of them take.
+    """
     bad = tag in (".", "..") or any(c in tag for c in "/\\\0")
     folder = os.path.join(save_dir, tag)
     if bad or not os.path.isdir(folder):
         tags = tags_in(save_dir)
+        there = f" (tags there: {', '.join(tags[:5])})" if tags else ""
+        if latest is None:
+            raise CorruptCheckpointError(
+                f"not a folder in {save_dir!r}{there}",
+                path=folder,
+                argument="tag",
+                value=repr(tag),
+                flag="--tag",
+                remedies=[Remedy("tag", repr(t), flag=f"--tag {shlex.quote(t)}") for t in tags[:3]],
+            )
+        examples = [shlex.quote(os.path.join(save_dir, t)) for t in tags[:1]]
         raise CorruptCheckpointError(
-            f"{source} names tag {tag!r}, which is not a folder in {save_dir!r}"
-            + (f" (tags there: {', '.join(tags[:5])})" if tags else ""),
+            f"{latest!r} names tag {tag!r}, which is not a folder in {save_dir!r}{there}",
             path=folder,
-            remedies=tuple(Remedy(flag="--tag", value=t) for t in tags[:3]),
+            remedies=[Remedy(text=f"open a tag folder instead, e.g. {e}") for e in examples],
         )
     return folder
 
@@ -153,10 +169,10 @@ def find_zero_files(path: str | os.PathLike[str], tag: str | None = None) -> Zer
     if not os.path.isdir(save_dir):
         raise CheckpointNotFoundError(f"no such folder: {save_dir!r}", path=save_dir)
     if tag is not None:
-        folder = _check_tag(save_dir, tag, "--tag")
+        folder = _check_tag(save_dir, tag, None)
     elif os.path.isfile(os.path.join(save_dir, LATEST)):
         tag = _read_latest(save_dir)
-        folder = _check_tag(save_dir, tag, repr(os.path.join(save_dir, LATEST)))
+        folder = _check_tag(save_dir, tag, os.path.join(save_dir, LATEST))
     else:
         folder, save_dir, tag = save_dir, None, os.path.basename(os.path.abspath(save_dir))
     return _rank_files(folder, tag, save_dir)
