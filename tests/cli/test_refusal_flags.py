@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 
 import click
@@ -136,3 +137,30 @@ def test_a_tag_option_naming_no_tag_names_the_tags_there(tmp_path: Path) -> None
         ckpt_tools.consolidate(run, out, tag="global_step9")
     assert "pass tag='global_step1', or pass tag='global_step2'" in str(info.value)
     assert not out.exists()
+
+
+def test_reshard_takes_the_flags_its_refusals_name(tmp_path: Path) -> None:
+    """A folder of pytorch_model*.bin shards may hold what safetensors shards cannot."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    torch.save({"a.weight": W, "step": 3, "f": Fraction(1, 3)}, src / "pytorch_model.bin")
+    out = tmp_path / "out"
+    base = ("reshard", src, out, "--max-shard-size", "1KB")
+
+    _, _, stderr = h.run_ckpt(*base, code=3)
+    assert "pass --allow-global fractions.Fraction" in stderr, stderr
+    assert _named(stderr) <= _flags("reshard"), stderr
+    _, _, stderr = h.run_ckpt(*base, "--allow-global", "fractions.Fraction", code=7)
+    assert "2 non-tensor entries: step, f" in stderr and "pass --drop-extras" in stderr, stderr
+    assert _named(stderr) <= _flags("reshard"), stderr
+    assert not out.exists()
+
+    _, stdout, _ = h.run_ckpt(*base, "--allow-global", "fractions.Fraction", "--drop-extras")
+    assert re.search(r"^left out: step, f$", stdout, re.M), stdout
+    got = load_file(out / "model.safetensors")
+    assert list(got) == ["a.weight"] and torch.equal(got["a.weight"], W)
+
+    keywords = inspect.signature(ckpt_tools.reshard).parameters
+    assert {"drop_extras", "allow_globals"} <= set(keywords)

@@ -166,6 +166,8 @@ def convert_cmd(
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @max_shard_size_option("Largest shard.", required=True)
+@drop_extras_option
+@allow_global_option
 @click.option(
     "--force",
     is_flag=True,

@@ -248,6 +248,8 @@ def reshard(
     dst: StrPath,
     *,
     max_shard_size: str | int | None = None,
+    drop_extras: bool = False,
+    allow_globals: Sequence[str] = (),
     force: bool = False,
     verify: VerifyLevel = "sizes",
     durable: bool = True,
@@ -262,6 +264,8 @@ def reshard(
         dst: the output folder (not ``src``, which is never touched).
         max_shard_size: the new limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes); None:
             ``"5GB"``.
+        drop_extras, allow_globals: as for :func:`convert_to_folder`; a folder of
+            ``pytorch_model*.bin`` shards may hold non-tensor entries and other globals.
         force, verify, durable, dry_run, progress, jobs: as for :func:`convert_to_folder`.
 
     Returns:
@@ -269,6 +273,8 @@ def reshard(
 
     Raises:
         UsageError: ``src`` is not a folder of shards, or ``jobs`` < 1.
+        NonTensorEntriesError: non-tensor entries and not ``drop_extras`` (exit 7).
+        UnsafeContentError: globals outside the allowlist, not allowed (exit 3).
         OutputExistsError / OutputError: the output is refused (exit 6).
 
     Example:
@@ -286,6 +292,8 @@ def reshard(
         src,
         dst,
         max_shard_size=max_shard_size,
+        drop_extras=drop_extras,
+        allow_globals=allow_globals,
         force=force,
         verify=verify,
         progress=progress,
