@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -164,3 +165,56 @@ def test_reshard_takes_the_flags_its_refusals_name(tmp_path: Path) -> None:
 
     keywords = inspect.signature(ckpt_tools.reshard).parameters
     assert {"drop_extras", "allow_globals"} <= set(keywords)
+
+
+def _complex_half(tmp: Path) -> Path:
+    """A state dict whose one tensor has a dtype safetensors cannot hold."""
+    with warnings.catch_warnings():  # (torch calls complex32 experimental)
+        warnings.simplefilter("ignore")
+        torch.save({"module.a.weight": torch.zeros(2, dtype=torch.complex32)}, tmp / "in.pt")
+    return tmp / "in.pt"
+
+
+def _partial_views(tmp: Path) -> list[object]:
+    """Two inputs whose mean is a computed storage that a tensor views part of."""
+    for name, scale in (("a.pt", 1.0), ("b.pt", 2.0)):
+        whole = torch.arange(6.0) * scale
+        torch.save({"w": whole[:3], "u": whole[3:]}, tmp / name)
+    return ["average", tmp / "a.pt", tmp / "b.pt"]
+
+
+#: command -> its command line up to OUT, for an input safetensors cannot hold.
+TORCH_ONLY: dict[str, Callable[[Path], list[object]]] = {
+    "strip-module": lambda t: ["strip-module", _complex_half(t)],
+    "add-module": lambda t: ["add-module", _complex_half(t)],
+    "rename": lambda t: ["rename", "--sub", "module.=m.", _complex_half(t)],
+    "convert": lambda t: ["convert", _complex_half(t)],
+    "average": _partial_views,
+}
+
+
+@pytest.mark.parametrize("command", sorted(TORCH_ONLY))
+def test_a_safetensors_name_that_cannot_hold_the_output_is_answered_with_a_torch_name(
+    command: str, tmp_path: Path
+) -> None:
+    """``--format torch`` would be refused under a .safetensors name: the fix is the name."""
+    args = TORCH_ONLY[command](tmp_path)
+    _, _, stderr = h.run_ckpt(*args, tmp_path / "out.safetensors", code=7)
+    assert "safetensors cannot hold" in stderr, stderr
+    assert _named(stderr) <= _flags(command) and "--format" not in stderr, stderr
+    assert stderr.rstrip().endswith(f"keep the torch format: name the output '{tmp_path}/out.pt'")
+    assert not list(tmp_path.glob("*out.safetensors*"))
+    h.run_ckpt(*args, tmp_path / "out.pt")  # the name it gives is written
+
+
+@pytest.mark.parametrize("command", ["convert", "average"])
+def test_format_safetensors_that_cannot_hold_the_output_is_answered_with_format_torch(
+    command: str, tmp_path: Path
+) -> None:
+    args = TORCH_ONLY[command](tmp_path)
+    out = tmp_path / "out"
+    _, _, stderr = h.run_ckpt(*args, out, "--format", "safetensors", code=7)
+    assert stderr.rstrip().endswith("pass --format torch to keep it in torch format"), stderr
+    assert _named(stderr) <= _flags(command), stderr
+    h.run_ckpt(*args, out, "--format", "torch")
+    assert torch.load(out, weights_only=True)

@@ -25,7 +25,7 @@ from ckpt_tools.ops.merge.folder import write_merged_folder
 from ckpt_tools.ops.merge.records import bias_record, merge_record, replace_record
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
-from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.rewrite.plan import output_format_for, torch_instead
 from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
@@ -127,6 +127,7 @@ def merge_lora(
         drop_extras=drop_extras,
         cast_to=cast_to,
         overrides=overrides,
+        to_torch=torch_instead(dst, folder=folder),
     )
     rows = tuple(
         replace(r, action=actions[r.source_key]) if r.source_key in actions else r

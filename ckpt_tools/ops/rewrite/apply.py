@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.space import check_output_size
@@ -27,6 +28,7 @@ from ckpt_tools.ops.rewrite.plan import (
     output_format_for,
     safetensors_plan,
     summary,
+    torch_instead,
 )
 from ckpt_tools.ops.rewrite.result import RewriteResult
 from ckpt_tools.structure.keys import (
@@ -77,7 +79,7 @@ def apply_rewrite(
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
     check_key_types(selection.state_dict, rules, fmt, src)
-    plan = _plan(ckpt, selection, rules, fmt, drop_extras, target)
+    plan = _plan(ckpt, selection, rules, fmt, drop_extras, target, torch_instead(dst))
     device_map = matched_device_map(ckpt, device_map) if device_map else None
     renamed, n_keys = len(plan.changed), len(selection.state_dict)
     stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
@@ -176,8 +178,12 @@ def _plan(
     fmt: str,
     drop_extras: bool,
     target: Path,
+    to_torch: Remedy,
 ) -> _RewritePlan:
-    """Rename the keys, then plan the output; every refusal happens here."""
+    """Rename the keys, then plan the output; every refusal happens here.
+
+    ``to_torch``: the fix said for a dtype safetensors lacks (``dst`` names a format or not).
+    """
     sd = selection.state_dict
     # Rules rename str keys only; other keys keep their type and value (checked above).
     renames = plan_renames([k for k in sd if isinstance(k, str)], rules)
@@ -186,7 +192,7 @@ def _plan(
     tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
     if fmt == "safetensors":
         entries, metadata, dropped, expected = safetensors_plan(
-            ckpt, selection.path, renamed_sd, drop_extras
+            ckpt, selection.path, renamed_sd, drop_extras, to_torch
         )
         total = sum(e.tensor.nbytes for e in entries)
         check_output_size([e.tensor for e in entries], total, target)

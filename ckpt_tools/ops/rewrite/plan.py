@@ -30,6 +30,7 @@ __all__ = [
     "output_format_for",
     "safetensors_plan",
     "summary",
+    "torch_instead",
 ]
 
 
@@ -111,6 +112,29 @@ def output_format_for(
             remedies=(Remedy(text=f"name it {fits!r}"),),
         )
     return fmt
+
+
+def torch_instead(dst: str | os.PathLike[str], *, folder: bool = False) -> Remedy:
+    """The fix for a safetensors output that cannot hold a tensor: a torch output instead.
+
+    ``output_format='torch'`` (``--format torch``) is said only where it is enough: a
+    ``.safetensors`` name refuses a torch format (:func:`output_format_for`), so there the
+    file that fits is named, and a folder output holds safetensors shards only.
+
+    Example:
+        >>> torch_instead("w.safetensors").render(for_cli=True)
+        "keep the torch format: name the output 'w.pt'"
+        >>> torch_instead("w").render(for_cli=True)
+        'pass --format torch to keep it in torch format'
+    """
+    if folder:
+        return Remedy(text="keep the torch format")
+    if format_named_by(dst) == "safetensors":
+        fits = os.path.splitext(os.fspath(dst))[0] + _SUFFIX["torch-zip"]
+        return Remedy(text=f"keep the torch format: name the output {fits!r}")
+    return Remedy(
+        "output_format", "'torch'", flag="--format torch", text="to keep it in torch format"
+    )
 
 
 def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
@@ -195,8 +219,14 @@ def summary(
 
 
 def safetensors_plan(
-    ckpt: Checkpoint, path: Sequence[str], sd: Mapping[str, Any], drop_extras: bool
+    ckpt: Checkpoint,
+    path: Sequence[str],
+    sd: Mapping[str, Any],
+    drop_extras: bool,
+    to_torch: Remedy | None = None,
 ) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
+    """The safetensors output of ``sd``; ``to_torch`` is the fix said for a dtype it lacks
+    (:func:`torch_instead`; "keep the torch format" when None)."""
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes, leave_out_extras
 
     extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
@@ -226,8 +256,6 @@ def safetensors_plan(
         entries.append(SafetensorsEntry(str(name), t))
         expected[str(name)] = t
     expected.update(tied)  # reading the output gives them back, after the stored names
-    to_torch = Remedy(
-        "output_format", "'torch'", flag="--format torch", text="to keep it in torch format"
-    )
-    check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path, (to_torch,))
+    fixes = () if to_torch is None else (to_torch,)
+    check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path, fixes)
     return entries, metadata, left_out + tuple(dropped), expected

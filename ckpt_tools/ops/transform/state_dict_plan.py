@@ -26,6 +26,7 @@ from ckpt_tools.io.writers.records import (
 )
 from ckpt_tools.io.writers.safetensors import check_dtypes, leave_out_extras
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.plan import (
     PlanRow,
     TransformPlan,
@@ -56,6 +57,7 @@ def plan_state_dict_output(
     dropped_entries: Sequence[str] = (),
     notes: Sequence[str] = (),
     overrides: Mapping[int, Record] | None = None,
+    to_torch: Remedy | None = None,
 ) -> TransformPlan:
     """The plan writing ``items`` (source key, output key or None to drop, value) as a state dict.
 
@@ -68,6 +70,8 @@ def plan_state_dict_output(
         keep: keys matching any of these keep their dtype.
         overrides: ``id(source storage)`` -> the record that makes it instead of a copy
             (a mean of N inputs), same dtype and size.
+        to_torch: the fix said where safetensors cannot hold a computed storage (default:
+            :func:`~ckpt_tools.ops.rewrite.plan.torch_instead` of ``dst``).
     """
     out_sd = _output_state_dict(selection, items)
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
@@ -89,8 +93,9 @@ def plan_state_dict_output(
         "selected": tuple(selection.path),
     }
     if fmt == "safetensors":
+        fix = to_torch or torch_instead(dst)
         entries, st_meta, left_out = _safetensors_entries(
-            overrides, ckpt, selection, items, weights_only, drop_extras, cast_to, targets
+            overrides, ckpt, selection, items, weights_only, drop_extras, cast_to, targets, fix
         )
         shared["dropped_entries"] += left_out
         size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
@@ -300,6 +305,7 @@ def _safetensors_entries(
     drop_extras: bool,
     cast_to: str | None,
     targets: Mapping[int, str],
+    to_torch: Remedy,
 ):
     inside = [old for old, new, v in items if new is not None and not isinstance(v, TensorRef)]
     beside: list[str] = []
@@ -330,7 +336,7 @@ def _safetensors_entries(
             raise ConversionError(
                 f"{new!r} is a view of part of a storage; safetensors cannot hold the computed "
                 "storage as it is",
-                remedies=(Remedy("output_format", "'torch'", flag="--format torch"),),
+                remedies=(to_torch,),
             )
         if dst is not None and id(t.storage) in overrides:  # a computed storage, then cast
             record = cast_stream(record, t.dtype, dst)
