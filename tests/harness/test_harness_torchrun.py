@@ -68,6 +68,21 @@ def test_under_torchrun_a_mismatched_world_size_is_a_usage_error(
     assert "--nproc-per-node" in err
 
 
+@pytest.mark.parametrize("strategies", ["single", "ddp"])
+def test_under_torchrun_parity_is_a_usage_error_naming_no_option_of_train(
+    strategies: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """parity starts its runs' processes itself; it has --strategies, not train's --strategy."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["parity", "--strategies", strategies, "--steps", "1", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        "python -m ckpt_tools.harness: error: parity starts every strategy's processes itself, "
+        "but torchrun started 2; run it without torchrun\n"
+    )
+
+
 def test_the_process_entry_runs_the_click_group(
     tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.config import STRATEGIES, TrainConfig, TrainResult
+from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.harness.config import STRATEGIES, TrainConfig, TrainResult, torchrun_env
 from ckpt_tools.harness.loop import init_model
 from ckpt_tools.harness.models import has_batchnorm
 from ckpt_tools.harness.parity.checks import (
@@ -178,7 +178,8 @@ def run_parity(
         The report; ``report.all_passed`` tells whether every check held.
 
     Raises:
-        UsageError: an unknown strategy, or any :func:`train` usage error.
+        UsageError: an unknown strategy, a run under torchrun, or any :func:`train` usage
+            error.
         RuntimeError: a DDP worker failed.
 
     Example:
@@ -193,6 +194,15 @@ def run_parity(
             argument="strategies",
             value=repr(tuple(strategies)),
             flag="--strategies",
+        )
+    env = torchrun_env()
+    if env is not None:
+        # Each strategy's run starts its own processes; as one of torchrun's ranks, the
+        # single-process baseline would train alone in every rank.
+        raise UsageError(
+            f"parity starts every strategy's processes itself, but torchrun started "
+            f"{env.world_size}",
+            remedies=(Remedy(text="run it without torchrun"),),
         )
     order = ["single", *(s for s in STRATEGIES if s in strategies and s != "single")]
     skipped = _skipped(order)
