@@ -9,6 +9,7 @@ the function they called).
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import warnings
@@ -218,3 +219,94 @@ def test_format_safetensors_that_cannot_hold_the_output_is_answered_with_format_
     assert _named(stderr) <= _flags(command), stderr
     h.run_ckpt(*args, out, "--format", "torch")
     assert torch.load(out, weights_only=True)
+
+
+# --- every flag a remedy names is some command's option --------------------------------------
+
+
+def _literal_parts(node: ast.expr) -> list[str]:
+    """The literal text of a str expression: a constant, an f-string's first part (where the
+    option is; later parts are values), or both arms of a conditional expression."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr) and node.values:
+        return _literal_parts(node.values[0])
+    if isinstance(node, ast.IfExp):
+        return _literal_parts(node.body) + _literal_parts(node.orelse)
+    return []
+
+
+def _template(node: ast.expr) -> str:
+    """A command's text with each interpolated value as ``{}``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_template(part) for part in node.values)
+    return "{}"
+
+
+def _remedy_texts() -> tuple[dict[str, str], dict[str, str]]:
+    """``flag=`` literals (of a Remedy or an error) and Remedy ``command=`` texts in the
+    package's source, each with where it is written."""
+    flags: dict[str, str] = {}
+    commands: dict[str, str] = {}
+    for path in sorted((h.ROOT / "ckpt_tools").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            keywords = {k.arg: k.value for k in node.keywords if k.arg}
+            if name == "Remedy" and len(node.args) >= 3:  # Remedy(argument, value, flag)
+                keywords.setdefault("flag", node.args[2])
+            where = f"{path.relative_to(h.ROOT)}:{node.lineno}"
+            for text in _literal_parts(keywords["flag"]) if "flag" in keywords else []:
+                flags[text] = where
+            if name == "Remedy" and "command" in keywords:
+                commands[_template(keywords["command"])] = where
+    return flags, commands
+
+
+def _all_options(group: click.Group = cli) -> dict[str, set[str]]:
+    """Each command's option strings (``--no-...`` forms included), ``harness train`` too."""
+    context = click.Context(group)
+    found: dict[str, set[str]] = {}
+    for name in group.list_commands(context):
+        command = group.get_command(context, name)
+        assert command is not None
+        if isinstance(command, click.Group):
+            found.update({f"{name} {k}": v for k, v in _all_options(command).items()})
+            continue
+        found[name] = {
+            o
+            for p in command.params
+            if isinstance(p, click.Option)
+            for o in p.opts + p.secondary_opts
+        }
+    return found
+
+
+def test_every_flag_a_remedy_names_is_an_option_of_some_command() -> None:
+    """A flag is written as its option, then a value: ``--select a.b``, ``--format torch``."""
+    flags, _ = _remedy_texts()
+    declared = set().union(*_all_options().values())
+    options = {text: text.split()[0] if text.strip() else text for text in flags}
+    assert all(o.startswith("--") for o in options.values()), flags
+    unknown = {text: flags[text] for text, o in options.items() if o not in declared}
+    assert not unknown, unknown
+    # Not vacuous: the collection finds the flags named everywhere, with or without a value.
+    found = set(options.values())
+    assert len(found) > 30 and {"--force", "--in-place", "--drop-extras", "--tag"} <= found, found
+    assert {"--format torch", "--select a.b", "--ints first"} <= set(flags), flags
+
+
+def test_every_ckpt_command_a_remedy_gives_exists_with_its_options() -> None:
+    _, commands = _remedy_texts()
+    options = _all_options()
+    given = {text: where for text, where in commands.items() if text.startswith("ckpt ")}
+    assert len(given) >= 5, commands
+    for text, where in given.items():
+        name = text.split()[1]
+        assert name in options, (where, text)
+        named = set(re.findall(r"(?<!\S)--[a-z][a-z0-9-]*", text))
+        assert named <= options[name], (where, text, named - options[name])
