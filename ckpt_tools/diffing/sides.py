@@ -19,7 +19,7 @@ from ckpt_tools._types import Select
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.diffing.parts import SideInfo
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.io.remote.httpurls import shown_url
 from ckpt_tools.structure.selection import is_state_dict, select_state_dict
@@ -192,6 +192,8 @@ def open_side(
 
     Raises:
         UsageError: an unsupported type, or ``select`` for a module.
+        SelectError: ``select`` names no entry, named as the side's own argument
+            (``select_b``, ``--select-b``).
         CheckpointError: a file cannot be opened.
 
     Example:
@@ -200,6 +202,15 @@ def open_side(
         >>> side.info.format, side.reader is None
         ('torch-zip', True)
     """
-    if is_file(side):
-        return _file_side(side, select, values, session, stack)  # type: ignore[arg-type]
-    return stack.enter_context(_in_memory(side, select, name))
+    try:
+        if is_file(side):
+            return _file_side(side, select, values, session, stack)  # type: ignore[arg-type]
+        return stack.enter_context(_in_memory(side, select, name))
+    except SelectError as e:
+        if e.argument != "select":
+            raise
+        # The selection names its argument `select`; diff takes one per side.
+        argument, flag = f"select_{name.lower()}", "--select" if name == "A" else "--select-b"
+        raise SelectError(
+            e.message, path=e.path, argument=argument, value=e.value, flag=flag, remedies=e.remedies
+        ) from None

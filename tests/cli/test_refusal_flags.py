@@ -23,7 +23,7 @@ import torch
 
 import ckpt_tools
 from ckpt_tools.cli.main import cli
-from ckpt_tools.errors import CorruptCheckpointError, SameFileError
+from ckpt_tools.errors import CorruptCheckpointError, SameFileError, SelectError
 from tests import helpers as h
 from tests.helpers.lora import write_tiny_adapter
 
@@ -219,6 +219,22 @@ def test_format_safetensors_that_cannot_hold_the_output_is_answered_with_format_
     assert _named(stderr) <= _flags(command), stderr
     h.run_ckpt(*args, out, "--format", "torch")
     assert torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("option", "argument"), [("--select", "select_a"), ("--select-b", "select_b")]
+)
+def test_a_diff_selection_naming_no_entry_is_said_as_the_option_given(
+    option: str, argument: str, tmp_path: Path
+) -> None:
+    src = _plain(tmp_path)
+    _, _, stderr = h.run_ckpt("diff", src, src, option, "nope", code=2)
+    assert stderr.startswith(f"ckpt: error: {option} 'nope': no entry 'nope'"), stderr
+
+    with pytest.raises(SelectError) as info:
+        ckpt_tools.diff(src, src, **{argument: "nope"})
+    assert str(info.value).startswith(f"{argument}='nope': no entry 'nope'")
+    assert info.value.argument in inspect.signature(ckpt_tools.diff).parameters
 
 
 # --- every flag a remedy names is some command's option --------------------------------------
