@@ -23,7 +23,7 @@ import torch
 
 import ckpt_tools
 from ckpt_tools.cli.main import cli
-from ckpt_tools.errors import CorruptCheckpointError, SameFileError, SelectError
+from ckpt_tools.errors import CorruptCheckpointError, SameFileError, SelectError, UsageError
 from tests import helpers as h
 from tests.helpers.lora import write_tiny_adapter
 
@@ -235,6 +235,30 @@ def test_a_diff_selection_naming_no_entry_is_said_as_the_option_given(
         ckpt_tools.diff(src, src, **{argument: "nope"})
     assert str(info.value).startswith(f"{argument}='nope': no entry 'nope'")
     assert info.value.argument in inspect.signature(ckpt_tools.diff).parameters
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--tag", "global_step1"], "--tag 'global_step1'"),
+        (["--exclude-frozen"], "--exclude-frozen"),
+    ],
+)
+def test_deepspeed_options_on_a_dcp_folder_are_said_as_options(
+    args: list[str], said: str, tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # (saving without a process group warns)
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"a.weight": W}}, checkpoint_id=str(tmp_path / "run"))
+    out = tmp_path / "out.pt"
+    _, _, stderr = h.run_ckpt("consolidate", tmp_path / "run", out, *args, code=2)
+    assert stderr.startswith(f"ckpt: error: {said}"), stderr
+    assert "=" not in stderr.split(":")[2], stderr  # no Python argument=value on the command line
+    with pytest.raises(UsageError, match=r"^tag='global_step1': tag is for DeepSpeed"):
+        ckpt_tools.consolidate(tmp_path / "run", out, tag="global_step1")
+    assert not out.exists()
 
 
 # --- every flag a remedy names is some command's option --------------------------------------

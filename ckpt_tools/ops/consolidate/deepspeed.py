@@ -49,12 +49,16 @@ def open_source(src: str, *, tag: str | None, exclude_frozen: bool) -> Checkpoin
     """
     if detect_format(src) == "deepspeed":
         return open_deepspeed(src, tag=tag)
-    for name, value in (("tag", tag), ("exclude_frozen", exclude_frozen)):
+    for name, value, flag in (
+        ("tag", tag, "--tag"),
+        ("exclude_frozen", exclude_frozen, "--exclude-frozen"),
+    ):
         if value:
             raise UsageError(
                 f"{name} is for DeepSpeed checkpoints; {src!r} is not one",
                 argument=name,
-                value=value,
+                value=repr(value),
+                flag=flag,
             )
     ckpt = open_checkpoint(src)
     if not isinstance(ckpt, DcpCheckpoint):
