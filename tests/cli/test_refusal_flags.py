@@ -350,3 +350,19 @@ def test_every_ckpt_command_a_remedy_gives_exists_with_its_options() -> None:
         assert name in options, (where, text)
         named = set(re.findall(r"(?<!\S)--[a-z][a-z0-9-]*", text))
         assert named <= options[name], (where, text, named - options[name])
+
+
+def test_a_remedy_with_a_value_names_the_argument_it_is_for() -> None:
+    """``Remedy(flag="--tag", value="'a'")`` would print ``pass --tag``: the value is shown
+    only as ``argument=value`` (Python) and belongs in the flag's text on the command line."""
+    found, loose = 0, []
+    for path in sorted((h.ROOT / "ckpt_tools").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Remedy"):
+                continue
+            given = {k.arg for k in node.keywords}
+            given |= set(("argument", "value", "flag")[: len(node.args)])
+            found += 1
+            if "value" in given and "argument" not in given:
+                loose.append(f"{path.relative_to(h.ROOT)}:{node.lineno}")
+    assert found > 50 and not loose, loose

@@ -40,13 +40,18 @@ def test_torchrun_two_ranks_write_one_checkpoint_matching_single(
         torch.testing.assert_close(bare[key], value, rtol=0, atol=1e-5)
 
 
-def test_under_torchrun_a_single_process_strategy_is_a_usage_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # The variables torchrun sets; the entry must refuse before joining any process group.
+@pytest.fixture
+def under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variables torchrun sets for rank 0 of 2."""
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+
+
+def test_under_torchrun_a_single_process_strategy_is_a_usage_error(
+    tmp_path: Path, under_torchrun: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The entry must refuse before joining any process group.
     code = main(["train", "--strategy", "single", "--out", str(tmp_path)])
     assert code == 2
     assert capsys.readouterr().err == (
@@ -57,11 +62,8 @@ def test_under_torchrun_a_single_process_strategy_is_a_usage_error(
 
 
 def test_under_torchrun_a_mismatched_world_size_is_a_usage_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    under_torchrun: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
     assert main(["train", "--strategy", "ddp", "--world-size", "3", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m ckpt_tools.harness: error: --world-size 3: torchrun started 2")
@@ -70,12 +72,9 @@ def test_under_torchrun_a_mismatched_world_size_is_a_usage_error(
 
 @pytest.mark.parametrize("strategies", ["single", "ddp"])
 def test_under_torchrun_parity_is_a_usage_error_naming_no_option_of_train(
-    strategies: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    strategies: str, under_torchrun: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """parity starts its runs' processes itself; it has --strategies, not train's --strategy."""
-    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
     assert main(["parity", "--strategies", strategies, "--steps", "1", "--device", "cpu"]) == 2
     assert capsys.readouterr().err == (
         "python -m ckpt_tools.harness: error: parity starts every strategy's processes itself, "
