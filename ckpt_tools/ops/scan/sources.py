@@ -64,7 +64,6 @@ _MAX_SEQUENCE = 16
 _LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle", "storage keys")
 # What Python's zipfile raises listing an archive it cannot read.
 _ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError)
-_TAR_MEMBERS = ("sys_info", "pickle", "storages", "tensors")
 _CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
 _SETSTATE = re.compile(rb"^\s+def __setstate__\(", re.MULTILINE)
 
@@ -317,28 +316,12 @@ def _sequence(
 
 def _tar_pickles(path: str) -> Iterator[Walked]:
     try:
-        yield from _tar_members(path)
+        for where, scan in member_pickles(path):
+            yield Walked(where, "pickle", scan)
     except (tarfile.TarError, EOFError) as e:
         # torch.load does not give up there: it reads the file as the legacy format.
         yield from _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES)
         raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
-
-
-def _tar_members(path: str) -> Iterator[Walked]:
-    with tarfile.open(path, mode="r:") as tar:
-        for member in tar.getmembers():
-            # A hard link is read as the member it names (torch extracts it so).
-            if member.name not in _TAR_MEMBERS or not (member.isreg() or member.islnk()):
-                continue
-            try:
-                file = tar.extractfile(member)
-            except KeyError:  # a link to a member the archive does not hold
-                continue
-            if file is None:
-                continue
-            with file:
-                for where, scan in member_pickles(member.name, file):
-                    yield Walked(where, "pickle", scan)
 
 
 def _dcp_pickles(folder: str) -> Iterator[Walked]:

@@ -1,6 +1,6 @@
-"""The pickles of a tar-format checkpoint's ``storages`` and ``tensors`` members, found as
-torch's ``legacy_load`` reads them: a count, then per item a pickle and the binary data
-after it, then (``storages``) one more pickle of the storage views.
+"""The pickles of a tar-format checkpoint's members, found as torch's ``legacy_load`` reads
+them: ``sys_info`` and ``pickle`` hold one each; ``storages`` and ``tensors`` a count, then per
+item a pickle and the binary data after it, then (``storages``) one pickle of the views.
 
 torch unpickles every one of them with the full unpickler, so a payload can sit in any; the
 reader of :mod:`~ckpt_tools.formats.legacy.tar` sees them only where nothing stops it first
@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import tarfile
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -21,6 +22,7 @@ from ckpt_tools.formats.pickle.imports import ImportScan, find_imports
 
 __all__ = ["member_pickles"]
 
+_MEMBERS = ("sys_info", "pickle", "storages", "tensors")
 _INT64 = struct.Struct("<q")
 _NDIM = struct.Struct("<i4x")
 # A count is a small int, pickled in a few bytes; anything larger is not one torch wrote.
@@ -37,7 +39,29 @@ class _PlainValues(pickle.Unpickler):
         raise pickle.UnpicklingError("persistent id refused")
 
 
-def member_pickles(name: str, f: BinaryIO) -> Iterator[tuple[str, ImportScan]]:
+def member_pickles(path: str) -> Iterator[tuple[str, ImportScan]]:
+    """Each pickle of the tar-format file ``path``'s members torch reads, walked: ``sys_info``
+    and ``pickle`` whole, ``storages`` and ``tensors`` as :func:`_walk_member` finds them.
+
+    Raises:
+        tarfile.TarError, EOFError: the archive cannot be listed.
+    """
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar.getmembers():
+            # A hard link is read as the member it names (torch extracts it so).
+            if member.name not in _MEMBERS or not (member.isreg() or member.islnk()):
+                continue
+            try:
+                file = tar.extractfile(member)
+            except KeyError:  # a link to a member the archive does not hold
+                continue
+            if file is None:
+                continue
+            with file:
+                yield from _walk_member(member.name, file)
+
+
+def _walk_member(name: str, f: BinaryIO) -> Iterator[tuple[str, ImportScan]]:
     """Each pickle of the member ``name`` (``storages`` or ``tensors``) in ``f``, walked, in
     the order torch unpickles them; the walk stops where torch's reading would stop.
 
@@ -50,14 +74,14 @@ def member_pickles(name: str, f: BinaryIO) -> Iterator[tuple[str, ImportScan]]:
 
     Example:
         >>> data = pickle.dumps(0, protocol=2) + pickle.dumps([], protocol=2)
-        >>> [where for where, _ in member_pickles("storages", io.BytesIO(data))]
+        >>> [where for where, _ in _walk_member("storages", io.BytesIO(data))]
         ['storages', 'storages 2']
     """
     size = f.seek(0, io.SEEK_END)
     first = find_imports(f, 0)
     yield name, first
-    count = _count(f, first)
-    if name not in ("storages", "tensors") or count is None:
+    count = _count(f, first) if name in ("storages", "tensors") else None
+    if count is None:
         return
     pos, index = first.end or 0, 1
     for _ in range(count):
