@@ -27,7 +27,7 @@ import os
 import re
 import tarfile
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError, RemoteError
@@ -201,48 +201,29 @@ def _zip_listing(path: str, source: RangeSource | None) -> list[zipfile.ZipInfo]
 
 def _lenient_zip_pickles(path: str, source: RangeSource | None = None) -> Iterator[Walked]:
     """The pickles of a zip our reader refuses, found the lenient way (Python's zipfile
-    lists the records) and read as torch reads them (no CRC-32 check)."""
+    lists the records; where it cannot either, a local file's records are found by their
+    local headers, :mod:`~ckpt_tools.ops.scan.local_headers`) and read as torch reads them
+    (no CRC-32 check)."""
     infos = _zip_listing(path, source)
-    if infos is None:
-        if source is None:  # (a remote one is not searched byte by byte)
-            yield from _local_header_pickles(path)
-        return
-    script = any(i.filename.endswith("/constants.pkl") for i in infos)
-    context: Context = "torchscript" if script else "pickle"
-    if source is not None:
-        yield from _lenient_records(path, source, infos, context)
-        return
-    fd = os.open(path, os.O_RDONLY)
+    if infos is None and source is not None:
+        return  # (a remote one is not searched byte by byte)
+    fd: ZipSource = source if source is not None else os.open(path, os.O_RDONLY)
     try:
-        yield from _lenient_records(path, fd, infos, context)
-    finally:
-        os.close(fd)
-
-
-def _local_header_pickles(path: str) -> Iterator[Walked]:
-    """The pickles of a zip whose directory zipfile cannot read either, found by their
-    local headers (:mod:`~ckpt_tools.ops.scan.local_headers`)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        entries = local_entries(fd, os.fstat(fd).st_size)
-        script = any(e.name.endswith("/constants.pkl") for e in entries)
+        if infos is None:
+            entries: Iterable[ZipEntry] = local_entries(fd, os.fstat(fd).st_size)
+            names = [e.name for e in entries]
+        else:  # (each header read as its record is reached, as the walk reads them)
+            entries = (e for e in (_entry_of(fd, i) for i in infos) if e is not None)
+            names = [i.filename for i in infos]
+        script = any(name.endswith("/constants.pkl") for name in names)
         for entry in entries:
             data = _record_pickle(path, fd, entry)
             if data is not None:
-                yield Walked(entry.name, "torchscript" if script else "pickle", find_imports(data))
+                context: Context = "torchscript" if script else "pickle"
+                yield Walked(entry.name, context, find_imports(data))
     finally:
-        os.close(fd)
-
-
-def _lenient_records(
-    path: str, fd: ZipSource, infos: Sequence[zipfile.ZipInfo], context: Context
-) -> Iterator[Walked]:
-    for info in infos:
-        entry = _entry_of(fd, info)
-        if entry is not None:
-            data = _record_pickle(path, fd, entry)
-            if data is not None:
-                yield Walked(info.filename, context, find_imports(data))
+        if source is None:
+            os.close(fd)  # type: ignore[arg-type]
 
 
 def _entry_of(fd: ZipSource, info: zipfile.ZipInfo) -> ZipEntry | None:
