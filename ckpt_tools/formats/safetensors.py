@@ -20,10 +20,21 @@ from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError, quote_foreign
 from ckpt_tools.formats.base import Checkpoint, RangeSource
 
-__all__ = ["MAX_HEADER_BYTES", "open_safetensors", "read_header", "tied_aliases"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "MAX_NESTING",
+    "check_nesting",
+    "open_safetensors",
+    "read_header",
+    "tied_aliases",
+]
 
 # safetensors itself refuses headers over 100 MB.
 MAX_HEADER_BYTES = 100_000_000
+# serde_json, the crate's parser, refuses arrays and objects nested deeper than this (its
+# recursion limit of 128 counts the header's own object). Python's json has no such limit
+# of its own: how deep it goes depends on the interpreter's stack and version.
+MAX_NESTING = 127
 
 
 def _refuse_constant(name: str) -> Any:
@@ -37,6 +48,42 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise ValueError(f"key {twice!r} appears twice")
     return result
+
+
+def check_nesting(path: str, header: dict[str, Any]) -> None:
+    """Refuse a parsed header whose arrays and objects nest deeper than safetensors reads.
+
+    Args:
+        path: the file, for the message.
+        header: the parsed header.
+
+    Raises:
+        CorruptCheckpointError: something in it is nested more than :data:`MAX_NESTING` deep.
+
+    Example:
+        >>> check_nesting("m.safetensors", {"w": {"shape": [2, 3]}})
+        >>> deep: list = []
+        >>> for _ in range(MAX_NESTING):
+        ...     deep = [deep]
+        >>> check_nesting("m.safetensors", {"w": deep})
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.CorruptCheckpointError: 'm.safetensors': ... (over 127 levels, ...)
+    """
+    level: list[Any] = [header]
+    for _ in range(MAX_NESTING):
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return
+    raise CorruptCheckpointError(
+        f"{path!r}: the safetensors header nests too deeply to be a header "
+        f"(over {MAX_NESTING} levels, which safetensors refuses)"
+    )
 
 
 def read_header(path: str, *, source: RangeSource | None = None) -> tuple[int, dict[str, Any]]:
@@ -97,6 +144,7 @@ def _parse_header(
         ) from e
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path!r}: the safetensors header is not a JSON object")
+    check_nesting(path, header)
     return 8 + header_len, header
 
 

@@ -18,6 +18,7 @@ import torch
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats.safetensors import MAX_NESTING
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 DEEP = 100_000
@@ -44,6 +45,41 @@ def test_deep_json_safetensors_header(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match="nests too deeply"):
         open_checkpoint(path)
     _ckpt_fails(path, 4, "nests too deeply")
+
+
+def _nested_entry(path: Path, depth: int) -> Path:
+    # An entry field safetensors ignores, holding lists nested `depth` deep: with the header's
+    # object and the entry's, `depth + 2` levels.
+    field = "[" * depth + "]" * depth
+    header = f'{{"w":{{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":{field}}}}}'.encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    return path
+
+
+def test_header_nesting_is_read_as_deep_as_safetensors_reads_it(tmp_path: Path) -> None:
+    # Python's json goes as deep as the interpreter's stack allows, which differs between
+    # versions; the crate stops at a fixed depth. The oracle decides every case.
+    from safetensors import safe_open
+
+    verdicts = {}
+    for depth in (1, MAX_NESTING - 2, MAX_NESTING - 1, MAX_NESTING + 40, 900):
+        path = _nested_entry(tmp_path / f"d{depth}.safetensors", depth)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                theirs = list(f.keys())
+        except Exception:  # SafetensorError; the oracle's own type does not matter here
+            theirs = None
+        try:
+            ours = list(open_checkpoint(path).root)
+        except CorruptCheckpointError as e:
+            assert "nests too deeply" in str(e)
+            ours = None
+        verdicts[depth] = (theirs, ours)
+    assert verdicts[MAX_NESTING - 2] == (["w"], ["w"])
+    assert all(theirs == ours for theirs, ours in verdicts.values()), verdicts
+    assert verdicts[MAX_NESTING - 1] == (None, None)
+    _ckpt_fails(tmp_path / f"d{MAX_NESTING + 40}.safetensors", 4, "nests too deeply")
 
 
 def test_deep_json_shard_index(tmp_path: Path) -> None:
