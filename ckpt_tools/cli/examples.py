@@ -151,7 +151,10 @@ EXAMPLES: dict[str, tuple[Example, ...]] = {
     ),
     "harness train": (
         Example("ckpt harness train --strategy single --steps 3 --out runs/single", "one device"),
-        Example("ckpt harness train --strategy manual --world-size 2 --json", "two replicas"),
+        Example(
+            "ckpt harness train --strategy manual --world-size 2 --device cpu --json",
+            "two replicas on the CPU",
+        ),
     ),
     "harness parity": (
         Example(

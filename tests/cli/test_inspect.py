@@ -159,12 +159,14 @@ def test_installed_console_script() -> None:
     assert [w["prefix"] for w in report["wrappers"]] == ["model."]
 
 
-# `ckpt ARGV` in a fresh process, then the names of every module it loaded.
+# `ckpt ARGV` in a fresh process, then the names of every module it loaded. What the
+# interpreter had loaded before (site, the environment's .pth files) is not the command's.
 _LOADED_AFTER = """
 import sys
+before = set(sys.modules)
 from ckpt_tools.cli.main import main
 code = main(sys.argv[1:])
-print(sorted(sys.modules))
+print(sorted(set(sys.modules) - before))
 sys.exit(code)
 """
 

@@ -160,7 +160,7 @@ def test_add_module_json_and_custom_prefix(invoke, tmp_path):
     assert set(data) == JSON_FIELDS
     assert data["rules"] == ["add 'module.'"] and data["renamed"] == 11
     assert data["wrappers"] == [] and data["examples"][0] == ["embed.weight", "module.embed.weight"]
-    torch.nn.DataParallel(h.make_model(1)).load_state_dict(h.load(tmp_path / "dp.pt"))
+    h.data_parallel(h.make_model(1)).load_state_dict(h.load(tmp_path / "dp.pt"))
 
     text = invoke("add-module", src, tmp_path / "c.pt", "--prefix", "_orig_mod.").stdout
     assert text.startswith(f"wrote {tmp_path / 'c.pt'} (11 of 11 keys renamed)")

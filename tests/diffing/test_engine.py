@@ -18,7 +18,7 @@ from ckpt_tools.diffing.engine import diff
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.loading.tensor_io import iter_chunks, read_tensor
-from tests.helpers import run_ckpt
+from tests.helpers import data_parallel, run_ckpt
 
 
 def layers(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -323,7 +323,7 @@ def test_suggestions_never_rename_onto_a_tensor_of_another_shape(tmp_path) -> No
     # "match" the key and then fail to load, so it must not be offered.
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
     path = tmp_path / "ddp.pt"
-    torch.save(torch.nn.DataParallel(model).state_dict(), path)
+    torch.save(data_parallel(model).state_dict(), path)
     texts = [str(s) for s in diff(path, model).suggestions]
     assert texts and "stripping 'module.' resolves 4 of 4" in texts[0]
     assert not any("'module.0.' to '2.'" in t or "'module.2.' to '0.'" in t for t in texts)

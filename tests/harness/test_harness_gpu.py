@@ -1,5 +1,5 @@
-"""GPU runs: DataParallel over 2 GPUs, DDP and FSDP2 with nccl, a real cuda save. Skipped without
-CUDA."""
+"""GPU runs: every strategy on one GPU (nccl with world size 1), DataParallel over 2 GPUs, DDP
+and FSDP2 with nccl over 2, a real cuda save. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -73,3 +73,29 @@ def test_gpu_saved_checkpoint_loads_bitwise_with_map_location_auto(tmp_path: Pat
     row = check_device_roundtrip(wrapped, tmp_path / "work", "single")
     assert row.passed and row.max_abs_diff == 0.0, row.detail
     assert "saved on GPU" in row.detail
+
+
+def test_every_strategy_on_one_gpu_matches_single_and_round_trips(tmp_path: Path) -> None:
+    # What one GPU can run of each: DataParallel on one device, DDP and FSDP2 over nccl
+    # with world size 1, the manual all-reduce loop with one replica.
+    strategies = ("dp", "ddp", "manual", "fsdp")
+    report = run_parity(world_size=1, steps=3, gpus="0", strategies=strategies, out_dir=tmp_path)
+    failed = [(r.strategy, r.name, r.detail) for r in report.rows if not r.passed]
+    assert report.all_passed, failed
+    runs = {r.strategy: r for r in report.runs}
+    assert runs["ddp"].backend == runs["fsdp"].backend == "nccl"
+    assert all(runs[s].devices == ("cuda:0",) and runs[s].fallback is None for s in strategies)
+    # FSDP's full state dict is gathered to the CPU (cpu_offload=True) before rank 0 saves
+    # it; the others save the GPU's tensors as they are.
+    saved_on = {
+        s: {tag.partition(":")[0] for tag in storage_tags(tmp_path / s / "wrapped.pt")}
+        for s in strategies
+    }
+    assert saved_on == {"dp": {"cuda"}, "ddp": {"cuda"}, "manual": {"cuda"}, "fsdp": {"cpu"}}
+    for strategy in strategies:
+        assert report.row(strategy, "vs_single").status == "pass"
+        row = report.row(strategy, "device_roundtrip")
+        assert row.max_abs_diff == 0.0, row.detail
+        assert ("saved on GPU" in row.detail) == (saved_on[strategy] == {"cuda"}), row.detail
+    dcp = report.row("fsdp", "dcp_roundtrip")
+    assert dcp.passed and dcp.max_abs_diff == 0.0, dcp.detail

@@ -223,6 +223,15 @@ def test_run_parity_rejects_unknown_strategies() -> None:
     assert e.value.render(for_cli=True).startswith("--strategies ('single', 'zero3'): ")
 
 
+def test_run_parity_without_a_world_size_counts_as_train_does() -> None:
+    # One per selected GPU, else 2 on the CPU; a one-GPU machine runs world size 1.
+    expected = torch.cuda.device_count() or 2
+    report = run_parity(None, steps=1, strategies=("single", "manual"))
+    assert report.world_size == expected and report.all_passed
+    manual = next(r for r in report.runs if r.strategy == "manual")
+    assert manual.world_size == expected
+
+
 def test_failed_rows_with_nan_diffs_fail_the_report_and_json_stays_strict() -> None:
     failed = CheckResult("device_roundtrip", False, math.nan, None, "NaN in output", "ddp", "fail")
     report = ParityReport("mlp", 2, 1, 0, 1e-5, (), (failed,))

@@ -173,6 +173,17 @@ TENSOR_LAYOUTS = ("tied", "offset_views", "transposed", "mixed_dtypes", "nan_pay
 LAYOUTS = (*MODEL_LAYOUTS, *TENSOR_LAYOUTS, "legacy", "safetensors")
 
 
+def data_parallel(module: nn.Module) -> nn.DataParallel:
+    """``nn.DataParallel(module)`` as a machine without a GPU builds it, on any machine.
+
+    Where CUDA is visible the constructor moves the module to cuda:0 and ``forward`` scatters
+    over the GPUs; the tests want the wrapper's keys, CPU tensors and a plain forward.
+    """
+    wrapped = nn.DataParallel(module)
+    wrapped.device_ids = []  # forward() then calls the module, as it does without a GPU
+    return wrapped.cpu()
+
+
 def build_layout(name: str) -> tuple[Any, str, str]:
     """The object for layout ``name``, the wrapper prefix its state dict carries, and where.
 
@@ -180,7 +191,7 @@ def build_layout(name: str) -> tuple[Any, str, str]:
         ``(obj, prefix, select)``: ``select`` is the dotted path to the state dict ("" = root).
     """
     model = make_model()
-    dp = nn.DataParallel(model)  # on a CPU-only machine this just wraps the module
+    dp = data_parallel(model)
     if name in ("plain", "dataparallel"):
         return dp.state_dict(), "module.", ""
     if name in ("state_dict", "model", "model_state_dict"):
@@ -221,7 +232,7 @@ def build_layout(name: str) -> tuple[Any, str, str]:
     if name == "orig_mod":
         return Compiled(model).state_dict(), "_orig_mod.", ""
     if name == "stacked":
-        return nn.DataParallel(Compiled(model)).state_dict(), "module._orig_mod.", ""
+        return data_parallel(Compiled(model)).state_dict(), "module._orig_mod.", ""
     makers: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
         "tied": tied,
         "offset_views": offset_views,

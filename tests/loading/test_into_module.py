@@ -15,6 +15,7 @@ from ckpt_tools import load_into
 from ckpt_tools.cli.main import main
 from ckpt_tools.errors import StateDictMismatchError
 from ckpt_tools.ops.rewrite.conversion import retag
+from tests.helpers import data_parallel
 
 # torch.compile's import path touches deprecated torch.jit APIs.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -55,11 +56,6 @@ class LitStyle(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
-
-
-def data_parallel(model: nn.Module) -> nn.Module:
-    # DataParallel moves its module to cuda:0 when a GPU is visible; these tests compare on the CPU.
-    return nn.DataParallel(model).cpu()
 
 
 def compiled(model: nn.Module) -> nn.Module:

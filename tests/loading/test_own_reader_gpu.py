@@ -65,6 +65,28 @@ def test_auto_puts_gpu_tagged_storages_on_a_gpu_and_callables_get_cpu_storages(
         assert torch.equal(sd[key].cpu(), value)
 
 
+def test_a_file_saved_on_cuda1_loads_on_cuda0_as_torch_maps_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).cuda()
+    real = str(tmp_path / "real.pt")
+    torch.save(model.state_dict(), real)  # a real GPU save: every storage tagged cuda:0
+    moved = str(tmp_path / "cuda1.pt")
+    retag(real, moved, mapping={"cuda:0": "cuda:1"})  # as if saved on a second GPU
+    theirs = torch.load(moved, map_location={"cuda:1": "cuda:0"}, weights_only=True)
+    for form in ({"cuda:1": "cuda:0"}, "cuda:0", "auto"):
+        ours, info = load_with_info(moved, map_location=form)
+        assert_like_torch(ours, theirs)
+        assert {(p.saved, p.target) for p in info.placements} == {("cuda:1", "cuda:0")}, form
+    if torch.cuda.device_count() == 1:
+        with pytest.raises(RuntimeError):
+            torch.load(moved, weights_only=True)
+    fresh = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).cuda()
+    report = load_into(fresh, moved)
+    assert report.ok
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
 def test_a_meta_model_loads_onto_the_gpu(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).eval()

@@ -24,7 +24,7 @@ from tests import helpers as h
 WRAPPERS = {
     "module.": nn.DataParallel,
     "_orig_mod.": h.Compiled,
-    "module._orig_mod.": lambda m: nn.DataParallel(h.Compiled(m)),
+    "module._orig_mod.": lambda m: h.data_parallel(h.Compiled(m)),
     "model.": h.LitModule,
 }
 
@@ -97,16 +97,16 @@ def test_add_module_output_loads_into_dataparallel_strict(tmp_path):
     src = h.save(model.state_dict(), tmp_path / "plain.pt")
     add_module(src, tmp_path / "dp.pt")
     for mmap in (False, True):
-        dp = nn.DataParallel(h.make_model(seed=5))
+        dp = h.data_parallel(h.make_model(seed=5))
         dp.load_state_dict(h.load(tmp_path / "dp.pt", mmap=mmap), strict=True)
         for k, v in model.state_dict().items():
             h.assert_values_bitwise(v, dp.state_dict()[f"module.{k}"], k)
     # The output is what DataParallel itself saves, _metadata included.
     h.assert_bitwise_equal(
-        {k: v for k, v in nn.DataParallel(model).state_dict().items()},
+        {k: v for k, v in h.data_parallel(model).state_dict().items()},
         {k: v for k, v in h.load(tmp_path / "dp.pt").items()},
     )
-    assert h.load(tmp_path / "dp.pt")._metadata == nn.DataParallel(model).state_dict()._metadata
+    assert h.load(tmp_path / "dp.pt")._metadata == h.data_parallel(model).state_dict()._metadata
 
 
 def test_add_then_strip_is_bitwise_identity(tmp_path):

@@ -64,7 +64,7 @@ def test_each_wrapper_at_the_start_of_every_key(prefix, kind):
 
 def test_real_wrapped_modules():
     model = h.make_model()
-    assert found(nn.DataParallel(model).state_dict()) == [("module.", 11, 11, False)]
+    assert found(h.data_parallel(model).state_dict()) == [("module.", 11, 11, False)]
     assert found(h.Compiled(model).state_dict()) == [("_orig_mod.", 11, 11, False)]
     assert found(h.LitModule(model).state_dict()) == [("model.", 11, 11, False)]
     assert found(model.state_dict()) == []
@@ -112,11 +112,11 @@ def test_wrapper_stack_past_the_limit_is_refused():
 
 def test_real_stacked_wrappers():
     model = h.make_model()
-    assert [m.prefix for m in detect_wrappers(nn.DataParallel(h.Compiled(model)).state_dict())] == [
+    assert [m.prefix for m in detect_wrappers(h.data_parallel(h.Compiled(model)).state_dict())] == [
         "module.",
         "_orig_mod.",
     ]
-    assert [m.prefix for m in detect_wrappers(h.Compiled(nn.DataParallel(model)).state_dict())] == [
+    assert [m.prefix for m in detect_wrappers(h.Compiled(h.data_parallel(model)).state_dict())] == [
         "_orig_mod.",
         "module.",
     ]
@@ -194,9 +194,9 @@ def torch_strip(sd, prefix: str):
 @pytest.mark.parametrize(
     "wrapped",
     [
-        lambda: nn.DataParallel(h.make_model()),
-        lambda: nn.DataParallel(nn.BatchNorm1d(3)),  # the root has _version 2, the wrapper 1
-        lambda: nn.DataParallel(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))),
+        lambda: h.data_parallel(h.make_model()),
+        lambda: h.data_parallel(nn.BatchNorm1d(3)),  # the root has _version 2, the wrapper 1
+        lambda: h.data_parallel(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))),
     ],
 )
 def test_strip_prefix_matches_consume_prefix_in_state_dict_if_present(wrapped):
@@ -212,7 +212,7 @@ def test_strip_prefix_matches_consume_prefix_in_state_dict_if_present(wrapped):
 
 
 def test_strip_prefix_stacked_matches_torch_applied_twice():
-    sd = nn.DataParallel(h.Compiled(nn.BatchNorm1d(3))).state_dict()
+    sd = h.data_parallel(h.Compiled(nn.BatchNorm1d(3))).state_dict()
     ours = strip_prefix(strip_prefix(sd, prefix="module."), prefix="_orig_mod.")
     theirs = torch_strip(torch_strip(sd, "module."), "_orig_mod.")
     bn_keys = ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
@@ -239,7 +239,7 @@ def test_bare_model_loads_stripped_state_dict_with_its_metadata():
     bn = nn.BatchNorm1d(3)
     with torch.no_grad():
         bn.running_mean.fill_(0.5)
-    stripped = strip_prefix(nn.DataParallel(bn).state_dict())
+    stripped = strip_prefix(h.data_parallel(bn).state_dict())
     fresh = nn.BatchNorm1d(3)
     fresh.load_state_dict(stripped, strict=True)
     assert torch.equal(fresh.running_mean, bn.running_mean)
@@ -249,12 +249,12 @@ def test_add_prefix_is_what_dataparallel_saves_and_loads():
     model = h.make_model()
     sd = model.state_dict()
     wrapped = add_prefix(sd)
-    reference = nn.DataParallel(model).state_dict()
+    reference = h.data_parallel(model).state_dict()
     assert list(wrapped) == list(reference)
     assert all(wrapped[k] is sd[k.removeprefix("module.")] for k in wrapped)
     assert list(wrapped._metadata.items()) == list(reference._metadata.items())
 
-    dp = nn.DataParallel(h.make_model(seed=1))
+    dp = h.data_parallel(h.make_model(seed=1))
     dp.load_state_dict(wrapped, strict=True)
     for k, v in sd.items():
         assert torch.equal(dp.module.state_dict()[k], v)
@@ -267,10 +267,10 @@ def test_add_prefix_is_what_dataparallel_saves_and_loads():
 def test_add_prefix_with_several_levels_and_without_metadata():
     model = h.make_model()
     stacked = add_prefix(model.state_dict(), prefix="module._orig_mod.")
-    reference = nn.DataParallel(h.Compiled(model)).state_dict()
+    reference = h.data_parallel(h.Compiled(model)).state_dict()
     assert list(stacked) == list(reference)
     assert list(stacked._metadata.items()) == list(reference._metadata.items())
-    nn.DataParallel(h.Compiled(h.make_model(seed=2))).load_state_dict(stacked, strict=True)
+    h.data_parallel(h.Compiled(h.make_model(seed=2))).load_state_dict(stacked, strict=True)
 
     plain = {"w": 1, "b": 2}
     out = add_prefix(plain, prefix="m.")

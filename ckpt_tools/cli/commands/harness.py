@@ -264,11 +264,10 @@ def parity_cmd(
     from ckpt_tools.harness.parity.plot import plot_parity
     from ckpt_tools.harness.parity.run import run_parity
 
-    shared = {**asdict(run), "world_size": run.world_size if run.world_size is not None else 2}
     report = run_parity(
         out_dir=out_dir,
         strategies=[part.strip() for part in strategies.split(",") if part.strip()],
-        **shared,
+        **asdict(run),
     )
     if plot_path is not None:
         title = f"{run.model}: parity with single-device training, {run.steps} steps"

@@ -45,6 +45,7 @@ from ckpt_tools.harness.parity.checks import (
     check_vs_single,
 )
 from ckpt_tools.harness.parity.reference import step_gaps
+from ckpt_tools.harness.placement import resolve_devices
 from ckpt_tools.harness.strategies import train
 
 __all__ = ["DEFAULT_TOLERANCE", "ParityReport", "run_parity"]
@@ -142,7 +143,7 @@ def _why_not_comparable(run: TrainResult, uses_bn: bool) -> str:
 
 
 def run_parity(
-    world_size: int = 2,
+    world_size: int | None = 2,
     steps: int = 5,
     model: str = "mlp",
     out_dir: str | Path | None = None,
@@ -159,7 +160,8 @@ def run_parity(
     """Train each strategy on the same seed and global batch, then check parity.
 
     Args:
-        world_size: ranks (DDP) / replicas (manual, dp) per strategy.
+        world_size: ranks (DDP) / replicas (manual, dp) per strategy; ``None``: one per
+            selected GPU, or 2 on the CPU, as :func:`~ckpt_tools.harness.train` counts them.
         steps: SGD steps per strategy.
         model: model name (``mlp``, ``lenet``, ``resnet``).
         out_dir: checkpoints go to ``out_dir/<strategy>/{wrapped,bare,trainer}.pt`` and
@@ -204,6 +206,8 @@ def run_parity(
             f"{env.world_size}",
             remedies=(Remedy(text="run it without torchrun"),),
         )
+    if world_size is None:
+        world_size = len(resolve_devices(None, gpus, device))
     order = ["single", *(s for s in STRATEGIES if s in strategies and s != "single")]
     skipped = _skipped(order)
     order = [s for s in order if s not in {row.strategy for row in skipped}]
