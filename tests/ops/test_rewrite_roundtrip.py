@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from ckpt_tools.ops.rewrite.conversion import convert, retag
 from ckpt_tools.ops.rewrite.rewriting import add_module, strip_module
@@ -22,7 +21,7 @@ from tests import helpers as h
 
 # What puts each prefix on the keys, to load the round-tripped file into the real wrapper.
 WRAPPERS = {
-    "module.": nn.DataParallel,
+    "module.": h.data_parallel,
     "_orig_mod.": h.Compiled,
     "module._orig_mod.": lambda m: h.data_parallel(h.Compiled(m)),
     "model.": h.LitModule,
