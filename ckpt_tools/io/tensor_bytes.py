@@ -16,7 +16,7 @@ import errno
 import os
 import zlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO, Self
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
@@ -25,6 +25,8 @@ from ckpt_tools.formats.base import Checkpoint, open_buffered
 from ckpt_tools.io.ranges import SourceEndedError
 
 if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations are never evaluated at run time
+
     import numpy as np
 
 __all__ = [
