@@ -147,7 +147,8 @@ class CheckpointError(Exception):
         text = self.message
         if self.argument is not None and self.value is not None:
             if for_cli and self.flag is not None:
-                subject = f"{self.flag} {self.value}"
+                # A switch is given by its name alone: "--all", not "--all True".
+                subject = self.flag if self.value == "True" else f"{self.flag} {self.value}"
             else:
                 subject = assignment(self.argument, self.value)
             text = f"{subject}: {text}"

@@ -242,6 +242,12 @@ def test_subject_prefix_needs_a_value() -> None:
     # No flag: the command line reads the Python spelling rather than nothing.
     python_only = UsageError("must be >= 1 or None", argument="threads", value="0")
     assert python_only.render(for_cli=True) == "threads=0: must be >= 1 or None"
+    # A switch is named alone on the command line; Python still reads its value.
+    switch = UsageError("is for DeepSpeed", argument="include_all", value="True", flag="--all")
+    assert (str(switch), switch.render(for_cli=True)) == (
+        "include_all=True: is for DeepSpeed",
+        "--all: is for DeepSpeed",
+    )
     # An argument without a value is data only; the message already says it.
     assert str(UsageError("gpus and device contradict", argument="gpus")) == (
         "gpus and device contradict"

@@ -254,9 +254,9 @@ def test_deepspeed_options_on_a_dcp_folder_are_said_as_options(
         dcp.save({"model": {"a.weight": W}}, checkpoint_id=str(tmp_path / "run"))
     out = tmp_path / "out.pt"
     _, _, stderr = h.run_ckpt("consolidate", tmp_path / "run", out, *args, code=2)
-    assert stderr.startswith(f"ckpt: error: {said}"), stderr
+    assert stderr.startswith(f"ckpt: error: {said}: for DeepSpeed checkpoints only"), stderr
     assert "=" not in stderr.split(":")[2], stderr  # no Python argument=value on the command line
-    with pytest.raises(UsageError, match=r"^tag='global_step1': tag is for DeepSpeed"):
+    with pytest.raises(UsageError, match=r"^tag='global_step1': for DeepSpeed checkpoints only"):
         ckpt_tools.consolidate(tmp_path / "run", out, tag="global_step1")
     assert not out.exists()
 

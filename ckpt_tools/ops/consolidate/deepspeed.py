@@ -55,7 +55,7 @@ def open_source(src: str, *, tag: str | None, exclude_frozen: bool) -> Checkpoin
     ):
         if value:
             raise UsageError(
-                f"{name} is for DeepSpeed checkpoints; {src!r} is not one",
+                f"for DeepSpeed checkpoints only; {src!r} is not one",
                 argument=name,
                 value=repr(value),
                 flag=flag,
@@ -66,8 +66,7 @@ def open_source(src: str, *, tag: str | None, exclude_frozen: bool) -> Checkpoin
             f"{src!r} is a {ckpt.format} checkpoint, not a torch.distributed.checkpoint folder "
             "(a .metadata file and *.distcp files) or a DeepSpeed checkpoint (a save folder "
             "with latest, or a tag folder)",
-            argument="src",
-            value=src,
+            path=src,
         )
     return ckpt
 
