@@ -9,6 +9,7 @@ names). Scanning never runs anything: no marker ever appears.
 
 from __future__ import annotations
 
+import collections
 import json
 import pickle
 import shutil
@@ -515,3 +516,20 @@ def test_tensor_bytes_that_begin_like_a_pickle_are_data(tmp_path: Path) -> None:
     torch.save({"w": torch.frombuffer(bytearray(raw), dtype=torch.float32).clone()}, path)
     assert scan(path).verdict == "clean"
     assert "clean" in run_ckpt("scan", path, code=0).stdout
+
+
+def test_a_pickle_cut_inside_a_global_names_what_torch_names(tmp_path: Path) -> None:
+    # torch's weights-only reader takes each of a GLOBAL's lines less its last byte, so a
+    # file that ends inside one still names a global as torch refuses it; bytes that only
+    # look like a GLOBAL where torch reads no pickle (a zip's byteorder "little") name none.
+    path = tmp_path / "cut.pt"
+    torch.save({"a": collections.OrderedDict()}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    path.write_bytes(data[: data.index(b"collections\nOrderedDict") + len("collections\nOrd")])
+    with pytest.raises(pickle.UnpicklingError, match=r"collections\.Or\b"):
+        torch.load(path, weights_only=True)
+    (cut,) = scan([path]).files
+    assert [f.global_name for f in cut.findings] == ["collections.Or"]
+    whole = tmp_path / "whole.pt"
+    torch.save({"a": torch.ones(2)}, whole)
+    assert scan([whole]).files[0].verdict == "clean"

@@ -79,6 +79,18 @@ class ImportScan(NamedTuple):
 # Python writes (a mark, a container, a global, a value).
 _FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVXiJKM")
 _MARK = pickletools.markobject
+
+
+class _CutGlobal(ValueError):
+    """A GLOBAL or INST whose lines the file ends inside, with the names torch's weights-only
+    reader takes from them: each line less its last byte, newline or not."""
+
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__("the file ends inside a global's name")
+        self.module, self.name = module, name
+        self.opcode, self.pos = "GLOBAL", 0
+
+
 _STRINGS = frozenset(
     {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE"}
     | {"BINUNICODE8"}
@@ -162,13 +174,18 @@ def python3_name(module: str, name: str) -> tuple[str, str]:
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
-def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -> ImportScan:
+def find_imports(
+    data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30, *, cut_globals: bool = False
+) -> ImportScan:
     """Walk the pickle at ``start`` of ``data`` up to its STOP and list its imports.
 
     Args:
         data: the bytes holding the pickle (more may follow it), or a binary file.
         start: where it begins.
         limit: the most bytes the walk reads (a declared length past it ends the walk).
+        cut_globals: for a pickle torch reads: where the data ends inside a GLOBAL's lines,
+            list the global torch's weights-only reader names as it refuses it (each line
+            less its last byte). Elsewhere such bytes are no pickle's.
 
     Returns:
         The :class:`ImportScan`; a malformed or truncated pickle gives the imports before
@@ -230,6 +247,10 @@ def find_imports(data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30) -
                 return ImportScan(tuple(imports), base + stream.tell())
     except ResourceLimitError as e:
         return ImportScan(tuple(imports), None, str(e))
+    except _CutGlobal as e:
+        if cut_globals:
+            imports.append(PickleImport(e.module, e.name, e.pos, e.opcode))
+        return ImportScan(tuple(imports), None, str(e), True)
     except ValueError as e:
         # Truncated where the walk failed for want of bytes (it read to the end, and not
         # to an opcode that does not exist).
@@ -263,7 +284,12 @@ def _opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
         op = pickletools.code2op.get(code.decode("latin-1"))
         if op is None:
             raise ValueError(f"at position {pos}, opcode {code!r} unknown")
-        yield op, _argument(stream, op), pos
+        try:
+            argument = _argument(stream, op)
+        except _CutGlobal as e:
+            e.opcode, e.pos = op.name, pos
+            raise
+        yield op, argument, pos
         if op.name == "STOP":
             return
 
@@ -273,9 +299,9 @@ def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
         return None
     n, name = op.arg.n, op.name
     if n == pickletools.UP_TO_NEWLINE:
-        line = _line(stream)
         if name in ("GLOBAL", "INST"):
-            return line.decode("utf-8"), _line(stream).decode("utf-8")
+            return _global_lines(stream)
+        line = _line(stream)
         if name == "UNICODE":
             return line.decode("raw-unicode-escape")
         if name == "STRING":  # a quoted Python 2 literal: its text, roughly, is enough
@@ -294,6 +320,15 @@ def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
         return None
     data = _exactly(stream, n)
     return int.from_bytes(data, "little") if name in _VALUED else None
+
+
+def _global_lines(stream: Any) -> tuple[str, str]:
+    module, attr = stream.readline(), stream.readline()
+    if not (module.endswith(b"\n") and attr.endswith(b"\n")):
+        # The file ends inside them. pickle's reader stops there; torch's weights-only
+        # reader takes each line less its last byte, and names that global as it refuses it.
+        raise _CutGlobal(module[:-1].decode("utf-8"), attr[:-1].decode("utf-8"))
+    return module[:-1].decode("utf-8"), attr[:-1].decode("utf-8")
 
 
 def _line(stream: Any) -> bytes:

@@ -149,7 +149,7 @@ def _zip_pickles(
             continue
         data = _record_pickle(path, fd, entry)
         if data is not None:
-            yield Walked(prefix + entry.name, context, find_imports(data))
+            yield Walked(prefix + entry.name, context, _walk_record(entry, data))
 
 
 def _remote_zip_pickles(
@@ -171,7 +171,7 @@ def _remote_zip_pickles(
                 continue
             data = _record_pickle(path, source, entry)
             if data is not None:
-                found.append(Walked(entry.name, context, find_imports(data)))
+                found.append(Walked(entry.name, context, _walk_record(entry, data)))
     except CorruptCheckpointError:
         yield from _lenient_zip_pickles(path, source)
         raise
@@ -220,7 +220,7 @@ def _lenient_zip_pickles(path: str, source: RangeSource | None = None) -> Iterat
             data = _record_pickle(path, fd, entry)
             if data is not None:
                 context: Context = "torchscript" if script else "pickle"
-                yield Walked(entry.name, context, find_imports(data))
+                yield Walked(entry.name, context, _walk_record(entry, data))
     finally:
         if source is None:
             os.close(fd)  # type: ignore[arg-type]
@@ -273,6 +273,13 @@ def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
     return head
 
 
+def _walk_record(entry: ZipEntry, data: bytes) -> ImportScan:
+    """A zip record's pickle walked. ``data.pkl`` is the one torch reads as a pickle; where
+    ``data`` holds it whole, its end is where torch's reader meets the end too."""
+    whole = entry.name.endswith("/data.pkl") and len(data) >= entry.file_size
+    return find_imports(data, cut_globals=whole)
+
+
 def _sequence(
     path: str, most: int, names: tuple[str, ...], source: RangeSource | None = None
 ) -> Iterator[Walked]:
@@ -284,7 +291,7 @@ def _sequence(
         for index in range(most):
             if start >= size:
                 return
-            scan = find_imports(f, start)
+            scan = find_imports(f, start, cut_globals=index < len(names))
             if index and index >= len(names) and scan.end is None and not scan.imports:
                 return  # what follows the last pickle is not one
             yield Walked(

@@ -78,7 +78,7 @@ def _walk_member(name: str, f: BinaryIO) -> Iterator[tuple[str, ImportScan]]:
         ['storages', 'storages 2']
     """
     size = f.seek(0, io.SEEK_END)
-    first = find_imports(f, 0)
+    first = find_imports(f, 0, cut_globals=True)
     yield name, first
     count = _count(f, first) if name in ("storages", "tensors") else None
     if count is None:
@@ -86,14 +86,14 @@ def _walk_member(name: str, f: BinaryIO) -> Iterator[tuple[str, ImportScan]]:
     pos, index = first.end or 0, 1
     for _ in range(count):
         index += 1
-        scan = find_imports(f, pos)
+        scan = find_imports(f, pos, cut_globals=True)
         yield f"{name} {index}", scan
         after = None if scan.end is None else _skip(name, f, scan, size)
         if after is None:
             return  # (torch fails there too: a broken pickle or header, an unknown storage)
         pos = after
     if name == "storages" and pos < size:
-        yield f"{name} {index + 1}", find_imports(f, pos)  # the storage views
+        yield f"{name} {index + 1}", find_imports(f, pos, cut_globals=True)  # the storage views
 
 
 def _count(f: BinaryIO, scan: ImportScan) -> int | None:
