@@ -81,16 +81,6 @@ _FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVXiJKM")
 _MARK = pickletools.markobject
 
 
-class _CutGlobal(ValueError):
-    """A GLOBAL or INST whose lines the file ends inside, with the names torch's weights-only
-    reader takes from them: each line less its last byte, newline or not."""
-
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__("the file ends inside a global's name")
-        self.module, self.name = module, name
-        self.opcode, self.pos = "GLOBAL", 0
-
-
 _STRINGS = frozenset(
     {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE"}
     | {"BINUNICODE8"}
@@ -159,6 +149,16 @@ def python3_qualname(qualname: str) -> str:
             return ".".join(python3_name(module, name))
         at = qualname.find(".", at + 1)
     return qualname
+
+
+class _CutGlobal(ValueError):
+    """A GLOBAL or INST whose lines the file ends inside, with the names torch's weights-only
+    reader takes from them: each line less its last byte, newline or not."""
+
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__("the file ends inside a global's name")
+        self.module, self.name = module, name
+        self.opcode, self.pos = "GLOBAL", 0
 
 
 def python3_name(module: str, name: str) -> tuple[str, str]:
