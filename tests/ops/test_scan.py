@@ -25,6 +25,7 @@ from safetensors import safe_open
 from ckpt_tools import scan
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.scan.report import VERDICTS
+from ckpt_tools.ops.scan.scanning import scan_file
 from tests.helpers import REAL_DIR
 from tests.helpers.cli import run_ckpt
 from tests.helpers.committed import fixture_files, fixture_path
@@ -533,3 +534,18 @@ def test_a_pickle_cut_inside_a_global_names_what_torch_names(tmp_path: Path) -> 
     whole = tmp_path / "whole.pt"
     torch.save({"a": torch.ones(2)}, whole)
     assert scan([whole]).files[0].verdict == "clean"
+
+
+def test_a_pickle_with_any_protocol_number_names_what_torch_names(tmp_path: Path) -> None:
+    # torch's weights-only reader reads past a PROTO no Python writes (66 here) and meets the
+    # global before the bytes that break the pickle; Python's pickle refuses the protocol.
+    payload = pickle.dumps({"a": shutil.rmtree}, protocol=2)
+    path = tmp_path / "odd.pt"
+    path.write_bytes(b"\x80B" + payload[2:-1] + b"\xff\xfe")
+    with pytest.raises(pickle.UnpicklingError, match=r"shutil\.rmtree"):
+        torch.load(path, weights_only=True)
+    (odd,) = scan([path]).files
+    assert odd.verdict == "dangerous" and [f.global_name for f in odd.findings] == ["shutil.rmtree"]
+    noise = tmp_path / "noise.bin"
+    noise.write_bytes(b"\x80B" + bytes(range(256)) * 4)  # no global: not a checkpoint at all
+    assert scan_file(str(noise)) is None

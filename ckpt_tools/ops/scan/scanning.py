@@ -287,6 +287,11 @@ def _content_format(path: str, source: RangeSource | None = None) -> str | None:
                 head = f.read(1 << 16)
         if npy_pickle_offset(head) is not None:
             return "numpy"
+        if head[:1] == b"\x80":
+            # PROTO, of any number: torch's weights-only reader reads past it, and meets
+            # each global before whatever breaks the pickle after it.
+            scan = find_imports(head)
+            return "pickle" if scan.end is not None or scan.imports else None
         if starts_like_pickle(head):
             scan = find_imports(head)
             return "pickle" if scan.end is not None or (scan.truncated and scan.imports) else None
