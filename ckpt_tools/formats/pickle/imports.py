@@ -90,17 +90,24 @@ _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 _EXTS = frozenset({"EXT1", "EXT2", "EXT4"})
 
 
-def starts_like_pickle(head: bytes) -> bool:
+def starts_like_pickle(head: bytes, *, any_protocol: bool = False) -> bool:
     """Whether ``head`` starts as the pickles Python writes do (PROTO 2-5, or a protocol 0/1
     opcode that begins a value); a cheap test before a walk.
+
+    Args:
+        head: the first bytes.
+        any_protocol: take PROTO of any number, as torch's weights-only reader does (it
+            reads past the number; Python's pickle refuses 6 and up).
 
     Example:
         >>> import pickle
         >>> starts_like_pickle(pickle.dumps([1])), starts_like_pickle(b"\\x00\\x00\\x80?")
         (True, False)
+        >>> starts_like_pickle(b"\\x80B}"), starts_like_pickle(b"\\x80B}", any_protocol=True)
+        (False, True)
     """
     if head[:1] == b"\x80":
-        return len(head) > 1 and 2 <= head[1] <= 5
+        return any_protocol or (len(head) > 1 and 2 <= head[1] <= 5)
     return bool(head) and head[0] in _FIRST_OPCODES
 
 
@@ -324,11 +331,12 @@ def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
 
 def _global_lines(stream: Any) -> tuple[str, str]:
     module, attr = stream.readline(), stream.readline()
+    names = module[:-1].decode("utf-8"), attr[:-1].decode("utf-8")
     if not (module.endswith(b"\n") and attr.endswith(b"\n")):
         # The file ends inside them. pickle's reader stops there; torch's weights-only
         # reader takes each line less its last byte, and names that global as it refuses it.
-        raise _CutGlobal(module[:-1].decode("utf-8"), attr[:-1].decode("utf-8"))
-    return module[:-1].decode("utf-8"), attr[:-1].decode("utf-8")
+        raise _CutGlobal(*names)
+    return names
 
 
 def _line(stream: Any) -> bytes:

@@ -287,14 +287,13 @@ def _content_format(path: str, source: RangeSource | None = None) -> str | None:
                 head = f.read(1 << 16)
         if npy_pickle_offset(head) is not None:
             return "numpy"
-        if head[:1] == b"\x80":
-            # PROTO, of any number: torch's weights-only reader reads past it, and meets
-            # each global before whatever breaks the pickle after it.
+        if starts_like_pickle(head, any_protocol=True):
             scan = find_imports(head)
-            return "pickle" if scan.end is not None or scan.imports else None
-        if starts_like_pickle(head):
-            scan = find_imports(head)
-            return "pickle" if scan.end is not None or (scan.truncated and scan.imports) else None
+            # After a PROTO, torch's weights-only reader meets each global before whatever
+            # breaks the pickle later; text that merely starts like protocol 0 counts only
+            # whole, or cut short.
+            named = scan.imports and (head[:1] == b"\x80" or scan.truncated)
+            return "pickle" if scan.end is not None or named else None
         # Any opcode can start a pickle (a damaged legacy file's magic number is one long
         # integer): whole pickles that import something are worth a verdict.
         walks = list(walk_pickles(path, "pickle", source=source))

@@ -253,8 +253,7 @@ def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
     """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
     if entry.name.endswith(".pkl"):  # named a pickle: read whole, walked even if malformed
         head = read_head(fd, entry, MAX_PICKLE_BYTES)
-        # Any protocol number: torch's weights-only reader reads past PROTO 6 and up.
-        return head if head[:1] == b"\x80" or starts_like_pickle(head) else None
+        return head if starts_like_pickle(head, any_protocol=True) else None
     first = read_head(fd, entry, 2)  # most records are told apart here
     if first != b"\x93N" and not starts_like_pickle(first):
         return None
