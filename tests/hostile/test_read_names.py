@@ -37,9 +37,10 @@ def _legacy(path: Path) -> None:
     torch.save(_SD, path, _use_new_zipfile_serialization=False)
 
 
-def _torch_reads_safetensors_by_name(folder: Path) -> bool:
+@pytest.fixture(scope="module")
+def by_name(tmp_path_factory: pytest.TempPathFactory) -> bool:
     """Whether this torch's ``torch.load`` hands a ``.safetensors`` path to safetensors."""
-    probe = folder / "probe.safetensors"
+    probe = tmp_path_factory.mktemp("probe") / "probe.safetensors"
     save_file({"x": torch.zeros(1)}, probe)
     try:
         torch.load(probe, map_location="cpu", weights_only=True)
@@ -49,10 +50,12 @@ def _torch_reads_safetensors_by_name(folder: Path) -> bool:
 
 
 @pytest.mark.parametrize("write", [_torch_zip, _legacy])
-def test_a_torch_file_named_safetensors_is_refused_as_torch_refuses_it(write, tmp_path) -> None:
+def test_a_torch_file_named_safetensors_is_refused_as_torch_refuses_it(
+    write, by_name: bool, tmp_path
+) -> None:
     named = tmp_path / "model.safetensors"
     write(named)
-    if _torch_reads_safetensors_by_name(tmp_path):
+    if by_name:
         with pytest.raises(SafetensorError):  # the oracle refuses it
             torch.load(named, weights_only=False, map_location="cpu")
     else:
@@ -71,11 +74,11 @@ def test_a_torch_file_named_safetensors_is_refused_as_torch_refuses_it(write, tm
     assert isinstance(loaded, dict)
 
 
-def test_a_safetensors_file_reads_under_either_name(tmp_path) -> None:
+def test_a_safetensors_file_reads_under_either_name(by_name: bool, tmp_path) -> None:
     # The name matters to torch only for ".safetensors"; safetensors itself reads by content.
     named = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in _SD.items()}, named)
-    if _torch_reads_safetensors_by_name(tmp_path):
+    if by_name:
         assert set(torch.load(named, map_location="cpu")) == set(_SD)  # torch's safetensors path
     assert open_checkpoint(named).format == "safetensors"
     other = named.rename(tmp_path / "model.bin")
