@@ -19,6 +19,7 @@ After training, every rank takes part in two saves:
 
 from __future__ import annotations
 
+import re
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -28,14 +29,41 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ckpt_tools.errors import UsageError
 from ckpt_tools.harness import loop
 from ckpt_tools.harness.config import TrainConfig, TrainResult
 from ckpt_tools.harness.ddp import launch, rank_result, train_steps
 
-__all__ = ["DCP_DIR", "train_fsdp"]
+__all__ = ["DCP_DIR", "FSDP_MIN_TORCH", "fsdp_missing", "train_fsdp"]
 
 #: The DCP checkpoint's folder inside the run's ``out_dir``.
 DCP_DIR = "dcp"
+
+
+#: The first torch whose FSDP2 trains on the CPU (gloo) as one device does. In 2.6, where
+#: ``fully_shard`` became public, it fails there; 2.7 and 2.8 train, but the parity check
+#: against one device fails. (2.4 and 2.5 have FSDP2 under a private name, wanting CUDA.)
+FSDP_MIN_TORCH = (2, 9)
+
+
+def fsdp_missing() -> str | None:
+    """Why the ``fsdp`` strategy cannot run with this torch, or None when it can.
+
+    Returns:
+        ``"the fsdp strategy needs torch 2.9 or newer ...: pip install 'torch>=2.9'"``, or None.
+
+    Example:
+        >>> fsdp_missing() is None  # torch 2.9 and newer
+        True
+    """
+    release = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
+    if release is not None and tuple(map(int, release.groups())) >= FSDP_MIN_TORCH:
+        return None
+    wanted = ".".join(map(str, FSDP_MIN_TORCH))
+    return (
+        f"the fsdp strategy needs torch {wanted} or newer (FSDP2), found torch "
+        f"{torch.__version__}: pip install 'torch>={wanted}'"
+    )
 
 
 def train_fsdp(config: TrainConfig) -> TrainResult:
@@ -49,7 +77,8 @@ def train_fsdp(config: TrainConfig) -> TrainResult:
         ``checkpoints`` names ``wrapped``, ``bare``, ``trainer`` and ``dcp`` (the folder).
 
     Raises:
-        UsageError: as :func:`ckpt_tools.harness.ddp.train_ddp`.
+        UsageError: torch is older than 2.9 (:func:`fsdp_missing`); otherwise as
+            :func:`ckpt_tools.harness.ddp.train_ddp`.
         RuntimeError: a spawned worker failed; the message carries its traceback.
 
     Example:
@@ -61,6 +90,9 @@ def train_fsdp(config: TrainConfig) -> TrainResult:
         ...
         ckpt_tools.errors.UsageError: batch_size=1: leaves some of the 2 ranks without samples; ...
     """
+    why = fsdp_missing()
+    if why is not None:
+        raise UsageError(why)
     return launch(config, train_rank)
 
 

@@ -116,3 +116,29 @@ def test_fsdp_under_torchrun_matches_single_and_round_trips(
     torch.testing.assert_close(result.losses, single.losses, rtol=0, atol=1e-5)
     row = check_dcp_roundtrip(out / "dcp", out / "bare.pt", work_dir=tmp_path)
     assert row.passed and row.max_abs_diff == 0.0, row.detail
+
+
+def test_a_torch_older_than_fsdp_needs_is_named_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # torch 2.4 to 2.8 cannot run FSDP2 on the CPU as one device: train says which torch it
+    # needs, and parity skips the row.
+    from ckpt_tools.harness import run_parity
+    from ckpt_tools.harness.fsdp import fsdp_missing
+
+    assert fsdp_missing() is None
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")
+    why = fsdp_missing()
+    assert why == (
+        "the fsdp strategy needs torch 2.9 or newer (FSDP2), found torch 2.8.0+cu128: "
+        "pip install 'torch>=2.9'"
+    )
+    with pytest.raises(UsageError) as info:
+        train(TrainConfig(strategy="fsdp", device="cpu", out_dir=str(tmp_path / "run")))
+    assert str(info.value) == why and not tmp_path.joinpath("run").exists()
+    report = run_parity(steps=1, strategies=("fsdp",), device="cpu")
+    assert report.strategies == ("single",) and report.all_passed
+    skipped = report.row("fsdp", "vs_single")
+    assert (skipped.status, skipped.passed, skipped.detail) == ("skipped", True, why)
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    assert fsdp_missing() is None

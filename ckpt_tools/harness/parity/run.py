@@ -250,15 +250,22 @@ def run_parity(
 
 
 def _skipped(order: Sequence[str]) -> list[CheckResult]:
-    """One ``skipped`` row per strategy that cannot run here (``zero`` without DeepSpeed)."""
-    if "zero" not in order:
-        return []
-    from ckpt_tools.harness.zero_strategy import zero_missing
+    """One ``skipped`` row per strategy that cannot run here: ``zero`` without DeepSpeed,
+    ``fsdp`` on a torch without FSDP2."""
+    rows = []
+    if "zero" in order:
+        from ckpt_tools.harness.zero_strategy import zero_missing
 
-    why = zero_missing()
-    if why is None:
-        return []
-    return [CheckResult("vs_single", True, math.nan, None, why, "zero", "skipped")]
+        rows.append(("zero", zero_missing()))
+    if "fsdp" in order:
+        from ckpt_tools.harness.fsdp import fsdp_missing
+
+        rows.append(("fsdp", fsdp_missing()))
+    return [
+        CheckResult("vs_single", True, math.nan, None, why, strategy, "skipped")
+        for strategy, why in rows
+        if why is not None
+    ]
 
 
 def _check_run(
