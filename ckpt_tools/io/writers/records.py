@@ -134,16 +134,16 @@ def _compressed(ckpt: Checkpoint, storage: StorageRef) -> Any:
 
 
 def cast_stream(source: Record, src: str, dst: str) -> Record:
-    """``source``'s bytes (elements of ``src``, in pieces of any length) cast to ``dst``."""
+    """``source``'s bytes (elements of ``src``: a span, pieces or a producer's chunks of any
+    length) cast to ``dst``."""
     size = itemsize(src)
     numel = source.nbytes // size
 
     def produce() -> Iterable[bytes]:
         from ckpt_tools.io.casting import cast_chunk
 
-        assert source.produce is not None
         pending, first = b"", 0
-        for piece in source.produce():
+        for piece in record_bytes(source):
             pending += piece
             whole = len(pending) - len(pending) % size
             if whole:

@@ -9,13 +9,14 @@ is copied as rewrites copy it, so it is bitwise the base's.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import ConversionError, UsageError
+from ckpt_tools.errors import ConversionError, KeyCollisionError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.writers.hf_folder import check_output_folder, wants_folder
@@ -26,6 +27,7 @@ from ckpt_tools.ops.merge.records import bias_record, merge_record, replace_reco
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for, torch_instead
+from ckpt_tools.ops.transform.plan import cast_tensor, new_storage
 from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
@@ -111,10 +113,12 @@ def merge_lora(
     ckpt = open_checkpoint(base)
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path)
-    aligned = _aligned(selection.state_dict)
+    aligned = _aligned(selection.state_dict, lora)
     merged, overrides, actions = _plan_merges(ckpt, aligned, lora)
-    replaced = _plan_replacements(aligned, lora, overrides, actions)
-    items = [(k, k, v) for k, v in selection.state_dict.items() if isinstance(k, str)]
+    replaced, untied = _plan_replacements(aligned, lora, overrides, actions)
+    items = [
+        (k, k, untied.get(k, v)) for k, v in selection.state_dict.items() if isinstance(k, str)
+    ]
     fmt = "safetensors" if folder else output_format_for(dst, output_format, ckpt.format)
     plan = plan_state_dict_output(
         ckpt,
@@ -160,16 +164,32 @@ def _check_folder_format(dst: str, output_format: str | None) -> None:
         )
 
 
-def _aligned(sd: Mapping[Any, Any]) -> dict[str, tuple[str, TensorRef]]:
-    """Base tensors by their key without wrapper prefixes: (key as saved, tensor)."""
+def _aligned(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[str, TensorRef]]:
+    """Base tensors by the adapter's names for them: (key as saved, tensor).
+
+    The base's keys as saved, then with its wrapper prefixes stripped one more at a time
+    (``module.``, then ``model.``): the first view that holds every name the adapter needs
+    wins, else the one that holds the most. Stripping everything at once would misalign a
+    Hugging Face model whose keys all start with ``model.`` (tied embeddings, no ``lm_head``).
+    """
     keys = [k for k in sd if isinstance(k, str)]
+    tensors = {k: v for k, v in sd.items() if isinstance(k, str) and isinstance(v, TensorRef)}
+    wanted = [f"{t.module}.weight" for t in lora.targets] + list(lora.modules_to_save)
     rules, _ = strip_wrapper_rules(keys)
-    plan = plan_renames(keys, rules) if rules else {k: k for k in keys}
-    return {
-        plan.get(k, k): (k, v)
-        for k, v in sd.items()
-        if isinstance(k, str) and isinstance(v, TensorRef)
-    }
+    best: dict[str, tuple[str, TensorRef]] = {}
+    best_found = -1
+    for n in range(len(rules) + 1):
+        try:
+            plan = plan_renames(keys, rules[:n]) if n else {k: k for k in keys}
+        except KeyCollisionError:  # a view in which two keys are one cannot be used
+            continue
+        view = {plan[k]: (k, v) for k, v in tensors.items()}
+        found = sum(name in view for name in wanted)
+        if found == len(wanted):
+            return view
+        if found > best_found:
+            best, best_found = view, found
+    return best
 
 
 def _plan_merges(
@@ -261,9 +281,17 @@ def _plan_replacements(
     lora: LoraAdapter,
     overrides: dict[int, Record],
     actions: dict[str, str],
-) -> tuple[str, ...]:
-    """The records replacing base tensors by their ``modules_to_save`` copies."""
+) -> tuple[tuple[str, ...], dict[str, TensorRef]]:
+    """The records replacing base tensors by their ``modules_to_save`` copies.
+
+    Returns:
+        The replaced keys, and the tensors put in place of those that shared their storage
+        with another key (tied embeddings: PEFT swaps the module for its trained copy, so the
+        tie is broken and the other keys keep the base's values).
+    """
     problems, replaced = [], []
+    untied: dict[str, TensorRef] = {}
+    viewers = Counter(id(t.storage) for _, t in aligned.values())
     for name, saved in lora.modules_to_save.items():
         found = aligned.get(name)
         if found is None or found[1].shape != saved.shape:
@@ -271,9 +299,14 @@ def _plan_replacements(
             continue
         key, base_t = found
         _check_whole(key, base_t)
+        if viewers[id(base_t.storage)] > 1:
+            base_t = cast_tensor(
+                base_t, new_storage(base_t.storage, base_t.dtype, base_t.numel), base_t.dtype
+            )
+            untied[key] = base_t
         overrides[id(base_t.storage)] = replace_record(lora.ckpt, saved, base_t)
         actions[key] = "replace (modules_to_save)"
         replaced.append(key)
     if problems:
         raise ConversionError(f"the adapter does not fit the base: {'; '.join(problems[:8])}")
-    return tuple(replaced)
+    return tuple(replaced), untied

@@ -25,7 +25,7 @@ from ckpt_tools.ops.merge.arithmetic import (
     to_bits,
 )
 
-__all__ = ["bias_record", "merge_record", "replace_record", "values"]
+__all__ = ["bias_record", "lora_dtype", "merge_record", "replace_record", "values"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Elements merged at once: a few arrays of this size (float64 among them) are in memory.
@@ -81,9 +81,11 @@ def merge_record(
     height, width = weight.shape
     block = height if whole else max(1, _BLOCK // max(width, 1))
 
+    lora = lora_dtype(weight.dtype)
+
     def produce() -> Iterable[bytes]:
-        a, b = values(adapter, target.a), values(adapter, target.b)
-        m = None if target.magnitude is None else values(adapter, target.magnitude)
+        a, b = (rounded(values(adapter, t), lora) for t in (target.a, target.b))
+        m = None if target.magnitude is None else rounded(values(adapter, target.magnitude), lora)
         for first in range(0, height, block):
             count = min(block, height - first)
             if start is None:
@@ -105,6 +107,21 @@ def merge_record(
     return Record(weight.nbytes, produce=produce, action=f"merge lora r={target.r}")
 
 
+def lora_dtype(weight_dtype: str) -> str:
+    """The dtype of the adapter's layers when PEFT merges it into a weight of this dtype.
+
+    ``PeftModel.from_pretrained`` makes each LoRA layer in its base layer's dtype and, by
+    default (``autocast_adapter_dtype=True``), upcasts a 16-bit one to float32; the saved
+    values are then copied in. So the file's dtype does not matter: a bfloat16 adapter on a
+    float32 base merges in float32, as does any adapter on a 16-bit base.
+
+    Example:
+        >>> lora_dtype("bfloat16"), lora_dtype("float32"), lora_dtype("float64")
+        ('float32', 'float32', 'float64')
+    """
+    return "float64" if weight_dtype == "float64" else "float32"
+
+
 def _merged(
     w: np.ndarray,
     w_dtype: str,
@@ -114,14 +131,14 @@ def _merged(
     transpose: bool,
 ) -> np.ndarray:
     """One block of rows merged: PEFT's delta, then the plain or DoRA merge."""
-    delta_dtype = target.a.dtype if target.kind == "embedding" else target.b.dtype
+    delta_dtype = lora_dtype(w_dtype)
     delta = lora_delta(ab[0], ab[1], target.scaling, transpose, delta_dtype)
     if target.kind == "embedding":
         # Embedding.merge rounds the delta to the weight's dtype before adding it.
         delta, delta_dtype = rounded(delta, w_dtype), w_dtype
     if m is None or target.magnitude is None:
         return plain_merge(w, w_dtype, delta, delta_dtype)
-    return dora_merge(w, w_dtype, delta, delta_dtype, m, target.magnitude.dtype, transpose)
+    return dora_merge(w, w_dtype, delta, delta_dtype, m, delta_dtype, transpose)
 
 
 def bias_record(
@@ -131,12 +148,12 @@ def bias_record(
     assert target.bias is not None
     lora_bias = target.bias
 
+    lora = lora_dtype(bias.dtype)
+
     def produce() -> Iterable[bytes]:
-        scaled = values(adapter, lora_bias) * np.float32(target.scaling)
-        scaled = rounded(scaled, lora_bias.dtype)
-        yield to_bits(
-            plain_merge(values(base, bias), bias.dtype, scaled, lora_bias.dtype), bias.dtype
-        )
+        scaled = rounded(values(adapter, lora_bias), lora)
+        scaled = scaled * scaled.dtype.type(target.scaling)
+        yield to_bits(plain_merge(values(base, bias), bias.dtype, scaled, lora), bias.dtype)
 
     return Record(bias.nbytes, produce=produce, action="merge lora bias")
 

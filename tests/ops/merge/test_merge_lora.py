@@ -52,6 +52,21 @@ def _llama() -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
+def _llama_tied() -> Any:
+    # Tied embeddings (Llama 3.2 1B, Qwen2.5 0.5B): save_pretrained leaves lm_head out, so
+    # every key it writes starts with "model.".
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 def _gpt2() -> Any:
     config = transformers.GPT2Config(
         vocab_size=64,
@@ -82,9 +97,12 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     save: Callable[[Any, Path], Path] | None = None,
     autocast: bool = True,
+    train_dtype: torch.dtype | None = None,
     **save_kwargs: Any,
 ) -> Case:
-    """Save a tiny model's weights, apply LoRA with PEFT, save the adapter, merge with PEFT."""
+    """Save a tiny model's weights, apply LoRA with PEFT (on a copy in ``train_dtype`` if
+    given; 16-bit layers kept 16-bit when not ``autocast``) and save the adapter. The expected
+    output is ``PeftModel.from_pretrained``'s merge of the saved adapter into the base."""
     folder.mkdir(parents=True)
     torch.manual_seed(0)
     model = build().to(dtype)
@@ -96,10 +114,15 @@ def make_case(
         base = save(model, folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lora = peft.get_peft_model(model, config, autocast_adapter_dtype=autocast)
+        trained = model if train_dtype is None else model.to(train_dtype)
+        lora = peft.get_peft_model(trained, config, autocast_adapter_dtype=autocast)
         _perturb(lora, 1)
         lora.save_pretrained(folder / "adapter", **save_kwargs)
-        merged = {k: v.clone() for k, v in lora.merge_and_unload().state_dict().items()}
+        # The oracle is the merge of the saved adapter, as one loads and merges it.
+        fresh = build().to(dtype)
+        fresh.load_state_dict(base_sd)
+        loaded = peft.PeftModel.from_pretrained(fresh, folder / "adapter")
+        merged = {k: v.clone() for k, v in loaded.merge_and_unload().state_dict().items()}
     return Case(base, folder / "adapter", base_sd, merged)
 
 
@@ -152,6 +175,13 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
         "bf16-adapter": lambda f: make_case(
             f, _llama, _targets("q_proj", "embed_tokens"), dtype=torch.bfloat16, autocast=False
         ),
+        "bf16-adapter-fp32-base": lambda f: make_case(
+            f,
+            _llama,
+            _targets("q_proj", "embed_tokens"),
+            train_dtype=torch.bfloat16,
+            autocast=False,
+        ),
         "rslora": lambda f: make_case(f, _llama, _targets("q_proj", "o_proj", use_rslora=True)),
         "patterns": lambda f: make_case(
             f,
@@ -178,6 +208,10 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
         "fp16": lambda f: make_case(f, _llama, _targets("k_proj"), dtype=torch.float16),
         "sharded": lambda f: make_case(f, _llama, _targets("q_proj", "gate_proj"), save=_sharded),
         "ddp": lambda f: make_case(f, _llama, _targets("v_proj"), save=_wrapped),
+        "tied": lambda f: make_case(f, _llama_tied, _targets("q_proj", "up_proj"), save=_hf),
+        "tied-saved-head": lambda f: make_case(
+            f, _llama_tied, _targets("q_proj", modules_to_save=["lm_head"]), save=_tied_pt
+        ),
     }
 
     def get(name: str) -> Case:
@@ -194,6 +228,16 @@ def _sharded(model: Any, folder: Path) -> Path:
     return folder / "base-hf"
 
 
+def _tied_pt(model: Any, folder: Path) -> Path:
+    torch.save(model.state_dict(), folder / "base.pt")  # lm_head and embed_tokens: one storage
+    return folder / "base.pt"
+
+
+def _hf(model: Any, folder: Path) -> Path:
+    model.save_pretrained(folder / "base-hf")
+    return folder / "base-hf"
+
+
 def _wrapped(model: Any, folder: Path) -> Path:
     torch.save({f"module.{k}": v for k, v in model.state_dict().items()}, folder / "ddp.pt")
     return folder / "ddp.pt"
@@ -205,6 +249,7 @@ def _wrapped(model: Any, folder: Path) -> Path:
         "linear",
         "bf16",
         "bf16-adapter",
+        "bf16-adapter-fp32-base",
         "rslora",
         "patterns",
         "conv1d",
@@ -269,10 +314,59 @@ def test_sharded_hf_base(cases: Callable[[str], Case], tmp_path: Path) -> None:
     compare(out, case._replace(base_sd={k: case.base_sd[k] for k in out}))
 
 
-def test_dtype_casts_after_merging(cases: Callable[[str], Case], tmp_path: Path) -> None:
-    case = cases("linear")
-    ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt", dtype="bf16")
-    out = torch.load(tmp_path / "m.pt")
+def test_a_base_whose_keys_all_start_with_model_is_not_unwrapped(
+    cases: Callable[[str], Case], tmp_path: Path
+) -> None:
+    case = cases("tied")
+    saved = load_file(case.base / "model.safetensors")
+    assert "lm_head.weight" not in saved and all(k.startswith("model.") for k in saved)
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    assert {m.key for m in result.merged} == {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    }
+    out = load_file(tmp_path / "m.safetensors")
+    compare(out, case._replace(base_sd={k: case.base_sd[k] for k in out}))
+    # The same tensors under DDP's "module.": that wrapper alone is stripped.
+    torch.save({f"module.{k}": v for k, v in saved.items()}, tmp_path / "ddp.pt")
+    ct.merge_lora(tmp_path / "ddp.pt", case.adapter, tmp_path / "m.pt")
+    wrapped = torch.load(tmp_path / "m.pt")
+    assert list(wrapped) == [f"module.{k}" for k in saved]
+    compare(
+        {k.removeprefix("module."): v for k, v in wrapped.items()},
+        case._replace(base_sd={k: case.base_sd[k] for k in saved}),
+    )
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_saved_module_tied_to_another_is_untied_as_peft_unties_it(
+    cases: Callable[[str], Case], tmp_path: Path, suffix: str
+) -> None:
+    case = cases("tied-saved-head")
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    base = torch.load(case.base)
+    assert base[head].untyped_storage().data_ptr() == base[embed].untyped_storage().data_ptr()
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / f"m{suffix}")
+    assert result.replaced == (head,)
+    out = (
+        torch.load(tmp_path / f"m{suffix}")
+        if suffix == ".pt"
+        else load_file(tmp_path / f"m{suffix}")
+    )
+    assert torch.equal(out[embed], base[embed]) and not torch.equal(out[head], base[head])
+    compare(out, case)
+
+
+@pytest.mark.parametrize(("name", "suffix"), [("linear", ".pt"), ("embedding", ".safetensors")])
+def test_dtype_casts_after_merging(
+    cases: Callable[[str], Case], tmp_path: Path, name: str, suffix: str
+) -> None:
+    # "embedding" also replaces lm_head by its modules_to_save copy, cast as it is copied.
+    case = cases(name)
+    out_path = tmp_path / f"m{suffix}"
+    ct.merge_lora(case.base, case.adapter, out_path, dtype="bf16")
+    out = torch.load(out_path) if suffix == ".pt" else load_file(out_path)
+    assert sorted(out) == sorted(case.merged)
     for key, want in case.merged.items():
         assert close(out[key], want.to(torch.bfloat16)), key
 
