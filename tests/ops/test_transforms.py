@@ -90,6 +90,31 @@ def test_slim_keeps_ties_and_views(tmp_path: Path, name: str) -> None:
             assert (pointers[a] == pointers[b]) == (got[a] == got[b]), (a, b)
 
 
+@pytest.mark.parametrize("other", ["optimizer", "ema"])
+def test_slim_keeps_a_storage_a_tensor_outside_the_state_dict_shares(
+    tmp_path: Path, other: str
+) -> None:
+    # An optimizer state that holds a weight itself, or an EMA not yet apart from the model:
+    # the same tensor outside the state dict keeps the storage as it is, and a note says so.
+    torch.manual_seed(0)
+    sd = {"w": torch.randn(3), "b": torch.randn(2)}
+    outside = {"state": {0: {"exp_avg": sd["w"]}}} if other == "optimizer" else dict(sd)
+    torch.save({"model": sd, other: outside}, tmp_path / "in.pt")
+    result = ct.slim(tmp_path / "in.pt", tmp_path / "out.pt", dtype="bf16")
+    ref = torch.load(tmp_path / "in.pt", weights_only=True)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    shared = ["w"] if other == "optimizer" else ["w", "b"]
+    for key, value in out["model"].items():
+        want = ref["model"][key] if key in shared else ref["model"][key].bfloat16()
+        assert value.dtype == want.dtype and torch.equal(value, want), key
+    moved = out[other]["state"][0]["exp_avg"] if other == "optimizer" else out[other]["w"]
+    assert moved.untyped_storage().data_ptr() == out["model"]["w"].untyped_storage().data_ptr()
+    assert [n for n in result.notes if "outside the state dict shares it" in n] == [
+        f"storage {k!r} kept as float32: a tensor outside the state dict shares it"
+        for k in (["0"] if other == "optimizer" else ["0", "1"])
+    ]
+
+
 def test_slim_drop_and_keep_dtype_leave_the_rest_bit_for_bit(tmp_path: Path) -> None:
     src = FIXTURES / "trainer_adam.pt"
     result = ct.slim(

@@ -77,7 +77,13 @@ def plan_state_dict_output(
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
     overrides = overrides or {}
     notes = list(notes)
-    targets = _cast_targets(tree, items, cast_to, keep, notes)
+    # Tensors outside the state dict keep their storages: one of those is never cast.
+    outside = (
+        set()
+        if weights_only or cast_to is None
+        else {id(t.storage) for _, t in iter_tensors(replace_at(root_out, selection.path, {}))}
+    )
+    targets = _cast_targets(tree, items, cast_to, keep, notes, outside)
     records, out_storage = _storage_records(ckpt, tree, targets, cast_to, overrides)
     rows, replaced = _rows(items, out_storage, targets, overrides, cast_to)
     out_sd.update(replaced)
@@ -226,8 +232,10 @@ def _cast_targets(
     cast_to: str | None,
     keep: Sequence[re.Pattern[str]],
     notes: list[str],
+    outside: set[int],
 ) -> dict[int, str]:
-    """``id(storage)`` -> source dtype for every storage to cast."""
+    """``id(storage)`` -> source dtype for every storage to cast (none in ``outside``: the
+    storages of tensors outside the state dict, an optimizer's or an EMA's, kept as they are)."""
     if cast_to is None:
         return {}
     wanted: dict[int, str] = {}
@@ -263,12 +271,16 @@ def _cast_targets(
         ts = users.get(sid, [])
         if (
             sid in kept
+            or sid in outside
             or any(id(t) not in cast_ids or t.dtype != wanted[sid] for t in ts)
             or ts[0].storage.view
         ):
-            notes.append(
-                f"storage {ts[0].storage.key!r} kept as {wanted[sid]}: a tensor on it is not cast"
+            why = (
+                "a tensor outside the state dict shares it"
+                if sid in outside
+                else ("a tensor on it is not cast")
             )
+            notes.append(f"storage {ts[0].storage.key!r} kept as {wanted[sid]}: {why}")
             del wanted[sid]
     return wanted
 
