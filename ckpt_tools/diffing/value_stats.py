@@ -124,7 +124,10 @@ class ValueStats:
             return
         if equal:
             return
-        d = torch.abs(x - y) if x.is_complex() else torch.sub(x, y).abs_()
+        if _is_integer(ca) and _is_integer(cb):
+            d = _integer_distance(ca, cb, x, y)
+        else:
+            d = torch.abs(x - y) if x.is_complex() else torch.sub(x, y).abs_()
         y_abs = y.abs()
         tolerance = torch.mul(y_abs, self.rtol).add_(self.atol)
         self.mismatched += int(torch.gt(d, tolerance).sum())
@@ -146,6 +149,32 @@ class ValueStats:
         self.max_abs = max(self.max_abs, float(d.max()))
         r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf)
         self.max_rel = max(self.max_rel, float(r.max()))
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _integer_distance(
+    a: torch.Tensor, b: torch.Tensor, a64: torch.Tensor, b64: torch.Tensor
+) -> torch.Tensor:
+    """``|a - b|`` of two integer chunks as float64, never 0 where they differ.
+
+    float64 holds integers exactly only up to 2**53: two int64 values past it that differ
+    may be equal as float64. The difference is taken in int64 (float64 where it overflows),
+    and rounds to a nonzero float64. uint64 values past 2**63 do not fit int64: two uint64
+    sides take float64's distance, 1 where it is 0 but the bits differ.
+    """
+    if torch.uint64 in (a.dtype, b.dtype):
+        d = torch.sub(a64, b64).abs_()
+        if a.dtype != b.dtype:  # uint64 beside another integer dtype: float64's distance
+            return d
+        differ = a.view(torch.int64) != b.view(torch.int64)
+        return torch.where(differ & (d == 0), 1.0, d)
+    a, b = a.to(torch.int64), b.to(torch.int64)
+    d = a - b
+    overflowed = ((a ^ b) & (a ^ d)) < 0  # signs of a and b differ, and d's is not a's
+    return torch.where(overflowed, torch.sub(a64, b64), d.to(torch.float64)).abs_()
 
 
 def _flat_cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,41 @@ def test_other_dtypes_and_large_values() -> None:
     assert rows["bf16"].status == "equal"
 
 
+#: Integers past float64's exact range (2**53), and both ends of int64 and uint64.
+_INTEGERS = {
+    "int64": (
+        [2**53 + 1, 2**62, -(2**63), 2**63 - 1, -5, 7, 3],
+        [2**53, 2**62, 2**63 - 1, 2**63 - 2, -5, 6, 3],
+    ),
+    "uint64": (
+        [2**53 + 1, 2**63, 2**64 - 1, 2**64 - 2, 5, 7, 3],
+        [2**53, 2**63, 2**64 - 2, 2**64 - 2, 4, 7, 3],
+    ),
+    "int32": ([2**31 - 1, -(2**31), 0, 1, -5, 7, 4], [2**31 - 1, -(2**31), 0, 1, -5, 7, 4]),
+    "uint8": ([255, 0, 1, 2, 3, 7, 4], [255, 0, 1, 2, 3, 7, 4]),
+}
+
+
+@pytest.mark.parametrize(
+    ("dtype_a", "dtype_b"),
+    [("int64", "int64"), ("int64", "int32"), ("uint64", "uint64"), ("int64", "uint8")],
+)
+def test_integers_past_float64s_precision_compare_exactly(dtype_a: str, dtype_b: str) -> None:
+    # float64 holds integers exactly up to 2**53: past it, two that differ by 1 are equal there.
+    a_values = _INTEGERS[dtype_a][0]
+    b_values = _INTEGERS[dtype_b][1 if dtype_a == dtype_b else 0]
+    a = {"i": torch.tensor(a_values, dtype=getattr(torch, dtype_a))}
+    b = {"i": torch.tensor(b_values, dtype=getattr(torch, dtype_b))}
+    exact = [abs(x - y) for x, y in zip(a_values, b_values)]
+    for atol in (0.0, 1.0):
+        row = diff(a, b, rtol=0.0, atol=atol).tensors[0]
+        assert row.mismatched == sum(d > atol for d in exact), atol
+        assert row.max_abs == float(max(exact)) and row.allclose == (max(exact) <= atol)
+        if torch.uint64 not in (a["i"].dtype, b["i"].dtype):
+            close = torch.isclose(a["i"], b["i"].to(torch.int64), rtol=0, atol=atol)
+            assert row.mismatched == int((~close).sum())
+
+
 def test_keys_shapes_and_dtypes(save: Callable[..., str]) -> None:
     a = layers()
     b = layers()
