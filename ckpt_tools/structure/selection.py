@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import Opaque
+from ckpt_tools.descriptors import Opaque, TensorRef
 from ckpt_tools.errors import SelectError
 from ckpt_tools.structure.modules import RecoveredModule, recover_module
 from ckpt_tools.structure.paths import (
@@ -35,6 +35,7 @@ __all__ = [
     "CANDIDATE_KEYS",
     "PathWalk",
     "Selection",
+    "a_kind_of",
     "attributes_of",
     "entries_beside",
     "is_state_dict",
@@ -75,12 +76,27 @@ class Selection:
         state_dict: the chosen mapping.
         module: when the entry is a pickled ``nn.Module`` (``torch.save(model)``), what
             was recovered from it; ``state_dict`` is then its recovered state dict.
+        stand_in: the root is no mapping (a bare tensor, a list, None) and ``state_dict`` an
+            empty stand-in for it: what is written back must be the root, not the stand-in.
     """
 
     path: tuple[str, ...]
     reason: str
     state_dict: Mapping[str, Any]
     module: RecoveredModule | None = None
+    stand_in: bool = False
+
+
+def a_kind_of(value: Any) -> str:
+    """What a checkpoint's root (or any node) is, in words, for messages.
+
+    Example:
+        >>> a_kind_of([1]), a_kind_of(None)
+        ('a list', 'None')
+    """
+    if value is None:
+        return "None"
+    return "a tensor" if isinstance(value, TensorRef) else f"a {type(value).__name__}"
 
 
 def is_state_dict(value: Any) -> bool:
@@ -186,6 +202,6 @@ def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
         inner = _auto_select(root.state, memo)
         if inner.path or is_state_dict(root.state):
             return inner
-    return Selection(
-        (), "no state dict found; showing the root", root if isinstance(root, Mapping) else {}
-    )
+    if isinstance(root, Mapping):
+        return Selection((), "no state dict found; showing the root", root)
+    return Selection((), "no state dict found; showing the root", {}, stand_in=True)

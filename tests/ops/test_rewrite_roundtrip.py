@@ -226,3 +226,50 @@ def test_retag_round_trip(tmp_path):
     h.assert_bitwise_equal(h.load(src), mapped)
     retag(tmp_path / "gpu.pt", tmp_path / "back.pt", mapping={"cuda:1": "cpu"})
     h.assert_bitwise_equal(h.load(src), h.load(tmp_path / "back.pt"))
+
+
+_ROOTS = {
+    "tensor": lambda: torch.arange(5.0),
+    "list": lambda: [torch.ones(2), torch.zeros(3, dtype=torch.int64)],
+    "tuple": lambda: (torch.ones(2), {"step": 3}),
+    "none": lambda: None,
+}
+
+
+def _assert_same(got: object, want: object) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_same(g, w)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("root", sorted(_ROOTS))
+def test_a_root_that_is_no_dict_is_rewritten_whole_or_refused(tmp_path: Path, root: str) -> None:
+    # torch.save(tensor), torch.save([...]): the key rewrites have no keys to change and write
+    # the root as it is; what needs a dict of tensors refuses, writing nothing.
+    src = tmp_path / "in.pt"
+    torch.save(_ROOTS[root](), src)
+    want = torch.load(src, weights_only=True)
+    for i, args in enumerate(
+        (
+            ["rename", "--sub", "a.=b."],
+            ["add-module"],
+            ["convert"],
+            *([["retag", "--map", "cpu=cuda:1"]] if root != "none" else []),
+        )
+    ):
+        out = tmp_path / f"out{i}.pt"
+        h.run_ckpt(args[0], src, out, *args[1:])
+        _assert_same(torch.load(out, weights_only=True, map_location="cpu"), want)
+    refused = {
+        "o.safetensors": ["convert", src, tmp_path / "o.safetensors"],
+        "s.pt": ["slim", src, tmp_path / "s.pt", "--dtype", "bf16"],
+    }
+    for name, args in refused.items():
+        _, _, err = h.run_ckpt(*args, code=7)
+        assert " not a " in err and not (tmp_path / name).exists()

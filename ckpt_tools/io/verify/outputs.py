@@ -21,7 +21,7 @@ class Expected(NamedTuple):
     """What the output's state dict must hold: name -> source tensor, and where it is."""
 
     tensors: Mapping[Any, TensorRef]
-    select: Sequence[str]
+    select: Sequence[str] | None  # None: chosen in the output as in the input
     source: Checkpoint
 
 

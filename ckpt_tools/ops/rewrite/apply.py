@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import Remedy
+from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.space import check_output_size
@@ -38,7 +38,7 @@ from ckpt_tools.structure.keys import (
     plan_renames,
     strip_wrapper_rules,
 )
-from ckpt_tools.structure.selection import Selection, replace_at, select_state_dict
+from ckpt_tools.structure.selection import Selection, a_kind_of, replace_at, select_state_dict
 
 if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
@@ -127,7 +127,9 @@ class _RewritePlan:
         entries: the safetensors output's tensors.
         metadata: the safetensors header's ``__metadata__``.
         expected: the tensors the output's state dict must hold.
-        select_out: where that state dict is in the output.
+        select_out: where that state dict is in the output (None: chosen as for the input).
+        safetensors: the output is a safetensors file (else a torch zip of ``tree``, which
+            may be None: ``torch.save(None)``).
     """
 
     changed: list[tuple[str, str]]
@@ -138,11 +140,12 @@ class _RewritePlan:
     entries: Sequence[SafetensorsEntry]
     metadata: Mapping[str, str]
     expected: Mapping[Any, TensorRef]
-    select_out: Sequence[str]
+    select_out: Sequence[str] | None
+    safetensors: bool = False
 
     def planned(self, dst: str) -> PlannedFile:
         """The file a dry run shows."""
-        if self.tree is None:
+        if self.safetensors:
             return PlannedFile.of(dst, (PlannedTensor.of(e.name, e.tensor) for e in self.entries))
         return PlannedFile.of_tree(dst, self.tree)
 
@@ -153,7 +156,7 @@ class _RewritePlan:
 
         def fill(out: AtomicFile) -> None:
             # Each writer is imported for its own format: the other's modules are not needed.
-            if self.tree is None:
+            if self.safetensors:
                 from ckpt_tools.io.writers.safetensors import source_records, write_safetensors
 
                 records = source_records(self.entries, ckpt)
@@ -185,6 +188,12 @@ def _plan(
     ``to_torch``: the fix said for a dtype safetensors lacks (``dst`` names a format or not).
     """
     sd = selection.state_dict
+    if selection.stand_in and fmt == "safetensors":
+        raise ConversionError(
+            f"{ckpt.path!r} holds {a_kind_of(ckpt.root)}, not a dict of tensors; a safetensors "
+            "file holds named tensors",
+            remedies=(to_torch,),
+        )
     # Rules rename str keys only; other keys keep their type and value (checked above).
     renames = plan_renames([k for k in sd if isinstance(k, str)], rules)
     renamed_sd = apply_plan(sd, renames, rules)
@@ -200,14 +209,20 @@ def _plan(
             ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused here
         copied = sum(e.tensor.nbytes for e in entries if e.tensor.is_contiguous())
         plan = (changed, total, copied, dropped, None, entries, metadata, expected, ())
-        return _RewritePlan(*plan)
+        return _RewritePlan(*plan, safetensors=True)
     from ckpt_tools.io.writers.torchzip import picklable_tensors
 
     # Torch outputs copy every storage the checkpoint keeps (optimizer state too).
     total = sum(s.nbytes for s in ckpt.storages.values())
     check_output_size([], total, target)
-    tree = replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
-    return _RewritePlan(changed, total, total, (), tree, (), {}, tensors, selection.path)
+    # A root that is no mapping has no keys to rename: it is written as it is.
+    tree = (
+        ckpt.root
+        if selection.stand_in
+        else replace_at(ckpt.root, selection.path, picklable_tensors(renamed_sd))
+    )
+    select_out = None if selection.stand_in else selection.path  # None: read back as chosen
+    return _RewritePlan(changed, total, total, (), tree, (), {}, tensors, select_out)
 
 
 def plan_strip(

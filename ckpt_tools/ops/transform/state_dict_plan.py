@@ -36,7 +36,7 @@ from ckpt_tools.ops.transform.plan import (
     new_storage,
 )
 from ckpt_tools.ops.transform.result import TransformResult
-from ckpt_tools.structure.selection import Selection, replace_at
+from ckpt_tools.structure.selection import Selection, a_kind_of, replace_at
 
 __all__ = ["finish", "plan_state_dict_output"]
 
@@ -73,6 +73,11 @@ def plan_state_dict_output(
         to_torch: the fix said where safetensors cannot hold a computed storage (default:
             :func:`~ckpt_tools.ops.rewrite.plan.torch_instead` of ``dst``).
     """
+    if selection.stand_in:  # written in place of the root, the empty stand-in would drop it
+        raise ConversionError(
+            f"{ckpt.path!r} holds {a_kind_of(ckpt.root)}, not a state dict: {command} "
+            "rewrites a dict of tensors"
+        )
     out_sd = _output_state_dict(selection, items)
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
     overrides = overrides or {}
