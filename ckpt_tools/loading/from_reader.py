@@ -129,9 +129,13 @@ class _Builder:
             return torch.Size(node)
         if isinstance(node, Mapping):
             return self.mapping(node, path)
-        if isinstance(node, (list, tuple, set, frozenset)):
-            items = [self.build(v, f"{path}.{i}") for i, v in enumerate(node)]
-            return items if type(node) is list else type(node)(items)
+        if isinstance(node, list):
+            out: list[Any] = []
+            self.memo[id(node)] = out  # before its items: a list may hold itself
+            out.extend(self.build(v, f"{path}.{i}") for i, v in enumerate(node))
+            return out
+        if isinstance(node, (tuple, set, frozenset)):
+            return type(node)(self.build(v, f"{path}.{i}") for i, v in enumerate(node))
         if isinstance(node, ConstantRef):
             return self.constant(node, path)
         if isinstance(node, Reduced):
@@ -148,7 +152,9 @@ class _Builder:
         out = type(node)() if type(node) in (dict, OrderedDict, Counter) else {}
         self.memo[id(node)] = out
         for key, value in node.items():
-            out[key] = self.build(value, f"{path}.{key}" if path else str(key))
+            # A tensor may be a key (hashed by identity): it is built like any other.
+            built = key if isinstance(key, (str, int)) else self.build(key, path)
+            out[built] = self.build(value, f"{path}.{key}" if path else str(key))
         # BUILD state the pickle set on the mapping: the state dict's ``_metadata``.
         for name, value in getattr(node, "__dict__", {}).items():
             setattr(out, name, self.build(value, path))

@@ -267,6 +267,29 @@ def test_a_module_state_dict_keeps_metadata_and_tied_storages(
     assert sd._metadata[""]["version"] == model.state_dict()._metadata[""]["version"]
 
 
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_a_list_holding_itself_and_tensor_keys_load_as_torch_loads_them(
+    tmp_path: Path, zipfile: bool
+) -> None:
+    w = torch.arange(4.0)
+    loop: list[Any] = [w]
+    loop.append(loop)
+    path = str(tmp_path / "odd.pt")
+    torch.save(
+        {"sd": {"w": w}, "loop": loop, "keys": {w: "x", (w, 1): "y"}},
+        path,
+        _use_new_zipfile_serialization=zipfile,
+    )
+    want = torch.load(path, weights_only=True)
+    got = load_state_dict(path, select=[])
+    assert got["loop"][1] is got["loop"] and want["loop"][1] is want["loop"]
+    assert torch.equal(got["loop"][0], want["loop"][0])
+    assert [type(k).__name__ for k in got["keys"]] == [type(k).__name__ for k in want["keys"]]
+    key, pair = list(got["keys"])
+    assert torch.equal(key, w) and key.data_ptr() == got["sd"]["w"].data_ptr()
+    assert pair[0] is key and pair[1] == 1 and list(got["keys"].values()) == ["x", "y"]
+
+
 def test_a_mutated_zip_record_changes_the_loaded_bytes_as_torch_sees_them(tmp_path: Path) -> None:
     path = tmp_path / "mutated.pt"
     torch.save({"w": torch.zeros(64)}, path)
