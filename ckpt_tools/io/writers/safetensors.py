@@ -27,7 +27,7 @@ from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 
 __all__ = [
     "SafetensorsEntry",
-    "check_dtypes",
+    "check_holdable",
     "leave_out_extras",
     "safetensors_header",
     "source_records",
@@ -124,10 +124,11 @@ def source_records(
     return [(e.name, e.tensor, tensor_bytes_record(source, e.tensor)) for e in entries]
 
 
-def check_dtypes(
+def check_holdable(
     tensors: Sequence[tuple[str, str]], path: str | None, remedies: Sequence[Remedy] = ()
 ) -> None:
-    """Refuse, while planning, every tensor whose dtype safetensors cannot hold.
+    """Refuse, while planning, every tensor a safetensors file cannot hold: one of a dtype it
+    lacks, or named by a string that is no UTF-8 (a lone surrogate, which torch keeps).
 
     Operations call it while planning; :func:`safetensors_header` calls it again, as a guard.
 
@@ -140,20 +141,43 @@ def check_dtypes(
         ConversionError: naming every offending tensor (the first eight in the message).
 
     Example:
-        >>> check_dtypes([("w", "float32"), ("q", "qint8")], "a.pt")
+        >>> check_holdable([("w", "float32"), ("q", "qint8")], "a.pt")
         Traceback (most recent call last):
         ckpt_tools.errors.ConversionError: safetensors cannot hold ... 'a.pt': q (qint8); ...
+        >>> check_holdable([("w\\ud800", "float32")], "a.pt")
+        Traceback (most recent call last):
+        ckpt_tools.errors.ConversionError: safetensors names ... are not: 'w\\ud800'; ...
     """
+    where = f" in {path!r}: " if path else ": "
+    fixes = tuple(remedies) or (Remedy(text="keep the torch format"),)
     bad = [f"{name} ({dtype})" for name, dtype in tensors if dtype not in TORCH_TO_SAFETENSORS]
     if bad:
         raise ConversionError(
-            f"safetensors cannot hold the dtype of {len(bad)} tensor(s)"
-            + (f" in {path!r}: " if path else ": ")
+            f"safetensors cannot hold the dtype of {len(bad)} tensor(s){where}"
             + ", ".join(bad[:8])
             + (" ..." if len(bad) > 8 else ""),
             path=path,
-            remedies=tuple(remedies) or (Remedy(text="keep the torch format"),),
+            remedies=fixes,
         )
+    unnamed = [ascii(name) for name, _ in tensors if not _is_utf8(name)]
+    if unnamed:
+        raise ConversionError(
+            f"safetensors names tensors in UTF-8, and {len(unnamed)} name(s)"
+            + (f" in {path!r}" if path else "")
+            + " are not: "
+            + ", ".join(unnamed[:8])
+            + (" ..." if len(unnamed) > 8 else ""),
+            path=path,
+            remedies=(Remedy(text="rename them first (ckpt rename --regex)"), *fixes),
+        )
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def leave_out_extras(
@@ -236,7 +260,7 @@ def safetensors_header(
         >>> safetensors_header([SafetensorsEntry("w", w)], None).rstrip()
         b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
     """
-    check_dtypes([(e.name, e.tensor.dtype) for e in entries], None)
+    check_holdable([(e.name, e.tensor.dtype) for e in entries], None)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)

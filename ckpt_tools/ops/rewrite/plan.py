@@ -227,7 +227,7 @@ def safetensors_plan(
 ) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
     """The safetensors output of ``sd``; ``to_torch`` is the fix said for a dtype it lacks
     (:func:`torch_instead`; "keep the torch format" when None)."""
-    from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes, leave_out_extras
+    from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_holdable, leave_out_extras
 
     extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
     extras += [name for name, _ in entries_beside(ckpt.root, path)]
@@ -257,5 +257,5 @@ def safetensors_plan(
         expected[str(name)] = t
     expected.update(tied)  # reading the output gives them back, after the stored names
     fixes = () if to_torch is None else (to_torch,)
-    check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path, fixes)
+    check_holdable([(e.name, e.tensor.dtype) for e in entries], ckpt.path, fixes)
     return entries, metadata, left_out + tuple(dropped), expected

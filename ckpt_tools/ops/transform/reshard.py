@@ -27,7 +27,7 @@ from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.hf_folder import check_output_folder, write_hf_shards
 from ckpt_tools.io.writers.output import Check
 from ckpt_tools.io.writers.progress import ByteCounter
-from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_dtypes, source_records
+from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_holdable, source_records
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -219,7 +219,7 @@ def _plan_folder(
     # total_size and "format" are the writer's to set.
     extra = {k: v for k, v in metadata.items() if isinstance(v, str) and k != "format"}
     extra.update(aliases)
-    check_dtypes([(e.name, e.tensor.dtype) for e in entries], ckpt.path)
+    check_holdable([(e.name, e.tensor.dtype) for e in entries], ckpt.path)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing

@@ -24,7 +24,7 @@ from ckpt_tools.io.writers.records import (
     copy_record,
     tensor_bytes_record,
 )
-from ckpt_tools.io.writers.safetensors import check_dtypes, leave_out_extras
+from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.plan import (
@@ -359,7 +359,7 @@ def _safetensors_entries(
             record = cast_stream(record, t.dtype, dst)
         out = TensorRef(t.storage, 0, t.shape, (), dst or t.dtype)
         entries.append((new, out, record))
-    check_dtypes([(name, out.dtype) for name, out, _ in entries], ckpt.path)
+    check_holdable([(name, out.dtype) for name, out, _ in entries], ckpt.path)
     return entries, metadata, left_out
 
 
