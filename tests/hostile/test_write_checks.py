@@ -170,7 +170,7 @@ def test_safetensors_conversion_refuses_non_str_keys_up_front(tmp_path):
 def test_a_name_that_is_no_utf8_is_refused_before_a_safetensors_output(command, tmp_path):
     # torch keeps a key with a lone surrogate; safetensors' header is UTF-8 and cannot.
     torch.save({"module.w\ud800": torch.ones(2), "module.b": torch.zeros(1)}, tmp_path / "in.pt")
-    assert list(torch.load(tmp_path / "in.pt", weights_only=True))[0] == "module.w\ud800"
+    assert next(iter(torch.load(tmp_path / "in.pt", weights_only=True))) == "module.w\ud800"
     result = _ckpt(command, tmp_path / "in.pt", tmp_path / "out.safetensors")
     assert result.returncode == 7, result.stderr
     assert "safetensors names tensors in UTF-8, and 1 name(s)" in result.stderr

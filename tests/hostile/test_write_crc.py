@@ -48,3 +48,33 @@ def test_the_command_exits_4_with_one_line_and_writes_nothing(tmp_path: Path) ->
     )
     assert run.returncode == EXIT_CORRUPT and run.stderr.count("\n") == 1, run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+@pytest.mark.parametrize("how", ["compute_crc32=False", "skip_data"])
+def test_a_file_torch_saved_without_crcs_is_read_and_rewritten(tmp_path: Path, how: str) -> None:
+    # torch writes 0 for every CRC when told not to compute them (and under skip_data, whose
+    # storages it never fills); its reader checks none, so a 0 is no damage.
+    import torch.utils.serialization.config as serialization
+
+    from ckpt_tools import load_state_dict, scan
+
+    src = tmp_path / "in.pt"
+    state = {"module.w": torch.arange(8.0), "module.b": torch.ones(2)}
+    if how == "skip_data":
+        with torch.serialization.skip_data():
+            torch.save(state, src)
+    else:
+        serialization.save.compute_crc32 = False
+        try:
+            torch.save(state, src)
+        finally:
+            serialization.save.compute_crc32 = True
+    records = open_checkpoint(src).records
+    assert {r.crc32 for name, r in records.items() if name.startswith("data/")} == {0}
+    want = torch.load(src, weights_only=True)
+    got = load_state_dict(src)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert scan(src).files[0].verdict == "clean"
+    strip_module(src, tmp_path / "out.pt", verify="full")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert all(torch.equal(out[k.removeprefix("module.")], v) for k, v in want.items())

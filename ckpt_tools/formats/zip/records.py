@@ -13,7 +13,7 @@ from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.zip.directory import ZipEntry, ZipSource, corrupt_zip, located, pread
 from ckpt_tools.structure.text import human_bytes
 
-__all__ = ["check_inflates", "deflate_bound", "read_entry", "read_head"]
+__all__ = ["check_inflates", "crc_holds", "deflate_bound", "read_entry", "read_head"]
 
 
 def check_inflates(path: str, fd: ZipSource, entry: ZipEntry, chunk: int = 1 << 20) -> None:
@@ -93,13 +93,27 @@ def read_entry(path: str, fd: ZipSource, entry: ZipEntry, limit: int) -> bytes:
             data = zlib.decompressobj(-15).decompress(raw, entry.file_size + 1)
         except zlib.error as e:
             raise corrupt_zip(path, f"record {entry.name!r} does not inflate ({e})") from e
-    if len(data) != entry.file_size or zlib.crc32(data) != entry.crc32:
+    if len(data) != entry.file_size or not crc_holds(data, entry.crc32):
         raise CorruptCheckpointError(
             f"{path!r}: record {entry.name!r} fails its size or CRC-32 check (the file is "
             "damaged); download or copy it again",
             path=path,
         )
     return data
+
+
+def crc_holds(data: bytes, recorded: int) -> bool:
+    """Whether ``data`` matches the CRC-32 its zip record holds.
+
+    torch writes 0 for every record when told not to compute them
+    (``torch.utils.serialization.config.save.compute_crc32 = False``), and its reader
+    checks none: a 0 says nothing about the bytes.
+
+    Example:
+        >>> crc_holds(b"abc", zlib.crc32(b"abc")), crc_holds(b"abc", 0), crc_holds(b"abc", 1)
+        (True, True, False)
+    """
+    return recorded == 0 or zlib.crc32(data) == recorded
 
 
 def deflate_bound(size: int) -> int:

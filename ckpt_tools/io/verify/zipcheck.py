@@ -11,7 +11,6 @@ header agreeing with the central directory, its bytes inside the file, storages 
 from __future__ import annotations
 
 import os
-import zlib
 
 from ckpt_tools.errors import (
     CheckpointError,
@@ -20,6 +19,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.zip.directory import ZipEntry, read_zip_directory
+from ckpt_tools.formats.zip.records import crc_holds
 from ckpt_tools.io.writers.zipfile import ALIGNMENT
 
 __all__ = ["check_source_crcs", "check_torch_zip"]
@@ -44,7 +44,7 @@ def check_source_crcs(ckpt: Checkpoint) -> None:
         for name, record in ckpt.records.items():
             if record.compressed or record.size > _SMALL:
                 continue
-            if zlib.crc32(os.pread(fd, record.size, record.data_offset)) != record.crc32:
+            if not crc_holds(os.pread(fd, record.size, record.data_offset), record.crc32):
                 raise CorruptCheckpointError(
                     f"{ckpt.path!r}: record {name!r} fails its CRC-32 check (the file is "
                     "damaged); a copy of it would not be a valid archive",
@@ -106,7 +106,7 @@ def check_torch_zip(path: str, opened: Checkpoint | None = None) -> int:
                 raise _fail(f"storage {name!r} starts at {offset}, not {ALIGNMENT}-aligned")
             if size <= _SMALL or name == "data.pkl":
                 payload = os.pread(fd, size, offset)
-                if zlib.crc32(payload) != crc:
+                if not crc_holds(payload, crc):
                     raise _fail(f"record {name!r} fails its CRC-32 check")
                 if name == "data.pkl":
                     _check_pickle(payload)
