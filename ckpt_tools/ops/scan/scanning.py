@@ -43,7 +43,7 @@ from ckpt_tools.io.remote.urls import is_folder_url, is_url
 from ckpt_tools.ops.scan.remote import Remote, open_remote, refuse_local_only, url_targets
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify, storage_class_rule
-from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, walk_pickles
+from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, storage_records, walk_pickles
 
 __all__ = ["scan", "scan_file"]
 
@@ -211,10 +211,9 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
     reading = _Reading(None, (), "", frozenset()) if numpy else _read_as_torch(path, remote)
     error, fmt = reading.error, reading.format or content
     walked: list[Walked] = []
+    skip = reading.read | reading.storages  # (torch reads storage records as raw bytes)
     try:
-        walked.extend(
-            walk_pickles(path, fmt, skip=reading.read, entries=reading.entries, source=source)
-        )
+        walked.extend(walk_pickles(path, fmt, skip=skip, entries=reading.entries, source=source))
     except (CheckpointError, OSError, EOFError) as e:
         _raise_remote(e, source)
         if source is not None and error is None:
@@ -323,6 +322,7 @@ class _Reading(NamedTuple):
     read: frozenset[str]  # records it read whole, which need no walk of their own
     format: str | None = None
     entries: tuple[ZipEntry, ...] | None = None  # a zip's records, as it listed them
+    storages: frozenset[str] = frozenset()  # records it read as raw bytes: no pickle's
 
 
 def _read_as_torch(path: str, remote: Remote | None = None) -> _Reading:
@@ -358,7 +358,8 @@ def _read_as_torch(path: str, remote: Remote | None = None) -> _Reading:
         # Where it met globals off the allowlist, the walk still names their modules apart
         # from their attribute paths (the reader joins the two).
         read = frozenset() if ckpt.unsafe_globals else frozenset({record})
-        return _Reading(None, ckpt.unsafe_globals, record, read, ckpt.format, entries)
+        raw = storage_records(ckpt)
+        return _Reading(None, ckpt.unsafe_globals, record, read, ckpt.format, entries, raw)
     return _Reading(None, ckpt.unsafe_globals, "main pickle", frozenset(), ckpt.format)
 
 

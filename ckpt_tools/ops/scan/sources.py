@@ -2,7 +2,9 @@
 
 - torch zip (and TorchScript): ``data.pkl`` and every other record that is a pickle by
   content (``torch.package`` archives hold several; any record can hold one), including
-  records a name lookup would never reach; TorchScript's ``code/`` files are listed.
+  records a name lookup would never reach, but not the storage records ``data.pkl`` names
+  (:func:`storage_records`: torch reads those as raw bytes); TorchScript's ``code/`` files
+  are listed.
 - legacy (pre-1.6): the five pickles torch reads back to back (magic number, protocol,
   ``sys_info``, the main pickle, the storage keys).
 - tar (torch < 0.4): the ``sys_info`` and ``pickle`` members, and every pickle of
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError, RemoteError
-from ckpt_tools.formats.base import RangeSource, open_buffered
+from ckpt_tools.formats.base import Checkpoint, RangeSource, open_buffered
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickle.imports import (
     ImportScan,
@@ -53,7 +55,7 @@ from ckpt_tools.ops.scan.local_headers import local_entries
 from ckpt_tools.ops.scan.severity import Context
 from ckpt_tools.ops.scan.tar_layout import member_pickles
 
-__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "walk_pickles"]
+__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "storage_records", "walk_pickles"]
 
 # A record is first tested on this many bytes; one that still parses as a pickle there is
 # walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
@@ -86,7 +88,8 @@ def walk_pickles(
 ) -> Iterator[Walked]:
     """Every pickle in the file (or DCP folder) ``path`` of format ``fmt``, walked.
 
-    ``skip`` names zip records not to walk (read already, by the restricted unpickler);
+    ``skip`` names zip records not to walk (read already, by the restricted unpickler, or
+    a storage's raw bytes: :func:`storage_records`);
     ``entries`` are a zip's records where our reader listed them already; ``source`` is the
     file read by ranges where ``path`` is its URL (not for tar or DCP, read member by member).
 
@@ -176,6 +179,19 @@ def _remote_zip_pickles(
         yield from _lenient_zip_pickles(path, source)
         raise
     yield from found
+
+
+def storage_records(ckpt: Checkpoint) -> frozenset[str]:
+    """The records of a torch zip ``ckpt`` that its pickle's persistent ids name as storages
+    (``archive/data/0``): torch reads each as a tensor's raw bytes and never unpickles it,
+    whatever its first bytes spell. Empty for other formats; a caller whose reader could
+    not read the pickle knows none, and walks every record. A record named as a pickle
+    (``.pkl``, which torch.save never names a storage) is left to the walk all the same."""
+    return frozenset(
+        f"{ckpt.archive_root}/data/{s.key}"
+        for s in ckpt.storages.values()
+        if ckpt.archive_root and f"data/{s.key}" in ckpt.records and not s.key.endswith(".pkl")
+    )
 
 
 def is_npz(path: str, source: RangeSource | None = None) -> bool:
