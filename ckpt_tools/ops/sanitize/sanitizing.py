@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import TensorRef, iter_tensors
 from ckpt_tools.errors import (
     Remedy,
     SelectError,
@@ -25,7 +25,7 @@ from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import AtomicFile, check_output_path
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
-from ckpt_tools.io.verify.outputs import Expected, verify_output
+from ckpt_tools.io.verify.outputs import Expected, tensor_digest, verify_output
 from ckpt_tools.io.writers.output import write_file
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.torchzip import write_torch_zip
@@ -65,7 +65,8 @@ def sanitize(
         refuse_unsafe: refuse (exit 3) instead of dropping what cannot be kept
             (``ckpt sanitize --strict``).
         select: dotted path to the state dict whose tensors are verified; chosen
-            automatically when None.
+            automatically when None. A root that is no mapping (a tensor, a list of
+            them) has every tensor verified.
         force: replace an existing ``dst`` (never the input).
         verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
             ``full`` (also every byte, compared with the input's) or ``none``.
@@ -174,25 +175,72 @@ def _selected_tensors(root: Any, path: Sequence[str]) -> dict[Any, TensorRef]:
 def _verify(
     tmp: str, done: SanitizedTree, path: Sequence[str], source: Checkpoint, level: str
 ) -> str:
-    """The output's selected tensors as planned, and no global outside the allowlist."""
+    """The output's selected tensors as planned, and no global outside the allowlist.
+
+    A root that is no mapping (a tensor, a list of them, None) has no state dict to select:
+    the output's is chosen as the input's was (none), and every tensor of the tree is checked
+    instead.
+    """
     if level == "none":
         return "not verified (--verify none)"
-    expected = _selected_tensors(done.root, path)
+    whole_tree = not path and not isinstance(done.root, Mapping)
+    expected = {} if whole_tree else _selected_tensors(done.root, path)
     new = [t for t in expected.values() if t.storage.key in done.added]
     # A source that names no global: verify_output then refuses any the output names.
     # It compares copied tensors with the input; new records are compared here.
     none_allowed = replace(source, unsafe_globals=())
-    said = verify_output(tmp, Expected(expected, path, none_allowed), "sizes" if new else level)
+    select = None if whole_tree else path
+    said = verify_output(tmp, Expected(expected, select, none_allowed), "sizes" if new else level)
+    if not whole_tree and level != "full":
+        return said
+    out = open_checkpoint(tmp)
+    count = _check_tree(out, done, source, level) if whole_tree else len(expected)
     if level == "full":
-        _check_added(open_checkpoint(tmp), done.added)
-        said = f"verified: {len(expected)} tensors, keys, sizes and bytes"
-    return said
+        _check_added(out, done)
+        return f"verified: {count} tensors, keys, sizes and bytes"
+    return f"verified: {count} tensors, sizes and sharing"
 
 
-def _check_added(out: Checkpoint, added: Mapping[str, bytes]) -> None:
-    for key, data in added.items():
-        span = out.span(out.storages[key])
+def _check_tree(out: Checkpoint, done: SanitizedTree, source: Checkpoint, level: str) -> int:
+    """Every tensor of the tree, read back where it was written: dtype, shape, view and
+    sharing; at ``full`` the bytes of those copied from ``source``. Returns their count."""
+    got, want = iter_tensors(out.root), iter_tensors(done.root)
+    if [_geometry(p, t) for p, t in got] != [_geometry(p, t) for p, t in want]:
+        raise VerificationError("the written file's tensors differ from the planned ones")
+    if _sharing(got) != _sharing(want):
+        raise VerificationError("the written file's tensors share storages otherwise than planned")
+    for (name, have), (_, was) in zip(got, want):
+        copied = was.storage.key not in done.added
+        if level == "full" and copied and tensor_digest(out, have) != tensor_digest(source, was):
+            raise VerificationError(f"the bytes of {name!r} differ after writing")
+    return len(got)
+
+
+def _geometry(path: str, t: TensorRef) -> tuple[Any, ...]:
+    return (path, t.dtype, t.shape, t.stride, t.offset)
+
+
+def _sharing(found: Sequence[tuple[str, TensorRef]]) -> list[list[str]]:
+    """The paths of the tensors, grouped by the storage they view."""
+    groups: dict[int, list[str]] = {}
+    for path, t in found:
+        groups.setdefault(id(t.storage), []).append(path)
+    return sorted(groups.values())
+
+
+def _check_added(out: Checkpoint, done: SanitizedTree) -> None:
+    """The new records' bytes (numpy arrays'), found through the tensors that view them: a
+    source that is not a zip has its records numbered anew on the way out."""
+    pairs = zip(iter_tensors(out.root), iter_tensors(done.root))
+    written = {w.storage.key: h.storage for (_, h), (_, w) in pairs if w.storage.key in done.added}
+    for key, data in done.added.items():
+        storage = written.get(key)
+        if storage is None:
+            raise VerificationError(f"the new record for storage {key!r} is not in the output")
+        span = out.span(storage)
         with open(span.path, "rb") as f:
             f.seek(span.offset)
             if f.read(span.nbytes) != data:
-                raise VerificationError(f"the bytes of new record data/{key} differ after writing")
+                raise VerificationError(
+                    f"the bytes of new record data/{storage.key} differ after writing"
+                )

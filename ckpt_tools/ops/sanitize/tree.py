@@ -11,9 +11,12 @@ values ``torch.load(weights_only=True)`` accepts, read from that record alone:
   (their ``_content`` of nodes holding ``_val``) and ``collections.defaultdict`` -> dicts and
   lists; ``pathlib`` paths -> strings; enums (a class called with one plain value) -> the value.
 
-Everything else (other objects, classes used as values) is dropped and reported with its
-path. The walk copies containers and keeps shared references shared: an object the pickle
-holds in several places becomes the same thing in each, and each place is listed.
+What ``torch.load(weights_only=True)`` itself builds is kept as it is: tensors, dicts,
+``OrderedDict`` s (with their attributes), ``Counter`` s, sets, tuples, ``torch.Size``, dtypes,
+devices, plain scalars. Everything else (other objects, classes used as values) is dropped
+and reported with its path. The walk copies containers and keeps shared references shared:
+an object the pickle holds in several places becomes the same thing in each, and each place
+is listed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import collections
 import math
 import ntpath
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +47,9 @@ _PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
 _NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _DROP = object()
+# The mappings torch.load(weights_only=True) builds: kept as they are (an OrderedDict with
+# its attributes, such as a state dict's ``_metadata``).
+_KEPT_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
 
 
 @dataclass(frozen=True)
@@ -140,8 +146,7 @@ class _Sanitizer:
         elif isinstance(node, tuple):
             made = tuple(self._item(v, _at(path, i)) for i, v in enumerate(node))
         elif isinstance(node, (set, frozenset)):
-            items = [self.value(v, path) for v in node]
-            made = type(node)(v for v in items if v is not _DROP and _hashable(v))
+            made = self._set(node, path)
         elif isinstance(node, Opaque):
             made = self._opaque(node, path)
         else:
@@ -179,9 +184,25 @@ class _Sanitizer:
         return made
 
     def _mapping(self, node: Mapping[Any, Any], path: str) -> Any:
-        made: Any = type(node)() if type(node) in (dict, collections.OrderedDict) else {}
+        kind = type(node)
+        made: Any = kind() if kind in _KEPT_MAPPINGS else {}
         self.memo[id(node)] = made
-        for key, value in node.items():
+        self._entries(made, node.items(), path)
+        attributes = getattr(node, "__dict__", None)
+        if kind is collections.OrderedDict and attributes:
+            # torch.load sets them (BUILD); pickling an OrderedDict writes them back.
+            self._entries(made.__dict__, attributes.items(), path)
+        elif kind is collections.Counter and attributes:
+            # torch.load sets them too (a crafted BUILD), but a Counter pickles without them.
+            for name in attributes:
+                self.dropped.append(Change(_at(path, name), "attribute of a Counter", "dropped"))
+        if kind not in _KEPT_MAPPINGS:
+            return self._converted(path, f"{kind.__module__}.{kind.__qualname__}", "dict", made)
+        return made
+
+    def _entries(self, made: dict[Any, Any], items: Iterable[tuple[Any, Any]], path: str) -> None:
+        """Each key and value of ``items`` made plain into ``made``; what cannot be, listed."""
+        for key, value in items:
             where = _at(path, key)
             new_key = self.value(key, where)
             if new_key is _DROP:  # listed at ``where`` already, as what the key was
@@ -190,13 +211,16 @@ class _Sanitizer:
                 self.dropped.append(Change(where, "an entry whose key cannot be kept", "dropped"))
                 continue
             new_value = self.value(value, where)
-            if new_value is _DROP:
-                continue
-            made[new_key] = new_value
-        metadata = getattr(node, "_metadata", None)
-        if isinstance(metadata, Mapping) and isinstance(made, collections.OrderedDict):
-            made._metadata = self.value(metadata, f"{path}._metadata")  # type: ignore[attr-defined]
-        return made
+            if new_value is not _DROP:
+                made[new_key] = new_value
+
+    def _set(self, node: set[Any] | frozenset[Any], path: str) -> Any:
+        items = [self.value(v, path) for v in node]
+        for v in items:
+            if v is not _DROP and not _hashable(v):  # a member converted to a dict or list
+                was = f"a set member that became a {type(v).__name__}"
+                self.dropped.append(Change(path, was, "dropped"))
+        return type(node)(v for v in items if v is not _DROP and _hashable(v))
 
     def _tensor(self, t: TensorRef, path: str) -> Any:
         if t.func is not None and not module_globals(t.args):
