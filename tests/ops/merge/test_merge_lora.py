@@ -40,14 +40,15 @@ class Case(NamedTuple):
     merged: dict[str, torch.Tensor]  # merge_and_unload()'s state dict
 
 
-def _llama() -> Any:
+def _llama(layers: int = 2, tie_word_embeddings: bool = False) -> Any:
     config = transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        tie_word_embeddings=tie_word_embeddings,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -55,16 +56,7 @@ def _llama() -> Any:
 def _llama_tied() -> Any:
     # Tied embeddings (Llama 3.2 1B, Qwen2.5 0.5B): save_pretrained leaves lm_head out, so
     # every key it writes starts with "model.".
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return _llama(layers=1, tie_word_embeddings=True)
 
 
 def _gpt2() -> Any:
