@@ -136,7 +136,7 @@ def select_state_dict(root: Any, *, select: Select = None) -> Selection:
         node = mapping_at(walk.node)
         if node is None:
             raise SelectError(
-                f"it is a {type(walk.node).__name__}, not a mapping of tensors; pick a dict entry",
+                f"it is {a_kind_of(walk.node)}, not a mapping of tensors; pick a dict entry",
                 argument="select",
                 value=repr(".".join(parts)),
                 flag="--select",

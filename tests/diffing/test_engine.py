@@ -362,3 +362,18 @@ def test_suggestions_never_rename_onto_a_tensor_of_another_shape(tmp_path) -> No
     texts = [str(s) for s in diff(path, model).suggestions]
     assert texts and "stripping 'module.' resolves 4 of 4" in texts[0]
     assert not any("'module.0.' to '2.'" in t or "'module.2.' to '0.'" in t for t in texts)
+
+
+def test_a_root_that_is_no_mapping_is_refused_not_compared_as_empty(
+    save: Callable[..., str],
+) -> None:
+    # torch.save(tensor) and torch.save([...]) hold no state dict: each would compare as an
+    # empty one, "identical" to the other.
+    tensor, listed = save(torch.arange(3.0), "t.pt"), save([torch.ones(1)], "l.pt")
+    with pytest.raises(UsageError, match=r"'.*t\.pt' holds a tensor, not a state dict"):
+        diff(tensor, listed)
+    _, _, err = run_ckpt("diff", save({"w": torch.ones(1)}, "d.pt"), listed, code=2)
+    assert err.endswith(
+        "l.pt' holds a list, not a state dict (a mapping of names to tensors); "
+        "diff compares state dicts\n"
+    )

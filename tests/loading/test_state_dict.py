@@ -263,3 +263,15 @@ def test_load_info_serialises(net: nn.Module, save: Callable[..., str]) -> None:
     assert isinstance(info, LoadInfo)
     data = json.loads(json.dumps(info.to_json()))
     assert data["placements"][0]["saved"] == "cpu" and os.path.isfile(data["path"])
+
+
+@pytest.mark.parametrize(("root", "kind"), [(torch.arange(3.0), "a tensor"), ([1], "a list")])
+def test_a_root_that_is_no_mapping_is_named_as_what_it_is(
+    tmp_path: Path, root: Any, kind: str
+) -> None:
+    path = tmp_path / "root.pt"
+    torch.save(root, path)
+    with pytest.raises(UsageError, match=f"holds {kind}, not a state dict"):
+        load_state_dict(path)
+    with pytest.raises(SelectError, match=f"select='': it is {kind}, not a mapping"):
+        load_state_dict(path, select=[])
