@@ -92,3 +92,19 @@ def test_json_refuses_shared_with_lists_past_the_limit(
         info.to_json()
     assert "leave out --json" in caught.value.render(for_cli=True)
     assert "t0, t1 ..." in info.text()  # the text never lists them all
+
+
+def test_a_root_that_is_no_mapping_lists_its_tensors_by_path(tmp_path: Path) -> None:
+    # torch.save(tensor), torch.save([...]): no state dict, but the tensors are there.
+    torch.save(torch.arange(6.0).view(2, 3), tmp_path / "t.pt")
+    torch.save([torch.ones(2), {"a": torch.zeros(1, dtype=torch.int8)}], tmp_path / "l.pt")
+    bare = ckpt_tools.inspect(tmp_path / "t.pt")
+    assert [(t.name, t.shape, t.dtype) for t in bare.tensors] == [("<root>", (2, 3), "float32")]
+    assert bare.selection_reason.startswith("the root is a tensor, no state dict")
+    listed = ckpt_tools.inspect(tmp_path / "l.pt")
+    loaded = torch.load(tmp_path / "l.pt", weights_only=True)
+    assert [(t.name, t.shape) for t in listed.tensors] == [
+        ("0", tuple(loaded[0].shape)),
+        ("1.a", tuple(loaded[1]["a"].shape)),
+    ]
+    assert listed.total_bytes == 9

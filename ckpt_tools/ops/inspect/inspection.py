@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Select, StrPath
-from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
+from ckpt_tools.descriptors import Opaque, TensorRef, iter_tensors, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.keys import detect_wrappers
 from ckpt_tools.structure.selection import (
     Selection,
+    a_kind_of,
     entries_beside,
     key_text,
     select_state_dict,
@@ -75,6 +77,10 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         flat = script_module_tensors(ckpt.root)
         if flat:
             selection = Selection((), "TorchScript module: its parameters and buffers", flat)
+    if selection.stand_in:  # torch.save(tensor), torch.save([...]): each tensor by its path
+        found = {path or "<root>": t for path, t in iter_tensors(ckpt.root)}
+        why = f"the root is {a_kind_of(ckpt.root)}, no state dict; its tensors by path"
+        selection = replace(selection, reason=why, state_dict=found)
     sd = selection.state_dict
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRef)]
     by_storage: dict[int, list[str]] = {}
