@@ -70,17 +70,24 @@ def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> d
     return entries
 
 
-def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInfo:
-    """Describe an opened checkpoint (see :func:`inspect`)."""
+def _selected(ckpt: Checkpoint, select: Select) -> Selection:
+    """The state dict to describe: the selection, a TorchScript module's tensors, or (no
+    state dict in a root that is no mapping) every tensor of the root by its path."""
     selection = select_state_dict(ckpt.root, select=select)
     if select is None and ckpt.format == "torchscript" and not selection.path:
         flat = script_module_tensors(ckpt.root)
         if flat:
             selection = Selection((), "TorchScript module: its parameters and buffers", flat)
-    if selection.stand_in:  # torch.save(tensor), torch.save([...]): each tensor by its path
+    if selection.stand_in:  # torch.save(tensor), torch.save([...])
         found = {path or "<root>": t for path, t in iter_tensors(ckpt.root)}
         why = f"the root is {a_kind_of(ckpt.root)}, no state dict; its tensors by path"
         selection = replace(selection, reason=why, state_dict=found)
+    return selection
+
+
+def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInfo:
+    """Describe an opened checkpoint (see :func:`inspect`)."""
+    selection = _selected(ckpt, select)
     sd = selection.state_dict
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRef)]
     by_storage: dict[int, list[str]] = {}
