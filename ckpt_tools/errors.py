@@ -261,28 +261,40 @@ class OutputExistsError(OutputError, FileExistsError):
 
 
 class SameFileError(OutputError):
-    """The output is the input (same path, hard link or symlink) and ``in_place`` was not given.
+    """The output is the input (same path, hard link or symlink), or an existing file inside
+    an input folder (a shard it reads), and ``in_place`` was not given.
 
     Args:
         path: the output path; the message and the remedies are built from it.
         offer_in_place: the operation takes ``in_place`` (``--in-place``), so it is offered;
             False where it has no such option (``slim``, ``sanitize``): another output path
             is the only fix said.
+        folder: the input folder ``path`` lies in, when the input is a folder.
 
     Example:
         >>> SameFileError("in.pt", offer_in_place=False).render(for_cli=True).split("; ")[1]
         'choose another output path'
     """
 
-    def __init__(self, path: str | os.PathLike[str], offer_in_place: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        offer_in_place: bool = True,
+        folder: str | os.PathLike[str] | None = None,
+    ) -> None:
         rewrite = Remedy(
             "in_place",
             "True",
             flag="--in-place",
             text="to rewrite it (still through a temp file and a rename)",
         )
+        what = (
+            "the input file (same path, hard link or symlink)"
+            if folder is None
+            else f"a file of the input folder {os.fspath(folder)!r}"
+        )
         super().__init__(
-            f"output {os.fspath(path)!r} is the input file (same path, hard link or symlink)",
+            f"output {os.fspath(path)!r} is {what}",
             path=path,
             remedies=(rewrite, _OTHER_OUTPUT) if offer_in_place else (_OTHER_OUTPUT,),
         )

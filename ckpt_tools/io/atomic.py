@@ -91,17 +91,25 @@ def check_output_path(
         replaced).
 
     Raises:
-        SameFileError: ``dst`` is ``src`` and ``in_place`` is False.
+        SameFileError: ``dst`` is ``src``, or an existing file inside a ``src`` folder, and
+            ``in_place`` is False.
         OutputExistsError: ``dst`` exists and ``force`` is False.
-        OutputError: ``dst``'s folder does not exist or is a file.
+        OutputError: ``dst`` is a folder or not a regular file (a device, a FIFO), or its
+            folder does not exist or is a file.
     """
     out = Path(dst)
-    if src is not None and out.exists() and _same_file(Path(src), out):
-        if not in_place:
-            raise SameFileError(dst, offer_in_place=in_place is not None)
-        return out.resolve()
+    if src is not None and out.exists():
+        # A file inside an input folder may be one the input reads (a shard, the index).
+        inside = Path(src).is_dir() and out.resolve().is_relative_to(Path(src).resolve())
+        if inside or _same_file(Path(src), out):
+            if not in_place:
+                folder = src if inside else None
+                raise SameFileError(dst, offer_in_place=in_place is not None, folder=folder)
+            return out.resolve()
     if out.is_dir():
         raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)
+    if out.exists() and not out.is_file():  # a device or a FIFO: never replaced by a file
+        raise OutputError(f"output {str(dst)!r} is not a regular file; give a file path", path=dst)
     if out.exists() and not force:
         raise OutputExistsError(dst)
     folder = out.resolve().parent
@@ -112,15 +120,20 @@ def check_output_path(
     return out.resolve() if out.is_symlink() else out
 
 
-def _set_mode(fd: int, target: Path) -> None:
-    """The replaced file's permission bits (as editors keep them), else 0o666 less umask."""
+def _keep_mode_and_owner(fd: int, target: Path) -> None:
+    """The replaced file's permission bits (as editors keep them) and, where this process may
+    set them, its owner and group (root replacing a user's file); else 0o666 less umask."""
     try:
-        mode = target.stat().st_mode & 0o7777
+        st = target.stat()
     except FileNotFoundError:
         umask = os.umask(0)
         os.umask(umask)
-        mode = 0o666 & ~umask
-    os.fchmod(fd, mode)
+        os.fchmod(fd, 0o666 & ~umask)
+        return
+    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+        with contextlib.suppress(PermissionError):  # chown first: it clears set-id bits
+            os.fchown(fd, st.st_uid, st.st_gid)
+    os.fchmod(fd, st.st_mode & 0o7777)
 
 
 def fsync_folder(folder: str | os.PathLike[str]) -> None:
@@ -256,8 +269,12 @@ def _open_temp(target: Path, unnamed: bool) -> tuple[int, Path, bool]:
     return fd, tmp, False
 
 
-def _name_it(fd: int, tmp: Path, unnamed: bool, target: Path) -> None:
-    """Give the finished temp file ``target``'s name (replacing it atomically)."""
+def _name_it(fd: int, tmp: Path, unnamed: bool, target: Path, replace: bool) -> None:
+    """Give the finished temp file ``target``'s name: replacing it atomically, or (``replace``
+    False: it did not exist when the write began) only if it still does not exist."""
+    if not replace:
+        _name_new(fd, tmp, unnamed, target)
+        return
     if unnamed:
         # A name of its own first (linkat cannot replace), then the atomic rename; only a
         # SIGKILL between the two leaves a named temp, which remove_stale_temps handles.
@@ -269,6 +286,27 @@ def _name_it(fd: int, tmp: Path, unnamed: bool, target: Path) -> None:
     except BaseException:  # a failed rename, or a signal between the link and the rename
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _name_new(fd: int, tmp: Path, unnamed: bool, target: Path) -> None:
+    """Name the temp file ``target`` unless something took that name while it was written
+    (another process, another ``ckpt``): a link fails where a rename would replace it."""
+    try:
+        if unnamed:
+            _link_fd(fd, target)
+            return
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: the narrow check, then rename
+            if target.exists():
+                raise FileExistsError(17, "File exists", str(target)) from None
+            os.replace(tmp, target)
+            return
+        tmp.unlink()
+    except FileExistsError as e:
+        raise OutputExistsError(target) from e
 
 
 def _test_pause() -> None:
@@ -301,10 +339,12 @@ def atomic_output(
             exists: renamed over before its bytes are on disk, the old file could be lost
             as well as the new one (the yielded ``durable`` is then True).
 
-    Call :func:`check_output_path` first: this function replaces ``dst`` unconditionally.
+    Call :func:`check_output_path` first: this function replaces a ``dst`` that exists when
+    it starts, and refuses one that appears while the output is written.
 
     Raises:
         OutputError: the temp file cannot be created or written (disk full, permissions).
+        OutputExistsError: ``dst`` appeared while the output was written (nothing replaced).
 
     Example:
         >>> with atomic_output("notes.txt") as out:
@@ -315,8 +355,11 @@ def atomic_output(
     target = Path(dst)
     target = target.resolve().parent / target.name
     folder = target.parent
-    # Renamed over a file whose new bytes are not on disk, a power loss could lose both.
-    durable = durable or target.exists()
+    # A file there now may be replaced (force, in place); one that appears while the output
+    # is written is not. Renamed over a file whose new bytes are not on disk, a power loss
+    # could lose both.
+    existed = target.exists()
+    durable = durable or existed
     remove_stale_temps(folder)
     with signals_raise() as release:
         try:
@@ -331,11 +374,11 @@ def atomic_output(
             with f:
                 yield AtomicFile(f, tmp, durable)
                 f.flush()
-                _set_mode(f.fileno(), target)
+                _keep_mode_and_owner(f.fileno(), target)
                 if durable:
                     os.fsync(f.fileno())
                 _test_pause()
-                _name_it(f.fileno(), tmp, is_unnamed, target)
+                _name_it(f.fileno(), tmp, is_unnamed, target, replace=existed)
         except OSError as e:
             f.close()
             if not is_unnamed:

@@ -1,0 +1,93 @@
+"""What an output may replace: never a file an input folder holds, a device or a FIFO, nor a
+file that appears while the output is written; a replaced file keeps its mode and owner."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckpt_tools.errors import OutputExistsError, SameFileError
+from ckpt_tools.io.atomic import atomic_output, check_output_path
+from tests import helpers as h
+
+
+def _sharded(folder: Path) -> Path:
+    """A Hugging Face folder of two shards and its index, keys under ``module.``."""
+    folder.mkdir()
+    shards = {"model-00001-of-00002.safetensors": "a", "model-00002-of-00002.safetensors": "b"}
+    weight_map = {}
+    for name, key in shards.items():
+        save_file(
+            {f"module.{key}.weight": torch.full((4,), ord(key), dtype=torch.float32)}, folder / name
+        )
+        weight_map[f"module.{key}.weight"] = name
+    index = {"metadata": {"total_size": 32}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_a_file_the_input_folder_holds_is_never_the_output(tmp_path: Path) -> None:
+    hf = _sharded(tmp_path / "hf")
+    shard = hf / "model-00001-of-00002.safetensors"
+    before = shard.read_bytes()
+    _, _, err = h.run_ckpt("strip-module", hf, shard, "--force", code=6)
+    assert f"is a file of the input folder {str(hf)!r}" in err and "--in-place" in err
+    assert shard.read_bytes() == before
+    with pytest.raises(SameFileError, match="a file of the input folder"):
+        check_output_path(hf / "model.safetensors.index.json", hf, force=True)
+    # A new file in the input folder is no input of it.
+    assert check_output_path(hf / "new.pt", hf) == hf / "new.pt"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_device_or_fifo_is_never_replaced_by_a_file(tmp_path: Path, kind: str) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, src)
+    dst = tmp_path / "out"
+    if kind == "fifo":
+        os.mkfifo(dst)
+    elif os.geteuid() == 0:
+        os.mknod(dst, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # a private /dev/null
+    else:
+        pytest.skip("making a device node needs root")
+    link = tmp_path / "link"
+    link.symlink_to(dst)
+    for out in (dst, link):
+        _, _, err = h.run_ckpt("strip-module", src, out, "--force", code=6)
+        assert "is not a regular file" in err
+    assert not stat.S_ISREG(dst.lstat().st_mode) and link.is_symlink()
+
+
+@pytest.mark.parametrize("unnamed", [True, False])
+def test_a_file_that_appears_while_writing_is_not_replaced(tmp_path: Path, unnamed: bool) -> None:
+    dst = tmp_path / "out.bin"
+    with pytest.raises(OutputExistsError):  # noqa: SIM117
+        with atomic_output(dst, unnamed=unnamed) as out:
+            out.file.write(b"new")
+            dst.write_bytes(b"someone else's")  # another process takes the name meanwhile
+    assert dst.read_bytes() == b"someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+    # A file there when the write starts (force, in place) is replaced.
+    with atomic_output(dst, unnamed=unnamed) as out:
+        out.file.write(b"replaced")
+    assert dst.read_bytes() == b"replaced"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_replaced_file_keeps_its_mode_owner_and_group(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, src)
+    dst = tmp_path / "out.pt"
+    dst.write_bytes(b"old")
+    os.chown(dst, 12345, 23456)
+    os.chmod(dst, 0o640)
+    h.run_ckpt("strip-module", src, dst, "--force")
+    st = dst.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (12345, 23456, 0o640)
+    assert list(torch.load(dst, weights_only=True)) == ["w"]
