@@ -8,6 +8,7 @@ error prints the same line and ends with the same code whichever command met it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -22,6 +23,8 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
 
     The line is the error rendered for the command line: its remedies name flags
     (``--force``), where ``str(error)`` names the library's arguments (``force=True``).
+    Any other error of the system (an input inside a folder that cannot be read, stdout on a
+    full disk) is one line too: exit 6 where writing failed, else 2.
     ``CKPT_DEBUG=1`` lets the error through, with its traceback. A pipe that breaks on
     the way (stdout's reader gone, or stderr's while the error line is written) ends
     with exit 1 and nothing more said, as click's own ``main`` ends on one: stdout, and a
@@ -78,6 +81,24 @@ def _silence(stream: object, *, always: bool) -> None:
                 os.close(devnull)
 
 
+# The system's errors that mean the output (a file, or stdout) could not be written.
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+
+
+def _os_error(e: OSError, prog_name: str) -> int:
+    """One line for an error of the system the library did not expect (an input a folder
+    holds that cannot be read, stdout on a full disk): 6 where writing failed, else 2."""
+    from ckpt_tools.cli.render import echo_text
+
+    where = f": {os.fsdecode(e.filename)!r}" if e.filename is not None else ""
+    if e.errno in _OUTPUT_ERRNOS:
+        _silence(sys.stdout, always=False)  # what stdout refused is not offered again at exit
+        echo_text(f"{prog_name}: error: writing failed ({e.strerror or e}){where}", err=True)
+        return 6
+    echo_text(f"{prog_name}: error: {e.strerror or e}{where}", err=True)
+    return 2
+
+
 def _run(call: Callable[[], object], prog_name: str) -> int:
     try:
         code = call()
@@ -88,10 +109,16 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
         from ckpt_tools.errors import CheckpointError
         from ckpt_tools.io.interrupts import Interrupted
 
-        if isinstance(e, CheckpointError) and os.environ.get("CKPT_DEBUG") != "1":
+        debug = os.environ.get("CKPT_DEBUG") == "1"
+        if isinstance(e, CheckpointError) and not debug:
             # A message may quote a key from the file: escaped as the command's output is.
             echo_text(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
             return e.exit_code
+        unexpected = isinstance(e, OSError) and not isinstance(
+            e, (CheckpointError, BrokenPipeError)
+        )
+        if unexpected and not debug:
+            return _os_error(e, prog_name)  # type: ignore[arg-type]
         if isinstance(e, Interrupted):
             # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and
             # 128 + the signal number, as a shell reports such a kill.

@@ -221,11 +221,17 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
             )
         except click.exceptions.Exit as e:
             return e.exit_code
-        except click.ClickException as e:
+        except click.UsageError as e:
             from ckpt_tools.errors import EXIT_USAGE  # the error tree, on an error only
 
+            # One line, as every other error (click's own is four, the usage among them).
+            where = e.ctx.command_path if e.ctx is not None else prog_name
+            message = " ".join(e.format_message().split())
+            click.echo(f"{prog_name}: error: {message.rstrip('.')}; see '{where} --help'", err=True)
+            return EXIT_USAGE
+        except click.ClickException as e:
             e.show()
-            return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+            return e.exit_code
         except click.exceptions.Abort:
             click.echo(f"{prog_name}: aborted", err=True)
             return 130

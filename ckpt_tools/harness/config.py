@@ -9,6 +9,7 @@ choices from here without making ``ckpt --help`` import torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -133,6 +134,10 @@ class TrainConfig:
         if self.steps < 1:
             raise UsageError(
                 "must be at least 1", argument="steps", value=repr(self.steps), flag="--steps"
+            )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise UsageError(
+                "must be a positive number", argument="lr", value=repr(self.lr), flag="--lr"
             )
         if self.world_size is not None and self.world_size < 1:
             raise UsageError(

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import Remedy, ResourceLimitError
+from ckpt_tools.errors import OutputError, Remedy, ResourceLimitError
 
 __all__ = ["MAX_EXPANSION_BYTES", "check_output_size"]
 
@@ -41,7 +41,9 @@ def check_output_size(
 
     Raises:
         ResourceLimitError: a view grows by more than :data:`MAX_EXPANSION_BYTES` when made
-            contiguous, or ``total`` exceeds the free space of ``dst``'s folder (exit 5).
+            contiguous (exit 5).
+        OutputError: ``total`` exceeds the free space of ``dst``'s folder (exit 6, as a disk
+            that fills while writing).
 
     Example:
         >>> check_output_size([], 0, "out.pt")
@@ -59,7 +61,7 @@ def check_output_size(
     folder = os.path.dirname(os.path.abspath(dst))
     free = _free_bytes(folder)
     if free is not None and total > free:
-        raise ResourceLimitError(
+        raise OutputError(
             f"the output needs {total} bytes and {folder!r} has {free} free",
             path=dst,
             remedies=(Remedy(text="free some space or write to another disk"),),

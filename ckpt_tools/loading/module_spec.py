@@ -62,9 +62,9 @@ def _load_file(path: str, spec: str) -> ModuleType:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception:
+    except Exception as e:  # the user's file failed to import: say so with its own error
         del sys.modules[name]
-        raise
+        raise _spec_error(f"importing {path!r} failed: {type(e).__name__}: {e}", spec) from e
     return module
 
 
@@ -136,7 +136,8 @@ def module_from_spec(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.M
 
     Raises:
         UsageError: malformed spec, missing module, file or attribute, arguments the
-            factory does not take, or a result that is not an ``nn.Module``.
+            factory does not take, a file or factory that raises (its error named), or a
+            result that is not an ``nn.Module``.
 
     Example:
         >>> module_from_spec("torch.nn:Linear", {"in_features": 2, "out_features": 3})
@@ -154,7 +155,12 @@ def module_from_spec(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.M
     factory = _factory(_import(where, spec), where, attribute, spec)
     arguments = dict(kwargs or {})
     _check_arguments(factory, attribute, arguments, spec)
-    model = factory(**arguments)
+    try:
+        model = factory(**arguments)
+    except Exception as e:  # the user's factory failed (a bad --model-arg value, often)
+        raise _spec_error(
+            f"{attribute}(**{arguments}) failed: {type(e).__name__}: {e}", spec
+        ) from e
     if not isinstance(model, nn.Module):
         raise _spec_error(
             f"returned a {type(model).__name__}, not an nn.Module; point it at a model class or "

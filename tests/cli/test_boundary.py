@@ -173,3 +173,75 @@ def test_with_ckpt_debug_the_error_comes_with_its_traceback(tmp_path: Path) -> N
     assert run.returncode == 1
     assert "Traceback" in run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith("ckpt_tools.errors.")
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "line"),
+    [
+        (
+            PermissionError(13, "Permission denied", "hf/model.safetensors"),
+            2,
+            "ckpt: error: Permission denied: 'hf/model.safetensors'\n",
+        ),
+        (
+            OSError(28, "No space left on device"),
+            6,
+            "ckpt: error: writing failed (No space left on device)\n",
+        ),
+    ],
+)
+def test_another_error_of_the_system_is_one_line_too(
+    error: OSError, code: int, line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An input inside a folder that cannot be read, stdout on a full disk: not the library's
+    # errors, still no traceback and no exit 1 (which means "differences found").
+    def fails() -> None:
+        raise error
+
+    assert guarded(fails, "ckpt") == code
+    assert capsys.readouterr().err == line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--version"], ["inspect", _DP]])
+def test_stdout_on_a_full_disk_is_one_line_and_exit_6(args: list[str], tmp_path: Path) -> None:
+    with open("/dev/full", "w") as full:
+        run = subprocess.run(
+            [console_script(), *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ckpt_env(),
+            cwd=tmp_path,
+            timeout=120,
+            check=False,
+        )
+    assert run.returncode == 6
+    assert run.stderr == "ckpt: error: writing failed (No space left on device)\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--bogus"], "No such option '--bogus'; see 'ckpt --help'"),
+        (["strip-module"], "Missing argument 'SRC'; see 'ckpt strip-module --help'"),
+        (["inspect", _DP, "--limit", "-3"], "'--limit': -3 is not in the range x>=0;"),
+        (["average", _DP, _DP, "out.pt", "--last", "0"], "--last 0: expected a count of 1"),
+        (["harness", "train", "--strategy", "single", "--lr", "-1"], "--lr -1.0: must be a"),
+        (["harness", "train"], "Missing option '--strategy'. Choose from: single, dp, ddp,"),
+    ],
+)
+def test_a_usage_error_is_one_line_naming_the_option(
+    args: list[str],
+    line: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # click's own usage errors too: one line, as every other error, not four.
+    from ckpt_tools.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ckpt: error: ") and line in err, err

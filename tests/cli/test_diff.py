@@ -182,6 +182,11 @@ def test_model_from_an_importable_module(files: Any, capsys: Any) -> None:
         (["--model", "NET:Net", "--model-arg", "depth"], "expected KEY=VALUE"),
         (["--model", "NET:Net", "--model-arg", "colour=3"], "does not take"),
         (["--model", "no_such_pkg_xyz:Net"], "cannot import 'no_such_pkg_xyz'"),
+        (
+            ["--model", "NET:Net", "--model-arg", "width=wide", "--model-arg", "act=gelu"],
+            r"Net\(\*\*\{'width': 'wide', 'act': 'gelu'\}\) failed: TypeError: ",
+        ),
+        (["--model", "BROKEN:Net"], "importing .*broken.py' failed: ModuleNotFoundError: "),
         (["B.pt", "--fail-on", "vibes"], "unknown vibes"),
         (["B.pt", "--model-arg", "a=1"], "--model-arg needs --model"),
     ],
@@ -190,10 +195,14 @@ def test_usage_errors_exit_2_with_a_fix(
     extra: list[str], message: str, tmp_path: Path, files: Any, capsys: Any
 ) -> None:
     (tmp_path / "net.py").write_text(NET_PY)
+    (tmp_path / "broken.py").write_text("import no_such_pkg_xyz\n")
     a_path, b_path = files(base(), base())
-    extra = [b_path if e == "B.pt" else e.replace("NET", str(tmp_path / "net.py")) for e in extra]
+    files_named = {"NET": tmp_path / "net.py", "BROKEN": tmp_path / "broken.py"}
+    for name, path in files_named.items():
+        extra = [e.replace(name, str(path)) for e in extra]
+    extra = [b_path if e == "B.pt" else e for e in extra]
     code, _, err = run_ckpt("diff", a_path, *extra, code=None)
-    assert code == 2
+    assert code == 2 and err.count("\n") == 1, err
     assert __import__("re").search(message, err), err
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools.errors import ConversionError, ResourceLimitError, VerificationError
+from ckpt_tools.errors import ConversionError, OutputError, ResourceLimitError, VerificationError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.pickle.repickle import check_weights_only_pickle, unsupported_opcodes
 from ckpt_tools.io.space import check_output_size
@@ -182,8 +182,10 @@ def test_zero_stride_view_stays_a_view_in_torch_outputs(tmp_path):
 
 
 def test_outputs_larger_than_the_free_space_are_refused(tmp_path):
-    with pytest.raises(ResourceLimitError, match="free"):
+    # A disk too small is refused as one that fills while writing is (exit 6).
+    with pytest.raises(OutputError, match="free") as info:
         check_output_size([], 1 << 62, tmp_path / "out.pt")
+    assert info.value.exit_code == 6
 
 
 def test_strided_views_of_a_large_storage_are_gathered_in_pieces(tmp_path):

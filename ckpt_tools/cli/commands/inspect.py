@@ -14,7 +14,9 @@ from ckpt_tools.ops.inspect.inspection import inspect
 @select_option
 @json_option
 @click.option("--group", is_flag=True, help="Fold repeated layers: layers.{0..31}.fc.weight ×32.")
-@click.option("--limit", type=int, default=None, help="Show at most this many table rows.")
+@click.option(
+    "--limit", type=click.IntRange(min=0), default=None, help="Show at most this many table rows."
+)
 @click.option(
     "--verbose",
     "-v",

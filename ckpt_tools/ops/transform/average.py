@@ -52,12 +52,16 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
 
     Raises:
         CheckpointNotFoundError: a path named without a glob does not exist.
-        UsageError: nothing matches.
+        UsageError: nothing matches, or ``last`` is below 1.
 
     Example:
         >>> pick_inputs(["*.pt"])
         ['ddp.pt', 'model.pt']
     """
+    if last is not None and last < 1:
+        raise UsageError(
+            "expected a count of 1 or more", argument="last", value=repr(last), flag="--last"
+        )
     found: list[str] = []
     for pattern in patterns:
         if glob.has_magic(pattern):
