@@ -91,7 +91,9 @@ def _weights(value: str | None) -> list[float] | None:
     try:
         return [float(w) for w in value.split(",")]
     except ValueError as e:
-        raise click.BadParameter(f"{value!r}: expected numbers, e.g. 1,1,2") from e
+        raise click.BadParameter(
+            f"{value!r}: expected numbers, e.g. 1,1,2", param_hint="'--weights'"
+        ) from e
 
 
 @click.command("average")

@@ -78,7 +78,9 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
             found.sort(key=lambda p: os.stat(p).st_mtime_ns)
         found = found[-last:]
     if not found:
-        raise UsageError("no input matches", argument="srcs", value=repr(list(patterns)))
+        raise UsageError(
+            "no input matches", argument="srcs", value=repr(list(patterns)), flag="INPUT..."
+        )
     return found
 
 
@@ -225,7 +227,9 @@ def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | N
     """Each input's weight, once the arguments are checked."""
     _check_distinct(srcs)
     if len(srcs) < 2:
-        raise UsageError("average needs at least two inputs", argument="srcs", value=repr(srcs))
+        raise UsageError(
+            "average needs at least two inputs", argument="srcs", value=repr(srcs), flag="INPUT..."
+        )
     w = [1.0] * len(srcs) if weights is None else [float(x) for x in weights]
     if len(w) != len(srcs) or sum(w) == 0:
         raise UsageError(

@@ -276,12 +276,18 @@ def cast_target(dtype: str | None) -> str | None:
 
 
 def _patterns(regexes: Sequence[str]) -> list[re.Pattern[str]]:
-    try:
-        return [re.compile(r) for r in regexes]
-    except re.error as e:
-        raise UsageError(
-            f"not a regular expression: {e}", argument="keep_dtype", flag="--keep-dtype"
-        ) from e
+    compiled = []
+    for regex in regexes:
+        try:
+            compiled.append(re.compile(regex))
+        except re.error as e:
+            raise UsageError(
+                f"not a regular expression: {e}",
+                argument="keep_dtype",
+                value=repr(regex),
+                flag="--keep-dtype",
+            ) from e
+    return compiled
 
 
 def _drop_entries(
