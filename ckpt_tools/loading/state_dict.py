@@ -154,8 +154,7 @@ def _selection_checked(root: Any, select: Select, where: str) -> Selection:
     selection = select_state_dict(root, select=select)
     if selection.stand_in:
         raise UsageError(
-            f"{where} holds {a_kind_of(root)}, not a state dict (a mapping of names to "
-            "tensors)",
+            f"{where} holds {a_kind_of(root)}, not a state dict (a mapping of names to tensors)",
             remedies=(Remedy(text="load it with torch.load(path, weights_only=True)"),),
         )
     if select is None and not is_state_dict(selection.state_dict):

@@ -26,6 +26,7 @@ __all__ = [
     "add_prefix",
     "add_rule",
     "apply_plan",
+    "compile_pattern",
     "detect_wrappers",
     "plan_renames",
     "regex_rule",
@@ -218,16 +219,23 @@ def regex_rule(pattern: str, replacement: str) -> KeyRule:
         >>> rename_keys({"blocks.0.w": 1}, [regex_rule(r"^blocks\\.", "layers.")])
         {'layers.0.w': 1}
     """
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise UsageError(
-            f"not a valid regular expression: {e}",
-            argument="pattern",
-            value=repr(pattern),
-            flag="--regex pattern",
-        ) from e
+    compile_pattern(pattern, argument="pattern", flag="--regex pattern")
     return KeyRule(pattern, replacement, 0, f"s/{pattern}/{replacement}/")
+
+
+def compile_pattern(pattern: str, *, argument: str, flag: str) -> re.Pattern[str]:
+    """``pattern`` compiled, or the :class:`UsageError` naming the argument that gave it.
+
+    Example:
+        >>> compile_pattern("(", argument="keep_dtype", flag="--keep-dtype")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: keep_dtype='(': not a valid regular expression: ...
+    """
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        message = f"not a valid regular expression: {e}"
+        raise UsageError(message, argument=argument, value=repr(pattern), flag=flag) from e
 
 
 def strip_wrapper_rules(

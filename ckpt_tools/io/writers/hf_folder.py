@@ -3,7 +3,10 @@ lays them out.
 
 The folder is written as a whole: every file by :func:`~ckpt_tools.io.writers.output.write_file`
 (atomic, verified), inside a temp folder beside the target, which is renamed into place only
-once all of it is complete. torch is never imported.
+once all of it is complete. A folder it replaces passes on its permission bits (setgid
+included), its owner and group where the process may set them, and each replaced file's mode
+to the new file of that name; a symlink at the target is kept, and its folder replaced.
+torch is never imported.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -19,6 +23,17 @@ from typing import NamedTuple
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, UsageError
 from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
+from ckpt_tools.io.interrupts import signals_raise
+from ckpt_tools.io.writers.folder_temp import (
+    StopCounter,
+    Stopped,
+    check_writable,
+    keep_mode,
+    remove_temp_folder,
+    run_jobs,
+    share_group,
+    take_over,
+)
 from ckpt_tools.io.writers.output import Check, Fill, write_file
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record
@@ -75,12 +90,14 @@ def check_output_folder(
             (:data:`WEIGHT_FILES`) are replaced, everything else in it is kept.
 
     Returns:
-        ``dst`` as an absolute path.
+        ``dst`` as an absolute path, a symlink at ``dst`` resolved (the link is kept, the
+        folder it points to replaced).
 
     Raises:
         OutputError: ``dst`` is ``src``, or holds it (never replaced, even with ``force``).
         OutputExistsError: ``dst`` exists, is not empty, and ``force`` is False.
-        OutputError: ``dst`` is a file, or its parent folder does not exist.
+        OutputError: ``dst`` is a file, its parent folder does not exist, or it is a folder
+            this process could not write files into (replaced, it would be taken over).
         UsageError: ``dst`` is not a folder yet and its name has a file's suffix (``out.pt``).
 
     Example:
@@ -88,7 +105,7 @@ def check_output_folder(
         Traceback (most recent call last):
         ckpt_tools.errors.OutputExistsError: output 'sharded' already exists; ...
     """
-    out = Path(os.path.abspath(dst))
+    out = _resolved(dst)
     if src is not None:
         real_src, real_out = os.path.realpath(src), os.path.realpath(out)
         if os.path.commonpath([real_src, real_out]) == real_out:
@@ -115,12 +132,19 @@ def check_output_folder(
             *err.remedies[1:],
         )
         raise err
+    check_writable(out, dst)
     if not out.parent.is_dir():
         raise OutputError(
             f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
             path=dst,
         )
     return out
+
+
+def _resolved(dst: str | os.PathLike[str]) -> Path:
+    """``dst`` as an absolute path; a symlink at it resolved, as file outputs resolve theirs."""
+    out = Path(os.path.abspath(dst))
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
 
 
 def _kept_entries(target: Path) -> list[str]:
@@ -166,42 +190,62 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
 
     An existing ``target`` (checked by :func:`check_output_folder`) keeps everything but its
     weight files: once the new files are complete, the kept entries are carried into the temp
-    folder (hard links, else renames), the old folder is moved aside, the temp folder takes
-    its name, and the old one (its weight files) is removed. On any error the renamed entries
-    go back and the temp folder goes.
+    folder (hard links, else renames), which takes the old folder's mode, owner and group
+    (:mod:`~ckpt_tools.io.writers.folder_temp`); the old folder is moved aside, the temp
+    folder takes its name, and the old one (its weight files) is removed. On any error the
+    renamed entries go back and the temp folder goes.
+
+    SIGTERM and SIGHUP raise :class:`~ckpt_tools.io.interrupts.Interrupted` in the main
+    thread for the whole write (worker threads cannot), and are held during the swap.
     """
-    replaced = target.exists() and any(target.iterdir())
+    old = target.stat() if target.is_dir() else None
+    replaced = old is not None and any(target.iterdir())
     durable = durable or replaced
     parent = target.parent
-    remove_orphans(parent, _TEMP_DIR, lambda entry: shutil.rmtree(entry, ignore_errors=True))
+    check_writable(target, target)
+    remove_orphans(parent, _TEMP_DIR, remove_temp_folder)
     tag = f"{os.getpid()}-{os.urandom(4).hex()}"  # as atomic.py names its temp files
     tmp = parent / f".{target.name}.ckpt-tmpdir-{tag}"
-    try:
-        tmp.mkdir()
-    except OSError as e:
-        raise OutputError(f"cannot create a folder in {str(parent)!r}: {e.strerror}") from e
-    moved: list[str] = []
-    try:
-        yield tmp, durable
-        if replaced:
-            moved = _carry(target, tmp, _kept_entries(target))
-        if durable:
-            fsync_folder(tmp)
-        _swap(target, tmp, parent / f".{target.name}.ckpt-tmpdir-{tag}-old", replaced)
-        moved = []
-        if durable:
-            fsync_folder(parent)
-    except OSError as e:
-        if isinstance(e, OutputError):
-            raise
-        raise OutputError(
-            f"writing {str(target)!r} failed ({e.strerror or e}); the input is unchanged",
-            path=str(target),
-        ) from e
-    finally:
-        for name in moved:  # the swap did not happen: the renamed entries go back
+    with signals_raise() as release:
+        try:
+            tmp.mkdir(0o777 if old is None else 0o700)
+        except OSError as e:
+            raise OutputError(f"cannot create a folder in {str(parent)!r}: {e.strerror}") from e
+        moved: list[str] = []
+        try:
+            release()  # a signal noted since before the temp folder existed is raised here
+            share_group(tmp, old)
+            yield tmp, durable
+            if replaced:
+                moved = _carry(target, tmp, _kept_entries(target))
+            take_over(tmp, old)
+            if durable:
+                fsync_folder(tmp)
+            with signals_raise():  # both renames, or neither
+                _swap(target, tmp, parent / f".{target.name}.ckpt-tmpdir-{tag}-old", replaced)
+                moved = []
+            if durable:
+                fsync_folder(parent)
+        except OSError as e:
+            if isinstance(e, OutputError):
+                raise
+            raise OutputError(
+                f"writing {str(target)!r} failed ({e.strerror or e}); the input is unchanged",
+                path=str(target),
+            ) from e
+        finally:
+            _discard(tmp, target, moved)
+
+
+def _discard(tmp: Path, target: Path, moved: Sequence[str]) -> None:
+    """Remove the temp folder (absent once swapped in); the entries renamed out of ``target``
+    go back first. A second signal waits until this is done."""
+    with signals_raise():
+        for name in moved:
             with contextlib.suppress(OSError):
                 os.rename(tmp / name, target / name)
+        with contextlib.suppress(OSError):  # it may have the old folder's mode by now
+            os.chmod(tmp, 0o700)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -239,11 +283,12 @@ def write_folder(
     publish the folder as ``dst`` by one rename.
 
     Args:
-        dst: the output folder, checked first with :func:`check_output_folder`.
+        dst: the output folder, checked first with :func:`check_output_folder`; a symlink
+            there is kept, and the folder it points to replaced.
         files: the files, in order.
-        jobs: files written at once, by threads. With more than one, a SIGTERM ends the
-            process without cleanup: the files' unnamed temp files vanish with it, and the
-            next run in that folder removes the temp folder.
+        jobs: files written at once, by threads. SIGTERM and SIGHUP are handled as with one:
+            the main thread stops the workers (each at its next piece), removes the temp
+            folder, and raises :class:`~ckpt_tools.io.interrupts.Interrupted`.
         durable: fsync every file and the folders (default); False skips those fsyncs
             (see :func:`~ckpt_tools.io.atomic.atomic_output`), unless a non-empty ``dst``
             is replaced.
@@ -254,19 +299,31 @@ def write_folder(
     Raises:
         OutputError / VerificationError: writing or checking failed; ``dst`` is untouched.
     """
-    target = Path(os.path.abspath(dst))
+    return _write_folder(dst, files, jobs, durable, threading.Event())
+
+
+def _write_folder(
+    dst: str | os.PathLike[str],
+    files: Sequence[FolderFile],
+    jobs: int,
+    durable: bool,
+    stop: threading.Event,
+) -> tuple[str, ...]:
+    """:func:`write_folder`, with the stop event its files' writers watch (see
+    :mod:`~ckpt_tools.io.writers.folder_temp`)."""
+    target = _resolved(dst)
     with _published_folder(target, durable) as (tmp, durable):
 
         def write_one(f: FolderFile) -> str:
+            if stop.is_set():
+                raise Stopped("the folder write is stopping")
             write_file(tmp / f.name, f.fill, f.check, durable=durable)
+            keep_mode(tmp / f.name, target / f.name, durable)
             return f.name
 
         if jobs > 1 and len(files) > 1:
             # copy_file_range and fsync release the GIL: files overlap their disk waits.
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(jobs, len(files))) as pool:
-                return tuple(pool.map(write_one, files))
+            return run_jobs(write_one, files, jobs, stop)
         return tuple(write_one(f) for f in files)
 
 
@@ -318,11 +375,13 @@ def write_hf_shards(
     by_name = {entry[0]: entry for entry in entries}
     extra = {str(k): str(v) for k, v in (metadata or {}).items()}
     shard_meta = {"format": "pt"} if plan.is_sharded else {**extra, "format": "pt"}
+    stop = threading.Event()
+    watched = StopCounter(counter, stop)  # workers stop at their next piece once it is set
 
     def shard(file: str, names: Sequence[str]) -> FolderFile:
         def fill(out: AtomicFile) -> None:
             part = [by_name[n] for n in names]
-            write_safetensors(part, out.file, shard_meta, counter, durable=out.durable)
+            write_safetensors(part, out.file, shard_meta, watched, durable=out.durable)
 
         return FolderFile(file, fill, check(names))
 
@@ -330,4 +389,4 @@ def write_hf_shards(
     if plan.is_sharded:
         index = index_bytes(plan, extra)
         files.append(FolderFile(INDEX_NAME, lambda out: out.file.write(index), lambda path: ""))
-    return write_folder(dst, files, jobs=jobs, durable=durable)
+    return _write_folder(dst, files, jobs, durable, stop)

@@ -78,9 +78,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
             found.sort(key=lambda p: os.stat(p).st_mtime_ns)
         found = found[-last:]
     if not found:
-        raise UsageError(
-            "no input matches", argument="srcs", value=repr(list(patterns)), flag="INPUT..."
-        )
+        raise UsageError(f"no input matches {', '.join(map(repr, patterns))}")
     return found
 
 
@@ -227,9 +225,7 @@ def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | N
     """Each input's weight, once the arguments are checked."""
     _check_distinct(srcs)
     if len(srcs) < 2:
-        raise UsageError(
-            "average needs at least two inputs", argument="srcs", value=repr(srcs), flag="INPUT..."
-        )
+        raise UsageError(f"average needs at least two inputs, got {len(srcs)}: {srcs!r}")
     w = [1.0] * len(srcs) if weights is None else [float(x) for x in weights]
     if len(w) != len(srcs) or sum(w) == 0:
         raise UsageError(

@@ -29,6 +29,7 @@ from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.plan import cast_tensor
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
+from ckpt_tools.structure.keys import compile_pattern
 from ckpt_tools.structure.selection import Selection, select_state_dict
 
 __all__ = ["DTYPE_NAMES", "EMA_KEYS", "cast_target", "select_weights", "slim", "take_module"]
@@ -276,18 +277,7 @@ def cast_target(dtype: str | None) -> str | None:
 
 
 def _patterns(regexes: Sequence[str]) -> list[re.Pattern[str]]:
-    compiled = []
-    for regex in regexes:
-        try:
-            compiled.append(re.compile(regex))
-        except re.error as e:
-            raise UsageError(
-                f"not a regular expression: {e}",
-                argument="keep_dtype",
-                value=repr(regex),
-                flag="--keep-dtype",
-            ) from e
-    return compiled
+    return [compile_pattern(r, argument="keep_dtype", flag="--keep-dtype") for r in regexes]
 
 
 def _drop_entries(

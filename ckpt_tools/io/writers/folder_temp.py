@@ -1,0 +1,189 @@
+"""The temp folder a folder output is written in: what it takes over from the folder it
+replaces, and the threads that write its files, stopped as one.
+
+Taken over, from a folder this process could write into (:func:`check_writable`, as
+``cp -r`` needs): its group and setgid bit while the temp folder is written
+(:func:`share_group`; it stays private and this process's own until complete), then its
+owner and group where the process may set them, and its permission bits (:func:`take_over`,
+just before the swap). A replaced file's mode goes to the new file of that name
+(:func:`keep_mode`), as :mod:`~ckpt_tools.io.atomic` keeps a replaced file's.
+
+Threads: Python runs signal handlers in the main thread only, and nothing outside a worker
+thread can interrupt the write it is doing. So the main thread keeps the signal handling (the
+folder writer holds :func:`~ckpt_tools.io.interrupts.signals_raise` around the whole write)
+and waits for the workers in short steps, between which a handler can run. On any exception
+there (:class:`~ckpt_tools.io.interrupts.Interrupted`, ``KeyboardInterrupt``) or in a worker,
+a stop event is set: the files not started are cancelled, the running ones raise
+:class:`Stopped` at their next piece (:class:`StopCounter`), each removing its own temp file,
+and the exception goes up only once every worker has ended, so the caller's cleanup of the
+temp folder never races a write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from ckpt_tools.errors import OutputError, Remedy
+from ckpt_tools.io.interrupts import signals_raise
+from ckpt_tools.io.writers.progress import ByteCounter
+
+__all__ = [
+    "StopCounter",
+    "Stopped",
+    "check_writable",
+    "keep_mode",
+    "remove_temp_folder",
+    "run_jobs",
+    "share_group",
+    "take_over",
+]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# How long the main thread waits at a time: a signal delivered to a worker thread only marks
+# the handler as due, and the main thread runs it once it is back in Python code.
+_STEP = 0.05
+
+
+def check_writable(out: Path, dst: str | os.PathLike[str]) -> None:
+    """Refuse an existing folder this process could not write into, as ``cp -r`` and
+    ``rsync`` would: replacing it needs only the parent's write permission, but would hand
+    someone's read-only folder over to this process."""
+    effective = os.access in os.supports_effective_ids
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK, effective_ids=effective):
+        raise OutputError(
+            f"cannot write into the output folder {os.fspath(dst)!r}: permission denied",
+            path=dst,
+            remedies=(Remedy(text="make it writable, or choose another output folder"),),
+        )
+
+
+def remove_temp_folder(entry: Path) -> None:
+    """Remove a killed run's temp folder; a symlink (left by older versions, which renamed a
+    symlinked target aside) is unlinked, never followed."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink()
+
+
+def share_group(tmp: Path, old: os.stat_result | None) -> None:
+    """While it is written: give the temp folder the replaced folder's group and setgid bit
+    (files made in it get the group they would get in that folder), where this process may,
+    and keep it private (0o700) and this process's own."""
+    if old is None:
+        return
+    with contextlib.suppress(OSError):  # not permitted, or an id this file system lacks
+        os.chown(tmp, -1, old.st_gid)
+    os.chmod(tmp, 0o700 | (old.st_mode & stat.S_ISGID))
+
+
+def take_over(tmp: Path, old: os.stat_result | None) -> None:
+    """Once it is complete: give the temp folder the replaced folder's owner and group where
+    this process may (else its group alone, else neither), then its permission bits."""
+    if old is None:
+        return
+    for uid in (old.st_uid, -1):
+        try:
+            os.chown(tmp, uid, old.st_gid)
+            break
+        except OSError:  # not permitted, or an id this file system lacks
+            continue
+    os.chmod(tmp, stat.S_IMODE(old.st_mode))
+
+
+def keep_mode(new: Path, replaced: Path, durable: bool) -> None:
+    """Give ``new`` the permission bits of the file it replaces, as file outputs do."""
+    try:
+        old = os.stat(replaced)
+    except OSError:
+        return  # nothing replaced: 0o666 less umask, as atomic_output gave it
+    if not stat.S_ISREG(old.st_mode):
+        return
+    fd = os.open(new, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, stat.S_IMODE(old.st_mode))
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Stopped(Exception):
+    """A file abandoned because the folder write it belongs to is stopping."""
+
+
+class StopCounter(ByteCounter):
+    """A byte counter that raises :class:`Stopped` at the next piece once ``stop`` is set.
+
+    Args:
+        inner: the caller's counter, told every piece as before; None counts nothing.
+        stop: the folder write's stop event.
+
+    Example:
+        >>> stop = threading.Event()
+        >>> counter = StopCounter(None, stop)
+        >>> counter(4)
+        >>> stop.set()
+        >>> counter(4)
+        Traceback (most recent call last):
+        ckpt_tools.io.writers.folder_temp.Stopped: the folder write is stopping
+    """
+
+    def __init__(self, inner: ByteCounter | None, stop: threading.Event) -> None:
+        super().__init__(None, inner.total if inner is not None else 0)
+        self._inner = inner
+        self._stop = stop
+
+    def __call__(self, nbytes: int) -> None:
+        if self._stop.is_set():
+            raise Stopped("the folder write is stopping")
+        if self._inner is not None:
+            self._inner(nbytes)
+
+
+def run_jobs(
+    work: Callable[[T], R], items: Sequence[T], jobs: int, stop: threading.Event
+) -> tuple[R, ...]:
+    """``work`` over ``items`` by ``jobs`` threads; the results in order.
+
+    Args:
+        work: writes one item; it checks ``stop`` (directly, or through a
+            :class:`StopCounter`) and raises :class:`Stopped` once it is set.
+        items: what to write.
+        jobs: threads at most.
+        stop: set on the first exception, here or in a worker.
+
+    Raises:
+        The first worker's exception, or what interrupted the wait (a signal's), once every
+        worker has ended.
+
+    Example:
+        >>> run_jobs(str.upper, ["a", "b", "c"], 2, threading.Event())
+        ('A', 'B', 'C')
+    """
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait  # only here
+
+    pool = ThreadPoolExecutor(max(1, min(jobs, len(items))))
+    try:
+        futures = [pool.submit(work, item) for item in items]
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=_STEP, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()  # a worker's error goes up at once
+        return tuple(future.result() for future in futures)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        with signals_raise():  # a second signal is held until the workers have ended
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,262 @@
+"""Folder outputs on the file system: the folder a new output replaces passes on its mode,
+owner and group (and each replaced shard its mode); a read-only folder is refused; a symlink
+at the output is kept; stale temp symlinks are removed, never followed; and SIGTERM/SIGHUP
+during a write by several threads ends it as with one (exit 128 + signal, nothing left).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools import convert
+from ckpt_tools.errors import OutputError
+from ckpt_tools.io.writers.folder_temp import Stopped, run_jobs
+from ckpt_tools.io.writers.hf_folder import FolderFile, check_output_folder, write_folder
+from tests import helpers as h
+
+# Ids no account on a test machine has; root may give files to them.
+OTHER_UID = OTHER_GID = 12345
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="setting another owner needs root")
+
+
+@pytest.fixture
+def umask() -> Iterator[int]:
+    """A umask unlike the usual 022, so the modes a test sees come from the code."""
+    before = os.umask(0o002)
+    yield 0o002
+    os.umask(before)
+
+
+def _plain(path: Path) -> Path:
+    torch.save({f"layer{i}.weight": torch.full((64,), float(i)) for i in range(4)}, path)
+    return path
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _no_temps(folder: Path) -> None:
+    assert not [p.name for p in folder.iterdir() if ".ckpt-tmp" in p.name]
+
+
+# --------------------------------------------------------------------------------------------
+# The replaced folder's mode, owner and group; the replaced shards' modes
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_empty_private_folder_stays_private(tmp_path: Path, umask: int) -> None:
+    (tmp_path / "priv").mkdir(mode=0o700)
+    convert(_plain(tmp_path / "x.pt"), tmp_path / "priv", max_shard_size="1KB")
+    assert _mode(tmp_path / "priv") == 0o700
+    convert(tmp_path / "x.pt", tmp_path / "new", max_shard_size="1KB")
+    assert _mode(tmp_path / "new") == 0o777 & ~umask  # a new folder: as mkdir makes it
+    _no_temps(tmp_path)
+
+
+@as_root
+def test_a_group_shared_folder_keeps_its_setgid_mode_owner_and_group(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "config.json").write_text("{}")
+    os.chown(shared, OTHER_UID, OTHER_GID)
+    os.chmod(shared, 0o2770)
+    convert(_plain(tmp_path / "x.pt"), shared, max_shard_size="1KB", force=True)
+    st = shared.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o2770, OTHER_UID, OTHER_GID)
+    shards = sorted(shared.glob("model*"))
+    assert len(shards) > 2
+    # Made in a setgid folder of that group, as they would be if written into it.
+    assert {p.stat().st_gid for p in shards} == {OTHER_GID}
+    assert (shared / "config.json").read_text() == "{}"
+    _no_temps(tmp_path)
+
+
+def test_a_replaced_shard_keeps_its_mode_and_a_new_one_gets_the_umasks(
+    tmp_path: Path, umask: int
+) -> None:
+    out = tmp_path / "hf"
+    convert(_plain(tmp_path / "x.pt"), out, max_shard_size="1KB")
+    shards = sorted(out.glob("model-*.safetensors"))
+    os.chmod(shards[0], 0o600)
+    os.chmod(out / "model.safetensors.index.json", 0o640)
+    convert(tmp_path / "x.pt", out, max_shard_size="1KB", force=True)
+    assert _mode(shards[0]) == 0o600 and _mode(out / "model.safetensors.index.json") == 0o640
+    assert {_mode(p) for p in shards[1:]} == {0o666 & ~umask}
+    convert(tmp_path / "x.pt", out, max_shard_size="1MB", force=True)  # one new file name
+    assert _mode(out / "model.safetensors") == 0o666 & ~umask
+
+
+def _as_other_user(check: Callable[[], None]) -> None:
+    """Run ``check`` in a forked child as an unprivileged user; fail if it fails there."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.setgid(OTHER_GID)
+            os.setuid(OTHER_UID)
+            check()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the check failed as another user"
+
+
+def test_a_folder_the_process_cannot_write_into_is_refused_not_replaced() -> None:
+    # cp -r and rsync cannot write into it either; replacing it would take someone's
+    # read-only folder over (only the parent's write permission is needed for that).
+    base = Path(tempfile.mkdtemp())  # under /tmp: reachable by another user
+    try:
+        os.chmod(base, 0o777)
+        ro = base / "ro"
+        ro.mkdir(mode=0o555)
+        before = ro.stat()
+        one = FolderFile("model.safetensors", lambda out: out.file.write(b"x"), lambda p: "")
+
+        def check() -> None:
+            with pytest.raises(OutputError, match="cannot write into the output folder"):
+                check_output_folder(ro, force=True)
+            with pytest.raises(OutputError, match="permission denied"):
+                write_folder(ro, [one])
+
+        _as_other_user(check) if os.geteuid() == 0 else check()
+        after = ro.stat()
+        assert (after.st_ino, after.st_mode, after.st_uid) == (
+            before.st_ino,
+            before.st_mode,
+            before.st_uid,
+        )
+        assert h.listing(base) == ["ro"]
+    finally:
+        os.chmod(base / "ro", 0o755)
+        for p in sorted(base.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        base.rmdir()
+
+
+# --------------------------------------------------------------------------------------------
+# Symlinks
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_symlinked_output_folder_is_kept_and_its_folder_replaced(tmp_path: Path) -> None:
+    real, link = tmp_path / "real", tmp_path / "link"
+    convert(_plain(tmp_path / "x.pt"), real, max_shard_size="1MB")
+    (real / "config.json").write_text("{}")
+    link.symlink_to("real")
+    convert(tmp_path / "x.pt", f"{link}/", max_shard_size="1KB", force=True)
+    assert link.is_symlink() and os.readlink(link) == "real"
+    assert (real / "config.json").read_text() == "{}"
+    assert (real / "model.safetensors.index.json").exists()
+    assert not (real / "model.safetensors").exists()
+    assert h.listing(tmp_path) == ["link", "real", "x.pt"]
+
+
+def test_a_stale_temp_symlink_is_removed_and_not_followed(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "keep.txt").write_text("mine")
+    # Left by a killed run of an older version (PID 4194304: no process has it).
+    (tmp_path / ".link.ckpt-tmpdir-4194304-ab12cd34-old").symlink_to("real")
+    convert(_plain(tmp_path / "x.pt"), tmp_path / "hf", max_shard_size="1KB")
+    assert h.listing(tmp_path) == ["hf", "real", "x.pt"]
+    assert (tmp_path / "real" / "keep.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------------------------
+# Several threads: stopped as one
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_failing_worker_stops_the_others(tmp_path: Path) -> None:
+    stop = threading.Event()
+    started = threading.Event()
+
+    def work(item: int) -> int:
+        if item == 0:
+            started.wait(10)
+            raise OSError(5, "Input/output error")
+        started.set()
+        while not stop.wait(0.01):  # a long write, checking between its pieces
+            pass
+        raise Stopped("the folder write is stopping")
+
+    begun = time.monotonic()
+    with pytest.raises(OSError, match="Input/output error"):
+        run_jobs(work, [0, 1, 2], 2, stop)
+    assert stop.is_set() and time.monotonic() - begun < 10
+
+
+def _signal_while_writing(command: list[str], out_dir: Path, signum: int) -> tuple[int, str]:
+    """Run ``ckpt COMMAND``, send ``signum`` once it has a file open in ``out_dir``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_tools", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=h.ckpt_env(),
+        # A run started under nohup or in the background would pass those signals ignored.
+        preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGHUP, signum)],
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not h.has_file_open_in(proc.pid, out_dir.resolve()):
+            if proc.poll() is not None:
+                break  # finished (or failed) before a temp file was seen
+            assert time.monotonic() < deadline, "no temp file appeared"
+            time.sleep(0.001)
+        else:
+            proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize(
+    ("operation", "signum"), [("convert", signal.SIGTERM), ("reshard", signal.SIGHUP)]
+)
+def test_a_signal_during_a_write_by_several_threads_ends_it_as_with_one(
+    tmp_path: Path, operation: str, signum: int
+) -> None:
+    src = tmp_path / "big.pt"
+    torch.save({f"layer{i}.weight": torch.full((10_000_000,), float(i)) for i in range(4)}, src)
+    if operation == "reshard":
+        convert(src, tmp_path / "big-hf", max_shard_size="100MB", durable=False)
+        src.unlink()
+        src = tmp_path / "big-hf"
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    command = [operation, str(src), f"{out_dir / 'hf'}/", "--max-shard-size", "45MB"]
+    command += ["--jobs", "2", "--verify", "full", "--quiet"]
+    name = signal.Signals(signum).name
+    try:
+        for _ in range(3):  # a very loaded machine may finish before the signal lands: retry
+            code, err = _signal_while_writing(command, out_dir, signum)
+            if code != 0:
+                break
+            shutil.rmtree(out_dir / "hf")
+        assert code == 128 + signum, err
+        assert f"interrupted by signal {name}" in err and "Traceback" not in err
+        assert h.listing(out_dir) == []
+    finally:
+        # pytest keeps a few runs' tmp_path: do not leave 160 MB behind
+        shutil.rmtree(src) if src.is_dir() else src.unlink()
