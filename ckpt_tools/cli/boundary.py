@@ -82,7 +82,7 @@ def _silence(stream: object, *, always: bool) -> None:
 
 
 # The system's errors that mean the output (a file, or stdout) could not be written.
-_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
 def _os_error(e: OSError, prog_name: str) -> int:

@@ -8,6 +8,7 @@ copy would carry it over unchanged) is refused before anything is written (exit 
 from __future__ import annotations
 
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,6 @@ def test_a_file_torch_saved_without_crcs_is_read_and_rewritten(tmp_path: Path, h
     strip_module(src, tmp_path / "out.pt", verify="full")
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert all(torch.equal(out[k.removeprefix("module.")], v) for k, v in want.items())
+    # The output's CRCs are computed: an archive every zip tool reads.
+    with zipfile.ZipFile(tmp_path / "out.pt") as archive:
+        assert archive.testzip() is None

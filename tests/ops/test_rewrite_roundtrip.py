@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_tools.descriptors import iter_tensors
+from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.rewrite.conversion import convert, retag
 from ckpt_tools.ops.rewrite.rewriting import add_module, strip_module
 from tests import helpers as h
@@ -266,6 +268,8 @@ def test_a_root_that_is_no_dict_is_rewritten_whole_or_refused(tmp_path: Path, ro
         out = tmp_path / f"out{i}.pt"
         h.run_ckpt(args[0], src, out, *args[1:])
         _assert_same(torch.load(out, weights_only=True, map_location="cpu"), want)
+        devices = {t.device for _, t in iter_tensors(open_checkpoint(out).root)}
+        assert devices == (set() if root == "none" else {"cuda:1" if args[0] == "retag" else "cpu"})
     refused = {
         "o.safetensors": ["convert", src, tmp_path / "o.safetensors"],
         "s.pt": ["slim", src, tmp_path / "s.pt", "--dtype", "bf16"],

@@ -120,13 +120,14 @@ def zip_actions(
 
     Returns:
         ``(name, action)`` in the source's order: ``copy`` (bytes and header may be copied
-        as they are), ``write`` (written anew: data.pkl, compressed records, parsed records
-        holding other values than torch.save's) or ``skip``.
+        as they are), ``write`` (written anew: data.pkl, compressed records, records
+        without a CRC-32, parsed records holding other values than torch.save's) or
+        ``skip``.
     """
     out = []
     for name, record in ckpt.records.items():
-        if name == "data.pkl" or record.compressed:
-            action = "write"
+        if name == "data.pkl" or record.compressed or record.crc32 == 0:
+            action = "write"  # (a CRC of 0: torch computed none; the output's is computed)
         elif name in as_saved:  # torch.save's own value: copied when the source holds it
             value = as_saved[name]
             same = record.size == len(value) and os.pread(fd, len(value), record.data_offset)

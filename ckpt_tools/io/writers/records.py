@@ -96,6 +96,7 @@ def copy_record(ckpt: Checkpoint, storage: StorageRef) -> Record:
     crc = None
     if (
         zip_record is not None
+        and zip_record.crc32 != 0  # torch wrote none (compute_crc32=False): computed on copy
         and not zip_record.compressed
         and zip_record.size == span.nbytes
         and os.path.samefile(span.path, ckpt.path)

@@ -144,32 +144,32 @@ def check_holdable(
         >>> check_holdable([("w", "float32"), ("q", "qint8")], "a.pt")
         Traceback (most recent call last):
         ckpt_tools.errors.ConversionError: safetensors cannot hold ... 'a.pt': q (qint8); ...
-        >>> check_holdable([("w\\ud800", "float32")], "a.pt")
+        >>> check_holdable([("w\\ud800", "float32"), ("q", "qint8")], "a.pt")
         Traceback (most recent call last):
-        ckpt_tools.errors.ConversionError: safetensors names ... are not: 'w\\ud800'; ...
+        ckpt_tools.errors.ConversionError: ... q (qint8); and safetensors names ... 'w\\ud800'; ...
     """
-    where = f" in {path!r}: " if path else ": "
-    fixes = tuple(remedies) or (Remedy(text="keep the torch format"),)
     bad = [f"{name} ({dtype})" for name, dtype in tensors if dtype not in TORCH_TO_SAFETENSORS]
-    if bad:
-        raise ConversionError(
-            f"safetensors cannot hold the dtype of {len(bad)} tensor(s){where}"
-            + ", ".join(bad[:8])
-            + (" ..." if len(bad) > 8 else ""),
-            path=path,
-            remedies=fixes,
-        )
     unnamed = [ascii(name) for name, _ in tensors if not _is_utf8(name)]
-    if unnamed:
-        raise ConversionError(
-            f"safetensors names tensors in UTF-8, and {len(unnamed)} name(s)"
-            + (f" in {path!r}" if path else "")
-            + " are not: "
-            + ", ".join(unnamed[:8])
-            + (" ..." if len(unnamed) > 8 else ""),
-            path=path,
-            remedies=(Remedy(text="rename them first (ckpt rename --regex)"), *fixes),
+    where = f" in {path!r}" if path else ""
+    problems = []
+    if bad:
+        problems.append(
+            f"safetensors cannot hold the dtype of {len(bad)} tensor(s){where}: {_few(bad)}"
         )
+    if unnamed:
+        problems.append(
+            f"safetensors names tensors in UTF-8, and {len(unnamed)} name(s){where} are not: "
+            + _few(unnamed)
+        )
+    if problems:
+        fixes = tuple(remedies) or (Remedy(text="keep the torch format"),)
+        if unnamed:
+            fixes = (Remedy(text="rename them first (ckpt rename --regex)"), *fixes)
+        raise ConversionError("; and ".join(problems), path=path, remedies=fixes)
+
+
+def _few(items: Sequence[str]) -> str:
+    return ", ".join(items[:8]) + (" ..." if len(items) > 8 else "")
 
 
 def _is_utf8(name: str) -> bool:

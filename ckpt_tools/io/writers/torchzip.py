@@ -172,9 +172,8 @@ def _copy_zip_records(
                 with decompressed(src.ckpt, name) as chunks:
                     writer.add_stream(name, chunks, record.size, counted)
             else:
-                writer.add_copy(
-                    name, src.fd, record.data_offset, record.size, record.crc32, counted
-                )
+                crc = record.crc32 or None  # 0: torch computed none, so it is computed here
+                writer.add_copy(name, src.fd, record.data_offset, record.size, crc, counted)
     for name, value in as_saved.items():  # those the source lacks
         writer.add_bytes(name, value)
 

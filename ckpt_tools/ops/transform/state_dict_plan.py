@@ -1,7 +1,7 @@
 """The plan that writes a state dict (slim, extract, average): copied and cast storages.
 
-A storage is cast once for every tensor on it, so tied weights stay tied and views stay
-views over the cast storage; one also used by a tensor that is not cast is copied as it is.
+Which storages are cast is :mod:`~ckpt_tools.ops.transform.cast_targets`' choice; each is
+cast once, for every tensor on it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from ckpt_tools._types import Progress, VerifyLevel
 from ckpt_tools.descriptors import StorageRef, TensorRef, iter_tensors
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import (
@@ -27,6 +26,7 @@ from ckpt_tools.io.writers.records import (
 from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.rewrite.plan import torch_instead
+from ckpt_tools.ops.transform.cast_targets import cast_targets, kept_outside
 from ckpt_tools.ops.transform.plan import (
     PlanRow,
     TransformPlan,
@@ -82,13 +82,8 @@ def plan_state_dict_output(
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
     overrides = overrides or {}
     notes = list(notes)
-    # Tensors outside the state dict keep their storages: one of those is never cast.
-    outside = (
-        set()
-        if weights_only or cast_to is None
-        else {id(t.storage) for _, t in iter_tensors(replace_at(root_out, selection.path, {}))}
-    )
-    targets = _cast_targets(tree, items, cast_to, keep, notes, outside)
+    outside = set() if weights_only or cast_to is None else kept_outside(root_out, selection.path)
+    targets = cast_targets(tree, items, cast_to, keep, notes, outside)
     records, out_storage = _storage_records(ckpt, tree, targets, cast_to, overrides)
     rows, replaced = _rows(items, out_storage, targets, overrides, cast_to)
     out_sd.update(replaced)
@@ -229,65 +224,6 @@ def _size(dtype: str) -> int:
     from ckpt_tools.dtypes import itemsize
 
     return itemsize(dtype)
-
-
-def _cast_targets(
-    tree: Any,
-    items: Sequence[tuple[str, str | None, Any]],
-    cast_to: str | None,
-    keep: Sequence[re.Pattern[str]],
-    notes: list[str],
-    outside: set[int],
-) -> dict[int, str]:
-    """``id(storage)`` -> source dtype for every storage to cast (none in ``outside``: the
-    storages of tensors outside the state dict, an optimizer's or an EMA's, kept as they are)."""
-    if cast_to is None:
-        return {}
-    wanted: dict[int, str] = {}
-    for old, new, value in items:
-        if new is None or not isinstance(value, TensorRef):
-            continue
-        if (
-            value.dtype in CAST_SOURCES
-            and value.dtype != cast_to
-            and not any(p.search(old) for p in keep)
-        ):
-            wanted.setdefault(id(value.storage), value.dtype)
-    # A storage is cast only when every tensor on it in the output is cast the same way.
-    users: dict[int, list[TensorRef]] = {}
-    for _, t in iter_tensors(tree):
-        users.setdefault(id(t.storage), []).append(t)
-    cast_ids = {
-        id(v)
-        for _, n, v in items
-        if n is not None
-        and isinstance(v, TensorRef)
-        and id(v.storage) in wanted
-        and not any(p.search(_) for p in keep)
-    }
-    # A kept key wins over a tie: the same tensor object (a tied Parameter, pickled once) may
-    # be reached through a kept key and through a cast one, so keys are checked, not objects.
-    kept = {
-        id(v.storage)
-        for old, n, v in items
-        if n is not None and isinstance(v, TensorRef) and any(p.search(old) for p in keep)
-    }
-    for sid in list(wanted):
-        ts = users.get(sid, [])
-        if (
-            sid in kept
-            or sid in outside
-            or any(id(t) not in cast_ids or t.dtype != wanted[sid] for t in ts)
-            or ts[0].storage.view
-        ):
-            why = (
-                "a tensor outside the state dict shares it"
-                if sid in outside
-                else ("a tensor on it is not cast")
-            )
-            notes.append(f"storage {ts[0].storage.key!r} kept as {wanted[sid]}: {why}")
-            del wanted[sid]
-    return wanted
 
 
 def _sizes_after(
