@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ckpt_tools.errors import CheckpointError, OutputError, OutputExistsError, SameFileError
+from ckpt_tools.io.input_files import reads
 from ckpt_tools.io.interrupts import signals_raise
 
 __all__ = [
@@ -91,20 +92,19 @@ def check_output_path(
         replaced).
 
     Raises:
-        SameFileError: ``dst`` is ``src``, or an existing file inside a ``src`` folder, and
-            ``in_place`` is False.
+        SameFileError: ``dst`` is ``src`` and ``in_place`` is False, or a file the reader
+            of a ``src`` folder reads (a shard, the index), whatever ``in_place``.
         OutputExistsError: ``dst`` exists and ``force`` is False.
         OutputError: ``dst`` is a folder or not a regular file (a device, a FIFO), or its
             folder does not exist or is a file.
     """
     out = Path(dst)
     if src is not None and out.exists():
-        # A file inside an input folder may be one the input reads (a shard, the index).
-        inside = Path(src).is_dir() and out.resolve().is_relative_to(Path(src).resolve())
-        if inside or _same_file(Path(src), out):
+        if Path(src).is_dir() and reads(src, out):  # a shard or the index: never, in place or not
+            raise SameFileError(dst, offer_in_place=False, folder=src)
+        if _same_file(Path(src), out):
             if not in_place:
-                folder = src if inside else None
-                raise SameFileError(dst, offer_in_place=in_place is not None, folder=folder)
+                raise SameFileError(dst, offer_in_place=in_place is not None)
             return out.resolve()
     if out.is_dir():
         raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)

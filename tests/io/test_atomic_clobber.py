@@ -32,17 +32,34 @@ def _sharded(folder: Path) -> Path:
     return folder
 
 
-def test_a_file_the_input_folder_holds_is_never_the_output(tmp_path: Path) -> None:
+def test_a_file_the_input_folder_reads_is_never_the_output(tmp_path: Path) -> None:
     hf = _sharded(tmp_path / "hf")
     shard = hf / "model-00001-of-00002.safetensors"
     before = shard.read_bytes()
-    _, _, err = h.run_ckpt("strip-module", hf, shard, "--force", code=6)
-    assert f"is a file of the input folder {str(hf)!r}" in err and "--in-place" in err
+    for flag in ("--force", "--in-place"):
+        _, _, err = h.run_ckpt("strip-module", hf, shard, flag, code=6)
+        assert f"is a file of the input folder {str(hf)!r}" in err and "--in-place" not in err
     assert shard.read_bytes() == before
     with pytest.raises(SameFileError, match="a file of the input folder"):
-        check_output_path(hf / "model.safetensors.index.json", hf, force=True)
+        check_output_path(hf / "model.safetensors.index.json", hf, force=True, in_place=True)
     # A new file in the input folder is no input of it.
     assert check_output_path(hf / "new.pt", hf) == hf / "new.pt"
+
+
+def test_a_file_of_the_input_folder_its_reader_does_not_read_follows_force(
+    tmp_path: Path,
+) -> None:
+    # zero_to_fp32 writes pytorch_model.bin into the DeepSpeed folder; a DCP folder may hold
+    # the consolidated file likewise: a second run replaces it with --force.
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in (".metadata", "__0_0.distcp", "model.pt"):
+        (run / name).write_bytes(b"")
+    with pytest.raises(OutputExistsError):
+        check_output_path(run / "model.pt", run)
+    assert check_output_path(run / "model.pt", run, force=True) == run / "model.pt"
+    with pytest.raises(SameFileError, match="a file of the input folder"):
+        check_output_path(run / "__0_0.distcp", run, force=True)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])
