@@ -80,6 +80,29 @@ def tensor_items(node: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]
     return [(k["str"], v) for k, v in dict_items(node) if v.get("t") == "tensor"]
 
 
+def tree_tensors(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]] | None:
+    """Every tensor under ``node`` by its dotted path, as inspect names those of a root that is
+    no mapping (``<root>`` for the root itself); None where the reference was truncated."""
+    kind = node.get("t")
+    if kind == "truncated":
+        return None
+    if kind == "tensor":
+        return [(path or "<root>", node)]
+    if kind == "dict":
+        children = [(k["str"], v) for k, v in node["items"]]
+    elif kind in ("list", "tuple"):
+        children = [(str(i), v) for i, v in enumerate(node["items"])]
+    else:
+        return []
+    found: list[tuple[str, dict[str, Any]]] = []
+    for name, child in children:
+        below = tree_tensors(child, f"{path}.{name}" if path else name)
+        if below is None:
+            return None
+        found += below
+    return found
+
+
 def key_types(node: dict[str, Any] | None) -> set[str]:
     return {k["type"] for k, _ in dict_items(node)}
 
@@ -179,6 +202,12 @@ def compare_view(
         differ("selection", f"selected {selected!r} does not exist in {ref_name}'s tree")
         return findings
     theirs = tensor_items(node)
+    if not selected and node.get("t") != "dict":
+        # A root that is no mapping: inspect lists every tensor of the tree by its path.
+        walked = tree_tensors(node)
+        if walked is None:  # deeper than the reference describes: nothing to compare
+            return findings
+        theirs = walked
     ours = info.get("tensors") or []
     our_names = [t["name"] for t in ours]
     their_names = [n for n, _ in theirs]
