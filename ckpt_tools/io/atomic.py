@@ -294,19 +294,17 @@ def _name_new(fd: int, tmp: Path, unnamed: bool, target: Path) -> None:
     try:
         if unnamed:
             _link_fd(fd, target)
-            return
-        try:
+        else:
             os.link(tmp, target)
-        except FileExistsError:
-            raise
-        except OSError:  # a file system without hard links: the narrow check, then rename
-            if target.exists():
-                raise FileExistsError(17, "File exists", str(target)) from None
-            os.replace(tmp, target)
-            return
-        tmp.unlink()
+            tmp.unlink()
     except FileExistsError as e:
         raise OutputExistsError(target) from e
+    except OSError:
+        if unnamed:
+            raise
+        if target.exists():  # a file system without hard links: the narrow check, then rename
+            raise OutputExistsError(target) from None
+        os.replace(tmp, target)
 
 
 def _test_pause() -> None:
@@ -317,7 +315,11 @@ def _test_pause() -> None:
 
 @contextlib.contextmanager
 def atomic_output(
-    dst: str | os.PathLike[str], *, unnamed: bool = True, durable: bool = True
+    dst: str | os.PathLike[str],
+    *,
+    unnamed: bool = True,
+    durable: bool = True,
+    like: Path | None = None,
 ) -> Iterator[AtomicFile]:
     """Write ``dst`` atomically.
 
@@ -338,6 +340,7 @@ def atomic_output(
             bytes. For scratch copies on disks where fsync is slow. Ignored when ``dst``
             exists: renamed over before its bytes are on disk, the old file could be lost
             as well as the new one (the yielded ``durable`` is then True).
+        like: the file whose mode and owner the output takes (default ``dst``).
 
     Call :func:`check_output_path` first: this function replaces a ``dst`` that exists when
     it starts, and refuses one that appears while the output is written.
@@ -374,7 +377,7 @@ def atomic_output(
             with f:
                 yield AtomicFile(f, tmp, durable)
                 f.flush()
-                _keep_mode_and_owner(f.fileno(), target)
+                _keep_mode_and_owner(f.fileno(), like or target)
                 if durable:
                     os.fsync(f.fileno())
                 _test_pause()

@@ -5,8 +5,8 @@ Taken over, from a folder this process could write into (:func:`check_writable`,
 ``cp -r`` needs): its group and setgid bit while the temp folder is written
 (:func:`share_group`; it stays private and this process's own until complete), then its
 owner and group where the process may set them, and its permission bits (:func:`take_over`,
-just before the swap). A replaced file's mode goes to the new file of that name
-(:func:`keep_mode`), as :mod:`~ckpt_tools.io.atomic` keeps a replaced file's.
+just before the swap). A replaced file's mode and owner go to the new file of that name,
+as :mod:`~ckpt_tools.io.atomic` keeps them for any file (``write_file(like=)``).
 
 Threads: Python runs signal handlers in the main thread only, and nothing outside a worker
 thread can interrupt the write it is doing. So the main thread keeps the signal handling (the
@@ -38,7 +38,6 @@ __all__ = [
     "StopCounter",
     "Stopped",
     "check_writable",
-    "keep_mode",
     "remove_temp_folder",
     "run_jobs",
     "share_group",
@@ -98,23 +97,6 @@ def take_over(tmp: Path, old: os.stat_result | None) -> None:
         except OSError:  # not permitted, or an id this file system lacks
             continue
     os.chmod(tmp, stat.S_IMODE(old.st_mode))
-
-
-def keep_mode(new: Path, replaced: Path, durable: bool) -> None:
-    """Give ``new`` the permission bits of the file it replaces, as file outputs do."""
-    try:
-        old = os.stat(replaced)
-    except OSError:
-        return  # nothing replaced: 0o666 less umask, as atomic_output gave it
-    if not stat.S_ISREG(old.st_mode):
-        return
-    fd = os.open(new, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.fchmod(fd, stat.S_IMODE(old.st_mode))
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Stopped(Exception):

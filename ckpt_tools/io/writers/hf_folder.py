@@ -28,7 +28,6 @@ from ckpt_tools.io.writers.folder_temp import (
     StopCounter,
     Stopped,
     check_writable,
-    keep_mode,
     remove_temp_folder,
     run_jobs,
     share_group,
@@ -317,8 +316,8 @@ def _write_folder(
         def write_one(f: FolderFile) -> str:
             if stop.is_set():
                 raise Stopped("the folder write is stopping")
-            write_file(tmp / f.name, f.fill, f.check, durable=durable)
-            keep_mode(tmp / f.name, target / f.name, durable)
+            # The shard it replaces lends it its mode and owner.
+            write_file(tmp / f.name, f.fill, f.check, durable=durable, like=target / f.name)
             return f.name
 
         if jobs > 1 and len(files) > 1:

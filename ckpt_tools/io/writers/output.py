@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from ckpt_tools.io.atomic import AtomicFile, atomic_output
 
@@ -27,7 +28,12 @@ Check = Callable[[str], str]
 
 
 def write_file(
-    target: str | os.PathLike[str], fill: Fill, check: Check, *, durable: bool = True
+    target: str | os.PathLike[str],
+    fill: Fill,
+    check: Check,
+    *,
+    durable: bool = True,
+    like: Path | None = None,
 ) -> str:
     """Write ``target`` atomically: ``fill`` a temp file beside it, ``check`` it, then name it.
 
@@ -41,6 +47,7 @@ def write_file(
         fill: writes the file's bytes.
         check: verifies the written file; its words are returned.
         durable: fsync the file and its folder (see :func:`~ckpt_tools.io.atomic.atomic_output`).
+        like: the file whose mode and owner it takes (``target`` by default).
 
     Returns:
         What ``check`` verified, in words.
@@ -57,7 +64,7 @@ def write_file(
         >>> open("notes.txt", "rb").read()
         b'all or nothing'
     """
-    with atomic_output(target, durable=durable) as out:
+    with atomic_output(target, durable=durable, like=like) as out:
         fill(out)
         out.file.flush()
         return check(str(out.path))
