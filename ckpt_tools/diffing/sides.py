@@ -22,7 +22,7 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.io.remote.httpurls import shown_url
-from ckpt_tools.structure.selection import a_kind_of, is_state_dict, select_state_dict
+from ckpt_tools.structure.selection import holds_no_state_dict, is_state_dict, select_state_dict
 from ckpt_tools.structure.suggest import wrapper_stack
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads values
@@ -97,8 +97,8 @@ def _file_side(
     selection = select_state_dict(ckpt.root, select=select)
     if selection.stand_in:  # its empty stand-in would compare as identical to anything
         raise UsageError(
-            f"{shown_url(os.fspath(side))!r} holds {a_kind_of(ckpt.root)}, not a state dict "
-            "(a mapping of names to tensors); diff compares state dicts"
+            f"{holds_no_state_dict(repr(shown_url(os.fspath(side))), ckpt.root)}; "
+            "diff compares state dicts"
         )
     entries, skipped = _split(selection.state_dict, TensorRef)
     info = SideInfo(

@@ -32,7 +32,7 @@ from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.structure.selection import (
     Selection,
-    a_kind_of,
+    holds_no_state_dict,
     is_state_dict,
     select_state_dict,
 )
@@ -154,7 +154,7 @@ def _selection_checked(root: Any, select: Select, where: str) -> Selection:
     selection = select_state_dict(root, select=select)
     if selection.stand_in:
         raise UsageError(
-            f"{where} holds {a_kind_of(root)}, not a state dict (a mapping of names to tensors)",
+            holds_no_state_dict(where, root),
             remedies=(Remedy(text="load it with torch.load(path, weights_only=True)"),),
         )
     if select is None and not is_state_dict(selection.state_dict):

@@ -38,6 +38,7 @@ __all__ = [
     "a_kind_of",
     "attributes_of",
     "entries_beside",
+    "holds_no_state_dict",
     "is_state_dict",
     "key_text",
     "mapping_at",
@@ -97,6 +98,16 @@ def a_kind_of(value: Any) -> str:
     if value is None:
         return "None"
     return "a tensor" if isinstance(value, TensorRef) else f"a {type(value).__name__}"
+
+
+def holds_no_state_dict(where: str, root: Any) -> str:
+    """The words every refusal of a root that is no mapping (``Selection.stand_in``) starts with.
+
+    Example:
+        >>> holds_no_state_dict("'t.pt'", [1])
+        "'t.pt' holds a list, not a state dict (a mapping of names to tensors)"
+    """
+    return f"{where} holds {a_kind_of(root)}, not a state dict (a mapping of names to tensors)"
 
 
 def is_state_dict(value: Any) -> bool:

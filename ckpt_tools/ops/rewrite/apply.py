@@ -38,7 +38,12 @@ from ckpt_tools.structure.keys import (
     plan_renames,
     strip_wrapper_rules,
 )
-from ckpt_tools.structure.selection import Selection, a_kind_of, replace_at, select_state_dict
+from ckpt_tools.structure.selection import (
+    Selection,
+    holds_no_state_dict,
+    replace_at,
+    select_state_dict,
+)
 
 if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
@@ -190,8 +195,8 @@ def _plan(
     sd = selection.state_dict
     if selection.stand_in and fmt == "safetensors":
         raise ConversionError(
-            f"{ckpt.path!r} holds {a_kind_of(ckpt.root)}, not a dict of tensors; a safetensors "
-            "file holds named tensors",
+            f"{holds_no_state_dict(repr(ckpt.path), ckpt.root)}; a safetensors file holds "
+            "named tensors",
             remedies=(to_torch,),
         )
     # Rules rename str keys only; other keys keep their type and value (checked above).

@@ -36,7 +36,7 @@ from ckpt_tools.ops.transform.plan import (
     new_storage,
 )
 from ckpt_tools.ops.transform.result import TransformResult
-from ckpt_tools.structure.selection import Selection, a_kind_of, replace_at
+from ckpt_tools.structure.selection import Selection, holds_no_state_dict, replace_at
 
 __all__ = ["finish", "plan_state_dict_output"]
 
@@ -75,8 +75,7 @@ def plan_state_dict_output(
     """
     if selection.stand_in:  # written in place of the root, the empty stand-in would drop it
         raise ConversionError(
-            f"{ckpt.path!r} holds {a_kind_of(ckpt.root)}, not a state dict: {command} "
-            "rewrites a dict of tensors"
+            f"{holds_no_state_dict(repr(ckpt.path), ckpt.root)}; {command} rewrites a state dict"
         )
     out_sd = _output_state_dict(selection, items)
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
