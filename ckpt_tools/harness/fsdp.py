@@ -19,7 +19,6 @@ After training, every rank takes part in two saves:
 
 from __future__ import annotations
 
-import re
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -56,8 +55,9 @@ def fsdp_missing() -> str | None:
         >>> fsdp_missing() is None  # torch 2.9 and newer
         True
     """
-    release = re.match(r"(\d+)\.(\d+)", str(torch.__version__))
-    if release is not None and tuple(map(int, release.groups())) >= FSDP_MIN_TORCH:
+    from torch.torch_version import TorchVersion  # torch's own version comparison
+
+    if TorchVersion(torch.__version__) >= FSDP_MIN_TORCH:
         return None
     wanted = ".".join(map(str, FSDP_MIN_TORCH))
     return (
