@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -68,6 +69,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from tests.helpers.worker_groups import GroupScheduling
 
     return GroupScheduling(config, log, config.stash[GROUPS_FILE])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The temporary folder of this process and its children, inside pytest's base temp.
+
+    torchrun's log folders and torch's error files are left in the temporary folder once the
+    ranks exit; here pytest removes them with its old base temps instead of /tmp filling up.
+    """
+    folder = tmp_path_factory.mktemp("tmpdir")
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # gettempdir() caches its first answer
+    yield folder
+    if saved is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved
+    tempfile.tempdir = None
 
 
 @pytest.fixture
