@@ -317,6 +317,7 @@ def _test_pause() -> None:
 def atomic_output(
     dst: str | os.PathLike[str],
     *,
+    replace: bool = False,
     unnamed: bool = True,
     durable: bool = True,
     like: Path | None = None,
@@ -332,6 +333,9 @@ def atomic_output(
 
     Args:
         dst: the output path.
+        replace: the caller accepted replacing ``dst`` (``force``, in place). False: a
+            ``dst`` that exists when the write starts, or appears while it runs, is
+            refused, so one that appeared after :func:`check_output_path` is never lost.
         unnamed: use an unnamed (``O_TMPFILE``) temp file where the file system has them;
             False forces the named fallback (``.NAME.ckpt-tmp-PID-RANDOM``).
         durable: fsync the file before it is named and its folder after. False skips both
@@ -342,12 +346,13 @@ def atomic_output(
             as well as the new one (the yielded ``durable`` is then True).
         like: the file whose mode and owner the output takes (default ``dst``).
 
-    Call :func:`check_output_path` first: this function replaces a ``dst`` that exists when
-    it starts, and refuses one that appears while the output is written.
+    Call :func:`check_output_path` first. With ``replace``, a ``dst`` that exists when the
+    write starts is replaced; one that appears while it runs never is.
 
     Raises:
         OutputError: the temp file cannot be created or written (disk full, permissions).
-        OutputExistsError: ``dst`` appeared while the output was written (nothing replaced).
+        OutputExistsError: ``dst`` exists and ``replace`` is False, or appeared while the
+            output was written (nothing replaced).
 
     Example:
         >>> with atomic_output("notes.txt") as out:
@@ -358,10 +363,12 @@ def atomic_output(
     target = Path(dst)
     target = target.resolve().parent / target.name
     folder = target.parent
-    # A file there now may be replaced (force, in place); one that appears while the output
-    # is written is not. Renamed over a file whose new bytes are not on disk, a power loss
-    # could lose both.
+    # A file there now may be replaced where the caller said so (force, in place); one that
+    # appears while the output is written never is. Renamed over a file whose new bytes are
+    # not on disk, a power loss could lose both.
     existed = target.exists()
+    if existed and not replace:  # it appeared after the output path was checked
+        raise OutputExistsError(dst)
     durable = durable or existed
     remove_stale_temps(folder)
     with signals_raise() as release:

@@ -71,7 +71,7 @@ def test_atomic_output_replaces_only_on_success(tmp_path):
     target = tmp_path / "t.bin"
     target.write_bytes(b"old")
     os.chmod(target, 0o640)
-    named = atomic_output(target, unnamed=False)
+    named = atomic_output(target, unnamed=False, replace=True)
     with pytest.raises(RuntimeError, match="boom"), named as out:
         out.file.write(b"half")
         assert out.path.exists() and TEMP_SUFFIX in out.path.name
@@ -79,7 +79,9 @@ def test_atomic_output_replaces_only_on_success(tmp_path):
         raise RuntimeError("boom")
     assert target.read_bytes() == b"old" and h.listing(tmp_path) == ["t.bin"]
 
-    with atomic_output(target) as out:
+    with pytest.raises(OutputExistsError), atomic_output(target):  # without replace=True
+        pytest.fail("a file that exists is replaced only where the caller says so")
+    with atomic_output(target, replace=True) as out:
         out.file.write(b"new")
     assert target.read_bytes() == b"new" and h.listing(tmp_path) == ["t.bin"]
     assert target.stat().st_mode & 0o777 == 0o640  # the replaced file's mode is kept

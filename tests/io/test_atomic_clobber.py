@@ -90,10 +90,24 @@ def test_a_file_that_appears_while_writing_is_not_replaced(tmp_path: Path, unnam
             dst.write_bytes(b"someone else's")  # another process takes the name meanwhile
     assert dst.read_bytes() == b"someone else's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
-    # A file there when the write starts (force, in place) is replaced.
-    with atomic_output(dst, unnamed=unnamed) as out:
+    # A file there when the write starts is replaced where the caller said so (force, in place).
+    with atomic_output(dst, unnamed=unnamed, replace=True) as out:
         out.file.write(b"replaced")
     assert dst.read_bytes() == b"replaced"
+
+
+@pytest.mark.parametrize("unnamed", [True, False])
+def test_a_file_that_appears_after_the_output_was_checked_is_not_replaced(
+    tmp_path: Path, unnamed: bool
+) -> None:
+    # Planning runs between the check and the write: minutes for a large consolidation.
+    dst = tmp_path / "out.bin"
+    assert check_output_path(dst) == dst
+    dst.write_bytes(b"someone else's")
+    with pytest.raises(OutputExistsError), atomic_output(dst, unnamed=unnamed):
+        pytest.fail("nothing is written where the output was taken before the write began")
+    assert dst.read_bytes() == b"someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

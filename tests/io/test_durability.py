@@ -41,7 +41,7 @@ def test_writers_are_told_whether_their_output_will_be_synced(tmp_path: Path) ->
     assert (tmp_path / "a.bin").read_bytes() == b"outer"
     assert (tmp_path / "b.bin").read_bytes() == b"inner"
     # Replacing a file is always durable, and the writers are told so.
-    with atomic_output(tmp_path / "a.bin", durable=False) as again:
+    with atomic_output(tmp_path / "a.bin", replace=True, durable=False) as again:
         assert again.durable
         again.file.write(b"again")
     assert (tmp_path / "a.bin").read_bytes() == b"again"

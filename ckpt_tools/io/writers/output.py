@@ -32,6 +32,7 @@ def write_file(
     fill: Fill,
     check: Check,
     *,
+    replace: bool = False,
     durable: bool = True,
     like: Path | None = None,
 ) -> str:
@@ -46,6 +47,8 @@ def write_file(
             :func:`~ckpt_tools.io.atomic.check_output_path` (or in a folder being built).
         fill: writes the file's bytes.
         check: verifies the written file; its words are returned.
+        replace: replace a ``target`` that exists (the caller's ``force`` or in place);
+            False refuses it, even one that appeared after the output path was checked.
         durable: fsync the file and its folder (see :func:`~ckpt_tools.io.atomic.atomic_output`).
         like: the file whose mode and owner it takes (``target`` by default).
 
@@ -54,6 +57,7 @@ def write_file(
 
     Raises:
         OutputError: the temp file cannot be created or written.
+        OutputExistsError: ``target`` exists and ``replace`` is False.
         VerificationError: ``check`` found the file wrong (nothing is named).
 
     Example:
@@ -64,7 +68,7 @@ def write_file(
         >>> open("notes.txt", "rb").read()
         b'all or nothing'
     """
-    with atomic_output(target, durable=durable, like=like) as out:
+    with atomic_output(target, replace=replace, durable=durable, like=like) as out:
         fill(out)
         out.file.flush()
         return check(str(out.path))

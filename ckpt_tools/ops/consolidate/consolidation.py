@@ -209,7 +209,7 @@ def consolidate(
         written = tuple(os.path.join(dst, name) for name in names)
         verification = _VERIFIED[verify]
     else:
-        verification = write_file_output(target, fmt, plan, verify, counter, durable)
+        verification = write_file_output(target, fmt, plan, verify, counter, durable, force)
         written = (dst,)
     return ConsolidateResult(
         **shared,

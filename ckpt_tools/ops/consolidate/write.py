@@ -43,9 +43,10 @@ def write_file_output(
     verify: str,
     counter: ByteCounter | None,
     durable: bool,
+    replace: bool,
 ) -> str:
-    """One ``.pt`` (``fmt='torch-zip'``) or ``.safetensors`` file at ``dst``; returns what was
-    verified."""
+    """One ``.pt`` (``fmt='torch-zip'``) or ``.safetensors`` file at ``dst``, replacing one
+    there only with ``replace``; returns what was verified."""
     written: list[tuple[str, Record]] = []
     if fmt == "torch-zip":
         tree = _picklable(plan.tree)
@@ -63,7 +64,8 @@ def write_file_output(
         def fill(out: AtomicFile) -> None:
             write_safetensors(entries, out.file, {"format": "pt"}, counter, durable=out.durable)
 
-    return write_file(dst, fill, _check(plan.tensors, written, verify), durable=durable)
+    check = _check(plan.tensors, written, verify)
+    return write_file(dst, fill, check, replace=replace, durable=durable)
 
 
 def write_folder_output(

@@ -138,7 +138,7 @@ def merge_lora(
         for r in plan.rows
     )
     plan = replace(plan, rows=rows, sources=(base, lora.weights))
-    done = finish(plan, target, ckpt, verify, dry_run or folder, durable, progress)
+    done = finish(plan, target, ckpt, verify, dry_run or folder, durable, progress, replace=force)
     if folder:
         done = write_merged_folder(
             plan,

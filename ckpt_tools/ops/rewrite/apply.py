@@ -67,12 +67,14 @@ def apply_rewrite(
     progress: Progress | None,
     dry_run: bool,
     durable: bool,
+    replace: bool,
 ) -> RewriteResult:
     """Rewrite the opened ``ckpt`` into ``target``: the work of ``rewrite()``.
 
     ``rewrite`` checks its arguments and opens the input; everything after the input is open
     happens here, with the arguments it documents (``target`` is ``dst`` as
-    :func:`~ckpt_tools.io.atomic.check_output_path` accepted it).
+    :func:`~ckpt_tools.io.atomic.check_output_path` accepted it; ``replace`` is ``force`` or
+    ``in_place``: only then is a file at ``target`` replaced).
 
     Returns:
         The :class:`RewriteResult`.
@@ -102,9 +104,8 @@ def apply_rewrite(
             f"{plan.total} tensor bytes)",
         )
     counter = ByteCounter(progress, plan.total)
-    verification = write_file(
-        target, plan.fill(ckpt, device_map, counter), plan.check(ckpt, verify), durable=durable
-    )
+    fill, check = plan.fill(ckpt, device_map, counter), plan.check(ckpt, verify)
+    verification = write_file(target, fill, check, replace=replace, durable=durable)
     return _result(
         *stated,
         written=(dst,),

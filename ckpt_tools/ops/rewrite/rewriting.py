@@ -117,6 +117,7 @@ def rewrite(
         progress=progress,
         dry_run=dry_run,
         durable=durable,
+        replace=force or bool(in_place),
     )
 
 
@@ -181,7 +182,10 @@ def strip_module(
     found, matches, nothing = plan_strip(ckpt, src, dst, select, output_format, allow_globals)
     if nothing is not None:
         return nothing
-    result = apply_rewrite(ckpt, src, dst, target, found, device_map=None, **options)
+    replace = force or bool(in_place)
+    result = apply_rewrite(
+        ckpt, src, dst, target, found, device_map=None, replace=replace, **options
+    )
     names = ", ".join(repr(m.prefix) for m in matches)
     return _with(result, wrappers=matches, message=f"stripped {names}: {result.message}")
 

@@ -218,7 +218,7 @@ def average(
         overrides=storages,
     )
     plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
-    return finish(plan, target, ckpts[0], verify, dry_run, durable, progress)
+    return finish(plan, target, ckpts[0], verify, dry_run, durable, progress, replace=force)
 
 
 def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | None) -> list[float]:

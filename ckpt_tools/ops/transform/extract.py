@@ -90,4 +90,4 @@ def extract(
             drop_extras=drop_extras,
             notes=notes,
         )
-        return finish(plan, target, ckpt, verify, dry_run, durable, progress)
+        return finish(plan, target, ckpt, verify, dry_run, durable, progress, replace=force)

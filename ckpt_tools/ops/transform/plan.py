@@ -151,6 +151,8 @@ def execute_plan(
     verify: str = "sizes",
     counter: ByteCounter | None = None,
     durable: bool = True,
+    *,
+    replace: bool = False,
 ) -> str:
     """Write ``plan`` to ``target`` through the writer layer; returns what was verified.
 
@@ -162,6 +164,7 @@ def execute_plan(
         counter: told the byte count of every piece written.
         durable: fsync the output before naming it (see
             :func:`~ckpt_tools.io.atomic.atomic_output`).
+        replace: replace a ``target`` that exists (the transform's ``force``).
 
     Raises:
         UsageError: a verification level transforms do not offer.
@@ -189,4 +192,4 @@ def execute_plan(
         checked = verify_output(path, expected, "sizes" if verify == "full" else verify)
         return check_records(path, written) if verify == "full" else checked
 
-    return write_file(target, fill, check, durable=durable)
+    return write_file(target, fill, check, replace=replace, durable=durable)

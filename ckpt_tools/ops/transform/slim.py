@@ -251,7 +251,7 @@ def slim(
             dropped_entries=dropped,
             notes=notes,
         )
-        return finish(plan, target, ckpt, verify, dry_run, durable, progress)
+        return finish(plan, target, ckpt, verify, dry_run, durable, progress, replace=force)
 
 
 def cast_target(dtype: str | None) -> str | None:

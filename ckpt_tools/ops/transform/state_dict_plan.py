@@ -306,11 +306,14 @@ def finish(
     dry_run: bool,
     durable: bool = True,
     progress: Progress | None = None,
+    *,
+    replace: bool = False,
 ) -> TransformResult:
     """Write the plan (unless ``dry_run``) and say what happened.
 
     ``verify``, ``dry_run``, ``durable`` and ``progress`` are the transform's own, as
-    :func:`~ckpt_tools.ops.transform.slim.slim` documents them.
+    :func:`~ckpt_tools.ops.transform.slim.slim` documents them; ``replace`` is its ``force``
+    (a ``target`` that exists is replaced only then).
     """
     if plan.output_format == "safetensors":
         records = [r for _, _, r in plan.entries]
@@ -343,7 +346,9 @@ def finish(
         message = f"dry run: would write {plan.dst} ({sizes})"
         return TransformResult(**shared, dry_run=True, planned=(planned,), message=message)
     counter = ByteCounter(progress, plan.output_bytes)
-    verification = execute_plan(plan, target, ckpt, verify, counter, durable=durable)
+    verification = execute_plan(
+        plan, target, ckpt, verify, counter, durable=durable, replace=replace
+    )
     return TransformResult(
         **shared,
         written=(plan.dst,),
