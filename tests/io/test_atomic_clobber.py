@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from ckpt_tools.errors import OutputExistsError, SameFileError
 from ckpt_tools.io.atomic import atomic_output, check_output_path
+from ckpt_tools.io.writers.hf_folder import FolderFile, check_output_folder, write_folder
 from tests import helpers as h
 
 
@@ -108,6 +109,20 @@ def test_a_file_that_appears_after_the_output_was_checked_is_not_replaced(
         pytest.fail("nothing is written where the output was taken before the write began")
     assert dst.read_bytes() == b"someone else's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+
+def test_a_folder_filled_after_it_was_checked_is_not_written_into(tmp_path: Path) -> None:
+    dst = tmp_path / "model-hf"
+    assert check_output_folder(dst) == dst
+    dst.mkdir()
+    (dst / "model.safetensors").write_bytes(b"someone else's")
+    new = FolderFile("model.safetensors", lambda out: out.file.write(b"new"), lambda p: "")
+    with pytest.raises(OutputExistsError):
+        write_folder(dst, [new])
+    assert h.listing(tmp_path) == ["model-hf"] and h.listing(dst) == ["model.safetensors"]
+    assert (dst / "model.safetensors").read_bytes() == b"someone else's"
+    write_folder(dst, [new], replace=True)  # force
+    assert (dst / "model.safetensors").read_bytes() == b"new"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

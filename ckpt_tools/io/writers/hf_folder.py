@@ -179,7 +179,9 @@ def _carry(target: Path, tmp: Path, names: Sequence[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path, bool]]:
+def _published_folder(
+    target: Path, durable: bool = True, replace: bool = False
+) -> Iterator[tuple[Path, bool]]:
     """A temp folder beside ``target`` that becomes ``target`` when the body succeeds.
 
     Yields ``(temp folder, durable)``: whether to fsync what is written into it, as the
@@ -199,6 +201,8 @@ def _published_folder(target: Path, durable: bool = True) -> Iterator[tuple[Path
     """
     old = target.stat() if target.is_dir() else None
     replaced = old is not None and any(target.iterdir())
+    if replaced and not replace:  # filled after check_output_folder accepted it
+        raise OutputExistsError(str(target))
     durable = durable or replaced
     parent = target.parent
     check_writable(target, target)
@@ -277,6 +281,7 @@ def write_folder(
     *,
     jobs: int = 1,
     durable: bool = True,
+    replace: bool = False,
 ) -> tuple[str, ...]:
     """Write ``files`` into a temp folder beside ``dst``, each by :func:`write_file`, then
     publish the folder as ``dst`` by one rename.
@@ -291,14 +296,17 @@ def write_folder(
         durable: fsync every file and the folders (default); False skips those fsyncs
             (see :func:`~ckpt_tools.io.atomic.atomic_output`), unless a non-empty ``dst``
             is replaced.
+        replace: write into a non-empty ``dst`` (the caller's ``force``); False refuses
+            one, even one filled after :func:`check_output_folder` accepted it.
 
     Returns:
         The names written inside ``dst``, in order.
 
     Raises:
+        OutputExistsError: ``dst`` is not empty and ``replace`` is False.
         OutputError / VerificationError: writing or checking failed; ``dst`` is untouched.
     """
-    return _write_folder(dst, files, jobs, durable, threading.Event())
+    return _write_folder(dst, files, jobs, durable, threading.Event(), replace)
 
 
 def _write_folder(
@@ -307,11 +315,12 @@ def _write_folder(
     jobs: int,
     durable: bool,
     stop: threading.Event,
+    replace: bool,
 ) -> tuple[str, ...]:
     """:func:`write_folder`, with the stop event its files' writers watch (see
     :mod:`~ckpt_tools.io.writers.folder_temp`)."""
     target = _resolved(dst)
-    with _published_folder(target, durable) as (tmp, durable):
+    with _published_folder(target, durable, replace) as (tmp, durable):
 
         def write_one(f: FolderFile) -> str:
             if stop.is_set():
@@ -336,6 +345,7 @@ def write_hf_shards(
     counter: ByteCounter | None = None,
     jobs: int = 1,
     durable: bool = True,
+    replace: bool = False,
 ) -> tuple[str, ...]:
     """Write ``entries`` as the Hugging Face folder ``plan`` lays out, then publish it.
 
@@ -352,13 +362,14 @@ def write_hf_shards(
         metadata: extra string metadata.
         counter: told the byte count of every piece written (from several threads when
             ``jobs`` > 1).
-        jobs, durable: as for :func:`write_folder`.
+        jobs, durable, replace: as for :func:`write_folder`.
 
     Returns:
         The files written (shards, then the index), names inside ``dst``.
 
     Raises:
         ConversionError: a dtype safetensors cannot hold.
+        OutputExistsError: ``dst`` is not empty and ``replace`` is False.
         OutputError / VerificationError: writing or verifying failed; ``dst`` is untouched.
 
     Example:
@@ -388,4 +399,4 @@ def write_hf_shards(
     if plan.is_sharded:
         index = index_bytes(plan, extra)
         files.append(FolderFile(INDEX_NAME, lambda out: out.file.write(index), lambda path: ""))
-    return _write_folder(dst, files, jobs, durable, stop)
+    return _write_folder(dst, files, jobs, durable, stop, replace)

@@ -205,7 +205,7 @@ def consolidate(
     counter = ByteCounter(progress, shared["bytes_written"])
     if fmt == "hf-sharded":
         shards = _shards(plan, limit)
-        names = write_folder_output(target, plan, shards, verify, counter, jobs, durable)
+        names = write_folder_output(target, plan, shards, verify, counter, jobs, durable, force)
         written = tuple(os.path.join(dst, name) for name in names)
         verification = _VERIFIED[verify]
     else:

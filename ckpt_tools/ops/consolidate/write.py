@@ -76,9 +76,10 @@ def write_folder_output(
     counter: ByteCounter | None,
     jobs: int,
     durable: bool,
+    replace: bool,
 ) -> tuple[str, ...]:
-    """Hugging Face shards and their index, published as the folder ``dst``; returns the
-    names written inside it."""
+    """Hugging Face shards and their index, published as the folder ``dst`` (into a
+    non-empty one only with ``replace``); returns the names written inside it."""
     by_name = {t.name: t for t in plan.tensors}
     entries = [(t.name, t.tensor, _record(t)) for t in plan.tensors]
     records = {name: record for name, _, record in entries}
@@ -86,7 +87,9 @@ def write_folder_output(
     def check(names: Sequence[str]) -> Check:
         return _check([by_name[n] for n in names], [(n, records[n]) for n in names], verify)
 
-    return write_hf_shards(entries, dst, shards, check, counter=counter, jobs=jobs, durable=durable)
+    return write_hf_shards(
+        entries, dst, shards, check, counter=counter, jobs=jobs, durable=durable, replace=replace
+    )
 
 
 def _record(t: OutputTensor) -> Record:

@@ -38,11 +38,13 @@ def write_merged_folder(
     verify: VerifyLevel,
     durable: bool,
     progress: Progress | None,
+    force: bool,
 ) -> TransformResult:
     """Write the safetensors ``plan`` as shards in the folder ``target``.
 
     Args:
         done: the plan's dry-run result (its rows, sizes and notes), completed here.
+        force: write into a non-empty ``target``, as ``merge_lora`` takes it.
 
     Returns:
         ``done`` with the files written (shards, then the index), or with each shard planned
@@ -80,6 +82,7 @@ def write_merged_folder(
         metadata=metadata,
         counter=ByteCounter(progress, plan.output_bytes),
         durable=durable,
+        replace=force,
     )
     return replace(
         done,

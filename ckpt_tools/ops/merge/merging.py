@@ -149,6 +149,7 @@ def merge_lora(
             verify=verify,
             durable=durable,
             progress=progress,
+            force=force,
         )
     shared = {f.name: getattr(done, f.name) for f in fields(done) if f.init}
     return MergeResult(**shared, adapter=adapter, merged=tuple(merged), replaced=replaced)

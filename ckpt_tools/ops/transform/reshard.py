@@ -153,6 +153,7 @@ def convert_to_folder(
         counter=counter,
         jobs=jobs,
         durable=durable,
+        replace=force,
     )
     return RewriteResult(
         **shared,
