@@ -528,3 +528,42 @@ def test_a_value_dropped_inside_a_config_node_or_as_a_key_is_listed_once(fake, t
     assert len(dropped) == 2 and dropped[0] == "cfg.hook", dropped
     assert dropped[1].startswith("meta.") and "system" in dropped[1], dropped
     assert not marker.exists()
+
+
+def test_a_selection_sanitize_drops_is_refused_before_writing(fake, tmp_path):
+    # --select names the state dict the output is verified by: an object sanitize drops (a
+    # class it cannot keep, whose attributes the input's selection followed) is refused
+    # before anything is written, dry run included, rather than failing that verification.
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "meta": fake.Metadata("k")}, src)
+    _forget(tmp_path)
+    assert ct.inspect(src, select="meta").selected == ("meta",)
+    said = r"select='meta': sanitize drops meta \(fakeomega_i10\.Metadata object\)"
+    for dry_run in (False, True):
+        with pytest.raises(ct.SelectError, match=said) as e:
+            ct.sanitize(src, dst, select="meta", dry_run=dry_run)
+        assert "pass select=None to verify the state dict found in the output" in str(e.value)
+    result = h.run_ckpt("sanitize", src, dst, "--select", "meta", code=2)
+    assert "--select 'meta': sanitize drops meta" in result.stderr
+    assert "leave out --select" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["in.pt", "src"]
+    report = ct.sanitize(src, dst, select="state_dict")
+    assert report.dropped == ("meta",) and report.verification.startswith("verified: 1 ")
+
+
+def test_a_selection_inside_a_converted_object_names_what_it_became(fake, tmp_path):
+    # A pickled module becomes its state dict: a path through its attributes is gone from
+    # the output, and the error names the selection that verifies what it became.
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"net": fake.Net(), "epoch": 1}, src)
+    _forget(tmp_path)
+    inner = "net._modules.fc._parameters"
+    assert ct.inspect(src, select=inner).selected == tuple(inner.split("."))
+    with pytest.raises(ct.SelectError, match=r"sanitize converts net \(pickled nn\.Module") as e:
+        ct.sanitize(src, dst, select=inner)
+    assert "pass select='net' to verify what net became" in str(e.value)
+    result = h.run_ckpt("sanitize", src, dst, "--select", inner, code=2)
+    assert "pass --select net to verify what net became" in result.stderr
+    assert not dst.exists()
+    report = ct.sanitize(src, dst, select="net")
+    assert report.tensors == len(torch.load(dst, weights_only=True)["net"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import pickle
+import re
 import shutil
 import warnings
 import zipfile
@@ -549,3 +550,46 @@ def test_a_pickle_with_any_protocol_number_names_what_torch_names(tmp_path: Path
     noise = tmp_path / "noise.bin"
     noise.write_bytes(b"\x80B" + bytes(range(256)) * 4)  # no global: not a checkpoint at all
     assert scan_file(str(noise)) is None
+
+
+def _cut_inside_the_name(payload: bytes, name: bytes, tail: bytes) -> bytes:
+    """``payload`` up to ``name``'s GLOBAL name line, then ``tail`` and the end of the file."""
+    return payload[: payload.index(b"\n" + name + b"\n") + 1 + len(name)] + tail
+
+
+@pytest.mark.parametrize(
+    "head",
+    [pytest.param(b"\x80\x02", id="plain-pickle"), pytest.param(b"\x80\x09", id="any-proto")],
+)
+def test_a_plain_pickle_cut_inside_a_global_names_what_torch_names(
+    tmp_path: Path, head: bytes
+) -> None:
+    # The fuzzer's input: a plain pickle (the first pickle torch reads) that ends inside a
+    # GLOBAL's name line holding binary bytes. torch's reader takes the line less its last
+    # byte and refuses that name; Python's pickle refuses the cut line, so nothing runs.
+    payload = head + pickle.dumps({"a": shutil.rmtree}, protocol=2)[2:]
+    path = tmp_path / "cut.pt"
+    path.write_bytes(_cut_inside_the_name(payload, b"rmtree", b"\x1aq\x02X1\x00\x00\x00 ${C"))
+    torch_name = "shutil.rmtree\x1aq\x02X1\x00\x00\x00 ${"
+    with warnings.catch_warnings(), pytest.raises(pickle.UnpicklingError) as refused:
+        warnings.simplefilter("ignore")  # (torch warns of a protocol other than 2)
+        torch.load(path, weights_only=True)
+    assert f"GLOBAL {torch_name} was not an allowed global" in str(refused.value)
+    with pytest.raises((pickle.UnpicklingError, ValueError)):  # truncated, or its protocol
+        pickle.loads(path.read_bytes())
+    (cut,) = scan([path]).files
+    assert cut.verdict == "dangerous"
+    assert [f.global_name for f in cut.findings] == [torch_name]
+    assert "dangerous: shutil.rmtree" in run_ckpt("scan", path, code=1).stdout
+
+
+def test_a_global_line_with_binary_bytes_is_named_whole(tmp_path: Path) -> None:
+    # A name line ends at its newline whatever bytes come before it, as both readers read it.
+    payload = pickle.dumps({"a": shutil.rmtree}, protocol=2)
+    path = tmp_path / "binary.pt"
+    path.write_bytes(payload.replace(b"\nrmtree\n", b"\nrmtree\x00q\x1a\n"))
+    with pytest.raises(pickle.UnpicklingError, match=re.escape("GLOBAL shutil.rmtree\x00q\x1a ")):
+        torch.load(path, weights_only=True)
+    (found,) = scan([path]).files
+    assert found.verdict == "dangerous"
+    assert [f.global_name for f in found.findings] == ["shutil.rmtree\x00q\x1a"]

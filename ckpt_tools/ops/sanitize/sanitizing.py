@@ -20,6 +20,7 @@ from ckpt_tools.errors import (
     SelectError,
     UnsafeContentError,
     VerificationError,
+    shown,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import AtomicFile, check_output_path
@@ -33,7 +34,8 @@ from ckpt_tools.ops.output_plan import PlannedFile
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.sanitize.result import SanitizeResult
-from ckpt_tools.ops.sanitize.tree import SanitizedTree, sanitize_tree
+from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
+from ckpt_tools.structure.paths import parse_select
 from ckpt_tools.structure.selection import select_state_dict
 
 __all__ = ["SanitizeResult", "sanitize"]
@@ -66,7 +68,8 @@ def sanitize(
             (``ckpt sanitize --strict``).
         select: dotted path to the state dict whose tensors are verified; chosen
             automatically when None. A root that is no mapping (a tensor, a list of
-            them) has every tensor verified.
+            them) has every tensor verified. It must name something the output keeps:
+            one sanitize drops or converts away is refused before anything is written.
         force: replace an existing ``dst`` (never the input).
         verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
             ``full`` (also every byte, compared with the input's) or ``none``.
@@ -83,6 +86,9 @@ def sanitize(
 
     Raises:
         UnsafeContentError: ``refuse_unsafe`` and something would be dropped (exit 3).
+        SelectError: ``select`` names an entry the input lacks, one that is no mapping, or
+            one the output does not hold as the input does (dropped, or converted into
+            something else): exit 2, nothing written.
         UsageError: a bad ``verify``, a ``.safetensors`` output name, or a sharded folder or
             TorchScript archive (exit 2 / 7).
         SameFileError / OutputExistsError / OutputError: the output is refused or fails (exit 6).
@@ -107,6 +113,8 @@ def sanitize(
     done = sanitize_tree(ckpt.root, taken)
     if refuse_unsafe and done.dropped:
         _refuse_drops(src, done)
+    if select is not None:
+        _check_selection(select, done)
     planned = PlannedFile.of_tree(dst, done.root)
     check_output_size([], planned.nbytes, target)
     added = sum(len(b) for b in done.added.values())
@@ -140,7 +148,7 @@ def sanitize(
     return SanitizeResult(
         **shared,
         written=(dst,),
-        verification=write_file(target, fill, check, durable=durable),
+        verification=write_file(target, fill, check, replace=force, durable=durable),
         message=f"sanitized {src}: wrote {dst} ({counts}); "
         "loads with torch.load(weights_only=True)",
     )
@@ -164,10 +172,75 @@ def _refuse_drops(src: str, done: SanitizedTree) -> None:
     )
 
 
+_LET_IT_CHOOSE = "to verify the state dict found in the output"
+
+
+def _check_selection(select: Select, done: SanitizedTree) -> None:
+    """Refuse, before anything is written, a ``select`` that the output does not hold.
+
+    The selection names the state dict the written file is verified by, so one that
+    sanitize drops (an object it cannot keep) or converts into something else (a pickled
+    module's attributes) would only fail that verification after the work.
+
+    Args:
+        select: the selection the caller named, which the input holds.
+        done: the sanitized tree the output is written from.
+
+    Raises:
+        SelectError: the output holds no state dict at ``select`` (exit 2), naming what
+            sanitize does to it, and the selection that fixes it.
+    """
+    parts = parse_select(select) or ()
+    try:
+        select_state_dict(done.root, select=parts)
+        return
+    except SelectError as e:
+        missing = e
+    dotted = ".".join(parts)
+    change = _change_above(dotted, done)
+    remedies = [
+        Remedy("select", "None", text=_LET_IT_CHOOSE),
+        Remedy(flag="--select", verb="leave out", text=_LET_IT_CHOOSE),
+    ]
+    if change is None:
+        why = f"the sanitized output does not hold it ({missing.message})"
+    elif change.became == "dropped":
+        where = shown(change.path or "the root")
+        why = f"sanitize drops {where} ({shown(change.was)}), so the output holds nothing there"
+    else:
+        where, what = shown(change.path or "the root"), shown(f"{change.was} -> {change.became}")
+        why = f"sanitize converts {where} ({what}), after which {missing.message}"
+        if change.path and _holds_state_dict(done.root, change.path):
+            what = f"to verify what {shown(change.path)} became"
+            remedies.insert(0, Remedy("select", repr(change.path), text=what))
+            remedies.insert(1, Remedy(flag=f"--select {shown(change.path)}", text=what))
+    raise SelectError(
+        why, argument="select", value=repr(dotted), flag="--select", remedies=remedies
+    ) from missing
+
+
+def _change_above(dotted: str, done: SanitizedTree) -> Change | None:
+    """The drop or conversion at ``dotted`` or nearest above it: what became of it."""
+    found = [
+        c
+        for c in (*done.dropped, *done.converted)
+        if not c.path or dotted == c.path or dotted.startswith(c.path + ".")
+    ]
+    return max(found, key=lambda c: len(c.path), default=None)
+
+
+def _holds_state_dict(root: Any, dotted: str) -> bool:
+    try:
+        select_state_dict(root, select=dotted)
+    except SelectError:
+        return False
+    return True
+
+
 def _selected_tensors(root: Any, path: Sequence[str]) -> dict[Any, TensorRef]:
     try:
         sd = select_state_dict(root, select=tuple(path)).state_dict
-    except SelectError:  # the selection was dropped, or the root holds no mapping
+    except SelectError:  # the root holds no mapping, or was dropped (an auto selection)
         return {}
     return {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
 

@@ -280,14 +280,16 @@ def _content_format(path: str, source: RangeSource | None = None) -> str | None:
         if source is None and not os.path.isfile(path):
             raise
         if source is not None:
-            head = source.pread(1 << 16, 0)
+            head, size = source.pread(1 << 16, 0), source.size
         else:
             with open(path, "rb") as f:
-                head = f.read(1 << 16)
+                head, size = f.read(1 << 16), os.fstat(f.fileno()).st_size
         if npy_pickle_offset(head) is not None:
             return "numpy"
         if starts_like_pickle(head, any_protocol=True):
-            scan = find_imports(head)
+            # torch reads the first pickle of a file that is no zip, and names a GLOBAL the
+            # file ends inside; only where the head is the whole file does it end there.
+            scan = find_imports(head, cut_globals=len(head) == size)
             # After a PROTO, torch's weights-only reader meets each global before whatever
             # breaks the pickle later; text that merely starts like protocol 0 counts only
             # whole, or cut short.

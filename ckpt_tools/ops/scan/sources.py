@@ -301,12 +301,15 @@ def _sequence(
     """Pickles back to back from the start of ``path``: the ``names`` ones whatever they
     hold (a loader reads each), then each further one that is a whole pickle, or that names
     a global before it breaks (a loader reading in order meets that global first)."""
+    # torch.load reads the first pickle of any file that is no zip (a plain pickle's too, as
+    # a legacy file's magic number) with its weights-only reader, and the named ones after.
+    read_by_torch = max(len(names), 1)
     with open_buffered(path, source) as f:
         start, size = 0, f.seek(0, io.SEEK_END)
         for index in range(most):
             if start >= size:
                 return
-            scan = find_imports(f, start, cut_globals=index < len(names))
+            scan = find_imports(f, start, cut_globals=index < read_by_torch)
             if index and index >= len(names) and scan.end is None and not scan.imports:
                 return  # what follows the last pickle is not one
             yield Walked(

@@ -158,7 +158,9 @@ def unsafe_named(ref: dict[str, Any]) -> list[str]:
 
 def covers(ours: Sequence[str], theirs: Sequence[str]) -> bool:
     """Every global the reference refused is among ours (torch drops ``builtins.``)."""
-    tails = {q.replace(" ", ".").rsplit(".", 1)[-1] for q in ours}
+    # A name torch takes from a GLOBAL line may hold spaces of its own: compared whole too.
+    tails = {q.rsplit(".", 1)[-1] for q in ours}
+    tails |= {q.replace(" ", ".").rsplit(".", 1)[-1] for q in ours}
     return all(t.rsplit(".", 1)[-1] in tails for t in theirs)
 
 
