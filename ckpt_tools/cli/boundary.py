@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 import click
@@ -25,10 +26,12 @@ def guarded(call: Callable[[], object], prog_name: str) -> int:
     (``--force``), where ``str(error)`` names the library's arguments (``force=True``).
     Any other error of the system (an input inside a folder that cannot be read, stdout on a
     full disk) is one line too: exit 6 where writing failed, else 2.
-    ``CKPT_DEBUG=1`` lets the error through, with its traceback. A pipe that breaks on
-    the way (stdout's reader gone, or stderr's while the error line is written) ends
-    with exit 1 and nothing more said, as click's own ``main`` ends on one: stdout, and a
-    stderr whose pipe broke, then point at /dev/null, so exiting cannot fail again.
+    ``CKPT_DEBUG=1`` prints the error's traceback first; the line and the exit code stay
+    the same. An error of the program itself (a bug) is Python's traceback, exit 1. A pipe
+    that breaks on the way (stdout's reader gone, or stderr's while the error line is
+    written) ends with exit 1 and nothing more said, as click's own ``main`` ends on one:
+    stdout, and a stderr whose pipe broke, then point at /dev/null, so exiting cannot fail
+    again.
 
     Args:
         call: the command's work; it returns its exit code, or None for success.
@@ -109,15 +112,19 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
         from ckpt_tools.errors import CheckpointError
         from ckpt_tools.io.interrupts import Interrupted
 
-        debug = os.environ.get("CKPT_DEBUG") == "1"
-        if isinstance(e, CheckpointError) and not debug:
-            # A message may quote a key from the file: escaped as the command's output is.
-            echo_text(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
-            return e.exit_code
         unexpected = isinstance(e, OSError) and not isinstance(
             e, (CheckpointError, BrokenPipeError)
         )
-        if unexpected and not debug:
+        if not (unexpected or isinstance(e, (CheckpointError, Interrupted))):
+            raise  # a bug, KeyboardInterrupt, a broken pipe: Python's own report
+        if os.environ.get("CKPT_DEBUG") == "1":
+            # The traceback first, then the line and the exit code a script relies on.
+            traceback.print_exception(e, file=sys.stderr)
+        if isinstance(e, CheckpointError):
+            # A message may quote a key from the file: escaped as the command's output is.
+            echo_text(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
+            return e.exit_code
+        if unexpected:
             return _os_error(e, prog_name)  # type: ignore[arg-type]
         if isinstance(e, Interrupted):
             # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and

@@ -170,9 +170,12 @@ def test_with_ckpt_debug_the_error_comes_with_its_traceback(tmp_path: Path) -> N
         timeout=120,
         check=False,
     )
-    assert run.returncode == 1
-    assert "Traceback" in run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith("ckpt_tools.errors.")
+    # The traceback, then the line and the exit code a script relies on, as without it.
+    assert run.returncode == 2
+    assert "Traceback (most recent call last)" in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-2].startswith("ckpt_tools.errors.CheckpointNotFoundError: ")
+    assert lines[-1].startswith("ckpt: error: ") and "missing.pt" in lines[-1]
 
 
 @pytest.mark.parametrize(

@@ -182,6 +182,7 @@ def test_ckpt_debug_shows_the_traceback() -> None:
     quiet = run_ckpt(*command, how="module", code=None)
     loud = run_ckpt(*command, how="module", env={"CKPT_DEBUG": "1"}, code=None)
     assert quiet.returncode == EXIT_CORRUPT and "Traceback" not in quiet.stderr
-    assert loud.returncode != 0
+    assert loud.returncode == EXIT_CORRUPT
+    assert loud.stderr.endswith(quiet.stderr)  # the same line, after the traceback
     assert "Traceback (most recent call last)" in loud.stderr
     assert "CorruptCheckpointError" in loud.stderr
