@@ -127,10 +127,14 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
         if unexpected:
             return _os_error(e, prog_name)  # type: ignore[arg-type]
         if isinstance(e, Interrupted):
-            # SIGTERM/SIGHUP while writing: the temp file is already removed. One line, and
-            # 128 + the signal number, as a shell reports such a kill.
-            msg = f"{prog_name}: {e}; nothing was written and the input is unchanged"
-            click.echo(msg, err=True)
+            # SIGTERM/SIGHUP while writing: the temp file is already removed, or the output
+            # had just been named. One line, and 128 + the signal number, as a shell reports
+            # such a kill.
+            if e.written is None:
+                done = "nothing was written and the input is unchanged"
+            else:
+                done = f"{e.written!r} had been written and is complete"
+            click.echo(f"{prog_name}: {e}; {done}", err=True)
             return 128 + e.signum
         raise
     # Commands return their exit code (``ckpt diff --fail-on``) or None for success.

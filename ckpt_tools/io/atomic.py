@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 from ckpt_tools.errors import CheckpointError, OutputError, OutputExistsError, SameFileError
 from ckpt_tools.io.input_files import reads
-from ckpt_tools.io.interrupts import signals_raise
+from ckpt_tools.io.interrupts import naming, signals_raise
 
 __all__ = [
     "PAUSE_ENV",
@@ -327,9 +327,10 @@ def atomic_output(
     Yields an :class:`AtomicFile`; the body writes through its ``file`` (and may re-open
     its ``path`` to verify it), and passes its ``durable`` to the writers. On a clean exit
     the file is fsynced, named ``dst`` (replacing it), and the folder fsynced.
-    On any exception or SIGTERM/SIGHUP the temp file is removed; on SIGKILL an unnamed one
-    vanishes with the process, and a named one is removed by the next run in that folder
-    (:func:`remove_stale_temps`).
+    On any exception or SIGTERM/SIGHUP the temp file is removed (one that lands as it is
+    named is raised once it has the name, as ``Interrupted(written=dst)``); on SIGKILL an
+    unnamed one vanishes with the process, and a named one is removed by the next run in
+    that folder (:func:`remove_stale_temps`).
 
     Args:
         dst: the output path.
@@ -388,7 +389,8 @@ def atomic_output(
                 if durable:
                     os.fsync(f.fileno())
                 _test_pause()
-                _name_it(f.fileno(), tmp, is_unnamed, target, replace=existed)
+                with naming(str(dst), lambda: fsync_folder(folder) if durable else None):
+                    _name_it(f.fileno(), tmp, is_unnamed, target, replace=existed)
         except OSError as e:
             f.close()
             if not is_unnamed:

@@ -9,15 +9,17 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["Interrupted", "signals_raise"]
+__all__ = ["Interrupted", "naming", "signals_raise"]
 
 
 class Interrupted(BaseException):
-    """A signal arrived while an output was being written (the temp file is removed)."""
+    """A signal arrived while an output was being written: the temp file is removed, or,
+    where ``written`` names it, the output had just been given its name and is complete."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, written: str | None = None) -> None:
         super().__init__(f"interrupted by signal {signal.Signals(signum).name}")
         self.signum = signum
+        self.written = written
 
 
 _RAISED = (signal.SIGTERM, signal.SIGHUP)
@@ -70,3 +72,28 @@ def signals_raise() -> Iterator[Callable[[], None]]:
             for signum in _RAISED:
                 if previous[signum] is not None:
                     signal.signal(signum, previous[signum])
+
+
+@contextlib.contextmanager
+def naming(output: str, then: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Give an output its name with SIGTERM, SIGHUP and SIGINT held: it has the name or not.
+
+    A signal that arrived meanwhile is raised once the body is done. Where the body named
+    the output, ``then`` runs first (the folder's fsync, so the name stays), and SIGTERM or
+    SIGHUP is an :class:`Interrupted` naming ``output``: the caller reports what was
+    written, not that nothing was.
+
+    Args:
+        output: the output, as the caller's messages name it.
+        then: what completes a named output (run only when a signal arrived).
+    """
+    named = False
+    try:
+        with signals_raise():
+            yield
+            named = True
+    except Interrupted as e:
+        if not named:
+            raise
+        then()
+        raise Interrupted(e.signum, written=output) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from ckpt_tools.cli.boundary import guarded
 from ckpt_tools.errors import UsageError
+from ckpt_tools.io.interrupts import Interrupted
 from tests.helpers import ckpt_env, console_script, fixture_path
 
 
@@ -124,6 +126,20 @@ def test_an_error_becomes_one_line_and_its_exit_code(capsys: pytest.CaptureFixtu
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "ckpt: error: expected one input, found two\n"
+
+
+@pytest.mark.parametrize("written", [None, "out.pt"])
+def test_a_signal_says_whether_the_output_was_written(
+    written: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted() -> None:
+        raise Interrupted(signal.SIGTERM, written=written)
+
+    assert guarded(interrupted, "ckpt") == 128 + signal.SIGTERM
+    done = "nothing was written" if written is None else "'out.pt' had been written and is complete"
+    assert capsys.readouterr().err == f"ckpt: interrupted by signal SIGTERM; {done}" + (
+        " and the input is unchanged\n" if written is None else "\n"
+    )
 
 
 _DP = str(fixture_path("dataparallel.pt"))

@@ -24,6 +24,8 @@ import torch
 
 from ckpt_tools import convert
 from ckpt_tools.errors import OutputError
+from ckpt_tools.io.interrupts import Interrupted
+from ckpt_tools.io.writers import hf_folder
 from ckpt_tools.io.writers.folder_temp import Stopped, run_jobs
 from ckpt_tools.io.writers.hf_folder import FolderFile, check_output_folder, write_folder
 from tests import helpers as h
@@ -263,3 +265,25 @@ def test_a_signal_during_a_write_by_several_threads_ends_it_as_with_one(
     finally:
         # pytest keeps a few runs' tmp_path: do not leave 160 MB behind
         shutil.rmtree(src) if src.is_dir() else src.unlink()
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_signal_while_the_folder_is_swapped_in_is_raised_once_it_is(
+    exists: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_swap = hf_folder._swap
+
+    def signal_then_swap(*args: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_swap(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf_folder, "_swap", signal_then_swap)
+    dst = tmp_path / "hf"
+    if exists:
+        dst.mkdir()
+        (dst / "model.safetensors").write_bytes(b"old")
+    new = FolderFile("model.safetensors", lambda out: out.file.write(b"new"), lambda p: "")
+    with pytest.raises(Interrupted) as info:
+        write_folder(dst, [new], replace=True)
+    assert info.value.written == str(dst)
+    assert h.listing(tmp_path) == ["hf"] and (dst / "model.safetensors").read_bytes() == b"new"

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, UsageError
 from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
-from ckpt_tools.io.interrupts import signals_raise
+from ckpt_tools.io.interrupts import naming, signals_raise
 from ckpt_tools.io.writers.folder_temp import (
     StopCounter,
     Stopped,
@@ -224,7 +224,8 @@ def _published_folder(
             take_over(tmp, old)
             if durable:
                 fsync_folder(tmp)
-            with signals_raise():  # both renames, or neither
+            finish = (lambda: fsync_folder(parent)) if durable else (lambda: None)
+            with naming(str(target), finish):  # both renames, or neither
                 _swap(target, tmp, parent / f".{target.name}.ckpt-tmpdir-{tag}-old", replaced)
                 moved = []
             if durable:
