@@ -23,6 +23,8 @@ __all__ = [
     "ByteSpan",
     "GlobalRef",
     "Opaque",
+    "RebuiltTensor",
+    "Reduced",
     "StorageRef",
     "TensorRef",
     "iter_tensors",
@@ -278,6 +280,53 @@ class TensorRef(Sealed):
         return self.offset == 0 and self.is_contiguous() and self.nbytes == self.storage.nbytes
 
 
+@dataclass(frozen=True, eq=False)
+class Reduced(Sealed):
+    """The recorded call of an allowlisted global whose result we do not interpret.
+
+    (``torch.device('cuda', 1)``, ``torch.serialization._get_layout``, sparse rebuilds.)
+    """
+
+    func: GlobalRef
+    args: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        shown = [short_repr(a, 60) for a in self.args[:8]] + ["..."] * (len(self.args) > 8)
+        return f"{self.func.qualname}({', '.join(shown)})"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class RebuiltTensor(Reduced):
+    """A tensor torch rebuilds by a call, not as a view of one storage: a sparse tensor (its
+    indices and values are :class:`TensorRef` s in ``args``), a meta tensor (no bytes at all),
+    or a nested tensor (a buffer viewed through sizes, strides and offsets tensors).
+
+    Attributes:
+        shape: sizes as torch reports them; a nested tensor's are its component count, then
+            -1 for each of its components' dimensions (they lie in its sizes tensor).
+        dtype: element type.
+        layout: torch's layout name (``sparse_coo``, ``sparse_csr`` ...; ``strided`` for a
+            meta tensor; ``nested`` for a nested one).
+        device: ``meta``, or the device its parts were saved on.
+        stride: a meta tensor's strides; empty for the others (torch has none for them).
+        numel: its elements as ``numel()`` counts them (a nested tensor: its buffer's).
+        parts: the tensors it is built from, whose storages hold its bytes.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+    device: str
+    stride: tuple[int, ...]
+    numel: int
+    parts: tuple[TensorRef, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its parts' elements: what the file holds for it."""
+        return sum(part.nbytes for part in self.parts)
+
+
 class Opaque:
     """Stand-in for an object of a class outside the allowlist; the class is never imported.
 
@@ -331,25 +380,24 @@ def iter_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
     """
     found: list[tuple[str, TensorRef]] = []
     seen: set[int] = set()
-
-    def walk(node: Any, path: str) -> None:
+    # A stack, not recursion: torch.load reads a pickle however deep its containers nest.
+    stack: list[tuple[Any, str]] = [(obj, prefix)]
+    while stack:
+        node, path = stack.pop()
         if isinstance(node, TensorRef):
             found.append((path, node))
-            return
+            continue
         if id(node) in seen:
-            return
+            continue
+        children: list[tuple[Any, str]] = []
         if isinstance(node, dict):
             seen.add(id(node))
-            for key, value in node.items():
-                walk(value, f"{path}.{key}" if path else str(key))
+            children = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()]
         elif isinstance(node, (list, tuple)):
             seen.add(id(node))
-            for index, value in enumerate(node):
-                walk(value, f"{path}.{index}" if path else str(index))
+            children = [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
         elif isinstance(node, Opaque):
             seen.add(id(node))
-            walk(node.state, path)
-            walk(node.dictitems, path)
-
-    walk(obj, prefix)
+            children = [(node.state, path), (node.dictitems, path)]
+        stack.extend(reversed(children))  # popped in the tree's order
     return found

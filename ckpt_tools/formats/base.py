@@ -84,6 +84,8 @@ class Checkpoint:
         archive_root: the zip's root folder name (``archive``), for torch zip formats.
         shards: for sharded folders, shard file -> its own Checkpoint.
         remote: for a checkpoint read from a URL, each remote file by its URL.
+        byteorder: the byte order of its storages' elements, ``little`` unless a torch zip's
+            byteorder record says ``big`` (torch.load byte-swaps those as it loads them).
     """
 
     path: str
@@ -101,6 +103,7 @@ class Checkpoint:
     # The remote files its bytes are read from, by URL: a span's path names one of them.
     # Empty for a local checkpoint.
     remote: Mapping[str, RangeSource] = field(default_factory=dict, repr=False)
+    byteorder: str = "little"
 
     def span(self, storage: StorageRef) -> ByteSpan:
         """Where ``storage``'s bytes lie in the file.

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
+from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.errors import (
     CorruptCheckpointError,
     Remedy,
@@ -36,70 +36,12 @@ from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
 from ckpt_tools.loading.storages import Restore, StorageBuilder
 from ckpt_tools.loading.tensor_io import torch_dtype
+from ckpt_tools.loading.unsafe import from_type, object_state, unsafe_entries
 
 __all__ = ["build_state_dict", "unsafe_entries"]
 
 _PARAMETER_TYPES = frozenset({"torch.nn.parameter.Parameter", "torch.nn.Parameter"})
 _TENSOR_TYPES = _PARAMETER_TYPES | {"torch.Tensor", "torch._tensor.Tensor"}
-
-
-# ---------------------------------------------------------------------------------------
-# Refusing what torch.load(weights_only=True) would refuse inside the state dict
-
-
-def _qualname(node: Any) -> str | None:
-    if isinstance(node, Opaque):
-        return type(node).global_ref.qualname
-    if isinstance(node, type) and issubclass(node, Opaque):
-        return node.global_ref.qualname
-    return None
-
-
-def unsafe_entries(node: Any, path: str = "") -> list[tuple[str, str]]:
-    """Every ``(entry path, global)`` outside the allowlist inside ``node``.
-
-    Example:
-        >>> unsafe_entries({"w": 1, "cfg": {"lr": 0.1}})
-        []
-    """
-    found: list[tuple[str, str]] = []
-    seen: set[int] = set()
-
-    def walk(item: Any, where: str) -> None:
-        name = _qualname(item)
-        if name is not None:
-            found.append((where or "<root>", name))
-            return
-        if id(item) in seen:
-            return
-        if isinstance(item, Mapping):
-            seen.add(id(item))
-            for key, value in item.items():
-                walk(value, f"{where}.{key}" if where else str(key))
-            attributes = getattr(item, "__dict__", None)  # kept alive by the mapping
-            if attributes:
-                walk(attributes, where)
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            seen.add(id(item))
-            for index, value in enumerate(item):
-                walk(value, f"{where}.{index}" if where else str(index))
-        elif isinstance(item, TensorRef):
-            walk(_from_type(item)[1], where)
-            walk(_object_state(item), where)
-            if item.func is not None and item.func.name == "_rebuild_qtensor":
-                walk(item.args[4:5], where)  # the quantizer parameters
-        elif isinstance(item, Reduced):
-            walk(item.args, where)
-
-    walk(node, path)
-    return found
-
-
-def _from_type(ref: TensorRef) -> tuple[bool, Any, Any, Any]:
-    """``(is it _rebuild_from_type_v2, its new type, inner args, state)``."""
-    if ref.func is None or ref.func.name != "_rebuild_from_type_v2" or len(ref.args) != 4:
-        return False, None, None, None
-    return True, ref.args[1], ref.args[2], ref.args[3]
 
 
 # ---------------------------------------------------------------------------------------
@@ -114,32 +56,91 @@ class _Builder:
         self.sparse = False  # built a sparse tensor: torch's validation runs at the end
 
     def build(self, node: Any, path: str) -> Any:
-        done = self.memo.get(id(node))
-        if done is not None:
-            return done
-        result = self._build(node, path)
-        if not isinstance(node, (str, bytes, int, float, complex, bool, type(None))):
-            self.memo[id(node)] = result
-        return result
+        """``node`` as torch.load builds it; each node once (shared nodes stay shared).
 
-    def _build(self, node: Any, path: str) -> Any:
+        A stack, not recursion: torch.load reads a pickle however deep its containers nest.
+        A container's children are built first (their results on ``built``), then the
+        container from them; a mapping or list exists before its children, so a cycle back
+        to it finds it.
+        """
+        built: list[Any] = []
+        todo: list[tuple[Any, str, bool]] = [(node, path, False)]
+        while todo:
+            item, where, children_done = todo.pop()
+            if children_done:
+                count = len(self._children(item, where, made=True))
+                parts = built[len(built) - count :]
+                del built[len(built) - count :]
+                built.append(self._finish(item, where, parts))
+                self.memo[id(item)] = built[-1]
+                continue
+            done = self.memo.get(id(item))
+            if done is not None:
+                built.append(done)
+                continue
+            children = self._children(item, where)
+            if children is None:
+                built.append(self._leaf(item, where))
+                if not isinstance(item, (str, bytes, int, float, complex, bool, type(None))):
+                    self.memo[id(item)] = built[-1]
+                continue
+            todo.append((item, where, True))
+            todo.extend((c, p, False) for c, p in reversed(children))
+        return built[0]
+
+    def _children(self, node: Any, path: str, made: bool = False) -> list[tuple[Any, str]] | None:
+        """What ``node`` is built from, with their paths; None for a node built as it is.
+
+        A mapping or list is made (and memoized) here, unless ``made``.
+        """
         if isinstance(node, TensorRef):
-            return self.tensor(node, path)
+            quantizer = node.func is not None and node.func.name == "_rebuild_qtensor"
+            state = [(value, f"{path}.{name}") for name, value in _attribute_state(node).items()]
+            return [(node.args[4], path), *state] if quantizer else state
+        if isinstance(node, TorchSize):
+            return None  # a tuple, built as torch.Size
+        if isinstance(node, Mapping):
+            if not made:
+                self.memo[id(node)] = type(node)() if type(node) in _MAPPINGS else {}
+            children: list[tuple[Any, str]] = []
+            for key, value in node.items():
+                if not isinstance(key, (str, int)):  # a tensor may be a key, built as any other
+                    children.append((key, path))
+                children.append((value, f"{path}.{key}" if path else str(key)))
+            # BUILD state the pickle set on the mapping: the state dict's ``_metadata``.
+            return children + [(v, path) for v in getattr(node, "__dict__", {}).values()]
+        if isinstance(node, list) and not made:
+            self.memo[id(node)] = []
+        if isinstance(node, (list, tuple, set, frozenset)):
+            return [(v, f"{path}.{i}") for i, v in enumerate(node)]
+        if isinstance(node, Reduced):
+            return [(node.args, path)]
+        return None
+
+    def _finish(self, node: Any, path: str, parts: list[Any]) -> Any:
+        """``node`` built from its children's results (in :meth:`_children`'s order)."""
+        if isinstance(node, TensorRef):
+            return self.tensor(node, path, parts)
+        if isinstance(node, Mapping):
+            out, values = self.memo[id(node)], iter(parts)
+            for key in node:
+                built_key = key if isinstance(key, (str, int)) else next(values)
+                out[built_key] = next(values)
+            for name in getattr(node, "__dict__", {}):
+                setattr(out, name, next(values))
+            return out
+        if isinstance(node, list):
+            self.memo[id(node)].extend(parts)
+            return self.memo[id(node)]
+        if isinstance(node, (tuple, set, frozenset)):
+            return type(node)(parts)
+        return self.reduced(node, parts[0], path)
+
+    def _leaf(self, node: Any, path: str) -> Any:
         if isinstance(node, TorchSize):
             return torch.Size(node)
-        if isinstance(node, Mapping):
-            return self.mapping(node, path)
-        if isinstance(node, list):
-            out: list[Any] = []
-            self.memo[id(node)] = out  # before its items: a list may hold itself
-            out.extend(self.build(v, f"{path}.{i}") for i, v in enumerate(node))
-            return out
-        if isinstance(node, (tuple, set, frozenset)):
-            return type(node)(self.build(v, f"{path}.{i}") for i, v in enumerate(node))
         if isinstance(node, ConstantRef):
             return self.constant(node, path)
-        if isinstance(node, Reduced):
-            return self.reduced(node, path)
         if isinstance(node, StorageRef):
             raise UnsupportedFormatError(
                 f"{self.where}: entry {path!r} is a bare storage, not a tensor; load it with "
@@ -147,18 +148,6 @@ class _Builder:
                 path=self.where,
             )
         return node  # str, bytes, numbers, None: as unpickled
-
-    def mapping(self, node: Mapping[Any, Any], path: str) -> Any:
-        out = type(node)() if type(node) in (dict, OrderedDict, Counter) else {}
-        self.memo[id(node)] = out
-        for key, value in node.items():
-            # A tensor may be a key (hashed by identity): it is built like any other.
-            built = key if isinstance(key, (str, int)) else self.build(key, path)
-            out[built] = self.build(value, f"{path}.{key}" if path else str(key))
-        # BUILD state the pickle set on the mapping: the state dict's ``_metadata``.
-        for name, value in getattr(node, "__dict__", {}).items():
-            setattr(out, name, self.build(value, path))
-        return out
 
     def constant(self, node: ConstantRef, path: str) -> Any:
         value = getattr(torch, node.name, None) if node.module == "torch" else None
@@ -170,13 +159,14 @@ class _Builder:
             path=self.where,
         )
 
-    def qtensor(self, ref: TensorRef, storage: torch.UntypedStorage, path: str) -> torch.Tensor:
+    def qtensor(
+        self, ref: TensorRef, storage: torch.UntypedStorage, path: str, params: Any
+    ) -> torch.Tensor:
         # torch's own rebuild, called with the real storage and the built quantizer params
         # (a qscheme and numbers, or tensors of scales and zero points): nothing unpickled.
         typed = torch.storage.TypedStorage(
             wrap_storage=storage, dtype=getattr(torch, ref.dtype), _internal=True
         )
-        params = self.build(ref.args[4], path)
         try:
             with warnings.catch_warnings():  # torch's rebuild asks the TypedStorage for its device
                 warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
@@ -189,47 +179,45 @@ class _Builder:
                 path=self.where,
             ) from e
 
-    def reduced(self, node: Reduced, path: str) -> Any:
+    def reduced(self, node: Reduced, args: tuple[Any, ...], path: str) -> Any:
+        """The result of the recorded call ``node``, its arguments built as ``args``."""
         name = node.func.qualname
-        args = self.build(node.args, path)
         if name == "torch.device":
             return torch.device(*args)
         if name == "torch.serialization._get_layout" and args and isinstance(args[0], str):
             layout = getattr(torch, args[0].removeprefix("torch."), None)
             if isinstance(layout, torch.layout):
                 return layout
-        if name == "torch._utils._rebuild_sparse_tensor":
-            # Validated (as torch.load does) once the whole state dict is built.
-            self.sparse = True
+        if name in _TENSOR_CALLS:
+            self.sparse = self.sparse or name == "torch._utils._rebuild_sparse_tensor"
             try:
-                return torch._utils._rebuild_sparse_tensor(*args)
-            except (RuntimeError, ValueError, TypeError) as e:
+                return _TENSOR_CALLS[name](*args)
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:
                 raise CorruptCheckpointError(
-                    f"{self.where}: entry {path!r}: not a sparse tensor torch rebuilds ({e})",
+                    f"{self.where}: entry {path!r}: torch cannot rebuild this tensor with "
+                    f"{name} ({e})",
                     path=self.where,
                 ) from e
-        if name == "torch._utils._rebuild_meta_tensor_no_storage":
-            dtype, size, stride, requires_grad = args
-            tensor = torch.empty_strided(size, stride, dtype=dtype, device="meta")
-            tensor.requires_grad = requires_grad
-            return tensor
         raise UnsupportedFormatError(
             f"{self.where}: entry {path!r} is built by {name}, which this loader does not "
-            "build (nested or subclass tensors); load it with trust=True",
+            "build (tensor subclasses); load it with trust=True",
             path=self.where,
         )
 
-    def tensor(self, ref: TensorRef, path: str) -> torch.Tensor:
+    def tensor(self, ref: TensorRef, path: str, parts: list[Any]) -> torch.Tensor:
+        """The tensor ``ref`` describes; ``parts``: its quantizer parameters (a quantized
+        tensor), then its attribute values, built."""
         storage = self.storages.storage(ref.storage)
+        values = iter(parts)
         if ref.func is not None and ref.func.name == "_rebuild_qtensor":
-            tensor = self.qtensor(ref, storage, path)
+            tensor = self.qtensor(ref, storage, path, next(values))
         else:
             tensor = torch.empty((0,), dtype=torch_dtype(ref.dtype), device=storage.device)
             tensor.set_(storage, ref.offset, ref.shape, ref.stride)
         if ref.view_bits:  # as torch._utils.set_tensor_metadata sets them
             torch._C._set_tensor_metadata(tensor, dict.fromkeys(ref.view_bits, True))
-        from_type, new_type, _, _ = _from_type(ref)
-        if from_type and new_type.qualname not in _TENSOR_TYPES:
+        rebuilt_as, new_type, _, _ = from_type(ref)
+        if rebuilt_as and new_type.qualname not in _TENSOR_TYPES:
             raise UnsupportedFormatError(
                 f"{self.where}: entry {path!r} is a {new_type.qualname}, a tensor subclass "
                 "this loader does not build; load it with trust=True",
@@ -239,23 +227,51 @@ class _Builder:
             tensor = torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
         else:
             tensor.requires_grad = ref.requires_grad
-        state = _object_state(ref)
-        if isinstance(state, tuple) and len(state) == 2:
-            # (dict state, slots state), either may be None
-            parts = [part for part in state if isinstance(part, Mapping)]
-            state = {k: v for part in parts for k, v in part.items()}
-        if isinstance(state, Mapping):
-            for name, value in state.items():  # as torch._utils._set_obj_state sets them
-                setattr(tensor, name, self.build(value, f"{path}.{name}"))
+        for name in _attribute_state(ref):  # as torch._utils._set_obj_state sets them
+            setattr(tensor, name, next(values))
         return tensor
 
 
-def _object_state(ref: TensorRef) -> Any:
-    """The attribute state ``torch._utils._set_obj_state`` would set, if any."""
-    name = ref.func.name if ref.func is not None else ""
-    if name in ("_rebuild_from_type_v2", "_rebuild_parameter_with_state") and len(ref.args) == 4:
-        return ref.args[3]
-    return None
+def _meta_tensor(dtype: Any, size: Any, stride: Any, requires_grad: Any) -> torch.Tensor:
+    tensor = torch.empty_strided(size, stride, dtype=dtype, device="meta")
+    tensor.requires_grad = requires_grad
+    return tensor
+
+
+def _nested_tensor(*args: Any) -> torch.Tensor:
+    # torch's rebuild views a buffer through sizes, strides and offsets it does not check
+    # against the buffer: a component past its end is refused here instead.
+    buffer, sizes, strides, offsets = args
+    if not all(isinstance(a, torch.Tensor) and a.layout == torch.strided for a in args):
+        raise TypeError("its buffer, sizes, strides and offsets must be tensors")
+    if sizes.dim() != 2 or strides.shape != sizes.shape or offsets.shape != sizes.shape[:1]:
+        raise ValueError("its sizes, strides and offsets do not describe the same components")
+    if bool((sizes < 0).any() or (strides < 0).any() or (offsets < 0).any()):
+        raise ValueError("it has a negative size, stride or offset")
+    ends = offsets + ((sizes - 1).clamp(min=0) * strides).sum(dim=1)
+    empty = (sizes == 0).any(dim=1)
+    if buffer.dim() != 1 or bool(((ends >= buffer.numel()) & ~empty).any()):
+        raise ValueError(f"a component lies past the end of its {buffer.numel()}-element buffer")
+    return torch._utils._rebuild_nested_tensor(buffer, sizes, strides, offsets)
+
+
+# The rebuilds of tensors that are not one storage's view, called as torch.load calls them.
+_TENSOR_CALLS: dict[str, Callable[..., torch.Tensor]] = {
+    "torch._utils._rebuild_sparse_tensor": lambda *a: torch._utils._rebuild_sparse_tensor(*a),
+    "torch._utils._rebuild_meta_tensor_no_storage": _meta_tensor,
+    "torch._utils._rebuild_nested_tensor": _nested_tensor,
+}
+_MAPPINGS = (dict, OrderedDict, Counter)
+
+
+def _attribute_state(ref: TensorRef) -> Mapping[Any, Any]:
+    """The attributes ``torch._utils._set_obj_state`` sets on ``ref``'s tensor, by name."""
+    state = object_state(ref)
+    if isinstance(state, tuple) and len(state) == 2:
+        # (dict state, slots state), either may be None
+        parts = [part for part in state if isinstance(part, Mapping)]
+        state = {k: v for part in parts for k, v in part.items()}
+    return state if isinstance(state, Mapping) else {}
 
 
 def build_state_dict(

@@ -4,7 +4,8 @@ Torch zip and safetensors records are memory-mapped once per file
 (``torch.UntypedStorage.from_file(path, shared=False)``, as ``torch.load(mmap=True)`` maps
 them: private, page-cache backed, no anonymous copy) and each storage is a slice of that map;
 legacy and tar records are read with ``os.pread`` into fresh storages. A legacy storage view
-is a slice of its root, as torch makes it. Storages go where ``map_location`` says through a
+is a slice of its root, as torch makes it. A big-endian zip's storages are byte-swapped by
+their dtype, as torch.load swaps them. Storages go where ``map_location`` says through a
 :data:`Restore` function.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, pread_exact
+from ckpt_tools.loading.tensor_io import torch_dtype
 
 __all__ = ["Restore", "StorageBuilder"]
 
@@ -55,11 +58,13 @@ class StorageBuilder(ClosesOnExit):
     _files: OpenFiles = field(default_factory=OpenFiles)
     _roots: dict[tuple[str, str], torch.UntypedStorage] = field(default_factory=dict)
     _views: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+    _swapped: set[str] = field(default_factory=set)  # files saved in the other byte order
 
     def __post_init__(self) -> None:
-        self._formats[self.ckpt.path] = self.ckpt.format
-        for sub in self.ckpt.shards.values():
+        for sub in (self.ckpt, *self.ckpt.shards.values()):
             self._formats[sub.path] = sub.format
+            if sub.byteorder != sys.byteorder:
+                self._swapped.add(sub.path)
 
     def close(self) -> None:
         """Close the descriptors of files read with ``pread``; mapped storages stay valid."""
@@ -78,6 +83,10 @@ class StorageBuilder(ClosesOnExit):
         root = self._roots.get(key)
         if root is None:
             cpu = self._read(span.path, root_offset, root_nbytes, ref.dtype)
+            if span.path in self._swapped:
+                # As torch.load swaps it: by the storage's dtype, before it is placed. A mapped
+                # storage is a private mapping, so the file itself is never written.
+                cpu.byteswap(torch_dtype(ref.dtype))
             root = self._roots[key] = _restored(self.restore(cpu, ref.device))
         found = root if ref.view is None else root[first:end]
         self._views[id(ref)] = found

@@ -98,13 +98,17 @@ class TensorReader(ClosesOnExit):
             )
         self.ckpt = ckpt
         self._files = OpenFiles()
+        # Files whose storages torch.load byte-swaps (a big-endian torch zip).
+        self._swapped = {c.path for c in (ckpt, *ckpt.shards.values()) if c.byteorder == "big"}
 
     def close(self) -> None:
         """Close every file descriptor this reader opened."""
         self._files.close()
 
     def read_bytes(self, ref: TensorRef, start: int, nbytes: int) -> bytearray:
-        """``nbytes`` bytes of ``ref``'s storage starting ``start`` bytes into it.
+        """``nbytes`` bytes of ``ref``'s storage starting ``start`` bytes into it, in this
+        host's byte order (a big-endian file's swapped by the storage's dtype, as torch.load
+        swaps them).
 
         Raises:
             CorruptCheckpointError: the range lies outside the storage, or the file ends early.
@@ -115,6 +119,18 @@ class TensorReader(ClosesOnExit):
                 f"{span.path!r}: tensor bytes [{start}, {start + nbytes}) lie outside storage "
                 f"{ref.storage.key!r} of {span.nbytes} bytes"
             )
+        if span.path not in self._swapped:
+            return self._read_span(span, ref, start, nbytes)
+        # Whole storage elements are read and swapped, then the range cut out of them.
+        dtype = torch_dtype(ref.storage.dtype)
+        size = itemsize(ref.storage.dtype)
+        first, end = start - start % size, min(-(-(start + nbytes) // size) * size, span.nbytes)
+        buffer = self._read_span(span, ref, first, end - first)
+        if buffer:
+            torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage().byteswap(dtype)
+        return buffer[start - first : start - first + nbytes]
+
+    def _read_span(self, span: ByteSpan, ref: TensorRef, start: int, nbytes: int) -> bytearray:
         source = self.ckpt.remote.get(span.path)
         if source is not None:
             return _fetch(source, span, start, nbytes, ref.storage.key)

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ckpt_tools.descriptors import Opaque, Sealed, TensorRef, short_repr
+from ckpt_tools.descriptors import Opaque, RebuiltTensor, Sealed, TensorRef, short_repr
 from ckpt_tools.errors import SelectError, shown
 
 __all__ = [
@@ -34,8 +34,9 @@ __all__ = [
 
 
 def is_tensor(value: Any) -> bool:
-    """A tensor descriptor, or a real torch tensor (checked by module: torch is not imported)."""
-    return isinstance(value, TensorRef) or (
+    """A tensor descriptor (a sparse, meta or nested one too), or a real torch tensor (checked
+    by module: torch is not imported)."""
+    return isinstance(value, (TensorRef, RebuiltTensor)) or (
         type(value).__module__.startswith("torch") and hasattr(value, "dtype")
     )
 

@@ -65,6 +65,9 @@ CANDIDATE_KEYS: tuple[str, ...] = (
     "ema",
 )
 _LIGHTNING_MARKERS = ("pytorch-lightning_version", "optimizer_states", "global_step")
+# How many entries deep the automatic choice looks (``model.model.state_dict`` is three). A
+# pickle nests as deep as it likes; a state dict below this is picked with ``select``.
+MAX_SEARCH_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def select_state_dict(root: Any, *, select: Select = None) -> Selection:
     return _auto_select(root)
 
 
-def _auto_select(root: Any, memo: dict[int, Selection] | None = None) -> Selection:
+def _auto_select(root: Any, memo: dict[int, Selection] | None = None, depth: int = 0) -> Selection:
     # A pickle can share one node under many keys at every level: without the memo (one
     # answer per node, by identity) ``{"model": x, "state_dict": x}`` nested 30 times would
     # take 2**30 calls. A node met again on its own path (a cycle) selects nothing.
@@ -164,8 +167,10 @@ def _auto_select(root: Any, memo: dict[int, Selection] | None = None) -> Selecti
     key = id(root)
     if key in memo:
         return memo[key]
+    if depth > MAX_SEARCH_DEPTH:
+        return _NOTHING  # a pickle may nest any depth (torch reads it); select finds deeper ones
     memo[key] = _NOTHING
-    memo[key] = found = _select_in(root, memo)
+    memo[key] = found = _select_in(root, memo, depth)
     return found
 
 
@@ -178,7 +183,7 @@ def _nested(key: str, found: Selection) -> str:
 _NOTHING = Selection((), "no state dict found; showing the root", {})
 
 
-def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
+def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
     recovered = recover_module(root)
     if recovered is not None:
         return Selection((), recovered.description, recovered.state_dict, recovered)
@@ -192,7 +197,7 @@ def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
             if is_state_dict(root[key]):
                 why = "Lightning checkpoint" if lightning and key == "state_dict" else "entry"
                 return Selection((key,), f"{why} {key!r} holds the weights", root[key])
-            found = _auto_select(root[key], memo)
+            found = _auto_select(root[key], memo, depth + 1)
             if found.path or found.module is not None:
                 return Selection(
                     (key, *found.path), _nested(key, found), found.state_dict, found.module
@@ -210,7 +215,7 @@ def _select_in(root: Any, memo: dict[int, Selection]) -> Selection:
                 reason = f"entry {key!r}: {recovered.description}"
                 return Selection((key,), reason, recovered.state_dict, recovered)
     if isinstance(root, Opaque) and isinstance(root.state, Mapping):
-        inner = _auto_select(root.state, memo)
+        inner = _auto_select(root.state, memo, depth + 1)
         if inner.path or is_state_dict(root.state):
             return inner
     if isinstance(root, Mapping):

@@ -6,6 +6,7 @@ Everything here is made with real torch (and safetensors); nothing depends on ``
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -298,3 +299,20 @@ def safetensors_metadata(path: Path) -> dict[str, str] | None:
 
     with safe_open(str(path), "pt") as f:
         return f.metadata()
+
+
+def rebuilt_tensors() -> dict[str, Any]:
+    """One tensor of each kind torch rebuilds by a call, and a dense one beside them."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # torch's "sparse CSR is in beta" and friends
+        warnings.simplefilter("ignore", UserWarning)
+        dense = torch.randn(4, 6).relu()
+        return {
+            "coo": dense.to_sparse(),
+            "csr": dense.to_sparse_csr(),
+            "csc": dense.to_sparse_csc(),
+            "bsr": dense.to_sparse_bsr((2, 3)),
+            "meta": torch.empty(2, 3, dtype=torch.float16, device="meta"),
+            "nested": torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)]),
+            "dense": dense,
+        }

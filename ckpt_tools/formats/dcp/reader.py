@@ -34,6 +34,7 @@ from ckpt_tools.formats.dcp.safetensors import safetensors_chunk
 from ckpt_tools.formats.detect import ZIP_SIGNATURE
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.formats.zip.directory import FileSlice
+from ckpt_tools.formats.zip.torch_records import refuse_big_endian
 from ckpt_tools.formats.zip.torchzip import ArchiveContents, read_torch_archive
 
 __all__ = [
@@ -140,7 +141,9 @@ class DcpCheckpoint(Checkpoint):
 def _read_archive(path: str, offset: int, length: int) -> ArchiveContents:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return read_torch_archive(path, FileSlice(fd, offset, length), length)
+        contents = read_torch_archive(path, FileSlice(fd, offset, length), length)
+        refuse_big_endian(path, contents.byteorder, f"the item at offset {offset}")
+        return contents
     except CorruptCheckpointError as e:
         raise type(e)(f"the item at offset {offset} ({length} bytes): {e}", path=path) from e
     finally:

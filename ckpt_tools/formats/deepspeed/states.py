@@ -22,6 +22,7 @@ from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickle.limits import tree_children
 from ckpt_tools.formats.pickle.standins import is_count
+from ckpt_tools.formats.zip.torch_records import refuse_big_endian
 from ckpt_tools.formats.zip.torchzip import open_torch_zip
 
 __all__ = [
@@ -182,6 +183,7 @@ def _refuse(path: str, names: list[str], where: str) -> UnsafeContentError:
 
 def _open(path: str, what: str) -> tuple[Checkpoint, dict[str, Any]]:
     ckpt = open_torch_zip(path)
+    refuse_big_endian(path, ckpt.byteorder, f"its {what}")
     if ckpt.format != "torch-zip" or not isinstance(ckpt.root, dict):
         raise _bad(path, what, f"it holds {short_repr(ckpt.root, 60)}, not a dict")
     return ckpt, ckpt.root

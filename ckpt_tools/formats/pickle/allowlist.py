@@ -18,6 +18,7 @@ from typing import Any
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.pickle.rebuilt import rebuilt_tensor
 from ckpt_tools.formats.pickle.standins import (
     UNTYPED_STORAGE,
     ConstantRef,
@@ -197,7 +198,12 @@ def _sparse(func: GlobalRef, *args: Any) -> Reduced:
     if isinstance(layout, ConstantRef):
         name = layout.qualname
     check_layout(name, sparse=True, shown=layout)
-    return _reduced(func, *args)
+    return rebuilt_tensor(func, args)
+
+
+def _rebuilt(func: GlobalRef, *args: Any) -> Reduced:
+    # Meta and nested tensors: described for inspect, built by torch's rebuild when loaded.
+    return rebuilt_tensor(func, args)
 
 
 # The codecs Python's pickler names in ``_codecs.encode(text, "latin1")`` (bytes and
@@ -252,8 +258,8 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
     "torch.device": (_device, 1, 2),
     "torch.serialization._get_layout": (_layout, 1, 1),
     "torch._utils._rebuild_sparse_tensor": (_sparse, 2, 2),
-    "torch._utils._rebuild_nested_tensor": (_reduced, 4, 4),
-    "torch._utils._rebuild_meta_tensor_no_storage": (_reduced, 4, 4),
+    "torch._utils._rebuild_nested_tensor": (_rebuilt, 4, 4),
+    "torch._utils._rebuild_meta_tensor_no_storage": (_rebuilt, 4, 4),
     "torch._utils._rebuild_wrapper_subclass": (_reduced, 8, 8),
     "torch._utils._rebuild_device_tensor_from_numpy": (_reduced, 4, 4),
     "collections.Counter": (_counter, 0, 1),

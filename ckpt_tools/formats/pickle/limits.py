@@ -1,4 +1,4 @@
-"""Limits on what a pickle may make us hold or walk: its size, and how deep it nests."""
+"""Limits on what a pickle may make us hold or walk: its size, and how deep a tree nests."""
 
 from __future__ import annotations
 
@@ -32,11 +32,16 @@ def tree_children(node: Any) -> Iterable[Any] | None:
 _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None)})
 
 
-def check_nesting(root: Any, limit: int) -> None:
+def check_nesting(root: Any, limit: int, why: str) -> None:
     """Refuse a tree whose containers nest deeper than ``limit`` (shared nodes and cycles ok).
 
     Iterative, so a pathological pickle cannot overflow the stack here; it computes each
     container's height once, so a tree of shared references (a memo bomb) costs its size.
+
+    Args:
+        root: a tree read by the restricted unpickler.
+        limit: the most levels allowed.
+        why: the end of the message: why a deeper tree is refused.
 
     Raises:
         ResourceLimitError: the tree is deeper than ``limit``.
@@ -65,8 +70,7 @@ def check_nesting(root: Any, limit: int) -> None:
             below = max(height.get(id(c), 0) for c in kids)
         if below >= limit:
             raise ResourceLimitError(
-                f"the pickle nests containers more than {limit} levels deep; a checkpoint "
-                "is a few levels deep, so this is not one"
+                f"the object tree nests containers more than {limit} levels deep; {why}"
             )
         height[key] = below + 1
 

@@ -231,6 +231,7 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
     Raises:
         ConversionError: the tree needs an opcode ``torch.load(weights_only=True)`` rejects
             (an integer over 255 bytes long): nothing would load it.
+        ResourceLimitError: its containers nest deeper than Python's pickler recurses.
     """
     buffer = io.BytesIO()
     names = _Placeholders()
@@ -243,6 +244,13 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
         with gc_paused():
             Repickler(buffer, protocol, storage_id).dump(obj)
         payload = buffer.getvalue()
+    except RecursionError as e:
+        # torch.save pickles with the same pickler, so it cannot write this tree either.
+        raise ResourceLimitError(
+            "the object tree nests its containers deeper than Python's pickler recurses "
+            f"(its limit is {sys.getrecursionlimit()} calls), so neither torch.save nor a "
+            "rewrite can write it (torch.load reads it: load it and flatten the deep entry)"
+        ) from e
     finally:
         names.unbind()
     check_weights_only_pickle(payload)

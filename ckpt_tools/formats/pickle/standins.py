@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, Sealed, short_repr
+from ckpt_tools.descriptors import GlobalRef, Reduced, short_repr
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE
 from ckpt_tools.errors import CorruptCheckpointError
 
@@ -67,21 +67,6 @@ class StorageTypeRef(ConstantRef):
 # torch.save names it ``torch.storage.UntypedStorage``; torch.load(weights_only=True) refuses
 # ``torch.UntypedStorage``.
 UNTYPED_STORAGE = StorageTypeRef("torch.storage", "UntypedStorage")
-
-
-@dataclass(frozen=True, eq=False)
-class Reduced(Sealed):
-    """The recorded call of an allowlisted global whose result we do not interpret.
-
-    (``torch.device('cuda', 1)``, ``torch.serialization._get_layout``, sparse rebuilds.)
-    """
-
-    func: GlobalRef
-    args: tuple[Any, ...]
-
-    def __repr__(self) -> str:
-        shown = [short_repr(a, 60) for a in self.args[:8]] + ["..."] * (len(self.args) > 8)
-        return f"{self.func.qualname}({', '.join(shown)})"
 
 
 class TorchSize(tuple):

@@ -33,7 +33,7 @@ from ckpt_tools.formats.pickle.expansion import (
     checked_scan,
     past_lenient_literal,
 )
-from ckpt_tools.formats.pickle.limits import LimitedReader, check_nesting
+from ckpt_tools.formats.pickle.limits import LimitedReader
 from ckpt_tools.formats.pickle.restricted import RestrictedPyUnpickler, RestrictedUnpickler
 
 __all__ = [
@@ -46,9 +46,9 @@ __all__ = [
 
 # A data.pkl past this size is not a state dict; refusing it bounds what we hold in memory.
 MAX_PICKLE_BYTES = 1 << 30
-# Containers nested deeper than this are refused. torch.save itself cannot write much past
-# 500 levels, state dicts are a few levels deep, and everything that walks a tree afterwards
-# (the re-pickler, layout selection, inspect) recurses, about four frames a level.
+# How deep a path inside DCP metadata may go. A pickle itself may nest as deep as it likes:
+# torch's weights-only unpickler keeps its own stack and reads any depth, so every walk over a
+# read tree is iterative, and the re-pickler refuses (as torch.save fails) what it cannot write.
 MAX_NESTING = 200
 
 # Every built-in exception the unpickler raises on hostile bytes, other than those about size:
@@ -202,7 +202,6 @@ def _unpickle(
     try:
         with gc_paused():
             root = unpickler.load()
-            check_nesting(root, MAX_NESTING)
     except CheckpointError as e:
         # Raised on purpose (by persistent_load or a rebuild check) with their own message.
         _refuse_unsafe_first(tuple(unpickler.unsafe), e)

@@ -21,6 +21,7 @@ __all__ = [
     "check_reader_records",
     "check_serialization_id",
     "check_storage_records",
+    "refuse_big_endian",
     "stoull_int64",
 ]
 
@@ -161,8 +162,22 @@ def check_serialization_id(path: str, serialization_id: bytes | None) -> None:
         ) from e
 
 
-def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> None:
-    """What ``torch.serialization._load`` reads and parses before data.pkl, parsed as it does."""
+def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> str:
+    """What ``torch.serialization._load`` reads and parses before data.pkl, parsed as it does.
+
+    Args:
+        path: the file, for messages.
+        fd: the archive.
+        entries: its records by name.
+
+    Returns:
+        The byte order of its storages: ``big`` where the byteorder record says so (torch
+        byte-swaps each storage by its dtype as it loads it), else ``little`` (torch's
+        default without the record).
+
+    Raises:
+        CorruptCheckpointError: a record torch parses and refuses.
+    """
     if "data.pkl" not in entries:
         raise CorruptCheckpointError(
             f"{path!r} is a zip archive without a data.pkl record, so it is not a torch "
@@ -171,19 +186,15 @@ def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> None:
         )
     if ".format_version" in entries:
         _read_small(path, fd, entries[".format_version"])  # compared as bytes: any value
+    byteorder = "little"
     order = entries.find("byteorder")
     if order is not None:
         value = _read_small(path, fd, order)
-        if value == b"big":
-            raise UnsupportedFormatError(
-                f"{path!r} was saved big-endian (torch.load byte-swaps it on loading); load "
-                "it with torch.load and save it again",
-                path=path,
-            )
-        if value != b"little":
+        if value not in (b"little", b"big"):
             raise CorruptCheckpointError(
                 f"{path!r}: its byteorder record is {value[:16]!r}, not little or big", path=path
             )
+        byteorder = value.decode()
     alignment = entries.find(".storage_alignment")
     if alignment is not None:
         value = _read_small(path, fd, alignment)
@@ -195,6 +206,30 @@ def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> None:
                 "(torch refuses the archive)",
                 path=path,
             ) from e
+    return byteorder
+
+
+def refuse_big_endian(path: str, byteorder: str, what: str) -> None:
+    """Refuse a big-endian archive where a reader copies its storage bytes as they lie.
+
+    Args:
+        path: the file, for messages.
+        byteorder: what :func:`check_load_records` returned.
+        what: what the archive is (``a DeepSpeed rank file``), for the message.
+
+    Raises:
+        UnsupportedFormatError: ``byteorder`` is ``big``.
+
+    Example:
+        >>> refuse_big_endian("a.pt", "little", "a DCP chunk")
+    """
+    if byteorder == "big":
+        raise UnsupportedFormatError(
+            f"{path!r}: {what} was saved big-endian (torch.load byte-swaps it as it loads "
+            "it); this reader copies its bytes as little-endian, so it refuses it: load it "
+            "with torch.load and save it again",
+            path=path,
+        )
 
 
 def _read_small(path: str, fd: ZipSource, entry: ZipEntry) -> bytes:

@@ -90,6 +90,8 @@ class ArchiveContents(NamedTuple):
     root: str
     # The records as the directory declares them, by name inside the root folder.
     entries: Mapping[str, ZipEntry] = {}
+    # What its byteorder record says (``little`` without one, and for TorchScript).
+    byteorder: str = "little"
 
 
 def read_torch_archive(
@@ -121,8 +123,9 @@ def read_torch_archive(
     # the exact name in the list of records, not by a lookup.
     is_script = any(e.name == f"{root}/{_TORCHSCRIPT_MARKER}" for e in entries)
     fmt = "torchscript" if is_script else "torch-zip"
+    byteorder = "little"
     if fmt == "torch-zip":
-        check_load_records(path, fd, lookup)
+        byteorder = check_load_records(path, fd, lookup)
     elif "data.pkl" not in lookup:
         raise CorruptCheckpointError(
             f"{path!r} is a TorchScript archive without data.pkl", path=path
@@ -135,7 +138,9 @@ def read_torch_archive(
         # (torch refuses an unsafe global first, while unpickling: that refusal stands.)
         check_serialization_id(path, serialization_id)
     cut = len(root) + 1
-    return ArchiveContents(fmt, result, records, root, {e.name[cut:]: e for e in entries})
+    return ArchiveContents(
+        fmt, result, records, root, {e.name[cut:]: e for e in entries}, byteorder
+    )
 
 
 def open_torch_zip(path: str, *, source: RangeSource | None = None) -> Checkpoint:
@@ -174,6 +179,7 @@ def open_torch_zip(path: str, *, source: RangeSource | None = None) -> Checkpoin
         records=records,
         archive_root=root,
         locate=locate,
+        byteorder=contents.byteorder,
     )
 
 

@@ -360,7 +360,7 @@ def _row(label: str, t: TensorInfo, count: int) -> list[str]:
     one = count == 1
     return [
         label,
-        t.dtype,
+        t.dtype if t.layout == "strided" else f"{t.dtype} ({t.layout})",
         "[" + ", ".join(map(str, t.shape)) + "]",
         t.device,
         t.storage if one else "",

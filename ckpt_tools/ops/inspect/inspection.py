@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Select, StrPath
-from ckpt_tools.descriptors import Opaque, TensorRef, iter_tensors, short_repr
+from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef, iter_tensors, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.keys import detect_wrappers
@@ -65,7 +65,7 @@ def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> d
     entries = {name: describe_value(value) for name, value in entries_beside(root, path)}
     prefix = "".join(f"{part}." for part in path)
     for key, value in state_dict.items():
-        if not isinstance(value, TensorRef):
+        if not isinstance(value, (TensorRef, RebuiltTensor)):
             entries[f"{prefix}{key_text(key)}"] = describe_value(value)
     return entries
 
@@ -89,20 +89,54 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
     """Describe an opened checkpoint (see :func:`inspect`)."""
     selection = _selected(ckpt, select)
     sd = selection.state_dict
-    named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRef)]
+    listed = [(str(k), v) for k, v in sd.items() if isinstance(v, (TensorRef, RebuiltTensor))]
+    named = [(name, t) for name, t in listed if isinstance(t, TensorRef)]
+    tensors = _tensor_infos(listed, _shard_owner(ckpt))
+    parts = [p for _, t in listed for p in (t.parts if isinstance(t, RebuiltTensor) else (t,))]
+    distinct = {id(p.storage): p.storage.nbytes for p in parts}
+    return CheckpointInfo(
+        path=ckpt.path,
+        format=ckpt.format,
+        selected=selection.path,
+        selection_reason=selection.reason,
+        tensors=tensors,
+        wrappers=detect_wrappers(name for name, _ in listed),
+        unsafe_globals=ckpt.unsafe_globals,
+        entries=_entries(ckpt.root, selection.path, sd),
+        total_params=sum(t.numel for t in tensors),
+        total_bytes=sum(t.nbytes for t in tensors),
+        storage_bytes=sum(distinct.values()),
+        metadata=ckpt.metadata,
+        shards=tuple(ckpt.shards),
+        shard_of=_shard_owner(ckpt),
+        pickle_protocol=ckpt.protocol,
+        beyond_weights_only=ckpt.beyond_weights_only,
+        pickled_module=_module_summary(selection),
+        chunks=_dcp_chunks(ckpt, named),
+        format_info=getattr(ckpt, "zero", None),
+    )
+
+
+def _tensor_infos(
+    listed: list[tuple[str, TensorRef | RebuiltTensor]], shard_of: dict[str, str]
+) -> tuple[TensorInfo, ...]:
+    """One :class:`TensorInfo` per tensor, with the names sharing each storage."""
     by_storage: dict[int, list[str]] = {}
-    for name, tensor in named:
-        by_storage.setdefault(id(tensor.storage), []).append(name)
+    for name, t in listed:
+        if isinstance(t, TensorRef):
+            by_storage.setdefault(id(t.storage), []).append(name)
     # One tuple per storage, held by each of its tensors: a list of the others per tensor
     # grows with the square of the views of one storage.
     sharing = {key: tuple(names) for key, names in by_storage.items()}
-    shard_of = _shard_owner(ckpt)
     # Labelled by its first name: a tied name an index records is in no shard of its own.
     label: dict[int, str] = {}
-    for name, t in named:
-        label.setdefault(id(t.storage), shard_of.get(name, "") + t.storage.key)
-    tensors = tuple(
-        TensorInfo(
+    for name, t in listed:
+        for part in t.parts if isinstance(t, RebuiltTensor) else (t,):
+            label.setdefault(id(part.storage), shard_of.get(name, "") + part.storage.key)
+    return tuple(
+        _rebuilt_info(name, t, label)
+        if isinstance(t, RebuiltTensor)
+        else TensorInfo(
             name=name,
             dtype=t.dtype,
             shape=t.shape,
@@ -116,29 +150,26 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
             sharing=sharing[id(t.storage)],
             is_parameter=t.is_parameter,
         )
-        for name, t in named
+        for name, t in listed
     )
-    distinct = {id(t.storage): t.storage.nbytes for _, t in named}
-    return CheckpointInfo(
-        path=ckpt.path,
-        format=ckpt.format,
-        selected=selection.path,
-        selection_reason=selection.reason,
-        tensors=tensors,
-        wrappers=detect_wrappers(name for name, _ in named),
-        unsafe_globals=ckpt.unsafe_globals,
-        entries=_entries(ckpt.root, selection.path, sd),
-        total_params=sum(t.numel for t in tensors),
-        total_bytes=sum(t.nbytes for t in tensors),
-        storage_bytes=sum(distinct.values()),
-        metadata=ckpt.metadata,
-        shards=tuple(ckpt.shards),
-        shard_of=shard_of,
-        pickle_protocol=ckpt.protocol,
-        beyond_weights_only=ckpt.beyond_weights_only,
-        pickled_module=_module_summary(selection),
-        chunks=_dcp_chunks(ckpt, named),
-        format_info=getattr(ckpt, "zero", None),
+
+
+def _rebuilt_info(name: str, t: RebuiltTensor, label: dict[int, str]) -> TensorInfo:
+    """A sparse, meta or nested tensor: no storage of its own; its parts' storages and bytes."""
+    storages = {id(p.storage): p.storage for p in t.parts}
+    return TensorInfo(
+        name=name,
+        dtype=t.dtype,
+        shape=t.shape,
+        stride=t.stride,
+        numel=t.numel,
+        nbytes=t.nbytes,
+        device=t.device,
+        storage=",".join(label[key] for key in storages),
+        offset=0,
+        storage_nbytes=sum(s.nbytes for s in storages.values()),
+        sharing=(name,),
+        layout=t.layout,
     )
 
 

@@ -28,6 +28,11 @@ class TensorInfo:
         sharing: every key of the state dict viewing the same storage, this one included,
             in key order (one tuple, shared by all of them).
         is_parameter: saved as ``nn.Parameter``.
+        layout: torch's layout name: ``strided`` for a dense tensor (a meta one too),
+            ``sparse_coo``, ``sparse_csr`` ... or ``nested``. A tensor that is no view of one
+            storage (sparse, meta, nested) has no storage or offset of its own (``""``, 0):
+            its storage column names its parts' storages, its bytes are theirs, and a sparse
+            or nested tensor has no strides.
     """
 
     name: str
@@ -42,6 +47,7 @@ class TensorInfo:
     storage_nbytes: int
     sharing: tuple[str, ...] = ()
     is_parameter: bool = False
+    layout: str = "strided"
 
     @property
     def shared_with(self) -> tuple[str, ...]:
@@ -52,6 +58,7 @@ class TensorInfo:
         return {
             "name": self.name,
             "dtype": self.dtype,
+            "layout": self.layout,
             "shape": list(self.shape),
             "stride": list(self.stride),
             "numel": self.numel,
@@ -64,5 +71,6 @@ class TensorInfo:
         }
 
     def __str__(self) -> str:
-        """``layers.0.weight float32 [64, 32] cpu``."""
-        return shown(f"{self.name} {self.dtype} {list(self.shape)} {self.device}")
+        """``layers.0.weight float32 [64, 32] cpu`` (``sparse_coo`` after the shape where so)."""
+        layout = "" if self.layout == "strided" else f" {self.layout}"
+        return shown(f"{self.name} {self.dtype} {list(self.shape)}{layout} {self.device}")

@@ -10,13 +10,16 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import (
     ConversionError,
     Remedy,
     UnsafeContentError,
+    UnsupportedFormatError,
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint
+from ckpt_tools.formats.pickle.limits import check_nesting
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.selection import entries_beside
 
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
 
 __all__ = [
+    "MAX_REWRITE_NESTING",
     "check_source",
     "format_named_by",
     "matched_device_map",
@@ -137,7 +141,26 @@ def torch_instead(dst: str | os.PathLike[str], *, folder: bool = False) -> Remed
     )
 
 
+# How deep a tree every rewrite walks and re-pickles (sanitize's walk is the deepest, and
+# torch.save itself stops near 480 levels of dicts). torch.load reads deeper trees; a
+# rewrite refuses them before it writes.
+MAX_REWRITE_NESTING = 300
+
+
 def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
+    """Refuse an input no rewrite may write from, before anything is planned.
+
+    Args:
+        ckpt: the opened input.
+        allow_globals: globals outside the allowlist the caller allows through.
+
+    Raises:
+        ConversionError: a TorchScript archive, or a DCP folder (consolidate it first).
+        UnsafeContentError: globals outside the allowlist, not allowed.
+        UnsupportedFormatError: big-endian storages, which outputs cannot hold.
+        ResourceLimitError: the object tree nests deeper than a rewrite writes.
+        CorruptCheckpointError: a zip record's bytes do not match its CRC-32.
+    """
     if ckpt.format == "torchscript":
         raise ConversionError(
             f"{ckpt.path!r} is a TorchScript archive: its code refers to the attribute names, so "
@@ -163,6 +186,12 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
                 ),
             ),
         )
+    _refuse_big_endian(ckpt)
+    check_nesting(
+        ckpt.root,
+        MAX_REWRITE_NESTING,
+        "torch.load reads it, but a rewrite (like torch.save) cannot write it back",
+    )
     # A zip's records are copied as they are, CRC-32 included. A remote zip's records are
     # fetched and written anew (the writer computes each CRC), so its input is not re-read.
     if ckpt.records and not ckpt.remote:
@@ -170,6 +199,25 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
         from ckpt_tools.io.verify.zipcheck import check_source_crcs
 
         check_source_crcs(ckpt)  # after the safety refusals: they say more about such a file
+
+
+def _refuse_big_endian(ckpt: Checkpoint) -> None:
+    """Refuse big-endian storages: every output copies or reads storage bytes as
+    little-endian (its byteorder record says so), which would change their values. Storages
+    of one-byte elements read alike in either order, and pass."""
+    big = [
+        c.path
+        for c in (ckpt, *ckpt.shards.values())
+        if c.byteorder == "big" and any(itemsize(s.dtype) > 1 for s in c.storages.values())
+    ]
+    if big:
+        raise UnsupportedFormatError(
+            f"{big[0]!r} was saved big-endian (its byteorder record says big): a rewrite "
+            "copies storage bytes into a little-endian output, which would change every value "
+            "wider than a byte, so it is refused; load_state_dict reads it (byte-swapped, as "
+            "torch.load does), and torch.save writes it again little-endian",
+            path=big[0],
+        )
 
 
 def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[str, str]:

@@ -106,9 +106,43 @@ class Describer:
                 return loc
         return str(t.device)
 
+    def rebuilt(self, t: Any) -> dict[str, Any]:
+        """A sparse, meta or nested tensor, pictured as inspect lists it: no storage or offset
+        of its own, its parts' storages' bytes, no strides but a meta tensor's."""
+        import torch
+
+        if t.is_nested:
+            parts = [t, t._nested_tensor_size(), t._nested_tensor_strides()]
+            parts.append(t._nested_tensor_storage_offsets())
+            shape = [t.size(0)] + [-1] * (t.dim() - 1)
+        else:
+            shape = list(t.shape)
+            parts = [t._indices(), t._values()] if t.layout == torch.sparse_coo else []
+            if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+                parts = [t.crow_indices(), t.col_indices(), t.values()]
+            elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+                parts = [t.ccol_indices(), t.row_indices(), t.values()]
+        storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in parts}
+        sid = len(self.storages)
+        self.storages[("rebuilt", sid)] = sid  # shares with nothing
+        return {
+            "t": "tensor",
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "layout": "nested" if t.is_nested else str(t.layout).removeprefix("torch."),
+            "shape": shape,
+            "stride": list(t.stride()) if t.is_meta else [],
+            "offset": 0,
+            "device": str(t.device),
+            "storage": sid,
+            "storage_nbytes": sum(storages.values()),
+            "param": isinstance(t, torch.nn.Parameter),
+        }
+
     def tensor(self, t: Any) -> dict[str, Any]:
         import torch
 
+        if t.is_nested or t.is_meta or t.layout != torch.strided:
+            return self.rebuilt(t)
         storage = t.untyped_storage()
         key = storage.data_ptr() if storage.nbytes() else ("empty", storage._cdata)
         sid = self.storages.setdefault(key, len(self.storages))

@@ -1,0 +1,124 @@
+"""Tensors torch rebuilds by a call, not as one storage's view: sparse, meta and nested ones.
+
+Each is described from its rebuild call's arguments (:class:`~ckpt_tools.descriptors.RebuiltTensor`:
+shape, dtype, layout, device), so ``inspect`` lists it as a tensor without importing torch. A
+call whose arguments do not have the shapes torch.save writes stays a plain recorded call;
+the loader hands it to torch's own rebuild, which takes or refuses it as torch.load does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, Reduced, TensorRef
+from ckpt_tools.dtypes import DTYPE_ITEMSIZE
+from ckpt_tools.formats.pickle.standins import ConstantRef, TorchSize, is_count
+
+__all__ = ["rebuilt_tensor"]
+
+
+def _parts(values: Any, count: int) -> tuple[TensorRef, ...] | None:
+    """``values``' first ``count`` items when they are all tensor descriptors."""
+    if not isinstance(values, tuple) or len(values) < count:
+        return None
+    parts = values[:count]
+    return parts if all(isinstance(p, TensorRef) for p in parts) else None
+
+
+def _sparse(layout: str, data: Any) -> dict[str, Any] | None:
+    # COO: (indices, values, size[, is_coalesced]); compressed: (indices, indices, values, size)
+    count = 2 if layout == "sparse_coo" else 3
+    parts = _parts(data, count)
+    size = data[count] if parts is not None and len(data) > count else None
+    if parts is None or not isinstance(size, TorchSize):
+        return None
+    values = parts[-1]
+    return {
+        "shape": tuple(size),
+        "dtype": values.dtype,
+        "layout": layout,
+        "device": values.device,
+        "stride": (),
+        "numel": math.prod(size),
+        "parts": parts,
+    }
+
+
+def _meta(args: tuple[Any, ...]) -> dict[str, Any] | None:
+    # (dtype, size, stride, requires_grad): no storage, no bytes
+    dtype, size, stride, _ = args
+    sizes = (size, stride)
+    if not isinstance(dtype, ConstantRef) or dtype.name not in DTYPE_ITEMSIZE:
+        return None
+    if not all(isinstance(v, tuple) and all(is_count(n) for n in v) for v in sizes):
+        return None
+    if len(size) != len(stride):
+        return None
+    return {
+        "shape": tuple(size),
+        "dtype": dtype.name,
+        "layout": "strided",
+        "device": "meta",
+        "stride": tuple(stride),
+        "numel": math.prod(size),
+        "parts": (),
+    }
+
+
+def _nested(args: tuple[Any, ...]) -> dict[str, Any] | None:
+    # (buffer, sizes, strides, storage_offsets): sizes is (components, dimensions)
+    parts = _parts(args, 4)
+    if parts is None or len(parts[1].shape) != 2:
+        return None
+    buffer, sizes = parts[0], parts[1]
+    return {
+        "shape": (sizes.shape[0],) + (-1,) * sizes.shape[1],
+        "dtype": buffer.dtype,
+        "layout": "nested",
+        "device": buffer.device,
+        "stride": (),
+        "numel": buffer.numel,
+        "parts": parts,
+    }
+
+
+def _layout_name(layout: Any) -> str | None:
+    """``torch.sparse_csr`` pickled as ``_get_layout("torch.sparse_csr")``, or the global."""
+    if isinstance(layout, ConstantRef):
+        return layout.qualname.removeprefix("torch.")
+    if isinstance(layout, Reduced) and layout.args and isinstance(layout.args[0], str):
+        return layout.args[0].removeprefix("torch.")
+    return None
+
+
+def rebuilt_tensor(func: GlobalRef, args: tuple[Any, ...]) -> Reduced:
+    """The recorded call ``func(*args)`` of a sparse, meta or nested rebuild, described.
+
+    Args:
+        func: ``torch._utils._rebuild_sparse_tensor``, ``_rebuild_meta_tensor_no_storage``
+            or ``_rebuild_nested_tensor``.
+        args: its arguments as unpickled (their count already checked).
+
+    Returns:
+        A :class:`RebuiltTensor`, or a plain :class:`Reduced` where the arguments are not
+        what torch.save writes.
+
+    Example:
+        >>> meta = rebuilt_tensor(
+        ...     GlobalRef("torch._utils", "_rebuild_meta_tensor_no_storage"),
+        ...     (ConstantRef("torch", "float16"), TorchSize((2, 3)), TorchSize((3, 1)), False),
+        ... )
+        >>> meta.shape, meta.dtype, meta.device
+        ((2, 3), 'float16', 'meta')
+    """
+    ref = GlobalRef(func.module, func.name)
+    found: dict[str, Any] | None = None
+    if func.name == "_rebuild_sparse_tensor":
+        layout = _layout_name(args[0])
+        found = _sparse(layout, args[1]) if layout is not None else None
+    elif func.name == "_rebuild_meta_tensor_no_storage":
+        found = _meta(args)
+    elif func.name == "_rebuild_nested_tensor":
+        found = _nested(args)
+    return Reduced(ref, args) if found is None else RebuiltTensor(ref, args, **found)

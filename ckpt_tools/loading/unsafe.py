@@ -1,0 +1,101 @@
+"""What ``torch.load(weights_only=True)`` would refuse inside a state dict: the objects of
+classes outside the allowlist, each by its entry path; and the parts of a rebuilt tensor
+(its new type, its attribute state) that name classes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.formats.pickle.standins import Reduced
+
+__all__ = ["from_type", "object_state", "unsafe_entries"]
+
+
+def _qualname(node: Any) -> str | None:
+    if isinstance(node, Opaque):
+        return type(node).global_ref.qualname
+    if isinstance(node, type) and issubclass(node, Opaque):
+        return node.global_ref.qualname
+    return None
+
+
+def unsafe_entries(node: Any, path: str = "") -> list[tuple[str, str]]:
+    """Every ``(entry path, global)`` outside the allowlist inside ``node``.
+
+    Args:
+        node: the selected state dict (or any part of a read tree).
+        path: the entry path of ``node`` itself.
+
+    Returns:
+        The pairs in the tree's order; ``<root>`` names ``node`` itself.
+
+    Example:
+        >>> unsafe_entries({"w": 1, "cfg": {"lr": 0.1}})
+        []
+    """
+    found: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    # A stack, not recursion: torch.load reads a pickle however deep its containers nest.
+    todo: list[tuple[Any, str]] = [(node, path)]
+    while todo:
+        item, where = todo.pop()
+        name = _qualname(item)
+        if name is not None:
+            found.append((where or "<root>", name))
+            continue
+        if id(item) in seen:
+            continue
+        if isinstance(item, (Mapping, list, tuple, set, frozenset)):
+            seen.add(id(item))
+        todo.extend(reversed(_unsafe_children(item, where)))  # popped in the tree's order
+    return found
+
+
+def _unsafe_children(item: Any, where: str) -> list[tuple[Any, str]]:
+    """What :func:`unsafe_entries` looks into below ``item``, with each child's path."""
+    if isinstance(item, Mapping):
+        children = [(v, f"{where}.{k}" if where else str(k)) for k, v in item.items()]
+        attributes = getattr(item, "__dict__", None)  # kept alive by the mapping
+        return [*children, (attributes, where)] if attributes else children
+    if isinstance(item, (list, tuple, set, frozenset)):
+        return [(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(item)]
+    if isinstance(item, TensorRef):
+        children = [(from_type(item)[1], where), (object_state(item), where)]
+        if item.func is not None and item.func.name == "_rebuild_qtensor" and len(item.args) > 4:
+            children.append((item.args[4], where))  # the quantizer parameters
+        return children
+    if isinstance(item, Reduced):
+        return [(item.args, where)]
+    return []
+
+
+def from_type(ref: TensorRef) -> tuple[bool, Any, Any, Any]:
+    """How ``_rebuild_from_type_v2`` rebuilt ``ref``, if it did.
+
+    Args:
+        ref: a tensor descriptor.
+
+    Returns:
+        ``(is it _rebuild_from_type_v2, its new type, inner args, state)``; all but the
+        first None when it is not.
+    """
+    if ref.func is None or ref.func.name != "_rebuild_from_type_v2" or len(ref.args) != 4:
+        return False, None, None, None
+    return True, ref.args[1], ref.args[2], ref.args[3]
+
+
+def object_state(ref: TensorRef) -> Any:
+    """The attribute state ``torch._utils._set_obj_state`` would set on ``ref``'s tensor.
+
+    Args:
+        ref: a tensor descriptor.
+
+    Returns:
+        The state as pickled (a mapping, or a ``(dict, slots)`` pair), or None.
+    """
+    name = ref.func.name if ref.func is not None else ""
+    if name in ("_rebuild_from_type_v2", "_rebuild_parameter_with_state") and len(ref.args) == 4:
+        return ref.args[3]
+    return None
