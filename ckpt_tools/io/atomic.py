@@ -95,9 +95,15 @@ def check_output_path(
         SameFileError: ``dst`` is ``src`` and ``in_place`` is False, or a file the reader
             of a ``src`` folder reads (a shard, the index), whatever ``in_place``.
         OutputExistsError: ``dst`` exists and ``force`` is False.
-        OutputError: ``dst`` is a folder or not a regular file (a device, a FIFO), or its
-            folder does not exist or is a file.
+        OutputError: ``dst`` is a folder, ends with ``/``, or is not a regular file (a
+            device, a FIFO), or its folder does not exist or is a file.
     """
+    if os.fspath(dst).endswith(("/", os.sep)):  # Path() drops the slash: a file would be named
+        raise OutputError(
+            f"output {os.fspath(dst)!r} ends with '/', which names a folder; give a file path "
+            f"({os.fspath(dst).rstrip('/' + os.sep)!r})",
+            path=dst,
+        )
     out = Path(dst)
     if src is not None and out.exists():
         if Path(src).is_dir() and reads(src, out):  # a shard or the index: never, in place or not

@@ -192,6 +192,27 @@ def test_check_output_path(tmp_path):
     assert check_output_path(tmp_path / "link.pt", src) == tmp_path / "target.pt"
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["strip-module", "{src}", "{dst}"],
+        ["slim", "{src}", "{dst}"],
+        ["extract", "{src}", "{dst}", "--prefix", "module."],
+        ["sanitize", "{src}", "{dst}"],
+        ["retag", "{src}", "{dst}", "--map", "cpu=cpu"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_a_file_output_named_with_a_trailing_slash_is_refused(tmp_path, command):
+    # Path("x.safetensors/") is "x.safetensors": a zip was written under a safetensors name.
+    src = h.save({"module.w": torch.ones(2)}, tmp_path / "a.pt")
+    dst = f"{tmp_path / 'x.safetensors'}/"
+    args = [part.format(src=src, dst=dst) for part in command]
+    _, _, err = h.run_ckpt(*args, code=6)
+    assert "ends with '/', which names a folder; give a file path" in err
+    assert h.listing(tmp_path) == ["a.pt"]
+
+
 # --------------------------------------------------------------------------------------------
 # (a) errors before or while writing leave nothing
 # --------------------------------------------------------------------------------------------
