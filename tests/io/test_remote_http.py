@@ -5,7 +5,10 @@ side), redirects, tokens, statuses, a server that ignores Range, timeouts and re
 
 from __future__ import annotations
 
+import http.server
 import random
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -368,3 +371,42 @@ def test_a_file_replaced_while_read_never_shows_the_url_s_password(hub: HubServe
         with pytest.raises(RemoteError, match="changed while it was read") as info:
             f.pread(10, SIZE // 2)
     assert "s3cret" not in str(info.value) and "me@" in str(info.value)
+
+
+@pytest.fixture
+def refuses_everyone(remote_env: Path) -> Iterator[str]:
+    """A server that answers 401 to every request, credentials or not: its base URL."""
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def _refuse(self) -> None:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="weights"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = _refuse
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("userinfo", ["", "user:wrong@"])
+def test_refused_credentials_are_told_apart_from_none(refuses_everyone: str, userinfo: str) -> None:
+    url = f"http://{userinfo}{refuses_everyone}/model.pt"
+    with RemoteSession() as remote, pytest.raises(RemoteAccessError) as info:
+        remote.open(url)
+    message = str(info.value)
+    assert "HTTP 401" in message and "wrong" not in message
+    if userinfo:  # sent as Basic auth: they were refused, not left out
+        assert "refused the user name and password in the URL" in message
+    else:
+        assert "wants credentials ckpt_tools does not send" in message

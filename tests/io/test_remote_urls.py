@@ -78,6 +78,8 @@ def test_parse_hf(url: str, prefix: str, repo: str, revision: str, path: str) ->
         "x.pt",
         "hf://org/m@../x.bin",
         "hf://org/m@%2e%2e/x.bin",
+        "hf://org/m/%2e%2e/x.bin",
+        "hf://org/m@v1/sub/%2E/x.bin",
         "hf://org/m@.",
         "hf://org/m@v1%2F..%2Fmain/x.bin",
     ],

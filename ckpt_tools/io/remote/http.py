@@ -332,6 +332,11 @@ class HttpTransport:
             )
         if at_hub(self.url):
             return Remedy(text="set HF_TOKEN to a token that can read it (gated and private repos)")
+        if urlsplit(self.url).username is not None:  # sent as Basic auth, and refused
+            return Remedy(
+                text="the server refused the user name and password in the URL: check them, or "
+                + DOWNLOAD_FIRST.text
+            )
         return Remedy(
             text="the server wants credentials ckpt_tools does not send: " + DOWNLOAD_FIRST.text
         )

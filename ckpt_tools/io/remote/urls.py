@@ -170,7 +170,9 @@ def _check_hf(url: str, org: str, repo: str, revision: str, path: str) -> None:
         raise UsageError(
             f"{url!r}: a revision has no '.' or '..' parts: write a branch, tag or commit"
         )
-    if any(part in (".", "..") for part in path.split("/")):
+    # The path is sent quoted (a literal %2e%2e is no climb), but it is refused as the
+    # revision is: no name in a repository reads so.
+    if any(unquote(part) in (".", "..") for part in path.split("/")):
         raise UsageError(f"{url!r}: a path in a repository has no '.' or '..' parts")
 
 
