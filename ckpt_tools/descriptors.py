@@ -27,6 +27,7 @@ __all__ = [
     "Reduced",
     "StorageRef",
     "TensorRef",
+    "iter_listed_tensors",
     "iter_tensors",
     "short_repr",
 ]
@@ -378,13 +379,23 @@ def iter_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
     Returns:
         ``(path, tensor)`` pairs in the tree's order; a tensor reached twice is listed twice.
     """
-    found: list[tuple[str, TensorRef]] = []
+    return _tree_tensors(obj, prefix, TensorRef)
+
+
+def iter_listed_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef | RebuiltTensor]]:
+    """As :func:`iter_tensors`, with the tensors torch rebuilds by a call (sparse, meta,
+    nested: :class:`RebuiltTensor`) where they stand: every tensor torch.load would give."""
+    return _tree_tensors(obj, prefix, (TensorRef, RebuiltTensor))
+
+
+def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
     seen: set[int] = set()
     # A stack, not recursion: torch.load reads a pickle however deep its containers nest.
     stack: list[tuple[Any, str]] = [(obj, prefix)]
     while stack:
         node, path = stack.pop()
-        if isinstance(node, TensorRef):
+        if isinstance(node, kinds):
             found.append((path, node))
             continue
         if id(node) in seen:

@@ -55,8 +55,8 @@ class _StandIn(dict):
 class _Recording(pickle._Unpickler):  # type: ignore[name-defined,misc]
     """Python's pure unpickler, recording each find_class call, as Python 3 maps it."""
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data), encoding="latin-1")
+    def __init__(self, data: bytes, encoding: str = "latin-1") -> None:
+        super().__init__(io.BytesIO(data), encoding=encoding)
         self.asked: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:
@@ -72,8 +72,8 @@ class _Recording(pickle._Unpickler):  # type: ignore[name-defined,misc]
         return _StandIn()
 
 
-def _oracle(data: bytes) -> list[str]:
-    unpickler = _Recording(data)
+def _oracle(data: bytes, encoding: str = "latin-1") -> list[str]:
+    unpickler = _Recording(data, encoding)
     # A stand-in cannot be everything; what was asked for before a failure counts.
     with contextlib.suppress(Exception):
         unpickler.load()
@@ -166,3 +166,63 @@ def test_a_declared_length_no_file_holds_ends_the_walk_as_malformed(length: int)
         assert scan.imports == () and scan.end is None and scan.malformed
         with io.BytesIO(data) as f:
             assert find_imports(f).end is None
+
+
+# STRING arguments feeding a STACK_GLOBAL: quotes and escapes as pickle reads them.
+_STRING_GLOBALS = {
+    "hex-escapes": b"S'p\\x6fsix'\nS'sys\\x74em'\n\x93.",
+    "octal-escape": b"S'\\160osix'\nS\"system\"\n\x93.",
+    "escaped-quote": b"S'it\\'s'\nS'system'\n\x93.",
+    "mismatched-quotes": b"S\"posix'\nS'system'\n\x93.",
+    "unquoted": b"Sposix\nS'system'\n\x93.",
+    "bad-escape": b"S'posix\\x'\nS'system'\n\x93.",
+    "protocol-2-binstring": b"\x80\x02U\x0b__builtin__U\x04eval\x93.",
+}
+
+
+@pytest.mark.parametrize("data", _STRING_GLOBALS.values(), ids=_STRING_GLOBALS)
+def test_string_operands_are_read_as_pickle_reads_them(data: bytes) -> None:
+    scan = find_imports(data)
+    assert [i.qualname for i in scan.imports] == _oracle(data)
+    # What Python's unpickler refuses before its STACK_GLOBAL, the walk calls malformed there.
+    assert (scan.malformed is None) == bool(_oracle(data))
+
+
+@pytest.mark.parametrize(
+    ("data", "encoding"),
+    [(b"S'\xc3\xa9'\nS'x'\n\x93.", "utf-8"), (b"S'\xe9'\nS'x'\n\x93.", "latin-1")],
+    ids=["utf-8", "not-utf-8"],
+)
+def test_python2_strings_are_named_as_a_loader_that_takes_them_decodes_them(
+    data: bytes, encoding: str
+) -> None:
+    # torch.load decodes Python 2 strings as UTF-8; bytes that are not UTF-8 are named as a
+    # latin-1 loader (numpy.load(encoding="latin1")) imports them.
+    assert [i.qualname for i in find_imports(data).imports] == _oracle(data, encoding) == ["é.x"]
+
+
+def test_inst_lines_are_ascii_as_pickle_reads_them() -> None:
+    named, refused = b"(iposix\nsystem\n.", b"(iposix\nsyst\xc3\xa9m\n."
+    assert [i.qualname for i in find_imports(named).imports] == _oracle(named) == ["posix.system"]
+    for encoding in ("latin-1", "utf-8"):
+        assert _oracle(refused, encoding) == []
+    scan = find_imports(refused)
+    assert scan.imports == () and scan.malformed and "ascii" in scan.malformed
+    # The C unpickler, which pickle.load uses, refuses it too.
+    with pytest.raises(UnicodeDecodeError, match="ascii"):
+        pickle.loads(refused)
+
+
+_PROTOCOL_NAMES = {
+    "global-protocol-4": b"\x80\x04c__builtin__\neval\n.",
+    "global-protocol-2": b"\x80\x02c__builtin__\neval\n.",
+    "stack-global-protocol-2": b"\x80\x02X\x0b\x00\x00\x00__builtin__X\x04\x00\x00\x00eval\x93.",
+    "last-proto-4": b"\x80\x02\x80\x04c__builtin__\neval\n.",
+    "last-proto-2": b"\x80\x04\x80\x02c__builtin__\neval\n.",
+    "inst-protocol-0": b"(icopy_reg\n_reconstructor\n.",
+}
+
+
+@pytest.mark.parametrize("data", _PROTOCOL_NAMES.values(), ids=_PROTOCOL_NAMES)
+def test_python2_names_are_mapped_only_below_protocol_3(data: bytes) -> None:
+    assert [i.qualname for i in find_imports(data).imports] == _oracle(data)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 import ckpt_tools
@@ -48,3 +50,33 @@ def test_json_and_table_show_the_layout(tmp_path: Path) -> None:
     assert shown["csr"]["stride"] == [] and shown["meta"]["device"] == "meta"
     _, out, _ = run_ckpt("inspect", path)
     assert "float32 (sparse_csr)" in out and "float32 (nested)" in out
+
+
+def _described(t: torch.Tensor) -> tuple[str, str, str, list[int]]:
+    """dtype, layout, device and shape, as torch.load's tensor gives them."""
+    shape = [t.size(0)] + [-1] * (t.dim() - 1) if t.is_nested else list(t.shape)
+    return str(t.dtype).removeprefix("torch."), _layout(t), str(t.device), shape
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_a_list_or_tuple_root_lists_them_by_index(tmp_path: Path, container: type) -> None:
+    path = tmp_path / "rebuilt.pt"
+    torch.save(container(rebuilt_tensors().values()), path)
+    want = torch.load(path, weights_only=True)
+    assert isinstance(want, container)
+    expected = {str(i): _described(t) for i, t in enumerate(want)}
+    _, out, _ = run_ckpt("inspect", "--json", path)
+    shown = json.loads(out)["tensors"]
+    got = {t["name"]: (t["dtype"], t["layout"], t["device"], t["shape"]) for t in shown}
+    assert got == expected
+    assert [t.name for t in ckpt_tools.inspect(path)] == list(expected)
+    _, table, _ = run_ckpt("inspect", path)
+    assert "float32 (sparse_coo)" in table and "float32 (nested)" in table
+
+
+def test_a_sparse_root_is_listed(tmp_path: Path) -> None:
+    path = tmp_path / "sparse.pt"
+    torch.save(torch.eye(3).to_sparse(), path)
+    want = torch.load(path, weights_only=True)
+    (t,) = ckpt_tools.inspect(path)
+    assert (t.name, t.dtype, t.layout, list(t.shape)) == ("<root>", *_described(want)[:2], [3, 3])

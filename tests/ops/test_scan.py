@@ -593,3 +593,21 @@ def test_a_global_line_with_binary_bytes_is_named_whole(tmp_path: Path) -> None:
     (found,) = scan([path]).files
     assert found.verdict == "dangerous"
     assert [f.global_name for f in found.findings] == ["shutil.rmtree\x00q\x1a"]
+
+
+def test_escaped_string_operands_are_named_as_pickle_imports_them(tmp_path: Path) -> None:
+    # Protocol 0 STRINGs with escapes feed a STACK_GLOBAL: the import is the decoded name.
+    path = tmp_path / "escaped.pkl"
+    path.write_bytes(b"\x80\x02S'p\\x6fsix'\nS'sys\\x74em'\n\x93.")
+
+    class Asking(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> type:
+            asked.append(f"{module}.{name}")
+            return dict
+
+    asked: list[str] = []
+    with path.open("rb") as f:
+        Asking(f).load()  # the oracle: what pickle.load would import
+    res = run_ckpt("scan", "--json", path, code=1)
+    (found,) = json.loads(res.stdout)["files"]
+    assert [f["global"] for f in found["findings"]] == asked == ["posix.system"]

@@ -6,13 +6,15 @@ A pickle has no branches: every opcode before its STOP runs when it is loaded, s
 stack with the strings a pickle pushes (and memoizes) and nothing else, so a
 ``STACK_GLOBAL`` whose module and name were memoized long before is still named; one whose
 operands are not plain strings (built by a call) is reported unresolved, never guessed.
-Names are given as Python 3 resolves them (``__builtin__.eval`` is ``builtins.eval``).
+Names are those pickle's ``find_class`` imports: strings decoded as pickle decodes them, and
+Python 2 names mapped (``__builtin__.eval`` is ``builtins.eval``) where the protocol is below 3.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
 import ast
+import codecs
 import io
 import pickletools
 import sys
@@ -181,6 +183,12 @@ def python3_name(module: str, name: str) -> tuple[str, str]:
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
+def _imported(module: str, name: str, protocol: int) -> tuple[str, str]:
+    """The global ``pickle.load`` imports for ``module`` and ``name``: its ``find_class`` maps
+    Python 2 names only while the last PROTO read is below 3 (``fix_imports``)."""
+    return python3_name(module, name) if protocol < 3 else (module, name)
+
+
 def find_imports(
     data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30, *, cut_globals: bool = False
 ) -> ImportScan:
@@ -219,37 +227,31 @@ def find_imports(
     # The stack holds the strings the pickle pushed, None for any other object, and _MARK.
     stack: list[object] = []
     memo: dict[object, object] = {}
+    # The last PROTO read decides whether find_class maps Python 2 names (below 3 it does).
+    protocol = 0
     try:
         for op, arg, pos in _opcodes(stream):
             name = op.name
             if name in _STRINGS:
-                stack.append(arg if isinstance(arg, str) else _latin1(arg))
+                stack.append(arg if isinstance(arg, str) else _python2_text(arg))
+            elif name == "PROTO":
+                protocol = arg
             elif name in ("GLOBAL", "INST"):
                 module, attr = arg  # type: ignore[misc]
-                imports.append(PickleImport(*python3_name(module, attr), pos, name))
+                imports.append(PickleImport(*_imported(module, attr, protocol), pos, name))
                 _apply(op, stack)
             elif name == "STACK_GLOBAL":
                 attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
                 if isinstance(module, str) and isinstance(attr, str):
-                    imports.append(PickleImport(module, attr, pos, name))
+                    imports.append(PickleImport(*_imported(module, attr, protocol), pos, name))
                 else:
                     imports.append(PickleImport(None, None, pos, name))
                 stack.append(None)
             elif name in _EXTS:
                 imports.append(PickleImport(None, None, pos, name))
                 stack.append(None)
-            elif name in _GETS:
-                stack.append(memo.get(arg))
-            elif name in _PUTS:
-                memo[arg] = stack[-1] if stack else None
-            elif name == "MEMOIZE":
-                memo[len(memo)] = stack[-1] if stack else None
-            elif name == "DUP":
-                stack.append(stack[-1] if stack else None)
-            elif name == "MARK":
-                stack.append(_MARK)
             else:
-                _apply(op, stack)
+                _replay(op, arg, stack, memo)
             if name == "STOP":
                 return ImportScan(tuple(imports), base + stream.tell())
     except ResourceLimitError as e:
@@ -272,7 +274,7 @@ _LENGTH_WIDTHS = {
     pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
     pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
 }
-_VALUED = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT"})
+_VALUED = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "PROTO"})
 
 
 def _opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
@@ -307,12 +309,13 @@ def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
     n, name = op.arg.n, op.name
     if n == pickletools.UP_TO_NEWLINE:
         if name in ("GLOBAL", "INST"):
-            return _global_lines(stream)
+            # pickle decodes a GLOBAL's lines as UTF-8, an INST's as ASCII (C and Python alike).
+            return _global_lines(stream, "utf-8" if name == "GLOBAL" else "ascii")
         line = _line(stream)
         if name == "UNICODE":
             return line.decode("raw-unicode-escape")
-        if name == "STRING":  # a quoted Python 2 literal: its text, roughly, is enough
-            return line.strip(b"'\"").decode("latin-1")
+        if name == "STRING":
+            return _string_literal(line)
         if name in ("GET", "PUT"):
             return int(line)
         return None  # ints, longs, floats and persistent ids: not needed
@@ -329,9 +332,9 @@ def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
     return int.from_bytes(data, "little") if name in _VALUED else None
 
 
-def _global_lines(stream: Any) -> tuple[str, str]:
+def _global_lines(stream: Any, encoding: str) -> tuple[str, str]:
     module, attr = stream.readline(), stream.readline()
-    names = module[:-1].decode("utf-8"), attr[:-1].decode("utf-8")
+    names = module[:-1].decode(encoding), attr[:-1].decode(encoding)
     if not (module.endswith(b"\n") and attr.endswith(b"\n")):
         # The file ends inside them. pickle's reader stops there; torch's weights-only
         # reader takes each line less its last byte, and names that global as it refuses it.
@@ -355,9 +358,47 @@ def _exactly(stream: Any, n: int) -> bytes:
     return data
 
 
-def _latin1(value: object) -> object:
-    # Python 2 strings (STRING, BINSTRING) come as bytes; find_class gets them as text.
-    return value.decode("latin-1") if isinstance(value, bytes) else value
+def _string_literal(line: bytes) -> bytes:
+    """A STRING opcode's argument as pickle reads it: one pair of matching quotes stripped,
+    then its escapes decoded (``'\\x6fs'`` is ``os``)."""
+    if len(line) < 2 or line[:1] != line[-1:] or line[:1] not in (b"'", b'"'):
+        raise ValueError("the STRING opcode argument must be quoted")
+    return codecs.escape_decode(line[1:-1])[0]  # a bad \x escape: ValueError, as in pickle
+
+
+def _python2_text(value: object) -> object:
+    """A Python 2 string (STRING, BINSTRING) as the text a loader hands find_class.
+
+    torch.load decodes them as UTF-8, plain pickle.load as ASCII (and fails on other bytes),
+    numpy.load and Python 2 ports often as latin-1: UTF-8 where the bytes are UTF-8, else
+    latin-1, so a name any of them would import is named (ASCII, the only names a
+    weights-only allowlist holds, reads alike in all three).
+    """
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
+def _replay(
+    op: pickletools.OpcodeInfo, arg: Any, stack: list[object], memo: dict[object, object]
+) -> None:
+    """An opcode that imports nothing: its effect on the stack and the memo."""
+    name = op.name
+    if name in _GETS:
+        stack.append(memo.get(arg))
+    elif name in _PUTS:
+        memo[arg] = stack[-1] if stack else None
+    elif name == "MEMOIZE":
+        memo[len(memo)] = stack[-1] if stack else None
+    elif name == "DUP":
+        stack.append(stack[-1] if stack else None)
+    elif name == "MARK":
+        stack.append(_MARK)
+    else:
+        _apply(op, stack)
 
 
 def _apply(op: pickletools.OpcodeInfo, stack: list[object]) -> None:

@@ -19,7 +19,9 @@ MAX_ZIP_DIRECTORY_BYTES = 256 << 20
 def tree_children(node: Any) -> Iterable[Any] | None:
     """What a node of an unpickled tree holds, or None for a leaf."""
     if isinstance(node, dict):
-        return (*node.keys(), *node.values())
+        # An OrderedDict's attributes (a BUILD sets them, as torch.load does) are held too.
+        attributes = getattr(node, "__dict__", None) or {}
+        return (*node.keys(), *node.values(), *attributes.values())
     if isinstance(node, (list, tuple, set, frozenset)):
         return node
     if isinstance(node, Sealed):

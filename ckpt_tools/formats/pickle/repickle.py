@@ -25,6 +25,7 @@ from ckpt_tools.errors import (
     CorruptCheckpointError,
     ResourceLimitError,
     quote_foreign,
+    shown,
 )
 from ckpt_tools.formats.pickle.expansion import WEIGHTS_ONLY_OPCODES, scan_pickle
 from ckpt_tools.formats.pickle.standins import Reduced, TorchSize, storage_type_ref
@@ -122,7 +123,7 @@ class Repickler(_Reductions, pickle._Pickler):  # type: ignore[name-defined]
         if memoized is not None:
             self.write(self.get(memoized[0]))
             return
-        self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode())
+        self.write(pickle.GLOBAL + _global_line(ref))
         self.memoize(obj)
 
 
@@ -163,7 +164,7 @@ class _Placeholders:
     def __init__(self) -> None:
         self._prefix = f"_ckpt_global_{os.urandom(12).hex()}_"
         self._bound: list[tuple[ModuleType, str]] = []
-        self._real: dict[tuple[bytes, bytes], str] = {}
+        self._real: dict[tuple[bytes, bytes], bytes] = {}
 
     def bind(self, obj: Any, ref: GlobalRef) -> str:
         """Bind ``obj`` under a new placeholder in its module; returns the placeholder.
@@ -180,7 +181,7 @@ class _Placeholders:
         name = f"{self._prefix}{len(self._bound)}"
         setattr(module, name, obj)
         self._bound.append((module, name))
-        self._real[(obj.__module__.encode(), name.encode())] = f"{ref.module}\n{ref.name}\n"
+        self._real[(obj.__module__.encode(), name.encode())] = _global_line(ref)
         return name
 
     def unbind(self) -> None:
@@ -198,9 +199,7 @@ class _Placeholders:
         prefix = re.escape(self._prefix.encode())
         pattern = re.compile(pickle.GLOBAL + b"(" + modules + rb")\n(" + prefix + rb"\d+)\n")
         real = self._real
-        swapped = pattern.sub(
-            lambda m: pickle.GLOBAL + real[m.group(1), m.group(2)].encode(), payload
-        )
+        swapped = pattern.sub(lambda m: pickle.GLOBAL + real[m.group(1), m.group(2)], payload)
         if self._prefix.encode() in swapped:  # a pickler that wrote them otherwise: never ship
             raise ConversionError("a placeholder global was left in the output pickle (a bug)")
         return swapped
@@ -215,6 +214,23 @@ class _CallableRef(GlobalRef):
     # pickle's save_reduce checks callable(func); the call itself never happens.
     def __call__(self, *args: Any) -> Any:
         raise TypeError(f"{self.qualname} is a reference, never called")
+
+
+def _global_line(ref: GlobalRef) -> bytes:
+    """The argument of the GLOBAL opcode that names ``ref``, as pickle writes it (UTF-8 lines).
+
+    A global read from a STACK_GLOBAL may hold a newline or a lone surrogate, which no GLOBAL
+    line can say: written anyway it would name another global, so it is refused.
+    """
+    try:
+        if "\n" not in ref.module and "\n" not in ref.name:
+            return f"{ref.module}\n{ref.name}\n".encode()
+    except UnicodeEncodeError:
+        pass
+    raise ConversionError(
+        f"the global {shown(ref.qualname)} cannot be written as a protocol 2 GLOBAL (a newline "
+        "or a lone surrogate in its name), the only way torch.save and a rewrite name a global"
+    )
 
 
 def _global_of(obj: Any) -> GlobalRef | None:

@@ -15,9 +15,7 @@ from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
 from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
-from ckpt_tools.errors import (
-    CorruptCheckpointError,
-)
+from ckpt_tools.errors import CorruptCheckpointError, shown
 from ckpt_tools.formats.pickle.allowlist import resolve_allowed
 from ckpt_tools.formats.pickle.imports import python3_name
 from ckpt_tools.formats.pickle.standins import (
@@ -68,7 +66,10 @@ class _Restricted:
             # no UntypedStorage, which it imports as written.
             typed = name in STORAGE_TYPE_DTYPE and name != "UntypedStorage"
             base = _UncallableStorageType if typed else Opaque
-            self.unsafe[qualname] = type(name, (base,), {"global_ref": GlobalRef(module, name)})
+            # A GLOBAL line may hold a NUL, a STACK_GLOBAL name a lone surrogate: type()
+            # takes neither, so the class is named by the escaped form; global_ref keeps the name.
+            ref = GlobalRef(module, name)
+            self.unsafe[qualname] = type(shown(name), (base,), {"global_ref": ref})
         return self.unsafe[qualname]
 
     def persistent_load(self, pid: Any) -> Any:

@@ -8,7 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Select, StrPath
-from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef, iter_tensors, short_repr
+from ckpt_tools.descriptors import (
+    Opaque,
+    RebuiltTensor,
+    TensorRef,
+    iter_listed_tensors,
+    short_repr,
+)
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.keys import detect_wrappers
@@ -79,7 +85,8 @@ def _selected(ckpt: Checkpoint, select: Select) -> Selection:
         if flat:
             selection = Selection((), "TorchScript module: its parameters and buffers", flat)
     if selection.stand_in:  # torch.save(tensor), torch.save([...])
-        found = {path or "<root>": t for path, t in iter_tensors(ckpt.root)}
+        # Sparse, meta and nested tensors too, as under a dict root.
+        found = {path or "<root>": t for path, t in iter_listed_tensors(ckpt.root)}
         why = f"the root is {a_kind_of(ckpt.root)}, no state dict; its tensors by path"
         selection = replace(selection, reason=why, state_dict=found)
     return selection
