@@ -14,7 +14,7 @@ from typing import Any
 from ckpt_tools.descriptors import Opaque, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.ops.rewrite.plan import check_source
+from ckpt_tools.ops.rewrite.plan import check_source, check_written_depth
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.modules import is_pickled_module, module_globals
 from ckpt_tools.structure.paths import walk_path
@@ -54,6 +54,8 @@ def check_rewritable(
     allow_globals: Sequence[str],
     path: Sequence[str] = (),
     output_format: str = "torch-zip",
+    *,
+    whole: bool = True,
 ) -> None:
     """Refuse a checkpoint no rewrite may touch, whether or not there is work to do.
 
@@ -68,10 +70,13 @@ def check_rewritable(
         allow_globals: globals outside the allowlist the caller allows through.
         path: the selection path of the state dict to rewrite.
         output_format: ``torch-zip`` or ``safetensors``.
+        whole: a torch output pickles the whole tree, whose depth is checked; False: the
+            state dict at ``path`` alone (``slim --weights-only``, ``extract``).
 
     Raises:
         ConversionError: a TorchScript archive, or a pickled ``nn.Module`` (exit 7).
         UnsafeContentError: globals outside the allowlist, not allowed (exit 3).
+        ResourceLimitError: what a torch output pickles nests too deep (exit 5).
 
     Example:
         >>> check_rewritable(Checkpoint("a.pt", "torch-zip", {}, {}), ())
@@ -82,6 +87,8 @@ def check_rewritable(
         check_source(ckpt, [*allow_globals, *sorted(unwritten)])
         return
     check_source(ckpt, allow_globals)
+    if whole:  # a state dict alone is a few levels; the re-pickler refuses a deep one itself
+        check_written_depth(ckpt.root)
     module = _module_on_path(ckpt.root, path)
     if module is not None:
         raise ConversionError(
@@ -130,6 +137,7 @@ def check_state_dict_output(
     Raises:
         ConversionError: a TorchScript archive (exit 7).
         UnsafeContentError: other globals outside the allowlist, not allowed (exit 3).
+        ResourceLimitError: ``state_dict`` nests too deep to be written (exit 5).
 
     Example:
         >>> check_state_dict_output(Checkpoint("a.pt", "torch-zip", {}, {}), (), {})
@@ -138,6 +146,7 @@ def check_state_dict_output(
     carried = module_globals(dict(state_dict))
     unwritten = {g for m in _module_trees(ckpt.root) for g in module_globals(m)} - carried
     check_source(ckpt, [*allow_globals, *sorted(unwritten)])
+    check_written_depth(dict(state_dict))
     return tuple(sorted(unwritten & set(ckpt.unsafe_globals)))
 
 

@@ -199,7 +199,7 @@ def test_zip_records_grow_linearly(tmp_path: Path) -> None:
 def test_nesting_torch_reads_is_read_and_a_rewrite_past_its_limit_is_one_line(
     tmp_path: Path,
 ) -> None:
-    # torch.load reads containers however deep; a rewrite (like torch.save) stops before.
+    # torch.load reads containers however deep; a rewrite pickles 300 levels at most.
     path = _nested(500)(SMALL, tmp_path / "deep.pt")
     read = _measured(["inspect", str(path)], tmp_path)
     assert read.returncode == 0 and "Traceback" not in read.stderr, read.stderr[-2000:]

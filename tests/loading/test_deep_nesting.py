@@ -1,5 +1,6 @@
 """Containers nested far deeper than a state dict: read as torch.load reads them (any depth),
-and refused cleanly only by a rewrite, which (like torch.save) cannot write them back."""
+and refused cleanly only by an output that would pickle them (a rewrite writes 300 levels at
+most); an output of the tensors alone leaves them out and is written."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools import load_state_dict, strip_module
+from ckpt_tools import convert, extract, load_state_dict, slim, strip_module
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.ops.rewrite.plan import MAX_REWRITE_NESTING
 
@@ -24,10 +25,13 @@ def _deep(depth: int, kind: str) -> Any:
     return node
 
 
-def save_deep(path: Path, depth: int, kind: str) -> Path:
-    """torch.save of ``{"module.w": ..., "deep": <depth levels>}``, past torch.save's own
-    recursion limit: saved in a thread with a large stack and a raised limit."""
-    obj = {"module.w": torch.ones(2), "deep": _deep(depth, kind)}
+def save_deep(path: Path, depth: int, kind: str, *, trainer: bool = False) -> Path:
+    """torch.save of ``{"module.w": ..., "deep": <depth levels>}`` (``trainer``: the state
+    dict under ``state_dict``, beside ``deep``), past torch.save's own recursion limit:
+    saved in a thread with a large stack and a raised limit."""
+    weights = {"module.w": torch.ones(2)}
+    obj = {"state_dict": weights} if trainer else weights
+    obj["deep"] = _deep(depth, kind)
     failed: list[BaseException] = []
 
     def save() -> None:
@@ -84,3 +88,30 @@ def test_a_rewrite_refuses_a_tree_deeper_than_it_writes(tmp_path: Path, depth: i
     with pytest.raises(ResourceLimitError, match="levels deep"):
         strip_module(src, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("output", ["extract", "slim --weights-only", "convert --drop-extras"])
+def test_an_output_that_leaves_the_deep_part_out_is_written(tmp_path: Path, output: str) -> None:
+    src = save_deep(tmp_path / "deep.pt", 1000, "dict", trainer=output.startswith("slim"))
+    if output == "extract":
+        extract(src, tmp_path / "out.pt", prefix="module.")
+    elif output == "slim --weights-only":
+        slim(src, tmp_path / "out.pt", weights_only=True)
+    else:
+        convert(src, tmp_path / "out.safetensors", select=[], drop_extras=True)
+    out = next(tmp_path.glob("out.*"))
+    if out.suffix == ".pt":
+        got = torch.load(out, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        got = load_file(out)
+    assert list(got) == ["module.w"] and torch.equal(got["module.w"], torch.ones(2))
+
+
+def test_a_deep_entry_in_a_state_dict_written_alone_is_refused_on_writing(tmp_path: Path) -> None:
+    # A weights-only output keeps the state dict's other entries: the pickler refuses one.
+    src = save_deep(tmp_path / "deep.pt", 1000, "dict")
+    with pytest.raises(ResourceLimitError, match="deeper than Python's pickler recurses"):
+        slim(src, tmp_path / "out.pt", weights_only=True, select=[])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deep.pt"]

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_REWRITE_NESTING",
     "check_source",
+    "check_written_depth",
     "format_named_by",
     "matched_device_map",
     "output_format_for",
@@ -141,10 +142,27 @@ def torch_instead(dst: str | os.PathLike[str], *, folder: bool = False) -> Remed
     )
 
 
-# How deep a tree every rewrite walks and re-pickles (sanitize's walk is the deepest, and
-# torch.save itself stops near 480 levels of dicts). torch.load reads deeper trees; a
-# rewrite refuses them before it writes.
+# How deep a tree a rewrite pickles (sanitize's walk is the deepest; torch.save itself stops
+# near 480 levels of dicts under Python's default recursion limit). torch.load reads deeper
+# trees: only an output that would hold one is refused, before anything is written.
 MAX_REWRITE_NESTING = 300
+
+
+def check_written_depth(tree: Any) -> None:
+    """Refuse an output whose object tree nests deeper than a rewrite writes.
+
+    Args:
+        tree: what the output pickles: the whole root, or the state dict alone.
+
+    Raises:
+        ResourceLimitError: ``tree`` nests more than :data:`MAX_REWRITE_NESTING` levels (exit 5).
+    """
+    check_nesting(
+        tree,
+        MAX_REWRITE_NESTING,
+        "torch.load reads it, but a rewrite writes trees that deep at most: write its tensors "
+        "alone (ckpt extract, or a .safetensors output with --drop-extras)",
+    )
 
 
 def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
@@ -158,7 +176,6 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
         ConversionError: a TorchScript archive, or a DCP folder (consolidate it first).
         UnsafeContentError: globals outside the allowlist, not allowed.
         UnsupportedFormatError: big-endian storages, which outputs cannot hold.
-        ResourceLimitError: the object tree nests deeper than a rewrite writes.
         CorruptCheckpointError: a zip record's bytes do not match its CRC-32.
     """
     if ckpt.format == "torchscript":
@@ -187,11 +204,6 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
             ),
         )
     _refuse_big_endian(ckpt)
-    check_nesting(
-        ckpt.root,
-        MAX_REWRITE_NESTING,
-        "torch.load reads it, but a rewrite (like torch.save) cannot write it back",
-    )
     # A zip's records are copied as they are, CRC-32 included. A remote zip's records are
     # fetched and written anew (the writer computes each CRC), so its input is not re-read.
     if ckpt.records and not ckpt.remote:

@@ -32,7 +32,7 @@ from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.torchzip import write_torch_zip
 from ckpt_tools.ops.output_plan import PlannedFile
 from ckpt_tools.ops.preflight import check_source
-from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.rewrite.plan import check_written_depth, output_format_for
 from ckpt_tools.ops.sanitize.result import SanitizeResult
 from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select
@@ -108,6 +108,7 @@ def sanitize(
     ckpt = open_checkpoint(src)
     # Refuses TorchScript and sharded folders; every global is allowed, since none is written.
     check_source(ckpt, ckpt.unsafe_globals)
+    check_written_depth(ckpt.root)
     selection = select_state_dict(ckpt.root, select=select)
     taken = set(ckpt.storages) | {name[5:] for name in ckpt.records if name.startswith("data/")}
     done = sanitize_tree(ckpt.root, taken)

@@ -112,8 +112,8 @@ def sanitize_tree(root: Any, taken_keys: set[str]) -> SanitizedTree:
             new_root = walker.value(root, "")
     except RecursionError as e:  # a tree no check_source passed: refused, never a crash
         raise ResourceLimitError(
-            "the object tree nests deeper than sanitize walks; torch.load reads it, but a "
-            "rewrite (like torch.save) cannot write it back"
+            "the object tree nests deeper than sanitize walks; torch.load reads it, but "
+            "sanitize writes trees that deep at most"
         ) from e
     if new_root is _DROP:
         new_root = None

@@ -126,7 +126,7 @@ def take_module(
 
 
 def select_weights(
-    ckpt: Any, allow_globals: Sequence[str], select: Select, ema: bool
+    ckpt: Any, allow_globals: Sequence[str], select: Select, ema: bool, *, whole: bool = False
 ) -> tuple[Selection, list[str]]:
     """The state dict ``slim`` and ``extract`` write: the EMA copy or the selected one.
 
@@ -135,6 +135,8 @@ def select_weights(
         allow_globals: globals allowed beyond the allowlist.
         select: the state dict's path (``None``: found as ``select_state_dict`` finds it).
         ema: take the EMA copy (``EMA_KEYS``, Lightning EMA callbacks) when no ``select``.
+        whole: the output pickles the whole tree (``slim`` without ``weights_only``), not
+            the state dict alone.
 
     Returns:
         The selection (a pickled module's as :func:`take_module` recovers it; its
@@ -154,7 +156,7 @@ def select_weights(
         selection, more = take_module(ckpt, allow_globals, selection)
         notes += more
     else:
-        check_rewritable(ckpt, allow_globals, selection.path)
+        check_rewritable(ckpt, allow_globals, selection.path, whole=whole)
     return selection, notes
 
 
@@ -231,7 +233,8 @@ def slim(
     target = check_output_path(dst, src, force=force, in_place=None)
     with opened(src) as ckpt:
         fmt = output_format_for(dst, output_format, ckpt.format)
-        selection, notes = select_weights(ckpt, allow_globals, select, ema)
+        whole = not weights_only and fmt != "safetensors"
+        selection, notes = select_weights(ckpt, allow_globals, select, ema, whole=whole)
         # A module's class is not written back: only its weights can be.
         weights_only = weights_only or selection.module is not None
         root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
