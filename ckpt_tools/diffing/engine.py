@@ -17,6 +17,7 @@ Convention: A is what you have, B is what it should match (a model or a referenc
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "SideInfo",
     "Suggestion",
     "TensorDiff",
+    "check_tolerances",
     "compares_values",
     "diff",
 ]
@@ -53,31 +55,45 @@ CHUNK_BYTES = 1 << 20
 def _compare(
     name: str, a: Side, b: Side, rtol: float, atol: float, chunk_bytes: int, values: bool
 ) -> TensorDiff:
+    """One common key: layout, dtype and shape first, then (if asked) values."""
     (dtype_a, shape_a), (dtype_b, shape_b) = a.meta(name), b.meta(name)
-    base = TensorDiff(name, dtype_a, dtype_b, shape_a, shape_b, values_compared=values)
-    if not values or shape_a != shape_b or not (a.comparable(name) and b.comparable(name)):
+    layout_a, layout_b = a.layout(name), b.layout(name)
+    base = TensorDiff(
+        name,
+        dtype_a,
+        dtype_b,
+        shape_a,
+        shape_b,
+        values_compared=values,
+        layout_a=layout_a,
+        layout_b=layout_b,
+    )
+    if layout_a != layout_b:
+        return replace(base, note=f"layouts differ: {layout_a} / {layout_b}")
+    if layout_a == "meta":
+        return _compare_meta(base, a.stride(name), b.stride(name))
+    if not values or shape_a != shape_b:
         return base
-    from ckpt_tools.diffing.value_stats import ValueStats
+    if layout_a != "strided":
+        from ckpt_tools.diffing.rebuilt import compare_pieces
+
+        return compare_pieces(base, a.pieces(name), b.pieces(name), rtol, atol)
+    from ckpt_tools.diffing.value_stats import ValueStats, with_stats
 
     elements = max(1, chunk_bytes // max(itemsize(dtype_a), itemsize(dtype_b)))
     stats = ValueStats(dtype_a, dtype_b, rtol, atol)
     for ca, cb in zip(a.chunks(name, elements), b.chunks(name, elements)):
         stats.add(ca, cb)
-    if stats.compute is None:
-        return replace(base, bit_equal=stats.bit_equal, numel=stats.numel)
-    return replace(
-        base,
-        bit_equal=stats.bit_equal,
-        max_abs=stats.max_abs,
-        max_rel=stats.max_rel,
-        allclose=stats.mismatched == 0,
-        mismatched=stats.mismatched,
-        nan_a=stats.nan_a,
-        nan_b=stats.nan_b,
-        inf_a=stats.inf_a,
-        inf_b=stats.inf_b,
-        numel=stats.numel,
-    )
+    return with_stats(base, stats)
+
+
+def _compare_meta(
+    base: TensorDiff, stride_a: tuple[int, ...], stride_b: tuple[int, ...]
+) -> TensorDiff:
+    """Two meta tensors: no values to read, so equal where dtype, shape and strides are."""
+    same = base.dtype_a == base.dtype_b and base.shape_a == base.shape_b and stride_a == stride_b
+    note = "" if stride_a == stride_b else f"strides differ: {stride_a} / {stride_b}"
+    return replace(base, bit_equal=same, values_compared=True, note=note)
 
 
 # ---------------------------------------------------------------------------------------
@@ -113,7 +129,8 @@ def _suggestions(
     stored_a: Sequence[str] | None = None,
     limit: int = 3,
 ) -> tuple[Suggestion, ...]:
-    """Rewrites of A's keys (after ``aligned``, if any) that make more of them match B's.
+    """Rewrites of A's keys (after ``aligned``, if any) that make more of them match B's;
+    where one makes all of them match, only those that do.
 
     The commands apply ``aligned`` and then the suggested steps, since they run on the files
     as stored (``stored_a``: A's keys before the alignment); the description names only the
@@ -123,7 +140,10 @@ def _suggestions(
     stored = keys_a if stored_a is None else list(stored_a)
     out = []
     shapes = ({k: a.meta(k)[1] for k in keys_a}, {k: b.meta(k)[1] for k in keys_b})
-    for fix in rank_fixes(keys_a, keys_b, shapes=shapes)[:limit]:
+    fixes = rank_fixes(keys_a, keys_b, shapes=shapes)
+    # A rewrite that resolves every unexpected key subsumes the partial ones: they are noise.
+    complete = [fix for fix in fixes if fix.complete]
+    for fix in (complete or fixes)[:limit]:
         steps = (*aligned, *fix.steps)
         command = _apply_command(a.info, steps, select_a, stored, "sd_a")
         inverse_command = inverse_text = ""
@@ -170,6 +190,35 @@ def _torch_threads(jobs: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def check_tolerances(rtol: float, atol: float) -> None:
+    """Refuse a tolerance that is not a finite number >= 0.
+
+    NaN makes ``|a - b| <= atol + rtol * |b|`` false everywhere yet was counted close; an
+    infinite one accepts every finite difference (and ``inf * 0`` is NaN where ``b`` is 0).
+
+    Args:
+        rtol: relative tolerance.
+        atol: absolute tolerance.
+
+    Raises:
+        UsageError: naming the first bad one (``rtol``/``--rtol``, ``atol``/``--atol``).
+
+    Example:
+        >>> check_tolerances(1e-5, float("nan"))
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: atol=nan: tolerances must be finite numbers >= 0
+    """
+    for name, value, flag in (("rtol", rtol, "--rtol"), ("atol", atol, "--atol")):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(
+                "tolerances must be finite numbers >= 0",
+                argument=name,
+                value=repr(value),
+                flag=flag,
+            )
+
+
 def compares_values(a: object, b: object, values: bool | None) -> bool:
     """Whether :func:`diff` compares values: as ``values`` says, and by default (None) unless
     a side is a URL (its keys, shapes and dtypes come from its structure alone).
@@ -204,7 +253,7 @@ def diff(
             ``hf://ORG/REPO[@REV][/PATH]``, ``s3://BUCKET/KEY``: its structure is fetched by
             byte ranges), a state dict, or an ``nn.Module`` (its ``state_dict()``).
         b: what it should match, in the same forms.
-        rtol, atol: tolerances, as in ``torch.isclose``.
+        rtol, atol: tolerances, as in ``torch.isclose``: finite numbers >= 0.
         select_a, select_b: dotted paths to the state dict in each checkpoint (default:
             chosen automatically, as ``ckpt inspect`` does).
         align: first rewrite A's keys with the wrapper rewrite that best matches B's (as
@@ -226,8 +275,8 @@ def diff(
         a URL was read, its ``transfer`` says what that cost.
 
     Raises:
-        UsageError: a side is of an unsupported type, ``select`` is given for a module, or
-            ``jobs`` < 1.
+        UsageError: a side is of an unsupported type, ``select`` is given for a module, a
+            tolerance is negative, NaN or infinite, or ``jobs`` < 1.
         SelectError: ``select`` names a missing entry.
         CheckpointError: a file is missing, truncated or malformed.
         RemoteError: a URL could not be read (refused credentials, a timeout, a refused
@@ -247,13 +296,7 @@ def diff(
     compare = compares_values(a, b, values)
     if compare or not (is_file(a) and is_file(b)):
         require_torch("diff")
-    if rtol < 0 or atol < 0:
-        raise UsageError(
-            "tolerances must be >= 0",
-            argument="rtol" if rtol < 0 else "atol",
-            value=repr(rtol if rtol < 0 else atol),
-            flag="--rtol" if rtol < 0 else "--atol",
-        )
+    check_tolerances(rtol, atol)
     if jobs < 1:
         raise UsageError("must be at least 1", argument="jobs", value=repr(jobs))
     with contextlib.ExitStack() as stack:

@@ -27,7 +27,8 @@ class SideInfo:
         selection_reason: why it was chosen.
         tensors: tensors compared from this side.
         wrappers: wrapper prefixes of its keys, outermost first.
-        skipped: non-tensor entries of the state dict (not compared).
+        skipped: non-tensor entries of the state dict (not compared); sparse, meta and
+            nested tensors are tensors, compared.
     """
 
     label: str
@@ -91,6 +92,11 @@ class TensorDiff:
         numel: elements compared.
         values_compared: whether values were read at all (``diff(values=...)``); where not,
             the status of a pair with the same shape and dtype is ``unchecked``.
+        layout_a, layout_b: torch's layout names (``strided``, ``sparse_coo``,
+            ``sparse_csr`` ..., ``nested``), or ``meta`` for a meta tensor (no values: equal
+            where dtype, shape and strides are).
+        note: why a sparse, nested or meta pair differs where the numbers do not say
+            (``their indices differ ...``, ``strides differ ...``, ``layouts differ ...``).
     """
 
     name: str
@@ -109,11 +115,16 @@ class TensorDiff:
     inf_b: int = 0
     numel: int = 0
     values_compared: bool = True
+    layout_a: str = "strided"
+    layout_b: str = "strided"
+    note: str = ""
 
     @property
     def status(self) -> str:
-        """``shape``, ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``, ``unknown``, or
-        ``unchecked`` (same shape and dtype, values not compared)."""
+        """``layout``, ``shape``, ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``,
+        ``unknown``, or ``unchecked`` (same shape and dtype, values not compared)."""
+        if self.layout_a != self.layout_b:
+            return "layout"
         if self.shape_a != self.shape_b:
             return "shape"
         if not self.values_compared:
@@ -143,6 +154,8 @@ class TensorDiff:
             "nan": [self.nan_a, self.nan_b],
             "inf": [self.inf_a, self.inf_b],
             "numel": self.numel,
+            "layout": [self.layout_a, self.layout_b],
+            "note": self.note,
         }
 
 

@@ -26,7 +26,7 @@ from ckpt_tools.structure.text import (
 __all__ = ["FAIL_CATEGORIES", "DiffReport"]
 
 #: What ``ckpt diff --fail-on`` can fail on.
-FAIL_CATEGORIES = ("missing", "unexpected", "shape", "dtype", "value")
+FAIL_CATEGORIES = ("missing", "unexpected", "shape", "dtype", "layout", "value")
 # Missing and unexpected keys shown (folded) in the text; ``--json`` has them all.
 _KEYS_SHOWN = 12
 
@@ -78,6 +78,11 @@ class DiffReport(Readable):
         return tuple(t for t in self.tensors if t.dtype_a != t.dtype_b)
 
     @property
+    def layout_mismatches(self) -> tuple[TensorDiff, ...]:
+        """Pairs of different layouts (sparse against dense, a meta tensor against a real one)."""
+        return tuple(t for t in self.tensors if t.layout_a != t.layout_b)
+
+    @property
     def value_mismatches(self) -> tuple[TensorDiff, ...]:
         """Same-shape pairs that are not allclose (or differ in bits, when not comparable)."""
         return tuple(t for t in self.tensors if t.status == "differ")
@@ -89,13 +94,15 @@ class DiffReport(Readable):
             "unexpected": bool(self.unexpected),
             "shape": bool(self.shape_mismatches),
             "dtype": bool(self.dtype_mismatches),
+            "layout": bool(self.layout_mismatches),
             "value": bool(self.value_mismatches),
         }
         return frozenset(k for k, v in present.items() if v)
 
     @property
     def identical(self) -> bool:
-        """Same keys, and every tensor bit-equal."""
+        """Same keys, and every tensor bit-equal (sparse ones as torch sees them: after
+        coalescing; meta ones: same dtype, shape and strides)."""
         return not self.missing and not self.unexpected and all(t.bit_equal for t in self.tensors)
 
     # --- lookups ------------------------------------------------------------------------
@@ -168,6 +175,8 @@ class DiffReport(Readable):
         listed = [t for t in self.tensors if show_all or t.status not in ("equal", "unchecked")]
         if listed:
             lines += [table(diff_rows(listed, group), DIFF_COLUMNS), ""]
+            notes = [f"  {t.name}: {t.note}" for t in listed if t.note]
+            lines += ["notes:", *(shown(n) for n in notes), ""] if notes else []
         statuses: dict[str, int] = {}
         for t in self.tensors:
             statuses[t.status] = statuses.get(t.status, 0) + 1

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.diffing.parts import SideInfo
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import SelectError, UsageError
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads
     import torch
     from torch import nn
 
+    from ckpt_tools.diffing.rebuilt import Pieces
     from ckpt_tools.io.remote import RemoteSession
     from ckpt_tools.loading.tensor_io import TensorReader
 
@@ -44,7 +45,8 @@ class Side:
 
     Attributes:
         info: what the report says of this side.
-        entries: name -> :class:`~ckpt_tools.descriptors.TensorRef` (a file's) or tensor.
+        entries: name -> :class:`~ckpt_tools.descriptors.TensorRef` or
+            :class:`~ckpt_tools.descriptors.RebuiltTensor` (a file's) or tensor.
         reader: reads a file's tensors; None where values are not compared, or for tensors.
     """
 
@@ -54,18 +56,45 @@ class Side:
         self.reader = reader
 
     def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """The dtype and shape of ``name`` (a nested tensor's: components, then -1 each)."""
         value = self.entries[name]
-        if isinstance(value, TensorRef):
+        if isinstance(value, (TensorRef, RebuiltTensor)):
             return value.dtype, value.shape
         from ckpt_tools.loading.tensor_io import dtype_name  # a tensor: torch is loaded
 
+        if value.is_nested:  # its components' sizes vary: shaped as a file's is described
+            return dtype_name(value.dtype), (value.size(0),) + (-1,) * (value.dim() - 1)
         return dtype_name(value.dtype), tuple(value.shape)
 
-    def comparable(self, name: str) -> bool:
+    def layout(self, name: str) -> str:
+        """``strided``, a sparse layout's name, ``nested``, or ``meta`` (a meta tensor)."""
         value = self.entries[name]
-        return isinstance(value, TensorRef) or not value.is_meta
+        if isinstance(value, TensorRef):
+            return "strided"
+        if isinstance(value, RebuiltTensor):
+            return "meta" if value.device == "meta" and value.layout == "strided" else value.layout
+        if value.is_nested:
+            return "nested"
+        layout = str(value.layout).removeprefix("torch.")
+        return "meta" if value.is_meta and layout == "strided" else layout
+
+    def stride(self, name: str) -> tuple[int, ...]:
+        """A meta tensor's strides (its only content beside dtype and shape)."""
+        value = self.entries[name]
+        return tuple(value.stride if isinstance(value, RebuiltTensor) else value.stride())
+
+    def pieces(self, name: str) -> Pieces | None:
+        """A sparse or nested tensor's index parts and values, read to compare them."""
+        from ckpt_tools.diffing.rebuilt import file_pieces, tensor_pieces
+
+        value = self.entries[name]
+        if isinstance(value, RebuiltTensor):
+            assert self.reader is not None
+            return file_pieces(self.reader, value, f"{self.info.label}: entry {name!r}")
+        return tensor_pieces(value)
 
     def chunks(self, name: str, elements: int) -> Iterator[torch.Tensor]:
+        """A strided tensor's elements, ``elements`` at a time, in row-major order."""
         value = self.entries[name]
         if isinstance(value, TensorRef):
             assert self.reader is not None
@@ -100,7 +129,7 @@ def _file_side(
             f"{holds_no_state_dict(repr(shown_url(os.fspath(side))), ckpt.root)}; "
             "diff compares state dicts"
         )
-    entries, skipped = _split(selection.state_dict, TensorRef)
+    entries, skipped = _split(selection.state_dict, (TensorRef, RebuiltTensor))
     info = SideInfo(
         shown_url(os.fspath(side)),  # a URL's password is never shown
         "file",

@@ -9,14 +9,16 @@ with :func:`compare_tensors`.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
+from ckpt_tools.diffing.parts import TensorDiff
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.loading.tensor_io import dtype_name
 
-__all__ = ["ValueStats", "compare_tensors", "compute_dtype"]
+__all__ = ["ValueStats", "compare_tensors", "compute_dtype", "flat_cpu", "with_stats"]
 
 # Dtypes whose values are compared in float32, float64 (quantized ones by their integer
 # representation) or complex; any other dtype is compared by its bits only.
@@ -133,8 +135,9 @@ class ValueStats:
         self.mismatched += int(torch.gt(d, tolerance).sum())
         del tolerance
         self.max_abs = max(self.max_abs, float(d.max()))
-        # 0/0 -> 0; d/0 -> inf (b is 0 and a is not).
-        self.max_rel = max(self.max_rel, float(d.div_(y_abs).nan_to_num_(nan=0.0).max()))
+        # 0/0 -> 0; d/0 -> inf (b is 0 and a is not), kept inf, not the largest float.
+        rel = d.div_(y_abs).nan_to_num_(nan=0.0, posinf=math.inf)
+        self.max_rel = max(self.max_rel, float(rel.max()))
 
     def _add_nonfinite(self, x: torch.Tensor, y: torch.Tensor) -> None:
         nan_x, nan_y = torch.isnan(x), torch.isnan(y)
@@ -177,8 +180,13 @@ def _integer_distance(
     return torch.where(overflowed, torch.sub(a64, b64), d.to(torch.float64)).abs_()
 
 
-def _flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """The elements of ``tensor`` as one contiguous CPU row (quantized: the integers)."""
+def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements of ``tensor`` as one contiguous CPU row (quantized: the integers).
+
+    Example:
+        >>> flat_cpu(torch.eye(2)).tolist()
+        [1.0, 0.0, 0.0, 1.0]
+    """
     tensor = tensor.detach()
     if tensor.is_quantized:
         tensor = tensor.int_repr()
@@ -213,5 +221,32 @@ def compare_tensors(
             f"compare_tensors needs tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     stats = ValueStats(dtype_name(a.dtype), dtype_name(b.dtype), rtol, atol)
-    stats.add(_flat_cpu(a), _flat_cpu(b))
+    stats.add(flat_cpu(a), flat_cpu(b))
     return stats
+
+
+def with_stats(base: TensorDiff, stats: ValueStats) -> TensorDiff:
+    """``base`` with the values ``stats`` compared (bits only where they are not numbers).
+
+    Args:
+        base: the pair's keys, dtypes, shapes and layouts.
+        stats: its values, compared.
+
+    Returns:
+        The filled-in :class:`~ckpt_tools.diffing.parts.TensorDiff`.
+    """
+    if stats.compute is None:
+        return replace(base, bit_equal=stats.bit_equal, numel=stats.numel)
+    return replace(
+        base,
+        bit_equal=stats.bit_equal,
+        max_abs=stats.max_abs,
+        max_rel=stats.max_rel,
+        allclose=stats.mismatched == 0,
+        mismatched=stats.mismatched,
+        nan_a=stats.nan_a,
+        nan_b=stats.nan_b,
+        inf_a=stats.inf_a,
+        inf_b=stats.inf_b,
+        numel=stats.numel,
+    )

@@ -62,10 +62,18 @@ def _load_file(path: str, spec: str) -> ModuleType:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file failed to import: say so with its own error
+    # SystemExit too: the file's sys.exit(3) would end ckpt with a code of ours (exit 3).
+    except (Exception, SystemExit) as e:  # the user's file failed to import: say so
         del sys.modules[name]
-        raise _spec_error(f"importing {path!r} failed: {type(e).__name__}: {e}", spec) from e
+        raise _spec_error(f"importing {path!r} failed: {_failure(e)}", spec) from e
     return module
+
+
+def _failure(e: BaseException) -> str:
+    """A user's error in words; a ``SystemExit`` as the call that raised it."""
+    if isinstance(e, SystemExit):
+        return "it called sys.exit()" if e.code is None else f"it called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {e}"
 
 
 def _import(where: str, spec: str) -> ModuleType:
@@ -157,10 +165,8 @@ def module_from_spec(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.M
     _check_arguments(factory, attribute, arguments, spec)
     try:
         model = factory(**arguments)
-    except Exception as e:  # the user's factory failed (a bad --model-arg value, often)
-        raise _spec_error(
-            f"{attribute}(**{arguments}) failed: {type(e).__name__}: {e}", spec
-        ) from e
+    except (Exception, SystemExit) as e:  # the user's factory failed (a bad --model-arg)
+        raise _spec_error(f"{attribute}(**{arguments}) failed: {_failure(e)}", spec) from e
     if not isinstance(model, nn.Module):
         raise _spec_error(
             f"returned a {type(model).__name__}, not an nn.Module; point it at a model class or "

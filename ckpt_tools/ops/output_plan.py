@@ -14,14 +14,45 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.descriptors import TensorRef, iter_tensors
+from ckpt_tools.descriptors import (
+    RebuiltTensor,
+    TensorRef,
+    iter_listed_tensors,
+)
 from ckpt_tools.structure.text import Readable, human_bytes, shown
 
-__all__ = ["PlannedFile", "PlannedTensor", "WriteResult", "plan_json", "planned_text"]
+__all__ = [
+    "PlannedFile",
+    "PlannedTensor",
+    "WriteResult",
+    "iter_stored_tensors",
+    "plan_json",
+    "planned_text",
+]
 
 # Tensors listed per file, and names left out, in the text; ``--json`` has them all.
 _TENSORS_SHOWN = 40
 _NAMES_SHOWN = 8
+
+
+def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
+    """Every tensor whose storage a torch file holds for ``obj``: as
+    :func:`~ckpt_tools.descriptors.iter_tensors`, with each sparse or nested tensor's parts
+    (``coo.0``, ``coo.1``), so every storage a writer must copy.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> [path for path, _ in iter_stored_tensors({"w": w})]
+        ['w']
+    """
+    found: list[tuple[str, TensorRef]] = []
+    for path, t in iter_listed_tensors(obj, prefix):
+        if isinstance(t, RebuiltTensor):
+            found.extend((f"{path}.{i}", part) for i, part in enumerate(t.parts))
+        else:
+            found.append((path, t))
+    return found
 
 
 @dataclass(frozen=True)
@@ -41,8 +72,9 @@ class PlannedTensor:
     nbytes: int
 
     @classmethod
-    def of(cls, key: str, tensor: TensorRef) -> PlannedTensor:
-        """The planned row of ``tensor`` written under ``key``."""
+    def of(cls, key: str, tensor: TensorRef | RebuiltTensor) -> PlannedTensor:
+        """The planned row of ``tensor`` written under ``key`` (a sparse or nested one: the
+        bytes of its parts)."""
         return cls(key, tensor.dtype, tuple(tensor.shape), tensor.nbytes)
 
     def to_json(self) -> dict[str, Any]:
@@ -88,7 +120,8 @@ class PlannedFile:
 
     @classmethod
     def of_tree(cls, name: str, tree: Any) -> PlannedFile:
-        """A torch file holding ``tree``: every tensor listed, each storage's bytes once.
+        """A torch file holding ``tree``: every tensor listed (sparse, meta and nested ones
+        too), each storage's bytes once.
 
         Example:
             >>> from ckpt_tools.descriptors import StorageRef
@@ -98,9 +131,8 @@ class PlannedFile:
             >>> len(tied.tensors), tied.nbytes
             (2, 16)
         """
-        found = iter_tensors(tree)
-        storages = {id(t.storage): t.storage.nbytes for _, t in found}
-        listed = tuple(PlannedTensor.of(k, t) for k, t in found)
+        storages = {id(t.storage): t.storage.nbytes for _, t in iter_stored_tensors(tree)}
+        listed = tuple(PlannedTensor.of(k, t) for k, t in iter_listed_tensors(tree))
         return cls(name, listed, sum(storages.values()))
 
 

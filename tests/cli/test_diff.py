@@ -137,6 +137,32 @@ def test_align_that_fixes_everything_suggests_nothing(capsys: Any) -> None:
     assert "suggestions:" in out and "adding 'module.' on B" in out
 
 
+def test_sparse_and_nested_tensors_that_differ_fail_on_value(files: Any, capsys: Any) -> None:
+    shared = torch.arange(2.0)
+    coo = [torch.sparse_coo_tensor([[0, 1], [1, 0]], v, (2, 2)) for v in ([1.0, 2.0], [5.0, 7.0])]
+    nested = [torch.nested.nested_tensor([torch.full((2,), v), torch.ones(3)]) for v in (1.0, 0.0)]
+    assert not torch.equal(coo[0].to_dense(), coo[1].to_dense())
+    a_path, b_path = files(
+        {"dense": shared, "coo": coo[0], "nested": nested[0]},
+        {"dense": shared, "coo": coo[1], "nested": nested[1]},
+    )
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--fail-on", "any", code=None)
+    assert code == 1 and "failing on: value" in out
+    assert "identical" not in out and "non-tensor" not in out and "(torch-zip, 3 tensors)" in out
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--json", code=None)
+    report = json.loads(out)
+    assert code == 0 and report["identical"] is False and report["found"] == ["value"]
+    assert [t["status"] for t in report["tensors"]] == ["equal", "differ", "differ"]
+    _, out, _ = run_ckpt("diff", a_path, b_path, "--no-values", "--fail-on", "any", code=None)
+    assert "identical" not in out
+
+
+def test_a_layout_mismatch_fails_on_layout(files: Any, capsys: Any) -> None:
+    a_path, b_path = files({"w": torch.eye(2).to_sparse()}, {"w": torch.eye(2)})
+    code, out, _ = run_ckpt("diff", a_path, b_path, "--fail-on", "layout", code=None)
+    assert code == 1 and "layouts differ: sparse_coo / strided" in out
+
+
 def test_model_from_a_file_with_typed_args(tmp_path: Path, capsys: Any) -> None:
     (tmp_path / "net.py").write_text(NET_PY)
     spec = f"{tmp_path / 'net.py'}:Net"
@@ -187,6 +213,15 @@ def test_model_from_an_importable_module(files: Any, capsys: Any) -> None:
             r"Net\(\*\*\{'width': 'wide', 'act': 'gelu'\}\) failed: TypeError: ",
         ),
         (["--model", "BROKEN:Net"], "importing .*broken.py' failed: ModuleNotFoundError: "),
+        (
+            ["--model", "QUITS_ON_IMPORT:make"],
+            r"quits_on_import.py' failed: it called sys.exit\(3\)",
+        ),
+        (["--model", "QUITS_ON_CALL:make"], r"make\(\*\*\{\}\) failed: it called sys.exit\(3\)"),
+        (["B.pt", "--rtol", "nan"], "--rtol nan: tolerances must be finite numbers >= 0"),
+        (["B.pt", "--atol", "nan"], "--atol nan: tolerances must be finite numbers >= 0"),
+        (["B.pt", "--atol", "inf"], "--atol inf: tolerances must be finite numbers >= 0"),
+        (["B.pt", "--rtol", "-1"], "--rtol -1.0: tolerances must be finite numbers >= 0"),
         (["B.pt", "--fail-on", "vibes"], "unknown vibes"),
         (["B.pt", "--model-arg", "a=1"], "--model-arg needs --model"),
     ],
@@ -196,8 +231,14 @@ def test_usage_errors_exit_2_with_a_fix(
 ) -> None:
     (tmp_path / "net.py").write_text(NET_PY)
     (tmp_path / "broken.py").write_text("import no_such_pkg_xyz\n")
+    # A model file that ends the process (sys.exit) at import, or when its factory is called.
+    (tmp_path / "quits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "quits_on_call.py").write_text("import sys\n\ndef make():\n    sys.exit(3)\n")
     a_path, b_path = files(base(), base())
     files_named = {"NET": tmp_path / "net.py", "BROKEN": tmp_path / "broken.py"}
+    files_named.update(
+        {n: tmp_path / f"{n.lower()}.py" for n in ("QUITS_ON_IMPORT", "QUITS_ON_CALL")}
+    )
     for name, path in files_named.items():
         extra = [e.replace(name, str(path)) for e in extra]
     extra = [b_path if e == "B.pt" else e for e in extra]

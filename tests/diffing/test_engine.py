@@ -118,6 +118,28 @@ def test_tolerances_and_differences() -> None:
         diff(a, b, rtol=-1)
 
 
+@pytest.mark.parametrize("name", ["rtol", "atol"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_a_tolerance_that_is_not_a_finite_number_at_least_zero_is_refused(
+    name: str, value: float
+) -> None:
+    # torch.isclose refuses NaN too; with one here a differing pair counted as close.
+    a, b = {"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}
+    if math.isnan(value):
+        with pytest.raises(RuntimeError, match=name):
+            torch.isclose(a["w"], b["w"], **{name: value})
+    with pytest.raises(UsageError, match=rf"^{name}={value!r}: tolerances must be finite") as e:
+        diff(a, b, **{name: value})
+    assert (e.value.argument, e.value.flag) == (name, f"--{name}")
+
+
+def test_max_rel_is_inf_where_b_is_zero_and_a_is_not() -> None:
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 2.0])
+    rel = (a - b).abs() / b.abs()
+    row = diff({"w": a}, {"w": b}).tensor("w")
+    assert row.max_rel == float(rel.max()) == math.inf and row.to_json()["max_rel"] == "inf"
+
+
 def test_other_dtypes_and_large_values() -> None:
     big = torch.full((4,), 3e38)  # a finite tensor whose sum overflows
     a = {
@@ -332,6 +354,25 @@ def test_prefix_map_suggestion_and_module_note(save: Callable[..., str]) -> None
     assert "load_into" in best.note and best.inverse_command == ""
     aligned = diff(wrapped, model, align=True)
     assert aligned.identical and aligned.aligned == ("stripping 'module.'",)
+
+
+def test_a_rewrite_resolving_every_key_drops_the_partial_ones(save: Callable[..., str]) -> None:
+    model = nn.Sequential()
+    model.add_module("conv", nn.Conv2d(3, 4, 3))
+    model.add_module("bn", nn.BatchNorm2d(4))
+    model.add_module("fc", nn.Linear(4, 2))
+    a = save({"module." + k: v for k, v in model.state_dict().items()}, "ddp.pt")
+    b = save(model.state_dict(), "plain.pt")
+    report = diff(a, b)
+    assert [(s.description, s.resolved, s.of) for s in report.suggestions] == [
+        ("stripping 'module.'", 9, 9)
+    ]
+    assert "resolves 5 of 9" not in report.text()
+    # Without a rewrite that resolves all, the partial ones are still suggested.
+    partial = {"module.bn." + k: v for k, v in model.bn.state_dict().items()}
+    partial["head.weight"] = torch.zeros(1)
+    texts = [s.text() for s in diff(partial, model.state_dict()).suggestions]
+    assert texts and texts[0].startswith("stripping 'module.' resolves 5 of 6")
 
 
 def test_package_functions_survive_importing_their_modules() -> None:

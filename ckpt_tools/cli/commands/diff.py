@@ -60,8 +60,12 @@ def parse_model_args(values: tuple[str, ...]) -> dict[str, Any]:
 )
 @select_option
 @click.option("--select-b", default=None, metavar="A.B", help="Like --select, for B.")
-@click.option("--rtol", type=float, default=1e-5, show_default=True, help="Relative tolerance.")
-@click.option("--atol", type=float, default=1e-8, show_default=True, help="Absolute tolerance.")
+@click.option(
+    "--rtol", type=float, default=1e-5, show_default=True, help="Relative tolerance (finite, >= 0)."
+)
+@click.option(
+    "--atol", type=float, default=1e-8, show_default=True, help="Absolute tolerance (finite, >= 0)."
+)
 @click.option(
     "--fail-on",
     default=None,
@@ -118,13 +122,14 @@ def diff_cmd(
         raise UsageError("give B or --model MODULE:FACTORY (exactly one): `ckpt diff A B`")
     if model_args and model_spec is None:
         raise UsageError("--model-arg needs --model MODULE:FACTORY")
-    from ckpt_tools.diffing.engine import compares_values, diff
+    from ckpt_tools.diffing.engine import check_tolerances, compares_values, diff
 
     if model_spec is not None or compares_values(a, b, values):
         from ckpt_tools.loading.extras import require_torch
 
         require_torch("ckpt diff")  # values (and models) are compared with torch
 
+    check_tolerances(rtol, atol)  # before a model is built: refusing is instant
     if model_spec is not None:
         from ckpt_tools.loading.module_spec import module_from_spec
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.ranges import SourceEndedError, fd_pread, pread_chunks
@@ -18,11 +18,17 @@ __all__ = ["VERIFY_LEVELS", "Expected", "tensor_digest", "verify_output"]
 
 
 class Expected(NamedTuple):
-    """What the output's state dict must hold: name -> source tensor, and where it is."""
+    """What the output's state dict must hold: name -> source tensor, and where it is.
 
-    tensors: Mapping[Any, TensorRef]
+    ``rebuilt``: the plan lists the sparse, meta and nested tensors
+    (:class:`~ckpt_tools.descriptors.RebuiltTensor`) too, and they are checked and counted
+    as tensors; when False (a plan of dense tensors only) the output's are not looked at.
+    """
+
+    tensors: Mapping[Any, TensorRef | RebuiltTensor]
     select: Sequence[str] | None  # None: chosen in the output as in the input
     source: Checkpoint
+    rebuilt: bool = False
 
 
 def tensor_digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
@@ -117,7 +123,8 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
     if level == "none":
         return "not verified (--verify none)"
     out, sd = _read_back(path, expected)
-    got = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
+    kinds = (TensorRef, RebuiltTensor) if expected.rebuilt else TensorRef
+    got = {k: v for k, v in sd.items() if isinstance(v, kinds)}
     if out.format == "safetensors":
         got = _without_unplanned_aliases(got, expected)
     _check_keys(got, expected)
@@ -174,38 +181,60 @@ def _check_keys(got: Mapping[Any, TensorRef], expected: Expected) -> None:
         )
 
 
-def _check_tensors(
-    out: Checkpoint, got: Mapping[Any, TensorRef], expected: Expected, level: str
-) -> None:
+def _check_tensors(out: Checkpoint, got: Mapping[Any, Any], expected: Expected, level: str) -> None:
     """Each written tensor as planned: dtype, shape and size; for torch outputs its view and
-    which tensors share its storage; at ``full`` its bytes and its record's CRC-32."""
+    which tensors share its storage; at ``full`` its bytes and its record's CRC-32. A sparse
+    or nested tensor: its layout, then each of its parts so."""
     sharing_src: dict[int, str] = {}
     sharing_out: dict[int, str] = {}
     crc_done: set[str] = set()
     for name, want in expected.tensors.items():
-        have = got[name]
-        if (have.dtype, have.shape, have.nbytes) != (want.dtype, want.shape, want.nbytes):
-            raise VerificationError(
-                f"{name!r} reads back as {have.dtype} {list(have.shape)}, expected "
-                f"{want.dtype} {list(want.shape)}"
-            )
-        # Torch outputs keep every view as it was; safetensors stores each one contiguous.
-        if out.format != "safetensors" and (have.stride, have.offset) != (
-            want.stride,
-            want.offset,
-        ):
-            raise VerificationError(
-                f"{name!r} reads back with strides {list(have.stride)} at storage offset "
-                f"{have.offset}, expected {list(want.stride)} at {want.offset}"
-            )
-        first_src = sharing_src.setdefault(id(want.storage), name)
-        first_out = sharing_out.setdefault(id(have.storage), name)
-        if first_src != first_out and out.format != "safetensors":
-            raise VerificationError(
-                f"{name!r} shares storage with {first_out!r} in the output but with "
-                f"{first_src!r} in the input"
-            )
-        if level == "full" and not _same_bytes(out, have, expected.source, want, crc_done):
-            raise VerificationError(f"the bytes of {name!r} differ after writing")
-        if level == "full" and first_out == name:
-            _check_record_crc(out, have.storage.key)
+        for label, have_t, want_t in _views(name, got[name], want):
+            _check_view(out, label, have_t, want_t)
+            first_src = sharing_src.setdefault(id(want_t.storage), label)
+            first_out = sharing_out.setdefault(id(have_t.storage), label)
+            if first_src != first_out and out.format != "safetensors":
+                raise VerificationError(
+                    f"{label} shares storage with {first_out} in the output but with "
+                    f"{first_src} in the input"
+                )
+            if level == "full" and not _same_bytes(out, have_t, expected.source, want_t, crc_done):
+                raise VerificationError(f"the bytes of {label} differ after writing")
+            if level == "full" and first_out == label:
+                _check_record_crc(out, have_t.storage.key)
+
+
+def _views(name: Any, have: Any, want: Any) -> list[tuple[str, TensorRef, TensorRef]]:
+    """The storage views to compare for the tensor ``name``, each with its label: the tensor
+    itself, or a sparse or nested tensor's parts once its layout, dtype and shape match."""
+    if isinstance(want, TensorRef) and isinstance(have, TensorRef):
+        return [(repr(name), have, want)]
+    said = f"{want.layout} {want.dtype} {list(want.shape)}"
+    if not isinstance(have, RebuiltTensor) or not isinstance(want, RebuiltTensor):
+        raise VerificationError(f"{name!r} reads back as {type(have).__name__}, expected {said}")
+    # Devices are not compared, as for dense tensors: retag changes them by design.
+    if (have.layout, have.dtype, have.shape, len(have.parts)) != (
+        want.layout,
+        want.dtype,
+        want.shape,
+        len(want.parts),
+    ):
+        raise VerificationError(
+            f"{name!r} reads back as {have.layout} {have.dtype} {list(have.shape)}, expected {said}"
+        )
+    return [(f"{name!r} (part {i})", h, w) for i, (h, w) in enumerate(zip(have.parts, want.parts))]
+
+
+def _check_view(out: Checkpoint, label: str, have: TensorRef, want: TensorRef) -> None:
+    """One written view as planned: dtype, shape, size; in torch outputs its strides and
+    storage offset (safetensors stores each tensor contiguous)."""
+    if (have.dtype, have.shape, have.nbytes) != (want.dtype, want.shape, want.nbytes):
+        raise VerificationError(
+            f"{label} reads back as {have.dtype} {list(have.shape)}, expected "
+            f"{want.dtype} {list(want.shape)}"
+        )
+    if out.format != "safetensors" and (have.stride, have.offset) != (want.stride, want.offset):
+        raise VerificationError(
+            f"{label} reads back with strides {list(have.stride)} at storage offset "
+            f"{have.offset}, expected {list(want.stride)} at {want.offset}"
+        )

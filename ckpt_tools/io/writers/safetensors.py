@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 from ckpt_tools.formats.base import Checkpoint
@@ -31,6 +31,7 @@ __all__ = [
     "leave_out_extras",
     "safetensors_header",
     "source_records",
+    "unholdable_kind",
     "write_safetensors",
 ]
 _LARGE_DATA = 64 << 20
@@ -180,32 +181,51 @@ def _is_utf8(name: str) -> bool:
     return True
 
 
+def unholdable_kind(value: Any) -> str | None:
+    """What keeps a tensor out of safetensors, which holds dense tensors with bytes only.
+
+    Returns:
+        ``sparse_coo layout`` (any sparse layout), ``nested layout``, ``meta device``, or
+        None for anything else (a dense tensor, or no tensor).
+
+    Example:
+        >>> unholdable_kind("epoch") is None
+        True
+    """
+    if not isinstance(value, RebuiltTensor):
+        return None
+    return "meta device" if value.device == "meta" else f"{value.layout} layout"
+
+
 def leave_out_extras(
     extras: Sequence[str],
     path: str | None,
     *,
     drop_extras: bool,
     remedies: Sequence[Remedy] = (),
+    kinds: Mapping[str, str] | None = None,
 ) -> tuple[str, ...]:
-    """The non-tensor entries a safetensors output leaves out, or the refusal to.
+    """The entries a safetensors output leaves out, or the refusal to.
 
-    safetensors holds tensors only, so every operation writing it refuses other entries (an
-    epoch, an optimizer's ``param_groups``, a string in the state dict) unless told to leave
-    them out, and names them either way.
+    safetensors holds dense tensors only, so every operation writing it refuses other entries
+    (an epoch, an optimizer's ``param_groups``, a string in the state dict; a sparse, nested
+    or meta tensor) unless told to leave them out, and names them either way.
 
     Args:
-        extras: the names of the entries that are not tensors, in order.
+        extras: the names of the entries it cannot hold, in order.
         path: the input, for the message, if known.
         drop_extras: leave them out instead of refusing (``--drop-extras``).
         remedies: fixes of the caller's own, said before ``--drop-extras``
             (``--weights-only``, where every entry is beside the state dict).
+        kinds: the names among ``extras`` that are tensors, with what keeps each out
+            (:func:`unholdable_kind`); the message tells them from non-tensor entries.
 
     Returns:
         The names left out: ``extras``, or ``()`` when there are none.
 
     Raises:
         NonTensorEntriesError: ``extras`` is not empty and ``drop_extras`` is false
-            (exit 7), naming the first eight.
+            (exit 7), naming the first eight of each sort.
 
     Example:
         >>> leave_out_extras(["epoch"], "a.pt", drop_extras=True)
@@ -213,25 +233,41 @@ def leave_out_extras(
         >>> leave_out_extras(["epoch"], "a.pt", drop_extras=False)
         Traceback (most recent call last):
         ckpt_tools.errors.NonTensorEntriesError: ... 1 non-tensor entry: epoch; pass drop_extras=...
+        >>> leave_out_extras(["adj"], "a.pt", drop_extras=False, kinds={"adj": "meta device"})
+        Traceback (most recent call last):
+        ckpt_tools.errors.NonTensorEntriesError: ... 1 tensor it cannot hold: adj (meta device); ...
     """
     if drop_extras or not extras:
         return tuple(extras)
-    n = len(extras)
-    them = "it" if n == 1 else "them"
+    kinds = kinds or {}
+    tensors = [f"{name} ({kinds[name]})" for name in extras if name in kinds]
+    others = [name for name in extras if name not in kinds]
+    said = []
+    if tensors:
+        said.append(f"{_count(len(tensors), 'tensor')} it cannot hold: {_few(tensors)}")
+    if others:
+        said.append(f"{_count(len(others), 'non-tensor entry')}: {_few(others)}")
+    them = "it" if len(extras) == 1 else "them"
     raise NonTensorEntriesError(
-        "safetensors holds tensors only, and "
+        ("safetensors holds dense tensors only" if tensors else "safetensors holds tensors only")
+        + ", and "
         + (f"{path!r} also has " if path else "the output would also hold ")
-        + f"{n} non-tensor {'entry' if n == 1 else 'entries'}: "
-        + ", ".join(extras[:8])
-        + (" ..." if n > 8 else ""),
+        + "; and ".join(said),
         tuple(extras),
         path=path,
         remedies=(
             *remedies,
             Remedy("drop_extras", "True", flag="--drop-extras", text=f"to leave {them} out"),
-            Remedy(text="keep the torch format"),
+            Remedy(text="keep the torch format" + (" (a .pt file holds them)" if tensors else "")),
         ),
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``; ``2 non-tensor entries``."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") else f"{n} {noun}s"
 
 
 def safetensors_header(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.atomic import AtomicFile
@@ -145,7 +145,7 @@ class _RewritePlan:
     tree: Any
     entries: Sequence[SafetensorsEntry]
     metadata: Mapping[str, str]
-    expected: Mapping[Any, TensorRef]
+    expected: Mapping[Any, TensorRef | RebuiltTensor]
     select_out: Sequence[str] | None
     safetensors: bool = False
 
@@ -176,7 +176,7 @@ class _RewritePlan:
 
     def check(self, ckpt: Checkpoint, verify: str) -> Check:
         """The output read back against the planned tensors, at the level ``verify``."""
-        expected = Expected(self.expected, self.select_out, ckpt)
+        expected = Expected(self.expected, self.select_out, ckpt, rebuilt=True)
         return lambda path: verify_output(path, expected, verify)
 
 
@@ -204,7 +204,8 @@ def _plan(
     renames = plan_renames([k for k in sd if isinstance(k, str)], rules)
     renamed_sd = apply_plan(sd, renames, rules)
     changed = [(old, new) for old, new in renames.items() if old != new]
-    tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, TensorRef)}
+    # Sparse, meta and nested tensors are copied too, and checked as tensors.
+    tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))}
     if fmt == "safetensors":
         entries, metadata, dropped, expected = safetensors_plan(
             ckpt, selection.path, renamed_sd, drop_extras, to_torch

@@ -287,11 +287,18 @@ def safetensors_plan(
 ) -> tuple[list[SafetensorsEntry], dict[str, str], tuple[str, ...], dict[str, TensorRef]]:
     """The safetensors output of ``sd``; ``to_torch`` is the fix said for a dtype it lacks
     (:func:`torch_instead`; "keep the torch format" when None)."""
-    from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_holdable, leave_out_extras
+    from ckpt_tools.io.writers.safetensors import (
+        SafetensorsEntry,
+        check_holdable,
+        leave_out_extras,
+        unholdable_kind,
+    )
 
     extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
     extras += [name for name, _ in entries_beside(ckpt.root, path)]
-    left_out = leave_out_extras(extras, ckpt.path, drop_extras=drop_extras)
+    # Sparse, nested and meta tensors are named as tensors safetensors cannot hold.
+    kinds = {str(k): kind for k, v in sd.items() if (kind := unholdable_kind(v)) is not None}
+    left_out = leave_out_extras(extras, ckpt.path, drop_extras=drop_extras, kinds=kinds)
     # String values only: an HF index's metadata also holds its int total_size.
     metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
     metadata.setdefault("format", "pt")

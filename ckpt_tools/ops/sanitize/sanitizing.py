@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
-from ckpt_tools.descriptors import TensorRef, iter_tensors
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef, iter_tensors
 from ckpt_tools.errors import (
     Remedy,
     SelectError,
@@ -238,12 +238,12 @@ def _holds_state_dict(root: Any, dotted: str) -> bool:
     return True
 
 
-def _selected_tensors(root: Any, path: Sequence[str]) -> dict[Any, TensorRef]:
+def _selected_tensors(root: Any, path: Sequence[str]) -> dict[Any, TensorRef | RebuiltTensor]:
     try:
         sd = select_state_dict(root, select=tuple(path)).state_dict
     except SelectError:  # the root holds no mapping, or was dropped (an auto selection)
         return {}
-    return {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
+    return {k: v for k, v in sd.items() if isinstance(v, (TensorRef, RebuiltTensor))}
 
 
 def _verify(
@@ -259,12 +259,16 @@ def _verify(
         return "not verified (--verify none)"
     whole_tree = not path and not isinstance(done.root, Mapping)
     expected = {} if whole_tree else _selected_tensors(done.root, path)
-    new = [t for t in expected.values() if t.storage.key in done.added]
+    parts = [
+        p for t in expected.values() for p in (t.parts if isinstance(t, RebuiltTensor) else (t,))
+    ]
+    new = [p for p in parts if p.storage.key in done.added]
     # A source that names no global: verify_output then refuses any the output names.
     # It compares copied tensors with the input; new records are compared here.
     none_allowed = replace(source, unsafe_globals=())
     select = None if whole_tree else path
-    said = verify_output(tmp, Expected(expected, select, none_allowed), "sizes" if new else level)
+    checked = Expected(expected, select, none_allowed, rebuilt=True)
+    said = verify_output(tmp, checked, "sizes" if new else level)
     if not whole_tree and level != "full":
         return said
     out = open_checkpoint(tmp)

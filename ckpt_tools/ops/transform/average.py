@@ -8,6 +8,10 @@ file sizes. Each storage is averaged once, so tied weights are not averaged twic
 Keys are aligned as ``load_into`` aligns them: wrapper prefixes (``module.``, ``_orig_mod.``,
 ...) are stripped per input, so a DDP checkpoint averages with a plain one. The output is the
 averaged state dict, as a plain state dict, under the first input's keys.
+
+Sparse, nested and meta tensors are not averaged (a mean of sparse tensors whose indices
+differ is not a mean of their values): each is copied from the first input when every input
+holds the same bytes for it, and refused otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.atomic import check_output_path
@@ -137,10 +141,11 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any
                 lines.append(f"+ {key} (only in {name})")
         for key, (_, a) in first.items():
             b = other.get(key, (None, None))[1]
+            kinds = (TensorRef, RebuiltTensor)
             if (
-                isinstance(a, TensorRef)
-                and isinstance(b, TensorRef)
-                and (a.shape, a.dtype) != (b.shape, b.dtype)
+                isinstance(a, kinds)
+                and isinstance(b, kinds)
+                and (type(a), a.shape, a.dtype) != (type(b), b.shape, b.dtype)
             ):
                 lines.append(
                     f"~ {key}: {a.dtype} {list(a.shape)} in {names[0]}, "
@@ -287,8 +292,15 @@ def _mean_items(
     rows: list[PlanRow] = []
     storages: dict[int, Record] = {}
     items: list[tuple[str, str | None, Any]] = []
+    unequal: list[str] = []
     for key, (orig, t) in aligned[0].items():
         items.append((orig, orig, t))
+        if isinstance(t, RebuiltTensor):
+            others = [a[key][1] for a in aligned]
+            if not _same_everywhere(ckpts, others):
+                unequal.append(key)
+            rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, "copy (equal)"))
+            continue
         if not isinstance(t, TensorRef):
             continue
         others = [a[key][1] for a in aligned]
@@ -305,6 +317,14 @@ def _mean_items(
                 storages[id(t.storage)] = copy_record(ckpts[-1], others[-1].storage)
             action = "copy (last input)" if ints == "last" else "copy (first input)"
         rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, action))
+    if unequal:
+        raise ConversionError(
+            "sparse, nested and meta tensors are not averaged, and these differ across "
+            f"inputs: {', '.join(unequal[:8])}",
+            remedies=(
+                Remedy(text="leave them out of the inputs (ckpt extract), or make them dense"),
+            ),
+        )
     if differing:
         raise ConversionError(
             f"integer tensors differ across inputs: {', '.join(differing[:8])}",
@@ -314,6 +334,24 @@ def _mean_items(
             ),
         )
     return items, rows, storages
+
+
+def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any]) -> bool:
+    """Whether a sparse, nested or meta tensor is the same in every input: layout, shape and
+    dtype (checked before), and each part's shape and elements."""
+    first = tensors[0]
+    for c, t in zip(ckpts[1:], tensors[1:]):
+        if not isinstance(t, RebuiltTensor) or (t.layout, len(t.parts)) != (
+            first.layout,
+            len(first.parts),
+        ):
+            return False
+        for a, b in zip(first.parts, t.parts):
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                return False
+            if tensor_digest(ckpts[0], a) != tensor_digest(c, b):
+                return False
+    return True
 
 
 def _mean_of(

@@ -3,6 +3,7 @@
 A storage is cast once for every tensor on it, so tied weights stay tied and views stay views
 over the cast storage. One also used by a tensor that is not cast (a kept key, a tensor
 outside the state dict, such as an optimizer's or an EMA's) is copied as it is, with a note.
+A sparse or nested tensor is cast by its values part's storage (its indices never are).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ckpt_tools.descriptors import TensorRef, iter_tensors
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.io.casting import CAST_SOURCES
+from ckpt_tools.ops.output_plan import iter_stored_tensors
+from ckpt_tools.ops.transform.rebuilt_cast import values_part
 from ckpt_tools.structure.selection import replace_at
 
 __all__ = ["cast_targets", "kept_outside"]
@@ -21,7 +24,24 @@ __all__ = ["cast_targets", "kept_outside"]
 def kept_outside(root: Any, path: Sequence[str]) -> set[int]:
     """The storages of the tensors outside the state dict at ``path`` (an optimizer's, an
     EMA's), which keep them: one of those is never cast."""
-    return {id(t.storage) for _, t in iter_tensors(replace_at(root, path, {}))}
+    return {id(t.storage) for _, t in iter_stored_tensors(replace_at(root, path, {}))}
+
+
+def _cast_view(value: Any) -> TensorRef | None:
+    """The view a cast of ``value`` changes: a dense tensor, or a sparse or nested tensor's
+    values part; None for anything else (a meta tensor has no storage)."""
+    if isinstance(value, TensorRef):
+        return value
+    if isinstance(value, RebuiltTensor):
+        return values_part(value)
+    return None
+
+
+def _views(value: Any) -> tuple[TensorRef, ...]:
+    """Every view ``value`` lies in: a dense tensor, or each part of a sparse or nested one."""
+    if isinstance(value, TensorRef):
+        return (value,)
+    return value.parts if isinstance(value, RebuiltTensor) else ()
 
 
 def cast_targets(
@@ -36,34 +56,32 @@ def cast_targets(
     storages of tensors outside the state dict, an optimizer's or an EMA's, kept as they are)."""
     if cast_to is None:
         return {}
+    kept_key = [any(p.search(old) for p in keep) for old, _, _ in items]
+    # The views cast: dense tensors and values parts, of a castable dtype, under a cast key.
+    cast_views = [
+        view
+        for (_, new, value), kept in zip(items, kept_key)
+        if new is not None
+        and not kept
+        and (view := _cast_view(value)) is not None
+        and view.dtype in CAST_SOURCES
+        and view.dtype != cast_to
+    ]
     wanted: dict[int, str] = {}
-    for old, new, value in items:
-        if new is None or not isinstance(value, TensorRef):
-            continue
-        if (
-            value.dtype in CAST_SOURCES
-            and value.dtype != cast_to
-            and not any(p.search(old) for p in keep)
-        ):
-            wanted.setdefault(id(value.storage), value.dtype)
+    for view in cast_views:
+        wanted.setdefault(id(view.storage), view.dtype)
     # A storage is cast only when every tensor on it in the output is cast the same way.
     users: dict[int, list[TensorRef]] = {}
-    for _, t in iter_tensors(tree):
+    for _, t in iter_stored_tensors(tree):
         users.setdefault(id(t.storage), []).append(t)
-    cast_ids = {
-        id(v)
-        for _, n, v in items
-        if n is not None
-        and isinstance(v, TensorRef)
-        and id(v.storage) in wanted
-        and not any(p.search(_) for p in keep)
-    }
+    cast_ids = {id(v) for v in cast_views}
     # A kept key wins over a tie: the same tensor object (a tied Parameter, pickled once) may
     # be reached through a kept key and through a cast one, so keys are checked, not objects.
     kept = {
-        id(v.storage)
-        for old, n, v in items
-        if n is not None and isinstance(v, TensorRef) and any(p.search(old) for p in keep)
+        id(t.storage)
+        for (_, n, v), k in zip(items, kept_key)
+        if n is not None and k
+        for t in _views(v)
     }
     for sid in list(wanted):
         ts = users.get(sid, [])

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, iter_tensors
+from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.io.atomic import AtomicFile
@@ -26,6 +26,7 @@ from ckpt_tools.io.writers.plan import write_plan_zip
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record, check_records
 from ckpt_tools.io.writers.safetensors import write_safetensors
+from ckpt_tools.ops.output_plan import iter_stored_tensors
 
 __all__ = ["PlanRow", "TransformPlan", "cast_tensor", "execute_plan"]
 
@@ -69,7 +70,8 @@ class TransformPlan:
         records: ``id(output storage)`` -> its record (torch outputs).
         entries: ``(name, tensor, record)`` for safetensors outputs.
         metadata: safetensors ``__metadata__``.
-        expected: the output state dict's tensors, for verification.
+        expected: the output state dict's tensors (sparse, meta and nested ones too), for
+            verification.
         select_out: the path of the state dict in the output.
         rows: one row per tensor of the state dict acted on.
         dropped_entries: top-level entries left out.
@@ -87,7 +89,7 @@ class TransformPlan:
     records: Mapping[int, Record]
     entries: tuple[tuple[str, TensorRef, Record], ...]
     metadata: Mapping[str, str] | None
-    expected: Mapping[str, TensorRef]
+    expected: Mapping[str, TensorRef | RebuiltTensor]
     select_out: tuple[str, ...]
     rows: tuple[PlanRow, ...]
     dropped_entries: tuple[str, ...] = ()
@@ -136,11 +138,13 @@ def categories(
                 seen.add(id(t.storage))
                 sizes[category] += t.storage.nbytes
 
-    count((v for v in sd.values() if isinstance(v, TensorRef)), "weights")
+    # The state dict's tensors, sparse and nested ones' parts too; not its nested containers.
+    top = [v for v in sd.values() if isinstance(v, (TensorRef, RebuiltTensor))]
+    count((t for _, t in iter_stored_tensors(top)), "weights")
     if isinstance(root, Mapping) and tuple(sd_path) != ():
         for name, value in root.items():
             category = "optimizer" if str(name) in _OPTIMIZER_ENTRIES else "other"
-            count((t for _, t in iter_tensors(value)), category)
+            count((t for _, t in iter_stored_tensors(value)), category)
     return sizes
 
 
@@ -188,7 +192,7 @@ def execute_plan(
     def check(path: str) -> str:
         # ``full`` compares every written record with its record computed again (a cast, a
         # mean) or read again (a copy), not with the source's bytes.
-        expected = Expected(plan.expected, plan.select_out, source)
+        expected = Expected(plan.expected, plan.select_out, source, rebuilt=True)
         checked = verify_output(path, expected, "sizes" if verify == "full" else verify)
         return check_records(path, written) if verify == "full" else checked
 

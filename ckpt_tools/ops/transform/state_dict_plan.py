@@ -1,7 +1,8 @@
 """The plan that writes a state dict (slim, extract, average): copied and cast storages.
 
 Which storages are cast is :mod:`~ckpt_tools.ops.transform.cast_targets`' choice; each is
-cast once, for every tensor on it.
+cast once, for every tensor on it. Sparse, nested and meta tensors are written too: their
+parts' storages copied (or their values cast, :mod:`~ckpt_tools.ops.transform.rebuilt_cast`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpt_tools._types import Progress, VerifyLevel
-from ckpt_tools.descriptors import StorageRef, TensorRef, iter_tensors
+from ckpt_tools.descriptors import RebuiltTensor, StorageRef, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.tensor_bytes import check_plain_values
@@ -23,8 +24,8 @@ from ckpt_tools.io.writers.records import (
     copy_record,
     tensor_bytes_record,
 )
-from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras, unholdable_kind
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, iter_stored_tensors
 from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.cast_targets import cast_targets, kept_outside
 from ckpt_tools.ops.transform.plan import (
@@ -35,6 +36,7 @@ from ckpt_tools.ops.transform.plan import (
     execute_plan,
     new_storage,
 )
+from ckpt_tools.ops.transform.rebuilt_cast import cast_rebuilt_items
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.structure.selection import Selection, holds_no_state_dict, replace_at
 
@@ -84,7 +86,8 @@ def plan_state_dict_output(
     outside = set() if weights_only or cast_to is None else kept_outside(root_out, selection.path)
     targets = cast_targets(tree, items, cast_to, keep, notes, outside)
     records, out_storage = _storage_records(ckpt, tree, targets, cast_to, overrides)
-    rows, replaced = _rows(items, out_storage, targets, overrides, cast_to)
+    rebuilt = cast_rebuilt_items(items, out_storage, targets, cast_to, keep, notes)
+    rows, replaced = _rows(items, out_storage, targets, overrides, cast_to, rebuilt)
     out_sd.update(replaced)
     shared: dict[str, Any] = {
         "command": command,
@@ -121,7 +124,7 @@ def plan_state_dict_output(
         records=records,
         entries=(),
         metadata=None,
-        expected={k: v for k, v in out_sd.items() if isinstance(v, TensorRef)},
+        expected={k: v for k, v in out_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))},
         select_out=() if weights_only else selection.path,
         size_after=_sizes_after(tree, weights_only, records, out_sd, selection.path),
     )
@@ -156,7 +159,7 @@ def _storage_records(
     """
     records: dict[int, Record] = {}
     out_storage: dict[int, StorageRef] = {}
-    for _, t in iter_tensors(tree):
+    for _, t in iter_stored_tensors(tree):  # a sparse or nested tensor's parts too
         sid = id(t.storage)
         if sid in out_storage:
             continue
@@ -186,15 +189,23 @@ def _rows(
     targets: Mapping[int, str],
     overrides: Mapping[int, Record],
     cast_to: str | None,
-) -> tuple[list[PlanRow], dict[str, TensorRef]]:
+    rebuilt: Mapping[str, RebuiltTensor],
+) -> tuple[list[PlanRow], dict[str, Any]]:
     """One row per tensor item, and the output tensors that differ from the input's.
 
     A tensor on a cast storage is described as ``cast_to``; one read without a pickle gets
-    torch.save's rebuild call on its output storage.
+    torch.save's rebuild call on its output storage. ``rebuilt``: the sparse, nested and
+    meta tensors cast (by output key).
     """
     rows: list[PlanRow] = []
-    replaced: dict[str, TensorRef] = {}
+    replaced: dict[str, Any] = {}
     for old, new, value in items:
+        if isinstance(value, RebuiltTensor):
+            after = None if new is None else rebuilt.get(new, value)
+            rows.append(_row(old, new, value, after, cast_to))
+            if new is not None and after is not value:
+                replaced[new] = after
+            continue
         if not isinstance(value, TensorRef):
             continue
         cast = id(value.storage) in targets
@@ -204,19 +215,27 @@ def _rows(
             dtype = cast_to if cast and cast_to is not None else value.dtype
             replaced[new] = cast_tensor(value, out_storage[id(value.storage)], dtype)
         after = replaced.get(new, value) if new is not None else None
-        action = "drop" if new is None else (f"cast {value.dtype} -> {cast_to}" if cast else "copy")
-        rows.append(
-            PlanRow(
-                old,
-                new,
-                value.dtype,
-                after.dtype if after else None,
-                value.nbytes,
-                after.nbytes if after else 0,
-                action,
-            )
-        )
+        rows.append(_row(old, new, value, after, cast_to))
     return rows, replaced
+
+
+def _row(old: str, new: str | None, value: Any, after: Any, cast_to: str | None) -> PlanRow:
+    """The row of one tensor (dense, sparse, nested or meta): dropped, copied or cast."""
+    if new is None:
+        action = "drop"
+    elif after.dtype != value.dtype:
+        action = f"cast {value.dtype} -> {cast_to}"
+    else:
+        action = "copy"
+    return PlanRow(
+        old,
+        new,
+        value.dtype,
+        after.dtype if after is not None else None,
+        value.nbytes,
+        after.nbytes if after is not None else 0,
+        action,
+    )
 
 
 def _size(dtype: str) -> int:
@@ -234,14 +253,15 @@ def _sizes_after(
 ) -> dict[str, int]:
     sizes = {"weights": 0, "optimizer": 0, "other": 0}
     seen: set[int] = set()
-    for value in sd.values():
-        if isinstance(value, TensorRef) and id(value.storage) not in seen:
-            seen.add(id(value.storage))
-            sizes["weights"] += records[id(value.storage)].nbytes
+    top = [v for v in sd.values() if isinstance(v, (TensorRef, RebuiltTensor))]
+    for _, t in iter_stored_tensors(top):
+        if id(t.storage) not in seen:
+            seen.add(id(t.storage))
+            sizes["weights"] += records[id(t.storage)].nbytes
     if not weights_only and isinstance(tree, Mapping):
         for name, value in tree.items():
             category = "optimizer" if str(name).startswith("optim") else "other"
-            for _, t in iter_tensors(value):
+            for _, t in iter_stored_tensors(value):
                 if id(t.storage) not in seen:
                     seen.add(id(t.storage))
                     sizes[category] += records[id(t.storage)].nbytes
@@ -260,6 +280,8 @@ def _safetensors_entries(
     to_torch: Remedy,
 ):
     inside = [old for old, new, v in items if new is not None and not isinstance(v, TensorRef)]
+    # Sparse, nested and meta tensors are named as tensors safetensors cannot hold.
+    kinds = {old: k for old, new, v in items if new is not None and (k := unholdable_kind(v))}
     beside: list[str] = []
     if not weights_only and isinstance(ckpt.root, Mapping) and selection.path:
         beside = [str(k) for k in ckpt.root if k != selection.path[0]]
@@ -271,6 +293,7 @@ def _safetensors_entries(
         ckpt.path,
         drop_extras=drop_extras,
         remedies=(alone,) if beside and not inside else (),
+        kinds=kinds,
     )
     metadata: dict[str, str] = {"format": "pt"}
     entries, kept = [], {}
