@@ -79,9 +79,10 @@ def naming(output: str, then: Callable[[], None] = lambda: None) -> Iterator[Non
     """Give an output its name with SIGTERM, SIGHUP and SIGINT held: it has the name or not.
 
     A signal that arrived meanwhile is raised once the body is done. Where the body named
-    the output, ``then`` runs first (the folder's fsync, so the name stays), and SIGTERM or
-    SIGHUP is an :class:`Interrupted` naming ``output``: the caller reports what was
-    written, not that nothing was.
+    the output, ``then`` runs first (the folder's fsync, so the name stays), and the signal
+    (SIGINT too) is an :class:`Interrupted` naming ``output``: the caller reports what was
+    written, not that nothing was. A file named inside a folder output is not the output:
+    the folder's writer raises such an ``Interrupted`` without ``written``.
 
     Args:
         output: the output, as the caller's messages name it.
@@ -92,8 +93,9 @@ def naming(output: str, then: Callable[[], None] = lambda: None) -> Iterator[Non
         with signals_raise():
             yield
             named = True
-    except Interrupted as e:
+    except (Interrupted, KeyboardInterrupt) as e:
         if not named:
             raise
         then()
-        raise Interrupted(e.signum, written=output) from None
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        raise Interrupted(signum, written=output) from None

@@ -145,15 +145,16 @@ def test_signal_right_after_the_temp_file_is_created_leaves_nothing(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("exists", [False, True])
 def test_a_signal_while_the_output_is_named_is_raised_once_it_has_the_name(
-    exists, tmp_path, monkeypatch
+    exists, signum, tmp_path, monkeypatch
 ):
-    # Named or not, and said which: a SIGTERM as the name is given is held until it is.
+    # Named or not, and said which: a signal as the name is given is held until it is.
     real_name_it = atomic._name_it
 
     def signal_then_name(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
         real_name_it(*args, **kwargs)
 
     monkeypatch.setattr(atomic, "_name_it", signal_then_name)
@@ -162,7 +163,7 @@ def test_a_signal_while_the_output_is_named_is_raised_once_it_has_the_name(
         target.write_bytes(b"old")
     with pytest.raises(Interrupted) as info, atomic_output(target, replace=True) as out:
         out.file.write(b"new")
-    assert info.value.written == str(target)
+    assert (info.value.signum, info.value.written) == (signum, str(target))
     assert target.read_bytes() == b"new" and h.listing(tmp_path) == ["t.bin"]
 
 

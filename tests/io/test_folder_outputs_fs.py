@@ -24,6 +24,7 @@ import torch
 
 from ckpt_tools import convert
 from ckpt_tools.errors import OutputError
+from ckpt_tools.io import atomic
 from ckpt_tools.io.interrupts import Interrupted
 from ckpt_tools.io.writers import hf_folder
 from ckpt_tools.io.writers.folder_temp import Stopped, run_jobs
@@ -287,3 +288,21 @@ def test_a_signal_while_the_folder_is_swapped_in_is_raised_once_it_is(
         write_folder(dst, [new], replace=True)
     assert info.value.written == str(dst)
     assert h.listing(tmp_path) == ["hf"] and (dst / "model.safetensors").read_bytes() == b"new"
+
+
+def test_a_signal_while_a_shard_is_named_in_the_temp_folder_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shard had its name inside the temp folder, which is then removed: no output.
+    real_name_it = atomic._name_it
+
+    def signal_then_name(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        real_name_it(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(atomic, "_name_it", signal_then_name)
+    new = FolderFile("model.safetensors", lambda out: out.file.write(b"new"), lambda p: "")
+    with pytest.raises(Interrupted) as info:
+        write_folder(tmp_path / "hf", [new])
+    assert (info.value.signum, info.value.written) == (signal.SIGTERM, None)
+    assert h.listing(tmp_path) == []

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, UsageError
 from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
-from ckpt_tools.io.interrupts import naming, signals_raise
+from ckpt_tools.io.interrupts import Interrupted, naming, signals_raise
 from ckpt_tools.io.writers.folder_temp import (
     StopCounter,
     Stopped,
@@ -218,7 +218,10 @@ def _published_folder(
         try:
             release()  # a signal noted since before the temp folder existed is raised here
             share_group(tmp, old)
-            yield tmp, durable
+            try:
+                yield tmp, durable
+            except Interrupted as e:  # a shard named in the temp folder is no output
+                raise Interrupted(e.signum) from None
             if replaced:
                 moved = _carry(target, tmp, _kept_entries(target))
             take_over(tmp, old)
