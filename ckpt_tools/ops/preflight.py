@@ -14,7 +14,8 @@ from typing import Any
 from ckpt_tools.descriptors import Opaque, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.ops.rewrite.plan import check_source, check_written_depth
+from ckpt_tools.formats.pickle.limits import check_written_depth
+from ckpt_tools.ops.rewrite.plan import check_source
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.modules import is_pickled_module, module_globals
 from ckpt_tools.structure.paths import walk_path
@@ -87,7 +88,7 @@ def check_rewritable(
         check_source(ckpt, [*allow_globals, *sorted(unwritten)])
         return
     check_source(ckpt, allow_globals)
-    if whole:  # a state dict alone is a few levels; the re-pickler refuses a deep one itself
+    if whole:  # (a state dict written alone is checked as it is pickled)
         check_written_depth(ckpt.root)
     module = _module_on_path(ckpt.root, path)
     if module is not None:

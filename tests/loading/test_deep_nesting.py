@@ -15,7 +15,7 @@ import torch
 import ckpt_tools
 from ckpt_tools import convert, extract, load_state_dict, slim, strip_module
 from ckpt_tools.errors import ResourceLimitError
-from ckpt_tools.ops.rewrite.plan import MAX_REWRITE_NESTING
+from ckpt_tools.formats.pickle.limits import MAX_REWRITE_NESTING, stack_room
 
 
 def _deep(depth: int, kind: str) -> Any:
@@ -112,6 +112,62 @@ def test_an_output_that_leaves_the_deep_part_out_is_written(tmp_path: Path, outp
 def test_a_deep_entry_in_a_state_dict_written_alone_is_refused_on_writing(tmp_path: Path) -> None:
     # A weights-only output keeps the state dict's other entries: the pickler refuses one.
     src = save_deep(tmp_path / "deep.pt", 1000, "dict")
-    with pytest.raises(ResourceLimitError, match="deeper than Python's pickler recurses"):
+    with pytest.raises(ResourceLimitError, match="more than 300 levels deep"):
         slim(src, tmp_path / "out.pt", weights_only=True, select=[])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep.pt"]
+
+
+def test_a_rewrite_writes_its_whole_depth_under_a_deep_caller(tmp_path: Path) -> None:
+    # The frames already on the stack (a server, a test runner) leave the walk its room.
+    depth = MAX_REWRITE_NESTING - 8
+    src = save_deep(tmp_path / "deep.pt", depth, "dict")
+    limit = sys.getrecursionlimit()
+
+    def nested(frames: int) -> None:
+        if frames:
+            nested(frames - 1)
+        else:
+            strip_module(src, tmp_path / "out.pt")
+            ckpt_tools.sanitize(src, tmp_path / "sanitized.pt")
+
+    nested(limit // 2)
+    for name in ("out.pt", "sanitized.pt"):
+        out = torch.load(tmp_path / name, weights_only=True)
+        assert torch.equal(_bottom(out["deep"], depth, "dict"), torch.arange(3.0))
+    assert sys.getrecursionlimit() == limit
+
+
+def test_the_raised_limit_is_put_back_by_the_last_thread_out() -> None:
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit := 500)  # below what a walk needs: each thread raises it
+    try:
+        _two_overlapping_walks(limit)
+    finally:
+        sys.setrecursionlimit(before)
+
+
+def _two_overlapping_walks(limit: int) -> None:
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def first() -> None:
+        with stack_room():
+            first_in.set()
+            second_in.wait()
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait()
+        with stack_room():
+            second_in.set()
+            first_out.wait()
+            seen["while the second walks"] = sys.getrecursionlimit()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # The first out does not put the limit back under the second's walk.
+    assert seen["while the second walks"] > 3 * MAX_REWRITE_NESTING > limit
+    assert sys.getrecursionlimit() == limit

@@ -23,7 +23,7 @@ import torch
 
 import ckpt_tools as ct
 from ckpt_tools.errors import ResourceLimitError
-from ckpt_tools.ops.rewrite.plan import MAX_REWRITE_NESTING
+from ckpt_tools.formats.pickle.limits import MAX_REWRITE_NESTING
 from tests.helpers.cli import run_ckpt
 
 # A value node as OmegaConf pickles one: its __dict__ holds ``_metadata`` and ``_val``.

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Iterable
+import sys
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import Opaque, Sealed
 from ckpt_tools.errors import ResourceLimitError
 
-__all__ = ["MAX_ZIP_DIRECTORY_BYTES", "LimitedReader", "check_nesting", "tree_children"]
+__all__ = [
+    "MAX_REWRITE_NESTING",
+    "MAX_ZIP_DIRECTORY_BYTES",
+    "LimitedReader",
+    "check_nesting",
+    "check_written_depth",
+    "stack_room",
+    "tree_children",
+]
 
 # A zip's central directory takes about 100 bytes a record; torch archives hold one record a
 # storage, so even a model with a million storages stays far below this.
@@ -137,3 +148,60 @@ class LimitedReader(io.RawIOBase):
         self._take(len(data))
         self._in_file -= len(data)
         return data
+
+
+# How deep a tree a rewrite pickles (torch.save itself stops near 480 levels of dicts under
+# Python's default recursion limit). torch.load reads deeper trees: only an output that would
+# hold one is refused, before anything is written.
+MAX_REWRITE_NESTING = 300
+# The Python calls a level of nesting costs a recursive walk or pickler (a dict: save,
+# save_dict, _batch_setitems; sanitize's walk: value, _mapping, _entries).
+_FRAMES_PER_LEVEL = 3
+
+
+def check_written_depth(tree: Any) -> None:
+    """Refuse an output whose object tree nests deeper than a rewrite writes.
+
+    Args:
+        tree: what the output pickles: the whole root, or the state dict alone.
+
+    Raises:
+        ResourceLimitError: ``tree`` nests more than :data:`MAX_REWRITE_NESTING` levels (exit 5).
+    """
+    check_nesting(
+        tree,
+        MAX_REWRITE_NESTING,
+        "torch.load reads it, but a rewrite writes trees that deep at most: write its tensors "
+        "alone (ckpt extract, or a .safetensors output with --drop-extras)",
+    )
+
+
+_room_lock = threading.Lock()
+_room_users = 0
+_room_saved = 0
+
+
+@contextlib.contextmanager
+def stack_room(levels: int = MAX_REWRITE_NESTING) -> Iterator[None]:
+    """Python's recursion limit raised while the body runs, to fit a recursive walk or
+    pickler ``levels`` deep above the caller's frames (a caller deep in a test runner, a
+    server, has fewer left). The limit is the interpreter's: the first thread in raises it,
+    the last one out puts it back."""
+    global _room_users, _room_saved
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    with _room_lock:
+        if _room_users == 0:
+            _room_saved = sys.getrecursionlimit()
+        _room_users += 1
+        sys.setrecursionlimit(
+            max(sys.getrecursionlimit(), depth + _FRAMES_PER_LEVEL * levels + 100)
+        )
+    try:
+        yield
+    finally:
+        with _room_lock:
+            _room_users -= 1
+            if _room_users == 0:
+                sys.setrecursionlimit(_room_saved)

@@ -28,6 +28,7 @@ from ckpt_tools.errors import (
     shown,
 )
 from ckpt_tools.formats.pickle.expansion import WEIGHTS_ONLY_OPCODES, scan_pickle
+from ckpt_tools.formats.pickle.limits import check_written_depth, stack_room
 from ckpt_tools.formats.pickle.standins import Reduced, TorchSize, storage_type_ref
 from ckpt_tools.formats.pickle.unpickler import gc_paused
 
@@ -247,25 +248,25 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
     Raises:
         ConversionError: the tree needs an opcode ``torch.load(weights_only=True)`` rejects
             (an integer over 255 bytes long): nothing would load it.
-        ResourceLimitError: its containers nest deeper than Python's pickler recurses.
+        ResourceLimitError: its containers nest deeper than a rewrite writes
+            (:data:`~ckpt_tools.formats.pickle.limits.MAX_REWRITE_NESTING`).
     """
+    check_written_depth(obj)
     buffer = io.BytesIO()
     names = _Placeholders()
     try:
-        with gc_paused():
+        with gc_paused(), stack_room():
             _FastRepickler(buffer, storage_id, names).dump(obj)
         payload = names.swap(buffer.getvalue())
     except _Unbindable:
         buffer = io.BytesIO()  # the pure-Python reference writes any GlobalRef by name
-        with gc_paused():
+        with gc_paused(), stack_room():
             Repickler(buffer, protocol, storage_id).dump(obj)
         payload = buffer.getvalue()
-    except RecursionError as e:
-        # torch.save pickles with the same pickler, so it cannot write this tree either.
+    except RecursionError as e:  # a shape that costs more calls a level than stack_room allows
         raise ResourceLimitError(
-            "the object tree nests its containers deeper than Python's pickler recurses "
-            f"(its limit is {sys.getrecursionlimit()} calls), so neither torch.save nor a "
-            "rewrite can write it (torch.load reads it: load it and flatten the deep entry)"
+            "the object tree nests deeper than the pickler recurses here; torch.load reads it: "
+            "write its tensors alone (ckpt extract, or a .safetensors output with --drop-extras)"
         ) from e
     finally:
         names.unbind()

@@ -19,7 +19,6 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.formats.pickle.limits import check_nesting
 from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.selection import entries_beside
 
@@ -27,9 +26,7 @@ if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
 
 __all__ = [
-    "MAX_REWRITE_NESTING",
     "check_source",
-    "check_written_depth",
     "format_named_by",
     "matched_device_map",
     "output_format_for",
@@ -139,29 +136,6 @@ def torch_instead(dst: str | os.PathLike[str], *, folder: bool = False) -> Remed
         return Remedy(text=f"keep the torch format: name the output {fits!r}")
     return Remedy(
         "output_format", "'torch'", flag="--format torch", text="to keep it in torch format"
-    )
-
-
-# How deep a tree a rewrite pickles (sanitize's walk is the deepest; torch.save itself stops
-# near 480 levels of dicts under Python's default recursion limit). torch.load reads deeper
-# trees: only an output that would hold one is refused, before anything is written.
-MAX_REWRITE_NESTING = 300
-
-
-def check_written_depth(tree: Any) -> None:
-    """Refuse an output whose object tree nests deeper than a rewrite writes.
-
-    Args:
-        tree: what the output pickles: the whole root, or the state dict alone.
-
-    Raises:
-        ResourceLimitError: ``tree`` nests more than :data:`MAX_REWRITE_NESTING` levels (exit 5).
-    """
-    check_nesting(
-        tree,
-        MAX_REWRITE_NESTING,
-        "torch.load reads it, but a rewrite writes trees that deep at most: write its tensors "
-        "alone (ckpt extract, or a .safetensors output with --drop-extras)",
     )
 
 

@@ -23,6 +23,7 @@ from ckpt_tools.errors import (
     shown,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats.pickle.limits import check_written_depth
 from ckpt_tools.io.atomic import AtomicFile, check_output_path
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
@@ -32,7 +33,7 @@ from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.torchzip import write_torch_zip
 from ckpt_tools.ops.output_plan import PlannedFile
 from ckpt_tools.ops.preflight import check_source
-from ckpt_tools.ops.rewrite.plan import check_written_depth, output_format_for
+from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.sanitize.result import SanitizeResult
 from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select

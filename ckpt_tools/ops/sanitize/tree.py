@@ -22,20 +22,18 @@ is listed.
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import ntpath
 import posixpath
-import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
 from ckpt_tools.errors import ResourceLimitError
+from ckpt_tools.formats.pickle.limits import stack_room
 from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
 from ckpt_tools.io.writers.torchzip import picklable_tensors
-from ckpt_tools.ops.rewrite.plan import MAX_REWRITE_NESTING
 from ckpt_tools.ops.sanitize.numpy_values import (
     NUMPY_MODULES,
     empty_bytes,
@@ -108,7 +106,7 @@ def sanitize_tree(root: Any, taken_keys: set[str]) -> SanitizedTree:
     """
     walker = _Sanitizer(taken_keys)
     try:
-        with _stack_room(MAX_REWRITE_NESTING):
+        with stack_room():
             new_root = walker.value(root, "")
     except RecursionError as e:  # a tree no check_source passed: refused, never a crash
         raise ResourceLimitError(
@@ -118,26 +116,6 @@ def sanitize_tree(root: Any, taken_keys: set[str]) -> SanitizedTree:
     if new_root is _DROP:
         new_root = None
     return SanitizedTree(new_root, tuple(walker.converted), tuple(walker.dropped), walker.added)
-
-
-# The walk recurses, at most this many calls a level of nesting (a dict: value, _mapping,
-# _entries; a list: value, its comprehension, _item), on trees check_source bounds.
-_FRAMES_PER_LEVEL = 3
-
-
-@contextlib.contextmanager
-def _stack_room(levels: int) -> Iterator[None]:
-    """Python's recursion limit raised, for the walk only, to fit a tree ``levels`` deep
-    above the caller's frames (a caller deep in a test runner has fewer left)."""
-    depth, frame = 0, sys._getframe()
-    while frame is not None:
-        depth, frame = depth + 1, frame.f_back
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, depth + _FRAMES_PER_LEVEL * levels + 100))
-    try:
-        yield
-    finally:
-        sys.setrecursionlimit(old)
 
 
 def _name(node: Any) -> str:
