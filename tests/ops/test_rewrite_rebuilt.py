@@ -57,3 +57,15 @@ def test_sanitize_counts_the_bytes_of_every_tensor(tmp_path: Path) -> None:
         assert result.bytes_copied == _storage_bytes(src)
         assert result.tensors == len(want)
         assert result.verification.startswith(f"verified: {len(want)} tensors")
+
+
+def test_sanitize_verifies_sparse_tensors_under_a_list_root(tmp_path: Path) -> None:
+    dense = torch.arange(6.0).reshape(2, 3)
+    src = tmp_path / "in.pt"
+    torch.save([dense.to_sparse(), dense, torch.nested.nested_tensor([dense, dense[:1]])], src)
+    for verify in ("sizes", "full"):
+        result = ct.sanitize(src, tmp_path / f"{verify}.pt", verify=verify)
+        assert result.verification.startswith("verified: 3 tensors"), result.verification
+        got = torch.load(tmp_path / f"{verify}.pt", weights_only=True)
+        assert torch.equal(got[0].to_dense(), dense) and torch.equal(got[1], dense)
+        assert torch.equal(got[2][1], dense[:1])

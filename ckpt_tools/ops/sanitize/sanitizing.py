@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
-from ckpt_tools.descriptors import RebuiltTensor, TensorRef, iter_tensors
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef, iter_listed_tensors
 from ckpt_tools.errors import (
     Remedy,
     SelectError,
@@ -31,7 +31,7 @@ from ckpt_tools.io.verify.outputs import Expected, tensor_digest, verify_output
 from ckpt_tools.io.writers.output import write_file
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.torchzip import write_torch_zip
-from ckpt_tools.ops.output_plan import PlannedFile
+from ckpt_tools.ops.output_plan import PlannedFile, iter_stored_tensors
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.sanitize.result import SanitizeResult
@@ -282,9 +282,14 @@ def _verify(
 
 def _check_tree(out: Checkpoint, done: SanitizedTree, source: Checkpoint, level: str) -> int:
     """Every tensor of the tree, read back where it was written: dtype, shape, view and
-    sharing; at ``full`` the bytes of those copied from ``source``. Returns their count."""
-    got, want = iter_tensors(out.root), iter_tensors(done.root)
-    if [_geometry(p, t) for p, t in got] != [_geometry(p, t) for p, t in want]:
+    sharing (a sparse or nested tensor's parts each); at ``full`` the bytes of those copied
+    from ``source``. Returns their count."""
+    listed = iter_listed_tensors(out.root)
+    planned = iter_listed_tensors(done.root)
+    got, want = iter_stored_tensors(out.root), iter_stored_tensors(done.root)
+    if [_geometry(p, t) for p, t in got] != [_geometry(p, t) for p, t in want] or [
+        _kind(p, t) for p, t in listed
+    ] != [_kind(p, t) for p, t in planned]:
         raise VerificationError("the written file's tensors differ from the planned ones")
     if _sharing(got) != _sharing(want):
         raise VerificationError("the written file's tensors share storages otherwise than planned")
@@ -292,11 +297,16 @@ def _check_tree(out: Checkpoint, done: SanitizedTree, source: Checkpoint, level:
         copied = was.storage.key not in done.added
         if level == "full" and copied and tensor_digest(out, have) != tensor_digest(source, was):
             raise VerificationError(f"the bytes of {name!r} differ after writing")
-    return len(got)
+    return len(listed)
 
 
 def _geometry(path: str, t: TensorRef) -> tuple[Any, ...]:
     return (path, t.dtype, t.shape, t.stride, t.offset)
+
+
+def _kind(path: str, t: TensorRef | RebuiltTensor) -> tuple[Any, ...]:
+    layout = t.layout if isinstance(t, RebuiltTensor) else "strided"
+    return (path, layout, t.dtype, t.shape)
 
 
 def _sharing(found: Sequence[tuple[str, TensorRef]]) -> list[list[str]]:
@@ -310,7 +320,7 @@ def _sharing(found: Sequence[tuple[str, TensorRef]]) -> list[list[str]]:
 def _check_added(out: Checkpoint, done: SanitizedTree) -> None:
     """The new records' bytes (numpy arrays'), found through the tensors that view them: a
     source that is not a zip has its records numbered anew on the way out."""
-    pairs = zip(iter_tensors(out.root), iter_tensors(done.root))
+    pairs = zip(iter_stored_tensors(out.root), iter_stored_tensors(done.root))
     written = {w.storage.key: h.storage for (_, h), (_, w) in pairs if w.storage.key in done.added}
     for key, data in done.added.items():
         storage = written.get(key)
