@@ -48,8 +48,9 @@ class WrapperRule:
         kind: who adds it, in words.
         inner: it may appear inside a key (``blocks.0._checkpoint_wrapped_module.fc``), not
             only at the start.
-        whole: report it as a prefix only when every key carries it (``model.`` is also a
-            common plain attribute name).
+        whole: report it as a prefix only when every key with a dot carries it
+            (``module.`` and ``model.`` are also common plain attribute names; a key without
+            a dot, an ``epoch`` beside the weights, names no module's tensor).
     """
 
     prefix: str
@@ -59,7 +60,9 @@ class WrapperRule:
 
 
 WRAPPER_RULES: tuple[WrapperRule, ...] = (
-    WrapperRule("module.", "nn.DataParallel / DistributedDataParallel"),
+    # DataParallel and DDP prefix every key; some keys under module. are an attribute of that
+    # name (an EMA helper's self.module), which stripping would break.
+    WrapperRule("module.", "nn.DataParallel / DistributedDataParallel", whole=True),
     WrapperRule("_orig_mod.", "torch.compile", inner=True),
     WrapperRule("_fsdp_wrapped_module.", "FullyShardedDataParallel", inner=True),
     WrapperRule("_checkpoint_wrapped_module.", "activation checkpoint_wrapper", inner=True),
@@ -123,7 +126,9 @@ def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
     while current:
         for rule in WRAPPER_RULES:
             count = sum(k.startswith(rule.prefix) for k in current)
-            if count and (count == len(current) or not rule.whole):
+            # A key without a dot (`epoch` beside the weights) is no module's: it does not
+            # count against a prefix every module key must carry.
+            if count and (not rule.whole or count == sum("." in k for k in current)):
                 if len(found) == MAX_WRAPPER_DEPTH:
                     raise _too_deep(rule.prefix)
                 found.append(WrapperMatch(rule.prefix, rule.kind, count, total))

@@ -110,6 +110,26 @@ def test_add_module_output_loads_into_dataparallel_strict(tmp_path):
     assert h.load(tmp_path / "dp.pt")._metadata == h.data_parallel(model).state_dict()._metadata
 
 
+class _WithModuleAttribute(torch.nn.Module):
+    """A model with a submodule named ``module`` beside others (an EMA helper's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(2, 2)
+        self.other = torch.nn.Linear(2, 2)
+
+
+def test_a_submodule_named_module_is_no_wrapper(tmp_path):
+    # DataParallel prefixes every key: a partial module. is the model's own attribute.
+    model = _WithModuleAttribute()
+    torch.save(model.state_dict(), tmp_path / "plain.pt")
+    result = strip_module(tmp_path / "plain.pt", tmp_path / "out.pt")
+    assert result.written == () and not (tmp_path / "out.pt").exists()
+    torch.save(torch.nn.DataParallel(model).state_dict(), tmp_path / "dp.pt")
+    strip_module(tmp_path / "dp.pt", tmp_path / "stripped.pt")  # one layer, not two
+    _WithModuleAttribute().load_state_dict(torch.load(tmp_path / "stripped.pt"), strict=True)
+
+
 def test_add_then_strip_is_bitwise_identity(tmp_path):
     model = h.make_model()
     sd = model.state_dict()

@@ -162,8 +162,13 @@ def test_model_and_peft_prefixes_only_when_every_key_has_them():
     peft = prefixed("base_model.model.")
     assert found([*peft, "lm_head.weight"]) == []
     assert found(peft) == [("base_model.model.", 5, 5, False)]
-    # `module.` is reported on a partial set (the count says how many carry it).
-    assert found(["module.a", "module.b", "c"]) == [("module.", 2, 3, False)]
+    # `module.` too: DataParallel and DDP prefix every key, so a partial set is an attribute
+    # named `module` (an EMA helper's), and DataParallel around one is peeled once.
+    assert found(["module.a.w", "module.b.w", "c.w"]) == []
+    assert found(["module.module.w", "module.other.w"]) == [("module.", 2, 2, False)]
+    # A key without a dot is no module's (an `epoch` saved beside the weights).
+    assert found(["module.a", "module.b", "epoch"]) == [("module.", 2, 3, False)]
+    assert found(["model.fc.weight", "step"]) == [("model.", 1, 2, False)]
 
 
 def test_no_wrappers_and_odd_keys():
