@@ -4,6 +4,8 @@ The folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (or a
 ``adapter_model.bin``, read by the restricted reader, never unpickled with code). PEFT saves
 each tensor as ``base_model.model.<module>.<part>`` with the adapter's name removed; the
 module's rank and alpha come from ``rank_pattern`` / ``alpha_pattern`` as PEFT resolves them.
+Trained biases (``bias="lora_only"`` or ``"all"``) are saved as the base model's own tensors,
+``<target>.base_layer.bias`` or ``<module>.bias``, which loading puts in place of the base's.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class LoraAdapter:
         modules_to_save: base key (module path and parameter) -> the adapter's full copy.
         base_layers: module -> the base weight saved with the adapter (PEFT saves a targeted
             embedding's weight, ``save_embedding_layers``); the merge starts from it.
+        biases: base key (``<module>.bias``) -> the trained bias saved with ``bias="lora_only"``
+            or ``"all"``, which replaces the base's (a ``lora_bias`` merge starts from it).
     """
 
     path: str
@@ -96,6 +100,7 @@ class LoraAdapter:
     targets: tuple[LoraTarget, ...]
     modules_to_save: Mapping[str, TensorRef] = field(default_factory=dict)
     base_layers: Mapping[str, TensorRef] = field(default_factory=dict)
+    biases: Mapping[str, TensorRef] = field(default_factory=dict)
 
     @property
     def peft_type(self) -> str:
@@ -136,7 +141,8 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
     Raises:
         CheckpointNotFoundError: no ``adapter_config.json`` or weight file.
         ConversionError: an adapter type other than LoRA, a config field that changes the
-            merge in a way this merge does not compute, or a key it does not know (exit 7).
+            merge in a way this merge does not compute, a target's bias saved under a name
+            PEFT no longer loads, or a key it does not know (exit 7).
         UnsafeContentError: a pickled weight file names a global outside the allowlist.
 
     Example:
@@ -166,8 +172,9 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
         for k in list(rest)
         if k.endswith(".base_layer.weight") and k[: -len(".base_layer.weight")] in modules
     }
+    biases = _trained_biases(rest, modules, config, weights)
     saved = _modules_to_save(rest, config, weights)
-    return LoraAdapter(path, weights, config, ckpt, tuple(targets), saved, base_layers)
+    return LoraAdapter(path, weights, config, ckpt, tuple(targets), saved, base_layers, biases)
 
 
 def _exists(folder: str, name: str) -> bool:
@@ -289,6 +296,49 @@ def _targets(
     return targets, rest
 
 
+def _trained_biases(
+    rest: dict[str, TensorRef], targets: set[str], config: Mapping[str, Any], weights: str
+) -> dict[str, TensorRef]:
+    """The trained biases taken out of ``rest``, by base key, as PEFT's loader places them.
+
+    PEFT loads the adapter's other tensors into the model by name, ignoring names the model
+    lacks: ``<target>.base_layer.bias`` is the target's bias, ``<module>.bias`` any other
+    module's. A ``modules_to_save`` module's ``bias`` is its trained copy (left in ``rest``);
+    the ``original_module`` and ``modules_to_save`` biases ``bias="all"`` saves beside it
+    load into the original module (dropped by the merge) or nowhere, so they are dropped.
+
+    Raises:
+        ConversionError: a target's bias saved as ``<target>.bias`` (an older PEFT), which
+            PEFT now loads nowhere: merging it would not match PEFT, nor would dropping it
+            match what was trained.
+    """
+    names = config.get("modules_to_save") or []
+    biases: dict[str, TensorRef] = {}
+    # A copy under the wrapper's full name is a modules_to_save copy, read as one.
+    for key in [k for k in rest if k.endswith(".bias") and ".modules_to_save.default." not in k]:
+        module = key[: -len(".bias")]
+        owner, _, wrapper = module.rpartition(".")
+        if wrapper in ("original_module", "modules_to_save") and _is_saved(owner, names):
+            del rest[key]
+        elif wrapper == "base_layer" and owner in targets:
+            biases[f"{owner}.bias"] = rest.pop(key)
+        elif module in targets:
+            raise ConversionError(
+                f"{weights!r} holds {key}, a LoRA target's trained bias saved under the "
+                "module's own name, as older PEFT saved it; PEFT now loads it nowhere, "
+                f"and trained biases saved so are not merged: rename it to {module}."
+                "base_layer.bias in the adapter to merge it, or delete it to merge without it"
+            )
+        elif not _is_saved(module, names) and wrapper != "base_layer":
+            biases[key] = rest.pop(key)
+    return biases
+
+
+def _is_saved(module: str, names: Sequence[str]) -> bool:
+    """Whether ``module`` is one of ``modules_to_save``, matched as PEFT matches them."""
+    return any(module == n or module.endswith(f".{n}") for n in names)
+
+
 def _modules_to_save(
     rest: Mapping[str, TensorRef], config: Mapping[str, Any], weights: str
 ) -> dict[str, TensorRef]:
@@ -299,7 +349,7 @@ def _modules_to_save(
     for key, t in rest.items():
         key = key.replace(".modules_to_save.default.", ".")  # the wrapper's own name, if saved
         module = key.rsplit(".", 1)[0]
-        if any(module == n or module.endswith(f".{n}") for n in names):
+        if _is_saved(module, names):
             saved[key] = t
         else:
             unknown.append(key)

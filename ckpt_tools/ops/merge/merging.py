@@ -61,7 +61,9 @@ def merge_lora(
     Embedding targets, in float32 and rounded once to the weight's dtype, in PEFT's order
     (rsLoRA, ``rank_pattern`` and ``alpha_pattern`` as PEFT resolves them); DoRA rescales each
     output row by its magnitude over the row's norm; ``modules_to_save`` copies replace the
-    base's tensors. Every other tensor is copied bitwise. One merged tensor is in memory at a
+    base's tensors, and so do the trained biases of ``bias="lora_only"`` or ``"all"`` (copied
+    in the base's dtype, as loading copies them; ``lora_bias`` then merges into the trained
+    bias). Every other tensor is copied bitwise. One merged tensor is in memory at a
     time, and torch is never imported.
 
     Args:
@@ -83,7 +85,8 @@ def merge_lora(
 
     Returns:
         A :class:`~ckpt_tools.ops.merge.result.MergeResult` (``merged``: each module with its
-        rank, alpha and scaling; ``replaced``: the ``modules_to_save`` keys).
+        rank, alpha and scaling; ``replaced``: the ``modules_to_save`` keys; ``biases``: the
+        keys given the adapter's trained biases).
 
     Raises:
         ConversionError: an adapter type other than LoRA, a target missing from the base, or
@@ -115,7 +118,7 @@ def merge_lora(
     check_rewritable(ckpt, allow_globals, selection.path)
     aligned = _aligned(selection.state_dict, lora)
     merged, overrides, actions = _plan_merges(ckpt, aligned, lora)
-    replaced, untied = _plan_replacements(aligned, lora, overrides, actions)
+    replaced, biases, untied = _plan_replacements(aligned, lora, overrides, actions)
     items = [
         (k, k, untied.get(k, v)) for k, v in selection.state_dict.items() if isinstance(k, str)
     ]
@@ -152,7 +155,9 @@ def merge_lora(
             force=force,
         )
     shared = {f.name: getattr(done, f.name) for f in fields(done) if f.init}
-    return MergeResult(**shared, adapter=adapter, merged=tuple(merged), replaced=replaced)
+    return MergeResult(
+        **shared, adapter=adapter, merged=tuple(merged), replaced=replaced, biases=biases
+    )
 
 
 def _check_folder_format(dst: str, output_format: str | None) -> None:
@@ -175,7 +180,8 @@ def _aligned(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[str, T
     """
     keys = [k for k in sd if isinstance(k, str)]
     tensors = {k: v for k, v in sd.items() if isinstance(k, str) and isinstance(v, TensorRef)}
-    wanted = [f"{t.module}.weight" for t in lora.targets] + list(lora.modules_to_save)
+    wanted = [f"{t.module}.weight" for t in lora.targets]
+    wanted += [*lora.modules_to_save, *lora.biases]
     rules, _ = strip_wrapper_rules(keys)
     best: dict[str, tuple[str, TensorRef]] = {}
     best_found = -1
@@ -225,19 +231,41 @@ def _plan_merges(
         actions[key] = f"merge {kind} r={t.r} scaling={t.scaling:g}"
         merged.append(MergedModule(t.module, key, kind, t.r, t.alpha, t.scaling))
         if t.bias is not None:
-            bias = aligned.get(f"{t.module}.bias")
-            if bias is None or bias[1].shape != t.bias.shape:
-                problems.append(f"{t.module}.bias (lora_bias needs a base bias of its shape)")
-                continue
-            _check_whole(bias[0], bias[1])
-            overrides[id(bias[1].storage)] = bias_record(ckpt, bias[1], lora.ckpt, t)
-            actions[bias[0]] = f"merge lora bias scaling={t.scaling:g}"
+            problems += _plan_lora_bias(ckpt, aligned, lora, t, overrides, actions)
     if problems:
         raise ConversionError(
             f"the adapter does not fit the base: {'; '.join(problems[:8])}"
             + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
         )
     return merged, overrides, actions
+
+
+def _plan_lora_bias(
+    ckpt: Checkpoint,
+    aligned: Mapping[str, tuple[str, TensorRef]],
+    lora: LoraAdapter,
+    t: LoraTarget,
+    overrides: dict[int, Record],
+    actions: dict[str, str],
+) -> list[str]:
+    """The record merging ``lora_B.bias`` into the base's bias, or the problem found.
+
+    PEFT loads a trained bias (``bias="lora_only"`` or ``"all"``) before it merges, so the
+    merge then starts from the adapter's bias instead of the base's.
+    """
+    assert t.bias is not None
+    name = f"{t.module}.bias"
+    bias = aligned.get(name)
+    if bias is None or bias[1].shape != t.bias.shape:
+        return [f"{name} (lora_bias needs a base bias of its shape)"]
+    trained = lora.biases.get(name)
+    if trained is not None and trained.shape != t.bias.shape:
+        return [f"{name} (trained bias: shape differs)"]
+    _check_whole(bias[0], bias[1])
+    overrides[id(bias[1].storage)] = bias_record(ckpt, bias[1], lora.ckpt, t, trained)
+    onto = " onto the trained bias" if trained is not None else ""
+    actions[bias[0]] = f"merge lora bias{onto} scaling={t.scaling:g}"
+    return []
 
 
 def _layout(t: LoraTarget, weight: TensorRef, config: Mapping[str, Any]) -> tuple[bool, str]:
@@ -282,32 +310,42 @@ def _plan_replacements(
     lora: LoraAdapter,
     overrides: dict[int, Record],
     actions: dict[str, str],
-) -> tuple[tuple[str, ...], dict[str, TensorRef]]:
-    """The records replacing base tensors by their ``modules_to_save`` copies.
+) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, TensorRef]]:
+    """The records replacing base tensors by their ``modules_to_save`` copies, and base biases
+    by the adapter's trained ones (those ``lora_bias`` merges into are planned already).
 
     Returns:
-        The replaced keys, and the tensors put in place of those that shared their storage
-        with another key (tied embeddings: PEFT swaps the module for its trained copy, so the
-        tie is broken and the other keys keep the base's values).
+        The keys replaced by ``modules_to_save`` copies; the keys given trained biases
+        (``lora_bias`` merges included); and the tensors put in place of saved modules' that
+        shared their storage with another key (tied embeddings: PEFT swaps the module for its
+        trained copy, so the tie is broken and the other keys keep the base's values). A
+        trained bias is copied into the parameter, tied or not, so every key viewing its
+        storage takes it.
     """
-    problems, replaced = [], []
+    problems, replaced, biases = [], [], []
     untied: dict[str, TensorRef] = {}
     viewers = Counter(id(t.storage) for _, t in aligned.values())
-    for name, saved in lora.modules_to_save.items():
+    merged = {f"{t.module}.bias" for t in lora.targets if t.bias is not None}
+    todo = [(name, saved, "modules_to_save") for name, saved in lora.modules_to_save.items()]
+    todo += [(name, saved, "trained bias") for name, saved in lora.biases.items()]
+    for name, saved, why in todo:
         found = aligned.get(name)
         if found is None or found[1].shape != saved.shape:
-            problems.append(f"{name} (modules_to_save: {'shape differs' if found else 'missing'})")
+            problems.append(f"{name} ({why}: {'shape differs' if found else 'missing'})")
+            continue
+        if name in merged:
+            biases.append(found[0])
             continue
         key, base_t = found
         _check_whole(key, base_t)
-        if viewers[id(base_t.storage)] > 1:
+        if viewers[id(base_t.storage)] > 1 and why == "modules_to_save":
             base_t = cast_tensor(
                 base_t, new_storage(base_t.storage, base_t.dtype, base_t.numel), base_t.dtype
             )
             untied[key] = base_t
-        overrides[id(base_t.storage)] = replace_record(lora.ckpt, saved, base_t)
-        actions[key] = "replace (modules_to_save)"
-        replaced.append(key)
+        overrides[id(base_t.storage)] = replace_record(lora.ckpt, saved, base_t, why)
+        actions[key] = f"replace ({why})"
+        (replaced if why == "modules_to_save" else biases).append(key)
     if problems:
         raise ConversionError(f"the adapter does not fit the base: {'; '.join(problems[:8])}")
-    return tuple(replaced), untied
+    return tuple(replaced), tuple(biases), untied

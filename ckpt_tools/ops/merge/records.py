@@ -142,9 +142,17 @@ def _merged(
 
 
 def bias_record(
-    base: Checkpoint, bias: TensorRef, adapter: Checkpoint, target: LoraTarget
+    base: Checkpoint,
+    bias: TensorRef,
+    adapter: Checkpoint,
+    target: LoraTarget,
+    start: TensorRef | None = None,
 ) -> Record:
-    """The record of ``bias + lora_B.bias * scaling`` (``lora_bias=True``)."""
+    """The record of ``bias + lora_B.bias * scaling`` (``lora_bias=True``).
+
+    ``start``: the adapter's trained bias (``bias="lora_only"`` or ``"all"``), which PEFT
+    loads into the base's (rounded to its dtype) before merging.
+    """
     assert target.bias is not None
     lora_bias = target.bias
 
@@ -153,12 +161,16 @@ def bias_record(
     def produce() -> Iterable[bytes]:
         scaled = rounded(values(adapter, lora_bias), lora)
         scaled = scaled * scaled.dtype.type(target.scaling)
-        yield to_bits(plain_merge(values(base, bias), bias.dtype, scaled, lora), bias.dtype)
+        b = values(base, bias) if start is None else rounded(values(adapter, start), bias.dtype)
+        yield to_bits(plain_merge(b, bias.dtype, scaled, lora), bias.dtype)
 
     return Record(bias.nbytes, produce=produce, action="merge lora bias")
 
 
-def replace_record(adapter: Checkpoint, saved: TensorRef, like: TensorRef) -> Record:
-    """The record of a ``modules_to_save`` copy in the base tensor's dtype (torch's ``copy_``)."""
+def replace_record(
+    adapter: Checkpoint, saved: TensorRef, like: TensorRef, why: str = "modules_to_save"
+) -> Record:
+    """The record of a tensor the adapter saved whole (a ``modules_to_save`` copy, a trained
+    bias) in the base tensor's dtype, as loading copies it in (torch's ``copy_``)."""
     record = tensor_bytes_record(adapter, saved, like.dtype if saved.dtype != like.dtype else None)
-    return replace(record, action="replace (modules_to_save)")
+    return replace(record, action=f"replace ({why})")

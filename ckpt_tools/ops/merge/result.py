@@ -48,11 +48,14 @@ class MergeResult(TransformResult):
         adapter: the adapter folder.
         merged: one entry per merged module (rank, alpha, scaling).
         replaced: base keys replaced by their ``modules_to_save`` copies.
+        biases: base keys given the adapter's trained biases (``bias="lora_only"`` or
+            ``"all"``), a ``lora_bias`` merged into them where the module has one.
     """
 
     adapter: str = ""
     merged: tuple[MergedModule, ...] = ()
     replaced: tuple[str, ...] = ()
+    biases: tuple[str, ...] = ()
 
     def details(self) -> list[str]:
         """One line per merged module, then the transform's lines."""
@@ -61,13 +64,16 @@ class MergeResult(TransformResult):
             for m in self.merged
         ]
         lines += [f"  replace (modules_to_save) {key}" for key in self.replaced]
+        lines += [f"  replace (trained bias)    {key}" for key in self.biases]
         return lines + super().details()
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready data: the transform's fields, ``adapter``, ``merged`` and ``replaced``."""
+        """JSON-ready data: the transform's fields, ``adapter``, ``merged``, ``replaced`` and
+        ``biases``."""
         return {
             **super().to_json(),
             "adapter": self.adapter,
             "merged": [m.to_json() for m in self.merged],
             "replaced": list(self.replaced),
+            "biases": list(self.biases),
         }

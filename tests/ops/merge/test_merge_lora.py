@@ -73,11 +73,12 @@ def _gpt2() -> Any:
 
 
 def _perturb(model: Any, seed: int) -> None:
-    """Move every adapter parameter off its initial value (B starts at zero)."""
+    """Move every trainable parameter off its initial value (B starts at zero): the adapter's,
+    its ``modules_to_save`` copies', and the biases ``bias="lora_only"`` or ``"all"`` trains."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
+        for _, p in model.named_parameters():
+            if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.1)
 
 
