@@ -109,6 +109,20 @@ def test_safetensors_output(folder: Path, tmp_path: Path) -> None:
         assert f.metadata() == {"format": "pt"}
 
 
+def test_dcp_saves_tied_names_apart_and_each_is_written(tmp_path: Path) -> None:
+    """DCP writes each name of a tied tensor as its own item (dcp_to_torch_save gives two
+    storages), so no name is left to the metadata: both are stored, none is lost."""
+    weight = torch.randn(3, 4)
+    folder = save_dcp(tmp_path / "run", {"model": {"c.weight": weight, "c2.weight": weight}})
+    want = reference(folder, tmp_path / "theirs.pt")["model"]
+    for out in (tmp_path / "m.safetensors", tmp_path / "hf"):
+        result = consolidate(folder, out)
+        got = load_file(out if out.suffix else out / "model.safetensors")
+        assert sorted(got) == sorted(want) == ["c.weight", "c2.weight"] and not result.dropped
+        for name, tensor in want.items():
+            assert_same(tensor, got[name], name)
+
+
 def test_safetensors_all_flattens_and_leaves_out_values(folder: Path, tmp_path: Path) -> None:
     want = reference(folder, tmp_path / "theirs.pt")
     # safetensors holds tensors only: the values are refused, as convert refuses them ...

@@ -24,6 +24,7 @@ from ckpt_tools.errors import (
     CorruptCheckpointError,
     Remedy,
     UnsupportedFormatError,
+    UsageError,
 )
 
 __all__ = [
@@ -114,9 +115,11 @@ def _read_latest(save_dir: str) -> str:
 def _check_tag(save_dir: str, tag: str, latest: str | None) -> str:
     """The tag folder ``tag`` names in ``save_dir``: the caller's ``tag``, or ``latest``'s.
 
-    A ``tag`` the caller passed (``consolidate --tag``) is fixed by another one. One that
-    ``latest`` names may have been met by any command that reads the folder, most of which
-    take no tag: the fix said is a tag folder as the input, which all of them take.
+    A ``tag`` the caller passed (``consolidate --tag``) is a bad argument (a UsageError,
+    exit 2, as a ``select`` naming nothing), fixed by another one. One that ``latest`` names
+    is the checkpoint's own fault, and may have been met by any command that reads the
+    folder, most of which take no tag: the fix said is a tag folder as the input, which all
+    of them take.
     """
     bad = tag in (".", "..") or any(c in tag for c in "/\\\0")
     folder = os.path.join(save_dir, tag)
@@ -124,7 +127,7 @@ def _check_tag(save_dir: str, tag: str, latest: str | None) -> str:
         tags = tags_in(save_dir)
         there = f" (tags there: {', '.join(tags[:5])})" if tags else ""
         if latest is None:
-            raise CorruptCheckpointError(
+            raise UsageError(
                 f"not a folder in {save_dir!r}{there}",
                 path=folder,
                 argument="tag",
@@ -153,8 +156,9 @@ def find_zero_files(path: str | os.PathLike[str], tag: str | None = None) -> Zer
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a folder.
-        CorruptCheckpointError: ``latest`` or ``tag`` names no folder, the folder holds no
-            model states, or its rank files do not run 0..N-1.
+        UsageError: ``tag`` names no tag folder (the tags there are named).
+        CorruptCheckpointError: ``latest`` names no folder, the folder holds no model
+            states, or its rank files do not run 0..N-1.
         UnsupportedFormatError: model-parallel (``mp_rank_01``) or pipeline files.
 
     Example:

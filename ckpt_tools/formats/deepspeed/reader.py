@@ -260,8 +260,9 @@ def open_deepspeed(path: str | os.PathLike[str], *, tag: str | None = None) -> D
         ``zero_to_fp32`` rebuilds.
 
     Raises:
-        CorruptCheckpointError: a missing or truncated rank file, a ``latest`` or tag that
-            names no folder, shapes that do not fit the partitions.
+        UsageError: ``tag`` names no tag folder.
+        CorruptCheckpointError: a missing or truncated rank file, a ``latest`` that names no
+            folder, shapes that do not fit the partitions.
         UnsupportedFormatError: a layout this reader does not read (model parallelism).
         UnsafeContentError: a rank file refers to a global outside DeepSpeed's classes
             where only they may be.

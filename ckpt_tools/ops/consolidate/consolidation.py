@@ -149,7 +149,8 @@ def consolidate(
         The :class:`ConsolidateResult`.
 
     Raises:
-        UsageError: ``src`` is not a DCP folder or a DeepSpeed checkpoint, or bad arguments.
+        UsageError: ``src`` is not a DCP folder or a DeepSpeed checkpoint, or bad arguments
+            (a ``tag`` that names no tag folder among them).
         CorruptCheckpointError: the folder's metadata or chunks are malformed (nothing written).
         OutputError: an output exists (without ``force``) or could not be written.
         NonTensorEntriesError: a safetensors output, values that are not tensors (with
@@ -234,6 +235,6 @@ def _planned(dst: str, fmt: str, plan: ConsolidationPlan, limit: int) -> tuple[P
         for file, names in shards.files
     ]
     if shards.is_sharded:
-        index = len(index_bytes(shards))
+        index = len(index_bytes(shards, plan.aliases))
         planned.append(PlannedFile(os.path.join(dst, INDEX_NAME), (), index))
     return tuple(planned)

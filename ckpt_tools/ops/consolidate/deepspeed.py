@@ -5,7 +5,9 @@ The spans are copied by the copy engine (``copy_file_range`` where the kernel ha
 partition and no parameter is ever held in memory; only a 16-bit float buffer, which
 ``zero_to_fp32`` upcasts to fp32, goes through a bounded numpy cast. Shared (tied) names are
 both kept in a ``.pt``, over one storage as ``zero_to_fp32`` gives them; a safetensors or
-Hugging Face output stores such a tensor once, under the name huggingface_hub keeps.
+Hugging Face output stores such a tensor once, under the name huggingface_hub keeps, and
+records the other name in its metadata (``{tied name: stored name}``), as ``convert`` and
+``merge-lora`` do, so loading it gives both names back.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def open_source(src: str, *, tag: str | None, exclude_frozen: bool) -> Checkpoin
         The opened :class:`DcpCheckpoint` or :class:`DeepSpeedCheckpoint`.
 
     Raises:
-        UsageError: another format, or DeepSpeed's options for a DCP folder.
+        UsageError: another format, DeepSpeed's options for a DCP folder, or a ``tag`` that
+            names no tag folder.
     """
     if detect_format(src) == "deepspeed":
         return open_deepspeed(src, tag=tag)
@@ -106,7 +109,8 @@ def plan_deepspeed(
         select, everything: refused (a DeepSpeed checkpoint holds one state dict).
         strip: remove wrapper prefixes from the keys.
         exclude_frozen: leave the frozen parameters out.
-        tensors_only: a safetensors output: each tied tensor stored once.
+        tensors_only: a safetensors output: each tied tensor stored once, its other names
+            in the plan's ``aliases``.
 
     Returns:
         The :class:`ConsolidationPlan`: ``zero_to_fp32``'s state dict, each tensor's record.
@@ -127,7 +131,10 @@ def plan_deepspeed(
     sd = _names(ckpt, exclude_frozen)
     named_from = {id(t): ckpt.aliases.get(n, n) for n, t in sd.items() if n not in ckpt.aliases}
     sd, renamed = _strip(sd) if strip else (sd, ())
-    dropped = hf_shared_names(sd) if tensors_only else {}
+    # A tied name is left to the metadata only where it is its stored name's very tensor: a
+    # reader gives it back as that tensor, so any other view is written as its own.
+    shared = hf_shared_names(sd) if tensors_only else {}
+    dropped = {name: kept for name, kept in shared.items() if sd[name] is sd[kept]}
     out: dict[int, TensorRef] = {}
     tensors: list[OutputTensor] = []
     for name, t in sd.items():
@@ -152,6 +159,7 @@ def plan_deepspeed(
         dropped=tuple(dropped),
         renamed=renamed,
         notes=tuple(notes),
+        aliases=dropped,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools._types import Select
@@ -53,9 +53,13 @@ class ConsolidationPlan:
         tree: the object tree to pickle, its tensors replaced by :attr:`tensors`' descriptors.
         tensors: every output tensor, in the tree's order.
         selected: the path of the selected state dict (empty with ``all``).
-        dropped: names of non-tensor entries left out (safetensors outputs).
+        dropped: names left out of a safetensors output: non-tensor entries, and tied names
+            (those also in ``aliases``).
         renamed: ``(old, new)`` key pairs from ``strip``.
         notes: what else was decided, in words.
+        aliases: ``{tied name: stored name}`` of the tied names a safetensors output stores
+            once; written into its metadata (an HF index's, when sharded), as huggingface_hub
+            records them, and our readers take each back as its stored tensor.
     """
 
     tree: Any
@@ -64,6 +68,7 @@ class ConsolidationPlan:
     dropped: tuple[str, ...]
     renamed: tuple[tuple[str, str], ...]
     notes: tuple[str, ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

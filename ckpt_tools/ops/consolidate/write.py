@@ -8,12 +8,14 @@ a ``.safetensors`` and each Hugging Face shard by
 :func:`~ckpt_tools.io.writers.output.write_file` and a folder through
 :func:`~ckpt_tools.io.writers.hf_folder.write_hf_shards`. Unless ``verify='none'``, each file
 is read back before it is named: every planned tensor, in order, with its dtype and shape,
-and with ``verify='full'`` every record's bytes, made again from the chunks.
+and with ``verify='full'`` every record's bytes, made again from the chunks. A tied name a
+safetensors output stores once is recorded in its metadata (``{tied name: stored name}``,
+the index's in a sharded folder), as ``convert`` and ``merge-lora`` record it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +62,15 @@ def write_file_output(
     else:
         entries = [(t.name, t.tensor, _record(t)) for t in plan.tensors]
         written.extend((name, r) for name, _, r in entries)
+        # Each tied name left out maps to its stored name, as convert and merge-lora (and
+        # huggingface_hub) write it: without it, loading the file loses that name.
+        metadata = {**plan.aliases, "format": "pt"}
 
         def fill(out: AtomicFile) -> None:
-            write_safetensors(entries, out.file, {"format": "pt"}, counter, durable=out.durable)
+            write_safetensors(entries, out.file, metadata, counter, durable=out.durable)
 
-    check = _check(plan.tensors, written, verify)
+    aliases = plan.aliases if fmt != "torch-zip" else {}
+    check = _check(plan.tensors, written, verify, aliases)
     return write_file(dst, fill, check, replace=replace, durable=durable)
 
 
@@ -79,16 +85,28 @@ def write_folder_output(
     replace: bool,
 ) -> tuple[str, ...]:
     """Hugging Face shards and their index, published as the folder ``dst`` (into a
-    non-empty one only with ``replace``); returns the names written inside it."""
+    non-empty one only with ``replace``); returns the names written inside it. The tied
+    names the plan stores once go into the index's metadata, or the single file's."""
     by_name = {t.name: t for t in plan.tensors}
     entries = [(t.name, t.tensor, _record(t)) for t in plan.tensors]
     records = {name: record for name, _, record in entries}
+    # write_hf_shards puts them in the index when there is one: the shards then hold none.
+    in_file = {} if shards.is_sharded else plan.aliases
 
     def check(names: Sequence[str]) -> Check:
-        return _check([by_name[n] for n in names], [(n, records[n]) for n in names], verify)
+        tensors = [by_name[n] for n in names]
+        return _check(tensors, [(n, records[n]) for n in names], verify, in_file)
 
     return write_hf_shards(
-        entries, dst, shards, check, counter=counter, jobs=jobs, durable=durable, replace=replace
+        entries,
+        dst,
+        shards,
+        check,
+        metadata=plan.aliases,
+        counter=counter,
+        jobs=jobs,
+        durable=durable,
+        replace=replace,
     )
 
 
@@ -101,15 +119,19 @@ def _record(t: OutputTensor) -> Record:
 
 
 def _check(
-    tensors: Sequence[OutputTensor], written: Sequence[tuple[str, Record]], verify: str
+    tensors: Sequence[OutputTensor],
+    written: Sequence[tuple[str, Record]],
+    verify: str,
+    aliases: Mapping[str, str],
 ) -> Check:
-    """The file reads back with every planned tensor, in order, with its dtype and shape;
-    with ``full``, every record's bytes are made again and compared too."""
+    """The file reads back with every planned tensor, in order, with its dtype and shape,
+    and with each tied name of ``aliases`` its metadata records; with ``full``, every
+    record's bytes are made again and compared too."""
 
     def check(path: str) -> str:
         if verify == "none":
             return "not verified (verify='none')"
-        _verify(path, tensors)
+        _verify(path, tensors, aliases)
         if verify == "full":
             return check_records(path, written)
         return "verified: keys and sizes"
@@ -117,7 +139,7 @@ def _check(
     return check
 
 
-def _verify(path: str, tensors: Sequence[OutputTensor]) -> None:
+def _verify(path: str, tensors: Sequence[OutputTensor], aliases: Mapping[str, str]) -> None:
     try:
         out = open_checkpoint(path)
         if out.format == "torch-zip":
@@ -126,7 +148,10 @@ def _verify(path: str, tensors: Sequence[OutputTensor]) -> None:
         raise VerificationError(f"the written file does not read back: {e}") from e
     if out.format == "safetensors":
         got = [(k, t.dtype, t.shape) for k, t in out.root.items()]
-        want = [(t.name, t.tensor.dtype, t.tensor.shape) for t in tensors]
+        by_name = {t.name: t.tensor for t in tensors}
+        # The reader gives each tied name back from the metadata, as its stored tensor.
+        restored = {a: by_name[k] for a, k in aliases.items() if k in by_name}
+        want = [(n, t.dtype, t.shape) for n, t in {**by_name, **restored}.items()]
         if sorted(got) != sorted(want):
             raise VerificationError("the written safetensors file's tensors differ from the plan")
         return

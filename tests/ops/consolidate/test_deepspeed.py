@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ckpt_tools import consolidate
+from ckpt_tools import consolidate, load_state_dict
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UsageError
+from ckpt_tools.harness.zero import ZeroNet
 from tests.helpers import read_data_pkl, run_ckpt, tools, truncated_copy
 from tests.helpers.trees import assert_values_bitwise
 from tests.helpers.zero_runs import RUN_IDS, ZeroRuns
@@ -64,6 +67,57 @@ def test_safetensors_store_the_tied_tensor_once(
     assert sorted(got) == sorted(k for k in want if k != "head.weight")
     for key in got:
         assert_values_bitwise(want[key], got[key], key)
+
+
+def _metadata(out: Path) -> dict[str, str]:
+    """The metadata that names a safetensors output's tied names: the file's, or the index's
+    (less its total_size) in a sharded folder."""
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        found = json.loads(index.read_text())["metadata"]
+        return {k: v for k, v in found.items() if k != "total_size"}
+    with safe_open(out / "model.safetensors" if out.is_dir() else out, "pt") as f:
+        return dict(f.metadata())
+
+
+@pytest.mark.parametrize("output", ["file", "folder", "shards"])
+def test_safetensors_outputs_record_the_tied_name(
+    zero_runs: ZeroRuns, tmp_path: Path, output: str
+) -> None:
+    """The tied name left out is recorded as huggingface_hub records it, and loading the
+    output gives zero_to_fp32's whole state dict back, the tie included."""
+    want = torch.load(zero_runs.reference(3, "z2"), weights_only=True)
+    # zero_to_fp32 gives views of one flat buffer, which huggingface_hub refuses to save:
+    # each its own copy, the tied names one copy still.
+    copies: dict[tuple[object, ...], torch.Tensor] = {}
+    for t in want.values():
+        copies.setdefault((t.data_ptr(), t.shape, t.stride(), t.dtype), t.clone())
+    hub = tmp_path / "hub"  # the oracle's metadata: huggingface_hub's own save
+    hub.mkdir()
+    save_torch_state_dict(
+        {k: copies[(t.data_ptr(), t.shape, t.stride(), t.dtype)] for k, t in want.items()}, hub
+    )
+    hub_metadata = _metadata(hub)
+    assert hub_metadata == {"format": "pt", "head.weight": "embed.weight"}
+    out = tmp_path / ("m.safetensors" if output == "file" else "hf")
+    limit = 600 if output == "shards" else None
+    planned = consolidate(zero_runs.folder(3, "z2"), out, max_shard_size=limit, dry_run=True)
+    result = consolidate(zero_runs.folder(3, "z2"), out, max_shard_size=limit, verify="full")
+    assert result.dropped == ("head.weight",)
+    if output == "shards":  # the index holds the tie; each shard its format only
+        assert _metadata(out) == {"head.weight": "embed.weight"}
+        index = out / "model.safetensors.index.json"
+        assert planned.planned[-1].nbytes == index.stat().st_size
+    else:
+        assert _metadata(out) == hub_metadata
+    got = load_state_dict(out)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert_values_bitwise(want[key], got[key], key)
+    assert got["head.weight"].data_ptr() == got["embed.weight"].data_ptr()
+    model = ZeroNet()
+    model.load_state_dict(got, strict=True)
+    assert model.head.weight is model.embed.weight
 
 
 def test_hf_folder_shards(zero_runs: ZeroRuns, tmp_path: Path) -> None:
@@ -128,6 +182,18 @@ def test_runs_zero_to_fp32_refuses(zero_runs: ZeroRuns, tmp_path: Path, name: st
             assert torch.equal(got[key].to(want.dtype), want), key
     assert got["head.weight"].data_ptr() == got["embed.weight"].data_ptr()
     assert result.notes
+
+
+def test_a_tag_naming_no_tag_folder_is_a_usage_error(zero_runs: ZeroRuns, tmp_path: Path) -> None:
+    folder = zero_runs.folder(2, "z2-bf16")
+    with pytest.raises(UsageError, match=r"tags there: global_step1, global_step2") as info:
+        consolidate(folder, tmp_path / "m.pt", tag="global_step9")
+    assert not isinstance(info.value, CorruptCheckpointError)
+    args = ("consolidate", folder, tmp_path / "m.pt", "--tag", "global_step9")
+    code, out, err = run_ckpt(*args, code=None)
+    assert code == UsageError.exit_code == 2, err
+    assert "--tag 'global_step9': not a folder" in err and "pass --tag global_step1" in err
+    assert not out and os.listdir(tmp_path) == []
 
 
 def test_options_that_do_not_apply_are_refused(zero_runs: ZeroRuns, tmp_path: Path) -> None:
