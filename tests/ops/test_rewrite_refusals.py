@@ -483,3 +483,18 @@ def test_retag_that_matches_no_storage_is_refused(tmp_path: Path) -> None:
     )
     assert result.device_map == {"cuda:1": "cpu"} and "cuda:0" not in str(result)
     assert _saved_locations(tmp_path / "g2.pt") == {"cpu": 9}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["strip-module", "--prefix", "modul."], ["rename", "--sub", "modul.=m."]],
+    ids=["strip-module --prefix", "rename --sub"],
+)
+def test_a_rule_that_matches_no_key_is_refused_not_copied(tmp_path, args):
+    # A typo in the prefix wrote an unchanged copy and exited 0.
+    src = tmp_path / "ddp.pt"
+    torch.save({"module.fc.weight": torch.ones(2)}, src)
+    command, *options = args
+    _, _, err = h.run_ckpt(command, src, tmp_path / "out.pt", *options, code=2)
+    assert "matches" in err and "nothing would be renamed" in err and "module." in err
+    assert not (tmp_path / "out.pt").exists()

@@ -254,7 +254,7 @@ def test_an_input_given_twice_is_named_not_miscounted(
     "call",
     [
         lambda src, dst, fmt: ct.rewrite(src, dst, output_format=fmt),
-        lambda src, dst, fmt: ct.strip_module(src, dst, prefix="module.", output_format=fmt),
+        lambda src, dst, fmt: ct.strip_module(src, dst, prefix="enc.", output_format=fmt),
         lambda src, dst, fmt: ct.add_module(src, dst, output_format=fmt),
         lambda src, dst, fmt: ct.convert(src, dst, output_format=fmt),
         lambda src, dst, fmt: ct.slim(src, dst, weights_only=True, output_format=fmt),

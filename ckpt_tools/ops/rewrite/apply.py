@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
-from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.errors import ConversionError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.space import check_output_size
@@ -87,6 +87,13 @@ def apply_rewrite(
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
     check_key_types(selection.state_dict, rules, fmt, src)
     plan = _plan(ckpt, selection, rules, fmt, drop_extras, target, torch_instead(dst))
+    if rules and not plan.changed and selection.state_dict:  # a typo would write a copy
+        heads = sorted({str(k).split(".")[0] + "." for k in selection.state_dict})
+        raise UsageError(
+            f"no key of {src} matches {', '.join(r.description or r.pattern for r in rules)}; "
+            f"nothing would be renamed (the keys start with {', '.join(heads[:10])})",
+            argument="rules",
+        )
     device_map = matched_device_map(ckpt, device_map) if device_map else None
     renamed, n_keys = len(plan.changed), len(selection.state_dict)
     stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
