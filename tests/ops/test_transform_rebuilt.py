@@ -128,10 +128,15 @@ def test_average_copies_rebuilt_tensors_equal_in_every_input(tmp_path: Path) -> 
     assert all(_same(got[k], want[k]) for k in want)
 
 
-def test_average_refuses_rebuilt_tensors_that_differ(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key", ["coo_unc", "meta"])
+def test_average_refuses_rebuilt_tensors_that_differ(tmp_path: Path, key: str) -> None:
     a = _save(tmp_path / "a.pt")
-    other = torch.sparse_coo_tensor(torch.tensor([[0], [0]]), torch.tensor([9.0]), (2, 3))
-    b = _save(tmp_path / "b.pt", coo_unc=other)
-    with pytest.raises(ConversionError, match=r"not averaged.*coo_unc"):
+    other = {
+        "coo_unc": torch.sparse_coo_tensor(torch.tensor([[0], [0]]), torch.tensor([9.0]), (2, 3)),
+        # The same shape and dtype, other strides: a meta tensor's only content.
+        "meta": torch.empty_strided((2, 3), (1, 2), dtype=torch.float16, device="meta"),
+    }[key]
+    b = _save(tmp_path / "b.pt", **{key: other})
+    with pytest.raises(ConversionError, match=rf"not averaged.*{key}"):
         ct.average([a, b], tmp_path / "avg.pt")
     assert not (tmp_path / "avg.pt").exists()

@@ -338,11 +338,13 @@ def _mean_items(
 
 def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any]) -> bool:
     """Whether a sparse, nested or meta tensor is the same in every input: layout, shape and
-    dtype (checked before), and each part's shape and elements."""
+    dtype (checked before), strides (a meta tensor's only content), and each part's shape and
+    elements."""
     first = tensors[0]
     for c, t in zip(ckpts[1:], tensors[1:]):
-        if not isinstance(t, RebuiltTensor) or (t.layout, len(t.parts)) != (
+        if not isinstance(t, RebuiltTensor) or (t.layout, t.stride, len(t.parts)) != (
             first.layout,
+            first.stride,
             len(first.parts),
         ):
             return False
