@@ -64,11 +64,11 @@ class _Builder:
         to it finds it.
         """
         built: list[Any] = []
-        todo: list[tuple[Any, str, bool]] = [(node, path, False)]
+        # (node, path, None) to visit; (node, path, n) once its n children are built.
+        todo: list[tuple[Any, str, int | None]] = [(node, path, None)]
         while todo:
-            item, where, children_done = todo.pop()
-            if children_done:
-                count = len(self._children(item, where, made=True))
+            item, where, count = todo.pop()
+            if count is not None:
                 parts = built[len(built) - count :]
                 del built[len(built) - count :]
                 built.append(self._finish(item, where, parts))
@@ -84,14 +84,14 @@ class _Builder:
                 if not isinstance(item, (str, bytes, int, float, complex, bool, type(None))):
                     self.memo[id(item)] = built[-1]
                 continue
-            todo.append((item, where, True))
-            todo.extend((c, p, False) for c, p in reversed(children))
+            todo.append((item, where, len(children)))
+            todo.extend((c, p, None) for c, p in reversed(children))
         return built[0]
 
-    def _children(self, node: Any, path: str, made: bool = False) -> list[tuple[Any, str]] | None:
+    def _children(self, node: Any, path: str) -> list[tuple[Any, str]] | None:
         """What ``node`` is built from, with their paths; None for a node built as it is.
 
-        A mapping or list is made (and memoized) here, unless ``made``.
+        A mapping or list is made (and memoized) here, before its children.
         """
         if isinstance(node, TensorRef):
             quantizer = node.func is not None and node.func.name == "_rebuild_qtensor"
@@ -100,8 +100,7 @@ class _Builder:
         if isinstance(node, TorchSize):
             return None  # a tuple, built as torch.Size
         if isinstance(node, Mapping):
-            if not made:
-                self.memo[id(node)] = type(node)() if type(node) in _MAPPINGS else {}
+            self.memo[id(node)] = type(node)() if type(node) in _MAPPINGS else {}
             children: list[tuple[Any, str]] = []
             for key, value in node.items():
                 if not isinstance(key, (str, int)):  # a tensor may be a key, built as any other
@@ -109,7 +108,7 @@ class _Builder:
                 children.append((value, f"{path}.{key}" if path else str(key)))
             # BUILD state the pickle set on the mapping: the state dict's ``_metadata``.
             return children + [(v, path) for v in getattr(node, "__dict__", {}).values()]
-        if isinstance(node, list) and not made:
+        if isinstance(node, list):
             self.memo[id(node)] = []
         if isinstance(node, (list, tuple, set, frozenset)):
             return [(v, f"{path}.{i}") for i, v in enumerate(node)]
