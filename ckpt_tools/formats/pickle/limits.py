@@ -172,7 +172,7 @@ def check_written_depth(tree: Any) -> None:
         tree,
         MAX_REWRITE_NESTING,
         "torch.load reads it, but a rewrite writes trees that deep at most: write its tensors "
-        "alone (ckpt extract, or a .safetensors output with --drop-extras)",
+        "alone (extract them, or write safetensors without the other entries)",
     )
 
 

@@ -266,7 +266,7 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
     except RecursionError as e:  # a shape that costs more calls a level than stack_room allows
         raise ResourceLimitError(
             "the object tree nests deeper than the pickler recurses here; torch.load reads it: "
-            "write its tensors alone (ckpt extract, or a .safetensors output with --drop-extras)"
+            "write its tensors alone (extract them, or write safetensors without the other entries)"
         ) from e
     finally:
         names.unbind()
