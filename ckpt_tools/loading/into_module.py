@@ -229,8 +229,11 @@ def load_into(
             f"{label}: {type(model).__name__}.load_state_dict refused the state dict: {e}"
         ) from e
     loaded = sum(1 for k in filtered if k in target)
+    # torch's assign leaves what no state dict holds on meta, and says nothing.
+    named = (*model.named_parameters(), *model.named_buffers()) if assign else ()
     return replace(
         report,
+        left_on_meta=tuple(name for name, t in named if t.is_meta),
         loaded=loaded,
         missing=tuple(k for k in result.missing_keys if k not in skip),
         unexpected=tuple(result.unexpected_keys),

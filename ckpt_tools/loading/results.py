@@ -176,6 +176,9 @@ class LoadReport(Readable):
         info: how the file was loaded; None for an in-memory state dict.
         assigned: the loaded tensors became the model's (``load_state_dict(assign=True)``,
             as for a model built on the ``meta`` device): nothing was copied or cast.
+        left_on_meta: parameters and buffers still on ``meta`` after an assign, which no
+            state dict holds (non-persistent buffers, such as rotary ``inv_freq``): the model
+            cannot run until they are made.
     """
 
     source: str
@@ -190,6 +193,7 @@ class LoadReport(Readable):
     dtype_casts: tuple[tuple[str, str, str], ...] = ()
     info: LoadInfo | None = None
     assigned: bool = False
+    left_on_meta: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -209,6 +213,11 @@ class LoadReport(Readable):
             lines.append(f"cast to the model's dtype: {len(self.dtype_casts)} keys")
         if self.assigned:
             lines.append("assigned: the model's tensors are the loaded ones (no copy)")
+        if self.left_on_meta:
+            lines.append(
+                f"still on meta ({len(self.left_on_meta)}): {fold_keys(self.left_on_meta)}: no "
+                "state dict holds them (non-persistent buffers); make them before running"
+            )
         if self.info is not None and self.info.moved:
             lines.append(f"devices: {self.info.moves()}")
         return "\n".join(map(shown, lines))  # (a key cannot start a line of its own)
@@ -233,4 +242,5 @@ class LoadReport(Readable):
             "dtype_casts": [list(c) for c in self.dtype_casts],
             "info": self.info.to_json() if self.info else None,
             "assigned": self.assigned,
+            "left_on_meta": list(self.left_on_meta),
         }

@@ -154,3 +154,26 @@ def test_the_state_dict_behind_assign_is_plain_load_state_dict(trained: tuple[Ti
     meta = _meta_tiny()
     meta.load_state_dict(sd, assign=True)
     assert meta.block[0].weight.data_ptr() == sd["block.0.weight"].data_ptr()
+
+
+class WithRotary(nn.Module):
+    """A linear layer and a buffer no state dict holds (as a rotary embedding's inv_freq)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+def test_what_no_state_dict_holds_is_reported_left_on_meta(tmp_path: Path) -> None:
+    path = tmp_path / "rotary.pt"
+    torch.save(WithRotary().state_dict(), path)
+    with torch.device("meta"):
+        model = WithRotary()
+    report = load_into(model, path)
+    # torch's assign leaves the buffer on meta too; the report says so.
+    assert report.assigned and report.ok and report.left_on_meta == ("inv_freq",)
+    assert model.inv_freq.is_meta and not model.proj.weight.is_meta
+    assert "still on meta (1): inv_freq" in report.text()
+    assert report.to_json()["left_on_meta"] == ["inv_freq"]
+    assert load_into(WithRotary(), path).left_on_meta == ()  # copied, nothing on meta
