@@ -218,23 +218,34 @@ def load_into(
         raise StateDictMismatchError(
             _mismatch_message(report, select, source_keys, model_keys, fix)
         )
-    skip = {m.key for m in shapes}
+    return _load(model, sd, report, target, strict=strict)
+
+
+def _load(
+    model: nn.Module,
+    sd: Mapping[str, Any],
+    report: LoadReport,
+    target: Mapping[str, Any],
+    *,
+    strict: bool,
+) -> LoadReport:
+    """``model.load_state_dict`` of the keys whose shapes match; ``report`` completed."""
+    skip = {m.key for m in report.shape_mismatches}
     filtered: Any = OrderedDict((k, v) for k, v in sd.items() if k not in skip)
     if getattr(sd, "_metadata", None) is not None:
         filtered._metadata = sd._metadata  # type: ignore[attr-defined]
     try:
-        result = model.load_state_dict(filtered, strict=strict, assign=assign)
+        result = model.load_state_dict(filtered, strict=strict, assign=report.assigned)
     except RuntimeError as e:
         raise StateDictMismatchError(
-            f"{label}: {type(model).__name__}.load_state_dict refused the state dict: {e}"
+            f"{report.source}: {type(model).__name__}.load_state_dict refused the state dict: {e}"
         ) from e
-    loaded = sum(1 for k in filtered if k in target)
     # torch's assign leaves what no state dict holds on meta, and says nothing.
-    named = (*model.named_parameters(), *model.named_buffers()) if assign else ()
+    named = (*model.named_parameters(), *model.named_buffers()) if report.assigned else ()
     return replace(
         report,
         left_on_meta=tuple(name for name, t in named if t.is_meta),
-        loaded=loaded,
+        loaded=sum(1 for k in filtered if k in target),
         missing=tuple(k for k in result.missing_keys if k not in skip),
         unexpected=tuple(result.unexpected_keys),
     )
