@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ckpt_tools.errors import CheckpointError, OutputError, OutputExistsError, SameFileError
-from ckpt_tools.io.input_files import reads
+from ckpt_tools.errors import CheckpointError, OutputError, OutputExistsError
 from ckpt_tools.io.interrupts import naming, signals_raise
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "TEMP_SUFFIX",
     "AtomicFile",
     "atomic_output",
-    "check_output_path",
     "fsync_folder",
     "remove_orphans",
     "remove_stale_temps",
@@ -62,68 +60,6 @@ class AtomicFile:
     file: BinaryIO
     path: Path
     durable: bool
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    # samefile compares device and inode: it sees hard links and symlinks alike.
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def check_output_path(
-    dst: str | os.PathLike[str],
-    src: str | os.PathLike[str] | None = None,
-    force: bool = False,
-    in_place: bool | None = False,
-) -> Path:
-    """Refuse outputs that would clobber something, before any work is done.
-
-    Args:
-        dst: the output path.
-        src: the input path, if any, to refuse writing over it.
-        force: allow replacing an existing ``dst`` (never the input).
-        in_place: allow ``dst`` to be ``src`` (still written through a temp file and rename);
-            None where the operation has no such option, so the refusal does not offer it.
-
-    Returns:
-        The output path, with a symlink at ``dst`` resolved (the link is kept, its target
-        replaced).
-
-    Raises:
-        SameFileError: ``dst`` is ``src`` and ``in_place`` is False, or a file the reader
-            of a ``src`` folder reads (a shard, the index), whatever ``in_place``.
-        OutputExistsError: ``dst`` exists and ``force`` is False.
-        OutputError: ``dst`` is a folder, ends with ``/``, or is not a regular file (a
-            device, a FIFO), or its folder does not exist or is a file.
-    """
-    if os.fspath(dst).endswith(("/", os.sep)):  # Path() drops the slash: a file would be named
-        raise OutputError(
-            f"output {os.fspath(dst)!r} ends with '/', which names a folder; give a file path "
-            f"({os.fspath(dst).rstrip('/' + os.sep)!r})",
-            path=dst,
-        )
-    out = Path(dst)
-    if src is not None and out.exists():
-        if Path(src).is_dir() and reads(src, out):  # a shard or the index: never, in place or not
-            raise SameFileError(dst, offer_in_place=False, folder=src)
-        if _same_file(Path(src), out):
-            if not in_place:
-                raise SameFileError(dst, offer_in_place=in_place is not None)
-            return out.resolve()
-    if out.is_dir():
-        raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)
-    if out.exists() and not out.is_file():  # a device or a FIFO: never replaced by a file
-        raise OutputError(f"output {str(dst)!r} is not a regular file; give a file path", path=dst)
-    if out.exists() and not force:
-        raise OutputExistsError(dst)
-    folder = out.resolve().parent
-    if not folder.is_dir():
-        raise OutputError(
-            f"the output folder {str(folder)!r} does not exist; create it first", path=dst
-        )
-    return out.resolve() if out.is_symlink() else out
 
 
 def _keep_mode_and_owner(fd: int, target: Path) -> None:
@@ -353,8 +289,9 @@ def atomic_output(
             as well as the new one (the yielded ``durable`` is then True).
         like: the file whose mode and owner the output takes (default ``dst``).
 
-    Call :func:`check_output_path` first. With ``replace``, a ``dst`` that exists when the
-    write starts is replaced; one that appears while it runs never is.
+    Call :func:`~ckpt_tools.io.output_path.check_output_path` first. With ``replace``, a
+    ``dst`` that exists when the write starts is replaced; one that appears while it runs
+    never is.
 
     Raises:
         OutputError: the temp file cannot be created or written (disk full, permissions).

@@ -26,8 +26,9 @@ from ckpt_tools.errors import (
     SameFileError,
 )
 from ckpt_tools.io import atomic
-from ckpt_tools.io.atomic import TEMP_SUFFIX, atomic_output, check_output_path
+from ckpt_tools.io.atomic import TEMP_SUFFIX, atomic_output
 from ckpt_tools.io.interrupts import Interrupted
+from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.ops.rewrite.conversion import convert
 from tests import helpers as h
 

@@ -456,7 +456,7 @@ def test_verify_full_catches_a_record_that_differs_and_keeps_nothing(tmp_path: P
     import itertools
 
     from ckpt_tools.formats import open_checkpoint
-    from ckpt_tools.io.atomic import check_output_path
+    from ckpt_tools.io.output_path import check_output_path
     from ckpt_tools.ops.transform.plan import execute_plan
 
     planned = ct.slim(FIXTURES / "plain.pt", tmp_path / "o.pt", dtype="fp16", dry_run=True).plan

@@ -44,7 +44,7 @@ def write_file(
 
     Args:
         target: the output path, already accepted by
-            :func:`~ckpt_tools.io.atomic.check_output_path` (or in a folder being built).
+            :func:`~ckpt_tools.io.output_path.check_output_path` (or in a folder being built).
         fill: writes the file's bytes.
         check: verifies the written file; its words are returned.
         replace: replace a ``target`` that exists (the caller's ``force`` or in place);

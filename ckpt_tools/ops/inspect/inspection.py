@@ -141,30 +141,35 @@ def _tensor_infos(
     for name, t in listed:
         for part in t.parts if isinstance(t, RebuiltTensor) else (t,):
             label.setdefault(id(part.storage), shard_of.get(name, "") + part.storage.key)
-    return tuple(
-        _rebuilt_info(name, t, label)
-        if isinstance(t, RebuiltTensor)
-        else TensorInfo(
-            name=name,
-            dtype=t.dtype,
-            shape=t.shape,
-            stride=t.stride,
-            numel=t.numel,
-            nbytes=t.nbytes,
-            device=t.device,
-            storage=label[id(t.storage)],
-            offset=t.offset,
-            storage_nbytes=t.storage.nbytes,
-            sharing=sharing[id(t.storage)],
-            is_parameter=t.is_parameter,
-        )
-        for name, t in listed
-    )
+    return tuple(_info(name, t, label, sharing) for name, t in listed)
 
 
-def _rebuilt_info(name: str, t: RebuiltTensor, label: dict[int, str]) -> TensorInfo:
-    """A sparse, meta or nested tensor: no storage of its own; its parts' storages and bytes."""
-    storages = {id(p.storage): p.storage for p in t.parts}
+def _info(
+    name: str,
+    t: TensorRef | RebuiltTensor,
+    label: dict[int, str],
+    sharing: dict[int, tuple[str, ...]],
+) -> TensorInfo:
+    """One listed tensor; a sparse, meta or nested one has no storage of its own, and is
+    shown with its parts' storages and bytes."""
+    own: dict[str, Any]
+    if isinstance(t, RebuiltTensor):
+        storages = {id(p.storage): p.storage for p in t.parts}
+        own = {
+            "storage": ",".join(label[key] for key in storages),
+            "offset": 0,
+            "storage_nbytes": sum(s.nbytes for s in storages.values()),
+            "sharing": (name,),
+            "layout": t.layout,
+        }
+    else:
+        own = {
+            "storage": label[id(t.storage)],
+            "offset": t.offset,
+            "storage_nbytes": t.storage.nbytes,
+            "sharing": sharing[id(t.storage)],
+            "is_parameter": t.is_parameter,
+        }
     return TensorInfo(
         name=name,
         dtype=t.dtype,
@@ -173,11 +178,7 @@ def _rebuilt_info(name: str, t: RebuiltTensor, label: dict[int, str]) -> TensorI
         numel=t.numel,
         nbytes=t.nbytes,
         device=t.device,
-        storage=",".join(label[key] for key in storages),
-        offset=0,
-        storage_nbytes=sum(s.nbytes for s in storages.values()),
-        sharing=(name,),
-        layout=t.layout,
+        **own,
     )
 
 

@@ -73,7 +73,7 @@ def apply_rewrite(
 
     ``rewrite`` checks its arguments and opens the input; everything after the input is open
     happens here, with the arguments it documents (``target`` is ``dst`` as
-    :func:`~ckpt_tools.io.atomic.check_output_path` accepted it; ``replace`` is ``force`` or
+    :func:`~ckpt_tools.io.output_path.check_output_path` accepted it; ``replace`` is ``force`` or
     ``in_place``: only then is a file at ``target`` replaced).
 
     Returns:

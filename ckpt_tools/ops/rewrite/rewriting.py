@@ -22,7 +22,7 @@ from ckpt_tools._types import (
 )
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.ops.rewrite.result import RewriteResult
 from ckpt_tools.structure.keys import KeyRule, add_rule, rule_items, strip_rule

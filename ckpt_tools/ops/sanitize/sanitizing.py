@@ -24,7 +24,8 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.formats.pickle.limits import check_written_depth
-from ckpt_tools.io.atomic import AtomicFile, check_output_path
+from ckpt_tools.io.atomic import AtomicFile
+from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, tensor_digest, verify_output

@@ -29,8 +29,8 @@ from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLev
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.io.atomic import check_output_path
 from ckpt_tools.io.casting import CAST_SOURCES, cast_array
+from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record
 from ckpt_tools.ops.preflight import check_rewritable

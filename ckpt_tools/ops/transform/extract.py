@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.errors import UsageError
-from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult

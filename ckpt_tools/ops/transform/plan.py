@@ -162,7 +162,7 @@ def execute_plan(
 
     Args:
         plan: the transform's plan.
-        target: the output path, accepted by :func:`~ckpt_tools.io.atomic.check_output_path`.
+        target: the output path, accepted by :func:`~ckpt_tools.io.output_path.check_output_path`.
         source: the checkpoint the plan was made from (the first input, for ``average``).
         verify: ``sizes``, ``full`` (every record made again and compared) or ``none``.
         counter: told the byte count of every piece written.

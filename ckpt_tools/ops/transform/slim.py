@@ -22,7 +22,7 @@ from typing import Any
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
-from ckpt_tools.io.atomic import check_output_path
+from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
 from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite.plan import output_format_for
