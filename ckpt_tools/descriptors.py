@@ -27,8 +27,6 @@ __all__ = [
     "Reduced",
     "StorageRef",
     "TensorRef",
-    "iter_listed_tensors",
-    "iter_tensors",
     "short_repr",
 ]
 
@@ -367,48 +365,3 @@ class Opaque:
 
     def __repr__(self) -> str:
         return f"<{self.global_ref.qualname} (not imported)>"
-
-
-def iter_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
-    """Every tensor in a container tree, with dotted paths (``optimizer.state.0.exp_avg``).
-
-    Args:
-        obj: a tree of dicts, lists, tuples, :class:`Opaque` objects and tensors.
-        prefix: path of ``obj`` itself.
-
-    Returns:
-        ``(path, tensor)`` pairs in the tree's order; a tensor reached twice is listed twice.
-    """
-    return _tree_tensors(obj, prefix, TensorRef)
-
-
-def iter_listed_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef | RebuiltTensor]]:
-    """As :func:`iter_tensors`, with the tensors torch rebuilds by a call (sparse, meta,
-    nested: :class:`RebuiltTensor`) where they stand: every tensor torch.load would give."""
-    return _tree_tensors(obj, prefix, (TensorRef, RebuiltTensor))
-
-
-def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-    # A stack, not recursion: torch.load reads a pickle however deep its containers nest.
-    stack: list[tuple[Any, str]] = [(obj, prefix)]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, kinds):
-            found.append((path, node))
-            continue
-        if id(node) in seen:
-            continue
-        children: list[tuple[Any, str]] = []
-        if isinstance(node, dict):
-            seen.add(id(node))
-            children = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()]
-        elif isinstance(node, (list, tuple)):
-            seen.add(id(node))
-            children = [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
-        elif isinstance(node, Opaque):
-            seen.add(id(node))
-            children = [(node.state, path), (node.dictitems, path)]
-        stack.extend(reversed(children))  # popped in the tree's order
-    return found

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import MapLocation, Select, StrPath
-from ckpt_tools.descriptors import iter_tensors
 from ckpt_tools.errors import (
     Remedy,
     UnsupportedFormatError,
@@ -36,6 +35,7 @@ from ckpt_tools.structure.selection import (
     is_state_dict,
     select_state_dict,
 )
+from ckpt_tools.tensor_walk import iter_tensors
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a load runs
     import torch

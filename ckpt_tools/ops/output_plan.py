@@ -14,18 +14,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.descriptors import (
-    RebuiltTensor,
-    TensorRef,
-    iter_listed_tensors,
-)
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.structure.text import Readable, human_bytes, shown
+from ckpt_tools.tensor_walk import iter_listed_tensors, iter_stored_tensors
 
 __all__ = [
     "PlannedFile",
     "PlannedTensor",
     "WriteResult",
-    "iter_stored_tensors",
     "plan_json",
     "planned_text",
 ]
@@ -33,26 +29,6 @@ __all__ = [
 # Tensors listed per file, and names left out, in the text; ``--json`` has them all.
 _TENSORS_SHOWN = 40
 _NAMES_SHOWN = 8
-
-
-def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
-    """Every tensor whose storage a torch file holds for ``obj``: as
-    :func:`~ckpt_tools.descriptors.iter_tensors`, with each sparse or nested tensor's parts
-    (``coo.0``, ``coo.1``), so every storage a writer must copy.
-
-    Example:
-        >>> from ckpt_tools.descriptors import StorageRef
-        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
-        >>> [path for path, _ in iter_stored_tensors({"w": w})]
-        ['w']
-    """
-    found: list[tuple[str, TensorRef]] = []
-    for path, t in iter_listed_tensors(obj, prefix):
-        if isinstance(t, RebuiltTensor):
-            found.extend((f"{path}.{i}", part) for i, part in enumerate(t.parts))
-        else:
-            found.append((path, t))
-    return found
 
 
 @dataclass(frozen=True)

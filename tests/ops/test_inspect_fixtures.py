@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ckpt_tools
-from ckpt_tools.descriptors import iter_tensors
 from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.tensor_walk import iter_tensors
 from tests.helpers import (
     FIXTURES,
     NOT_FIXTURES,

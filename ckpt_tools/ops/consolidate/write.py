@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.descriptors import TensorRef, iter_tensors
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.assemble import SpanPiece
@@ -34,6 +34,7 @@ from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.io.writers.shard_plan import ShardPlan
 from ckpt_tools.io.writers.torchzip import picklable_tensors
 from ckpt_tools.ops.consolidate.plan import ConsolidationPlan, OutputTensor
+from ckpt_tools.tensor_walk import iter_tensors
 
 __all__ = ["write_file_output", "write_folder_output"]
 

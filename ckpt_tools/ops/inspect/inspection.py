@@ -8,13 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Select, StrPath
-from ckpt_tools.descriptors import (
-    Opaque,
-    RebuiltTensor,
-    TensorRef,
-    iter_listed_tensors,
-    short_repr,
-)
+from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.keys import detect_wrappers
@@ -25,6 +19,7 @@ from ckpt_tools.structure.selection import (
     key_text,
     select_state_dict,
 )
+from ckpt_tools.tensor_walk import iter_listed_tensors
 
 __all__ = [
     "CheckpointInfo",

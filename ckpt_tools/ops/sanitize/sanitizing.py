@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
-from ckpt_tools.descriptors import RebuiltTensor, TensorRef, iter_listed_tensors
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import (
     Remedy,
     SelectError,
@@ -32,13 +32,14 @@ from ckpt_tools.io.verify.outputs import Expected, tensor_digest, verify_output
 from ckpt_tools.io.writers.output import write_file
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.torchzip import write_torch_zip
-from ckpt_tools.ops.output_plan import PlannedFile, iter_stored_tensors
+from ckpt_tools.ops.output_plan import PlannedFile
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.sanitize.result import SanitizeResult
 from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select
 from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.tensor_walk import iter_listed_tensors, iter_stored_tensors
 
 __all__ = ["SanitizeResult", "sanitize"]
 

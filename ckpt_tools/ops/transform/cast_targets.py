@@ -14,9 +14,9 @@ from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.io.casting import CAST_SOURCES
-from ckpt_tools.ops.output_plan import iter_stored_tensors
 from ckpt_tools.ops.transform.rebuilt_cast import values_part
 from ckpt_tools.structure.selection import replace_at
+from ckpt_tools.tensor_walk import iter_stored_tensors
 
 __all__ = ["cast_targets", "kept_outside"]
 

@@ -25,7 +25,7 @@ from ckpt_tools.io.writers.records import (
     tensor_bytes_record,
 )
 from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras, unholdable_kind
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, iter_stored_tensors
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
 from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.cast_targets import cast_targets, kept_outside
 from ckpt_tools.ops.transform.plan import (
@@ -39,6 +39,7 @@ from ckpt_tools.ops.transform.plan import (
 from ckpt_tools.ops.transform.rebuilt_cast import cast_rebuilt_items
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.structure.selection import Selection, holds_no_state_dict, replace_at
+from ckpt_tools.tensor_walk import iter_stored_tensors
 
 __all__ = ["finish", "plan_state_dict_output"]
 

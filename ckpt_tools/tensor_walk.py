@@ -1,0 +1,76 @@
+"""Walks of an unpickled tree that find its tensors, with dotted paths: every dense tensor,
+every tensor torch.load would give (sparse, meta and nested ones as they stand), or every
+tensor whose storage a torch file holds (their parts). Iterative: torch.load reads a pickle
+however deep its containers nest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
+
+__all__ = ["iter_listed_tensors", "iter_stored_tensors", "iter_tensors"]
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
+    """Every tensor in a container tree, with dotted paths (``optimizer.state.0.exp_avg``).
+
+    Args:
+        obj: a tree of dicts, lists, tuples, :class:`Opaque` objects and tensors.
+        prefix: path of ``obj`` itself.
+
+    Returns:
+        ``(path, tensor)`` pairs in the tree's order; a tensor reached twice is listed twice.
+    """
+    return _tree_tensors(obj, prefix, TensorRef)
+
+
+def iter_listed_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef | RebuiltTensor]]:
+    """As :func:`iter_tensors`, with the tensors torch rebuilds by a call (sparse, meta,
+    nested: :class:`RebuiltTensor`) where they stand: every tensor torch.load would give."""
+    return _tree_tensors(obj, prefix, (TensorRef, RebuiltTensor))
+
+
+def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    # A stack, not recursion: torch.load reads a pickle however deep its containers nest.
+    stack: list[tuple[Any, str]] = [(obj, prefix)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, kinds):
+            found.append((path, node))
+            continue
+        if id(node) in seen:
+            continue
+        children: list[tuple[Any, str]] = []
+        if isinstance(node, dict):
+            seen.add(id(node))
+            children = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)):
+            seen.add(id(node))
+            children = [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+        elif isinstance(node, Opaque):
+            seen.add(id(node))
+            children = [(node.state, path), (node.dictitems, path)]
+        stack.extend(reversed(children))  # popped in the tree's order
+    return found
+
+
+def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
+    """Every tensor whose storage a torch file holds for ``obj``: as
+    :func:`iter_tensors`, with each sparse or nested tensor's parts
+    (``coo.0``, ``coo.1``), so every storage a writer must copy.
+
+    Example:
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> [path for path, _ in iter_stored_tensors({"w": w})]
+        ['w']
+    """
+    found: list[tuple[str, TensorRef]] = []
+    for path, t in iter_listed_tensors(obj, prefix):
+        if isinstance(t, RebuiltTensor):
+            found.extend((f"{path}.{i}", part) for i, part in enumerate(t.parts))
+        else:
+            found.append((path, t))
+    return found
