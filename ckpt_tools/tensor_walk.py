@@ -63,6 +63,7 @@ def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef
     (``coo.0``, ``coo.1``), so every storage a writer must copy.
 
     Example:
+        >>> from ckpt_tools.descriptors import StorageRef
         >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
         >>> [path for path, _ in iter_stored_tensors({"w": w})]
         ['w']
