@@ -1,16 +1,27 @@
-"""What an output path may be, checked before any work: never the input (unless in place),
-never a file an input folder's reader reads, a folder, a device or a FIFO; an existing file
-only with ``force``. :mod:`~ckpt_tools.io.atomic` then writes it."""
+"""What an output may be, checked before any work.
+
+A file output (:func:`check_output_path`) is never the input (unless in place), never a file
+an input folder's reader reads, a folder, a device or a FIFO; an existing file only with
+``force``. :mod:`~ckpt_tools.io.atomic` then writes it. A folder output
+(:func:`check_output_folder`) never holds the input, and an existing one is filled only with
+``force``; :mod:`~ckpt_tools.io.writers.hf_folder` then writes it."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
+from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, SameFileError, UsageError
 from ckpt_tools.io.input_files import reads
 
-__all__ = ["check_output_path"]
+__all__ = [
+    "FORCE_REPLACES",
+    "check_output_folder",
+    "check_output_path",
+    "check_writable",
+    "resolved_output",
+    "wants_folder",
+]
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -73,3 +84,102 @@ def check_output_path(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
     return out.resolve() if out.is_symlink() else out
+
+
+def wants_folder(dst: str | os.PathLike[str], max_shard_size: str | int | None) -> bool:
+    """An output is a Hugging Face folder when a shard size is given or ``dst`` names a folder
+    (it ends with a separator, or is an existing folder)."""
+    text = os.fspath(dst)
+    return max_shard_size is not None or text.endswith(("/", os.sep)) or os.path.isdir(text)
+
+
+#: What ``force`` does to an existing folder, in the words every refusal and help text uses.
+FORCE_REPLACES = (
+    "its weight files (model*.safetensors, pytorch_model*.bin and their index) and keep "
+    "everything else"
+)
+# A sharded output is a folder: a name with a file's suffix is a mistake, not a folder name.
+_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl", ".safetensors")
+
+
+def check_output_folder(
+    dst: str | os.PathLike[str], src: str | os.PathLike[str] | None = None, force: bool = False
+) -> Path:
+    """Refuse an output folder that would clobber something, before any work is done.
+
+    Args:
+        dst: the output folder (it may exist empty).
+        src: the input file or folder; never replaced, nor any folder holding it.
+        force: write into an existing non-empty ``dst``: its weight files
+            (:data:`~ckpt_tools.io.writers.hf_folder.WEIGHT_FILES`) are replaced, everything
+            else in it is kept.
+
+    Returns:
+        ``dst`` as an absolute path, a symlink at ``dst`` resolved (the link is kept, the
+        folder it points to replaced).
+
+    Raises:
+        OutputError: ``dst`` is ``src``, or holds it (never replaced, even with ``force``).
+        OutputExistsError: ``dst`` exists, is not empty, and ``force`` is False.
+        OutputError: ``dst`` is a file, its parent folder does not exist, or it is a folder
+            this process could not write files into (replaced, it would be taken over).
+        UsageError: ``dst`` is not a folder yet and its name has a file's suffix (``out.pt``).
+
+    Example:
+        >>> check_output_folder("sharded")
+        Traceback (most recent call last):
+        ckpt_tools.errors.OutputExistsError: output 'sharded' already exists; ...
+    """
+    out = resolved_output(dst)
+    if src is not None:
+        real_src, real_out = os.path.realpath(src), os.path.realpath(out)
+        if os.path.commonpath([real_src, real_out]) == real_out:
+            raise OutputError(
+                f"output folder {os.fspath(dst)!r} is the input or holds it ({os.fspath(src)!r}); "
+                "it is never replaced",
+                path=dst,
+                remedies=(Remedy(text="choose another output folder"),),
+            )
+    if out.exists() and not out.is_dir():
+        raise OutputError(
+            f"output {os.fspath(dst)!r} is a file; a sharded output is a folder", path=dst
+        )
+    if not out.exists() and out.name.lower().endswith(_FILE_SUFFIXES):
+        raise UsageError(
+            f"a sharded output is a folder, and {os.fspath(dst)!r} names a file",
+            path=dst,
+            remedies=(Remedy(text=f"name a folder, e.g. {Path(out.name).stem}/"),),
+        )
+    if out.is_dir() and any(out.iterdir()) and not force:
+        err = OutputExistsError(dst)
+        err.remedies = (
+            Remedy("force", "True", flag="--force", text=f"to replace {FORCE_REPLACES}"),
+            *err.remedies[1:],
+        )
+        raise err
+    check_writable(out, dst)
+    if not out.parent.is_dir():
+        raise OutputError(
+            f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
+            path=dst,
+        )
+    return out
+
+
+def resolved_output(dst: str | os.PathLike[str]) -> Path:
+    """``dst`` as an absolute path; a symlink at it resolved, as file outputs resolve theirs."""
+    out = Path(os.path.abspath(dst))
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
+def check_writable(out: Path, dst: str | os.PathLike[str]) -> None:
+    """Refuse an existing folder this process could not write into, as ``cp -r`` and
+    ``rsync`` would: replacing it needs only the parent's write permission, but would hand
+    someone's read-only folder over to this process."""
+    effective = os.access in os.supports_effective_ids
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK, effective_ids=effective):
+        raise OutputError(
+            f"cannot write into the output folder {os.fspath(dst)!r}: permission denied",
+            path=dst,
+            remedies=(Remedy(text="make it writable, or choose another output folder"),),
+        )

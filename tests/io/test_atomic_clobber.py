@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from ckpt_tools.errors import OutputExistsError, SameFileError
 from ckpt_tools.io.atomic import atomic_output
-from ckpt_tools.io.output_path import check_output_path
-from ckpt_tools.io.writers.hf_folder import FolderFile, check_output_folder, write_folder
+from ckpt_tools.io.output_path import check_output_folder, check_output_path
+from ckpt_tools.io.writers.hf_folder import FolderFile, write_folder
 from tests import helpers as h
 
 

@@ -26,9 +26,10 @@ from ckpt_tools import convert
 from ckpt_tools.errors import OutputError
 from ckpt_tools.io import atomic
 from ckpt_tools.io.interrupts import Interrupted
+from ckpt_tools.io.output_path import check_output_folder
 from ckpt_tools.io.writers import hf_folder
 from ckpt_tools.io.writers.folder_temp import Stopped, run_jobs
-from ckpt_tools.io.writers.hf_folder import FolderFile, check_output_folder, write_folder
+from ckpt_tools.io.writers.hf_folder import FolderFile, write_folder
 from tests import helpers as h
 
 # Ids no account on a test machine has; root may give files to them.

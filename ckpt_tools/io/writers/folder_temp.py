@@ -1,12 +1,13 @@
 """The temp folder a folder output is written in: what it takes over from the folder it
 replaces, and the threads that write its files, stopped as one.
 
-Taken over, from a folder this process could write into (:func:`check_writable`, as
-``cp -r`` needs): its group and setgid bit while the temp folder is written
-(:func:`share_group`; it stays private and this process's own until complete), then its
-owner and group where the process may set them, and its permission bits (:func:`take_over`,
-just before the swap). A replaced file's mode and owner go to the new file of that name,
-as :mod:`~ckpt_tools.io.atomic` keeps them for any file (``write_file(like=)``).
+Taken over, from a folder this process could write into
+(:func:`~ckpt_tools.io.output_path.check_writable`, as ``cp -r`` needs): its group and setgid
+bit while the temp folder is written (:func:`share_group`; it stays private and this
+process's own until complete), then its owner and group where the process may set them, and
+its permission bits (:func:`take_over`, just before the swap). A replaced file's mode and
+owner go to the new file of that name, as :mod:`~ckpt_tools.io.atomic` keeps them for any
+file (``write_file(like=)``).
 
 Threads: Python runs signal handlers in the main thread only, and nothing outside a worker
 thread can interrupt the write it is doing. So the main thread keeps the signal handling (the
@@ -30,14 +31,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from ckpt_tools.errors import OutputError, Remedy
 from ckpt_tools.io.interrupts import signals_raise
 from ckpt_tools.io.writers.progress import ByteCounter
 
 __all__ = [
     "StopCounter",
     "Stopped",
-    "check_writable",
     "remove_temp_folder",
     "run_jobs",
     "share_group",
@@ -50,19 +49,6 @@ R = TypeVar("R")
 # How long the main thread waits at a time: a signal delivered to a worker thread only marks
 # the handler as due, and the main thread runs it once it is back in Python code.
 _STEP = 0.05
-
-
-def check_writable(out: Path, dst: str | os.PathLike[str]) -> None:
-    """Refuse an existing folder this process could not write into, as ``cp -r`` and
-    ``rsync`` would: replacing it needs only the parent's write permission, but would hand
-    someone's read-only folder over to this process."""
-    effective = os.access in os.supports_effective_ids
-    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK, effective_ids=effective):
-        raise OutputError(
-            f"cannot write into the output folder {os.fspath(dst)!r}: permission denied",
-            path=dst,
-            remedies=(Remedy(text="make it writable, or choose another output folder"),),
-        )
 
 
 def remove_temp_folder(entry: Path) -> None:

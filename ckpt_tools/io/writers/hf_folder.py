@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, UsageError
+from ckpt_tools.errors import OutputError, OutputExistsError
 from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
 from ckpt_tools.io.interrupts import Interrupted, naming, signals_raise
+from ckpt_tools.io.output_path import check_writable, resolved_output
 from ckpt_tools.io.writers.folder_temp import (
     StopCounter,
     Stopped,
-    check_writable,
     remove_temp_folder,
     run_jobs,
     share_group,
@@ -40,21 +40,11 @@ from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.io.writers.shard_plan import INDEX_NAME, ShardPlan, index_bytes
 
 __all__ = [
-    "FORCE_REPLACES",
     "WEIGHT_FILES",
     "FolderFile",
-    "check_output_folder",
-    "wants_folder",
     "write_folder",
     "write_hf_shards",
 ]
-
-
-def wants_folder(dst: str | os.PathLike[str], max_shard_size: str | int | None) -> bool:
-    """An output is a Hugging Face folder when a shard size is given or ``dst`` names a folder
-    (it ends with a separator, or is an existing folder)."""
-    text = os.fspath(dst)
-    return max_shard_size is not None or text.endswith(("/", os.sep)) or os.path.isdir(text)
 
 
 # Temp folders: not `.ckpt-tmp-` (atomic.py's file pattern, whose cleanup unlinks files).
@@ -68,82 +58,6 @@ WEIGHT_FILES = re.compile(
     r"^(?:model(?:-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
     r"|pytorch_model(?:-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json)$"
 )
-#: What ``force`` does to an existing folder, in the words every refusal and help text uses.
-FORCE_REPLACES = (
-    "its weight files (model*.safetensors, pytorch_model*.bin and their index) and keep "
-    "everything else"
-)
-# A sharded output is a folder: a name with a file's suffix is a mistake, not a folder name.
-_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl", ".safetensors")
-
-
-def check_output_folder(
-    dst: str | os.PathLike[str], src: str | os.PathLike[str] | None = None, force: bool = False
-) -> Path:
-    """Refuse an output folder that would clobber something, before any work is done.
-
-    Args:
-        dst: the output folder (it may exist empty).
-        src: the input file or folder; never replaced, nor any folder holding it.
-        force: write into an existing non-empty ``dst``: its weight files
-            (:data:`WEIGHT_FILES`) are replaced, everything else in it is kept.
-
-    Returns:
-        ``dst`` as an absolute path, a symlink at ``dst`` resolved (the link is kept, the
-        folder it points to replaced).
-
-    Raises:
-        OutputError: ``dst`` is ``src``, or holds it (never replaced, even with ``force``).
-        OutputExistsError: ``dst`` exists, is not empty, and ``force`` is False.
-        OutputError: ``dst`` is a file, its parent folder does not exist, or it is a folder
-            this process could not write files into (replaced, it would be taken over).
-        UsageError: ``dst`` is not a folder yet and its name has a file's suffix (``out.pt``).
-
-    Example:
-        >>> check_output_folder("sharded")
-        Traceback (most recent call last):
-        ckpt_tools.errors.OutputExistsError: output 'sharded' already exists; ...
-    """
-    out = _resolved(dst)
-    if src is not None:
-        real_src, real_out = os.path.realpath(src), os.path.realpath(out)
-        if os.path.commonpath([real_src, real_out]) == real_out:
-            raise OutputError(
-                f"output folder {os.fspath(dst)!r} is the input or holds it ({os.fspath(src)!r}); "
-                "it is never replaced",
-                path=dst,
-                remedies=(Remedy(text="choose another output folder"),),
-            )
-    if out.exists() and not out.is_dir():
-        raise OutputError(
-            f"output {os.fspath(dst)!r} is a file; a sharded output is a folder", path=dst
-        )
-    if not out.exists() and out.name.lower().endswith(_FILE_SUFFIXES):
-        raise UsageError(
-            f"a sharded output is a folder, and {os.fspath(dst)!r} names a file",
-            path=dst,
-            remedies=(Remedy(text=f"name a folder, e.g. {Path(out.name).stem}/"),),
-        )
-    if out.is_dir() and any(out.iterdir()) and not force:
-        err = OutputExistsError(dst)
-        err.remedies = (
-            Remedy("force", "True", flag="--force", text=f"to replace {FORCE_REPLACES}"),
-            *err.remedies[1:],
-        )
-        raise err
-    check_writable(out, dst)
-    if not out.parent.is_dir():
-        raise OutputError(
-            f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
-            path=dst,
-        )
-    return out
-
-
-def _resolved(dst: str | os.PathLike[str]) -> Path:
-    """``dst`` as an absolute path; a symlink at it resolved, as file outputs resolve theirs."""
-    out = Path(os.path.abspath(dst))
-    return Path(os.path.realpath(out)) if out.is_symlink() else out
 
 
 def _kept_entries(target: Path) -> list[str]:
@@ -189,9 +103,10 @@ def _published_folder(
     ``target`` is replaced: renamed over before the new files are on disk, a power loss
     could lose the old folder as well as the new one.
 
-    An existing ``target`` (checked by :func:`check_output_folder`) keeps everything but its
-    weight files: once the new files are complete, the kept entries are carried into the temp
-    folder (hard links, else renames), which takes the old folder's mode, owner and group
+    An existing ``target`` (checked by
+    :func:`~ckpt_tools.io.output_path.check_output_folder`) keeps everything but its weight
+    files: once the new files are complete, the kept entries are carried into the temp folder
+    (hard links, else renames), which takes the old folder's mode, owner and group
     (:mod:`~ckpt_tools.io.writers.folder_temp`); the old folder is moved aside, the temp
     folder takes its name, and the old one (its weight files) is removed. On any error the
     renamed entries go back and the temp folder goes.
@@ -291,8 +206,9 @@ def write_folder(
     publish the folder as ``dst`` by one rename.
 
     Args:
-        dst: the output folder, checked first with :func:`check_output_folder`; a symlink
-            there is kept, and the folder it points to replaced.
+        dst: the output folder, checked first with
+            :func:`~ckpt_tools.io.output_path.check_output_folder`; a symlink there is kept,
+            and the folder it points to replaced.
         files: the files, in order.
         jobs: files written at once, by threads. SIGTERM and SIGHUP are handled as with one:
             the main thread stops the workers (each at its next piece), removes the temp
@@ -301,7 +217,8 @@ def write_folder(
             (see :func:`~ckpt_tools.io.atomic.atomic_output`), unless a non-empty ``dst``
             is replaced.
         replace: write into a non-empty ``dst`` (the caller's ``force``); False refuses
-            one, even one filled after :func:`check_output_folder` accepted it.
+            one, even one filled after
+            :func:`~ckpt_tools.io.output_path.check_output_folder` accepted it.
 
     Returns:
         The names written inside ``dst``, in order.
@@ -323,7 +240,7 @@ def _write_folder(
 ) -> tuple[str, ...]:
     """:func:`write_folder`, with the stop event its files' writers watch (see
     :mod:`~ckpt_tools.io.writers.folder_temp`)."""
-    target = _resolved(dst)
+    target = resolved_output(dst)
     with _published_folder(target, durable, replace) as (tmp, durable):
 
         def write_one(f: FolderFile) -> str:
@@ -360,7 +277,8 @@ def write_hf_shards(
 
     Args:
         entries: ``(name, tensor, record)`` of every name of ``plan``, once.
-        dst: the output folder, checked first with :func:`check_output_folder`.
+        dst: the output folder, checked first with
+            :func:`~ckpt_tools.io.output_path.check_output_folder`.
         plan: from :func:`~ckpt_tools.io.writers.shard_plan.plan_shards` over these entries.
         check: given a shard's tensor names, the verification of that shard.
         metadata: extra string metadata.

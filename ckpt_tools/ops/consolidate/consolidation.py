@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.errors import UsageError
-from ckpt_tools.io.output_path import check_output_path
+from ckpt_tools.io.output_path import check_output_folder, check_output_path
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS, check_verify_level
-from ckpt_tools.io.writers.hf_folder import check_output_folder
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,

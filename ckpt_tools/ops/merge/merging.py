@@ -18,8 +18,7 @@ from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLev
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, KeyCollisionError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.io.output_path import check_output_path
-from ckpt_tools.io.writers.hf_folder import check_output_folder, wants_folder
+from ckpt_tools.io.output_path import check_output_folder, check_output_path, wants_folder
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
 from ckpt_tools.ops.merge.folder import write_merged_folder

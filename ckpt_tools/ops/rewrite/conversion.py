@@ -72,7 +72,7 @@ def convert(
         >>> convert("model.pt", "model-hf/").written
         ('model-hf/model.safetensors',)
     """
-    from ckpt_tools.io.writers.hf_folder import wants_folder
+    from ckpt_tools.io.output_path import wants_folder
 
     if not wants_folder(dst, max_shard_size):
         return rewrite(

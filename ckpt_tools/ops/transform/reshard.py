@@ -21,10 +21,11 @@ from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLev
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.io.output_path import check_output_folder
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, verify_output
-from ckpt_tools.io.writers.hf_folder import check_output_folder, write_hf_shards
+from ckpt_tools.io.writers.hf_folder import write_hf_shards
 from ckpt_tools.io.writers.output import Check
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_holdable, source_records
