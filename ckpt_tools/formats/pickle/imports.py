@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import _compat_pickle
 import ast
-import codecs
 import io
 import pickletools
-import sys
-from collections.abc import Iterator
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.pickle.limits import LimitedReader
+from ckpt_tools.formats.pickle.opcode_reader import STRINGS, CutGlobal, read_opcodes
 
 __all__ = [
     "ImportScan",
@@ -83,10 +81,6 @@ _FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVXiJKM")
 _MARK = pickletools.markobject
 
 
-_STRINGS = frozenset(
-    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE"}
-    | {"BINUNICODE8"}
-)
 _GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
 _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 _EXTS = frozenset({"EXT1", "EXT2", "EXT4"})
@@ -160,16 +154,6 @@ def python3_qualname(qualname: str) -> str:
     return qualname
 
 
-class _CutGlobal(ValueError):
-    """A GLOBAL or INST whose lines the file ends inside, with the names torch's weights-only
-    reader takes from them: each line less its last byte, newline or not."""
-
-    def __init__(self, module: str, name: str) -> None:
-        super().__init__("the file ends inside a global's name")
-        self.module, self.name = module, name
-        self.opcode, self.pos = "GLOBAL", 0
-
-
 def python3_name(module: str, name: str) -> tuple[str, str]:
     """``(module, name)`` as Python's ``Unpickler.find_class`` maps a Python 2 name
     (``fix_imports``, torch's default) before it imports anything.
@@ -230,9 +214,9 @@ def find_imports(
     # The last PROTO read decides whether find_class maps Python 2 names (below 3 it does).
     protocol = 0
     try:
-        for op, arg, pos in _opcodes(stream):
+        for op, arg, pos in read_opcodes(stream):
             name = op.name
-            if name in _STRINGS:
+            if name in STRINGS:
                 stack.append(arg if isinstance(arg, str) else _python2_text(arg))
             elif name == "PROTO":
                 protocol = arg
@@ -256,7 +240,7 @@ def find_imports(
                 return ImportScan(tuple(imports), base + stream.tell())
     except ResourceLimitError as e:
         return ImportScan(tuple(imports), None, str(e))
-    except _CutGlobal as e:
+    except CutGlobal as e:
         if cut_globals:
             imports.append(PickleImport(e.module, e.name, e.pos, e.opcode))
         return ImportScan(tuple(imports), None, str(e), True)
@@ -266,104 +250,6 @@ def find_imports(
         short = base + stream.tell() >= size and "unknown" not in str(e)
         return ImportScan(tuple(imports), None, str(e), short)
     return ImportScan(tuple(imports), None, "no STOP opcode", True)
-
-
-_LENGTH_WIDTHS = {
-    pickletools.TAKEN_FROM_ARGUMENT1: (1, False),
-    pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
-    pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
-    pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
-}
-_VALUED = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "PROTO"})
-
-
-def _opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
-    """``(opcode, argument, position)`` as the C unpickler reads them, up to STOP.
-
-    Not ``pickletools.genops``: it parses a protocol 0 argument more strictly than the
-    unpickler does (``I0x1`` is an int to ``pickle.load``, an error to genops), and a walk
-    that stops there would miss the imports after it. Only the arguments the walk uses are
-    decoded: strings, memo indices, and a GLOBAL's module and name.
-    """
-    while True:
-        pos = stream.tell()
-        code = stream.read(1)
-        if not code:
-            raise ValueError("pickle exhausted before seeing STOP")
-        op = pickletools.code2op.get(code.decode("latin-1"))
-        if op is None:
-            raise ValueError(f"at position {pos}, opcode {code!r} unknown")
-        try:
-            argument = _argument(stream, op)
-        except _CutGlobal as e:
-            e.opcode, e.pos = op.name, pos
-            raise
-        yield op, argument, pos
-        if op.name == "STOP":
-            return
-
-
-def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
-    if op.arg is None:
-        return None
-    n, name = op.arg.n, op.name
-    if n == pickletools.UP_TO_NEWLINE:
-        if name in ("GLOBAL", "INST"):
-            # pickle decodes a GLOBAL's lines as UTF-8, an INST's as ASCII (C and Python alike).
-            return _global_lines(stream, "utf-8" if name == "GLOBAL" else "ascii")
-        line = _line(stream)
-        if name == "UNICODE":
-            return line.decode("raw-unicode-escape")
-        if name == "STRING":
-            return _string_literal(line)
-        if name in ("GET", "PUT"):
-            return int(line)
-        return None  # ints, longs, floats and persistent ids: not needed
-    if n in _LENGTH_WIDTHS:
-        width, signed = _LENGTH_WIDTHS[n]
-        length = int.from_bytes(_exactly(stream, width), "little", signed=signed)
-        if length < 0:
-            raise ValueError(f"{name} declares a negative length")
-        data = _exactly(stream, length)
-        if name in _STRINGS:
-            return data.decode("utf-8", "surrogatepass") if "UNICODE" in name else data
-        return None
-    data = _exactly(stream, n)
-    return int.from_bytes(data, "little") if name in _VALUED else None
-
-
-def _global_lines(stream: Any, encoding: str) -> tuple[str, str]:
-    module, attr = stream.readline(), stream.readline()
-    names = module[:-1].decode(encoding), attr[:-1].decode(encoding)
-    if not (module.endswith(b"\n") and attr.endswith(b"\n")):
-        # The file ends inside them. pickle's reader stops there; torch's weights-only
-        # reader takes each line less its last byte, and names that global as it refuses it.
-        raise _CutGlobal(*names)
-    return names
-
-
-def _line(stream: Any) -> bytes:
-    line = stream.readline()
-    if not line.endswith(b"\n"):
-        raise ValueError("no newline found when trying to read an argument")
-    return line[:-1]
-
-
-def _exactly(stream: Any, n: int) -> bytes:
-    if n > sys.maxsize:  # (a declared 8-byte length no read can even be asked for)
-        raise ValueError(f"expected {n} bytes, more than any file holds")
-    data = stream.read(n)
-    if len(data) != n:
-        raise ValueError(f"expected {n} bytes, but only {len(data)} remain")
-    return data
-
-
-def _string_literal(line: bytes) -> bytes:
-    """A STRING opcode's argument as pickle reads it: one pair of matching quotes stripped,
-    then its escapes decoded (``'\\x6fs'`` is ``os``)."""
-    if len(line) < 2 or line[:1] != line[-1:] or line[:1] not in (b"'", b'"'):
-        raise ValueError("the STRING opcode argument must be quoted")
-    return codecs.escape_decode(line[1:-1])[0]  # a bad \x escape: ValueError, as in pickle
 
 
 def _python2_text(value: object) -> object:
