@@ -166,6 +166,8 @@ def test_names_in_an_adapter_summary_and_a_tensor_line_are_escaped() -> None:
         alpha=4.0,
         rslora=False,
         dora=False,
+        bias="all\x1b[2J",
+        lora_bias=False,
         target_modules=["q_proj\nrank:        forged"],
         modules=("q_proj",),
         modules_to_save=("head\rx",),
@@ -173,8 +175,9 @@ def test_names_in_an_adapter_summary_and_a_tensor_line_are_escaped() -> None:
         parameters=0,
     )
     lines = adapter.lines()
-    assert all(line.isprintable() for line in lines) and len(lines) == 4
+    assert all(line.isprintable() for line in lines) and len(lines) == 5
     assert "q_proj\\nrank:        forged" in lines[2] and "\\x1b[2J" in lines[0]
+    assert lines[3].startswith("biases:      all\\x1b[2J")
     tensor = inspect(DP).tensors[0]
     odd = dataclasses.replace(tensor, name="w\n\x1b")
     assert str(odd).startswith("w\\n\\x1b ") and str(odd).isprintable()

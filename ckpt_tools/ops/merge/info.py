@@ -26,6 +26,9 @@ class AdapterInfo:
         base_model: ``base_model_name_or_path``.
         r, alpha: the config's rank and alpha (None where the type has none).
         rslora, dora: ``use_rslora``, ``use_dora``.
+        bias: the config's ``bias``: ``none``, or ``lora_only``/``all`` where trained biases
+            are saved with the adapter (they replace the base's when it is loaded or merged).
+        lora_bias: ``lora_bias``, a bias on each ``lora_B``.
         target_modules: the config's ``target_modules`` (a list, or a regex string).
         modules: the modules the weight file adapts (LoRA parts found), in file order.
         modules_to_save: the config's ``modules_to_save``.
@@ -39,6 +42,8 @@ class AdapterInfo:
     alpha: float | None
     rslora: bool
     dora: bool
+    bias: str
+    lora_bias: bool
     target_modules: Any
     modules: tuple[str, ...]
     modules_to_save: tuple[str, ...]
@@ -49,15 +54,16 @@ class AdapterInfo:
         """The summary lines ``ckpt inspect`` prints for it."""
         targets = self.target_modules
         shown = ", ".join(targets) if isinstance(targets, list) else repr(targets)
-        variant = "".join(
-            f", {name}" for name, on in (("rsLoRA", self.rslora), ("DoRA", self.dora)) if on
-        )
+        flags = (("rsLoRA", self.rslora), ("DoRA", self.dora), ("lora_bias", self.lora_bias))
+        variant = "".join(f", {name}" for name, on in flags if on)
         lines = [
             f"adapter:     {self.peft_type}{variant}, base {self.base_model or '?'}",
             f"rank:        r={self.r}, alpha={self.alpha}"
             + "".join(f", {k} {dict(v)}" for k, v in self.patterns.items() if v),
             f"targets:     {shown} ({len(self.modules)} modules adapted)",
         ]
+        if self.bias != "none":
+            lines.append(f"biases:      {self.bias} (trained biases saved with the adapter)")
         if self.modules_to_save:
             lines.append(f"saved:       {', '.join(self.modules_to_save)} (modules_to_save)")
         return [escaped(line) for line in lines]  # names from the adapter's config
@@ -70,6 +76,8 @@ class AdapterInfo:
             "alpha": self.alpha,
             "rslora": self.rslora,
             "dora": self.dora,
+            "bias": self.bias,
+            "lora_bias": self.lora_bias,
             "target_modules": self.target_modules,
             "modules": list(self.modules),
             "modules_to_save": list(self.modules_to_save),
@@ -109,6 +117,8 @@ def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:
         alpha=config.get("lora_alpha"),
         rslora=bool(lora and config.get("use_rslora")),
         dora=bool(lora and config.get("use_dora")),
+        bias=str(config.get("bias") or "none"),
+        lora_bias=bool(lora and config.get("lora_bias")),
         target_modules=config.get("target_modules"),
         modules=target_modules(t.name for t in info.tensors),
         modules_to_save=tuple(config.get("modules_to_save") or ()),

@@ -54,3 +54,20 @@ def test_other_types_are_named_and_the_tiny_adapter_counted(tmp_path: Path) -> N
     tiny = ct.inspect(write_tiny_adapter(tmp_path / "lora")).format_info
     # layers.0: A (2, 8) and B (8, 2); head: A (2, 8) and B (3, 2)
     assert tiny.modules == ("head", "layers.0") and tiny.parameters == 16 + 16 + 16 + 6
+
+
+def test_trained_biases_and_lora_bias_are_named(tmp_path: Path) -> None:
+    plain = ct.inspect(_saved(tmp_path / "plain", peft.LoraConfig(target_modules=["q_proj"])))
+    assert (plain.format_info.bias, plain.format_info.lora_bias) == ("none", False)
+    config = peft.LoraConfig(target_modules=["q_proj"], bias="lora_only", lora_bias=True)
+    adapter = _saved(tmp_path / "biased", config)
+    a = ct.inspect(adapter).format_info
+    assert (a.bias, a.lora_bias) == ("lora_only", True)
+    _, out, _ = run_ckpt("inspect", adapter)
+    assert "adapter:     LORA, lora_bias, base tiny-llama" in out
+    assert "biases:      lora_only (trained biases saved with the adapter)" in out
+    _, plain_out, _ = run_ckpt("inspect", tmp_path / "plain")
+    assert "biases:" not in plain_out
+    _, out, _ = run_ckpt("inspect", adapter, "--json")
+    info = json.loads(out)["format_info"]
+    assert (info["bias"], info["lora_bias"]) == ("lora_only", True)
