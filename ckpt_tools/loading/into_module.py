@@ -1,8 +1,10 @@
 """Loading into models whatever their wrappers: :func:`load_into`.
 
 It reconciles wrapper prefixes (``module.``, ``_orig_mod.``, ``model.`` ...) between the
-checkpoint and the model with the rules of :mod:`ckpt_tools.structure.keys`, loads, and reports what
-it did, including the shape mismatches ``strict=False`` skipped.
+checkpoint and the model with the rules of :mod:`ckpt_tools.structure.keys`, asks torch what it
+would make of the result (:mod:`ckpt_tools.loading.rehearsal`: the modules' own loading code
+included, the model untouched), loads, and reports what it did, including the shape mismatches
+``strict=False`` skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.errors import StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
+from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch
 from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_with_info
 from ckpt_tools.structure.grouping import fold_keys
@@ -45,6 +48,7 @@ def _mismatch_message(
     source_keys: Sequence[str],
     model_keys: Sequence[str],
     applied: KeyFix | None,
+    verdict: Verdict,
 ) -> str:
     parts = [f"{report.source} does not match {report.model_class}"]
     if report.rewrites:
@@ -64,6 +68,12 @@ def _mismatch_message(
         shown = ", ".join(str(m) for m in report.shape_mismatches[:4])
         more = " ..." if len(report.shape_mismatches) > 4 else ""
         lines.append(f"  {len(report.shape_mismatches)} shape mismatch(es): {shown}{more}")
+    lines += [f"  torch: {error}" for error in verdict.errors]
+    if verdict.fallback is not None:
+        lines.append(
+            f"  (keys compared by name, without the modules' own loading code: {verdict.fallback}; "
+            "torch's load_state_dict may still accept them)"
+        )
     # A rewrite of the keys as stored (the command acts on the file) that does better than
     # the wrapper rewrite applied here.
     fixes = rank_fixes(source_keys, model_keys) if report.unexpected else ()
@@ -80,11 +90,15 @@ def _mismatch_message(
         lines.append(
             f"  {fix.describe()} resolves {fix.resolved} of {fix.unmatched} unexpected keys: {how}"
         )
-    lines.append(
-        "Pass strict=False to load the keys that match and get the rest in the report, or "
-        f"run `ckpt diff {report.source if report.source != '<state dict>' else 'CKPT'} "
-        "--model MODULE:FACTORY` to see every difference."
-    )
+    source = report.source if report.source != "<state dict>" else "CKPT"
+    diff = f"`ckpt diff {source} --model MODULE:FACTORY` to see every difference."
+    if verdict.errors:  # strict=False skips keys and shapes; torch's other errors stand
+        lines.append(f"Run {diff}")
+    else:
+        lines.append(
+            "Pass strict=False to load the keys that match and get the rest in the report, or "
+            f"run {diff}"
+        )
     return "\n".join(lines)
 
 
@@ -143,12 +157,22 @@ def load_into(
     the checkpoint's keys are compared (:func:`ckpt_tools.structure.suggest.best_fix`), and the
     checkpoint's keys are rewritten with :mod:`ckpt_tools.structure.keys` rules to match.
 
+    Missing and unexpected keys and shape mismatches are torch's own verdict, with each
+    module's loading code taken into account (BatchNorm state dicts from before
+    ``num_batches_tracked``, ``weight_norm``'s old ``weight_g``/``weight_v``, load-state-dict
+    pre-hooks, ``_load_from_state_dict`` overrides, the module versions in ``_metadata``): it is
+    found by :func:`ckpt_tools.loading.rehearsal.rehearse` on a meta copy of the model before
+    anything is loaded. Where that cannot run (a model that does not deep-copy, a hook that
+    needs real values), the keys are compared by name, and a warning is logged.
+
     Args:
         model: the target module (wrapped or not).
         src: a checkpoint path, or an in-memory state dict (or a dict holding one).
         strict: with True, any missing or unexpected key or shape mismatch raises and the
             model is left untouched; with False, matching keys load and the rest is reported
             (shape mismatches are skipped, where ``nn.Module.load_state_dict`` would raise).
+            Either way, a state dict torch would refuse for another reason (a value that is
+            not a tensor) raises before anything is loaded.
         map_location: as for :func:`load_state_dict`; ``"auto"`` here stages storages on
             the CPU (memory-mapped) since they are copied into the model's tensors anyway.
         select: dotted path to the state dict inside the checkpoint.
@@ -165,8 +189,9 @@ def load_into(
         A :class:`LoadReport`.
 
     Raises:
-        StateDictMismatchError: ``strict=True`` and the keys or shapes differ; the message
-            lists them (repeated layers folded) and says how to proceed.
+        StateDictMismatchError: ``strict=True`` and the keys or shapes differ, or torch would
+            refuse the state dict for another reason; the message lists them (repeated layers
+            folded) and says how to proceed.
         UsageError, UnsafeContentError, CheckpointError: see :func:`load_state_dict`.
 
     Example:
@@ -177,29 +202,16 @@ def load_into(
         >>> report.rewrites
         ("stripping 'module.'",)
     """
-    torch = require_torch("load_into")
-    from ckpt_tools.loading.tensor_io import dtype_name
-
+    require_torch("load_into")
     sd, label, info = _source_state_dict(src, map_location, select, trust)
     assign = on_meta(model) if assign is None else assign
-    target = model.state_dict()
-    model_keys = list(target)
+    model_keys = list(model.state_dict())
     source_keys = [str(k) for k in sd]
     fix = best_fix(source_keys, model_keys)
     if fix is not None:
         sd = rename_keys(sd, fix.rules)
         logger.info("%s: %s to match %s", label, fix.describe(), type(model).__name__)
-    missing = tuple(k for k in model_keys if k not in sd)
-    unexpected = tuple(k for k in sd if k not in target)
-    shapes, casts = [], []
-    for key, value in sd.items():
-        have = target.get(key)
-        if not (isinstance(value, torch.Tensor) and isinstance(have, torch.Tensor)):
-            continue
-        if value.shape != have.shape:
-            shapes.append(ShapeMismatch(key, tuple(value.shape), tuple(have.shape)))
-        elif value.dtype != have.dtype:
-            casts.append((key, dtype_name(value.dtype), dtype_name(have.dtype)))
+    verdict = rehearse(model, sd)
     report = LoadReport(
         source=label,
         model_class=type(model).__name__,
@@ -207,45 +219,47 @@ def load_into(
         checkpoint_layout=tuple(m.prefix for m in wrapper_stack(source_keys)),
         rewrites=tuple(step.describe() for step in fix.steps) if fix else (),
         loaded=0,
-        missing=missing,
-        unexpected=unexpected,
-        shape_mismatches=tuple(shapes),
-        dtype_casts=() if assign else tuple(casts),
+        missing=verdict.missing,
+        unexpected=verdict.unexpected,
+        shape_mismatches=verdict.shape_mismatches,
+        dtype_casts=() if assign else verdict.dtype_casts,
         info=info,
         assigned=assign,
     )
-    if strict and not report.ok:
+    # Errors other than keys and shapes make torch raise whatever strict says.
+    if verdict.errors or (strict and not report.ok):
         raise StateDictMismatchError(
-            _mismatch_message(report, select, source_keys, model_keys, fix)
+            _mismatch_message(report, select, source_keys, model_keys, fix, verdict)
         )
-    return _load(model, sd, report, target, strict=strict)
+    return _load(model, sd, report, len(model_keys), strict=strict)
 
 
 def _load(
     model: nn.Module,
     sd: Mapping[str, Any],
     report: LoadReport,
-    target: Mapping[str, Any],
+    expected: int,
     *,
     strict: bool,
 ) -> LoadReport:
-    """``model.load_state_dict`` of the keys whose shapes match; ``report`` completed."""
-    skip = {m.key for m in report.shape_mismatches}
-    filtered: Any = OrderedDict((k, v) for k, v in sd.items() if k not in skip)
-    if getattr(sd, "_metadata", None) is not None:
-        filtered._metadata = sd._metadata  # type: ignore[attr-defined]
+    """``model.load_state_dict`` less the shape mismatches; ``report`` completed."""
+    skip = frozenset(m.key for m in report.shape_mismatches)
+    own = with_own_metadata(OrderedDict(sd), sd)
     try:
-        result = model.load_state_dict(filtered, strict=strict, assign=report.assigned)
+        with skipping(model, skip):
+            result = model.load_state_dict(own, strict=strict, assign=report.assigned)
     except RuntimeError as e:
+        # Only a hook that acts on real values (or one the rehearsal could not run) gets here.
         raise StateDictMismatchError(
-            f"{report.source}: {type(model).__name__}.load_state_dict refused the state dict: {e}"
+            f"{report.source}: {type(model).__name__}.load_state_dict refused the state dict "
+            f"while loading, so some of the model's tensors may already be loaded: {e}"
         ) from e
     # torch's assign leaves what no state dict holds on meta, and says nothing.
     named = (*model.named_parameters(), *model.named_buffers()) if report.assigned else ()
     return replace(
         report,
         left_on_meta=tuple(name for name, t in named if t.is_meta),
-        loaded=sum(1 for k in filtered if k in target),
+        loaded=max(0, expected - len(result.missing_keys)),
         missing=tuple(k for k in result.missing_keys if k not in skip),
         unexpected=tuple(result.unexpected_keys),
     )

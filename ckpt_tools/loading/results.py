@@ -169,7 +169,8 @@ class LoadReport(Readable):
         checkpoint_layout: wrapper prefixes of the checkpoint's keys, outermost first.
         rewrites: the key rewrites applied to the checkpoint (``stripping 'module.'``).
         loaded: keys copied into the model.
-        missing: model keys the checkpoint lacks (after the rewrites).
+        missing: model keys the checkpoint lacks (after the rewrites), as torch reports them
+            after the modules' own loading code.
         unexpected: checkpoint keys the model lacks (after the rewrites).
         shape_mismatches: keys present in both with different shapes (skipped).
         dtype_casts: ``(key, checkpoint dtype, model dtype)`` copied with a cast.
