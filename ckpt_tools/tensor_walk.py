@@ -9,7 +9,31 @@ from typing import Any
 
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 
-__all__ = ["iter_listed_tensors", "iter_stored_tensors", "iter_tensors"]
+__all__ = ["iter_listed_tensors", "iter_stored_tensors", "iter_tensors", "stored_views"]
+
+
+def stored_views(value: Any) -> tuple[TensorRef, ...]:
+    """The views of storages that ``value``'s bytes lie in: a dense tensor itself, a sparse,
+    nested or jagged tensor's parts, nothing for a meta tensor or a value that is no tensor.
+
+    The one place that decides which storages hold a listed tensor, so a writer, a cast and a
+    verification copy, cast and check the same records.
+
+    Args:
+        value: a :class:`TensorRef`, a :class:`RebuiltTensor`, or any other unpickled value.
+
+    Returns:
+        The views, in the order of ``value``'s parts.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> stored_views(w) == (w,), stored_views("epoch")
+        (True, ())
+    """
+    if isinstance(value, TensorRef):
+        return (value,)
+    return value.parts if isinstance(value, RebuiltTensor) else ()
 
 
 def iter_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:

@@ -4,7 +4,8 @@ values as a dense tensor's are (bit-equal, or close under ``atol``/``rtol``).
 Each side is turned into :class:`Pieces`: a sparse COO tensor is coalesced first (indices
 sorted, duplicates summed, as torch does before any elementwise use), so two files listing the
 same elements in another order compare equal; a compressed one (CSR, CSC, BSR, BSC) is
-canonical already; a nested tensor is its components. A file's tensor is rebuilt from its
+canonical already; a nested tensor is its components (a jagged one's: its values between
+consecutive offsets, checked to lie inside them). A file's tensor is rebuilt from its
 parts with torch's invariant checks, so a malformed one is refused as ``torch.load`` refuses
 it. Meta tensors have no parts: the engine compares their strides.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
+from itertools import pairwise
+from typing import Any
 
 import torch
 
@@ -20,6 +23,8 @@ from ckpt_tools.descriptors import RebuiltTensor
 from ckpt_tools.diffing.parts import TensorDiff
 from ckpt_tools.diffing.value_stats import ValueStats, flat_cpu, with_stats
 from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.pickle.jagged import check_jagged_parts, jagged_arguments
+from ckpt_tools.formats.pickle.rebuilt import check_nested_parts
 from ckpt_tools.loading.tensor_io import TensorReader
 
 __all__ = ["Pieces", "compare_pieces", "file_pieces", "tensor_pieces"]
@@ -75,10 +80,12 @@ def file_pieces(reader: TensorReader, ref: RebuiltTensor, where: str) -> Pieces 
 
     Raises:
         CorruptCheckpointError: torch refuses the tensor its parts describe (an index out of
-            range, a nested component past the end of its buffer).
+            range), or a nested or jagged component lies past the end of its buffer.
     """
-    parts = [reader.read(part) for part in ref.parts]
     try:
+        if ref.layout == "jagged":
+            return _jagged_pieces(reader, jagged_arguments(ref))
+        parts = [reader.read(part) for part in ref.parts]
         if ref.layout == "nested":
             return _nested_pieces(*parts)
         if ref.layout == "sparse_coo":
@@ -103,16 +110,31 @@ def file_pieces(reader: TensorReader, ref: RebuiltTensor, where: str) -> Pieces 
 def _nested_pieces(
     buffer: torch.Tensor, sizes: torch.Tensor, strides: torch.Tensor, offsets: torch.Tensor
 ) -> Pieces:
-    if buffer.dim() != 1 or strides.shape != sizes.shape or offsets.shape != sizes.shape[:1]:
-        raise ValueError("its buffer, sizes, strides and offsets do not describe components")
-    # as_strided checks each component against the buffer's storage (a fresh, exact one):
-    # out-of-range sizes, strides and offsets are refused, as torch's rebuild does not.
+    # torch's rebuild does not check the components against the buffer; this does, as the
+    # loader does, before as_strided views the buffer's fresh, exact storage through them.
+    check_nested_parts(buffer, sizes, strides, offsets)
     buffer = buffer.clone()
     components = tuple(
         buffer.as_strided(size, stride, offset)
         for size, stride, offset in zip(sizes.tolist(), strides.tolist(), offsets.tolist())
     )
     return Pieces((("component sizes", sizes.to(torch.int64)),), components)
+
+
+def _jagged_pieces(reader: TensorReader, kwargs: dict[str, Any]) -> Pieces:
+    values, offsets = reader.read(kwargs["values"]), reader.read(kwargs["offsets"])
+    lengths = None if kwargs.get("lengths") is None else reader.read(kwargs["lengths"])
+    dim = kwargs.get("_ragged_idx", 1) - 1
+    # torch's constructor does not check the offsets; its kernels index the values with them.
+    check_jagged_parts(values, offsets, lengths, dim + 1)
+    starts = offsets.tolist()
+    if lengths is None:
+        sizes = [end - start for start, end in pairwise(starts)]
+    else:
+        sizes = lengths.tolist()
+    components = tuple(values.narrow(dim, a, n) for a, n in zip(starts, sizes))
+    shapes = torch.tensor([list(c.shape) for c in components], dtype=torch.int64)
+    return Pieces((("component sizes", shapes),), components)
 
 
 def compare_pieces(

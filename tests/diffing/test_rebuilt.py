@@ -155,3 +155,37 @@ def test_a_sparse_tensor_torch_refuses_is_refused(save: Any) -> None:
         torch.load(path, weights_only=True)
     with pytest.raises(CorruptCheckpointError, match=r"entry 's'.*sparse_coo"):
         diff(path, save({"s": torch.sparse_coo_tensor([[0]], [1.0], (2,))}, "ok.pt"))
+
+
+def _jagged(d: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.nested.nested_tensor_from_jagged(d, torch.tensor([0, 1, 4]), lengths)
+
+
+@pytest.mark.parametrize("lengths", [None, torch.tensor([1, 2])], ids=["offsets", "lengths"])
+def test_jagged_tensors_equal_close_and_differing_as_torch_says(
+    lengths: torch.Tensor | None, save: Any
+) -> None:
+    a = save({"t": _jagged(dense(), lengths)}, "a.pt")
+    report = diff(a, save({"t": _jagged(dense(), lengths)}, "same.pt"))
+    assert report.identical and report.tensor("t").layout_a == "jagged", report.text()
+    off = dense().clone()
+    off[3] += 1.0  # the last row: outside the second component where lengths cut it short
+    row = diff(a, save({"t": _jagged(off, lengths)}, "b.pt")).tensor("t")
+    equal = torch_equal(_jagged(dense(), lengths), _jagged(off, lengths))
+    assert row.status == ("equal" if equal else "differ") and row.bit_equal is equal
+
+
+def test_a_nested_tensor_past_its_buffer_is_refused_as_the_loader_refuses_it(
+    tmp_path: Path, save: Any
+) -> None:
+    from ckpt_tools.formats import open_checkpoint
+    from tests.helpers.committed import tools
+
+    src = save({"nt": torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)])}, "a.pt")
+    offsets = open_checkpoint(src).root["nt"].args[3].storage.key
+    bad = tmp_path / "bad.pt"
+    tools().rewrite_zip(
+        src, bad, replace={f"data/{offsets}": torch.tensor([0, 7]).numpy().tobytes()}
+    )
+    with pytest.raises(CorruptCheckpointError, match="past the end of its 9-element buffer"):
+        diff(src, str(bad))

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
+from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.formats.pickle.jagged import JAGGED_GLOBALS, jagged_from_type, jagged_tensor
 from ckpt_tools.formats.pickle.rebuilt import rebuilt_tensor
 from ckpt_tools.formats.pickle.standins import (
     UNTYPED_STORAGE,
@@ -161,6 +162,8 @@ def _rebuild_from_type_v2(func: GlobalRef, *args: Any) -> Any:
     if len(args) != 4 or not callable(args[0]) or not isinstance(args[2], tuple):
         raise CorruptCheckpointError(f"{func.qualname} called with unexpected arguments")
     inner = args[0](*args[2])
+    if isinstance(inner, RebuiltTensor) and inner.layout == "jagged":
+        return jagged_from_type(func, args, inner)
     if not isinstance(inner, TensorRef):
         return Reduced(GlobalRef(func.module, func.name), args)
     new_type = args[1]
@@ -171,6 +174,11 @@ def _rebuild_from_type_v2(func: GlobalRef, *args: Any) -> Any:
         func=GlobalRef(func.module, func.name),
         args=args,
     )
+
+
+def _jagged(func: GlobalRef, *args: Any) -> RebuiltTensor:
+    # _rebuild_njt(constructor_kwargs): a jagged nested tensor
+    return jagged_tensor(func, args[0])
 
 
 def _reduced(func: GlobalRef, *args: Any) -> Reduced:
@@ -260,6 +268,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
     "torch._utils._rebuild_sparse_tensor": (_sparse, 2, 2),
     "torch._utils._rebuild_nested_tensor": (_rebuilt, 4, 4),
     "torch._utils._rebuild_meta_tensor_no_storage": (_rebuilt, 4, 4),
+    JAGGED_GLOBALS[0]: (_jagged, 1, 1),
     "torch._utils._rebuild_wrapper_subclass": (_reduced, 8, 8),
     "torch._utils._rebuild_device_tensor_from_numpy": (_reduced, 4, 4),
     "collections.Counter": (_counter, 0, 1),
@@ -296,6 +305,7 @@ _TORCH_CONSTANTS: frozenset[str] = frozenset(
         for kind in ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte")
     ]
     + ["torch.BoolTensor", "torch.cuda.BoolTensor"]
+    + [JAGGED_GLOBALS[1]]
 )
 
 
@@ -313,7 +323,8 @@ _STORAGE_TYPES: frozenset[str] = frozenset(
 )
 
 # Every global the allowlist resolves: all of them are on torch's weights-only allowlist
-# (torch 2.13), so a pickle torch refuses for a global is never read here as if it were safe.
+# (torch 2.13) as ``import torch`` leaves it (the jagged tensor's two are added there by
+# torch.nested), so a pickle torch refuses for a global is never read here as if it were safe.
 ALLOWED_GLOBALS: frozenset[str] = frozenset(
     [*_PYTHON_GLOBALS, *_BUILDERS, *_STORAGE_TYPES, *_TORCH_CONSTANTS]
 )

@@ -9,13 +9,22 @@ the loader hands it to torch's own rebuild, which takes or refuses it as torch.l
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, Reduced, TensorRef
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE
 from ckpt_tools.formats.pickle.standins import ConstantRef, TorchSize, is_count
 
-__all__ = ["rebuilt_tensor"]
+__all__ = ["Array", "check_nested_parts", "rebuilt_tensor"]
+
+
+class Array(Protocol):
+    """A torch tensor or a numpy array, as far as the bounds checks use one."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def tolist(self) -> Any: ...
 
 
 def _parts(values: Any, count: int) -> tuple[TensorRef, ...] | None:
@@ -81,6 +90,47 @@ def _nested(args: tuple[Any, ...]) -> dict[str, Any] | None:
         "numel": buffer.numel,
         "parts": parts,
     }
+
+
+def check_nested_parts(buffer: Array, sizes: Array, strides: Array, offsets: Array) -> None:
+    """Refuse a nested tensor's parts unless every component lies inside its buffer.
+
+    torch's rebuild (``_nested_view_from_buffer``) views the buffer through the sizes,
+    strides and offsets without checking them against it, so a component past its end would
+    read memory outside the storage. Component ``i`` spans the elements from ``offsets[i]``
+    to ``offsets[i] + sum((sizes[i][d] - 1) * strides[i][d])``; one with a zero size spans
+    nothing. The loader and the value diff both check with this before torch sees the parts.
+
+    Args:
+        buffer: the flat buffer (its shape is all that is read).
+        sizes: ``(components, dimensions)`` sizes.
+        strides: strides of the same shape.
+        offsets: ``(components,)`` offsets into the buffer, in elements.
+
+    Raises:
+        ValueError: the parts' shapes do not describe the same components, a size, stride or
+            offset is negative, the buffer is not flat, or a component reaches past its last
+            element.
+
+    Example:
+        >>> import numpy as np
+        >>> check_nested_parts(np.zeros(6), np.array([[2, 3]]), np.array([[3, 1]]), np.array([1]))
+        Traceback (most recent call last):
+        ...
+        ValueError: a component lies past the end of its 6-element buffer
+    """
+    if len(sizes.shape) != 2 or strides.shape != sizes.shape or offsets.shape != sizes.shape[:1]:
+        raise ValueError("its sizes, strides and offsets do not describe the same components")
+    rows = list(zip(sizes.tolist(), strides.tolist(), offsets.tolist()))
+    if any(n < 0 for size, stride, offset in rows for n in (*size, *stride, offset)):
+        raise ValueError("it has a negative size, stride or offset")
+    if len(buffer.shape) != 1:
+        raise ValueError(f"its buffer has {len(buffer.shape)} dimensions, not one")
+    numel = buffer.shape[0]
+    for size, stride, offset in rows:
+        end = offset + sum((n - 1) * step for n, step in zip(size, stride))
+        if 0 not in size and end >= numel:
+            raise ValueError(f"a component lies past the end of its {numel}-element buffer")
 
 
 def _layout_name(layout: Any) -> str | None:

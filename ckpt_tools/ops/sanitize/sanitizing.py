@@ -39,7 +39,7 @@ from ckpt_tools.ops.sanitize.result import SanitizeResult
 from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select
 from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.tensor_walk import iter_listed_tensors, iter_stored_tensors
+from ckpt_tools.tensor_walk import iter_listed_tensors, iter_stored_tensors, stored_views
 
 __all__ = ["SanitizeResult", "sanitize"]
 
@@ -262,9 +262,7 @@ def _verify(
         return "not verified (--verify none)"
     whole_tree = not path and not isinstance(done.root, Mapping)
     expected = {} if whole_tree else _selected_tensors(done.root, path)
-    parts = [
-        p for t in expected.values() for p in (t.parts if isinstance(t, RebuiltTensor) else (t,))
-    ]
+    parts = [p for t in expected.values() for p in stored_views(t)]
     new = [p for p in parts if p.storage.key in done.added]
     # A source that names no global: verify_output then refuses any the output names.
     # It compares copied tensors with the input; new records are compared here.

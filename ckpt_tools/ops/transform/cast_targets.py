@@ -3,7 +3,8 @@
 A storage is cast once for every tensor on it, so tied weights stay tied and views stay views
 over the cast storage. One also used by a tensor that is not cast (a kept key, a tensor
 outside the state dict, such as an optimizer's or an EMA's) is copied as it is, with a note.
-A sparse or nested tensor is cast by its values part's storage (its indices never are).
+A sparse or nested tensor is cast by its values part's storage (its indices never are); a
+jagged one is not cast, with a note.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.ops.transform.rebuilt_cast import values_part
 from ckpt_tools.structure.selection import replace_at
-from ckpt_tools.tensor_walk import iter_stored_tensors
+from ckpt_tools.tensor_walk import iter_stored_tensors, stored_views
 
 __all__ = ["cast_targets", "kept_outside"]
 
@@ -32,16 +33,9 @@ def _cast_view(value: Any) -> TensorRef | None:
     values part; None for anything else (a meta tensor has no storage)."""
     if isinstance(value, TensorRef):
         return value
-    if isinstance(value, RebuiltTensor):
+    if isinstance(value, RebuiltTensor) and value.layout != "jagged":
         return values_part(value)
     return None
-
-
-def _views(value: Any) -> tuple[TensorRef, ...]:
-    """Every view ``value`` lies in: a dense tensor, or each part of a sparse or nested one."""
-    if isinstance(value, TensorRef):
-        return (value,)
-    return value.parts if isinstance(value, RebuiltTensor) else ()
 
 
 def cast_targets(
@@ -67,6 +61,18 @@ def cast_targets(
         and view.dtype in CAST_SOURCES
         and view.dtype != cast_to
     ]
+    # A jagged tensor's values lie in a dict of its constructor's keywords, which the
+    # rewritten rebuild call would not point at the cast storage: it keeps its dtype.
+    notes.extend(
+        f"jagged tensor {new!r} kept as {value.dtype}: its values are not cast"
+        for (_, new, value), kept in zip(items, kept_key)
+        if new is not None
+        and not kept
+        and isinstance(value, RebuiltTensor)
+        and value.layout == "jagged"
+        and value.dtype in CAST_SOURCES
+        and value.dtype != cast_to
+    )
     wanted: dict[int, str] = {}
     for view in cast_views:
         wanted.setdefault(id(view.storage), view.dtype)
@@ -81,7 +87,7 @@ def cast_targets(
         id(t.storage)
         for (_, n, v), k in zip(items, kept_key)
         if n is not None and k
-        for t in _views(v)
+        for t in stored_views(v)
     }
     for sid in list(wanted):
         ts = users.get(sid, [])
