@@ -31,7 +31,16 @@ from ckpt_tools.errors import UsageError
 from ckpt_tools.io.remote.urls import is_url
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.structure.keys import plan_renames
-from ckpt_tools.structure.suggest import Step, best_fix, fix_command, fix_python, rank_fixes
+from ckpt_tools.structure.steps import on_stored
+from ckpt_tools.structure.suggest import (
+    KeyFix,
+    Step,
+    best_fix,
+    check_fix,
+    fix_command,
+    fix_python,
+    rank_fixes,
+)
 
 __all__ = [
     "FAIL_CATEGORIES",
@@ -100,10 +109,16 @@ def _compare_meta(
 # Suggestions
 
 
-def _inverse(steps: Sequence[Step]) -> tuple[Step, ...] | None:
+def _inverse(
+    steps: Sequence[Step], fix: KeyFix, keys_b: Sequence[str], stored_a: Sequence[str]
+) -> tuple[Step, ...] | None:
+    """The same change made to B's keys instead, where it matches as many keys of A as
+    stored as ``fix`` does, and renames none that matched (checked as ``fix`` was)."""
     if any(s.action == "strip-inner" for s in steps):
         return None
-    return tuple(s.inverse for s in reversed(steps))
+    inverse = tuple(s.inverse for s in reversed(steps))
+    checked = check_fix(inverse, keys_b, stored_a)
+    return inverse if checked is not None and checked.matched >= fix.matched else None
 
 
 def _apply_command(
@@ -134,25 +149,32 @@ def _suggestions(
 
     The commands apply ``aligned`` and then the suggested steps, since they run on the files
     as stored (``stored_a``: A's keys before the alignment); the description names only the
-    suggested steps.
+    suggested steps. A rewrite whose command would not do on the stored keys what the steps
+    do after the alignment is left out.
     """
     keys_a, keys_b = list(a.entries), list(b.entries)
     stored = keys_a if stored_a is None else list(stored_a)
-    out = []
     shapes = ({k: a.meta(k)[1] for k in keys_a}, {k: b.meta(k)[1] for k in keys_b})
     fixes = rank_fixes(keys_a, keys_b, shapes=shapes)
+    # What load_into would do with the stored keys: a note where that is the suggestion.
+    by_itself = best_fix(stored, keys_b) if b.info.kind == "module" else None
     # A rewrite that resolves every unexpected key subsumes the partial ones: they are noise.
     complete = [fix for fix in fixes if fix.complete]
+    out = []
     for fix in (complete or fixes)[:limit]:
-        steps = (*aligned, *fix.steps)
+        steps = on_stored(aligned, fix.steps)
+        if aligned:
+            whole = check_fix(steps, stored, keys_b)
+            if whole is None or whole.matched < fix.matched:
+                continue
         command = _apply_command(a.info, steps, select_a, stored, "sd_a")
         inverse_command = inverse_text = ""
-        inverse = _inverse(steps)
+        inverse = _inverse(steps, fix, keys_b, stored)
         if inverse is not None:
             inverse_text = ", then ".join(step.describe() for step in inverse)
             inverse_command = _apply_command(b.info, inverse, select_b, keys_b, "sd_b")
         note = ""
-        if b.info.kind == "module" and not any(s.action == "sub" for s in steps):
+        if by_itself is not None and by_itself.steps == steps:
             note = "ckpt_tools.load_into(model, ...) applies this rewrite by itself"
         elif a.info.kind == "file" and is_url(a.info.label):
             note = "A is a URL: the ckpt rewrites read local files, so download it to apply this"

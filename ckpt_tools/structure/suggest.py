@@ -1,13 +1,21 @@
 """Which key rewrite makes one set of state-dict keys match another. Torch-free.
 
-Two ways to find one, both built from :data:`ckpt_tools.structure.keys.WRAPPER_RULES` and applied by
-:func:`ckpt_tools.structure.keys.plan_renames`:
+Candidates are built from :data:`ckpt_tools.structure.keys.WRAPPER_RULES` and from the keys'
+own prefixes:
 
 * :func:`layout_fix` compares the wrapper stacks of both sides (``module._orig_mod.`` vs
   ``_orig_mod.``): strip what only the source carries, add what only the target carries.
+* :func:`path_fix` moves wrappers that sit at some module paths on one side and not the
+  other (a child compiled on its own: ``blocks.1._orig_mod.weight`` vs ``blocks.1.weight``).
 * :func:`rank_fixes` also tries each wrapper rule alone (strip, strip inside keys, add) and
   the prefix maps that turn a top-level name of the source into one of the target
   (``backbone.`` -> ``encoder.``), and ranks all by how many keys they make match.
+
+A candidate is kept only if the rules its command applies
+(:func:`ckpt_tools.structure.steps.step_rules`, through
+:func:`ckpt_tools.structure.keys.plan_renames`) rename no key that already matched, and send
+every key they make match to the same tensor with its wrappers moved, where there is one
+(:func:`wrapper_partners`): ``blocks.0.weight`` is never "resolved" onto ``blocks.1.weight``.
 
 :func:`ckpt_tools.loading.into_module.load_into` applies the best wrapper rewrite; ``ckpt diff``
 prints the ranking as suggestions.
@@ -15,11 +23,9 @@ prints the ranking as suggestions.
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,64 +34,35 @@ from ckpt_tools.structure.keys import (
     WRAPPER_RULES,
     KeyRule,
     WrapperMatch,
-    add_rule,
     detect_wrappers,
     plan_renames,
-    strip_rule,
     sub_rule,
 )
+from ckpt_tools.structure.steps import Step, fix_command, fix_python, step_rules
 
 __all__ = [
+    "MAX_PATH_RULES",
     "KeyFix",
     "Step",
     "best_fix",
+    "check_fix",
     "fix_command",
     "fix_python",
     "layout_fix",
+    "path_fix",
     "rank_fixes",
+    "wrapper_partners",
     "wrapper_stack",
 ]
 
+#: The most prefix maps :func:`path_fix` offers: one per module path whose wrappers differ
+#: (each compiled child), each a pass over every key and an option on the command line.
+MAX_PATH_RULES = 64
 
-@dataclass(frozen=True)
-class Step:
-    """One rewrite of the source's keys.
-
-    Attributes:
-        action: ``"strip"`` (at the start), ``"strip-inner"`` (everywhere in the key),
-            ``"add"`` (in front) or ``"sub"`` (replace a leading ``prefix`` by ``new``).
-        prefix: the text stripped, added or replaced (``module.``).
-        new: the replacement, for ``sub``.
-    """
-
-    action: str
-    prefix: str
-    new: str = ""
-
-    @property
-    def rule(self) -> KeyRule:
-        if self.action == "strip":
-            return strip_rule(self.prefix)
-        if self.action == "strip-inner":
-            return strip_rule(self.prefix, inner=True)
-        if self.action == "add":
-            return add_rule(self.prefix)
-        return sub_rule(self.prefix, self.new)
-
-    @property
-    def inverse(self) -> Step:
-        """The same change made to the other side instead (strip here = add there)."""
-        if self.action == "add":
-            return Step("strip", self.prefix)
-        if self.action == "sub":
-            return Step("sub", self.new, self.prefix)
-        return Step("add", self.prefix)
-
-    def describe(self) -> str:
-        if self.action == "sub":
-            return f"renaming {self.prefix!r} to {self.new!r}"
-        verb = {"strip": "stripping", "strip-inner": "stripping", "add": "adding"}[self.action]
-        return f"{verb} {self.prefix!r}" + (" everywhere" if self.action == "strip-inner" else "")
+#: Wrapper segments that may sit anywhere in a key (``blocks.1._orig_mod.weight``).
+_INNER_SEGMENTS = re.compile(
+    r"(^|(?<=\.))(?:" + "|".join(re.escape(r.prefix) for r in WRAPPER_RULES if r.inner) + ")"
+)
 
 
 @dataclass(frozen=True)
@@ -93,11 +70,12 @@ class KeyFix:
     """A rewrite of the source keys, and how well it matches the target keys.
 
     Attributes:
-        steps: applied in order.
+        steps: what the rewrite does, in words' order; :attr:`rules` are what it applies.
         resolved: source keys without a match before that have one after.
         unmatched: source keys without a match before (the ``of`` in "resolves 3 of 4").
         matched: source keys with a match after.
-        broken: source keys with a match before that lose it.
+        broken: source keys with a match before that lose it (0 for every fix offered:
+            a rewrite that renames a matching key is not one).
     """
 
     steps: tuple[Step, ...]
@@ -108,7 +86,8 @@ class KeyFix:
 
     @property
     def rules(self) -> tuple[KeyRule, ...]:
-        return tuple(step.rule for step in self.steps)
+        """The rules, in the order they apply: those :func:`fix_command`'s command applies."""
+        return step_rules(self.steps)
 
     @property
     def complete(self) -> bool:
@@ -148,13 +127,7 @@ def layout_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]
         >>> [s.describe() for s in layout_fix(["module.fc.w"], ["_orig_mod.fc.w"])]
         ["stripping 'module.'", "adding '_orig_mod.'"]
     """
-    src = [m.prefix for m in wrapper_stack(source)]
-    dst = [m.prefix for m in wrapper_stack(target)]
-    common = 0
-    while common < min(len(src), len(dst)) and src[-1 - common] == dst[-1 - common]:
-        common += 1
-    steps = [Step("strip", p) for p in src[: len(src) - common]]
-    steps += [Step("add", p) for p in reversed(dst[: len(dst) - common])]
+    steps = list(_leading_fix(source, target))
     target_inner = {m.prefix for m in detect_wrappers(target) if m.inner}
     for match in detect_wrappers(source):
         if match.inner and match.prefix not in target_inner:
@@ -162,28 +135,171 @@ def layout_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]
     return tuple(steps)
 
 
-def _evaluate(
+def _leading_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]:
+    """:func:`layout_fix`'s strips and adds: the wrapper stacks at the start of the keys."""
+    src = [m.prefix for m in wrapper_stack(source)]
+    dst = [m.prefix for m in wrapper_stack(target)]
+    common = 0
+    while common < min(len(src), len(dst)) and src[-1 - common] == dst[-1 - common]:
+        common += 1
+    steps = [Step("strip", p) for p in src[: len(src) - common]]
+    steps += [Step("add", p) for p in reversed(dst[: len(dst) - common])]
+    return tuple(steps)
+
+
+def _bare(keys: Sequence[str]) -> dict[str, str]:
+    """Each key without its wrappers: the stack at the start of the keys, and every wrapper
+    segment inside them (``module.blocks.1._orig_mod.weight`` -> ``blocks.1.weight``)."""
+    stack = [m.prefix for m in wrapper_stack(keys)]
+    out = {}
+    for key in keys:
+        bare = key
+        for prefix in stack:  # peeled in turn, as detect_wrappers peels them
+            bare = bare[len(prefix) :] if bare.startswith(prefix) else bare
+        out[key] = _INNER_SEGMENTS.sub("", bare)
+    return out
+
+
+def wrapper_partners(source: Sequence[str], target: Sequence[str]) -> dict[str, str]:
+    """Each unmatched ``source`` key -> the unmatched ``target`` key that is the same tensor
+    with other wrappers around it, where exactly one key on each side has that name bare.
+
+    Args:
+        source: keys to rewrite.
+        target: keys to match.
+
+    Returns:
+        The pairs; keys with no such partner (or several) are left out.
+
+    Example:
+        >>> wrapper_partners(["a.w", "b._orig_mod.w"], ["a.w", "b.w"])
+        {'b._orig_mod.w': 'b.w'}
+    """
+    target_set, source_set = set(target), set(source)
+    by_bare: dict[str, tuple[list[str], list[str]]] = {}
+    for key, bare in _bare(source).items():
+        if key not in target_set:
+            by_bare.setdefault(bare, ([], []))[0].append(key)
+    for key, bare in _bare(target).items():
+        if key not in source_set and bare in by_bare:
+            by_bare[bare][1].append(key)
+    return {ks[0]: kt[0] for ks, kt in by_bare.values() if len(ks) == 1 and len(kt) == 1}
+
+
+def _moved_prefix(old: str, new: str) -> tuple[str, str]:
+    """The leading prefixes that differ between two keys, after their longest common run of
+    trailing segments: ``blocks.1.weight``, ``blocks.1._orig_mod.weight`` ->
+    ``('blocks.1.', 'blocks.1._orig_mod.')``."""
+    a, b = old.split("."), new.split(".")
+    common = 0
+    while common < min(len(a), len(b)) and a[-1 - common] == b[-1 - common]:
+        common += 1
+    if common == 0 or common == len(a):
+        return "", ""  # nothing shared, or nothing of ``old`` left to map: no prefix map
+    rest = b[: len(b) - common]
+    return ".".join(a[: len(a) - common]) + ".", (".".join(rest) + "." if rest else "")
+
+
+def path_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]:
+    """The steps that move wrappers where only some module paths carry them.
+
+    A child compiled on its own (``model.blocks[1] = torch.compile(model.blocks[1])``) puts
+    ``_orig_mod.`` inside its keys only. After the wrapper stacks at the start are matched
+    (:func:`layout_fix`'s strips and adds), each :func:`wrapper_partners` pair that still
+    differs gives the prefix map that turns one into the other, at the path where they differ
+    (``blocks.1._orig_mod.`` -> ``blocks.1.``, ``blocks.0.`` -> ``blocks.0._orig_mod.``).
+
+    Args:
+        source: keys to rewrite.
+        target: keys to match.
+
+    Returns:
+        The steps, in the order :func:`~ckpt_tools.structure.steps.step_rules` applies them;
+        none when the pairs need no prefix map, or one that is no prefix, or more than
+        :data:`MAX_PATH_RULES`. Whether they work is for :func:`check_fix` to say.
+
+    Example:
+        >>> [s.describe() for s in path_fix(["a.w", "b.w"], ["a.w", "b._orig_mod.w"])]
+        ["renaming 'b.' to 'b._orig_mod.'"]
+    """
+    lead = _leading_fix(source, target)
+    old = "".join(s.prefix for s in lead if s.action == "strip")
+    new = "".join(s.prefix for s in reversed(lead) if s.action == "add")
+    if old:  # the merged leading map applies first, then these maps
+        try:
+            source = list(plan_renames(source, [sub_rule(old, new)]).values())
+        except KeyCollisionError:
+            return ()
+    else:  # the add applies after these maps: match the target without it
+        target = [k[len(new) :] if k.startswith(new) else k for k in target]
+    maps: dict[tuple[str, str], None] = {}
+    for key, partner in wrapper_partners(source, target).items():
+        moved = _moved_prefix(key, partner)
+        if not moved[0]:
+            return ()
+        maps[moved] = None
+    if not maps or len(maps) > MAX_PATH_RULES:
+        return ()
+    subs = tuple(Step("sub", a, b) for a, b in maps)
+    return (*lead, *subs) if old else (*subs, *lead)
+
+
+def check_fix(
+    steps: Sequence[Step],
+    source: Sequence[str],
+    target: Sequence[str],
+    shapes: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
+) -> KeyFix | None:
+    """How well ``steps`` make ``source`` match ``target``, or None where they are wrong.
+
+    The steps' :func:`~ckpt_tools.structure.steps.step_rules` (what their command applies)
+    rename the keys. They are wrong if they merge two keys, rename a key that already
+    matched, or make a key match another than its :func:`wrapper_partners` partner (or a
+    key without one match a partner of another key).
+
+    Args:
+        steps: the rewrite.
+        source: keys to rewrite.
+        target: keys to match.
+        shapes: ``(source shapes, target shapes)`` by key; when given, a key only counts as
+            matched when its shape agrees with the one it is renamed onto.
+
+    Returns:
+        The :class:`KeyFix`, or None.
+
+    Example:
+        >>> check_fix([Step("sub", "b.0.", "b.1.")], ["b.0.w"], ["b.0._orig_mod.w", "b.1.w"])
+        >>> check_fix([Step("strip", "module.")], ["module.w"], ["w"]).complete
+        True
+    """
+    return _checked(tuple(steps), source, set(target), wrapper_partners(source, target), shapes)
+
+
+def _checked(
     steps: tuple[Step, ...],
     source: Sequence[str],
     target: set[str],
-    same_shape: Callable[[str, str], bool] | None = None,
+    partners: Mapping[str, str],
+    shapes: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
 ) -> KeyFix | None:
     try:
-        plan = plan_renames(source, [step.rule for step in steps])
+        plan = plan_renames(source, step_rules(steps))
     except KeyCollisionError:
         return None
     before = {k for k in source if k in target}
-    # A key renamed onto a tensor of another shape is not a match: it would fail to load.
-    after = {
-        k for k, new in plan.items() if new in target and (same_shape is None or same_shape(k, new))
-    }
-    return KeyFix(
-        steps=steps,
-        resolved=len(after - before),
-        unmatched=len(source) - len(before),
-        matched=len(after),
-        broken=len(before - after),
-    )
+    if any(plan[k] != k for k in before):
+        return None
+    taken = set(partners.values())
+    after = set(before)
+    for key, new in plan.items():
+        if key in before or new not in target:
+            continue
+        if partners.get(key, new) != new or (key not in partners and new in taken):
+            return None  # the right name for another tensor
+        # A key renamed onto a tensor of another shape is not a match: it would fail to load.
+        if shapes is None or shapes[0].get(key) == shapes[1].get(new):
+            after.add(key)
+    return KeyFix(steps, len(after - before), len(source) - len(before), len(after))
 
 
 def _prefixes(key: str, depth: int = 2) -> list[str]:
@@ -221,9 +337,10 @@ def rank_fixes(
     """Every candidate rewrite of ``source`` that gains matches with ``target``, best first.
 
     Candidates: the :func:`layout_fix`, each wrapper rule alone (strip, strip inside keys,
-    add) and, with ``subs``, the leading one- and two-segment prefixes of the unmatched keys
-    of both sides: stripped from the source, added to it, or mapped onto each other
-    (``backbone.`` -> ``encoder.``). Rewrites that would merge two keys are dropped.
+    add), the :func:`path_fix` where none of those makes every key match, and, with
+    ``subs``, the leading one- and two-segment prefixes of the unmatched keys of both sides:
+    stripped from the source, added to it, or mapped onto each other (``backbone.`` ->
+    ``encoder.``). Only those :func:`check_fix` finds right are kept.
 
     Args:
         source: keys to rewrite.
@@ -241,127 +358,37 @@ def rank_fixes(
         "stripping 'module.'"
     """
     target_set = set(target)
-    same_shape = None
-    if shapes is not None:
-        shape_src, shape_dst = shapes
-
-        def same_shape(old: str, new: str) -> bool:
-            return shape_src.get(old) == shape_dst.get(new)
-
-    fixes = []
-    for steps in _candidates(source, target, subs):
-        fix = _evaluate(steps, source, target_set, same_shape)
-        if fix is not None and fix.resolved > fix.broken:
-            fixes.append(fix)
+    partners = wrapper_partners(source, target)
+    candidates = _candidates(source, target, subs)
+    fixes = [_checked(steps, source, target_set, partners, shapes) for steps in candidates]
+    kept = [fix for fix in fixes if fix is not None and fix.resolved]
+    moved = path_fix(source, target) if not any(f.complete for f in kept) else ()
+    if moved and moved not in candidates:
+        fix = _checked(moved, source, target_set, partners, shapes)
+        kept += [fix] if fix is not None and fix.resolved else []
     # Most matches gained first; among equals, the candidates' order (wrappers first), which
     # the sort keeps because it is stable.
-    fixes.sort(key=lambda f: -(f.resolved - f.broken))
-    return tuple(fixes)
+    kept.sort(key=lambda f: -f.resolved)
+    return tuple(kept)
 
 
 def best_fix(source: Sequence[str], target: Sequence[str]) -> KeyFix | None:
-    """The wrapper rewrite (no prefix maps) that makes the most ``source`` keys match.
+    """The wrapper rewrite (no prefix maps of the keys' own names) that makes the most
+    ``source`` keys match.
+
+    Args:
+        source: keys to rewrite.
+        target: keys to match.
 
     Returns:
-        The best :class:`KeyFix`, or None when the keys already match as well as they can.
+        The best :class:`KeyFix` of :func:`rank_fixes` without ``subs``, or None when no
+        wrapper rewrite makes more keys match without renaming one that did.
 
     Example:
         >>> best_fix(["fc.w"], ["model.fc.w"]).describe()
         "adding 'model.'"
+        >>> best_fix(["b.0.w", "b.1.w"], ["b.0.w", "b.1._orig_mod.w"]).describe()
+        "renaming 'b.1.' to 'b.1._orig_mod.'"
     """
     fixes = rank_fixes(source, target, subs=False)
     return fixes[0] if fixes else None
-
-
-def _collapse(steps: Sequence[Step]) -> tuple[str, str, list[str], list[Step]]:
-    """Leading strips and adds as one prefix map ``old -> new``, plus inner strips, plus subs."""
-    old = "".join(s.prefix for s in steps if s.action == "strip")
-    new = "".join(s.prefix for s in reversed(steps) if s.action == "add")
-    inner = [s.prefix for s in steps if s.action == "strip-inner"]
-    subs = [s for s in steps if s.action == "sub"]
-    return old, new, inner, subs
-
-
-def _inner_pattern(prefix: str) -> str:
-    # No '=' in it: `ckpt rename --regex PATTERN=REPL` splits at the first '='.
-    return rf"\b{re.escape(prefix)}"
-
-
-def _out_path(path: str) -> str:
-    stem, suffix = os.path.splitext(path.rstrip("/"))
-    return f"{stem}.renamed{suffix}"
-
-
-def fix_command(
-    path: str,
-    steps: Sequence[Step],
-    select: str | Sequence[str] | None = None,
-    keys: Sequence[str] | None = None,
-) -> str:
-    """The ``ckpt`` command that applies ``steps`` to the checkpoint file at ``path``.
-
-    Args:
-        path: the checkpoint to rewrite.
-        steps: a fix's steps.
-        select: the ``--select`` the state dict was chosen with, if any.
-        keys: the file's keys; when the steps strip exactly the wrappers found in them, the
-            command is plain ``ckpt strip-module IN OUT``.
-
-    Returns:
-        One shell command line (arguments quoted), writing ``<stem>.renamed<suffix>``.
-
-    Example:
-        >>> fix_command("ddp.pt", [Step("strip", "module.")], keys=["module.w"])
-        'ckpt strip-module ddp.pt ddp.renamed.pt'
-    """
-    old, new, inner, subs = _collapse(steps)
-    args: list[str]
-    out = _out_path(path)
-    if subs or inner or (old and new):
-        args = ["ckpt", "rename", path, out]
-        if old:
-            args += ["--sub", f"{old}={new}"]
-        elif new:
-            args += ["--regex", f"^={new}"]
-        for step in subs:
-            args += ["--sub", f"{step.prefix}={step.new}"]
-        for prefix in inner:
-            args += ["--regex", f"{_inner_pattern(prefix)}="]
-        if not subs and not (old and new) and keys is not None:
-            found = [
-                ("strip-inner" if m.inner else "strip", m.prefix) for m in detect_wrappers(keys)
-            ]
-            if found == [(s.action, s.prefix) for s in steps]:
-                args = ["ckpt", "strip-module", path, out]
-    elif new:
-        args = ["ckpt", "add-module", path, out]
-        if new != "module.":
-            args += ["--prefix", new]
-    else:
-        args = ["ckpt", "strip-module", path, out]
-        stripped_all = keys is not None and [m.prefix for m in detect_wrappers(keys)] == [
-            s.prefix for s in steps
-        ]
-        if not stripped_all:
-            args += ["--prefix", old]
-    if select is not None:
-        args += ["--select", select if isinstance(select, str) else ".".join(select)]
-    return " ".join(shlex.quote(a) for a in args)
-
-
-def fix_python(steps: Sequence[Step], name: str = "sd") -> str:
-    """The Python call that applies ``steps`` to an in-memory state dict called ``name``.
-
-    Example:
-        >>> fix_python([Step("add", "module.")])
-        "ckpt_tools.add_prefix(sd, prefix='module.')"
-    """
-    old, new, inner, subs = _collapse(steps)
-    if not subs and not inner and not (old and new):
-        if new:
-            return f"ckpt_tools.add_prefix({name}, prefix={new!r})"
-        return f"ckpt_tools.strip_prefix({name}, prefix={old!r})"
-    rules = [f"ckpt_tools.sub_rule({old!r}, {new!r})"] if old or new else []
-    rules += [f"ckpt_tools.sub_rule({s.prefix!r}, {s.new!r})" for s in subs]
-    rules += [f"ckpt_tools.regex_rule({_inner_pattern(p)!r}, '')" for p in inner]
-    return f"ckpt_tools.rename_keys({name}, [{', '.join(rules)}])"

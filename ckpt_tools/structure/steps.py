@@ -1,0 +1,255 @@
+"""A key rewrite as steps, and the one order they apply in. Torch-free.
+
+A :class:`Step` strips, adds or maps one prefix. :func:`step_rules` turns steps into the
+:class:`~ckpt_tools.structure.keys.KeyRule` s that ``ckpt rename`` would apply (its prefix maps
+first, then its regex substitutions), and :func:`fix_command` and :func:`fix_python` render
+those very rules. Whoever checks a rewrite checks :func:`step_rules`, so what was checked is
+what the printed command does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ckpt_tools.errors import KeyCollisionError
+from ckpt_tools.structure.keys import (
+    KeyRule,
+    add_rule,
+    detect_wrappers,
+    plan_renames,
+    regex_rule,
+    strip_rule,
+    strip_wrapper_rules,
+    sub_rule,
+)
+
+__all__ = ["Step", "fix_command", "fix_python", "on_stored", "step_rules"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rewrite of the source's keys.
+
+    Attributes:
+        action: ``"strip"`` (at the start), ``"strip-inner"`` (everywhere in the key),
+            ``"add"`` (in front) or ``"sub"`` (replace a leading ``prefix`` by ``new``).
+        prefix: the text stripped, added or replaced (``module.``).
+        new: the replacement, for ``sub``.
+    """
+
+    action: str
+    prefix: str
+    new: str = ""
+
+    @property
+    def rule(self) -> KeyRule:
+        if self.action == "strip":
+            return strip_rule(self.prefix)
+        if self.action == "strip-inner":
+            return strip_rule(self.prefix, inner=True)
+        if self.action == "add":
+            return add_rule(self.prefix)
+        return sub_rule(self.prefix, self.new)
+
+    @property
+    def inverse(self) -> Step:
+        """The same change made to the other side instead (strip here = add there)."""
+        if self.action == "add":
+            return Step("strip", self.prefix)
+        if self.action == "sub":
+            return Step("sub", self.new, self.prefix)
+        return Step("add", self.prefix)
+
+    def describe(self) -> str:
+        if self.action == "sub":
+            return f"renaming {self.prefix!r} to {self.new!r}"
+        verb = {"strip": "stripping", "strip-inner": "stripping", "add": "adding"}[self.action]
+        return f"{verb} {self.prefix!r}" + (" everywhere" if self.action == "strip-inner" else "")
+
+
+def _collapse(steps: Sequence[Step]) -> tuple[str, str, list[str], list[Step]]:
+    """Leading strips and adds as one prefix map ``old -> new``, plus inner strips, plus subs."""
+    old = "".join(s.prefix for s in steps if s.action == "strip")
+    new = "".join(s.prefix for s in reversed(steps) if s.action == "add")
+    inner = [s.prefix for s in steps if s.action == "strip-inner"]
+    subs = [s for s in steps if s.action == "sub"]
+    return old, new, inner, subs
+
+
+def _inner_pattern(prefix: str) -> str:
+    # No '=' in it: `ckpt rename --regex PATTERN=REPL` splits at the first '='.
+    return rf"\b{re.escape(prefix)}"
+
+
+def step_rules(steps: Sequence[Step]) -> tuple[KeyRule, ...]:
+    """The rules that ``steps`` stand for, in the order ``ckpt rename`` applies them.
+
+    ``ckpt rename`` applies its prefix maps (``--sub``) before its regex substitutions
+    (``--regex``), whatever order they are given in: so the leading strips, merged into one
+    map (with the adds, where there are strips), come first, then the steps' own prefix maps;
+    an add with no strip to merge into is a regex and comes after them, then the inner strips.
+
+    Args:
+        steps: a fix's steps.
+
+    Returns:
+        The rules, for :func:`~ckpt_tools.structure.keys.plan_renames` or
+        :func:`~ckpt_tools.structure.keys.rename_keys`.
+
+    Raises:
+        Nothing: any steps make rules.
+
+    Example:
+        >>> [r.description for r in step_rules([Step("sub", "a.", "b."), Step("add", "m.")])]
+        ["'a.' -> 'b.'", 's/^/m./']
+    """
+    old, new, inner, subs = _collapse(steps)
+    rules = [sub_rule(old, new)] if old else []
+    rules += [sub_rule(step.prefix, step.new) for step in subs]
+    if new and not old:
+        rules.append(regex_rule("^", new))
+    rules += [regex_rule(_inner_pattern(prefix), "") for prefix in inner]
+    return tuple(rules)
+
+
+def on_stored(aligned: Sequence[Step], steps: Sequence[Step]) -> tuple[Step, ...]:
+    """``aligned``, then ``steps`` found on the aligned keys, as one rewrite of the stored keys.
+
+    An alignment that only adds a prefix applies after every prefix map (to ``ckpt rename``
+    it is a regex), so the maps that start with what it adds are taken back to before it.
+    Whoever uses the result still checks it on the stored keys.
+
+    Args:
+        aligned: the alignment's steps.
+        steps: steps found on the keys as the alignment left them.
+
+    Returns:
+        The steps to apply to the stored keys.
+
+    Raises:
+        Nothing: any steps combine.
+
+    Example:
+        >>> on_stored([Step("add", "m.")], [Step("sub", "m.a.", "m.b.")])
+        (Step(action='add', prefix='m.', new=''), Step(action='sub', prefix='a.', new='b.'))
+    """
+    added = "".join(s.prefix for s in reversed(aligned) if s.action == "add")
+    if not added or any(s.action == "strip" for s in aligned):
+        return (*aligned, *steps)
+
+    def before(step: Step) -> Step:
+        prefix, new = step.prefix, step.new
+        if step.action != "sub" or prefix == added:
+            return step
+        if prefix.startswith(added) and new.startswith(added):
+            return Step("sub", prefix[len(added) :], new[len(added) :])
+        return step
+
+    return (*aligned, *(before(step) for step in steps))
+
+
+def _out_path(path: str) -> str:
+    stem, suffix = os.path.splitext(path.rstrip("/"))
+    return f"{stem}.renamed{suffix}"
+
+
+def _strips_every_wrapper(steps: Sequence[Step], keys: Sequence[str] | None) -> bool:
+    """Whether plain ``ckpt strip-module`` (every wrapper found in ``keys``) does what
+    ``steps`` do to those keys, key for key."""
+    if keys is None or any(s.action not in ("strip", "strip-inner") for s in steps):
+        return False
+    found = [("strip-inner" if m.inner else "strip", m.prefix) for m in detect_wrappers(keys)]
+    if found != [(s.action, s.prefix) for s in steps]:
+        return False
+    try:
+        return plan_renames(keys, strip_wrapper_rules(keys)[0]) == plan_renames(
+            keys, step_rules(steps)
+        )
+    except KeyCollisionError:
+        return False
+
+
+def fix_command(
+    path: str,
+    steps: Sequence[Step],
+    select: str | Sequence[str] | None = None,
+    keys: Sequence[str] | None = None,
+) -> str:
+    """The ``ckpt`` command that applies ``steps`` to the checkpoint file at ``path``.
+
+    It applies :func:`step_rules` of ``steps``: ``strip-module`` or ``add-module`` where that
+    is all they do, else ``rename`` with its options in the order they apply.
+
+    Args:
+        path: the checkpoint to rewrite.
+        steps: a fix's steps.
+        select: the ``--select`` the state dict was chosen with, if any.
+        keys: the file's keys; when the steps strip exactly the wrappers found in them, the
+            command is plain ``ckpt strip-module IN OUT``.
+
+    Returns:
+        One shell command line (arguments quoted), writing ``<stem>.renamed<suffix>``.
+
+    Raises:
+        Nothing: any steps make a command.
+
+    Example:
+        >>> fix_command("ddp.pt", [Step("strip", "module.")], keys=["module.w"])
+        'ckpt strip-module ddp.pt ddp.renamed.pt'
+    """
+    old, new, inner, subs = _collapse(steps)
+    out = _out_path(path)
+    args: list[str]
+    if _strips_every_wrapper(steps, keys):
+        args = ["ckpt", "strip-module", path, out]
+    elif subs or inner or (old and new):
+        # Listed in the order they apply: every --sub, then every --regex.
+        maps = [(old, new)] if old else []
+        maps += [(step.prefix, step.new) for step in subs]
+        regexes = [("^", new)] if new and not old else []
+        regexes += [(_inner_pattern(prefix), "") for prefix in inner]
+        args = ["ckpt", "rename", path, out]
+        args += [a for pair in maps for a in ("--sub", "=".join(pair))]
+        args += [a for pair in regexes for a in ("--regex", "=".join(pair))]
+    elif new:
+        args = ["ckpt", "add-module", path, out]
+        args += ["--prefix", new] if new != "module." else []
+    else:
+        args = ["ckpt", "strip-module", path, out, "--prefix", old]
+    if select is not None:
+        args += ["--select", select if isinstance(select, str) else ".".join(select)]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def fix_python(steps: Sequence[Step], name: str = "sd") -> str:
+    """The Python call that applies ``steps`` (their :func:`step_rules`) to an in-memory
+    state dict called ``name``.
+
+    Args:
+        steps: a fix's steps.
+        name: what the state dict is called in the printed call.
+
+    Returns:
+        One expression, calling the public functions of ``ckpt_tools``.
+
+    Raises:
+        Nothing: any steps make a call.
+
+    Example:
+        >>> fix_python([Step("add", "module.")])
+        "ckpt_tools.add_prefix(sd, prefix='module.')"
+    """
+    old, new, inner, subs = _collapse(steps)
+    if not subs and not inner and not (old and new):
+        if new:
+            return f"ckpt_tools.add_prefix({name}, prefix={new!r})"
+        return f"ckpt_tools.strip_prefix({name}, prefix={old!r})"
+    rules = [f"ckpt_tools.sub_rule({old!r}, {new!r})"] if old else []
+    rules += [f"ckpt_tools.sub_rule({s.prefix!r}, {s.new!r})" for s in subs]
+    rules += [f"ckpt_tools.regex_rule('^', {new!r})"] if new and not old else []
+    rules += [f"ckpt_tools.regex_rule({_inner_pattern(p)!r}, '')" for p in inner]
+    return f"ckpt_tools.rename_keys({name}, [{', '.join(rules)}])"
