@@ -10,7 +10,10 @@ what ``torch.load(weights_only=True)`` gives for it, without unpickling anything
 - storages go where ``map_location`` says through torch's own ``default_restore_location``
   (a callable gets the CPU storage and the saved tag, as with ``torch.load``);
 - tensors get the saved dtype, shape, strides, offset, ``requires_grad``, tensor metadata
-  (conjugate and negative bits) and ``nn.Parameter``-ness; ``_metadata`` is kept.
+  (conjugate and negative bits) and ``nn.Parameter``-ness; ``_metadata`` is kept;
+- sparse, meta, nested and jagged nested tensors are built by torch's own rebuilds from
+  their built parts, a nested or jagged one's bounds checked first (torch does not check
+  them, and its kernels would read past the storage).
 
 Objects of classes outside the allowlist inside the selected mapping are refused, all of
 them named in one error; anything outside it is never looked at.
@@ -24,8 +27,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.nested._internal.nested_tensor import NestedTensor, _rebuild_njt
 
-from ckpt_tools.descriptors import StorageRef, TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, StorageRef, TensorRef
 from ckpt_tools.errors import (
     CorruptCheckpointError,
     Remedy,
@@ -33,6 +37,8 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
 )
 from ckpt_tools.formats import Checkpoint
+from ckpt_tools.formats.pickle.jagged import check_jagged_parts, jagged_arguments
+from ckpt_tools.formats.pickle.rebuilt import check_nested_parts
 from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
 from ckpt_tools.loading.storages import Restore, StorageBuilder
 from ckpt_tools.loading.tensor_io import torch_dtype
@@ -112,6 +118,10 @@ class _Builder:
             self.memo[id(node)] = []
         if isinstance(node, (list, tuple, set, frozenset)):
             return [(v, f"{path}.{i}") for i, v in enumerate(node)]
+        if isinstance(node, RebuiltTensor) and node.layout == "jagged":
+            # Its constructor's keywords, then (saved by torch.save) the attributes it sets.
+            state = node.args[3:] if node.func.name == "_rebuild_from_type_v2" else ()
+            return [(jagged_arguments(node), path), *((s, path) for s in state)]
         if isinstance(node, Reduced):
             return [(node.args, path)]
         return None
@@ -133,6 +143,8 @@ class _Builder:
             return self.memo[id(node)]
         if isinstance(node, (tuple, set, frozenset)):
             return type(node)(parts)
+        if isinstance(node, RebuiltTensor) and node.layout == "jagged":
+            return self.jagged(node, path, parts)
         return self.reduced(node, parts[0], path)
 
     def _leaf(self, node: Any, path: str) -> Any:
@@ -175,6 +187,37 @@ class _Builder:
         except (RuntimeError, ValueError, TypeError) as e:
             raise CorruptCheckpointError(
                 f"{self.where}: entry {path!r}: torch cannot rebuild this quantized tensor ({e})",
+                path=self.where,
+            ) from e
+
+    def jagged(self, node: RebuiltTensor, path: str, parts: list[Any]) -> torch.Tensor:
+        """The jagged nested tensor ``node`` describes, from its constructor's keywords and
+        (saved by torch.save) its attribute state, built: torch's own calls make it."""
+        kwargs = parts[0]
+        values, offsets, lengths = kwargs["values"], kwargs["offsets"], kwargs.get("lengths")
+        # torch's constructor does not look at the offsets' numbers, and its kernels index
+        # the values with them: a component past the values is refused before torch sees it.
+        # Parts mapped to the meta device hold no numbers, and nothing to read past.
+        if not offsets.is_meta and (lengths is None or not lengths.is_meta):
+            try:
+                check_jagged_parts(values, offsets, lengths, kwargs.get("_ragged_idx", 1))
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"{self.where}: entry {path!r} is a jagged nested tensor whose offsets do not "
+                    f"delimit components of its values ({e})",
+                    path=self.where,
+                ) from e
+        try:
+            if len(parts) == 1:  # a bare _rebuild_njt call
+                return _rebuild_njt(kwargs)
+            # as torch.load calls it: the constructor, then the state set as attributes
+            return torch._tensor._rebuild_from_type_v2(
+                _rebuild_njt, NestedTensor, (kwargs,), parts[1]
+            )
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            raise CorruptCheckpointError(
+                f"{self.where}: entry {path!r}: torch cannot rebuild this jagged nested tensor "
+                f"({e})",
                 path=self.where,
             ) from e
 
@@ -239,18 +282,11 @@ def _meta_tensor(dtype: Any, size: Any, stride: Any, requires_grad: Any) -> torc
 
 def _nested_tensor(*args: Any) -> torch.Tensor:
     # torch's rebuild views a buffer through sizes, strides and offsets it does not check
-    # against the buffer: a component past its end is refused here instead.
+    # against the buffer: a component past its end is refused (a ValueError) before it.
     buffer, sizes, strides, offsets = args
     if not all(isinstance(a, torch.Tensor) and a.layout == torch.strided for a in args):
         raise TypeError("its buffer, sizes, strides and offsets must be tensors")
-    if sizes.dim() != 2 or strides.shape != sizes.shape or offsets.shape != sizes.shape[:1]:
-        raise ValueError("its sizes, strides and offsets do not describe the same components")
-    if bool((sizes < 0).any() or (strides < 0).any() or (offsets < 0).any()):
-        raise ValueError("it has a negative size, stride or offset")
-    ends = offsets + ((sizes - 1).clamp(min=0) * strides).sum(dim=1)
-    empty = (sizes == 0).any(dim=1)
-    if buffer.dim() != 1 or bool(((ends >= buffer.numel()) & ~empty).any()):
-        raise ValueError(f"a component lies past the end of its {buffer.numel()}-element buffer")
+    check_nested_parts(buffer, sizes, strides, offsets)
     return torch._utils._rebuild_nested_tensor(buffer, sizes, strides, offsets)
 
 
@@ -295,10 +331,11 @@ def build_state_dict(
 
     Raises:
         UnsafeContentError: the mapping holds objects of classes outside the allowlist.
-        UnsupportedFormatError: it holds what this loader does not build (nested tensors,
-            tensor subclasses, bare storages): ``trust=True`` loads those with ``torch.load``.
-        CorruptCheckpointError: a storage's bytes lie outside the file, or torch's own
-            rebuild refuses a quantized or sparse tensor.
+        UnsupportedFormatError: it holds what this loader does not build (tensor subclasses,
+            bare storages): ``trust=True`` loads those with ``torch.load``.
+        CorruptCheckpointError: a storage's bytes lie outside the file, a nested tensor's
+            components lie outside its buffer or values, or torch's own rebuild refuses a
+            quantized, sparse, nested or jagged tensor.
 
     Example:
         >>> from ckpt_tools.formats import open_checkpoint

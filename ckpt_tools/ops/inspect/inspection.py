@@ -19,7 +19,7 @@ from ckpt_tools.structure.selection import (
     key_text,
     select_state_dict,
 )
-from ckpt_tools.tensor_walk import iter_listed_tensors
+from ckpt_tools.tensor_walk import iter_listed_tensors, stored_views
 
 __all__ = [
     "CheckpointInfo",
@@ -95,7 +95,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
     named = [(name, t) for name, t in listed if isinstance(t, TensorRef)]
     shard_of = _shard_owner(ckpt)
     tensors = _tensor_infos(listed, shard_of)
-    parts = [p for _, t in listed for p in (t.parts if isinstance(t, RebuiltTensor) else (t,))]
+    parts = [p for _, t in listed for p in stored_views(t)]
     distinct = {id(p.storage): p.storage.nbytes for p in parts}
     return CheckpointInfo(
         path=ckpt.path,
@@ -134,7 +134,7 @@ def _tensor_infos(
     # Labelled by its first name: a tied name an index records is in no shard of its own.
     label: dict[int, str] = {}
     for name, t in listed:
-        for part in t.parts if isinstance(t, RebuiltTensor) else (t,):
+        for part in stored_views(t):
             label.setdefault(id(part.storage), shard_of.get(name, "") + part.storage.key)
     return tuple(_info(name, t, label, sharing) for name, t in listed)
 
