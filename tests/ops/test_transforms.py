@@ -591,3 +591,200 @@ def test_extract_on_every_nested_layout(tmp_path: Path, name: str, strip: bool) 
     want = {k[cut:]: v for k, v in ref.items() if k.startswith(prefix)}
     assert list(out) == list(want)
     assert all(out[k].dtype == want[k].dtype and torch.equal(out[k], want[k]) for k in want)
+
+
+# average: the mean is per key, whatever each input's storage layout and dtype.
+
+
+def _weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The oracle: ``sum(w_i * x_i) / sum(w_i)`` in float64 (complex128), cast back by torch."""
+    wide = torch.complex128 if tensors[0].is_complex() else torch.float64
+    acc = torch.zeros(tensors[0].shape, dtype=wide)
+    for t, w in zip(tensors, weights):
+        acc += t.to(wide) * w
+    return (acc / sum(weights)).to(tensors[0].dtype)
+
+
+def _assert_means(out: dict, sds: list[dict], weights: list[float]) -> None:
+    for key in sds[0]:
+        want = _weighted_mean([sd[key] for sd in sds], weights)
+        assert out[key].dtype == want.dtype, key
+        assert torch.equal(_bits(out[key]), _bits(want)), key
+
+
+def _tied_layouts(dtype: torch.dtype) -> list[dict]:
+    g = torch.Generator().manual_seed(2)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
+
+    e, x, y = rand(4, 3), rand(6), rand(6)
+    return [
+        {"emb": e, "head": e, "a": x[:3], "b": x[3:]},  # tied, and two views of one storage
+        {"emb": rand(4, 3), "head": rand(4, 3), "a": y[3:], "b": y[:3]},  # apart, views swapped
+        {"emb": rand(4, 3), "head": rand(4, 3), "a": rand(3), "b": rand(3)},  # all apart
+    ]
+
+
+@pytest.mark.parametrize("dst", ["avg.pt", "avg.safetensors"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.complex64]
+)
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 0, 2), (2, 1, 0)], ids=str)
+def test_average_tied_in_one_input_apart_in_another_is_the_mean_of_each_key(
+    tmp_path: Path, dtype: torch.dtype, dst: str, order: tuple[int, ...]
+) -> None:
+    layouts = _tied_layouts(dtype)
+    sds = [layouts[i] for i in order]
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    weights = [1.0, 2.0, 0.5]
+    ct.average([tmp_path / f"in_{i}.pt" for i in range(3)], tmp_path / dst, weights=weights)
+    out = _sd(tmp_path / dst, ())
+    _assert_means(out, sds, weights)
+
+
+def test_average_keeps_tied_keys_tied_where_every_input_ties_them_alike(tmp_path: Path) -> None:
+    sds = [_tied_layouts(torch.float32)[0] for _ in range(2)]
+    sds[1] = {k: v * 3 for k, v in sds[1].items()}  # the same values, untied: no longer alike
+    e, x = torch.randn(4, 3), torch.randn(6)
+    sds.append({"emb": e, "head": e, "a": x[:3], "b": x[3:]})
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    ct.average([tmp_path / "in_0.pt", tmp_path / "in_2.pt"], tmp_path / "tied.pt")
+    out = torch.load(tmp_path / "tied.pt", weights_only=True)
+    _assert_means(out, [sds[0], sds[2]], [1.0, 1.0])
+    assert out["emb"].data_ptr() == out["head"].data_ptr()
+    assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()
+
+    result = ct.average([tmp_path / "in_0.pt", tmp_path / "in_1.pt"], tmp_path / "apart.pt")
+    out = torch.load(tmp_path / "apart.pt", weights_only=True)
+    _assert_means(out, sds[:2], [1.0, 1.0])
+    assert out["emb"].data_ptr() != out["head"].data_ptr()
+    assert any("emb, head share a storage" in note for note in result.notes), result.notes
+
+
+@pytest.mark.parametrize("dst", ["avg.pt", "avg.safetensors"])
+def test_average_ints_last_takes_each_key_from_the_last_input(tmp_path: Path, dst: str) -> None:
+    x, y = torch.tensor([5, 6]), torch.tensor([6, 5])
+    grid, cols = torch.arange(6).reshape(2, 3), torch.arange(10, 16).reshape(3, 2)
+    sds = [
+        {"w": torch.randn(2), "a": x[0], "b": x[1], "m": grid},
+        {"w": torch.randn(2), "a": torch.tensor(1), "b": torch.tensor(2), "m": grid + 1},
+        {"w": torch.randn(2), "a": y[1], "b": y[0], "m": cols.t()},  # a strided view
+    ]
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    srcs = [tmp_path / f"in_{i}.pt" for i in range(3)]
+    ct.average(srcs, tmp_path / dst, ints="last")
+    out = _sd(tmp_path / dst, ())
+    for key in ("a", "b", "m"):
+        assert torch.equal(out[key], sds[-1][key]), key
+    ct.average(srcs, tmp_path / f"first_{dst}", ints="first")
+    out = _sd(tmp_path / f"first_{dst}", ())
+    assert all(torch.equal(out[k], sds[0][k]) for k in ("a", "b", "m"))
+
+
+def test_average_means_complex_and_float8_and_never_calls_them_integers(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    sds = []
+    for _ in range(2):
+        f = torch.randn(64, generator=g) * 100  # past float8_e4m3fn's 448: saturates
+        sds.append(
+            {
+                "c64": torch.randn(3, 5, dtype=torch.complex64, generator=g),
+                "c128": torch.randn(7, dtype=torch.complex128, generator=g),
+                "e4m3": f.to(torch.float8_e4m3fn),
+                "e5m2": f.to(torch.float8_e5m2),
+            }
+        )
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    weights = [3.0, 1.0]
+    ct.average([tmp_path / "in_0.pt", tmp_path / "in_1.pt"], tmp_path / "avg.pt", weights=weights)
+    _assert_means(torch.load(tmp_path / "avg.pt", weights_only=True), sds, weights)
+
+
+def test_average_bool_has_no_mean_and_ints_do_not_apply_to_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mask = torch.tensor([True, False, True])
+    sds = [
+        {"w": torch.randn(3), "n": torch.tensor(1), "mask": mask},
+        {"w": torch.randn(3), "n": torch.tensor(2), "mask": ~mask},
+    ]
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    srcs = [tmp_path / "in_0.pt", tmp_path / "in_1.pt"]
+    with pytest.raises(ct.ConversionError) as e:
+        ct.average(srcs, tmp_path / "avg.pt")
+    said = str(e.value)
+    assert "integer tensors differ across inputs: n (int64)" in said, said
+    assert "tensors with no mean (bool" in said and "mask (bool)" in said, said
+    assert "integer tensors differ across inputs: n (int64);" in said  # mask not among them
+    with pytest.raises(ct.ConversionError, match=r"no mean .*: mask \(bool\)") as e:
+        ct.average(srcs, tmp_path / "avg.pt", ints="last")
+    assert "integer" not in str(e.value) and "ints=" not in str(e.value)
+    assert main(["average", *map(str, srcs), str(tmp_path / "avg.pt"), "--ints", "last"]) == 7
+    err = capsys.readouterr().err
+    assert "mask (bool)" in err and "--ints" not in err, err
+    assert not (tmp_path / "avg.pt").exists()
+
+    sds[1]["mask"] = mask.clone()  # equal in every input: copied
+    torch.save(sds[1], tmp_path / "in_1.pt")
+    ct.average(srcs, tmp_path / "avg.pt", ints="last")
+    out = torch.load(tmp_path / "avg.pt", weights_only=True)
+    assert torch.equal(out["mask"], mask) and out["n"].item() == 2
+
+
+@pytest.mark.parametrize(
+    ("weights", "said"),
+    [
+        ("nan,1", "input 1's is nan"),
+        ("1,inf", "input 2's is inf"),
+        ("-inf,1", "input 1's is -inf"),
+        ("1e308,1e308", "sum past float64's largest number"),
+        ("1,-1", "sum to 0"),
+    ],
+)
+def test_average_refuses_weights_with_no_finite_mean(
+    tmp_path: Path, weights: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _inputs(tmp_path)
+    srcs = [str(tmp_path / "ckpt_0.pt"), str(tmp_path / "ckpt_2.pt")]
+    before = _snapshot(tmp_path)
+    assert main(["average", *srcs, str(tmp_path / "avg.pt"), f"--weights={weights}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ckpt: error: --weights ") and said in err, err
+    assert "Warning" not in err
+    with pytest.raises(ct.UsageError, match=re.escape(said)) as e:
+        ct.average(srcs, tmp_path / "avg.pt", weights=[float(w) for w in weights.split(",")])
+    assert str(e.value).startswith("weights=") and "--" not in str(e.value)
+    assert _snapshot(tmp_path) == before
+
+
+def test_average_huge_weights_and_infinite_values_match_torch_without_warnings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inf, nan = float("inf"), float("nan")
+    sds = [
+        {"w": torch.tensor([inf, 1.0, inf, nan, 3e38, -inf]), "h": torch.randn(9).half()},
+        {"w": torch.tensor([-inf, 2.0, inf, 1.0, 3e38, 1.0]), "h": torch.randn(9).half()},
+    ]
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    srcs = [str(tmp_path / "in_0.pt"), str(tmp_path / "in_1.pt")]
+    assert main(["average", *srcs, str(tmp_path / "avg.pt"), "-q"]) == 0
+    assert capsys.readouterr().err == ""  # inf - inf is NaN, said by no warning
+    _assert_means(torch.load(tmp_path / "avg.pt", weights_only=True), sds, [1.0, 1.0])
+    # Only the ratio of the weights matters; these two overflow no sum, though w * x would.
+    ct.average(srcs, tmp_path / "huge.pt", weights=[2.0**1000, 3 * 2.0**1000])
+    _assert_means(torch.load(tmp_path / "huge.pt", weights_only=True), sds, [1.0, 3.0])
+
+
+def test_average_to_safetensors_writes_a_transposed_view_as_its_rows(tmp_path: Path) -> None:
+    sds = [{"w": torch.randn(3, 4).t(), "b": torch.randn(4)} for _ in range(2)]
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    ct.average([tmp_path / "in_0.pt", tmp_path / "in_1.pt"], tmp_path / "avg.safetensors")
+    _assert_means(load_file(tmp_path / "avg.safetensors"), sds, [1.0, 1.0])

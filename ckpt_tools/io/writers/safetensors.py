@@ -15,14 +15,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckpt_tools.descriptors import RebuiltTensor, TensorRef
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.copy.layout import safetensors_data_start, safetensors_offsets
-from ckpt_tools.io.tensor_bytes import OpenFiles, check_plain_values
+from ckpt_tools.io.tensor_bytes import OpenFiles
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record, tensor_bytes_record
+
+# The checks live beside the writer; re-exported, as the plans import them from here.
+from ckpt_tools.io.writers.safetensors_checks import (
+    check_holdable,
+    leave_out_extras,
+    unholdable_kind,
+)
 from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 
 __all__ = [
@@ -42,16 +48,13 @@ _LARGE_DATA_ALIGNMENT = 64 << 10
 class SafetensorsEntry:
     """One tensor to write: its name and descriptor in ``source``.
 
-    Raises:
-        ConversionError: the tensor is a conjugate or negative view, whose bit the format
-            cannot hold (:func:`~ckpt_tools.io.tensor_bytes.check_plain_values`).
+    What safetensors cannot hold (a conjugate or negative view, a dtype it lacks, a reserved
+    name) is refused for every entry at once, by
+    :func:`~ckpt_tools.io.writers.safetensors_checks.check_holdable`.
     """
 
     name: str
     tensor: TensorRef
-
-    def __post_init__(self) -> None:
-        check_plain_values(self.name, self.tensor, "a safetensors file")
 
 
 def write_safetensors(
@@ -78,7 +81,8 @@ def write_safetensors(
         durable: whether the output will be fsynced (``AtomicFile.durable``).
 
     Raises:
-        ConversionError: a dtype safetensors cannot hold (quantized types, complex32 ...).
+        ConversionError: a tensor safetensors cannot hold (a dtype it lacks, a conjugate or
+            negative view, a reserved name: :func:`check_holdable`), before a byte is written.
         OSError: reading or writing failed, or a producer yields the wrong byte count.
 
     Example:
@@ -125,151 +129,6 @@ def source_records(
     return [(e.name, e.tensor, tensor_bytes_record(source, e.tensor)) for e in entries]
 
 
-def check_holdable(
-    tensors: Sequence[tuple[str, str]], path: str | None, remedies: Sequence[Remedy] = ()
-) -> None:
-    """Refuse, while planning, every tensor a safetensors file cannot hold: one of a dtype it
-    lacks, or named by a string that is no UTF-8 (a lone surrogate, which torch keeps).
-
-    Operations call it while planning; :func:`safetensors_header` calls it again, as a guard.
-
-    Args:
-        tensors: ``(name, dtype)`` of every tensor of the planned output.
-        path: the input, for the message, if known.
-        remedies: what to do instead; "keep the torch format" when none is given.
-
-    Raises:
-        ConversionError: naming every offending tensor (the first eight in the message).
-
-    Example:
-        >>> check_holdable([("w", "float32"), ("q", "qint8")], "a.pt")
-        Traceback (most recent call last):
-        ckpt_tools.errors.ConversionError: safetensors cannot hold ... 'a.pt': q (qint8); ...
-        >>> check_holdable([("w\\ud800", "float32"), ("q", "qint8")], "a.pt")
-        Traceback (most recent call last):
-        ckpt_tools.errors.ConversionError: ... q (qint8); and safetensors names ... 'w\\ud800'; ...
-    """
-    bad = [f"{name} ({dtype})" for name, dtype in tensors if dtype not in TORCH_TO_SAFETENSORS]
-    unnamed = [ascii(name) for name, _ in tensors if not _is_utf8(name)]
-    where = f" in {path!r}" if path else ""
-    problems = []
-    if bad:
-        problems.append(
-            f"safetensors cannot hold the dtype of {len(bad)} tensor(s){where}: {_few(bad)}"
-        )
-    if unnamed:
-        problems.append(
-            f"safetensors names tensors in UTF-8, and {len(unnamed)} name(s){where} are not: "
-            + _few(unnamed)
-        )
-    if problems:
-        fixes = tuple(remedies) or (Remedy(text="keep the torch format"),)
-        if unnamed:
-            fixes = (Remedy(text="rename them first (ckpt rename --regex)"), *fixes)
-        raise ConversionError("; and ".join(problems), path=path, remedies=fixes)
-
-
-def _few(items: Sequence[str]) -> str:
-    return ", ".join(items[:8]) + (" ..." if len(items) > 8 else "")
-
-
-def _is_utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def unholdable_kind(value: Any) -> str | None:
-    """What keeps a tensor out of safetensors, which holds dense tensors with bytes only.
-
-    Returns:
-        ``sparse_coo layout`` (any sparse layout), ``nested layout``, ``meta device``, or
-        None for anything else (a dense tensor, or no tensor).
-
-    Example:
-        >>> unholdable_kind("epoch") is None
-        True
-    """
-    if not isinstance(value, RebuiltTensor):
-        return None
-    return "meta device" if value.device == "meta" else f"{value.layout} layout"
-
-
-def leave_out_extras(
-    extras: Sequence[str],
-    path: str | None,
-    *,
-    drop_extras: bool,
-    remedies: Sequence[Remedy] = (),
-    kinds: Mapping[str, str] | None = None,
-) -> tuple[str, ...]:
-    """The entries a safetensors output leaves out, or the refusal to.
-
-    safetensors holds dense tensors only, so every operation writing it refuses other entries
-    (an epoch, an optimizer's ``param_groups``, a string in the state dict; a sparse, nested
-    or meta tensor) unless told to leave them out, and names them either way.
-
-    Args:
-        extras: the names of the entries it cannot hold, in order.
-        path: the input, for the message, if known.
-        drop_extras: leave them out instead of refusing (``--drop-extras``).
-        remedies: fixes of the caller's own, said before ``--drop-extras``
-            (``--weights-only``, where every entry is beside the state dict).
-        kinds: the names among ``extras`` that are tensors, with what keeps each out
-            (:func:`unholdable_kind`); the message tells them from non-tensor entries.
-
-    Returns:
-        The names left out: ``extras``, or ``()`` when there are none.
-
-    Raises:
-        NonTensorEntriesError: ``extras`` is not empty and ``drop_extras`` is false
-            (exit 7), naming the first eight of each sort.
-
-    Example:
-        >>> leave_out_extras(["epoch"], "a.pt", drop_extras=True)
-        ('epoch',)
-        >>> leave_out_extras(["epoch"], "a.pt", drop_extras=False)
-        Traceback (most recent call last):
-        ckpt_tools.errors.NonTensorEntriesError: ... 1 non-tensor entry: epoch; pass drop_extras=...
-        >>> leave_out_extras(["adj"], "a.pt", drop_extras=False, kinds={"adj": "meta device"})
-        Traceback (most recent call last):
-        ckpt_tools.errors.NonTensorEntriesError: ... 1 tensor it cannot hold: adj (meta device); ...
-    """
-    if drop_extras or not extras:
-        return tuple(extras)
-    kinds = kinds or {}
-    tensors = [f"{name} ({kinds[name]})" for name in extras if name in kinds]
-    others = [name for name in extras if name not in kinds]
-    said = []
-    if tensors:
-        said.append(f"{_count(len(tensors), 'tensor')} it cannot hold: {_few(tensors)}")
-    if others:
-        said.append(f"{_count(len(others), 'non-tensor entry')}: {_few(others)}")
-    them = "it" if len(extras) == 1 else "them"
-    raise NonTensorEntriesError(
-        ("safetensors holds dense tensors only" if tensors else "safetensors holds tensors only")
-        + ", and "
-        + (f"{path!r} also has " if path else "the output would also hold ")
-        + "; and ".join(said),
-        tuple(extras),
-        path=path,
-        remedies=(
-            *remedies,
-            Remedy("drop_extras", "True", flag="--drop-extras", text=f"to leave {them} out"),
-            Remedy(text="keep the torch format" + (" (a .pt file holds them)" if tensors else "")),
-        ),
-    )
-
-
-def _count(n: int, noun: str) -> str:
-    """``1 tensor``, ``2 tensors``; ``2 non-tensor entries``."""
-    if n == 1:
-        return f"1 {noun}"
-    return f"{n} {noun[:-1]}ies" if noun.endswith("y") else f"{n} {noun}s"
-
-
 def safetensors_header(
     entries: Sequence[SafetensorsEntry],
     metadata: Mapping[str, str] | None,
@@ -287,7 +146,7 @@ def safetensors_header(
         The header bytes (the 8-byte length prefix is the caller's).
 
     Raises:
-        ConversionError: a dtype safetensors cannot hold.
+        ConversionError: a tensor safetensors cannot hold (:func:`check_holdable`).
 
     Example:
         >>> from ckpt_tools.descriptors import StorageRef, TensorRef
@@ -296,7 +155,8 @@ def safetensors_header(
         >>> safetensors_header([SafetensorsEntry("w", w)], None).rstrip()
         b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
     """
-    check_holdable([(e.name, e.tensor.dtype) for e in entries], None)
+    # The writer's guard: a plan that skipped the check is refused here, before any data.
+    check_holdable([(e.name, e.tensor) for e in entries], None)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)

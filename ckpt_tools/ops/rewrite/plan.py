@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import (
     ConversionError,
@@ -269,10 +269,15 @@ def safetensors_plan(
     )
 
     extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
-    extras += [name for name, _ in entries_beside(ckpt.root, path)]
-    # Sparse, nested and meta tensors are named as tensors safetensors cannot hold.
+    beside = entries_beside(ckpt.root, path)
+    extras += [name for name, _ in beside]
+    # Sparse, nested and meta tensors are named as tensors safetensors cannot hold; a tensor
+    # beside the state dict (a best accuracy) as one outside it, not as a non-tensor entry.
     kinds = {str(k): kind for k, v in sd.items() if (kind := unholdable_kind(v)) is not None}
-    left_out = leave_out_extras(extras, ckpt.path, drop_extras=drop_extras, kinds=kinds)
+    outside = {name for name, v in beside if isinstance(v, (TensorRef, RebuiltTensor))}
+    left_out = leave_out_extras(
+        extras, ckpt.path, drop_extras=drop_extras, kinds=kinds, outside=outside
+    )
     # String values only: an HF index's metadata also holds its int total_size.
     metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
     metadata.setdefault("format", "pt")
@@ -298,5 +303,5 @@ def safetensors_plan(
         expected[str(name)] = t
     expected.update(tied)  # reading the output gives them back, after the stored names
     fixes = () if to_torch is None else (to_torch,)
-    check_holdable([(e.name, e.tensor.dtype) for e in entries], ckpt.path, fixes)
+    check_holdable([(e.name, e.tensor) for e in entries], ckpt.path, fixes)
     return entries, metadata, left_out + tuple(dropped), expected

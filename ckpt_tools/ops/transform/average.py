@@ -1,17 +1,21 @@
 """``average``: the element-wise (weighted) mean of N checkpoints, streamed, torch-free.
 
-Floating tensors are accumulated in float64 chunk by chunk with numpy (bf16 through its bits),
-``sum(w_i * x_i) / sum(w_i)`` in input order, then cast back to each tensor's dtype exactly as
-torch's ``.to`` would (:mod:`ckpt_tools.io.casting`). Memory is a few chunks, whatever N and the
-file sizes. Each storage is averaged once, so tied weights are not averaged twice.
+Each key's value is ``sum(w_i * x_i) / sum(w_i)`` over that key in every input, accumulated in
+float64 (complex parts too) chunk by chunk with numpy, in input order, then cast back to its
+dtype exactly as torch's ``.to`` would (:mod:`~ckpt_tools.ops.transform.mean_stream`). Memory
+is a few chunks, whatever N and the file sizes. Tied keys stay tied where every input ties
+them alike, and are averaged and written apart where one does not
+(:mod:`~ckpt_tools.ops.transform.average_items`).
 
 Keys are aligned as ``load_into`` aligns them: wrapper prefixes (``module.``, ``_orig_mod.``,
 ...) are stripped per input, so a DDP checkpoint averages with a plain one. The output is the
 averaged state dict, as a plain state dict, under the first input's keys.
 
-Sparse, nested and meta tensors are not averaged (a mean of sparse tensors whose indices
-differ is not a mean of their values): each is copied from the first input when every input
-holds the same bytes for it, and refused otherwise.
+Integer tensors must be equal in every input, unless ``ints`` names the input to take them
+from. Tensors with no mean (bool, complex32, quantized, float8 other than e4m3fn and e5m2)
+and sparse, nested and meta tensors (a mean of sparse tensors whose indices differ is not a
+mean of their values) are copied from the first input when every input holds the same, and
+refused otherwise.
 """
 
 from __future__ import annotations
@@ -19,33 +23,25 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
-
-import numpy as np
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
-from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.io.casting import CAST_SOURCES, cast_array
+from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.output_path import check_output_path
-from ckpt_tools.io.verify.outputs import tensor_digest
-from ckpt_tools.io.writers.records import Record, copy_record
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
-from ckpt_tools.ops.transform.plan import PlanRow
+from ckpt_tools.ops.transform.average_items import plan_items
+from ckpt_tools.ops.transform.mean_stream import checked_weights
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
 from ckpt_tools.structure.selection import select_state_dict
 
 __all__ = ["average", "pick_inputs"]
-
-_CHUNK = 1 << 20
-_BITS = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
-_SIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
@@ -84,42 +80,6 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
     if not found:
         raise UsageError(f"no input matches {', '.join(map(repr, patterns))}")
     return found
-
-
-def _to_f64(data: bytes, dtype: str) -> np.ndarray:
-    bits = np.frombuffer(data, dtype=_BITS[dtype])
-    if dtype == "bfloat16":
-        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
-    return bits.view(
-        {"float64": np.float64, "float32": np.float32, "float16": np.float16}[dtype]
-    ).astype(np.float64)
-
-
-def _mean_record(spans: Sequence[Any], weights: Sequence[float], dtype: str, numel: int) -> Record:
-    size = _SIZE[dtype]
-    total_w = float(sum(weights))
-
-    def produce() -> Iterable[bytes]:
-        fds = [os.open(s.path, os.O_RDONLY) for s in spans]
-        try:
-            for first in range(0, numel, _CHUNK):
-                count = min(_CHUNK, numel - first)
-                acc = np.zeros(count, np.float64)
-                for fd, span, w in zip(fds, spans, weights):
-                    data = os.pread(fd, count * size, span.offset + first * size)
-                    if len(data) != count * size:
-                        raise OSError(5, f"{span.path} ended early")
-                    acc += _to_f64(data, dtype) * w
-                acc /= total_w
-                if dtype == "float64":
-                    yield acc.tobytes()
-                else:
-                    yield cast_array(acc.view(np.uint64), "float64", dtype, first, numel).tobytes()
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    return Record(numel * size, produce=produce, action=f"mean of {len(spans)}")
 
 
 def _aligned(sd: Mapping[Any, Any]) -> dict[str, tuple[str, Any]]:
@@ -176,9 +136,11 @@ def average(
         srcs: two or more checkpoints (any readable format, any wrapper prefixes), each
             once: to count one more than another, give it a larger weight.
         dst: the output.
-        weights: one weight per input (default: equal).
-        ints: ``first`` or ``last``: take integer/bool tensors from that input instead of
-            requiring them equal.
+        weights: one finite weight per input, with a finite non-zero sum (default: equal);
+            only their ratios matter.
+        ints: ``first`` or ``last``: take integer tensors from that input instead of
+            requiring them equal (bool and other tensors with no mean are never taken
+            from one input: they must be equal).
         select: dotted path of the state dict in every input (automatic when None).
         output_format, drop_extras, allow_globals, force, verify, durable, dry_run, progress:
             as for :func:`~ckpt_tools.ops.transform.slim.slim`.
@@ -187,9 +149,11 @@ def average(
         A :class:`TransformResult`.
 
     Raises:
-        ConversionError: keys, shapes or dtypes differ, or integer tensors differ (exit 7).
+        ConversionError: keys, shapes or dtypes differ, integer tensors differ (without
+            ``ints``), or tensors with no mean differ (exit 7).
         UsageError: fewer than two inputs, an input given twice (the same file, however
-            named), weights of the wrong length, a bad ``ints``.
+            named), weights of the wrong length, NaN or infinite weights or a sum that is
+            0 or overflows, a bad ``ints``.
 
     Example:
         >>> average(["model.pt", "ddp.pt"], "avg.pt").message  # module. aligned away
@@ -209,8 +173,8 @@ def average(
     if lines:
         shown = "\n".join(lines[:20]) + (f"\n... {len(lines) - 20} more" if len(lines) > 20 else "")
         raise ConversionError(f"the inputs do not match (keys, shapes, dtypes):\n{shown}")
-    items, rows, storages = _mean_items(ckpts, aligned, w, ints)
     fmt = output_format_for(dst, output_format, ckpts[0].format)
+    items, rows, storages, notes = plan_items(ckpts, aligned, w, ints, fmt == "safetensors")
     plan = plan_state_dict_output(
         ckpts[0],
         "average",
@@ -220,6 +184,7 @@ def average(
         items,
         weights_only=True,
         drop_extras=drop_extras,
+        notes=notes,
         overrides=storages,
     )
     plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))
@@ -231,17 +196,9 @@ def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | N
     _check_distinct(srcs)
     if len(srcs) < 2:
         raise UsageError(f"average needs at least two inputs, got {len(srcs)}: {srcs!r}")
-    w = [1.0] * len(srcs) if weights is None else [float(x) for x in weights]
-    if len(w) != len(srcs) or sum(w) == 0:
-        raise UsageError(
-            f"expected {len(srcs)} weights with a non-zero sum",
-            argument="weights",
-            value=repr(list(weights or ())),
-            flag="--weights",
-        )
     if ints not in (None, "first", "last"):
         raise UsageError("expected first or last", argument="ints", value=repr(ints), flag="--ints")
-    return w
+    return checked_weights(weights, len(srcs))
 
 
 def _check_distinct(srcs: Sequence[str]) -> None:
@@ -274,102 +231,3 @@ def _check_distinct(srcs: Sequence[str]) -> None:
                 ),
             ),
         )
-
-
-def _mean_items(
-    ckpts: Sequence[Checkpoint],
-    aligned: Sequence[dict[str, tuple[str, Any]]],
-    w: Sequence[float],
-    ints: str | None,
-) -> tuple[list[tuple[str, str | None, Any]], list[PlanRow], dict[int, Record]]:
-    """The output items, their rows, and the record making each storage (a mean, or a copy).
-
-    Raises:
-        ConversionError: a tensor lies differently across inputs, or integer tensors differ
-            and ``ints`` does not say which to take.
-    """
-    differing: list[str] = []
-    rows: list[PlanRow] = []
-    storages: dict[int, Record] = {}
-    items: list[tuple[str, str | None, Any]] = []
-    unequal: list[str] = []
-    for key, (orig, t) in aligned[0].items():
-        items.append((orig, orig, t))
-        if isinstance(t, RebuiltTensor):
-            others = [a[key][1] for a in aligned]
-            if not _same_everywhere(ckpts, others):
-                unequal.append(key)
-            rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, "copy (equal)"))
-            continue
-        if not isinstance(t, TensorRef):
-            continue
-        others = [a[key][1] for a in aligned]
-        if t.dtype in CAST_SOURCES:
-            if id(t.storage) not in storages:
-                storages[id(t.storage)] = _mean_of(key, t, ckpts, others, w)
-            action = f"mean of {len(ckpts)}"
-        else:
-            if ints is None and len({tensor_digest(c, o) for c, o in zip(ckpts, others)}) > 1:
-                differing.append(key)
-            if ints == "last":  # the first input's view, the last input's bytes
-                if others[-1].storage.nbytes != t.storage.nbytes:
-                    raise ConversionError(f"{key!r} lies differently in its storage across inputs")
-                storages[id(t.storage)] = copy_record(ckpts[-1], others[-1].storage)
-            action = "copy (last input)" if ints == "last" else "copy (first input)"
-        rows.append(PlanRow(orig, orig, t.dtype, t.dtype, t.nbytes, t.nbytes, action))
-    if unequal:
-        raise ConversionError(
-            "sparse, nested and meta tensors are not averaged, and these differ across "
-            f"inputs: {', '.join(unequal[:8])}",
-            remedies=(
-                Remedy(text="leave them out of the inputs (ckpt extract), or make them dense"),
-            ),
-        )
-    if differing:
-        raise ConversionError(
-            f"integer tensors differ across inputs: {', '.join(differing[:8])}",
-            remedies=(
-                Remedy("ints", "'first'", flag="--ints first", text="to take the first input's"),
-                Remedy("ints", "'last'", flag="--ints last", text="to take the last input's"),
-            ),
-        )
-    return items, rows, storages
-
-
-def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any]) -> bool:
-    """Whether a sparse, nested or meta tensor is the same in every input: layout, shape and
-    dtype (checked before), strides (a meta tensor's only content), and each part's shape and
-    elements."""
-    first = tensors[0]
-    for c, t in zip(ckpts[1:], tensors[1:]):
-        if not isinstance(t, RebuiltTensor) or (t.layout, t.stride, len(t.parts)) != (
-            first.layout,
-            first.stride,
-            len(first.parts),
-        ):
-            return False
-        for a, b in zip(first.parts, t.parts):
-            if (a.dtype, a.shape) != (b.dtype, b.shape):
-                return False
-            if tensor_digest(ckpts[0], a) != tensor_digest(c, b):
-                return False
-    return True
-
-
-def _mean_of(
-    key: str,
-    t: TensorRef,
-    ckpts: Sequence[Checkpoint],
-    others: Sequence[TensorRef],
-    w: Sequence[float],
-) -> Record:
-    """The record averaging ``t``'s storage over every input (each laid out as the first)."""
-    spans = []
-    for c, o in zip(ckpts, others):
-        if (o.offset, o.stride, o.storage.nbytes) != (t.offset, t.stride, t.storage.nbytes):
-            raise ConversionError(
-                f"{key!r} lies differently in its storage across inputs; convert them first"
-            )
-        spans.append(c.span(o.storage))
-    numel = t.storage.nbytes // _SIZE[t.dtype]
-    return _mean_record(spans, w, t.dtype, numel)

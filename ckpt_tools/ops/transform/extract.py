@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
 from ckpt_tools.ops.rewrite.plan import output_format_for
@@ -52,7 +52,9 @@ def extract(
         A :class:`TransformResult`.
 
     Raises:
-        UsageError: no key starts with ``prefix`` (the message lists the first segments).
+        UsageError: ``prefix`` is empty (it would keep every key: that is
+            ``slim(weights_only=True)``), or no key starts with it (the message lists the
+            first segments).
         NonTensorEntriesError: a safetensors output, non-tensor entries under ``prefix`` and
             not ``drop_extras`` (exit 7).
 
@@ -66,14 +68,7 @@ def extract(
     with opened(src) as ckpt:
         selection, notes = select_weights(ckpt, allow_globals, select, ema)
         keys = [str(k) for k in selection.state_dict]
-        if not prefix or not any(k.startswith(prefix) for k in keys):
-            heads = sorted({k.split(".")[0] + "." for k in keys})
-            raise UsageError(
-                f"no key starts with {prefix!r}; the keys start with {', '.join(heads[:10])}",
-                argument="prefix",
-                value=repr(prefix),
-                flag="--prefix",
-            )
+        _check_prefix(prefix, keys)
         items = [
             (k, (k[len(prefix) :] if strip_prefix else k) if k.startswith(prefix) else None, v)
             for k, v in zip(keys, selection.state_dict.values())
@@ -91,3 +86,30 @@ def extract(
             notes=notes,
         )
         return finish(plan, target, ckpt, verify, dry_run, durable, progress, replace=force)
+
+
+def _check_prefix(prefix: str, keys: Sequence[str]) -> None:
+    """Refuse a prefix that keeps every key (the empty one) or none."""
+    where = {"argument": "prefix", "value": repr(prefix), "flag": "--prefix"}
+    if not prefix:
+        # Every key starts with "": a part is what extract writes, and an empty prefix is
+        # more often an unset variable than a wish for the whole state dict.
+        raise UsageError(
+            "an empty prefix would keep every key; extract writes the part under a prefix",
+            **where,
+            remedies=(
+                Remedy(text="give the prefix of the part to keep (backbone.)"),
+                Remedy(
+                    "weights_only",
+                    "True",
+                    flag="--weights-only",
+                    text="to slim, which writes the whole state dict",
+                ),
+            ),
+        )
+    if not any(k.startswith(prefix) for k in keys):
+        heads = sorted({k.split(".")[0] + "." for k in keys})
+        raise UsageError(
+            f"no key starts with {prefix!r}; the keys start with {', '.join(heads[:10])}",
+            **where,
+        )

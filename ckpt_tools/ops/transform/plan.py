@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef
+from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.io.atomic import AtomicFile
@@ -28,7 +29,7 @@ from ckpt_tools.io.writers.records import Record, check_records
 from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.tensor_walk import iter_stored_tensors
 
-__all__ = ["PlanRow", "TransformPlan", "cast_tensor", "execute_plan"]
+__all__ = ["PlanRow", "TransformPlan", "cast_tensor", "check_computable", "execute_plan"]
 
 _OPTIMIZER_ENTRIES = ("optimizer", "optimizer_states", "optimizer_state_dict", "optim", "opt")
 
@@ -109,6 +110,38 @@ class TransformPlan:
 def new_storage(like: StorageRef, dtype: str, numel: int) -> StorageRef:
     """An output storage of ``numel`` elements of ``dtype`` on ``like``'s device."""
     return StorageRef(like.key, dtype, numel, like.device, storage_type=storage_type_ref(dtype))
+
+
+def check_computable(name: str, tensor: TensorRef, doing: str, *, cast: bool) -> None:
+    """Refuse to compute from ``tensor``'s bytes (a cast, a mean) when they are not its values.
+
+    A conjugate or negative view is saved as its storage's bytes plus a bit torch applies on
+    loading; computing from the bytes would drop the bit, whatever the output's format.
+
+    Args:
+        name: the tensor's output key, for the message.
+        tensor: its descriptor as read.
+        doing: what would compute from the bytes (``a cast to bfloat16``, ``a mean``).
+        cast: the computation is a cast, which the tensor can be left out of.
+
+    Raises:
+        ConversionError: the tensor carries a view bit (exit 7).
+
+    Example:
+        >>> s = StorageRef("0", "float32", 1, "cpu")
+        >>> check_computable("w", TensorRef(s, 0, (1,), (1,), "float32"), "a mean", cast=False)
+    """
+    bits = sorted(tensor.view_bits)
+    if not bits:
+        return
+    what = " and ".join({"conj": "conjugate", "neg": "negative"}[b] for b in bits)
+    resolve = ".".join(f"resolve_{b}()" for b in bits)
+    keep = (Remedy(text=f"keep {name!r} in its dtype"),) if cast else ()
+    raise ConversionError(
+        f"tensor {name!r} is saved as a {what} view: torch.load applies the bit to its "
+        f"bytes, which {doing} would take as they are, changing its values",
+        remedies=(*keep, Remedy(text=f"load it, call .{resolve} and save that")),
+    )
 
 
 def cast_tensor(t: TensorRef, storage: StorageRef, dtype: str) -> TensorRef:

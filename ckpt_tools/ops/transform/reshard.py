@@ -221,7 +221,7 @@ def _plan_folder(
     # total_size and "format" are the writer's to set.
     extra = {k: v for k, v in metadata.items() if isinstance(v, str) and k != "format"}
     extra.update(aliases)
-    check_holdable([(e.name, e.tensor.dtype) for e in entries], ckpt.path)
+    check_holdable([(e.name, e.tensor) for e in entries], ckpt.path)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:
         ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckpt_tools._types import Progress, VerifyLevel
 from ckpt_tools.descriptors import RebuiltTensor, StorageRef, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import (
     Record,
@@ -33,6 +33,7 @@ from ckpt_tools.ops.transform.plan import (
     TransformPlan,
     cast_tensor,
     categories,
+    check_computable,
     execute_plan,
     new_storage,
 )
@@ -42,6 +43,9 @@ from ckpt_tools.structure.selection import Selection, holds_no_state_dict, repla
 from ckpt_tools.tensor_walk import iter_stored_tensors
 
 __all__ = ["finish", "plan_state_dict_output"]
+
+# What makes a storage an operation computes (its ``overrides``), in words.
+_COMPUTED = {"average": "a mean", "merge-lora": "a LoRA merge"}
 
 
 def plan_state_dict_output(
@@ -88,7 +92,8 @@ def plan_state_dict_output(
     targets = cast_targets(tree, items, cast_to, keep, notes, outside)
     records, out_storage = _storage_records(ckpt, tree, targets, cast_to, overrides)
     rebuilt = cast_rebuilt_items(items, out_storage, targets, cast_to, keep, notes)
-    rows, replaced = _rows(items, out_storage, targets, overrides, cast_to, rebuilt)
+    computed = _COMPUTED.get(command, f"{command}'s computation")
+    rows, replaced = _rows(items, out_storage, targets, overrides, cast_to, rebuilt, computed)
     out_sd.update(replaced)
     shared: dict[str, Any] = {
         "command": command,
@@ -191,12 +196,14 @@ def _rows(
     overrides: Mapping[int, Record],
     cast_to: str | None,
     rebuilt: Mapping[str, RebuiltTensor],
+    computed: str,
 ) -> tuple[list[PlanRow], dict[str, Any]]:
     """One row per tensor item, and the output tensors that differ from the input's.
 
     A tensor on a cast storage is described as ``cast_to``; one read without a pickle gets
     torch.save's rebuild call on its output storage. ``rebuilt``: the sparse, nested and
-    meta tensors cast (by output key).
+    meta tensors cast (by output key). ``computed``: what makes an overridden storage, in
+    words (``a mean``).
     """
     rows: list[PlanRow] = []
     replaced: dict[str, Any] = {}
@@ -211,7 +218,8 @@ def _rows(
             continue
         cast = id(value.storage) in targets
         if new is not None and (cast or id(value.storage) in overrides):
-            check_plain_values(new, value, f"a cast to {cast_to}" if cast else "a mean")
+            doing = f"a cast to {cast_to}" if cast else computed
+            check_computable(new, value, doing, cast=cast)
         if new is not None and (cast or value.func is None):
             dtype = cast_to if cast and cast_to is not None else value.dtype
             replaced[new] = cast_tensor(value, out_storage[id(value.storage)], dtype)
@@ -284,8 +292,14 @@ def _safetensors_entries(
     # Sparse, nested and meta tensors are named as tensors safetensors cannot hold.
     kinds = {old: k for old, new, v in items if new is not None and (k := unholdable_kind(v))}
     beside: list[str] = []
+    outside: set[str] = set()  # the tensors among them, named as tensors outside the state dict
     if not weights_only and isinstance(ckpt.root, Mapping) and selection.path:
         beside = [str(k) for k in ckpt.root if k != selection.path[0]]
+        outside = {
+            str(k)
+            for k, v in ckpt.root.items()
+            if k != selection.path[0] and isinstance(v, (TensorRef, RebuiltTensor))
+        }
     alone = Remedy(
         "weights_only", "True", flag="--weights-only", text="to write the state dict alone"
     )
@@ -295,6 +309,7 @@ def _safetensors_entries(
         drop_extras=drop_extras,
         remedies=(alone,) if beside and not inside else (),
         kinds=kinds,
+        outside=outside,
     )
     metadata: dict[str, str] = {"format": "pt"}
     entries, kept = [], {}
@@ -316,9 +331,10 @@ def _safetensors_entries(
             )
         if dst is not None and id(t.storage) in overrides:  # a computed storage, then cast
             record = cast_stream(record, t.dtype, dst)
-        out = TensorRef(t.storage, 0, t.shape, (), dst or t.dtype)
+        # The rebuild call is kept, so the writer's guard sees a view bit as planning does.
+        out = replace(t, offset=0, stride=(), dtype=dst or t.dtype)
         entries.append((new, out, record))
-    check_holdable([(name, out.dtype) for name, out, _ in entries], ckpt.path)
+    check_holdable([(name, out) for name, out, _ in entries], ckpt.path, (to_torch,))
     return entries, metadata, left_out
 
 

@@ -1,0 +1,290 @@
+"""``average``'s per-key plan: what value each output key gets, and which storages stay shared.
+
+The mean is per key, as ``{k: mean(sd_i[k])}`` computed in torch would be, whatever each
+input's storage layout. A storage of the first input is computed once for all its keys (and
+stays shared in the output) only where every input lays out the same keys as the same views
+of one storage; otherwise each key is computed from each input's own view and written apart.
+``ints="last"`` takes each integer key's value from the last input's view the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef
+from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
+from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.formats import Checkpoint
+from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, ConstantRef, storage_type_ref
+from ckpt_tools.io.tensor_bytes import check_plain_values
+from ckpt_tools.io.verify.outputs import tensor_digest
+from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
+from ckpt_tools.ops.transform.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
+from ckpt_tools.ops.transform.plan import PlanRow
+
+__all__ = ["fresh_tensor", "plan_items"]
+
+
+def plan_items(
+    ckpts: Sequence[Checkpoint],
+    aligned: Sequence[dict[str, tuple[str, Any]]],
+    w: Sequence[float],
+    ints: str | None,
+    to_safetensors: bool,
+) -> tuple[list[tuple[str, str | None, Any]], list[PlanRow], dict[int, Record], list[str]]:
+    """The output items, their rows, the record making each computed storage, and notes.
+
+    Each key gets its own value: the weighted mean of that key in every input, or one
+    input's value. A storage of the first input is computed once for all its keys only where
+    every input lays those keys out alike (:func:`_alike`); else each key is written apart.
+
+    Args:
+        ckpts: the inputs, opened.
+        aligned: per input, aligned key -> (its key there, its value); keys, shapes and
+            dtypes already checked equal.
+        w: the weights, from :func:`~ckpt_tools.ops.transform.mean_stream.checked_weights`.
+        ints: None, ``first`` or ``last``: which input integer tensors come from.
+        to_safetensors: the output is safetensors, which writes a computed storage's bytes as its
+            tensors' rows: a strided view is computed apart (a view of part of a storage is
+            refused there, as for any computed storage).
+
+    Returns:
+        ``(items, rows, records, notes)``: items as
+        :func:`~ckpt_tools.ops.transform.state_dict_plan.plan_state_dict_output` takes them,
+        one row per tensor, ``id(storage)`` -> the record that makes it, and what was decided.
+
+    Raises:
+        ConversionError: tensors without a mean differ across inputs (integers without
+            ``ints``), or a tensor to average carries a conjugate or negative bit.
+
+    Example:
+        >>> from ckpt_tools.formats import open_checkpoint
+        >>> model = open_checkpoint("model.pt")
+        >>> sd = {k: (k, v) for k, v in model.root.items()}
+        >>> plan_items([model, model], [sd, sd], [1.0, 1.0], None, False)[1][0].action
+        'mean of 2'
+    """
+    plan = _Plan(ckpts, aligned, w, to_safetensors)
+    for key, (orig, t) in aligned[0].items():
+        others = [a[key][1] for a in aligned]
+        if isinstance(t, RebuiltTensor):
+            if not _same_everywhere(ckpts, others):
+                plan.differ("sparse, nested or meta", key, t.layout)
+            plan.add(orig, t, "copy (equal)")
+        elif not isinstance(t, TensorRef):
+            plan.items.append((orig, orig, t))
+        elif t.dtype in MEAN_DTYPES:
+            for o in others:  # the bytes are averaged as values: a view bit would be lost
+                check_plain_values(key, o, "a mean")
+            plan.add(orig, plan.computed(key, others, _mean_of), f"mean of {len(ckpts)}")
+        elif t.dtype in INTEGER_DTYPES and ints is not None:
+            if ints == "last":
+                for o in (t, others[-1]):
+                    check_plain_values(key, o, "taking the last input's values")
+                t = plan.computed(key, others, _last_of)
+            plan.add(orig, t, f"copy ({ints} input)")
+        else:
+            if len({tensor_digest(c, o) for c, o in zip(ckpts, others)}) > 1:
+                plan.differ("integer" if t.dtype in INTEGER_DTYPES else "other", key, t.dtype)
+            plan.add(orig, t, "copy (equal)")
+    _refuse_differing(plan.differing)
+    return plan.items, plan.rows, plan.storages, plan.notes
+
+
+class _Plan:
+    """What :func:`plan_items` collects, and which storages of the first input stay shared."""
+
+    def __init__(
+        self,
+        ckpts: Sequence[Checkpoint],
+        aligned: Sequence[dict[str, tuple[str, Any]]],
+        w: Sequence[float],
+        to_safetensors: bool,
+    ) -> None:
+        self.ckpts, self.aligned, self.w, self.to_safetensors = ckpts, aligned, w, to_safetensors
+        self.items: list[tuple[str, str | None, Any]] = []
+        self.rows: list[PlanRow] = []
+        self.storages: dict[int, Record] = {}
+        self.notes: list[str] = []
+        self.differing: dict[str, list[str]] = {}
+        self.on_storage: dict[int, list[str]] = {}
+        for key, (_, t) in aligned[0].items():
+            if isinstance(t, TensorRef):
+                self.on_storage.setdefault(id(t.storage), []).append(key)
+        self.apart: set[int] = set()  # storages whose keys are written apart
+
+    def add(self, orig: str, value: Any, action: str) -> None:
+        self.items.append((orig, orig, value))
+        self.rows.append(
+            PlanRow(orig, orig, value.dtype, value.dtype, value.nbytes, value.nbytes, action)
+        )
+
+    def differ(self, group: str, key: str, what: str) -> None:
+        self.differing.setdefault(group, []).append(f"{key} ({what})")
+
+    def computed(
+        self, key: str, others: Sequence[TensorRef], make: Callable[..., Record]
+    ) -> TensorRef:
+        """The first input's tensor over a computed storage (its storage's, shared by its keys
+        as in every input), or a new tensor of its own (a storage of one key).
+
+        ``make(ckpts, parts, w, dtype, nbytes)``: the record from each input's tensor (or
+        storage).
+        """
+        t = others[0]
+        sid = id(t.storage)
+        used = range(len(self.ckpts)) if make is _mean_of else (0, len(self.ckpts) - 1)
+        keys = self.on_storage[sid]
+        if sid not in self.apart and _alike(
+            keys, [self.aligned[i] for i in used], self.to_safetensors
+        ):
+            if sid not in self.storages:
+                storages = [others[i].storage for i in used]
+                self.storages[sid] = make(self.ckpts, storages, self.w, t.dtype, t.storage.nbytes)
+            return t
+        if len(keys) > 1 and sid not in self.apart:
+            self.notes.append(
+                f"{', '.join(keys)} share a storage in the first input but are not laid out "
+                "alike in every input: each is computed and written apart"
+            )
+        self.apart.add(sid)
+        fresh = fresh_tensor(t)
+        self.storages[id(fresh.storage)] = make(self.ckpts, others, self.w, t.dtype, t.nbytes)
+        return fresh
+
+
+def _mean_of(
+    ckpts: Sequence[Checkpoint], parts: Sequence[Any], w: Sequence[float], dtype: str, nbytes: int
+) -> Record:
+    """The weighted mean of one tensor (or storage) per input."""
+    return mean_record([_bytes_of(c, p) for c, p in zip(ckpts, parts)], w, dtype, nbytes)
+
+
+def _last_of(
+    ckpts: Sequence[Checkpoint], parts: Sequence[Any], w: Sequence[float], dtype: str, nbytes: int
+) -> Record:
+    """The last input's tensor (or storage) as it is."""
+    return _bytes_of(ckpts[-1], parts[-1])
+
+
+def _bytes_of(ckpt: Checkpoint, part: TensorRef | StorageRef) -> Record:
+    """A tensor's elements in row-major order, or a storage's bytes."""
+    if isinstance(part, TensorRef):
+        return tensor_bytes_record(ckpt, part)
+    return copy_record(ckpt, part)
+
+
+def _alike(keys: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]], rows: bool) -> bool:
+    """Whether ``keys`` (one storage's in the first input) lie on one storage of the same size,
+    as the same views of one dtype, in every input of ``aligned``: then a computed storage
+    gives each key its own value, and keeps them shared. ``rows``: each is also contiguous
+    (a safetensors output writes a computed storage's bytes as its tensors' rows)."""
+    first = [aligned[0][k][1] for k in keys]
+    if len({t.dtype for t in first}) != 1 or (rows and not all(t.is_contiguous() for t in first)):
+        return False
+    for sd in aligned[1:]:
+        tensors = [sd[k][1] for k in keys]
+        if len({id(t.storage) for t in tensors}) != 1:
+            return False
+        if tensors[0].storage.nbytes != first[0].storage.nbytes or any(
+            (a.offset, a.stride) != (b.offset, b.stride) for a, b in zip(first, tensors)
+        ):
+            return False
+    return True
+
+
+def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
+    """Refuse, naming every tensor that has no mean and differs across inputs, by group."""
+    if not differing:
+        return
+    said = {
+        "integer": "integer tensors differ across inputs",
+        "other": "tensors with no mean (bool, complex32, quantized, other float8) differ across "
+        "inputs",
+        "sparse, nested or meta": "sparse, nested and meta tensors are not averaged, and these "
+        "differ across inputs",
+    }
+    parts = []
+    for group, keys in differing.items():
+        parts.append(f"{said[group]}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else ""))
+    remedies = []
+    if "integer" in differing:
+        remedies += [
+            Remedy("ints", "'first'", flag="--ints first", text="to take the first input's"),
+            Remedy("ints", "'last'", flag="--ints last", text="to take the last input's"),
+        ]
+    if "other" in differing:
+        remedies.append(
+            Remedy(text="leave the tensors with no mean out of the inputs (ckpt extract)")
+        )
+    if "sparse, nested or meta" in differing:
+        remedies.append(
+            Remedy(
+                text="leave the sparse, nested and meta tensors out of the inputs (ckpt extract), "
+                "or make them dense"
+            )
+        )
+    raise ConversionError("; ".join(parts), remedies=tuple(remedies))
+
+
+def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any]) -> bool:
+    """Whether a sparse, nested or meta tensor is the same in every input: layout, shape and
+    dtype (checked before), strides (a meta tensor's only content), and each part's shape and
+    elements."""
+    first = tensors[0]
+    for c, t in zip(ckpts[1:], tensors[1:]):
+        if not isinstance(t, RebuiltTensor) or (t.layout, t.stride, len(t.parts)) != (
+            first.layout,
+            first.stride,
+            len(first.parts),
+        ):
+            return False
+        for a, b in zip(first.parts, t.parts):
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                return False
+            if tensor_digest(ckpts[0], a) != tensor_digest(c, b):
+                return False
+    return True
+
+
+def fresh_tensor(t: TensorRef) -> TensorRef:
+    """A contiguous tensor like ``t`` (shape, dtype, grad flag, parameter or not) over a new
+    storage of its own, with the rebuild call torch.save writes for it.
+
+    Args:
+        t: the tensor to imitate.
+
+    Returns:
+        The new tensor; its storage is new (``id`` unique), with no record yet.
+
+    Example:
+        >>> s = StorageRef("0", "float32", 6, "cpu")
+        >>> fresh_tensor(TensorRef(s, 4, (2,), (1,), "float32")).offset
+        0
+    """
+    stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))
+    view = (0, t.shape, stride)
+    hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    if t.dtype in DTYPE_STORAGE_TYPE:
+        storage = StorageRef(
+            t.storage.key, t.dtype, t.numel, t.device, storage_type=storage_type_ref(t.dtype)
+        )
+        func, extra = GlobalRef("torch._utils", "_rebuild_tensor_v2"), ()
+    else:  # dtypes without a typed storage class are saved over bytes, with their dtype
+        storage = StorageRef(t.storage.key, "uint8", t.nbytes, t.device, UNTYPED_STORAGE)
+        func, extra = (
+            GlobalRef("torch._utils", "_rebuild_tensor_v3"),
+            (ConstantRef("torch", t.dtype),),
+        )
+    if not t.is_parameter:
+        args = (storage, *view, t.requires_grad, hooks, *extra)
+        return TensorRef(storage, *view, t.dtype, t.requires_grad, False, func, args)
+    inner = TensorRef(
+        storage, *view, t.dtype, False, False, func, (storage, *view, False, hooks, *extra)
+    )
+    param = GlobalRef("torch._utils", "_rebuild_parameter")
+    args = (inner, t.requires_grad, collections.OrderedDict())
+    return TensorRef(storage, *view, t.dtype, t.requires_grad, True, param, args)
