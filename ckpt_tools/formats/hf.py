@@ -2,14 +2,22 @@
 
 A folder with no index but exactly one weight file (``model.safetensors``,
 ``pytorch_model.bin``, ``adapter_model.safetensors``) opens that file.
+
+The folder is read as ``transformers``' ``from_pretrained`` reads it: the ``weight_map``'s
+values say which shard files to open, and every tensor of each of those files is read,
+whether the ``weight_map`` lists it or not (``accelerate``'s ``load_checkpoint_in_model`` and
+``huggingface_hub``'s ``load_torch_model`` do the same). A shard file the index does not name
+is not read. A name two named shards both hold is refused: the loaders disagree on which
+copy wins.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,8 @@ from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.safetensors import tied_aliases
 
 __all__ = ["WEIGHT_FILES", "open_folder", "open_index", "shard_path"]
+
+logger = logging.getLogger("ckpt_tools")
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -157,7 +167,8 @@ def open_index(
         (its ``path`` is that folder).
 
     Raises:
-        CorruptCheckpointError: the index is malformed, or names missing shards or tensors.
+        CorruptCheckpointError: the index is malformed, names missing shards or tensors, or
+            two of its shards hold the same name.
 
     Example:
         >>> ckpt = open_index("sharded/model.safetensors.index.json")
@@ -172,12 +183,8 @@ def open_index(
     root: dict[str, TensorRef] = {}
     owner: dict[int, Checkpoint] = {}
     storages: dict[str, StorageRef] = {}
-    for name, shard in weight_map.items():
-        tensor = shards[shard].root.get(name) if isinstance(shards[shard].root, dict) else None
-        if not isinstance(tensor, TensorRef):
-            raise CorruptCheckpointError(
-                f"{index_path!r} places {name!r} in {shard!r}, but that shard has no such tensor"
-            )
+    for name, shard in _place_tensors(index_path, weight_map, shards).items():
+        tensor = shards[shard].root[name]
         root[name] = tensor
         owner[id(tensor.storage)] = shards[shard]
         storages[f"{shard}:{tensor.storage.key}"] = tensor.storage
@@ -270,3 +277,103 @@ def _open_shards(index_path: str, weight_map: dict[str, str]) -> dict[str, Check
             )
         shards[shard] = open_checkpoint(where)
     return shards
+
+
+def _holders(index_path: str, shards: Mapping[str, Checkpoint]) -> dict[Any, str]:
+    """Each name the named shards hold -> the shard holding it; a name held twice refused.
+
+    ``from_pretrained`` and ``load_checkpoint_in_model`` load the shards in sorted order, so
+    the last copy wins; ``load_torch_model`` loads them in set order, so any copy may win.
+    """
+    holder: dict[Any, str] = {}
+    twice: list[str] = []
+    for shard, ckpt in shards.items():
+        for name in ckpt.root if isinstance(ckpt.root, Mapping) else ():
+            if name in holder:
+                twice.append(f"{name!r} ({holder[name]} and {shard})")
+            holder.setdefault(name, shard)
+    if twice:
+        raise CorruptCheckpointError(
+            f"{index_path!r} names shards that hold the same tensor: {_listing(twice)}; "
+            "Hugging Face loaders disagree on which copy they load, so neither is read",
+            path=index_path,
+        )
+    return holder
+
+
+def _place_tensors(
+    index_path: str, weight_map: Mapping[str, str], shards: Mapping[str, Checkpoint]
+) -> dict[str, str]:
+    """Where each tensor of an index's folder lies, as ``transformers`` loads the folder.
+
+    ``from_pretrained`` opens the shard files the ``weight_map`` names and loads every tensor
+    each holds: one the ``weight_map`` leaves out is loaded too, and one it places in the
+    wrong shard is loaded from the shard that holds it. Both are logged as warnings (as
+    ``huggingface_hub`` logs the first), since a tool that trusts the ``weight_map`` would
+    lose them.
+
+    Args:
+        index_path: the index, for messages.
+        weight_map: tensor name -> shard file name, as the index gives it.
+        shards: each shard the index names, opened.
+
+    Returns:
+        Tensor name -> the shard holding it: the ``weight_map``'s names in its order, then
+        the names it leaves out, in shard and file order.
+
+    Raises:
+        CorruptCheckpointError: a name the ``weight_map`` lists that no named shard holds as a
+            tensor, a name two named shards hold, or an entry it leaves out that is no tensor.
+    """
+    holder = _holders(index_path, shards)
+    placed: dict[str, str] = {}
+    absent: list[str] = []
+    for name, shard in weight_map.items():
+        found = holder.get(name)
+        if found is None or not isinstance(shards[found].root[name], TensorRef):
+            absent.append(f"{name!r} in {shard!r}")
+        else:
+            placed[name] = found
+    unlisted = {n: s for n, s in holder.items() if n not in weight_map}
+    odd = [n for n, s in unlisted.items() if not _is_tensor_entry(n, shards[s].root[n])]
+    if absent or odd:
+        what = (
+            f"places {_listing(absent)}, but that shard has no such tensor (nor does "
+            "any other shard it names)"
+            if absent
+            else f"does not list entries its shards hold that are no tensors: "
+            f"{_listing([repr(n) for n in odd])}"
+        )
+        raise CorruptCheckpointError(f"{index_path!r} {what}", path=index_path)
+    _note(index_path, unlisted, {n: s for n, s in placed.items() if s != weight_map[n]})
+    return {**placed, **unlisted}
+
+
+def _is_tensor_entry(name: Any, value: Any) -> bool:
+    return isinstance(name, str) and isinstance(value, TensorRef)
+
+
+def _listing(items: list[str]) -> str:
+    """The first few items, and how many more."""
+    more = f" and {len(items) - 5} more" if len(items) > 5 else ""
+    return ", ".join(items[:5]) + more
+
+
+def _note(index_path: str, unlisted: Mapping[str, str], moved: Mapping[str, str]) -> None:
+    """Warn of the tensors read although the ``weight_map`` leaves them out or misplaces them."""
+    if unlisted:
+        logger.warning(
+            "%r does not list %d tensor(s) its shards hold; they are read, as transformers "
+            "loads them: %s",
+            index_path,
+            len(unlisted),
+            _listing([f"{n!r} ({s})" for n, s in unlisted.items()]),
+        )
+    if moved:
+        logger.warning(
+            "%r places %d tensor(s) in a shard that does not hold them; they are read from "
+            "the shard that does, as transformers loads them: %s",
+            index_path,
+            len(moved),
+            _listing([f"{n!r} ({s})" for n, s in moved.items()]),
+        )
