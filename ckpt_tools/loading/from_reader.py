@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -178,15 +179,21 @@ class _Builder:
         typed = torch.storage.TypedStorage(
             wrap_storage=storage, dtype=getattr(torch, ref.dtype), _internal=True
         )
+        with self.rebuilding(path, "quantized tensor"), warnings.catch_warnings():
+            # torch's rebuild asks the TypedStorage for its device
+            warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+            return torch._utils._rebuild_qtensor(
+                typed, ref.offset, ref.shape, ref.stride, params, False, OrderedDict()
+            )
+
+    @contextmanager
+    def rebuilding(self, path: str, what: str) -> Iterator[None]:
+        """torch's rebuild of entry ``path`` refusing its arguments: one line naming it."""
         try:
-            with warnings.catch_warnings():  # torch's rebuild asks the TypedStorage for its device
-                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
-                return torch._utils._rebuild_qtensor(
-                    typed, ref.offset, ref.shape, ref.stride, params, False, OrderedDict()
-                )
-        except (RuntimeError, ValueError, TypeError) as e:
+            yield
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
             raise CorruptCheckpointError(
-                f"{self.where}: entry {path!r}: torch cannot rebuild this quantized tensor ({e})",
+                f"{self.where}: entry {path!r}: torch cannot rebuild this {what} ({e})",
                 path=self.where,
             ) from e
 
@@ -207,19 +214,13 @@ class _Builder:
                     f"delimit components of its values ({e})",
                     path=self.where,
                 ) from e
-        try:
+        with self.rebuilding(path, "jagged nested tensor"):
             if len(parts) == 1:  # a bare _rebuild_njt call
                 return _rebuild_njt(kwargs)
             # as torch.load calls it: the constructor, then the state set as attributes
             return torch._tensor._rebuild_from_type_v2(
                 _rebuild_njt, NestedTensor, (kwargs,), parts[1]
             )
-        except (RuntimeError, ValueError, TypeError, IndexError) as e:
-            raise CorruptCheckpointError(
-                f"{self.where}: entry {path!r}: torch cannot rebuild this jagged nested tensor "
-                f"({e})",
-                path=self.where,
-            ) from e
 
     def reduced(self, node: Reduced, args: tuple[Any, ...], path: str) -> Any:
         """The result of the recorded call ``node``, its arguments built as ``args``."""
@@ -232,14 +233,8 @@ class _Builder:
                 return layout
         if name in _TENSOR_CALLS:
             self.sparse = self.sparse or name == "torch._utils._rebuild_sparse_tensor"
-            try:
+            with self.rebuilding(path, f"tensor with {name}"):
                 return _TENSOR_CALLS[name](*args)
-            except (RuntimeError, ValueError, TypeError, IndexError) as e:
-                raise CorruptCheckpointError(
-                    f"{self.where}: entry {path!r}: torch cannot rebuild this tensor with "
-                    f"{name} ({e})",
-                    path=self.where,
-                ) from e
         raise UnsupportedFormatError(
             f"{self.where}: entry {path!r} is built by {name}, which this loader does not "
             "build (tensor subclasses); load it with trust=True",

@@ -19,6 +19,7 @@ that torch.save never writes, are refused: the description must be exactly what 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, TensorRef
@@ -161,17 +162,7 @@ def jagged_from_type(func: GlobalRef, args: tuple[Any, ...], inner: RebuiltTenso
             raise _refuse(f"attribute {name} is not its constructor's {key}")
     if any(t not in inner.parts for _, t in iter_stored_tensors(state)):
         raise _refuse("attribute state holds tensors its constructor does not")
-    return RebuiltTensor(
-        GlobalRef(func.module, func.name),
-        args,
-        shape=inner.shape,
-        dtype=inner.dtype,
-        layout=inner.layout,
-        device=inner.device,
-        stride=inner.stride,
-        numel=inner.numel,
-        parts=inner.parts,
-    )
+    return replace(inner, func=GlobalRef(func.module, func.name), args=args)
 
 
 def jagged_arguments(t: RebuiltTensor) -> dict[str, Any]:
