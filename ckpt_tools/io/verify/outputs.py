@@ -23,12 +23,16 @@ class Expected(NamedTuple):
     ``rebuilt``: the plan lists the sparse, meta and nested tensors
     (:class:`~ckpt_tools.descriptors.RebuiltTensor`) too, and they are checked and counted
     as tensors; when False (a plan of dense tensors only) the output's are not looked at.
+
+    ``devices``: saved device tag -> the tag a torch output holds for it (a retag's mapping;
+    ``{}`` when every tag is kept); None leaves the tags uncompared.
     """
 
     tensors: Mapping[Any, TensorRef | RebuiltTensor]
     select: Sequence[str] | None  # None: chosen in the output as in the input
     source: Checkpoint
     rebuilt: bool = False
+    devices: Mapping[str, str] | None = None
 
 
 def tensor_digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
@@ -108,8 +112,10 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         path: the written file (usually still the temp file).
         expected: the tensors the output's selected state dict must hold.
         level: ``sizes`` (keys with their types, dtypes, shapes, strides, byte counts,
-            sharing, and for torch archives the layout ``torch.load`` needs: stored aligned
-            records, small records' CRC-32s, ``data.pkl`` opcodes; see
+            sharing, the conjugate and negative view bits, in torch outputs also
+            ``requires_grad``, ``nn.Parameter``-ness and, where ``expected`` maps them, the
+            saved device tags; and for torch archives the layout ``torch.load`` needs: stored
+            aligned records, small records' CRC-32s, ``data.pkl`` opcodes; see
             :func:`~ckpt_tools.io.verify.zipcheck.check_torch_zip`), ``full`` (also every tensor's
             bytes), or ``none``.
 
@@ -182,15 +188,15 @@ def _check_keys(got: Mapping[Any, TensorRef], expected: Expected) -> None:
 
 
 def _check_tensors(out: Checkpoint, got: Mapping[Any, Any], expected: Expected, level: str) -> None:
-    """Each written tensor as planned: dtype, shape and size; for torch outputs its view and
-    which tensors share its storage; at ``full`` its bytes and its record's CRC-32. A sparse
-    or nested tensor: its layout, then each of its parts so."""
+    """Each written tensor as planned: dtype, shape, size and view bits; for torch outputs its
+    view, flags, device and which tensors share its storage; at ``full`` its bytes and its
+    record's CRC-32. A sparse or nested tensor: its own fields, then each of its parts so."""
     sharing_src: dict[int, str] = {}
     sharing_out: dict[int, str] = {}
     crc_done: set[str] = set()
     for name, want in expected.tensors.items():
-        for label, have_t, want_t in _views(name, got[name], want):
-            _check_view(out, label, have_t, want_t)
+        for label, have_t, want_t in _views(out, name, got[name], want, expected.devices):
+            _check_view(out, label, have_t, want_t, expected.devices)
             first_src = sharing_src.setdefault(id(want_t.storage), label)
             first_out = sharing_out.setdefault(id(have_t.storage), label)
             if first_src != first_out and out.format != "safetensors":
@@ -204,15 +210,16 @@ def _check_tensors(out: Checkpoint, got: Mapping[Any, Any], expected: Expected, 
                 _check_record_crc(out, have_t.storage.key)
 
 
-def _views(name: Any, have: Any, want: Any) -> list[tuple[str, TensorRef, TensorRef]]:
+def _views(
+    out: Checkpoint, name: Any, have: Any, want: Any, devices: Mapping[str, str] | None
+) -> list[tuple[str, TensorRef, TensorRef]]:
     """The storage views to compare for the tensor ``name``, each with its label: the tensor
-    itself, or a sparse or nested tensor's parts once its layout, dtype and shape match."""
+    itself, or a sparse or nested tensor's parts once its own fields match."""
     if isinstance(want, TensorRef) and isinstance(have, TensorRef):
         return [(repr(name), have, want)]
     said = f"{want.layout} {want.dtype} {list(want.shape)}"
     if not isinstance(have, RebuiltTensor) or not isinstance(want, RebuiltTensor):
         raise VerificationError(f"{name!r} reads back as {type(have).__name__}, expected {said}")
-    # Devices are not compared, as for dense tensors: retag changes them by design.
     if (have.layout, have.dtype, have.shape, len(have.parts)) != (
         want.layout,
         want.dtype,
@@ -222,12 +229,21 @@ def _views(name: Any, have: Any, want: Any) -> list[tuple[str, TensorRef, Tensor
         raise VerificationError(
             f"{name!r} reads back as {have.layout} {have.dtype} {list(have.shape)}, expected {said}"
         )
+    torch_output = out.format != "safetensors"
+    _check_rebuilt_attributes(repr(name), have, want, torch_output=torch_output, devices=devices)
     return [(f"{name!r} (part {i})", h, w) for i, (h, w) in enumerate(zip(have.parts, want.parts))]
 
 
-def _check_view(out: Checkpoint, label: str, have: TensorRef, want: TensorRef) -> None:
-    """One written view as planned: dtype, shape, size; in torch outputs its strides and
-    storage offset (safetensors stores each tensor contiguous)."""
+def _check_view(
+    out: Checkpoint,
+    label: str,
+    have: TensorRef,
+    want: TensorRef,
+    devices: Mapping[str, str] | None = None,
+) -> None:
+    """One written view as planned: dtype, shape, size, view bits; in torch outputs its
+    strides, storage offset, flags and device (safetensors stores each tensor contiguous,
+    without flags)."""
     if (have.dtype, have.shape, have.nbytes) != (want.dtype, want.shape, want.nbytes):
         raise VerificationError(
             f"{label} reads back as {have.dtype} {list(have.shape)}, expected "
@@ -238,3 +254,110 @@ def _check_view(out: Checkpoint, label: str, have: TensorRef, want: TensorRef) -
             f"{label} reads back with strides {list(have.stride)} at storage offset "
             f"{have.offset}, expected {list(want.stride)} at {want.offset}"
         )
+    _check_attributes(label, have, want, torch_output=out.format != "safetensors", devices=devices)
+
+
+# What torch.load sets on a tensor besides its bytes and geometry (view bits, requires_grad,
+# nn.Parameter-ness, the saved device tag), compared from the re-read pickle alone: no
+# tensor byte is read for them, so every level that compares dtypes and shapes compares them.
+
+_BIT_WORDS = {"conj": "conjugate", "neg": "negative"}
+
+
+def _said(bits: frozenset[str]) -> str:
+    """``{'conj', 'neg'}`` in words: ``a conjugate and negative view``; none: ``no view bit``."""
+    if not bits:
+        return "no view bit"
+    return "a " + " and ".join(_BIT_WORDS[b] for b in sorted(bits)) + " view"
+
+
+def _check_attributes(
+    label: str,
+    have: TensorRef,
+    want: TensorRef,
+    *,
+    torch_output: bool,
+    devices: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a written dense tensor that ``torch.load`` would rebuild otherwise than planned.
+
+    The view bits are compared in every format: a lost conjugate or negative bit leaves the
+    bytes and geometry as planned while ``torch.load`` returns other values. The rest only in
+    torch outputs, which hold them (safetensors keeps neither gradients nor parameters).
+
+    Args:
+        label: the tensor's name as errors say it.
+        have: the tensor as the output reads back.
+        want: the tensor the plan meant to write.
+        torch_output: the output is a torch archive.
+        devices: saved device tag -> the tag the output holds for it (``{}``: every tag kept;
+            None: tags not compared, for a caller that does not say how it mapped them).
+
+    Raises:
+        VerificationError: one line naming the tensor, what was planned and what was found.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> t = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> _check_attributes("'w'", t, t, torch_output=True, devices={})
+    """
+    if have.view_bits != want.view_bits:
+        raise VerificationError(
+            f"{label} reads back as {_said(have.view_bits)}, expected {_said(want.view_bits)} "
+            "(torch.load would give other values)"
+        )
+    if not torch_output:
+        return
+    if have.requires_grad != want.requires_grad:
+        raise VerificationError(
+            f"{label} reads back with requires_grad={have.requires_grad}, expected "
+            f"requires_grad={want.requires_grad}"
+        )
+    if have.is_parameter != want.is_parameter:
+        kind = {True: "an nn.Parameter", False: "a plain tensor"}
+        raise VerificationError(
+            f"{label} reads back as {kind[have.is_parameter]}, expected {kind[want.is_parameter]}"
+        )
+    _check_device(label, have.device, want.device, devices)
+
+
+def _check_rebuilt_attributes(
+    label: str,
+    have: RebuiltTensor,
+    want: RebuiltTensor,
+    *,
+    torch_output: bool,
+    devices: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse a written sparse, meta or nested tensor whose own fields differ from the plan's.
+
+    Its layout, dtype, shape and part count are compared by the caller; this adds what the
+    descriptor also carries: a meta tensor's strides, the element count, and the device.
+
+    Args:
+        label: the tensor's name as errors say it.
+        have: the tensor as the output reads back.
+        want: the tensor the plan meant to write.
+        torch_output: the output is a torch archive (the only one that holds these).
+        devices: as for :func:`_check_attributes`.
+
+    Raises:
+        VerificationError: one line naming the tensor, what was planned and what was found.
+    """
+    if not torch_output:
+        return
+    if (have.stride, have.numel) != (want.stride, want.numel):
+        raise VerificationError(
+            f"{label} reads back with strides {list(have.stride)} and {have.numel} elements, "
+            f"expected {list(want.stride)} and {want.numel}"
+        )
+    _check_device(label, have.device, want.device, devices)
+
+
+def _check_device(label: str, have: str, want: str, devices: Mapping[str, str] | None) -> None:
+    """The saved device tag as planned, after the caller's mapping (a retag changes tags)."""
+    if devices is None:
+        return
+    planned = devices.get(want, want)
+    if have != planned:
+        raise VerificationError(f"{label} reads back saved on {have!r}, expected {planned!r}")

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_source",
     "format_named_by",
+    "free_name",
     "matched_device_map",
     "output_format_for",
     "safetensors_plan",
@@ -102,7 +103,7 @@ def output_format_for(
         )
     if named is not None and named != fmt:
         name = os.fspath(dst)
-        fits = os.path.splitext(name)[0] + _SUFFIX[fmt]
+        fits = free_name(name, _SUFFIX[fmt])
         noun = {"torch-zip": "a torch file", "safetensors": "a safetensors file"}
         message = f"{name!r} is named as {noun[named]}, and {noun[fmt]} would be written under it"
         raise UsageError(
@@ -116,12 +117,40 @@ def output_format_for(
     return fmt
 
 
+def free_name(dst: str | os.PathLike[str], suffix: str) -> str:
+    """A name for ``dst`` with ``suffix`` instead of its own, naming no file that exists.
+
+    A remedy that names the file that fits must name one the command would write: with the
+    suffix swapped, ``mk.safetensors`` becomes ``mk.pt``, which is often the input itself
+    (``convert mk.pt mk.safetensors``) or another file an output may not replace. Then
+    ``mk.converted.pt``, then ``mk.converted-2.pt`` and on, until one is free.
+
+    Args:
+        dst: the output name the caller gave.
+        suffix: the suffix the name must end with (``.pt``).
+
+    Returns:
+        The first of those names that no file (not even a dangling link) has.
+
+    Example:
+        >>> free_name("no-such-folder/w.safetensors", ".pt")
+        'no-such-folder/w.pt'
+    """
+    stem = os.path.splitext(os.fspath(dst))[0]
+    candidate, n = stem + suffix, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{stem}.converted{suffix}" if n == 2 else f"{stem}.converted-{n - 1}{suffix}"
+    return candidate
+
+
 def torch_instead(dst: str | os.PathLike[str], *, folder: bool = False) -> Remedy:
     """The fix for a safetensors output that cannot hold a tensor: a torch output instead.
 
     ``output_format='torch'`` (``--format torch``) is said only where it is enough: a
     ``.safetensors`` name refuses a torch format (:func:`output_format_for`), so there the
-    file that fits is named, and a folder output holds safetensors shards only.
+    file that fits is named (never one that exists, such as the input: :func:`free_name`),
+    and a folder output holds safetensors shards only.
 
     Example:
         >>> torch_instead("w.safetensors").render(for_cli=True)
@@ -132,7 +161,7 @@ def torch_instead(dst: str | os.PathLike[str], *, folder: bool = False) -> Remed
     if folder:
         return Remedy(text="keep the torch format")
     if format_named_by(dst) == "safetensors":
-        fits = os.path.splitext(os.fspath(dst))[0] + _SUFFIX["torch-zip"]
+        fits = free_name(dst, _SUFFIX["torch-zip"])
         return Remedy(text=f"keep the torch format: name the output {fits!r}")
     return Remedy(
         "output_format", "'torch'", flag="--format torch", text="to keep it in torch format"
