@@ -111,7 +111,7 @@ def apply_rewrite(
             f"{plan.total} tensor bytes)",
         )
     counter = ByteCounter(progress, plan.total)
-    fill, check = plan.fill(ckpt, device_map, counter), plan.check(ckpt, verify)
+    fill, check = plan.fill(ckpt, device_map, counter), plan.check(ckpt, verify, device_map)
     verification = write_file(target, fill, check, replace=replace, durable=durable)
     return _result(
         *stated,
@@ -181,9 +181,11 @@ class _RewritePlan:
 
         return fill
 
-    def check(self, ckpt: Checkpoint, verify: str) -> Check:
-        """The output read back against the planned tensors, at the level ``verify``."""
-        expected = Expected(self.expected, self.select_out, ckpt, rebuilt=True)
+    def check(self, ckpt: Checkpoint, verify: str, device_map: Mapping[str, str] | None) -> Check:
+        """The output read back against the planned tensors, at the level ``verify``; a torch
+        output's device tags as ``device_map`` retags them (every other tag kept)."""
+        devices = None if self.safetensors else dict(device_map or {})
+        expected = Expected(self.expected, self.select_out, ckpt, rebuilt=True, devices=devices)
         return lambda path: verify_output(path, expected, verify)
 
 
