@@ -31,7 +31,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource
 from ckpt_tools.formats.detect import check_regular
-from ckpt_tools.formats.safetensors import tied_aliases
+from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
 __all__ = ["WEIGHT_FILES", "open_folder", "open_index", "shard_path"]
 
@@ -193,10 +193,9 @@ def open_index(
     # storage keys are its tensor names, which the index keeps unique across shards.
     by_key = {t.storage.key: owner[id(t.storage)] for t in root.values()}
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else None
-    aliases = tied_aliases(root, metadata)
+    aliases = tied_aliases(root, metadata, index_path)
     root.update((alias, root[kept]) for alias, kept in aliases.items())
-    if metadata is not None and aliases:  # names in the root now, as in open_safetensors
-        metadata = {k: v for k, v in metadata.items() if k not in aliases}
+    metadata = read_metadata(metadata, aliases)
 
     def locate(storage: StorageRef) -> ByteSpan:
         shard = owner.get(id(storage)) or by_key.get(storage.key)

@@ -1,9 +1,11 @@
 """Reading safetensors headers: 8-byte little-endian length, a JSON header, then the bytes.
 
 Each tensor owns its byte range, so each becomes its own :class:`StorageRef` keyed by name.
-A tied name that the writer left out (safetensors' ``save_model``, our writers) comes back
-from the metadata over its kept tensor's storage (:func:`tied_aliases`), as ``torch.load``
-of the original gives both names over one storage.
+The file reads as ``safetensors.torch.load_file`` reads it: its stored tensors, nothing more.
+One exception, ours: a tied name our writers left out comes back over its kept tensor's
+storage, from the reserved entry :data:`TIES_KEY` they write (:func:`tied_aliases`). The
+``{dropped: kept}`` notes huggingface_hub and ``save_model`` write are plain metadata, as
+every reference loader treats them: nothing in a file tells such a note from a description.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from ckpt_tools.formats.base import Checkpoint, RangeSource
 __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_NESTING",
+    "TIES_KEY",
     "check_nesting",
     "open_safetensors",
     "read_header",
+    "read_metadata",
+    "tie_metadata",
     "tied_aliases",
 ]
 
@@ -35,6 +40,8 @@ MAX_HEADER_BYTES = 100_000_000
 # recursion limit of 128 counts the header's own object). Python's json has no such limit
 # of its own: how deep it goes depends on the interpreter's stack and version.
 MAX_NESTING = 127
+#: The metadata entry our writers record tied names in: a JSON object ``{dropped: kept}``.
+TIES_KEY = "ckpt_tools.tied"
 
 
 def _refuse_constant(name: str) -> Any:
@@ -239,54 +246,118 @@ def open_safetensors(path: str, *, source: RangeSource | None = None) -> Checkpo
         spans[name] = ByteSpan(path, data_start + begin, end - begin)
         root[name] = TensorRef(storage=storage, offset=0, shape=shape, stride=stride, dtype=dtype)
     _check_layout(path, [(s.offset - data_start, s.nbytes, n) for n, s in spans.items()], data_len)
-    aliases = tied_aliases(root, metadata)
+    aliases = tied_aliases(root, metadata, path)
     root.update((alias, root[kept]) for alias, kept in aliases.items())
     return Checkpoint(
         path=path,
         format="safetensors",
         root=root,
         storages=storages,
-        metadata=_without(metadata, aliases),
+        metadata=read_metadata(metadata, aliases),
         locate=lambda storage: spans[storage.key],
     )
 
 
-def tied_aliases(stored: Mapping[str, Any], metadata: Mapping[str, Any] | None) -> dict[str, str]:
-    """The tied names a writer left out, each with the stored name it shares memory with.
+def tied_aliases(
+    stored: Mapping[str, Any], metadata: Mapping[str, Any] | None, path: str = ""
+) -> dict[str, str]:
+    """The tied names our writers left out, each with the stored name it shares memory with.
 
-    ``safetensors.torch.save_model`` (and our writers, in a file's ``__metadata__`` or an HF
-    index's ``metadata``) store tied tensors once and record ``{dropped name: kept name}``.
-    Only that exact form is an alias: a metadata key that is not a stored tensor name, whose
-    value is one; ``format`` is the writer's own key. Anything else stays plain metadata.
-    The readers add each alias to the root over its kept tensor and take it out of the
-    checkpoint's metadata; this is the one place that decides what an alias is.
+    Only the reserved entry :data:`TIES_KEY` (a JSON object ``{dropped: kept}``) names them:
+    the hub-style notes beside it (``{dropped: kept}`` as plain entries) are what
+    huggingface_hub and ``save_model`` write too, and no reference loader rebuilds names from
+    those, so a file without the entry reads as ``load_file`` reads it. The readers add each
+    alias to the root over its kept tensor; this is the one place that decides what one is.
 
     Args:
         stored: the tensors the file (or index) holds, by name.
         metadata: the file's ``__metadata__`` or the index's ``metadata`` (None when absent).
+        path: the file, for the message.
 
     Returns:
-        ``{alias: stored name}``, in metadata order.
+        ``{alias: stored name}``, in the entry's order; empty without the entry.
+
+    Raises:
+        CorruptCheckpointError: the entry is not a JSON object of names, a kept name is not
+            a stored tensor, or a dropped name is one.
 
     Example:
-        >>> tied_aliases({"emb.weight": 0}, {"format": "pt", "head.weight": "emb.weight"})
+        >>> meta = {"head.weight": "emb.weight", TIES_KEY: '{"head.weight": "emb.weight"}'}
+        >>> tied_aliases({"emb.weight": 0}, meta)
         {'head.weight': 'emb.weight'}
-        >>> tied_aliases({"emb.weight": 0}, {"note": "head.weight", "emb.weight": "x"})
+        >>> tied_aliases({"emb.weight": 0}, {"head.weight": "emb.weight"})
         {}
     """
+    raw = (metadata or {}).get(TIES_KEY)
+    if raw is None:
+        return {}
+    try:
+        ties = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:  # JSONDecodeError is a ValueError
+        ties = None
+    if not isinstance(ties, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in ties.items()
+    ):
+        raise CorruptCheckpointError(
+            f"{path!r}: metadata entry {TIES_KEY!r} is not a JSON object of tensor names: "
+            f"{short_repr(raw)}"
+        )
+    wrong = [f"{k!r} -> {v!r}" for k, v in ties.items() if k in stored or v not in stored]
+    if wrong:
+        raise CorruptCheckpointError(
+            f"{path!r}: metadata entry {TIES_KEY!r} maps names that are not a left-out name "
+            f"and a stored tensor: {', '.join(wrong[:5])}"
+        )
+    return ties
+
+
+def read_metadata(metadata: Mapping[str, Any] | None, aliases: Mapping[str, str]) -> Any:
+    """The metadata a reader keeps: all but the ties it restored.
+
+    The reserved entry and the notes of the ties restored from it are names in the root now,
+    and a writer records them again from the tensors (under the names they have then).
+
+    Args:
+        metadata: the file's ``__metadata__`` or the index's ``metadata`` (None when absent).
+        aliases: the ties restored, from :func:`tied_aliases`.
+
+    Returns:
+        The metadata to keep (None when absent); values other than strings as they are.
+
+    Example:
+        >>> read_metadata({"format": "pt", "h": "e", TIES_KEY: '{"h": "e"}'}, {"h": "e"})
+        {'format': 'pt'}
+    """
+    if metadata is None:
+        return None
     return {
-        key: value
-        for key, value in (metadata or {}).items()
-        if key != "format" and key not in stored and isinstance(value, str) and value in stored
+        k: v
+        for k, v in metadata.items()
+        if k != TIES_KEY and not (k in aliases and v == aliases[k])
     }
 
 
-def _without(metadata: dict[str, Any] | None, aliases: Mapping[str, str]) -> Any:
-    """The metadata less its alias notes: those are names in the root now, and a writer
-    records them again from the tensors (under the names they have then)."""
-    if metadata is None or not aliases:
-        return metadata
-    return {k: v for k, v in metadata.items() if k not in aliases}
+def tie_metadata(ties: Mapping[str, str]) -> dict[str, str]:
+    """The metadata entries that record the tied names an output leaves out.
+
+    The hub-style notes (``{dropped: kept}`` as plain entries, which huggingface_hub writes
+    and other tools read) and the same ties in :data:`TIES_KEY`, the entry
+    :func:`tied_aliases` restores them from. Every writer of ties calls this: the notes a
+    file carries in are plain metadata, never taken for ties.
+
+    Args:
+        ties: ``{dropped name: kept name}``.
+
+    Returns:
+        The entries to add to the output's metadata; empty without ties.
+
+    Example:
+        >>> tie_metadata({"head": "emb"})
+        {'head': 'emb', 'ckpt_tools.tied': '{"head":"emb"}'}
+    """
+    if not ties:
+        return {}
+    return {**ties, TIES_KEY: json.dumps(dict(ties), separators=(",", ":"))}
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -230,7 +230,8 @@ def test_convert_json_and_format_option(invoke, tmp_path):
     assert data["dropped"] == ["tied"] and data["renamed"] == 0 and data["rules"] == []
     # "a" copied as it lies; the transposed view "b" gathered row by row ("tied" is "a")
     assert (data["bytes_written"], data["bytes_copied"]) == (4 * (12 + 12), 4 * 12)
-    assert h.safetensors_metadata(out) == {"format": "pt", "tied": "a"}
+    tie = {"ckpt_tools.tied": '{"tied":"a"}'}
+    assert h.safetensors_metadata(out) == {"format": "pt", "tied": "a", **tie}
 
     text = invoke("convert", out, tmp_path / "back.pt").stdout
     assert text.startswith(f"converted safetensors to torch-zip: wrote {tmp_path / 'back.pt'}")
@@ -261,6 +262,7 @@ def test_convert_drop_extras(invoke, layout, tmp_path):
     assert h.safetensors_metadata(out) == {
         "format": "pt",
         "module.head.weight": "module.embed.weight",
+        "ckpt_tools.tied": '{"module.head.weight":"module.embed.weight"}',
     }
 
 

@@ -1,8 +1,10 @@
-"""Tied names a safetensors writer left out come back over one tensor, as torch.load gives them.
+"""Tied names our safetensors writers left out come back over one tensor, as torch.load gives them.
 
-safetensors' ``save_model`` and our writers store tied tensors once and record
-``{dropped name: kept name}`` in the metadata (a file's ``__metadata__``, an HF index's
-``metadata``). Reading, loading, diffing, converting back and inspecting all see both names.
+Our writers store tied tensors once and record ``{dropped name: kept name}`` twice: as the
+hub-style notes other tools read, and in the reserved entry ``ckpt_tools.tied`` the reader
+restores names from. Reading, loading, diffing, converting back and inspecting all see both
+names. Every other file reads as ``safetensors.torch.load_file`` reads it: the notes
+``save_model`` and huggingface_hub write (or any entry naming a tensor) stay plain metadata.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import load_state_dict_from_file, save_torch_state_dict
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 import ckpt_tools as ct
 from ckpt_tools.cli.main import main
+from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint
 
 
@@ -86,18 +91,25 @@ def test_diff_convert_back_and_inspect_see_the_alias(
     capsys.readouterr()
 
 
-def test_save_model_files_read_the_same(tmp_path: Path) -> None:
+def test_save_model_files_read_as_load_file_reads_them(tmp_path: Path) -> None:
+    # save_model's note is plain metadata to every reference loader; load_model ties the
+    # name back from the model's own shared parameters, not from the file.
     torch.manual_seed(0)
     model = Tied()
     save_model(model, str(tmp_path / "m.safetensors"))
     sd = ct.load_state_dict(tmp_path / "m.safetensors")
-    assert set(sd) == set(model.state_dict()) and _tied(sd)
-    # Rewritten to safetensors, the alias is written again and read back again.
-    ct.convert(tmp_path / "m.safetensors", tmp_path / "again.safetensors", verify="full")
-    assert set(load_file(tmp_path / "again.safetensors")) == set(
-        load_file(tmp_path / "m.safetensors")
+    assert (
+        set(sd)
+        == set(load_file(tmp_path / "m.safetensors"))
+        == {"emb.weight", "mid.weight", "mid.bias"}
     )
+    ct.convert(tmp_path / "m.safetensors", tmp_path / "again.safetensors", verify="full")
     assert set(ct.load_state_dict(tmp_path / "again.safetensors")) == set(sd)
+    again = Tied()
+    load_model(again, tmp_path / "again.safetensors")
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values())
+    )
 
 
 def test_a_partial_view_is_written_as_its_own_tensor_not_an_alias(tmp_path: Path) -> None:
@@ -115,8 +127,12 @@ def test_a_partial_view_is_written_as_its_own_tensor_not_an_alias(tmp_path: Path
         assert _tied({"head.weight": got["c"], "emb.weight": got["a"]}), dst
 
 
-def test_the_alias_form_is_a_name_over_its_kept_tensor(tmp_path: Path) -> None:
-    metadata = {"format": "pt", "head.weight": "emb.weight"}
+def test_the_reserved_entry_names_a_tie(tmp_path: Path) -> None:
+    metadata = {
+        "format": "pt",
+        "head.weight": "emb.weight",
+        "ckpt_tools.tied": '{"head.weight": "emb.weight"}',
+    }
     save_file({"emb.weight": torch.ones(2)}, tmp_path / "m.safetensors", metadata=metadata)
     ckpt = open_checkpoint(str(tmp_path / "m.safetensors"))
     assert list(ckpt.root) == ["emb.weight", "head.weight"]
@@ -131,8 +147,10 @@ def test_the_alias_form_is_a_name_over_its_kept_tensor(tmp_path: Path) -> None:
         {"head.weight": "missing.weight"},  # a value that is no stored tensor
         {"head.weight": "emb"},  # a prefix of one is not one
         {"format": "emb.weight"},  # the writer's own key
+        {"head.weight": "emb.weight"},  # a hub-style note without the reserved entry
+        {"description": "emb.weight", "layer": "emb.weight"},  # text that names a tensor
     ],
-    ids=["stored-key", "absent-value", "prefix-value", "format-key"],
+    ids=["stored-key", "absent-value", "prefix-value", "format-key", "hub-note", "description"],
 )
 def test_anything_else_stays_plain_metadata(tmp_path: Path, metadata: dict[str, str]) -> None:
     save_file({"emb.weight": torch.ones(2)}, tmp_path / "m.safetensors", metadata=metadata)
@@ -140,3 +158,79 @@ def test_anything_else_stays_plain_metadata(tmp_path: Path, metadata: dict[str, 
     assert list(ckpt.root) == ["emb.weight"]
     assert ckpt.metadata == metadata
     assert list(ct.load_state_dict(tmp_path / "m.safetensors")) == ["emb.weight"]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "not json",
+        '["head.weight"]',  # not an object
+        '{"head.weight": 1}',  # not a name
+        '{"head.weight": "missing.weight"}',  # no such stored tensor
+        '{"emb.weight": "emb.weight"}',  # a stored name is not left out
+    ],
+)
+def test_a_malformed_reserved_entry_is_refused(tmp_path: Path, entry: str) -> None:
+    metadata = {"ckpt_tools.tied": entry}
+    save_file({"emb.weight": torch.ones(2)}, tmp_path / "m.safetensors", metadata=metadata)
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt_tools\.tied"):
+        open_checkpoint(str(tmp_path / "m.safetensors"))
+    assert main(["inspect", str(tmp_path / "m.safetensors")]) == 4
+
+
+def test_metadata_that_names_tensors_reads_and_converts_as_load_file(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    metadata = {"format": "pt", "description": "weight", "layer": "bias"}
+    save_file({"weight": torch.randn(3, 3), "bias": torch.randn(3)}, src, metadata=metadata)
+    assert sorted(ct.load_state_dict(src)) == sorted(load_file(src)) == ["bias", "weight"]
+    for dst in ("m.pt", "c.safetensors", "hf/"):
+        ct.convert(src, f"{tmp_path}/{dst}", verify="full")
+        assert sorted(ct.load_state_dict(tmp_path / dst)) == ["bias", "weight"], dst
+    # The metadata is carried into a safetensors output, and still names no tensor there.
+    with safe_open(tmp_path / "c.safetensors", "pt") as f:
+        assert f.metadata() == metadata
+    assert sorted(load_file(tmp_path / "c.safetensors")) == ["bias", "weight"]
+
+
+def test_hub_saved_tied_files_read_as_the_hub_loads_them(tmp_path: Path) -> None:
+    emb = torch.randn(6, 4)
+    sd = {"emb.weight": emb, "head.weight": emb, "mid.bias": torch.ones(4)}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "sharded").mkdir()
+    save_torch_state_dict(sd, tmp_path / "one")
+    save_torch_state_dict(sd, tmp_path / "sharded", max_shard_size=100)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    for folder in ("one", "sharded"):
+        want: dict[str, torch.Tensor] = {}
+        for shard in sorted((tmp_path / folder).glob("*.safetensors")):
+            want.update(load_state_dict_from_file(shard))
+        assert "head.weight" not in want
+        got = ct.load_state_dict(tmp_path / folder)
+        assert sorted(got) == sorted(want), folder
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_our_folder_output_loads_in_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "hf")
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    ct.convert(tmp_path / "model.pt", f"{tmp_path}/out/", max_shard_size=2000, verify="full")
+    # Our reader gives both names back from our reserved entry; transformers ties its own.
+    assert _tied(
+        {
+            k.replace("transformer.wte", "emb").replace("lm_head", "head"): v
+            for k, v in ct.load_state_dict(tmp_path / "out").items()
+        }
+    )
+    config.save_pretrained(tmp_path / "out")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    want = model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+    # A folder saved by transformers reads as its stored tensors: no lm_head.weight.
+    stored = set(load_file(tmp_path / "hf" / "model.safetensors"))
+    assert set(ct.load_state_dict(tmp_path / "hf")) == stored

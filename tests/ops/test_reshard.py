@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools import convert, reshard
+from ckpt_tools import convert, load_state_dict, reshard
 from ckpt_tools.errors import (
     ConversionError,
     CorruptCheckpointError,
@@ -175,7 +175,11 @@ def test_reshard_changes_shard_size_never_touches_the_input(tmp_path: Path) -> N
     # everything fits in one: a lone model.safetensors with the metadata in it, no index
     assert result.written == (str(tmp_path / "big" / "model.safetensors"),)
     with safe_open(tmp_path / "big" / "model.safetensors", "pt") as f:
-        assert f.metadata() == {"format": "pt", "model.embed_tokens.weight": "lm_head.weight"}
+        assert f.metadata() == {
+            "format": "pt",
+            "model.embed_tokens.weight": "lm_head.weight",
+            "ckpt_tools.tied": '{"model.embed_tokens.weight":"lm_head.weight"}',
+        }
     union = load_file(tmp_path / "big" / "model.safetensors")
     assert all(torch.equal(union[k], sd[k]) for k in union) and len(union) == len(sd) - 1
     small = reshard(tmp_path / "big", tmp_path / "small", max_shard_size=700)
@@ -309,3 +313,17 @@ def test_shards_cut_from_one_safetensors_hold_small_headers(tmp_path: Path) -> N
         loaded.update(load_file(shard))
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+def test_reshard_carries_no_metadata_that_names_a_tensor(tmp_path: Path) -> None:
+    sd = _model_pt(tmp_path / "model.pt")
+    convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["metadata"].update({"big": name, "author": "someone"})
+    index_path.write_text(json.dumps(index))
+    reshard(tmp_path / "hf", tmp_path / "out", max_shard_size="2KB", verify="full")
+    out = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert "big" not in out["metadata"] and out["metadata"]["author"] == "someone"
+    assert set(load_state_dict(tmp_path / "out")) == set(sd)

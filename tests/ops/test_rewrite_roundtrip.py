@@ -163,7 +163,11 @@ def test_convert_pt_to_safetensors_to_pt_is_bit_exact(tmp_path):
     assert to_st.output_format == "safetensors"
     assert to_st.dropped == ("decoder.weight",)  # tied: stored once
     meta = h.safetensors_metadata(tmp_path / "zoo.safetensors")
-    assert meta == {"format": "pt", "decoder.weight": "encoder.weight"}
+    assert meta == {
+        "format": "pt",
+        "decoder.weight": "encoder.weight",
+        "ckpt_tools.tied": '{"decoder.weight":"encoder.weight"}',
+    }
 
     st = load_file(str(tmp_path / "zoo.safetensors"))
     kept = [k for k in original if k != "decoder.weight"]

@@ -138,7 +138,8 @@ def safetensors_header(
 
     Args:
         entries: the tensors, in the order their bytes follow the header.
-        metadata: the ``__metadata__`` entry (string to string), if any.
+        metadata: the ``__metadata__`` entry (string to string), if any, tied names
+            recorded in it by :func:`~ckpt_tools.formats.safetensors.tie_metadata`.
         offsets: each tensor's data offset, where the source layout is kept; otherwise
             they lie back to back.
 

@@ -169,7 +169,8 @@ def index_bytes(plan: ShardPlan, metadata: Mapping[str, str] | None = None) -> b
 
     Args:
         plan: from :func:`plan_shards`.
-        metadata: extra string entries for the index's ``metadata``, after ``total_size``.
+        metadata: extra string entries for the index's ``metadata``, after ``total_size``
+            (tied names recorded by :func:`~ckpt_tools.formats.safetensors.tie_metadata`).
 
     Returns:
         The file's bytes.

@@ -234,6 +234,6 @@ def _planned(dst: str, fmt: str, plan: ConsolidationPlan, limit: int) -> tuple[P
         for file, names in shards.files
     ]
     if shards.is_sharded:
-        index = len(index_bytes(shards, plan.aliases))
+        index = len(index_bytes(shards, plan.tie_metadata))
         planned.append(PlannedFile(os.path.join(dst, INDEX_NAME), (), index))
     return tuple(planned)

@@ -18,6 +18,7 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import KeyCollisionError, UnsafeContentError, UsageError
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint, contiguous_stride
 from ckpt_tools.formats.pickle.standins import storage_type_ref
+from ckpt_tools.formats.safetensors import tie_metadata
 from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.safetensors import leave_out_extras
@@ -69,6 +70,12 @@ class ConsolidationPlan:
     renamed: tuple[tuple[str, str], ...]
     notes: tuple[str, ...] = ()
     aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def tie_metadata(self) -> dict[str, str]:
+        """The metadata that records ``aliases`` in a safetensors output (a file's, or a
+        sharded folder's index)."""
+        return tie_metadata(self.aliases)
 
     @property
     def nbytes(self) -> int:

@@ -65,7 +65,7 @@ def write_file_output(
         written.extend((name, r) for name, _, r in entries)
         # Each tied name left out maps to its stored name, as convert and merge-lora (and
         # huggingface_hub) write it: without it, loading the file loses that name.
-        metadata = {**plan.aliases, "format": "pt"}
+        metadata = {**plan.tie_metadata, "format": "pt"}
 
         def fill(out: AtomicFile) -> None:
             write_safetensors(entries, out.file, metadata, counter, durable=out.durable)
@@ -103,7 +103,7 @@ def write_folder_output(
         dst,
         shards,
         check,
-        metadata=plan.aliases,
+        metadata=plan.tie_metadata,
         counter=counter,
         jobs=jobs,
         durable=durable,

@@ -316,6 +316,7 @@ def safetensors_plan(
     kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     dropped: list[str] = []
     tied: dict[str, TensorRef] = {}
+    ties: dict[str, str] = {}
     for name, t in sd.items():
         if not isinstance(t, TensorRef):
             continue
@@ -323,13 +324,16 @@ def safetensors_plan(
         # save_model does; the dropped name maps to the kept one in the metadata.
         identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
         if identity in kept:
-            metadata[str(name)] = kept[identity]
+            ties[str(name)] = kept[identity]
             dropped.append(str(name))
             tied[str(name)] = t
             continue
         kept[identity] = str(name)
         entries.append(SafetensorsEntry(str(name), t))
         expected[str(name)] = t
+    from ckpt_tools.formats.safetensors import tie_metadata  # (safetensors outputs only)
+
+    metadata.update(tie_metadata(ties))
     expected.update(tied)  # reading the output gives them back, after the stored names
     fixes = () if to_torch is None else (to_torch,)
     check_holdable([(e.name, e.tensor) for e in entries], ckpt.path, fixes)

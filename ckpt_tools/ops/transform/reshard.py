@@ -11,6 +11,7 @@ is never imported.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -21,6 +22,7 @@ from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLev
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats.safetensors import TIES_KEY, tie_metadata
 from ckpt_tools.io.output_path import check_output_folder
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
@@ -217,10 +219,8 @@ def _plan_folder(
     }
     kept = {k: v for k, v in sd.items() if k not in aliases}
     entries, metadata, dropped, _ = safetensors_plan(ckpt, selection.path, kept, drop_extras)
-    # The source's string metadata carries over (an HF index's alias notes among it); its
-    # total_size and "format" are the writer's to set.
-    extra = {k: v for k, v in metadata.items() if isinstance(v, str) and k != "format"}
-    extra.update(aliases)
+    extra, ties = _carried_metadata(metadata, {str(k) for k in sd})
+    extra.update(tie_metadata({**ties, **aliases}))
     check_holdable([(e.name, e.tensor) for e in entries], ckpt.path)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:
@@ -228,6 +228,27 @@ def _plan_folder(
     shards = plan_shards([(e.name, e.tensor.nbytes) for e in entries], limit)
     dropped_names = tuple(aliases) + dropped
     return _FolderPlan(entries, extra, dropped_names, shards, selection.path, len(sd))
+
+
+def _carried_metadata(
+    metadata: Mapping[str, Any], names: set[str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The planned metadata split into what carries over and the plan's own ties.
+
+    The input's entries whose key or value is a tensor name (a stale tie note, or a note
+    other tools would take for one) are left out; ``total_size`` and ``format`` are the
+    writer's to set; the ties the plan recorded (:data:`TIES_KEY`) are returned apart, to be
+    recorded again with the folder's own."""
+    ties = json.loads(metadata.get(TIES_KEY, "{}"))
+    carried = {
+        k: v
+        for k, v in metadata.items()
+        if isinstance(v, str)
+        and k not in ("format", TIES_KEY)
+        and k not in ties
+        and not (k in names or v in names)
+    }
+    return carried, ties
 
 
 def _planned_files(

@@ -16,6 +16,7 @@ from ckpt_tools._types import Progress, VerifyLevel
 from ckpt_tools.descriptors import RebuiltTensor, StorageRef, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
+from ckpt_tools.formats.safetensors import tie_metadata
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import (
     Record,
@@ -312,13 +313,13 @@ def _safetensors_entries(
         outside=outside,
     )
     metadata: dict[str, str] = {"format": "pt"}
-    entries, kept = [], {}
+    entries, kept, ties = [], {}, {}
     for _, new, t in items:
         if new is None or not isinstance(t, TensorRef):
             continue
         identity = (id(t.storage), t.offset, t.shape, t.stride)
         if identity in kept:  # tied: stored once, as safetensors' save_model does
-            metadata[new] = kept[identity]
+            ties[new] = kept[identity]
             continue
         kept[identity] = new
         dst = cast_to if id(t.storage) in targets else None
@@ -335,6 +336,7 @@ def _safetensors_entries(
         out = replace(t, offset=0, stride=(), dtype=dst or t.dtype)
         entries.append((new, out, record))
     check_holdable([(name, out) for name, out, _ in entries], ckpt.path, (to_torch,))
+    metadata.update(tie_metadata(ties))
     return entries, metadata, left_out
 
 

@@ -28,6 +28,8 @@ from tests.helpers.zero_runs import RUN_IDS, ZeroRuns
 
 FROZEN = ("frozen.weight", "frozen.bias")
 TAG = "global_step2"
+# The reserved entry our writers add beside the hub-style tie note.
+TIE = {"ckpt_tools.tied": '{"head.weight":"embed.weight"}'}
 
 
 def module_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -105,11 +107,12 @@ def test_safetensors_outputs_record_the_tied_name(
     result = consolidate(zero_runs.folder(3, "z2"), out, max_shard_size=limit, verify="full")
     assert result.dropped == ("head.weight",)
     if output == "shards":  # the index holds the tie; each shard its format only
-        assert _metadata(out) == {"head.weight": "embed.weight"}
+        assert _metadata(out) == {"head.weight": "embed.weight", **TIE}
         index = out / "model.safetensors.index.json"
         assert planned.planned[-1].nbytes == index.stat().st_size
     else:
-        assert _metadata(out) == hub_metadata
+        # The hub's note, and our reserved entry: the one our reader restores names from.
+        assert _metadata(out) == {**hub_metadata, **TIE}
     got = load_state_dict(out)
     assert sorted(got) == sorted(want)
     for key in want:
