@@ -72,17 +72,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.ops.transform.result import TransformResult
     from ckpt_tools.ops.transform.slim import slim
     from ckpt_tools.structure.keys import (
-        WRAPPER_RULES,
         KeyRule,
-        WrapperMatch,
         add_prefix,
-        detect_wrappers,
         regex_rule,
         rename_keys,
         strip_prefix,
         sub_rule,
     )
     from ckpt_tools.structure.selection import Selection, select_state_dict
+    from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperMatch, detect_wrappers
 
 # name: the module that defines it. Naming a result class never imports torch: they live in
 # torch-free modules.
@@ -111,11 +109,11 @@ _PUBLIC: dict[str, str] = {
     "Checkpoint": "ckpt_tools.formats",
     "detect_format": "ckpt_tools.formats",
     "open_checkpoint": "ckpt_tools.formats",
-    "WRAPPER_RULES": "ckpt_tools.structure.keys",
+    "WRAPPER_RULES": "ckpt_tools.structure.wrappers",
     "KeyRule": "ckpt_tools.structure.keys",
-    "WrapperMatch": "ckpt_tools.structure.keys",
+    "WrapperMatch": "ckpt_tools.structure.wrappers",
     "add_prefix": "ckpt_tools.structure.keys",
-    "detect_wrappers": "ckpt_tools.structure.keys",
+    "detect_wrappers": "ckpt_tools.structure.wrappers",
     "regex_rule": "ckpt_tools.structure.keys",
     "rename_keys": "ckpt_tools.structure.keys",
     "strip_prefix": "ckpt_tools.structure.keys",

@@ -19,13 +19,12 @@ from ckpt_tools.errors import KeyCollisionError
 from ckpt_tools.structure.keys import (
     KeyRule,
     add_rule,
-    detect_wrappers,
     plan_renames,
     regex_rule,
     strip_rule,
-    strip_wrapper_rules,
     sub_rule,
 )
+from ckpt_tools.structure.wrappers import detect_wrappers, strip_wrapper_rules
 
 __all__ = ["Step", "fix_command", "fix_python", "on_stored", "step_rules"]
 

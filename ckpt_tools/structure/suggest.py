@@ -1,6 +1,6 @@
 """Which key rewrite makes one set of state-dict keys match another. Torch-free.
 
-Candidates are built from :data:`ckpt_tools.structure.keys.WRAPPER_RULES` and from the keys'
+Candidates are built from :data:`ckpt_tools.structure.wrappers.WRAPPER_RULES` and from the keys'
 own prefixes:
 
 * :func:`layout_fix` compares the wrapper stacks of both sides (``module._orig_mod.`` vs
@@ -30,15 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.errors import KeyCollisionError
-from ckpt_tools.structure.keys import (
-    WRAPPER_RULES,
-    KeyRule,
-    WrapperMatch,
-    detect_wrappers,
-    plan_renames,
-    sub_rule,
-)
+from ckpt_tools.structure.keys import KeyRule, plan_renames, sub_rule
 from ckpt_tools.structure.steps import Step, fix_command, fix_python, step_rules
+from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperMatch, detect_wrappers
 
 __all__ = [
     "MAX_PATH_RULES",

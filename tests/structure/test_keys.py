@@ -11,18 +11,20 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ckpt_tools.errors import KeyCollisionError, ResourceLimitError, UsageError
 from ckpt_tools.structure.keys import (
-    MAX_WRAPPER_DEPTH,
-    WRAPPER_RULES,
     add_prefix,
     add_rule,
-    detect_wrappers,
     plan_renames,
     regex_rule,
     rename_keys,
     strip_prefix,
     strip_rule,
-    strip_wrapper_rules,
     sub_rule,
+)
+from ckpt_tools.structure.wrappers import (
+    MAX_WRAPPER_DEPTH,
+    WRAPPER_RULES,
+    detect_wrappers,
+    strip_wrapper_rules,
 )
 from tests import helpers as h
 

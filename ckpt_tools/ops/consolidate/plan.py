@@ -22,8 +22,9 @@ from ckpt_tools.formats.safetensors import tie_metadata
 from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.safetensors import leave_out_extras
-from ckpt_tools.structure.keys import rename_keys, strip_wrapper_rules
+from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
 __all__ = ["ConsolidationPlan", "OutputTensor", "plan_consolidation"]
 

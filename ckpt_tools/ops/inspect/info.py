@@ -15,7 +15,6 @@ from typing import Any
 
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError, shown
 from ckpt_tools.ops.inspect.tensor_info import TensorInfo
-from ckpt_tools.structure.keys import WrapperMatch
 from ckpt_tools.structure.text import (
     Readable,
     TableFormat,
@@ -26,6 +25,7 @@ from ckpt_tools.structure.text import (
     more_hint,
     text_table,
 )
+from ckpt_tools.structure.wrappers import WrapperMatch
 
 __all__ = ["MAX_SHARED_NAMES", "TENSOR_COLUMNS", "CheckpointInfo", "TensorInfo"]
 

@@ -11,7 +11,6 @@ from ckpt_tools._types import Select, StrPath
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
-from ckpt_tools.structure.keys import detect_wrappers
 from ckpt_tools.structure.selection import (
     Selection,
     a_kind_of,
@@ -19,6 +18,7 @@ from ckpt_tools.structure.selection import (
     key_text,
     select_state_dict,
 )
+from ckpt_tools.structure.wrappers import detect_wrappers
 from ckpt_tools.tensor_walk import iter_listed_tensors, stored_views
 
 __all__ = [

@@ -29,8 +29,9 @@ from ckpt_tools.ops.rewrite.plan import output_format_for, torch_instead
 from ckpt_tools.ops.transform.plan import cast_tensor, new_storage
 from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
-from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
+from ckpt_tools.structure.keys import plan_renames
 from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
 __all__ = ["merge_lora"]
 

@@ -31,19 +31,14 @@ from ckpt_tools.ops.rewrite.plan import (
     torch_instead,
 )
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.structure.keys import (
-    KeyRule,
-    WrapperMatch,
-    apply_plan,
-    plan_renames,
-    strip_wrapper_rules,
-)
+from ckpt_tools.structure.keys import KeyRule, apply_plan, plan_renames
 from ckpt_tools.structure.selection import (
     Selection,
     holds_no_state_dict,
     replace_at,
     select_state_dict,
 )
+from ckpt_tools.structure.wrappers import WrapperMatch, strip_wrapper_rules
 
 if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry

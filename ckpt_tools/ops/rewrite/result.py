@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.ops.output_plan import WriteResult
-from ckpt_tools.structure.keys import WrapperMatch
+from ckpt_tools.structure.wrappers import WrapperMatch
 
 __all__ = ["RewriteResult"]
 

@@ -38,8 +38,9 @@ from ckpt_tools.ops.transform.average_items import plan_items
 from ckpt_tools.ops.transform.mean_stream import checked_weights
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
-from ckpt_tools.structure.keys import plan_renames, strip_wrapper_rules
+from ckpt_tools.structure.keys import plan_renames
 from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
 __all__ = ["average", "pick_inputs"]
 

@@ -1,0 +1,150 @@
+"""Training wrappers in state-dict keys: what each adds (:data:`WRAPPER_RULES`), which a set of
+keys carries (:func:`detect_wrappers`), and the rules that strip them.
+
+``module.`` (DataParallel, DDP), ``_orig_mod.`` (``torch.compile``), FSDP and
+activation-checkpoint segments, Lightning's and PEFT's attributes; the rules are
+:class:`~ckpt_tools.structure.keys.KeyRule` s, applied by :mod:`ckpt_tools.structure.keys`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_tools.errors import ResourceLimitError
+from ckpt_tools.structure.keys import KeyRule, strip_rule
+
+__all__ = [
+    "MAX_WRAPPER_DEPTH",
+    "WRAPPER_RULES",
+    "WrapperMatch",
+    "WrapperRule",
+    "detect_wrappers",
+    "strip_wrapper_rules",
+]
+
+
+@dataclass(frozen=True)
+class WrapperRule:
+    """What one training wrapper adds to keys.
+
+    Attributes:
+        prefix: the text it adds, ending in ``.``.
+        kind: who adds it, in words.
+        inner: it may appear inside a key (``blocks.0._checkpoint_wrapped_module.fc``), not
+            only at the start.
+        whole: report it as a prefix only when every key with a dot carries it
+            (``module.`` and ``model.`` are also common plain attribute names; a key without
+            a dot, an ``epoch`` beside the weights, names no module's tensor).
+    """
+
+    prefix: str
+    kind: str
+    inner: bool = False
+    whole: bool = False
+
+
+WRAPPER_RULES: tuple[WrapperRule, ...] = (
+    # DataParallel and DDP prefix every key; some keys under module. are an attribute of that
+    # name (an EMA helper's self.module), which stripping would break.
+    WrapperRule("module.", "nn.DataParallel / DistributedDataParallel", whole=True),
+    WrapperRule("_orig_mod.", "torch.compile", inner=True),
+    WrapperRule("_fsdp_wrapped_module.", "FullyShardedDataParallel", inner=True),
+    WrapperRule("_checkpoint_wrapped_module.", "activation checkpoint_wrapper", inner=True),
+    WrapperRule("_forward_module.", "Lightning Fabric / DeepSpeed _forward_module", inner=True),
+    WrapperRule("base_model.model.", "PEFT PeftModel", whole=True),
+    WrapperRule("model.", "Lightning module attribute `model`", whole=True),
+)
+
+
+#: The most wrapper prefixes :func:`detect_wrappers` peels from the start of keys. Training
+#: wrappers stack a few; each layer costs a pass over every key and a rule in every rewrite.
+MAX_WRAPPER_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class WrapperMatch:
+    """A wrapper found in a set of keys.
+
+    Attributes:
+        prefix: the wrapper's text (``module.``).
+        kind: who adds it.
+        count: keys that carry it.
+        of: keys looked at.
+        inner: found inside keys rather than at their start.
+    """
+
+    prefix: str
+    kind: str
+    count: int
+    of: int
+    inner: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, "kind": self.kind, "count": self.count, "of": self.of}
+
+
+def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
+    """Find the wrapper prefixes a set of state-dict keys carries, outermost first.
+
+    Stacked wrappers are peeled one layer at a time (``module._orig_mod.fc.weight`` gives
+    ``module.`` then ``_orig_mod.``). Wrappers that nest inside the tree (FSDP, activation
+    checkpointing) are also counted where they appear inside keys.
+
+    Args:
+        keys: state-dict keys.
+
+    Returns:
+        The matches, outermost prefix first, then inner ones.
+
+    Raises:
+        ResourceLimitError: keys start with more than :data:`MAX_WRAPPER_DEPTH` wrappers.
+
+    Example:
+        >>> [m.prefix for m in detect_wrappers(["module._orig_mod.fc.weight"])]
+        ['module.', '_orig_mod.']
+    """
+    current = [k for k in keys if isinstance(k, str)]
+    total = len(current)
+    found: list[WrapperMatch] = []
+    peeled: set[str] = set()
+    while current:
+        for rule in WRAPPER_RULES:
+            count = sum(k.startswith(rule.prefix) for k in current)
+            # A key without a dot (`epoch` beside the weights) is no module's: it does not
+            # count against a prefix every module key must carry.
+            if count and (not rule.whole or count == sum("." in k for k in current)):
+                if len(found) == MAX_WRAPPER_DEPTH:
+                    raise _too_deep(rule.prefix)
+                found.append(WrapperMatch(rule.prefix, rule.kind, count, total))
+                peeled.add(rule.prefix)
+                current = [
+                    k[len(rule.prefix) :] if k.startswith(rule.prefix) else k for k in current
+                ]
+                break
+        else:
+            break
+    for rule in WRAPPER_RULES:
+        if not rule.inner:
+            continue
+        count = sum(f".{rule.prefix}" in k for k in current)
+        if count:
+            found.append(WrapperMatch(rule.prefix, rule.kind, count, total, inner=True))
+    return tuple(found)
+
+
+def _too_deep(prefix: str) -> ResourceLimitError:
+    return ResourceLimitError(
+        f"keys start with more than {MAX_WRAPPER_DEPTH} wrapper prefixes (the next is "
+        f"{prefix!r}); training wrappers stack a few, so these are not a model's keys"
+    )
+
+
+def strip_wrapper_rules(
+    keys: Iterable[str],
+) -> tuple[tuple[KeyRule, ...], tuple[WrapperMatch, ...]]:
+    """The rules that strip every wrapper :func:`detect_wrappers` finds in ``keys``."""
+    matches = detect_wrappers(keys)
+    rules = tuple(strip_rule(m.prefix, inner=m.inner) for m in matches)
+    return rules, matches
