@@ -68,7 +68,7 @@ if kind == "st":
 model = None
 if kind == "meta":
     from ckpt_tools.formats import open_checkpoint
-    from ckpt_tools.tensor_walk import iter_tensors
+    from ckpt_tools.structure.tensor_walk import iter_tensors
 
     def build(shapes):
         root = torch.nn.Module()

@@ -35,7 +35,7 @@ from ckpt_tools.structure.selection import (
     is_state_dict,
     select_state_dict,
 )
-from ckpt_tools.tensor_walk import iter_tensors
+from ckpt_tools.structure.tensor_walk import iter_tensors
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a load runs
     import torch

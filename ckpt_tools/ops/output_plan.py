@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors, iter_stored_tensors
 from ckpt_tools.structure.text import Readable, human_bytes, shown
-from ckpt_tools.tensor_walk import iter_listed_tensors, iter_stored_tensors
 
 __all__ = [
     "PlannedFile",

@@ -16,7 +16,7 @@ GEOMETRY = ("dtype", "shape", "stride", "offset", "nbytes", "device")
 def walk_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in a torch-loaded tree, with dotted paths, in the tree's order.
 
-    The paths are those :func:`ckpt_tools.tensor_walk.iter_tensors` gives: dict keys and
+    The paths are those :func:`ckpt_tools.structure.tensor_walk.iter_tensors` gives: dict keys and
     list indices joined by dots; a container reached twice is walked once, a tensor reached
     twice (tied weights) is listed twice.
     """

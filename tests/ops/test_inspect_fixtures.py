@@ -14,7 +14,7 @@ import torch
 
 import ckpt_tools
 from ckpt_tools.formats import open_checkpoint
-from ckpt_tools.tensor_walk import iter_tensors
+from ckpt_tools.structure.tensor_walk import iter_tensors
 from tests.helpers import (
     FIXTURES,
     NOT_FIXTURES,

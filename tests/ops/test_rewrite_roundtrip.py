@@ -18,7 +18,7 @@ import torch
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.rewrite.conversion import convert, retag
 from ckpt_tools.ops.rewrite.rewriting import add_module, strip_module
-from ckpt_tools.tensor_walk import iter_tensors
+from ckpt_tools.structure.tensor_walk import iter_tensors
 from tests import helpers as h
 
 # What puts each prefix on the keys, to load the round-tripped file into the real wrapper.

@@ -26,7 +26,7 @@ from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, TensorRef
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.pickle.rebuilt import Array
 from ckpt_tools.formats.pickle.standins import ConstantRef
-from ckpt_tools.tensor_walk import iter_stored_tensors
+from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 
 __all__ = [
     "JAGGED_GLOBALS",

@@ -34,7 +34,7 @@ from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.io.writers.shard_plan import ShardPlan
 from ckpt_tools.io.writers.torchzip import picklable_tensors
 from ckpt_tools.ops.consolidate.plan import ConsolidationPlan, OutputTensor
-from ckpt_tools.tensor_walk import iter_tensors
+from ckpt_tools.structure.tensor_walk import iter_tensors
 
 __all__ = ["write_file_output", "write_folder_output"]
 

@@ -18,8 +18,8 @@ from ckpt_tools.structure.selection import (
     key_text,
     select_state_dict,
 )
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors, stored_views
 from ckpt_tools.structure.wrappers import detect_wrappers
-from ckpt_tools.tensor_walk import iter_listed_tensors, stored_views
 
 __all__ = [
     "CheckpointInfo",

@@ -39,7 +39,7 @@ from ckpt_tools.ops.sanitize.result import SanitizeResult
 from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select
 from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.tensor_walk import iter_listed_tensors, iter_stored_tensors, stored_views
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors, iter_stored_tensors, stored_views
 
 __all__ = ["SanitizeResult", "sanitize"]
 

@@ -17,7 +17,7 @@ from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.ops.transform.rebuilt_cast import values_part
 from ckpt_tools.structure.selection import replace_at
-from ckpt_tools.tensor_walk import iter_stored_tensors, stored_views
+from ckpt_tools.structure.tensor_walk import iter_stored_tensors, stored_views
 
 __all__ = ["cast_targets", "kept_outside"]
 

@@ -27,7 +27,7 @@ from ckpt_tools.io.writers.plan import write_plan_zip
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record, check_records
 from ckpt_tools.io.writers.safetensors import write_safetensors
-from ckpt_tools.tensor_walk import iter_stored_tensors
+from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 
 __all__ = ["PlanRow", "TransformPlan", "cast_tensor", "check_computable", "execute_plan"]
 

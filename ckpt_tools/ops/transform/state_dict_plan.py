@@ -41,7 +41,7 @@ from ckpt_tools.ops.transform.plan import (
 from ckpt_tools.ops.transform.rebuilt_cast import cast_rebuilt_items
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.structure.selection import Selection, holds_no_state_dict, replace_at
-from ckpt_tools.tensor_walk import iter_stored_tensors
+from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 
 __all__ = ["finish", "plan_state_dict_output"]
 
