@@ -27,6 +27,7 @@ import numpy as np
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.io.casting import cast_array
+from ckpt_tools.io.ranges import fd_pread, pread_chunks
 from ckpt_tools.io.writers.records import Record, record_bytes
 
 __all__ = ["INTEGER_DTYPES", "MEAN_DTYPES", "checked_weights", "mean_record"]
@@ -170,8 +171,7 @@ def _chunks_of(record: Record, size: int) -> Iterator[Any]:
         return
     fd = os.open(span.path, os.O_RDONLY)
     try:
-        for start in range(0, span.nbytes, size):
-            yield os.pread(fd, min(size, span.nbytes - start), span.offset + start)
+        yield from pread_chunks(fd_pread(fd), span.offset, span.nbytes, chunk=size)
     finally:
         os.close(fd)
 
