@@ -110,3 +110,35 @@ def write_tiny_adapter(folder: Path) -> Path:
     }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return folder
+
+
+def tiny_llama(layers: int = 2, **options: Any) -> Any:
+    """A small ``LlamaForCausalLM`` made here (no download); ``options`` go to its config."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **options,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_gpt2(layers: int = 2) -> Any:
+    """A small ``GPT2LMHeadModel`` (Conv1D projections, biases everywhere), made here."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 import ckpt_tools as ct
 from tests.helpers import run_ckpt
-from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, tiny_gpt2, tiny_llama
 
 pytestmark = NEEDS_PEFT
 peft = ImportedWhenUsed("peft")
@@ -40,36 +40,10 @@ class Case(NamedTuple):
     merged: dict[str, torch.Tensor]  # merge_and_unload()'s state dict
 
 
-def _llama(layers: int = 2, tie_word_embeddings: bool = False) -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 def _llama_tied() -> Any:
     # Tied embeddings (Llama 3.2 1B, Qwen2.5 0.5B): save_pretrained leaves lm_head out, so
     # every key it writes starts with "model.".
-    return _llama(layers=1, tie_word_embeddings=True)
-
-
-def _gpt2() -> Any:
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_llama(layers=1, tie_word_embeddings=True)
 
 
 def _perturb(model: Any, seed: int) -> None:
@@ -161,24 +135,24 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
     root = tmp_path_factory.mktemp("lora")
     made: dict[str, Case] = {}
     recipes: dict[str, Callable[[Path], Case]] = {
-        "linear": lambda f: make_case(f, _llama, _targets("q_proj", "v_proj", "up_proj")),
+        "linear": lambda f: make_case(f, tiny_llama, _targets("q_proj", "v_proj", "up_proj")),
         "bf16": lambda f: make_case(
-            f, _llama, _targets("q_proj", "down_proj"), dtype=torch.bfloat16
+            f, tiny_llama, _targets("q_proj", "down_proj"), dtype=torch.bfloat16
         ),
         "bf16-adapter": lambda f: make_case(
-            f, _llama, _targets("q_proj", "embed_tokens"), dtype=torch.bfloat16, autocast=False
+            f, tiny_llama, _targets("q_proj", "embed_tokens"), dtype=torch.bfloat16, autocast=False
         ),
         "bf16-adapter-fp32-base": lambda f: make_case(
             f,
-            _llama,
+            tiny_llama,
             _targets("q_proj", "embed_tokens"),
             train_dtype=torch.bfloat16,
             autocast=False,
         ),
-        "rslora": lambda f: make_case(f, _llama, _targets("q_proj", "o_proj", use_rslora=True)),
+        "rslora": lambda f: make_case(f, tiny_llama, _targets("q_proj", "o_proj", use_rslora=True)),
         "patterns": lambda f: make_case(
             f,
-            _llama,
+            tiny_llama,
             _targets(
                 "q_proj",
                 "v_proj",
@@ -186,21 +160,25 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
                 alpha_pattern={"v_proj": 3},
             ),
         ),
-        "conv1d": lambda f: make_case(f, _gpt2, _targets("c_attn", "c_proj", fan_in_fan_out=True)),
-        "embedding": lambda f: make_case(
-            f, _llama, _targets("embed_tokens", "q_proj", modules_to_save=["lm_head"])
+        "conv1d": lambda f: make_case(
+            f, tiny_gpt2, _targets("c_attn", "c_proj", fan_in_fan_out=True)
         ),
-        "dora": lambda f: make_case(f, _llama, _targets("q_proj", "down_proj", use_dora=True)),
+        "embedding": lambda f: make_case(
+            f, tiny_llama, _targets("embed_tokens", "q_proj", modules_to_save=["lm_head"])
+        ),
+        "dora": lambda f: make_case(f, tiny_llama, _targets("q_proj", "down_proj", use_dora=True)),
         "dora-conv1d": lambda f: make_case(
-            f, _gpt2, _targets("c_attn", "c_fc", fan_in_fan_out=True, use_dora=True)
+            f, tiny_gpt2, _targets("c_attn", "c_fc", fan_in_fan_out=True, use_dora=True)
         ),
         "bin": lambda f: make_case(
-            f, _llama, _targets("q_proj", "k_proj"), safe_serialization=False
+            f, tiny_llama, _targets("q_proj", "k_proj"), safe_serialization=False
         ),
-        "lora-bias": lambda f: make_case(f, _gpt2, _targets("c_attn", lora_bias=True)),
-        "fp16": lambda f: make_case(f, _llama, _targets("k_proj"), dtype=torch.float16),
-        "sharded": lambda f: make_case(f, _llama, _targets("q_proj", "gate_proj"), save=_sharded),
-        "ddp": lambda f: make_case(f, _llama, _targets("v_proj"), save=_wrapped),
+        "lora-bias": lambda f: make_case(f, tiny_gpt2, _targets("c_attn", lora_bias=True)),
+        "fp16": lambda f: make_case(f, tiny_llama, _targets("k_proj"), dtype=torch.float16),
+        "sharded": lambda f: make_case(
+            f, tiny_llama, _targets("q_proj", "gate_proj"), save=_sharded
+        ),
+        "ddp": lambda f: make_case(f, tiny_llama, _targets("v_proj"), save=_wrapped),
         "tied": lambda f: make_case(f, _llama_tied, _targets("q_proj", "up_proj"), save=_hf),
         "tied-saved-head": lambda f: make_case(
             f, _llama_tied, _targets("q_proj", modules_to_save=["lm_head"]), save=_tied_pt

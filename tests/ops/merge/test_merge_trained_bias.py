@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import ckpt_tools as ct
 from tests.helpers import run_ckpt
-from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, tiny_gpt2, tiny_llama
 from tests.ops.merge.test_merge_lora import Case, compare, make_case
 
 pytestmark = NEEDS_PEFT
@@ -26,25 +26,12 @@ _PREFIX = "base_model.model."
 
 def _llama_biased() -> Any:
     """A one-layer Llama whose attention and MLP projections are Linear layers with biases."""
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=True,
-        mlp_bias=True,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(layers=1, attention_bias=True, mlp_bias=True)
 
 
 def _gpt2() -> Any:
     """A one-layer GPT-2: Conv1D projections and LayerNorms, all with biases."""
-    config = transformers.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16, bos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2(layers=1)
 
 
 class _TiedBias(torch.nn.Module):
