@@ -60,17 +60,8 @@ def save_peft_adapter(
     Returns:
         ``folder``.
     """
-    peft, transformers = importlib.import_module("peft"), importlib.import_module("transformers")
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
+    peft = importlib.import_module("peft")
+    model = tiny_llama(layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if base_name is not None:
