@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import ckpt_tools as ct
 from ckpt_tools import load_into, load_state_dict, load_with_info
 from ckpt_tools.errors import CorruptCheckpointError, StateDictMismatchError
 from ckpt_tools.formats import open_checkpoint
@@ -185,3 +186,34 @@ def test_a_jagged_tensor_mapped_to_meta_is_built_as_torch_builds_it(tmp_path: Pa
         assert type(got[name]) is type(tensor) and got[name].device == tensor.device
         assert got[name].offsets().is_meta and got[name].values().shape == (8, 2)
         assert (got[name].lengths() is None) == (tensor.lengths() is None)
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_a_jagged_tensor_wrapped_in_a_parameter_loads_as_one(
+    tmp_path: Path, requires_grad: bool
+) -> None:
+    # nn.Parameter(njt) keeps the NestedTensor type and sets ``_is_param`` in its state.
+    path = tmp_path / "param.pt"
+    param = nn.Parameter(_njt([0, 3, 8]), requires_grad=requires_grad)
+    torch.save({"p": param, "w": torch.ones(2)}, path)
+    want = torch.load(path, weights_only=True)["p"]
+    assert isinstance(want, nn.Parameter) and want.requires_grad is requires_grad
+
+    got = load_state_dict(path, map_location="cpu")["p"]
+    _assert_same(got, want)
+    assert isinstance(got, nn.Parameter)
+    assert [t.layout for t in ct.inspect(str(path)).tensors] == ["jagged", "strided"]
+    # A rewrite re-emits the state as it was: the output still loads as a Parameter.
+    out = tmp_path / "wrapped.pt"
+    ct.add_module(path, out)
+    again = torch.load(out, weights_only=True)["module.p"]
+    assert isinstance(again, nn.Parameter) and again.requires_grad is requires_grad
+
+
+def test_a_jagged_state_marking_anything_but_a_parameter_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "odd.pt"
+    njt = _njt([0, 3, 8])
+    njt._is_param = 1  # not what nn.Parameter sets
+    torch.save({"n": njt}, path)
+    with pytest.raises(CorruptCheckpointError, match="sets '_is_param'"):
+        open_checkpoint(path)

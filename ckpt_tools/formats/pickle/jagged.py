@@ -3,12 +3,12 @@
 torch.save writes one as ``_rebuild_from_type_v2(_rebuild_njt, NestedTensor, (kwargs,),
 state)``: ``kwargs`` holds the constructor's ``values``, ``offsets``, ``lengths``,
 ``_ragged_idx``, ``_metadata_cache`` and ``requires_grad``, and ``state`` sets the same
-objects again as attributes. ``import torch`` itself puts ``_rebuild_njt`` and
-``NestedTensor`` on the weights-only allowlist (``torch/nested/__init__.py``), so
-``torch.load(weights_only=True)`` reads such a file in a fresh process; the
-``torch._dynamo.decorators._DimRange`` objects that an NJT built by ``nested_tensor`` carries
-in its metadata cache are allowed only once ``torch._dynamo`` is imported, and stay refused
-here as in a fresh process.
+objects again as attributes (and ``_is_param`` for one wrapped in ``nn.Parameter``).
+``import torch`` itself puts ``_rebuild_njt`` and ``NestedTensor`` on the weights-only
+allowlist (``torch/nested/__init__.py``), so ``torch.load(weights_only=True)`` reads such a
+file in a fresh process; the ``torch._dynamo.decorators._DimRange`` objects that an NJT
+built by ``nested_tensor`` carries in its metadata cache are allowed only once
+``torch._dynamo`` is imported, and stay refused here as in a fresh process.
 
 The call is described as a :class:`~ckpt_tools.descriptors.RebuiltTensor` of layout
 ``jagged`` whose parts are every tensor the call holds (values, offsets, lengths, the
@@ -152,7 +152,9 @@ def jagged_from_type(func: GlobalRef, args: tuple[Any, ...], inner: RebuiltTenso
     for name, value in state.items():
         key = _REPEATED.get(name)
         if key is None:
-            if name.startswith("_dynamo_"):
+            # ``nn.Parameter(njt)`` marks the tensor with ``_is_param = True`` (what
+            # ``isinstance(t, nn.Parameter)`` reads); ``_dynamo_*`` markers hold no tensors.
+            if name.startswith("_dynamo_") or (name == "_is_param" and value is True):
                 continue
             raise _refuse(f"attribute state sets {name!r}, which torch.save never writes")
         given = kwargs.get(key, _DEFAULTS.get(key))
