@@ -1,5 +1,5 @@
 """Jagged nested tensors through the file -> file operations: copied as torch.load reads
-them, and left uncast (with a note) by a cast."""
+them, and cast as torch's ``.to(dtype)`` casts them (their values; offsets keep theirs)."""
 
 from __future__ import annotations
 
@@ -44,12 +44,43 @@ def test_extract_and_sanitize_copy_jagged_tensors_as_torch_loads_them(tmp_path: 
     assert {k: _same(got[k], v) for k, v in want.items()} == dict.fromkeys(want, True)
 
 
-def test_a_cast_keeps_jagged_tensors_with_a_note(tmp_path: Path) -> None:
+def test_a_cast_casts_jagged_values_as_torch_to_does(tmp_path: Path) -> None:
     src = tmp_path / "src.pt"
-    torch.save(_state_dict(), src)
-    want = torch.load(src, weights_only=True)
+    sd = _state_dict()
+    # A Parameter, a second ragged dimension, and values shared with a dense entry.
+    sd["a.p"] = torch.nn.Parameter(sd["a.n"].detach().clone())
+    sd["a.d"] = torch.nested.nested_tensor_from_jagged(
+        torch.arange(24.0).reshape(2, 6, 2), torch.tensor([0, 2, 6]), jagged_dim=2
+    )
+    values = torch.arange(6.0).reshape(3, 2)
+    sd["a.v"], sd["a.s"] = (
+        values,
+        torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 3])),
+    )
+    torch.save(sd, src)
+    want = {k: v.to(torch.float16) for k, v in torch.load(src, weights_only=True).items()}
+
     result = ct.slim(src, tmp_path / "half.pt", dtype="float16")
     got = torch.load(tmp_path / "half.pt", weights_only=True)
-    assert got["a.w"].dtype == torch.float16
-    assert _same(got["a.n"], want["a.n"]) and _same(got["a.l"], want["a.l"])
-    assert "jagged tensor 'a.n' kept as float32: its values are not cast" in result.notes
+    assert {k: _same(got[k], v) for k, v in want.items()} == dict.fromkeys(want, True)
+    for name in ("a.n", "a.l", "a.p", "a.d", "a.s"):
+        assert got[name].offsets().dtype == torch.int64
+        assert got[name]._ragged_idx == want[name]._ragged_idx
+    assert isinstance(got["a.p"], torch.nn.Parameter) and got["a.p"].requires_grad
+    # One storage cast once: the tensors that shared their values still do.
+    assert got["a.n"].values().data_ptr() == got["a.l"].values().data_ptr()
+    assert got["a.s"].values().data_ptr() == got["a.v"].data_ptr()
+    assert not [n for n in result.notes if "jagged" in n]
+
+
+def test_a_jagged_tensor_whose_values_a_kept_key_shares_keeps_its_dtype(tmp_path: Path) -> None:
+    src = tmp_path / "src.pt"
+    values = torch.arange(6.0).reshape(3, 2)
+    torch.save(
+        {"v": values, "n": torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 3]))},
+        src,
+    )
+    result = ct.slim(src, tmp_path / "half.pt", dtype="float16", keep_dtype=[r"^v$"])
+    got = torch.load(tmp_path / "half.pt", weights_only=True)
+    assert got["v"].dtype == got["n"].dtype == torch.float32
+    assert any("kept as float32" in n for n in result.notes), result.notes

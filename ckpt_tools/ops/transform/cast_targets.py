@@ -3,8 +3,8 @@
 A storage is cast once for every tensor on it, so tied weights stay tied and views stay views
 over the cast storage. One also used by a tensor that is not cast (a kept key, a tensor
 outside the state dict, such as an optimizer's or an EMA's) is copied as it is, with a note.
-A sparse or nested tensor is cast by its values part's storage (its indices never are); a
-jagged one is not cast, with a note.
+A sparse or nested tensor (a jagged one too) is cast by its values part's storage (its
+indices never are).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _cast_view(value: Any) -> TensorRef | None:
     values part; None for anything else (a meta tensor has no storage)."""
     if isinstance(value, TensorRef):
         return value
-    if isinstance(value, RebuiltTensor) and value.layout != "jagged":
+    if isinstance(value, RebuiltTensor):
         return values_part(value)
     return None
 
@@ -61,18 +61,6 @@ def cast_targets(
         and view.dtype in CAST_SOURCES
         and view.dtype != cast_to
     ]
-    # A jagged tensor's values lie in a dict of its constructor's keywords, which the
-    # rewritten rebuild call would not point at the cast storage: it keeps its dtype.
-    notes.extend(
-        f"jagged tensor {new!r} kept as {value.dtype}: its values are not cast"
-        for (_, new, value), kept in zip(items, kept_key)
-        if new is not None
-        and not kept
-        and isinstance(value, RebuiltTensor)
-        and value.layout == "jagged"
-        and value.dtype in CAST_SOURCES
-        and value.dtype != cast_to
-    )
     wanted: dict[int, str] = {}
     for view in cast_views:
         wanted.setdefault(id(view.storage), view.dtype)

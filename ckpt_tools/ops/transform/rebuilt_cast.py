@@ -1,8 +1,9 @@
 """Sparse, nested and meta tensors in a cast, made as torch's ``.to(dtype)`` makes them.
 
-``.to(dtype)`` casts a sparse tensor's values and a nested tensor's buffer; the indices (a
-nested tensor's sizes, strides and offsets) keep their dtype, and a COO tensor stays as
-coalesced as it was. The values part's storage is cast as any other storage is
+``.to(dtype)`` casts a sparse tensor's values and a nested tensor's buffer (a jagged one's
+values); the indices (a nested tensor's sizes, strides and offsets, a jagged one's offsets,
+lengths and cached sequence lengths) keep their dtype, and a COO tensor stays as coalesced as
+it was. The values part's storage is cast as any other storage is
 (:mod:`~ckpt_tools.ops.transform.cast_targets` decides which; each once), and the rebuild
 call is written again with the cast part in its place. A meta tensor has no bytes: only its
 dtype changes, when it is contiguous (torch keeps those strides; other strides it may
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, StorageRef, TensorRef
+from ckpt_tools.formats.pickle.jagged import jagged_arguments
 from ckpt_tools.formats.pickle.standins import ConstantRef
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
@@ -26,7 +28,8 @@ __all__ = ["cast_rebuilt", "cast_rebuilt_items", "values_part"]
 
 def values_part(t: RebuiltTensor) -> TensorRef | None:
     """The part holding ``t``'s values, the one a cast changes: a sparse tensor's values (its
-    last part), a nested tensor's buffer (its first); None for a meta tensor (no parts).
+    last part), a nested tensor's buffer (its first), a jagged one's ``values`` keyword; None
+    for a meta tensor (no parts).
 
     Example:
         >>> from ckpt_tools.descriptors import GlobalRef
@@ -35,6 +38,8 @@ def values_part(t: RebuiltTensor) -> TensorRef | None:
     """
     if not t.parts:
         return None
+    if t.layout == "jagged":
+        return jagged_arguments(t)["values"]
     return t.parts[0] if t.layout == "nested" else t.parts[-1]
 
 
@@ -71,12 +76,15 @@ def cast_rebuilt(t: RebuiltTensor, values: TensorRef | None, dtype: str) -> Rebu
 
 
 def _swapped(value: Any, old: Any, new: Any) -> Any:
-    """``value`` with ``old`` replaced by ``new`` in its plain tuples (a sparse tensor's
-    parts lie in a tuple inside the call's arguments)."""
+    """``value`` with ``old`` replaced by ``new`` in its plain tuples and dicts (a sparse
+    tensor's parts lie in a tuple inside the call's arguments; a jagged one's values in its
+    constructor's keywords and again in its attribute state)."""
     if value is old:
         return new
     if type(value) is tuple:  # torch.Size and other tuple subclasses hold no tensors
         return tuple(_swapped(v, old, new) for v in value)
+    if type(value) is dict:
+        return {k: _swapped(v, old, new) for k, v in value.items()}
     return value
 
 
