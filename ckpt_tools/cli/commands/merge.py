@@ -33,6 +33,12 @@ from ckpt_tools.cli.writing import quiet_option, run_and_show
     "Write OUT as a Hugging Face folder with shards up to SIZE (default 5GB when OUT ends "
     "with / or is a folder)."
 )
+@click.option(
+    "--fan-in-fan-out/--no-fan-in-fan-out",
+    default=None,
+    help="Square target weights that neither their shape nor BASE's config.json settles are "
+    "GPT-2 Conv1D (or, with --no-fan-in-fan-out, Linear).",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (never an input).")
 @verify_option("After writing, re-read keys and sizes, or also every byte (computed again).")
 @durable_option

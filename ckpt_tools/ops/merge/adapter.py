@@ -46,8 +46,21 @@ _PARTS = {
     "lora_magnitude_vector": "magnitude",
 }
 _PART_RE = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(map(re.escape, _PARTS)) + ")$")
-# Config fields that change what a merge computes, which this merge does not do.
-_UNSUPPORTED_FIELDS = ("trainable_token_indices", "target_parameters", "use_qalora")
+# Config fields that, set, change what PEFT's merge computes (or make it refuse to merge),
+# which this merge does not do: PEFT 0.21's LoRA variants and options, checked in its code.
+_UNSUPPORTED_FIELDS = {
+    "trainable_token_indices": "its token rows are merged apart from LoRA",
+    "target_parameters": "LoRA on bare parameters is merged apart from modules",
+    "use_qalora": "PEFT does not merge QALoRA",
+    "alora_invocation_tokens": "PEFT does not merge aLoRA (activated LoRA)",
+    "arrow_config": "PEFT does not merge an Arrow router",
+    "use_bdlora": "BD-LoRA's delta is block-diagonal",
+    "kasa_config": "KaSA truncates the base weight and scales B by a learned diagonal",
+    "layer_replication": "replicated layers each merge into one shared base layer",
+}
+# init_lora_weights values whose initialisation, run again when PEFT loads the adapter,
+# rewrites the base weight before the merge (a residual model is expected as the base).
+_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
 _FLOATING = ("float64", "float32", "float16", "bfloat16")
 
 
@@ -156,9 +169,7 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
             f"{path!r} is a {peft_type or 'untyped'} adapter; merge-lora merges LoRA adapters "
             "(DoRA and rsLoRA included)"
         )
-    for name in _UNSUPPORTED_FIELDS:
-        if config.get(name):
-            raise ConversionError(f"{path!r}: adapters with {name} are not merged")
+    _check_variant(path, config)
     weights = next((os.path.join(path, n) for n in WEIGHT_NAMES if _exists(path, n)), None)
     if weights is None:
         raise CheckpointNotFoundError(f"{path!r} holds no {' or '.join(WEIGHT_NAMES)}")
@@ -175,6 +186,23 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
     biases = _trained_biases(rest, modules, config, weights)
     saved = _modules_to_save(rest, config, weights)
     return LoraAdapter(path, weights, config, ckpt, tuple(targets), saved, base_layers, biases)
+
+
+def _check_variant(path: str, config: Mapping[str, Any]) -> None:
+    """Refuse an adapter whose config sets a field that changes or forbids PEFT's merge."""
+    for name, why in _UNSUPPORTED_FIELDS.items():
+        if config.get(name):
+            raise ConversionError(
+                f"{path!r}: adapter_config.json sets {name} ({config[name]!r}); {why}, "
+                "and merge-lora merges plain LoRA, rsLoRA and DoRA only"
+            )
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_REWRITING_INITS):
+        raise ConversionError(
+            f"{path!r}: adapter_config.json sets init_lora_weights={init!r}, which PEFT runs "
+            "again on loading, rewriting the base weight; merge-lora does not. Save the "
+            "adapter converted to plain LoRA (PEFT's path_initial_model_for_weight_conversion)"
+        )
 
 
 def _exists(folder: str, name: str) -> bool:
@@ -284,8 +312,6 @@ def _targets(
             )
         bias = found.get("bias", (None, None))[1]
         magnitude = found.get("magnitude", (None, None))[1]
-        if magnitude is not None and kind == "embedding":
-            raise ConversionError(f"{weights!r}: {module!r}: DoRA on an embedding is not merged")
         for name, t in (("lora_B.bias", bias), ("lora_magnitude_vector", magnitude)):
             if t is not None and (t.shape != (b.shape[0],) or t.dtype not in _FLOATING):
                 raise ConversionError(

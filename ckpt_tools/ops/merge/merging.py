@@ -22,7 +22,8 @@ from ckpt_tools.io.output_path import check_output_folder, check_output_path, wa
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
 from ckpt_tools.ops.merge.folder import write_merged_folder
-from ckpt_tools.ops.merge.records import bias_record, merge_record, replace_record
+from ckpt_tools.ops.merge.layout import base_config, conv1d_layouts, tied_embedding
+from ckpt_tools.ops.merge.records import MergeStep, bias_record, merge_record, replace_record
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for, torch_instead
@@ -48,6 +49,7 @@ def merge_lora(
     output_format: OutputFormat | None = None,
     max_shard_size: str | int | None = None,
     drop_extras: bool = False,
+    fan_in_fan_out: bool | None = None,
     allow_globals: Sequence[str] = (),
     force: bool = False,
     verify: VerifyLevel = "sizes",
@@ -60,7 +62,9 @@ def merge_lora(
     ``W += transpose(B @ A) * scaling`` for Linear, GPT-2 ``Conv1D`` (``fan_in_fan_out``) and
     Embedding targets, in float32 and rounded once to the weight's dtype, in PEFT's order
     (rsLoRA, ``rank_pattern`` and ``alpha_pattern`` as PEFT resolves them); DoRA rescales each
-    output row by its magnitude over the row's norm; ``modules_to_save`` copies replace the
+    output row (an embedding's each column) by its magnitude over its norm; targets that share
+    one tied weight (an output head tied to the input embeddings, saved or left out of an HF
+    folder) are merged into it in turn, and the tie is kept; ``modules_to_save`` copies replace the
     base's tensors, and so do the trained biases of ``bias="lora_only"`` or ``"all"`` (copied
     in the base's dtype, as loading copies them; ``lora_bias`` then merges into the trained
     bias). Every other tensor is copied bitwise. One merged tensor is in memory at a
@@ -79,6 +83,11 @@ def merge_lora(
             (the merge rounds to the base's dtype first, as merging then ``.to`` does).
         max_shard_size: a folder output's shard limit (``"5GB"`` when None), as for
             :func:`~ckpt_tools.ops.rewrite.conversion.convert`.
+        fan_in_fan_out: whether square weights that nothing else settles are GPT-2 ``Conv1D``
+            (True) or Linear (False). A weight that is not square says so itself, and a base
+            with a ``config.json`` (an HF folder) says so by its ``model_type``; else the
+            adapter's saved ``fan_in_fan_out`` is its last target's kind only, and a square
+            target it does not settle is refused unless this is given.
         select, output_format, drop_extras, allow_globals, force, verify, durable, dry_run,
             progress: as for :func:`~ckpt_tools.ops.transform.slim.slim`; ``allow_globals``
             also applies to a pickled adapter.
@@ -89,8 +98,9 @@ def merge_lora(
         keys given the adapter's trained biases).
 
     Raises:
-        ConversionError: an adapter type other than LoRA, a target missing from the base, or
-            a shape that does not fit (exit 7), each named.
+        ConversionError: an adapter type other than LoRA, a LoRA variant PEFT does not merge as
+            LoRA, a target missing from the base, a shape that does not fit, or a square
+            weight whose layout nothing settles (exit 7), each named.
         UnsafeContentError: a pickled adapter or base names a global outside the allowlist.
         UsageError: a bad ``dtype`` or ``verify``.
         NonTensorEntriesError: a safetensors output, non-tensor entries in the base's state
@@ -117,7 +127,9 @@ def merge_lora(
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path)
     aligned = _aligned(selection.state_dict, lora)
-    merged, overrides, actions = _plan_merges(ckpt, aligned, lora)
+    merged, overrides, actions = _plan_merges(
+        ckpt, aligned, lora, base_config(base), fan_in_fan_out
+    )
     replaced, biases, untied = _plan_replacements(aligned, lora, overrides, actions)
     items = [
         (k, k, untied.get(k, v)) for k, v in selection.state_dict.items() if isinstance(k, str)
@@ -200,24 +212,75 @@ def _aligned(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[str, T
 
 
 def _plan_merges(
-    ckpt: Checkpoint, aligned: Mapping[str, tuple[str, TensorRef]], lora: LoraAdapter
+    ckpt: Checkpoint,
+    aligned: Mapping[str, tuple[str, TensorRef]],
+    lora: LoraAdapter,
+    config: Mapping[str, Any] | None,
+    fan_in_fan_out: bool | None,
 ) -> tuple[list[MergedModule], dict[int, Record], dict[str, str]]:
     """Each target's base weight found and checked, and the record that merges into it.
 
+    Targets sharing one storage (tied embeddings) are merged into it in turn, in the base's
+    order of keys (the model's order of modules, in which PEFT merges them).
+
     Raises:
-        ConversionError: targets missing from the base or whose shapes do not fit, all named.
+        ConversionError: targets missing from the base or whose shapes do not fit, all named;
+            square weights whose layout nothing settles.
     """
-    problems: list[str] = []
+    found, problems = _found_targets(aligned, lora, config)
+    linear = [(t, w) for t, _, w in found if t.kind == "linear"]
+    conv1d = conv1d_layouts(linear, lora.config, config, fan_in_fan_out) if not problems else {}
+    order = {key: n for n, (key, _) in enumerate(aligned.values())}
+    groups: dict[int, list[tuple[LoraTarget, str, TensorRef]]] = {}
+    # A head tied to an embedding is its model's last module: merged after the embedding.
+    ranked = sorted(found, key=lambda f: (order[f[1]], f"{f[0].module}.weight" not in aligned))
+    for t, key, weight in ranked:
+        groups.setdefault(id(weight.storage), []).append((t, key, weight))
     merged: list[MergedModule] = []
     overrides: dict[int, Record] = {}
     actions: dict[str, str] = {}
+    for storage, group in groups.items():
+        steps = [
+            MergeStep(t, t.kind == "embedding" or conv1d.get(t.module, False)) for t, _, _ in group
+        ]
+        start = next(
+            (lora.base_layers[t.module] for t, _, _ in group if t.module in lora.base_layers), None
+        )
+        weight = group[0][2]
+        overrides[storage] = merge_record(ckpt, weight, lora.ckpt, steps, start)
+        words = ", then ".join(
+            f"{_kind(s)} r={s.target.r} scaling={s.target.scaling:g}" for s in steps
+        )
+        for (t, key, _), step in zip(group, steps):
+            actions[key] = f"merge {words}"
+            merged.append(MergedModule(t.module, key, _kind(step), t.r, t.alpha, t.scaling))
+            if t.bias is not None:
+                problems += _plan_lora_bias(ckpt, aligned, lora, t, overrides, actions)
+    if problems:
+        raise ConversionError(
+            f"the adapter does not fit the base: {'; '.join(problems[:8])}"
+            + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+        )
+    return merged, overrides, actions
+
+
+def _found_targets(
+    aligned: Mapping[str, tuple[str, TensorRef]],
+    lora: LoraAdapter,
+    config: Mapping[str, Any] | None,
+) -> tuple[list[tuple[LoraTarget, str, TensorRef]], list[str]]:
+    """Each target with the key and base weight it merges into, and the problems found."""
+    problems: list[str] = []
+    found: list[tuple[LoraTarget, str, TensorRef]] = []
     for t in lora.targets:
-        found = aligned.get(f"{t.module}.weight")
-        if found is None:
-            problems.append(f"{t.module}.weight (missing from the base)")
-            continue
-        key, weight = found
-        transpose, why = _layout(t, weight, lora.config)
+        hit = aligned.get(f"{t.module}.weight")
+        if hit is None:
+            hit, why = tied_embedding(t, aligned, config)
+            if hit is None:
+                problems.append(why)
+                continue
+        key, weight = hit
+        why = _misfit(t, weight)
         if why:
             problems.append(f"{key}: {why}")
             continue
@@ -226,18 +289,8 @@ def _plan_merges(
         if start is not None and start.shape != weight.shape:
             problems.append(f"{key}: the adapter's copy is {list(start.shape)} (resized?)")
             continue
-        overrides[id(weight.storage)] = merge_record(ckpt, weight, lora.ckpt, t, transpose, start)
-        kind = _kind(t, transpose)
-        actions[key] = f"merge {kind} r={t.r} scaling={t.scaling:g}"
-        merged.append(MergedModule(t.module, key, kind, t.r, t.alpha, t.scaling))
-        if t.bias is not None:
-            problems += _plan_lora_bias(ckpt, aligned, lora, t, overrides, actions)
-    if problems:
-        raise ConversionError(
-            f"the adapter does not fit the base: {'; '.join(problems[:8])}"
-            + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
-        )
-    return merged, overrides, actions
+        found.append((t, key, weight))
+    return found, problems
 
 
 def _plan_lora_bias(
@@ -268,31 +321,24 @@ def _plan_lora_bias(
     return []
 
 
-def _layout(t: LoraTarget, weight: TensorRef, config: Mapping[str, Any]) -> tuple[bool, str]:
-    """Whether the delta is transposed (Conv1D, embeddings), or why the weight does not fit."""
+def _misfit(t: LoraTarget, weight: TensorRef) -> str:
+    """Why the weight does not fit the target's A and B, or "" (the layout is decided later)."""
     r_out, r_in = t.b.shape[0], t.a.shape[1]
     if weight.dtype not in _FLOATING:
-        return False, f"a {weight.dtype} weight cannot be merged"
-    if t.kind == "embedding":
-        # lora_embedding_A is (r, num_embeddings), B is (dim, r); the weight (num_embeddings, dim).
-        return True, "" if weight.shape == (r_in, r_out) else _misfit(t, weight, (r_in, r_out))
-    # A square weight does not say whether it is a Linear or a Conv1D: the config does.
-    if weight.shape == (r_out, r_in) and (r_out != r_in or not config.get("fan_in_fan_out")):
-        return False, ""
-    if weight.shape == (r_in, r_out):
-        return True, ""
-    return False, _misfit(t, weight, (r_out, r_in))
-
-
-def _misfit(t: LoraTarget, weight: TensorRef, wanted: tuple[int, int]) -> str:
+        return f"a {weight.dtype} weight cannot be merged"
+    # lora_embedding_A is (r, num_embeddings), B is (dim, r); the weight (num_embeddings, dim).
+    wanted = [(r_in, r_out)] if t.kind == "embedding" else [(r_out, r_in), (r_in, r_out)]
+    if weight.shape in wanted:
+        return ""
     return (
         f"shape {list(weight.shape)} does not fit lora_A {list(t.a.shape)} and "
-        f"lora_B {list(t.b.shape)} (expected {list(wanted)})"
+        f"lora_B {list(t.b.shape)} (expected {list(wanted[0])})"
     )
 
 
-def _kind(t: LoraTarget, transpose: bool) -> str:
-    kind = t.kind if t.kind == "embedding" else ("conv1d" if transpose else "linear")
+def _kind(step: MergeStep) -> str:
+    t = step.target
+    kind = t.kind if t.kind == "embedding" else ("conv1d" if step.transpose else "linear")
     return kind + ("+dora" if t.magnitude is not None else "")
 
 

@@ -6,8 +6,8 @@ A record is made when the writer reaches it, so one merged tensor is in memory a
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from ckpt_tools.ops.merge.arithmetic import (
     to_bits,
 )
 
-__all__ = ["bias_record", "lora_dtype", "merge_record", "replace_record", "values"]
+__all__ = ["MergeStep", "bias_record", "lora_dtype", "merge_record", "replace_record", "values"]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Elements merged at once: a few arrays of this size (float64 among them) are in memory.
@@ -61,50 +61,78 @@ def rows(ckpt: Checkpoint, t: TensorRef, first: int, count: int) -> np.ndarray:
     return from_bits(bits, t.dtype).reshape(count, t.shape[1])
 
 
+@dataclass(frozen=True)
+class MergeStep:
+    """One target merged into a weight: the target, and whether its delta is transposed
+    (``Conv1D``, embeddings)."""
+
+    target: LoraTarget
+    transpose: bool
+
+
 def merge_record(
     base: Checkpoint,
     weight: TensorRef,
     adapter: Checkpoint,
-    target: LoraTarget,
-    transpose: bool,
+    steps: Sequence[MergeStep],
     start: TensorRef | None = None,
 ) -> Record:
-    """The record of ``weight`` with ``target`` merged into it (LoRA or DoRA).
+    """The record of ``weight`` with each step's target merged into it in turn (LoRA or DoRA).
 
+    Several steps merge targets that share one weight (tied embeddings): PEFT merges each
+    module in the model's order, each rounded to the weight's dtype before the next.
     Made in blocks of rows, each element computed as it would be over the whole tensor,
     so memory stays a few blocks whatever the weight's size; DoRA over a transposed
-    (``Conv1D``) weight needs whole columns, and merges the tensor at once.
+    (``Conv1D``, embedding) weight needs whole columns, and merges the tensor at once.
     ``start``: the adapter's own copy of the weight (``save_embedding_layers``), which PEFT
     loads into the base (rounded to its dtype) before merging.
     """
-    whole = target.magnitude is not None and transpose
+    whole = any(s.target.magnitude is not None and s.transpose for s in steps)
     height, width = weight.shape
     block = height if whole else max(1, _BLOCK // max(width, 1))
-
     lora = lora_dtype(weight.dtype)
 
     def produce() -> Iterable[bytes]:
-        a, b = (rounded(values(adapter, t), lora) for t in (target.a, target.b))
-        m = None if target.magnitude is None else rounded(values(adapter, target.magnitude), lora)
+        loaded = [_step_tensors(adapter, s.target, lora) for s in steps]
         for first in range(0, height, block):
             count = min(block, height - first)
             if start is None:
                 w = rows(base, weight, first, count)
             else:
                 w = rounded(rows(adapter, start, first, count), weight.dtype)
-            # A block of W's rows is a block of B's rows, or (transposed) of A's columns.
-            if whole:
-                part, mm = (a, b), m
-            elif transpose:
-                part, mm = (a[:, first : first + count], b), m
-            else:
-                part, mm = (
-                    (a, b[first : first + count]),
-                    None if m is None else m[first : first + count],
-                )
-            yield to_bits(_merged(w, weight.dtype, target, part, mm, transpose), weight.dtype)
+            for step, (a, b, m) in zip(steps, loaded):
+                part, mm = _block_of(a, b, m, first, count, step.transpose, whole)
+                merged = _merged(w, weight.dtype, step.target, part, mm, step.transpose)
+                w = rounded(merged, weight.dtype)
+            yield to_bits(w, weight.dtype)
 
-    return Record(weight.nbytes, produce=produce, action=f"merge lora r={target.r}")
+    return Record(weight.nbytes, produce=produce, action=f"merge lora r={steps[0].target.r}")
+
+
+def _step_tensors(
+    adapter: Checkpoint, target: LoraTarget, lora: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    a, b = (rounded(values(adapter, t), lora) for t in (target.a, target.b))
+    m = None if target.magnitude is None else rounded(values(adapter, target.magnitude), lora)
+    return a, b, m
+
+
+def _block_of(
+    a: np.ndarray,
+    b: np.ndarray,
+    m: np.ndarray | None,
+    first: int,
+    count: int,
+    transpose: bool,
+    whole: bool,
+) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray | None]:
+    """The parts of A, B and the magnitude that a block of W's rows needs."""
+    # A block of W's rows is a block of B's rows, or (transposed) of A's columns.
+    if whole:
+        return (a, b), m
+    if transpose:
+        return (a[:, first : first + count], b), m
+    return (a, b[first : first + count]), None if m is None else m[first : first + count]
 
 
 def lora_dtype(weight_dtype: str) -> str:
@@ -133,8 +161,9 @@ def _merged(
     """One block of rows merged: PEFT's delta, then the plain or DoRA merge."""
     delta_dtype = lora_dtype(w_dtype)
     delta = lora_delta(ab[0], ab[1], target.scaling, transpose, delta_dtype)
-    if target.kind == "embedding":
-        # Embedding.merge rounds the delta to the weight's dtype before adding it.
+    if target.kind == "embedding" and m is None:
+        # Embedding.merge rounds a plain delta to the weight's dtype before adding it (its
+        # DoRA variant does not).
         delta, delta_dtype = rounded(delta, w_dtype), w_dtype
     if m is None or target.magnitude is None:
         return plain_merge(w, w_dtype, delta, delta_dtype)

@@ -1,0 +1,158 @@
+"""Where each LoRA target merges: a weight's layout (Linear or GPT-2 ``Conv1D``), and the
+input embedding a tied output head's weight lives in.
+
+PEFT decides per module from the module's class (``Conv1D`` merges ``(B @ A).T``). While it
+injects the adapter it sets the config's ``fan_in_fan_out`` to each target's kind in turn, and
+saves the last value, so the saved flag says only what the last target was. A weight whose
+shape is not square says its layout itself; a square one is settled by the base's
+``config.json``, by the names transformers gives its ``Conv1D`` modules, or by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.ops.merge.adapter import LoraTarget
+
+__all__ = ["CONV1D_MODULES", "base_config", "conv1d_layouts", "tied_embedding"]
+
+#: model_type -> the modules transformers builds as ``pytorch_utils.Conv1D`` (by last name);
+#: every other model transformers builds uses ``nn.Linear`` for its projections.
+CONV1D_MODULES: Mapping[str, frozenset[str]] = {
+    "gpt2": frozenset({"c_attn", "q_attn", "c_proj", "c_fc"}),
+    "decision_transformer": frozenset({"c_attn", "q_attn", "c_proj", "c_fc"}),
+    "imagegpt": frozenset({"c_attn", "q_attn", "c_proj", "c_fc"}),
+    "openai-gpt": frozenset({"c_attn", "c_proj", "c_fc"}),
+    "clvp": frozenset({"c_proj", "c_fc"}),
+    "clvp_decoder": frozenset({"c_proj", "c_fc"}),
+}
+_CONV1D_NAMES = frozenset().union(*CONV1D_MODULES.values())
+# Input embeddings an output head is tied to, by the names transformers gives them.
+_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "shared", "embed_in", "tok_embeddings")
+_HF_WEIGHTS = re.compile(
+    r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$"
+)
+
+
+def base_config(base: str) -> dict[str, Any] | None:
+    """The base's ``config.json``: in an HF folder, or beside an HF weight file; else None.
+
+    Example:
+        >>> base_config("model.pt") is None
+        True
+    """
+    if os.path.isdir(base):
+        path = os.path.join(base, "config.json")
+    elif _HF_WEIGHTS.match(os.path.basename(base)):
+        path = os.path.join(os.path.dirname(base), "config.json")
+    else:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # no config, or one we cannot read: decide without it
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def conv1d_layouts(
+    found: Sequence[tuple[LoraTarget, TensorRef]],
+    adapter_config: Mapping[str, Any],
+    config: Mapping[str, Any] | None,
+    fan_in_fan_out: bool | None,
+) -> dict[str, bool]:
+    """Whether each Linear-kind target's weight is a ``Conv1D`` (its delta transposed).
+
+    Args:
+        found: each ``linear`` target with the base weight it merges into (shapes checked by
+            the caller: the weight is ``(out, in)`` or ``(in, out)``).
+        adapter_config: ``adapter_config.json``, whose ``fan_in_fan_out`` is the last
+            target's kind.
+        config: the base's ``config.json``, or None.
+        fan_in_fan_out: the caller's word for square weights nothing else settles.
+
+    Returns:
+        module -> True for ``Conv1D``.
+
+    Raises:
+        ConversionError: square weights whose layout nothing settles, all named.
+    """
+    saved = bool(adapter_config.get("fan_in_fan_out"))
+    told = {t.module: weight.shape != (t.b.shape[0], t.a.shape[1]) for t, weight in found}
+    square = {t.module for t, _ in found if t.b.shape[0] == t.a.shape[1]}
+    # A non-square target of the other kind than the saved flag: the targets are mixed.
+    mixed = any(told[m] != saved for m in told if m not in square)
+    ambiguous = []
+    for module in square:
+        by_type = _by_model_type(module, config)
+        if by_type is not None:
+            told[module] = by_type
+        elif fan_in_fan_out is not None:
+            told[module] = fan_in_fan_out
+        elif mixed or (module.rsplit(".", 1)[-1] in _CONV1D_NAMES) != saved:
+            ambiguous.append(module)
+        else:
+            told[module] = saved
+    if ambiguous:
+        raise ConversionError(
+            f"square weights whose layout is unknown: {', '.join(sorted(ambiguous)[:8])}; the "
+            f"adapter's saved fan_in_fan_out ({saved}) is its last target's, and the base has "
+            "no config.json model_type that tells a Conv1D (GPT-2) from a Linear",
+            remedies=(
+                Remedy("fan_in_fan_out", "True", flag="--fan-in-fan-out", text="for Conv1D"),
+                Remedy("fan_in_fan_out", "False", flag="--no-fan-in-fan-out", text="for Linear"),
+            ),
+        )
+    return told
+
+
+def _by_model_type(module: str, config: Mapping[str, Any] | None) -> bool | None:
+    """A module's kind as transformers builds the base's ``model_type``, or None if unknown.
+
+    Remote code (``auto_map``) may build any module as it likes, so it tells nothing.
+    """
+    if config is None or "auto_map" in config:
+        return None
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    return module.rsplit(".", 1)[-1] in CONV1D_MODULES.get(model_type, frozenset())
+
+
+def tied_embedding(
+    target: LoraTarget,
+    aligned: Mapping[str, tuple[str, TensorRef]],
+    config: Mapping[str, Any] | None,
+) -> tuple[tuple[str, TensorRef] | None, str]:
+    """The input embedding a target missing from the base is tied to, or why none is used.
+
+    ``save_pretrained`` leaves a tied output head out; transformers ties it to the input
+    embedding, and PEFT then merges the head's delta into that one weight.
+
+    Returns:
+        ``((key, tensor), "")``, or ``(None, problem)``.
+    """
+    name = f"{target.module}.weight"
+    if config is None or config.get("tie_word_embeddings") is not True:
+        return None, f"{name} (missing from the base)"
+    shape = (target.b.shape[0], target.a.shape[1])
+    found = [
+        v
+        for k, v in aligned.items()
+        if k.endswith(".weight")
+        and k[: -len(".weight")].rsplit(".", 1)[-1] in _EMBEDDINGS
+        and v[1].shape == shape
+    ]
+    if target.kind != "linear" or len(found) != 1:
+        seen = ", ".join(k for k, _ in found) or "none of its shape"
+        return None, (
+            f"{name} (tied to the input embeddings by config.json's tie_word_embeddings, "
+            f"which could not be told: {seen})"
+        )
+    return found[0], ""
