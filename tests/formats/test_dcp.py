@@ -79,10 +79,13 @@ def test_detected_and_nested_as_planner_data_says(folder: Path) -> None:
     assert ckpt.unsafe_globals == ()
 
 
-def test_a_folder_without_distcp_files_is_not_dcp(folder: Path) -> None:
+def test_a_folder_whose_distcp_files_are_missing_is_dcp_and_names_them(folder: Path) -> None:
     for data in folder.glob("*.distcp"):
         data.unlink()
-    assert detect_format(folder) == "hf-sharded"
+    # As DCP's loader: the .metadata makes the folder, and reading it names a missing shard.
+    assert detect_format(folder) == "dcp"
+    with pytest.raises(CorruptCheckpointError, match=r"'__0_0\.distcp', which is missing"):
+        open_checkpoint(folder)
 
 
 def test_chunks_located_in_their_files(folder: Path) -> None:
@@ -171,7 +174,7 @@ def _too_deep(meta: Any) -> None:
         (_too_deep, "planner_data places 'epoch'"),
         (_grow_chunk, "lies outside its shape"),
         (_split_overlapping, "overlapping chunks"),
-        (_past_the_end, "needs bytes"),
+        (_past_the_end, r"__0_0\.distcp' is truncated: it holds"),
         (_climbs_out, "not a file name inside the folder"),
         (_unknown_item, "storage entries for unknown items"),
     ],

@@ -63,6 +63,8 @@ def consolidate_cmd(
     OUT is a .pt (torch.save format), a .safetensors, or a folder for Hugging Face shards
     (model-00001-of-0000N.safetensors + model.safetensors.index.json). Chunks are copied
     straight into place; memory does not grow with the checkpoint. A DeepSpeed checkpoint is
-    written as zero_to_fp32 writes it: fp32 master weights, frozen ones as trained.
+    written as DeepSpeed's get_fp32_state_dict_from_zero_checkpoint gives it: fp32 master
+    weights, frozen ones in their trained dtype (the zero_to_fp32.py script casts those to
+    fp32 too), float buffers in fp32.
     """
     run_and_show(consolidate, src, dst, include_all=everything, as_json=as_json, quiet=quiet, **kw)

@@ -123,6 +123,9 @@ def _ints(value: Any, what: str, path: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+
+
 def _dtype(props: Any, fqn: str, path: str) -> tuple[str, bool]:
     """(dtype, requires_grad) from a TensorProperties: its state is a 5-tuple, or a dict."""
     if not isinstance(props, DataStandIn) or type(props).global_ref.name != "TensorProperties":
@@ -140,6 +143,13 @@ def _dtype(props: Any, fqn: str, path: str) -> tuple[str, bool]:
         or dtype.name not in DTYPE_ITEMSIZE
     ):
         raise _bad(path, f"{fqn!r} has dtype {short_repr(dtype, 60)}")
+    if dtype.name in _QUANTIZED:
+        # DCP saves a quantized tensor's integers only: its scale and zero point are lost.
+        raise UnsupportedFormatError(
+            f"{path!r}: {fqn!r} is a {dtype.name} (quantized) tensor, whose scale and zero "
+            "point DCP does not record, so it cannot be rebuilt; dequantize it before saving",
+            path=path,
+        )
     strided = layout is None or (isinstance(layout, Reduced) and layout.args == ("torch.strided",))
     if not strided:
         raise UnsupportedFormatError(
@@ -193,10 +203,12 @@ def _location(
             )
         sizes[name] = os.path.getsize(where)
     if offset + length > sizes[name]:
-        raise _bad(
-            path,
-            f"{fqn!r} needs bytes {offset}..{offset + length} of {name!r}, which holds "
-            f"{sizes[name]}",
+        # The metadata is written last, once every shard is complete: the shard is at fault.
+        where = os.path.join(folder, name)
+        raise CorruptCheckpointError(
+            f"{where!r} is truncated: it holds {sizes[name]} bytes, but the metadata places "
+            f"{fqn!r} at bytes {offset}..{offset + length} of it",
+            path=where,
         )
     return name, offset, length
 

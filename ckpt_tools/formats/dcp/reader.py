@@ -51,17 +51,14 @@ DATA_SUFFIX = ".distcp"
 
 
 def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a DCP folder: a ``.metadata`` file beside ``*.distcp`` files.
+    """Whether ``path`` is a DCP folder: a ``.metadata`` file, as DCP's own loader decides
+    (the ``*.distcp`` files it names may be missing: reading it then says which).
 
     Example:
         >>> is_dcp_folder(".")
         False
     """
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    return METADATA_FILE in names and any(n.endswith(DATA_SUFFIX) for n in names)
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckpt_tools.errors import (
@@ -71,6 +72,33 @@ class ZeroFiles:
         """The full path of a file of the tag folder."""
         return os.path.join(self.folder, name)
 
+    def count_error(
+        self, names: Sequence[str], world: int, what: str, recorded_by: str
+    ) -> CorruptCheckpointError:
+        """The refusal for ``names`` (rank files, ranks 0..N-1) that are not ``world`` files:
+        the files past the last rank are named as extra, or the ranks whose files are missing.
+
+        Example:
+            >>> files = ZeroFiles("run/t", "t", "run", ("m.pt",), ("r0.pt", "r1.pt", "r2.pt"), ())
+            >>> files.count_error(files.optim_files, 2, "optimizer states", "r0.pt").message
+            "'r0.pt' records 2 data-parallel partitions, but 'run/t' holds 3 optimizer states \
+files: 'r2.pt' is extra (left by an earlier save?)"
+        """
+        if len(names) > world:
+            extra = ", ".join(repr(n) for n in names[world:])
+            verb = "is" if len(names) == world + 1 else "are"
+            which = f"{extra} {verb} extra (left by an earlier save?)"
+        else:
+            ranks = ", ".join(str(r) for r in range(len(names), world))
+            one = len(names) + 1 == world
+            which = f"the file{'' if one else 's'} of data-parallel rank{'' if one else 's'} "
+            which += f"{ranks} {'is' if one else 'are'} missing"
+        return CorruptCheckpointError(
+            f"{recorded_by!r} records {world} data-parallel partitions, but {self.folder!r} "
+            f"holds {len(names)} {what} files: {which}",
+            path=self.folder,
+        )
+
 
 def tags_in(save_dir: str) -> list[str]:
     """The tag folders of a save folder, sorted.
@@ -91,15 +119,20 @@ def _has_rank_files(folder: str) -> bool:
 
 
 def is_deepspeed_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a DeepSpeed save folder (a ``latest`` file) or a tag folder (model
-    states files).
+    """Whether ``path`` is a DeepSpeed save folder (a ``latest`` file, or tag folders: one
+    saved with ``save_latest=False`` has none) or a tag folder (model states files).
 
     Example:
         >>> is_deepspeed_folder(".")
         False
     """
     p = os.fspath(path)
-    return os.path.isfile(os.path.join(p, LATEST)) or _has_rank_files(p)
+    if os.path.isfile(os.path.join(p, LATEST)) or _has_rank_files(p):
+        return True
+    try:
+        return bool(tags_in(p))
+    except OSError:
+        return False
 
 
 def _read_latest(save_dir: str) -> str:
@@ -156,7 +189,8 @@ def find_zero_files(path: str | os.PathLike[str], tag: str | None = None) -> Zer
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a folder.
-        UsageError: ``tag`` names no tag folder (the tags there are named).
+        UsageError: ``tag`` names no tag folder, or none is given for a save folder without
+            ``latest`` (the tags there are named).
         CorruptCheckpointError: ``latest`` names no folder, the folder holds no model
             states, or its rank files do not run 0..N-1.
         UnsupportedFormatError: model-parallel (``mp_rank_01``) or pipeline files.
@@ -177,9 +211,23 @@ def find_zero_files(path: str | os.PathLike[str], tag: str | None = None) -> Zer
     elif os.path.isfile(os.path.join(save_dir, LATEST)):
         tag = _read_latest(save_dir)
         folder = _check_tag(save_dir, tag, os.path.join(save_dir, LATEST))
+    elif not _has_rank_files(save_dir) and tags_in(save_dir):
+        raise _no_latest(save_dir)
     else:
         folder, save_dir, tag = save_dir, None, os.path.basename(os.path.abspath(save_dir))
     return _rank_files(folder, tag, save_dir)
+
+
+def _no_latest(save_dir: str) -> UsageError:
+    """A save folder without ``latest`` (``save_checkpoint(save_latest=False)``): which tag
+    to read is the caller's to say, as ``zero_to_fp32``'s ``tag`` argument."""
+    tags = tags_in(save_dir)
+    return UsageError(
+        f"{save_dir!r} is a DeepSpeed save folder without a {LATEST!r} file to name its tag; "
+        f"its tags: {', '.join(repr(t) for t in tags[:5])}{' ...' if len(tags) > 5 else ''}",
+        path=save_dir,
+        remedies=[Remedy("tag", repr(t), flag=f"--tag {shlex.quote(t)}") for t in tags[:3]],
+    )
 
 
 def _rank_files(folder: str, tag: str, save_dir: str | None) -> ZeroFiles:

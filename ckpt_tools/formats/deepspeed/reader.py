@@ -212,15 +212,16 @@ def _trained(
 def _check_ranks(
     files: ZeroFiles, models: Sequence[ModelStates], optims: Sequence[OptimStates]
 ) -> int:
-    """The ZeRO stage, once the rank files agree with each other and with their count."""
+    """The ZeRO stage, once the rank files agree with each other and with their count.
+
+    As ``zero_to_fp32``: every optimizer states file is read, so their count must be the
+    partition count; of the ZeRO-3 model states files only ranks below it are (the caller
+    drops the others), so only a missing one is refused.
+    """
     first = optims[0]
     world = first.partition_count
     if len(optims) != world:
-        raise CorruptCheckpointError(
-            f"{first.path!r} records {world} data-parallel partitions, but {files.folder!r} "
-            f"holds {len(optims)} optimizer states files: a rank's file is missing",
-            path=files.folder,
-        )
+        raise files.count_error(files.optim_files, world, "optimizer states", first.path)
     for o in optims[1:]:
         if (o.stage, o.partition_count, len(o.flat_groups)) != (
             first.stage,
@@ -234,12 +235,8 @@ def _check_ranks(
             )
     # The bf16 optimizer records no stage; it partitions as ZeRO-1 does (frozen weights too).
     stage = first.stage if first.stage is not None else min(_config_stage(models[0]) or 1, 2)
-    if stage == 3 and len(models) != world:
-        raise CorruptCheckpointError(
-            f"{files.folder!r} holds {len(models)} ZeRO-3 model states files for {world} "
-            "partitions: a rank's file is missing",
-            path=files.folder,
-        )
+    if stage == 3 and len(models) < world:
+        raise files.count_error(files.model_files, world, "ZeRO-3 model states", first.path)
     if stage == 0:
         raise UnsupportedFormatError(
             f"{first.path!r} is a ZeRO-0 optimizer file, which holds no partition to read",
@@ -279,6 +276,8 @@ def open_deepspeed(path: str | os.PathLike[str], *, tag: str | None = None) -> D
     into = _Builder()
     if optims:
         stage = _check_ranks(files, models, optims)
+        if stage == 3:
+            models = models[: len(optims)]  # a stale rank's model states, as zero_to_fp32 does
         frozen, from_module, aliases = _partitioned(into, models, optims, stage)
         root: dict[str, TensorRef] = dict(into.root)
         for alias, source in aliases.items():

@@ -112,15 +112,18 @@ def consolidate(
     Args:
         src: the DCP folder (``.metadata`` and ``*.distcp`` files), or a DeepSpeed ZeRO
             checkpoint (stages 0 to 3): its save folder (``latest`` names the tag) or a
-            tag folder. It is written as the state dict ``zero_to_fp32`` gives (fp32 master
-            weights, frozen ones in their 16-bit dtype, float buffers in fp32), its bytes cut
+            tag folder (or, with ``tag``, a save folder without ``latest``). It is written as
+            the state dict DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` gives
+            (fp32 master weights, frozen ones in their trained dtype, float buffers in fp32;
+            the ``zero_to_fp32.py`` script also casts the frozen ones to fp32), its bytes cut
             from the ranks' partitions.
         dst: a ``.pt`` (torch.save format), a ``.safetensors``, or a folder for Hugging
             Face shards (``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``).
         include_all: write everything saved (model, optimizer, other entries), nested as
             saved, instead of the selected state dict alone.
         strip: remove wrapper prefixes (``module.``, ``_orig_mod.``) from the state dict's keys.
-        tag: the DeepSpeed tag to read (default: the one ``latest`` names).
+        tag: the DeepSpeed tag to read (default: the one ``latest`` names; a save folder
+            without ``latest`` needs it).
         exclude_frozen: leave a DeepSpeed checkpoint's frozen parameters out.
         max_shard_size: the most bytes per HF shard (``"5GB"``, ``"2GiB"``, or an int);
             given, the output is a folder of shards, as with :func:`convert`; None: ``"5GB"``

@@ -12,13 +12,14 @@ records the other name in its metadata (``{tied name: stored name}``), as ``conv
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.dcp.reader import DcpCheckpoint
+from ckpt_tools.formats.dcp.reader import DATA_SUFFIX, DcpCheckpoint
 from ckpt_tools.formats.deepspeed.reader import DeepSpeedCheckpoint, TensorSource, open_deepspeed
 from ckpt_tools.formats.detect import detect_format
 from ckpt_tools.io.assemble import SpanPiece
@@ -47,9 +48,18 @@ def open_source(src: str, *, tag: str | None, exclude_frozen: bool) -> Checkpoin
         The opened :class:`DcpCheckpoint` or :class:`DeepSpeedCheckpoint`.
 
     Raises:
-        UsageError: another format, DeepSpeed's options for a DCP folder, or a ``tag`` that
-            names no tag folder.
+        UsageError: another format (one ``.distcp`` shard of a DCP folder too), DeepSpeed's
+            options for a DCP folder, or a ``tag`` that names no tag folder.
     """
+    if src.endswith(DATA_SUFFIX) and os.path.isfile(src):
+        # Each item in it is an archive at an offset only the folder's .metadata records.
+        folder = os.path.dirname(src) or "."
+        raise UsageError(
+            f"{src!r} is one shard of a torch.distributed.checkpoint folder, which is read "
+            "whole (its .metadata says where each item lies in the shards)",
+            path=src,
+            remedies=(Remedy(text=f"give the folder, {folder!r}, as the source instead"),),
+        )
     if detect_format(src) == "deepspeed":
         return open_deepspeed(src, tag=tag)
     for name, value, flag in (

@@ -15,7 +15,7 @@ from typing import Any
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import ByteSpan, Opaque, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import KeyCollisionError, UnsafeContentError, UsageError
+from ckpt_tools.errors import ConversionError, KeyCollisionError, UnsafeContentError
 from ckpt_tools.formats.dcp.reader import DcpCheckpoint, contiguous_stride
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.formats.safetensors import tie_metadata
@@ -24,6 +24,7 @@ from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.safetensors import leave_out_extras
 from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
 __all__ = ["ConsolidationPlan", "OutputTensor", "plan_consolidation"]
@@ -38,6 +39,11 @@ class OutputTensor:
     tensor: TensorRef
     pieces: tuple[Piece, ...]
     record: Record | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its storage's record (a value's whole storage, which views may share)."""
+        return self.tensor.nbytes if self.record is None else self.record.nbytes
 
     @property
     def copied(self) -> int:
@@ -81,7 +87,7 @@ class ConsolidationPlan:
     @property
     def nbytes(self) -> int:
         """Bytes of the output's tensors (tied names share one storage, written once)."""
-        return sum({id(t.tensor.storage): t.tensor.nbytes for t in self.tensors}.values())
+        return sum({id(t.tensor.storage): t.nbytes for t in self.tensors}.values())
 
     @property
     def copied(self) -> int:
@@ -93,9 +99,7 @@ def _pieces(ckpt: DcpCheckpoint, t: TensorRef) -> tuple[Piece, ...]:
     """Where ``t``'s bytes come from, in row-major order."""
     size = itemsize(t.dtype)
     if id(t) not in ckpt.tensors:
-        # A tensor inside a value (BYTE_IO): one archive's storage, like any torch file's.
-        if not t.is_contiguous():
-            raise UsageError(f"a tensor inside a saved value is a strided view of {t.shape}")
+        # A tensor inside a value (BYTE_IO), written as a tensor of its own (safetensors).
         span = ckpt.span(t.storage)
         return (SpanPiece(ByteSpan(span.path, span.offset + t.byte_offset, t.nbytes)),)
     item = ckpt.item_of(t)
@@ -107,10 +111,9 @@ def _pieces(ckpt: DcpCheckpoint, t: TensorRef) -> tuple[Piece, ...]:
     if all(d.chunk.sizes[1:] == item.shape[1:] and d.tensor.is_contiguous() for d in chunks):
         # Dim-0 slices (FSDP), sorted and known to tile the tensor: back to back they are it.
         return tuple(
-            SpanPiece(
-                ByteSpan(d.span.path, d.span.offset + d.tensor.byte_offset, d.tensor.nbytes),
-                d.crc32 if d.tensor.covers_storage() else None,
-            )
+            # No CRC-32 passed on: torch's zip reader never checks the one a chunk's archive
+            # records, so a damaged chunk's would make a wrong one; it is computed on copy.
+            SpanPiece(ByteSpan(d.span.path, d.span.offset + d.tensor.byte_offset, d.tensor.nbytes))
             for d in chunks
         )
     sources = tuple(ChunkSource(d.chunk.offsets, d.tensor, d.span) for d in chunks)
@@ -132,24 +135,46 @@ def _fresh(t: TensorRef, key: str) -> TensorRef:
 
 
 class _Collector:
-    """Replaces each tensor of a tree by its output descriptor, collecting the plan."""
+    """Replaces each DCP tensor of a tree by its output descriptor, collecting the plan.
+
+    DCP nests its items in plain dicts and lists (``planner_data``); anything else is a
+    saved value (BYTE_IO), kept as ``torch.load`` gives it: each storage its tensors lie in
+    (inside tuples, sets, rebuilt tensors too) is copied whole, so views and shared storages
+    come back as they were saved, as ``dcp_to_torch_save`` writes them.
+    """
 
     def __init__(self, ckpt: DcpCheckpoint) -> None:
         self.ckpt = ckpt
         self.tensors: list[OutputTensor] = []
+        self.kept: set[int] = set()
 
     def tensor(self, name: str, t: TensorRef) -> TensorRef:
+        if id(t) not in self.ckpt.tensors and not t.is_contiguous():
+            raise ConversionError(
+                f"{self.ckpt.path!r}: the saved value {name!r} is a strided view (shape "
+                f"{list(t.shape)}, stride {list(t.stride)}) of a storage, which a safetensors "
+                "output cannot hold as saved; write a .pt (a dst ending in .pt) to keep it"
+            )
         out = _fresh(t, str(len(self.tensors)))
         self.tensors.append(OutputTensor(name, out, _pieces(self.ckpt, t)))
         return out
 
+    def value(self, node: Any, name: str) -> Any:
+        for path, t in iter_stored_tensors(node, name):
+            if id(t.storage) not in self.kept:
+                self.kept.add(id(t.storage))
+                span = self.ckpt.span(t.storage)  # CRC-32 computed on copy, as for chunks
+                self.tensors.append(OutputTensor(path, t, (), Record(span.nbytes, span=span)))
+        return node
+
     def tree(self, node: Any, name: str) -> Any:
-        if isinstance(node, TensorRef):
+        if isinstance(node, TensorRef) and id(node) in self.ckpt.tensors:
             return self.tensor(name, node)
-        if isinstance(node, dict):
+        if type(node) is dict:
             return {k: self.tree(v, f"{name}.{k}" if name else str(k)) for k, v in node.items()}
-        if isinstance(node, list):
-            return [self.tree(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(node)]
+        if type(node) in (list, tuple):
+            items = [self.tree(v, f"{name}.{i}" if name else str(i)) for i, v in enumerate(node)]
+            return items if type(node) is list else tuple(items)
         if isinstance(node, Opaque):
             # A rewrite never adds a global the user did not allow: refuse, naming it.
             qualname = type(node).global_ref.qualname
@@ -159,7 +184,7 @@ class _Collector:
                 globals=(qualname,),
                 path=self.ckpt.path,
             )
-        return node
+        return self.value(node, name)
 
 
 def _strip(sd: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
@@ -241,7 +266,7 @@ def _flatten(node: Any, name: str, out: dict[str, Any]) -> None:
     if isinstance(node, dict) and node:
         for k, v in node.items():
             _flatten(v, f"{name}.{k}" if name else str(k), out)
-    elif isinstance(node, list) and node:
+    elif isinstance(node, (list, tuple)) and node:
         for i, v in enumerate(node):
             _flatten(v, f"{name}.{i}" if name else str(i), out)
     elif name in out:

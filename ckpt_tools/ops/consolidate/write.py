@@ -34,7 +34,7 @@ from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.io.writers.shard_plan import ShardPlan
 from ckpt_tools.io.writers.torchzip import picklable_tensors
 from ckpt_tools.ops.consolidate.plan import ConsolidationPlan, OutputTensor
-from ckpt_tools.structure.tensor_walk import iter_tensors
+from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 
 __all__ = ["write_file_output", "write_folder_output"]
 
@@ -52,9 +52,8 @@ def write_file_output(
     there only with ``replace``; returns what was verified."""
     written: list[tuple[str, Record]] = []
     if fmt == "torch-zip":
-        tree = _picklable(plan.tree)
-        by_key = {t.tensor.storage.key: _record(t) for t in plan.tensors}
-        records = {id(t.storage): by_key[t.storage.key] for _, t in iter_tensors(tree)}
+        records = {id(t.tensor.storage): _record(t) for t in plan.tensors}
+        tree = _picklable(plan.tree, records)
 
         def fill(out: AtomicFile) -> None:
             used = write_plan_zip(tree, records, out.file, "archive", counter, durable=out.durable)
@@ -71,7 +70,7 @@ def write_file_output(
             write_safetensors(entries, out.file, metadata, counter, durable=out.durable)
 
     aliases = plan.aliases if fmt != "torch-zip" else {}
-    check = _check(plan.tensors, written, verify, aliases)
+    check = _check(plan.tensors, written, verify, aliases, plan.tree)
     return write_file(dst, fill, check, replace=replace, durable=durable)
 
 
@@ -124,15 +123,17 @@ def _check(
     written: Sequence[tuple[str, Record]],
     verify: str,
     aliases: Mapping[str, str],
+    tree: Any = None,
 ) -> Check:
-    """The file reads back with every planned tensor, in order, with its dtype and shape,
-    and with each tied name of ``aliases`` its metadata records; with ``full``, every
-    record's bytes are made again and compared too."""
+    """The file reads back with every planned tensor, in order, with its dtype and shape
+    (a ``.pt``: every tensor of ``tree``, wherever it lies), and with each tied name of
+    ``aliases`` its metadata records; with ``full``, every record's bytes are made again and
+    compared too."""
 
     def check(path: str) -> str:
         if verify == "none":
             return "not verified (verify='none')"
-        _verify(path, tensors, aliases)
+        _verify(path, tensors, aliases, tree)
         if verify == "full":
             return check_records(path, written)
         return "verified: keys and sizes"
@@ -140,13 +141,15 @@ def _check(
     return check
 
 
-def _verify(path: str, tensors: Sequence[OutputTensor], aliases: Mapping[str, str]) -> None:
+def _verify(
+    path: str, tensors: Sequence[OutputTensor], aliases: Mapping[str, str], tree: Any
+) -> None:
     try:
         out = open_checkpoint(path)
-        if out.format == "torch-zip":
-            check_torch_zip(path)
     except CheckpointError as e:
         raise VerificationError(f"the written file does not read back: {e}") from e
+    if out.format == "torch-zip":
+        check_torch_zip(path)  # raises its own VerificationError, worded for the output
     if out.format == "safetensors":
         got = [(k, t.dtype, t.shape) for k, t in out.root.items()]
         by_name = {t.name: t.tensor for t in tensors}
@@ -156,32 +159,35 @@ def _verify(path: str, tensors: Sequence[OutputTensor], aliases: Mapping[str, st
         if sorted(got) != sorted(want):
             raise VerificationError("the written safetensors file's tensors differ from the plan")
         return
-    found = _tensors_in(out.root)
-    got = [(t.dtype, t.shape, t.stride, t.storage.nbytes) for t in found]
-    want = [(t.tensor.dtype, t.tensor.shape, t.tensor.stride, t.tensor.nbytes) for t in tensors]
-    if got != want:
+    # Every tensor the tree holds (in tuples and rebuilt tensors too), with its storage's size.
+    got = _layout(out.root)
+    if got != _layout(tree):
         raise VerificationError("the written file's tensors differ from the plan")
 
 
-def _tensors_in(node: Any) -> list[TensorRef]:
-    if isinstance(node, TensorRef):
-        return [node]
-    values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-    return [t for v in values for t in _tensors_in(v)]
+def _layout(tree: Any) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...], int]]:
+    return [
+        (name, t.dtype, t.shape, t.stride, t.storage.nbytes)
+        for name, t in iter_stored_tensors(tree)
+    ]
 
 
-def _picklable(node: Any, made: dict[int, Any] | None = None) -> Any:
+def _picklable(node: Any, records: dict[int, Record], made: dict[int, Any] | None = None) -> Any:
     """The tree with every tensor given torch.save's rebuild call (``picklable_tensors``); a
-    tensor the tree holds twice (tied names) stays one tensor, over one storage."""
+    tensor the tree holds twice (tied names) stays one tensor, over one storage. Each new
+    storage is given its tensor's record in ``records`` (by id, as the writer looks it up);
+    a saved value's tensors, which already have their call, are kept as they are."""
     made = {} if made is None else made
     if isinstance(node, TensorRef):
         if id(node) not in made:
             made[id(node)] = picklable_tensors({0: node})[0]
+            records[id(made[id(node)].storage)] = records[id(node.storage)]
         return made[id(node)]
-    if isinstance(node, dict):
+    if type(node) is dict:
         out = picklable_tensors(node)  # the mapping's type and its _metadata kept
-        out.update((k, _picklable(v, made)) for k, v in node.items())
+        out.update((k, _picklable(v, records, made)) for k, v in node.items())
         return out
-    if isinstance(node, list):
-        return [_picklable(v, made) for v in node]
+    if type(node) in (list, tuple):
+        items = [_picklable(v, records, made) for v in node]
+        return items if type(node) is list else tuple(items)
     return node

@@ -212,7 +212,7 @@ def test_options_that_do_not_apply_are_refused(zero_runs: ZeroRuns, tmp_path: Pa
 
 def _drop_rank(folder: Path) -> str:
     (folder / TAG / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()  # the last
-    return "a rank's file is missing"
+    return "holds 2 optimizer states files: the file of data-parallel rank 2 is missing"
 
 
 def _truncate_partition(folder: Path) -> str:
