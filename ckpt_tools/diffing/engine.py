@@ -25,7 +25,7 @@ from typing import Any
 from ckpt_tools._types import Select
 from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport
-from ckpt_tools.diffing.sides import DiffSide, Side, is_file, open_side
+from ckpt_tools.diffing.sides import DiffSide, Side, is_file, kind_pair, open_side
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.remote.urls import is_url
@@ -87,9 +87,12 @@ def _compare(
         from ckpt_tools.diffing.rebuilt import compare_pieces
 
         return compare_pieces(base, a.pieces(name), b.pieces(name), rtol, atol)
+    from ckpt_tools.diffing.quantized import QUANTIZED_DTYPES, compare_quantized
     from ckpt_tools.diffing.value_stats import ValueStats, with_stats
 
     elements = max(1, chunk_bytes // max(itemsize(dtype_a), itemsize(dtype_b)))
+    if {dtype_a, dtype_b} & QUANTIZED_DTYPES:  # integers mean what their quantizer says
+        return compare_quantized(base, a.tensor(name), b.tensor(name), rtol, atol, elements)
     stats = ValueStats(dtype_a, dtype_b, rtol, atol)
     for ca, cb in zip(a.chunks(name, elements), b.chunks(name, elements)):
         stats.add(ca, cb)
@@ -152,7 +155,8 @@ def _suggestions(
     suggested steps. A rewrite whose command would not do on the stored keys what the steps
     do after the alignment is left out.
     """
-    keys_a, keys_b = list(a.entries), list(b.entries)
+    # A key that is a tensor in A and another entry in B is a kind pair, not unexpected.
+    keys_a, keys_b = [k for k in a.entries if k not in b.others], list(b.entries)
     stored = keys_a if stored_a is None else list(stored_a)
     shapes = ({k: a.meta(k)[1] for k in keys_a}, {k: b.meta(k)[1] for k in keys_b})
     fixes = rank_fixes(keys_a, keys_b, shapes=shapes)
@@ -355,17 +359,19 @@ def _report(
     if fix is not None:
         plan = plan_renames(stored, fix.rules)
         side_a.entries = {plan[k]: v for k, v in side_a.entries.items()}
+    a, b = side_a.entries, side_b.entries
+    missing = tuple(k for k in b if k not in a and k not in side_a.others)
+    unexpected = tuple(k for k in a if k not in b and k not in side_b.others)
     # Suggested after the alignment: never the rewrite --align has just applied.
-    has_unexpected = any(k not in side_b.entries for k in side_a.entries)
     suggestions = (
-        _suggestions(side_a, side_b, select_a, select_b, aligned, stored) if has_unexpected else ()
+        _suggestions(side_a, side_b, select_a, select_b, aligned, stored) if unexpected else ()
     )
-    missing = tuple(k for k in side_b.entries if k not in side_a.entries)
-    unexpected = tuple(k for k in side_a.entries if k not in side_b.entries)
     tensors = tuple(
         _compare(name, side_a, side_b, rtol, atol, chunk_bytes, values)
-        for name in side_a.entries
-        if name in side_b.entries
+        if name in a and name in b
+        else kind_pair(name, side_a, side_b, values)
+        for name in (*a, *(k for k in side_a.others if k not in a and k in b))
+        if name in b or name in side_b.others
     )
     return DiffReport(
         a=side_a.info,

@@ -75,15 +75,19 @@ class SideInfo:
 
 @dataclass(frozen=True)
 class TensorDiff:
-    """One key present on both sides.
+    """One key present on both sides: a tensor on each, or a tensor on one side and another
+    kind of entry on the other (status ``kind``: not compared).
 
     Attributes:
         name: the key.
         dtype_a, dtype_b: dtypes (torch names without ``torch.``).
         shape_a, shape_b: shapes.
-        bit_equal: same dtype, shape and bytes; None when the shapes differ.
+        bit_equal: same dtype, shape and bytes, as torch.load gives them (conjugate and
+            negative bits applied; a quantized pair's also the same quantizer, as
+            ``torch.equal`` says); None when the shapes differ.
         max_abs: largest ``|a - b|`` over elements where neither is NaN (``inf - inf`` of
-            equal sign counts 0); None when not compared.
+            equal sign counts 0; a quantized tensor's values are its dequantized ones); None
+            when not compared.
         max_rel: largest ``|a - b| / |b|`` (``inf`` where ``b`` is 0 and ``a`` is not).
         allclose: every element satisfies ``|a - b| <= atol + rtol * |b|``, NaNs in the same
             places count as close (``torch.isclose(equal_nan=True)``).
@@ -95,8 +99,11 @@ class TensorDiff:
         layout_a, layout_b: torch's layout names (``strided``, ``sparse_coo``,
             ``sparse_csr`` ..., ``nested``), or ``meta`` for a meta tensor (no values: equal
             where dtype, shape and strides are).
-        note: why a sparse, nested or meta pair differs where the numbers do not say
-            (``their indices differ ...``, ``strides differ ...``, ``layouts differ ...``).
+        note: why a sparse, nested, meta or quantized pair differs where the numbers do not
+            say (``their indices differ ...``, ``strides differ ...``, ``quantizers differ:
+            scale 0.1 / 0.2``), or what a ``kind`` pair holds.
+        kind_a, kind_b: ``tensor``, or the type of the entry that is not one (``str``,
+            ``dict`` ...; a class's qualified name), which then also stands for its dtype.
     """
 
     name: str
@@ -118,11 +125,16 @@ class TensorDiff:
     layout_a: str = "strided"
     layout_b: str = "strided"
     note: str = ""
+    kind_a: str = "tensor"
+    kind_b: str = "tensor"
 
     @property
     def status(self) -> str:
-        """``layout``, ``shape``, ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``,
-        ``unknown``, or ``unchecked`` (same shape and dtype, values not compared)."""
+        """``kind`` (a tensor against another kind of entry), ``layout``, ``shape``,
+        ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``, ``unknown``, or
+        ``unchecked`` (same shape and dtype, values not compared)."""
+        if self.kind_a != self.kind_b:
+            return "kind"
         if self.layout_a != self.layout_b:
             return "layout"
         if self.shape_a != self.shape_b:

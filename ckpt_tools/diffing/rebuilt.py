@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ckpt_tools.descriptors import RebuiltTensor
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.diffing.parts import TensorDiff
-from ckpt_tools.diffing.value_stats import ValueStats, flat_cpu, with_stats
+from ckpt_tools.diffing.value_stats import ValueStats, flat_cpu, with_stats, with_view_bits
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.pickle.jagged import check_jagged_parts, jagged_arguments
 from ckpt_tools.formats.pickle.rebuilt import check_nested_parts
@@ -85,7 +85,7 @@ def file_pieces(reader: TensorReader, ref: RebuiltTensor, where: str) -> Pieces 
     try:
         if ref.layout == "jagged":
             return _jagged_pieces(reader, jagged_arguments(ref))
-        parts = [reader.read(part) for part in ref.parts]
+        parts = [_read(reader, part) for part in ref.parts]
         if ref.layout == "nested":
             return _nested_pieces(*parts)
         if ref.layout == "sparse_coo":
@@ -107,6 +107,11 @@ def file_pieces(reader: TensorReader, ref: RebuiltTensor, where: str) -> Pieces 
         ) from e
 
 
+def _read(reader: TensorReader, ref: TensorRef) -> torch.Tensor:
+    """A part as torch.load gives it: its conjugate or negative bit applied."""
+    return with_view_bits(reader.read(ref), ref.view_bits)
+
+
 def _nested_pieces(
     buffer: torch.Tensor, sizes: torch.Tensor, strides: torch.Tensor, offsets: torch.Tensor
 ) -> Pieces:
@@ -122,8 +127,8 @@ def _nested_pieces(
 
 
 def _jagged_pieces(reader: TensorReader, kwargs: dict[str, Any]) -> Pieces:
-    values, offsets = reader.read(kwargs["values"]), reader.read(kwargs["offsets"])
-    lengths = None if kwargs.get("lengths") is None else reader.read(kwargs["lengths"])
+    values, offsets = _read(reader, kwargs["values"]), _read(reader, kwargs["offsets"])
+    lengths = None if kwargs.get("lengths") is None else _read(reader, kwargs["lengths"])
     dim = kwargs.get("_ragged_idx", 1) - 1
     # torch's constructor does not check the offsets; its kernels index the values with them.
     check_jagged_parts(values, offsets, lengths, dim + 1)

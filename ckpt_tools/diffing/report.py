@@ -26,7 +26,7 @@ from ckpt_tools.structure.text import (
 __all__ = ["FAIL_CATEGORIES", "DiffReport"]
 
 #: What ``ckpt diff --fail-on`` can fail on.
-FAIL_CATEGORIES = ("missing", "unexpected", "shape", "dtype", "layout", "value")
+FAIL_CATEGORIES = ("missing", "unexpected", "kind", "shape", "dtype", "layout", "value")
 # Missing and unexpected keys shown (folded) in the text; ``--json`` has them all.
 _KEYS_SHOWN = 12
 
@@ -40,7 +40,9 @@ class DiffReport(Readable):
         rtol, atol: the tolerances used.
         missing: keys of B absent from A.
         unexpected: keys of A absent from B.
-        tensors: every key on both sides, compared, in A's order.
+        tensors: every key on both sides, compared, in A's order; a key that is a tensor on
+            one side only (a string on the other ...) is there too, as a ``kind`` pair (after
+            the others where A's entry is the non-tensor).
         suggestions: key rewrites explaining the key mismatch, best first. After an
             alignment, only for the keys it left unmatched: a suggestion describes what
             remains to rewrite, and its commands include the alignment, so that they apply
@@ -70,17 +72,26 @@ class DiffReport(Readable):
     transfer: Any = field(default=None, compare=False)
 
     @property
+    def kind_mismatches(self) -> tuple[TensorDiff, ...]:
+        """Keys that are a tensor on one side and another kind of entry on the other."""
+        return tuple(t for t in self.tensors if t.status == "kind")
+
+    @property
     def shape_mismatches(self) -> tuple[TensorDiff, ...]:
-        return tuple(t for t in self.tensors if t.shape_a != t.shape_b)
+        return tuple(t for t in self._pairs if t.shape_a != t.shape_b)
 
     @property
     def dtype_mismatches(self) -> tuple[TensorDiff, ...]:
-        return tuple(t for t in self.tensors if t.dtype_a != t.dtype_b)
+        return tuple(t for t in self._pairs if t.dtype_a != t.dtype_b)
 
     @property
     def layout_mismatches(self) -> tuple[TensorDiff, ...]:
         """Pairs of different layouts (sparse against dense, a meta tensor against a real one)."""
-        return tuple(t for t in self.tensors if t.layout_a != t.layout_b)
+        return tuple(t for t in self._pairs if t.layout_a != t.layout_b)
+
+    @property
+    def _pairs(self) -> tuple[TensorDiff, ...]:
+        return tuple(t for t in self.tensors if t.status != "kind")
 
     @property
     def value_mismatches(self) -> tuple[TensorDiff, ...]:
@@ -92,6 +103,7 @@ class DiffReport(Readable):
         present = {
             "missing": bool(self.missing),
             "unexpected": bool(self.unexpected),
+            "kind": bool(self.kind_mismatches),
             "shape": bool(self.shape_mismatches),
             "dtype": bool(self.dtype_mismatches),
             "layout": bool(self.layout_mismatches),
@@ -178,10 +190,14 @@ class DiffReport(Readable):
             notes = [f"  {t.name}: {t.note}" for t in listed if t.note]
             lines += ["notes:", *(shown(n) for n in notes), ""] if notes else []
         statuses: dict[str, int] = {}
-        for t in self.tensors:
+        for t in self._pairs:
             statuses[t.status] = statuses.get(t.status, 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in statuses.items()) or "no common tensors"
-        lines.append(f"compared {len(self.tensors)} common tensors: {summary}")
+        kinds = len(self.kind_mismatches)
+        if kinds:  # listed in the table, with what each side holds
+            summary += f"; {kinds} common {'key holds' if kinds == 1 else 'keys hold'} a tensor "
+            summary += "on one side only (kind)"
+        lines.append(f"compared {len(self._pairs)} common tensors: {summary}")
         for title, keys in (
             ("missing (in B, not in A)", self.missing),
             ("unexpected (in A, not in B)", self.unexpected),

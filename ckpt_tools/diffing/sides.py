@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import RebuiltTensor, TensorRef
-from ckpt_tools.diffing.parts import SideInfo
+from ckpt_tools.descriptors import GlobalRef, Opaque, RebuiltTensor, Reduced, StorageRef, TensorRef
+from ckpt_tools.diffing.parts import SideInfo, TensorDiff
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads
     from ckpt_tools.io.remote import RemoteSession
     from ckpt_tools.loading.tensor_io import TensorReader
 
-__all__ = ["DiffSide", "Side", "is_file", "open_side"]
+__all__ = ["DiffSide", "Side", "is_file", "kind_pair", "open_side"]
 
 #: What :func:`~ckpt_tools.diffing.engine.diff` compares: a checkpoint path or URL, a state
 #: dict, or a module.
@@ -48,12 +48,20 @@ class Side:
         entries: name -> :class:`~ckpt_tools.descriptors.TensorRef` or
             :class:`~ckpt_tools.descriptors.RebuiltTensor` (a file's) or tensor.
         reader: reads a file's tensors; None where values are not compared, or for tensors.
+        others: name -> kind (``str``, ``dict`` ...) of each entry that is not a tensor.
     """
 
-    def __init__(self, info: SideInfo, entries: dict[str, Any], reader: TensorReader | None):
+    def __init__(
+        self,
+        info: SideInfo,
+        entries: dict[str, Any],
+        reader: TensorReader | None,
+        others: dict[str, str] | None = None,
+    ):
         self.info = info
         self.entries = entries
         self.reader = reader
+        self.others = others or {}
 
     def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
         """The dtype and shape of ``name`` (a nested tensor's: components, then -1 each)."""
@@ -94,24 +102,89 @@ class Side:
         return tensor_pieces(value)
 
     def chunks(self, name: str, elements: int) -> Iterator[torch.Tensor]:
-        """A strided tensor's elements, ``elements`` at a time, in row-major order."""
+        """A strided, unquantized tensor's values, ``elements`` at a time, in row-major order:
+        as torch.load gives them (conjugate and negative bits applied)."""
+        from ckpt_tools.diffing.value_stats import with_view_bits
+
         value = self.entries[name]
         if isinstance(value, TensorRef):
             assert self.reader is not None
-            yield from self.reader.chunks(value, elements * itemsize(value.dtype))
+            bits = value.view_bits
+            for chunk in self.reader.chunks(value, elements * itemsize(value.dtype)):
+                yield with_view_bits(chunk, bits)
             return
-        tensor = value.detach()
-        if tensor.is_quantized:
-            tensor = tensor.int_repr()
-        flat = tensor.reshape(-1)
+        flat = value.detach().reshape(-1)
         for start in range(0, flat.numel(), elements):
-            yield flat[start : start + elements].to("cpu").contiguous()
+            yield with_view_bits(flat[start : start + elements].to("cpu")).contiguous()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A strided tensor whole, on the CPU: a file's as torch.load gives it (a quantized one
+        with its quantizer, view bits applied), an in-memory one as it is."""
+        from ckpt_tools.diffing.quantized import QUANTIZED_DTYPES, file_qtensor
+        from ckpt_tools.diffing.value_stats import with_view_bits
+
+        value = self.entries[name]
+        if not isinstance(value, TensorRef):
+            return value.detach().cpu()
+        assert self.reader is not None
+        if value.dtype in QUANTIZED_DTYPES:
+            return file_qtensor(self.reader, value, f"{self.info.label}: entry {name!r}")
+        return with_view_bits(self.reader.read(value), value.view_bits)
 
 
-def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple[dict, tuple]:
+def _kind(value: Any) -> str:
+    """What a non-tensor entry is: its type's name, or the global a stand-in names."""
+    if value is None:
+        return "None"
+    if isinstance(value, Opaque):
+        return type(value).global_ref.qualname
+    if isinstance(value, Reduced):
+        return value.func.qualname
+    if isinstance(value, GlobalRef):
+        return value.qualname
+    return "storage" if isinstance(value, StorageRef) else type(value).__name__
+
+
+def kind_pair(name: str, a: Side, b: Side, values: bool) -> TensorDiff:
+    """A key that is a tensor on one side and another kind of entry on the other: present on
+    both sides, not comparable (status ``kind``). The other entry's kind stands for its dtype.
+
+    Example:
+        >>> import torch
+        >>> a = Side(SideInfo("<state dict>", "state_dict"), {"y": torch.ones(2)}, None)
+        >>> b = Side(SideInfo("<state dict>", "state_dict"), {}, None, {"y": "str"})
+        >>> pair = kind_pair("y", a, b, True)
+        >>> pair.status, pair.dtype_b, pair.note
+        ('kind', 'str', 'a tensor in A, a str in B: not compared')
+    """
+    described = []
+    for side in (a, b):
+        if name in side.entries:
+            dtype, shape = side.meta(name)
+            described.append(("tensor", dtype, shape, side.layout(name)))
+        else:
+            described.append((side.others[name], side.others[name], (), ""))
+    (kind_a, dtype_a, shape_a, layout_a), (kind_b, dtype_b, shape_b, layout_b) = described
+    return TensorDiff(
+        name,
+        dtype_a,
+        dtype_b,
+        shape_a,
+        shape_b,
+        values_compared=values,
+        layout_a=layout_a,
+        layout_b=layout_b,
+        kind_a=kind_a,
+        kind_b=kind_b,
+        note=f"a {kind_a} in A, a {kind_b} in B: not compared",
+    )
+
+
+def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple[dict, dict]:
+    """The tensors of ``sd`` by name, and the kind of each other entry."""
     entries = {str(k): v for k, v in sd.items() if isinstance(v, tensor_type)}
-    skipped = tuple(str(k) for k, v in sd.items() if not isinstance(v, tensor_type))
-    return entries, skipped
+    others = {str(k): _kind(v) for k, v in sd.items() if not isinstance(v, tensor_type)}
+    return entries, others
 
 
 def _file_side(
@@ -129,7 +202,7 @@ def _file_side(
             f"{holds_no_state_dict(repr(shown_url(os.fspath(side))), ckpt.root)}; "
             "diff compares state dicts"
         )
-    entries, skipped = _split(selection.state_dict, (TensorRef, RebuiltTensor))
+    entries, others = _split(selection.state_dict, (TensorRef, RebuiltTensor))
     info = SideInfo(
         shown_url(os.fspath(side)),  # a URL's password is never shown
         "file",
@@ -138,14 +211,14 @@ def _file_side(
         selected=selection.path,
         selection_reason=selection.reason,
         tensors=len(entries),
-        skipped=skipped,
+        skipped=tuple(others),
     )
     reader = None
     if values:
         from ckpt_tools.loading.tensor_io import TensorReader
 
         reader = stack.enter_context(TensorReader(ckpt))
-    return Side(_with_wrappers(info, entries), entries, reader)
+    return Side(_with_wrappers(info, entries), entries, reader, others)
 
 
 def is_file(side: object) -> bool:
@@ -171,9 +244,9 @@ def _in_memory(side: DiffSide, select: Select, name: str) -> Iterator[Side]:
                 value=repr(select),
                 flag="--select" if name == "A" else "--select-b",
             )
-        entries, skipped = _split(side.state_dict(), torch.Tensor)
+        entries, others = _split(side.state_dict(), torch.Tensor)
         label = f"<module {type(side).__name__}>"
-        info = SideInfo(label, "module", tensors=len(entries), skipped=skipped)
+        info = SideInfo(label, "module", tensors=len(entries), skipped=tuple(others))
     elif isinstance(side, Mapping):
         selection = (
             select_state_dict(side, select=select)
@@ -181,21 +254,21 @@ def _in_memory(side: DiffSide, select: Select, name: str) -> Iterator[Side]:
             else None
         )
         sd = selection.state_dict if selection else side
-        entries, skipped = _split(sd, torch.Tensor)
+        entries, others = _split(sd, torch.Tensor)
         info = SideInfo(
             "<state dict>",
             "state_dict",
             selected=selection.path if selection else (),
             selection_reason=selection.reason if selection else "given",
             tensors=len(entries),
-            skipped=skipped,
+            skipped=tuple(others),
         )
     else:
         raise UsageError(
             f"diff side {name} must be a checkpoint path, a state dict or an nn.Module, got "
             f"{type(side).__name__}"
         )
-    yield Side(_with_wrappers(info, entries), entries, None)
+    yield Side(_with_wrappers(info, entries), entries, None, others)
 
 
 def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:

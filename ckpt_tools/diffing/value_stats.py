@@ -9,6 +9,7 @@ with :func:`compare_tensors`.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import replace
 
 import torch
@@ -18,10 +19,18 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.loading.tensor_io import dtype_name
 
-__all__ = ["ValueStats", "compare_tensors", "compute_dtype", "flat_cpu", "with_stats"]
+__all__ = [
+    "ValueStats",
+    "compare_tensors",
+    "compute_dtype",
+    "flat_cpu",
+    "tensor_stats",
+    "with_stats",
+    "with_view_bits",
+]
 
-# Dtypes whose values are compared in float32, float64 (quantized ones by their integer
-# representation) or complex; any other dtype is compared by its bits only.
+# Dtypes whose values are compared in float32, float64 or complex; any other dtype is
+# compared by its bits only. (A quantized tensor's values are its dequantized float32 ones.)
 _FLOAT32_OK = {"float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"}
 _FLOAT32_OK |= {"float8_e5m2fnuz", "float8_e4m3fnuz"}
 _FLOAT64 = {"float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
@@ -180,8 +189,29 @@ def _integer_distance(
     return torch.where(overflowed, torch.sub(a64, b64), d.to(torch.float64)).abs_()
 
 
+def with_view_bits(tensor: torch.Tensor, bits: Collection[str] = ()) -> torch.Tensor:
+    """``tensor`` with the view bits ``bits`` (``conj``, ``neg``) set, as torch.load sets a
+    file tensor's, then resolved: the values torch shows for it, in memory of their own.
+
+    Args:
+        tensor: values read from a file (or an in-memory tensor, whose own bits count too).
+        bits: the bits torch.load sets on it (:attr:`~ckpt_tools.descriptors.TensorRef.view_bits`).
+
+    Returns:
+        A tensor without view bits; ``tensor`` itself where it has none.
+
+    Example:
+        >>> with_view_bits(torch.tensor([1.0, -2.0]), {"neg"}).tolist()
+        [-1.0, 2.0]
+    """
+    if bits:  # the call torch._utils._set_tensor_metadata makes on loading
+        torch._C._set_tensor_metadata(tensor, dict.fromkeys(bits, True))
+    return tensor.resolve_conj().resolve_neg()
+
+
 def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """The elements of ``tensor`` as one contiguous CPU row (quantized: the integers).
+    """The values of ``tensor`` as one contiguous CPU row: conjugate and negative views
+    resolved, a quantized tensor dequantized (its integers mean what its quantizer says).
 
     Example:
         >>> flat_cpu(torch.eye(2)).tolist()
@@ -189,8 +219,47 @@ def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """
     tensor = tensor.detach()
     if tensor.is_quantized:
-        tensor = tensor.int_repr()
-    return tensor.reshape(-1).to("cpu").contiguous()
+        tensor = tensor.to("cpu").dequantize()
+    return with_view_bits(tensor.reshape(-1).to("cpu")).contiguous()
+
+
+def _values_dtype(tensor: torch.Tensor) -> str:
+    return "float32" if tensor.is_quantized else dtype_name(tensor.dtype)
+
+
+def tensor_stats(
+    a: torch.Tensor, b: torch.Tensor, *, rtol: float, atol: float, elements: int | None = None
+) -> ValueStats:
+    """Two whole tensors of one shape compared, ``elements`` values at a time.
+
+    Values are what torch shows: view bits resolved, quantized tensors dequantized. Bit
+    equality is ``torch.equal``'s where a side is quantized (same dtype, quantizer and
+    integers): integers under another scale or zero point are other numbers.
+
+    Args:
+        a: a tensor on any device.
+        b: the reference, of ``a``'s shape.
+        rtol: relative tolerance for :attr:`ValueStats.allclose`.
+        atol: absolute tolerance.
+        elements: values compared at a time (None: all at once).
+
+    Returns:
+        The statistics of the pair.
+
+    Example:
+        >>> q = torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.5, 0, torch.qint8)
+        >>> stats = tensor_stats(q, torch.tensor([1.0, 2.5]), rtol=0.0, atol=0.0)
+        >>> stats.bit_equal, stats.max_abs
+        (False, 0.5)
+    """
+    stats = ValueStats(_values_dtype(a), _values_dtype(b), rtol, atol)
+    flat_a, flat_b = flat_cpu(a), flat_cpu(b)
+    step = max(1, elements or flat_a.numel())
+    for start in range(0, flat_a.numel(), step):
+        stats.add(flat_a[start : start + step], flat_b[start : start + step])
+    if a.is_quantized or b.is_quantized:  # the dequantized bits do not say it
+        stats.bit_equal = a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    return stats
 
 
 def compare_tensors(
@@ -205,8 +274,9 @@ def compare_tensors(
         atol: absolute tolerance for :attr:`ValueStats.allclose`.
 
     Returns:
-        The statistics of the pair: ``bit_equal`` (same dtype and bytes), ``max_abs``,
-        ``allclose`` and the NaN/Inf counts.
+        The statistics of the pair (:func:`tensor_stats`): ``bit_equal`` (same dtype and
+        bytes; a quantized pair's also the same quantizer), ``max_abs``, ``allclose`` and the
+        NaN/Inf counts.
 
     Raises:
         UsageError: the shapes differ (there is no elementwise pairing).
@@ -220,9 +290,7 @@ def compare_tensors(
         raise UsageError(
             f"compare_tensors needs tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}"
         )
-    stats = ValueStats(dtype_name(a.dtype), dtype_name(b.dtype), rtol, atol)
-    stats.add(flat_cpu(a), flat_cpu(b))
-    return stats
+    return tensor_stats(a, b, rtol=rtol, atol=atol)
 
 
 def with_stats(base: TensorDiff, stats: ValueStats) -> TensorDiff:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,6 +23,8 @@ __all__ = [
     "add_prefix",
     "add_rule",
     "apply_plan",
+    "check_replacement",
+    "check_wrapper_prefix",
     "compile_pattern",
     "plan_renames",
     "regex_rule",
@@ -48,6 +51,10 @@ class KeyRule:
     replacement: str
     count: int = 1
     description: str = ""
+
+    def __post_init__(self) -> None:
+        # A bad replacement would otherwise surface mid-rewrite, as re's own error.
+        check_replacement(self.pattern, self.replacement)
 
     def apply(self, key: str) -> str:
         return re.sub(self.pattern, self.replacement, key, count=self.count)
@@ -96,14 +103,57 @@ def regex_rule(pattern: str, replacement: str) -> KeyRule:
         The :class:`KeyRule`, for :func:`rename_keys` or ``ckpt_tools.rename(..., rules=)``.
 
     Raises:
-        UsageError: the pattern does not compile.
+        UsageError: the pattern does not compile, or the replacement refers to a group the
+            pattern lacks (``\\9``, ``\\g<name>``) or holds an escape ``re`` refuses.
 
     Example:
         >>> rename_keys({"blocks.0.w": 1}, [regex_rule(r"^blocks\\.", "layers.")])
         {'layers.0.w': 1}
     """
-    compile_pattern(pattern, argument="pattern", flag="--regex pattern")
     return KeyRule(pattern, replacement, 0, f"s/{pattern}/{replacement}/")
+
+
+def check_replacement(pattern: str, replacement: str) -> None:
+    """Refuse a rule that ``re.sub`` could not apply: a bad pattern, or a replacement that does
+    not fit it.
+
+    Args:
+        pattern: the rule's regular expression.
+        replacement: its replacement template.
+
+    Returns:
+        None: the rule can be applied to any key.
+
+    Raises:
+        UsageError: the pattern does not compile, or the replacement refers to a group the
+            pattern lacks or holds an escape ``re`` refuses; the message names the rule.
+
+    Example:
+        >>> check_replacement("(a)", r"\\2")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: replacement='\\\\2': the rule s/(a)/\\2/ cannot be ...
+    """
+    compiled = compile_pattern(pattern, argument="pattern", flag="--regex pattern")
+    try:
+        # re compiles the template against the pattern's groups before it searches: on an
+        # empty string that is the whole check, whether or not the pattern matches.
+        compiled.sub(replacement, "")
+    except (re.error, IndexError) as e:
+        n = compiled.groups
+        groups = "no group" if not n else f"{n} group{'s' if n > 1 else ''}"
+        names = "".join(f", <{name}>" for name in compiled.groupindex)
+        message = (
+            f"the rule s/{pattern}/{replacement}/ cannot be applied: {e}; the pattern has "
+            f"{groups}{names}"
+        )
+        fix = r"refer only to groups it has (\g<0> is the whole match); write a backslash as \\"
+        raise UsageError(
+            message,
+            argument="replacement",
+            value=repr(replacement),
+            flag="--regex replacement",
+            remedies=(Remedy(text=fix),),
+        ) from e
 
 
 def compile_pattern(pattern: str, *, argument: str, flag: str) -> re.Pattern[str]:
@@ -229,6 +279,44 @@ def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
     return apply_plan(sd, plan_renames(list(sd), rules), rules)
 
 
+def check_wrapper_prefix(prefix: object) -> str:
+    """``prefix`` checked as a wrapper's prefix: a module path, so it ends with ``.``.
+
+    Every training wrapper adds a whole module path (``module.``, ``_orig_mod.``); without
+    the dot, adding ``module`` makes ``moduleweight`` and stripping it leaves ``.weight``.
+
+    Args:
+        prefix: the prefix :func:`strip_prefix` or :func:`add_prefix` (and ``strip_module``,
+            ``add_module``) is given.
+
+    Returns:
+        ``prefix``, unchanged.
+
+    Raises:
+        UsageError: ``prefix`` is no str, or does not end with ``.``; the fix names the dotted
+            prefix. A prefix map of any text is :func:`sub_rule`.
+
+    Example:
+        >>> check_wrapper_prefix("module")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: prefix='module': expected a module path ending with '.' ...
+    """
+    if isinstance(prefix, str) and prefix.endswith("."):
+        return prefix
+    dotted = f"{prefix}." if isinstance(prefix, str) and prefix else "module."
+    if not isinstance(prefix, str):
+        found = f"a {type(prefix).__name__}"
+    else:
+        found = "no '.' at its end" if prefix else "an empty prefix"
+    raise UsageError(
+        f"expected a module path ending with '.' (as every wrapper adds), found {found}",
+        argument="prefix",
+        value=repr(prefix),
+        flag="--prefix",
+        remedies=(Remedy("prefix", repr(dotted), flag=f"--prefix {shlex.quote(dotted)}"),),
+    )
+
+
 def strip_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
     """Remove ``prefix`` from the keys that start with it (nn.DataParallel / DDP -> plain).
 
@@ -241,12 +329,13 @@ def strip_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
 
     Raises:
         KeyCollisionError: stripping would merge two keys.
+        UsageError: ``prefix`` does not end with ``.`` (:func:`check_wrapper_prefix`).
 
     Example:
         >>> strip_prefix({"module.fc.weight": 0})
         {'fc.weight': 0}
     """
-    return rename_keys(sd, [strip_rule(prefix)])
+    return rename_keys(sd, [strip_rule(check_wrapper_prefix(prefix))])
 
 
 def add_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
@@ -264,9 +353,10 @@ def add_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
     Raises:
         KeyCollisionError: never in practice (a prefix keeps distinct keys distinct); as
             :func:`rename_keys`.
+        UsageError: ``prefix`` does not end with ``.`` (:func:`check_wrapper_prefix`).
 
     Example:
         >>> add_prefix({"fc.weight": 0})
         {'module.fc.weight': 0}
     """
-    return rename_keys(sd, [add_rule(prefix)])
+    return rename_keys(sd, [add_rule(check_wrapper_prefix(prefix))])

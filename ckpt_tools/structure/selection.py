@@ -189,6 +189,9 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
         return Selection((), recovered.description, recovered.state_dict, recovered)
     if is_state_dict(root):
         return Selection((), "the root is a state dict", root)
+    # An empty state dict under a candidate name (a model with no parameters yet) is chosen
+    # only when nothing holds tensors: it is the state dict, not a reason to take the root.
+    empty: Selection | None = None
     if isinstance(root, Mapping):
         lightning = "state_dict" in root and any(m in root for m in _LIGHTNING_MARKERS)
         for key in CANDIDATE_KEYS:
@@ -197,8 +200,15 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
             if is_state_dict(root[key]):
                 why = "Lightning checkpoint" if lightning and key == "state_dict" else "entry"
                 return Selection((key,), f"{why} {key!r} holds the weights", root[key])
+            if isinstance(root[key], Mapping) and not root[key]:
+                empty = empty or Selection((key,), f"entry {key!r}, empty", root[key])
+                continue
             found = _auto_select(root[key], memo, depth + 1)
-            if found.path or found.module is not None:
+            if found.path and not found.state_dict and found.module is None:
+                empty = empty or Selection(
+                    (key, *found.path), _nested(key, found), found.state_dict
+                )
+            elif found.path or found.module is not None:
                 return Selection(
                     (key, *found.path), _nested(key, found), found.state_dict, found.module
                 )
@@ -218,6 +228,8 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
         inner = _auto_select(root.state, memo, depth + 1)
         if inner.path or is_state_dict(root.state):
             return inner
+    if empty is not None:
+        return empty
     if isinstance(root, Mapping):
         return Selection((), "no state dict found; showing the root", root)
     return Selection((), "no state dict found; showing the root", {}, stand_in=True)

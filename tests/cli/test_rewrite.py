@@ -373,3 +373,29 @@ def test_a_path_this_user_cannot_read_is_refused_before_anything_is_written(case
             path.chmod(0o700)
     if case == "unreadable output":
         assert (tmp_path / dst).read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize(
+    ("regex", "key", "renamed"),
+    [
+        (r"(?<\=\.)gamma=weight", "ln.gamma", "ln.weight"),  # a lookbehind
+        (r"(?P<n>a)(?P\=n)=x", "aa.w", "x.w"),  # a named back-reference
+        (r"^k\=1\.=k1.", "k=1.w", "k1.w"),  # a literal '=' in a key
+        (r"^a\\=b", "a\\.w", "b.w"),  # an escaped backslash, then the '=' that splits
+        (r"^x=y=", "x.w", "y=.w"),  # REPL is taken as it is, '=' included
+        (r"layers\.(\d+)=blocks.\1", "layers.0.w", "blocks.0.w"),  # the common form, unchanged
+    ],
+)
+def test_rename_regex_writes_an_equals_sign_inside_the_pattern_as_escaped(
+    invoke, tmp_path, regex, key, renamed
+):
+    src = h.save({key: torch.ones(2), "other": torch.zeros(1)}, tmp_path / "in.pt")
+    out = tmp_path / "out.pt"
+    invoke("rename", src, out, "--regex", regex)
+    got = torch.load(out, weights_only=True)
+    assert list(got) == [renamed, "other"] and torch.equal(got[renamed], torch.ones(2))
+
+
+def test_rename_help_says_how_to_write_an_equals_sign_in_a_pattern(invoke):
+    text = " ".join(invoke("rename", "--help").stdout.split())
+    assert r"write an '=' inside it as '\='" in text and r"--regex '(?<\=\.)gamma=weight'" in text

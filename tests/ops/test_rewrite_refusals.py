@@ -29,7 +29,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.ops.rewrite.conversion import convert
-from ckpt_tools.ops.rewrite.rewriting import rename, strip_module
+from ckpt_tools.ops.rewrite.rewriting import add_module, rename, strip_module
 from ckpt_tools.structure.keys import regex_rule, sub_rule
 from tests import helpers as h
 
@@ -272,6 +272,13 @@ def test_unsafe_global_in_a_fresh_process(tmp_path):
         (["rename", "--regex", "[z-a]=x"], "not a valid regular expression"),
         (["rename", "--sub", "noequals"], "expected OLD=NEW"),
         (["rename", "--sub", "=new."], "expected OLD=NEW"),
+        (["rename", "--regex", r"conv=\9"], r"rule s/conv/\9/ cannot be applied: invalid group"),
+        (["rename", "--regex", r"conv=\g<x>"], "cannot be applied: unknown group name 'x'"),
+        (["rename", "--regex", "noequals"], "expected PATTERN=REPLACEMENT"),
+        (["rename", "--regex", "=new."], r"(an '=' inside PATTERN is written '\=')"),
+        (["rename", "--regex", r"(?<=\.)w=v"], r"pass --regex '(?<\=\.)w=v' (the pattern ends"),
+        (["add-module", "--prefix", "module"], "pass --prefix module."),
+        (["strip-module", "--prefix", "module"], "pass --prefix module."),
         (["retag", "--map", "cpu=gpu7"], "is not like cpu, cuda or cuda:1"),
         (["convert", "--verify", "bogus"], "bogus"),
         (["strip-module", "--select", "nope"], "no entry 'nope'"),
@@ -498,3 +505,61 @@ def test_a_rule_that_matches_no_key_is_refused_not_copied(tmp_path, args):
     _, _, err = h.run_ckpt(command, src, tmp_path / "out.pt", *options, code=2)
     assert "matches" in err and "nothing would be renamed" in err and "module." in err
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("root", ["empty", "nested"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["strip-module", "--prefix", "module."],
+        ["rename", "--sub", "zzz.=y."],
+        ["rename", "--regex", "^=y."],
+        ["add-module"],
+    ],
+    ids=["strip-module --prefix", "rename --sub", "rename --regex", "add-module"],
+)
+def test_a_rule_on_an_empty_state_dict_is_refused_not_copied(tmp_path, root, args):
+    # {} and {"state_dict": {}} were written as unchanged copies, exit 0; add-module renamed
+    # the nested one's top-level entries ('module.state_dict', 'module.epoch').
+    src = tmp_path / "in.pt"
+    torch.save({} if root == "empty" else {"state_dict": {}, "epoch": 1}, src)
+    command, *options = args
+    _, _, err = h.run_ckpt(command, src, tmp_path / "out.pt", *options, code=2)
+    where = "at the root" if root == "empty" else "at 'state_dict'"
+    assert f"the state dict of {src} ({where}) is empty: no key matches" in err
+    assert "nothing would be renamed" in err and not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("root", ["empty", "nested"])
+def test_strip_module_finds_nothing_to_strip_in_an_empty_state_dict(tmp_path, root):
+    src = tmp_path / "in.pt"
+    torch.save({} if root == "empty" else {"state_dict": {}, "epoch": 1}, src)
+    result = strip_module(src, tmp_path / "out.pt")
+    assert result.written == () and result.total_keys == 0
+    assert result.selected == (() if root == "empty" else ("state_dict",))
+    assert result.message.startswith("nothing to strip: no wrapper prefix in the 0 keys")
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("command", ["strip-module", "add-module"])
+@pytest.mark.parametrize("prefix", ["module", ""])
+def test_a_wrapper_prefix_without_its_dot_is_refused(tmp_path, command, prefix):
+    # add-module --prefix module wrote 'moduleweight'; strip-module left '.weight'.
+    sd = (
+        {"module.weight": torch.ones(2)} if command == "strip-module" else {"weight": torch.ones(2)}
+    )
+    src = h.save(sd, tmp_path / "in.pt")
+    dotted = f"{prefix}." if prefix else "module."
+    _, _, err = h.run_ckpt(command, src, tmp_path / "out.pt", "--prefix", prefix, code=2)
+    assert "expected a module path ending with '.'" in err and f"pass --prefix {dotted}" in err
+    call = strip_module if command == "strip-module" else add_module
+    with pytest.raises(UsageError, match=rf"prefix={prefix!r}: .*pass prefix={dotted!r}$"):
+        call(src, tmp_path / "out.pt", prefix=prefix)
+    assert not (tmp_path / "out.pt").exists()
+    # The dotted one works; rename --sub still maps a prefix of any text.
+    h.run_ckpt(command, src, tmp_path / "out.pt", "--prefix", "module.")
+    want = ["weight"] if command == "strip-module" else ["module.weight"]
+    assert list(torch.load(tmp_path / "out.pt", weights_only=True)) == want
+    key = next(iter(sd))
+    h.run_ckpt("rename", src, tmp_path / "sub.pt", "--sub", f"{key[:3]}=x")
+    assert list(torch.load(tmp_path / "sub.pt", weights_only=True)) == ["x" + key[3:]]

@@ -11,6 +11,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ckpt_tools.errors import KeyCollisionError, ResourceLimitError, UsageError
 from ckpt_tools.structure.keys import (
+    KeyRule,
     add_prefix,
     add_rule,
     plan_renames,
@@ -360,3 +361,44 @@ def test_plan_renames_keeps_order_and_unchanged_keys():
         "module.c": "c",
     }
     assert list(plan_renames(keys, [])) == keys
+
+
+@pytest.mark.parametrize(
+    ("pattern", "replacement", "said"),
+    [
+        ("conv", r"\9", "invalid group reference 9"),
+        ("conv", r"\g<x>", "unknown group name 'x'"),
+        (r"(\d+)", r"\2", "invalid group reference 2"),
+        ("conv", r"\q", r"bad escape \q"),
+    ],
+)
+def test_a_replacement_that_does_not_fit_its_pattern_is_refused_when_the_rule_is_made(
+    pattern, replacement, said
+):
+    # Refused as the rule is made, naming it, not as re's own error once keys are renamed.
+    for make in (regex_rule, KeyRule):
+        with pytest.raises(UsageError) as info:
+            make(pattern, replacement)
+        assert info.value.exit_code == 2 and info.value.argument == "replacement"
+        assert f"the rule s/{pattern}/{replacement}/ cannot be applied: {said}" in str(info.value)
+    # What re accepts still works, a pattern that matches no key included.
+    assert regex_rule(r"(?P<n>\d+)", r"<\g<n>>").apply("a.1") == "a.<1>"
+    assert regex_rule("conv", r"\g<0>2").apply("conv.w") == "conv2.w"
+    assert regex_rule("nothing", r"\\").apply("a.w") == "a.w"
+
+
+@pytest.mark.parametrize("helper", [add_prefix, strip_prefix])
+@pytest.mark.parametrize(("prefix", "dotted"), [("module", "module."), ("", "module.")])
+def test_a_wrapper_prefix_without_its_dot_is_refused(helper, prefix, dotted):
+    # add_prefix(prefix="module") made 'moduleweight'; strip_prefix left '.weight'.
+    sd = {"module.weight": 1, "weight": 2} if helper is strip_prefix else {"weight": 1}
+    with pytest.raises(UsageError) as info:
+        helper(sd, prefix=prefix)
+    err = info.value
+    assert err.exit_code == 2 and err.argument == "prefix"
+    assert f"pass prefix={dotted!r}" in str(err) and "--" not in str(err)
+    assert err.render(for_cli=True).endswith(f"pass --prefix {dotted}")
+    assert helper({"module.weight": 1}, prefix="module.") in (
+        {"weight": 1},
+        {"module.module.weight": 1},
+    )

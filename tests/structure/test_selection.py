@@ -151,3 +151,39 @@ def test_replacer_copies_the_path_and_shares_the_rest() -> None:
     swapped = replace_at({"h": holder}, ("h",), {"weights": {}, "step": 1})["h"]
     assert type(swapped) is Holder and swapped.step == 1 and holder.step == 7
     assert replace_at({"l": (1, 2)}, ("l", "1"), 5) == {"l": (1, 5)}
+
+
+# name -> (tree, the path chosen automatically): an empty state dict under a candidate name is
+# the state dict, chosen only where no entry holds tensors.
+EMPTY_CASES: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "empty state_dict": ({"state_dict": {}, "epoch": 1}, ("state_dict",)),
+    "empty nested": ({"trainer": 3, "model": {"state_dict": {}}}, ("model", "state_dict")),
+    "tensors win over an earlier empty entry": (
+        {"state_dict": {}, "model": _sd(1), "epoch": 1},
+        ("model",),
+    ),
+    "tensors win over an earlier empty nested entry": (
+        {"model": {"state_dict": {}}, "ema": _sd(2)},
+        ("ema",),
+    ),
+    "the largest tensor dict wins too": ({"state_dict": {}, "weights_v2": _sd(3)}, ("weights_v2",)),
+    "an empty root is the root": ({}, ()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_CASES))
+def test_an_empty_state_dict_is_chosen_where_it_is_the_one(name: str, tmp_path: Path) -> None:
+    tree, chosen = EMPTY_CASES[name]
+    path = tmp_path / "in.pt"
+    torch.save(tree, path)
+    assert inspect(path).selected == chosen
+    # A rewrite of that state dict renames its keys, never the entries beside it.
+    want = walk_path(tree, chosen).node
+    if want:  # (load_state_dict refuses a state dict with no tensors, chosen or not)
+        assert load_with_info(path)[1].selected == chosen
+        rewrite(path, tmp_path / "out.pt", rules=[add_rule("net.")])
+        written = torch.load(tmp_path / "out.pt", weights_only=True)
+        assert sorted(walk_path(written, chosen).node) == sorted(f"net.{k}" for k in want)
+        assert [k for k, _ in entries_beside(written, chosen)] == [
+            k for k, _ in entries_beside(tree, chosen)
+        ]

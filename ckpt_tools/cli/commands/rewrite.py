@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -21,10 +22,10 @@ from ckpt_tools.cli.options import (
     verify_option,
 )
 from ckpt_tools.cli.writing import quiet_option, run_and_show
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.ops.rewrite.conversion import convert, retag
 from ckpt_tools.ops.rewrite.rewriting import add_module, rename, strip_module
-from ckpt_tools.structure.keys import regex_rule, sub_rule
+from ckpt_tools.structure.keys import KeyRule, regex_rule, sub_rule
 
 
 def _rewrite(
@@ -102,6 +103,66 @@ def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _bare_equals(value: str) -> list[int]:
+    """Where ``value`` has an ``=`` no backslash escapes (``\\\\=``: a backslash, then one)."""
+    found, i = [], 0
+    while i < len(value):
+        if value[i] == "\\":
+            i += 2  # an escape pair: its second character is never a bare '='
+            continue
+        if value[i] == "=":
+            found.append(i)
+        i += 1
+    return found
+
+
+def _split_regex(value: str) -> tuple[str, str] | None:
+    """``PATTERN=REPL`` split at the first bare ``=``; ``\\=`` in PATTERN is ``=``.
+
+    ``=`` is special in a regex only right after ``(?``, ``(?<`` or ``(?P``, where ``\\=`` is
+    no valid regex: reading ``\\=`` as ``=`` changes the meaning of no pattern, and lets
+    lookbehinds and ``(?P=name)`` be written. REPL is taken as it is, ``=`` included.
+    """
+    bare = _bare_equals(value)
+    if not bare:
+        return None
+    # Every '=' before the first bare one is escaped: the backslash just before it goes.
+    return value[: bare[0]].replace("\\=", "="), value[bare[0] + 1 :]
+
+
+def _escaped_but_last(value: str) -> str:
+    """``value`` with every bare ``=`` but the last written ``\\=``: the fix to suggest."""
+    out, start = [], 0
+    for i in _bare_equals(value)[:-1]:
+        out += [value[start:i], "\\="]
+        start = i + 1
+    return "".join(out) + value[start:]
+
+
+def _regex_rules(values: tuple[str, ...]) -> list[KeyRule]:
+    """The ``--regex`` values as rules; a pattern cut short by an ``=`` it holds says how."""
+    rules = []
+    for value in values:
+        split = _split_regex(value)
+        if split is None or not split[0]:
+            raise UsageError(
+                f"--regex {value!r}: expected PATTERN=REPLACEMENT, e.g. --regex "
+                f"'blocks\\.(\\d+)=layers.\\1' (an '=' inside PATTERN is written '\\=')"
+            )
+        try:
+            rules.append(regex_rule(*split))
+        except UsageError as e:
+            fixed = _escaped_but_last(value)
+            if e.argument != "pattern" or fixed == value or _split_regex(fixed) is None:
+                raise
+            why = "the pattern ends at the first '=' not written '\\='"
+            fix = Remedy(flag=f"--regex {shlex.quote(fixed)}", text=f"({why})")
+            raise UsageError(
+                e.message, argument=e.argument, value=e.value, flag=e.flag, remedies=(fix,)
+            ) from e
+    return rules
+
+
 @click.command("rename")
 @_common
 @drop_extras_option
@@ -111,7 +172,8 @@ def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
     "regexes",
     multiple=True,
     metavar="PATTERN=REPL",
-    help="Regex substitution (repeatable).",
+    help="Regex substitution (repeatable), as re.sub makes it. PATTERN ends at the first '=': "
+    "write an '=' inside it as '\\=', e.g. --regex '(?<\\=\\.)gamma=weight'.",
 )
 def rename_cmd(
     src: str,
@@ -123,7 +185,7 @@ def rename_cmd(
 ) -> None:
     """Rename keys: prefix maps (--sub) then regex substitutions (--regex)."""
     rules = [sub_rule(old, new) for old, new in _pairs(subs, "--sub")]
-    rules += [regex_rule(p, r) for p, r in _pairs(regexes, "--regex")]
+    rules += _regex_rules(regexes)
     _rewrite(rename, src, dst, kw, rules=rules, drop_extras=drop_extras)
 
 

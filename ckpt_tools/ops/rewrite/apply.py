@@ -82,13 +82,10 @@ def apply_rewrite(
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
     check_key_types(selection.state_dict, rules, fmt, src)
     plan = _plan(ckpt, selection, rules, fmt, drop_extras, target, torch_instead(dst))
-    if rules and not plan.changed and selection.state_dict:  # a typo would write a copy
-        heads = sorted({str(k).split(".")[0] + "." for k in selection.state_dict})
-        raise UsageError(
-            f"no key of {src} matches {', '.join(r.description or r.pattern for r in rules)}; "
-            f"nothing would be renamed (the keys start with {', '.join(heads[:10])})",
-            argument="rules",
-        )
+    # A typo would write an unchanged copy; a root that is no mapping has no keys to match
+    # and is written whole.
+    if rules and not plan.changed and not selection.stand_in:
+        _refuse_unmatched(src, selection, rules)
     device_map = matched_device_map(ckpt, device_map) if device_map else None
     renamed, n_keys = len(plan.changed), len(selection.state_dict)
     stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
@@ -119,6 +116,24 @@ def apply_rewrite(
         tensors=len(plan.expected),
         device_map=dict(device_map or {}),
         message=summary(dst, ckpt.format, fmt, renamed, n_keys, rules, device_map),
+    )
+
+
+def _refuse_unmatched(src: str, selection: Selection, rules: Sequence[KeyRule]) -> None:
+    """The refusal of ``rules`` that rename no key of the selected state dict."""
+    described = ", ".join(r.description or r.pattern for r in rules)
+    if not selection.state_dict:
+        where = f"at {'.'.join(selection.path)!r}" if selection.path else "at the root"
+        raise UsageError(
+            f"the state dict of {src} ({where}) is empty: no key matches {described}; "
+            "nothing would be renamed",
+            argument="rules",
+        )
+    heads = sorted({str(k).split(".")[0] + "." for k in selection.state_dict})
+    raise UsageError(
+        f"no key of {src} matches {described}; "
+        f"nothing would be renamed (the keys start with {', '.join(heads[:10])})",
+        argument="rules",
     )
 
 

@@ -25,7 +25,13 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.structure.keys import KeyRule, add_rule, rule_items, strip_rule
+from ckpt_tools.structure.keys import (
+    KeyRule,
+    add_rule,
+    check_wrapper_prefix,
+    rule_items,
+    strip_rule,
+)
 
 __all__ = ["RewriteResult", "add_module", "rename", "rewrite", "strip_module"]
 
@@ -80,7 +86,8 @@ def rewrite(
 
     Raises:
         UsageError: a bad ``verify`` or ``output_format``, or one ``dst``'s name contradicts;
-            ``rules``, ``allow_globals`` or ``device_map`` of the wrong type.
+            ``rules``, ``allow_globals`` or ``device_map`` of the wrong type; ``rules`` that
+            rename no key (an empty state dict included), rather than an unchanged copy.
         UnsafeContentError: globals outside the allowlist and not in ``allow_globals`` (exit 3).
         KeyCollisionError: two keys would become one (exit 7).
         NonTensorEntriesError: safetensors output with non-tensor entries (exit 7).
@@ -142,8 +149,9 @@ def strip_module(
     Args:
         src: the input.
         dst: the output.
-        prefix: the prefix to strip; None strips every wrapper :func:`detect_wrappers` finds
-            (``module.``, ``_orig_mod.``, FSDP and checkpoint-wrapper segments, ...).
+        prefix: the prefix to strip, ending with ``.``; None strips every wrapper
+            :func:`detect_wrappers` finds (``module.``, ``_orig_mod.``, FSDP and
+            checkpoint-wrapper segments, ...).
         select, output_format, drop_extras, allow_globals, in_place: as for :func:`rewrite`.
         force, verify, durable, dry_run, progress: as for :func:`rewrite`.
 
@@ -152,6 +160,8 @@ def strip_module(
         ``written`` is empty.
 
     Raises:
+        UsageError: ``prefix`` does not end with ``.``, or matches no key (an empty state dict
+            included).
         As :func:`rewrite`.
 
     Example:
@@ -169,7 +179,7 @@ def strip_module(
         "progress": progress,
     }
     if prefix is not None:
-        rules = [strip_rule(prefix)]
+        rules = [strip_rule(check_wrapper_prefix(prefix))]
         return rewrite(src, dst, rules=rules, force=force, in_place=in_place, **options)
     # The arguments and the output path first, then the input: rewrite()'s order, whether
     # or not there turns out to be something to strip.
@@ -217,7 +227,7 @@ def add_module(
     Args:
         src: the input.
         dst: the output.
-        prefix: the prefix to add.
+        prefix: the prefix to add, ending with ``.``.
         select, output_format, drop_extras, allow_globals, in_place: as for :func:`rewrite`.
         force, verify, durable, dry_run, progress: as for :func:`rewrite`.
 
@@ -225,6 +235,7 @@ def add_module(
         The :class:`RewriteResult`.
 
     Raises:
+        UsageError: ``prefix`` does not end with ``.``, or the state dict is empty.
         As :func:`rewrite`.
 
     Example:
@@ -234,7 +245,7 @@ def add_module(
     return rewrite(
         src,
         dst,
-        rules=[add_rule(prefix)],
+        rules=[add_rule(check_wrapper_prefix(prefix))],
         select=select,
         output_format=output_format,
         drop_extras=drop_extras,
