@@ -58,7 +58,12 @@ def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
         >>> is_dcp_folder(".")
         False
     """
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    # Named, whatever it is: a ``.metadata`` that is no regular file (a FIFO) is refused when
+    # read, not taken for a folder of other files.
+    try:
+        return METADATA_FILE in os.listdir(path)
+    except OSError:
+        return False
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

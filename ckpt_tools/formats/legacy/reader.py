@@ -29,8 +29,9 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource, open_buffered
+from ckpt_tools.formats.pickle.imports import find_imports
 from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, id_text
-from ckpt_tools.formats.pickle.unpickler import load_pickle
+from ckpt_tools.formats.pickle.unpickler import ReadResult, load_pickle
 
 __all__ = ["check_byte_order", "offset_locator", "open_legacy", "open_pickle", "open_tar"]
 
@@ -46,7 +47,7 @@ def _header(f: BinaryIO, what: str, path: str) -> Any:
     allowlist in any of them makes it refuse the file. None of them is data a rewrite could
     carry, so such a global is refused here, naming it, before the value is looked at.
     """
-    result = load_pickle(f)
+    result = _load(f, path)
     if result.unsafe_globals:
         names = ", ".join(result.unsafe_globals)
         raise UnsafeContentError(
@@ -55,6 +56,23 @@ def _header(f: BinaryIO, what: str, path: str) -> Any:
             globals=result.unsafe_globals,
         )
     return result.root
+
+
+def _load(f: BinaryIO, path: str, storage_id_length: int = 5) -> ReadResult:
+    """One of the pickles torch reads back to back, the file left where its next
+    ``pickle.load`` starts: past the STOP, or past a FRAME the STOP lies inside that the C
+    unpickler reads whole (:class:`ImportScan`'s ``after``, the scan's rule). Where a file
+    buffer may hold such a frame instead, our C unpickler read it from a buffered file as
+    torch's does on this machine, and the file is left where it left it."""
+    start = f.tell()
+    result = load_pickle(f, storage_id_length=storage_id_length)
+    if "FRAME" in result.beyond_weights_only:  # (without one, the STOP ends it)
+        left = f.tell()
+        scan = find_imports(f, start)
+        if not scan.unsettled and scan.after is not None:
+            left = scan.after
+        f.seek(left)
+    return result
 
 
 def _expect(f: BinaryIO, what: str, check: Any, path: str) -> Any:
@@ -86,7 +104,7 @@ def open_legacy(path: str, *, source: RangeSource | None = None) -> Checkpoint:
         _expect(f, "magic number", MAGIC_NUMBER, path)
         _expect(f, "protocol version", PROTOCOL_VERSION, path)
         check_byte_order(_header(f, "sys_info", path), path)
-        main = load_pickle(f, storage_id_length=6)
+        main = _load(f, path, storage_id_length=6)
         _refuse_untyped(main.storages.values(), path)
         keys = _header(f, "storage key list", path)
         if not isinstance(keys, list):

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.pickle.limits import LimitedReader
-from ckpt_tools.formats.pickle.opcode_reader import STRINGS, CutGlobal, read_opcodes
+from ckpt_tools.formats.pickle.opcode_reader import STRINGS, CutGlobal, FramedInput, read_opcodes
 
 __all__ = [
     "ImportScan",
@@ -67,12 +67,19 @@ class ImportScan(NamedTuple):
         malformed: why the bytes stop being a pickle (None when they are one); the imports
             above are those before that point, each of which a loader would perform.
         truncated: the bytes ran out before a STOP (more bytes may complete the pickle).
+        after: where the file stands once ``pickle.load`` has read the pickle, and the next
+            load starts: ``end``, or the end of a FRAME read whole that the STOP lies inside
+            (:class:`~ckpt_tools.formats.pickle.opcode_reader.FramedInput`); None with ``end``.
+        unsettled: the offsets of FRAMEs a buffered file may serve from its buffer instead,
+            which changes what is read (empty where the file's buffer makes no difference).
     """
 
     imports: tuple[PickleImport, ...]
     end: int | None
     malformed: str | None = None
     truncated: bool = False
+    after: int | None = None
+    unsettled: frozenset[int] = frozenset()
 
 
 # Protocol 2+ pickles start with PROTO; these opcodes start the protocol 0 and 1 pickles that
@@ -174,9 +181,18 @@ def _imported(module: str, name: str, protocol: int) -> tuple[str, str]:
 
 
 def find_imports(
-    data: bytes | BinaryIO, start: int = 0, limit: int = 1 << 30, *, cut_globals: bool = False
+    data: bytes | BinaryIO,
+    start: int = 0,
+    limit: int = 1 << 30,
+    *,
+    cut_globals: bool = False,
+    served: frozenset[int] = frozenset(),
 ) -> ImportScan:
     """Walk the pickle at ``start`` of ``data`` up to its STOP and list its imports.
+
+    Its bytes are taken as the C unpickler takes them from a file without ``peek``
+    (``io.BytesIO``, an unbuffered file), FRAMEs included; ``served`` names the frames a
+    buffered file holds in its buffer instead (:class:`ImportScan`'s ``unsettled``).
 
     Args:
         data: the bytes holding the pickle (more may follow it), or a binary file.
@@ -185,6 +201,7 @@ def find_imports(
         cut_globals: for a pickle torch reads: where the data ends inside a GLOBAL's lines,
             list the global torch's weights-only reader names as it refuses it (each line
             less its last byte). Elsewhere such bytes are no pickle's.
+        served: offsets of FRAMEs read as plain bytes, as a buffered file may serve them.
 
     Returns:
         The :class:`ImportScan`; a malformed or truncated pickle gives the imports before
@@ -207,49 +224,60 @@ def find_imports(
         size = data.seek(0, io.SEEK_END)
         data.seek(start)
         stream, base = LimitedReader(data, limit), start
+    framed = FramedInput(stream, served)
     imports: list[PickleImport] = []
+    try:
+        stopped = _walk(framed, imports)
+    except ResourceLimitError as e:
+        return ImportScan(tuple(imports), None, str(e), unsettled=frozenset(framed.unsettled))
+    except CutGlobal as e:
+        if cut_globals:
+            imports.append(PickleImport(e.module, e.name, e.pos, e.opcode))
+        return ImportScan(tuple(imports), None, str(e), True, None, frozenset(framed.unsettled))
+    except ValueError as e:
+        # Truncated where the walk failed for want of bytes (it read to the end, and not
+        # to an opcode that does not exist).
+        short = base + framed.tell() >= size and "unknown" not in str(e)
+        return ImportScan(tuple(imports), None, str(e), short, None, frozenset(framed.unsettled))
+    if not stopped:
+        return ImportScan(tuple(imports), None, "no STOP opcode", True)
+    end, after = base + framed.tell(), base + framed.after()
+    return ImportScan(tuple(imports), end, None, False, after, frozenset(framed.unsettled))
+
+
+def _walk(framed: FramedInput, imports: list[PickleImport]) -> bool:
+    """Replay the pickle's opcodes up to its STOP, adding each import to ``imports``;
+    whether it met the STOP."""
     # The stack holds the strings the pickle pushed, None for any other object, and _MARK.
     stack: list[object] = []
     memo: dict[object, object] = {}
     # The last PROTO read decides whether find_class maps Python 2 names (below 3 it does).
     protocol = 0
-    try:
-        for op, arg, pos in read_opcodes(stream):
-            name = op.name
-            if name in STRINGS:
-                stack.append(arg if isinstance(arg, str) else _python2_text(arg))
-            elif name == "PROTO":
-                protocol = arg
-            elif name in ("GLOBAL", "INST"):
-                module, attr = arg  # type: ignore[misc]
+    for op, arg, pos in read_opcodes(framed):
+        name = op.name
+        if name in STRINGS:
+            stack.append(arg if isinstance(arg, str) else _python2_text(arg))
+        elif name == "PROTO":
+            protocol = arg
+        elif name in ("GLOBAL", "INST"):
+            module, attr = arg  # type: ignore[misc]
+            imports.append(PickleImport(*_imported(module, attr, protocol), pos, name))
+            _apply(op, stack)
+        elif name == "STACK_GLOBAL":
+            attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
+            if isinstance(module, str) and isinstance(attr, str):
                 imports.append(PickleImport(*_imported(module, attr, protocol), pos, name))
-                _apply(op, stack)
-            elif name == "STACK_GLOBAL":
-                attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
-                if isinstance(module, str) and isinstance(attr, str):
-                    imports.append(PickleImport(*_imported(module, attr, protocol), pos, name))
-                else:
-                    imports.append(PickleImport(None, None, pos, name))
-                stack.append(None)
-            elif name in _EXTS:
-                imports.append(PickleImport(None, None, pos, name))
-                stack.append(None)
             else:
-                _replay(op, arg, stack, memo)
-            if name == "STOP":
-                return ImportScan(tuple(imports), base + stream.tell())
-    except ResourceLimitError as e:
-        return ImportScan(tuple(imports), None, str(e))
-    except CutGlobal as e:
-        if cut_globals:
-            imports.append(PickleImport(e.module, e.name, e.pos, e.opcode))
-        return ImportScan(tuple(imports), None, str(e), True)
-    except ValueError as e:
-        # Truncated where the walk failed for want of bytes (it read to the end, and not
-        # to an opcode that does not exist).
-        short = base + stream.tell() >= size and "unknown" not in str(e)
-        return ImportScan(tuple(imports), None, str(e), short)
-    return ImportScan(tuple(imports), None, "no STOP opcode", True)
+                imports.append(PickleImport(None, None, pos, name))
+            stack.append(None)
+        elif name in _EXTS:
+            imports.append(PickleImport(None, None, pos, name))
+            stack.append(None)
+        else:
+            _replay(op, arg, stack, memo)
+        if name == "STOP":
+            return True
+    return False
 
 
 def _python2_text(value: object) -> object:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["STRINGS", "CutGlobal", "read_opcodes"]
+__all__ = ["PREFETCH", "STRINGS", "CutGlobal", "FramedInput", "read_opcodes"]
 
 #: The opcodes that push a string (text, or a Python 2 ``str`` as bytes).
 STRINGS = frozenset(
@@ -37,7 +37,103 @@ _LENGTH_WIDTHS = {
     pickletools.TAKEN_FROM_ARGUMENT4U: (4, False),
     pickletools.TAKEN_FROM_ARGUMENT8U: (8, False),
 }
-_VALUED = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "PROTO"})
+_VALUED = frozenset({"BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "PROTO", "FRAME"})
+
+#: How far the C unpickler peeks ahead in a file that offers ``peek`` (``_pickle.c``'s
+#: PREFETCH). A FRAME this long or longer it always reads whole with ``read``.
+PREFETCH = 8192 * 16
+
+
+class FramedInput:
+    """A pickle's bytes as the C unpickler takes them from a file, FRAMEs included.
+
+    The C unpickler reads a FRAME whole (``read(n)``) unless its bytes are in its input
+    already: a file that offers ``peek`` (a buffered file, as ``open(path, "rb")`` gives)
+    may hold a frame shorter than :data:`PREFETCH` in its buffer, and then the frame changes
+    nothing. A frame read whole leaves the file at its end: a STOP inside it ends the pickle
+    there, yet the next ``pickle.load`` starts at the frame's end; and a read that runs past
+    it drops the frame's rest and reads on from its end. Without ``peek`` (``io.BytesIO``,
+    an unbuffered file) every frame is read whole.
+
+    Args:
+        stream: the file, at the pickle's first opcode.
+        served: offsets of FRAME opcodes under :data:`PREFETCH` bytes that a buffered
+            loader holds in its buffer (each read on as plain bytes); every other frame is
+            read whole.
+
+    Example:
+        >>> import io, pickle
+        >>> body = b"K\\x07." + pickle.dumps("decoy", 2)  # a STOP, then more inside the frame
+        >>> data = b"\\x80\\x04\\x95" + len(body).to_bytes(8, "little") + body + b"N."
+        >>> framed = FramedInput(io.BytesIO(data))
+        >>> [op.name for op, _, _ in read_opcodes(framed)], framed.tell(), framed.after()
+        (['PROTO', 'FRAME', 'BININT1', 'STOP'], 14, 29)
+        >>> framed.unsettled
+        {2}
+    """
+
+    def __init__(self, stream: Any, served: frozenset[int] = frozenset()) -> None:
+        self._stream, self._served = stream, served
+        self._frame: bytes | None = None  # a frame read whole, and where in it
+        self._at = self._start = self._opcode = 0
+        self._small: int | None = None  # the frame's FRAME offset, where under PREFETCH
+        #: Offsets of the frames under PREFETCH bytes read whole whose rest went unread (a
+        #: read ran past them, or the STOP came first): a buffered loader may read on there.
+        self.unsettled: set[int] = set()
+
+    def tell(self) -> int:
+        """Where the next byte the unpickler takes comes from, as an offset in the stream."""
+        if self._frame is not None:
+            return self._start + self._at
+        return self._stream.tell()  # type: ignore[no-any-return]
+
+    def after(self) -> int:
+        """Where the stream stands, and the next ``pickle.load`` starts, once STOP is read."""
+        self._note_rest()
+        return self._stream.tell()  # type: ignore[no-any-return]
+
+    def opcode(self, pos: int) -> None:
+        """Told the offset of each opcode before its argument is read."""
+        self._opcode = pos
+
+    def read(self, n: int) -> bytes:
+        if self._frame is not None:
+            if n <= len(self._frame) - self._at:
+                self._at += n
+                return self._frame[self._at - n : self._at]
+            self._drop()
+        return self._stream.read(n)  # type: ignore[no-any-return]
+
+    def readline(self) -> bytes:
+        if self._frame is not None:
+            newline = self._frame.find(b"\n", self._at)
+            if newline >= 0:
+                line, self._at = self._frame[self._at : newline + 1], newline + 1
+                return line
+            self._drop()
+        return self._stream.readline()  # type: ignore[no-any-return]
+
+    def frame(self, length: int) -> None:
+        """A FRAME opcode (at the last :meth:`opcode` offset) declaring ``length`` bytes."""
+        if self._frame is not None and length <= len(self._frame) - self._at:
+            return  # in the input already: nothing changes
+        self._drop()
+        if length < PREFETCH and self._opcode in self._served:
+            return
+        data = self._stream.read(length)
+        if len(data) < length:
+            raise ValueError("pickle data was truncated (a FRAME runs past the end)")
+        self._small = self._opcode if length < PREFETCH else None
+        self._frame, self._at, self._start = data, 0, self._stream.tell() - length
+
+    def _drop(self) -> None:
+        self._note_rest()
+        self._frame = None
+
+    def _note_rest(self) -> None:
+        frame = self._frame
+        if frame is not None and self._at < len(frame) and self._small is not None:
+            self.unsettled.add(self._small)
 
 
 def read_opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
@@ -49,7 +145,9 @@ def read_opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int
     decoded: strings, memo indices, and a GLOBAL's module and name.
 
     Args:
-        stream: a binary stream at the pickle's first opcode.
+        stream: a binary stream at the pickle's first opcode; a :class:`FramedInput` is
+            read with its FRAMEs as the C unpickler reads them, any other stream as plain
+            bytes.
 
     Returns:
         An iterator of ``(opcode, argument, position)``; the argument is None where the
@@ -72,11 +170,15 @@ def read_opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int
         op = pickletools.code2op.get(code.decode("latin-1"))
         if op is None:
             raise ValueError(f"at position {pos}, opcode {code!r} unknown")
+        if isinstance(stream, FramedInput):
+            stream.opcode(pos)
         try:
             argument = _argument(stream, op)
         except CutGlobal as e:
             e.opcode, e.pos = op.name, pos
             raise
+        if op.name == "FRAME" and isinstance(stream, FramedInput):
+            stream.frame(argument)
         yield op, argument, pos
         if op.name == "STOP":
             return

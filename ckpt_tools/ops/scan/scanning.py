@@ -241,8 +241,7 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
             if f.runs_on_load
         )
     verdict = _verdict(findings, error, bool(code))
-    pickles = len(walked) + len(reading.read)
-    return FileScan(path, fmt, verdict, findings, error, pickles, code)
+    return FileScan(path, fmt, verdict, findings, error, len(walked) + len(reading.read), code)
 
 
 _RUNS_ON_LOAD = (
@@ -331,7 +330,7 @@ def _read_as_torch(path: str, remote: Remote | None = None) -> _Reading:
     try:
         ckpt = open_checkpoint(path) if remote is None else open_remote(path, remote)
     except UnsafeContentError as e:  # refused for what it imports: the findings say it
-        return _Reading(None, e.globals, "main pickle", frozenset())
+        return _Reading(None, e.globals, "", frozenset())
     except (CheckpointError, OSError) as e:
         _raise_remote(e, None if remote is None else remote.file)
         return _Reading(str(e), (), "", frozenset())
@@ -362,7 +361,7 @@ def _read_as_torch(path: str, remote: Remote | None = None) -> _Reading:
         read = frozenset() if ckpt.unsafe_globals else frozenset({record})
         raw = storage_records(ckpt)
         return _Reading(None, ckpt.unsafe_globals, record, read, ckpt.format, entries, raw)
-    return _Reading(None, ckpt.unsafe_globals, "main pickle", frozenset(), ckpt.format)
+    return _Reading(None, ckpt.unsafe_globals, "", frozenset(), ckpt.format)
 
 
 def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> tuple[Finding, ...]:
@@ -379,21 +378,21 @@ def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> 
                     Finding(imp.qualname, w.record, rule.severity, rule.reason, imp.position),
                 )
     seen = {name for name, _ in found}
+    # Non-zip pickles are all walked: a global only the reader names was computed in one.
+    unnamed = (w.record for w in walked if any(i.module is None for i in w.scan.imports))
+    record = reading.record or next(unnamed, "")
     for name in map(python3_qualname, reading.globals):
-        # Where the walk did not read the pickle, or could not name a computed global.
         if name not in seen:
             rule = classify(name, context, exact=True)  # its module and name are not known
             if rule.severity != "allowed":
-                found[(name, "")] = Finding(name, reading.record, rule.severity, rule.reason)
+                found[(name, "")] = Finding(name, record, rule.severity, rule.reason)
     return tuple(found.values())
 
 
 def _verdict(findings: Sequence[Finding], error: str | None, code: bool) -> Verdict:
     if any(f.severity == "dangerous" for f in findings):
         return "dangerous"
-    if error is not None:
-        return "unreadable"
-    return "nonstandard" if findings or code else "clean"
+    return "unreadable" if error is not None else "nonstandard" if findings or code else "clean"
 
 
 def _unreadable(path: str, fmt: str | None, why: str) -> FileScan:

@@ -6,7 +6,8 @@
   (:func:`storage_records`: torch reads those as raw bytes); TorchScript's ``code/`` files
   are listed.
 - legacy (pre-1.6): the five pickles torch reads back to back (magic number, protocol,
-  ``sys_info``, the main pickle, the storage keys).
+  ``sys_info``, the main pickle, the storage keys), each where ``pickle.load`` starts it
+  (:mod:`~ckpt_tools.ops.scan.sequence`).
 - tar (torch < 0.4): the ``sys_info`` and ``pickle`` members, and every pickle of
   ``storages`` and ``tensors``, found as torch reads them
   (:mod:`~ckpt_tools.ops.scan.tar_layout`).
@@ -24,7 +25,6 @@ checked before their first bytes are looked at (a request each, as torch reads e
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import tarfile
@@ -52,6 +52,7 @@ from ckpt_tools.formats.zip.directory import (
 )
 from ckpt_tools.formats.zip.records import read_head
 from ckpt_tools.ops.scan.local_headers import local_entries
+from ckpt_tools.ops.scan.sequence import sequence_pickles
 from ckpt_tools.ops.scan.severity import Context
 from ckpt_tools.ops.scan.tar_layout import member_pickles
 
@@ -298,26 +299,9 @@ def _walk_record(entry: ZipEntry, data: bytes) -> ImportScan:
 def _sequence(
     path: str, most: int, names: tuple[str, ...], source: RangeSource | None = None
 ) -> Iterator[Walked]:
-    """Pickles back to back from the start of ``path``: the ``names`` ones whatever they
-    hold (a loader reads each), then each further one that is a whole pickle, or that names
-    a global before it breaks (a loader reading in order meets that global first)."""
-    # torch.load reads the first pickle of any file that is no zip (a plain pickle's too, as
-    # a legacy file's magic number) with its weights-only reader, and the named ones after.
-    read_by_torch = max(len(names), 1)
-    with open_buffered(path, source) as f:
-        start, size = 0, f.seek(0, io.SEEK_END)
-        for index in range(most):
-            if start >= size:
-                return
-            scan = find_imports(f, start, cut_globals=index < read_by_torch)
-            if index and index >= len(names) and scan.end is None and not scan.imports:
-                return  # what follows the last pickle is not one
-            yield Walked(
-                names[index] if index < len(names) else f"pickle {index + 1}", "pickle", scan
-            )
-            if scan.end is None:
-                return
-            start = scan.end
+    """:func:`~ckpt_tools.ops.scan.sequence.sequence_pickles`, each pickle as a :class:`Walked`."""
+    for record, scan in sequence_pickles(path, most, names, source):
+        yield Walked(record, "pickle", scan)
 
 
 def _tar_pickles(path: str) -> Iterator[Walked]:
