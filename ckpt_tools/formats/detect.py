@@ -80,6 +80,7 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
         ``deepspeed``.
 
     Raises:
+        UsageError: ``path`` is a URL (:func:`~ckpt_tools.formats.refuse_url`).
         CheckpointNotFoundError: nothing at ``path``.
         LfsPointerError: a git-lfs pointer file.
         UnsupportedFormatError: not a format ckpt_tools reads.
@@ -88,8 +89,11 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
         >>> detect_format("model.safetensors"), detect_format("model.pt")
         ('safetensors', 'torch-zip')
     """
+    from ckpt_tools.formats import refuse_url  # (the package's: it imports this module)
+
     # The path as given, through os: pathlib is a large import that reading needs nothing of.
     p = os.fspath(path)
+    refuse_url(p)  # every local reader comes here: a URL gets the one refusal
     if not _exists(p):
         raise CheckpointNotFoundError(
             f"no such file or folder: {p!r}; check the path (relative paths start at "

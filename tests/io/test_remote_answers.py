@@ -105,6 +105,26 @@ def test_a_416_without_content_range_is_refused_not_taken_as_empty(
         assert remote.open(hub.put("org/m", "empty.bin", b"")).size == 0
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_a_416_to_a_range_inside_the_file_is_refused_not_taken_as_its_end(
+    hub: HubServer, data: bytes, monkeypatch: pytest.MonkeyPatch, first: bool
+) -> None:
+    """``416`` with ``Content-Range: bytes */SIZE`` means the range starts at or past SIZE;
+    to a range that starts inside the file it is a refusal (exit 8), not an end of file
+    that would make the checkpoint look truncated (exit 4)."""
+    url = hub.put("org/m", "model.bin", data)
+    refusal = Response(status_code=416, headers={"Content-Range": f"bytes */{SIZE}"})
+    answers = (refusal,) if first else (None, refusal)
+    _answers_first(hub, monkeypatch, hub.path("org/m", "model.bin"), *answers)
+    with RemoteSession() as remote, pytest.raises(RemoteError) as info:
+        remote.open(url).pread(10, SIZE // 2)
+    message = str(info.value)
+    offset = 0 if first else SIZE // 2
+    assert message.startswith(f"{url}: the server refused a range inside the file (HTTP 416 ")
+    assert f"from offset {offset}, though it says the file is {SIZE} bytes long" in message
+    assert info.value.exit_code == EXIT_REMOTE and "download the file" in message
+
+
 @pytest.mark.parametrize("bomb", [False, True])
 def test_a_compressed_range_answer_is_refused_before_its_body_is_read(
     hub: HubServer, monkeypatch: pytest.MonkeyPatch, bomb: bool

@@ -135,6 +135,20 @@ def test_an_endpoint_that_refuses(
     assert "Could not connect" in str(info.value) and "\n" not in str(info.value)
 
 
+def test_an_endpoint_s_password_is_never_shown(
+    s3: S3Bucket, dead_ends: DeadEnds, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AWS_ENDPOINT_URL`` may hold a password: the error names the endpoint, and quotes
+    botocore's words (which hold its URL), without it."""
+    endpoint = dead_ends.refused.replace("://", "://u:EPSECRET@")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with RemoteSession() as remote, pytest.raises(RemoteError) as info:
+        remote.open("s3://ckpts/m.pt")
+    message = str(info.value)
+    assert "EPSECRET" not in message and "Could not connect" in message
+    assert f"S3 endpoint {dead_ends.refused.replace('://', '://***@')}: " in message
+
+
 def test_a_local_path_is_never_read_as_s3(s3: S3Bucket, tmp_path: Path) -> None:
     with RemoteSession() as remote, pytest.raises(ValueError, match="not a URL"):
         remote.open(str(tmp_path / "s3:" / "x.pt"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.errors import CorruptCheckpointError, UsageError
+from ckpt_tools.errors import EXIT_USAGE, CorruptCheckpointError, UsageError
 from ckpt_tools.io.remote.urls import (
     FOLDER_FILES,
     auth_headers,
@@ -23,6 +23,9 @@ from ckpt_tools.io.remote.urls import (
     sibling,
     split_s3,
 )
+from tests.helpers.cli import run_ckpt
+from tests.helpers.committed import fixture_path
+from tests.helpers.servers import HubServer
 
 
 @pytest.mark.parametrize(
@@ -271,3 +274,22 @@ def test_the_token_goes_to_the_endpoint_only(monkeypatch: pytest.MonkeyPatch) ->
     assert auth_headers("https://cdn.example/x.pt", "t") == {}
     assert auth_headers("http://hub.example/x.pt", "t") == {}  # another scheme, another origin
     assert auth_headers("hf://org/m/x.pt", None) == {}
+
+
+def test_an_hf_endpoint_without_a_scheme_leaves_other_urls_alone(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``HF_ENDPOINT=hub.internal:8080`` is no URL: a plain URL is read as if it were unset
+    (no URL is at that endpoint, so no token goes anywhere), and an ``hf://`` URL is refused
+    naming the variable and what to write, before any request."""
+    url = hub.put_file("model.pt", fixture_path("model.pt"))
+    monkeypatch.setenv("HF_ENDPOINT", "hub.internal:8080")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert auth_headers(url, "hf_secret") == {}
+    run_ckpt("inspect", url)
+    assert {h.authorization for h in hub.log.for_path()} == {None}
+    hub.log.clear()
+    _, out, err = run_ckpt("inspect", "hf://org/repo/model.pt", code=EXIT_USAGE)
+    assert "HF_ENDPOINT='hub.internal:8080' is not an http(s) URL" in err, err
+    assert "write HF_ENDPOINT=https://hub.internal:8080" in err and out == ""
+    assert hub.log.requests() == 0

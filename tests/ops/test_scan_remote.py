@@ -82,6 +82,30 @@ def test_s3_and_plain_http_urls(hub, s3, corpus) -> None:
         assert found.verdict == "dangerous" and found.format == "torch-zip", url
 
 
+def test_sarif_names_a_url_by_the_url_without_its_credentials(hub, s3) -> None:
+    """A SARIF artifactLocation URI is the URL itself (its '//' kept, as a path's would be
+    folded), shown without a password or a query's values."""
+    evil = fixture_path("evil.pt")
+    url = hub.put_file("evil.pt", evil)
+    secret = url.replace("://", "://me:PASSW0RD@") + "?token=QSECRET"
+    given = {
+        url: url,
+        hub.put("org/repo", "evil.pt", evil): "hf://org/repo/evil.pt",
+        s3.put("runs/evil.pt", evil): "s3://ckpts/runs/evil.pt",
+        secret: url.replace("://", "://***@") + "?token=***",
+    }
+    for target, shown in given.items():
+        _, out, err = run_ckpt("scan", "--format", "sarif", target, code=1)
+        (run,) = json.loads(out)["runs"]
+        uris = {
+            loc["physicalLocation"]["artifactLocation"]["uri"]
+            for result in run["results"]
+            for loc in result["locations"]
+        }
+        assert uris == {shown}, (target, uris)
+        assert "PASSW0RD" not in out + err and "QSECRET" not in out + err
+
+
 def _local_header_renamed(src: Path, dst: Path, record: str) -> None:
     """``src`` with one record's name changed in its local header only (same length)."""
     data = bytearray(src.read_bytes())

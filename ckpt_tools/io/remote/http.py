@@ -277,15 +277,28 @@ class HttpTransport:
             whole = self._body(response, end - start, exact=False)
             return whole[start:end], len(whole)
         if response.status_code == 416:  # past the end: the size is in the Content-Range
-            found = _UNSATISFIED.fullmatch(response.headers.get("content-range", "").strip())
-            if found is None:  # (not an empty file: a size no answer gave)
-                raise RemoteError(
-                    f"{self.url}: the server refused the range (HTTP 416) without saying the "
-                    "file's size (no Content-Range: bytes */SIZE)",
-                    path=self.url,
-                )
-            return b"", int(found[1])
+            return b"", self._unsatisfiable(response, start)
         raise self._status_error(response)
+
+    def _unsatisfiable(self, response: httpx.Response, start: int) -> int:
+        """The size a 416 answer gives, once it is known to be at or before ``start``: a 416
+        to a range inside the file is a refusal, not the file's end."""
+        found = _UNSATISFIED.fullmatch(response.headers.get("content-range", "").strip())
+        if found is None:  # (not an empty file: a size no answer gave)
+            raise RemoteError(
+                f"{self.url}: the server refused the range (HTTP 416) without saying the "
+                "file's size (no Content-Range: bytes */SIZE)",
+                path=self.url,
+            )
+        size = int(found[1])
+        if size > start:
+            raise RemoteError(
+                f"{self.url}: the server refused a range inside the file (HTTP 416 for the "
+                f"bytes from offset {start}, though it says the file is {size} bytes long)",
+                path=self.url,
+                remedies=(DOWNLOAD_FIRST,),
+            )
+        return size
 
     def _body(self, response: httpx.Response, limit: int, *, exact: bool) -> bytes:
         """The body, refused once it grows past ``limit`` bytes (a server that lied about
@@ -332,10 +345,16 @@ class HttpTransport:
             )
         if at_hub(self.url):
             return Remedy(text="set HF_TOKEN to a token that can read it (gated and private repos)")
-        if urlsplit(self.url).username is not None:  # sent as Basic auth, and refused
+        sent = urlsplit(self.resolved)  # the URL as given: what was sent
+        if sent.username is not None:  # sent as Basic auth, and refused
             return Remedy(
-                text="the server refused the user name and password in the URL: check them, or "
-                + DOWNLOAD_FIRST.text
+                text="the server refused the credentials in the URL (its user name and "
+                "password, or token): check them, or " + DOWNLOAD_FIRST.text
+            )
+        if sent.query:  # a presigned URL's signature, a token=: sent, and refused
+            return Remedy(
+                text="the server refused the URL's query (a token or signature in it, which "
+                "may have expired): check it, or " + DOWNLOAD_FIRST.text
             )
         return Remedy(
             text="the server wants credentials ckpt_tools does not send: " + DOWNLOAD_FIRST.text

@@ -1,9 +1,11 @@
 """``http(s)://`` URLs: taken apart and checked, and shown without the credentials they carry.
 
-A URL may hold a password (``https://user:password@host/...``) and a redirect's target a
-signed query string (a CDN's ``Expires``/``Signature``): both are credentials, so every URL
-a message or a report shows goes through :func:`shown_url`. The password stays with the
-session that sends it (:meth:`~ckpt_tools.io.remote.session.RemoteSession.named`).
+A URL may hold a password or a token (``https://user:password@host/...``,
+``https://TOKEN@host/...``) and a query that is one (``?token=...``, a presigned URL's
+``X-Amz-Signature``); a redirect's target a CDN's signed query. Every URL a message or a report
+shows goes through :func:`shown_url` (defined with the local readers' URL guard in
+:mod:`ckpt_tools.formats`, the lowest room that shows a URL). The credentials stay with the
+session that sends them (:meth:`~ckpt_tools.io.remote.session.RemoteSession.named`).
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import re
 from urllib.parse import SplitResult, urlsplit
 
 from ckpt_tools.errors import UsageError
+from ckpt_tools.formats import HIDDEN, shown_url
 
-__all__ = ["credentials", "shown_url", "split_http", "with_userinfo"]
+__all__ = ["credentials", "shown_text", "shown_url", "split_http", "with_userinfo"]
 
-# scheme://, the authority (userinfo@host:port), the rest: read without urlsplit, so that a
-# password is found and hidden in a URL urlsplit refuses too.
+# scheme://, the authority (userinfo@host:port), the rest: read without urlsplit, so that
+# credentials are found in a URL urlsplit refuses too.
 _AUTHORITY = re.compile(r"(https?://)([^/?#]*)(.*)", re.IGNORECASE | re.DOTALL)
+# An http(s) URL inside another library's message (botocore names its endpoint URL).
+_URL_IN_TEXT = re.compile(r"https?://[^\s'\"<>]+", re.IGNORECASE)
 
 
 def _authority(url: str) -> tuple[str, str | None, str, str] | None:
@@ -29,48 +34,33 @@ def _authority(url: str) -> tuple[str, str | None, str, str] | None:
     return found[1], userinfo if at else None, host, found[3]
 
 
-def shown_url(url: str, *, target: bool = False) -> str:
-    """``url`` as messages and ``--json`` show it: the one place URLs are redacted.
-
-    Args:
-        url: a URL as the user gave it, or a URL a server redirected to.
-        target: ``url`` is a redirect's target (a CDN's signed URL, whose query string is a
-            short-lived credential): show its scheme, host and path only.
-
-    Returns:
-        ``url`` without the password of its userinfo (``https://user@host/x.pt``); a target
-        also without its userinfo, query and fragment. Other URLs as given.
+def shown_text(text: str) -> str:
+    """``text`` (another library's message) with every ``http(s)`` URL in it :func:`shown_url`.
 
     Example:
-        >>> shown_url("https://me:secret@host.example/m.pt?v=1")
-        'https://me@host.example/m.pt?v=1'
-        >>> shown_url("https://cdn.example/a/m.pt?Expires=1&Signature=x", target=True)
-        'https://cdn.example/a/m.pt'
+        >>> shown_text('Could not connect to "http://u:pw@127.0.0.1:1/b/k"')
+        'Could not connect to "http://***@127.0.0.1:1/b/k"'
     """
-    parts = _authority(url)
-    if parts is None:
-        return url
-    head, userinfo, host, rest = parts
-    if target:
-        return head + host + re.split(r"[?#]", rest, maxsplit=1)[0]
-    if userinfo is None or ":" not in userinfo:
-        return url
-    return f"{head}{userinfo.partition(':')[0]}@{host}{rest}"
+    return _URL_IN_TEXT.sub(lambda found: shown_url(found[0]), text)
 
 
 def credentials(url: str) -> tuple[str, str | None]:
     """``(origin, userinfo)`` of an ``http(s)`` URL: ``scheme://host[:port]`` in lower case,
-    and ``user:password`` where the URL holds a password (else None).
+    and the userinfo it holds (``user:password``, or a token as a lone user name), else None.
+
+    The :data:`~ckpt_tools.formats.HIDDEN` a shown URL holds in its place is no credential.
 
     Example:
         >>> credentials("https://me:secret@Host.example/m.pt")
         ('https://host.example', 'me:secret')
+        >>> credentials("https://TOKEN@host.example/m.pt")[1], credentials("https://***@h/m")[1]
+        ('TOKEN', None)
     """
     parts = _authority(url)
     if parts is None:
         return "", None
     head, userinfo, host, _ = parts
-    return (head + host).lower(), userinfo if userinfo and ":" in userinfo else None
+    return (head + host).lower(), userinfo if userinfo and userinfo != HIDDEN else None
 
 
 def with_userinfo(url: str, userinfo: str) -> str:
@@ -92,7 +82,9 @@ def split_http(url: str) -> SplitResult:
     malformed one (an unclosed ``[``, a bracketed host that is no IP address, a bad port).
 
     Raises:
-        UsageError: the URL, what is wrong with it, and what to write.
+        UsageError: the URL (:func:`shown_url`), what is wrong with it, and what to write. A
+            refused URL with an ``@`` after its host is taken for a password holding a ``/``,
+            ``?`` or ``#``: the message says so and quotes nothing of it.
 
     Example:
         >>> split_http("https://host.example/m.pt").netloc
@@ -104,13 +96,18 @@ def split_http(url: str) -> SplitResult:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 (raises ValueError for a port that is no number or too large)
-    except ValueError as e:
-        shown = shown_url(url)
+        problem = "" if parts.hostname else "names no host"
+    except ValueError as e:  # (urlsplit's words may quote the netloc, userinfo and all)
+        problem = "is not a URL that can be requested" + ("" if "@" in url else f" ({e})")
+    if not problem:
+        return parts
+    shown = shown_url(url)
+    found = _authority(url)
+    if found is not None and "@" in found[3]:
         raise UsageError(
-            f"{shown!r} is not a URL that can be requested ({e}): write http(s)://HOST/PATH",
+            f"{shown!r} is not a URL that can be requested: its host ends at a '/', '?' or '#' "
+            "before the '@' that ends a user name and password; write those characters "
+            "percent-encoded (%2F, %3F, %23)",
             path=shown,
-        ) from e
-    if not parts.hostname:
-        shown = shown_url(url)
-        raise UsageError(f"{shown!r} names no host: write http(s)://HOST/PATH", path=shown)
-    return parts
+        )
+    raise UsageError(f"{shown!r} {problem}: write http(s)://HOST/PATH", path=shown)

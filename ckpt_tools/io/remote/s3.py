@@ -24,6 +24,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.io.remote.http import TIMEOUT_ENV
+from ckpt_tools.io.remote.httpurls import shown_text, shown_url
 from ckpt_tools.io.remote.rangefile import (
     SameObject,
     TransferStats,
@@ -227,12 +228,12 @@ class S3Transport:
         raise RemoteError(f"{self.url}: {quote_foreign(error)}", path=self.url) from error
 
     def _endpoint_error(self, error: Exception) -> RemoteError:
-        endpoint = self._client.meta.endpoint_url
+        endpoint = shown_url(self._client.meta.endpoint_url)  # (AWS_ENDPOINT_URL may hold one)
         remedies = ()
         if "Timeout" in type(error).__name__:
             remedies = (Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow"),)
         return RemoteError(
-            f"{self.url}: S3 endpoint {endpoint}: {quote_foreign(error)}",
+            f"{self.url}: S3 endpoint {endpoint}: {shown_text(quote_foreign(error))}",
             path=self.url,
             remedies=remedies,
         )

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Any
 
 from ckpt_tools.errors import CheckpointNotFoundError, UsageError
+from ckpt_tools.formats import HIDDEN
 from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
 from ckpt_tools.io.remote.httpurls import credentials, shown_url, with_userinfo
 from ckpt_tools.io.remote.rangefile import RangeTransport, RemoteFile, TransferStats
@@ -55,20 +56,33 @@ class RemoteSession:
         self.stats = TransferStats()
         self._http: Any = None
         self._s3: Any = None
-        self._userinfo: dict[str, str] = {}  # origin -> user:password, from a URL given
+        self._userinfo: dict[str, str] = {}  # origin -> userinfo, from a URL given
+        self._given: dict[str, str] = {}  # a URL as shown -> as given (its query's values)
 
     def named(self, url: str) -> str:
-        """``url`` as messages and reports show it, without its password, which the session
-        keeps and sends to that host (a shard beside it is named without one too).
+        """``url`` as messages and reports show it (:func:`shown_url`: no userinfo, no query
+        values), which this session opens as the URL given: it keeps the credentials and
+        sends the userinfo to that host (to a shard beside the file too).
+
+        Raises:
+            UsageError: another URL given to this session is shown the same way (they differ
+                only in credentials or query values): its reads would be taken for this one's.
 
         Example:
-            >>> RemoteSession(timeout=5).named("https://me:secret@host.example/m.pt")
-            'https://me@host.example/m.pt'
+            >>> RemoteSession(timeout=5).named("https://me:secret@host.example/m.pt?sig=x")
+            'https://***@host.example/m.pt?sig=***'
         """
         origin, userinfo = credentials(url)
         if userinfo is not None:
             self._userinfo[origin] = userinfo
-        return shown_url(url)
+        shown = shown_url(url)
+        if shown != url and self._given.setdefault(shown, url) != url:
+            raise UsageError(
+                f"{shown} is given twice, with other credentials or query values (shown as "
+                f"{HIDDEN}); read each in a command of its own",
+                path=shown,
+            )
+        return shown
 
     def open(self, url: str) -> RemoteFile:
         """The file at ``url``, its size learned and its first bytes read (one request).
@@ -128,9 +142,10 @@ class RemoteSession:
             return S3Transport(self._s3, url, self.stats)
         if self._http is None:
             self._http = make_client(self.timeout, url)
+        url = self._given.get(url, url)  # a URL as shown: opened as given
         headers = auth_headers(url, hf_token()) if at_hub(url) else {}
         origin, userinfo = credentials(url)
-        if userinfo is None and origin in self._userinfo:  # a URL named without its password
+        if userinfo is None and origin in self._userinfo:  # a URL named without its userinfo
             url = with_userinfo(url, self._userinfo[origin])
         return HttpTransport(
             self._http, url, resolved=resolve(url), headers=headers, stats=self.stats

@@ -9,6 +9,7 @@ looked into for the files transformers looks for, in its order.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlunsplit
 
 from ckpt_tools.errors import CorruptCheckpointError, UsageError
-from ckpt_tools.io.remote.httpurls import split_http
+from ckpt_tools.io.remote.httpurls import shown_url, split_http
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -177,8 +178,34 @@ def _check_hf(url: str, org: str, repo: str, revision: str, path: str) -> None:
 
 
 def hf_endpoint() -> str:
-    """The Hub's address: ``HF_ENDPOINT``, else ``https://huggingface.co``."""
-    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    """The Hub's address: ``HF_ENDPOINT``, else ``https://huggingface.co``.
+
+    Raises:
+        UsageError: ``HF_ENDPOINT`` is not an ``http(s)://HOST`` URL; the message shows it
+            (without its credentials) and the value to write.
+
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch.dict("os.environ", {"HF_ENDPOINT": "hub.internal:8080"}):
+        ...     hf_endpoint()
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: HF_ENDPOINT='hub.internal:8080' is not an http(s) URL...
+    """
+    value = os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
+    endpoint = value.rstrip("/")
+    if scheme(endpoint) in ("http", "https"):
+        with contextlib.suppress(UsageError):
+            split_http(endpoint)
+            return endpoint
+    # What to write, and what was found, each shown without credentials it may hold.
+    given, sep, rest = value.partition("://")
+    written = rest if sep else given
+    fix = shown_url("https://" + written) if written.strip("/") else "https://HOST"
+    found = (given + sep if sep else "") + shown_url("https://" + written)[len("https://") :]
+    raise UsageError(
+        f"HF_ENDPOINT={found!r} is not an http(s) URL with a host: write HF_ENDPOINT={fix} "
+        "(or http:// for a Hub on your own network)"
+    )
 
 
 def hf_token() -> str | None:
@@ -229,7 +256,11 @@ def at_hub(url: str) -> bool:
     """
     if scheme(url) == "hf":
         return True
-    parts, hub = split_http(url), split_http(hf_endpoint())
+    parts = split_http(url)
+    try:
+        hub = split_http(hf_endpoint())
+    except UsageError:  # no URL is at an HF_ENDPOINT that is none (hf:// URLs are refused)
+        return False
     return (parts.scheme.lower(), parts.netloc.lower()) == (hub.scheme.lower(), hub.netloc.lower())
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, KeyCollisionError, UsageError
-from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
 from ckpt_tools.io.output_path import check_output_folder, check_output_path, wants_folder
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
@@ -102,7 +102,7 @@ def merge_lora(
             LoRA, a target missing from the base, a shape that does not fit, or a square
             weight whose layout nothing settles (exit 7), each named.
         UnsafeContentError: a pickled adapter or base names a global outside the allowlist.
-        UsageError: a bad ``dtype`` or ``verify``.
+        UsageError: ``base`` or ``adapter`` is a URL, a bad ``dtype`` or ``verify``.
         NonTensorEntriesError: a safetensors output, non-tensor entries in the base's state
             dict and not ``drop_extras`` (exit 7).
         OutputExistsError / OutputError: the output is refused (exit 6).
@@ -110,9 +110,11 @@ def merge_lora(
     Example:
         >>> result = merge_lora("model.pt", "lora", "merged.pt")
         >>> [(m.key, m.r, m.scaling) for m in result.merged]
-        [('head.weight', 2, 2.0), ('layers.0.weight', 2, 2.0)]
+        [('layers.0.weight', 2, 2.0), ('head.weight', 2, 2.0)]
     """
     base, adapter, dst = os.fspath(base), os.fspath(adapter), os.fspath(dst)
+    refuse_url(base)  # (each, before the adapter's config is looked for)
+    refuse_url(adapter)
     cast_to = cast_target(dtype)
     folder = wants_folder(dst, max_shard_size)
     if folder:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
-from ckpt_tools.formats import open_checkpoint
+from ckpt_tools.formats import open_checkpoint, refuse_url
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
@@ -53,7 +53,8 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
 
     Raises:
         CheckpointNotFoundError: a path named without a glob does not exist.
-        UsageError: nothing matches, or ``last`` is below 1.
+        UsageError: a URL (average reads local files), nothing matches, or ``last`` is
+            below 1.
 
     Example:
         >>> pick_inputs(["*.pt"])
@@ -65,6 +66,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
         )
     found: list[str] = []
     for pattern in patterns:
+        refuse_url(pattern)  # (a URL's '?' would read as a glob, its absence as "no such file")
         if glob.has_magic(pattern):
             found += sorted(glob.glob(pattern))
         elif os.path.exists(pattern):
@@ -152,15 +154,17 @@ def average(
     Raises:
         ConversionError: keys, shapes or dtypes differ, integer tensors differ (without
             ``ints``), or tensors with no mean differ (exit 7).
-        UsageError: fewer than two inputs, an input given twice (the same file, however
-            named), weights of the wrong length, NaN or infinite weights or a sum that is
-            0 or overflows, a bad ``ints``.
+        UsageError: a URL (average reads local files), fewer than two inputs, an input given
+            twice (the same file, however named), weights of the wrong length, NaN or
+            infinite weights or a sum that is 0 or overflows, a bad ``ints``.
 
     Example:
         >>> average(["model.pt", "ddp.pt"], "avg.pt").message  # module. aligned away
         'average: wrote avg.pt (2292 -> 2292 tensor bytes)'
     """
     srcs = [os.fspath(p) for p in srcs]
+    for src in srcs:  # before any message names one (a URL's password is never shown)
+        refuse_url(src)
     dst = os.fspath(dst)
     w = _weights(srcs, weights, ints)
     # OUT may be none of the inputs; each is checked (same file, hard link, symlink).

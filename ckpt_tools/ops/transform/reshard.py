@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
 from ckpt_tools.formats.safetensors import TIES_KEY, tie_metadata
 from ckpt_tools.io.output_path import check_output_folder
 from ckpt_tools.io.space import check_output_size
@@ -295,7 +295,7 @@ def reshard(
         A :class:`~ckpt_tools.ops.rewrite.result.RewriteResult`.
 
     Raises:
-        UsageError: ``src`` is not a folder of shards, or ``jobs`` < 1.
+        UsageError: ``src`` is a URL or not a folder of shards, or ``jobs`` < 1.
         NonTensorEntriesError: non-tensor entries and not ``drop_extras`` (exit 7).
         UnsafeContentError: globals outside the allowlist, not allowed (exit 3).
         OutputExistsError / OutputError: the output is refused (exit 6).
@@ -305,6 +305,7 @@ def reshard(
         ('one-shard/model.safetensors',)
     """
     src = os.fspath(src)
+    refuse_url(src)  # before the folder test, whose remedy would name it
     if not (os.path.isdir(src) or src.endswith(".index.json")):
         raise UsageError(
             f"{src!r} is not a sharded folder; reshard reads a folder of safetensors shards",

@@ -1,0 +1,176 @@
+"""What a URL shows of itself: every credential it carries (its userinfo, a token given as the
+user name, a query's values) is sent and never shown, by the commands that read URLs and by
+those that refuse them; each against the suite's servers (tests/helpers/servers.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_tools as ct
+from ckpt_tools.errors import EXIT_REMOTE, EXIT_USAGE, RemoteAccessError, UsageError
+from ckpt_tools.io.remote import RemoteSession
+from ckpt_tools.io.remote.httpurls import credentials, shown_url, split_http
+from tests.helpers.cli import run_ckpt
+from tests.helpers.servers import HubServer
+
+REFUSAL = "is a URL; inspect, scan, diff, extract and slim read URLs"
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2, 3), "b": torch.zeros(3)}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://me:secret@host.example/m.pt", "https://***@host.example/m.pt"),
+        ("https://ghp_TOKEN@host.example/m.pt", "https://***@host.example/m.pt"),
+        ("HTTP://me:s@h:8080/a/b.pt?x=1#frag", "HTTP://***@h:8080/a/b.pt?x=***#***"),
+        ("https://h/m.pt?X-Amz-Signature=QS&X-Amz-Date=1", "https://h/m.pt?X-Amz-Signature=***&X-Amz-Date=***"),
+        ("https://h/m.pt?QSECRET", "https://h/m.pt?***"),
+        ("http://me:p4ss/S3CRET@h:1/m.pt", "http://***@h:1/m.pt"),
+        ("http://me:p4ss?S3CRET@h:1/m.pt", "http://***@h:1/m.pt"),
+        ("http://me:p4ss#S3CRET@h:1/m.pt", "http://***@h:1/m.pt"),
+        ("https://h/models/a@b/m.pt", "https://h/models/a@b/m.pt"),  # an '@' in a path
+        ("https://***@h/m.pt?t=***", "https://***@h/m.pt?t=***"),  # shown twice, the same
+        ("hf://org/repo@v1/model.pt", "hf://org/repo@v1/model.pt"),
+        ("s3://bucket/key", "s3://bucket/key"),
+        ("model.pt", "model.pt"),
+    ],
+)  # fmt: skip
+def test_a_url_is_shown_without_its_credentials(url: str, shown: str) -> None:
+    assert shown_url(url) == shown
+
+
+def test_any_userinfo_is_a_credential_but_the_mark_that_hides_one() -> None:
+    assert credentials("http://ghp_TOKEN@Host:1/m.pt") == ("http://host:1", "ghp_TOKEN")
+    assert credentials("http://***@host/m.pt") == ("http://host", None)
+
+
+@pytest.mark.parametrize("password", ["p4ss/S3CRET", "p4ss?S3CRET", "p4ss#S3CRET"])
+def test_a_password_that_ends_the_host_early_is_refused_unquoted(
+    hub: HubServer, password: str
+) -> None:
+    """A password holding an unescaped '/', '?' or '#': urlsplit ends the host there and
+    would quote the rest as a port; the refusal says what to percent-encode, nothing of it."""
+    url = hub.put_file("model.pt", b"x").replace("://", f"://me:{password}@")
+    with pytest.raises(UsageError) as info:
+        split_http(url)
+    assert "p4ss" not in str(info.value) and "S3CRET" not in str(info.value)
+    assert "percent-encoded (%2F, %3F, %23)" in str(info.value)
+    _, out, err = run_ckpt("inspect", url, code=EXIT_USAGE)
+    assert "p4ss" not in out + err and "S3CRET" not in out + err and "***@127.0.0.1" in err
+    assert hub.log.requests() == 0
+
+
+def test_a_token_as_the_user_name_is_sent_never_shown(hub: HubServer, model: Path) -> None:
+    """``https://TOKEN@host/...``: sent as Basic auth (the token, an empty password), to the
+    shards beside the file too; absent from --json and from a refusal's message."""
+    url = hub.put_file("model.pt", model).replace("://", "://ghp_SECRETTOKEN@")
+    _, out, err = run_ckpt("inspect", "--json", url)
+    assert "SECRETTOKEN" not in out + err
+    assert json.loads(out)["path"] == url.replace("ghp_SECRETTOKEN@", "***@")
+    basic = "Basic " + base64.b64encode(b"ghp_SECRETTOKEN:").decode()
+    assert {h.authorization for h in hub.log.for_path()} == {basic}
+    hub.statuses["/files/refused.pt"] = 401
+    refused = url.replace("model.pt", "refused.pt")
+    _, out, err = run_ckpt("inspect", refused, code=EXIT_REMOTE)
+    assert "SECRETTOKEN" not in out + err and "refused the credentials in the URL" in err
+
+
+def test_a_query_is_sent_and_shown_without_its_values(hub: HubServer, model: Path) -> None:
+    """A presigned URL's signature, a ``token=``: the request carries them, the file's name
+    (--json, messages) shows each value as ***."""
+    url = hub.put_file("model.pt", model)
+    signed = f"{url}?X-Amz-Signature=QSECRET&token=QTOKEN"
+    _, out, err = run_ckpt("inspect", "--json", signed)
+    assert "QSECRET" not in out + err and "QTOKEN" not in out + err
+    assert json.loads(out)["path"] == f"{url}?X-Amz-Signature=***&token=***"
+    with RemoteSession() as remote:
+        f = remote.open(signed)
+        assert f.url == f"{url}?X-Amz-Signature=***&token=***"
+        assert f.transport.resolved == signed  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("query", "words"),
+    [
+        ("?token=QSECRET", "the server refused the URL's query"),
+        ("", "the server wants credentials ckpt_tools does not send"),
+    ],
+)
+def test_a_refused_query_is_told_apart_from_no_credentials(
+    hub: HubServer, monkeypatch: pytest.MonkeyPatch, query: str, words: str
+) -> None:
+    monkeypatch.delenv("HF_ENDPOINT")  # a server of its own, not the Hub
+    hub.statuses["/files/model.pt"] = 403
+    url = f"{hub.url}/files/model.pt{query}"
+    with RemoteSession() as remote, pytest.raises(RemoteAccessError) as info:
+        remote.open(url)
+    assert words in str(info.value) and "QSECRET" not in str(info.value)
+    assert info.value.path == shown_url(url)
+
+
+def test_two_urls_shown_the_same_are_not_read_as_one(hub: HubServer, model: Path) -> None:
+    """Two URLs that differ only in what is hidden would share a name, and one's reads would
+    be taken for the other's: refused, and nothing is read."""
+    url = hub.put_file("model.pt", model)
+    _, out, err = run_ckpt("scan", f"{url}?v=1", f"{url}?v=2", code=EXIT_USAGE)
+    assert f"{url}?v=*** is given twice" in err and out == ""
+    assert hub.log.requests() == 0
+
+
+LOCAL_ONLY = [
+    ("convert", "{url}", "{out}/b.safetensors"),
+    ("average", "{url}", "{url}", "{out}/f.pt"),
+    ("reshard", "{folder}", "{out}/g"),
+    ("consolidate", "{folder}", "{out}/h.pt"),
+    ("merge-lora", "{url}", "{folder}", "{out}/i"),
+    ("merge-lora", "{model}", "{folder}", "{out}/i"),
+    ("sanitize", "{url}", "{out}/j.pt"),
+    ("strip-module", "{url}", "{out}/k.pt"),
+]
+
+
+@pytest.mark.parametrize("command", LOCAL_ONLY, ids=lambda c: " ".join(c[:2]))
+def test_a_command_that_reads_local_files_refuses_a_url_by_name(
+    hub: HubServer, model: Path, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """The documented refusal (exit 2, naming the commands that read URLs) from every local
+    reader, never "no such file" or another command's advice; the password never shown."""
+    url = hub.put_file("model.pt", model).replace("://", "://me:PASSW0RD@")
+    names = {"url": url, "folder": url.rpartition("/")[0] + "/", "model": model, "out": tmp_path}
+    _, out, err = run_ckpt(*(part.format(**names) for part in command), code=EXIT_USAGE)
+    assert REFUSAL in err and "download the file and pass its path" in err, err
+    assert "PASSW0RD" not in out + err and "***@127.0.0.1" in err
+    assert "no such file" not in err and "ckpt convert" not in err
+    assert hub.log.requests() == 0
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        ct.open_checkpoint,
+        ct.detect_format,
+        ct.load_state_dict,
+        lambda url: ct.average([url, url], "avg.pt"),
+        lambda url: ct.reshard(url, "out"),
+        lambda url: ct.merge_lora("model.pt", url, "merged.pt"),
+    ],
+    ids=["open_checkpoint", "detect_format", "load_state_dict", "average", "reshard", "merge"],
+)
+def test_the_library_refuses_a_url_without_its_password(read: object) -> None:
+    url = "http://me:PASSW0RD@127.0.0.1:9/ok/model.pt"
+    with pytest.raises(UsageError) as info:
+        read(url)  # type: ignore[operator]
+    assert REFUSAL in str(info.value) and "PASSW0RD" not in str(info.value)
+    assert info.value.path == "http://***@127.0.0.1:9/ok/model.pt"
