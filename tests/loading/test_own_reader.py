@@ -340,3 +340,17 @@ def test_a_big_endian_record_swaps_the_values_as_torch_swaps_them(tmp_path: Path
     want = torch.load(big, weights_only=True)["w"]
     assert not torch.equal(want, torch.arange(4, dtype=torch.float32))
     assert torch.equal(load_state_dict(big)["w"], want)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("dtype", ["quint4x2", "quint2x4"])
+def test_packed_quantized_tensors_are_refused_as_unread_not_as_corrupt(
+    tmp_path: Path, dtype: str
+) -> None:
+    # Two (four) values to a byte: torch loads the file, whose storage is smaller than numel.
+    path = tmp_path / "packed.pt"
+    packed = torch.quantize_per_tensor(torch.tensor([0.0, 0.5, 1.0]), 0.5, 0, getattr(torch, dtype))
+    torch.save({"q": packed, "w": torch.ones(2)}, path)
+    assert torch.load(path, weights_only=True)["q"].dtype == packed.dtype
+    with pytest.raises(UnsupportedFormatError, match=f"a {dtype} tensor packs"):
+        open_checkpoint(path)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
-from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.pickle.jagged import JAGGED_GLOBALS, jagged_from_type, jagged_tensor
 from ckpt_tools.formats.pickle.rebuilt import rebuilt_tensor
 from ckpt_tools.formats.pickle.standins import (
@@ -69,6 +69,10 @@ def _storage_dtype(storage: Any) -> str:
     return storage.dtype
 
 
+# The quantized dtypes that pack several values into each byte, and how many.
+_PACKED = {"quint4x2": 2, "quint2x4": 4}
+
+
 def checked_tensor(
     func: GlobalRef, args: tuple[Any, ...], storage: StorageRef, dtype: str, requires_grad: Any
 ) -> TensorRef:
@@ -85,6 +89,12 @@ def checked_tensor(
         )
     if dtype not in DTYPE_ITEMSIZE:
         raise CorruptCheckpointError(f"unknown tensor dtype {dtype!r}")
+    if dtype in _PACKED:
+        # Its storage holds several values per byte: every span here counts whole bytes.
+        raise UnsupportedFormatError(
+            f"a {dtype} tensor packs {_PACKED[dtype]} values in each byte of its storage, which "
+            "ckpt_tools does not read; torch.load(weights_only=True) loads it"
+        )
     tensor = TensorRef(
         storage=storage,
         offset=offset,
