@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
 from ckpt_tools.errors import UsageError
+from ckpt_tools.formats import refuse_url
 from ckpt_tools.io.output_path import check_output_folder, check_output_path
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS, check_verify_level
 from ckpt_tools.io.writers.progress import ByteCounter
@@ -169,6 +170,7 @@ def consolidate(
         safetensors, 24 B of tensors written, 24 B of them copied; verified: keys and sizes
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    refuse_url(src)  # before any message names it (a URL's credentials are never shown)
     if jobs < 1:
         raise UsageError("jobs must be at least 1", argument="jobs", value=jobs)
     check_verify_level(verify, CONSOLIDATE_VERIFY_LEVELS)
