@@ -74,7 +74,8 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
     Returns:
         One of :data:`FORMATS`. ``torch-zip`` and ``torchscript`` are both zip archives: this
         returns ``torch-zip`` for any zip, and the zip reader tells them apart. A folder and
-        a shard index are both ``hf-sharded``; a folder with a
+        a shard index are both ``hf-sharded`` (a folder with one weight file too, though it
+        opens as that file); a folder with a
         ``.metadata`` file and ``*.distcp`` files is ``dcp`` (torch.distributed.checkpoint), and
         a DeepSpeed save folder (``latest``) or tag folder (``*_model_states.pt``) is
         ``deepspeed``.

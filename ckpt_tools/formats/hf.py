@@ -55,7 +55,9 @@ def open_folder(path: str) -> Checkpoint:
 
     Returns:
         A ``hf-sharded`` :class:`Checkpoint` whose root maps every tensor name to its
-        descriptor, with ``shards`` holding each shard's own checkpoint.
+        descriptor, with ``shards`` holding each shard's own checkpoint; for a folder with
+        one weight file and no index, that file's own checkpoint (a rewrite keeps its
+        format; ``inspect`` reports the folder, the file its one shard).
 
     Raises:
         UnsupportedFormatError: the folder holds no checkpoint.

@@ -73,3 +73,36 @@ def test_a_file_that_only_borrows_the_name_is_not_an_index(tmp_path: Path) -> No
     not_json.write_text("hello")
     with pytest.raises(UnsupportedFormatError, match="not a checkpoint"):
         open_checkpoint(not_json)
+
+
+@pytest.mark.parametrize(
+    ("weights", "file_format"),
+    [("model.safetensors", "safetensors"), ("pytorch_model.bin", "torch-zip")],
+)
+def test_a_folder_with_one_weight_file_is_inspected_as_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], weights: str, file_format: str
+) -> None:
+    """As save_pretrained leaves it: config.json and one weight file, no index."""
+    folder = tmp_path / "hf-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    tensors = {"a.weight": torch.arange(6.0).view(2, 3), "b.bias": torch.ones(3)}
+    if weights.endswith(".safetensors"):
+        save_file(tensors, str(folder / weights))
+    else:
+        torch.save(tensors, folder / weights)
+    assert main(["inspect", str(folder), "--json"]) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out)
+    assert (report["format"], report["path"], report["shards"]) == (
+        "hf-sharded",
+        str(folder),
+        [weights],
+    )
+    assert report["format"] == detect_format(folder)
+    assert [t["name"] for t in report["tensors"]] == list(tensors)
+    assert main(["inspect", str(folder)]) == 0
+    head = capsys.readouterr().out.splitlines()[:2]
+    assert head == [f"file:        {folder}", "format:      hf-sharded (1 shard)"]
+    # Commands that rewrite it read the one file as what it is (its format picks theirs).
+    assert open_checkpoint(folder).format == file_format
+    assert open_checkpoint(folder / weights).format == file_format

@@ -172,7 +172,7 @@ class CheckpointInfo(Readable):
         lines = [
             f"file:        {self.path}",
             f"format:      {self.format}"
-            + (f" ({len(self.shards)} shards)" if self.shards else ""),
+            + (f" ({len(self.shards)} shard{'s' * (len(self.shards) > 1)})" if self.shards else ""),
             f"state dict:  {'.'.join(self.selected) or '<root>'} ({self.selection_reason})",
             f"tensors:     {len(self.tensors)}",
             f"parameters:  {human_count(self.total_params)} ({self.total_params})",

@@ -9,7 +9,7 @@ from typing import Any
 
 from ckpt_tools._types import Select, StrPath
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef, short_repr
-from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.selection import (
     Selection,
@@ -280,7 +280,24 @@ def inspect(path: StrPath, *, select: Select = None) -> CheckpointInfo:
         from ckpt_tools.ops.merge.info import inspect_adapter
 
         return inspect_adapter(path, select)
-    return inspect_checkpoint(open_checkpoint(path), select)
+    return inspect_checkpoint(_as_named(path, open_checkpoint(path)), select)
+
+
+def _as_named(path: str, ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` as the user named it: a folder holding one weight file and no index is
+    reported as that folder (``hf-sharded``, the file its one shard), as a folder with an
+    index is.
+
+    The reader opens such a folder as its one file (so a rewrite keeps that file's format);
+    a report naming ``FOLDER/model.safetensors`` and ``safetensors`` would not say that the
+    folder is a Hugging Face folder, nor match :func:`~ckpt_tools.formats.detect_format`.
+    """
+    if ckpt.format == "hf-sharded" or not os.path.isdir(path):
+        return ckpt
+    if detect_format(path) != "hf-sharded":  # a DCP or DeepSpeed folder is itself
+        return ckpt
+    folder, name = os.path.split(ckpt.path)
+    return replace(ckpt, path=folder, format="hf-sharded", shards={name: ckpt})
 
 
 def _inspect_url(url: str, select: Select) -> CheckpointInfo:

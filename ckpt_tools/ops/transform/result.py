@@ -14,6 +14,10 @@ __all__ = ["TransformResult"]
 
 # Tensor rows listed in the text; ``--json`` has them all.
 _ROWS_SHOWN = 40
+# An average's inputs listed in the text: all of them up to this many, else the first and
+# last few (the last are the ones ``--last`` picked, the first say where the run starts).
+_SOURCES_SHOWN = 8
+_SOURCES_ENDS = 3
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -48,9 +52,10 @@ class TransformResult(WriteResult):
         return tuple(r.key for r in self.rows if r.key and not r.action.startswith("cast"))
 
     def details(self) -> list[str]:
-        """Sizes per category, and one line per tensor (the first 40)."""
+        """An average's inputs, sizes per category, and one line per tensor (the first 40)."""
         before, after = self.size_before, self.size_after
-        lines = [
+        lines = self._source_lines()
+        lines += [
             f"  {category:<10} {human_bytes(before[category]):>10} -> "
             f"{human_bytes(after.get(category, 0)):>10}"
             for category in before
@@ -70,6 +75,27 @@ class TransformResult(WriteResult):
         if len(self.rows) > _ROWS_SHOWN:
             lines.append(f"  ... {len(self.rows) - _ROWS_SHOWN} more")
         return lines
+
+    def _source_lines(self) -> list[str]:
+        """The inputs of an average, one a line (the first and last few of many).
+
+        Only ``average`` lists them: its inputs come from globs and ``--last``, so only the
+        text can say which files were picked; the other transforms' inputs are the ones
+        named on their command line.
+
+        Example:
+            >>> r = TransformResult(src="a.pt", dst="m.pt", input_format="torch-zip",
+            ...     output_format="torch-zip", command="average", sources=("a.pt", "b.pt"))
+            >>> r._source_lines()
+            ['  mean of 2 inputs:', '    a.pt', '    b.pt']
+        """
+        if self.command != "average":
+            return []
+        names = list(self.sources)
+        if len(names) > _SOURCES_SHOWN:
+            hidden = len(names) - 2 * _SOURCES_ENDS
+            names = [*names[:_SOURCES_ENDS], f"... {hidden} more", *names[-_SOURCES_ENDS:]]
+        return [f"  mean of {len(self.sources)} inputs:", *(f"    {name}" for name in names)]
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready data: the shared fields (``tensors``: how many the output holds), the

@@ -1,0 +1,48 @@
+"""``average`` names the inputs it averages in its text, dry run or not, as ``--json`` does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckpt_tools as ct
+from ckpt_tools.cli.main import cli
+
+
+def _run(folder: Path, steps: range) -> list[str]:
+    """One checkpoint per step, named by it (``ckpt_100.pt``); their names in step order."""
+    names = []
+    for step in steps:
+        name = f"ckpt_{step}.pt"
+        torch.save({"model": {"w": torch.full((2,), float(step))}, "step": step}, folder / name)
+        names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "written"])
+def test_average_text_names_the_inputs_last_picked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dry_run: bool
+) -> None:
+    names = _run(tmp_path, range(100, 700, 100))
+    monkeypatch.chdir(tmp_path)
+    args = ["average", "ckpt_*.pt", "avg.pt", "--last", "5", *(["--dry-run"] if dry_run else [])]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    start = lines.index("  mean of 5 inputs:")
+    assert lines[start + 1 : start + 6] == [f"    {name}" for name in names[1:]]
+    assert "ckpt_100.pt" not in result.output  # the one --last left out
+    assert (tmp_path / "avg.pt").exists() != dry_run
+
+
+def test_average_text_of_many_inputs_shows_both_ends_and_a_count(tmp_path: Path) -> None:
+    names = [str(tmp_path / name) for name in _run(tmp_path, range(1, 13))]
+    result = ct.average(names, tmp_path / "avg.pt", dry_run=True)
+    lines = result.text().splitlines()
+    start = lines.index("  mean of 12 inputs:")
+    shown = [line.strip() for line in lines[start + 1 : start + 8]]
+    assert shown == [*names[:3], "... 6 more", *names[-3:]]
+    assert result.to_json()["sources"] == names  # the JSON keeps every one
