@@ -17,7 +17,6 @@ Convention: A is what you have, B is what it should match (a model or a referenc
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -26,6 +25,7 @@ from ckpt_tools._types import Select
 from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport
 from ckpt_tools.diffing.sides import DiffSide, Side, is_file, kind_pair, open_side
+from ckpt_tools.diffing.tolerances import check_tolerances
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import UsageError
 from ckpt_tools.io.remote.urls import is_url
@@ -141,7 +141,7 @@ def _apply_command(
 def _suggestions(
     a: Side,
     b: Side,
-    select_a: Any,
+    select: Any,
     select_b: Any,
     aligned: tuple[Step, ...] = (),
     stored_a: Sequence[str] | None = None,
@@ -171,7 +171,7 @@ def _suggestions(
             whole = check_fix(steps, stored, keys_b)
             if whole is None or whole.matched < fix.matched:
                 continue
-        command = _apply_command(a.info, steps, select_a, stored, "sd_a")
+        command = _apply_command(a.info, steps, select, stored, "sd_a")
         inverse_command = inverse_text = ""
         inverse = _inverse(steps, fix, keys_b, stored)
         if inverse is not None:
@@ -216,35 +216,6 @@ def _torch_threads(jobs: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def check_tolerances(rtol: float, atol: float) -> None:
-    """Refuse a tolerance that is not a finite number >= 0.
-
-    NaN makes ``|a - b| <= atol + rtol * |b|`` false everywhere yet was counted close; an
-    infinite one accepts every finite difference (and ``inf * 0`` is NaN where ``b`` is 0).
-
-    Args:
-        rtol: relative tolerance.
-        atol: absolute tolerance.
-
-    Raises:
-        UsageError: naming the first bad one (``rtol``/``--rtol``, ``atol``/``--atol``).
-
-    Example:
-        >>> check_tolerances(1e-5, float("nan"))
-        Traceback (most recent call last):
-        ...
-        ckpt_tools.errors.UsageError: atol=nan: tolerances must be finite numbers >= 0
-    """
-    for name, value, flag in (("rtol", rtol, "--rtol"), ("atol", atol, "--atol")):
-        if not (math.isfinite(value) and value >= 0):
-            raise UsageError(
-                "tolerances must be finite numbers >= 0",
-                argument=name,
-                value=repr(value),
-                flag=flag,
-            )
-
-
 def compares_values(a: object, b: object, values: bool | None) -> bool:
     """Whether :func:`diff` compares values: as ``values`` says, and by default (None) unless
     a side is a URL (its keys, shapes and dtypes come from its structure alone).
@@ -264,7 +235,7 @@ def diff(
     *,
     rtol: float = 1e-5,
     atol: float = 1e-8,
-    select_a: Select = None,
+    select: Select = None,
     select_b: Select = None,
     align: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
@@ -279,9 +250,10 @@ def diff(
             ``hf://ORG/REPO[@REV][/PATH]``, ``s3://BUCKET/KEY``: its structure is fetched by
             byte ranges), a state dict, or an ``nn.Module`` (its ``state_dict()``).
         b: what it should match, in the same forms.
-        rtol, atol: tolerances, as in ``torch.isclose``: finite numbers >= 0.
-        select_a, select_b: dotted paths to the state dict in each checkpoint (default:
-            chosen automatically, as ``ckpt inspect`` does).
+        rtol, atol: tolerances, as in ``torch.isclose``: finite real numbers >= 0.
+        select: dotted path (or sequence of keys) to the state dict in checkpoint A, as
+            everywhere else (default: chosen automatically, as ``ckpt inspect`` does).
+        select_b: the same for B.
         align: first rewrite A's keys with the wrapper rewrite that best matches B's (as
             :func:`ckpt_tools.load_into` does: ``module.``, ``_orig_mod.``, ``model.`` ...),
             then compare; the report says which (``aligned``) and how to make it permanent
@@ -301,9 +273,10 @@ def diff(
         a URL was read, its ``transfer`` says what that cost.
 
     Raises:
-        UsageError: a side is of an unsupported type, ``select`` is given for a module, a
-            tolerance is negative, NaN or infinite, or ``jobs`` < 1.
-        SelectError: ``select`` names a missing entry.
+        UsageError: a side is of an unsupported type, ``select`` or ``select_b`` is given
+            for a module, a tolerance is not a real number, or is negative, NaN or
+            infinite, or ``jobs`` < 1.
+        SelectError: ``select`` or ``select_b`` names a missing entry.
         CheckpointError: a file is missing, truncated or malformed.
         RemoteError: a URL could not be read (refused credentials, a timeout, a refused
             connection, a server that ignores byte ranges).
@@ -319,10 +292,10 @@ def diff(
         >>> diff("model.pt", "model.pt", values=False).tensor("conv.weight").status
         'unchecked'
     """
+    rtol, atol = check_tolerances(rtol, atol)  # before torch or a file is touched
     compare = compares_values(a, b, values)
     if compare or not (is_file(a) and is_file(b)):
         require_torch("diff")
-    check_tolerances(rtol, atol)
     if jobs < 1:
         raise UsageError("must be at least 1", argument="jobs", value=repr(jobs))
     with contextlib.ExitStack() as stack:
@@ -333,11 +306,9 @@ def diff(
             session = stack.enter_context(RemoteSession())
         if compare:
             stack.enter_context(_torch_threads(jobs))
-        side_a = open_side(a, select_a, "A", compare, session, stack)
+        side_a = open_side(a, select, "A", compare, session, stack)
         side_b = open_side(b, select_b, "B", compare, session, stack)
-        report = _report(
-            side_a, side_b, rtol, atol, select_a, select_b, align, chunk_bytes, compare
-        )
+        report = _report(side_a, side_b, rtol, atol, select, select_b, align, chunk_bytes, compare)
         return replace(report, transfer=session.stats) if session is not None else report
 
 
@@ -346,7 +317,7 @@ def _report(
     side_b: Side,
     rtol: float,
     atol: float,
-    select_a: Select,
+    select: Select,
     select_b: Select,
     align: bool,
     chunk_bytes: int,
@@ -364,7 +335,7 @@ def _report(
     unexpected = tuple(k for k in a if k not in b and k not in side_b.others)
     # Suggested after the alignment: never the rewrite --align has just applied.
     suggestions = (
-        _suggestions(side_a, side_b, select_a, select_b, aligned, stored) if unexpected else ()
+        _suggestions(side_a, side_b, select, select_b, aligned, stored) if unexpected else ()
     )
     tensors = tuple(
         _compare(name, side_a, side_b, rtol, atol, chunk_bytes, values)
@@ -384,7 +355,7 @@ def _report(
         suggestions=suggestions,
         aligned=tuple(step.describe() for step in aligned),
         aligned_command=(
-            _apply_command(side_a.info, aligned, select_a, stored, "sd_a") if aligned else ""
+            _apply_command(side_a.info, aligned, select, stored, "sd_a") if aligned else ""
         ),
         values_compared=values,
     )

@@ -84,14 +84,16 @@ class TensorDiff:
         shape_a, shape_b: shapes.
         bit_equal: same dtype, shape and bytes, as torch.load gives them (conjugate and
             negative bits applied; a quantized pair's also the same quantizer, as
-            ``torch.equal`` says); None when the shapes differ.
+            ``torch.equal`` says); None when not compared (values not read, a ``kind``,
+            ``shape`` or ``layout`` pair).
         max_abs: largest ``|a - b|`` over elements where neither is NaN (``inf - inf`` of
             equal sign counts 0; a quantized tensor's values are its dequantized ones); None
             when not compared.
         max_rel: largest ``|a - b| / |b|`` (``inf`` where ``b`` is 0 and ``a`` is not).
         allclose: every element satisfies ``|a - b| <= atol + rtol * |b|``, NaNs in the same
-            places count as close (``torch.isclose(equal_nan=True)``).
-        mismatched: elements that are not close.
+            places count as close (``torch.isclose(equal_nan=True)``); None when values were
+            not compared as numbers (not read, or compared by their bits alone).
+        mismatched: elements that are not close; None where ``allclose`` is.
         nan_a, nan_b, inf_a, inf_b: NaN and infinity counts on each side.
         numel: elements compared.
         values_compared: whether values were read at all (``diff(values=...)``); where not,

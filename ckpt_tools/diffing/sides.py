@@ -39,6 +39,9 @@ __all__ = ["DiffSide", "Side", "is_file", "kind_pair", "open_side"]
 #: dict, or a module.
 DiffSide = Union[str, "os.PathLike[str]", Mapping[str, Any], "nn.Module"]
 
+#: Each side's selection, as ``diff`` and ``ckpt diff`` take it: (argument, flag).
+SELECT_ARGUMENTS = {"A": ("select", "--select"), "B": ("select_b", "--select-b")}
+
 
 class Side:
     """Names -> tensor descriptors or tensors, and a way to stream each one's elements.
@@ -176,8 +179,13 @@ def kind_pair(name: str, a: Side, b: Side, values: bool) -> TensorDiff:
         layout_b=layout_b,
         kind_a=kind_a,
         kind_b=kind_b,
-        note=f"a {kind_a} in A, a {kind_b} in B: not compared",
+        note=f"{_article(kind_a)} in A, {_article(kind_b)} in B: not compared",
     )
+
+
+def _article(kind: str) -> str:
+    """``kind`` after its indefinite article: "a str", "an int"."""
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 
 
 def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple[dict, dict]:
@@ -240,9 +248,9 @@ def _in_memory(side: DiffSide, select: Select, name: str) -> Iterator[Side]:
         if select is not None:
             raise UsageError(
                 "applies to checkpoints, not to a module",
-                argument=f"select_{name.lower()}",
+                argument=SELECT_ARGUMENTS[name][0],
                 value=repr(select),
-                flag="--select" if name == "A" else "--select-b",
+                flag=SELECT_ARGUMENTS[name][1],
             )
         entries, others = _split(side.state_dict(), torch.Tensor)
         label = f"<module {type(side).__name__}>"
@@ -316,8 +324,8 @@ def open_side(
     except SelectError as e:
         if e.argument != "select":
             raise
-        # The selection names its argument `select`; diff takes one per side.
-        argument, flag = f"select_{name.lower()}", "--select" if name == "A" else "--select-b"
+        # The selection names its argument `select`, which is A's; B's is `select_b`.
+        argument, flag = SELECT_ARGUMENTS[name]
         raise SelectError(
             e.message, path=e.path, argument=argument, value=e.value, flag=flag, remedies=e.remedies
         ) from None

@@ -159,7 +159,9 @@ class ValueStats:
         same = (x == y) | nan_x | nan_y  # NaN places are counted apart, not as distances
         d = torch.where(same, 0.0, torch.abs(x - y))
         self.max_abs = max(self.max_abs, float(d.max()))
-        r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf)
+        # d/0 (b is 0) is inf, and inf/inf (b infinite) NaN: both stay inf, where
+        # nan_to_num's default would make the first the largest float.
+        r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf, posinf=math.inf)
         self.max_rel = max(self.max_rel, float(r.max()))
 
 

@@ -224,7 +224,7 @@ def test_format_safetensors_that_cannot_hold_the_output_is_answered_with_format_
 
 
 @pytest.mark.parametrize(
-    ("option", "argument"), [("--select", "select_a"), ("--select-b", "select_b")]
+    ("option", "argument"), [("--select", "select"), ("--select-b", "select_b")]
 )
 def test_a_diff_selection_naming_no_entry_is_said_as_the_option_given(
     option: str, argument: str, tmp_path: Path

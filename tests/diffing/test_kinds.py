@@ -45,7 +45,8 @@ def test_a_tensor_against_another_entry_is_a_kind_difference(save: Save, other: 
         assert not report.identical and report.found() == {"kind"}
         pair = report.tensor("y")
         assert pair.status == "kind" and (pair.kind_a, pair.kind_b) == kinds
-        assert pair.note == f"a {kinds[0]} in A, a {kinds[1]} in B: not compared"
+        one, other = (("an " if k == "int" else "a ") + k for k in kinds)
+        assert pair.note == f"{one} in A, {other} in B: not compared"
         assert report.tensor("x").status == "equal"
 
 

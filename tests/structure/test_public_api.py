@@ -58,7 +58,6 @@ POSITIONAL_DATA: Mapping[str, tuple[str, ...]] = {
 #: one default wherever they appear.
 SHARED: Mapping[str, tuple[str, Any]] = {
     "select": ("Select", None),
-    "select_a": ("Select", None),
     "select_b": ("Select", None),
     "output_format": ("OutputFormat | None", None),
     "verify": ("VerifyLevel", "sizes"),

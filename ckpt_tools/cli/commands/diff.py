@@ -141,7 +141,7 @@ def diff_cmd(
         other,
         rtol=rtol,
         atol=atol,
-        select_a=select,
+        select=select,
         select_b=select_b,
         align=align,
         values=values,

@@ -1,0 +1,51 @@
+"""value_stats: ``max_rel`` where B is 0, on the path for chunks that hold NaN or infinity."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.diffing.engine import diff
+from ckpt_tools.diffing.table import DIFF_COLUMNS, diff_rows
+from ckpt_tools.diffing.value_stats import compare_tensors
+from tests.helpers import run_ckpt
+
+INF, NAN = math.inf, math.nan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ([INF, 1.0], [0.0, 1.0]),  # A infinite where B is 0
+        ([-INF, 1.0], [0.0, 1.0]),
+        ([2.0, NAN], [0.0, NAN]),  # finite A over a 0, in a chunk that holds a NaN
+        ([2.0, INF], [0.0, INF]),
+    ],
+)
+def test_max_rel_is_inf_where_b_is_zero_and_a_is_not_even_beside_nan_or_inf(
+    a: list[float], b: list[float], dtype: torch.dtype
+) -> None:
+    ta, tb = torch.tensor(a, dtype=dtype), torch.tensor(b, dtype=dtype)
+    assert compare_tensors(ta, tb).max_rel == INF  # not torch.finfo(dtype).max
+    row = diff({"x": ta}, {"x": tb}).tensor("x")
+    assert row.max_rel == INF and row.to_json()["max_rel"] == "inf"
+    assert row.status == "differ" and row.mismatched == 1
+
+
+def test_the_table_shows_inf_for_an_infinite_max_rel(tmp_path: Path) -> None:
+    torch.save({"x": torch.tensor([1.0, INF])}, tmp_path / "a.pt")
+    torch.save({"x": torch.tensor([1.0, 0.0])}, tmp_path / "b.pt")
+    report = diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    row = dict(zip(DIFF_COLUMNS, diff_rows(report.tensors, group=True)[0]))
+    assert (row["max abs"], row["max rel"], row["inf A/B"]) == ("inf", "inf", "1/0")
+
+    printed = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt").stdout
+    (line,) = [line for line in printed.splitlines() if line.startswith("x ")]
+    assert line.split()[4:6] == ["inf", "inf"], printed
+    printed = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json").stdout
+    assert json.loads(printed)["tensors"][0]["max_rel"] == "inf"
