@@ -192,6 +192,11 @@ def cli() -> None:
     """
 
 
+# click 8.2+ raises this for a group called without a command; 8.1 printed the help to
+# stdout and exited 0 itself (an Exit above), so there is nothing to catch there.
+_NO_ARGS_IS_HELP: type[Exception] | tuple[()] = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ckpt`` through click, behind :func:`~ckpt_tools.cli.boundary.guarded`."""
     return run_command(cli, argv, prog_name="ckpt")
@@ -220,6 +225,11 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
                 standalone_mode=False,
             )
         except click.exceptions.Exit as e:
+            return e.exit_code
+        except _NO_ARGS_IS_HELP as e:
+            # A group called without its command: its help, as click prints it (stderr,
+            # exit 2), not squeezed into an error line.
+            e.show()
             return e.exit_code
         except click.UsageError as e:
             from ckpt_tools.errors import EXIT_USAGE  # the error tree, on an error only

@@ -24,6 +24,8 @@ __all__ = [
     "MODEL_NAMES",
     "MULTI_PROCESS",
     "RUN_JSON",
+    "SEED_RANGE",
+    "SPLIT_BATCH",
     "STEPS_DIR",
     "STRATEGIES",
     "TORCHRUN_VARS",
@@ -40,6 +42,10 @@ __all__ = [
 STRATEGIES: tuple[str, ...] = ("single", "dp", "ddp", "manual", "fsdp", "zero")
 #: The strategies that run one process per rank (spawned, or under torchrun).
 MULTI_PROCESS: tuple[str, ...] = ("ddp", "fsdp", "zero")
+#: The strategies that split every global batch over ``world_size`` ranks or replicas.
+SPLIT_BATCH: tuple[str, ...] = ("manual", *MULTI_PROCESS)
+#: The seeds ``torch.manual_seed`` accepts, both ends included.
+SEED_RANGE: tuple[int, int] = (-(2**63), 2**64 - 1)
 #: The ZeRO stages the ``zero`` strategy trains with; 3 (parameters, gradients and optimizer
 #: states all partitioned, FSDP's counterpart) unless asked otherwise.
 ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
@@ -117,20 +123,7 @@ class TrainConfig:
         Raises:
             UsageError: naming the bad field, what was expected and the option that fixes it.
         """
-        if self.strategy not in STRATEGIES:
-            raise UsageError(
-                f"unknown strategy; expected one of {', '.join(STRATEGIES)}",
-                argument="strategy",
-                value=repr(self.strategy),
-                flag="--strategy",
-            )
-        if self.model.lower() not in MODEL_NAMES:
-            raise UsageError(
-                f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
-                argument="model",
-                value=repr(self.model),
-                flag="--arch",
-            )
+        self._validate_names()
         if self.steps < 1:
             raise UsageError(
                 "must be at least 1", argument="steps", value=repr(self.steps), flag="--steps"
@@ -146,15 +139,11 @@ class TrainConfig:
                 value=repr(self.world_size),
                 flag="--world-size",
             )
-        if self.zero_stage not in ZERO_STAGES:
-            raise UsageError(
-                f"expected one of {', '.join(map(str, ZERO_STAGES))}",
-                argument="zero_stage",
-                value=repr(self.zero_stage),
-                flag="--zero-stage",
-            )
-        if self.world_size is not None:
-            check_batch_covers(self.batch_size, self.world_size, "ranks")
+        if self.world_size is not None and self.strategy in SPLIT_BATCH:
+            # single trains on one device whatever world_size says; dp splits the batch
+            # only over GPUs, which train() checks once it knows the devices.
+            what = "replicas" if self.strategy == "manual" else "ranks"
+            check_batch_covers(self.batch_size, self.world_size, what)
         if self.record_steps and self.out_dir is None:
             raise UsageError(
                 "needs out_dir: the parameters of every step are saved there",
@@ -168,6 +157,49 @@ class TrainConfig:
                 value=repr(self.batch_size),
                 flag="--batch-size",
             )
+        self._validate_seed()
+
+    def _validate_names(self) -> None:
+        """The strategy, the model and the ZeRO stage are among the known ones."""
+        if self.strategy not in STRATEGIES:
+            raise UsageError(
+                f"unknown strategy; expected one of {', '.join(STRATEGIES)}",
+                argument="strategy",
+                value=repr(self.strategy),
+                flag="--strategy",
+            )
+        if self.model.lower() not in MODEL_NAMES:
+            raise UsageError(
+                f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
+                argument="model",
+                value=repr(self.model),
+                flag="--arch",
+            )
+        if self.zero_stage not in ZERO_STAGES:
+            raise UsageError(
+                f"expected one of {', '.join(map(str, ZERO_STAGES))}",
+                argument="zero_stage",
+                value=repr(self.zero_stage),
+                flag="--zero-stage",
+            )
+
+    def _validate_seed(self) -> None:
+        """Every seed the run draws is one torch accepts: the data order of epoch ``e`` is
+        seeded with ``seed + e`` (:func:`ckpt_tools.harness.data.batch_indices`)."""
+        last_epoch = (self.steps - 1) // (self.num_samples // self.batch_size)
+        low, high = SEED_RANGE[0], SEED_RANGE[1] - last_epoch
+        if low <= self.seed <= high:
+            return
+        why = "the seeds torch accepts"
+        if last_epoch:
+            epochs = f"{last_epoch} epoch{'s' if last_epoch > 1 else ''}"
+            why += f", less the {epochs} that {self.steps} steps add to it for the data order"
+        raise UsageError(
+            f"must be between {low} and {high} ({why})",
+            argument="seed",
+            value=repr(self.seed),
+            flag="--seed",
+        )
 
 
 def check_batch_covers(

@@ -42,7 +42,15 @@ from ckpt_tools.harness.config import (
     torchrun_env,
 )
 from ckpt_tools.harness.data import shard
+from ckpt_tools.harness.failures import (
+    PeerLostError,
+    peer_lost,
+    quiet_spawn_log,
+    rank_failure,
+    write_failure,
+)
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
+from ckpt_tools.harness.outputs import clear_outputs
 from ckpt_tools.harness.placement import resolve_devices
 
 __all__ = ["TrainRank", "launch", "rank_result", "train_ddp", "train_steps"]
@@ -107,7 +115,10 @@ def train_ddp(config: TrainConfig) -> TrainResult:
     Raises:
         UsageError: torchrun's world size differs from ``config.world_size``, more ranks
             than GPUs, or SyncBatchNorm asked for on the CPU.
-        RuntimeError: a spawned worker failed; the message carries its traceback.
+        RankFailedError: a spawned rank failed (its own error and exit code, the rank
+            named) or was killed by a signal.
+        RuntimeError: a spawned rank met a bug of the harness; the message carries its
+            traceback.
 
     Example:
         >>> train_ddp(TrainConfig(strategy="ddp", world_size=2, steps=2)).backend  # doctest: +SKIP
@@ -136,7 +147,10 @@ def launch(config: TrainConfig, train_rank: TrainRank) -> TrainResult:
 
     Raises:
         UsageError: see :func:`train_ddp`.
-        RuntimeError: a spawned worker failed; the message carries its traceback.
+        RankFailedError: a spawned rank failed (its own error and exit code, the rank
+            named) or was killed by a signal.
+        RuntimeError: a spawned rank met a bug of the harness; the message carries its
+            traceback.
     """
     env = torchrun_env()
     if env is not None:
@@ -183,8 +197,8 @@ def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
     """Refuse SyncBatchNorm on the CPU before any process starts: torch has no CPU kernel."""
     if device.type == "cpu" and _wants_sync_bn(config, device):
         raise UsageError(
-            "SyncBatchNorm needs GPUs (torch implements it for CUDA only), but this DDP run "
-            "is on the CPU",
+            "SyncBatchNorm needs GPUs (torch implements it for CUDA only), but this "
+            f"{config.strategy} run is on the CPU",
             remedies=(
                 Remedy("model", "'resnet'", flag="--arch resnet", text="(BatchNorm per rank)"),
                 Remedy(text="run on GPUs"),
@@ -209,29 +223,30 @@ def _spawn(
         report_dir = config.out_dir if config.out_dir is not None else scratch
         started = time.perf_counter()
         for attempt in range(_SPAWN_ATTEMPTS):
+            failures = Path(scratch, f"failures-{attempt}")
+            failures.mkdir()
             init_method = f"tcp://127.0.0.1:{_free_port()}"
+            args = (world, [str(d) for d in devices], config, init_method, report_dir)
+            context = mp.start_processes(
+                _spawn_entry,
+                args=(*args, train_rank, str(failures)),
+                nprocs=world,
+                join=False,
+                start_method="spawn",
+            )
             try:
-                mp.spawn(
-                    _spawn_entry,
-                    args=(
-                        world,
-                        [str(d) for d in devices],
-                        config,
-                        init_method,
-                        report_dir,
-                        train_rank,
-                    ),
-                    nprocs=world,
-                    join=True,
-                )
+                with quiet_spawn_log():
+                    while not context.join():
+                        pass
                 break
             except ProcessException as exc:
                 # Another process may grab the free port before rank 0 binds it; retry then.
                 port_taken = "address already in use" in str(exc).lower()
                 if port_taken and attempt + 1 < _SPAWN_ATTEMPTS:
                     continue
+                codes = [process.exitcode for process in context.processes]
                 what = config.strategy.upper()
-                raise RuntimeError(f"a {what} worker process failed:\n{exc}") from exc
+                raise rank_failure(failures, world, codes, exc.error_index, what) from exc
         result = TrainResult.read_json(report_dir)
         return replace(result, seconds=time.perf_counter() - started)
 
@@ -244,10 +259,19 @@ def _spawn_entry(
     init_method: str,
     report_dir: str,
     train_rank: TrainRank,
+    failures: str,
 ) -> None:
-    """``mp.spawn`` target: one rank of an internally started run."""
+    """``mp.spawn`` target: one rank of an internally started run.
+
+    A failure is summarised into ``failures`` for the launcher (see
+    :mod:`ckpt_tools.harness.failures`) before it ends the process.
+    """
     local = [torch.device(d) for d in devices]
-    _worker(rank, world, local, rank, config, init_method, "spawn", report_dir, train_rank)
+    try:
+        _worker(rank, world, local, rank, config, init_method, "spawn", report_dir, train_rank)
+    except Exception as exc:
+        write_failure(failures, rank, exc)
+        raise
     if config.strategy == "zero":
         # DeepSpeed's threads can abort the interpreter's own exit after a complete run (the
         # ranks have written and passed the last barrier): leave without running it.
@@ -283,6 +307,9 @@ def _worker(
         backend, init_method=init_method, rank=rank, world_size=world, timeout=_PG_TIMEOUT
     )
     try:
+        if rank == 0 and config.out_dir is not None:
+            clear_outputs(config.out_dir, config.strategy, config.record_steps)
+        dist.barrier()  # nobody writes into out_dir before rank 0 has cleared it
         sync_bn = _wants_sync_bn(config, device)
         result = train_rank(rank, world, device, config, sync_bn, backend, launcher)
         result = replace(result, devices=tuple(str(d) for d in devices))
@@ -296,6 +323,10 @@ def _worker(
         # Nobody leaves before rank 0 has written, so a launcher sees complete files.
         dist.barrier()
         return result
+    except RuntimeError as exc:  # torch.distributed's DistError is one too
+        if not peer_lost(exc):
+            raise
+        raise PeerLostError(rank, world, exc) from exc
     finally:
         dist.destroy_process_group()
 

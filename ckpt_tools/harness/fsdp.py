@@ -79,7 +79,9 @@ def train_fsdp(config: TrainConfig) -> TrainResult:
     Raises:
         UsageError: torch is older than 2.9 (:func:`fsdp_missing`); otherwise as
             :func:`ckpt_tools.harness.ddp.train_ddp`.
-        RuntimeError: a spawned worker failed; the message carries its traceback.
+        RankFailedError: a spawned rank failed or was killed (see
+            :func:`ckpt_tools.harness.ddp.train_ddp`).
+        RuntimeError: a spawned rank met a bug of the harness (its traceback included).
 
     Example:
         >>> config = TrainConfig(strategy="fsdp", world_size=2, steps=2, out_dir="o")

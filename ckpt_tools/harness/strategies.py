@@ -32,6 +32,7 @@ from ckpt_tools.harness.loop import (
     local_loss,
     make_optimizer,
 )
+from ckpt_tools.harness.outputs import clear_outputs
 from ckpt_tools.harness.placement import resolve_devices
 
 __all__ = ["run_steps", "train"]
@@ -51,7 +52,13 @@ def train(config: TrainConfig) -> TrainResult:
     Raises:
         UsageError: bad strategy/model/sizes, more ranks than selected GPUs, or a
             one-process strategy under torchrun.
-        RuntimeError: a DDP worker process failed (its traceback is in the message).
+        OSError: ``out_dir`` cannot be cleared (see below) or written.
+        RankFailedError: a rank of ``ddp``, ``fsdp`` or ``zero`` failed or was killed: one
+            line naming the rank, with the rank's own error and exit code.
+        RuntimeError: a rank met a bug of the harness (its traceback is in the message).
+
+    An ``out_dir`` that holds an earlier run keeps everything but what this strategy writes
+    (:data:`~ckpt_tools.harness.outputs.STRATEGY_OUTPUTS`), which is removed first.
 
     Example:
         >>> result = train(TrainConfig(strategy="single", steps=2, device="cpu"))
@@ -76,7 +83,11 @@ def train(config: TrainConfig) -> TrainResult:
         return train_zero(config)
     world_size = 1 if config.strategy == "single" else config.world_size
     devices = resolve_devices(world_size, config.gpus, config.device)
-    check_batch_covers(config.batch_size, len(devices), "replicas")
+    # dp splits the batch only over GPUs; on the CPU it is one plain forward.
+    if config.strategy == "manual" or devices[0].type == "cuda":
+        check_batch_covers(config.batch_size, len(devices), "replicas")
+    if config.out_dir is not None:
+        clear_outputs(config.out_dir, config.strategy, config.record_steps)
     started = time.perf_counter()
     if config.strategy == "manual":
         from ckpt_tools.harness.manual import train_manual

@@ -79,7 +79,9 @@ def train_zero(config: TrainConfig) -> TrainResult:
     Raises:
         MissingExtraError: DeepSpeed is not installed (a UsageError).
         UsageError: as :func:`ckpt_tools.harness.ddp.train_ddp`.
-        RuntimeError: a spawned worker failed; the message carries its traceback.
+        RankFailedError: a spawned rank failed or was killed (see
+            :func:`ckpt_tools.harness.ddp.train_ddp`).
+        RuntimeError: a spawned rank met a bug of the harness (its traceback included).
 
     Example:
         >>> config = TrainConfig(strategy="zero", zero_stage=2, steps=2, out_dir="o")
@@ -176,9 +178,8 @@ def _save_zero(engine: Any, config: TrainConfig, rank: int) -> dict[str, str]:
     dist.barrier()  # every rank's files are complete before rank 0 reads them
     if rank != 0:
         return {}
+    # Rank 0 cleared this run's outputs before training (ckpt_tools.harness.outputs).
     paths = {name: out / f"{name}.pt" for name in ("wrapped", "bare")}
-    for path in paths.values():
-        path.unlink(missing_ok=True)  # a re-run into the same folder
     consolidate(folder, paths["bare"])
     bare = torch.load(paths["bare"], map_location="cpu", weights_only=True)
     torch.save({f"module.{k}": v for k, v in bare.items()}, paths["wrapped"])

@@ -149,7 +149,11 @@ def test_without_a_gpu_asking_for_gpus_is_a_usage_error() -> None:
         ({"model": "vgg"}, "model='vgg'", "--arch 'vgg'"),
         ({"steps": 0}, "steps=0", "--steps 0"),
         ({"world_size": 0}, "world_size=0", "--world-size 0"),
-        ({"world_size": 4, "batch_size": 2}, "raise batch_size", "raise --batch-size"),
+        (
+            {"strategy": "manual", "world_size": 4, "batch_size": 2},
+            "raise batch_size",
+            "raise --batch-size",
+        ),
         ({"batch_size": 10_000}, "batch_size=10000: must be between", "--batch-size 10000"),
     ],
 )

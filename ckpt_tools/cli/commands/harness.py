@@ -261,9 +261,11 @@ def parity_cmd(
     Exits 0 when every parity check holds, 1 otherwise.
     """
     require_torch("ckpt harness parity")
-    from ckpt_tools.harness.parity.plot import plot_parity
+    from ckpt_tools.harness.parity.plot import check_plot_path, plot_parity
     from ckpt_tools.harness.parity.run import run_parity
 
+    if plot_path is not None:
+        check_plot_path(plot_path)  # before the training, not after it
     report = run_parity(
         out_dir=out_dir,
         strategies=[part.strip() for part in strategies.split(",") if part.strip()],

@@ -23,7 +23,10 @@ from typing import Any
 
 from ckpt_tools.errors import Remedy, UsageError
 
-__all__ = ["parity_figure", "plot_parity", "zero_floor"]
+__all__ = ["COMMON_FORMATS", "check_plot_path", "parity_figure", "plot_parity", "zero_floor"]
+
+#: The image formats every matplotlib saves, for the check when matplotlib is not importable.
+COMMON_FORMATS: tuple[str, ...] = ("eps", "pdf", "png", "ps", "svg")
 
 _STYLES = ("-", "--", ":", "-.")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
@@ -66,7 +69,8 @@ def plot_parity(
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        UsageError: matplotlib is not installed (``pip install 'ckpt_tools[plot]'``).
+        UsageError: matplotlib is not installed (``pip install 'ckpt_tools[plot]'``), or
+            the suffix is not a format it saves (:func:`check_plot_path`).
         OSError: the file cannot be written.
 
     Example:
@@ -75,8 +79,59 @@ def plot_parity(
         >>> plot_parity(losses, gaps, "parity.png", tolerance=1e-5)
         PosixPath('parity.png')
     """
-    out = Path(path)
+    out = check_plot_path(path)
     parity_figure(losses, gaps, tolerance=tolerance, title=title).savefig(out, dpi=110)
+    return out
+
+
+def _missing_matplotlib() -> UsageError:
+    return UsageError(
+        "plotting needs matplotlib, which is not installed",
+        remedies=(
+            Remedy(command="pip install 'ckpt_tools[plot]'"),
+            Remedy(verb="leave out", flag="--plot"),
+        ),
+    )
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """Refuse a plot that could not be saved, before anything is trained for it.
+
+    Args:
+        path: the image to write; its suffix picks the format.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        UsageError: a suffix that is not one of matplotlib's formats (its own list where it
+            is importable, else :data:`COMMON_FORMATS`), or matplotlib not installed.
+
+    Example:
+        >>> check_plot_path("parity.txt")
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: path='parity.txt': not an image format matplotlib saves; ...
+    """
+    out = Path(path)
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        formats: tuple[str, ...] = COMMON_FORMATS
+        missing = True
+    else:
+        formats, missing = tuple(sorted(FigureCanvasBase.get_supported_filetypes())), False
+    suffix = out.suffix[1:].lower()
+    if suffix not in formats:
+        what = "has no suffix" if not suffix else "not an image format matplotlib saves"
+        raise UsageError(
+            f"{what}; expected a file ending in one of .{', .'.join(formats)}",
+            argument="path",
+            value=repr(str(path)),
+            flag="--plot",
+        )
+    if missing:
+        raise _missing_matplotlib()
     return out
 
 
@@ -104,13 +159,7 @@ def parity_figure(
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise UsageError(
-            "plotting needs matplotlib, which is not installed",
-            remedies=(
-                Remedy(command="pip install 'ckpt_tools[plot]'"),
-                Remedy(verb="leave out", flag="--plot"),
-            ),
-        ) from exc
+        raise _missing_matplotlib() from exc
     fig = Figure(figsize=(11.0, 4.4), layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to the figure; savefig renders through it
     loss_ax, gap_ax = fig.subplots(1, 2)

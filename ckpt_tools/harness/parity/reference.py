@@ -85,9 +85,16 @@ def _gap(report: DiffReport, *, bitwise: bool) -> tuple[float, list[str]]:
     keys = (("missing", report.missing), ("unexpected", report.unexpected))
     problems = [f"{label} keys {list(names[:3])}" for label, names in keys if names]
     gaps = [t.max_abs for t in report.tensors if t.max_abs is not None]
-    worst = math.inf if problems or report.shape_mismatches else max(gaps, default=0.0)
+    # The diff engine measures |a - b| where neither side is NaN; a NaN on one side only
+    # has no distance, and a gap of 0.0 beside a failure would not explain it.
+    nan_apart = {t.name for t in report.tensors if t.nan_a != t.nan_b}
+    worst = math.nan if nan_apart else max(gaps, default=0.0)
+    if problems or report.shape_mismatches:
+        worst = math.inf
     for t in report.tensors:
-        if t.status in ("shape", "dtype"):
+        if t.name in nan_apart:
+            problems.append(f"{t.name}: {t.nan_a} NaN, expected {t.nan_b}")
+        elif t.status in ("shape", "dtype"):
             problems.append(
                 f"{t.name}: {t.dtype_a}{list(t.shape_a)}, expected {t.dtype_b}{list(t.shape_b)}"
             )
@@ -112,14 +119,17 @@ def compare_state_dicts(
 
     Returns:
         ``(largest |got - ref| over all tensors, problems)``; the gap is ``inf`` when keys
-        or shapes do not line up, and ``problems`` names every key that breaks the
-        comparison (missing, unexpected, dtype or shape, values or bytes).
+        or shapes do not line up, ``nan`` when a tensor has NaNs on one side that the other
+        does not, and ``problems`` names every key that breaks the comparison (missing,
+        unexpected, dtype or shape, NaNs, values or bytes).
 
     Example:
         >>> compare_state_dicts({"w": torch.ones(2)}, {"w": torch.ones(2)})
         (0.0, [])
         >>> compare_state_dicts({"w": torch.zeros(1)}, {"w": torch.tensor([-0.0])})
         (0.0, ['w: bytes differ'])
+        >>> compare_state_dicts({"w": torch.zeros(2)}, {"w": torch.tensor([0.0, math.nan])})
+        (nan, ['w: 1 NaN, expected 0'])
     """
     report = diff(dict(got), dict(ref), rtol=0.0, atol=tolerance)
     return _gap(report, bitwise=tolerance == 0.0)

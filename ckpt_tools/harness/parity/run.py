@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.harness.config import STRATEGIES, TrainConfig, TrainResult, torchrun_env
+from ckpt_tools.harness.config import (
+    MULTI_PROCESS,
+    STRATEGIES,
+    TrainConfig,
+    TrainResult,
+    torchrun_env,
+)
 from ckpt_tools.harness.loop import init_model
 from ckpt_tools.harness.models import has_batchnorm
 from ckpt_tools.harness.parity.checks import (
@@ -180,9 +186,14 @@ def run_parity(
         The report; ``report.all_passed`` tells whether every check held.
 
     Raises:
-        UsageError: an unknown strategy, a run under torchrun, or any :func:`train` usage
-            error.
-        RuntimeError: a DDP worker failed.
+        UsageError: an unknown strategy, a run under torchrun, ``resnet-syncbn`` with a
+            multi-process strategy on the CPU (before anything trains), or any
+            :func:`train` usage error.
+        RankFailedError: a rank of a multi-process strategy failed or was killed.
+        RuntimeError: a rank met a bug of the harness.
+
+    ``out_dir/<strategy>/`` of an earlier run keeps everything but what this run writes
+    there, which is removed first (:func:`~ckpt_tools.harness.outputs.clear_outputs`).
 
     Example:
         >>> report = run_parity(2, steps=2, strategies=("single", "manual"), device="cpu")
@@ -206,11 +217,12 @@ def run_parity(
             f"{env.world_size}",
             remedies=(Remedy(text="run it without torchrun"),),
         )
-    if world_size is None:
-        world_size = len(resolve_devices(None, gpus, device))
+    devices = resolve_devices(world_size, gpus, device)
+    world_size = len(devices)
     order = ["single", *(s for s in STRATEGIES if s in strategies and s != "single")]
     skipped = _skipped(order)
     order = [s for s in order if s not in {row.strategy for row in skipped}]
+    _refuse_sync_bn_on_cpu(model, order, devices[0].type)
     kw = dict(model_kwargs or {})
     with tempfile.TemporaryDirectory(prefix="ckpt-harness-parity-") as scratch:
         root = Path(out_dir) if out_dir is not None else Path(scratch)
@@ -246,6 +258,30 @@ def run_parity(
             runs = [replace(run, out_dir=None, checkpoints={}) for run in runs]
     return ParityReport(
         model, world_size, steps, seed, tolerance, tuple(runs), tuple(rows), weight_gaps=gaps
+    )
+
+
+def _refuse_sync_bn_on_cpu(model: str, order: Sequence[str], device_type: str) -> None:
+    """Refuse, before anything trains, the ranks that would need SyncBatchNorm on the CPU.
+
+    ``resnet-syncbn`` converts BatchNorm to SyncBatchNorm in every multi-process strategy,
+    and torch implements it for CUDA only; the one-process strategies train it as is.
+    """
+    needs_gpu = [s for s in order if s in MULTI_PROCESS]
+    if model.lower() != "resnet-syncbn" or device_type != "cpu" or not needs_gpu:
+        return
+    others = tuple(s for s in order if s not in MULTI_PROCESS)
+    raise UsageError(
+        f"SyncBatchNorm needs GPUs (torch implements it for CUDA only), but "
+        f"{', '.join(needs_gpu)} would run it on the CPU",
+        argument="model",
+        value=repr(model),
+        flag="--arch",
+        remedies=(
+            Remedy("strategies", repr(others), flag=f"--strategies {','.join(others)}"),
+            Remedy("model", "'resnet'", flag="--arch resnet", text="(BatchNorm per rank)"),
+            Remedy(text="run on GPUs"),
+        ),
     )
 
 

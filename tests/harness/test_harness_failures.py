@@ -1,0 +1,89 @@
+"""A failed or killed rank of a multi-process run is one line with a fitting exit code."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ENTRY = [sys.executable, "-m", "ckpt_tools.harness", "train"]
+PROG = "python -m ckpt_tools.harness"
+
+
+def _rank_pids(parent: int, count: int, timeout: float) -> list[int]:
+    """The spawned ranks of ``parent`` (multiprocessing's spawn children), once all started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{parent}/task/{parent}/children")
+        pids = [int(p) for p in children.read_text().split()] if children.exists() else []
+        ranks = [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        if len(ranks) == count:
+            return sorted(ranks)
+        time.sleep(0.2)
+    raise AssertionError(f"the {count} ranks of {parent} did not start")
+
+
+def test_a_rank_that_cannot_write_is_one_line_with_its_exit_code(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    (tmp_path / "afile").write_bytes(b"")
+    out = tmp_path / "afile" / "sub"
+    args = ["--strategy", "ddp", "--steps", "1", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(
+        [*ENTRY, *args], env=subprocess_env, capture_output=True, text=True, timeout=120
+    )
+    # As --strategy manual reports it (exit 2, one line), with the rank named.
+    assert proc.stderr == f"{PROG}: error: rank 0 of 2 failed: Not a directory: {str(out)!r}\n"
+    assert proc.returncode == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
+def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(tmp_path)]
+    with subprocess.Popen(
+        [*ENTRY, *args],
+        env=subprocess_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            rank1 = _rank_pids(proc.pid, 2, timeout=60)[1]
+            time.sleep(1)  # into training: the ranks have joined their process group
+            os.kill(rank1, signal.SIGKILL)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert err == f"{PROG}: error: rank 1 of 2 was killed by signal SIGKILL (9)\n"
+    assert proc.returncode == 128 + signal.SIGKILL and out == ""
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_rank_left_waiting_says_so_in_one_line(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    (tmp_path / "afile").write_bytes(b"")
+    out = tmp_path / "afile" / "sub"
+    # A slow monitor: torchrun ends the other rank only after it has said its line.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += ["--monitor-interval", "3"]
+    command = [*launcher, "--nproc-per-node", "2", "-m", "ckpt_tools.harness", "train"]
+    args = ["--strategy", "ddp", "--steps", "1", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(
+        [*command, *args], env=subprocess_env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.splitlines()
+    # Rank 0's own error, and rank 1, whose barrier broke, in a line of its own.
+    assert f"{PROG}: error: Not a directory: {str(out)!r}" in lines
+    lost = [line for line in lines if "rank 1 of 2 failed: lost the other ranks" in line]
+    assert len(lost) == 1 and "Connection closed by peer" in lost[0], proc.stderr
+    # torchrun's own report follows, with torchrun's traceback; none of the ranks'.
+    assert "ckpt_tools/harness/" not in proc.stderr and "ckpt_tools/cli/" not in proc.stderr
