@@ -35,6 +35,7 @@ from ckpt_tools.io.writers.torchzip import write_torch_zip
 from ckpt_tools.ops.output_plan import PlannedFile
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.sanitize.records import torch_save_records
 from ckpt_tools.ops.sanitize.result import SanitizeResult
 from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select
@@ -115,6 +116,10 @@ def sanitize(
     selection = select_state_dict(ckpt.root, select=select)
     taken = set(ckpt.storages) | {name[5:] for name in ckpt.records if name.startswith("data/")}
     done = sanitize_tree(ckpt.root, taken)
+    # A record torch.save never writes is left out and listed, as a value it cannot keep is:
+    # the writer would copy it as it is, pickle payloads included.
+    ckpt, records_dropped = torch_save_records(ckpt)
+    done = replace(done, dropped=done.dropped + records_dropped)
     if refuse_unsafe and done.dropped:
         _refuse_drops(src, done)
     if select is not None:
