@@ -234,11 +234,11 @@ def test_every_allowlisted_global_is_on_torchs_allowlist() -> None:
 
     from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 
-    # ``import torch`` adds the jagged nested tensor's globals (torch/nested/__init__.py).
+    # ``import torch`` adds the jagged nested tensor's and the device mesh layouts' globals.
     nested = {
         f"{g.__module__}.{g.__qualname__}"
         for g in torch.serialization.get_safe_globals()
-        if getattr(g, "__module__", "").startswith("torch.nested.")
+        if getattr(g, "__module__", "").startswith(("torch.nested.", "torch.distributed."))
     }
     assert set(weights_only._get_allowed_globals()) | nested >= ALLOWED_GLOBALS
 

@@ -19,8 +19,9 @@ from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorR
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.pickle.jagged import JAGGED_GLOBALS, jagged_from_type, jagged_tensor
-from ckpt_tools.formats.pickle.rebuilt import rebuilt_tensor
+from ckpt_tools.formats.pickle.rebuilt import device_tensor, rebuilt_tensor
 from ckpt_tools.formats.pickle.standins import (
+    MESH_LAYOUT_CLASSES,
     UNTYPED_STORAGE,
     ConstantRef,
     Reduced,
@@ -224,6 +225,10 @@ def _rebuilt(func: GlobalRef, *args: Any) -> Reduced:
     return rebuilt_tensor(func, args)
 
 
+def _device_tensor(func: GlobalRef, *args: Any) -> Reduced:
+    return device_tensor(func, args)
+
+
 # The codecs Python's pickler names in ``_codecs.encode(text, "latin1")`` (bytes and
 # bytearray at protocols 0-2), plus the default. Any other name would make the codec registry
 # import a module (``rot13`` imports ``encodings.rot_13``, ``idna`` imports ``stringprep``).
@@ -281,6 +286,7 @@ _BUILDERS: dict[str, tuple[Callable[..., Any], int, int]] = {
     JAGGED_GLOBALS[0]: (_jagged, 1, 1),
     "torch._utils._rebuild_wrapper_subclass": (_reduced, 8, 8),
     "torch._utils._rebuild_device_tensor_from_numpy": (_reduced, 4, 4),
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": (_device_tensor, 4, 4),
     "collections.Counter": (_counter, 0, 1),
     "_codecs.encode": (_codecs_encode, 1, 3),
     "torch.storage.TypedStorage": (_unrepresentable, 0, 1 << 62),
@@ -300,6 +306,9 @@ _PYTHON_GLOBALS: dict[str, Any] = {
 
 _TORCH_CONSTANTS: frozenset[str] = frozenset(
     [f"torch.{d}" for d in DTYPE_ITEMSIZE]
+    # Sub-byte integer dtypes: values only, no tensor of them is read (their dtype is unknown
+    # to the rebuilds here), as torch has no storage of them to save.
+    + [f"torch.{u}int{bits}" for u in ("", "u") for bits in range(1, 8)]
     + [
         "torch.Tensor",
         "torch.nn.parameter.Parameter",
@@ -315,6 +324,12 @@ _TORCH_CONSTANTS: frozenset[str] = frozenset(
         for kind in ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte")
     ]
     + ["torch.BoolTensor", "torch.cuda.BoolTensor"]
+    # The legacy sparse tensor classes (torch has no sparse BoolTensor).
+    + [
+        f"torch.{prefix}sparse.{kind}Tensor"
+        for prefix in ("", "cuda.")
+        for kind in ("Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte")
+    ]
     + [JAGGED_GLOBALS[1]]
 )
 
@@ -332,11 +347,12 @@ _STORAGE_TYPES: frozenset[str] = frozenset(
     + [UNTYPED_STORAGE.qualname]
 )
 
-# Every global the allowlist resolves: all of them are on torch's weights-only allowlist
-# (torch 2.13) as ``import torch`` leaves it (the jagged tensor's two are added there by
-# torch.nested), so a pickle torch refuses for a global is never read here as if it were safe.
+# Every global the allowlist resolves: exactly torch's weights-only allowlist (torch 2.13) as
+# ``import torch`` leaves it (torch.nested adds the jagged tensor's two, torch.distributed the
+# mesh layouts), so a pickle torch refuses for a global is never read here as if it were safe,
+# and one torch reads is never reported as unsafe.
 ALLOWED_GLOBALS: frozenset[str] = frozenset(
-    [*_PYTHON_GLOBALS, *_BUILDERS, *_STORAGE_TYPES, *_TORCH_CONSTANTS]
+    [*_PYTHON_GLOBALS, *_BUILDERS, *_STORAGE_TYPES, *_TORCH_CONSTANTS, *MESH_LAYOUT_CLASSES]
 )
 
 
@@ -351,4 +367,4 @@ def resolve_allowed(module: str, name: str) -> Any | None:
         return StorageTypeRef(module, name)
     if qualname in _TORCH_CONSTANTS:
         return ConstantRef(module, name)
-    return None
+    return MESH_LAYOUT_CLASSES.get(qualname)

@@ -13,9 +13,11 @@ from typing import Any, Protocol
 
 from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, Reduced, TensorRef
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE
+from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats.pickle.standins import ConstantRef, TorchSize, is_count
+from ckpt_tools.formats.pickle.torch_calls import check_device
 
-__all__ = ["Array", "check_nested_parts", "rebuilt_tensor"]
+__all__ = ["Array", "check_nested_parts", "device_tensor", "rebuilt_tensor"]
 
 
 class Array(Protocol):
@@ -172,3 +174,48 @@ def rebuilt_tensor(func: GlobalRef, args: tuple[Any, ...]) -> Reduced:
     elif func.name == "_rebuild_nested_tensor":
         found = _nested(args)
     return Reduced(ref, args) if found is None else RebuiltTensor(ref, args, **found)
+
+
+def device_tensor(func: GlobalRef, args: tuple[Any, ...]) -> Reduced:
+    """``_rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad)``, described.
+
+    torch.save writes it for a tensor of a backend without storages (``xla``, ``maia``,
+    ``mtia``): its CPU copy, rebuilt as a view, which torch then moves (and casts) with
+    ``data.to(dtype=dtype, device=device)``. It is described as that copy with the dtype and
+    device tag it gets: a :class:`RebuiltTensor` whose one part holds its bytes.
+
+    Raises:
+        CorruptCheckpointError: the dtype is no dtype, the device no device name, or
+            ``requires_grad`` no bool (or true for an integer dtype): torch fails on those.
+
+    Example:
+        >>> device_tensor(GlobalRef("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"),
+        ...               (None, ConstantRef("torch", "float32"), "xla:0", False))
+        torch._utils._rebuild_device_tensor_from_cpu_tensor(None, torch.float32, 'xla:0', False)
+    """
+    data, dtype, device, requires_grad = args
+    if not isinstance(dtype, ConstantRef) or dtype.name not in DTYPE_ITEMSIZE:
+        raise CorruptCheckpointError(f"{func.qualname} called with dtype {dtype!r}")
+    check_device((device,))
+    floating = dtype.name.startswith(("float", "bfloat", "complex"))
+    if not isinstance(requires_grad, bool) or (requires_grad and not floating):
+        # torch sets tensor.requires_grad, which takes a bool, and True only where it can.
+        raise CorruptCheckpointError(
+            f"{func.qualname} called with requires_grad={requires_grad!r} for a "
+            f"{dtype.name} tensor; torch.load fails on it too"
+        )
+    ref = GlobalRef(func.module, func.name)
+    if not isinstance(data, TensorRef):
+        # Not what torch.save writes: the recorded call, which the loader hands to nobody.
+        return Reduced(ref, args)
+    return RebuiltTensor(
+        ref,
+        args,
+        shape=data.shape,
+        dtype=dtype.name,
+        layout="strided",
+        device=device,
+        stride=(),
+        numel=data.numel,
+        parts=(data,),
+    )

@@ -7,14 +7,16 @@ recognise them. None imports the module a pickle names.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from ckpt_tools.descriptors import GlobalRef, Reduced, short_repr
+from ckpt_tools.descriptors import GlobalRef, Opaque, Reduced, short_repr
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE
 from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = [
+    "MESH_LAYOUT_CLASSES",
     "UNTYPED_STORAGE",
     "ConstantRef",
     "Reduced",
@@ -143,3 +145,54 @@ def id_text(value: Any) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool) and is_count(value):
         return str(value)
     return None
+
+
+# The device-mesh layout classes ``import torch`` puts on torch's weights-only allowlist
+# (torch.distributed._mesh_layout registers them with add_safe_globals; a DeviceMesh pickles
+# its layout). They stand in as Opaque objects that record what the pickle did, so rewrites
+# re-emit them, but they are allowlisted: never reported as unsafe, refused only where
+# torch's own calls fail.
+class _LayoutObject(Opaque):
+    """An object of an allowlisted mesh layout class, never imported."""
+
+    # How many positional arguments the class's __init__ takes (a REDUCE calls it).
+    arity: ClassVar[int] = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # NEWOBJ calls only __new__, which torch's object.__new__ lets take any arguments
+        # (the class defines __init__); REDUCE calls the dataclass __init__, which does not.
+        if len(args) != self.arity or kwargs:
+            raise CorruptCheckpointError(
+                f"the pickle calls {self.global_ref.qualname} with {len(args)} arguments; it "
+                f"takes {self.arity}, so torch.load fails on this call too"
+            )
+        if self.arity == 1 and isinstance(args[0], (int, float, complex, type(None))):
+            # _MeshLayout(axes) takes tuple(axes).
+            raise CorruptCheckpointError(
+                f"the pickle calls {self.global_ref.qualname} with {short_repr(args[0], 40)}, "
+                "which is not iterable; torch.load fails on it too"
+            )
+        super().__init__(*args, **kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        # The classes have no __setstate__: torch's BUILD updates __dict__ with the state,
+        # or with its first half when it is a (dict state, slot state) pair.
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+        if not all(not p or isinstance(p, Mapping) for p in parts):
+            raise CorruptCheckpointError(
+                f"the pickle sets the state of a {self.global_ref.qualname} to "
+                f"{short_repr(state, 40)}, not a dict; torch.load fails on it too"
+            )
+        super().__setstate__(state)
+
+
+def _layout_class(name: str, arity: int) -> type[_LayoutObject]:
+    ref = GlobalRef("torch.distributed._mesh_layout", name)
+    return type(name, (_LayoutObject,), {"global_ref": ref, "arity": arity})
+
+
+# One class per global, made once, so every GLOBAL naming it resolves to the same class.
+MESH_LAYOUT_CLASSES: dict[str, type[_LayoutObject]] = {
+    cls.global_ref.qualname: cls
+    for cls in (_layout_class("_FlatLayout", 2), _layout_class("_MeshLayout", 1))
+}

@@ -209,19 +209,6 @@ _UNKNOWN = Rule(
 )
 
 
-# On torch 2.13's weights_only allowlist too, but not resolved by our reader (which refuses
-# such a file as unreadable): sparse tensor types and the sub-byte integer dtypes.
-_TORCH_ONLY_ALLOWED: frozenset[str] = frozenset(
-    [f"torch.{n}int{b}" for n in ("", "u") for b in range(1, 8)]
-    + [
-        f"torch.{where}sparse.{kind}Tensor"
-        for where in ("", "cuda.")
-        for kind in ("BFloat16", "Byte", "Char", "Double", "Float", "Half", "Int", "Long", "Short")
-    ]
-    + ["torch._utils._rebuild_device_tensor_from_cpu_tensor"]
-)
-
-
 _PATH = Rule(
     "",
     "dangerous",
@@ -282,7 +269,7 @@ def classify(qualname: str, context: Context = "pickle", *, exact: bool = False)
         >>> classify("mypackage.Net").reason
         'not in the table: loading imports its module and calls or builds it, which can run code'
     """
-    if qualname in ALLOWED_GLOBALS or qualname in _TORCH_ONLY_ALLOWED:
+    if qualname in ALLOWED_GLOBALS:
         return Rule(qualname, "allowed", "on torch's weights_only allowlist")
     if context in ("dcp-metadata", "dcp-metadata-read") and qualname in DCP_METADATA_GLOBALS:
         return Rule(qualname, "allowed", "a DCP metadata class (read as data)")

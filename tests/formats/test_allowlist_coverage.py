@@ -1,0 +1,116 @@
+"""Our allowlist against torch's: every global torch.load(weights_only=True) admits in a fresh
+process after ``import torch`` is resolved by our reader, as torch treats it."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_tools as ct
+from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS, resolve_allowed
+from ckpt_tools.formats.pickle.standins import ConstantRef
+from ckpt_tools.ops.scan.severity import classify
+
+# The globals torch admits that we deliberately resolve otherwise: none today. A name added
+# here needs its reason (and the reader must still refuse it by name, never guess).
+_TREATED_DIFFERENTLY: dict[str, str] = {}
+
+_TORCHS_ALLOWLIST = """
+import json, torch
+from torch import _weights_only_unpickler as w
+names = set(w._get_allowed_globals()) | set(w._get_user_allowed_globals())
+print(json.dumps(sorted(names)))
+"""
+
+
+def _torchs_allowlist() -> set[str]:
+    # A fresh process: this one's tests may have imported more of torch (or added globals).
+    out = subprocess.run(
+        [sys.executable, "-c", _TORCHS_ALLOWLIST], capture_output=True, text=True, check=True
+    )
+    return set(json.loads(out.stdout))
+
+
+def test_our_allowlist_is_exactly_torchs() -> None:
+    theirs = _torchs_allowlist()
+    missing = sorted(theirs - ALLOWED_GLOBALS - _TREATED_DIFFERENTLY.keys())
+    assert missing == [], f"torch admits globals our reader does not resolve: {missing}"
+    assert sorted(ALLOWED_GLOBALS - theirs) == []
+    assert all(resolve_allowed(*n.rsplit(".", 1)) is not None for n in ALLOWED_GLOBALS)
+    assert {n for n in theirs if classify(n).severity != "allowed"} == set()
+
+
+def _saved(tmp_path: Path, value: object) -> Path:
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.arange(3.0), "v": value}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "value",
+    [torch.uint4, torch.int3, torch.sparse.FloatTensor, torch.cuda.sparse.ByteTensor],
+    ids=["uint4", "int3", "sparse", "cuda-sparse"],
+)
+def test_torchs_constants_are_values(tmp_path: Path, value: object) -> None:
+    path = _saved(tmp_path, value)
+    torch.load(path, weights_only=True)
+    assert ct.inspect(str(path)).unsafe_globals == ()
+    name = f"{value.__module__}.{value.__name__}" if isinstance(value, type) else str(value)
+    assert resolve_allowed(*name.rsplit(".", 1)) == ConstantRef(*name.rsplit(".", 1))
+
+
+class _OnDevice:
+    """Pickles as torch.save pickles a tensor of a backend without storages (xla)."""
+
+    def __init__(self, *args: object) -> None:
+        self.args = args
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return torch._utils._rebuild_device_tensor_from_cpu_tensor, self.args
+
+
+def test_a_device_tensor_is_its_cpu_copy_with_its_device_tag(tmp_path: Path) -> None:
+    path = _saved(tmp_path, _OnDevice(torch.arange(4.0), torch.float16, "cpu", True))
+    assert torch.load(path, weights_only=True)["v"].dtype == torch.float16
+    found = ct.inspect(str(path))
+    assert found.unsafe_globals == ()
+    tensor = found.tensor("v")
+    assert (tensor.shape, tensor.dtype, tensor.device) == ((4,), "float16", "cpu")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.float32, "cpu", 1),
+        (torch.int64, "cpu", True),
+        (torch.float32, "nowhere", False),
+    ],
+    ids=["int-flag", "int-requires-grad", "bad-device"],
+)
+def test_a_device_tensor_torch_refuses_is_refused(tmp_path: Path, args: tuple) -> None:
+    path = _saved(tmp_path, _OnDevice(torch.arange(4.0), *args))
+    with pytest.raises((RuntimeError, TypeError, pickle.UnpicklingError)):
+        torch.load(path, weights_only=True)
+    with pytest.raises(
+        ct.CorruptCheckpointError, match=r"_rebuild_device_tensor_from_cpu_tensor|device"
+    ):
+        ct.inspect(str(path))
+
+
+def test_mesh_layouts_are_read_and_carried(tmp_path: Path) -> None:
+    from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
+
+    layouts = [_FlatLayout((2,), (1,)), _MeshLayout([_FlatLayout((2,), (1,))])]
+    path = _saved(tmp_path, layouts)
+    assert torch.load(path, weights_only=True)["v"] == layouts
+    assert ct.inspect(str(path)).unsafe_globals == ()
+    assert classify("torch.distributed._mesh_layout._FlatLayout").severity == "allowed"
+    out = tmp_path / "out.pt"
+    ct.convert(str(path), str(out))
+    assert torch.load(out, weights_only=True)["v"] == layouts
