@@ -191,7 +191,8 @@ def device_tensor(func: GlobalRef, args: tuple[Any, ...]) -> Reduced:
     Example:
         >>> device_tensor(GlobalRef("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"),
         ...               (None, ConstantRef("torch", "float32"), "xla:0", False))
-        torch._utils._rebuild_device_tensor_from_cpu_tensor(None, torch.float32, 'xla:0', False)
+        torch._utils._rebuild_device_tensor_from_cpu_tensor(None,
+            ConstantRef(module='torch', name='float32'), 'xla:0', False)
     """
     data, dtype, device, requires_grad = args
     if not isinstance(dtype, ConstantRef) or dtype.name not in DTYPE_ITEMSIZE:
