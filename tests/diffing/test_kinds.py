@@ -4,8 +4,6 @@ present on both sides (neither missing nor unexpected), status ``kind``, a diffe
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,18 +11,8 @@ import torch
 from torch import nn
 
 from ckpt_tools.diffing.engine import diff
+from tests.diffing.conftest import Save
 from tests.helpers import run_ckpt
-
-Save = Callable[[dict[str, Any], str], str]
-
-
-@pytest.fixture
-def save(tmp_path: Path) -> Save:
-    def _save(sd: dict[str, Any], name: str) -> str:
-        torch.save(sd, tmp_path / name)
-        return str(tmp_path / name)
-
-    return _save
 
 
 @pytest.mark.parametrize("other", ["text", 3, None, {"nested": 1}])

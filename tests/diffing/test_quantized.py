@@ -4,8 +4,6 @@ integers), values compared as torch.load's tensors dequantize."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,22 +11,12 @@ import torch
 
 from ckpt_tools.diffing.engine import diff
 from ckpt_tools.diffing.value_stats import compare_tensors
+from tests.diffing.conftest import Save
 from tests.helpers import run_ckpt
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.quantize:UserWarning", "ignore:TypedStorage is deprecated:UserWarning"
 )
-
-Save = Callable[[dict[str, Any], str], str]
-
-
-@pytest.fixture
-def save(tmp_path: Path) -> Save:
-    def _save(sd: dict[str, Any], name: str) -> str:
-        torch.save(sd, tmp_path / name)
-        return str(tmp_path / name)
-
-    return _save
 
 
 def loaded(path: str, key: str = "q") -> torch.Tensor:

@@ -3,26 +3,12 @@ in bit equality, statistics and sparse values alike."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
 from ckpt_tools.diffing.engine import diff
 from ckpt_tools.diffing.value_stats import compare_tensors
-
-Save = Callable[[dict[str, Any], str], str]
-
-
-@pytest.fixture
-def save(tmp_path: Path) -> Save:
-    def _save(sd: dict[str, Any], name: str) -> str:
-        torch.save(sd, tmp_path / name)
-        return str(tmp_path / name)
-
-    return _save
+from tests.diffing.conftest import Save
 
 
 def with_bits() -> dict[str, torch.Tensor]:
