@@ -23,7 +23,7 @@ own), then deleted with ``sync`` (untimed). Wall time and peak RSS (GNU time or 
 are reported per command; medians over REPEATS rounds after one untimed warm-up round.
 Finally the two outputs are compared tensor by tensor (torch.load, mmap) to be equal.
 
-With ``--deepspeed``, the checkpoint is a real DeepSpeed run's (``ckpt_tools.harness.zero``:
+With ``--deepspeed``, the checkpoint is a real DeepSpeed run's (``ckpt_tools.harness.zero.runs``:
 RANKS CPU ranks under torchrun, one AdamW step, ``save_checkpoint`` at ZeRO stage STAGE) of a
 model with ~SIZE MiB of fp32 weights, half of them frozen (the frozen half lies in the model
 states files, the trained half in the optimizer partitions with their AdamW moments). Theirs
@@ -161,8 +161,8 @@ def _generate_dcp(tmp: Path, args: argparse.Namespace) -> tuple[Path, str]:
 def _generate_zero(tmp: Path, args: argparse.Namespace) -> tuple[Path, str]:
     import time
 
-    from ckpt_tools.harness.zero import ZeroRun
-    from ckpt_tools.harness.zero_launch import make_zero_checkpoints
+    from ckpt_tools.harness.zero.launch import make_zero_checkpoints
+    from ckpt_tools.harness.zero.runs import ZeroRun
 
     # ZeroNet holds about 4 * width**2 parameters, half of them frozen.
     width = max(8, int(math.sqrt(args.size_mb * (1 << 20) / 4 / 4)))

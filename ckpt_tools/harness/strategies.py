@@ -2,7 +2,7 @@
 
 ``manual`` lives in :mod:`ckpt_tools.harness.manual`, ``ddp`` in
 :mod:`ckpt_tools.harness.ddp`, ``fsdp`` in :mod:`ckpt_tools.harness.fsdp` and ``zero``
-(DeepSpeed) in :mod:`ckpt_tools.harness.zero_strategy` (imported
+(DeepSpeed) in :mod:`ckpt_tools.harness.zero.strategy` (imported
 only when asked for, so that nothing else pays for ``torch.distributed``).
 """
 
@@ -78,7 +78,7 @@ def train(config: TrainConfig) -> TrainResult:
 
         return train_fsdp(config)
     if config.strategy == "zero":
-        from ckpt_tools.harness.zero_strategy import train_zero
+        from ckpt_tools.harness.zero.strategy import train_zero
 
         return train_zero(config)
     world_size = 1 if config.strategy == "single" else config.world_size

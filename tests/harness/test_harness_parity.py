@@ -28,7 +28,7 @@ from ckpt_tools.harness.parity.checks import (
     check_vs_single,
 )
 from ckpt_tools.harness.parity.reference import storage_tags
-from ckpt_tools.harness.zero_strategy import zero_missing
+from ckpt_tools.harness.zero.strategy import zero_missing
 
 #: The strategies the shared parity run trains: every one, zero only with DeepSpeed installed
 #: (without it, zero has one skipped row instead).

@@ -11,7 +11,7 @@ from ckpt_tools.cli.main import main
 from ckpt_tools.harness import TrainConfig, run_parity, train
 from ckpt_tools.harness.config import DEEPSPEED_DIR, STEPS_DIR, STRATEGIES
 from ckpt_tools.harness.outputs import STRATEGY_OUTPUTS, clear_outputs
-from ckpt_tools.harness.zero_strategy import zero_missing
+from ckpt_tools.harness.zero.strategy import zero_missing
 
 
 def test_every_strategy_says_what_it_writes() -> None:

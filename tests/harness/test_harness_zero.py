@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from ckpt_tools.cli.commands.harness import harness
 from ckpt_tools.errors import MissingExtraError, UsageError
 from ckpt_tools.harness import ParityReport, TrainConfig, run_parity, train
-from ckpt_tools.harness import zero_strategy as zero_module
 from ckpt_tools.harness.config import TrainResult
 from ckpt_tools.harness.parity.dcp_check import check_zero_roundtrip
+from ckpt_tools.harness.zero import strategy as zero_module
 
 NEEDS_DEEPSPEED = pytest.mark.skipif(
     zero_module.zero_missing() is not None, reason="DeepSpeed is not installed"

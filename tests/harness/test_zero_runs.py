@@ -1,4 +1,4 @@
-"""The harness's DeepSpeed runs (``ckpt_tools.harness.zero``): real ZeRO training on CPU ranks
+"""The harness's DeepSpeed runs (``ckpt_tools.harness.zero.runs``): real ZeRO training on CPU ranks
 under torchrun, saved with ``engine.save_checkpoint``, in the layout each stage writes.
 
 The runs are the session's (``zero_runs`` in ``tests/conftest.py``): made once, read here.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.zero import ZeroNet, ZeroRun, deepspeed_config
+from ckpt_tools.harness.zero.runs import ZeroNet, ZeroRun, deepspeed_config
 from tests.helpers.zero_runs import ZeroRuns
 
 

@@ -2,7 +2,7 @@
 
 :func:`make_zero_runs` starts two launches at once under torchrun on CPU ranks (gloo), one of
 2 ranks and one of 3 (uneven partitions), each training and saving several runs in the same
-processes (:mod:`ckpt_tools.harness.zero`); rank 0 also saves DeepSpeed's own
+processes (:mod:`ckpt_tools.harness.zero.runs`); rank 0 also saves DeepSpeed's own
 ``zero_to_fp32`` state dict of every saved tag, the oracle the tests compare with. Tests read
 these folders and never change them: a test that damages one works on a copy.
 """
@@ -36,7 +36,7 @@ REFUSED_IDS: tuple[tuple[int, str], ...] = ((2, "z0"), (2, "z0-fp16"), (2, "z1-b
 
 
 def _runs(ranks: int) -> list[object]:
-    from ckpt_tools.harness.zero import ZeroRun
+    from ckpt_tools.harness.zero.runs import ZeroRun
 
     if ranks == 2:
         return [
@@ -76,7 +76,7 @@ class ZeroRuns:
 
     def reference(self, ranks: int, name: str, tag: str = "global_step2") -> Path:
         """``zero_to_fp32``'s state dict of a run's tag, as ``torch.save`` wrote it."""
-        from ckpt_tools.harness.zero import reference_path
+        from ckpt_tools.harness.zero.runs import reference_path
 
         return reference_path(self.root / f"ranks{ranks}", name, tag)
 
@@ -89,7 +89,7 @@ def make_zero_runs(root: Path) -> ZeroRuns:
     """Train and save every run of :data:`RUN_IDS` into ``root``; skip without DeepSpeed."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed: pip install 'ckpt_tools[deepspeed]'")
-    from ckpt_tools.harness.zero_launch import start_zero_runs
+    from ckpt_tools.harness.zero.launch import start_zero_runs
 
     launches = [
         start_zero_runs(

@@ -290,7 +290,7 @@ def _skipped(order: Sequence[str]) -> list[CheckResult]:
     ``fsdp`` on a torch without FSDP2."""
     rows = []
     if "zero" in order:
-        from ckpt_tools.harness.zero_strategy import zero_missing
+        from ckpt_tools.harness.zero.strategy import zero_missing
 
         rows.append(("zero", zero_missing()))
     if "fsdp" in order:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from ckpt_tools import consolidate, load_state_dict
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UsageError
-from ckpt_tools.harness.zero import ZeroNet
+from ckpt_tools.harness.zero.runs import ZeroNet
 from tests.helpers import read_data_pkl, run_ckpt, tools, truncated_copy
 from tests.helpers.trees import assert_values_bitwise
 from tests.helpers.zero_runs import RUN_IDS, ZeroRuns

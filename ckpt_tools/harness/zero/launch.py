@@ -1,5 +1,5 @@
 """Launching the tests' DeepSpeed ZeRO runs: ``world_size`` ranks under ``torchrun``, each
-running :func:`ckpt_tools.harness.zero.main` over the runs it is given.
+running :func:`ckpt_tools.harness.zero.runs.main` over the runs it is given.
 
 :func:`start_zero_runs` returns at once (the tests start several launches side by side);
 :func:`make_zero_checkpoints` waits for one.
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.zero import ZeroRun
+from ckpt_tools.harness.zero.runs import ZeroRun
 
 __all__ = ["ZeroLaunch", "make_zero_checkpoints", "start_zero_runs"]
 
@@ -99,7 +99,7 @@ def start_zero_runs(
         "--nproc-per-node",
         str(world_size),
         "-m",
-        "ckpt_tools.harness.zero",
+        "ckpt_tools.harness.zero.runs",
         str(folder),
         json.dumps([asdict(r) for r in runs]),
         "1" if references else "0",

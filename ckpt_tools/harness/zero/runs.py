@@ -1,9 +1,9 @@
 """DeepSpeed ZeRO checkpoints made by real training, on CPU processes (gloo) or GPUs.
 
-The harness's ``zero`` strategy is :mod:`ckpt_tools.harness.zero_strategy`; this module makes
+The harness's ``zero`` strategy is :mod:`ckpt_tools.harness.zero.strategy`; this module makes
 the checkpoints the DeepSpeed tests read.
 
-:mod:`ckpt_tools.harness.zero_launch` starts ``world_size`` ranks under ``torchrun`` and each
+:mod:`ckpt_tools.harness.zero.launch` starts ``world_size`` ranks under ``torchrun`` and each
 rank runs :func:`main`: one process group for every run it is given, and for each run a fresh
 :class:`ZeroNet` trained for a few steps by a DeepSpeed engine at the run's ZeRO stage and
 dtype, then saved with ``engine.save_checkpoint`` into ``out/<run name>/``; rank 0 may then
