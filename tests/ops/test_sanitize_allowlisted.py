@@ -102,7 +102,15 @@ ALLOWLISTED = {
     "sparse": lambda: torch.eye(3).to_sparse(),
     "meta": lambda: torch.empty(2, 3, device="meta"),
     "quantized": lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+    "mesh layouts": lambda: _mesh_layouts(),
 }
+
+
+def _mesh_layouts() -> list[Any]:
+    from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
+
+    flat = _FlatLayout((2,), (1,))
+    return [flat, _MeshLayout([flat, _FlatLayout((2, 2), (2, 1))]), flat]
 
 
 @pytest.mark.parametrize("name", list(ALLOWLISTED))
@@ -205,3 +213,20 @@ def test_a_mapping_of_another_type_is_reported_as_converted():
     done = sanitize_tree({"m": types.MappingProxyType({"a": 1})}, set())
     assert done.root == {"m": {"a": 1}} and type(done.root["m"]) is dict
     assert [str(c) for c in done.converted] == ["m: builtins.mappingproxy -> dict"]
+
+
+def test_a_mesh_layout_holding_another_object_is_dropped_whole(tmp_path):
+    import argparse
+
+    from torch.distributed._mesh_layout import _FlatLayout
+
+    layout = _FlatLayout((2,), (1,))
+    object.__setattr__(layout, "extra", argparse.Namespace(lr=0.1))
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"w": torch.ones(1), "layout": layout}, src)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(src, weights_only=True)
+    report = ct.sanitize(src, dst)
+    assert [(c.path, c.became) for c in report.dropped_values] == [("layout", "dropped")]
+    assert "_FlatLayout" in report.dropped_values[0].was
+    assert list(torch.load(dst, weights_only=True)) == ["w"]

@@ -13,10 +13,10 @@ values ``torch.load(weights_only=True)`` accepts, read from that record alone:
 
 What ``torch.load(weights_only=True)`` itself builds is kept as it is: tensors, dicts,
 ``OrderedDict`` s (with their attributes), ``Counter`` s, sets, tuples, ``torch.Size``, dtypes,
-devices, plain scalars. Everything else (other objects, classes used as values) is dropped
-and reported with its path. The walk copies containers and keeps shared references shared:
-an object the pickle holds in several places becomes the same thing in each, and each place
-is listed.
+devices, device-mesh layouts, plain scalars. Everything else (other objects, classes used as
+values) is dropped and reported with its path. The walk copies containers and keeps shared
+references shared: an object the pickle holds in several places becomes the same thing in
+each, and each place is listed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,12 @@ from typing import Any
 from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.pickle.limits import stack_room
-from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
+from ckpt_tools.formats.pickle.standins import (
+    MESH_LAYOUT_CLASSES,
+    ConstantRef,
+    Reduced,
+    TorchSize,
+)
 from ckpt_tools.io.writers.torchzip import picklable_tensors
 from ckpt_tools.ops.sanitize.numpy_values import (
     NUMPY_MODULES,
@@ -49,6 +54,7 @@ _PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
 _NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _DROP = object()
+_LAYOUTS = tuple(MESH_LAYOUT_CLASSES.values())
 # The mappings torch.load(weights_only=True) builds: kept as they are (an OrderedDict with
 # its attributes, such as a state dict's ``_metadata``).
 _KEPT_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
@@ -156,6 +162,8 @@ class _Sanitizer:
             made = tuple(self._item(v, _at(path, i)) for i, v in enumerate(node))
         elif isinstance(node, (set, frozenset)):
             made = self._set(node, path)
+        elif isinstance(node, _LAYOUTS):
+            made = self._layout(node, path)
         elif isinstance(node, Opaque):
             made = self._opaque(node, path)
         else:
@@ -240,6 +248,18 @@ class _Sanitizer:
         if t.func is None:
             return plain
         return self._converted(path, "tensor of a class outside the allowlist", "tensor", plain)
+
+    def _layout(self, node: Opaque, path: str) -> Any:
+        # An allowlisted mesh layout is kept as torch.load builds it, with what it holds
+        # (sizes and strides: tuples of ints, other layouts). Holding anything that would
+        # change, it is dropped whole: a layout cannot be rebuilt from converted values. A
+        # walk of its own, so that nothing it meets is listed or remembered here.
+        probe = _Sanitizer(set(self._taken))
+        probe.value((node.args, node.state), path)
+        if not (probe.dropped or probe.converted):
+            return node
+        self.dropped.append(Change(path, f"{_name(node)} holding other objects", "dropped"))
+        return _DROP
 
     def _opaque(self, node: Opaque, path: str) -> Any:
         name = _name(node)
