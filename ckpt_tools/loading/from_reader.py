@@ -13,7 +13,10 @@ what ``torch.load(weights_only=True)`` gives for it, without unpickling anything
   (conjugate and negative bits) and ``nn.Parameter``-ness; ``_metadata`` is kept;
 - sparse, meta, nested and jagged nested tensors are built by torch's own rebuilds from
   their built parts, a nested or jagged one's bounds checked first (torch does not check
-  them, and its kernels would read past the storage).
+  them, and its kernels would read past the storage);
+- a tensor of a backend without storages (``xla``, ``mtia``) is its CPU copy moved to
+  where ``map_location`` sends its saved tag (torch refuses a callable there; it is asked
+  as for a storage).
 
 Objects of classes outside the allowlist inside the selected mapping are refused, all of
 them named in one error; anything outside it is never looked at.
@@ -231,6 +234,8 @@ class _Builder:
             layout = getattr(torch, args[0].removeprefix("torch."), None)
             if isinstance(layout, torch.layout):
                 return layout
+        if name == _DEVICE_TENSOR:
+            return self.device_tensor(args, path)
         if name in _TENSOR_CALLS:
             self.sparse = self.sparse or name == "torch._utils._rebuild_sparse_tensor"
             with self.rebuilding(path, f"tensor with {name}"):
@@ -240,6 +245,27 @@ class _Builder:
             "build (tensor subclasses); load it with trust=True",
             path=self.where,
         )
+
+    def device_tensor(self, args: tuple[Any, ...], path: str) -> torch.Tensor:
+        """A tensor of a backend without storages (``xla``, ``mtia``): its CPU copy, moved.
+
+        torch maps the saved device tag through ``map_location`` and calls ``data.to``; the
+        tag goes here where a storage saved with it would go (an empty one is placed).
+        """
+        data, dtype, device, requires_grad = args
+        if not isinstance(data, torch.Tensor):
+            raise CorruptCheckpointError(
+                f"{self.where}: entry {path!r}: the CPU copy of a device tensor is a "
+                f"{type(data).__name__}, not a tensor; torch.load fails on it too",
+                path=self.where,
+            )
+        target = self.storages.restore(torch.UntypedStorage(0), device).device
+        with self.rebuilding(path, f"tensor for device {device!r}"):
+            # torch's own rebuild, with the tag already mapped: its call would map it again
+            # through whatever map_location the last torch.load of this thread left set.
+            tensor = data.to(dtype=dtype, device=target)
+            tensor.requires_grad = requires_grad
+            return tensor
 
     def tensor(self, ref: TensorRef, path: str, parts: list[Any]) -> torch.Tensor:
         """The tensor ``ref`` describes; ``parts``: its quantizer parameters (a quantized
@@ -285,6 +311,7 @@ def _nested_tensor(*args: Any) -> torch.Tensor:
     return torch._utils._rebuild_nested_tensor(buffer, sizes, strides, offsets)
 
 
+_DEVICE_TENSOR = "torch._utils._rebuild_device_tensor_from_cpu_tensor"
 # The rebuilds of tensors that are not one storage's view, called as torch.load calls them.
 _TENSOR_CALLS: dict[str, Callable[..., torch.Tensor]] = {
     "torch._utils._rebuild_sparse_tensor": lambda *a: torch._utils._rebuild_sparse_tensor(*a),
