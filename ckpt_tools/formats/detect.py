@@ -19,6 +19,7 @@ from ckpt_tools.errors import (
     ResourceLimitError,
     UnsupportedFormatError,
 )
+from ckpt_tools.formats.urls import refuse_url
 
 __all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_bytes", "detect_format"]
 
@@ -90,8 +91,6 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
         >>> detect_format("model.safetensors"), detect_format("model.pt")
         ('safetensors', 'torch-zip')
     """
-    from ckpt_tools.formats import refuse_url  # (the package's: it imports this module)
-
     # The path as given, through os: pathlib is a large import that reading needs nothing of.
     p = os.fspath(path)
     refuse_url(p)  # every local reader comes here: a URL gets the one refusal
