@@ -114,3 +114,12 @@ def test_mesh_layouts_are_read_and_carried(tmp_path: Path) -> None:
     out = tmp_path / "out.pt"
     ct.convert(str(path), str(out))
     assert torch.load(out, weights_only=True)["v"] == layouts
+
+
+def test_a_device_tensor_is_named_as_one_where_safetensors_cannot_hold_it(tmp_path: Path) -> None:
+    path = _saved(tmp_path, _OnDevice(torch.arange(4.0), torch.float16, "xla:0", False))
+    with pytest.raises(ct.NonTensorEntriesError, match=r"v \(xla:0 device tensor\)"):
+        ct.convert(str(path), str(tmp_path / "out.safetensors"))
+    out = tmp_path / "out.pt"
+    ct.convert(str(path), str(out))
+    assert torch.load(out, weights_only=True, map_location="cpu")["v"].dtype == torch.float16

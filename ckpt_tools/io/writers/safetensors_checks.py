@@ -153,7 +153,8 @@ def unholdable_kind(value: Any) -> str | None:
     """What keeps a tensor out of safetensors, which holds dense tensors with bytes only.
 
     Returns:
-        ``sparse_coo layout`` (any sparse layout), ``nested layout``, ``meta device``, or
+        ``sparse_coo layout`` (any sparse layout), ``nested layout``, ``meta device``,
+        ``xla:0 device tensor`` (a backend's tensor saved as a CPU copy to be moved), or
         None for anything else (a dense tensor, or no tensor).
 
     Example:
@@ -162,7 +163,11 @@ def unholdable_kind(value: Any) -> str | None:
     """
     if not isinstance(value, RebuiltTensor):
         return None
-    return "meta device" if value.device == "meta" else f"{value.layout} layout"
+    if value.device == "meta":
+        return "meta device"
+    if value.func.name == "_rebuild_device_tensor_from_cpu_tensor":
+        return f"{value.device} device tensor"
+    return f"{value.layout} layout"
 
 
 def leave_out_extras(
