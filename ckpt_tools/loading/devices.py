@@ -280,7 +280,8 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
         tag -> device string; None for a callable (known only once called).
 
     Raises:
-        UsageError: a target device is malformed or does not exist here.
+        UsageError: a target device is malformed, does not exist here, or is the CPU with
+            an index (``'cpu:0'``: torch restores only to ``'cpu'``).
 
     Example:
         >>> resolve_map_location("auto", ["cpu"])
@@ -306,31 +307,45 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
                 argument="map_location",
                 value=repr(map_location),
             )
-        try:
-            device = torch.device(target)
-        except (RuntimeError, TypeError) as e:
-            raise UsageError(
-                f"sends storages saved on {tag!r} to {target!r}, which is not a device "
-                "(expected 'cpu', 'cuda:0', ...)",
-                argument="map_location",
-                value=repr(map_location),
-                remedies=(Remedy("map_location", "'auto'"),),
-            ) from e
-        if not _device_available(device):
-            raise UsageError(
-                f"sends storages saved on {tag!r} to {str(device)!r}, which does not exist here "
-                f"(visible: {_visible()})",
-                argument="map_location",
-                value=repr(map_location),
-                remedies=(
-                    Remedy(
-                        "map_location", "'auto'", text="to put each storage on an existing device"
-                    ),
-                    Remedy("map_location", "'cpu'"),
-                ),
-            )
-        resolved[tag] = str(device)
+        resolved[tag] = _checked_device(target, tag, map_location)
     return resolved
+
+
+def _checked_device(target: Any, tag: str, map_location: MapLocation) -> str:
+    """``target`` as a device string torch restores to, or the refusal that names it."""
+    import torch
+
+    try:
+        device = torch.device(target)
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(
+            f"sends storages saved on {tag!r} to {target!r}, which is not a device "
+            "(expected 'cpu', 'cuda:0', ...)",
+            argument="map_location",
+            value=repr(map_location),
+            remedies=(Remedy("map_location", "'auto'"),),
+        ) from e
+    if device.type == "cpu" and device.index is not None:
+        # torch restores CPU storages only under the bare tag: 'cpu:0' fails inside it.
+        raise UsageError(
+            f"sends storages saved on {tag!r} to {str(device)!r}; torch takes the CPU "
+            "only as 'cpu', without an index",
+            argument="map_location",
+            value=repr(map_location),
+            remedies=(Remedy("map_location", "'cpu'"),),
+        )
+    if not _device_available(device):
+        raise UsageError(
+            f"sends storages saved on {tag!r} to {str(device)!r}, which does not exist here "
+            f"(visible: {_visible()})",
+            argument="map_location",
+            value=repr(map_location),
+            remedies=(
+                Remedy("map_location", "'auto'", text="to put each storage on an existing device"),
+                Remedy("map_location", "'cpu'"),
+            ),
+        )
+    return str(device)
 
 
 def _visible() -> str:

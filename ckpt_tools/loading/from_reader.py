@@ -3,8 +3,8 @@
 :func:`build_state_dict` turns the selected mapping of an opened :class:`Checkpoint` into
 what ``torch.load(weights_only=True)`` gives for it, without unpickling anything again:
 
-- storages come from :mod:`ckpt_tools.loading.storages` (zip and safetensors records
-  memory-mapped as ``torch.load(mmap=True)`` maps them, legacy and tar records read);
+- storages come from :mod:`ckpt_tools.loading.storages` (read; with ``mmap=True``, zip and
+  safetensors records memory-mapped as ``torch.load(mmap=True)`` maps them);
 - each storage is built once, so tensors that shared one in the file (tied weights, views)
   share it again; a legacy storage view is a slice of its root, as torch makes it;
 - storages go where ``map_location`` says through torch's own ``default_restore_location``
@@ -337,6 +337,8 @@ def build_state_dict(
     restore: Restore,
     where: str,
     remedies: tuple[Remedy, ...] = (),
+    *,
+    mmap: bool = False,
 ) -> tuple[Any, bool]:
     """The torch objects of ``state_dict`` (a mapping of ``ckpt``'s tree), and whether any
     storage was memory-mapped.
@@ -347,6 +349,7 @@ def build_state_dict(
         restore: where each storage goes (see :data:`Restore`).
         where: the file, for messages.
         remedies: attached to the refusal of objects outside the allowlist.
+        mmap: map torch zip and safetensors records rather than read them.
 
     Returns:
         ``(mapping, mapped)``: a dict or OrderedDict as torch would load it.
@@ -362,7 +365,7 @@ def build_state_dict(
     Example:
         >>> from ckpt_tools.formats import open_checkpoint
         >>> ckpt = open_checkpoint("model.pt")
-        >>> sd, mapped = build_state_dict(ckpt, ckpt.root, lambda s, tag: s, "model.pt")
+        >>> sd, mapped = build_state_dict(ckpt, ckpt.root, lambda s, t: s, "model.pt", mmap=True)
         >>> sd["head.weight"].shape, mapped
         (torch.Size([3, 8]), True)
     """
@@ -379,7 +382,7 @@ def build_state_dict(
             path=where,
             remedies=remedies,
         )
-    with StorageBuilder(ckpt, restore) as storages:
+    with StorageBuilder(ckpt, restore, mmap=mmap) as storages:
         mapping = state_dict
         if not isinstance(mapping, (dict, OrderedDict)):
             mapping = dict(mapping)

@@ -107,6 +107,7 @@ def _source_state_dict(
     map_location: MapLocation,
     select: Select,
     trust: bool,
+    mmap: bool,
 ) -> tuple[Mapping[str, Any], str, LoadInfo | None]:
     if isinstance(source, Mapping):
         if select is not None or not is_state_dict(source):
@@ -117,10 +118,10 @@ def _source_state_dict(
             f"load_into's src must be a checkpoint path or a state dict, got "
             f"{type(source).__name__}"
         )
-    # The model's tensors are where the data ends up: stage on the CPU (memory-mapped) and
-    # copy once, rather than holding a second copy on the GPU.
+    # The model's tensors are where the data ends up: stage on the CPU and copy once, rather
+    # than holding a second copy on the GPU.
     location = "cpu" if isinstance(map_location, str) and map_location == "auto" else map_location
-    sd, info = load_with_info(source, map_location=location, select=select, trust=trust)
+    sd, info = load_with_info(source, map_location=location, select=select, trust=trust, mmap=mmap)
     if location is not map_location:
         info = replace(info, map_location="auto (staged on cpu)")
     return sd, info.path, info
@@ -149,6 +150,7 @@ def load_into(
     select: Select = None,
     trust: bool = False,
     assign: bool | None = None,
+    mmap: bool = False,
 ) -> LoadReport:
     """Load a checkpoint into a model, reconciling wrapper prefixes on both sides.
 
@@ -174,16 +176,20 @@ def load_into(
             Either way, a state dict torch would refuse for another reason (a value that is
             not a tensor) raises before anything is loaded.
         map_location: as for :func:`load_state_dict`; ``"auto"`` here stages storages on
-            the CPU (memory-mapped) since they are copied into the model's tensors anyway.
+            the CPU since they are copied into the model's tensors anyway.
         select: dotted path to the state dict inside the checkpoint.
         trust: see :func:`load_state_dict`.
         assign: make the loaded tensors the model's own
             (``model.load_state_dict(..., assign=True)``) instead of copying into them.
             Default (None): True exactly when the model has parameters or buffers on the
-            ``meta`` device, so a model built under ``torch.device("meta")`` gets tensors
-            backed by the memory-mapped file (nothing allocated, nothing copied) and
-            loading a model larger than half the RAM works. With ``assign``, the
-            checkpoint's dtypes and devices are kept (nothing is cast).
+            ``meta`` device, so a model built under ``torch.device("meta")`` is loaded
+            without a second copy of its weights. With ``assign``, the checkpoint's dtypes
+            and devices are kept (nothing is cast).
+        mmap: with ``assign``, make the model's tensors views of the memory-mapped file
+            (as :func:`load_state_dict`'s ``mmap``: nothing allocated, nothing copied, so
+            a model larger than half the RAM loads; the file must then not change while
+            the model lives). Without ``assign`` the values are copied into the model's
+            own tensors, and the file is mapped as a staging area whatever this says.
 
     Returns:
         A :class:`LoadReport`.
@@ -203,8 +209,10 @@ def load_into(
         ("stripping 'module.'",)
     """
     require_torch("load_into")
-    sd, label, info = _source_state_dict(src, map_location, select, trust)
     assign = on_meta(model) if assign is None else assign
+    # Copied into the model's own tensors, the file's pages are only read once: mapping
+    # them saves a copy. Assigned, they would become the model's: only when asked.
+    sd, label, info = _source_state_dict(src, map_location, select, trust, mmap or not assign)
     model_keys = list(model.state_dict())
     source_keys = [str(k) for k in sd]
     fix = best_fix(source_keys, model_keys)

@@ -93,7 +93,7 @@ class LoadInfo(Readable):
 
         Example:
             >>> from ckpt_tools import load_with_info
-            >>> print(load_with_info("ddp.pt")[1])
+            >>> print(load_with_info("ddp.pt", mmap=True)[1])
             loaded 17 tensors from ddp.pt (torch-zip, memory-mapped)
             state dict: <root> (the root is a state dict)
             map_location: auto

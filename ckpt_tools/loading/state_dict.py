@@ -4,9 +4,10 @@
 state dict there, works out where each storage should go (``map_location="auto"``: where
 it was saved when that device exists here, else an existing GPU, else the CPU), and builds
 only that state dict's tensors from the reader's descriptors
-(:mod:`ckpt_tools.loading.from_reader`: zip and safetensors records memory-mapped, legacy
-and tar records read). No pickle is unpickled again and ``torch.load`` is never called,
-except with ``trust=True``, which hands the file to ``torch.load(weights_only=False)``.
+(:mod:`ckpt_tools.loading.from_reader`: records read, as ``torch.load`` reads them; with
+``mmap=True``, zip and safetensors records memory-mapped). No pickle is unpickled again and
+``torch.load`` is never called, except with ``trust=True`` on a file that holds a pickle,
+which hands it to ``torch.load(weights_only=False)``.
 
 :func:`ckpt_tools.loading.into_module.load_into` builds on it to load into wrapped or plain models.
 """
@@ -136,7 +137,7 @@ def _restorer(
 
 
 def _load_own(
-    ckpt: Checkpoint, selection: Selection, map_location: MapLocation
+    ckpt: Checkpoint, selection: Selection, map_location: MapLocation, mmap: bool
 ) -> tuple[dict[Any, Any], tuple[StorageMove, ...], bool]:
     """The selected state dict built from our own reader (no pickle is run)."""
     from ckpt_tools.loading.from_reader import build_state_dict, unsafe_entries
@@ -145,9 +146,15 @@ def _load_own(
     restore, placements = _restorer(map_location, tags)
     names = tuple(dict.fromkeys(n for _, n in unsafe_entries(selection.state_dict)))
     state_dict, mapped = build_state_dict(
-        ckpt, selection.state_dict, restore, ckpt.path, _unsafe_remedies(ckpt, names)
+        ckpt, selection.state_dict, restore, ckpt.path, _unsafe_remedies(ckpt, names), mmap=mmap
     )
     return state_dict, placements(), mapped
+
+
+def _holds_pickle(ckpt: Checkpoint) -> bool:
+    # Only a pickle can name code to run: trust changes nothing for safetensors files.
+    files = ckpt.shards.values() if ckpt.shards else (ckpt,)
+    return any(sub.format != "safetensors" for sub in files)
 
 
 def _selection_checked(root: Any, select: Select, where: str) -> Selection:
@@ -173,15 +180,16 @@ def load_state_dict(
     map_location: MapLocation = "auto",
     select: Select = None,
     trust: bool = False,
+    mmap: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load a checkpoint's state dict on any machine, safely.
 
     The file is opened with the torch-free reader (nothing in it runs) and the state dict
     is selected there; ``map_location`` then decides where each storage goes, and targets
     that do not exist here are refused before any byte is loaded. Only the selected state
-    dict's tensors are built, from the reader's descriptors: torch zip and safetensors
-    records memory-mapped (as ``torch.load(mmap=True)`` maps them: no anonymous copy),
-    legacy and tar records read with ``pread``; shared storages, strides, views,
+    dict's tensors are built, from the reader's descriptors: records read with ``pread``
+    into memory of their own, as ``torch.load`` reads them (``mmap=True`` maps them
+    instead); shared storages, strides, views,
     ``nn.Parameter`` and ``requires_grad`` as ``torch.load(weights_only=True)`` gives them.
     Objects of classes outside the allowlist *elsewhere* in the file (hyper-parameters,
     optimizer extras) are never built and do not stop the load. Devices that changed are
@@ -200,6 +208,13 @@ def load_state_dict(
             in the file. The one way to run a file's code; needed only when the state dict
             itself holds objects outside the allowlist (custom classes as extra state) or
             tensors this loader does not build (nested tensors, tensor subclasses).
+            Safetensors files hold no pickle: they are read the same either way.
+        mmap: as ``torch.load``'s ``mmap``: memory-map torch zip and safetensors records
+            instead of reading them (private, page-cache backed: no copy in anonymous
+            memory; writes to a tensor never reach the file). The file must then not change
+            while the tensors live: rewriting it in place changes their values, and
+            truncating it (``torch.save`` to the same path) makes reading them fail with
+            SIGBUS. Legacy and tar records are read either way.
 
     Returns:
         The state dict, as loaded (``_metadata`` kept).
@@ -219,7 +234,7 @@ def load_state_dict(
         >>> sd["module.conv.weight"].shape
         torch.Size([8, 3, 3, 3])
     """
-    return _load(path, map_location, select, trust, "load_state_dict")[0]
+    return _load(path, map_location, select, trust, mmap, "load_state_dict")[0]
 
 
 def load_with_info(
@@ -228,11 +243,12 @@ def load_with_info(
     map_location: MapLocation = "auto",
     select: Select = None,
     trust: bool = False,
+    mmap: bool = False,
 ) -> tuple[dict[str, torch.Tensor], LoadInfo]:
     """:func:`load_state_dict`, and what it did: where storages went, what was selected.
 
     Args:
-        path, map_location, select, trust: as for :func:`load_state_dict`.
+        path, map_location, select, trust, mmap: as for :func:`load_state_dict`.
 
     Returns:
         ``(state_dict, info)``: the state dict as :func:`load_state_dict` returns it, and a
@@ -249,11 +265,16 @@ def load_with_info(
         >>> [(p.saved, p.target) for p in info.moved], sd["conv.weight"].device
         ([('cuda:1', 'cpu')], device(type='cpu'))
     """
-    return _load(path, map_location, select, trust, "load_with_info")
+    return _load(path, map_location, select, trust, mmap, "load_with_info")
 
 
 def _load(
-    path: StrPath, map_location: MapLocation, select: Select, trust: bool, feature: str
+    path: StrPath,
+    map_location: MapLocation,
+    select: Select,
+    trust: bool,
+    mmap: bool,
+    feature: str,
 ) -> tuple[dict[str, torch.Tensor], LoadInfo]:
     """The one load both public calls make; ``feature`` names the caller to a missing extra."""
     torch = require_torch(feature)
@@ -262,12 +283,13 @@ def _load(
     where = ckpt.path
     selection = _selection_checked(ckpt.root, select, where)
     state_dict: Mapping[Any, Any]
-    if trust:
+    trusted = trust and _holds_pickle(ckpt)
+    if trusted:
         from ckpt_tools.loading.trusted_load import load_trusted
 
-        state_dict, placements, mmap = load_trusted(ckpt, map_location, selection.path)
+        state_dict, placements, mapped = load_trusted(ckpt, map_location, selection.path, mmap)
     else:
-        state_dict, placements, mmap = _load_own(ckpt, selection, map_location)
+        state_dict, placements, mapped = _load_own(ckpt, selection, map_location, mmap)
     if not isinstance(state_dict, dict):
         state_dict = dict(state_dict)
     for move in placements:
@@ -288,8 +310,8 @@ def _load(
         selection_reason=selection.reason,
         map_location=_describe(map_location),
         placements=placements,
-        mmap=mmap,
-        trusted=trust,
+        mmap=mapped,
+        trusted=trusted,
         tensors=sum(isinstance(v, torch.Tensor) for v in state_dict.values()),
     )
     return state_dict, info

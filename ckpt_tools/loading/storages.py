@@ -1,9 +1,12 @@
 """Where a state dict's tensor bytes come from: each storage of a checkpoint built once.
 
-Torch zip and safetensors records are memory-mapped once per file
+Records are read with ``os.pread`` into fresh storages, as ``torch.load`` reads them. Asked
+to map (``mmap=True``), torch zip and safetensors records are memory-mapped once per file
 (``torch.UntypedStorage.from_file(path, shared=False)``, as ``torch.load(mmap=True)`` maps
 them: private, page-cache backed, no anonymous copy) and each storage is a slice of that map;
-legacy and tar records are read with ``os.pread`` into fresh storages. A legacy storage view
+legacy and tar records are read all the same (torch cannot map them). A zip record that was
+re-zipped with deflate is inflated and checked against its size and CRC-32, as torch's zip
+reader inflates it. A legacy storage view
 is a slice of its root, as torch makes it. A big-endian zip's storages are byte-swapped by
 their dtype, as torch.load swaps them. Storages go where ``map_location`` says through a
 :data:`Restore` function.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +27,8 @@ import torch
 from ckpt_tools.descriptors import StorageRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError
-from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, pread_exact
+from ckpt_tools.formats import Checkpoint, ZipRecord
+from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, decompressed, pread_exact
 from ckpt_tools.loading.tensor_io import torch_dtype
 
 __all__ = ["Restore", "StorageBuilder"]
@@ -47,11 +51,14 @@ class StorageBuilder(ClosesOnExit):
     Attributes:
         ckpt: the opened checkpoint (a sharded folder's locates storages in its shards).
         restore: where each storage goes.
+        mmap: map torch zip and safetensors records instead of reading them (the file must
+            then not change while a tensor uses it).
         mapped: whether any storage came from a memory-mapped file.
     """
 
     ckpt: Checkpoint
     restore: Restore
+    mmap: bool = False
     mapped: bool = False
     _formats: dict[str, str] = field(default_factory=dict)
     _maps: dict[str, torch.UntypedStorage] = field(default_factory=dict)
@@ -76,14 +83,22 @@ class StorageBuilder(ClosesOnExit):
         found = self._views.get(id(ref))
         if found is not None:
             return found
-        span = self.ckpt.span(ref)
         first, end = ref.root_span
-        root_offset, root_nbytes = span.offset - first, ref.numel * itemsize(ref.dtype)
-        key = (span.path, ref.key)
+        root_nbytes = ref.numel * itemsize(ref.dtype)
+        owner, record = self._compressed(ref)
+        if record is None:
+            span = self.ckpt.span(ref)
+            path, root_offset = span.path, span.offset - first
+        else:
+            path, root_offset = owner.path, 0
+        key = (path, ref.key)
         root = self._roots.get(key)
         if root is None:
-            cpu = self._read(span.path, root_offset, root_nbytes, ref.dtype)
-            if span.path in self._swapped:
+            if record is None:
+                cpu = self._read(path, root_offset, root_nbytes, ref.dtype)
+            else:
+                cpu = _inflated(owner, record, root_nbytes)
+            if path in self._swapped:
                 # As torch.load swaps it: by the storage's dtype, before it is placed. A mapped
                 # storage is a private mapping, so the file itself is never written.
                 cpu.byteswap(torch_dtype(ref.dtype))
@@ -92,8 +107,17 @@ class StorageBuilder(ClosesOnExit):
         self._views[id(ref)] = found
         return found
 
+    def _compressed(self, ref: StorageRef) -> tuple[Checkpoint, ZipRecord | None]:
+        """The torch zip holding ``ref`` and its record, where that record is compressed."""
+        for sub in (self.ckpt, *self.ckpt.shards.values()):
+            record = sub.records.get(f"data/{ref.key}")
+            # Identity, not key: every shard of a sharded folder has its own data/0.
+            if record is not None and record.compressed and sub.storages.get(ref.key) is ref:
+                return sub, record
+        return self.ckpt, None
+
     def _read(self, path: str, offset: int, nbytes: int, dtype: str) -> torch.UntypedStorage:
-        fmt = self._formats.get(path, "")
+        fmt = self._formats.get(path, "") if self.mmap else ""
         # Zip records are 64-byte aligned; a safetensors header may leave an offset that is
         # not a multiple of the element size: such a record is read, not mapped.
         if fmt in _MAPPED_FORMATS and (fmt == "torch-zip" or offset % itemsize(dtype) == 0):
@@ -126,6 +150,30 @@ class StorageBuilder(ClosesOnExit):
             ) from e
         # frombuffer shares the bytearray (no copy); the storage keeps it alive.
         return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def _inflated(ckpt: Checkpoint, record: ZipRecord, nbytes: int) -> torch.UntypedStorage:
+    """A deflated storage record's first ``nbytes`` bytes, inflated and checked whole."""
+    buffer = bytearray()
+    crc = 0
+    try:
+        with decompressed(ckpt, record.name) as chunks:
+            for piece in chunks:
+                buffer += piece
+                crc = zlib.crc32(piece, crc)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{ckpt.path!r}: {e}", path=ckpt.path) from e
+    # As the zip reader checks a record it inflates: the size and CRC-32 its entry gives.
+    if len(buffer) != record.size or crc != record.crc32 or len(buffer) < nbytes:
+        raise CorruptCheckpointError(
+            f"{ckpt.path!r}: record {record.name} inflates to {len(buffer)} bytes with CRC-32 "
+            f"{crc:08x}; its zip entry says {record.size} bytes, CRC-32 {record.crc32:08x}",
+            path=ckpt.path,
+        )
+    del buffer[nbytes:]
+    if not buffer:
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 
 def _restored(result: Any) -> torch.UntypedStorage:

@@ -1,7 +1,9 @@
 """``load_state_dict(..., trust=True)``: the file handed to ``torch.load(weights_only=False)``.
 
-Only reached when the caller said the file may run its code. Safetensors files (and HF
-shards of them) go through ``safetensors.torch.load_file``; every storage's move is recorded
+Only reached when the caller said the file may run its code, and the file holds a pickle
+(safetensors files are read by the own reader whatever ``trust`` says). Safetensors shards
+of a folder that also holds pickled shards go through ``safetensors.torch.load_file``;
+torch zip records are memory-mapped only with ``mmap=True``; every storage's move is recorded
 so that :class:`~ckpt_tools.loading.results.LoadInfo` says where it went, as the torch-free
 path does.
 """
@@ -25,7 +27,7 @@ __all__ = ["load_trusted"]
 
 
 def load_trusted(
-    ckpt: Checkpoint, map_location: MapLocation, path: tuple[str, ...]
+    ckpt: Checkpoint, map_location: MapLocation, path: tuple[str, ...], mmap: bool = False
 ) -> tuple[Mapping[Any, Any], tuple[StorageMove, ...], bool]:
     """The state dict at ``path`` of the fully unpickled file, where its storages went, and
     whether it was memory-mapped.
@@ -34,15 +36,16 @@ def load_trusted(
         ckpt: the opened checkpoint (its tree already selected ``path``).
         map_location: as :func:`ckpt_tools.load_state_dict` takes it.
         path: the selected state dict's path in the torch-free tree.
+        mmap: ``torch.load``'s ``mmap`` for torch zip files (others are read either way).
 
     Returns:
-        ``(state_dict, placements, mmap)``.
+        ``(state_dict, placements, mapped)``: ``mapped`` says whether the file was mapped.
 
     Raises:
         UnsupportedFormatError: the format cannot be loaded, or the loaded tree lacks ``path``.
     """
-    root, placements, mmap = _load_root(ckpt, map_location)
-    return _state_dict_at(root, path, ckpt.path), placements, mmap
+    root, placements, mapped = _load_root(ckpt, map_location, mmap)
+    return _state_dict_at(root, path, ckpt.path), placements, mapped
 
 
 def _placements(ckpt: Checkpoint, resolved: Mapping[str, str]) -> tuple[StorageMove, ...]:
@@ -99,7 +102,7 @@ def _load_safetensors(path: str, map_location: Any, resolved: dict[str, str] | N
 
 
 def _load_root(
-    ckpt: Checkpoint, map_location: MapLocation
+    ckpt: Checkpoint, map_location: MapLocation, mmap: bool
 ) -> tuple[Any, tuple[StorageMove, ...], bool]:
     """The whole loaded object tree, the placements, and whether it was memory-mapped."""
     tags = [s.device for s in ckpt.storages.values()]
@@ -112,28 +115,28 @@ def _load_root(
         torch_location = resolved
     if ckpt.format == "safetensors":
         root = _load_safetensors(ckpt.path, map_location, resolved)
-        mmap = False
+        mapped = False
     elif ckpt.format in ("torch-zip", "torch-legacy", "torch-tar"):
-        mmap = ckpt.format == "torch-zip"
-        root = _torch_load(ckpt.path, torch_location, mmap)
+        mapped = mmap and ckpt.format == "torch-zip"  # torch maps zip files only
+        root = _torch_load(ckpt.path, torch_location, mapped)
     elif ckpt.format == "hf-sharded":
-        return _load_shards(ckpt, map_location)
+        return _load_shards(ckpt, map_location, mmap)
     else:
         raise UnsupportedFormatError(f"{ckpt.path!r}: cannot load format {ckpt.format!r}")
     placements = recorder.placements() if recorder else _placements(ckpt, resolved or {})
-    return root, placements, mmap
+    return root, placements, mapped
 
 
 def _load_shards(
-    ckpt: Checkpoint, map_location: MapLocation
+    ckpt: Checkpoint, map_location: MapLocation, mmap: bool
 ) -> tuple[Any, tuple[StorageMove, ...], bool]:
     loaded: list[Any] = []
     totals: dict[tuple[str, str], list[int]] = {}
-    mmap = False
+    mapped = False
     for sub in ckpt.shards.values():
-        shard_root, placements, sub_mmap = _load_root(sub, map_location)
+        shard_root, placements, sub_mapped = _load_root(sub, map_location, mmap)
         loaded.append(shard_root)
-        mmap = mmap or sub_mmap
+        mapped = mapped or sub_mapped
         for p in placements:
             entry = totals.setdefault((p.saved, p.target), [0, 0])
             entry[0] += p.storages
@@ -145,7 +148,7 @@ def _load_shards(
                 root[name] = shard_root[name]
                 break
     merged = tuple(StorageMove(s, t, n, b) for (s, t), (n, b) in totals.items())
-    return root, merged, mmap
+    return root, merged, mapped
 
 
 def _state_dict_at(root: Any, path: tuple[str, ...], where: str) -> Mapping[Any, Any]:

@@ -83,7 +83,7 @@ def test_jagged_tensors_load_as_torch_loads_them(tmp_path: Path, map_location: s
         else:
             assert torch.equal(got[name], tensor)
     assert got["plain"] is got["again"]
-    _, info = load_with_info(path, map_location=map_location)
+    _, info = load_with_info(path, map_location=map_location, mmap=True)
     assert info.mmap and not info.trusted
 
 

@@ -1,5 +1,5 @@
-"""load_into on a model built on the meta device: the loaded tensors are assigned, and they are
-the memory-mapped file's pages, not anonymous copies.
+"""load_into on a model built on the meta device: the loaded tensors are assigned, and with
+``mmap=True`` they are the memory-mapped file's pages, not anonymous copies.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_a_meta_model_is_assigned_the_checkpoint_and_computes_as_the_original(
 def test_assigned_tensors_are_the_mapped_file_not_copies(trained: tuple[Tiny, str]) -> None:
     _, path = trained
     meta = _meta_tiny()
-    load_into(meta, path)
+    load_into(meta, path, mmap=True)
     ranges = _mapped_ranges(path)
     assert ranges, "the checkpoint is not mapped"
     tensors = dict(meta.state_dict())
@@ -104,7 +104,7 @@ def test_assigned_tensors_are_the_mapped_file_not_copies(trained: tuple[Tiny, st
     legacy = path.replace(".pt", "_legacy.pt")
     torch.save(torch.load(path), legacy, _use_new_zipfile_serialization=False)
     meta = _meta_tiny()
-    load_into(meta, legacy)
+    load_into(meta, legacy, mmap=True)
     assert not _mapped_ranges(legacy)
 
 
@@ -118,7 +118,7 @@ def test_a_safetensors_file_is_assigned_mapped_too(
     sd.pop("head.weight")  # safetensors refuses shared tensors: the tie is the model's
     save_file({k: v.contiguous() for k, v in sd.items()}, path)
     meta = _meta_tiny()
-    report = load_into(meta, path, strict=False)
+    report = load_into(meta, path, strict=False, mmap=True)
     assert report.assigned and report.missing == ("head.weight",)
     ranges = _mapped_ranges(path)
     assert all(_inside(getattr(meta.block[0], n), ranges) for n in ("weight", "bias"))
@@ -149,7 +149,7 @@ def test_explicit_assign_overrides_the_automatic_choice(trained: tuple[Tiny, str
 
 def test_the_state_dict_behind_assign_is_plain_load_state_dict(trained: tuple[Tiny, str]) -> None:
     _, path = trained
-    sd, info = load_with_info(path)
+    sd, info = load_with_info(path, mmap=True)
     assert info.mmap and not isinstance(sd["block.0.weight"], nn.Parameter)
     meta = _meta_tiny()
     meta.load_state_dict(sd, assign=True)

@@ -1,5 +1,5 @@
-"""load_state_dict and load_into onto a GPU, straight from the mapped file (marked ``gpu``;
-skipped where no CUDA device is visible)."""
+"""load_state_dict and load_into onto a GPU, read or (``mmap=True``) straight from the mapped
+file (marked ``gpu``; skipped where no CUDA device is visible)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def test_loading_to_the_gpu_makes_no_anonymous_host_copy(tmp_path: Path) -> None
     size = Path(path).stat().st_size
     torch.empty(1, device="cuda")  # the CUDA context's own host memory, before measuring
     before = _rss_anon()
-    sd = load_state_dict(path, map_location="cuda")
+    sd = load_state_dict(path, map_location="cuda", mmap=True)
     torch.cuda.synchronize()
     grown = _rss_anon() - before
     assert len(sd) == 8 and sd["w0"].is_cuda

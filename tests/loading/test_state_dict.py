@@ -92,12 +92,15 @@ def test_every_map_location_form_loads_a_cpu_file(
     net: nn.Module, save: Callable[..., str], map_location: Any
 ) -> None:
     path = save(net.state_dict())
-    sd, info = load_with_info(path, map_location=map_location)
+    sd, info = load_with_info(path, map_location=map_location, mmap=True)
     assert_same(sd, net.state_dict())
     assert all(t.device.type == "cpu" for t in sd.values())
     assert [(p.saved, p.target) for p in info.placements] == [("cpu", "cpu")]
     assert info.moved == ()
     assert info.mmap and info.format == "torch-zip"
+    sd, info = load_with_info(path, map_location=map_location)
+    assert_same(sd, net.state_dict())
+    assert not info.mmap  # read, as torch.load reads it
 
 
 def test_plain_torch_load_fails_on_a_cuda1_file_but_auto_loads_it(
@@ -171,9 +174,12 @@ def test_safetensors_with_every_form(net: nn.Module, tmp_path: Path) -> None:
     expected = {k: v.contiguous() for k, v in net.state_dict().items()}
     save_file(expected, path)
     for form in ("auto", "cpu", {"cpu": "cpu"}, _keep):
-        sd, info = load_with_info(path, map_location=form)
+        sd, info = load_with_info(path, map_location=form, mmap=True)
         assert_same(sd, expected, ordered=False)
         assert info.format == "safetensors" and info.mmap  # mapped, as torch zip records are
+        sd, info = load_with_info(path, map_location=form)
+        assert_same(sd, expected, ordered=False)
+        assert not info.mmap
 
 
 def test_legacy_file_loads_without_mmap(net: nn.Module, save: Callable[..., str]) -> None:
@@ -275,3 +281,34 @@ def test_a_root_that_is_no_mapping_is_named_as_what_it_is(
         load_state_dict(path)
     with pytest.raises(SelectError, match=f"select='': it is {kind}, not a mapping"):
         load_state_dict(path, select=[])
+
+
+@pytest.mark.parametrize(
+    "map_location",
+    ["cpu:0", torch.device("cpu", 0), {"cpu": "cpu:0"}],
+    ids=["str", "device", "dict"],
+)
+def test_an_indexed_cpu_is_refused_as_a_usage_error(
+    net: nn.Module, save: Callable[..., str], map_location: Any
+) -> None:
+    path = save(net.state_dict())
+    with pytest.raises(RuntimeError):  # torch fails on it, inside its restore
+        torch.load(path, weights_only=True, map_location=map_location)
+    with pytest.raises(UsageError, match=r"'cpu:0'.*only as 'cpu'") as caught:
+        load_state_dict(path, map_location=map_location)
+    assert "map_location='cpu'" in str(caught.value)
+
+
+def test_trust_reads_safetensors_with_the_own_reader(net: nn.Module, tmp_path: Path) -> None:
+    path = str(tmp_path / "model.safetensors")
+    expected = {k: v.contiguous() for k, v in net.state_dict().items()}
+    save_file(expected, path)
+    sd = load_state_dict(path, map_location="meta", trust=True)
+    assert all(t.is_meta for t in sd.values()) and list(sd) == list(
+        load_state_dict(path, map_location="meta")
+    )
+    sd, info = load_with_info(path, map_location=_keep, trust=True)
+    assert_same(sd, expected, ordered=False)
+    assert [(p.saved, p.target) for p in info.placements] == [("cpu", "cpu")]
+    assert info.placements[0].storages == len(expected)
+    assert not info.trusted  # nothing was unpickled: the file holds no pickle
