@@ -1,14 +1,11 @@
 """Hugging Face style folders: ``*.index.json`` with a ``weight_map`` over shard files.
 
-A folder with no index but exactly one weight file (``model.safetensors``,
-``pytorch_model.bin``, ``adapter_model.safetensors``) opens that file.
-
-The folder is read as ``transformers``' ``from_pretrained`` reads it: the ``weight_map``'s
-values say which shard files to open, and every tensor of each of those files is read,
-whether the ``weight_map`` lists it or not (``accelerate``'s ``load_checkpoint_in_model`` and
-``huggingface_hub``'s ``load_torch_model`` do the same). A shard file the index does not name
-is not read. A name two named shards both hold is refused: the loaders disagree on which
-copy wins.
+A folder is read as ``transformers``' ``from_pretrained`` reads it: through the file it would
+load (see :func:`open_folder`); for an index, the ``weight_map``'s values say which shard
+files to open, and every tensor of each of those files is read, whether the ``weight_map``
+lists it or not (``accelerate``'s ``load_checkpoint_in_model`` and ``huggingface_hub``'s
+``load_torch_model`` do the same). A shard file the index does not name is not read. A
+name two named shards both hold is refused: the loaders disagree on which copy wins.
 """
 
 from __future__ import annotations
@@ -33,64 +30,78 @@ from ckpt_tools.formats.base import Checkpoint, RangeSource
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
-__all__ = ["WEIGHT_FILES", "open_folder", "open_index", "shard_path"]
+__all__ = ["TRANSFORMERS_ORDER", "WEIGHT_FILES", "open_folder", "open_index", "shard_path"]
 
 logger = logging.getLogger("ckpt_tools")
 
-WEIGHT_FILES = (
-    "model.safetensors",
-    "pytorch_model.bin",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "diffusion_pytorch_model.safetensors",
-    "diffusion_pytorch_model.bin",
-)
+_ST, _PT = "model.safetensors", "pytorch_model.bin"
+WEIGHT_FILES = (_ST, _PT, "adapter_model.safetensors", "adapter_model.bin")
+WEIGHT_FILES += ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
+# The files ``from_pretrained`` looks for in a local folder, in the order it tries them
+# (``use_safetensors`` at its default): it loads the first present and ignores the rest.
+TRANSFORMERS_ORDER = (_ST, f"{_ST}.index.json", _PT, f"{_PT}.index.json")
 
 
 def open_folder(path: str) -> Checkpoint:
-    """Open a checkpoint folder: a sharded index, or a folder with one weight file.
+    """Open a checkpoint folder: the weight file or index ``from_pretrained`` would load.
+
+    That is the first of :data:`TRANSFORMERS_ORDER` present; failing those, the folder's one
+    other ``*.index.json``, or its one other file of :data:`WEIGHT_FILES`. A warning names
+    the other weight files and indexes it holds, which are not read.
 
     Args:
         path: the folder.
 
     Returns:
         A ``hf-sharded`` :class:`Checkpoint` whose root maps every tensor name to its
-        descriptor, with ``shards`` holding each shard's own checkpoint; for a folder with
-        one weight file and no index, that file's own checkpoint (a rewrite keeps its
-        format; ``inspect`` reports the folder, the file its one shard).
+        descriptor, with ``shards`` holding each shard's own checkpoint; for a single weight
+        file, that file's own checkpoint (a rewrite keeps its format; ``inspect`` reports
+        the folder, the file its one shard).
 
     Raises:
-        UnsupportedFormatError: the folder holds no checkpoint.
+        UnsupportedFormatError: the folder holds no checkpoint, or several indexes of which
+            ``from_pretrained`` would load none.
         CorruptCheckpointError: the index is malformed, or names missing shards or tensors.
+
+    Example:
+        >>> sorted(open_folder("sharded").shards)
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
     from ckpt_tools.formats import open_checkpoint
 
     folder = Path(path)
-    indexes = sorted(folder.glob("*.index.json"))
-    if not indexes:
-        singles = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
-        if len(singles) == 1:
-            return open_checkpoint(shard_path(str(folder), singles[0].name, path))
+    chosen, others = _choose(folder, path)
+    if others:  # no notes on a Checkpoint: logged, as the tensors an index leaves out are
+        msg = "%r: %s is read, as transformers' from_pretrained reads the folder; not read: %s"
+        logger.warning(msg, path, chosen, ", ".join(others))
+    if chosen.endswith(".index.json"):
+        return open_index(str(folder / chosen))
+    return open_checkpoint(shard_path(str(folder), chosen, path))
+
+
+def _choose(folder: Path, path: str) -> tuple[str, list[str]]:
+    """The file ``from_pretrained`` would load from ``folder`` (else its one checkpoint), and
+    the other weight files and indexes it holds."""
+    found = [n for n in TRANSFORMERS_ORDER if (folder / n).is_file()]
+    indexes = [p.name for p in sorted(folder.glob("*.index.json")) if p.name not in found]
+    singles = [n for n in WEIGHT_FILES if n not in found and (folder / n).is_file()]
+    if not found and len(indexes) > 1:
+        first = str(folder / indexes[0])
+        advice = Remedy(
+            "path", repr(first), flag=shlex.quote(first), verb="open the one you mean, e.g."
+        )
+        raise UnsupportedFormatError(
+            f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
+        )
+    if not found and not indexes and len(singles) != 1:
         listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
             f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}",
             path=path,
         )
-    if len(indexes) > 1:
-        raise UnsupportedFormatError(
-            f"{path!r} holds several indexes ({', '.join(p.name for p in indexes)})",
-            path=path,
-            remedies=(
-                Remedy(
-                    "path",
-                    repr(str(indexes[0])),
-                    flag=shlex.quote(str(indexes[0])),
-                    verb="open the one you mean, e.g.",
-                ),
-            ),
-        )
-    return open_index(str(indexes[0]))
+    names = found + indexes + singles
+    return names[0], names[1:]
 
 
 def _allowed_roots(folder: str) -> tuple[str, ...]:

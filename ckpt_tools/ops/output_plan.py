@@ -10,6 +10,7 @@ operation alike, so the plans read the same whatever wrote them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,9 @@ class WriteResult(Readable):
         notes: what else was decided, in words.
         dropped: names left out of the output (tied duplicates, non-tensor entries, ...).
         planned: for a dry run, every file it would write and the tensors in it.
+        removes: for a dry run into an existing folder (``force``), the weight files there
+            that the write would remove: those it does not write anew. Filled in here from
+            ``dst`` and ``planned``, so every folder output lists them alike.
         selected: the path of the state dict acted on, in the input (empty: the root, or
             everything, as ``consolidate(include_all=True)`` writes it).
         tensors: tensors the output holds (for a dry run, would hold).
@@ -183,6 +187,15 @@ class WriteResult(Readable):
     selected: tuple[str, ...] = ()
     tensors: int = 0
     renamed: int = 0
+    removes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dry_run and os.path.isdir(self.dst):
+            # Lazily: the writers are imported only by a dry run into a folder.
+            from ckpt_tools.io.writers.hf_folder import removed_files
+
+            names = [f.name for f in self.planned]
+            object.__setattr__(self, "removes", removed_files(self.dst, names))
 
     def __repr__(self) -> str:
         # Subclasses are declared with repr=False: this short form is everyone's.
@@ -219,7 +232,9 @@ class WriteResult(Readable):
         lines += [f"  note: {n}" for n in self.notes]
         lines += self.left_out()
         if self.dry_run:
-            lines += [*planned_text(self.planned), "nothing written"]
+            lines += planned_text(self.planned)
+            lines += [f"  {path}  removed (a weight file already there)" for path in self.removes]
+            lines.append("nothing written")
         elif self.written:
             if len(self.written) > 1:
                 lines += [f"  {path}" for path in self.written]
@@ -249,4 +264,5 @@ class WriteResult(Readable):
             "tensors": self.tensors,
             "renamed": self.renamed,
             **(plan_json(self.planned) if self.dry_run else {}),
+            **({"planned_removals": list(self.removes)} if self.dry_run else {}),
         }

@@ -18,17 +18,18 @@ from ckpt_tools.formats import detect_format, open_checkpoint
 
 
 def two_indexes(folder: Path) -> dict[str, torch.Tensor]:
-    """A folder with a safetensors index over two shards, and a .bin index over one shard."""
+    """A folder with a safetensors index over two shards, and a .bin index over one shard,
+    under names from_pretrained does not try (it would read ``model.safetensors.index.json``)."""
     tensors = {"a.weight": torch.arange(6.0).view(2, 3), "b.bias": torch.ones(3)}
     save_file({"a.weight": tensors["a.weight"]}, str(folder / "model-00001-of-00002.safetensors"))
     save_file({"b.bias": tensors["b.bias"]}, str(folder / "model-00002-of-00002.safetensors"))
     weight_map = {"a.weight": "model-00001-of-00002.safetensors"}
     weight_map["b.bias"] = "model-00002-of-00002.safetensors"
     index = {"metadata": {"total_size": 36}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "a-model.safetensors.index.json").write_text(json.dumps(index))
     torch.save({"other": torch.zeros(2)}, folder / "pytorch_model-00001-of-00001.bin")
     bin_index = {"weight_map": {"other": "pytorch_model-00001-of-00001.bin"}}
-    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(bin_index))
+    (folder / "b-model.bin.index.json").write_text(json.dumps(bin_index))
     return tensors
 
 
@@ -36,7 +37,7 @@ def test_the_advised_command_works(tmp_path: Path, capsys: pytest.CaptureFixture
     tensors = two_indexes(tmp_path)
     with pytest.raises(UnsupportedFormatError, match="several indexes") as caught:
         ckpt_tools.inspect(tmp_path)
-    index = tmp_path / "model.safetensors.index.json"
+    index = tmp_path / "a-model.safetensors.index.json"
     assert f"path={str(index)!r}" in str(caught.value)
     advice = re.search(r"e\.g\. (\S+)$", caught.value.render(for_cli=True))
     assert advice, caught.value.render(for_cli=True)
@@ -48,7 +49,7 @@ def test_the_advised_command_works(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_an_index_opens_with_its_shards_only(tmp_path: Path) -> None:
     tensors = two_indexes(tmp_path)
-    index = tmp_path / "model.safetensors.index.json"
+    index = tmp_path / "a-model.safetensors.index.json"
     assert detect_format(index) == "hf-sharded"
     ckpt = open_checkpoint(index)
     assert ckpt.format == "hf-sharded" and ckpt.path == str(tmp_path)
@@ -60,7 +61,7 @@ def test_an_index_opens_with_its_shards_only(tmp_path: Path) -> None:
     loaded = ckpt_tools.load_state_dict(index)
     assert loaded.keys() == tensors.keys()
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
-    other = open_checkpoint(tmp_path / "pytorch_model.bin.index.json")
+    other = open_checkpoint(tmp_path / "b-model.bin.index.json")
     assert list(other.root) == ["other"]
 
 

@@ -139,7 +139,7 @@ def reserved(tmp_path: Path) -> Path:
         ["convert", "{src}", "{out}"],
         ["convert", "{src}", "{out}", "--dry-run"],
         ["slim", "{src}", "{out}"],
-        ["extract", "{src}", "{out}", "--prefix", "__"],
+        ["extract", "{src}", "{out}", "--prefix", "__metadata__"],
         ["rename", "{src}", "{out}", "--sub", "w=v"],
     ],
     ids=["convert", "dry-run", "slim", "extract", "rename"],

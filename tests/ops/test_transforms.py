@@ -164,7 +164,7 @@ def test_extract_prefix(tmp_path: Path, name: str) -> None:
     out = torch.load(tmp_path / "x.pt", weights_only=True)
     want = {k[len(prefix) :]: v for k, v in ref.items() if k.startswith(prefix)}
     assert list(out) == list(want) and all(torch.equal(out[k], want[k]) for k in want)
-    with pytest.raises(ct.UsageError, match=r"no key starts with 'nothing\.'"):
+    with pytest.raises(ct.UsageError, match=r"no key lies under 'nothing\.'"):
         ct.extract(FIXTURES / name, tmp_path / "y.pt", prefix="nothing.")
 
 
@@ -585,10 +585,15 @@ def test_extract_on_every_nested_layout(tmp_path: Path, name: str, strip: bool) 
     ref = _sd(src, _selected(src))
     first = next(iter(ref))
     prefix = first.split(".")[0] + "." if "." in first else first
+    if strip and not prefix.endswith("."):  # a plain key: stripping would leave it empty
+        with pytest.raises(ct.UsageError, match="empty key"):
+            ct.extract(src, tmp_path / "x.pt", prefix=prefix, strip_prefix=strip)
+        assert not (tmp_path / "x.pt").exists()
+        return
     ct.extract(src, tmp_path / "x.pt", prefix=prefix, strip_prefix=strip)
     out = torch.load(tmp_path / "x.pt", weights_only=True)
     cut = len(prefix) if strip else 0
-    want = {k[cut:]: v for k, v in ref.items() if k.startswith(prefix)}
+    want = {k[cut:]: v for k, v in ref.items() if k == prefix or k.startswith(prefix)}
     assert list(out) == list(want)
     assert all(out[k].dtype == want[k].dtype and torch.equal(out[k], want[k]) for k in want)
 

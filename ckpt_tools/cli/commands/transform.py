@@ -73,8 +73,16 @@ def slim_cmd(src: str, dst: str, as_json: bool, quiet: bool, **kw: Any) -> None:
 @click.command("extract")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--prefix", required=True, help="Keep the keys starting with it.")
-@click.option("--strip-prefix", is_flag=True, help="Remove the prefix from the kept keys.")
+@click.option(
+    "--prefix",
+    required=True,
+    help="Keep the keys under this module path: layer1 keeps layer1 and layer1.*, not layer10.*.",
+)
+@click.option(
+    "--strip-prefix",
+    is_flag=True,
+    help="Remove the prefix and its dot from the kept keys (a key it would empty is refused).",
+)
 @click.option("--ema", is_flag=True, help="Take the EMA copy (as slim --ema).")
 @quiet_option
 @_writing

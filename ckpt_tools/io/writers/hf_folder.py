@@ -42,6 +42,7 @@ from ckpt_tools.io.writers.shard_plan import INDEX_NAME, ShardPlan, index_bytes
 __all__ = [
     "WEIGHT_FILES",
     "FolderFile",
+    "removed_files",
     "write_folder",
     "write_hf_shards",
 ]
@@ -65,6 +66,33 @@ def _kept_entries(target: Path) -> list[str]:
     if not target.is_dir():
         return []
     return sorted(n for n in os.listdir(target) if not WEIGHT_FILES.match(n))
+
+
+def removed_files(dst: str, written: Sequence[str]) -> tuple[str, ...]:
+    """The files of an existing output folder that writing ``written`` into it removes.
+
+    A write keeps everything of the old folder but its weight files (:data:`WEIGHT_FILES`),
+    and those it writes anew are replaced: the rest are gone. A dry run lists them from
+    here, so that its plan and the real run cannot disagree.
+
+    Args:
+        dst: the output folder as given (a symlink at it is followed, as the write does).
+        written: the files the write would put there (their names, or paths ending in them).
+
+    Returns:
+        The paths (``dst`` joined with each name) of the weight files removed, sorted; none
+        where ``dst`` is no folder yet.
+
+    Example:
+        >>> removed_files("sharded", ["model-00001-of-00002.safetensors", INDEX_NAME])
+        ('sharded/model-00002-of-00002.safetensors',)
+    """
+    target = resolved_output(dst)
+    if not target.is_dir():
+        return ()
+    new = {os.path.basename(name) for name in written}
+    old = sorted(n for n in os.listdir(target) if WEIGHT_FILES.match(n) and n not in new)
+    return tuple(os.path.join(dst, name) for name in old)
 
 
 def _link_into(src: Path, dst: Path) -> None:

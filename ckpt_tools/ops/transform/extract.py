@@ -41,8 +41,10 @@ def extract(
     Args:
         src: the input.
         dst: the output (``.pt`` or ``.safetensors``).
-        prefix: keys starting with it are kept (``backbone.``).
-        strip_prefix: remove ``prefix`` from the kept keys.
+        prefix: a module path: the keys equal to it or under it (starting with it and a
+            dot) are kept, so ``layer1`` keeps ``layer1.weight`` but not ``layer10.weight``.
+            Given with its trailing dot (``backbone.``), it keeps the keys starting with it.
+        strip_prefix: remove ``prefix`` and its dot from the kept keys.
         ema: take the EMA copy, as ``slim(ema=True)`` does. A pickled ``nn.Module``
             selected (Ultralytics' ``model`` or ``ema``) gives up its recovered state dict.
         select, output_format, drop_extras, allow_globals, force, verify, durable, dry_run,
@@ -53,14 +55,16 @@ def extract(
 
     Raises:
         UsageError: ``prefix`` is empty (it would keep every key: that is
-            ``slim(weights_only=True)``), or no key starts with it (the message lists the
-            first segments).
+            ``slim(weights_only=True)``), no key lies under it (the message lists the first
+            segments), or ``strip_prefix`` would leave a key empty (the message names each).
         NonTensorEntriesError: a safetensors output, non-tensor entries under ``prefix`` and
             not ``drop_extras`` (exit 7).
 
     Example:
         >>> extract("model.pt", "layers.pt", prefix="layers.", strip_prefix=True).kept[:2]
         ('0.weight', '0.bias')
+        >>> extract("model.pt", "layer0.pt", prefix="layers.0", strip_prefix=True).kept
+        ('weight', 'bias')
     """
     src, dst = os.fspath(src), os.fspath(dst)
     allow_globals = str_items(allow_globals, "allow_globals")
@@ -68,9 +72,10 @@ def extract(
     with opened(src) as ckpt:
         selection, notes = select_weights(ckpt, allow_globals, select, ema)
         keys = [str(k) for k in selection.state_dict]
-        _check_prefix(prefix, keys)
+        _check_prefix(prefix, keys, strip_prefix)
+        head = _head(prefix)
         items = [
-            (k, (k[len(prefix) :] if strip_prefix else k) if k.startswith(prefix) else None, v)
+            (k, (k[len(head) :] if strip_prefix else k) if _under(k, prefix) else None, v)
             for k, v in zip(keys, selection.state_dict.values())
         ]
         fmt = output_format_for(dst, output_format, ckpt.format)
@@ -88,8 +93,22 @@ def extract(
         return finish(plan, target, ckpt, verify, dry_run, durable, progress, replace=force)
 
 
-def _check_prefix(prefix: str, keys: Sequence[str]) -> None:
-    """Refuse a prefix that keeps every key (the empty one) or none."""
+def _head(prefix: str) -> str:
+    """What a key under the module ``prefix`` starts with: the prefix and its dot."""
+    return prefix if prefix.endswith(".") else prefix + "."
+
+
+def _under(key: str, prefix: str) -> bool:
+    """Whether ``key`` is the module path ``prefix`` or lies under it.
+
+    A bare ``startswith`` would take ``layer10.weight`` for ``layer1``, and stripping would
+    turn it into ``0.weight``, a key of another module.
+    """
+    return key == prefix or key.startswith(_head(prefix))
+
+
+def _check_prefix(prefix: str, keys: Sequence[str], strip: bool) -> None:
+    """Refuse a prefix that keeps every key (the empty one) or none, or a strip emptying keys."""
     where = {"argument": "prefix", "value": repr(prefix), "flag": "--prefix"}
     if not prefix:
         # Every key starts with "": a part is what extract writes, and an empty prefix is
@@ -107,9 +126,19 @@ def _check_prefix(prefix: str, keys: Sequence[str]) -> None:
                 ),
             ),
         )
-    if not any(k.startswith(prefix) for k in keys):
+    if not any(_under(k, prefix) for k in keys):
         heads = sorted({k.split(".")[0] + "." for k in keys})
         raise UsageError(
-            f"no key starts with {prefix!r}; the keys start with {', '.join(heads[:10])}",
+            f"no key lies under {prefix!r}; the keys start with {', '.join(heads[:10])}",
+            **where,
+        )
+    # An empty name is no key of any module: load_state_dict could never place it.
+    emptied = [
+        repr(k) for k in keys if strip and _under(k, prefix) and k[len(_head(prefix)) :] == ""
+    ]
+    if emptied:
+        raise UsageError(
+            f"stripping {prefix!r} would leave an empty key for {', '.join(emptied)}; "
+            "keep the prefix, or give the module under it",
             **where,
         )

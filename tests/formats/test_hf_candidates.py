@@ -1,0 +1,122 @@
+"""A folder holding several weight files is read through the one ``from_pretrained`` loads.
+
+``transformers`` tries ``model.safetensors``, ``model.safetensors.index.json``,
+``pytorch_model.bin`` and ``pytorch_model.bin.index.json`` in that order and loads the first
+present. For every pair, each holding other weights, the oracle is ``from_pretrained`` on a
+tiny GPT-2 made here; the candidate not read is named in a warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_tools as ct
+from ckpt_tools.cli.main import main
+
+transformers = pytest.importorskip("transformers")
+
+CANDIDATES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _model(seed: int) -> transformers.GPT2LMHeadModel:
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=8)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _save_bin_shards(model: transformers.GPT2LMHeadModel, folder: Path) -> None:
+    """``pytorch_model.bin.index.json`` over two ``.bin`` shards (save_pretrained writes none)."""
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    names = list(state)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:]), start=1):
+        shard = f"pytorch_model-0000{i}-of-00002.bin"
+        torch.save({n: state[n] for n in part}, folder / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+
+
+def _save(candidate: str, model: transformers.GPT2LMHeadModel, folder: Path) -> None:
+    """``model``'s weights in ``folder`` as ``candidate`` (with its shards), and its config."""
+    folder.mkdir(exist_ok=True)
+    if candidate == "model.safetensors":
+        model.save_pretrained(folder)
+    elif candidate == "model.safetensors.index.json":
+        model.save_pretrained(folder, max_shard_size="5KB")
+    elif candidate == "pytorch_model.bin":
+        model.config.save_pretrained(folder)
+        state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        model.config.save_pretrained(folder)
+        _save_bin_shards(model, folder)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each candidate in its own folder, each with different weights."""
+    root = tmp_path_factory.mktemp("candidates")
+    folders = {}
+    for seed, candidate in enumerate(CANDIDATES, start=1):
+        folders[candidate] = root / str(seed)
+        _save(candidate, _model(seed), folders[candidate])
+    return folders
+
+
+def _merge(sources: list[Path], folder: Path) -> None:
+    folder.mkdir()
+    for source in sources:
+        for item in source.iterdir():
+            shutil.copy(item, folder / item.name)
+
+
+@pytest.mark.parametrize("pair", list(itertools.combinations(CANDIDATES, 2)))
+def test_the_file_read_is_the_one_from_pretrained_loads(
+    pair: tuple[str, str],
+    saved: dict[str, Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    folder = tmp_path / "both"
+    _merge([saved[c] for c in pair], folder)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    with caplog.at_level(logging.WARNING, logger="ckpt_tools"):
+        ours = ct.load_state_dict(folder)
+    assert ours, pair
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), (pair, name)
+    # The two candidates differ, so the test tells them apart.
+    other = ct.load_state_dict(saved[pair[1]])
+    assert any(not torch.equal(v, other[k]) for k, v in ours.items()), pair
+    notes = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].endswith(f"not read: {pair[1]}"), notes
+
+
+def test_convert_and_reshard_read_what_from_pretrained_loads(
+    saved: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "both"
+    _merge([saved["model.safetensors"], saved["model.safetensors.index.json"]], folder)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    with caplog.at_level(logging.WARNING, logger="ckpt_tools"):
+        assert main(["convert", str(folder), str(tmp_path / "out.pt")]) == 0
+    assert "not read: model.safetensors.index.json" in caplog.text
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert all(torch.equal(v, theirs[k]) for k, v in out.items())
+    assert main(["reshard", str(folder), str(tmp_path / "rs"), "--max-shard-size", "1GB"]) == 0
+    resharded = ct.load_state_dict(tmp_path / "rs")
+    assert all(torch.equal(v, theirs[k]) for k, v in resharded.items())
