@@ -5,13 +5,19 @@ Names are torch's without the ``torch.`` prefix (``float32``, ``bfloat16``, ``in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "DTYPE_ITEMSIZE",
     "DTYPE_STORAGE_TYPE",
+    "SAFETENSORS_BITS",
+    "SAFETENSORS_PACKED",
     "SAFETENSORS_TO_TORCH",
     "STORAGE_TYPE_DTYPE",
     "TORCH_TO_SAFETENSORS",
     "itemsize",
+    "safetensors_nbytes",
+    "safetensors_torch_shape",
 ]
 
 # itemsize in bytes of each dtype name. Sub-byte packed types count their packed byte.
@@ -99,7 +105,25 @@ SAFETENSORS_TO_TORCH: dict[str, str] = {
     "F8_E5M2": "float8_e5m2",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    # Two 4-bit elements a byte; the header counts elements (SAFETENSORS_PACKED).
+    "F4": "float4_e2m1fn_x2",
 }
+# Bits per element of every dtype safetensors (0.8) knows, as its crate's ``Dtype::bitsize``:
+# a header entry's byte count is its element count times this, over 8, and must be whole.
+# F6_E2M3 and F6_E3M2 have no torch dtype, so they are in no other table: a file holding
+# them is valid, but ``load_file`` cannot make their tensors, and neither can we.
+SAFETENSORS_BITS: dict[str, int] = {
+    **{tag: 8 * DTYPE_ITEMSIZE[name] for tag, name in SAFETENSORS_TO_TORCH.items()},
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+# Torch dtypes packing several safetensors elements in one: ``float4_e2m1fn_x2`` holds two
+# F4 elements, so the header's last dimension is twice torch's (safetensors.torch halves it
+# when loading, and doubles it when saving).
+SAFETENSORS_PACKED: dict[str, int] = {"float4_e2m1fn_x2": 2}
 TORCH_TO_SAFETENSORS: dict[str, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
 
 
@@ -110,3 +134,67 @@ def itemsize(dtype: str) -> int:
         KeyError: for a dtype name this table does not know.
     """
     return DTYPE_ITEMSIZE[dtype]
+
+
+# serde reads a safetensors shape as usize (u64): past it, the crate's checked products fail.
+_USIZE_MAX = 2**64 - 1
+# torch keeps sizes and strides as int64.
+_INT64_MAX = 2**63 - 1
+
+
+def safetensors_nbytes(tag: str, shape: Sequence[int]) -> int | None:
+    """Bytes of a safetensors entry, as the crate's header check computes them.
+
+    Its checked multiplication runs over the dimensions in order, so a later 0 does not
+    save a product already past 64 bits; the bit count must fit too, and be whole bytes.
+
+    Args:
+        tag: the header's dtype (a key of :data:`SAFETENSORS_BITS`).
+        shape: the header's shape, in elements.
+
+    Returns:
+        The byte count, or None where safetensors refuses the entry.
+
+    Example:
+        >>> safetensors_nbytes("F32", [2, 3]), safetensors_nbytes("F4", [2, 6])
+        (24, 6)
+        >>> safetensors_nbytes("F32", [2**32, 2**32, 0]), safetensors_nbytes("F4", [3])
+        (None, None)
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+        if numel > _USIZE_MAX:
+            return None
+    bits = numel * SAFETENSORS_BITS[tag]
+    return bits // 8 if bits <= _USIZE_MAX and bits % 8 == 0 else None
+
+
+def safetensors_torch_shape(dtype: str, shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The shape ``safetensors.torch`` gives a tensor of torch ``dtype`` stored with ``shape``.
+
+    A packed dtype's last dimension holds :data:`SAFETENSORS_PACKED` elements in one.
+
+    Returns:
+        The torch shape, or None where torch can make no such tensor: the last dimension
+        does not divide, or a size or contiguous stride is past int64, which torch keeps
+        them in (a shape with a 0 has no bytes, so the file alone does not bound it).
+
+    Example:
+        >>> safetensors_torch_shape("float4_e2m1fn_x2", [2, 6])
+        (2, 3)
+        >>> safetensors_torch_shape("float4_e2m1fn_x2", [2, 3]) is None
+        True
+        >>> safetensors_torch_shape("float32", [0, 2**62, 2]) is None
+        True
+    """
+    pack = SAFETENSORS_PACKED.get(dtype, 1)
+    if pack > 1 and (not shape or shape[-1] % pack):
+        return None
+    view = (*shape[:-1], shape[-1] // pack) if pack > 1 else tuple(shape)
+    stride = 1
+    for n in reversed(view):
+        if n > _INT64_MAX or stride > _INT64_MAX:
+            return None
+        stride *= max(n, 1)
+    return view

@@ -18,8 +18,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, short_repr
-from ckpt_tools.dtypes import SAFETENSORS_TO_TORCH, itemsize
-from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError, quote_foreign
+from ckpt_tools.dtypes import (
+    SAFETENSORS_BITS,
+    SAFETENSORS_TO_TORCH,
+    safetensors_nbytes,
+    safetensors_torch_shape,
+)
+from ckpt_tools.errors import (
+    CorruptCheckpointError,
+    ResourceLimitError,
+    UnsupportedFormatError,
+    quote_foreign,
+)
 from ckpt_tools.formats.base import Checkpoint, RangeSource
 
 __all__ = [
@@ -156,18 +166,18 @@ def _parse_header(
 
 
 def _is_index(value: Any) -> bool:
-    # serde's usize: a JSON integer >= 0; not 1.0, true or "1".
-    return type(value) is int and value >= 0
+    # serde's usize (u64): a JSON integer in [0, 2**64), as a larger one is a float to serde;
+    # not 1.0, true or "1".
+    return type(value) is int and 0 <= value < 2**64
 
 
 def _entry(path: str, name: str, entry: Any) -> tuple[str, tuple[int, ...], int, int]:
-    """``(dtype, shape, begin, end)`` of one header entry, or refused."""
+    """``(safetensors dtype, header shape, begin, end)`` of one header entry, or refused."""
     fields = entry if isinstance(entry, dict) else {}
     shape, offsets = fields.get("shape"), fields.get("data_offsets")
     tag = fields.get("dtype")
-    dtype = SAFETENSORS_TO_TORCH.get(tag) if isinstance(tag, str) else None
     if (
-        dtype is None
+        not (isinstance(tag, str) and tag in SAFETENSORS_BITS)
         or not isinstance(shape, list)
         or not all(_is_index(n) for n in shape)
         or not isinstance(offsets, list)
@@ -179,7 +189,23 @@ def _entry(path: str, name: str, entry: Any) -> tuple[str, tuple[int, ...], int,
             f"{short_repr(entry)} (expected dtype, shape of non-negative integers, and "
             "data_offsets [begin, end] of two non-negative integers)"
         )
-    return dtype, tuple(shape), offsets[0], offsets[1]
+    return tag, tuple(shape), offsets[0], offsets[1]
+
+
+def _torch_view(
+    path: str, name: str, tag: str, shape: tuple[int, ...]
+) -> tuple[str, tuple[int, ...]]:
+    """``(dtype, shape)`` of the tensor ``load_file`` makes of an entry (F4 ``[2, 6]`` loads
+    as ``float4_e2m1fn_x2`` ``(2, 3)``), or refused where it can make none."""
+    dtype = SAFETENSORS_TO_TORCH.get(tag)
+    view = None if dtype is None else safetensors_torch_shape(dtype, shape)
+    if dtype is None or view is None:
+        lacks = "a dtype torch lacks" if dtype is None else "a shape no torch tensor has"
+        raise UnsupportedFormatError(
+            f"{path!r}: tensor {name!r} ({tag}, shape {list(shape)}) has {lacks}: neither "
+            "safetensors.torch nor ckpt_tools can load it"
+        )
+    return dtype, view
 
 
 def _check_layout(path: str, spans: list[tuple[int, int, str]], data_len: int) -> None:
@@ -233,14 +259,18 @@ def open_safetensors(path: str, *, source: RangeSource | None = None) -> Checkpo
     storages: dict[str, StorageRef] = {}
     spans: dict[str, ByteSpan] = {}
     for name, entry in header.items():
-        dtype, shape, begin, end = _entry(path, name, entry)
-        numel = math.prod(shape)
-        if not begin <= end <= data_len or end - begin != numel * itemsize(dtype):
+        tag, header_shape, begin, end = _entry(path, name, entry)
+        nbytes = safetensors_nbytes(tag, header_shape)
+        if nbytes is None or not begin <= end <= data_len or end - begin != nbytes:
+            what = f"{path!r}: tensor {name!r} ({tag}, shape {list(header_shape)})"
             raise CorruptCheckpointError(
-                f"{path!r}: tensor {name!r} ({dtype}, shape {list(shape)}) has byte range "
-                f"[{begin}, {end}) that does not fit its size or the {data_len}-byte data section"
+                f"{what} has a size past 64 bits or of no whole bytes, which safetensors refuses"
+                if nbytes is None
+                else f"{what} has byte range [{begin}, {end}) that does not fit its size or "
+                f"the {data_len}-byte data section"
             )
-        storage = StorageRef(key=name, dtype=dtype, numel=numel, device="cpu")
+        dtype, shape = _torch_view(path, name, tag, header_shape)
+        storage = StorageRef(key=name, dtype=dtype, numel=math.prod(shape), device="cpu")
         stride = _contiguous_stride(shape)
         storages[name] = storage
         spans[name] = ByteSpan(path, data_start + begin, end - begin)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
+from ckpt_tools.dtypes import SAFETENSORS_PACKED, TORCH_TO_SAFETENSORS
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.io.copy.layout import safetensors_data_start, safetensors_offsets
 from ckpt_tools.io.tensor_bytes import OpenFiles
@@ -166,9 +166,12 @@ def safetensors_header(
         t = entry.tensor
         if offsets is not None:
             position = offsets[i]
+        shape = list(t.shape)
+        if t.dtype in SAFETENSORS_PACKED:  # the header counts the elements packed in each
+            shape[-1] *= SAFETENSORS_PACKED[t.dtype]
         header[entry.name] = {
             "dtype": TORCH_TO_SAFETENSORS[t.dtype],
-            "shape": list(t.shape),
+            "shape": shape,
             "data_offsets": [position, position + t.nbytes],
         }
         position += t.nbytes

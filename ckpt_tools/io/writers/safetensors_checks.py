@@ -4,7 +4,8 @@ safetensors holds dense tensors of its own dtypes, named by UTF-8 strings, as th
 and nothing else. So every operation writing it refuses, before a byte is written and naming
 every offender at once:
 
-- a dtype it lacks (quantized types, complex32 ...);
+- a dtype it lacks (quantized types, complex32 ...), or a 0-d tensor of a packed one
+  (``float4_e2m1fn_x2``, whose last dimension it stores);
 - a name that is no UTF-8 (a lone surrogate, which torch keeps), or the name
   ``__metadata__``, which its header reserves for the metadata;
 - a conjugate or negative view, saved as its storage's bytes plus a bit torch applies on
@@ -22,7 +23,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
-from ckpt_tools.dtypes import TORCH_TO_SAFETENSORS
+from ckpt_tools.dtypes import SAFETENSORS_PACKED, TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 
 __all__ = ["RESERVED_NAME", "check_holdable", "leave_out_extras", "unholdable_kind"]
@@ -65,6 +66,13 @@ def check_holdable(
     """
     where = f" in {path!r}" if path else ""
     bad = [f"{name} ({t.dtype})" for name, t in tensors if t.dtype not in TORCH_TO_SAFETENSORS]
+    # A packed dtype is stored as whole elements of its last dimension, which a 0-d one lacks
+    # (safetensors refuses to save it too).
+    bad += [
+        f"{name} (0-d {t.dtype})"
+        for name, t in tensors
+        if t.dtype in SAFETENSORS_PACKED and not t.shape
+    ]
     unnamed = [ascii(name) for name, _ in tensors if not _is_utf8(name)]
     problems = []
     if bad:
