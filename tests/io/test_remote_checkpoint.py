@@ -249,7 +249,7 @@ def test_a_file_replaced_while_extracted_is_refused_not_mixed(hub, tmp_path):
     old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
     for seed, path in ((0, old), (1, new)):
         gen = torch.Generator().manual_seed(seed)
-        save_file({f"w{i}": torch.randn(512, 512, generator=gen) for i in range(6)}, path)
+        save_file({f"w.{i}": torch.randn(512, 512, generator=gen) for i in range(6)}, path)
     assert old.stat().st_size == new.stat().st_size
     url = hub.put("org/moving", "model.safetensors", old)
     hub.replace_later("org/moving", "model.safetensors", new)
