@@ -1,6 +1,6 @@
 """What ``torch.load(weights_only=True)`` would refuse inside a state dict: the objects of
-classes outside the allowlist, each by its entry path; and the parts of a rebuilt tensor
-(its new type, its attribute state) that name classes."""
+classes outside the allowlist, each by its entry path, wherever they sit (a tensor's rebuild
+arguments included); and the parts of a rebuilt tensor (its new type, its attribute state)."""
 
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def unsafe_entries(node: Any, path: str = "") -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     seen: set[int] = set()
     # A stack, not recursion: torch.load reads a pickle however deep its containers nest.
-    todo: list[tuple[Any, str]] = [(node, path)]
+    todo: list[tuple[Any, str, bool]] = [(node, path, False)]
     while todo:
-        item, where = todo.pop()
+        item, where, in_tensor = todo.pop()
         name = _qualname(item)
         if name is not None:
             found.append((where or "<root>", name))
@@ -49,7 +49,12 @@ def unsafe_entries(node: Any, path: str = "") -> list[tuple[str, str]]:
             continue
         if isinstance(item, (Mapping, list, tuple, set, frozenset)):
             seen.add(id(item))
-        todo.extend(reversed(_unsafe_children(item, where)))  # popped in the tree's order
+        children = _unsafe_children(item, where)
+        # What a tensor's rebuild call holds is named by the tensor's own entry path.
+        in_tensor = in_tensor or isinstance(item, TensorRef)
+        if in_tensor:
+            children = [(child, where) for child, _ in children]
+        todo.extend((c, p, in_tensor) for c, p in reversed(children))  # popped in the tree's order
     return found
 
 
@@ -62,10 +67,9 @@ def _unsafe_children(item: Any, where: str) -> list[tuple[Any, str]]:
     if isinstance(item, (list, tuple, set, frozenset)):
         return [(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(item)]
     if isinstance(item, TensorRef):
-        children = [(from_type(item)[1], where), (object_state(item), where)]
-        if item.func is not None and item.func.name == "_rebuild_qtensor" and len(item.args) > 4:
-            children.append((item.args[4], where))  # the quantizer parameters
-        return children
+        # Every argument of the rebuild call: torch refuses a global in any of them (hooks,
+        # metadata, a new type, a state, quantizer parameters) while it unpickles.
+        return [(arg, where) for arg in item.args]
     if isinstance(item, Reduced):
         return [(item.args, where)]
     return []

@@ -128,6 +128,7 @@ def open_legacy(path: str, *, source: RangeSource | None = None) -> Checkpoint:
                     f"{path!r} is truncated: storage {key!r} needs {storage.nbytes} bytes at "
                     f"offset {position - storage.nbytes}, the file ends at {size}"
                 )
+    _check_all_stored(path, roots, offsets)
     locate = offset_locator(path, offsets)
     if source is not None:
         locate = _counted(path, roots, offsets, source, locate)
@@ -189,6 +190,21 @@ def _counted(
         return span
 
     return counted
+
+
+def _check_all_stored(
+    path: str, roots: Mapping[str, StorageRef], offsets: Mapping[str, int]
+) -> None:
+    """Refuse a storage the main pickle names that the file does not store: torch.load hands
+    back uninitialized memory for it, and no offset could locate its bytes here."""
+    missing = [key for key in roots if key not in offsets]
+    if missing:
+        stored = ", ".join(repr(k) for k in list(offsets)[:4])
+        more = f" and {len(offsets) - 4} more" if len(offsets) > 4 else ""
+        raise CorruptCheckpointError(
+            f"{path!r}: the pickle names storage {short_repr(missing[0])}, which the file "
+            f"does not store (it stores {stored or 'none'}{more}); the file is damaged"
+        )
 
 
 def _refuse_untyped(storages: Any, path: str) -> None:
