@@ -13,7 +13,9 @@ from typing import TypeVar
 
 __all__ = ["Group", "fold_indices", "fold_keys", "fold_names", "group_names"]
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+# Integers in canonical form only: "01" and "002" are other keys than "1" and "2", which a
+# range like {1..2} could not name.
+_INDEX = re.compile(r"(?<=\.)(?:0|[1-9]\d*)(?=\.|$)|^(?:0|[1-9]\d*)(?=\.|$)")
 T = TypeVar("T")
 
 

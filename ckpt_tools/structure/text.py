@@ -35,6 +35,26 @@ _PADDING = 2
 _GAP = "  "
 
 
+#: Binary units :func:`human_bytes` steps through, each 1024 of the one before.
+_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+#: Suffixes :func:`human_count` steps through, each 1000 of the one before (T: trillion).
+_COUNT_SUFFIXES = ("K", "M", "B", "T")
+
+
+def _scaled(n: int, base: int, units: Sequence[str], digits: int) -> tuple[str, str] | None:
+    """``n`` in the first unit where it shows, rounded to ``digits`` decimals, under ``base``
+    (1,048,575 B is 1.0 MiB, never 1024.0 KiB), as ``(number, unit)``; None below the first
+    unit. The last unit takes every larger number."""
+    if n < base:
+        return None
+    for i, unit in enumerate(units, start=1):
+        # Rounded first, then compared: what shows is the rounded number.
+        value = round(n / base**i, digits)
+        if value < base or i == len(units):
+            return f"{value:.{digits}f}", unit
+    return None  # unreachable: the last unit returns
+
+
 def human_bytes(n: int) -> str:
     """A byte count in binary units.
 
@@ -42,31 +62,33 @@ def human_bytes(n: int) -> str:
         n: bytes.
 
     Returns:
-        ``"512 B"``, ``"1.5 KiB"`` ... up to TiB.
+        ``"512 B"``, ``"1.5 KiB"`` ... up to EiB; the unit is the one the rounded number
+        reaches (1,048,575 B is ``"1.0 MiB"``).
 
     Example:
-        >>> human_bytes(1536)
-        '1.5 KiB'
+        >>> human_bytes(1536), human_bytes(1023), human_bytes(1048575)
+        ('1.5 KiB', '1023 B', '1.0 MiB')
     """
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
+    scaled = _scaled(n, 1024, _BYTE_UNITS, 1)
+    return f"{n} B" if scaled is None else f"{scaled[0]} {scaled[1]}"
 
 
 def human_count(n: int) -> str:
-    """A count with a K, M or B suffix.
+    """A count with a K, M, B (billion) or T (trillion) suffix.
+
+    Args:
+        n: a count.
+
+    Returns:
+        ``"999"``, ``"11.69M"`` ...; the suffix is the one the rounded number reaches
+        (999,999 is ``"1.00M"``).
 
     Example:
-        >>> human_count(11689512)
-        '11.69M'
+        >>> human_count(11689512), human_count(999999)
+        ('11.69M', '1.00M')
     """
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}"
-    return str(n)
+    scaled = _scaled(n, 1000, _COUNT_SUFFIXES, 2)
+    return str(n) if scaled is None else "".join(scaled)
 
 
 def counts(mapping: Mapping[str, int]) -> str:

@@ -8,12 +8,13 @@ activation-checkpoint segments, Lightning's and PEFT's attributes; the rules are
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.structure.keys import KeyRule, strip_rule
+from ckpt_tools.structure.paths import is_tensor
 
 __all__ = [
     "MAX_WRAPPER_DEPTH",
@@ -34,9 +35,10 @@ class WrapperRule:
         kind: who adds it, in words.
         inner: it may appear inside a key (``blocks.0._checkpoint_wrapped_module.fc``), not
             only at the start.
-        whole: report it as a prefix only when every key with a dot carries it
-            (``module.`` and ``model.`` are also common plain attribute names; a key without
-            a dot, an ``epoch`` beside the weights, names no module's tensor).
+        whole: report it as a prefix only when every tensor key carries it (``module.`` and
+            ``model.`` are also common plain attribute names; the wrapper prefixes every
+            key, a top-level parameter's too). A non-tensor entry (an ``epoch`` beside the
+            weights) does not count, where the keys come with their values.
     """
 
     prefix: str
@@ -85,7 +87,11 @@ class WrapperMatch:
         return {"prefix": self.prefix, "kind": self.kind, "count": self.count, "of": self.of}
 
 
-def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
+def detect_wrappers(
+    keys: Iterable[str] | Mapping[Any, Any],
+    *,
+    wrappers: Sequence[WrapperRule] = WRAPPER_RULES,
+) -> tuple[WrapperMatch, ...]:
     """Find the wrapper prefixes a set of state-dict keys carries, outermost first.
 
     Stacked wrappers are peeled one layer at a time (``module._orig_mod.fc.weight`` gives
@@ -93,7 +99,10 @@ def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
     checkpointing) are also counted where they appear inside keys.
 
     Args:
-        keys: state-dict keys.
+        keys: the tensor keys of a state dict; or the state dict itself, whose entries that
+            are no tensor (an ``epoch`` saved inside it) are left out.
+        wrappers: the wrappers to look for (a caller that knows a checkpoint is no Lightning
+            one leaves out ``model.``).
 
     Returns:
         The matches, outermost prefix first, then inner ones.
@@ -105,16 +114,17 @@ def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
         >>> [m.prefix for m in detect_wrappers(["module._orig_mod.fc.weight"])]
         ['module.', '_orig_mod.']
     """
+    if isinstance(keys, Mapping):
+        keys = [k for k, v in keys.items() if is_tensor(v)]
     current = [k for k in keys if isinstance(k, str)]
     total = len(current)
     found: list[WrapperMatch] = []
     peeled: set[str] = set()
     while current:
-        for rule in WRAPPER_RULES:
+        for rule in wrappers:
             count = sum(k.startswith(rule.prefix) for k in current)
-            # A key without a dot (`epoch` beside the weights) is no module's: it does not
-            # count against a prefix every module key must carry.
-            if count and (not rule.whole or count == sum("." in k for k in current)):
+            # DataParallel and its kind prefix every tensor key, top-level parameters too.
+            if count and (not rule.whole or count == len(current)):
                 if len(found) == MAX_WRAPPER_DEPTH:
                     raise _too_deep(rule.prefix)
                 found.append(WrapperMatch(rule.prefix, rule.kind, count, total))
@@ -125,7 +135,7 @@ def detect_wrappers(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
                 break
         else:
             break
-    for rule in WRAPPER_RULES:
+    for rule in wrappers:
         if not rule.inner:
             continue
         count = sum(f".{rule.prefix}" in k for k in current)
@@ -142,7 +152,7 @@ def _too_deep(prefix: str) -> ResourceLimitError:
 
 
 def strip_wrapper_rules(
-    keys: Iterable[str],
+    keys: Iterable[str] | Mapping[Any, Any],
 ) -> tuple[tuple[KeyRule, ...], tuple[WrapperMatch, ...]]:
     """The rules that strip every wrapper :func:`detect_wrappers` finds in ``keys``."""
     matches = detect_wrappers(keys)

@@ -169,9 +169,10 @@ def test_model_and_peft_prefixes_only_when_every_key_has_them():
     # named `module` (an EMA helper's), and DataParallel around one is peeled once.
     assert found(["module.a.w", "module.b.w", "c.w"]) == []
     assert found(["module.module.w", "module.other.w"]) == [("module.", 2, 2, False)]
-    # A key without a dot is no module's (an `epoch` saved beside the weights).
-    assert found(["module.a", "module.b", "epoch"]) == [("module.", 2, 3, False)]
-    assert found(["model.fc.weight", "step"]) == [("model.", 1, 2, False)]
+    # A non-tensor entry (an `epoch` saved inside the state dict) is no module's tensor.
+    t = torch.ones(1)
+    assert found({"module.a": t, "module.b": t, "epoch": 3}) == [("module.", 2, 2, False)]
+    assert found({"model.fc.weight": t, "step": 5}) == [("model.", 1, 1, False)]
 
 
 def test_no_wrappers_and_odd_keys():

@@ -14,7 +14,7 @@ from itertools import islice
 from typing import Any
 
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError, shown
-from ckpt_tools.ops.inspect.tensor_info import TensorInfo
+from ckpt_tools.ops.inspect.tensor_info import TensorInfo, group_sharing
 from ckpt_tools.structure.text import (
     Readable,
     TableFormat,
@@ -231,11 +231,14 @@ class CheckpointInfo(Readable):
         """The tensor table's cells, one row per tensor (or per folded group), under
         :data:`TENSOR_COLUMNS`."""
         if not group:
-            return [_row(t.name, t, 1) for t in self.tensors]
+            return [_row(t.name, t, 1, None) for t in self.tensors]
         from ckpt_tools.structure.grouping import group_names  # only --group folds
 
         groups = group_names(self.tensors, lambda t: t.name, lambda t: (t.dtype, t.shape, t.device))
-        return [_row(g.label, members[0], g.count) for g, members in groups]
+        return [
+            _row(g.label, members[0], g.count, group_sharing(members) if g.count > 1 else None)
+            for g, members in groups
+        ]
 
     def table(
         self,
@@ -352,19 +355,20 @@ def _check_shared_names(tensors: tuple[TensorInfo, ...], path: str) -> None:
         )
 
 
-def _row(label: str, t: TensorInfo, count: int) -> list[str]:
-    # A folded row stands for ``count`` tensors: per-tensor columns stay empty. Only the
-    # first others are looked at, never every view of the storage.
-    others = list(islice((n for n in t.sharing if n != t.name), 3))
-    shared = ", ".join(others[:2]) + (" ..." if len(others) > 2 else "")
-    one = count == 1
+def _row(label: str, t: TensorInfo, count: int, folded: tuple[str, str] | None) -> list[str]:
+    # A folded row stands for ``count`` tensors: its storage and sharing are the members'
+    # (``folded``), its offset is no one's. Only the first others are looked at, never
+    # every view of the storage.
+    if folded is None:
+        others = list(islice((n for n in t.sharing if n != t.name), 3))
+        folded = (t.storage, ", ".join(others[:2]) + (" ..." if len(others) > 2 else ""))
     return [
         label,
         t.dtype if t.layout == "strided" else f"{t.dtype} ({t.layout})",
         "[" + ", ".join(map(str, t.shape)) + "]",
         t.device,
-        t.storage if one else "",
-        str(t.offset) if one else "",
+        folded[0],
+        str(t.offset) if count == 1 else "",
         human_bytes(t.nbytes * count),
-        shared if one else "",
+        folded[1],
     ]

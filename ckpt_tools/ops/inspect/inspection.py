@@ -19,7 +19,7 @@ from ckpt_tools.structure.selection import (
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, stored_views
-from ckpt_tools.structure.wrappers import detect_wrappers
+from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperRule, detect_wrappers
 
 __all__ = [
     "CheckpointInfo",
@@ -40,8 +40,10 @@ def describe_value(value: Any, limit: int = 60) -> str:
     if isinstance(value, type) and issubclass(value, Opaque):
         return f"{value.global_ref.qualname} (global, not imported)"
     # Only the pickle reader makes these: a safetensors file is described without it.
-    from ckpt_tools.formats.pickle.standins import Reduced, TorchSize
+    from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
 
+    if isinstance(value, ConstantRef):  # torch.bfloat16, as torch.load gives it back
+        return value.qualname
     if isinstance(value, (Reduced, TorchSize)):
         return _clip(repr(value), limit)
     if isinstance(value, (bool, int, float, complex, str, bytes, bytearray, set, frozenset)):
@@ -71,6 +73,18 @@ def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> d
     return entries
 
 
+def _wrapper_rules(ckpt: Checkpoint) -> tuple[WrapperRule, ...]:
+    """The wrapper rules that apply to ``ckpt``'s keys: Lightning's ``model.`` is left out
+    where the checkpoint is a Hugging Face one (a folder, or a safetensors file with the
+    ``format`` metadata ``save_pretrained`` writes). Lightning saves neither, and a
+    transformers model whose keys all lie under its own ``model`` attribute (tied embeddings
+    leave no ``lm_head.weight``) loads only with them."""
+    metadata = ckpt.metadata or {}
+    if ckpt.format == "hf-sharded" or (ckpt.format == "safetensors" and "format" in metadata):
+        return tuple(rule for rule in WRAPPER_RULES if rule.prefix != "model.")
+    return WRAPPER_RULES
+
+
 def _selected(ckpt: Checkpoint, select: Select) -> Selection:
     """The state dict to describe: the selection, a TorchScript module's tensors, or (no
     state dict in a root that is no mapping) every tensor of the root by its path."""
@@ -95,7 +109,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
     named = [(name, t) for name, t in listed if isinstance(t, TensorRef)]
     shard_of = _shard_owner(ckpt)
     tensors = _tensor_infos(listed, shard_of)
-    parts = [p for _, t in listed for p in stored_views(t)]
+    parts = [p for _, t in listed for p in _held_views(t)]
     distinct = {id(p.storage): p.storage.nbytes for p in parts}
     return CheckpointInfo(
         path=ckpt.path,
@@ -103,7 +117,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         selected=selection.path,
         selection_reason=selection.reason,
         tensors=tensors,
-        wrappers=detect_wrappers(name for name, _ in listed),
+        wrappers=detect_wrappers((name for name, _ in listed), wrappers=_wrapper_rules(ckpt)),
         unsafe_globals=ckpt.unsafe_globals,
         entries=_entries(ckpt.root, selection.path, sd),
         total_params=sum(t.numel for t in tensors),
@@ -124,10 +138,13 @@ def _tensor_infos(
     listed: list[tuple[str, TensorRef | RebuiltTensor]], shard_of: dict[str, str]
 ) -> tuple[TensorInfo, ...]:
     """One :class:`TensorInfo` per tensor, with the names sharing each storage."""
+    # A sparse, nested or quantized tensor's parts are storages too: a part also saved as
+    # an entry of its own is memory the two share, as torch.load gives them.
+    held = [(name, {id(p.storage): p.storage for p in _held_views(t)}) for name, t in listed]
     by_storage: dict[int, list[str]] = {}
-    for name, t in listed:
-        if isinstance(t, TensorRef):
-            by_storage.setdefault(id(t.storage), []).append(name)
+    for name, storages in held:
+        for key in storages:
+            by_storage.setdefault(key, []).append(name)
     # One tuple per storage, held by each of its tensors: a list of the others per tensor
     # grows with the square of the views of one storage.
     sharing = {key: tuple(names) for key, names in by_storage.items()}
@@ -136,14 +153,50 @@ def _tensor_infos(
     for name, t in listed:
         for part in stored_views(t):
             label.setdefault(id(part.storage), shard_of.get(name, "") + part.storage.key)
-    return tuple(_info(name, t, label, sharing) for name, t in listed)
+    return tuple(
+        _info(name, t, label, _sharing_of(name, storages, sharing, listed))
+        for (name, t), (_, storages) in zip(listed, held)
+    )
+
+
+def _sharing_of(
+    name: str,
+    storages: Mapping[int, Any],
+    sharing: dict[int, tuple[str, ...]],
+    listed: list[tuple[str, TensorRef | RebuiltTensor]],
+) -> tuple[str, ...]:
+    """The names viewing any of ``storages`` (``name``'s), in key order."""
+    if len(storages) == 1:
+        return sharing[next(iter(storages))]
+    names = {n for key in storages for n in sharing[key]}
+    if len(names) == 1:
+        return (name,)
+    return tuple(n for n, _ in listed if n in names)
+
+
+def _held_views(t: Any) -> tuple[TensorRef, ...]:
+    """The views whose storages hold ``t``: :func:`stored_views`, and a quantized tensor's
+    quantizer tensors (per-channel scales and zero points, saved as storages of their own)."""
+    views = stored_views(t)
+    return (*views, *(q for v in views for q in _quantizer_tensors(v)))
+
+
+def _quantizer_tensors(t: TensorRef) -> tuple[TensorRef, ...]:
+    # _rebuild_qtensor(storage, offset, size, stride, qparams, ...): per-channel qparams are
+    # (qscheme, scales, zero_points, axis); per-tensor ones hold numbers only.
+    if t.func is None or t.func.name != "_rebuild_qtensor" or len(t.args) < 5:
+        return ()
+    qparams = t.args[4]
+    return (
+        tuple(v for v in qparams if isinstance(v, TensorRef)) if isinstance(qparams, tuple) else ()
+    )
 
 
 def _info(
     name: str,
     t: TensorRef | RebuiltTensor,
     label: dict[int, str],
-    sharing: dict[int, tuple[str, ...]],
+    sharing: tuple[str, ...],
 ) -> TensorInfo:
     """One listed tensor; a sparse, meta or nested one has no storage of its own, and is
     shown with its parts' storages and bytes."""
@@ -154,7 +207,7 @@ def _info(
             "storage": ",".join(label[key] for key in storages),
             "offset": 0,
             "storage_nbytes": sum(s.nbytes for s in storages.values()),
-            "sharing": (name,),
+            "sharing": sharing,
             "layout": t.layout,
         }
     else:
@@ -162,7 +215,7 @@ def _info(
             "storage": label[id(t.storage)],
             "offset": t.offset,
             "storage_nbytes": t.storage.nbytes,
-            "sharing": sharing[id(t.storage)],
+            "sharing": sharing,
             "is_parameter": t.is_parameter,
         }
     return TensorInfo(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from ckpt_tools.errors import shown
 
-__all__ = ["TensorInfo"]
+__all__ = ["TensorInfo", "group_sharing"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +76,35 @@ class TensorInfo:
         """``layers.0.weight float32 [64, 32] cpu`` (``sparse_coo`` after the shape where so)."""
         layout = "" if self.layout == "strided" else f" {self.layout}"
         return shown(f"{self.name} {self.dtype} {list(self.shape)}{layout} {self.device}")
+
+
+def group_sharing(members: Sequence[TensorInfo]) -> tuple[str, str]:
+    """A folded row's storage and "shared with" cells: the one storage its members view (or
+    nothing where they view several), and whether they share memory with each other and
+    with which keys outside the group.
+
+    Args:
+        members: the tensors one row stands for.
+
+    Returns:
+        ``(storage, shared)``: ``("3", "each other, head.w")`` for tied members that a
+        third key views too; ``("", "")`` for members that share nothing.
+
+    Example:
+        >>> tied = ("h.0.w", "h.1.w")
+        >>> group_sharing([TensorInfo(n, "float32", (2,), (1,), 2, 8, "cpu", "0", 0, 8, tied)
+        ...                for n in tied])
+        ('0', 'each other')
+    """
+    names = {t.name for t in members}
+    storages = {t.storage for t in members}
+    inside = False
+    outside: list[str] = []
+    # Tensors viewing one storage hold one sharing tuple: each is read once, not per member.
+    for sharing in {id(t.sharing): t.sharing for t in members}.values():
+        inside = inside or sum(n in names for n in sharing) > 1
+        if len(outside) < 3:
+            outside += islice((n for n in sharing if n not in names), 3 - len(outside))
+    shared = (["each other"] if inside else []) + outside[:2]
+    text = ", ".join(shared) + (" ..." if len(outside) > 2 else "")
+    return (storages.pop() if len(storages) == 1 else ""), text

@@ -196,7 +196,7 @@ def _aligned(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[str, T
     tensors = {k: v for k, v in sd.items() if isinstance(k, str) and isinstance(v, TensorRef)}
     wanted = [f"{t.module}.weight" for t in lora.targets]
     wanted += [*lora.modules_to_save, *lora.biases]
-    rules, _ = strip_wrapper_rules(keys)
+    rules, _ = strip_wrapper_rules(sd)
     best: dict[str, tuple[str, TensorRef]] = {}
     best_found = -1
     for n in range(len(rules) + 1):

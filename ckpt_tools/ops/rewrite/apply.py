@@ -276,7 +276,7 @@ def plan_strip(
     selection = select_state_dict(ckpt.root, select=select)
     keys = [k for k in selection.state_dict if isinstance(k, str)]
     n_keys = len(selection.state_dict)
-    rules, matches = strip_wrapper_rules(keys)
+    rules, matches = strip_wrapper_rules(selection.state_dict)
     if rules:
         return rules, matches, None
     fmt = output_format_for(dst, output_format, ckpt.format)

@@ -87,7 +87,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
 
 def _aligned(sd: Mapping[Any, Any]) -> dict[str, tuple[str, Any]]:
     keys = [k for k in sd if isinstance(k, str)]
-    rules, _ = strip_wrapper_rules(keys)
+    rules, _ = strip_wrapper_rules(sd)
     plan = plan_renames(keys, rules) if rules else {k: k for k in keys}
     return {plan.get(k, k): (k, v) for k, v in sd.items() if isinstance(k, str)}
 

@@ -1,0 +1,62 @@
+"""``structure.wrappers.detect_wrappers`` against torch: a whole-dict wrapper is reported
+only where the wrapped model's ``load_state_dict`` takes the keys and the bare one's does not.
+
+DataParallel, DDP and ``torch.compile`` prefix every tensor key, a top-level parameter's too
+(a ViT's ``cls_token``); a model of ours with an attribute named ``module`` or ``model`` beside
+one is no wrapped model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_tools.structure.wrappers import WRAPPER_RULES, detect_wrappers, strip_wrapper_rules
+
+
+class _Attribute(nn.Module):
+    """A submodule named ``name`` and a top-level parameter beside it."""
+
+    def __init__(self, name: str, top: str) -> None:
+        super().__init__()
+        self.add_module(name, nn.Linear(2, 2))
+        self.register_parameter(top, nn.Parameter(torch.zeros(2)))
+
+
+def _loads(model: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("name", "top"), [("module", "cls_token"), ("model", "temperature")])
+def test_an_attribute_beside_a_top_level_parameter_is_no_wrapper(name: str, top: str) -> None:
+    sd = _Attribute(name, top).state_dict()
+    assert _loads(_Attribute(name, top), sd)
+    assert not _loads(nn.DataParallel(_Attribute(name, top)), sd)
+    assert detect_wrappers(list(sd)) == ()
+    assert detect_wrappers(sd) == ()
+    assert strip_wrapper_rules(sd) == ((), ())
+
+
+def test_dataparallel_around_it_is_peeled_once() -> None:
+    sd = nn.DataParallel(_Attribute("module", "cls_token")).state_dict()
+    assert list(sd) == ["module.cls_token", "module.module.weight", "module.module.bias"]
+    assert [(m.prefix, m.count, m.of) for m in detect_wrappers(sd)] == [("module.", 3, 3)]
+
+
+def test_non_tensor_entries_of_a_state_dict_do_not_count() -> None:
+    sd: dict[str, object] = dict(nn.DataParallel(_Attribute("fc", "cls_token")).state_dict())
+    sd["epoch"] = 3
+    sd["note"] = "best"
+    assert [(m.prefix, m.count, m.of) for m in detect_wrappers(sd)] == [("module.", 3, 3)]
+
+
+def test_rules_leave_out_a_wrapper() -> None:
+    keys = ["model.embed.weight", "model.norm.weight"]
+    assert [m.prefix for m in detect_wrappers(keys)] == ["model."]
+    without = tuple(r for r in WRAPPER_RULES if r.prefix != "model.")
+    assert detect_wrappers(keys, wrappers=without) == ()
