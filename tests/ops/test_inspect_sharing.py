@@ -134,3 +134,12 @@ def test_a_lightning_checkpoint_still_reports_model(tmp_path: Path) -> None:
     path = tmp_path / "l.ckpt"
     torch.save({"state_dict": sd, "pytorch-lightning_version": "2.0", "epoch": 1}, path)
     assert [w.prefix for w in ckpt_tools.inspect(path).wrappers] == ["model."]
+
+
+def test_a_layout_value_is_shown_as_torch_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "values.pt"
+    torch.save({"w": torch.ones(2), "layout": torch.sparse_csr, "plain": torch.strided}, path)
+    loaded = torch.load(path, weights_only=True)
+    entries = ckpt_tools.inspect(str(path)).entries
+    assert entries["layout"] == str(loaded["layout"]) == "torch.sparse_csr"
+    assert entries["plain"] == str(loaded["plain"])

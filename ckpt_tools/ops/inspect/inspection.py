@@ -44,6 +44,9 @@ def describe_value(value: Any, limit: int = 60) -> str:
 
     if isinstance(value, ConstantRef):  # torch.bfloat16, as torch.load gives it back
         return value.qualname
+    layout = _layout_name(value, Reduced)
+    if layout is not None:  # torch.sparse_coo: torch pickles a layout as a call by its name
+        return layout
     if isinstance(value, (Reduced, TorchSize)):
         return _clip(repr(value), limit)
     if isinstance(value, (bool, int, float, complex, str, bytes, bytearray, set, frozenset)):
@@ -57,6 +60,21 @@ def describe_value(value: Any, limit: int = 60) -> str:
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} ({len(value)} items)"
     return f"{type(value).__name__} {short_repr(value, limit)}"
+
+
+def _layout_name(value: Any, reduced: type) -> str | None:
+    """``torch.sparse_coo`` for the recorded call ``_get_layout('torch.sparse_coo')``."""
+    if not isinstance(value, reduced) or value.func.qualname != "torch.serialization._get_layout":
+        return None
+    name = value.args[0] if len(value.args) == 1 else None
+    return name if name in _LAYOUTS else None
+
+
+# The layouts torch.save names (torch.serialization._get_layout looks them up by these).
+_LAYOUTS = frozenset(
+    ["torch.strided", "torch._mkldnn", "torch.jagged"]
+    + [f"torch.sparse_{n}" for n in ("coo", "csr", "csc", "bsr", "bsc")]
+)
 
 
 def _clip(text: str, limit: int) -> str:
