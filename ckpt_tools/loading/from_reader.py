@@ -14,6 +14,7 @@ what ``torch.load(weights_only=True)`` gives for it, without unpickling anything
 - sparse, meta, nested and jagged nested tensors are built by torch's own rebuilds from
   their built parts, a nested or jagged one's bounds checked first (torch does not check
   them, and its kernels would read past the storage);
+- a jagged tensor's ``_DimRange`` objects are torch._dynamo's own, imported only for them;
 - a tensor of a backend without storages (``xla``, ``mtia``) is its CPU copy moved to
   where ``map_location`` sends its saved tag (torch refuses a callable there; it is asked
   as for a storage).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,8 +43,8 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.pickle.jagged import check_jagged_parts, jagged_arguments
-from ckpt_tools.formats.pickle.rebuilt import check_nested_parts
-from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
+from ckpt_tools.formats.pickle.standins import ConstantRef, DimRange, Reduced, TorchSize
+from ckpt_tools.loading.rebuilds import DEVICE_TENSOR, TENSOR_CALLS, dim_range
 from ckpt_tools.loading.storages import Restore, StorageBuilder
 from ckpt_tools.loading.tensor_io import torch_dtype
 from ckpt_tools.loading.unsafe import from_type, object_state, unsafe_entries
@@ -156,6 +157,8 @@ class _Builder:
             return torch.Size(node)
         if isinstance(node, ConstantRef):
             return self.constant(node, path)
+        if isinstance(node, DimRange):
+            return dim_range(node)
         if isinstance(node, StorageRef):
             raise UnsupportedFormatError(
                 f"{self.where}: entry {path!r} is a bare storage, not a tensor; load it with "
@@ -234,12 +237,12 @@ class _Builder:
             layout = getattr(torch, args[0].removeprefix("torch."), None)
             if isinstance(layout, torch.layout):
                 return layout
-        if name == _DEVICE_TENSOR:
+        if name == DEVICE_TENSOR:
             return self.device_tensor(args, path)
-        if name in _TENSOR_CALLS:
+        if name in TENSOR_CALLS:
             self.sparse = self.sparse or name == "torch._utils._rebuild_sparse_tensor"
             with self.rebuilding(path, f"tensor with {name}"):
-                return _TENSOR_CALLS[name](*args)
+                return TENSOR_CALLS[name](*args)
         raise UnsupportedFormatError(
             f"{self.where}: entry {path!r} is built by {name}, which this loader does not "
             "build (tensor subclasses); load it with trust=True",
@@ -295,29 +298,6 @@ class _Builder:
         return tensor
 
 
-def _meta_tensor(dtype: Any, size: Any, stride: Any, requires_grad: Any) -> torch.Tensor:
-    tensor = torch.empty_strided(size, stride, dtype=dtype, device="meta")
-    tensor.requires_grad = requires_grad
-    return tensor
-
-
-def _nested_tensor(*args: Any) -> torch.Tensor:
-    # torch's rebuild views a buffer through sizes, strides and offsets it does not check
-    # against the buffer: a component past its end is refused (a ValueError) before it.
-    buffer, sizes, strides, offsets = args
-    if not all(isinstance(a, torch.Tensor) and a.layout == torch.strided for a in args):
-        raise TypeError("its buffer, sizes, strides and offsets must be tensors")
-    check_nested_parts(buffer, sizes, strides, offsets)
-    return torch._utils._rebuild_nested_tensor(buffer, sizes, strides, offsets)
-
-
-_DEVICE_TENSOR = "torch._utils._rebuild_device_tensor_from_cpu_tensor"
-# The rebuilds of tensors that are not one storage's view, called as torch.load calls them.
-_TENSOR_CALLS: dict[str, Callable[..., torch.Tensor]] = {
-    "torch._utils._rebuild_sparse_tensor": lambda *a: torch._utils._rebuild_sparse_tensor(*a),
-    "torch._utils._rebuild_meta_tensor_no_storage": _meta_tensor,
-    "torch._utils._rebuild_nested_tensor": _nested_tensor,
-}
 _MAPPINGS = (dict, OrderedDict, Counter)
 
 

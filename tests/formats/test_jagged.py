@@ -14,12 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 import ckpt_tools as ct
 from ckpt_tools.descriptors import RebuiltTensor
-from ckpt_tools.errors import UnsafeContentError
 from ckpt_tools.formats import open_checkpoint
 
 _ORACLE = """
@@ -75,15 +73,15 @@ def test_a_jagged_tensor_torch_loads_is_read_as_one(tmp_path: Path) -> None:
     }
 
 
-def test_a_jagged_tensor_torch_refuses_names_the_same_globals(tmp_path: Path) -> None:
+def test_a_jagged_tensor_torch_refuses_only_without_dynamo_is_read(tmp_path: Path) -> None:
+    # torch refuses it in a fresh process until torch._dynamo is imported (its message asks
+    # for that import); the reader allows _DimRange as that import does
+    # (tests/formats/test_jagged_dim_range.py compares with torch after the import).
     path = tmp_path / "njt.pt"
     njt = torch.nested.nested_tensor([torch.ones(3, 2), torch.ones(5, 2)], layout=torch.jagged)
     torch.save({"w": torch.ones(3), "n": njt}, path)
     (want,) = torch_outcomes(path)
-    assert want["error"] == "UnpicklingError"
-    assert want["unsafe"] == ["torch._dynamo.decorators._DimRange"]
+    assert want == {"error": "UnpicklingError", "unsafe": ["torch._dynamo.decorators._DimRange"]}
 
-    assert ct.inspect(str(path)).unsafe_globals == tuple(want["unsafe"])
-    with pytest.raises(UnsafeContentError) as refused:
-        ct.load_state_dict(path)
-    assert refused.value.globals == tuple(want["unsafe"])
+    assert ct.inspect(str(path)).unsafe_globals == ()
+    assert ct.load_state_dict(path)["n"].is_nested

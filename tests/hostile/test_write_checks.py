@@ -132,7 +132,11 @@ def _assert_same(got, want) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [("strip-module",), ("strip-module", "--prefix", "module."), ("rename", "--sub", "module.=")],
+    [
+        ("rename", "--regex", r"^module\.="),
+        ("strip-module", "--prefix", "module."),
+        ("rename", "--sub", "module.="),
+    ],
 )
 def test_keys_keep_their_types_through_rewrites(args, tmp_path):
     sd = _odd_keys(tmp_path / "in.pt")
@@ -142,6 +146,15 @@ def test_keys_keep_their_types_through_rewrites(args, tmp_path):
     want = {("fc.weight" if k == "module.fc.weight" else k): v for k, v in sd.items()}
     _assert_same(torch.load(dst, weights_only=True), want)
     _assert_same(torch.load(dst, weights_only=True, mmap=True), want)
+
+
+def test_one_prefixed_key_among_plain_ones_is_no_wrapper(tmp_path):
+    # The str key "0" is a top-level module's (nn.Sequential): DataParallel would have
+    # prefixed it too, so strip-module finds no wrapper to strip and writes nothing.
+    _odd_keys(tmp_path / "in.pt")
+    result = _ckpt("strip-module", tmp_path / "in.pt", tmp_path / "out.pt")
+    assert result.returncode == 0 and "nothing to strip" in result.stdout + result.stderr
+    assert listing(tmp_path) == ["in.pt"]
 
 
 def test_a_rule_that_would_rename_a_non_str_key_is_refused_up_front(tmp_path):

@@ -21,9 +21,11 @@ from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.pickle.jagged import JAGGED_GLOBALS, jagged_from_type, jagged_tensor
 from ckpt_tools.formats.pickle.rebuilt import device_tensor, rebuilt_tensor
 from ckpt_tools.formats.pickle.standins import (
+    DIM_RANGE,
     MESH_LAYOUT_CLASSES,
     UNTYPED_STORAGE,
     ConstantRef,
+    DimRange,
     Reduced,
     StorageTypeRef,
     TorchSize,
@@ -350,9 +352,19 @@ _STORAGE_TYPES: frozenset[str] = frozenset(
 # Every global the allowlist resolves: exactly torch's weights-only allowlist (torch 2.13) as
 # ``import torch`` leaves it (torch.nested adds the jagged tensor's two, torch.distributed the
 # mesh layouts), so a pickle torch refuses for a global is never read here as if it were safe,
-# and one torch reads is never reported as unsafe.
+# and one torch reads is never reported as unsafe. One more: ``_DimRange``, which
+# ``import torch._dynamo`` adds, and which torch's refusal of a jagged tensor saved by
+# ``torch.nested.nested_tensor`` tells its users to import. The DTensor classes that
+# ``torch._dynamo`` imports and allowlists on the way are not taken: no NJT needs them.
 ALLOWED_GLOBALS: frozenset[str] = frozenset(
-    [*_PYTHON_GLOBALS, *_BUILDERS, *_STORAGE_TYPES, *_TORCH_CONSTANTS, *MESH_LAYOUT_CLASSES]
+    [
+        *_PYTHON_GLOBALS,
+        *_BUILDERS,
+        *_STORAGE_TYPES,
+        *_TORCH_CONSTANTS,
+        *MESH_LAYOUT_CLASSES,
+        DIM_RANGE.qualname,
+    ]
 )
 
 
@@ -367,4 +379,6 @@ def resolve_allowed(module: str, name: str) -> Any | None:
         return StorageTypeRef(module, name)
     if qualname in _TORCH_CONSTANTS:
         return ConstantRef(module, name)
+    if qualname == DIM_RANGE.qualname:
+        return DimRange
     return MESH_LAYOUT_CLASSES.get(qualname)

@@ -7,8 +7,9 @@ objects again as attributes (and ``_is_param`` for one wrapped in ``nn.Parameter
 ``import torch`` itself puts ``_rebuild_njt`` and ``NestedTensor`` on the weights-only
 allowlist (``torch/nested/__init__.py``), so ``torch.load(weights_only=True)`` reads such a
 file in a fresh process; the ``torch._dynamo.decorators._DimRange`` objects that an NJT
-built by ``nested_tensor`` carries in its metadata cache are allowed only once
-``torch._dynamo`` is imported, and stay refused here as in a fresh process.
+built by ``nested_tensor`` carries in its metadata cache are allowed once ``torch._dynamo``
+is imported, as torch's refusal of them asks, and are allowed here
+(:class:`~ckpt_tools.formats.pickle.standins.DimRange`).
 
 The call is described as a :class:`~ckpt_tools.descriptors.RebuiltTensor` of layout
 ``jagged`` whose parts are every tensor the call holds (values, offsets, lengths, the

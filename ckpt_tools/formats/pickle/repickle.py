@@ -29,7 +29,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats.pickle.expansion import WEIGHTS_ONLY_OPCODES, scan_pickle
 from ckpt_tools.formats.pickle.limits import check_written_depth, stack_room
-from ckpt_tools.formats.pickle.standins import Reduced, TorchSize, storage_type_ref
+from ckpt_tools.formats.pickle.standins import DimRange, Reduced, TorchSize, storage_type_ref
 from ckpt_tools.formats.pickle.unpickler import gc_paused
 
 __all__ = [
@@ -67,6 +67,10 @@ class _Reductions:
             return (self._callable(obj.func), obj.args)
         if isinstance(obj, TorchSize):
             return (self._callable(GlobalRef("torch", "Size")), (tuple(obj),))
+        if isinstance(obj, DimRange):
+            # As torch.save writes the frozen slots dataclass: NEWOBJ, then its field list.
+            state = list(obj.values) if obj.values is not None else None
+            return (copyreg.__newobj__, (DimRange,), state)
         if isinstance(obj, Opaque):
             cls = type(obj)
             func, args = (copyreg.__newobj__, (cls, *obj.args)) if obj.newobj else (cls, obj.args)
@@ -237,7 +241,7 @@ def _global_line(ref: GlobalRef) -> bytes:
 def _global_of(obj: Any) -> GlobalRef | None:
     if isinstance(obj, GlobalRef):
         return obj
-    if isinstance(obj, type) and issubclass(obj, Opaque):
+    if isinstance(obj, type) and issubclass(obj, (Opaque, DimRange)):
         return obj.global_ref
     return None
 

@@ -16,9 +16,11 @@ from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE
 from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = [
+    "DIM_RANGE",
     "MESH_LAYOUT_CLASSES",
     "UNTYPED_STORAGE",
     "ConstantRef",
+    "DimRange",
     "Reduced",
     "StorageTypeRef",
     "TorchSize",
@@ -196,3 +198,73 @@ MESH_LAYOUT_CLASSES: dict[str, type[_LayoutObject]] = {
     cls.global_ref.qualname: cls
     for cls in (_layout_class("_FlatLayout", 2), _layout_class("_MeshLayout", 1))
 }
+
+
+DIM_RANGE = GlobalRef("torch._dynamo.decorators", "_DimRange")
+
+
+def _range_values(values: Any, how: str) -> tuple[int | None, int | None, int | None]:
+    # torch's dataclass takes any three values; torch.save writes an int dimension and int
+    # or None bounds (mark_dynamic's), and anything else is refused, never guessed at.
+    if (
+        isinstance(values, (list, tuple))
+        and len(values) == 3
+        and type(values[0]) is int
+        and all(v is None or type(v) is int for v in values[1:])
+    ):
+        return (values[0], values[1], values[2])
+    raise CorruptCheckpointError(
+        f"the pickle {how} a {DIM_RANGE.qualname} with {short_repr(values, 60)}, not "
+        "(dim, min, max) as torch.save writes it (an int, then ints or None)"
+    )
+
+
+class DimRange:
+    """A ``torch._dynamo.decorators._DimRange`` read from a pickle: ``(dim, min, max)``.
+
+    A jagged nested tensor made by ``torch.nested.nested_tensor`` marks its cached sequence
+    lengths dynamic, which puts one of these per marked dimension in their
+    ``_dynamo_dynamic_range`` set. torch.save pickles the frozen slots dataclass as NEWOBJ of
+    the class (no arguments), then BUILD with the list its ``__getstate__`` gives, which its
+    ``__setstate__`` zips with the fields. Never imported; equal and hashed as the dataclass.
+    """
+
+    __slots__ = ("values",)
+    global_ref: ClassVar[GlobalRef] = DIM_RANGE
+
+    def __new__(cls, *args: Any) -> DimRange:
+        # NEWOBJ calls only __new__ (object.__new__, which ignores arguments for a class with
+        # its own __init__); REDUCE calls the class, and its __init__ takes the three values.
+        if args:
+            _range_values(args, "builds")
+        obj = super().__new__(cls)
+        obj.values = None
+        return obj
+
+    def __init__(self, *args: Any) -> None:
+        self.values = _range_values(args, "calls")
+
+    def __setstate__(self, state: Any) -> None:
+        self.values = _range_values(state, "sets the state of")
+
+    def _fields(self) -> tuple[int | None, int | None, int | None]:
+        if self.values is None:  # its slots were never set: the dataclass has no fields
+            raise CorruptCheckpointError(
+                f"the pickle compares or hashes a {DIM_RANGE.qualname} whose fields were "
+                "never set; torch.load fails on it too"
+            )
+        return self.values
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DimRange):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        if self.values is None:
+            return f"{DIM_RANGE.qualname}(<unset>)"
+        dim, low, high = self.values
+        return f"{DIM_RANGE.qualname}(dim={dim}, min={low}, max={high})"

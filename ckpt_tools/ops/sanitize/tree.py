@@ -13,10 +13,10 @@ values ``torch.load(weights_only=True)`` accepts, read from that record alone:
 
 What ``torch.load(weights_only=True)`` itself builds is kept as it is: tensors, dicts,
 ``OrderedDict`` s (with their attributes), ``Counter`` s, sets, tuples, ``torch.Size``, dtypes,
-devices, device-mesh layouts, plain scalars. Everything else (other objects, classes used as
-values) is dropped and reported with its path. The walk copies containers and keeps shared
-references shared: an object the pickle holds in several places becomes the same thing in
-each, and each place is listed.
+devices, device-mesh layouts, a jagged tensor's dynamic ranges (``_DimRange``), plain scalars.
+Everything else (other objects, classes used as values) is dropped and reported with its path.
+The walk copies containers and keeps shared references shared: an object the pickle holds in
+several places becomes the same thing in each, and each place is listed.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ckpt_tools.formats.pickle.limits import stack_room
 from ckpt_tools.formats.pickle.standins import (
     MESH_LAYOUT_CLASSES,
     ConstantRef,
+    DimRange,
     Reduced,
     TorchSize,
 )
@@ -143,7 +144,7 @@ class _Sanitizer:
         self._next_key = 1 + max((int(k) for k in taken_keys if k.isdigit()), default=-1)
 
     def value(self, node: Any, path: str) -> Any:
-        if isinstance(node, (*_PLAIN, ConstantRef, TorchSize)):
+        if isinstance(node, (*_PLAIN, ConstantRef, TorchSize, DimRange)):
             return node
         if id(node) in self.memo:
             self._again(id(node), path)
