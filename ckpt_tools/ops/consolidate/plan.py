@@ -188,7 +188,6 @@ class _Collector:
 
 
 def _strip(sd: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
-    keys = [k for k in sd if isinstance(k, str)]
     rules, _ = strip_wrapper_rules(sd)
     if not rules:
         return dict(sd), ()

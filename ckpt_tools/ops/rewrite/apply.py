@@ -274,7 +274,6 @@ def plan_strip(
         file no rewrite may touch is never exit 0). The caller has checked ``dst``.
     """
     selection = select_state_dict(ckpt.root, select=select)
-    keys = [k for k in selection.state_dict if isinstance(k, str)]
     n_keys = len(selection.state_dict)
     rules, matches = strip_wrapper_rules(selection.state_dict)
     if rules:
