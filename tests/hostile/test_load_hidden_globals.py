@@ -98,3 +98,11 @@ def test_global_in_rebuild_arguments_refuses_the_load(
         ct.load_state_dict(path, map_location="cpu")
     assert caught.value.globals == (name,)
     assert f"'w' ({name})" in str(caught.value)
+
+
+def test_sanitize_names_the_hidden_global_it_leaves_out(tmp_path: Path) -> None:
+    src = _saved(tmp_path, "v2", os.system, zipped=True)
+    report = ct.sanitize(src, tmp_path / "clean.pt")
+    [change] = report.converted
+    assert change.path == "w" and SYSTEM in change.was and change.became == "tensor"
+    assert torch.equal(torch.load(tmp_path / "clean.pt", weights_only=True)["w"], torch.arange(4.0))

@@ -241,14 +241,16 @@ class _Sanitizer:
         return type(node)(v for v in items if v is not _DROP and _hashable(v))
 
     def _tensor(self, t: TensorRef, path: str) -> Any:
-        if t.func is not None and not module_globals(t.args):
+        names = module_globals(t.args) if t.func is not None else set()
+        if t.func is not None and not names:
             return t
-        # A tensor subclass (its class in the rebuild call), or one read without a pickle:
-        # written as the plain tensor torch.save makes.
+        # A tensor subclass or a hook (a global in the rebuild call), or one read without a
+        # pickle: written as the plain tensor torch.save makes.
         plain = picklable_tensors({"t": replace(t, func=None, args=())})["t"]
         if t.func is None:
             return plain
-        return self._converted(path, "tensor of a class outside the allowlist", "tensor", plain)
+        was = f"tensor whose rebuild names {', '.join(sorted(names))} (outside the allowlist)"
+        return self._converted(path, was, "tensor", plain)
 
     def _layout(self, node: Opaque, path: str) -> Any:
         # An allowlisted mesh layout is kept as torch.load builds it, with what it holds
