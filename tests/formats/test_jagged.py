@@ -8,9 +8,6 @@ in an NJT's metadata; this test process may have imported it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ import torch
 import ckpt_tools as ct
 from ckpt_tools.descriptors import RebuiltTensor
 from ckpt_tools.formats import open_checkpoint
+from tests.helpers.child_oracle import json_per_path
 
 _ORACLE = """
 import json, sys, torch
@@ -36,14 +34,7 @@ for path in sys.argv[1:]:
 def torch_outcomes(*paths: Path) -> list[dict[str, Any]]:
     """What a fresh ``import torch`` process makes of each file: the refusal's type ('' when
     torch.load(weights_only=True) loads it) and the globals torch names as unsafe."""
-    done = subprocess.run(
-        [sys.executable, "-c", _ORACLE, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(paths) :]]
+    return json_per_path(_ORACLE, *paths)
 
 
 def _values() -> torch.Tensor:

@@ -8,10 +8,7 @@ The oracle runs in a fresh process that imports ``torch._dynamo``; this one may 
 
 from __future__ import annotations
 
-import json
 import struct
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import torch
 import ckpt_tools as ct
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.ops.scan.severity import classify
+from tests.helpers.child_oracle import json_per_path
 
 _DIM_RANGE = "torch._dynamo.decorators._DimRange"
 
@@ -47,14 +45,7 @@ for path in sys.argv[1:]:
 
 
 def torch_with_dynamo(*paths: Path) -> list[dict]:
-    done = subprocess.run(
-        [sys.executable, "-c", _ORACLE, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(paths) :]]
+    return json_per_path(_ORACLE, *paths)
 
 
 def _njt() -> torch.Tensor:
