@@ -6,11 +6,13 @@ Generates, in a temp folder (removed at the end), a ~SIZE MiB ``.pt`` and ``.saf
 ~350 float32 tensors (DataParallel keys, ``common.make_checkpoints``), then measures, each in
 a fresh subprocess, interleaved round-robin, median of REPEATS runs after one warm-up run:
 
-* ``ckpt_tools.load_state_dict(FILE)`` (our reader: records memory-mapped) for both files;
+* ``ckpt_tools.load_state_dict(FILE, mmap=True)`` (our reader, records memory-mapped, as
+  torch.load's beside it) for both files;
 * .pt: ``torch.load(FILE, mmap=True, weights_only=True)``;
 * .safetensors: ``safetensors.torch.load_file(FILE)``;
-* ``ckpt_tools.load_into(model, FILE)`` of a model built under ``torch.device("meta")``
-  (the tensors are assigned: ``load_state_dict(..., assign=True)``).
+* ``ckpt_tools.load_into(model, FILE, mmap=True)`` of a model built under
+  ``torch.device("meta")`` (the tensors are assigned: ``load_state_dict(..., assign=True)``,
+  and, mapped, stay backed by the file).
 
 Each child reports, around the load call only (after ``import torch``, so the interpreter
 and torch import are not counted): the call's wall time, then a pass reading every tensor
@@ -90,12 +92,12 @@ if kind == "meta":
 
 def load(model):
     if kind == "ckpt":
-        return load_state_dict(path)
+        return load_state_dict(path, mmap=True)
     if kind == "torch":
         return torch.load(path, mmap=True, weights_only=True)
     if kind == "st":
         return load_file(path)
-    result = load_into(model, path)
+    result = load_into(model, path, mmap=True)
     assert result.assigned and result.ok, result
     return model.state_dict()
 
