@@ -9,6 +9,7 @@ may format tables with ``tabulate``, the library never does.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ __all__ = [
     "TableFormat",
     "close_matches",
     "counts",
+    "display_width",
     "human_bytes",
     "human_count",
     "more_hint",
@@ -125,14 +127,29 @@ def text_table(rows: Iterable[Sequence[Any]], headers: Sequence[str]) -> str:
     # Escape, then strip: a name's trailing "\n" or "\t" shows instead of being stripped away.
     cells = [[shown(str(cell)).strip() for cell in row] for row in rows]
     widths = [
-        max([len(header) + _PADDING, *(len(row[i]) for row in cells)])
+        max([display_width(header) + _PADDING, *(display_width(row[i]) for row in cells)])
         for i, header in enumerate(headers)
     ]
 
     def line(values: Sequence[str]) -> str:
-        return _GAP.join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
+        padded = (v + " " * (w - display_width(v)) for v, w in zip(values, widths))
+        return _GAP.join(padded).rstrip()
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def display_width(text: str) -> int:
+    """The columns ``text`` takes in a terminal: a wide (CJK) character two, a combining one
+    none, so that a column of ``日本語.weight`` or ``é`` (e and an accent) stays aligned.
+
+    Example:
+        >>> display_width("w"), display_width("日本"), display_width("e\u0301")
+        (1, 4, 1)
+    """
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+        for c in text
+    )
 
 
 def close_matches(name: str, names: Iterable[str], limit: int = 3) -> list[str]:

@@ -18,7 +18,7 @@ from tabulate import tabulate
 
 from ckpt_tools.cli.render import table
 from ckpt_tools.ops.inspect.inspection import inspect
-from ckpt_tools.structure.text import shown
+from ckpt_tools.structure.text import display_width, shown
 
 
 def _tabulate(rows: list[list[Any]], headers: list[str]) -> str:
@@ -42,9 +42,15 @@ def test_inspect_table_is_tabulate_s(tmp_path: Path) -> None:
     for group in (False, True):
         rows = info.rows(group)
         headers = ["name", "dtype", "shape", "device", "storage", "offset", "bytes", "shared with"]
-        for some in ([r for r in rows if r[0] in ("fc.weight", "own")], rows):
+        # tabulate without wcwidth counts a wide character as one column: the rows whose
+        # name is as wide as it is long are its layout; the others are aligned by width.
+        narrow = [r for r in rows if display_width(shown(r[0])) == len(shown(r[0]))]
+        for some in ([r for r in rows if r[0] in ("fc.weight", "own")], narrow):
             assert table(some, headers) == _tabulate(some, headers)
             assert _one_line_cells(table(some, headers))
+        lines = table(rows, headers).splitlines()
+        dtype_at = {display_width(line[: line.index("float32")]) for line in lines[2:]}
+        assert len(rows) > len(narrow) and len(dtype_at) == 1, lines
     assert len(table(info.rows(), ["name"] * 8).splitlines()) == len(names) + 1 + 2
 
 

@@ -11,7 +11,7 @@ import unicodedata
 
 from ckpt_tools import errors
 from ckpt_tools.errors import quote_foreign
-from ckpt_tools.structure.text import shown, text_table
+from ckpt_tools.structure.text import display_width, shown, text_table
 
 ORDINARY = ["fc.weight", "ñ.weight", "权重", "e\u0301", "layers.{0..31}.fc ×32", "a b", "", "\\x1b"]
 
@@ -68,3 +68,15 @@ def test_one_escaping_for_text_and_errors() -> None:
     for text in ["a\nclean  b.pt", "c\r\nd\x1b[2J", "权重 'q' \"r\" \\n", "\u202e"]:
         assert quote_foreign(ValueError(text)) == f"ValueError: {shown(text)}"
         assert len(quote_foreign(KeyError(text)).splitlines()) == 1
+
+
+def test_text_table_aligns_wide_and_combining_characters_by_display_width() -> None:
+    rows = [["日本語.weight", "float32"], ["e\u0301.w", "bf16"], ["plain.w", "int8"]]
+    lines = text_table(rows, ["name", "dtype"]).splitlines()
+    # The dtype column starts at the same terminal column on every line.
+    starts = [
+        display_width(line[: line.index(dtype)])
+        for line, dtype in zip(lines[2:], ["float32", "bf16", "int8"])
+    ]
+    assert len(set(starts)) == 1, lines
+    assert display_width(lines[1].split()[0]) == display_width("日本語.weight")
