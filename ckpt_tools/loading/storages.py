@@ -66,12 +66,19 @@ class StorageBuilder(ClosesOnExit):
     _roots: dict[tuple[str, str], torch.UntypedStorage] = field(default_factory=dict)
     _views: dict[int, torch.UntypedStorage] = field(default_factory=dict)
     _swapped: set[str] = field(default_factory=set)  # files saved in the other byte order
+    _deflated: dict[int, tuple[Checkpoint, ZipRecord]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for sub in (self.ckpt, *self.ckpt.shards.values()):
             self._formats[sub.path] = sub.format
             if sub.byteorder != sys.byteorder:
                 self._swapped.add(sub.path)
+            # Found once, not per storage: the zips' deflated storage records, by the
+            # storage's identity (every shard of a sharded folder has its own data/0).
+            for name, record in sub.records.items():
+                ref = sub.storages.get(name[5:]) if name.startswith("data/") else None
+                if record.compressed and ref is not None:
+                    self._deflated[id(ref)] = (sub, record)
 
     def close(self) -> None:
         """Close the descriptors of files read with ``pread``; mapped storages stay valid."""
@@ -85,7 +92,7 @@ class StorageBuilder(ClosesOnExit):
             return found
         first, end = ref.root_span
         root_nbytes = ref.numel * itemsize(ref.dtype)
-        owner, record = self._compressed(ref)
+        owner, record = self._deflated.get(id(ref), (self.ckpt, None))
         if record is None:
             span = self.ckpt.span(ref)
             path, root_offset = span.path, span.offset - first
@@ -106,15 +113,6 @@ class StorageBuilder(ClosesOnExit):
         found = root if ref.view is None else root[first:end]
         self._views[id(ref)] = found
         return found
-
-    def _compressed(self, ref: StorageRef) -> tuple[Checkpoint, ZipRecord | None]:
-        """The torch zip holding ``ref`` and its record, where that record is compressed."""
-        for sub in (self.ckpt, *self.ckpt.shards.values()):
-            record = sub.records.get(f"data/{ref.key}")
-            # Identity, not key: every shard of a sharded folder has its own data/0.
-            if record is not None and record.compressed and sub.storages.get(ref.key) is ref:
-                return sub, record
-        return self.ckpt, None
 
     def _read(self, path: str, offset: int, nbytes: int, dtype: str) -> torch.UntypedStorage:
         fmt = self._formats.get(path, "") if self.mmap else ""
