@@ -45,7 +45,7 @@ for path in sys.argv[1:]:
 
 
 def torch_with_dynamo(*paths: Path) -> list[dict]:
-    return json_per_path(_ORACLE, *paths)
+    return json_per_path(_ORACLE, *paths, preload=("torch", "torch._dynamo"))
 
 
 def _njt() -> torch.Tensor:

@@ -2,24 +2,112 @@
 
 A fresh process answers as a user's fresh ``import torch`` would: what this test process
 imported (``torch._dynamo``, safe globals added by other tests) cannot change the answer.
+
+Starting torch costs seconds, so one server per ``preload`` imports those modules once and
+forks a child for every question: each answer comes from a process that has imported them
+and nothing that an earlier question made it import or change.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+# Reads one question per line, a JSON [script, paths]; a forked child runs the script on
+# the paths, and the server then prints the end marker followed by the child's exit code.
+_SERVER = r"""
+import importlib, json, os, sys, traceback
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+for line in sys.stdin:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        script, paths = json.loads(line)
+        sys.argv = ["-c", *paths]
+        status = 0
+        try:
+            exec(compile(script, "<oracle>", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    _, waited = os.waitpid(pid, 0)
+    print("\x1e" + str(os.waitstatus_to_exitcode(waited)), flush=True)
+"""
+
+_END = "\x1e"
+
+_servers: dict[tuple[str, ...], tuple[subprocess.Popen[str], IO[bytes]]] = {}
 
 
-def json_per_path(script: str, *paths: Path, timeout: float = 300) -> list[dict[str, Any]]:
-    """Run ``script`` with ``paths`` as its arguments; the JSON line it printed for each."""
-    done = subprocess.run(
-        [sys.executable, "-c", script, *map(str, paths)],
-        capture_output=True,
+def _server(preload: tuple[str, ...]) -> tuple[subprocess.Popen[str], IO[bytes]]:
+    """The running server that imported ``preload``, started on first use."""
+    found = _servers.get(preload)
+    if found is not None and found[0].poll() is None:
+        return found
+    # Open as long as the server runs: read when a question fails.
+    errors = tempfile.TemporaryFile()  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, json.dumps(preload)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
         text=True,
-        timeout=timeout,
-        check=True,
     )
-    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(paths) :]]
+    _servers[preload] = (process, errors)
+    return process, errors
+
+
+def _stop_servers() -> None:
+    for process, errors in _servers.values():
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        errors.close()
+    _servers.clear()
+
+
+atexit.register(_stop_servers)
+
+
+def json_per_path(
+    script: str, *paths: Path, preload: tuple[str, ...] = ("torch",), timeout: float = 300
+) -> list[dict[str, Any]]:
+    """Run ``script`` with ``paths`` as its arguments, in a process that has imported only
+    ``preload``; the JSON line it printed for each path.
+
+    Raises:
+        subprocess.CalledProcessError: the script failed (its output and errors attached).
+    """
+    process, errors = _server(preload)
+    assert process.stdin is not None and process.stdout is not None
+    watchdog = threading.Timer(timeout, process.kill)
+    watchdog.start()
+    try:
+        process.stdin.write(json.dumps([script, list(map(str, paths))]) + "\n")
+        process.stdin.flush()
+        lines = []
+        while not (line := process.stdout.readline()).startswith(_END) and line:
+            lines.append(line)
+    finally:
+        watchdog.cancel()
+    status = int(line[1:]) if line else -1
+    if status != 0:
+        errors.seek(0)
+        raise subprocess.CalledProcessError(
+            status, ["python", "-c", script], "".join(lines), errors.read().decode()
+        )
+    return [json.loads(line) for line in lines[-len(paths) :]]

@@ -5,14 +5,12 @@ objects, and torch._dynamo is imported only for a file that holds them."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from ckpt_tools import load_state_dict
+from tests.helpers.child_oracle import json_per_path
 
 _ORACLE = """
 import json, sys, torch, torch._dynamo
@@ -49,14 +47,7 @@ def _saved(path: Path) -> Path:
 
 def test_an_njt_loads_with_its_dynamic_ranges_as_torch_loads_it(tmp_path: Path) -> None:
     path = _saved(tmp_path / "njt.pt")
-    done = subprocess.run(
-        [sys.executable, "-c", _ORACLE, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    want = json.loads(done.stdout.strip().splitlines()[-1])
+    (want,) = json_per_path(_ORACLE, path, preload=("torch", "torch._dynamo"))
 
     got = load_state_dict(path, map_location="cpu")["nj"]
     assert _described(got) == want
@@ -66,13 +57,13 @@ def test_an_njt_loads_with_its_dynamic_ranges_as_torch_loads_it(tmp_path: Path) 
         assert {type(r) for r in cached._dynamo_dynamic_range} == {_DimRange}
 
 
+# Whether torch._dynamo is imported after loading each file in turn.
 _LAZY = """
-import sys
+import json, sys
 from ckpt_tools import load_state_dict
-load_state_dict(sys.argv[1], map_location="cpu")
-before = "torch._dynamo" in sys.modules
-load_state_dict(sys.argv[2], map_location="cpu")
-print(before, "torch._dynamo" in sys.modules)
+for path in sys.argv[1:]:
+    load_state_dict(path, map_location="cpu")
+    print(json.dumps({"dynamo": "torch._dynamo" in sys.modules}))
 """
 
 
@@ -80,11 +71,4 @@ def test_torch_dynamo_is_imported_only_for_a_file_holding_ranges(tmp_path: Path)
     plain = tmp_path / "plain.pt"
     torch.save({"w": torch.ones(2)}, plain)
     njt = _saved(tmp_path / "njt.pt")
-    done = subprocess.run(
-        [sys.executable, "-c", _LAZY, str(plain), str(njt)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert done.stdout.split() == ["False", "True"]
+    assert json_per_path(_LAZY, plain, njt) == [{"dynamo": False}, {"dynamo": True}]
