@@ -3,7 +3,8 @@
 The same worker code runs whichever way the processes were started:
 
 * internally: :func:`train_ddp` finds a free port on 127.0.0.1 and starts ``world_size``
-  processes with ``torch.multiprocessing.spawn`` (tcp:// rendezvous);
+  processes with ``torch.multiprocessing`` (tcp:// rendezvous; see
+  :mod:`ckpt_tools.harness.spawning`);
 * externally: under ``torchrun`` (detected from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
   ``MASTER_ADDR``), the current process *is* one rank and joins with env:// rendezvous.
 
@@ -52,6 +53,7 @@ from ckpt_tools.harness.failures import (
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.outputs import clear_outputs
 from ckpt_tools.harness.placement import resolve_devices
+from ckpt_tools.harness.spawning import adopt_environment, start_method
 
 __all__ = ["TrainRank", "launch", "rank_result", "train_ddp", "train_steps"]
 
@@ -229,10 +231,10 @@ def _spawn(
             args = (world, [str(d) for d in devices], config, init_method, report_dir)
             context = mp.start_processes(
                 _spawn_entry,
-                args=(*args, train_rank, str(failures)),
+                args=(*args, train_rank, str(failures), dict(os.environ)),
                 nprocs=world,
                 join=False,
-                start_method="spawn",
+                start_method=start_method(),
             )
             try:
                 with quiet_spawn_log():
@@ -260,12 +262,14 @@ def _spawn_entry(
     report_dir: str,
     train_rank: TrainRank,
     failures: str,
+    environ: dict[str, str],
 ) -> None:
-    """``mp.spawn`` target: one rank of an internally started run.
+    """``mp.start_processes`` target: one rank of an internally started run.
 
     A failure is summarised into ``failures`` for the launcher (see
     :mod:`ckpt_tools.harness.failures`) before it ends the process.
     """
+    adopt_environment(environ)
     local = [torch.device(d) for d in devices]
     try:
         _worker(rank, world, local, rank, config, init_method, "spawn", report_dir, train_rank)

@@ -15,13 +15,24 @@ ENTRY = [sys.executable, "-m", "ckpt_tools.harness", "train"]
 PROG = "python -m ckpt_tools.harness"
 
 
+def _children(pid: int) -> list[tuple[int, bytes]]:
+    """The child processes of ``pid`` and their command lines."""
+    found = Path(f"/proc/{pid}/task/{pid}/children")
+    pids = [int(p) for p in found.read_text().split()] if found.exists() else []
+    return [(p, Path(f"/proc/{p}/cmdline").read_bytes()) for p in pids]
+
+
 def _rank_pids(parent: int, count: int, timeout: float) -> list[int]:
-    """The spawned ranks of ``parent`` (multiprocessing's spawn children), once all started."""
+    """The ranks started by ``parent``, once all started: its ``spawn`` children, or the
+    children of its ``forkserver`` (which forks them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        children = Path(f"/proc/{parent}/task/{parent}/children")
-        pids = [int(p) for p in children.read_text().split()] if children.exists() else []
-        ranks = [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        ranks = []
+        for pid, cmdline in _children(parent):
+            if b"spawn_main" in cmdline:
+                ranks.append(pid)
+            elif b"forkserver" in cmdline:
+                ranks += [rank for rank, _ in _children(pid)]
         if len(ranks) == count:
             return sorted(ranks)
         time.sleep(0.2)

@@ -77,7 +77,10 @@ def save_fsdp(folder: Path, world: int, dtype: str = "float32", layouts: bool = 
     """Save an FSDP2 model and its Adam state with DCP from ``world`` spawned CPU processes."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world, str(folder), free_port(), dtype, layouts), nprocs=world)
+    from ckpt_tools.harness.spawning import start_method
+
+    args = (world, str(folder), free_port(), dtype, layouts)
+    mp.start_processes(_worker, args=args, nprocs=world, start_method=start_method())
     return folder
 
 

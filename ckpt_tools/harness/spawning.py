@@ -1,0 +1,58 @@
+"""How the harness starts the processes of its ranks when no launcher (``torchrun``) did.
+
+Starting torch costs seconds per process. Where the platform has ``forkserver``, its server
+imports torch once and each rank is forked from it: a second run in the same process (a
+parity run, a test session) starts its ranks without importing torch again. Like ``spawn``,
+and unlike ``fork``, no rank inherits this process's state: no CUDA context, no threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Mapping
+
+__all__ = ["adopt_environment", "start_method"]
+
+# Third-party modules only: a preloaded module stays as the server imported it, and this
+# package may be imported from another path by the process that starts the ranks.
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def start_method() -> str:
+    """The start method for rank processes: ``forkserver`` (torch preloaded in its server)
+    where the platform has it, else ``spawn``.
+
+    Returns:
+        The name to pass as ``start_method`` to ``torch.multiprocessing.start_processes``.
+
+    Example:
+        >>> start_method() in {"forkserver", "spawn"}
+        True
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # Read when the server starts: the first rank started by this process starts it.
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    return "forkserver"
+
+
+def adopt_environment(environ: Mapping[str, str]) -> None:
+    """Give this rank the environment of the process that started it.
+
+    A forked rank inherits the environment its server had when it started; a spawned one,
+    its parent's at the time. Passing the parent's environment and adopting it keeps the
+    two alike.
+
+    Args:
+        environ: the starting process's environment.
+
+    Example:
+        >>> before = dict(os.environ)
+        >>> adopt_environment(before)
+        >>> dict(os.environ) == before
+        True
+    """
+    if dict(os.environ) != dict(environ):
+        os.environ.clear()
+        os.environ.update(environ)
