@@ -10,7 +10,6 @@ operation alike, so the plans read the same whatever wrote them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +139,29 @@ def plan_json(files: Sequence[PlannedFile]) -> dict[str, Any]:
     }
 
 
+def dry_run_fields(dst: str, planned: Iterable[PlannedFile]) -> dict[str, Any]:
+    """The fields of a dry run's result: what it would write into ``dst``, and the weight
+    files of an existing output folder there that the real write would remove.
+
+    Args:
+        dst: the output path as given.
+        planned: every file the write would make.
+
+    Returns:
+        ``dry_run``, ``planned`` and ``removes``, as :class:`WriteResult` takes them.
+
+    Example:
+        >>> dry_run_fields("no-such-folder", [])
+        {'dry_run': True, 'planned': (), 'removes': ()}
+    """
+    # Lazily: the writers are imported only by a dry run, or by the write itself.
+    from ckpt_tools.io.writers.hf_folder import removed_files
+
+    files = tuple(planned)
+    removes = removed_files(dst, [f.name for f in files])
+    return {"dry_run": True, "planned": files, "removes": removes}
+
+
 @dataclass(frozen=True, kw_only=True, repr=False)
 class WriteResult(Readable):
     """What a writing operation did, or with ``dry_run`` would do: the fields all share.
@@ -162,8 +184,8 @@ class WriteResult(Readable):
         dropped: names left out of the output (tied duplicates, non-tensor entries, ...).
         planned: for a dry run, every file it would write and the tensors in it.
         removes: for a dry run into an existing folder (``force``), the weight files there
-            that the write would remove: those it does not write anew. Filled in here from
-            ``dst`` and ``planned``, so every folder output lists them alike.
+            that the write would remove: those it does not write anew. Every operation
+            fills it in, with ``planned``, through :func:`dry_run_fields`.
         selected: the path of the state dict acted on, in the input (empty: the root, or
             everything, as ``consolidate(include_all=True)`` writes it).
         tensors: tensors the output holds (for a dry run, would hold).
@@ -188,14 +210,6 @@ class WriteResult(Readable):
     tensors: int = 0
     renamed: int = 0
     removes: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.dry_run and os.path.isdir(self.dst):
-            # Lazily: the writers are imported only by a dry run into a folder.
-            from ckpt_tools.io.writers.hf_folder import removed_files
-
-            names = [f.name for f in self.planned]
-            object.__setattr__(self, "removes", removed_files(self.dst, names))
 
     def __repr__(self) -> str:
         # Subclasses are declared with repr=False: this short form is everyone's.

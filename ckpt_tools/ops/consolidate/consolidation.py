@@ -28,7 +28,7 @@ from ckpt_tools.io.writers.shard_plan import (
 from ckpt_tools.ops.consolidate.deepspeed import open_source, plan_source
 from ckpt_tools.ops.consolidate.plan import ConsolidationPlan
 from ckpt_tools.ops.consolidate.write import write_file_output, write_folder_output
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, WriteResult, dry_run_fields
 from ckpt_tools.ops.rewrite.plan import format_named_by
 
 __all__ = ["CONSOLIDATE_VERIFY_LEVELS", "ConsolidateResult", "consolidate"]
@@ -206,7 +206,7 @@ def consolidate(
     if dry_run:
         planned = _planned(dst, fmt, plan, limit)
         message = f"dry run: would consolidate {src} into {dst} ({len(plan.tensors)} tensors)"
-        return ConsolidateResult(**shared, dry_run=True, planned=planned, message=message)
+        return ConsolidateResult(**shared, **dry_run_fields(dst, planned), message=message)
     counter = ByteCounter(progress, shared["bytes_written"])
     if fmt == "hf-sharded":
         shards = _shards(plan, limit)

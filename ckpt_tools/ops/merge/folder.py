@@ -21,7 +21,7 @@ from ckpt_tools.io.writers.output import Check
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import check_records
 from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, plan_shards
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
 from ckpt_tools.ops.transform.plan import TransformPlan
 from ckpt_tools.ops.transform.result import TransformResult
 
@@ -61,7 +61,7 @@ def write_merged_folder(
             )
             for file, names in shards.files
         )
-        return replace(done, planned=planned)
+        return replace(done, **dry_run_fields(plan.dst, planned))
 
     def check(names: Sequence[str]) -> Check:
         expected = Expected({n: by_name[n][0] for n in names}, (), ckpt)

@@ -21,7 +21,7 @@ from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.output import Check, Fill, write_file
 from ckpt_tools.io.writers.progress import ByteCounter, Progress
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import (
     matched_device_map,
@@ -92,13 +92,12 @@ def apply_rewrite(
     if dry_run:  # what would be written, refusals included; nothing is
         return _result(
             *stated,
-            dry_run=True,
+            **dry_run_fields(dst, (plan.planned(dst),)),
             examples=tuple(plan.changed),
             dropped=plan.dropped,
             tensors=len(plan.expected),
             bytes_written=plan.total,
             bytes_copied=plan.copied,
-            planned=(plan.planned(dst),),
             message=f"dry run: would write {dst} ({renamed} of {n_keys} keys renamed, "
             f"{plan.total} tensor bytes)",
         )

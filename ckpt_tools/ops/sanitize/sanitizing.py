@@ -32,7 +32,7 @@ from ckpt_tools.io.verify.outputs import Expected, tensor_digest, verify_output
 from ckpt_tools.io.writers.output import write_file
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.torchzip import write_torch_zip
-from ckpt_tools.ops.output_plan import PlannedFile
+from ckpt_tools.ops.output_plan import PlannedFile, dry_run_fields
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.sanitize.records import torch_save_records
@@ -145,7 +145,7 @@ def sanitize(
         message = (
             f"dry run: would sanitize {src} into {dst} ({counts}, {planned.nbytes} tensor bytes)"
         )
-        return SanitizeResult(**shared, dry_run=True, planned=(planned,), message=message)
+        return SanitizeResult(**shared, **dry_run_fields(dst, (planned,)), message=message)
     counter = ByteCounter(progress, planned.nbytes)
 
     def fill(out: AtomicFile) -> None:

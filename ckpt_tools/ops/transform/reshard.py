@@ -39,7 +39,7 @@ from ckpt_tools.io.writers.shard_plan import (
     parse_shard_size,
     plan_shards,
 )
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import safetensors_plan
 from ckpt_tools.ops.rewrite.result import RewriteResult
@@ -139,7 +139,7 @@ def convert_to_folder(
             f"({folder.shards.total_size} tensor bytes)"
         )
         planned = _planned_files(dst, folder.entries, folder.shards, folder.metadata)
-        return RewriteResult(**shared, dry_run=True, message=message, planned=planned)
+        return RewriteResult(**shared, **dry_run_fields(dst, planned), message=message)
     counter = ByteCounter(progress, folder.shards.total_size)
     by_name = {e.name: e.tensor for e in folder.entries}
 

@@ -26,7 +26,7 @@ from ckpt_tools.io.writers.records import (
     tensor_bytes_record,
 )
 from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras, unholdable_kind
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor
+from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
 from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.cast_targets import cast_targets, kept_outside
 from ckpt_tools.ops.transform.plan import (
@@ -386,7 +386,7 @@ def finish(
     }
     if dry_run:
         message = f"dry run: would write {plan.dst} ({sizes})"
-        return TransformResult(**shared, dry_run=True, planned=(planned,), message=message)
+        return TransformResult(**shared, **dry_run_fields(plan.dst, (planned,)), message=message)
     counter = ByteCounter(progress, plan.output_bytes)
     verification = execute_plan(
         plan, target, ckpt, verify, counter, durable=durable, replace=replace
