@@ -23,6 +23,9 @@ def start_method() -> str:
     """The start method for rank processes: ``forkserver`` (torch preloaded in its server)
     where the platform has it, else ``spawn``.
 
+    It sets the process-wide preload list of ``multiprocessing``'s forkserver, which takes
+    effect if the server has not started yet.
+
     Returns:
         The name to pass as ``start_method`` to ``torch.multiprocessing.start_processes``.
 
