@@ -313,22 +313,26 @@ def safetensors_plan(
 
     entries: list[SafetensorsEntry] = []
     expected: dict[str, TensorRef] = {}
-    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     dropped: list[str] = []
     tied: dict[str, TensorRef] = {}
     ties: dict[str, str] = {}
+    # Tied tensors (the same view of one storage) are stored once, under their alphabetically
+    # first name as safetensors' save_model and huggingface_hub keep it; the dropped name
+    # maps to the kept one in the metadata.
+    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    for name, t in sd.items():
+        if isinstance(t, TensorRef):
+            identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
+            kept[identity] = min(kept.get(identity, str(name)), str(name))
     for name, t in sd.items():
         if not isinstance(t, TensorRef):
             continue
-        # Tied tensors (the same view of one storage) are stored once, as safetensors'
-        # save_model does; the dropped name maps to the kept one in the metadata.
-        identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
-        if identity in kept:
-            ties[str(name)] = kept[identity]
+        first = kept[(id(t.storage), t.offset, t.shape, t.stride, t.dtype)]
+        if first != str(name):
+            ties[str(name)] = first
             dropped.append(str(name))
             tied[str(name)] = t
             continue
-        kept[identity] = str(name)
         entries.append(SafetensorsEntry(str(name), t))
         expected[str(name)] = t
     from ckpt_tools.formats.safetensors import tie_metadata  # (safetensors outputs only)
