@@ -1,5 +1,6 @@
 """Tied tensors written to safetensors keep the name safetensors' ``save_model`` keeps, in a
-single file and in a folder alike, whatever order the keys come in."""
+single file (a rewrite's or a transform's) and in a folder alike, whatever order the keys
+come in."""
 
 from __future__ import annotations
 
@@ -46,8 +47,10 @@ def test_the_kept_name_is_the_one_save_model_and_huggingface_hub_keep(
     torch.save(model.state_dict(), src)
     single = ct.convert(src, tmp_path / "out.safetensors")
     folder = ct.convert(src, f"{tmp_path}/out-hf/")
+    ct.slim(src, tmp_path / "slim.safetensors", dtype="bfloat16")  # a transform's plan
     assert _stored(tmp_path / "out.safetensors") == want
     assert _stored(tmp_path / "out-hf" / "model.safetensors") == want
+    assert _stored(tmp_path / "slim.safetensors") == want
     assert single.dropped == folder.dropped == ("encoder.weight",)
     with safe_open(str(tmp_path / "out.safetensors"), "pt") as f:
         tied = json.loads(f.metadata()["ckpt_tools.tied"])

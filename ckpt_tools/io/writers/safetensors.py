@@ -27,6 +27,7 @@ from ckpt_tools.io.writers.records import Record, tensor_bytes_record
 from ckpt_tools.io.writers.safetensors_checks import (
     check_holdable,
     leave_out_extras,
+    tied_names,
     unholdable_kind,
 )
 from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
@@ -37,6 +38,7 @@ __all__ = [
     "leave_out_extras",
     "safetensors_header",
     "source_records",
+    "tied_names",
     "unholdable_kind",
     "write_safetensors",
 ]

@@ -19,14 +19,14 @@ operation writes what it refuses.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.dtypes import SAFETENSORS_PACKED, TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
 
-__all__ = ["RESERVED_NAME", "check_holdable", "leave_out_extras", "unholdable_kind"]
+__all__ = ["RESERVED_NAME", "check_holdable", "leave_out_extras", "tied_names", "unholdable_kind"]
 
 #: The header key safetensors keeps for its string-to-string metadata: no tensor may have it.
 RESERVED_NAME = "__metadata__"
@@ -265,3 +265,31 @@ def _count(n: int, noun: str) -> str:
     if n == 1:
         return f"1 {noun}"
     return f"{n} {noun[:-1]}ies" if noun.endswith("y") else f"{n} {noun}s"
+
+
+def tied_names(named: Iterable[tuple[str, TensorRef]]) -> dict[str, str]:
+    """Tied tensors, which a safetensors file stores once: ``{dropped name: kept name}``.
+
+    Tensors that are the same view of one storage (offset, shape, stride and dtype) are tied;
+    each group keeps its alphabetically first name, as safetensors' ``save_model`` and
+    huggingface_hub keep it, whatever order the names come in.
+
+    Args:
+        named: (output name, tensor) pairs.
+
+    Returns:
+        Each dropped name and the name it is stored under, in the order the names came.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> t = TensorRef(StorageRef("0", "float32", 4, "cpu"), 0, (2, 2), (2, 1), "float32")
+        >>> tied_names([("lm_head.weight", t), ("embed.weight", t)])
+        {'lm_head.weight': 'embed.weight'}
+    """
+    pairs = list(named)
+    first: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    for name, t in pairs:
+        identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
+        first[identity] = min(first.get(identity, name), name)
+    kept = (first[(id(t.storage), t.offset, t.shape, t.stride, t.dtype)] for _, t in pairs)
+    return {name: keep for (name, _), keep in zip(pairs, kept, strict=True) if keep != name}

@@ -294,6 +294,7 @@ def safetensors_plan(
         SafetensorsEntry,
         check_holdable,
         leave_out_extras,
+        tied_names,
         unholdable_kind,
     )
 
@@ -315,21 +316,12 @@ def safetensors_plan(
     expected: dict[str, TensorRef] = {}
     dropped: list[str] = []
     tied: dict[str, TensorRef] = {}
-    ties: dict[str, str] = {}
-    # Tied tensors (the same view of one storage) are stored once, under their alphabetically
-    # first name as safetensors' save_model and huggingface_hub keep it; the dropped name
-    # maps to the kept one in the metadata.
-    kept: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
-    for name, t in sd.items():
-        if isinstance(t, TensorRef):
-            identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
-            kept[identity] = min(kept.get(identity, str(name)), str(name))
+    # Tied tensors are stored once; the dropped name maps to the kept one in the metadata.
+    ties = tied_names((str(k), v) for k, v in sd.items() if isinstance(v, TensorRef))
     for name, t in sd.items():
         if not isinstance(t, TensorRef):
             continue
-        first = kept[(id(t.storage), t.offset, t.shape, t.stride, t.dtype)]
-        if first != str(name):
-            ties[str(name)] = first
+        if str(name) in ties:
             dropped.append(str(name))
             tied[str(name)] = t
             continue

@@ -26,6 +26,7 @@ from ckpt_tools.io.writers.records import (
     tensor_bytes_record,
 )
 from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras, unholdable_kind
+from ckpt_tools.io.writers.safetensors_checks import tied_names
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
 from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.cast_targets import cast_targets, kept_outside
@@ -313,15 +314,12 @@ def _safetensors_entries(
         outside=outside,
     )
     metadata: dict[str, str] = {"format": "pt"}
-    entries, kept, ties = [], {}, {}
-    for _, new, t in items:
-        if new is None or not isinstance(t, TensorRef):
+    named = [(new, t) for _, new, t in items if new is not None and isinstance(t, TensorRef)]
+    ties = tied_names(named)  # stored once
+    entries = []
+    for new, t in named:
+        if new in ties:
             continue
-        identity = (id(t.storage), t.offset, t.shape, t.stride)
-        if identity in kept:  # tied: stored once, as safetensors' save_model does
-            ties[new] = kept[identity]
-            continue
-        kept[identity] = new
         dst = cast_to if id(t.storage) in targets else None
         record = overrides.get(id(t.storage)) or tensor_bytes_record(ckpt, t, dst)
         if id(t.storage) in overrides and (t.offset, t.nbytes) != (0, record.nbytes):
