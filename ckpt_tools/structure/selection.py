@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import Opaque, TensorRef
+from ckpt_tools.descriptors import Opaque, Reduced, TensorRef
 from ckpt_tools.errors import SelectError
 from ckpt_tools.structure.modules import RecoveredModule, recover_module
 from ckpt_tools.structure.paths import (
@@ -113,11 +113,20 @@ def holds_no_state_dict(where: str, root: Any) -> str:
     return f"{where} holds {a_kind_of(root)}, not a state dict (a mapping of names to tensors)"
 
 
+# How torch.save records a tensor subclass (a DTensor of an FSDP2 state dict, ...): read or
+# refused by the loaders as its class is, but a tensor when choosing the state dict.
+_SUBCLASS_REBUILD = "torch._tensor._rebuild_from_type_v2"
+
+
 def is_state_dict(value: Any) -> bool:
     """A mapping of string keys whose values are mostly tensors (extra states allowed)."""
     if not isinstance(value, Mapping) or not value:
         return False
-    tensors = sum(1 for v in value.values() if is_tensor(v))
+    tensors = sum(
+        1
+        for v in value.values()
+        if is_tensor(v) or (isinstance(v, Reduced) and v.func.qualname == _SUBCLASS_REBUILD)
+    )
     return tensors > 0 and tensors * 2 >= len(value) and all(isinstance(k, str) for k in value)
 
 
