@@ -143,6 +143,8 @@ class HubServer:
             the Hub's CDN URLs are signed; ignored by the CDN here.
         gated: repo id -> the token it needs (``401`` without one, ``403`` with another).
         statuses: request path -> the status to answer it with instead.
+        query: a query string every ``/files/`` request must carry (``403`` without it), as
+            a server that takes a token in the URL answers.
         replaced: request path -> (file, data): once the path's first request is answered,
             ``data`` overwrites the file (see :meth:`replace_later`).
     """
@@ -154,6 +156,7 @@ class HubServer:
         self.signature = ""
         self.gated: dict[str, str] = {}
         self.statuses: dict[str, int] = {}
+        self.query = ""
         self.replaced: dict[str, tuple[Path, bytes | Path]] = {}
         self.url = ""
         self.port = 0
@@ -203,6 +206,7 @@ class HubServer:
         self.signature = ""
         self.gated.clear()
         self.statuses.clear()
+        self.query = ""
         self.replaced.clear()
 
     # -- the answers ---------------------------------------------------------------------
@@ -256,6 +260,10 @@ class HubServer:
 
         async def serve(request: Any) -> Any:
             raw = (request.scope.get("raw_path") or request.url.path.encode()).decode("ascii")
+            if self.query and raw.startswith("/files/") and request.url.query != self.query:
+                from starlette.responses import PlainTextResponse
+
+                return PlainTextResponse("a token is needed", status_code=403)
             return self.answer(raw, request.headers.get("authorization"))
 
         app = Starlette(routes=[Route("/{path:path}", serve, methods=["GET", "HEAD"])])

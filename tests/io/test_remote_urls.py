@@ -187,11 +187,13 @@ def test_folder_candidates_in_transformers_order() -> None:
         ("hf://org/m@refs/pr/1", "hf://org/m@refs/pr/1/"),
         ("hf://datasets/org/d/sub/", "hf://datasets/org/d/sub/"),
         ("https://host/runs", "https://host/runs/"),
-        ("https://host/runs/?x=1", "https://host/runs/"),
         ("s3://bucket/run/", "s3://bucket/run/"),
         ("s3://bucket", "s3://bucket/"),
     ]:
         assert folder_candidates(folder) == [base + name for name in FOLDER_FILES]
+    # A folder URL's query is sent with each file tried in it.
+    queried = folder_candidates("https://host/runs/?token=T&x=1")
+    assert queried == [f"https://host/runs/{name}?token=T&x=1" for name in FOLDER_FILES]
     # A revision with slashes still parses after a name is joined on.
     assert parse_hf(folder_candidates("hf://org/m@refs/pr/1")[1]).revision == "refs/pr/1"
 
@@ -202,7 +204,8 @@ def test_folder_candidates_in_transformers_order() -> None:
         ("hf://org/m/model.safetensors.index.json", "a.safetensors", "hf://org/m/a.safetensors"),
         ("hf://org/m@refs/pr/1/sub/i.json", "a.bin", "hf://org/m@refs/pr/1/sub/a.bin"),
         ("hf://org/m@v1/i.json", "shards/a.bin", "hf://org/m@v1/shards/a.bin"),
-        ("https://h/x/i.json?sig=1", "a b.bin", "https://h/x/a%20b.bin"),
+        ("https://h/x/i.json?sig=1", "a b.bin", "https://h/x/a%20b.bin?sig=1"),
+        ("https://h/x/i.json?t=1#frag", "a.bin", "https://h/x/a.bin?t=1"),
         ("https://h/i.json", "a%2e%2e.bin", "https://h/a%252e%252e.bin"),
         ("s3://b/run/i.json", "a.bin", "s3://b/run/a.bin"),
         ("s3://b/i.json", "a.bin", "s3://b/a.bin"),
@@ -229,6 +232,35 @@ def test_sibling_refuses_names_that_leave_the_folder(name: str) -> None:
     for url in ("hf://org/m/i.json", "https://h/d/i.json", "s3://b/d/i.json"):
         with pytest.raises(CorruptCheckpointError, match="not a file beside it"):
             sibling(url, name)
+
+
+def test_a_folder_or_index_url_s_query_is_sent_for_every_file_it_leads_to(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that takes a token in the URL answers the shards, and the folder's files,
+    only with it: each request carries the query of the URL given."""
+    import torch
+
+    import ckpt_tools as ct
+    from ckpt_tools.errors import RemoteAccessError
+
+    torch.save(
+        {f"layer{i}.weight": torch.full((64,), float(i)) for i in range(3)}, tmp_path / "m.pt"
+    )
+    ct.convert(tmp_path / "m.pt", f"{tmp_path}/hf/", max_shard_size="300B")
+    for file in sorted((tmp_path / "hf").iterdir()):
+        hub.put_file(f"hf/{file.name}", file)
+    hub.query = "token=T0K"
+    monkeypatch.delenv("HF_ENDPOINT")  # a server of its own, not the Hub
+    local = [(t.name, t.shape) for t in ct.inspect(tmp_path / "hf").tensors]
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 3
+    for url in (
+        f"{hub.url}/files/hf/model.safetensors.index.json?token=T0K",
+        f"{hub.url}/files/hf/?token=T0K",
+    ):
+        assert [(t.name, t.shape) for t in ct.inspect(url).tensors] == local, url
+    with pytest.raises(RemoteAccessError, match="wants credentials"):
+        ct.inspect(f"{hub.url}/files/hf/model.safetensors.index.json")
 
 
 # --- the Hub token ------------------------------------------------------------------------

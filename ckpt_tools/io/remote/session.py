@@ -4,8 +4,10 @@ what every file opened through them cost.
 
 from __future__ import annotations
 
+from contextlib import suppress
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from ckpt_tools.errors import CheckpointNotFoundError, UsageError
 from ckpt_tools.formats import HIDDEN
@@ -16,6 +18,7 @@ from ckpt_tools.io.remote.s3 import S3Transport, make_s3_client
 from ckpt_tools.io.remote.urls import (
     at_hub,
     auth_headers,
+    file_name,
     folder_candidates,
     hf_token,
     is_folder_url,
@@ -58,6 +61,9 @@ class RemoteSession:
         self._s3: Any = None
         self._userinfo: dict[str, str] = {}  # origin -> userinfo, from a URL given
         self._given: dict[str, str] = {}  # a URL as shown -> as given (its query's values)
+        # (folder, query as shown) -> as given: a file beside a URL given is asked for with
+        # that URL's query (its token), which reaches it shown, as its name was built.
+        self._queries: dict[tuple[str, str], str] = {}
 
     def named(self, url: str) -> str:
         """``url`` as messages and reports show it (:func:`shown_url`: no userinfo, no query
@@ -76,6 +82,10 @@ class RemoteSession:
         if userinfo is not None:
             self._userinfo[origin] = userinfo
         shown = shown_url(url)
+        if "?" in url:
+            # A URL that does not parse is refused with its reason where it is opened.
+            with suppress(ValueError):
+                self._queries.setdefault(_folder_query(shown), urlsplit(url).query)
         if shown != url and self._given.setdefault(shown, url) != url:
             raise UsageError(
                 f"{shown} is given twice, with other credentials or query values (shown as "
@@ -127,10 +137,10 @@ class RemoteSession:
         url = self.named(url)
         for candidate in folder_candidates(url):
             try:
-                return candidate.rpartition("/")[2], self.open(candidate)
+                return file_name(candidate), self.open(candidate)
             except CheckpointNotFoundError:
                 self.stats.add(0)
-                tried.append(candidate.rpartition("/")[2])
+                tried.append(file_name(candidate))
         raise CheckpointNotFoundError(
             f"{url}: no checkpoint in this folder (tried {', '.join(tried)})", path=url
         )
@@ -142,7 +152,7 @@ class RemoteSession:
             return S3Transport(self._s3, url, self.stats)
         if self._http is None:
             self._http = make_client(self.timeout, url)
-        url = self._given.get(url, url)  # a URL as shown: opened as given
+        url = self._given.get(url) or self._with_query(url)  # a URL as shown: as given
         headers = auth_headers(url, hf_token()) if at_hub(url) else {}
         origin, userinfo = credentials(url)
         if userinfo is None and origin in self._userinfo:  # a URL named without its userinfo
@@ -150,6 +160,14 @@ class RemoteSession:
         return HttpTransport(
             self._http, url, resolved=resolve(url), headers=headers, stats=self.stats
         )
+
+    def _with_query(self, url: str) -> str:
+        """``url`` with the query given for its folder, where it carries that query shown."""
+        given = self._queries.get(_folder_query(url))
+        if given is None:
+            return url
+        parts = urlsplit(url)
+        return urlunsplit((parts.scheme, parts.netloc, parts.path, given, parts.fragment))
 
     def close(self) -> None:
         """Close the clients (and with them every file of the session)."""
@@ -169,3 +187,10 @@ class RemoteSession:
         trace: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _folder_query(url: str) -> tuple[str, str]:
+    """The folder ``url`` lies in, and its query: the files beside it share both."""
+    parts = urlsplit(url)
+    folder = parts.path.rpartition("/")[0] + "/"
+    return urlunsplit((parts.scheme, parts.netloc, folder, "", "")), parts.query

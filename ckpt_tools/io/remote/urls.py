@@ -26,6 +26,7 @@ __all__ = [
     "HubPath",
     "at_hub",
     "auth_headers",
+    "file_name",
     "folder_candidates",
     "hf_endpoint",
     "hf_token",
@@ -341,13 +342,24 @@ def folder_candidates(url: str) -> list[str]:
     return [_join(url, name) for name in FOLDER_FILES]
 
 
+def file_name(url: str) -> str:
+    """The name of the file at ``url``: its path's last part, without the query.
+
+    Example:
+        >>> file_name("https://host.example/run/model.safetensors.index.json?token=***")
+        'model.safetensors.index.json'
+    """
+    return url.split("?", 1)[0].rpartition("/")[2]
+
+
 def _join(folder: str, name: str) -> str:
-    """``name`` (already checked) inside the folder URL ``folder``."""
+    """``name`` (already checked) inside the folder URL ``folder``, with its query: a token
+    in it (``?token=...``, a CDN policy for the folder) is what lets the server answer."""
     if scheme(folder) in ("hf", "s3"):
         return f"{folder.rstrip('/')}/{name}"
     parts = split_http(folder)
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
-    return urlunsplit((parts.scheme, parts.netloc, path + quote(name), "", ""))
+    return urlunsplit((parts.scheme, parts.netloc, path + quote(name), parts.query, ""))
 
 
 def sibling(url: str, name: str) -> str:
@@ -358,7 +370,8 @@ def sibling(url: str, name: str) -> str:
         name: a relative name, ``/``-separated.
 
     Returns:
-        The file's URL, in the same scheme as ``url`` (an ``hf://`` URL stays one).
+        The file's URL, in the same scheme as ``url`` (an ``hf://`` URL stays one), with
+        ``url``'s query.
 
     Raises:
         CorruptCheckpointError: ``name`` is empty, absolute, holds a backslash, or has an
@@ -384,5 +397,5 @@ def sibling(url: str, name: str) -> str:
         bucket, key = split_s3(url)
         return _join(f"s3://{bucket}/{key.rpartition('/')[0]}", name)
     split = split_http(url)
-    folder = urlunsplit((split.scheme, split.netloc, split.path.rpartition("/")[0] + "/", "", ""))
-    return _join(folder, name)
+    folder_path = split.path.rpartition("/")[0] + "/"
+    return _join(urlunsplit((split.scheme, split.netloc, folder_path, split.query, "")), name)

@@ -30,7 +30,7 @@ from ckpt_tools.formats.zip.records import check_inflates
 from ckpt_tools.io.remote.checkpoint import open_file
 from ckpt_tools.io.remote.rangefile import RemoteFile
 from ckpt_tools.io.remote.session import RemoteSession
-from ckpt_tools.io.remote.urls import folder_candidates, is_folder_url, sibling
+from ckpt_tools.io.remote.urls import file_name, folder_candidates, is_folder_url, sibling
 
 __all__ = ["Remote", "open_remote", "refuse_local_only", "url_targets"]
 
@@ -76,15 +76,15 @@ def url_targets(
         file = _opened_or_none(candidate, session)
         if file is None:
             continue
-        if candidate.endswith(SHARD_INDEX_SUFFIX):
+        if file_name(candidate).endswith(SHARD_INDEX_SUFFIX):
             indexes.append(candidate)
             for name in _shard_names(candidate, file):
                 found.setdefault(name, (sibling(candidate, name), None))
         else:
-            found[candidate.rpartition("/")[2]] = (candidate, file)
+            found[file_name(candidate)] = (candidate, file)
     if not found and not indexes:
         _refuse_folder_format(url, session)
-        tried = ", ".join(c.rpartition("/")[2] for c in folder_candidates(url))
+        tried = ", ".join(file_name(c) for c in folder_candidates(url))
         raise CheckpointNotFoundError(
             f"{url}: no checkpoint in this folder (tried {tried})", path=url
         )
