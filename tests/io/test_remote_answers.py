@@ -11,7 +11,7 @@ import random
 import pytest
 from starlette.responses import Response
 
-from ckpt_tools.errors import EXIT_REMOTE, CheckpointNotFoundError, RemoteError
+from ckpt_tools.errors import EXIT_REMOTE, CheckpointNotFoundError, RemoteAccessError, RemoteError
 from ckpt_tools.io.remote import RemoteSession
 from ckpt_tools.io.remote.retries import MAX_RETRY_WAIT, RETRIES, retry_after
 from tests.helpers.servers import HubServer
@@ -83,6 +83,28 @@ def test_a_cdn_url_failing_again_after_resolving_is_refused(
     message = str(info.value)
     assert f"not found (HTTP 404 Not Found from http://localhost:{hub.port}{cdn})" in message
     assert "SIGSECRET" not in message and "Expires" not in message
+
+
+def test_a_cdn_refusing_after_resolving_is_named_not_blamed_on_the_token(
+    hub: HubServer, data: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 403 from the CDN a Hub file redirects to: no token was sent there, so the refusal
+    names the CDN (without its signature) and does not blame HF_TOKEN."""
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRETTOKEN")
+    url = hub.put("org/m", "model.bin", data)
+    hub.redirect = True
+    hub.signature = "?Expires=1&Signature=SIGSECRET"
+    cdn = "/cdn/models/org/m/main/model.bin"
+    refused = Response(status_code=403)
+    _answers_first(hub, monkeypatch, cdn, None, refused, Response(status_code=403))
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        with pytest.raises(RemoteAccessError) as info:
+            f.pread(10, SIZE - 10)
+    message = str(info.value)
+    assert f"access refused (HTTP 403 Forbidden from http://localhost:{hub.port}{cdn})" in message
+    assert "redirected to refused it" in message and "HF_TOKEN" not in message
+    assert "SIGSECRET" not in message and "SECRETTOKEN" not in message
 
 
 # --- answers refused -------------------------------------------------------------------

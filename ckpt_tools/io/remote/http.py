@@ -331,13 +331,18 @@ class HttpTransport:
             )
         if response.status_code in (401, 403):
             return RemoteAccessError(
-                f"{self.url}: access refused ({status})",
+                f"{self.url}: access refused ({status}{where})",
                 path=self.url,
-                remedies=(self._credentials(),),
+                remedies=(self._credentials(elsewhere=bool(where)),),
             )
         return RemoteError(f"{self.url}: {status}{where}", path=self.url)
 
-    def _credentials(self) -> Remedy:
+    def _credentials(self, *, elsewhere: bool = False) -> Remedy:
+        if elsewhere:  # a redirect's target: no credentials of ours went there
+            return Remedy(
+                text="the server it was redirected to refused it (a signed URL there may have "
+                "expired: try again), or " + DOWNLOAD_FIRST.text
+            )
         if "Authorization" in self.headers:
             return Remedy(
                 text="the token in HF_TOKEN (or the token file) cannot read this repo: "

@@ -23,6 +23,7 @@ __all__ = ["REDIRECT_BODY", "send_following"]
 # The most of a redirect's body read: a short one (a line of HTML) is read to its end, which
 # leaves the connection open for the next request; a longer one is cut off with it.
 REDIRECT_BODY = 64 << 10
+_DISCARD_PIECE = 8 << 10
 
 
 def send_following(
@@ -77,14 +78,15 @@ def send_following(
 
 
 def _discard(response: httpx.Response) -> int:
-    """Read at most about :data:`REDIRECT_BODY` bytes of a redirect's body, then close it;
+    """Read at most :data:`REDIRECT_BODY` bytes of a redirect's body, then close it;
     returns the bytes read."""
     received = 0
     try:
         if not response.is_stream_consumed:  # (an answer made in memory is read already)
-            for chunk in response.iter_raw():  # raw: a compressed body is not inflated
+            # raw: a compressed body is not inflated; in pieces that end at the limit
+            for chunk in response.iter_raw(chunk_size=_DISCARD_PIECE):
                 received += len(chunk)
-                if received > REDIRECT_BODY:
+                if received >= REDIRECT_BODY:
                     break
     finally:
         response.close()
