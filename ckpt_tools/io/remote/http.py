@@ -330,10 +330,12 @@ class HttpTransport:
                 f"{self.url}: not found ({status}{where})", path=self.url
             )
         if response.status_code in (401, 403):
+            # Refused where a redirect led (a CDN), not where our credentials were sent.
+            redirected = target != shown_url(self.resolved, target=True)
             return RemoteAccessError(
-                f"{self.url}: access refused ({status}{where})",
+                f"{self.url}: access refused ({status}{f' from {target}' if redirected else ''})",
                 path=self.url,
-                remedies=(self._credentials(elsewhere=bool(where)),),
+                remedies=(self._credentials(elsewhere=redirected),),
             )
         return RemoteError(f"{self.url}: {status}{where}", path=self.url)
 
