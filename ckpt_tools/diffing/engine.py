@@ -12,6 +12,8 @@ tensors' bytes by ranges). A diff of two files without values runs without torch
 
 Convention: A is what you have, B is what it should match (a model or a reference), as in
 ``load_into``: *missing* keys are in B and not in A, *unexpected* keys are in A and not in B.
+Every key counts, non-tensor entries included; against a module B they are the keys its strict
+``load_state_dict`` would report (:mod:`ckpt_tools.diffing.key_verdict`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,14 @@ def _compare(
     )
     if layout_a != layout_b:
         return replace(base, note=f"layouts differ: {layout_a} / {layout_b}")
+    if shape_a is None or shape_b is None:  # a lazy parameter: no values, any shape loads
+        side = "A" if shape_a is None else "B"
+        return replace(
+            base,
+            values_compared=False,
+            note=f"uninitialized in {side} (a lazy module's): it takes the other side's shape "
+            "when loaded; values not compared",
+        )
     if layout_a == "meta":
         return _compare_meta(base, a.stride(name), b.stride(name))
     if not values or shape_a != shape_b:
@@ -143,29 +153,42 @@ def _suggestions(
     b: Side,
     select: Any,
     select_b: Any,
+    unexpected: Sequence[str],
+    torch_judges: bool,
     aligned: tuple[Step, ...] = (),
-    stored_a: Sequence[str] | None = None,
+    stored_a: tuple[Sequence[str], Sequence[str]] | None = None,
     limit: int = 3,
 ) -> tuple[Suggestion, ...]:
     """Rewrites of A's keys (after ``aligned``, if any) that make more of them match B's;
     where one makes all of them match, only those that do.
 
+    Rewrites are found and ranked by the tensors' keys, each checked to send a key to the
+    same tensor with its wrappers moved; each then resolves some of the ``unexpected`` keys,
+    non-tensor entries included (:func:`~ckpt_tools.diffing.key_verdict.resolved`: against a
+    module B, ``torch_judges``, those torch's strict load would then take).
+
     The commands apply ``aligned`` and then the suggested steps, since they run on the files
-    as stored (``stored_a``: A's keys before the alignment); the description names only the
-    suggested steps. A rewrite whose command would not do on the stored keys what the steps
-    do after the alignment is left out.
+    as stored (``stored_a``: A's keys before the alignment, all and the tensors'); the
+    description names only the suggested steps. A rewrite whose command would not do on the
+    stored keys what the steps do after the alignment is left out.
     """
+    from ckpt_tools.diffing.key_verdict import resolved, shapes
+
     # A key that is a tensor in A and another entry in B is a kind pair, not unexpected.
-    keys_a, keys_b = [k for k in a.entries if k not in b.others], list(b.entries)
-    stored = keys_a if stored_a is None else list(stored_a)
-    shapes = ({k: a.meta(k)[1] for k in keys_a}, {k: b.meta(k)[1] for k in keys_b})
-    fixes = rank_fixes(keys_a, keys_b, shapes=shapes)
+    keys_a = [k for k in a.keys if a.holds_tensor(k) and k not in b.others]
+    keys_b = [k for k in b.keys if b.holds_tensor(k)]
+    stored_all, stored = (a.keys, keys_a) if stored_a is None else stored_a
+    fixes = rank_fixes(keys_a, keys_b, shapes=(shapes(a), shapes(b)))
+    # Against a module each is rehearsed (a meta copy of it): only the best few by the keys.
+    few = fixes[: 2 * limit] if torch_judges else fixes[: 3 * limit]
+    counted = [(fix, resolved(a, b, fix.steps, unexpected, torch_judges)) for fix in few]
+    scored = sorted(((fix, n) for fix, n in counted if n), key=lambda pair: -pair[1])
     # What load_into would do with the stored keys: a note where that is the suggestion.
-    by_itself = best_fix(stored, keys_b) if b.info.kind == "module" else None
+    by_itself = best_fix(list(stored_all), list(b.keys)) if b.info.kind == "module" else None
     # A rewrite that resolves every unexpected key subsumes the partial ones: they are noise.
-    complete = [fix for fix in fixes if fix.complete]
+    complete = [(fix, n) for fix, n in scored if n == len(unexpected)]
     out = []
-    for fix in (complete or fixes)[:limit]:
+    for fix, count in (complete or scored)[:limit]:
         steps = on_stored(aligned, fix.steps)
         if aligned:
             whole = check_fix(steps, stored, keys_b)
@@ -186,8 +209,8 @@ def _suggestions(
             Suggestion(
                 description=fix.describe(),
                 steps=fix.steps,
-                resolved=fix.resolved,
-                of=fix.unmatched,
+                resolved=count,
+                of=len(unexpected),
                 command=command,
                 inverse_description=inverse_text,
                 inverse_command=inverse_command,
@@ -248,8 +271,17 @@ def diff(
         a: what you have: a checkpoint path (any format :func:`ckpt_tools.open_checkpoint`
             reads; never unpickled with code, never loaded whole) or URL (``https://``,
             ``hf://ORG/REPO[@REV][/PATH]``, ``s3://BUCKET/KEY``: its structure is fetched by
-            byte ranges), a state dict, or an ``nn.Module`` (its ``state_dict()``).
-        b: what it should match, in the same forms.
+            byte ranges), a state dict, or an ``nn.Module`` (its ``state_dict()``). A DTensor
+            is compared through its local tensor where that is the whole tensor (a mesh of
+            one rank, or only ``Replicate`` placements); elsewhere only its dtype and shape
+            are, with ``values=False``.
+        b: what it should match, in the same forms. Where it is a module, missing and
+            unexpected keys are those its strict ``load_state_dict`` would report, its
+            modules' loading code taken into account as :func:`ckpt_tools.load_into` does
+            (old BatchNorm and ``weight_norm`` state dicts, ``_metadata`` versions); the keys
+            that differ by name only are ``reconciled_missing`` / ``reconciled_unexpected``.
+            A lazy module's uninitialized parameter takes any shape (status
+            ``uninitialized``).
         rtol, atol: tolerances, as in ``torch.isclose``: finite real numbers >= 0.
         select: dotted path (or sequence of keys) to the state dict in checkpoint A, as
             everywhere else (default: chosen automatically, as ``ckpt inspect`` does).
@@ -275,7 +307,8 @@ def diff(
     Raises:
         UsageError: a side is of an unsupported type, ``select`` or ``select_b`` is given
             for a module, a tolerance is not a real number, or is negative, NaN or
-            infinite, or ``jobs`` < 1.
+            infinite, ``jobs`` < 1, or values are compared of a DTensor spread over several
+            ranks (seeing it whole takes a collective: pass a full state dict).
         SelectError: ``select`` or ``select_b`` names a missing entry.
         CheckpointError: a file is missing, truncated or malformed.
         RemoteError: a URL could not be read (refused credentials, a timeout, a refused
@@ -323,39 +356,62 @@ def _report(
     chunk_bytes: int,
     values: bool,
 ) -> DiffReport:
-    """Keys matched (after the alignment, if asked), tensors compared, suggestions made."""
-    stored = list(side_a.entries)
-    fix = best_fix(stored, list(side_b.entries)) if align else None
+    """Keys matched (after the alignment, if asked), tensors compared, suggestions made.
+
+    Every key counts, non-tensor entries included; against a module (B), missing and
+    unexpected keys are those torch's strict ``load_state_dict`` would report
+    (:mod:`ckpt_tools.diffing.key_verdict`)."""
+    from ckpt_tools.diffing.key_verdict import by_name, by_torch
+
+    stored = list(side_a.keys)
+    stored_tensors = [k for k in stored if side_a.holds_tensor(k)]
+    fix = best_fix(stored, list(side_b.keys)) if align else None
     aligned = fix.steps if fix is not None else ()
     if fix is not None:
-        plan = plan_renames(stored, fix.rules)
-        side_a.entries = {plan[k]: v for k, v in side_a.entries.items()}
-    a, b = side_a.entries, side_b.entries
-    missing = tuple(k for k in b if k not in a and k not in side_a.others)
-    unexpected = tuple(k for k in a if k not in b and k not in side_b.others)
+        side_a.rename(plan_renames(stored, fix.rules), fix.rules)
+    torch_judges = side_b.module is not None
+    keys = by_torch(side_a, side_b) if torch_judges else by_name(side_a, side_b)
+    judged = torch_judges and not keys.fallback
     # Suggested after the alignment: never the rewrite --align has just applied.
     suggestions = (
-        _suggestions(side_a, side_b, select, select_b, aligned, stored) if unexpected else ()
+        _suggestions(
+            side_a,
+            side_b,
+            select,
+            select_b,
+            keys.unexpected,
+            judged,
+            aligned,
+            (stored, stored_tensors),
+        )
+        if keys.unexpected
+        else ()
     )
+    a, b, in_b = side_a, side_b, set(side_b.keys)
+    # A's tensors in its order, then its other keys that are a tensor in B (or not read).
+    later = (k for k in a.keys if k not in a.entries and (a.holds_tensor(k) or b.holds_tensor(k)))
     tensors = tuple(
-        _compare(name, side_a, side_b, rtol, atol, chunk_bytes, values)
-        if name in a and name in b
-        else kind_pair(name, side_a, side_b, values)
-        for name in (*a, *(k for k in side_a.others if k not in a and k in b))
-        if name in b or name in side_b.others
+        _compare(name, a, b, rtol, atol, chunk_bytes, values)
+        if name in a.entries and name in b.entries
+        else kind_pair(name, a, b, values)
+        for name in (*a.entries, *later)
+        if name in in_b
     )
     return DiffReport(
         a=side_a.info,
         b=side_b.info,
         rtol=rtol,
         atol=atol,
-        missing=missing,
-        unexpected=unexpected,
+        missing=keys.missing,
+        unexpected=keys.unexpected,
         tensors=tensors,
         suggestions=suggestions,
         aligned=tuple(step.describe() for step in aligned),
         aligned_command=(
-            _apply_command(side_a.info, aligned, select, stored, "sd_a") if aligned else ""
+            _apply_command(side_a.info, aligned, select, stored_tensors, "sd_a") if aligned else ""
         ),
         values_compared=values,
+        reconciled_missing=keys.reconciled_missing,
+        reconciled_unexpected=keys.reconciled_unexpected,
+        keys_by_name=keys.fallback,
     )

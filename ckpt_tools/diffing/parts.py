@@ -29,6 +29,9 @@ class SideInfo:
         wrappers: wrapper prefixes of its keys, outermost first.
         skipped: non-tensor entries of the state dict (not compared); sparse, meta and
             nested tensors are tensors, compared.
+        unsupported: tensors of a subclass the reader does not rebuild (a DTensor that
+            ``torch.save`` wrote as it is): tensors, never compared (each is a ``kind`` pair
+            where the other side has the key).
     """
 
     label: str
@@ -40,6 +43,7 @@ class SideInfo:
     tensors: int = 0
     wrappers: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
+    unsupported: tuple[str, ...] = ()
 
     def line(self, name: str, model_spec: str | None = None) -> str:
         """``A: ddp.pt (torch-zip, state dict 'model', 17 tensors, wrappers module.)``.
@@ -52,7 +56,10 @@ class SideInfo:
         bits = [self.format] if self.format else [self.kind.replace("_", " ")]
         if self.selected:
             bits.append(f"state dict {'.'.join(self.selected)!r}")
-        bits.append(f"{self.tensors} tensors")
+        if self.tensors or not self.unsupported:
+            bits.append(f"{self.tensors} tensors")
+        if self.unsupported:
+            bits.append(f"{len(self.unsupported)} tensors of a subclass diff does not read")
         if self.wrappers:
             bits.append("wrappers " + " ".join(self.wrappers))
         if self.skipped:
@@ -70,18 +77,22 @@ class SideInfo:
             "tensors": self.tensors,
             "wrappers": list(self.wrappers),
             "skipped": list(self.skipped),
+            "unsupported": list(self.unsupported),
         }
 
 
 @dataclass(frozen=True)
 class TensorDiff:
     """One key present on both sides: a tensor on each, or a tensor on one side and another
-    kind of entry on the other (status ``kind``: not compared).
+    kind of entry on the other, or a tensor of a subclass diff does not read on either
+    (status ``kind``: not compared).
 
     Attributes:
         name: the key.
         dtype_a, dtype_b: dtypes (torch names without ``torch.``).
-        shape_a, shape_b: shapes.
+        shape_a, shape_b: shapes; None for a lazy module's uninitialized parameter or
+            buffer, which takes the shape it is loaded with (status ``uninitialized``, not a
+            shape difference; in ``to_json()``, ``[]`` and ``uninitialized`` true).
         bit_equal: same dtype, shape and bytes, as torch.load gives them (conjugate and
             negative bits applied; a quantized pair's also the same quantizer, as
             ``torch.equal`` says); None when not compared (values not read, a ``kind``,
@@ -105,14 +116,15 @@ class TensorDiff:
             say (``their indices differ ...``, ``strides differ ...``, ``quantizers differ:
             scale 0.1 / 0.2``), or what a ``kind`` pair holds.
         kind_a, kind_b: ``tensor``, or the type of the entry that is not one (``str``,
-            ``dict`` ...; a class's qualified name), which then also stands for its dtype.
+            ``dict`` ...; a class's qualified name), which then also stands for its dtype, or
+            the class of a tensor diff does not read (``torch.distributed.tensor.DTensor``).
     """
 
     name: str
     dtype_a: str
     dtype_b: str
-    shape_a: tuple[int, ...]
-    shape_b: tuple[int, ...]
+    shape_a: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
     bit_equal: bool | None = None
     max_abs: float | None = None
     max_rel: float | None = None
@@ -132,13 +144,16 @@ class TensorDiff:
 
     @property
     def status(self) -> str:
-        """``kind`` (a tensor against another kind of entry), ``layout``, ``shape``,
-        ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``, ``unknown``, or
+        """``kind`` (a tensor against another kind of entry, or a tensor diff does not
+        read), ``layout``, ``uninitialized`` (a lazy parameter: any shape loads, no values),
+        ``shape``, ``equal`` (bit-equal), ``dtype``, ``close``, ``differ``, ``unknown``, or
         ``unchecked`` (same shape and dtype, values not compared)."""
-        if self.kind_a != self.kind_b:
+        if self.kind_a != "tensor" or self.kind_b != "tensor":
             return "kind"
         if self.layout_a != self.layout_b:
             return "layout"
+        if self.shape_a is None or self.shape_b is None:
+            return "uninitialized"
         if self.shape_a != self.shape_b:
             return "shape"
         if not self.values_compared:
@@ -159,7 +174,7 @@ class TensorDiff:
             "name": self.name,
             "status": self.status,
             "dtype": [self.dtype_a, self.dtype_b],
-            "shape": [list(self.shape_a), list(self.shape_b)],
+            "shape": [list(self.shape_a or ()), list(self.shape_b or ())],
             "bit_equal": self.bit_equal,
             "max_abs": number(self.max_abs),
             "max_rel": number(self.max_rel),
@@ -170,6 +185,7 @@ class TensorDiff:
             "numel": self.numel,
             "layout": [self.layout_a, self.layout_b],
             "note": self.note,
+            "uninitialized": [self.shape_a is None, self.shape_b is None],
         }
 
 

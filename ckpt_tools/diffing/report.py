@@ -38,11 +38,14 @@ class DiffReport(Readable):
     Attributes:
         a, b: the two sides.
         rtol, atol: the tolerances used.
-        missing: keys of B absent from A.
-        unexpected: keys of A absent from B.
-        tensors: every key on both sides, compared, in A's order; a key that is a tensor on
-            one side only (a string on the other ...) is there too, as a ``kind`` pair (after
-            the others where A's entry is the non-tensor).
+        missing: keys of B absent from A, non-tensor entries included; where B is a module,
+            the keys torch's strict ``load_state_dict`` would report missing (its modules'
+            loading code taken into account, as ``load_into`` does).
+        unexpected: keys of A absent from B, likewise; where B is a module, torch's.
+        tensors: every key on both sides that holds a tensor on one of them, in A's order; a
+            key that is a tensor on one side only (a string on the other ...), or a tensor
+            diff does not read, is there too, as a ``kind`` pair (after the others where A's
+            entry is not a tensor). Keys that are not tensors on either side are not compared.
         suggestions: key rewrites explaining the key mismatch, best first. After an
             alignment, only for the keys it left unmatched: a suggestion describes what
             remains to rewrite, and its commands include the alignment, so that they apply
@@ -55,6 +58,13 @@ class DiffReport(Readable):
             when a side is a URL); where not, only keys, shapes and dtypes were.
         transfer: where a side is a URL, what reading it cost
             (:class:`~ckpt_tools.io.remote.TransferStats`); None otherwise.
+        reconciled_missing: keys of module B without a namesake in A that torch's load
+            would not call missing: its modules' loading code fills or renames them
+            (BatchNorm's ``num_batches_tracked`` in an old state dict); not compared.
+        reconciled_unexpected: keys of A without a namesake in module B that torch's load
+            takes all the same (``weight_norm``'s old ``weight_g``); not compared.
+        keys_by_name: where B is a module and torch's verdict could not be taken (the model
+            does not copy onto the meta device ...), why; the keys were then compared by name.
     """
 
     a: SideInfo
@@ -68,6 +78,9 @@ class DiffReport(Readable):
     aligned: tuple[str, ...] = ()
     aligned_command: str = ""
     values_compared: bool = True
+    reconciled_missing: tuple[str, ...] = ()
+    reconciled_unexpected: tuple[str, ...] = ()
+    keys_by_name: str = ""
     # Not part of to_json(): what a diff finds is the same wherever the files lie.
     transfer: Any = field(default=None, compare=False)
 
@@ -78,7 +91,12 @@ class DiffReport(Readable):
 
     @property
     def shape_mismatches(self) -> tuple[TensorDiff, ...]:
-        return tuple(t for t in self._pairs if t.shape_a != t.shape_b)
+        """Pairs of different shapes (an uninitialized lazy parameter takes any)."""
+        return tuple(
+            t
+            for t in self._pairs
+            if t.shape_a != t.shape_b and t.shape_a is not None and t.shape_b is not None
+        )
 
     @property
     def dtype_mismatches(self) -> tuple[TensorDiff, ...]:
@@ -114,8 +132,12 @@ class DiffReport(Readable):
     @property
     def identical(self) -> bool:
         """Same keys, and every tensor bit-equal (sparse ones as torch sees them: after
-        coalescing; meta ones: same dtype, shape and strides)."""
-        return not self.missing and not self.unexpected and all(t.bit_equal for t in self.tensors)
+        coalescing; meta ones: same dtype, shape and strides). Keys a module's loading code
+        reconciles are not the same keys."""
+        same_keys = not (
+            self.missing or self.unexpected or self.reconciled_missing or self.reconciled_unexpected
+        )
+        return same_keys and all(t.bit_equal for t in self.tensors)
 
     # --- lookups ------------------------------------------------------------------------
 
@@ -192,15 +214,26 @@ class DiffReport(Readable):
         statuses: dict[str, int] = {}
         for t in self._pairs:
             statuses[t.status] = statuses.get(t.status, 0) + 1
-        summary = ", ".join(f"{n} {s}" for s, n in statuses.items()) or "no common tensors"
+        summary = ", ".join(f"{n} {s}" for s, n in statuses.items())
         kinds = len(self.kind_mismatches)
         if kinds:  # listed in the table, with what each side holds
-            summary += f"; {kinds} common {'key holds' if kinds == 1 else 'keys hold'} a tensor "
-            summary += "on one side only (kind)"
+            what = "a tensor on one side only"
+            if self.a.unsupported or self.b.unsupported:
+                what += ", or a tensor of a subclass diff does not read"
+            held = f"{kinds} common {'key holds' if kinds == 1 else 'keys hold'} {what} (kind)"
+            summary = f"{summary}; {held}" if summary else held
+        summary = summary or "no common tensors"
         lines.append(f"compared {len(self._pairs)} common tensors: {summary}")
+        if self.keys_by_name:
+            lines.append(
+                shown(f"keys compared by name, not as torch loads them: {self.keys_by_name}")
+            )
+        by = "reconciled by B's loading code, not compared"
         for title, keys in (
             ("missing (in B, not in A)", self.missing),
             ("unexpected (in A, not in B)", self.unexpected),
+            (f"{by} (in B, not in A)", self.reconciled_missing),
+            (f"{by} (in A, not in B)", self.reconciled_unexpected),
         ):
             if keys:
                 labels, hidden = fold_names(keys, _KEYS_SHOWN, group=group)
@@ -214,9 +247,15 @@ class DiffReport(Readable):
             lines += [f"  {s.text()}" for s in self.suggestions]
         if self.identical:
             lines.append("identical: same keys, every tensor bit-equal")
-        elif not self.values_compared and not self.found():
+        elif not (self.values_compared or self.found() or self._not_plain):
             lines.append("same keys, shapes and dtypes (values not compared)")
         return "\n".join(lines)
+
+    @property
+    def _not_plain(self) -> bool:
+        """Keys reconciled by a module's loading code, or a lazy parameter's shape unknown."""
+        lazy = any(t.status == "uninitialized" for t in self.tensors)
+        return bool(lazy or self.reconciled_missing or self.reconciled_unexpected)
 
     def _values_line(self, for_cli: bool) -> str:
         if self.values_compared:
@@ -254,4 +293,7 @@ class DiffReport(Readable):
             "aligned": list(self.aligned),
             "aligned_command": self.aligned_command,
             "values_compared": self.values_compared,
+            "reconciled_missing": list(self.reconciled_missing),
+            "reconciled_unexpected": list(self.reconciled_unexpected),
+            "keys_by_name": self.keys_by_name,
         }

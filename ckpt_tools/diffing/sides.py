@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import GlobalRef, Opaque, RebuiltTensor, Reduced, StorageRef, TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
+from ckpt_tools.diffing.entries import (
+    Foreign,
+    is_uninitialized,
+    local_tensors,
+    metadata_of,
+    split_entries,
+)
 from ckpt_tools.diffing.parts import SideInfo, TensorDiff
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.io.remote.httpurls import shown_url
+from ckpt_tools.structure.keys import KeyRule, apply_plan
 from ckpt_tools.structure.selection import holds_no_state_dict, is_state_dict, select_state_dict
 from ckpt_tools.structure.suggest import wrapper_stack
 
@@ -52,6 +61,12 @@ class Side:
             :class:`~ckpt_tools.descriptors.RebuiltTensor` (a file's) or tensor.
         reader: reads a file's tensors; None where values are not compared, or for tensors.
         others: name -> kind (``str``, ``dict`` ...) of each entry that is not a tensor.
+        values: name -> each such entry itself (a file's as its structure reads it).
+        foreign: name -> each tensor of a subclass a file records and the reader does not
+            rebuild (:class:`~ckpt_tools.diffing.entries.Foreign`); never compared.
+        keys: every key of the state dict, in its order.
+        metadata: the state dict's ``_metadata`` (its module versions), or None.
+        module: the module, for a module side.
     """
 
     def __init__(
@@ -60,25 +75,66 @@ class Side:
         entries: dict[str, Any],
         reader: TensorReader | None,
         others: dict[str, str] | None = None,
+        *,
+        values: dict[str, Any] | None = None,
+        foreign: dict[str, Foreign] | None = None,
+        keys: list[str] | None = None,
+        metadata: Any = None,
+        module: nn.Module | None = None,
     ):
         self.info = info
         self.entries = entries
         self.reader = reader
         self.others = others or {}
+        self.values = values or {}
+        self.foreign = foreign or {}
+        self.keys = [*entries, *self.foreign, *self.others] if keys is None else keys
+        self.metadata = metadata
+        self.module = module
 
-    def meta(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """The dtype and shape of ``name`` (a nested tensor's: components, then -1 each)."""
+    def rename(self, plan: Mapping[str, str], rules: tuple[KeyRule, ...]) -> None:
+        """Rename every key by ``plan`` (made by ``rules``), ``_metadata`` kept in step."""
+        self.keys = [plan.get(k, k) for k in self.keys]
+        self.entries = {plan.get(k, k): v for k, v in self.entries.items()}
+        self.others = {plan.get(k, k): v for k, v in self.others.items()}
+        self.values = {plan.get(k, k): v for k, v in self.values.items()}
+        self.foreign = {plan.get(k, k): v for k, v in self.foreign.items()}
+        if isinstance(self.metadata, Mapping):  # apply_plan renames a mapping's _metadata
+            holder: Any = OrderedDict()
+            holder._metadata = self.metadata
+            self.metadata = apply_plan(holder, {}, rules)._metadata
+
+    def holds_tensor(self, name: str) -> bool:
+        """Whether ``name`` is a tensor here, of a kind compared or not."""
+        return name in self.entries or name in self.foreign
+
+    def kind(self, name: str) -> str:
+        """``tensor``, a foreign tensor's class, or the kind of another entry."""
+        if name in self.entries:
+            return "tensor"
+        return self.foreign[name].kind if name in self.foreign else self.others[name]
+
+    def meta(self, name: str) -> tuple[str, tuple[int, ...] | None]:
+        """The dtype and shape of ``name`` (a nested tensor's: components, then -1 each; a
+        lazy module's uninitialized parameter's: None)."""
+        if name in self.foreign:
+            return self.foreign[name].dtype, self.foreign[name].shape
         value = self.entries[name]
         if isinstance(value, (TensorRef, RebuiltTensor)):
             return value.dtype, value.shape
         from ckpt_tools.loading.tensor_io import dtype_name  # a tensor: torch is loaded
 
+        if is_uninitialized(value):  # takes the shape it is loaded with
+            return dtype_name(value.dtype), None
         if value.is_nested:  # its components' sizes vary: shaped as a file's is described
             return dtype_name(value.dtype), (value.size(0),) + (-1,) * (value.dim() - 1)
         return dtype_name(value.dtype), tuple(value.shape)
 
     def layout(self, name: str) -> str:
-        """``strided``, a sparse layout's name, ``nested``, or ``meta`` (a meta tensor)."""
+        """``strided``, a sparse layout's name, ``nested``, or ``meta`` (a meta tensor); a
+        foreign tensor's is not known (empty)."""
+        if name in self.foreign:
+            return ""
         value = self.entries[name]
         if isinstance(value, TensorRef):
             return "strided"
@@ -135,22 +191,11 @@ class Side:
         return with_view_bits(self.reader.read(value), value.view_bits)
 
 
-def _kind(value: Any) -> str:
-    """What a non-tensor entry is: its type's name, or the global a stand-in names."""
-    if value is None:
-        return "None"
-    if isinstance(value, Opaque):
-        return type(value).global_ref.qualname
-    if isinstance(value, Reduced):
-        return value.func.qualname
-    if isinstance(value, GlobalRef):
-        return value.qualname
-    return "storage" if isinstance(value, StorageRef) else type(value).__name__
-
-
 def kind_pair(name: str, a: Side, b: Side, values: bool) -> TensorDiff:
-    """A key that is a tensor on one side and another kind of entry on the other: present on
-    both sides, not comparable (status ``kind``). The other entry's kind stands for its dtype.
+    """A key that is a tensor on one side and another kind of entry on the other, or a
+    tensor of a subclass that is not read (:class:`~ckpt_tools.diffing.entries.Foreign`)
+    on either: present on both sides, not comparable (status ``kind``). A non-tensor entry's
+    kind stands for its dtype.
 
     Example:
         >>> import torch
@@ -162,12 +207,21 @@ def kind_pair(name: str, a: Side, b: Side, values: bool) -> TensorDiff:
     """
     described = []
     for side in (a, b):
-        if name in side.entries:
+        kind = side.kind(name)
+        if side.holds_tensor(name):
             dtype, shape = side.meta(name)
-            described.append(("tensor", dtype, shape, side.layout(name)))
+            described.append((kind, dtype, shape, side.layout(name)))
         else:
-            described.append((side.others[name], side.others[name], (), ""))
+            described.append((kind, kind, (), ""))
     (kind_a, dtype_a, shape_a, layout_a), (kind_b, dtype_b, shape_b, layout_b) = described
+    unread = "a tensor subclass diff does not read"
+    if name in a.foreign and name in b.foreign and kind_a == kind_b:
+        note = f"{_article(kind_a)} on both sides, {unread}: not compared"
+    else:
+        what_a, what_b = (
+            _article(side.kind(name)) + f" ({unread})" * (name in side.foreign) for side in (a, b)
+        )
+        note = f"{what_a} in A, {what_b} in B: not compared"
     return TensorDiff(
         name,
         dtype_a,
@@ -179,20 +233,13 @@ def kind_pair(name: str, a: Side, b: Side, values: bool) -> TensorDiff:
         layout_b=layout_b,
         kind_a=kind_a,
         kind_b=kind_b,
-        note=f"{_article(kind_a)} in A, {_article(kind_b)} in B: not compared",
+        note=note,
     )
 
 
 def _article(kind: str) -> str:
     """``kind`` after its indefinite article: "a str", "an int"."""
     return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
-
-
-def _split(sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]) -> tuple[dict, dict]:
-    """The tensors of ``sd`` by name, and the kind of each other entry."""
-    entries = {str(k): v for k, v in sd.items() if isinstance(v, tensor_type)}
-    others = {str(k): _kind(v) for k, v in sd.items() if not isinstance(v, tensor_type)}
-    return entries, others
 
 
 def _file_side(
@@ -210,7 +257,8 @@ def _file_side(
             f"{holds_no_state_dict(repr(shown_url(os.fspath(side))), ckpt.root)}; "
             "diff compares state dicts"
         )
-    entries, others = _split(selection.state_dict, (TensorRef, RebuiltTensor))
+    sd = selection.state_dict
+    entries, foreign, others, values_of = split_entries(sd, (TensorRef, RebuiltTensor))
     info = SideInfo(
         shown_url(os.fspath(side)),  # a URL's password is never shown
         "file",
@@ -220,13 +268,24 @@ def _file_side(
         selection_reason=selection.reason,
         tensors=len(entries),
         skipped=tuple(others),
+        unsupported=tuple(foreign),
     )
     reader = None
     if values:
         from ckpt_tools.loading.tensor_io import TensorReader
 
         reader = stack.enter_context(TensorReader(ckpt))
-    return Side(_with_wrappers(info, entries), entries, reader, others)
+    keys = [str(k) for k in sd]
+    return Side(
+        _with_wrappers(info, [*entries, *foreign]),
+        entries,
+        reader,
+        others,
+        values=values_of,
+        foreign=foreign,
+        keys=keys,
+        metadata=metadata_of(sd),
+    )
 
 
 def is_file(side: object) -> bool:
@@ -240,10 +299,11 @@ def is_file(side: object) -> bool:
 
 
 @contextlib.contextmanager
-def _in_memory(side: DiffSide, select: Select, name: str) -> Iterator[Side]:
+def _in_memory(side: DiffSide, select: Select, name: str, values: bool) -> Iterator[Side]:
     import torch
     from torch import nn
 
+    module = None
     if isinstance(side, nn.Module):
         if select is not None:
             raise UsageError(
@@ -252,9 +312,8 @@ def _in_memory(side: DiffSide, select: Select, name: str) -> Iterator[Side]:
                 value=repr(select),
                 flag=SELECT_ARGUMENTS[name][1],
             )
-        entries, others = _split(side.state_dict(), torch.Tensor)
-        label = f"<module {type(side).__name__}>"
-        info = SideInfo(label, "module", tensors=len(entries), skipped=tuple(others))
+        module, sd = side, side.state_dict()
+        info = SideInfo(f"<module {type(side).__name__}>", "module")
     elif isinstance(side, Mapping):
         selection = (
             select_state_dict(side, select=select)
@@ -262,25 +321,34 @@ def _in_memory(side: DiffSide, select: Select, name: str) -> Iterator[Side]:
             else None
         )
         sd = selection.state_dict if selection else side
-        entries, others = _split(sd, torch.Tensor)
         info = SideInfo(
             "<state dict>",
             "state_dict",
             selected=selection.path if selection else (),
             selection_reason=selection.reason if selection else "given",
-            tensors=len(entries),
-            skipped=tuple(others),
         )
     else:
         raise UsageError(
             f"diff side {name} must be a checkpoint path, a state dict or an nn.Module, got "
             f"{type(side).__name__}"
         )
-    yield Side(_with_wrappers(info, entries), entries, None, others)
+    entries, _, others, values_of = split_entries(sd, torch.Tensor)
+    entries = local_tensors(entries, name, values)  # DTensors whole where no collective is needed
+    info = replace(info, tensors=len(entries), skipped=tuple(others))
+    yield Side(
+        _with_wrappers(info, entries),
+        entries,
+        None,
+        others,
+        values=values_of,
+        keys=[str(k) for k in sd],
+        metadata=metadata_of(sd),
+        module=module,
+    )
 
 
-def _with_wrappers(info: SideInfo, entries: Mapping[str, Any]) -> SideInfo:
-    return replace(info, wrappers=tuple(m.prefix for m in wrapper_stack(list(entries))))
+def _with_wrappers(info: SideInfo, keys: Iterable[str]) -> SideInfo:
+    return replace(info, wrappers=tuple(m.prefix for m in wrapper_stack(list(keys))))
 
 
 def open_side(
@@ -306,7 +374,8 @@ def open_side(
         The :class:`Side`.
 
     Raises:
-        UsageError: an unsupported type, or ``select`` for a module.
+        UsageError: an unsupported type, ``select`` for a module, or values compared of a
+            DTensor spread over several ranks (:func:`~ckpt_tools.diffing.entries.local_tensors`).
         SelectError: ``select`` names no entry, named as the side's own argument
             (``select_b``, ``--select-b``).
         CheckpointError: a file cannot be opened.
@@ -320,7 +389,7 @@ def open_side(
     try:
         if is_file(side):
             return _file_side(side, select, values, session, stack)  # type: ignore[arg-type]
-        return stack.enter_context(_in_memory(side, select, name))
+        return stack.enter_context(_in_memory(side, select, name, values))
     except SelectError as e:
         if e.argument != "select":
             raise

@@ -35,6 +35,10 @@ def _number(x: float | None) -> str:
     return "0" if x == 0 else f"{x:.3g}"
 
 
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "uninitialized" if shape is None else str(list(shape))
+
+
 def diff_rows(tensors: Sequence[TensorDiff], group: bool) -> list[list[str]]:
     """Table cells under :data:`DIFF_COLUMNS`; a folded row reports its members' worst."""
 
@@ -61,9 +65,9 @@ def _row(label: str, members: Sequence[TensorDiff]) -> list[str]:
         label,
         first.status,
         first.dtype_a if same_dtype else f"{first.dtype_a} / {first.dtype_b}",
-        str(list(first.shape_a))
+        _shape(first.shape_a)
         if same_shape
-        else f"{list(first.shape_a)} / {list(first.shape_b)}",
+        else f"{_shape(first.shape_a)} / {_shape(first.shape_b)}",
         _number(max(abs_values)) if abs_values else "",
         _number(max(rel_values)) if rel_values else "",
         str(sum(mismatched)) if mismatched else "",
