@@ -11,7 +11,6 @@ Trained biases (``bias="lora_only"`` or ``"all"``) are saved as the base model's
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +20,12 @@ from typing import Any
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, CorruptCheckpointError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.ops.merge.config_checks import (
+    adapted_by_config,
+    check_config_targets,
+    check_config_values,
+    rank_alpha,
+)
 
 __all__ = [
     "CONFIG_NAME",
@@ -163,13 +168,15 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
         'head'
     """
     config = read_config(path)
-    peft_type = str(config.get("peft_type", ""))
+    peft_type = str(config.get("peft_type") or "")
     if peft_type != "LORA":
+        kind = f"an {peft_type}" if peft_type[:1] in tuple("AEIOU") else f"a {peft_type}"
         raise ConversionError(
-            f"{path!r} is a {peft_type or 'untyped'} adapter; merge-lora merges LoRA adapters "
-            "(DoRA and rsLoRA included)"
+            f"{path!r} is {kind if peft_type else 'an untyped'} adapter; merge-lora merges "
+            "LoRA adapters (DoRA and rsLoRA included)"
         )
     _check_variant(path, config)
+    check_config_values(path, config)
     weights = next((os.path.join(path, n) for n in WEIGHT_NAMES if _exists(path, n)), None)
     if weights is None:
         raise CheckpointNotFoundError(f"{path!r} holds no {' or '.join(WEIGHT_NAMES)}")
@@ -177,6 +184,7 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
     _check_globals(ckpt, allow_globals)
     tensors = {_unprefixed(k): v for k, v in _tensors(ckpt.root).items()}
     targets, rest = _targets(tensors, config, weights)
+    check_config_targets(weights, config, {t.module: t.magnitude is not None for t in targets})
     modules = {t.module for t in targets}
     base_layers = {
         k[: -len(".base_layer.weight")]: rest.pop(k)
@@ -257,25 +265,6 @@ def _unprefixed(key: str) -> str:
     return key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
 
 
-def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
-    """The first pattern that names ``module``, as PEFT's ``get_pattern_key`` finds it."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return None
-
-
-def _rank_alpha(config: Mapping[str, Any], module: str) -> tuple[int, float, float]:
-    """The module's rank, alpha and scaling, as PEFT's ``LoraModel`` sets them."""
-    ranks = config.get("rank_pattern") or {}
-    alphas = config.get("alpha_pattern") or {}
-    r_key, a_key = _pattern_key(ranks, module), _pattern_key(alphas, module)
-    r = int(ranks[r_key] if r_key is not None else config.get("r", 8))
-    alpha = alphas[a_key] if a_key is not None else config.get("lora_alpha", 8)
-    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    return r, alpha, scaling
-
-
 def _targets(
     tensors: Mapping[str, TensorRef], config: Mapping[str, Any], weights: str
 ) -> tuple[list[LoraTarget], dict[str, TensorRef]]:
@@ -295,7 +284,7 @@ def _targets(
             missing = "A" if "A" not in found else "B"
             raise ConversionError(f"{weights!r}: {module!r} has no lora_{missing}")
         kind = "embedding" if found["A"][0].startswith("lora_embedding") else "linear"
-        r, alpha, scaling = _rank_alpha(config, module)
+        r, alpha, scaling = rank_alpha(config, module)
         a, b = found["A"][1], found["B"][1]
         floating = all(t.dtype in _FLOATING for t in (a, b))
         if (
@@ -344,10 +333,14 @@ def _trained_biases(
     for key in [k for k in rest if k.endswith(".bias") and ".modules_to_save.default." not in k]:
         module = key[: -len(".bias")]
         owner, _, wrapper = module.rpartition(".")
-        if wrapper in ("original_module", "modules_to_save") and _is_saved(owner, names):
-            del rest[key]
+        parts = module.split(".")
+        inside = [i for i, p in enumerate(parts) if p in ("original_module", "modules_to_save")]
+        if inside and _is_saved(".".join(parts[: inside[0]]), names):
+            del rest[key]  # a wrapper's (or a wrapped parent's submodule's) own bias
         elif wrapper == "base_layer" and owner in targets:
             biases[f"{owner}.bias"] = rest.pop(key)
+        elif wrapper == "base_layer" and adapted_by_config(config, owner) is False:
+            del rest[key]  # another adapter's target (a multi-adapter save): loaded nowhere
         elif module in targets:
             raise ConversionError(
                 f"{weights!r} holds {key}, a LoRA target's trained bias saved under the "
@@ -361,8 +354,12 @@ def _trained_biases(
 
 
 def _is_saved(module: str, names: Sequence[str]) -> bool:
-    """Whether ``module`` is one of ``modules_to_save``, matched as PEFT matches them."""
-    return any(module == n or module.endswith(f".{n}") for n in names)
+    """Whether ``module`` is in one of ``modules_to_save``, matched as PEFT matches them:
+    any module whose path ends with a name (plain text: ``head`` wraps ``lm_head``) is
+    wrapped whole, its submodules included (RoBERTa's ``classifier.dense``)."""
+    parts = module.split(".")
+    paths = (".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    return any(p.endswith(n) for p in paths for n in names)
 
 
 def _modules_to_save(
@@ -375,7 +372,8 @@ def _modules_to_save(
     for key, t in rest.items():
         key = key.replace(".modules_to_save.default.", ".")  # the wrapper's own name, if saved
         module = key.rsplit(".", 1)[0]
-        if _is_saved(module, names):
+        # ensure_weight_tying saves the modules tied to a saved one too (PEFT ties them)
+        if _is_saved(module, names) or config.get("ensure_weight_tying"):
             saved[key] = t
         else:
             unknown.append(key)

@@ -161,27 +161,30 @@ def plain_merge(w: np.ndarray, w_dtype: str, delta: np.ndarray, delta_dtype: str
 
 
 def row_norm(rows: np.ndarray) -> np.ndarray:
-    """Each row's 2-norm, summed in the order torch's CPU kernel sums a contiguous float32 row.
+    """Each row's 2-norm, summed in the order torch's CPU kernel sums a contiguous float32
+    or float64 row.
 
-    That kernel (AVX2: 8 lanes) adds the squares of each 8 elements into 8 accumulators,
-    adds the accumulators from the first to the last, then the squares of the last
-    ``n % 8`` elements one by one. A row read with a stride (a ``Conv1D`` weight's column)
-    takes another kernel, whose order this does not follow: there, and on machines whose
-    torch uses other vector widths, the norm may differ in its last place.
+    That kernel (AVX2: 8 float32 or 4 float64 lanes) adds the squares of each 8 (4) elements
+    into as many accumulators, adds the accumulators from the first to the last, then the
+    squares of the last ``n % 8`` (``n % 4``) elements one by one. A row read with a stride
+    (a ``Conv1D`` weight's column) takes another kernel, whose order this does not follow:
+    there, and on machines whose torch uses other vector widths, the norm may differ in its
+    last place.
 
     Example:
         >>> row_norm(np.array([[3.0, 4.0]], np.float32)).tolist()
         [5.0]
     """
-    if rows.dtype != np.float32 or not rows.flags.c_contiguous:
+    if rows.dtype not in (np.float32, np.float64) or not rows.flags.c_contiguous:
         return np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=rows.dtype))
-    full = rows.shape[1] - rows.shape[1] % _LANES
-    lanes = np.zeros((rows.shape[0], _LANES), np.float32)
-    for first in range(0, full, _LANES):
-        block = rows[:, first : first + _LANES]
+    width = _LANES * 4 // rows.dtype.itemsize  # one 256-bit register's elements
+    full = rows.shape[1] - rows.shape[1] % width
+    lanes = np.zeros((rows.shape[0], width), rows.dtype)
+    for first in range(0, full, width):
+        block = rows[:, first : first + width]
         lanes += block * block
     total = lanes[:, 0].copy()
-    for lane in range(1, _LANES):
+    for lane in range(1, width):
         total += lanes[:, lane]
     for column in range(full, rows.shape[1]):
         total += rows[:, column] * rows[:, column]

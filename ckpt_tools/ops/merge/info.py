@@ -13,6 +13,7 @@ from ckpt_tools.errors import shown as escaped
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo
 from ckpt_tools.ops.merge.adapter import WEIGHT_NAMES, read_config, target_modules
+from ckpt_tools.ops.merge.config_checks import check_config_values
 
 __all__ = ["AdapterInfo", "inspect_adapter"]
 
@@ -56,12 +57,14 @@ class AdapterInfo:
         shown = ", ".join(targets) if isinstance(targets, list) else repr(targets)
         flags = (("rsLoRA", self.rslora), ("DoRA", self.dora), ("lora_bias", self.lora_bias))
         variant = "".join(f", {name}" for name, on in flags if on)
-        lines = [
-            f"adapter:     {self.peft_type}{variant}, base {self.base_model or '?'}",
-            f"rank:        r={self.r}, alpha={self.alpha}"
-            + "".join(f", {k} {dict(v)}" for k, v in self.patterns.items() if v),
-            f"targets:     {shown} ({len(self.modules)} modules adapted)",
-        ]
+        lines = [f"adapter:     {self.peft_type}{variant}, base {self.base_model or '?'}"]
+        rank = [f"{k}={v}" for k, v in (("r", self.r), ("alpha", self.alpha)) if v is not None]
+        rank += [f"{k} {dict(v)}" for k, v in self.patterns.items() if v]
+        if rank:  # IA3 has neither rank nor alpha
+            lines.append(f"rank:        {', '.join(rank)}")
+        # only LoRA's parts are counted in the weight file
+        counted = f" ({len(self.modules)} modules adapted)" if self.peft_type == "LORA" else ""
+        lines.append(f"targets:     {shown}{counted}")
         if self.bias != "none":
             lines.append(f"biases:      {self.bias} (trained biases saved with the adapter)")
         if self.modules_to_save:
@@ -92,7 +95,8 @@ def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:
 
     Raises:
         CheckpointNotFoundError: no weight file beside ``adapter_config.json``.
-        CorruptCheckpointError: the config is not a JSON object.
+        CorruptCheckpointError: the config is not a JSON object, or its rank, alpha or
+            patterns are not values PEFT could use (the field named).
 
     Example:
         >>> info = inspect_adapter("lora")
@@ -102,6 +106,7 @@ def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:
     from ckpt_tools.ops.inspect.inspection import inspect_checkpoint
 
     config = read_config(path)
+    check_config_values(path, config)
     weights = next(
         (os.path.join(path, n) for n in WEIGHT_NAMES if os.path.isfile(os.path.join(path, n))),
         None,
@@ -114,7 +119,7 @@ def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:
         peft_type=str(config.get("peft_type", "?")),
         base_model=config.get("base_model_name_or_path"),
         r=config.get("r"),
-        alpha=config.get("lora_alpha"),
+        alpha=config.get("lora_alpha", config.get("alpha")),  # LoHa and LoKr name it alpha
         rslora=bool(lora and config.get("use_rslora")),
         dora=bool(lora and config.get("use_dora")),
         bias=str(config.get("bias") or "none"),

@@ -9,7 +9,6 @@ is copied as rewrites copy it, so it is bitwise the base's.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
@@ -23,11 +22,12 @@ from ckpt_tools.io.writers.records import Record
 from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
 from ckpt_tools.ops.merge.folder import write_merged_folder
 from ckpt_tools.ops.merge.layout import base_config, conv1d_layouts, tied_embedding
-from ckpt_tools.ops.merge.records import MergeStep, bias_record, merge_record, replace_record
+from ckpt_tools.ops.merge.records import MergeStep, bias_record, merge_record
+from ckpt_tools.ops.merge.replacements import check_whole as _check_whole
+from ckpt_tools.ops.merge.replacements import plan_replacements
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for, torch_instead
-from ckpt_tools.ops.transform.plan import cast_tensor, new_storage
 from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames
@@ -130,9 +130,9 @@ def merge_lora(
     check_rewritable(ckpt, allow_globals, selection.path)
     aligned = _aligned(selection.state_dict, lora)
     merged, overrides, actions = _plan_merges(
-        ckpt, aligned, lora, base_config(base), fan_in_fan_out
+        ckpt, aligned, lora, config := base_config(base), fan_in_fan_out
     )
-    replaced, biases, untied = _plan_replacements(aligned, lora, overrides, actions)
+    replaced, biases, untied = plan_replacements(aligned, lora, overrides, actions, config)
     items = [
         (k, k, untied.get(k, v)) for k, v in selection.state_dict.items() if isinstance(k, str)
     ]
@@ -342,58 +342,3 @@ def _kind(step: MergeStep) -> str:
     t = step.target
     kind = t.kind if t.kind == "embedding" else ("conv1d" if step.transpose else "linear")
     return kind + ("+dora" if t.magnitude is not None else "")
-
-
-def _check_whole(key: str, t: TensorRef) -> None:
-    """A merged tensor is written as its whole storage: refuse a view of part of one."""
-    if t.offset != 0 or t.storage.nbytes != t.nbytes or not t.is_contiguous():
-        raise ConversionError(
-            f"{key!r} is a view of part of a storage; merge-lora merges whole tensors "
-            "(convert the base to safetensors first)"
-        )
-
-
-def _plan_replacements(
-    aligned: Mapping[str, tuple[str, TensorRef]],
-    lora: LoraAdapter,
-    overrides: dict[int, Record],
-    actions: dict[str, str],
-) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, TensorRef]]:
-    """The records replacing base tensors by their ``modules_to_save`` copies, and base biases
-    by the adapter's trained ones (those ``lora_bias`` merges into are planned already).
-
-    Returns:
-        The keys replaced by ``modules_to_save`` copies; the keys given trained biases
-        (``lora_bias`` merges included); and the tensors put in place of saved modules' that
-        shared their storage with another key (tied embeddings: PEFT swaps the module for its
-        trained copy, so the tie is broken and the other keys keep the base's values). A
-        trained bias is copied into the parameter, tied or not, so every key viewing its
-        storage takes it.
-    """
-    problems, replaced, biases = [], [], []
-    untied: dict[str, TensorRef] = {}
-    viewers = Counter(id(t.storage) for _, t in aligned.values())
-    merged = {f"{t.module}.bias" for t in lora.targets if t.bias is not None}
-    todo = [(name, saved, "modules_to_save") for name, saved in lora.modules_to_save.items()]
-    todo += [(name, saved, "trained bias") for name, saved in lora.biases.items()]
-    for name, saved, why in todo:
-        found = aligned.get(name)
-        if found is None or found[1].shape != saved.shape:
-            problems.append(f"{name} ({why}: {'shape differs' if found else 'missing'})")
-            continue
-        if name in merged:
-            biases.append(found[0])
-            continue
-        key, base_t = found
-        _check_whole(key, base_t)
-        if viewers[id(base_t.storage)] > 1 and why == "modules_to_save":
-            base_t = cast_tensor(
-                base_t, new_storage(base_t.storage, base_t.dtype, base_t.numel), base_t.dtype
-            )
-            untied[key] = base_t
-        overrides[id(base_t.storage)] = replace_record(lora.ckpt, saved, base_t, why)
-        actions[key] = f"replace ({why})"
-        (replaced if why == "modules_to_save" else biases).append(key)
-    if problems:
-        raise ConversionError(f"the adapter does not fit the base: {'; '.join(problems[:8])}")
-    return tuple(replaced), tuple(biases), untied

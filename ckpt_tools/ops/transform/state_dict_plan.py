@@ -335,7 +335,7 @@ def _safetensors_entries(
         entries.append((new, out, record))
     check_holdable([(name, out) for name, out, _ in entries], ckpt.path, (to_torch,))
     metadata.update(tie_metadata(ties))
-    return entries, metadata, left_out
+    return entries, metadata, left_out + tuple(ties)  # reported as convert reports them
 
 
 def finish(

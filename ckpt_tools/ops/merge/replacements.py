@@ -1,0 +1,137 @@
+"""The base tensors an adapter replaces rather than merges into: ``modules_to_save`` copies,
+and the trained biases of ``bias="lora_only"`` or ``"all"``.
+
+PEFT swaps a saved module for its trained copy, so a tie to that module's weight is broken;
+a trained bias is copied into the parameter, so every key viewing it takes the copy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.errors import ConversionError
+from ckpt_tools.io.writers.records import Record
+from ckpt_tools.ops.merge.adapter import LoraAdapter, _is_saved
+from ckpt_tools.ops.merge.records import replace_record
+from ckpt_tools.ops.transform.plan import cast_tensor, new_storage
+
+__all__ = ["check_whole", "plan_replacements"]
+
+# PEFT gives a saved head its own weight apart from the embedding the base ties it to.
+_UNTIE = (
+    ", left out of the base as tied by config.json's tie_word_embeddings, which PEFT unties: "
+    "save the base untied (tie_word_embeddings false, the head's weight written) and merge that"
+)
+
+
+def check_whole(key: str, t: TensorRef) -> None:
+    """A merged tensor is written as its whole storage: refuse a view of part of one.
+
+    Raises:
+        ConversionError: ``t`` is a view of part of its storage.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> storage = StorageRef("0", "float32", 4, "cpu")
+        >>> check_whole("w", TensorRef(storage, 0, (4,), (1,), "float32"))
+    """
+    if t.offset != 0 or t.storage.nbytes != t.nbytes or not t.is_contiguous():
+        raise ConversionError(
+            f"{key!r} is a view of part of a storage; merge-lora merges whole tensors "
+            "(convert the base to safetensors first)"
+        )
+
+
+def plan_replacements(
+    aligned: Mapping[str, tuple[str, TensorRef]],
+    lora: LoraAdapter,
+    overrides: dict[int, Record],
+    actions: dict[str, str],
+    config: Mapping[str, Any] | None = None,
+) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, TensorRef]]:
+    """The records replacing base tensors by their ``modules_to_save`` copies, and base biases
+    by the adapter's trained ones (those ``lora_bias`` merges into are planned already).
+
+    Args:
+        config: the base's config.json, whose ``tie_word_embeddings`` explains a saved head
+            left out of the base.
+
+    Returns:
+        The keys replaced by ``modules_to_save`` copies; the keys given trained biases
+        (``lora_bias`` merges included); and the tensors put in place of saved modules' that
+        shared their storage with another key (tied embeddings: PEFT swaps the module for its
+        trained copy, so the tie is broken and the other keys keep the base's values). A
+        trained bias is copied into the parameter, tied or not, so every key viewing its
+        storage takes it.
+
+    Raises:
+        ConversionError: a copy missing from the base or of another shape; a copy replacing
+            the one weight a tied head left out of the base merges into.
+    """
+    merged_into = set(overrides)
+    problems, replaced, biases = [], [], []
+    untied: dict[str, TensorRef] = {}
+    viewers = Counter(id(t.storage) for _, t in aligned.values())
+    merged = {f"{t.module}.bias" for t in lora.targets if t.bias is not None}
+    todo = [(name, saved, "modules_to_save") for name, saved in lora.modules_to_save.items()]
+    todo += [(name, saved, "trained bias") for name, saved in lora.biases.items()]
+    for name, saved, why in todo:
+        found = aligned.get(name)
+        if found is None and why == "modules_to_save" and _tied_copy(name, lora):
+            continue  # the base ties it to the saved module whose copy replaces it
+        if found is None or found[1].shape != saved.shape:
+            problems.append(f"{name} ({why}: {'shape differs' if found else 'missing'})")
+            if (
+                found is None
+                and (config or {}).get("tie_word_embeddings") is True
+                and why == "modules_to_save"
+            ):  # a head left out, tied
+                problems[-1] += _UNTIE
+            continue
+        if name in merged:
+            biases.append(found[0])
+            continue
+        key, base_t = found
+        check_whole(key, base_t)
+        if why == "modules_to_save" and id(base_t.storage) in merged_into:
+            _refuse_tied_head(key, aligned, lora)
+        if viewers[id(base_t.storage)] > 1 and why == "modules_to_save":
+            base_t = cast_tensor(
+                base_t, new_storage(base_t.storage, base_t.dtype, base_t.numel), base_t.dtype
+            )
+            untied[key] = base_t
+        overrides[id(base_t.storage)] = replace_record(lora.ckpt, saved, base_t, why)
+        actions[key] = f"replace ({why})"
+        (replaced if why == "modules_to_save" else biases).append(key)
+    if problems:
+        raise ConversionError(f"the adapter does not fit the base: {'; '.join(problems[:8])}")
+    return tuple(replaced), tuple(biases), untied
+
+
+def _refuse_tied_head(
+    key: str, aligned: Mapping[str, tuple[str, TensorRef]], lora: LoraAdapter
+) -> None:
+    """Refuse a ``modules_to_save`` copy of the weight a left-out tied head merges into.
+
+    PEFT gives the head its own weight (the base's plus the delta) apart from the trained
+    copy; a state dict with one weight for both, tied by config.json, cannot hold both.
+    """
+    heads = [t.module for t in lora.targets if f"{t.module}.weight" not in aligned]
+    raise ConversionError(
+        f"{key} is replaced by its modules_to_save copy, but {', '.join(heads) or 'a target'} "
+        "is tied to it (left out of the base, tied by config.json's tie_word_embeddings) and "
+        "its LoRA delta merges into the same weight: PEFT unties them, and merging here would "
+        f"lose the delta. Save the base untied (tie_word_embeddings false, with "
+        f"{heads[0] if heads else 'the head'}.weight written) and merge that"
+    )
+
+
+def _tied_copy(name: str, lora: LoraAdapter) -> bool:
+    """Whether ``name`` is saved only as a tied module's copy (``ensure_weight_tying``)."""
+    names = lora.config.get("modules_to_save") or []
+    return bool(lora.config.get("ensure_weight_tying")) and not _is_saved(
+        name.rsplit(".", 1)[0], names
+    )

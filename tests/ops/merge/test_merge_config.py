@@ -1,0 +1,215 @@
+"""merge-lora follows adapter_config.json as PEFT reads it: malformed values refused by name,
+a config that disagrees with the weight file refused, and ``modules_to_save`` matched as PEFT
+matches it (parents and plain-text suffixes), each merge checked against PEFT's."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt_tools as ct
+from ckpt_tools.errors import ConversionError, CorruptCheckpointError
+from tests.helpers import run_ckpt
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, tiny_llama
+from tests.ops.merge.test_merge_lora import compare, make_case
+
+pytestmark = NEEDS_PEFT
+peft = ImportedWhenUsed("peft")
+transformers = ImportedWhenUsed("transformers")
+
+
+def _lora(*names: str, **kwargs: Any) -> Any:
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(names), **kwargs)
+
+
+def _edit(adapter: Path, **fields: Any) -> None:
+    path = adapter / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 8)
+        self.fc2 = torch.nn.Linear(8, 8)
+        self.lm_head = torch.nn.Linear(8, 4)
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An MLP's base and an adapter of fc1 and fc2, both saved by PEFT."""
+    return make_case(tmp_path_factory.mktemp("mlp") / "case", _Mlp, _lora("fc1", "fc2"))
+
+
+def _copy(mlp: Any, tmp_path: Path) -> Path:
+    adapter = tmp_path / "adapter"
+    for f in mlp.adapter.iterdir():
+        (adapter / f.name).parent.mkdir(exist_ok=True)
+        (adapter / f.name).write_bytes(f.read_bytes())
+    return adapter
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"r": 0}, "r is 0"),
+        ({"r": "4"}, "r is '4'"),
+        ({"r": True}, "r is True"),
+        ({"lora_alpha": "8"}, "lora_alpha is '8'"),
+        ({"rank_pattern": ["fc1"]}, "rank_pattern is"),
+        ({"rank_pattern": {"fc1": 0}}, "rank_pattern['fc1']"),
+        ({"alpha_pattern": {"fc1": "2"}}, "alpha_pattern['fc1']"),
+        ({"rank_pattern": {"fc(": 4}}, "rank_pattern key 'fc('"),
+    ],
+)
+def test_malformed_config_values_are_refused_by_name(
+    mlp: Any, tmp_path: Path, fields: dict[str, Any], named: str
+) -> None:
+    adapter = _copy(mlp, tmp_path)
+    _edit(adapter, **fields)
+    with pytest.raises(CorruptCheckpointError, match=named.replace("[", r"\[").replace("(", r"\(")):
+        ct.merge_lora(mlp.base, adapter, tmp_path / "m.pt")
+    code, stdout, stderr = run_ckpt("merge-lora", mlp.base, adapter, tmp_path / "m.pt", code=None)
+    assert code == 4 and stdout == "" and len(stderr.strip().splitlines()) == 1, stderr
+    assert "Traceback" not in stderr and not (tmp_path / "m.pt").exists()
+    code, _, stderr = run_ckpt("inspect", adapter, code=None)
+    assert code == 4 and "Traceback" not in stderr and named.split(" ")[0] in stderr
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"target_modules": ["fc1"]}, "fc2"),
+        ({"exclude_modules": ["fc2"]}, "fc2"),
+        ({"target_modules": "fc1"}, "fc2"),
+        ({"use_dora": True}, "use_dora=True"),
+    ],
+)
+def test_a_config_that_disagrees_with_the_weights_is_refused(
+    mlp: Any, tmp_path: Path, fields: dict[str, Any], named: str
+) -> None:
+    adapter = _copy(mlp, tmp_path)
+    _edit(adapter, **fields)
+    with pytest.raises(ConversionError, match=named):
+        ct.merge_lora(mlp.base, adapter, tmp_path / "m.pt")
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_dora_weights_under_a_plain_config_are_refused(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "case", _Mlp, _lora("fc1", use_dora=True))
+    _edit(case.adapter, use_dora=False)
+    with pytest.raises(ConversionError, match="use_dora=False"):
+        ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+
+
+def test_layers_to_transform_leaving_a_module_out_is_refused(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "case", tiny_llama, _lora("q_proj"))
+    _edit(case.adapter, layers_to_transform=[1])
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.self_attn\.q_proj"):
+        ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    _edit(case.adapter, layers_to_transform=[0, 1])  # agreeing, it merges as PEFT does
+    ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    compare(torch.load(tmp_path / "m.pt"), case)
+
+
+def _hf(model: Any, folder: Path) -> Path:
+    model.save_pretrained(folder / "base-hf")
+    return folder / "base-hf"
+
+
+def test_a_trained_copy_of_the_embedding_a_tied_head_merges_into_is_refused(
+    tmp_path: Path,
+) -> None:
+    case = make_case(
+        tmp_path / "case",
+        lambda: tiny_llama(1, tie_word_embeddings=True),
+        _lora("lm_head", modules_to_save=["embed_tokens"]),
+        save=_hf,
+    )
+    # PEFT gives the head the embedding plus its delta, apart from the trained copy.
+    assert not torch.equal(case.merged["lm_head.weight"], case.merged["model.embed_tokens.weight"])
+    with pytest.raises(ConversionError, match="lm_head") as err:
+        ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    assert "tie_word_embeddings" in str(err.value) and "--" not in str(err.value)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_saved_head_left_out_of_a_tied_base_is_refused_with_the_fix(tmp_path: Path) -> None:
+    case = make_case(
+        tmp_path / "case",
+        lambda: tiny_llama(1, tie_word_embeddings=True),
+        _lora("q_proj", modules_to_save=["lm_head"]),
+        save=_hf,
+    )
+    with pytest.raises(ConversionError, match=r"lm_head\.weight .*tie_word_embeddings false"):
+        ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+
+
+def _roberta() -> Any:
+    config = transformers.RobertaConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=2,
+        vocab_size=40,
+        num_labels=3,
+    )
+    return transformers.RobertaForSequenceClassification(config)
+
+
+@pytest.mark.parametrize(
+    ("build", "config", "saved"),
+    [
+        # SEQ_CLS adds modules_to_save=["classifier", "score"]: RoBERTa's is a parent module.
+        (_roberta, _lora("query", "value", task_type="SEQ_CLS"), "classifier.dense.weight"),
+        # bias="all" also saves the wrapped parent's original_module biases: PEFT drops them.
+        (
+            _roberta,
+            _lora("query", "value", task_type="SEQ_CLS", bias="all"),
+            "classifier.out_proj.weight",
+        ),
+        # PEFT matches by plain suffix: "norm" wraps input_layernorm, "head" wraps lm_head.
+        (lambda: tiny_llama(1), _lora("q_proj", modules_to_save=["norm"]), "input_layernorm"),
+        (_Mlp, _lora("fc1", modules_to_save=["head"]), "lm_head.weight"),
+        (
+            lambda: tiny_llama(1, tie_word_embeddings=True),
+            _lora("q_proj", modules_to_save=["embed_tokens"], ensure_weight_tying=True),
+            "lm_head.weight",
+        ),
+    ],
+)
+def test_modules_to_save_are_matched_as_peft_matches_them(
+    tmp_path: Path, build: Any, config: Any, saved: str
+) -> None:
+    case = make_case(tmp_path / "case", build, config)
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    assert any(saved in key for key in result.replaced), result.replaced
+    compare(torch.load(tmp_path / "m.pt"), case)
+
+
+def test_another_adapter_s_trained_bias_is_ignored_as_peft_ignores_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base = _Mlp()
+    torch.save(base.state_dict(), tmp_path / "base.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(copy.deepcopy(base), _lora("fc1"))
+        model.add_adapter("second", _lora("fc2", bias="lora_only"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name or "bias" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(tmp_path / "adapter")
+        adapter = tmp_path / "adapter" / "second"
+        loaded = peft.PeftModel.from_pretrained(base, adapter, adapter_name="second")
+        want = loaded.merge_and_unload().state_dict()
+    ct.merge_lora(tmp_path / "base.pt", adapter, tmp_path / "m.pt")
+    out = torch.load(tmp_path / "m.pt")
+    assert sorted(out) == sorted(want)
+    assert all(torch.equal(out[k], want[k]) for k in want)
