@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from ckpt_tools.errors import EXIT_USAGE, CorruptCheckpointError, UsageError
+from ckpt_tools.io.remote.hub_token import hf_token
 from ckpt_tools.io.remote.urls import (
     FOLDER_FILES,
     auth_headers,
     folder_candidates,
-    hf_token,
     is_folder_url,
     is_url,
     parse_hf,

@@ -13,6 +13,7 @@ from ckpt_tools.errors import CheckpointNotFoundError, UsageError
 from ckpt_tools.formats import HIDDEN
 from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
 from ckpt_tools.io.remote.httpurls import credentials, shown_url, with_userinfo
+from ckpt_tools.io.remote.hub_token import hf_token
 from ckpt_tools.io.remote.rangefile import RangeTransport, RemoteFile, TransferStats
 from ckpt_tools.io.remote.s3 import S3Transport, make_s3_client
 from ckpt_tools.io.remote.urls import (
@@ -20,7 +21,6 @@ from ckpt_tools.io.remote.urls import (
     auth_headers,
     file_name,
     folder_candidates,
-    hf_token,
     is_folder_url,
     is_url,
     resolve,
