@@ -138,7 +138,9 @@ class ValueStats:
         if _is_integer(ca) and _is_integer(cb):
             d = _integer_distance(ca, cb, x, y)
         else:
-            d = torch.abs(x - y) if x.is_complex() else torch.sub(x, y).abs_()
+            d = _gap(x, y)
+            if d.dtype in _WIDER and math.isinf(float(d.max())):
+                d = _gap(_widened(x), _widened(y))
         y_abs = y.abs()
         tolerance = torch.mul(y_abs, self.rtol).add_(self.atol)
         self.mismatched += int(torch.gt(d, tolerance).sum())
@@ -157,12 +159,26 @@ class ValueStats:
         close = torch.isclose(x, y, rtol=self.rtol, atol=self.atol, equal_nan=True)
         self.mismatched += int((~close).sum())
         same = (x == y) | nan_x | nan_y  # NaN places are counted apart, not as distances
-        d = torch.where(same, 0.0, torch.abs(x - y))
+        d = torch.where(same, 0.0, _gap(_widened(x), _widened(y)))
         self.max_abs = max(self.max_abs, float(d.max()))
         # d/0 (b is 0) is inf, and inf/inf (b infinite) NaN: both stay inf, where
         # nan_to_num's default would make the first the largest float.
         r = torch.where(d == 0, 0.0, d / y.abs()).nan_to_num(nan=math.inf, posinf=math.inf)
         self.max_rel = max(self.max_rel, float(r.max()))
+
+
+# Two finite values of opposite sign past half of float32's range differ by more than
+# float32 holds: their gap is taken again one width up rather than shown as inf.
+_WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    return t.to(_WIDER.get(t.dtype, t.dtype))
+
+
+def _gap(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``|x - y|`` in the dtype of ``x`` and ``y`` (real for complex)."""
+    return torch.abs(x - y) if x.is_complex() else torch.sub(x, y).abs_()
 
 
 def _is_integer(t: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""value_stats: ``max_rel`` where B is 0, on the path for chunks that hold NaN or infinity."""
+"""value_stats: ``max_rel`` where B is 0, on the path for chunks that hold NaN or infinity,
+and ``max_abs`` of finite values whose gap float32 cannot hold."""
 
 from __future__ import annotations
 
@@ -49,3 +50,17 @@ def test_the_table_shows_inf_for_an_infinite_max_rel(tmp_path: Path) -> None:
     assert line.split()[4:6] == ["inf", "inf"], printed
     printed = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json").stdout
     assert json.loads(printed)["tensors"][0]["max_rel"] == "inf"
+
+
+@pytest.mark.parametrize("other", [2.0, NAN, INF])  # the finite path, and the one beside NaN/inf
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_max_abs_of_finite_values_past_float32s_range_is_their_real_gap(
+    other: float, dtype: torch.dtype
+) -> None:
+    big = float(torch.finfo(torch.float32).max)
+    ta = torch.tensor([big, other], dtype=dtype)
+    tb = torch.tensor([-big, other], dtype=dtype)
+    stats = compare_tensors(ta, tb)
+    assert stats.max_abs == 2 * big  # Python's float64, not float32's inf
+    assert stats.mismatched == 1 and not stats.allclose
+    assert diff({"x": ta}, {"x": tb}).tensor("x").max_abs == 2 * big
