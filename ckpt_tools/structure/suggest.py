@@ -53,6 +53,9 @@ __all__ = [
 #: (each compiled child), each a pass over every key and an option on the command line.
 MAX_PATH_RULES = 64
 
+#: Wrapper prefixes that only lead a key (``module.``, ``model.``).
+_LEADING = tuple(r.prefix for r in WRAPPER_RULES if not r.inner)
+
 #: Wrapper segments that may sit anywhere in a key (``blocks.1._orig_mod.weight``).
 _INNER_SEGMENTS = re.compile(
     r"(^|(?<=\.))(?:" + "|".join(re.escape(r.prefix) for r in WRAPPER_RULES if r.inner) + ")"
@@ -142,15 +145,18 @@ def _leading_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ..
 
 
 def _bare(keys: Sequence[str]) -> dict[str, str]:
-    """Each key without its wrappers: the stack at the start of the keys, and every wrapper
-    segment inside them (``module.blocks.1._orig_mod.weight`` -> ``blocks.1.weight``)."""
-    stack = [m.prefix for m in wrapper_stack(keys)]
+    """Each key without its wrappers: every wrapper segment inside it, and the wrapper
+    prefixes it starts with (``module.blocks.1._orig_mod.weight`` -> ``blocks.1.weight``).
+
+    Each key is peeled on its own, not by the stack all keys share: one key without the
+    wrapper (a ``step`` tensor beside DDP's keys) must not leave the others unpaired.
+    """
     out = {}
     for key in keys:
-        bare = key
-        for prefix in stack:  # peeled in turn, as detect_wrappers peels them
-            bare = bare[len(prefix) :] if bare.startswith(prefix) else bare
-        out[key] = _INNER_SEGMENTS.sub("", bare)
+        bare = _INNER_SEGMENTS.sub("", key)
+        while prefix := next((p for p in _LEADING if bare.startswith(p)), None):
+            bare = bare[len(prefix) :]
+        out[key] = bare
     return out
 
 
@@ -266,7 +272,8 @@ def check_fix(
         >>> check_fix([Step("strip", "module.")], ["module.w"], ["w"]).complete
         True
     """
-    return _checked(tuple(steps), source, set(target), wrapper_partners(source, target), shapes)
+    checked = _checked(tuple(steps), source, set(target), wrapper_partners(source, target), shapes)
+    return checked[0] if checked is not None else None
 
 
 def _checked(
@@ -275,7 +282,8 @@ def _checked(
     target: set[str],
     partners: Mapping[str, str],
     shapes: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
-) -> KeyFix | None:
+) -> tuple[KeyFix, frozenset[tuple[str, str]]] | None:
+    """:func:`check_fix`, with the ``(key, new key)`` pairs the fix makes match."""
     try:
         plan = plan_renames(source, step_rules(steps))
     except KeyCollisionError:
@@ -284,7 +292,7 @@ def _checked(
     if any(plan[k] != k for k in before):
         return None
     taken = set(partners.values())
-    after = set(before)
+    gained = set()
     for key, new in plan.items():
         if key in before or new not in target:
             continue
@@ -292,8 +300,9 @@ def _checked(
             return None  # the right name for another tensor
         # A key renamed onto a tensor of another shape is not a match: it would fail to load.
         if shapes is None or shapes[0].get(key) == shapes[1].get(new):
-            after.add(key)
-    return KeyFix(steps, len(after - before), len(source) - len(before), len(after))
+            gained.add((key, new))
+    fix = KeyFix(steps, len(gained), len(source) - len(before), len(before) + len(gained))
+    return fix, frozenset(gained)
 
 
 def _prefixes(key: str, depth: int = 2) -> list[str]:
@@ -345,7 +354,9 @@ def rank_fixes(
 
     Returns:
         The fixes that make more source keys match than before, by matches gained (then
-        wrapper rewrites before rewrites made of the keys' own prefixes).
+        wrapper rewrites before rewrites made of the keys' own prefixes). A fix whose
+        matches an earlier fix makes too, each key onto the same key, is left out: it says
+        nothing more.
 
     Example:
         >>> rank_fixes(["module.a", "module.b"], ["a", "b"])[0].describe()
@@ -354,16 +365,22 @@ def rank_fixes(
     target_set = set(target)
     partners = wrapper_partners(source, target)
     candidates = _candidates(source, target, subs)
-    fixes = [_checked(steps, source, target_set, partners, shapes) for steps in candidates]
-    kept = [fix for fix in fixes if fix is not None and fix.resolved]
-    moved = path_fix(source, target) if not any(f.complete for f in kept) else ()
+    checked = [_checked(steps, source, target_set, partners, shapes) for steps in candidates]
+    kept = [pair for pair in checked if pair is not None and pair[0].resolved]
+    moved = path_fix(source, target) if not any(f.complete for f, _ in kept) else ()
     if moved and moved not in candidates:
-        fix = _checked(moved, source, target_set, partners, shapes)
-        kept += [fix] if fix is not None and fix.resolved else []
+        pair = _checked(moved, source, target_set, partners, shapes)
+        kept += [pair] if pair is not None and pair[0].resolved else []
     # Most matches gained first; among equals, the candidates' order (wrappers first), which
     # the sort keeps because it is stable.
-    kept.sort(key=lambda f: -f.resolved)
-    return tuple(kept)
+    kept.sort(key=lambda pair: -pair[0].resolved)
+    out: list[KeyFix] = []
+    shown: list[frozenset[tuple[str, str]]] = []
+    for fix, gained in kept:
+        if not any(gained <= earlier for earlier in shown):
+            out.append(fix)
+            shown.append(gained)
+    return tuple(out)
 
 
 def best_fix(source: Sequence[str], target: Sequence[str]) -> KeyFix | None:

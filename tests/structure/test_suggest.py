@@ -133,9 +133,11 @@ def test_a_rename_onto_another_childs_tensor_is_never_offered() -> None:
         "renaming 'blocks.0.' to 'blocks.0._orig_mod.', "
         "then renaming 'blocks.1._orig_mod.' to 'blocks.1.', "
         "then renaming 'blocks.2.' to 'blocks.2._orig_mod.'",
-        "stripping '_orig_mod.' everywhere",  # right for the 2 keys it claims
     ]
-    assert [(f.resolved, f.unmatched) for f in rank_fixes(keys_a, keys_b)] == [(6, 6), (2, 6)]
+    assert [(f.resolved, f.unmatched) for f in rank_fixes(keys_a, keys_b)] == [(6, 6)]
+    # Right for the 2 keys it claims, and left out: the fix above makes those 2 match too.
+    partial = check_fix([Step("strip-inner", "_orig_mod.")], keys_a, keys_b)
+    assert partial is not None and (partial.resolved, partial.unmatched) == (2, 6)
 
 
 def test_a_rewrite_that_renames_a_matching_key_is_never_offered() -> None:
@@ -178,3 +180,28 @@ def test_past_the_limit_of_path_rules_nothing_is_offered() -> None:
     keys_b = [f"blocks.{i}._orig_mod.weight" for i in range(n)]
     assert path_fix(keys_a, keys_b) == ()
     assert len(path_fix(keys_a[:-1], keys_b[:-1])) == MAX_PATH_RULES
+
+
+def test_a_tensor_without_the_wrapper_leaves_the_wrapped_keys_paired() -> None:
+    # DDP's keys beside a `step` tensor saved with them: `module.` no longer leads every key,
+    # and each wrapped key must still be sent only to its own tensor.
+    model = Net()
+    source = {**Wrapper(model).state_dict(), "step": torch.tensor(3)}
+    keys_a, keys_b = list(source), list(Net().state_dict())
+    partners = wrapper_partners(keys_a, keys_b)
+    assert partners == {f"module.{k}": k for k in keys_b}
+    fixes = rank_fixes(keys_a, keys_b)
+    assert [(f.describe(), f.resolved, f.unmatched) for f in fixes] == [
+        ("stripping 'module.'", len(keys_b), len(keys_a))
+    ]
+    # Every block has the shape of every other: a rename of one block onto another would
+    # count as a match by shape, and loads the wrong tensor.
+    wrong = [Step("sub", "module.blocks.0.", "blocks.1.")]
+    assert check_fix(wrong, keys_a, keys_b) is None
+    renamed = rename_keys(source, fixes[0].rules)
+    assert renamed.pop("step") == 3
+    target = Net()
+    target.load_state_dict(renamed, strict=True)
+    assert all(
+        torch.equal(a, b) for a, b in zip(target.state_dict().values(), model.state_dict().values())
+    )
