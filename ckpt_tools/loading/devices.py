@@ -318,34 +318,40 @@ def _checked_device(target: Any, tag: str, map_location: MapLocation) -> str:
     try:
         device = torch.device(target)
     except (RuntimeError, TypeError) as e:
-        raise UsageError(
-            f"sends storages saved on {tag!r} to {target!r}, which is not a device "
-            "(expected 'cpu', 'cuda:0', ...)",
-            argument="map_location",
-            value=repr(map_location),
-            remedies=(Remedy("map_location", "'auto'"),),
+        raise _refused(
+            f"{target!r}, which is not a device (expected 'cpu', 'cuda:0', ...)",
+            tag,
+            map_location,
+            Remedy("map_location", "'auto'"),
         ) from e
     if device.type == "cpu" and device.index is not None:
         # torch restores CPU storages only under the bare tag: 'cpu:0' fails inside it.
-        raise UsageError(
-            f"sends storages saved on {tag!r} to {str(device)!r}; torch takes the CPU "
-            "only as 'cpu', without an index",
-            argument="map_location",
-            value=repr(map_location),
-            remedies=(Remedy("map_location", "'cpu'"),),
+        raise _refused(
+            f"{str(device)!r}; torch takes the CPU only as 'cpu', without an index",
+            tag,
+            map_location,
+            Remedy("map_location", "'cpu'"),
         )
     if not _device_available(device):
-        raise UsageError(
-            f"sends storages saved on {tag!r} to {str(device)!r}, which does not exist here "
-            f"(visible: {_visible()})",
-            argument="map_location",
-            value=repr(map_location),
-            remedies=(
-                Remedy("map_location", "'auto'", text="to put each storage on an existing device"),
-                Remedy("map_location", "'cpu'"),
-            ),
+        raise _refused(
+            f"{str(device)!r}, which does not exist here (visible: {_visible()})",
+            tag,
+            map_location,
+            Remedy("map_location", "'auto'", text="to put each storage on an existing device"),
+            Remedy("map_location", "'cpu'"),
         )
     return str(device)
+
+
+def _refused(where: str, tag: str, map_location: MapLocation, *remedies: Remedy) -> UsageError:
+    """The refusal of a ``map_location`` that sends ``tag`` to ``where`` (the device, and
+    what is wrong with it)."""
+    return UsageError(
+        f"sends storages saved on {tag!r} to {where}",
+        argument="map_location",
+        value=repr(map_location),
+        remedies=remedies,
+    )
 
 
 def _visible() -> str:
