@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,33 +20,27 @@ from typing import Any
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import (
     CorruptCheckpointError,
-    Remedy,
     ResourceLimitError,
-    UnsupportedFormatError,
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource
 from ckpt_tools.formats.detect import check_regular
+from ckpt_tools.formats.hf_choice import choose_weights
 from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
-__all__ = ["TRANSFORMERS_ORDER", "WEIGHT_FILES", "open_folder", "open_index", "shard_path"]
+__all__ = ["open_folder", "open_index", "shard_path"]
 
 logger = logging.getLogger("ckpt_tools")
-
-_ST, _PT = "model.safetensors", "pytorch_model.bin"
-WEIGHT_FILES = (_ST, _PT, "adapter_model.safetensors", "adapter_model.bin")
-WEIGHT_FILES += ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
-# The files ``from_pretrained`` looks for in a local folder, in the order it tries them
-# (``use_safetensors`` at its default): it loads the first present and ignores the rest.
-TRANSFORMERS_ORDER = (_ST, f"{_ST}.index.json", _PT, f"{_PT}.index.json")
 
 
 def open_folder(path: str) -> Checkpoint:
     """Open a checkpoint folder: the weight file or index ``from_pretrained`` would load.
 
-    That is the first of :data:`TRANSFORMERS_ORDER` present; failing those, the folder's one
-    other ``*.index.json``, or its one other file of :data:`WEIGHT_FILES`. A warning names
-    the other weight files and indexes it holds, which are not read.
+    That is the file config.json names in ``transformers_weights``, else the first of
+    :data:`~ckpt_tools.formats.hf_choice.TRANSFORMERS_ORDER` present; failing those, the
+    folder's one other ``*.index.json``, or its one other weight file
+    (:func:`~ckpt_tools.formats.hf_choice.choose_weights`). A warning names the other weight
+    files and indexes it holds, which are not read.
 
     Args:
         path: the folder.
@@ -59,8 +52,8 @@ def open_folder(path: str) -> Checkpoint:
         the folder, the file its one shard).
 
     Raises:
-        UnsupportedFormatError: the folder holds no checkpoint, or several indexes of which
-            ``from_pretrained`` would load none.
+        UnsupportedFormatError: the folder holds no checkpoint, several indexes of which
+            ``from_pretrained`` would load none, or a ``transformers_weights`` it refuses.
         CorruptCheckpointError: the index is malformed, or names missing shards or tensors.
 
     Example:
@@ -70,38 +63,13 @@ def open_folder(path: str) -> Checkpoint:
     from ckpt_tools.formats import open_checkpoint
 
     folder = Path(path)
-    chosen, others = _choose(folder, path)
+    chosen, others = choose_weights(folder, path)
     if others:  # no notes on a Checkpoint: logged, as the tensors an index leaves out are
         msg = "%r: %s is read, as transformers' from_pretrained reads the folder; not read: %s"
         logger.warning(msg, path, chosen, ", ".join(others))
     if chosen.endswith(".index.json"):
         return open_index(str(folder / chosen))
     return open_checkpoint(shard_path(str(folder), chosen, path))
-
-
-def _choose(folder: Path, path: str) -> tuple[str, list[str]]:
-    """The file ``from_pretrained`` would load from ``folder`` (else its one checkpoint), and
-    the other weight files and indexes it holds."""
-    found = [n for n in TRANSFORMERS_ORDER if (folder / n).is_file()]
-    indexes = [p.name for p in sorted(folder.glob("*.index.json")) if p.name not in found]
-    singles = [n for n in WEIGHT_FILES if n not in found and (folder / n).is_file()]
-    if not found and len(indexes) > 1:
-        first = str(folder / indexes[0])
-        advice = Remedy(
-            "path", repr(first), flag=shlex.quote(first), verb="open the one you mean, e.g."
-        )
-        raise UnsupportedFormatError(
-            f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
-        )
-    if not found and not indexes and len(singles) != 1:
-        listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
-        raise UnsupportedFormatError(
-            f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
-            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}",
-            path=path,
-        )
-    names = found + indexes + singles
-    return names[0], names[1:]
 
 
 def _allowed_roots(folder: str) -> tuple[str, ...]:

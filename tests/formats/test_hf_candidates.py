@@ -2,8 +2,9 @@
 
 ``transformers`` tries ``model.safetensors``, ``model.safetensors.index.json``,
 ``pytorch_model.bin`` and ``pytorch_model.bin.index.json`` in that order and loads the first
-present. For every pair, each holding other weights, the oracle is ``from_pretrained`` on a
-tiny GPT-2 made here; the candidate not read is named in a warning.
+present, unless config.json names another file in ``transformers_weights``. For every pair,
+each holding other weights, and for each file so named, the oracle is ``from_pretrained`` on
+a tiny GPT-2 made here; the candidate not read is named in a warning.
 """
 
 from __future__ import annotations
@@ -120,3 +121,70 @@ def test_convert_and_reshard_read_what_from_pretrained_loads(
     assert main(["reshard", str(folder), str(tmp_path / "rs"), "--max-shard-size", "1GB"]) == 0
     resharded = ct.load_state_dict(tmp_path / "rs")
     assert all(torch.equal(v, theirs[k]) for k, v in resharded.items())
+
+
+def _name_weights(folder: Path, named: object) -> None:
+    """config.json names ``named`` in ``transformers_weights``, as a from_pretrained-able
+    config may (transformers reads it before its own list)."""
+    config = json.loads((folder / "config.json").read_text())
+    config["transformers_weights"] = named
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("named", ["ema.safetensors", "sub/ema.safetensors", "index"])
+def test_the_file_config_json_names_is_the_one_read(
+    named: str, saved: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "named"
+    _merge([saved["model.safetensors"], saved["model.safetensors.index.json"]], folder)
+    if named == "index":
+        named = "model.safetensors.index.json"  # read where model.safetensors would win
+    else:
+        (folder / named).parent.mkdir(exist_ok=True)
+        ema = _model(9)
+        ema.save_pretrained(tmp_path / "ema")
+        shutil.copy(tmp_path / "ema" / "model.safetensors", folder / named)
+    _name_weights(folder, named)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).state_dict()
+    with caplog.at_level(logging.WARNING, logger="ckpt_tools"):
+        ours = ct.load_state_dict(folder)
+    assert ours and all(torch.equal(v, theirs[k]) for k, v in ours.items()), named
+    unnamed = ct.load_state_dict(folder / "model.safetensors")
+    assert any(not torch.equal(v, unnamed[k]) for k, v in ours.items())
+    assert f"{named} is read" in caplog.text and "not read: model.safetensors" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("named", "words"),
+    [
+        ("pytorch_model.bin", "loads only a *.safetensors file"),
+        (7, "loads only a *.safetensors file"),
+        ("../model.safetensors", "outside the folder"),
+        ("/etc/model.safetensors", "outside the folder"),
+        ("missing.safetensors", "which the folder does not hold"),
+    ],
+)
+def test_a_config_naming_weights_from_pretrained_refuses_is_refused(
+    named: object, words: str, saved: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "bad"
+    _merge([saved["model.safetensors"], saved["pytorch_model.bin"]], folder)
+    _name_weights(folder, named)
+    with pytest.raises((ValueError, OSError, AttributeError)):
+        transformers.GPT2LMHeadModel.from_pretrained(folder)
+    with pytest.raises(ct.UnsupportedFormatError, match="names transformers_weights") as info:
+        ct.load_state_dict(folder)
+    assert words in str(info.value)
+    assert main(["inspect", str(folder)]) == info.value.exit_code
+
+
+def test_a_config_json_that_names_no_weights_or_is_no_json_changes_nothing(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "plain"
+    _merge([saved["model.safetensors"], saved["pytorch_model.bin"]], folder)
+    want = ct.load_state_dict(folder / "model.safetensors")
+    for text in ["{not json", "[1, 2]", '{"transformers_weights": null}']:
+        (folder / "config.json").write_text(text)
+        got = ct.load_state_dict(folder)
+        assert got.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in got.items())

@@ -75,8 +75,9 @@ def test_inspect_sharded_repo_equals_the_downloaded_folder(hub, local):
     remote = _inspect_json("hf://org/sharded")
     assert remote == _inspect_json(local["sharded"])
     assert len(remote["shards"]) > 1
-    # The index and one header per shard; the misses before the index would be 404s.
-    assert hub.log.requests() <= 1 + len(remote["shards"])
+    # The index and one header per shard, after two misses: config.json, model.safetensors.
+    assert hub.log.requests() <= 3 + len(remote["shards"])
+    assert len([h for h in hub.log.hits if h.status != 404]) <= 1 + len(remote["shards"])
 
 
 def test_inspect_http_and_s3_urls(hub, s3, local):
@@ -295,7 +296,7 @@ def test_an_index_naming_a_shard_outside_its_folder_is_corrupt_as_locally(hub, t
     _, _, err = run_ckpt("scan", "hf://org/idx", code=4)
     assert "shards must lie beside the index" in err, err
     assert {h.path for h in hub.log.for_path()} <= {
-        hub.path("org/idx", name) for name in (index.name, "model.safetensors")
+        hub.path("org/idx", name) for name in (index.name, "model.safetensors", "config.json")
     }
 
 

@@ -1,9 +1,11 @@
 """RemoteSession: what it opens and refuses, folder URLs searched in transformers' order
-(each miss one request, counted on both sides), and the remote extra missing.
+(config.json's ``transformers_weights`` first; each miss one request, counted on both
+sides), and the remote extra missing.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from ckpt_tools.errors import (
     CheckpointNotFoundError,
     MissingExtraError,
     RemoteAccessError,
+    UnsupportedFormatError,
     UsageError,
 )
 from ckpt_tools.io.remote import RemoteSession, TransferStats
@@ -35,7 +38,7 @@ def test_open_refuses_a_folder(url: str) -> None:
 
 
 def test_a_folder_is_searched_in_order(hub: HubServer) -> None:
-    """Only pytorch_model.bin: found after the three names before it miss."""
+    """Only pytorch_model.bin: found after config.json and the two names before it miss."""
     hub.put("org/old", "pytorch_model.bin", b"legacy weights")
     with RemoteSession() as remote:
         name, f = remote.open_folder("hf://org/old")
@@ -44,7 +47,8 @@ def test_a_folder_is_searched_in_order(hub: HubServer) -> None:
             "hf://org/old/pytorch_model.bin",
             b"legacy weights",
         )
-    assert [h.path for h in hub.log.hits] == [hub.path("org/old", n) for n in FOLDER_FILES]
+    tried = ["config.json", *FOLDER_FILES[: FOLDER_FILES.index("pytorch_model.bin") + 1]]
+    assert [h.path for h in hub.log.hits] == [hub.path("org/old", n) for n in tried]
     assert [h.status for h in hub.log.hits] == [404, 404, 404, 206]
     assert remote.stats == TransferStats(requests=4, bytes_received=len(b"legacy weights"))
 
@@ -52,9 +56,10 @@ def test_a_folder_is_searched_in_order(hub: HubServer) -> None:
 @pytest.mark.parametrize(
     ("present", "found"),
     [
-        (FOLDER_FILES, "model.safetensors.index.json"),
+        (FOLDER_FILES, "model.safetensors"),  # from_pretrained leaves the index unread
         (("model.safetensors", "pytorch_model.bin"), "model.safetensors"),
-        (("pytorch_model.bin.index.json", "pytorch_model.bin"), "pytorch_model.bin.index.json"),
+        (("pytorch_model.bin.index.json", "pytorch_model.bin"), "pytorch_model.bin"),
+        (("pytorch_model.bin.index.json",), "pytorch_model.bin.index.json"),
     ],
 )
 def test_the_first_present_name_wins(hub: HubServer, present: tuple[str, ...], found: str) -> None:
@@ -63,7 +68,48 @@ def test_the_first_present_name_wins(hub: HubServer, present: tuple[str, ...], f
     with RemoteSession() as remote:
         name, f = remote.open_folder("hf://org/m@refs/pr/2")
         assert name == found and f.read() == found.encode()
-    assert hub.log.requests() == FOLDER_FILES.index(found) + 1 == remote.stats.requests
+    # config.json (a 404), then each name up to the one found.
+    assert hub.log.requests() == FOLDER_FILES.index(found) + 2 == remote.stats.requests
+
+
+def test_the_file_config_json_names_is_opened_before_the_usual_names(
+    hub: HubServer, s3: S3Bucket
+) -> None:
+    config = json.dumps({"transformers_weights": "ema/model.safetensors"}).encode()
+    hub.put("org/named", "config.json", config)
+    hub.put("org/named", "model.safetensors", b"plain")
+    hub.put("org/named", "ema/model.safetensors", b"ema")
+    s3.put("run/config.json", config)
+    s3.put("run/ema/model.safetensors", b"ema")
+    with RemoteSession() as remote:
+        name, f = remote.open_folder("hf://org/named")
+        assert (name, f.url, f.read()) == (
+            "ema/model.safetensors",
+            "hf://org/named/ema/model.safetensors",
+            b"ema",
+        )
+        assert remote.open_folder("s3://ckpts/run/")[1].read() == b"ema"
+    assert hub.log.requests() == 2 == s3.server.log.requests(method="GET")
+
+
+@pytest.mark.parametrize(
+    ("named", "words"),
+    [
+        ("gone.safetensors", "which the folder does not hold"),
+        ("pytorch_model.bin", "loads only a *.safetensors file"),
+        ("../other/model.safetensors", "outside the folder"),
+    ],
+)
+def test_weights_config_json_names_as_from_pretrained_refuses_them_are_refused(
+    hub: HubServer, named: str, words: str
+) -> None:
+    hub.put("org/bad", "config.json", json.dumps({"transformers_weights": named}).encode())
+    hub.put("org/bad", "model.safetensors", b"plain")
+    hub.put("org/bad", "pytorch_model.bin", b"plain")
+    with RemoteSession() as remote, pytest.raises(UnsupportedFormatError) as info:
+        remote.open_folder("hf://org/bad")
+    assert "names transformers_weights" in str(info.value) and words in str(info.value)
+    assert info.value.path == "hf://org/bad"
 
 
 def test_a_folder_over_plain_http_and_s3(hub: HubServer, s3: S3Bucket) -> None:
@@ -88,7 +134,7 @@ def test_an_empty_folder_names_what_was_tried(hub: HubServer) -> None:
     assert message.startswith("hf://org/empty: no checkpoint in this folder (tried ")
     assert all(name in message for name in FOLDER_FILES)
     assert info.value.exit_code == EXIT_USAGE and info.value.path == "hf://org/empty"
-    assert hub.log.requests() == 4 == remote.stats.requests
+    assert hub.log.requests() == 5 == remote.stats.requests  # config.json, then the four
 
 
 def test_a_refused_token_stops_the_search(hub: HubServer) -> None:

@@ -176,11 +176,12 @@ def test_is_folder_url(url: str, folder: bool) -> None:
 
 
 def test_folder_candidates_in_transformers_order() -> None:
+    # transformers' _get_resolved_checkpoint_files: the single file first, then its index.
     assert FOLDER_FILES == (
-        "model.safetensors.index.json",
         "model.safetensors",
-        "pytorch_model.bin.index.json",
+        "model.safetensors.index.json",
         "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
     )
     for folder, base in [
         ("hf://org/m", "hf://org/m/"),

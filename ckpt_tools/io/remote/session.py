@@ -9,8 +9,9 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ckpt_tools.errors import CheckpointNotFoundError, UsageError
+from ckpt_tools.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
 from ckpt_tools.formats import HIDDEN
+from ckpt_tools.formats.hf_choice import MAX_CONFIG_BYTES, explicit_weights
 from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
 from ckpt_tools.io.remote.httpurls import credentials, shown_url, with_userinfo
 from ckpt_tools.io.remote.hub_token import hf_token
@@ -117,11 +118,13 @@ class RemoteSession:
         return RemoteFile(self._transport(url), self.stats)
 
     def open_folder(self, url: str) -> tuple[str, RemoteFile]:
-        """The first of the folder's checkpoint files that exists, as transformers looks.
+        """The file of the folder ``url`` transformers' ``from_pretrained`` would load.
 
-        Tries ``model.safetensors.index.json``, ``model.safetensors``,
-        ``pytorch_model.bin.index.json``, ``pytorch_model.bin`` in the folder ``url``; each
-        miss is one request.
+        That is the file ``config.json`` names in ``transformers_weights``, where it names
+        one; else the first of :data:`~ckpt_tools.io.remote.urls.FOLDER_FILES` that exists
+        (``model.safetensors``, ``model.safetensors.index.json``, ``pytorch_model.bin``,
+        ``pytorch_model.bin.index.json``). Each file tried, config.json included, is one
+        request.
 
         Args:
             url: a folder URL (``hf://ORG/REPO[@REV]``, or a path ending in ``/``).
@@ -131,10 +134,23 @@ class RemoteSession:
 
         Raises:
             CheckpointNotFoundError: none of them exists; the message names them.
+            UnsupportedFormatError: ``transformers_weights`` names a file that
+                ``from_pretrained`` refuses, or that the folder does not hold.
             RemoteError: anything but a missing file (a refused token stops the search).
         """
-        tried = []
         url = self.named(url)
+        explicit = self._explicit_weights(url)
+        if explicit is not None:
+            (candidate,) = folder_candidates(url, [explicit])
+            try:
+                return explicit, self.open(candidate)
+            except CheckpointNotFoundError as e:
+                raise UnsupportedFormatError(
+                    f"{url}: config.json names transformers_weights {explicit!r}, which the "
+                    "folder does not hold; from_pretrained loads that file and no other",
+                    path=url,
+                ) from e
+        tried = []
         for candidate in folder_candidates(url):
             try:
                 return file_name(candidate), self.open(candidate)
@@ -144,6 +160,18 @@ class RemoteSession:
         raise CheckpointNotFoundError(
             f"{url}: no checkpoint in this folder (tried {', '.join(tried)})", path=url
         )
+
+    def _explicit_weights(self, url: str) -> str | None:
+        """The file the folder's config.json names in ``transformers_weights``, if any."""
+        (config_url,) = folder_candidates(url, ["config.json"])
+        try:
+            config = self.open(config_url)
+        except CheckpointNotFoundError:
+            self.stats.add(0)
+            return None
+        if config.size > MAX_CONFIG_BYTES:
+            return None
+        return explicit_weights(config.pread(config.size, 0), config_url, url)
 
     def _transport(self, url: str) -> RangeTransport:
         if scheme(url) == "s3":

@@ -4,7 +4,8 @@ Three schemes are read: ``http(s)://``, ``hf://`` and ``s3://``. An ``hf://`` pa
 resolved as huggingface_hub resolves it (``hf_hub_url``): ``HF_ENDPOINT``, the revision
 URL-quoted, the token from ``HF_TOKEN`` or the token file, sent to the endpoint only. A
 *folder URL* (``hf://ORG/REPO`` with no path, or any URL whose path ends with ``/``) is
-looked into for the files transformers looks for, in its order.
+looked into for the files transformers looks for, in its order: the file config.json names
+in ``transformers_weights``, else the first of :data:`FOLDER_FILES` there.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlunsplit
 
 from ckpt_tools.errors import CorruptCheckpointError, UsageError
+from ckpt_tools.formats.hf_choice import TRANSFORMERS_ORDER
 from ckpt_tools.io.remote.httpurls import shown_url, split_http
 
 __all__ = [
@@ -39,13 +42,9 @@ __all__ = [
 
 SCHEMES = ("http", "https", "hf", "s3")
 DEFAULT_ENDPOINT = "https://huggingface.co"
-# What a folder URL is looked into for, in the order transformers' from_pretrained tries.
-FOLDER_FILES = (
-    "model.safetensors.index.json",
-    "model.safetensors",
-    "pytorch_model.bin.index.json",
-    "pytorch_model.bin",
-)
+# What a folder URL is looked into for, in the order transformers' from_pretrained tries
+# (after a file config.json names in transformers_weights).
+FOLDER_FILES = TRANSFORMERS_ORDER
 # hf://TYPE/...: the URI's type prefix -> the prefix of the resolve URL's path.
 _TYPE_PREFIX = {"models": "", "datasets": "datasets/", "spaces": "spaces/"}
 # Revisions that hold a slash, as huggingface_hub's HfFileSystem recognizes them.
@@ -289,16 +288,20 @@ def is_folder_url(url: str) -> bool:
     return path == "" or path.endswith("/")
 
 
-def folder_candidates(url: str) -> list[str]:
-    """The URLs tried for a folder URL, in order: :data:`FOLDER_FILES` inside it.
+def folder_candidates(url: str, names: Sequence[str] = FOLDER_FILES) -> list[str]:
+    """The URLs tried for a folder URL, in order: ``names`` inside it.
+
+    Args:
+        url: the folder URL.
+        names: file names inside it, checked already (:data:`FOLDER_FILES` by default).
 
     Example:
         >>> folder_candidates("hf://org/model@refs/pr/1")[0]
-        'hf://org/model@refs/pr/1/model.safetensors.index.json'
+        'hf://org/model@refs/pr/1/model.safetensors'
         >>> folder_candidates("https://host.example/runs/")[-1]
-        'https://host.example/runs/pytorch_model.bin'
+        'https://host.example/runs/pytorch_model.bin.index.json'
     """
-    return [_join(url, name) for name in FOLDER_FILES]
+    return [_join(url, name) for name in names]
 
 
 def file_name(url: str) -> str:

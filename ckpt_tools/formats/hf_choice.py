@@ -1,0 +1,148 @@
+"""Which file of a Hugging Face folder ``from_pretrained`` loads, and the others it leaves.
+
+``transformers`` first takes the file ``config.json`` names in ``transformers_weights``, where
+it names one; otherwise the first of :data:`TRANSFORMERS_ORDER` present. A folder with none
+of those is read through its one other index or weight file.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import shlex
+from pathlib import Path
+
+from ckpt_tools.errors import Remedy, UnsupportedFormatError, quote_foreign
+
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "TRANSFORMERS_ORDER",
+    "WEIGHT_FILES",
+    "choose_weights",
+    "explicit_weights",
+]
+
+_ST, _PT = "model.safetensors", "pytorch_model.bin"
+WEIGHT_FILES = (_ST, _PT, "adapter_model.safetensors", "adapter_model.bin")
+WEIGHT_FILES += ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
+# The files ``from_pretrained`` looks for in a local folder, in the order it tries them
+# (``use_safetensors`` at its default): it loads the first present and ignores the rest.
+TRANSFORMERS_ORDER = (_ST, f"{_ST}.index.json", _PT, f"{_PT}.index.json")
+
+#: A model's config.json is a few KB; one far larger is not read for its weights entry.
+MAX_CONFIG_BYTES = 16 << 20
+# What from_pretrained accepts as ``transformers_weights``; it raises on anything else.
+_EXPLICIT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+_EXPLICIT_NAMES = ("adapter_model.bin",)
+
+
+def choose_weights(folder: Path, path: str) -> tuple[str, list[str]]:
+    """The file ``from_pretrained`` would load from ``folder`` (else its one checkpoint), and
+    the other weight files and indexes the folder holds, which are not read.
+
+    Args:
+        folder: the folder.
+        path: the folder as the caller named it, for messages.
+
+    Returns:
+        ``(chosen, others)``: names relative to ``folder``.
+
+    Raises:
+        UnsupportedFormatError: the folder holds no checkpoint; several indexes of which
+            ``from_pretrained`` would load none; or a ``transformers_weights`` entry that
+            ``from_pretrained`` refuses, or that names a file the folder does not hold.
+
+    Example:
+        >>> choose_weights(Path("sharded"), "sharded")
+        ('model.safetensors.index.json', [])
+    """
+    explicit = _explicit_weights(folder, path)
+    found = [n for n in TRANSFORMERS_ORDER if (folder / n).is_file()]
+    indexes = [p.name for p in sorted(folder.glob("*.index.json")) if p.name not in found]
+    singles = [n for n in WEIGHT_FILES if n not in found and (folder / n).is_file()]
+    if explicit is not None:
+        return explicit, [n for n in found + indexes + singles if n != explicit]
+    if not found and len(indexes) > 1:
+        first = str(folder / indexes[0])
+        advice = Remedy(
+            "path", repr(first), flag=shlex.quote(first), verb="open the one you mean, e.g."
+        )
+        raise UnsupportedFormatError(
+            f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
+        )
+    if not found and not indexes and len(singles) != 1:
+        listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
+        raise UnsupportedFormatError(
+            f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
+            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}",
+            path=path,
+        )
+    names = found + indexes + singles
+    return names[0], names[1:]
+
+
+def _explicit_weights(folder: Path, path: str) -> str | None:
+    """The file ``config.json``'s ``transformers_weights`` names, where it names one that
+    the folder holds."""
+    config = folder / "config.json"
+    try:
+        if not config.is_file() or config.stat().st_size > MAX_CONFIG_BYTES:
+            return None
+        text = config.read_bytes()
+    except OSError:
+        return None
+    name = explicit_weights(text, str(config), path)
+    if name is not None and not (folder / name).is_file():
+        raise UnsupportedFormatError(
+            f"{str(config)!r} names transformers_weights {quote_foreign(repr(name))}, which the "
+            "folder does not hold; from_pretrained loads that file and no other",
+            path=path,
+        )
+    return name
+
+
+def explicit_weights(config: bytes, config_name: str, path: str) -> str | None:
+    """The weights file a ``config.json`` names in ``transformers_weights``, checked as
+    ``from_pretrained`` checks it; None where it names none.
+
+    A config that is no JSON object is passed over: ``from_pretrained`` fails on it before
+    it looks for weights, and the folder may be another library's.
+
+    Args:
+        config: the bytes of ``config.json``.
+        config_name: its path or URL, for messages.
+        path: the folder as the caller named it, for the error.
+
+    Returns:
+        The name, relative to the folder; None where the config names none.
+
+    Raises:
+        UnsupportedFormatError: ``from_pretrained`` refuses the entry: not a
+            ``*.safetensors`` file or ``*.safetensors.index.json``, or outside the folder.
+
+    Example:
+        >>> explicit_weights(b'{"transformers_weights": "ema.safetensors"}', "config.json", ".")
+        'ema.safetensors'
+    """
+    try:
+        entries = json.loads(config)
+    except ValueError:
+        return None
+    if not isinstance(entries, dict) or entries.get("transformers_weights") is None:
+        return None
+    name = entries["transformers_weights"]
+    shown = f"{config_name!r} names transformers_weights {quote_foreign(repr(name))}"
+    if not isinstance(name, str) or not (
+        name.endswith(_EXPLICIT_SUFFIXES) or name in _EXPLICIT_NAMES
+    ):
+        raise UnsupportedFormatError(
+            f"{shown}; from_pretrained loads only a *.safetensors file or a "
+            "*.safetensors.index.json there, and refuses this folder",
+            path=path,
+        )
+    inside = posixpath.normpath(name.replace("\\", "/"))
+    if "\0" in name or posixpath.isabs(inside) or inside.split("/")[0] == "..":
+        raise UnsupportedFormatError(
+            f"{shown}, which is outside the folder; from_pretrained refuses it", path=path
+        )
+    return name
