@@ -1,7 +1,8 @@
 """numpy values in a pickle read as data: arrays as tensor bytes, scalars as numbers.
 
 ``sanitize`` turns what numpy pickled (``numpy.core.multiarray._reconstruct`` with an
-``ndarray`` state, ``scalar`` with a dtype and bytes) into plain values, from the recorded
+``ndarray`` state, protocol 5's ``_frombuffer``, ``scalar`` with a dtype and bytes) into plain
+values, from the recorded
 arguments alone: numpy is never asked to unpickle anything.
 """
 
@@ -14,10 +15,19 @@ from typing import Any, NamedTuple
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.dtypes import itemsize
 
-__all__ = ["NUMPY_MODULES", "NdarrayParts", "empty_bytes", "ndarray_parts", "numpy_scalar"]
+__all__ = [
+    "NUMPY_FROMBUFFER",
+    "NUMPY_MODULES",
+    "NdarrayParts",
+    "empty_bytes",
+    "ndarray_parts",
+    "numpy_scalar",
+]
 
 #: The modules numpy pickles arrays and scalars through (numpy 1 and numpy 2).
 NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
+#: The function protocol 5 pickles a contiguous array through (numpy 1 and numpy 2).
+NUMPY_FROMBUFFER = ("numpy.core.numeric._frombuffer", "numpy._core.numeric._frombuffer")
 # numpy's dtype codes -> (torch dtype, struct format of one element).
 _NUMPY_DTYPES: dict[str, tuple[str, str]] = {
     "b1": ("bool", "?"),
@@ -49,7 +59,13 @@ class NdarrayParts(NamedTuple):
 
 def ndarray_parts(node: Opaque) -> NdarrayParts | None:
     """The tensor a pickled plain ``numpy.ndarray`` holds; None for anything else (object,
-    structured or unknown dtypes, inconsistent sizes)."""
+    structured or unknown dtypes, inconsistent sizes).
+
+    Protocol 5 pickles a contiguous array as ``_frombuffer(buffer, dtype, shape, order)``;
+    earlier protocols as ``_reconstruct`` with an ``ndarray`` state.
+    """
+    if type(node).global_ref.qualname in NUMPY_FROMBUFFER:
+        return _from_buffer(node)
     state = node.state
     cls = node.args[0] if node.args else None
     if not (
@@ -63,6 +79,23 @@ def ndarray_parts(node: Opaque) -> NdarrayParts | None:
     ):
         return None
     _, shape, dtype, fortran, raw = state
+    return _parts(raw, dtype, tuple(shape), bool(fortran))
+
+
+def _from_buffer(node: Opaque) -> NdarrayParts | None:
+    """``numpy.frombuffer(buffer, dtype).reshape(shape, order=order)``, as numpy's
+    ``_frombuffer`` builds it."""
+    if len(node.args) != 4 or node.has_state:
+        return None
+    raw, dtype, shape, order = node.args
+    if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        return None
+    if order not in ("C", "F"):
+        return None
+    return _parts(raw, dtype, shape, order == "F")
+
+
+def _parts(raw: Any, dtype: Any, shape: tuple[int, ...], fortran: bool) -> NdarrayParts | None:
     raw = b"" if empty_bytes(raw) else raw
     spec = _dtype(dtype)
     if spec is None or not isinstance(raw, (bytes, bytearray)):
@@ -72,7 +105,7 @@ def ndarray_parts(node: Opaque) -> NdarrayParts | None:
     if len(raw) != math.prod(shape) * size:
         return None
     data = bytes(raw) if order == "<" else _to_little(raw, size // len(fmt))
-    return NdarrayParts(torch_dtype, tuple(shape), _strides(shape, bool(fortran)), data)
+    return NdarrayParts(torch_dtype, shape, _strides(shape, fortran), data)
 
 
 def numpy_scalar(node: Opaque) -> tuple[str, Any] | None:

@@ -41,6 +41,7 @@ from ckpt_tools.formats.pickle.standins import (
 )
 from ckpt_tools.io.writers.torchzip import picklable_tensors
 from ckpt_tools.ops.sanitize.numpy_values import (
+    NUMPY_FROMBUFFER,
     NUMPY_MODULES,
     empty_bytes,
     ndarray_parts,
@@ -162,7 +163,7 @@ class _Sanitizer:
         elif isinstance(node, tuple):
             made = tuple(self._item(v, _at(path, i)) for i, v in enumerate(node))
         elif isinstance(node, (set, frozenset)):
-            made = self._set(node, path)
+            made = self._set(node, path, isinstance(node, frozenset))
         elif isinstance(node, _LAYOUTS):
             made = self._layout(node, path)
         elif isinstance(node, Opaque):
@@ -232,13 +233,15 @@ class _Sanitizer:
             if new_value is not _DROP:
                 made[new_key] = new_value
 
-    def _set(self, node: set[Any] | frozenset[Any], path: str) -> Any:
+    def _set(self, node: Iterable[Any], path: str, frozen: bool) -> Any:
         items = [self.value(v, path) for v in node]
         for v in items:
             if v is not _DROP and not _hashable(v):  # a member converted to a dict or list
                 was = f"a set member that became a {type(v).__name__}"
                 self.dropped.append(Change(path, was, "dropped"))
-        return type(node)(v for v in items if v is not _DROP and _hashable(v))
+        made = {v for v in items if v is not _DROP and _hashable(v)}
+        # torch.load(weights_only=True) builds sets (builtins.set) but no frozenset.
+        return self._converted(path, "frozenset", "set", made) if frozen else made
 
     def _tensor(self, t: TensorRef, path: str) -> Any:
         names = module_globals(t.args) if t.func is not None else set()
@@ -277,7 +280,7 @@ class _Sanitizer:
             notes = "".join(f"; {c}" for c in recovered.caveats)
             was = f"pickled nn.Module {name}{notes}"
             return self._converted(path, was, f"state dict ({len(made)} entries)", made)
-        if module in NUMPY_MODULES and short == "_reconstruct":
+        if (module in NUMPY_MODULES and short == "_reconstruct") or name in NUMPY_FROMBUFFER:
             return self._ndarray(node, path)
         if module in NUMPY_MODULES and short == "scalar":
             return self._scalar(node, path)
@@ -287,6 +290,10 @@ class _Sanitizer:
         if name in _NAMESPACES and state is not None:
             made = self.value(dict(state), path)
             return self._converted(path, name, "dict", made)
+        if name in _FROZENSETS and len(node.args) <= 1 and not node.has_state:
+            members = node.args[0] if node.args else ()
+            if isinstance(members, (list, tuple)):  # protocol 2: frozenset(list)
+                return self._set(members, path, frozen=True)
         if name == "collections.defaultdict":
             made = self.value(dict(node.dictitems), path)
             return self._converted(path, name, "dict", made)
@@ -344,6 +351,9 @@ class _Sanitizer:
         key = str(self._next_key)
         self._taken.add(key)
         return key
+
+
+_FROZENSETS = ("builtins.frozenset", "__builtin__.frozenset")
 
 
 def _moved(change: Change, first: str, path: str) -> Change:
