@@ -8,7 +8,8 @@ torch does, and so what this module does:
 - a float64 source is rounded to float32 first, then to the target (torch's ``Half`` and
   ``BFloat16`` are built from a float): ``1 + 2**-8 + 2**-40`` becomes bf16 ``1.0``, not the
   nearest bf16. Double rounding is torch's result, so it is ours;
-- NaN bits follow torch's x86 CPU kernels (AVX2 / AVX-512), measured with torch 2.13:
+- NaN bits follow torch's x86 CPU kernels (AVX2 / AVX-512) run on one thread
+  (``torch.set_num_threads(1)``), measured with torch 2.13:
 
   ====================  ====================================================================
   cast                   NaN becomes
@@ -24,8 +25,15 @@ torch does, and so what this module does:
   ====================  ====================================================================
 
   ``n`` is the number of elements of the contiguous tensor cast (here: the storage), so
-  the position of each element in it matters; :func:`cast_chunk` takes it. Other torch builds
-  (ARM, CUDA) make other NaN bits; every non-NaN value is the same everywhere.
+  the position of each element in it matters; :func:`cast_chunk` takes it.
+
+torch on more threads splits a cast of more than 32768 elements into one piece per thread
+(``at::parallel_for``), each with its own scalar tail, so its fp64 -> bf16 and fp16 -> fp32
+NaN bits then depend on ``torch.get_num_threads()``: a NaN near the end of a piece can come
+out ``0x7fc0`` / ``0x7fffffff`` there and not here, or the other way round. Ours are always
+the one-thread bits, whatever machine reads the file. Other torch builds (ARM, CUDA) make
+other NaN bits too. Which elements are NaN, and every non-NaN value, are the same in all
+these cases.
 """
 
 from __future__ import annotations
@@ -117,7 +125,8 @@ def _f16_nan_from_f32(b32: np.ndarray) -> np.ndarray:
 
 
 def _tail_mask(count: int, first: int, total: int, block: int) -> np.ndarray | None:
-    """Which of ``count`` elements, starting at ``first`` of ``total``, fall in the scalar tail."""
+    """Which of ``count`` elements, starting at ``first`` of ``total``, fall in the scalar tail
+    (one tail at the end of the whole tensor, as torch casts it on one thread)."""
     tail_start = total - total % block
     if first + count <= tail_start:
         return None
@@ -136,6 +145,9 @@ def cast_array(
         dst: ``bfloat16``, ``float16`` or ``float32``.
         first: the index of ``bits[0]`` in the tensor being cast (NaN bits depend on it).
         total: that tensor's element count; ``len(bits)`` when None.
+
+    NaN bits are those of torch on one thread (see the module's notes); other values match
+    torch at any thread count.
 
     Returns:
         The target's bit patterns (``uint16`` or ``uint32``), a new array.

@@ -29,6 +29,7 @@ __all__ = [
     "plan_renames",
     "regex_rule",
     "rename_keys",
+    "rename_metadata",
     "rule_items",
     "strip_prefix",
     "strip_rule",
@@ -227,24 +228,45 @@ def apply_plan(sd: Mapping[str, Any], plan: Mapping[str, str], rules: Sequence[K
         out[plan.get(key, key)] = value
     metadata = getattr(sd, "_metadata", None)
     if metadata is not None:
-        renamed = type(metadata)()
-        for path, value in metadata.items():
-            new = f"{path}." if path else ""
-            for rule in rules:
-                new = rule.apply(new)
-            new = new[:-1] if new.endswith(".") else new
-            if not path and new:
-                # The root moved under wrappers (add 'module.'): each wrapper, from the new
-                # root down, gets an entry too, first, as a wrapped model's state_dict() has.
-                parts = new.split(".")
-                for depth in range(len(parts)):
-                    renamed[".".join(parts[:depth])] = copy.copy(value)
-            if new != path or new not in renamed:
-                # A renamed entry wins over one already there, as in torch's
-                # consume_prefix_in_state_dict_if_present ('module' replaces DDP's own '').
-                renamed[new] = value
-        out._metadata = renamed  # type: ignore[attr-defined]
+        out._metadata = rename_metadata(metadata, rules)  # type: ignore[attr-defined]
     return out
+
+
+def rename_metadata(metadata: Mapping[str, Any], rules: Sequence[KeyRule]) -> Any:
+    """A state dict's ``_metadata`` with its module paths renamed as its keys are.
+
+    As torch's ``consume_prefix_in_state_dict_if_present`` does for a stripped prefix: the
+    module the prefix names becomes the root (its version replaces the root's), paths under
+    it lose the prefix, other paths stay.
+
+    Args:
+        metadata: module path -> that module's metadata (``{"version": 2}``).
+        rules: the :class:`KeyRule` s the keys were renamed by.
+
+    Returns:
+        A new mapping of ``metadata``'s type (its values shared).
+
+    Example:
+        >>> rename_metadata({"": {"version": 1}, "1": {"version": 2}}, [strip_rule("1.")])
+        {'': {'version': 2}}
+    """
+    renamed = type(metadata)()
+    for path, value in metadata.items():
+        new = f"{path}." if path else ""
+        for rule in rules:
+            new = rule.apply(new)
+        new = new[:-1] if new.endswith(".") else new
+        if not path and new:
+            # The root moved under wrappers (add 'module.'): each wrapper, from the new
+            # root down, gets an entry too, first, as a wrapped model's state_dict() has.
+            parts = new.split(".")
+            for depth in range(len(parts)):
+                renamed[".".join(parts[:depth])] = copy.copy(value)
+        if new != path or new not in renamed:
+            # A renamed entry wins over one already there, as in torch's
+            # consume_prefix_in_state_dict_if_present ('module' replaces DDP's own '').
+            renamed[new] = value
+    return renamed
 
 
 def rule_items(rules: object) -> tuple[KeyRule, ...]:

@@ -9,7 +9,13 @@ from typing import Any
 
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 
-__all__ = ["iter_listed_tensors", "iter_stored_tensors", "iter_tensors", "stored_views"]
+__all__ = [
+    "iter_listed_tensors",
+    "iter_stored_tensors",
+    "iter_tensors",
+    "quantizer_tensors",
+    "stored_views",
+]
 
 
 def stored_views(value: Any) -> tuple[TensorRef, ...]:
@@ -81,10 +87,37 @@ def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def quantizer_tensors(t: TensorRef) -> tuple[TensorRef, ...]:
+    """The tensors of a per-channel quantized tensor's quantizer: its scales and zero points,
+    saved as storages of their own; nothing for any other tensor.
+
+    Args:
+        t: a tensor (a quantized Parameter's quantizer is its data's).
+
+    Returns:
+        The quantizer's tensors, scales first.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> quantizer_tensors(w)
+        ()
+    """
+    name = t.func.name if t.func is not None else ""
+    if name.startswith("_rebuild_parameter") and t.args and isinstance(t.args[0], TensorRef):
+        return quantizer_tensors(t.args[0])
+    # _rebuild_qtensor(storage, offset, size, stride, qparams, ...): per-channel qparams are
+    # (qscheme, scales, zero_points, axis); per-tensor ones hold numbers only.
+    if name != "_rebuild_qtensor" or len(t.args) < 5 or not isinstance(t.args[4], tuple):
+        return ()
+    return tuple(v for v in t.args[4] if isinstance(v, TensorRef))
+
+
 def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
     """Every tensor whose storage a torch file holds for ``obj``: as
     :func:`iter_tensors`, with each sparse or nested tensor's parts
-    (``coo.0``, ``coo.1``), so every storage a writer must copy.
+    (``coo.0``, ``coo.1``) and each per-channel quantized tensor's scales and zero points
+    (``q.scales``, ``q.zero_points``), so every storage a writer must copy.
 
     Example:
         >>> from ckpt_tools.descriptors import StorageRef
@@ -98,4 +131,6 @@ def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef
             found.extend((f"{path}.{i}", part) for i, part in enumerate(t.parts))
         else:
             found.append((path, t))
+            quantizer = zip(("scales", "zero_points"), quantizer_tensors(t))
+            found.extend((f"{path}.{name}", q) for name, q in quantizer)
     return found

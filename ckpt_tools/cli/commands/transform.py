@@ -112,7 +112,8 @@ def _weights(value: str | None) -> list[float] | None:
     "--ints",
     type=click.Choice(["first", "last"]),
     default=None,
-    help="Take integer tensors from this input instead of requiring them equal.",
+    help="Take integer tensors and non-tensor entries from this input instead of requiring "
+    "them equal.",
 )
 @click.option(
     "--last",

@@ -36,7 +36,12 @@ class Expected(NamedTuple):
 
 
 def tensor_digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
-    """A hash of the tensor's elements in row-major order: views compare by their content."""
+    """A hash of the tensor's elements in row-major order: views compare by their content.
+
+    Of the stored bytes only: two tensors with one digest can still load as other values
+    where their view bits or quantizer parameters differ; a caller comparing values compares
+    those too (``average`` does).
+    """
     import hashlib  # only --verify full needs it; rewrites start faster without
 
     span = ckpt.span(t.storage)

@@ -14,8 +14,11 @@ averaged state dict, as a plain state dict, under the first input's keys.
 Integer tensors must be equal in every input, unless ``ints`` names the input to take them
 from. Tensors with no mean (bool, complex32, quantized, float8 other than e4m3fn and e5m2)
 and sparse, nested and meta tensors (a mean of sparse tensors whose indices differ is not a
-mean of their values) are copied from the first input when every input holds the same, and
-refused otherwise.
+mean of their values) are copied from the first input when every input holds the same (as
+``torch.equal`` says: quantizer parameters and view bits count), and refused otherwise.
+Non-tensor entries are as integer tensors: equal in every input, or taken from the input
+``ints`` names. Keys of every type are kept (``7`` as well as ``"7"``); a key that is a tensor
+in one input and not in another is a mismatch.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint, refuse_url
 from ckpt_tools.io.output_path import check_output_path
-from ckpt_tools.ops.preflight import check_rewritable
+from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.average_items import plan_items
 from ckpt_tools.ops.transform.mean_stream import checked_weights
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames
+from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.selection import select_state_dict
 from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
@@ -85,36 +89,42 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
     return found
 
 
-def _aligned(sd: Mapping[Any, Any]) -> dict[str, tuple[str, Any]]:
+def _aligned(sd: Mapping[Any, Any]) -> dict[Any, tuple[Any, Any]]:
+    # Wrapper rules rename str keys only; other keys (0, (1, 2)) align as they are.
     keys = [k for k in sd if isinstance(k, str)]
     rules, _ = strip_wrapper_rules(sd)
-    plan = plan_renames(keys, rules) if rules else {k: k for k in keys}
-    return {plan.get(k, k): (k, v) for k, v in sd.items() if isinstance(k, str)}
+    plan = plan_renames(keys, rules) if rules else {}
+    return {(plan.get(k, k) if isinstance(k, str) else k): (k, v) for k, v in sd.items()}
 
 
-def _mismatches(names: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]]) -> list[str]:
+def _mismatches(names: Sequence[str], aligned: Sequence[dict[Any, tuple[Any, Any]]]) -> list[str]:
     lines: list[str] = []
     first = aligned[0]
     for name, other in zip(names[1:], aligned[1:]):
         for key in first:
             if key not in other:
-                lines.append(f"- {key} (missing in {name})")
+                lines.append(f"- {key_text(key)} (missing in {name})")
         for key in other:
             if key not in first:
-                lines.append(f"+ {key} (only in {name})")
+                lines.append(f"+ {key_text(key)} (only in {name})")
         for key, (_, a) in first.items():
-            b = other.get(key, (None, None))[1]
+            if key not in other:
+                continue
+            b = other[key][1]
             kinds = (TensorRef, RebuiltTensor)
-            if (
-                isinstance(a, kinds)
-                and isinstance(b, kinds)
-                and (type(a), a.shape, a.dtype) != (type(b), b.shape, b.dtype)
+            tensors = isinstance(a, kinds), isinstance(b, kinds)
+            if any(tensors) and (
+                not all(tensors) or (type(a), a.shape, a.dtype) != (type(b), b.shape, b.dtype)
             ):
-                lines.append(
-                    f"~ {key}: {a.dtype} {list(a.shape)} in {names[0]}, "
-                    f"{b.dtype} {list(b.shape)} in {name}"
-                )
+                lines.append(f"~ {key_text(key)}: {_kind(a)} in {names[0]}, {_kind(b)} in {name}")
     return lines
+
+
+def _kind(value: Any) -> str:
+    """A value as a mismatch line says it: a tensor's dtype and shape, else its type."""
+    if isinstance(value, (TensorRef, RebuiltTensor)):
+        return f"{value.dtype} {list(value.shape)}"
+    return f"a {type(value).__name__}, not a tensor,"
 
 
 def average(
@@ -141,9 +151,9 @@ def average(
         dst: the output.
         weights: one finite weight per input, with a finite non-zero sum (default: equal);
             only their ratios matter.
-        ints: ``first`` or ``last``: take integer tensors from that input instead of
-            requiring them equal (bool and other tensors with no mean are never taken
-            from one input: they must be equal).
+        ints: ``first`` or ``last``: take integer tensors and non-tensor entries from that
+            input instead of requiring them equal (bool and other tensors with no mean are
+            never taken from one input: they must be equal).
         select: dotted path of the state dict in every input (automatic when None).
         output_format, drop_extras, allow_globals, force, verify, durable, dry_run, progress:
             as for :func:`~ckpt_tools.ops.transform.slim.slim`.
@@ -152,8 +162,10 @@ def average(
         A :class:`TransformResult`.
 
     Raises:
-        ConversionError: keys, shapes or dtypes differ, integer tensors differ (without
-            ``ints``), or tensors with no mean differ (exit 7).
+        ConversionError: keys, shapes or dtypes differ, a key is a tensor in one input
+            only, integer tensors or non-tensor entries differ (without ``ints``), tensors
+            with no mean differ, or a safetensors output and tensors under non-str keys
+            (exit 7).
         UsageError: a URL (average reads local files), fewer than two inputs, an input given
             twice (the same file, however named), weights of the wrong length, NaN or
             infinite weights or a sum that is 0 or overflows, a bad ``ints``.
@@ -176,9 +188,10 @@ def average(
     aligned = [_aligned(s.state_dict) for s in selections]
     lines = _mismatches([os.path.basename(s) for s in srcs], aligned)
     if lines:
-        shown = "\n".join(lines[:20]) + (f"\n... {len(lines) - 20} more" if len(lines) > 20 else "")
-        raise ConversionError(f"the inputs do not match (keys, shapes, dtypes):\n{shown}")
+        shown = "; ".join(lines[:20]) + (f"; ... {len(lines) - 20} more" if len(lines) > 20 else "")
+        raise ConversionError(f"the inputs do not match (keys, shapes, dtypes): {shown}")
     fmt = output_format_for(dst, output_format, ckpts[0].format)
+    check_key_types(selections[0].state_dict, (), fmt, srcs[0])
     items, rows, storages, notes = plan_items(ckpts, aligned, w, ints, fmt == "safetensors")
     plan = plan_state_dict_output(
         ckpts[0],

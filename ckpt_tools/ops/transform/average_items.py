@@ -14,7 +14,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef
+from ckpt_tools.descriptors import (
+    GlobalRef,
+    Opaque,
+    RebuiltTensor,
+    Reduced,
+    StorageRef,
+    TensorRef,
+)
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
@@ -24,6 +31,8 @@ from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
 from ckpt_tools.ops.transform.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
 from ckpt_tools.ops.transform.plan import PlanRow
+from ckpt_tools.structure.paths import key_text
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors
 
 __all__ = ["fresh_tensor", "plan_items"]
 
@@ -57,8 +66,9 @@ def plan_items(
         one row per tensor, ``id(storage)`` -> the record that makes it, and what was decided.
 
     Raises:
-        ConversionError: tensors without a mean differ across inputs (integers without
-            ``ints``), or a tensor to average carries a conjugate or negative bit.
+        ConversionError: tensors without a mean (integers and non-tensor entries without
+            ``ints``) differ across inputs, or a tensor to average carries a conjugate or
+            negative bit.
 
     Example:
         >>> from ckpt_tools.formats import open_checkpoint
@@ -75,7 +85,7 @@ def plan_items(
                 plan.differ("sparse, nested or meta", key, t.layout)
             plan.add(orig, t, "copy (equal)")
         elif not isinstance(t, TensorRef):
-            plan.items.append((orig, orig, t))
+            plan.entry(key, orig, others, ints)
         elif t.dtype in MEAN_DTYPES:
             for o in others:  # the bytes are averaged as values: a view bit would be lost
                 check_plain_values(key, o, "a mean")
@@ -87,8 +97,8 @@ def plan_items(
                 t = plan.computed(key, others, _last_of)
             plan.add(orig, t, f"copy ({ints} input)")
         else:
-            if len({tensor_digest(c, o) for c, o in zip(ckpts, others)}) > 1:
-                plan.differ("integer" if t.dtype in INTEGER_DTYPES else "other", key, t.dtype)
+            if not plan.same(others):
+                plan.differ(_group(t, others), key, t.dtype)
             plan.add(orig, t, "copy (equal)")
     _refuse_differing(plan.differing)
     return plan.items, plan.rows, plan.storages, plan.notes
@@ -122,8 +132,27 @@ class _Plan:
             PlanRow(orig, orig, value.dtype, value.dtype, value.nbytes, value.nbytes, action)
         )
 
-    def differ(self, group: str, key: str, what: str) -> None:
-        self.differing.setdefault(group, []).append(f"{key} ({what})")
+    def differ(self, group: str, key: Any, what: str) -> None:
+        self.differing.setdefault(group, []).append(f"{key_text(key)} ({what})")
+
+    def same(self, values: Sequence[Any]) -> bool:
+        """Whether one key's value in every input equals the first input's (:func:`_same_value`)."""
+        first = self.ckpts[0]
+        pairs = zip(self.ckpts[1:], values[1:])
+        return all(_same_value(first, values[0], c, v) for c, v in pairs)
+
+    def entry(self, key: Any, orig: Any, values: Sequence[Any], ints: str | None) -> None:
+        """A non-tensor entry: the same in every input, or (as integer tensors) taken from
+        the input ``ints`` names; one holding tensors is taken from the first input only (the
+        output's tensors are the first input's)."""
+        value = values[0]
+        if not self.same(values):
+            if ints is None or (ints == "last" and iter_listed_tensors(values[-1])):
+                self.differ("non-tensor", key, type(value).__name__)
+            else:
+                value = values[-1] if ints == "last" else value
+                self.notes.append(f"{key_text(key)} differs across inputs: the {ints} input's")
+        self.items.append((orig, orig, value))
 
     def computed(
         self, key: str, others: Sequence[TensorRef], make: Callable[..., Record]
@@ -206,12 +235,15 @@ def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
         "inputs",
         "sparse, nested or meta": "sparse, nested and meta tensors are not averaged, and these "
         "differ across inputs",
+        "view bits": "tensors saved as a conjugate or negative view in some inputs only are not "
+        "compared",
+        "non-tensor": "non-tensor entries differ across inputs",
     }
     parts = []
     for group, keys in differing.items():
         parts.append(f"{said[group]}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else ""))
     remedies = []
-    if "integer" in differing:
+    if "integer" in differing or "non-tensor" in differing:
         remedies += [
             Remedy("ints", "'first'", flag="--ints first", text="to take the first input's"),
             Remedy("ints", "'last'", flag="--ints last", text="to take the last input's"),
@@ -227,7 +259,77 @@ def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
                 "or make them dense"
             )
         )
+    if "view bits" in differing:
+        remedies.append(Remedy(text="load them, call .resolve_neg().resolve_conj() and save that"))
     raise ConversionError("; ".join(parts), remedies=tuple(remedies))
+
+
+def _group(t: TensorRef, values: Sequence[TensorRef]) -> str:
+    """Which refusal a differing tensor with no mean falls under."""
+    if len({v.view_bits for v in values}) > 1:
+        return "view bits"
+    return "integer" if t.dtype in INTEGER_DTYPES else "other"
+
+
+def _same_value(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any) -> bool:
+    """Whether two inputs' values are equal as ``torch.load`` gives them: tensors as
+    ``torch.equal`` compares them (elements, view bits, quantizer parameters), containers
+    item by item (keys with their types), anything else by type and ``==``.
+
+    A value whose stored form differs is taken as differing even where torch would find the
+    values equal (``0.0`` and ``-0.0`` bytes, a negative view of negated bytes): the
+    caller refuses it, never copies one input's for another's.
+    """
+    kinds = (TensorRef, RebuiltTensor)
+    if isinstance(a, kinds) or isinstance(b, kinds):
+        return type(a) is type(b) and _same_tensor(ca, a, cb, b)
+    if isinstance(a, Opaque) or isinstance(b, Opaque):  # one class per file: compare by name
+        return (
+            isinstance(a, Opaque)
+            and isinstance(b, Opaque)
+            and type(a).global_ref == type(b).global_ref
+            and _same_value(ca, _recorded(a), cb, _recorded(b))
+        )
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Reduced):
+        return a.func == b.func and _same_value(ca, a.args, cb, b.args)
+    if isinstance(a, Mapping):
+        return [(type(k), k) for k in a] == [(type(k), k) for k in b] and all(
+            _same_value(ca, a[k], cb, b[k]) for k in a
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(ca, x, cb, y) for x, y in zip(a, b))
+    # NaN != NaN: two NaN floats are one value as far as copying the first goes
+    return bool(a == b) or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+
+def _same_tensor(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any) -> bool:
+    """Two tensors of one type equal as :func:`_same_value` says."""
+    if (a.dtype, a.shape) != (b.dtype, b.shape):
+        return False
+    if isinstance(a, RebuiltTensor):
+        return a.layout == b.layout and _same_everywhere((ca, cb), (a, b))
+    if a.view_bits != b.view_bits or not _same_value(ca, _qparams(a), cb, _qparams(b)):
+        return False
+    return tensor_digest(ca, a) == tensor_digest(cb, b)
+
+
+def _qparams(t: TensorRef) -> Any:
+    """A quantized tensor's quantizer parameters as saved (scheme, scale and zero point, or
+    per-channel scales, zero points and axis); None for any other tensor."""
+    func, args = t.func, t.args
+    if func is not None and func.name.startswith("_rebuild_parameter") and args:
+        return _qparams(args[0]) if isinstance(args[0], TensorRef) else None
+    # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
+    if func is None or func.name != "_rebuild_qtensor" or len(args) < 5:
+        return None
+    return args[4]
+
+
+def _recorded(obj: Opaque) -> tuple[Any, ...]:
+    """What the pickle did to an object of a class not imported: it is that object."""
+    return (obj.args, obj.newobj, obj.state, obj.has_state, obj.listitems, obj.dictitems)
 
 
 def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any]) -> bool:

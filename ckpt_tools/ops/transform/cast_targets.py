@@ -16,8 +16,9 @@ from typing import Any
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.ops.transform.rebuilt_cast import values_part
+from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.selection import replace_at
-from ckpt_tools.structure.tensor_walk import iter_stored_tensors, stored_views
+from ckpt_tools.structure.tensor_walk import iter_stored_tensors, quantizer_tensors, stored_views
 
 __all__ = ["cast_targets", "kept_outside"]
 
@@ -50,7 +51,7 @@ def cast_targets(
     storages of tensors outside the state dict, an optimizer's or an EMA's, kept as they are)."""
     if cast_to is None:
         return {}
-    kept_key = [any(p.search(old) for p in keep) for old, _, _ in items]
+    kept_key = [any(p.search(key_text(old)) for p in keep) for old, _, _ in items]
     # The views cast: dense tensors and values parts, of a castable dtype, under a cast key.
     cast_views = [
         view
@@ -77,6 +78,8 @@ def cast_targets(
         if n is not None and k
         for t in stored_views(v)
     }
+    # A quantizer's scales are never cast, whichever key shares their storage.
+    kept.update(id(q.storage) for ts in users.values() for t in ts for q in quantizer_tensors(t))
     for sid in list(wanted):
         ts = users.get(sid, [])
         if (

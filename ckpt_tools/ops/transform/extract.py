@@ -13,6 +13,8 @@ from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.slim import select_weights
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
+from ckpt_tools.structure.keys import strip_rule
+from ckpt_tools.structure.paths import key_text
 
 __all__ = ["extract"]
 
@@ -71,12 +73,17 @@ def extract(
     target = check_output_path(dst, src, force=force, in_place=None)
     with opened(src) as ckpt:
         selection, notes = select_weights(ckpt, allow_globals, select, ema)
-        keys = [str(k) for k in selection.state_dict]
+        # A prefix is a module path: only str keys lie under one; others (0, (1, 2)) are
+        # left out, never taken as strings (torch.load gives 1 and "1" as two keys), and
+        # listed as left out by their text.
+        keys = [k for k in selection.state_dict if isinstance(k, str)]
         _check_prefix(prefix, keys, strip_prefix)
         head = _head(prefix)
         items = [
             (k, (k[len(head) :] if strip_prefix else k) if _under(k, prefix) else None, v)
-            for k, v in zip(keys, selection.state_dict.values())
+            if isinstance(k, str)
+            else (key_text(k), None, v)
+            for k, v in selection.state_dict.items()
         ]
         fmt = output_format_for(dst, output_format, ckpt.format)
         plan = plan_state_dict_output(
@@ -89,6 +96,7 @@ def extract(
             weights_only=True,
             drop_extras=drop_extras,
             notes=notes,
+            renames=[strip_rule(head)] if strip_prefix else (),
         )
         return finish(plan, target, ckpt, verify, dry_run, durable, progress, replace=force)
 
@@ -128,10 +136,12 @@ def _check_prefix(prefix: str, keys: Sequence[str], strip: bool) -> None:
         )
     if not any(_under(k, prefix) for k in keys):
         heads = sorted({k.split(".")[0] + "." for k in keys})
-        raise UsageError(
-            f"no key lies under {prefix!r}; the keys start with {', '.join(heads[:10])}",
-            **where,
+        found = (
+            f"the keys start with {', '.join(heads[:10])}"
+            if heads
+            else "the state dict has no string keys"
         )
+        raise UsageError(f"no key lies under {prefix!r}; {found}", **where)
     # An empty name is no key of any module: load_state_dict could never place it.
     emptied = [
         repr(k) for k in keys if strip and _under(k, prefix) and k[len(_head(prefix)) :] == ""

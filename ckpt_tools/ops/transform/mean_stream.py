@@ -2,11 +2,19 @@
 
 Every averaged dtype is read into float64 exactly, accumulated as ``sum(w_i * x_i)`` in input
 order, divided by ``sum(w_i)``, and cast back as torch's ``.to`` casts a float64 tensor
-(:mod:`ckpt_tools.io.casting`). The result is the one a torch float64 computation gives:
-``(sum(w * x.double()) / sum(w)).to(dtype)``.
+(:mod:`ckpt_tools.io.casting`). The result is the one a torch float64 computation on the CPU
+(one thread) gives: ``(sum(w * x.double()) / sum(w)).to(dtype)``, NaN bits included:
 
-- complex64 and complex128: real and imaginary parts are averaged as two floats (with real
-  weights, the complex mean is exactly that), each rounded back as a float32 or kept float64.
+- a NaN element comes out as the NaN of the *last* input that is NaN there (quieted, sign and
+  payload kept), as torch's ``a + b`` keeps ``b``'s NaN; without one, ``inf - inf``'s NaN.
+  The cast back keeps what it keeps of it (bf16: nothing).
+- complex64 and complex128 (torch: ``(sum(w * x.to(torch.complex128)) / sum(w)).to(dtype)``):
+  real and imaginary parts are averaged as two floats in float64, and the sum is multiplied
+  by ``1 / sum(w)`` rather than divided by it, as torch's complex division by a real number
+  does (``(a + bj) / c`` is ``a * (1 / c) + b * (1 / c) j`` on the CPU); each part is then
+  rounded back as a float32 or kept float64. Finite elements match torch bit for bit. An
+  element with an infinite or NaN part in some input does not: torch's complex product
+  spreads it to the other part (``1.0 * (inf + 0j)`` is ``inf + nanj``), not modelled here.
 - float8_e4m3fn and float8_e5m2: rounded back through float32 as torch rounds a float64 (its
   float8 constructors take a float): nearest even; e4m3fn saturates overflow and inf to
   +-448 and keeps NaN; e5m2 overflows to inf.
@@ -191,25 +199,55 @@ def _exact_chunks(pieces: Iterable[bytes], size: int) -> Iterator[Any]:
 
 
 def _accumulate(
-    streams: Sequence[Iterator[Any]], weights: Sequence[float], lane: str, count: int, total: float
+    streams: Sequence[Iterator[Any]],
+    weights: Sequence[float],
+    lane: str,
+    count: int,
+    total: float,
+    complex_parts: bool = False,
 ) -> np.ndarray:
-    """The next ``count`` elements' mean: one input's chunk in memory at a time.
+    """The next ``count`` elements' mean (``complex_parts``: complex parts, divided as torch
+    divides a complex by a real): each input's chunk is kept until the mean is taken.
 
     Raises:
         OSError: an input ended early.
     """
     acc = np.zeros(count, np.float64)
+    chunks = []
     for stream, w in zip(streams, weights):
         data = next(stream, b"")
         if len(data) != count * _size(lane):
             raise OSError(5, f"an input ended early: {len(data)} of {count * _size(lane)} bytes")
+        chunks.append(data)
         # Infinities of both signs give NaN and large values overflow to inf, as in torch;
         # numpy would also warn on stderr, which is not the place for it.
         with np.errstate(all="ignore"):
             acc += _to_f64(data, lane) * w
     with np.errstate(all="ignore"):
-        acc /= total
+        # Any NaN term leaves a NaN in the sum, so a NaN-free sum (the common case) needs no
+        # further look; a false alarm (inf - inf) only costs the look. bf16 keeps no NaN bits.
+        if lane != "bfloat16" and np.isnan(np.add.reduce(acc)):
+            _keep_last_nan(acc, chunks, weights, lane)
+        if complex_parts:
+            acc *= 1.0 / total
+        else:
+            acc /= total
     return acc
+
+
+def _keep_last_nan(
+    acc: np.ndarray, chunks: Sequence[Any], weights: Sequence[float], lane: str
+) -> None:
+    """Give each NaN of ``acc`` the bits of the last NaN term ``w * x`` there, as torch's sum
+    does (its ``a + b`` keeps ``b``'s NaN; numpy's keeps either, depending on the loop)."""
+    where = np.flatnonzero(np.isnan(acc))
+    size = _size(lane)
+    for data, w in zip(chunks, weights):
+        picked = np.frombuffer(data, np.uint8).reshape(-1, size)[where].tobytes()
+        with np.errstate(all="ignore"):
+            term = _to_f64(picked, lane) * w
+        nan = np.isnan(term)
+        acc[where[nan]] = term[nan]
 
 
 def _size(lane: str) -> int:
@@ -241,13 +279,14 @@ def mean_record(
     lane = MEAN_DTYPES[dtype]
     size = _size(lane)
     numel, total = nbytes // size, float(sum(weights))
+    complex_parts = dtype.startswith("complex")
 
     def produce() -> Iterable[bytes]:
         streams = [_chunks_of(s, _CHUNK * size) for s in sources]
         try:
             for first in range(0, numel, _CHUNK):
                 count = min(_CHUNK, numel - first)
-                acc = _accumulate(streams, weights, lane, count, total)
+                acc = _accumulate(streams, weights, lane, count, total, complex_parts)
                 yield _from_f64(acc, lane, first, numel)
         finally:
             for stream in streams:

@@ -29,7 +29,14 @@ from ckpt_tools.io.writers.records import Record, check_records
 from ckpt_tools.io.writers.safetensors import write_safetensors
 from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 
-__all__ = ["PlanRow", "TransformPlan", "cast_tensor", "check_computable", "execute_plan"]
+__all__ = [
+    "PlanRow",
+    "TransformPlan",
+    "cast_tensor",
+    "check_computable",
+    "execute_plan",
+    "sizes_after",
+]
 
 _OPTIMIZER_ENTRIES = ("optimizer", "optimizer_states", "optimizer_state_dict", "optim", "opt")
 
@@ -156,6 +163,32 @@ def cast_tensor(t: TensorRef, storage: StorageRef, dtype: str) -> TensorRef:
     param = GlobalRef("torch._utils", "_rebuild_parameter")
     args = (inner, t.requires_grad, collections.OrderedDict())
     return TensorRef(storage, *view, dtype, t.requires_grad, True, param, args)
+
+
+def sizes_after(
+    tree: Any,
+    weights_only: bool,
+    records: Mapping[int, Any],
+    sd: Mapping[Any, Any],
+    path: Sequence[str],
+) -> dict[str, int]:
+    """Output bytes per category: ``weights`` (the state dict ``sd``), ``optimizer``,
+    ``other`` (the rest of ``tree``, unless ``weights_only``), from each storage's record."""
+    sizes = {"weights": 0, "optimizer": 0, "other": 0}
+    seen: set[int] = set()
+    top = [v for v in sd.values() if isinstance(v, (TensorRef, RebuiltTensor))]
+    for _, t in iter_stored_tensors(top):
+        if id(t.storage) not in seen:
+            seen.add(id(t.storage))
+            sizes["weights"] += records[id(t.storage)].nbytes
+    if not weights_only and isinstance(tree, Mapping):
+        for name, value in tree.items():
+            category = "optimizer" if str(name).startswith("optim") else "other"
+            for _, t in iter_stored_tensors(value):
+                if id(t.storage) not in seen:
+                    seen.add(id(t.storage))
+                    sizes[category] += records[id(t.storage)].nbytes
+    return sizes
 
 
 def categories(

@@ -22,6 +22,7 @@ from ckpt_tools.formats.pickle.standins import ConstantRef
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.ops.transform.plan import cast_tensor
+from ckpt_tools.structure.paths import key_text
 
 __all__ = ["cast_rebuilt", "cast_rebuilt_items", "values_part"]
 
@@ -135,7 +136,7 @@ def cast_rebuilt_items(
                 cast[new] = cast_rebuilt(value, done, cast_to)
             continue
         wanted = value.dtype in CAST_SOURCES and value.dtype != cast_to
-        if not wanted or any(p.search(old) for p in keep):
+        if not wanted or any(p.search(key_text(old)) for p in keep):
             continue
         if _contiguous(value.shape, value.stride):
             cast[new] = cast_rebuilt(value, None, cast_to)

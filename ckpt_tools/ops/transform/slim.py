@@ -24,7 +24,7 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
-from ckpt_tools.ops.preflight import check_rewritable, check_state_dict_output
+from ckpt_tools.ops.preflight import check_key_types, check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.plan import cast_tensor
 from ckpt_tools.ops.transform.result import TransformResult
@@ -220,6 +220,8 @@ def slim(
         SelectError: ``ema`` and no EMA copy.
         NonTensorEntriesError: a safetensors output, non-tensor entries (in the state dict,
             or beside it without ``weights_only``) and not ``drop_extras`` (exit 7).
+        ConversionError: a safetensors output, and tensors under keys that are not str
+            (keys keep their type: ``1`` and ``"1"`` are two keys) (exit 7).
 
     Example:
         >>> r = slim("model.pt", "small.safetensors", dtype="bf16", keep_dtype=["bn"])
@@ -238,7 +240,9 @@ def slim(
         # A module's class is not written back: only its weights can be.
         weights_only = weights_only or selection.module is not None
         root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
-        items = [(str(k), str(k), v) for k, v in selection.state_dict.items()]
+        # Keys keep their type (``torch.load`` gives back ``1`` and ``"1"`` as two keys).
+        check_key_types(selection.state_dict, (), fmt, src)
+        items = [(k, k, v) for k, v in selection.state_dict.items()]
         plan = plan_state_dict_output(
             ckpt,
             "slim",
@@ -286,7 +290,8 @@ def _patterns(regexes: Sequence[str]) -> list[re.Pattern[str]]:
 def _drop_entries(
     root: Any, drop: Sequence[str], path: Sequence[str]
 ) -> tuple[Any, tuple[str, ...]]:
-    names = [n for part in drop for n in part.split(",") if n]
+    # An entry named twice is left out once (and said once).
+    names = list(dict.fromkeys(n for part in drop for n in part.split(",") if n))
     if not names:
         return root, ()
     if not isinstance(root, Mapping):

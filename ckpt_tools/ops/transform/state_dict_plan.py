@@ -1,8 +1,10 @@
 """The plan that writes a state dict (slim, extract, average): copied and cast storages.
 
 Which storages are cast is :mod:`~ckpt_tools.ops.transform.cast_targets`' choice; each is
-cast once, for every tensor on it. Sparse, nested and meta tensors are written too: their
-parts' storages copied (or their values cast, :mod:`~ckpt_tools.ops.transform.rebuilt_cast`).
+cast once, for every tensor on it, each tensor's run as torch casts it
+(:mod:`~ckpt_tools.ops.transform.view_casts`). Sparse, nested and meta tensors are written
+too: their parts' storages copied (or their values cast,
+:mod:`~ckpt_tools.ops.transform.rebuilt_cast`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from typing import Any
 
 from ckpt_tools._types import Progress, VerifyLevel
 from ckpt_tools.descriptors import RebuiltTensor, StorageRef, TensorRef
+from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.safetensors import tie_metadata
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import (
     Record,
-    cast_storage_record,
     cast_stream,
     copy_record,
     tensor_bytes_record,
@@ -38,9 +40,12 @@ from ckpt_tools.ops.transform.plan import (
     check_computable,
     execute_plan,
     new_storage,
+    sizes_after,
 )
 from ckpt_tools.ops.transform.rebuilt_cast import cast_rebuilt_items
 from ckpt_tools.ops.transform.result import TransformResult
+from ckpt_tools.ops.transform.view_casts import storage_cast_record
+from ckpt_tools.structure.keys import KeyRule, rename_metadata
 from ckpt_tools.structure.selection import Selection, holds_no_state_dict, replace_at
 from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 
@@ -67,6 +72,7 @@ def plan_state_dict_output(
     notes: Sequence[str] = (),
     overrides: Mapping[int, Record] | None = None,
     to_torch: Remedy | None = None,
+    renames: Sequence[KeyRule] = (),
 ) -> TransformPlan:
     """The plan writing ``items`` (source key, output key or None to drop, value) as a state dict.
 
@@ -81,12 +87,14 @@ def plan_state_dict_output(
             (a mean of N inputs), same dtype and size.
         to_torch: the fix said where safetensors cannot hold a computed storage (default:
             :func:`~ckpt_tools.ops.rewrite.plan.torch_instead` of ``dst``).
+        renames: the rules that made the output keys (extract's strip), applied to the
+            module paths of ``_metadata`` as torch renames them.
     """
     if selection.stand_in:  # written in place of the root, the empty stand-in would drop it
         raise ConversionError(
             f"{holds_no_state_dict(repr(ckpt.path), ckpt.root)}; {command} rewrites a state dict"
         )
-    out_sd = _output_state_dict(selection, items)
+    out_sd = _output_state_dict(selection, items, renames)
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
     overrides = overrides or {}
     notes = list(notes)
@@ -134,19 +142,20 @@ def plan_state_dict_output(
         metadata=None,
         expected={k: v for k, v in out_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))},
         select_out=() if weights_only else selection.path,
-        size_after=_sizes_after(tree, weights_only, records, out_sd, selection.path),
+        size_after=sizes_after(tree, weights_only, records, out_sd, selection.path),
     )
 
 
 def _output_state_dict(
-    selection: Selection, items: Sequence[tuple[str, str | None, Any]]
+    selection: Selection, items: Sequence[tuple[str, str | None, Any]], renames: Sequence[KeyRule]
 ) -> dict[Any, Any]:
-    """The output state dict: the kept items under their new keys, of the selection's type."""
+    """The output state dict: the kept items under their new keys, of the selection's type,
+    its ``_metadata`` (module versions) renamed by ``renames`` as torch renames it."""
     sd = selection.state_dict
     out_sd: dict[Any, Any] = type(sd)() if isinstance(sd, dict) else {}
     metadata = getattr(sd, "_metadata", None)
     if metadata is not None:
-        out_sd._metadata = metadata  # type: ignore[attr-defined]
+        out_sd._metadata = rename_metadata(metadata, renames)  # type: ignore[attr-defined]
     for _, new, value in items:
         if new is not None:
             out_sd[new] = value
@@ -167,22 +176,23 @@ def _storage_records(
     """
     records: dict[int, Record] = {}
     out_storage: dict[int, StorageRef] = {}
-    for _, t in iter_stored_tensors(tree):  # a sparse or nested tensor's parts too
+    stored = iter_stored_tensors(tree)  # a sparse or nested tensor's parts too
+    views: dict[int, list[TensorRef]] = {}
+    for _, t in stored:
+        views.setdefault(id(t.storage), []).append(t)
+    for _, t in stored:
         sid = id(t.storage)
         if sid in out_storage:
             continue
         src_dtype = targets.get(sid)
         if src_dtype is not None and cast_to is not None:
-            numel = t.storage.nbytes // _size(src_dtype)
-            storage = new_storage(t.storage, cast_to, numel)
-            records[id(storage)] = (
-                cast_stream(overrides[sid], src_dtype, cast_to)
-                if sid in overrides
-                else cast_storage_record(ckpt, t.storage, src_dtype, cast_to)
+            storage = new_storage(t.storage, cast_to, t.storage.nbytes // itemsize(src_dtype))
+            records[id(storage)] = storage_cast_record(
+                ckpt, t.storage, src_dtype, cast_to, views[sid], overrides.get(sid)
             )
         elif t.func is None:
             # Read without a pickle (safetensors): give it torch.save's storage and rebuild.
-            storage = new_storage(t.storage, t.dtype, t.storage.nbytes // _size(t.dtype))
+            storage = new_storage(t.storage, t.dtype, t.storage.nbytes // itemsize(t.dtype))
             records[id(storage)] = overrides.get(sid) or copy_record(ckpt, t.storage)
         else:
             storage = t.storage
@@ -247,36 +257,6 @@ def _row(old: str, new: str | None, value: Any, after: Any, cast_to: str | None)
         after.nbytes if after is not None else 0,
         action,
     )
-
-
-def _size(dtype: str) -> int:
-    from ckpt_tools.dtypes import itemsize
-
-    return itemsize(dtype)
-
-
-def _sizes_after(
-    tree: Any,
-    weights_only: bool,
-    records: Mapping[int, Any],
-    sd: Mapping[Any, Any],
-    path: Sequence[str],
-) -> dict[str, int]:
-    sizes = {"weights": 0, "optimizer": 0, "other": 0}
-    seen: set[int] = set()
-    top = [v for v in sd.values() if isinstance(v, (TensorRef, RebuiltTensor))]
-    for _, t in iter_stored_tensors(top):
-        if id(t.storage) not in seen:
-            seen.add(id(t.storage))
-            sizes["weights"] += records[id(t.storage)].nbytes
-    if not weights_only and isinstance(tree, Mapping):
-        for name, value in tree.items():
-            category = "optimizer" if str(name).startswith("optim") else "other"
-            for _, t in iter_stored_tensors(value):
-                if id(t.storage) not in seen:
-                    seen.add(id(t.storage))
-                    sizes[category] += records[id(t.storage)].nbytes
-    return sizes
 
 
 def _safetensors_entries(

@@ -1,0 +1,149 @@
+"""``average`` keeps every key ``torch.load`` gives (``7`` as well as ``"a"``), and never copies
+one input's value for another's that differs: quantizer parameters and view bits count, as
+``torch.equal`` counts them, and a tensor in one input against a non-tensor in another, or
+differing non-tensor entries, are refused (exit 7) unless ``ints`` names the input to take."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt_tools as ct
+from ckpt_tools.errors import ConversionError
+from tests.helpers.cli import run_ckpt
+
+
+def _save(path: Path, sd: dict) -> str:
+    torch.save(sd, path)
+    return str(path)
+
+
+def _average(tmp_path: Path, a: dict, b: dict, *extra: str) -> tuple[int, str, Path]:
+    out = tmp_path / "avg.pt"
+    args = [_save(tmp_path / "a.pt", a), _save(tmp_path / "b.pt", b), str(out), *extra]
+    code, stdout, stderr = run_ckpt("average", *args, code=None)
+    return code, stdout + stderr, out
+
+
+def test_average_keeps_non_str_keys(tmp_path: Path) -> None:
+    code, output, out = _average(
+        tmp_path,
+        {"a": torch.tensor([1.0]), 7: torch.tensor([2.0]), (1, "t"): torch.tensor([1, 2])},
+        {"a": torch.tensor([2.0]), 7: torch.tensor([19.0]), (1, "t"): torch.tensor([1, 2])},
+    )
+    assert code == 0, output
+    got = torch.load(out, weights_only=True)
+    assert [(type(k), k) for k in got] == [(str, "a"), (int, 7), (tuple, (1, "t"))]
+    assert torch.equal(got[7], (torch.tensor([2.0]) + torch.tensor([19.0])) / 2)
+    assert torch.equal(got[(1, "t")], torch.tensor([1, 2]))
+
+
+def test_average_names_a_non_str_key_missing_in_one_input(tmp_path: Path) -> None:
+    code, output, out = _average(
+        tmp_path, {"a": torch.ones(1), 7: torch.ones(1)}, {"a": torch.ones(1)}
+    )
+    assert code == 7 and "- 7 (missing in b.pt)" in output
+    assert not out.exists()
+
+
+def test_average_to_safetensors_refuses_tensors_under_non_str_keys(tmp_path: Path) -> None:
+    a = _save(tmp_path / "a.pt", {"a": torch.ones(1), 7: torch.ones(1)})
+    b = _save(tmp_path / "b.pt", {"a": torch.ones(1), 7: torch.ones(1)})
+    with pytest.raises(ConversionError, match="under other keys: 7"):
+        ct.average([a, b], tmp_path / "avg.safetensors")
+
+
+def _quantized(scale: float, zero_point: int) -> torch.Tensor:
+    with warnings.catch_warnings():  # quantized tensors are deprecated, still loaded
+        warnings.simplefilter("ignore")
+        ints = torch.tensor([1, 2, 3], dtype=torch.int8)
+        return torch._make_per_tensor_quantized_tensor(ints, scale, zero_point)
+
+
+def _per_channel(scales: list[float]) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ints = torch.tensor([[1, 2], [3, 4]], dtype=torch.int8)
+        scale = torch.tensor(scales, dtype=torch.float64)
+        return torch._make_per_channel_quantized_tensor(
+            ints, scale, torch.zeros(2, dtype=torch.long), 0
+        )
+
+
+@pytest.mark.parametrize(
+    ("qa", "qb"),
+    [
+        (lambda: _quantized(0.1, 0), lambda: _quantized(0.5, 0)),
+        (lambda: _quantized(0.1, 0), lambda: _quantized(0.1, 2)),
+        (lambda: _per_channel([0.5, 0.25]), lambda: _per_channel([0.5, 0.125])),
+    ],
+    ids=["scale", "zero-point", "per-channel-scales"],
+)
+def test_average_refuses_quantized_tensors_whose_quantizers_differ(
+    tmp_path: Path, qa: Any, qb: Any
+) -> None:
+    a, b = qa(), qb()
+    assert torch.equal(a, qa()) and not torch.equal(a, b)
+    code, output, out = _average(tmp_path, {"q": a}, {"q": qa()})  # equal: copied
+    assert code == 0, output
+    assert torch.equal(torch.load(out, weights_only=True)["q"], a)
+    out.unlink()
+    code, output, out = _average(
+        tmp_path, {"q": a, "w": torch.ones(1)}, {"q": b, "w": torch.ones(1)}
+    )
+    assert code == 7 and "q (qint8)" in output, output
+    assert not out.exists()
+
+
+def test_average_refuses_an_integer_tensor_that_is_a_negative_view_in_one_input(
+    tmp_path: Path,
+) -> None:
+    a, b = torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3])._neg_view()
+    code, output, out = _average(tmp_path, {"i": a}, {"i": b})
+    loaded = torch.load(tmp_path / "b.pt", weights_only=True)["i"]
+    assert not torch.equal(a, loaded)
+    assert code == 7 and "i (int64)" in output and "negative view" in output, output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (torch.tensor([1.0, 2.0]), 1.5),
+        (torch.tensor([1, 2]), 1.5),
+        (1.5, torch.tensor([1.0, 2.0])),
+    ],
+    ids=["float-tensor-then-float", "int-tensor-then-float", "float-then-tensor"],
+)
+def test_average_refuses_a_key_that_is_a_tensor_in_one_input_only(
+    tmp_path: Path, first: Any, second: Any
+) -> None:
+    code, output, out = _average(tmp_path, {"w": first}, {"w": second})
+    assert code == 7, output
+    assert "~ w:" in output and "a float, not a tensor," in output and "b.pt" in output
+    assert not out.exists()
+
+
+def test_average_refuses_differing_non_tensor_entries(tmp_path: Path) -> None:
+    extra = {"cfg": {"depth": 2, "names": ["a", float("nan")]}, "n": None}
+    a, b = {"w": torch.ones(1), "scale": 1.0, **extra}, {"w": torch.ones(1), "scale": 3.0, **extra}
+    code, output, out = _average(tmp_path, a, b)
+    assert code == 7 and "non-tensor entries differ across inputs: scale (float);" in output
+    assert not out.exists()
+
+
+def test_average_takes_differing_non_tensor_entries_from_the_input_ints_names(
+    tmp_path: Path,
+) -> None:
+    extra = {"cfg": {"depth": 2, "names": ["a", float("nan")]}, "n": None}
+    a, b = {"w": torch.ones(1), "scale": 1.0, **extra}, {"w": torch.ones(1), "scale": 3.0, **extra}
+    for ints, want in (("last", 3.0), ("first", 1.0)):
+        code, output, out = _average(tmp_path, a, b, "--ints", ints)
+        assert code == 0, output
+        got = torch.load(out, weights_only=True)
+        assert got["scale"] == want and got["n"] is None and got["cfg"]["depth"] == 2
+        out.unlink()

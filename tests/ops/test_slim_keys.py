@@ -1,0 +1,99 @@
+"""``slim`` and ``extract`` keep state-dict keys as ``torch.load`` gives them: ``1`` and ``"1"``
+are two keys, a tuple stays a tuple; safetensors, which names tensors by strings, refuses
+tensors under other keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_tools as ct
+from ckpt_tools.errors import ConversionError
+from tests.helpers.cli import run_ckpt
+
+
+def _mixed(path: Path) -> dict:
+    sd = {
+        "a": torch.tensor([1.0, 2.0]),
+        1: torch.tensor([3.0, 4.0]),
+        "1": torch.tensor([9.0]),
+        (2, "x"): torch.tensor([5.0]),
+        "n": 3,
+    }
+    torch.save(sd, path)
+    return torch.load(path, weights_only=True)
+
+
+def _same(got: dict, want: dict) -> None:
+    assert [(type(k), k) for k in got] == [(type(k), k) for k in want]
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v
+
+
+def test_slim_keeps_non_str_keys_and_their_tensors(tmp_path: Path) -> None:
+    want = _mixed(tmp_path / "in.pt")
+    result = run_ckpt("slim", str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), code=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    _same(torch.load(tmp_path / "out.pt", weights_only=True), want)
+    assert "verified: 4 tensors" in (result.stdout + result.stderr)
+
+
+def test_slim_casts_tensors_under_non_str_keys(tmp_path: Path) -> None:
+    want = _mixed(tmp_path / "in.pt")
+    ct.slim(tmp_path / "in.pt", tmp_path / "out.pt", dtype="bf16", verify="full")
+    cast = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) else v for k, v in want.items()}
+    _same(torch.load(tmp_path / "out.pt", weights_only=True), cast)
+
+
+@pytest.mark.parametrize("drop_extras", [False, True])
+def test_slim_to_safetensors_refuses_tensors_under_non_str_keys(
+    tmp_path: Path, drop_extras: bool
+) -> None:
+    _mixed(tmp_path / "in.pt")
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ConversionError, match=r"1, \(2, 'x'\)"):
+        ct.slim(tmp_path / "in.pt", out, weights_only=True, drop_extras=drop_extras)
+    assert not out.exists()
+
+
+def test_extract_leaves_non_str_keys_out_never_as_strings(tmp_path: Path) -> None:
+    torch.save(
+        {1: torch.ones(2), "1.w": torch.zeros(1), (2, "x"): torch.ones(1)}, tmp_path / "k.pt"
+    )
+    result = run_ckpt(
+        "extract", str(tmp_path / "k.pt"), str(tmp_path / "x.pt"), "--prefix", "1", code=None
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    _same(torch.load(tmp_path / "x.pt", weights_only=True), {"1.w": torch.zeros(1)})
+    assert "left out: 1, (2, 'x')" in (result.stdout + result.stderr)
+
+
+def test_extract_from_an_empty_state_dict_says_it_has_no_keys(tmp_path: Path) -> None:
+    torch.save({}, tmp_path / "e.pt")
+    result = run_ckpt(
+        "extract", str(tmp_path / "e.pt"), str(tmp_path / "x.pt"), "--prefix", "e", code=None
+    )
+    assert result.returncode == 2
+    assert "no key lies under 'e'; the state dict has no string keys" in (
+        result.stdout + result.stderr
+    )
+
+
+def test_slim_drop_named_twice_is_said_once(tmp_path: Path) -> None:
+    torch.save({"model": {"w": torch.ones(1)}, "optimizer": {"lr": 0.1}}, tmp_path / "d.pt")
+    result = run_ckpt(
+        "slim",
+        str(tmp_path / "d.pt"),
+        str(tmp_path / "y.pt"),
+        "--drop",
+        "optimizer,optimizer",
+        code=None,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "left out: optimizer\n" in (result.stdout + result.stderr)
+    assert list(torch.load(tmp_path / "y.pt", weights_only=True)) == ["model"]
