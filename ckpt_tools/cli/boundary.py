@@ -88,17 +88,26 @@ def _silence(stream: object, *, always: bool) -> None:
 _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 
 
+def _say(line: str) -> None:
+    """Write the error line on stderr, every control character and line break escaped.
+
+    The last guard: a message that quotes a key from the file (``"epoch\\nckpt: ok"``)
+    stays one line, so no file can print a line of its own under ``ckpt``'s name.
+    """
+    from ckpt_tools._escape import shown
+
+    click.echo(shown(line), err=True)
+
+
 def _os_error(e: OSError, prog_name: str) -> int:
     """One line for an error of the system the library did not expect (an input a folder
     holds that cannot be read, stdout on a full disk): 6 where writing failed, else 2."""
-    from ckpt_tools.cli.render import echo_text
-
     where = f": {os.fsdecode(e.filename)!r}" if e.filename is not None else ""
     if e.errno in _OUTPUT_ERRNOS:
         _silence(sys.stdout, always=False)  # what stdout refused is not offered again at exit
-        echo_text(f"{prog_name}: error: writing failed ({e.strerror or e}){where}", err=True)
+        _say(f"{prog_name}: error: writing failed ({e.strerror or e}){where}")
         return 6
-    echo_text(f"{prog_name}: error: {e.strerror or e}{where}", err=True)
+    _say(f"{prog_name}: error: {e.strerror or e}{where}")
     return 2
 
 
@@ -108,7 +117,6 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
     except BaseException as e:
         # Imported once something was raised: `ckpt --version` and `ckpt --help` start
         # without the error tree and the write machinery.
-        from ckpt_tools.cli.render import echo_text
         from ckpt_tools.errors import CheckpointError
         from ckpt_tools.io.interrupts import Interrupted
 
@@ -121,8 +129,8 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
             # The traceback first, then the line and the exit code a script relies on.
             traceback.print_exception(e, file=sys.stderr)
         if isinstance(e, CheckpointError):
-            # A message may quote a key from the file: escaped as the command's output is.
-            echo_text(f"{prog_name}: error: {e.render(for_cli=True)}", err=True)
+            # A message may quote a key from the file: one line, whatever the key holds.
+            _say(f"{prog_name}: error: {e.render(for_cli=True)}")
             return e.exit_code
         if unexpected:
             return _os_error(e, prog_name)  # type: ignore[arg-type]
@@ -134,7 +142,7 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
                 done = "nothing was written and the input is unchanged"
             else:
                 done = f"{e.written!r} had been written and is complete"
-            click.echo(f"{prog_name}: {e}; {done}", err=True)
+            _say(f"{prog_name}: {e}; {done}")
             return 128 + e.signum
         raise
     # Commands return their exit code (``ckpt diff --fail-on``) or None for success.

@@ -91,13 +91,17 @@ def add_module_cmd(src: str, dst: str, prefix: str, drop_extras: bool, **kw: Any
     _rewrite(add_module, src, dst, kw, prefix=prefix, drop_extras=drop_extras)
 
 
+# An OLD=NEW that fits each option: a key prefix for --sub, a device tag for --map.
+_PAIR_EXAMPLES = {"--sub": "backbone.=encoder.", "--map": "cuda:1=cpu"}
+
+
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
     pairs = []
     for value in values:
         old, sep, new = value.partition("=")
         if not sep or not old:
             raise UsageError(
-                f"{option} {value!r}: expected OLD=NEW, e.g. {option} backbone.=encoder."
+                f"{option} {value!r}: expected OLD=NEW, e.g. {option} {_PAIR_EXAMPLES[option]}"
             )
         pairs.append((old, new))
     return pairs

@@ -24,7 +24,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.dtypes import SAFETENSORS_PACKED, TORCH_TO_SAFETENSORS
-from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy
+from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy, shown
 
 __all__ = ["RESERVED_NAME", "check_holdable", "leave_out_extras", "tied_names", "unholdable_kind"]
 
@@ -146,7 +146,8 @@ def _rename_first(reserved: bool) -> Remedy:
 
 
 def _few(items: Sequence[str]) -> str:
-    return ", ".join(items[:8]) + (" ..." if len(items) > 8 else "")
+    # Names from the file: a line break or a control in one stays one escaped character.
+    return ", ".join(map(shown, items[:8])) + (" ..." if len(items) > 8 else "")
 
 
 def _is_utf8(name: str) -> bool:

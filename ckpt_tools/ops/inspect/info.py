@@ -15,6 +15,7 @@ from typing import Any
 
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError, shown
 from ckpt_tools.ops.inspect.tensor_info import TensorInfo, group_sharing
+from ckpt_tools.structure.steps import Step, fix_command
 from ckpt_tools.structure.text import (
     Readable,
     TableFormat,
@@ -74,6 +75,8 @@ class CheckpointInfo(Readable):
         format_info: the format's own record, as ``lines()`` and ``to_json()`` (``ZeroInfo``).
         transfer: for a checkpoint read from a URL, the
             :class:`~ckpt_tools.io.remote.TransferStats` of the read.
+        select: the ``select`` it was inspected with (None: the file's own choice), which
+            the rewrite it suggests repeats.
     """
 
     path: str
@@ -98,6 +101,7 @@ class CheckpointInfo(Readable):
     # What reading it from a URL cost (requests, bytes received); None for a local file.
     # Not part of to_json(): the description of a file is the same wherever it lies.
     transfer: Any = None
+    select: str | tuple[str, ...] | None = None
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -213,11 +217,13 @@ class CheckpointInfo(Readable):
     def _wrapper_lines(self, for_cli: bool) -> list[str]:
         if not self.wrappers:
             return ["wrappers:    none"]
-        fix = (
-            f"ckpt strip-module {self.path} OUT"
-            if for_cli
-            else f"ckpt_tools.strip_module({self.path!r}, OUT)"
-        )
+        if for_cli:
+            # The command diff suggests too: quoted for the shell, with the --select given.
+            steps = [Step("strip-inner" if w.inner else "strip", w.prefix) for w in self.wrappers]
+            fix = fix_command(self.path, steps, self.select, [t.name for t in self.tensors])
+        else:
+            chosen = "" if self.select is None else f", select={self.select!r}"
+            fix = f"ckpt_tools.strip_module({self.path!r}, OUT{chosen})"
         found = "; ".join(
             f"{w.prefix!r} {w.kind} ({w.count}/{w.of} keys{', inside keys' if w.inner else ''})"
             for w in self.wrappers

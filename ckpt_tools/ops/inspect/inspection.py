@@ -18,7 +18,7 @@ from ckpt_tools.structure.selection import (
     key_text,
     select_state_dict,
 )
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors, stored_views
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_tensors, stored_views
 from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperRule, detect_wrappers
 
 __all__ = [
@@ -148,6 +148,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         beyond_weights_only=ckpt.beyond_weights_only,
         pickled_module=_module_summary(selection),
         chunks=_dcp_chunks(ckpt, named),
+        select=select if select is None or isinstance(select, str) else tuple(select),
         format_info=getattr(ckpt, "zero", None),
     )
 
@@ -196,18 +197,7 @@ def _held_views(t: Any) -> tuple[TensorRef, ...]:
     """The views whose storages hold ``t``: :func:`stored_views`, and a quantized tensor's
     quantizer tensors (per-channel scales and zero points, saved as storages of their own)."""
     views = stored_views(t)
-    return (*views, *(q for v in views for q in _quantizer_tensors(v)))
-
-
-def _quantizer_tensors(t: TensorRef) -> tuple[TensorRef, ...]:
-    # _rebuild_qtensor(storage, offset, size, stride, qparams, ...): per-channel qparams are
-    # (qscheme, scales, zero_points, axis); per-tensor ones hold numbers only.
-    if t.func is None or t.func.name != "_rebuild_qtensor" or len(t.args) < 5:
-        return ()
-    qparams = t.args[4]
-    return (
-        tuple(v for v in qparams if isinstance(v, TensorRef)) if isinstance(qparams, tuple) else ()
-    )
+    return (*views, *(q for v in views for q in quantizer_tensors(v)))
 
 
 def _info(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
-from ckpt_tools.errors import ConversionError, Remedy, UsageError
+from ckpt_tools.errors import ConversionError, Remedy, UsageError, shown
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.space import check_output_size
@@ -128,7 +128,8 @@ def _refuse_unmatched(src: str, selection: Selection, rules: Sequence[KeyRule]) 
             "nothing would be renamed",
             argument="rules",
         )
-    heads = sorted({str(k).split(".")[0] + "." for k in selection.state_dict})
+    # Keys from the file, shown escaped: a line break in one cannot start a line of its own.
+    heads = sorted({shown(str(k).split(".")[0] + ".") for k in selection.state_dict})
     raise UsageError(
         f"no key of {src} matches {described}; "
         f"nothing would be renamed (the keys start with {', '.join(heads[:10])})",
@@ -257,6 +258,7 @@ def plan_strip(
     select: Select,
     output_format: str | None,
     allow_globals: Sequence[str],
+    dry_run: bool = False,
 ) -> tuple[tuple[KeyRule, ...], tuple[WrapperMatch, ...], RewriteResult | None]:
     """The wrapper rules ``strip-module`` applies to the opened ``ckpt``'s state dict.
 
@@ -264,7 +266,7 @@ def plan_strip(
         ckpt: the opened input.
         src: its path, as the caller gave it.
         dst: the output path.
-        select, output_format, allow_globals: the caller's, as
+        select, output_format, allow_globals, dry_run: the caller's, as
             :func:`~ckpt_tools.ops.rewrite.rewriting.strip_module` takes them.
 
     Returns:
@@ -279,10 +281,11 @@ def plan_strip(
         return rules, matches, None
     fmt = output_format_for(dst, output_format, ckpt.format)
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
-    why = (
-        f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; {dst} was not written"
-    )
-    nothing = _result(src, dst, ckpt, ckpt.format, selection.path, (), 0, n_keys, message=why)
+    # A dry run says it is one whatever it finds: it plans no file, and removes none.
+    was = "would not be" if dry_run else "was not"
+    why = f"nothing to strip: no wrapper prefix in the {n_keys} keys of {src}; {dst} {was} written"
+    stated = (src, dst, ckpt, ckpt.format, selection.path, (), 0, n_keys)
+    nothing = _result(*stated, dry_run=dry_run, message=why)
     return (), (), nothing
 
 

@@ -17,6 +17,7 @@ from ckpt_tools.errors import (
     UnsafeContentError,
     UnsupportedFormatError,
     UsageError,
+    shown,
 )
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.structure.keys import KeyRule
@@ -251,7 +252,7 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
     if matched or not device_map:
         return matched
     target = next(iter(device_map.values()))
-    has = ", ".join(f"{tag} ×{n}" for tag, n in saved.items()) or "no storages"
+    has = ", ".join(f"{shown(tag)} ×{n}" for tag, n in saved.items()) or "no storages"
     fixes = [
         Remedy("mapping", repr({tag: target}), flag=f"--map {tag}={target}")
         for tag in saved

@@ -189,7 +189,9 @@ def strip_module(
     ckpt = open_checkpoint(src)
     from ckpt_tools.ops.rewrite.apply import apply_rewrite, plan_strip  # (after the read)
 
-    found, matches, nothing = plan_strip(ckpt, src, dst, select, output_format, allow_globals)
+    found, matches, nothing = plan_strip(
+        ckpt, src, dst, select, output_format, allow_globals, dry_run
+    )
     if nothing is not None:
         return nothing
     replace = force or bool(in_place)

@@ -1,0 +1,66 @@
+"""``ckpt inspect``'s "strip them:" command, run exactly as printed, writes a checkpoint that
+loads strictly into the unwrapped model."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ckpt_tools as ct
+from tests.helpers import run_ckpt
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 1))
+
+
+def _wrapped(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"module.{k}": v for k, v in model.state_dict().items()}
+
+
+def _run_suggestion(*inspect_args: object) -> list[str]:
+    """Run the command inspect suggests, as printed; return its arguments."""
+    out = run_ckpt("inspect", *inspect_args).stdout
+    line = next(line for line in out.splitlines() if "strip them:" in line)
+    argv = shlex.split(line.split("strip them:", 1)[1])
+    assert argv[0] == "ckpt", line
+    run_ckpt(*argv[1:])
+    return argv
+
+
+def _loads_strictly(state_dict: dict[str, torch.Tensor], model: nn.Module) -> None:
+    fresh = _model(seed=99)
+    fresh.load_state_dict(state_dict, strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_the_suggestion_quotes_a_path_with_a_space(tmp_path: Path) -> None:
+    model = _model(seed=1)
+    src = tmp_path / "my ddp.pt"
+    torch.save(_wrapped(model), src)
+    argv = _run_suggestion(src)
+    assert argv[1:3] == ["strip-module", str(src)]
+    _loads_strictly(torch.load(argv[3], weights_only=True), model)
+
+
+def test_the_suggestion_keeps_the_selected_state_dict(tmp_path: Path) -> None:
+    plain, ema = _model(seed=1), _model(seed=2)
+    src = tmp_path / "timm.pt"
+    torch.save({"state_dict": plain.state_dict(), "state_dict_ema": _wrapped(ema)}, src)
+    argv = _run_suggestion(src, "--select", "state_dict_ema")
+    assert argv[-2:] == ["--select", "state_dict_ema"]
+    written = torch.load(argv[3], weights_only=True)
+    _loads_strictly(written["state_dict_ema"], ema)
+    _loads_strictly(written["state_dict"], plain)
+
+
+def test_the_python_hint_keeps_the_selected_state_dict(tmp_path: Path) -> None:
+    src = tmp_path / "timm.pt"
+    torch.save({"state_dict": {}, "state_dict_ema": _wrapped(_model(seed=2))}, src)
+    text = str(ct.inspect(src, select="state_dict_ema"))
+    assert f"ckpt_tools.strip_module({str(src)!r}, OUT, select='state_dict_ema')" in text
