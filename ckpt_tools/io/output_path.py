@@ -1,24 +1,27 @@
 """What an output may be, checked before any work.
 
-A file output (:func:`check_output_path`) is never the input (unless in place), never a file
-an input folder's reader reads, a folder, a device or a FIFO; an existing file only with
-``force``. :mod:`~ckpt_tools.io.atomic` then writes it. A folder output
-(:func:`check_output_folder`) never holds the input, and an existing one is filled only with
-``force``; :mod:`~ckpt_tools.io.writers.hf_folder` then writes it."""
+A file output (:func:`check_output_path`) is never the input (unless in place), never a path
+an input folder is read through (:func:`~ckpt_tools.io.input_files.shapes_reading`), a folder,
+a device, a FIFO or a symlink loop; an existing file only with ``force``.
+:mod:`~ckpt_tools.io.atomic` then writes it. A folder output (:func:`check_output_folder`)
+never holds the input nor loops, and an existing one is filled only with ``force``;
+:mod:`~ckpt_tools.io.writers.hf_folder` then writes it."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, SameFileError, UsageError
-from ckpt_tools.io.input_files import reads
+from ckpt_tools.io.input_files import shapes_reading
 
 __all__ = [
     "FORCE_REPLACES",
     "check_output_folder",
     "check_output_path",
     "check_writable",
+    "folder_exists_error",
     "resolved_output",
     "wants_folder",
 ]
@@ -56,7 +59,9 @@ def check_output_path(
             of a ``src`` folder reads (a shard, the index), whatever ``in_place``.
         OutputExistsError: ``dst`` exists and ``force`` is False.
         OutputError: ``dst`` is a folder, ends with ``/``, or is not a regular file (a
-            device, a FIFO), or its folder does not exist or is a file.
+            device, a FIFO), or its folder does not exist or is a file; or it is a name a
+            ``src`` folder is read through (a ``model.safetensors`` beside its index), or it
+            is or passes through a symlink loop.
     """
     if os.fspath(dst).endswith(("/", os.sep)):  # Path() drops the slash: a file would be named
         raise OutputError(
@@ -64,14 +69,21 @@ def check_output_path(
             f"({os.fspath(dst).rstrip('/' + os.sep)!r})",
             path=dst,
         )
+    _refuse_loop(dst)
     out = Path(dst)
-    if src is not None and out.exists():
-        if Path(src).is_dir() and reads(src, out):  # a shard or the index: never, in place or not
+    if src is not None and Path(src).is_dir() and shapes_reading(src, out):
+        if out.exists():  # a shard or the index: never, in place or not
             raise SameFileError(dst, offer_in_place=False, folder=src)
-        if _same_file(Path(src), out):
-            if not in_place:
-                raise SameFileError(dst, offer_in_place=in_place is not None)
-            return out.resolve()
+        raise OutputError(
+            f"output {os.fspath(dst)!r} is a name the input folder {os.fspath(src)!r} is read "
+            "through: written there, it would change what the folder loads as",
+            path=dst,
+            remedies=(Remedy(text="choose another output path"),),
+        )
+    if src is not None and out.exists() and _same_file(Path(src), out):
+        if not in_place:
+            raise SameFileError(dst, offer_in_place=in_place is not None)
+        return out.resolve()
     if out.is_dir():
         raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)
     if out.exists() and not out.is_file():  # a device or a FIFO: never replaced by a file
@@ -84,6 +96,22 @@ def check_output_path(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
     return out.resolve() if out.is_symlink() else out
+
+
+def _refuse_loop(dst: str | os.PathLike[str]) -> None:
+    """Refuse an output that is, or passes through, a symlink loop: no file can be written
+    there, and resolving it fails (``RuntimeError`` or ``OSError``, by Python version)."""
+    try:
+        os.stat(dst)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            return  # absent (or unreadable): the checks that follow say what is wrong
+        raise OutputError(
+            f"output {os.fspath(dst)!r} is or passes through a symlink loop (too many levels "
+            "of symbolic links); no file can be written there",
+            path=dst,
+            remedies=(Remedy(text="remove the looping link, or choose another output path"),),
+        ) from None
 
 
 def wants_folder(dst: str | os.PathLike[str], max_shard_size: str | int | None) -> bool:
@@ -121,8 +149,9 @@ def check_output_folder(
     Raises:
         OutputError: ``dst`` is ``src``, or holds it (never replaced, even with ``force``).
         OutputExistsError: ``dst`` exists, is not empty, and ``force`` is False.
-        OutputError: ``dst`` is a file, its parent folder does not exist, or it is a folder
-            this process could not write files into (replaced, it would be taken over).
+        OutputError: ``dst`` is a file, its parent folder does not exist, it is a folder
+            this process could not write files into (replaced, it would be taken over), or
+            it is or passes through a symlink loop.
         UsageError: ``dst`` is not a folder yet and its name has a file's suffix (``out.pt``).
 
     Example:
@@ -130,6 +159,7 @@ def check_output_folder(
         Traceback (most recent call last):
         ckpt_tools.errors.OutputExistsError: output 'sharded' already exists; ...
     """
+    _refuse_loop(dst)
     out = resolved_output(dst)
     if src is not None:
         real_src, real_out = os.path.realpath(src), os.path.realpath(out)
@@ -151,12 +181,7 @@ def check_output_folder(
             remedies=(Remedy(text=f"name a folder, e.g. {Path(out.name).stem}/"),),
         )
     if out.is_dir() and any(out.iterdir()) and not force:
-        err = OutputExistsError(dst)
-        err.remedies = (
-            Remedy("force", "True", flag="--force", text=f"to replace {FORCE_REPLACES}"),
-            *err.remedies[1:],
-        )
-        raise err
+        raise folder_exists_error(dst)
     check_writable(out, dst)
     if not out.parent.is_dir():
         raise OutputError(
@@ -164,6 +189,28 @@ def check_output_folder(
             path=dst,
         )
     return out
+
+
+def folder_exists_error(dst: str | os.PathLike[str]) -> OutputExistsError:
+    """The refusal of an output folder that is not empty, with what ``force`` would do to it:
+    the same words whether it was found before the write or only at its final rename.
+
+    Args:
+        dst: the output folder, as the caller named it.
+
+    Returns:
+        The error, to raise.
+
+    Example:
+        >>> str(folder_exists_error("sharded")).split(";")[0]
+        "output 'sharded' already exists"
+    """
+    err = OutputExistsError(dst)
+    err.remedies = (
+        Remedy("force", "True", flag="--force", text=f"to replace {FORCE_REPLACES}"),
+        *err.remedies[1:],
+    )
+    return err
 
 
 def resolved_output(dst: str | os.PathLike[str]) -> Path:

@@ -12,6 +12,7 @@ torch is never imported.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -21,10 +22,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import OutputError, OutputExistsError
+from ckpt_tools.errors import OutputError
 from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
 from ckpt_tools.io.interrupts import Interrupted, naming, signals_raise
-from ckpt_tools.io.output_path import check_writable, resolved_output
+from ckpt_tools.io.output_path import check_writable, folder_exists_error, resolved_output
 from ckpt_tools.io.writers.folder_temp import (
     StopCounter,
     Stopped,
@@ -145,7 +146,7 @@ def _published_folder(
     old = target.stat() if target.is_dir() else None
     replaced = old is not None and any(target.iterdir())
     if replaced and not replace:  # filled after check_output_folder accepted it
-        raise OutputExistsError(str(target))
+        raise folder_exists_error(str(target))
     durable = durable or replaced
     parent = target.parent
     check_writable(target, target)
@@ -179,6 +180,9 @@ def _published_folder(
         except OSError as e:
             if isinstance(e, OutputError):
                 raise
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and not replaced:
+                # another writer published the folder first (found empty or absent above)
+                raise folder_exists_error(str(target)) from e
             raise OutputError(
                 f"writing {str(target)!r} failed ({e.strerror or e}); the input is unchanged",
                 path=str(target),
@@ -201,14 +205,21 @@ def _discard(tmp: Path, target: Path, moved: Sequence[str]) -> None:
 
 def _swap(target: Path, tmp: Path, old: Path, replaced: bool) -> None:
     """Give ``tmp`` the name ``target``; an old non-empty ``target`` is moved aside, put back
-    if the rename fails, and removed once the new folder has its name."""
+    if the rename fails, and removed once the new folder has its name.
+
+    Raises:
+        OutputExistsError: ``target``, absent or empty when the write began, was filled
+            meanwhile (another writer published it first).
+    """
     if replaced:
         os.rename(target, old)
     try:
         os.rename(tmp, target)  # also replaces an empty folder
-    except OSError:
+    except OSError as e:
         if replaced:
             os.rename(old, target)
+        elif e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise folder_exists_error(str(target)) from e
         raise
     if replaced:
         shutil.rmtree(old, ignore_errors=True)
