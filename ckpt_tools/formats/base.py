@@ -86,6 +86,9 @@ class Checkpoint:
         remote: for a checkpoint read from a URL, each remote file by its URL.
         byteorder: the byte order of its storages' elements, ``little`` unless a torch zip's
             byteorder record says ``big`` (torch.load byte-swaps those as it loads them).
+        byteorder_recorded: whether a torch zip has a byteorder record; without one this
+            reader takes it as ``little`` (torch's default), while ``torch.load`` follows
+            ``torch.serialization.set_default_load_endianness`` (the loaders do too).
     """
 
     path: str
@@ -104,6 +107,7 @@ class Checkpoint:
     # Empty for a local checkpoint.
     remote: Mapping[str, RangeSource] = field(default_factory=dict, repr=False)
     byteorder: str = "little"
+    byteorder_recorded: bool = False
 
     def span(self, storage: StorageRef) -> ByteSpan:
         """Where ``storage``'s bytes lie in the file.

@@ -280,8 +280,9 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
         tag -> device string; None for a callable (known only once called).
 
     Raises:
-        UsageError: a target device is malformed, does not exist here, or is the CPU with
-            an index (``'cpu:0'``: torch restores only to ``'cpu'``).
+        UsageError: a target device is malformed, does not exist here, is the CPU or meta
+            with an index (``'cpu:0'``: torch restores only to ``'cpu'``), or a dict's
+            target is not a string (torch.load raises TypeError on a ``torch.device``).
 
     Example:
         >>> resolve_map_location("auto", ["cpu"])
@@ -299,6 +300,14 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
             target: Any = tag
         elif isinstance(map_location, Mapping):
             target = map_location.get(tag, tag)
+            if not isinstance(target, str):
+                # torch.load parses a dict's targets as text: it raises TypeError on others.
+                raise _refused(
+                    f"{target!r}; torch.load takes a dict's targets only as strings",
+                    tag,
+                    map_location,
+                    Remedy("map_location", repr({tag: str(target)})),
+                )
         elif isinstance(map_location, (str, torch.device)):
             target = map_location
         else:
@@ -324,13 +333,15 @@ def _checked_device(target: Any, tag: str, map_location: MapLocation) -> str:
             map_location,
             Remedy("map_location", "'auto'"),
         ) from e
-    if device.type == "cpu" and device.index is not None:
-        # torch restores CPU storages only under the bare tag: 'cpu:0' fails inside it.
+    if device.type in ("cpu", "meta") and device.index is not None:
+        # torch restores CPU and meta storages only under the bare tag: 'cpu:0' fails
+        # inside it ('meta:0' too, but for a torch.device given for a whole zip file).
         raise _refused(
-            f"{str(device)!r}; torch takes the CPU only as 'cpu', without an index",
+            f"{str(device)!r}; torch takes the {device.type} device only as "
+            f"{device.type!r}, without an index",
             tag,
             map_location,
-            Remedy("map_location", "'cpu'"),
+            Remedy("map_location", repr(device.type)),
         )
     if not _device_available(device):
         raise _refused(

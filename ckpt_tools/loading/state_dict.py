@@ -110,6 +110,8 @@ def _restorer(
     function that says where they went."""
     from torch.serialization import default_restore_location
 
+    from ckpt_tools.loading.storages import placed_storage
+
     resolved = resolve_map_location(map_location, tags)
     seen: dict[tuple[str, str], list[int]] = {}
 
@@ -119,7 +121,7 @@ def _restorer(
             result = map_location(storage, tag)  # type: ignore[operator]
             if result is None:
                 result = default_restore_location(storage, tag)
-            target = str(result.device)
+            target = str(placed_storage(result, storage, tag).device)
         else:
             target = resolved.get(tag)
             if target is None:  # a tag seen only inside a rebuild's arguments
@@ -164,7 +166,9 @@ def _selection_checked(root: Any, select: Select, where: str) -> Selection:
             holds_no_state_dict(where, root),
             remedies=(Remedy(text="load it with torch.load(path, weights_only=True)"),),
         )
-    if select is None and not is_state_dict(selection.state_dict):
+    # A root that is an empty mapping is an empty state dict (torch.load gives it back).
+    empty_root = isinstance(root, Mapping) and not root
+    if select is None and not empty_root and not is_state_dict(selection.state_dict):
         top = list(root)[:12] if isinstance(root, Mapping) else []
         raise UsageError(
             f"{where}: no entry looks like a state dict (a mapping of names to tensors); "
@@ -214,7 +218,8 @@ def load_state_dict(
             memory; writes to a tensor never reach the file). The file must then not change
             while the tensors live: rewriting it in place changes their values, and
             truncating it (``torch.save`` to the same path) makes reading them fail with
-            SIGBUS. Legacy and tar records are read either way.
+            SIGBUS. Legacy and tar records are read either way; a re-zipped archive's
+            compressed records cannot be mapped and are refused.
 
     Returns:
         The state dict, as loaded (``_metadata`` kept).
@@ -223,10 +228,13 @@ def load_state_dict(
         MissingExtraError: torch is not installed (``pip install 'ckpt_tools[torch]'``).
         UnsafeContentError: the state dict holds objects of globals outside the allowlist
             (all named) and no ``trust=True``.
-        UsageError: ``map_location`` names a device that does not exist here, or nothing
-            looks like a state dict.
+        UsageError: ``map_location`` names a device that does not exist here, a callable
+            ``map_location`` returns something torch.load refuses (no untyped storage, too
+            few bytes), ``mmap=True`` meets a compressed (re-zipped) storage record, or
+            nothing looks like a state dict (a root that is an empty dict loads as ``{}``).
         SelectError: ``select`` names a missing entry.
-        UnsupportedFormatError: a TorchScript archive or a plain pickle.
+        UnsupportedFormatError: a TorchScript archive or a plain pickle; with ``trust=True``,
+            a file naming code that cannot be imported here.
         CheckpointError: the file is missing, truncated or malformed.
 
     Example:

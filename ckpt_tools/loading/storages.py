@@ -6,10 +6,12 @@ to map (``mmap=True``), torch zip and safetensors records are memory-mapped once
 them: private, page-cache backed, no anonymous copy) and each storage is a slice of that map;
 legacy and tar records are read all the same (torch cannot map them). A zip record that was
 re-zipped with deflate is inflated and checked against its size and CRC-32, as torch's zip
-reader inflates it. A legacy storage view
+reader inflates it (with ``mmap=True`` it is refused: its bytes cannot be mapped). A
+legacy storage view
 is a slice of its root, as torch makes it. A big-endian zip's storages are byte-swapped by
-their dtype, as torch.load swaps them. Storages go where ``map_location`` says through a
-:data:`Restore` function.
+their dtype, as torch.load swaps them (one without a byteorder record as
+``torch.serialization.set_default_load_endianness`` says). Storages go where
+``map_location`` says through a :data:`Restore` function.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import torch
 
 from ckpt_tools.descriptors import StorageRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, ZipRecord
 from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, decompressed, pread_exact
 from ckpt_tools.loading.tensor_io import torch_dtype
 
-__all__ = ["Restore", "StorageBuilder"]
+__all__ = ["Restore", "StorageBuilder", "load_byteorder", "placed_storage"]
 
 #: ``(cpu_storage, saved_tag) -> storage``: where one storage goes (``map_location`` resolved).
 Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
@@ -39,6 +41,35 @@ Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
 # Formats whose records lie stored (uncompressed) in the file at fixed offsets and may be
 # mapped; legacy and tar files are read instead, as torch reads them (it cannot map them).
 _MAPPED_FORMATS = frozenset({"torch-zip", "safetensors"})
+# Formats whose storages torch reads into the restored storage, which must have the saved size.
+_EXACT_FORMATS = frozenset({"torch-legacy", "torch-tar"})
+
+
+def load_byteorder(ckpt: Checkpoint) -> str:
+    """The byte order ``torch.load`` reads ``ckpt``'s storages in, as it decides it now.
+
+    A torch zip without a byteorder record (torch < 2.1 wrote none) is read in torch's
+    default load endianness (``torch.serialization.set_default_load_endianness``):
+    ``little`` when unset or ``LITTLE``, ``big`` for ``BIG``, the host's for ``NATIVE``.
+
+    Args:
+        ckpt: an opened checkpoint (one file, not a sharded folder).
+
+    Returns:
+        ``little`` or ``big``.
+
+    Example:
+        >>> load_byteorder(Checkpoint("a.pt", "torch-zip", {}, {}, byteorder_recorded=True))
+        'little'
+    """
+    if ckpt.format != "torch-zip" or ckpt.byteorder_recorded:
+        return ckpt.byteorder
+    from torch.serialization import LoadEndianness, get_default_load_endianness
+
+    default = get_default_load_endianness()
+    if default == LoadEndianness.BIG:
+        return "big"
+    return sys.byteorder if default == LoadEndianness.NATIVE else "little"
 
 
 @dataclass
@@ -71,7 +102,7 @@ class StorageBuilder(ClosesOnExit):
     def __post_init__(self) -> None:
         for sub in (self.ckpt, *self.ckpt.shards.values()):
             self._formats[sub.path] = sub.format
-            if sub.byteorder != sys.byteorder:
+            if load_byteorder(sub) != sys.byteorder:
                 self._swapped.add(sub.path)
             # Found once, not per storage: the zips' deflated storage records, by the
             # storage's identity (every shard of a sharded folder has its own data/0).
@@ -103,13 +134,17 @@ class StorageBuilder(ClosesOnExit):
         if root is None:
             if record is None:
                 cpu = self._read(path, root_offset, root_nbytes, ref.dtype)
+            elif self.mmap:
+                raise _unmappable(owner.path, record)
             else:
                 cpu = _inflated(owner, record, root_nbytes)
             if path in self._swapped:
                 # As torch.load swaps it: by the storage's dtype, before it is placed. A mapped
                 # storage is a private mapping, so the file itself is never written.
                 cpu.byteswap(torch_dtype(ref.dtype))
-            root = self._roots[key] = _restored(self.restore(cpu, ref.device))
+            exact = self._formats.get(path) in _EXACT_FORMATS
+            placed = placed_storage(self.restore(cpu, ref.device), cpu, ref.device, exact)
+            root = self._roots[key] = placed
         found = root if ref.view is None else root[first:end]
         self._views[id(ref)] = found
         return found
@@ -150,6 +185,19 @@ class StorageBuilder(ClosesOnExit):
         return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 
+def _unmappable(path: str, record: ZipRecord) -> UsageError:
+    # torch.load(mmap=True) maps the record's compressed bytes as if they were the values.
+    return UsageError(
+        f"{path!r}: record {record.name} is compressed (the archive was re-zipped with "
+        "deflate), so its bytes cannot be memory-mapped; torch.load(mmap=True) would map the "
+        "compressed bytes as values",
+        argument="mmap",
+        value="True",
+        path=path,
+        remedies=(Remedy("mmap", "False", text="to inflate it into memory"),),
+    )
+
+
 def _inflated(ckpt: Checkpoint, record: ZipRecord, nbytes: int) -> torch.UntypedStorage:
     """A deflated storage record's first ``nbytes`` bytes, inflated and checked whole."""
     buffer = bytearray()
@@ -174,7 +222,49 @@ def _inflated(ckpt: Checkpoint, record: ZipRecord, nbytes: int) -> torch.Untyped
     return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 
-def _restored(result: Any) -> torch.UntypedStorage:
-    # A map_location callable may hand back a TypedStorage (older code): use its bytes.
-    untyped = getattr(result, "_untyped_storage", None)
-    return untyped if untyped is not None else result
+def placed_storage(
+    result: Any, saved: torch.UntypedStorage, tag: str, exact: bool = False
+) -> torch.UntypedStorage:
+    """What a ``map_location`` callable returned for the storage ``saved`` (saved on ``tag``),
+    checked as ``torch.load`` checks it (None was already made torch's default placement).
+
+    torch.load sets its tensors on the storage it gets: one shorter than saved fails (or is
+    resized, uninitialised), and a legacy file's must have exactly the saved size.
+
+    Args:
+        result: the callable's answer.
+        saved: the storage it was given.
+        tag: the storage's saved location, for the message.
+        exact: the file is a legacy or tar file (the size must match exactly).
+
+    Returns:
+        ``result``.
+
+    Raises:
+        UsageError: ``result`` is not a ``torch.UntypedStorage`` (torch.load raises
+            TypeError on a tensor, a TypedStorage, a device name ...) or has too few bytes.
+
+    Example:
+        >>> placed_storage("cpu", torch.UntypedStorage(4), "cpu")
+        Traceback (most recent call last):
+        ...
+        ckpt_tools.errors.UsageError: map_location: the callable returned a str for a storage \
+saved on 'cpu'; torch.load takes only a torch.UntypedStorage or None (where it was saved); \
+return storage.to(device) or None from it
+    """
+    fix = (Remedy(text="return storage.to(device) or None from it"),)
+    if not isinstance(result, torch.UntypedStorage):
+        raise UsageError(
+            f"map_location: the callable returned a {type(result).__name__} for a storage "
+            f"saved on {tag!r}; torch.load takes only a torch.UntypedStorage or None (where it "
+            "was saved)",
+            remedies=fix,
+        )
+    size, need = result.nbytes(), saved.nbytes()
+    if size < need or (exact and size != need):
+        raise UsageError(
+            f"map_location: the callable returned a storage of {size} bytes for one saved on "
+            f"{tag!r} with {need}; torch.load needs {'exactly' if exact else 'at least'} {need}",
+            remedies=fix,
+        )
+    return result

@@ -10,17 +10,19 @@ path does.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ckpt_tools._types import MapLocation
-from ckpt_tools.errors import Remedy, UnsupportedFormatError
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.loading.devices import resolve_map_location
 from ckpt_tools.loading.extras import require_safetensors
 from ckpt_tools.loading.results import StorageMove
+from ckpt_tools.loading.storages import placed_storage
 from ckpt_tools.structure.selection import mapping_at, walk_path
 
 __all__ = ["load_trusted"]
@@ -63,14 +65,18 @@ def _placements(ckpt: Checkpoint, resolved: Mapping[str, str]) -> tuple[StorageM
 class _Recorder:
     """Wraps a callable ``map_location`` to record where each saved tag went."""
 
-    def __init__(self, func: Callable[[Any, str], Any]) -> None:
+    def __init__(self, func: Callable[[Any, str], Any], exact: bool) -> None:
         self.func = func
+        self.exact = exact  # a legacy or tar file: torch needs the saved size exactly
         self.seen: dict[tuple[str, str], list[int]] = {}
 
     def __call__(self, storage: Any, location: str) -> Any:
         result = self.func(storage, location)
         # None means "where it was saved" (torch's default_restore_location).
-        target = str(result.device) if result is not None else location
+        if result is None:
+            target = location
+        else:
+            target = str(placed_storage(result, storage, location, self.exact).device)
         entry = self.seen.setdefault((location, target), [0, 0])
         entry[0] += 1
         entry[1] += storage.nbytes()
@@ -82,7 +88,21 @@ class _Recorder:
 
 def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
     # Only ever reached with trust=True: the caller said the file may run its code.
-    return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    except (ImportError, AttributeError) as e:
+        # What unpickling raises when a global the pickle names is not importable here.
+        raise UnsupportedFormatError(
+            f"{path!r}: torch.load(weights_only=False) cannot build an object the file "
+            f"names: {type(e).__name__}: {e}",
+            path=path,
+            remedies=(Remedy(text="make the code the file names importable here"),),
+        ) from e
+    except (pickle.UnpicklingError, EOFError) as e:
+        raise CorruptCheckpointError(
+            f"{path!r}: torch.load(weights_only=False) cannot unpickle it: {type(e).__name__}: {e}",
+            path=path,
+        ) from e
 
 
 def _load_safetensors(path: str, map_location: Any, resolved: dict[str, str] | None) -> Any:
@@ -93,7 +113,10 @@ def _load_safetensors(path: str, map_location: Any, resolved: dict[str, str] | N
     out = {}
     for name, tensor in loaded.items():
         moved = map_location(tensor.untyped_storage(), "cpu")
-        if moved is not None and moved.device != tensor.device:
+        if (
+            moved is not None
+            and placed_storage(moved, tensor.untyped_storage(), "cpu").device != tensor.device
+        ):
             tensor = torch.empty(0, dtype=tensor.dtype, device=moved.device).set_(
                 moved, tensor.storage_offset(), tensor.shape, tensor.stride()
             )
@@ -109,7 +132,8 @@ def _load_root(
     resolved = resolve_map_location(map_location, tags)
     recorder = None
     if resolved is None:
-        recorder = _Recorder(map_location)  # type: ignore[arg-type]
+        exact = ckpt.format in ("torch-legacy", "torch-tar")
+        recorder = _Recorder(map_location, exact)  # type: ignore[arg-type]
         torch_location: Any = recorder
     else:
         torch_location = resolved
@@ -160,6 +184,10 @@ def _state_dict_at(root: Any, path: tuple[str, ...], where: str) -> Mapping[Any,
             f"{where}: cannot follow {'.'.join(path)!r} in the loaded object at {walk.rest[0]!r}",
             path=where,
         )
+    if isinstance(walk.node, torch.nn.Module):
+        # A pickled module (torch.save(model)): its state dict, as the torch-free path
+        # recovers it, not its attributes.
+        return walk.node.state_dict()
     state_dict = mapping_at(walk.node)
     if state_dict is None:
         raise UnsupportedFormatError(

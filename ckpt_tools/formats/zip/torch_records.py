@@ -162,7 +162,7 @@ def check_serialization_id(path: str, serialization_id: bytes | None) -> None:
         ) from e
 
 
-def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> str:
+def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> str | None:
     """What ``torch.serialization._load`` reads and parses before data.pkl, parsed as it does.
 
     Args:
@@ -171,9 +171,9 @@ def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> str:
         entries: its records by name.
 
     Returns:
-        The byte order of its storages: ``big`` where the byteorder record says so (torch
-        byte-swaps each storage by its dtype as it loads it), else ``little`` (torch's
-        default without the record).
+        What its byteorder record says (``little`` or ``big``: torch byte-swaps each storage
+        by its dtype as it loads it where that is not the host's order), or None without the
+        record: torch then uses its default load endianness (``little`` unless set).
 
     Raises:
         CorruptCheckpointError: a record torch parses and refuses.
@@ -186,7 +186,7 @@ def check_load_records(path: str, fd: ZipSource, entries: RecordLookup) -> str:
         )
     if ".format_version" in entries:
         _read_small(path, fd, entries[".format_version"])  # compared as bytes: any value
-    byteorder = "little"
+    byteorder = None
     order = entries.find("byteorder")
     if order is not None:
         value = _read_small(path, fd, order)
@@ -214,7 +214,8 @@ def refuse_big_endian(path: str, byteorder: str, what: str) -> None:
 
     Args:
         path: the file, for messages.
-        byteorder: what :func:`check_load_records` returned.
+        byteorder: the archive's byte order (:func:`check_load_records`' answer, ``little``
+            for None).
         what: what the archive is (``a DeepSpeed rank file``), for the message.
 
     Raises:

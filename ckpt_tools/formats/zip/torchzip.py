@@ -92,6 +92,8 @@ class ArchiveContents(NamedTuple):
     entries: Mapping[str, ZipEntry] = {}
     # What its byteorder record says (``little`` without one, and for TorchScript).
     byteorder: str = "little"
+    # Whether it has that record (without one, torch.load follows its default endianness).
+    byteorder_recorded: bool = False
 
 
 def read_torch_archive(
@@ -123,9 +125,9 @@ def read_torch_archive(
     # the exact name in the list of records, not by a lookup.
     is_script = any(e.name == f"{root}/{_TORCHSCRIPT_MARKER}" for e in entries)
     fmt = "torchscript" if is_script else "torch-zip"
-    byteorder = "little"
+    recorded = None
     if fmt == "torch-zip":
-        byteorder = check_load_records(path, fd, lookup)
+        recorded = check_load_records(path, fd, lookup)
     elif "data.pkl" not in lookup:
         raise CorruptCheckpointError(
             f"{path!r} is a TorchScript archive without data.pkl", path=path
@@ -138,8 +140,10 @@ def read_torch_archive(
         # (torch refuses an unsafe global first, while unpickling: that refusal stands.)
         check_serialization_id(path, serialization_id)
     cut = len(root) + 1
+    entries_by_name = {e.name[cut:]: e for e in entries}
+    byteorder = recorded or "little"
     return ArchiveContents(
-        fmt, result, records, root, {e.name[cut:]: e for e in entries}, byteorder
+        fmt, result, records, root, entries_by_name, byteorder, recorded is not None
     )
 
 
@@ -180,6 +184,7 @@ def open_torch_zip(path: str, *, source: RangeSource | None = None) -> Checkpoin
         archive_root=root,
         locate=locate,
         byteorder=contents.byteorder,
+        byteorder_recorded=contents.byteorder_recorded,
     )
 
 

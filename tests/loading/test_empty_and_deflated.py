@@ -1,0 +1,69 @@
+"""Empty state dicts load as torch.load gives them; deflated records refuse ``mmap=True``."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ckpt_tools import StateDictMismatchError, UsageError, load_into, load_state_dict
+
+
+@pytest.fixture
+def empty_pt(tmp_path: Path) -> Path:
+    torch.save({}, tmp_path / "empty.pt")
+    return tmp_path / "empty.pt"
+
+
+def test_empty_torch_file_loads_as_torch_load(empty_pt: Path) -> None:
+    assert load_state_dict(empty_pt, map_location="cpu") == torch.load(empty_pt, weights_only=True)
+
+
+def test_empty_safetensors_loads_as_load_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.safetensors"
+    save_file({}, path)
+    assert load_state_dict(path, map_location="cpu") == load_file(path)
+
+
+def test_empty_file_into_a_model_reports_what_torch_reports(empty_pt: Path) -> None:
+    sd = torch.load(empty_pt, weights_only=True)
+    ref = nn.Linear(2, 2).load_state_dict(sd, strict=False)
+    with pytest.raises(RuntimeError):
+        nn.Linear(2, 2).load_state_dict(sd, strict=True)
+
+    report = load_into(nn.Linear(2, 2), empty_pt, map_location="cpu", strict=False)
+
+    assert sorted(report.missing) == sorted(ref.missing_keys)
+    assert list(report.unexpected) == ref.unexpected_keys
+    with pytest.raises(StateDictMismatchError):
+        load_into(nn.Linear(2, 2), empty_pt, map_location="cpu", strict=True)
+
+
+@pytest.fixture
+def deflated(tmp_path: Path) -> Path:
+    torch.save({"a": torch.arange(6, dtype=torch.float32)}, tmp_path / "stored.pt")
+    out = tmp_path / "deflated.pt"
+    with (
+        zipfile.ZipFile(tmp_path / "stored.pt") as src,
+        zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst,
+    ):
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    return out
+
+
+def test_deflated_record_refuses_mmap(deflated: Path) -> None:
+    ref = torch.load(deflated, weights_only=True)
+    # torch maps the compressed bytes as they lie: not the values it reads without mmap.
+    assert not torch.equal(torch.load(deflated, weights_only=True, mmap=True)["a"], ref["a"])
+
+    with pytest.raises(UsageError) as refused:
+        load_state_dict(deflated, map_location="cpu", mmap=True)
+
+    assert refused.value.argument == "mmap"
+    assert "compressed" in str(refused.value) and "mmap=False" in str(refused.value)
+    assert torch.equal(load_state_dict(deflated, map_location="cpu")["a"], ref["a"])
