@@ -62,6 +62,7 @@ _PICKLE_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVX")
 _PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt")
 # safetensors refuses longer headers (ckpt_tools.formats.safetensors.MAX_HEADER_BYTES).
 _MAX_SAFETENSORS_HEADER = 100_000_000
+_JSON_WHITESPACE = b" \t\n\r"
 
 
 def detect_format(path: StrPath, *, content_only: bool = False) -> str:
@@ -355,4 +356,8 @@ def _looks_like_safetensors(head: bytes, size: int) -> bool:
         return False
     (header_len,) = struct.unpack("<Q", head[:8])
     # A header longer than the file is a truncated safetensors file: the reader says so.
-    return 2 <= header_len <= _MAX_SAFETENSORS_HEADER and head[8:9] == b"{"
+    if not 2 <= header_len <= _MAX_SAFETENSORS_HEADER:
+        return False
+    # The crate's JSON parser skips JSON whitespace before the header's object.
+    start = head[8 : 8 + header_len].lstrip(_JSON_WHITESPACE)
+    return start[:1] == b"{" or (not start and len(head) < 8 + header_len)

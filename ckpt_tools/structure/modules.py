@@ -8,7 +8,9 @@ its class name, so any subclass (``DetectionModel``, a user's ``Net``) works.
 
 :func:`recover_state_dict` walks that tree as ``nn.Module.state_dict()`` does: a module's
 parameters, then its persistent buffers, then each submodule under ``name.``; ``None``
-entries are skipped. Tied parameters are the same pickled object, so they come back as the
+entries are skipped. Each tensor is as ``state_dict()`` gives it, detached: a parameter is
+its pickled data (a plain tensor, not an ``nn.Parameter``), and nothing requires grad. Tied
+parameters are the same pickled object, so they come back as the
 same :class:`~ckpt_tools.descriptors.TensorRef` (one storage). Attributes outside those
 dictionaries (an LSTM's ``_flat_weights`` list, which references the parameters again) are
 not state and are never walked.
@@ -23,7 +25,7 @@ versions, a class attribute that is not pickled (the recovered mapping has none)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpt_tools.descriptors import Opaque, TensorRef
@@ -127,7 +129,24 @@ def recover_module(node: Any) -> RecoveredModule | None:
     caveats: list[str] = []
     count = [0]
     _walk(node, "", found, caveats, count, set())
+    # One detached descriptor per saved one: tied parameters stay one object.
+    detached: dict[int, Any] = {}
+    for key, value in found.items():
+        found[key] = detached.setdefault(id(value), _detached(value))
     return RecoveredModule(module_class_name(node), found, count[0], tuple(dict.fromkeys(caveats)))
+
+
+def _detached(value: Any) -> Any:
+    """A state entry as ``state_dict()`` gives it: ``detach()`` makes a parameter a plain
+    tensor that requires no grad."""
+    if not isinstance(value, TensorRef) or not (value.is_parameter or value.requires_grad):
+        return value
+    func = value.func.name if value.func is not None else ""
+    if value.is_parameter and func.startswith("_rebuild_parameter"):
+        data = value.args[0] if value.args else None
+        if isinstance(data, TensorRef):  # the parameter's ``.data``, pickled as a plain tensor
+            return _detached(data)
+    return replace(value, requires_grad=False, is_parameter=False)
 
 
 def _walk(

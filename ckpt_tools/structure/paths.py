@@ -8,6 +8,10 @@ non-tensor entries a safetensors output cannot hold).
 A path follows mapping keys (as text, or as ints for digits), list and tuple indices, and
 object attributes: an :class:`~ckpt_tools.descriptors.Opaque` stand-in's pickled state in a
 tree read without torch, an object's ``__dict__`` in a tree loaded with ``trust=True``.
+
+A sequence of keys (``("model", "ema")``) is followed key by key, exactly. A dotted string
+(``"model.ema"``) may also mean a key that holds dots (``{"model.ema": ...}``): it is read
+whichever way reaches an entry, and refused when two readings reach different entries.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, Sealed, TensorRef, short_repr
-from ckpt_tools.errors import SelectError, shown
+from ckpt_tools.errors import Remedy, SelectError, UsageError, shown
 
 __all__ = [
+    "DottedSelect",
     "PathWalk",
     "attributes_of",
     "entries_beside",
@@ -41,12 +46,49 @@ def is_tensor(value: Any) -> bool:
     )
 
 
+_MISSING = object()
+
+
+class DottedSelect(tuple[str, ...]):
+    """The parts of a dotted ``select`` string: a run of them may be one key that holds dots.
+
+    A plain tuple of parts is followed exactly; this one as :func:`walk_path` reads dots.
+    """
+
+    __slots__ = ()
+
+
 def parse_select(select: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    """``"a.b"`` -> ``("a", "b")``; a sequence is taken as is; None stays None."""
-    if select is None:
-        return None
+    """``"a.b"`` -> ``DottedSelect(("a", "b"))``; a sequence of keys as is; None stays None.
+
+    Raises:
+        UsageError: ``select`` is neither text nor a sequence of text keys (a list index is
+            its digits: ``("layers", "0")``).
+
+    Example:
+        >>> parse_select("model.ema"), parse_select(["model.ema"])
+        (('model', 'ema'), ('model.ema',))
+    """
+    if select is None or isinstance(select, DottedSelect):
+        return select
     if isinstance(select, str):
-        return tuple(part for part in select.split(".") if part) if select else ()
+        return DottedSelect(part for part in select.split(".") if part)
+    if not isinstance(select, Sequence) or isinstance(select, (bytes, bytearray)):
+        raise UsageError(
+            f"expected a dotted path or a sequence of keys, found {type(select).__name__}",
+            argument="select",
+            value=short_repr(select, 60),
+        )
+    wrong = next((part for part in select if not isinstance(part, str)), _MISSING)
+    if wrong is not _MISSING:
+        fixed = tuple(str(part) for part in select)
+        raise UsageError(
+            f"every key must be text; found {short_repr(wrong, 40)} "
+            f"({type(wrong).__name__}), list items are named by their digits",
+            argument="select",
+            value=short_repr(select, 60),
+            remedies=(Remedy("select", repr(fixed)),),
+        )
     return tuple(select)
 
 
@@ -73,9 +115,6 @@ class PathWalk(NamedTuple):
     def node(self) -> Any:
         """Where the walk stopped: the node at the path when :attr:`found`."""
         return self.nodes[-1]
-
-
-_MISSING = object()
 
 
 def attributes_of(node: Any) -> Mapping[str, Any] | None:
@@ -129,30 +168,41 @@ def _child(node: Any, key: str) -> Any:
 def walk_path(root: Any, parts: Sequence[str]) -> PathWalk:
     """Follow ``parts`` from ``root`` as far as they go; never raises.
 
-    At each level the longest run of parts that is a key wins, so ``("model", "ema")``
-    finds ``{"model.ema": ...}`` as well as ``{"model": {"ema": ...}}``. Mapping keys match
-    as text or, for digits, as ints; list and tuple items by index; objects by attribute
-    (see :func:`attributes_of`).
+    A sequence of keys is followed key by key. The parts of a dotted string
+    (:class:`DottedSelect`) are read whichever way reaches an entry, the longest run of parts
+    that is a key tried first, so ``"model.ema"`` finds ``{"model.ema": ...}`` as well as
+    ``{"model": {"ema": ...}}`` (:func:`resolve_path` refuses one that finds both). Mapping
+    keys match as text or, for digits, as ints; list and tuple items by index; objects by
+    attribute (see :func:`attributes_of`).
 
     Args:
         root: the tree.
-        parts: the path, split at dots.
+        parts: the keys, or a dotted string's parts (:func:`parse_select`).
 
     Returns:
         A :class:`PathWalk`; ``found`` says whether every part was reached.
 
     Example:
-        >>> walk_path({"model.ema": {"w": 1}}, ("model", "ema", "w")).keys
+        >>> walk_path({"model.ema": {"w": 1}}, parse_select("model.ema.w")).keys
         ('model.ema', 'w')
+        >>> walk_path({"model.ema": {"w": 1}}, ("model", "ema", "w")).found
+        False
     """
+    dotted = isinstance(parts, DottedSelect)
+    if dotted:
+        readings = _dotted_readings(root, parts)
+        if readings:
+            return readings[0]
+    # Exact keys one by one; for a dotted string that reaches nothing, how far the longest
+    # runs go, for the message.
     nodes, keys, i = [root], [], 0
     while i < len(parts):
-        for j in range(len(parts), i, -1):
-            candidate = ".".join(parts[i:j])
-            child = _child(nodes[-1], candidate)
+        for j in range(len(parts) if dotted else i + 1, i, -1):
+            key = ".".join(parts[i:j])
+            child = _child(nodes[-1], key)
             if child is not _MISSING:
                 nodes.append(child)
-                keys.append(candidate)
+                keys.append(key)
                 i = j
                 break
         else:
@@ -160,17 +210,48 @@ def walk_path(root: Any, parts: Sequence[str]) -> PathWalk:
     return PathWalk(tuple(keys), tuple(nodes))
 
 
+def _dotted_readings(root: Any, parts: Sequence[str]) -> list[PathWalk]:
+    """Whole readings of a dotted string's parts, longest runs first: up to two, reaching
+    different nodes."""
+    # One answer per (node, part): a pickle may share a node under many keys, and each
+    # shared level would otherwise double the readings to try.
+    memo: dict[tuple[int, int], list[PathWalk]] = {}
+
+    def readings_from(node: Any, i: int) -> list[PathWalk]:
+        if i == len(parts):
+            return [PathWalk((), (node,))]
+        if (id(node), i) not in memo:
+            found: list[PathWalk] = []
+            for j in range(len(parts), i, -1):
+                key = ".".join(parts[i:j])
+                child = _child(node, key)
+                rest = [] if child is _MISSING else readings_from(child, j)
+                for walk in rest:
+                    if len(found) < 2 and all(walk.node is not f.node for f in found):
+                        found.append(PathWalk((key, *walk.keys), (node, *walk.nodes)))
+            memo[id(node), i] = found
+        return memo[id(node), i]
+
+    return readings_from(root, 0)
+
+
 def resolve_path(root: Any, select: str | Sequence[str]) -> PathWalk:
     """The node at a dotted path (``"model.ema"``) or a tuple of keys (see :func:`walk_path`).
 
     Raises:
         SelectError: part of the path is missing; the message lists what is there instead.
+        UsageError: a dotted path reads two ways that reach different entries
+            (``{"a.b": ..., "a": {"b": ...}}``); the message names the tuple for each.
 
     Example:
         >>> resolve_path({"model": [{"w": 1}]}, "model.0").node
         {'w': 1}
     """
     parts = parse_select(select) or ()
+    if isinstance(parts, DottedSelect):
+        readings = _dotted_readings(root, parts)
+        if len(readings) > 1:
+            raise _ambiguous(parts, readings)
     walk = walk_path(root, parts)
     if not walk.found:
         available = [key_text(k) for k, _ in _items(walk.node)]
@@ -185,6 +266,25 @@ def resolve_path(root: Any, select: str | Sequence[str]) -> PathWalk:
             flag="--select",
         )
     return walk
+
+
+def _ambiguous(parts: Sequence[str], readings: list[PathWalk]) -> UsageError:
+    def spelled(walk: PathWalk) -> str:
+        return "".join(f"[{key!r}]" for key in walk.keys)
+
+    first, second = readings
+    return UsageError(
+        shown(
+            f"the dotted path reaches two different entries, {spelled(first)} and "
+            f"{spelled(second)}; a sequence of keys names one exactly"
+        ),
+        argument="select",
+        value=repr(".".join(parts)),
+        flag="--select",
+        remedies=tuple(
+            Remedy("select", repr(walk.keys), text=f"for {spelled(walk)}") for walk in readings
+        ),
+    )
 
 
 def key_text(key: Any) -> str:

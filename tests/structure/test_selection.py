@@ -43,13 +43,6 @@ CASES: dict[str, tuple[Any, str, tuple[str, ...], int]] = {
         1,
     ),
     "dotted key": ({"model.ema": _sd(2), "other": 1}, "model.ema", ("model.ema",), 2),
-    # The longest run of parts that is a key wins: the dotted key before the nested one.
-    "dotted beats nested": (
-        {"model": {"ema": _sd(3)}, "model.ema": _sd(4)},
-        "model.ema",
-        ("model.ema",),
-        4,
-    ),
     "dotted inside nested": (
         {"run": {"model.ema": _sd(5)}},
         "run.model.ema",
@@ -144,9 +137,10 @@ def test_replacer_copies_the_path_and_shares_the_rest() -> None:
     new = replace_at(tree, ("a", "b"), {"z": 3})
     assert new == {"a": {"b": {"z": 3}}, "other": other}
     assert tree["a"]["b"] == {"w": 1} and new["other"] is other
-    # As the resolver reads it: the dotted key first, the nested entry untouched.
+    # A tuple of keys is followed exactly: ("a", "b") is the nested entry, ("a.b",) the key.
     both = {"a": {"b": 1}, "a.b": 2}
-    assert replace_at(both, ("a", "b"), 3) == {"a": {"b": 1}, "a.b": 3}
+    assert replace_at(both, ("a", "b"), 3) == {"a": {"b": 3}, "a.b": 2}
+    assert replace_at(both, ("a.b",), 3) == {"a": {"b": 1}, "a.b": 3}
     holder = Holder({"w": torch.zeros(1)})
     swapped = replace_at({"h": holder}, ("h",), {"weights": {}, "step": 1})["h"]
     assert type(swapped) is Holder and swapped.step == 1 and holder.step == 7

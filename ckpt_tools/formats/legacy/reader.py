@@ -1,7 +1,6 @@
 """Reading legacy torch files: pre-1.6 pickles (also from Python 2) and the older tar format.
 
-The tar reader (:mod:`ckpt_tools.formats.legacy.tar`) shares this module's byte order check
-and storage locator.
+The tar reader (:mod:`ckpt_tools.formats.legacy.tar`) shares this module's storage locator.
 
 Legacy pickle layout (``torch.save(..., _use_new_zipfile_serialization=False)``)::
 
@@ -18,6 +17,7 @@ import os
 import struct
 import tarfile
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
@@ -29,11 +29,12 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource, open_buffered
+from ckpt_tools.formats.pickle.allowlist import resolve_allowed
 from ckpt_tools.formats.pickle.imports import find_imports
 from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, id_text
 from ckpt_tools.formats.pickle.unpickler import ReadResult, load_pickle
 
-__all__ = ["check_byte_order", "offset_locator", "open_legacy", "open_pickle", "open_tar"]
+__all__ = ["offset_locator", "open_legacy", "open_pickle", "open_tar"]
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
@@ -58,14 +59,19 @@ def _header(f: BinaryIO, what: str, path: str) -> Any:
     return result.root
 
 
-def _load(f: BinaryIO, path: str, storage_id_length: int = 5) -> ReadResult:
+def _load(
+    f: BinaryIO,
+    path: str,
+    storage_id_length: int = 5,
+    extra_globals: Mapping[str, Any] | None = None,
+) -> ReadResult:
     """One of the pickles torch reads back to back, the file left where its next
     ``pickle.load`` starts: past the STOP, or past a FRAME the STOP lies inside that the C
     unpickler reads whole (:class:`ImportScan`'s ``after``, the scan's rule). Where a file
     buffer may hold such a frame instead, our C unpickler read it from a buffered file as
     torch's does on this machine, and the file is left where it left it."""
     start = f.tell()
-    result = load_pickle(f, storage_id_length=storage_id_length)
+    result = load_pickle(f, storage_id_length=storage_id_length, extra_globals=extra_globals)
     if "FRAME" in result.beyond_weights_only:  # (without one, the STOP ends it)
         left = f.tell()
         scan = find_imports(f, start)
@@ -73,6 +79,30 @@ def _load(f: BinaryIO, path: str, storage_id_length: int = 5) -> ReadResult:
             left = scan.after
         f.seek(left)
     return result
+
+
+_NESTED_REBUILD = ("torch._utils", "_rebuild_nested_tensor")
+
+
+def _unreadable_calls(path: str) -> dict[str, Any]:
+    """The main pickle's allowlisted calls that torch's legacy reader cannot make correctly.
+
+    It reads the storage bytes only after the whole pickle: a nested tensor's rebuild views
+    its buffer through sizes and offsets still uninitialised, so torch.load fails on such a
+    file ("Storage size calculation overflowed") or, by chance, builds garbage.
+    """
+    caller = resolve_allowed(*_NESTED_REBUILD)
+    assert caller is not None  # on the allowlist: the zip reader builds it
+
+    def refuse(func: Any, *args: Any) -> Any:
+        raise UnsupportedFormatError(
+            f"{path!r} holds a nested tensor in torch's legacy (non-zip) format, which "
+            "torch.load rebuilds before it reads the storage bytes, from uninitialised sizes: "
+            "it fails on this file or builds garbage, so the file is not read",
+            path=path,
+        )
+
+    return {caller.qualname: replace(caller, build=refuse)}
 
 
 def _expect(f: BinaryIO, what: str, check: Any, path: str) -> Any:
@@ -103,8 +133,10 @@ def open_legacy(path: str, *, source: RangeSource | None = None) -> Checkpoint:
     with _opened(path, source) as (f, size):
         _expect(f, "magic number", MAGIC_NUMBER, path)
         _expect(f, "protocol version", PROTOCOL_VERSION, path)
-        check_byte_order(_header(f, "sys_info", path), path)
-        main = _load(f, path, storage_id_length=6)
+        # Unpickled (and checked) as torch does, then unused as there: torch's legacy writer
+        # stores storage bytes little-endian on every machine, whatever sys_info says.
+        _header(f, "sys_info", path)
+        main = _load(f, path, storage_id_length=6, extra_globals=_unreadable_calls(path))
         _refuse_untyped(main.storages.values(), path)
         keys = _header(f, "storage key list", path)
         if not isinstance(keys, list):
@@ -220,26 +252,6 @@ def _refuse_untyped(storages: Any, path: str) -> None:
                 "torch.load fails on this file, so it is not read",
                 path=path,
             )
-
-
-def check_byte_order(sys_info: Any, path: str) -> None:
-    """Refuse a legacy or tar file whose ``sys_info`` says it was saved big-endian.
-
-    Args:
-        sys_info: the unpickled ``sys_info`` record (a dict with ``little_endian``).
-        path: the file, for the message.
-
-    Raises:
-        UnsupportedFormatError: the storages' bytes are big-endian.
-
-    Example:
-        >>> check_byte_order({"little_endian": True}, "old.pt")
-    """
-    if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
-        raise UnsupportedFormatError(
-            f"{path!r} was saved on a big-endian machine; load it there with torch.load "
-            "and save it again"
-        )
 
 
 def offset_locator(path: str, offsets: Mapping[str, int]) -> Callable[[StorageRef], ByteSpan]:

@@ -32,7 +32,7 @@ from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.legacy.reader import check_byte_order, offset_locator
+from ckpt_tools.formats.legacy.reader import offset_locator
 from ckpt_tools.formats.pickle.allowlist import checked_tensor
 from ckpt_tools.formats.pickle.standins import StorageTypeRef, id_text, module_record
 from ckpt_tools.formats.pickle.unpickler import ReadResult, load_pickle
@@ -146,11 +146,6 @@ class _TarReader:
         )
 
     # -- members --------------------------------------------------------------------------
-
-    def read_sys_info(self) -> None:
-        if "sys_info" not in self.members:
-            return
-        check_byte_order(self.pickle(self.member("sys_info"), "sys_info").root, self.path)
 
     def read_storages(self) -> None:
         f = self.member("storages")
@@ -285,13 +280,11 @@ def read_tar_members(
     Raises:
         CorruptCheckpointError: a member is truncated, malformed, or refers to a missing
             storage or tensor.
-        UnsupportedFormatError: the file was saved on a big-endian machine.
     """
     del tar  # the offsets in ``members`` are all we need
     fd = os.open(path, os.O_RDONLY)
     reader = _TarReader(path, fd, members)
     try:
-        reader.read_sys_info()
         reader.read_storages()
         reader.read_tensors()
         main = reader.pickle(reader.member("pickle"), "the pickle", persistent_load=reader.resolve)

@@ -11,6 +11,7 @@ storage ids into :class:`~ckpt_tools.descriptors.StorageRef` s.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import io
@@ -147,9 +148,18 @@ def load_pickle(
     file.seek(start)
     protocol = head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 0
     source, read_from, scan = _checked_source(file, start, limit)
-    unpickler = RestrictedUnpickler(source, persistent_load, storage_id_length, extra_globals)
+    unpickler: Any = RestrictedUnpickler(source, persistent_load, storage_id_length, extra_globals)
     read_start = start if read_from is file else 0
-    root = _unpickle(unpickler, scan, file, read_from, read_start, limit)
+    try:
+        root = _unpickle(unpickler, scan, file, read_from, read_start, limit)
+    except CorruptCheckpointError as e:
+        if not _state_not_a_dict(e):
+            raise
+        # Read again by the Python unpickler whose BUILD takes what torch's does (below).
+        read_from.seek(read_start)
+        again = read_from if source is read_from else LimitedReader(read_from, limit)
+        unpickler = _OrderedDictBuild(again, persistent_load, storage_id_length, extra_globals)
+        root = _unpickle(unpickler, scan, file, read_from, read_start, limit)
     return ReadResult(
         root=root,
         storages=unpickler.storages,
@@ -157,6 +167,42 @@ def load_pickle(
         protocol=protocol,
         beyond_weights_only=tuple(sorted(frozenset(scan.opcodes) - WEIGHTS_ONLY_OPCODES)),
     )
+
+
+def _state_not_a_dict(error: CorruptCheckpointError) -> bool:
+    cause = error.__cause__
+    return isinstance(cause, pickle.UnpicklingError) and "state is not a dictionary" in str(cause)
+
+
+def _dict_state(state: Any) -> bool:
+    """A BUILD state the C unpickler takes without ``__setstate__``: None or a dict, or a
+    ``(state, slot state)`` pair of those."""
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    return all(part is None or isinstance(part, dict) for part in parts)
+
+
+def _build_as_torch(self: Any) -> None:
+    # torch's weights-only BUILD runs ``inst.__dict__.update(state)`` on an OrderedDict, so any
+    # state dict.update takes (an empty list, a list of pairs) sets its attributes there; the
+    # C unpickler refuses all but a dict. Any other object is built as the C unpickler builds it.
+    state, inst = self.stack[-1], self.stack[-2]
+    if getattr(inst, "__setstate__", None) is None and not _dict_state(state):
+        if type(inst) is not collections.OrderedDict:
+            raise pickle.UnpicklingError("state is not a dictionary")
+        self.stack.pop()
+        inst.__dict__.update(state)
+        return
+    _PY_BUILD(self)
+
+
+_PY_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]  # type: ignore[attr-defined]
+
+
+class _OrderedDictBuild(RestrictedPyUnpickler):
+    """The restricted unpickler, with BUILD as torch's weights-only unpickler runs it on an
+    OrderedDict: read only where the C unpickler refused a state that is no dict."""
+
+    dispatch = {**RestrictedPyUnpickler.dispatch, pickle.BUILD[0]: _build_as_torch}
 
 
 def _checked_source(file: BinaryIO, start: int, limit: int) -> tuple[Any, BinaryIO, OpcodeScan]:
@@ -190,7 +236,7 @@ def _checked_source(file: BinaryIO, start: int, limit: int) -> tuple[Any, Binary
 
 
 def _unpickle(
-    unpickler: RestrictedUnpickler,
+    unpickler: RestrictedUnpickler | RestrictedPyUnpickler,
     scan: OpcodeScan,
     file: BinaryIO,
     read_from: BinaryIO,
