@@ -72,6 +72,9 @@ class ImportScan(NamedTuple):
             (:class:`~ckpt_tools.formats.pickle.opcode_reader.FramedInput`); None with ``end``.
         unsettled: the offsets of FRAMEs a buffered file may serve from its buffer instead,
             which changes what is read (empty where the file's buffer makes no difference).
+        mutated: the imports the pickle changes in place (a BUILD, SETITEM or APPEND on the
+            imported object itself, not on an object built from it): that sets attributes of
+            a module or class, or fills a dict a module holds, for all code to meet.
     """
 
     imports: tuple[PickleImport, ...]
@@ -80,12 +83,24 @@ class ImportScan(NamedTuple):
     truncated: bool = False
     after: int | None = None
     unsettled: frozenset[int] = frozenset()
+    mutated: tuple[PickleImport, ...] = ()
 
 
-# Protocol 2+ pickles start with PROTO; these opcodes start the protocol 0 and 1 pickles that
-# Python writes (a mark, a container, a global, a value).
-_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVXiJKM")
+# Protocol 2+ pickles Python writes start with PROTO, but a loader takes any opcode that
+# needs nothing below it: a mark, a container, a global, a value, a FRAME (not a PERSID,
+# which needs the loader's own persistent_load: a zip starts with its P).
+_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVXiJKMGTUBC)\x88\x89\x8a\x8b\x8c\x8d\x8e\x8f\x95\x96")
 _MARK = pickletools.markobject
+# Opcodes that change the object below them in place, and how deep it lies (None: below
+# the mark).
+_MUTATES = {"BUILD": 2, "SETITEM": 3, "APPEND": 2, "SETITEMS": None, "APPENDS": None,
+            "ADDITEMS": None}  # fmt: skip
+
+
+class _Imported(NamedTuple):
+    """On the replayed stack: the object an import pushed (a module's attribute itself)."""
+
+    source: PickleImport
 
 
 _GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
@@ -141,7 +156,25 @@ def npy_pickle_offset(head: bytes) -> int | None:
         descr = header["descr"]
     except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError):
         return None  # numpy.load refuses such a header before any pickle
-    return start if "O" in repr(descr) else None
+    return start if _holds_objects(descr) else None
+
+
+def _holds_objects(descr: object) -> bool:
+    """Whether numpy reads the ``.npy`` header's ``descr`` as a dtype that holds Python
+    objects (``numpy.lib.format.descr_to_dtype``): a string naming the object type, a
+    subarray ``(descr, shape)`` of one, or a structured list with such a field. A shape
+    numpy would not take is no array numpy loads; any other is taken to hold objects."""
+    if isinstance(descr, str):
+        # ("O", "O8", "object", "object_", each optionally after a byte order.)
+        return descr.lstrip("|<>=").startswith(("O", "object"))
+    if isinstance(descr, tuple):
+        return bool(descr) and _holds_objects(descr[0])
+    if isinstance(descr, list):
+        return any(
+            _holds_objects(field[1]) if isinstance(field, tuple) and len(field) in (2, 3) else True
+            for field in descr
+        )
+    return True
 
 
 def python3_qualname(qualname: str) -> str:
@@ -226,29 +259,34 @@ def find_imports(
         stream, base = LimitedReader(data, limit), start
     framed = FramedInput(stream, served)
     imports: list[PickleImport] = []
+    mutated: list[PickleImport] = []
+
+    def scan(end: int | None, why: str | None, short: bool, after: int | None = None) -> ImportScan:
+        unsettled = frozenset(framed.unsettled)
+        return ImportScan(tuple(imports), end, why, short, after, unsettled, tuple(mutated))
+
     try:
-        stopped = _walk(framed, imports)
+        stopped = _walk(framed, imports, mutated)
     except ResourceLimitError as e:
-        return ImportScan(tuple(imports), None, str(e), unsettled=frozenset(framed.unsettled))
+        return scan(None, str(e), False)
     except CutGlobal as e:
         if cut_globals:
             imports.append(PickleImport(e.module, e.name, e.pos, e.opcode))
-        return ImportScan(tuple(imports), None, str(e), True, None, frozenset(framed.unsettled))
+        return scan(None, str(e), True)
     except ValueError as e:
         # Truncated where the walk failed for want of bytes (it read to the end, and not
         # to an opcode that does not exist).
-        short = base + framed.tell() >= size and "unknown" not in str(e)
-        return ImportScan(tuple(imports), None, str(e), short, None, frozenset(framed.unsettled))
+        return scan(None, str(e), base + framed.tell() >= size and "unknown" not in str(e))
     if not stopped:
-        return ImportScan(tuple(imports), None, "no STOP opcode", True)
-    end, after = base + framed.tell(), base + framed.after()
-    return ImportScan(tuple(imports), end, None, False, after, frozenset(framed.unsettled))
+        return scan(None, "no STOP opcode", True)
+    return scan(base + framed.tell(), None, False, base + framed.after())
 
 
-def _walk(framed: FramedInput, imports: list[PickleImport]) -> bool:
-    """Replay the pickle's opcodes up to its STOP, adding each import to ``imports``;
-    whether it met the STOP."""
-    # The stack holds the strings the pickle pushed, None for any other object, and _MARK.
+def _walk(framed: FramedInput, imports: list[PickleImport], mutated: list[PickleImport]) -> bool:
+    """Replay the pickle's opcodes up to its STOP, adding each import to ``imports`` and each
+    import changed in place to ``mutated``; whether it met the STOP."""
+    # The stack holds the strings the pickle pushed, the objects it imported, None for any
+    # other object, and _MARK.
     stack: list[object] = []
     memo: dict[object, object] = {}
     # The last PROTO read decides whether find_class maps Python 2 names (below 3 it does).
@@ -259,25 +297,43 @@ def _walk(framed: FramedInput, imports: list[PickleImport]) -> bool:
             stack.append(arg if isinstance(arg, str) else _python2_text(arg))
         elif name == "PROTO":
             protocol = arg
-        elif name in ("GLOBAL", "INST"):
-            module, attr = arg  # type: ignore[misc]
-            imports.append(PickleImport(*_imported(module, attr, protocol), pos, name))
+        elif name == "INST":  # (an instance of the class, not the class)
+            imports.append(PickleImport(*_imported(*arg, protocol), pos, name))
             _apply(op, stack)
-        elif name == "STACK_GLOBAL":
-            attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
-            if isinstance(module, str) and isinstance(attr, str):
-                imports.append(PickleImport(*_imported(module, attr, protocol), pos, name))
-            else:
-                imports.append(PickleImport(None, None, pos, name))
-            stack.append(None)
-        elif name in _EXTS:
-            imports.append(PickleImport(None, None, pos, name))
-            stack.append(None)
+        elif name in ("GLOBAL", "STACK_GLOBAL") or name in _EXTS:
+            imports.append(_import(name, arg, pos, stack, protocol))
+            stack.append(_Imported(imports[-1]))
         else:
+            if name in _MUTATES:
+                _note_mutated(stack, _MUTATES[name], mutated)
             _replay(op, arg, stack, memo)
         if name == "STOP":
             return True
     return False
+
+
+def _import(name: str, arg: Any, pos: int, stack: list[object], protocol: int) -> PickleImport:
+    """The import a GLOBAL, STACK_GLOBAL (its operands popped) or extension code performs."""
+    if name == "GLOBAL":
+        return PickleImport(*_imported(*arg, protocol), pos, name)
+    if name in _EXTS:
+        return PickleImport(None, None, pos, name)
+    attr, module = (stack.pop() if stack else None), (stack.pop() if stack else None)
+    if isinstance(module, str) and isinstance(attr, str):
+        return PickleImport(*_imported(module, attr, protocol), pos, name)
+    return PickleImport(None, None, pos, name)
+
+
+def _note_mutated(stack: list[object], depth: int | None, mutated: list[PickleImport]) -> None:
+    """Add to ``mutated`` the import an opcode changes in place, if the object it changes
+    (``depth`` from the top, or just below the mark where None) is one."""
+    if depth is None:
+        at = max((i for i, item in enumerate(stack) if item is _MARK), default=0) - 1
+    else:
+        at = len(stack) - depth
+    target = stack[at] if 0 <= at < len(stack) else None
+    if isinstance(target, _Imported) and target.source not in mutated:
+        mutated.append(target.source)
 
 
 def _python2_text(value: object) -> object:

@@ -26,24 +26,18 @@ from ckpt_tools.errors import (
     CheckpointNotFoundError,
     RemoteError,
     UnsafeContentError,
-    UnsupportedFormatError,
 )
-from ckpt_tools.formats import detect_format, open_checkpoint
+from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.base import RangeSource
-from ckpt_tools.formats.detect import detect_bytes
-from ckpt_tools.formats.pickle.imports import (
-    find_imports,
-    npy_pickle_offset,
-    python3_qualname,
-    starts_like_pickle,
-)
+from ckpt_tools.formats.pickle.imports import python3_qualname
 from ckpt_tools.formats.zip.directory import ZipEntry
 from ckpt_tools.io.remote import RemoteFile, RemoteSession, TransferStats
 from ckpt_tools.io.remote.urls import is_folder_url, is_url
+from ckpt_tools.ops.scan.content import content_format, not_a_checkpoint
 from ckpt_tools.ops.scan.remote import Remote, open_remote, refuse_local_only, url_targets
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify, storage_class_rule
-from ckpt_tools.ops.scan.sources import Walked, code_files, is_npz, storage_records, walk_pickles
+from ckpt_tools.ops.scan.sources import Walked, code_files, storage_records, walk_pickles
 
 __all__ = ["scan", "scan_file"]
 
@@ -134,7 +128,7 @@ def _scan_all(
         else:
             result = scan_file(target.path)
             if result is None and target.named:
-                result = _unreadable(target.path, None, _not_a_checkpoint(target.path))
+                result = _unreadable(target.path, None, not_a_checkpoint(target.path))
         (skipped.append(target.path) if result is None else files.append(result))
     return ScanReport(tuple(files), tuple(skipped))
 
@@ -145,7 +139,7 @@ def _scan_url(target: _Target, session: RemoteSession) -> FileScan | None:
     file = target.file if target.file is not None else session.open(target.path)
     result = _scan(target.path, Remote(file, session))
     if result is None and target.named:
-        result = _unreadable(target.path, None, _not_a_checkpoint(target.path, file))
+        result = _unreadable(target.path, None, not_a_checkpoint(target.path, file))
     if result is None:
         return None
     cost = TransferStats(
@@ -198,7 +192,7 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
     """:func:`scan_file` of ``path``, or of the remote file at the URL ``path``."""
     source = None if remote is None else remote.file
     try:
-        content = _content_format(path, source)
+        content = content_format(path, source)
     except (CheckpointError, OSError) as e:  # not a regular file, or unreadable
         _raise_remote(e, source)
         return _unreadable(path, None, str(e))
@@ -214,6 +208,10 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
     skip = reading.read | reading.storages  # (torch reads storage records as raw bytes)
     try:
         walked.extend(walk_pickles(path, fmt, skip=skip, entries=reading.entries, source=source))
+        if fmt == "safetensors" and not path.endswith(".safetensors"):
+            # torch.load takes it for a legacy file (it is no zip) and unpickles it.
+            legacy = walk_pickles(path, "torch-legacy", source=source)
+            walked.extend(w for w in legacy if w.scan.imports or w.scan.end is not None)
     except (CheckpointError, OSError, EOFError) as e:
         _raise_remote(e, source)
         if source is not None and error is None:
@@ -260,58 +258,6 @@ def _raise_remote(error: BaseException, source: RangeSource | None) -> None:
     failure of the scan, not a verdict on the file."""
     if source is not None and isinstance(error, (RemoteError, CheckpointNotFoundError)):
         raise error
-
-
-def _detect(path: str, source: RangeSource | None) -> str:
-    """The format by content alone, of a local file or of the remote file at ``path``."""
-    if source is None:
-        return detect_format(path, content_only=True)
-    return detect_bytes(
-        path, source.size, source.pread(512, 0), lambda n: source.pread(n, 0), content_only=True
-    )
-
-
-def _content_format(path: str, source: RangeSource | None = None) -> str | None:
-    """The format by content; ``pickle`` for any file that parses as one; None for others."""
-    try:
-        fmt = _detect(path, source)
-    except UnsupportedFormatError:
-        if source is None and not os.path.isfile(path):
-            raise
-        if source is not None:
-            head, size = source.pread(1 << 16, 0), source.size
-        else:
-            with open(path, "rb") as f:
-                head, size = f.read(1 << 16), os.fstat(f.fileno()).st_size
-        if npy_pickle_offset(head) is not None:
-            return "numpy"
-        if starts_like_pickle(head, any_protocol=True):
-            # torch reads the first pickle of a file that is no zip, and names a GLOBAL the
-            # file ends inside; only where the head is the whole file does it end there.
-            scan = find_imports(head, cut_globals=len(head) == size)
-            # After a PROTO, torch's weights-only reader meets each global before whatever
-            # breaks the pickle later; text that merely starts like protocol 0 counts only
-            # whole, or cut short.
-            named = scan.imports and (head[:1] == b"\x80" or scan.truncated)
-            return "pickle" if scan.end is not None or named else None
-        # Any opcode can start a pickle (a damaged legacy file's magic number is one long
-        # integer): whole pickles that import something are worth a verdict.
-        walks = list(walk_pickles(path, "pickle", source=source))
-        whole = walks and walks[0].scan.end is not None
-        return "pickle" if whole and any(w.scan.imports for w in walks) else None
-    if fmt == "torch-zip" and is_npz(path, source):
-        return "numpy"
-    return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
-
-
-def _not_a_checkpoint(path: str, source: RangeSource | None = None) -> str:
-    """Why ``path`` is no checkpoint, in the format detector's words (a git-lfs pointer
-    says how to fetch the file)."""
-    try:
-        _detect(path, source)
-    except CheckpointError as e:
-        return str(e)
-    return f"{path!r} is not a checkpoint (by content)"
 
 
 class _Reading(NamedTuple):
@@ -377,6 +323,11 @@ def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> 
                     (imp.qualname, w.record),
                     Finding(imp.qualname, w.record, rule.severity, rule.reason, imp.position),
                 )
+        for imp in w.scan.mutated:
+            why = f"{_CHANGED}; and {classify(imp.qualname, w.context).reason}"
+            found[(imp.qualname, w.record)] = Finding(
+                imp.qualname, w.record, "dangerous", why, imp.position
+            )
     seen = {name for name, _ in found}
     # Non-zip pickles are all walked: a global only the reader names was computed in one.
     unnamed = (w.record for w in walked if any(i.module is None for i in w.scan.imports))
@@ -387,6 +338,12 @@ def _findings(walked: Sequence[Walked], reading: _Reading, context: Context) -> 
             if rule.severity != "allowed":
                 found[(name, "")] = Finding(name, record, rule.severity, rule.reason)
     return tuple(found.values())
+
+
+_CHANGED = (
+    "the pickle changes this global in place (a BUILD or SETITEM on the module's attribute "
+    "itself): it sets attributes of a module or class, or fills its dicts, for all code to meet"
+)
 
 
 def _verdict(findings: Sequence[Finding], error: str | None, code: bool) -> Verdict:

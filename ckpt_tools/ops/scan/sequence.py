@@ -24,6 +24,9 @@ __all__ = ["buffered_walks", "sequence_pickles"]
 # Each way a buffered file may read the frames of one pickle, and each place a next pickle
 # may start, is a walk; a file that makes more than this many is refused, never half-walked.
 _MOST_WALKS = 64
+# Pickles back to back, however small, are all walked up to this many; a file of more is
+# refused (a verdict no better than unreadable), never called clean on part of it.
+_MOST_PICKLES = 1 << 16
 
 
 def buffered_walks(f: BinaryIO, start: int, *, cut_globals: bool = False) -> list[ImportScan]:
@@ -66,20 +69,21 @@ def buffered_walks(f: BinaryIO, start: int, *, cut_globals: bool = False) -> lis
 
 def sequence_pickles(
     path: str,
-    most: int,
+    most: int | None,
     names: tuple[str, ...],
     source: RangeSource | None = None,
 ) -> Iterator[tuple[str, ImportScan]]:
     """Pickles back to back from the start of ``path`` (``source`` read by ranges where it is
     a URL): the ``names`` ones whatever they hold (a loader reads each), then each further one
     that is a whole pickle, or that names a global before it breaks (a loader reading in order
-    meets that global first); at most ``most``.
+    meets that global first); at most ``most`` (None: to the last).
 
     Returns:
         ``(record, scan)`` for each pickle walked, in the order a loader reads them.
 
     Raises:
-        CorruptCheckpointError: FRAMEs make more ways to read the file than are walked.
+        CorruptCheckpointError: FRAMEs make more ways to read the file than are walked, or
+            it holds more pickles than are walked.
     """
     # torch.load reads the first pickle of any file that is no zip (a plain pickle's too, as
     # a legacy file's magic number) with its weights-only reader, and the named ones after.
@@ -87,12 +91,12 @@ def sequence_pickles(
     with open_buffered(path, source) as f:
         size = f.seek(0, io.SEEK_END)
         starts, walks = [0], 0
-        for index in range(most):
+        for index in range(_MOST_PICKLES if most is None else most):
             record = names[index] if index < len(names) else f"pickle {index + 1}"
             following: list[int] = []
-            for start in (s for s in starts if s < size):
+            for other, start in enumerate(s for s in starts if s < size):
                 scans = buffered_walks(f, start, cut_globals=index < read_by_torch)
-                walks += len(scans)
+                walks += len(scans) - 1 + bool(other)  # (each reading past one per pickle)
                 if walks > _MOST_WALKS:
                     raise CorruptCheckpointError(
                         f"{path!r}: its FRAMEs make more than {_MOST_WALKS} ways to read its "
@@ -107,3 +111,8 @@ def sequence_pickles(
             if not following:
                 return
             starts = following
+        if most is None and any(s < size for s in starts):
+            raise CorruptCheckpointError(
+                f"{path!r} holds more than {_MOST_PICKLES} pickles back to back; those after "
+                "them are not walked"
+            )

@@ -14,12 +14,17 @@ Three severities:
 A rule naming the global itself decides first; then families (``fnmatch`` patterns, ``*``
 matching dots too) in order. The families of classes (``torch.nn``, ``torch.optim``, numpy's
 generators) take names that start in upper case only: a module-level function there is
-judged as unknown. A global imported by an attribute path (a dotted name, which
-the unpickler follows attribute by attribute) is judged by exact names only.
+judged as unknown. A family admits a name only where its spelling can be one of its own
+members: never a special attribute (``__builtins__``, ``__dict__``), a module alias
+(``torch.nn.modules.linear.F`` is ``torch.nn.functional``), a builtin's name, or a gadget
+re-exported there (``torch.nn.modules.module.RemovableHandle``). A global imported by an
+attribute path (a dotted name, which the unpickler follows attribute by attribute) is judged
+by exact names only, or by a family that makes it dangerous.
 """
 
 from __future__ import annotations
 
+import builtins
 import fnmatch
 import functools
 from typing import Literal, NamedTuple
@@ -215,6 +220,76 @@ _PATH = Rule(
     "an attribute path: the unpickler follows it attribute by attribute from the module, "
     "which reaches any object the module can reach",
 )
+_DUNDER = Rule(
+    "*.__*__*",
+    "dangerous",
+    "names a special attribute (a module's __builtins__ or __dict__, a function's "
+    "__globals__), which reaches any object the module can reach",
+)
+_ALIAS = Rule(
+    "",
+    "dangerous",
+    "spelled like a family the table admits, but that name is bound there to a module, "
+    "a function or a re-export from elsewhere, not to one of the family's own classes",
+)
+
+# Names torch's modules bind to something other than the family's own classes: module
+# aliases (F is torch.nn.functional), re-exports of torch's gadgets (Library,
+# RemovableHandle), typing helpers, constants. torch.save names a class by the module that
+# defines it, so a real pickle never spells these; the lists hold torch 2.x's, and a single
+# letter is refused whatever it is.
+_TYPING = (
+    "ABC Any Callable Enum Generic Hashable IntEnum Iterable Iterator Literal Mapping "
+    "MutableMapping NamedTuple Never NotRequired Optional OrderedDict ParamSpec Protocol "
+    "Self Sequence Size Tensor TypeAlias TypeIs TypeVar TypeVarTuple TypedDict Union Unpack "
+    "TYPE_CHECKING Counter SupportsFloat "
+)
+_NOT_IN_FAMILY: dict[str, frozenset[str]] = {
+    pattern: frozenset(names.split())
+    for pattern, names in (
+        (
+            "torch.nn.*.[A-Z]*",
+            _TYPING + "BackwardHook BroadcastingList1 BroadcastingList2 BroadcastingList3 "
+            "ConvT DType DeviceLikeType ExceptionWrapper Function "
+            "GRID_SAMPLE_INTERPOLATION_MODES GRID_SAMPLE_PADDING_MODES GetAttrKey "
+            "HANDLED_FUNCTIONS Join JoinHook Joinable Library LinearT OpaqueBase RPC_AVAILABLE "
+            "RRef ReduceOp RemovableHandle SDPAParams THRESHOLD T_module TreeSpec Ts Variable "
+            "WARN_FOR_UNFUSED_KERNELS",
+        ),
+        (
+            "torch.nn.functional.*",
+            "boolean_dispatch handle_torch_function has_torch_function "
+            "has_torch_function_unary has_torch_function_variadic dataclasses grad importlib "
+            "math np torch warnings reproducibility_notes sparse_support_notes tf32_notes",
+        ),
+        (
+            "torch.optim.*.[A-Z]*",
+            _TYPING + "Args DEFAULT_A DEFAULT_B DEFAULT_C DEFAULT_NS_STEPS DeviceDict "
+            "DeviceDtypeDict EPOCH_DEPRECATION_WARNING EPS GlobalOptimizerPostHook "
+            "GlobalOptimizerPreHook Indices Kwargs Module PARAM_LIST ParamsT RemovableHandle "
+            "StateDict TensorListList",
+        ),
+        ("torch.amp.*.[A-Z]*", _TYPING + "HAS_NUMPY"),
+    )
+}
+_BUILTINS = frozenset(dir(builtins))
+
+
+def _is_dunder(part: str) -> bool:
+    return len(part) > 4 and part.startswith("__") and part.endswith("__")
+
+
+def _family_member(rule: Rule, qualname: str) -> bool:
+    """Whether ``qualname``, matched by the family ``rule``, can be one of its members by
+    its spelling: its last part no module alias or re-export the family's modules bind
+    (torch is never imported here), and of a family of functions no private name."""
+    denied = _NOT_IN_FAMILY.get(rule.pattern)
+    if denied is None:
+        return True
+    last = qualname.rpartition(".")[2]
+    private = rule.pattern.endswith(".*") and last.startswith("_")
+    named = last in denied or last in _BUILTINS  # (a BUILD can copy eval into a module)
+    return len(last) > 1 and not named and last.isidentifier() and not private
 
 
 # The pickles torch.load reads through its own find_class, which takes any global named like
@@ -279,6 +354,9 @@ def classify(qualname: str, context: Context = "pickle", *, exact: bool = False)
     named = next((rule for rule in rules if rule.pattern == qualname), None)
     if named is not None:  # an entry for the name itself comes before any family
         return named
-    if exact:
-        return _PATH
-    return next((r for r in rules if fnmatch.fnmatchcase(qualname, r.pattern)), _UNKNOWN)
+    if any(map(_is_dunder, qualname.split(".")[1:])):
+        return _DUNDER
+    family = next((r for r in rules if fnmatch.fnmatchcase(qualname, r.pattern)), _UNKNOWN)
+    if exact:  # a family that makes it dangerous says why; no family admits it
+        return family if family.severity == "dangerous" and family is not _UNKNOWN else _PATH
+    return family if _family_member(family, qualname) else _ALIAS

@@ -11,7 +11,7 @@
 - tar (torch < 0.4): the ``sys_info`` and ``pickle`` members, and every pickle of
   ``storages`` and ``tensors``, found as torch reads them
   (:mod:`~ckpt_tools.ops.scan.tar_layout`).
-- plain pickles: each pickle that follows the last.
+- plain pickles: each pickle that follows the last, to the end of the file.
 - DCP: ``.metadata``, and every item's archive in the ``.distcp`` files.
 - numpy: the pickle of an ``.npy`` array of objects (also inside an ``.npz`` zip).
 
@@ -62,8 +62,6 @@ __all__ = ["CodeFile", "Walked", "code_files", "is_npz", "storage_records", "wal
 # walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
 _HEAD = 64 << 10
 _MOST = 64 << 20
-# Plain pickle files: pickles read back to back, at most this many.
-_MAX_SEQUENCE = 16
 _LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle", "storage keys")
 # What Python's zipfile raises listing an archive it cannot read.
 _ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError)
@@ -110,7 +108,7 @@ def walk_pickles(
     elif fmt == "torch-legacy":
         yield from _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES, source)
     elif fmt == "pickle":
-        yield from _sequence(path, _MAX_SEQUENCE, (), source)
+        yield from _sequence(path, None, (), source)
     elif fmt == "torch-tar":
         yield from _tar_pickles(path)
     elif fmt == "dcp":
@@ -297,7 +295,7 @@ def _walk_record(entry: ZipEntry, data: bytes) -> ImportScan:
 
 
 def _sequence(
-    path: str, most: int, names: tuple[str, ...], source: RangeSource | None = None
+    path: str, most: int | None, names: tuple[str, ...], source: RangeSource | None = None
 ) -> Iterator[Walked]:
     """:func:`~ckpt_tools.ops.scan.sequence.sequence_pickles`, each pickle as a :class:`Walked`."""
     for record, scan in sequence_pickles(path, most, names, source):

@@ -1,0 +1,79 @@
+"""What a file is by content, for ``scan``: its format, or a pickle a loader would read.
+
+A file of no format the detector knows is still a checkpoint where it holds a pickle: torch
+reads the first pickle of any file that is no zip, and ``pickle.load`` any pickle at all.
+Its pickles are walked to the end of the file, never judged on their first bytes alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckpt_tools.errors import CheckpointError, UnsupportedFormatError
+from ckpt_tools.formats import detect_format
+from ckpt_tools.formats.base import RangeSource
+from ckpt_tools.formats.detect import detect_bytes
+from ckpt_tools.formats.pickle.imports import npy_pickle_offset, starts_like_pickle
+from ckpt_tools.ops.scan.sources import Walked, is_npz, walk_pickles
+
+__all__ = ["content_format", "not_a_checkpoint"]
+
+
+def _detect(path: str, source: RangeSource | None) -> str:
+    """The format by content alone, of a local file or of the remote file at ``path``."""
+    if source is None:
+        return detect_format(path, content_only=True)
+    return detect_bytes(
+        path, source.size, source.pread(512, 0), lambda n: source.pread(n, 0), content_only=True
+    )
+
+
+def content_format(path: str, source: RangeSource | None = None) -> str | None:
+    """The format by content; ``pickle`` for any file that parses as one; None for others."""
+    try:
+        fmt = _detect(path, source)
+    except UnsupportedFormatError:
+        if source is None and not os.path.isfile(path):
+            raise
+        if source is not None:
+            head = source.pread(1 << 16, 0)
+        else:
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+        if npy_pickle_offset(head) is not None:
+            return "numpy"
+        return "pickle" if _holds_a_pickle(path, head, source) else None
+    if fmt == "torch-zip" and is_npz(path, source):
+        return "numpy"
+    return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
+
+
+def _holds_a_pickle(path: str, head: bytes, source: RangeSource | None) -> bool:
+    """Whether a file of no other format is a pickle a loader reads: its pickles are walked
+    to the end of the file (a payload may lie anywhere). Any opcode can start one (a damaged
+    legacy file's magic number is one long integer); a pickle cut short or refused counts
+    where it imports something first, since a loader performs that import before it fails,
+    and a broken one where it starts with a PROTO: text merely looks like protocol 0."""
+    walks: list[Walked] = []
+    try:
+        walks.extend(walk_pickles(path, "pickle", source=source))
+    except CheckpointError:
+        if any(w.scan.imports for w in walks):
+            return True
+        raise
+    if not walks:
+        return False
+    first, imports = walks[0].scan, any(w.scan.imports for w in walks)
+    if first.end is not None:
+        return imports or starts_like_pickle(head, any_protocol=True)
+    return imports and (head[:1] == b"\x80" or first.truncated)
+
+
+def not_a_checkpoint(path: str, source: RangeSource | None = None) -> str:
+    """Why ``path`` is no checkpoint, in the format detector's words (a git-lfs pointer
+    says how to fetch the file)."""
+    try:
+        _detect(path, source)
+    except CheckpointError as e:
+        return str(e)
+    return f"{path!r} is not a checkpoint (by content)"

@@ -1,0 +1,124 @@
+"""``scan`` walks a file that is a pickle to its end, whatever opcode starts it and however
+many pickles it holds: a payload past its first 64 KiB, in a pickle cut short, or after many
+benign pickles is dangerous (and an ``.npy`` of objects however its header spells the dtype).
+The oracle is a loader in a child process, which creates a marker file where it runs code."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools import scan
+
+
+def _short(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw
+
+
+def _opens(marker: Path) -> bytes:
+    """Opcodes that call builtins.open(marker, "w"), which creates the marker."""
+    return _short("builtins") + _short("open") + b"\x93" + _short(str(marker)) + _short("w")
+
+
+def _call(marker: Path) -> bytes:
+    return _opens(marker) + b"\x86R"
+
+
+def _runs(path: Path, marker: Path, loader: str) -> bool:
+    """Whether ``loader`` (Python reading the file ``f``) creates ``marker`` in a child."""
+    module = loader.split(".")[0].split()[-1]
+    code = f"import {module}\nf = open({str(path)!r}, 'rb')\ntry:\n    {loader}\n"
+    code += "except Exception:\n    pass"
+    subprocess.run([sys.executable, "-c", code], timeout=120, check=True)
+    return marker.exists()
+
+
+_PAD = b"X" + (70000).to_bytes(4, "little") + b"a" * 70000 + b"0"  # a string, popped
+
+
+@pytest.mark.parametrize(
+    ("shape", "build"),
+    [
+        (
+            "protocol 1 dict",
+            lambda m: (
+                b"}q\x00(X\x03\x00\x00\x00pad"
+                + _PAD[:-1]
+                + b"X\x01\x00\x00\x00x"
+                + _call(m)
+                + b"u."
+            ),
+        ),
+        ("text first", lambda m: _PAD + _call(m) + b"."),
+        ("None first", lambda m: b"N0" + _PAD + _call(m) + b"."),
+        ("mark first", lambda m: b"(" + _PAD + _call(m) + b"l."),
+        ("cut short", lambda m: _call(m)),
+        ("cut short, popped", lambda m: _call(m) + b"0"),
+        (
+            "in a FRAME, cut short",
+            lambda m: b"\x95" + len(_call(m)).to_bytes(8, "little") + _call(m),
+        ),
+    ],
+)
+def test_a_payload_anywhere_in_a_pickle_file_is_dangerous(
+    tmp_path: Path, shape: str, build
+) -> None:
+    marker = tmp_path / "ran"
+    folder = tmp_path / "models"
+    folder.mkdir()
+    path = folder / "pytorch_model.bin"
+    path.write_bytes(build(marker))
+    assert _runs(path, marker, "torch.load(f, weights_only=False)"), shape
+    for target in (path, folder):  # named, and found in a folder
+        report = scan(target)
+        assert [f.verdict for f in report.files] == ["dangerous"], shape
+        assert report.skipped == ()
+
+
+def test_the_python_pickle_of_a_large_object_is_walked_whole(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
+    class Opens:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(pickle.dumps({"pad": "a" * 70000, "x": Opens()}, protocol=1))
+    assert _runs(path, marker, "pickle.load(f)")
+    assert scan(tmp_path).files[0].verdict == "dangerous"
+
+
+def test_a_payload_after_many_benign_pickles_is_dangerous(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / "many.pkl"
+    path.write_bytes(pickle.dumps({"a": 1}, protocol=2) * 40 + b"\x80\x04" + _call(marker) + b".")
+    assert _runs(path, marker, "while True: pickle.load(f)")
+    found = scan(path).files[0]
+    assert found.verdict == "dangerous"
+    assert [f.record for f in found.findings] == ["pickle 41"]
+
+
+def _npy(path: Path, descr: str, body: bytes) -> None:
+    header = f"{{'descr': {descr}, 'fortran_order': False, 'shape': (1,), }}"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    path.write_bytes(
+        b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body
+    )
+
+
+@pytest.mark.parametrize(
+    "descr", ["'object'", "'object_'", "[('a', '<f4'), ('b', 'object')]", "('object', (1,))"]
+)
+def test_an_npy_of_objects_is_dangerous_however_its_dtype_is_spelled(
+    tmp_path: Path, descr: str
+) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / "array.npy"
+    _npy(path, descr, b"\x80\x02" + _call(marker) + b"\x85.")
+    assert _runs(path, marker, "numpy.load(f, allow_pickle=True)")
+    assert [f.verdict for f in scan(tmp_path).files] == ["dangerous"]
