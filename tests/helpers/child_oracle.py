@@ -92,12 +92,30 @@ def json_per_path(
     Raises:
         subprocess.CalledProcessError: the script failed (its output and errors attached).
     """
+    lines = run_script(script, *paths, preload=preload, timeout=timeout, check=True)
+    return [json.loads(line) for line in lines[-len(paths) :]]
+
+
+def run_script(
+    script: str,
+    *args: str | Path,
+    preload: tuple[str, ...] = ("torch",),
+    timeout: float = 300,
+    check: bool = False,
+) -> list[str]:
+    """Run ``script`` with ``args`` as ``sys.argv[1:]`` in a process that has imported only
+    ``preload``; the lines it printed. A script that fails is a failure only with ``check``
+    (a loader refusing a file is an answer too).
+
+    Raises:
+        subprocess.CalledProcessError: with ``check``, the script failed.
+    """
     process, errors = _server(preload)
     assert process.stdin is not None and process.stdout is not None
     watchdog = threading.Timer(timeout, process.kill)
     watchdog.start()
     try:
-        process.stdin.write(json.dumps([script, list(map(str, paths))]) + "\n")
+        process.stdin.write(json.dumps([script, list(map(str, args))]) + "\n")
         process.stdin.flush()
         lines = []
         while not (line := process.stdout.readline()).startswith(_END) and line:
@@ -105,9 +123,9 @@ def json_per_path(
     finally:
         watchdog.cancel()
     status = int(line[1:]) if line else -1
-    if status != 0:
+    if check and status != 0:
         errors.seek(0)
         raise subprocess.CalledProcessError(
             status, ["python", "-c", script], "".join(lines), errors.read().decode()
         )
-    return [json.loads(line) for line in lines[-len(paths) :]]
+    return lines

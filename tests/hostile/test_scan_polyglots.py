@@ -6,14 +6,13 @@ that loader in a child process, which creates a marker file where it runs code."
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import torch
 
 from ckpt_tools import scan
+from tests.helpers.child_oracle import run_script
 
 
 def _short(text: str) -> bytes:
@@ -41,7 +40,7 @@ def _torch_zip(path: Path, data_pkl: bytes | None = None, extra: bytes | None = 
 
 
 def _runs(marker: Path, code: str, path: Path) -> bool:
-    subprocess.run([sys.executable, "-c", code, str(path)], timeout=120, capture_output=True)
+    run_script(code, path, preload=("torch", "pickle"))
     return marker.exists()
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 
 from ckpt_tools import scan
 from ckpt_tools.ops.scan.severity import classify
+from tests.helpers.child_oracle import run_script
 
 
 def _torch_zip(path: Path, prefix: bytes) -> None:
@@ -34,10 +33,7 @@ def _torch_zip(path: Path, prefix: bytes) -> None:
 def _child(path: Path, check: str) -> str:
     """What ``check`` prints in a child that ran torch.load(path, weights_only=False)."""
     code = f"import torch, sys\ntorch.load({str(path)!r}, weights_only=False)\n{check}"
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    return done.stdout.strip()
+    return "".join(run_script(code, check=True)).strip()
 
 
 def test_eval_reached_through_a_module_alias_is_dangerous(tmp_path: Path) -> None:

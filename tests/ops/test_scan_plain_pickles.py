@@ -6,13 +6,12 @@ The oracle is a loader in a child process, which creates a marker file where it 
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ckpt_tools import scan
+from tests.helpers.child_oracle import run_script
 
 
 def _short(text: str) -> bytes:
@@ -34,7 +33,7 @@ def _runs(path: Path, marker: Path, loader: str) -> bool:
     module = loader.split(".")[0].split()[-1]
     code = f"import {module}\nf = open({str(path)!r}, 'rb')\ntry:\n    {loader}\n"
     code += "except Exception:\n    pass"
-    subprocess.run([sys.executable, "-c", code], timeout=120, check=True)
+    run_script(code, preload=(module,), check=True)
     return marker.exists()
 
 
