@@ -24,8 +24,11 @@ torch does, and so what this module does:
   any -> fp16            through fp32 as above, then quiet, sign kept, payload truncated
   ====================  ====================================================================
 
-  ``n`` is the number of elements of the contiguous tensor cast (here: the storage), so
-  the position of each element in it matters; :func:`cast_chunk` takes it.
+  ``n`` is the number of elements of the contiguous tensor cast, and an element's place
+  is counted from that tensor's first element, not its storage's: callers cast a storage
+  holding views one run per tensor (``slim``'s casts and ``average``'s mean, cast back),
+  and a storage of one tensor over all of it as one run. :func:`cast_array` and
+  :func:`cast_chunk` take the place and the count.
 
 torch on more threads splits a cast of more than 32768 elements into one piece per thread
 (``at::parallel_for``), each with its own scalar tail, so its fp64 -> bf16 and fp16 -> fp32

@@ -160,8 +160,8 @@ class _Plan:
         """The first input's tensor over a computed storage (its storage's, shared by its keys
         as in every input), or a new tensor of its own (a storage of one key).
 
-        ``make(ckpts, parts, w, dtype, nbytes)``: the record from each input's tensor (or
-        storage).
+        ``make(ckpts, parts, w, dtype, nbytes[, views])``: the record from each input's
+        tensor (or storage, with the first input's tensors on it).
         """
         t = others[0]
         sid = id(t.storage)
@@ -172,7 +172,10 @@ class _Plan:
         ):
             if sid not in self.storages:
                 storages = [others[i].storage for i in used]
-                self.storages[sid] = make(self.ckpts, storages, self.w, t.dtype, t.storage.nbytes)
+                views = [self.aligned[0][k][1] for k in keys]  # where its cast runs start
+                self.storages[sid] = make(
+                    self.ckpts, storages, self.w, t.dtype, t.storage.nbytes, views
+                )
             return t
         if len(keys) > 1 and sid not in self.apart:
             self.notes.append(
@@ -186,15 +189,18 @@ class _Plan:
 
 
 def _mean_of(
-    ckpts: Sequence[Checkpoint], parts: Sequence[Any], w: Sequence[float], dtype: str, nbytes: int
+    ckpts: Sequence[Checkpoint],
+    parts: Sequence[Any],
+    w: Sequence[float],
+    dtype: str,
+    nbytes: int,
+    views: Sequence[TensorRef] = (),
 ) -> Record:
-    """The weighted mean of one tensor (or storage) per input."""
-    return mean_record([_bytes_of(c, p) for c, p in zip(ckpts, parts)], w, dtype, nbytes)
+    """The weighted mean of one tensor (or storage, holding ``views``) per input."""
+    return mean_record([_bytes_of(c, p) for c, p in zip(ckpts, parts)], w, dtype, nbytes, views)
 
 
-def _last_of(
-    ckpts: Sequence[Checkpoint], parts: Sequence[Any], w: Sequence[float], dtype: str, nbytes: int
-) -> Record:
+def _last_of(ckpts: Sequence[Checkpoint], parts: Sequence[Any], *_: Any) -> Record:
     """The last input's tensor (or storage) as it is."""
     return _bytes_of(ckpts[-1], parts[-1])
 

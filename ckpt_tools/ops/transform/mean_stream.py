@@ -25,6 +25,7 @@ mean of bool), complex32, quantized, float8 fnuz/e8m0 and packed types.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,11 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.io.casting import cast_array
 from ckpt_tools.io.ranges import fd_pread, pread_chunks
 from ckpt_tools.io.writers.records import Record, record_bytes
+from ckpt_tools.ops.transform.view_casts import run_bounds
 
 __all__ = ["INTEGER_DTYPES", "MEAN_DTYPES", "checked_weights", "mean_record"]
 
@@ -141,13 +144,22 @@ def _to_f64(data: Any, lane: str) -> np.ndarray:
     return np.frombuffer(data, dtype=_NUMPY[lane]).astype(np.float64)
 
 
-def _from_f64(acc: np.ndarray, lane: str, first: int, total: int) -> bytes:
-    """``acc`` cast to ``lane`` as torch's ``.to`` casts a float64 tensor of ``total`` elements."""
+def _from_f64(acc: np.ndarray, lane: str, first: int, runs: Sequence[int]) -> bytes:
+    """``acc`` (elements from ``first`` on) cast to ``lane`` as torch's ``.to`` casts a float64
+    tensor: each stretch between two of ``runs`` (sorted bounds) is cast as a tensor of its own.
+    """
     if lane == "float64":
         return acc.tobytes()
     if lane in ("float8_e4m3fn", "float8_e5m2"):
         return _f32_to_f8(cast_array(acc.view(np.uint64), "float64", "float32"), lane).tobytes()
-    return cast_array(acc.view(np.uint64), "float64", lane, first, total).tobytes()
+    i, end, out = bisect.bisect_right(runs, first) - 1, first + len(acc), []
+    at = first
+    while at < end:  # one pass in the common case: a chunk of a single run
+        start, stop = runs[i], runs[i + 1]
+        part = acc[at - first : min(stop, end) - first].view(np.uint64)
+        out.append(cast_array(part, "float64", lane, at - start, stop - start))
+        at, i = min(stop, end), i + 1
+    return out[0].tobytes() if len(out) == 1 else np.concatenate(out).tobytes()
 
 
 def _f32_to_f8(bits: np.ndarray, lane: str) -> np.ndarray:
@@ -255,15 +267,26 @@ def _size(lane: str) -> int:
 
 
 def mean_record(
-    sources: Sequence[Record], weights: Sequence[float], dtype: str, nbytes: int
+    sources: Sequence[Record],
+    weights: Sequence[float],
+    dtype: str,
+    nbytes: int,
+    views: Sequence[TensorRef] = (),
 ) -> Record:
     """The record streaming the weighted mean of ``sources`` (each ``nbytes`` of ``dtype``).
+
+    The mean is cast back as torch casts each tensor's mean: where ``sources`` are storages
+    holding ``views``, each view's run of elements is cast on its own (NaN bits depend on
+    where in the tensor cast an element lies), as
+    :func:`~ckpt_tools.ops.transform.view_casts.storage_cast_record` casts a storage.
 
     Args:
         sources: one record per input: its elements, in the output's order.
         weights: from :func:`checked_weights`, one per source.
         dtype: a key of :data:`MEAN_DTYPES`.
         nbytes: the bytes each source holds, and the mean.
+        views: the first input's tensors on the storage averaged, in the output's order;
+            none for a tensor's own elements (one run).
 
     Returns:
         A :class:`Record` whose producer reads a chunk of every source at a time.
@@ -280,6 +303,10 @@ def mean_record(
     size = _size(lane)
     numel, total = nbytes // size, float(sum(weights))
     complex_parts = dtype.startswith("complex")
+    parts = itemsize(dtype) // size  # lanes per element: a complex element is two floats
+    same = [v for v in views if v.dtype == dtype]
+    bounds = run_bounds(same, nbytes // itemsize(dtype)) if same else None
+    runs = [0, numel] if bounds is None else [b * parts for b in bounds]
 
     def produce() -> Iterable[bytes]:
         streams = [_chunks_of(s, _CHUNK * size) for s in sources]
@@ -287,7 +314,7 @@ def mean_record(
             for first in range(0, numel, _CHUNK):
                 count = min(_CHUNK, numel - first)
                 acc = _accumulate(streams, weights, lane, count, total, complex_parts)
-                yield _from_f64(acc, lane, first, numel)
+                yield _from_f64(acc, lane, first, runs)
         finally:
             for stream in streams:
                 stream.close()
