@@ -25,7 +25,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource
 from ckpt_tools.formats.detect import check_regular
-from ckpt_tools.formats.hf_choice import choose_weights
+from ckpt_tools.formats.hf_choice import MAX_INDEX_BYTES, choose_weights
 from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
 __all__ = ["open_folder", "open_index", "shard_path"]
@@ -197,11 +197,6 @@ def open_index(
         shards=shards,
         locate=locate,
     )
-
-
-# An index names each tensor once: a few MB for the largest models. A remote index that
-# declares more is refused before it is fetched.
-MAX_INDEX_BYTES = 64 << 20
 
 
 def _index_text(index_path: str, source: RangeSource | None) -> str:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 import posixpath
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from ckpt_tools.errors import Remedy, UnsupportedFormatError, quote_foreign
 
 __all__ = [
     "MAX_CONFIG_BYTES",
+    "MAX_INDEX_BYTES",
     "TRANSFORMERS_ORDER",
     "WEIGHT_FILES",
     "choose_weights",
     "explicit_weights",
+    "files_read",
 ]
 
 _ST, _PT = "model.safetensors", "pytorch_model.bin"
@@ -31,18 +34,23 @@ TRANSFORMERS_ORDER = (_ST, f"{_ST}.index.json", _PT, f"{_PT}.index.json")
 
 #: A model's config.json is a few KB; one far larger is not read for its weights entry.
 MAX_CONFIG_BYTES = 16 << 20
+#: An index names each tensor once: a few MB for the largest models. A remote index that
+#: declares more is refused before it is fetched.
+MAX_INDEX_BYTES = 64 << 20
 # What from_pretrained accepts as ``transformers_weights``; it raises on anything else.
 _EXPLICIT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 _EXPLICIT_NAMES = ("adapter_model.bin",)
 
 
-def choose_weights(folder: Path, path: str) -> tuple[str, list[str]]:
+def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tuple[str, list[str]]:
     """The file ``from_pretrained`` would load from ``folder`` (else its one checkpoint), and
     the other weight files and indexes the folder holds, which are not read.
 
     Args:
         folder: the folder.
         path: the folder as the caller named it, for messages.
+        adding: a name inside the folder taken as present (an output about to be written
+            there), to tell whether writing it changes the choice.
 
     Returns:
         ``(chosen, others)``: names relative to ``folder``.
@@ -56,10 +64,16 @@ def choose_weights(folder: Path, path: str) -> tuple[str, list[str]]:
         >>> choose_weights(Path("sharded"), "sharded")
         ('model.safetensors.index.json', [])
     """
-    explicit = _explicit_weights(folder, path)
-    found = [n for n in TRANSFORMERS_ORDER if (folder / n).is_file()]
-    indexes = [p.name for p in sorted(folder.glob("*.index.json")) if p.name not in found]
-    singles = [n for n in WEIGHT_FILES if n not in found and (folder / n).is_file()]
+
+    def present(name: str) -> bool:
+        return name == adding or (folder / name).is_file()
+
+    explicit = _explicit_weights(folder, path, present)
+    found = [n for n in TRANSFORMERS_ORDER if present(n)]
+    listed = {p.name for p in folder.glob("*.index.json")}
+    listed |= {adding} if adding is not None and adding.endswith(".index.json") else set()
+    indexes = [n for n in sorted(listed) if n not in found and "/" not in n]
+    singles = [n for n in WEIGHT_FILES if n not in found and present(n)]
     if explicit is not None:
         return explicit, [n for n in found + indexes + singles if n != explicit]
     if not found and len(indexes) > 1:
@@ -81,9 +95,44 @@ def choose_weights(folder: Path, path: str) -> tuple[str, list[str]]:
     return names[0], names[1:]
 
 
-def _explicit_weights(folder: Path, path: str) -> str | None:
+def files_read(folder: Path) -> set[str] | None:
+    """The files a Hugging Face folder's reading opens: ``config.json``, the file
+    :func:`choose_weights` chooses and, for an index, the shards its ``weight_map`` names.
+
+    Args:
+        folder: the folder.
+
+    Returns:
+        Names relative to ``folder``; None where that cannot be told (no checkpoint chosen,
+        an index that is no JSON ``weight_map``): every weight file may then be read.
+
+    Example:
+        >>> sorted(files_read(Path("sharded")))[:2]
+        ['config.json', 'model-00001-of-00002.safetensors']
+    """
+    try:
+        chosen = choose_weights(folder, str(folder))[0]
+    except UnsupportedFormatError:
+        return None
+    read = {"config.json", chosen}
+    if not chosen.endswith(".index.json"):
+        return read
+    index = folder / chosen
+    try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            return None
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return None
+    base = posixpath.dirname(chosen)
+    return read | {posixpath.normpath(posixpath.join(base, v)) for v in weight_map.values()}
+
+
+def _explicit_weights(folder: Path, path: str, present: Callable[[str], bool]) -> str | None:
     """The file ``config.json``'s ``transformers_weights`` names, where it names one that
-    the folder holds."""
+    the folder holds (``present`` says)."""
     config = folder / "config.json"
     try:
         if not config.is_file() or config.stat().st_size > MAX_CONFIG_BYTES:
@@ -92,7 +141,7 @@ def _explicit_weights(folder: Path, path: str) -> str | None:
     except OSError:
         return None
     name = explicit_weights(text, str(config), path)
-    if name is not None and not (folder / name).is_file():
+    if name is not None and not present(name):
         raise UnsupportedFormatError(
             f"{str(config)!r} names transformers_weights {quote_foreign(repr(name))}, which the "
             "folder does not hold; from_pretrained loads that file and no other",

@@ -2,14 +2,14 @@
 
 By the folder's format, as :func:`~ckpt_tools.formats.detect.detect_format` tells it: a
 Hugging Face folder's shards and index, a DCP folder's ``.metadata`` and ``*.distcp``, a
-DeepSpeed folder's ``latest`` and rank files. A Hugging Face folder is also read through the
-names its reader and ``from_pretrained`` look for, present or not
-(:data:`~ckpt_tools.formats.hf_choice.TRANSFORMERS_ORDER`,
-:data:`~ckpt_tools.formats.hf_choice.WEIGHT_FILES`, any ``*.index.json``, ``config.json`` and
-the file its ``transformers_weights`` names): a new ``model.safetensors`` beside an index
-would be loaded instead of it. Any other file there (a ``pytorch_model.bin`` that
-``zero_to_fp32`` wrote into a DeepSpeed folder, a ``notes.txt``) is no input: an output may
-replace it as it may replace any file (``--force``). A folder of no known format keeps
+DeepSpeed folder's ``latest`` and rank files. In a Hugging Face folder, a new file that
+``from_pretrained`` would choose before the file it loads now
+(:func:`~ckpt_tools.formats.hf_choice.choose_weights`) changes the reading too, as
+``config.json`` may: a new ``model.safetensors`` beside an index would be loaded instead of
+it, where a new ``pytorch_model.bin`` beside ``model.safetensors`` is never read. Any other
+file there (a ``pytorch_model.bin`` that ``zero_to_fp32`` wrote into a DeepSpeed folder, a
+``notes.txt``) is no input: an output may replace it as it may replace any file
+(``--force``). A folder of no known format keeps
 every file it holds.
 """
 
@@ -27,7 +27,9 @@ _READ_BY_FORMAT = {
 }
 
 
-def shapes_reading(folder: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
+def shapes_reading(
+    folder: str | os.PathLike[str], path: str | os.PathLike[str], *, form: str | None = None
+) -> bool:
     """Whether writing ``path`` (existing or not) could change what the input ``folder``
     reads as: the presence or content of that path is part of the folder's reading.
 
@@ -37,6 +39,7 @@ def shapes_reading(folder: str | os.PathLike[str], path: str | os.PathLike[str])
     Args:
         folder: the input folder.
         path: the output path.
+        form: the folder's format where the caller knows it (detected otherwise).
 
     Returns:
         True where an output must not be written at ``path``.
@@ -52,7 +55,7 @@ def shapes_reading(folder: str | os.PathLike[str], path: str | os.PathLike[str])
 
     real_folder = os.path.realpath(folder)
     try:
-        form = detect_format(real_folder)
+        form = form or detect_format(real_folder)
     except CheckpointError:
         form = None
     # The entry itself (its folder resolved), and what a symlink there points to.
@@ -61,41 +64,47 @@ def shapes_reading(folder: str | os.PathLike[str], path: str | os.PathLike[str])
     for candidate in dict.fromkeys((entry, os.path.realpath(path))):
         if os.path.commonpath([real_folder, candidate]) != real_folder:
             continue
-        name = os.path.basename(candidate)
-        patterns = _READ_BY_FORMAT.get(form or "", ("*",))
-        if os.path.lexists(candidate) and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if os.path.lexists(candidate) and _read_now(real_folder, form, candidate):
             return True
         if form == "hf-sharded" and _hf_reads(real_folder, candidate):
             return True
     return False
 
 
+def _read_now(folder: str, form: str | None, path: str) -> bool:
+    """Whether the existing file ``path`` is read by the folder's reader: in a Hugging Face
+    folder the files it opens, else the files its format's patterns name."""
+    from pathlib import Path
+
+    from ckpt_tools.formats.hf_choice import files_read
+
+    read = files_read(Path(folder)) if form == "hf-sharded" else None
+    if read is not None:
+        return os.path.relpath(path, folder) in read
+    patterns = _READ_BY_FORMAT.get(form or "", ("*",))
+    return any(fnmatch.fnmatchcase(os.path.basename(path), p) for p in patterns)
+
+
 def _hf_reads(folder: str, path: str) -> bool:
-    """Whether a Hugging Face ``folder``'s reader (or ``from_pretrained``) looks for ``path``,
-    present or not: its weight names, any index, ``config.json`` and the file that names."""
-    from ckpt_tools.formats.hf_choice import TRANSFORMERS_ORDER, WEIGHT_FILES
+    """Whether writing ``path`` in a Hugging Face ``folder`` changes the file its reader (and
+    ``from_pretrained``) loads: ``config.json`` (it may name the weights), or a name that,
+    once present, is chosen before the file chosen now (a ``model.safetensors`` beside an
+    index). A name chosen after it (a ``pytorch_model.bin`` beside ``model.safetensors``) is
+    never read."""
+    from pathlib import Path
+
+    from ckpt_tools.errors import CheckpointError
+    from ckpt_tools.formats.hf_choice import choose_weights
 
     relative = os.path.relpath(path, folder)
-    if relative in TRANSFORMERS_ORDER or relative in WEIGHT_FILES or relative == "config.json":
+    if relative == "config.json":
         return True
-    if os.path.dirname(relative) == "" and relative.endswith(".index.json"):
-        return True
-    named = _named_weights(folder)
-    return named is not None and os.path.normpath(named) == relative
-
-
-def _named_weights(folder: str) -> str | None:
-    """The file ``config.json`` names in ``transformers_weights``, present or not; None where
-    it names none (or none that ``from_pretrained`` would accept)."""
-    from ckpt_tools.errors import CheckpointError
-    from ckpt_tools.formats.hf_choice import MAX_CONFIG_BYTES, explicit_weights
-
-    config = os.path.join(folder, "config.json")
     try:
-        if not os.path.isfile(config) or os.path.getsize(config) > MAX_CONFIG_BYTES:
-            return None
-        with open(config, "rb") as f:
-            text = f.read()
-        return explicit_weights(text, config, folder)
-    except (OSError, CheckpointError):
-        return None
+        now: str | None = choose_weights(Path(folder), folder)[0]
+    except CheckpointError:
+        now = None  # nothing loads now (the file config.json names is missing)
+    try:
+        then: str | None = choose_weights(Path(folder), folder, adding=relative)[0]
+    except CheckpointError:
+        then = None  # several indexes of which none wins: the reading changes too
+    return now != then

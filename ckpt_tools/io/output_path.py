@@ -60,8 +60,9 @@ def check_output_path(
         OutputExistsError: ``dst`` exists and ``force`` is False.
         OutputError: ``dst`` is a folder, ends with ``/``, or is not a regular file (a
             device, a FIFO), or its folder does not exist or is a file; or it is a name a
-            ``src`` folder is read through (a ``model.safetensors`` beside its index), or it
-            is or passes through a symlink loop.
+            ``src`` folder (or the folder of a ``src`` file it is written beside) is read
+            through (a new ``model.safetensors`` beside an index: refused unless ``force``),
+            or it is or passes through a symlink loop.
     """
     if os.fspath(dst).endswith(("/", os.sep)):  # Path() drops the slash: a file would be named
         raise OutputError(
@@ -71,15 +72,20 @@ def check_output_path(
         )
     _refuse_loop(dst)
     out = Path(dst)
-    if src is not None and Path(src).is_dir() and shapes_reading(src, out):
+    folder, form = _input_folder(src, out)
+    if folder is not None and shapes_reading(folder, out, form=form):
         if out.exists():  # a shard or the index: never, in place or not
-            raise SameFileError(dst, offer_in_place=False, folder=src)
-        raise OutputError(
-            f"output {os.fspath(dst)!r} is a name the input folder {os.fspath(src)!r} is read "
-            "through: written there, it would change what the folder loads as",
-            path=dst,
-            remedies=(Remedy(text="choose another output path"),),
-        )
+            raise SameFileError(dst, offer_in_place=False, folder=folder)
+        if not force:
+            raise OutputError(
+                f"output {os.fspath(dst)!r} is a name the input folder {os.fspath(folder)!r} "
+                "is read through: written there, it would change what the folder loads as",
+                path=dst,
+                remedies=(
+                    Remedy(text="choose another output path"),
+                    Remedy("force", "True", flag="--force", text="to write it there anyway"),
+                ),
+            )
     if src is not None and out.exists() and _same_file(Path(src), out):
         if not in_place:
             raise SameFileError(dst, offer_in_place=in_place is not None)
@@ -96,6 +102,27 @@ def check_output_path(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
     return out.resolve() if out.is_symlink() else out
+
+
+def _input_folder(src: str | os.PathLike[str] | None, out: Path) -> tuple[str | None, str | None]:
+    """The folder whose reading an output must not change, and its format where known: the
+    input folder, or the Hugging Face folder an input file is read as part of (a shard, the
+    file ``from_pretrained`` loads) when the output is written beside it."""
+    if src is None:
+        return None, None
+    if Path(src).is_dir():
+        return os.fspath(src), None
+    from ckpt_tools.formats.hf_choice import files_read
+
+    source = Path(src).resolve()
+    try:
+        beside = out.resolve().parent == source.parent
+    except (OSError, RuntimeError):
+        return None, None
+    read = files_read(source.parent) if beside else None
+    if read is None or source.name not in read:
+        return None, None
+    return str(source.parent), "hf-sharded"
 
 
 def _refuse_loop(dst: str | os.PathLike[str]) -> None:

@@ -262,7 +262,8 @@ def resolve_path(root: Any, select: str | Sequence[str]) -> PathWalk:
                 f"it has: {', '.join(available[:12]) or 'nothing'}"
             ),
             argument="select",
-            value=repr(".".join(parts)),
+            # As the caller spelled it: a dotted path as text, a sequence as a tuple.
+            value=repr(".".join(parts) if isinstance(parts, DottedSelect) else tuple(parts)),
             flag="--select",
         )
     return walk

@@ -1,6 +1,7 @@
-"""An output written inside an input Hugging Face folder, under a name the folder is read
-through, would change what the folder loads as: it is refused before any work, the folder
-untouched byte for byte, and ``from_pretrained`` of it still gives the same weights.
+"""An output written inside an input Hugging Face folder (or beside an input file in one),
+under a name the folder is read through, would change what the folder loads as: it is refused
+before any work, the folder untouched byte for byte, and ``from_pretrained`` of it still gives
+the same weights. A name ``from_pretrained`` would not read is written.
 
 Inputs are made with ``transformers``' ``save_pretrained``; the oracle is ``from_pretrained``.
 """
@@ -101,14 +102,46 @@ def test_config_is_never_replaced_even_with_force(tmp_path: Path) -> None:
     _assert_refused_unchanged(folder, "slim", folder, folder / "config.json", "--force")
 
 
-def test_a_new_index_is_refused_other_names_are_written(tmp_path: Path) -> None:
+def test_names_read_after_the_loaded_file_are_written(tmp_path: Path) -> None:
+    """``from_pretrained`` loads the first of its names present: a name after the one it
+    loads now (or one it never looks for) changes nothing, and is written."""
     folder = _saved(tmp_path / "m")
-    _assert_refused_unchanged(folder, "convert", folder, folder / "other.index.json")
     weights = _loaded(folder)
     run_ckpt("slim", folder, folder / "fp16.safetensors", "--dtype", "fp16")
-    assert (folder / "fp16.safetensors").is_file()
+    run_ckpt("convert", folder, folder / "pytorch_model.bin")
+    run_ckpt("convert", folder, folder / "other.pt")
+    assert (folder / "fp16.safetensors").is_file() and (folder / "pytorch_model.bin").is_file()
     after = _loaded(folder)
     assert all(torch.equal(weights[k], after[k]) for k in weights)
+
+
+def test_a_second_index_where_none_is_transformers_own_is_refused(tmp_path: Path) -> None:
+    folder = _saved(tmp_path / "m")
+    (folder / "model.safetensors.index.json").rename(folder / "custom.index.json")
+    files = _files(folder)
+    err = run_ckpt("convert", folder, folder / "other.index.json", code=6).stderr
+    assert "input folder" in err and _files(folder) == files
+
+
+def test_a_file_chosen_before_the_loaded_one_is_refused_unless_forced(tmp_path: Path) -> None:
+    """``model.safetensors`` beside ``pytorch_model.bin`` is what ``from_pretrained`` then
+    loads: refused, from the folder or from its file alike; written with ``--force``."""
+    folder = tmp_path / "m"
+    model = _model()
+    model.config.save_pretrained(folder)  # transformers 5 writes no .bin: as older ones did
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    torch.save(state, folder / "pytorch_model.bin")
+    for source in (folder, folder / "pytorch_model.bin"):
+        _assert_refused_unchanged(folder, "convert", source, folder / "model.safetensors")
+    run_ckpt("convert", folder, folder / "model.safetensors", "--force")
+    assert (folder / "model.safetensors").is_file()
+
+
+def test_a_shard_converted_beside_its_index_is_refused(tmp_path: Path) -> None:
+    folder = _saved(tmp_path / "m")
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    err = _assert_refused_unchanged(folder, "convert", shard, folder / "model.safetensors")
+    assert "input folder" in err
 
 
 def test_a_linked_weight_file_is_not_written_through(tmp_path: Path) -> None:
@@ -138,6 +171,7 @@ def test_the_file_config_names_is_read_through_present_or_not(tmp_path: Path) ->
         json.dumps({**config, "transformers_weights": "e.safetensors"})
     )
     assert shapes_reading(folder, folder / "e.safetensors")
-    assert shapes_reading(folder, folder / "model.safetensors")
+    # e.safetensors is what from_pretrained loads, present or not: no other name is read.
+    assert not shapes_reading(folder, folder / "model.safetensors")
     assert not shapes_reading(folder, folder / "f.safetensors")
     assert not shapes_reading(folder, tmp_path / "model.safetensors")

@@ -101,7 +101,7 @@ def _opened_or_none(url: str, session: RemoteSession) -> RemoteFile | None:
 
 def _shard_names(url: str, file: RemoteFile) -> list[str]:
     """The shard files an index names (its ``weight_map``'s values), in name order."""
-    from ckpt_tools.formats.hf import MAX_INDEX_BYTES
+    from ckpt_tools.formats.hf_choice import MAX_INDEX_BYTES
 
     if file.size > MAX_INDEX_BYTES:
         raise ResourceLimitError(

@@ -24,9 +24,10 @@ __all__ = ["buffered_walks", "sequence_pickles"]
 # Each way a buffered file may read the frames of one pickle, and each place a next pickle
 # may start, is a walk; a file that makes more than this many is refused, never half-walked.
 _MOST_WALKS = 64
-# Pickles back to back, however small, are all walked up to this many; a file of more is
-# refused (a verdict no better than unreadable), never called clean on part of it.
-_MOST_PICKLES = 1 << 16
+# Pickles back to back, however small, are all walked up to this many (a log written by
+# pickle.dump in a loop holds tens of thousands); a file of more is refused (a verdict no
+# better than unreadable), never called clean on part of it.
+_MOST_PICKLES = 1 << 20
 
 
 def buffered_walks(f: BinaryIO, start: int, *, cut_globals: bool = False) -> list[ImportScan]:

@@ -77,7 +77,7 @@ def extract(
         # left out, never taken as strings (torch.load gives 1 and "1" as two keys), and
         # listed as left out by their text.
         keys = [k for k in selection.state_dict if isinstance(k, str)]
-        _check_prefix(prefix, keys, strip_prefix)
+        _check_prefix(prefix, keys, strip_prefix, len(selection.state_dict) - len(keys))
         head = _head(prefix)
         items = [
             (k, (k[len(head) :] if strip_prefix else k) if _under(k, prefix) else None, v)
@@ -115,7 +115,7 @@ def _under(key: str, prefix: str) -> bool:
     return key == prefix or key.startswith(_head(prefix))
 
 
-def _check_prefix(prefix: str, keys: Sequence[str], strip: bool) -> None:
+def _check_prefix(prefix: str, keys: Sequence[str], strip: bool, others: int = 0) -> None:
     """Refuse a prefix that keeps every key (the empty one) or none, or a strip emptying keys."""
     where = {"argument": "prefix", "value": repr(prefix), "flag": "--prefix"}
     if not prefix:
@@ -141,6 +141,8 @@ def _check_prefix(prefix: str, keys: Sequence[str], strip: bool) -> None:
             if heads
             else "the state dict has no string keys"
         )
+        if heads and others:
+            found += f"; {others} keys are not strings (0, (1, 2)): they lie under no prefix"
         raise UsageError(f"no key lies under {prefix!r}; {found}", **where)
     # An empty name is no key of any module: load_state_dict could never place it.
     emptied = [
