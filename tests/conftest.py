@@ -123,6 +123,18 @@ def fixture_copy(tmp_path: Path) -> Callable[[str], Path]:
 
 
 @pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for the test, its count put back after: torch's NaN bits of a long
+    cast depend on its thread count, and ours are one thread's."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def real_dir() -> Path:
     """``../shared/realckpt/github``; skips the test when it is absent (users' machines)."""
     folder = REAL_DIR / "github"

@@ -3,7 +3,6 @@ means and the NaN an element keeps where several inputs hold one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +25,7 @@ _EXPONENT = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """torch's NaN bits of a long cast depend on its thread count; ours are one thread's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _average(tmp_path: Path, inputs: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

@@ -4,7 +4,6 @@ element's place in the tensor cast, not in its storage)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +31,7 @@ _LAYOUTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """torch's NaN bits of a long cast depend on its thread count; ours are one thread's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _storage_with_nans(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
