@@ -23,7 +23,6 @@ prints the ranking as suggestions.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 from ckpt_tools.errors import KeyCollisionError
 from ckpt_tools.structure.keys import KeyRule, plan_renames, sub_rule
+from ckpt_tools.structure.partners import wrapper_partners
 from ckpt_tools.structure.steps import Step, fix_command, fix_python, step_rules
 from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperMatch, detect_wrappers
 
@@ -52,14 +52,6 @@ __all__ = [
 #: The most prefix maps :func:`path_fix` offers: one per module path whose wrappers differ
 #: (each compiled child), each a pass over every key and an option on the command line.
 MAX_PATH_RULES = 64
-
-#: Wrapper prefixes that only lead a key (``module.``, ``model.``).
-_LEADING = tuple(r.prefix for r in WRAPPER_RULES if not r.inner)
-
-#: Wrapper segments that may sit anywhere in a key (``blocks.1._orig_mod.weight``).
-_INNER_SEGMENTS = re.compile(
-    r"(^|(?<=\.))(?:" + "|".join(re.escape(r.prefix) for r in WRAPPER_RULES if r.inner) + ")"
-)
 
 
 @dataclass(frozen=True)
@@ -142,48 +134,6 @@ def _leading_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ..
     steps = [Step("strip", p) for p in src[: len(src) - common]]
     steps += [Step("add", p) for p in reversed(dst[: len(dst) - common])]
     return tuple(steps)
-
-
-def _bare(keys: Sequence[str]) -> dict[str, str]:
-    """Each key without its wrappers: every wrapper segment inside it, and the wrapper
-    prefixes it starts with (``module.blocks.1._orig_mod.weight`` -> ``blocks.1.weight``).
-
-    Each key is peeled on its own, not by the stack all keys share: one key without the
-    wrapper (a ``step`` tensor beside DDP's keys) must not leave the others unpaired.
-    """
-    out = {}
-    for key in keys:
-        bare = _INNER_SEGMENTS.sub("", key)
-        while prefix := next((p for p in _LEADING if bare.startswith(p)), None):
-            bare = bare[len(prefix) :]
-        out[key] = bare
-    return out
-
-
-def wrapper_partners(source: Sequence[str], target: Sequence[str]) -> dict[str, str]:
-    """Each unmatched ``source`` key -> the unmatched ``target`` key that is the same tensor
-    with other wrappers around it, where exactly one key on each side has that name bare.
-
-    Args:
-        source: keys to rewrite.
-        target: keys to match.
-
-    Returns:
-        The pairs; keys with no such partner (or several) are left out.
-
-    Example:
-        >>> wrapper_partners(["a.w", "b._orig_mod.w"], ["a.w", "b.w"])
-        {'b._orig_mod.w': 'b.w'}
-    """
-    target_set, source_set = set(target), set(source)
-    by_bare: dict[str, tuple[list[str], list[str]]] = {}
-    for key, bare in _bare(source).items():
-        if key not in target_set:
-            by_bare.setdefault(bare, ([], []))[0].append(key)
-    for key, bare in _bare(target).items():
-        if key not in source_set and bare in by_bare:
-            by_bare[bare][1].append(key)
-    return {ks[0]: kt[0] for ks, kt in by_bare.values() if len(ks) == 1 and len(kt) == 1}
 
 
 def _moved_prefix(old: str, new: str) -> tuple[str, str]:
