@@ -13,6 +13,7 @@ __all__ = [
     "iter_listed_tensors",
     "iter_stored_tensors",
     "iter_tensors",
+    "quantizer_params",
     "quantizer_tensors",
     "stored_views",
 ]
@@ -87,6 +88,29 @@ def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def quantizer_params(t: TensorRef) -> Any:
+    """A quantized tensor's quantizer parameters as saved: ``(qscheme, scale, zero_point)``
+    or ``(qscheme, scales, zero_points, axis)``; None for any other tensor.
+
+    Args:
+        t: a tensor (a quantized Parameter's quantizer is its data's).
+
+    Returns:
+        The parameters, or None.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> quantizer_params(w) is None
+        True
+    """
+    name = t.func.name if t.func is not None else ""
+    if name.startswith("_rebuild_parameter") and t.args and isinstance(t.args[0], TensorRef):
+        return quantizer_params(t.args[0])
+    # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
+    return t.args[4] if name == "_rebuild_qtensor" and len(t.args) >= 5 else None
+
+
 def quantizer_tensors(t: TensorRef) -> tuple[TensorRef, ...]:
     """The tensors of a per-channel quantized tensor's quantizer: its scales and zero points,
     saved as storages of their own; nothing for any other tensor.
@@ -103,14 +127,9 @@ def quantizer_tensors(t: TensorRef) -> tuple[TensorRef, ...]:
         >>> quantizer_tensors(w)
         ()
     """
-    name = t.func.name if t.func is not None else ""
-    if name.startswith("_rebuild_parameter") and t.args and isinstance(t.args[0], TensorRef):
-        return quantizer_tensors(t.args[0])
-    # _rebuild_qtensor(storage, offset, size, stride, qparams, ...): per-channel qparams are
-    # (qscheme, scales, zero_points, axis); per-tensor ones hold numbers only.
-    if name != "_rebuild_qtensor" or len(t.args) < 5 or not isinstance(t.args[4], tuple):
-        return ()
-    return tuple(v for v in t.args[4] if isinstance(v, TensorRef))
+    params = quantizer_params(t)
+    # Per-channel parameters hold tensors; per-tensor ones hold numbers only.
+    return tuple(v for v in params if isinstance(v, TensorRef)) if isinstance(params, tuple) else ()
 
 
 def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:

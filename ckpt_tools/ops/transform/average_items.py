@@ -32,7 +32,7 @@ from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_reco
 from ckpt_tools.ops.transform.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
 from ckpt_tools.ops.transform.plan import PlanRow
 from ckpt_tools.structure.paths import key_text
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_params
 
 __all__ = ["fresh_tensor", "plan_items"]
 
@@ -316,21 +316,11 @@ def _same_tensor(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any) -> bool:
         return False
     if isinstance(a, RebuiltTensor):
         return a.layout == b.layout and _same_everywhere((ca, cb), (a, b))
-    if a.view_bits != b.view_bits or not _same_value(ca, _qparams(a), cb, _qparams(b)):
+    if a.view_bits != b.view_bits or not _same_value(
+        ca, quantizer_params(a), cb, quantizer_params(b)
+    ):
         return False
     return tensor_digest(ca, a) == tensor_digest(cb, b)
-
-
-def _qparams(t: TensorRef) -> Any:
-    """A quantized tensor's quantizer parameters as saved (scheme, scale and zero point, or
-    per-channel scales, zero points and axis); None for any other tensor."""
-    func, args = t.func, t.args
-    if func is not None and func.name.startswith("_rebuild_parameter") and args:
-        return _qparams(args[0]) if isinstance(args[0], TensorRef) else None
-    # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
-    if func is None or func.name != "_rebuild_qtensor" or len(args) < 5:
-        return None
-    return args[4]
 
 
 def _recorded(obj: Opaque) -> tuple[Any, ...]:
