@@ -27,8 +27,8 @@ from .workers import (
     ORACLE_MEMORY,
     ORACLE_TIMEOUT,
     CliResult,
+    CliServer,
     Worker,
-    run_ckpt,
 )
 
 OLD_OUTPUT = b"an older output that a failed rewrite must leave alone\n"
@@ -118,6 +118,7 @@ class Session:
         self.oracle = Worker("oracle_worker.py", ORACLE_MEMORY, self.marker, workdir)
         self._oracle_answers: dict[str, dict[str, Any]] = {}
         self.lib = Worker("lib_worker.py", CLI_MEMORY, self.marker, workdir)
+        self.cli = CliServer(self.marker, workdir)
         self.stats: Counter[str] = Counter()
         self.cases = 0
         self.cli_timeout = CLI_TIMEOUT
@@ -125,10 +126,12 @@ class Session:
     def start(self) -> None:
         self.oracle.warm_up()
         self.lib.warm_up()
+        self.cli.warm_up()
 
     def close(self) -> None:
         self.oracle.close()
         self.lib.close()
+        self.cli.close()
 
     # -- common ------------------------------------------------------------------------------
 
@@ -190,7 +193,7 @@ class Session:
 
     def _run(self, args: Sequence[str], cwd: Path) -> CliResult:
         self.stats["cli-runs"] += 1
-        return run_ckpt(args, cwd, self.marker, timeout=self.cli_timeout)
+        return self.cli.run(args, cwd, timeout=self.cli_timeout)
 
     def _process_checks(self, res: CliResult, command: str) -> list[Finding]:
         findings = []

@@ -70,10 +70,12 @@ class Worker:
     def __init__(self, script: str, memory: int, marker: Path, cwd: Path) -> None:
         self.script, self.memory, self.marker, self.cwd = script, memory, marker, cwd
         self.proc: subprocess.Popen[bytes] | None = None
+        self.pending = b""  # what the worker wrote past its last answer read
         self.calls = 0
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
+            self.pending = b""
             self.proc = subprocess.Popen(
                 [sys.executable, str(HERE / self.script)],
                 stdin=subprocess.PIPE,
@@ -90,27 +92,43 @@ class Worker:
 
     def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         proc = self._start()
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
         self.calls += 1
         try:
             proc.stdin.write(json.dumps(request).encode() + b"\n")
             proc.stdin.flush()
         except BrokenPipeError:
             return self._died()
+        return self._answer(timeout, kill=True)
+
+    def call_pending(self, timeout: float) -> dict[str, Any]:
+        """The next answer to the request already sent; ``{"timeout": true}`` past
+        ``timeout``, the worker left running (it still owes that answer)."""
+        return self._answer(timeout, kill=False)
+
+    def _answer(self, timeout: float, kill: bool) -> dict[str, Any]:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
         deadline = time.monotonic() + timeout
+        # Read the pipe itself: a buffered readline could take a second answer along, which
+        # the selector would then never report.
+        fd = proc.stdout.fileno()
         with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while True:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self.pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    _kill(proc)
-                    self.proc = None
+                    if kill:
+                        _kill(proc)
+                        self.proc = None
                     return {"timeout": True}
                 if sel.select(left):
-                    line = proc.stdout.readline()
-                    if not line:
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
                         return self._died()
-                    return json.loads(line)
+                    self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return json.loads(line)
 
     def _died(self) -> dict[str, Any]:
         assert self.proc is not None
@@ -123,6 +141,57 @@ class Worker:
         if self.proc is not None:
             _kill(self.proc)
             self.proc = None
+
+
+class CliServer:
+    """``ckpt ARGS`` in a process of its own, forked from a server that has imported the
+    command line (``cli_server.py``): a fresh ``python -m ckpt_tools`` from the fork on,
+    without paying Python's start-up for each of the fuzzer's many small inputs. Memory and
+    file size are bounded as :func:`run_ckpt` bounds them; a command past its time is killed
+    with its process group. A server that dies fails the call, never the verdict silently.
+    """
+
+    def __init__(self, marker: Path, workdir: Path) -> None:
+        self.marker = marker
+        self.io = workdir / "cli-io"
+        self.io.mkdir(parents=True, exist_ok=True)
+        self.server = Worker("cli_server.py", CLI_MEMORY, marker, workdir)
+
+    def warm_up(self) -> None:
+        self.server.warm_up()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def run(
+        self,
+        args: Sequence[str],
+        cwd: Path,
+        timeout: float = CLI_TIMEOUT,
+        module: str = "ckpt_tools",
+    ) -> CliResult:
+        """``python -m MODULE ARGS`` in ``cwd`` (``module`` is for this class's own tests)."""
+        out, err = self.io / "stdout", self.io / "stderr"
+        request = {"argv": list(args), "cwd": str(cwd), "env": child_env(self.marker)}
+        request |= {"stdout": str(out), "stderr": str(err), "module": module}
+        start = time.monotonic()
+        started = self.server.call(request, timeout=CLI_TIMEOUT)
+        assert "pid" in started, f"the ckpt server did not start {list(args)}: {started}"
+        ended = self.server.call_pending(timeout=max(timeout - (time.monotonic() - start), 0))
+        timed_out = "timeout" in ended
+        if timed_out:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(started["pid"], signal.SIGKILL)
+            ended = self.server.call_pending(timeout=CLI_TIMEOUT)
+        assert "status" in ended, f"the ckpt server lost {list(args)}: {ended}"
+        return CliResult(
+            list(args),
+            os.waitstatus_to_exitcode(ended["status"]),
+            out.read_bytes().decode("utf-8", "replace"),
+            err.read_bytes().decode("utf-8", "replace"),
+            time.monotonic() - start,
+            timed_out,
+        )
 
 
 @dataclass
