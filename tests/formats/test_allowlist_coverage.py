@@ -4,10 +4,7 @@ the ``_DimRange`` that ``import torch._dynamo`` admits, as loading a jagged tens
 
 from __future__ import annotations
 
-import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import ckpt_tools as ct
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS, resolve_allowed
 from ckpt_tools.formats.pickle.standins import ConstantRef
 from ckpt_tools.ops.scan.severity import classify
+from tests.helpers.child_oracle import torchs_allowlists
 
 # The globals torch admits that we deliberately resolve otherwise: none today. A name added
 # here needs its reason (and the reader must still refuse it by name, never guess).
@@ -27,28 +25,9 @@ _TREATED_DIFFERENTLY: dict[str, str] = {}
 # the import also adds are not.
 _DIM_RANGE = "torch._dynamo.decorators._DimRange"
 
-_TORCHS_ALLOWLIST = """
-import json, torch
-from torch import _weights_only_unpickler as w
-def names():
-    return sorted(set(w._get_allowed_globals()) | set(w._get_user_allowed_globals()))
-fresh = names()
-import torch._dynamo
-print(json.dumps([fresh, names()]))
-"""
-
-
-def _torchs_allowlists() -> tuple[set[str], set[str]]:
-    # A fresh process: this one's tests may have imported more of torch (or added globals).
-    out = subprocess.run(
-        [sys.executable, "-c", _TORCHS_ALLOWLIST], capture_output=True, text=True, check=True
-    )
-    fresh, dynamo = json.loads(out.stdout.strip().splitlines()[-1])
-    return set(fresh), set(dynamo)
-
 
 def test_our_allowlist_is_exactly_torchs() -> None:
-    theirs, with_dynamo = _torchs_allowlists()
+    theirs, with_dynamo = torchs_allowlists()
     missing = sorted(theirs - ALLOWED_GLOBALS - _TREATED_DIFFERENTLY.keys())
     assert missing == [], f"torch admits globals our reader does not resolve: {missing}"
     assert _DIM_RANGE in with_dynamo - theirs

@@ -11,6 +11,7 @@ and nothing that an earlier question made it import or change.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import subprocess
 import sys
@@ -129,3 +130,24 @@ def run_script(
             status, ["python", "-c", script], "".join(lines), errors.read().decode()
         )
     return lines
+
+
+# The globals torch.load(weights_only=True) admits, as ``import torch`` leaves them and then
+# as ``import torch._dynamo`` does (it adds some).
+_TORCHS_ALLOWLISTS = """
+import json, torch
+from torch import _weights_only_unpickler as w
+names = lambda: sorted({*w._get_allowed_globals(), *w._get_user_allowed_globals()})
+fresh = names()
+import torch._dynamo
+print(json.dumps([fresh, names()]))
+"""
+
+
+@functools.cache
+def torchs_allowlists() -> tuple[frozenset[str], frozenset[str]]:
+    """torch's weights-only allowlist in a fresh process: after ``import torch``, and after
+    ``import torch._dynamo`` too. This process's tests may have imported more of torch, and
+    ``torch.distributed.tensor`` adds its own globals when imported."""
+    fresh, dynamo = json.loads(run_script(_TORCHS_ALLOWLISTS, check=True)[-1])
+    return frozenset(fresh), frozenset(dynamo)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 
 from ckpt_tools import scan
 from ckpt_tools.ops.scan.report import FileScan
+from tests.helpers.child_oracle import run_script
 
 _MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
 
@@ -42,9 +41,8 @@ def _framed(body: bytes, length: int) -> bytes:
 
 def _torch_runs(path: Path, marker: Path) -> bool:
     """Whether torch.load(weights_only=False), in a child process, creates ``marker``."""
-    load = f"torch.load({str(path)!r}, weights_only=False)"
-    code = f"import torch\ntry: {load}\nexcept Exception: pass"
-    subprocess.run([sys.executable, "-c", code], cwd=path.parent, timeout=120, check=True)
+    load = "torch.load(sys.argv[1], weights_only=False)"
+    run_script(f"import sys, torch\ntry: {load}\nexcept Exception: pass", path, check=True)
     return marker.exists()
 
 

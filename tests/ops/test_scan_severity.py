@@ -3,15 +3,12 @@ and each family of gadget is dangerous wherever it is named."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 from ckpt_tools.ops.scan.severity import RULES, SEVERITIES, classify
+from tests.helpers.child_oracle import torchs_allowlists
 
 
 def test_allowed_is_exactly_torchs_weights_only_allowlist() -> None:
@@ -19,13 +16,7 @@ def test_allowed_is_exactly_torchs_weights_only_allowlist() -> None:
     # (torch.distributed.tensor adds its own globals when imported). Then as ``import
     # torch._dynamo`` leaves it, which loading a jagged tensor saved by nested_tensor needs:
     # of what that adds, only its _DimRange is allowed (not the DTensor classes).
-    code = (
-        "import json, torch; from torch import _weights_only_unpickler as w\n"
-        "names = lambda: sorted({*w._get_allowed_globals(), *w._get_user_allowed_globals()})\n"
-        "fresh = names(); import torch._dynamo; print(json.dumps([fresh, names()]))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    fresh, dynamo = (set(names) for names in json.loads(out.stdout.strip().splitlines()[-1]))
+    fresh, dynamo = torchs_allowlists()
     theirs = fresh | {"torch._dynamo.decorators._DimRange"}
     assert theirs <= dynamo
     assert {name for name in theirs if classify(name).severity != "allowed"} == set()
