@@ -166,9 +166,11 @@ def _selection_checked(root: Any, select: Select, where: str) -> Selection:
             holds_no_state_dict(where, root),
             remedies=(Remedy(text="load it with torch.load(path, weights_only=True)"),),
         )
-    # A root that is an empty mapping is an empty state dict (torch.load gives it back).
-    empty_root = isinstance(root, Mapping) and not root
-    if select is None and not empty_root and not is_state_dict(selection.state_dict):
+    # An empty mapping at the root, or the one the selection chose under a state dict's name
+    # where nothing else holds tensors, is an empty state dict (a model with no parameters).
+    chosen = selection.state_dict if selection.path else root
+    empty = isinstance(chosen, Mapping) and not chosen
+    if select is None and not empty and not is_state_dict(selection.state_dict):
         top = list(root)[:12] if isinstance(root, Mapping) else []
         raise UsageError(
             f"{where}: no entry looks like a state dict (a mapping of names to tensors); "

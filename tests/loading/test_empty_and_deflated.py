@@ -43,6 +43,37 @@ def test_empty_file_into_a_model_reports_what_torch_reports(empty_pt: Path) -> N
         load_into(nn.Linear(2, 2), empty_pt, map_location="cpu", strict=True)
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "where"),
+    [
+        ({"state_dict": {}, "epoch": 1}, ("state_dict",)),
+        ({"trainer": 3, "model": {"state_dict": {}}}, ("model", "state_dict")),
+    ],
+    ids=["state_dict", "nested"],
+)
+def test_an_empty_state_dict_under_its_name_loads_as_torch_gives_it(
+    tmp_path: Path, checkpoint: dict, where: tuple[str, ...]
+) -> None:
+    path = tmp_path / "no_parameters.pt"
+    torch.save(checkpoint, path)
+    theirs = torch.load(path, weights_only=True)
+    for key in where:
+        theirs = theirs[key]
+    ours = load_state_dict(path, map_location="cpu")
+    assert ours == theirs == {}
+    report = load_into(nn.ReLU(), path, map_location="cpu")
+    assert (report.missing, report.unexpected) == ((), ())
+
+
+def test_no_state_dict_beside_an_empty_entry_of_another_name_is_still_refused(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "no_weights.pt"
+    torch.save({"optimizer": {}, "epoch": 1}, path)
+    with pytest.raises(UsageError, match="no entry looks like a state dict"):
+        load_state_dict(path, map_location="cpu")
+
+
 @pytest.fixture
 def deflated(tmp_path: Path) -> Path:
     torch.save({"a": torch.arange(6, dtype=torch.float32)}, tmp_path / "stored.pt")
