@@ -167,10 +167,12 @@ def _selection_checked(root: Any, select: Select, where: str) -> Selection:
             remedies=(Remedy(text="load it with torch.load(path, weights_only=True)"),),
         )
     # An empty mapping at the root, or the one the selection chose under a state dict's name
-    # where nothing else holds tensors, is an empty state dict (a model with no parameters).
+    # where nothing else holds tensors, is an empty state dict (a model with no parameters);
+    # so is a pickled module's, whatever it holds.
     chosen = selection.state_dict if selection.path else root
     empty = isinstance(chosen, Mapping) and not chosen
-    if select is None and not empty and not is_state_dict(selection.state_dict):
+    found = empty or selection.module is not None or is_state_dict(selection.state_dict)
+    if select is None and not found:
         top = list(root)[:12] if isinstance(root, Mapping) else []
         raise UsageError(
             f"{where}: no entry looks like a state dict (a mapping of names to tensors); "

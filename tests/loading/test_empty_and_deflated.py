@@ -65,6 +65,20 @@ def test_an_empty_state_dict_under_its_name_loads_as_torch_gives_it(
     assert (report.missing, report.unexpected) == ((), ())
 
 
+@pytest.mark.parametrize(
+    "module", [nn.ReLU(), nn.Sequential(nn.ReLU(), nn.Dropout())], ids=["relu", "sequential"]
+)
+def test_a_pickled_module_without_parameters_loads_its_empty_state_dict(
+    tmp_path: Path, module: nn.Module
+) -> None:
+    path = tmp_path / "module.pt"
+    torch.save(module, path)
+    theirs = torch.load(path, weights_only=False).state_dict()  # our own file: safe to run
+    assert load_state_dict(path, map_location="cpu") == theirs == {}
+    report = load_into(nn.ReLU(), path, map_location="cpu")
+    assert (report.missing, report.unexpected) == ((), ())
+
+
 def test_no_state_dict_beside_an_empty_entry_of_another_name_is_still_refused(
     tmp_path: Path,
 ) -> None:
