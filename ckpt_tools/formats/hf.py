@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import (
+    CheckpointError,
     CorruptCheckpointError,
     ResourceLimitError,
+    UnsupportedFormatError,
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource
@@ -28,7 +31,7 @@ from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.hf_choice import MAX_INDEX_BYTES, choose_weights
 from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
-__all__ = ["open_folder", "open_index", "shard_path"]
+__all__ = ["files_read", "open_folder", "open_index", "shard_path"]
 
 logger = logging.getLogger("ckpt_tools")
 
@@ -197,6 +200,40 @@ def open_index(
         shards=shards,
         locate=locate,
     )
+
+
+def files_read(folder: Path) -> set[str] | None:
+    """The files a Hugging Face folder's reading opens: ``config.json``, the file
+    :func:`~ckpt_tools.formats.hf_choice.choose_weights` chooses and, for an index, the
+    shards its ``weight_map`` names.
+
+    Args:
+        folder: the folder.
+
+    Returns:
+        Names relative to ``folder``; None where that cannot be told (no checkpoint chosen,
+        an index this reader refuses): every weight file may then be read.
+
+    Example:
+        >>> sorted(files_read(Path("sharded")))[:2]
+        ['config.json', 'model-00001-of-00002.safetensors']
+    """
+    try:
+        chosen = choose_weights(folder, str(folder))[0]
+    except UnsupportedFormatError:
+        return None
+    read = {"config.json", chosen}
+    if not chosen.endswith(".index.json"):
+        return read
+    index = folder / chosen
+    try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            return None
+        _, weight_map = _read_index(str(index))
+    except (OSError, CheckpointError):
+        return None
+    base = posixpath.dirname(chosen)
+    return read | {posixpath.normpath(posixpath.join(base, v)) for v in weight_map.values()}
 
 
 def _index_text(index_path: str, source: RangeSource | None) -> str:

@@ -22,7 +22,6 @@ __all__ = [
     "WEIGHT_FILES",
     "choose_weights",
     "explicit_weights",
-    "files_read",
 ]
 
 _ST, _PT = "model.safetensors", "pytorch_model.bin"
@@ -93,41 +92,6 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         )
     names = found + indexes + singles
     return names[0], names[1:]
-
-
-def files_read(folder: Path) -> set[str] | None:
-    """The files a Hugging Face folder's reading opens: ``config.json``, the file
-    :func:`choose_weights` chooses and, for an index, the shards its ``weight_map`` names.
-
-    Args:
-        folder: the folder.
-
-    Returns:
-        Names relative to ``folder``; None where that cannot be told (no checkpoint chosen,
-        an index that is no JSON ``weight_map``): every weight file may then be read.
-
-    Example:
-        >>> sorted(files_read(Path("sharded")))[:2]
-        ['config.json', 'model-00001-of-00002.safetensors']
-    """
-    try:
-        chosen = choose_weights(folder, str(folder))[0]
-    except UnsupportedFormatError:
-        return None
-    read = {"config.json", chosen}
-    if not chosen.endswith(".index.json"):
-        return read
-    index = folder / chosen
-    try:
-        if index.stat().st_size > MAX_INDEX_BYTES:
-            return None
-        weight_map = json.loads(index.read_bytes()).get("weight_map")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        return None
-    base = posixpath.dirname(chosen)
-    return read | {posixpath.normpath(posixpath.join(base, v)) for v in weight_map.values()}
 
 
 def _explicit_weights(folder: Path, path: str, present: Callable[[str], bool]) -> str | None:

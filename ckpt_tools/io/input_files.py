@@ -76,7 +76,7 @@ def _read_now(folder: str, form: str | None, path: str) -> bool:
     folder the files it opens, else the files its format's patterns name."""
     from pathlib import Path
 
-    from ckpt_tools.formats.hf_choice import files_read
+    from ckpt_tools.formats.hf import files_read
 
     read = files_read(Path(folder)) if form == "hf-sharded" else None
     if read is not None:

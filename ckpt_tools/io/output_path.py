@@ -112,7 +112,7 @@ def _input_folder(src: str | os.PathLike[str] | None, out: Path) -> tuple[str | 
         return None, None
     if Path(src).is_dir():
         return os.fspath(src), None
-    from ckpt_tools.formats.hf_choice import files_read
+    from ckpt_tools.formats.hf import files_read
 
     source = Path(src).resolve()
     try:

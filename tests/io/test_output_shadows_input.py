@@ -9,6 +9,7 @@ Inputs are made with ``transformers``' ``save_pretrained``; the oracle is ``from
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -175,3 +176,14 @@ def test_the_file_config_names_is_read_through_present_or_not(tmp_path: Path) ->
     assert not shapes_reading(folder, folder / "model.safetensors")
     assert not shapes_reading(folder, folder / "f.safetensors")
     assert not shapes_reading(folder, tmp_path / "model.safetensors")
+
+
+def test_a_fifo_named_like_an_index_beside_the_input_is_never_opened(tmp_path: Path) -> None:
+    # The guard lists what the input's folder would load; a FIFO is refused by name, not read
+    # (reading one blocks until something writes it).
+    folder = tmp_path / "m"
+    folder.mkdir()
+    torch.save({"module.w": torch.ones(2)}, folder / "a.pt")
+    os.mkfifo(folder / "weights.index.json")
+    run_ckpt("strip-module", folder / "a.pt", folder / "out.pt", how="module", timeout=60)
+    assert torch.equal(torch.load(folder / "out.pt", weights_only=True)["w"], torch.ones(2))

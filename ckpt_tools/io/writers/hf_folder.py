@@ -179,10 +179,7 @@ def _published_folder(
                 fsync_folder(parent)
         except OSError as e:
             if isinstance(e, OutputError):
-                raise
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and not replaced:
-                # another writer published the folder first (found empty or absent above)
-                raise folder_exists_error(str(target)) from e
+                raise  # (_swap's "already exists" among them)
             raise OutputError(
                 f"writing {str(target)!r} failed ({e.strerror or e}); the input is unchanged",
                 path=str(target),

@@ -54,9 +54,14 @@ def child_env(marker: Path) -> dict[str, str]:
     return env
 
 
-def _kill(proc: subprocess.Popen[Any]) -> None:
+def _kill_group(pid: int) -> None:
+    """SIGKILL to the process group a limited child leads (``setsid``), gone or not."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _kill(proc: subprocess.Popen[Any]) -> None:
+    _kill_group(proc.pid)
     proc.wait()
 
 
@@ -180,8 +185,7 @@ class CliServer:
         ended = self.server.call_pending(timeout=max(timeout - (time.monotonic() - start), 0))
         timed_out = "timeout" in ended
         if timed_out:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(started["pid"], signal.SIGKILL)
+            _kill_group(started["pid"])
             ended = self.server.call_pending(timeout=CLI_TIMEOUT)
         assert "status" in ended, f"the ckpt server lost {list(args)}: {ended}"
         return CliResult(
