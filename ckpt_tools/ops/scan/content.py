@@ -28,8 +28,12 @@ def _detect(path: str, source: RangeSource | None) -> str:
     )
 
 
-def content_format(path: str, source: RangeSource | None = None) -> str | None:
-    """The format by content; ``pickle`` for any file that parses as one; None for others."""
+def content_format(
+    path: str, source: RangeSource | None = None
+) -> tuple[str | None, list[Walked] | None]:
+    """The format by content (``pickle`` for any file that parses as one, None for others),
+    and for a pickle the walk of its pickles to the end of the file, where it ended cleanly:
+    the scan's own walk of that format is the same one."""
     try:
         fmt = _detect(path, source)
     except UnsupportedFormatError:
@@ -41,32 +45,38 @@ def content_format(path: str, source: RangeSource | None = None) -> str | None:
             with open(path, "rb") as f:
                 head = f.read(1 << 16)
         if npy_pickle_offset(head) is not None:
-            return "numpy"
-        return "pickle" if _holds_a_pickle(path, head, source) else None
+            return "numpy", None
+        walks = _pickle_walks(path, head, source)
+        return (None, None) if walks is None else ("pickle", walks or None)
     if fmt == "torch-zip" and is_npz(path, source):
-        return "numpy"
-    return None if fmt == "hf-sharded" else fmt  # an index: its shards are scanned
+        return "numpy", None
+    return (None if fmt == "hf-sharded" else fmt), None  # an index: its shards are scanned
 
 
-def _holds_a_pickle(path: str, head: bytes, source: RangeSource | None) -> bool:
-    """Whether a file of no other format is a pickle a loader reads: its pickles are walked
-    to the end of the file (a payload may lie anywhere). Any opcode can start one (a damaged
-    legacy file's magic number is one long integer); a pickle cut short or refused counts
-    where it imports something first, since a loader performs that import before it fails,
-    and a broken one where it starts with a PROTO: text merely looks like protocol 0."""
+def _pickle_walks(path: str, head: bytes, source: RangeSource | None) -> list[Walked] | None:
+    """The pickles of a file of no other format, walked to the end of the file (a payload
+    may lie anywhere), where a loader reads it as a pickle; None where none does; empty where
+    one does but the walk stopped on an error (the scan walks it again and reports that).
+
+    Any opcode can start one (a damaged legacy file's magic number is one long integer); a
+    pickle cut short or refused counts where it imports something first, since a loader
+    performs that import before it fails, and a broken one where it starts with a PROTO:
+    text merely looks like protocol 0."""
     walks: list[Walked] = []
     try:
         walks.extend(walk_pickles(path, "pickle", source=source))
     except CheckpointError:
         if any(w.scan.imports for w in walks):
-            return True
+            return []
         raise
     if not walks:
-        return False
+        return None
     first, imports = walks[0].scan, any(w.scan.imports for w in walks)
     if first.end is not None:
-        return imports or starts_like_pickle(head, any_protocol=True)
-    return imports and (head[:1] == b"\x80" or first.truncated)
+        holds = imports or starts_like_pickle(head, any_protocol=True)
+    else:
+        holds = imports and (head[:1] == b"\x80" or first.truncated)
+    return walks if holds else None
 
 
 def not_a_checkpoint(path: str, source: RangeSource | None = None) -> str:

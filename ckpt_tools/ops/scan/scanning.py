@@ -192,7 +192,7 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
     """:func:`scan_file` of ``path``, or of the remote file at the URL ``path``."""
     source = None if remote is None else remote.file
     try:
-        content = content_format(path, source)
+        content, walked_already = content_format(path, source)
     except (CheckpointError, OSError) as e:  # not a regular file, or unreadable
         _raise_remote(e, source)
         return _unreadable(path, None, str(e))
@@ -207,7 +207,11 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
     walked: list[Walked] = []
     skip = reading.read | reading.storages  # (torch reads storage records as raw bytes)
     try:
-        walked.extend(walk_pickles(path, fmt, skip=skip, entries=reading.entries, source=source))
+        if fmt == "pickle" and walked_already is not None:
+            walked.extend(walked_already)  # walked whole by content_format, without an error
+        else:
+            entries = reading.entries
+            walked.extend(walk_pickles(path, fmt, skip=skip, entries=entries, source=source))
         if fmt == "safetensors" and not path.endswith(".safetensors"):
             # torch.load takes it for a legacy file (it is no zip) and unpickles it.
             legacy = walk_pickles(path, "torch-legacy", source=source)
