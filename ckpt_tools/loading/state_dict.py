@@ -33,7 +33,6 @@ from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.structure.selection import (
     Selection,
     holds_no_state_dict,
-    is_state_dict,
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import iter_tensors
@@ -166,13 +165,7 @@ def _selection_checked(root: Any, select: Select, where: str) -> Selection:
             holds_no_state_dict(where, root),
             remedies=(Remedy(text="load it with torch.load(path, weights_only=True)"),),
         )
-    # An empty mapping at the root, or the one the selection chose under a state dict's name
-    # where nothing else holds tensors, is an empty state dict (a model with no parameters);
-    # so is a pickled module's, whatever it holds.
-    chosen = selection.state_dict if selection.path else root
-    empty = isinstance(chosen, Mapping) and not chosen
-    found = empty or selection.module is not None or is_state_dict(selection.state_dict)
-    if select is None and not found:
+    if select is None and not selection.found:
         top = list(root)[:12] if isinstance(root, Mapping) else []
         raise UsageError(
             f"{where}: no entry looks like a state dict (a mapping of names to tensors); "

@@ -82,6 +82,9 @@ class Selection:
             was recovered from it; ``state_dict`` is then its recovered state dict.
         stand_in: the root is no mapping (a bare tensor, a list, None) and ``state_dict`` an
             empty stand-in for it: what is written back must be the root, not the stand-in.
+        found: whether ``state_dict`` is a state dict, empty ones included (an empty root, an
+            empty dict under a state dict's name, a module without parameters); False where
+            nothing looked like one and the root is shown.
     """
 
     path: tuple[str, ...]
@@ -89,6 +92,7 @@ class Selection:
     state_dict: Mapping[str, Any]
     module: RecoveredModule | None = None
     stand_in: bool = False
+    found: bool = True
 
 
 def a_kind_of(value: Any) -> str:
@@ -189,7 +193,7 @@ def _nested(key: str, found: Selection) -> str:
     return f"nested {found.reason}"
 
 
-_NOTHING = Selection((), "no state dict found; showing the root", {})
+_NOTHING = Selection((), "no state dict found; showing the root", {}, found=False)
 
 
 def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
@@ -239,6 +243,6 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
             return inner
     if empty is not None:
         return empty
-    if isinstance(root, Mapping):
-        return Selection((), "no state dict found; showing the root", root)
-    return Selection((), "no state dict found; showing the root", {}, stand_in=True)
+    if isinstance(root, Mapping):  # an empty root is an empty state dict (torch.load's {})
+        return Selection((), "no state dict found; showing the root", root, found=not root)
+    return Selection((), "no state dict found; showing the root", {}, stand_in=True, found=False)

@@ -19,6 +19,7 @@ from ckpt_tools.ops.inspect.inspection import inspect
 from ckpt_tools.ops.rewrite.rewriting import rewrite
 from ckpt_tools.structure.keys import add_rule
 from ckpt_tools.structure.paths import entries_beside, replace_at, resolve_path, walk_path
+from ckpt_tools.structure.selection import select_state_dict
 
 
 class Holder:
@@ -181,3 +182,18 @@ def test_an_empty_state_dict_is_chosen_where_it_is_the_one(name: str, tmp_path: 
         assert [k for k, _ in entries_beside(written, chosen)] == [
             k for k, _ in entries_beside(tree, chosen)
         ]
+
+
+@pytest.mark.parametrize(
+    ("root", "found"),
+    [
+        ({}, True),
+        ({"state_dict": {}, "epoch": 1}, True),
+        ({"trainer": 3, "model": {"state_dict": {}}}, True),
+        ({"epoch": 1, "optimizer": {}}, False),
+        ({"epoch": 1}, False),
+    ],
+    ids=["empty root", "empty state_dict", "empty nested", "empty other name", "no tensors"],
+)
+def test_selection_says_whether_it_found_a_state_dict(root: dict, found: bool) -> None:
+    assert select_state_dict(root).found is found
