@@ -33,7 +33,7 @@ from ckpt_tools.formats import Checkpoint, ZipRecord
 from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, decompressed, pread_exact
 from ckpt_tools.loading.tensor_io import torch_dtype
 
-__all__ = ["Restore", "StorageBuilder", "load_byteorder", "placed_storage"]
+__all__ = ["EXACT_FORMATS", "Restore", "StorageBuilder", "load_byteorder", "placed_storage"]
 
 #: ``(cpu_storage, saved_tag) -> storage``: where one storage goes (``map_location`` resolved).
 Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
@@ -41,8 +41,8 @@ Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
 # Formats whose records lie stored (uncompressed) in the file at fixed offsets and may be
 # mapped; legacy and tar files are read instead, as torch reads them (it cannot map them).
 _MAPPED_FORMATS = frozenset({"torch-zip", "safetensors"})
-# Formats whose storages torch reads into the restored storage, which must have the saved size.
-_EXACT_FORMATS = frozenset({"torch-legacy", "torch-tar"})
+#: Formats whose storages torch reads into the restored storage, which must have the saved size.
+EXACT_FORMATS = frozenset({"torch-legacy", "torch-tar"})
 
 
 def load_byteorder(ckpt: Checkpoint) -> str:
@@ -142,7 +142,7 @@ class StorageBuilder(ClosesOnExit):
                 # As torch.load swaps it: by the storage's dtype, before it is placed. A mapped
                 # storage is a private mapping, so the file itself is never written.
                 cpu.byteswap(torch_dtype(ref.dtype))
-            exact = self._formats.get(path) in _EXACT_FORMATS
+            exact = self._formats.get(path) in EXACT_FORMATS
             placed = placed_storage(self.restore(cpu, ref.device), cpu, ref.device, exact)
             root = self._roots[key] = placed
         found = root if ref.view is None else root[first:end]

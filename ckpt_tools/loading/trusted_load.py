@@ -22,7 +22,7 @@ from ckpt_tools.formats import Checkpoint
 from ckpt_tools.loading.devices import resolve_map_location
 from ckpt_tools.loading.extras import require_safetensors
 from ckpt_tools.loading.results import StorageMove
-from ckpt_tools.loading.storages import placed_storage
+from ckpt_tools.loading.storages import EXACT_FORMATS, placed_storage
 from ckpt_tools.structure.selection import mapping_at, walk_path
 
 __all__ = ["load_trusted"]
@@ -132,7 +132,7 @@ def _load_root(
     resolved = resolve_map_location(map_location, tags)
     recorder = None
     if resolved is None:
-        exact = ckpt.format in ("torch-legacy", "torch-tar")
+        exact = ckpt.format in EXACT_FORMATS
         recorder = _Recorder(map_location, exact)  # type: ignore[arg-type]
         torch_location: Any = recorder
     else:

@@ -170,7 +170,6 @@ def sizes_after(
     weights_only: bool,
     records: Mapping[int, Any],
     sd: Mapping[Any, Any],
-    path: Sequence[str],
 ) -> dict[str, int]:
     """Output bytes per category: ``weights`` (the state dict ``sd``), ``optimizer``,
     ``other`` (the rest of ``tree``, unless ``weights_only``), from each storage's record."""

@@ -142,7 +142,7 @@ def plan_state_dict_output(
         metadata=None,
         expected={k: v for k, v in out_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))},
         select_out=() if weights_only else selection.path,
-        size_after=sizes_after(tree, weights_only, records, out_sd, selection.path),
+        size_after=sizes_after(tree, weights_only, records, out_sd),
     )
 
 
