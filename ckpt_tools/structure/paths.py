@@ -248,11 +248,11 @@ def resolve_path(root: Any, select: str | Sequence[str]) -> PathWalk:
         {'w': 1}
     """
     parts = parse_select(select) or ()
-    if isinstance(parts, DottedSelect):
-        readings = _dotted_readings(root, parts)
-        if len(readings) > 1:
-            raise _ambiguous(parts, readings)
-    walk = walk_path(root, parts)
+    readings = _dotted_readings(root, parts) if isinstance(parts, DottedSelect) else []
+    if len(readings) > 1:
+        raise _ambiguous(parts, readings)
+    # walk_path's own first step is that reading; it walks only where none reaches the end.
+    walk = readings[0] if readings else walk_path(root, parts)
     if not walk.found:
         available = [key_text(k) for k, _ in _items(walk.node)]
         # Shown: a key holding a line break must not start a line of the error of its own.
