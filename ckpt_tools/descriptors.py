@@ -210,6 +210,14 @@ class TensorRef(Sealed):
         return self.storage.device
 
     @property
+    def parameter_data(self) -> TensorRef | None:
+        """A Parameter's ``.data``, which torch pickles as a plain tensor inside the
+        parameter's ``_rebuild_parameter*`` call; None for anything else."""
+        name = self.func.name if self.func is not None else ""
+        data = self.args[0] if name.startswith("_rebuild_parameter") and self.args else None
+        return data if isinstance(data, TensorRef) else None
+
+    @property
     def view_bits(self) -> frozenset[str]:
         """The view bits torch sets when it loads this tensor: ``conj``, ``neg``, or none.
 
@@ -222,9 +230,9 @@ class TensorRef(Sealed):
             >>> TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32").view_bits
             frozenset()
         """
+        if self.parameter_data is not None:
+            return self.parameter_data.view_bits  # the parameter's data was rebuilt first
         name, args = (self.func.name if self.func is not None else ""), self.args
-        if name.startswith("_rebuild_parameter") and args and isinstance(args[0], TensorRef):
-            return args[0].view_bits  # the parameter's data was rebuilt first
         if name == "_rebuild_from_type_v2" and len(args) == 4 and isinstance(args[2], tuple):
             name, args = getattr(args[0], "name", ""), args[2]
         index = {"_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}.get(name)

@@ -141,11 +141,8 @@ def _detached(value: Any) -> Any:
     tensor that requires no grad."""
     if not isinstance(value, TensorRef) or not (value.is_parameter or value.requires_grad):
         return value
-    func = value.func.name if value.func is not None else ""
-    if value.is_parameter and func.startswith("_rebuild_parameter"):
-        data = value.args[0] if value.args else None
-        if isinstance(data, TensorRef):  # the parameter's ``.data``, pickled as a plain tensor
-            return _detached(data)
+    if value.is_parameter and value.parameter_data is not None:
+        return _detached(value.parameter_data)
     return replace(value, requires_grad=False, is_parameter=False)
 
 

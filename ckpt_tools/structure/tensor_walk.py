@@ -104,9 +104,9 @@ def quantizer_params(t: TensorRef) -> Any:
         >>> quantizer_params(w) is None
         True
     """
+    if t.parameter_data is not None:
+        return quantizer_params(t.parameter_data)
     name = t.func.name if t.func is not None else ""
-    if name.startswith("_rebuild_parameter") and t.args and isinstance(t.args[0], TensorRef):
-        return quantizer_params(t.args[0])
     # _rebuild_qtensor(storage, offset, size, stride, qparams, requires_grad, hooks)
     return t.args[4] if name == "_rebuild_qtensor" and len(t.args) >= 5 else None
 
