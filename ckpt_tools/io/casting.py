@@ -28,7 +28,7 @@ torch does, and so what this module does:
   is counted from that tensor's first element, not its storage's: callers cast a storage
   holding views one run per tensor (``slim``'s casts and ``average``'s mean, cast back),
   and a storage of one tensor over all of it as one run. :func:`cast_array` and
-  :func:`cast_chunk` take the place and the count.
+  :func:`cast_chunk` take the place and the count, :func:`cast_runs` a storage's runs.
 
 torch on more threads splits a cast of more than 32768 elements into one piece per thread
 (``at::parallel_for``), each with its own scalar tail, so its fp64 -> bf16 and fp16 -> fp32
@@ -41,8 +41,9 @@ these cases.
 
 from __future__ import annotations
 
+import bisect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -53,6 +54,7 @@ __all__ = [
     "CAST_TARGETS",
     "cast_array",
     "cast_chunk",
+    "cast_runs",
     "iter_cast",
 ]
 
@@ -197,8 +199,52 @@ def cast_array(
     return out
 
 
-def cast_chunk(data: bytes | memoryview, src: str, dst: str, first: int, total: int) -> bytes:
-    """Cast little-endian ``src`` bytes to ``dst`` bytes (see :func:`cast_array`).
+def cast_runs(bits: np.ndarray, src: str, dst: str, first: int, runs: Sequence[int]) -> np.ndarray:
+    """Cast ``bits`` (see :func:`cast_array`), elements ``first`` on of a storage whose runs
+    are cast apart: each stretch between two of ``runs`` is cast as a tensor of its own.
+
+    Args:
+        bits: the source bit patterns, as :func:`cast_array` takes them.
+        src: the source dtype.
+        dst: the target dtype.
+        first: the index of ``bits[0]`` in the storage.
+        runs: the sorted run bounds, from 0 to the storage's element count (``[0, n]``: one
+            tensor over all of it).
+
+    Returns:
+        The target's bit patterns, a new array.
+
+    Example:
+        >>> import numpy as np
+        >>> nan = np.full(20, 0x7FF8000000000000, dtype=np.uint64)
+        >>> [hex(b) for b in cast_runs(nan, "float64", "bfloat16", 0, [0, 10, 20])[[0, 19]]]
+        ['0x7fc0', '0x7fc0']
+        >>> [hex(b) for b in cast_runs(nan, "float64", "bfloat16", 0, [0, 20])[[0, 19]]]
+        ['0xffff', '0x7fc0']
+    """
+    i, end, out = bisect.bisect_right(runs, first) - 1, first + len(bits), []
+    at = first
+    while at < end:  # one pass in the common case: a chunk of a single run
+        start, stop = runs[i], runs[i + 1]
+        part = bits[at - first : min(stop, end) - first]
+        out.append(cast_array(part, src, dst, at - start, stop - start))
+        at, i = min(stop, end), i + 1
+    if len(out) == 1:
+        return out[0]
+    return np.concatenate(out) if out else cast_array(bits, src, dst)
+
+
+def cast_chunk(
+    data: bytes | memoryview,
+    src: str,
+    dst: str,
+    first: int,
+    total: int,
+    *,
+    runs: Sequence[int] | None = None,
+) -> bytes:
+    """Cast little-endian ``src`` bytes to ``dst`` bytes (see :func:`cast_array`), elements
+    ``first`` on of ``total``; with ``runs``, each run cast apart (see :func:`cast_runs`).
 
     Example:
         >>> import numpy as np
@@ -207,11 +253,9 @@ def cast_chunk(data: bytes | memoryview, src: str, dst: str, first: int, total: 
         [0.0999755859375, -2.5]
     """
     bits = np.frombuffer(data, dtype=np.dtype(_BITS[src]).newbyteorder("<"))
-    return (
-        cast_array(bits.astype(_BITS[src], copy=False), src, dst, first, total)
-        .astype(np.dtype(_BITS[dst]).newbyteorder("<"), copy=False)
-        .tobytes()
-    )
+    bits = bits.astype(_BITS[src], copy=False)
+    out = cast_runs(bits, src, dst, first, (0, total) if runs is None else runs)
+    return out.astype(np.dtype(_BITS[dst]).newbyteorder("<"), copy=False).tobytes()
 
 
 def iter_cast(

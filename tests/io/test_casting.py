@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
-from ckpt_tools.io.casting import CAST_SOURCES, CAST_TARGETS, cast_array, cast_chunk, iter_cast
+from ckpt_tools.io.casting import (
+    CAST_SOURCES,
+    CAST_TARGETS,
+    cast_array,
+    cast_chunk,
+    cast_runs,
+    iter_cast,
+)
 
 _TORCH = {
     "float64": torch.float64,
@@ -158,6 +167,26 @@ def test_chunked_cast_equals_one_cast(tmp_path, src: str, dst: str) -> None:
     assert joined == cast_chunk(bits.tobytes(), src, dst, 0, len(bits))
     if _X86:
         assert joined == _torch_cast(bits, src, dst).tobytes()
+
+
+@pytest.mark.skipif(not _X86, reason="NaN bits are those of torch's x86 CPU kernels")
+@pytest.mark.parametrize(("src", "dst"), [("float64", "bfloat16"), ("float16", "float32")])
+@pytest.mark.parametrize("chunk", [7, 40, 200])
+def test_runs_cast_as_torch_casts_each_tensor(src: str, dst: str, chunk: int) -> None:
+    """A storage's runs, cast chunk by chunk, each give the bits torch casts that tensor to."""
+    bits = np.resize(np.array(NAN_BITS[src], dtype=_UINT[src]), 123)
+    bits[::5] = ONE_AND_HALF[src]
+    runs = [0, 9, 40, 41, 100, 123]
+    torch_bits = np.concatenate(
+        [_torch_cast(bits[a:b], src, dst) for a, b in itertools.pairwise(runs)]
+    )
+    ours = np.concatenate(
+        [cast_runs(bits[at : at + chunk], src, dst, at, runs) for at in range(0, 123, chunk)]
+    )
+    assert ours.tobytes() == torch_bits.tobytes()
+    assert ours.tobytes() != _torch_cast(bits, src, dst).tobytes()  # the runs matter here
+    raw = cast_chunk(bits[40:].tobytes(), src, dst, 40, 123, runs=runs)
+    assert raw == torch_bits[40:].tobytes()
 
 
 def test_unknown_dtypes_are_refused() -> None:

@@ -134,9 +134,10 @@ def _compressed(ckpt: Checkpoint, storage: StorageRef) -> Any:
     return record if record is not None and record.compressed else None
 
 
-def cast_stream(source: Record, src: str, dst: str) -> Record:
+def cast_stream(source: Record, src: str, dst: str, *, runs: Sequence[int] | None = None) -> Record:
     """``source``'s bytes (elements of ``src``: a span, pieces or a producer's chunks of any
-    length) cast to ``dst``."""
+    length) cast to ``dst``; with ``runs`` (sorted bounds from 0 to the element count), each
+    stretch between two bounds is cast as a tensor of its own, as torch casts each view."""
     size = itemsize(src)
     numel = source.nbytes // size
 
@@ -148,7 +149,7 @@ def cast_stream(source: Record, src: str, dst: str) -> Record:
             pending += piece
             whole = len(pending) - len(pending) % size
             if whole:
-                yield cast_chunk(pending[:whole], src, dst, first, numel)
+                yield cast_chunk(pending[:whole], src, dst, first, numel, runs=runs)
                 first += whole // size
                 pending = pending[whole:]
 

@@ -25,7 +25,6 @@ mean of bool), complex32, quantized, float8 fnuz/e8m0 and packed types.
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,7 +35,7 @@ import numpy as np
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import Remedy, UsageError
-from ckpt_tools.io.casting import cast_array
+from ckpt_tools.io.casting import cast_array, cast_runs
 from ckpt_tools.io.ranges import fd_pread, pread_chunks
 from ckpt_tools.io.writers.records import Record, record_bytes
 from ckpt_tools.ops.transform.view_casts import run_bounds
@@ -152,14 +151,7 @@ def _from_f64(acc: np.ndarray, lane: str, first: int, runs: Sequence[int]) -> by
         return acc.tobytes()
     if lane in ("float8_e4m3fn", "float8_e5m2"):
         return _f32_to_f8(cast_array(acc.view(np.uint64), "float64", "float32"), lane).tobytes()
-    i, end, out = bisect.bisect_right(runs, first) - 1, first + len(acc), []
-    at = first
-    while at < end:  # one pass in the common case: a chunk of a single run
-        start, stop = runs[i], runs[i + 1]
-        part = acc[at - first : min(stop, end) - first].view(np.uint64)
-        out.append(cast_array(part, "float64", lane, at - start, stop - start))
-        at, i = min(stop, end), i + 1
-    return out[0].tobytes() if len(out) == 1 else np.concatenate(out).tobytes()
+    return cast_runs(acc.view(np.uint64), "float64", lane, first, runs).tobytes()
 
 
 def _f32_to_f8(bits: np.ndarray, lane: str) -> np.ndarray:

@@ -10,9 +10,7 @@ are cast in the first view's run.
 from __future__ import annotations
 
 import bisect
-import itertools
-from collections.abc import Iterable, Iterator, Sequence
-from functools import partial
+from collections.abc import Sequence
 
 from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
@@ -22,7 +20,6 @@ from ckpt_tools.io.writers.records import (
     cast_storage_record,
     cast_stream,
     copy_record,
-    record_bytes,
 )
 
 __all__ = ["cast_run", "run_bounds", "storage_cast_record"]
@@ -91,27 +88,6 @@ def run_bounds(views: Sequence[TensorRef], numel: int) -> list[int] | None:
     return sorted({0, numel, *starts, *ends})
 
 
-class _Cursor:
-    """One stream of bytes handed out in consecutive pieces of exact lengths."""
-
-    def __init__(self, pieces: Iterable[bytes]) -> None:
-        self._pieces = iter(pieces)
-        self._buf = memoryview(b"")
-        self._at = 0
-
-    def take(self, nbytes: int) -> Iterator[memoryview]:
-        """The next ``nbytes`` bytes (fewer where the stream ends first)."""
-        while nbytes > 0:
-            if self._at == len(self._buf):
-                self._buf, self._at = memoryview(bytes(next(self._pieces, b""))), 0
-                if not len(self._buf):
-                    return
-            piece = self._buf[self._at : self._at + nbytes]
-            self._at += len(piece)
-            nbytes -= len(piece)
-            yield piece
-
-
 def storage_cast_record(
     ckpt: Checkpoint,
     storage: StorageRef,
@@ -134,6 +110,7 @@ def storage_cast_record(
         The :class:`~ckpt_tools.io.writers.records.Record` of the cast storage.
 
     Example:
+        >>> from ckpt_tools.io.writers.records import record_bytes
         >>> s = StorageRef("0", "float32", 4, "cpu")
         >>> zeros = Record(16, produce=lambda: [bytes(16)])
         >>> view = TensorRef(s, 1, (2,), (1,), "float32")
@@ -141,19 +118,7 @@ def storage_cast_record(
         >>> cast.nbytes, b"".join(record_bytes(cast)) == bytes(8)
         (8, True)
     """
-    size = itemsize(src)
-    numel = storage.nbytes // size
-    bounds = run_bounds(views, numel)
-    if bounds is None:
-        if source is not None:
-            return cast_stream(source, src, dst)
+    bounds = run_bounds(views, storage.nbytes // itemsize(src))
+    if bounds is None and source is None:
         return cast_storage_record(ckpt, storage, src, dst)
-    whole = source or copy_record(ckpt, storage)
-
-    def produce() -> Iterable[bytes]:
-        cursor = _Cursor(record_bytes(whole))
-        for first, end in itertools.pairwise(bounds):
-            run = Record((end - first) * size, produce=partial(cursor.take, (end - first) * size))
-            yield from record_bytes(cast_stream(run, src, dst))
-
-    return Record(numel * itemsize(dst), produce=produce, action=f"cast {src} -> {dst}")
+    return cast_stream(source or copy_record(ckpt, storage), src, dst, runs=bounds)
