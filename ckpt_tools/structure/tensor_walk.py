@@ -15,6 +15,7 @@ __all__ = [
     "iter_tensors",
     "quantizer_params",
     "quantizer_tensors",
+    "storage_views",
     "stored_views",
 ]
 
@@ -153,3 +154,20 @@ def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef
             quantizer = zip(("scales", "zero_points"), quantizer_tensors(t))
             found.extend((f"{path}.{name}", q) for name, q in quantizer)
     return found
+
+
+def storage_views(obj: Any) -> dict[int, list[TensorRef]]:
+    """Each storage a torch file holds for ``obj`` (by ``id``), in the order it is first met,
+    with the tensors on it (:func:`iter_stored_tensors`' order).
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> s = StorageRef("0", "float32", 4, "cpu")
+        >>> a, b = TensorRef(s, 0, (2,), (1,), "float32"), TensorRef(s, 2, (2,), (1,), "float32")
+        >>> [len(ts) for ts in storage_views({"a": a, "b": b}).values()]
+        [2]
+    """
+    views: dict[int, list[TensorRef]] = {}
+    for _, t in iter_stored_tensors(obj):
+        views.setdefault(id(t.storage), []).append(t)
+    return views

@@ -7,18 +7,15 @@ Safetensors outputs are written by :mod:`ckpt_tools.io.writers.safetensors`.
 
 from __future__ import annotations
 
-import collections
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any, BinaryIO, NamedTuple
 
-from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
-from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
+from ckpt_tools.descriptors import StorageRef, TensorRef
+from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickle.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
-from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.io.copy.layout import (
     LAYOUT_BLOCK,
     CappedProgress,
@@ -27,6 +24,7 @@ from ckpt_tools.io.copy.layout import (
 )
 from ckpt_tools.io.tensor_bytes import decompressed
 from ckpt_tools.io.writers.progress import ByteCounter
+from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.io.writers.zipfile import (
     SAVE_HEAD_RECORDS,
     SAVE_VERSION,
@@ -214,9 +212,8 @@ def _add_bytes(
 def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
     """Give tensors read from formats without a pickle (safetensors) torch's rebuild call.
 
-    Dtypes with a legacy storage class use ``_rebuild_tensor_v2`` on a typed storage, as
-    ``torch.save`` does; newer dtypes (float8, uint16, ...) use ``_rebuild_tensor_v3`` on an
-    untyped storage with the dtype passed explicitly.
+    Each gets the storage class and rebuild call ``torch.save`` writes for its dtype
+    (:mod:`~ckpt_tools.io.writers.saved_tensors`).
     """
     # Keep the mapping's type (state dicts are OrderedDicts) and its ``_metadata``: torch's
     # load_state_dict reads module versions from it.
@@ -230,22 +227,8 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(t, TensorRef) or t.func is not None:
             out[name] = t
             continue
-        hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        if t.dtype in DTYPE_STORAGE_TYPE:
-            storage = retyped.setdefault(
-                id(t.storage), replace(t.storage, storage_type=storage_type_ref(t.dtype))
-            )
-            func = GlobalRef("torch._utils", "_rebuild_tensor_v2")
-            args: tuple[Any, ...] = (storage, t.offset, t.shape, t.stride, False, hooks)
-        else:
-            storage = retyped.setdefault(
-                id(t.storage),
-                replace(
-                    t.storage, dtype="uint8", numel=t.storage.nbytes, storage_type=UNTYPED_STORAGE
-                ),
-            )
-            func = GlobalRef("torch._utils", "_rebuild_tensor_v3")
-            dtype = ConstantRef("torch", t.dtype)
-            args = (storage, t.offset, t.shape, t.stride, False, hooks, dtype)
-        out[name] = replace(t, storage=storage, func=func, args=args)
+        storage = retyped.setdefault(
+            id(t.storage), saved_storage(t.storage, t.dtype, t.storage.nbytes // itemsize(t.dtype))
+        )
+        out[name] = saved_tensor(t, storage, t.dtype)
     return out

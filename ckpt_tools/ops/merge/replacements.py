@@ -14,9 +14,9 @@ from typing import Any
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.io.writers.records import Record
+from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.merge.adapter import LoraAdapter, _is_saved
 from ckpt_tools.ops.merge.records import replace_record
-from ckpt_tools.ops.transform.plan import cast_tensor, new_storage
 
 __all__ = ["check_whole", "plan_replacements"]
 
@@ -99,9 +99,8 @@ def plan_replacements(
         if why == "modules_to_save" and id(base_t.storage) in merged_into:
             _refuse_tied_head(key, aligned, lora)
         if viewers[id(base_t.storage)] > 1 and why == "modules_to_save":
-            base_t = cast_tensor(
-                base_t, new_storage(base_t.storage, base_t.dtype, base_t.numel), base_t.dtype
-            )
+            own = saved_storage(base_t.storage, base_t.dtype, base_t.numel)
+            base_t = saved_tensor(base_t, own, base_t.dtype)
             untied[key] = base_t
         overrides[id(base_t.storage)] = replace_record(lora.ckpt, saved, base_t, why)
         actions[key] = f"replace ({why})"

@@ -9,26 +9,24 @@ of one storage; otherwise each key is computed from each input's own view and wr
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckpt_tools.descriptors import (
-    GlobalRef,
     Opaque,
     RebuiltTensor,
     Reduced,
     StorageRef,
     TensorRef,
 )
-from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
+from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.transform.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
 from ckpt_tools.ops.transform.plan import PlanRow
 from ckpt_tools.structure.paths import key_text
@@ -364,25 +362,5 @@ def fresh_tensor(t: TensorRef) -> TensorRef:
         0
     """
     stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))
-    view = (0, t.shape, stride)
-    hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    if t.dtype in DTYPE_STORAGE_TYPE:
-        storage = StorageRef(
-            t.storage.key, t.dtype, t.numel, t.device, storage_type=storage_type_ref(t.dtype)
-        )
-        func, extra = GlobalRef("torch._utils", "_rebuild_tensor_v2"), ()
-    else:  # dtypes without a typed storage class are saved over bytes, with their dtype
-        storage = StorageRef(t.storage.key, "uint8", t.nbytes, t.device, UNTYPED_STORAGE)
-        func, extra = (
-            GlobalRef("torch._utils", "_rebuild_tensor_v3"),
-            (ConstantRef("torch", t.dtype),),
-        )
-    if not t.is_parameter:
-        args = (storage, *view, t.requires_grad, hooks, *extra)
-        return TensorRef(storage, *view, t.dtype, t.requires_grad, False, func, args)
-    inner = TensorRef(
-        storage, *view, t.dtype, False, False, func, (storage, *view, False, hooks, *extra)
-    )
-    param = GlobalRef("torch._utils", "_rebuild_parameter")
-    args = (inner, t.requires_grad, collections.OrderedDict())
-    return TensorRef(storage, *view, t.dtype, t.requires_grad, True, param, args)
+    storage = saved_storage(t.storage, t.dtype, t.numel)
+    return saved_tensor(replace(t, offset=0, stride=stride), storage, t.dtype)

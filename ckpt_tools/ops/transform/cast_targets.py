@@ -10,7 +10,7 @@ indices never are).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
@@ -40,7 +40,7 @@ def _cast_view(value: Any) -> TensorRef | None:
 
 
 def cast_targets(
-    tree: Any,
+    views: Mapping[int, Sequence[TensorRef]],
     items: Sequence[tuple[str, str | None, Any]],
     cast_to: str | None,
     keep: Sequence[re.Pattern[str]],
@@ -48,7 +48,9 @@ def cast_targets(
     outside: set[int],
 ) -> dict[int, str]:
     """``id(storage)`` -> source dtype for every storage to cast (none in ``outside``: the
-    storages of tensors outside the state dict, an optimizer's or an EMA's, kept as they are)."""
+    storages of tensors outside the state dict, an optimizer's or an EMA's, kept as they are).
+    ``views``: each output storage's tensors, as
+    :func:`~ckpt_tools.structure.tensor_walk.storage_views` gives them for the output tree."""
     if cast_to is None:
         return {}
     kept_key = [any(p.search(key_text(old)) for p in keep) for old, _, _ in items]
@@ -66,9 +68,6 @@ def cast_targets(
     for view in cast_views:
         wanted.setdefault(id(view.storage), view.dtype)
     # A storage is cast only when every tensor on it in the output is cast the same way.
-    users: dict[int, list[TensorRef]] = {}
-    for _, t in iter_stored_tensors(tree):
-        users.setdefault(id(t.storage), []).append(t)
     cast_ids = {id(v) for v in cast_views}
     # A kept key wins over a tie: the same tensor object (a tied Parameter, pickled once) may
     # be reached through a kept key and through a cast one, so keys are checked, not objects.
@@ -79,9 +78,9 @@ def cast_targets(
         for t in stored_views(v)
     }
     # A quantizer's scales are never cast, whichever key shares their storage.
-    kept.update(id(q.storage) for ts in users.values() for t in ts for q in quantizer_tensors(t))
+    kept.update(id(q.storage) for ts in views.values() for t in ts for q in quantizer_tensors(t))
     for sid in list(wanted):
-        ts = users.get(sid, [])
+        ts = views.get(sid, [])
         if (
             sid in kept
             or sid in outside

@@ -9,15 +9,13 @@ rename); ``dry_run`` callers return the plan in their result instead.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.levels import check_verify_level
@@ -32,7 +30,6 @@ from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 __all__ = [
     "PlanRow",
     "TransformPlan",
-    "cast_tensor",
     "check_computable",
     "execute_plan",
     "sizes_after",
@@ -114,11 +111,6 @@ class TransformPlan:
         return sum(r.nbytes for r in self.records.values())
 
 
-def new_storage(like: StorageRef, dtype: str, numel: int) -> StorageRef:
-    """An output storage of ``numel`` elements of ``dtype`` on ``like``'s device."""
-    return StorageRef(like.key, dtype, numel, like.device, storage_type=storage_type_ref(dtype))
-
-
 def check_computable(name: str, tensor: TensorRef, doing: str, *, cast: bool) -> None:
     """Refuse to compute from ``tensor``'s bytes (a cast, a mean) when they are not its values.
 
@@ -135,6 +127,7 @@ def check_computable(name: str, tensor: TensorRef, doing: str, *, cast: bool) ->
         ConversionError: the tensor carries a view bit (exit 7).
 
     Example:
+        >>> from ckpt_tools.descriptors import StorageRef
         >>> s = StorageRef("0", "float32", 1, "cpu")
         >>> check_computable("w", TensorRef(s, 0, (1,), (1,), "float32"), "a mean", cast=False)
     """
@@ -149,20 +142,6 @@ def check_computable(name: str, tensor: TensorRef, doing: str, *, cast: bool) ->
         f"bytes, which {doing} would take as they are, changing its values",
         remedies=(*keep, Remedy(text=f"load it, call .{resolve} and save that")),
     )
-
-
-def cast_tensor(t: TensorRef, storage: StorageRef, dtype: str) -> TensorRef:
-    """``t``'s view (offset, shape, stride) over ``storage`` as ``dtype`` (torch.save's pickle)."""
-    hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    v2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
-    view = (t.offset, t.shape, t.stride)
-    if not t.is_parameter:
-        args = (storage, *view, t.requires_grad, hooks)
-        return TensorRef(storage, *view, dtype, t.requires_grad, False, v2, args)
-    inner = TensorRef(storage, *view, dtype, False, False, v2, (storage, *view, False, hooks))
-    param = GlobalRef("torch._utils", "_rebuild_parameter")
-    args = (inner, t.requires_grad, collections.OrderedDict())
-    return TensorRef(storage, *view, dtype, t.requires_grad, True, param, args)
 
 
 def sizes_after(

@@ -21,7 +21,7 @@ from ckpt_tools.formats.pickle.jagged import jagged_arguments
 from ckpt_tools.formats.pickle.standins import ConstantRef
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
-from ckpt_tools.ops.transform.plan import cast_tensor
+from ckpt_tools.io.writers.saved_tensors import saved_tensor
 from ckpt_tools.structure.paths import key_text
 
 __all__ = ["cast_rebuilt", "cast_rebuilt_items", "values_part"]
@@ -132,7 +132,7 @@ def cast_rebuilt_items(
         if part is not None:
             if id(part.storage) in targets:
                 check_plain_values(new, part, f"a cast to {cast_to}")
-                done = cast_tensor(part, out_storage[id(part.storage)], cast_to)
+                done = saved_tensor(part, out_storage[id(part.storage)], cast_to)
                 cast[new] = cast_rebuilt(value, done, cast_to)
             continue
         wanted = value.dtype in CAST_SOURCES and value.dtype != cast_to

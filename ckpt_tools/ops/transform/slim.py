@@ -24,9 +24,9 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
+from ckpt_tools.io.writers.saved_tensors import saved_tensor
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable, check_state_dict_output
 from ckpt_tools.ops.rewrite.plan import output_format_for
-from ckpt_tools.ops.transform.plan import cast_tensor
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import compile_pattern
@@ -110,7 +110,7 @@ def take_module(
     assert module is not None
     skipped = check_state_dict_output(ckpt, allow_globals, selection.state_dict)
     plain = {
-        k: cast_tensor(
+        k: saved_tensor(
             TensorRef(v.storage, v.offset, v.shape, v.stride, v.dtype), v.storage, v.dtype
         )
         if isinstance(v, TensorRef) and v.func is not None

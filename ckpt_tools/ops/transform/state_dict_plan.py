@@ -29,17 +29,16 @@ from ckpt_tools.io.writers.records import (
 )
 from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras, unholdable_kind
 from ckpt_tools.io.writers.safetensors_checks import tied_names
+from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
 from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.cast_targets import cast_targets, kept_outside
 from ckpt_tools.ops.transform.plan import (
     PlanRow,
     TransformPlan,
-    cast_tensor,
     categories,
     check_computable,
     execute_plan,
-    new_storage,
     sizes_after,
 )
 from ckpt_tools.ops.transform.rebuilt_cast import cast_rebuilt_items
@@ -47,7 +46,7 @@ from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.view_casts import storage_cast_record
 from ckpt_tools.structure.keys import KeyRule, rename_metadata
 from ckpt_tools.structure.selection import Selection, holds_no_state_dict, replace_at
-from ckpt_tools.structure.tensor_walk import iter_stored_tensors
+from ckpt_tools.structure.tensor_walk import storage_views
 
 __all__ = ["finish", "plan_state_dict_output"]
 
@@ -99,8 +98,9 @@ def plan_state_dict_output(
     overrides = overrides or {}
     notes = list(notes)
     outside = set() if weights_only or cast_to is None else kept_outside(root_out, selection.path)
-    targets = cast_targets(tree, items, cast_to, keep, notes, outside)
-    records, out_storage = _storage_records(ckpt, tree, targets, cast_to, overrides)
+    views = storage_views(tree)  # a sparse or nested tensor's parts too
+    targets = cast_targets(views, items, cast_to, keep, notes, outside)
+    records, out_storage = _storage_records(ckpt, views, targets, cast_to, overrides)
     rebuilt = cast_rebuilt_items(items, out_storage, targets, cast_to, keep, notes)
     computed = _COMPUTED.get(command, f"{command}'s computation")
     rows, replaced = _rows(items, out_storage, targets, overrides, cast_to, rebuilt, computed)
@@ -164,35 +164,31 @@ def _output_state_dict(
 
 def _storage_records(
     ckpt: Checkpoint,
-    tree: Any,
+    views: Mapping[int, Sequence[TensorRef]],
     targets: Mapping[int, str],
     cast_to: str | None,
     overrides: Mapping[int, Record],
 ) -> tuple[dict[int, Record], dict[int, StorageRef]]:
     """One record per output storage, and each source storage's output storage.
 
+    ``views``: each storage's tensors in the output tree, first met first.
+
     Returns:
         ``id(output storage)`` -> its record, and ``id(source storage)`` -> output storage.
     """
     records: dict[int, Record] = {}
     out_storage: dict[int, StorageRef] = {}
-    stored = iter_stored_tensors(tree)  # a sparse or nested tensor's parts too
-    views: dict[int, list[TensorRef]] = {}
-    for _, t in stored:
-        views.setdefault(id(t.storage), []).append(t)
-    for _, t in stored:
-        sid = id(t.storage)
-        if sid in out_storage:
-            continue
+    for sid, on_it in views.items():
+        t = on_it[0]
         src_dtype = targets.get(sid)
         if src_dtype is not None and cast_to is not None:
-            storage = new_storage(t.storage, cast_to, t.storage.nbytes // itemsize(src_dtype))
+            storage = saved_storage(t.storage, cast_to, t.storage.nbytes // itemsize(src_dtype))
             records[id(storage)] = storage_cast_record(
-                ckpt, t.storage, src_dtype, cast_to, views[sid], overrides.get(sid)
+                ckpt, t.storage, src_dtype, cast_to, on_it, overrides.get(sid)
             )
         elif t.func is None:
             # Read without a pickle (safetensors): give it torch.save's storage and rebuild.
-            storage = new_storage(t.storage, t.dtype, t.storage.nbytes // itemsize(t.dtype))
+            storage = saved_storage(t.storage, t.dtype, t.storage.nbytes // itemsize(t.dtype))
             records[id(storage)] = overrides.get(sid) or copy_record(ckpt, t.storage)
         else:
             storage = t.storage
@@ -234,7 +230,7 @@ def _rows(
             check_computable(new, value, doing, cast=cast)
         if new is not None and (cast or value.func is None):
             dtype = cast_to if cast and cast_to is not None else value.dtype
-            replaced[new] = cast_tensor(value, out_storage[id(value.storage)], dtype)
+            replaced[new] = saved_tensor(value, out_storage[id(value.storage)], dtype)
         after = replaced.get(new, value) if new is not None else None
         rows.append(_row(old, new, value, after, cast_to))
     return rows, replaced
