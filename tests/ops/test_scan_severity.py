@@ -63,6 +63,9 @@ def test_every_rule_says_why() -> None:
         "torch.nn.modules.module.register_module_forward_hook",
         "torch.optim.optimizer.register_optimizer_step_pre_hook",
         "numpy.random._pickle.helper",
+        # Of torch._C._nn, only the functions torch.nn.functional binds.
+        "torch._C._nn._parse_to",
+        "torch._C._nn.gelu.__globals__",
         "__main__.Net",
         "mypackage.models.Net",
         "<computed global>",
@@ -91,6 +94,8 @@ def test_gadgets_and_unknown_globals_are_dangerous(name: str) -> None:
         "copyreg._reconstructor",
         "torch.nn.modules.linear.Linear",
         "torch.nn.functional.gelu",
+        "torch._C._nn.gelu",
+        "torch._C._nn.scaled_dot_product_attention",
         "torch.optim.adam.Adam",
         "torch.optim.lr_scheduler.OneCycleLR",
         "torch.amp.grad_scaler.GradScaler",
@@ -99,6 +104,42 @@ def test_gadgets_and_unknown_globals_are_dangerous(name: str) -> None:
 )
 def test_known_data_types_are_nonstandard(name: str) -> None:
     assert classify(name).severity == "nonstandard"
+
+
+def test_torch_c_nn_functions_are_those_torch_nn_functional_binds() -> None:
+    """torch.save names F.gelu torch._C._nn.gelu: exactly those names are nonstandard."""
+    import pickle
+    import pickletools
+
+    import torch.nn.functional as F
+
+    named = set()
+    for attr in dir(F):
+        fn = getattr(F, attr)
+        if isinstance(fn, type) or not callable(fn):
+            continue
+        try:
+            data = pickle.dumps(fn, protocol=2)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            continue  # a typing helper or a local function: never in a saved module
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL" and arg.startswith("torch._C._nn "):
+                named.add(arg.replace(" ", "."))
+    ours = {r.pattern for r in RULES if r.pattern.startswith("torch._C._nn.")}
+    assert named == ours
+    assert {classify(name).severity for name in named} == {"nonstandard"}
+
+
+def test_a_saved_transformer_layer_with_gelu_is_nonstandard(tmp_path) -> None:
+    import torch
+
+    from ckpt_tools import scan
+
+    path = tmp_path / "layer.pt"
+    torch.save(torch.nn.TransformerEncoderLayer(8, 2, 16, activation="gelu"), path)
+    (found,) = scan(path).files
+    assert found.verdict == "nonstandard"
+    assert "torch._C._nn.gelu" in {f.global_name for f in found.findings}
 
 
 def test_context_decides_torchscript_classes_and_dcp_metadata() -> None:

@@ -192,6 +192,16 @@ RULES: tuple[Rule, ...] = (
         "nonstandard",
         "a torch.nn.functional function a pickled module holds (tensor arithmetic)",
     ),
+    # torch.nn.functional binds these to torch._C._nn's own (F.gelu is torch._C._nn.gelu),
+    # so torch.save names them there: TransformerEncoderLayer(activation="gelu") holds one.
+    *(
+        Rule(f"torch._C._nn.{name}", "nonstandard", "a torch.nn.functional function a "
+             "pickled module holds (its C implementation; tensor arithmetic)")
+        for name in (
+            "avg_pool2d", "avg_pool3d", "elu_", "gelu", "hardtanh_", "leaky_relu_", "linear",
+            "log_sigmoid", "one_hot", "scaled_dot_product_attention", "softplus", "softshrink",
+        )
+    ),
     Rule("torch.optim.*.[A-Z]*", "nonstandard", "a pickled optimizer or learning-rate scheduler"),
     Rule("torch.amp.*.[A-Z]*", "nonstandard", "a pickled gradient scaler"),
     Rule(
