@@ -3,12 +3,14 @@ and each family of gadget is dangerous wherever it is named."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 from ckpt_tools.ops.scan.severity import RULES, SEVERITIES, classify
-from tests.helpers.child_oracle import torchs_allowlists
+from tests.helpers.child_oracle import run_script, torchs_allowlists
 
 
 def test_allowed_is_exactly_torchs_weights_only_allowlist() -> None:
@@ -128,6 +130,37 @@ def test_torch_c_nn_functions_are_those_torch_nn_functional_binds() -> None:
     ours = {r.pattern for r in RULES if r.pattern.startswith("torch._C._nn.")}
     assert named == ours
     assert {classify(name).severity for name in named} == {"nonstandard"}
+
+
+# The name torch.save gives each public class of torch.nn, torch.optim and torch.amp that a
+# pickled model, optimizer, scheduler or scaler is made of (its __module__ and __qualname__).
+# Run in a child: importing every submodule imports torch._dynamo, which changes what
+# torch.load(weights_only=True) admits in this process.
+_SAVED_CLASS_NAMES = """
+import importlib, inspect, json, pkgutil, warnings
+import torch
+warnings.simplefilter("ignore")  # deprecated modules say so on import
+bases = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+         torch.amp.GradScaler)
+saved = set()
+for root in ("torch.nn", "torch.optim", "torch.amp"):
+    package = importlib.import_module(root)
+    for name in [root] + [m.name for m in pkgutil.walk_packages(package.__path__, root + ".")]:
+        if any(part in name for part in (".quantized", ".qat", ".intrinsic")):
+            continue  # re-exports of torch.ao's quantization modules
+        for cls in vars(importlib.import_module(name)).values():
+            qualname = f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}"
+            if (inspect.isclass(cls) and issubclass(cls, bases) and qualname.startswith(root)
+                    and not any(p.startswith("_") for p in qualname.split("."))):
+                saved.add(qualname)
+print(json.dumps(sorted(saved)))
+"""
+
+
+def test_every_public_class_of_torch_nn_and_optim_is_nonstandard_by_its_saved_name() -> None:
+    saved = json.loads(run_script(_SAVED_CLASS_NAMES, check=True)[-1])
+    assert {"torch.optim.Adafactor", "torch.nn.modules.linear.Linear"} <= set(saved)
+    assert [q for q in saved if classify(q).severity != "nonstandard"] == []
 
 
 def test_a_saved_transformer_layer_with_gelu_is_nonstandard(tmp_path) -> None:

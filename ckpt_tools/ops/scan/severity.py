@@ -203,6 +203,11 @@ RULES: tuple[Rule, ...] = (
         )
     ),
     Rule("torch.optim.*.[A-Z]*", "nonstandard", "a pickled optimizer or learning-rate scheduler"),
+    # Optimizers whose class says it is torch.optim's own (torch.save names them so).
+    *(
+        Rule(f"torch.optim.{name}", "nonstandard", "a pickled optimizer")
+        for name in ("Adafactor", "Muon")
+    ),
     Rule("torch.amp.*.[A-Z]*", "nonstandard", "a pickled gradient scaler"),
     Rule(
         "torch.amp.grad_scaler._refresh_per_optimizer_state",
