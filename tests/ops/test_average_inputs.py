@@ -46,3 +46,26 @@ def test_average_text_of_many_inputs_shows_both_ends_and_a_count(tmp_path: Path)
     shown = [line.strip() for line in lines[start + 1 : start + 8]]
     assert shown == [*names[:3], "... 6 more", *names[-3:]]
     assert result.to_json()["sources"] == names  # the JSON keeps every one
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through system calls (``rchar``), page cache included."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's /proc/self/io")
+def test_equal_integer_tensors_are_read_once_per_input(tmp_path: Path) -> None:
+    """Each input's integer tensor is hashed once, the first input's too, whatever the count."""
+    ids = torch.arange(1 << 19)  # 4 MiB of int64, equal in every input
+    srcs = []
+    for i in range(5):
+        srcs.append(tmp_path / f"{i}.pt")
+        torch.save({"ids": ids, "w": torch.full((4,), float(i))}, srcs[-1])
+    before = _bytes_read()
+    result = ct.average(srcs, tmp_path / "mean.pt", dry_run=True)
+    read = _bytes_read() - before
+    assert [r.action for r in result.rows] == ["copy (equal)", "mean of 5"]
+    assert 5 * ids.nbytes <= read < 6 * ids.nbytes  # the first input's is not hashed 4 times

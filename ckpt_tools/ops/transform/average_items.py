@@ -79,7 +79,7 @@ def plan_items(
     for key, (orig, t) in aligned[0].items():
         others = [a[key][1] for a in aligned]
         if isinstance(t, RebuiltTensor):
-            if not _same_everywhere(ckpts, others):
+            if not _same_everywhere(ckpts, others, plan.digest):
                 plan.differ("sparse, nested or meta", key, t.layout)
             plan.add(orig, t, "copy (equal)")
         elif not isinstance(t, TensorRef):
@@ -123,6 +123,7 @@ class _Plan:
             if isinstance(t, TensorRef):
                 self.on_storage.setdefault(id(t.storage), []).append(key)
         self.apart: set[int] = set()  # storages whose keys are written apart
+        self.digest = _Digests()
 
     def add(self, orig: str, value: Any, action: str) -> None:
         self.items.append((orig, orig, value))
@@ -137,7 +138,7 @@ class _Plan:
         """Whether one key's value in every input equals the first input's (:func:`_same_value`)."""
         first = self.ckpts[0]
         pairs = zip(self.ckpts[1:], values[1:])
-        return all(_same_value(first, values[0], c, v) for c, v in pairs)
+        return all(_same_value(first, values[0], c, v, self.digest) for c, v in pairs)
 
     def entry(self, key: Any, orig: Any, values: Sequence[Any], ints: str | None) -> None:
         """A non-tensor entry: the same in every input, or (as integer tensors) taken from
@@ -275,7 +276,7 @@ def _group(t: TensorRef, values: Sequence[TensorRef]) -> str:
     return "integer" if t.dtype in INTEGER_DTYPES else "other"
 
 
-def _same_value(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any) -> bool:
+def _same_value(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any, digest: _Digests) -> bool:
     """Whether two inputs' values are equal as ``torch.load`` gives them: tensors as
     ``torch.equal`` compares them (elements, view bits, quantizer parameters), containers
     item by item (keys with their types), anything else by type and ``==``.
@@ -286,39 +287,54 @@ def _same_value(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any) -> bool:
     """
     kinds = (TensorRef, RebuiltTensor)
     if isinstance(a, kinds) or isinstance(b, kinds):
-        return type(a) is type(b) and _same_tensor(ca, a, cb, b)
+        return type(a) is type(b) and _same_tensor(ca, a, cb, b, digest)
     if isinstance(a, Opaque) or isinstance(b, Opaque):  # one class per file: compare by name
         return (
             isinstance(a, Opaque)
             and isinstance(b, Opaque)
             and type(a).global_ref == type(b).global_ref
-            and _same_value(ca, _recorded(a), cb, _recorded(b))
+            and _same_value(ca, _recorded(a), cb, _recorded(b), digest)
         )
     if type(a) is not type(b):
         return False
     if isinstance(a, Reduced):
-        return a.func == b.func and _same_value(ca, a.args, cb, b.args)
+        return a.func == b.func and _same_value(ca, a.args, cb, b.args, digest)
     if isinstance(a, Mapping):
         return [(type(k), k) for k in a] == [(type(k), k) for k in b] and all(
-            _same_value(ca, a[k], cb, b[k]) for k in a
+            _same_value(ca, a[k], cb, b[k], digest) for k in a
         )
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_value(ca, x, cb, y) for x, y in zip(a, b))
+        pairs = zip(a, b)
+        return len(a) == len(b) and all(_same_value(ca, x, cb, y, digest) for x, y in pairs)
     # NaN != NaN: two NaN floats are one value as far as copying the first goes
     return bool(a == b) or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
 
 
-def _same_tensor(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any) -> bool:
+def _same_tensor(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any, digest: _Digests) -> bool:
     """Two tensors of one type equal as :func:`_same_value` says."""
     if (a.dtype, a.shape) != (b.dtype, b.shape):
         return False
     if isinstance(a, RebuiltTensor):
-        return a.layout == b.layout and _same_everywhere((ca, cb), (a, b))
+        return a.layout == b.layout and _same_everywhere((ca, cb), (a, b), digest)
     if a.view_bits != b.view_bits or not _same_value(
-        ca, quantizer_params(a), cb, quantizer_params(b)
+        ca, quantizer_params(a), cb, quantizer_params(b), digest
     ):
         return False
-    return tensor_digest(ca, a) == tensor_digest(cb, b)
+    return digest(ca, a) == digest(cb, b)
+
+
+class _Digests:
+    """Each tensor's digest (:func:`~ckpt_tools.io.verify.outputs.tensor_digest`), read once:
+    the first input's tensors are compared with every other input's."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int], bytes] = {}
+
+    def __call__(self, ckpt: Checkpoint, t: TensorRef) -> bytes:
+        key = (id(ckpt), id(t))  # both live as long as the plan
+        if key not in self._known:
+            self._known[key] = tensor_digest(ckpt, t)
+        return self._known[key]
 
 
 def _recorded(obj: Opaque) -> tuple[Any, ...]:
@@ -326,7 +342,7 @@ def _recorded(obj: Opaque) -> tuple[Any, ...]:
     return (obj.args, obj.newobj, obj.state, obj.has_state, obj.listitems, obj.dictitems)
 
 
-def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any]) -> bool:
+def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any], digest: _Digests) -> bool:
     """Whether a sparse, nested or meta tensor is the same in every input: layout, shape and
     dtype (checked before), strides (a meta tensor's only content), and each part's shape and
     elements."""
@@ -341,7 +357,7 @@ def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any]) -> boo
         for a, b in zip(first.parts, t.parts):
             if (a.dtype, a.shape) != (b.dtype, b.shape):
                 return False
-            if tensor_digest(ckpts[0], a) != tensor_digest(c, b):
+            if digest(ckpts[0], a) != digest(c, b):
                 return False
     return True
 
