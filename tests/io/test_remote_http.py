@@ -99,6 +99,23 @@ def test_the_first_request_learns_the_size_and_the_cache_saves_requests(
     assert remote.stats.bytes_received == hub.log.sent() == len(head) + len(tail)
 
 
+def test_a_read_just_before_the_fetched_tail_fetches_no_byte_twice(
+    hub: HubServer, data: bytes
+) -> None:
+    url = hub.put("org/m", "model.bin", data)
+    path = hub.path("org/m", "model.bin")
+    with RemoteSession() as remote:
+        f = remote.open(url)
+        f.pread(10, SIZE - 10)  # the tail block: a zip's end records and directory
+        tail = _fetched(hub.log.for_path(path)[-1])
+        at = tail.start - 1000  # a last record's local header, just before the tail
+        assert f.pread(2000, at) == data[at : at + 2000]
+        assert f.pread(50, at + 10) == data[at + 10 : at + 60]
+        fetched = [_fetched(h) for h in hub.log.for_path(path)]
+    assert fetched[-1] == range(at, tail.start)  # read ahead only up to the cached tail
+    assert sum(len(r) for r in fetched) == len(set().union(*fetched))  # no byte twice
+
+
 def test_a_stream_is_read_in_bounded_chunks(hub: HubServer) -> None:
     data = _bytes(2 * STREAM_CHUNK + 3)
     url = hub.put("org/m", "big.bin", data)

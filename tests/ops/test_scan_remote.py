@@ -188,6 +188,8 @@ def test_a_scan_reads_each_record_head_never_the_tensors(hub, tmp_path) -> None:
     assert re.search(rf"remote: {requests} requests, .* \({sent:,} bytes\)", err), err
     ranges = [h.range for h in hub.log.for_path(path)]
     assert all(r is not None for r in ranges)  # no request for the whole file
+    spans = [range(int(a), int(b) + 1) for a, b in (r[6:].split("-") for r in ranges)]
+    assert sum(map(len, spans)) == len(set().union(*spans))  # no byte fetched twice
 
 
 @pytest.mark.parametrize("case", ["404", "401", "timeout", "refused", "no-range"])

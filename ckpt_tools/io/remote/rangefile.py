@@ -4,9 +4,10 @@ Every reader reads a file with ``pread(count, offset)`` (or as a file object for
 stream). Here each read that misses the cache becomes one ranged request: the first takes
 the object's first :data:`HEAD_FETCH` bytes, a read in its last :data:`HEAD_FETCH` bytes
 takes all of them (a zip's end records, its central directory and last records lie
-there), any other at least :data:`MIN_FETCH`. So the few small reads that parse a
-checkpoint's structure cost a request or two in all, not one per field. What was fetched is
-kept up to :data:`CACHE_BYTES`, except reads over :data:`KEEP_LIMIT` (a tensor's bytes).
+there), any other at least :data:`MIN_FETCH`, never a byte the cache holds. So the few
+small reads that parse a checkpoint's structure cost a request or two in all, not one per
+field. What was fetched is kept up to :data:`CACHE_BYTES`, except reads over
+:data:`KEEP_LIMIT` (a tensor's bytes).
 
 The checks every transport (HTTP, S3) makes of a ranged answer are here too: its
 ``Content-Range`` (:func:`check_content_range`), a whole object sent instead
@@ -238,10 +239,14 @@ class RemoteFile(io.RawIOBase):
         start, stop = offset, max(end, offset + MIN_FETCH)
         if stop > self.size - HEAD_FETCH:  # near the end: take the whole tail block
             start, stop = min(offset, max(0, self.size - HEAD_FETCH)), self.size
-        data = self._fetch(start, stop)
+        # Fetch no byte twice: stop where a cached run covering the rest begins (the tail
+        # block a zip's directory came in, before the last record's local header).
+        cut = min([stop, *(at for at, got in self._extents if offset < at < stop <= at + len(got))])
+        data = self._fetch(start, cut)
         if len(data) <= KEEP_LIMIT:
             self._keep(start, data)
-        return data[offset - start : end - start]
+        head = data[offset - start : end - start]
+        return head if end <= cut else head + self.pread(end - cut, cut)
 
     def _fetch(self, start: int, end: int) -> bytes:
         data, _ = self.transport.get(start, end)
