@@ -6,9 +6,7 @@ in A, *unexpected* keys are in A and not in B.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff
@@ -18,6 +16,7 @@ from ckpt_tools.structure.grouping import fold_names
 from ckpt_tools.structure.text import (
     Readable,
     TableFormat,
+    TensorsByName,
     close_matches,
     more_hint,
     text_table,
@@ -32,7 +31,7 @@ _KEYS_SHOWN = 12
 
 
 @dataclass(frozen=True)
-class DiffReport(Readable):
+class DiffReport(Readable, TensorsByName[TensorDiff]):
     """The result of :func:`diff`.
 
     Attributes:
@@ -141,10 +140,6 @@ class DiffReport(Readable):
 
     # --- lookups ------------------------------------------------------------------------
 
-    @cached_property
-    def _by_name(self) -> dict[str, TensorDiff]:
-        return {t.name: t for t in self.tensors}
-
     def tensor(self, name: str) -> TensorDiff:
         """The comparison of the tensor both sides hold under ``name``.
 
@@ -167,19 +162,6 @@ class DiffReport(Readable):
         near = close_matches(name, self._by_name)
         hint = f"; did you mean: {shown(', '.join(near))}?" if near else ""
         raise SelectError(f"no tensor {name!r} on both sides{hint}")
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self._by_name
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def __iter__(self) -> Iterator[TensorDiff]:
-        return iter(self.tensors)
-
-    def __bool__(self) -> bool:
-        # A result, not only a container: true even when no key is common.
-        return True
 
     # --- text ---------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "check_batch_covers",
+    "check_model_name",
     "check_torchrun_fit",
     "torchrun_env",
 ]
@@ -54,6 +55,29 @@ DEEPSPEED_DIR = "deepspeed"
 #: Every model :func:`ckpt_tools.harness.models.build_harness_model` builds; ``resnet-syncbn``
 #: is the ResNet with SyncBatchNorm.
 MODEL_NAMES: tuple[str, ...] = ("mlp", "lenet", "resnet", "resnet-syncbn")
+
+
+def check_model_name(name: str, *, argument: str) -> str:
+    """``name``'s key in :data:`MODEL_NAMES` (case aside).
+
+    Raises:
+        UsageError: ``name`` is not a known model; ``argument`` names what was passed.
+
+    Example:
+        >>> check_model_name("MLP", argument="model")
+        'mlp'
+    """
+    key = name.lower()
+    if key not in MODEL_NAMES:
+        raise UsageError(
+            f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
+            argument=argument,
+            value=repr(name),
+            flag="--arch",
+        )
+    return key
+
+
 #: The three checkpoint files every run writes into its output directory.
 CHECKPOINT_NAMES: tuple[str, ...] = ("wrapped", "bare", "trainer")
 #: Name of the run summary (losses, devices) written next to the checkpoints.
@@ -168,13 +192,7 @@ class TrainConfig:
                 value=repr(self.strategy),
                 flag="--strategy",
             )
-        if self.model.lower() not in MODEL_NAMES:
-            raise UsageError(
-                f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
-                argument="model",
-                value=repr(self.model),
-                flag="--arch",
-            )
+        check_model_name(self.model, argument="model")
         if self.zero_stage not in ZERO_STAGES:
             raise UsageError(
                 f"expected one of {', '.join(map(str, ZERO_STAGES))}",

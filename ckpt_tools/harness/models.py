@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.harness.config import MODEL_NAMES
+from ckpt_tools.harness.config import MODEL_NAMES, check_model_name
 
 __all__ = [
     "MLP",
@@ -175,14 +175,7 @@ def build_harness_model(name: str, *, sync_bn: bool = False, **kw: Any) -> nn.Mo
         >>> sorted(model.state_dict())[:2]
         ['net.1.bias', 'net.1.weight']
     """
-    key = name.lower()
-    if key not in MODEL_NAMES:
-        raise UsageError(
-            f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
-            argument="name",
-            value=repr(name),
-            flag="--arch",
-        )
+    key = check_model_name(name, argument="name")
     if key == "resnet-syncbn":
         key, sync_bn = "resnet", True
     try:

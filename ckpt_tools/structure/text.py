@@ -10,14 +10,16 @@ may format tables with ``tabulate``, the library never does.
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import cached_property
+from typing import Any, Generic, Protocol, TypeVar
 
 from ckpt_tools.errors import shown
 
 __all__ = [
     "Readable",
     "TableFormat",
+    "TensorsByName",
     "close_matches",
     "counts",
     "display_width",
@@ -187,6 +189,37 @@ class Readable:
 
     def __str__(self) -> str:
         return self.text()
+
+
+class _Named(Protocol):
+    name: str
+
+
+_T = TypeVar("_T", bound=_Named)
+
+
+class TensorsByName(Generic[_T]):
+    """Mixin for results holding ``tensors``: ``name in result`` asks by tensor name,
+    ``len`` and iteration go over the tensors, and a result is true even when it holds none
+    (a result, not only a container)."""
+
+    tensors: tuple[_T, ...]
+
+    @cached_property
+    def _by_name(self) -> dict[str, _T]:
+        return {t.name: t for t in self.tensors}
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[_T]:
+        return iter(self.tensors)
+
+    def __bool__(self) -> bool:
+        return True
 
 
 def more_hint(hidden: int, for_cli: bool, what: str = "more") -> str:

@@ -80,3 +80,18 @@ def test_text_table_aligns_wide_and_combining_characters_by_display_width() -> N
     ]
     assert len(set(starts)) == 1, lines
     assert display_width(lines[1].split()[0]) == display_width("日本語.weight")
+
+
+def test_results_are_containers_of_tensors_by_name_and_true_when_empty(tmp_path) -> None:
+    import torch
+
+    import ckpt_tools
+
+    full, empty = tmp_path / "full.pt", tmp_path / "empty.pt"
+    torch.save({"a.w": torch.ones(2), "b": torch.zeros(1)}, full)
+    torch.save({}, empty)
+    for result in (ckpt_tools.inspect(full), ckpt_tools.diff(full, full)):
+        assert len(result) == 2 and [t.name for t in result] == ["a.w", "b"]
+        assert "a.w" in result and "a" not in result and 0 not in result
+    for result in (ckpt_tools.inspect(empty), ckpt_tools.diff(empty, empty)):
+        assert len(result) == 0 and list(result) == [] and bool(result)

@@ -7,9 +7,8 @@ Its text (``str(info)``) is what ``ckpt inspect`` prints: the command renders th
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from itertools import islice
 from typing import Any
 
@@ -19,6 +18,7 @@ from ckpt_tools.structure.steps import Step, fix_command
 from ckpt_tools.structure.text import (
     Readable,
     TableFormat,
+    TensorsByName,
     close_matches,
     counts,
     human_bytes,
@@ -43,7 +43,7 @@ _SHARING_SHOWN = "(the table's storage column shows which tensors share memory)"
 
 
 @dataclass(frozen=True)
-class CheckpointInfo(Readable):
+class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
     """The result of :func:`inspect`: a container of :class:`TensorInfo` by name.
 
     ``info.tensor("fc.weight")``, ``"fc.weight" in info``, ``len(info)`` and
@@ -115,10 +115,6 @@ class CheckpointInfo(Readable):
 
     # --- lookups ------------------------------------------------------------------------
 
-    @cached_property
-    def _by_name(self) -> dict[str, TensorInfo]:
-        return {t.name: t for t in self.tensors}
-
     def tensor(self, name: str) -> TensorInfo:
         """The tensor saved under ``name``.
 
@@ -149,19 +145,6 @@ class CheckpointInfo(Readable):
                 remedies=tuple(Remedy("name", repr(n), text="(a close match)") for n in near),
             )
         return found
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self._by_name
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def __iter__(self) -> Iterator[TensorInfo]:
-        return iter(self.tensors)
-
-    def __bool__(self) -> bool:
-        # A result, not only a container: true even when no tensor was found.
-        return True
 
     # --- text ---------------------------------------------------------------------------
 
