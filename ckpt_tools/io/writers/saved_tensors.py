@@ -23,14 +23,15 @@ _V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
 _PARAMETER = GlobalRef("torch._utils", "_rebuild_parameter")
 
 
-def saved_storage(like: StorageRef, dtype: str, numel: int) -> StorageRef:
+def saved_storage(like: StorageRef, dtype: str, numel: int | None = None) -> StorageRef:
     """A storage of ``numel`` elements of ``dtype``, with ``like``'s key and device, as
     ``torch.save`` names it: typed where ``dtype`` has a storage class, else bytes.
 
     Args:
         like: the storage whose key and device the new one takes.
         dtype: the dtype of the tensors on it.
-        numel: its size in elements of ``dtype``.
+        numel: its size in elements of ``dtype``; None: ``like``'s bytes (a storage read
+            without a pickle, given the class torch.save names).
 
     Returns:
         The new storage (``id`` unique).
@@ -43,6 +44,8 @@ def saved_storage(like: StorageRef, dtype: str, numel: int) -> StorageRef:
         >>> saved.dtype, saved.numel, saved.storage_type.qualname
         ('uint8', 4, 'torch.storage.UntypedStorage')
     """
+    if numel is None:
+        numel = like.nbytes // itemsize(dtype)
     if dtype in DTYPE_STORAGE_TYPE:
         return StorageRef(like.key, dtype, numel, like.device, storage_type_ref(dtype))
     return StorageRef(like.key, "uint8", numel * itemsize(dtype), like.device, UNTYPED_STORAGE)

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.descriptors import StorageRef, TensorRef
-from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickle.repickle import TORCH_PICKLE_PROTOCOL, dumps, torch_storage_id
@@ -227,8 +226,6 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(t, TensorRef) or t.func is not None:
             out[name] = t
             continue
-        storage = retyped.setdefault(
-            id(t.storage), saved_storage(t.storage, t.dtype, t.storage.nbytes // itemsize(t.dtype))
-        )
+        storage = retyped.setdefault(id(t.storage), saved_storage(t.storage, t.dtype))
         out[name] = saved_tensor(t, storage, t.dtype)
     return out

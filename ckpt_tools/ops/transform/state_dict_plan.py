@@ -188,7 +188,7 @@ def _storage_records(
             )
         elif t.func is None:
             # Read without a pickle (safetensors): give it torch.save's storage and rebuild.
-            storage = saved_storage(t.storage, t.dtype, t.storage.nbytes // itemsize(t.dtype))
+            storage = saved_storage(t.storage, t.dtype)
             records[id(storage)] = overrides.get(sid) or copy_record(ckpt, t.storage)
         else:
             storage = t.storage
