@@ -148,6 +148,8 @@ def display_width(text: str) -> int:
         >>> display_width("w"), display_width("日本"), display_width("e\u0301")
         (1, 4, 1)
     """
+    if text.isascii():  # the common case, one column per character, without a lookup each
+        return len(text)
     return sum(
         0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
         for c in text

@@ -82,6 +82,21 @@ def test_text_table_aligns_wide_and_combining_characters_by_display_width() -> N
     assert display_width(lines[1].split()[0]) == display_width("日本語.weight")
 
 
+def test_display_width_is_the_terminal_width_of_each_character() -> None:
+    # The oracle is the Unicode database: a wide or full-width character takes two columns,
+    # a combining one none, any other one; ASCII text and text beside it alike.
+    def columns(char: str) -> int:
+        if unicodedata.combining(char):
+            return 0
+        return 2 if unicodedata.east_asian_width(char) in "WF" else 1
+
+    for code in [*range(0x3100), *range(0xFE00, 0xFF70)]:
+        char = chr(code)
+        assert display_width(char) == columns(char), hex(code)
+        assert display_width(f"fc.{char}.weight") == 10 + columns(char), hex(code)
+    assert display_width("layers.0.attention.wq.weight" * 40) == 28 * 40
+
+
 def test_results_are_containers_of_tensors_by_name_and_true_when_empty(tmp_path) -> None:
     import torch
 
