@@ -375,6 +375,26 @@ def test_pickled_model_at_the_root_becomes_its_state_dict(fake, tmp_path):
     ]
 
 
+def test_a_model_with_spectral_and_weight_norm_becomes_its_state_dict(tmp_path):
+    import warnings
+
+    warnings.simplefilter("ignore")  # weight_norm is deprecated in favour of parametrizations
+    model = torch.nn.Sequential(
+        torch.nn.utils.spectral_norm(torch.nn.Linear(4, 3)),
+        torch.nn.utils.weight_norm(torch.nn.Linear(3, 2)),
+    )
+    model(torch.randn(2, 4))  # a power iteration: weight_u moves off its first value
+    want = model.state_dict()
+    src = tmp_path / "normed.pt"
+    torch.save(model, src)
+    report = ct.sanitize(src, tmp_path / "sd.pt")
+    out = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert list(out) == list(want) and all(_raw(out[k]) == _raw(want[k]) for k in want)
+    (change,) = report.converted
+    assert str(change).startswith("<root>: pickled nn.Module torch.nn.modules.container.Sequential")
+    assert str(change).endswith("-> state dict (7 entries)")
+
+
 class _Forged:
     """Pickles as whatever ``__reduce__`` names; nothing checks the arguments on the way out."""
 

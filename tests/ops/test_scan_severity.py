@@ -64,6 +64,8 @@ def test_every_rule_says_why() -> None:
         # Families of classes take class names only: a function at module level is unknown.
         "torch.nn.modules.module.register_module_forward_hook",
         "torch.optim.optimizer.register_optimizer_step_pre_hook",
+        "torch.utils.hooks.BackwardHook",
+        "torch.utils.hooks.unserializable_hook",
         "numpy.random._pickle.helper",
         # Of torch._C._nn, only the functions torch.nn.functional binds.
         "torch._C._nn._parse_to",
@@ -101,6 +103,8 @@ def test_gadgets_and_unknown_globals_are_dangerous(name: str) -> None:
         "torch.optim.adam.Adam",
         "torch.optim.lr_scheduler.OneCycleLR",
         "torch.amp.grad_scaler.GradScaler",
+        "torch.nn.modules.module._WrappedHook",
+        "torch.utils.hooks.RemovableHandle",
         "numpy.random._mt19937.MT19937",
     ],
 )
@@ -173,6 +177,35 @@ def test_a_saved_transformer_layer_with_gelu_is_nonstandard(tmp_path) -> None:
     (found,) = scan(path).files
     assert found.verdict == "nonstandard"
     assert "torch._C._nn.gelu" in {f.global_name for f in found.findings}
+
+
+def test_saved_modules_with_hooks_are_nonstandard_but_a_bound_method_is_not(tmp_path) -> None:
+    import warnings
+
+    import torch
+
+    from ckpt_tools import scan
+
+    warnings.simplefilter("ignore")  # weight_norm is deprecated in favour of parametrizations
+    normed = tmp_path / "normed.pt"
+    linear = torch.nn.Linear(4, 4)
+    torch.save(
+        torch.nn.Sequential(
+            torch.nn.utils.spectral_norm(linear), torch.nn.utils.weight_norm(torch.nn.Linear(4, 4))
+        ),
+        normed,
+    )
+    (found,) = scan(normed).files
+    assert found.verdict == "nonstandard", found.findings
+    assert "torch.nn.modules.module._WrappedHook" in {f.global_name for f in found.findings}
+
+    # A lazy module's hooks are its own bound methods, which pickle as builtins.getattr.
+    lazy = tmp_path / "lazy.pt"
+    torch.save(torch.nn.LazyLinear(3), lazy)
+    (found,) = scan(lazy).files
+    severity = {f.global_name: f.severity for f in found.findings}
+    assert severity["torch.utils.hooks.RemovableHandle"] == "nonstandard"
+    assert severity["builtins.getattr"] == found.verdict == "dangerous"
 
 
 def test_context_decides_torchscript_classes_and_dcp_metadata() -> None:

@@ -17,7 +17,7 @@ generators) take names that start in upper case only: a module-level function th
 judged as unknown. A family admits a name only where its spelling can be one of its own
 members: never a special attribute (``__builtins__``, ``__dict__``), a module alias
 (``torch.nn.modules.linear.F`` is ``torch.nn.functional``), a builtin's name, or a gadget
-re-exported there (``torch.nn.modules.module.RemovableHandle``). A global imported by an
+re-exported there (``torch.nn.attention._fa3.Library``). A global imported by an
 attribute path (a dotted name, which the unpickler follows attribute by attribute) is judged
 by exact names only, or by a family that makes it dangerous.
 """
@@ -201,6 +201,18 @@ RULES: tuple[Rule, ...] = (
             "avg_pool2d", "avg_pool3d", "elu_", "gelu", "hardtanh_", "leaky_relu_", "linear",
             "log_sigmoid", "one_hot", "scaled_dot_product_attention", "softplus", "softshrink",
         )
+    ),
+    # What a pickled module keeps its hooks in (spectral_norm's, weight_norm's): building one
+    # only stores its state and weak references; the hook it holds is judged on its own.
+    Rule(
+        "torch.nn.modules.module._WrappedHook",
+        "nonstandard",
+        "a pickled module's hook wrapper (the hook it holds is judged on its own)",
+    ),
+    Rule(
+        "torch.utils.hooks.RemovableHandle",
+        "nonstandard",
+        "a pickled module's hook handle (weak references to its hook tables)",
     ),
     Rule("torch.optim.*.[A-Z]*", "nonstandard", "a pickled optimizer or learning-rate scheduler"),
     # Optimizers whose class says it is torch.optim's own (torch.save names them so).
