@@ -37,6 +37,7 @@ __all__ = [
     "StrPath",
     "VerifyLevel",
     "items_of",
+    "one_of",
     "str_items",
     "str_mapping",
 ]
@@ -110,6 +111,37 @@ def items_of(value: object, argument: str, item: type[_T], expected: str) -> tup
     else:
         got = type(value).__name__
     raise UsageError(f"expected {expected}, got {got}", argument=argument, value=_shown(value))
+
+
+def one_of(value: _T, choices: Sequence[_T], argument: str, *, flag: str | None = None,
+           why: str = "") -> _T:  # fmt: skip
+    """``value``, refused unless it is one of ``choices``: every option with a fixed set of
+    values is checked here, so that each refusal reads the same.
+
+    Args:
+        value: what the caller passed.
+        choices: the values the option takes, in the order the error lists them.
+        argument: the option's name, for the error.
+        flag: the command line's spelling of the option, where it has one.
+        why: said after the list: what the values mean here.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        UsageError: ``value`` is not one of ``choices``.
+
+    Example:
+        >>> one_of("full", ("sizes", "full", "none"), "verify")
+        'full'
+        >>> one_of("fast", ("sizes", "full", "none"), "verify")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: verify='fast': expected one of: sizes, full, none
+    """
+    if value in choices:
+        return value
+    listed = ", ".join(map(str, choices)) + (f" ({why})" if why else "")
+    raise UsageError(f"expected one of: {listed}", argument=argument, value=repr(value), flag=flag)
 
 
 def str_items(value: object, argument: str) -> tuple[str, ...]:

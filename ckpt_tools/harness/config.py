@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ckpt_tools._types import one_of
 from ckpt_tools.errors import Remedy, UsageError
 
 __all__ = [
@@ -69,12 +70,7 @@ def check_model_name(name: str, *, argument: str) -> str:
     """
     key = name.lower()
     if key not in MODEL_NAMES:
-        raise UsageError(
-            f"unknown model; expected one of {', '.join(MODEL_NAMES)}",
-            argument=argument,
-            value=repr(name),
-            flag="--arch",
-        )
+        one_of(name, MODEL_NAMES, argument, flag="--arch")  # refused as the caller spelled it
     return key
 
 
@@ -185,21 +181,9 @@ class TrainConfig:
 
     def _validate_names(self) -> None:
         """The strategy, the model and the ZeRO stage are among the known ones."""
-        if self.strategy not in STRATEGIES:
-            raise UsageError(
-                f"unknown strategy; expected one of {', '.join(STRATEGIES)}",
-                argument="strategy",
-                value=repr(self.strategy),
-                flag="--strategy",
-            )
+        one_of(self.strategy, STRATEGIES, "strategy", flag="--strategy")
         check_model_name(self.model, argument="model")
-        if self.zero_stage not in ZERO_STAGES:
-            raise UsageError(
-                f"expected one of {', '.join(map(str, ZERO_STAGES))}",
-                argument="zero_stage",
-                value=repr(self.zero_stage),
-                flag="--zero-stage",
-            )
+        one_of(self.zero_stage, ZERO_STAGES, "zero_stage", flag="--zero-stage")
 
     def _validate_seed(self) -> None:
         """Every seed the run draws is one torch accepts: the data order of epoch ``e`` is

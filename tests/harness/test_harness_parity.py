@@ -86,9 +86,9 @@ def test_every_check_reports_a_missing_file_as_checkpoint_not_found(
 
 
 def test_an_unknown_model_is_the_callers_error_not_a_finding(runs: Path) -> None:
-    with pytest.raises(UsageError, match="name='vgg': unknown model") as info:
+    with pytest.raises(UsageError, match="name='vgg': expected one of: mlp, lenet") as info:
         check_strip_prefix(runs / "manual" / "wrapped.pt", "vgg")
-    assert "expected one of mlp, lenet" in str(info.value)
+    assert "resnet" in str(info.value)
 
 
 def test_an_unexpected_error_propagates_instead_of_becoming_a_fail_row(tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ def test_without_deepspeed_parity_skips_the_zero_row_and_runs_the_others(
 
 
 def test_zero_stage_is_checked_before_anything_starts(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="zero_stage=4: expected one of 1, 2, 3") as info:
+    with pytest.raises(UsageError, match="zero_stage=4: expected one of: 1, 2, 3") as info:
         train(TrainConfig(strategy="zero", zero_stage=4, out_dir=str(tmp_path)))
     assert info.value.render(for_cli=True).startswith("--zero-stage 4: ")
     bad = CliRunner().invoke(harness, ["train", "--strategy", "zero", "--zero-stage", "0"])

@@ -105,3 +105,29 @@ def test_a_wrong_type_is_a_usage_error_naming_the_argument(
 def test_rename_keys_refuses_a_dict_of_renames() -> None:
     with pytest.raises(UsageError, match=r"rules=\{'fc\.': 'proj\.'\}: expected a KeyRule"):
         ct.rename_keys({"fc.w": 1}, {"fc.": "proj."})
+
+
+@pytest.mark.parametrize(
+    ("call", "refusal"),
+    [
+        (lambda src, dst: ct.slim(src, dst, dtype="int8"), "dtype='int8': expected one of: bf16,"),
+        (
+            lambda src, dst: ct.convert(src, dst, output_format="onnx"),
+            "output_format='onnx': expected one of: torch, safetensors",
+        ),
+        (
+            lambda src, dst: ct.strip_module(src, dst, verify="fast"),
+            "verify='fast': expected one of: sizes, full, none",
+        ),
+    ],
+)
+def test_an_option_outside_its_values_is_refused_in_one_form(
+    call, refusal: str, lightning: Path, tmp_path: Path
+) -> None:
+    # Each option with a fixed set of values names the argument, the value and every choice,
+    # before anything is written.
+    out = tmp_path / "out.pt"
+    with pytest.raises(UsageError) as info:
+        call(lightning, out)
+    assert str(info.value).startswith(refusal)
+    assert not out.exists()

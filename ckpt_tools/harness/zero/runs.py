@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ckpt_tools._types import one_of
 from ckpt_tools.errors import UsageError
 
 __all__ = [
@@ -113,10 +114,7 @@ class ZeroRun:
         """
         if self.stage not in (0, 1, 2, 3):
             raise UsageError("ZeRO has stages 0 to 3", argument="stage", value=self.stage)
-        if self.dtype not in ZERO_DTYPES:
-            raise UsageError(
-                f"expected one of {', '.join(ZERO_DTYPES)}", argument="dtype", value=self.dtype
-            )
+        one_of(self.dtype, ZERO_DTYPES, "dtype")
         if self.steps < 1:
             raise UsageError("must be at least 1", argument="steps", value=self.steps)
         if not 1 <= self.saves <= self.steps or (self.tag is not None and self.saves > 1):

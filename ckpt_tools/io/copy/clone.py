@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools._types import one_of
 from ckpt_tools.io.copy.direct import aligned_span, copy_direct, direct_span
 from ckpt_tools.io.ranges import SourceEndedError
 
@@ -181,13 +181,7 @@ def copy_method(method: str) -> str:
         >>> copy_method("readwrite")
         'readwrite'
     """
-    if method not in COPY_METHODS:
-        raise UsageError(
-            f"method is {method!r}; expected one of: {', '.join(COPY_METHODS)}",
-            argument="method",
-            value=repr(method),
-        )
-    return method
+    return one_of(method, COPY_METHODS, "method")
 
 
 def copy_range(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools._types import one_of
 
 __all__ = ["VERIFY_LEVELS", "check_verify_level"]
 
@@ -34,10 +34,4 @@ def check_verify_level(verify: str, levels: Sequence[str] = VERIFY_LEVELS, why: 
         ...
         ckpt_tools.errors.UsageError: verify='fast': expected one of: sizes, full, none
     """
-    if verify not in levels:
-        raise UsageError(
-            f"expected one of: {', '.join(levels)}" + (f" ({why})" if why else ""),
-            argument="verify",
-            value=repr(verify),
-            flag="--verify",
-        )
+    one_of(verify, levels, "verify", flag="--verify", why=why)

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckpt_tools._types import one_of
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import (
@@ -94,14 +95,7 @@ def output_format_for(
     named = format_named_by(dst)
     if output_format is None:
         return named or ("safetensors" if input_format == "safetensors" else "torch-zip")
-    fmt = _FORMATS.get(output_format)
-    if fmt is None:
-        raise UsageError(
-            "expected one of: torch, safetensors",
-            argument="output_format",
-            value=repr(output_format),
-            flag="--format",
-        )
+    fmt = _FORMATS[one_of(output_format, tuple(_FORMATS), "output_format", flag="--format")]
     if named is not None and named != fmt:
         name = os.fspath(dst)
         fits = free_name(name, _SUFFIX[fmt])

@@ -19,7 +19,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
+from ckpt_tools._types import (
+    OutputFormat,
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    one_of,
+    str_items,
+)
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.io.output_path import check_output_path
@@ -273,14 +281,7 @@ def cast_target(dtype: str | None) -> str | None:
     """
     if dtype is None:
         return None
-    if dtype not in DTYPE_NAMES:
-        raise UsageError(
-            f"expected one of: {', '.join(DTYPE_NAMES)}",
-            argument="dtype",
-            value=repr(dtype),
-            flag="--dtype",
-        )
-    return DTYPE_NAMES[dtype]
+    return DTYPE_NAMES[one_of(dtype, tuple(DTYPE_NAMES), "dtype", flag="--dtype")]
 
 
 def _patterns(regexes: Sequence[str]) -> list[re.Pattern[str]]:
