@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Any, BinaryIO, Protocol
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
 
-__all__ = ["Checkpoint", "RangeSource", "ZipRecord", "open_buffered"]
+__all__ = ["Checkpoint", "RangeFile", "RangeSource", "ZipRecord", "open_buffered"]
 
 
 class RangeSource(Protocol):
@@ -19,6 +20,50 @@ class RangeSource(Protocol):
     size: int
 
     def pread(self, count: int, offset: int) -> bytes: ...
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over :meth:`pread`, for the pickle reader: a subclass gives
+    ``size`` and ``pread`` (a tar member, a remote object); it seeks, tells and reads as a
+    file opened unbuffered does.
+
+    Example:
+        >>> class Letters(RangeFile):
+        ...     size = 6
+        ...     def pread(self, count, offset): return b"abcdef"[offset : offset + count]
+        >>> f = Letters()
+        >>> f.seek(-2, io.SEEK_END), f.read()
+        (4, b'ef')
+    """
+
+    size: int
+    _position = 0
+
+    def pread(self, count: int, offset: int) -> bytes:
+        """Up to ``count`` bytes at ``offset``; fewer where the file ends, as ``os.pread``."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:  # as lseek refuses it
+            raise OSError(errno.EINVAL, f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        data = self.pread(len(buffer), self._position)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
 
 
 @contextlib.contextmanager

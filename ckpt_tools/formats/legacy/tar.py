@@ -20,6 +20,7 @@ shifted by the view's, which is the memory it shares.
 from __future__ import annotations
 
 import collections
+import errno
 import io
 import os
 import struct
@@ -31,7 +32,7 @@ from typing import Any
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError
-from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.formats.base import Checkpoint, RangeFile
 from ckpt_tools.formats.legacy.reader import offset_locator
 from ckpt_tools.formats.pickle.allowlist import checked_tensor
 from ckpt_tools.formats.pickle.standins import StorageTypeRef, id_text, module_record
@@ -54,32 +55,17 @@ class _View:
     numel: int
 
 
-class _MemberFile(io.RawIOBase):
+class _MemberFile(RangeFile):
     """One tar member's bytes as a seekable file, read with ``pread`` from the archive."""
 
     def __init__(self, fd: int, member: tarfile.TarInfo) -> None:
-        self._fd, self.start, self.size, self._pos = fd, member.offset_data, member.size, 0
+        self._fd, self.start, self.size = fd, member.offset_data, member.size
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self.size - self._pos))
-        data = os.pread(self._fd, n, self.start + self._pos) if n else b""
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+    def pread(self, count: int, offset: int) -> bytes:
+        if offset < 0 or count < 0:  # (the archive's own offset would hide a negative one)
+            raise OSError(errno.EINVAL, f"negative offset or count: {offset}, {count}")
+        count = min(count, self.size - offset)
+        return os.pread(self._fd, count, self.start + offset) if count > 0 else b""
 
 
 class _TarReader:

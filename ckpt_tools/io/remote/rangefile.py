@@ -17,12 +17,12 @@ The checks every transport (HTTP, S3) makes of a ranged answer are here too: its
 from __future__ import annotations
 
 import errno
-import io
 import re
 from dataclasses import dataclass
 from typing import Protocol
 
 from ckpt_tools.errors import RangeNotSupportedError, Remedy, RemoteError
+from ckpt_tools.formats.base import RangeFile
 from ckpt_tools.io.ranges import CHUNK
 
 __all__ = [
@@ -184,7 +184,7 @@ class SameObject:
         )
 
 
-class RemoteFile(io.RawIOBase):
+class RemoteFile(RangeFile):
     """A remote object as a read-only, seekable file with ``pread`` and a range cache.
 
     Args:
@@ -212,7 +212,6 @@ class RemoteFile(io.RawIOBase):
         self.url = transport.url
         self.stats = stats if stats is not None else TransferStats()
         self._extents: list[tuple[int, bytes]] = []  # (offset, bytes), most recent last
-        self._position = 0
         data, self.size = transport.get(0, HEAD_FETCH)
         self.stats.add(len(data))
         self._keep(0, data)
@@ -283,29 +282,7 @@ class RemoteFile(io.RawIOBase):
         while self.cached_bytes > CACHE_BYTES and len(self._extents) > 1:
             self._extents.pop(0)
 
-    # -- the file object (pickle streams read through it) -------------------------------
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._position = base + offset
-        return self._position
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        data = self.pread(len(buffer), self._position)
-        buffer[: len(data)] = data
-        self._position += len(data)
-        return len(data)
+    # -- the file object (pickle streams read through it): RangeFile's, over pread ----
 
     def close(self) -> None:
         if not self.closed:
