@@ -117,6 +117,18 @@ def test_inspect_json_lists_chunks(folder: Path) -> None:
     assert "__0_0.distcp" in str(inspect(folder))
 
 
+def test_a_limit_cuts_the_chunk_table_and_says_how_to_see_it_all(folder: Path) -> None:
+    info = inspect(folder)
+    chunks = sum(len(c) for c in info.chunks.values())
+    assert chunks > 1
+    assert info.chunk_table().count("\n") == chunks + 1  # a header, a rule, a line a chunk
+    cut = info.chunk_table(limit=1)
+    assert cut.endswith(f"\n... {chunks - 1} more chunks (raise limit=)")
+    assert cut.count("\n") == 3
+    printed = run_ckpt("inspect", folder, "--limit", "1").stdout
+    assert f"... {chunks - 1} more chunks (drop --limit)" in printed
+
+
 def _first_tensor(meta: Any) -> Any:
     return meta.state_dict_metadata["model.layers.0.weight"]
 

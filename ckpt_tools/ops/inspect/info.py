@@ -7,7 +7,7 @@ Its text (``str(info)``) is what ``ckpt inspect`` prints: the command renders th
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -244,13 +244,7 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
             table: formats the rows (the ``ckpt`` command passes its tabulate table).
             for_cli: word the "more rows" hint for the command (``--limit``).
         """
-        rows = self.rows(group)
-        hidden = 0
-        if limit is not None and len(rows) > limit:
-            hidden, rows = len(rows) - limit, rows[:limit]
-        text = table(rows, TENSOR_COLUMNS)
-        drop = "drop --limit" if for_cli else "raise limit="
-        return text + (f"\n... {hidden} more rows ({drop})" if hidden else "")
+        return _limited(self.rows(group), TENSOR_COLUMNS, limit, table, "rows", for_cli)
 
     def text(
         self,
@@ -274,19 +268,23 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
         """
         text = f"{self.summary(for_cli)}\n\n{self.table(group, limit, table, for_cli)}"
         if self.chunks:
-            text += "\n\n" + self.chunk_table(limit, table)
+            text += "\n\n" + self.chunk_table(limit, table, for_cli)
         return text
 
-    def chunk_table(self, limit: int | None = None, table: TableFormat = text_table) -> str:
-        """The DCP chunks of the selected tensors: where each piece lies, file and bytes."""
+    def chunk_table(
+        self, limit: int | None = None, table: TableFormat = text_table, for_cli: bool = False
+    ) -> str:
+        """The DCP chunks of the selected tensors: where each piece lies, file and bytes.
+
+        Args:
+            limit, table, for_cli: as :meth:`table` takes them.
+        """
         rows = [
             [name, list(c["offsets"]), list(c["sizes"]), c["file"], c["offset"], c["length"]]
             for name, chunks in self.chunks.items()
             for c in chunks
         ]
-        hidden = len(rows) - limit if limit is not None and len(rows) > limit else 0
-        text = table(rows[: len(rows) - hidden], CHUNK_COLUMNS)
-        return text + (f"\n... {hidden} more chunks" if hidden else "")
+        return _limited(rows, CHUNK_COLUMNS, limit, table, "chunks", for_cli)
 
     def __repr__(self) -> str:
         return (
@@ -361,3 +359,19 @@ def _row(label: str, t: TensorInfo, count: int, folded: tuple[str, str] | None) 
         human_bytes(t.nbytes * count),
         folded[1],
     ]
+
+
+def _limited(
+    rows: list[list[Any]],
+    columns: Sequence[str],
+    limit: int | None,
+    table: TableFormat,
+    what: str,
+    for_cli: bool,
+) -> str:
+    """``rows`` as a table of at most ``limit`` rows, and a line saying how many were left out
+    and how to show them."""
+    hidden = len(rows) - limit if limit is not None and len(rows) > limit else 0
+    text = table(rows[: len(rows) - hidden], columns)
+    drop = "drop --limit" if for_cli else "raise limit="
+    return text + (f"\n... {hidden} more {what} ({drop})" if hidden else "")
