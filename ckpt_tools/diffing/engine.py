@@ -62,6 +62,8 @@ def _compare(
     """One common key: layout, dtype and shape first, then (if asked) values."""
     (dtype_a, shape_a), (dtype_b, shape_b) = a.meta(name), b.meta(name)
     layout_a, layout_b = a.layout(name), b.layout(name)
+    # torch's load takes a one-element vector for a module's 0-dim tensor (its first element).
+    squeezed = b.module is not None and shape_a == (1,) and shape_b == ()
     base = TensorDiff(
         name,
         dtype_a,
@@ -71,6 +73,8 @@ def _compare(
         values_compared=values,
         layout_a=layout_a,
         layout_b=layout_b,
+        squeezed=squeezed,
+        note="torch loads A's one element into B's 0-dim tensor" if squeezed else "",
     )
     if layout_a != layout_b:
         return replace(base, note=f"layouts differ: {layout_a} / {layout_b}")
@@ -84,7 +88,7 @@ def _compare(
         )
     if layout_a == "meta":
         return _compare_meta(base, a.stride(name), b.stride(name))
-    if not values or shape_a != shape_b:
+    if not values or (shape_a != shape_b and not squeezed):
         return base
     if layout_a != "strided":
         from ckpt_tools.diffing.rebuilt import compare_pieces

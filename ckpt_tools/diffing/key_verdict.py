@@ -114,9 +114,11 @@ def shapes(side: Side) -> dict[str, Any]:
 
 def resolved(
     a: Side, b: Side, steps: Sequence[Step], unexpected: Sequence[str], torch_judges: bool
-) -> int | None:
-    """How many of the ``unexpected`` keys of A ``steps`` resolve; None where they cannot
-    apply to every key of A (two keys would become one, a key that matched is renamed).
+) -> tuple[int, tuple[str, ...]] | None:
+    """How many of the ``unexpected`` keys of A ``steps`` resolve, and the keys of B still
+    missing once they are applied (a module's loading code may reconcile a key before the
+    rewrite and not after: its ``_metadata`` moves with the keys); None where the steps
+    cannot apply to every key of A (two keys would become one, a key that matched is renamed).
 
     Args:
         a, b: the sides, A's keys as compared (after any alignment).
@@ -135,15 +137,17 @@ def resolved(
         return None
     if not torch_judges:
         shapes_a, shapes_b = shapes(a), shapes(b)
-        return sum(
+        renamed = set(plan.values())
+        count = sum(
             1 for k in unexpected if plan[k] in in_b and shapes_a.get(k) == shapes_b.get(plan[k])
         )
+        return count, tuple(k for k in b.keys if k not in renamed)
     from ckpt_tools.loading.rehearsal import rehearse
 
     assert b.module is not None
     verdict = rehearse(b.module, apply_plan(stand_ins(a), plan, rules))
     refused = {*verdict.unexpected, *(m.key for m in verdict.shape_mismatches)}
-    return sum(1 for key in unexpected if plan[key] not in refused)
+    return sum(1 for key in unexpected if plan[key] not in refused), tuple(verdict.missing)
 
 
 def stand_ins(side: Side) -> OrderedDict[str, Any]:

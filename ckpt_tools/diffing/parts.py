@@ -118,6 +118,9 @@ class TensorDiff:
         kind_a, kind_b: ``tensor``, or the type of the entry that is not one (``str``,
             ``dict`` ...; a class's qualified name), which then also stands for its dtype, or
             the class of a tensor diff does not read (``torch.distributed.tensor.DTensor``).
+        squeezed: A's one-element vector against a 0-dim parameter or buffer of module B,
+            which torch's load takes as its one element (checkpoints saved before torch
+            0.4): the shapes differ, yet it loads, and the values are compared.
     """
 
     name: str
@@ -141,6 +144,7 @@ class TensorDiff:
     note: str = ""
     kind_a: str = "tensor"
     kind_b: str = "tensor"
+    squeezed: bool = False
 
     @property
     def status(self) -> str:
@@ -154,7 +158,7 @@ class TensorDiff:
             return "layout"
         if self.shape_a is None or self.shape_b is None:
             return "uninitialized"
-        if self.shape_a != self.shape_b:
+        if self.shape_a != self.shape_b and not self.squeezed:
             return "shape"
         if not self.values_compared:
             return "dtype" if self.dtype_a != self.dtype_b else "unchecked"
@@ -186,6 +190,7 @@ class TensorDiff:
             "layout": [self.layout_a, self.layout_b],
             "note": self.note,
             "uninitialized": [self.shape_a is None, self.shape_b is None],
+            "squeezed": self.squeezed,
         }
 
 
@@ -203,6 +208,8 @@ class Suggestion:
         inverse_description: the same change made to B instead (``adding 'module.'``).
         inverse_command: how to apply that to B, when B is a file or a state dict.
         note: extra advice (``load_into`` applies wrapper rewrites by itself).
+        missing: keys of B that A still lacks once rewritten (against a module, those its
+            strict load would then call missing).
     """
 
     description: str
@@ -213,10 +220,14 @@ class Suggestion:
     inverse_description: str = ""
     inverse_command: str = ""
     note: str = ""
+    missing: tuple[str, ...] = ()
 
     def text(self) -> str:
         """``stripping 'module.' resolves 62 of 62 unexpected keys: ckpt strip-module ...``."""
         line = f"{self.description} resolves {self.resolved} of {self.of} unexpected keys"
+        if self.missing:
+            named = ", ".join(self.missing[:3]) + (", ..." if len(self.missing) > 3 else "")
+            line += f" and leaves {len(self.missing)} missing ({named})"
         other = f"{self.inverse_description} on B: {self.inverse_command}"
         if self.command:
             line += ": " + self.command
@@ -238,5 +249,6 @@ class Suggestion:
             "inverse_description": self.inverse_description,
             "inverse_command": self.inverse_command,
             "note": self.note,
+            "missing": list(self.missing),
             "text": self.text(),
         }

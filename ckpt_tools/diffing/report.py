@@ -90,11 +90,15 @@ class DiffReport(Readable, TensorsByName[TensorDiff]):
 
     @property
     def shape_mismatches(self) -> tuple[TensorDiff, ...]:
-        """Pairs of different shapes (an uninitialized lazy parameter takes any)."""
+        """Pairs of different shapes that do not load (an uninitialized lazy parameter takes
+        any; a module's 0-dim parameter takes a one-element vector)."""
         return tuple(
             t
             for t in self._pairs
-            if t.shape_a != t.shape_b and t.shape_a is not None and t.shape_b is not None
+            if t.shape_a != t.shape_b
+            and t.shape_a is not None
+            and t.shape_b is not None
+            and not t.squeezed
         )
 
     @property

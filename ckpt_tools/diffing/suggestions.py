@@ -86,13 +86,13 @@ def suggested_rewrites(
     # Against a module each is rehearsed (a meta copy of it): only the best few by the keys.
     few = fixes[: 2 * limit] if torch_judges else fixes[: 3 * limit]
     counted = [(fix, resolved(a, b, fix.steps, unexpected, torch_judges)) for fix in few]
-    scored = sorted(((fix, n) for fix, n in counted if n), key=lambda pair: -pair[1])
+    scored = sorted(((fix, r) for fix, r in counted if r and r[0]), key=lambda pair: -pair[1][0])
     # What load_into would do with the stored keys: a note where that is the suggestion.
     by_itself = best_fix(list(stored_all), list(b.keys)) if b.info.kind == "module" else None
     # A rewrite that resolves every unexpected key subsumes the partial ones: they are noise.
-    complete = [(fix, n) for fix, n in scored if n == len(unexpected)]
+    complete = [(fix, r) for fix, r in scored if r[0] == len(unexpected)]
     out = []
-    for fix, count in (complete or scored)[:limit]:
+    for fix, (count, still_missing) in (complete or scored)[:limit]:
         steps = on_stored(aligned, fix.steps)
         if aligned:
             whole = check_fix(steps, stored, keys_b)
@@ -115,6 +115,7 @@ def suggested_rewrites(
                 steps=fix.steps,
                 resolved=count,
                 of=len(unexpected),
+                missing=still_missing,
                 command=command,
                 inverse_description=inverse_text,
                 inverse_command=inverse_command,

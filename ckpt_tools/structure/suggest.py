@@ -88,14 +88,15 @@ class KeyFix:
         return ", then ".join(step.describe() for step in self.steps)
 
 
-def wrapper_stack(keys: Iterable[str]) -> tuple[WrapperMatch, ...]:
-    """The wrapper prefixes at the start of ``keys``, outermost first (inner ones left out).
+def wrapper_stack(keys: Iterable[str], *, anywhere: bool = False) -> tuple[WrapperMatch, ...]:
+    """The wrapper prefixes at the start of ``keys``, outermost first (inner ones left out;
+    ``anywhere`` as :func:`~ckpt_tools.structure.wrappers.detect_wrappers` takes it).
 
     Example:
         >>> [m.prefix for m in wrapper_stack(["module._orig_mod.fc.weight"])]
         ['module.', '_orig_mod.']
     """
-    return tuple(m for m in detect_wrappers(keys) if not m.inner)
+    return tuple(m for m in detect_wrappers(keys, anywhere=anywhere) if not m.inner)
 
 
 def layout_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]:
@@ -126,8 +127,9 @@ def layout_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]
 
 def _leading_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]:
     """:func:`layout_fix`'s strips and adds: the wrapper stacks at the start of the keys."""
-    src = [m.prefix for m in wrapper_stack(source)]
-    dst = [m.prefix for m in wrapper_stack(target)]
+    # Both stacks peeled alike (a model's own `model.` included), then compared from inside.
+    src = [m.prefix for m in wrapper_stack(source, anywhere=True)]
+    dst = [m.prefix for m in wrapper_stack(target, anywhere=True)]
     common = 0
     while common < min(len(src), len(dst)) and src[-1 - common] == dst[-1 - common]:
         common += 1

@@ -17,6 +17,7 @@ from ckpt_tools.structure.keys import KeyRule, strip_rule
 from ckpt_tools.structure.paths import is_tensor
 
 __all__ = [
+    "LORA_PARTS",
     "MAX_WRAPPER_DEPTH",
     "WRAPPER_RULES",
     "WrapperMatch",
@@ -39,12 +40,18 @@ class WrapperRule:
             ``model.`` are also common plain attribute names; the wrapper prefixes every
             key, a top-level parameter's too). A non-tensor entry (an ``epoch`` beside the
             weights) does not count, where the keys come with their values.
+        outermost: report it only as the keys' first prefix, or right under one of these
+            wrappers; never twice. Lightning's ``model.`` is a LightningModule's attribute,
+            so it starts the keys of its state dict (or of Lightning's own wrapper of it):
+            under ``module.``, ``_orig_mod.`` or PEFT's ``base_model.model.``, or under
+            another ``model.``, it is the wrapped model's own attribute.
     """
 
     prefix: str
     kind: str
     inner: bool = False
     whole: bool = False
+    outermost: tuple[str, ...] | None = None
 
 
 WRAPPER_RULES: tuple[WrapperRule, ...] = (
@@ -56,9 +63,22 @@ WRAPPER_RULES: tuple[WrapperRule, ...] = (
     WrapperRule("_checkpoint_wrapped_module.", "activation checkpoint_wrapper", inner=True),
     WrapperRule("_forward_module.", "Lightning Fabric / DeepSpeed _forward_module", inner=True),
     WrapperRule("base_model.model.", "PEFT PeftModel", whole=True),
-    WrapperRule("model.", "Lightning module attribute `model`", whole=True),
+    WrapperRule(
+        "model.", "Lightning module attribute `model`", whole=True, outermost=("_forward_module.",)
+    ),
 )
 
+
+#: The names PEFT gives a LoRA module's parts in a state dict, after the module's path
+#: (embeddings' and DoRA's have no ``.weight``).
+LORA_PARTS = (
+    "lora_A.weight",
+    "lora_B.weight",
+    "lora_B.bias",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+)
 
 #: The most wrapper prefixes :func:`detect_wrappers` peels from the start of keys. Training
 #: wrappers stack a few; each layer costs a pass over every key and a rule in every rewrite.
@@ -84,13 +104,20 @@ class WrapperMatch:
     inner: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "kind": self.kind, "count": self.count, "of": self.of}
+        return {
+            "prefix": self.prefix,
+            "kind": self.kind,
+            "count": self.count,
+            "of": self.of,
+            "inner": self.inner,
+        }
 
 
 def detect_wrappers(
     keys: Iterable[str] | Mapping[Any, Any],
     *,
     wrappers: Sequence[WrapperRule] = WRAPPER_RULES,
+    anywhere: bool = False,
 ) -> tuple[WrapperMatch, ...]:
     """Find the wrapper prefixes a set of state-dict keys carries, outermost first.
 
@@ -103,6 +130,9 @@ def detect_wrappers(
             are no tensor (an ``epoch`` saved inside it) are left out.
         wrappers: the wrappers to look for (a caller that knows a checkpoint is no Lightning
             one leaves out ``model.``).
+        anywhere: peel a prefix that only starts a model's keys (Lightning's ``model.``)
+            wherever and as often as it occurs: to line two sets of keys up, each peeled
+            alike, rather than to name what to strip from one.
 
     Returns:
         The matches, outermost prefix first, then inner ones.
@@ -122,6 +152,8 @@ def detect_wrappers(
     peeled: set[str] = set()
     while current:
         for rule in wrappers:
+            if not (anywhere or _may_follow(rule, found)):
+                continue
             count = sum(k.startswith(rule.prefix) for k in current)
             # DataParallel and its kind prefix every tensor key, top-level parameters too.
             if count and (not rule.whole or count == len(current)):
@@ -144,6 +176,15 @@ def detect_wrappers(
     return tuple(found)
 
 
+def _may_follow(rule: WrapperRule, found: Sequence[WrapperMatch]) -> bool:
+    """Whether ``rule`` may be the next prefix peeled after ``found`` (see ``outermost``)."""
+    if rule.outermost is None:
+        return True
+    if any(m.prefix == rule.prefix for m in found):
+        return False
+    return not found or found[-1].prefix in rule.outermost
+
+
 def _too_deep(prefix: str) -> ResourceLimitError:
     return ResourceLimitError(
         f"keys start with more than {MAX_WRAPPER_DEPTH} wrapper prefixes (the next is "
@@ -152,9 +193,10 @@ def _too_deep(prefix: str) -> ResourceLimitError:
 
 
 def strip_wrapper_rules(
-    keys: Iterable[str] | Mapping[Any, Any],
+    keys: Iterable[str] | Mapping[Any, Any], *, anywhere: bool = False
 ) -> tuple[tuple[KeyRule, ...], tuple[WrapperMatch, ...]]:
-    """The rules that strip every wrapper :func:`detect_wrappers` finds in ``keys``."""
-    matches = detect_wrappers(keys)
+    """The rules that strip every wrapper :func:`detect_wrappers` finds in ``keys``
+    (``anywhere`` as it takes it)."""
+    matches = detect_wrappers(keys, anywhere=anywhere)
     rules = tuple(strip_rule(m.prefix, inner=m.inner) for m in matches)
     return rules, matches

@@ -18,7 +18,7 @@ from ckpt_tools.errors import EXIT_USAGE
 from tests.helpers import at_path, ckpt_env, describe, fixture_path, run_ckpt, tensors_of
 
 TENSOR_FIELDS = {"name", "dtype", "shape", "nbytes", "device", "storage", "offset"}
-WRAPPER_FIELDS = {"prefix", "kind", "count", "of"}
+WRAPPER_FIELDS = {"prefix", "kind", "count", "of", "inner"}
 TOP_FIELDS = {
     "path",
     "format",

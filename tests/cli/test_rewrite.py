@@ -100,6 +100,7 @@ def test_strip_module_json(invoke, layout, tmp_path):
             "kind": "nn.DataParallel / DistributedDataParallel",
             "count": 11,
             "of": 11,
+            "inner": False,
         }
     ]
     # The whole file is copied (optimizer state too), tensor bytes only.

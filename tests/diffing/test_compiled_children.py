@@ -197,9 +197,11 @@ def test_after_an_alignment_each_command_does_what_its_suggestion_says(nets: Pat
     assert report.aligned == ("adding 'module.'",)
     best = report.suggestions[0]
     assert best.text().startswith(
-        "renaming 'module.backbone.' to 'module.blocks.' resolves 4 of 6 unexpected keys: "
+        "renaming 'module.backbone.' to 'module.blocks.' resolves 4 of 6 unexpected keys and "
+        "leaves 2 missing (module.blocks.1._orig_mod.weight, module.blocks.1._orig_mod.bias): "
         "ckpt rename bb.pt bb.renamed.pt --sub backbone.=blocks. --regex '^=module.'"
     )
     for suggestion in report.suggestions:
-        left = diff(run(suggestion.command), target).unexpected
-        assert len(left) == suggestion.of - suggestion.resolved, suggestion.text()
+        after = diff(run(suggestion.command), target)
+        assert len(after.unexpected) == suggestion.of - suggestion.resolved, suggestion.text()
+        assert after.missing == suggestion.missing, suggestion.text()

@@ -223,6 +223,44 @@ def test_a_suggestion_counts_what_torch_would_take(save: Save, recwarn: Any) -> 
     assert "load_into" in best.note
 
 
+def test_a_suggestion_names_what_stays_missing_once_applied(save: Save) -> None:
+    # As stored, 'module.bn' is version 2 and 'bn' has no version: torch fills the missing
+    # num_batches_tracked of the keys as they are. Stripped, the version moves to 'bn' and
+    # torch calls it missing: the suggestion says so.
+    sd = _ddp(_bn_before_version_2(2))
+    path = save(sd, "ddp.pt")
+    report = diff(path, OldBN())
+    (best,) = report.suggestions
+    stripped = OrderedDict((k[len("module.") :], v) for k, v in sd.items())
+    stripped._metadata = OrderedDict(  # type: ignore[attr-defined]  # as strip-module moves it
+        (k[len("module.") :] if k != "module" else "", v) for k, v in sd._metadata.items()
+    )
+    missing, unexpected = _torch_says(OldBN(), stripped)
+    assert (missing, unexpected) == ({"bn.num_batches_tracked"}, set())
+    assert best.missing == ("bn.num_batches_tracked",)
+    assert "leaves 1 missing (bn.num_batches_tracked)" in best.text()
+    # Between state dicts, the keys of B the renamed A lacks.
+    (by_name,) = diff(path, OldBN().state_dict()).suggestions
+    assert by_name.missing == ("bn.num_batches_tracked",)
+
+
+def test_a_one_element_vector_loads_into_a_0_dim_parameter(save: Save) -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.0))
+
+    path = save({"scale": torch.tensor([2.5])}, "old.pt")
+    model = Scaled()
+    model.load_state_dict(torch.load(path, weights_only=True), strict=True)  # torch takes it
+    (pair,) = diff(path, Scaled()).tensors
+    assert (pair.status, pair.squeezed, pair.max_abs) == ("differ", True, 1.5)
+    assert diff(path, model).found() == set() and not diff(path, model).shape_mismatches
+    # A longer vector, or one between two state dicts, is a shape difference.
+    assert diff(save({"scale": torch.ones(2)}, "two.pt"), Scaled()).tensors[0].status == "shape"
+    assert diff(path, Scaled().state_dict()).tensors[0].status == "shape"
+
+
 def test_a_model_that_does_not_copy_is_compared_by_name(
     save: Save, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -64,3 +64,50 @@ def test_the_python_hint_keeps_the_selected_state_dict(tmp_path: Path) -> None:
     torch.save({"state_dict": {}, "state_dict_ema": _wrapped(_model(seed=2))}, src)
     text = str(ct.inspect(src, select="state_dict_ema"))
     assert f"ckpt_tools.strip_module({str(src)!r}, OUT, select='state_dict_ema')" in text
+
+
+class _Holds(nn.Module):
+    """A classifier whose only child is its own attribute ``model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _model(seed=3)
+
+
+def test_the_suggestion_keeps_a_models_own_model_attribute(tmp_path: Path) -> None:
+    # Under DataParallel (or compile) `model.` is the classifier's attribute, not Lightning's.
+    model = _Holds()
+    src = tmp_path / "dp.pt"
+    torch.save(nn.DataParallel(model).state_dict(), src)
+    argv = _run_suggestion(src)
+    fresh = _Holds()
+    fresh.load_state_dict(torch.load(argv[3], weights_only=True), strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_transformers_and_peft_files_keep_their_own_prefixes(tmp_path: Path) -> None:
+    # Every key of a tied-embedding transformers model lies under its `model` attribute, which
+    # from_pretrained needs; a PEFT adapter's keys are the ones PEFT loads, prefix included.
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    torch.save({"model.embed.weight": torch.ones(4, 2)}, folder / "pytorch_model.bin")
+    torch.save({"model.embed.weight": torch.ones(4, 2)}, tmp_path / "lightning.pt")
+    adapter = {
+        "base_model.model.model.q.lora_A.weight": torch.ones(2, 4),
+        "base_model.model.model.q.lora_B.weight": torch.ones(4, 2),
+    }
+    torch.save(adapter, tmp_path / "adapter.pt")
+    assert [w.prefix for w in ct.inspect(folder / "pytorch_model.bin").wrappers] == []
+    assert [w.prefix for w in ct.inspect(tmp_path / "adapter.pt").wrappers] == []
+    assert [w.prefix for w in ct.inspect(tmp_path / "lightning.pt").wrappers] == ["model."]
+
+
+def test_json_tells_a_wrapper_inside_keys_from_one_that_starts_them(tmp_path: Path) -> None:
+    fsdp = "_fsdp_wrapped_module."
+    sd = {f"{fsdp}fc1.{fsdp}weight": torch.ones(2), f"{fsdp}fc2.weight": torch.ones(2)}
+    torch.save(sd, tmp_path / "fsdp.pt")
+    wrappers = ct.inspect(tmp_path / "fsdp.pt").to_json()["wrappers"]
+    assert [(w["prefix"], w["count"], w["inner"]) for w in wrappers] == [
+        (fsdp, 2, False),
+        (fsdp, 1, True),
+    ]

@@ -63,9 +63,10 @@ def test_peft_lora_folder(real_dir: Path) -> None:
     for t in info.tensors:
         want = describe(expected[t.name])
         assert (t.dtype, t.shape, t.nbytes) == (want["dtype"], want["shape"], want["nbytes"])
-    assert [(w.prefix, w.count, w.of) for w in info.wrappers] == [
-        ("base_model.model.", len(expected), len(expected))
-    ]
+    # Every key starts with PEFT's base_model.model., the names PEFT loads the adapter by: no
+    # wrapper to strip (ckpt merge-lora merges it into its base).
+    assert all(name.startswith("base_model.model.") for name in expected)
+    assert info.wrappers == () and info.format_info.peft_type == "LORA"
 
 
 def test_lfs_pointer(real_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

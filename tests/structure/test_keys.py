@@ -61,7 +61,8 @@ def test_each_wrapper_at_the_start_of_every_key(prefix, kind):
     (match,) = detect_wrappers(prefixed(prefix))
     assert (match.prefix, match.count, match.of, match.inner) == (prefix, 5, 5, False)
     assert kind in match.kind
-    assert match.to_json() == {"prefix": prefix, "kind": match.kind, "count": 5, "of": 5}
+    want = {"prefix": prefix, "kind": match.kind, "count": 5, "of": 5, "inner": False}
+    assert match.to_json() == want
     assert {r.prefix for r in WRAPPER_RULES} >= {prefix}
 
 
@@ -83,14 +84,35 @@ def test_real_wrapped_modules():
             ["module.", "_orig_mod.", "_fsdp_wrapped_module."],
         ),
         (prefixed("_forward_module.module."), ["_forward_module.", "module."]),
-        (prefixed("module.model."), ["module.", "model."]),
-        (prefixed("base_model.model.model."), ["base_model.model.", "model."]),
+        (prefixed("_forward_module.model."), ["_forward_module.", "model."]),
+        (prefixed("model._orig_mod."), ["model.", "_orig_mod."]),
     ],
 )
 def test_stacked_wrappers_are_peeled_outermost_first(keys, expected):
     assert [m.prefix for m in detect_wrappers(keys)] == expected
     assert all(m.count == m.of == len(keys) and not m.inner for m in detect_wrappers(keys))
     rules, _ = strip_wrapper_rules(keys)
+    assert list(plan_renames(keys, rules).values()) == BARE
+
+
+@pytest.mark.parametrize(
+    ("outer", "expected"),
+    [
+        ("module.", ["module."]),
+        ("_orig_mod.", ["_orig_mod."]),
+        ("base_model.model.", ["base_model.model."]),
+        ("model.", ["model."]),
+    ],
+)
+def test_lightnings_model_is_only_the_outermost_prefix(outer, expected):
+    # Under another wrapper, `model.` is the wrapped model's own attribute: it stays.
+    keys = prefixed(outer + "model.")
+    assert [m.prefix for m in detect_wrappers(keys)] == expected
+    rules, _ = strip_wrapper_rules(keys)
+    assert list(plan_renames(keys, rules).values()) == [f"model.{k}" for k in BARE]
+    # Lining two sets of keys up, every layer is peeled.
+    assert [m.prefix for m in detect_wrappers(keys, anywhere=True)] == [outer, "model."]
+    rules, _ = strip_wrapper_rules(keys, anywhere=True)
     assert list(plan_renames(keys, rules).values()) == BARE
 
 

@@ -60,3 +60,50 @@ def test_rules_leave_out_a_wrapper() -> None:
     assert [m.prefix for m in detect_wrappers(keys)] == ["model."]
     without = tuple(r for r in WRAPPER_RULES if r.prefix != "model.")
     assert detect_wrappers(keys, wrappers=without) == ()
+
+
+class _Holds(nn.Module):
+    """A model whose only child is its own attribute ``model`` (a backbone it wraps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+class _Lightning(nn.Module):
+    """A LightningModule's layout: the model under ``self.model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Holds()
+
+
+def _wrapped_state_dicts() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "DataParallel": nn.DataParallel(_Holds()).state_dict(),
+        "torch.compile": torch.compile(_Holds()).state_dict(),
+        "Lightning": _Lightning().state_dict(),
+    }
+
+
+@pytest.mark.parametrize("wrapped", ["DataParallel", "torch.compile", "Lightning"])
+def test_a_models_own_model_attribute_under_a_wrapper_is_kept(wrapped: str) -> None:
+    # Lightning's `model.` starts a LightningModule's keys; under DataParallel, compile or
+    # Lightning itself, `model.` is the wrapped model's own attribute, which it loads with.
+    sd = _wrapped_state_dicts()[wrapped]
+    rules, matches = strip_wrapper_rules(sd)
+    assert len(matches) == 1, matches
+    stripped = {rules[0].apply(k): v for k, v in sd.items()}
+    assert _loads(_Holds(), stripped)
+    # Lined up with another set of keys, both are peeled alike, `model.` wherever it lies.
+    assert [m.prefix for m in detect_wrappers(sd, anywhere=True)][-1] == "model."
+
+
+def test_a_peft_models_own_model_attribute_is_kept() -> None:
+    keys = ["base_model.model.model.layers.0.q_proj.weight", "base_model.model.lm_head.weight"]
+    assert [m.prefix for m in detect_wrappers(keys)] == ["base_model.model."]
+    keys = ["base_model.model.model.layers.0.q_proj.weight"]
+    assert [m.prefix for m in detect_wrappers(keys)] == ["base_model.model."]
+    # Lightning's own wrapper of its module (DeepSpeed, Fabric) comes before its `model.`.
+    keys = ["_forward_module.model.fc.weight", "_forward_module.model.fc.bias"]
+    assert [m.prefix for m in detect_wrappers(keys)] == ["_forward_module.", "model."]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,7 +21,7 @@ from ckpt_tools.structure.selection import (
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_tensors, stored_views
-from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperRule, detect_wrappers
+from ckpt_tools.structure.wrappers import LORA_PARTS, WRAPPER_RULES, WrapperRule, detect_wrappers
 
 __all__ = [
     "CheckpointInfo",
@@ -91,16 +93,31 @@ def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> d
     return entries
 
 
-def _wrapper_rules(ckpt: Checkpoint) -> tuple[WrapperRule, ...]:
-    """The wrapper rules that apply to ``ckpt``'s keys: Lightning's ``model.`` is left out
-    where the checkpoint is a Hugging Face one (a folder, or a safetensors file with the
-    ``format`` metadata ``save_pretrained`` writes). Lightning saves neither, and a
-    transformers model whose keys all lie under its own ``model`` attribute (tied embeddings
-    leave no ``lm_head.weight``) loads only with them."""
+def _wrapper_rules(ckpt: Checkpoint, names: Sequence[str]) -> tuple[WrapperRule, ...]:
+    """The wrapper rules that apply to ``ckpt``'s keys (``names``).
+
+    - Lightning's ``model.`` is left out where the checkpoint is a Hugging Face one: a
+      folder, a safetensors file with the ``format`` metadata ``save_pretrained`` writes, or
+      a file named as transformers names its weights (``pytorch_model.bin``,
+      ``model-00001-of-00002.safetensors``). Lightning saves none of these, and a
+      transformers model whose keys all lie under its own ``model`` attribute (tied
+      embeddings leave no ``lm_head.weight``) loads only with them.
+    - PEFT's ``base_model.model.`` is left out where the keys hold LoRA parts: an adapter's
+      keys are the ones PEFT loads, and no plain model has a ``lora_A``.
+    """
     metadata = ckpt.metadata or {}
-    if ckpt.format == "hf-sharded" or (ckpt.format == "safetensors" and "format" in metadata):
-        return tuple(rule for rule in WRAPPER_RULES if rule.prefix != "model.")
-    return WRAPPER_RULES
+    hf = ckpt.format == "hf-sharded" or (ckpt.format == "safetensors" and "format" in metadata)
+    hf = hf or bool(_TRANSFORMERS_NAME.fullmatch(posixpath.basename(ckpt.path)))
+    lora = any(name.endswith(LORA_PARTS) for name in names)
+    left_out = {"model."} if hf else set()
+    left_out |= {"base_model.model."} if lora else set()
+    return tuple(rule for rule in WRAPPER_RULES if rule.prefix not in left_out)
+
+
+# The weight files transformers and diffusers write: whole, or one shard of an index.
+_TRANSFORMERS_NAME = re.compile(
+    r"(pytorch_model|model|adapter_model|diffusion_pytorch_model)(-\d+-of-\d+)?\.(bin|safetensors)"
+)
 
 
 def _selected(ckpt: Checkpoint, select: Select) -> Selection:
@@ -125,6 +142,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
     sd = selection.state_dict
     listed = [(str(k), v) for k, v in sd.items() if isinstance(v, (TensorRef, RebuiltTensor))]
     named = [(name, t) for name, t in listed if isinstance(t, TensorRef)]
+    names = [name for name, _ in listed]
     shard_of = _shard_owner(ckpt)
     tensors = _tensor_infos(listed, shard_of)
     parts = [p for _, t in listed for p in _held_views(t)]
@@ -135,7 +153,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         selected=selection.path,
         selection_reason=selection.reason,
         tensors=tensors,
-        wrappers=detect_wrappers((name for name, _ in listed), wrappers=_wrapper_rules(ckpt)),
+        wrappers=detect_wrappers(names, wrappers=_wrapper_rules(ckpt, names)),
         unsafe_globals=ckpt.unsafe_globals,
         entries=_entries(ckpt.root, selection.path, sd),
         total_params=sum(t.numel for t in tensors),

@@ -26,6 +26,7 @@ from ckpt_tools.ops.merge.config_checks import (
     check_config_values,
     rank_alpha,
 )
+from ckpt_tools.structure.wrappers import LORA_PARTS
 
 __all__ = [
     "CONFIG_NAME",
@@ -41,15 +42,8 @@ __all__ = [
 CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 _PREFIX = "base_model.model."
-# PEFT's parts of a LoRA module, as saved (embeddings and DoRA's vector have no ``.weight``).
-_PARTS = {
-    "lora_A.weight": "A",
-    "lora_B.weight": "B",
-    "lora_B.bias": "bias",
-    "lora_embedding_A": "A",
-    "lora_embedding_B": "B",
-    "lora_magnitude_vector": "magnitude",
-}
+# PEFT's parts of a LoRA module, as saved, and what each is to the merge.
+_PARTS = dict(zip(LORA_PARTS, ("A", "B", "bias", "A", "B", "magnitude")))
 _PART_RE = re.compile(r"^(?P<module>.+)\.(?P<part>" + "|".join(map(re.escape, _PARTS)) + ")$")
 # Config fields that, set, change what PEFT's merge computes (or make it refuse to merge),
 # which this merge does not do: PEFT 0.21's LoRA variants and options, checked in its code.

@@ -92,7 +92,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
 def _aligned(sd: Mapping[Any, Any]) -> dict[Any, tuple[Any, Any]]:
     # Wrapper rules rename str keys only; other keys (0, (1, 2)) align as they are.
     keys = [k for k in sd if isinstance(k, str)]
-    rules, _ = strip_wrapper_rules(sd)
+    rules, _ = strip_wrapper_rules(sd, anywhere=True)  # (names to match, not to write)
     plan = plan_renames(keys, rules) if rules else {}
     return {(plan.get(k, k) if isinstance(k, str) else k): (k, v) for k, v in sd.items()}
 

@@ -17,7 +17,7 @@ import ckpt_tools as ct
 from ckpt_tools.errors import ConversionError, CorruptCheckpointError
 from tests.helpers import run_ckpt
 from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, tiny_llama
-from tests.ops.merge.test_merge_lora import compare, make_case
+from tests.ops.merge.test_merge_lora import close, compare, make_case
 
 pytestmark = NEEDS_PEFT
 peft = ImportedWhenUsed("peft")
@@ -212,4 +212,4 @@ def test_another_adapter_s_trained_bias_is_ignored_as_peft_ignores_it(tmp_path: 
     ct.merge_lora(tmp_path / "base.pt", adapter, tmp_path / "m.pt")
     out = torch.load(tmp_path / "m.pt")
     assert sorted(out) == sorted(want)
-    assert all(torch.equal(out[k], want[k]) for k in want)
+    assert all(close(out[k], want[k]) for k in want)  # bitwise where torch's kernels are AVX2
