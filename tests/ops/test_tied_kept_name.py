@@ -59,3 +59,40 @@ def test_the_kept_name_is_the_one_save_model_and_huggingface_hub_keep(
     back = ct.load_state_dict(tmp_path / "out.safetensors")
     assert torch.equal(back["encoder.weight"], model.state_dict()[f"{order[0]}.weight"])
     assert back["encoder.weight"].data_ptr() == back["decoder.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("rule", [("wte.", "emb."), ("lm_head.", "zz_head.")])
+def test_a_rename_that_changes_the_kept_name_writes_it(
+    tmp_path: Path, rule: tuple[str, str]
+) -> None:
+    # The stored name is the first in order; renamed, the other one may come first. The
+    # written file is read as safetensors' readers list it, sorted, not in the plan's order.
+    emb = torch.randn(10, 8)
+    torch.save({"wte.weight": emb, "lm_head.weight": emb, "b": torch.randn(3)}, tmp_path / "t.pt")
+    ct.convert(tmp_path / "t.pt", tmp_path / "tied.safetensors")
+    assert _stored(tmp_path / "tied.safetensors") == ["b", "lm_head.weight"]
+    out = tmp_path / "out.safetensors"
+    ct.rename(tmp_path / "tied.safetensors", out, rules=[ct.sub_rule(*rule)])
+    renamed = {k.replace(*rule): v for k, v in torch.load(tmp_path / "t.pt").items()}
+    save_model(_Holding(renamed), str(tmp_path / "oracle.safetensors"))
+    assert _stored(out) == _stored(tmp_path / "oracle.safetensors")
+    back = ct.load_state_dict(out)
+    assert sorted(back) == sorted(renamed)
+    assert all(torch.equal(back[k], v) for k, v in renamed.items())
+
+
+class _Holding(nn.Module):
+    """A module whose state dict is ``tensors``, shared ones shared (what save_model takes)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        made: dict[int, nn.Parameter] = {}
+        for name, t in tensors.items():
+            module, _, leaf = name.rpartition(".")
+            owner = self
+            for part in filter(None, module.split(".")):
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            param = made.setdefault(id(t), nn.Parameter(t.clone(), requires_grad=False))
+            owner.register_parameter(leaf, param)
