@@ -40,18 +40,19 @@ class WrapperRule:
             ``model.`` are also common plain attribute names; the wrapper prefixes every
             key, a top-level parameter's too). A non-tensor entry (an ``epoch`` beside the
             weights) does not count, where the keys come with their values.
-        outermost: report it only as the keys' first prefix, or right under one of these
-            wrappers; never twice. Lightning's ``model.`` is a LightningModule's attribute,
-            so it starts the keys of its state dict (or of Lightning's own wrapper of it):
-            under ``module.``, ``_orig_mod.`` or PEFT's ``base_model.model.``, or under
-            another ``model.``, it is the wrapped model's own attribute.
+        under: where it lies in a stack of wrappers: None, anywhere; else at the start of
+            the keys or right under one of these, and once. Lightning's ``model.`` is a
+            LightningModule's attribute, so it starts the keys of its state dict (or of
+            Lightning's own wrapper of it, ``_forward_module.``): under ``module.``,
+            ``_orig_mod.``, PEFT's ``base_model.model.`` or another ``model.``, it is the
+            wrapped model's own attribute.
     """
 
     prefix: str
     kind: str
     inner: bool = False
     whole: bool = False
-    outermost: tuple[str, ...] | None = None
+    under: tuple[str, ...] | None = None
 
 
 WRAPPER_RULES: tuple[WrapperRule, ...] = (
@@ -64,7 +65,7 @@ WRAPPER_RULES: tuple[WrapperRule, ...] = (
     WrapperRule("_forward_module.", "Lightning Fabric / DeepSpeed _forward_module", inner=True),
     WrapperRule("base_model.model.", "PEFT PeftModel", whole=True),
     WrapperRule(
-        "model.", "Lightning module attribute `model`", whole=True, outermost=("_forward_module.",)
+        "model.", "Lightning module attribute `model`", whole=True, under=("_forward_module.",)
     ),
 )
 
@@ -177,12 +178,12 @@ def detect_wrappers(
 
 
 def _may_follow(rule: WrapperRule, found: Sequence[WrapperMatch]) -> bool:
-    """Whether ``rule`` may be the next prefix peeled after ``found`` (see ``outermost``)."""
-    if rule.outermost is None:
+    """Whether ``rule`` may be the next prefix peeled after ``found`` (see ``under``)."""
+    if rule.under is None:
         return True
     if any(m.prefix == rule.prefix for m in found):
         return False
-    return not found or found[-1].prefix in rule.outermost
+    return not found or found[-1].prefix in rule.under
 
 
 def _too_deep(prefix: str) -> ResourceLimitError:
