@@ -114,9 +114,11 @@ def _wrapper_rules(ckpt: Checkpoint, names: Sequence[str]) -> tuple[WrapperRule,
     return tuple(rule for rule in WRAPPER_RULES if rule.prefix not in left_out)
 
 
-# The weight files transformers and diffusers write: whole, or one shard of an index.
+# The weight files transformers, diffusers and PEFT write: whole, or one shard of an index.
+_SHARD = r"(-\d+-of-\d+)?"
 _TRANSFORMERS_NAME = re.compile(
-    r"(pytorch_model|model|adapter_model|diffusion_pytorch_model)(-\d+-of-\d+)?\.(bin|safetensors)"
+    rf"(pytorch_model|diffusion_pytorch_model|adapter_model){_SHARD}\.bin"
+    rf"|(model|diffusion_pytorch_model|adapter_model){_SHARD}\.safetensors"
 )
 
 
