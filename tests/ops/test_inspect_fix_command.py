@@ -92,6 +92,7 @@ def test_transformers_and_peft_files_keep_their_own_prefixes(tmp_path: Path) -> 
     folder.mkdir()
     torch.save({"model.embed.weight": torch.ones(4, 2)}, folder / "pytorch_model.bin")
     torch.save({"model.embed.weight": torch.ones(4, 2)}, tmp_path / "lightning.pt")
+    torch.save({"model.embed.weight": torch.ones(4, 2)}, tmp_path / "model.bin")  # no HF name
     adapter = {
         "base_model.model.model.q.lora_A.weight": torch.ones(2, 4),
         "base_model.model.model.q.lora_B.weight": torch.ones(4, 2),
@@ -100,6 +101,7 @@ def test_transformers_and_peft_files_keep_their_own_prefixes(tmp_path: Path) -> 
     assert [w.prefix for w in ct.inspect(folder / "pytorch_model.bin").wrappers] == []
     assert [w.prefix for w in ct.inspect(tmp_path / "adapter.pt").wrappers] == []
     assert [w.prefix for w in ct.inspect(tmp_path / "lightning.pt").wrappers] == ["model."]
+    assert [w.prefix for w in ct.inspect(tmp_path / "model.bin").wrappers] == ["model."]
 
 
 def test_json_tells_a_wrapper_inside_keys_from_one_that_starts_them(tmp_path: Path) -> None:
