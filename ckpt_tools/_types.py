@@ -36,6 +36,7 @@ __all__ = [
     "Select",
     "StrPath",
     "VerifyLevel",
+    "checked_path",
     "items_of",
     "one_of",
     "str_items",
@@ -111,6 +112,35 @@ def items_of(value: object, argument: str, item: type[_T], expected: str) -> tup
     else:
         got = type(value).__name__
     raise UsageError(f"expected {expected}, got {got}", argument=argument, value=_shown(value))
+
+
+def checked_path(path: object, argument: str = "path") -> str:
+    """``path`` as a ``str``, refused unless it is a ``str`` or an ``os.PathLike`` of one: a
+    file object, bytes or None is the caller's mistake, said so, not a ``TypeError`` from
+    deep inside (the files are read by path, as ``mmap`` and ``O_DIRECT`` need).
+
+    Raises:
+        UsageError: ``path`` is no such path.
+
+    Example:
+        >>> import pathlib
+        >>> checked_path(pathlib.Path("model.pt"))
+        'model.pt'
+        >>> checked_path(None, "src")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: src=None: expected a file path (a str or an os.PathLike), ...
+    """
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if isinstance(text, str):
+        return text
+    got = type(path).__name__
+    if hasattr(path, "read"):
+        got += "; save it to a file and pass its path"
+    raise UsageError(
+        f"expected a file path (a str or an os.PathLike), got {got}",
+        argument=argument,
+        value=_shown(path),
+    )
 
 
 def one_of(value: _T, choices: Sequence[_T], argument: str, *, flag: str | None = None,

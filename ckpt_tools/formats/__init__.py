@@ -9,7 +9,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from ckpt_tools._types import StrPath
+from ckpt_tools._types import StrPath, checked_path
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.formats.detect import FORMATS, detect_format
@@ -47,7 +47,7 @@ def open_checkpoint(path: StrPath) -> Checkpoint:
         >>> ckpt.format, sorted(ckpt.root)[:2]
         ('torch-zip', ['bn.bias', 'bn.num_batches_tracked'])
     """
-    path = os.fspath(path)
+    path = checked_path(path)
     with naming(path):
         return _open(path, detect_format(path))  # (which refuses a URL first)
 

@@ -11,7 +11,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from ckpt_tools._types import StrPath
+from ckpt_tools._types import StrPath, checked_path
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
     LfsPointerError,
@@ -93,7 +93,7 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
         ('safetensors', 'torch-zip')
     """
     # The path as given, through os: pathlib is a large import that reading needs nothing of.
-    p = os.fspath(path)
+    p = checked_path(path)
     refuse_url(p)  # every local reader comes here: a URL gets the one refusal
     if not _exists(p):
         raise CheckpointNotFoundError(

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckpt_tools._types import MapLocation, Select, StrPath
+from ckpt_tools.descriptors import short_repr
 from ckpt_tools.errors import StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata
@@ -115,8 +116,9 @@ def _source_state_dict(
         return source, "<state dict>", None
     if not isinstance(source, (str, os.PathLike)):
         raise UsageError(
-            f"load_into's src must be a checkpoint path or a state dict, got "
-            f"{type(source).__name__}"
+            f"expected a checkpoint path or a state dict, got {type(source).__name__}",
+            argument="src",
+            value=short_repr(source, 60),
         )
     # The model's tensors are where the data ends up: stage on the CPU and copy once, rather
     # than holding a second copy on the GPU.

@@ -117,20 +117,28 @@ def holds_no_state_dict(where: str, root: Any) -> str:
     return f"{where} holds {a_kind_of(root)}, not a state dict (a mapping of names to tensors)"
 
 
-# How torch.save records a tensor subclass (a DTensor of an FSDP2 state dict, ...): read or
-# refused by the loaders as its class is, but a tensor when choosing the state dict.
+# How torch.save records a tensor subclass (a DTensor of an FSDP2 state dict, ...), and a lazy
+# module's parameters before their first forward: read or refused by the loaders as their
+# classes are, but tensors when choosing the state dict.
 _SUBCLASS_REBUILD = "torch._tensor._rebuild_from_type_v2"
+_UNINITIALIZED = frozenset(
+    {"torch.nn.parameter.UninitializedParameter", "torch.nn.parameter.UninitializedBuffer"}
+)
+
+
+def _tensor_like(value: Any) -> bool:
+    if is_tensor(value):
+        return True
+    if isinstance(value, Reduced):
+        return value.func.qualname == _SUBCLASS_REBUILD
+    return isinstance(value, Opaque) and type(value).global_ref.qualname in _UNINITIALIZED
 
 
 def is_state_dict(value: Any) -> bool:
     """A mapping of string keys whose values are mostly tensors (extra states allowed)."""
     if not isinstance(value, Mapping) or not value:
         return False
-    tensors = sum(
-        1
-        for v in value.values()
-        if is_tensor(v) or (isinstance(v, Reduced) and v.func.qualname == _SUBCLASS_REBUILD)
-    )
+    tensors = sum(1 for v in value.values() if _tensor_like(v))
     return tensors > 0 and tensors * 2 >= len(value) and all(isinstance(k, str) for k in value)
 
 

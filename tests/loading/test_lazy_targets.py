@@ -45,3 +45,24 @@ def test_a_lazy_model_is_loaded_as_torch_loads_it(tmp_path: Path, prefix: str) -
     for key, value in want.items():
         assert got[key].shape == value.shape and torch.equal(got[key], value), key
     assert not any(nn.parameter.is_lazy(p) for p in ours.parameters())
+
+
+def test_a_lazy_models_own_state_dict_is_its_state_dict(tmp_path: Path) -> None:
+    # Before its first forward a lazy module's state dict holds UninitializedParameter and
+    # UninitializedBuffer objects: torch.load(weights_only=True) refuses them, trust loads them.
+    path = tmp_path / "lazy.pt"
+    torch.save(_Lazy().state_dict(), path)
+    with pytest.raises(ct.UnsafeContentError, match="UninitializedParameter") as info:
+        ct.load_state_dict(path)
+    assert "trust=True" in str(info.value)
+    with pytest.raises(Exception, match="Unsupported global"):
+        torch.load(path, weights_only=True)
+    want = torch.load(path, weights_only=False)
+    got = ct.load_state_dict(path, trust=True)
+    assert list(got) == list(want)
+    assert [type(v) for v in got.values()] == [type(v) for v in want.values()]
+    oracle, ours = _Lazy(), _Lazy()
+    oracle.load_state_dict(want)
+    ct.load_into(ours, path, trust=True)
+    assert [type(p) for p in ours.parameters()] == [type(p) for p in oracle.parameters()]
+    assert ct.inspect(path).selected == ()

@@ -5,7 +5,11 @@ before anything is read or written. Outputs are read back with ``torch.load``.
 
 from __future__ import annotations
 
+import inspect
+import io
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,3 +135,43 @@ def test_an_option_outside_its_values_is_refused_in_one_form(
         call(lightning, out)
     assert str(info.value).startswith(refusal)
     assert not out.exists()
+
+
+def _path_parameters(func: Callable[..., Any]) -> list[str]:
+    """The parameters of ``func`` that take a file or folder path."""
+    params = inspect.signature(func).parameters.values()
+    return [p.name for p in params if "StrPath" in str(p.annotation)]
+
+
+PATH_TAKERS = sorted(
+    name
+    for name in ct.__all__
+    if inspect.isfunction(getattr(ct, name)) and _path_parameters(getattr(ct, name))
+)
+#: The other arguments each needs; a new operation that takes a path must be added here.
+REQUIRED: dict[str, dict[str, Any]] = {
+    "extract": {"prefix": "fc."},
+    "load_into": {"model": torch.nn.Linear(2, 2)},
+    "rename": {"rules": [ct.sub_rule("fc.", "head.")]},
+    "retag": {"mapping": {"cpu": "cpu"}},
+}
+
+
+@pytest.mark.parametrize("name", PATH_TAKERS)
+def test_a_path_that_is_no_path_is_a_usage_error_naming_it(
+    name: str, lightning: Path, tmp_path: Path
+) -> None:
+    # A file object, bytes or None where a path goes: the caller's error, named, before
+    # anything is read or written (torch.load takes a file object; these read by path).
+    func = getattr(ct, name)
+    good = {"srcs": [lightning], "dst": tmp_path / "out", "adapter": tmp_path}
+    params = _path_parameters(func)
+    for wrong in (io.BytesIO(lightning.read_bytes()), None, str(lightning).encode()):
+        for param in params:
+            args = {p: wrong if p == param else good.get(p, lightning) for p in params}
+            if param == "srcs":
+                args[param] = [wrong]
+            with pytest.raises(UsageError) as info:
+                func(**args, **REQUIRED.get(name, {}))
+            assert info.value.argument == param, (name, param, info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_path
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import refuse_url
 from ckpt_tools.io.output_path import check_output_folder, check_output_path
@@ -169,7 +169,7 @@ def consolidate(
         state dict: model
         safetensors, 24 B of tensors written, 24 B of them copied; verified: keys and sizes
     """
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     refuse_url(src)  # before any message names it (a URL's credentials are never shown)
     if jobs < 1:
         raise UsageError("jobs must be at least 1", argument="jobs", value=jobs)

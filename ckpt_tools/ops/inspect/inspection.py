@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools._types import Select, StrPath
+from ckpt_tools._types import Select, StrPath, checked_path
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef, short_repr
 from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
@@ -351,7 +351,7 @@ def inspect(path: StrPath, *, select: Select = None) -> CheckpointInfo:
         >>> info.format, info.wrappers[0].prefix, info.total_params
         ('torch-zip', 'module.', 572)
     """
-    path = os.fspath(path)
+    path = checked_path(path)
     if "://" in path:
         from ckpt_tools.io.remote.urls import is_url
 

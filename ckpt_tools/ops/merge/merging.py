@@ -8,12 +8,11 @@ is copied as rewrites copy it, so it is bitwise the base's.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, checked_path
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, KeyCollisionError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
@@ -112,9 +111,7 @@ def merge_lora(
         >>> [(m.key, m.r, m.scaling) for m in result.merged]
         [('layers.0.weight', 2, 2.0), ('head.weight', 2, 2.0)]
     """
-    base, adapter, dst = os.fspath(base), os.fspath(adapter), os.fspath(dst)
-    refuse_url(base)  # (each, before the adapter's config is looked for)
-    refuse_url(adapter)
+    base, adapter, dst = _local_paths(base, adapter, dst)
     cast_to = cast_target(dtype)
     folder = wants_folder(dst, max_shard_size)
     if folder:
@@ -172,6 +169,15 @@ def merge_lora(
     return MergeResult(
         **shared, adapter=adapter, merged=tuple(merged), replaced=replaced, biases=biases
     )
+
+
+def _local_paths(base: StrPath, adapter: StrPath, dst: StrPath) -> tuple[str, str, str]:
+    """The three paths as strings, each a path and the inputs local (a URL is refused before
+    the adapter's config is looked for)."""
+    paths = checked_path(base, "base"), checked_path(adapter, "adapter"), checked_path(dst, "dst")
+    refuse_url(paths[0])
+    refuse_url(paths[1])
+    return paths
 
 
 def _check_folder_format(dst: str, output_format: str | None) -> None:

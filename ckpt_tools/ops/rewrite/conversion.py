@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_mapping
+from ckpt_tools._types import (
+    OutputFormat,
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    checked_path,
+    str_mapping,
+)
 from ckpt_tools.errors import UsageError
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.rewrite.result import RewriteResult
@@ -74,6 +82,7 @@ def convert(
     """
     from ckpt_tools.io.output_path import wants_folder
 
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     if not wants_folder(dst, max_shard_size):
         return rewrite(
             src,
@@ -161,6 +170,7 @@ def retag(
         ):
             raise UsageError(f"device tag {tag!r} is not like cpu, cuda or cuda:1")
     # Device tags live only in torch's format: refused here, before the input is read.
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     output_format_for(dst, "torch", "torch-zip", why=_DEVICE_TAGS_WHY)
     return rewrite(
         src,

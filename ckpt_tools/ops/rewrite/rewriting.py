@@ -7,7 +7,6 @@ bytes are copied record by record.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_path,
     str_items,
     str_mapping,
 )
@@ -102,7 +102,7 @@ def rewrite(
     rules, allow_globals = rule_items(rules), str_items(allow_globals, "allow_globals")
     if device_map is not None:
         device_map = str_mapping(device_map, "device_map", "a dict of saved tag -> new tag")
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     target = check_output_path(dst, src, force=force, in_place=in_place)
     ckpt = open_checkpoint(src)
     # Imported once the input is open: the writers and the verification are half of a
@@ -184,7 +184,7 @@ def strip_module(
     # The arguments and the output path first, then the input: rewrite()'s order, whether
     # or not there turns out to be something to strip.
     check_verify_level(verify)
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     target = check_output_path(dst, src, force=force, in_place=in_place)
     ckpt = open_checkpoint(src)
     from ckpt_tools.ops.rewrite.apply import apply_rewrite, plan_strip  # (after the read)

@@ -8,12 +8,11 @@ a temp file, verification, rename. Torch is never imported.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_path
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import (
     Remedy,
@@ -106,7 +105,7 @@ def sanitize(
         ['hyper_parameters.cfg: omegaconf.dictconfig.DictConfig -> dict']
     """
     check_verify_level(verify)
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     output_format_for(dst, "torch", "torch-zip", why="sanitize writes a torch file")
     target = check_output_path(dst, src, force=force, in_place=None)
     ckpt = open_checkpoint(src)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel
+from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, checked_path
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint, refuse_url
@@ -174,10 +174,12 @@ def average(
         >>> average(["model.pt", "ddp.pt"], "avg.pt").message  # module. aligned away
         'average: wrote avg.pt (2292 -> 2292 tensor bytes)'
     """
-    srcs = [os.fspath(p) for p in srcs]
+    if not isinstance(srcs, Iterable) or isinstance(srcs, (str, os.PathLike)):
+        srcs = [srcs]  # (a sequence of paths is refused item by item, and so is one path)
+    srcs = [checked_path(p, "srcs") for p in srcs]
     for src in srcs:  # before any message names one (a URL's password is never shown)
         refuse_url(src)
-    dst = os.fspath(dst)
+    dst = checked_path(dst, "dst")
     w = _weights(srcs, weights, ints)
     # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
     target = next(iter([check_output_path(dst, s, force=force, in_place=None) for s in srcs]))

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
+from ckpt_tools._types import (
+    OutputFormat,
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    checked_path,
+    str_items,
+)
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
@@ -68,7 +75,7 @@ def extract(
         >>> extract("model.pt", "layer0.pt", prefix="layers.0", strip_prefix=True).kept
         ('weight', 'bias')
     """
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     allow_globals = str_items(allow_globals, "allow_globals")
     target = check_output_path(dst, src, force=force, in_place=None)
     with opened(src) as ckpt:

@@ -18,7 +18,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, str_items
+from ckpt_tools._types import (
+    OutputFormat,
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    checked_path,
+    str_items,
+)
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
@@ -304,7 +312,7 @@ def reshard(
         >>> reshard("sharded", "one-shard", max_shard_size="1GB").written
         ('one-shard/model.safetensors',)
     """
-    src = os.fspath(src)
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     refuse_url(src)  # before the folder test, whose remedy would name it
     if not (os.path.isdir(src) or src.endswith(".index.json")):
         raise UsageError(

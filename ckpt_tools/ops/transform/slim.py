@@ -13,7 +13,6 @@ as it is, and the plan's notes say so.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -25,6 +24,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_path,
     one_of,
     str_items,
 )
@@ -236,7 +236,7 @@ def slim(
         >>> r.written, r.cast[:2], "bn.weight" in r.kept
         (('small.safetensors',), ('conv.weight', 'conv.bias'), True)
     """
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     allow_globals, drop = str_items(allow_globals, "allow_globals"), str_items(drop, "drop")
     cast_to = cast_target(dtype)
     keep = _patterns(str_items(keep_dtype, "keep_dtype"))
