@@ -417,6 +417,18 @@ def test_torchscript_with_setstate_is_dangerous(tmp_path: Path) -> None:
     (found,) = scan(tmp_path / "stateful.pt").files
     assert found.format == "torchscript" and found.verdict == "dangerous"
     assert [f.global_name for f in found.findings if f.severity == "dangerous"] == ["__setstate__"]
+    # The same code spaced otherwise, as Python reads it: torch.jit.load still runs it.
+    for spaced in (b"def __setstate__ (", b"def  __setstate__(", b"def\t__setstate__\t("):
+        respaced = tmp_path / "respaced.pt"
+        with zipfile.ZipFile(tmp_path / "stateful.pt") as z, zipfile.ZipFile(respaced, "w") as out:
+            for info in z.infolist():
+                data = z.read(info)
+                if "/code/" in info.filename and info.filename.endswith(".py"):
+                    data = data.replace(b"def __setstate__(", spaced)
+                out.writestr(info, data)
+        assert torch.equal(torch.jit.load(respaced).w, torch.ones(2))
+        (found,) = scan(respaced).files
+        assert found.verdict == "dangerous", spaced
 
 
 def test_ordinary_state_objects_are_not_dangerous(tmp_path: Path) -> None:

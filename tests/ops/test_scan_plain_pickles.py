@@ -102,8 +102,8 @@ def test_a_payload_after_many_benign_pickles_is_dangerous(tmp_path: Path) -> Non
     assert [f.record for f in found.findings] == ["pickle 41"]
 
 
-def _npy(path: Path, descr: str, body: bytes) -> None:
-    header = f"{{'descr': {descr}, 'fortran_order': False, 'shape': (1,), }}"
+def _npy(path: Path, descr: str, body: bytes, shape: str = "(1,)") -> None:
+    header = f"{{'descr': {descr}, 'fortran_order': False, 'shape': {shape}, }}"
     header += " " * (63 - (10 + len(header)) % 64) + "\n"
     path.write_bytes(
         b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + body
@@ -111,7 +111,18 @@ def _npy(path: Path, descr: str, body: bytes) -> None:
 
 
 @pytest.mark.parametrize(
-    "descr", ["'object'", "'object_'", "[('a', '<f4'), ('b', 'object')]", "('object', (1,))"]
+    "descr",
+    [
+        "'object'",
+        "'object_'",
+        "[('a', '<f4'), ('b', 'object')]",
+        "('object', (1,))",
+        # numpy's comma and repeat strings: a field or a subarray of objects.
+        "'i8,O'",
+        "'(2,)O'",
+        "'2O'",
+        "'?,O'",
+    ],
 )
 def test_an_npy_of_objects_is_dangerous_however_its_dtype_is_spelled(
     tmp_path: Path, descr: str
@@ -119,5 +130,14 @@ def test_an_npy_of_objects_is_dangerous_however_its_dtype_is_spelled(
     marker = tmp_path / "ran"
     path = tmp_path / "array.npy"
     _npy(path, descr, b"\x80\x02" + _call(marker) + b"\x85.")
+    assert _runs(path, marker, "numpy.load(f, allow_pickle=True)")
+    assert [f.verdict for f in scan(tmp_path).files] == ["dangerous"]
+
+
+def test_an_npy_header_in_python_2_spelling_is_read_as_numpy_reads_it(tmp_path: Path) -> None:
+    # numpy drops the long suffix of a shape written by Python 2 ((1L,)), then unpickles.
+    marker = tmp_path / "ran"
+    path = tmp_path / "old.npy"
+    _npy(path, "'|O'", b"\x80\x02" + _call(marker) + b"\x85.", shape="(1L,)")
     assert _runs(path, marker, "numpy.load(f, allow_pickle=True)")
     assert [f.verdict for f in scan(tmp_path).files] == ["dangerous"]

@@ -16,6 +16,7 @@ import _compat_pickle
 import ast
 import io
 import pickletools
+import re
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.errors import ResourceLimitError
@@ -151,12 +152,19 @@ def npy_pickle_offset(head: bytes) -> int | None:
     start = 8 + width + int.from_bytes(head[8 : 8 + width], "little")
     if start > len(head):
         return start
+    text = head[8 + width : start].decode("latin-1")
     try:
-        header = ast.literal_eval(head[8 + width : start].decode("latin-1"))
+        try:
+            header = ast.literal_eval(text)
+        except (ValueError, SyntaxError):  # numpy first drops Python 2's long suffix: (1L,)
+            header = ast.literal_eval(_PY2_LONG.sub(r"\1", text))
         descr = header["descr"]
     except (ValueError, SyntaxError, TypeError, KeyError, MemoryError, RecursionError):
-        return None  # numpy.load refuses such a header before any pickle
+        return start  # a header read otherwise than numpy reads it: what follows is walked
     return start if _holds_objects(descr) else None
+
+
+_PY2_LONG = re.compile(r"\b(\d+)[lL]\b")
 
 
 def _holds_objects(descr: object) -> bool:
@@ -165,8 +173,9 @@ def _holds_objects(descr: object) -> bool:
     subarray ``(descr, shape)`` of one, or a structured list with such a field. A shape
     numpy would not take is no array numpy loads; any other is taken to hold objects."""
     if isinstance(descr, str):
-        # ("O", "O8", "object", "object_", each optionally after a byte order.)
-        return descr.lstrip("|<>=").startswith(("O", "object"))
+        # ("O", "object_", and inside a comma list or a repeat: "i8,O", "(2,)O", "2O".) No
+        # other type code or name numpy reads holds an upper-case O.
+        return "O" in descr or "object" in descr
     if isinstance(descr, tuple):
         return bool(descr) and _holds_objects(descr[0])
     if isinstance(descr, list):

@@ -66,7 +66,7 @@ _LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle"
 # What Python's zipfile raises listing an archive it cannot read.
 _ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError)
 _CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
-_SETSTATE = re.compile(rb"^\s+def __setstate__\(", re.MULTILINE)
+_SETSTATE = re.compile(rb"^\s+def\s+__setstate__\s*\(", re.MULTILINE)  # (as Python parses it)
 
 
 class Walked(NamedTuple):
