@@ -40,6 +40,13 @@ class _ShortRepr(reprlib.Repr):
         self.maxdict = self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = 8
         self.maxstring = self.maxother = self.maxlong = limit
 
+    def repr1(self, x: Any, level: int) -> str:
+        # reprlib picks repr_<type name>: a class a pickle named "int" or "dict" (a stand-in
+        # for a global outside the allowlist) is no int or dict.
+        if type(x).__module__ != "builtins":
+            return self.repr_instance(x, level)
+        return super().repr1(x, level)
+
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 256:  # past 4300 digits repr() raises; long before, it is noise
             return f"<int of {x.bit_length()} bits>"

@@ -16,6 +16,7 @@ import re
 import shutil
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.scan.report import VERDICTS
 from ckpt_tools.ops.scan.scanning import scan_file
 from tests.helpers import REAL_DIR
+from tests.helpers.child_oracle import run_script
 from tests.helpers.cli import run_ckpt
 from tests.helpers.committed import fixture_files, fixture_path
 from tests.helpers.scan_corpus import BENIGN, MALICIOUS, NONSTANDARD
@@ -495,6 +497,57 @@ def test_tar_pickles_past_the_first_and_a_tar_torch_reads_as_legacy(tmp_path: Pa
             out.addfile(member, io.BytesIO(data))
     verdicts = {Path(f.path).name: f.verdict for f in scan(tmp_path).files}
     assert verdicts == {"model.bin": "dangerous", "tar.pt": "dangerous"}
+
+
+def _opens(path: Path) -> bytes:
+    """A protocol 2 pickle that calls builtins.open(path, "w"): the file appears."""
+    return b"\x80\x02cbuiltins\nopen\nX" + _u32(str(path)) + b"X\x01\x00\x00\x00w\x86R."
+
+
+def _u32(text: str) -> bytes:
+    return len(text).to_bytes(4, "little") + text.encode()
+
+
+@pytest.mark.parametrize(
+    "storages",
+    [
+        # The count is int("1") or bool("1"): torch calls it, then reads one storage.
+        lambda m: b"\x80\x02cbuiltins\nint\nX\x01\x00\x00\x001\x85R." + _opens(m),
+        lambda m: b"\x80\x02cbuiltins\nbool\nX\x01\x00\x00\x001\x85R." + _opens(m),
+        # One storage whose header tuple is built by a call: its size is out of reach, and
+        # the storage views torch reads after it open the file.
+        lambda m: (
+            pickle.dumps(1, protocol=2)
+            + b"\x80\x02cbuiltins\ntuple\n](X\x01\x00\x00\x000X\x03\x00\x00\x00cpu"
+            + b"ctorch\nFloatStorage\ne\x85R."
+            + (0).to_bytes(8, "little")
+            + _opens(m)
+        ),
+    ],
+    ids=["int", "bool", "header"],
+)
+def test_a_tar_count_built_by_a_call_hides_no_pickle_after_it(
+    tmp_path: Path, storages: Callable[[Path], bytes]
+) -> None:
+    import io
+    import tarfile
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "tar.pt"
+    with tarfile.open(fixture_path("tar_format.pt")) as src:
+        members = [(m, src.extractfile(m).read()) for m in src.getmembers()]
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as out:
+        for member, data in members:
+            if member.name == "storages":
+                data = storages(marker)
+                member.size = len(data)
+            out.addfile(member, io.BytesIO(data))
+    code = f"import torch\ntry:\n    torch.load({str(path)!r}, weights_only=False)\n"
+    run_script(code + "except Exception:\n    pass", preload=("torch",), check=True)
+    assert marker.exists()  # torch.load opened it
+    (found,) = scan(path).files
+    assert found.verdict == "dangerous"
+    assert {"builtins.open", "<bytes not read>"} & {f.global_name for f in found.findings}
 
 
 def test_a_tar_member_that_is_a_hard_link_is_read_as_its_target(tmp_path: Path) -> None:

@@ -41,7 +41,8 @@ class PickleImport(NamedTuple):
         module: the module, None where the pickle computes it (unresolved).
         name: the attribute (dotted for nested ones), None where computed.
         position: the byte offset of the opcode that imports it.
-        opcode: ``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``OBJ`` or ``EXT1``/``EXT2``/``EXT4``.
+        opcode: ``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``OBJ`` or ``EXT1``/``EXT2``/``EXT4``;
+            ``unread`` for bytes a loader unpickles that no walk could reach (their place).
     """
 
     module: str | None
@@ -55,6 +56,8 @@ class PickleImport(NamedTuple):
         if self.module is None or self.name is None:
             if self.opcode.startswith("EXT"):
                 return "<copyreg extension code>"
+            if self.opcode == "unread":
+                return "<bytes not read>"
             return "<computed global>"
         return f"{self.module}.{self.name}"
 

@@ -234,6 +234,11 @@ _TORCHSCRIPT = (
     Rule("__torch__.*", "nonstandard", "a TorchScript class, defined in the archive's code/"),
     Rule("torch.jit._pickle.*", "nonstandard", "TorchScript's own pickle helpers"),
 )
+_UNREAD = Rule(
+    "<bytes not read>",
+    "dangerous",
+    "bytes torch.load unpickles, placed by a call the scan does not run: not read here",
+)
 _UNKNOWN = Rule(
     "*",
     "dangerous",
@@ -378,7 +383,7 @@ def classify(qualname: str, context: Context = "pickle", *, exact: bool = False)
     if context == "dcp-metadata-read" and qualname == ENUM_GETATTR:
         return Rule(qualname, "allowed", "names a DCP enum member (as Python 3.11.0-3.11.4 do)")
     rules = (*_TORCHSCRIPT, *RULES) if context == "torchscript" else RULES
-    named = next((rule for rule in rules if rule.pattern == qualname), None)
+    named = next((rule for rule in (*rules, _UNREAD) if rule.pattern == qualname), None)
     if named is not None:  # an entry for the name itself comes before any family
         return named
     if any(map(_is_dunder, qualname.split(".")[1:])):

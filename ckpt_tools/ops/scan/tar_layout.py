@@ -22,7 +22,7 @@ from typing import BinaryIO
 from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.pickle.expansion import check_expansion
-from ckpt_tools.formats.pickle.imports import ImportScan, find_imports
+from ckpt_tools.formats.pickle.imports import ImportScan, PickleImport, find_imports
 from ckpt_tools.formats.pickle.unpickler import MAX_PICKLE_BYTES
 from ckpt_tools.ops.scan.sequence import buffered_walks
 
@@ -101,20 +101,32 @@ def _walk_member(name: str, f: BinaryIO) -> Iterator[tuple[str, ImportScan]]:
     size = f.seek(0, io.SEEK_END)
     first = find_imports(f, 0, cut_globals=True)
     yield name, first
-    count = _count(f, first) if name in ("storages", "tensors") else None
+    counted = name in ("storages", "tensors")
+    count = _count(f, first) if counted else None
+    if count is None and counted and first.imports:
+        count = size  # a count built by a call torch makes: every item the member holds
     if count is None:
         return
     pos, index = first.after or 0, 1
     for _ in range(count):
+        if pos >= size:
+            return
         index += 1
         scan = find_imports(f, pos, cut_globals=True)
         yield f"{name} {index}", scan
         after = None if scan.after is None else _skip(name, f, pos, scan.after, size)
         if after is None:
-            return  # (torch fails there too: a broken pickle or header, an unknown storage)
+            if scan.imports and scan.after is not None and scan.after < size:
+                # Sized by what a call builds: torch reads on, this walk cannot.
+                yield f"{name} {index + 1}", ImportScan((_UNREAD._replace(position=pos),), None)
+            return  # (else torch fails there too: a broken pickle or header)
         pos = after
     if name == "storages" and pos < size:
         yield f"{name} {index + 1}", find_imports(f, pos, cut_globals=True)  # the storage views
+
+
+#: The bytes after an item whose size a call decides: torch reads them as more items.
+_UNREAD = PickleImport(None, None, 0, "unread")
 
 
 def _plain(f: BinaryIO, start: int, end: int) -> object:
