@@ -6,6 +6,7 @@ The oracle is a loader in a child process, which creates a marker file where it 
 from __future__ import annotations
 
 import pickle
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,36 @@ def test_an_npy_header_in_python_2_spelling_is_read_as_numpy_reads_it(tmp_path: 
     _npy(path, "'|O'", b"\x80\x02" + _call(marker) + b"\x85.", shape="(1L,)")
     assert _runs(path, marker, "numpy.load(f, allow_pickle=True)")
     assert [f.verdict for f in scan(tmp_path).files] == ["dangerous"]
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_LZMA, zipfile.ZIP_BZIP2], ids=["lzma", "bzip2"])
+def test_an_npz_member_compressed_otherwise_is_not_taken_for_clean(
+    tmp_path: Path, method: int
+) -> None:
+    # numpy.load reads every method Python's zipfile reads; the scan reads stored and deflate.
+    marker = tmp_path / "ran"
+    _npy(tmp_path / "x.npy", "'|O'", b"\x80\x02" + _call(marker) + b"\x85.")
+    path = tmp_path / "arrays.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.write(tmp_path / "x.npy", "x.npy", compress_type=method)
+    (tmp_path / "x.npy").unlink()
+    assert _runs(path, marker, "numpy.load(f, allow_pickle=True)['x']")
+    (found,) = scan(path).files
+    assert found.verdict == "dangerous"
+    assert [f.global_name for f in found.findings] == ["<bytes not read>"]
+
+
+def test_an_npz_pickle_longer_than_the_walk_is_not_taken_for_clean(tmp_path: Path) -> None:
+    # 65 MiB of bytes popped, then the call: one compressed member of a few hundred KB.
+    marker = tmp_path / "ran"
+    pad = 65 << 20
+    body = b"\x80\x03B" + pad.to_bytes(4, "little") + bytes(pad) + b"0" + _call(marker) + b"."
+    _npy(tmp_path / "x.npy", "'|O'", body)
+    path = tmp_path / "big.npz"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.write(tmp_path / "x.npy", "x.npy")
+    (tmp_path / "x.npy").unlink()
+    assert _runs(path, marker, "numpy.load(f, allow_pickle=True)['x']")
+    (found,) = scan(path).files
+    assert found.verdict == "dangerous"
+    assert "<bytes not read>" in {f.global_name for f in found.findings}

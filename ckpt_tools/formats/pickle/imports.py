@@ -24,6 +24,7 @@ from ckpt_tools.formats.pickle.limits import LimitedReader
 from ckpt_tools.formats.pickle.opcode_reader import STRINGS, CutGlobal, FramedInput, read_opcodes
 
 __all__ = [
+    "UNREAD",
     "ImportScan",
     "PickleImport",
     "find_imports",
@@ -60,6 +61,11 @@ class PickleImport(NamedTuple):
                 return "<bytes not read>"
             return "<computed global>"
         return f"{self.module}.{self.name}"
+
+
+#: Bytes a loader unpickles that no walk reaches (its ``position`` where they start): sized
+#: by a call a walk does not run, or compressed in a way it does not read.
+UNREAD = PickleImport(None, None, 0, "unread")
 
 
 class ImportScan(NamedTuple):

@@ -237,7 +237,8 @@ _TORCHSCRIPT = (
 _UNREAD = Rule(
     "<bytes not read>",
     "dangerous",
-    "bytes torch.load unpickles, placed by a call the scan does not run: not read here",
+    "bytes a loader unpickles that the scan cannot read (placed by a call it does not run, "
+    "compressed otherwise than by deflate, or past the part of a record it walks)",
 )
 _UNKNOWN = Rule(
     "*",

@@ -36,6 +36,7 @@ from ckpt_tools.errors import CheckpointError, CorruptCheckpointError, RemoteErr
 from ckpt_tools.formats.base import Checkpoint, RangeSource, open_buffered
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickle.imports import (
+    UNREAD,
     ImportScan,
     find_imports,
     npy_pickle_offset,
@@ -231,11 +232,15 @@ def _lenient_zip_pickles(path: str, source: RangeSource | None = None) -> Iterat
             entries = (e for e in (_entry_of(fd, i) for i in infos) if e is not None)
             names = [i.filename for i in infos]
         script = any(name.endswith("/constants.pkl") for name in names)
+        context: Context = "torchscript" if script else "pickle"
         for entry in entries:
             data = _record_pickle(path, fd, entry)
             if data is not None:
-                context: Context = "torchscript" if script else "pickle"
                 yield Walked(entry.name, context, _walk_record(entry, data))
+        for info in infos or ():
+            if info.compress_type not in (0, 8) and info.filename.endswith(".npy"):
+                # bzip2 or LZMA: numpy.load reads such an .npz member, and unpickles it.
+                yield Walked(info.filename, context, ImportScan((UNREAD,), None))
     finally:
         if source is None:
             os.close(fd)  # type: ignore[arg-type]
@@ -291,7 +296,11 @@ def _walk_record(entry: ZipEntry, data: bytes) -> ImportScan:
     """A zip record's pickle walked. ``data.pkl`` is the one torch reads as a pickle; where
     ``data`` holds it whole, its end is where torch's reader meets the end too."""
     whole = entry.name.endswith("/data.pkl") and len(data) >= entry.file_size
-    return find_imports(data, cut_globals=whole)
+    scan = find_imports(data, cut_globals=whole)
+    read = MAX_PICKLE_BYTES if entry.name.endswith(".pkl") else _MOST  # (_record_pickle's)
+    if scan.truncated and entry.file_size > read:  # a loader reads on past what was walked
+        return scan._replace(imports=(*scan.imports, UNREAD._replace(position=read)))
+    return scan
 
 
 def _sequence(

@@ -22,7 +22,7 @@ from typing import BinaryIO
 from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.pickle.expansion import check_expansion
-from ckpt_tools.formats.pickle.imports import ImportScan, PickleImport, find_imports
+from ckpt_tools.formats.pickle.imports import UNREAD, ImportScan, find_imports
 from ckpt_tools.formats.pickle.unpickler import MAX_PICKLE_BYTES
 from ckpt_tools.ops.scan.sequence import buffered_walks
 
@@ -118,15 +118,11 @@ def _walk_member(name: str, f: BinaryIO) -> Iterator[tuple[str, ImportScan]]:
         if after is None:
             if scan.imports and scan.after is not None and scan.after < size:
                 # Sized by what a call builds: torch reads on, this walk cannot.
-                yield f"{name} {index + 1}", ImportScan((_UNREAD._replace(position=pos),), None)
+                yield f"{name} {index + 1}", ImportScan((UNREAD._replace(position=pos),), None)
             return  # (else torch fails there too: a broken pickle or header)
         pos = after
     if name == "storages" and pos < size:
         yield f"{name} {index + 1}", find_imports(f, pos, cut_globals=True)  # the storage views
-
-
-#: The bytes after an item whose size a call decides: torch reads them as more items.
-_UNREAD = PickleImport(None, None, 0, "unread")
 
 
 def _plain(f: BinaryIO, start: int, end: int) -> object:
