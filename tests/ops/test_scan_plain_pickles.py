@@ -175,3 +175,19 @@ def test_an_npz_pickle_longer_than_the_walk_is_not_taken_for_clean(tmp_path: Pat
     (found,) = scan(path).files
     assert found.verdict == "dangerous"
     assert "<bytes not read>" in {f.global_name for f in found.findings}
+
+
+def test_a_broken_protocol_0_pickle_named_as_a_checkpoint_is_scanned_in_a_folder(
+    tmp_path: Path,
+) -> None:
+    # torch.load unpickles it (its "magic number") and runs the call before the bad byte.
+    marker = tmp_path / "ran"
+    folder = tmp_path / "models"
+    folder.mkdir()
+    text = f"cbuiltins\nopen\n(S'{marker}'\nS'w'\ntR\xff".encode("latin-1")
+    (folder / "model.bin").write_bytes(text)
+    (folder / "notes.txt").write_bytes(text)  # text that only looks like protocol 0
+    assert _runs(folder / "model.bin", marker, "torch.load(f, weights_only=False)")
+    report = scan(folder)
+    assert [(Path(f.path).name, f.verdict) for f in report.files] == [("model.bin", "dangerous")]
+    assert [Path(p).name for p in report.skipped] == ["notes.txt"]

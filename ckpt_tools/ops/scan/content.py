@@ -60,8 +60,8 @@ def _pickle_walks(path: str, head: bytes, source: RangeSource | None) -> list[Wa
 
     Any opcode can start one (a damaged legacy file's magic number is one long integer); a
     pickle cut short or refused counts where it imports something first, since a loader
-    performs that import before it fails, and a broken one where it starts with a PROTO:
-    text merely looks like protocol 0."""
+    performs that import before it fails, and a broken one where it starts with a PROTO or
+    is named as a checkpoint (``model.bin``): other text merely looks like protocol 0."""
     walks: list[Walked] = []
     try:
         walks.extend(walk_pickles(path, "pickle", source=source))
@@ -75,8 +75,13 @@ def _pickle_walks(path: str, head: bytes, source: RangeSource | None) -> list[Wa
     if first.end is not None:
         holds = imports or starts_like_pickle(head, any_protocol=True)
     else:
-        holds = imports and (head[:1] == b"\x80" or first.truncated)
+        named = path.lower().endswith(_CHECKPOINT_SUFFIXES)
+        holds = imports and (head[:1] == b"\x80" or first.truncated or named)
     return walks if holds else None
+
+
+# The names torch.load's files go by: one that fails as a pickle is still a payload's place.
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 
 
 def not_a_checkpoint(path: str, source: RangeSource | None = None) -> str:
