@@ -233,13 +233,14 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
                 return Selection(
                     (key, *found.path), _nested(key, found), found.state_dict, found.module
                 )
-        best = max(
-            ((k, v) for k, v in root.items() if is_state_dict(v)),
-            key=lambda kv: len(kv[1]),
-            default=None,
-        )
-        if best is not None:
-            return Selection((str(best[0]),), f"the largest tensor dict {best[0]!r}", best[1])
+        dicts = [(k, v) for k, v in root.items() if is_state_dict(v)]
+        if dicts:
+            key, best = max(dicts, key=lambda kv: len(kv[1]))
+            others = ", ".join(repr(k) for k, _ in dicts if k != key)
+            why = f"the largest tensor dict {key!r}" + (
+                f"; also {others}: select one to take it instead" if others else ""
+            )
+            return Selection((str(key),), why, best)
         for key, value in root.items():
             recovered = recover_module(value) if isinstance(key, str) else None
             if recovered is not None:

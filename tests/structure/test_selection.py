@@ -197,3 +197,13 @@ def test_an_empty_state_dict_is_chosen_where_it_is_the_one(name: str, tmp_path: 
 )
 def test_selection_says_whether_it_found_a_state_dict(root: dict, found: bool) -> None:
     assert select_state_dict(root).found is found
+
+
+def test_the_largest_of_several_tensor_dicts_names_the_others() -> None:
+    # A GAN's {"model": {"generator": ..., "discriminator": ...}}: one is taken, the other said.
+    root = {"model": {"generator": _sd(3), "discriminator": _sd(2)}, "step": 10}
+    chosen = select_state_dict(root)
+    assert chosen.path == ("model", "generator")
+    assert "also 'discriminator': select one to take it instead" in chosen.reason
+    alone = select_state_dict({"state_dict": {}, "weights_v2": _sd(3)})
+    assert "also" not in alone.reason
