@@ -159,12 +159,15 @@ def _frozen(into: _Builder, models: Sequence[ModelStates], stage: int) -> tuple[
 
 
 def _frozen_from_module(into: _Builder, base: ModelStates) -> tuple[str, ...]:
-    """ZeRO-1: the module weights that are neither trained, buffers nor aliases."""
-    trained = {n for group in base.param_shapes for n in group}
+    """ZeRO-1: the module weights that are neither trained, buffers nor aliases: a shared
+    name DeepSpeed records, or a second path to a module (``self.alias = self.l1``), whose
+    weights lie in the storage of the name it repeats."""
+    known = {n for group in base.param_shapes for n in group} | set(base.buffer_names)
+    held = {base.module[n].storage.key for n in known if n in base.module}
     names = [
         n
-        for n in base.module
-        if n not in trained and n not in base.buffer_names and n not in base.shared
+        for n, t in base.module.items()
+        if n not in known and n not in base.shared and t.storage.key not in held
     ]
     for name in names:
         t = base.module[name]

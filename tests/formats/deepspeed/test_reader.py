@@ -67,6 +67,24 @@ def test_stage_one_frozen_weights_are_the_modules(zero_runs: ZeroRuns) -> None:
         assert ckpt.root[key].dtype == "bfloat16"
 
 
+def test_stage_one_module_reached_twice_is_no_frozen_weight(zero_runs: ZeroRuns, tmp_path) -> None:
+    # A model that holds a module under a second name (self.alias = self.hidden) saves its
+    # weights twice in the module state, one storage each; zero_to_fp32 names them once.
+    folder = zero_runs.copy(2, "z1a-bf16", tmp_path / "run")
+    states = folder / "global_step2" / "mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=False)
+    module = saved["module"]
+    for part in ("weight", "bias"):
+        module[f"alias.{part}"] = module[f"hidden.{part}"]  # the same tensor, as state_dict
+    torch.save(saved, states)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    want = get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    got = dict(open_deepspeed(folder).root)
+    assert not [k for k in want if k.startswith("alias.")]
+    assert [k for k in got if k not in FROZEN] == list(want)
+
+
 @pytest.mark.parametrize(
     ("ranks", "name", "stage", "master", "weights", "frozen"),
     [
