@@ -375,10 +375,8 @@ def test_pickled_model_at_the_root_becomes_its_state_dict(fake, tmp_path):
     ]
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # weight_norm is deprecated
 def test_a_model_with_spectral_and_weight_norm_becomes_its_state_dict(tmp_path):
-    import warnings
-
-    warnings.simplefilter("ignore")  # weight_norm is deprecated in favour of parametrizations
     model = torch.nn.Sequential(
         torch.nn.utils.spectral_norm(torch.nn.Linear(4, 3)),
         torch.nn.utils.weight_norm(torch.nn.Linear(3, 2)),

@@ -179,14 +179,12 @@ def test_a_saved_transformer_layer_with_gelu_is_nonstandard(tmp_path) -> None:
     assert "torch._C._nn.gelu" in {f.global_name for f in found.findings}
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # weight_norm is deprecated
 def test_saved_modules_with_hooks_are_nonstandard_but_a_bound_method_is_not(tmp_path) -> None:
-    import warnings
-
     import torch
 
     from ckpt_tools import scan
 
-    warnings.simplefilter("ignore")  # weight_norm is deprecated in favour of parametrizations
     normed = tmp_path / "normed.pt"
     linear = torch.nn.Linear(4, 4)
     torch.save(
