@@ -85,6 +85,8 @@ class Selection:
         found: whether ``state_dict`` is a state dict, empty ones included (an empty root, an
             empty dict under a state dict's name, a module without parameters); False where
             nothing looked like one and the root is shown.
+        passed_over: the other tensor dicts beside the chosen one, when the largest of several
+            was taken (dotted paths: a GAN's ``model.discriminator``).
     """
 
     path: tuple[str, ...]
@@ -93,6 +95,7 @@ class Selection:
     module: RecoveredModule | None = None
     stand_in: bool = False
     found: bool = True
+    passed_over: tuple[str, ...] = ()
 
 
 def a_kind_of(value: Any) -> str:
@@ -230,8 +233,13 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
                     (key, *found.path), _nested(key, found), found.state_dict
                 )
             elif found.path or found.module is not None:
+                over = tuple(f"{key}.{p}" for p in found.passed_over)
                 return Selection(
-                    (key, *found.path), _nested(key, found), found.state_dict, found.module
+                    (key, *found.path),
+                    _nested(key, found),
+                    found.state_dict,
+                    found.module,
+                    passed_over=over,
                 )
         dicts = [(k, v) for k, v in root.items() if is_state_dict(v)]
         if dicts:
@@ -240,7 +248,8 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
             why = f"the largest tensor dict {key!r}" + (
                 f"; also {others}: select one to take it instead" if others else ""
             )
-            return Selection((str(key),), why, best)
+            over = tuple(str(k) for k, _ in dicts if k != key)
+            return Selection((str(key),), why, best, passed_over=over)
         for key, value in root.items():
             recovered = recover_module(value) if isinstance(key, str) else None
             if recovered is not None:

@@ -289,3 +289,22 @@ def test_rewrites_point_to_consolidate(folder: Path, tmp_path: Path) -> None:
     err = run_ckpt("convert", folder, tmp_path / "x.pt", code=2).stderr
     assert f"ckpt consolidate {folder} OUT.safetensors" in err
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_tensor_dict_left_beside_the_one_written_is_said(tmp_path: Path) -> None:
+    # A GAN's {"model": {"generator": ..., "discriminator": ...}}: the larger is written, the
+    # other named in a note; select writes it instead, as dcp_to_torch_save holds it.
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    disc = torch.nn.Linear(4, 1)
+    state = {"model": {"generator": gen.state_dict(), "discriminator": disc.state_dict()}}
+    folder = save_dcp(tmp_path / "gan", {**state, "step": 10})
+    result = consolidate(folder, tmp_path / "g.pt")
+    assert result.selected == ("model", "generator")
+    assert result.notes == ("left out: model.discriminator (select it to write it)",)
+    consolidate(folder, tmp_path / "d.pt", select="model.discriminator")
+    want = reference(folder, tmp_path / "ref.pt")["model"]["discriminator"]
+    got = torch.load(tmp_path / "d.pt", weights_only=True)
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert_values_bitwise(got[key], value, key)

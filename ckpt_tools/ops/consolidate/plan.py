@@ -255,6 +255,9 @@ def plan_consolidation(
         tree=out_tree,
         tensors=tuple(collector.tensors),
         selected=() if everything else tuple(selection.path),
+        notes=()
+        if everything
+        else tuple(f"left out: {p} (select it to write it)" for p in selection.passed_over),
         dropped=tuple(dropped),
         renamed=renamed,
     )
