@@ -13,7 +13,8 @@ from ckpt_tools.errors import CheckpointError, UnsupportedFormatError
 from ckpt_tools.formats import detect_format
 from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.detect import detect_bytes
-from ckpt_tools.formats.pickle.imports import npy_pickle_offset, starts_like_pickle
+from ckpt_tools.formats.pickle.imports import starts_like_pickle
+from ckpt_tools.formats.pickle.npy import npy_pickle_offset
 from ckpt_tools.ops.scan.sources import Walked, is_npz, walk_pickles
 
 __all__ = ["content_format", "not_a_checkpoint"]

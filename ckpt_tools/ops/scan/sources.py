@@ -39,9 +39,9 @@ from ckpt_tools.formats.pickle.imports import (
     UNREAD,
     ImportScan,
     find_imports,
-    npy_pickle_offset,
     starts_like_pickle,
 )
+from ckpt_tools.formats.pickle.npy import npy_pickle_offset
 from ckpt_tools.formats.pickle.unpickler import MAX_PICKLE_BYTES
 from ckpt_tools.formats.zip.directory import (
     FileSlice,
