@@ -24,7 +24,7 @@ inside.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, Union
 
 from ckpt_tools.errors import UsageError
@@ -37,6 +37,7 @@ __all__ = [
     "StrPath",
     "VerifyLevel",
     "checked_path",
+    "checked_paths",
     "items_of",
     "one_of",
     "str_items",
@@ -141,6 +142,19 @@ def checked_path(path: object, argument: str = "path") -> str:
         argument=argument,
         value=_shown(path),
     )
+
+
+def checked_paths(value: object, argument: str) -> list[str]:
+    """A paths option's items (``scan``'s ``paths``, ``average``'s ``srcs``), each
+    :func:`checked_path`: one path alone is that one path.
+
+    Example:
+        >>> checked_paths("a.pt", "srcs"), checked_paths(["a.pt", "b.pt"], "srcs")
+        (['a.pt'], ['a.pt', 'b.pt'])
+    """
+    if not isinstance(value, Iterable) or isinstance(value, (str, os.PathLike)):
+        value = [value]  # (refused below, where it is no path either)
+    return [checked_path(p, argument) for p in value]
 
 
 def one_of(value: _T, choices: Sequence[_T], argument: str, *, flag: str | None = None,

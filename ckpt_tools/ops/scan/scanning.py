@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from ckpt_tools._types import StrPath, checked_path
+from ckpt_tools._types import StrPath, checked_paths
 from ckpt_tools.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -81,9 +81,7 @@ def scan(
         >>> [(f.path, f.verdict) for f in report.files]
         [('model.pt', 'clean')]
     """
-    if not isinstance(paths, Iterable) or isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    given = [checked_path(p, "paths") for p in paths]
+    given = checked_paths(paths, "paths")
     if not any(is_url(p) for p in given):
         return _scan_all(given, on_file, None)
     with RemoteSession() as session:

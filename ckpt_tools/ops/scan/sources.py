@@ -272,7 +272,7 @@ def _entry_of(fd: ZipSource, info: zipfile.ZipInfo) -> ZipEntry | None:
 def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
     """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
     if entry.name.endswith(".pkl"):  # named a pickle: read whole, walked even if malformed
-        head = read_head(fd, entry, MAX_PICKLE_BYTES)
+        head = read_head(fd, entry, _read_limit(entry))
         return head if starts_like_pickle(head, any_protocol=True) else None
     first = read_head(fd, entry, 2)  # most records are told apart here
     if first != b"\x93N" and not starts_like_pickle(first):
@@ -280,16 +280,22 @@ def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
     head = read_head(fd, entry, _HEAD)
     at = npy_pickle_offset(head)  # an .npz archive's object arrays: numpy unpickles them
     if at is not None:
-        return read_head(fd, entry, _MOST)[at:]
+        return read_head(fd, entry, _read_limit(entry))[at:]
     if not starts_like_pickle(head):
         return None
     scan = find_imports(head)
     if scan.truncated and entry.file_size > len(head):
-        head = read_head(fd, entry, _MOST)
+        head = read_head(fd, entry, _read_limit(entry))
         scan = find_imports(head)
     if scan.end is None and not (scan.truncated and scan.imports):
         return None  # not a pickle: a tensor's bytes, text, anything else
     return head
+
+
+def _read_limit(entry: ZipEntry) -> int:
+    """The most bytes of a record :func:`_record_pickle` reads: a ``.pkl`` whole (up to the
+    reader's own limit), any other up to :data:`_MOST`."""
+    return MAX_PICKLE_BYTES if entry.name.endswith(".pkl") else _MOST
 
 
 def _walk_record(entry: ZipEntry, data: bytes) -> ImportScan:
@@ -297,7 +303,7 @@ def _walk_record(entry: ZipEntry, data: bytes) -> ImportScan:
     ``data`` holds it whole, its end is where torch's reader meets the end too."""
     whole = entry.name.endswith("/data.pkl") and len(data) >= entry.file_size
     scan = find_imports(data, cut_globals=whole)
-    read = MAX_PICKLE_BYTES if entry.name.endswith(".pkl") else _MOST  # (_record_pickle's)
+    read = _read_limit(entry)
     if scan.truncated and entry.file_size > read:  # a loader reads on past what was walked
         return scan._replace(imports=(*scan.imports, UNREAD._replace(position=read)))
     return scan

@@ -26,11 +26,19 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, checked_path
+from ckpt_tools._types import (
+    OutputFormat,
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    checked_path,
+    checked_paths,
+)
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint, refuse_url
@@ -174,9 +182,7 @@ def average(
         >>> average(["model.pt", "ddp.pt"], "avg.pt").message  # module. aligned away
         'average: wrote avg.pt (2292 -> 2292 tensor bytes)'
     """
-    if not isinstance(srcs, Iterable) or isinstance(srcs, (str, os.PathLike)):
-        srcs = [srcs]  # (a sequence of paths is refused item by item, and so is one path)
-    srcs = [checked_path(p, "srcs") for p in srcs]
+    srcs = checked_paths(srcs, "srcs")
     for src in srcs:  # before any message names one (a URL's password is never shown)
         refuse_url(src)
     dst = checked_path(dst, "dst")
