@@ -32,7 +32,7 @@ from ckpt_tools.io.assemble import crc32_combine
 from tests.formats.test_dcp import Custom, save_dcp, small_state
 from tests.helpers.cli import run_ckpt
 from tests.helpers.dcp_save import reference
-from tests.helpers.trees import assert_values_bitwise
+from tests.helpers.trees import assert_bitwise_equal, assert_values_bitwise
 
 
 def assert_same(want: Any, got: Any, where: str = "") -> None:
@@ -301,10 +301,11 @@ def test_a_tensor_dict_left_beside_the_one_written_is_said(tmp_path: Path) -> No
     folder = save_dcp(tmp_path / "gan", {**state, "step": 10})
     result = consolidate(folder, tmp_path / "g.pt")
     assert result.selected == ("model", "generator")
-    assert result.notes == ("left out: model.discriminator (select it to write it)",)
+    assert result.notes == (
+        "left out: model.discriminator (select it to write it, or select 'model' for all of them)",
+    )
     consolidate(folder, tmp_path / "d.pt", select="model.discriminator")
-    want = reference(folder, tmp_path / "ref.pt")["model"]["discriminator"]
-    got = torch.load(tmp_path / "d.pt", weights_only=True)
-    assert list(got) == list(want)
-    for key, value in want.items():
-        assert_values_bitwise(got[key], value, key)
+    consolidate(folder, tmp_path / "m.pt", select="model")
+    whole = reference(folder, tmp_path / "ref.pt")["model"]
+    for path, want in (("d.pt", whole["discriminator"]), ("m.pt", whole)):
+        assert_bitwise_equal(torch.load(tmp_path / path, weights_only=True), want, path)

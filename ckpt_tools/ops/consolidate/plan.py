@@ -23,7 +23,7 @@ from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.safetensors import leave_out_extras
 from ckpt_tools.structure.keys import rename_keys
-from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.selection import Selection, select_state_dict
 from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
@@ -255,9 +255,7 @@ def plan_consolidation(
         tree=out_tree,
         tensors=tuple(collector.tensors),
         selected=() if everything else tuple(selection.path),
-        notes=()
-        if everything
-        else tuple(f"left out: {p} (select it to write it)" for p in selection.passed_over),
+        notes=() if everything else _left_out(selection),
         dropped=tuple(dropped),
         renamed=renamed,
     )
@@ -275,3 +273,12 @@ def _flatten(node: Any, name: str, out: dict[str, Any]) -> None:
         raise KeyCollisionError(f"two saved entries flatten to the same name {name!r}")
     else:
         out[name] = node
+
+
+def _left_out(selection: Selection) -> tuple[str, ...]:
+    """Notes naming each tensor dict passed over beside the chosen one, and how to write
+    them all: their common parent holds them as dcp_to_torch_save writes it."""
+    parent = ".".join(str(p) for p in selection.path[:-1])
+    whole = f"select {parent!r} for all of them" if parent else "include everything saved"
+    over = selection.passed_over
+    return tuple(f"left out: {p} (select it to write it, or {whole})" for p in over)
