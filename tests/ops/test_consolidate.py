@@ -309,3 +309,15 @@ def test_a_tensor_dict_left_beside_the_one_written_is_said(tmp_path: Path) -> No
     whole = reference(folder, tmp_path / "ref.pt")["model"]
     for path, want in (("d.pt", whole["discriminator"]), ("m.pt", whole)):
         assert_bitwise_equal(torch.load(tmp_path / path, weights_only=True), want, path)
+
+
+def test_tensor_dicts_side_by_side_at_the_root_are_written_with_everything(
+    tmp_path: Path,
+) -> None:
+    gen, disc = torch.nn.Linear(4, 8), torch.nn.Linear(4, 1)
+    folder = save_dcp(tmp_path / "gan", {"gen": gen.state_dict(), "disc": disc.state_dict()})
+    result = consolidate(folder, tmp_path / "g.pt", dry_run=True)
+    assert result.notes == ("left out: disc (select it to write it, or include everything saved)",)
+    consolidate(folder, tmp_path / "all.pt", include_all=True)
+    want = reference(folder, tmp_path / "ref.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "all.pt", weights_only=True), want)
