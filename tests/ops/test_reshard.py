@@ -327,3 +327,33 @@ def test_reshard_carries_no_metadata_that_names_a_tensor(tmp_path: Path) -> None
     out = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert "big" not in out["metadata"] and out["metadata"]["author"] == "someone"
     assert set(load_state_dict(tmp_path / "out")) == set(sd)
+
+
+def test_an_inputs_stale_total_size_never_replaces_the_computed_one(tmp_path: Path) -> None:
+    # The index's total_size is the tensors' bytes, an int, as huggingface_hub computes it,
+    # whatever the input folder's index or the input file's metadata said.
+    save_file({"a": torch.randn(3)}, tmp_path / "s1.safetensors", metadata={"format": "pt"})
+    save_file({"b": torch.randn(4)}, tmp_path / "s2.safetensors", metadata={"format": "pt"})
+    weight_map = {"a": "s1.safetensors", "b": "s2.safetensors"}
+    (tmp_path / INDEX_NAME).write_text(
+        json.dumps({"metadata": {"total_size": "999"}, "weight_map": weight_map})
+    )
+    both = {"a": torch.randn(3), "b": torch.randn(4)}
+    save_file(both, tmp_path / "m.safetensors", metadata={"format": "pt", "total_size": "999"})
+    reshard(tmp_path, tmp_path / "resharded", max_shard_size=12)
+    convert(tmp_path / "m.safetensors", tmp_path / "converted", max_shard_size=12)
+    for out in ("resharded", "converted"):
+        index = json.loads((tmp_path / out / INDEX_NAME).read_text())
+        assert index["metadata"] == {"total_size": 28}, out
+
+
+def test_parse_shard_size_is_exact_however_long() -> None:
+    # A size past any file means one shard; it is never rounded through a float.
+    assert parse_shard_size("99999999999999999999999") == 99999999999999999999999
+    assert parse_shard_size("1" + "0" * 320) == 10**320
+    assert parse_shard_size("1" + "0" * 300 + "TiB") == 10**300 * 2**40
+    assert parse_shard_size("1.5KiB") == 1536 and parse_shard_size(".5KB") == 500
+    assert parse_shard_size("0.0015KB") == 1
+    for bad in ("1e3", "inf", "nan", "0.0001KB"):
+        with pytest.raises(UsageError, match="max_shard_size="):
+            parse_shard_size(bad)

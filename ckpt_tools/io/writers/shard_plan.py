@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ckpt_tools.errors import UsageError
 
@@ -79,7 +80,8 @@ def parse_shard_size(value: str | int) -> int:
                 value=repr(value),
                 flag="--max-shard-size",
             )
-        size = int(float(match.group(1)) * SIZE_UNITS[unit or "B"])
+        # Exact, as a fraction: a float rounds a long byte count and overflows on a huge one.
+        size = int(Fraction(match.group(1)) * SIZE_UNITS[unit or "B"])
     if size < 1:
         raise UsageError(
             "must be at least 1 byte",
@@ -180,8 +182,10 @@ def index_bytes(plan: ShardPlan, metadata: Mapping[str, str] | None = None) -> b
         >>> json.loads(index_bytes(plan))["weight_map"]["b"]
         'model-00002-of-00002.safetensors'
     """
+    # The plan's own total_size: an input's stale one never stands in for it.
+    extra = {k: v for k, v in (metadata or {}).items() if k != "total_size"}
     index = {
-        "metadata": {"total_size": plan.total_size, **(metadata or {})},
+        "metadata": {"total_size": plan.total_size, **extra},
         "weight_map": plan.weight_map,
     }
     return (json.dumps(index, indent=2) + "\n").encode()

@@ -252,7 +252,7 @@ def _carried_metadata(
         k: v
         for k, v in metadata.items()
         if isinstance(v, str)
-        and k not in ("format", TIES_KEY)
+        and k not in ("format", "total_size", TIES_KEY)
         and k not in ties
         and not (k in names or v in names)
     }
