@@ -11,7 +11,7 @@ import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
-from safetensors.torch import save_model
+from safetensors.torch import load_model, save_model
 from torch import nn
 
 import ckpt_tools as ct
@@ -96,3 +96,21 @@ class _Holding(nn.Module):
                 owner = getattr(owner, part)
             param = made.setdefault(id(t), nn.Parameter(t.clone(), requires_grad=False))
             owner.register_parameter(leaf, param)
+
+
+def test_tied_tensors_without_elements_keep_every_name(tmp_path: Path) -> None:
+    # They share no bytes: safetensors and huggingface_hub store each name, so a strict
+    # load_model of our output needs each one too.
+    empty = torch.zeros(0)
+    model = _Holding({"w": torch.randn(2), "a": empty, "b": empty})
+    save_model(model, str(tmp_path / "oracle.safetensors"))
+    src = tmp_path / "tied.pt"
+    torch.save(model.state_dict(), src)
+    ct.convert(src, tmp_path / "out.safetensors")
+    ct.convert(src, f"{tmp_path}/out-hf/")
+    ct.slim(src, tmp_path / "slim.safetensors", dtype="bfloat16")
+    want = _stored(tmp_path / "oracle.safetensors")
+    assert want == ["a", "b", "w"]
+    for out in ("out.safetensors", "out-hf/model.safetensors", "slim.safetensors"):
+        assert _stored(tmp_path / out) == want, out
+        assert load_model(_Holding(model.state_dict()), str(tmp_path / out)) == (set(), [])

@@ -273,7 +273,8 @@ def tied_names(named: Iterable[tuple[str, TensorRef]]) -> dict[str, str]:
 
     Tensors that are the same view of one storage (offset, shape, stride and dtype) are tied;
     each group keeps its alphabetically first name, as safetensors' ``save_model`` and
-    huggingface_hub keep it, whatever order the names come in.
+    huggingface_hub keep it, whatever order the names come in. Tensors without elements are
+    never tied: they share no bytes, and safetensors keeps every name of them.
 
     Args:
         named: (output name, tensor) pairs.
@@ -287,7 +288,7 @@ def tied_names(named: Iterable[tuple[str, TensorRef]]) -> dict[str, str]:
         >>> tied_names([("lm_head.weight", t), ("embed.weight", t)])
         {'lm_head.weight': 'embed.weight'}
     """
-    pairs = list(named)
+    pairs = [(name, t) for name, t in named if t.nbytes]
     first: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     for name, t in pairs:
         identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
