@@ -484,10 +484,12 @@ def test_retag_that_matches_no_storage_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "g2.pt").exists()
     with pytest.raises(UsageError, match=r"pass mapping=\{'cuda:1': 'cpu'\}"):
         retag(tmp_path / "g.pt", tmp_path / "g2.pt", mapping={"cuda:0": "cpu"}, dry_run=True)
-    # Of several mappings, the result reports the one that matched.
-    result = retag(
-        tmp_path / "g.pt", tmp_path / "g2.pt", mapping={"cuda:0": "cpu", "cuda:1": "cpu"}
-    )
+    # Of several mappings, the result reports the one that matched; a dry run says so too.
+    both = {"cuda:0": "cpu", "cuda:1": "cpu"}
+    planned = retag(tmp_path / "g.pt", tmp_path / "g2.pt", mapping=both, dry_run=True)
+    assert planned.device_map == {"cuda:1": "cpu"} and "cuda:1 -> cpu" in planned.message
+    assert not (tmp_path / "g2.pt").exists()
+    result = retag(tmp_path / "g.pt", tmp_path / "g2.pt", mapping=both)
     assert result.device_map == {"cuda:1": "cpu"} and "cuda:0" not in str(result)
     assert _saved_locations(tmp_path / "g2.pt") == {"cpu": 9}
 

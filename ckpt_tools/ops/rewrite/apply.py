@@ -25,6 +25,7 @@ from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_field
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import (
     matched_device_map,
+    moved_devices,
     output_format_for,
     safetensors_plan,
     summary,
@@ -98,8 +99,9 @@ def apply_rewrite(
             tensors=len(plan.expected),
             bytes_written=plan.total,
             bytes_copied=plan.copied,
+            device_map=dict(device_map or {}),
             message=f"dry run: would write {dst} ({renamed} of {n_keys} keys renamed, "
-            f"{plan.total} tensor bytes)",
+            f"{plan.total} tensor bytes{_retagged(device_map)})",
         )
     counter = ByteCounter(progress, plan.total)
     fill, check = plan.fill(ckpt, device_map, counter), plan.check(ckpt, verify, device_map)
@@ -116,6 +118,11 @@ def apply_rewrite(
         device_map=dict(device_map or {}),
         message=summary(dst, ckpt.format, fmt, renamed, n_keys, rules, device_map),
     )
+
+
+def _retagged(device_map: Mapping[str, str] | None) -> str:
+    """``device_map`` as a dry run's message says it: what the write would retag."""
+    return f"; saved devices {moved_devices(device_map)}" if device_map else ""
 
 
 def _refuse_unmatched(src: str, selection: Selection, rules: Sequence[KeyRule]) -> None:

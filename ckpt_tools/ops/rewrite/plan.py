@@ -259,6 +259,11 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
     )
 
 
+def moved_devices(device_map: Mapping[str, str]) -> str:
+    """A device map as results say it: ``cuda:1 -> cpu, cuda:0 -> cpu``."""
+    return ", ".join(f"{a} -> {b}" for a, b in device_map.items())
+
+
 def summary(
     dst: str,
     input_format: str,
@@ -271,8 +276,7 @@ def summary(
     if rules:
         return f"wrote {dst} ({renamed} of {total} keys renamed)"
     if device_map:
-        moved = ", ".join(f"{a} -> {b}" for a, b in device_map.items())
-        return f"retagged saved devices ({moved}): wrote {dst}"
+        return f"retagged saved devices ({moved_devices(device_map)}): wrote {dst}"
     return f"converted {input_format} to {output_format}: wrote {dst} ({total} entries)"
 
 
