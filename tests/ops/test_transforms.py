@@ -154,6 +154,25 @@ def test_slim_ema_takes_the_ema_copy(tmp_path: Path, name: str, key: str) -> Non
     assert list(out) == list(ref) and all(torch.equal(out[k], ref[k]) for k in ref)
 
 
+def test_an_ema_entry_holding_only_settings_is_passed_over(tmp_path: Path) -> None:
+    # {"ema": {"decay": ...}} beside the EMA weights: the weights are taken; with no weights
+    # anywhere, there is no EMA copy.
+    sd = {"fc.weight": torch.randn(2, 2), "fc.bias": torch.randn(2)}
+    ema = {"fc.weight": torch.randn(2, 2), "fc.bias": torch.randn(2)}
+    settings = {"decay": 0.9999, "enabled": True}
+    torch.save({"state_dict": sd, "ema": settings, "ema_state_dict": ema}, tmp_path / "a.pt")
+    torch.save({"state_dict": sd, "ema": settings}, tmp_path / "b.pt")
+    ct.slim(tmp_path / "a.pt", tmp_path / "a-ema.pt", ema=True, weights_only=True, dtype="bf16")
+    out = torch.load(tmp_path / "a-ema.pt", weights_only=True)
+    assert list(out) == list(ema)
+    assert all(torch.equal(out[k], v.to(torch.bfloat16)) for k, v in ema.items())
+    ct.extract(tmp_path / "a.pt", tmp_path / "head.pt", ema=True, prefix="fc")
+    assert list(torch.load(tmp_path / "head.pt", weights_only=True)) == list(ema)
+    with pytest.raises(ct.SelectError, match="no EMA copy found"):
+        ct.slim(tmp_path / "b.pt", tmp_path / "b-ema.pt", ema=True, weights_only=True)
+    assert not (tmp_path / "b-ema.pt").exists()
+
+
 @pytest.mark.parametrize(
     "name", ["plain.pt", "model.pt", "lightning.ckpt", "dataparallel.pt", "model.safetensors"]
 )

@@ -38,7 +38,7 @@ from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import compile_pattern
-from ckpt_tools.structure.selection import Selection, select_state_dict
+from ckpt_tools.structure.selection import Selection, is_state_dict, select_state_dict
 
 __all__ = ["DTYPE_NAMES", "EMA_KEYS", "cast_target", "select_weights", "slim", "take_module"]
 
@@ -77,6 +77,8 @@ def _select_ema(root: Any) -> tuple[Selection, str]:
                 inner = select_state_dict(found.state_dict)  # {"module": ...} wrappers
                 if inner.path:
                     found = select_state_dict(root, select=(key, *inner.path))
+                if found.module is None and not is_state_dict(found.state_dict):
+                    continue  # the EMA's settings ({"decay": ...}), not its weights
                 return found, f"took the EMA copy {'.'.join(found.path)!r}"
         callbacks = root.get("callbacks")
         if isinstance(callbacks, Mapping):
