@@ -40,7 +40,7 @@ def _average(tmp_path: Path, inputs: list[torch.Tensor], weights: list[float]) -
 def _bits(t: torch.Tensor) -> np.ndarray:
     if t.is_complex():
         t = torch.view_as_real(t)
-    return t.contiguous().view(_INT[t.element_size()]).numpy()
+    return t.contiguous().view(_INT[t.element_size()]).numpy().reshape(-1)
 
 
 def _assert_same_bits(ours: torch.Tensor, want: torch.Tensor) -> None:
@@ -106,3 +106,48 @@ def test_average_nan_of_two_inputs_takes_the_second_ones_sign(tmp_path: Path) ->
     want = ((first.double() + second.double()) / 2).float()
     assert [hex(v & 0xFFFFFFFF) for v in _bits(want).tolist()] == ["0xffc00000", "0xffc00001"]
     _assert_same_bits(ours, want)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1.0], [0.3, 2.5], [1e-300, 3.0]])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_average_at_float64s_range_limits_is_torchs(
+    tmp_path: Path, dtype: torch.dtype, weights: list[float]
+) -> None:
+    # Subnormals keep their bits and w * x overflows to inf exactly where torch's does:
+    # the weights are used as given, never rescaled.
+    x = torch.tensor(
+        [5e-324, 1.5e-323, 1e-310, 1.0, 1e308, -1.7e308, 2.2e-308], dtype=torch.float64
+    )
+    if dtype.is_complex:
+        x = torch.complex(x, x.flip(0))
+    inputs = [x, x.flip(0)]
+    ours = _average(tmp_path, inputs, weights)
+    acc = sum(w * v.to(dtype) for w, v in zip(weights, inputs))
+    assert isinstance(acc, torch.Tensor)
+    _assert_same_bits(ours, (acc / sum(weights)).to(dtype))
+
+
+@pytest.mark.parametrize("weights", [[1.0, 1.0, 1.0], [0.3, 2.5, -0.7]])
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64])
+def test_average_of_complex_with_zeros_and_non_finite_parts_is_torchs(
+    tmp_path: Path, dtype: torch.dtype, weights: list[float]
+) -> None:
+    # torch's complex kernels: signed zeros from re * 0.0, and an infinite part spreading NaN
+    # to the other (in w * x, in a + b, in the division). Only a NaN part's bits may differ.
+    rng = np.random.default_rng(3)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -2.25, 1e308, 5e-324, 3e38])
+    n = 4000
+
+    def part() -> np.ndarray:
+        return np.where(rng.random(n) < 0.6, rng.choice(special, n), rng.standard_normal(n))
+
+    inputs = [torch.complex(torch.from_numpy(part()), torch.from_numpy(part())).to(dtype)]
+    inputs += [torch.complex(torch.from_numpy(part()), torch.from_numpy(part())).to(dtype)]
+    inputs += [inputs[0].flip(0)]
+    ours = torch.view_as_real(_average(tmp_path, inputs, weights))
+    acc = sum(w * x.to(torch.complex128) for w, x in zip(weights, inputs))
+    assert isinstance(acc, torch.Tensor)
+    want = torch.view_as_real((acc / sum(weights)).to(dtype))
+    assert torch.equal(ours.isnan(), want.isnan())
+    finite = ~want.isnan()
+    _assert_same_bits(ours[finite], want[finite])

@@ -9,12 +9,11 @@ order, divided by ``sum(w_i)``, and cast back as torch's ``.to`` casts a float64
   payload kept), as torch's ``a + b`` keeps ``b``'s NaN; without one, ``inf - inf``'s NaN.
   The cast back keeps what it keeps of it (bf16: nothing).
 - complex64 and complex128 (torch: ``(sum(w * x.to(torch.complex128)) / sum(w)).to(dtype)``):
-  real and imaginary parts are averaged as two floats in float64, and the sum is multiplied
-  by ``1 / sum(w)`` rather than divided by it, as torch's complex division by a real number
-  does (``(a + bj) / c`` is ``a * (1 / c) + b * (1 / c) j`` on the CPU); each part is then
-  rounded back as a float32 or kept float64. Finite elements match torch bit for bit. An
-  element with an infinite or NaN part in some input does not: torch's complex product
-  spreads it to the other part (``1.0 * (inf + 0j)`` is ``inf + nanj``), not modelled here.
+  real and imaginary parts in float64, combined as torch's complex kernels combine them:
+  ``w * x`` is a complex product with ``w + 0j``, torch's ``a + b`` is ``a + (1 + 0j) * b``,
+  and the division is Smith's by ``sum(w) + 0j`` with its reciprocal multiplied. Every element
+  matches torch's, overflows, signed zeros and NaN spread from an infinite part included;
+  only the bits of a NaN part may differ.
 - float8_e4m3fn and float8_e5m2: rounded back through float32 as torch rounds a float64 (its
   float8 constructors take a float): nearest even; e4m3fn saturates overflow and inf to
   +-448 and keeps NaN; e5m2 overflows to inf.
@@ -88,8 +87,8 @@ _F8 = {
 
 
 def checked_weights(weights: Sequence[float] | None, count: int) -> list[float]:
-    """One finite weight per input, scaled by a power of two so that no sum or product of
-    weights overflows (exact: the mean is unchanged, bit for bit).
+    """One finite weight per input, as given: ``w * x`` overflows or loses a subnormal's bits
+    exactly where torch's does, so no scaling is done here.
 
     Args:
         weights: as given (None: equal).
@@ -103,8 +102,8 @@ def checked_weights(weights: Sequence[float] | None, count: int) -> list[float]:
             overflows float64.
 
     Example:
-        >>> checked_weights([1, 3], 2)  # 3 scaled into [0.5, 1)
-        [0.25, 0.75]
+        >>> checked_weights([1, 3], 2)
+        [1.0, 3.0]
     """
     w = [1.0] * count if weights is None else [float(x) for x in weights]
     problem, fix = "", f"give {count} finite weights with a non-zero sum, e.g. 1,1"
@@ -126,8 +125,7 @@ def checked_weights(weights: Sequence[float] | None, count: int) -> list[float]:
             flag="--weights",
             remedies=(Remedy(text=fix),),
         )
-    shift = math.frexp(max(abs(x) for x in w))[1]
-    return [math.ldexp(x, -shift) for x in w]
+    return w
 
 
 def _to_f64(data: Any, lane: str) -> np.ndarray:
@@ -210,46 +208,86 @@ def _accumulate(
     total: float,
     complex_parts: bool = False,
 ) -> np.ndarray:
-    """The next ``count`` elements' mean (``complex_parts``: complex parts, divided as torch
-    divides a complex by a real): each input's chunk is kept until the mean is taken.
+    """The next ``count`` elements' mean (``complex_parts``: complex parts, multiplied and
+    divided as torch's complex kernels do): each input's chunk is kept until the mean is taken.
 
     Raises:
         OSError: an input ended early.
     """
     acc = np.zeros(count, np.float64)
     chunks = []
-    for stream, w in zip(streams, weights):
+    for i, (stream, w) in enumerate(zip(streams, weights)):
         data = next(stream, b"")
         if len(data) != count * _size(lane):
             raise OSError(5, f"an input ended early: {len(data)} of {count * _size(lane)} bytes")
         chunks.append(data)
-        # Infinities of both signs give NaN and large values overflow to inf, as in torch;
-        # numpy would also warn on stderr, which is not the place for it.
         with np.errstate(all="ignore"):
-            acc += _to_f64(data, lane) * w
+            acc += _term(data, lane, w, complex_parts and i > 0, complex_parts)
     with np.errstate(all="ignore"):
         # Any NaN term leaves a NaN in the sum, so a NaN-free sum (the common case) needs no
         # further look; a false alarm (inf - inf) only costs the look. bf16 keeps no NaN bits.
         if lane != "bfloat16" and np.isnan(np.add.reduce(acc)):
-            _keep_last_nan(acc, chunks, weights, lane)
+            _keep_last_nan(acc, chunks, weights, lane, complex_parts)
         if complex_parts:
-            acc *= 1.0 / total
+            _divide_complex(acc, total)
         else:
             acc /= total
     return acc
 
 
+def _term(
+    data: Any, lane: str, w: float, added: bool = False, complex_parts: bool = False
+) -> np.ndarray:
+    """``w * x`` for one input's chunk, as torch's sum adds it.
+
+    A complex element is multiplied by ``w + 0j`` as a complex product, as torch multiplies it
+    by a Python float (``1.0 * (inf + 0j)`` is ``inf + nanj``; zeros' signs follow from
+    ``re * 0.0``). Each term ``added`` to the sum is multiplied by ``1 + 0j`` once more, as
+    torch's ``a + b`` computes ``a + alpha * b`` (an infinite part spreads NaN to the other).
+    """
+    x = _to_f64(data, lane)
+    # Infinities of both signs give NaN and large values overflow to inf, as in torch;
+    # numpy would also warn on stderr, which is not the place for it.
+    with np.errstate(all="ignore"):
+        if not complex_parts:
+            return x * w
+        out = _times_real(x, w)
+        return _times_real(out, 1.0) if added else out
+
+
+def _times_real(x: np.ndarray, w: float) -> np.ndarray:
+    """Interleaved complex parts times ``w + 0j``, as a complex product."""
+    re, im = x[0::2], x[1::2]
+    out = np.empty_like(x)
+    out[0::2] = re * w - im * 0.0
+    out[1::2] = re * 0.0 + im * w
+    return out
+
+
+def _divide_complex(acc: np.ndarray, total: float) -> None:
+    """Divide interleaved complex parts by the real ``total`` in place, as torch divides a
+    complex tensor by a Python float: Smith's division by ``total + 0j``, its reciprocal
+    multiplied rather than divided by."""
+    ratio = 0.0 / total
+    scale = 1.0 / (total + 0.0 * ratio)
+    re, im = acc[0::2].copy(), acc[1::2].copy()
+    with np.errstate(all="ignore"):
+        acc[0::2] = (re + im * ratio) * scale
+        acc[1::2] = (im - re * ratio) * scale
+
+
 def _keep_last_nan(
-    acc: np.ndarray, chunks: Sequence[Any], weights: Sequence[float], lane: str
+    acc: np.ndarray,
+    chunks: Sequence[Any],
+    weights: Sequence[float],
+    lane: str,
+    complex_parts: bool = False,
 ) -> None:
     """Give each NaN of ``acc`` the bits of the last NaN term ``w * x`` there, as torch's sum
     does (its ``a + b`` keeps ``b``'s NaN; numpy's keeps either, depending on the loop)."""
     where = np.flatnonzero(np.isnan(acc))
-    size = _size(lane)
-    for data, w in zip(chunks, weights):
-        picked = np.frombuffer(data, np.uint8).reshape(-1, size)[where].tobytes()
-        with np.errstate(all="ignore"):
-            term = _to_f64(picked, lane) * w
+    for i, (data, w) in enumerate(zip(chunks, weights)):
+        term = _term(data, lane, w, complex_parts and i > 0, complex_parts)[where]
         nan = np.isnan(term)
         acc[where[nan]] = term[nan]
 
