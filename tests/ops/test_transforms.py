@@ -801,13 +801,30 @@ def test_average_huge_weights_and_infinite_values_match_torch_without_warnings(
     assert main(["average", *srcs, str(tmp_path / "avg.pt"), "-q"]) == 0
     assert capsys.readouterr().err == ""  # inf - inf is NaN, said by no warning
     _assert_means(torch.load(tmp_path / "avg.pt", weights_only=True), sds, [1.0, 1.0])
-    # Only the ratio of the weights matters; these two overflow no sum, though w * x would.
-    ct.average(srcs, tmp_path / "huge.pt", weights=[2.0**1000, 3 * 2.0**1000])
-    _assert_means(torch.load(tmp_path / "huge.pt", weights_only=True), sds, [1.0, 3.0])
+    # Weights whose sum is finite are used as given: w * x overflows where torch's does.
+    huge = [2.0**1000, 3 * 2.0**1000]
+    ct.average(srcs, tmp_path / "huge.pt", weights=huge)
+    _assert_means(torch.load(tmp_path / "huge.pt", weights_only=True), sds, huge)
 
 
 def test_average_to_safetensors_writes_a_transposed_view_as_its_rows(tmp_path: Path) -> None:
     sds = [{"w": torch.randn(3, 4).t(), "b": torch.randn(4)} for _ in range(2)]
+    for i, sd in enumerate(sds):
+        torch.save(sd, tmp_path / f"in_{i}.pt")
+    ct.average([tmp_path / "in_0.pt", tmp_path / "in_1.pt"], tmp_path / "avg.safetensors")
+    _assert_means(load_file(tmp_path / "avg.safetensors"), sds, [1.0, 1.0])
+
+
+def test_average_to_safetensors_writes_views_of_one_storage_each_as_its_own(
+    tmp_path: Path,
+) -> None:
+    # q, k and v chunked from one weight, and a slice saved with its whole storage: each is
+    # averaged on its own, as convert writes each on its own.
+    sds = []
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = torch.randn(12, 4, generator=g).chunk(3)
+        sds.append({"q": q, "k": k, "v": v, "part": torch.randn(10, generator=g)[2:6]})
     for i, sd in enumerate(sds):
         torch.save(sd, tmp_path / f"in_{i}.pt")
     ct.average([tmp_path / "in_0.pt", tmp_path / "in_1.pt"], tmp_path / "avg.safetensors")

@@ -157,8 +157,8 @@ def average(
         srcs: two or more checkpoints (any readable format, any wrapper prefixes), each
             once: to count one more than another, give it a larger weight.
         dst: the output.
-        weights: one finite weight per input, with a finite non-zero sum (default: equal);
-            only their ratios matter.
+        weights: one finite weight per input, with a finite non-zero sum (default: equal),
+            used as given: ``w * x`` overflows exactly where torch's does.
         ints: ``first`` or ``last``: take integer tensors and non-tensor entries from that
             input instead of requiring them equal (bool and other tensors with no mean are
             never taken from one input: they must be equal).

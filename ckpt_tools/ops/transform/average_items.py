@@ -214,10 +214,11 @@ def _bytes_of(ckpt: Checkpoint, part: TensorRef | StorageRef) -> Record:
 def _alike(keys: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]], rows: bool) -> bool:
     """Whether ``keys`` (one storage's in the first input) lie on one storage of the same size,
     as the same views of one dtype, in every input of ``aligned``: then a computed storage
-    gives each key its own value, and keeps them shared. ``rows``: each is also contiguous
-    (a safetensors output writes a computed storage's bytes as its tensors' rows)."""
+    gives each key its own value, and keeps them shared. ``rows``: each also covers the whole
+    storage (a safetensors output holds a computed storage once, as tied tensors; q, k and v
+    chunked from one storage are computed apart, each as its own tensor)."""
     first = [aligned[0][k][1] for k in keys]
-    if len({t.dtype for t in first}) != 1 or (rows and not all(t.is_contiguous() for t in first)):
+    if len({t.dtype for t in first}) != 1 or (rows and not all(t.covers_storage() for t in first)):
         return False
     for sd in aligned[1:]:
         tensors = [sd[k][1] for k in keys]

@@ -114,7 +114,7 @@ def checked_weights(weights: Sequence[float] | None, count: int) -> list[float]:
         problem = f"weights must be finite numbers: {bad}"
     elif not math.isfinite(sum(w)):
         problem = "the weights sum past float64's largest number"
-        fix = "scale them down (only their ratios matter), e.g. 1,1"
+        fix = "scale them down (the mean depends on their ratios), e.g. 1,1"
     elif sum(w) == 0:
         problem = "the weights sum to 0, so there is no mean to take"
     if problem:
