@@ -827,5 +827,24 @@ def test_average_to_safetensors_writes_views_of_one_storage_each_as_its_own(
         sds.append({"q": q, "k": k, "v": v, "part": torch.randn(10, generator=g)[2:6]})
     for i, sd in enumerate(sds):
         torch.save(sd, tmp_path / f"in_{i}.pt")
-    ct.average([tmp_path / "in_0.pt", tmp_path / "in_1.pt"], tmp_path / "avg.safetensors")
+    result = ct.average([tmp_path / "in_0.pt", tmp_path / "in_1.pt"], tmp_path / "avg.safetensors")
     _assert_means(load_file(tmp_path / "avg.safetensors"), sds, [1.0, 1.0])
+    assert not result.notes  # laid out alike in every input: nothing to say
+
+
+def test_average_of_pickled_modules_is_the_mean_of_their_state_dicts(tmp_path: Path) -> None:
+    # As slim and extract: the module's state dict is recovered, never the module built.
+    models = [torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)) for _ in "ab"]
+    for i, m in enumerate(models):
+        torch.save({"model": m, "epoch": 3}, tmp_path / f"m{i}.pt")
+    result = ct.average([tmp_path / "m0.pt", tmp_path / "m1.pt"], tmp_path / "avg.pt")
+    assert any("pickled nn.Module" in n for n in result.notes)
+    out = torch.load(tmp_path / "avg.pt", weights_only=True)
+    sds = [{k: v.detach() for k, v in m.state_dict().items()} for m in models]
+    assert list(out) == list(sds[0])
+    _assert_means(
+        {k: v for k, v in out.items() if v.is_floating_point()},
+        [{k: v for k, v in sd.items() if v.is_floating_point()} for sd in sds],
+        [1.0, 1.0],
+    )
+    assert torch.equal(out["1.num_batches_tracked"], sds[0]["1.num_batches_tracked"])

@@ -43,15 +43,15 @@ from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint, refuse_url
 from ckpt_tools.io.output_path import check_output_path
-from ckpt_tools.ops.preflight import check_key_types, check_rewritable
+from ckpt_tools.ops.preflight import check_key_types
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.transform.average_items import plan_items
 from ckpt_tools.ops.transform.mean_stream import checked_weights
 from ckpt_tools.ops.transform.result import TransformResult
+from ckpt_tools.ops.transform.slim import select_weights
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames
 from ckpt_tools.structure.paths import key_text
-from ckpt_tools.structure.selection import select_state_dict
 from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
 __all__ = ["average", "pick_inputs"]
@@ -190,9 +190,9 @@ def average(
     # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
     target = next(iter([check_output_path(dst, s, force=force, in_place=None) for s in srcs]))
     ckpts = [open_checkpoint(s) for s in srcs]
-    selections = [select_state_dict(c.root, select=select) for c in ckpts]
-    for c, s in zip(ckpts, selections):
-        check_rewritable(c, allow_globals, s.path)
+    # A pickled nn.Module's state dict is recovered, as slim and extract recover it.
+    taken = [select_weights(c, allow_globals, select, ema=False) for c in ckpts]
+    selections = [selection for selection, _ in taken]
     aligned = [_aligned(s.state_dict) for s in selections]
     lines = _mismatches([os.path.basename(s) for s in srcs], aligned)
     if lines:
@@ -210,7 +210,7 @@ def average(
         items,
         weights_only=True,
         drop_extras=drop_extras,
-        notes=notes,
+        notes=[*taken[0][1], *notes],
         overrides=storages,
     )
     plan = replace(plan, rows=tuple(rows), sources=tuple(srcs))

@@ -54,9 +54,9 @@ def plan_items(
             dtypes already checked equal.
         w: the weights, from :func:`~ckpt_tools.ops.transform.mean_stream.checked_weights`.
         ints: None, ``first`` or ``last``: which input integer tensors come from.
-        to_safetensors: the output is safetensors, which writes a computed storage's bytes as its
-            tensors' rows: a strided view is computed apart (a view of part of a storage is
-            refused there, as for any computed storage).
+        to_safetensors: the output is safetensors, which holds a storage once only as tied
+            tensors covering it whole: any other view (strided, or part of its storage) is
+            computed apart, as its own tensor.
 
     Returns:
         ``(items, rows, records, notes)``: items as
@@ -166,9 +166,11 @@ class _Plan:
         sid = id(t.storage)
         used = range(len(self.ckpts)) if make is _mean_of else (0, len(self.ckpts) - 1)
         keys = self.on_storage[sid]
-        if sid not in self.apart and _alike(
-            keys, [self.aligned[i] for i in used], self.to_safetensors
-        ):
+        alike = sid not in self.apart and _alike(keys, [self.aligned[i] for i in used])
+        # safetensors holds a storage once only as tied tensors that each cover it whole; q, k
+        # and v chunked from one storage are written each as its own, as convert writes them.
+        whole = not self.to_safetensors or all(self.aligned[0][k][1].covers_storage() for k in keys)
+        if alike and whole:
             if sid not in self.storages:
                 storages = [others[i].storage for i in used]
                 views = [self.aligned[0][k][1] for k in keys]  # where its cast runs start
@@ -176,7 +178,7 @@ class _Plan:
                     self.ckpts, storages, self.w, t.dtype, t.storage.nbytes, views
                 )
             return t
-        if len(keys) > 1 and sid not in self.apart:
+        if len(keys) > 1 and sid not in self.apart and not alike:
             self.notes.append(
                 f"{', '.join(keys)} share a storage in the first input but are not laid out "
                 "alike in every input: each is computed and written apart"
@@ -211,14 +213,12 @@ def _bytes_of(ckpt: Checkpoint, part: TensorRef | StorageRef) -> Record:
     return copy_record(ckpt, part)
 
 
-def _alike(keys: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]], rows: bool) -> bool:
+def _alike(keys: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]]) -> bool:
     """Whether ``keys`` (one storage's in the first input) lie on one storage of the same size,
     as the same views of one dtype, in every input of ``aligned``: then a computed storage
-    gives each key its own value, and keeps them shared. ``rows``: each also covers the whole
-    storage (a safetensors output holds a computed storage once, as tied tensors; q, k and v
-    chunked from one storage are computed apart, each as its own tensor)."""
+    gives each key its own value, and keeps them shared."""
     first = [aligned[0][k][1] for k in keys]
-    if len({t.dtype for t in first}) != 1 or (rows and not all(t.covers_storage() for t in first)):
+    if len({t.dtype for t in first}) != 1:
         return False
     for sd in aligned[1:]:
         tensors = [sd[k][1] for k in keys]
