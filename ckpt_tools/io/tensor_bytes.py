@@ -58,7 +58,7 @@ def check_plain_values(name: str, tensor: TensorRef, doing: str) -> None:
     Args:
         name: the tensor's key, for the message.
         tensor: its descriptor.
-        doing: what would take the bytes as values (``"a safetensors output"``).
+        doing: what would take the bytes as values (``"a mean"``, ``"a cast to bfloat16"``).
 
     Raises:
         ConversionError: the tensor carries a view bit.
@@ -75,10 +75,8 @@ def check_plain_values(name: str, tensor: TensorRef, doing: str) -> None:
         raise ConversionError(
             f"tensor {name!r} is saved as a {what} view: torch.load applies the bit to its "
             f"bytes, which {doing} would take as they are, changing its values",
-            remedies=(
-                Remedy(text="keep a torch output (.pt), which carries the bit"),
-                Remedy(text=f"load it, call .{resolve} and save that"),
-            ),
+            # A cast or a mean drops the bit in any output format: only resolving it helps.
+            remedies=(Remedy(text=f"load it, call .{resolve} and save that"),),
         )
 
 

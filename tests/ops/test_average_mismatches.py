@@ -147,3 +147,14 @@ def test_average_takes_differing_non_tensor_entries_from_the_input_ints_names(
         got = torch.load(out, weights_only=True)
         assert got["scale"] == want and got["n"] is None and got["cfg"]["depth"] == 2
         out.unlink()
+
+
+def test_a_mean_of_a_negative_view_is_refused_with_the_fix_that_works(tmp_path: Path) -> None:
+    # A torch output would not keep the bit through a mean: resolving the view is the fix.
+    a, b = torch.tensor([1.0, 2.0])._neg_view(), torch.tensor([3.0, 4.0])._neg_view()
+    code, output, out = _average(tmp_path, {"w": a}, {"w": b})
+    assert code == 7 and "'w' is saved as a negative view" in output, output
+    assert "torch output" not in output and output.rstrip().endswith(
+        "load it, call .resolve_neg() and save that"
+    ), output
+    assert not out.exists()
