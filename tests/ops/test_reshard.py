@@ -357,3 +357,13 @@ def test_parse_shard_size_is_exact_however_long() -> None:
     for bad in ("1e3", "inf", "nan", "0.0001KB"):
         with pytest.raises(UsageError, match="max_shard_size="):
             parse_shard_size(bad)
+
+
+def test_a_folder_output_counts_gathered_views_as_written_not_copied(tmp_path: Path) -> None:
+    # As a single .safetensors output says it: a transposed view is gathered, not copied.
+    torch.save({"w": torch.randn(4, 8), "t": torch.randn(8, 4).t()}, tmp_path / "m.pt")
+    one = convert(tmp_path / "m.pt", tmp_path / "m.safetensors")
+    folder = convert(tmp_path / "m.pt", f"{tmp_path}/hf/")
+    planned = convert(tmp_path / "m.pt", f"{tmp_path}/hf2/", dry_run=True)
+    for result in (one, folder, planned):
+        assert (result.bytes_written, result.bytes_copied) == (256, 128), result

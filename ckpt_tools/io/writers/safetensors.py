@@ -35,6 +35,7 @@ from ckpt_tools.io.writers.zipfile import Writeback, copy_range, pwrite_all
 __all__ = [
     "SafetensorsEntry",
     "check_holdable",
+    "copied_bytes",
     "leave_out_extras",
     "safetensors_header",
     "source_records",
@@ -129,6 +130,12 @@ def source_records(
     (:func:`~ckpt_tools.io.writers.records.tensor_bytes_record`).
     """
     return [(e.name, e.tensor, tensor_bytes_record(source, e.tensor)) for e in entries]
+
+
+def copied_bytes(entries: Sequence[SafetensorsEntry]) -> int:
+    """The bytes :func:`source_records` copies as spans (contiguous tensors); the rest,
+    non-contiguous views, is gathered."""
+    return sum(e.tensor.nbytes for e in entries if e.tensor.is_contiguous())
 
 
 def safetensors_header(

@@ -240,7 +240,9 @@ def _plan(
         check_output_size([e.tensor for e in entries], total, target)
         for e in entries:
             ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused here
-        copied = sum(e.tensor.nbytes for e in entries if e.tensor.is_contiguous())
+        from ckpt_tools.io.writers.safetensors import copied_bytes
+
+        copied = copied_bytes(entries)
         plan = (changed, total, copied, dropped, None, entries, metadata, expected, ())
         return _RewritePlan(*plan, safetensors=True)
     from ckpt_tools.io.writers.torchzip import picklable_tensors

@@ -38,7 +38,12 @@ from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.hf_folder import write_hf_shards
 from ckpt_tools.io.writers.output import Check
 from ckpt_tools.io.writers.progress import ByteCounter
-from ckpt_tools.io.writers.safetensors import SafetensorsEntry, check_holdable, source_records
+from ckpt_tools.io.writers.safetensors import (
+    SafetensorsEntry,
+    check_holdable,
+    copied_bytes,
+    source_records,
+)
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -133,7 +138,7 @@ def convert_to_folder(
         "input_format": ckpt.format,
         "output_format": "hf-sharded",
         "bytes_written": folder.shards.total_size,
-        "bytes_copied": folder.shards.total_size,
+        "bytes_copied": copied_bytes(folder.entries),
         "dropped": folder.dropped,
         "selected": folder.selected,
         "tensors": len(folder.entries),
