@@ -1,6 +1,7 @@
 """Redirects answered by a scripted server the suite starts (a plain ``http.server`` that
 writes its own answers): a redirect with a huge body, framed by its length or chunked, is
-followed without reading that body; a relative ``Location``; a redirect loop.
+followed without reading that body; a relative ``Location``; a redirect loop; a redirect
+to something that cannot be requested.
 
 The server counts the body bytes the kernel took from it before the client hung up: a
 client that reads a redirect's body whole makes it write all of it.
@@ -173,3 +174,26 @@ def test_a_redirect_loop_is_refused_after_httpx_s_number_of_hops(
     assert message.startswith(f"{url}: the request failed at {host}: TooManyRedirects"), message
     assert info.value.exit_code == EXIT_REMOTE and "\n" not in message
     assert redirecting.log.requests() == 21
+
+
+@pytest.mark.parametrize(
+    ("location", "words"),
+    [
+        ("http://example..com/model.bin", "http://example..com/model.bin, whose host"),
+        ("http://xn--/model.bin", "something that cannot be requested"),
+        ("mailto:x@y", "something that cannot be requested"),
+    ],
+)
+def test_a_redirect_to_what_cannot_be_requested_is_the_server_s_fault(
+    redirecting: _RedirectServer, remote_env: Path, location: str, words: str
+) -> None:
+    """The URL given is fine; the server's ``Location`` is not: exit 8 (a RemoteError), one
+    line naming the URL given and where the server sent it."""
+    url = _url(redirecting)
+    redirecting.location = location
+    with RemoteSession() as remote, pytest.raises(RemoteError) as info:
+        remote.open(url)
+    assert str(info.value).startswith(f"{url}: the server redirected to {words}"), info.value
+    _, out, err = run_ckpt("inspect", url, code=EXIT_REMOTE)
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"{url}: the server redirected to {words}" in err, err

@@ -326,3 +326,22 @@ def test_an_hf_endpoint_without_a_scheme_leaves_other_urls_alone(
     assert "HF_ENDPOINT='hub.internal:8080' is not an http(s) URL" in err, err
     assert "write HF_ENDPOINT=https://hub.internal:8080" in err and out == ""
     assert hub.log.requests() == 0
+
+
+@pytest.mark.parametrize("host", ["example..com", "xn--", "a" * 64 + ".com"])
+def test_a_host_no_request_can_encode_is_a_malformed_url(
+    remote_env: Path, monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    """An empty label, one over 63 characters, an ``xn--`` label that is no Punycode: the
+    URL given, or ``HF_ENDPOINT``, is refused in one line with exit 2, its password unshown."""
+    url = f"https://alice:s3cr3t@{host}/model.pt"
+    for command in ("inspect", "scan"):
+        _, out, err = run_ckpt(command, url, code=EXIT_USAGE)
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"'https://***@{host}/model.pt' has a malformed host {host!r}" in err, err
+        assert "s3cr3t" not in err and "write http(s)://HOST/PATH" in err
+    monkeypatch.setenv("HF_ENDPOINT", f"https://{host}")
+    _, out, err = run_ckpt("inspect", "hf://org/repo/model.pt", code=EXIT_USAGE)
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"HF_ENDPOINT='https://{host}' has a malformed host" in err, err
+    assert "write HF_ENDPOINT=https://HOST" in err

@@ -246,7 +246,8 @@ class HttpTransport:
 
     def _send(self, url: str, headers: dict[str, str]) -> httpx.Response:
         request = self._client.build_request("GET", url, headers=headers)
-        return send_following(self._client, request, self.stats)  # (each redirect counted)
+        # (each redirect counted)
+        return send_following(self._client, request, self.stats, name=self.url)
 
     def _answer(self, response: httpx.Response, start: int, end: int) -> tuple[bytes, int]:
         data, size = self._read_answer(response, start, end)

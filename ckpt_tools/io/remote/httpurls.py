@@ -13,10 +13,18 @@ from __future__ import annotations
 import re
 from urllib.parse import SplitResult, urlsplit
 
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import UsageError, quote_foreign
 from ckpt_tools.formats import HIDDEN, shown_url
 
-__all__ = ["credentials", "shown_text", "shown_url", "split_http", "with_userinfo"]
+__all__ = [
+    "credentials",
+    "host_problem",
+    "http_problem",
+    "shown_text",
+    "shown_url",
+    "split_http",
+    "with_userinfo",
+]
 
 # scheme://, the authority (userinfo@host:port), the rest: read without urlsplit, so that
 # credentials are found in a URL urlsplit refuses too.
@@ -77,9 +85,65 @@ def with_userinfo(url: str, userinfo: str) -> str:
     return f"{head}{userinfo}@{host}{rest}"
 
 
+def host_problem(host: str) -> str:
+    """What keeps ``host`` from being looked up, in words; ``""`` when nothing does.
+
+    Checked as the request would encode it, so that a malformed host is refused by name
+    rather than by a ``UnicodeError`` from deep in the connection: the socket's IDNA codec
+    (an empty label, one over 63 characters) and, as httpx encodes it, the ``idna`` package
+    for a host that is not ASCII or starts with ``xn--``.
+
+    Example:
+        >>> host_problem("host.example"), host_problem("example..com")
+        ('', 'a part between its dots is empty or longer than 63 characters')
+    """
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return "a part between its dots is empty or longer than 63 characters"
+    if host.isascii() and not host.startswith("xn--"):
+        return ""
+    try:
+        import idna  # (httpx's own dependency: without it no http request is made)
+    except ImportError:
+        return ""
+    try:
+        idna.decode(host) if host.isascii() else idna.encode(host)
+    except idna.IDNAError as e:
+        return f"not a valid international host name ({quote_foreign(e)})"
+    return ""
+
+
+def _problem(url: str) -> tuple[SplitResult | None, str]:
+    """``url`` taken apart, and what keeps it from being requested (``""`` when nothing)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number or too large)
+    except ValueError as e:  # (urlsplit's words may quote the netloc, userinfo and all)
+        return None, "is not a URL that can be requested" + ("" if "@" in url else f" ({e})")
+    host = parts.hostname
+    if not host:
+        return parts, "names no host"
+    bracketed = parts.netloc.rpartition("@")[2].startswith("[")  # an IP address: no labels
+    problem = "" if bracketed else host_problem(host)
+    return parts, problem and f"has a malformed host {host!r}: {problem}"
+
+
+def http_problem(url: str) -> str:
+    """What keeps the ``http(s)://`` URL ``url`` from being requested, in words, after the
+    URL (which it does not quote); ``""`` when nothing does.
+
+    Example:
+        >>> http_problem("https://host.example/m.pt"), http_problem("https:///m.pt")
+        ('', 'names no host')
+    """
+    return _problem(url)[1]
+
+
 def split_http(url: str) -> SplitResult:
     """An ``http(s)://`` URL taken apart (``urlsplit``), refused where it has no host or a
-    malformed one (an unclosed ``[``, a bracketed host that is no IP address, a bad port).
+    malformed one (an unclosed ``[``, a bracketed host that is no IP address, a bad port, a
+    host name the request could not encode: see :func:`host_problem`).
 
     Raises:
         UsageError: the URL (:func:`shown_url`), what is wrong with it, and what to write. A
@@ -93,17 +157,14 @@ def split_http(url: str) -> SplitResult:
         Traceback (most recent call last):
         ckpt_tools.errors.UsageError: 'https:///m.pt' names no host: write http(s)://HOST/PATH
     """
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError for a port that is no number or too large)
-        problem = "" if parts.hostname else "names no host"
-    except ValueError as e:  # (urlsplit's words may quote the netloc, userinfo and all)
-        problem = "is not a URL that can be requested" + ("" if "@" in url else f" ({e})")
-    if not problem:
+    parts, problem = _problem(url)
+    if parts is not None and not problem:
         return parts
     shown = shown_url(url)
     found = _authority(url)
     if found is not None and "@" in found[3]:
+        # Hidden up to the last '@' whatever the host looks like (a malformed one too).
+        shown = shown_url(f"{found[0]}{HIDDEN}@{url[len(found[0]) :].rpartition('@')[2]}")
         raise UsageError(
             f"{shown!r} is not a URL that can be requested: its host ends at a '/', '?' or '#' "
             "before the '@' that ends a user name and password; write those characters "

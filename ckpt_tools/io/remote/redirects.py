@@ -11,8 +11,10 @@ the redirect's body and closed it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ckpt_tools.errors import RemoteError, quote_foreign
+from ckpt_tools.io.remote.httpurls import host_problem, shown_url
 from ckpt_tools.io.remote.rangefile import TransferStats
 
 if TYPE_CHECKING:
@@ -27,7 +29,7 @@ _DISCARD_PIECE = 8 << 10
 
 
 def send_following(
-    client: httpx.Client, request: httpx.Request, stats: TransferStats
+    client: httpx.Client, request: httpx.Request, stats: TransferStats, *, name: str
 ) -> httpx.Response:
     """The answer to ``request``, its redirects followed as httpx follows them, and as many
     (``client.max_redirects``); each redirect is counted in ``stats`` as a request.
@@ -37,12 +39,15 @@ def send_following(
         request: the first request (``client.build_request``).
         stats: where each redirect, and the bytes read of its body, are counted; the final
             answer is the caller's to count.
+        name: the URL as errors name it (:func:`shown_url` of the URL given).
 
     Returns:
         The final answer, its body not read yet (a stream); its ``history`` holds the
         redirects, closed.
 
     Raises:
+        RemoteError: a redirect to something that cannot be requested (a ``mailto:``
+            ``Location``, a malformed host): the server's fault, as its ``Location`` is.
         httpx.TooManyRedirects: more redirects than ``client.max_redirects`` (a loop).
         httpx.RequestError: as ``client.send`` raises it.
 
@@ -55,14 +60,14 @@ def send_following(
         >>> client = httpx.Client(transport=httpx.MockTransport(server))
         >>> stats = TransferStats()
         >>> request = client.build_request("GET", "https://h.example/old")
-        >>> answer = send_following(client, request, stats)
+        >>> answer = send_following(client, request, stats, name="https://h.example/old")
         >>> str(answer.url), answer.read(), len(answer.history), stats.requests
         ('https://h.example/new', b'weights', 1, 1)
     """
     import httpx  # (the caller has it: the remote extra)
 
     hops: list[httpx.Response] = []
-    response = client.send(request, stream=True, follow_redirects=False)
+    response = _send(client, request, name)
     while response.next_request is not None:
         following = response.next_request
         stats.add(_discard(response))
@@ -71,10 +76,41 @@ def send_following(
             raise httpx.TooManyRedirects(
                 f"more than {client.max_redirects} redirects", request=following
             )
+        _check_target(following, name)
         # The headers httpx chose for the redirect go as they are: no auth added again.
-        response = client.send(following, stream=True, follow_redirects=False, auth=httpx.Auth())
+        response = _send(client, following, name, auth=httpx.Auth())
     response.history = hops
     return response
+
+
+def _send(
+    client: httpx.Client, request: httpx.Request, name: str, **options: Any
+) -> httpx.Response:
+    import httpx
+
+    try:
+        return client.send(request, stream=True, follow_redirects=False, **options)
+    except (httpx.InvalidURL, UnicodeError) as e:
+        # The URL sent was checked (split_http, _check_target): the Location answered is not.
+        raise RemoteError(
+            f"{name}: the server redirected to something that cannot be requested "
+            f"({quote_foreign(e)})",
+            path=name,
+        ) from e
+
+
+def _check_target(following: httpx.Request, name: str) -> None:
+    """Refuse a redirect to a host that cannot be looked up (``example..com``), naming it,
+    before the socket fails on it with a ``UnicodeError``."""
+    host = following.url.host
+    problem = host_problem(host) if host and ":" not in host else ""  # (an IPv6 address)
+    if problem:
+        target = shown_url(str(following.url), target=True)
+        raise RemoteError(
+            f"{name}: the server redirected to {target}, whose host {host!r} cannot be "
+            f"requested: {problem}",
+            path=name,
+        )
 
 
 def _discard(response: httpx.Response) -> int:

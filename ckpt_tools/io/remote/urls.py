@@ -10,7 +10,6 @@ in ``transformers_weights``, else the first of :data:`FOLDER_FILES` there.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ from urllib.parse import quote, unquote, urlunsplit
 
 from ckpt_tools.errors import CorruptCheckpointError, UsageError
 from ckpt_tools.formats.hf_choice import TRANSFORMERS_ORDER
-from ckpt_tools.io.remote.httpurls import shown_url, split_http
+from ckpt_tools.io.remote.httpurls import http_problem, shown_url, split_http
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -191,17 +190,20 @@ def hf_endpoint() -> str:
     """
     value = os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
     endpoint = value.rstrip("/")
-    if scheme(endpoint) in ("http", "https"):
-        with contextlib.suppress(UsageError):
-            split_http(endpoint)
-            return endpoint
+    problem = http_problem(endpoint) if scheme(endpoint) in ("http", "https") else ""
+    if scheme(endpoint) in ("http", "https") and not problem:
+        return endpoint
     # What to write, and what was found, each shown without credentials it may hold.
     given, sep, rest = value.partition("://")
     written = rest if sep else given
-    fix = shown_url("https://" + written) if written.strip("/") else "https://HOST"
     found = (given + sep if sep else "") + shown_url("https://" + written)[len("https://") :]
+    if problem:  # an http(s) URL already: its host (or port) is what to fix
+        fix, problem = "https://HOST", problem.replace("is not a URL", "is not an http(s) URL", 1)
+    else:
+        fix = shown_url("https://" + written) if written.strip("/") else "https://HOST"
+        problem = "is not an http(s) URL with a host"
     raise UsageError(
-        f"HF_ENDPOINT={found!r} is not an http(s) URL with a host: write HF_ENDPOINT={fix} "
+        f"HF_ENDPOINT={found!r} {problem}: write HF_ENDPOINT={fix} "
         "(or http:// for a Hub on your own network)"
     )
 
