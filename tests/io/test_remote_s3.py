@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from ckpt_tools.errors import (
     EXIT_REMOTE,
+    EXIT_USAGE,
     CheckpointNotFoundError,
     RemoteAccessError,
     RemoteError,
@@ -147,6 +148,52 @@ def test_an_endpoint_s_password_is_never_shown(
     message = str(info.value)
     assert "EPSECRET" not in message and "Could not connect" in message
     assert f"S3 endpoint {dead_ends.refused.replace('://', '://***@')}: " in message
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+@pytest.mark.parametrize(
+    ("endpoint", "words"),
+    [
+        ("localhost:9000", "is not an http(s) URL: write {}=https://localhost:9000"),
+        ("ftp://minio:EPSECRET@host", "is not an http(s) URL: write {}=https://***@host"),
+        ("http://minio:EPSECRET@minio_1:9000", "is not an http(s) URL with a host botocore"),
+    ],
+)
+def test_an_endpoint_variable_botocore_refuses_is_a_usage_error(
+    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch, variable: str, endpoint: str, words: str
+) -> None:
+    """No scheme, another scheme, a host name with '_' (a docker-compose service's): one
+    line naming the variable and what to write, exit 2 as for HF_ENDPOINT, its password
+    unshown, nothing sent."""
+    monkeypatch.setenv(variable, endpoint)
+    shown = endpoint.replace("minio:EPSECRET@", "***@")
+    for command in ("inspect", "scan"):
+        _, out, err = run_ckpt(command, "s3://ckpts/m.pt", code=EXIT_USAGE)
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"{variable}={shown!r} {words.format(variable)}" in err, err
+        assert "EPSECRET" not in err
+    assert s3.server.log.requests() == 0
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "code"),
+    [
+        ("http://minio:EPSECRET@minio_1:9000", EXIT_USAGE),
+        ("ftp://minio:EPSECRET@host", EXIT_REMOTE),
+    ],
+)
+def test_an_endpoint_of_the_aws_config_file_is_shown_without_its_password(
+    s3: S3Bucket, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: str, code: int
+) -> None:
+    """botocore reads ``endpoint_url`` from the AWS config file where no variable is set:
+    one it refuses is one line too, whatever its scheme, its password shown as ``***``."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    config = tmp_path / "aws-config"
+    config.write_text(f"[default]\nendpoint_url = {endpoint}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    _, out, err = run_ckpt("inspect", "s3://ckpts/m.pt", code=code)
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert "EPSECRET" not in err and endpoint.replace("minio:EPSECRET@", "***@") in err, err
 
 
 def test_a_local_path_is_never_read_as_s3(s3: S3Bucket, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "credentials",
     "host_problem",
     "http_problem",
+    "shown_any",
     "shown_text",
     "shown_url",
     "split_http",
@@ -29,8 +30,9 @@ __all__ = [
 # scheme://, the authority (userinfo@host:port), the rest: read without urlsplit, so that
 # credentials are found in a URL urlsplit refuses too.
 _AUTHORITY = re.compile(r"(https?://)([^/?#]*)(.*)", re.IGNORECASE | re.DOTALL)
-# An http(s) URL inside another library's message (botocore names its endpoint URL).
-_URL_IN_TEXT = re.compile(r"https?://[^\s'\"<>]+", re.IGNORECASE)
+# A URL inside another library's message (botocore names its endpoint URL, whatever its
+# scheme, between backticks).
+_URL_IN_TEXT = re.compile(r"(?<![\w+.-])[a-z][\w+.-]*://[^\s'\"<>`]+", re.IGNORECASE)
 
 
 def _authority(url: str) -> tuple[str, str | None, str, str] | None:
@@ -43,13 +45,29 @@ def _authority(url: str) -> tuple[str, str | None, str, str] | None:
 
 
 def shown_text(text: str) -> str:
-    """``text`` (another library's message) with every ``http(s)`` URL in it :func:`shown_url`.
+    """``text`` (another library's message) with every URL in it :func:`shown_any`.
 
     Example:
         >>> shown_text('Could not connect to "http://u:pw@127.0.0.1:1/b/k"')
         'Could not connect to "http://***@127.0.0.1:1/b/k"'
+        >>> shown_text("Custom endpoint `ftp://u:pw@host` was not a valid URI")
+        'Custom endpoint `ftp://***@host` was not a valid URI'
     """
-    return _URL_IN_TEXT.sub(lambda found: shown_url(found[0]), text)
+    return _URL_IN_TEXT.sub(lambda found: shown_any(found[0]), text)
+
+
+def shown_any(url: str) -> str:
+    """A URL of any scheme, or one written without a scheme (a setting's value), shown as
+    :func:`shown_url` shows an ``http(s)`` one: its userinfo and query values hidden.
+
+    Example:
+        >>> shown_any("ftp://minio:secret@host/x"), shown_any("minio:secret@host:9000")
+        ('ftp://***@host/x', '***@host:9000')
+    """
+    head, sep, rest = url.partition("://")
+    if not sep:
+        head, rest = "", url
+    return head + sep + shown_url("https://" + rest)[len("https://") :]
 
 
 def credentials(url: str) -> tuple[str, str | None]:

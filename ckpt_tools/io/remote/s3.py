@@ -21,10 +21,11 @@ from ckpt_tools.errors import (
     Remedy,
     RemoteAccessError,
     RemoteError,
+    UsageError,
     quote_foreign,
 )
 from ckpt_tools.io.remote.http import TIMEOUT_ENV
-from ckpt_tools.io.remote.httpurls import shown_text, shown_url
+from ckpt_tools.io.remote.httpurls import shown_any, shown_text
 from ckpt_tools.io.remote.rangefile import (
     SameObject,
     TransferStats,
@@ -50,6 +51,7 @@ def _botocore(feature: str = "reading s3:// URLs") -> Any:
         import botocore.exceptions
         import botocore.loaders
         import botocore.session
+        import botocore.utils
     except ImportError as e:
         raise MissingExtraError(feature, "botocore", "remote") from e
     return botocore
@@ -75,6 +77,9 @@ def make_s3_client(timeout: float) -> Any:
 
     Raises:
         MissingExtraError: botocore is not installed.
+        UsageError: the endpoint (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, or
+            ``endpoint_url`` in the AWS config file) is no ``http(s)`` URL with a host
+            botocore accepts; the message shows it without its credentials.
 
     Example:
         >>> from unittest import mock
@@ -84,7 +89,7 @@ def make_s3_client(timeout: float) -> Any:
         ('http://127.0.0.1:9', 'path')
     """
     botocore = _botocore()
-    custom = any(os.environ.get(name) for name in _ENDPOINT_VARIABLES)
+    custom = _checked_endpoint(botocore)
     config = botocore.config.Config(
         connect_timeout=timeout,
         read_timeout=timeout,
@@ -93,7 +98,46 @@ def make_s3_client(timeout: float) -> Any:
     )
     session = botocore.session.get_session()
     session.register_component("data_loader", _models())
-    return session.create_client("s3", config=config)
+    try:
+        return session.create_client("s3", config=config)
+    except ValueError as e:  # (the variables are checked: an endpoint_url of the AWS config)
+        words, sep, refused = str(e).partition(": ")
+        if (words, sep) != ("Invalid endpoint", ": "):
+            raise
+        raise UsageError(
+            f"endpoint_url {shown_any(refused)!r} in the AWS config file is not an http(s) "
+            "URL with a host botocore accepts: write endpoint_url = https://HOST[:PORT] there, "
+            "the host name of letters, digits, '-' and '.' only (no '_'), or its IP address"
+        ) from e
+
+
+def _checked_endpoint(botocore: Any) -> bool:
+    """Whether an endpoint variable is set (buckets are then addressed by path); one that
+    botocore would refuse, with a bare ``ValueError`` quoting it whole, is refused here."""
+    found = next(((n, os.environ[n]) for n in _ENDPOINT_VARIABLES if os.environ.get(n)), None)
+    if found is None:
+        return False
+    name, value = found
+    given, sep, rest = value.partition("://")
+    if not sep or given.lower() not in ("http", "https"):
+        written = rest if sep else value
+        fix = shown_any("https://" + written) if written.strip("/") else "https://HOST"
+        raise UsageError(
+            f"{name}={shown_any(value)!r} is not an http(s) URL: write {name}={fix} "
+            "(or http:// for a server on your own network)"
+        )
+    utils = botocore.utils
+    try:
+        accepted = utils.is_valid_endpoint_url(value) or utils.is_valid_ipv6_endpoint_url(value)
+    except ValueError:  # (urlsplit's: an unclosed '[')
+        accepted = False
+    if not accepted:
+        raise UsageError(
+            f"{name}={shown_any(value)!r} is not an http(s) URL with a host botocore "
+            f"accepts: write {name}=https://HOST[:PORT] (or http://), the host name of "
+            "letters, digits, '-' and '.' only (no '_'), or its IP address"
+        )
+    return True
 
 
 @contextlib.contextmanager
@@ -228,7 +272,7 @@ class S3Transport:
         raise RemoteError(f"{self.url}: {quote_foreign(error)}", path=self.url) from error
 
     def _endpoint_error(self, error: Exception) -> RemoteError:
-        endpoint = shown_url(self._client.meta.endpoint_url)  # (AWS_ENDPOINT_URL may hold one)
+        endpoint = shown_any(self._client.meta.endpoint_url)  # (AWS_ENDPOINT_URL may hold one)
         remedies = ()
         if "Timeout" in type(error).__name__:
             remedies = (Remedy(text=f"set {TIMEOUT_ENV} to more seconds if the server is slow"),)
