@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
+from safetensors.torch import save_file
 
 from ckpt_tools import scan
 from ckpt_tools.formats.zip.directory import read_zip_directory
+from ckpt_tools.io.remote import TransferStats
 from tests.helpers.cli import run_ckpt
 from tests.helpers.committed import fixture_files, fixture_path
 from tests.helpers.scan_corpus import MALICIOUS
@@ -159,6 +161,31 @@ def test_a_folder_url_scans_the_weight_files_a_loader_takes(hub, tmp_path, corpu
     _, out, _ = run_ckpt("scan", "--json", "hf://org/both", code=1)
     verdicts = {Path(f["path"]).name: f["verdict"] for f in json.loads(out)["files"]}
     assert verdicts == {"model.safetensors": "clean", "pytorch_model.bin": "dangerous"}
+
+
+def test_verbose_counts_each_file_a_folder_url_leads_to_as_the_server_did(hub, tmp_path) -> None:
+    """``scan -v`` of two folder URLs: each file's line counts its own requests and bytes,
+    the first one (made by the folder's search) included; the total adds the misses."""
+    save_file({"w": torch.ones(4)}, tmp_path / "model.safetensors")
+    torch.save({f"x{i}": torch.zeros(1 << 14) for i in range(8)}, tmp_path / "pytorch_model.bin")
+    names = (("a", "model.safetensors"), ("b", "pytorch_model.bin"))
+    files = [hub.put_file(f"{folder}/{name}", tmp_path / name) for folder, name in names]
+    folders = [url.rpartition("/")[0] + "/" for url in files]
+    _, _, err = run_ckpt("scan", "--verbose", *folders, code=0)
+    for url in files:
+        path = url.removeprefix(hub.url)
+        cost = TransferStats(hub.log.requests(path), hub.log.sent(path))
+        assert f"remote: {url}: {cost}\n" in err, err
+    assert f"remote: {TransferStats(hub.log.requests(), hub.log.sent())}" in err, err
+    assert hub.log.requests(files[1].removeprefix(hub.url)) > 1
+    hub.log.clear()
+    report = scan(folders)
+    for url, got in zip(files, report.files, strict=True):
+        path = url.removeprefix(hub.url)
+        assert (got.path, got.transfer) == (
+            url,
+            TransferStats(hub.log.requests(path), hub.log.sent(path)),
+        )
 
 
 def test_tar_dcp_and_deepspeed_urls_are_refused_with_the_fix(hub) -> None:

@@ -28,14 +28,23 @@ from ckpt_tools.formats.detect import SHARD_INDEX_SUFFIX
 from ckpt_tools.formats.zip.directory import read_zip_directory
 from ckpt_tools.formats.zip.records import check_inflates
 from ckpt_tools.io.remote.checkpoint import open_file
-from ckpt_tools.io.remote.rangefile import RemoteFile
+from ckpt_tools.io.remote.rangefile import RemoteFile, TransferStats
 from ckpt_tools.io.remote.session import RemoteSession
 from ckpt_tools.io.remote.urls import file_name, folder_candidates, is_folder_url, sibling
 
-__all__ = ["Remote", "open_remote", "refuse_local_only", "url_targets"]
+__all__ = ["Found", "Remote", "open_remote", "refuse_local_only", "url_targets"]
 
 # Folder formats told by one file: DCP's metadata, DeepSpeed's tag pointer.
 _FOLDER_MARKERS = ((".metadata", "DCP"), ("latest", "DeepSpeed"))
+
+
+class Found(NamedTuple):
+    """A file a URL leads to: its URL and, where a folder's search opened it already, the
+    open file and what opening it cost (its first request, a redirect before it)."""
+
+    url: str
+    file: RemoteFile | None = None
+    opened: TransferStats | None = None
 
 
 class Remote(NamedTuple):
@@ -45,9 +54,7 @@ class Remote(NamedTuple):
     session: RemoteSession
 
 
-def url_targets(
-    url: str, session: RemoteSession
-) -> tuple[list[tuple[str, RemoteFile | None]], list[str]]:
+def url_targets(url: str, session: RemoteSession) -> tuple[list[Found], list[str]]:
     """The files to scan for ``url``, and the files skipped (a folder's shard indexes).
 
     Args:
@@ -55,8 +62,8 @@ def url_targets(
         session: where the folder's look-ups go.
 
     Returns:
-        ``(targets, skipped)``: each target's URL with its file where it was opened
-        already (else None), in name order as a local folder is walked; the index URLs.
+        ``(targets, skipped)``: each target (:class:`Found`), in name order as a local
+        folder is walked; the index URLs.
 
     Raises:
         CheckpointNotFoundError: a folder holds none of the files looked for.
@@ -65,23 +72,28 @@ def url_targets(
 
     Example:
         >>> url_targets("https://host.example/model.pt", RemoteSession())
-        ([('https://host.example/model.pt', None)], [])
+        ([Found(url='https://host.example/model.pt', file=None, opened=None)], [])
     """
     url = session.named(url)  # shown without its password; the session sends it
     if not is_folder_url(url):
-        return [(url, None)], []
-    found: dict[str, tuple[str, RemoteFile | None]] = {}  # name -> (URL, file)
+        return [Found(url)], []
+    found: dict[str, Found] = {}  # by name
     indexes: list[str] = []
+    stats = session.stats
     for candidate in folder_candidates(url):
+        before = TransferStats(stats.requests, stats.bytes_received)
         file = _opened_or_none(candidate, session)
         if file is None:
             continue
         if file_name(candidate).endswith(SHARD_INDEX_SUFFIX):
             indexes.append(candidate)
             for name in _shard_names(candidate, file):
-                found.setdefault(name, (sibling(candidate, name), None))
+                found.setdefault(name, Found(sibling(candidate, name)))
         else:
-            found[file_name(candidate)] = (candidate, file)
+            opened = TransferStats(
+                stats.requests - before.requests, stats.bytes_received - before.bytes_received
+            )
+            found[file_name(candidate)] = Found(candidate, file, opened)
     if not found and not indexes:
         _refuse_folder_format(url, session)
         tried = ", ".join(file_name(c) for c in folder_candidates(url))

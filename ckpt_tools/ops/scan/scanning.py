@@ -94,6 +94,7 @@ class _Target(NamedTuple):
     named: bool  # by the caller, not found in a folder
     remote: bool
     file: RemoteFile | None = None  # a remote file opened already (found in a folder)
+    opened: TransferStats | None = None  # what opening it cost then
 
 
 def _scan_all(
@@ -105,7 +106,7 @@ def _scan_all(
         if session is not None and is_url(path):
             found, indexes = url_targets(path, session)
             named = not is_folder_url(path)
-            targets += [_Target(url, named, True, file) for url, file in found]
+            targets += [_Target(f.url, named, True, f.file, f.opened) for f in found]
             skipped += indexes
         elif not os.path.lexists(path):
             raise CheckpointNotFoundError(f"no such file or folder: {path!r}", path=path)
@@ -133,7 +134,12 @@ def _scan_all(
 
 def _scan_url(target: _Target, session: RemoteSession) -> FileScan | None:
     """:func:`scan_file` of a remote file, with what its reads cost."""
-    before = TransferStats(session.stats.requests, session.stats.bytes_received)
+    # A file a folder's search opened: its first request is its own, made before this one.
+    opened = target.opened or TransferStats()
+    stats = session.stats
+    before = TransferStats(
+        stats.requests - opened.requests, stats.bytes_received - opened.bytes_received
+    )
     file = target.file if target.file is not None else session.open(target.path)
     result = _scan(target.path, Remote(file, session))
     if result is None and target.named:
@@ -141,8 +147,7 @@ def _scan_url(target: _Target, session: RemoteSession) -> FileScan | None:
     if result is None:
         return None
     cost = TransferStats(
-        session.stats.requests - before.requests,
-        session.stats.bytes_received - before.bytes_received,
+        stats.requests - before.requests, stats.bytes_received - before.bytes_received
     )
     return replace(result, transfer=cost)
 
