@@ -6,6 +6,7 @@ sides), and the remote extra missing.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.io.remote import RemoteSession, TransferStats
 from ckpt_tools.io.remote.urls import FOLDER_FILES
-from tests.helpers.cli import modules_loaded_by
+from tests.helpers.cli import modules_loaded_by, run_ckpt
+from tests.helpers.committed import fixture_path
 from tests.helpers.servers import HubServer, S3Bucket
 
 
@@ -124,6 +126,34 @@ def test_a_folder_over_plain_http_and_s3(hub: HubServer, s3: S3Bucket) -> None:
             b"pt",
         )
     assert s3.server.log.requests(method="GET") == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "fixture"),
+    [("model.safetensors", "model.safetensors"), ("pytorch_model.bin", "model.pt")],
+)
+def test_a_folder_of_one_weight_file_is_reported_as_the_same_local_folder(
+    hub: HubServer, tmp_path: Path, name: str, fixture: str
+) -> None:
+    """``inspect`` of a folder URL that holds one weight file: ``hf-sharded``, that file its
+    one shard, as the folder inspected locally; its path is the folder URL as given."""
+    folder = tmp_path / "one"
+    folder.mkdir()
+    shutil.copyfile(fixture_path(fixture), folder / name)
+    _, out, _ = run_ckpt("inspect", "--json", folder)
+    local = json.loads(out)
+    assert (local["format"], local["shards"], local.pop("path")) == (
+        "hf-sharded",
+        [name],
+        str(folder),
+    )
+    http = hub.put_file(f"one/{name}", folder / name).rpartition("/")[0] + "/"
+    hub_repo = hub.put("org/one", name, folder / name).rpartition("/")[0]
+    for url in (http, hub_repo):
+        _, out, _ = run_ckpt("inspect", "--json", url)
+        remote = json.loads(out)
+        assert remote.pop("path") == url
+        assert remote == local
 
 
 def test_an_empty_folder_names_what_was_tried(hub: HubServer) -> None:

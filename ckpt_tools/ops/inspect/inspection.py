@@ -382,12 +382,17 @@ def _as_named(path: str, ckpt: Checkpoint) -> Checkpoint:
 
 
 def _inspect_url(url: str, select: Select) -> CheckpointInfo:
-    """Inspect the checkpoint at ``url``, with what reading it cost."""
-    import dataclasses
-
+    """Inspect the checkpoint at ``url``, with what reading it cost; a folder URL whose
+    search found one weight file is reported as that folder, as :func:`_as_named` reports
+    a local one (the URL as given, its ``/`` kept)."""
     from ckpt_tools.io.remote import RemoteSession
     from ckpt_tools.io.remote.checkpoint import open_url
+    from ckpt_tools.io.remote.urls import file_name, is_folder_url
 
     with RemoteSession() as session:
-        info = inspect_checkpoint(open_url(url, session=session), select)
-    return dataclasses.replace(info, transfer=session.stats)
+        ckpt = open_url(url, session=session)
+        if ckpt.format != "hf-sharded" and is_folder_url(url):
+            shards = {file_name(ckpt.path): ckpt}
+            ckpt = replace(ckpt, path=session.named(url), format="hf-sharded", shards=shards)
+        info = inspect_checkpoint(ckpt, select)
+    return replace(info, transfer=session.stats)
