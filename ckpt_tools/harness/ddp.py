@@ -276,12 +276,11 @@ def _spawn_entry(
     except Exception as exc:
         write_failure(failures, rank, exc)
         raise
-    if config.strategy == "zero":
-        # DeepSpeed's threads can abort the interpreter's own exit after a complete run (the
-        # ranks have written and passed the last barrier): leave without running it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # Threads of gloo and of DeepSpeed can abort the interpreter's own exit after a complete
+    # run (the ranks have written and passed the last barrier): leave without running it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _worker(

@@ -191,9 +191,10 @@ def train_cmd(
     env = torchrun_env()
     if env is None or env.rank == 0:  # under torchrun every rank returns; one reports
         _echo_train(result, as_json)
-    if strategy == "zero" and env is not None:
-        # DeepSpeed's threads can abort the interpreter's own exit after a complete run
-        # (every rank has written and passed the last barrier): leave without running it.
+    if env is not None:
+        # Threads of gloo and of DeepSpeed can abort the interpreter's own exit after a
+        # complete run ("terminate called without an active exception": every rank has
+        # written and passed the last barrier): leave without running it.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
