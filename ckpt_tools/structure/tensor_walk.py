@@ -79,6 +79,10 @@ def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
         if isinstance(node, dict):
             seen.add(id(node))
             children = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()]
+            # An OrderedDict's attributes (torch's BUILD sets them): a writer keeps them.
+            attributes = getattr(node, "__dict__", None)
+            if attributes:
+                children.append((attributes, path))
         elif isinstance(node, (list, tuple)):
             seen.add(id(node))
             children = [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]

@@ -334,6 +334,28 @@ def test_an_enum_pickled_by_name_is_dropped_or_refused(fake, tmp_path):
     assert e.value.globals == ("__builtin__.getattr",) and not refused.exists()
 
 
+class _Spawns:
+    """Pickles as ``subprocess.Popen(command)``: a capitalised class called with one string,
+    as an enum member is; loading it would run the command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (subprocess.Popen, (self.command,))
+
+
+def test_a_dangerous_class_called_like_an_enum_is_dropped_never_its_value(tmp_path):
+    src = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _Spawns(f"touch {tmp_path}/marker")}, src)
+    report = ct.sanitize(src, tmp_path / "plain.pt")
+    assert torch.load(tmp_path / "plain.pt", weights_only=True).keys() == {"w"}
+    assert report.dropped == ("x",) and report.converted == ()
+    with pytest.raises(ct.UnsafeContentError, match=r"x: .*Popen object -> dropped"):
+        ct.sanitize(src, tmp_path / "strict.pt", refuse_unsafe=True)
+    assert not (tmp_path / "strict.pt").exists() and not (tmp_path / "marker").exists()
+
+
 def test_cli_json_report_and_a_real_process(fake, tmp_path):
     src, original = _lightning(fake, tmp_path)
     dst = tmp_path / "out.pt"

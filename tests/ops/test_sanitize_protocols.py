@@ -7,6 +7,8 @@ The oracle is ``torch.load(weights_only=False)`` of the input; the output must l
 
 from __future__ import annotations
 
+import argparse
+import collections
 import pickle
 from pathlib import Path
 
@@ -55,3 +57,43 @@ def test_a_frozenset_becomes_a_set_and_is_listed(tmp_path: Path, protocol: int) 
     ours = torch.load(dst, weights_only=True)
     assert ours["fs"] == set(theirs["fs"]) and ours["s"] == theirs["s"]
     assert [(c.path, c.was, c.became) for c in report.converted] == [("fs", "frozenset", "set")]
+
+
+def test_empty_bytes_are_written_as_torch_loads_them(tmp_path: Path) -> None:
+    # torch.save writes b"" as a call of bytes, which its own weights_only load refuses.
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"w": torch.ones(2), "sep": b"", "magic": b"\x00\xff"}, src)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(src, weights_only=True)
+    report = ct.sanitize(src, dst, verify="full")
+    ours = torch.load(dst, weights_only=True)
+    assert ours["sep"] == b"" and ours["magic"] == b"\x00\xff"
+    assert [(c.path, c.became) for c in report.converted] == [("sep", "bytes")]
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 4])
+def test_a_namespace_of_any_protocol_becomes_a_dict_even_holding_itself(
+    tmp_path: Path, protocol: int
+) -> None:
+    args = argparse.Namespace(lr=0.1, name="run")
+    args.parent = args
+    table: collections.defaultdict = collections.defaultdict(list, {"a": [1]})
+    table["me"] = table
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"w": torch.ones(2), "args": args, "table": table}, src, pickle_protocol=protocol)
+    report = ct.sanitize(src, dst)
+    ours = torch.load(dst, weights_only=True)
+    assert ours["args"]["lr"] == 0.1 and ours["args"]["name"] == "run"
+    assert ours["args"]["parent"] is ours["args"]
+    assert ours["table"]["a"] == [1] and ours["table"]["me"] is ours["table"]
+    assert not report.dropped_values
+
+
+def test_an_ordered_dicts_numpy_attribute_passes_full_verification(tmp_path: Path) -> None:
+    sd = collections.OrderedDict(w=torch.ones(2))
+    sd.extra = np.arange(3.0)  # type: ignore[attr-defined]
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"sd": sd}, src)
+    ct.sanitize(src, dst, verify="full")
+    ours = torch.load(dst, weights_only=True)["sd"]
+    assert torch.equal(ours.extra, torch.arange(3.0, dtype=torch.float64))

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckpt_tools.descriptors import Opaque, StorageRef, TensorRef
+from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.pickle.limits import stack_room
 from ckpt_tools.formats.pickle.standins import (
@@ -47,7 +47,11 @@ from ckpt_tools.ops.sanitize.numpy_values import (
     ndarray_parts,
     numpy_scalar,
 )
-from ckpt_tools.structure.modules import module_globals, recover_module
+from ckpt_tools.ops.scan.severity import known_danger
+from ckpt_tools.structure.modules import module_class_name, module_globals, recover_module
+
+#: b"" as a call torch's weights_only unpickler allows (``_codecs.encode("", "latin1")``).
+_EMPTY_BYTES = Reduced(GlobalRef("_codecs", "encode"), ("", "latin1"))
 
 __all__ = ["Change", "SanitizedTree", "sanitize_tree"]
 
@@ -287,15 +291,16 @@ class _Sanitizer:
         state = node.state if isinstance(node.state, Mapping) else None
         if state is not None and "_metadata" in state and ("_content" in state or "_val" in state):
             return self._omegaconf(node, state, path)
-        if name in _NAMESPACES and state is not None:
-            made = self.value(dict(state), path)
-            return self._converted(path, name, "dict", made)
+        # A namespace pickled by protocol 0 or 1 names its class in copyreg._reconstructor.
+        if module_class_name(node) in _NAMESPACES and state is not None:
+            made = self._as_dict(node, state.items(), path)
+            return self._converted(path, module_class_name(node), "dict", made)
         if name in _FROZENSETS and len(node.args) <= 1 and not node.has_state:
             members = node.args[0] if node.args else ()
             if isinstance(members, (list, tuple)):  # protocol 2: frozenset(list)
                 return self._set(members, path, frozen=True)
         if name == "collections.defaultdict":
-            made = self.value(dict(node.dictitems), path)
+            made = self._as_dict(node, node.dictitems, path)
             return self._converted(path, name, "dict", made)
         if (
             module in ("pathlib", "pathlib._local")
@@ -305,10 +310,20 @@ class _Sanitizer:
             text = _PATHS[short].join(*node.args) if node.args else "."
             return self._converted(path, name, "str", text)
         if empty_bytes(node):
-            return self._converted(path, f"{name}()", "bytes", b"")
-        if _enum_like(node, short):
+            # Written as torch writes b"ab" (codecs.encode): the pickler would write b"" back
+            # as the call of bytes that torch.load(weights_only=True) refuses.
+            return self._converted(path, f"{name}()", "bytes", _EMPTY_BYTES)
+        if _enum_like(node, short) and not known_danger(name):
             return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
         return self._drop(node, path)
+
+    def _as_dict(self, node: Opaque, items: Iterable[tuple[Any, Any]], path: str) -> dict[Any, Any]:
+        """A dict of ``items`` made plain, standing for ``node`` from the start: a namespace
+        or container that holds itself holds the dict."""
+        made: dict[Any, Any] = {}
+        self.memo[id(node)] = made
+        self._entries(made, items, path)
+        return made
 
     def _omegaconf(self, node: Opaque, state: Mapping[str, Any], path: str) -> Any:
         # OmegaConf pickles a container's __dict__: ``_content`` maps keys (or lists items)
@@ -318,9 +333,10 @@ class _Sanitizer:
             return self.value(state["_val"], path)
         content = state["_content"]
         if isinstance(content, Mapping):
-            made = self.value(dict(content), path)
+            made = self._as_dict(node, content.items(), path)
         elif isinstance(content, (list, tuple)):
-            made = self.value(list(content), path)
+            made = self.memo[id(node)] = []
+            made += [self._item(v, _at(path, i)) for i, v in enumerate(content)]
         else:
             made = self.value(content, path)
         became = type(made).__name__ if made is not _DROP else "dropped"
@@ -379,7 +395,8 @@ def _hashable(value: Any) -> bool:
 def _enum_like(node: Opaque, short: str) -> bool:
     # An Enum member pickles as its class called with its value. Functions (``posix.system``)
     # are named in lower case by convention: only a capitalised class called with one plain
-    # value, and nothing else recorded, is read as an enum member.
+    # value, and nothing else recorded, is read as an enum member (and never one the scan's
+    # table knows as dangerous: subprocess.Popen("cmd") looks the same).
     return (
         not node.newobj
         and len(node.args) == 1

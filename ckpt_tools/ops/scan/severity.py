@@ -33,7 +33,15 @@ from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
 from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS, ENUM_GETATTR
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 
-__all__ = ["RULES", "Context", "Rule", "Severity", "classify", "storage_class_rule"]
+__all__ = [
+    "RULES",
+    "Context",
+    "Rule",
+    "Severity",
+    "classify",
+    "known_danger",
+    "storage_class_rule",
+]
 
 Severity = Literal["allowed", "nonstandard", "dangerous"]
 #: Where a pickle lies: a plain pickle or checkpoint, a TorchScript archive's, or a DCP
@@ -393,3 +401,15 @@ def classify(qualname: str, context: Context = "pickle", *, exact: bool = False)
     if exact:  # a family that makes it dangerous says why; no family admits it
         return family if family.severity == "dangerous" and family is not _UNKNOWN else _PATH
     return family if _family_member(family, qualname) else _ALIAS
+
+
+def known_danger(qualname: str) -> bool:
+    """Whether the table itself makes ``qualname`` dangerous, not only its fallback for names
+    it does not know: ``subprocess.Popen`` is a known danger, a user's ``mypkg.Mode`` is not.
+
+    Example:
+        >>> known_danger("subprocess.Popen"), known_danger("mypkg.Mode")
+        (True, False)
+    """
+    rule = classify(qualname)
+    return rule.severity == "dangerous" and rule is not _UNKNOWN
