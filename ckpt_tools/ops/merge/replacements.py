@@ -96,9 +96,12 @@ def plan_replacements(
             continue
         key, base_t = found
         check_whole(key, base_t)
-        if why == "modules_to_save" and id(base_t.storage) in merged_into:
+        shared = viewers[id(base_t.storage)] > 1
+        if why == "modules_to_save" and id(base_t.storage) in merged_into and not shared:
+            # The one weight a left-out tied head merges into; with both keys saved, the
+            # copy is untied below and the other key keeps the merge, as PEFT unties them.
             _refuse_tied_head(key, aligned, lora)
-        if viewers[id(base_t.storage)] > 1 and why == "modules_to_save":
+        if shared and why == "modules_to_save":
             own = saved_storage(base_t.storage, base_t.dtype, base_t.numel)
             base_t = saved_tensor(base_t, own, base_t.dtype)
             untied[key] = base_t

@@ -140,6 +140,31 @@ def test_a_trained_copy_of_the_embedding_a_tied_head_merges_into_is_refused(
     assert not (tmp_path / "m.safetensors").exists()
 
 
+def _tied_state_dict(model: Any, folder: Path) -> Path:
+    torch.save(model.state_dict(), folder / "base.pt")  # both names, one storage
+    return folder / "base.pt"
+
+
+@pytest.mark.parametrize(
+    ("target", "saved"), [("lm_head", "embed_tokens"), ("embed_tokens", "lm_head")]
+)
+def test_a_trained_copy_of_one_tied_weight_saved_under_both_names_is_untied(
+    tmp_path: Path, target: str, saved: str
+) -> None:
+    # Both names are in the base: the copy gets its own weight, the other keeps the merge.
+    case = make_case(
+        tmp_path / "case",
+        lambda: tiny_llama(1, tie_word_embeddings=True),
+        _lora(target, modules_to_save=[saved]),
+        save=_tied_state_dict,
+    )
+    base = torch.load(case.base)
+    head, embed = base["lm_head.weight"], base["model.embed_tokens.weight"]
+    assert head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
+    ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    compare(torch.load(tmp_path / "m.pt"), case)
+
+
 def test_a_saved_head_left_out_of_a_tied_base_is_refused_with_the_fix(tmp_path: Path) -> None:
     case = make_case(
         tmp_path / "case",
