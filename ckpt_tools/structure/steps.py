@@ -80,8 +80,12 @@ def _collapse(steps: Sequence[Step]) -> tuple[str, str, list[str], list[Step]]:
 
 
 def _inner_pattern(prefix: str) -> str:
-    # No '=' in it: `ckpt rename --regex PATTERN=REPL` splits at the first '='.
     return rf"\b{re.escape(prefix)}"
+
+
+def _escape_equals(text: str) -> str:
+    """``text`` as ``ckpt rename`` reads it before the ``=`` of ``--sub``/``--regex``."""
+    return text.replace("=", "\\=")
 
 
 def step_rules(steps: Sequence[Step]) -> tuple[KeyRule, ...]:
@@ -201,6 +205,8 @@ def fix_command(
         'ckpt strip-module ddp.pt ddp.renamed.pt'
     """
     old, new, inner, subs = _collapse(steps)
+    # A file named "-x.pt" would be read as an option: "./-x.pt" is the same file.
+    path = f"./{path}" if path.startswith("-") else path
     out = _out_path(path)
     args: list[str]
     if _strips_every_wrapper(steps, keys):
@@ -212,8 +218,9 @@ def fix_command(
         regexes = [("^", new)] if new and not old else []
         regexes += [(_inner_pattern(prefix), "") for prefix in inner]
         args = ["ckpt", "rename", path, out]
-        args += [a for pair in maps for a in ("--sub", "=".join(pair))]
-        args += [a for pair in regexes for a in ("--regex", "=".join(pair))]
+        # OLD and PATTERN end at the first "=" not written "\=" (a key may hold one).
+        args += [a for o, n in maps for a in ("--sub", f"{_escape_equals(o)}={n}")]
+        args += [a for p, r in regexes for a in ("--regex", f"{_escape_equals(p)}={r}")]
     elif new:
         args = ["ckpt", "add-module", path, out]
         args += ["--prefix", new] if new != "module." else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -258,3 +259,26 @@ def test_parse_value() -> None:
         None,
         "x",
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "keys"),
+    [
+        ("a.pt", ["enc=1.weight", "enc=1.bias", "head.w"]),  # an "=" in the prefix renamed
+        ("-ddp.pt", ["module.encoder.weight", "module.encoder.bias", "module.head.w"]),
+    ],
+    ids=["equals-in-prefix", "dash-name"],
+)
+def test_the_suggested_command_runs_and_leaves_no_difference(
+    tmp_path: Path, name: str, keys: list[str]
+) -> None:
+    t = torch.ones(2)
+    torch.save(dict.fromkeys(keys, t), tmp_path / name)
+    torch.save(dict.fromkeys(["encoder.weight", "encoder.bias", "head.w"], t), tmp_path / "b.pt")
+    found = run_ckpt("diff", "--json", "--", name, "b.pt", how="module", cwd=tmp_path)
+    command = json.loads(found.stdout)["suggestions"][0]["command"]
+    args = shlex.split(command)
+    assert args[0] == "ckpt"
+    run_ckpt(*args[1:], how="module", cwd=tmp_path)
+    renamed = args[3]  # ckpt VERB IN OUT ...
+    run_ckpt("diff", renamed, "b.pt", "--fail-on", "missing,unexpected", how="module", cwd=tmp_path)

@@ -98,8 +98,10 @@ _PAIR_EXAMPLES = {"--sub": "backbone.=encoder.", "--map": "cuda:1=cpu"}
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
     pairs = []
     for value in values:
-        old, sep, new = value.partition("=")
-        if not sep or not old:
+        # A key prefix may hold an "=": written "\=", as in a --regex pattern.
+        split = _split_regex(value) if option == "--sub" else value.partition("=")[::2]
+        old, new = split or ("", "")
+        if "=" not in value or not old:
             raise UsageError(
                 f"{option} {value!r}: expected OLD=NEW, e.g. {option} {_PAIR_EXAMPLES[option]}"
             )
@@ -170,7 +172,13 @@ def _regex_rules(values: tuple[str, ...]) -> list[KeyRule]:
 @click.command("rename")
 @_common
 @drop_extras_option
-@click.option("--sub", "subs", multiple=True, metavar="OLD=NEW", help="Prefix map (repeatable).")
+@click.option(
+    "--sub",
+    "subs",
+    multiple=True,
+    metavar="OLD=NEW",
+    help="Prefix map (repeatable). OLD ends at the first '=': write an '=' inside it as '\\='.",
+)
 @click.option(
     "--regex",
     "regexes",
