@@ -147,7 +147,9 @@ def remove_orphans(
         if match is None or _pid_alive(int(match.group(1))):
             continue
         path = Path(folder) / name
-        with contextlib.suppress(FileNotFoundError):  # another run removed it first
+        # Gone already (another run removed it), or not ours to remove (another user's, in a
+        # shared sticky folder; a read-only file system): the write itself does not need it.
+        with contextlib.suppress(OSError):
             remove(path)
             removed.append(path)
     return removed

@@ -131,3 +131,22 @@ def test_unnamed_temp_is_invisible_while_writing(tmp_path):
         assert listing(tmp_path) == []  # nothing named until it is complete
         assert out.path.read_bytes() == b"data"  # yet it can be re-read to verify it
     assert listing(tmp_path) == ["t.bin"] and (tmp_path / "t.bin").read_bytes() == b"data"
+
+
+def test_a_stale_temp_that_cannot_be_removed_does_not_stop_the_write(tmp_path):
+    # Another user's temp in a shared sticky folder cannot be unlinked (EPERM); a folder
+    # under a temp file's name cannot either (EISDIR): the write goes on beside it.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stuck = tmp_path / f".y.pt.ckpt-tmp-{dead.pid}-0abc"
+    stuck.mkdir()
+    torch.save({"module.w": torch.zeros(2)}, tmp_path / "in.pt")
+    result = subprocess.run(
+        [CKPT, "strip-module", str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(torch.load(tmp_path / "out.pt", weights_only=True)) == ["w"]
+    assert stuck.is_dir()
