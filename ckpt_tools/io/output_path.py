@@ -22,6 +22,7 @@ __all__ = [
     "check_output_path",
     "check_writable",
     "folder_exists_error",
+    "names_folder",
     "resolved_output",
     "wants_folder",
 ]
@@ -64,10 +65,10 @@ def check_output_path(
             through (a new ``model.safetensors`` beside an index: refused unless ``force``),
             or it is or passes through a symlink loop.
     """
-    if os.fspath(dst).endswith(("/", os.sep)):  # Path() drops the slash: a file would be named
+    if names_folder(dst):  # Path() drops a final '/' or '/.': a file would be named
         raise OutputError(
-            f"output {os.fspath(dst)!r} ends with '/', which names a folder; give a file path "
-            f"({os.fspath(dst).rstrip('/' + os.sep)!r})",
+            f"output {os.fspath(dst)!r} names a folder (it ends with '/', '.' or '..'); "
+            "give a file path",
             path=dst,
         )
     _refuse_loop(dst)
@@ -141,11 +142,22 @@ def _refuse_loop(dst: str | os.PathLike[str]) -> None:
         ) from None
 
 
+def names_folder(dst: str | os.PathLike[str]) -> bool:
+    """Whether ``dst`` is spelled as a folder: it ends with a separator, or its last part is
+    ``.`` or ``..`` (``Path`` drops a final ``/`` and ``/.``, so a file would be named).
+
+    Example:
+        >>> names_folder("out/"), names_folder("out/."), names_folder("out.pt")
+        (True, True, False)
+    """
+    text = os.fspath(dst)
+    return text.endswith(("/", os.sep)) or os.path.basename(text) in (".", "..")
+
+
 def wants_folder(dst: str | os.PathLike[str], max_shard_size: str | int | None) -> bool:
     """An output is a Hugging Face folder when a shard size is given or ``dst`` names a folder
-    (it ends with a separator, or is an existing folder)."""
-    text = os.fspath(dst)
-    return max_shard_size is not None or text.endswith(("/", os.sep)) or os.path.isdir(text)
+    (:func:`names_folder`, or an existing folder)."""
+    return max_shard_size is not None or names_folder(dst) or os.path.isdir(os.fspath(dst))
 
 
 #: What ``force`` does to an existing folder, in the words every refusal and help text uses.

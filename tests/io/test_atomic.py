@@ -205,13 +205,15 @@ def test_check_output_path(tmp_path):
     ],
     ids=lambda c: c[0],
 )
-def test_a_file_output_named_with_a_trailing_slash_is_refused(tmp_path, command):
-    # Path("x.safetensors/") is "x.safetensors": a zip was written under a safetensors name.
+@pytest.mark.parametrize("ending", ["/", "/."])
+def test_a_file_output_named_with_a_trailing_slash_is_refused(tmp_path, command, ending):
+    # Path("x.safetensors/") is "x.safetensors": a zip was written under a safetensors name;
+    # Path("notes.txt/.") is "notes.txt", which cp refuses ("Not a directory").
     src = h.save({"module.w": torch.ones(2)}, tmp_path / "a.pt")
-    dst = f"{tmp_path / 'x.safetensors'}/"
+    dst = f"{tmp_path / 'x.safetensors'}{ending}"
     args = [part.format(src=src, dst=dst) for part in command]
-    _, _, err = h.run_ckpt(*args, code=6)
-    assert "ends with '/', which names a folder; give a file path" in err
+    _, _, err = h.run_ckpt(*args, "--force", code=6)
+    assert "names a folder (it ends with '/', '.' or '..'); give a file path" in err
     assert h.listing(tmp_path) == ["a.pt"]
 
 

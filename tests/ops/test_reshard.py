@@ -367,3 +367,11 @@ def test_a_folder_output_counts_gathered_views_as_written_not_copied(tmp_path: P
     planned = convert(tmp_path / "m.pt", f"{tmp_path}/hf2/", dry_run=True)
     for result in (one, folder, planned):
         assert (result.bytes_written, result.bytes_copied) == (256, 128), result
+
+
+def test_an_output_spelled_folder_dot_is_a_folder_output(tmp_path: Path) -> None:
+    # Path("hf/.") is "hf": without the check a file named hf was written.
+    torch.save({"w": torch.randn(3)}, tmp_path / "m.pt")
+    convert(tmp_path / "m.pt", f"{tmp_path}/hf/.")
+    assert (tmp_path / "hf").is_dir()
+    assert set(load_file(tmp_path / "hf" / "model.safetensors")) == {"w"}
