@@ -10,13 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, checked_path
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import ConversionError, KeyCollisionError, UsageError
+from ckpt_tools.errors import ConversionError, KeyCollisionError, SameFileError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
-from ckpt_tools.io.output_path import check_output_folder, check_output_path, wants_folder
+from ckpt_tools.io.output_path import (
+    check_output_folder,
+    check_output_path,
+    resolved_output,
+    wants_folder,
+)
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
 from ckpt_tools.ops.merge.folder import write_merged_folder
@@ -119,6 +125,7 @@ def merge_lora(
         target = check_output_folder(dst, base, force=force)
     else:
         target = check_output_path(dst, base, force=force, in_place=None)
+    _refuse_adapter_output(dst, adapter, folder)
     lora = read_adapter(adapter, allow_globals)
     if not folder:  # nor may OUT be the adapter's weight file
         check_output_path(dst, lora.weights, force=force, in_place=None)
@@ -348,3 +355,13 @@ def _kind(step: MergeStep) -> str:
     t = step.target
     kind = t.kind if t.kind == "embedding" else ("conv1d" if step.transpose else "linear")
     return kind + ("+dora" if t.magnitude is not None else "")
+
+
+def _refuse_adapter_output(dst: str, adapter: str, folder: bool) -> None:
+    """Refuse an output that replaces a file of the adapter folder (its config too, which
+    ``force`` would otherwise replace) or, as a folder output, is that folder: it is an input.
+    A new file written into it is fine: PEFT reads only its own names there."""
+    out, inputs = resolved_output(dst), Path(adapter).resolve()
+    inside = inputs in out.parents and out.exists()
+    if inside or (folder and out == inputs):
+        raise SameFileError(dst, offer_in_place=False, folder=adapter)

@@ -150,9 +150,18 @@ def test_an_existing_output_needs_force(tiny: tuple[Path, Path]) -> None:
 def test_the_adapter_is_never_the_output(tiny: tuple[Path, Path]) -> None:
     base, adapter = tiny
     weights = adapter / "adapter_model.safetensors"
-    before = weights.read_bytes()
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
     _, _, err = run_ckpt("merge-lora", base, adapter, weights, "--force", code=6)
-    assert "adapter_model.safetensors" in err and weights.read_bytes() == before
+    assert "adapter_model.safetensors" in err
+    # Nor its config (the adapter is an input: --force replaces no file of it), nor the
+    # folder itself as a folder output.
+    config = adapter / "adapter_config.json"
+    run_ckpt("merge-lora", base, adapter, config, "--force", "--format", "torch", code=6)
+    run_ckpt("merge-lora", base, adapter, f"{adapter}/", "--force", code=6)
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+    # A new file written into it is fine: PEFT reads only its own names there.
+    run_ckpt("merge-lora", base, adapter, adapter / "merged.pt", "-q")
+    assert (adapter / "merged.pt").is_file()
 
 
 def test_merging_imports_no_torch(tiny: tuple[Path, Path]) -> None:
