@@ -145,6 +145,7 @@ def test_without_hard_links_the_kept_files_are_moved_and_put_back_on_failure(
         raise OSError(1, "Operation not permitted")
 
     monkeypatch.setattr(hf_folder.os, "link", no_links)
+    monkeypatch.setattr(hf_folder, "exchange", lambda a, b: False)  # two renames, not a swap
     real_rename = os.rename
 
     def rename(src: object, dst: object) -> None:  # the temp folder cannot take the name
@@ -162,3 +163,17 @@ def test_without_hard_links_the_kept_files_are_moved_and_put_back_on_failure(
     monkeypatch.setattr(hf_folder.os, "rename", real_rename)
     convert(tmp_path / "plain.pt", tmp_path / "d", max_shard_size="1KB", force=True)
     _assert_kept(tmp_path / "d", kept)
+
+
+def test_exchange_swaps_two_folders_in_one_step_or_does_nothing(tmp_path: Path) -> None:
+    from ckpt_tools.io.writers.folder_temp import exchange
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{name}.txt").write_text(name)
+    swapped = exchange(tmp_path / "a", tmp_path / "b")
+    want = {"a": ["b.txt"], "b": ["a.txt"]} if swapped else {"a": ["a.txt"], "b": ["b.txt"]}
+    assert {n: os.listdir(tmp_path / n) for n in ("a", "b")} == want
+    if swapped:  # a failed swap is an error, never a silent False
+        with pytest.raises(FileNotFoundError):
+            exchange(tmp_path / "a", tmp_path / "missing")

@@ -259,8 +259,23 @@ def test_a_killed_runs_temp_folders_are_removed_a_live_ones_kept(tmp_path: Path)
     for folder in (*dead, live):
         folder.mkdir()
         (folder / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    (tmp_path / "hf").mkdir()  # the output has its name: the folder set aside is stale
     convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
     assert not any(d.exists() for d in dead) and live.exists()
+
+
+def test_a_folder_set_aside_by_a_killed_run_gets_its_name_back(tmp_path: Path) -> None:
+    # Killed between moving the old folder aside and naming the new one (a file system
+    # without an atomic swap): the old folder, the user's files in it, is the output.
+    _model_pt(tmp_path / "model.pt")
+    aside = tmp_path / ".out.ckpt-tmpdir-4194304-ab12cd34-old"
+    unpublished = tmp_path / ".out.ckpt-tmpdir-4194304-ab12cd34"
+    for folder in (aside, unpublished):
+        folder.mkdir()
+    (aside / "config.json").write_text("{}")
+    convert(tmp_path / "model.pt", f"{tmp_path}/hf/")
+    assert (tmp_path / "out" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.pt", "out"]
 
 
 def test_jobs_write_the_same_bytes_as_one_writer(tmp_path: Path) -> None:

@@ -23,13 +23,17 @@ temp folder never races a write.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
+import re
 import shutil
 import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ckpt_tools.io.interrupts import signals_raise
 from ckpt_tools.io.writers.progress import ByteCounter
@@ -37,6 +41,7 @@ from ckpt_tools.io.writers.progress import ByteCounter
 __all__ = [
     "StopCounter",
     "Stopped",
+    "exchange",
     "remove_temp_folder",
     "run_jobs",
     "share_group",
@@ -46,6 +51,12 @@ __all__ = [
 T = TypeVar("T")
 R = TypeVar("R")
 
+# A replaced folder moved aside by a run (its temp folder's name, then "-old"): group 1 is the
+# output's name.
+_SET_ASIDE = re.compile(r"^\.(.+)\.ckpt-tmpdir-\d+-[0-9a-f]+-old$")
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
 # How long the main thread waits at a time: a signal delivered to a worker thread only marks
 # the handler as due, and the main thread runs it once it is back in Python code.
 _STEP = 0.05
@@ -53,11 +64,47 @@ _STEP = 0.05
 
 def remove_temp_folder(entry: Path) -> None:
     """Remove a killed run's temp folder; a symlink (left by older versions, which renamed a
-    symlinked target aside) is unlinked, never followed."""
+    symlinked target aside) is unlinked, never followed. A replaced folder moved aside
+    (``-old``) whose name is still free was the output when the run died between its two
+    renames: it gets its name back instead."""
+    owner = _SET_ASIDE.match(entry.name)
+    if owner is not None and entry.is_dir() and not entry.is_symlink():
+        target = entry.parent / owner.group(1)
+        if not os.path.lexists(target):
+            os.rename(entry, target)
+            return
     if entry.is_dir() and not entry.is_symlink():
         shutil.rmtree(entry, ignore_errors=True)
     else:
         entry.unlink()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names of the folders ``a`` and ``b`` in one step (Linux's ``renameat2`` with
+    ``RENAME_EXCHANGE``), so that no crash finds neither; False where the system or the
+    file system cannot, and nothing was done.
+
+    Raises:
+        OSError: the swap itself failed (a name gone, no permission).
+    """
+    rename2 = getattr(_libc(), "renameat2", None)
+    if rename2 is None:
+        return False
+    done = rename2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if done == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # no C library to ask (not a dynamically linked Python)
+        return None
 
 
 def share_group(tmp: Path, old: os.stat_result | None) -> None:

@@ -29,6 +29,7 @@ from ckpt_tools.io.output_path import check_writable, folder_exists_error, resol
 from ckpt_tools.io.writers.folder_temp import (
     StopCounter,
     Stopped,
+    exchange,
     remove_temp_folder,
     run_jobs,
     share_group,
@@ -201,14 +202,18 @@ def _discard(tmp: Path, target: Path, moved: Sequence[str]) -> None:
 
 
 def _swap(target: Path, tmp: Path, old: Path, replaced: bool) -> None:
-    """Give ``tmp`` the name ``target``; an old non-empty ``target`` is moved aside, put back
-    if the rename fails, and removed once the new folder has its name.
+    """Give ``tmp`` the name ``target``; an old non-empty ``target`` is swapped with it in one
+    step where the file system can (else moved aside, put back if the rename fails), and
+    removed once the new folder has its name.
 
     Raises:
         OutputExistsError: ``target``, absent or empty when the write began, was filled
             meanwhile (another writer published it first).
     """
-    if replaced:
+    if replaced and exchange(tmp, target):
+        shutil.rmtree(tmp, ignore_errors=True)  # (the old folder, now under the temp name)
+        return
+    if replaced:  # two renames where the file system cannot swap in one
         os.rename(target, old)
     try:
         os.rename(tmp, target)  # also replaces an empty folder
