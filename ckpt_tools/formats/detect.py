@@ -177,7 +177,7 @@ def _format_of(p: str, size: int, head: bytes, read_to: Callable[[int], bytes]) 
     that may need more (a legacy magic number inside a long FRAME).
     """
     named_safetensors = os.path.basename(p).endswith(".safetensors")
-    if named_safetensors and _looks_like_safetensors(head, size):
+    if named_safetensors and _looks_like_safetensors(head, size, named=True):
         # torch.load and safetensors read such a name as safetensors whatever else its
         # first block could be (a tar header); the tar and pickle checks are not needed.
         return "safetensors"
@@ -351,13 +351,16 @@ def _is_tar_header(head: bytes) -> bool:
     return True
 
 
-def _looks_like_safetensors(head: bytes, size: int) -> bool:
+def _looks_like_safetensors(head: bytes, size: int, named: bool = False) -> bool:
     if len(head) < 9:
         return False
     (header_len,) = struct.unpack("<Q", head[:8])
-    # A header longer than the file is a truncated safetensors file: the reader says so.
-    if not 2 <= header_len <= _MAX_SAFETENSORS_HEADER:
+    # A header longer than the file is a truncated safetensors file, and, in a file named
+    # .safetensors, one over the size limit an implausible one: the reader says so.
+    if header_len < 2:
         return False
     # The crate's JSON parser skips JSON whitespace before the header's object.
     start = head[8 : 8 + header_len].lstrip(_JSON_WHITESPACE)
+    if header_len > _MAX_SAFETENSORS_HEADER:
+        return named and start[:1] == b"{"
     return start[:1] == b"{" or (not start and len(head) < 8 + header_len)

@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ckpt_tools.errors import CorruptCheckpointError
+from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats import open_checkpoint
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
@@ -129,3 +129,17 @@ def test_a_file_saved_by_safetensors_opens(tmp_path: Path) -> None:
     path = tmp_path / "saved.safetensors"
     save_file({"a": np.ones((2, 3), np.float16), "b": np.zeros(0, np.int64)}, str(path))
     assert sorted(open_checkpoint(path).root) == ["a", "b"]
+
+
+@pytest.mark.parametrize("claimed", [100_000_001, 1 << 62], ids=["just-over", "4-EiB"])
+def test_a_header_over_the_crates_limit_is_a_resource_limit(tmp_path: Path, claimed: int) -> None:
+    # The crate refuses it ("header too large"); named .safetensors and opening with "{",
+    # it is an implausible safetensors file (exit 5), not a file of no known format (exit 4).
+    head = ('{"a": ' + _json(_entry(0, 8)) + "}").encode()
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(struct.pack("<Q", claimed) + head + bytes(8))
+    assert isinstance(_safetensors_reads(path), Exception), "the oracle reads it"
+    with pytest.raises(ResourceLimitError, match="over the 100000000 byte limit"):
+        open_checkpoint(path)
+    result = _ckpt("inspect", str(path))
+    assert result.returncode == 5 and len(result.stderr.strip().splitlines()) == 1, result.stderr
