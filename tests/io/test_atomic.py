@@ -316,6 +316,15 @@ def test_disk_full_via_rlimit_while_writing_a_non_contiguous_view(make_src, out_
     assert "File too large" in proc.stderr and h.listing(out_dir) == []
 
 
+def test_disk_full_in_a_folder_output_names_the_output_not_its_temp_folder(make_src, out_dir):
+    src = _disk_full_source(make_src)
+    dst = out_dir / "hf"
+    proc = _run_limited(4096, "convert", str(src), f"{dst}/", "--max-shard-size", "8KB")
+    assert proc.returncode == 6, proc.stderr
+    assert "File too large" in proc.stderr and f"'{dst}/model-00001-of-" in proc.stderr
+    assert ".ckpt-tmpdir-" not in proc.stderr and h.listing(out_dir) == []
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """Factory: mount a tmpfs of ``size`` bytes (root only); skip where mounting is refused."""
