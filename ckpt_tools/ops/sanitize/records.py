@@ -13,7 +13,7 @@ from dataclasses import replace
 from ckpt_tools.formats.base import Checkpoint, ZipRecord
 from ckpt_tools.io.tensor_bytes import decompressed
 from ckpt_tools.io.writers.zipfile import PARSED_RECORDS
-from ckpt_tools.ops.sanitize.tree import Change
+from ckpt_tools.ops.sanitize.result import Change
 
 __all__ = ["torch_save_records"]
 

@@ -9,9 +9,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.ops.output_plan import WriteResult
-from ckpt_tools.ops.sanitize.tree import Change
 
 __all__ = ["Change", "SanitizeResult"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """One conversion or drop: where in the checkpoint, what it was, what it became."""
+
+    path: str
+    was: str
+    became: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "was": self.was, "became": self.became}
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'}: {self.was} -> {self.became}"
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)

@@ -35,8 +35,8 @@ from ckpt_tools.ops.output_plan import PlannedFile, dry_run_fields
 from ckpt_tools.ops.preflight import check_source
 from ckpt_tools.ops.rewrite.plan import output_format_for
 from ckpt_tools.ops.sanitize.records import torch_save_records
-from ckpt_tools.ops.sanitize.result import SanitizeResult
-from ckpt_tools.ops.sanitize.tree import Change, SanitizedTree, sanitize_tree
+from ckpt_tools.ops.sanitize.result import Change, SanitizeResult
+from ckpt_tools.ops.sanitize.tree import SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select
 from ckpt_tools.structure.selection import select_state_dict
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, iter_stored_tensors, stored_views

@@ -47,13 +47,14 @@ from ckpt_tools.ops.sanitize.numpy_values import (
     ndarray_parts,
     numpy_scalar,
 )
+from ckpt_tools.ops.sanitize.result import Change
 from ckpt_tools.ops.scan.severity import known_danger
 from ckpt_tools.structure.modules import module_class_name, module_globals, recover_module
 
 #: b"" as a call torch's weights_only unpickler allows (``_codecs.encode("", "latin1")``).
 _EMPTY_BYTES = Reduced(GlobalRef("_codecs", "encode"), ("", "latin1"))
 
-__all__ = ["Change", "SanitizedTree", "sanitize_tree"]
+__all__ = ["SanitizedTree", "sanitize_tree"]
 
 _PATHS = {"PosixPath": posixpath, "PurePosixPath": posixpath}
 _PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
@@ -64,21 +65,6 @@ _LAYOUTS = tuple(MESH_LAYOUT_CLASSES.values())
 # The mappings torch.load(weights_only=True) builds: kept as they are (an OrderedDict with
 # its attributes, such as a state dict's ``_metadata``).
 _KEPT_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
-
-
-@dataclass(frozen=True)
-class Change:
-    """One conversion or drop: where in the checkpoint, what it was, what it became."""
-
-    path: str
-    was: str
-    became: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"path": self.path, "was": self.was, "became": self.became}
-
-    def __str__(self) -> str:
-        return f"{self.path or '<root>'}: {self.was} -> {self.became}"
 
 
 @dataclass(frozen=True)
