@@ -39,6 +39,7 @@ from ckpt_tools.io.interrupts import signals_raise
 from ckpt_tools.io.writers.progress import ByteCounter
 
 __all__ = [
+    "TEMP_FOLDER",
     "StopCounter",
     "Stopped",
     "exchange",
@@ -46,14 +47,16 @@ __all__ = [
     "run_jobs",
     "share_group",
     "take_over",
+    "temp_folder",
 ]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-# A replaced folder moved aside by a run (its temp folder's name, then "-old"): group 1 is the
-# output's name.
-_SET_ASIDE = re.compile(r"^\.(.+)\.ckpt-tmpdir-\d+-[0-9a-f]+-old$")
+#: A run's temp folder (``.NAME.ckpt-tmpdir-PID-RANDOM``), or the replaced folder it moved
+#: aside (the same name, then ``-old``): group 1 is the owner's PID.
+TEMP_FOLDER = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+(?:-old)?$")
+_TEMP_MARK = ".ckpt-tmpdir-"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -67,9 +70,8 @@ def remove_temp_folder(entry: Path) -> None:
     symlinked target aside) is unlinked, never followed. A replaced folder moved aside
     (``-old``) whose name is still free was the output when the run died between its two
     renames: it gets its name back instead."""
-    owner = _SET_ASIDE.match(entry.name)
-    if owner is not None and entry.is_dir() and not entry.is_symlink():
-        target = entry.parent / owner.group(1)
+    if entry.name.endswith("-old") and entry.is_dir() and not entry.is_symlink():
+        target = entry.parent / entry.name[1:].rpartition(_TEMP_MARK)[0]
         if not os.path.lexists(target):
             os.rename(entry, target)
             return
@@ -77,6 +79,13 @@ def remove_temp_folder(entry: Path) -> None:
         shutil.rmtree(entry, ignore_errors=True)
     else:
         entry.unlink()
+
+
+def temp_folder(target: Path, tag: str, *, aside: bool = False) -> Path:
+    """The temp folder a run writes ``target`` in (``tag``: its PID and a random part), or
+    with ``aside`` the name the folder it replaces is moved to; :data:`TEMP_FOLDER` matches
+    both."""
+    return target.parent / f".{target.name}{_TEMP_MARK}{tag}{'-old' if aside else ''}"
 
 
 def exchange(a: Path, b: Path) -> bool:

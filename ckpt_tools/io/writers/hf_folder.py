@@ -27,6 +27,7 @@ from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
 from ckpt_tools.io.interrupts import Interrupted, naming, signals_raise
 from ckpt_tools.io.output_path import check_writable, folder_exists_error, resolved_output
 from ckpt_tools.io.writers.folder_temp import (
+    TEMP_FOLDER,
     StopCounter,
     Stopped,
     exchange,
@@ -34,6 +35,7 @@ from ckpt_tools.io.writers.folder_temp import (
     run_jobs,
     share_group,
     take_over,
+    temp_folder,
 )
 from ckpt_tools.io.writers.output import Check, Fill, write_file
 from ckpt_tools.io.writers.progress import ByteCounter
@@ -51,7 +53,6 @@ __all__ = [
 
 
 # Temp folders: not `.ckpt-tmp-` (atomic.py's file pattern, whose cleanup unlinks files).
-_TEMP_DIR = re.compile(r"^\..*\.ckpt-tmpdir-(\d+)-[0-9a-f]+(?:-old)?$")
 
 
 #: The files ``force`` replaces in an existing output folder: a checkpoint's weights as
@@ -151,9 +152,9 @@ def _published_folder(
     durable = durable or replaced
     parent = target.parent
     check_writable(target, target)
-    remove_orphans(parent, _TEMP_DIR, remove_temp_folder)
+    remove_orphans(parent, TEMP_FOLDER, remove_temp_folder)
     tag = f"{os.getpid()}-{os.urandom(4).hex()}"  # as atomic.py names its temp files
-    tmp = parent / f".{target.name}.ckpt-tmpdir-{tag}"
+    tmp = temp_folder(target, tag)
     with signals_raise() as release:
         try:
             tmp.mkdir(0o777 if old is None else 0o700)
@@ -174,7 +175,7 @@ def _published_folder(
                 fsync_folder(tmp)
             finish = (lambda: fsync_folder(parent)) if durable else (lambda: None)
             with naming(str(target), finish):  # both renames, or neither
-                _swap(target, tmp, parent / f".{target.name}.ckpt-tmpdir-{tag}-old", replaced)
+                _swap(target, tmp, temp_folder(target, tag, aside=True), replaced)
                 moved = []
             if durable:
                 fsync_folder(parent)
