@@ -286,8 +286,15 @@ def _keep_last_nan(
     """Give each NaN of ``acc`` the bits of the last NaN term ``w * x`` there, as torch's sum
     does (its ``a + b`` keeps ``b``'s NaN; numpy's keeps either, depending on the loop)."""
     where = np.flatnonzero(np.isnan(acc))
+    # Only the elements holding a NaN are read again (a complex one whole: both its parts
+    # make each part's term); ``at`` is each NaN lane's place among the picked lanes.
+    parts = 2 if complex_parts else 1
+    elements = np.unique(where // parts)
+    at = np.searchsorted(elements, where // parts) * parts + where % parts
+    size = _size(lane) * parts
     for i, (data, w) in enumerate(zip(chunks, weights)):
-        term = _term(data, lane, w, complex_parts and i > 0, complex_parts)[where]
+        picked = np.frombuffer(data, np.uint8).reshape(-1, size)[elements].tobytes()
+        term = _term(picked, lane, w, complex_parts and i > 0, complex_parts)[at]
         nan = np.isnan(term)
         acc[where[nan]] = term[nan]
 
