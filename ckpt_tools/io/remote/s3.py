@@ -104,11 +104,8 @@ def make_s3_client(timeout: float) -> Any:
         words, sep, refused = str(e).partition(": ")
         if (words, sep) != ("Invalid endpoint", ": "):
             raise
-        raise UsageError(
-            f"endpoint_url {shown_any(refused)!r} in the AWS config file is not an http(s) "
-            "URL with a host botocore accepts: write endpoint_url = https://HOST[:PORT] there, "
-            "the host name of letters, digits, '-' and '.' only (no '_'), or its IP address"
-        ) from e
+        where = f"endpoint_url {shown_any(refused)!r} in the AWS config file"
+        raise _not_accepted(where, "endpoint_url = https://HOST[:PORT] there") from e
 
 
 def _checked_endpoint(botocore: Any) -> bool:
@@ -132,12 +129,18 @@ def _checked_endpoint(botocore: Any) -> bool:
     except ValueError:  # (urlsplit's: an unclosed '[')
         accepted = False
     if not accepted:
-        raise UsageError(
-            f"{name}={shown_any(value)!r} is not an http(s) URL with a host botocore "
-            f"accepts: write {name}=https://HOST[:PORT] (or http://), the host name of "
-            "letters, digits, '-' and '.' only (no '_'), or its IP address"
+        raise _not_accepted(
+            f"{name}={shown_any(value)!r}", f"{name}=https://HOST[:PORT] (or http://)"
         )
     return True
+
+
+def _not_accepted(where: str, fix: str) -> UsageError:
+    """An endpoint setting botocore refuses, named by ``where``, with what to write."""
+    return UsageError(
+        f"{where} is not an http(s) URL with a host botocore accepts: write {fix}, the host "
+        "name of letters, digits, '-' and '.' only (no '_'), or its IP address"
+    )
 
 
 @contextlib.contextmanager
