@@ -289,7 +289,9 @@ def atomic_output(
             bytes. For scratch copies on disks where fsync is slow. Ignored when ``dst``
             exists: renamed over before its bytes are on disk, the old file could be lost
             as well as the new one (the yielded ``durable`` is then True).
-        like: the file whose mode and owner the output takes (default ``dst``).
+        like: the file the output stands for (default ``dst``): it takes that file's mode
+            and owner, and errors name it (a file of a folder output is written in a temp
+            folder, gone by the time an error is read).
 
     Call :func:`~ckpt_tools.io.output_path.check_output_path` first. With ``replace``, a
     ``dst`` that exists when the write starts is replaced; one that appears while it runs
@@ -342,10 +344,11 @@ def atomic_output(
                 tmp.unlink(missing_ok=True)
             if isinstance(e, CheckpointError):  # the output's own, or the input's (a URL's)
                 raise
+            shown = dst if like is None else like
             raise OutputError(
-                f"writing {str(dst)!r} failed ({e.strerror or e}); nothing was written and the "
-                "input is unchanged",
-                path=dst,
+                f"writing {str(shown)!r} failed ({e.strerror or e}); nothing was written and "
+                "the input is unchanged",
+                path=shown,
             ) from e
         except BaseException:
             f.close()

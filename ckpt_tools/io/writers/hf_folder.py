@@ -180,11 +180,6 @@ def _published_folder(
             if durable:
                 fsync_folder(parent)
         except OSError as e:
-            if isinstance(e, OutputError) and str(tmp) in e.message:
-                # A file's write failed: named where it was going, not in the temp folder,
-                # which is gone once this is read.
-                message = e.message.replace(str(tmp), str(target))
-                raise OutputError(message, path=str(target), remedies=e.remedies) from e
             if isinstance(e, OutputError):
                 raise  # (_swap's "already exists" among them)
             raise OutputError(

@@ -50,7 +50,8 @@ def write_file(
         replace: replace a ``target`` that exists (the caller's ``force`` or in place);
             False refuses it, even one that appeared after the output path was checked.
         durable: fsync the file and its folder (see :func:`~ckpt_tools.io.atomic.atomic_output`).
-        like: the file whose mode and owner it takes (``target`` by default).
+        like: the file it stands for (``target`` by default): its mode and owner, and the
+            name errors give (see :func:`~ckpt_tools.io.atomic.atomic_output`).
 
     Returns:
         What ``check`` verified, in words.
