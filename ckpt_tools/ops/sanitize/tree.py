@@ -278,9 +278,8 @@ class _Sanitizer:
         if state is not None and "_metadata" in state and ("_content" in state or "_val" in state):
             return self._omegaconf(node, state, path)
         # A namespace pickled by protocol 0 or 1 names its class in copyreg._reconstructor.
-        if module_class_name(node) in _NAMESPACES and state is not None:
-            made = self._as_dict(node, state.items(), path)
-            return self._converted(path, module_class_name(node), "dict", made)
+        if (cls := module_class_name(node)) in _NAMESPACES and state is not None:
+            return self._converted(path, cls, "dict", self._as_dict(node, state.items(), path))
         if name in _FROZENSETS and len(node.args) <= 1 and not node.has_state:
             members = node.args[0] if node.args else ()
             if isinstance(members, (list, tuple)):  # protocol 2: frozenset(list)
