@@ -98,10 +98,10 @@ _PAIR_EXAMPLES = {"--sub": "backbone.=encoder.", "--map": "cuda:1=cpu"}
 def _pairs(values: tuple[str, ...], option: str) -> list[tuple[str, str]]:
     pairs = []
     for value in values:
-        # A key prefix may hold an "=": written "\=", as in a --regex pattern.
-        split = _split_regex(value) if option == "--sub" else value.partition("=")[::2]
-        old, new = split or ("", "")
-        if "=" not in value or not old:
+        # OLD ends at the first bare "=": a key prefix may hold one, written "\=" as in a
+        # --regex pattern (a device tag holds none).
+        old, new = _split_regex(value) or ("", "")
+        if not old:
             raise UsageError(
                 f"{option} {value!r}: expected OLD=NEW, e.g. {option} {_PAIR_EXAMPLES[option]}"
             )
