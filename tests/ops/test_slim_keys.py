@@ -4,6 +4,7 @@ tensors under other keys."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,42 @@ def test_slim_drop_named_twice_is_said_once(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "left out: optimizer\n" in (result.stdout + result.stderr)
     assert list(torch.load(tmp_path / "y.pt", weights_only=True)) == ["model"]
+
+
+def _none_keyed(path: Path) -> dict:
+    torch.save({None: torch.tensor([1.0, 2.0]), "w": torch.tensor([3.0])}, path)
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("options", [(), ("--dtype", "bf16")])
+def test_slim_keeps_a_tensor_under_the_key_none(tmp_path: Path, options: tuple) -> None:
+    want = _none_keyed(tmp_path / "in.pt")
+    result = run_ckpt("slim", str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), *options)
+    if options:
+        want = {k: v.to(torch.bfloat16) for k, v in want.items()}
+    _same(torch.load(tmp_path / "out.pt", weights_only=True), want)
+    assert "left out" not in result.stdout + result.stderr
+
+
+def test_average_keeps_a_tensor_under_the_key_none(tmp_path: Path) -> None:
+    want = _none_keyed(tmp_path / "a.pt")
+    _none_keyed(tmp_path / "b.pt")
+    ct.average([tmp_path / "a.pt", tmp_path / "b.pt"], tmp_path / "m.pt")
+    _same(torch.load(tmp_path / "m.pt", weights_only=True), want)
+
+
+def test_extract_names_a_left_out_none_key(tmp_path: Path) -> None:
+    _none_keyed(tmp_path / "in.pt")
+    result = run_ckpt("extract", str(tmp_path / "in.pt"), str(tmp_path / "x.pt"), "--prefix", "w")
+    assert "left out: None" in result.stdout + result.stderr
+    assert list(torch.load(tmp_path / "x.pt", weights_only=True)) == ["w"]
+
+
+def test_json_rows_name_keys_of_every_type_as_text(tmp_path: Path) -> None:
+    _mixed(tmp_path / "in.pt")
+    torch.save({None: torch.ones(1), **torch.load(tmp_path / "in.pt")}, tmp_path / "in.pt")
+    result = run_ckpt("slim", str(tmp_path / "in.pt"), str(tmp_path / "o.pt"), "--json")
+    rows = json.loads(result.stdout)["rows"]
+    assert [(r["source_key"], r["key"]) for r in rows] == [
+        (k, k) for k in ["None", "a", "1", "1", "(2, 'x')"]
+    ]

@@ -28,7 +28,7 @@ from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.transform.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
-from ckpt_tools.ops.transform.plan import PlanRow
+from ckpt_tools.ops.transform.plan import Item, PlanRow
 from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_params
 
@@ -41,7 +41,7 @@ def plan_items(
     w: Sequence[float],
     ints: str | None,
     to_safetensors: bool,
-) -> tuple[list[tuple[str, str | None, Any]], list[PlanRow], dict[int, Record], list[str]]:
+) -> tuple[list[Item], list[PlanRow], dict[int, Record], list[str]]:
     """The output items, their rows, the record making each computed storage, and notes.
 
     Each key gets its own value: the weighted mean of that key in every input, or one
@@ -113,7 +113,7 @@ class _Plan:
         to_safetensors: bool,
     ) -> None:
         self.ckpts, self.aligned, self.w, self.to_safetensors = ckpts, aligned, w, to_safetensors
-        self.items: list[tuple[str, str | None, Any]] = []
+        self.items: list[Item] = []
         self.rows: list[PlanRow] = []
         self.storages: dict[int, Record] = {}
         self.notes: list[str] = []
@@ -128,7 +128,7 @@ class _Plan:
     def add(self, orig: str, value: Any, action: str) -> None:
         self.items.append((orig, orig, value))
         self.rows.append(
-            PlanRow(orig, orig, value.dtype, value.dtype, value.nbytes, value.nbytes, action)
+            PlanRow.of(orig, orig, value.dtype, value.dtype, value.nbytes, value.nbytes, action)
         )
 
     def differ(self, group: str, key: Any, what: str) -> None:

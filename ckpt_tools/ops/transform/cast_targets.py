@@ -15,6 +15,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.io.casting import CAST_SOURCES
+from ckpt_tools.ops.transform.plan import DROPPED, Item
 from ckpt_tools.ops.transform.rebuilt_cast import values_part
 from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.selection import replace_at
@@ -41,7 +42,7 @@ def _cast_view(value: Any) -> TensorRef | None:
 
 def cast_targets(
     views: Mapping[int, Sequence[TensorRef]],
-    items: Sequence[tuple[str, str | None, Any]],
+    items: Sequence[Item],
     cast_to: str | None,
     keep: Sequence[re.Pattern[str]],
     notes: list[str],
@@ -58,7 +59,7 @@ def cast_targets(
     cast_views = [
         view
         for (_, new, value), kept in zip(items, kept_key)
-        if new is not None
+        if new is not DROPPED
         and not kept
         and (view := _cast_view(value)) is not None
         and view.dtype in CAST_SOURCES

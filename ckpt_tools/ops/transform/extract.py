@@ -17,6 +17,7 @@ from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
 from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.transform.plan import DROPPED
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.slim import select_weights
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
@@ -87,9 +88,9 @@ def extract(
         _check_prefix(prefix, keys, strip_prefix, len(selection.state_dict) - len(keys))
         head = _head(prefix)
         items = [
-            (k, (k[len(head) :] if strip_prefix else k) if _under(k, prefix) else None, v)
+            (k, (k[len(head) :] if strip_prefix else k) if _under(k, prefix) else DROPPED, v)
             if isinstance(k, str)
-            else (key_text(k), None, v)
+            else (key_text(k), DROPPED, v)
             for k, v in selection.state_dict.items()
         ]
         fmt = output_format_for(dst, output_format, ckpt.format)

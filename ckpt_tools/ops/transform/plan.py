@@ -25,15 +25,32 @@ from ckpt_tools.io.writers.plan import write_plan_zip
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record, check_records
 from ckpt_tools.io.writers.safetensors import write_safetensors
+from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 
 __all__ = [
+    "DROPPED",
+    "Item",
     "PlanRow",
     "TransformPlan",
     "check_computable",
     "execute_plan",
     "sizes_after",
 ]
+
+
+class _Dropped:
+    """The output key of an item left out: a marker of its own, as ``None`` is a key too."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DROPPED"
+
+
+DROPPED: Any = _Dropped()
+# (source key, output key or DROPPED, value): what a transform writes, key by key.
+Item = tuple[Any, Any, Any]
 
 _OPTIMIZER_ENTRIES = ("optimizer", "optimizer_states", "optimizer_state_dict", "optim", "opt")
 
@@ -49,6 +66,34 @@ class PlanRow:
     nbytes_before: int
     nbytes_after: int
     action: str
+
+    @classmethod
+    def of(
+        cls,
+        source_key: Any,
+        key: Any,
+        dtype_before: str,
+        dtype_after: str | None,
+        nbytes_before: int,
+        nbytes_after: int,
+        action: str,
+    ) -> PlanRow:
+        """The row of keys of any type, named as text (``None``, ``7``, ``(1, 2)`` are keys
+        too); a ``drop`` row has no output key."""
+        return cls(
+            key_text(source_key),
+            None if action == "drop" else key_text(key),
+            dtype_before,
+            dtype_after,
+            nbytes_before,
+            nbytes_after,
+            action,
+        )
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the tensor is left out of the output."""
+        return self.action == "drop"
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -22,6 +22,7 @@ from ckpt_tools.formats.pickle.standins import ConstantRef
 from ckpt_tools.io.casting import CAST_SOURCES
 from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.io.writers.saved_tensors import saved_tensor
+from ckpt_tools.ops.transform.plan import DROPPED, Item
 from ckpt_tools.structure.paths import key_text
 
 __all__ = ["cast_rebuilt", "cast_rebuilt_items", "values_part"]
@@ -99,7 +100,7 @@ def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 
 def cast_rebuilt_items(
-    items: Sequence[tuple[str, str | None, Any]],
+    items: Sequence[Item],
     out_storage: Mapping[int, StorageRef],
     targets: Mapping[int, str],
     cast_to: str | None,
@@ -126,7 +127,7 @@ def cast_rebuilt_items(
     if cast_to is None:
         return cast
     for old, new, value in items:
-        if new is None or not isinstance(value, RebuiltTensor):
+        if new is DROPPED or not isinstance(value, RebuiltTensor):
             continue
         part = values_part(value)
         if part is not None:

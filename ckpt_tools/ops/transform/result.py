@@ -44,12 +44,12 @@ class TransformResult(WriteResult):
     @property
     def cast(self) -> tuple[str, ...]:
         """Output keys whose tensors were cast."""
-        return tuple(r.key for r in self.rows if r.key and r.action.startswith("cast"))
+        return tuple(r.key for r in self.rows if r.action.startswith("cast"))
 
     @property
     def kept(self) -> tuple[str, ...]:
         """Output keys whose tensors were copied as they are."""
-        return tuple(r.key for r in self.rows if r.key and not r.action.startswith("cast"))
+        return tuple(r.key for r in self.rows if not r.dropped and not r.action.startswith("cast"))
 
     def details(self) -> list[str]:
         """An average's inputs, sizes per category, and one line per tensor (the first 40)."""
@@ -63,7 +63,7 @@ class TransformResult(WriteResult):
         for row in self.rows[:_ROWS_SHOWN]:
             name = (
                 row.source_key
-                if row.key in (None, row.source_key)
+                if row.dropped or row.key == row.source_key
                 else (f"{row.source_key} -> {row.key}")
             )
             dtype = (

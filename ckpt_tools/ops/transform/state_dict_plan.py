@@ -34,6 +34,8 @@ from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_field
 from ckpt_tools.ops.rewrite.plan import torch_instead
 from ckpt_tools.ops.transform.cast_targets import cast_targets, kept_outside
 from ckpt_tools.ops.transform.plan import (
+    DROPPED,
+    Item,
     PlanRow,
     TransformPlan,
     categories,
@@ -60,7 +62,7 @@ def plan_state_dict_output(
     dst: str,
     fmt: str,
     selection: Selection,
-    items: Sequence[tuple[str, str | None, Any]],
+    items: Sequence[Item],
     *,
     weights_only: bool,
     drop_extras: bool = False,
@@ -73,7 +75,7 @@ def plan_state_dict_output(
     to_torch: Remedy | None = None,
     renames: Sequence[KeyRule] = (),
 ) -> TransformPlan:
-    """The plan writing ``items`` (source key, output key or None to drop, value) as a state dict.
+    """The plan writing ``items`` (source key, output key or :data:`DROPPED`, value).
 
     Args:
         weights_only: the output is the state dict alone; else it replaces the selection
@@ -147,7 +149,7 @@ def plan_state_dict_output(
 
 
 def _output_state_dict(
-    selection: Selection, items: Sequence[tuple[str, str | None, Any]], renames: Sequence[KeyRule]
+    selection: Selection, items: Sequence[Item], renames: Sequence[KeyRule]
 ) -> dict[Any, Any]:
     """The output state dict: the kept items under their new keys, of the selection's type,
     its ``_metadata`` (module versions) renamed by ``renames`` as torch renames it."""
@@ -157,7 +159,7 @@ def _output_state_dict(
     if metadata is not None:
         out_sd._metadata = rename_metadata(metadata, renames)  # type: ignore[attr-defined]
     for _, new, value in items:
-        if new is not None:
+        if new is not DROPPED:
             out_sd[new] = value
     return out_sd
 
@@ -198,7 +200,7 @@ def _storage_records(
 
 
 def _rows(
-    items: Sequence[tuple[str, str | None, Any]],
+    items: Sequence[Item],
     out_storage: Mapping[int, StorageRef],
     targets: Mapping[int, str],
     overrides: Mapping[int, Record],
@@ -217,34 +219,34 @@ def _rows(
     replaced: dict[str, Any] = {}
     for old, new, value in items:
         if isinstance(value, RebuiltTensor):
-            after = None if new is None else rebuilt.get(new, value)
+            after = None if new is DROPPED else rebuilt.get(new, value)
             rows.append(_row(old, new, value, after, cast_to))
-            if new is not None and after is not value:
+            if new is not DROPPED and after is not value:
                 replaced[new] = after
             continue
         if not isinstance(value, TensorRef):
             continue
         cast = id(value.storage) in targets
-        if new is not None and (cast or id(value.storage) in overrides):
+        if new is not DROPPED and (cast or id(value.storage) in overrides):
             doing = f"a cast to {cast_to}" if cast else computed
             check_computable(new, value, doing, cast=cast)
-        if new is not None and (cast or value.func is None):
+        if new is not DROPPED and (cast or value.func is None):
             dtype = cast_to if cast and cast_to is not None else value.dtype
             replaced[new] = saved_tensor(value, out_storage[id(value.storage)], dtype)
-        after = replaced.get(new, value) if new is not None else None
+        after = replaced.get(new, value) if new is not DROPPED else None
         rows.append(_row(old, new, value, after, cast_to))
     return rows, replaced
 
 
-def _row(old: str, new: str | None, value: Any, after: Any, cast_to: str | None) -> PlanRow:
+def _row(old: Any, new: Any, value: Any, after: Any, cast_to: str | None) -> PlanRow:
     """The row of one tensor (dense, sparse, nested or meta): dropped, copied or cast."""
-    if new is None:
+    if new is DROPPED:
         action = "drop"
     elif after.dtype != value.dtype:
         action = f"cast {value.dtype} -> {cast_to}"
     else:
         action = "copy"
-    return PlanRow(
+    return PlanRow.of(
         old,
         new,
         value.dtype,
@@ -259,16 +261,16 @@ def _safetensors_entries(
     overrides: Mapping[int, Record],
     ckpt: Checkpoint,
     selection: Selection,
-    items: Sequence[tuple[str, str | None, Any]],
+    items: Sequence[Item],
     weights_only: bool,
     drop_extras: bool,
     cast_to: str | None,
     targets: Mapping[int, str],
     to_torch: Remedy,
 ):
-    inside = [old for old, new, v in items if new is not None and not isinstance(v, TensorRef)]
+    inside = [old for old, new, v in items if new is not DROPPED and not isinstance(v, TensorRef)]
     # Sparse, nested and meta tensors are named as tensors safetensors cannot hold.
-    kinds = {old: k for old, new, v in items if new is not None and (k := unholdable_kind(v))}
+    kinds = {old: k for old, new, v in items if new is not DROPPED and (k := unholdable_kind(v))}
     beside: list[str] = []
     outside: set[str] = set()  # the tensors among them, named as tensors outside the state dict
     if not weights_only and isinstance(ckpt.root, Mapping) and selection.path:
@@ -290,7 +292,7 @@ def _safetensors_entries(
         outside=outside,
     )
     metadata: dict[str, str] = {"format": "pt"}
-    named = [(new, t) for _, new, t in items if new is not None and isinstance(t, TensorRef)]
+    named = [(new, t) for _, new, t in items if new is not DROPPED and isinstance(t, TensorRef)]
     ties = tied_names(named)  # stored once
     entries = []
     for new, t in named:
@@ -337,7 +339,7 @@ def finish(
     else:
         records = list(plan.records.values())
         planned = PlannedFile.of_tree(plan.dst, plan.tree)
-    rows_dropped = tuple(r.source_key for r in plan.rows if r.key is None)
+    rows_dropped = tuple(r.source_key for r in plan.rows if r.dropped)
     sizes = f"{sum(plan.size_before.values())} -> {plan.output_bytes} tensor bytes"
     shared: dict[str, Any] = {
         "src": plan.sources[0],
@@ -349,8 +351,8 @@ def finish(
         "notes": plan.notes,
         "dropped": plan.dropped_entries + rows_dropped,
         "selected": plan.selected,
-        "tensors": sum(1 for r in plan.rows if r.key is not None),
-        "renamed": sum(1 for r in plan.rows if r.key not in (None, r.source_key)),
+        "tensors": sum(1 for r in plan.rows if not r.dropped),
+        "renamed": sum(1 for r in plan.rows if not r.dropped and r.key != r.source_key),
         "command": plan.command,
         "sources": plan.sources,
         "rows": plan.rows,
