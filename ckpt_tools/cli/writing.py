@@ -21,9 +21,27 @@ __all__ = ["progress_bar", "quiet_option", "run_and_show"]
 # The progress bar is drawn only for outputs worth watching.
 _BAR_BYTES = 64 << 20
 
-#: ``--quiet``/``-q`` of every writing command: no progress bar, no summary.
+
+def _hush_warnings(ctx: click.Context, _param: click.Parameter, quiet: bool) -> bool:
+    """Under ``--quiet``, the library's warnings (logged, as a folder's unread files) are
+    not printed either, for this command only; ``logging`` is imported only then."""
+    if quiet:
+        import logging
+
+        logger = logging.getLogger("ckpt_tools")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        ctx.call_on_close(lambda: logger.setLevel(level))
+    return quiet
+
+
+#: ``--quiet``/``-q`` of every writing command: no progress bar, no summary, no warning.
 quiet_option = click.option(
-    "--quiet", "-q", is_flag=True, help="Print nothing on success: no progress bar, no summary."
+    "--quiet",
+    "-q",
+    is_flag=True,
+    callback=_hush_warnings,
+    help="Print nothing on success: no progress bar, no summary.",
 )
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ckpt_tools._escape import shown
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.errors import (
     CheckpointError,
@@ -69,7 +70,8 @@ def open_folder(path: str) -> Checkpoint:
     chosen, others = choose_weights(folder, path)
     if others:  # no notes on a Checkpoint: logged, as the tensors an index leaves out are
         msg = "%r: %s is read, as transformers' from_pretrained reads the folder; not read: %s"
-        logger.warning(msg, path, chosen, ", ".join(others))
+        # Names read from the folder are escaped: a log line is text for people too.
+        logger.warning(msg, path, shown(chosen), ", ".join(map(shown, others)))
     if chosen.endswith(".index.json"):
         return open_index(str(folder / chosen))
     return open_checkpoint(shard_path(str(folder), chosen, path))
@@ -379,7 +381,7 @@ def _note(index_path: str, unlisted: Mapping[str, str], moved: Mapping[str, str]
             "loads them: %s",
             index_path,
             len(unlisted),
-            _listing([f"{n!r} ({s})" for n, s in unlisted.items()]),
+            _listing([f"{n!r} ({shown(s)})" for n, s in unlisted.items()]),
         )
     if moved:
         logger.warning(
@@ -387,5 +389,5 @@ def _note(index_path: str, unlisted: Mapping[str, str], moved: Mapping[str, str]
             "the shard that does, as transformers loads them: %s",
             index_path,
             len(moved),
-            _listing([f"{n!r} ({s})" for n, s in moved.items()]),
+            _listing([f"{n!r} ({shown(s)})" for n, s in moved.items()]),
         )

@@ -286,3 +286,22 @@ def test_a_write_s_summary_and_dry_run_keep_a_line_break_in_its_line(tmp_path: P
         assert _escaped(forged) in out
         assert not any(line.startswith("clean") for line in _lines(out))
     assert sorted(torch.load(dst, weights_only=True)) == sorted(["b", forged])  # exact names
+
+
+def test_a_folder_s_warnings_escape_its_file_names_and_quiet_hushes_them(tmp_path: Path) -> None:
+    folder, sharded = tmp_path / "one", tmp_path / "sharded"
+    folder.mkdir()
+    sharded.mkdir()
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+    stray = "x\x1b[31mRED\nckpt: forged.index.json"
+    (folder / stray).write_text("{}")
+    shard = "sh\x1b[2Jard\n.safetensors"
+    save_file({"a": torch.zeros(1), "b": torch.zeros(1)}, sharded / shard)
+    index = {"metadata": {}, "weight_map": {"a": shard}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    for path, name in ((folder, stray), (sharded, shard)):
+        out, err = _ckpt("inspect", path, "--json", code=0)
+        assert len(_lines(err)) == 1 and _escaped(name) in err, err
+        json.loads(out)
+        out, err = _ckpt("convert", path, tmp_path / f"{path.name}.pt", "--quiet", code=0)
+        assert (out, err) == ("", "")
