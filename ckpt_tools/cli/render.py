@@ -28,14 +28,18 @@ __all__ = [
 
 
 def echo_json(data: Any) -> None:
-    """Print ``data`` as indented JSON on stdout.
+    """Print ``data`` as indented, strict JSON on stdout.
 
     json.dumps escapes every control and every non-ASCII character (``ensure_ascii``), so
     JSON brings no escape sequence or bidi override to a terminal, and names stay exact.
+    A number that is not finite is written as its name (``"inf"``, ``"nan"``).
     """
     import json  # only --json needs it; `ckpt` starts faster without
 
-    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+    from ckpt_tools._json import json_ready
+
+    text = json.dumps(json_ready(data), indent=2, sort_keys=False, default=str, allow_nan=False)
+    click.echo(text)
 
 
 def echo_text(text: str, err: bool = False) -> None:

@@ -8,6 +8,7 @@ tabulate itself, laying out the same escaped cells (the very cells, where they a
 
 from __future__ import annotations
 
+import json
 import random
 import string
 from pathlib import Path
@@ -19,6 +20,8 @@ from tabulate import tabulate
 from ckpt_tools.cli.render import table
 from ckpt_tools.ops.inspect.inspection import inspect
 from ckpt_tools.structure.text import display_width, shown
+from tests.helpers import copy_fixture, run_ckpt
+from tests.helpers.lora import write_tiny_adapter
 
 
 def _tabulate(rows: list[list[Any]], headers: list[str]) -> str:
@@ -80,3 +83,40 @@ def test_cells_that_are_not_text_are_tabulate_s() -> None:
     rows: list[list[Any]] = [["w", [0, 4], "__0_0.distcp", 128], [None, (), b"x", True]]
     assert table(rows, headers) == _tabulate(rows, headers)
     assert table([["a", "b"], ["c"]], ["x", "y"]) == _tabulate([["a", "b"], ["c"]], ["x", "y"])
+
+
+def _strict(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_writes_numbers_that_are_not_finite_as_names(tmp_path: Path) -> None:
+    # PEFT's LoraConfig takes lora_alpha=inf; JSON has no such number.
+    adapter = write_tiny_adapter(tmp_path / "lora")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["lora_alpha"] = float("inf")
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    assert _strict(run_ckpt("inspect", adapter, "--json").stdout)["format_info"]["alpha"] == "inf"
+    base = copy_fixture("plain.pt", tmp_path)
+    merge = run_ckpt("merge-lora", base, adapter, tmp_path / "m.pt", "--dry-run", "--json")
+    assert _strict(merge.stdout)["merged"][0]["alpha"] == "inf"
+
+
+def test_harness_json_of_a_diverged_run_is_strict(tmp_path: Path) -> None:
+    out = run_ckpt(
+        "harness",
+        "train",
+        "--strategy",
+        "single",
+        "--steps",
+        "2",
+        "--lr",
+        "1e30",
+        "--out",
+        tmp_path,
+        "--json",
+    ).stdout
+    losses = _strict(out)["losses"]
+    assert "nan" in losses or "inf" in losses, losses

@@ -10,7 +10,6 @@ check fails.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import click
 from tabulate import tabulate
 
 # config.py is torch-free: `ckpt --help` and the choices below do not import torch.
+from ckpt_tools.cli.render import echo_json
 from ckpt_tools.harness.config import (
     MODEL_NAMES,
     STRATEGIES,
@@ -202,7 +202,7 @@ def train_cmd(
 
 def _echo_train(result: TrainResult, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        echo_json(result.to_dict())
         return
     backend = f", {result.backend}" if result.backend else ""
     click.echo(

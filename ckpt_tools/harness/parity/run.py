@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ckpt_tools._json import json_ready
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.harness.config import (
     MULTI_PROCESS,
@@ -119,22 +120,11 @@ class ParityReport:
         data["all_passed"] = self.all_passed
         data["losses"] = {k: list(v) for k, v in self.losses.items()}
         data["weight_gaps"] = {k: list(v) for k, v in self.weight_gaps.items()}
-        return _finite(data)
+        return json_ready(data)
 
     def to_json(self, indent: int | None = 2) -> str:
         """The report as strict JSON (see :meth:`to_dict`)."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
-
-
-def _finite(value: Any) -> Any:
-    """Replace inf/nan floats (which strict JSON cannot hold) by their names."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _why_not_comparable(run: TrainResult, uses_bn: bool) -> str:
