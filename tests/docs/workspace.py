@@ -41,6 +41,7 @@ COPIES = {
     "truncated.pt": "truncated.pt",
     "lfs.pt": "lfs_pointer.pt",
     "torchscript.pt": "torchscript.pt",
+    "old-tar.pt": "tar_format.pt",
 }
 
 # The model the fixtures were saved from, as a reader's own module would define it.
