@@ -24,7 +24,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
+from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError, UsageError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.dcp.reader import contiguous_stride
 from ckpt_tools.formats.deepspeed.info import ZeroInfo, zero_info
@@ -383,8 +383,10 @@ def _locator(where: str, into: _Builder) -> Any:
             if len(source.spans) == 1
             else "is cut from the ranks' partitions"
         )
-        raise UnsupportedFormatError(
-            f"{where!r}: tensor {storage.key!r} {how}, so it has no single byte range",
+        # What DCP's folders get (a usage refusal, exit 2): the input is fine, read whole.
+        raise UsageError(
+            f"{where!r} is a DeepSpeed ZeRO checkpoint: tensor {storage.key!r} {how}, so it "
+            "has no single byte range",
             path=where,
             remedies=(
                 Remedy(command=f"ckpt consolidate {where} OUT.pt", text="to write one file first"),

@@ -285,3 +285,18 @@ def test_a_hostile_global_in_a_rank_file_is_never_run(zero_runs: ZeroRuns, tmp_p
     code, _, err = run_ckpt("consolidate", folder, tmp_path / "m.pt", code=None)
     assert code == UnsafeContentError.exit_code and "posix.system" in err
     assert not marker.exists() and not (tmp_path / "m.pt").exists()
+
+
+def test_commands_that_read_one_file_say_consolidate_it_first(
+    zero_runs: ZeroRuns, tmp_path: Path
+) -> None:
+    # A usage refusal (exit 2), as for a DCP folder: the run is fine, consolidate reads it.
+    folder = zero_runs.folder(3, "z2")
+    for args in (
+        ["convert", folder, tmp_path / "o.pt"],
+        ["slim", folder, tmp_path / "o.pt", "--dtype", "bf16"],
+        ["diff", folder, folder],
+    ):
+        err = run_ckpt(*args, code=UsageError.exit_code).stderr
+        assert "is a DeepSpeed ZeRO checkpoint" in err and f"ckpt consolidate {folder}" in err
+    assert not (tmp_path / "o.pt").exists()
