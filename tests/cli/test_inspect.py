@@ -228,3 +228,10 @@ def test_inspect_imports_its_format_s_reader_only(name: str) -> None:
         assert _among(loaded, _NEVER + _OTHER_READERS[name]) == []
     assert _among(table, ("tabulate",)) == []
     assert _among(as_json, ("tabulate", "zipfile")) == []
+
+
+@pytest.mark.parametrize("table_option", [["--group"], ["--limit", "2"]])
+def test_table_options_with_json_are_refused_not_ignored(table_option: list[str]) -> None:
+    path = fixture_path("dataparallel.pt")
+    result = run_ckpt("inspect", path, "--json", *table_option, code=2)
+    assert result.stdout == "" and f"{table_option[0]} shapes the table" in result.stderr

@@ -13,7 +13,11 @@ from ckpt_tools.ops.inspect.inspection import inspect
 @click.argument("path", type=click.Path())
 @select_option
 @json_option
-@click.option("--group", is_flag=True, help="Fold repeated layers: layers.{0..31}.fc.weight ×32.")
+@click.option(
+    "--group",
+    is_flag=True,
+    help="Fold the table's repeated layers: layers.{0..31}.fc.weight ×32.",
+)
 @click.option(
     "--limit", type=click.IntRange(min=0), default=None, help="Show at most this many table rows."
 )
@@ -31,6 +35,10 @@ def inspect_cmd(
     PATH is a file, a folder, or a URL (https://, hf://ORG/REPO[@REV][/FILE], s3://BUCKET/KEY)
     of which only the structure is fetched, by byte ranges.
     """
+    if as_json and (group or limit is not None):
+        # The JSON lists every tensor, whatever shapes the table: said, not ignored.
+        given = "--group" if group else "--limit"
+        raise click.UsageError(f"{given} shapes the table; --json lists every tensor")
     info = inspect(path, select=select)
     if verbose and info.transfer is not None:
         echo_text(f"remote: {info.transfer}", err=True)
