@@ -50,6 +50,8 @@ def scan_cmd(
     scan reads are fetched by byte ranges (each zip record's header and first bytes, a
     request each), never the tensors; a folder URL is scanned as its weight files.
     """
+    if as_json and output_format == "sarif":
+        raise click.UsageError("--json and --format sarif name two outputs; give one")
     report = scan(paths, on_file=_progress_line())
     if verbose and report.transfer is not None:
         for file in report.files:
