@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckpt_tools as ct
 from ckpt_tools.cli.main import main
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import VerificationError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors
 from tests import helpers as h
 
 
@@ -186,3 +188,19 @@ def test_verify_full_reads_a_compressed_record_once_for_all_its_views(saved, tmp
     assert calls == ["0", "0"]
     loaded = torch.load(out, weights_only=True)
     assert all(torch.equal(loaded[f"t{i}"], base[i : i + 1]) for i in range(64))
+
+
+def test_a_root_that_is_no_mapping_is_verified_tensor_by_tensor(saved, tmp_path):
+    # torch.save(tensor) or of a list: no state dict, yet every tensor is checked by its place.
+    t = torch.arange(6.0)
+    a = saved("a.pt", [t, t[2:], {"x": torch.ones(2)}, 3])
+    b = saved("b.pt", [t, t[2:], {"x": torch.tensor([1.0, 2.0])}, 3])
+    ckpt = open_checkpoint(a)
+    expected = Expected(dict(iter_listed_tensors(ckpt.root)), None, ckpt)
+    assert verify_output(str(a), expected, "full") == ("verified: 3 tensors, keys, sizes and bytes")
+    with pytest.raises(VerificationError, match=r"the bytes of '2\.x' differ"):
+        verify_output(str(b), expected, "full")
+    bare = saved("bare.pt", t)
+    result = ct.convert(bare, tmp_path / "out.pt", verify="full")
+    assert result.verification == "verified: 1 tensors, keys, sizes and bytes"
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True), t)

@@ -39,6 +39,7 @@ from ckpt_tools.structure.selection import (
     replace_at,
     select_state_dict,
 )
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors
 from ckpt_tools.structure.wrappers import WrapperMatch, strip_wrapper_rules
 
 if TYPE_CHECKING:
@@ -230,8 +231,13 @@ def _plan(
     renames = plan_renames([k for k in sd if isinstance(k, str)], rules)
     renamed_sd = apply_plan(sd, renames, rules)
     changed = [(old, new) for old, new in renames.items() if old != new]
-    # Sparse, meta and nested tensors are copied too, and checked as tensors.
-    tensors = {k: v for k, v in renamed_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))}
+    # Sparse, meta and nested tensors are copied too, and checked as tensors; a root that is
+    # no mapping (a bare tensor, a list) by their places in it, as verification reads it back.
+    tensors = (
+        dict(iter_listed_tensors(ckpt.root))
+        if selection.stand_in
+        else {k: v for k, v in renamed_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))}
+    )
     if fmt == "safetensors":
         entries, metadata, dropped, expected = safetensors_plan(
             ckpt, selection.path, renamed_sd, drop_extras, to_torch

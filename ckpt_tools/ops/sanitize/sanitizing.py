@@ -265,7 +265,9 @@ def _verify(
     if level == "none":
         return "not verified (--verify none)"
     whole_tree = not path and not isinstance(done.root, Mapping)
-    expected = {} if whole_tree else _selected_tensors(done.root, path)
+    expected = (
+        dict(iter_listed_tensors(done.root)) if whole_tree else _selected_tensors(done.root, path)
+    )
     parts = [p for t in expected.values() for p in stored_views(t)]
     new = [p for p in parts if p.storage.key in done.added]
     # A source that names no global: verify_output then refuses any the output names.
