@@ -221,7 +221,7 @@ def load_into(
     if fix is not None:
         sd = rename_keys(sd, fix.rules)
         logger.info("%s: %s to match %s", label, fix.describe(), type(model).__name__)
-    verdict = rehearse(model, sd)
+    verdict = rehearse(model, sd, assign=assign)
     report = LoadReport(
         source=label,
         model_class=type(model).__name__,

@@ -80,12 +80,17 @@ class _Seen:
     dtype: torch.dtype
 
 
-def rehearse(model: nn.Module, sd: Mapping[str, Any]) -> Verdict:
+def rehearse(model: nn.Module, sd: Mapping[str, Any], *, assign: bool = False) -> Verdict:
     """torch's verdict on loading ``sd`` into ``model``, from a meta shadow of the model.
+
+    The shadow takes every value by ``assign``; a load that copies also fails on values
+    ``copy_`` cannot take (meta, sparse, nested or quantized into a plain tensor), which
+    are found by name and added to the verdict's errors.
 
     Args:
         model: the module to load into; it is read, never changed.
         sd: the state dict, with its ``_metadata`` if it has one (the module versions).
+        assign: the load will assign the values rather than copy them.
 
     Returns:
         A :class:`Verdict`: the comparison by name where it finds nothing to reconcile, else
@@ -102,8 +107,17 @@ def rehearse(model: nn.Module, sd: Mapping[str, Any]) -> Verdict:
         >>> v.missing, v.fallback
         ((), None)
     """
+    named, uncopyable = _by_name(model, sd)
+    verdict = _torch_verdict(model, sd, named)
+    if assign or not uncopyable:
+        return verdict
+    return replace(verdict, errors=verdict.errors + uncopyable)
+
+
+def _torch_verdict(model: nn.Module, sd: Mapping[str, Any], named: Verdict) -> Verdict:
+    """The comparison by name where it finds nothing to reconcile, else torch's verdict on
+    the shadow (or the comparison by name, saying why the shadow could not load)."""
     torch = require_torch("load_into")
-    named = _by_name(model, sd)
     if not (named.missing or named.unexpected or named.shape_mismatches or named.errors):
         return named
     try:
@@ -238,13 +252,14 @@ def with_own_metadata(out: Any, sd: Mapping[str, Any]) -> Any:
     return out
 
 
-def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> Verdict:
-    """The keys compared by name: torch's per-module loading code is not consulted."""
+def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> tuple[Verdict, tuple[str, ...]]:
+    """The keys compared by name (torch's per-module loading code is not consulted), and
+    the values a copy into the model's tensors would fail on."""
     torch = require_torch("load_into")
     from ckpt_tools.loading.tensor_io import dtype_name
 
     target = model.state_dict()
-    shapes, casts, errors = [], [], []
+    shapes, casts, errors, uncopyable = [], [], [], []
     for key, value in sd.items():
         have = target.get(key)
         if isinstance(have, torch.Tensor) and not isinstance(value, torch.Tensor):
@@ -259,13 +274,31 @@ def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> Verdict:
             shapes.append(ShapeMismatch(key, tuple(value.shape), tuple(have.shape)))
         elif value.dtype != have.dtype:
             casts.append((key, dtype_name(value.dtype), dtype_name(have.dtype)))
-    return Verdict(
+        kind = _uncopyable_kind(value, have)
+        if kind:
+            uncopyable.append(f"{key}: the model's tensor cannot take a copy of a {kind} one")
+    verdict = Verdict(
         missing=tuple(k for k in target if k not in sd),
         unexpected=tuple(k for k in sd if k not in target),
         shape_mismatches=tuple(shapes),
         dtype_casts=tuple(casts),
         errors=tuple(errors),
     )
+    return verdict, tuple(uncopyable)
+
+
+def _uncopyable_kind(value: torch.Tensor, have: torch.Tensor) -> str:
+    """What makes ``have.copy_(value)`` fail (torch's load copies each value so), or ``""``:
+    a meta value has no data, and a plain tensor takes no other layout nor quantized values."""
+    if value.is_meta and not have.is_meta:
+        return "meta"
+    if value.is_nested and not have.is_nested:
+        return "nested"
+    if value.layout != have.layout:
+        return str(value.layout).removeprefix("torch.")
+    if value.is_quantized and not have.is_quantized:
+        return "quantized"
+    return ""
 
 
 def _fallback(named: Verdict, why: str) -> Verdict:

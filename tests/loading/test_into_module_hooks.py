@@ -305,6 +305,31 @@ def test_a_value_torch_refuses_is_refused_before_loading_even_without_strict() -
     assert_untouched(target, before)
 
 
+UNCOPYABLE = {
+    "meta": lambda t: torch.empty_like(t, device="meta"),
+    "sparse_coo": lambda t: t.to_sparse(),
+    "quantized": lambda t: torch.quantize_per_tensor(t, 0.1, 0, torch.qint8),
+}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("kind", list(UNCOPYABLE))
+def test_a_value_a_copy_cannot_take_is_refused_before_anything_is_copied(
+    kind: str, strict: bool
+) -> None:
+    # torch copies module by module and fails at the value copy_ refuses, the earlier
+    # modules already loaded; the rehearsal assigns, so the kind is checked by name.
+    target = bn_net()
+    sd: dict[str, Any] = {k: v + 1 for k, v in bn_net().state_dict().items()}
+    sd["1.weight"] = UNCOPYABLE[kind](sd["1.weight"])
+    with pytest.raises(RuntimeError, match="While copying the parameter named"):
+        copy.deepcopy(target).load_state_dict(sd, strict=strict)
+    before = snapshot(target)
+    with pytest.raises(StateDictMismatchError, match=rf"1\.weight: .* copy of a {kind} one"):
+        load_into(target, sd, strict=strict)
+    assert_untouched(target, before)
+
+
 class NeedsValues(nn.Linear):
     """A pre-hook that reads a value, which a meta tensor does not have."""
 
