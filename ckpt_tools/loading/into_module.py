@@ -14,7 +14,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.descriptors import short_repr
@@ -22,7 +22,7 @@ from ckpt_tools.errors import StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch
-from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_with_info
+from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state
 from ckpt_tools.structure.grouping import fold_keys
 from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import is_state_dict
@@ -108,7 +108,7 @@ def _source_state_dict(
     map_location: MapLocation,
     select: Select,
     trust: bool,
-    mmap: bool,
+    mmap: bool | Literal["staged"],
 ) -> tuple[Mapping[str, Any], str, LoadInfo | None]:
     if isinstance(source, Mapping):
         if select is not None or not is_state_dict(source):
@@ -123,7 +123,7 @@ def _source_state_dict(
     # The model's tensors are where the data ends up: stage on the CPU and copy once, rather
     # than holding a second copy on the GPU.
     location = "cpu" if isinstance(map_location, str) and map_location == "auto" else map_location
-    sd, info = load_with_info(source, map_location=location, select=select, trust=trust, mmap=mmap)
+    sd, info = load_state(source, location, select, trust, mmap, "load_into")
     if location is not map_location:
         info = replace(info, map_location="auto (staged on cpu)")
     return sd, info.path, info
@@ -191,7 +191,8 @@ def load_into(
             (as :func:`load_state_dict`'s ``mmap``: nothing allocated, nothing copied, so
             a model larger than half the RAM loads; the file must then not change while
             the model lives). Without ``assign`` the values are copied into the model's
-            own tensors, and the file is mapped as a staging area whatever this says.
+            own tensors, and the file is mapped as a staging area whatever this says (read
+            where a storage record is compressed, which cannot be mapped).
 
     Returns:
         A :class:`LoadReport`.
@@ -214,7 +215,8 @@ def load_into(
     assign = on_meta(model) if assign is None else assign
     # Copied into the model's own tensors, the file's pages are only read once: mapping
     # them saves a copy. Assigned, they would become the model's: only when asked.
-    sd, label, info = _source_state_dict(src, map_location, select, trust, mmap or not assign)
+    staging = mmap or ("staged" if not assign else False)
+    sd, label, info = _source_state_dict(src, map_location, select, trust, staging)
     model_keys = list(model.state_dict())
     source_keys = [str(k) for k in sd]
     fix = best_fix(source_keys, model_keys)

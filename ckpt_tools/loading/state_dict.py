@@ -18,7 +18,7 @@ import logging
 import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.errors import (
@@ -71,6 +71,24 @@ def _describe(map_location: MapLocation) -> str:
 
 # ---------------------------------------------------------------------------------------
 # load_state_dict
+
+
+def _mappable(ckpt: Checkpoint, mmap: bool | Literal["staged"], trusted: bool) -> bool:
+    """Whether to map ``ckpt``: not where a storage record is compressed (re-zipped with
+    deflate) and the mapping was only staging; refused there before torch.load maps the
+    compressed bytes as values (the own reader refuses the selected storages as it meets
+    them)."""
+    if not mmap:
+        return False
+    from ckpt_tools.loading.storages import deflated_records, unmappable
+
+    deflated = deflated_records(ckpt)
+    if deflated and mmap == "staged":
+        return False
+    if deflated and trusted:
+        sub, record, _ = deflated[0]
+        raise unmappable(sub.path, record)
+    return True
 
 
 def _check_format(ckpt: Checkpoint) -> None:
@@ -239,7 +257,7 @@ def load_state_dict(
         >>> sd["module.conv.weight"].shape
         torch.Size([8, 3, 3, 3])
     """
-    return _load(path, map_location, select, trust, mmap, "load_state_dict")[0]
+    return load_state(path, map_location, select, trust, mmap, "load_state_dict")[0]
 
 
 def load_with_info(
@@ -270,18 +288,22 @@ def load_with_info(
         >>> [(p.saved, p.target) for p in info.moved], sd["conv.weight"].device
         ([('cuda:1', 'cpu')], device(type='cpu'))
     """
-    return _load(path, map_location, select, trust, mmap, "load_with_info")
+    return load_state(path, map_location, select, trust, mmap, "load_with_info")
 
 
-def _load(
+def load_state(
     path: StrPath,
     map_location: MapLocation,
     select: Select,
     trust: bool,
-    mmap: bool,
+    mmap: bool | Literal["staged"],
     feature: str,
 ) -> tuple[dict[str, torch.Tensor], LoadInfo]:
-    """The one load both public calls make; ``feature`` names the caller to a missing extra."""
+    """The one load the public calls make; ``feature`` names the caller to a missing extra.
+
+    ``mmap="staged"``: map the file as a staging area where it can be (``load_into``
+    copies the values out), read it where a storage record is compressed.
+    """
     torch = require_torch(feature)
     ckpt = open_checkpoint(path)
     _check_format(ckpt)
@@ -289,6 +311,7 @@ def _load(
     selection = _selection_checked(ckpt.root, select, where)
     state_dict: Mapping[Any, Any]
     trusted = trust and _holds_pickle(ckpt)
+    mmap = _mappable(ckpt, mmap, trusted)
     if trusted:
         from ckpt_tools.loading.trusted_load import load_trusted
 

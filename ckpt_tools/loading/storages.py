@@ -33,7 +33,15 @@ from ckpt_tools.formats import Checkpoint, ZipRecord
 from ckpt_tools.io.tensor_bytes import ClosesOnExit, OpenFiles, decompressed, pread_exact
 from ckpt_tools.loading.tensor_io import torch_dtype
 
-__all__ = ["EXACT_FORMATS", "Restore", "StorageBuilder", "load_byteorder", "placed_storage"]
+__all__ = [
+    "EXACT_FORMATS",
+    "Restore",
+    "StorageBuilder",
+    "deflated_records",
+    "load_byteorder",
+    "placed_storage",
+    "unmappable",
+]
 
 #: ``(cpu_storage, saved_tag) -> storage``: where one storage goes (``map_location`` resolved).
 Restore = Callable[[torch.UntypedStorage, str], torch.UntypedStorage]
@@ -104,12 +112,10 @@ class StorageBuilder(ClosesOnExit):
             self._formats[sub.path] = sub.format
             if load_byteorder(sub) != sys.byteorder:
                 self._swapped.add(sub.path)
-            # Found once, not per storage: the zips' deflated storage records, by the
-            # storage's identity (every shard of a sharded folder has its own data/0).
-            for name, record in sub.records.items():
-                ref = sub.storages.get(name[5:]) if name.startswith("data/") else None
-                if record.compressed and ref is not None:
-                    self._deflated[id(ref)] = (sub, record)
+        # Found once, not per storage, by the storage's identity (every shard of a sharded
+        # folder has its own data/0).
+        for sub, record, ref in deflated_records(self.ckpt):
+            self._deflated[id(ref)] = (sub, record)
 
     def close(self) -> None:
         """Close the descriptors of files read with ``pread``; mapped storages stay valid."""
@@ -135,7 +141,7 @@ class StorageBuilder(ClosesOnExit):
             if record is None:
                 cpu = self._read(path, root_offset, root_nbytes, ref.dtype)
             elif self.mmap:
-                raise _unmappable(owner.path, record)
+                raise unmappable(owner.path, record)
             else:
                 cpu = _inflated(owner, record, root_nbytes)
             if path in self._swapped:
@@ -185,8 +191,21 @@ class StorageBuilder(ClosesOnExit):
         return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
 
 
-def _unmappable(path: str, record: ZipRecord) -> UsageError:
-    # torch.load(mmap=True) maps the record's compressed bytes as if they were the values.
+def deflated_records(ckpt: Checkpoint) -> list[tuple[Checkpoint, ZipRecord, StorageRef]]:
+    """The compressed storage records of ``ckpt`` and its shards (an archive re-zipped with
+    deflate): each with the checkpoint holding it and the storage it holds."""
+    found = []
+    for sub in (ckpt, *ckpt.shards.values()):
+        for name, record in sub.records.items():
+            ref = sub.storages.get(name[5:]) if name.startswith("data/") else None
+            if record.compressed and ref is not None:
+                found.append((sub, record, ref))
+    return found
+
+
+def unmappable(path: str, record: ZipRecord) -> UsageError:
+    """The refusal to map a compressed record: torch.load(mmap=True) maps its compressed
+    bytes as if they were the values."""
     return UsageError(
         f"{path!r}: record {record.name} is compressed (the archive was re-zipped with "
         "deflate), so its bytes cannot be memory-mapped; torch.load(mmap=True) would map the "

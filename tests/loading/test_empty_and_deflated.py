@@ -112,3 +112,25 @@ def test_deflated_record_refuses_mmap(deflated: Path) -> None:
     assert refused.value.argument == "mmap"
     assert "compressed" in str(refused.value) and "mmap=False" in str(refused.value)
     assert torch.equal(load_state_dict(deflated, map_location="cpu")["a"], ref["a"])
+
+
+def test_trust_refuses_to_map_a_deflated_record(deflated: Path) -> None:
+    # torch.load(mmap=True), which trust hands the file to, would map compressed bytes.
+    with pytest.raises(UsageError, match="compressed") as refused:
+        load_state_dict(deflated, map_location="cpu", trust=True, mmap=True)
+    assert refused.value.argument == "mmap"
+    ref = torch.load(deflated, weights_only=True)
+    assert torch.equal(load_state_dict(deflated, trust=True)["a"], ref["a"])
+
+
+@pytest.mark.parametrize("trust", [False, True])
+@pytest.mark.parametrize("options", [{}, {"mmap": False}])
+def test_load_into_copies_a_deflated_file_it_cannot_map(
+    deflated: Path, trust: bool, options: dict
+) -> None:
+    # Mapping was only its staging area: the records are inflated instead.
+    model = nn.Module()
+    model.register_buffer("a", torch.zeros(6))
+    report = load_into(model, deflated, trust=trust, **options)
+    assert report.loaded == 1 and not report.info.mmap
+    assert torch.equal(model.a, torch.load(deflated, weights_only=True)["a"])
