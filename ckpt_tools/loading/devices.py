@@ -24,6 +24,7 @@ __all__ = [
     "DeviceInfo",
     "MapLocation",
     "auto_location",
+    "checked_device",
     "list_devices",
     "pick_devices",
     "resolve_map_location",
@@ -316,11 +317,11 @@ def resolve_map_location(map_location: MapLocation, tags: Sequence[str]) -> dict
                 argument="map_location",
                 value=repr(map_location),
             )
-        resolved[tag] = _checked_device(target, tag, map_location)
+        resolved[tag] = checked_device(target, tag, map_location)
     return resolved
 
 
-def _checked_device(target: Any, tag: str, map_location: MapLocation) -> str:
+def checked_device(target: Any, tag: str, map_location: MapLocation) -> str:
     """``target`` as a device string torch restores to, or the refusal that names it."""
     import torch
 

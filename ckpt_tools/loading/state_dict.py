@@ -27,7 +27,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
-from ckpt_tools.loading.devices import auto_location, resolve_map_location
+from ckpt_tools.loading.devices import auto_location, checked_device, resolve_map_location
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.structure.selection import (
@@ -136,8 +136,8 @@ def _restorer(
         if resolved is None:
             # A callable gets the CPU storage and the saved tag; None means "where saved".
             result = map_location(storage, tag)  # type: ignore[operator]
-            if result is None:
-                result = default_restore_location(storage, tag)
+            if result is None:  # torch restores it where saved: a device that must exist
+                result = default_restore_location(storage, checked_device(tag, tag, map_location))
             target = str(placed_storage(result, storage, tag).device)
         else:
             target = resolved.get(tag)

@@ -17,9 +17,14 @@ from typing import Any
 import torch
 
 from ckpt_tools._types import MapLocation
-from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError
+from ckpt_tools.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    Remedy,
+    UnsupportedFormatError,
+)
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.loading.devices import resolve_map_location
+from ckpt_tools.loading.devices import checked_device, resolve_map_location
 from ckpt_tools.loading.extras import require_safetensors
 from ckpt_tools.loading.results import StorageMove
 from ckpt_tools.loading.storages import EXACT_FORMATS, placed_storage
@@ -72,9 +77,10 @@ class _Recorder:
 
     def __call__(self, storage: Any, location: str) -> Any:
         result = self.func(storage, location)
-        # None means "where it was saved" (torch's default_restore_location).
+        # None means "where it was saved" (torch's default_restore_location): a device that
+        # must exist here.
         if result is None:
-            target = location
+            target = checked_device(location, location, self.func)
         else:
             target = str(placed_storage(result, storage, location, self.exact).device)
         entry = self.seen.setdefault((location, target), [0, 0])
@@ -90,6 +96,8 @@ def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
     # Only ever reached with trust=True: the caller said the file may run its code.
     try:
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    except CheckpointError:
+        raise  # ours, from the map_location recorder: already said for the user
     except (ImportError, AttributeError) as e:
         # What unpickling raises when a global the pickle names is not importable here.
         raise UnsupportedFormatError(
@@ -102,6 +110,16 @@ def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
         raise CorruptCheckpointError(
             f"{path!r}: torch.load(weights_only=False) cannot unpickle it: {type(e).__name__}: {e}",
             path=path,
+        ) from e
+    except (RuntimeError, ValueError, TypeError) as e:
+        # torch's own rebuilds can fail on a file it wrote (a complex32 leaf that requires
+        # grad): said as torch said it, in one line, not as a bug of ours.
+        raise UnsupportedFormatError(
+            f"{path!r}: torch.load(weights_only=False) failed: {type(e).__name__}: {e}",
+            path=path,
+            remedies=(
+                Remedy(text="load it without trust: the own reader does not call torch.load"),
+            ),
         ) from e
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_tools import UsageError, load_state_dict
+from ckpt_tools import UnsupportedFormatError, UsageError, load_state_dict
 
 
 @pytest.fixture
@@ -78,3 +78,27 @@ def test_dict_of_torch_devices_is_refused(zip_file: Path) -> None:
         load_state_dict(zip_file, map_location=map_location)
     assert refused.value.argument == "map_location"
     assert "{'cpu': 'cpu'}" in str(refused.value)
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_callable_that_keeps_a_missing_device_is_refused_as_none_is(
+    zip_file: Path, tmp_path: Path, trust: bool
+) -> None:
+    # None from the callable means "where saved", as map_location=None does.
+    from ckpt_tools import retag
+
+    cuda = retag(zip_file, tmp_path / "cuda9.pt", mapping={"cpu": "cuda:9"}).dst
+    _torch_refuses(cuda, lambda storage, tag: None)
+    with pytest.raises(UsageError, match="saved on 'cuda:9' to 'cuda:9', which does not exist"):
+        load_state_dict(cuda, map_location=lambda storage, tag: None, trust=trust)
+
+
+def test_a_failure_inside_torch_load_under_trust_is_one_checkpoint_error(tmp_path: Path) -> None:
+    # torch cannot load a complex32 leaf that requires grad (its rebuild copies in place).
+    path = tmp_path / "chalf.pt"
+    torch.save({"w": torch.zeros(3, dtype=torch.complex32, requires_grad=True)}, path)
+    _torch_refuses(path, None)
+    with pytest.raises(UnsupportedFormatError, match=r"torch\.load.*failed: RuntimeError") as e:
+        load_state_dict(path, trust=True)
+    assert "without trust" in str(e.value)
+    assert load_state_dict(path)["w"].dtype == torch.complex32
