@@ -170,6 +170,13 @@ class TensorDiff:
             return "differ" if self.bit_equal is False else "unknown"
         return "close" if self.allclose else "differ"
 
+    @property
+    def values_differ(self) -> bool:
+        """Values read and not close: a ``differ`` pair, or a ``dtype`` pair whose values,
+        compared as numbers, are not allclose (a cast that changed them past the tolerances;
+        the bits of two dtypes always differ, and do not count)."""
+        return self.status == "differ" or (self.status == "dtype" and self.allclose is False)
+
     def to_json(self) -> dict[str, Any]:
         def number(x: float | None) -> float | str | None:
             return x if x is None or math.isfinite(x) else str(x)

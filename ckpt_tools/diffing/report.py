@@ -116,8 +116,9 @@ class DiffReport(Readable, TensorsByName[TensorDiff]):
 
     @property
     def value_mismatches(self) -> tuple[TensorDiff, ...]:
-        """Same-shape pairs that are not allclose (or differ in bits, when not comparable)."""
-        return tuple(t for t in self.tensors if t.status == "differ")
+        """Same-shape pairs that are not allclose (or differ in bits, when not comparable),
+        whatever their dtypes."""
+        return tuple(t for t in self.tensors if t.values_differ)
 
     def found(self) -> frozenset[str]:
         """The :data:`FAIL_CATEGORIES` present."""

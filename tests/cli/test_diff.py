@@ -87,6 +87,32 @@ def test_no_fail_on_exits_zero_and_any_fails(files: Any, capsys: Any) -> None:
     assert run_ckpt("diff", a_path, a_path, "--fail-on", "any", code=None)[0] == 0
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_a_cast_that_changed_the_values_fails_on_value(
+    scale: float, files: Any, capsys: Any
+) -> None:
+    ref = base(1)
+    cast = {k: (v * scale).bfloat16() for k, v in ref.items()}
+    a_path, b_path = files(cast, ref)
+    (a, b) = (cast["blocks.0.weight"].double(), ref["blocks.0.weight"].double())
+    close = bool(torch.isclose(a, b, rtol=0, atol=1e-2).all())  # torch decides, in float64
+    code, out, _ = run_ckpt(
+        "diff", a_path, b_path, "--rtol", "0", "--atol", "1e-2", "--fail-on", "value", code=None
+    )
+    assert code == (0 if close else 1) and close == (scale == 1.0), out
+    assert ("failing on: value" in out) != close
+
+
+def test_fail_on_value_without_values_is_refused_or_noted(files: Any, capsys: Any) -> None:
+    b = base()
+    VARIANTS["value"](b)
+    a_path, b_path = files(base(), b)
+    refused = run_ckpt("diff", a_path, b_path, "--no-values", "--fail-on", "value", code=2)
+    assert "--no-values" in refused.stderr
+    noted = run_ckpt("diff", a_path, b_path, "--no-values", "--fail-on", "any", code=0)
+    assert "values were not compared" in noted.stderr
+
+
 def test_table_folds_repeated_layers_and_json_has_everything(files: Any, capsys: Any) -> None:
     b = base(6)
     for i in range(6):

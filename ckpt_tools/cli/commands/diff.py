@@ -118,6 +118,11 @@ def diff_cmd(
     ranges, and its values only with --values (which fetches the compared tensors only).
     """
     categories = parse_fail_on(fail_on)
+    if "value" in {p.strip() for p in (fail_on or "").split(",")}:
+        # A gate on values needs them read: a URL's compared tensors are fetched for it.
+        if values is False:
+            raise UsageError("--fail-on value needs the values, which --no-values leaves out")
+        values = True
     if (b is None) == (model_spec is None):
         raise UsageError("give B or --model MODULE:FACTORY (exactly one): `ckpt diff A B`")
     if model_args and model_spec is None:
@@ -158,4 +163,6 @@ def diff_cmd(
         echo_text(text)
         if failed:
             click.echo(f"failing on: {', '.join(failed)}")
+    if "value" in categories and not report.values_compared:
+        echo_text("note: values were not compared, so no value difference can fail", err=True)
     return EXIT_DIFFERENCES if failed else EXIT_OK
