@@ -398,7 +398,7 @@ def test_every_reader_of_a_dcp_folder_says_consolidate_it(
     from ckpt_tools.errors import UsageError
 
     torch.save(small_state()["model"], tmp_path / "x.pt")
-    remedy = f"ckpt consolidate {folder} OUT.safetensors"
+    remedy = f"ckpt consolidate {folder} OUT.pt"
     calls = [
         lambda: ct.load_state_dict(folder, select="model"),
         lambda: ct.load_with_info(folder, select="model"),

@@ -287,8 +287,19 @@ def test_safetensors_serialization(tmp_path: Path) -> None:
 
 def test_rewrites_point_to_consolidate(folder: Path, tmp_path: Path) -> None:
     err = run_ckpt("convert", folder, tmp_path / "x.pt", code=2).stderr
-    assert f"ckpt consolidate {folder} OUT.safetensors" in err
+    assert f"ckpt consolidate {folder} OUT.pt" in err
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_the_consolidate_command_said_runs_on_a_flat_folder_with_numbers(tmp_path: Path) -> None:
+    # {"w": tensor, "step": 3}: a torch output keeps the number beside the tensor.
+    flat = save_dcp(tmp_path / "flat", {"w": torch.arange(3.0), "step": 3})
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "ref.pt")
+    err = run_ckpt("diff", flat, tmp_path / "ref.pt", code=2).stderr
+    command = err.split("run `", 1)[1].split("`", 1)[0].replace("OUT", str(tmp_path / "out"))
+    run_ckpt(*command.split()[1:])
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert got["step"] == 3 and torch.equal(got["w"], torch.arange(3.0))
 
 
 def test_a_tensor_dict_left_beside_the_one_written_is_said(tmp_path: Path) -> None:

@@ -263,7 +263,7 @@ def needs_consolidating(folder: str, tensor: str | None = None) -> UsageError:
 
     Example:
         >>> err = needs_consolidating("run/step_100", "model.fc.weight")
-        >>> "run `ckpt consolidate run/step_100 OUT.safetensors`" in str(err), err.exit_code
+        >>> "run `ckpt consolidate run/step_100 OUT.pt`" in str(err), err.exit_code
         (True, 2)
     """
     which = f" (reading {tensor!r})" if tensor is not None else ""
@@ -273,7 +273,7 @@ def needs_consolidating(folder: str, tensor: str | None = None) -> UsageError:
         path=folder,
         remedies=(
             Remedy(
-                command=f"ckpt consolidate {folder} OUT.safetensors",
+                command=f"ckpt consolidate {folder} OUT.pt",
                 text="to write it as one file first",
             ),
         ),
