@@ -26,6 +26,7 @@ __all__ = [
     "check_replacement",
     "check_wrapper_prefix",
     "compile_pattern",
+    "literal_replacement",
     "plan_renames",
     "regex_rule",
     "rename_keys",
@@ -68,9 +69,20 @@ def strip_rule(prefix: str, inner: bool = False) -> KeyRule:
     return KeyRule(f"^{re.escape(prefix)}", "", 1, f"strip {prefix!r}")
 
 
+def literal_replacement(text: str) -> str:
+    """``text`` as an ``re.sub`` replacement that writes it as it is: a backslash in a key
+    is no escape.
+
+    Example:
+        >>> re.sub("^", literal_replacement("pre\\x."), "w")
+        'pre\\x.w'
+    """
+    return text.replace("\\", "\\\\")
+
+
 def add_rule(prefix: str) -> KeyRule:
     """A rule putting ``prefix`` in front of every key."""
-    return KeyRule("^", prefix.replace("\\", "\\\\"), 1, f"add {prefix!r}")
+    return KeyRule("^", literal_replacement(prefix), 1, f"add {prefix!r}")
 
 
 def sub_rule(old: str, new: str) -> KeyRule:
@@ -90,7 +102,7 @@ def sub_rule(old: str, new: str) -> KeyRule:
         >>> rename_keys({"backbone.w": 1, "head.w": 2}, [sub_rule("backbone.", "encoder.")])
         {'encoder.w': 1, 'head.w': 2}
     """
-    return KeyRule(f"^{re.escape(old)}", new.replace("\\", "\\\\"), 1, f"{old!r} -> {new!r}")
+    return KeyRule(f"^{re.escape(old)}", literal_replacement(new), 1, f"{old!r} -> {new!r}")
 
 
 def regex_rule(pattern: str, replacement: str) -> KeyRule:

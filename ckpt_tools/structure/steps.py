@@ -19,6 +19,7 @@ from ckpt_tools.errors import KeyCollisionError
 from ckpt_tools.structure.keys import (
     KeyRule,
     add_rule,
+    literal_replacement,
     plan_renames,
     regex_rule,
     strip_rule,
@@ -113,10 +114,15 @@ def step_rules(steps: Sequence[Step]) -> tuple[KeyRule, ...]:
     old, new, inner, subs = _collapse(steps)
     rules = [sub_rule(old, new)] if old else []
     rules += [sub_rule(step.prefix, step.new) for step in subs]
-    if new and not old:
-        rules.append(regex_rule("^", new))
-    rules += [regex_rule(_inner_pattern(prefix), "") for prefix in inner]
+    rules += [regex_rule(p, r) for p, r in _regexes(old, new, inner)]
     return tuple(rules)
+
+
+def _regexes(old: str, new: str, inner: Sequence[str]) -> list[tuple[str, str]]:
+    """The substitutions after the prefix maps: an add with no strip to merge into (written
+    literally: a backslash in a key is no escape), then the inner strips."""
+    regexes = [("^", literal_replacement(new))] if new and not old else []
+    return regexes + [(_inner_pattern(prefix), "") for prefix in inner]
 
 
 def on_stored(aligned: Sequence[Step], steps: Sequence[Step]) -> tuple[Step, ...]:
@@ -215,11 +221,10 @@ def fix_command(
         # Listed in the order they apply: every --sub, then every --regex.
         maps = [(old, new)] if old else []
         maps += [(step.prefix, step.new) for step in subs]
-        regexes = [("^", new)] if new and not old else []
-        regexes += [(_inner_pattern(prefix), "") for prefix in inner]
         args = ["ckpt", "rename", path, out]
         # OLD and PATTERN end at the first "=" not written "\=" (a key may hold one).
         args += [a for o, n in maps for a in ("--sub", f"{_escape_equals(o)}={n}")]
+        regexes = _regexes(old, new, inner)
         args += [a for p, r in regexes for a in ("--regex", f"{_escape_equals(p)}={r}")]
     elif new:
         args = ["ckpt", "add-module", path, out]
@@ -256,6 +261,5 @@ def fix_python(steps: Sequence[Step], name: str = "sd") -> str:
         return f"ckpt_tools.strip_prefix({name}, prefix={old!r})"
     rules = [f"ckpt_tools.sub_rule({old!r}, {new!r})"] if old else []
     rules += [f"ckpt_tools.sub_rule({s.prefix!r}, {s.new!r})" for s in subs]
-    rules += [f"ckpt_tools.regex_rule('^', {new!r})"] if new and not old else []
-    rules += [f"ckpt_tools.regex_rule({_inner_pattern(p)!r}, '')" for p in inner]
+    rules += [f"ckpt_tools.regex_rule({p!r}, {r!r})" for p, r in _regexes(old, new, inner)]
     return f"ckpt_tools.rename_keys({name}, [{', '.join(rules)}])"

@@ -4,14 +4,16 @@ must load into the target model with ``load_state_dict(strict=True)``, tensor fo
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
+import ckpt_tools
 from ckpt_tools.structure.keys import plan_renames, rename_keys
-from ckpt_tools.structure.steps import Step, fix_command, step_rules
+from ckpt_tools.structure.steps import Step, fix_command, fix_python, step_rules
 from ckpt_tools.structure.suggest import (
     MAX_PATH_RULES,
     best_fix,
@@ -205,3 +207,23 @@ def test_a_tensor_without_the_wrapper_leaves_the_wrapped_keys_paired() -> None:
     assert all(
         torch.equal(a, b) for a, b in zip(target.state_dict().values(), model.state_dict().values())
     )
+
+
+def test_a_backslash_in_an_added_prefix_is_written_as_it_is(tmp_path) -> None:
+    # re.sub reads "\x" in a replacement as an escape: the rules, the command and the call
+    # write the key's backslash literally.
+    from tests.helpers import run_ckpt
+
+    keys = ["blocks.1.w", "c"]
+    steps = (Step("sub", "blocks.1.", "b1."), Step("add", "pre\\x."))
+    want = {"pre\\x.b1.w": 1, "pre\\x.c": 2}
+    sd = dict(zip(keys, (1, 2)))
+    assert rename_keys(sd, step_rules(steps)) == want
+    assert eval(fix_python(steps), {"ckpt_tools": ckpt_tools, "sd": sd}) == want
+    torch.save({k: torch.ones(1) for k in keys}, tmp_path / "a.pt")
+    command = fix_command(str(tmp_path / "a.pt"), steps, keys=keys)
+    run_ckpt(*shlex.split(command)[1:])
+    assert list(torch.load(tmp_path / "a.renamed.pt", weights_only=True)) == list(want)
+    torch.save({k: torch.ones(1) for k in want}, tmp_path / "b.pt")
+    report = run_ckpt("diff", tmp_path / "a.renamed.pt", tmp_path / "b.pt", "--fail-on", "any")
+    assert "identical" in report.stdout
