@@ -164,6 +164,7 @@ class Side:
         """A strided, unquantized tensor's values, ``elements`` at a time, in row-major order:
         as torch.load gives them (conjugate and negative bits applied)."""
         from ckpt_tools.diffing.value_stats import with_view_bits
+        from ckpt_tools.loading.tensor_io import flat_pieces
 
         value = self.entries[name]
         if isinstance(value, TensorRef):
@@ -172,9 +173,8 @@ class Side:
             for chunk in self.reader.chunks(value, elements * itemsize(value.dtype)):
                 yield with_view_bits(chunk, bits)
             return
-        flat = value.detach().reshape(-1)
-        for start in range(0, flat.numel(), elements):
-            yield with_view_bits(flat[start : start + elements].to("cpu")).contiguous()
+        for piece in flat_pieces(value.detach(), elements):
+            yield with_view_bits(piece.to("cpu")).contiguous()
 
     def tensor(self, name: str) -> torch.Tensor:
         """A strided tensor whole, on the CPU: a file's as torch.load gives it (a quantized one

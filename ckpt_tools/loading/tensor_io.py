@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "TensorReader",
     "dtype_name",
+    "flat_pieces",
     "iter_chunks",
     "read_tensor",
     "torch_dtype",
@@ -164,17 +165,16 @@ class TensorReader(ClosesOnExit):
     ) -> Iterator[torch.Tensor]:
         """``ref``'s elements in row-major order as flat CPU tensors of about ``chunk_bytes``.
 
-        A contiguous tensor is read piece by piece; any other is read whole, then sliced.
-        A remote one is fetched :data:`~ckpt_tools.io.remote.rangefile.STREAM_CHUNK` bytes at a
-        time (fewer, larger requests), then sliced.
+        A contiguous tensor is read piece by piece; any other has its storage's span read
+        once, then is walked in pieces (:func:`flat_pieces`). A remote one is fetched
+        :data:`~ckpt_tools.io.remote.rangefile.STREAM_CHUNK` bytes at a time (fewer, larger
+        requests), then sliced.
         """
         dtype = torch_dtype(ref.dtype)
         size = itemsize(ref.dtype)
         step = max(1, chunk_bytes // size)
         if not ref.is_contiguous():
-            flat = self.read(ref).reshape(-1)
-            for start in range(0, flat.numel(), step):
-                yield flat[start : start + step]
+            yield from flat_pieces(self.read(ref), step)
             return
         per_read = max(step, STREAM_CHUNK // size) if self.ckpt.remote else step
         for start in range(0, ref.numel, per_read):
@@ -183,6 +183,54 @@ class TensorReader(ClosesOnExit):
             flat = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
             for at in range(0, count, step):
                 yield flat[at : at + step]
+
+
+def flat_pieces(tensor: torch.Tensor, step: int) -> Iterator[torch.Tensor]:
+    """``tensor``'s elements in row-major order, ``step`` at a time (the last piece fewer),
+    each piece a flat copy of its own elements only.
+
+    A view is never made whole: an expanded one (stride 0) can stand for far more elements
+    than its storage holds, and ``reshape(-1)`` would allocate every one of them.
+
+    Example:
+        >>> t = torch.arange(3.0).expand(4, 3)
+        >>> [p.tolist() for p in flat_pieces(t, 5)]
+        [[0.0, 1.0, 2.0, 0.0, 1.0], [2.0, 0.0, 1.0, 2.0, 0.0], [1.0, 2.0]]
+    """
+    pending: list[torch.Tensor] = []
+    held = 0
+    for piece in _row_blocks(tensor, step):
+        pending.append(piece)
+        held += piece.numel()
+        while held >= step:
+            joined = torch.cat(pending) if len(pending) > 1 else pending[0]
+            yield joined[:step]
+            rest = joined[step:]
+            pending, held = ([rest] if rest.numel() else []), rest.numel()
+    if held:
+        yield torch.cat(pending) if len(pending) > 1 else pending[0]
+
+
+def _row_blocks(tensor: torch.Tensor, step: int) -> Iterator[torch.Tensor]:
+    """Flat copies of ``tensor``'s leading rows, at most about ``step`` elements each (a
+    row larger than that is split along its own rows)."""
+    if tensor.is_contiguous() or tensor.dim() == 0:
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), step):
+            yield flat[start : start + step]
+        return
+    if tensor.dim() == 1:
+        for start in range(0, tensor.numel(), step):
+            yield tensor[start : start + step].contiguous()
+        return
+    row = tensor[0].numel() if tensor.shape[0] else 0
+    if row > step:
+        for i in range(tensor.shape[0]):
+            yield from _row_blocks(tensor[i], step)
+        return
+    rows = max(1, step // max(row, 1))
+    for start in range(0, tensor.shape[0], rows):
+        yield tensor[start : start + rows].reshape(-1)
 
 
 def _fetch(source: RangeSource, span: ByteSpan, start: int, nbytes: int, key: str) -> bytearray:
