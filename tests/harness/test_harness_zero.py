@@ -92,6 +92,16 @@ def test_zero_roundtrip_fails_when_the_reference_differs(parity_dir: Path, tmp_p
 
 @NEEDS_DEEPSPEED
 @pytest.mark.slow
+def test_zero_matches_one_device_where_gradients_are_large(tmp_path: Path) -> None:
+    # Batches of 4: gradient norms past 1.0, which DeepSpeed clips to unless told not to.
+    report = run_parity(strategies=("zero",), batch_size=4, steps=2, out_dir=tmp_path, device="cpu")
+    row = report.row("zero", "vs_single")
+    assert row.passed, row.detail
+    assert row.max_abs_diff is not None and row.max_abs_diff < 1e-6
+
+
+@NEEDS_DEEPSPEED
+@pytest.mark.slow
 def test_torchrun_zero1_saves_a_deepspeed_folder_matching_single(
     tmp_path: Path, torchrun_train: Callable[..., object]
 ) -> None:

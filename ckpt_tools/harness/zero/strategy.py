@@ -107,6 +107,9 @@ def _engine(model: nn.Module, config: TrainConfig, world: int, device: torch.dev
     ds_config = {
         "train_micro_batch_size_per_gpu": -(-config.batch_size // world),
         "gradient_accumulation_steps": 1,
+        # DeepSpeed clips the global gradient norm at 1.0 unless told not to; no other
+        # strategy clips, and the parity with one device would hold only while it stays small.
+        "gradient_clipping": 0.0,
         # Small buckets: stages 1 and 2 allocate theirs whole (5e8 elements by default),
         # and the harness's models are tiny. Bucketing never changes an element's sum.
         "zero_optimization": {
