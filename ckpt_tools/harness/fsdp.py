@@ -172,7 +172,13 @@ def _save(
     out = Path(str(config.out_dir))
     out.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / DCP_DIR))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / DCP_DIR))
+    except dcp.api.CheckpointException as e:
+        # A BaseException gathering each rank's error: this rank raises the first one (an
+        # OSError for a full disk, an existing file), which the failure report says in a line.
+        _, (error, _trace) = min(e.failures.items())
+        raise error from e
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     bare = get_model_state_dict(model, options=full)
     optim_full = get_optimizer_state_dict(model, optimizer, options=full)

@@ -53,6 +53,20 @@ def test_a_rank_that_cannot_write_is_one_line_with_its_exit_code(
     assert proc.returncode == 2
 
 
+def test_a_failed_dcp_save_of_fsdp_is_one_line_with_the_rank_s_error(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    # torch's CheckpointException is a BaseException gathering the ranks' errors.
+    (tmp_path / "dcp").write_bytes(b"")  # where the DCP folder goes
+    args = ["--strategy", "fsdp", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [*ENTRY, *args], env=subprocess_env, capture_output=True, text=True, timeout=120
+    )
+    dcp = str(tmp_path / "dcp")
+    assert proc.stderr == f"{PROG}: error: rank 0 of 2 failed: File exists: {dcp!r}\n"
+    assert proc.returncode == 2
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
 def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
     tmp_path: Path, subprocess_env: dict[str, str]
