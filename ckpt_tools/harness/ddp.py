@@ -53,7 +53,7 @@ from ckpt_tools.harness.failures import (
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.outputs import clear_outputs
 from ckpt_tools.harness.placement import resolve_devices
-from ckpt_tools.harness.spawning import adopt_environment, start_method
+from ckpt_tools.harness.spawning import adopt_environment, end_with_launcher, start_method
 
 __all__ = ["TrainRank", "launch", "rank_result", "train_ddp", "train_steps"]
 
@@ -231,7 +231,7 @@ def _spawn(
             args = (world, [str(d) for d in devices], config, init_method, report_dir)
             context = mp.start_processes(
                 _spawn_entry,
-                args=(*args, train_rank, str(failures), dict(os.environ)),
+                args=(*args, train_rank, str(failures), dict(os.environ), os.getpid()),
                 nprocs=world,
                 join=False,
                 start_method=start_method(),
@@ -263,12 +263,15 @@ def _spawn_entry(
     train_rank: TrainRank,
     failures: str,
     environ: dict[str, str],
+    launcher: int,
 ) -> None:
-    """``mp.start_processes`` target: one rank of an internally started run.
+    """``mp.start_processes`` target: one rank of an internally started run, which ends
+    with its ``launcher`` process.
 
     A failure is summarised into ``failures`` for the launcher (see
     :mod:`ckpt_tools.harness.failures`) before it ends the process.
     """
+    end_with_launcher(launcher)
     adopt_environment(environ)
     local = [torch.device(d) for d in devices]
     try:

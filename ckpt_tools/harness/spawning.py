@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
+import signal
+import threading
 from collections.abc import Mapping
 
-__all__ = ["adopt_environment", "start_method"]
+__all__ = ["adopt_environment", "end_with_launcher", "start_method"]
 
 # Third-party modules only: a preloaded module stays as the server imported it, and this
 # package may be imported from another path by the process that starts the ranks.
@@ -59,3 +62,30 @@ def adopt_environment(environ: Mapping[str, str]) -> None:
     if dict(os.environ) != dict(environ):
         os.environ.clear()
         os.environ.update(environ)
+
+
+def end_with_launcher(launcher: int) -> None:
+    """End this rank (a SIGTERM to itself) once the ``launcher`` process ends, as
+    ``torchrun``'s ranks end with it.
+
+    Otherwise a launcher killed alone (a ``kill PID``, the OOM killer) leaves its ranks to
+    finish and write the outputs of a run that was cancelled. Its death is not the parent's
+    (a forked rank's parent is the forkserver, which the ranks themselves keep alive): a
+    thread waits on the launcher's pidfd. Where there is none (not Linux), nothing is done.
+
+    Args:
+        launcher: the process id of the process that started the ranks.
+    """
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # it ended before this rank started
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])  # readable once the launcher has ended
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="ckpt-launcher-watch", daemon=True).start()

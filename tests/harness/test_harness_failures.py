@@ -90,6 +90,31 @@ def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
     assert proc.returncode == 128 + signal.SIGKILL and out == ""
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_ranks_end_with_a_launcher_killed_alone(
+    sig: int, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    # Not the process group (Ctrl-C, timeout): the launcher alone, as `kill PID` does.
+    out = tmp_path / "run"
+    args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(out)]
+    with subprocess.Popen([*ENTRY, *args], env=subprocess_env, stderr=subprocess.PIPE) as proc:
+        try:
+            ranks = _rank_pids(proc.pid, 2, timeout=60)
+            time.sleep(1)
+            os.kill(proc.pid, sig)
+            proc.wait(timeout=60)
+            deadline = time.monotonic() + 30
+            while any(Path(f"/proc/{r}").exists() for r in ranks) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            alive = [r for r in ranks if Path(f"/proc/{r}/status").exists()]
+            zombies = [r for r in alive if "(zombie)" in Path(f"/proc/{r}/status").read_text()]
+        finally:
+            proc.kill()
+    assert alive == zombies, "ranks outlived their launcher"
+    assert not any(out.glob("*.pt"))
+
+
 @pytest.mark.slow
 def test_under_torchrun_the_rank_left_waiting_says_so_in_one_line(
     tmp_path: Path, subprocess_env: dict[str, str]
