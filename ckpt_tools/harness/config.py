@@ -83,6 +83,8 @@ RUN_JSON = "run.json"
 STEPS_DIR = "steps"
 #: Environment variables torchrun sets for every worker; all present means "under torchrun".
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+#: The largest float32 (torch.finfo(torch.float32).max): the largest learning rate SGD applies.
+_FLOAT32_MAX = 3.4028234663852886e38
 #: The fixes for a global batch smaller than the ranks it is split over.
 SMALL_BATCH_REMEDIES: tuple[Remedy, ...] = (
     Remedy("batch_size", verb="raise", flag="--batch-size"),
@@ -148,9 +150,13 @@ class TrainConfig:
             raise UsageError(
                 "must be at least 1", argument="steps", value=repr(self.steps), flag="--steps"
             )
-        if not (math.isfinite(self.lr) and self.lr > 0):
+        if not (math.isfinite(self.lr) and 0 < self.lr <= _FLOAT32_MAX):
+            # SGD steps in float32: a rate past its range cannot even be applied.
             raise UsageError(
-                "must be a positive number", argument="lr", value=repr(self.lr), flag="--lr"
+                "must be a positive number float32 holds (at most 3.4e38)",
+                argument="lr",
+                value=repr(self.lr),
+                flag="--lr",
             )
         if self.world_size is not None and self.world_size < 1:
             raise UsageError(

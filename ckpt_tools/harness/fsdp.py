@@ -13,7 +13,8 @@ After training, every rank takes part in two saves:
   sharded state dicts of ``get_state_dict`` (each rank writes its own ``__{rank}_0.distcp``);
 * the full state dict gathered on rank 0 (``get_model_state_dict`` with
   ``full_state_dict=True, cpu_offload=True``), which rank 0 writes as ``bare.pt``, as
-  ``wrapped.pt`` (``module.`` keys) and, with the gathered optimizer state (keyed by
+  ``wrapped.pt`` (``module.`` keys, as DDP names them: ``fully_shard`` keeps the model's own
+  keys) and, with the gathered optimizer state (keyed by
   parameter name, as ``get_optimizer_state_dict`` gives it), as ``trainer.pt``.
 """
 

@@ -103,6 +103,29 @@ def test_a_plot_format_matplotlib_does_not_save_is_refused_before_training(
     assert not out.exists()
 
 
+def test_a_plot_into_a_missing_folder_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    out, plot = tmp_path / "out", tmp_path / "nodir" / "p.png"
+    args = ["harness", "parity", "--strategies", "single", "--steps", "1", "--device", "cpu"]
+    assert main([*args, "--out", str(out), "--plot", str(plot)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ckpt: error: --plot {str(plot)!r}: its folder") and "make it" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("lr", ["1e39", "inf", "0"])
+def test_a_learning_rate_float32_cannot_hold_is_refused(
+    lr: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # SGD applies the rate in float32: torch raises on one past its range.
+    args = ["harness", "train", "--strategy", "single", "--steps", "1", "--device", "cpu"]
+    assert main([*args, "--lr", lr]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ckpt: error: --lr {float(lr)!r}: must be a positive number")
+
+
 def test_syncbn_on_the_cpu_names_the_strategy_and_parity_refuses_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -105,7 +105,8 @@ def check_plot_path(path: str | Path) -> Path:
 
     Raises:
         UsageError: a suffix that is not one of matplotlib's formats (its own list where it
-            is importable, else :data:`COMMON_FORMATS`), or matplotlib not installed.
+            is importable, else :data:`COMMON_FORMATS`), a folder that does not exist, or
+            matplotlib not installed.
 
     Example:
         >>> check_plot_path("parity.txt")
@@ -126,6 +127,13 @@ def check_plot_path(path: str | Path) -> Path:
         what = "has no suffix" if not suffix else "not an image format matplotlib saves"
         raise UsageError(
             f"{what}; expected a file ending in one of .{', .'.join(formats)}",
+            argument="path",
+            value=repr(str(path)),
+            flag="--plot",
+        )
+    if not out.absolute().parent.is_dir():
+        raise UsageError(
+            f"its folder {str(out.absolute().parent)!r} does not exist; make it first",
             argument="path",
             value=repr(str(path)),
             flag="--plot",
