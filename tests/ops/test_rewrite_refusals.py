@@ -280,6 +280,11 @@ def test_unsafe_global_in_a_fresh_process(tmp_path):
         (["add-module", "--prefix", "module"], "pass --prefix module."),
         (["strip-module", "--prefix", "module"], "pass --prefix module."),
         (["retag", "--map", "cpu=gpu7"], "is not like cpu, cuda or cuda:1"),
+        # Tags torch.device refuses, which plain torch.load could not read back.
+        (["retag", "--map", "cpu=cuda:"], "is not like cpu, cuda or cuda:1"),
+        (["retag", "--map", "cpu=cuda:01"], "is not like cpu, cuda or cuda:1"),
+        (["retag", "--map", "cpu=cuda:\u00b2"], "is not like cpu, cuda or cuda:1"),
+        (["retag", "--map", "cpu=cpu:0"], "is not like cpu, cuda or cuda:1"),
         (["convert", "--verify", "bogus"], "bogus"),
         (["strip-module", "--select", "nope"], "no entry 'nope'"),
     ],

@@ -4,6 +4,7 @@ its saved device tags) rather than its keys.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from ckpt_tools._types import (
@@ -117,6 +118,10 @@ def convert(
     )
 
 
+# The tags torch's default_restore_location reads back: the CPU and meta bare, the
+# accelerators with an optional index in plain digits (torch.device refuses "cuda:01").
+_DEVICE_TAG = re.compile(r"(cpu|meta)|(cuda|mps|xpu|hpu)(:(0|[1-9][0-9]*))?", re.ASCII)
+
 _DEVICE_TAGS_WHY = (
     "retag writes saved device tags, which only torch files hold (a .safetensors file has "
     "none: the device is chosen when it is loaded)"
@@ -164,10 +169,7 @@ def retag(
     """
     mapping = str_mapping(mapping, "mapping", "a dict of saved tag -> new tag")
     for tag in (*mapping.keys(), *mapping.values()):
-        base, _, index = tag.partition(":")
-        if base not in ("cpu", "cuda", "mps", "meta", "xpu", "hpu") or (
-            index and not index.isdigit()
-        ):
+        if not _DEVICE_TAG.fullmatch(tag):
             raise UsageError(f"device tag {tag!r} is not like cpu, cuda or cuda:1")
     # Device tags live only in torch's format: refused here, before the input is read.
     src, dst = checked_path(src, "src"), checked_path(dst, "dst")
