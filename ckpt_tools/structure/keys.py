@@ -8,7 +8,6 @@ strip them, are :mod:`ckpt_tools.structure.wrappers`.
 
 from __future__ import annotations
 
-import copy
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -17,6 +16,7 @@ from typing import Any, TypeVar
 
 from ckpt_tools._types import items_of
 from ckpt_tools.errors import KeyCollisionError, Remedy, UsageError
+from ckpt_tools.structure.attributes import carry_attributes
 
 __all__ = [
     "KeyRule",
@@ -30,7 +30,6 @@ __all__ = [
     "plan_renames",
     "regex_rule",
     "rename_keys",
-    "rename_metadata",
     "rule_items",
     "strip_prefix",
     "strip_rule",
@@ -230,55 +229,17 @@ _SD = TypeVar("_SD", bound=Mapping[str, Any])
 
 
 def apply_plan(sd: Mapping[str, Any], plan: Mapping[str, str], rules: Sequence[KeyRule]) -> dict:
-    """A new dict: keys renamed by ``plan``, same values and order, ``_metadata`` kept in step.
+    """A new dict: keys renamed by ``plan``, same values and order, attributes kept.
 
-    Module paths in ``_metadata`` are renamed by the same ``rules`` (as torch's
-    ``consume_prefix_in_state_dict_if_present`` does for ``module.``).
+    An OrderedDict's attributes come back from ``torch.load`` as saved, so every one is
+    kept; the module paths in a ``_metadata`` mapping are renamed by the same ``rules`` (as
+    torch's ``consume_prefix_in_state_dict_if_present`` does for ``module.``).
     """
     out = type(sd)() if isinstance(sd, dict) else {}
     for key, value in sd.items():
         out[plan.get(key, key)] = value
-    metadata = getattr(sd, "_metadata", None)
-    if metadata is not None:
-        out._metadata = rename_metadata(metadata, rules)  # type: ignore[attr-defined]
+    carry_attributes(sd, out, rules)
     return out
-
-
-def rename_metadata(metadata: Mapping[str, Any], rules: Sequence[KeyRule]) -> Any:
-    """A state dict's ``_metadata`` with its module paths renamed as its keys are.
-
-    As torch's ``consume_prefix_in_state_dict_if_present`` does for a stripped prefix: the
-    module the prefix names becomes the root (its version replaces the root's), paths under
-    it lose the prefix, other paths stay.
-
-    Args:
-        metadata: module path -> that module's metadata (``{"version": 2}``).
-        rules: the :class:`KeyRule` s the keys were renamed by.
-
-    Returns:
-        A new mapping of ``metadata``'s type (its values shared).
-
-    Example:
-        >>> rename_metadata({"": {"version": 1}, "1": {"version": 2}}, [strip_rule("1.")])
-        {'': {'version': 2}}
-    """
-    renamed = type(metadata)()
-    for path, value in metadata.items():
-        new = f"{path}." if path else ""
-        for rule in rules:
-            new = rule.apply(new)
-        new = new[:-1] if new.endswith(".") else new
-        if not path and new:
-            # The root moved under wrappers (add 'module.'): each wrapper, from the new
-            # root down, gets an entry too, first, as a wrapped model's state_dict() has.
-            parts = new.split(".")
-            for depth in range(len(parts)):
-                renamed[".".join(parts[:depth])] = copy.copy(value)
-        if new != path or new not in renamed:
-            # A renamed entry wins over one already there, as in torch's
-            # consume_prefix_in_state_dict_if_present ('module' replaces DDP's own '').
-            renamed[new] = value
-    return renamed
 
 
 def rule_items(rules: object) -> tuple[KeyRule, ...]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -302,3 +304,34 @@ def test_a_root_that_is_no_dict_is_rewritten_whole_or_refused(tmp_path: Path, ro
     for name, args in refused.items():
         _, _, err = h.run_ckpt(*args, code=7)
         assert " not a " in err and not (tmp_path / name).exists()
+
+
+def _with_attributes(path: Path, **attributes: Any) -> dict:
+    sd = OrderedDict([("module.a", torch.ones(2))])
+    for name, value in attributes.items():
+        setattr(sd, name, value)
+    torch.save(sd, path)
+    return torch.load(path, weights_only=True).__dict__
+
+
+@pytest.mark.parametrize(
+    "attributes",
+    [
+        {"_metadata": OrderedDict([("", {"version": 1})]), "note": "keep me"},
+        {"_metadata": OrderedDict([(0, {"version": 5}), ("", {"version": 1})])},
+        {"_metadata": [1, 2]},
+    ],
+    ids=["another attribute", "a path that is no str", "no mapping"],
+)
+@pytest.mark.parametrize("command", [["convert"], ["slim"], ["rename", "--sub", "x.=y."]])
+def test_a_state_dict_s_attributes_come_back_as_torch_load_gives_them(
+    attributes: dict, command: list[str], tmp_path: Path
+) -> None:
+    want = _with_attributes(tmp_path / "in.pt", **attributes)
+    name, *options = command
+    if name == "rename":  # no key matches 'x.': a key that does, so the rename writes
+        sd = torch.load(tmp_path / "in.pt", weights_only=True)
+        sd["x.b"] = torch.zeros(1)
+        torch.save(sd, tmp_path / "in.pt")
+    h.run_ckpt(name, tmp_path / "in.pt", tmp_path / "out.pt", *options)
+    assert torch.load(tmp_path / "out.pt", weights_only=True).__dict__ == want

@@ -30,6 +30,7 @@ from ckpt_tools.io.writers.zipfile import (
     TorchZipWriter,
     write_save_layout,
 )
+from ckpt_tools.structure.attributes import carry_attributes
 
 __all__ = ["picklable_tensors", "write_torch_zip"]
 
@@ -214,12 +215,10 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
     Each gets the storage class and rebuild call ``torch.save`` writes for its dtype
     (:mod:`~ckpt_tools.io.writers.saved_tensors`).
     """
-    # Keep the mapping's type (state dicts are OrderedDicts) and its ``_metadata``: torch's
-    # load_state_dict reads module versions from it.
+    # Keep the mapping's type (state dicts are OrderedDicts) and its attributes: torch's
+    # load_state_dict reads module versions from ``_metadata``.
     out: dict[str, Any] = type(sd)() if isinstance(sd, dict) else {}
-    metadata = getattr(sd, "_metadata", None)
-    if metadata is not None:
-        out._metadata = metadata  # type: ignore[attr-defined]
+    carry_attributes(sd, out)
     # One re-typed storage per storage: tied names (a safetensors alias) stay tied.
     retyped: dict[int, StorageRef] = {}
     for name, t in sd.items():

@@ -46,7 +46,8 @@ from ckpt_tools.ops.transform.plan import (
 from ckpt_tools.ops.transform.rebuilt_cast import cast_rebuilt_items
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.view_casts import storage_cast_record
-from ckpt_tools.structure.keys import KeyRule, rename_metadata
+from ckpt_tools.structure.attributes import carry_attributes
+from ckpt_tools.structure.keys import KeyRule
 from ckpt_tools.structure.selection import Selection, holds_no_state_dict, replace_at
 from ckpt_tools.structure.tensor_walk import storage_views
 
@@ -152,12 +153,11 @@ def _output_state_dict(
     selection: Selection, items: Sequence[Item], renames: Sequence[KeyRule]
 ) -> dict[Any, Any]:
     """The output state dict: the kept items under their new keys, of the selection's type,
-    its ``_metadata`` (module versions) renamed by ``renames`` as torch renames it."""
+    its attributes kept, ``_metadata`` (module versions) renamed by ``renames`` as torch
+    renames it."""
     sd = selection.state_dict
     out_sd: dict[Any, Any] = type(sd)() if isinstance(sd, dict) else {}
-    metadata = getattr(sd, "_metadata", None)
-    if metadata is not None:
-        out_sd._metadata = rename_metadata(metadata, renames)  # type: ignore[attr-defined]
+    carry_attributes(sd, out_sd, renames)
     for _, new, value in items:
         if new is not DROPPED:
             out_sd[new] = value
