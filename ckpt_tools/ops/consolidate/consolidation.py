@@ -229,7 +229,10 @@ def _shards(plan: ConsolidationPlan, limit: int) -> ShardPlan:
 
 
 def _planned(dst: str, fmt: str, plan: ConsolidationPlan, limit: int) -> tuple[PlannedFile, ...]:
-    """The files the plan would write."""
+    """The files the plan would write (a torch file's storages counted once: tied names
+    share one)."""
+    if fmt == "torch-zip":
+        return (PlannedFile.of_tree(dst, plan.tree),)
     tensors = {t.name: PlannedTensor.of(t.name, t.tensor) for t in plan.tensors}
     if fmt != "hf-sharded":
         return (PlannedFile.of(dst, tensors.values()),)

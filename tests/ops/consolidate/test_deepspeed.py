@@ -71,6 +71,17 @@ def test_safetensors_store_the_tied_tensor_once(
         assert_values_bitwise(want[key], got[key], key)
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_dry_run_counts_the_tied_tensor_once_as_the_write_does(
+    zero_runs: ZeroRuns, tmp_path: Path, suffix: str
+) -> None:
+    folder, out = zero_runs.folder(3, "z2"), tmp_path / f"m{suffix}"
+    planned = consolidate(folder, out, dry_run=True)
+    written = consolidate(folder, out)
+    planned_bytes = sum(f.nbytes for f in planned.planned if f.tensors)
+    assert planned_bytes == planned.bytes_written == written.bytes_written
+
+
 def _metadata(out: Path) -> dict[str, str]:
     """The metadata that names a safetensors output's tied names: the file's, or the index's
     (less its total_size) in a sharded folder."""
