@@ -422,3 +422,12 @@ def test_every_reader_of_a_dcp_folder_says_consolidate_it(
         assert code == 2, err
         assert remedy in err and "own archive" in err
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_a_folder_without_its_global_metadata_says_so(tmp_path: Path) -> None:
+    # A save that did not finish (the .metadata is written last), not a Hugging Face folder.
+    folder = save_dcp(tmp_path / "cut", small_state())
+    (folder / ".metadata").unlink()
+    err = run_ckpt("inspect", folder, code=4).stderr
+    assert "holds torch.distributed.checkpoint files (__0_0.distcp" in err
+    assert "but no .metadata" in err and "index.json" not in err
