@@ -72,7 +72,8 @@ def rewrite(
         force: replace an existing ``dst`` (never the input).
         in_place: allow ``dst`` to be ``src``.
         verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
-            ``full`` (also every byte, compared with the input's) or ``none``.
+            ``full`` (also every byte of the state dict's tensors, compared with the input's) or
+            ``none``.
         durable: fsync the output before naming it (default); False skips it, as ``cp``
             does: faster where syncing is slow, but a power loss soon after may leave
             ``dst`` incomplete (see :func:`~ckpt_tools.io.atomic.atomic_output`).

@@ -75,7 +75,8 @@ def sanitize(
             one sanitize drops or converts away is refused before anything is written.
         force: replace an existing ``dst`` (never the input).
         verify: ``sizes`` (default: read the output back, keys, dtypes, shapes, sizes),
-            ``full`` (also every byte, compared with the input's) or ``none``.
+            ``full`` (also every byte of the state dict's tensors, compared with the input's) or
+            ``none``.
         durable: fsync the output before naming it (default); False skips it, as ``cp``
             does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
         dry_run: plan and check everything (``refuse_unsafe`` refusals included), write

@@ -96,7 +96,8 @@ def convert_to_folder(
             (config, tokenizer files, subfolders) is kept. Never the input, nor a folder
             holding it.
         verify: ``sizes`` (default: read every shard back, keys, dtypes, shapes, sizes),
-            ``full`` (also every byte, compared with the input's) or ``none``.
+            ``full`` (also every byte of the state dict's tensors, compared with the input's) or
+            ``none``.
         durable: fsync every file and the folders before the folder is named (default);
             False skips it, as ``cp`` does (see :func:`~ckpt_tools.io.atomic.atomic_output`).
         dry_run: plan and check everything (refusals included), write nothing, create no
