@@ -73,8 +73,8 @@ def literal_replacement(text: str) -> str:
     is no escape.
 
     Example:
-        >>> re.sub("^", literal_replacement("pre\\x."), "w")
-        'pre\\x.w'
+        >>> re.sub("^", literal_replacement("pre\\\\x."), "w")
+        'pre\\\\x.w'
     """
     return text.replace("\\", "\\\\")
 

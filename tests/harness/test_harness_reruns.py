@@ -103,16 +103,19 @@ def test_a_plot_format_matplotlib_does_not_save_is_refused_before_training(
     assert not out.exists()
 
 
-def test_a_plot_into_a_missing_folder_is_refused_before_training(
+def test_a_plot_under_a_file_is_refused_before_training_and_a_new_folder_is_made(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib")
-    out, plot = tmp_path / "out", tmp_path / "nodir" / "p.png"
+    (tmp_path / "afile").write_text("")
+    out, plot = tmp_path / "out", tmp_path / "afile" / "sub" / "p.png"
     args = ["harness", "parity", "--strategies", "single", "--steps", "1", "--device", "cpu"]
     assert main([*args, "--out", str(out), "--plot", str(plot)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"ckpt: error: --plot {str(plot)!r}: its folder") and "make it" in err
+    assert err.startswith(f"ckpt: error: --plot {str(plot)!r}: {str(tmp_path / 'afile')!r} is")
     assert not out.exists()
+    assert main([*args, "--plot", str(tmp_path / "new" / "p.png")]) == 0
+    assert (tmp_path / "new" / "p.png").is_file()
 
 
 @pytest.mark.parametrize("lr", ["1e39", "inf", "0"])

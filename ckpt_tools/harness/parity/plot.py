@@ -80,6 +80,7 @@ def plot_parity(
         PosixPath('parity.png')
     """
     out = check_plot_path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)  # as --out's folder is made (often its home)
     parity_figure(losses, gaps, tolerance=tolerance, title=title).savefig(out, dpi=110)
     return out
 
@@ -105,8 +106,8 @@ def check_plot_path(path: str | Path) -> Path:
 
     Raises:
         UsageError: a suffix that is not one of matplotlib's formats (its own list where it
-            is importable, else :data:`COMMON_FORMATS`), a folder that does not exist, or
-            matplotlib not installed.
+            is importable, else :data:`COMMON_FORMATS`), a folder that cannot be made (a
+            file stands in its path), or matplotlib not installed.
 
     Example:
         >>> check_plot_path("parity.txt")
@@ -131,9 +132,11 @@ def check_plot_path(path: str | Path) -> Path:
             value=repr(str(path)),
             flag="--plot",
         )
-    if not out.absolute().parent.is_dir():
+    # The folder is made when the plot is saved: what stands in its way is refused now.
+    blocking = next((p for p in out.absolute().parents if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
         raise UsageError(
-            f"its folder {str(out.absolute().parent)!r} does not exist; make it first",
+            f"{str(blocking)!r} is a file, where its folder would be made",
             argument="path",
             value=repr(str(path)),
             flag="--plot",
