@@ -258,6 +258,9 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
     Returns:
         The rank layout, or ``None`` when a variable of :data:`TORCHRUN_VARS` is missing.
 
+    Raises:
+        UsageError: a rank variable that is not a whole number >= 0 (a launcher sets them so).
+
     Example:
         >>> torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
         ...               "MASTER_ADDR": "127.0.0.1"}).rank
@@ -266,12 +269,20 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
     env = os.environ if environ is None else environ
     if not all(env.get(name) for name in TORCHRUN_VARS):
         return None
-    world = int(env["WORLD_SIZE"])
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        text = env.get(name, env["WORLD_SIZE"])  # LOCAL_WORLD_SIZE: one node by default
+        if not text.isascii() or not text.isdigit():
+            raise UsageError(
+                f"the environment variable {name}={text!r} is not a whole number; torchrun "
+                "sets the rank variables, unset them to run without it"
+            )
+        numbers[name] = int(text)
     return TorchrunEnv(
-        rank=int(env["RANK"]),
-        world_size=world,
-        local_rank=int(env["LOCAL_RANK"]),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+        rank=numbers["RANK"],
+        world_size=numbers["WORLD_SIZE"],
+        local_rank=numbers["LOCAL_RANK"],
+        local_world_size=numbers["LOCAL_WORLD_SIZE"],
     )
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from ckpt_tools.errors import UsageError
 from ckpt_tools.harness.config import DEEPSPEED_DIR, RUN_JSON, STEPS_DIR
 
 __all__ = ["STEP_OUTPUTS", "STRATEGY_OUTPUTS", "clear_outputs"]
 
 _COMMON = ("wrapped.pt", "bare.pt", RUN_JSON)
-#: Per strategy, the glob patterns (relative to ``out_dir``) of everything it writes there:
+#: Per strategy, the glob patterns (relative to ``out_dir``; a folder's ends in ``/``) of
+#: everything it writes there:
 #: ``fsdp``'s DCP folder (``.metadata`` and one ``__{rank}_0.distcp`` per rank), ``zero``'s
 #: DeepSpeed folder (``latest``, ``global_step{N}/`` and the recovery scripts DeepSpeed copies
 #: beside them) and ``zero_to_fp32.pt``.
@@ -30,7 +32,7 @@ STRATEGY_OUTPUTS: dict[str, tuple[str, ...]] = {
         *_COMMON,
         "zero_to_fp32.pt",
         f"{DEEPSPEED_DIR}/latest",
-        f"{DEEPSPEED_DIR}/global_step*",
+        f"{DEEPSPEED_DIR}/global_step*/",
         f"{DEEPSPEED_DIR}/zero_to_*.py",
     ),
 }
@@ -50,6 +52,8 @@ def clear_outputs(out_dir: str | Path, strategy: str, record_steps: bool = False
         The paths removed, in the order removed.
 
     Raises:
+        UsageError: a folder stands where the run writes a file (``bare.pt/``): a folder is
+            removed only where the run writes one.
         OSError: something there cannot be removed.
 
     Example:
@@ -65,9 +69,15 @@ def clear_outputs(out_dir: str | Path, strategy: str, record_steps: bool = False
     patterns = STRATEGY_OUTPUTS[strategy] + (STEP_OUTPUTS if record_steps else ())
     removed: list[Path] = []
     for pattern in patterns:
-        for path in sorted(root.glob(pattern)):
+        for path in sorted(root.glob(pattern.rstrip("/"))):
             # A link is removed as a link: what it points at is not this run's to delete.
             if path.is_dir() and not path.is_symlink():
+                if not pattern.endswith("/"):
+                    raise UsageError(
+                        f"{str(path)!r} is a folder, where the run writes a file; move it "
+                        "away or choose another output folder",
+                        path=str(path),
+                    )
                 shutil.rmtree(path)
             else:
                 path.unlink()

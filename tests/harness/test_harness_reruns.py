@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ckpt_tools.cli.main import main
+from ckpt_tools.errors import UsageError
 from ckpt_tools.harness import TrainConfig, run_parity, train
 from ckpt_tools.harness.config import DEEPSPEED_DIR, STEPS_DIR, STRATEGIES
 from ckpt_tools.harness.outputs import STRATEGY_OUTPUTS, clear_outputs
@@ -30,6 +31,14 @@ def test_clearing_removes_a_strategy_s_own_outputs_and_nothing_else(tmp_path: Pa
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
     # trainer.pt is ddp's, dp's ... output, never zero's: it stays.
     assert left == [DEEPSPEED_DIR, f"{DEEPSPEED_DIR}/notes.txt", "notes.txt", "trainer.pt"]
+
+
+def test_a_folder_where_a_run_writes_a_file_is_refused_not_removed(tmp_path: Path) -> None:
+    (tmp_path / "bare.pt").mkdir()
+    (tmp_path / "bare.pt" / "mine.txt").write_text("mine")
+    with pytest.raises(UsageError, match="is a folder, where the run writes a file"):
+        clear_outputs(tmp_path, "single")
+    assert (tmp_path / "bare.pt" / "mine.txt").read_text() == "mine"
 
 
 def test_parity_into_the_folder_of_a_longer_run_reports_only_its_own_steps(

@@ -172,6 +172,9 @@ def test_torchrun_detection_needs_all_variables() -> None:
     assert torchrun_env(env) is not None and torchrun_env(env).local_world_size == 4
     assert torchrun_env({**env, "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
     assert torchrun_env({k: v for k, v in env.items() if k != "MASTER_ADDR"}) is None
+    for name, value in (("WORLD_SIZE", "abc"), ("RANK", "-1"), ("LOCAL_WORLD_SIZE", "²")):
+        with pytest.raises(UsageError, match=f"{name}={value!r} is not a whole number"):
+            torchrun_env({**env, name: value})
 
 
 def test_train_result_json_round_trip(tmp_path: Path) -> None:
