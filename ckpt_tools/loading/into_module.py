@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.descriptors import short_repr
-from ckpt_tools.errors import StateDictMismatchError, UsageError
+from ckpt_tools.errors import Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch
@@ -223,6 +223,8 @@ def load_into(
     if fix is not None:
         sd = rename_keys(sd, fix.rules)
         logger.info("%s: %s to match %s", label, fix.describe(), type(model).__name__)
+    if not assign:
+        _refuse_copies_into_meta(model, sd, label)
     verdict = rehearse(model, sd, assign=assign)
     report = LoadReport(
         source=label,
@@ -244,6 +246,26 @@ def load_into(
             _mismatch_message(report, select, source_keys, model_keys, fix, verdict)
         )
     return _load(model, sd, report, len(model_keys), strict=strict)
+
+
+def _refuse_copies_into_meta(model: nn.Module, sd: Mapping[str, Any], label: str) -> None:
+    """A copy into a meta tensor does nothing (torch only warns, and the weights stay
+    unmade): refused, before anything is loaded, where the state dict has the values."""
+    import torch
+
+    meta = [
+        k
+        for k, t in model.state_dict().items()
+        if t.is_meta and isinstance(sd.get(k), torch.Tensor) and not sd[k].is_meta
+    ]
+    if meta:
+        raise UsageError(
+            f"{len(meta)} of the model's tensors that {label}'s values would be copied into "
+            f"are on the meta device, which holds no values ({fold_keys(meta)})",
+            argument="assign",
+            value="False",
+            remedies=(Remedy("assign", "True", text="to take the checkpoint's tensors"),),
+        )
 
 
 def _load(

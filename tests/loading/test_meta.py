@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ckpt_tools import load_into, load_with_info
+from ckpt_tools import UsageError, load_into, load_with_info
 from ckpt_tools.loading.into_module import on_meta
 
 
@@ -128,9 +128,10 @@ def test_a_safetensors_file_is_assigned_mapped_too(
 def test_explicit_assign_overrides_the_automatic_choice(trained: tuple[Tiny, str]) -> None:
     model, path = trained
     meta = _meta_tiny()
-    with pytest.warns(UserWarning, match="no-op"):  # torch's own warning: copying into meta
-        report = load_into(meta, path, assign=False)
-    assert not report.assigned and on_meta(meta)  # copied into meta tensors: nothing there
+    # A copy into meta tensors (torch's no-op, with a warning) is refused: nothing moves.
+    with pytest.raises(UsageError, match="on the meta device"):
+        load_into(meta, path, assign=False)
+    assert on_meta(meta)
     # A real model assigned: its parameters become the checkpoint's, dtype included.
     half = path.replace(".pt", "_half.pt")
     torch.save(
@@ -177,3 +178,17 @@ def test_what_no_state_dict_holds_is_reported_left_on_meta(tmp_path: Path) -> No
     assert "still on meta (1): inv_freq" in report.text()
     assert report.to_json()["left_on_meta"] == ["inv_freq"]
     assert load_into(WithRotary(), path).left_on_meta == ()  # copied, nothing on meta
+
+
+def test_a_copy_into_a_meta_model_is_refused_as_the_no_op_it_would_be(tmp_path: Path) -> None:
+    # torch's load_state_dict(assign=False) only warns, and the weights stay unmade.
+    path = tmp_path / "lin.pt"
+    torch.save(nn.Linear(4, 2).state_dict(), path)
+    with torch.device("meta"):
+        model = nn.Linear(4, 2)
+    with pytest.warns(UserWarning, match="no-op"):
+        model.load_state_dict(torch.load(path, weights_only=True))
+    with pytest.raises(UsageError, match=r"2 of the model's tensors .* meta device") as e:
+        load_into(model, path, assign=False)
+    assert e.value.argument == "assign" and "assign=True" in str(e.value)
+    assert model.weight.is_meta
