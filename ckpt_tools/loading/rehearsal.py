@@ -259,6 +259,7 @@ def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> tuple[Verdict, tuple[st
     from ckpt_tools.loading.tensor_io import dtype_name
 
     target = model.state_dict()
+    own_code = _own_loading_code(model, torch)
     shapes, casts, errors, uncopyable = [], [], [], []
     for key, value in sd.items():
         have = target.get(key)
@@ -275,8 +276,12 @@ def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> tuple[Verdict, tuple[st
         elif value.dtype != have.dtype:
             casts.append((key, dtype_name(value.dtype), dtype_name(have.dtype)))
         kind = _uncopyable_kind(value, have)
-        if kind:
-            uncopyable.append(f"{key}: the model's tensor cannot take a copy of a {kind} one")
+        # A module's own loading code may turn the value into one it takes (to_dense()).
+        if kind and not any(key.startswith(prefix) for prefix in own_code):
+            uncopyable.append(
+                f'While copying the parameter named "{key}": copy_ takes no {kind} tensor into '
+                "the model's"
+            )
     verdict = Verdict(
         missing=tuple(k for k in target if k not in sd),
         unexpected=tuple(k for k in sd if k not in target),
@@ -285,6 +290,18 @@ def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> tuple[Verdict, tuple[st
         errors=tuple(errors),
     )
     return verdict, tuple(uncopyable)
+
+
+def _own_loading_code(model: nn.Module, torch: Any) -> tuple[str, ...]:
+    """The key prefixes of the modules with loading code of their own (a load-state-dict
+    pre-hook, or an override of ``_load_from_state_dict``): what they are given may not be
+    what they copy."""
+    plain = torch.nn.Module._load_from_state_dict
+    return tuple(
+        f"{name}." if name else ""
+        for name, module in model.named_modules()
+        if module._load_state_dict_pre_hooks or type(module)._load_from_state_dict is not plain
+    )
 
 
 def _uncopyable_kind(value: torch.Tensor, have: torch.Tensor) -> str:
