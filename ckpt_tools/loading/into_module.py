@@ -215,7 +215,7 @@ def load_into(
     assign = on_meta(model) if assign is None else assign
     # Copied into the model's own tensors, the file's pages are only read once: mapping
     # them saves a copy. Assigned, they would become the model's: only when asked.
-    staging = mmap or ("staged" if not assign else False)
+    staging = mmap if assign else "staged"
     sd, label, info = _source_state_dict(src, map_location, select, trust, staging)
     model_keys = list(model.state_dict())
     source_keys = [str(k) for k in sd]

@@ -74,9 +74,14 @@ class _Recorder:
         self.func = func
         self.exact = exact  # a legacy or tar file: torch needs the saved size exactly
         self.seen: dict[tuple[str, str], list[int]] = {}
+        self.raised: BaseException | None = None
 
     def __call__(self, storage: Any, location: str) -> Any:
-        result = self.func(storage, location)
+        try:
+            result = self.func(storage, location)
+        except Exception as e:
+            self.raised = e  # the caller's own error: passed on as it is, not as the file's
+            raise
         # None means "where it was saved" (torch's default_restore_location): a device that
         # must exist here.
         if result is None:
@@ -92,7 +97,7 @@ class _Recorder:
         return tuple(StorageMove(s, t, n, b) for (s, t), (n, b) in self.seen.items())
 
 
-def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
+def _torch_load(path: str, map_location: Any, mmap: bool, unsafe: bool) -> Any:
     # Only ever reached with trust=True: the caller said the file may run its code.
     try:
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
@@ -112,14 +117,16 @@ def _torch_load(path: str, map_location: Any, mmap: bool) -> Any:
             path=path,
         ) from e
     except (RuntimeError, ValueError, TypeError) as e:
+        if e is getattr(map_location, "raised", None):
+            raise
         # torch's own rebuilds can fail on a file it wrote (a complex32 leaf that requires
-        # grad): said as torch said it, in one line, not as a bug of ours.
+        # grad): said as torch said it, in one line, not as a bug of ours. The own reader,
+        # which never calls torch.load, reads such a file where it names no unsafe global.
+        without = (Remedy("trust", "False", text="to read it without torch.load"),)
         raise UnsupportedFormatError(
             f"{path!r}: torch.load(weights_only=False) failed: {type(e).__name__}: {e}",
             path=path,
-            remedies=(
-                Remedy(text="load it without trust: the own reader does not call torch.load"),
-            ),
+            remedies=() if unsafe else without,
         ) from e
 
 
@@ -160,7 +167,7 @@ def _load_root(
         mapped = False
     elif ckpt.format in ("torch-zip", "torch-legacy", "torch-tar"):
         mapped = mmap and ckpt.format == "torch-zip"  # torch maps zip files only
-        root = _torch_load(ckpt.path, torch_location, mapped)
+        root = _torch_load(ckpt.path, torch_location, mapped, bool(ckpt.unsafe_globals))
     elif ckpt.format == "hf-sharded":
         return _load_shards(ckpt, map_location, mmap)
     else:

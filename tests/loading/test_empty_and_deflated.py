@@ -124,7 +124,7 @@ def test_trust_refuses_to_map_a_deflated_record(deflated: Path) -> None:
 
 
 @pytest.mark.parametrize("trust", [False, True])
-@pytest.mark.parametrize("options", [{}, {"mmap": False}])
+@pytest.mark.parametrize("options", [{}, {"mmap": False}, {"mmap": True}])
 def test_load_into_copies_a_deflated_file_it_cannot_map(
     deflated: Path, trust: bool, options: dict
 ) -> None:

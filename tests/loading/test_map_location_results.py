@@ -100,5 +100,15 @@ def test_a_failure_inside_torch_load_under_trust_is_one_checkpoint_error(tmp_pat
     _torch_refuses(path, None)
     with pytest.raises(UnsupportedFormatError, match=r"torch\.load.*failed: RuntimeError") as e:
         load_state_dict(path, trust=True)
-    assert "without trust" in str(e.value)
+    assert e.value.remedies[0].argument == "trust" and "trust=False" in str(e.value)
     assert load_state_dict(path)["w"].dtype == torch.complex32
+
+
+def test_an_error_of_the_map_location_callable_under_trust_is_its_own(zip_file: Path) -> None:
+    def broken(storage: Any, tag: str) -> Any:
+        raise RuntimeError("the caller's own bug")
+
+    for trust in (False, True):
+        with pytest.raises(RuntimeError, match="the caller's own bug") as e:
+            load_state_dict(zip_file, map_location=broken, trust=trust)
+        assert not isinstance(e.value, UnsupportedFormatError)
