@@ -17,7 +17,7 @@ from pathlib import Path
 from ckpt_tools.errors import UsageError
 from ckpt_tools.harness.config import DEEPSPEED_DIR, RUN_JSON, STEPS_DIR
 
-__all__ = ["STEP_OUTPUTS", "STRATEGY_OUTPUTS", "clear_outputs"]
+__all__ = ["STEP_OUTPUTS", "STRATEGY_OUTPUTS", "check_outputs", "clear_outputs"]
 
 _COMMON = ("wrapped.pt", "bare.pt", RUN_JSON)
 #: Per strategy, the glob patterns (relative to ``out_dir``; a folder's ends in ``/``) of
@@ -65,21 +65,36 @@ def clear_outputs(out_dir: str | Path, strategy: str, record_steps: bool = False
         >>> sorted(p.name for p in Path("run").iterdir())
         ['notes.txt', 'steps']
     """
+    found = check_outputs(out_dir, strategy, record_steps)
+    for path in found:
+        # A link is removed as a link: what it points at is not this run's to delete.
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return found
+
+
+def check_outputs(out_dir: str | Path, strategy: str, record_steps: bool = False) -> list[Path]:
+    """What :func:`clear_outputs` would remove, checked before anything is (or before the
+    ranks start): a folder where the run writes a file is the user's, never removed.
+
+    Returns:
+        The paths found, in the order :func:`clear_outputs` removes them.
+
+    Raises:
+        UsageError: a folder stands where the run writes a file (``bare.pt/``).
+    """
     root = Path(out_dir)
     patterns = STRATEGY_OUTPUTS[strategy] + (STEP_OUTPUTS if record_steps else ())
-    removed: list[Path] = []
+    found: list[Path] = []
     for pattern in patterns:
         for path in sorted(root.glob(pattern.rstrip("/"))):
-            # A link is removed as a link: what it points at is not this run's to delete.
-            if path.is_dir() and not path.is_symlink():
-                if not pattern.endswith("/"):
-                    raise UsageError(
-                        f"{str(path)!r} is a folder, where the run writes a file; move it "
-                        "away or choose another output folder",
-                        path=str(path),
-                    )
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-            removed.append(path)
-    return removed
+            if path.is_dir() and not path.is_symlink() and not pattern.endswith("/"):
+                raise UsageError(
+                    f"{str(path)!r} is a folder, where the run writes a file; move it away "
+                    "or choose another output folder",
+                    path=str(path),
+                )
+            found.append(path)
+    return found

@@ -32,7 +32,7 @@ from ckpt_tools.harness.loop import (
     local_loss,
     make_optimizer,
 )
-from ckpt_tools.harness.outputs import clear_outputs
+from ckpt_tools.harness.outputs import check_outputs, clear_outputs
 from ckpt_tools.harness.placement import resolve_devices
 
 __all__ = ["run_steps", "train"]
@@ -69,6 +69,8 @@ def train(config: TrainConfig) -> TrainResult:
     env = torchrun_env()
     if env is not None:
         check_torchrun_fit(config, env)
+    if config.out_dir is not None:  # refused before any rank starts, not by one of them
+        check_outputs(config.out_dir, config.strategy, config.record_steps)
     if config.strategy == "ddp":
         from ckpt_tools.harness.ddp import train_ddp  # keeps torch.distributed out otherwise
 

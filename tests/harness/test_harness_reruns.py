@@ -13,6 +13,7 @@ from ckpt_tools.harness import TrainConfig, run_parity, train
 from ckpt_tools.harness.config import DEEPSPEED_DIR, STEPS_DIR, STRATEGIES
 from ckpt_tools.harness.outputs import STRATEGY_OUTPUTS, clear_outputs
 from ckpt_tools.harness.zero.strategy import zero_missing
+from tests.helpers import run_ckpt
 
 
 def test_every_strategy_says_what_it_writes() -> None:
@@ -36,9 +37,15 @@ def test_clearing_removes_a_strategy_s_own_outputs_and_nothing_else(tmp_path: Pa
 def test_a_folder_where_a_run_writes_a_file_is_refused_not_removed(tmp_path: Path) -> None:
     (tmp_path / "bare.pt").mkdir()
     (tmp_path / "bare.pt" / "mine.txt").write_text("mine")
+    (tmp_path / "wrapped.pt").write_bytes(b"earlier")
     with pytest.raises(UsageError, match="is a folder, where the run writes a file"):
         clear_outputs(tmp_path, "single")
     assert (tmp_path / "bare.pt" / "mine.txt").read_text() == "mine"
+    assert (tmp_path / "wrapped.pt").read_bytes() == b"earlier"  # nothing removed before
+    # Refused before any rank starts: one usage line, no rank named.
+    args = ["harness", "train", "--strategy", "ddp", "--steps", "1", "--device", "cpu"]
+    result = run_ckpt(*args, "--out", tmp_path, code=2)
+    assert result.stderr.startswith("ckpt: error: ") and "rank" not in result.stderr
 
 
 def test_parity_into_the_folder_of_a_longer_run_reports_only_its_own_steps(
