@@ -4,10 +4,10 @@ that differs, each key rewrite that explains a mismatch. Frozen dataclasses, tor
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._json import json_ready
 from ckpt_tools.errors import shown
 from ckpt_tools.structure.suggest import Step
 
@@ -178,27 +178,26 @@ class TensorDiff:
         return self.status == "differ" or (self.status == "dtype" and self.allclose is False)
 
     def to_json(self) -> dict[str, Any]:
-        def number(x: float | None) -> float | str | None:
-            return x if x is None or math.isfinite(x) else str(x)
-
-        return {
-            "name": self.name,
-            "status": self.status,
-            "dtype": [self.dtype_a, self.dtype_b],
-            "shape": [list(self.shape_a or ()), list(self.shape_b or ())],
-            "bit_equal": self.bit_equal,
-            "max_abs": number(self.max_abs),
-            "max_rel": number(self.max_rel),
-            "allclose": self.allclose,
-            "mismatched": self.mismatched,
-            "nan": [self.nan_a, self.nan_b],
-            "inf": [self.inf_a, self.inf_b],
-            "numel": self.numel,
-            "layout": [self.layout_a, self.layout_b],
-            "note": self.note,
-            "uninitialized": [self.shape_a is None, self.shape_b is None],
-            "squeezed": self.squeezed,
-        }
+        return json_ready(
+            {
+                "name": self.name,
+                "status": self.status,
+                "dtype": [self.dtype_a, self.dtype_b],
+                "shape": [list(self.shape_a or ()), list(self.shape_b or ())],
+                "bit_equal": self.bit_equal,
+                "max_abs": self.max_abs,
+                "max_rel": self.max_rel,
+                "allclose": self.allclose,
+                "mismatched": self.mismatched,
+                "nan": [self.nan_a, self.nan_b],
+                "inf": [self.inf_a, self.inf_b],
+                "numel": self.numel,
+                "layout": [self.layout_a, self.layout_b],
+                "note": self.note,
+                "uninitialized": [self.shape_a is None, self.shape_b is None],
+                "squeezed": self.squeezed,
+            }
+        )
 
 
 @dataclass(frozen=True)

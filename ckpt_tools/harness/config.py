@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ckpt_tools._json import json_ready
 from ckpt_tools._types import one_of
 from ckpt_tools.errors import Remedy, UsageError
 
@@ -358,11 +359,12 @@ class TrainResult:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict of every field."""
+        """Plain JSON-ready dict of every field (a loss that is not finite as its name,
+        which :meth:`from_dict` reads back)."""
         data = asdict(self)
         data["devices"], data["losses"] = list(self.devices), list(self.losses)
         data["checkpoints"] = dict(self.checkpoints)
-        return data
+        return json_ready(data)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainResult:
@@ -376,7 +378,8 @@ class TrainResult:
     def write_json(self, out_dir: str | Path) -> Path:
         """Write :data:`RUN_JSON` into ``out_dir`` and return its path."""
         path = Path(out_dir) / RUN_JSON
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        path.write_text(text + "\n", encoding="utf-8")
         return path
 
     @classmethod

@@ -176,9 +176,9 @@ def _save(
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / DCP_DIR))
     except dcp.api.CheckpointException as e:
-        # A BaseException gathering each rank's error: this rank raises the first one (an
-        # OSError for a full disk, an existing file), which the failure report says in a line.
-        _, (error, _trace) = min(e.failures.items())
+        # A BaseException gathering the ranks' errors: this rank raises its own (else the
+        # first one), an OSError for a full disk or an existing file, said in one line.
+        error, _trace = e.failures.get(rank) or min(e.failures.items())[1]
         raise error from e
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     bare = get_model_state_dict(model, options=full)

@@ -85,7 +85,9 @@ def end_with_launcher(launcher: int) -> None:
         return
 
     def wait() -> None:
-        select.select([pidfd], [], [])  # readable once the launcher has ended
+        watch = select.poll()  # (select() refuses a descriptor past 1023)
+        watch.register(pidfd, select.POLLIN)
+        watch.poll()  # readable once the launcher has ended
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=wait, name="ckpt-launcher-watch", daemon=True).start()

@@ -256,7 +256,10 @@ def _refuse_copies_into_meta(model: nn.Module, sd: Mapping[str, Any], label: str
     meta = [
         k
         for k, t in model.state_dict().items()
-        if t.is_meta and isinstance(sd.get(k), torch.Tensor) and not sd[k].is_meta
+        if isinstance(t, torch.Tensor)  # a module's extra state may be anything
+        and t.is_meta
+        and isinstance(sd.get(k), torch.Tensor)
+        and not sd[k].is_meta
     ]
     if meta:
         raise UsageError(

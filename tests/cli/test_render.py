@@ -120,3 +120,4 @@ def test_harness_json_of_a_diverged_run_is_strict(tmp_path: Path) -> None:
     ).stdout
     losses = _strict(out)["losses"]
     assert "nan" in losses or "inf" in losses, losses
+    assert _strict((tmp_path / "run.json").read_text())["losses"] == losses
