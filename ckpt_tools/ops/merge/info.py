@@ -95,8 +95,8 @@ def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:
 
     Raises:
         CheckpointNotFoundError: no weight file beside ``adapter_config.json``.
-        CorruptCheckpointError: the config is not a JSON object, or its rank, alpha or
-            patterns are not values PEFT could use (the field named).
+        CorruptCheckpointError: the config is not a JSON object, or (a LoRA adapter's) its
+            rank, alpha or patterns are not values PEFT could use (the field named).
 
     Example:
         >>> info = inspect_adapter("lora")
@@ -106,7 +106,8 @@ def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:
     from ckpt_tools.ops.inspect.inspection import inspect_checkpoint
 
     config = read_config(path)
-    check_config_values(path, config)
+    if config.get("peft_type") == "LORA":  # r, alpha and the patterns mean LoRA's here
+        check_config_values(path, config)
     weights = next(
         (os.path.join(path, n) for n in WEIGHT_NAMES if os.path.isfile(os.path.join(path, n))),
         None,

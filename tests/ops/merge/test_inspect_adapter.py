@@ -56,6 +56,20 @@ def test_other_types_are_named_and_the_tiny_adapter_counted(tmp_path: Path) -> N
     assert tiny.modules == ("head", "layers.0") and tiny.parameters == 16 + 16 + 16 + 6
 
 
+def test_adapters_of_other_types_peft_loads_are_described_not_refused(tmp_path: Path) -> None:
+    # OFT's r is 0 by default (oft_block_size sizes it); a trained AdaLoRA saves its
+    # rank_pattern as masks: LoRA's meaning of r and the patterns is not theirs.
+    oft = _saved(tmp_path / "oft", peft.OFTConfig(target_modules=["q_proj"], oft_block_size=4))
+    assert json.loads((oft / "adapter_config.json").read_text())["r"] == 0
+    ada = _saved(tmp_path / "ada", peft.AdaLoraConfig(target_modules=["q_proj"], total_step=4))
+    config = json.loads((ada / "adapter_config.json").read_text())
+    config["rank_pattern"] = {"model.layers.0.self_attn.q_proj.lora_E": [True, False]}
+    (ada / "adapter_config.json").write_text(json.dumps(config))
+    for folder, kind in ((oft, "OFT"), (ada, "ADALORA")):
+        assert ct.inspect(folder).format_info.peft_type == kind
+        assert f"adapter:     {kind}" in run_ckpt("inspect", folder).stdout
+
+
 def test_trained_biases_and_lora_bias_are_named(tmp_path: Path) -> None:
     plain = ct.inspect(_saved(tmp_path / "plain", peft.LoraConfig(target_modules=["q_proj"])))
     assert (plain.format_info.bias, plain.format_info.lora_bias) == ("none", False)
