@@ -12,20 +12,21 @@ from ckpt_tools.diffing.report import FAIL_CATEGORIES
 from ckpt_tools.errors import EXIT_DIFFERENCES, EXIT_OK, UsageError
 
 
-def parse_fail_on(text: str | None) -> frozenset[str]:
-    """``"missing,value"`` -> that set; ``"any"`` or ``"all"`` -> every category."""
+def parse_fail_on(text: str | None) -> tuple[frozenset[str], bool]:
+    """``"missing,value"`` -> that set; ``"any"`` or ``"all"`` -> every category; and whether
+    ``value`` was named itself (a gate on values, which needs them compared)."""
     if not text:
-        return frozenset()
+        return frozenset(), False
     parts = {p.strip() for p in text.split(",") if p.strip()}
     if parts & {"any", "all"}:
-        return frozenset(FAIL_CATEGORIES)
+        return frozenset(FAIL_CATEGORIES), "value" in parts
     bad = sorted(parts - set(FAIL_CATEGORIES))
     if bad:
         raise UsageError(
             f"--fail-on {text!r}: unknown {', '.join(bad)}; choose from "
             f"{','.join(FAIL_CATEGORIES)} (or 'any')"
         )
-    return frozenset(parts)
+    return frozenset(parts), "value" in parts
 
 
 def parse_model_args(values: tuple[str, ...]) -> dict[str, Any]:
@@ -117,8 +118,8 @@ def diff_cmd(
     s3://BUCKET/KEY): its keys, shapes and dtypes are read from its structure by byte
     ranges, and its values only with --values (which fetches the compared tensors only).
     """
-    categories = parse_fail_on(fail_on)
-    if "value" in {p.strip() for p in (fail_on or "").split(",")}:
+    categories, values_named = parse_fail_on(fail_on)
+    if values_named:
         # A gate on values needs them read: a URL's compared tensors are fetched for it.
         if values is False:
             raise UsageError("--fail-on value needs the values, which --no-values leaves out")

@@ -170,7 +170,11 @@ def retag(
     mapping = str_mapping(mapping, "mapping", "a dict of saved tag -> new tag")
     for tag in (*mapping.keys(), *mapping.values()):
         if not _DEVICE_TAG.fullmatch(tag):
-            raise UsageError(f"device tag {tag!r} is not like cpu, cuda or cuda:1")
+            raise UsageError(
+                f"device tag {tag!r} is not one torch restores: cpu or meta (no index), or "
+                "cuda, mps, xpu or hpu with an optional :N (no leading zero)",
+                argument="mapping",
+            )
     # Device tags live only in torch's format: refused here, before the input is read.
     src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     output_format_for(dst, "torch", "torch-zip", why=_DEVICE_TAGS_WHY)
