@@ -30,6 +30,12 @@ def test_pieces_are_the_view_in_order_step_elements_each(view: str, step: int) -
     t = VIEWS[view]()
     pieces = list(flat_pieces(t, step))
     assert all(p.numel() == step for p in pieces[:-1]) and all(p.dim() == 1 for p in pieces)
+    # Each piece holds its own elements only (a view of the tensor's storage, or a copy of
+    # under two steps of them), never the view made whole: an expanded one stands for more
+    # elements than its storage holds.
+    own, bound = t.untyped_storage().data_ptr(), 2 * step * t.element_size()
+    for p in pieces:
+        assert p.untyped_storage().data_ptr() == own or p.untyped_storage().nbytes() <= bound
     assert not pieces or 0 < pieces[-1].numel() <= step
     got = torch.cat(pieces) if pieces else torch.zeros(0)
     assert torch.equal(got, t.reshape(-1))
