@@ -10,8 +10,40 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef
+from ckpt_tools.errors import Remedy, UsageError
 
-__all__ = ["Checkpoint", "RangeFile", "RangeSource", "ZipRecord", "open_buffered"]
+__all__ = [
+    "Checkpoint",
+    "RangeFile",
+    "RangeSource",
+    "ZipRecord",
+    "consolidate_first",
+    "open_buffered",
+]
+
+
+def consolidate_first(path: str, what: str) -> UsageError:
+    """The refusal to read a sharded checkpoint (a DCP folder, a DeepSpeed ZeRO one) as one
+    file: a usage refusal (exit 2), since ``consolidate`` reads it whole.
+
+    Args:
+        path: the checkpoint.
+        what: what it is and why no tensor of it lies in one byte range, after its name.
+
+    Example:
+        >>> err = consolidate_first("run", "is a sharded checkpoint")
+        >>> print(err)
+        'run' is a sharded checkpoint; run `ckpt consolidate run OUT.pt` to write it as one ...
+        >>> err.exit_code
+        2
+    """
+    return UsageError(
+        f"{path!r} {what}",
+        path=path,
+        remedies=(
+            Remedy(command=f"ckpt consolidate {path} OUT.pt", text="to write it as one file first"),
+        ),
+    )
 
 
 class RangeSource(Protocol):

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
-from ckpt_tools.errors import CorruptCheckpointError, Remedy, UsageError
-from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.errors import CorruptCheckpointError, UsageError
+from ckpt_tools.formats.base import Checkpoint, consolidate_first
 from ckpt_tools.formats.dcp.metadata import (
     DcpBytes,
     DcpChunk,
@@ -267,16 +267,10 @@ def needs_consolidating(folder: str, tensor: str | None = None) -> UsageError:
         (True, 2)
     """
     which = f" (reading {tensor!r})" if tensor is not None else ""
-    return UsageError(
-        f"{folder!r} is a torch.distributed.checkpoint folder, which stores each tensor (or "
-        f"each chunk of it) as its own archive in its .distcp files{which}",
-        path=folder,
-        remedies=(
-            Remedy(
-                command=f"ckpt consolidate {folder} OUT.pt",
-                text="to write it as one file first",
-            ),
-        ),
+    return consolidate_first(
+        folder,
+        "is a torch.distributed.checkpoint folder, which stores each tensor (or each chunk "
+        f"of it) as its own archive in its .distcp files{which}",
     )
 
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError, UsageError
-from ckpt_tools.formats.base import Checkpoint
+from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckpt_tools.formats.base import Checkpoint, consolidate_first
 from ckpt_tools.formats.dcp.reader import contiguous_stride
 from ckpt_tools.formats.deepspeed.info import ZeroInfo, zero_info
 from ckpt_tools.formats.deepspeed.layout import ZeroFiles, find_zero_files
@@ -383,14 +383,10 @@ def _locator(where: str, into: _Builder) -> Any:
             if len(source.spans) == 1
             else "is cut from the ranks' partitions"
         )
-        # What DCP's folders get (a usage refusal, exit 2): the input is fine, read whole.
-        raise UsageError(
-            f"{where!r} is a DeepSpeed ZeRO checkpoint: tensor {storage.key!r} {how}, so it "
-            "has no single byte range",
-            path=where,
-            remedies=(
-                Remedy(command=f"ckpt consolidate {where} OUT.pt", text="to write one file first"),
-            ),
+        raise consolidate_first(
+            where,
+            f"is a DeepSpeed ZeRO checkpoint: tensor {storage.key!r} {how}, so it has no "
+            "single byte range",
         )
 
     return locate
