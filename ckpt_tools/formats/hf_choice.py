@@ -84,7 +84,9 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
             f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
         )
     if not found and not indexes and len(singles) != 1:
-        _refuse_dcp_without_metadata(folder, path)
+        from ckpt_tools.formats.dcp.reader import refuse_without_metadata
+
+        refuse_without_metadata(folder, path)  # a DCP folder's files, not a Hugging Face one
         listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
@@ -93,23 +95,6 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         )
     names = found + indexes + singles
     return names[0], names[1:]
-
-
-def _refuse_dcp_without_metadata(folder: Path, path: str) -> None:
-    """Say what a DCP folder lacks, rather than which Hugging Face files it lacks: its
-    global ``.metadata``, which a save writes last (one that did not finish) and one made
-    with ``use_collectives=False`` leaves out (each rank writes its own ``__N.metadata``)."""
-    dcp = sorted(p.name for p in folder.glob("*.distcp"))
-    ranks = sorted(p.name for p in folder.glob("__*.metadata"))
-    if not (dcp or ranks):
-        return
-    raise UnsupportedFormatError(
-        f"{path!r} holds torch.distributed.checkpoint files ({', '.join((dcp + ranks)[:3])}) "
-        "but no .metadata: a save that did not finish, or one made with "
-        "use_collectives=False (a .metadata per rank), which is not read",
-        path=path,
-        remedies=(Remedy(text="save again with dcp.save's default use_collectives=True"),),
-    )
 
 
 def _explicit_weights(folder: Path, path: str, present: Callable[[str], bool]) -> str | None:
