@@ -17,6 +17,7 @@ __all__ = [
     "quantizer_tensors",
     "storage_views",
     "stored_views",
+    "tensors_by_place",
 ]
 
 
@@ -61,6 +62,19 @@ def iter_listed_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef
     """As :func:`iter_tensors`, with the tensors torch rebuilds by a call (sparse, meta,
     nested: :class:`RebuiltTensor`) where they stand: every tensor torch.load would give."""
     return _tree_tensors(obj, prefix, (TensorRef, RebuiltTensor))
+
+
+def tensors_by_place(root: Any) -> dict[str, TensorRef | RebuiltTensor]:
+    """The tensors of a root that is no state dict (``torch.save(tensor)``, a list of them),
+    by their places in it (:func:`iter_listed_tensors`), the root itself as ``<root>``.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> list(tensors_by_place(w)), list(tensors_by_place([w, {"b": w}]))
+        (['<root>'], ['0', '1.b'])
+    """
+    return {path or "<root>": t for path, t in iter_listed_tensors(root)}
 
 
 def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:

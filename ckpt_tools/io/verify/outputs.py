@@ -13,7 +13,7 @@ from ckpt_tools.io.ranges import SourceEndedError, fd_pread, pread_chunks
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS
 from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors
+from ckpt_tools.structure.tensor_walk import tensors_by_place
 
 __all__ = ["VERIFY_LEVELS", "Expected", "tensor_digest", "verify_output"]
 
@@ -155,7 +155,7 @@ def _read_back(path: str, expected: Expected) -> tuple[Checkpoint, Mapping[Any, 
     except CheckpointError as e:
         raise VerificationError(f"the written file does not read back: {e}") from e
     # A root that is no mapping (torch.save(tensor)): its tensors by their places in it.
-    sd = dict(iter_listed_tensors(out.root)) if selection.stand_in else selection.state_dict
+    sd = tensors_by_place(out.root) if selection.stand_in else selection.state_dict
     if out.format == "torch-zip":
         # Imported here: the zip checks load the pickle machinery a safetensors output
         # never needs, and a rewrite should not pay for it at startup.

@@ -20,7 +20,11 @@ from ckpt_tools.structure.selection import (
     key_text,
     select_state_dict,
 )
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_tensors, stored_views
+from ckpt_tools.structure.tensor_walk import (
+    quantizer_tensors,
+    stored_views,
+    tensors_by_place,
+)
 from ckpt_tools.structure.wrappers import LORA_PARTS, WRAPPER_RULES, WrapperRule, detect_wrappers
 
 __all__ = [
@@ -132,7 +136,7 @@ def _selected(ckpt: Checkpoint, select: Select) -> Selection:
             selection = Selection((), "TorchScript module: its parameters and buffers", flat)
     if selection.stand_in:  # torch.save(tensor), torch.save([...])
         # Sparse, meta and nested tensors too, as under a dict root.
-        found = {path or "<root>": t for path, t in iter_listed_tensors(ckpt.root)}
+        found = tensors_by_place(ckpt.root)
         why = f"the root is {a_kind_of(ckpt.root)}, no state dict; its tensors by path"
         selection = replace(selection, reason=why, state_dict=found)
     return selection

@@ -39,7 +39,7 @@ from ckpt_tools.structure.selection import (
     replace_at,
     select_state_dict,
 )
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors
+from ckpt_tools.structure.tensor_walk import tensors_by_place
 from ckpt_tools.structure.wrappers import WrapperMatch, strip_wrapper_rules
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ def _plan(
     # Sparse, meta and nested tensors are copied too, and checked as tensors; a root that is
     # no mapping (a bare tensor, a list) by their places in it, as verification reads it back.
     tensors = (
-        dict(iter_listed_tensors(ckpt.root))
+        tensors_by_place(ckpt.root)
         if selection.stand_in
         else {k: v for k, v in renamed_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))}
     )

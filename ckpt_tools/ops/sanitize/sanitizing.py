@@ -39,7 +39,12 @@ from ckpt_tools.ops.sanitize.result import Change, SanitizeResult
 from ckpt_tools.ops.sanitize.tree import SanitizedTree, sanitize_tree
 from ckpt_tools.structure.paths import parse_select
 from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors, iter_stored_tensors, stored_views
+from ckpt_tools.structure.tensor_walk import (
+    iter_listed_tensors,
+    iter_stored_tensors,
+    stored_views,
+    tensors_by_place,
+)
 
 __all__ = ["SanitizeResult", "sanitize"]
 
@@ -266,9 +271,7 @@ def _verify(
     if level == "none":
         return "not verified (--verify none)"
     whole_tree = not path and not isinstance(done.root, Mapping)
-    expected = (
-        dict(iter_listed_tensors(done.root)) if whole_tree else _selected_tensors(done.root, path)
-    )
+    expected = tensors_by_place(done.root) if whole_tree else _selected_tensors(done.root, path)
     parts = [p for t in expected.values() for p in stored_views(t)]
     new = [p for p in parts if p.storage.key in done.added]
     # A source that names no global: verify_output then refuses any the output names.
