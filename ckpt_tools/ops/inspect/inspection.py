@@ -20,11 +20,7 @@ from ckpt_tools.structure.selection import (
     key_text,
     select_state_dict,
 )
-from ckpt_tools.structure.tensor_walk import (
-    quantizer_tensors,
-    stored_views,
-    tensors_by_place,
-)
+from ckpt_tools.structure.tensor_walk import quantizer_tensors, stored_views, tensors_by_place
 from ckpt_tools.structure.wrappers import LORA_PARTS, WRAPPER_RULES, WrapperRule, detect_wrappers
 
 __all__ = [
