@@ -139,7 +139,9 @@ def tied_embedding(
         ``((key, tensor), "")``, or ``(None, problem)``.
     """
     name = f"{target.module}.weight"
-    if config is None or config.get("tie_word_embeddings") is not True:
+    # transformers writes the key only where it differs from its default, True (GPT-2's
+    # config.json has none): absent, the head is tied.
+    if config is None or config.get("tie_word_embeddings", True) is not True:
         return None, f"{name} (missing from the base)"
     shape = (target.b.shape[0], target.a.shape[1])
     found = [

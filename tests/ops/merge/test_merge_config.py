@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import ckpt_tools as ct
 from ckpt_tools.errors import ConversionError, CorruptCheckpointError
 from tests.helpers import run_ckpt
-from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, tiny_llama
+from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed, tiny_gpt2, tiny_llama
 from tests.ops.merge.test_merge_lora import close, compare, make_case
 
 pytestmark = NEEDS_PEFT
@@ -238,3 +239,27 @@ def test_another_adapter_s_trained_bias_is_ignored_as_peft_ignores_it(tmp_path: 
     out = torch.load(tmp_path / "m.pt")
     assert sorted(out) == sorted(want)
     assert all(close(out[k], want[k]) for k in want)  # bitwise where torch's kernels are AVX2
+
+
+def _hf_without_the_tie_key(model: Any, folder: Path) -> Path:
+    # As transformers writes GPT-2's config.json: tie_word_embeddings left out (its default).
+    base = _hf(model, folder)
+    config = json.loads((base / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (base / "config.json").write_text(json.dumps(config))
+    return base
+
+
+def test_a_head_tied_by_default_merges_into_the_embedding(tmp_path: Path) -> None:
+    case = make_case(
+        tmp_path / "case",
+        lambda: tiny_gpt2(1),
+        _lora("lm_head", "c_attn", fan_in_fan_out=True),
+        save=_hf_without_the_tie_key,
+    )
+    assert "tie_word_embeddings" not in json.loads((case.base / "config.json").read_text())
+    ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    out = load_file(tmp_path / "m.safetensors")  # the tied head left out, as saved
+    assert sorted(out) == sorted(k for k in case.base_sd if k != "lm_head.weight")
+    assert all(close(v, case.merged.get(k, case.base_sd[k])) for k, v in out.items())
+    assert close(out["transformer.wte.weight"], case.merged["lm_head.weight"])
