@@ -145,6 +145,7 @@ def check_config_targets(
         ...                      {"fc": False})
     """
     left_out = [m for m in adapted if adapted_by_config(config, m) is False]
+    _refuse_layers_not_merged(weights, config, left_out)
     if left_out:
         raise ConversionError(
             f"{weights!r} holds LoRA tensors for {', '.join(left_out[:8])}, which "
@@ -161,6 +162,26 @@ def check_config_targets(
             f"lora_magnitude_vector for {', '.join(wrong[:8])}: PEFT follows the config and "
             f"would merge them as {'DoRA' if dora else 'plain LoRA'}. Correct use_dora in "
             "the config to match the weights"
+        )
+
+
+def _refuse_layers_not_merged(weights: str, config: Mapping[str, Any], left_out: list[str]) -> None:
+    """Refuse, naming why, the LoRA tensors the config leaves out that PEFT does merge: a
+    layer's own inner module (``attn.base_layer.out_proj``: PEFT's MultiheadAttention wraps
+    it), or a head ``ensure_weight_tying`` adapts with the embedding it is tied to."""
+    inner = [m for m in left_out if ".base_layer." in m]
+    if inner:
+        raise ConversionError(
+            f"{weights!r} holds LoRA tensors inside a layer PEFT adapts whole "
+            f"({', '.join(inner[:4])}: an nn.MultiheadAttention's, for one), which merge-lora "
+            "does not merge: only Linear, Conv1D and Embedding layers"
+        )
+    if left_out and config.get("ensure_weight_tying"):
+        raise ConversionError(
+            f"{weights!r} holds LoRA tensors for {', '.join(left_out[:4])}, which PEFT "
+            "adapts with the embedding it is tied to (ensure_weight_tying), a delta each into "
+            "the one tied weight; merge-lora does not merge that: train the adapter without "
+            "ensure_weight_tying"
         )
 
 

@@ -179,3 +179,37 @@ def test_a_magnitude_vector_of_the_wrong_length_is_refused(tiny: tuple[Path, Pat
     refused(
         base, adapter, base.parent / "out.pt", code=7, names=("head.lora_magnitude_vector", "[5]")
     )
+
+
+def test_layers_peft_adapts_whole_are_refused_by_what_they_are(tmp_path: Path) -> None:
+    # PEFT merges both (its MultiheadAttention wraps out_proj; ensure_weight_tying adapts a
+    # tied head with the embedding): neither is a target the config leaves out.
+    import torch
+    from torch import nn
+
+    from tests.helpers.lora import tiny_llama
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2)
+
+    cases = {
+        "mha": (Attention, peft.LoraConfig(r=2, target_modules=["attn"]), "inside a layer"),
+        "tied": (
+            lambda: tiny_llama(1, tie_word_embeddings=True),
+            peft.LoraConfig(
+                r=2, target_modules=["embed_tokens", "lm_head"], ensure_weight_tying=True
+            ),
+            "ensure_weight_tying",
+        ),
+    }
+    for name, (make, config, says) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.save(make().state_dict(), folder / "base.pt")
+        peft.get_peft_model(make(), config).save_pretrained(folder / "adapter")
+        err = run_ckpt(
+            "merge-lora", folder / "base.pt", folder / "adapter", folder / "m.pt", code=7
+        ).stderr
+        assert says in err and "leave out" not in err, err
