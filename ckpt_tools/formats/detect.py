@@ -102,7 +102,7 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
             path=p,
         )
     if check_regular(p) == "folder":
-        from ckpt_tools.formats.dcp.reader import is_dcp_folder
+        from ckpt_tools.formats.dcp.layout import is_dcp_folder
         from ckpt_tools.formats.deepspeed.layout import is_deepspeed_folder
 
         if is_dcp_folder(p):

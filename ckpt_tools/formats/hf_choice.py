@@ -84,7 +84,7 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
             f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
         )
     if not found and not indexes and len(singles) != 1:
-        from ckpt_tools.formats.dcp.reader import refuse_without_metadata
+        from ckpt_tools.formats.dcp.layout import refuse_without_metadata
 
         refuse_without_metadata(folder, path)  # a DCP folder's files, not a Hugging Face one
         listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
-from ckpt_tools.errors import CorruptCheckpointError, Remedy, UnsupportedFormatError, UsageError
+from ckpt_tools.errors import CorruptCheckpointError, UsageError
 from ckpt_tools.formats.base import Checkpoint, consolidate_first
+from ckpt_tools.formats.dcp.layout import METADATA_FILE
 from ckpt_tools.formats.dcp.metadata import (
     DcpBytes,
     DcpChunk,
@@ -38,32 +39,10 @@ from ckpt_tools.formats.zip.torch_records import refuse_big_endian
 from ckpt_tools.formats.zip.torchzip import ArchiveContents, read_torch_archive
 
 __all__ = [
-    "DATA_SUFFIX",
-    "METADATA_FILE",
     "DcpCheckpoint",
-    "is_dcp_folder",
     "needs_consolidating",
     "open_dcp",
 ]
-
-METADATA_FILE = ".metadata"
-DATA_SUFFIX = ".distcp"
-
-
-def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a DCP folder: a ``.metadata`` file, as DCP's own loader decides
-    (the ``*.distcp`` files it names may be missing: reading it then says which).
-
-    Example:
-        >>> is_dcp_folder(".")
-        False
-    """
-    # Named, whatever it is: a ``.metadata`` that is no regular file (a FIFO) is refused when
-    # read, not taken for a folder of other files.
-    try:
-        return METADATA_FILE in os.listdir(path)
-    except OSError:
-        return False
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -244,28 +223,6 @@ def open_dcp(folder: str) -> DcpCheckpoint:
         locate=locate,
         dcp=meta,
         tensors=tensors,
-    )
-
-
-def refuse_without_metadata(folder: str | os.PathLike[str], path: str) -> None:
-    """Say what a DCP folder lacks, where it holds DCP files but no :data:`METADATA_FILE`:
-    a save writes it last (one that did not finish), and one made with
-    ``use_collectives=False`` leaves it out (each rank writes its own ``__N.metadata``).
-
-    Raises:
-        UnsupportedFormatError: ``folder`` holds ``*.distcp`` or ``__N.metadata`` files.
-    """
-    names = sorted(os.listdir(folder))
-    found = [n for n in names if n.endswith(DATA_SUFFIX)]
-    found += [n for n in names if n.startswith("__") and n.endswith(METADATA_FILE)]
-    if not found:
-        return
-    raise UnsupportedFormatError(
-        f"{path!r} holds torch.distributed.checkpoint files ({', '.join(found[:3])}) "
-        f"but no {METADATA_FILE}: a save that did not finish, or one made with "
-        f"use_collectives=False (a {METADATA_FILE} per rank), which is not read",
-        path=path,
-        remedies=(Remedy(text="save again with dcp.save's default use_collectives=True"),),
     )
 
 

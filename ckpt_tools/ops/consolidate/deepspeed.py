@@ -19,7 +19,8 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.dcp.reader import DATA_SUFFIX, DcpCheckpoint
+from ckpt_tools.formats.dcp.layout import DATA_SUFFIX
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from ckpt_tools.formats.deepspeed.reader import DeepSpeedCheckpoint, TensorSource, open_deepspeed
 from ckpt_tools.formats.detect import detect_format
 from ckpt_tools.io.assemble import SpanPiece

@@ -156,7 +156,7 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
     """``(path, to scan)`` for everything under ``folder``, in a stable order: each file, and
     each DCP folder as one checkpoint (its other files and folders are walked too);
     symlinked folders are listed, never followed (a link can loop), as not scanned."""
-    from ckpt_tools.formats.dcp.reader import DATA_SUFFIX, METADATA_FILE
+    from ckpt_tools.formats.dcp.layout import DATA_SUFFIX, METADATA_FILE
 
     for root, dirs, names in os.walk(folder):
         dirs.sort()
@@ -175,7 +175,7 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
 
 
 def _is_dcp(path: str) -> bool:
-    from ckpt_tools.formats.dcp.reader import is_dcp_folder
+    from ckpt_tools.formats.dcp.layout import is_dcp_folder
 
     return os.path.isdir(path) and is_dcp_folder(path)
 

@@ -328,8 +328,8 @@ def _tar_pickles(path: str) -> Iterator[Walked]:
 
 
 def _dcp_pickles(folder: str) -> Iterator[Walked]:
+    from ckpt_tools.formats.dcp.layout import METADATA_FILE
     from ckpt_tools.formats.dcp.metadata import DcpTensor, load_metadata_pickle, parse_metadata
-    from ckpt_tools.formats.dcp.reader import METADATA_FILE
 
     metadata = os.path.join(folder, METADATA_FILE)
     check_regular(metadata)  # a FIFO named .metadata would block an open()
