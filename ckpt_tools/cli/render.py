@@ -36,7 +36,7 @@ def echo_json(data: Any) -> None:
     """
     import json  # only --json needs it; `ckpt` starts faster without
 
-    from ckpt_tools._json import json_ready
+    from ckpt_tools.structure.json_values import json_ready
 
     text = json.dumps(json_ready(data), indent=2, sort_keys=False, default=str, allow_nan=False)
     click.echo(text)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools._json import json_ready
 from ckpt_tools.errors import shown
+from ckpt_tools.structure.json_values import json_ready
 from ckpt_tools.structure.suggest import Step
 
 __all__ = ["SideInfo", "Suggestion", "TensorDiff"]

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools._json import json_ready
 from ckpt_tools._types import one_of
 from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.structure.json_values import json_ready
 
 __all__ = [
     "CHECKPOINT_NAMES",

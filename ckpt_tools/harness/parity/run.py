@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools._json import json_ready
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.harness.config import (
     MULTI_PROCESS,
@@ -54,6 +53,7 @@ from ckpt_tools.harness.parity.checks import (
 from ckpt_tools.harness.parity.reference import step_gaps
 from ckpt_tools.harness.placement import resolve_devices
 from ckpt_tools.harness.strategies import train
+from ckpt_tools.structure.json_values import json_ready
 
 __all__ = ["DEFAULT_TOLERANCE", "ParityReport", "run_parity"]
 
