@@ -8,6 +8,7 @@ of those is read through its one other index or weight file.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import shlex
 from collections.abc import Callable
@@ -86,8 +87,9 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
     if not found and not indexes and len(singles) != 1:
         from ckpt_tools.formats.dcp.layout import refuse_without_metadata
 
-        refuse_without_metadata(folder, path)  # a DCP folder's files, not a Hugging Face one
-        listing = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
+        held = sorted(os.listdir(folder))  # listed once, for both refusals
+        refuse_without_metadata(held, path)  # a DCP folder's files, not a Hugging Face one
+        listing = ", ".join(held[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
             f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}",

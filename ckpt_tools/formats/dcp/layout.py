@@ -7,6 +7,7 @@ folder, and reading a DCP folder (the metadata pickle) is :mod:`~ckpt_tools.form
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from ckpt_tools.errors import Remedy, UnsupportedFormatError
 
@@ -32,15 +33,18 @@ def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def refuse_without_metadata(folder: str | os.PathLike[str], path: str) -> None:
+def refuse_without_metadata(names: Sequence[str], path: str) -> None:
     """Say what a DCP folder lacks, where it holds DCP files but no :data:`METADATA_FILE`:
     a save writes it last (one that did not finish), and one made with
     ``use_collectives=False`` leaves it out (each rank writes its own ``__N.metadata``).
 
+    Args:
+        names: the files the folder holds, sorted.
+        path: the folder, as the error names it.
+
     Raises:
-        UnsupportedFormatError: ``folder`` holds ``*.distcp`` or ``__N.metadata`` files.
+        UnsupportedFormatError: ``names`` holds ``*.distcp`` or ``__N.metadata`` files.
     """
-    names = sorted(os.listdir(folder))
     found = [n for n in names if n.endswith(DATA_SUFFIX)]
     found += [n for n in names if n.startswith("__") and n.endswith(METADATA_FILE)]
     if not found:
