@@ -223,7 +223,7 @@ def load_into(
     if fix is not None:
         sd = rename_keys(sd, fix.rules)
         logger.info("%s: %s to match %s", label, fix.describe(), type(model).__name__)
-    if not assign:
+    if not assign and on_meta(model):  # (a model's state_dict() can gather: only then)
         _refuse_copies_into_meta(model, sd, label)
     verdict = rehearse(model, sd, assign=assign)
     report = LoadReport(
