@@ -69,8 +69,10 @@ class LoraTarget:
 
     Attributes:
         module: the module's path in the base model (``model.layers.0.self_attn.q_proj``).
-        kind: ``linear`` (``lora_A`` / ``lora_B``) or ``embedding`` (``lora_embedding_*``).
-        a, b: the adapter's ``A`` ``(r, in)`` and ``B`` ``(out, r)`` tensors.
+        kind: ``linear`` (``lora_A`` / ``lora_B``), ``convolution`` (their kernels) or
+            ``embedding`` (``lora_embedding_*``).
+        a, b: the adapter's ``A`` ``(r, in)`` and ``B`` ``(out, r)`` tensors; a convolution's
+            ``(r, in, *kernel)`` and ``(out, r, 1, ...)``.
         bias: ``lora_B.bias`` (``lora_bias=True``), or None.
         magnitude: DoRA's magnitude vector, or None (plain LoRA).
         r, alpha: the module's rank and alpha after ``rank_pattern`` / ``alpha_pattern``.
@@ -277,32 +279,54 @@ def _targets(
         if "A" not in found or "B" not in found:
             missing = "A" if "A" not in found else "B"
             raise ConversionError(f"{weights!r}: {module!r} has no lora_{missing}")
-        kind = "embedding" if found["A"][0].startswith("lora_embedding") else "linear"
         r, alpha, scaling = rank_alpha(config, module)
         a, b = found["A"][1], found["B"][1]
-        floating = all(t.dtype in _FLOATING for t in (a, b))
-        if (
-            not floating
-            or len(a.shape) != 2
-            or len(b.shape) != 2
-            or a.shape[0] != r
-            or b.shape[1] != r
-        ):
-            raise ConversionError(
-                f"{weights!r}: {module!r} is not a rank-{r} {kind} adapter "
-                f"(A {list(a.shape)}, B {list(b.shape)}); only Linear, Conv1D and Embedding "
-                "targets are merged"
-            )
+        kind = _kind(found["A"][0], a, b, r, f"{weights!r}: {module!r}")
         bias = found.get("bias", (None, None))[1]
         magnitude = found.get("magnitude", (None, None))[1]
-        for name, t in (("lora_B.bias", bias), ("lora_magnitude_vector", magnitude)):
-            if t is not None and (t.shape != (b.shape[0],) or t.dtype not in _FLOATING):
+        out = (b.shape[0],)
+        # DoRA on a convolution keeps its magnitude as (1, out, 1, ...), one per output.
+        spread = (1, *out, *(1,) * (len(b.shape) - 2)) if kind == "convolution" else out
+        for name, t, shape in (
+            ("lora_B.bias", bias, out),
+            ("lora_magnitude_vector", magnitude, spread),
+        ):
+            if t is not None and (t.shape != shape or t.dtype not in _FLOATING):
                 raise ConversionError(
                     f"{weights!r}: {module}.{name} is {t.dtype} {list(t.shape)}, not one "
                     f"floating value per output ({b.shape[0]})"
                 )
         targets.append(LoraTarget(module, kind, a, b, bias, magnitude, r, alpha, scaling))
     return targets, rest
+
+
+def _kind(part: str, a: TensorRef, b: TensorRef, r: int, named: str) -> str:
+    """``linear``, ``embedding`` or ``convolution``, from the parts' names and shapes.
+
+    A convolution's A is a kernel ``(r, in, *k)`` and its B a 1-wide one ``(out, r, 1, ...)``.
+
+    Raises:
+        ConversionError: parts of no rank-``r`` layer that merges: B of a grouped convolution
+            (``r / groups`` inputs), which PEFT does not merge, named as such.
+    """
+    kind = "embedding" if part.startswith("lora_embedding") else "linear"
+    if kind == "linear" and len(a.shape) in (3, 4, 5):
+        kind = "convolution"
+    dims = 2 if kind != "convolution" else len(a.shape)
+    floating = all(t.dtype in _FLOATING for t in (a, b))
+    ones = all(n == 1 for n in b.shape[2:])
+    if floating and len(a.shape) == len(b.shape) == dims and a.shape[0] == r and ones:
+        if b.shape[1] == r:
+            return kind
+        if kind == "convolution" and b.shape[1] and r % b.shape[1] == 0:
+            raise ConversionError(
+                f"{named} is LoRA on a grouped convolution (groups={r // b.shape[1]}), "
+                "which PEFT does not merge"
+            )
+    raise ConversionError(
+        f"{named} is not a rank-{r} {kind} adapter (A {list(a.shape)}, B {list(b.shape)}); "
+        "only Linear, Conv1D, convolution and Embedding targets are merged"
+    )
 
 
 def _trained_biases(

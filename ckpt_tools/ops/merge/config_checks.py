@@ -174,7 +174,7 @@ def _refuse_layers_not_merged(weights: str, config: Mapping[str, Any], left_out:
         raise ConversionError(
             f"{weights!r} holds LoRA tensors inside a layer PEFT adapts whole "
             f"({', '.join(inner[:4])}: an nn.MultiheadAttention's, for one), which merge-lora "
-            "does not merge: only Linear, Conv1D and Embedding layers"
+            "does not merge: only Linear, Conv1D, convolution and Embedding layers"
         )
     if left_out and config.get("ensure_weight_tying"):
         raise ConversionError(

@@ -65,7 +65,7 @@ def merge_lora(
     """Merge a PEFT LoRA adapter into its base checkpoint, as PEFT's ``merge_and_unload`` does.
 
     ``W += transpose(B @ A) * scaling`` for Linear, GPT-2 ``Conv1D`` (``fan_in_fan_out``) and
-    Embedding targets, in float32 and rounded once to the weight's dtype, in PEFT's order
+    Embedding targets (a convolution's kernels as the rows of A), in float32 and rounded once to the weight's dtype, in PEFT's order
     (rsLoRA, ``rank_pattern`` and ``alpha_pattern`` as PEFT resolves them); DoRA rescales each
     output row (an embedding's each column) by its magnitude over its norm; targets that share
     one tied weight (an output head tied to the input embeddings, saved or left out of an HF
@@ -343,6 +343,8 @@ def _misfit(t: LoraTarget, weight: TensorRef) -> str:
         return f"a {weight.dtype} weight cannot be merged"
     # lora_embedding_A is (r, num_embeddings), B is (dim, r); the weight (num_embeddings, dim).
     wanted = [(r_in, r_out)] if t.kind == "embedding" else [(r_out, r_in), (r_in, r_out)]
+    if t.kind == "convolution":  # A's kernel is the weight's
+        wanted = [(r_out, r_in, *t.a.shape[2:])]
     if weight.shape in wanted:
         return ""
     return (
@@ -353,7 +355,7 @@ def _misfit(t: LoraTarget, weight: TensorRef) -> str:
 
 def _kind(step: MergeStep) -> str:
     t = step.target
-    kind = t.kind if t.kind == "embedding" else ("conv1d" if step.transpose else "linear")
+    kind = t.kind if t.kind != "linear" else ("conv1d" if step.transpose else "linear")
     return kind + ("+dora" if t.magnitude is not None else "")
 
 

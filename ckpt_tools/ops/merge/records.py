@@ -46,9 +46,11 @@ def values(ckpt: Checkpoint, t: TensorRef) -> np.ndarray:
 
 
 def rows(ckpt: Checkpoint, t: TensorRef, first: int, count: int) -> np.ndarray:
-    """Rows ``[first, first + count)`` of a whole, contiguous 2-D tensor, as float32."""
+    """Rows ``[first, first + count)`` of a whole, contiguous tensor, as float32, each row
+    its elements past the first dimension (a convolution's kernels, flattened)."""
     size = t.nbytes // max(t.numel, 1)
-    width = t.shape[1] * size
+    elements = _row_length(t)
+    width = elements * size
     span = ckpt.span(t.storage)
     fd = os.open(span.path, os.O_RDONLY)
     try:
@@ -58,7 +60,11 @@ def rows(ckpt: Checkpoint, t: TensorRef, first: int, count: int) -> np.ndarray:
     if len(data) != count * width:
         raise OSError(5, f"{span.path} ended early")
     bits = np.frombuffer(data, dtype=np.dtype(_UINT[size]).newbyteorder("<")).astype(_UINT[size])
-    return from_bits(bits, t.dtype).reshape(count, t.shape[1])
+    return from_bits(bits, t.dtype).reshape(count, elements)
+
+
+def _row_length(t: TensorRef) -> int:
+    return t.numel // t.shape[0] if t.shape[0] else 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ def merge_record(
     loads into the base (rounded to its dtype) before merging.
     """
     whole = any(s.target.magnitude is not None and s.transpose for s in steps)
-    height, width = weight.shape
+    height, width = weight.shape[0], _row_length(weight)
     block = height if whole else max(1, _BLOCK // max(width, 1))
     lora = lora_dtype(weight.dtype)
 
@@ -112,9 +118,10 @@ def merge_record(
 def _step_tensors(
     adapter: Checkpoint, target: LoraTarget, lora: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    a, b = (rounded(values(adapter, t), lora) for t in (target.a, target.b))
+    # A convolution's kernels merge as the rows of a matrix: B (out, r) @ A (r, in * kernel).
+    a, b = (rounded(values(adapter, t), lora).reshape(t.shape[0], -1) for t in (target.a, target.b))
     m = None if target.magnitude is None else rounded(values(adapter, target.magnitude), lora)
-    return a, b, m
+    return a, b, None if m is None else m.reshape(-1)
 
 
 def _block_of(

@@ -17,7 +17,8 @@ class MergedModule:
     Attributes:
         module: its path in the model, as PEFT names it.
         key: the base key of the weight it changes.
-        kind: ``linear``, ``conv1d`` (``fan_in_fan_out``), ``embedding``; ``+dora`` for DoRA.
+        kind: ``linear``, ``conv1d`` (``fan_in_fan_out``), ``convolution`` (``nn.Conv1d``,
+            ``Conv2d``, ``Conv3d``), ``embedding``; ``+dora`` for DoRA.
         r, alpha, scaling: its rank, alpha and the scaling applied.
     """
 
@@ -60,7 +61,7 @@ class MergeResult(TransformResult):
     def details(self) -> list[str]:
         """One line per merged module, then the transform's lines."""
         lines = [
-            f"  merge {m.kind:<14} {m.key}  r={m.r} alpha={m.alpha:g} scaling={m.scaling:g}"
+            f"  merge {m.kind:<16} {m.key}  r={m.r} alpha={m.alpha:g} scaling={m.scaling:g}"
             for m in self.merged
         ]
         lines += [f"  replace (modules_to_save) {key}" for key in self.replaced]
