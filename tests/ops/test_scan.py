@@ -263,8 +263,11 @@ def test_json_and_sarif_name_each_finding(tmp_path: Path) -> None:
     assert finding["global"] == "posix.system" and finding["record"] == "archive/data.pkl"
     assert finding["severity"] == "dangerous" and finding["reason"]
     assert data["verdict"] in VERDICTS
-    both = run_ckpt("scan", "--json", "--format", "sarif", fixture_path("evil.pt"), code=2)
-    assert both.stdout == "" and "name two outputs" in both.stderr
+    for other in ("sarif", "text"):
+        both = run_ckpt("scan", "--json", "--format", other, fixture_path("evil.pt"), code=2)
+        assert both.stdout == "" and "name two outputs" in both.stderr
+    same = run_ckpt("scan", "--json", "--format", "json", fixture_path("evil.pt"), code=1)
+    assert json.loads(same.stdout) == data
 
 
 def test_scan_never_imports_torch(no_torch_env: dict[str, str]) -> None:

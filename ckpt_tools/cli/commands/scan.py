@@ -17,8 +17,8 @@ from ckpt_tools.ops.scan import scan
     "--format",
     "output_format",
     type=click.Choice(["text", "json", "sarif"]),
-    default="text",
-    show_default=True,
+    default=None,
+    show_default="text",
     help="How to print the verdicts (sarif: SARIF 2.1.0, for code-scanning tools).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the same as --format json).")
@@ -36,7 +36,7 @@ from ckpt_tools.ops.scan import scan
     help="For URLs, also print on stderr the requests made and the bytes received.",
 )
 def scan_cmd(
-    paths: tuple[str, ...], output_format: str, as_json: bool, fail_on: str, verbose: bool
+    paths: tuple[str, ...], output_format: str | None, as_json: bool, fail_on: str, verbose: bool
 ) -> int:
     """Can loading these checkpoints run code? A verdict per file, running nothing in it.
 
@@ -50,8 +50,8 @@ def scan_cmd(
     scan reads are fetched by byte ranges (each zip record's header and first bytes, a
     request each), never the tensors; a folder URL is scanned as its weight files.
     """
-    if as_json and output_format == "sarif":
-        raise click.UsageError("--json and --format sarif name two outputs; give one")
+    if as_json and output_format not in (None, "json"):
+        raise click.UsageError(f"--json and --format {output_format} name two outputs; give one")
     report = scan(paths, on_file=_progress_line())
     if verbose and report.transfer is not None:
         for file in report.files:
@@ -60,7 +60,7 @@ def scan_cmd(
         echo_text(f"remote: {report.transfer}", err=True)
     if output_format == "sarif":
         echo_json(report.to_sarif())
-    elif as_json or output_format == "json":
+    elif as_json or output_format == "json":  # text is the default
         echo_json(report.to_json())
     else:
         echo_text(report.text())
