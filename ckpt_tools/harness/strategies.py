@@ -85,9 +85,7 @@ def train(config: TrainConfig) -> TrainResult:
         return train_zero(config)
     world_size = 1 if config.strategy == "single" else config.world_size
     devices = resolve_devices(world_size, config.gpus, config.device)
-    # dp splits the batch only over GPUs; on the CPU it is one plain forward.
-    if config.strategy == "manual" or devices[0].type == "cuda":
-        check_batch_covers(config.batch_size, len(devices), "replicas")
+    check_replicas_batch(config, devices)
     if config.out_dir is not None:
         clear_outputs(config.out_dir, config.strategy, config.record_steps)
     started = time.perf_counter()
@@ -103,6 +101,17 @@ def train(config: TrainConfig) -> TrainResult:
     if config.out_dir is not None:
         result.write_json(config.out_dir)
     return result
+
+
+def check_replicas_batch(config: TrainConfig, devices: Sequence[torch.device]) -> None:
+    """Refuse a global batch that leaves one of a one-process strategy's replicas without
+    samples (``manual``; ``dp`` on GPUs: on the CPU it is one plain forward).
+
+    Raises:
+        UsageError: ``batch_size`` smaller than the replicas.
+    """
+    if config.strategy == "manual" or (config.strategy == "dp" and devices[0].type == "cuda"):
+        check_batch_covers(config.batch_size, len(devices), "replicas")
 
 
 def run_steps(

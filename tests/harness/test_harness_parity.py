@@ -223,6 +223,23 @@ def test_run_parity_rejects_unknown_strategies() -> None:
     assert e.value.render(for_cli=True).startswith("--strategies ('single', 'zero3'): ")
 
 
+def test_a_batch_too_small_for_a_strategy_is_refused_before_any_strategy_trains(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(UsageError, match="leaves some of the 2 replicas without samples"):
+        run_parity(2, steps=1, strategies=("single", "manual"), batch_size=1, out_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # single trained nothing, wrote nothing
+
+
+def test_a_folder_where_a_later_strategy_writes_a_file_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "manual" / "bare.pt").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"bare\.pt"):
+        run_parity(2, steps=1, strategies=("single", "manual"), out_dir=tmp_path)
+    assert not (tmp_path / "single").exists()
+
+
 def test_run_parity_without_a_world_size_counts_as_train_does() -> None:
     # One per selected GPU, else 2 on the CPU; a one-GPU machine runs world size 1.
     expected = torch.cuda.device_count() or 2

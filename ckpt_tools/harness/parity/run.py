@@ -42,6 +42,7 @@ from ckpt_tools.harness.config import (
 )
 from ckpt_tools.harness.loop import init_model
 from ckpt_tools.harness.models import has_batchnorm
+from ckpt_tools.harness.outputs import check_outputs
 from ckpt_tools.harness.parity.checks import (
     CheckResult,
     check_add_prefix,
@@ -52,7 +53,7 @@ from ckpt_tools.harness.parity.checks import (
 )
 from ckpt_tools.harness.parity.reference import step_gaps
 from ckpt_tools.harness.placement import resolve_devices
-from ckpt_tools.harness.strategies import train
+from ckpt_tools.harness.strategies import check_replicas_batch, train
 from ckpt_tools.structure.json_values import json_ready
 
 __all__ = ["DEFAULT_TOLERANCE", "ParityReport", "run_parity"]
@@ -216,23 +217,10 @@ def run_parity(
     kw = dict(model_kwargs or {})
     with tempfile.TemporaryDirectory(prefix="ckpt-harness-parity-") as scratch:
         root = Path(out_dir) if out_dir is not None else Path(scratch)
-        runs: list[TrainResult] = []
-        for strategy in order:
-            config = TrainConfig(
-                strategy=strategy,
-                model=model,
-                steps=steps,
-                world_size=world_size,
-                batch_size=batch_size,
-                seed=seed,
-                gpus=gpus,
-                device=device,
-                out_dir=str(root / strategy),
-                model_kwargs=kw,
-                record_steps=True,
-                zero_stage=zero_stage,
-            )
-            runs.append(train(config))
+        common = dict(model=model, steps=steps, world_size=world_size, batch_size=batch_size)
+        common.update(seed=seed, gpus=gpus, device=device, model_kwargs=kw, zero_stage=zero_stage)
+        configs = _checked_configs(order, root, devices, common)
+        runs = [train(config) for config in configs]
         uses_bn = has_batchnorm(init_model(TrainConfig(model=model, model_kwargs=kw)))
         rows: list[CheckResult] = list(skipped)
         single_bare = root / "single" / "bare.pt"
@@ -249,6 +237,21 @@ def run_parity(
     return ParityReport(
         model, world_size, steps, seed, tolerance, tuple(runs), tuple(rows), weight_gaps=gaps
     )
+
+
+def _checked_configs(
+    order: Sequence[str], root: Path, devices: Sequence[Any], common: Mapping[str, Any]
+) -> list[TrainConfig]:
+    """Each strategy's run, every one checked (sizes, outputs) before the first one trains:
+    a refusal of the last must not come after the others have trained."""
+    configs = [
+        TrainConfig(strategy=s, out_dir=str(root / s), record_steps=True, **common) for s in order
+    ]
+    for config in configs:
+        config.validate()
+        check_replicas_batch(config, devices)
+        check_outputs(root / config.strategy, config.strategy, record_steps=True)
+    return configs
 
 
 def _refuse_sync_bn_on_cpu(model: str, order: Sequence[str], device_type: str) -> None:
