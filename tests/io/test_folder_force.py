@@ -177,3 +177,114 @@ def test_exchange_swaps_two_folders_in_one_step_or_does_nothing(tmp_path: Path) 
     if swapped:  # a failed swap is an error, never a silent False
         with pytest.raises(FileNotFoundError):
             exchange(tmp_path / "a", tmp_path / "missing")
+
+
+def test_a_failed_carry_puts_back_every_entry_it_had_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without hard links the kept entries are moved into the new folder one by one; when one
+    # of them cannot be moved, the ones moved before it go back before the new folder goes.
+    _plain(tmp_path / "plain.pt")
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+    (tmp_path / "d" / "zz-last.txt").write_text("last")
+
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    real_rename = os.rename
+
+    def rename(src: object, dst: object) -> None:
+        if str(src) == str(tmp_path / "d" / "zz-last.txt"):
+            raise PermissionError(13, "Permission denied")
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf_folder.os, "link", no_links)
+    monkeypatch.setattr(hf_folder.os, "rename", rename)
+    with pytest.raises(OutputError, match="Permission denied"):
+        convert(tmp_path / "plain.pt", tmp_path / "d", max_shard_size="1KB", force=True)
+    for name, data in kept.items():
+        assert (tmp_path / "d" / name).read_bytes() == data, name
+    assert (tmp_path / "d" / "zz-last.txt").read_text() == "last"
+    assert (tmp_path / "d" / "pytorch_model.bin").read_bytes() == b"old bin"
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
+
+
+def test_entries_a_killed_run_had_carried_go_back_to_their_folder(tmp_path: Path) -> None:
+    # Killed after moving the kept entries into its temp folder, before the swap: the old
+    # folder lacks them, and the next write beside it puts them back before removing the rest.
+    _plain(tmp_path / "plain.pt")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"old weights")
+    # PID 4194304 is pid_max's ceiling on Linux: no process has it.
+    orphan = tmp_path / ".d.ckpt-tmpdir-4194304-ab12cd34"
+    (orphan / "runs").mkdir(parents=True)
+    (orphan / "runs" / "log.txt").write_text("log")
+    (orphan / "notes.txt").write_text("notes")
+    (orphan / "model.safetensors").write_bytes(b"new weights")
+    # Killed between the two renames of a swap: the replaced folder is still aside.
+    aside = tmp_path / ".e.ckpt-tmpdir-4194304-cd34ab12-old"
+    aside.mkdir()
+    (aside / "model.safetensors").write_bytes(b"old weights")
+    unnamed = tmp_path / ".e.ckpt-tmpdir-4194304-cd34ab12"
+    unnamed.mkdir()
+    (unnamed / "notes.txt").write_text("e notes")
+    convert(tmp_path / "plain.pt", tmp_path / "other", max_shard_size="1KB")
+    assert (tmp_path / "d" / "notes.txt").read_text() == "notes"
+    assert (tmp_path / "d" / "runs" / "log.txt").read_text() == "log"
+    assert (tmp_path / "d" / "model.safetensors").read_bytes() == b"old weights"
+    assert (tmp_path / "e" / "notes.txt").read_text() == "e notes"
+    assert (tmp_path / "e" / "model.safetensors").read_bytes() == b"old weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "e", "other", "plain.pt"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another user: root only")
+def test_a_kept_subfolder_keeps_its_owner_mode_and_inode(tmp_path: Path) -> None:
+    _plain(tmp_path / "plain.pt")
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+    private = tmp_path / "d" / "runs" / "private"
+    private.mkdir(parents=True)
+    (private / "notes.txt").write_text("secret")
+    for path in (private.parent, private, private / "notes.txt"):
+        os.chown(path, 1234, 1234)
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    before = {p: os.stat(p) for p in (private.parent, private)}
+    run_ckpt("convert", tmp_path / "plain.pt", tmp_path / "d", "--force")
+    _assert_kept(tmp_path / "d", kept)
+    for path, old in before.items():
+        new = os.stat(path)
+        assert (new.st_uid, new.st_gid, new.st_mode, new.st_ino) == (
+            old.st_uid,
+            old.st_gid,
+            old.st_mode,
+            old.st_ino,
+        ), path
+    assert (private / "notes.txt").read_text() == "secret"
+
+
+def test_a_subfolder_that_can_be_neither_moved_nor_linked_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another user's subfolder, for one: its '..' is not ours to change, nor its files to link.
+    _plain(tmp_path / "plain.pt")
+    kept = _user_folder(tmp_path / "d", tmp_path / "plain.pt")
+    real_rename, real_link = os.rename, os.link
+
+    def rename(src: object, dst: object) -> None:
+        if str(src) == str(tmp_path / "d" / "tokenizer"):
+            raise PermissionError(13, "Permission denied")
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    def link(src: object, dst: object, **kwargs: object) -> None:
+        if "tokenizer" in str(src):
+            raise PermissionError(1, "Operation not permitted")
+        real_link(src, dst, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf_folder.os, "rename", rename)
+    monkeypatch.setattr(hf_folder.os, "link", link)
+    named = r"cannot keep '.*tokenizer' in the new folder: it cannot be moved, nor '.*vocab\.txt'"
+    with pytest.raises(OutputError, match=named + r" linked \(Operation not permitted\); move"):
+        convert(tmp_path / "plain.pt", tmp_path / "d", max_shard_size="1KB", force=True)
+    for name, data in kept.items():
+        assert (tmp_path / "d" / name).read_bytes() == data, name
+    assert (tmp_path / "d" / "pytorch_model.bin").read_bytes() == b"old bin"
+    assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]

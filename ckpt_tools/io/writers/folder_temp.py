@@ -65,17 +65,27 @@ _RENAME_EXCHANGE = 2
 _STEP = 0.05
 
 
-def remove_temp_folder(entry: Path) -> None:
+def remove_temp_folder(entry: Path, kept: Callable[[str], bool] = lambda name: False) -> None:
     """Remove a killed run's temp folder; a symlink (left by older versions, which renamed a
-    symlinked target aside) is unlinked, never followed. A replaced folder moved aside
-    (``-old``) whose name is still free was the output when the run died between its two
-    renames: it gets its name back instead."""
-    if entry.name.endswith("-old") and entry.is_dir() and not entry.is_symlink():
-        target = entry.parent / entry.name[1:].rpartition(_TEMP_MARK)[0]
-        if not os.path.lexists(target):
-            os.rename(entry, target)
-            return
-    if entry.is_dir() and not entry.is_symlink():
+    symlinked target aside) is unlinked, never followed.
+
+    A replaced folder moved aside (``-old``) whose name is still free was the output when the
+    run died between its two renames: it gets its name back instead. A temp folder may hold
+    entries the run had moved out of the folder it was to replace (``kept`` tells their
+    names): each that folder (named, or still aside) no longer has goes back into it first.
+    """
+    real = entry.is_dir() and not entry.is_symlink()
+    target = entry.parent / entry.name[1:].rpartition(_TEMP_MARK)[0]
+    if real and entry.name.endswith("-old") and not os.path.lexists(target):
+        os.rename(entry, target)
+        return
+    # Killed between its two renames, the replaced folder is still aside: they go back there.
+    home = target if target.is_dir() else entry.with_name(f"{entry.name}-old")
+    if real and not entry.name.endswith("-old") and home.is_dir():
+        for name in filter(kept, os.listdir(entry)):
+            if not os.path.lexists(home / name):
+                os.rename(entry / name, home / name)
+    if real:
         shutil.rmtree(entry, ignore_errors=True)
     else:
         entry.unlink()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import shutil
@@ -64,11 +65,16 @@ WEIGHT_FILES = re.compile(
 )
 
 
+def _kept(name: str) -> bool:
+    """Whether a new output keeps this entry of the folder it replaces: all but weight files."""
+    return not WEIGHT_FILES.match(name)
+
+
 def _kept_entries(target: Path) -> list[str]:
-    """The names in an existing ``target`` that a new output keeps: all but weight files."""
+    """The names in an existing ``target`` that a new output keeps."""
     if not target.is_dir():
         return []
-    return sorted(n for n in os.listdir(target) if not WEIGHT_FILES.match(n))
+    return sorted(filter(_kept, os.listdir(target)))
 
 
 def removed_files(dst: str, written: Sequence[str]) -> tuple[str, ...]:
@@ -98,29 +104,48 @@ def removed_files(dst: str, written: Sequence[str]) -> tuple[str, ...]:
     return tuple(os.path.join(dst, name) for name in old)
 
 
-def _link_into(src: Path, dst: Path) -> None:
-    """Make ``dst`` the same entry as ``src`` without moving it: a hard link of a file (or a
-    symlink), a tree of hard links for a folder. The original stays where it is until the
-    swap, so a crash before it loses nothing."""
-    if src.is_dir() and not src.is_symlink():
-        shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
-    else:
-        os.link(src, dst, follow_symlinks=False)
+def _carry(target: Path, tmp: Path, names: Sequence[str], moved: list[str]) -> None:
+    """Put ``names`` of ``target`` into ``tmp``: a folder by rename (it keeps its owner, mode
+    and inode), a file or symlink by a hard link (the original stays until the swap), each by
+    the other where its own way fails.
 
-
-def _carry(target: Path, tmp: Path, names: Sequence[str]) -> list[str]:
-    """Put ``names`` of ``target`` into ``tmp``, by hard links where the file system has
-    them, else by rename. Returns the names renamed (to be put back if the swap fails)."""
-    moved: list[str] = []
+    Every name is added to ``moved``, which the caller owns, before it is renamed: an error
+    or a signal part way through still leaves the list of what to put back
+    (:func:`_discard` puts back only what is in ``tmp`` and no longer in ``target``).
+    """
     for name in names:
+        src, dst = target / name, tmp / name
+        if src.is_dir() and not src.is_symlink():
+            try:
+                moved.append(name)
+                os.rename(src, dst)
+                continue
+            except OSError:  # not ours to move (its '..' not writable): a tree of links
+                _link_tree(src, dst)
+                continue
         try:
-            _link_into(target / name, tmp / name)
+            os.link(src, dst, follow_symlinks=False)
         except OSError:
-            if (tmp / name).is_dir():
-                shutil.rmtree(tmp / name, ignore_errors=True)
-            os.rename(target / name, tmp / name)
             moved.append(name)
-    return moved
+            os.rename(src, dst)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``src`` rebuilt at ``dst`` as folders of hard links to its files.
+
+    Raises:
+        OutputError: a file of it cannot be linked (another user's), named.
+    """
+    try:
+        shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+    except shutil.Error as e:
+        name, _, why = e.args[0][0]
+        why = re.sub(r"^\[Errno \d+\] ([^:]*)(:.*)?$", r"\1", why)  # the reason, not paths
+        raise OutputError(
+            f"cannot keep {str(src)!r} in the new folder: it cannot be moved, nor {name!r} "
+            f"linked ({why}); move it out of the folder, or write another one",
+            path=str(src),
+        ) from e
 
 
 @contextlib.contextmanager
@@ -137,10 +162,12 @@ def _published_folder(
     An existing ``target`` (checked by
     :func:`~ckpt_tools.io.output_path.check_output_folder`) keeps everything but its weight
     files: once the new files are complete, the kept entries are carried into the temp folder
-    (hard links, else renames), which takes the old folder's mode, owner and group
+    (folders renamed, files hard-linked; see :func:`_carry`), which takes the old folder's
+    mode, owner and group
     (:mod:`~ckpt_tools.io.writers.folder_temp`); the old folder is moved aside, the temp
     folder takes its name, and the old one (its weight files) is removed. On any error the
-    renamed entries go back and the temp folder goes.
+    renamed entries go back and the temp folder goes; after a kill, the next folder write
+    beside it puts them back (:func:`~ckpt_tools.io.writers.folder_temp.remove_temp_folder`).
 
     SIGTERM and SIGHUP raise :class:`~ckpt_tools.io.interrupts.Interrupted` in the main
     thread for the whole write (worker threads cannot), and are held during the swap.
@@ -152,7 +179,7 @@ def _published_folder(
     durable = durable or replaced
     parent = target.parent
     check_writable(target, target)
-    remove_orphans(parent, TEMP_FOLDER, remove_temp_folder)
+    remove_orphans(parent, TEMP_FOLDER, functools.partial(remove_temp_folder, kept=_kept))
     tag = f"{os.getpid()}-{os.urandom(4).hex()}"  # as atomic.py names its temp files
     tmp = temp_folder(target, tag)
     with signals_raise() as release:
@@ -169,14 +196,14 @@ def _published_folder(
             except Interrupted as e:  # a shard named in the temp folder is no output
                 raise Interrupted(e.signum) from None
             if replaced:
-                moved = _carry(target, tmp, _kept_entries(target))
+                _carry(target, tmp, _kept_entries(target), moved)
             take_over(tmp, old)
             if durable:
                 fsync_folder(tmp)
             finish = (lambda: fsync_folder(parent)) if durable else (lambda: None)
             with naming(str(target), finish):  # both renames, or neither
                 _swap(target, tmp, temp_folder(target, tag, aside=True), replaced)
-                moved = []
+                moved.clear()
             if durable:
                 fsync_folder(parent)
         except OSError as e:
@@ -195,8 +222,9 @@ def _discard(tmp: Path, target: Path, moved: Sequence[str]) -> None:
     go back first. A second signal waits until this is done."""
     with signals_raise():
         for name in moved:
-            with contextlib.suppress(OSError):
-                os.rename(tmp / name, target / name)
+            if os.path.lexists(tmp / name) and not os.path.lexists(target / name):
+                with contextlib.suppress(OSError):
+                    os.rename(tmp / name, target / name)
         with contextlib.suppress(OSError):  # it may have the old folder's mode by now
             os.chmod(tmp, 0o700)
         shutil.rmtree(tmp, ignore_errors=True)
