@@ -10,10 +10,20 @@ never holds the input nor loops, and an existing one is filled only with ``force
 from __future__ import annotations
 
 import errno
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-from ckpt_tools.errors import OutputError, OutputExistsError, Remedy, SameFileError, UsageError
+from ckpt_tools.errors import (
+    CheckpointError,
+    OutputError,
+    OutputExistsError,
+    Remedy,
+    SameFileError,
+    UsageError,
+)
 from ckpt_tools.io.input_files import shapes_reading
 
 __all__ = [
@@ -28,6 +38,28 @@ __all__ = [
 ]
 
 
+R = TypeVar("R")
+
+
+def _output_errors(check: Callable[..., R]) -> Callable[..., R]:
+    """A system error met while looking at the output path (a folder on it this process may
+    not search, a name too long) is an :class:`OutputError` naming it: the output is refused,
+    as when it cannot be written."""
+
+    @functools.wraps(check)
+    def checked(dst: str | os.PathLike[str], *args: object, **kwargs: object) -> R:
+        try:
+            return check(dst, *args, **kwargs)
+        except CheckpointError:
+            raise
+        except OSError as e:
+            raise OutputError(
+                f"cannot use the output path {os.fspath(dst)!r}: {e.strerror or e}", path=dst
+            ) from e
+
+    return checked
+
+
 def _same_file(a: Path, b: Path) -> bool:
     # samefile compares device and inode: it sees hard links and symlinks alike.
     try:
@@ -36,6 +68,7 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+@_output_errors
 def check_output_path(
     dst: str | os.PathLike[str],
     src: str | os.PathLike[str] | None = None,
@@ -169,6 +202,7 @@ FORCE_REPLACES = (
 _FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl", ".safetensors")
 
 
+@_output_errors
 def check_output_folder(
     dst: str | os.PathLike[str], src: str | os.PathLike[str] | None = None, force: bool = False
 ) -> Path:
@@ -252,6 +286,7 @@ def folder_exists_error(dst: str | os.PathLike[str]) -> OutputExistsError:
     return err
 
 
+@_output_errors
 def resolved_output(dst: str | os.PathLike[str]) -> Path:
     """``dst`` as an absolute path; a symlink at it resolved, as file outputs resolve theirs."""
     out = Path(os.path.abspath(dst))

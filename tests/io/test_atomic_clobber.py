@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_tools.errors import OutputExistsError, SameFileError
+from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
 from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.output_path import check_output_folder, check_output_path
 from ckpt_tools.io.writers.hf_folder import FolderFile, write_folder
@@ -81,6 +81,35 @@ def test_a_device_or_fifo_is_never_replaced_by_a_file(tmp_path: Path, kind: str)
         _, _, err = h.run_ckpt("strip-module", src, out, "--force", code=6)
         assert "is not a regular file" in err
     assert not stat.S_ISREG(dst.lstat().st_mode) and link.is_symlink()
+
+
+@pytest.mark.parametrize("folder", [False, True], ids=["file", "folder"])
+def test_an_output_path_the_system_refuses_to_look_at_is_an_output_error(
+    tmp_path: Path, folder: bool
+) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, src)
+    dst = tmp_path / ("a" * 300 + ("/" if folder else ".pt"))  # past any file system's NAME_MAX
+    _, _, err = h.run_ckpt("convert" if folder else "strip-module", src, dst, code=6)
+    assert "cannot use the output path" in err and "File name too long" in err
+    check = check_output_folder if folder else check_output_path
+    with pytest.raises(OutputError, match="File name too long"):
+        check(dst, src)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may search any folder")
+def test_an_output_in_a_folder_this_user_may_not_search_is_an_output_error(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, src)
+    (tmp_path / "closed").mkdir(mode=0)
+    try:
+        for command, dst in (("strip-module", "out.pt"), ("convert", "out/")):
+            _, _, err = h.run_ckpt(command, src, f"{tmp_path / 'closed'}/{dst}", code=6)
+            assert "Permission denied" in err
+    finally:
+        (tmp_path / "closed").chmod(0o700)
 
 
 @pytest.mark.parametrize("unnamed", [True, False])
