@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ _TEMP_NAME = re.compile(r"^\..*\.ckpt-tmp-(\d+)-[0-9a-f]+$")
 #: Tests only: seconds to sleep once the output is written, before it is named, so a test
 #: can SIGKILL a real ``ckpt`` at that point. Unset in normal use.
 PAUSE_ENV = "CKPT_TOOLS_TEST_PAUSE_BEFORE_RENAME"
+_UMASK_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -68,14 +70,29 @@ def _keep_mode_and_owner(fd: int, target: Path) -> None:
     try:
         st = target.stat()
     except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~_umask())
         return
     if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
         with contextlib.suppress(PermissionError):  # chown first: it clears set-id bits
             os.fchown(fd, st.st_uid, st.st_gid)
     os.fchmod(fd, st.st_mode & 0o7777)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it: setting it to read it back, as
+    ``os.umask`` must, would hand a moment's other umask to the files other threads (the
+    shards of a folder written by several) create meanwhile."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:  # no /proc (or no Umask line before Linux 4.7): one thread at a time
+        umask = os.umask(0o077)
+        os.umask(umask)
+    return umask
 
 
 def fsync_folder(folder: str | os.PathLike[str]) -> None:

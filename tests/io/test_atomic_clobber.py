@@ -167,3 +167,24 @@ def test_a_replaced_file_keeps_its_mode_owner_and_group(tmp_path: Path) -> None:
     st = dst.stat()
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (12345, 23456, 0o640)
     assert list(torch.load(dst, weights_only=True)) == ["w"]
+
+
+def test_a_new_file_takes_the_umask_without_the_umask_being_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Setting the umask to read it would hand the shards other threads create meanwhile a
+    # moment's other umask: it is read, never set.
+    import ckpt_tools.io.atomic as atomic
+
+    def umask(mask: int) -> int:
+        raise AssertionError("the process umask was changed")
+
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(atomic.os, "umask", umask)
+        with atomic_output(tmp_path / "new.bin") as out:
+            out.file.write(b"x")
+    finally:
+        monkeypatch.undo()  # (os is one module: the test's own umask call is patched too)
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.bin").stat().st_mode) == 0o640
