@@ -65,14 +65,15 @@ def merge_lora(
     """Merge a PEFT LoRA adapter into its base checkpoint, as PEFT's ``merge_and_unload`` does.
 
     ``W += transpose(B @ A) * scaling`` for Linear, GPT-2 ``Conv1D`` (``fan_in_fan_out``) and
-    Embedding targets (a convolution's kernels as the rows of A), in float32 and rounded once to the weight's dtype, in PEFT's order
-    (rsLoRA, ``rank_pattern`` and ``alpha_pattern`` as PEFT resolves them); DoRA rescales each
-    output row (an embedding's each column) by its magnitude over its norm; targets that share
-    one tied weight (an output head tied to the input embeddings, saved or left out of an HF
-    folder) are merged into it in turn, and the tie is kept; ``modules_to_save`` copies replace the
-    base's tensors, and so do the trained biases of ``bias="lora_only"`` or ``"all"`` (copied
-    in the base's dtype, as loading copies them; ``lora_bias`` then merges into the trained
-    bias). Every other tensor is copied bitwise. One merged tensor is in memory at a
+    Embedding targets (a convolution's kernels as the rows of A), in float32 and rounded once
+    to the weight's dtype, in PEFT's order (rsLoRA, ``rank_pattern`` and ``alpha_pattern`` as
+    PEFT resolves them); DoRA rescales each output row (an embedding's each column) by its
+    magnitude over its norm; targets that share one tied weight (an output head tied to the
+    input embeddings, saved or left out of an HF folder) are merged into it in turn, and the
+    tie is kept; ``modules_to_save`` copies replace the base's tensors, and so do the trained
+    biases of ``bias="lora_only"`` or ``"all"`` (copied in the base's dtype, as loading copies
+    them; ``lora_bias`` then merges into the trained bias). Every other tensor is copied
+    bitwise. One merged tensor is in memory at a
     time, and torch is never imported.
 
     Args:
