@@ -24,8 +24,9 @@ _HTTP_URL = re.compile(r"(https?://)([^/?#]*)([^?#]*)(?:\?([^#]*))?(?:#(.*))?", 
 _HOST_PORT = re.compile(r"(?:\[[^\]]*\]|[^\[\]:]+)(?::\d*)?")
 
 
-def refuse_url(path: StrPath) -> None:
-    """Refuse a URL given to a reader of local files, naming the commands that read URLs.
+def refuse_url(path: StrPath, *, output: bool = False) -> None:
+    """Refuse a URL given to a reader of local files, naming the commands that read URLs, or
+    (``output``) given as an output: every output is a local path.
 
     Every local reader passes here before it looks at the file system (:func:`detect_format`
     does), so each local-only command refuses a URL with the same words, never with "no such
@@ -48,6 +49,12 @@ def refuse_url(path: StrPath) -> None:
     if text.partition("://")[0].lower() not in _URL_SCHEMES or os.path.exists(text):
         return
     shown = shown_url(text)
+    if output:
+        raise UsageError(
+            f"output {shown!r} is a URL; outputs are written to local paths only",
+            path=shown,
+            remedies=(Remedy(text="write a local path, then upload it"),),
+        )
     raise UsageError(
         f"{shown!r} is a URL; inspect, scan, diff, extract and slim read URLs (only the "
         "bytes they need), other commands read local files",

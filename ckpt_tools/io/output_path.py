@@ -24,6 +24,7 @@ from ckpt_tools.errors import (
     SameFileError,
     UsageError,
 )
+from ckpt_tools.formats.urls import refuse_url
 from ckpt_tools.io.input_files import shapes_reading
 
 __all__ = [
@@ -89,6 +90,7 @@ def check_output_path(
         replaced).
 
     Raises:
+        UsageError: ``dst`` is a URL (outputs are local paths).
         SameFileError: ``dst`` is ``src`` and ``in_place`` is False, or a file the reader
             of a ``src`` folder reads (a shard, the index), whatever ``in_place``.
         OutputExistsError: ``dst`` exists and ``force`` is False.
@@ -98,6 +100,7 @@ def check_output_path(
             through (a new ``model.safetensors`` beside an index: refused unless ``force``),
             or it is or passes through a symlink loop.
     """
+    refuse_url(dst, output=True)
     if names_folder(dst):  # Path() drops a final '/' or '/.': a file would be named
         raise OutputError(
             f"output {os.fspath(dst)!r} names a folder (it ends with '/', '.' or '..'); "
@@ -225,13 +228,15 @@ def check_output_folder(
         OutputError: ``dst`` is a file, its parent folder does not exist, it is a folder
             this process could not write files into (replaced, it would be taken over), or
             it is or passes through a symlink loop.
-        UsageError: ``dst`` is not a folder yet and its name has a file's suffix (``out.pt``).
+        UsageError: ``dst`` is not a folder yet and its name has a file's suffix (``out.pt``),
+            or is a URL.
 
     Example:
         >>> check_output_folder("sharded")
         Traceback (most recent call last):
         ckpt_tools.errors.OutputExistsError: output 'sharded' already exists; ...
     """
+    refuse_url(dst, output=True)
     _refuse_loop(dst)
     out = resolved_output(dst)
     if src is not None:

@@ -157,6 +157,32 @@ def test_a_command_that_reads_local_files_refuses_a_url_by_name(
 
 
 @pytest.mark.parametrize(
+    "command",
+    [
+        ("extract", "{model}", "https://me:PASSW0RD@host.example/out.pt", "--prefix", "w"),
+        ("convert", "{model}", "s3://bucket/out.safetensors"),
+        ("slim", "{model}", "hf://org/repo/out.pt"),
+        ("convert", "{model}", "https://me:PASSW0RD@host.example/out/"),
+        ("strip-module", "{model}", "http://me:PASSW0RD@host.example/out.pt"),
+    ],
+    ids=lambda c: " ".join(c[:3:2]),
+)
+def test_a_url_given_as_the_output_is_refused_without_its_password(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...]
+) -> None:
+    """Outputs are local paths: a URL is refused by name, never written as the local path
+    'https:/me:PASSW0RD@host.example/...' it reads as, nor shown with its password."""
+    monkeypatch.chdir(tmp_path)
+    argv = [part.format(model=model) for part in command]
+    _, out, err = run_ckpt(*argv, code=EXIT_USAGE)
+    assert "is a URL; outputs are written to local paths only" in err, err
+    assert "PASSW0RD" not in out + err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+    with pytest.raises(UsageError, match="outputs are written to local paths only"):
+        ct.convert(model, "https://me:PASSW0RD@host.example/out.safetensors")
+
+
+@pytest.mark.parametrize(
     "read",
     [
         ct.open_checkpoint,
