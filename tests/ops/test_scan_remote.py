@@ -163,6 +163,29 @@ def test_a_folder_url_scans_the_weight_files_a_loader_takes(hub, tmp_path, corpu
     assert verdicts == {"model.safetensors": "clean", "pytorch_model.bin": "dangerous"}
 
 
+def test_a_folder_url_scans_the_file_its_config_names(hub, tmp_path, corpus) -> None:
+    """config.json's transformers_weights names the file from_pretrained loads, whatever
+    else the folder holds: it is scanned (a clean model.safetensors beside it says nothing of
+    it), and a name the folder does not hold is refused as inspect refuses it."""
+    entries, _ = corpus
+    evil = next(e.path for e in entries if e.path.name == "zip_reduce_p2.pt")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"transformers_weights": "adapter_model.bin"}))
+    hub.put("org/named", "model.safetensors", fixture_path("model.safetensors"))
+    hub.put("org/named", "adapter_model.bin", evil)
+    hub.put("org/named", "config.json", config)
+    _, out, _ = run_ckpt("scan", "--json", "hf://org/named", code=1)
+    verdicts = {Path(f["path"]).name: f["verdict"] for f in json.loads(out)["files"]}
+    assert verdicts == {"adapter_model.bin": "dangerous", "model.safetensors": "clean"}
+    config.write_text(json.dumps({"transformers_weights": "ema.safetensors"}))
+    hub.put("org/unheld", "model.safetensors", fixture_path("model.safetensors"))
+    hub.put("org/unheld", "config.json", config)
+    _, _, err = run_ckpt("scan", "hf://org/unheld", code=4)
+    assert "names transformers_weights 'ema.safetensors', which the folder does not hold" in err
+    _, _, inspected = run_ckpt("inspect", "hf://org/unheld", code=4)
+    assert inspected == err
+
+
 def test_verbose_counts_each_file_a_folder_url_leads_to_as_the_server_did(hub, tmp_path) -> None:
     """``scan -v`` of two folder URLs: each file's line counts its own requests and bytes,
     the first one (made by the folder's search) included; the total adds the misses."""

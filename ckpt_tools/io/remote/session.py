@@ -28,7 +28,7 @@ from ckpt_tools.io.remote.urls import (
     scheme,
 )
 
-__all__ = ["RemoteSession"]
+__all__ = ["RemoteSession", "explicit_missing"]
 
 
 class RemoteSession:
@@ -139,17 +139,13 @@ class RemoteSession:
             RemoteError: anything but a missing file (a refused token stops the search).
         """
         url = self.named(url)
-        explicit = self._explicit_weights(url)
+        explicit = self.explicit_weights(url)
         if explicit is not None:
             (candidate,) = folder_candidates(url, [explicit])
             try:
                 return explicit, self.open(candidate)
             except CheckpointNotFoundError as e:
-                raise UnsupportedFormatError(
-                    f"{url}: config.json names transformers_weights {explicit!r}, which the "
-                    "folder does not hold; from_pretrained loads that file and no other",
-                    path=url,
-                ) from e
+                raise explicit_missing(url, explicit) from e
         tried = []
         for candidate in folder_candidates(url):
             try:
@@ -161,8 +157,13 @@ class RemoteSession:
             f"{url}: no checkpoint in this folder (tried {', '.join(tried)})", path=url
         )
 
-    def _explicit_weights(self, url: str) -> str | None:
-        """The file the folder's config.json names in ``transformers_weights``, if any."""
+    def explicit_weights(self, url: str) -> str | None:
+        """The file the folder's config.json names in ``transformers_weights``, if any (one
+        request: config.json's whole).
+
+        Raises:
+            UnsupportedFormatError: ``from_pretrained`` refuses the name it gives.
+        """
         (config_url,) = folder_candidates(url, ["config.json"])
         try:
             config = self.open(config_url)
@@ -222,3 +223,18 @@ def _folder_query(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     folder = parts.path.rpartition("/")[0] + "/"
     return urlunsplit((parts.scheme, parts.netloc, folder, "", "")), parts.query
+
+
+def explicit_missing(url: str, explicit: str) -> UnsupportedFormatError:
+    """The refusal of a folder whose config.json names a ``transformers_weights`` file it does
+    not hold: ``from_pretrained`` loads that file and no other, so no other file stands in.
+
+    Example:
+        >>> str(explicit_missing("hf://org/repo", "ema.safetensors")).split(", which")[0]
+        "hf://org/repo: config.json names transformers_weights 'ema.safetensors'"
+    """
+    return UnsupportedFormatError(
+        f"{url}: config.json names transformers_weights {explicit!r}, which the folder does "
+        "not hold; from_pretrained loads that file and no other",
+        path=url,
+    )

@@ -29,7 +29,7 @@ from ckpt_tools.formats.zip.directory import read_zip_directory
 from ckpt_tools.formats.zip.records import check_inflates
 from ckpt_tools.io.remote.checkpoint import open_file
 from ckpt_tools.io.remote.rangefile import RemoteFile, TransferStats
-from ckpt_tools.io.remote.session import RemoteSession
+from ckpt_tools.io.remote.session import RemoteSession, explicit_missing
 from ckpt_tools.io.remote.urls import file_name, folder_candidates, is_folder_url, sibling
 
 __all__ = ["Found", "Remote", "open_remote", "refuse_local_only", "url_targets"]
@@ -80,7 +80,13 @@ def url_targets(url: str, session: RemoteSession) -> tuple[list[Found], list[str
     found: dict[str, Found] = {}  # by name
     indexes: list[str] = []
     stats = session.stats
-    for candidate in folder_candidates(url):
+    candidates = folder_candidates(url)
+    # from_pretrained loads the file config.json names, whatever else the folder holds.
+    explicit = session.explicit_weights(url)
+    if explicit is not None:
+        (named,) = folder_candidates(url, [explicit])
+        candidates += [named] if named not in candidates else []
+    for candidate in candidates:
         before = TransferStats(stats.requests, stats.bytes_received)
         file = _opened_or_none(candidate, session)
         if file is None:
@@ -94,6 +100,8 @@ def url_targets(url: str, session: RemoteSession) -> tuple[list[Found], list[str
                 stats.requests - before.requests, stats.bytes_received - before.bytes_received
             )
             found[file_name(candidate)] = Found(candidate, file, opened)
+    if explicit is not None and named not in indexes + [f.url for f in found.values()]:
+        raise explicit_missing(url, explicit)
     if not found and not indexes:
         _refuse_folder_format(url, session)
         tried = ", ".join(file_name(c) for c in folder_candidates(url))
