@@ -87,6 +87,34 @@ def test_a_token_as_the_user_name_is_sent_never_shown(hub: HubServer, model: Pat
     assert "SECRETTOKEN" not in out + err and "refused the credentials in the URL" in err
 
 
+def test_each_folders_userinfo_goes_to_its_own_files_only(
+    hub: HubServer, model: Path, tmp_path: Path
+) -> None:
+    """Two URLs of one host with two users: each folder's files (its shards, its search's
+    misses) are asked for with that folder's credentials, never the other user's."""
+    from huggingface_hub import save_torch_state_dict
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_torch_state_dict({f"w{i}": torch.ones(64) for i in range(4)}, sharded, max_shard_size=600)
+    for file in sorted(sharded.iterdir()):
+        url = hub.put_file(f"alice/{file.name}", file)
+    alice = url.rpartition("/")[0].replace("://", "://alice:pw-a@") + "/"
+    bob = hub.put_file("bob/model.pt", model).replace("://", "://bob:pw-b@")
+    run_ckpt("scan", alice, bob, code=0)
+    run_ckpt("scan", bob, alice, code=0)
+    users = ("alice:pw-a", "bob:pw-b")
+    basic = {who: "Basic " + base64.b64encode(who.encode()).decode() for who in users}
+    hits = hub.log.for_path()
+    assert {h.path.split("/")[-2] for h in hits} == {"alice", "bob"}
+    for hit in hits:
+        owner = "alice:pw-a" if "/alice/" in hit.path else "bob:pw-b"
+        assert hit.authorization == basic[owner], hit
+    with RemoteSession() as remote, pytest.raises(UsageError, match="two user names"):
+        remote.named(alice)
+        remote.named(alice.replace("pw-a", "pw-c") + "model.safetensors")
+
+
 def test_a_query_is_sent_and_shown_without_its_values(hub: HubServer, model: Path) -> None:
     """A presigned URL's signature, a ``token=``: the request carries them, the file's name
     (--json, messages) shows each value as ***."""

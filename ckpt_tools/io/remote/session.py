@@ -60,7 +60,9 @@ class RemoteSession:
         self.stats = TransferStats()
         self._http: Any = None
         self._s3: Any = None
-        self._userinfo: dict[str, str] = {}  # origin -> userinfo, from a URL given
+        # (origin, folder) -> userinfo, from a URL given: sent to the files in that folder
+        # (and below it), never to another folder of the host, which may be another user's.
+        self._userinfo: dict[tuple[str, str], str] = {}
         self._given: dict[str, str] = {}  # a URL as shown -> as given (its query's values)
         # (folder, query as shown) -> as given: a file beside a URL given is asked for with
         # that URL's query (its token), which reaches it shown, as its name was built.
@@ -69,20 +71,28 @@ class RemoteSession:
     def named(self, url: str) -> str:
         """``url`` as messages and reports show it (:func:`shown_url`: no userinfo, no query
         values), which this session opens as the URL given: it keeps the credentials and
-        sends the userinfo to that host (to a shard beside the file too).
+        sends the userinfo to that host, for the files in the URL's folder (a shard beside
+        the file) and below it; never to another folder of the host.
 
         Raises:
             UsageError: another URL given to this session is shown the same way (they differ
-                only in credentials or query values): its reads would be taken for this one's.
+                only in credentials or query values): its reads would be taken for this one's;
+                or another userinfo was given for the same folder.
 
         Example:
             >>> RemoteSession(timeout=5).named("https://me:secret@host.example/m.pt?sig=x")
             'https://***@host.example/m.pt?sig=***'
         """
         origin, userinfo = credentials(url)
-        if userinfo is not None:
-            self._userinfo[origin] = userinfo
         shown = shown_url(url)
+        if userinfo is not None:
+            where = (origin, _folder_path(shown))
+            if self._userinfo.setdefault(where, userinfo) != userinfo:
+                raise UsageError(
+                    f"{_folder_query(shown)[0]} is given with two user names or passwords "
+                    f"(shown as {HIDDEN}); read each in a command of its own",
+                    path=shown,
+                )
         if "?" in url:
             # A URL that does not parse is refused with its reason where it is opened.
             with suppress(ValueError):
@@ -184,11 +194,18 @@ class RemoteSession:
         url = self._given.get(url) or self._with_query(url)  # a URL as shown: as given
         headers = auth_headers(url, hf_token()) if at_hub(url) else {}
         origin, userinfo = credentials(url)
-        if userinfo is None and origin in self._userinfo:  # a URL named without its userinfo
-            url = with_userinfo(url, self._userinfo[origin])
+        given = self._folder_userinfo(origin, url) if userinfo is None else None
+        if given is not None:  # a URL named without its userinfo: a shard beside one given
+            url = with_userinfo(url, given)
         return HttpTransport(
             self._http, url, resolved=resolve(url), headers=headers, stats=self.stats
         )
+
+    def _folder_userinfo(self, origin: str, url: str) -> str | None:
+        """The userinfo given for the deepest folder of ``origin`` that holds ``url``."""
+        folder = _folder_path(url)
+        held = [f for o, f in self._userinfo if o == origin and folder.startswith(f)]
+        return self._userinfo[(origin, max(held, key=len))] if held else None
 
     def _with_query(self, url: str) -> str:
         """``url`` with the query given for its folder, where it carries that query shown."""
@@ -218,11 +235,15 @@ class RemoteSession:
         self.close()
 
 
+def _folder_path(url: str) -> str:
+    """The path of the folder ``url`` lies in (a folder URL's own), ending in ``/``."""
+    return urlsplit(url).path.rpartition("/")[0] + "/"
+
+
 def _folder_query(url: str) -> tuple[str, str]:
     """The folder ``url`` lies in, and its query: the files beside it share both."""
     parts = urlsplit(url)
-    folder = parts.path.rpartition("/")[0] + "/"
-    return urlunsplit((parts.scheme, parts.netloc, folder, "", "")), parts.query
+    return urlunsplit((parts.scheme, parts.netloc, _folder_path(url), "", "")), parts.query
 
 
 def explicit_missing(url: str, explicit: str) -> UnsupportedFormatError:
