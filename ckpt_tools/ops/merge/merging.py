@@ -124,9 +124,10 @@ def merge_lora(
     if folder:
         _check_folder_format(dst, output_format)
         target = check_output_folder(dst, base, force=force)
+        check_output_folder(dst, adapter, force=force)  # nor the adapter's folder, nor above
     else:
         target = check_output_path(dst, base, force=force, in_place=None)
-    _refuse_adapter_output(dst, adapter, folder)
+    _refuse_adapter_output(dst, adapter)
     lora = read_adapter(adapter, allow_globals)
     if not folder:  # nor may OUT be the adapter's weight file
         check_output_path(dst, lora.weights, force=force, in_place=None)
@@ -360,11 +361,10 @@ def _kind(step: MergeStep) -> str:
     return kind + ("+dora" if t.magnitude is not None else "")
 
 
-def _refuse_adapter_output(dst: str, adapter: str, folder: bool) -> None:
+def _refuse_adapter_output(dst: str, adapter: str) -> None:
     """Refuse an output that replaces a file of the adapter folder (its config too, which
-    ``force`` would otherwise replace) or, as a folder output, is that folder: it is an input.
-    A new file written into it is fine: PEFT reads only its own names there."""
+    ``force`` would otherwise replace): it is an input. A new file written into it is fine:
+    PEFT reads only its own names there."""
     out, inputs = resolved_output(dst), Path(adapter).resolve()
-    inside = inputs in out.parents and out.exists()
-    if inside or (folder and out == inputs):
+    if inputs in out.parents and out.exists():
         raise SameFileError(dst, offer_in_place=False, folder=adapter)

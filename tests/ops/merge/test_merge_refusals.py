@@ -157,7 +157,8 @@ def test_the_adapter_is_never_the_output(tiny: tuple[Path, Path]) -> None:
     # folder itself as a folder output.
     config = adapter / "adapter_config.json"
     run_ckpt("merge-lora", base, adapter, config, "--force", "--format", "torch", code=6)
-    run_ckpt("merge-lora", base, adapter, f"{adapter}/", "--force", code=6)
+    _, _, err = run_ckpt("merge-lora", base, adapter, f"{adapter}/", "--force", code=6)
+    assert f"output folder '{adapter}/' is the input or holds it ({str(adapter)!r})" in err
     assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
     # A new file written into it is fine: PEFT reads only its own names there.
     run_ckpt("merge-lora", base, adapter, adapter / "merged.pt", "-q")
