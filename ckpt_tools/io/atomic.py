@@ -15,12 +15,13 @@ owner PID is no longer running on this machine.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -33,9 +34,11 @@ __all__ = [
     "TEMP_SUFFIX",
     "AtomicFile",
     "atomic_output",
+    "fitted_name",
     "fsync_folder",
     "remove_orphans",
     "remove_stale_temps",
+    "stands_for",
 ]
 
 TEMP_SUFFIX = ".ckpt-tmp"
@@ -45,6 +48,9 @@ _TEMP_NAME = re.compile(r"^\..*\.ckpt-tmp-(\d+)-[0-9a-f]+$")
 #: can SIGKILL a real ``ckpt`` at that point. Unset in normal use.
 PAUSE_ENV = "CKPT_TOOLS_TEST_PAUSE_BEFORE_RENAME"
 _UMASK_LOCK = threading.Lock()
+#: The longest name a folder entry may have, in bytes (every Linux file system's NAME_MAX).
+NAME_MAX = 255
+_CUT = re.compile(rb"~[0-9a-f]{8}$")  # how fitted_name ends a name it cut
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,44 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
 
 
 def _temp_name(target: Path) -> Path:
-    return target.parent / f".{target.name}{TEMP_SUFFIX}-{os.getpid()}-{os.urandom(4).hex()}"
+    tail = f"{TEMP_SUFFIX}-{os.getpid()}-{os.urandom(4).hex()}"
+    return target.parent / f".{fitted_name(target.name, f'.{tail}')}{tail}"
+
+
+def fitted_name(name: str, beside: str) -> str:
+    """``name`` as the part of a temp name that ``beside`` completes: itself where the whole
+    fits in NAME_MAX (255 bytes), else cut to fit and ended with ``~`` and a digest of the
+    whole name, so a later run can tell which name it stood for (:func:`stands_for`).
+
+    Example:
+        >>> fitted_name("model.pt", ".ckpt-tmp-1-ab")
+        'model.pt'
+        >>> len(fitted_name("a" * 250, ".ckpt-tmp-1-ab").encode()) + 14
+        255
+    """
+    raw, room = os.fsencode(name), NAME_MAX - len(os.fsencode(beside))
+    if len(raw) <= room:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:8]
+    return os.fsdecode(raw[: room - 9]) + "~" + digest
+
+
+def stands_for(cut: str, beside: str, names: Sequence[str]) -> str | None:
+    """The name of ``names`` (a folder's) that :func:`fitted_name` gave as ``cut``: ``cut``
+    itself where it is one of them or no cut name; None where none of them was cut to it.
+
+    Example:
+        >>> stands_for("model.pt", ".x", [])
+        'model.pt'
+        >>> long = "a" * 250
+        >>> stands_for(fitted_name(long, ".ckpt-tmp-1-ab"), ".ckpt-tmp-1-ab", ["b", long]) == long
+        True
+    """
+    raw = os.fsencode(cut)
+    looks_cut = len(raw) == NAME_MAX - len(os.fsencode(beside)) and _CUT.search(raw)
+    if cut in names or not looks_cut:
+        return cut
+    return next((n for n in names if fitted_name(n, beside) == cut), None)
 
 
 def _pid_alive(pid: int) -> bool:

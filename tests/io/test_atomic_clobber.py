@@ -188,3 +188,21 @@ def test_a_new_file_takes_the_umask_without_the_umask_being_changed(
         monkeypatch.undo()  # (os is one module: the test's own umask call is patched too)
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "new.bin").stat().st_mode) == 0o640
+
+
+def test_a_name_near_the_file_systems_limit_is_replaced_and_written_as_a_folder(
+    tmp_path: Path,
+) -> None:
+    # A temp name adds its marker, PID and a random part to the output's name: cut where
+    # the whole would pass NAME_MAX (255 bytes), as cp and mkdir take such a name.
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, src)
+    name = "é" * 118  # 236 bytes
+    dst = tmp_path / f"{name}.pt"
+    h.run_ckpt("strip-module", src, dst)
+    h.run_ckpt("strip-module", src, dst, "--force")
+    h.run_ckpt("add-module", dst, dst, "--in-place")
+    assert list(torch.load(dst, weights_only=True)) == ["module.w"]
+    h.run_ckpt("convert", src, f"{tmp_path / name}/")
+    h.run_ckpt("convert", dst, f"{tmp_path / name}/", "--force")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in.pt", dst.name, name])

@@ -288,3 +288,35 @@ def test_a_subfolder_that_can_be_neither_moved_nor_linked_is_named(
         assert (tmp_path / "d" / name).read_bytes() == data, name
     assert (tmp_path / "d" / "pytorch_model.bin").read_bytes() == b"old bin"
     assert not [p for p in tmp_path.iterdir() if ".ckpt-tmp" in p.name]
+
+
+def test_a_killed_runs_folders_of_a_name_cut_to_fit_are_kept_or_given_back(
+    tmp_path: Path,
+) -> None:
+    # A name near NAME_MAX is cut in the temp folders' names. Where the output folder still
+    # has its name, what the killed run had carried goes back into it; where the name is gone
+    # (killed between two renames) it cannot be told from the cut one: the old folder stays
+    # aside, with everything carried put back into it, and nothing of the user's is removed.
+    from ckpt_tools.io.writers.folder_temp import temp_folder
+
+    _plain(tmp_path / "plain.pt")
+    named, gone = tmp_path / ("n" * 240), tmp_path / ("g" * 240)
+    named.mkdir()
+    unnamed = temp_folder(named, "4194304-ab12cd34")
+    for folder in (
+        unnamed,
+        temp_folder(gone, "4194304-cd34ab12"),
+        temp_folder(gone, "4194304-cd34ab12", aside=True),
+    ):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"weights")
+        assert len(folder.name.encode()) <= 255
+    (unnamed / "notes.txt").write_text("named")
+    (temp_folder(gone, "4194304-cd34ab12") / "notes.txt").write_text("gone")
+    convert(tmp_path / "plain.pt", tmp_path / "other", max_shard_size="1KB")
+    assert (named / "notes.txt").read_text() == "named"
+    aside = temp_folder(gone, "4194304-cd34ab12", aside=True)
+    assert (aside / "notes.txt").read_text() == "gone"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [named.name, aside.name, "other", "plain.pt"]
+    )

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ckpt_tools.io.atomic import fitted_name, stands_for
 from ckpt_tools.io.interrupts import signals_raise
 from ckpt_tools.io.writers.progress import ByteCounter
 
@@ -73,18 +74,29 @@ def remove_temp_folder(entry: Path, kept: Callable[[str], bool] = lambda name: F
     run died between its two renames: it gets its name back instead. A temp folder may hold
     entries the run had moved out of the folder it was to replace (``kept`` tells their
     names): each that folder (named, or still aside) no longer has goes back into it first.
+    Where the folder's name cannot be told (it was cut to fit, and is gone), a folder aside,
+    or one holding such entries, is left where it is: it is the user's.
     """
     real = entry.is_dir() and not entry.is_symlink()
-    target = entry.parent / entry.name[1:].rpartition(_TEMP_MARK)[0]
-    if real and entry.name.endswith("-old") and not os.path.lexists(target):
-        os.rename(entry, target)
-        return
-    # Killed between its two renames, the replaced folder is still aside: they go back there.
-    home = target if target.is_dir() else entry.with_name(f"{entry.name}-old")
-    if real and not entry.name.endswith("-old") and home.is_dir():
-        for name in filter(kept, os.listdir(entry)):
-            if not os.path.lexists(home / name):
-                os.rename(entry / name, home / name)
+    stem, _, rest = entry.name[1:].rpartition(_TEMP_MARK)
+    aside = rest.endswith("-old")
+    name = stands_for(stem, _completion(rest.removesuffix("-old")), os.listdir(entry.parent))
+    target = None if name is None else entry.parent / name
+    if real and aside:
+        if target is None:
+            return
+        if not os.path.lexists(target):
+            os.rename(entry, target)
+            return
+    if real and not aside:
+        # Killed between its two renames, the replaced folder is still aside: back there.
+        home = target if target is not None and target.is_dir() else Path(f"{entry}-old")
+        carried = list(filter(kept, os.listdir(entry)))
+        if carried and not home.is_dir():
+            return
+        for child in carried:
+            if not os.path.lexists(home / child):
+                os.rename(entry / child, home / child)
     if real:
         shutil.rmtree(entry, ignore_errors=True)
     else:
@@ -94,8 +106,15 @@ def remove_temp_folder(entry: Path, kept: Callable[[str], bool] = lambda name: F
 def temp_folder(target: Path, tag: str, *, aside: bool = False) -> Path:
     """The temp folder a run writes ``target`` in (``tag``: its PID and a random part), or
     with ``aside`` the name the folder it replaces is moved to; :data:`TEMP_FOLDER` matches
-    both."""
-    return target.parent / f".{target.name}{_TEMP_MARK}{tag}{'-old' if aside else ''}"
+    both. A name too long to take them both within NAME_MAX is cut alike in both
+    (:func:`~ckpt_tools.io.atomic.fitted_name`)."""
+    name = fitted_name(target.name, _completion(tag))
+    return target.parent / f".{name}{_TEMP_MARK}{tag}{'-old' if aside else ''}"
+
+
+def _completion(tag: str) -> str:
+    """What a temp folder's name adds to the output's, at its longest."""
+    return f".{_TEMP_MARK}{tag}-old"
 
 
 def exchange(a: Path, b: Path) -> bool:
