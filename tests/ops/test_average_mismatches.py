@@ -149,6 +149,31 @@ def test_average_takes_differing_non_tensor_entries_from_the_input_ints_names(
         out.unlink()
 
 
+def test_an_entry_taken_from_one_input_that_shares_an_averaged_storage_is_refused(
+    tmp_path: Path,
+) -> None:
+    # torch's {**first, "w": mean} keeps the first input's tensor under "extra", no longer
+    # tied to "w"; one storage cannot hold both, and writing the mean there is no one's value.
+    p, q = torch.zeros(3), torch.ones(3)
+    code, output, out = _average(
+        tmp_path, {"w": p, "extra": {"ref": p}}, {"w": q, "extra": {"ref": q}}, "--ints", "first"
+    )
+    assert code == 7, output
+    assert "extra (shares a storage with w, which is averaged)" in output, output
+    assert "clone()" in output and not out.exists()
+    # An entry of its own storage is taken as it was.
+    code, output, out = _average(
+        tmp_path,
+        {"w": p, "extra": {"ref": p.clone()}},
+        {"w": q, "extra": {"ref": q.clone()}},
+        "--ints",
+        "first",
+    )
+    assert code == 0, output
+    got = torch.load(out, weights_only=True)
+    assert torch.equal(got["extra"]["ref"], p) and torch.equal(got["w"], (p + q) / 2)
+
+
 def test_a_mean_of_a_negative_view_is_refused_with_the_fix_that_works(tmp_path: Path) -> None:
     # A torch output would not keep the bit through a mean: resolving the view is the fix.
     a, b = torch.tensor([1.0, 2.0])._neg_view(), torch.tensor([3.0, 4.0])._neg_view()

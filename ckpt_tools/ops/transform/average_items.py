@@ -151,7 +151,19 @@ class _Plan:
             else:
                 value = values[-1] if ints == "last" else value
                 self.notes.append(f"{key_text(key)} differs across inputs: the {ints} input's")
+                self._refuse_averaged_storages(key, value)
         self.items.append((orig, orig, value))
+
+    def _refuse_averaged_storages(self, key: Any, value: Any) -> None:
+        """An entry taken from one input whose tensor shares a storage with averaged keys: the
+        storage gets the mean, which is not the value the entry is taken for."""
+        for _, t in iter_listed_tensors(value):
+            shared = self.on_storage.get(id(t.storage)) if isinstance(t, TensorRef) else None
+            if shared and t.dtype in MEAN_DTYPES:
+                self.differ(
+                    "shares", key, f"shares a storage with {', '.join(shared)}, which is averaged"
+                )
+                return
 
     def computed(
         self, key: str, others: Sequence[TensorRef], make: Callable[..., Record]
@@ -244,6 +256,7 @@ def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
         "view bits": "tensors saved as a conjugate or negative view in some inputs only are not "
         "compared",
         "non-tensor": "non-tensor entries differ across inputs",
+        "shares": "entries taken from one input share a storage with averaged tensors",
     }
     parts = []
     for group, keys in differing.items():
@@ -265,6 +278,8 @@ def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
                 "or make them dense"
             )
         )
+    if "shares" in differing:
+        remedies.append(Remedy(text="save those entries as tensors of their own (.clone())"))
     if "view bits" in differing:
         remedies.append(Remedy(text="load them, call .resolve_neg().resolve_conj() and save that"))
     raise ConversionError("; ".join(parts), remedies=tuple(remedies))
