@@ -115,6 +115,25 @@ def test_slim_keeps_a_storage_a_tensor_outside_the_state_dict_shares(
     ]
 
 
+def test_slim_to_safetensors_casts_a_storage_shared_only_with_what_it_leaves_out(
+    tmp_path: Path,
+) -> None:
+    # The EMA copy that shares the weight's storage is not written to safetensors: nothing
+    # keeps the weight from its cast.
+    torch.manual_seed(0)
+    p = torch.randn(4, 4)
+    torch.save(
+        {"state_dict": {"w": p, "b": torch.randn(4)}, "ema_w": p, "epoch": 3}, tmp_path / "in.pt"
+    )
+    result = ct.slim(
+        tmp_path / "in.pt", tmp_path / "out.safetensors", dtype="bf16", drop_extras=True
+    )
+    got = load_file(tmp_path / "out.safetensors")
+    assert {k: v.dtype for k, v in got.items()} == {"w": torch.bfloat16, "b": torch.bfloat16}
+    assert torch.equal(got["w"], p.bfloat16())
+    assert not [n for n in result.notes if "outside the state dict shares it" in n]
+
+
 def test_slim_drop_and_keep_dtype_leave_the_rest_bit_for_bit(tmp_path: Path) -> None:
     src = FIXTURES / "trainer_adam.pt"
     result = ct.slim(

@@ -100,7 +100,10 @@ def plan_state_dict_output(
     tree = out_sd if weights_only else replace_at(root_out, selection.path, out_sd)
     overrides = overrides or {}
     notes = list(notes)
-    outside = set() if weights_only or cast_to is None else kept_outside(root_out, selection.path)
+    # A tensor outside the state dict that shares a storage keeps it uncast; a safetensors
+    # output holds none of them (left out with drop_extras, else refused).
+    alone = weights_only or cast_to is None or fmt == "safetensors"
+    outside = set() if alone else kept_outside(root_out, selection.path)
     views = storage_views(tree)  # a sparse or nested tensor's parts too
     targets = cast_targets(views, items, cast_to, keep, notes, outside)
     records, out_storage = _storage_records(ckpt, views, targets, cast_to, overrides)
