@@ -69,3 +69,28 @@ def test_equal_integer_tensors_are_read_once_per_input(tmp_path: Path) -> None:
     read = _bytes_read() - before
     assert [r.action for r in result.rows] == ["copy (equal)", "mean of 5"]
     assert 5 * ids.nbytes <= read < 6 * ids.nbytes  # the first input's is not hashed 4 times
+
+
+def test_rezipped_inputs_are_averaged_their_integer_tensors_compared_inflated(
+    tmp_path: Path,
+) -> None:
+    # Deflated records (a re-zipping tool; torch reads them): the means inflate them, and so
+    # must the comparison of the step counters each input has to hold the same.
+    import zipfile
+
+    paths = []
+    for i in range(2):
+        plain, src = tmp_path / f"plain{i}.pt", tmp_path / f"deflated{i}.pt"
+        sd = {"w": torch.full((3, 2), float(i)), "steps": torch.tensor(7)}
+        sd["view"] = sd["w"].t()  # a strided view of a compressed storage
+        torch.save(sd, plain)
+        with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
+            for info in zin.infolist():
+                zout.writestr(info.filename, zin.read(info.filename))
+        paths.append(src)
+    ct.average(paths, tmp_path / "avg.pt")
+    got = torch.load(tmp_path / "avg.pt", weights_only=True)
+    assert torch.equal(got["w"], torch.full((3, 2), 0.5)) and torch.equal(
+        got["steps"], torch.tensor(7)
+    )
+    assert torch.equal(got["view"], got["w"].t())

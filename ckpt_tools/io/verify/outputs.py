@@ -10,7 +10,7 @@ from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.ranges import SourceEndedError, fd_pread, pread_chunks
-from ckpt_tools.io.tensor_bytes import iter_row_major
+from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
 from ckpt_tools.io.verify.levels import VERIFY_LEVELS
 from ckpt_tools.structure.selection import select_state_dict
 from ckpt_tools.structure.tensor_walk import tensors_by_place
@@ -39,14 +39,27 @@ class Expected(NamedTuple):
 def tensor_digest(ckpt: Checkpoint, t: TensorRef) -> bytes:
     """A hash of the tensor's elements in row-major order: views compare by their content.
 
-    Of the stored bytes only: two tensors with one digest can still load as other values
-    where their view bits or quantizer parameters differ; a caller comparing values compares
-    those too (``average`` does).
+    Of the stored bytes only (a compressed record's inflated): two tensors with one digest
+    can still load as other values where their view bits or quantizer parameters differ; a
+    caller comparing values compares those too (``average`` does).
     """
     import hashlib  # only --verify full needs it; rewrites start faster without
 
-    span = ckpt.span(t.storage)
     h = hashlib.blake2b(digest_size=16)
+    record = ckpt.records.get(f"data/{t.storage.key}") if t.storage.view is None else None
+    if record is not None and record.compressed:
+        # A re-zipped archive (torch loads it): its storage inflated once into a scratch file.
+        import tempfile
+
+        with tempfile.TemporaryFile() as staged:
+            with decompressed(ckpt, f"data/{t.storage.key}") as chunks:
+                for chunk in chunks:
+                    staged.write(chunk)
+            staged.flush()
+            for piece in iter_row_major(staged.fileno(), 0, t):
+                h.update(piece)
+        return h.digest()
+    span = ckpt.span(t.storage)
     fd = os.open(span.path, os.O_RDONLY)
     try:
         for piece in iter_row_major(fd, span.offset, t):
