@@ -113,17 +113,19 @@ class PlannedFile:
 
 
 def planned_text(files: Sequence[PlannedFile], limit: int = _TENSORS_SHOWN) -> list[str]:
-    """Lines listing every planned file and its first ``limit`` tensors.
+    """Lines listing every planned file (its tensors and their bytes; an index file, its
+    size) and its first ``limit`` tensors.
 
     Example:
         >>> f = PlannedFile.of("m.pt", [PlannedTensor("fc.weight", "float32", (2, 3), 24)])
         >>> print("\\n".join(planned_text([f])))
-          m.pt  24 B, 1 tensors
+          m.pt  1 tensors, 24 B of tensor data
             fc.weight  float32  (2, 3)  24 B
     """
     lines = []
     for f in files:
-        lines.append(f"  {f.name}  {human_bytes(f.nbytes)}, {len(f.tensors)} tensors")
+        held = f"{len(f.tensors)} tensors, {human_bytes(f.nbytes)} of tensor data"
+        lines.append(f"  {f.name}  {held if f.tensors else human_bytes(f.nbytes)}")
         for t in f.tensors[:limit]:
             lines.append(f"    {t.key}  {t.dtype}  {tuple(t.shape)}  {human_bytes(t.nbytes)}")
         if len(f.tensors) > limit:
