@@ -94,3 +94,18 @@ def test_rezipped_inputs_are_averaged_their_integer_tensors_compared_inflated(
         got["steps"], torch.tensor(7)
     )
     assert torch.equal(got["view"], got["w"].t())
+
+
+def test_weights_given_as_a_numpy_array_are_checked_as_a_list(tmp_path: Path) -> None:
+    import numpy as np
+
+    paths = []
+    for i in range(2):
+        torch.save({"w": torch.ones(2) * i}, tmp_path / f"{i}.pt")
+        paths.append(tmp_path / f"{i}.pt")
+    with pytest.raises(ct.UsageError, match=r"weights=\[1\.0, -1\.0\]: the weights sum to 0"):
+        ct.average(paths, tmp_path / "avg.pt", weights=np.array([1.0, -1.0]))
+    ct.average(paths, tmp_path / "avg.pt", weights=np.array([1.0, 3.0]))
+    assert torch.equal(
+        torch.load(tmp_path / "avg.pt", weights_only=True)["w"], torch.full((2,), 0.75)
+    )

@@ -206,6 +206,14 @@ def test_extract_prefix(tmp_path: Path, name: str) -> None:
         ct.extract(FIXTURES / name, tmp_path / "y.pt", prefix="nothing.")
 
 
+def test_extract_names_a_bare_key_without_a_dot_when_no_key_lies_under_the_prefix(
+    tmp_path: Path,
+) -> None:
+    torch.save({"conv1.weight": torch.ones(2), "fc": torch.ones(2)}, tmp_path / "in.pt")
+    with pytest.raises(ct.UsageError, match=r"the keys start with conv1\., fc$"):
+        ct.extract(tmp_path / "in.pt", tmp_path / "out.pt", prefix="head.")
+
+
 def _inputs(tmp_path: Path) -> list[dict]:
     sds = []
     for i in range(3):

@@ -143,7 +143,8 @@ def _check_prefix(prefix: str, keys: Sequence[str], strip: bool, others: int = 0
             ),
         )
     if not any(_under(k, prefix) for k in keys):
-        heads = sorted({k.split(".")[0] + "." for k in keys})
+        # A bare key (fc) is named as it is: "fc." would keep nothing either.
+        heads = sorted({k.split(".")[0] + ("." if "." in k else "") for k in keys})
         found = (
             f"the keys start with {', '.join(heads[:10])}"
             if heads

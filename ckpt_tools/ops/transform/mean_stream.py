@@ -121,7 +121,7 @@ def checked_weights(weights: Sequence[float] | None, count: int) -> list[float]:
         raise UsageError(
             problem,
             argument="weights",
-            value=repr(list(weights or ())),
+            value=repr(w if weights is not None else []),  # (a numpy array has no truth)
             flag="--weights",
             remedies=(Remedy(text=fix),),
         )
