@@ -97,7 +97,7 @@ def test_plan_shards_follows_the_huggingface_hub_docstring_example() -> None:
     assert not single.is_sharded
 
 
-def test_hf_shared_names_keeps_the_sorted_first_complete_name(tmp_path: Path) -> None:
+def test_hf_shared_names_keeps_the_first_complete_name_in_key_order(tmp_path: Path) -> None:
     from ckpt_tools.formats import open_checkpoint
 
     base = torch.zeros(16)
@@ -106,8 +106,9 @@ def test_hf_shared_names_keeps_the_sorted_first_complete_name(tmp_path: Path) ->
         tmp_path / "t.pt",
     )
     root = open_checkpoint(tmp_path / "t.pt").root
-    # a.view is not complete; m.full sorts before z.full: kept, as _remove_duplicate_names does
-    assert hf_shared_names(root) == {"a.view": "m.full", "z.full": "m.full"}
+    # a.view is not complete; z.full comes before m.full: kept, as save_pretrained keeps the
+    # module that owns a tied weight (registered first) rather than those tied to it
+    assert hf_shared_names(root) == {"a.view": "z.full", "m.full": "z.full"}
     torch.save({"x": base[:8], "y": base[4:]}, tmp_path / "partial.pt")
     with pytest.raises(
         ConversionError,
@@ -125,10 +126,10 @@ def test_convert_pt_to_folder_shards_load_with_safetensors_and_match(tmp_path: P
     assert len(result.written) == len(list(out.iterdir()))
     union = _union(out)
     assert list(index["weight_map"]) == list(union) or set(index["weight_map"]) == set(union)
-    # huggingface_hub keeps the alphabetically first name: lm_head.weight, not the embedding
-    assert "model.embed_tokens.weight" not in union
-    assert index["metadata"]["model.embed_tokens.weight"] == "lm_head.weight"
-    assert set(union) == set(sd) - {"model.embed_tokens.weight"}
+    # the first name in key order is kept, the embedding, as save_pretrained keeps it
+    assert "lm_head.weight" not in union
+    assert index["metadata"]["lm_head.weight"] == "model.embed_tokens.weight"
+    assert set(union) == set(sd) - {"lm_head.weight"}
     for key, value in union.items():
         assert value.dtype == sd[key].dtype and torch.equal(value, sd[key]), key
     # the oversized tensor has a shard of its own
@@ -152,7 +153,7 @@ def test_round_trip_hf_to_pt_to_hf_is_bitwise(tmp_path: Path) -> None:
     single = convert(tmp_path / "hf", tmp_path / "one.safetensors")
     assert single.output_format == "safetensors"
     with safe_open(tmp_path / "one.safetensors", "pt") as f:  # alias notes carried, not total_size
-        assert f.metadata()["model.embed_tokens.weight"] == "lm_head.weight"
+        assert f.metadata()["lm_head.weight"] == "model.embed_tokens.weight"
         assert "total_size" not in f.metadata()
     convert(tmp_path / "back.pt", tmp_path / "hf2/", max_shard_size="2KB")
     index2 = json.loads((tmp_path / "hf2" / INDEX_NAME).read_text())
@@ -160,7 +161,7 @@ def test_round_trip_hf_to_pt_to_hf_is_bitwise(tmp_path: Path) -> None:
     assert index2["weight_map"] == index1["weight_map"]
     # the .pt kept the tied name over one storage, so the alias note is written again
     assert index2["metadata"] == index1["metadata"]
-    assert index2["metadata"]["model.embed_tokens.weight"] == "lm_head.weight"
+    assert index2["metadata"]["lm_head.weight"] == "model.embed_tokens.weight"
     for name in index1["weight_map"].values():
         a, b = load_file(tmp_path / "hf" / name), load_file(tmp_path / "hf2" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -177,8 +178,8 @@ def test_reshard_changes_shard_size_never_touches_the_input(tmp_path: Path) -> N
     with safe_open(tmp_path / "big" / "model.safetensors", "pt") as f:
         assert f.metadata() == {
             "format": "pt",
-            "model.embed_tokens.weight": "lm_head.weight",
-            "ckpt_tools.tied": '{"model.embed_tokens.weight":"lm_head.weight"}',
+            "lm_head.weight": "model.embed_tokens.weight",
+            "ckpt_tools.tied": '{"lm_head.weight":"model.embed_tokens.weight"}',
         }
     union = load_file(tmp_path / "big" / "model.safetensors")
     assert all(torch.equal(union[k], sd[k]) for k in union) and len(union) == len(sd) - 1

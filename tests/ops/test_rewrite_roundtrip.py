@@ -163,17 +163,17 @@ def test_convert_pt_to_safetensors_to_pt_is_bit_exact(tmp_path):
 
     to_st = convert(src, tmp_path / "zoo.safetensors", verify="full")
     assert to_st.output_format == "safetensors"
-    # tied: stored once, under the alphabetically first name, as safetensors' save_model keeps it
-    assert to_st.dropped == ("encoder.weight",)
+    # tied: stored once, under the first name in key order, as save_pretrained keeps it
+    assert to_st.dropped == ("decoder.weight",)
     meta = h.safetensors_metadata(tmp_path / "zoo.safetensors")
     assert meta == {
         "format": "pt",
-        "encoder.weight": "decoder.weight",
-        "ckpt_tools.tied": '{"encoder.weight":"decoder.weight"}',
+        "decoder.weight": "encoder.weight",
+        "ckpt_tools.tied": '{"decoder.weight":"encoder.weight"}',
     }
 
     st = load_file(str(tmp_path / "zoo.safetensors"))
-    kept = [k for k in original if k != "encoder.weight"]
+    kept = [k for k in original if k != "decoder.weight"]
     assert list(st) == kept
     for k in kept:
         h.assert_values_bitwise(original[k], st[k], k)
@@ -186,7 +186,7 @@ def test_convert_pt_to_safetensors_to_pt_is_bit_exact(tmp_path):
     assert back.output_format == "torch-zip" and zipfile.is_zipfile(tmp_path / "back.pt")
     for mmap in (False, True):
         pt = h.load(tmp_path / "back.pt", mmap=mmap)
-        assert list(pt) == [*kept, "encoder.weight"]  # the tied name is back, after the stored
+        assert list(pt) == [*kept, "decoder.weight"]  # the tied name is back, after the stored
         for k in kept:
             h.assert_values_bitwise(original[k], pt[k], k)
             assert pt[k].is_contiguous() and pt[k].storage_offset() == 0

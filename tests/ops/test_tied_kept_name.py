@@ -1,6 +1,7 @@
-"""Tied tensors written to safetensors keep the name safetensors' ``save_model`` keeps, in a
-single file (a rewrite's or a transform's) and in a folder alike, whatever order the keys
-come in."""
+"""Tied tensors written to safetensors keep the first of their names in key order, as
+transformers' ``save_pretrained`` keeps the embedding rather than the head tied to it, in a
+single file (a rewrite's or a transform's) and in a folder alike; safetensors' ``load_model``
+and transformers' base model classes load the result."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
@@ -33,44 +33,73 @@ def _stored(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("order", [("encoder", "decoder"), ("decoder", "encoder")])
-def test_the_kept_name_is_the_one_save_model_and_huggingface_hub_keep(
+def test_the_kept_name_is_the_first_in_key_order_and_load_model_takes_it(
     tmp_path: Path, order: tuple[str, str]
 ) -> None:
     model = _Tied(*order)
-    save_model(model, str(tmp_path / "oracle.safetensors"))
-    (tmp_path / "hub").mkdir()
-    save_torch_state_dict(model.state_dict(), tmp_path / "hub")
-    want = _stored(tmp_path / "oracle.safetensors")
-    assert want == _stored(tmp_path / "hub" / "model.safetensors") == ["decoder.weight"]
-
     src = tmp_path / "tied.pt"
     torch.save(model.state_dict(), src)
     single = ct.convert(src, tmp_path / "out.safetensors")
     folder = ct.convert(src, f"{tmp_path}/out-hf/")
     ct.slim(src, tmp_path / "slim.safetensors", dtype="bfloat16")  # a transform's plan
-    assert _stored(tmp_path / "out.safetensors") == want
-    assert _stored(tmp_path / "out-hf" / "model.safetensors") == want
-    assert _stored(tmp_path / "slim.safetensors") == want
-    assert single.dropped == folder.dropped == ("encoder.weight",)
+    first, second = (f"{name}.weight" for name in order)
+    for out in ("out.safetensors", "out-hf/model.safetensors", "slim.safetensors"):
+        assert _stored(tmp_path / out) == [first], out
+    assert single.dropped == folder.dropped == (second,)
     with safe_open(str(tmp_path / "out.safetensors"), "pt") as f:
         tied = json.loads(f.metadata()["ckpt_tools.tied"])
-    assert tied == {"encoder.weight": "decoder.weight"}
-    # and it reads back whole, both names over one storage
+    assert tied == {second: first}
+    # safetensors' own loader ties the other name back (strict: nothing missing)
+    assert load_model(_Tied(*order), str(tmp_path / "out.safetensors")) == (set(), [])
     back = ct.load_state_dict(tmp_path / "out.safetensors")
-    assert torch.equal(back["encoder.weight"], model.state_dict()[f"{order[0]}.weight"])
-    assert back["encoder.weight"].data_ptr() == back["decoder.weight"].data_ptr()
+    assert torch.equal(back[second], model.state_dict()[first])
+    assert back[first].data_ptr() == back[second].data_ptr()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
+def test_a_tied_model_keeps_the_names_save_pretrained_keeps_and_loads_as_its_base_model(
+    tmp_path: Path, name: str
+) -> None:
+    # The embedding, not the head tied to it: a base model class (AutoModel, a T5 encoder)
+    # loads no head, and a folder holding only the head would leave its embedding random.
+    transformers = pytest.importorskip("transformers")
+    from tests.helpers.lora import tiny_gpt2, tiny_llama
+
+    torch.manual_seed(0)
+    if name == "t5":
+        config = transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4
+        )
+        model = transformers.T5ForConditionalGeneration(config)
+        base_class = transformers.T5EncoderModel
+    else:
+        model = tiny_gpt2(1) if name == "gpt2" else tiny_llama(1, tie_word_embeddings=True)
+        base_class = transformers.AutoModel
+    model.save_pretrained(tmp_path / "oracle")
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    ct.convert(tmp_path / "sd.pt", f"{tmp_path}/ours/")
+    (tmp_path / "ours" / "config.json").write_bytes(
+        (tmp_path / "oracle" / "config.json").read_bytes()
+    )
+    assert _stored(tmp_path / "ours" / "model.safetensors") == _stored(
+        tmp_path / "oracle" / "model.safetensors"
+    )
+    loaded, info = base_class.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"], info
+    want = base_class.from_pretrained(tmp_path / "oracle").state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
 
 
 @pytest.mark.parametrize("rule", [("wte.", "emb."), ("lm_head.", "zz_head.")])
 def test_a_rename_that_changes_the_kept_name_writes_it(
     tmp_path: Path, rule: tuple[str, str]
 ) -> None:
-    # The stored name is the first in order; renamed, the other one may come first. The
-    # written file is read as safetensors' readers list it, sorted, not in the plan's order.
+    # The stored name is the first in key order, renamed as any other key. The written file
+    # is read as safetensors' readers list it, sorted, not in the plan's order.
     emb = torch.randn(10, 8)
     torch.save({"wte.weight": emb, "lm_head.weight": emb, "b": torch.randn(3)}, tmp_path / "t.pt")
     ct.convert(tmp_path / "t.pt", tmp_path / "tied.safetensors")
-    assert _stored(tmp_path / "tied.safetensors") == ["b", "lm_head.weight"]
+    assert _stored(tmp_path / "tied.safetensors") == ["b", "wte.weight"]
     out = tmp_path / "out.safetensors"
     ct.rename(tmp_path / "tied.safetensors", out, rules=[ct.sub_rule(*rule)])
     renamed = {k.replace(*rule): v for k, v in torch.load(tmp_path / "t.pt").items()}

@@ -272,9 +272,11 @@ def tied_names(named: Iterable[tuple[str, TensorRef]]) -> dict[str, str]:
     """Tied tensors, which a safetensors file stores once: ``{dropped name: kept name}``.
 
     Tensors that are the same view of one storage (offset, shape, stride and dtype) are tied;
-    each group keeps its alphabetically first name, as safetensors' ``save_model`` and
-    huggingface_hub keep it, whatever order the names come in. Tensors without elements are
-    never tied: they share no bytes, and safetensors keeps every name of them.
+    each group keeps its first name in the order given (key order), as transformers'
+    ``save_pretrained`` keeps the input embedding rather than the head tied to it (the module
+    that owns a weight is registered first); safetensors' ``load_model`` takes either. Tensors
+    without elements are never tied: they share no bytes, and safetensors keeps every name of
+    them.
 
     Args:
         named: (output name, tensor) pairs.
@@ -285,13 +287,12 @@ def tied_names(named: Iterable[tuple[str, TensorRef]]) -> dict[str, str]:
     Example:
         >>> from ckpt_tools.descriptors import StorageRef
         >>> t = TensorRef(StorageRef("0", "float32", 4, "cpu"), 0, (2, 2), (2, 1), "float32")
-        >>> tied_names([("lm_head.weight", t), ("embed.weight", t)])
+        >>> tied_names([("embed.weight", t), ("lm_head.weight", t)])
         {'lm_head.weight': 'embed.weight'}
     """
     pairs = [(name, t) for name, t in named if t.nbytes]
     first: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     for name, t in pairs:
-        identity = (id(t.storage), t.offset, t.shape, t.stride, t.dtype)
-        first[identity] = min(first.get(identity, name), name)
+        first.setdefault((id(t.storage), t.offset, t.shape, t.stride, t.dtype), name)
     kept = (first[(id(t.storage), t.offset, t.shape, t.stride, t.dtype)] for _, t in pairs)
     return {name: keep for (name, _), keep in zip(pairs, kept, strict=True) if keep != name}

@@ -1,7 +1,8 @@
 """Tied tensors in a Hugging Face folder: which names are stored and which are dropped.
 
 huggingface_hub stores memory-sharing tensors once (``_remove_duplicate_names``); this is
-its rule, on descriptors. Used by :mod:`ckpt_tools.ops.transform.reshard`.
+its grouping, on descriptors, with the name transformers keeps. Used by
+:mod:`ckpt_tools.ops.transform.reshard`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def _areas(names: Sequence[str], sd: Mapping[str, TensorRef]) -> list[set[str]]:
 def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
     """Which names of tied (memory-sharing) tensors to leave out, and the name each keeps.
 
-    huggingface_hub's rule (``_remove_duplicate_names``): tensors over one storage whose
-    bytes overlap form a group; the kept name is the alphabetically first of those that
-    cover the whole storage; the others are dropped, and the index maps kept names only.
+    Tensors over one storage whose bytes overlap form a group (huggingface_hub's
+    ``_remove_duplicate_names``); the kept name is the first in key order of those that cover
+    the whole storage, as transformers' ``save_pretrained`` keeps it (the input embedding, not
+    the head tied to it: the module that owns a weight is registered first); the others are
+    dropped, and the index maps kept names only.
 
     Args:
         sd: name -> tensor.
@@ -51,7 +54,7 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
         >>> from ckpt_tools.descriptors import StorageRef
         >>> s = StorageRef("0", "float32", 4, "cpu")
         >>> t = TensorRef(s, 0, (2, 2), (2, 1), "float32")
-        >>> hf_shared_names({"lm_head.weight": t, "embed.weight": t})
+        >>> hf_shared_names({"embed.weight": t, "lm_head.weight": t})
         {'lm_head.weight': 'embed.weight'}
     """
     by_storage: dict[int, list[str]] = {}
@@ -66,9 +69,12 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
         for group in _areas(names, sd):
             if len(group) < 2:
                 continue
-            complete = sorted(
-                n for n in group if sd[n].byte_offset == 0 and sd[n].nbytes == sd[n].storage.nbytes
-            )
+            # in key order: the module that owns the weight comes before those tied to it
+            complete = [
+                n
+                for n in names
+                if n in group and sd[n].byte_offset == 0 and sd[n].nbytes == sd[n].storage.nbytes
+            ]
             if not complete:
                 incomplete.append("{" + ", ".join(sorted(group)) + "}")
                 continue
