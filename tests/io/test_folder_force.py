@@ -320,3 +320,26 @@ def test_a_killed_runs_folders_of_a_name_cut_to_fit_are_kept_or_given_back(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [named.name, aside.name, "other", "plain.pt"]
     )
+
+
+def test_force_replaces_a_variants_weight_files_too(tmp_path: Path) -> None:
+    # transformers' save_pretrained(variant="fp16") names: left in place, from_pretrained(
+    # variant="fp16") would load the old weights from the folder that now holds new ones.
+    _plain(tmp_path / "plain.pt")
+    folder = tmp_path / "d"
+    folder.mkdir()
+    variants = [
+        "model.fp16.safetensors",
+        "model.fp16-00001-of-00002.safetensors",
+        "model.safetensors.index.fp16.json",
+        "pytorch_model.fp16.bin",
+        "pytorch_model.fp16-00001-of-00002.bin",
+        "pytorch_model.bin.index.fp16.json",
+    ]
+    kept = ["model_ema.safetensors", "model.fp16.safetensors.bak", "config.json"]
+    for name in variants + kept:
+        (folder / name).write_bytes(b"old")
+    plan = convert(tmp_path / "plain.pt", folder, force=True, dry_run=True)
+    assert sorted(Path(p).name for p in plan.removes) == sorted(variants)
+    convert(tmp_path / "plain.pt", folder, force=True)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*kept, "model.safetensors"])
