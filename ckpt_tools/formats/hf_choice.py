@@ -11,7 +11,7 @@ import json
 import os
 import posixpath
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ckpt_tools.errors import Remedy, UnsupportedFormatError, quote_foreign
@@ -84,7 +84,9 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         raise UnsupportedFormatError(
             f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
         )
-    if not found and not indexes and len(singles) != 1:
+    if not found and not indexes and len(singles) > 1:
+        _refuse_other_kinds(singles, folder, path)
+    if not found and not indexes and not singles:
         from ckpt_tools.formats.dcp.layout import refuse_without_metadata
 
         held = sorted(os.listdir(folder))  # listed once, for both refusals
@@ -97,6 +99,29 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         )
     names = found + indexes + singles
     return names[0], names[1:]
+
+
+def _refuse_other_kinds(singles: Sequence[str], folder: Path, path: str) -> None:
+    """Weight files of one kind (an adapter's, a diffusers model's) in both formats are read
+    as PEFT and diffusers read them, the ``.safetensors`` first (it comes first in
+    :data:`WEIGHT_FILES`); files of two kinds are refused, each named.
+
+    Raises:
+        UnsupportedFormatError: the files are of more than one kind.
+    """
+    if len({name.rpartition(".")[0] for name in singles}) == 1:
+        return
+    first = str(folder / singles[0])
+    raise UnsupportedFormatError(
+        f"{path!r} holds several weight files of different kinds ({', '.join(singles)}); "
+        "which one to read is not told by the folder",
+        path=path,
+        remedies=(
+            Remedy(
+                "path", repr(first), flag=shlex.quote(first), verb="open the one you mean, e.g."
+            ),
+        ),
+    )
 
 
 def _explicit_weights(folder: Path, path: str, present: Callable[[str], bool]) -> str | None:

@@ -188,3 +188,38 @@ def test_a_config_json_that_names_no_weights_or_is_no_json_changes_nothing(
         (folder / "config.json").write_text(text)
         got = ct.load_state_dict(folder)
         assert got.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in got.items())
+
+
+@pytest.mark.parametrize("stem", ["adapter_model", "diffusion_pytorch_model"])
+def test_a_safetensors_beside_its_bin_is_the_one_read_as_peft_and_diffusers_read_it(
+    stem: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Older Hub repos ship both; PEFT's load_peft_weights and diffusers prefer safetensors.
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "both"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, folder / f"{stem}.safetensors")
+    torch.save({"w": torch.zeros(2)}, folder / f"{stem}.bin")
+    if stem == "adapter_model":
+        peft = pytest.importorskip("peft")
+        theirs = peft.utils.load_peft_weights(str(folder))
+        assert torch.equal(theirs["w"], torch.ones(2))
+    with caplog.at_level(logging.WARNING, logger="ckpt_tools"):
+        ours = ct.load_state_dict(folder)
+    assert torch.equal(ours["w"], torch.ones(2))
+    notes = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].endswith(f"not read: {stem}.bin"), notes
+
+
+def test_weight_files_of_two_kinds_are_refused_as_several_not_as_none(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, folder / "adapter_model.safetensors")
+    save_file({"w": torch.ones(2)}, folder / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(ct.UnsupportedFormatError, match="holds several weight files") as err:
+        ct.load_state_dict(folder)
+    assert "without a checkpoint" not in str(err.value)
+    assert "diffusion_pytorch_model.safetensors" in err.value.render(for_cli=True)
