@@ -6,6 +6,7 @@ import errno
 import io
 import os
 import pickle
+import re
 import stat
 import struct
 from collections.abc import Callable
@@ -21,7 +22,14 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats.urls import refuse_url
 
-__all__ = ["FORMATS", "SHARD_INDEX_SUFFIX", "check_regular", "detect_bytes", "detect_format"]
+__all__ = [
+    "FORMATS",
+    "SHARD_INDEX_SUFFIX",
+    "check_regular",
+    "detect_bytes",
+    "detect_format",
+    "is_index_name",
+]
 
 FORMATS = (
     "torch-zip",
@@ -56,6 +64,22 @@ _UNPICKLE_ERRORS = (
 # A sharded checkpoint's index (``model.safetensors.index.json``) is JSON text; its suffix
 # tells it from other JSON, its first byte from a file that only borrowed the name.
 SHARD_INDEX_SUFFIX = ".index.json"
+# transformers' variant indexes (save_pretrained(variant="fp16")) put the variant before .json.
+_INDEX_NAME = re.compile(r"\.index(?:\.[^./]+)?\.json$")
+
+
+def is_index_name(name: str) -> bool:
+    """Whether a file name is a shard index's: ``X.index.json``, or a variant's
+    ``X.index.VARIANT.json`` (``model.safetensors.index.fp16.json``).
+
+    Example:
+        >>> [is_index_name(n) for n in ("model.safetensors.index.json",
+        ...  "model.safetensors.index.fp16.json", "index.json", "config.json")]
+        [True, True, False, False]
+    """
+    return _INDEX_NAME.search(name) is not None
+
+
 # Protocol-0/1 pickles start with one of these opcodes; torch never writes them, users might.
 _PICKLE_FIRST_OPCODES = frozenset(b"(}]lcdNIFLSVX")
 # ...and are read as pickles only under these names.
@@ -215,7 +239,7 @@ def _content_format(p: str, size: int, head: bytes, read_to: Callable[[int], byt
     if _first_pickle_is_legacy_magic(head, read_to):
         return "torch-legacy"
     name = os.path.basename(p)
-    if name.endswith(SHARD_INDEX_SUFFIX) and head.lstrip()[:1] == b"{":
+    if is_index_name(name) and head.lstrip()[:1] == b"{":
         return "hf-sharded"  # the index itself: it opens with the shards it names
     if _looks_like_safetensors(head, size):
         return "safetensors"

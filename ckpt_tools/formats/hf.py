@@ -28,7 +28,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource
-from ckpt_tools.formats.detect import check_regular
+from ckpt_tools.formats.detect import check_regular, is_index_name
 from ckpt_tools.formats.hf_choice import MAX_INDEX_BYTES, choose_weights
 from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
@@ -72,7 +72,7 @@ def open_folder(path: str) -> Checkpoint:
         msg = "%r: %s is read, as transformers' from_pretrained reads the folder; not read: %s"
         # Names read from the folder are escaped: a log line is text for people too.
         logger.warning(msg, path, shown(chosen), ", ".join(map(shown, others)))
-    if chosen.endswith(".index.json"):
+    if is_index_name(chosen):
         return open_index(str(folder / chosen))
     return open_checkpoint(shard_path(str(folder), chosen, path))
 
@@ -225,7 +225,7 @@ def files_read(folder: Path) -> set[str] | None:
     except UnsupportedFormatError:
         return None
     read = {"config.json", chosen}
-    if not chosen.endswith(".index.json"):
+    if not is_index_name(chosen):
         return read
     index = folder / chosen
     try:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ckpt_tools.errors import Remedy, UnsupportedFormatError, quote_foreign
+from ckpt_tools.formats.detect import is_index_name
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -70,8 +71,8 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
 
     explicit = _explicit_weights(folder, path, present)
     found = [n for n in TRANSFORMERS_ORDER if present(n)]
-    listed = {p.name for p in folder.glob("*.index.json")}
-    listed |= {adding} if adding is not None and adding.endswith(".index.json") else set()
+    listed = {p.name for p in folder.glob("*.index*.json") if is_index_name(p.name)}
+    listed |= {adding} if adding is not None and is_index_name(adding) else set()
     indexes = [n for n in sorted(listed) if n not in found and "/" not in n]
     singles = [n for n in WEIGHT_FILES if n not in found and present(n)]
     if explicit is not None:

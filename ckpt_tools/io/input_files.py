@@ -21,7 +21,7 @@ import os
 __all__ = ["shapes_reading"]
 
 _READ_BY_FORMAT = {
-    "hf-sharded": ("*.safetensors", "*.bin", "*.index.json"),
+    "hf-sharded": ("*.safetensors", "*.bin", "*.index.json", "*.index.*.json"),
     "dcp": (".metadata", "*.distcp"),
     "deepspeed": ("latest", "*_model_states.pt", "*_optim_states.pt"),
 }

@@ -223,3 +223,21 @@ def test_weight_files_of_two_kinds_are_refused_as_several_not_as_none(tmp_path: 
         ct.load_state_dict(folder)
     assert "without a checkpoint" not in str(err.value)
     assert "diffusion_pytorch_model.safetensors" in err.value.render(for_cli=True)
+
+
+def test_a_variants_sharded_folder_is_read_through_its_index(tmp_path: Path) -> None:
+    # save_pretrained(variant="fp16") names its index model.safetensors.index.fp16.json and
+    # its shards model.fp16-0000k-of-0000N.safetensors; from_pretrained(variant=) loads them.
+    model = _model(3).half()
+    model.save_pretrained(tmp_path / "v", variant="fp16", max_shard_size="2KB")
+    index = tmp_path / "v" / "model.safetensors.index.fp16.json"
+    assert index.is_file()
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "v", variant="fp16")
+    want = theirs.state_dict()
+    for source in (index, tmp_path / "v"):
+        ours = ct.load_state_dict(source)
+        stored = [k for k in want if k in ours]
+        assert stored and all(torch.equal(ours[k], want[k]) for k in stored), source
+    assert ct.inspect(tmp_path / "v").format == "hf-sharded"
+    ct.reshard(index, tmp_path / "one", max_shard_size="1GB")
+    assert (tmp_path / "one" / "model.safetensors").is_file()

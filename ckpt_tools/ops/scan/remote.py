@@ -24,7 +24,7 @@ from ckpt_tools.errors import (
     UnsupportedFormatError,
 )
 from ckpt_tools.formats.base import Checkpoint
-from ckpt_tools.formats.detect import SHARD_INDEX_SUFFIX
+from ckpt_tools.formats.detect import is_index_name
 from ckpt_tools.formats.zip.directory import read_zip_directory
 from ckpt_tools.formats.zip.records import check_inflates
 from ckpt_tools.io.remote.checkpoint import open_file
@@ -91,7 +91,7 @@ def url_targets(url: str, session: RemoteSession) -> tuple[list[Found], list[str
         file = _opened_or_none(candidate, session)
         if file is None:
             continue
-        if file_name(candidate).endswith(SHARD_INDEX_SUFFIX):
+        if is_index_name(file_name(candidate)):
             indexes.append(candidate)
             for name in _shard_names(candidate, file):
                 found.setdefault(name, Found(sibling(candidate, name)))
