@@ -163,3 +163,24 @@ def test_a_callers_own_global_ref_is_written_by_name(module: str) -> None:
     assert b"ctorch\nfloat32\n" in payload and b"_ckpt_global_" not in payload
     # Our own bytes of a known tree (no checkpoint's), so pickle itself may read them.
     assert pickle.loads(payload) == {"dtype": torch.float32, "other": torch.int8, "n": 1}
+
+
+def test_empty_bytes_read_from_protocol_4_are_written_as_weights_only_reads_them(
+    tmp_path: Path,
+) -> None:
+    # Protocol 2 writes b"" as bytes(), a global weights_only refuses (torch.save's own
+    # protocol-2 file of it does not load so); _codecs.encode("", "latin1") loads as b"".
+    src = tmp_path / "p4.pt"
+    value = {"w": torch.ones(2), "b": b"", "c": b"ab", "nested": [b"", (b"",)]}
+    torch.save(value, src, pickle_protocol=4)
+    ckpt = open_checkpoint(src)
+    reference = io.BytesIO()
+    Repickler(reference, 2, zip_storage_id()).dump(ckpt.root)
+    payload = dumps(ckpt.root, 2, zip_storage_id())
+    assert payload == reference.getvalue() and b"c__builtin__\nbytes\n" not in payload
+    ckpt_tools.convert(src, tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {k: v for k, v in got.items() if k != "w"} == {
+        k: v for k, v in value.items() if k != "w"
+    }
+    assert type(got["nested"][1]) is tuple and torch.equal(got["w"], value["w"])

@@ -6,6 +6,7 @@ device tags and nothing else. Globals are written by name and never imported.
 
 from __future__ import annotations
 
+import codecs
 import copyreg
 import io
 import os
@@ -47,6 +48,8 @@ __all__ = [
 #: and the only one whose opcodes ``torch.load(weights_only=True)`` reads (protocol 4 adds
 #: FRAME, MEMOIZE, SHORT_BINUNICODE and STACK_GLOBAL, which torch 2.13 rejects).
 TORCH_PICKLE_PROTOCOL = 2
+# What the C pickler writes for b"" at protocol 2; the pure-Python one is told otherwise.
+_BYTES_CALL = b"c__builtin__\nbytes\n"
 
 
 class _Reductions:
@@ -61,6 +64,11 @@ class _Reductions:
         return None
 
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is bytes and not obj:
+            # Protocol 2 writes b"" as bytes(), which weights_only refuses; "ab" is written
+            # as _codecs.encode("ab", "latin1"), which it takes. (The pure-Python pickler
+            # asks here for bytes; the C one does not: see dumps.)
+            return (codecs.encode, ("", "latin1"))
         if isinstance(obj, TensorRef):
             return (self._callable(obj.func), obj.args)
         if isinstance(obj, Reduced):
@@ -262,6 +270,8 @@ def dumps(obj: Any, protocol: int, storage_id: Callable[[StorageRef], tuple[Any,
         with gc_paused(), stack_room():
             _FastRepickler(buffer, storage_id, names).dump(obj)
         payload = names.swap(buffer.getvalue())
+        if _BYTES_CALL in payload:  # a b"" (read from protocol 3+) the C pickler wrote as bytes()
+            raise _Unbindable
     except _Unbindable:
         buffer = io.BytesIO()  # the pure-Python reference writes any GlobalRef by name
         with gc_paused(), stack_room():
