@@ -116,6 +116,19 @@ def sanitize_tree(root: Any, taken_keys: set[str]) -> SanitizedTree:
     return SanitizedTree(new_root, tuple(walker.converted), tuple(walker.dropped), walker.added)
 
 
+# The rebuilds that carry a tensor's Python attributes, as their fourth argument (a dict).
+_WITH_STATE = {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_parameter_with_state"}
+
+
+def _attributes(t: TensorRef) -> Mapping[Any, Any] | None:
+    """The attributes a tensor's rebuild sets (``t.note = ...``), or None where it sets none."""
+    func = t.func
+    named = f"{func.module}.{func.name}" if func is not None else ""
+    if named in _WITH_STATE and len(t.args) == 4 and isinstance(t.args[3], Mapping):
+        return t.args[3]
+    return None
+
+
 def _name(node: Any) -> str:
     return type(node).global_ref.qualname
 
@@ -219,6 +232,10 @@ class _Sanitizer:
             if not _hashable(new_key):
                 self.dropped.append(Change(where, "an entry whose key cannot be kept", "dropped"))
                 continue
+            if new_key in made:  # a converted key equal to another (a path, its string)
+                lost = "an entry whose key, made plain, equals another's"
+                self.dropped.append(Change(where, lost, "dropped"))
+                continue
             new_value = self.value(value, where)
             if new_value is not _DROP:
                 made[new_key] = new_value
@@ -234,14 +251,25 @@ class _Sanitizer:
         return self._converted(path, "frozenset", "set", made) if frozen else made
 
     def _tensor(self, t: TensorRef, path: str) -> Any:
-        names = module_globals(t.args) if t.func is not None else set()
-        if t.func is not None and not names:
-            return t
+        state = _attributes(t)
+        outside = module_globals(t.args[:3] if state is not None else t.args)
+        if t.func is not None and not outside:
+            # Its Python attributes (t.note = ...) are values like any other: made plain.
+            if state is None:
+                return t
+            before = (len(self.dropped), len(self.converted))
+            made = self.value(state, path)
+            changed = (len(self.dropped), len(self.converted)) != before
+            return replace(t, args=(*t.args[:3], made)) if changed else t
         # A tensor subclass or a hook (a global in the rebuild call), or one read without a
-        # pickle: written as the plain tensor torch.save makes.
+        # pickle: written as the plain tensor torch.save makes, without its attributes.
         plain = picklable_tensors({"t": replace(t, func=None, args=())})["t"]
         if t.func is None:
             return plain
+        for name in state or ():
+            lost = "an attribute of a tensor made plain"
+            self.dropped.append(Change(_at(path, name), lost, "dropped"))
+        names = module_globals(t.args)
         was = f"tensor whose rebuild names {', '.join(sorted(names))} (outside the allowlist)"
         return self._converted(path, was, "tensor", plain)
 

@@ -1,0 +1,100 @@
+"""``sanitize`` and what a tensor carries besides its values: Python attributes set on it
+(``t.note = ...``), made plain as any other value, never dropped silently; a tensor subclass
+among them; and dict keys that become equal once made plain.
+
+The oracle is ``torch.load``: ``weights_only=False`` on the input (the attributes as saved),
+``weights_only=True`` on the output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt_tools as ct
+from tests.helpers.cli import run_ckpt
+
+SUBCLASS = """
+import torch
+
+
+class Tagged(torch.Tensor):
+    pass
+"""
+
+
+@pytest.fixture
+def tagged(tmp_path: Path) -> Iterator[ModuleType]:
+    """A module with a tensor subclass, importable while the test saves, gone when it reads."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "tagged_tensors.py").write_text(SUBCLASS)
+    sys.path.insert(0, str(folder))
+    try:
+        yield importlib.import_module("tagged_tensors")
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("tagged_tensors", None)
+
+
+def test_a_tensors_attributes_are_kept_and_made_plain(tmp_path: Path) -> None:
+    w = torch.ones(2)
+    w.note, w.scale = "keep me", np.float32(2.0)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.mask = np.zeros(3)
+    torch.save({"w": w, "p": p}, tmp_path / "in.pt")
+    result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt", refuse_unsafe=True)
+    assert sorted(c.path for c in result.converted) == ["p.mask", "w.scale"]
+    assert not result.dropped_values
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["w"].__dict__ == {"note": "keep me", "scale": 2.0}
+    assert isinstance(out["p"], torch.nn.Parameter)
+    assert torch.equal(out["p"].mask, torch.zeros(3, dtype=torch.float64))
+
+
+def test_the_attributes_of_a_tensor_made_plain_are_listed_as_dropped(
+    tagged: ModuleType, tmp_path: Path
+) -> None:
+    t = torch.ones(2).as_subclass(tagged.Tagged)
+    t.note = "lost with its class"
+    torch.save({"w": t}, tmp_path / "in.pt")
+    _, _, err = run_ckpt("sanitize", tmp_path / "in.pt", tmp_path / "strict.pt", "--strict", code=3)
+    assert "w.note: an attribute of a tensor made plain -> dropped" in err
+    result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert [c.path for c in result.dropped_values] == ["w.note"]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert type(out["w"]) is torch.Tensor and torch.equal(out["w"], torch.ones(2))
+
+
+def test_a_tensor_subclass_held_in_an_attribute_is_made_plain(
+    tagged: ModuleType, tmp_path: Path
+) -> None:
+    w = torch.ones(2)
+    w.aux = torch.full((1,), 7.0).as_subclass(tagged.Tagged)
+    torch.save({"w": w}, tmp_path / "in.pt")
+    dry = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt", dry_run=True)
+    result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert [c.path for c in dry.converted] == [c.path for c in result.converted] == ["w.aux"]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert type(out["w"].aux) is torch.Tensor and torch.equal(out["w"].aux, torch.full((1,), 7.0))
+
+
+def test_keys_that_become_equal_when_made_plain_are_never_merged_silently(
+    tmp_path: Path,
+) -> None:
+    files = {pathlib.PurePosixPath("data/a.txt"): 10, "data/a.txt": 20}
+    torch.save({"w": torch.ones(1), "files": files}, tmp_path / "in.pt")
+    _, _, err = run_ckpt("sanitize", tmp_path / "in.pt", tmp_path / "strict.pt", "--strict", code=3)
+    assert "an entry whose key, made plain, equals another's" in err
+    result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert len(result.dropped_values) == 1
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["files"] == {"data/a.txt": 10}  # the first kept, the other listed
