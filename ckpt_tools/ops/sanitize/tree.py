@@ -122,11 +122,9 @@ _WITH_STATE = {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_par
 
 def _attributes(t: TensorRef) -> Mapping[Any, Any] | None:
     """The attributes a tensor's rebuild sets (``t.note = ...``), or None where it sets none."""
-    func = t.func
-    named = f"{func.module}.{func.name}" if func is not None else ""
-    if named in _WITH_STATE and len(t.args) == 4 and isinstance(t.args[3], Mapping):
-        return t.args[3]
-    return None
+    named = f"{t.func.module}.{t.func.name}" if t.func is not None else ""
+    with_state = named in _WITH_STATE and len(t.args) == 4 and isinstance(t.args[3], Mapping)
+    return t.args[3] if with_state else None
 
 
 def _name(node: Any) -> str:
