@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import importlib
 import io
 import os
 import pickletools
 import shutil
 import subprocess
+import sys
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -225,3 +229,18 @@ def tensor_from_span(ckpt: Checkpoint, tensor: TensorRef) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
     return flat.as_strided(tensor.shape, tensor.stride, tensor.offset)
+
+
+@contextlib.contextmanager
+def module_from_source(folder: Path, name: str, source: str) -> Iterator[ModuleType]:
+    """A module written into ``folder`` and imported: importable while a test saves objects of
+    its classes, gone (file left, not on the path, not imported) when the file is read, as a
+    training script's classes are."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(source)
+    sys.path.insert(0, str(folder))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop(name, None)

@@ -8,9 +8,7 @@ The oracle is ``torch.load``: ``weights_only=False`` on the input (the attribute
 
 from __future__ import annotations
 
-import importlib
 import pathlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +19,7 @@ import torch
 
 import ckpt_tools as ct
 from tests.helpers.cli import run_ckpt
+from tests.helpers.files import module_from_source
 
 SUBCLASS = """
 import torch
@@ -34,15 +33,8 @@ class Tagged(torch.Tensor):
 @pytest.fixture
 def tagged(tmp_path: Path) -> Iterator[ModuleType]:
     """A module with a tensor subclass, importable while the test saves, gone when it reads."""
-    folder = tmp_path / "src"
-    folder.mkdir()
-    (folder / "tagged_tensors.py").write_text(SUBCLASS)
-    sys.path.insert(0, str(folder))
-    try:
-        yield importlib.import_module("tagged_tensors")
-    finally:
-        sys.path.remove(str(folder))
-        sys.modules.pop("tagged_tensors", None)
+    with module_from_source(tmp_path / "src", "tagged_tensors", SUBCLASS) as module:
+        yield module
 
 
 def test_a_tensors_attributes_are_kept_and_made_plain(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ the deep source (so the refusal is ours, a rewrite's limit) and the sanitized ou
 from __future__ import annotations
 
 import collections
-import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import ckpt_tools as ct
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.pickle.limits import MAX_REWRITE_NESTING
 from tests.helpers.cli import run_ckpt
+from tests.helpers.files import module_from_source
 
 # A value node as OmegaConf pickles one: its __dict__ holds ``_metadata`` and ``_val``.
 NODES = """
@@ -38,15 +38,8 @@ class Node:
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[ModuleType]:
     """The module of the node class, importable while the test saves, gone when it reads."""
-    folder = tmp_path / "classes"
-    folder.mkdir()
-    (folder / "deep_nodes.py").write_text(NODES)
-    sys.path.insert(0, str(folder))
-    try:
-        yield importlib.import_module("deep_nodes")
-    finally:
-        sys.path.remove(str(folder))
-        sys.modules.pop("deep_nodes", None)
+    with module_from_source(tmp_path / "classes", "deep_nodes", NODES) as module:
+        yield module
 
 
 def _node_chain(nodes: ModuleType, links: int) -> Any:
