@@ -15,7 +15,6 @@ owner PID is no longer running on this machine.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import sys
@@ -142,6 +141,8 @@ def fitted_name(name: str, beside: str) -> str:
     raw, room = os.fsencode(name), NAME_MAX - len(os.fsencode(beside))
     if len(raw) <= room:
         return name
+    import hashlib  # only here: a rewrite starts faster without it
+
     digest = hashlib.sha256(raw).hexdigest()[:8]
     return os.fsdecode(raw[: room - 9]) + "~" + digest
 
