@@ -134,15 +134,19 @@ def _rename_first(reserved: bool) -> Remedy:
     ``reserved``: the name to change is ``__metadata__``, matched exactly; else the rule is
     the caller's to write.
     """
-    then = "to rename, which writes the .safetensors output under the new names"
+    # Said of any command that writes safetensors: the rule is rename's, not theirs.
+    verb, then = "run rename with", "(it writes the .safetensors output under the new names)"
     if reserved:
         return Remedy(
             "rules",
             "[regex_rule('^__metadata__$', 'NEW')]",
             "--regex '^__metadata__$=NEW'",
             text=then,
+            verb=verb,
         )
-    return Remedy("rules", "[regex_rule(PATTERN, 'NEW')]", "--regex PATTERN=NEW", text=then)
+    return Remedy(
+        "rules", "[regex_rule(PATTERN, 'NEW')]", "--regex PATTERN=NEW", text=then, verb=verb
+    )
 
 
 def _few(items: Sequence[str]) -> str:
