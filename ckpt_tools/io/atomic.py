@@ -16,40 +16,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from ckpt_tools.errors import CheckpointError, OutputError, OutputExistsError
 from ckpt_tools.io.interrupts import naming, signals_raise
+from ckpt_tools.io.temp_names import remove_stale_temps, temp_name
 
-__all__ = [
-    "PAUSE_ENV",
-    "TEMP_SUFFIX",
-    "AtomicFile",
-    "atomic_output",
-    "fitted_name",
-    "fsync_folder",
-    "remove_orphans",
-    "remove_stale_temps",
-    "stands_for",
-]
+__all__ = ["PAUSE_ENV", "AtomicFile", "atomic_output", "fsync_folder"]
 
-TEMP_SUFFIX = ".ckpt-tmp"
-# `.NAME.ckpt-tmp-PID-RANDOM`: the owner's PID, so a later run can tell a stale temp file.
-_TEMP_NAME = re.compile(r"^\..*\.ckpt-tmp-(\d+)-[0-9a-f]+$")
 #: Tests only: seconds to sleep once the output is written, before it is named, so a test
 #: can SIGKILL a real ``ckpt`` at that point. Unset in normal use.
 PAUSE_ENV = "CKPT_TOOLS_TEST_PAUSE_BEFORE_RENAME"
 _UMASK_LOCK = threading.Lock()
-#: The longest name a folder entry may have, in bytes (every Linux file system's NAME_MAX).
-NAME_MAX = 255
-_CUT = re.compile(rb"~[0-9a-f]{8}$")  # how fitted_name ends a name it cut
 
 
 @dataclass(frozen=True)
@@ -122,119 +106,6 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def _temp_name(target: Path) -> Path:
-    tail = f"{TEMP_SUFFIX}-{os.getpid()}-{os.urandom(4).hex()}"
-    return target.parent / f".{fitted_name(target.name, f'.{tail}')}{tail}"
-
-
-def fitted_name(name: str, beside: str) -> str:
-    """``name`` as the part of a temp name that ``beside`` completes: itself where the whole
-    fits in NAME_MAX (255 bytes), else cut to fit and ended with ``~`` and a digest of the
-    whole name, so a later run can tell which name it stood for (:func:`stands_for`).
-
-    Example:
-        >>> fitted_name("model.pt", ".ckpt-tmp-1-ab")
-        'model.pt'
-        >>> len(fitted_name("a" * 250, ".ckpt-tmp-1-ab").encode()) + 14
-        255
-    """
-    raw, room = os.fsencode(name), NAME_MAX - len(os.fsencode(beside))
-    if len(raw) <= room:
-        return name
-    import hashlib  # only here: a rewrite starts faster without it
-
-    digest = hashlib.sha256(raw).hexdigest()[:8]
-    return os.fsdecode(raw[: room - 9]) + "~" + digest
-
-
-def stands_for(cut: str, beside: str, names: Sequence[str]) -> str | None:
-    """The name of ``names`` (a folder's) that :func:`fitted_name` gave as ``cut``: ``cut``
-    itself where it is one of them or no cut name; None where none of them was cut to it.
-
-    Example:
-        >>> stands_for("model.pt", ".x", [])
-        'model.pt'
-        >>> long = "a" * 250
-        >>> stands_for(fitted_name(long, ".ckpt-tmp-1-ab"), ".ckpt-tmp-1-ab", ["b", long]) == long
-        True
-    """
-    raw = os.fsencode(cut)
-    looks_cut = len(raw) == NAME_MAX - len(os.fsencode(beside)) and _CUT.search(raw)
-    if cut in names or not looks_cut:
-        return cut
-    return next((n for n in names if fitted_name(n, beside) == cut), None)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # OverflowError: a PID no process can have
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-def remove_orphans(
-    folder: str | os.PathLike[str], pattern: re.Pattern[str], remove: Callable[[Path], None]
-) -> list[Path]:
-    """Remove what killed runs left in ``folder``: the entries whose name ``pattern`` matches
-    (its first group the owner's PID) and whose owner is not running.
-
-    A concurrent run's entries are kept. (On a folder shared between machines, a PID is only
-    meaningful on its own machine: such folders should be on a file system with
-    ``O_TMPFILE``, or written from one machine at a time.)
-
-    Args:
-        folder: the folder to clean.
-        pattern: names of the entries to consider, group 1 the owner's PID.
-        remove: removes one entry (a file's unlink, a folder's rmtree).
-
-    Returns:
-        The entries removed.
-
-    Example:
-        >>> import re, tempfile
-        >>> remove_orphans(tempfile.mkdtemp(), re.compile(r"^\\.x-(\\d+)$"), Path.unlink)
-        []
-    """
-    removed: list[Path] = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
-    for name in names:
-        match = pattern.match(name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        path = Path(folder) / name
-        # Gone already (another run removed it), or not ours to remove (another user's, in a
-        # shared sticky folder; a read-only file system): the write itself does not need it.
-        with contextlib.suppress(OSError):
-            remove(path)
-            removed.append(path)
-    return removed
-
-
-def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
-    """Remove temp files a killed ``ckpt`` left in ``folder`` (named ``.NAME.ckpt-tmp-PID-R``).
-
-    Only files whose owner PID is not running are removed (see :func:`remove_orphans`).
-
-    Args:
-        folder: the folder to clean.
-
-    Returns:
-        The files removed.
-
-    Example:
-        >>> import tempfile
-        >>> remove_stale_temps(tempfile.mkdtemp())
-        []
-    """
-    return remove_orphans(folder, _TEMP_NAME, Path.unlink)
-
-
 def _can_link_fds() -> bool:
     """Whether an unnamed file can be given a name: Linux ``linkat`` through /proc/self/fd."""
     return (
@@ -269,7 +140,7 @@ def _open_temp(target: Path, unnamed: bool) -> tuple[int, Path, bool]:
                 raise
         else:
             return fd, Path(f"/proc/self/fd/{fd}"), True
-    tmp = _temp_name(target)
+    tmp = temp_name(target)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     return fd, tmp, False
 
@@ -283,7 +154,7 @@ def _name_it(fd: int, tmp: Path, unnamed: bool, target: Path, replace: bool) -> 
     if unnamed:
         # A name of its own first (linkat cannot replace), then the atomic rename; only a
         # SIGKILL between the two leaves a named temp, which remove_stale_temps handles.
-        named = _temp_name(target)
+        named = temp_name(target)
         _link_fd(fd, named)
         tmp = named
     try:

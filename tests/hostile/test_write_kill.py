@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.io.atomic import PAUSE_ENV, atomic_output, remove_stale_temps
+from ckpt_tools.io.atomic import PAUSE_ENV, atomic_output
+from ckpt_tools.io.temp_names import remove_stale_temps
 from tests.helpers import has_file_open_in, listing
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))

@@ -26,9 +26,10 @@ from ckpt_tools.errors import (
     SameFileError,
 )
 from ckpt_tools.io import atomic
-from ckpt_tools.io.atomic import TEMP_SUFFIX, atomic_output
+from ckpt_tools.io.atomic import atomic_output
 from ckpt_tools.io.interrupts import Interrupted
 from ckpt_tools.io.output_path import check_output_path
+from ckpt_tools.io.temp_names import TEMP_SUFFIX
 from ckpt_tools.ops.rewrite.conversion import convert
 from tests import helpers as h
 

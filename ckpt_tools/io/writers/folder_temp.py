@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ckpt_tools.io.atomic import fitted_name, stands_for
 from ckpt_tools.io.interrupts import signals_raise
+from ckpt_tools.io.temp_names import fitted_name, stands_for
 from ckpt_tools.io.writers.progress import ByteCounter
 
 __all__ = [
@@ -107,7 +107,7 @@ def temp_folder(target: Path, tag: str, *, aside: bool = False) -> Path:
     """The temp folder a run writes ``target`` in (``tag``: its PID and a random part), or
     with ``aside`` the name the folder it replaces is moved to; :data:`TEMP_FOLDER` matches
     both. A name too long to take them both within NAME_MAX is cut alike in both
-    (:func:`~ckpt_tools.io.atomic.fitted_name`)."""
+    (:func:`~ckpt_tools.io.temp_names.fitted_name`)."""
     name = fitted_name(target.name, _completion(tag))
     return target.parent / f".{name}{_TEMP_MARK}{tag}{'-old' if aside else ''}"
 

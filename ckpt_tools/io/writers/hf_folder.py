@@ -24,9 +24,10 @@ from typing import NamedTuple
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import OutputError
-from ckpt_tools.io.atomic import AtomicFile, fsync_folder, remove_orphans
+from ckpt_tools.io.atomic import AtomicFile, fsync_folder
 from ckpt_tools.io.interrupts import Interrupted, naming, signals_raise
 from ckpt_tools.io.output_path import check_writable, folder_exists_error, resolved_output
+from ckpt_tools.io.temp_names import remove_orphans
 from ckpt_tools.io.writers.folder_temp import (
     TEMP_FOLDER,
     StopCounter,
