@@ -225,6 +225,21 @@ class TensorRef(Sealed):
         return data if isinstance(data, TensorRef) else None
 
     @property
+    def object_state(self) -> Any:
+        """The Python attributes its rebuild sets on the tensor (``t.note = ...``), as
+        ``torch._utils._set_obj_state`` takes them: a mapping, or a ``(dict, slots)`` pair;
+        None where the rebuild sets none.
+
+        Example:
+            >>> s = StorageRef("0", "float32", 2, "cpu")
+            >>> TensorRef(s, 0, (2,), (1,), "float32").object_state is None
+            True
+        """
+        name = self.func.name if self.func is not None else ""
+        with_state = ("_rebuild_from_type_v2", "_rebuild_parameter_with_state")
+        return self.args[3] if name in with_state and len(self.args) == 4 else None
+
+    @property
     def view_bits(self) -> frozenset[str]:
         """The view bits torch sets when it loads this tensor: ``conj``, ``neg``, or none.
 

@@ -47,7 +47,7 @@ from ckpt_tools.formats.pickle.standins import ConstantRef, DimRange, Reduced, T
 from ckpt_tools.loading.rebuilds import DEVICE_TENSOR, TENSOR_CALLS, dim_range
 from ckpt_tools.loading.storages import Restore, StorageBuilder
 from ckpt_tools.loading.tensor_io import torch_dtype
-from ckpt_tools.loading.unsafe import from_type, object_state, unsafe_entries
+from ckpt_tools.loading.unsafe import from_type, unsafe_entries
 
 __all__ = ["build_state_dict", "unsafe_entries"]
 
@@ -303,7 +303,7 @@ _MAPPINGS = (dict, OrderedDict, Counter)
 
 def _attribute_state(ref: TensorRef) -> Mapping[Any, Any]:
     """The attributes ``torch._utils._set_obj_state`` sets on ``ref``'s tensor, by name."""
-    state = object_state(ref)
+    state = ref.object_state
     if isinstance(state, tuple) and len(state) == 2:
         # (dict state, slots state), either may be None
         parts = [part for part in state if isinstance(part, Mapping)]

@@ -10,7 +10,7 @@ from typing import Any
 from ckpt_tools.descriptors import Opaque, TensorRef
 from ckpt_tools.formats.pickle.standins import Reduced
 
-__all__ = ["from_type", "object_state", "unsafe_entries"]
+__all__ = ["from_type", "unsafe_entries"]
 
 
 def _qualname(node: Any) -> str | None:
@@ -88,18 +88,3 @@ def from_type(ref: TensorRef) -> tuple[bool, Any, Any, Any]:
     if ref.func is None or ref.func.name != "_rebuild_from_type_v2" or len(ref.args) != 4:
         return False, None, None, None
     return True, ref.args[1], ref.args[2], ref.args[3]
-
-
-def object_state(ref: TensorRef) -> Any:
-    """The attribute state ``torch._utils._set_obj_state`` would set on ``ref``'s tensor.
-
-    Args:
-        ref: a tensor descriptor.
-
-    Returns:
-        The state as pickled (a mapping, or a ``(dict, slots)`` pair), or None.
-    """
-    name = ref.func.name if ref.func is not None else ""
-    if name in ("_rebuild_from_type_v2", "_rebuild_parameter_with_state") and len(ref.args) == 4:
-        return ref.args[3]
-    return None

@@ -116,17 +116,6 @@ def sanitize_tree(root: Any, taken_keys: set[str]) -> SanitizedTree:
     return SanitizedTree(new_root, tuple(walker.converted), tuple(walker.dropped), walker.added)
 
 
-# The rebuilds that carry a tensor's Python attributes, as their fourth argument (a dict).
-_WITH_STATE = {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_parameter_with_state"}
-
-
-def _attributes(t: TensorRef) -> Mapping[Any, Any] | None:
-    """The attributes a tensor's rebuild sets (``t.note = ...``), or None where it sets none."""
-    named = f"{t.func.module}.{t.func.name}" if t.func is not None else ""
-    with_state = named in _WITH_STATE and len(t.args) == 4 and isinstance(t.args[3], Mapping)
-    return t.args[3] if with_state else None
-
-
 def _name(node: Any) -> str:
     return type(node).global_ref.qualname
 
@@ -249,7 +238,8 @@ class _Sanitizer:
         return self._converted(path, "frozenset", "set", made) if frozen else made
 
     def _tensor(self, t: TensorRef, path: str) -> Any:
-        state = _attributes(t)
+        state = t.object_state
+        state = state if isinstance(state, Mapping) else None  # not a (dict, slots) pair
         outside = module_globals(t.args[:3] if state is not None else t.args)
         if t.func is not None and not outside:
             # Its Python attributes (t.note = ...) are values like any other: made plain.
