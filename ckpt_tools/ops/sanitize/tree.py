@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import collections
 import math
-import ntpath
-import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,6 +38,13 @@ from ckpt_tools.formats.pickle.standins import (
     TorchSize,
 )
 from ckpt_tools.io.writers.torchzip import picklable_tensors
+from ckpt_tools.ops.sanitize.kinds import (
+    FROZENSETS,
+    NAMESPACES,
+    enum_like,
+    hashable,
+    path_text,
+)
 from ckpt_tools.ops.sanitize.numpy_values import (
     NUMPY_FROMBUFFER,
     NUMPY_MODULES,
@@ -56,9 +61,6 @@ _EMPTY_BYTES = Reduced(GlobalRef("_codecs", "encode"), ("", "latin1"))
 
 __all__ = ["SanitizedTree", "sanitize_tree"]
 
-_PATHS = {"PosixPath": posixpath, "PurePosixPath": posixpath}
-_PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
-_NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _DROP = object()
 _LAYOUTS = tuple(MESH_LAYOUT_CLASSES.values())
@@ -216,7 +218,7 @@ class _Sanitizer:
             new_key = self.value(key, where)
             if new_key is _DROP:  # listed at ``where`` already, as what the key was
                 continue
-            if not _hashable(new_key):
+            if not hashable(new_key):
                 self.dropped.append(Change(where, "an entry whose key cannot be kept", "dropped"))
                 continue
             if new_key in made:  # a converted key equal to another (a path, its string)
@@ -230,10 +232,10 @@ class _Sanitizer:
     def _set(self, node: Iterable[Any], path: str, frozen: bool) -> Any:
         items = [self.value(v, path) for v in node]
         for v in items:
-            if v is not _DROP and not _hashable(v):  # a member converted to a dict or list
+            if v is not _DROP and not hashable(v):  # a member converted to a dict or list
                 was = f"a set member that became a {type(v).__name__}"
                 self.dropped.append(Change(path, was, "dropped"))
-        made = {v for v in items if v is not _DROP and _hashable(v)}
+        made = {v for v in items if v is not _DROP and hashable(v)}
         # torch.load(weights_only=True) builds sets (builtins.set) but no frozenset.
         return self._converted(path, "frozenset", "set", made) if frozen else made
 
@@ -294,27 +296,22 @@ class _Sanitizer:
         if state is not None and "_metadata" in state and ("_content" in state or "_val" in state):
             return self._omegaconf(node, state, path)
         # A namespace pickled by protocol 0 or 1 names its class in copyreg._reconstructor.
-        if (cls := module_class_name(node)) in _NAMESPACES and state is not None:
+        if (cls := module_class_name(node)) in NAMESPACES and state is not None:
             return self._converted(path, cls, "dict", self._as_dict(node, state.items(), path))
-        if name in _FROZENSETS and len(node.args) <= 1 and not node.has_state:
+        if name in FROZENSETS and len(node.args) <= 1 and not node.has_state:
             members = node.args[0] if node.args else ()
             if isinstance(members, (list, tuple)):  # protocol 2: frozenset(list)
                 return self._set(members, path, frozen=True)
         if name == "collections.defaultdict":
             made = self._as_dict(node, node.dictitems, path)
             return self._converted(path, name, "dict", made)
-        if (
-            module in ("pathlib", "pathlib._local")
-            and short in _PATHS
-            and all(isinstance(a, str) for a in node.args)
-        ):
-            text = _PATHS[short].join(*node.args) if node.args else "."
+        if (text := path_text(node, module, short)) is not None:
             return self._converted(path, name, "str", text)
         if empty_bytes(node):
             # Written as torch writes b"ab" (codecs.encode): the pickler would write b"" back
             # as the call of bytes that torch.load(weights_only=True) refuses.
             return self._converted(path, f"{name}()", "bytes", _EMPTY_BYTES)
-        if _enum_like(node, short) and not known_danger(name):
+        if enum_like(node, short) and not known_danger(name):
             return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
         return self._drop(node, path)
 
@@ -370,9 +367,6 @@ class _Sanitizer:
         return key
 
 
-_FROZENSETS = ("builtins.frozenset", "__builtin__.frozenset")
-
-
 def _moved(change: Change, first: str, path: str) -> Change:
     """``change``, found under ``first``, as it stands under ``path``."""
     rest = change.path[len(first) :]
@@ -383,27 +377,3 @@ def _moved(change: Change, first: str, path: str) -> Change:
 
 def _at(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _enum_like(node: Opaque, short: str) -> bool:
-    # An Enum member pickles as its class called with its value. Functions (``posix.system``)
-    # are named in lower case by convention: only a capitalised class called with one plain
-    # value, and nothing else recorded, is read as an enum member (and never one the scan's
-    # table knows as dangerous: subprocess.Popen("cmd") looks the same).
-    return (
-        not node.newobj
-        and len(node.args) == 1
-        and isinstance(node.args[0], (bool, int, float, str))
-        and short[:1].isupper()
-        and not node.has_state
-        and not node.listitems
-        and not node.dictitems
-    )

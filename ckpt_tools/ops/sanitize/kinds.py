@@ -1,0 +1,57 @@
+"""What an object read from a pickle is to ``sanitize``: a path, a namespace, a frozenset, an
+enum member; and whether a value made plain can still be a key."""
+
+from __future__ import annotations
+
+import ntpath
+import posixpath
+from typing import Any
+
+from ckpt_tools.descriptors import Opaque
+
+__all__ = ["FROZENSETS", "NAMESPACES", "enum_like", "hashable", "path_text"]
+
+NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
+FROZENSETS = ("builtins.frozenset", "__builtin__.frozenset")
+_PATHS = {"PosixPath": posixpath, "PurePosixPath": posixpath}
+_PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
+
+
+def path_text(node: Opaque, module: str, short: str) -> str | None:
+    """The string a pickled ``pathlib`` path stands for (its parts joined as its flavour
+    joins them), or None where ``node`` is no such path.
+
+    Example:
+        >>> from types import SimpleNamespace  # stands for the node: its args alone are read
+        >>> path_text(SimpleNamespace(args=("data", "a.txt")), "pathlib", "PurePosixPath")
+        'data/a.txt'
+    """
+    if module not in ("pathlib", "pathlib._local") or short not in _PATHS:
+        return None
+    if not all(isinstance(a, str) for a in node.args):
+        return None
+    return _PATHS[short].join(*node.args) if node.args else "."
+
+
+def hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def enum_like(node: Opaque, short: str) -> bool:
+    # An Enum member pickles as its class called with its value. Functions (``posix.system``)
+    # are named in lower case by convention: only a capitalised class called with one plain
+    # value, and nothing else recorded, is read as an enum member (and never one the scan's
+    # table knows as dangerous: subprocess.Popen("cmd") looks the same).
+    return (
+        not node.newobj
+        and len(node.args) == 1
+        and isinstance(node.args[0], (bool, int, float, str))
+        and short[:1].isupper()
+        and not node.has_state
+        and not node.listitems
+        and not node.dictitems
+    )
