@@ -11,6 +11,8 @@ as ``ckpt harness``, behind the same error boundary (message and exit code) as `
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 
 from ckpt_tools.cli.commands.harness import harness
@@ -35,4 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    # A rank ran gloo's (and DeepSpeed's) threads: the interpreter's own exit can abort on
+    # them (std::terminate, even after destroy_process_group), and torchrun would report
+    # SIGABRT instead of this status. Everything is written and closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

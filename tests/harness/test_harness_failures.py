@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,9 @@ def test_under_torchrun_the_rank_left_waiting_says_so_in_one_line(
     # Rank 0's own error, and rank 1, whose barrier broke, in a line of its own.
     assert f"{PROG}: error: Not a directory: {str(out)!r}" in lines
     lost = [line for line in lines if "rank 1 of 2 failed: lost the other ranks" in line]
-    assert len(lost) == 1 and "Connection closed by peer" in lost[0], proc.stderr
+    # gloo's words for a peer that went away: closed, or reset where data was still unread.
+    assert len(lost) == 1 and re.search(r"Connection (closed|reset) by peer", lost[0]), proc.stderr
+    # Rank 0 left with its own status, not a signal from an interpreter exit that aborted.
+    assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr
     # torchrun's own report follows, with torchrun's traceback; none of the ranks'.
     assert "ckpt_tools/harness/" not in proc.stderr and "ckpt_tools/cli/" not in proc.stderr
