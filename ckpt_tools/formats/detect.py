@@ -24,7 +24,6 @@ from ckpt_tools.formats.urls import refuse_url
 
 __all__ = [
     "FORMATS",
-    "SHARD_INDEX_SUFFIX",
     "check_regular",
     "detect_bytes",
     "detect_format",
@@ -63,7 +62,6 @@ _UNPICKLE_ERRORS = (
 )
 # A sharded checkpoint's index (``model.safetensors.index.json``) is JSON text; its suffix
 # tells it from other JSON, its first byte from a file that only borrowed the name.
-SHARD_INDEX_SUFFIX = ".index.json"
 # transformers' variant indexes (save_pretrained(variant="fp16")) put the variant before .json.
 _INDEX_NAME = re.compile(r"\.index(?:\.[^./]+)?\.json$")
 

@@ -73,8 +73,7 @@ def merge_lora(
     tie is kept; ``modules_to_save`` copies replace the base's tensors, and so do the trained
     biases of ``bias="lora_only"`` or ``"all"`` (copied in the base's dtype, as loading copies
     them; ``lora_bias`` then merges into the trained bias). Every other tensor is copied
-    bitwise. One merged tensor is in memory at a
-    time, and torch is never imported.
+    bitwise. One merged tensor is in memory at a time, and torch is never imported.
 
     Args:
         base: the base checkpoint: a ``.pt``, ``.safetensors`` or Hugging Face folder (sharded
