@@ -216,7 +216,8 @@ def rank_failure(
 
     In order of preference: a rank's own error (the lowest such rank), a rank killed by a
     signal, a rank's bug (a ``RuntimeError`` with its traceback), a rank that lost its
-    peers.
+    peers. A rank that wrote why it failed is told by that, whatever its exit: the
+    interpreter's own exit can still abort on gloo's threads (SIGABRT) after the summary.
 
     Args:
         folder: where the ranks wrote :func:`write_failure` summaries.
@@ -237,8 +238,11 @@ def rank_failure(
     by_kind = {kind: [s for s in summaries if s["kind"] == kind] for kind in ("error", "bug")}
     if by_kind["error"]:
         return _from_summary(by_kind["error"][0], world)
+    summarized = {s["rank"] for s in summaries}
     for rank, code in enumerate(exit_codes):
-        if code is not None and code < 0 and (code != -signal.SIGTERM or rank == first):
+        if rank in summarized or code is None or code >= 0:
+            continue
+        if code != -signal.SIGTERM or rank == first:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else "?"
             return RankFailedError(
                 f"was killed by signal {name} ({-code})",

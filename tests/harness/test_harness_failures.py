@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tools.harness.failures import PeerLostError, RankFailedError, rank_failure, write_failure
+
 ENTRY = [sys.executable, "-m", "ckpt_tools.harness", "train"]
 PROG = "python -m ckpt_tools.harness"
 
@@ -66,6 +68,28 @@ def test_a_failed_dcp_save_of_fsdp_is_one_line_with_the_rank_s_error(
     dcp = str(tmp_path / "dcp")
     assert proc.stderr == f"{PROG}: error: rank 0 of 2 failed: File exists: {dcp!r}\n"
     assert proc.returncode == 2
+
+
+def _raised(exc: Exception) -> Exception:
+    try:
+        raise exc
+    except Exception as e:  # with its traceback, as a rank has it
+        return e
+
+
+def test_a_rank_that_said_why_it_failed_is_told_by_that_whatever_its_exit(tmp_path: Path) -> None:
+    # The interpreter's exit can abort (SIGABRT) after the rank wrote its summary.
+    write_failure(tmp_path, 0, _raised(ValueError("a bug of the harness")))
+    bug = rank_failure(tmp_path, 2, [-signal.SIGABRT, -signal.SIGTERM], 0, "DDP")
+    assert type(bug) is RuntimeError and "ValueError: a bug of the harness" in str(bug)
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    write_failure(peers, 1, PeerLostError(1, 2, RuntimeError("Connection closed by peer")))
+    peer = rank_failure(peers, 2, [1, -signal.SIGABRT], 1, "DDP")
+    assert isinstance(peer, RankFailedError) and "lost the other ranks" in str(peer)
+    # A rank that wrote nothing is still told by its signal.
+    killed = rank_failure(peers, 2, [-signal.SIGKILL, -signal.SIGABRT], 1, "DDP")
+    assert isinstance(killed, RankFailedError) and killed.signal_name == "SIGKILL"
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
