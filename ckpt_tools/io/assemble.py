@@ -2,13 +2,15 @@
 
 A record is a list of pieces. A :class:`SpanPiece` is a byte range of a source file copied
 as it is (``copy_file_range``): a chunk that is a contiguous slice of the full tensor along
-dim 0 (FSDP's layout). An :class:`AssembledPiece` yields the rows of a tensor whose chunks
-split other dimensions, gathered with numpy one bounded slab of dim-0 rows at a time.
+dim 0 (FSDP's layout). An :class:`AssembledPiece` yields the bytes of a tensor whose chunks
+split other dimensions, gathered with numpy one bounded slab at a time: dim-0 rows, or parts
+of a row where one row is larger than a slab (a ``(1, N)`` tensor sharded on dim 1).
 torch is never imported.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import zlib
@@ -30,7 +32,7 @@ __all__ = [
     "write_pieces",
 ]
 
-# The most bytes an assembled slab holds (one dim-0 row more where a row is larger).
+# The most bytes an assembled slab holds (one element more where an element is larger).
 SLAB_BYTES = 16 << 20
 
 
@@ -68,19 +70,19 @@ class AssembledPiece:
         return math.prod(self.shape) * self.itemsize
 
     def iter_bytes(self, slab_bytes: int = SLAB_BYTES) -> Iterator[memoryview]:
-        """The tensor's bytes in row-major order, one slab of dim-0 rows at a time."""
-        row = math.prod(self.shape[1:]) * self.itemsize
+        """The tensor's bytes in row-major order, one slab of at most ``slab_bytes`` at a time
+        (:func:`_blocks`: dim-0 rows, or parts of one row where a row alone is larger)."""
         if not self.nbytes:
             return
-        step = max(1, slab_bytes // max(row, 1))
         kind = np.dtype(f"V{self.itemsize}")
         fds: dict[str, int] = {}
         try:
-            for first in range(0, self.shape[0], step):
-                last = min(first + step, self.shape[0])
-                slab = np.empty((last - first, *self.shape[1:]), dtype=kind)
+            for block in _blocks(self.shape, self.itemsize, slab_bytes):
+                prefix, first, last = block
+                dim = len(prefix)
+                slab = np.empty((last - first, *self.shape[dim + 1 :]), dtype=kind)
                 for chunk in self.chunks:
-                    self._fill(slab, first, last, chunk, kind, fds)
+                    self._fill(slab, block, chunk, kind, fds)
                 yield memoryview(slab.reshape(-1).view(np.uint8))
         finally:
             for fd in fds.values():
@@ -89,36 +91,60 @@ class AssembledPiece:
     def _fill(
         self,
         slab: np.ndarray,
-        first: int,
-        last: int,
+        block: tuple[tuple[int, ...], int, int],
         chunk: ChunkSource,
         kind: np.dtype,
         fds: dict[str, int],
     ) -> None:
-        t = chunk.tensor
-        lo, hi = max(first, chunk.offsets[0]), min(last, chunk.offsets[0] + t.shape[0])
-        if lo >= hi or not t.numel:
+        """Copy the part of ``chunk`` that lies in ``block`` into ``slab``."""
+        prefix, first, last = block
+        dim, t = len(prefix), chunk.tensor
+        # The block as a box of the tensor: one index on each dim before ``dim``, all after.
+        box_lo = (*prefix, first, *(0 for _ in self.shape[dim + 1 :]))
+        box_hi = (*(i + 1 for i in prefix), last, *self.shape[dim + 1 :])
+        lo = [max(b, o) for b, o in zip(box_lo, chunk.offsets)]
+        hi = [min(b, o + n) for b, o, n in zip(box_hi, chunk.offsets, t.shape)]
+        if not t.numel or any(a >= b for a, b in zip(lo, hi)):
             return
-        # The chunk's rows lo..hi: the element range they span in its storage (strides >= 0).
-        start = t.offset + (lo - chunk.offsets[0]) * t.stride[0]
-        end = start + (hi - lo - 1) * t.stride[0]
-        end += sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride[1:])) + 1
+        # The element range the overlap spans in the chunk's storage (strides >= 0).
+        rel = [a - o for a, o in zip(lo, chunk.offsets)]
+        start = t.offset + sum(r * st for r, st in zip(rel, t.stride))
+        end = start + sum((b - a - 1) * st for a, b, st in zip(lo, hi, t.stride)) + 1
         if chunk.span.path not in fds:
             fds[chunk.span.path] = os.open(chunk.span.path, os.O_RDONLY)
         count = (end - start) * self.itemsize
         raw = os.pread(fds[chunk.span.path], count, chunk.span.offset + start * self.itemsize)
         if len(raw) != count:
             raise OSError(5, f"{chunk.span.path!r} ended inside a chunk")
-        flat = np.frombuffer(raw, dtype=kind)
         part = np.lib.stride_tricks.as_strided(
-            flat,
-            shape=(hi - lo, *t.shape[1:]),
-            strides=tuple(s * self.itemsize for s in t.stride),
+            np.frombuffer(raw, dtype=kind),
+            shape=tuple(b - a for a, b in zip(lo[dim:], hi[dim:])),
+            strides=tuple(st * self.itemsize for st in t.stride[dim:]),
             writeable=False,
         )
-        inner = (slice(o, o + n) for o, n in zip(chunk.offsets[1:], t.shape[1:]))
-        where = (slice(lo - first, hi - first), *inner)
+        where = (slice(lo[dim] - first, hi[dim] - first), *map(slice, lo[dim + 1 :], hi[dim + 1 :]))
         slab[where] = part
+
+
+def _blocks(
+    shape: tuple[int, ...], itemsize: int, slab_bytes: int
+) -> Iterator[tuple[tuple[int, ...], int, int]]:
+    """A tensor in row-major order as blocks of at most ``slab_bytes`` (one element more only
+    where an element is larger): ``(index on each dim before d, first, last on dim d)``, all of
+    every dim after d, d the first dim whose trailing part fits (0 where a dim-0 row does).
+
+    Example:
+        >>> list(_blocks((2, 6), 4, 16))  # a row of 24 bytes is split
+        [((0,), 0, 4), ((0,), 4, 6), ((1,), 0, 4), ((1,), 4, 6)]
+        >>> list(_blocks((5, 2), 4, 16))
+        [((), 0, 2), ((), 2, 4), ((), 4, 5)]
+    """
+    fits = (d for d in range(len(shape)) if math.prod(shape[d + 1 :]) * itemsize <= slab_bytes)
+    dim = next(fits, len(shape) - 1)
+    step = max(1, slab_bytes // (math.prod(shape[dim + 1 :]) * itemsize))
+    for prefix in itertools.product(*map(range, shape[:dim])):
+        for first in range(0, shape[dim], step):
+            yield prefix, first, min(first + step, shape[dim])
 
 
 Piece = SpanPiece | AssembledPiece
