@@ -159,7 +159,7 @@ class ValueStats:
         close = torch.isclose(x, y, rtol=self.rtol, atol=self.atol, equal_nan=True)
         self.mismatched += int((~close).sum())
         same = (x == y) | nan_x | nan_y  # NaN places are counted apart, not as distances
-        d = torch.where(same, 0.0, _gap(_widened(x), _widened(y)))
+        d = torch.where(same, 0.0, _nonfinite_gap(_widened(x), _widened(y)))
         self.max_abs = max(self.max_abs, float(d.max()))
         # d/0 (b is 0) is inf, and inf/inf (b infinite) NaN: both stay inf, where
         # nan_to_num's default would make the first the largest float.
@@ -179,6 +179,16 @@ def _widened(t: torch.Tensor) -> torch.Tensor:
 def _gap(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``|x - y|`` in the dtype of ``x`` and ``y`` (real for complex)."""
     return torch.abs(x - y) if x.is_complex() else torch.sub(x, y).abs_()
+
+
+def _nonfinite_gap(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``|x - y|`` where a complex part equal on both sides adds nothing: ``inf+0j`` against
+    ``inf+1j`` is 1 apart, not NaN (``inf - inf``), which would hide it from ``max_abs``."""
+    if not x.is_complex():
+        return _gap(x, y)
+    real = torch.where(x.real == y.real, 0.0, x.real - y.real)
+    imag = torch.where(x.imag == y.imag, 0.0, x.imag - y.imag)
+    return torch.hypot(real, imag)
 
 
 def _is_integer(t: torch.Tensor) -> bool:

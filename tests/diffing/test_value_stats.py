@@ -1,5 +1,6 @@
 """value_stats: ``max_rel`` where B is 0, on the path for chunks that hold NaN or infinity,
-and ``max_abs`` of finite values whose gap float32 cannot hold."""
+``max_abs`` of finite values whose gap float32 cannot hold, and of complex values whose
+infinite parts agree."""
 
 from __future__ import annotations
 
@@ -36,6 +37,26 @@ def test_max_rel_is_inf_where_b_is_zero_and_a_is_not_even_beside_nan_or_inf(
     row = diff({"x": ta}, {"x": tb}).tensor("x")
     assert row.max_rel == INF and row.to_json()["max_rel"] == "inf"
     assert row.status == "differ" and row.mismatched == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize(
+    ("a", "b", "gap"),
+    [
+        (complex(INF, 0), complex(INF, 1), 1.0),  # the same infinite real part
+        (complex(2, -INF), complex(5, -INF), 3.0),
+        (complex(INF, 0), complex(-INF, 0), INF),
+        (complex(INF, 1), complex(INF, 1), 0.0),
+    ],
+)
+def test_complex_values_whose_infinite_parts_agree_are_as_far_as_the_other_parts(
+    a: complex, b: complex, gap: float, dtype: torch.dtype
+) -> None:
+    ta, tb = torch.tensor([a, 1], dtype=dtype), torch.tensor([b, 1], dtype=dtype)
+    stats = compare_tensors(ta, tb)
+    assert stats.max_abs == gap  # torch's own |a - b| is NaN here, and was shown as 0
+    # Mismatches are torch.isclose's.
+    assert stats.mismatched == int((~torch.isclose(ta, tb, equal_nan=True)).sum())
 
 
 def test_the_table_shows_inf_for_an_infinite_max_rel(tmp_path: Path) -> None:
