@@ -11,6 +11,7 @@ as ``ckpt harness``, behind the same error boundary (message and exit code) as `
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ if __name__ == "__main__":
     # A rank ran gloo's (and DeepSpeed's) threads: the interpreter's own exit can abort on
     # them (std::terminate, even after destroy_process_group), and torchrun would report
     # SIGABRT instead of this status. Everything is written and closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None where the stream was closed (>&-)
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()
     os._exit(status)
