@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -225,19 +226,22 @@ class TensorRef(Sealed):
         return data if isinstance(data, TensorRef) else None
 
     @property
-    def object_state(self) -> Any:
-        """The Python attributes its rebuild sets on the tensor (``t.note = ...``), as
-        ``torch._utils._set_obj_state`` takes them: a mapping, or a ``(dict, slots)`` pair;
-        None where the rebuild sets none.
+    def attributes(self) -> dict[Any, Any]:
+        """The Python attributes its rebuild sets on the tensor (``t.note = ...``), by name, as
+        ``torch._utils._set_obj_state`` sets them: a ``(dict, slots)`` pair's two parts as
+        one mapping; empty where the rebuild sets none.
 
         Example:
             >>> s = StorageRef("0", "float32", 2, "cpu")
-            >>> TensorRef(s, 0, (2,), (1,), "float32").object_state is None
-            True
+            >>> TensorRef(s, 0, (2,), (1,), "float32").attributes
+            {}
         """
         name = self.func.name if self.func is not None else ""
         with_state = ("_rebuild_from_type_v2", "_rebuild_parameter_with_state")
-        return self.args[3] if name in with_state and len(self.args) == 4 else None
+        state = self.args[3] if name in with_state and len(self.args) == 4 else None
+        # A slotted subclass pickles (dict state, slots state), either may be None.
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        return {k: v for part in parts if isinstance(part, Mapping) for k, v in part.items()}
 
     @property
     def view_bits(self) -> frozenset[str]:

@@ -106,7 +106,7 @@ class _Builder:
         """
         if isinstance(node, TensorRef):
             quantizer = node.func is not None and node.func.name == "_rebuild_qtensor"
-            state = [(value, f"{path}.{name}") for name, value in _attribute_state(node).items()]
+            state = [(value, f"{path}.{name}") for name, value in node.attributes.items()]
             return [(node.args[4], path), *state] if quantizer else state
         if isinstance(node, TorchSize):
             return None  # a tuple, built as torch.Size
@@ -293,22 +293,12 @@ class _Builder:
             tensor = torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
         else:
             tensor.requires_grad = ref.requires_grad
-        for name in _attribute_state(ref):  # as torch._utils._set_obj_state sets them
+        for name in ref.attributes:  # as torch._utils._set_obj_state sets them
             setattr(tensor, name, next(values))
         return tensor
 
 
 _MAPPINGS = (dict, OrderedDict, Counter)
-
-
-def _attribute_state(ref: TensorRef) -> Mapping[Any, Any]:
-    """The attributes ``torch._utils._set_obj_state`` sets on ``ref``'s tensor, by name."""
-    state = ref.object_state
-    if isinstance(state, tuple) and len(state) == 2:
-        # (dict state, slots state), either may be None
-        parts = [part for part in state if isinstance(part, Mapping)]
-        state = {k: v for part in parts for k, v in part.items()}
-    return state if isinstance(state, Mapping) else {}
 
 
 def build_state_dict(

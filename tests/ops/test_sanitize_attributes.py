@@ -27,6 +27,10 @@ import torch
 
 class Tagged(torch.Tensor):
     pass
+
+
+class Slotted(torch.Tensor):
+    __slots__ = ("tag",)
 """
 
 
@@ -62,6 +66,22 @@ def test_the_attributes_of_a_tensor_made_plain_are_listed_as_dropped(
     assert "w.note: an attribute of a tensor made plain -> dropped" in err
     result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
     assert [c.path for c in result.dropped_values] == ["w.note"]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert type(out["w"]) is torch.Tensor and torch.equal(out["w"], torch.ones(2))
+
+
+def test_a_slotted_subclass_lists_its_slots_and_its_dict_as_dropped(
+    tagged: ModuleType, tmp_path: Path
+) -> None:
+    # Pickled as a (dict, slots) pair of states, which torch._utils._set_obj_state sets both.
+    t = torch.ones(2).as_subclass(tagged.Slotted)
+    t.tag, t.note = "in a slot", "in the dict"
+    torch.save({"w": t}, tmp_path / "in.pt")
+    assert torch.load(tmp_path / "in.pt", weights_only=False)["w"].tag == "in a slot"
+    _, _, err = run_ckpt("sanitize", tmp_path / "in.pt", tmp_path / "strict.pt", "--strict", code=3)
+    assert "w.tag: an attribute of a tensor made plain -> dropped" in err
+    result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert sorted(c.path for c in result.dropped_values) == ["w.note", "w.tag"]
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert type(out["w"]) is torch.Tensor and torch.equal(out["w"], torch.ones(2))
 

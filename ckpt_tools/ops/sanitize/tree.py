@@ -240,8 +240,7 @@ class _Sanitizer:
         return self._converted(path, "frozenset", "set", made) if frozen else made
 
     def _tensor(self, t: TensorRef, path: str) -> Any:
-        state = t.object_state
-        state = state if isinstance(state, Mapping) else None  # not a (dict, slots) pair
+        state = t.attributes or None
         outside = module_globals(t.args[:3] if state is not None else t.args)
         if t.func is not None and not outside:
             # Its Python attributes (t.note = ...) are values like any other: made plain.
