@@ -10,12 +10,13 @@ torch is never imported.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
 import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -106,19 +107,19 @@ class AssembledPiece:
         hi = [min(b, o + n) for b, o, n in zip(box_hi, chunk.offsets, t.shape)]
         if not t.numel or any(a >= b for a, b in zip(lo, hi)):
             return
-        # The element range the overlap spans in the chunk's storage (strides >= 0).
-        rel = [a - o for a, o in zip(lo, chunk.offsets)]
-        start = t.offset + sum(r * st for r, st in zip(rel, t.stride))
-        end = start + sum((b - a - 1) * st for a, b, st in zip(lo, hi, t.stride)) + 1
+        # The overlap, a view of the chunk's storage: the bytes it spans are one read.
+        start = t.offset + sum((a - o) * st for a, o, st in zip(lo, chunk.offsets, t.stride))
+        overlap = replace(t, offset=start, shape=tuple(b - a for a, b in zip(lo, hi)))
+        first_byte, end_byte = overlap.byte_span
         if chunk.span.path not in fds:
             fds[chunk.span.path] = os.open(chunk.span.path, os.O_RDONLY)
-        count = (end - start) * self.itemsize
-        raw = os.pread(fds[chunk.span.path], count, chunk.span.offset + start * self.itemsize)
+        count = end_byte - first_byte
+        raw = os.pread(fds[chunk.span.path], count, chunk.span.offset + first_byte)
         if len(raw) != count:
-            raise OSError(5, f"{chunk.span.path!r} ended inside a chunk")
+            raise OSError(errno.EIO, f"{chunk.span.path!r} ended inside a chunk")
         part = np.lib.stride_tricks.as_strided(
             np.frombuffer(raw, dtype=kind),
-            shape=tuple(b - a for a, b in zip(lo[dim:], hi[dim:])),
+            shape=overlap.shape[dim:],
             strides=tuple(st * self.itemsize for st in t.stride[dim:]),
             writeable=False,
         )
