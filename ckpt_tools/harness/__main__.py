@@ -42,7 +42,8 @@ if __name__ == "__main__":
     # A rank ran gloo's (and DeepSpeed's) threads: the interpreter's own exit can abort on
     # them (std::terminate, even after destroy_process_group), and torchrun would report
     # SIGABRT instead of this status. Everything is written and closed by now.
-    for stream in (sys.stdout, sys.stderr):  # None where the stream was closed (>&-)
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            stream.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None where it was closed before the start (>&-)
+            with contextlib.suppress(OSError, ValueError):  # a pipe closed since
+                stream.flush()
     os._exit(status)

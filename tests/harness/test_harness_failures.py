@@ -70,6 +70,18 @@ def test_a_failed_dcp_save_of_fsdp_is_one_line_with_the_rank_s_error(
     assert proc.returncode == 2
 
 
+@pytest.mark.parametrize("closed", [">&-", "2>&-"])
+def test_the_entry_exits_with_its_status_with_a_stream_closed(
+    closed: str, tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    # It flushes both streams itself before leaving with os._exit.
+    args = ["--strategy", "single", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)]
+    shell = ["sh", "-c", f'exec "$@" {closed}', "sh", *ENTRY, *args]
+    proc = subprocess.run(shell, env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "bare.pt").is_file()
+
+
 def _raised(exc: Exception) -> Exception:
     try:
         raise exc
