@@ -18,6 +18,7 @@ __all__ = [
     "NAME_MAX",
     "TEMP_SUFFIX",
     "fitted_name",
+    "is_temp_file",
     "remove_orphans",
     "remove_stale_temps",
     "stands_for",
@@ -36,6 +37,16 @@ def temp_name(target: Path) -> Path:
     """A temp file's name beside ``target``: ``.NAME.ckpt-tmp-PID-RANDOM``, NAME cut to fit."""
     tail = f"{TEMP_SUFFIX}-{os.getpid()}-{os.urandom(4).hex()}"
     return target.parent / f".{fitted_name(target.name, f'.{tail}')}{tail}"
+
+
+def is_temp_file(name: str) -> bool:
+    """Whether ``name`` is a temp file's (:func:`temp_name`): a write's, never a user's.
+
+    Example:
+        >>> [is_temp_file(n) for n in (".m.pt.ckpt-tmp-12-ab01", "m.pt", ".ckpt-tmp-x")]
+        [True, False, False]
+    """
+    return _TEMP_NAME.match(name) is not None
 
 
 def fitted_name(name: str, beside: str) -> str:

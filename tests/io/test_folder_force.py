@@ -221,6 +221,11 @@ def test_entries_a_killed_run_had_carried_go_back_to_their_folder(tmp_path: Path
     (orphan / "runs" / "log.txt").write_text("log")
     (orphan / "notes.txt").write_text("notes")
     (orphan / "model.safetensors").write_bytes(b"new weights")
+    # A shard's temp file, named where the file system has no O_TMPFILE: the run's, not kept.
+    (orphan / ".model.safetensors.ckpt-tmp-4194304-ab12cd34").write_bytes(b"partial")
+    fresh = tmp_path / ".f.ckpt-tmpdir-4194304-ef56ab78"  # a new output's: nothing to put back
+    fresh.mkdir()
+    (fresh / ".model.safetensors.ckpt-tmp-4194304-ef56ab78").write_bytes(b"partial")
     # Killed between the two renames of a swap: the replaced folder is still aside.
     aside = tmp_path / ".e.ckpt-tmpdir-4194304-cd34ab12-old"
     aside.mkdir()
@@ -232,6 +237,7 @@ def test_entries_a_killed_run_had_carried_go_back_to_their_folder(tmp_path: Path
     assert (tmp_path / "d" / "notes.txt").read_text() == "notes"
     assert (tmp_path / "d" / "runs" / "log.txt").read_text() == "log"
     assert (tmp_path / "d" / "model.safetensors").read_bytes() == b"old weights"
+    assert sorted(os.listdir(tmp_path / "d")) == ["model.safetensors", "notes.txt", "runs"]
     assert (tmp_path / "e" / "notes.txt").read_text() == "e notes"
     assert (tmp_path / "e" / "model.safetensors").read_bytes() == b"old weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "e", "other", "plain.pt"]

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckpt_tools.io.interrupts import signals_raise
-from ckpt_tools.io.temp_names import fitted_name, stands_for
+from ckpt_tools.io.temp_names import fitted_name, is_temp_file, stands_for
 from ckpt_tools.io.writers.progress import ByteCounter
 
 __all__ = [
@@ -91,7 +91,8 @@ def remove_temp_folder(entry: Path, kept: Callable[[str], bool] = lambda name: F
     if real and not aside:
         # Killed between its two renames, the replaced folder is still aside: back there.
         home = target if target is not None and target.is_dir() else Path(f"{entry}-old")
-        carried = list(filter(kept, os.listdir(entry)))
+        # Its own shards' temp files (named where O_TMPFILE is missing) are no user's entry.
+        carried = [n for n in os.listdir(entry) if kept(n) and not is_temp_file(n)]
         if carried and not home.is_dir():
             return
         for child in carried:
