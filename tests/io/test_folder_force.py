@@ -243,6 +243,21 @@ def test_entries_a_killed_run_had_carried_go_back_to_their_folder(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "e", "other", "plain.pt"]
 
 
+def test_force_into_a_folder_a_killed_run_had_emptied_puts_its_entries_back_first(
+    tmp_path: Path,
+) -> None:
+    # Killed after carrying every entry out: the folder is empty until they are put back.
+    _plain(tmp_path / "plain.pt")
+    (tmp_path / "d").mkdir()
+    orphan = tmp_path / ".d.ckpt-tmpdir-4194304-ab12cd34"
+    (orphan / "runs").mkdir(parents=True)
+    (orphan / "runs" / "log.txt").write_text("log")
+    convert(tmp_path / "plain.pt", tmp_path / "d", max_shard_size="1KB", force=True)
+    assert (tmp_path / "d" / "runs" / "log.txt").read_text() == "log"
+    assert "model.safetensors.index.json" in os.listdir(tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "plain.pt"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another user: root only")
 def test_a_kept_subfolder_keeps_its_owner_mode_and_inode(tmp_path: Path) -> None:
     _plain(tmp_path / "plain.pt")

@@ -176,14 +176,15 @@ def _published_folder(
     SIGTERM and SIGHUP raise :class:`~ckpt_tools.io.interrupts.Interrupted` in the main
     thread for the whole write (worker threads cannot), and are held during the swap.
     """
+    parent = target.parent
+    # First: a killed run's carried entries go back into ``target``, which is then read whole.
+    remove_orphans(parent, TEMP_FOLDER, functools.partial(remove_temp_folder, kept=_kept))
     old = target.stat() if target.is_dir() else None
     replaced = old is not None and any(target.iterdir())
     if replaced and not replace:  # filled after check_output_folder accepted it
         raise folder_exists_error(str(target))
     durable = durable or replaced
-    parent = target.parent
     check_writable(target, target)
-    remove_orphans(parent, TEMP_FOLDER, functools.partial(remove_temp_folder, kept=_kept))
     tag = f"{os.getpid()}-{os.urandom(4).hex()}"  # as atomic.py names its temp files
     tmp = temp_folder(target, tag)
     with signals_raise() as release:
