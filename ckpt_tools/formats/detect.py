@@ -62,8 +62,9 @@ _UNPICKLE_ERRORS = (
 )
 # A sharded checkpoint's index (``model.safetensors.index.json``) is JSON text; its suffix
 # tells it from other JSON, its first byte from a file that only borrowed the name.
-# transformers' variant indexes (save_pretrained(variant="fp16")) put the variant before .json.
-_INDEX_NAME = re.compile(r"\.index(?:\.[^./]+)?\.json$")
+# transformers' variant indexes (save_pretrained(variant="fp16")) put the variant before .json,
+# a dotted variant whole (model.safetensors.index.ema.v2.json).
+_INDEX_NAME = re.compile(r"\.index(?:\.[^/]+)?\.json$")
 
 
 def is_index_name(name: str) -> bool:
@@ -72,8 +73,9 @@ def is_index_name(name: str) -> bool:
 
     Example:
         >>> [is_index_name(n) for n in ("model.safetensors.index.json",
-        ...  "model.safetensors.index.fp16.json", "index.json", "config.json")]
-        [True, True, False, False]
+        ...  "model.safetensors.index.fp16.json", "model.safetensors.index.ema.v2.json",
+        ...  "index.json", "config.json")]
+        [True, True, True, False, False]
     """
     return _INDEX_NAME.search(name) is not None
 

@@ -2,7 +2,8 @@
 
 ``transformers`` first takes the file ``config.json`` names in ``transformers_weights``, where
 it names one; otherwise the first of :data:`TRANSFORMERS_ORDER` present. A folder with none
-of those is read through its one other index or weight file.
+of those is read through its one other index or weight file, a variant's
+(``model.fp16.safetensors``) included.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +43,8 @@ MAX_INDEX_BYTES = 64 << 20
 # What from_pretrained accepts as ``transformers_weights``; it raises on anything else.
 _EXPLICIT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 _EXPLICIT_NAMES = ("adapter_model.bin",)
+# A variant's shard: model.fp16-00001-of-00002.safetensors.
+_SHARD_SUFFIX = re.compile(r"-\d+-of-\d+$")
 
 
 def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tuple[str, list[str]]:
@@ -75,8 +79,9 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
     listed |= {adding} if adding is not None and is_index_name(adding) else set()
     indexes = [n for n in sorted(listed) if n not in found and "/" not in n]
     singles = [n for n in WEIGHT_FILES if n not in found and present(n)]
+    variants = _variants(folder, adding)
     if explicit is not None:
-        return explicit, [n for n in found + indexes + singles if n != explicit]
+        return explicit, [n for n in found + indexes + singles + variants if n != explicit]
     if not found and len(indexes) > 1:
         first = str(folder / indexes[0])
         advice = Remedy(
@@ -85,9 +90,9 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         raise UnsupportedFormatError(
             f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
         )
-    if not found and not indexes and len(singles) > 1:
-        _refuse_other_kinds(singles, folder, path)
-    if not found and not indexes and not singles:
+    if not found and not indexes and len(singles or variants) > 1:
+        _refuse_other_kinds(singles or variants, folder, path)
+    if not found and not indexes and not singles and not variants:
         from ckpt_tools.formats.dcp.layout import refuse_without_metadata
 
         held = sorted(os.listdir(folder))  # listed once, for both refusals
@@ -95,27 +100,56 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         listing = ", ".join(held[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "
-            f"or one of {', '.join(WEIGHT_FILES[:3])}; it holds: {listing}",
+            f"or one of {', '.join(WEIGHT_FILES[:3])} (or a variant's: model.fp16.safetensors); "
+            f"it holds: {listing}",
             path=path,
         )
-    names = found + indexes + singles
+    names = found + indexes + singles + variants
     return names[0], names[1:]
 
 
+def _variants(folder: Path, adding: str | None) -> list[str]:
+    """The folder's variant weight files (``save_pretrained(variant="fp16")`` names the file
+    ``model.fp16.safetensors``; diffusers ``diffusion_pytorch_model.fp16.safetensors``), each
+    kind's ``.safetensors`` first, as ``from_pretrained(variant=)`` prefers it. Shards are
+    left out: a variant's shards are read through its index."""
+    names = set(os.listdir(folder)) | ({adding} if adding is not None else set())
+    found = [n for n in names if _is_variant(n) and (n == adding or (folder / n).is_file())]
+    return sorted(found, key=lambda n: (_kind(n), not n.endswith(".safetensors")))
+
+
+def _is_variant(name: str) -> bool:
+    """Whether ``name`` is one of :data:`WEIGHT_FILES` with a variant before its suffix."""
+    for fixed in WEIGHT_FILES:
+        stem, _, suffix = fixed.rpartition(".")
+        middle = name[len(stem) + 1 : -len(suffix) - 1]
+        if name.startswith(f"{stem}.") and name.endswith(f".{suffix}") and middle:
+            return _SHARD_SUFFIX.search(middle) is None
+    return False
+
+
+def _kind(name: str) -> str:
+    """A weight file's name without its suffix, a transformers ``.bin``'s as its
+    ``.safetensors``'s: the two formats of one checkpoint."""
+    stem = name.rpartition(".")[0]
+    return stem.removeprefix("pytorch_") if stem.startswith("pytorch_model") else stem
+
+
 def _refuse_other_kinds(singles: Sequence[str], folder: Path, path: str) -> None:
-    """Weight files of one kind (an adapter's, a diffusers model's) in both formats are read
-    as PEFT and diffusers read them, the ``.safetensors`` first (it comes first in
-    :data:`WEIGHT_FILES`); files of two kinds are refused, each named.
+    """Weight files of one kind (an adapter's, a diffusers model's, one variant's) in both
+    formats are read as PEFT, diffusers and ``from_pretrained(variant=)`` read them, the
+    ``.safetensors`` first (it comes first in ``singles``); files of two kinds are refused,
+    each named.
 
     Raises:
         UnsupportedFormatError: the files are of more than one kind.
     """
-    if len({name.rpartition(".")[0] for name in singles}) == 1:
+    if len({_kind(name) for name in singles}) == 1:
         return
     first = str(folder / singles[0])
     raise UnsupportedFormatError(
-        f"{path!r} holds several weight files of different kinds ({', '.join(singles)}); "
-        "which one to read is not told by the folder",
+        f"{path!r} holds several weight files of different kinds or variants "
+        f"({', '.join(singles)}); which one to read is not told by the folder",
         path=path,
         remedies=(
             Remedy(

@@ -241,3 +241,54 @@ def test_a_variants_sharded_folder_is_read_through_its_index(tmp_path: Path) -> 
     assert ct.inspect(tmp_path / "v").format == "hf-sharded"
     ct.reshard(index, tmp_path / "one", max_shard_size="1GB")
     assert (tmp_path / "one" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("shard", [None, "2KB"])
+@pytest.mark.parametrize("variant", ["fp16", "ema.v2"])
+def test_a_variants_folder_is_read_as_from_pretrained_variant_loads_it(
+    variant: str, shard: str | None, tmp_path: Path
+) -> None:
+    # save_pretrained(variant=) puts the variant before the suffix (model.fp16.safetensors), and
+    # a dotted one whole (model.ema.v2.safetensors, model.safetensors.index.ema.v2.json).
+    kwargs = {"max_shard_size": shard} if shard else {}
+    _model(4).save_pretrained(tmp_path / "v", variant=variant, **kwargs)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "v", variant=variant)
+    want = theirs.state_dict()
+    ours = ct.load_state_dict(tmp_path / "v")
+    stored = [k for k in want if k in ours]
+    assert len(stored) == len(ours) > 1
+    assert all(torch.equal(ours[k], want[k]) for k in stored)
+
+
+def test_a_variant_beside_the_plain_file_is_named_as_not_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # diffusers' layout: from_pretrained without variant= loads the plain file.
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, folder / "diffusion_pytorch_model.safetensors")
+    save_file({"w": torch.zeros(2).half()}, folder / "diffusion_pytorch_model.fp16.safetensors")
+    with caplog.at_level(logging.WARNING, logger="ckpt_tools"):
+        ours = ct.load_state_dict(folder)
+    assert torch.equal(ours["w"], torch.ones(2))
+    notes = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(notes) == 1
+    assert notes[0].endswith("not read: diffusion_pytorch_model.fp16.safetensors")
+
+
+def test_a_variants_safetensors_is_read_before_its_bin_and_two_variants_are_refused(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "v"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, folder / "model.fp16.safetensors")
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.fp16.bin")
+    assert torch.equal(ct.load_state_dict(folder)["w"], torch.ones(2))
+    save_file({"w": torch.zeros(2)}, folder / "model.bf16.safetensors")
+    with pytest.raises(ct.UnsupportedFormatError, match="holds several weight files") as err:
+        ct.load_state_dict(folder)
+    assert "model.bf16.safetensors" in str(err.value)

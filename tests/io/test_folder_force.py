@@ -356,6 +356,9 @@ def test_force_replaces_a_variants_weight_files_too(tmp_path: Path) -> None:
         "pytorch_model.fp16.bin",
         "pytorch_model.fp16-00001-of-00002.bin",
         "pytorch_model.bin.index.fp16.json",
+        "model.ema.v2.safetensors",
+        "model.ema.v2-00001-of-00002.safetensors",
+        "model.safetensors.index.ema.v2.json",
     ]
     kept = ["model_ema.safetensors", "model.fp16.safetensors.bak", "config.json"]
     for name in variants + kept:

@@ -60,12 +60,13 @@ __all__ = [
 #: The files ``force`` replaces in an existing output folder: a checkpoint's weights as
 #: transformers names them (single file, shards, index; safetensors and torch ``.bin``), a
 #: variant's too (``save_pretrained(variant="fp16")``: ``model.fp16.safetensors``,
-#: ``model.fp16-00001-of-00002.safetensors``, ``model.safetensors.index.fp16.json``), which
-#: ``from_pretrained(variant=)`` would load as this folder's. Everything else in the folder
-#: (config.json, tokenizer files, notes, subfolders) is kept.
+#: ``model.fp16-00001-of-00002.safetensors``, ``model.safetensors.index.fp16.json``; a dotted
+#: variant whole: ``model.ema.v2.safetensors``), which ``from_pretrained(variant=)`` would
+#: load as this folder's. Everything else in the folder (config.json, tokenizer files, notes,
+#: subfolders) is kept.
 WEIGHT_FILES = re.compile(
-    r"^(?:model(?:\.[^.]+)?(?:-\d+-of-\d+)?\.safetensors|model\.safetensors\.index(?:\.[^.]+)?\.json"
-    r"|pytorch_model(?:\.[^.]+)?(?:-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index(?:\.[^.]+)?\.json)$"
+    r"^(?:model(?:\.[^/]+?)?(?:-\d+-of-\d+)?\.safetensors|model\.safetensors\.index(?:\.[^/]+)?\.json"
+    r"|pytorch_model(?:\.[^/]+?)?(?:-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index(?:\.[^/]+)?\.json)$"
 )
 
 
