@@ -75,3 +75,20 @@ def test_torch_and_safetensors_outputs_agree_on_a_view(tmp_path: Path, name: str
     want = _bits(sd["view"].to(torch.bfloat16))
     assert _bits(torch.load(tmp_path / "out.pt", weights_only=True)["view"]) == want
     assert _bits(load_file(tmp_path / "out.safetensors")["view"]) == want
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_weight_viewed_by_an_entry_a_safetensors_output_leaves_out_is_cast(
+    tmp_path: Path, whole: bool
+) -> None:
+    # The view outside the state dict is not written, so it cannot hold the weight uncast.
+    x = torch.randn(4, 3)
+    outside = x if whole else x[0]
+    ck = {"state_dict": {"w": x, "b": torch.randn(3)}, "ema": {"w0": outside}, "epoch": 3}
+    torch.save(ck, tmp_path / "in.pt")
+    out = tmp_path / "out.safetensors"
+    result = ct.slim(tmp_path / "in.pt", out, dtype="bf16", drop_extras=True)
+    got = load_file(out)
+    assert {k: v.dtype for k, v in got.items()} == {"w": torch.bfloat16, "b": torch.bfloat16}
+    assert torch.equal(got["w"], x.to(torch.bfloat16))
+    assert not [n for n in result.notes if "not cast" in n]

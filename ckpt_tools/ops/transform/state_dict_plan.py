@@ -104,7 +104,8 @@ def plan_state_dict_output(
     # output holds none of them (left out with drop_extras, else refused).
     alone = weights_only or cast_to is None or fmt == "safetensors"
     outside = set() if alone else kept_outside(root_out, selection.path)
-    views = storage_views(tree)  # a sparse or nested tensor's parts too
+    # A sparse or nested tensor's parts too; a safetensors output holds the state dict alone.
+    views = storage_views(out_sd if fmt == "safetensors" else tree)
     targets = cast_targets(views, items, cast_to, keep, notes, outside)
     records, out_storage = _storage_records(ckpt, views, targets, cast_to, overrides)
     rebuilt = cast_rebuilt_items(items, out_storage, targets, cast_to, keep, notes)
