@@ -110,3 +110,16 @@ def test_keys_that_become_equal_when_made_plain_are_never_merged_silently(
     assert len(result.dropped_values) == 1
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert out["files"] == {"data/a.txt": 10}  # the first kept, the other listed
+
+
+def test_set_members_that_become_equal_when_made_plain_are_never_merged_silently(
+    tmp_path: Path,
+) -> None:
+    members = {pathlib.PurePosixPath("data/a.txt"), "data/a.txt", "data/b.txt"}
+    torch.save({"w": torch.ones(1), "files": members}, tmp_path / "in.pt")
+    _, _, err = run_ckpt("sanitize", tmp_path / "in.pt", tmp_path / "strict.pt", "--strict", code=3)
+    assert "a set member that, made plain, equals another" in err
+    result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert [c.path for c in result.dropped_values] == ["files"]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["files"] == {"data/a.txt", "data/b.txt"}

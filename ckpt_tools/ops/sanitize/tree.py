@@ -230,12 +230,18 @@ class _Sanitizer:
                 made[new_key] = new_value
 
     def _set(self, node: Iterable[Any], path: str, frozen: bool) -> Any:
-        items = [self.value(v, path) for v in node]
-        for v in items:
-            if v is not _DROP and not hashable(v):  # a member converted to a dict or list
+        made: set[Any] = set()
+        for v in (self.value(v, path) for v in node):
+            if v is _DROP:
+                continue
+            if not hashable(v):  # a member converted to a dict or list
                 was = f"a set member that became a {type(v).__name__}"
                 self.dropped.append(Change(path, was, "dropped"))
-        made = {v for v in items if v is not _DROP and hashable(v)}
+            elif v in made:  # a converted member equal to another (a path, its string)
+                lost = "a set member that, made plain, equals another"
+                self.dropped.append(Change(path, lost, "dropped"))
+            else:
+                made.add(v)
         # torch.load(weights_only=True) builds sets (builtins.set) but no frozenset.
         return self._converted(path, "frozenset", "set", made) if frozen else made
 
