@@ -24,7 +24,13 @@ from ckpt_tools.io.output_path import (
     wants_folder,
 )
 from ckpt_tools.io.writers.records import Record
-from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget, read_adapter
+from ckpt_tools.ops.merge.adapter import (
+    CONFIG_NAME,
+    WEIGHT_NAMES,
+    LoraAdapter,
+    LoraTarget,
+    read_adapter,
+)
 from ckpt_tools.ops.merge.folder import write_merged_folder
 from ckpt_tools.ops.merge.layout import base_config, conv1d_layouts, tied_embedding
 from ckpt_tools.ops.merge.records import MergeStep, bias_record, merge_record
@@ -120,13 +126,13 @@ def merge_lora(
     base, adapter, dst = _local_paths(base, adapter, dst)
     cast_to = cast_target(dtype)
     folder = wants_folder(dst, max_shard_size)
+    _refuse_adapter_output(dst, adapter)  # before check_output_* offers force
     if folder:
         _check_folder_format(dst, output_format)
         target = check_output_folder(dst, base, force=force)
         check_output_folder(dst, adapter, force=force)  # nor the adapter's folder, nor above
     else:
         target = check_output_path(dst, base, force=force, in_place=None)
-    _refuse_adapter_output(dst, adapter)
     lora = read_adapter(adapter, allow_globals)
     if not folder:  # nor may OUT be the adapter's weight file
         check_output_path(dst, lora.weights, force=force, in_place=None)
@@ -361,9 +367,10 @@ def _kind(step: MergeStep) -> str:
 
 
 def _refuse_adapter_output(dst: str, adapter: str) -> None:
-    """Refuse an output that replaces a file of the adapter folder (its config too, which
-    ``force`` would otherwise replace): it is an input. A new file written into it is fine:
-    PEFT reads only its own names there."""
+    """Refuse an output named as a file PEFT reads in the adapter folder (its config, its
+    weights), present or not: the adapter is an input, and ``force`` replaces no file of
+    it. Any other output written into the folder is fine, and replaced with ``force`` as
+    any output is."""
     out, inputs = resolved_output(dst), Path(adapter).resolve()
-    if inputs in out.parents and out.exists():
+    if out.parent == inputs and out.name in (CONFIG_NAME, *WEIGHT_NAMES):
         raise SameFileError(dst, offer_in_place=False, folder=adapter)

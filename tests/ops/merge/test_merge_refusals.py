@@ -165,6 +165,30 @@ def test_the_adapter_is_never_the_output(tiny: tuple[Path, Path]) -> None:
     assert (adapter / "merged.pt").is_file()
 
 
+@pytest.mark.parametrize("name", ["merged.pt", "merged/"])
+def test_an_output_written_into_the_adapter_folder_is_replaced_with_force(
+    tiny: tuple[Path, Path], name: str
+) -> None:
+    base, adapter = tiny
+    out = f"{adapter}/{name}"
+    run_ckpt("merge-lora", base, adapter, out, "-q")
+    _, _, err = run_ckpt("merge-lora", base, adapter, out, "-q", code=6)
+    assert "already exists; pass --force" in err
+    run_ckpt("merge-lora", base, adapter, out, "-q", "--force")
+    assert {p.name for p in adapter.iterdir()} >= {"adapter_config.json", name.rstrip("/")}
+
+
+def test_a_file_of_the_adapter_is_refused_as_one_before_force_is_offered(
+    tiny: tuple[Path, Path],
+) -> None:
+    base, adapter = tiny
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        _, _, err = run_ckpt(
+            "merge-lora", base, adapter, adapter / name, "--format", "torch", code=6
+        )
+        assert "is a file of the input folder" in err and "--force" not in err, err
+
+
 def test_merging_imports_no_torch(tiny: tuple[Path, Path]) -> None:
     base, adapter = tiny
     env = torch_free_env(base.parent)
