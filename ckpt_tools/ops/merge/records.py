@@ -13,6 +13,7 @@ import numpy as np
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.formats import Checkpoint
+from ckpt_tools.io.row_layout import from_row_major, permuted_layout, to_row_major
 from ckpt_tools.io.tensor_bytes import iter_row_major
 from ckpt_tools.io.writers.records import Record, tensor_bytes_record
 from ckpt_tools.ops.merge.adapter import LoraTarget
@@ -45,9 +46,21 @@ def values(ckpt: Checkpoint, t: TensorRef) -> np.ndarray:
     return from_bits(bits, t.dtype).reshape(t.shape)
 
 
+def _in_memory_order(t: TensorRef, like: TensorRef) -> TensorRef:
+    """A view of ``t`` (of ``like``'s shape) whose row-major order is ``like``'s memory order:
+    its elements written back to back fill ``like``'s storage as ``like`` lays them out."""
+    layout = permuted_layout(like)
+    if layout is None:
+        return t
+    dims = (0, *layout)
+    shape = tuple(t.shape[d] for d in dims)
+    return replace(t, shape=shape, stride=tuple(t.stride[d] for d in dims))
+
+
 def rows(ckpt: Checkpoint, t: TensorRef, first: int, count: int) -> np.ndarray:
-    """Rows ``[first, first + count)`` of a whole, contiguous tensor, as float32, each row
-    its elements past the first dimension (a convolution's kernels, flattened)."""
+    """Rows ``[first, first + count)`` of a whole tensor whose rows lie back to back
+    (:func:`~ckpt_tools.io.row_layout.row_layout`), as float32, each row its elements past
+    the first dimension in row-major order (a convolution's kernels, flattened)."""
     size = t.nbytes // max(t.numel, 1)
     elements = _row_length(t)
     width = elements * size
@@ -60,7 +73,7 @@ def rows(ckpt: Checkpoint, t: TensorRef, first: int, count: int) -> np.ndarray:
     if len(data) != count * width:
         raise OSError(5, f"{span.path} ended early")
     bits = np.frombuffer(data, dtype=np.dtype(_UINT[size]).newbyteorder("<")).astype(_UINT[size])
-    return from_bits(bits, t.dtype).reshape(count, elements)
+    return to_row_major(from_bits(bits, t.dtype).reshape(count, elements), t)
 
 
 def _row_length(t: TensorRef) -> int:
@@ -110,7 +123,7 @@ def merge_record(
                 part, mm = _block_of(a, b, m, first, count, step.transpose, whole)
                 merged = _merged(w, weight.dtype, step.target, part, mm, step.transpose)
                 w = rounded(merged, weight.dtype)
-            yield to_bits(w, weight.dtype)
+            yield to_bits(from_row_major(w, weight), weight.dtype)
 
     return Record(weight.nbytes, produce=produce, action=f"merge lora r={steps[0].target.r}")
 
@@ -207,6 +220,7 @@ def replace_record(
     adapter: Checkpoint, saved: TensorRef, like: TensorRef, why: str = "modules_to_save"
 ) -> Record:
     """The record of a tensor the adapter saved whole (a ``modules_to_save`` copy, a trained
-    bias) in the base tensor's dtype, as loading copies it in (torch's ``copy_``)."""
-    record = tensor_bytes_record(adapter, saved, like.dtype if saved.dtype != like.dtype else None)
+    bias) in the base tensor's dtype and layout, as loading copies it in (torch's ``copy_``)."""
+    cast = like.dtype if saved.dtype != like.dtype else None
+    record = tensor_bytes_record(adapter, _in_memory_order(saved, like), cast)
     return replace(record, action=f"replace ({why})")

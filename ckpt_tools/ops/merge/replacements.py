@@ -13,6 +13,7 @@ from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError
+from ckpt_tools.io.row_layout import row_layout
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.merge.adapter import LoraAdapter
@@ -29,21 +30,27 @@ _UNTIE = (
 
 
 def check_whole(key: str, t: TensorRef) -> None:
-    """A merged tensor is written as its whole storage: refuse a view of part of one.
+    """A merged tensor is written as its whole storage, row by row: refuse a view of part of
+    one, and a layout whose rows do not lie back to back (a ``channels_last`` kernel's do).
 
     Raises:
-        ConversionError: ``t`` is a view of part of its storage.
+        ConversionError: ``t`` is a view of part of its storage, or strided otherwise.
 
     Example:
         >>> from ckpt_tools.descriptors import StorageRef
         >>> storage = StorageRef("0", "float32", 4, "cpu")
         >>> check_whole("w", TensorRef(storage, 0, (4,), (1,), "float32"))
     """
-    if t.offset != 0 or t.storage.nbytes != t.nbytes or not t.is_contiguous():
-        raise ConversionError(
-            f"{key!r} is a view of part of a storage; merge-lora merges whole tensors "
-            "(convert the base to safetensors first)"
-        )
+    if t.offset != 0 or t.storage.nbytes != t.nbytes:
+        problem = "is a view of part of a storage"
+    elif row_layout(t) is None:
+        problem = f"is laid out with strides {list(t.stride)} (a transposed or strided view)"
+    else:
+        return
+    raise ConversionError(
+        f"{key!r} {problem}; merge-lora merges tensors that fill their storage row after row "
+        "(convert the base to safetensors first)"
+    )
 
 
 def plan_replacements(

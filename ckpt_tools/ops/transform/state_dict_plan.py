@@ -10,7 +10,7 @@ too: their parts' storages copied (or their values cast,
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -20,11 +20,13 @@ from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.safetensors import tie_metadata
+from ckpt_tools.io.row_layout import row_layout, row_major_stream
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import (
     Record,
     cast_stream,
     copy_record,
+    record_bytes,
     tensor_bytes_record,
 )
 from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras, unholdable_kind
@@ -304,12 +306,8 @@ def _safetensors_entries(
             continue
         dst = cast_to if id(t.storage) in targets else None
         record = overrides.get(id(t.storage)) or tensor_bytes_record(ckpt, t, dst)
-        if id(t.storage) in overrides and (t.offset, t.nbytes) != (0, record.nbytes):
-            raise ConversionError(
-                f"{new!r} is a view of part of a storage; safetensors cannot hold the computed "
-                "storage as it is",
-                remedies=(to_torch,),
-            )
+        if id(t.storage) in overrides:
+            record = _row_major(new, t, record, to_torch)
         if dst is not None and id(t.storage) in overrides:  # a computed storage, then cast
             record = cast_stream(record, t.dtype, dst)
         # The rebuild call is kept, so the writer's guard sees a view bit as planning does.
@@ -318,6 +316,28 @@ def _safetensors_entries(
     check_holdable([(name, out) for name, out, _ in entries], ckpt.path, (to_torch,))
     metadata.update(tie_metadata(ties))
     return entries, metadata, left_out + tuple(ties)  # reported as convert reports them
+
+
+def _row_major(name: str, t: TensorRef, record: Record, to_torch: Remedy) -> Record:
+    """A computed storage's record (its bytes in storage order) as the row-major entry of
+    ``t``, which covers it: reordered row by row where ``t`` is ``channels_last``.
+
+    Raises:
+        ConversionError: ``t`` is a view of part of it, or strided otherwise.
+    """
+    if (t.offset, t.nbytes) != (0, record.nbytes) or row_layout(t) is None:
+        raise ConversionError(
+            f"{name!r} is a view of part of a storage, or a strided one; safetensors cannot "
+            "hold the computed storage as it is",
+            remedies=(to_torch,),
+        )
+    if t.is_contiguous():
+        return record
+
+    def produce() -> Iterable[bytes]:
+        return row_major_stream(record_bytes(record), t)
+
+    return Record(record.nbytes, produce=produce, action=record.action)
 
 
 def finish(

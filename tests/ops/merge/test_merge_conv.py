@@ -77,6 +77,42 @@ def test_convolutions_merge_as_peft_merges_them(
     compare(torch.load(tmp_path / "merged.pt"), case)
 
 
+def _channels_last() -> Convs:
+    model = Convs()
+    model.c2.to(memory_format=torch.channels_last)
+    model.pointwise.to(memory_format=torch.channels_last)
+    model.c3.to(memory_format=torch.channels_last_3d)
+    return model
+
+
+@pytest.mark.parametrize("name", ["merged.pt", "merged.safetensors"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"use_dora": True}, {"modules_to_save": ["pointwise"]}],
+    ids=["lora", "dora", "saved"],
+)
+def test_a_channels_last_base_merges_as_peft_merges_it(
+    tmp_path: Path, options: dict[str, Any], name: str
+) -> None:
+    # Each kernel covers its storage with its channels innermost; PEFT merges it in place.
+    targets = [n for n in ALL if n not in options.get("modules_to_save", ())]
+    case = make_case(tmp_path / "case", _channels_last, _lora(*targets, **options))
+    assert not case.base_sd["c2.weight"].is_contiguous()
+    assert not case.base_sd["c3.weight"].is_contiguous()
+    ct.merge_lora(case.base, case.adapter, tmp_path / name)
+    if name.endswith(".pt"):
+        out = torch.load(tmp_path / name)
+        # The output keeps the layout, as PEFT's merge in place keeps it.
+        for key in ("c2.weight", "pointwise.weight", "c3.weight"):
+            assert out[key].stride() == case.base_sd[key].stride()
+        assert not case.merged["c2.weight"].is_contiguous()
+    else:
+        from safetensors.torch import load_file
+
+        out = load_file(tmp_path / name)
+    compare({k: v.contiguous() for k, v in out.items()}, case)
+
+
 def test_a_kernel_peft_cannot_merge_merges_to_the_adapted_models_output(tmp_path: Path) -> None:
     # PEFT's merge takes a Conv3d kernel of (1, 1, k) for a 1x1 one and fails on it; the
     # merged weight must still compute what the adapted layer computes.
