@@ -149,6 +149,23 @@ def test_average_takes_differing_non_tensor_entries_from_the_input_ints_names(
         out.unlink()
 
 
+@pytest.mark.parametrize("ints", [None, "last"])
+def test_a_differing_entry_holding_tensors_is_offered_the_first_input_only(
+    tmp_path: Path, ints: str | None
+) -> None:
+    # The output's tensors are the first input's: the last input's entry cannot be taken.
+    a = {"w": torch.zeros(2), "extra": {"seen": torch.tensor(0)}}
+    b = {"w": torch.ones(2), "extra": {"seen": torch.tensor(1)}}
+    code, output, out = _average(tmp_path, a, b, *(("--ints", ints) if ints else ()))
+    assert code == 7 and "entries holding tensors differ across inputs" in output
+    assert "taken): extra (dict)" in output
+    assert "--ints first" in output and "--ints last" not in output, output
+    assert not out.exists()
+    code, output, out = _average(tmp_path, a, b, "--ints", "first")
+    assert code == 0, output
+    assert torch.load(out, weights_only=True)["extra"]["seen"] == 0
+
+
 def test_an_entry_taken_from_one_input_that_shares_an_averaged_storage_is_refused(
     tmp_path: Path,
 ) -> None:

@@ -146,8 +146,9 @@ class _Plan:
         output's tensors are the first input's)."""
         value = values[0]
         if not self.same(values):
-            if ints is None or (ints == "last" and iter_listed_tensors(values[-1])):
-                self.differ("non-tensor", key, type(value).__name__)
+            holds = bool(iter_listed_tensors(values[-1]))  # only the first input's can be taken
+            if ints is None or (ints == "last" and holds):
+                self.differ("holding tensors" if holds else "non-tensor", key, type(value).__name__)
             else:
                 value = values[-1] if ints == "last" else value
                 self.notes.append(f"{key_text(key)} differs across inputs: the {ints} input's")
@@ -256,17 +257,22 @@ def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
         "view bits": "tensors saved as a conjugate or negative view in some inputs only are not "
         "compared",
         "non-tensor": "non-tensor entries differ across inputs",
+        "holding tensors": "non-tensor entries holding tensors differ across inputs (the "
+        "output's tensors are the first input's, so only its entry can be taken)",
         "shares": "entries taken from one input share a storage with averaged tensors",
     }
     parts = []
     for group, keys in differing.items():
         parts.append(f"{said[group]}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else ""))
     remedies = []
-    if "integer" in differing or "non-tensor" in differing:
-        remedies += [
-            Remedy("ints", "'first'", flag="--ints first", text="to take the first input's"),
-            Remedy("ints", "'last'", flag="--ints last", text="to take the last input's"),
-        ]
+    if {"integer", "non-tensor", "holding tensors"} & differing.keys():
+        remedies.append(
+            Remedy("ints", "'first'", flag="--ints first", text="to take the first input's")
+        )
+    if {"integer", "non-tensor"} & differing.keys():
+        remedies.append(
+            Remedy("ints", "'last'", flag="--ints last", text="to take the last input's")
+        )
     if "other" in differing:
         remedies.append(
             Remedy(text="leave the tensors with no mean out of the inputs (ckpt extract)")
