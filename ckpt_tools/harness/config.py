@@ -18,6 +18,7 @@ from typing import Any
 
 from ckpt_tools._types import one_of
 from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.formats.urls import refuse_url
 from ckpt_tools.structure.json_values import json_ready
 
 __all__ = [
@@ -171,6 +172,8 @@ class TrainConfig:
             # only over GPUs, which train() checks once it knows the devices.
             what = "replicas" if self.strategy == "manual" else "ranks"
             check_batch_covers(self.batch_size, self.world_size, what)
+        if self.out_dir is not None:
+            refuse_url(self.out_dir, output=True)
         if self.record_steps and self.out_dir is None:
             raise UsageError(
                 "needs out_dir: the parameters of every step are saved there",

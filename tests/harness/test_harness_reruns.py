@@ -134,6 +134,29 @@ def test_a_plot_under_a_file_is_refused_before_training_and_a_new_folder_is_made
     assert (tmp_path / "new" / "p.png").is_file()
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--strategy", "single", "--out", "https://me:secret@host.example/run"],
+        ["parity", "--strategies", "single", "--out", "s3://bucket/run"],
+        ["parity", "--strategies", "single", "--plot", "https://me:secret@host.example/p.png"],
+    ],
+    ids=["train-out", "parity-out", "parity-plot"],
+)
+def test_a_url_output_is_refused_before_training_without_its_password(
+    args: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)  # where a URL taken for a path would be made
+    assert main(["harness", *args, "--steps", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "is a URL; outputs are written to local paths only" in err and err.count("\n") == 1
+    assert "secret" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("lr", ["1e39", "inf", "0"])
 def test_a_learning_rate_float32_cannot_hold_is_refused(
     lr: str, capsys: pytest.CaptureFixture[str]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.formats.urls import refuse_url
 
 __all__ = ["COMMON_FORMATS", "check_plot_path", "parity_figure", "plot_parity", "zero_floor"]
 
@@ -105,7 +106,8 @@ def check_plot_path(path: str | Path) -> Path:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        UsageError: a suffix that is not one of matplotlib's formats (its own list where it
+        UsageError: a URL (plots are written to local paths only), a suffix that is not
+            one of matplotlib's formats (its own list where it
             is importable, else :data:`COMMON_FORMATS`), a folder that cannot be made (a
             file stands in its path), or matplotlib not installed.
 
@@ -115,6 +117,7 @@ def check_plot_path(path: str | Path) -> Path:
         ...
         ckpt_tools.errors.UsageError: path='parity.txt': not an image format matplotlib saves; ...
     """
+    refuse_url(path, output=True)
     out = Path(path)
     try:
         from matplotlib.backend_bases import FigureCanvasBase

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.formats.urls import refuse_url
 from ckpt_tools.harness.config import (
     MULTI_PROCESS,
     STRATEGIES,
@@ -191,6 +192,8 @@ def run_parity(
         >>> report.all_passed, report.row("manual", "vs_single").max_abs_diff < 1e-5
         (True, True)
     """
+    if out_dir is not None:
+        refuse_url(out_dir, output=True)
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UsageError(
