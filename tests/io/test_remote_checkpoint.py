@@ -242,6 +242,12 @@ def test_a_rezipped_archive_is_extracted_from_a_url(hub, tmp_path):
     out = tmp_path / "a.pt"
     run_ckpt("extract", url, str(out), "--prefix", "a", code=0)
     assert torch.equal(torch.load(out, weights_only=True)["a"], torch.arange(1000.0))
+    # A .safetensors output reads spans: each record fetched and inflated into a copy.
+    from safetensors.torch import load_file
+
+    run_ckpt("extract", url, str(out.with_suffix(".safetensors")), "--prefix", "a", code=0)
+    got = load_file(out.with_suffix(".safetensors"))
+    assert torch.equal(got["a"], torch.arange(1000.0))
 
 
 def test_a_file_replaced_while_extracted_is_refused_not_mixed(hub, tmp_path):

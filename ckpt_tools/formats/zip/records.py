@@ -8,12 +8,20 @@ record inflated in bounded pieces and dropped (checked against its size only, as
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats.zip.directory import ZipEntry, ZipSource, corrupt_zip, located, pread
 from ckpt_tools.structure.text import human_bytes
 
-__all__ = ["check_inflates", "crc_holds", "deflate_bound", "read_entry", "read_head"]
+__all__ = [
+    "check_inflates",
+    "crc_holds",
+    "deflate_bound",
+    "inflate",
+    "read_entry",
+    "read_head",
+]
 
 
 def check_inflates(path: str, fd: ZipSource, entry: ZipEntry, chunk: int = 1 << 20) -> None:
@@ -23,6 +31,22 @@ def check_inflates(path: str, fd: ZipSource, entry: ZipEntry, chunk: int = 1 << 
     stream is damaged or inflates to another size than declared; torch does not check a
     record's CRC-32 when it reads it (its miniz is built without reader CRC checks), so
     neither does this.
+
+    Raises:
+        CorruptCheckpointError: the record does not inflate to exactly its declared size.
+    """
+    inflate(path, fd, entry, lambda _: None, chunk)
+
+
+def inflate(
+    path: str,
+    fd: ZipSource,
+    entry: ZipEntry,
+    sink: Callable[[bytes], object],
+    chunk: int = 1 << 20,
+) -> None:
+    """Inflate a compressed ``entry`` in bounded pieces as torch would, each piece handed to
+    ``sink`` (:func:`check_inflates` keeps nothing).
 
     Raises:
         CorruptCheckpointError: the record does not inflate to exactly its declared size.
@@ -39,6 +63,8 @@ def check_inflates(path: str, fd: ZipSource, entry: ZipEntry, chunk: int = 1 << 
             while produced <= entry.file_size:
                 out = inflater.decompress(raw, chunk)
                 produced += len(out)
+                if produced <= entry.file_size:
+                    sink(out)
                 raw = inflater.unconsumed_tail
                 if not raw and len(out) < chunk:
                     break

@@ -4,7 +4,8 @@ Only the central directory, the local headers, ``data.pkl`` and the small record
 reads and parses (versions, byte order, alignment, serialization id) are read, each checked
 as torch checks it; stored storage records are located, never loaded (torch checks no
 CRC-32 when it loads, so neither does inspect); compressed ones are inflated once, without
-keeping their bytes, because torch refuses one that does not inflate to its size.
+keeping their bytes, because torch refuses one that does not inflate to its size, and again
+into a temporary copy when their bytes are read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ckpt_tools.formats.zip.directory import (
     located,
     read_zip_directory,
 )
+from ckpt_tools.formats.zip.inflated import InflatedCopies
 from ckpt_tools.formats.zip.records import read_entry
 from ckpt_tools.formats.zip.torch_records import (
     RecordLookup,
@@ -194,17 +196,16 @@ def _locator(
     entries: Mapping[str, ZipEntry],
     source: RangeSource | None,
 ) -> Callable[[StorageRef], ByteSpan]:
-    """Where a storage's bytes lie: its record's data; a remote record's local header is read
-    and checked the first time (the read that was deferred)."""
+    """Where a storage's bytes lie: its record's data, or a compressed record's inflated copy
+    (:class:`~ckpt_tools.formats.zip.inflated.InflatedCopies`); a remote record's local header is
+    read and checked the first time (the read that was deferred)."""
     found: dict[str, int] = {}
+    copies = InflatedCopies(path, source)
 
     def locate(storage: StorageRef) -> ByteSpan:
         record = records[f"data/{storage.key}"]
         if record.compressed:
-            raise CorruptCheckpointError(
-                f"{path!r}: record data/{storage.key} is compressed; torch writes storages "
-                "stored, so this archive was re-zipped: re-save it with torch.save"
-            )
+            return copies.span(entries[record.name])
         offset = record.data_offset
         if offset < 0 and source is not None:
             if record.name not in found:
