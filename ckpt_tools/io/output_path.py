@@ -215,7 +215,7 @@ def check_output_folder(
         dst: the output folder (it may exist empty).
         src: the input file or folder; never replaced, nor any folder holding it.
         force: write into an existing non-empty ``dst``: its weight files
-            (:data:`~ckpt_tools.io.writers.hf_folder.WEIGHT_FILES`) are replaced, everything
+            (:data:`~ckpt_tools.io.writers.folder_swap.WEIGHT_FILES`) are replaced, everything
             else in it is kept.
 
     Returns:

@@ -157,7 +157,7 @@ def dry_run_fields(dst: str, planned: Iterable[PlannedFile]) -> dict[str, Any]:
         {'dry_run': True, 'planned': (), 'removes': ()}
     """
     # Lazily: the writers are imported only by a dry run, or by the write itself.
-    from ckpt_tools.io.writers.hf_folder import removed_files
+    from ckpt_tools.io.writers.folder_swap import removed_files
 
     files = tuple(planned)
     removes = removed_files(dst, [f.name for f in files])

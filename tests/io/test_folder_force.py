@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import ckpt_tools.io.writers.folder_swap as folder_swap
 import ckpt_tools.io.writers.hf_folder as hf_folder
 from ckpt_tools import convert, reshard
 from ckpt_tools.errors import OutputError, OutputExistsError
@@ -55,7 +56,7 @@ def _assert_kept(folder: Path, kept: dict[str, bytes]) -> None:
 
 
 def _weights(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if hf_folder.WEIGHT_FILES.match(p.name))
+    return sorted(p.name for p in folder.iterdir() if folder_swap.WEIGHT_FILES.match(p.name))
 
 
 def test_convert_force_keeps_the_users_files(tmp_path: Path) -> None:
@@ -145,7 +146,7 @@ def test_without_hard_links_the_kept_files_are_moved_and_put_back_on_failure(
         raise OSError(1, "Operation not permitted")
 
     monkeypatch.setattr(hf_folder.os, "link", no_links)
-    monkeypatch.setattr(hf_folder, "exchange", lambda a, b: False)  # two renames, not a swap
+    monkeypatch.setattr(folder_swap, "exchange", lambda a, b: False)  # two renames, not a swap
     real_rename = os.rename
 
     def rename(src: object, dst: object) -> None:  # the temp folder cannot take the name

@@ -27,7 +27,7 @@ from ckpt_tools.errors import OutputError
 from ckpt_tools.io import atomic
 from ckpt_tools.io.interrupts import Interrupted
 from ckpt_tools.io.output_path import check_output_folder
-from ckpt_tools.io.writers import hf_folder
+from ckpt_tools.io.writers import folder_swap
 from ckpt_tools.io.writers.folder_temp import Stopped, run_jobs
 from ckpt_tools.io.writers.hf_folder import FolderFile, write_folder
 from tests import helpers as h
@@ -273,17 +273,49 @@ def test_a_signal_during_a_write_by_several_threads_ends_it_as_with_one(
 def test_a_signal_while_the_folder_is_swapped_in_is_raised_once_it_is(
     exists: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_swap = hf_folder._swap
+    real_swap = folder_swap._swap
 
     def signal_then_swap(*args: object) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         real_swap(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(hf_folder, "_swap", signal_then_swap)
+    monkeypatch.setattr(folder_swap, "_swap", signal_then_swap)
     dst = tmp_path / "hf"
     if exists:
         dst.mkdir()
         (dst / "model.safetensors").write_bytes(b"old")
+    new = FolderFile("model.safetensors", lambda out: out.file.write(b"new"), lambda p: "")
+    with pytest.raises(Interrupted) as info:
+        write_folder(dst, [new], replace=True)
+    assert info.value.written == str(dst)
+    assert h.listing(tmp_path) == ["hf"] and (dst / "model.safetensors").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("where", ["fsync", "cleanup"])
+def test_a_sigterm_once_the_folder_has_its_name_says_it_was_written(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After the swap: the parent's fsync, and the removal of the old folder moved aside.
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (dst / "model.safetensors").write_bytes(b"old")
+    if where == "fsync":
+        real_fsync = folder_swap.fsync_folder
+
+        def fsync_then_signal(folder: Path) -> None:
+            real_fsync(folder)
+            if folder == tmp_path and (dst / "model.safetensors").read_bytes() == b"new":
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        monkeypatch.setattr(folder_swap, "fsync_folder", fsync_then_signal)
+    else:
+        real_discard = folder_swap._discard
+
+        def signal_then_discard(*args: object) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            real_discard(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(folder_swap, "_discard", signal_then_discard)
     new = FolderFile("model.safetensors", lambda out: out.file.write(b"new"), lambda p: "")
     with pytest.raises(Interrupted) as info:
         write_folder(dst, [new], replace=True)
