@@ -244,6 +244,25 @@ def _alike(keys: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]]) -
     return True
 
 
+_FIRST = Remedy("ints", "'first'", flag="--ints first", text="to take the first input's")
+_LAST = Remedy("ints", "'last'", flag="--ints last", text="to take the last input's")
+# What fixes each group of differing entries; an entry holding tensors only from the first.
+_REMEDIES = {
+    "integer": (_FIRST, _LAST),
+    "non-tensor": (_FIRST, _LAST),
+    "holding tensors": (_FIRST,),
+    "other": (Remedy(text="leave the tensors with no mean out of the inputs (ckpt extract)"),),
+    "sparse, nested or meta": (
+        Remedy(
+            text="leave the sparse, nested and meta tensors out of the inputs (ckpt extract), "
+            "or make them dense"
+        ),
+    ),
+    "shares": (Remedy(text="save those entries as tensors of their own (.clone())"),),
+    "view bits": (Remedy(text="load them, call .resolve_neg().resolve_conj() and save that"),),
+}
+
+
 def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
     """Refuse, naming every tensor that has no mean and differs across inputs, by group."""
     if not differing:
@@ -264,31 +283,8 @@ def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
     parts = []
     for group, keys in differing.items():
         parts.append(f"{said[group]}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else ""))
-    remedies = []
-    if {"integer", "non-tensor", "holding tensors"} & differing.keys():
-        remedies.append(
-            Remedy("ints", "'first'", flag="--ints first", text="to take the first input's")
-        )
-    if {"integer", "non-tensor"} & differing.keys():
-        remedies.append(
-            Remedy("ints", "'last'", flag="--ints last", text="to take the last input's")
-        )
-    if "other" in differing:
-        remedies.append(
-            Remedy(text="leave the tensors with no mean out of the inputs (ckpt extract)")
-        )
-    if "sparse, nested or meta" in differing:
-        remedies.append(
-            Remedy(
-                text="leave the sparse, nested and meta tensors out of the inputs (ckpt extract), "
-                "or make them dense"
-            )
-        )
-    if "shares" in differing:
-        remedies.append(Remedy(text="save those entries as tensors of their own (.clone())"))
-    if "view bits" in differing:
-        remedies.append(Remedy(text="load them, call .resolve_neg().resolve_conj() and save that"))
-    raise ConversionError("; ".join(parts), remedies=tuple(remedies))
+    remedies = dict.fromkeys(r for group in differing for r in _REMEDIES.get(group, ()))
+    raise ConversionError("; ".join(parts), remedies=tuple(remedies))  # each once, in order
 
 
 def _group(t: TensorRef, values: Sequence[TensorRef]) -> str:
