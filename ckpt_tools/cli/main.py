@@ -6,10 +6,12 @@ command's module, the error tree and the readers load when a command runs.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections.abc import Sequence
 from gettext import gettext
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import click
 
@@ -249,9 +251,36 @@ def run_command(command: click.Command, argv: Sequence[str] | None, *, prog_name
     return guarded(invoke, prog_name)
 
 
+# Set by a command whose process must leave without the interpreter's own exit (leave()).
+_LEAVE_AT_EXIT: list[bool] = []
+
+
+def leave_at_exit() -> None:
+    """Ask the process entry to end this process by :func:`leave` once the command is done.
+
+    A torchrun rank ran gloo's (and DeepSpeed's) threads: the interpreter's own exit can
+    abort on them (std::terminate, even after destroy_process_group), and torchrun would
+    report SIGABRT instead of the rank's status, its error line printed or not.
+    """
+    _LEAVE_AT_EXIT.append(True)
+
+
+def leave(status: int) -> NoReturn:
+    """End the process with ``status`` at once, its standard streams flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None where it was closed before the start (>&-)
+            with contextlib.suppress(OSError, ValueError):  # a pipe closed since
+                stream.flush()
+    os._exit(status)
+
+
 def run() -> None:
-    """Console-script entry: exit with :func:`main`'s code."""
-    sys.exit(main())
+    """Console-script entry: exit with :func:`main`'s code (by :func:`leave` where the
+    command asked for it)."""
+    status = main()
+    if _LEAVE_AT_EXIT:
+        leave(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,10 @@ as ``ckpt harness``, behind the same error boundary (message and exit code) as `
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from collections.abc import Sequence
 
 from ckpt_tools.cli.commands.harness import harness
-from ckpt_tools.cli.main import run_command
+from ckpt_tools.cli.main import leave, run_command
 
 __all__ = ["main"]
 
@@ -38,12 +35,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # A rank ran gloo's (and DeepSpeed's) threads: the interpreter's own exit can abort on
-    # them (std::terminate, even after destroy_process_group), and torchrun would report
-    # SIGABRT instead of this status. Everything is written and closed by now.
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:  # None where it was closed before the start (>&-)
-            with contextlib.suppress(OSError, ValueError):  # a pipe closed since
-                stream.flush()
-    os._exit(status)
+    leave(main())  # everything is written and closed by now (see leave_at_exit)

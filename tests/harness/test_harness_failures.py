@@ -82,6 +82,33 @@ def test_the_entry_exits_with_its_status_with_a_stream_closed(
     assert (tmp_path / "bare.pt").is_file()
 
 
+@pytest.mark.parametrize("torchrun", [True, False])
+def test_ckpt_as_a_torchrun_rank_leaves_without_the_interpreters_exit(
+    torchrun: bool, subprocess_env: dict[str, str]
+) -> None:
+    # `torchrun --no-python ckpt harness train`: gloo's threads can abort that exit.
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('interpreter exit ran', file=sys.stderr))\n"
+        "from ckpt_tools.cli.main import run\n"
+        "sys.argv = ['ckpt', 'harness', 'train', '--strategy', 'single', '--device', 'cpu']\n"
+        "run()\n"
+    )
+    env = dict(subprocess_env)
+    if torchrun:
+        env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    if torchrun:  # refused before it joins a group: its line, its status, nothing after
+        assert proc.returncode == 2
+        assert proc.stderr.startswith("ckpt: error: --strategy 'single': runs in one process")
+        assert proc.stderr.count("\n") == 1
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == "interpreter exit ran\n"
+
+
 def _raised(exc: Exception) -> Exception:
     try:
         raise exc

@@ -10,8 +10,6 @@ check fails.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +18,7 @@ import click
 from tabulate import tabulate
 
 # config.py is torch-free: `ckpt --help` and the choices below do not import torch.
+from ckpt_tools.cli.main import leave_at_exit
 from ckpt_tools.cli.render import echo_json
 from ckpt_tools.harness.config import (
     MODEL_NAMES,
@@ -187,17 +186,12 @@ def train_cmd(
     require_torch("ckpt harness train")
     from ckpt_tools.harness.strategies import train
 
-    result = train(TrainConfig(strategy=strategy, lr=lr, out_dir=out_dir, **asdict(run)))
     env = torchrun_env()
+    if env is not None:
+        leave_at_exit()  # gloo's threads can abort the interpreter's exit, failed or not
+    result = train(TrainConfig(strategy=strategy, lr=lr, out_dir=out_dir, **asdict(run)))
     if env is None or env.rank == 0:  # under torchrun every rank returns; one reports
         _echo_train(result, as_json)
-    if env is not None:
-        # Threads of gloo and of DeepSpeed can abort the interpreter's own exit after a
-        # complete run ("terminate called without an active exception": every rank has
-        # written and passed the last barrier): leave without running it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def _echo_train(result: TrainResult, as_json: bool) -> None:
