@@ -46,6 +46,7 @@ from ckpt_tools.harness.data import shard
 from ckpt_tools.harness.failures import (
     PeerLostError,
     peer_lost,
+    port_taken,
     quiet_spawn_log,
     rank_failure,
     write_failure,
@@ -243,8 +244,7 @@ def _spawn(
                 break
             except ProcessException as exc:
                 # Another process may grab the free port before rank 0 binds it; retry then.
-                port_taken = "address already in use" in str(exc).lower()
-                if port_taken and attempt + 1 < _SPAWN_ATTEMPTS:
+                if port_taken(failures, exc) and attempt + 1 < _SPAWN_ATTEMPTS:
                     continue
                 codes = [process.exitcode for process in context.processes]
                 what = config.strategy.upper()

@@ -31,6 +31,7 @@ __all__ = [
     "PeerLostError",
     "RankFailedError",
     "peer_lost",
+    "port_taken",
     "quiet_spawn_log",
     "rank_failure",
     "write_failure",
@@ -207,6 +208,19 @@ def _read_failures(folder: str | Path) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue  # a rank killed while writing it: its exit code still tells
     return sorted(found, key=lambda summary: summary["rank"])
+
+
+def port_taken(folder: str | Path, exc: BaseException) -> bool:
+    """Whether a spawned run failed because another process took its rendezvous port before
+    rank 0 bound it (the launcher then retries on another port): told by the launcher's
+    error, or by a rank's summary where that rank's exit aborted after it (SIGABRT).
+
+    Example:
+        >>> port_taken(".", RuntimeError("process 0 terminated with signal SIGABRT"))
+        False
+    """
+    texts = [str(exc), *(summary["message"] for summary in _read_failures(folder))]
+    return any("address already in use" in text.lower() for text in texts)
 
 
 def rank_failure(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.harness.failures import PeerLostError, RankFailedError, rank_failure, write_failure
+from ckpt_tools.harness import TrainConfig, ddp, train
+from ckpt_tools.harness.failures import (
+    PeerLostError,
+    RankFailedError,
+    port_taken,
+    rank_failure,
+    write_failure,
+)
 
 ENTRY = [sys.executable, "-m", "ckpt_tools.harness", "train"]
 PROG = "python -m ckpt_tools.harness"
@@ -114,6 +122,29 @@ def _raised(exc: Exception) -> Exception:
         raise exc
     except Exception as e:  # with its traceback, as a rank has it
         return e
+
+
+def test_a_port_taken_before_rank_0_bound_it_is_told_by_its_summary_too(tmp_path: Path) -> None:
+    # The launcher sees "terminated with signal SIGABRT" where rank 0's exit aborted after
+    # it wrote its summary; the summary still says why, and the run is retried.
+    aborted = RuntimeError("process 0 terminated with signal SIGABRT")
+    assert not port_taken(tmp_path, aborted)
+    listen = RuntimeError("The server socket has failed to listen ... address already in use")
+    write_failure(tmp_path, 0, _raised(listen))
+    assert port_taken(tmp_path, aborted)
+
+
+def test_a_spawned_run_whose_port_is_taken_is_retried_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = [ddp._free_port(), held.getsockname()[1]]
+        monkeypatch.setattr(ddp, "_free_port", ports.pop)  # the held port first
+        config = TrainConfig(strategy="ddp", world_size=2, steps=1, device="cpu")
+        assert train(config).world_size == 2
+    assert ports == []
 
 
 def test_a_rank_that_said_why_it_failed_is_told_by_that_whatever_its_exit(tmp_path: Path) -> None:
