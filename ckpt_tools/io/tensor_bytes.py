@@ -284,13 +284,8 @@ def decompressed(ckpt: Checkpoint, name: str) -> Iterator[Iterator[bytes]]:
         OSError: the archive cannot be read, or the record fails its CRC-32 check.
 
     Example:
-        >>> import zipfile
         >>> from ckpt_tools.formats import open_checkpoint
-        >>> with zipfile.ZipFile("model.pt") as src, zipfile.ZipFile(
-        ...     "deflated.pt", "w", zipfile.ZIP_DEFLATED
-        ... ) as dst:
-        ...     for info in src.infolist():
-        ...         dst.writestr(info.filename, src.read(info))
+        >>> # deflated.pt: model.pt re-zipped with deflate by a zip tool
         >>> with decompressed(open_checkpoint("deflated.pt"), "data/0") as chunks:
         ...     len(b"".join(chunks))  # conv.weight: 8*3*3*3 float32
         864

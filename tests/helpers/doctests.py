@@ -8,6 +8,7 @@ reads like user code (``inspect("ddp.pt")``) and may write files beside them.
 from __future__ import annotations
 
 import doctest
+import zipfile
 from pathlib import Path
 
 from tests.helpers.committed import copy_fixture
@@ -24,10 +25,17 @@ EXAMPLE_FILES = {
 
 
 def fill_example_folder(folder: Path) -> None:
-    """Copy :data:`EXAMPLE_FILES` into ``folder``."""
+    """Copy :data:`EXAMPLE_FILES` into ``folder``, with ``lora`` (a PEFT LoRA adapter of
+    ``model.pt``) and ``deflated.pt`` (``model.pt`` re-zipped with deflate by a zip tool)."""
     for name, fixture in EXAMPLE_FILES.items():
         copy_fixture(fixture, folder, as_name=name)
-    write_tiny_adapter(folder / "lora")  # a PEFT LoRA adapter of model.pt
+    write_tiny_adapter(folder / "lora")
+    with (
+        zipfile.ZipFile(folder / "model.pt") as src,
+        zipfile.ZipFile(folder / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as dst,
+    ):
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
 
 
 def example_sections(docstring: str) -> list[str]:

@@ -32,13 +32,8 @@ class InflatedCopies:
         source: the remote file read by ranges, or None for a local file.
 
     Example:
-        >>> import zipfile
         >>> from ckpt_tools.formats import open_checkpoint
-        >>> with zipfile.ZipFile("model.pt") as src, zipfile.ZipFile(
-        ...     "deflated.pt", "w", zipfile.ZIP_DEFLATED
-        ... ) as dst:
-        ...     for info in src.infolist():
-        ...         dst.writestr(info.filename, src.read(info))
+        >>> # deflated.pt: model.pt re-zipped with deflate by a zip tool
         >>> ckpt = open_checkpoint("deflated.pt")
         >>> span = ckpt.span(ckpt.storages["0"])  # conv.weight: 8*3*3*3 float32
         >>> span.offset, span.nbytes, os.path.getsize(span.path)
