@@ -4,7 +4,9 @@ A record is a list of pieces. A :class:`SpanPiece` is a byte range of a source f
 as it is (``copy_file_range``): a chunk that is a contiguous slice of the full tensor along
 dim 0 (FSDP's layout). An :class:`AssembledPiece` yields the bytes of a tensor whose chunks
 split other dimensions, gathered with numpy one bounded slab at a time: dim-0 rows, or parts
-of a row where one row is larger than a slab (a ``(1, N)`` tensor sharded on dim 1).
+of a row where one row is larger than a slab (a ``(1, N)`` tensor sharded on dim 1). A chunk
+stored in another layout (a transposed view, as DCP keeps it), whose every slab spans nearly
+all of its bytes, is read whole once and held while its tensor is assembled.
 torch is never imported.
 """
 
@@ -76,18 +78,17 @@ class AssembledPiece:
         if not self.nbytes:
             return
         kind = np.dtype(f"V{self.itemsize}")
-        fds: dict[str, int] = {}
+        files = _ChunkFiles()
         try:
             for block in _blocks(self.shape, self.itemsize, slab_bytes):
                 prefix, first, last = block
                 dim = len(prefix)
                 slab = np.empty((last - first, *self.shape[dim + 1 :]), dtype=kind)
                 for chunk in self.chunks:
-                    self._fill(slab, block, chunk, kind, fds)
+                    self._fill(slab, block, chunk, kind, files)
                 yield memoryview(slab.reshape(-1).view(np.uint8))
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            files.close()
 
     def _fill(
         self,
@@ -95,7 +96,7 @@ class AssembledPiece:
         block: tuple[tuple[int, ...], int, int],
         chunk: ChunkSource,
         kind: np.dtype,
-        fds: dict[str, int],
+        files: _ChunkFiles,
     ) -> None:
         """Copy the part of ``chunk`` that lies in ``block`` into ``slab``."""
         prefix, first, last = block
@@ -111,12 +112,12 @@ class AssembledPiece:
         start = t.offset + sum((a - o) * st for a, o, st in zip(lo, chunk.offsets, t.stride))
         overlap = replace(t, offset=start, shape=tuple(b - a for a, b in zip(lo, hi)))
         first_byte, end_byte = overlap.byte_span
-        if chunk.span.path not in fds:
-            fds[chunk.span.path] = os.open(chunk.span.path, os.O_RDONLY)
-        count = end_byte - first_byte
-        raw = os.pread(fds[chunk.span.path], count, chunk.span.offset + first_byte)
-        if len(raw) != count:
-            raise OSError(errno.EIO, f"{chunk.span.path!r} ended inside a chunk")
+        if end_byte - first_byte > 4 * overlap.nbytes:
+            # A chunk in another layout (transposed): every block spans nearly all of it.
+            held_first, held = files.whole(chunk)
+            raw = held[first_byte - held_first : end_byte - held_first]
+        else:
+            raw = files.read(chunk, first_byte, end_byte - first_byte)
         part = np.lib.stride_tricks.as_strided(
             np.frombuffer(raw, dtype=kind),
             shape=overlap.shape[dim:],
@@ -125,6 +126,36 @@ class AssembledPiece:
         )
         where = (slice(lo[dim] - first, hi[dim] - first), *map(slice, lo[dim + 1 :], hi[dim + 1 :]))
         slab[where] = part
+
+
+class _ChunkFiles:
+    """The chunks' files, each opened once, and the chunks read whole (held while the tensor
+    is assembled), each read once."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._whole: dict[int, tuple[int, bytes]] = {}
+
+    def read(self, chunk: ChunkSource, first_byte: int, count: int) -> bytes:
+        """``count`` bytes of ``chunk``'s storage from ``first_byte``."""
+        path = chunk.span.path
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        raw = os.pread(self._fds[path], count, chunk.span.offset + first_byte)
+        if len(raw) != count:
+            raise OSError(errno.EIO, f"{path!r} ended inside a chunk")
+        return raw
+
+    def whole(self, chunk: ChunkSource) -> tuple[int, bytes]:
+        """Where ``chunk``'s bytes start in its storage, and all of them, read once."""
+        if id(chunk) not in self._whole:
+            first, end = chunk.tensor.byte_span
+            self._whole[id(chunk)] = first, self.read(chunk, first, end - first)
+        return self._whole[id(chunk)]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
 
 
 def _blocks(

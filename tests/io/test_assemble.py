@@ -8,6 +8,7 @@ transposed view).
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +67,22 @@ def test_slabs_are_the_tensor_in_row_major_order_and_bounded(
     slabs = [bytes(s) for s in piece.iter_bytes(slab_bytes)]
     assert b"".join(slabs) == full.tobytes()
     assert max(map(len, slabs)) <= max(slab_bytes, full.itemsize)
+
+
+def test_a_transposed_chunk_is_read_once_not_once_per_slab(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every block of rows of a transposed chunk spans nearly all of its bytes.
+    full = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    piece = _piece(full, _grid(full.shape, (1, 2)), tmp_path, transposed=True)
+    read = []
+    real_pread = os.pread
+
+    def counted(fd: int, count: int, offset: int) -> bytes:
+        read.append(count)
+        return real_pread(fd, count, offset)
+
+    monkeypatch.setattr(os, "pread", counted)
+    slabs = [bytes(s) for s in piece.iter_bytes(48 * 4 * 4)]  # 4 rows a slab: 16 slabs
+    assert b"".join(slabs) == full.tobytes() and len(slabs) == 16
+    assert sum(read) <= 2 * full.nbytes, sum(read)
