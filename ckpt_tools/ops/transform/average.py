@@ -70,7 +70,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
 
     Example:
         >>> pick_inputs(["*.pt"])
-        ['ddp.pt', 'model.pt']
+        ['ddp.pt', 'deflated.pt', 'model.pt']
     """
     if last is not None and last < 1:
         raise UsageError(
