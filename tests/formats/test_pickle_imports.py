@@ -168,6 +168,15 @@ def test_a_declared_length_no_file_holds_ends_the_walk_as_malformed(length: int)
             assert find_imports(f).end is None
 
 
+@pytest.mark.parametrize("length", [1 << 63, (1 << 64) - 1, 1 << 40])
+def test_a_frame_no_file_holds_ends_the_walk_as_truncated(length: int) -> None:
+    # pickle.load: OverflowError past sys.maxsize, else it runs out of bytes.
+    data = b"\x80\x04\x95" + length.to_bytes(8, "little") + b"}."
+    for source in (data, io.BytesIO(data)):
+        scan = find_imports(source)
+        assert scan.imports == () and scan.end is None and scan.truncated
+
+
 # STRING arguments feeding a STACK_GLOBAL: quotes and escapes as pickle reads them.
 _STRING_GLOBALS = {
     "hex-escapes": b"S'p\\x6fsix'\nS'sys\\x74em'\n\x93.",

@@ -134,3 +134,20 @@ def test_a_storage_record_does_not_hide_an_unsafe_pickle(tmp_path: Path) -> None
     assert found.verdict == "dangerous"
     assert [f.global_name for f in found.findings] == ["pickle.loads"]
     assert found.findings[0].record.endswith("/data.pkl")
+
+
+@pytest.mark.parametrize("length", [(1 << 64) - 1, 1 << 63, 1 << 40])
+def test_tensor_bytes_declaring_a_frame_no_file_holds_leave_a_refused_file_unreadable(
+    tmp_path: Path, length: int
+) -> None:
+    # A torch file torch refuses (a byte appended) is searched record by record; a tensor
+    # whose bytes begin like PROTO 4 and a FRAME of ``length`` bytes is no pickle there.
+    frame = b"\x80\x04\x95" + length.to_bytes(8, "little") + bytes(5)
+    path = tmp_path / "frame.pt"
+    torch.save({"w": _u8(frame)}, path)
+    with open(path, "ab") as f:
+        f.write(b"\0")
+    (found,) = scan(path).files
+    assert found.verdict == "unreadable"
+    _, out, err = run_ckpt("scan", path, code=4)
+    assert "unreadable" in out and "Traceback" not in err

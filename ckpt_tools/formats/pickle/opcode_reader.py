@@ -120,7 +120,7 @@ class FramedInput:
         self._drop()
         if length < PREFETCH and self._opcode in self._served:
             return
-        data = self._stream.read(length)
+        data = _read_at_most(self._stream, length)
         if len(data) < length:
             raise ValueError("pickle data was truncated (a FRAME runs past the end)")
         self._small = self._opcode if length < PREFETCH else None
@@ -134,6 +134,18 @@ class FramedInput:
         frame = self._frame
         if frame is not None and self._at < len(frame) and self._small is not None:
             self.unsettled.add(self._small)
+
+
+def _read_at_most(stream: Any, length: int) -> bytes:
+    """Up to ``length`` bytes of ``stream``, read in bounded pieces: a FRAME may declare more
+    bytes (up to 2**64) than a file holds or a read can ask for."""
+    data = bytearray()
+    while len(data) < length:
+        piece = stream.read(min(length - len(data), 1 << 20))
+        if not piece:
+            break
+        data += piece
+    return bytes(data)
 
 
 def read_opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
