@@ -14,6 +14,7 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo
 from ckpt_tools.ops.merge.adapter import WEIGHT_NAMES, read_config, target_modules
 from ckpt_tools.ops.merge.config_checks import check_config_values
+from ckpt_tools.ops.merge.saved import saved_module_names
 
 __all__ = ["AdapterInfo", "inspect_adapter"]
 
@@ -127,7 +128,7 @@ def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:
         lora_bias=bool(lora and config.get("lora_bias")),
         target_modules=config.get("target_modules"),
         modules=target_modules(t.name for t in info.tensors),
-        modules_to_save=tuple(config.get("modules_to_save") or ()),
+        modules_to_save=tuple(saved_module_names(config)),
         patterns={k: config.get(k) or {} for k in ("rank_pattern", "alpha_pattern")},
         parameters=info.total_params,
     )

@@ -18,7 +18,7 @@ from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.merge.adapter import LoraAdapter
 from ckpt_tools.ops.merge.records import replace_record
-from ckpt_tools.ops.merge.saved import is_saved
+from ckpt_tools.ops.merge.saved import is_saved, saved_module_names
 
 __all__ = ["check_whole", "plan_replacements"]
 
@@ -141,7 +141,7 @@ def _refuse_tied_head(
 
 def _tied_copy(name: str, lora: LoraAdapter) -> bool:
     """Whether ``name`` is saved only as a tied module's copy (``ensure_weight_tying``)."""
-    names = lora.config.get("modules_to_save") or []
+    names = saved_module_names(lora.config)
     return bool(lora.config.get("ensure_weight_tying")) and not is_saved(
         name.rsplit(".", 1)[0], names
     )

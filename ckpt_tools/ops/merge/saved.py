@@ -11,7 +11,28 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.ops.merge.config_checks import adapted_by_config
 
-__all__ = ["is_saved", "modules_to_save", "trained_biases"]
+__all__ = ["is_saved", "modules_to_save", "saved_module_names", "trained_biases"]
+
+# The heads PEFT's model for a task adds to modules_to_save when it loads the adapter
+# (PeftModelForSequenceClassification and the others), whatever the config lists.
+_TASK_HEADS = {
+    "SEQ_CLS": ("classifier", "score"),
+    "TOKEN_CLS": ("classifier", "score"),
+    "QUESTION_ANS": ("qa_outputs",),
+}
+
+
+def saved_module_names(config: Mapping[str, Any]) -> list[str]:
+    """The names ``modules_to_save`` holds as PEFT loads the adapter: the config's list, and
+    the head of its ``task_type`` (``score`` for ``SEQ_CLS``), which older PEFT saved as
+    ``modules_to_save: null``.
+
+    Example:
+        >>> saved_module_names({"task_type": "SEQ_CLS", "modules_to_save": None})
+        ['classifier', 'score']
+    """
+    names = list(config.get("modules_to_save") or [])
+    return names + list(_TASK_HEADS.get(str(config.get("task_type")), ()))
 
 
 def trained_biases(
@@ -30,7 +51,7 @@ def trained_biases(
             PEFT now loads nowhere: merging it would not match PEFT, nor would dropping it
             match what was trained.
     """
-    names = config.get("modules_to_save") or []
+    names = saved_module_names(config)
     biases: dict[str, TensorRef] = {}
     # A copy under the wrapper's full name is a modules_to_save copy, read as one.
     for key in [k for k in rest if k.endswith(".bias") and ".modules_to_save.default." not in k]:
@@ -69,7 +90,7 @@ def modules_to_save(
     rest: Mapping[str, TensorRef], config: Mapping[str, Any], weights: str
 ) -> dict[str, TensorRef]:
     """The full copies of ``modules_to_save``, by base key; any other key is refused."""
-    names = config.get("modules_to_save") or []
+    names = saved_module_names(config)
     saved: dict[str, TensorRef] = {}
     unknown = []
     for key, t in rest.items():

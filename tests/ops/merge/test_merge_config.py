@@ -263,3 +263,36 @@ def test_a_head_tied_by_default_merges_into_the_embedding(tmp_path: Path) -> Non
     assert sorted(out) == sorted(k for k in case.base_sd if k != "lm_head.weight")
     assert all(close(v, case.merged.get(k, case.base_sd[k])) for k, v in out.items())
     assert close(out["transformer.wte.weight"], case.merged["lm_head.weight"])
+
+
+def _task_model(kind: str) -> Any:
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16, num_labels=3
+    )
+    config.pad_token_id = 0
+    return getattr(transformers, f"GPT2For{kind}")(config)
+
+
+@pytest.mark.parametrize(
+    ("task", "kind", "head"),
+    [
+        ("SEQ_CLS", "SequenceClassification", "score"),
+        ("TOKEN_CLS", "TokenClassification", "classifier"),
+        ("QUESTION_ANS", "QuestionAnswering", "qa_outputs"),
+    ],
+)
+def test_a_task_adapters_head_is_a_module_to_save_as_peft_adds_it(
+    tmp_path: Path, task: str, kind: str, head: str
+) -> None:
+    # PEFT's model for the task adds its head to modules_to_save when it loads the adapter;
+    # older PEFT saved such adapters with modules_to_save null.
+    config = _lora("c_attn", task_type=task, fan_in_fan_out=True)
+    case = make_case(tmp_path / "case", lambda: _task_model(kind), config)
+    _edit(case.adapter, modules_to_save=None)
+    assert any(k.startswith(f"{head}.") for k in case.merged)
+    assert not torch.equal(case.merged[f"{head}.weight"], case.base_sd[f"{head}.weight"])
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "merged.safetensors")
+    assert f"{head}.weight" in result.replaced
+    compare(load_file(tmp_path / "merged.safetensors"), case)
+    info = ct.inspect(case.adapter).format_info
+    assert head in info.modules_to_save
