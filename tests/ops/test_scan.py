@@ -107,9 +107,11 @@ def test_the_fixture_folder_mixes_verdicts_and_the_worst_decides(tmp_path: Path)
     assert data["verdict"] == "dangerous"
     # Files that are not checkpoints by content are skipped, whatever their names.
     assert {Path(p).name for p in data["skipped"]} >= {"notes.md", "random.bin", "empty.pt"}
+    # A git-lfs pointer named as a checkpoint is one never pulled: nothing of it was judged.
+    assert by_name["lfs_pointer.pt"] == "unreadable"
     (folder / "evil.pt").unlink()
     run_ckpt("scan", folder, code=4)  # now the worst is an unreadable file
-    for name in ("truncated.pt", "no_data_pkl.pt"):
+    for name in ("truncated.pt", "no_data_pkl.pt", "lfs_pointer.pt"):
         (folder / name).unlink()
     run_ckpt("scan", folder, code=0)
     run_ckpt("scan", "--fail-on", "nonstandard", folder, code=1)  # torchscript.pt
@@ -118,11 +120,27 @@ def test_the_fixture_folder_mixes_verdicts_and_the_worst_decides(tmp_path: Path)
 @pytest.mark.real
 @pytest.mark.skipif(not REAL_DIR.is_dir(), reason="../shared/realckpt is absent")
 def test_real_checkpoints_nobody_here_wrote_are_clean() -> None:
-    res = run_ckpt("scan", "--json", REAL_DIR, code=0)
+    res = run_ckpt("scan", "--json", REAL_DIR, code=4)
     data = json.loads(res.stdout)
-    assert data["files"] and all(f["verdict"] == "clean" for f in data["files"])
-    # The git-lfs pointer and the adapter's JSON are not checkpoints.
-    assert any("lfs_pointer" in p for p in data["skipped"])
+    verdicts = {Path(f["path"]).name: f["verdict"] for f in data["files"]}
+    # The git-lfs pointer, named as the adapter's weights, is a checkpoint never pulled.
+    pointers = [name for name in verdicts if "lfs_pointer" in name]
+    assert pointers and all(verdicts[name] == "unreadable" for name in pointers)
+    assert all(v == "clean" for name, v in verdicts.items() if name not in pointers)
+    assert len(verdicts) > len(pointers)
+    assert any(p.endswith(".json") for p in data["skipped"])  # the adapter's config
+
+
+def test_a_git_lfs_pointer_not_named_as_a_checkpoint_is_skipped(tmp_path: Path) -> None:
+    # LFS tracks images and datasets too: only a checkpoint's name makes a pointer unreadable.
+    pointer = fixture_path("lfs_pointer.pt").read_bytes()
+    (tmp_path / "figure.png").write_bytes(pointer)
+    (tmp_path / "weights.safetensors").write_bytes(pointer)
+    data = json.loads(run_ckpt("scan", "--json", tmp_path, code=4).stdout)
+    assert [Path(f["path"]).name for f in data["files"]] == ["weights.safetensors"]
+    assert [Path(p).name for p in data["skipped"]] == ["figure.png"]
+    (tmp_path / "weights.safetensors").unlink()
+    run_ckpt("scan", tmp_path, code=0)
 
 
 def test_unreadable_files_exit_4_with_the_reason(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ckpt_tools.errors import CheckpointError, UnsupportedFormatError
+from ckpt_tools.errors import CheckpointError, LfsPointerError, UnsupportedFormatError
 from ckpt_tools.formats import detect_format
 from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.detect import detect_bytes
@@ -34,9 +34,19 @@ def content_format(
 ) -> tuple[str | None, list[Walked] | None]:
     """The format by content (``pickle`` for any file that parses as one, None for others),
     and for a pickle the walk of its pickles to the end of the file, where it ended cleanly:
-    the scan's own walk of that format is the same one."""
+    the scan's own walk of that format is the same one.
+
+    Raises:
+        LfsPointerError: a git-lfs pointer named as a checkpoint (``*.safetensors``,
+            ``*.pt``, ``*.bin`` ...): the file was never pulled. Other pointers (images,
+            datasets) are no checkpoint.
+    """
     try:
         fmt = _detect(path, source)
+    except LfsPointerError:
+        if path.lower().endswith((*_CHECKPOINT_SUFFIXES, ".safetensors")):
+            raise  # a checkpoint never pulled: nothing of it can be judged
+        return None, None
     except UnsupportedFormatError:
         if source is None and not os.path.isfile(path):
             raise
