@@ -2,26 +2,39 @@
 once into a temporary file, so that every reader takes their bytes as a span, as it takes a
 stored record's.
 
-A copy is made the first time a record's span is asked for, in a private folder of the
-system's temporary directory (``TMPDIR``), and removed with the checkpoint that made it (or
-at exit): a span outliving it fails to open rather than read another file.
+A copy is made the first time a record's span is asked for, in the system's temporary
+directory (``TMPDIR``), and lives as long as the process: spans outlive the checkpoint that
+made them (a DeepSpeed folder's rank files are opened, located and let go). On Linux the copy
+has no name (``O_TMPFILE``, or unlinked at once) and is read through ``/proc/self/fd``, so
+the kernel frees it however the process ends, SIGKILL included; elsewhere it is removed at
+exit. A local file's record is inflated once per process, however often it is opened.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 import threading
-import weakref
+from typing import IO
 
 from ckpt_tools.descriptors import ByteSpan
+from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.zip.directory import ZipEntry
 from ckpt_tools.formats.zip.records import inflate
 from ckpt_tools.formats.zip.source import ZipSource
+from ckpt_tools.structure.text import human_bytes
 
 __all__ = ["InflatedCopies"]
+
+# Every copy made, open until the process ends: a path in /proc/self/fd stays its own.
+_HELD: list[IO[bytes]] = []
+# A local record's copy, by its file's identity and the record's place in it.
+_LOCAL: dict[tuple[int, ...], str] = {}
+_LOCK = threading.Lock()
 
 
 class InflatedCopies:
@@ -42,37 +55,78 @@ class InflatedCopies:
 
     def __init__(self, path: str, source: ZipSource | None = None) -> None:
         self._path, self._source = path, source
-        self._copies: dict[str, str] = {}
-        self._lock = threading.Lock()
-        self._folder: str | None = None
+        self._remote: dict[str, str] = {}  # a remote archive's copies, by record name
 
     def span(self, entry: ZipEntry) -> ByteSpan:
         """The span of ``entry``'s inflated bytes, inflating it the first time.
 
         Raises:
             CorruptCheckpointError: the record does not inflate to its declared size.
-            OSError: the copy cannot be written (the temporary directory is full).
+            ResourceLimitError: the temporary directory has no room for it.
+            OSError: the file cannot be read, or the copy written.
         """
-        with self._lock:
-            copy = self._copies.get(entry.name)
+        with _LOCK:
+            if self._source is not None:
+                copies, key = self._remote, entry.name
+            else:
+                found = os.stat(self._path)
+                copies = _LOCAL
+                key = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+                key += (entry.header_offset,)
+            copy = copies.get(key)  # type: ignore[call-overload]
             if copy is None:
-                copy = self._copies[entry.name] = self._inflate(entry)
+                copy = copies[key] = self._inflate(entry)  # type: ignore[index]
         return ByteSpan(copy, 0, entry.file_size)
 
     def _inflate(self, entry: ZipEntry) -> str:
-        if self._folder is None:
-            self._folder = tempfile.mkdtemp(prefix="ckpt-inflated-")
-            weakref.finalize(self, shutil.rmtree, self._folder, True)
-        copy = os.path.join(self._folder, str(len(self._copies)))
+        folder = tempfile.gettempdir()
+        free = shutil.disk_usage(folder).free
+        if entry.file_size > free:
+            raise _no_room(self._path, entry, folder, free)
+        out, path = _new_copy(folder)
         with contextlib.ExitStack() as stack:
             source = self._source
             if source is None:
                 source = os.open(self._path, os.O_RDONLY)
                 stack.callback(os.close, source)
-            out = stack.enter_context(open(copy, "xb"))
             try:
                 inflate(self._path, source, entry, out.write)
-            except BaseException:
-                os.unlink(copy)
+                out.flush()
+            except OSError as e:
+                out.close()
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _no_room(self._path, entry, folder, None) from e
                 raise
-        return copy
+            except BaseException:
+                out.close()
+                raise
+        _HELD.append(out)
+        return path
+
+
+def _new_copy(folder: str) -> tuple[IO[bytes], str]:
+    """A new file for a copy, and the path it is read by."""
+    if os.path.isdir("/proc/self/fd"):
+        # No name (O_TMPFILE, or unlinked at once), and open until the process ends (_HELD).
+        out = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115
+        return out, f"/proc/self/fd/{out.fileno()}"
+    named = tempfile.NamedTemporaryFile(  # noqa: SIM115 (open until the process ends)
+        dir=folder, prefix="ckpt-inflated-", delete=False
+    )
+    atexit.register(_remove, named.name)
+    return named, named.name
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _no_room(path: str, entry: ZipEntry, folder: str, free: int | None) -> ResourceLimitError:
+    has = "has no room left" if free is None else f"has {human_bytes(free)} free"
+    return ResourceLimitError(
+        f"{path!r}: record {entry.name!r} is compressed and is inflated into the temporary "
+        f"directory to be read, {human_bytes(entry.file_size)}, but {folder!r} {has}: set "
+        "TMPDIR to a folder with room",
+        path=path,
+    )
