@@ -43,6 +43,16 @@ MAX_INDEX_BYTES = 64 << 20
 # What from_pretrained accepts as ``transformers_weights``; it raises on anything else.
 _EXPLICIT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 _EXPLICIT_NAMES = ("adapter_model.bin",)
+# transformers' four files of a variant, in the order from_pretrained(variant=) tries them.
+_VARIANT_ORDER = tuple(
+    re.compile(pattern)
+    for pattern in (
+        r"model\.(.+)\.safetensors",
+        r"model\.safetensors\.index\.(.+)\.json",
+        r"pytorch_model\.(.+)\.bin",
+        r"pytorch_model\.bin\.index\.(.+)\.json",
+    )
+)
 # A variant's shard: model.fp16-00001-of-00002.safetensors.
 _SHARD_SUFFIX = re.compile(r"-\d+-of-\d+$")
 
@@ -82,6 +92,9 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
     variants = _variants(folder, adding)
     if explicit is not None:
         return explicit, [n for n in found + indexes + singles + variants if n != explicit]
+    ordered = None if found or singles else _one_variant(indexes + variants)
+    if ordered is not None:
+        return ordered[0], ordered[1:]
     if not found and len(indexes) > 1:
         first = str(folder / indexes[0])
         advice = Remedy(
@@ -106,6 +119,21 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         )
     names = found + indexes + singles + variants
     return names[0], names[1:]
+
+
+def _one_variant(names: Sequence[str]) -> list[str] | None:
+    """``names``, where they are all transformers' files of one variant, in the order
+    ``from_pretrained(variant=)`` tries them; else None."""
+    placed = []
+    for name in names:
+        found = [(i, p.fullmatch(name)) for i, p in enumerate(_VARIANT_ORDER)]
+        hits = [(i, m.group(1)) for i, m in found if m is not None]
+        if not hits:
+            return None
+        placed.append((*hits[0], name))
+    if len({variant for _, variant, _ in placed}) != 1:
+        return None
+    return [name for _, _, name in sorted(placed)]
 
 
 def _variants(folder: Path, adding: str | None) -> list[str]:

@@ -292,3 +292,30 @@ def test_a_variants_safetensors_is_read_before_its_bin_and_two_variants_are_refu
     with pytest.raises(ct.UnsupportedFormatError, match="holds several weight files") as err:
         ct.load_state_dict(folder)
     assert "model.bf16.safetensors" in str(err.value)
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "bin"])
+def test_a_variants_file_is_read_before_its_index_as_from_pretrained_variant_reads_them(
+    tmp_path: Path, suffix: str
+) -> None:
+    # transformers tries model.V.safetensors, then model.safetensors.index.V.json, then
+    # pytorch_model.V.bin, then pytorch_model.bin.index.V.json. A re-save as one file
+    # leaves the sharded save's index behind.
+    folder = tmp_path / "v"
+    _model(5).save_pretrained(folder, variant="fp16", max_shard_size="2KB")
+    if suffix == "bin":  # the index of .bin shards, beside one .bin
+        index = json.loads((folder / "model.safetensors.index.fp16.json").read_text())
+        (folder / "pytorch_model.bin.index.fp16.json").write_text(json.dumps(index))
+        for shard in folder.glob("model.fp16-*.safetensors"):
+            shard.unlink()
+        (folder / "model.safetensors.index.fp16.json").unlink()
+        state = {k: v.clone() for k, v in _model(6).state_dict().items() if k != "lm_head.weight"}
+        torch.save(state, folder / "pytorch_model.fp16.bin")
+    else:
+        _model(6).save_pretrained(folder, variant="fp16")
+        assert (folder / "model.safetensors.index.fp16.json").is_file()
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(folder, variant="fp16").state_dict()
+    ours = ct.load_state_dict(folder)
+    stored = [k for k in theirs if k in ours]
+    assert len(stored) == len(ours) > 1
+    assert all(torch.equal(ours[k], theirs[k]) for k in stored)
