@@ -166,6 +166,22 @@ def test_a_differing_entry_holding_tensors_is_offered_the_first_input_only(
     assert torch.load(out, weights_only=True)["extra"]["seen"] == 0
 
 
+def test_only_remedies_the_next_run_accepts_are_offered(tmp_path: Path) -> None:
+    # An integer tensor and an entry holding tensors differ: --ints last fails on the entry.
+    a = {"w": torch.zeros(2), "step": torch.tensor(1), "extra": {"ids": torch.tensor([1])}}
+    b = {"w": torch.ones(2), "step": torch.tensor(2), "extra": {"ids": torch.tensor([2])}}
+    code, output, out = _average(tmp_path, a, b)
+    assert code == 7 and "--ints first" in output and "--ints last" not in output, output
+    code, output, out = _average(tmp_path, a, b, "--ints", "first")
+    assert code == 0, output
+    out.unlink()
+    # An entry viewing an averaged storage cannot be taken from any input: no --ints at all.
+    p, q = torch.zeros(3), torch.ones(3)
+    code, output, out = _average(tmp_path, {"w": p, "meta": {"a": p}}, {"w": q, "meta": {"a": q}})
+    assert code == 7 and "shares a storage with w, which is averaged" in output, output
+    assert "--ints" not in output and ".clone()" in output
+
+
 def test_an_entry_taken_from_one_input_that_shares_an_averaged_storage_is_refused(
     tmp_path: Path,
 ) -> None:

@@ -21,12 +21,12 @@ from ckpt_tools.descriptors import (
     StorageRef,
     TensorRef,
 )
-from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
+from ckpt_tools.ops.transform.average_refusals import refuse_differing
 from ckpt_tools.ops.transform.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
 from ckpt_tools.ops.transform.plan import Item, PlanRow
 from ckpt_tools.structure.paths import key_text
@@ -98,7 +98,7 @@ def plan_items(
             if not plan.same(others):
                 plan.differ(_group(t, others), key, t.dtype)
             plan.add(orig, t, "copy (equal)")
-    _refuse_differing(plan.differing)
+    refuse_differing(plan.differing)
     return plan.items, plan.rows, plan.storages, plan.notes
 
 
@@ -148,23 +148,27 @@ class _Plan:
         if not self.same(values):
             holds = bool(iter_listed_tensors(values[-1]))  # only the first input's can be taken
             if ints is None or (ints == "last" and holds):
-                self.differ("holding tensors" if holds else "non-tensor", key, type(value).__name__)
+                # Not even the first input's, where it shares an averaged storage.
+                if not self._refuse_averaged_storages(key, value):
+                    group = "holding tensors" if holds else "non-tensor"
+                    self.differ(group, key, type(value).__name__)
             else:
                 value = values[-1] if ints == "last" else value
                 self.notes.append(f"{key_text(key)} differs across inputs: the {ints} input's")
                 self._refuse_averaged_storages(key, value)
         self.items.append((orig, orig, value))
 
-    def _refuse_averaged_storages(self, key: Any, value: Any) -> None:
+    def _refuse_averaged_storages(self, key: Any, value: Any) -> bool:
         """An entry taken from one input whose tensor shares a storage with averaged keys: the
-        storage gets the mean, which is not the value the entry is taken for."""
+        storage gets the mean, which is not the value the entry is taken for. Whether so."""
         for _, t in iter_listed_tensors(value):
             shared = self.on_storage.get(id(t.storage)) if isinstance(t, TensorRef) else None
             if shared and t.dtype in MEAN_DTYPES:
                 self.differ(
                     "shares", key, f"shares a storage with {', '.join(shared)}, which is averaged"
                 )
-                return
+                return True
+        return False
 
     def computed(
         self, key: str, others: Sequence[TensorRef], make: Callable[..., Record]
@@ -242,49 +246,6 @@ def _alike(keys: Sequence[str], aligned: Sequence[dict[str, tuple[str, Any]]]) -
         ):
             return False
     return True
-
-
-_FIRST = Remedy("ints", "'first'", flag="--ints first", text="to take the first input's")
-_LAST = Remedy("ints", "'last'", flag="--ints last", text="to take the last input's")
-# What fixes each group of differing entries; an entry holding tensors only from the first.
-_REMEDIES = {
-    "integer": (_FIRST, _LAST),
-    "non-tensor": (_FIRST, _LAST),
-    "holding tensors": (_FIRST,),
-    "other": (Remedy(text="leave the tensors with no mean out of the inputs (ckpt extract)"),),
-    "sparse, nested or meta": (
-        Remedy(
-            text="leave the sparse, nested and meta tensors out of the inputs (ckpt extract), "
-            "or make them dense"
-        ),
-    ),
-    "shares": (Remedy(text="save those entries as tensors of their own (.clone())"),),
-    "view bits": (Remedy(text="load them, call .resolve_neg().resolve_conj() and save that"),),
-}
-
-
-def _refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
-    """Refuse, naming every tensor that has no mean and differs across inputs, by group."""
-    if not differing:
-        return
-    said = {
-        "integer": "integer tensors differ across inputs",
-        "other": "tensors with no mean (bool, complex32, quantized, other float8) differ across "
-        "inputs",
-        "sparse, nested or meta": "sparse, nested and meta tensors are not averaged, and these "
-        "differ across inputs",
-        "view bits": "tensors saved as a conjugate or negative view in some inputs only are not "
-        "compared",
-        "non-tensor": "non-tensor entries differ across inputs",
-        "holding tensors": "non-tensor entries holding tensors differ across inputs (the "
-        "output's tensors are the first input's, so only its entry can be taken)",
-        "shares": "entries taken from one input share a storage with averaged tensors",
-    }
-    parts = []
-    for group, keys in differing.items():
-        parts.append(f"{said[group]}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else ""))
-    remedies = dict.fromkeys(r for group in differing for r in _REMEDIES.get(group, ()))
-    raise ConversionError("; ".join(parts), remedies=tuple(remedies))  # each once, in order
 
 
 def _group(t: TensorRef, values: Sequence[TensorRef]) -> str:
