@@ -9,6 +9,7 @@ The oracle is ``torch.load``: ``weights_only=False`` on the input (the attribute
 from __future__ import annotations
 
 import pathlib
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -123,3 +124,23 @@ def test_set_members_that_become_equal_when_made_plain_are_never_merged_silently
     assert [c.path for c in result.dropped_values] == ["files"]
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert out["files"] == {"data/a.txt", "data/b.txt"}
+
+
+def test_a_value_a_pickled_set_lists_twice_is_no_loss(tmp_path: Path) -> None:
+    # frozenset([1, 1]) as a pickle may spell it: the unpickler builds {1}, nothing is lost.
+    torch.save({"w": torch.ones(1), "tags": 0}, tmp_path / "base.pt")
+    with zipfile.ZipFile(tmp_path / "base.pt") as z:
+        records = {name: z.read(name) for name in z.namelist()}
+    pkl = next(name for name in records if name.endswith("/data.pkl"))
+    data = records[pkl]
+    at = data.index(b"K\x00", data.index(b"tags"))  # the value 0
+    spelled = b"cbuiltins\nfrozenset\n](K\x01K\x01e\x85R"
+    records[pkl] = data[:at] + spelled + data[at + 2 :]
+    with zipfile.ZipFile(tmp_path / "in.pt", "w") as z:
+        for name, body in records.items():
+            z.writestr(name, body)
+    assert torch.load(tmp_path / "in.pt", weights_only=False)["tags"] == frozenset({1})
+    run_ckpt("sanitize", tmp_path / "in.pt", tmp_path / "strict.pt", "--strict", code=0)
+    result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert result.dropped_values == () and [c.path for c in result.converted] == ["tags"]
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["tags"] == {1}

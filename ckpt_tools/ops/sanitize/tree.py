@@ -230,20 +230,22 @@ class _Sanitizer:
                 made[new_key] = new_value
 
     def _set(self, node: Iterable[Any], path: str, frozen: bool) -> Any:
-        made: set[Any] = set()
-        for v in (self.value(v, path) for v in node):
+        made: dict[Any, Any] = {}  # each member made plain -> the member it was
+        for member in node:
+            v = self.value(member, path)
             if v is _DROP:
                 continue
             if not hashable(v):  # a member converted to a dict or list
                 was = f"a set member that became a {type(v).__name__}"
                 self.dropped.append(Change(path, was, "dropped"))
-            elif v in made:  # a converted member equal to another (a path, its string)
+            elif v not in made:
+                made[v] = member
+            elif not _equal(made[v], member):  # made equal to another (a path, its string)
                 lost = "a set member that, made plain, equals another"
                 self.dropped.append(Change(path, lost, "dropped"))
-            else:
-                made.add(v)
+            # else one value listed twice (frozenset([1, 1]) pickled): the set holds it once
         # torch.load(weights_only=True) builds sets (builtins.set) but no frozenset.
-        return self._converted(path, "frozenset", "set", made) if frozen else made
+        return self._converted(path, "frozenset", "set", set(made)) if frozen else set(made)
 
     def _tensor(self, t: TensorRef, path: str) -> Any:
         state = t.attributes or None
@@ -382,3 +384,12 @@ def _moved(change: Change, first: str, path: str) -> Change:
 
 def _at(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two members of one pickled set were one member already (the same object, or
+    equal values), as the set the unpickler builds holds them."""
+    try:
+        return a is b or bool(a == b)
+    except (TypeError, ValueError):  # a comparison that fails: not the same member
+        return False
