@@ -97,12 +97,15 @@ durable_option = click.option(
 def max_shard_size_option(what: str, *, required: bool = False):  # type: ignore[no-untyped-def]
     """``--max-shard-size SIZE``, spelled and parsed alike by every command that shards;
     ``what`` says what the size does there."""
+    # No default where it is required: click 8.5 takes an explicit default=None for a value
+    # given, and would never say the option is missing.
+    default = {} if required else {"default": None}
     return click.option(
         "--max-shard-size",
         required=required,
-        default=None,
         metavar="SIZE",
         help=f"{what} SIZE: 5GB (5*10^9 bytes, as huggingface_hub), 2GiB, or bytes.",
+        **default,
     )
 
 

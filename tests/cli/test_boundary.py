@@ -248,6 +248,7 @@ def test_stdout_on_a_full_disk_is_one_line_and_exit_6(args: list[str], tmp_path:
         (["average", _DP, _DP, "out.pt", "--last", "0"], "--last 0: expected a count of 1"),
         (["harness", "train", "--strategy", "single", "--lr", "-1"], "--lr -1.0: must be a"),
         (["harness", "train"], "Missing option '--strategy'. Choose from: single, dp, ddp,"),
+        (["reshard", _DP, "out/"], "Missing option '--max-shard-size'; see 'ckpt reshard --help'"),
         (["slim", _DP, "o.pt", "--keep-dtype", "("], "--keep-dtype '(': not a valid regular expr"),
         (["average", _DP, _DP, "o.pt", "--weights", "1,x"], "'--weights': '1,x': expected"),
         (["average", "nomatch_*.pt", "o.pt"], "error: no input matches 'nomatch_*.pt'"),
