@@ -97,15 +97,13 @@ durable_option = click.option(
 def max_shard_size_option(what: str, *, required: bool = False):  # type: ignore[no-untyped-def]
     """``--max-shard-size SIZE``, spelled and parsed alike by every command that shards;
     ``what`` says what the size does there."""
-    # No default where it is required: click 8.5 takes an explicit default=None for a value
-    # given, and would never say the option is missing.
-    default = {} if required else {"default": None}
+    # No explicit default (None when not given): click 8.5 takes default=None for a value
+    # given, and would never say a required option is missing.
     return click.option(
         "--max-shard-size",
         required=required,
         metavar="SIZE",
         help=f"{what} SIZE: 5GB (5*10^9 bytes, as huggingface_hub), 2GiB, or bytes.",
-        **default,
     )
 
 
