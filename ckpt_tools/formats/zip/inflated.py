@@ -2,12 +2,13 @@
 once into a temporary file, so that every reader takes their bytes as a span, as it takes a
 stored record's.
 
-A copy is made the first time a record's span is asked for, in the system's temporary
-directory (``TMPDIR``), and lives as long as the process: spans outlive the checkpoint that
-made them (a DeepSpeed folder's rank files are opened, located and let go). On Linux the copy
-has no name (``O_TMPFILE``, or unlinked at once) and is read through ``/proc/self/fd``, so
-the kernel frees it however the process ends, SIGKILL included; elsewhere it is removed at
-exit. A local file's record is inflated once per process, however often it is opened.
+A record is inflated the first time its span is asked for, appended to its archive's one copy
+file in the system's temporary directory (``TMPDIR``), which lives as long as the process:
+spans outlive the checkpoint that made them (a DeepSpeed folder's rank files are opened,
+located and let go). On Linux the file has no name (``O_TMPFILE``, or unlinked at once) and
+is read through ``/proc/self/fd``, so the kernel frees it however the process ends, SIGKILL
+included; elsewhere it is removed at exit. A local file's record is inflated once per
+process, however often the file is opened.
 """
 
 from __future__ import annotations
@@ -30,11 +31,24 @@ from ckpt_tools.structure.text import human_bytes
 
 __all__ = ["InflatedCopies"]
 
-# Every copy made, open until the process ends: a path in /proc/self/fd stays its own.
+# Every archive's copy file, open until the process ends: a path in /proc/self/fd stays its own.
 _HELD: list[IO[bytes]] = []
-# A local record's copy, by its file's identity and the record's place in it.
-_LOCAL: dict[tuple[int, ...], str] = {}
 _LOCK = threading.Lock()
+
+
+class _Copies:
+    """One archive's inflated records, back to back in one temporary file (one descriptor
+    however many records: a model's thousands of tensors stay under ``ulimit -n``)."""
+
+    def __init__(self) -> None:
+        self.file: IO[bytes] | None = None
+        self.path = ""
+        self.at: dict[str, int] = {}  # record name -> where its bytes start in the file
+        self.end = 0
+
+
+# A local archive's copies, by its file's identity.
+_LOCAL: dict[tuple[int, ...], _Copies] = {}
 
 
 class InflatedCopies:
@@ -49,13 +63,13 @@ class InflatedCopies:
         >>> # deflated.pt: model.pt re-zipped with deflate by a zip tool
         >>> ckpt = open_checkpoint("deflated.pt")
         >>> span = ckpt.span(ckpt.storages["0"])  # conv.weight: 8*3*3*3 float32
-        >>> span.offset, span.nbytes, os.path.getsize(span.path)
-        (0, 864, 864)
+        >>> span.nbytes, os.path.getsize(span.path) >= span.offset + span.nbytes
+        (864, True)
     """
 
     def __init__(self, path: str, source: ZipSource | None = None) -> None:
         self._path, self._source = path, source
-        self._remote: dict[str, str] = {}  # a remote archive's copies, by record name
+        self._remote = _Copies()  # a remote archive's, made for this opening only
 
     def span(self, entry: ZipEntry) -> ByteSpan:
         """The span of ``entry``'s inflated bytes, inflating it the first time.
@@ -67,45 +81,46 @@ class InflatedCopies:
         """
         with _LOCK:
             if self._source is not None:
-                copies, key = self._remote, entry.name
+                copies = self._remote
             else:
                 found = os.stat(self._path)
-                copies = _LOCAL
                 key = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
-                key += (entry.header_offset,)
-            copy = copies.get(key)  # type: ignore[call-overload]
-            if copy is None:
-                copy = copies[key] = self._inflate(entry)  # type: ignore[index]
-        return ByteSpan(copy, 0, entry.file_size)
+                copies = _LOCAL.setdefault(key, _Copies())
+            at = copies.at.get(entry.name)
+            if at is None:
+                at = copies.at[entry.name] = self._inflate(copies, entry)
+        return ByteSpan(copies.path, at, entry.file_size)
 
-    def _inflate(self, entry: ZipEntry) -> str:
+    def _inflate(self, copies: _Copies, entry: ZipEntry) -> int:
+        """Append ``entry``'s inflated bytes to ``copies``' file; where they start."""
         folder = tempfile.gettempdir()
         free = shutil.disk_usage(folder).free
         if entry.file_size > free:
             raise _no_room(self._path, entry, folder, free)
-        out, path = _new_copy(folder)
+        if copies.file is None:
+            copies.file, copies.path = _new_copy(folder)
+            _HELD.append(copies.file)
+        out, start = copies.file, copies.end
         with contextlib.ExitStack() as stack:
             source = self._source
             if source is None:
                 source = os.open(self._path, os.O_RDONLY)
                 stack.callback(os.close, source)
+            out.seek(start)
             try:
                 inflate(self._path, source, entry, out.write)
                 out.flush()
-            except OSError as e:
-                out.close()
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            except BaseException as e:
+                out.truncate(start)  # nothing half made stays
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise _no_room(self._path, entry, folder, None) from e
                 raise
-            except BaseException:
-                out.close()
-                raise
-        _HELD.append(out)
-        return path
+        copies.end = start + entry.file_size
+        return start
 
 
 def _new_copy(folder: str) -> tuple[IO[bytes], str]:
-    """A new file for a copy, and the path it is read by."""
+    """A new file for an archive's copies, and the path it is read by."""
     if os.path.isdir("/proc/self/fd"):
         # No name (O_TMPFILE, or unlinked at once), and open until the process ends (_HELD).
         out = tempfile.TemporaryFile(dir=folder)  # noqa: SIM115
