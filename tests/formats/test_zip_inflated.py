@@ -28,8 +28,8 @@ def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
-def _deflated(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    state = {"w": torch.arange(4096.0), "b": torch.ones(3, dtype=torch.int16)}
+def _deflated(tmp_path: Path, fill: float = 1.0) -> tuple[Path, dict[str, torch.Tensor]]:
+    state = {"w": torch.full((4096,), fill), "b": torch.ones(3, dtype=torch.int16)}
     plain, src = tmp_path / "plain.pt", tmp_path / "deflated.pt"
     torch.save(state, plain)
     with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
@@ -109,3 +109,26 @@ def test_an_archives_records_share_one_copy_file(tmp_path: Path, scratch: Path) 
         for key, span in spans.items():
             f.seek(span.offset)
             assert f.read(span.nbytes) == state[key].numpy().tobytes(), key
+
+
+def test_a_file_rewritten_in_place_with_its_size_and_times_is_inflated_anew(
+    tmp_path: Path, scratch: Path
+) -> None:
+    # cp -p or rsync --inplace -t keep the inode, the size and the modification time.
+    src, _ = _deflated(tmp_path)
+    ckpt = open_checkpoint(src)
+    first = ckpt.span(ckpt.root["w"].storage)
+    kept = src.stat()
+    other = tmp_path / "other"
+    other.mkdir()
+    replaced, want = _deflated(other, fill=-1.0)  # deflates to as many bytes as 1.0
+    assert replaced.stat().st_size == kept.st_size
+    with open(src, "r+b") as f:
+        f.write(replaced.read_bytes())
+    os.utime(src, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    again = open_checkpoint(src)
+    span = again.span(again.root["w"].storage)
+    with open(span.path, "rb") as f:
+        f.seek(span.offset)
+        assert f.read(span.nbytes) == want["w"].numpy().tobytes()
+    assert span != first

@@ -160,7 +160,7 @@ def test_two_urls_shown_the_same_are_not_read_as_one(hub: HubServer, model: Path
 LOCAL_ONLY = [
     ("convert", "{url}", "{out}/b.safetensors"),
     ("average", "{url}", "{url}", "{out}/f.pt"),
-    ("reshard", "{folder}", "{out}/g"),
+    ("reshard", "{folder}", "{out}/g", "--max-shard-size", "1GB"),
     ("consolidate", "{folder}", "{out}/h.pt"),
     ("merge-lora", "{url}", "{folder}", "{out}/i"),
     ("merge-lora", "{model}", "{folder}", "{out}/i"),

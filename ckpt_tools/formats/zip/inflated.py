@@ -43,7 +43,7 @@ class _Copies:
     def __init__(self) -> None:
         self.file: IO[bytes] | None = None
         self.path = ""
-        self.at: dict[str, int] = {}  # record name -> where its bytes start in the file
+        self.at: dict[tuple[object, ...], int] = {}  # record -> where its bytes start
         self.end = 0
 
 
@@ -85,10 +85,13 @@ class InflatedCopies:
             else:
                 found = os.stat(self._path)
                 key = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+                key += (found.st_ctime_ns,)  # which no user sets back
                 copies = _LOCAL.setdefault(key, _Copies())
-            at = copies.at.get(entry.name)
+            # The record as declared too: a file rewritten in place may keep size and times.
+            record = (entry.name, entry.header_offset, entry.compress_size, entry.crc32)
+            at = copies.at.get(record)
             if at is None:
-                at = copies.at[entry.name] = self._inflate(copies, entry)
+                at = copies.at[record] = self._inflate(copies, entry)
         return ByteSpan(copies.path, at, entry.file_size)
 
     def _inflate(self, copies: _Copies, entry: ZipEntry) -> int:
