@@ -144,3 +144,25 @@ def test_a_value_a_pickled_set_lists_twice_is_no_loss(tmp_path: Path) -> None:
     result = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt")
     assert result.dropped_values == () and [c.path for c in result.converted] == ["tags"]
     assert torch.load(tmp_path / "out.pt", weights_only=True)["tags"] == {1}
+
+
+class _Twice:
+    """Pickles as ``kind([a, b])``: one value listed twice, each its own pickle."""
+
+    def __init__(self, kind: type, a: object, b: object) -> None:
+        self.kind, self.a, self.b = kind, a, b
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (self.kind, ([self.a, self.b],))
+
+
+@pytest.mark.parametrize("kind", [frozenset, set])
+def test_one_path_a_pickled_set_lists_twice_is_no_loss(tmp_path: Path, kind: type) -> None:
+    twice = _Twice(kind, pathlib.PurePosixPath("ckpt/a"), pathlib.PurePosixPath("ckpt/a"))
+    torch.save({"w": torch.ones(1), "s": twice}, tmp_path / "in.pt")
+    assert torch.load(tmp_path / "in.pt", weights_only=False)["s"] == {
+        pathlib.PurePosixPath("ckpt/a")
+    }
+    run_ckpt("sanitize", tmp_path / "in.pt", tmp_path / "strict.pt", "--strict", code=0)
+    assert ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt").dropped_values == ()
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["s"] == {"ckpt/a"}

@@ -387,9 +387,19 @@ def _at(path: str, key: Any) -> str:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """Whether two members of one pickled set were one member already (the same object, or
-    equal values), as the set the unpickler builds holds them."""
+    """Whether two members of one pickled set, equal once made plain, were one member already
+    (equal values, or two pickles of one kind: the same class or rebuild call, ``PosixPath``
+    twice), as the set the unpickler builds holds them once."""
     try:
-        return a is b or bool(a == b)
-    except (TypeError, ValueError):  # a comparison that fails: not the same member
-        return False
+        if a is b or bool(a == b):
+            return True
+    except (TypeError, ValueError):  # a comparison that fails: told by the kind alone
+        pass
+    return _kind(a) == _kind(b)
+
+
+def _kind(member: Any) -> Any:
+    """What makes a member: its rebuild call, its stand-in's class, or its type."""
+    if isinstance(member, Reduced):
+        return member.func
+    return getattr(type(member), "global_ref", None) or type(member)
