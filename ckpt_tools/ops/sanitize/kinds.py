@@ -8,8 +8,9 @@ import posixpath
 from typing import Any
 
 from ckpt_tools.descriptors import Opaque
+from ckpt_tools.formats.pickle.standins import Reduced
 
-__all__ = ["FROZENSETS", "NAMESPACES", "enum_like", "hashable", "path_text"]
+__all__ = ["FROZENSETS", "NAMESPACES", "enum_like", "hashable", "path_text", "same_member"]
 
 NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
 FROZENSETS = ("builtins.frozenset", "__builtin__.frozenset")
@@ -55,3 +56,22 @@ def enum_like(node: Opaque, short: str) -> bool:
         and not node.listitems
         and not node.dictitems
     )
+
+
+def same_member(a: Any, b: Any) -> bool:
+    """Whether two members of one pickled set, equal once made plain, were one member already
+    (equal values, or two pickles of one kind: the same class or rebuild call, ``PosixPath``
+    twice), as the set the unpickler builds holds them once."""
+    try:
+        if a is b or bool(a == b):
+            return True
+    except (TypeError, ValueError):  # a comparison that fails: told by the kind alone
+        pass
+    return _kind(a) == _kind(b)
+
+
+def _kind(member: Any) -> Any:
+    """What makes a member: its rebuild call, its stand-in's class, or its type."""
+    if isinstance(member, Reduced):
+        return member.func
+    return getattr(type(member), "global_ref", None) or type(member)

@@ -44,6 +44,7 @@ from ckpt_tools.ops.sanitize.kinds import (
     enum_like,
     hashable,
     path_text,
+    same_member,
 )
 from ckpt_tools.ops.sanitize.numpy_values import (
     NUMPY_FROMBUFFER,
@@ -240,7 +241,7 @@ class _Sanitizer:
                 self.dropped.append(Change(path, was, "dropped"))
             elif v not in made:
                 made[v] = member
-            elif not _equal(made[v], member):  # made equal to another (a path, its string)
+            elif not same_member(made[v], member):  # made equal to another (a path, its string)
                 lost = "a set member that, made plain, equals another"
                 self.dropped.append(Change(path, lost, "dropped"))
             # else one value listed twice (frozenset([1, 1]) pickled): the set holds it once
@@ -384,22 +385,3 @@ def _moved(change: Change, first: str, path: str) -> Change:
 
 def _at(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """Whether two members of one pickled set, equal once made plain, were one member already
-    (equal values, or two pickles of one kind: the same class or rebuild call, ``PosixPath``
-    twice), as the set the unpickler builds holds them once."""
-    try:
-        if a is b or bool(a == b):
-            return True
-    except (TypeError, ValueError):  # a comparison that fails: told by the kind alone
-        pass
-    return _kind(a) == _kind(b)
-
-
-def _kind(member: Any) -> Any:
-    """What makes a member: its rebuild call, its stand-in's class, or its type."""
-    if isinstance(member, Reduced):
-        return member.func
-    return getattr(type(member), "global_ref", None) or type(member)
