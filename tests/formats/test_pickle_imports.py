@@ -235,3 +235,17 @@ _PROTOCOL_NAMES = {
 @pytest.mark.parametrize("data", _PROTOCOL_NAMES.values(), ids=_PROTOCOL_NAMES)
 def test_python2_names_are_mapped_only_below_protocol_3(data: bytes) -> None:
     assert [i.qualname for i in find_imports(data).imports] == _oracle(data)
+
+
+def test_a_frame_longer_than_the_file_is_not_read_into_memory() -> None:
+    # The walk can tell the stream's end: nothing of the frame is kept to be dropped.
+    import tracemalloc
+
+    stream = io.BytesIO(b"\x80\x04\x95" + (1 << 40).to_bytes(8, "little") + bytes(32 << 20))
+    tracemalloc.start()
+    try:
+        scan = find_imports(stream)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert scan.truncated and peak < 4 << 20, peak

@@ -108,6 +108,11 @@ class LimitedReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def left_in_file(self) -> int:
+        """The bytes the file holds past where this reader stands (the limit, where the file
+        cannot tell)."""
+        return max(self._in_file, 0)
+
     def tell(self) -> int:
         # How far it has read. pickletools.genops asks before every opcode; RawIOBase's own
         # tell would seek, which this reader cannot.

@@ -7,6 +7,8 @@ and name); :mod:`~ckpt_tools.formats.pickle.imports` replays them to name every 
 from __future__ import annotations
 
 import codecs
+import contextlib
+import os
 import pickletools
 import sys
 from collections.abc import Iterator
@@ -138,7 +140,14 @@ class FramedInput:
 
 def _read_at_most(stream: Any, length: int) -> bytes:
     """Up to ``length`` bytes of ``stream``, read in bounded pieces: a FRAME may declare more
-    bytes (up to 2**64) than a file holds or a read can ask for."""
+    bytes (up to 2**64) than a file holds or a read can ask for. Where the stream can tell
+    what it has left, a FRAME that runs past it keeps nothing: the stream is read to its end,
+    where the unpickler's read would leave it, and its bytes dropped."""
+    left = _bytes_left(stream)
+    if left is not None and length > left:
+        while stream.read(1 << 20):
+            pass
+        return b""
     data = bytearray()
     while len(data) < length:
         piece = stream.read(min(length - len(data), 1 << 20))
@@ -146,6 +155,19 @@ def _read_at_most(stream: Any, length: int) -> bytes:
             break
         data += piece
     return bytes(data)
+
+
+def _bytes_left(stream: Any) -> int | None:
+    """The bytes ``stream`` holds past where it stands, where it can tell."""
+    left = getattr(stream, "left_in_file", None)
+    if left is not None:
+        return int(left())
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        at = stream.tell()
+        end = stream.seek(0, os.SEEK_END)
+        stream.seek(at)
+        return int(end - at)
+    return None
 
 
 def read_opcodes(stream: Any) -> Iterator[tuple[pickletools.OpcodeInfo, Any, int]]:
