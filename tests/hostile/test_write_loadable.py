@@ -214,10 +214,10 @@ def test_strided_views_of_a_large_storage_are_gathered_in_pieces(tmp_path):
 @pytest.mark.parametrize(
     "args",
     [
-        ("convert", "out.safetensors"),
-        ("convert", "out/"),
-        ("strip-module", "out.safetensors"),
-        ("slim", "out.safetensors", "--dtype", "bf16"),
+        ("convert", "out.safetensors", "--verify", "full"),
+        ("convert", "out/", "--verify", "full"),
+        ("strip-module", "out.safetensors", "--verify", "full"),
+        ("slim", "out.safetensors", "--dtype", "bf16", "--verify", "full"),
         ("diff", "plain.pt"),
     ],
     ids=["safetensors", "folder", "strip-module", "slim", "diff"],
