@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.errors import ConversionError, CorruptCheckpointError, Remedy
 from ckpt_tools.formats.base import Checkpoint, open_buffered
 from ckpt_tools.io.ranges import SourceEndedError
 
@@ -277,11 +277,11 @@ def decompressed(ckpt: Checkpoint, name: str) -> Iterator[Iterator[bytes]]:
         name: the record's name inside the archive's root folder (``data/0``).
 
     Yields:
-        An iterator of pieces; zipfile checks their CRC-32 as they come (``OSError`` if the
-        record is damaged).
+        An iterator of pieces; zipfile checks their CRC-32 as they come
+        (:class:`~ckpt_tools.errors.CorruptCheckpointError` if the record is damaged).
 
     Raises:
-        OSError: the archive cannot be read, or the record fails its CRC-32 check.
+        OSError: the archive cannot be read.
 
     Example:
         >>> from ckpt_tools.formats import open_checkpoint
@@ -319,7 +319,8 @@ def _member_chunks(member: Any, name: str) -> Iterator[bytes]:
         try:
             piece = member.read(DEFAULT_CHUNK_BYTES)
         except (zipfile.BadZipFile, zlib.error, EOFError) as e:
-            raise OSError(errno.EIO, f"record {name!r} does not decompress: {e}") from e
+            # The input's fault, not the output's (a writer reports OSErrors as its own).
+            raise CorruptCheckpointError(f"record {name!r} does not decompress: {e}") from e
         if not piece:
             return
         yield piece

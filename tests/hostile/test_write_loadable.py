@@ -255,3 +255,33 @@ def test_deflated_storages_are_read_as_torch_reads_them_by_every_command(args, t
         if command == "slim" and value.is_floating_point():
             value = value.to(torch.bfloat16)
         assert torch.equal(got[key], value.contiguous()), key
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("convert", "out.pt"),
+        ("convert", "out.safetensors"),
+        ("convert", "out/"),
+        ("diff", "plain.pt"),
+    ],
+    ids=["pt", "safetensors", "folder", "diff"],
+)
+def test_a_deflated_record_failing_its_crc_is_refused_as_corrupt_by_every_reader(args, tmp_path):
+    # torch inflates it unchecked; values nobody can vouch for are refused alike (exit 4),
+    # never as an output that failed (6).
+    plain = tmp_path / "plain.pt"
+    torch.save(_state(), plain)
+    src = _deflate(plain, tmp_path / "in.pt")
+    with zipfile.ZipFile(src) as z:
+        info = z.getinfo(next(n for n in z.namelist() if n.endswith("/data/0")))
+    raw = bytearray(src.read_bytes())
+    for at in (info.header_offset + 14, raw.rindex(info.filename.encode()) - 46 + 16):
+        raw[at : at + 4] = (info.CRC ^ 1).to_bytes(4, "little")
+    src.write_bytes(bytes(raw))
+    torch.load(src, weights_only=True)  # torch checks no CRC-32
+    command, out = args
+    result = _ckpt(command, src, f"{tmp_path}/{out}")
+    assert result.returncode == 4, result.stderr
+    assert "CRC-32" in result.stderr
+    assert command == "diff" or not (tmp_path / out.rstrip("/")).exists()

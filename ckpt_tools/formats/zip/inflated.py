@@ -111,7 +111,7 @@ class InflatedCopies:
                 stack.callback(os.close, source)
             out.seek(start)
             try:
-                inflate(self._path, source, entry, out.write)
+                inflate(self._path, source, entry, out.write, check_crc=True)
                 out.flush()
             except BaseException as e:
                 out.truncate(start)  # nothing half made stays

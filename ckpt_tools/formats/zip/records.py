@@ -44,16 +44,21 @@ def inflate(
     entry: ZipEntry,
     sink: Callable[[bytes], object],
     chunk: int = 1 << 20,
+    *,
+    check_crc: bool = False,
 ) -> None:
     """Inflate a compressed ``entry`` in bounded pieces as torch would, each piece handed to
-    ``sink`` (:func:`check_inflates` keeps nothing).
+    ``sink`` (:func:`check_inflates` keeps nothing); with ``check_crc``, its bytes checked
+    against the entry's CRC-32 too, as the loaders check the values they hand out.
 
     Raises:
-        CorruptCheckpointError: the record does not inflate to exactly its declared size.
+        CorruptCheckpointError: the record does not inflate to exactly its declared size (or
+            to its CRC-32).
     """
     entry = located(path, fd, entry)
     inflater = zlib.decompressobj(-15)
     produced, at, end = 0, entry.data_offset, entry.data_offset + entry.compress_size
+    crc = 0
     try:
         while at < end and not inflater.eof:
             raw = pread(fd, min(chunk, end - at), at)
@@ -65,6 +70,7 @@ def inflate(
                 produced += len(out)
                 if produced <= entry.file_size:
                     sink(out)
+                    crc = zlib.crc32(out, crc) if check_crc else crc
                 raw = inflater.unconsumed_tail
                 if not raw and len(out) < chunk:
                     break
@@ -75,6 +81,13 @@ def inflate(
             path,
             f"record {entry.name!r} does not inflate to its declared {entry.file_size} bytes "
             "(torch refuses it: unexpected decompressed size)",
+        )
+    if check_crc and crc != entry.crc32:
+        raise corrupt_zip(
+            path,
+            f"record {entry.name!r} inflates to bytes whose CRC-32 is {crc:08x}, not the "
+            f"{entry.crc32:08x} its zip entry says (torch loads them unchecked; the values "
+            "cannot be vouched for)",
         )
 
 
