@@ -225,12 +225,14 @@ def _content_format(p: str, size: int, head: bytes, read_to: Callable[[int], byt
     if size == 0:
         raise UnsupportedFormatError(f"{p!r} is empty (0 bytes); expected a checkpoint", path=p)
     if head.startswith(LFS_SIGNATURE):
+        if "://" in p:  # served as it is: no repository here to pull into
+            fix = Remedy(text="the server holds the pointer, not the file: upload it with git-lfs")
+        else:
+            fix = Remedy(command="git lfs pull", text="in its repository to fetch the real file")
         raise LfsPointerError(
             f"{p!r} is a git-lfs pointer ({size} bytes of text), not the checkpoint itself",
             path=p,
-            remedies=(
-                Remedy(command="git lfs pull", text="in its repository to fetch the real file"),
-            ),
+            remedies=(fix,),
         )
     if head.startswith(ZIP_SIGNATURE):
         return "torch-zip"

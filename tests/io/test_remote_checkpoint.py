@@ -393,3 +393,11 @@ def test_a_sharded_checkpoint_keeps_no_cache_per_shard(hub, tmp_path):
         assert sum(f.cached_bytes for f in shard_files) == 0
         assert sum(f.cached_bytes for f in ckpt.remote.values()) <= CACHE_BYTES
     assert _inspect_json("hf://org/many") == _inspect_json(folder)
+
+
+def test_a_served_git_lfs_pointer_is_not_told_to_be_pulled(hub, tmp_path):
+    # There is no repository here to pull into: the server holds the pointer itself.
+    url = hub.put("org/pointer", "model.pt", fixture_path("lfs_pointer.pt"))
+    _, _, err = run_ckpt("inspect", url, code=4)
+    assert "is a git-lfs pointer" in err and "upload it with git-lfs" in err
+    assert "git lfs pull" not in err
