@@ -12,11 +12,11 @@ so a writer can re-emit them exactly, changing only what a rewrite asks for.
 from __future__ import annotations
 
 import math
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ckpt_tools._escape import short_repr
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError
 
@@ -28,60 +28,7 @@ __all__ = [
     "Reduced",
     "StorageRef",
     "TensorRef",
-    "short_repr",
 ]
-
-
-class _ShortRepr(reprlib.Repr):
-    """``reprlib`` limits, also for container subclasses, huge ints and ``__repr__`` methods."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.maxlevel = 3
-        self.maxdict = self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = 8
-        self.maxstring = self.maxother = self.maxlong = limit
-
-    def repr1(self, x: Any, level: int) -> str:
-        # reprlib picks repr_<type name>: a class a pickle named "int" or "dict" (a stand-in
-        # for a global outside the allowlist) is no int or dict.
-        if type(x).__module__ != "builtins":
-            return self.repr_instance(x, level)
-        return super().repr1(x, level)
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 256:  # past 4300 digits repr() raises; long before, it is noise
-            return f"<int of {x.bit_length()} bits>"
-        return super().repr_int(x, level)
-
-    def repr_instance(self, x: Any, level: int) -> str:
-        for base, method in (
-            (dict, self.repr_dict),
-            (list, self.repr_list),
-            (tuple, self.repr_tuple),
-            (set, self.repr_set),
-            (frozenset, self.repr_frozenset),
-        ):
-            if isinstance(x, base):
-                return f"{type(x).__name__}({method(x, level)})"
-        if isinstance(x, int) and not isinstance(x, bool):
-            return self.repr_int(x, level)
-        if isinstance(x, (str, bytes)):
-            return self.repr_str(x[: self.maxstring + 1], level)  # type: ignore[arg-type]
-        try:
-            text = super().repr_instance(x, level)
-        except (ValueError, RecursionError):
-            return f"<{type(x).__name__}>"
-        return text
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    """A repr of at most about ``limit`` characters that is safe on any unpickled value.
-
-    Plain ``repr`` is not: shared references (``x = [x, x]`` thirty times) make it
-    exponentially long, and ints past 4300 digits raise.
-    """
-    text = _ShortRepr(limit).repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Sealed:

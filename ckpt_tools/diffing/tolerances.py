@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from ckpt_tools.descriptors import short_repr
+from ckpt_tools._escape import short_repr
 from ckpt_tools.errors import UsageError
 
 __all__ = ["check_tolerances"]

@@ -17,7 +17,8 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
 from ckpt_tools.dtypes import (
     SAFETENSORS_BITS,
     SAFETENSORS_TO_TORCH,

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from ckpt_tools._escape import short_repr
 from ckpt_tools._types import MapLocation, Select, StrPath
-from ckpt_tools.descriptors import short_repr
 from ckpt_tools.errors import Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata

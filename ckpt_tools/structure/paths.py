@@ -20,7 +20,8 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ckpt_tools.descriptors import Opaque, RebuiltTensor, Sealed, TensorRef, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import Opaque, RebuiltTensor, Sealed, TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError, shown
 
 __all__ = [

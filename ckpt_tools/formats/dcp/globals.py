@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, Opaque, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import GlobalRef, Opaque
 from ckpt_tools.errors import UnsafeContentError
 from ckpt_tools.formats.pickle.limits import tree_children
 

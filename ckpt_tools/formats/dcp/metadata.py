@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.descriptors import short_repr
+from ckpt_tools._escape import short_repr
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UnsupportedFormatError
 from ckpt_tools.formats.dcp.globals import ENUM_GETATTR, DataStandIn, dcp_metadata_stand_ins

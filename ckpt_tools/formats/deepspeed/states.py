@@ -17,7 +17,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.descriptors import Opaque, TensorRef, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import Opaque, TensorRef
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.pickle.limits import tree_children

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, BinaryIO
 
-from ckpt_tools.descriptors import ByteSpan, StorageRef, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import ByteSpan, StorageRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import (
     CorruptCheckpointError,

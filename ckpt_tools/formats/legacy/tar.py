@@ -29,7 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError
 from ckpt_tools.formats.base import Checkpoint, RangeFile

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.pickle.jagged import JAGGED_GLOBALS, jagged_from_type, jagged_tensor

@@ -13,7 +13,8 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
-from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef
 from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
 from ckpt_tools.errors import CorruptCheckpointError, shown
 from ckpt_tools.formats.pickle.allowlist import resolve_allowed

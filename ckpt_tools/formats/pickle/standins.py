@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ckpt_tools.descriptors import GlobalRef, Opaque, Reduced, short_repr
+from ckpt_tools._escape import short_repr
+from ckpt_tools.descriptors import GlobalRef, Opaque, Reduced
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, STORAGE_TYPE_DTYPE
 from ckpt_tools.errors import CorruptCheckpointError
 

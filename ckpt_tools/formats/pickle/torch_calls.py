@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckpt_tools.descriptors import short_repr
+from ckpt_tools._escape import short_repr
 from ckpt_tools.errors import CorruptCheckpointError
 
 __all__ = ["check_device", "check_layout", "check_view_metadata", "checked_size"]

@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ckpt_tools._escape import short_repr
 from ckpt_tools._types import Select, StrPath, checked_path
-from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef, short_repr
+from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.selection import (
