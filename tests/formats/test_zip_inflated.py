@@ -9,7 +9,6 @@ import gc
 import os
 import shutil
 import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats import open_checkpoint
+from tests.helpers.files import deflated_copy
 
 
 @pytest.fixture
@@ -30,11 +30,8 @@ def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _deflated(tmp_path: Path, fill: float = 1.0) -> tuple[Path, dict[str, torch.Tensor]]:
     state = {"w": torch.full((4096,), fill), "b": torch.ones(3, dtype=torch.int16)}
-    plain, src = tmp_path / "plain.pt", tmp_path / "deflated.pt"
-    torch.save(state, plain)
-    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
-        for info in zin.infolist():
-            zout.writestr(info.filename, zin.read(info.filename))
+    torch.save(state, tmp_path / "plain.pt")
+    src = deflated_copy(tmp_path / "plain.pt", tmp_path / "deflated.pt")
     return src, torch.load(src, weights_only=True)
 
 
@@ -95,12 +92,8 @@ def test_a_temporary_directory_without_room_is_named(
 def test_an_archives_records_share_one_copy_file(tmp_path: Path, scratch: Path) -> None:
     # A model's thousands of tensors must not hold thousands of descriptors (ulimit -n).
     state = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(300)}
-    plain, src = tmp_path / "plain.pt", tmp_path / "many.pt"
-    torch.save(state, plain)
-    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(src, "w", zipfile.ZIP_DEFLATED) as zout:
-        for info in zin.infolist():
-            zout.writestr(info.filename, zin.read(info.filename))
-    ckpt = open_checkpoint(src)
+    torch.save(state, tmp_path / "plain.pt")
+    ckpt = open_checkpoint(deflated_copy(tmp_path / "plain.pt", tmp_path / "many.pt"))
     before = len(os.listdir("/proc/self/fd"))
     spans = {key: ckpt.span(t.storage) for key, t in ckpt.root.items()}
     assert len(os.listdir("/proc/self/fd")) <= before + 1

@@ -8,10 +8,10 @@ reads like user code (``inspect("ddp.pt")``) and may write files beside them.
 from __future__ import annotations
 
 import doctest
-import zipfile
 from pathlib import Path
 
 from tests.helpers.committed import copy_fixture
+from tests.helpers.files import deflated_copy
 from tests.helpers.lora import write_tiny_adapter
 
 # Name in the examples' folder -> committed fixture it is a copy of.
@@ -30,12 +30,7 @@ def fill_example_folder(folder: Path) -> None:
     for name, fixture in EXAMPLE_FILES.items():
         copy_fixture(fixture, folder, as_name=name)
     write_tiny_adapter(folder / "lora")
-    with (
-        zipfile.ZipFile(folder / "model.pt") as src,
-        zipfile.ZipFile(folder / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as dst,
-    ):
-        for info in src.infolist():
-            dst.writestr(info.filename, src.read(info))
+    deflated_copy(folder / "model.pt", folder / "deflated.pt")
 
 
 def example_sections(docstring: str) -> list[str]:

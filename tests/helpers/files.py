@@ -159,6 +159,26 @@ def truncated_copy(src: Path, dst: Path, size: int) -> Path:
 # The pickle inside a torch zip
 
 
+def deflated_copy(src: Path, dst: Path) -> Path:
+    """``src``'s records deflated into ``dst``, as a zip tool re-zipping it writes them
+    (torch reads such a file)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    return dst
+
+
+def break_crc(path: Path, suffix: str = "/data/0") -> None:
+    """Flip one bit of the CRC-32 the local header and the central directory give the record
+    whose name ends with ``suffix``; its bytes stay as they are."""
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(next(n for n in z.namelist() if n.endswith(suffix)))
+    raw = bytearray(path.read_bytes())
+    for at in (info.header_offset + 14, raw.rindex(info.filename.encode()) - 46 + 16):
+        raw[at : at + 4] = (info.CRC ^ 1).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+
+
 def data_pkl_name(path: Path) -> str:
     """The zip entry of the archive's one top-level ``data.pkl`` (``archive/data.pkl``)."""
     with zipfile.ZipFile(path) as archive:

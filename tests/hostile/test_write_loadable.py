@@ -26,6 +26,7 @@ from ckpt_tools.io.space import check_output_size
 from ckpt_tools.io.verify.zipcheck import check_torch_zip
 from ckpt_tools.ops.rewrite.conversion import convert
 from ckpt_tools.ops.rewrite.rewriting import strip_module
+from tests.helpers.files import break_crc, deflated_copy
 
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 
@@ -60,19 +61,11 @@ def _assert_equal(got: dict, want: dict) -> None:
         assert torch.equal(got[k], v), k
 
 
-def _deflate(src: Path, dst: Path) -> Path:
-    """What any re-zipping tool does: the same records, deflated."""
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
-        for info in zin.infolist():
-            zout.writestr(info.filename, zin.read(info.filename))
-    return dst
-
-
 @pytest.mark.parametrize("verify", ["sizes", "full"])
 def test_deflated_records_are_written_stored_and_load(verify, tmp_path):
     plain = tmp_path / "plain.pt"
     torch.save(_state(), plain)
-    src = _deflate(plain, tmp_path / "in.pt")
+    src = deflated_copy(plain, tmp_path / "in.pt")
     _assert_equal(torch.load(src, weights_only=True), _state())  # torch reads deflated zips
     dst = tmp_path / "out.pt"
     result = _ckpt("strip-module", src, dst, "--verify", verify)
@@ -134,7 +127,7 @@ def test_default_verification_is_torch_strict(reread, tmp_path):
     torch.save(_state(), plain)
     assert check(plain) == len(zipfile.ZipFile(plain).namelist())
     with pytest.raises(VerificationError, match=r"record '[^'/]+' is compressed"):
-        check(_deflate(plain, tmp_path / "deflated.pt"))
+        check(deflated_copy(plain, tmp_path / "deflated.pt"))
     p4 = tmp_path / "p4.pt"
     torch.save(_state(), p4, pickle_protocol=4)
     with pytest.raises(VerificationError, match=r"opcodes .*FRAME"):
@@ -226,7 +219,7 @@ def test_deflated_storages_are_read_as_torch_reads_them_by_every_command(args, t
     # Spans of a deflated record are read from its inflated copy, removed once done.
     plain = tmp_path / "plain.pt"
     torch.save(_state(), plain)
-    src = _deflate(plain, tmp_path / "in.pt")
+    src = deflated_copy(plain, tmp_path / "in.pt")
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     command, out, *rest = args
@@ -272,13 +265,8 @@ def test_a_deflated_record_failing_its_crc_is_refused_as_corrupt_by_every_reader
     # never as an output that failed (6).
     plain = tmp_path / "plain.pt"
     torch.save(_state(), plain)
-    src = _deflate(plain, tmp_path / "in.pt")
-    with zipfile.ZipFile(src) as z:
-        info = z.getinfo(next(n for n in z.namelist() if n.endswith("/data/0")))
-    raw = bytearray(src.read_bytes())
-    for at in (info.header_offset + 14, raw.rindex(info.filename.encode()) - 46 + 16):
-        raw[at : at + 4] = (info.CRC ^ 1).to_bytes(4, "little")
-    src.write_bytes(bytes(raw))
+    src = deflated_copy(plain, tmp_path / "in.pt")
+    break_crc(src)
     torch.load(src, weights_only=True)  # torch checks no CRC-32
     command, out = args
     result = _ckpt(command, src, f"{tmp_path}/{out}")

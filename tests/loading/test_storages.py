@@ -17,6 +17,7 @@ from torch import nn
 
 from ckpt_tools import load_into, load_state_dict, load_with_info
 from ckpt_tools.errors import CorruptCheckpointError
+from tests.helpers.files import break_crc
 
 
 def _same_size_rewrite(path: Path, value: float) -> None:
@@ -120,13 +121,7 @@ def test_a_deflated_record_that_fails_its_crc_is_corrupt(tmp_path: Path) -> None
     buf = io.BytesIO()
     torch.save({"w": torch.arange(64.0)}, buf)
     path = _deflated(buf.getvalue(), tmp_path / "deflated.pt")
-    with zipfile.ZipFile(path) as z:
-        info = z.getinfo(next(n for n in z.namelist() if n.endswith("/data/0")))
-    raw = bytearray(path.read_bytes())
-    # The CRC-32 of the record's local header and of its central directory entry.
-    for at in (info.header_offset + 14, raw.rindex(info.filename.encode()) - 46 + 16):
-        raw[at : at + 4] = (info.CRC ^ 1).to_bytes(4, "little")
-    path.write_bytes(bytes(raw))
+    break_crc(path)
     # torch inflates it without a check; the loader refuses what it cannot vouch for.
     with pytest.raises(CorruptCheckpointError, match="CRC"):
         load_state_dict(path, map_location="cpu")

@@ -9,9 +9,9 @@ refused with one line naming the file, and nothing is written.
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from ckpt_tools import consolidate, load_state_dict
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UsageError
 from ckpt_tools.harness.zero.runs import ZeroNet
 from tests.helpers import read_data_pkl, run_ckpt, tools, truncated_copy
+from tests.helpers.files import deflated_copy
 from tests.helpers.trees import assert_values_bitwise
 from tests.helpers.zero_runs import RUN_IDS, ZeroRuns
 
@@ -320,19 +321,10 @@ def test_a_run_whose_rank_files_were_re_zipped_consolidates_as_zero_to_fp32(
 ) -> None:
     # torch reads deflated records; the rank files are opened, located and let go before
     # the output is written, so their inflated copies must outlive them.
-    import shutil
-    import zipfile
-
     folder = tmp_path / "run"
-    shutil.copytree(zero_runs.folder(3, "z2"), folder)
-    for rank_file in (folder / TAG).glob("*.pt"):
-        plain = rank_file.read_bytes()
-        with (
-            zipfile.ZipFile(io.BytesIO(plain)) as src,
-            zipfile.ZipFile(rank_file, "w", zipfile.ZIP_DEFLATED) as dst,
-        ):
-            for info in src.infolist():
-                dst.writestr(info.filename, src.read(info))
+    shutil.copytree(zero_runs.folder(3, "z2"), folder, ignore=shutil.ignore_patterns("*.pt"))
+    for rank_file in (zero_runs.folder(3, "z2") / TAG).glob("*.pt"):
+        deflated_copy(rank_file, folder / TAG / rank_file.name)
     consolidate(folder, tmp_path / name)
     want = torch.load(zero_runs.reference(3, "z2"), weights_only=True)
     got = (
