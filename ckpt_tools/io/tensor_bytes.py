@@ -297,7 +297,7 @@ def decompressed(ckpt: Checkpoint, name: str) -> Iterator[Iterator[bytes]]:
         _zip_archive(ckpt.path, source) as archive,
         archive.open(f"{ckpt.archive_root}/{name}") as member,
     ):
-        yield _member_chunks(member, name)
+        yield _member_chunks(member, ckpt.path, name)
 
 
 @contextlib.contextmanager
@@ -312,7 +312,7 @@ def _zip_archive(path: str, source: BinaryIO) -> Iterator[Any]:
         yield archive
 
 
-def _member_chunks(member: Any, name: str) -> Iterator[bytes]:
+def _member_chunks(member: Any, path: str, name: str) -> Iterator[bytes]:
     import zipfile
 
     while True:
@@ -320,7 +320,9 @@ def _member_chunks(member: Any, name: str) -> Iterator[bytes]:
             piece = member.read(DEFAULT_CHUNK_BYTES)
         except (zipfile.BadZipFile, zlib.error, EOFError) as e:
             # The input's fault, not the output's (a writer reports OSErrors as its own).
-            raise CorruptCheckpointError(f"record {name!r} does not decompress: {e}") from e
+            raise CorruptCheckpointError(
+                f"{path!r}: record {name!r} does not decompress: {e}", path=path
+            ) from e
         if not piece:
             return
         yield piece
