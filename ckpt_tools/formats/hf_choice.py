@@ -84,12 +84,14 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         return name == adding or (folder / name).is_file()
 
     explicit = _explicit_weights(folder, path, present)
+    held = sorted(os.listdir(folder))  # listed once: indexes, variants and the refusals
     found = [n for n in TRANSFORMERS_ORDER if present(n)]
-    listed = {p.name for p in folder.glob("*.index*.json") if is_index_name(p.name)}
+    listed = {n for n in held if is_index_name(n) and not n.startswith(".")}
     listed |= {adding} if adding is not None and is_index_name(adding) else set()
     indexes = [n for n in sorted(listed) if n not in found and "/" not in n]
     singles = [n for n in WEIGHT_FILES if n not in found and present(n)]
-    variants = _variants(folder, adding)
+    names = {*held, adding} if adding is not None else set(held)
+    variants = _variants([n for n in names if _is_variant(n) and present(n)])
     if explicit is not None:
         return explicit, [n for n in found + indexes + singles + variants if n != explicit]
     ordered = None if found or singles else _one_variant(indexes + variants)
@@ -108,7 +110,6 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
     if not found and not indexes and not singles and not variants:
         from ckpt_tools.formats.dcp.layout import refuse_without_metadata
 
-        held = sorted(os.listdir(folder))  # listed once, for both refusals
         refuse_without_metadata(held, path)  # a DCP folder's files, not a Hugging Face one
         listing = ", ".join(held[:10]) or "nothing"
         raise UnsupportedFormatError(
@@ -136,13 +137,11 @@ def _one_variant(names: Sequence[str]) -> list[str] | None:
     return [name for _, _, name in sorted(placed)]
 
 
-def _variants(folder: Path, adding: str | None) -> list[str]:
+def _variants(found: Sequence[str]) -> list[str]:
     """The folder's variant weight files (``save_pretrained(variant="fp16")`` names the file
     ``model.fp16.safetensors``; diffusers ``diffusion_pytorch_model.fp16.safetensors``), each
     kind's ``.safetensors`` first, as ``from_pretrained(variant=)`` prefers it. Shards are
-    left out: a variant's shards are read through its index."""
-    names = set(os.listdir(folder)) | ({adding} if adding is not None else set())
-    found = [n for n in names if _is_variant(n) and (n == adding or (folder / n).is_file())]
+    left out (:func:`_is_variant`): a variant's shards are read through its index."""
     return sorted(found, key=lambda n: (_kind(n), not n.endswith(".safetensors")))
 
 
