@@ -28,7 +28,22 @@ __all__ = [
     "Reduced",
     "StorageRef",
     "TensorRef",
+    "contiguous_stride",
 ]
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``.
+
+    Example:
+        >>> contiguous_stride((2, 3, 4))
+        (12, 4, 1)
+    """
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 class Sealed:

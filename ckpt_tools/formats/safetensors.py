@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckpt_tools._escape import short_repr
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, contiguous_stride
 from ckpt_tools.dtypes import (
     SAFETENSORS_BITS,
     SAFETENSORS_TO_TORCH,
@@ -273,7 +273,7 @@ def open_safetensors(path: str, *, source: RangeSource | None = None) -> Checkpo
             )
         dtype, shape = _torch_view(path, name, tag, header_shape)
         storage = StorageRef(key=name, dtype=dtype, numel=math.prod(shape), device="cpu")
-        stride = _contiguous_stride(shape)
+        stride = contiguous_stride(shape)
         storages[name] = storage
         spans[name] = ByteSpan(path, data_start + begin, end - begin)
         root[name] = TensorRef(storage=storage, offset=0, shape=shape, stride=stride, dtype=dtype)
@@ -390,12 +390,3 @@ def tie_metadata(ties: Mapping[str, str]) -> dict[str, str]:
     if not ties:
         return {}
     return {**ties, TIES_KEY: json.dumps(dict(ties), separators=(",", ":"))}
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride: list[int] = []
-    running = 1
-    for n in reversed(shape):
-        stride.append(running)
-        running *= max(n, 1)
-    return tuple(reversed(stride))

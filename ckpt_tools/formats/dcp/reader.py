@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, contiguous_stride
 from ckpt_tools.errors import CorruptCheckpointError, UsageError
 from ckpt_tools.formats.base import Checkpoint, consolidate_first
 from ckpt_tools.formats.dcp.layout import METADATA_FILE
@@ -43,20 +43,6 @@ __all__ = [
     "needs_consolidating",
     "open_dcp",
 ]
-
-
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides of ``shape``.
-
-    Example:
-        >>> contiguous_stride((2, 3, 4))
-        (12, 4, 1)
-    """
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, contiguous_stride
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint, consolidate_first
-from ckpt_tools.formats.dcp.reader import contiguous_stride
 from ckpt_tools.formats.deepspeed.info import ZeroInfo, zero_info
 from ckpt_tools.formats.deepspeed.layout import ZeroFiles, find_zero_files
 from ckpt_tools.formats.deepspeed.partitions import (

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import ByteSpan, Opaque, StorageRef, TensorRef
+from ckpt_tools.descriptors import ByteSpan, Opaque, StorageRef, TensorRef, contiguous_stride
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import ConversionError, KeyCollisionError, UnsafeContentError
-from ckpt_tools.formats.dcp.reader import DcpCheckpoint, contiguous_stride
+from ckpt_tools.formats.dcp.reader import DcpCheckpoint
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 from ckpt_tools.formats.safetensors import tie_metadata
 from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
