@@ -160,6 +160,9 @@ class Checkpoint:
         records: zip records (torch zip formats), by name inside the root folder.
         archive_root: the zip's root folder name (``archive``), for torch zip formats.
         shards: for sharded folders, shard file -> its own Checkpoint.
+        locate: where a storage's bytes lie (:meth:`span`).
+        probe: refuses a storage as :meth:`span` would, without reading its bytes; None
+            where locating reads none (:meth:`check_span`).
         remote: for a checkpoint read from a URL, each remote file by its URL.
         byteorder: the byte order of its storages' elements, ``little`` unless a torch zip's
             byteorder record says ``big`` (torch.load byte-swaps those as it loads them).
@@ -180,6 +183,7 @@ class Checkpoint:
     archive_root: str = ""
     shards: Mapping[str, Checkpoint] = field(default_factory=dict)
     locate: Callable[[StorageRef], ByteSpan] | None = field(default=None, repr=False)
+    probe: Callable[[StorageRef], None] | None = field(default=None, repr=False)
     # The remote files its bytes are read from, by URL: a span's path names one of them.
     # Empty for a local checkpoint.
     remote: Mapping[str, RangeSource] = field(default_factory=dict, repr=False)
@@ -195,3 +199,16 @@ class Checkpoint:
         if self.locate is None:
             raise KeyError(f"{self.format} checkpoint has no byte locations")
         return self.locate(storage)
+
+    def check_span(self, storage: StorageRef) -> None:
+        """Refuse ``storage`` as :meth:`span` would, before anything is written, without
+        making what a span needs made (a compressed record's inflated copy): a plan's check.
+
+        Raises:
+            KeyError: the storage does not belong to this checkpoint.
+            CheckpointError: its bytes cannot be located (a remote record's local header).
+        """
+        if self.probe is not None:
+            self.probe(storage)
+        else:
+            self.span(storage)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools._escape import shown
-from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef
+from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -183,11 +183,11 @@ def open_index(
     root.update((alias, root[kept]) for alias, kept in aliases.items())
     metadata = read_metadata(metadata, aliases)
 
-    def locate(storage: StorageRef) -> ByteSpan:
+    def shard_of(storage: StorageRef) -> Checkpoint:
         shard = owner.get(id(storage)) or by_key.get(storage.key)
         if shard is None:
             raise KeyError(f"storage {storage.key!r} is not one of {index_path!r}'s")
-        return shard.span(storage)
+        return shard
 
     unsafe = tuple(dict.fromkeys(g for c in shards.values() for g in c.unsafe_globals))
     return Checkpoint(
@@ -200,7 +200,8 @@ def open_index(
         unsafe_globals=unsafe,
         metadata=metadata,
         shards=shards,
-        locate=locate,
+        locate=lambda storage: shard_of(storage).span(storage),
+        probe=lambda storage: shard_of(storage).check_span(storage),
     )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_tools import add_module, convert
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats import open_checkpoint
 from tests.helpers.files import deflated_copy, read_span
@@ -118,3 +119,22 @@ def test_a_file_rewritten_in_place_with_its_size_and_times_is_inflated_anew(
     again = open_checkpoint(src)
     assert again.span(again.root["w"].storage) != first
     assert read_span(again, again.root["w"].storage) == want["w"].numpy().tobytes()
+
+
+def test_a_dry_run_inflates_nothing(
+    tmp_path: Path, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The records were checked to inflate to their size when the file was opened; planning
+    # the write must not copy them again (a dry run needs no room in TMPDIR).
+    src, _ = _deflated(tmp_path)
+    room = shutil.disk_usage(scratch)._replace(free=0)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: room)
+    out = tmp_path / "out.safetensors"
+    assert add_module(src, out, dry_run=True).dry_run
+    folder = tmp_path / "folder"
+    assert convert(
+        src, folder, output_format="safetensors", max_shard_size=8192, dry_run=True
+    ).dry_run
+    assert not out.exists() and not folder.exists()
+    with pytest.raises(ResourceLimitError, match="set TMPDIR"):  # the real run needs it
+        add_module(src, out)

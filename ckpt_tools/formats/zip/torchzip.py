@@ -173,7 +173,7 @@ def open_torch_zip(path: str, *, source: RangeSource | None = None) -> Checkpoin
         finally:
             os.close(fd)
     fmt, result, records, root = contents.format, contents.result, contents.records, contents.root
-    locate = _locator(path, records, contents.entries, source)
+    locate, probe = _locator(path, records, contents.entries, source)
     return Checkpoint(
         path=path,
         format=fmt,
@@ -185,6 +185,7 @@ def open_torch_zip(path: str, *, source: RangeSource | None = None) -> Checkpoin
         records=records,
         archive_root=root,
         locate=locate,
+        probe=probe,
         byteorder=contents.byteorder,
         byteorder_recorded=contents.byteorder_recorded,
     )
@@ -195,22 +196,28 @@ def _locator(
     records: Mapping[str, ZipRecord],
     entries: Mapping[str, ZipEntry],
     source: RangeSource | None,
-) -> Callable[[StorageRef], ByteSpan]:
+) -> tuple[Callable[[StorageRef], ByteSpan], Callable[[StorageRef], None]]:
     """Where a storage's bytes lie: its record's data, or a compressed record's inflated copy
     (:class:`~ckpt_tools.formats.zip.inflated.InflatedCopies`); a remote record's local header is
-    read and checked the first time (the read that was deferred)."""
+    read and checked the first time (the read that was deferred). And the check alone: a
+    local compressed record was inflated and measured when the archive was opened."""
     found: dict[str, int] = {}
     copies = InflatedCopies(path, source)
+
+    def data_offset(record: ZipRecord) -> int:
+        if record.data_offset < 0 and source is not None:
+            if record.name not in found:
+                found[record.name] = located(path, source, entries[record.name]).data_offset
+            return found[record.name]
+        return record.data_offset
 
     def locate(storage: StorageRef) -> ByteSpan:
         record = records[f"data/{storage.key}"]
         if record.compressed:
             return copies.span(entries[record.name])
-        offset = record.data_offset
-        if offset < 0 and source is not None:
-            if record.name not in found:
-                found[record.name] = located(path, source, entries[record.name]).data_offset
-            offset = found[record.name]
-        return ByteSpan(path, offset, storage.nbytes)
+        return ByteSpan(path, data_offset(record), storage.nbytes)
 
-    return locate
+    def probe(storage: StorageRef) -> None:
+        data_offset(records[f"data/{storage.key}"])
+
+    return locate, probe

@@ -245,7 +245,7 @@ def _plan(
         total = sum(e.tensor.nbytes for e in entries)
         check_output_size([e.tensor for e in entries], total, target)
         for e in entries:
-            ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused here
+            ckpt.check_span(e.tensor.storage)  # a storage that cannot be copied is refused here
         from ckpt_tools.io.writers.safetensors import copied_bytes
 
         copied = copied_bytes(entries)

@@ -239,7 +239,7 @@ def _plan_folder(
     check_holdable([(e.name, e.tensor) for e in entries], ckpt.path)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:
-        ckpt.span(e.tensor.storage)  # a storage that cannot be copied is refused before writing
+        ckpt.check_span(e.tensor.storage)  # one that cannot be copied is refused before writing
     shards = plan_shards([(e.name, e.tensor.nbytes) for e in entries], limit)
     dropped_names = tuple(aliases) + dropped
     return _FolderPlan(entries, extra, dropped_names, shards, selection.path, len(sd))
