@@ -20,9 +20,12 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from ckpt_tools._escape import shown
 from ckpt_tools._types import MapLocation, Select, StrPath
+from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
     Remedy,
+    SelectError,
     UnsupportedFormatError,
     UsageError,
 )
@@ -30,6 +33,8 @@ from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.loading.devices import auto_location, checked_device, resolve_map_location
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
+from ckpt_tools.structure.modules import module_globals
+from ckpt_tools.structure.paths import parse_select, resolve_path
 from ckpt_tools.structure.selection import (
     Selection,
     holds_no_state_dict,
@@ -176,18 +181,34 @@ def _holds_pickle(ckpt: Checkpoint) -> bool:
     return any(sub.format != "safetensors" for sub in files)
 
 
-def _selection_checked(root: Any, select: Select, where: str) -> Selection:
-    selection = select_state_dict(root, select=select)
+def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> Selection | None:
+    """The state dict chosen in the torch-free tree; None where ``trusted`` leaves the choice
+    to the object ``torch.load`` builds: an object of a class the reader did not import
+    (a dict subclass) stands where the state dict is, which only that object shows."""
+    try:
+        selection = select_state_dict(root, select=select)
+    except SelectError:
+        parts = parse_select(select) or ()
+        if trusted and isinstance(resolve_path(root, parts).node, Opaque):
+            return None
+        raise
+    unfound = selection.stand_in or (select is None and not selection.found)
+    if unfound and trusted and module_globals(root):
+        return None
     if selection.stand_in:
-        raise UsageError(
-            holds_no_state_dict(where, root),
-            remedies=(Remedy(text="load it with torch.load(path, weights_only=True)"),),
+        # torch.load(weights_only=True) builds a bare tensor or a list, not an object of a
+        # class outside its allowlist: only trust builds that.
+        remedy = (
+            Remedy("trust", "True", text="if you trust the file: torch.load then builds it")
+            if isinstance(root, Opaque)
+            else Remedy(text="load it with torch.load(path, weights_only=True)")
         )
-    if select is None and not selection.found:
+        raise UsageError(holds_no_state_dict(where, root), remedies=(remedy,))
+    if unfound:
         top = list(root)[:12] if isinstance(root, Mapping) else []
         raise UsageError(
             f"{where}: no entry looks like a state dict (a mapping of names to tensors); "
-            f"top-level entries: {', '.join(map(str, top)) or 'none'}",
+            f"top-level entries: {', '.join(shown(str(k)) for k in top) or 'none'}",
             remedies=(Remedy("select", "'a.b'", flag="--select a.b", text="to pick one"),),
         )
     return selection
@@ -308,15 +329,19 @@ def load_state(
     ckpt = open_checkpoint(path)
     _check_format(ckpt)
     where = ckpt.path
-    selection = _selection_checked(ckpt.root, select, where)
     state_dict: Mapping[Any, Any]
     trusted = trust and _holds_pickle(ckpt)
+    chosen = _selection_checked(ckpt.root, select, where, trusted)
     mmap = _mappable(ckpt, mmap, trusted)
     if trusted:
         from ckpt_tools.loading.trusted_load import load_trusted
 
-        state_dict, placements, mapped = load_trusted(ckpt, map_location, selection.path, mmap)
+        state_dict, placements, mapped, selection = load_trusted(
+            ckpt, map_location, chosen, select, mmap
+        )
     else:
+        assert chosen is not None  # only a trusted load leaves the choice to torch.load
+        selection = chosen
         state_dict, placements, mapped = _load_own(ckpt, selection, map_location, mmap)
     if not isinstance(state_dict, dict):
         state_dict = dict(state_dict)

@@ -16,43 +16,75 @@ from typing import Any
 
 import torch
 
-from ckpt_tools._types import MapLocation
+from ckpt_tools._types import MapLocation, Select
 from ckpt_tools.errors import (
     CheckpointError,
     CorruptCheckpointError,
     Remedy,
     UnsupportedFormatError,
+    UsageError,
 )
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.loading.devices import checked_device, resolve_map_location
 from ckpt_tools.loading.extras import require_safetensors
 from ckpt_tools.loading.results import StorageMove
 from ckpt_tools.loading.storages import EXACT_FORMATS, placed_storage
-from ckpt_tools.structure.selection import mapping_at, walk_path
+from ckpt_tools.structure.paths import mapping_at, parse_select, resolve_path, walk_path
+from ckpt_tools.structure.selection import Selection, a_kind_of, select_state_dict
 
 __all__ = ["load_trusted"]
 
 
 def load_trusted(
-    ckpt: Checkpoint, map_location: MapLocation, path: tuple[str, ...], mmap: bool = False
-) -> tuple[Mapping[Any, Any], tuple[StorageMove, ...], bool]:
-    """The state dict at ``path`` of the fully unpickled file, where its storages went, and
-    whether it was memory-mapped.
+    ckpt: Checkpoint,
+    map_location: MapLocation,
+    selection: Selection | None,
+    select: Select,
+    mmap: bool = False,
+) -> tuple[Mapping[Any, Any], tuple[StorageMove, ...], bool, Selection]:
+    """The selected state dict of the fully unpickled file, where its storages went, whether
+    it was memory-mapped, and how it was chosen.
 
     Args:
-        ckpt: the opened checkpoint (its tree already selected ``path``).
+        ckpt: the opened checkpoint.
         map_location: as :func:`ckpt_tools.load_state_dict` takes it.
-        path: the selected state dict's path in the torch-free tree.
+        selection: the state dict chosen in the torch-free tree; None to choose it in the
+            loaded one (an object of a class the reader did not import stood in the way).
+        select: the caller's ``select``, for a choice made in the loaded tree.
         mmap: ``torch.load``'s ``mmap`` for torch zip files (others are read either way).
 
     Returns:
-        ``(state_dict, placements, mapped)``: ``mapped`` says whether the file was mapped.
+        ``(state_dict, placements, mapped, selection)``: ``mapped`` says whether the file
+        was mapped.
 
     Raises:
-        UnsupportedFormatError: the format cannot be loaded, or the loaded tree lacks ``path``.
+        UnsupportedFormatError: the format cannot be loaded, or the loaded tree lacks the
+            chosen path.
+        UsageError: nothing in the loaded tree looks like a state dict.
+        SelectError: ``select`` names a missing entry, or one that is no mapping.
     """
     root, placements, mapped = _load_root(ckpt, map_location, mmap)
-    return _state_dict_at(root, path, ckpt.path), placements, mapped
+    if selection is None:
+        selection = _chosen_in_loaded(root, select, ckpt.path)
+    return _state_dict_at(root, selection.path, ckpt.path), placements, mapped, selection
+
+
+def _chosen_in_loaded(root: Any, select: Select, where: str) -> Selection:
+    """The state dict chosen in the tree ``torch.load`` built, as the torch-free tree is
+    chosen in: a module stands for its ``state_dict()``, a dict subclass is a mapping."""
+    parts = parse_select(select)
+    node = root if parts is None else resolve_path(root, parts).node
+    if isinstance(node, torch.nn.Module):
+        why = f"a {type(node).__name__} built by torch.load: its state_dict()"
+        return Selection(parts or (), why, {})
+    selection = select_state_dict(root, select=select)
+    if selection.stand_in or not selection.found:
+        raise UsageError(
+            f"{where}: torch.load(weights_only=False) built {a_kind_of(node)}, in which no "
+            "entry looks like a state dict (a mapping of names to tensors)",
+            remedies=(Remedy("select", "'a.b'", flag="--select a.b", text="to pick one"),),
+        )
+    return selection
 
 
 def _placements(ckpt: Checkpoint, resolved: Mapping[str, str]) -> tuple[StorageMove, ...]:

@@ -4,7 +4,9 @@
 imported here: an :class:`~ckpt_tools.descriptors.Opaque` stand-in) plus its instance
 ``__dict__`` as BUILD state, which holds ``_parameters``, ``_buffers``,
 ``_non_persistent_buffers_set`` and ``_modules``. A module is recognised by that state, not by
-its class name, so any subclass (``DetectionModel``, a user's ``Net``) works.
+its class name, so any subclass (``DetectionModel``, a user's ``Net``) works; a
+``torch.compile`` wrapper (``OptimizedModule``), pickled as a call on the module it wraps,
+holds that module under ``_orig_mod``.
 
 :func:`recover_state_dict` walks that tree as ``nn.Module.state_dict()`` does: a module's
 parameters, then its persistent buffers, then each submodule under ``name.``; ``None``
@@ -42,9 +44,18 @@ _MODULE_DICTS = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks")
 
 
+# torch.compile's wrapper pickles as a call on the module it wraps, without a state of its
+# own; its state_dict() is that module's under ``_orig_mod.``.
+_COMPILED = "torch._dynamo.eval_frame.OptimizedModule"
+
+
 def _state(node: Any) -> Mapping[str, Any] | None:
-    if isinstance(node, Opaque) and isinstance(node.state, Mapping):
+    if not isinstance(node, Opaque):
+        return None
+    if isinstance(node.state, Mapping):
         return node.state
+    if type(node).global_ref.qualname == _COMPILED and node.args and _state(node.args[0]):
+        return {"_parameters": {}, "_buffers": {}, "_modules": {"_orig_mod": node.args[0]}}
     return None
 
 

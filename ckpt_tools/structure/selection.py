@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._escape import shown
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import Opaque, Reduced, TensorRef
 from ckpt_tools.errors import SelectError
@@ -107,7 +108,8 @@ def a_kind_of(value: Any) -> str:
     """
     if value is None:
         return "None"
-    return "a tensor" if isinstance(value, TensorRef) else f"a {type(value).__name__}"
+    # A class the pickle names is the checkpoint's text: escaped as names are.
+    return "a tensor" if isinstance(value, TensorRef) else f"a {shown(type(value).__name__)}"
 
 
 def holds_no_state_dict(where: str, root: Any) -> str:

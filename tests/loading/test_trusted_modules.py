@@ -10,6 +10,12 @@ import torch
 from torch import nn
 
 from ckpt_tools import CheckpointError, load_into, load_state_dict, load_with_info
+from ckpt_tools.errors import UsageError
+
+
+class AttrStateDict(dict):
+    """A dict subclass as EasyDict or an AttrDict saves a state dict: a class outside the
+    allowlist, which only torch.load(weights_only=False) builds."""
 
 
 def _model() -> nn.Module:
@@ -67,3 +73,41 @@ def test_trusted_load_of_a_vanished_class_is_typed(tmp_path: Path, monkeypatch) 
 
     assert type(ours.value.__cause__) is type(torch_error.value)
     assert "gone_cfg_module" in str(ours.value)
+
+
+@pytest.mark.parametrize("where", ["root", "entry"])
+def test_trusted_load_takes_a_dict_subclass_as_torch_load_builds_it(
+    tmp_path: Path, where: str
+) -> None:
+    path = tmp_path / "sub.pt"
+    sd = AttrStateDict(_model().state_dict())
+    torch.save(sd if where == "root" else {"model": sd, "epoch": 3}, path)
+    loaded = torch.load(path, weights_only=False)
+    ref = loaded if where == "root" else loaded["model"]
+
+    _assert_same(load_state_dict(path, map_location="cpu", trust=True), ref)
+    if where == "entry":
+        _assert_same(load_state_dict(path, select="model", trust=True), ref)
+        return
+    # Without trust, the one remedy that works is offered; weights_only=True refuses the file.
+    with pytest.raises(Exception, match="AttrStateDict"):
+        torch.load(path, weights_only=True)
+    with pytest.raises(UsageError, match="AttrStateDict") as refused:
+        load_state_dict(path)
+    assert "trust=True" in str(refused.value) and "weights_only=True" not in str(refused.value)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing torch._dynamo
+@pytest.mark.parametrize("trust", [False, True], ids=["own-reader", "trusted"])
+def test_a_pickled_compiled_module_gives_its_state_dict(tmp_path: Path, trust: bool) -> None:
+    # torch.save(torch.compile(model)): OptimizedModule pickles as a call on the module it
+    # wraps, whose parameters are its state dict under _orig_mod.
+    path = tmp_path / "compiled.pt"
+    torch.save(torch.compile(_model()), path)
+    ref = torch.load(path, weights_only=False).state_dict()
+    assert next(iter(ref)).startswith("_orig_mod.")
+
+    _assert_same(load_state_dict(path, map_location="cpu", trust=trust), ref)
+    target = _model()
+    report = load_into(target, path, map_location="cpu", trust=trust, strict=True)
+    assert report.loaded == len(ref) and not report.missing and not report.unexpected
