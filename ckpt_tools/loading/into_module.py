@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from ckpt_tools._escape import short_repr
+from ckpt_tools._escape import short_repr, shown
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.errors import Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
@@ -66,9 +66,9 @@ def _mismatch_message(
             + fold_keys(report.unexpected)
         )
     if report.shape_mismatches:
-        shown = ", ".join(str(m) for m in report.shape_mismatches[:4])
+        listed = ", ".join(str(m) for m in report.shape_mismatches[:4])
         more = " ..." if len(report.shape_mismatches) > 4 else ""
-        lines.append(f"  {len(report.shape_mismatches)} shape mismatch(es): {shown}{more}")
+        lines.append(f"  {len(report.shape_mismatches)} shape mismatch(es): {listed}{more}")
     lines += [f"  torch: {error}" for error in verdict.errors]
     if verdict.fallback is not None:
         lines.append(
@@ -100,7 +100,7 @@ def _mismatch_message(
             "Pass strict=False to load the keys that match and get the rest in the report, or "
             f"run {diff}"
         )
-    return "\n".join(lines)
+    return "\n".join(map(shown, lines))  # (a key cannot start a line of its own)
 
 
 def _source_state_dict(

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_tools import load_into
+from ckpt_tools import load_into, load_state_dict
 from ckpt_tools.cli.main import main
-from ckpt_tools.errors import StateDictMismatchError
+from ckpt_tools.errors import StateDictMismatchError, UsageError
 from ckpt_tools.ops.rewrite.conversion import retag
 from tests.helpers import data_parallel
 
@@ -230,3 +230,18 @@ def test_mismatch_message_suggests_a_working_command(source: Net, tmp_path: Path
         StateDictMismatchError, match=r"ckpt_tools\.strip_prefix\(sd, prefix='backbone\.'\)"
     ):
         load_into(make_net(1), {"backbone." + k: v for k, v in source.state_dict().items()})
+
+
+def test_names_from_the_checkpoint_reach_messages_escaped(tmp_path: Path) -> None:
+    # A key is the file's text: it must neither start a line of its own nor drive a terminal.
+    hostile = "x\nckpt: loaded OK \x1b[2J"
+    path = tmp_path / "keys.pt"
+    torch.save({hostile: 1, "epoch": 2}, path)
+    with pytest.raises(UsageError) as no_state_dict:
+        load_state_dict(path)
+    sd = {"weight": torch.ones(1, 1), "bias": torch.ones(1), hostile: torch.ones(1)}
+    with pytest.raises(StateDictMismatchError) as mismatch:
+        load_into(nn.Linear(1, 1), sd)
+    for message in (str(no_state_dict.value), str(mismatch.value)):
+        assert "\x1b" not in message and "\nckpt: loaded" not in message
+        assert r"x\nckpt: loaded OK \x1b[2J" in message
