@@ -82,10 +82,16 @@ def _import(where: str, spec: str) -> ModuleType:
         return _load_file(where, spec)
     try:
         return importlib.import_module(where)
-    except ImportError as e:
-        raise _spec_error(
-            f"cannot import {where!r} ({e}); give a file instead: path/to/file.py:FACTORY", spec
-        ) from e
+    except ModuleNotFoundError as e:
+        if e.name is not None and (where == e.name or where.startswith(f"{e.name}.")):
+            raise _spec_error(
+                f"cannot import {where!r} ({e}); give a file instead: path/to/file.py:FACTORY",
+                spec,
+            ) from e
+        raise _spec_error(f"importing {where!r} failed: {_failure(e)}", spec) from e
+    # As for a file: the module's own error (or its sys.exit, whose code would read as ours).
+    except (Exception, SystemExit) as e:
+        raise _spec_error(f"importing {where!r} failed: {_failure(e)}", spec) from e
 
 
 def _factory(module: ModuleType, where: str, attribute: str, spec: str) -> Any:

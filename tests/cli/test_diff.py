@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import textwrap
 from collections.abc import Callable
@@ -272,6 +273,30 @@ def test_usage_errors_exit_2_with_a_fix(
     code, _, err = run_ckpt("diff", a_path, *extra, code=None)
     assert code == 2 and err.count("\n") == 1, err
     assert __import__("re").search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("raise RuntimeError('no GPU here')\n", "failed: RuntimeError: no GPU here"),
+        ("def broken(:\n", "failed: SyntaxError: "),
+        ("import sys\nsys.exit(3)\n", r"failed: it called sys.exit\(3\)"),
+        ("import no_such_dependency_xyz\n", "failed: ModuleNotFoundError: .*no_such_dependency"),
+    ],
+    ids=["raises", "syntax", "exits", "missing-dependency"],
+)
+def test_an_importable_module_that_fails_to_import_is_a_usage_error(
+    body: str, message: str, tmp_path: Path, files: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a file given by path: one line, exit 2, never the module's traceback or exit code.
+    name = f"ckpt_spec_{tmp_path.name.lower()}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a_path, _ = files(base(), base())
+    code, _, err = run_ckpt("diff", a_path, "--model", f"{name}:Net", code=None)
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(f"importing '{name}' " + message, err), err
+    assert "give a file instead" not in err  # the file would fail alike
 
 
 def test_parse_value() -> None:
