@@ -251,7 +251,7 @@ def test_stdout_on_a_full_disk_is_one_line_and_exit_6(args: list[str], tmp_path:
         (["reshard", _DP, "out/"], "Missing option '--max-shard-size'; see 'ckpt reshard --help'"),
         (["slim", _DP, "o.pt", "--keep-dtype", "("], "--keep-dtype '(': not a valid regular expr"),
         (["average", _DP, _DP, "o.pt", "--weights", "1,x"], "'--weights': '1,x': expected"),
-        (["average", "nomatch_*.pt", "o.pt"], "error: no input matches 'nomatch_*.pt'"),
+        (["average", "nomatch_*.pt", "o.pt"], "error: 'nomatch_*.pt' matches no file"),
     ],
 )
 def test_a_usage_error_is_one_line_naming_the_option(

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 import ckpt_tools as ct
 from ckpt_tools.cli.main import cli
+from ckpt_tools.ops.transform.average import pick_inputs
 
 
 def _run(folder: Path, steps: range) -> list[str]:
@@ -109,3 +110,19 @@ def test_weights_given_as_a_numpy_array_are_checked_as_a_list(tmp_path: Path) ->
     assert torch.equal(
         torch.load(tmp_path / "avg.pt", weights_only=True)["w"], torch.full((2,), 0.75)
     )
+
+
+def test_an_existing_name_is_taken_literally_and_a_glob_must_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file named with glob characters (x[1].pt) is that file, not the x1.pt it would match;
+    # a pattern that matches nothing is refused, not dropped from the mean.
+    monkeypatch.chdir(tmp_path)
+    for name, value in (("x[1].pt", 3.0), ("x1.pt", 4.0), ("a.pt", 0.0)):
+        torch.save({"w": torch.full((2,), value)}, name)
+    assert pick_inputs(["x[1].pt", "a.pt"]) == ["x[1].pt", "a.pt"]
+    ct.average(["x[1].pt", "a.pt"], "mean.pt")
+    assert torch.equal(torch.load("mean.pt", weights_only=True)["w"], torch.full((2,), 1.5))
+    assert pick_inputs(["x[0-9].pt"]) == ["x1.pt"]  # a glob still expands
+    with pytest.raises(ct.UsageError, match=r"'nomatch_\*\.pt' matches no file"):
+        pick_inputs(["a.pt", "x1.pt", "nomatch_*.pt"])

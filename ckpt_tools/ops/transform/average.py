@@ -65,8 +65,8 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
 
     Raises:
         CheckpointNotFoundError: a path named without a glob does not exist.
-        UsageError: a URL (average reads local files), nothing matches, or ``last`` is
-            below 1.
+        UsageError: a URL (average reads local files), a glob that matches no file, no
+            input at all, or ``last`` is below 1.
 
     Example:
         >>> pick_inputs(["*.pt"])
@@ -79,10 +79,15 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
     found: list[str] = []
     for pattern in patterns:
         refuse_url(pattern)  # (a URL's '?' would read as a glob, its absence as "no such file")
-        if glob.has_magic(pattern):
-            found += sorted(glob.glob(pattern))
-        elif os.path.exists(pattern):
+        # A name that exists is that file, glob characters and all (the shell already
+        # expanded it, or the file is named x[1].pt): never a pattern matching another.
+        if os.path.exists(pattern):
             found.append(pattern)
+        elif glob.has_magic(pattern):
+            matched = sorted(glob.glob(pattern))
+            if not matched:  # one input fewer than the user counted: never dropped silently
+                raise UsageError(f"{pattern!r} matches no file")
+            found += matched
         else:  # named, not matched: before --last sorts by mtime, which would stat it
             raise CheckpointNotFoundError(f"no such file or folder: {pattern!r}", path=pattern)
     if last is not None:
@@ -93,7 +98,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
             found.sort(key=lambda p: os.stat(p).st_mtime_ns)
         found = found[-last:]
     if not found:
-        raise UsageError(f"no input matches {', '.join(map(repr, patterns))}")
+        raise UsageError("expected at least one input")
     return found
 
 
