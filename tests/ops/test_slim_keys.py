@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import ckpt_tools as ct
 from ckpt_tools.errors import ConversionError
@@ -137,3 +138,17 @@ def test_json_rows_name_keys_of_every_type_as_text(tmp_path: Path) -> None:
     assert [(r["source_key"], r["key"]) for r in rows] == [
         (k, k) for k in ["None", "a", "1", "1", "(2, 'x')"]
     ]
+
+
+def test_entries_dropped_by_name_are_not_refused_for_a_safetensors_output(tmp_path: Path) -> None:
+    # --drop removes them before safetensors' no-extras rule is checked: the output is the
+    # state dict alone, and each dropped entry is listed once.
+    sd = torch.nn.Linear(4, 2).state_dict()
+    src = tmp_path / "trainer.pt"
+    torch.save({"model": sd, "optimizer": {"param_groups": [{"lr": 0.1}]}, "epoch": 3}, src)
+    result = ct.slim(src, tmp_path / "w.safetensors", drop=["optimizer", "epoch"])
+    assert sorted(result.dropped) == ["epoch", "optimizer"]
+    got = load_file(tmp_path / "w.safetensors")
+    assert list(got) == list(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    both = ct.slim(src, tmp_path / "w2.safetensors", drop=["optimizer"], drop_extras=True)
+    assert sorted(both.dropped) == ["epoch", "optimizer"]

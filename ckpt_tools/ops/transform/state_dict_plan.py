@@ -127,8 +127,18 @@ def plan_state_dict_output(
     }
     if fmt == "safetensors":
         fix = to_torch or torch_instead(dst)
+        kept_root = ckpt.root if root_out is None else root_out  # (entries dropped by name gone)
         entries, st_meta, left_out = _safetensors_entries(
-            overrides, ckpt, selection, items, weights_only, drop_extras, cast_to, targets, fix
+            overrides,
+            ckpt,
+            kept_root,
+            selection,
+            items,
+            weights_only,
+            drop_extras,
+            cast_to,
+            targets,
+            fix,
         )
         shared["dropped_entries"] += left_out
         size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
@@ -266,6 +276,7 @@ def _row(old: Any, new: Any, value: Any, after: Any, cast_to: str | None) -> Pla
 def _safetensors_entries(
     overrides: Mapping[int, Record],
     ckpt: Checkpoint,
+    root: Any,
     selection: Selection,
     items: Sequence[Item],
     weights_only: bool,
@@ -279,11 +290,11 @@ def _safetensors_entries(
     kinds = {old: k for old, new, v in items if new is not DROPPED and (k := unholdable_kind(v))}
     beside: list[str] = []
     outside: set[str] = set()  # the tensors among them, named as tensors outside the state dict
-    if not weights_only and isinstance(ckpt.root, Mapping) and selection.path:
-        beside = [str(k) for k in ckpt.root if k != selection.path[0]]
+    if not weights_only and isinstance(root, Mapping) and selection.path:
+        beside = [str(k) for k in root if k != selection.path[0]]
         outside = {
             str(k)
-            for k, v in ckpt.root.items()
+            for k, v in root.items()
             if k != selection.path[0] and isinstance(v, (TensorRef, RebuiltTensor))
         }
     alone = Remedy(
