@@ -9,9 +9,10 @@ them; :func:`short_repr` bounds the repr of any unpickled value.
 from __future__ import annotations
 
 import reprlib
+import shlex
 from typing import Any
 
-__all__ = ["quote_foreign", "short_repr", "shown"]
+__all__ = ["not_an_option", "quote_foreign", "shell_path", "short_repr", "shown"]
 
 
 def quote_foreign(error: BaseException, limit: int = 200) -> str:
@@ -110,3 +111,25 @@ def short_repr(value: Any, limit: int = 80) -> str:
     """
     text = _ShortRepr(limit).repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def not_an_option(path: str) -> str:
+    """``path`` as a command's argument: ``./``-prefixed where it starts with ``-``, which a
+    command would read as an option (``./-x.pt`` is the same file).
+
+    Example:
+        >>> not_an_option("-x.pt"), not_an_option("runs/x.pt")
+        ('./-x.pt', 'runs/x.pt')
+    """
+    return f"./{path}" if path.startswith("-") else path
+
+
+def shell_path(path: str) -> str:
+    """``path`` as one shell word in a suggested command: quoted where a shell would split or
+    expand it, and never read as an option (:func:`not_an_option`).
+
+    Example:
+        >>> shell_path("-whole model.pt"), shell_path("model.pt")
+        ("'./-whole model.pt'", 'model.pt')
+    """
+    return shlex.quote(not_an_option(path))

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
+from ckpt_tools._escape import shell_path
 from ckpt_tools.descriptors import ByteSpan, StorageRef
 from ckpt_tools.errors import Remedy, UsageError
 
@@ -41,7 +42,10 @@ def consolidate_first(path: str, what: str) -> UsageError:
         f"{path!r} {what}",
         path=path,
         remedies=(
-            Remedy(command=f"ckpt consolidate {path} OUT.pt", text="to write it as one file first"),
+            Remedy(
+                command=f"ckpt consolidate {shell_path(path)} OUT.pt",
+                text="to write it as one file first",
+            ),
         ),
     )
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from ckpt_tools._escape import short_repr, shown
+from ckpt_tools._escape import shell_path, short_repr, shown
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.errors import Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
@@ -92,7 +92,7 @@ def _mismatch_message(
             f"  {fix.describe()} resolves {fix.resolved} of {fix.unmatched} unexpected keys: {how}"
         )
     source = report.source if report.source != "<state dict>" else "CKPT"
-    diff = f"`ckpt diff {source} --model MODULE:FACTORY` to see every difference."
+    diff = f"`ckpt diff {shell_path(source)} --model MODULE:FACTORY` to see every difference."
     if verdict.errors:  # strict=False skips keys and shapes; torch's other errors stand
         lines.append(f"Run {diff}")
     else:

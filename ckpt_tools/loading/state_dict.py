@@ -20,7 +20,7 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from ckpt_tools._escape import shown
+from ckpt_tools._escape import shell_path, shown
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
@@ -108,7 +108,7 @@ def _check_format(ckpt: Checkpoint) -> None:
             f"{ckpt.path!r} is a plain pickle without torch tensors; nothing to load as a "
             "state dict",
             path=ckpt.path,
-            remedies=(Remedy(command=f"ckpt inspect {shlex.quote(ckpt.path)}", text="to see it"),),
+            remedies=(Remedy(command=f"ckpt inspect {shell_path(ckpt.path)}", text="to see it"),),
         )
 
 
@@ -118,8 +118,7 @@ def _unsafe_remedies(ckpt: Checkpoint, names: Sequence[str]) -> tuple[Remedy, ..
     return (
         Remedy("trust", "True", text="if you trust the file"),
         Remedy(
-            command=f"ckpt convert {shlex.quote(ckpt.path)} {shlex.quote(out)} "
-            f"--drop-extras {allow}",
+            command=f"ckpt convert {shell_path(ckpt.path)} {shell_path(out)} --drop-extras {allow}",
             text="to keep only the tensors, without running anything",
         ),
     )

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+from ckpt_tools._escape import shell_path
 from ckpt_tools.descriptors import Opaque, TensorRef
-from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.errors import ConversionError, Remedy, UnsafeContentError
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.pickle.limits import check_written_depth
 from ckpt_tools.ops.rewrite.plan import check_source
@@ -28,8 +29,8 @@ _SAVE_STATE_DICT = Remedy(
 )
 
 
-def _module_on_path(root: Any, path: Sequence[str]) -> str | None:
-    """The class of a pickled ``nn.Module`` at the root or on ``path``, if there is one.
+def _module_on_path(root: Any, path: Sequence[str]) -> Opaque | None:
+    """The pickled ``nn.Module`` at the root or on ``path``, if there is one.
 
     A pickled module is an object whose state holds ``_parameters`` and ``_modules``
     (what ``torch.save(model)`` writes, for any subclass).
@@ -46,7 +47,7 @@ def _module_on_path(root: Any, path: Sequence[str]) -> str | None:
                 return None
         state = node.state if isinstance(node, Opaque) else None
         if isinstance(state, Mapping) and "_parameters" in state and "_modules" in state:
-            return type(node).global_ref.qualname
+            return node
     return None
 
 
@@ -61,8 +62,9 @@ def check_rewritable(
     """Refuse a checkpoint no rewrite may touch, whether or not there is work to do.
 
     A torch output carries the whole object tree, so globals outside the allowlist are
-    refused first (exit 3), then a pickled ``nn.Module`` on the path (exit 7: its attributes
-    cannot be rewritten without its code). A safetensors output holds the selected state
+    refused first (exit 3; where they are a pickled ``nn.Module``'s own classes, the fix
+    offered is ``ckpt sanitize``, not allowing them), then a pickled ``nn.Module`` on the path
+    (exit 7: its attributes cannot be rewritten without its code). A safetensors output holds the selected state
     dict's tensors only: a pickled module selected there gives up its recovered state dict,
     and the globals inside it (its classes, hooks) are never written.
 
@@ -87,23 +89,38 @@ def check_rewritable(
         unwritten = module_globals(node) if is_pickled_module(node) else set()
         check_source(ckpt, [*allow_globals, *sorted(unwritten)])
         return
-    check_source(ckpt, allow_globals)
+    module = _module_on_path(ckpt.root, path)
+    try:
+        check_source(ckpt, allow_globals)
+    except UnsafeContentError as e:
+        if module is None or not set(e.globals) <= module_globals(module):
+            raise
+        # Allowing the module's classes only leads to the refusal below: say what works.
+        raise UnsafeContentError(
+            f"{e.message}: the classes of the pickled nn.Module it holds "
+            f"({type(module).global_ref.qualname}), which a torch output would carry",
+            e.globals,
+            path=ckpt.path,
+            remedies=_module_remedies(ckpt.path),
+        ) from e
     if whole:  # (a state dict written alone is checked as it is pickled)
         check_written_depth(ckpt.root)
-    module = _module_on_path(ckpt.root, path)
     if module is not None:
         raise ConversionError(
-            f"{ckpt.path!r} is a pickled nn.Module ({module}), not a state dict: its "
-            "attributes cannot be rewritten without the class's code",
+            f"{ckpt.path!r} is a pickled nn.Module ({type(module).global_ref.qualname}), not a "
+            "state dict: its attributes cannot be rewritten without the class's code",
             path=ckpt.path,
-            remedies=(
-                Remedy(
-                    command=f"ckpt sanitize {ckpt.path} OUT.pt",
-                    text="to write its recovered state dict (nothing is imported or run)",
-                ),
-                _SAVE_STATE_DICT,
-            ),
+            remedies=_module_remedies(ckpt.path),
         )
+
+
+def _module_remedies(path: str) -> tuple[Remedy, ...]:
+    """What writes a pickled module's state dict without its code."""
+    sanitize = Remedy(
+        command=f"ckpt sanitize {shell_path(path)} OUT.pt",
+        text="to write its recovered state dict (nothing is imported or run)",
+    )
+    return (sanitize, _SAVE_STATE_DICT)
 
 
 def _module_trees(node: Any, depth: int = 0) -> list[Any]:

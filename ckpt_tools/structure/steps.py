@@ -15,6 +15,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ckpt_tools._escape import not_an_option
 from ckpt_tools.errors import KeyCollisionError
 from ckpt_tools.structure.keys import (
     KeyRule,
@@ -211,8 +212,7 @@ def fix_command(
         'ckpt strip-module ddp.pt ddp.renamed.pt'
     """
     old, new, inner, subs = _collapse(steps)
-    # A file named "-x.pt" would be read as an option: "./-x.pt" is the same file.
-    path = f"./{path}" if path.startswith("-") else path
+    path = not_an_option(path)
     out = _out_path(path)
     args: list[str]
     if _strips_every_wrapper(steps, keys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +27,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:Depr
 CKPT = str(Path(sys.executable).with_name("ckpt"))
 
 
-def _ckpt(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CKPT, *map(str, args)], capture_output=True, text=True, timeout=120)
+def _ckpt(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CKPT, *map(str, args)], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
 
 
 def _unsafe(path: Path) -> Path:
@@ -189,3 +192,20 @@ def test_a_name_that_is_no_utf8_is_refused_before_a_safetensors_output(command, 
     assert "safetensors names tensors in UTF-8, and 1 name(s)" in result.stderr
     assert "'module.w\\ud800'" in result.stderr or "'w\\ud800'" in result.stderr
     assert listing(tmp_path) == ["in.pt"]
+
+
+def test_the_fix_offered_for_a_pickled_module_is_the_one_that_works(tmp_path: Path) -> None:
+    # Allowing the module's classes would only meet the pickled-module refusal (exit 7):
+    # the suggested command, pasted as printed, writes its state dict instead. The name
+    # starts with "-" and holds a space, as the suggestion must survive both.
+    src = _pickled_module(tmp_path / "-whole model.pt")
+    refused = _ckpt("strip-module", "--", "-whole model.pt", "out.pt", cwd=tmp_path)
+    assert refused.returncode == 3, refused.stderr
+    assert "--allow-global" not in refused.stderr
+    command = refused.stderr.split("`")[1]
+    assert command == "ckpt sanitize './-whole model.pt' OUT.pt"
+    _, *args = shlex.split(command.replace("OUT.pt", "sanitized.pt"))
+    assert _ckpt(*args, cwd=tmp_path).returncode == 0
+    got = torch.load(tmp_path / "sanitized.pt", weights_only=True)
+    want = torch.load(src, weights_only=False).state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)

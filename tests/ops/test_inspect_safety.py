@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -94,3 +96,15 @@ def test_inspect_runs_without_torch(name: str, no_torch_env: dict[str, str]) -> 
     report = json.loads(run.stdout)
     assert report == ckpt_tools.inspect(path).to_json()
     assert report["tensors"]
+
+
+
+def test_suggested_commands_name_the_file_as_one_shell_word(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A name with a space that starts with "-", pasted as printed, is that file.
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, "-a b.pt")
+    text = ckpt_tools.inspect("-a b.pt").text(for_cli=True)
+    command = next(part for part in text.split("`") if part.startswith("ckpt scan"))
+    assert shlex.split(command) == ["ckpt", "scan", "./-a b.pt"]

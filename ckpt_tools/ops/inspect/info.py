@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from ckpt_tools._escape import shell_path
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError, shown
 from ckpt_tools.ops.inspect.tensor_info import TensorInfo, group_sharing
 from ckpt_tools.structure.steps import Step, fix_command
@@ -173,14 +174,18 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
         if self.pickled_module:
             lines += [f"caveat:      {c}" for c in self.pickled_module["caveats"]]
         if self.unsafe_globals:
-            verdict = f"ckpt scan {self.path}" if for_cli else f"ckpt_tools.scan({self.path!r})"
+            verdict = (
+                f"ckpt scan {shell_path(self.path)}"
+                if for_cli
+                else f"ckpt_tools.scan({self.path!r})"
+            )
             lines.append(
                 f"unsafe:      {', '.join(self.unsafe_globals)} (outside the allowlist; "
                 f"never imported): `{verdict}` says whether loading it can run code"
             )
         if self.beyond_weights_only:
             fix = (
-                f"ckpt convert {self.path} OUT.pt"
+                f"ckpt convert {shell_path(self.path)} OUT.pt"
                 if for_cli
                 else f"ckpt_tools.convert({self.path!r}, OUT)"
             )

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ckpt_tools._escape import shell_path
 from ckpt_tools._types import (
     OutputFormat,
     Progress,
@@ -325,7 +326,9 @@ def reshard(
         raise UsageError(
             f"{src!r} is not a sharded folder; reshard reads a folder of safetensors shards",
             path=src,
-            remedies=(Remedy(command=f"ckpt convert {src} OUT_DIR/ --max-shard-size SIZE"),),
+            remedies=(
+                Remedy(command=f"ckpt convert {shell_path(src)} OUT_DIR/ --max-shard-size SIZE"),
+            ),
         )
     result = convert_to_folder(
         src,
