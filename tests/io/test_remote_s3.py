@@ -23,6 +23,7 @@ from ckpt_tools.errors import (
     CheckpointNotFoundError,
     RemoteAccessError,
     RemoteError,
+    UsageError,
 )
 from ckpt_tools.io.remote import RemoteSession
 from tests.helpers.cli import run_ckpt
@@ -112,6 +113,36 @@ def test_no_credentials(s3: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "Unable to locate credentials" in str(info.value)
     assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in str(info.value)
     assert s3.server.log.requests(method="GET") == 0  # nothing was sent unsigned
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "says"),
+    [
+        ({"AWS_PROFILE": "no-such-profile"}, RemoteAccessError, "no-such-profile"),
+        ({"AWS_SECRET_ACCESS_KEY": ""}, RemoteAccessError, "AWS_SECRET_ACCESS_KEY"),
+        ({"AWS_DEFAULT_REGION": "us east"}, UsageError, "us east"),
+        ({"AWS_CONFIG_FILE": "BROKEN"}, UsageError, "Unable to parse config file"),
+    ],
+    ids=["profile", "partial", "region", "config-file"],
+)
+def test_aws_settings_botocore_refuses_are_said_in_one_line(
+    s3: S3Bucket,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    settings: dict[str, str],
+    error: type[Exception],
+    says: str,
+) -> None:
+    # Refused while the client is made, before a request: as a missing credential is.
+    url = s3.put("m.pt", b"weights")
+    (tmp_path / "broken").write_text("[default\nbroken")
+    for name, value in settings.items():
+        value = str(tmp_path / "broken") if value == "BROKEN" else value
+        monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name)
+    with RemoteSession() as remote, pytest.raises(error) as info:
+        remote.open(url)
+    assert says in str(info.value) and "\n" not in str(info.value)
+    assert s3.server.log.requests(method="GET") == 0
 
 
 def test_an_endpoint_that_never_answers(

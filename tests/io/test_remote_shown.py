@@ -115,6 +115,26 @@ def test_each_folders_userinfo_goes_to_its_own_files_only(
         remote.named(alice.replace("pw-a", "pw-c") + "model.safetensors")
 
 
+@pytest.mark.parametrize("up", ["..", "%2e%2E", "./.."])
+def test_a_dot_segment_does_not_carry_a_folders_userinfo_to_another(
+    hub: HubServer, model: Path, up: str
+) -> None:
+    # The request goes to /bob/ (dot segments are removed before it is sent): alice's
+    # password is for /alice/ and below, whatever the path looked like when typed.
+    alice = hub.put_file("alice/model.pt", model).replace("://", "://alice:pw-a@")
+    bob = hub.put_file("bob/model.pt", model)
+    other = bob.replace("/bob/", f"/alice/{up}/bob/")
+    run_ckpt("diff", alice, other, "--no-values", code=None)
+    hits = [h for h in hub.log.for_path() if "/bob/" in h.path]
+    assert hits and all(h.authorization is None for h in hits), hits
+
+
+@pytest.mark.parametrize("host", ["[::1", "[zz]", "host]"])
+def test_a_malformed_host_after_a_password_is_refused_as_a_usage_error(host: str) -> None:
+    _, out, err = run_ckpt("inspect", f"http://user:SECRETPW@{host}/m.pt", code=2)
+    assert "SECRETPW" not in out + err and err.count("\n") == 1, err
+
+
 def test_a_query_is_sent_and_shown_without_its_values(hub: HubServer, model: Path) -> None:
     """A presigned URL's signature, a ``token=``: the request carries them, the file's name
     (--json, messages) shows each value as ***."""

@@ -79,7 +79,10 @@ def make_s3_client(timeout: float) -> Any:
         MissingExtraError: botocore is not installed.
         UsageError: the endpoint (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, or
             ``endpoint_url`` in the AWS config file) is no ``http(s)`` URL with a host
-            botocore accepts; the message shows it without its credentials.
+            botocore accepts, the message showing it without its credentials; or botocore
+            refuses the AWS config file or the region.
+        RemoteAccessError: ``AWS_PROFILE`` names no profile, or the credentials in the
+            environment are partial.
 
     Example:
         >>> from unittest import mock
@@ -98,8 +101,17 @@ def make_s3_client(timeout: float) -> Any:
     )
     session = botocore.session.get_session()
     session.register_component("data_loader", _models())
+    errors = botocore.exceptions
     try:
         return session.create_client("s3", config=config)
+    # Credentials are read while the client is made: refused as a request's would be.
+    except (errors.ProfileNotFound, errors.PartialCredentialsError) as e:
+        raise RemoteAccessError(f"S3: {quote_foreign(e)}", remedies=(_CREDENTIALS,)) from e
+    except errors.BotoCoreError as e:  # a config file or region botocore cannot take
+        raise UsageError(
+            f"S3: the AWS settings are refused: {quote_foreign(e)}",
+            remedies=(Remedy(text="correct the AWS_* variable or the AWS config file named"),),
+        ) from e
     except ValueError as e:  # (the variables are checked: an endpoint_url of the AWS config)
         words, sep, refused = str(e).partition(": ")
         if (words, sep) != ("Invalid endpoint", ": "):

@@ -7,13 +7,13 @@ from __future__ import annotations
 from contextlib import suppress
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ckpt_tools.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
 from ckpt_tools.formats import HIDDEN
 from ckpt_tools.formats.hf_choice import MAX_CONFIG_BYTES, explicit_weights
 from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
-from ckpt_tools.io.remote.httpurls import credentials, shown_url, with_userinfo
+from ckpt_tools.io.remote.httpurls import credentials, shown_url, split_http, with_userinfo
 from ckpt_tools.io.remote.hub_token import hf_token
 from ckpt_tools.io.remote.rangefile import RangeTransport, RemoteFile, TransferStats
 from ckpt_tools.io.remote.s3 import S3Transport, make_s3_client
@@ -86,6 +86,7 @@ class RemoteSession:
         origin, userinfo = credentials(url)
         shown = shown_url(url)
         if userinfo is not None:
+            split_http(url)  # a host that does not parse is refused before its folder is read
             where = (origin, _folder_path(shown))
             if self._userinfo.setdefault(where, userinfo) != userinfo:
                 raise UsageError(
@@ -236,8 +237,24 @@ class RemoteSession:
 
 
 def _folder_path(url: str) -> str:
-    """The path of the folder ``url`` lies in (a folder URL's own), ending in ``/``."""
-    return urlsplit(url).path.rpartition("/")[0] + "/"
+    """The path of the folder ``url`` lies in (a folder URL's own), ending in ``/``, its dot
+    segments removed as the request's path has them removed (RFC 3986, 5.2.4): a ``..``
+    leaves the folder whatever came before it. A percent-encoded dot counts as one, as a
+    server that decodes it would read it.
+
+    Example:
+        >>> _folder_path("https://h/alice/./x/../%2e%2E/bob/m.pt")
+        '/bob/'
+    """
+    kept: list[str] = []
+    for segment in urlsplit(url).path.split("/")[1:-1]:
+        dots = unquote(segment)
+        if dots == "..":
+            if kept:
+                kept.pop()
+        elif dots != ".":
+            kept.append(segment)
+    return "/" + "".join(f"{segment}/" for segment in kept)
 
 
 def _folder_query(url: str) -> tuple[str, str]:
