@@ -64,9 +64,10 @@ def check_rewritable(
     A torch output carries the whole object tree, so globals outside the allowlist are
     refused first (exit 3; where they are a pickled ``nn.Module``'s own classes, the fix
     offered is ``ckpt sanitize``, not allowing them), then a pickled ``nn.Module`` on the path
-    (exit 7: its attributes cannot be rewritten without its code). A safetensors output holds the selected state
-    dict's tensors only: a pickled module selected there gives up its recovered state dict,
-    and the globals inside it (its classes, hooks) are never written.
+    (exit 7: its attributes cannot be rewritten without its code). A safetensors output
+    holds the selected state dict's tensors only: a pickled module selected there gives up
+    its recovered state dict, and the globals inside it (its classes, hooks) are never
+    written.
 
     Args:
         ckpt: the opened input.

@@ -74,10 +74,11 @@ def test_the_first_present_name_wins(hub: HubServer, present: tuple[str, ...], f
     assert hub.log.requests() == FOLDER_FILES.index(found) + 2 == remote.stats.requests
 
 
+@pytest.mark.parametrize("named", ["ema/model.safetensors", "./ema/model.safetensors"])
 def test_the_file_config_json_names_is_opened_before_the_usual_names(
-    hub: HubServer, s3: S3Bucket
+    hub: HubServer, s3: S3Bucket, named: str
 ) -> None:
-    config = json.dumps({"transformers_weights": "ema/model.safetensors"}).encode()
+    config = json.dumps({"transformers_weights": named}).encode()
     hub.put("org/named", "config.json", config)
     hub.put("org/named", "model.safetensors", b"plain")
     hub.put("org/named", "ema/model.safetensors", b"ema")

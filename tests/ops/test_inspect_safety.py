@@ -98,7 +98,6 @@ def test_inspect_runs_without_torch(name: str, no_torch_env: dict[str, str]) -> 
     assert report["tensors"]
 
 
-
 def test_suggested_commands_name_the_file_as_one_shell_word(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
