@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools import convert, strip_module
-from ckpt_tools.errors import UnsupportedFormatError
+from ckpt_tools import convert, load_state_dict, slim, strip_module
+from ckpt_tools.errors import UnsupportedFormatError, UsageError
 from tests.helpers.byteorder import big_endian_copy
+from tests.helpers.servers import HubServer
 
 
 def _saved(tmp_path: Path, sd: dict[str, torch.Tensor]) -> Path:
@@ -41,3 +42,15 @@ def test_one_byte_storages_are_rewritten_and_load_equal_in_torch(tmp_path: Path)
     assert list(got) == ["mask", "q"]
     for name in got:
         assert torch.equal(got[name], want[f"module.{name}"]), name
+
+
+def test_a_big_endian_file_at_a_url_is_told_to_be_downloaded_first(
+    tmp_path: Path, hub: HubServer
+) -> None:
+    # load_state_dict, which the refusal names, reads local files only.
+    url = hub.put_file("big.pt", _saved(tmp_path, {"w": torch.randn(4)}))
+    with pytest.raises(UnsupportedFormatError, match="big-endian") as refused:
+        slim(url, tmp_path / "out.pt")
+    assert "download it first" in str(refused.value)
+    with pytest.raises(UsageError, match="URL"):
+        load_state_dict(url)

@@ -221,11 +221,13 @@ def _refuse_big_endian(ckpt: Checkpoint) -> None:
         if c.byteorder == "big" and any(itemsize(s.dtype) > 1 for s in c.storages.values())
     ]
     if big:
+        # The loaders read local files only: a URL's file is downloaded first.
+        first = "download it first; then " if ckpt.remote else ""
         raise UnsupportedFormatError(
             f"{big[0]!r} was saved big-endian (its byteorder record says big): a rewrite "
             "copies storage bytes into a little-endian output, which would change every value "
-            "wider than a byte, so it is refused; load_state_dict reads it (byte-swapped, as "
-            "torch.load does), and torch.save writes it again little-endian",
+            f"wider than a byte, so it is refused; {first}load_state_dict reads it "
+            "(byte-swapped, as torch.load does), and torch.save writes it again little-endian",
             path=big[0],
         )
 
