@@ -134,3 +134,28 @@ def test_load_into_copies_a_deflated_file_it_cannot_map(
     report = load_into(model, deflated, trust=trust, **options)
     assert report.loaded == 1 and not report.info.mmap
     assert torch.equal(model.a, torch.load(deflated, weights_only=True)["a"])
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_empty_views_of_several_dtypes_on_one_storage_keep_their_own(
+    tmp_path: Path, legacy: bool
+) -> None:
+    # torch.save skips its one-dtype-per-storage check for an empty storage, and torch.load
+    # makes an empty storage anew for each reference, of that reference's type.
+    from ckpt_tools import convert, inspect
+
+    x = torch.empty(0, 3)
+    src = tmp_path / "empty.pt"
+    views = {"a": x, "b": x.view(torch.int32), "c": x.view(torch.bfloat16)}
+    torch.save(views, src, _use_new_zipfile_serialization=not legacy)
+    want = {k: (v.dtype, v.shape) for k, v in torch.load(src, weights_only=True).items()}
+    assert [d for d, _ in want.values()] == [torch.float32, torch.int32, torch.bfloat16]
+    got = {k: (v.dtype, v.shape) for k, v in load_state_dict(src).items()}
+    assert got == want
+    convert(src, tmp_path / "out.pt")
+    written = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {k: (v.dtype, v.shape) for k, v in written.items()} == want
+    convert(src, tmp_path / "out.safetensors")
+    stored = load_file(tmp_path / "out.safetensors")
+    assert {k: (v.dtype, v.shape) for k, v in stored.items()} == want
+    assert [t.dtype for t in inspect(src).tensors] == ["float32", "int32", "bfloat16"]

@@ -120,8 +120,11 @@ class _Restricted:
                 )
         cache_key = key if view is None else f"{key}@{view[0]}"
         found = self.storages.get(cache_key)
-        if found is None:
-            found = StorageRef(
+        # torch keeps a loaded storage for the next reference to its key only when it holds
+        # bytes: an empty one is made anew for each, of that reference's own type (torch.save
+        # writes empty views of several dtypes under one key).
+        if found is None or found.numel == 0 or numel == 0:
+            made = StorageRef(
                 key=key,
                 dtype=storage_type.dtype,
                 numel=numel,
@@ -129,7 +132,8 @@ class _Restricted:
                 storage_type=storage_type,
                 view=view,
             )
-            self.storages[cache_key] = found
+            self.storages.setdefault(cache_key, made)
+            return made
         return found
 
 
