@@ -163,7 +163,23 @@ def on_stored(aligned: Sequence[Step], steps: Sequence[Step]) -> tuple[Step, ...
 
 
 def _out_path(path: str) -> str:
-    stem, suffix = os.path.splitext(path.rstrip("/"))
+    """Where the suggested command writes: beside the input, named after it, a suffix that
+    keeps its format (a sharded folder's safetensors or torch shards as one file).
+
+    Example:
+        >>> _out_path("ddp.pt"), _out_path("run/model.safetensors.index.json")
+        ('ddp.renamed.pt', 'run/model.renamed.safetensors')
+    """
+    if path.endswith(".index.json"):  # model.safetensors.index.json names model.safetensors
+        path = path.removesuffix(".index.json")
+    elif path.endswith("/") or os.path.isdir(path):
+        folder = path.rstrip("/")  # (a folder's name is no stem: llama-3.1-8b)
+        try:
+            safetensors = any(n.endswith(".safetensors") for n in os.listdir(folder))
+        except OSError:
+            safetensors = True
+        return f"{folder}.renamed{'.safetensors' if safetensors else '.pt'}"
+    stem, suffix = os.path.splitext(path)
     return f"{stem}.renamed{suffix}"
 
 

@@ -113,3 +113,24 @@ def test_json_tells_a_wrapper_inside_keys_from_one_that_starts_them(tmp_path: Pa
         (fsdp, 2, False),
         (fsdp, 1, True),
     ]
+
+
+def test_the_suggestion_for_a_sharded_folder_writes_its_format(tmp_path: Path) -> None:
+    # A folder's name is no stem (llama-3.1-8b), and its safetensors shards stay safetensors.
+    from safetensors.torch import load_file
+
+    model = _model(seed=1)
+    folder = tmp_path / "llama-3.1-8b"
+    ct.convert(_save(tmp_path, _wrapped(model)), folder, max_shard_size=16)
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    argv = _run_suggestion(folder)
+    assert argv[3] == f"{folder}.renamed.safetensors"
+    _loads_strictly(load_file(argv[3]), model)
+    # With no suffix to go by, the folder's family decides, as a file's would.
+    ct.strip_module(folder, tmp_path / "plain")
+    assert ct.inspect(tmp_path / "plain").format == "safetensors"
+
+
+def _save(tmp_path: Path, state_dict: dict[str, torch.Tensor]) -> Path:
+    torch.save(state_dict, tmp_path / "ddp.pt")
+    return tmp_path / "ddp.pt"

@@ -38,7 +38,7 @@ from ckpt_tools.ops.merge.replacements import check_whole as _check_whole
 from ckpt_tools.ops.merge.replacements import plan_replacements
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
 from ckpt_tools.ops.preflight import check_rewritable
-from ckpt_tools.ops.rewrite.plan import output_format_for, torch_instead
+from ckpt_tools.ops.rewrite.plan import format_family, output_format_for, torch_instead
 from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import plan_renames
@@ -147,7 +147,7 @@ def merge_lora(
     items = [
         (k, k, untied.get(k, v)) for k, v in selection.state_dict.items() if isinstance(k, str)
     ]
-    fmt = "safetensors" if folder else output_format_for(dst, output_format, ckpt.format)
+    fmt = "safetensors" if folder else output_format_for(dst, output_format, format_family(ckpt))
     plan = plan_state_dict_output(
         ckpt,
         "merge-lora",

@@ -24,6 +24,7 @@ from ckpt_tools.io.writers.progress import ByteCounter, Progress
 from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import (
+    format_family,
     matched_device_map,
     moved_devices,
     output_format_for,
@@ -79,7 +80,7 @@ def apply_rewrite(
     Raises:
         As :func:`~ckpt_tools.ops.rewrite.rewriting.rewrite`.
     """
-    fmt = output_format_for(dst, output_format, ckpt.format)
+    fmt = output_format_for(dst, output_format, format_family(ckpt))
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
     check_key_types(selection.state_dict, rules, fmt, src)
@@ -294,7 +295,7 @@ def plan_strip(
     rules, matches = strip_wrapper_rules(selection.state_dict)
     if rules:
         return rules, matches, None
-    fmt = output_format_for(dst, output_format, ckpt.format)
+    fmt = output_format_for(dst, output_format, format_family(ckpt))
     check_rewritable(ckpt, allow_globals, selection.path, fmt)
     # A dry run says it is one whatever it finds: it plans no file, and removes none.
     was = "would not be" if dry_run else "was not"

@@ -60,6 +60,20 @@ def format_named_by(dst: str | os.PathLike[str]) -> str | None:
     return "torch-zip" if suffix in _TORCH_SUFFIXES else None
 
 
+def format_family(ckpt: Checkpoint) -> str:
+    """The input's format as :func:`output_format_for` takes it: a sharded folder whose
+    shards are all safetensors is ``safetensors``, as one safetensors file is.
+
+    Example:
+        >>> format_family(Checkpoint("a.pt", "torch-zip", {}, {}))
+        'torch-zip'
+    """
+    shards = ckpt.shards.values()
+    if ckpt.format == "hf-sharded" and shards and all(s.format == "safetensors" for s in shards):
+        return "safetensors"
+    return ckpt.format
+
+
 def output_format_for(
     dst: str | os.PathLike[str],
     output_format: str | None,
@@ -72,7 +86,8 @@ def output_format_for(
     Args:
         dst: the output path.
         output_format: the caller's ``output_format`` (``torch``, ``safetensors`` or None).
-        input_format: the input's format (a safetensors input stays safetensors).
+        input_format: the input's format (a safetensors input stays safetensors), as
+            :func:`format_family` gives it.
         why: what asks for ``output_format`` when the caller did not (``retag`` writes
             torch): said instead of naming the argument when the name contradicts it.
 

@@ -44,7 +44,7 @@ from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, 
 from ckpt_tools.formats import open_checkpoint, refuse_url
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.ops.preflight import check_key_types
-from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.rewrite.plan import format_family, output_format_for
 from ckpt_tools.ops.transform.average_items import plan_items
 from ckpt_tools.ops.transform.mean_stream import checked_weights
 from ckpt_tools.ops.transform.result import TransformResult
@@ -203,7 +203,7 @@ def average(
     if lines:
         shown = "; ".join(lines[:20]) + (f"; ... {len(lines) - 20} more" if len(lines) > 20 else "")
         raise ConversionError(f"the inputs do not match (keys, shapes, dtypes): {shown}")
-    fmt = output_format_for(dst, output_format, ckpts[0].format)
+    fmt = output_format_for(dst, output_format, format_family(ckpts[0]))
     check_key_types(selections[0].state_dict, (), fmt, srcs[0])
     items, rows, storages, notes = plan_items(ckpts, aligned, w, ints, fmt == "safetensors")
     plan = plan_state_dict_output(

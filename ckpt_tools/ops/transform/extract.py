@@ -16,7 +16,7 @@ from ckpt_tools._types import (
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
-from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.rewrite.plan import format_family, output_format_for
 from ckpt_tools.ops.transform.plan import DROPPED
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.slim import select_weights
@@ -93,7 +93,7 @@ def extract(
             else (key_text(k), DROPPED, v)
             for k, v in selection.state_dict.items()
         ]
-        fmt = output_format_for(dst, output_format, ckpt.format)
+        fmt = output_format_for(dst, output_format, format_family(ckpt))
         plan = plan_state_dict_output(
             ckpt,
             "extract",

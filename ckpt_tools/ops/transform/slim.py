@@ -34,7 +34,7 @@ from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.remote.checkpoint import opened
 from ckpt_tools.io.writers.saved_tensors import saved_tensor
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable, check_state_dict_output
-from ckpt_tools.ops.rewrite.plan import output_format_for
+from ckpt_tools.ops.rewrite.plan import format_family, output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import compile_pattern
@@ -244,7 +244,7 @@ def slim(
     keep = _patterns(str_items(keep_dtype, "keep_dtype"))
     target = check_output_path(dst, src, force=force, in_place=None)
     with opened(src) as ckpt:
-        fmt = output_format_for(dst, output_format, ckpt.format)
+        fmt = output_format_for(dst, output_format, format_family(ckpt))
         whole = not weights_only and fmt != "safetensors"
         selection, notes = select_weights(ckpt, allow_globals, select, ema, whole=whole)
         # A module's class is not written back: only its weights can be.
