@@ -266,6 +266,21 @@ def test_dcp_getattr_in_any_other_form_is_dangerous(tmp_path: Path, form: str) -
     run_ckpt("scan", folder, code=1)
 
 
+def test_a_sarif_uri_is_the_path_percent_encoded(tmp_path: Path) -> None:
+    # A '#' would start a fragment, a bare '%' is no escape, a space no URI character.
+    import shutil
+    from urllib.parse import unquote, urlsplit
+
+    src = tmp_path / "my model #2 100%.pt"
+    shutil.copy(fixture_path("evil.pt"), src)
+    sarif = json.loads(run_ckpt("scan", "--format", "sarif", src, code=1).stdout)
+    location = sarif["runs"][0]["results"][0]["locations"][0]["physicalLocation"]
+    uri = location["artifactLocation"]["uri"]
+    parts = urlsplit(uri)
+    assert not parts.scheme and not parts.fragment and " " not in uri
+    assert unquote(parts.path) == src.as_posix()
+
+
 def test_json_and_sarif_name_each_finding(tmp_path: Path) -> None:
     res = run_ckpt("scan", "--format", "sarif", fixture_path("evil.pt"), code=1)
     sarif = json.loads(res.stdout)

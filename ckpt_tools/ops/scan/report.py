@@ -216,10 +216,12 @@ def _result(rule: str, text: str, location: list[Any], properties: dict[str, Any
 
 def _uri(path: str) -> str:
     from pathlib import PurePath
+    from urllib.parse import quote
 
     from ckpt_tools.io.remote.httpurls import shown_url
     from ckpt_tools.io.remote.urls import is_url
 
     if is_url(path):  # a URI already (PurePath would fold its '//'), shown without credentials
         return shown_url(path)
-    return PurePath(path).as_posix()
+    # A URI reference: '#', '?', '%', spaces and a ':' that would read as a scheme escaped.
+    return quote(PurePath(path).as_posix(), safe="/")
