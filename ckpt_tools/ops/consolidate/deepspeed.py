@@ -133,7 +133,8 @@ def plan_deepspeed(
     for name, value, flag in (("select", select, "--select"), ("include_all", everything, "--all")):
         if value:
             raise UsageError(
-                f"{name} does not apply to a DeepSpeed checkpoint, which holds one state dict "
+                # (the argument is named before the message, as a flag on the command line)
+                "does not apply to a DeepSpeed checkpoint, which holds one state dict "
                 "(the model's)",
                 argument=name,
                 value=repr(value),

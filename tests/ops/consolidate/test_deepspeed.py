@@ -213,8 +213,14 @@ def test_a_tag_naming_no_tag_folder_is_a_usage_error(zero_runs: ZeroRuns, tmp_pa
 
 
 def test_options_that_do_not_apply_are_refused(zero_runs: ZeroRuns, tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="select does not apply"):
+    with pytest.raises(UsageError, match="select='module': does not apply"):
         consolidate(zero_runs.folder(2, "z3"), tmp_path / "m.pt", select="module")
+    # The command line names its flags, never the library's arguments.
+    for flag in (["--all"], ["--select", "module"]):
+        folder = zero_runs.folder(2, "z3")
+        code, _, err = run_ckpt("consolidate", folder, tmp_path / "m.pt", *flag, code=None)
+        assert code == 2 and f"{' '.join(flag)}: does not apply" in err.replace("'", ""), err
+        assert "include_all" not in err and "select does" not in err
     with pytest.raises(UsageError, match=r"tag=.*: for DeepSpeed checkpoints only"):
         consolidate(tmp_path, tmp_path / "m.pt", tag="global_step1")
     assert os.listdir(tmp_path) == []
