@@ -101,23 +101,7 @@ class _Restricted:
             or not is_count(numel)
         ):
             raise CorruptCheckpointError(f"unexpected storage id {short_repr(pid)}")
-        view = pid[5] if len(pid) == 6 else None
-        if view is not None:
-            if not (
-                isinstance(view, tuple)
-                and len(view) == 3
-                and id_text(view[0]) is not None
-                and is_count(view[1])
-                and is_count(view[2])
-            ):
-                raise CorruptCheckpointError(f"unexpected storage view {short_repr(view)}")
-            view = (id_text(view[0]), view[1], view[2])
-            if view[1] + view[2] > numel:
-                # Its bytes would run into the next storage's; the tar reader refuses too.
-                raise CorruptCheckpointError(
-                    f"storage view {view[0]} ({view[2]} elements at {view[1]}) does not fit "
-                    f"in storage {key!r} of {numel} elements"
-                )
+        view = _storage_view(pid[5], key, numel) if len(pid) == 6 else None
         cache_key = key if view is None else f"{key}@{view[0]}"
         found = self.storages.get(cache_key)
         # torch keeps a loaded storage for the next reference to its key only when it holds
@@ -135,6 +119,22 @@ class _Restricted:
             self.storages.setdefault(cache_key, made)
             return made
         return found
+
+
+def _storage_view(view: Any, key: str, numel: int) -> tuple[str, int, int] | None:
+    """A legacy storage id's view field checked: ``(view key, offset, elements)``, or None."""
+    if view is None:
+        return None
+    view_key = id_text(view[0]) if isinstance(view, tuple) and len(view) == 3 else None
+    if view_key is None or not (is_count(view[1]) and is_count(view[2])):
+        raise CorruptCheckpointError(f"unexpected storage view {short_repr(view)}")
+    if view[1] + view[2] > numel:
+        # Its bytes would run into the next storage's; the tar reader refuses too.
+        raise CorruptCheckpointError(
+            f"storage view {view_key} ({view[2]} elements at {view[1]}) does not fit "
+            f"in storage {key!r} of {numel} elements"
+        )
+    return (view_key, view[1], view[2])
 
 
 class _UncallableStorageType(Opaque):

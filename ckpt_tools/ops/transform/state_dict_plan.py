@@ -126,9 +126,8 @@ def plan_state_dict_output(
         "selected": tuple(selection.path),
     }
     if fmt == "safetensors":
-        fix = to_torch or torch_instead(dst)
         kept_root = ckpt.root if root_out is None else root_out  # (entries dropped by name gone)
-        entries, st_meta, left_out = _safetensors_entries(
+        found = _safetensors_entries(
             overrides,
             ckpt,
             kept_root,
@@ -138,21 +137,9 @@ def plan_state_dict_output(
             drop_extras,
             cast_to,
             targets,
-            fix,
+            to_torch or torch_instead(dst),
         )
-        shared["dropped_entries"] += left_out
-        size_after = {"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0}
-        expected = {name: t for name, t, _ in entries}
-        return TransformPlan(
-            **shared,
-            tree=None,
-            records={},
-            entries=tuple(entries),
-            metadata=st_meta,
-            expected=expected,
-            select_out=(),
-            size_after=size_after,
-        )
+        return _safetensors_output(shared, *found)
     return TransformPlan(
         **shared,
         tree=tree,
@@ -162,6 +149,26 @@ def plan_state_dict_output(
         expected={k: v for k, v in out_sd.items() if isinstance(v, (TensorRef, RebuiltTensor))},
         select_out=() if weights_only else selection.path,
         size_after=sizes_after(tree, weights_only, records, out_sd),
+    )
+
+
+def _safetensors_output(
+    shared: dict[str, Any],
+    entries: Sequence[tuple[str, TensorRef, Record]],
+    metadata: dict[str, str],
+    left_out: tuple[str, ...],
+) -> TransformPlan:
+    """The plan of a safetensors output: its entries, and what was left out of it."""
+    shared = {**shared, "dropped_entries": shared["dropped_entries"] + left_out}
+    return TransformPlan(
+        **shared,
+        tree=None,
+        records={},
+        entries=tuple(entries),
+        metadata=metadata,
+        expected={name: t for name, t, _ in entries},
+        select_out=(),
+        size_after={"weights": sum(r.nbytes for _, _, r in entries), "optimizer": 0, "other": 0},
     )
 
 
