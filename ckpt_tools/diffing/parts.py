@@ -174,8 +174,11 @@ class TensorDiff:
     def values_differ(self) -> bool:
         """Values read and not close: a ``differ`` pair, or a ``dtype`` pair whose values,
         compared as numbers, are not allclose (a cast that changed them past the tolerances;
-        the bits of two dtypes always differ, and do not count)."""
-        return self.status == "differ" or (self.status == "dtype" and self.allclose is False)
+        the bits of two dtypes always differ, and do not count), or were read and cannot be
+        compared as numbers (a packed float4 against a float): not vouched for as close."""
+        if self.status != "dtype":
+            return self.status == "differ"
+        return self.allclose is False or (self.values_compared and self.allclose is None)
 
     def to_json(self) -> dict[str, Any]:
         return json_ready(

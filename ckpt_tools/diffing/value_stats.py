@@ -31,11 +31,12 @@ __all__ = [
 
 # Dtypes whose values are compared in float32, float64 or complex; any other dtype is
 # compared by its bits only. (A quantized tensor's values are its dequantized float32 ones.)
+# Every value of these (powers of two for e8m0, its NaN too) is exact in float32.
 _FLOAT32_OK = {"float32", "float16", "bfloat16", "float8_e5m2", "float8_e4m3fn"}
-_FLOAT32_OK |= {"float8_e5m2fnuz", "float8_e4m3fnuz"}
+_FLOAT32_OK |= {"float8_e5m2fnuz", "float8_e4m3fnuz", "float8_e8m0fnu"}
 _FLOAT64 = {"float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
 _FLOAT64 |= {"bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
-_COMPLEX = {"complex64", "complex128"}
+_COMPLEX = {"complex32", "complex64", "complex128"}
 
 
 def compute_dtype(a: str, b: str) -> torch.dtype | None:
@@ -56,7 +57,8 @@ def compute_dtype(a: str, b: str) -> torch.dtype | None:
     """
     names = {a, b}
     if names <= _COMPLEX | _FLOAT32_OK | _FLOAT64 and names & _COMPLEX:
-        return torch.complex64 if names <= {"complex64"} | _FLOAT32_OK else torch.complex128
+        narrow = {"complex32", "complex64"} | _FLOAT32_OK
+        return torch.complex64 if names <= narrow else torch.complex128
     if names <= _FLOAT32_OK:
         return torch.float32
     if names <= _FLOAT32_OK | _FLOAT64:

@@ -85,3 +85,53 @@ def test_max_abs_of_finite_values_past_float32s_range_is_their_real_gap(
     assert stats.max_abs == 2 * big  # Python's float64, not float32's inf
     assert stats.mismatched == 1 and not stats.allclose
     assert diff({"x": ta}, {"x": tb}).tensor("x").max_abs == 2 * big
+
+
+def _pair(tmp_path: Path, a: torch.Tensor, b: torch.Tensor) -> tuple[Path, Path]:
+    torch.save({"t": a}, tmp_path / "a.pt")
+    torch.save({"t": b}, tmp_path / "b.pt")
+    return tmp_path / "a.pt", tmp_path / "b.pt"
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize(
+    ("a", "b", "close"),
+    [
+        # A cast to e8m0 rounds to powers of two: [1, 3, -5, 0.1] -> [1, 4, 4, 0.125].
+        (torch.tensor([1.0, 3.0, -5.0, 0.1]), "float8_e8m0fnu", False),
+        (torch.tensor([1.0, 4.0, 0.125]), "float8_e8m0fnu", True),
+        (torch.tensor([1 + 1j, 2 + 2j]), torch.tensor([9 + 9j, 7 - 7j]).to(torch.complex32), False),
+        (torch.tensor([1 + 1j, 2 + 2j]), "complex32", True),
+    ],
+    ids=["e8m0-changed", "e8m0-exact", "complex32-other", "complex32-cast"],
+)
+def test_a_cast_to_e8m0_or_complex32_is_compared_by_value(
+    tmp_path: Path, a: torch.Tensor, b: torch.Tensor | str, close: bool
+) -> None:
+    b = a.to(getattr(torch, b)) if isinstance(b, str) else b
+    oracle = torch.allclose(
+        a.to(torch.complex64 if a.is_complex() else torch.float32),
+        b.to(torch.complex64 if b.is_complex() else torch.float32),
+    )
+    assert oracle == close
+    (pair,) = diff(*_pair(tmp_path, a, b)).tensors
+    assert pair.status == "dtype" and pair.allclose is close
+    run_ckpt("diff", *_pair(tmp_path, a, b), "--fail-on", "value", code=0 if close else 1)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32_pairs_are_close_as_torch_allclose_says(tmp_path: Path) -> None:
+    a = torch.tensor([1 + 1j]).to(torch.complex32)
+    b = torch.tensor([1.001 + 1j]).to(torch.complex32)
+    assert torch.allclose(a, b, rtol=0.1)
+    (pair,) = diff(*_pair(tmp_path, a, b), rtol=0.1).tensors
+    assert pair.status == "close"
+
+
+def test_a_pair_whose_values_cannot_be_compared_is_not_vouched_for(tmp_path: Path) -> None:
+    # Packed float4 holds two values a byte: no number to compare with the float's.
+    packed = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    files = _pair(tmp_path, torch.zeros(4), packed)
+    (pair,) = diff(*files).tensors
+    assert pair.status == "dtype" and pair.allclose is None and pair.values_differ
+    run_ckpt("diff", *files, "--fail-on", "value", code=1)
