@@ -25,8 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._escape import short_repr, shown
 from ckpt_tools.descriptors import GlobalRef, Opaque, RebuiltTensor, Reduced, StorageRef
-from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.errors import KeyCollisionError, Remedy, UsageError
 
 __all__ = [
     "SUBCLASS_REBUILD",
@@ -201,6 +202,10 @@ def split_entries(
     """``sd``'s tensors by name, its foreign tensors (a file's), the kind of each other entry,
     and those other entries themselves.
 
+    Raises:
+        KeyCollisionError: two keys have one name (``0`` and ``"0"``): entries are compared
+            by name, and one would hide the other.
+
     Example:
         >>> entries, foreign, kinds, values = split_entries({"w": 1.5, "epoch": 3}, float)
         >>> list(entries), foreign, kinds, values
@@ -210,8 +215,16 @@ def split_entries(
     foreign: dict[str, Foreign] = {}
     kinds: dict[str, str] = {}
     values: dict[str, Any] = {}
+    named: dict[str, Any] = {}
     for key, value in sd.items():
         name = str(key)
+        if name in named:  # (a mapping's keys are distinct: another key with its text)
+            raise KeyCollisionError(
+                f"keys {short_repr(named[name])} and {short_repr(key)} are both named "
+                f"{shown(name)!r}: a diff compares entries by name, and one would hide the other",
+                ((name, (repr(named[name]), repr(key))),),
+            )
+        named[name] = key
         found = None if isinstance(value, tensor_type) else foreign_tensor(value)
         if isinstance(value, tensor_type):
             entries[name] = value

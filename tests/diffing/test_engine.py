@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ckpt_tools.diffing.engine import diff
-from ckpt_tools.errors import UsageError
+from ckpt_tools.errors import KeyCollisionError, UsageError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.loading.tensor_io import iter_chunks, read_tensor
 from tests.helpers import data_parallel, run_ckpt
@@ -418,3 +418,16 @@ def test_a_root_that_is_no_mapping_is_refused_not_compared_as_empty(
         "l.pt' holds a list, not a state dict (a mapping of names to tensors); "
         "diff compares state dicts\n"
     )
+
+
+@pytest.mark.parametrize("order", ["int-first", "str-first"])
+def test_keys_with_one_name_are_refused_not_merged(tmp_path: Path, order: str) -> None:
+    # torch.load gives two entries, 0 and "0"; compared by name, one would hide the other.
+    entries = [(0, torch.tensor(False)), ("0", torch.tensor(True))]
+    entries = entries if order == "int-first" else entries[::-1]
+    torch.save(dict(entries), tmp_path / "a.pt")
+    torch.save({0: torch.tensor(True), "0": torch.tensor(True)}, tmp_path / "b.pt")
+    assert len(torch.load(tmp_path / "a.pt", weights_only=True)) == 2
+    with pytest.raises(KeyCollisionError, match="both named '0'"):
+        diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-on", "any", code=7)
