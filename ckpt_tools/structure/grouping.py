@@ -15,7 +15,8 @@ __all__ = ["Group", "fold_indices", "fold_keys", "fold_names", "group_names"]
 
 # Integers in canonical form only: "01" and "002" are other keys than "1" and "2", which a
 # range like {1..2} could not name.
-_INDEX = re.compile(r"(?<=\.)(?:0|[1-9]\d*)(?=\.|$)|^(?:0|[1-9]\d*)(?=\.|$)")
+# A segment of more digits is no layer index: it stays text (int() refuses 4300 digits).
+_INDEX = re.compile(r"(?<=\.)(?:0|[1-9]\d{0,17})(?=\.|$)|^(?:0|[1-9]\d{0,17})(?=\.|$)")
 T = TypeVar("T")
 
 
@@ -72,26 +73,40 @@ def group_names(
         >>> [g.pattern for g, _ in group_names(["h.0.w", "h.1.w", "out"], str)]
         ['h.{0..1}.w', 'out']
     """
-    buckets: dict[tuple[str, Hashable], list[tuple[T, list[int]]]] = {}
+    buckets: dict[tuple[tuple[str, ...], Hashable], list[tuple[T, list[int]]]] = {}
     for item in items:
-        key_name = name(item)
-        indices = [int(m.group()) for m in _INDEX.finditer(key_name)]
-        template = _INDEX.sub("#", key_name)
-        buckets.setdefault((template, signature(item)), []).append((item, indices))
+        texts, indices = _split(name(item))
+        buckets.setdefault((texts, signature(item)), []).append((item, indices))
     out: list[tuple[Group, list[T]]] = []
-    for (template, _), members in buckets.items():
+    for (texts, _), members in buckets.items():
         if len(members) == 1:
             only = members[0][0]
             out.append((Group(name(only), (name(only),)), [only]))
             continue
         positions = list(zip(*(indices for _, indices in members)))
-        parts = template.split("#")
-        pattern = parts[0]
-        for position, tail in zip(positions, parts[1:]):
+        pattern = texts[0]
+        for position, tail in zip(positions, texts[1:]):
             pattern += fold_indices(position) + tail
         items_only = [item for item, _ in members]
         out.append((Group(pattern, tuple(name(i) for i in items_only)), items_only))
     return out
+
+
+def _split(key_name: str) -> tuple[tuple[str, ...], list[int]]:
+    """A name's text between its numeric segments, and those numbers: names that differ only
+    in the numbers share the text (kept as parts, so no character of a name is a marker).
+
+    Example:
+        >>> _split("a.#.0.w")
+        (('a.#.', '.w'), [0])
+    """
+    texts, indices, at = [], [], 0
+    for found in _INDEX.finditer(key_name):
+        texts.append(key_name[at : found.start()])
+        indices.append(int(found.group()))
+        at = found.end()
+    texts.append(key_name[at:])
+    return tuple(texts), indices
 
 
 def fold_names(

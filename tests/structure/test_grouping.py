@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from ckpt_tools.structure.grouping import group_names
+from ckpt_tools.structure.grouping import fold_names, group_names
 
 
 def _expand(pattern: str) -> set[str]:
@@ -40,3 +40,16 @@ def test_leading_zeros_are_other_keys() -> None:
         "{0..1}.x ×2",
         "00.x",
     ]
+
+
+def test_a_hash_in_a_name_is_text_not_a_fold() -> None:
+    # '#' is a character a key may hold: a.#.w is not a.0.w, and x#y.1.z keeps its '#'.
+    labels, _ = fold_names(["a.#.w", "a.0.w", "x#y.1.z", "x#y.2.z"])
+    assert labels == ["a.#.w", "a.0.w", "x#y.{1..2}.z ×2"]
+
+
+def test_a_numeric_segment_too_long_for_an_index_is_text() -> None:
+    # int() refuses 4300 digits; no layer has an index of 19 digits.
+    long_index = "9" * 5000
+    labels, _ = fold_names([f"h.{long_index}.w", "h.0.w", "h.1.w"])
+    assert labels == [f"h.{long_index}.w", "h.{0..1}.w ×2"]
