@@ -4,8 +4,9 @@ Each side is a checkpoint path or URL, an in-memory state dict or an ``nn.Module
 sides are never loaded whole: each tensor is streamed from the file in pieces
 (:mod:`ckpt_tools.loading.tensor_io`), compared against the other side's piece, and dropped, so
 two large checkpoints diff in bounded memory (a strided view, such as a transpose, is read as
-the span of its storage it covers: memory bounded by the largest such tensor). Key mismatches come with the rewrite that
-best explains them (:mod:`ckpt_tools.structure.suggest`) and the command that applies it.
+the span of its storage it covers: memory bounded by the largest such tensor). Key mismatches
+come with the rewrite that best explains them (:mod:`ckpt_tools.structure.suggest`) and the
+command that applies it.
 
 Keys, shapes and dtypes come from each file's structure; values are read only when they are
 compared, which is by default unless a side is a URL (``values=True`` fetches the compared

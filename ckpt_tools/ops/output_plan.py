@@ -10,11 +10,13 @@ operation alike, so the plans read the same whatever wrote them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
+from ckpt_tools.io.writers.shard_plan import INDEX_NAME, ShardPlan, index_bytes
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, iter_stored_tensors
 from ckpt_tools.structure.text import Readable, human_bytes, shown
 
@@ -139,6 +141,34 @@ def plan_json(files: Sequence[PlannedFile]) -> dict[str, Any]:
         "planned_files": [f.to_json() for f in files],
         "planned_bytes": sum(f.nbytes for f in files if f.tensors),
     }
+
+
+def planned_shard_files(
+    dst: str,
+    tensors: Mapping[str, TensorRef],
+    plan: ShardPlan,
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[PlannedFile, ...]:
+    """The shards ``plan`` lays out in the folder ``dst``, their tensors (by name, from
+    ``tensors``), and, for more than one shard, the index with its exact size.
+
+    Example:
+        >>> from ckpt_tools.io.writers.shard_plan import plan_shards
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> t = TensorRef(StorageRef("0", "float32", 4, "cpu"), 0, (4,), (1,), "float32")
+        >>> shards = plan_shards([("a", 16), ("b", 16)], 16)
+        >>> files = planned_shard_files("out", {"a": t, "b": t}, shards)
+        >>> [os.path.basename(f.name) for f in files][1:]
+        ['model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+    """
+    files = [
+        PlannedFile.of(os.path.join(dst, file), (PlannedTensor.of(n, tensors[n]) for n in names))
+        for file, names in plan.files
+    ]
+    if plan.is_sharded:
+        index = len(index_bytes(plan, metadata))
+        files.append(PlannedFile(os.path.join(dst, INDEX_NAME), (), index))
+    return tuple(files)
 
 
 def dry_run_fields(dst: str, planned: Iterable[PlannedFile]) -> dict[str, Any]:

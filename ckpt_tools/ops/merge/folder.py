@@ -21,7 +21,7 @@ from ckpt_tools.io.writers.output import Check
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import check_records
 from ckpt_tools.io.writers.shard_plan import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, plan_shards
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
+from ckpt_tools.ops.output_plan import dry_run_fields, planned_shard_files
 from ckpt_tools.ops.transform.plan import TransformPlan
 from ckpt_tools.ops.transform.result import TransformResult
 
@@ -54,14 +54,11 @@ def write_merged_folder(
     limit = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     shards = plan_shards([(name, record.nbytes) for name, _, record in plan.entries], limit)
     by_name = {name: (t, record) for name, t, record in plan.entries}
-    if done.dry_run:
-        planned = tuple(
-            PlannedFile.of(
-                os.path.join(plan.dst, file), (PlannedTensor.of(n, by_name[n][0]) for n in names)
-            )
-            for file, names in shards.files
-        )
-        return replace(done, **dry_run_fields(plan.dst, planned))
+    metadata = {k: v for k, v in (plan.metadata or {}).items() if k != "format"}
+    if done.dry_run:  # the files the real run writes, its index too
+        tensors = {name: t for name, (t, _) in by_name.items()}
+        planned = planned_shard_files(plan.dst, tensors, shards, metadata)
+        return replace(done, **dry_run_fields(plan.dst, planned), output_format="hf-sharded")
 
     def check(names: Sequence[str]) -> Check:
         expected = Expected({n: by_name[n][0] for n in names}, (), ckpt)
@@ -73,7 +70,6 @@ def write_merged_folder(
 
         return run
 
-    metadata = {k: v for k, v in (plan.metadata or {}).items() if k != "format"}
     written = write_hf_shards(
         plan.entries,
         target,

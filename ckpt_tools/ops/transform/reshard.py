@@ -48,13 +48,11 @@ from ckpt_tools.io.writers.safetensors import (
 )
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
-    INDEX_NAME,
     ShardPlan,
-    index_bytes,
     parse_shard_size,
     plan_shards,
 )
-from ckpt_tools.ops.output_plan import PlannedFile, PlannedTensor, dry_run_fields
+from ckpt_tools.ops.output_plan import PlannedFile, dry_run_fields, planned_shard_files
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import safetensors_plan
 from ckpt_tools.ops.rewrite.result import RewriteResult
@@ -154,7 +152,8 @@ def convert_to_folder(
             f"dry run: would convert {ckpt.format} to {count} safetensors shard(s) in {dst} "
             f"({folder.shards.total_size} tensor bytes)"
         )
-        planned = _planned_files(dst, folder.entries, folder.shards, folder.metadata)
+        tensors = {e.name: e.tensor for e in folder.entries}
+        planned = planned_shard_files(dst, tensors, folder.shards, folder.metadata)
         return RewriteResult(**shared, **dry_run_fields(dst, planned), message=message)
     counter = ByteCounter(progress, folder.shards.total_size)
     by_name = {e.name: e.tensor for e in folder.entries}
@@ -265,21 +264,6 @@ def _carried_metadata(
         and not (k in names or v in names)
     }
     return carried, ties
-
-
-def _planned_files(
-    dst: str, entries: Sequence[Any], plan: ShardPlan, metadata: Mapping[str, str]
-) -> tuple[PlannedFile, ...]:
-    """The shards ``plan`` lays out in ``dst``, their tensors, and the index (its exact bytes)."""
-    by_name = {e.name: PlannedTensor.of(e.name, e.tensor) for e in entries}
-    files = [
-        PlannedFile.of(os.path.join(dst, file), (by_name[n] for n in names))
-        for file, names in plan.files
-    ]
-    if plan.is_sharded:
-        index = len(index_bytes(plan, metadata))
-        files.append(PlannedFile(os.path.join(dst, INDEX_NAME), (), index))
-    return tuple(files)
 
 
 def reshard(

@@ -296,3 +296,13 @@ def test_a_task_adapters_head_is_a_module_to_save_as_peft_adds_it(
     compare(load_file(tmp_path / "merged.safetensors"), case)
     info = ct.inspect(case.adapter).format_info
     assert head in info.modules_to_save
+
+
+def test_a_dry_run_into_a_folder_plans_what_the_real_run_writes(mlp: Any, tmp_path: Path) -> None:
+    # Its shards and its index, and the folder's format: as convert's and reshard's do.
+    out = tmp_path / "merged"
+    dry = ct.merge_lora(mlp.base, mlp.adapter, out, max_shard_size=256, dry_run=True)
+    real = ct.merge_lora(mlp.base, mlp.adapter, out, max_shard_size=256)
+    assert [f.name for f in dry.planned] == list(real.written)
+    assert any(name.endswith("model.safetensors.index.json") for name in real.written)
+    assert dry.output_format == real.output_format == "hf-sharded"
