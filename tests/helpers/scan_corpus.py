@@ -60,6 +60,7 @@ SAFETENSORS_LOAD = "safetensors"  # safetensors.torch.load_file(path)
 
 __all__ = [
     "BENIGN",
+    "BREAKS_AFTER_PAYLOAD",
     "MALICIOUS",
     "NONSTANDARD",
     "NUMPY_LOAD",
@@ -78,7 +79,8 @@ class CorpusEntry:
     """One file of the corpus.
 
     ``marker`` is the file a malicious entry creates when loaded (None for the others);
-    ``live`` is False where the file cannot load here (a class of a package not installed).
+    ``live`` is False where the file cannot load here (a class of a package not installed);
+    ``breaks`` is True for a malicious file whose loader fails once the payload has run.
     """
 
     name: str
@@ -88,6 +90,7 @@ class CorpusEntry:
     load: str  # TORCH_LOAD, PICKLE_LOAD, NUMPY_LOAD or SAFETENSORS_LOAD
     marker: Path | None = None
     live: bool = True
+    breaks: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,6 +101,7 @@ class CorpusEntry:
             "load": self.load,
             "marker": None if self.marker is None else str(self.marker),
             "live": self.live,
+            "breaks": self.breaks,
         }
 
 
@@ -438,6 +442,22 @@ def write_zip_case_twin(path: Path, m: Path) -> None:
     write_zip(path, case_twin_layout(_os_system(m)))
 
 
+def write_zip_upper_p1(path: Path, m: Path) -> None:
+    # The one data.pkl spelled DATA.PKL (torch's lookup ignores case), starting PROTO 1,
+    # which Python's unpickler takes though no pickler writes it.
+    records = zip_records(torch_bytes(state_dict()))
+    name = data_pkl_name(records)
+    pkl = inject(records.pop(name), _os_system(m))
+    records[name[: -len("data.pkl")] + "DATA.PKL"] = proto(1) + pkl[2:]
+    write_zip(path, records)
+
+
+def p0_broken(m: Path) -> bytes:
+    """A protocol-0 pickle (no PROTO) that runs os.system, then a byte that is no opcode:
+    the loader runs the payload, then fails."""
+    return b"cos\nsystem\n(" + text(shell_command(m)) + TUPLE + REDUCE + b"\xff"
+
+
 def nested_torch_file(m: Path) -> bytes:
     return torch_bytes({**state_dict(), "_meta": Reducer(os.system, shell_command(m))})
 
@@ -501,6 +521,24 @@ def write_legacy_sys_info(path: Path, m: Path) -> None:
 
 def write_tar_pickle(path: Path, m: Path) -> None:
     tar_with(path, "pickle", _os_system(m))
+
+
+def write_tar_pickle_symlink(path: Path, m: Path) -> None:
+    # The member 'pickle' a symbolic link to a member 'payload': torch reads it with
+    # tarfile's extractfile, which follows the link.
+    tar_with(path, "pickle", _os_system(m))
+    with tarfile.open(path) as tar:
+        members = [(info, tar.extractfile(info).read()) for info in tar.getmembers()]
+    with tarfile.open(path, mode="w:", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            if info.name == "pickle":
+                info.name = "payload"
+                tar.addfile(info, io.BytesIO(data))
+                link = tarfile.TarInfo("pickle")
+                link.type, link.linkname, link.mtime = tarfile.SYMTYPE, "payload", 0
+                tar.addfile(link)
+            else:
+                tar.addfile(info, io.BytesIO(data))
 
 
 def write_tar_storages(path: Path, m: Path) -> None:
@@ -799,6 +837,13 @@ _MALICIOUS: tuple[tuple[str, str, str, str, Writer], ...] = (
         write_zip_case_twin,
     ),
     (
+        "zip_upper_p1",
+        "zip: the one data.pkl spelled DATA.PKL, starting PROTO 1",
+        TORCH_LOAD,
+        "zip_upper_p1.pt",
+        write_zip_upper_p1,
+    ),
+    (
         "legacy_main",
         "legacy (pre-1.6): payload in the main pickle",
         TORCH_LOAD,
@@ -825,6 +870,13 @@ _MALICIOUS: tuple[tuple[str, str, str, str, Writer], ...] = (
         TORCH_LOAD,
         "tar_pickle.pt",
         write_tar_pickle,
+    ),
+    (
+        "tar_pickle_symlink",
+        "tar (torch < 0.4): 'pickle' a symbolic link to the member holding the payload",
+        TORCH_LOAD,
+        "tar_pickle_symlink.pt",
+        write_tar_pickle_symlink,
     ),
     (
         "tar_storages",
@@ -863,6 +915,13 @@ _MALICIOUS: tuple[tuple[str, str, str, str, Writer], ...] = (
         PICKLE_LOAD,
         "notes.txt",
         pickle_shape(_os_system),
+    ),
+    (
+        "name_none_p0_broken",
+        "protocol-0 os.system, then a byte that is no opcode; no suffix",
+        PICKLE_LOAD,
+        "pytorch_model",
+        lambda path, m: path.write_bytes(p0_broken(m)),
     ),
     (
         "npy_object_array",
@@ -1060,6 +1119,9 @@ _BENIGN: tuple[tuple[str, str, str, str, str, Callable[[Path], None]], ...] = (
     ),
 )
 
+#: Malicious entries whose loader fails once the payload has run (the bytes break after it).
+BREAKS_AFTER_PAYLOAD = frozenset({"name_none_p0_broken"})
+
 SHAPES: dict[str, str] = {
     **{name: shape for name, shape, *_ in _MALICIOUS},
     **{name: shape for name, _kind, shape, *_ in _BENIGN},
@@ -1083,7 +1145,8 @@ def build_corpus(
     for name, shape, load, filename, write in _MALICIOUS:
         path, marker = folder / filename, markers / f"{name}.marker"
         write(path, marker)
-        entries.append(CorpusEntry(name, path, MALICIOUS, shape, load, marker))
+        breaks = name in BREAKS_AFTER_PAYLOAD
+        entries.append(CorpusEntry(name, path, MALICIOUS, shape, load, marker, breaks=breaks))
     for name, kind, shape, load, filename, write_benign in _BENIGN:
         path = folder / filename
         write_benign(path)

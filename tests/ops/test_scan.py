@@ -458,17 +458,25 @@ def test_torchscript_with_setstate_is_dangerous(tmp_path: Path) -> None:
     assert found.format == "torchscript" and found.verdict == "dangerous"
     assert [f.global_name for f in found.findings if f.severity == "dangerous"] == ["__setstate__"]
     # The same code spaced otherwise, as Python reads it: torch.jit.load still runs it.
-    for spaced in (b"def __setstate__ (", b"def  __setstate__(", b"def\t__setstate__\t("):
+    # A line continued with a backslash too; and records named in another case, which torch's
+    # lookup (ASCII case-insensitive) reads as the code it looks for.
+    spacings = (b"def __setstate__ (", b"def  __setstate__(", b"def\t__setstate__\t(")
+    spacings += (b"def \\\n  __setstate__(",)
+    renames = {"CODE": ("/code/", "/CODE/"), "PY": ("__torch__.py", "__torch__.PY")}
+    variants = [(spaced, ("", "")) for spaced in spacings] + [
+        (b"def __setstate__(", rename) for rename in renames.values()
+    ]
+    for spaced, (old, new) in variants:
         respaced = tmp_path / "respaced.pt"
         with zipfile.ZipFile(tmp_path / "stateful.pt") as z, zipfile.ZipFile(respaced, "w") as out:
             for info in z.infolist():
                 data = z.read(info)
                 if "/code/" in info.filename and info.filename.endswith(".py"):
                     data = data.replace(b"def __setstate__(", spaced)
-                out.writestr(info, data)
+                out.writestr(info.filename.replace(old, new) if old else info.filename, data)
         assert torch.equal(torch.jit.load(respaced).w, torch.ones(2))
         (found,) = scan(respaced).files
-        assert found.verdict == "dangerous", spaced
+        assert found.verdict == "dangerous", (spaced, new)
 
 
 def test_ordinary_state_objects_are_not_dangerous(tmp_path: Path) -> None:
@@ -714,3 +722,32 @@ def test_escaped_string_operands_are_named_as_pickle_imports_them(tmp_path: Path
     res = run_ckpt("scan", "--json", path, code=1)
     (found,) = json.loads(res.stdout)["files"]
     assert [f["global"] for f in found["findings"]] == asked == ["posix.system"]
+
+
+def test_a_dcp_item_that_is_no_zip_is_walked_as_torch_load_reads_it(tmp_path: Path) -> None:
+    # DCP hands a non-tensor item's bytes to torch.load(weights_only=False), which reads
+    # bytes that are no zip as a legacy file: the first pickle is unpickled, whatever it is.
+    from tests.formats.test_dcp import save_dcp
+
+    folder = save_dcp(tmp_path / "run", {"w": torch.ones(3), "extra": {"lr": 0.1}})
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    (span,) = [v for k, v in metadata.storage_data.items() if k.fqn == "extra.lr"]
+    marker = tmp_path / "ran"
+    payload = f"cbuiltins\nopen\n(S'{marker}'\nS'w'\ntR.".encode()
+    assert len(payload) <= span.length
+    data = bytearray((folder / span.relative_path).read_bytes())
+    data[span.offset : span.offset + len(payload)] = payload
+    (folder / span.relative_path).write_bytes(bytes(data))
+    load = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        "state = {'w': torch.zeros(3), 'extra': {'lr': 0.0}}\n"
+        "try:\n    dcp.load(state, checkpoint_id=sys.argv[1], no_dist=True)\n"
+        "except Exception:\n    pass\n"
+    )
+    run_script(load, folder)
+    assert marker.exists()  # the oracle: loading ran it
+    (found,) = scan(folder).files
+    assert found.verdict == "dangerous", found
+    assert "builtins.open" in {f.global_name for f in found.findings}
+    run_ckpt("scan", folder, code=1)

@@ -186,8 +186,14 @@ def test_a_broken_protocol_0_pickle_named_as_a_checkpoint_is_scanned_in_a_folder
     folder.mkdir()
     text = f"cbuiltins\nopen\n(S'{marker}'\nS'w'\ntR\xff".encode("latin-1")
     (folder / "model.bin").write_bytes(text)
-    (folder / "notes.txt").write_bytes(text)  # text that only looks like protocol 0
+    # Under any other name, a payload pickle.load runs before the bad byte is one still...
+    other = tmp_path / "ran too"
+    (folder / "payload.data").write_bytes(text.replace(str(marker).encode(), str(other).encode()))
+    # ...while text that merely reads as protocol 0 (a GLOBAL of two lines) is no pickle.
+    (folder / "notes.txt").write_bytes(b"config\nsettings\nlearning rate: 0.1\n")
     assert _runs(folder / "model.bin", marker, "torch.load(f, weights_only=False)")
+    assert _runs(folder / "payload.data", other, "pickle.load(f)")
     report = scan(folder)
-    assert [(Path(f.path).name, f.verdict) for f in report.files] == [("model.bin", "dangerous")]
+    found = [(Path(f.path).name, f.verdict) for f in report.files]
+    assert found == [("model.bin", "dangerous"), ("payload.data", "dangerous")]
     assert [Path(p).name for p in report.skipped] == ["notes.txt"]

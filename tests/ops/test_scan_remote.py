@@ -26,6 +26,7 @@ from tests.helpers.scan_corpus import MALICIOUS
 # Read member by member: refused for URLs (scanned from a local copy).
 TAR = {
     "tar_pickle.pt",
+    "tar_pickle_symlink.pt",
     "tar_storages.pt",
     "tar_storage_item.pt",
     "tar_storage_views.pt",

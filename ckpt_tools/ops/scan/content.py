@@ -13,8 +13,9 @@ from ckpt_tools.errors import CheckpointError, LfsPointerError, UnsupportedForma
 from ckpt_tools.formats import detect_format
 from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.detect import detect_bytes
-from ckpt_tools.formats.pickle.imports import starts_like_pickle
+from ckpt_tools.formats.pickle.imports import python3_qualname, starts_like_pickle
 from ckpt_tools.formats.pickle.npy import npy_pickle_offset
+from ckpt_tools.ops.scan.severity import known_danger
 from ckpt_tools.ops.scan.sources import Walked, is_npz, walk_pickles
 
 __all__ = ["content_format", "not_a_checkpoint"]
@@ -87,8 +88,16 @@ def _pickle_walks(path: str, head: bytes, source: RangeSource | None) -> list[Wa
         holds = imports or starts_like_pickle(head, any_protocol=True)
     else:
         named = path.lower().endswith(_CHECKPOINT_SUFFIXES)
-        holds = imports and (head[:1] == b"\x80" or first.truncated or named)
+        holds = imports and (head[:1] == b"\x80" or first.truncated or named or _payload(walks))
     return walks if holds else None
+
+
+def _payload(walks: list[Walked]) -> bool:
+    """Whether a walk imports what the table knows for a danger (``builtins.exec``): a loader
+    runs it before the bytes break, whatever the file is named. Text that merely reads as
+    protocol 0 (``config`` then a line) names no such global."""
+    names = (python3_qualname(i.qualname) for w in walks for i in w.scan.imports)
+    return any(map(known_danger, names))
 
 
 # The names torch.load's files go by: one that fails as a pickle is still a payload's place.

@@ -37,7 +37,8 @@ from ckpt_tools.ops.scan.content import content_format, not_a_checkpoint
 from ckpt_tools.ops.scan.remote import Remote, open_remote, refuse_local_only, url_targets
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify, storage_class_rule
-from ckpt_tools.ops.scan.sources import Walked, code_files, storage_records, walk_pickles
+from ckpt_tools.ops.scan.sources import Walked, storage_records, walk_pickles
+from ckpt_tools.ops.scan.torchscript_code import code_files
 
 __all__ = ["scan", "scan_file"]
 

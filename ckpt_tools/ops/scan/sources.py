@@ -26,14 +26,13 @@ checked before their first bytes are looked at (a request each, as torch reads e
 from __future__ import annotations
 
 import os
-import re
 import tarfile
 import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from ckpt_tools.errors import CheckpointError, CorruptCheckpointError, RemoteError
-from ckpt_tools.formats.base import Checkpoint, RangeSource, open_buffered
+from ckpt_tools.formats.base import Checkpoint, RangeFile, RangeSource, open_buffered
 from ckpt_tools.formats.detect import check_regular
 from ckpt_tools.formats.pickle.imports import (
     UNREAD,
@@ -57,7 +56,7 @@ from ckpt_tools.ops.scan.sequence import sequence_pickles
 from ckpt_tools.ops.scan.severity import Context
 from ckpt_tools.ops.scan.tar_layout import member_pickles
 
-__all__ = ["CodeFile", "Walked", "code_files", "is_npz", "storage_records", "walk_pickles"]
+__all__ = ["Walked", "is_npz", "storage_records", "walk_pickles"]
 
 # A record is first tested on this many bytes; one that still parses as a pickle there is
 # walked on up to _MOST bytes (a tensor's bytes stop parsing within a few opcodes).
@@ -66,8 +65,6 @@ _MOST = 64 << 20
 _LEGACY_PICKLES = ("magic number", "protocol version", "sys_info", "main pickle", "storage keys")
 # What Python's zipfile raises listing an archive it cannot read.
 _ZIPFILE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError)
-_CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
-_SETSTATE = re.compile(rb"^\s+def\s+__setstate__\s*\(", re.MULTILINE)  # (as Python parses it)
 
 
 class Walked(NamedTuple):
@@ -271,7 +268,9 @@ def _entry_of(fd: ZipSource, info: zipfile.ZipInfo) -> ZipEntry | None:
 
 def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
     """The bytes of ``entry`` where they start like a pickle and parse as one; else None."""
-    if entry.name.endswith(".pkl"):  # named a pickle: read whole, walked even if malformed
+    # Named a pickle (in any case: torch reads data.PKL as data.pkl): read whole, walked even
+    # if malformed.
+    if entry.name.lower().endswith(".pkl"):
         head = read_head(fd, entry, _read_limit(entry))
         return head if starts_like_pickle(head, any_protocol=True) else None
     first = read_head(fd, entry, 2)  # most records are told apart here
@@ -295,7 +294,7 @@ def _record_pickle(path: str, fd: ZipSource, entry: ZipEntry) -> bytes | None:
 def _read_limit(entry: ZipEntry) -> int:
     """The most bytes of a record :func:`_record_pickle` reads: a ``.pkl`` whole (up to the
     reader's own limit), any other up to :data:`_MOST`."""
-    return MAX_PICKLE_BYTES if entry.name.endswith(".pkl") else _MOST
+    return MAX_PICKLE_BYTES if entry.name.lower().endswith(".pkl") else _MOST
 
 
 def _walk_record(entry: ZipEntry, data: bytes) -> ImportScan:
@@ -353,45 +352,26 @@ def _dcp_pickles(folder: str) -> Iterator[Walked]:
     for file, offset, length in sorted(spans):
         check_regular(os.path.join(folder, file))
         fd = os.open(os.path.join(folder, file), os.O_RDONLY)
+        piece, prefix = FileSlice(fd, offset, length), f"{file}@{offset}:"
         try:
-            yield from _zip_pickles(
-                folder, FileSlice(fd, offset, length), length, f"{file}@{offset}:"
-            )
+            yield from _zip_pickles(folder, piece, length, prefix)
+        except CheckpointError:
+            # DCP hands an item to torch.load, which reads one that is no zip as a legacy
+            # file: pickles from its start, the first run whatever it names.
+            for walked in _sequence(folder, len(_LEGACY_PICKLES), _LEGACY_PICKLES, _Slice(piece)):
+                yield walked._replace(record=prefix + walked.record)
+            raise
         finally:
             os.close(fd)
 
 
-class CodeFile(NamedTuple):
-    """A TorchScript archive's code file: the classes it defines, and whether one of them
-    has a ``__setstate__`` (which ``torch.jit.load`` runs while it loads the archive)."""
+class _Slice(RangeFile):
+    """A :class:`FileSlice` read by ranges, as a file of its own."""
 
-    record: str
-    classes: tuple[str, ...]
-    runs_on_load: bool
+    def __init__(self, piece: FileSlice) -> None:
+        super().__init__()
+        self.piece, self.size = piece, piece.length
 
-    def __str__(self) -> str:
-        return f"{self.record}: " + (f"class {', '.join(self.classes)}" if self.classes else "code")
-
-
-def code_files(path: str, source: RangeSource | None = None) -> tuple[CodeFile, ...]:
-    """A TorchScript archive's code files (``archive/code/__torch__.py: class TinyNet``);
-    ``source`` is the file read by ranges where ``path`` is its URL."""
-    if source is not None:
-        return _code_files(path, source, source.size)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _code_files(path, fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
-def _code_files(path: str, fd: ZipSource, size: int) -> tuple[CodeFile, ...]:
-    found = []
-    remote = not isinstance(fd, int)
-    for entry in read_zip_directory(path, fd, size, defer_local=remote):
-        if "/code/" not in entry.name or not entry.name.endswith(".py"):
-            continue
-        text = read_head(fd, located(path, fd, entry), _MOST)
-        classes = tuple(m.decode("ascii") for m in _CLASS.findall(text))
-        found.append(CodeFile(entry.name, classes, bool(_SETSTATE.search(text))))
-    return tuple(found)
+    def pread(self, count: int, offset: int) -> bytes:
+        count = max(0, min(count, self.size - offset))
+        return os.pread(self.piece.fd, count, self.piece.base + offset)

@@ -63,8 +63,10 @@ def member_pickles(path: str) -> Iterator[tuple[str, ImportScan]]:
     """
     with tarfile.open(path, mode="r:") as tar:
         for member in tar.getmembers():
-            # A hard link is read as the member it names (torch extracts it so).
-            if member.name not in _MEMBERS or not (member.isreg() or member.islnk()):
+            # A hard link is read as the member it names (torch extracts it so); so is a
+            # symbolic one named pickle, which torch reads with extractfile (it follows it).
+            linked = member.islnk() or (member.issym() and member.name == "pickle")
+            if member.name not in _MEMBERS or not (member.isreg() or linked):
                 continue
             try:
                 file = tar.extractfile(member)
