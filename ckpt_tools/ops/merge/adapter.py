@@ -323,7 +323,15 @@ def _kind(part: str, a: TensorRef, b: TensorRef, r: int, named: str) -> str:
                 f"{named} is LoRA on a grouped convolution (groups={r // b.shape[1]}), "
                 "which PEFT does not merge"
             )
+    shapes = f"A {list(a.shape)}, B {list(b.shape)}"
+    saved = a.shape[0] if len(a.shape) == len(b.shape) == dims and ones else None
+    if floating and saved is not None and b.shape[1] == saved != r:
+        # As PEFT's load says it (a size mismatch): the config and the weights disagree.
+        raise ConversionError(
+            f"{named}: the weights have rank {saved} ({shapes}), where the adapter's config "
+            f"gives rank {r} (r, or its rank_pattern entry); PEFT refuses them too"
+        )
     raise ConversionError(
-        f"{named} is not a rank-{r} {kind} adapter (A {list(a.shape)}, B {list(b.shape)}); "
+        f"{named} is not a rank-{r} {kind} adapter ({shapes}); "
         "only Linear, Conv1D, convolution and Embedding targets are merged"
     )

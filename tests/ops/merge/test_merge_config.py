@@ -90,6 +90,9 @@ def test_malformed_config_values_are_refused_by_name(
         ({"exclude_modules": ["fc2"]}, "fc2"),
         ({"target_modules": "fc1"}, "fc2"),
         ({"use_dora": True}, "use_dora=True"),
+        # A rank the weights do not have is said as one (PEFT's load: a size mismatch).
+        ({"r": 2}, "the weights have rank 4 .*config gives rank 2"),
+        ({"rank_pattern": {"fc1": 8}}, "'fc1': the weights have rank 4 .*config gives rank 8"),
     ],
 )
 def test_a_config_that_disagrees_with_the_weights_is_refused(

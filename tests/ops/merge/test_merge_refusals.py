@@ -98,7 +98,7 @@ def _edit_config(adapter: Path, **changes: Any) -> None:
 @pytest.mark.parametrize(
     ("changes", "names"),
     [
-        ({"r": 4}, ("rank-4", "head")),
+        ({"r": 4}, ("rank 2", "gives rank 4", "head")),
         ({"trainable_token_indices": [1, 2]}, ("trainable_token_indices",)),
         ({"peft_type": "VERA"}, ("VERA",)),
     ],
