@@ -168,6 +168,17 @@ def test_an_empty_folder_names_what_was_tried(hub: HubServer) -> None:
     assert hub.log.requests() == 5 == remote.stats.requests  # config.json, then the four
 
 
+def test_a_folder_of_a_variant_is_read_through_the_file_named(hub: HubServer) -> None:
+    # A URL folder is not listed: the refusal says to name the file, and naming it reads it.
+    from ckpt_tools import inspect
+
+    url = hub.put("org/fp16", "model.fp16.safetensors", fixture_path("model.safetensors"))
+    with RemoteSession() as remote, pytest.raises(CheckpointNotFoundError) as info:
+        remote.open_folder("hf://org/fp16")
+    assert "name the weights file in the URL" in str(info.value)
+    assert inspect(url).tensors
+
+
 def test_a_refused_token_stops_the_search(hub: HubServer) -> None:
     hub.put("org/gated", "pytorch_model.bin", b"w")
     hub.gated["org/gated"] = "hf_granted"

@@ -9,7 +9,12 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from ckpt_tools.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
+from ckpt_tools.errors import (
+    CheckpointNotFoundError,
+    Remedy,
+    UnsupportedFormatError,
+    UsageError,
+)
 from ckpt_tools.formats import HIDDEN
 from ckpt_tools.formats.hf_choice import MAX_CONFIG_BYTES, explicit_weights
 from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
@@ -164,8 +169,15 @@ class RemoteSession:
             except CheckpointNotFoundError:
                 self.stats.add(0)
                 tried.append(file_name(candidate))
+        # A URL folder cannot be listed: a variant's or an adapter's weights are named.
+        name = Remedy(
+            text="name the weights file in the URL (…/model.fp16.safetensors, "
+            "…/adapter_model.safetensors)"
+        )
         raise CheckpointNotFoundError(
-            f"{url}: no checkpoint in this folder (tried {', '.join(tried)})", path=url
+            f"{url}: no checkpoint in this folder (tried {', '.join(tried)})",
+            path=url,
+            remedies=(name,),
         )
 
     def explicit_weights(self, url: str) -> str | None:
