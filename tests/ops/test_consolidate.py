@@ -205,7 +205,18 @@ def test_strip_removes_wrapper_prefixes(tmp_path: Path) -> None:
     result = consolidate(folder, tmp_path / "plain.pt", strip=True)
     got = torch.load(tmp_path / "plain.pt", weights_only=True)
     assert_same(small_state()["model"], got)
-    assert result.renamed == 4
+    assert result.renamed == 4 and not any("strip" in n for n in result.notes)
+
+
+def test_a_strip_that_finds_no_wrapper_says_so(tmp_path: Path) -> None:
+    # Only some keys wrapped: no prefix every key carries, so the keys are kept, with a word.
+    model = small_state()["model"].items()
+    state = {"model": {(f"module.{k}" if i % 2 else k): v for i, (k, v) in enumerate(model)}}
+    folder = save_dcp(tmp_path / "half", state)
+    result = consolidate(folder, tmp_path / "kept.pt", strip=True)
+    assert list(torch.load(tmp_path / "kept.pt", weights_only=True)) == list(state["model"])
+    assert result.renamed == 0
+    assert any("no wrapper prefix" in n for n in result.notes), result.notes
 
 
 def test_select_names_an_entry(folder: Path, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from ckpt_tools.ops.consolidate.plan import (
     _fresh,
     _strip,
     plan_consolidation,
+    strip_notes,
 )
 from ckpt_tools.ops.transform.tied_names import hf_shared_names
 
@@ -160,6 +161,7 @@ def plan_deepspeed(
             first = next(o for o in tensors if o.tensor is out[id(t)])
             tensors.append(OutputTensor(name, out[id(t)], first.pieces, first.record))
     notes = [f"{a} is stored once, as {b} (tied)" for a, b in dropped.items()]
+    notes += strip_notes(strip, renamed)
     if ckpt.zero is not None and ckpt.zero.frozen_from_module and not exclude_frozen:
         notes.append("frozen parameters read from the module weights (ZeRO-1 records none)")
     if ckpt.zero is not None and ckpt.zero.stage == 0:

@@ -27,7 +27,7 @@ from ckpt_tools.structure.selection import Selection, select_state_dict
 from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
-__all__ = ["ConsolidationPlan", "OutputTensor", "plan_consolidation"]
+__all__ = ["ConsolidationPlan", "OutputTensor", "plan_consolidation", "strip_notes"]
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,14 @@ def _strip(sd: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, str]
     return out, tuple((a, b) for a, b in zip(sd, out) if a != b)
 
 
+def strip_notes(strip: bool, renamed: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """What a strip that changed nothing says: the keys were written as saved (strip-module
+    says as much, rather than leaving the keys as they were without a word)."""
+    if strip and not renamed:
+        return ("strip: no wrapper prefix that every key carries; the keys are as saved",)
+    return ()
+
+
 def _replace_at(root: Any, path: tuple[str, ...], value: Any) -> Any:
     if not path:
         return value
@@ -255,7 +263,7 @@ def plan_consolidation(
         tree=out_tree,
         tensors=tuple(collector.tensors),
         selected=() if everything else tuple(selection.path),
-        notes=() if everything else _left_out(selection),
+        notes=(() if everything else _left_out(selection)) + strip_notes(strip, renamed),
         dropped=tuple(dropped),
         renamed=renamed,
     )
