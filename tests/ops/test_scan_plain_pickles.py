@@ -189,11 +189,21 @@ def test_a_broken_protocol_0_pickle_named_as_a_checkpoint_is_scanned_in_a_folder
     # Under any other name, a payload pickle.load runs before the bad byte is one still...
     other = tmp_path / "ran too"
     (folder / "payload.data").write_bytes(text.replace(str(marker).encode(), str(other).encode()))
-    # ...while text that merely reads as protocol 0 (a GLOBAL of two lines) is no pickle.
-    (folder / "notes.txt").write_bytes(b"config\nsettings\nlearning rate: 0.1\n")
+    # ...while text that merely reads as protocol 0 (a GLOBAL or an INST of two lines, a
+    # mark) is no pickle: it names a global, perhaps of a dangerous module, but calls none.
+    texts = {
+        "notes.txt": b"config\nsettings\nlearning rate: 0.1\n",
+        "ops.txt": b"cos\nsin\ntan\n",
+        "requirements-dev.txt": b"ipdb\nipython\nblack\n",
+        "labels.txt": b"cat\ndog\nbird\n",
+        "LICENSE": b"(c) 2024 the authors\nall rights reserved\nsee NOTICE\n",
+        "cities.csv": b"city,country\nParis,France\nOslo,Norway\n",
+    }
+    for name, data in texts.items():
+        (folder / name).write_bytes(data)
     assert _runs(folder / "model.bin", marker, "torch.load(f, weights_only=False)")
     assert _runs(folder / "payload.data", other, "pickle.load(f)")
     report = scan(folder)
     found = [(Path(f.path).name, f.verdict) for f in report.files]
     assert found == [("model.bin", "dangerous"), ("payload.data", "dangerous")]
-    assert [Path(p).name for p in report.skipped] == ["notes.txt"]
+    assert sorted(Path(p).name for p in report.skipped) == sorted(texts)

@@ -82,6 +82,8 @@ class ImportScan(NamedTuple):
         mutated: the imports the pickle changes in place (a BUILD, SETITEM or APPEND on the
             imported object itself, not on an object built from it): that sets attributes of
             a module or class, or fills a dict a module holds, for all code to meet.
+        called: the imports the pickle calls (REDUCE, NEWOBJ, OBJ on the imported object, an
+            INST above a mark): what a loader runs, not only imports, before any later break.
     """
 
     imports: tuple[PickleImport, ...]
@@ -91,6 +93,7 @@ class ImportScan(NamedTuple):
     after: int | None = None
     unsettled: frozenset[int] = frozenset()
     mutated: tuple[PickleImport, ...] = ()
+    called: tuple[PickleImport, ...] = ()
 
 
 # Protocol 2+ pickles Python writes start with PROTO, but a loader takes any opcode that
@@ -102,6 +105,8 @@ _MARK = pickletools.markobject
 # the mark).
 _MUTATES = {"BUILD": 2, "SETITEM": 3, "APPEND": 2, "SETITEMS": None, "APPENDS": None,
             "ADDITEMS": None}  # fmt: skip
+# Where each calling opcode finds the callable: its depth from the top (OBJ: above the mark).
+_CALLS = {"REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3, "OBJ": None}
 
 
 class _Imported(NamedTuple):
@@ -219,13 +224,15 @@ def find_imports(
     framed = FramedInput(stream, served)
     imports: list[PickleImport] = []
     mutated: list[PickleImport] = []
+    called: list[PickleImport] = []
 
     def scan(end: int | None, why: str | None, short: bool, after: int | None = None) -> ImportScan:
         unsettled = frozenset(framed.unsettled)
-        return ImportScan(tuple(imports), end, why, short, after, unsettled, tuple(mutated))
+        found = (tuple(imports), end, why, short, after, unsettled, tuple(mutated))
+        return ImportScan(*found, tuple(called))
 
     try:
-        stopped = _walk(framed, imports, mutated)
+        stopped = _walk(framed, imports, mutated, called)
     except ResourceLimitError as e:
         return scan(None, str(e), False)
     except CutGlobal as e:
@@ -241,9 +248,15 @@ def find_imports(
     return scan(base + framed.tell(), None, False, base + framed.after())
 
 
-def _walk(framed: FramedInput, imports: list[PickleImport], mutated: list[PickleImport]) -> bool:
-    """Replay the pickle's opcodes up to its STOP, adding each import to ``imports`` and each
-    import changed in place to ``mutated``; whether it met the STOP."""
+def _walk(
+    framed: FramedInput,
+    imports: list[PickleImport],
+    mutated: list[PickleImport],
+    called: list[PickleImport],
+) -> bool:
+    """Replay the pickle's opcodes up to its STOP, adding each import to ``imports``, each
+    import changed in place to ``mutated`` and each called to ``called``; whether it met the
+    STOP."""
     # The stack holds the strings the pickle pushed, the objects it imported, None for any
     # other object, and _MARK.
     stack: list[object] = []
@@ -258,6 +271,8 @@ def _walk(framed: FramedInput, imports: list[PickleImport], mutated: list[Pickle
             protocol = arg
         elif name == "INST":  # (an instance of the class, not the class)
             imports.append(PickleImport(*_imported(*arg, protocol), pos, name))
+            if _MARK in stack:  # (without one, the loader fails before the call)
+                called.append(imports[-1])
             _apply(op, stack)
         elif name in ("GLOBAL", "STACK_GLOBAL") or name in _EXTS:
             imports.append(_import(name, arg, pos, stack, protocol))
@@ -265,6 +280,8 @@ def _walk(framed: FramedInput, imports: list[PickleImport], mutated: list[Pickle
         else:
             if name in _MUTATES:
                 _note_mutated(stack, _MUTATES[name], mutated)
+            if name in _CALLS:
+                _note_called(stack, _CALLS[name], called)
             _replay(op, arg, stack, memo)
         if name == "STOP":
             return True
@@ -293,6 +310,18 @@ def _note_mutated(stack: list[object], depth: int | None, mutated: list[PickleIm
     target = stack[at] if 0 <= at < len(stack) else None
     if isinstance(target, _Imported) and target.source not in mutated:
         mutated.append(target.source)
+
+
+def _note_called(stack: list[object], depth: int | None, called: list[PickleImport]) -> None:
+    """Add to ``called`` the import a calling opcode calls, if its callable (``depth`` from
+    the top, or just above the mark where None) is one."""
+    if depth is None:
+        at = max((i for i, item in enumerate(stack) if item is _MARK), default=-2) + 1
+    else:
+        at = len(stack) - depth
+    target = stack[at] if 0 <= at < len(stack) else None
+    if isinstance(target, _Imported) and target.source not in called:
+        called.append(target.source)
 
 
 def _python2_text(value: object) -> object:

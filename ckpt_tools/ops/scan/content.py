@@ -86,17 +86,18 @@ def _pickle_walks(path: str, head: bytes, source: RangeSource | None) -> list[Wa
     first, imports = walks[0].scan, any(w.scan.imports for w in walks)
     if first.end is not None:
         holds = imports or starts_like_pickle(head, any_protocol=True)
+    elif head[:1] == b"\x80" or path.lower().endswith(_CHECKPOINT_SUFFIXES):
+        holds = imports  # a PROTO, or a checkpoint's name: a pickle, cut short or broken
     else:
-        named = path.lower().endswith(_CHECKPOINT_SUFFIXES)
-        holds = imports and (head[:1] == b"\x80" or first.truncated or named or _payload(walks))
+        holds = _payload(walks)
     return walks if holds else None
 
 
 def _payload(walks: list[Walked]) -> bool:
-    """Whether a walk imports what the table knows for a danger (``builtins.exec``): a loader
+    """Whether a walk calls a global the table knows for a danger (``os.system``): a loader
     runs it before the bytes break, whatever the file is named. Text that merely reads as
-    protocol 0 (``config`` then a line) names no such global."""
-    names = (python3_qualname(i.qualname) for w in walks for i in w.scan.imports)
+    protocol 0 names a global (``cos`` then ``sin``: ``os.sin``) but calls nothing."""
+    names = (python3_qualname(i.qualname) for w in walks for i in w.scan.called)
     return any(map(known_danger, names))
 
 
