@@ -159,3 +159,22 @@ def test_empty_views_of_several_dtypes_on_one_storage_keep_their_own(
     stored = load_file(tmp_path / "out.safetensors")
     assert {k: (v.dtype, v.shape) for k, v in stored.items()} == want
     assert [t.dtype for t in inspect(src).tensors] == ["float32", "int32", "bfloat16"]
+
+
+def test_an_empty_reference_to_a_storage_with_bytes_is_that_storage(tmp_path: Path) -> None:
+    # torch.load reuses a loaded storage that holds bytes: an empty reference of another
+    # type to its key (a hand-edited pickle) is a view of it, of its dtype.
+    from ckpt_tools import inspect
+
+    torch.save({"a": torch.arange(5.0), "b": torch.empty(0, dtype=torch.int32)}, tmp_path / "s.pt")
+    src = tmp_path / "edited.pt"
+    with zipfile.ZipFile(tmp_path / "s.pt") as zin, zipfile.ZipFile(src, "w") as out:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("data.pkl"):  # b's storage key '1' -> '0'
+                data = data.replace(b"X\x01\x00\x00\x001", b"X\x01\x00\x00\x000")
+            out.writestr(info, data)
+    want = {k: v.dtype for k, v in torch.load(src, weights_only=True).items()}
+    assert want == {"a": torch.float32, "b": torch.float32}
+    assert {k: v.dtype for k, v in load_state_dict(src).items()} == want
+    assert [t.dtype for t in inspect(src).tensors] == ["float32", "float32"]

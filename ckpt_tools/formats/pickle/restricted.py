@@ -106,19 +106,20 @@ class _Restricted:
         found = self.storages.get(cache_key)
         # torch keeps a loaded storage for the next reference to its key only when it holds
         # bytes: an empty one is made anew for each, of that reference's own type (torch.save
-        # writes empty views of several dtypes under one key).
-        if found is None or found.numel == 0 or numel == 0:
-            made = StorageRef(
-                key=key,
-                dtype=storage_type.dtype,
-                numel=numel,
-                device=location,
-                storage_type=storage_type,
-                view=view,
-            )
-            self.storages.setdefault(cache_key, made)
-            return made
-        return found
+        # writes empty views of several dtypes under one key); one with bytes is reused.
+        if found is not None and found.numel > 0:
+            return found
+        made = StorageRef(
+            key=key,
+            dtype=storage_type.dtype,
+            numel=numel,
+            device=location,
+            storage_type=storage_type,
+            view=view,
+        )
+        if found is None or numel > 0:  # the key's storage: the first that holds bytes
+            self.storages[cache_key] = made
+        return made
 
 
 def _storage_view(view: Any, key: str, numel: int) -> tuple[str, int, int] | None:
