@@ -45,8 +45,7 @@ def _module_on_path(root: Any, path: Sequence[str]) -> Opaque | None:
                 node = holder[int(part)]
             else:
                 return None
-        state = node.state if isinstance(node, Opaque) else None
-        if isinstance(state, Mapping) and "_parameters" in state and "_modules" in state:
+        if isinstance(node, Opaque) and is_pickled_module(node):  # a compiled one too
             return node
     return None
 

@@ -194,6 +194,20 @@ def test_a_name_that_is_no_utf8_is_refused_before_a_safetensors_output(command, 
     assert listing(tmp_path) == ["in.pt"]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing torch._dynamo
+@pytest.mark.parametrize("where", ["root", "entry"])
+def test_a_pickled_compiled_module_is_refused_as_a_pickled_module(
+    tmp_path: Path, where: str
+) -> None:
+    # torch.compile's wrapper pickles as a call on the module it wraps: a module all the same,
+    # which a .pt rewrite cannot carry through (its attributes, its dynamo context).
+    compiled = torch.compile(torch.nn.Linear(2, 2))
+    torch.save(compiled if where == "root" else {"model": compiled}, tmp_path / "c.pt")
+    refused = _ckpt("strip-module", tmp_path / "c.pt", tmp_path / "out.pt")
+    assert refused.returncode == 3 and "ckpt sanitize" in refused.stderr, refused.stderr
+    assert "--allow-global" not in refused.stderr and not (tmp_path / "out.pt").exists()
+
+
 def test_the_fix_offered_for_a_pickled_module_is_the_one_that_works(tmp_path: Path) -> None:
     # Allowing the module's classes would only meet the pickled-module refusal (exit 7):
     # the suggested command, pasted as printed, writes its state dict instead. The name
