@@ -25,7 +25,6 @@ from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
     Remedy,
-    SelectError,
     UnsupportedFormatError,
     UsageError,
 )
@@ -34,7 +33,6 @@ from ckpt_tools.loading.devices import auto_location, checked_device, resolve_ma
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.structure.modules import module_globals
-from ckpt_tools.structure.paths import parse_select, resolve_path
 from ckpt_tools.structure.selection import (
     Selection,
     holds_no_state_dict,
@@ -182,18 +180,12 @@ def _holds_pickle(ckpt: Checkpoint) -> bool:
 
 def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> Selection | None:
     """The state dict chosen in the torch-free tree; None where ``trusted`` leaves the choice
-    to the object ``torch.load`` builds: an object of a class the reader did not import
-    (a dict subclass) stands where the state dict is, which only that object shows."""
-    try:
-        selection = select_state_dict(root, select=select)
-    except SelectError:
-        parts = parse_select(select) or ()
-        if trusted and isinstance(resolve_path(root, parts).node, Opaque):
-            return None
-        raise
-    unfound = selection.stand_in or (select is None and not selection.found)
-    if unfound and trusted and module_globals(root):
+    to the object ``torch.load`` builds: the tree holds objects of classes the reader did not
+    import (a dict subclass where the state dict is), which only that object shows."""
+    if trusted and module_globals(root):
         return None
+    selection = select_state_dict(root, select=select)
+    unfound = selection.stand_in or (select is None and not selection.found)
     if selection.stand_in:
         # torch.load(weights_only=True) builds a bare tensor or a list, not an object of a
         # class outside its allowlist: only trust builds that.

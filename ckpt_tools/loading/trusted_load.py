@@ -77,7 +77,9 @@ def _chosen_in_loaded(root: Any, select: Select, where: str) -> Selection:
     if isinstance(node, torch.nn.Module):
         why = f"a {type(node).__name__} built by torch.load: its state_dict()"
         return Selection(parts or (), why, {})
-    selection = select_state_dict(root, select=select)
+    # A module under an entry ({"model": Net, "epoch": 3}) is its state dict, as the
+    # torch-free choice recovers it; the path found leads to the module itself.
+    selection = select_state_dict(_modules_as_state_dicts(root), select=select)
     if selection.stand_in or not selection.found:
         raise UsageError(
             f"{where}: torch.load(weights_only=False) built {a_kind_of(node)}, in which no "
@@ -230,6 +232,16 @@ def _load_shards(
                 break
     merged = tuple(StorageMove(s, t, n, b) for (s, t), (n, b) in totals.items())
     return root, merged, mapped
+
+
+def _modules_as_state_dicts(node: Any, depth: int = 0) -> Any:
+    """``node`` with each ``nn.Module`` in its mappings replaced by its state dict (a few
+    levels deep), for the choice of the state dict only."""
+    if isinstance(node, torch.nn.Module):
+        return node.state_dict()
+    if isinstance(node, Mapping) and depth < 4:
+        return {k: _modules_as_state_dicts(v, depth + 1) for k, v in node.items()}
+    return node
 
 
 def _state_dict_at(root: Any, path: tuple[str, ...], where: str) -> Mapping[Any, Any]:

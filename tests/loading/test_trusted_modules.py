@@ -111,3 +111,14 @@ def test_a_pickled_compiled_module_gives_its_state_dict(tmp_path: Path, trust: b
     target = _model()
     report = load_into(target, path, map_location="cpu", trust=trust, strict=True)
     assert report.loaded == len(ref) and not report.missing and not report.unexpected
+
+
+def test_trusted_choice_is_made_in_the_tree_torch_load_builds(tmp_path: Path) -> None:
+    # A dict subclass under "model" beside a plain "ema": torch.load's tree holds both, and
+    # the choice is the one it gives (model before ema), not the one plain dict left visible.
+    model, ema = _model().state_dict(), {k: v + 1 for k, v in _model().state_dict().items()}
+    torch.save({"model": AttrStateDict(model), "ema": dict(ema)}, tmp_path / "two.pt")
+    _assert_same(load_state_dict(tmp_path / "two.pt", trust=True), model)
+    # select goes through dict subclasses as through dicts.
+    torch.save({"model": AttrStateDict({"inner": AttrStateDict(model)})}, tmp_path / "deep.pt")
+    _assert_same(load_state_dict(tmp_path / "deep.pt", trust=True, select="model.inner"), model)
