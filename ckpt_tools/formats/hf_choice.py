@@ -226,7 +226,7 @@ def explicit_weights(config: bytes, config_name: str, path: str) -> str | None:
             ``*.safetensors`` file or ``*.safetensors.index.json``, or outside the folder.
 
     Example:
-        >>> explicit_weights(b'{"transformers_weights": "./ema.safetensors"}', "config.json", ".")
+        >>> explicit_weights(b'{"transformers_weights": "ema.safetensors"}', "config.json", ".")
         'ema.safetensors'
     """
     try:
@@ -250,6 +250,4 @@ def explicit_weights(config: bytes, config_name: str, path: str) -> str | None:
         raise UnsupportedFormatError(
             f"{shown}, which is outside the folder; from_pretrained refuses it", path=path
         )
-    # The file the name reaches (./ema.safetensors is ema.safetensors), as a path inside a
-    # folder URL or a repository, which takes no dot segments, must name it.
-    return posixpath.normpath(name)
+    return name

@@ -165,6 +165,8 @@ def test_the_file_config_json_names_is_the_one_read(
         ("../model.safetensors", "outside the folder"),
         ("/etc/model.safetensors", "outside the folder"),
         ("missing.safetensors", "which the folder does not hold"),
+        # from_pretrained joins the name to the folder: no file where a part does not exist.
+        ("nosuch/../model.safetensors", "which the folder does not hold"),
     ],
 )
 def test_a_config_naming_weights_from_pretrained_refuses_is_refused(

@@ -4,6 +4,7 @@ what every file opened through them cost.
 
 from __future__ import annotations
 
+import posixpath
 from contextlib import suppress
 from types import TracebackType
 from typing import Any
@@ -195,7 +196,11 @@ class RemoteSession:
             return None
         if config.size > MAX_CONFIG_BYTES:
             return None
-        return explicit_weights(config.pread(config.size, 0), config_url, url)
+        name = explicit_weights(config.pread(config.size, 0), config_url, url)
+        # The file the name reaches (./ema.safetensors is ema.safetensors): a path in a
+        # folder URL or a repository takes no dot segments. A local folder's is taken as
+        # given, as from_pretrained joins it (nosuch/../ema.safetensors is no file there).
+        return None if name is None else posixpath.normpath(name)
 
     def _transport(self, url: str) -> RangeTransport:
         if scheme(url) == "s3":
