@@ -115,6 +115,10 @@ def test_no_credentials(s3: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
     assert s3.server.log.requests(method="GET") == 0  # nothing was sent unsigned
 
 
+# Credentials from the config file's credential_process only.
+_NO_KEYS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+
+
 @pytest.mark.parametrize(
     ("settings", "error", "says"),
     [
@@ -122,8 +126,10 @@ def test_no_credentials(s3: S3Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
         ({"AWS_SECRET_ACCESS_KEY": ""}, RemoteAccessError, "AWS_SECRET_ACCESS_KEY"),
         ({"AWS_DEFAULT_REGION": "us east"}, UsageError, "us east"),
         ({"AWS_CONFIG_FILE": "BROKEN"}, UsageError, "Unable to parse config file"),
+        ({"AWS_CONFIG_FILE": "FALSE", **_NO_KEYS}, RemoteAccessError, "custom-process"),
+        ({"AWS_CONFIG_FILE": "MISSING", **_NO_KEYS}, RemoteAccessError, "/nonexistent/cmd"),
     ],
-    ids=["profile", "partial", "region", "config-file"],
+    ids=["profile", "partial", "region", "config-file", "process-fails", "process-missing"],
 )
 def test_aws_settings_botocore_refuses_are_said_in_one_line(
     s3: S3Bucket,
@@ -135,9 +141,15 @@ def test_aws_settings_botocore_refuses_are_said_in_one_line(
 ) -> None:
     # Refused while the client is made, before a request: as a missing credential is.
     url = s3.put("m.pt", b"weights")
-    (tmp_path / "broken").write_text("[default\nbroken")
+    configs = {
+        "BROKEN": "[default\nbroken",
+        "FALSE": "[default]\ncredential_process = /bin/false\n",
+        "MISSING": "[default]\ncredential_process = /nonexistent/cmd\n",
+    }
     for name, value in settings.items():
-        value = str(tmp_path / "broken") if value == "BROKEN" else value
+        if value in configs:
+            (tmp_path / value).write_text(configs[value])
+            value = str(tmp_path / value)
         monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name)
     with RemoteSession() as remote, pytest.raises(error) as info:
         remote.open(url)

@@ -104,9 +104,13 @@ def make_s3_client(timeout: float) -> Any:
     errors = botocore.exceptions
     try:
         return session.create_client("s3", config=config)
-    # Credentials are read while the client is made: refused as a request's would be.
-    except (errors.ProfileNotFound, errors.PartialCredentialsError) as e:
-        raise RemoteAccessError(f"S3: {quote_foreign(e)}", remedies=(_CREDENTIALS,)) from e
+    # Credentials are read while the client is made: refused as a request's would be (a
+    # credential_process that fails or is missing, an SSO token that expired, included).
+    except (*_credential_errors(errors), OSError) as e:
+        raise RemoteAccessError(
+            f"S3: the AWS credentials could not be had: {quote_foreign(e)}",
+            remedies=(_CREDENTIALS,),
+        ) from e
     except errors.BotoCoreError as e:  # a config file or region botocore cannot take
         raise UsageError(
             f"S3: the AWS settings are refused: {quote_foreign(e)}",
@@ -118,6 +122,13 @@ def make_s3_client(timeout: float) -> Any:
             raise
         where = f"endpoint_url {shown_any(refused)!r} in the AWS config file"
         raise _not_accepted(where, "endpoint_url = https://HOST[:PORT] there") from e
+
+
+def _credential_errors(errors: Any) -> tuple[type[Exception], ...]:
+    """botocore's errors that say the credentials could not be had (those this botocore has)."""
+    names = ("ProfileNotFound", "PartialCredentialsError", "CredentialRetrievalError")
+    names += ("SSOTokenLoadError", "UnauthorizedSSOTokenError", "TokenRetrievalError")
+    return tuple(getattr(errors, name) for name in names if hasattr(errors, name))
 
 
 def _checked_endpoint(botocore: Any) -> bool:
