@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from ckpt_tools._types import Select
-from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff
+from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff, is_file
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport
-from ckpt_tools.diffing.sides import DiffSide, Side, is_file, kind_pair, open_side
+from ckpt_tools.diffing.sides import DiffSide, Side, kind_pair, open_side
 from ckpt_tools.diffing.suggestions import apply_command, suggested_rewrites
 from ckpt_tools.diffing.tolerances import check_tolerances
 from ckpt_tools.dtypes import itemsize

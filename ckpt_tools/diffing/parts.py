@@ -4,6 +4,7 @@ that differs, each key rewrite that explains a mismatch. Frozen dataclasses, tor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ from ckpt_tools.errors import shown
 from ckpt_tools.structure.json_values import json_ready
 from ckpt_tools.structure.suggest import Step
 
-__all__ = ["SideInfo", "Suggestion", "TensorDiff"]
+__all__ = ["SideInfo", "Suggestion", "TensorDiff", "is_file"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class SideInfo:
         unsupported: tensors of a subclass the reader does not rebuild (a DTensor that
             ``torch.save`` wrote as it is): tensors, never compared (each is a ``kind`` pair
             where the other side has the key).
+        unsafe_globals: the file's globals outside the allowlist (a rewrite names each).
+        recovered: the state dict is a pickled module's, recovered (a rewrite writes it to
+            safetensors).
     """
 
     label: str
@@ -44,6 +48,8 @@ class SideInfo:
     wrappers: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     unsupported: tuple[str, ...] = ()
+    unsafe_globals: tuple[str, ...] = ()
+    recovered: bool = False
 
     def line(self, name: str, model_spec: str | None = None) -> str:
         """``A: ddp.pt (torch-zip, state dict 'model', 17 tensors, wrappers module.)``.
@@ -261,3 +267,13 @@ class Suggestion:
             "missing": list(self.missing),
             "text": self.text(),
         }
+
+
+def is_file(side: object) -> bool:
+    """Whether ``side`` names a checkpoint file, folder or URL (not a state dict or module).
+
+    Example:
+        >>> is_file("hf://org/model"), is_file({"w": 1})
+        (True, False)
+    """
+    return isinstance(side, (str, os.PathLike))

@@ -25,7 +25,7 @@ from ckpt_tools.diffing.entries import (
     metadata_of,
     split_entries,
 )
-from ckpt_tools.diffing.parts import SideInfo, TensorDiff
+from ckpt_tools.diffing.parts import SideInfo, TensorDiff, is_file
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads
     from ckpt_tools.io.remote import RemoteSession
     from ckpt_tools.loading.tensor_io import TensorReader
 
-__all__ = ["DiffSide", "Side", "is_file", "kind_pair", "open_side"]
+__all__ = ["DiffSide", "Side", "kind_pair", "open_side"]
 
 #: What :func:`~ckpt_tools.diffing.engine.diff` compares: a checkpoint path or URL, a state
 #: dict, or a module.
@@ -269,6 +269,8 @@ def _file_side(
         tensors=len(entries),
         skipped=tuple(others),
         unsupported=tuple(foreign),
+        unsafe_globals=ckpt.unsafe_globals,
+        recovered=selection.module is not None,
     )
     reader = None
     if values:
@@ -286,16 +288,6 @@ def _file_side(
         keys=keys,
         metadata=metadata_of(sd),
     )
-
-
-def is_file(side: object) -> bool:
-    """Whether ``side`` names a checkpoint file, folder or URL (not a state dict or module).
-
-    Example:
-        >>> is_file("hf://org/model"), is_file({"w": 1})
-        (True, False)
-    """
-    return isinstance(side, (str, os.PathLike))
 
 
 @contextlib.contextmanager

@@ -46,7 +46,8 @@ def apply_command(
     if side.kind == "file" and is_url(side.label):
         return ""
     if side.kind == "file":
-        return fix_command(side.label, steps, select, keys)
+        needs = {"allow_globals": side.unsafe_globals, "recovered": side.recovered}
+        return fix_command(side.label, steps, select, keys, **needs)
     if side.kind == "state_dict":
         return fix_python(steps, name)
     return ""

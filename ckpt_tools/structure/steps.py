@@ -204,6 +204,9 @@ def fix_command(
     steps: Sequence[Step],
     select: str | Sequence[str] | None = None,
     keys: Sequence[str] | None = None,
+    *,
+    allow_globals: Sequence[str] = (),
+    recovered: bool = False,
 ) -> str:
     """The ``ckpt`` command that applies ``steps`` to the checkpoint file at ``path``.
 
@@ -216,6 +219,10 @@ def fix_command(
         select: the ``--select`` the state dict was chosen with, if any.
         keys: the file's keys; when the steps strip exactly the wrappers found in them, the
             command is plain ``ckpt strip-module IN OUT``.
+        allow_globals: the file's globals outside the allowlist, each named to the rewrite
+            (it refuses to carry them through otherwise).
+        recovered: the state dict is a pickled module's: written to a ``.safetensors`` file,
+            which holds its recovered state dict (a ``.pt`` rewrite would carry the module).
 
     Returns:
         One shell command line (arguments quoted), writing ``<stem>.renamed<suffix>``.
@@ -230,6 +237,8 @@ def fix_command(
     old, new, inner, subs = _collapse(steps)
     path = not_an_option(path)
     out = _out_path(path)
+    if recovered:
+        out = os.path.splitext(out)[0] + ".safetensors"
     args: list[str]
     if _strips_every_wrapper(steps, keys):
         args = ["ckpt", "strip-module", path, out]
@@ -249,6 +258,7 @@ def fix_command(
         args = ["ckpt", "strip-module", path, out, "--prefix", old]
     if select is not None:
         args += ["--select", select if isinstance(select, str) else ".".join(select)]
+    args += [a for g in allow_globals for a in ("--allow-global", g)]
     return " ".join(shlex.quote(a) for a in args)
 
 

@@ -431,3 +431,18 @@ def test_keys_with_one_name_are_refused_not_merged(tmp_path: Path, order: str) -
     with pytest.raises(KeyCollisionError, match="both named '0'"):
         diff(tmp_path / "a.pt", tmp_path / "b.pt")
     run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--fail-on", "any", code=7)
+
+
+def test_a_suggested_rewrite_names_the_globals_it_must_carry(tmp_path: Path) -> None:
+    # The command is run as printed: without --allow-global the rewrite refuses the file.
+    import argparse
+
+    plain = {"w": torch.ones(2), "b": torch.zeros(2)}
+    wrapped = {f"module.{k}": v for k, v in plain.items()}
+    torch.save({"state_dict": wrapped, "args": argparse.Namespace(lr=0.1)}, tmp_path / "a.ckpt")
+    torch.save(plain, tmp_path / "b.pt")
+    (suggestion,) = diff(tmp_path / "a.ckpt", tmp_path / "b.pt").suggestions
+    assert suggestion.command.endswith("--allow-global argparse.Namespace")
+    run_ckpt(*shlex.split(suggestion.command)[1:])
+    out = torch.load(tmp_path / "a.renamed.ckpt", weights_only=False)["state_dict"]
+    assert list(out) == list(plain)

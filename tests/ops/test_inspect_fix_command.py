@@ -134,3 +134,29 @@ def test_the_suggestion_for_a_sharded_folder_writes_its_format(tmp_path: Path) -
 def _save(tmp_path: Path, state_dict: dict[str, torch.Tensor]) -> Path:
     torch.save(state_dict, tmp_path / "ddp.pt")
     return tmp_path / "ddp.pt"
+
+
+def test_the_suggestion_names_the_globals_the_rewrite_must_carry(tmp_path: Path) -> None:
+    # Lightning keeps its hyper-parameters as a Namespace: a rewrite refuses it unless named.
+    import argparse
+
+    model = _model(seed=1)
+    src = tmp_path / "last.ckpt"
+    hyper = {"args": argparse.Namespace(lr=0.1)}
+    torch.save({"state_dict": _wrapped(model), "hyper_parameters": hyper, "epoch": 3}, src)
+    argv = _run_suggestion(src)
+    assert argv[-2:] == ["--allow-global", "argparse.Namespace"]
+    _loads_strictly(torch.load(argv[3], weights_only=False)["state_dict"], model)
+
+
+def test_the_suggestion_for_a_pickled_module_writes_its_state_dict(tmp_path: Path) -> None:
+    # torch.save(DataParallel(model)): a .pt rewrite would carry the module; safetensors
+    # holds its recovered state dict.
+    from safetensors.torch import load_file
+
+    model = _model(seed=1)
+    src = tmp_path / "whole_dp.pt"
+    torch.save(nn.DataParallel(model), src)
+    argv = _run_suggestion(src)
+    assert argv[3].endswith("whole_dp.renamed.safetensors")
+    _loads_strictly(load_file(argv[3]), model)

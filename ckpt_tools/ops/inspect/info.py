@@ -208,10 +208,15 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
         if for_cli:
             # The command diff suggests too: quoted for the shell, with the --select given.
             steps = [Step("strip-inner" if w.inner else "strip", w.prefix) for w in self.wrappers]
-            fix = fix_command(self.path, steps, self.select, [t.name for t in self.tensors])
+            keys = [t.name for t in self.tensors]
+            needs = {"allow_globals": self.unsafe_globals, "recovered": bool(self.pickled_module)}
+            fix = fix_command(self.path, steps, self.select, keys, **needs)
         else:
             chosen = "" if self.select is None else f", select={self.select!r}"
-            fix = f"ckpt_tools.strip_module({self.path!r}, OUT{chosen})"
+            if self.unsafe_globals:
+                chosen += f", allow_globals={list(self.unsafe_globals)!r}"
+            out = "'OUT.safetensors'" if self.pickled_module else "OUT"
+            fix = f"ckpt_tools.strip_module({self.path!r}, {out}{chosen})"
         found = "; ".join(
             f"{w.prefix!r} {w.kind} ({w.count}/{w.of} keys{', inside keys' if w.inner else ''})"
             for w in self.wrappers
