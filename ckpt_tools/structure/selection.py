@@ -213,7 +213,11 @@ def _select_in(root: Any, memo: dict[int, Selection], depth: int) -> Selection:
     recovered = recover_module(root)
     if recovered is not None:
         return Selection((), recovered.description, recovered.state_dict, recovered)
-    if is_state_dict(root):
+    # A trainer's dict may hold a tensor beside its state dict ({"state_dict": sd,
+    # "best_acc1": tensor}): half tensors, but the state dict is the entry.
+    if is_state_dict(root) and not any(
+        k in root and is_state_dict(root[k]) for k in CANDIDATE_KEYS
+    ):
         return Selection((), "the root is a state dict", root)
     # An empty state dict under a candidate name (a model with no parameters yet) is chosen
     # only when nothing holds tensors: it is the state dict, not a reason to take the root.

@@ -207,3 +207,19 @@ def test_the_largest_of_several_tensor_dicts_names_the_others() -> None:
     assert "also 'discriminator': select one to take it instead" in chosen.reason
     alone = select_state_dict({"state_dict": {}, "weights_v2": _sd(3)})
     assert "also" not in alone.reason
+
+
+@pytest.mark.parametrize("entry", ["state_dict", "model", "net"])
+def test_a_tensor_beside_the_state_dict_does_not_make_the_root_one(
+    tmp_path: Path, entry: str
+) -> None:
+    # An ImageNet script's {"state_dict": sd, "best_acc1": tensor}: half its values are
+    # tensors, but the weights are the entry torch.load's caller reads.
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    path = tmp_path / "best.pth.tar"
+    torch.save({entry: net.state_dict(), "best_acc1": torch.tensor(76.1)}, path)
+    sd, info = load_with_info(path)
+    assert info.selected == (entry,) and list(sd) == list(net.state_dict())
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    fresh.load_state_dict(sd, strict=True)
+    assert [t.name for t in inspect(path).tensors] == list(net.state_dict())
