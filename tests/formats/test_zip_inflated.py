@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools import add_module, convert
+from ckpt_tools import add_module, convert, extract, slim
 from ckpt_tools.errors import CorruptCheckpointError, ResourceLimitError
 from ckpt_tools.formats import open_checkpoint
 from tests.helpers.files import deflated_copy, read_span
@@ -135,6 +135,8 @@ def test_a_dry_run_inflates_nothing(
     assert convert(
         src, folder, output_format="safetensors", max_shard_size=8192, dry_run=True
     ).dry_run
+    assert slim(src, out, dtype="bf16", dry_run=True).dry_run
+    assert extract(src, out, prefix="w", dry_run=True).dry_run
     assert not out.exists() and not folder.exists()
     with pytest.raises(ResourceLimitError, match="set TMPDIR"):  # the real run needs it
         add_module(src, out)

@@ -157,7 +157,22 @@ def cast_stream(source: Record, src: str, dst: str, *, runs: Sequence[int] | Non
 
 
 def tensor_bytes_record(ckpt: Checkpoint, t: TensorRef, dst: str | None = None) -> Record:
-    """One tensor's elements in row-major order (safetensors), cast to ``dst`` if given."""
+    """One tensor's elements in row-major order (safetensors), cast to ``dst`` if given.
+
+    A compressed storage record is inflated when the bytes are written, not when the
+    record is planned: a dry run makes no inflated copy (:meth:`Checkpoint.check_span`)."""
+    if _compressed(ckpt, t.storage) is None:
+        return _tensor_bytes(ckpt, t, dst)
+    ckpt.check_span(t.storage)
+
+    def produce() -> Iterable[bytes]:
+        yield from record_bytes(_tensor_bytes(ckpt, t, dst))
+
+    action = "copy (inflated)" if dst in (None, t.dtype) else f"cast {t.dtype} -> {dst}"
+    return Record(t.numel * itemsize(dst or t.dtype), produce=produce, action=action)
+
+
+def _tensor_bytes(ckpt: Checkpoint, t: TensorRef, dst: str | None) -> Record:
     span = ckpt.span(t.storage)
     if t.is_contiguous():
         piece = ByteSpan(span.path, span.offset + t.byte_span[0], t.nbytes)
