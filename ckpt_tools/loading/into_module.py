@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._escape import shell_path, short_repr, shown
 from ckpt_tools._types import MapLocation, Select, StrPath
-from ckpt_tools.errors import Remedy, StateDictMismatchError, UsageError
+from ckpt_tools.errors import CheckpointError, Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch
@@ -84,7 +84,7 @@ def _mismatch_message(
     if fixes and fixes[0].matched > done:
         fix = fixes[0]
         how = (
-            fix_command(report.source, fix.steps, select)
+            fix_command(report.source, fix.steps, select, **_rewrite_needs(report.source, select))
             if report.info is not None
             else fix_python(fix.steps)
         )
@@ -101,6 +101,20 @@ def _mismatch_message(
             f"run {diff}"
         )
     return "\n".join(map(shown, lines))  # (a key cannot start a line of its own)
+
+
+def _rewrite_needs(path: str, select: Select) -> dict[str, Any]:
+    """What a rewrite of the file at ``path`` must be told (its globals outside the allowlist;
+    a pickled module's state dict goes to safetensors), as :func:`fix_command` takes it."""
+    from ckpt_tools.formats import open_checkpoint
+    from ckpt_tools.structure.selection import select_state_dict
+
+    try:
+        ckpt = open_checkpoint(path)
+        recovered = select_state_dict(ckpt.root, select=select).module is not None
+    except CheckpointError:  # (read once already: the message is made with what is known)
+        return {}
+    return {"allow_globals": ckpt.unsafe_globals, "recovered": recovered}
 
 
 def _source_state_dict(

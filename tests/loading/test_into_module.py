@@ -232,6 +232,25 @@ def test_mismatch_message_suggests_a_working_command(source: Net, tmp_path: Path
         load_into(make_net(1), {"backbone." + k: v for k, v in source.state_dict().items()})
 
 
+def test_the_suggested_command_names_the_globals_the_file_holds(
+    source: Net, tmp_path: Path
+) -> None:
+    # Lightning keeps its hyper-parameters as a Namespace: the rewrite must be told so.
+    import argparse
+
+    path = tmp_path / "bb.ckpt"
+    weights = {"module.backbone." + k: v for k, v in source.state_dict().items()}
+    torch.save({"state_dict": weights, "hparams": argparse.Namespace(lr=0.1)}, path)
+    target = data_parallel(make_net(1))
+    with pytest.raises(StateDictMismatchError) as error:
+        load_into(target, path)
+    command = next(line for line in str(error.value).splitlines() if "ckpt rename" in line)
+    args = shlex.split(command.split(": ", 1)[1])
+    assert args[-2:] == ["--allow-global", "argparse.Namespace"]
+    assert main([*args[1:], "-q"]) == 0
+    assert load_into(target, tmp_path / "bb.renamed.ckpt").ok
+
+
 def test_names_from_the_checkpoint_reach_messages_escaped(tmp_path: Path) -> None:
     # A key is the file's text: it must neither start a line of its own nor drive a terminal.
     hostile = "x\nckpt: loaded OK \x1b[2J"
