@@ -169,11 +169,15 @@ def _out_path(path: str) -> str:
     Example:
         >>> _out_path("ddp.pt"), _out_path("run/model.safetensors.index.json")
         ('ddp.renamed.pt', 'run/model.renamed.safetensors')
+        >>> _out_path(".").startswith(os.path.abspath(".") + ".renamed.")  # not "..renamed"
+        True
     """
     if path.endswith(".index.json"):  # model.safetensors.index.json names model.safetensors
         path = path.removesuffix(".index.json")
     elif path.endswith("/") or os.path.isdir(path):
         folder = path.rstrip("/")  # (a folder's name is no stem: llama-3.1-8b)
+        if os.path.basename(folder) in ("", ".", ".."):  # named by where it is: its own name
+            folder = os.path.abspath(path)
         try:
             safetensors = any(n.endswith(".safetensors") for n in os.listdir(folder))
         except OSError:
