@@ -3,10 +3,9 @@
 The same worker code runs whichever way the processes were started:
 
 * internally: :func:`train_ddp` finds a free port on 127.0.0.1 and starts ``world_size``
-  processes with ``torch.multiprocessing`` (tcp:// rendezvous; see
-  :mod:`ckpt_tools.harness.spawning`);
-* externally: under ``torchrun`` (detected from ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
-  ``MASTER_ADDR``), the current process *is* one rank and joins with env:// rendezvous.
+  processes with ``torch.multiprocessing`` (tcp:// rendezvous, :mod:`~.spawning`);
+* externally: under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``
+  set), the current process *is* one rank and joins with env:// rendezvous.
 
 gloo on the CPU, nccl on GPUs. Each rank takes its contiguous slice of the same global
 batch the single-device run uses, and the loss is scaled so DDP's gradient averaging
@@ -49,6 +48,7 @@ from ckpt_tools.harness.failures import (
     port_taken,
     quiet_spawn_log,
     rank_failure,
+    stop_ranks,
     write_failure,
 )
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
@@ -216,9 +216,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(
-    config: TrainConfig, devices: Sequence[torch.device], train_rank: TrainRank
-) -> TrainResult:
+def _spawn(config: TrainConfig, devices: Sequence[torch.device], train: TrainRank) -> TrainResult:
     """Start one process per device and return rank 0's result."""
     world = len(devices)
     with tempfile.TemporaryDirectory(prefix="ckpt-harness-ddp-") as scratch:
@@ -232,7 +230,7 @@ def _spawn(
             args = (world, [str(d) for d in devices], config, init_method, report_dir)
             context = mp.start_processes(
                 _spawn_entry,
-                args=(*args, train_rank, str(failures), dict(os.environ), os.getpid()),
+                args=(*args, train, str(failures), dict(os.environ), os.getpid()),
                 nprocs=world,
                 join=False,
                 start_method=start_method(),
@@ -249,6 +247,9 @@ def _spawn(
                 codes = [process.exitcode for process in context.processes]
                 what = config.strategy.upper()
                 raise rank_failure(failures, world, codes, exc.error_index, what) from exc
+            except BaseException:  # Ctrl-C to the launcher alone: the ranks end, not at exit
+                stop_ranks(context.processes)
+                raise
         result = TrainResult.read_json(report_dir)
         return replace(result, seconds=time.perf_counter() - started)
 

@@ -34,6 +34,7 @@ __all__ = [
     "port_taken",
     "quiet_spawn_log",
     "rank_failure",
+    "stop_ranks",
     "write_failure",
 ]
 
@@ -284,3 +285,15 @@ def _from_summary(summary: dict[str, Any], world: int) -> RankFailedError:
         error=summary["error"],
         cli_message=summary["cli"],
     )
+
+
+def stop_ranks(processes: Sequence[Any]) -> None:
+    """End every rank still running (SIGTERM, then SIGKILL after a few seconds), and reap it."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()

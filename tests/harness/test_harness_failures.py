@@ -186,7 +186,7 @@ def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
 def test_ranks_end_with_a_launcher_killed_alone(
     sig: int, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
