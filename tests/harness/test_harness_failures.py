@@ -186,14 +186,24 @@ def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
+@pytest.mark.parametrize(
+    ("sig", "entry"),
+    [
+        (signal.SIGTERM, ENTRY),
+        (signal.SIGKILL, ENTRY),
+        (signal.SIGINT, ENTRY),
+        # ckpt leaves through the interpreter, which waits for child processes at its exit.
+        (signal.SIGINT, [sys.executable, "-m", "ckpt_tools", "harness", "train"]),
+    ],
+    ids=["SIGTERM", "SIGKILL", "SIGINT", "SIGINT-ckpt"],
+)
 def test_ranks_end_with_a_launcher_killed_alone(
-    sig: int, tmp_path: Path, subprocess_env: dict[str, str]
+    sig: int, entry: list[str], tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     # Not the process group (Ctrl-C, timeout): the launcher alone, as `kill PID` does.
     out = tmp_path / "run"
     args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(out)]
-    with subprocess.Popen([*ENTRY, *args], env=subprocess_env, stderr=subprocess.PIPE) as proc:
+    with subprocess.Popen([*entry, *args], env=subprocess_env, stderr=subprocess.PIPE) as proc:
         try:
             ranks = _rank_pids(proc.pid, 2, timeout=60)
             time.sleep(1)
