@@ -56,6 +56,22 @@ def test_a_strip_prefix_gives_bitwise_equal_outputs(runs: Path) -> None:
     assert row.max_abs_diff == 0.0 and row.tolerance == 0.0
 
 
+def test_a_fails_when_the_wrapped_file_is_not_the_runs_bare_weights(
+    runs: Path, tmp_path: Path
+) -> None:
+    # The run saved one state dict twice; a wrapped.pt whose values drifted from bare.pt's
+    # loads and runs just the same, so only comparing the two files finds it.
+    wrapped = torch.load(runs / "manual" / "wrapped.pt", weights_only=True)
+    key = next(k for k, v in wrapped.items() if v.is_floating_point())
+    wrapped[key] = wrapped[key] + 0.5
+    torch.save(wrapped, tmp_path / "wrapped.pt")
+    bare = runs / "manual" / "bare.pt"
+    assert check_strip_prefix(runs / "manual" / "wrapped.pt", "mlp", bare_path=bare).passed
+    row = check_strip_prefix(tmp_path / "wrapped.pt", "mlp", bare_path=bare)
+    assert (row.passed, row.status) == (False, "fail") and "not bare.pt's weights" in row.detail
+    assert row.max_abs_diff == pytest.approx(0.5)
+
+
 def test_a_fails_when_the_checkpoint_does_not_fit_the_model(runs: Path) -> None:
     row = check_strip_prefix(runs / "manual" / "wrapped.pt", "lenet")
     assert (row.passed, row.status, row.error) == (False, "fail", "StateDictMismatchError")

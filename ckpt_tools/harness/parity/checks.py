@@ -148,9 +148,15 @@ def _outputs(model: nn.Module, device: torch.device) -> Tensor:
 
 
 def _prefix_check(
-    name: str, path: str | Path, model: str, kw: Mapping[str, Any] | None, strategy: str
+    name: str,
+    path: str | Path,
+    model: str,
+    kw: Mapping[str, Any] | None,
+    strategy: str,
+    same_as: str | Path | None = None,
 ) -> CheckResult:
-    """(a) and (b): load the file into one form of the model, its rewrite into the other."""
+    """(a) and (b): load the file into one form of the model, its rewrite into the other;
+    with ``same_as``, the rewrite must also be that file's state dict, bit for bit."""
     device, kw = eval_device(), kw or {}
     # Built before the attempt: an unknown model is the caller's UsageError, not a finding.
     bare = _fresh(model, kw, device)
@@ -161,6 +167,12 @@ def _prefix_check(
 
     def body() -> CheckResult:
         state_dict = load_pt(path)
+        if same_as is not None:  # the run's own two files: one state dict, two key forms
+            rewritten = rewrite(state_dict, prefix="module.")
+            gap, problems = compare_state_dicts(load_pt(same_as), rewritten)
+            if problems:
+                detail = f"not {Path(same_as).name}'s weights: {'; '.join(problems[:3])}"
+                return _result(name, strategy, gap, 0.0, False, detail)
         _load_strict(source, state_dict)
         _load_strict(target, rewrite(state_dict, prefix="module."))
         stats = compare_tensors(_outputs(target, device), _outputs(source, device))
@@ -178,6 +190,7 @@ def check_strip_prefix(
     model: str,
     model_kwargs: Mapping[str, Any] | None = None,
     strategy: str = "",
+    bare_path: str | Path | None = None,
 ) -> CheckResult:
     """(a) Wrapped checkpoint, ``module.`` stripped, into the bare model: same outputs.
 
@@ -186,11 +199,13 @@ def check_strip_prefix(
         model: the model name it was trained as.
         model_kwargs: the model's extra arguments.
         strategy: label for the result.
+        bare_path: the same run's ``bare.pt``, which the stripped dict must equal bit for
+            bit (the run saved one state dict twice); None skips that comparison.
 
     Returns:
-        Passed when the stripped dict loads with ``strict=True`` and the bare model's
-        outputs are bitwise equal to the ``nn.DataParallel`` model's on the same batch;
-        a :data:`FINDINGS` error is a failed result naming it.
+        Passed when the stripped dict is ``bare_path``'s, loads with ``strict=True``, and
+        the bare model's outputs are bitwise equal to the ``nn.DataParallel`` model's on the
+        same batch; a :data:`FINDINGS` error is a failed result naming it.
 
     Raises:
         UsageError: ``model`` or ``model_kwargs`` name no harness model.
@@ -199,7 +214,7 @@ def check_strip_prefix(
         >>> check_strip_prefix("out/ddp/wrapped.pt", "mlp", {"hidden": (4,)}).passed
         True
     """
-    return _prefix_check("strip_prefix", wrapped_path, model, model_kwargs, strategy)
+    return _prefix_check("strip_prefix", wrapped_path, model, model_kwargs, strategy, bare_path)
 
 
 def check_add_prefix(

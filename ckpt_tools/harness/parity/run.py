@@ -315,7 +315,7 @@ def _check_run(
     wrapped, bare, work = run_dir / "wrapped.pt", run_dir / "bare.pt", run_dir / "parity"
     why_not = _why_not_comparable(run, uses_bn)
     rows = [
-        check_strip_prefix(wrapped, model, model_kwargs, run.strategy),
+        check_strip_prefix(wrapped, model, model_kwargs, run.strategy, bare),
         check_add_prefix(bare, model, model_kwargs, run.strategy),
         check_vs_single(bare, single_bare, tolerance, run.strategy, not why_not, why_not),
         check_device_roundtrip(wrapped, work, run.strategy),
