@@ -156,9 +156,11 @@ def resolve_devices(
             raise UsageError(
                 f"no CUDA device is visible, but the run asks for GPUs (GPUs {gpus!r}, "
                 f"device {device!r})",
+                # Only what the next run accepts: GPUs and the 'cpu' device contradict.
                 remedies=(
-                    Remedy("gpus", verb="leave out", flag="--gpus"),
-                    Remedy("device", "'cpu'", flag="--device cpu"),
+                    (Remedy("gpus", verb="leave out", flag="--gpus"),)
+                    if gpus is not None
+                    else (Remedy("device", "'cpu'", flag="--device cpu"),)
                 ),
             )
         return [torch.device("cpu")] * (world_size or DEFAULT_CPU_WORLD_SIZE)

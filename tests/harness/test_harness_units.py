@@ -136,6 +136,11 @@ def test_without_a_gpu_asking_for_gpus_is_a_usage_error() -> None:
         with pytest.raises(UsageError, match="no CUDA device is visible") as info:
             resolve_devices(2, **kw)
         assert isinstance(info.value, ValueError)
+        # The fix offered is one the next run accepts: --gpus and --device cpu contradict.
+        (remedy,) = info.value.remedies
+        fixed = {} if "gpus" in kw else {"device": "cpu"}
+        assert remedy.argument == ("gpus" if "gpus" in kw else "device")
+        assert resolve_devices(2, **fixed) == [torch.device("cpu")] * 2
 
 
 @pytest.mark.parametrize(
