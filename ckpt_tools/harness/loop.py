@@ -7,6 +7,9 @@ how a global batch is spread over devices, never in the maths of a step.
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -265,10 +268,29 @@ def save_checkpoints(
         "step": config.steps,
     }
     paths = {name: out / f"{name}.pt" for name in CHECKPOINT_NAMES}
-    torch.save(wrapped_sd, paths["wrapped"])
-    torch.save(bare_sd, paths["bare"])
-    torch.save(trainer, paths["trainer"])
+    _save(wrapped_sd, paths["wrapped"])
+    _save(bare_sd, paths["bare"])
+    _save(trainer, paths["trainer"])
     return {name: str(path) for name, path in paths.items()}
+
+
+def _save(obj: Any, path: Path) -> None:
+    """``torch.save``'s bytes written by us, renamed into place once whole: a failed write
+    is an OSError with its errno (torch's own writer raises RuntimeError for a full disk),
+    and no part of a file is left under the name. The harness's models are small."""
+    serialized = io.BytesIO()
+    torch.save(obj, serialized)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(serialized.getbuffer())
+        os.replace(partial, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        if isinstance(e, OSError) and e.filename is None:  # said with the file it was for
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def cpu_fallback(devices: Sequence[torch.device], what: str) -> str | None:

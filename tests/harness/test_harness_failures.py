@@ -245,3 +245,30 @@ def test_under_torchrun_the_rank_left_waiting_says_so_in_one_line(
     assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr
     # torchrun's own report follows, with torchrun's traceback; none of the ranks'.
     assert "ckpt_tools/harness/" not in proc.stderr and "ckpt_tools/cli/" not in proc.stderr
+
+
+def test_a_write_that_fails_is_one_line_exit_6_and_leaves_no_part(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    # A file size limit stands in for a full disk: the write fails with EFBIG, which torch's
+    # own file writer would turn into a RuntimeError and a truncated file.
+    import resource
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+
+    out = tmp_path / "run"
+    args = ["--strategy", "single", "--steps", "1", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(
+        [*ENTRY, *args],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limited,
+    )
+    assert proc.returncode == 6, proc.stderr
+    assert proc.stderr.startswith(f"{PROG}: error: ") and proc.stderr.count("\n") == 1
+    assert "File too large" in proc.stderr and ".pt" in proc.stderr
+    assert not [p for p in out.rglob("*") if p.suffix == ".pt" or p.name.startswith(".")]
