@@ -280,7 +280,10 @@ def _save(obj: Any, path: Path) -> None:
     and no part of a file is left under the name. The harness's models are small."""
     serialized = io.BytesIO()
     torch.save(obj, serialized)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as e:  # (a read-only folder): said with the file it was for
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(serialized.getbuffer())
