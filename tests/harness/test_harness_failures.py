@@ -203,7 +203,15 @@ def test_ranks_end_with_a_launcher_killed_alone(
     # Not the process group (Ctrl-C, timeout): the launcher alone, as `kill PID` does.
     out = tmp_path / "run"
     args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(out)]
-    with subprocess.Popen([*entry, *args], env=subprocess_env, stderr=subprocess.PIPE) as proc:
+
+    # A test worker may ignore SIGINT, which its children would inherit: a user's shell
+    # starts the command with Ctrl-C at its default.
+    def sigint_default() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    with subprocess.Popen(
+        [*entry, *args], env=subprocess_env, stderr=subprocess.PIPE, preexec_fn=sigint_default
+    ) as proc:
         try:
             ranks = _rank_pids(proc.pid, 2, timeout=60)
             time.sleep(1)
