@@ -16,6 +16,7 @@ to floating-point summation order. Only rank 0 writes files.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -266,12 +267,8 @@ def _spawn_entry(
     environ: dict[str, str],
     launcher: int,
 ) -> None:
-    """``mp.start_processes`` target: one rank of an internally started run, which ends
-    with its ``launcher`` process.
-
-    A failure is summarised into ``failures`` for the launcher (see
-    :mod:`ckpt_tools.harness.failures`) before it ends the process.
-    """
+    """``mp.start_processes`` target: one rank of an internally started run, ending with
+    its ``launcher``; a failure is summarised into ``failures`` for the launcher first."""
     end_with_launcher(launcher)
     adopt_environment(environ)
     local = [torch.device(d) for d in devices]
@@ -280,6 +277,9 @@ def _spawn_entry(
     except Exception as exc:
         write_failure(failures, rank, exc)
         raise
+    except KeyboardInterrupt:  # torch's spawn wrapper swallows it: end as SIGINT ends one
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     # Threads of gloo and of DeepSpeed can abort the interpreter's own exit after a complete
     # run (the ranks have written and passed the last barrier): leave without running it.
     sys.stdout.flush()

@@ -186,6 +186,35 @@ def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
+def test_a_rank_interrupted_alone_is_named_as_ended_by_sigint(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    # torch's spawn wrapper swallows a rank's KeyboardInterrupt (it exits 0): the launcher
+    # then blamed another rank, or a run.json never written.
+    def sigint_default() -> None:  # (a test worker may ignore SIGINT; its children inherit it)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(tmp_path)]
+    with subprocess.Popen(
+        [*ENTRY, *args],
+        env=subprocess_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_default,
+    ) as proc:
+        try:
+            rank1 = _rank_pids(proc.pid, 2, timeout=60)[1]
+            time.sleep(1)  # into training: the ranks have joined their process group
+            os.kill(rank1, signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert err == f"{PROG}: error: rank 1 of 2 was killed by signal SIGINT (2)\n"
+    assert proc.returncode == 128 + signal.SIGINT and out == ""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
 @pytest.mark.parametrize(
     ("sig", "entry"),
     [
