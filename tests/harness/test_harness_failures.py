@@ -162,9 +162,18 @@ def test_a_rank_that_said_why_it_failed_is_told_by_that_whatever_its_exit(tmp_pa
     assert isinstance(killed, RankFailedError) and killed.signal_name == "SIGKILL"
 
 
+def _sigint_default() -> None:
+    """A child's Ctrl-C at its default, as a user's shell starts a command: a test worker
+    may ignore SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
+# SIGINT: torch's spawn wrapper swallows a rank's KeyboardInterrupt (it exits 0), and the
+# launcher then blamed another rank, or a run.json never written.
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
 def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
-    tmp_path: Path, subprocess_env: dict[str, str]
+    sig: int, tmp_path: Path, subprocess_env: dict[str, str]
 ) -> None:
     args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(tmp_path)]
     with subprocess.Popen(
@@ -173,45 +182,18 @@ def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_default,
     ) as proc:
         try:
             rank1 = _rank_pids(proc.pid, 2, timeout=60)[1]
             time.sleep(1)  # into training: the ranks have joined their process group
-            os.kill(rank1, signal.SIGKILL)
+            os.kill(rank1, sig)
             out, err = proc.communicate(timeout=60)
         finally:
             proc.kill()
-    assert err == f"{PROG}: error: rank 1 of 2 was killed by signal SIGKILL (9)\n"
-    assert proc.returncode == 128 + signal.SIGKILL and out == ""
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
-def test_a_rank_interrupted_alone_is_named_as_ended_by_sigint(
-    tmp_path: Path, subprocess_env: dict[str, str]
-) -> None:
-    # torch's spawn wrapper swallows a rank's KeyboardInterrupt (it exits 0): the launcher
-    # then blamed another rank, or a run.json never written.
-    def sigint_default() -> None:  # (a test worker may ignore SIGINT; its children inherit it)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-    args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(tmp_path)]
-    with subprocess.Popen(
-        [*ENTRY, *args],
-        env=subprocess_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=sigint_default,
-    ) as proc:
-        try:
-            rank1 = _rank_pids(proc.pid, 2, timeout=60)[1]
-            time.sleep(1)  # into training: the ranks have joined their process group
-            os.kill(rank1, signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-    assert err == f"{PROG}: error: rank 1 of 2 was killed by signal SIGINT (2)\n"
-    assert proc.returncode == 128 + signal.SIGINT and out == ""
+    name = signal.Signals(sig).name
+    assert err == f"{PROG}: error: rank 1 of 2 was killed by signal {name} ({int(sig)})\n"
+    assert proc.returncode == 128 + sig and out == ""
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
@@ -233,13 +215,8 @@ def test_ranks_end_with_a_launcher_killed_alone(
     out = tmp_path / "run"
     args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(out)]
 
-    # A test worker may ignore SIGINT, which its children would inherit: a user's shell
-    # starts the command with Ctrl-C at its default.
-    def sigint_default() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
     with subprocess.Popen(
-        [*entry, *args], env=subprocess_env, stderr=subprocess.PIPE, preexec_fn=sigint_default
+        [*entry, *args], env=subprocess_env, stderr=subprocess.PIPE, preexec_fn=_sigint_default
     ) as proc:
         try:
             ranks = _rank_pids(proc.pid, 2, timeout=60)
