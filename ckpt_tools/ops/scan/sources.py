@@ -373,5 +373,4 @@ class _Slice(RangeFile):
         self.piece, self.size = piece, piece.length
 
     def pread(self, count: int, offset: int) -> bytes:
-        count = max(0, min(count, self.size - offset))
-        return os.pread(self.piece.fd, count, self.piece.base + offset)
+        return pread(self.piece, count, offset)  # (reads stop at the slice's end)
