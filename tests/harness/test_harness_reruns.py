@@ -134,6 +134,36 @@ def test_a_plot_under_a_file_is_refused_before_training_and_a_new_folder_is_made
     assert (tmp_path / "new" / "p.png").is_file()
 
 
+def test_a_plot_in_a_folder_nothing_can_be_written_to_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc, which refuses new files even to root")
+    out, plot = tmp_path / "out", "/proc/self/parity.png"
+    args = ["harness", "parity", "--strategies", "single", "--steps", "1", "--device", "cpu"]
+    assert main([*args, "--out", str(out), "--plot", plot]) == 6
+    err = capsys.readouterr().err
+    assert err.startswith(f"ckpt: error: --plot {plot!r}: cannot write into '/proc/self'")
+    assert err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_a_plot_that_fails_after_training_keeps_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    # The plot's folder would be made inside bare.pt, which the training itself writes.
+    out = tmp_path / "out"
+    plot = out / "single" / "bare.pt" / "p.png"
+    args = ["harness", "parity", "--strategies", "single", "--steps", "1", "--device", "cpu"]
+    assert main([*args, "--out", str(out), "--plot", str(plot)]) == 2
+    captured = capsys.readouterr()
+    assert "parity holds" in captured.out and "parity plot" not in captured.out
+    assert captured.err.startswith(f"ckpt: error: --plot {str(plot)!r}: ")
+    assert (out / "single" / "bare.pt").is_file()
+
+
 @pytest.mark.parametrize(
     "args",
     [

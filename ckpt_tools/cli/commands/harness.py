@@ -266,15 +266,27 @@ def parity_cmd(
         strategies=[part.strip() for part in strategies.split(",") if part.strip()],
         **asdict(run),
     )
+    from ckpt_tools.errors import UsageError
+
+    plot_error: OSError | UsageError | None = None
     if plot_path is not None:
         title = f"{run.model}: parity with single-device training, {run.steps} steps"
-        plot_parity(
-            report.losses, report.weight_gaps, plot_path, tolerance=report.tolerance, title=title
-        )
+        try:
+            plot_parity(
+                report.losses,
+                report.weight_gaps,
+                plot_path,
+                tolerance=report.tolerance,
+                title=title,
+            )
+        except (OSError, UsageError) as exc:  # its folder changed since the check: keep the report
+            plot_error, plot_path = exc, None
     if as_json:
         click.echo(report.to_json())
     else:
         _echo_parity(report, plot_path)
+    if plot_error is not None:
+        raise plot_error
     if not report.all_passed:
         # ctx.exit works both behind run_command (which maps Exit to its code) and as a
         # standalone click command.

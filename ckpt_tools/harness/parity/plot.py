@@ -17,11 +17,12 @@ matplotlib backend of whoever calls us.
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.errors import OutputError, Remedy, UsageError
 from ckpt_tools.formats.urls import refuse_url
 
 __all__ = ["COMMON_FORMATS", "check_plot_path", "parity_figure", "plot_parity", "zero_floor"]
@@ -110,6 +111,8 @@ def check_plot_path(path: str | Path) -> Path:
             one of matplotlib's formats (its own list where it
             is importable, else :data:`COMMON_FORMATS`), a folder that cannot be made (a
             file stands in its path), or matplotlib not installed.
+        OutputError: the folder it would be written in (or its nearest existing parent)
+            cannot be written.
 
     Example:
         >>> check_plot_path("parity.txt")
@@ -144,9 +147,28 @@ def check_plot_path(path: str | Path) -> Path:
             value=repr(str(path)),
             flag="--plot",
         )
+    if blocking is not None:
+        _check_writable(blocking, path)
     if missing:
         raise _missing_matplotlib()
     return out
+
+
+def _check_writable(folder: Path, path: str | Path) -> None:
+    """Write a nameless file into ``folder``: permissions, a read-only mount and ``/proc``
+    all refuse it, where :func:`os.access` would say yes to root."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write into {str(folder)!r}: {exc.strerror or exc}",
+            path=path,
+            argument="path",
+            value=repr(str(path)),
+            flag="--plot",
+            remedies=(Remedy(text="choose another path for the plot"),),
+        ) from exc
 
 
 def parity_figure(
