@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from ckpt_tools.harness.failures import (
     PeerLostError,
     peer_lost,
     port_taken,
+    ports_taken_error,
     quiet_spawn_log,
     rank_failure,
     stop_ranks,
@@ -55,7 +55,12 @@ from ckpt_tools.harness.failures import (
 from ckpt_tools.harness.models import build_harness_model, has_batchnorm
 from ckpt_tools.harness.outputs import clear_outputs
 from ckpt_tools.harness.placement import resolve_devices
-from ckpt_tools.harness.spawning import adopt_environment, end_with_launcher, start_method
+from ckpt_tools.harness.spawning import (
+    adopt_environment,
+    end_with_launcher,
+    free_port,
+    start_method,
+)
 
 __all__ = ["TrainRank", "launch", "rank_result", "train_ddp", "train_steps"]
 
@@ -210,13 +215,6 @@ def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
         )
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _spawn(config: TrainConfig, devices: Sequence[torch.device], train: TrainRank) -> TrainResult:
     """Start one process per device and return rank 0's result."""
     world = len(devices)
@@ -227,7 +225,7 @@ def _spawn(config: TrainConfig, devices: Sequence[torch.device], train: TrainRan
         for attempt in range(_SPAWN_ATTEMPTS):
             failures = Path(scratch, f"failures-{attempt}")
             failures.mkdir()
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
             args = (world, [str(d) for d in devices], config, init_method, report_dir)
             context = mp.start_processes(
                 _spawn_entry,
@@ -243,8 +241,10 @@ def _spawn(config: TrainConfig, devices: Sequence[torch.device], train: TrainRan
                 break
             except ProcessException as exc:
                 # Another process may grab the free port before rank 0 binds it; retry then.
-                if port_taken(failures, exc) and attempt + 1 < _SPAWN_ATTEMPTS:
-                    continue
+                if port_taken(failures, exc):
+                    if attempt + 1 < _SPAWN_ATTEMPTS:
+                        continue
+                    raise ports_taken_error(_SPAWN_ATTEMPTS) from exc
                 codes = [process.exitcode for process in context.processes]
                 what = config.strategy.upper()
                 raise rank_failure(failures, world, codes, exc.error_index, what) from exc

@@ -25,13 +25,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.errors import EXIT_OUTPUT, EXIT_USAGE, CheckpointError
+from ckpt_tools.errors import EXIT_OUTPUT, EXIT_USAGE, CheckpointError, Remedy, ResourceLimitError
 
 __all__ = [
     "PeerLostError",
     "RankFailedError",
     "peer_lost",
     "port_taken",
+    "ports_taken_error",
     "quiet_spawn_log",
     "rank_failure",
     "stop_ranks",
@@ -222,6 +223,21 @@ def port_taken(folder: str | Path, exc: BaseException) -> bool:
     """
     texts = [str(exc), *(summary["message"] for summary in _read_failures(folder))]
     return any("address already in use" in text.lower() for text in texts)
+
+
+def ports_taken_error(tries: int) -> ResourceLimitError:
+    """The error for a spawned run whose rendezvous port another process took on every try.
+
+    Example:
+        >>> err = ports_taken_error(3)
+        >>> err.exit_code, str(err).endswith("each of 3 times; run it again")
+        (5, True)
+    """
+    return ResourceLimitError(
+        f"the ranks could not meet: another process took the rendezvous port on 127.0.0.1 "
+        f"each of {tries} times",
+        remedies=(Remedy(text="run it again"),),
+    )
 
 
 def rank_failure(

@@ -12,14 +12,22 @@ import multiprocessing
 import os
 import select
 import signal
+import socket
 import threading
 from collections.abc import Mapping
 
-__all__ = ["adopt_environment", "end_with_launcher", "start_method"]
+__all__ = ["adopt_environment", "end_with_launcher", "free_port", "start_method"]
 
 # Third-party modules only: a preloaded module stays as the server imported it, and this
 # package may be imported from another path by the process that starts the ranks.
 _PRELOAD = ["torch", "torch.distributed"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def start_method() -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tools.cli.main import main
 from ckpt_tools.harness import TrainConfig, ddp, train
 from ckpt_tools.harness.failures import (
     PeerLostError,
@@ -140,11 +141,27 @@ def test_a_spawned_run_whose_port_is_taken_is_retried_on_another(
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        ports = [ddp._free_port(), held.getsockname()[1]]
-        monkeypatch.setattr(ddp, "_free_port", ports.pop)  # the held port first
+        ports = [ddp.free_port(), held.getsockname()[1]]
+        monkeypatch.setattr(ddp, "free_port", ports.pop)  # the held port first
         config = TrainConfig(strategy="ddp", world_size=2, steps=1, device="cpu")
         assert train(config).world_size == 2
     assert ports == []
+
+
+def test_a_port_taken_on_every_try_is_one_line_not_a_rank_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        tries = []
+        monkeypatch.setattr(ddp, "free_port", lambda: tries.append(1) or held.getsockname()[1])
+        args = ["harness", "train", "--strategy", "ddp", "--world-size", "2", "--steps", "1"]
+        assert main([*args, "--device", "cpu", "--out", str(tmp_path / "run")]) == 5
+    assert len(tries) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("ckpt: error: the ranks could not meet: another process took")
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_a_rank_that_said_why_it_failed_is_told_by_that_whatever_its_exit(tmp_path: Path) -> None:
