@@ -428,11 +428,20 @@ def test_fifos_and_symlinked_folders(tmp_path: Path) -> None:
     res = run_ckpt("scan", dcp_like, code=4, timeout=30)  # refused, not waited on
     assert "FIFO" in res.stdout
     run_ckpt("inspect", dcp_like, code=4, timeout=30)
+    # A linked folder is scanned, as a linked file is; a link back is walked once.
+    store = tmp_path / "store" / "run1"
+    store.mkdir(parents=True)
+    shutil.copy(fixture_path("evil.pt"), store / "evil.pt")
     linked = tmp_path / "linked"
     linked.mkdir()
-    os.symlink(fixture_path("plain.pt").parent, linked / "fixtures")
+    os.symlink(store, linked / "run1")
+    os.symlink(linked, store / "back")
+    os.symlink(tmp_path / "nowhere.pt", linked / "dangling.pt")
+    os.mkfifo(linked / "pipe.pt")
     report = scan(linked)
-    assert report.files == () and [Path(p).name for p in report.skipped] == ["fixtures"]
+    assert [(Path(f.path).name, f.verdict) for f in report.files] == [("evil.pt", "dangerous")]
+    assert sorted(Path(p).name for p in report.skipped) == ["back", "dangling.pt", "pipe.pt"]
+    assert "1 dangerous; 3 skipped" in run_ckpt("scan", linked, code=1, timeout=30).stdout
 
 
 def test_torchscript_with_setstate_is_dangerous(tmp_path: Path) -> None:

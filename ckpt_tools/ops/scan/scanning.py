@@ -155,15 +155,24 @@ def _scan_url(target: _Target, session: RemoteSession) -> FileScan | None:
 
 def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
     """``(path, to scan)`` for everything under ``folder``, in a stable order: each file, and
-    each DCP folder as one checkpoint (its other files and folders are walked too);
-    symlinked folders are listed, never followed (a link can loop), as not scanned."""
+    each DCP folder as one checkpoint (its other files and folders are walked too). Links
+    are followed, as a file's are, since a verdict must cover what the folder reaches; a
+    folder reached again (a link that loops) is listed as not scanned, as is anything that
+    is not a file (a FIFO, a dangling link), which is never opened."""
     from ckpt_tools.formats.dcp.layout import DATA_SUFFIX, METADATA_FILE
 
-    for root, dirs, names in os.walk(folder):
+    walked: set[tuple[int, int]] = set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
         dirs.sort()
-        for name in [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            dirs.remove(name)
-            yield os.path.join(root, name), False
+        try:
+            stat = os.stat(root)
+        except OSError:
+            continue  # gone since it was listed
+        if (stat.st_dev, stat.st_ino) in walked:
+            dirs.clear()
+            yield root, False
+            continue
+        walked.add((stat.st_dev, stat.st_ino))
         dcp = _is_dcp(root)
         if dcp:
             yield root, True
@@ -171,8 +180,7 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
             path = os.path.join(root, name)
             if dcp and (name == METADATA_FILE or name.endswith(DATA_SUFFIX)):
                 continue  # read as the DCP checkpoint's
-            if os.path.isfile(path):
-                yield path, True
+            yield path, os.path.isfile(path)
 
 
 def _is_dcp(path: str) -> bool:
