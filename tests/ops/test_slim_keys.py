@@ -152,3 +152,26 @@ def test_entries_dropped_by_name_are_not_refused_for_a_safetensors_output(tmp_pa
     assert list(got) == list(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
     both = ct.slim(src, tmp_path / "w2.safetensors", drop=["optimizer"], drop_extras=True)
     assert sorted(both.dropped) == ["epoch", "optimizer"]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_slim_drop_leaves_entries_of_a_root_state_dict_out_of_the_file(
+    tmp_path: Path, suffix: str
+) -> None:
+    sd = dict(torch.nn.Linear(2, 2).state_dict())
+    torch.save({**sd, "epoch": 5, "optimizer": {"state": {}}}, tmp_path / "flat.pt")
+    out = tmp_path / f"out{suffix}"
+    drop = ["epoch", "optimizer"] if suffix == ".pt" else ["epoch,optimizer", "bias"]
+    result = ct.slim(tmp_path / "flat.pt", out, drop=drop)
+    got = torch.load(out, weights_only=True) if suffix == ".pt" else load_file(out)
+    want = sd if suffix == ".pt" else {"weight": sd["weight"]}
+    _same(got, want)
+    assert set(result.dropped) == {n for part in drop for n in part.split(",")}
+
+
+def test_slim_drop_names_a_top_level_key_that_is_not_a_str_by_its_text(tmp_path: Path) -> None:
+    torch.save({"state_dict": {"w": torch.ones(1)}, 7: "junk"}, tmp_path / "in.pt")
+    ct.slim(tmp_path / "in.pt", tmp_path / "out.pt", drop=["7"])
+    assert list(torch.load(tmp_path / "out.pt", weights_only=True)) == ["state_dict"]
+    res = run_ckpt("slim", tmp_path / "in.pt", tmp_path / "x.pt", "--drop", "8", code=2)
+    assert "cannot drop 8: the checkpoint's top-level entries are 'state_dict', 7" in res.stderr

@@ -38,6 +38,7 @@ from ckpt_tools.ops.rewrite.plan import format_family, output_format_for
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
 from ckpt_tools.structure.keys import compile_pattern
+from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.selection import Selection, is_state_dict, select_state_dict
 
 __all__ = ["DTYPE_NAMES", "EMA_KEYS", "cast_target", "select_weights", "slim", "take_module"]
@@ -249,10 +250,12 @@ def slim(
         selection, notes = select_weights(ckpt, allow_globals, select, ema, whole=whole)
         # A module's class is not written back: only its weights can be.
         weights_only = weights_only or selection.module is not None
-        root_out, dropped = _drop_entries(ckpt.root, drop, selection.path)
+        root_out, dropped, keys = _drop_entries(ckpt.root, drop, selection.path)
         # Keys keep their type (``torch.load`` gives back ``1`` and ``"1"`` as two keys).
         check_key_types(selection.state_dict, (), fmt, src)
-        items = [(k, k, v) for k, v in selection.state_dict.items()]
+        # A root state dict is written from its items: what was dropped leaves them too.
+        gone = keys if not selection.path else []
+        items = [(k, k, v) for k, v in selection.state_dict.items() if k not in gone]
         plan = plan_state_dict_output(
             ckpt,
             "slim",
@@ -292,20 +295,25 @@ def _patterns(regexes: Sequence[str]) -> list[re.Pattern[str]]:
 
 def _drop_entries(
     root: Any, drop: Sequence[str], path: Sequence[str]
-) -> tuple[Any, tuple[str, ...]]:
+) -> tuple[Any, tuple[str, ...], list[Any]]:
+    """``root`` without the entries ``drop`` names, those names, and the keys they name (a
+    key that is not a str is named by its text, where no str key has that name)."""
     # An entry named twice is left out once (and said once).
     names = list(dict.fromkeys(n for part in drop for n in part.split(",") if n))
     if not names:
-        return root, ()
+        return root, (), []
     if not isinstance(root, Mapping):
         raise UsageError(
             "only a dict checkpoint has top-level entries to drop", argument="drop", flag="--drop"
         )
-    missing = [n for n in names if n not in root]
-    if missing or (path and path[0] in names):
+    by_text = {key_text(k): k for k in root if not isinstance(k, str)}
+    keys = [n if n in root else by_text.get(n, n) for n in names]
+    missing = [n for n, k in zip(names, keys, strict=True) if k not in root]
+    kept = [key_text(k) for k in path[:1]]
+    if missing or (kept and kept[0] in names):
         raise UsageError(
-            f"cannot drop {', '.join(missing) or path[0]}: the checkpoint's top-level entries are "
-            f"{', '.join(repr(k) for k in root)}"
+            f"cannot drop {', '.join(missing) or kept[0]}: the checkpoint's top-level entries "
+            f"are {', '.join(repr(k) for k in root)}"
             + ("" if missing else " and the state dict to keep is under it"),
             argument="drop",
             value=repr(names),
@@ -313,6 +321,6 @@ def _drop_entries(
         )
     out = type(root)() if isinstance(root, dict) else {}
     for key, value in root.items():
-        if key not in names:
+        if key not in keys:
             out[key] = value
-    return out, tuple(names)
+    return out, tuple(names), keys
