@@ -41,8 +41,9 @@ def sanitize_cmd(
     """Write SRC as DST that plain torch.load(weights_only=True) loads.
 
     Nothing in SRC is imported or run. numpy arrays become tensors, numpy scalars numbers,
-    argparse/OmegaConf configs, defaultdicts, paths and enums plain values, pickled
-    nn.Modules their state dict; anything else is dropped and listed (--strict: refused).
+    argparse/OmegaConf configs, defaultdicts, dict subclasses, paths and enums plain
+    values, pickled nn.Modules their state dict; anything else is dropped and listed
+    (--strict: refused).
     """
     run_and_show(
         sanitize,

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import ntpath
 import posixpath
+from collections.abc import Mapping
 from typing import Any
 
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.formats.pickle.standins import Reduced
 
-__all__ = ["FROZENSETS", "NAMESPACES", "enum_like", "hashable", "path_text", "same_member"]
+__all__ = [
+    "FROZENSETS",
+    "NAMESPACES",
+    "enum_like",
+    "hashable",
+    "path_text",
+    "same_member",
+    "unmirrored_state",
+]
 
 NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
 FROZENSETS = ("builtins.frozenset", "__builtin__.frozenset")
@@ -75,3 +84,24 @@ def _kind(member: Any) -> Any:
     if isinstance(member, Reduced):
         return member.func
     return getattr(type(member), "global_ref", None) or type(member)
+
+
+def unmirrored_state(node: Opaque) -> tuple[list[str], bool]:
+    """A dict subclass's attributes that do not only mirror one of its items (an EasyDict's
+    ``d.lr is d["lr"]``), and whether it has state other than attributes (slots).
+
+    Example:
+        >>> from types import SimpleNamespace  # stands for the node
+        >>> unmirrored_state(SimpleNamespace(dictitems=[("lr", 0.1)], state={"lr": 0.1, "n": 2}))
+        (['n'], False)
+    """
+    state = node.state if node.state is not node else None  # ``self.__dict__ = self``
+    if state is not None and not isinstance(state, Mapping):
+        return [], True
+    items = {key: value for key, value in node.dictitems if isinstance(key, str)}
+    return [a for a, v in (state or {}).items() if not (a in items and _same(items[a], v))], False
+
+
+def _same(a: Any, b: Any) -> bool:
+    """One object, or equal plain scalars (a pickle writes each number again)."""
+    return a is b or (type(a) is type(b) and isinstance(a, (int, float, str, bytes)) and a == b)

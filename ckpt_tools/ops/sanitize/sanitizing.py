@@ -65,9 +65,10 @@ def sanitize(
 
     Everything representable is kept, without importing or calling any class the file
     names: numpy arrays become tensors (bit-exact, from their pickled bytes), numpy scalars
-    Python scalars, ``argparse.Namespace``, OmegaConf configs and ``defaultdict`` plain dicts
-    and lists, paths strings, enums their values, pickled ``nn.Module`` s their state dict.
-    Anything else is dropped and listed in the result (or, with ``refuse_unsafe``, refused).
+    Python scalars, ``argparse.Namespace``, OmegaConf configs, ``defaultdict`` and dict
+    subclasses holding items plain dicts and lists, paths strings, enums their values,
+    pickled ``nn.Module`` s their state dict. Anything else is dropped and listed in the
+    result (or, with ``refuse_unsafe``, refused).
 
     Args:
         src: the input checkpoint.
@@ -75,7 +76,7 @@ def sanitize(
         refuse_unsafe: refuse (exit 3) instead of dropping what cannot be kept
             (``ckpt sanitize --strict``).
         select: dotted path to the state dict whose tensors are verified; chosen
-            automatically when None. A root that is no mapping (a tensor, a list of
+            automatically in the output when None. A root that is no mapping (a tensor, a list of
             them) has every tensor verified. It must name something the output keeps:
             one sanitize drops or converts away is refused before anything is written.
         force: replace an existing ``dst`` (never the input).
@@ -118,7 +119,6 @@ def sanitize(
     # Refuses TorchScript and sharded folders; every global is allowed, since none is written.
     check_source(ckpt, ckpt.unsafe_globals)
     check_written_depth(ckpt.root)
-    selection = select_state_dict(ckpt.root, select=select)
     taken = set(ckpt.storages) | {name[5:] for name in ckpt.records if name.startswith("data/")}
     done = sanitize_tree(ckpt.root, taken)
     # A record torch.save never writes is left out and listed, as a value it cannot keep is:
@@ -129,6 +129,8 @@ def sanitize(
         _refuse_drops(src, done)
     if select is not None:
         _check_selection(select, done)
+    # Chosen in the output: a state dict in a dict subclass is found once it is a dict.
+    selection = select_state_dict(done.root, select=select)
     planned = PlannedFile.of_tree(dst, done.root)
     check_output_size([], planned.nbytes, target)
     added = sum(len(b) for b in done.added.values())

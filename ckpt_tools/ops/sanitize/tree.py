@@ -45,6 +45,7 @@ from ckpt_tools.ops.sanitize.kinds import (
     hashable,
     path_text,
     same_member,
+    unmirrored_state,
 )
 from ckpt_tools.ops.sanitize.numpy_values import (
     NUMPY_FROMBUFFER,
@@ -313,6 +314,8 @@ class _Sanitizer:
         if name == "collections.defaultdict":
             made = self._as_dict(node, node.dictitems, path)
             return self._converted(path, name, "dict", made)
+        if node.dictitems and not node.args and not node.listitems and not known_danger(name):
+            return self._dict_subclass(node, name, path)
         if (text := path_text(node, module, short)) is not None:
             return self._converted(path, name, "str", text)
         if empty_bytes(node):
@@ -322,6 +325,16 @@ class _Sanitizer:
         if enum_like(node, short) and not known_danger(name):
             return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
         return self._drop(node, path)
+
+    def _dict_subclass(self, node: Opaque, name: str, path: str) -> Any:
+        """A dict subclass (an EasyDict, a user's OrderedDict) -> a dict of its items."""
+        made = self._as_dict(node, node.dictitems, path)
+        lost, other = unmirrored_state(node)
+        for attr in lost:
+            self.dropped.append(Change(_at(path, attr), f"attribute of a {name}", "dropped"))
+        if other:
+            self.dropped.append(Change(path, f"state of a {name}", "dropped"))
+        return self._converted(path, name, "dict", made)
 
     def _as_dict(self, node: Opaque, items: Iterable[tuple[Any, Any]], path: str) -> dict[Any, Any]:
         """A dict of ``items`` made plain, standing for ``node`` from the start: a namespace
