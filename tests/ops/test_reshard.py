@@ -391,3 +391,33 @@ def test_an_output_spelled_folder_dot_is_a_folder_output(tmp_path: Path) -> None
     convert(tmp_path / "m.pt", f"{tmp_path}/hf/.")
     assert (tmp_path / "hf").is_dir()
     assert set(load_file(tmp_path / "hf" / "model.safetensors")) == {"w"}
+
+
+@pytest.mark.parametrize("root", ["tensor", "list"])
+def test_a_root_that_names_no_tensors_is_refused_for_a_folder_as_for_a_file(
+    tmp_path: Path, root: str
+) -> None:
+    value = torch.arange(4.0) if root == "tensor" else [torch.ones(2), torch.zeros(3)]
+    torch.save(value, tmp_path / "t.pt")
+    for out in ("t.safetensors", "hf/"):
+        with pytest.raises(ConversionError, match=f"holds a {root}, not a state dict"):
+            convert(tmp_path / "t.pt", f"{tmp_path}/{out}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt"]
+
+
+def test_a_folder_output_takes_what_a_safetensors_file_takes(tmp_path: Path) -> None:
+    # A pickled module gives up its recovered state dict (its classes are never written),
+    # and --drop-extras leaves out a tree too deep for a torch output, as for one file.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU())
+    torch.save(model, tmp_path / "module.pt")
+    deep: list = []
+    for _ in range(400):
+        deep = [deep]
+    torch.save({"state_dict": model.state_dict(), "deep": deep}, tmp_path / "deep.pt")
+    for name, options in (("module", {}), ("deep", {"drop_extras": True})):
+        convert(tmp_path / f"{name}.pt", tmp_path / f"{name}.safetensors", **options)
+        convert(tmp_path / f"{name}.pt", str(tmp_path / f"{name}_hf") + "/", **options)
+        want = load_file(tmp_path / f"{name}.safetensors")
+        got = load_file(tmp_path / f"{name}_hf" / "model.safetensors")
+        assert list(got) == list(want) == list(model.state_dict())
+        assert all(torch.equal(got[k], v) for k, v in want.items())

@@ -29,7 +29,7 @@ from ckpt_tools._types import (
     str_items,
 )
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.errors import ConversionError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
 from ckpt_tools.formats.detect import is_index_name
 from ckpt_tools.formats.safetensors import TIES_KEY, tie_metadata
@@ -54,10 +54,10 @@ from ckpt_tools.io.writers.shard_plan import (
 )
 from ckpt_tools.ops.output_plan import PlannedFile, dry_run_fields, planned_shard_files
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
-from ckpt_tools.ops.rewrite.plan import safetensors_plan
+from ckpt_tools.ops.rewrite.plan import safetensors_plan, torch_instead
 from ckpt_tools.ops.rewrite.result import RewriteResult
 from ckpt_tools.ops.transform.tied_names import hf_shared_names
-from ckpt_tools.structure.selection import select_state_dict
+from ckpt_tools.structure.selection import holds_no_state_dict, select_state_dict
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "convert_to_folder", "reshard"]
 
@@ -221,7 +221,13 @@ def _plan_folder(
 ) -> _FolderPlan:
     """Everything ``convert_to_folder`` refuses, checked; then the shards it writes."""
     selection = select_state_dict(ckpt.root, select=select)
-    check_rewritable(ckpt, allow_globals, selection.path)
+    check_rewritable(ckpt, allow_globals, selection.path, "safetensors")  # shards hold them
+    if selection.stand_in:  # a bare tensor, a list: nothing names its tensors
+        raise ConversionError(
+            f"{holds_no_state_dict(repr(ckpt.path), ckpt.root)}; safetensors shards hold "
+            "named tensors",
+            remedies=(torch_instead(target, folder=True),),
+        )
     sd = selection.state_dict
     check_key_types(sd, (), "safetensors", ckpt.path)
     tensors = {k: v for k, v in sd.items() if isinstance(v, TensorRef)}
