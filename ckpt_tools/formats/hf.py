@@ -175,9 +175,10 @@ def open_index(
         owner[id(tensor.storage)] = shards[shard]
         storages[f"{shard}:{tensor.storage.key}"] = tensor.storage
 
-    # Writers may re-type a storage (a copy with another storage class, same key): a shard's
-    # storage keys are its tensor names, which the index keeps unique across shards.
-    by_key = {t.storage.key: owner[id(t.storage)] for t in root.values()}
+    # Writers re-type the storages of tensors read without a pickle (a copy with a storage
+    # class, same key): a safetensors shard's keys are its tensor names, which the index
+    # keeps unique across shards. A torch shard's keys ("0", "1") are not: never by key.
+    by_key = {t.storage.key: owner[id(t.storage)] for t in root.values() if t.func is None}
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else None
     aliases = tied_aliases(root, metadata, index_path)
     root.update((alias, root[kept]) for alias, kept in aliases.items())

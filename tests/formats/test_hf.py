@@ -107,3 +107,21 @@ def test_a_folder_with_one_weight_file_is_inspected_as_the_folder(
     # Commands that rewrite it read the one file as what it is (its format picks theirs).
     assert open_checkpoint(folder).format == file_format
     assert open_checkpoint(folder / weights).format == file_format
+
+
+@pytest.mark.parametrize("verify", ["sizes", "full"])
+def test_an_index_mixing_safetensors_and_torch_shards_copies_each_tensors_own_bytes(
+    tmp_path: Path, verify: str
+) -> None:
+    # The safetensors tensor "0" shares its name with the torch shard's storage key "0".
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    save_file({"0": torch.full((4,), 1.0)}, folder / "model-00001-of-00002.safetensors")
+    torch.save({"x": torch.full((4,), 7.0)}, folder / "model-00002-of-00002.bin")
+    weight_map = {"0": "model-00001-of-00002.safetensors", "x": "model-00002-of-00002.bin"}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    ckpt_tools.convert(folder, tmp_path / "out.pt", verify=verify)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(out["0"], torch.full((4,), 1.0))
+    assert torch.equal(out["x"], torch.full((4,), 7.0))
