@@ -25,6 +25,9 @@ from ckpt_tools.structure.suggest import (
 
 __all__ = ["apply_command", "suggested_rewrites"]
 
+# Formats load_into refuses: its note that it applies a rewrite by itself does not hold.
+_NOT_LOADED = ("dcp", "torchscript")
+
 
 def _inverse(
     steps: Sequence[Step], fix: KeyFix, keys_b: Sequence[str], stored_a: Sequence[str]
@@ -47,7 +50,7 @@ def apply_command(
         return ""
     if side.kind == "file":
         needs = {"allow_globals": side.unsafe_globals, "recovered": side.recovered}
-        return fix_command(side.label, steps, select, keys, **needs)
+        return fix_command(side.label, steps, select, keys, **needs, fmt=side.format or "")
     if side.kind == "state_dict":
         return fix_python(steps, name)
     return ""
@@ -106,7 +109,7 @@ def suggested_rewrites(
             inverse_text = ", then ".join(step.describe() for step in inverse)
             inverse_command = apply_command(b.info, inverse, select_b, keys_b, "sd_b")
         note = ""
-        if by_itself is not None and by_itself.steps == steps:
+        if by_itself is not None and by_itself.steps == steps and a.info.format not in _NOT_LOADED:
             note = "ckpt_tools.load_into(model, ...) applies this rewrite by itself"
         elif a.info.kind == "file" and is_url(a.info.label):
             note = "A is a URL: the ckpt rewrites read local files, so download it to apply this"

@@ -114,7 +114,7 @@ def _rewrite_needs(path: str, select: Select) -> dict[str, Any]:
         recovered = select_state_dict(ckpt.root, select=select).module is not None
     except CheckpointError:  # (read once already: the message is made with what is known)
         return {}
-    return {"allow_globals": ckpt.unsafe_globals, "recovered": recovered}
+    return {"allow_globals": ckpt.unsafe_globals, "recovered": recovered, "fmt": ckpt.format}
 
 
 def _source_state_dict(

@@ -211,6 +211,7 @@ def fix_command(
     *,
     allow_globals: Sequence[str] = (),
     recovered: bool = False,
+    fmt: str = "",
 ) -> str:
     """The ``ckpt`` command that applies ``steps`` to the checkpoint file at ``path``.
 
@@ -226,10 +227,14 @@ def fix_command(
         allow_globals: the file's globals outside the allowlist, each named to the rewrite
             (it refuses to carry them through otherwise).
         recovered: the state dict is a pickled module's: written to a ``.safetensors`` file,
-            which holds its recovered state dict (a ``.pt`` rewrite would carry the module).
+            which holds its recovered state dict (a ``.pt`` rewrite would carry the module),
+            leaving out the entries that are not tensors.
+        fmt: the checkpoint's format: a DCP folder is consolidated first (``--strip`` where
+            that is the whole fix); a TorchScript archive, which no rewrite writes, gets none.
 
     Returns:
-        One shell command line (arguments quoted), writing ``<stem>.renamed<suffix>``.
+        One shell command line (arguments quoted), writing ``<stem>.renamed<suffix>``; ``""``
+        for a TorchScript archive.
 
     Raises:
         Nothing: any steps make a command.
@@ -238,11 +243,18 @@ def fix_command(
         >>> fix_command("ddp.pt", [Step("strip", "module.")], keys=["module.w"])
         'ckpt strip-module ddp.pt ddp.renamed.pt'
     """
+    if fmt == "torchscript":  # its code names the attributes it holds
+        return ""
     old, new, inner, subs = _collapse(steps)
     path = not_an_option(path)
     out = _out_path(path)
     if recovered:
         out = os.path.splitext(out)[0] + ".safetensors"
+    first: list[str] = []
+    if fmt == "dcp":  # rewrites read files: the folder is consolidated into one first
+        first = ["ckpt", "consolidate", path, f"{path.rstrip('/')}.consolidated.pt"]
+        first += ["--select", _dotted(select)] if select is not None else []
+        path, select = first[3], None
     args: list[str]
     if _strips_every_wrapper(steps, keys):
         args = ["ckpt", "strip-module", path, out]
@@ -261,8 +273,21 @@ def fix_command(
     else:
         args = ["ckpt", "strip-module", path, out, "--prefix", old]
     if select is not None:
-        args += ["--select", select if isinstance(select, str) else ".".join(select)]
+        args += ["--select", _dotted(select)]
     args += [a for g in allow_globals for a in ("--allow-global", g)]
+    args += ["--drop-extras"] if recovered else []
+    if first and args[1:2] == ["strip-module"] and len(args) == 4:
+        args = [*first[:3], out, "--strip", *first[4:]]  # consolidate strips them itself
+    elif first:
+        return f"{_quoted(first)} && {_quoted(args)}"
+    return _quoted(args)
+
+
+def _dotted(select: str | Sequence[str]) -> str:
+    return select if isinstance(select, str) else ".".join(select)
+
+
+def _quoted(args: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 

@@ -160,3 +160,60 @@ def test_the_suggestion_for_a_pickled_module_writes_its_state_dict(tmp_path: Pat
     argv = _run_suggestion(src)
     assert argv[3].endswith("whole_dp.renamed.safetensors")
     _loads_strictly(load_file(argv[3]), model)
+
+
+def test_a_dcp_folder_is_consolidated_with_its_wrappers_stripped(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(seed=3)
+    step = tmp_path / "step"
+    dcp.save({"model": _wrapped(model)}, checkpoint_id=step)
+    argv = _run_suggestion(step)
+    assert argv[1] == "consolidate" and "--strip" in argv
+    _loads_strictly(torch.load(argv[3], weights_only=True), model)
+
+
+def test_a_dcp_folder_with_another_fix_is_consolidated_then_rewritten(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_tools.structure.steps import Step, fix_command
+
+    model = _model(seed=4)
+    step = tmp_path / "step"
+    dcp.save({f"net.{k}": v for k, v in model.state_dict().items()}, checkpoint_id=step)
+    line = fix_command(str(step), [Step("strip", "net.")], fmt="dcp")
+    assert line.count(" && ") == 1 and line.startswith("ckpt consolidate ")
+    ckpt = shlex.quote(str(Path(sys.executable).with_name("ckpt")))
+    subprocess.run(line.replace("ckpt ", f"{ckpt} "), shell=True, check=True, cwd=tmp_path)
+    _loads_strictly(torch.load(tmp_path / "step.renamed.pt", weights_only=True), model)
+
+
+def test_a_pickled_wrapped_module_beside_other_entries_is_written_without_them(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file
+
+    model = _model(seed=5)
+    src = tmp_path / "nested.pt"
+    torch.save({"model": nn.DataParallel(model), "epoch": 3}, src)
+    argv = _run_suggestion(src)
+    assert argv[-1] == "--drop-extras" and argv[3].endswith(".safetensors")
+    _loads_strictly(load_file(argv[3]), model)
+
+
+def test_a_torchscript_archive_gets_no_rewrite_command(tmp_path: Path) -> None:
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.module(x)
+
+    torch.jit.save(torch.jit.script(Holder()), tmp_path / "ts.pt")
+    out = run_ckpt("inspect", tmp_path / "ts.pt").stdout
+    line = next(line for line in out.splitlines() if "strip them:" in line)
+    assert "ckpt " not in line and "torch.jit.load" in line

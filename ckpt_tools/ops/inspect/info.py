@@ -210,13 +210,11 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
             steps = [Step("strip-inner" if w.inner else "strip", w.prefix) for w in self.wrappers]
             keys = [t.name for t in self.tensors]
             needs = {"allow_globals": self.unsafe_globals, "recovered": bool(self.pickled_module)}
-            fix = fix_command(self.path, steps, self.select, keys, **needs)
+            fix = fix_command(self.path, steps, self.select, keys, **needs, fmt=self.format)
         else:
-            chosen = "" if self.select is None else f", select={self.select!r}"
-            if self.unsafe_globals:
-                chosen += f", allow_globals={list(self.unsafe_globals)!r}"
-            out = "'OUT.safetensors'" if self.pickled_module else "OUT"
-            fix = f"ckpt_tools.strip_module({self.path!r}, {out}{chosen})"
+            fix = self._strip_call()
+        if not fix:  # TorchScript: no rewrite writes it
+            fix = "torch.jit.load it and save its state_dict() (its code names these keys)"
         found = "; ".join(
             f"{w.prefix!r} {w.kind} ({w.count}/{w.of} keys{', inside keys' if w.inner else ''})"
             for w in self.wrappers
@@ -225,6 +223,20 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
             f"wrappers:    {found}",
             f"             strip them: {fix}",
         ]
+
+    def _strip_call(self) -> str:
+        """The Python form of the fix: the call that strips every wrapper found."""
+        chosen = "" if self.select is None else f", select={self.select!r}"
+        if self.format == "dcp":
+            return f"ckpt_tools.consolidate({self.path!r}, 'OUT.pt', strip=True{chosen})"
+        if self.format == "torchscript":
+            return ""
+        if self.unsafe_globals:
+            chosen += f", allow_globals={list(self.unsafe_globals)!r}"
+        if self.pickled_module:
+            chosen += ", drop_extras=True"
+            return f"ckpt_tools.strip_module({self.path!r}, 'OUT.safetensors'{chosen})"
+        return f"ckpt_tools.strip_module({self.path!r}, OUT{chosen})"
 
     def rows(self, group: bool = False) -> list[list[str]]:
         """The tensor table's cells, one row per tensor (or per folded group), under
