@@ -149,6 +149,7 @@ def _input_folder(src: str | os.PathLike[str] | None, out: Path) -> tuple[str | 
         return None, None
     if Path(src).is_dir():
         return os.fspath(src), None
+    from ckpt_tools.formats.detect import is_index_name
     from ckpt_tools.formats.hf import files_read
 
     source = Path(src).resolve()
@@ -159,6 +160,8 @@ def _input_folder(src: str | os.PathLike[str] | None, out: Path) -> tuple[str | 
     read = files_read(source.parent) if beside else None
     if read is None or source.name not in read:
         return None, None
+    if out.exists() and _same_file(source, out) and not any(is_index_name(n) for n in read):
+        return None, None  # the folder's one weight file, rewritten in place: it stays that
     return str(source.parent), "hf-sharded"
 
 

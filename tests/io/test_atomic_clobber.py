@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ckpt_tools.errors import OutputError, OutputExistsError, SameFileError
 from ckpt_tools.io.atomic import atomic_output
@@ -46,6 +46,24 @@ def test_a_file_the_input_folder_reads_is_never_the_output(tmp_path: Path) -> No
         check_output_path(hf / "model.safetensors.index.json", hf, force=True, in_place=True)
     # A new file in the input folder is no input of it.
     assert check_output_path(hf / "new.pt", hf) == hf / "new.pt"
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.safetensors"])
+def test_a_folders_one_weight_file_is_rewritten_in_place_a_shard_never(
+    tmp_path: Path, name: str
+) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    weights = {"module.w": torch.ones(2)}
+    (save_file if name.endswith(".safetensors") else torch.save)(weights, hf / name)
+    h.run_ckpt("strip-module", hf / name, hf / name, "--in-place")
+    loaded = load_file(hf / name) if name.endswith(".safetensors") else torch.load(hf / name)
+    assert list(loaded) == ["w"]
+    # A shard an index names stays refused: its keys are the index's.
+    sharded = _sharded(tmp_path / "sharded")
+    shard = sharded / "model-00001-of-00002.safetensors"
+    _, _, err = h.run_ckpt("strip-module", shard, shard, "--in-place", code=6)
+    assert "is a file of the input folder" in err
 
 
 def test_a_file_of_the_input_folder_its_reader_does_not_read_follows_force(
