@@ -351,3 +351,21 @@ def test_a_called_tensor_class_is_refused_without_blaming_torch(tmp_path: Path) 
     with pytest.raises(CorruptCheckpointError, match=r"calls torch\.FloatTensor to build") as info:
         ct.inspect(str(path))
     assert "torch refuses" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("size", "stride"),
+    [((2**32, 2**32, 0), (1, 1, 1)), ((2**31, 2**32), (0, 0))],
+    ids=["past-64-bits-then-0", "2**63-elements"],
+)
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_size_whose_element_count_overflows_is_refused(
+    tmp_path: Path, size: tuple[int, ...], stride: tuple[int, ...], legacy: bool
+) -> None:
+    path = tmp_path / "numel.pt"
+    storage = torch.ones(1)._typed_storage()
+    hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    call = _Rebuild(torch._utils._rebuild_tensor_v2, (storage, 0, size, stride, False, hooks))
+    torch.save({"w": call}, path, _use_new_zipfile_serialization=not legacy)
+    assert "numel: integer multiplication overflow" in _torch_error(path)
+    _refused(path, CorruptCheckpointError, 4, "more elements than torch counts")

@@ -20,6 +20,7 @@ from ckpt_tools.descriptors import GlobalRef, RebuiltTensor, StorageRef, TensorR
 from ckpt_tools.dtypes import DTYPE_ITEMSIZE, STORAGE_TYPE_DTYPE, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.pickle.jagged import JAGGED_GLOBALS, jagged_from_type, jagged_tensor
+from ckpt_tools.formats.pickle.limits import numel_overflows
 from ckpt_tools.formats.pickle.rebuilt import device_tensor, rebuilt_tensor
 from ckpt_tools.formats.pickle.standins import (
     DIM_RANGE,
@@ -90,6 +91,11 @@ def checked_tensor(
         raise CorruptCheckpointError(
             f"tensor geometry is invalid: offset={short_repr(offset)} size={short_repr(size)} "
             f"stride={short_repr(stride)}"
+        )
+    if numel_overflows(size):
+        raise CorruptCheckpointError(
+            f"tensor size {short_repr(list(size))} has more elements than torch counts (its product "
+            "overflows 64 bits); torch.load fails on it too"
         )
     if dtype not in DTYPE_ITEMSIZE:
         raise CorruptCheckpointError(f"unknown tensor dtype {dtype!r}")

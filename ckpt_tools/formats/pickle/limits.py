@@ -6,7 +6,7 @@ import contextlib
 import io
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 from ckpt_tools.descriptors import Opaque, Sealed
@@ -18,6 +18,7 @@ __all__ = [
     "LimitedReader",
     "check_nesting",
     "check_written_depth",
+    "numel_overflows",
     "stack_room",
     "tree_children",
 ]
@@ -210,3 +211,20 @@ def stack_room(levels: int = MAX_REWRITE_NESTING) -> Iterator[None]:
             _room_users -= 1
             if _room_users == 0:
                 sys.setrecursionlimit(_room_saved)
+
+
+def numel_overflows(size: Sequence[int]) -> bool:
+    """Whether torch refuses ``size`` ("numel: integer multiplication overflow"): it
+    multiplies the sizes as unsigned 64-bit numbers, and an overflow on the way counts even
+    when a later size is 0; the product must also fit a signed 64-bit number.
+
+    Example:
+        >>> numel_overflows([2**32, 2**32, 0]), numel_overflows([2**31, 2**31])
+        (True, False)
+    """
+    numel, overflowed = 1, False
+    for dim in size:
+        numel *= dim
+        overflowed |= numel >= 1 << 64
+        numel &= (1 << 64) - 1
+    return overflowed or numel >= 1 << 63
