@@ -134,6 +134,7 @@ class LazyGroup(click.Group):
         import importlib
 
         entry = _COMMANDS[cmd_name]
+        _warnings_to_stderr()
         try:
             command = getattr(importlib.import_module(entry.module), entry.attribute)
         except ModuleNotFoundError as e:
@@ -168,6 +169,23 @@ class LazyGroup(click.Group):
 
         self.epilog = epilog("")
         super().format_epilog(ctx, formatter)
+
+
+def _warnings_to_stderr() -> None:
+    """Print the library's warnings (its logger's, which has no handler of its own) to
+    stderr, as lines of their own; once per process."""
+    import logging
+
+    from ckpt_tools._log import logger
+
+    class Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+        # The stderr of when a record is written (a test, or a caller, may have swapped it).
+        stream = property(lambda self: sys.stderr, lambda self, value: None)  # type: ignore[assignment]
+
+    if not any(type(h).__name__ == "Stderr" for h in logger.handlers):
+        handler = Stderr()
+        handler.setLevel(logging.WARNING)
+        logger.addHandler(handler)
 
 
 def _with_examples(command: click.Command, path: str) -> click.Command:

@@ -11,7 +11,6 @@ name two named shards both hold is refused: the loaders disagree on which copy w
 from __future__ import annotations
 
 import json
-import logging
 import os
 import posixpath
 from collections.abc import Callable, Mapping
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools._escape import shown
+from ckpt_tools._log import logger
 from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.errors import (
     CheckpointError,
@@ -33,8 +33,6 @@ from ckpt_tools.formats.hf_choice import MAX_INDEX_BYTES, choose_weights
 from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
 __all__ = ["files_read", "open_folder", "open_index", "shard_path"]
-
-logger = logging.getLogger("ckpt_tools")
 
 
 def open_folder(path: str) -> Checkpoint:

@@ -9,7 +9,6 @@ included, the model untouched), loads, and reports what it did, including the sh
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -17,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._escape import shell_path, short_repr, shown
+from ckpt_tools._log import logger
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.errors import CheckpointError, Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.loading.extras import require_torch
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["LoadReport", "ShapeMismatch", "load_into", "on_meta"]
-
-logger = logging.getLogger("ckpt_tools")
 
 
 def _mismatch_message(

@@ -22,7 +22,6 @@ the model some other way, through a closure or a global, would act on the model 
 from __future__ import annotations
 
 import copy
-import logging
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -31,6 +30,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ckpt_tools._log import logger
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import ShapeMismatch
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Verdict", "rehearse", "skipping", "with_own_metadata"]
 
-logger = logging.getLogger("ckpt_tools")
 
 #: How ``nn.Module.load_state_dict`` opens the error that gathers its modules' messages; any
 #: other exception out of the rehearsal came from a hook.

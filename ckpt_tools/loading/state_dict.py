@@ -14,13 +14,13 @@ which hands it to ``torch.load(weights_only=False)``.
 
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._escape import shell_path, shown
+from ckpt_tools._log import logger
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
@@ -54,8 +54,6 @@ __all__ = [
     "load_with_info",
     "resolve_map_location",
 ]
-
-logger = logging.getLogger("ckpt_tools")
 
 
 # ---------------------------------------------------------------------------------------

@@ -94,8 +94,8 @@ def checked_tensor(
         )
     if numel_overflows(size):
         raise CorruptCheckpointError(
-            f"tensor size {short_repr(list(size))} has more elements than torch counts (its product "
-            "overflows 64 bits); torch.load fails on it too"
+            f"tensor size {short_repr(list(size))} has more elements than torch counts (its "
+            "product overflows 64 bits); torch.load fails on it too"
         )
     if dtype not in DTYPE_ITEMSIZE:
         raise CorruptCheckpointError(f"unknown tensor dtype {dtype!r}")
