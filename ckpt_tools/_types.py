@@ -152,7 +152,7 @@ def checked_paths(value: object, argument: str) -> list[str]:
         >>> checked_paths("a.pt", "srcs"), checked_paths(["a.pt", "b.pt"], "srcs")
         (['a.pt'], ['a.pt', 'b.pt'])
     """
-    if not isinstance(value, Iterable) or isinstance(value, (str, os.PathLike)):
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes, os.PathLike)):
         value = [value]  # (refused below, where it is no path either)
     return [checked_path(p, argument) for p in value]
 

@@ -174,6 +174,8 @@ def close_matches(name: str, names: Iterable[str], limit: int = 3) -> list[str]:
         >>> close_matches("fc.weight", ["module.fc.weight", "fc.bias", "head.weight"])
         ['module.fc.weight', 'head.weight']
     """
+    if not isinstance(name, str):  # (a key asked for by another type: no close names)
+        return []
     pool = list(names)
     wrapped = [n for n in pool if n.endswith("." + name) or name.endswith("." + n)]
     import difflib  # only error messages need it; `ckpt` starts faster without

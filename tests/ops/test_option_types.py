@@ -175,3 +175,39 @@ def test_a_path_that_is_no_path_is_a_usage_error_naming_it(
                 func(**args, **REQUIRED.get(name, {}))
             assert info.value.argument == param, (name, param, info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def test_bytes_for_a_paths_option_is_one_path_refused_by_name() -> None:
+    for call, argument in (
+        (lambda: ct.scan(b"x.pt"), "paths"),
+        (lambda: ct.average(b"x.pt", "o.pt"), "srcs"),
+    ):
+        with pytest.raises(UsageError, match="got bytes") as info:
+            call()
+        assert info.value.argument == argument
+
+
+def test_allow_globals_of_average_and_merge_lora_take_one_str_as_one_item(
+    lightning: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other.pt"
+    other.write_bytes(lightning.read_bytes())
+    ct.average([lightning, other], tmp_path / "mean.pt", allow_globals="collections.OrderedDict")
+    assert "fc.weight" in ct.load_state_dict(tmp_path / "mean.pt")
+    for func, args in (
+        (ct.average, ([lightning, other], tmp_path / "x.pt")),
+        (ct.merge_lora, (lightning, tmp_path, tmp_path / "y.pt")),
+    ):
+        with pytest.raises(UsageError) as info:
+            func(*args, allow_globals=None)
+        assert info.value.argument == "allow_globals"
+
+
+def test_reshard_of_a_missing_path_says_it_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(ct.CheckpointNotFoundError, match="no such file or folder"):
+        ct.reshard(tmp_path / "model-hf-typo", f"{tmp_path}/out/", max_shard_size="1GB")
+
+
+def test_a_tensor_asked_for_by_another_type_is_a_select_error(lightning: Path) -> None:
+    with pytest.raises(ct.SelectError, match="no tensor 0 in"):
+        ct.inspect(lightning).tensor(0)  # type: ignore[arg-type]

@@ -181,3 +181,12 @@ def test_names_in_an_adapter_summary_and_a_tensor_line_are_escaped() -> None:
     tensor = inspect(DP).tensors[0]
     odd = dataclasses.replace(tensor, name="w\n\x1b")
     assert str(odd).startswith("w\\n\\x1b ") and str(odd).isprintable()
+
+
+def test_scan_results_print_as_the_command_prints_them() -> None:
+    report = ckpt_tools.scan(FIXTURES / "evil.pt")
+    printed = CliRunner().invoke(cli, ["scan", str(FIXTURES / "evil.pt")]).output
+    assert printed == str(report) + "\n" and str(report) == report.text()
+    file = report.files[0]
+    assert str(file) == file.text() and str(file) in printed
+    assert str(file.findings[0]) in str(file) and str(file.findings[0]).startswith("dangerous: ")

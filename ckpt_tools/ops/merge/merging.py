@@ -13,7 +13,15 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools._types import OutputFormat, Progress, Select, StrPath, VerifyLevel, checked_path
+from ckpt_tools._types import (
+    OutputFormat,
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    checked_path,
+    str_items,
+)
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, KeyCollisionError, SameFileError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
@@ -124,6 +132,7 @@ def merge_lora(
         [('layers.0.weight', 2, 2.0), ('head.weight', 2, 2.0)]
     """
     base, adapter, dst = _local_paths(base, adapter, dst)
+    allow_globals = str_items(allow_globals, "allow_globals")
     cast_to = cast_target(dtype)
     folder = wants_folder(dst, max_shard_size)
     _refuse_adapter_output(dst, adapter)  # before check_output_* offers force

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from ckpt_tools._version import __version__
 from ckpt_tools.errors import EXIT_CORRUPT, EXIT_DIFFERENCES, EXIT_OK, shown
 from ckpt_tools.ops.scan.severity import Severity
+from ckpt_tools.structure.text import Readable
 
 __all__ = ["VERDICTS", "FileScan", "Finding", "ScanReport", "Verdict"]
 
@@ -32,7 +33,7 @@ _SARIF_RULES = {
 
 
 @dataclass(frozen=True)
-class Finding:
+class Finding(Readable):
     """One import of a pickle that is not on the allowlist.
 
     Attributes:
@@ -51,6 +52,15 @@ class Finding:
     reason: str
     position: int | None = None
 
+    def text(self) -> str:
+        """``severity: global in record: reason``, as ``ckpt scan`` lists it under its file."""
+        what = (
+            f"{self.global_name} in {self.record}"
+            if self.global_name
+            else f"the {self.record} format"
+        )
+        return shown(f"{self.severity}: {what}: {self.reason}")
+
     def to_json(self) -> dict[str, Any]:
         """This finding as JSON-ready data."""
         return {
@@ -63,7 +73,7 @@ class Finding:
 
 
 @dataclass(frozen=True)
-class FileScan:
+class FileScan(Readable):
     """The verdict on one file (or DCP folder).
 
     Attributes:
@@ -121,7 +131,7 @@ class FileScan:
 
 
 @dataclass(frozen=True)
-class ScanReport:
+class ScanReport(Readable):
     """The verdicts on every file scanned.
 
     Attributes:

@@ -38,6 +38,7 @@ from ckpt_tools._types import (
     VerifyLevel,
     checked_path,
     checked_paths,
+    str_items,
 )
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
@@ -188,6 +189,7 @@ def average(
         'average: wrote avg.pt (2292 -> 2292 tensor bytes)'
     """
     srcs = checked_paths(srcs, "srcs")
+    allow_globals = str_items(allow_globals, "allow_globals")
     for src in srcs:  # before any message names one (a URL's password is never shown)
         refuse_url(src)
     dst = checked_path(dst, "dst")

@@ -31,7 +31,7 @@ from ckpt_tools._types import (
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, Remedy, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
-from ckpt_tools.formats.detect import is_index_name
+from ckpt_tools.formats.detect import detect_format, is_index_name
 from ckpt_tools.formats.safetensors import TIES_KEY, tie_metadata
 from ckpt_tools.io.output_path import check_output_folder
 from ckpt_tools.io.space import check_output_size
@@ -313,6 +313,7 @@ def reshard(
     src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     refuse_url(src)  # before the folder test, whose remedy would name it
     if not (os.path.isdir(src) or is_index_name(src)):
+        detect_format(src)  # nothing there, a FIFO: refused as every reader refuses it
         raise UsageError(
             f"{src!r} is not a sharded folder; reshard reads a folder of safetensors shards",
             path=src,
