@@ -132,8 +132,7 @@ def merge_lora(
         [('layers.0.weight', 2, 2.0), ('head.weight', 2, 2.0)]
     """
     base, adapter, dst = _local_paths(base, adapter, dst)
-    allow_globals = str_items(allow_globals, "allow_globals")
-    cast_to = cast_target(dtype)
+    cast_to, allow_globals = cast_target(dtype), str_items(allow_globals, "allow_globals")
     folder = wants_folder(dst, max_shard_size)
     _refuse_adapter_output(dst, adapter)  # before check_output_* offers force
     if folder:
