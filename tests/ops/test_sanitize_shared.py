@@ -135,3 +135,30 @@ def test_a_converted_object_held_twice_is_listed_in_both_places(tmp_path):
     assert [c.path for c in report.converted] == ["args", "hp.args"]
     assert got["args"] == {"lr": 0.1, "layers": [1, 2]} and got["args"] is got["hp"]["args"]
     assert want["args"] is want["hp"]["args"]
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: sanitize writes its tensors as plain ones, on the same storage."""
+
+
+@pytest.mark.parametrize("verify", ["sizes", "full"])
+def test_tensor_subclasses_stay_on_the_storage_they_share(tmp_path: Path, verify: str) -> None:
+    base = torch.randn(4, 4)
+    saved = {
+        "a": base,
+        "s": base[1:].as_subclass(Tagged),
+        "t": base[:2].as_subclass(Tagged),
+        "list": [base[3].as_subclass(Tagged)],
+    }
+    torch.save(saved, tmp_path / "sub.pt")
+    oracle = torch.load(tmp_path / "sub.pt", weights_only=False)
+    ct.sanitize(tmp_path / "sub.pt", tmp_path / "out.pt", verify=verify)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    ptr = out["a"].untyped_storage().data_ptr()
+    for got, want in (
+        (out["s"], oracle["s"]),
+        (out["t"], oracle["t"]),
+        (out["list"][0], oracle["list"][0]),
+    ):
+        assert type(got) is torch.Tensor and torch.equal(got, want.as_subclass(torch.Tensor))
+        assert got.untyped_storage().data_ptr() == ptr

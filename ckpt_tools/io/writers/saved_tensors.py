@@ -10,13 +10,14 @@ uint32, uint64) is saved over an untyped storage of bytes and rebuilt with
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 from typing import Any
 
 from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, itemsize
 from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 
-__all__ = ["saved_storage", "saved_tensor"]
+__all__ = ["plain_tensor", "saved_storage", "saved_tensor"]
 
 _V2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
 _V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
@@ -83,3 +84,21 @@ def saved_tensor(like: TensorRef, storage: StorageRef, dtype: str) -> TensorRef:
         return rebuilt(like.requires_grad)
     args = (rebuilt(False), like.requires_grad, collections.OrderedDict())
     return TensorRef(storage, *view, dtype, like.requires_grad, True, _PARAMETER, args)
+
+
+def plain_tensor(t: TensorRef) -> TensorRef:
+    """``t`` as the plain tensor ``torch.save`` writes for it (no subclass, no hooks): on
+    its own storage where that already has torch's class for its dtype, so that it stays
+    shared with the other tensors on it; else on a typed copy (a tensor read without a
+    pickle).
+
+    Example:
+        >>> s = StorageRef("0", "float32", 4, "cpu", storage_type_ref("float32"))
+        >>> plain_tensor(TensorRef(s, 0, (4,), (1,), "float32")).storage is s
+        True
+    """
+    like, storage = replace(t, func=None, args=()), t.storage
+    typed = storage.storage_type is not None and storage.dtype == t.dtype
+    if typed or storage.storage_type == UNTYPED_STORAGE:
+        return saved_tensor(like, storage, t.dtype)
+    return saved_tensor(like, saved_storage(storage, t.dtype), t.dtype)

@@ -37,6 +37,7 @@ from ckpt_tools.formats.pickle.standins import (
     Reduced,
     TorchSize,
 )
+from ckpt_tools.io.writers.saved_tensors import plain_tensor
 from ckpt_tools.io.writers.torchzip import picklable_tensors
 from ckpt_tools.ops.sanitize.kinds import (
     FROZENSETS,
@@ -260,9 +261,8 @@ class _Sanitizer:
             made = self.value(state, path)
             changed = (len(self.dropped), len(self.converted)) != before
             return replace(t, args=(*t.args[:3], made)) if changed else t
-        # A tensor subclass or a hook (a global in the rebuild call), or one read without a
-        # pickle: written as the plain tensor torch.save makes, without its attributes.
-        plain = picklable_tensors({"t": replace(t, func=None, args=())})["t"]
+        # A subclass or a hook (a global in the rebuild call), or no pickle: a plain tensor.
+        plain = plain_tensor(t)
         if t.func is None:
             return plain
         for name in state or ():
