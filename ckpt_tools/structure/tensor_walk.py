@@ -164,13 +164,21 @@ def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef
         ['w']
     """
     found: list[tuple[str, TensorRef]] = []
-    for path, t in iter_listed_tensors(obj, prefix):
-        if isinstance(t, RebuiltTensor):
-            found.extend((f"{path}.{i}", part) for i, part in enumerate(t.parts))
-        else:
+    # A tensor's Python attributes (``t.mask = tensor``) are pickled with it, storages too.
+    seen: set[int] = set()
+    trees: list[tuple[Any, str]] = [(obj, prefix)]
+    while trees:
+        tree, base = trees.pop()
+        for path, t in iter_listed_tensors(tree, base):
+            if isinstance(t, RebuiltTensor):
+                found.extend((f"{path}.{i}", part) for i, part in enumerate(t.parts))
+                continue
             found.append((path, t))
             quantizer = zip(("scales", "zero_points"), quantizer_tensors(t))
             found.extend((f"{path}.{name}", q) for name, q in quantizer)
+            if t.attributes and id(t) not in seen:
+                seen.add(id(t))
+                trees.append((t.attributes, path))
     return found
 
 

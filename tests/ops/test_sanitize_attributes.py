@@ -166,3 +166,16 @@ def test_one_path_a_pickled_set_lists_twice_is_no_loss(tmp_path: Path, kind: typ
     run_ckpt("sanitize", tmp_path / "in.pt", tmp_path / "strict.pt", "--strict", code=0)
     assert ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt").dropped_values == ()
     assert torch.load(tmp_path / "out.pt", weights_only=True)["s"] == {"ckpt/a"}
+
+
+def test_tensors_held_by_a_tensors_attributes_are_counted_and_verified(tmp_path: Path) -> None:
+    t = torch.zeros(2)
+    t.np = np.ones(2, dtype=np.float32)  # becomes a new record
+    t.big = torch.ones(1000)  # copied
+    torch.save({"t": t}, tmp_path / "in.pt")
+    planned = ct.sanitize(tmp_path / "in.pt", tmp_path / "plan.pt", dry_run=True)
+    done = ct.sanitize(tmp_path / "in.pt", tmp_path / "out.pt", verify="full")
+    assert planned.bytes_written == done.bytes_written == 8 + 8 + 4000
+    assert done.bytes_copied == 8 + 4000
+    out = torch.load(tmp_path / "out.pt", weights_only=True)["t"]
+    assert torch.equal(out.np, torch.ones(2)) and torch.equal(out.big, torch.ones(1000))
