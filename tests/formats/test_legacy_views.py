@@ -99,3 +99,23 @@ def test_a_view_in_a_zip_archive_is_refused(tmp_path: Path) -> None:
         torch.load(dst, weights_only=False)
     with pytest.raises(CorruptCheckpointError, match="legacy storage view"):
         open_checkpoint(dst)
+
+
+@pytest.mark.parametrize(
+    ("view", "geometry"),
+    [(("0", 4, 6), (0, (6,), (1,))), (("9", 4, 6), (0, (6,), (1,)))],
+    ids=["view-key-is-its-root-key", "distinct-keys"],
+)
+def test_a_view_key_torch_would_take_for_another_storage_is_refused(
+    tmp_path: Path, view: tuple[str, int, int], geometry: tuple[Any, ...]
+) -> None:
+    path = legacy_file(tmp_path / "keys.pt", view, geometry)
+    loaded = torch_load(path)
+    if view[0] == "0":  # torch takes the root for the view: another tensor than its view's
+        assert torch.equal(loaded["on_view"], torch.arange(6.0))
+        with pytest.raises(CorruptCheckpointError, match="both a storage's and a storage view"):
+            open_checkpoint(path)
+    else:
+        ckpt = open_checkpoint(path)
+        got = value_bytes(tensor_from_span(ckpt, ckpt.root["on_view"]))
+        assert got.equal(value_bytes(loaded["on_view"]))

@@ -43,6 +43,9 @@ class _Restricted:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
         super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self.storages: dict[str, StorageRef] = {}
+        # A legacy file's root keys, and its views' keys with what each views.
+        self._roots: set[str] = set()
+        self._views: dict[str, tuple[str, int, int]] = {}
         self.unsafe: dict[str, type[Opaque]] = {}
         self._persistent_hook = persistent_load
         self._id_length = id_length
@@ -102,6 +105,7 @@ class _Restricted:
         ):
             raise CorruptCheckpointError(f"unexpected storage id {short_repr(pid)}")
         view = _storage_view(pid[5], key, numel) if len(pid) == 6 else None
+        self._check_view_keys(key, view)
         cache_key = key if view is None else f"{key}@{view[0]}"
         found = self.storages.get(cache_key)
         # torch keeps a loaded storage for the next reference to its key only when it holds
@@ -120,6 +124,24 @@ class _Restricted:
         if found is None or numel > 0:  # the key's storage: the first that holds bytes
             self.storages[cache_key] = made
         return made
+
+    def _check_view_keys(self, key: str, view: tuple[str, int, int] | None) -> None:
+        """Refuse keys that torch's legacy reader would resolve otherwise: it keeps root
+        storages and views in one table by key, the first object under a key wins, and a
+        file's bytes are read into whatever holds the key. torch.save never shares them."""
+        seen = self._views.get(view[0]) if view is not None else None
+        if key in self._views or (
+            view is not None
+            and (view[0] in self._roots | {key} or seen not in (None, (key, *view[1:])))
+        ):
+            raise CorruptCheckpointError(
+                f"storage key {key!r}{f' (view {view[0]!r})' if view else ''} is both a storage's "
+                "and a storage view's, or two views'; torch's legacy reader takes one for "
+                "the other, and torch.save never writes that"
+            )
+        self._roots.add(key)
+        if view is not None:
+            self._views[view[0]] = (key, view[1], view[2])
 
 
 def _storage_view(view: Any, key: str, numel: int) -> tuple[str, int, int] | None:
