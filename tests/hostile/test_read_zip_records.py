@@ -373,3 +373,21 @@ def test_compressed_bytes_beyond_what_deflate_needs_are_refused_unread(tmp_path:
             read_entry(str(target), fd, padded, 1 << 20)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("record", ["data/0", "data.pkl", "version"])
+def test_a_record_marked_as_a_folder_is_refused(tmp_path: Path, record: str) -> None:
+    src, path = tmp_path / "plain.pt", tmp_path / "folder_bit.pt"
+    torch.save({"w": torch.arange(1024.0)}, src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            if info.filename.endswith("/" + record):
+                info.external_attr |= 0x10  # the MS-DOS folder bit miniz reads
+            zout.writestr(info, zin.read(info.filename))
+    try:  # torch reads the record as empty: wrong values, or a pickle it cannot read
+        wrong = not torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(1024.0))
+    except Exception:  # the oracle refusing, whatever its type
+        wrong = True
+    assert wrong
+    with pytest.raises(CorruptCheckpointError, match=f"{record}' is marked as a folder"):
+        open_checkpoint(path)

@@ -46,6 +46,8 @@ __all__ = [
 
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
 _CENTRAL_SIG = b"PK\x01\x02"
+# The MS-DOS folder bit of an entry's external attributes, which miniz reads as a folder.
+_DOS_FOLDER = 0x10
 _LOCAL = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIG = b"PK\x03\x04"
 _U16, _U32 = 0xFFFF, 0xFFFFFFFF
@@ -223,6 +225,12 @@ def _central_entries(
                 f"{offset}, past the start of the central directory at {cd_offset})",
             )
         _check_central_sizes(path, name, method, csize, usize, fields[15])
+        if usize and (fields[17] & _DOS_FOLDER or raw_name.endswith(b"/")):
+            raise corrupt_zip(
+                path,
+                f"record {name!r} is marked as a folder but holds {usize} bytes: torch's zip "
+                "reader reads a folder's record as empty",
+            )
         yield raw_name, name, flags, method, crc, csize, usize, offset
     if at != len(directory):
         raise corrupt_zip(path, "its central directory holds more than the records it declares")
