@@ -1,7 +1,8 @@
 """Paths into checkpoint trees: one meaning of ``--select model.ema`` for every caller.
 
 ``inspect``, the rewrites, ``load_state_dict``, ``diff`` and ``load_into`` all reach the state
-dict through :func:`walk_path`; rewrites put the renamed one back with :func:`replace_at`, and
+dict through :func:`walk_path`; rewrites put the renamed one back with
+:func:`~ckpt_tools.structure.path_replace.replace_at`, and
 :func:`entries_beside` lists what a path leaves out (``inspect``'s other entries, the
 non-tensor entries a safetensors output cannot hold).
 
@@ -16,8 +17,7 @@ whichever way reaches an entry, and refused when two readings reach different en
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ckpt_tools._escape import short_repr
@@ -30,10 +30,10 @@ __all__ = [
     "attributes_of",
     "entries_beside",
     "is_tensor",
+    "key_in",
     "key_text",
     "mapping_at",
     "parse_select",
-    "replace_at",
     "resolve_path",
     "walk_path",
 ]
@@ -147,8 +147,9 @@ def mapping_at(node: Any) -> Mapping[Any, Any] | None:
     return node if isinstance(node, Mapping) else attributes_of(node)
 
 
-def _key_in(node: Mapping[Any, Any], key: str) -> Any:
-    # Keys come as text; unpickled mappings may use ints (``{0: sd}``).
+def key_in(node: Mapping[Any, Any], key: str) -> Any:
+    """The key of ``node`` that the text ``key`` names: itself, or the int it spells (an
+    unpickled mapping may use ints: ``{0: sd}``); a private sentinel where there is none."""
     if key in node:
         return key
     if key.isdigit() and int(key) in node:
@@ -162,7 +163,7 @@ def _child(node: Any, key: str) -> Any:
     mapping = mapping_at(node)
     if mapping is None:
         return _MISSING
-    found = _key_in(mapping, key)
+    found = key_in(mapping, key)
     return _MISSING if found is _MISSING else mapping[found]
 
 
@@ -197,43 +198,89 @@ def walk_path(root: Any, parts: Sequence[str]) -> PathWalk:
     # Exact keys one by one; for a dotted string that reaches nothing, how far the longest
     # runs go, for the message.
     nodes, keys, i = [root], [], 0
+    steps = _steps(parts)
     while i < len(parts):
-        for j in range(len(parts) if dotted else i + 1, i, -1):
-            key = ".".join(parts[i:j])
-            child = _child(nodes[-1], key)
-            if child is not _MISSING:
-                nodes.append(child)
-                keys.append(key)
-                i = j
-                break
-        else:
+        step = next(steps(nodes[-1], i), None) if dotted else None
+        if not dotted and (child := _child(nodes[-1], parts[i])) is not _MISSING:
+            step = (parts[i], child, i + 1)
+        if step is None:
             return PathWalk(tuple(keys), tuple(nodes), tuple(parts[i:]))
+        keys.append(step[0])
+        nodes.append(step[1])
+        i = step[2]
     return PathWalk(tuple(keys), tuple(nodes))
+
+
+def _steps(parts: Sequence[str]) -> Callable[[Any, int], Iterator[tuple[str, Any, int]]]:
+    """For a dotted string's parts: the keys a node holds that start at part ``i``, longest
+    first, as ``(key, child, the part after it)``."""
+    # Where each part starts in the dotted string: a key's length without joining it.
+    starts = [0]
+    for part in parts:
+        starts.append(starts[-1] + len(part) + 1)
+
+    def steps(node: Any, i: int) -> Iterator[tuple[str, Any, int]]:
+        longest = _longest_key(node)
+        # A list's index is digits, with no dot: one part.
+        for j in range(i + 1 if isinstance(node, (list, tuple)) else len(parts), i, -1):
+            if longest is not None and starts[j] - starts[i] - 1 > longest:
+                continue  # no key that long: a deep path is not joined at every level
+            key = ".".join(parts[i:j])
+            child = _child(node, key)
+            if child is not _MISSING:
+                yield key, child, j
+
+    return steps
 
 
 def _dotted_readings(root: Any, parts: Sequence[str]) -> list[PathWalk]:
     """Whole readings of a dotted string's parts, longest runs first: up to two, reaching
-    different nodes."""
+    different nodes. A stack, not recursion: torch.load reads trees however deep."""
+    if not parts:
+        return [PathWalk((), (root,))]
     # One answer per (node, part): a pickle may share a node under many keys, and each
-    # shared level would otherwise double the readings to try.
+    # shared level would otherwise double the readings to try. Nodes are held, so that the
+    # ids keying the memo stay theirs.
     memo: dict[tuple[int, int], list[PathWalk]] = {}
+    held: list[Any] = [root]
 
-    def readings_from(node: Any, i: int) -> list[PathWalk]:
-        if i == len(parts):
-            return [PathWalk((), (node,))]
-        if (id(node), i) not in memo:
-            found: list[PathWalk] = []
-            for j in range(len(parts), i, -1):
-                key = ".".join(parts[i:j])
-                child = _child(node, key)
-                rest = [] if child is _MISSING else readings_from(child, j)
-                for walk in rest:
-                    if len(found) < 2 and all(walk.node is not f.node for f in found):
-                        found.append(PathWalk((key, *walk.keys), (node, *walk.nodes)))
+    steps = _steps(parts)
+
+    # Each frame: node, its part, its steps, its readings, the step whose readings it awaits.
+    frames: list[list[Any]] = [[root, 0, steps(root, 0), [], None]]
+    while frames:
+        frame = frames[-1]
+        node, i, pending, found, awaited = frame
+        if awaited is not None:
+            key, child, j = awaited
+            for walk in memo[id(child), j]:
+                if len(found) < 2 and all(walk.node is not f.node for f in found):
+                    found.append(PathWalk((key, *walk.keys), (node, *walk.nodes)))
+        frame[4] = step = next(pending, None)
+        if step is None:
             memo[id(node), i] = found
-        return memo[id(node), i]
+            frames.pop()
+            continue
+        _, child, j = step
+        if (id(child), j) in memo:
+            continue
+        held.append(child)
+        if j == len(parts):
+            memo[id(child), j] = [PathWalk((), (child,))]
+        else:
+            frames.append([child, j, steps(child, j), [], None])
+    return memo[id(root), 0]
 
-    return readings_from(root, 0)
+
+def _longest_key(node: Any) -> int | None:
+    """The length of ``node``'s longest key as text, where only keys of that text match;
+    None where a longer text may (an int key or a list index: ``"007"`` names ``7``)."""
+    if isinstance(node, (list, tuple)):
+        return None
+    keys = mapping_at(node) or {}
+    if not all(isinstance(k, str) for k in keys):
+        return None
+    return max(map(len, keys), default=0)
 
 
 def resolve_path(root: Any, select: str | Sequence[str]) -> PathWalk:
@@ -325,74 +372,3 @@ def entries_beside(root: Any, path: Sequence[str]) -> list[tuple[str, Any]]:
         beside += [(prefix + key_text(k), v) for k, v in _items(node) if key_text(k) != key]
         prefix += key + "."
     return beside
-
-
-def replace_at(root: Any, path: Sequence[str], value: Any) -> Any:
-    """A copy of ``root`` with the node at ``path`` replaced by ``value``; ``root`` is unchanged.
-
-    Containers along the path are copied (shallowly: their class and attributes such as an
-    OrderedDict's ``_metadata`` kept); everything else is shared with ``root``. When the node
-    at ``path`` is an object whose attributes :func:`select_state_dict` took as the state
-    dict, the copy keeps the object's class and ``value`` becomes its attributes.
-
-    Args:
-        root: the tree (a checkpoint's ``root``).
-        path: keys, as :func:`walk_path` takes them.
-        value: the new node.
-
-    Returns:
-        The new root (``value`` itself, or an object holding it, when ``path`` is empty).
-
-    Raises:
-        SelectError: ``path`` is not in ``root``.
-
-    Example:
-        >>> tree = {"model": {"w": 1}, "epoch": 3}
-        >>> replace_at(tree, ("model",), {"v": 1}), tree["model"]
-        ({'model': {'v': 1}, 'epoch': 3}, {'w': 1})
-    """
-    walk = resolve_path(root, tuple(path))
-    node = walk.node
-    new = _with_attributes(node, value) if _takes_attributes(node, value) else value
-    for parent, key in zip(reversed(walk.nodes[:-1]), reversed(walk.keys)):
-        new = _with_child(parent, key, new)
-    return new
-
-
-def _takes_attributes(node: Any, value: Any) -> bool:
-    return (
-        not isinstance(node, Mapping)
-        and attributes_of(node) is not None
-        and isinstance(value, Mapping)
-    )
-
-
-def _with_child(node: Any, key: str, child: Any) -> Any:
-    if isinstance(node, tuple):
-        items = list(node)
-        items[int(key)] = child
-        return tuple(items) if type(node) is tuple else type(node)(items)
-    if isinstance(node, list):
-        copied_list = copy.copy(node)
-        copied_list[int(key)] = child
-        return copied_list
-    if isinstance(node, Mapping):
-        copied = copy.copy(node)
-        copied[_key_in(node, key)] = child
-        return copied
-    attributes = attributes_of(node)
-    assert attributes is not None  # the walk went through them
-    return _with_attributes(node, _with_child(attributes, key, child))
-
-
-def _with_attributes(node: Any, attributes: Mapping[str, Any]) -> Any:
-    if isinstance(node, Opaque):
-        # Not copy.copy: Opaque's __setstate__ records pickle state, it is no copy protocol.
-        copied = Opaque.__new__(type(node))
-        vars(copied).update(vars(node))
-        copied.state = attributes
-        return copied
-    copied = copy.copy(node)
-    vars(copied).clear()
-    vars(copied).update(attributes)
-    return copied

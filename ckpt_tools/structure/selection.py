@@ -19,6 +19,7 @@ from ckpt_tools._types import Select
 from ckpt_tools.descriptors import Opaque, Reduced, TensorRef
 from ckpt_tools.errors import SelectError
 from ckpt_tools.structure.modules import RecoveredModule, recover_module
+from ckpt_tools.structure.path_replace import replace_at
 from ckpt_tools.structure.paths import (
     PathWalk,
     attributes_of,
@@ -27,7 +28,6 @@ from ckpt_tools.structure.paths import (
     key_text,
     mapping_at,
     parse_select,
-    replace_at,
     resolve_path,
     walk_path,
 )

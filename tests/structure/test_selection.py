@@ -6,6 +6,7 @@ path: nested dicts, a key that itself holds dots, list items, and object attribu
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ from ckpt_tools.loading.state_dict import load_state_dict, load_with_info
 from ckpt_tools.ops.inspect.inspection import inspect
 from ckpt_tools.ops.rewrite.rewriting import rewrite
 from ckpt_tools.structure.keys import add_rule
-from ckpt_tools.structure.paths import entries_beside, replace_at, resolve_path, walk_path
+from ckpt_tools.structure.path_replace import replace_at
+from ckpt_tools.structure.paths import entries_beside, resolve_path, walk_path
 from ckpt_tools.structure.selection import select_state_dict
 
 
@@ -223,3 +225,19 @@ def test_a_tensor_beside_the_state_dict_does_not_make_the_root_one(
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     fresh.load_state_dict(sd, strict=True)
     assert [t.name for t in inspect(path).tensors] == list(net.state_dict())
+
+
+def test_a_dotted_path_deeper_than_the_interpreters_stack_resolves() -> None:
+    depth = 3 * sys.getrecursionlimit()
+    tree: dict = {"w": 1}
+    for _ in range(depth):
+        tree = {"a": tree}
+    dotted = ".".join(["a"] * depth)
+    assert resolve_path(tree, dotted).node == {"w": 1}
+    assert resolve_path(tree, dotted).keys == resolve_path(tree, ("a",) * depth).keys
+    nested: list = [{"w": 2}]
+    for _ in range(depth):
+        nested = [nested]
+    assert resolve_path(nested, ".".join(["0"] * (depth + 1))).node == {"w": 2}
+    with pytest.raises(SelectError, match="no entry 'b' under"):
+        resolve_path(tree, dotted + ".b")
