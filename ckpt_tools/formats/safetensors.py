@@ -32,6 +32,7 @@ from ckpt_tools.errors import (
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource
+from ckpt_tools.formats.safetensors_json import loads_header
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -53,19 +54,6 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_NESTING = 127
 #: The metadata entry our writers record tied names in: a JSON object ``{dropped: kept}``.
 TIES_KEY = "ckpt_tools.tied"
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"key {twice!r} appears twice")
-    return result
 
 
 def check_nesting(path: str, header: dict[str, Any]) -> None:
@@ -149,7 +137,7 @@ def _parse_header(
         text = raw.decode("utf-8")
         # The crate's JSON parser: JSON whitespace around the object, no NaN/Infinity, no
         # repeated keys, strings valid UTF-8.
-        header = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+        header = loads_header(text)
         json.dumps(header, ensure_ascii=False).encode("utf-8")  # lone surrogates (\ud800)
     except RecursionError as e:
         raise CorruptCheckpointError(

@@ -60,6 +60,20 @@ HOSTILE: dict[str, tuple[str, bytes]] = {
     "nan": ('{"a": ' + _json(_entry(0, 8)) + ', "__metadata__": {"k": NaN}}', bytes(8)),
     "lone-surrogate": ('{"\\ud800": ' + _json(_entry(0, 8)) + "}", bytes(8)),
     "not-an-object": ("[1, 2]", b""),
+    # serde_json reads -0 as a float, and numbers past a float's range not at all.
+    "minus-zero-offset": (
+        '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [-0, 8]}}',
+        bytes(8),
+    ),
+    "minus-zero-shape": ('{"a": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}}', b""),
+    "huge-float": (
+        '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1e999}}',
+        bytes(8),
+    ),
+    "huge-int": (
+        '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1' + "0" * 400 + "}}",
+        bytes(8),
+    ),
 }
 
 
