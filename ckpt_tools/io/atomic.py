@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 import threading
 import time
@@ -59,6 +60,8 @@ def _keep_mode_and_owner(fd: int, target: Path) -> None:
     try:
         st = target.stat()
     except FileNotFoundError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):  # nothing, or no file to take bits from
         os.fchmod(fd, 0o666 & ~_umask())
         return
     if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):

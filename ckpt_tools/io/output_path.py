@@ -263,6 +263,7 @@ def check_output_folder(
         )
     if out.is_dir() and any(out.iterdir()) and not force:
         raise folder_exists_error(dst)
+    _refuse_weight_named_folders(out, dst)
     check_writable(out, dst)
     if not out.parent.is_dir():
         raise OutputError(
@@ -270,6 +271,24 @@ def check_output_folder(
             path=dst,
         )
     return out
+
+
+def _refuse_weight_named_folders(out: Path, dst: str | os.PathLike[str]) -> None:
+    """A folder (or anything but a file) named as a weight file is no weight file to replace,
+    and keeping it would leave it where the new weights go: refused, named."""
+    from ckpt_tools.io.writers.folder_swap import WEIGHT_FILES
+
+    if not out.is_dir():
+        return
+    odd = sorted(n for n in os.listdir(out) if WEIGHT_FILES.match(n) and not (out / n).is_file())
+    if odd:
+        what = "a weight file but not a file" if len(odd) == 1 else "weight files but not files"
+        raise OutputError(
+            f"output folder {os.fspath(dst)!r} holds {', '.join(map(repr, odd))}, named as "
+            f"{what}: neither replaced nor kept",
+            path=dst,
+            remedies=(Remedy(text="move it away, or choose another output folder"),),
+        )
 
 
 def folder_exists_error(dst: str | os.PathLike[str]) -> OutputExistsError:

@@ -368,3 +368,18 @@ def test_force_replaces_a_variants_weight_files_too(tmp_path: Path) -> None:
     assert sorted(Path(p).name for p in plan.removes) == sorted(variants)
     convert(tmp_path / "plain.pt", folder, force=True)
     assert sorted(p.name for p in folder.iterdir()) == sorted([*kept, "model.safetensors"])
+
+
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "pytorch_model.bin", "model.ema.safetensors"]
+)
+def test_a_folder_named_as_a_weight_file_is_refused_not_removed(tmp_path: Path, name: str) -> None:
+    src = tmp_path / "plain.pt"
+    _plain(src)
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    (out / name / "notes.txt").write_text("mine")
+    for dry_run in (True, False):
+        with pytest.raises(OutputError, match=f"holds '{name}', named as a weight file"):
+            convert(src, f"{out}/", force=True, dry_run=dry_run)
+    assert (out / name / "notes.txt").read_text() == "mine"
