@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -29,6 +30,7 @@ from ckpt_tools.io.input_files import shapes_reading
 
 __all__ = [
     "FORCE_REPLACES",
+    "check_folder_writable",
     "check_output_folder",
     "check_output_path",
     "check_writable",
@@ -138,7 +140,30 @@ def check_output_path(
         raise OutputError(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
+    check_folder_writable(folder, dst)
     return out.resolve() if out.is_symlink() else out
+
+
+def check_folder_writable(folder: Path, dst: str | os.PathLike[str], **where: str) -> None:
+    """Create a nameless file in ``folder`` and drop it: what would refuse the write's temp
+    file (permissions, a read-only mount, ``/proc``) refuses it now, before any work and in
+    a dry run, where :func:`os.access` says yes to root.
+
+    Args:
+        folder: where the output's temp file (or folder) would be made.
+        dst: the output, as the caller named it.
+        where: ``argument``, ``value`` and ``flag`` of the error, where an option names it.
+
+    Raises:
+        OutputError: the file cannot be made there.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OutputError(
+            f"cannot create a temp file in {str(folder)!r}: {e.strerror or e}", path=dst, **where
+        ) from e
 
 
 def _input_folder(src: str | os.PathLike[str] | None, out: Path) -> tuple[str | None, str | None]:
@@ -270,6 +295,7 @@ def check_output_folder(
             f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
             path=dst,
         )
+    check_folder_writable(out.parent, dst)  # the new folder is made beside it
     return out
 
 

@@ -17,13 +17,13 @@ matplotlib backend of whoever calls us.
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckpt_tools.errors import OutputError, Remedy, UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats.urls import refuse_url
+from ckpt_tools.io.output_path import check_folder_writable
 
 __all__ = ["COMMON_FORMATS", "check_plot_path", "parity_figure", "plot_parity", "zero_floor"]
 
@@ -148,27 +148,10 @@ def check_plot_path(path: str | Path) -> Path:
             flag="--plot",
         )
     if blocking is not None:
-        _check_writable(blocking, path)
+        check_folder_writable(blocking, path, argument="path", value=repr(str(path)), flag="--plot")
     if missing:
         raise _missing_matplotlib()
     return out
-
-
-def _check_writable(folder: Path, path: str | Path) -> None:
-    """Write a nameless file into ``folder``: permissions, a read-only mount and ``/proc``
-    all refuse it, where :func:`os.access` would say yes to root."""
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        raise OutputError(
-            f"cannot write into {str(folder)!r}: {exc.strerror or exc}",
-            path=path,
-            argument="path",
-            value=repr(str(path)),
-            flag="--plot",
-            remedies=(Remedy(text="choose another path for the plot"),),
-        ) from exc
 
 
 def parity_figure(
