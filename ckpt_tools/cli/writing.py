@@ -88,4 +88,14 @@ def run_and_show(
     its result rendered (:func:`~ckpt_tools.cli.render.echo_result`)."""
     with progress_bar(quiet or as_json) as progress:
         result = call(*args, progress=progress, **kw)
-    echo_result(result, as_json, quiet)
+    try:
+        echo_result(result, as_json, quiet)
+    except BrokenPipeError:
+        raise  # a reader that left: the boundary's own quiet exit
+    except OSError as e:  # stdout on a full disk: say what was written, not that it failed
+        from ckpt_tools.errors import OutputError
+
+        written = getattr(result, "written", ()) or ()
+        names = ", ".join(repr(w) for w in written)
+        done = f"; {names} {'was' if len(written) == 1 else 'were'} written" if written else ""
+        raise OutputError(f"printing the summary to stdout failed ({e.strerror or e}){done}") from e

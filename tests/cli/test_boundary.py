@@ -239,6 +239,30 @@ def test_stdout_on_a_full_disk_is_one_line_and_exit_6(args: list[str], tmp_path:
     assert run.stderr == "ckpt: error: writing failed (No space left on device)\n"
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("json", [[], ["--json"]], ids=["text", "json"])
+def test_a_summary_stdout_refuses_names_the_output_that_was_written(
+    json: list[str], tmp_path: Path
+) -> None:
+    with open("/dev/full", "w") as full:
+        run = subprocess.run(
+            [console_script(), "strip-module", _DP, "out.pt", *json],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ckpt_env(),
+            cwd=tmp_path,
+            timeout=120,
+            check=False,
+        )
+    assert run.returncode == 6
+    assert run.stderr == (
+        "ckpt: error: printing the summary to stdout failed (No space left on device); "
+        "'out.pt' was written\n"
+    )
+    assert (tmp_path / "out.pt").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [
