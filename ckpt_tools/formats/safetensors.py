@@ -357,7 +357,9 @@ def read_metadata(metadata: Mapping[str, Any] | None, aliases: Mapping[str, str]
     }
 
 
-def tie_metadata(ties: Mapping[str, str]) -> dict[str, str]:
+def tie_metadata(
+    ties: Mapping[str, str], beside: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The metadata entries that record the tied names an output leaves out.
 
     The hub-style notes (``{dropped: kept}`` as plain entries, which huggingface_hub writes
@@ -367,6 +369,8 @@ def tie_metadata(ties: Mapping[str, str]) -> dict[str, str]:
 
     Args:
         ties: ``{dropped name: kept name}``.
+        beside: the output's other metadata: a note never replaces one of its entries (as
+            safetensors' ``save_model`` never overrides user data); :data:`TIES_KEY` has it.
 
     Returns:
         The entries to add to the output's metadata; empty without ties.
@@ -377,4 +381,5 @@ def tie_metadata(ties: Mapping[str, str]) -> dict[str, str]:
     """
     if not ties:
         return {}
-    return {**ties, TIES_KEY: json.dumps(dict(ties), separators=(",", ":"))}
+    notes = {name: kept for name, kept in ties.items() if name not in (beside or {})}
+    return {**notes, TIES_KEY: json.dumps(dict(ties), separators=(",", ":"))}

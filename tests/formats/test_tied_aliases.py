@@ -234,3 +234,17 @@ def test_our_folder_output_loads_in_transformers(tmp_path: Path) -> None:
     # A folder saved by transformers reads as its stored tensors: no lm_head.weight.
     stored = set(load_file(tmp_path / "hf" / "model.safetensors"))
     assert set(ct.load_state_dict(tmp_path / "hf")) == stored
+
+
+@pytest.mark.parametrize("out", ["tied.safetensors", "hf/"])
+def test_a_tie_named_like_a_metadata_entry_never_replaces_it(tmp_path: Path, out: str) -> None:
+    # safetensors' save_model never overrides user data; a tensor named "format" is tied.
+    w = torch.randn(3, 2)
+    torch.save({"embed": w, "format": w}, tmp_path / "in.pt")
+    ct.convert(tmp_path / "in.pt", f"{tmp_path}/{out}")
+    path = tmp_path / out / "model.safetensors" if out.endswith("/") else tmp_path / out
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["format"] == "pt"
+    back = ct.load_state_dict(path if not out.endswith("/") else tmp_path / out)
+    assert torch.equal(back["format"], w) and torch.equal(back["embed"], w)
+    assert load_state_dict_from_file(path)  # huggingface_hub checks the format entry

@@ -345,7 +345,7 @@ def safetensors_plan(
         expected[str(name)] = t
     from ckpt_tools.formats.safetensors import tie_metadata  # (safetensors outputs only)
 
-    metadata.update(tie_metadata(ties))
+    metadata.update(tie_metadata(ties, beside=metadata))
     expected.update(tied)  # reading the output gives them back, after the stored names
     fixes = () if to_torch is None else (to_torch,)
     check_holdable([(e.name, e.tensor) for e in entries], ckpt.path, fixes)

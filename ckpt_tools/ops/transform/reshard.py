@@ -241,7 +241,7 @@ def _plan_folder(
     kept = {k: v for k, v in sd.items() if k not in aliases}
     entries, metadata, dropped, _ = safetensors_plan(ckpt, selection.path, kept, drop_extras)
     extra, ties = _carried_metadata(metadata, {str(k) for k in sd})
-    extra.update(tie_metadata({**ties, **aliases}))
+    extra.update(tie_metadata({**ties, **aliases}, beside={**extra, "format": "pt"}))
     check_holdable([(e.name, e.tensor) for e in entries], ckpt.path)
     check_output_size([e.tensor for e in entries], sum(e.tensor.nbytes for e in entries), target)
     for e in entries:

@@ -102,7 +102,7 @@ def safetensors_entries(
         out = replace(t, offset=0, stride=(), dtype=dst or t.dtype)
         entries.append((new, out, record))
     check_holdable([(name, out) for name, out, _ in entries], ckpt.path, (to_torch,))
-    metadata.update(tie_metadata(ties))
+    metadata.update(tie_metadata(ties, beside=metadata))
     return entries, metadata, left_out + tuple(ties)  # reported as convert reports them
 
 
