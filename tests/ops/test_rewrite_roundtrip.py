@@ -335,3 +335,22 @@ def test_a_state_dict_s_attributes_come_back_as_torch_load_gives_them(
         torch.save(sd, tmp_path / "in.pt")
     h.run_ckpt(name, tmp_path / "in.pt", tmp_path / "out.pt", *options)
     assert torch.load(tmp_path / "out.pt", weights_only=True).__dict__ == want
+
+
+@pytest.mark.parametrize("tag", ["npu:0", "privateuseone:0"])
+def test_retag_takes_a_backends_own_saved_tag(tmp_path, tag):
+    # A backend's tag (torch_npu's npu:0), which plain torch.load cannot restore here.
+    import torch.serialization as serialization
+
+    registry = serialization._package_registry[:]
+    serialization.register_package(
+        1, lambda obj: tag if getattr(obj, "device", None) is not None else None, lambda o, _: o
+    )
+    try:
+        torch.save({"w": torch.arange(3.0)}, tmp_path / "npu.pt")
+    finally:
+        serialization._package_registry[:] = registry
+    with pytest.raises(RuntimeError):
+        torch.load(tmp_path / "npu.pt", weights_only=True)
+    retag(tmp_path / "npu.pt", tmp_path / "cpu.pt", mapping={tag: "cpu"})
+    assert torch.equal(torch.load(tmp_path / "cpu.pt", weights_only=True)["w"], torch.arange(3.0))

@@ -168,7 +168,9 @@ def retag(
         {'cpu': 'cuda:1'}
     """
     mapping = str_mapping(mapping, "mapping", "a dict of saved tag -> new tag")
-    for tag in (*mapping.keys(), *mapping.values()):
+    # A saved tag may be any a file holds (a backend's own: npu:0, privateuseone:0), which
+    # the rewrite checks the input for; a new one must be a tag plain torch.load restores.
+    for tag in mapping.values():
         if not _DEVICE_TAG.fullmatch(tag):
             raise UsageError(
                 f"device tag {tag!r} is not one torch restores: cpu or meta (no index), or "
