@@ -25,6 +25,7 @@ from ckpt_tools.loading.results import LoadReport, ShapeMismatch
 from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state
 from ckpt_tools.structure.grouping import fold_keys
 from ckpt_tools.structure.keys import rename_keys
+from ckpt_tools.structure.paths import select_text
 from ckpt_tools.structure.selection import is_state_dict
 from ckpt_tools.structure.suggest import (
     KeyFix,
@@ -89,8 +90,14 @@ def _mismatch_message(
         lines.append(
             f"  {fix.describe()} resolves {fix.resolved} of {fix.unmatched} unexpected keys: {how}"
         )
-    source = report.source if report.source != "<state dict>" else "CKPT"
-    diff = f"`ckpt diff {shell_path(source)} --model MODULE:FACTORY` to see every difference."
+    if report.info is None:  # a state dict in memory: the call that compares it
+        diff = "`ckpt_tools.diff(state_dict, model)` to see every difference."
+    else:
+        chosen = "" if select is None else f" --select {shell_path(select_text(select))}"
+        diff = (
+            f"`ckpt diff {shell_path(report.source)}{chosen} --model MODULE:FACTORY` to see "
+            "every difference."
+        )
     if verdict.errors:  # strict=False skips keys and shapes; torch's other errors stand
         lines.append(f"Run {diff}")
     else:

@@ -35,6 +35,7 @@ __all__ = [
     "mapping_at",
     "parse_select",
     "resolve_path",
+    "select_text",
     "walk_path",
 ]
 
@@ -91,6 +92,16 @@ def parse_select(select: str | Sequence[str] | None) -> tuple[str, ...] | None:
             remedies=(Remedy("select", repr(fixed)),),
         )
     return tuple(select)
+
+
+def select_text(select: str | Sequence[str]) -> str:
+    """A selection as ``--select`` takes it: a dotted string as given, keys joined by dots.
+
+    Example:
+        >>> select_text(("model", "ema")), select_text("state_dict")
+        ('model.ema', 'state_dict')
+    """
+    return select if isinstance(select, str) else ".".join(map(str, select))
 
 
 class PathWalk(NamedTuple):

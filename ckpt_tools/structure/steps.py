@@ -26,6 +26,7 @@ from ckpt_tools.structure.keys import (
     strip_rule,
     sub_rule,
 )
+from ckpt_tools.structure.paths import select_text
 from ckpt_tools.structure.wrappers import detect_wrappers, strip_wrapper_rules
 
 __all__ = ["Step", "fix_command", "fix_python", "on_stored", "step_rules"]
@@ -253,7 +254,7 @@ def fix_command(
     first: list[str] = []
     if fmt == "dcp":  # rewrites read files: the folder is consolidated into one first
         first = ["ckpt", "consolidate", path, f"{path.rstrip('/')}.consolidated.pt"]
-        first += ["--select", _dotted(select)] if select is not None else []
+        first += ["--select", select_text(select)] if select is not None else []
         path, select = first[3], None
     args: list[str]
     if _strips_every_wrapper(steps, keys):
@@ -273,7 +274,7 @@ def fix_command(
     else:
         args = ["ckpt", "strip-module", path, out, "--prefix", old]
     if select is not None:
-        args += ["--select", _dotted(select)]
+        args += ["--select", select_text(select)]
     args += [a for g in allow_globals for a in ("--allow-global", g)]
     args += ["--drop-extras"] if recovered else []
     if first and args[1:2] == ["strip-module"] and len(args) == 4:
@@ -281,10 +282,6 @@ def fix_command(
     elif first:
         return f"{_quoted(first)} && {_quoted(args)}"
     return _quoted(args)
-
-
-def _dotted(select: str | Sequence[str]) -> str:
-    return select if isinstance(select, str) else ".".join(select)
 
 
 def _quoted(args: Sequence[str]) -> str:

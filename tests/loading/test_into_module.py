@@ -264,3 +264,17 @@ def test_names_from_the_checkpoint_reach_messages_escaped(tmp_path: Path) -> Non
     for message in (str(no_state_dict.value), str(mismatch.value)):
         assert "\x1b" not in message and "\nckpt: loaded" not in message
         assert r"x\nckpt: loaded OK \x1b[2J" in message
+
+
+def test_a_strict_refusal_names_the_diff_of_what_was_compared(tmp_path: Path) -> None:
+    full = nn.Linear(4, 2).state_dict()
+    torch.save({"model": full, "ema": {"weight": full["weight"]}}, tmp_path / "ck.pt")
+    with pytest.raises(StateDictMismatchError) as info:
+        load_into(nn.Linear(4, 2), tmp_path / "ck.pt", select="ema")
+    assert f"`ckpt diff {tmp_path / 'ck.pt'} --select ema --model MODULE:FACTORY`" in str(
+        info.value
+    )
+    with pytest.raises(StateDictMismatchError) as info:
+        load_into(nn.Linear(4, 2), {"weight": full["weight"]})
+    assert "`ckpt_tools.diff(state_dict, model)`" in str(info.value)
+    assert "CKPT" not in str(info.value)
