@@ -66,7 +66,7 @@ def test_verify_output_accepts_a_faithful_copy(saved):
     b = saved("b.pt", torch.load(a, weights_only=True))
     for level in ("sizes", "full"):
         assert verify_output(str(b), expected_from(a), level).startswith("verified: 6 tensors")
-    assert verify_output(str(b), expected_from(a), "none") == "not verified (--verify none)"
+    assert verify_output(str(b), expected_from(a), "none") == "not verified (verify none)"
 
 
 def test_verify_output_detects_different_keys(saved):
@@ -204,3 +204,19 @@ def test_a_root_that_is_no_mapping_is_verified_tensor_by_tensor(saved, tmp_path)
     result = ct.convert(bare, tmp_path / "out.pt", verify="full")
     assert result.verification == "verified: 1 tensors, keys, sizes and bytes"
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True), t)
+
+
+def test_every_writing_command_words_no_verification_alike(tmp_path: Path) -> None:
+    import ckpt_tools as ct
+    from ckpt_tools.io.verify.levels import NOT_VERIFIED
+
+    torch.save({"module.w": torch.ones(2), "module.b": torch.zeros(3)}, tmp_path / "in.pt")
+    src = tmp_path / "in.pt"
+    results = [
+        ct.strip_module(src, tmp_path / "a.pt", verify="none"),
+        ct.convert(src, f"{tmp_path}/hf/", verify="none"),
+        ct.sanitize(src, tmp_path / "s.pt", verify="none"),
+        ct.slim(src, tmp_path / "l.pt", dtype="bf16", verify="none"),
+    ]
+    assert {r.verification for r in results} == {NOT_VERIFIED}
+    assert "--" not in NOT_VERIFIED  # the library names no command-line flag

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 
 from ckpt_tools._types import one_of
 
-__all__ = ["VERIFY_LEVELS", "check_verify_level"]
+__all__ = ["NOT_VERIFIED", "VERIFY_LEVELS", "check_verify_level"]
 
 # sizes: keys, dtypes, shapes and sizes read back; full: every byte compared too; none.
 VERIFY_LEVELS = ("sizes", "full", "none")
+#: A result's ``verification`` where the caller chose none: one wording for every command.
+NOT_VERIFIED = "not verified (verify none)"
 
 
 def check_verify_level(verify: str, levels: Sequence[str] = VERIFY_LEVELS, why: str = "") -> None:

@@ -11,7 +11,7 @@ from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.ranges import SourceEndedError, fd_pread, pread_chunks
 from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
-from ckpt_tools.io.verify.levels import VERIFY_LEVELS
+from ckpt_tools.io.verify.levels import NOT_VERIFIED, VERIFY_LEVELS
 from ckpt_tools.structure.selection import select_state_dict
 from ckpt_tools.structure.tensor_walk import tensors_by_place
 
@@ -147,7 +147,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         OSError: reading tensor bytes failed (``full``).
     """
     if level == "none":
-        return "not verified (--verify none)"
+        return NOT_VERIFIED
     out, sd = _read_back(path, expected)
     kinds = (TensorRef, RebuiltTensor) if expected.rebuilt else TensorRef
     got = {k: v for k, v in sd.items() if isinstance(v, kinds)}

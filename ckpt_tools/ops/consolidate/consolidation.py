@@ -15,7 +15,7 @@ from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_pa
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import refuse_url
 from ckpt_tools.io.output_path import check_output_folder, check_output_path
-from ckpt_tools.io.verify.levels import VERIFY_LEVELS, check_verify_level
+from ckpt_tools.io.verify.levels import NOT_VERIFIED, VERIFY_LEVELS, check_verify_level
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.shard_plan import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -41,7 +41,7 @@ CONSOLIDATE_VERIFY_LEVELS = VERIFY_LEVELS
 _VERIFIED = {
     "sizes": "verified: keys and sizes",
     "full": "verified: keys, sizes and bytes",
-    "none": "not verified (verify='none')",
+    "none": NOT_VERIFIED,
 }
 
 

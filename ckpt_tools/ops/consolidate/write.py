@@ -24,6 +24,7 @@ from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.assemble import SpanPiece
 from ckpt_tools.io.atomic import AtomicFile
+from ckpt_tools.io.verify.levels import NOT_VERIFIED
 from ckpt_tools.io.verify.zipcheck import check_torch_zip
 from ckpt_tools.io.writers.hf_folder import write_hf_shards
 from ckpt_tools.io.writers.output import Check, write_file
@@ -132,7 +133,7 @@ def _check(
 
     def check(path: str) -> str:
         if verify == "none":
-            return "not verified (verify='none')"
+            return NOT_VERIFIED
         _verify(path, tensors, aliases, tree)
         if verify == "full":
             return check_records(path, written)

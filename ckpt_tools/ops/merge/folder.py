@@ -14,7 +14,7 @@ from typing import Any
 
 from ckpt_tools._types import Progress, VerifyLevel
 from ckpt_tools.formats import Checkpoint
-from ckpt_tools.io.verify.levels import check_verify_level
+from ckpt_tools.io.verify.levels import NOT_VERIFIED, check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.hf_folder import write_hf_shards
 from ckpt_tools.io.writers.output import Check
@@ -85,7 +85,7 @@ def write_merged_folder(
         dry_run=False,
         planned=(),
         written=tuple(os.path.join(plan.dst, name) for name in written),
-        verification=f"verified ({verify})" if verify != "none" else "not verified",
+        verification=f"verified ({verify})" if verify != "none" else NOT_VERIFIED,
         message=f"merge-lora: wrote {plan.dst} ({len(shards.files)} safetensors shard(s))",
         output_format="hf-sharded",
     )

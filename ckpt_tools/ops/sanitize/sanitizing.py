@@ -26,7 +26,7 @@ from ckpt_tools.formats.pickle.limits import check_written_depth
 from ckpt_tools.io.atomic import AtomicFile
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.verify.levels import check_verify_level
+from ckpt_tools.io.verify.levels import NOT_VERIFIED, check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, tensor_digest, verify_output
 from ckpt_tools.io.writers.output import write_file
 from ckpt_tools.io.writers.progress import ByteCounter
@@ -271,7 +271,7 @@ def _verify(
     instead.
     """
     if level == "none":
-        return "not verified (--verify none)"
+        return NOT_VERIFIED
     whole_tree = not path and not isinstance(done.root, Mapping)
     expected = tensors_by_place(done.root) if whole_tree else _selected_tensors(done.root, path)
     parts = [p for t in expected.values() for p in stored_views(t)]

@@ -35,7 +35,7 @@ from ckpt_tools.formats.detect import detect_format, is_index_name
 from ckpt_tools.formats.safetensors import TIES_KEY, tie_metadata
 from ckpt_tools.io.output_path import check_output_folder
 from ckpt_tools.io.space import check_output_size
-from ckpt_tools.io.verify.levels import check_verify_level
+from ckpt_tools.io.verify.levels import NOT_VERIFIED, check_verify_level
 from ckpt_tools.io.verify.outputs import Expected, verify_output
 from ckpt_tools.io.writers.hf_folder import write_hf_shards
 from ckpt_tools.io.writers.output import Check
@@ -176,7 +176,7 @@ def convert_to_folder(
     return RewriteResult(
         **shared,
         written=tuple(os.path.join(dst, name) for name in names),
-        verification=f"verified ({verify})" if verify != "none" else "not verified",
+        verification=f"verified ({verify})" if verify != "none" else NOT_VERIFIED,
         message=f"converted {ckpt.format} to {count} safetensors shard(s): wrote {dst}",
     )
 
