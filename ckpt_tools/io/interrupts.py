@@ -28,7 +28,8 @@ _HELD = (*_RAISED, signal.SIGINT)
 
 @contextlib.contextmanager
 def signals_raise() -> Iterator[Callable[[], None]]:
-    """Inside, SIGTERM and SIGHUP raise :class:`Interrupted`.
+    """Inside, SIGTERM and SIGHUP raise :class:`Interrupted` where they would end the
+    process (their default action); a handler the program installed stays in place.
 
     Until the yielded ``release`` is called, they and SIGINT are only noted, then raised
     again by ``release``: a temp file is created and its cleanup armed before any of them
@@ -56,8 +57,12 @@ def signals_raise() -> Iterator[Callable[[], None]]:
         released = True
         for signum in _HELD:
             old = previous[signum]
-            # An ignored signal stays ignored (`nohup ckpt ...` must survive its SIGHUP).
-            handler = interrupt if signum in _RAISED and old is not signal.SIG_IGN else old
+            # Only a signal that would kill the process becomes Interrupted: an ignored one
+            # stays ignored (`nohup ckpt ...` must survive its SIGHUP), and a handler of the
+            # program that calls us is its own (a preemption flag); the temp file is still
+            # removed if that handler raises.
+            ours = signum in _RAISED and old in (signal.SIG_DFL, None)
+            handler = interrupt if ours else old
             if handler is not None:
                 signal.signal(signum, handler)
         for signum in dict.fromkeys(pending):

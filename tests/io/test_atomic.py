@@ -123,6 +123,31 @@ def test_ignored_signals_stay_ignored(tmp_path):
     assert (tmp_path / "t.bin").read_bytes() == b"x"
 
 
+def test_a_handler_of_the_calling_program_stays_its_own(tmp_path):
+    # A training script's preemption flag: its handler runs, and the write goes on.
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        with atomic_output(tmp_path / "t.bin") as out:
+            out.file.write(b"x")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert calls == [signal.SIGTERM] and (tmp_path / "t.bin").read_bytes() == b"x"
+
+        def leave(signum, frame):
+            raise SystemExit(3)
+
+        signal.signal(signal.SIGTERM, leave)
+        with pytest.raises(SystemExit), atomic_output(tmp_path / "u.bin") as out:
+            out.file.write(b"y")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler raises before this ends
+        assert h.listing(tmp_path) == ["t.bin"]  # the temp file went with the exit
+        assert signal.getsignal(signal.SIGTERM) is leave
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.parametrize(
     ("signum", "error"), [(signal.SIGTERM, Interrupted), (signal.SIGINT, KeyboardInterrupt)]
 )
