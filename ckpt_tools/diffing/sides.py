@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
@@ -146,9 +146,11 @@ class Side:
         return "meta" if value.is_meta and layout == "strided" else layout
 
     def stride(self, name: str) -> tuple[int, ...]:
-        """A meta tensor's strides (its only content beside dtype and shape)."""
+        """A tensor's strides (a meta tensor's only content beside dtype and shape)."""
         value = self.entries[name]
-        return tuple(value.stride if isinstance(value, RebuiltTensor) else value.stride())
+        return tuple(
+            value.stride if isinstance(value, (RebuiltTensor, TensorRef)) else value.stride()
+        )
 
     def pieces(self, name: str) -> Pieces | None:
         """A sparse or nested tensor's index parts and values, read to compare them."""
@@ -160,9 +162,10 @@ class Side:
             return file_pieces(self.reader, value, f"{self.info.label}: entry {name!r}")
         return tensor_pieces(value)
 
-    def chunks(self, name: str, elements: int) -> Iterator[torch.Tensor]:
+    def chunks(self, name: str, elements: int, once: Sequence[int] = ()) -> Iterator[torch.Tensor]:
         """A strided, unquantized tensor's values, ``elements`` at a time, in row-major order:
-        as torch.load gives them (conjugate and negative bits applied)."""
+        as torch.load gives them (conjugate and negative bits applied); the dims ``once``
+        names (each repeating one value: stride 0) at their first index only."""
         from ckpt_tools.diffing.value_stats import with_view_bits
         from ckpt_tools.loading.tensor_io import flat_pieces
 
@@ -170,9 +173,13 @@ class Side:
         if isinstance(value, TensorRef):
             assert self.reader is not None
             bits = value.view_bits
-            for chunk in self.reader.chunks(value, elements * itemsize(value.dtype)):
+            shape = tuple(1 if d in once else n for d, n in enumerate(value.shape))
+            once_ref = replace(value, shape=shape)
+            for chunk in self.reader.chunks(once_ref, elements * itemsize(value.dtype)):
                 yield with_view_bits(chunk, bits)
             return
+        for d in once:
+            value = value.narrow(d, 0, 1)
         for piece in flat_pieces(value.detach(), elements):
             yield with_view_bits(piece.to("cpu")).contiguous()
 

@@ -111,6 +111,11 @@ class ValueStats:
         """Every element so far is within tolerance (``torch.isclose(equal_nan=True)``)."""
         return self.mismatched == 0
 
+    def repeat(self, times: int) -> None:
+        """Count every element compared so far ``times`` over (a dim repeated, compared once)."""
+        for name in ("mismatched", "nan_a", "nan_b", "inf_a", "inf_b", "numel"):
+            setattr(self, name, getattr(self, name) * times)
+
     def add(self, ca: torch.Tensor, cb: torch.Tensor) -> None:
         """Compare the next chunk of each side.
 

@@ -446,3 +446,39 @@ def test_a_suggested_rewrite_names_the_globals_it_must_carry(tmp_path: Path) -> 
     run_ckpt(*shlex.split(suggestion.command)[1:])
     out = torch.load(tmp_path / "a.renamed.ckpt", weights_only=False)["state_dict"]
     assert list(out) == list(plain)
+
+
+@pytest.mark.parametrize("in_memory", [False, True], ids=["files", "state-dicts"])
+def test_a_dim_both_sides_repeat_is_compared_once_and_counted_in_full(
+    tmp_path: Path, in_memory: bool
+) -> None:
+    # Expanded views (stride 0), one of them with a NaN, against a materialized copy.
+    row_a = torch.tensor([1.0, 2.0, float("nan"), 4.0])
+    row_b = torch.tensor([1.0, 2.5, float("nan"), 4.0])
+    a = {"w": row_a.expand(3000, 4), "m": row_a.expand(5, 4)}
+    b = {"w": row_b.expand(3000, 4), "m": row_b.expand(5, 4).clone()}
+    if not in_memory:
+        torch.save(a, tmp_path / "a.pt")
+        torch.save(b, tmp_path / "b.pt")
+        a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    report = diff(a, b)
+    for name, rows in (("w", 3000), ("m", 5)):
+        got = next(t for t in report.tensors if t.name == name)
+        assert got.numel == rows * 4 and got.mismatched == rows and got.nan_a == rows, name
+        assert got.max_abs == 0.5 and not got.bit_equal
+
+
+def test_an_expanded_view_of_2_to_the_62_elements_is_compared_not_walked(tmp_path: Path) -> None:
+    # torch saves the one stored element; walking every element would never end.
+    torch.save({"w": torch.zeros(1).expand(2**31, 2**31)}, tmp_path / "a.pt")
+    torch.save({"w": torch.ones(1).expand(2**31, 2**31)}, tmp_path / "b.pt")
+    res = run_ckpt(
+        "diff",
+        tmp_path / "a.pt",
+        tmp_path / "b.pt",
+        "--json",
+        how="module",
+        timeout=120,
+    )
+    (w,) = json.loads(res.stdout)["tensors"]
+    assert w["numel"] == w["mismatched"] == 2**62 and w["max_abs"] == 1.0
