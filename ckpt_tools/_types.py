@@ -38,6 +38,7 @@ __all__ = [
     "VerifyLevel",
     "checked_path",
     "checked_paths",
+    "count_of",
     "items_of",
     "one_of",
     "str_items",
@@ -186,6 +187,29 @@ def one_of(value: _T, choices: Sequence[_T], argument: str, *, flag: str | None 
         return value
     listed = ", ".join(map(str, choices)) + (f" ({why})" if why else "")
     raise UsageError(f"expected one of: {listed}", argument=argument, value=repr(value), flag=flag)
+
+
+def count_of(value: object, argument: str, *, flag: str | None = None) -> int:
+    """A count option (``jobs``, ``last``): an int of 1 or more; a bool, a float or a str is
+    refused as the caller's error, not met later as a ``TypeError``.
+
+    Example:
+        >>> count_of(2, "jobs")
+        2
+        >>> count_of("2", "jobs")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: jobs='2': expected a count of 1 or more (an int)
+    """
+    if type(value) is not int or value < 1:
+        from ckpt_tools.errors import UsageError
+
+        raise UsageError(
+            "expected a count of 1 or more (an int)",
+            argument=argument,
+            value=repr(value),
+            flag=flag,
+        )
+    return value
 
 
 def str_items(value: object, argument: str) -> tuple[str, ...]:

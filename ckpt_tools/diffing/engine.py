@@ -25,14 +25,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import replace
 
-from ckpt_tools._types import Select
+from ckpt_tools._types import Select, count_of
 from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff, is_file
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport
 from ckpt_tools.diffing.sides import DiffSide, Side, kind_pair, open_side
 from ckpt_tools.diffing.suggestions import apply_command, suggested_rewrites
 from ckpt_tools.diffing.tolerances import check_tolerances
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import UsageError
 from ckpt_tools.io.remote.urls import is_url
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.structure.keys import plan_renames
@@ -232,8 +231,7 @@ def diff(
     compare = compares_values(a, b, values)
     if compare or not (is_file(a) and is_file(b)):
         require_torch("diff")
-    if jobs < 1:
-        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs))
+    count_of(jobs, "jobs", flag="--jobs")
     with contextlib.ExitStack() as stack:
         session = None
         if is_url(a) or is_url(b):

@@ -65,7 +65,7 @@ def test_jobs_sets_torch_threads_while_comparing_and_restores_them() -> None:
 
     assert diff(Spy(sd), sd, jobs=2).identical
     assert seen and set(seen) == {2} and torch.get_num_threads() == before
-    with pytest.raises(UsageError, match=r"jobs=0: must be at least 1"):
+    with pytest.raises(UsageError, match=r"jobs=0: expected a count of 1 or more"):
         diff(sd, sd, jobs=0)
     assert torch.get_num_threads() == before
 

@@ -144,7 +144,9 @@ def test_a_plot_in_a_folder_nothing_can_be_written_to_is_refused_before_training
     args = ["harness", "parity", "--strategies", "single", "--steps", "1", "--device", "cpu"]
     assert main([*args, "--out", str(out), "--plot", plot]) == 6
     err = capsys.readouterr().err
-    assert err.startswith(f"ckpt: error: --plot {plot!r}: cannot create a temp file in '/proc/self'")
+    assert err.startswith(
+        f"ckpt: error: --plot {plot!r}: cannot create a temp file in '/proc/self'"
+    )
     assert err.count("\n") == 1
     assert not out.exists()
 

@@ -16,6 +16,7 @@ import torch
 
 import ckpt_tools as ct
 from ckpt_tools.errors import UsageError
+from ckpt_tools.ops.transform.average import pick_inputs
 
 
 @pytest.fixture
@@ -211,3 +212,18 @@ def test_reshard_of_a_missing_path_says_it_is_missing(tmp_path: Path) -> None:
 def test_a_tensor_asked_for_by_another_type_is_a_select_error(lightning: Path) -> None:
     with pytest.raises(ct.SelectError, match="no tensor 0 in"):
         ct.inspect(lightning).tensor(0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("jobs", ["2", 2.5, True, 0])
+def test_a_count_that_is_no_count_is_a_usage_error_naming_it(
+    jobs: object, lightning: Path, tmp_path: Path
+) -> None:
+    for call in (
+        lambda: ct.convert(lightning, tmp_path / "c.safetensors", jobs=jobs),
+        lambda: ct.convert(lightning, f"{tmp_path}/hf/", jobs=jobs),
+        lambda: ct.diff(lightning, lightning, jobs=jobs),
+        lambda: pick_inputs([str(lightning)], last=jobs),
+    ):
+        with pytest.raises(UsageError, match="expected a count of 1 or more"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]

@@ -288,7 +288,7 @@ def test_jobs_write_the_same_bytes_as_one_writer(tmp_path: Path) -> None:
     assert [Path(p).name for p in many.written] == names and len(names) > 3
     assert _digest(tmp_path / "many") == _digest(tmp_path / "one")
     _check_index(tmp_path / "many", 600)
-    with pytest.raises(UsageError, match="jobs=0: must be at least 1"):
+    with pytest.raises(UsageError, match="jobs=0: expected a count of 1 or more"):
         reshard(tmp_path / "hf", tmp_path / "none", max_shard_size=600, jobs=0)
     res = run_ckpt(
         "reshard", tmp_path / "hf", tmp_path / "cli", "--max-shard-size", "600", "--jobs", "3"

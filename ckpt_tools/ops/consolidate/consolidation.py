@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_path
+from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_path, count_of
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import refuse_url
 from ckpt_tools.io.output_path import check_output_folder, check_output_path
@@ -171,8 +171,7 @@ def consolidate(
     """
     src, dst = checked_path(src, "src"), checked_path(dst, "dst")
     refuse_url(src)  # before any message names it (a URL's credentials are never shown)
-    if jobs < 1:
-        raise UsageError("jobs must be at least 1", argument="jobs", value=jobs)
+    count_of(jobs, "jobs", flag="--jobs")
     check_verify_level(verify, CONSOLIDATE_VERIFY_LEVELS)
     ckpt = open_source(src, tag=tag, exclude_frozen=exclude_frozen)
     fmt = _output_format(dst, max_shard_size)

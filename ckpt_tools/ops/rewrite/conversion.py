@@ -14,6 +14,7 @@ from ckpt_tools._types import (
     StrPath,
     VerifyLevel,
     checked_path,
+    count_of,
     str_mapping,
 )
 from ckpt_tools.errors import UsageError
@@ -84,6 +85,7 @@ def convert(
     from ckpt_tools.io.output_path import wants_folder
 
     src, dst = checked_path(src, "src"), checked_path(dst, "dst")
+    count_of(jobs, "jobs", flag="--jobs")  # (a file output writes with one thread)
     if not wants_folder(dst, max_shard_size):
         return rewrite(
             src,

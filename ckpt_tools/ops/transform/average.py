@@ -38,6 +38,7 @@ from ckpt_tools._types import (
     VerifyLevel,
     checked_path,
     checked_paths,
+    count_of,
     str_items,
 )
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
@@ -73,10 +74,8 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
         >>> pick_inputs(["*.pt"])
         ['ddp.pt', 'deflated.pt', 'model.pt']
     """
-    if last is not None and last < 1:
-        raise UsageError(
-            "expected a count of 1 or more", argument="last", value=repr(last), flag="--last"
-        )
+    if last is not None:
+        count_of(last, "last", flag="--last")
     found: list[str] = []
     for pattern in patterns:
         refuse_url(pattern)  # (a URL's '?' would read as a glob, its absence as "no such file")

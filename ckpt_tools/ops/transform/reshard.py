@@ -26,6 +26,7 @@ from ckpt_tools._types import (
     StrPath,
     VerifyLevel,
     checked_path,
+    count_of,
     str_items,
 )
 from ckpt_tools.descriptors import TensorRef
@@ -184,8 +185,7 @@ def convert_to_folder(
 def _check_options(dst: StrPath, verify: str, jobs: int, output_format: str | None) -> None:
     """``convert_to_folder``'s arguments checked, before anything is read."""
     check_verify_level(verify)
-    if jobs < 1:
-        raise UsageError("must be at least 1", argument="jobs", value=repr(jobs), flag="--jobs")
+    count_of(jobs, "jobs", flag="--jobs")
     if output_format not in (None, "safetensors"):
         raise UsageError(
             f"{os.fspath(dst)!r} is a folder output, which holds safetensors shards",
