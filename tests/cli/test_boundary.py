@@ -221,20 +221,25 @@ def test_another_error_of_the_system_is_one_line_too(
     assert capsys.readouterr().err == line
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("args", [["--version"], ["inspect", _DP]])
-def test_stdout_on_a_full_disk_is_one_line_and_exit_6(args: list[str], tmp_path: Path) -> None:
+def _to_a_full_disk(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``ckpt ARGS`` with stdout on /dev/full (every write: ENOSPC)."""
     with open("/dev/full", "w") as full:
-        run = subprocess.run(
+        return subprocess.run(
             [console_script(), *args],
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,
             env=ckpt_env(),
-            cwd=tmp_path,
+            cwd=cwd,
             timeout=120,
             check=False,
         )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--version"], ["inspect", _DP]])
+def test_stdout_on_a_full_disk_is_one_line_and_exit_6(args: list[str], tmp_path: Path) -> None:
+    run = _to_a_full_disk(args, tmp_path)
     assert run.returncode == 6
     assert run.stderr == "ckpt: error: writing failed (No space left on device)\n"
 
@@ -244,17 +249,7 @@ def test_stdout_on_a_full_disk_is_one_line_and_exit_6(args: list[str], tmp_path:
 def test_a_summary_stdout_refuses_names_the_output_that_was_written(
     json: list[str], tmp_path: Path
 ) -> None:
-    with open("/dev/full", "w") as full:
-        run = subprocess.run(
-            [console_script(), "strip-module", _DP, "out.pt", *json],
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=ckpt_env(),
-            cwd=tmp_path,
-            timeout=120,
-            check=False,
-        )
+    run = _to_a_full_disk(["strip-module", _DP, "out.pt", *json], tmp_path)
     assert run.returncode == 6
     assert run.stderr == (
         "ckpt: error: printing the summary to stdout failed (No space left on device); "
