@@ -194,7 +194,8 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
     if ckpt.format == "torchscript":
         raise ConversionError(
             f"{ckpt.path!r} is a TorchScript archive: its code refers to the attribute names, so "
-            "renaming them would break it; load it with torch.jit.load and save the state_dict()"
+            "rewriting the file would break it; load it with torch.jit.load and save the "
+            "state_dict()"
         )
     if ckpt.format == "dcp":
         from ckpt_tools.formats.dcp.reader import needs_consolidating

@@ -99,8 +99,9 @@ def sanitize(
         SelectError: ``select`` names an entry the input lacks, one that is no mapping, or
             one the output does not hold as the input does (dropped, or converted into
             something else): exit 2, nothing written.
-        UsageError: a bad ``verify``, a ``.safetensors`` output name, or a sharded folder or
-            TorchScript archive (exit 2 / 7).
+        UsageError: a bad ``verify``, a ``.safetensors`` output name, or a DCP folder
+            (consolidate it first; a Hugging Face folder is read as one checkpoint).
+        ConversionError: a TorchScript archive (exit 7).
         SameFileError / OutputExistsError / OutputError: the output is refused or fails (exit 6).
 
     Example:
