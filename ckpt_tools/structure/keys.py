@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ __all__ = [
     "check_replacement",
     "check_wrapper_prefix",
     "compile_pattern",
+    "key_heads",
     "literal_replacement",
     "plan_renames",
     "regex_rule",
@@ -355,3 +356,14 @@ def add_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
         {'module.fc.weight': 0}
     """
     return rename_keys(sd, [add_rule(check_wrapper_prefix(prefix))])
+
+
+def key_heads(keys: Iterable[Any]) -> list[str]:
+    """How the keys start, to say so where a prefix matches none: each key's first part
+    with its dot, a key without a dot whole (``fc``: ``fc.`` would claim a prefix), sorted.
+
+    Example:
+        >>> key_heads(["conv1.weight", "conv1.bias", "fc"])
+        ['conv1.', 'fc']
+    """
+    return sorted({str(k).partition(".")[0] + ("." if "." in str(k) else "") for k in keys})

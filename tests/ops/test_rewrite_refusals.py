@@ -570,3 +570,11 @@ def test_a_wrapper_prefix_without_its_dot_is_refused(tmp_path, command, prefix):
     key = next(iter(sd))
     h.run_ckpt("rename", src, tmp_path / "sub.pt", "--sub", f"{key[:3]}=x")
     assert list(torch.load(tmp_path / "sub.pt", weights_only=True)) == ["x" + key[3:]]
+
+
+def test_rules_matching_no_key_name_dotless_keys_whole(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(1), "enc.b": torch.ones(1)}, tmp_path / "in.pt")
+    _, _, err = h.run_ckpt(
+        "rename", tmp_path / "in.pt", tmp_path / "out.pt", "--regex", "zzz=y", code=2
+    )
+    assert "(the keys start with enc., w)" in err

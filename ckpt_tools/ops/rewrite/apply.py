@@ -33,7 +33,7 @@ from ckpt_tools.ops.rewrite.plan import (
     torch_instead,
 )
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.structure.keys import KeyRule, apply_plan, plan_renames
+from ckpt_tools.structure.keys import KeyRule, apply_plan, key_heads, plan_renames
 from ckpt_tools.structure.selection import (
     Selection,
     holds_no_state_dict,
@@ -138,7 +138,7 @@ def _refuse_unmatched(src: str, selection: Selection, rules: Sequence[KeyRule]) 
             argument="rules",
         )
     # Keys from the file, shown escaped: a line break in one cannot start a line of its own.
-    heads = sorted({shown(str(k).split(".")[0] + ".") for k in selection.state_dict})
+    heads = [shown(head) for head in key_heads(selection.state_dict)]
     raise UsageError(
         f"no key of {src} matches {described}; "
         f"nothing would be renamed (the keys start with {', '.join(heads[:10])})",

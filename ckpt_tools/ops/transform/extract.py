@@ -21,7 +21,7 @@ from ckpt_tools.ops.transform.plan import DROPPED
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.slim import select_weights
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
-from ckpt_tools.structure.keys import strip_rule
+from ckpt_tools.structure.keys import key_heads, strip_rule
 from ckpt_tools.structure.paths import key_text
 
 __all__ = ["extract"]
@@ -143,8 +143,7 @@ def _check_prefix(prefix: str, keys: Sequence[str], strip: bool, others: int = 0
             ),
         )
     if not any(_under(k, prefix) for k in keys):
-        # A bare key (fc) is named as it is: "fc." would keep nothing either.
-        heads = sorted({k.split(".")[0] + ("." if "." in k else "") for k in keys})
+        heads = key_heads(keys)
         found = (
             f"the keys start with {', '.join(heads[:10])}"
             if heads
