@@ -354,3 +354,11 @@ def test_retag_takes_a_backends_own_saved_tag(tmp_path, tag):
         torch.load(tmp_path / "npu.pt", weights_only=True)
     retag(tmp_path / "npu.pt", tmp_path / "cpu.pt", mapping={tag: "cpu"})
     assert torch.equal(torch.load(tmp_path / "cpu.pt", weights_only=True)["w"], torch.arange(3.0))
+
+
+def test_a_retag_dry_run_says_what_it_retags_not_keys_renamed(tmp_path):
+    src = h.save({"w": torch.ones(2)}, tmp_path / "cpu.pt")
+    result = retag(src, tmp_path / "gpu.pt", mapping={"cpu": "cuda:0"}, dry_run=True)
+    assert result.message == "dry run: would write " + str(tmp_path / "gpu.pt") + (
+        " (8 tensor bytes; saved devices cpu -> cuda:0)"
+    )

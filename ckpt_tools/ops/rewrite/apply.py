@@ -102,7 +102,7 @@ def apply_rewrite(
             bytes_written=plan.total,
             bytes_copied=plan.copied,
             device_map=dict(device_map or {}),
-            message=f"dry run: would write {dst} ({renamed} of {n_keys} keys renamed, "
+            message=f"dry run: would write {dst} ({_renamed(rules, renamed, n_keys)}"
             f"{plan.total} tensor bytes{_retagged(device_map)})",
         )
     counter = ByteCounter(progress, plan.total)
@@ -120,6 +120,11 @@ def apply_rewrite(
         device_map=dict(device_map or {}),
         message=summary(dst, ckpt.format, fmt, renamed, n_keys, rules, device_map),
     )
+
+
+def _renamed(rules: Sequence[KeyRule], renamed: int, n_keys: int) -> str:
+    """What a dry run says of the keys: nothing where no rule renames any (a retag)."""
+    return f"{renamed} of {n_keys} keys renamed, " if rules else ""
 
 
 def _retagged(device_map: Mapping[str, str] | None) -> str:
