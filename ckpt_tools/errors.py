@@ -231,9 +231,18 @@ class ResourceLimitError(CheckpointError, ValueError):
 
 
 class OutputError(CheckpointError, OSError):
-    """Writing the output was refused or failed; the input is untouched."""
+    """Writing the output was refused or failed; the input is untouched.
+
+    ``errno`` is the system error's that made the write fail (``errno.ENOSPC``: a full disk),
+    where one did (the error it was raised from); None for a refusal.
+    """
 
     exit_code = EXIT_OUTPUT
+
+    @property  # type: ignore[override]
+    def errno(self) -> int | None:
+        cause = self.__cause__
+        return cause.errno if isinstance(cause, OSError) else None
 
 
 _OTHER_OUTPUT = Remedy(text="choose another output path")

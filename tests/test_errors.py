@@ -346,3 +346,26 @@ def test_no_library_message_names_a_flag() -> None:
                     if _FLAG.search(outside_commands):
                         offenders.append(f"{relative}:{node.lineno}: {text!r}")
     assert offenders == [], "pass the flag as Remedy(flag=...) instead:\n" + "\n".join(offenders)
+
+
+def test_an_output_error_from_a_failed_write_carries_its_errno(tmp_path: Path) -> None:
+    # A file size limit makes the write fail with EFBIG, as a full disk does with ENOSPC.
+    import subprocess
+    import sys
+
+    torch.save({"w": torch.zeros(100_000)}, tmp_path / "in.pt")
+    code = (
+        "import errno, resource, signal, sys\n"
+        "import ckpt_tools as ct\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        f"    ct.convert({str(tmp_path / 'in.pt')!r}, {str(tmp_path / 'o.pt')!r})\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__, e.errno == errno.EFBIG)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["OutputError", "True"], done.stderr
+    assert OutputExistsError("x").errno is None  # a refusal has none
