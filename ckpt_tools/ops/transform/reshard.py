@@ -293,9 +293,9 @@ def reshard(
         dst: the output folder (not ``src``, which is never touched).
         max_shard_size: the new limit (``"5GB"`` = 5*10**9, ``"2GiB"``, or bytes); None:
             ``"5GB"``.
-        drop_extras, allow_globals: as for :func:`convert_to_folder`; a folder of
-            ``pytorch_model*.bin`` shards may hold non-tensor entries and other globals.
-        force, verify, durable, dry_run, progress, jobs: as for :func:`convert_to_folder`.
+        drop_extras, allow_globals: as for :func:`~ckpt_tools.convert` to a folder; a folder
+            of ``pytorch_model*.bin`` shards may hold non-tensor entries and other globals.
+        force, verify, durable, dry_run, progress, jobs: as for :func:`~ckpt_tools.convert`.
 
     Returns:
         A :class:`~ckpt_tools.ops.rewrite.result.RewriteResult`.
