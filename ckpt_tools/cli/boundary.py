@@ -129,6 +129,8 @@ def _run(call: Callable[[], object], prog_name: str) -> int:
             # The traceback first, then the line and the exit code a script relies on.
             traceback.print_exception(e, file=sys.stderr)
         if isinstance(e, CheckpointError):
+            # What stdout refused (a full disk under the summary) is not offered again at exit.
+            _silence(sys.stdout, always=False)
             # A message may quote a key from the file: one line, whatever the key holds.
             _say(f"{prog_name}: error: {e.render(for_cli=True)}")
             return e.exit_code
