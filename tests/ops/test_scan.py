@@ -281,6 +281,22 @@ def test_a_sarif_uri_is_the_path_percent_encoded(tmp_path: Path) -> None:
     assert unquote(parts.path) == src.as_posix()
 
 
+def test_a_sarif_uri_of_a_name_that_is_no_utf8_is_its_bytes_percent_encoded(
+    tmp_path: Path,
+) -> None:
+    import os
+    import shutil
+    from urllib.parse import unquote_to_bytes
+
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    src = os.path.join(os.fsencode(folder), b"w\xff.pt")
+    shutil.copy(fixture_path("evil.pt"), src)
+    sarif = json.loads(run_ckpt("scan", "--format", "sarif", folder, code=1).stdout)
+    uri = sarif["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["artifactLocation"]
+    assert uri["uri"].endswith("/w%FF.pt") and unquote_to_bytes(uri["uri"]) == src
+
+
 def test_json_and_sarif_name_each_finding(tmp_path: Path) -> None:
     res = run_ckpt("scan", "--format", "sarif", fixture_path("evil.pt"), code=1)
     sarif = json.loads(res.stdout)

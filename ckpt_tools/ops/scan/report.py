@@ -9,6 +9,7 @@ dangerous is dangerous.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -233,5 +234,6 @@ def _uri(path: str) -> str:
 
     if is_url(path):  # a URI already (PurePath would fold its '//'), shown without credentials
         return shown_url(path)
-    # A URI reference: '#', '?', '%', spaces and a ':' that would read as a scheme escaped.
-    return quote(PurePath(path).as_posix(), safe="/")
+    # A URI reference: '#', '?', '%', spaces and a ':' that would read as a scheme escaped;
+    # a name's bytes as the file system holds them (one that is no UTF-8: %FF).
+    return quote(os.fsencode(PurePath(path).as_posix()), safe="/")
