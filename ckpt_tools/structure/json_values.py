@@ -26,10 +26,19 @@ def json_ready(value: Any) -> Any:
         >>> json_ready({"alpha": float("inf"), "losses": (0.5, float("nan"))})
         {'alpha': 'inf', 'losses': [0.5, 'nan']}
     """
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, Mapping):
-        return {k: json_ready(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_ready(v) for v in value]
-    return value
+    # A stack, not recursion: an index's metadata may nest as deep as its reader takes.
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(value, root, 0)]  # (value, its new parent, key)
+    while stack:
+        node, parent, key = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            parent[key] = str(node)
+        elif isinstance(node, Mapping):
+            parent[key] = made = dict.fromkeys(node)
+            stack.extend((v, made, k) for k, v in node.items())
+        elif isinstance(node, list | tuple):
+            parent[key] = made = [None] * len(node)
+            stack.extend((v, made, i) for i, v in enumerate(node))
+        else:
+            parent[key] = node
+    return root[0]

@@ -125,3 +125,16 @@ def test_an_index_mixing_safetensors_and_torch_shards_copies_each_tensors_own_by
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert torch.equal(out["0"], torch.full((4,), 1.0))
     assert torch.equal(out["x"], torch.full((4,), 7.0))
+
+
+def test_an_index_whose_metadata_nests_deep_is_inspected_as_json_too(tmp_path: Path) -> None:
+    folder = tmp_path / "deep"
+    ckpt_tools.convert(
+        Path(__file__).parents[2] / "fixtures" / "plain.pt", f"{folder}/", max_shard_size="1KB"
+    )
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"]["deep"] = json.loads("[" * 700 + "]" * 700)  # json.load reads it
+    index_path.write_text(json.dumps(index))
+    assert main(["inspect", str(folder)]) == 0
+    assert main(["inspect", str(folder), "--json"]) == 0
