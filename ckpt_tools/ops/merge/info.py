@@ -15,6 +15,7 @@ from ckpt_tools.ops.inspect.info import CheckpointInfo
 from ckpt_tools.ops.merge.adapter import WEIGHT_NAMES, read_config, target_modules
 from ckpt_tools.ops.merge.config_checks import check_config_values
 from ckpt_tools.ops.merge.saved import saved_module_names
+from ckpt_tools.structure.json_values import json_ready
 
 __all__ = ["AdapterInfo", "inspect_adapter"]
 
@@ -73,21 +74,24 @@ class AdapterInfo:
         return [escaped(line) for line in lines]  # names from the adapter's config
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "peft_type": self.peft_type,
-            "base_model": self.base_model,
-            "r": self.r,
-            "alpha": self.alpha,
-            "rslora": self.rslora,
-            "dora": self.dora,
-            "bias": self.bias,
-            "lora_bias": self.lora_bias,
-            "target_modules": self.target_modules,
-            "modules": list(self.modules),
-            "modules_to_save": list(self.modules_to_save),
-            "patterns": {k: dict(v) for k, v in self.patterns.items()},
-            "parameters": self.parameters,
-        }
+        # A config's alpha may be infinite: strict JSON names it ("inf"), as --json prints.
+        return json_ready(
+            {
+                "peft_type": self.peft_type,
+                "base_model": self.base_model,
+                "r": self.r,
+                "alpha": self.alpha,
+                "rslora": self.rslora,
+                "dora": self.dora,
+                "bias": self.bias,
+                "lora_bias": self.lora_bias,
+                "target_modules": self.target_modules,
+                "modules": list(self.modules),
+                "modules_to_save": list(self.modules_to_save),
+                "patterns": {k: dict(v) for k, v in self.patterns.items()},
+                "parameters": self.parameters,
+            }
+        )
 
 
 def inspect_adapter(path: str, select: Select = None) -> CheckpointInfo:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.ops.transform.result import TransformResult
+from ckpt_tools.structure.json_values import json_ready
 
 __all__ = ["MergeResult", "MergedModule"]
 
@@ -30,14 +31,17 @@ class MergedModule:
     scaling: float
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "module": self.module,
-            "key": self.key,
-            "kind": self.kind,
-            "r": self.r,
-            "alpha": self.alpha,
-            "scaling": self.scaling,
-        }
+        # A config's alpha may be infinite: strict JSON names it ("inf"), as --json prints.
+        return json_ready(
+            {
+                "module": self.module,
+                "key": self.key,
+                "kind": self.kind,
+                "r": self.r,
+                "alpha": self.alpha,
+                "scaling": self.scaling,
+            }
+        )
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)

@@ -309,3 +309,12 @@ def test_a_dry_run_into_a_folder_plans_what_the_real_run_writes(mlp: Any, tmp_pa
     assert [f.name for f in dry.planned] == list(real.written)
     assert any(name.endswith("model.safetensors.index.json") for name in real.written)
     assert dry.output_format == real.output_format == "hf-sharded"
+
+
+def test_an_infinite_alpha_is_strict_json_from_the_library_too(mlp: Any, tmp_path: Path) -> None:
+    adapter = _copy(mlp, tmp_path)
+    _edit(adapter, lora_alpha=float("inf"))  # json.dumps writes Infinity, which PEFT reads
+    info = ct.inspect(adapter).to_json()
+    assert info["format_info"]["alpha"] == "inf"
+    plan = ct.merge_lora(mlp.base, adapter, tmp_path / "m.safetensors", dry_run=True).to_json()
+    json.dumps([info, plan], allow_nan=False)  # what --json prints, no Infinity literal
