@@ -97,9 +97,10 @@ class PlannedFile:
         return cls(name, listed, sum(t.nbytes for t in listed))
 
     @classmethod
-    def of_tree(cls, name: str, tree: Any) -> PlannedFile:
+    def of_tree(cls, name: str, tree: Any, *, attributes: bool = False) -> PlannedFile:
         """A torch file holding ``tree``: every tensor listed (sparse, meta and nested ones
-        too), each storage's bytes once.
+        too), each storage's bytes once (with ``attributes``, those of the tensors a tensor's
+        attributes hold too).
 
         Example:
             >>> from ckpt_tools.descriptors import StorageRef
@@ -109,7 +110,8 @@ class PlannedFile:
             >>> len(tied.tensors), tied.nbytes
             (2, 16)
         """
-        storages = {id(t.storage): t.storage.nbytes for _, t in iter_stored_tensors(tree)}
+        stored = iter_stored_tensors(tree, attributes=attributes)
+        storages = {id(t.storage): t.storage.nbytes for _, t in stored}
         listed = tuple(PlannedTensor.of(k, t) for k, t in iter_listed_tensors(tree))
         return cls(name, listed, sum(storages.values()))
 

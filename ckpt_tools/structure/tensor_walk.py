@@ -151,7 +151,9 @@ def quantizer_tensors(t: TensorRef) -> tuple[TensorRef, ...]:
     return tuple(v for v in params if isinstance(v, TensorRef)) if isinstance(params, tuple) else ()
 
 
-def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef]]:
+def iter_stored_tensors(
+    obj: Any, prefix: str = "", *, attributes: bool = False
+) -> list[tuple[str, TensorRef]]:
     """Every tensor whose storage a torch file holds for ``obj``: as
     :func:`iter_tensors`, with each sparse or nested tensor's parts
     (``coo.0``, ``coo.1``) and each per-channel quantized tensor's scales and zero points
@@ -164,7 +166,8 @@ def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef
         ['w']
     """
     found: list[tuple[str, TensorRef]] = []
-    # A tensor's Python attributes (``t.mask = tensor``) are pickled with it, storages too.
+    # With ``attributes``, a tensor's Python attributes (``t.mask = tensor``) too, which a
+    # tree written as it is pickles with it (sanitize's); a cast drops them, as .half() does.
     seen: set[int] = set()
     trees: list[tuple[Any, str]] = [(obj, prefix)]
     while trees:
@@ -176,7 +179,7 @@ def iter_stored_tensors(obj: Any, prefix: str = "") -> list[tuple[str, TensorRef
             found.append((path, t))
             quantizer = zip(("scales", "zero_points"), quantizer_tensors(t))
             found.extend((f"{path}.{name}", q) for name, q in quantizer)
-            if t.attributes and id(t) not in seen:
+            if attributes and t.attributes and id(t) not in seen:
                 seen.add(id(t))
                 trees.append((t.attributes, path))
     return found

@@ -175,3 +175,15 @@ def test_slim_drop_names_a_top_level_key_that_is_not_a_str_by_its_text(tmp_path:
     assert list(torch.load(tmp_path / "out.pt", weights_only=True)) == ["state_dict"]
     res = run_ckpt("slim", tmp_path / "in.pt", tmp_path / "x.pt", "--drop", "8", code=2)
     assert "cannot drop 8: the checkpoint's top-level entries are 'state_dict', 7" in res.stderr
+
+
+def test_slim_casts_a_storage_a_dropped_attribute_also_views(tmp_path: Path) -> None:
+    # The cast tensor loses its attributes, as .half() does: they hold nothing back.
+    base = torch.arange(8.0)
+    w = torch.ones(2, 3)
+    w.alias = base[2:5]
+    torch.save({"w": w, "base": base}, tmp_path / "in.pt")
+    result = ct.slim(tmp_path / "in.pt", tmp_path / "out.pt", dtype="float16")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {k: v.dtype for k, v in out.items()} == {"w": torch.float16, "base": torch.float16}
+    assert torch.equal(out["base"], base.half()) and result.bytes_written == 12 + 16

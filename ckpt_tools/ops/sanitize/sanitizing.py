@@ -132,7 +132,7 @@ def sanitize(
         _check_selection(select, done)
     # Chosen in the output: a state dict in a dict subclass is found once it is a dict.
     selection = select_state_dict(done.root, select=select)
-    planned = PlannedFile.of_tree(dst, done.root)
+    planned = PlannedFile.of_tree(dst, done.root, attributes=True)
     check_output_size([], planned.nbytes, target)
     added = sum(len(b) for b in done.added.values())
     shared: dict[str, Any] = {
@@ -333,7 +333,10 @@ def _sharing(found: Sequence[tuple[str, TensorRef]]) -> list[list[str]]:
 def _check_added(out: Checkpoint, done: SanitizedTree) -> None:
     """The new records' bytes (numpy arrays'), found through the tensors that view them: a
     source that is not a zip has its records numbered anew on the way out."""
-    pairs = zip(iter_stored_tensors(out.root), iter_stored_tensors(done.root))
+    pairs = zip(
+        iter_stored_tensors(out.root, attributes=True),
+        iter_stored_tensors(done.root, attributes=True),
+    )
     written = {w.storage.key: h.storage for (_, h), (_, w) in pairs if w.storage.key in done.added}
     for key, data in done.added.items():
         storage = written.get(key)
