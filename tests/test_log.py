@@ -50,3 +50,23 @@ def test_the_command_prints_the_warning_on_stderr(tmp_path: Path) -> None:
         timeout=120,
     )
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
+
+
+def test_the_command_leaves_a_warning_to_logging_a_module_configured(tmp_path: Path) -> None:
+    # A --model module that calls basicConfig, as training scripts do: printed once, by it.
+    folder = _two_weight_files(tmp_path / "two")
+    module = tmp_path / "mm.py"
+    module.write_text(
+        "import logging, torch\n"
+        "logging.basicConfig(format='LOGGED %(name)s: %(message)s')\n"
+        "def make():\n"
+        "    return torch.nn.Linear(1, 1)\n"
+    )
+    done = subprocess.run(
+        [CKPT, "diff", str(folder), "--model", f"{module}:make"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in done.stderr.splitlines() if "not read: pytorch_model.bin" in line]
+    assert len(lines) == 1 and lines[0].startswith("LOGGED ckpt_tools: "), done.stderr

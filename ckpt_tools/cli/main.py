@@ -182,6 +182,11 @@ def _warnings_to_stderr() -> None:
         # The stderr of when a record is written (a test, or a caller, may have swapped it).
         stream = property(lambda self: sys.stderr, lambda self, value: None)  # type: ignore[assignment]
 
+        def emit(self, record: logging.LogRecord) -> None:
+            # Logging configured (a --model module's basicConfig) prints it: once, as before.
+            if not logging.getLogger().handlers:
+                super().emit(record)
+
     if not any(type(h).__name__ == "Stderr" for h in logger.handlers):
         handler = Stderr()
         handler.setLevel(logging.WARNING)
