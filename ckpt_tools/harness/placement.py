@@ -67,7 +67,11 @@ def parse_gpus(gpus: GpuSpec, world_size: int | None = None) -> list[int]:
             rest = spec[len("auto") :]
             if rest == "":
                 return _pick(world_size if world_size is not None else count)
-            if not rest.startswith(":") or not rest[1:].isdigit() or int(rest[1:]) < 1:
+            if (
+                not rest.startswith(":")
+                or not (rest[1:].isascii() and rest[1:].isdigit())
+                or int(rest[1:]) < 1
+            ):
                 raise UsageError(
                     "expected 'auto', 'auto:N' or '0,3'",
                     argument="gpus",

@@ -40,8 +40,15 @@ def _module_on_path(root: Any, path: Sequence[str]) -> Opaque | None:
         if part is not None:
             holder = node.state if isinstance(node, Opaque) else node
             if isinstance(holder, Mapping):
-                node = holder.get(part, holder.get(int(part)) if part.isdigit() else None)
-            elif isinstance(holder, (list, tuple)) and part.isdigit() and int(part) < len(holder):
+                node = holder.get(
+                    part, holder.get(int(part)) if part.isascii() and part.isdigit() else None
+                )
+            elif (
+                isinstance(holder, (list, tuple))
+                and part.isascii()
+                and part.isdigit()
+                and int(part) < len(holder)
+            ):
                 node = holder[int(part)]
             else:
                 return None

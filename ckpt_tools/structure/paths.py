@@ -158,19 +158,25 @@ def mapping_at(node: Any) -> Mapping[Any, Any] | None:
     return node if isinstance(node, Mapping) else attributes_of(node)
 
 
+def _index(key: str) -> bool:
+    """Whether a key's text spells an index or an int key: ASCII digits only (``"²"`` is
+    a digit to ``str.isdigit`` and no number to ``int``)."""
+    return key.isascii() and key.isdigit()
+
+
 def key_in(node: Mapping[Any, Any], key: str) -> Any:
     """The key of ``node`` that the text ``key`` names: itself, or the int it spells (an
     unpickled mapping may use ints: ``{0: sd}``); a private sentinel where there is none."""
     if key in node:
         return key
-    if key.isdigit() and int(key) in node:
+    if _index(key) and int(key) in node:
         return int(key)
     return _MISSING
 
 
 def _child(node: Any, key: str) -> Any:
     if isinstance(node, (list, tuple)):
-        return node[int(key)] if key.isdigit() and int(key) < len(node) else _MISSING
+        return node[int(key)] if _index(key) and int(key) < len(node) else _MISSING
     mapping = mapping_at(node)
     if mapping is None:
         return _MISSING

@@ -241,3 +241,11 @@ def test_a_dotted_path_deeper_than_the_interpreters_stack_resolves() -> None:
     assert resolve_path(nested, ".".join(["0"] * (depth + 1))).node == {"w": 2}
     with pytest.raises(SelectError, match="no entry 'b' under"):
         resolve_path(tree, dotted + ".b")
+
+
+@pytest.mark.parametrize("select", ["²", "٣", "w.²"])
+def test_a_select_part_of_other_digits_names_no_index(select: str) -> None:
+    # "²" is a digit to str.isdigit and no number to int; "٣" is no ASCII index either.
+    tree = {"w": [1, 2, 3, 4], 3: "int key"}
+    with pytest.raises(SelectError, match="no entry"):
+        resolve_path(tree, select)

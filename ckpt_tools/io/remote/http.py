@@ -386,4 +386,4 @@ class HttpTransport:
 
 def _content_length(response: httpx.Response) -> int | None:
     text = response.headers.get("content-length", "")
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isascii() and text.isdigit() else None

@@ -281,7 +281,7 @@ class S3Transport:
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code == "InvalidRange" or status == 416:
             size = str(details.get("ActualObjectSize", ""))
-            if size.isdigit():
+            if size.isascii() and size.isdigit():
                 return b"", int(size)
             if start == 0:  # an empty object has no byte 0
                 return b"", 0

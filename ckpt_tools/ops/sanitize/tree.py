@@ -137,7 +137,8 @@ class _Sanitizer:
         # while it is being walked, the caller's stack holds it.
         self._walked: dict[int, tuple[Any, str, tuple[int, int], tuple[int, int]]] = {}
         self._taken = taken_keys
-        self._next_key = 1 + max((int(k) for k in taken_keys if k.isdigit()), default=-1)
+        numbered = (int(k) for k in taken_keys if k.isascii() and k.isdigit())
+        self._next_key = 1 + max(numbered, default=-1)
 
     def value(self, node: Any, path: str) -> Any:
         if isinstance(node, (*_PLAIN, ConstantRef, TorchSize, DimRange)):
@@ -330,10 +331,9 @@ class _Sanitizer:
         """A dict subclass (an EasyDict, a user's OrderedDict) -> a dict of its items."""
         made = self._as_dict(node, node.dictitems, path)
         lost, other = unmirrored_state(node)
-        for attr in lost:
-            self.dropped.append(Change(_at(path, attr), f"attribute of a {name}", "dropped"))
-        if other:
-            self.dropped.append(Change(path, f"state of a {name}", "dropped"))
+        lost_at = [_at(path, attr) for attr in lost] + ([path] if other else [])
+        kinds = [f"attribute of a {name}"] * len(lost) + [f"state of a {name}"] * other
+        self.dropped.extend(Change(at, was, "dropped") for at, was in zip(lost_at, kinds))
         return self._converted(path, name, "dict", made)
 
     def _as_dict(self, node: Opaque, items: Iterable[tuple[Any, Any]], path: str) -> dict[Any, Any]:
