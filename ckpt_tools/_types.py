@@ -200,7 +200,13 @@ def count_of(value: object, argument: str, *, flag: str | None = None) -> int:
         Traceback (most recent call last):
         ckpt_tools.errors.UsageError: jobs='2': expected a count of 1 or more (an int)
     """
-    if type(value) is not int or value < 1:
+    import operator  # (an int, or numpy's: what operator.index takes)
+
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = None
+    if count is None or count < 1:
         from ckpt_tools.errors import UsageError
 
         raise UsageError(
@@ -209,7 +215,7 @@ def count_of(value: object, argument: str, *, flag: str | None = None) -> int:
             value=repr(value),
             flag=flag,
         )
-    return value
+    return count
 
 
 def str_items(value: object, argument: str) -> tuple[str, ...]:

@@ -227,3 +227,11 @@ def test_a_count_that_is_no_count_is_a_usage_error_naming_it(
         with pytest.raises(UsageError, match="expected a count of 1 or more"):
             call()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def test_a_numpy_int_is_a_count() -> None:
+    import numpy as np
+
+    from ckpt_tools._types import count_of
+
+    assert count_of(np.int64(2), "jobs") == 2 and type(count_of(np.int64(2), "jobs")) is int
