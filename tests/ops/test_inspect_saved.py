@@ -108,3 +108,12 @@ def test_a_root_that_is_no_mapping_lists_its_tensors_by_path(tmp_path: Path) -> 
         ("1.a", tuple(loaded[1]["a"].shape)),
     ]
     assert listed.total_bytes == 9
+
+
+def test_entries_whose_dotted_names_collide_are_each_listed(tmp_path: Path) -> None:
+    sd = {"w": torch.ones(1)}
+    tree = {"model": {"sd": sd, "step": 3}, "model.step": 4, 1: "int key", "1": "str key"}
+    torch.save(tree, tmp_path / "c.pt")
+    entries = ckpt_tools.inspect(tmp_path / "c.pt", select=("model", "sd")).entries
+    assert sorted(entries.values()) == sorted(["int 3", "int 4", "str 'int key'", "str 'str key'"])
+    assert {"model.step", "model.step (#2)", "1", "1 (#2)"} == set(entries)

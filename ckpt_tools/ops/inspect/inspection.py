@@ -86,12 +86,22 @@ def _clip(text: str, limit: int) -> str:
 
 def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> dict[str, str]:
     """Non-tensor entries beside the state dict and inside it, by dotted name, summarised."""
-    entries = {name: describe_value(value) for name, value in entries_beside(root, path)}
+    found = list(entries_beside(root, path))
     prefix = "".join(f"{part}." for part in path)
     for key, value in state_dict.items():
         if not isinstance(value, (TensorRef, RebuiltTensor)):
-            entries[f"{prefix}{key_text(key)}"] = describe_value(value)
+            found.append((f"{prefix}{key_text(key)}", value))
+    entries: dict[str, str] = {}
+    for name, value in found:
+        # Two entries with one dotted name ({"a": {"b": 1}, "a.b": 2}, 1 and "1"): each is
+        # listed, the later ones numbered, none hidden.
+        shown_as = next(n for i in range(1, len(found) + 2) if (n := _nth(name, i)) not in entries)
+        entries[shown_as] = describe_value(value)
     return entries
+
+
+def _nth(name: str, i: int) -> str:
+    return name if i == 1 else f"{name} (#{i})"
 
 
 def _wrapper_rules(ckpt: Checkpoint, names: Sequence[str]) -> tuple[WrapperRule, ...]:
