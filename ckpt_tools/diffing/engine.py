@@ -32,6 +32,7 @@ from ckpt_tools.diffing.sides import DiffSide, Side, kind_pair, open_side
 from ckpt_tools.diffing.suggestions import apply_command, suggested_rewrites
 from ckpt_tools.diffing.tolerances import check_tolerances
 from ckpt_tools.dtypes import itemsize
+from ckpt_tools.errors import KeyCollisionError, shown
 from ckpt_tools.io.remote.urls import is_url
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.structure.keys import plan_renames
@@ -111,6 +112,20 @@ def _compare(
         stats.add(ca, cb)
     stats.repeat(math.prod(shape_a[d] for d in once))
     return with_stats(base, stats)
+
+
+def _refuse_retyped(a: Side, b: Side) -> None:
+    """Refuse a name that is a str key on one side and another key on the other (``"7"``
+    and ``7``): entries are paired by name, and the pair would pass for one key."""
+    both = set(a.keys) & set(b.keys)
+    retyped = sorted(n for n in both if (n in a.not_str) != (n in b.not_str))
+    if retyped:
+        name = retyped[0]
+        raise KeyCollisionError(
+            f"{shown(name)!r} is a str key in one side and a key of another type in the other "
+            "(7 and '7'): a diff pairs entries by name, and would take them for one key",
+            tuple((n, ("A", "B")) for n in retyped),
+        )
 
 
 def _compare_meta(
@@ -264,6 +279,7 @@ def _report(
     (:mod:`ckpt_tools.diffing.key_verdict`)."""
     from ckpt_tools.diffing.key_verdict import by_name, by_torch
 
+    _refuse_retyped(side_a, side_b)
     stored = list(side_a.keys)
     stored_tensors = [k for k in stored if side_a.holds_tensor(k)]
     fix = best_fix(stored, list(side_b.keys)) if align else None

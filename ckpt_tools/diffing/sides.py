@@ -64,7 +64,8 @@ class Side:
         values: name -> each such entry itself (a file's as its structure reads it).
         foreign: name -> each tensor of a subclass a file records and the reader does not
             rebuild (:class:`~ckpt_tools.diffing.entries.Foreign`); never compared.
-        keys: every key of the state dict, in its order.
+        keys: every key of the state dict, in its order, as text.
+        not_str: the texts of the keys that are no str (``7``, not ``"7"``).
         metadata: the state dict's ``_metadata`` (its module versions), or None.
         module: the module, for a module side.
     """
@@ -78,7 +79,7 @@ class Side:
         *,
         values: dict[str, Any] | None = None,
         foreign: dict[str, Foreign] | None = None,
-        keys: list[str] | None = None,
+        keys: list[Any] | None = None,
         metadata: Any = None,
         module: nn.Module | None = None,
     ):
@@ -88,7 +89,8 @@ class Side:
         self.others = others or {}
         self.values = values or {}
         self.foreign = foreign or {}
-        self.keys = [*entries, *self.foreign, *self.others] if keys is None else keys
+        self.keys = [*entries, *self.foreign, *self.others] if keys is None else [*map(str, keys)]
+        self.not_str = frozenset(str(k) for k in keys or () if not isinstance(k, str))
         self.metadata = metadata
         self.module = module
 
@@ -163,9 +165,8 @@ class Side:
         return tensor_pieces(value)
 
     def chunks(self, name: str, elements: int, once: Sequence[int] = ()) -> Iterator[torch.Tensor]:
-        """A strided, unquantized tensor's values, ``elements`` at a time, in row-major order:
-        as torch.load gives them (conjugate and negative bits applied); the dims ``once``
-        names (each repeating one value: stride 0) at their first index only."""
+        """A strided, unquantized tensor's values, ``elements`` at a time, row-major, as
+        torch.load gives them (view bits applied); the dims ``once`` (stride 0) at index 0."""
         from ckpt_tools.diffing.value_stats import with_view_bits
         from ckpt_tools.loading.tensor_io import flat_pieces
 
@@ -284,7 +285,7 @@ def _file_side(
         from ckpt_tools.loading.tensor_io import TensorReader
 
         reader = stack.enter_context(TensorReader(ckpt))
-    keys = [str(k) for k in sd]
+    keys = list(sd)
     return Side(
         _with_wrappers(info, [*entries, *foreign]),
         entries,
@@ -340,7 +341,7 @@ def _in_memory(side: DiffSide, select: Select, name: str, values: bool) -> Itera
         None,
         others,
         values=values_of,
-        keys=[str(k) for k in sd],
+        keys=list(sd),
         metadata=metadata_of(sd),
         module=module,
     )

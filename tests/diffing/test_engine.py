@@ -482,3 +482,16 @@ def test_an_expanded_view_of_2_to_the_62_elements_is_compared_not_walked(tmp_pat
     )
     (w,) = json.loads(res.stdout)["tensors"]
     assert w["numel"] == w["mismatched"] == 2**62 and w["max_abs"] == 1.0
+
+
+def test_an_int_key_and_its_text_in_the_other_side_are_refused_not_paired(tmp_path: Path) -> None:
+    # torch.load gives [7] and ['7']: two different keys, which a diff pairs by name.
+    torch.save({7: torch.ones(2)}, tmp_path / "a.pt")
+    torch.save({"7": torch.ones(2)}, tmp_path / "b.pt")
+    with pytest.raises(KeyCollisionError, match="'7' is a str key in one side"):
+        diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    with pytest.raises(KeyCollisionError):
+        diff({7: torch.ones(2)}, {"7": torch.ones(2)})
+    res = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt", code=7)
+    assert res.stderr.count("\n") == 1
+    assert diff(tmp_path / "a.pt", tmp_path / "a.pt").identical
