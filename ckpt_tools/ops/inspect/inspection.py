@@ -9,16 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools._escape import short_repr
 from ckpt_tools._types import Select, StrPath, checked_path
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
+from ckpt_tools.ops.inspect.entries import describe_value, entries_summary
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.selection import (
     Selection,
     a_kind_of,
-    entries_beside,
-    key_text,
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import quantizer_tensors, stored_views, tensors_by_place
@@ -32,76 +30,6 @@ __all__ = [
     "inspect_checkpoint",
     "script_module_tensors",
 ]
-
-
-def describe_value(value: Any, limit: int = 60) -> str:
-    """A short, safe summary of a non-tensor value (``int 3``, ``dict (2 keys: a, b)``)."""
-    if isinstance(value, TensorRef):
-        return f"tensor {value.dtype} {list(value.shape)}"
-    if isinstance(value, Opaque):
-        return f"{value.global_ref.qualname} object (not imported)"
-    if isinstance(value, type) and issubclass(value, Opaque):
-        return f"{value.global_ref.qualname} (global, not imported)"
-    # Only the pickle reader makes these: a safetensors file is described without it.
-    from ckpt_tools.formats.pickle.standins import ConstantRef, Reduced, TorchSize
-
-    if isinstance(value, ConstantRef):  # torch.bfloat16, as torch.load gives it back
-        return value.qualname
-    layout = _layout_name(value, Reduced)
-    if layout is not None:  # torch.sparse_coo: torch pickles a layout as a call by its name
-        return layout
-    if isinstance(value, (Reduced, TorchSize)):
-        return _clip(repr(value), limit)
-    if isinstance(value, (bool, int, float, complex, str, bytes, bytearray, set, frozenset)):
-        # Unpickled values: repr() of a shared-reference bomb or a 5,000-digit int is not safe.
-        return f"{type(value).__name__} {short_repr(value, limit)}"
-    if isinstance(value, Mapping):
-        tensors = sum(isinstance(v, TensorRef) for v in value.values())
-        keys = ", ".join(key_text(k) for k in list(value)[:4]) + (", ..." if len(value) > 4 else "")
-        extra = f", {tensors} tensors" if tensors else ""
-        return f"{type(value).__name__} ({len(value)} keys{extra}: {keys})"
-    if isinstance(value, (list, tuple)):
-        return f"{type(value).__name__} ({len(value)} items)"
-    return f"{type(value).__name__} {short_repr(value, limit)}"
-
-
-def _layout_name(value: Any, reduced: type) -> str | None:
-    """``torch.sparse_coo`` for the recorded call ``_get_layout('torch.sparse_coo')``."""
-    if not isinstance(value, reduced) or value.func.qualname != "torch.serialization._get_layout":
-        return None
-    name = value.args[0] if len(value.args) == 1 else None
-    return name if name in _LAYOUTS else None
-
-
-# The layouts torch.save names (torch.serialization._get_layout looks them up by these).
-_LAYOUTS = frozenset(
-    ["torch.strided", "torch._mkldnn", "torch.jagged"]
-    + [f"torch.sparse_{n}" for n in ("coo", "csr", "csc", "bsr", "bsc")]
-)
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _entries(root: Any, path: Sequence[str], state_dict: Mapping[Any, Any]) -> dict[str, str]:
-    """Non-tensor entries beside the state dict and inside it, by dotted name, summarised."""
-    found = list(entries_beside(root, path))
-    prefix = "".join(f"{part}." for part in path)
-    for key, value in state_dict.items():
-        if not isinstance(value, (TensorRef, RebuiltTensor)):
-            found.append((f"{prefix}{key_text(key)}", value))
-    entries: dict[str, str] = {}
-    for name, value in found:
-        # Two entries with one dotted name ({"a": {"b": 1}, "a.b": 2}, 1 and "1"): each is
-        # listed, the later ones numbered, none hidden.
-        shown_as = next(n for i in range(1, len(found) + 2) if (n := _nth(name, i)) not in entries)
-        entries[shown_as] = describe_value(value)
-    return entries
-
-
-def _nth(name: str, i: int) -> str:
-    return name if i == 1 else f"{name} (#{i})"
 
 
 def _wrapper_rules(ckpt: Checkpoint, names: Sequence[str]) -> tuple[WrapperRule, ...]:
@@ -168,7 +96,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         tensors=tensors,
         wrappers=detect_wrappers(names, wrappers=_wrapper_rules(ckpt, names)),
         unsafe_globals=ckpt.unsafe_globals,
-        entries=_entries(ckpt.root, selection.path, sd),
+        entries=entries_summary(ckpt.root, selection.path, sd),
         total_params=sum(t.numel for t in tensors),
         total_bytes=sum(t.nbytes for t in tensors),
         storage_bytes=sum(distinct.values()),
