@@ -454,10 +454,12 @@ def test_fifos_and_symlinked_folders(tmp_path: Path) -> None:
     os.symlink(linked, store / "back")
     os.symlink(tmp_path / "nowhere.pt", linked / "dangling.pt")
     os.mkfifo(linked / "pipe.pt")
+    os.symlink("/proc", linked / "kernel")  # a link to / would reach it: never walked
     report = scan(linked)
     assert [(Path(f.path).name, f.verdict) for f in report.files] == [("evil.pt", "dangerous")]
-    assert sorted(Path(p).name for p in report.skipped) == ["back", "dangling.pt", "pipe.pt"]
-    assert "1 dangerous; 3 skipped" in run_ckpt("scan", linked, code=1, timeout=30).stdout
+    skipped = ["back", "dangling.pt", "kernel", "pipe.pt"]
+    assert sorted(Path(p).name for p in report.skipped) == skipped
+    assert "1 dangerous; 4 skipped" in run_ckpt("scan", linked, code=1, timeout=30).stdout
 
 
 def test_torchscript_with_setstate_is_dangerous(tmp_path: Path) -> None:

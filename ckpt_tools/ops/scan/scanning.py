@@ -157,8 +157,9 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
     """``(path, to scan)`` for everything under ``folder``, in a stable order: each file, and
     each DCP folder as one checkpoint (its other files and folders are walked too). Links
     are followed, as a file's are, since a verdict must cover what the folder reaches; a
-    folder reached again (a link that loops) is listed as not scanned, as is anything that
-    is not a file (a FIFO, a dangling link), which is never opened."""
+    folder reached again (a link that loops) or through a link into /proc or /sys is listed
+    as not scanned, as is anything that is not a file (a FIFO, a dangling link), never
+    opened."""
     from ckpt_tools.formats.dcp.layout import DATA_SUFFIX, METADATA_FILE
 
     walked: set[tuple[int, int]] = set()
@@ -168,7 +169,9 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
             stat = os.stat(root)
         except OSError:
             continue  # gone since it was listed
-        if (stat.st_dev, stat.st_ino) in walked:
+        # Reached again (a loop), or a link into the kernel's own files: listed, not walked.
+        kernels = _kernel_folder(root) and not _kernel_folder(folder)
+        if (stat.st_dev, stat.st_ino) in walked or kernels:
             dirs.clear()
             yield root, False
             continue
@@ -181,6 +184,13 @@ def _files_under(folder: str) -> Iterator[tuple[str, bool]]:
             if dcp and (name == METADATA_FILE or name.endswith(DATA_SUFFIX)):
                 continue  # read as the DCP checkpoint's
             yield path, os.path.isfile(path)
+
+
+def _kernel_folder(path: str) -> bool:
+    """Whether ``path`` leads into /proc or /sys, whose files are the kernel's (a link to
+    ``/`` in a scanned folder must not walk them)."""
+    real = os.path.realpath(path)
+    return any(real == top or real.startswith(top + "/") for top in ("/proc", "/sys"))
 
 
 def _is_dcp(path: str) -> bool:
