@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_tools"
 
 #: Rooms from the bottom up. A module may import its own room and rooms below it, never above.
 ROOMS: tuple[tuple[str, ...], ...] = (
-    ("errors", "_remedies", "_escape", "_log", "dtypes", "_version", "_types"),
+    ("errors", "_remedies", "_escape", "dtypes", "_version", "_types"),
     ("descriptors",),
     ("structure",),
     ("formats",),

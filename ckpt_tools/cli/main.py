@@ -176,7 +176,7 @@ def _warnings_to_stderr() -> None:
     stderr, as lines of their own; once per process."""
     import logging
 
-    from ckpt_tools._log import logger
+    from ckpt_tools.formats.log import logger
 
     class Stderr(logging.StreamHandler):  # type: ignore[type-arg]
         # The stderr of when a record is written (a test, or a caller, may have swapped it).

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tools._escape import shown
-from ckpt_tools._log import logger
 from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.errors import (
     CheckpointError,
@@ -30,6 +29,7 @@ from ckpt_tools.errors import (
 from ckpt_tools.formats.base import Checkpoint, RangeSource
 from ckpt_tools.formats.detect import check_regular, is_index_name
 from ckpt_tools.formats.hf_choice import MAX_INDEX_BYTES, choose_weights
+from ckpt_tools.formats.log import logger
 from ckpt_tools.formats.safetensors import read_metadata, tied_aliases
 
 __all__ = ["files_read", "open_folder", "open_index", "shard_path"]

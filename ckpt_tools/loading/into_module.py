@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._escape import shell_path, short_repr, shown
-from ckpt_tools._log import logger
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.errors import CheckpointError, Remedy, StateDictMismatchError, UsageError
+from ckpt_tools.formats.log import logger
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ckpt_tools._log import logger
+from ckpt_tools.formats.log import logger
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import ShapeMismatch
 

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._escape import shell_path, shown
-from ckpt_tools._log import logger
 from ckpt_tools._types import MapLocation, Select, StrPath
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
@@ -29,6 +28,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats.log import logger
 from ckpt_tools.loading.devices import auto_location, checked_device, resolve_map_location
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
