@@ -36,6 +36,7 @@ __all__ = [
     "Select",
     "StrPath",
     "VerifyLevel",
+    "ascii_int",
     "checked_path",
     "checked_paths",
     "count_of",
@@ -187,6 +188,17 @@ def one_of(value: _T, choices: Sequence[_T], argument: str, *, flag: str | None 
         return value
     listed = ", ".join(map(str, choices)) + (f" ({why})" if why else "")
     raise UsageError(f"expected one of: {listed}", argument=argument, value=repr(value), flag=flag)
+
+
+def ascii_int(text: str) -> int | None:
+    """The number ``text`` spells in ASCII digits, else None: ``str.isdigit`` also takes
+    ``"²"``, which ``int`` refuses, and ``"٣"``, which it reads as 3.
+
+    Example:
+        >>> ascii_int("12"), ascii_int("²"), ascii_int("-1")
+        (12, None, None)
+    """
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def count_of(value: object, argument: str, *, flag: str | None = None) -> int:

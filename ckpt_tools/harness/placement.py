@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ckpt_tools._types import ascii_int
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.loading.devices import pick_devices
 
@@ -67,18 +68,15 @@ def parse_gpus(gpus: GpuSpec, world_size: int | None = None) -> list[int]:
             rest = spec[len("auto") :]
             if rest == "":
                 return _pick(world_size if world_size is not None else count)
-            if (
-                not rest.startswith(":")
-                or not (rest[1:].isascii() and rest[1:].isdigit())
-                or int(rest[1:]) < 1
-            ):
+            wanted = ascii_int(rest[1:]) if rest.startswith(":") else None
+            if wanted is None or wanted < 1:
                 raise UsageError(
                     "expected 'auto', 'auto:N' or '0,3'",
                     argument="gpus",
                     value=repr(gpus),
                     flag="--gpus",
                 )
-            return _pick(int(rest[1:]))
+            return _pick(wanted)
         try:
             ids = [int(part) for part in spec.split(",") if part.strip()]
         except ValueError:

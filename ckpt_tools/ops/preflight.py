@@ -35,26 +35,8 @@ def _module_on_path(root: Any, path: Sequence[str]) -> Opaque | None:
     A pickled module is an object whose state holds ``_parameters`` and ``_modules``
     (what ``torch.save(model)`` writes, for any subclass).
     """
-    node = root
-    for part in (None, *path):
-        if part is not None:
-            holder = node.state if isinstance(node, Opaque) else node
-            if isinstance(holder, Mapping):
-                node = holder.get(
-                    part, holder.get(int(part)) if part.isascii() and part.isdigit() else None
-                )
-            elif (
-                isinstance(holder, (list, tuple))
-                and part.isascii()
-                and part.isdigit()
-                and int(part) < len(holder)
-            ):
-                node = holder[int(part)]
-            else:
-                return None
-        if isinstance(node, Opaque) and is_pickled_module(node):  # a compiled one too
-            return node
-    return None
+    nodes = walk_path(root, tuple(path)).nodes  # the root, then each node it reaches
+    return next((n for n in nodes if isinstance(n, Opaque) and is_pickled_module(n)), None)
 
 
 def check_rewritable(

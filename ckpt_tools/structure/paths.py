@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ckpt_tools._escape import short_repr
+from ckpt_tools._types import ascii_int
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, Sealed, TensorRef
 from ckpt_tools.errors import Remedy, SelectError, UsageError, shown
 
@@ -158,25 +159,19 @@ def mapping_at(node: Any) -> Mapping[Any, Any] | None:
     return node if isinstance(node, Mapping) else attributes_of(node)
 
 
-def _index(key: str) -> bool:
-    """Whether a key's text spells an index or an int key: ASCII digits only (``"²"`` is
-    a digit to ``str.isdigit`` and no number to ``int``)."""
-    return key.isascii() and key.isdigit()
-
-
 def key_in(node: Mapping[Any, Any], key: str) -> Any:
     """The key of ``node`` that the text ``key`` names: itself, or the int it spells (an
     unpickled mapping may use ints: ``{0: sd}``); a private sentinel where there is none."""
     if key in node:
         return key
-    if _index(key) and int(key) in node:
-        return int(key)
-    return _MISSING
+    number = ascii_int(key)
+    return number if number is not None and number in node else _MISSING
 
 
 def _child(node: Any, key: str) -> Any:
     if isinstance(node, (list, tuple)):
-        return node[int(key)] if _index(key) and int(key) < len(node) else _MISSING
+        index = ascii_int(key)
+        return node[index] if index is not None and index < len(node) else _MISSING
     mapping = mapping_at(node)
     if mapping is None:
         return _MISSING

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from ckpt_tools._types import ascii_int
 from ckpt_tools._version import __version__
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
@@ -386,4 +387,4 @@ class HttpTransport:
 
 def _content_length(response: httpx.Response) -> int | None:
     text = response.headers.get("content-length", "")
-    return int(text) if text.isascii() and text.isdigit() else None
+    return ascii_int(text)

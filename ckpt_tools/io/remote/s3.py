@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ckpt_tools._types import ascii_int
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
     MissingExtraError,
@@ -281,8 +282,8 @@ class S3Transport:
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code == "InvalidRange" or status == 416:
             size = str(details.get("ActualObjectSize", ""))
-            if size.isascii() and size.isdigit():
-                return b"", int(size)
+            if (length := ascii_int(size)) is not None:
+                return b"", length
             if start == 0:  # an empty object has no byte 0
                 return b"", 0
         if code in _MISSING or status == 404:

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckpt_tools._types import ascii_int
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef, TensorRef
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.formats.pickle.limits import stack_room
@@ -131,13 +132,12 @@ class _Sanitizer:
         self.dropped: list[Change] = []
         self.added: dict[str, bytes] = {}
         self.memo: dict[int, Any] = {}
-        # id -> (the node, its first path, where its changes start and end in ``dropped`` and
-        # ``converted``). Holding the node keeps it alive until the walk ends, so that no id
-        # is reused by a temporary (``dict(state)`` of a namespace) and answered from the memo;
-        # while it is being walked, the caller's stack holds it.
+        # id -> (the node, its first path, its changes' span in ``dropped`` and ``converted``).
+        # Held, the node keeps its id until the walk ends: no temporary (``dict(state)`` of a
+        # namespace) reuses it and is answered from the memo.
         self._walked: dict[int, tuple[Any, str, tuple[int, int], tuple[int, int]]] = {}
         self._taken = taken_keys
-        numbered = (int(k) for k in taken_keys if k.isascii() and k.isdigit())
+        numbered = (n for k in taken_keys if (n := ascii_int(k)) is not None)
         self._next_key = 1 + max(numbered, default=-1)
 
     def value(self, node: Any, path: str) -> Any:
