@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.loading.into_module import load_into
     from ckpt_tools.loading.results import LoadInfo, LoadReport
     from ckpt_tools.loading.state_dict import load_state_dict, load_with_info
+    from ckpt_tools.ops.average.averaging import average
     from ckpt_tools.ops.consolidate.consolidation import ConsolidateResult, consolidate
     from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
     from ckpt_tools.ops.inspect.inspection import inspect
@@ -66,7 +67,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.ops.sanitize.result import SanitizeResult
     from ckpt_tools.ops.sanitize.sanitizing import sanitize
     from ckpt_tools.ops.scan import FileScan, Finding, ScanReport, scan
-    from ckpt_tools.ops.transform.average import average
     from ckpt_tools.ops.transform.extract import extract
     from ckpt_tools.ops.transform.reshard import reshard
     from ckpt_tools.ops.transform.result import TransformResult
@@ -141,7 +141,7 @@ _PUBLIC: dict[str, str] = {
     "ConsolidateResult": "ckpt_tools.ops.consolidate.consolidation",
     "slim": "ckpt_tools.ops.transform.slim",
     "extract": "ckpt_tools.ops.transform.extract",
-    "average": "ckpt_tools.ops.transform.average",
+    "average": "ckpt_tools.ops.average.averaging",
     "TransformResult": "ckpt_tools.ops.transform.result",
     "merge_lora": "ckpt_tools.ops.merge.merging",
     "MergeResult": "ckpt_tools.ops.merge.result",

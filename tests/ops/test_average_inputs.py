@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import ckpt_tools as ct
 from ckpt_tools.cli.main import cli
-from ckpt_tools.ops.transform.average import pick_inputs
+from ckpt_tools.ops.average.averaging import pick_inputs
 
 
 def _run(folder: Path, steps: range) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 
 import ckpt_tools as ct
 from ckpt_tools.errors import UsageError
-from ckpt_tools.ops.transform.average import pick_inputs
+from ckpt_tools.ops.average.averaging import pick_inputs
 
 
 @pytest.fixture

@@ -137,7 +137,7 @@ def average_cmd(
 
     The INPUTs (globs expanded) are averaged into DST, the last argument, as cp takes it.
     """
-    from ckpt_tools.ops.transform.average import average, pick_inputs
+    from ckpt_tools.ops.average.averaging import average, pick_inputs
 
     picked = pick_inputs(list(inputs), last)
     run_and_show(

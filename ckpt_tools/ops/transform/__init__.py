@@ -1,1 +1,2 @@
-"""Transforms that make new tensors (slim, extract, average, reshard) and the plans they share."""
+"""Transforms that make new tensors (slim, extract, reshard; average builds on them) and the
+plans they share."""

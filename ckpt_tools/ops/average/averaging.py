@@ -2,10 +2,10 @@
 
 Each key's value is ``sum(w_i * x_i) / sum(w_i)`` over that key in every input, accumulated in
 float64 (complex parts too) chunk by chunk with numpy, in input order, then cast back to its
-dtype exactly as torch's ``.to`` would (:mod:`~ckpt_tools.ops.transform.mean_stream`). Memory
+dtype exactly as torch's ``.to`` would (:mod:`~ckpt_tools.ops.average.mean_stream`). Memory
 is a few chunks, whatever N and the file sizes. Tied keys stay tied where every input ties
 them alike, and are averaged and written apart where one does not
-(:mod:`~ckpt_tools.ops.transform.average_items`).
+(:mod:`~ckpt_tools.ops.average.items`).
 
 Keys are aligned as ``load_into`` aligns them: wrapper prefixes (``module.``, ``_orig_mod.``,
 ...) are stripped per input, so a DDP checkpoint averages with a plain one. The output is the
@@ -45,10 +45,10 @@ from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint, refuse_url
 from ckpt_tools.io.output_path import check_output_path
+from ckpt_tools.ops.average.items import plan_items
+from ckpt_tools.ops.average.mean_stream import checked_weights
 from ckpt_tools.ops.preflight import check_key_types
 from ckpt_tools.ops.rewrite.plan import format_family, output_format_for
-from ckpt_tools.ops.transform.average_items import plan_items
-from ckpt_tools.ops.transform.mean_stream import checked_weights
 from ckpt_tools.ops.transform.result import TransformResult
 from ckpt_tools.ops.transform.slim import select_weights
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output

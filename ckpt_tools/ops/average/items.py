@@ -26,8 +26,8 @@ from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
-from ckpt_tools.ops.transform.average_refusals import refuse_differing
-from ckpt_tools.ops.transform.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
+from ckpt_tools.ops.average.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
+from ckpt_tools.ops.average.refusals import refuse_differing
 from ckpt_tools.ops.transform.plan import Item, PlanRow
 from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_params
@@ -52,7 +52,7 @@ def plan_items(
         ckpts: the inputs, opened.
         aligned: per input, aligned key -> (its key there, its value); keys, shapes and
             dtypes already checked equal.
-        w: the weights, from :func:`~ckpt_tools.ops.transform.mean_stream.checked_weights`.
+        w: the weights, from :func:`~ckpt_tools.ops.average.mean_stream.checked_weights`.
         ints: None, ``first`` or ``last``: which input integer tensors come from.
         to_safetensors: the output is safetensors, which holds a storage once only as tied
             tensors covering it whole: any other view (strided, or part of its storage) is
