@@ -4,7 +4,7 @@ Two parts: the verdicts on a corpus of small files (below), and the speed on a f
 realistic checkpoints (``--realistic N``, further below), where interpreter start-up no
 longer dominates as it does on the corpus's tiny files.
 
-The corpus (``tests/helpers/scan_corpus.py``; ``tests/ops/test_scan_corpus.py`` proves every
+The corpus (``tests/helpers/scan_corpus.py``; ``tests/ops/scan/test_scan_corpus.py`` proves every
 malicious file in it runs its payload under the load its entry names) is built in a temp
 folder, with copies of ``fixtures/*.pt`` and of the real checkpoints under
 ``../shared/realckpt`` (relative to the repository root) when that folder exists. Nothing

@@ -4,7 +4,7 @@
 :class:`CorpusEntry` per file. A malicious file's only effect, when loaded the way its entry
 says (``entry.load``), is to create its own marker file ``markers / f"{entry.name}.marker"``
 (the marker folder is the caller's temp folder). Nothing here loads a malicious file: the
-proof that each one is live is ``tests/ops/test_scan_corpus.py``, which loads them all in one
+proof that each one is live is ``tests/ops/scan/test_scan_corpus.py``, which loads them all in one
 child process.
 
 **Never load a malicious entry outside a child process whose markers folder is a temp

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from ckpt_tools import consolidate
 from ckpt_tools.formats.dcp.metadata import read_metadata
 from tests.helpers.dcp_save import reference, save_fsdp, tiny_model
-from tests.ops.test_consolidate import assert_same
+from tests.ops.consolidate.test_consolidate import assert_same
 
 pytestmark = [
     pytest.mark.skipif(

@@ -2,7 +2,7 @@
 
 The oracle is torch's converter plus ``torch.load``; safetensors outputs are read with the
 ``safetensors`` package. FSDP2 checkpoints from several processes:
-tests/ops/test_consolidate_fsdp.py.
+tests/ops/consolidate/test_consolidate_fsdp.py.
 """
 
 from __future__ import annotations

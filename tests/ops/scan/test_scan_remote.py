@@ -270,7 +270,7 @@ def test_failures_to_read_give_one_line_and_an_exit_code(
 def test_a_zip_zipfile_shifts_before_its_start_gets_the_local_verdict(hub, name) -> None:
     """zipfile lists such an archive's records at negative offsets; the lenient walk skips
     them, and a read there is refused by a remote file as os.pread refuses it."""
-    path = Path(__file__).parents[1] / "fuzz" / "regressions" / name
+    path = Path(__file__).parents[2] / "fuzz" / "regressions" / name
     url = hub.put("org/fuzz", name, path)
     remote = run_ckpt("scan", "--json", url, code=None)
     local = run_ckpt("scan", "--json", path, code=None)

@@ -1,7 +1,7 @@
 """``scan`` and ``ckpt scan``: a verdict per file, against live payloads and real checkpoints.
 
 The malicious corpus (``tests/helpers/scan_corpus.py``) is proven live by
-``tests/ops/test_scan_corpus.py``; here every one of its files must be called dangerous, every
+``tests/ops/scan/test_scan_corpus.py``; here every one of its files must be called dangerous, every
 benign one clean, and every nonstandard one nonstandard. What ``scan`` calls clean must load
 with torch's own weights-only unpickler (or be refused by it only for an opcode the README
 names). Scanning never runs anything: no marker ever appears.

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import ckpt_tools as ct
 from ckpt_tools.cli.main import cli, main
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 NESTED = [
     "plain.pt",
     "state_dict.pt",
