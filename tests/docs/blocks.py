@@ -28,7 +28,7 @@ SHOWN = frozenset({"", "text", "json", "toml", "ini", "yaml"})
 NEEDS = {
     "gpu": "needs a CUDA device",
     "cluster": "needs several processes or machines (torchrun, spawned ranks)",
-    "network": "reads a remote file over the network (tests/io/test_remote_*.py run local servers)",
+    "network": "reads a remote file over the network (tests/io/remote/ runs local servers)",
 }
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)[^`]*$")

@@ -13,7 +13,7 @@ from torch.nested._internal.nested_tensor import NestedTensor, _rebuild_njt
 import ckpt_tools as ct
 from ckpt_tools.errors import CorruptCheckpointError
 from ckpt_tools.formats import open_checkpoint
-from tests.formats.test_jagged import torch_outcomes
+from tests.formats.pickle.test_jagged import torch_outcomes
 from tests.helpers.committed import tools
 
 

@@ -17,7 +17,7 @@ import ckpt_tools.io.writers.folder_swap as folder_swap
 import ckpt_tools.io.writers.hf_folder as hf_folder
 from ckpt_tools import convert, reshard
 from ckpt_tools.errors import OutputError, OutputExistsError
-from tests.formats.test_dcp import save_dcp, small_state
+from tests.formats.dcp.test_dcp import save_dcp, small_state
 from tests.helpers.cli import run_ckpt
 
 

@@ -15,7 +15,7 @@ import ckpt_tools as ct
 from ckpt_tools import load_into, load_state_dict, load_with_info
 from ckpt_tools.errors import CorruptCheckpointError, StateDictMismatchError
 from ckpt_tools.formats import open_checkpoint
-from tests.formats.test_jagged import torch_outcomes
+from tests.formats.pickle.test_jagged import torch_outcomes
 from tests.helpers.committed import tools
 
 

@@ -2,7 +2,7 @@
 the expanded size of each object in place of the object, arguments read in place.
 
 :mod:`~ckpt_tools.formats.pickle.expansion` runs it before anything is unpickled; the tests
-hold it equal to ``pickletools.genops`` (``tests/formats/test_pickle_expansion.py``).
+hold it equal to ``pickletools.genops`` (``tests/formats/pickle/test_pickle_expansion.py``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ _SHAPES = {op.code: _shape(op) for op in pickletools.opcodes}
 def scan_bytes(data: bytes, limit: int) -> OpcodeScan:
     """The walk: each opcode's stack effect replayed with sizes for objects, arguments read
     in place (faster than replaying ``pickletools.genops``, which the tests use as the
-    oracle: ``tests/formats/test_pickle_expansion.py``).
+    oracle: ``tests/formats/pickle/test_pickle_expansion.py``).
 
     Only PROTO's and the memo opcodes' arguments are decoded, and strings are checked as
     genops checks them (UTF-8). A newline-ended argument is read by pickletools' own reader,

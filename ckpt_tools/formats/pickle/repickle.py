@@ -105,7 +105,7 @@ class Repickler(_Reductions, pickle._Pickler):  # type: ignore[name-defined]
     """Write a tree read by :func:`load_pickle` back as a torch pickle (pure Python).
 
     :func:`dumps` writes the same bytes with the C pickler, several times faster; this one
-    is their reference (``tests/formats/test_repickle.py`` compares them).
+    is their reference (``tests/formats/pickle/test_repickle.py`` compares them).
 
     Args:
         file: where to write.

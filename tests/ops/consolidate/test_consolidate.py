@@ -29,7 +29,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.io.assemble import crc32_combine
-from tests.formats.test_dcp import Custom, save_dcp, small_state
+from tests.formats.dcp.test_dcp import Custom, save_dcp, small_state
 from tests.helpers.cli import run_ckpt
 from tests.helpers.dcp_save import reference
 from tests.helpers.trees import assert_bitwise_equal, assert_values_bitwise

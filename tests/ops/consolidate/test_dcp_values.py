@@ -26,7 +26,7 @@ from ckpt_tools.errors import (
     VerificationError,
 )
 from ckpt_tools.ops.consolidate.write import _check
-from tests.formats.test_dcp import save_dcp
+from tests.formats.dcp.test_dcp import save_dcp
 from tests.helpers.cli import run_ckpt
 from tests.helpers.dcp_save import reference
 from tests.helpers.trees import assert_values_bitwise

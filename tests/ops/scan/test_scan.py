@@ -245,7 +245,7 @@ def test_a_dcp_folder_is_one_checkpoint(tmp_path: Path) -> None:
 
 def test_dcp_enum_members_by_name_scan_as_by_value(tmp_path: Path) -> None:
     # Python 3.11.0-3.11.4 pickle DCP's memory format enum as getattr(Enum, "MEMBER").
-    from tests.formats.test_dcp import enums_by_name, save_dcp, small_state
+    from tests.formats.dcp.test_dcp import enums_by_name, save_dcp, small_state
 
     folder = save_dcp(tmp_path / "run", small_state())
     enums_by_name(folder)
@@ -256,7 +256,7 @@ def test_dcp_enum_members_by_name_scan_as_by_value(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("form", ["another class", "a dunder", "a value"])
 def test_dcp_getattr_in_any_other_form_is_dangerous(tmp_path: Path, form: str) -> None:
-    from tests.formats.test_dcp import HOSTILE_GETATTR, save_dcp, small_state
+    from tests.formats.dcp.test_dcp import HOSTILE_GETATTR, save_dcp, small_state
 
     folder = save_dcp(tmp_path / "run", small_state())
     HOSTILE_GETATTR[form](folder)
@@ -754,7 +754,7 @@ def test_escaped_string_operands_are_named_as_pickle_imports_them(tmp_path: Path
 def test_a_dcp_item_that_is_no_zip_is_walked_as_torch_load_reads_it(tmp_path: Path) -> None:
     # DCP hands a non-tensor item's bytes to torch.load(weights_only=False), which reads
     # bytes that are no zip as a legacy file: the first pickle is unpickled, whatever it is.
-    from tests.formats.test_dcp import save_dcp
+    from tests.formats.dcp.test_dcp import save_dcp
 
     folder = save_dcp(tmp_path / "run", {"w": torch.ones(3), "extra": {"lr": 0.1}})
     with open(folder / ".metadata", "rb") as f:

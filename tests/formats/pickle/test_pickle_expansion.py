@@ -42,7 +42,7 @@ from ckpt_tools.formats.pickle.opcode_walk import scan_bytes as _scan_bytes
 
 # (both walks decode protocol-0 STRING arguments with escapes, which Python warns about)
 pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INPUTS = sorted(
     p
     for folder in (ROOT / "fixtures", ROOT / "tests" / "fuzz" / "regressions")

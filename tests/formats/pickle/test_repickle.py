@@ -34,7 +34,7 @@ from tests.helpers import (
 
 ZIPS = fixtures_where(format="torch-zip", oracle="torch")
 SCRIPTS = fixtures_where(format="torchscript")
-REGRESSIONS = Path(__file__).resolve().parents[1] / "fuzz" / "regressions"
+REGRESSIONS = Path(__file__).resolve().parents[2] / "fuzz" / "regressions"
 
 
 @pytest.mark.parametrize("entry", **by_name(ZIPS))

@@ -67,7 +67,7 @@ def test_a_jagged_tensor_torch_loads_is_read_as_one(tmp_path: Path) -> None:
 def test_a_jagged_tensor_torch_refuses_only_without_dynamo_is_read(tmp_path: Path) -> None:
     # torch refuses it in a fresh process until torch._dynamo is imported (its message asks
     # for that import); the reader allows _DimRange as that import does
-    # (tests/formats/test_jagged_dim_range.py compares with torch after the import).
+    # (tests/formats/pickle/test_jagged_dim_range.py compares with torch after the import).
     path = tmp_path / "njt.pt"
     njt = torch.nested.nested_tensor([torch.ones(3, 2), torch.ones(5, 2)], layout=torch.jagged)
     torch.save({"w": torch.ones(3), "n": njt}, path)

@@ -276,7 +276,7 @@ def test_a_file_replaced_while_extracted_is_refused_not_mixed(hub, tmp_path):
 def test_a_malformed_file_is_named_by_its_url_as_a_local_one_by_its_path(hub, name):
     """Errors of the pickle reader, which knows no file name, name the URL as they name a
     local path: the same one line, the URL where the path was."""
-    path = Path(__file__).parents[1] / "fuzz" / "regressions" / name
+    path = Path(__file__).parents[2] / "fuzz" / "regressions" / name
     url = hub.put("org/broken", name, path)
     code, _, local = run_ckpt("inspect", path, code=None)
     assert code in (4, 5) and f"{str(path)!r}: " in local, local
