@@ -37,6 +37,7 @@ __all__ = [
     "StrPath",
     "VerifyLevel",
     "ascii_int",
+    "checked_flags",
     "checked_path",
     "checked_paths",
     "count_of",
@@ -71,6 +72,7 @@ MapLocation = Union[str, "torch.device", Mapping[str, str], Callable[[Any, str],
 
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _shown(value: object) -> str:
@@ -188,6 +190,46 @@ def one_of(value: _T, choices: Sequence[_T], argument: str, *, flag: str | None 
         return value
     listed = ", ".join(map(str, choices)) + (f" ({why})" if why else "")
     raise UsageError(f"expected one of: {listed}", argument=argument, value=repr(value), flag=flag)
+
+
+def checked_flags(func: _F) -> _F:
+    """``func``, refusing a value other than True or False for each of its ``bool`` options:
+    ``dry_run="no"`` or ``trust="false"`` from a config file is truthy, and would write, or
+    run the file's code, where the caller asked for the opposite.
+
+    Example:
+        >>> @checked_flags
+        ... def save(*, dry_run: bool = False) -> bool:
+        ...     return dry_run
+        >>> save(dry_run=True)
+        True
+        >>> save(dry_run="no")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: dry_run='no': expected True or False, got str
+    """
+    import functools
+    import inspect
+
+    signature = inspect.signature(func)
+    flags = [p.name for p in signature.parameters.values() if p.annotation in ("bool", bool)]
+
+    @functools.wraps(func)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = signature.bind_partial(*args, **kwargs).arguments if args else kwargs
+        except TypeError:
+            return func(*args, **kwargs)  # (Python's own error for a wrong call)
+        for name in flags:
+            if name in given and not isinstance(given[name], bool):
+                value = given[name]
+                raise UsageError(
+                    f"expected True or False, got {type(value).__name__}",
+                    argument=name,
+                    value=_shown(value),
+                )
+        return func(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
 
 
 def ascii_int(text: str) -> int | None:

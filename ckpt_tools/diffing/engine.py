@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import replace
 
-from ckpt_tools._types import Select, count_of
+from ckpt_tools._types import Select, checked_flags, count_of
 from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff, is_file
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport
 from ckpt_tools.diffing.sides import DiffSide, Side, kind_pair, open_side
@@ -169,6 +169,7 @@ def compares_values(a: object, b: object, values: bool | None) -> bool:
     return not (is_url(a) or is_url(b))
 
 
+@checked_flags
 def diff(
     a: DiffSide,
     b: DiffSide,

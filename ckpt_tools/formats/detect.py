@@ -12,7 +12,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from ckpt_tools._types import StrPath, checked_path
+from ckpt_tools._types import StrPath, checked_flags, checked_path
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
     LfsPointerError,
@@ -89,6 +89,7 @@ _MAX_SAFETENSORS_HEADER = 100_000_000
 _JSON_WHITESPACE = b" \t\n\r"
 
 
+@checked_flags
 def detect_format(path: StrPath, *, content_only: bool = False) -> str:
     """Detect a checkpoint's format by content.
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._escape import shell_path, short_repr, shown
-from ckpt_tools._types import MapLocation, Select, StrPath
+from ckpt_tools._types import MapLocation, Select, StrPath, checked_flags
 from ckpt_tools.errors import CheckpointError, Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.formats.log import logger
 from ckpt_tools.loading.extras import require_torch
@@ -162,6 +162,7 @@ def on_meta(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in tensors)
 
 
+@checked_flags
 def load_into(
     model: nn.Module,
     src: StrPath | Mapping[str, Any],

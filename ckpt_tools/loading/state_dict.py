@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_tools._escape import shell_path, shown
-from ckpt_tools._types import MapLocation, Select, StrPath
+from ckpt_tools._types import MapLocation, Select, StrPath, checked_flags
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
     Remedy,
@@ -203,6 +203,7 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
     return selection
 
 
+@checked_flags
 def load_state_dict(
     path: StrPath,
     *,
@@ -270,6 +271,7 @@ def load_state_dict(
     return load_state(path, map_location, select, trust, mmap, "load_state_dict")[0]
 
 
+@checked_flags
 def load_with_info(
     path: StrPath,
     *,

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._types import checked_flags
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.structure.keys import KeyRule, strip_rule
 from ckpt_tools.structure.paths import is_tensor
@@ -114,6 +115,7 @@ class WrapperMatch:
         }
 
 
+@checked_flags
 def detect_wrappers(
     keys: Iterable[str] | Mapping[Any, Any],
     *,

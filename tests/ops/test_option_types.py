@@ -235,3 +235,39 @@ def test_a_numpy_int_is_a_count() -> None:
     from ckpt_tools._types import count_of
 
     assert count_of(np.int64(2), "jobs") == 2 and type(count_of(np.int64(2), "jobs")) is int
+
+
+def _flags(func: Callable[..., Any]) -> list[str]:
+    """The parameters of ``func`` that take True or False."""
+    return [p.name for p in inspect.signature(func).parameters.values() if p.annotation == "bool"]
+
+
+FLAGGED = sorted(
+    (name, flag)
+    for name in ct.__all__
+    if inspect.isfunction(getattr(ct, name))
+    for flag in _flags(getattr(ct, name))
+)
+
+
+@pytest.mark.parametrize(("name", "flag"), FLAGGED)
+def test_a_flag_that_is_no_bool_is_a_usage_error_naming_it(name: str, flag: str) -> None:
+    # "no" and "false" are truthy: taken as given they would write, or run a file's code,
+    # where the caller asked for the opposite.
+    for wrong in ("no", 0, None):
+        with pytest.raises(UsageError, match="expected True or False") as info:
+            getattr(ct, name)(**{flag: wrong})
+        assert info.value.argument == flag
+
+
+def test_a_flag_given_as_text_neither_writes_nor_runs_code(
+    lightning: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    evil = Path(__file__).resolve().parents[2] / "fixtures" / "evil.pt"
+    monkeypatch.chdir(tmp_path)  # (where evil.pt's payload would leave its marker)
+    with pytest.raises(UsageError, match="trust='no'"):
+        ct.load_state_dict(evil, trust="no")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="dry_run='false'"):
+        ct.strip_module(lightning, tmp_path / "out.pt", dry_run="false")  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+    assert len(FLAGGED) > 60  # (every public operation's flags, found by their annotation)

@@ -36,6 +36,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_flags,
     checked_path,
     checked_paths,
     count_of,
@@ -140,6 +141,7 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}, not a tensor,"
 
 
+@checked_flags
 def average(
     srcs: Sequence[StrPath],
     dst: StrPath,

@@ -11,7 +11,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_path, count_of
+from ckpt_tools._types import (
+    Progress,
+    Select,
+    StrPath,
+    VerifyLevel,
+    checked_flags,
+    checked_path,
+    count_of,
+)
 from ckpt_tools.errors import UsageError
 from ckpt_tools.formats import refuse_url
 from ckpt_tools.io.output_path import check_output_folder, check_output_path
@@ -89,6 +97,7 @@ def _output_format(dst: str, max_shard_size: str | int | None) -> str:
     return "hf-sharded"
 
 
+@checked_flags
 def consolidate(
     src: StrPath,
     dst: StrPath,

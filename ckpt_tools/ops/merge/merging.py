@@ -19,6 +19,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_flags,
     checked_path,
     str_items,
 )
@@ -58,6 +59,7 @@ __all__ = ["merge_lora"]
 _FLOATING = ("float64", "float32", "float16", "bfloat16")
 
 
+@checked_flags
 def merge_lora(
     base: StrPath,
     adapter: StrPath,

@@ -13,6 +13,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_flags,
     checked_path,
     count_of,
     str_mapping,
@@ -25,6 +26,7 @@ from ckpt_tools.ops.rewrite.rewriting import rewrite
 __all__ = ["convert", "retag"]
 
 
+@checked_flags
 def convert(
     src: StrPath,
     dst: StrPath,
@@ -130,6 +132,7 @@ _DEVICE_TAGS_WHY = (
 )
 
 
+@checked_flags
 def retag(
     src: StrPath,
     dst: StrPath,

@@ -16,6 +16,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_flags,
     checked_path,
     str_items,
     str_mapping,
@@ -36,6 +37,7 @@ from ckpt_tools.structure.keys import (
 __all__ = ["RewriteResult", "add_module", "rename", "rewrite", "strip_module"]
 
 
+@checked_flags
 def rewrite(
     src: StrPath,
     dst: StrPath,
@@ -129,6 +131,7 @@ def rewrite(
     )
 
 
+@checked_flags
 def strip_module(
     src: StrPath,
     dst: StrPath,
@@ -209,6 +212,7 @@ def _with(result: RewriteResult, **changes: Any) -> RewriteResult:
     return replace(result, **changes)
 
 
+@checked_flags
 def add_module(
     src: StrPath,
     dst: StrPath,
@@ -262,6 +266,7 @@ def add_module(
     )
 
 
+@checked_flags
 def rename(
     src: StrPath,
     dst: StrPath,

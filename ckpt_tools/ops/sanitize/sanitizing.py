@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_path
+from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_flags, checked_path
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import (
     Remedy,
@@ -49,6 +49,7 @@ from ckpt_tools.structure.tensor_walk import (
 __all__ = ["SanitizeResult", "sanitize"]
 
 
+@checked_flags
 def sanitize(
     src: StrPath,
     dst: StrPath,

@@ -10,6 +10,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_flags,
     checked_path,
     str_items,
 )
@@ -27,6 +28,7 @@ from ckpt_tools.structure.paths import key_text
 __all__ = ["extract"]
 
 
+@checked_flags
 def extract(
     src: StrPath,
     dst: StrPath,

@@ -25,6 +25,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_flags,
     checked_path,
     count_of,
     str_items,
@@ -272,6 +273,7 @@ def _carried_metadata(
     return carried, ties
 
 
+@checked_flags
 def reshard(
     src: StrPath,
     dst: StrPath,

@@ -24,6 +24,7 @@ from ckpt_tools._types import (
     Select,
     StrPath,
     VerifyLevel,
+    checked_flags,
     checked_path,
     one_of,
     str_items,
@@ -171,6 +172,7 @@ def select_weights(
     return selection, notes
 
 
+@checked_flags
 def slim(
     src: StrPath,
     dst: StrPath,
