@@ -128,6 +128,7 @@ def check_output_path(
     if src is not None and out.exists() and _same_file(Path(src), out):
         if not in_place:
             raise SameFileError(dst, offer_in_place=in_place is not None)
+        _check_creatable(out.resolve().parent, dst)
         return out.resolve()
     if out.is_dir():
         raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)
@@ -140,6 +141,7 @@ def check_output_path(
         raise OutputError(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
+    _check_creatable(folder, dst)
     return out.resolve() if out.is_symlink() else out
 
 
@@ -295,6 +297,7 @@ def check_output_folder(
             f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
             path=dst,
         )
+    _check_creatable(out.parent, dst)
     return out
 
 
@@ -343,6 +346,22 @@ def resolved_output(dst: str | os.PathLike[str]) -> Path:
     """``dst`` as an absolute path; a symlink at it resolved, as file outputs resolve theirs."""
     out = Path(os.path.abspath(dst))
     return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
+def _check_creatable(folder: Path, dst: str | os.PathLike[str]) -> None:
+    """Refuse an output whose folder takes no new file (its temp file, or temp folder, is made
+    there): found before the work, and by a dry run, which writes nothing to find it out.
+    ``os.access`` asks without making a file, so no signal can land while one is open."""
+    effective = os.access in os.supports_effective_ids
+    if os.access(folder, os.W_OK | os.X_OK, effective_ids=effective):
+        return
+    read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    raise OutputError(
+        f"cannot create a file in {str(folder)!r}, where {os.fspath(dst)!r} would be written: "
+        + ("read-only file system" if read_only else "permission denied"),
+        path=dst,
+        remedies=(Remedy(text="make the folder writable, or choose another output path"),),
+    )
 
 
 def check_writable(out: Path, dst: str | os.PathLike[str]) -> None:

@@ -6,6 +6,7 @@ during a write by several threads ends it as with one (exit 128 + signal, nothin
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools import convert
+from ckpt_tools import convert, rename, sub_rule
 from ckpt_tools.errors import OutputError
 from ckpt_tools.io import atomic
 from ckpt_tools.io.interrupts import Interrupted
@@ -123,39 +124,96 @@ def _as_other_user(check: Callable[[], None]) -> None:
     assert os.waitstatus_to_exitcode(status) == 0, "the check failed as another user"
 
 
-def test_a_folder_the_process_cannot_write_into_is_refused_not_replaced() -> None:
-    # cp -r and rsync cannot write into it either; replacing it would take someone's
-    # read-only folder over (only the parent's write permission is needed for that).
-    # Under /tmp, which another user can reach (pytest's temp folders are private).
+@pytest.fixture
+def open_folder() -> Iterator[Path]:
+    """A folder under /tmp, which another user can reach (pytest's temp folders are private),
+    that every user may write into; removed, read-only folders in it included, at the end."""
     if os.stat("/tmp").st_mode & 0o1777 != 0o1777:
         pytest.skip("needs a /tmp that every user may enter")
     base = Path(tempfile.mkdtemp(dir="/tmp"))
+    os.chmod(base, 0o777)
     try:
-        os.chmod(base, 0o777)
-        ro = base / "ro"
-        ro.mkdir(mode=0o555)
-        before = ro.stat()
-        one = FolderFile("model.safetensors", lambda out: out.file.write(b"x"), lambda p: "")
-
-        def check() -> None:
-            with pytest.raises(OutputError, match="cannot write into the output folder"):
-                check_output_folder(ro, force=True)
-            with pytest.raises(OutputError, match="permission denied"):
-                write_folder(ro, [one])
-
-        _as_other_user(check) if os.geteuid() == 0 else check()
-        after = ro.stat()
-        assert (after.st_ino, after.st_mode, after.st_uid) == (
-            before.st_ino,
-            before.st_mode,
-            before.st_uid,
-        )
-        assert h.listing(base) == ["ro"]
+        yield base
     finally:
-        os.chmod(base / "ro", 0o755)
         for p in sorted(base.rglob("*"), reverse=True):
-            p.rmdir() if p.is_dir() else p.unlink()
+            if p.is_dir():
+                os.chmod(p, 0o755)
+                p.rmdir()
+            else:
+                p.unlink()
         base.rmdir()
+
+
+def test_a_folder_the_process_cannot_write_into_is_refused_not_replaced(open_folder: Path) -> None:
+    # cp -r and rsync cannot write into it either; replacing it would take someone's
+    # read-only folder over (only the parent's write permission is needed for that).
+    ro = open_folder / "ro"
+    ro.mkdir(mode=0o555)
+    before = ro.stat()
+    one = FolderFile("model.safetensors", lambda out: out.file.write(b"x"), lambda p: "")
+
+    def check() -> None:
+        with pytest.raises(OutputError, match="cannot write into the output folder"):
+            check_output_folder(ro, force=True)
+        with pytest.raises(OutputError, match="permission denied"):
+            write_folder(ro, [one])
+
+    _as_other_user(check) if os.geteuid() == 0 else check()
+    after = ro.stat()
+    assert (after.st_ino, after.st_mode, after.st_uid) == (
+        before.st_ino,
+        before.st_mode,
+        before.st_uid,
+    )
+    assert h.listing(open_folder) == ["ro"]
+
+
+def _refused_in(folder: Path, src: Path, reason: str) -> None:
+    """Every output in ``folder`` is refused, dry run or not: a file, a folder, the input
+    rewritten in place; ``folder`` takes no new file."""
+    inside = folder / "in.pt"
+    calls = (
+        (convert, src, folder / "out.safetensors", {}),
+        (convert, src, f"{folder}/hf/", {}),
+        (rename, inside, inside, {"rules": [sub_rule("layer", "block")], "in_place": True}),
+    )
+    for dry_run in (True, False):
+        for func, a, b, options in calls:
+            with pytest.raises(OutputError, match=f"cannot create a file in .*: {reason}"):
+                func(a, b, dry_run=dry_run, **options)
+
+
+def test_an_output_whose_folder_takes_no_file_is_refused_by_a_dry_run_too(
+    open_folder: Path,
+) -> None:
+    # A dry run writes nothing, so only a check before the work finds it; it said "would
+    # write" where the write then failed.
+    src = _plain(open_folder / "x.pt")
+    src.chmod(0o644)
+    ro = open_folder / "ro"
+    ro.mkdir()
+    _plain(ro / "in.pt").chmod(0o644)
+    ro.chmod(0o555)
+    before = h.listing(open_folder)
+    check = functools.partial(_refused_in, ro, src, "permission denied")
+    _as_other_user(check) if os.geteuid() == 0 else check()
+    assert h.listing(open_folder) == before
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs holding ``in.pt``, remounted read-only (root only)."""
+    for folder in h.mounted("tmpfs", tmp_path / "mnt", "-t", "tmpfs", "tmpfs"):
+        _plain(folder / "in.pt")
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        yield folder
+
+
+def test_an_output_on_a_read_only_mount_is_refused_by_a_dry_run_too(
+    read_only_mount: Path, tmp_path: Path
+) -> None:
+    _refused_in(read_only_mount, _plain(tmp_path / "x.pt"), "read-only file system")
+    assert h.listing(read_only_mount) == ["in.pt"]
 
 
 # --------------------------------------------------------------------------------------------
