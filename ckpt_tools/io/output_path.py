@@ -128,6 +128,7 @@ def check_output_path(
     if src is not None and out.exists() and _same_file(Path(src), out):
         if not in_place:
             raise SameFileError(dst, offer_in_place=in_place is not None)
+        _refuse_cache_blob(out.resolve(), dst)
         _check_creatable(out.resolve().parent, dst)
         return out.resolve()
     if out.is_dir():
@@ -141,6 +142,7 @@ def check_output_path(
         raise OutputError(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
+    _refuse_cache_blob(out.resolve(), dst)
     _check_creatable(folder, dst)
     return out.resolve() if out.is_symlink() else out
 
@@ -346,6 +348,21 @@ def resolved_output(dst: str | os.PathLike[str]) -> Path:
     """``dst`` as an absolute path; a symlink at it resolved, as file outputs resolve theirs."""
     out = Path(os.path.abspath(dst))
     return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
+def _refuse_cache_blob(target: Path, dst: str | os.PathLike[str]) -> None:
+    """Refuse to replace a Hugging Face cache blob (``models--org--name/blobs/HASH``) through
+    a snapshot's link to it: every snapshot sharing the blob would change, and the blob would
+    no longer hold what its name (the hash of its bytes) says."""
+    cache_entry = target.parent.parent.name.startswith(("models--", "datasets--", "spaces--"))
+    if target.parent.name != "blobs" or not cache_entry or target == Path(os.path.abspath(dst)):
+        return
+    raise OutputError(
+        f"output {os.fspath(dst)!r} links to the Hugging Face cache blob {str(target)!r}: "
+        "replacing it would change every snapshot that shares it",
+        path=dst,
+        remedies=(Remedy(text="write to another path; the cache keeps the downloaded file"),),
+    )
 
 
 def _check_creatable(folder: Path, dst: str | os.PathLike[str]) -> None:
