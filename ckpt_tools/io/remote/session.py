@@ -5,7 +5,6 @@ what every file opened through them cost.
 from __future__ import annotations
 
 import posixpath
-from contextlib import suppress
 from types import TracebackType
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -17,6 +16,7 @@ from ckpt_tools.errors import (
     UsageError,
 )
 from ckpt_tools.formats import HIDDEN
+from ckpt_tools.formats.detect import is_index_name
 from ckpt_tools.formats.hf_choice import MAX_CONFIG_BYTES, explicit_weights
 from ckpt_tools.io.remote.http import HttpTransport, make_client, remote_timeout
 from ckpt_tools.io.remote.httpurls import credentials, shown_url, split_http, with_userinfo
@@ -73,6 +73,7 @@ class RemoteSession:
         # (folder, query as shown) -> as given: a file beside a URL given is asked for with
         # that URL's query (its token), which reaches it shown, as its name was built.
         self._queries: dict[tuple[str, str], str] = {}
+        self._deriving: set[tuple[str, str]] = set()  # ... of a folder or an index URL given
 
     def named(self, url: str) -> str:
         """``url`` as messages and reports show it (:func:`shown_url`: no userinfo, no query
@@ -100,10 +101,8 @@ class RemoteSession:
                     f"(shown as {HIDDEN}); read each in a command of its own",
                     path=shown,
                 )
-        if "?" in url:
-            # A URL that does not parse is refused with its reason where it is opened.
-            with suppress(ValueError):
-                self._queries.setdefault(_folder_query(shown), urlsplit(url).query)
+        if "?" in url and shown != url:  # (a file named as shown is one read beside)
+            self._note_query(url, shown)
         if shown != url and self._given.setdefault(shown, url) != url:
             raise UsageError(
                 f"{shown} is given twice, with other credentials or query values (shown as "
@@ -111,6 +110,24 @@ class RemoteSession:
                 path=shown,
             )
         return shown
+
+    def _note_query(self, url: str, shown: str) -> None:
+        """Keep ``url``'s query for the files read beside it; refuse a second query for its
+        folder (shown the same) where a folder or an index URL takes part: the files it reads
+        are named as shown, and would be asked for with the other URL's values."""
+        try:  # (a URL that does not parse is refused with its reason where it is opened)
+            where, query = _folder_query(shown), urlsplit(url).query
+        except ValueError:
+            return
+        if is_folder_url(url) or is_index_name(file_name(url)):
+            self._deriving.add(where)
+        if self._queries.setdefault(where, query) != query and where in self._deriving:
+            raise UsageError(
+                f"{where[0]} is given with two queries (shown as {HIDDEN}), and the files read "
+                "beside a folder or an index there would be asked for with either; read each "
+                "in a command of its own",
+                path=shown,
+            )
 
     def open(self, url: str) -> RemoteFile:
         """The file at ``url``, its size learned and its first bytes read (one request).

@@ -103,6 +103,9 @@ def _scan_all(
 ) -> ScanReport:
     targets: list[_Target] = []
     skipped: list[str] = []
+    for path in given:  # every URL named before any is read: the session refuses clashes
+        if session is not None and is_url(path):
+            session.named(path)
     for path in given:
         if session is not None and is_url(path):
             found, indexes = url_targets(path, session)

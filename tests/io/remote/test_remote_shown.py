@@ -177,6 +177,30 @@ def test_two_urls_shown_the_same_are_not_read_as_one(hub: HubServer, model: Path
     assert hub.log.requests() == 0
 
 
+@pytest.mark.parametrize("folder_first", [False, True])
+def test_a_folder_given_beside_a_file_with_other_query_values_is_refused(
+    hub: HubServer, model: Path, folder_first: bool
+) -> None:
+    """The files a folder URL reads are named as shown (``…/pytorch_model.bin?v=***``): beside
+    a file given there with other values, they would be asked for with the file's (the folder
+    scanned at the file's version, and called clean): refused, and nothing is read."""
+    url = hub.put_file("m/pytorch_model.bin", model)
+    given = [f"{url}?v=1", f"{url.rpartition('/')[0]}/?v=2"]
+    _, out, err = run_ckpt("scan", *(given[::-1] if folder_first else given), code=EXIT_USAGE)
+    assert "is given with two queries" in err and "v=1" not in err and out == ""
+    assert hub.log.requests() == 0
+
+
+def test_files_of_one_folder_each_signed_are_each_read_with_their_own_query(
+    hub: HubServer, model: Path
+) -> None:
+    # Presigned URLs: one signature per object, in one folder.
+    a, b = hub.put_file("m/a.pt", model), hub.put_file("m/b.pt", model)
+    with RemoteSession() as remote:
+        assert remote.open(f"{a}?sig=A").transport.resolved == f"{a}?sig=A"  # type: ignore[attr-defined]
+        assert remote.open(f"{b}?sig=B").transport.resolved == f"{b}?sig=B"  # type: ignore[attr-defined]
+
+
 LOCAL_ONLY = [
     ("convert", "{url}", "{out}/b.safetensors"),
     ("average", "{url}", "{url}", "{out}/f.pt"),
