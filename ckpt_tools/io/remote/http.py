@@ -324,22 +324,25 @@ class HttpTransport:
 
     def _status_error(self, response: httpx.Response) -> RemoteError | CheckpointNotFoundError:
         status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
-        # A redirect's target (a CDN's signed URL) without its query: a credential.
-        target = shown_url(str(response.url), target=True)
-        where = "" if target == shown_url(self.url, target=True) else f" from {target}"
+        # Answered where a redirect led (a CDN), not where our credentials were sent: told by
+        # the hops taken, as httpx normalises the URL it requested (case, %-escapes, dots).
+        final = self._final is not None and str(response.request.url) == self._final[0]
+        redirected = bool(response.history) or final
+        # Where it was answered (a CDN's signed URL, the endpoint an hf:// URL resolves to),
+        # without its query: a credential.
+        where = f" from {shown_url(str(response.url), target=True)}"
+        elsewhere = redirected or not self.url.lower().startswith(("http://", "https://"))
         if response.status_code in (404, 410):
             return CheckpointNotFoundError(
-                f"{self.url}: not found ({status}{where})", path=self.url
+                f"{self.url}: not found ({status}{where if elsewhere else ''})", path=self.url
             )
         if response.status_code in (401, 403):
-            # Refused where a redirect led (a CDN), not where our credentials were sent.
-            redirected = target != shown_url(self.resolved, target=True)
             return RemoteAccessError(
-                f"{self.url}: access refused ({status}{f' from {target}' if redirected else ''})",
+                f"{self.url}: access refused ({status}{where if redirected else ''})",
                 path=self.url,
                 remedies=(self._credentials(elsewhere=redirected),),
             )
-        return RemoteError(f"{self.url}: {status}{where}", path=self.url)
+        return RemoteError(f"{self.url}: {status}{where if elsewhere else ''}", path=self.url)
 
     def _credentials(self, *, elsewhere: bool = False) -> Remedy:
         if elsewhere:  # a redirect's target: no credentials of ours went there

@@ -168,6 +168,27 @@ def test_a_refused_query_is_told_apart_from_no_credentials(
     assert info.value.path == shown_url(url)
 
 
+@pytest.mark.parametrize(
+    ("name", "spelled"),
+    [("my model.pt", "my model.pt"), ("model.pt", "x/../model.pt"), ("mödel.pt", "mödel.pt")],
+)
+@pytest.mark.parametrize("status", [401, 404])
+def test_an_answer_of_the_url_itself_is_not_taken_for_a_redirects(
+    hub: HubServer, model: Path, monkeypatch: pytest.MonkeyPatch, name: str, spelled: str,
+    status: int,
+) -> None:  # fmt: skip
+    # httpx requests the URL normalised (%-escapes, dot segments, a lower-case host): that
+    # is no redirect, and the remedy is the one for the URL's own credentials.
+    monkeypatch.delenv("HF_ENDPOINT")  # a server of its own, not the Hub
+    hub.statuses[hub.put_file(name, model).removeprefix(hub.url)] = status
+    host = hub.url.replace("127.0.0.1", "LocalHost").replace("://", "://me:pw@")
+    with RemoteSession() as remote, pytest.raises((RemoteAccessError, FileNotFoundError)) as info:
+        remote.open(f"{host}/files/{spelled}")
+    message = str(info.value)
+    assert f"HTTP {status} " in message and " from " not in message, message
+    assert "redirected" not in message and ("check them" in message or status == 404)
+
+
 def test_two_urls_shown_the_same_are_not_read_as_one(hub: HubServer, model: Path) -> None:
     """Two URLs that differ only in what is hidden would share a name, and one's reads would
     be taken for the other's: refused, and nothing is read."""
