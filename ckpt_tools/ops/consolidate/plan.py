@@ -22,6 +22,7 @@ from ckpt_tools.formats.safetensors import tie_metadata
 from ckpt_tools.io.assemble import AssembledPiece, ChunkSource, Piece, SpanPiece
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.safetensors import leave_out_extras
+from ckpt_tools.ops.transform.plan import check_computable
 from ckpt_tools.structure.keys import rename_keys
 from ckpt_tools.structure.selection import Selection, select_state_dict
 from ckpt_tools.structure.tensor_walk import iter_stored_tensors
@@ -95,11 +96,18 @@ class ConsolidationPlan:
         return sum({id(t.tensor.storage): t.copied for t in self.tensors}.values())
 
 
-def _pieces(ckpt: DcpCheckpoint, t: TensorRef) -> tuple[Piece, ...]:
-    """Where ``t``'s bytes come from, in row-major order."""
+def _pieces(ckpt: DcpCheckpoint, t: TensorRef, name: str) -> tuple[Piece, ...]:
+    """Where ``t`` (output key ``name``)'s bytes come from, in row-major order.
+
+    Raises:
+        ConversionError: a chunk of it (or it) is saved as a negative or conjugate view:
+            torch.load applies the bit to the bytes, which are copied as they are.
+    """
     size = itemsize(t.dtype)
+    doing = "consolidate's copy of each chunk"
     if id(t) not in ckpt.tensors:
         # A tensor inside a value (BYTE_IO), written as a tensor of its own (safetensors).
+        check_computable(name, t, doing, cast=False)
         span = ckpt.span(t.storage)
         return (SpanPiece(ByteSpan(span.path, span.offset + t.byte_offset, t.nbytes)),)
     item = ckpt.item_of(t)
@@ -108,6 +116,8 @@ def _pieces(ckpt: DcpCheckpoint, t: TensorRef) -> tuple[Piece, ...]:
         for c in sorted(item.chunks, key=lambda c: c.offsets)
         if math.prod(c.sizes)
     ]
+    for d in chunks:
+        check_computable(name, d.tensor, doing, cast=False)
     if all(d.chunk.sizes[1:] == item.shape[1:] and d.tensor.is_contiguous() for d in chunks):
         # Dim-0 slices (FSDP), sorted and known to tile the tensor: back to back they are it.
         return tuple(
@@ -156,7 +166,7 @@ class _Collector:
                 "output cannot hold as saved; write a .pt (a dst ending in .pt) to keep it"
             )
         out = _fresh(t, str(len(self.tensors)))
-        self.tensors.append(OutputTensor(name, out, _pieces(self.ckpt, t)))
+        self.tensors.append(OutputTensor(name, out, _pieces(self.ckpt, t, name)))
         return out
 
     def value(self, node: Any, name: str) -> Any:

@@ -87,6 +87,35 @@ def test_a_strided_value_is_refused_for_safetensors(tmp_path: Path) -> None:
     assert not (tmp_path / "m.safetensors").exists()
 
 
+_NEG = torch.tensor([1.0, 2.0])._neg_view()
+_CONJ = torch.tensor([1 + 2j, 3 - 4j]).conj()
+
+
+@pytest.mark.parametrize(
+    ("saved", "at", "key", "dst"),
+    [
+        ({"model": {"w": _NEG}}, ("model", "w"), "w", "m.pt"),
+        ({"model": {"c": _CONJ}}, ("model", "c"), "c", "m.pt"),
+        ({"model": {"w": _NEG}}, ("model", "w"), "model.w", "m.safetensors"),
+        ({"model": {}, "extra": (_NEG,)}, ("extra", 0), "extra.0", "m.safetensors"),
+    ],
+)
+def test_a_chunk_saved_as_a_negative_or_conjugate_view_is_refused(
+    tmp_path: Path, saved: dict[str, Any], at: tuple[Any, ...], key: str, dst: str
+) -> None:
+    # A chunk's bytes are the view's storage: torch.load negates (conjugates) them, as
+    # dcp_to_torch_save does; copied as they are, every value would change sign.
+    folder = save_dcp(tmp_path / "ckpt", saved)
+    want, view = reference(folder, tmp_path / "ref.pt"), saved
+    for part in at:
+        want, view = want[part], view[part]
+    assert torch.equal(want, view.resolve_neg().resolve_conj())
+    options = {"include_all": True} if dst.endswith(".safetensors") else {}
+    with pytest.raises(ConversionError, match=f"tensor '{key}' is saved as a .* view"):
+        consolidate(folder, tmp_path / dst, **options)
+    assert not (tmp_path / dst).exists()
+
+
 def _flip(folder: Path, value: float) -> None:
     """One bit of ``value``'s bytes flipped in the folder's shard."""
     path = folder / "__0_0.distcp"
