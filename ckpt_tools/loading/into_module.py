@@ -131,7 +131,9 @@ def _source_state_dict(
 ) -> tuple[Mapping[str, Any], str, LoadInfo | None]:
     if isinstance(source, Mapping):
         if select is not None or not is_state_dict(source):
-            source = _selection_checked(source, select, "<state dict>").state_dict
+            chosen = _selection_checked(source, select, "<state dict>", trusted=False)
+            assert chosen is not None  # (only a trusted file leaves the choice to torch)
+            source = chosen.state_dict
         return source, "<state dict>", None
     if not isinstance(source, (str, os.PathLike)):
         raise UsageError(

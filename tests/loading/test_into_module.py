@@ -137,6 +137,22 @@ def test_rewrites_come_from_comparing_wrapper_stacks(
     assert report.source == "<state dict>" and report.info is None
 
 
+@pytest.mark.parametrize("select", [None, "state_dict"])
+def test_an_in_memory_dict_holding_a_state_dict_loads_as_a_file_of_it_would(
+    source: Net, select: str | None, tmp_path: Path
+) -> None:
+    # A Lightning-style dict, as torch.load(weights_only=True) returns it.
+    held = {"state_dict": source.state_dict(), "epoch": 3}
+    torch.save(held, tmp_path / "held.pt")
+    from_memory, from_file = make_net(1), make_net(1)
+    report = load_into(from_memory, held, select=select)
+    load_into(from_file, tmp_path / "held.pt", select=select)
+    assert report.source == "<state dict>" and report.loaded == len(source.state_dict())
+    for a, b, want in zip(from_memory.state_dict().values(), from_file.state_dict().values(),
+                          source.state_dict().values()):  # fmt: skip
+        assert torch.equal(a, want) and torch.equal(b, want)
+
+
 def test_cuda1_checkpoint_loads_into_a_cpu_model(
     source: Net, x: torch.Tensor, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
