@@ -68,7 +68,28 @@ def shapes_reading(
             return True
         if form == "hf-sharded" and _hf_reads(real_folder, candidate):
             return True
-    return False
+    return form != "hf-sharded" and os.path.realpath(path) in _linked_reads(real_folder, form)
+
+
+def _linked_reads(folder: str, form: str | None) -> set[str]:
+    """The files a DCP or DeepSpeed ``folder`` reads that lie elsewhere, reached through a
+    linked subfolder (a tag folder on another volume), by their real paths: such a file is
+    no less an input than one inside the folder."""
+    patterns = _READ_BY_FORMAT.get(form or "", ("*",))
+    found: set[str] = set()
+    with os.scandir(folder) as entries:
+        linked = [e.path for e in entries if e.is_symlink() and e.is_dir()]
+    for sub in linked:
+        try:
+            names = os.listdir(sub)
+        except OSError:  # (a folder the reader cannot list either)
+            continue
+        found.update(
+            os.path.realpath(os.path.join(sub, name))
+            for name in names
+            if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        )
+    return found
 
 
 def _read_now(folder: str, form: str | None, path: str) -> bool:

@@ -66,6 +66,23 @@ def test_a_folders_one_weight_file_is_rewritten_in_place_a_shard_never(
     assert "is a file of the input folder" in err
 
 
+def test_a_file_read_through_a_linked_tag_folder_is_never_the_output(tmp_path: Path) -> None:
+    # A DeepSpeed save folder whose tag folder lies on another volume, linked: its rank
+    # files are the input as much as if they were inside it, by either path.
+    volume, run = tmp_path / "volume" / "global_step2", tmp_path / "run"
+    volume.mkdir(parents=True)
+    run.mkdir()
+    (run / "latest").write_text("global_step2")
+    (run / "global_step2").symlink_to(volume)
+    states = volume / "mp_rank_00_model_states.pt"
+    states.write_bytes(b"rank 0")
+    for out in (run / "global_step2" / states.name, states):
+        with pytest.raises(SameFileError, match="a file of the input folder"):
+            check_output_path(out, run, force=True)
+    assert states.read_bytes() == b"rank 0"
+    assert check_output_path(volume / "notes.pt", run) == volume / "notes.pt"
+
+
 def test_a_file_of_the_input_folder_its_reader_does_not_read_follows_force(
     tmp_path: Path,
 ) -> None:
