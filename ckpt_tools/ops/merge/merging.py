@@ -382,5 +382,8 @@ def _refuse_adapter_output(dst: str, adapter: str) -> None:
     it. Any other output written into the folder is fine, and replaced with ``force`` as
     any output is."""
     out, inputs = resolved_output(dst), Path(adapter).resolve()
-    if out.parent == inputs and out.name in (CONFIG_NAME, *WEIGHT_NAMES):
+    names = (CONFIG_NAME, *WEIGHT_NAMES)
+    # By real paths: a linked folder on the way, or files that are links (a hub cache's).
+    read = {(inputs / name).resolve() for name in names if (inputs / name).exists()}
+    if (out.parent.resolve() == inputs and out.name in names) or out.resolve() in read:
         raise SameFileError(dst, offer_in_place=False, folder=adapter)

@@ -189,6 +189,27 @@ def test_a_file_of_the_adapter_is_refused_as_one_before_force_is_offered(
         assert "is a file of the input folder" in err and "--force" not in err, err
 
 
+def test_a_file_of_the_adapter_reached_through_links_is_refused_too(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    # The folder through a linked folder, and a config that is a link (a hub cache's
+    # snapshot links each file to its blob): the file PEFT reads, by either path.
+    base, adapter = tiny
+    alias = tmp_path / "alias"
+    alias.symlink_to(adapter)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for entry in adapter.iterdir():
+        (snapshot / entry.name).symlink_to(entry)
+    config = (adapter / "adapter_config.json").read_bytes()
+    for folder, out in ((alias, alias), (snapshot, snapshot), (snapshot, adapter)):
+        target = out / "adapter_config.json"
+        _, _, err = run_ckpt("merge-lora", base, folder, target, "--format", "torch", "--force",
+                             code=6)  # fmt: skip
+        assert "is a file of the input folder" in err, err
+    assert (adapter / "adapter_config.json").read_bytes() == config
+
+
 def test_merging_imports_no_torch(tiny: tuple[Path, Path]) -> None:
     base, adapter = tiny
     env = torch_free_env(base.parent)
