@@ -26,6 +26,7 @@ __all__ = [
     "check_replacement",
     "check_wrapper_prefix",
     "compile_pattern",
+    "idle_rules",
     "key_heads",
     "literal_replacement",
     "plan_renames",
@@ -224,6 +225,24 @@ def plan_renames(keys: Sequence[str], rules: Sequence[KeyRule]) -> dict[str, str
             ),
         )
     return plan
+
+
+def idle_rules(keys: Sequence[str], rules: Sequence[KeyRule]) -> list[KeyRule]:
+    """The rules that change no key where they apply, in order (after the rules before them):
+    a typo, or a second rule for keys a first one renamed.
+
+    Example:
+        >>> rules = [sub_rule("layers.", "blocks."), sub_rule("haed.", "head.")]
+        >>> [r.description for r in idle_rules(["layers.0.w", "head.w"], rules)]
+        ["'haed.' -> 'head.'"]
+    """
+    used = [False] * len(rules)
+    for key in keys:
+        for i, rule in enumerate(rules):
+            new = rule.apply(key)
+            used[i] = used[i] or new != key
+            key = new
+    return [rule for rule, was in zip(rules, used) if not was]
 
 
 _SD = TypeVar("_SD", bound=Mapping[str, Any])

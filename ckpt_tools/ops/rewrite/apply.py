@@ -33,7 +33,7 @@ from ckpt_tools.ops.rewrite.plan import (
     torch_instead,
 )
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.structure.keys import KeyRule, apply_plan, key_heads, plan_renames
+from ckpt_tools.structure.keys import KeyRule, apply_plan, idle_rules, key_heads, plan_renames
 from ckpt_tools.structure.selection import (
     Selection,
     holds_no_state_dict,
@@ -87,8 +87,10 @@ def apply_rewrite(
     plan = _plan(ckpt, selection, rules, fmt, drop_extras, target, torch_instead(dst))
     # A typo would write an unchanged copy; a root that is no mapping has no keys to match
     # and is written whole.
-    if rules and not plan.changed and not selection.stand_in:
-        _refuse_unmatched(src, selection, rules)
+    if rules and not selection.stand_in:
+        idle = rules if not plan.changed else idle_rules(list(selection.state_dict), rules)
+        if idle:
+            _refuse_unmatched(src, selection, idle, renamed=len(plan.changed))
     device_map = matched_device_map(ckpt, device_map) if device_map else None
     renamed, n_keys = len(plan.changed), len(selection.state_dict)
     stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
@@ -132,8 +134,11 @@ def _retagged(device_map: Mapping[str, str] | None) -> str:
     return f"; saved devices {moved_devices(device_map)}" if device_map else ""
 
 
-def _refuse_unmatched(src: str, selection: Selection, rules: Sequence[KeyRule]) -> None:
-    """The refusal of ``rules`` that rename no key of the selected state dict."""
+def _refuse_unmatched(
+    src: str, selection: Selection, rules: Sequence[KeyRule], renamed: int = 0
+) -> None:
+    """The refusal of ``rules`` that rename no key of the selected state dict (where the
+    others rename ``renamed``, applied in order)."""
     described = ", ".join(r.description or r.pattern for r in rules)
     if not selection.state_dict:
         where = f"at {'.'.join(selection.path)!r}" if selection.path else "at the root"
@@ -144,9 +149,15 @@ def _refuse_unmatched(src: str, selection: Selection, rules: Sequence[KeyRule]) 
         )
     # Keys from the file, shown escaped: a line break in one cannot start a line of its own.
     heads = [shown(head) for head in key_heads(selection.state_dict)]
+    outcome = (
+        f"the other rules rename {renamed} of the keys (each rule applies to the keys the "
+        "ones before it made); remove or fix it"
+        if renamed
+        else "nothing would be renamed"
+    )
     raise UsageError(
-        f"no key of {src} matches {described}; "
-        f"nothing would be renamed (the keys start with {', '.join(heads[:10])})",
+        f"no key of {src} matches {described}; {outcome} (the keys start with "
+        f"{', '.join(heads[:10])})",
         argument="rules",
     )
 

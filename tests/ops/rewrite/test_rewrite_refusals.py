@@ -514,6 +514,24 @@ def test_a_rule_that_matches_no_key_is_refused_not_copied(tmp_path, args):
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.parametrize(
+    "rules",
+    [
+        ["--sub", "module.=", "--sub", "haed.=head."],
+        ["--sub", "module.=", "--regex", "^haed\\.=head."],
+        ["--sub", "module.=", "--sub", "module.=x."],  # the first renamed every one
+    ],
+)
+def test_a_rule_that_matches_no_key_beside_rules_that_do_is_refused(tmp_path, rules):
+    # The typo in the second rule was written as a success, its keys left as they were.
+    src = tmp_path / "ddp.pt"
+    torch.save({"module.fc.weight": torch.ones(2), "module.head.bias": torch.ones(1)}, src)
+    _, _, err = h.run_ckpt("rename", src, tmp_path / "out.pt", *rules, code=2)
+    assert "no key of" in err and "the other rules rename 2 of the keys" in err, err
+    assert rules[-1].split("=")[0].strip("^\\") in err, err
+    assert not (tmp_path / "out.pt").exists()
+
+
 @pytest.mark.parametrize("root", ["empty", "nested"])
 @pytest.mark.parametrize(
     "args",
