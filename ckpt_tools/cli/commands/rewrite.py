@@ -273,4 +273,8 @@ def reshard_cmd(src: str, dst: str, max_shard_size: str, **kw: Any) -> None:
 )
 def retag_cmd(src: str, dst: str, maps: tuple[str, ...], **kw: Any) -> None:
     """Rewrite saved device tags (cuda:1 -> cpu) so plain torch.load works anywhere."""
-    _rewrite(retag, src, dst, kw, mapping=dict(_pairs(maps, "--map")))
+    mapping: dict[str, str] = {}
+    for old, new in _pairs(maps, "--map"):
+        if mapping.setdefault(old, new) != new:  # (the last would win, without a word)
+            raise UsageError(f"--map maps {old} twice, to {mapping[old]} and to {new}; give one")
+    _rewrite(retag, src, dst, kw, mapping=mapping)

@@ -285,6 +285,7 @@ def test_unsafe_global_in_a_fresh_process(tmp_path):
         (["retag", "--map", "cpu=cuda:01"], "is not one torch restores"),
         (["retag", "--map", "cpu=cuda:\u00b2"], "is not one torch restores"),
         (["retag", "--map", "cpu=cpu:0"], "is not one torch restores"),
+        (["retag", "--map", "cpu=cuda:1", "--map", "cpu=meta"], "--map maps cpu twice"),
         (["convert", "--verify", "bogus"], "bogus"),
         (["strip-module", "--select", "nope"], "no entry 'nope'"),
     ],
