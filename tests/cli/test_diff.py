@@ -191,6 +191,18 @@ def test_a_layout_mismatch_fails_on_layout(files: Any, capsys: Any) -> None:
     assert code == 1 and "layouts differ: sparse_coo / strided" in out
 
 
+def test_what_the_model_file_prints_goes_to_stderr_not_into_the_json(tmp_path: Path) -> None:
+    noisy = "from torch import nn\nprint('importing')\n\n\ndef build():\n"
+    noisy += "    print('building')\n    return nn.Linear(2, 2)\n"
+    (tmp_path / "noisy.py").write_text(noisy)
+    torch.save(torch.nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
+    spec = f"{tmp_path / 'noisy.py'}:build"
+    for how in ("in-process", "module"):
+        _, out, err = run_ckpt("diff", tmp_path / "lin.pt", "--model", spec, "--json", how=how)
+        assert json.loads(out)["b"]["kind"] == "module"
+        assert "importing" in err and "building" in err
+
+
 def test_model_from_a_file_with_typed_args(tmp_path: Path, capsys: Any) -> None:
     (tmp_path / "net.py").write_text(NET_PY)
     spec = f"{tmp_path / 'net.py'}:Net"

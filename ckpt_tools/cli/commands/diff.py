@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 import click
@@ -136,22 +138,24 @@ def diff_cmd(
         require_torch("ckpt diff")  # values (and models) are compared with torch
 
     check_tolerances(rtol, atol)  # before a model is built: refusing is instant
-    if model_spec is not None:
-        from ckpt_tools.loading.module_spec import module_from_spec
+    # The model's own code (its module, factory, hooks) may print: stdout is the report's.
+    with contextlib.redirect_stdout(sys.stderr) if model_spec else contextlib.nullcontext():
+        if model_spec is not None:
+            from ckpt_tools.loading.module_spec import module_from_spec
 
-        other: Any = module_from_spec(model_spec, parse_model_args(model_args))
-    else:
-        other = b
-    report = diff(
-        a,
-        other,
-        rtol=rtol,
-        atol=atol,
-        select=select,
-        select_b=select_b,
-        align=align,
-        values=values,
-    )
+            other: Any = module_from_spec(model_spec, parse_model_args(model_args))
+        else:
+            other = b
+        report = diff(
+            a,
+            other,
+            rtol=rtol,
+            atol=atol,
+            select=select,
+            select_b=select_b,
+            align=align,
+            values=values,
+        )
     if verbose and report.transfer is not None:
         echo_text(f"remote: {report.transfer}", err=True)
     failed = sorted(report.found() & categories)
