@@ -24,6 +24,7 @@ from ckpt_tools._types import MapLocation, Select, StrPath, checked_flags
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
     Remedy,
+    SelectError,
     UnsupportedFormatError,
     UsageError,
 )
@@ -33,8 +34,10 @@ from ckpt_tools.loading.devices import auto_location, checked_device, resolve_ma
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.structure.modules import module_globals
+from ckpt_tools.structure.paths import parse_select, resolve_path
 from ckpt_tools.structure.selection import (
     Selection,
+    a_kind_of,
     holds_no_state_dict,
     select_state_dict,
 )
@@ -182,25 +185,50 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
     import (a dict subclass where the state dict is), which only that object shows."""
     if trusted and module_globals(root):
         return None
-    selection = select_state_dict(root, select=select)
+    trust = Remedy("trust", "True", text="if you trust the file: torch.load then builds it")
+    try:
+        selection = select_state_dict(root, select=select)
+    except SelectError as e:
+        node = _node_at(root, select)
+        if not isinstance(node, Opaque):
+            raise
+        raise SelectError(
+            f"{where}: the entry {select!r} is {a_kind_of(node)}, a class torch.load builds "
+            "only when trusted",
+            remedies=(trust,),
+        ) from e
     unfound = selection.stand_in or (select is None and not selection.found)
     if selection.stand_in:
         # torch.load(weights_only=True) builds a bare tensor or a list, not an object of a
         # class outside its allowlist: only trust builds that.
         remedy = (
-            Remedy("trust", "True", text="if you trust the file: torch.load then builds it")
+            trust
             if isinstance(root, Opaque)
             else Remedy(text="load it with torch.load(path, weights_only=True)")
         )
         raise UsageError(holds_no_state_dict(where, root), remedies=(remedy,))
     if unfound:
         top = list(root)[:12] if isinstance(root, Mapping) else []
+        # An entry of a class outside the allowlist (a dict subclass) may be the state dict.
+        built = [k for k in top if isinstance(root[k], Opaque)]
+        pick = Remedy("select", "'a.b'", flag="--select a.b", text="to pick one")
+        note = f" ({', '.join(shown(str(k)) for k in built)}: objects of their own class)"
         raise UsageError(
             f"{where}: no entry looks like a state dict (a mapping of names to tensors); "
-            f"top-level entries: {', '.join(shown(str(k)) for k in top) or 'none'}",
-            remedies=(Remedy("select", "'a.b'", flag="--select a.b", text="to pick one"),),
+            f"top-level entries: {', '.join(shown(str(k)) for k in top) or 'none'}"
+            + (note if built else ""),
+            remedies=(trust, pick) if built else (pick,),
         )
     return selection
+
+
+def _node_at(root: Any, select: Select) -> Any:
+    """What ``select`` names in ``root``, or None where it names nothing."""
+    parts = parse_select(select)
+    try:
+        return None if parts is None else resolve_path(root, parts).node
+    except SelectError:
+        return None
 
 
 @checked_flags

@@ -122,3 +122,20 @@ def test_trusted_choice_is_made_in_the_tree_torch_load_builds(tmp_path: Path) ->
     # select goes through dict subclasses as through dicts.
     torch.save({"model": AttrStateDict({"inner": AttrStateDict(model)})}, tmp_path / "deep.pt")
     _assert_same(load_state_dict(tmp_path / "deep.pt", trust=True, select="model.inner"), model)
+
+
+def test_a_dict_subclass_one_level_down_names_trust_as_at_the_root(tmp_path: Path) -> None:
+    # torch.load(weights_only=True) refuses a defaultdict; trusted, it loads the weights.
+    import collections
+
+    net = nn.Linear(2, 2)
+    held = collections.defaultdict(int, net.state_dict())
+    torch.save({"state_dict": held, "epoch": 1}, tmp_path / "dd.pt")
+    with pytest.raises(UsageError, match=r"\(state_dict: objects of their own class\)") as info:
+        load_state_dict(tmp_path / "dd.pt")
+    assert "pass trust=True" in str(info.value)
+    with pytest.raises(UsageError, match=r"a defaultdict, a class torch\.load builds only") as info:
+        load_state_dict(tmp_path / "dd.pt", select="state_dict")
+    assert "pass trust=True" in str(info.value) and "pick a dict entry" not in str(info.value)
+    loaded = load_state_dict(tmp_path / "dd.pt", trust=True)
+    assert all(torch.equal(loaded[k], v) for k, v in net.state_dict().items())
