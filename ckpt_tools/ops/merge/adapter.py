@@ -77,6 +77,8 @@ class LoraTarget:
         magnitude: DoRA's magnitude vector, or None (plain LoRA).
         r, alpha: the module's rank and alpha after ``rank_pattern`` / ``alpha_pattern``.
         scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
+        rounds_delta: a plain merge rounds the delta to the weight's dtype before adding it,
+            as PEFT's Embedding and its MiCA variant (``init_lora_weights="mica"``) do.
     """
 
     module: str
@@ -88,6 +90,7 @@ class LoraTarget:
     r: int
     alpha: float
     scaling: float
+    rounds_delta: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,13 @@ def _targets(
                     f"{weights!r}: {module}.{name} is {t.dtype} {list(t.shape)}, not one "
                     f"floating value per output ({b.shape[0]})"
                 )
-        targets.append(LoraTarget(module, kind, a, b, bias, magnitude, r, alpha, scaling))
+        # PEFT's MiCA variant (linear and embedding layers) adds delta.to(weight.dtype).
+        rounds = kind == "embedding" or (
+            kind == "linear" and str(config.get("init_lora_weights")).lower() == "mica"
+        )
+        targets.append(
+            LoraTarget(module, kind, a, b, bias, magnitude, r, alpha, scaling, rounds_delta=rounds)
+        )
     return targets, rest
 
 

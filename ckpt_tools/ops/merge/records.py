@@ -181,9 +181,9 @@ def _merged(
     """One block of rows merged: PEFT's delta, then the plain or DoRA merge."""
     delta_dtype = lora_dtype(w_dtype)
     delta = lora_delta(ab[0], ab[1], target.scaling, transpose, delta_dtype)
-    if target.kind == "embedding" and m is None:
-        # Embedding.merge rounds a plain delta to the weight's dtype before adding it (its
-        # DoRA variant does not).
+    if target.rounds_delta and m is None:
+        # Embedding.merge (and the MiCA variant's) rounds a plain delta to the weight's
+        # dtype before adding it (the DoRA variant does not).
         delta, delta_dtype = rounded(delta, w_dtype), w_dtype
     if m is None or target.magnitude is None:
         return plain_merge(w, w_dtype, delta, delta_dtype)

@@ -318,3 +318,17 @@ def test_an_infinite_alpha_is_strict_json_from_the_library_too(mlp: Any, tmp_pat
     assert info["format_info"]["alpha"] == "inf"
     plan = ct.merge_lora(mlp.base, adapter, tmp_path / "m.safetensors", dry_run=True).to_json()
     json.dumps([info, plan], allow_nan=False)  # what --json prints, no Infinity literal
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_mica_adapter_on_a_16_bit_base_is_merged_as_peft_merges_it(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # PEFT's MiCA variant adds delta.to(weight.dtype): the delta is rounded first, then the
+    # sum; merged as plain LoRA (one rounding of the sum) a third of the values differed.
+    case = make_case(
+        tmp_path / "case", tiny_llama, _lora("q_proj", init_lora_weights="mica"), dtype=dtype,
+        autocast=False,
+    )  # fmt: skip
+    ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    compare(torch.load(tmp_path / "m.pt", weights_only=True), case)
