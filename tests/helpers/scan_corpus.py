@@ -568,6 +568,28 @@ def write_npy_object(path: Path, m: Path) -> None:
         np.save(f, arr, allow_pickle=True)
 
 
+# A memo index the C unpickler reads as a C string, to its NUL ("0\x00" is slot 0), where
+# pickletools' genops refuses the line: a walk that stops there misses what follows.
+NUL_PUT = b"p0\x00\n"
+
+
+def write_legacy_nul_memo(path: Path, m: Path) -> None:
+    # The magic number's pickle memoises it through such a line; the payload is in the main
+    # pickle, which a reader that took the file for a plain pickle never reaches.
+    legacy_with(path, 3, _os_system(m))
+    data = path.read_bytes()
+    _, end = pickle_spans(data, 1)[0]
+    path.write_bytes(data[: end - 1] + NUL_PUT + data[end - 1 :])
+
+
+def write_npy_nul_memo(path: Path, m: Path) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([None], dtype=object), allow_pickle=True)
+    head = buffer.getvalue()
+    start = head.index(b"\n", 10) + 1  # (the header ends its line; the pickle follows)
+    path.write_bytes(head[:start] + b"(l" + NUL_PUT + _os_system(m) + POP + STOP)
+
+
 def _getattr_import(m: Path) -> bytes:
     os_mod = call(glob("builtins", "__import__"), text("os"))
     system = call(glob("builtins", "getattr"), os_mod, text("system"))
@@ -929,6 +951,20 @@ _MALICIOUS: tuple[tuple[str, str, str, str, Writer], ...] = (
         NUMPY_LOAD,
         "object_array.npy",
         write_npy_object,
+    ),
+    (
+        "legacy_nul_memo",
+        "legacy: a NUL in the magic pickle's PUT line, os.system in the main pickle",
+        TORCH_LOAD,
+        "legacy_nul_memo.pt",
+        write_legacy_nul_memo,
+    ),
+    (
+        "npy_nul_memo",
+        "numpy .npy object array pickle with a NUL in a PUT line, then os.system",
+        NUMPY_LOAD,
+        "nul_memo.npy",
+        write_npy_nul_memo,
     ),
 )
 

@@ -232,7 +232,8 @@ def _argument(stream: Any, op: pickletools.OpcodeInfo) -> Any:
         if name == "STRING":
             return _string_literal(line)
         if name in ("GET", "PUT"):
-            return int(line)
+            # The C unpickler parses the line as a C string: it ends at a NUL ("0\x00" is 0).
+            return int(line.split(b"\0", 1)[0])
         return None  # ints, longs, floats and persistent ids: not needed
     if n in _LENGTH_WIDTHS:
         width, signed = _LENGTH_WIDTHS[n]
