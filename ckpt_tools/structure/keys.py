@@ -227,7 +227,7 @@ def plan_renames(keys: Sequence[str], rules: Sequence[KeyRule]) -> dict[str, str
     return plan
 
 
-def idle_rules(keys: Sequence[str], rules: Sequence[KeyRule]) -> list[KeyRule]:
+def idle_rules(keys: Sequence[Any], rules: Sequence[KeyRule]) -> list[KeyRule]:
     """The rules that change no key where they apply, in order (after the rules before them):
     a typo, or a second rule for keys a first one renamed.
 
@@ -238,6 +238,8 @@ def idle_rules(keys: Sequence[str], rules: Sequence[KeyRule]) -> list[KeyRule]:
     """
     used = [False] * len(rules)
     for key in keys:
+        if not isinstance(key, str):  # (an int key: no rule renames it)
+            continue
         for i, rule in enumerate(rules):
             new = rule.apply(key)
             used[i] = used[i] or new != key
