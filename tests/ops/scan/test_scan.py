@@ -10,10 +10,12 @@ names). Scanning never runs anything: no marker ever appears.
 from __future__ import annotations
 
 import collections
+import io
 import json
 import pickle
 import re
 import shutil
+import tarfile
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -201,6 +203,34 @@ def test_extra_pickle_records_are_scanned_even_where_torch_never_reads_them(
     assert [(f.global_name, f.record) for f in found.findings] == [
         ("builtins.eval", "archive/extra/model.pkl")
     ]
+
+
+def test_a_tar_whose_first_header_is_a_pickle_is_dangerous(tmp_path: Path) -> None:
+    # torch.load(path) reads the tar; torch.load of a stream with no file number (a BytesIO)
+    # and pickle.load read its bytes as pickles from the first: the first member's name.
+    payload = b"cposix\nsystem\n(S'true'\ntR."
+    sys_info = {"protocol_version": 1001, "little_endian": True,
+                "type_sizes": {"short": 2, "int": 4, "long": 4}}  # fmt: skip
+    members = [(payload.decode(), b""), ("sys_info", pickle.dumps(sys_info, 2))]
+    members += [("pickle", pickle.dumps({"a": 1}, 2)), ("tensors", pickle.dumps(0, 2))]
+    members += [("storages", pickle.dumps(0, 2) + pickle.dumps([], 2))]
+    path = tmp_path / "old.pt"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    calls = []
+
+    class Recording(pickle.Unpickler):  # the C unpickler, asked for globals it never gets
+        def find_class(self, module: str, name: str) -> Callable[..., None]:
+            return lambda *args: calls.append((module, name, args))
+
+    Recording(io.BytesIO(path.read_bytes())).load()
+    assert calls == [("posix", "system", ("true",))]
+    assert torch.load(path, weights_only=False) == {"a": 1}
+    _, out, _ = run_ckpt("scan", path, code=1)
+    assert "dangerous: posix.system in magic number (the tar's bytes read as a pickle)" in out
 
 
 def test_a_case_twin_record_is_dangerous_and_unreadable(tmp_path: Path) -> None:
