@@ -233,6 +233,27 @@ def test_a_tar_whose_first_header_is_a_pickle_is_dangerous(tmp_path: Path) -> No
     assert "dangerous: posix.system in magic number (the tar's bytes read as a pickle)" in out
 
 
+@pytest.mark.parametrize("called", ["imaplib\nIMAP4_stream", "mypkg.tools\nrun"])
+def test_a_cut_pickle_calling_a_global_the_table_does_not_know_is_found_in_a_folder(
+    tmp_path: Path, called: str
+) -> None:
+    # No PROTO, no STOP, no checkpoint's name: it counts as a pickle where it calls a global
+    # before it breaks. Any global the table does not know is dangerous, not only its own.
+    data = f"c{called}\n(S'true'\ntR".encode()
+    (tmp_path / "weights.dat").write_bytes(data)
+    calls = []
+
+    class Recording(pickle.Unpickler):  # the C unpickler, asked for globals it never gets
+        def find_class(self, module: str, name: str) -> Callable[..., None]:
+            return lambda *args: calls.append((module, name))
+
+    with pytest.raises(EOFError):
+        Recording(io.BytesIO(data)).load()
+    assert calls == [tuple(called.split("\n"))]
+    _, out, _ = run_ckpt("scan", tmp_path, code=1)
+    assert "dangerous" in out and "weights.dat" in out
+
+
 def test_a_case_twin_record_is_dangerous_and_unreadable(tmp_path: Path) -> None:
     path = tmp_path / "archive.pt"
     torch.save({"w": torch.ones(2)}, path)
