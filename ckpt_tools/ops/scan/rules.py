@@ -88,7 +88,7 @@ RULES: tuple[Rule, ...] = (
             "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.ndarray",
             "numpy.dtype", "numpy.dtypes.*DType", "numpy.core.numeric._frombuffer",
             "numpy._core.numeric._frombuffer", "numpy.ma.core._mareconstruct",
-            "numpy.ma.core.MaskedArray",
+            "numpy.ma.core.MaskedArray", "numpy.ma.MaskedArray",
         )
     ),
     Rule(

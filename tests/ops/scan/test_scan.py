@@ -275,11 +275,15 @@ def test_a_torch_file_named_safetensors_is_still_scanned(tmp_path: Path) -> None
 
 def test_numpy_values_and_object_arrays(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2), "mean": np.zeros(3)}, tmp_path / "np.pt")
+    # A masked array: numpy 2 names its class numpy.ma.MaskedArray, 1.x numpy.ma.core's.
+    torch.save({"m": np.ma.masked_array([1.0, 2.0], mask=[0, 1])}, tmp_path / "masked.pt")
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     np.save(tmp_path / "numbers.npy", np.zeros(3))
     report = scan(tmp_path)
     verdicts = {Path(f.path).name: f.verdict for f in report.files}
-    assert verdicts == {"np.pt": "nonstandard", "objects.npy": "nonstandard"}
+    assert verdicts == {
+        "np.pt": "nonstandard", "masked.pt": "nonstandard", "objects.npy": "nonstandard"
+    }  # fmt: skip
     assert [Path(p).name for p in report.skipped] == ["numbers.npy"]
 
 
