@@ -63,6 +63,11 @@ def member_pickles(path: str) -> Iterator[tuple[str, ImportScan]]:
     """
     with tarfile.open(path, mode="r:") as tar:
         for member in tar.getmembers():
+            if member.issym() and member.name in ("storages", "tensors"):
+                # torch extracts these (links as links) and opens the result: a file anywhere
+                # (/proc/self/fd/N: the checkpoint's own bytes), which no walk here reaches.
+                yield member.name, ImportScan((UNREAD,), None)
+                continue
             # A hard link is read as the member it names (torch extracts it so); so is a
             # symbolic one named pickle, which torch reads with extractfile (it follows it).
             linked = member.islnk() or (member.issym() and member.name == "pickle")
@@ -71,6 +76,8 @@ def member_pickles(path: str) -> Iterator[tuple[str, ImportScan]]:
             try:
                 file = tar.extractfile(member)
             except KeyError:  # a link to a member the archive does not hold
+                if member.name in ("storages", "tensors"):  # extracted: linked to a file
+                    yield member.name, ImportScan((UNREAD,), None)  # outside, if it exists
                 continue
             if file is None:
                 continue

@@ -214,12 +214,7 @@ def test_a_tar_whose_first_header_is_a_pickle_is_dangerous(tmp_path: Path) -> No
     members = [(payload.decode(), b""), ("sys_info", pickle.dumps(sys_info, 2))]
     members += [("pickle", pickle.dumps({"a": 1}, 2)), ("tensors", pickle.dumps(0, 2))]
     members += [("storages", pickle.dumps(0, 2) + pickle.dumps([], 2))]
-    path = tmp_path / "old.pt"
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    path = _tar(tmp_path / "old.pt", members)
     calls = []
 
     class Recording(pickle.Unpickler):  # the C unpickler, asked for globals it never gets
@@ -231,6 +226,40 @@ def test_a_tar_whose_first_header_is_a_pickle_is_dangerous(tmp_path: Path) -> No
     assert torch.load(path, weights_only=False) == {"a": 1}
     _, out, _ = run_ckpt("scan", path, code=1)
     assert "dangerous: posix.system in magic number (the tar's bytes read as a pickle)" in out
+
+
+def _tar(path: Path, members: list[tuple[str, bytes | str]]) -> Path:
+    """A tar-format file of ``members``: bytes, or a str for a symbolic link's target."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if isinstance(data, str):
+                info.type, info.linkname = tarfile.SYMTYPE, data
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_tar_storages_member_linked_out_of_the_archive_is_dangerous(tmp_path: Path) -> None:
+    # torch extracts 'storages' (a link as a link) and unpickles the file it reaches, which
+    # may be any file (/proc/self/fd/N: the checkpoint's own bytes); no walk reaches it.
+    sys_info = {"protocol_version": 1001, "little_endian": True,
+                "type_sizes": {"short": 2, "int": 4, "long": 4}}  # fmt: skip
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(pickle.dumps(0, 2) + pickle.dumps([], 2))  # no storages, no views
+    path = _tar(
+        tmp_path / "old.pt",
+        [("sys_info", pickle.dumps(sys_info, 2)), ("pickle", pickle.dumps({"a": 1}, 2)),
+         ("tensors", pickle.dumps(0, 2)), ("storages", str(outside))],
+    )  # fmt: skip
+    assert torch.load(path, weights_only=False) == {"a": 1}
+    outside.unlink()
+    with pytest.raises(FileNotFoundError):  # (it is the outside file torch reads)
+        torch.load(path, weights_only=False)
+    _, out, _ = run_ckpt("scan", path, code=1)
+    assert "dangerous: <bytes not read> in storages" in out
 
 
 @pytest.mark.parametrize("called", ["imaplib\nIMAP4_stream", "mypkg.tools\nrun"])
