@@ -242,12 +242,15 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
         """The tensor table's cells, one row per tensor (or per folded group), under
         :data:`TENSOR_COLUMNS`."""
         if not group:
-            return [_row(t.name, t, 1, None) for t in self.tensors]
+            return [_row(t.name, t, [t], None) for t in self.tensors]
         from ckpt_tools.structure.grouping import group_names  # only --group folds
 
-        groups = group_names(self.tensors, lambda t: t.name, lambda t: (t.dtype, t.shape, t.device))
+        # A layout apart: a sparse and a dense tensor of one shape are no repeated layer.
+        groups = group_names(
+            self.tensors, lambda t: t.name, lambda t: (t.dtype, t.layout, t.shape, t.device)
+        )
         return [
-            _row(g.label, members[0], g.count, group_sharing(members) if g.count > 1 else None)
+            _row(g.label, members[0], members, group_sharing(members) if g.count > 1 else None)
             for g, members in groups
         ]
 
@@ -364,10 +367,13 @@ def _check_shared_names(tensors: tuple[TensorInfo, ...], path: str) -> None:
         )
 
 
-def _row(label: str, t: TensorInfo, count: int, folded: tuple[str, str] | None) -> list[str]:
-    # A folded row stands for ``count`` tensors: its storage and sharing are the members'
-    # (``folded``), its offset is no one's. Only the first others are looked at, never
-    # every view of the storage.
+def _row(
+    label: str, t: TensorInfo, members: Sequence[TensorInfo], folded: tuple[str, str] | None
+) -> list[str]:
+    # A folded row stands for its members: its storage and sharing are theirs (``folded``),
+    # its offset is no one's, its bytes their sum (sparse and nested tensors of one shape
+    # differ). Only the first others are looked at, never every view of the storage.
+    count = len(members)
     if folded is None:
         others = list(islice((n for n in t.sharing if n != t.name), 3))
         folded = (t.storage, ", ".join(others[:2]) + (" ..." if len(others) > 2 else ""))
@@ -378,7 +384,7 @@ def _row(label: str, t: TensorInfo, count: int, folded: tuple[str, str] | None) 
         t.device,
         folded[0],
         str(t.offset) if count == 1 else "",
-        human_bytes(t.nbytes * count),
+        human_bytes(sum(m.nbytes for m in members)),
         folded[1],
     ]
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ckpt_tools
+from ckpt_tools.structure.text import human_bytes
 
 
 def _records(path: Path) -> int:
@@ -103,6 +104,29 @@ def test_folded_tied_rows_say_they_share(tmp_path: Path) -> None:
     assert rows["tied.{0..1}.w ×2"][4] != ""  # one storage
     assert rows["tied.{0..1}.w ×2"][7] == "each other, head.w"
     assert rows["own.{0..1}.w ×2"][4] == rows["own.{0..1}.w ×2"][7] == ""
+
+
+def test_a_folded_row_holds_one_layout_and_its_members_bytes(tmp_path: Path) -> None:
+    # Sparse tensors of one shape hold other numbers of values, and a dense one of that shape
+    # is no repeat of them: the bytes are torch's, summed.
+    torch.manual_seed(0)
+    one = torch.zeros(100, 100)
+    one[0, 0] = 1
+    saved = {
+        "layers.0.w": one.to_sparse(),
+        "layers.1.w": torch.randn(100, 100).to_sparse(),
+        "layers.2.w": torch.randn(100, 100),
+    }
+    torch.save(saved, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+    size = {k: v._indices().nbytes + v._values().nbytes if v.is_sparse else v.nbytes
+            for k, v in loaded.items()}  # fmt: skip
+    rows = {row[0]: row for row in ckpt_tools.inspect(tmp_path / "m.pt").rows(group=True)}
+    assert sorted(rows) == ["layers.2.w", "layers.{0..1}.w ×2"]
+    sparse, dense = rows["layers.{0..1}.w ×2"], rows["layers.2.w"]
+    assert sparse[1] == "float32 (sparse_coo)" and dense[1] == "float32"
+    assert sparse[6] == human_bytes(size["layers.0.w"] + size["layers.1.w"])
+    assert dense[6] == human_bytes(size["layers.2.w"])
 
 
 def test_hf_folder_with_every_key_under_model_reports_no_wrapper(tmp_path: Path) -> None:
