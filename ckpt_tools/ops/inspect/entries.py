@@ -11,8 +11,9 @@ from typing import Any
 from ckpt_tools._escape import short_repr
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 from ckpt_tools.structure.selection import entries_beside, key_text
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors
 
-__all__ = ["describe_value", "entries_summary"]
+__all__ = ["describe_value", "entries_between_tensors", "entries_summary"]
 
 
 def describe_value(value: Any, limit: int = 60) -> str:
@@ -84,6 +85,46 @@ def entries_summary(
     for key, value in state_dict.items():
         if not isinstance(value, (TensorRef, RebuiltTensor)):
             found.append((f"{prefix}{key_text(key)}", value))
+    return _summarised(found)
+
+
+def entries_between_tensors(root: Any) -> dict[str, str]:
+    """A root that is no state dict (``torch.save((model_sd, optimizer_sd, epoch))``): each
+    entry of its containers that holds no tensor, at its place as its tensors are listed at
+    theirs (:func:`~ckpt_tools.structure.tensor_walk.tensors_by_place`), summarised.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> entries_between_tensors(({"w": w, "lr": 0.1}, [{"groups": []}], 5))
+        {'0.lr': 'float 0.1', '1': 'list (1 items)', '2': 'int 5'}
+    """
+    places = {place for place, _ in iter_listed_tensors(root)}
+    holding = {p.rsplit(".", n)[0] for p in places for n in range(1, p.count(".") + 1)}
+    found: list[tuple[str, Any]] = []
+    # (a stack, in the tree's order: containers nest as deep as a pickle does)
+    stack: list[tuple[Any, str, bool]] = [(root, "", True)]
+    while stack:
+        node, path, holds = stack.pop()
+        if not holds:
+            found.append((path, node))
+            continue
+        items = []
+        for key, value in _contained(node):
+            place = f"{path}.{key}" if path else str(key)
+            if place in holding or place not in places:
+                items.append((value, place, place in holding))
+        stack.extend(reversed(items))
+    return _summarised(found)
+
+
+def _contained(node: Any) -> list[tuple[Any, Any]]:
+    if isinstance(node, (list, tuple)):
+        return list(enumerate(node))
+    return list(node.items()) if isinstance(node, dict) else []
+
+
+def _summarised(found: list[tuple[str, Any]]) -> dict[str, str]:
     entries: dict[str, str] = {}
     seen: Counter[str] = Counter()
     for name, value in found:  # one dotted name twice (a.b and a: {b}; 1 and "1"): numbered

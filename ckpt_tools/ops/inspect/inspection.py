@@ -12,7 +12,7 @@ from typing import Any
 from ckpt_tools._types import Select, StrPath, checked_path
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 from ckpt_tools.formats import Checkpoint, detect_format, open_checkpoint
-from ckpt_tools.ops.inspect.entries import describe_value, entries_summary
+from ckpt_tools.ops.inspect.entries import describe_value, entries_between_tensors, entries_summary
 from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.selection import (
     Selection,
@@ -96,7 +96,11 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         tensors=tensors,
         wrappers=detect_wrappers(names, wrappers=_wrapper_rules(ckpt, names)),
         unsafe_globals=ckpt.unsafe_globals,
-        entries=entries_summary(ckpt.root, selection.path, sd),
+        entries=(
+            entries_between_tensors(ckpt.root)
+            if selection.stand_in
+            else entries_summary(ckpt.root, selection.path, sd)
+        ),
         total_params=sum(t.numel for t in tensors),
         total_bytes=sum(t.nbytes for t in tensors),
         storage_bytes=sum(distinct.values()),

@@ -117,3 +117,23 @@ def test_entries_whose_dotted_names_collide_are_each_listed(tmp_path: Path) -> N
     entries = ckpt_tools.inspect(tmp_path / "c.pt", select=("model", "sd")).entries
     assert sorted(entries.values()) == sorted(["int 3", "int 4", "str 'int key'", "str 'str key'"])
     assert {"model.step", "model.step (#2)", "1", "1 (#2)"} == set(entries)
+
+
+def test_a_tuple_root_lists_its_entries_that_hold_no_tensor(tmp_path: Path) -> None:
+    # (model, optimizer, epoch), as some training loops save it: its tensors are listed by
+    # place, and so is each entry beside them, as for a dict root.
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(1, 2)).sum().backward()
+    optimizer.step()
+    torch.save((model.state_dict(), optimizer.state_dict(), 5), tmp_path / "t.pt")
+    loaded = torch.load(tmp_path / "t.pt", weights_only=True)
+    info = ckpt_tools.inspect(tmp_path / "t.pt")
+    assert info.entries == {
+        "1.param_groups": f"list ({len(loaded[1]['param_groups'])} items)",
+        "2": f"int {loaded[2]}",
+    }
+    assert [t.name for t in info.tensors] == [
+        "0.weight", "0.bias", "1.state.0.momentum_buffer", "1.state.1.momentum_buffer"
+    ]  # fmt: skip
+    assert "1.param_groups" in info.text() and "int 5" in info.text()
