@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ckpt_tools.harness.config import CHECKPOINT_NAMES, STEPS_DIR, TrainConfig, TrainResult
 from ckpt_tools.harness.data import batch_indices, steps_per_epoch, synthetic_fashion
 from ckpt_tools.harness.models import build_harness_model
+from ckpt_tools.io.atomic import keep_mode_and_owner
 
 __all__ = [
     "ModuleContainer",
@@ -168,7 +169,7 @@ class StepRecorder:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         saved = [t.detach().to("cpu", copy=True) for t in full]
-        torch.save(saved, self.folder / f"{self.step:05d}.pt")
+        save_whole(saved, self.folder / f"{self.step:05d}.pt")
 
 
 def make_optimizer(params: Iterable[nn.Parameter], config: TrainConfig) -> torch.optim.SGD:
@@ -268,16 +269,18 @@ def save_checkpoints(
         "step": config.steps,
     }
     paths = {name: out / f"{name}.pt" for name in CHECKPOINT_NAMES}
-    _save(wrapped_sd, paths["wrapped"])
-    _save(bare_sd, paths["bare"])
-    _save(trainer, paths["trainer"])
+    save_whole(wrapped_sd, paths["wrapped"])
+    save_whole(bare_sd, paths["bare"])
+    save_whole(trainer, paths["trainer"])
     return {name: str(path) for name, path in paths.items()}
 
 
-def _save(obj: Any, path: Path) -> None:
+def save_whole(obj: Any, path: Path) -> None:
     """``torch.save``'s bytes written by us, renamed into place once whole: a failed write
     is an OSError with its errno (torch's own writer raises RuntimeError for a full disk),
-    and no part of a file is left under the name. The harness's models are small."""
+    and no part of a file is left under the name. The file gets ``torch.save``'s mode (a
+    replaced one keeps its own), not ``mkstemp``'s owner-only one. The harness's models
+    are small."""
     serialized = io.BytesIO()
     torch.save(obj, serialized)
     try:
@@ -285,6 +288,7 @@ def _save(obj: Any, path: Path) -> None:
     except OSError as e:  # (a read-only folder): said with the file it was for
         raise OSError(e.errno, e.strerror, str(path)) from e
     try:
+        keep_mode_and_owner(fd, path)
         with os.fdopen(fd, "wb") as f:
             f.write(serialized.getbuffer())
         os.replace(partial, path)

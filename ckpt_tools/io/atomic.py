@@ -54,7 +54,7 @@ class AtomicFile:
     durable: bool
 
 
-def _keep_mode_and_owner(fd: int, target: Path) -> None:
+def keep_mode_and_owner(fd: int, target: Path) -> None:
     """The replaced file's permission bits (as editors keep them) and, where this process may
     set them, its owner and group (root replacing a user's file); else 0o666 less umask."""
     try:
@@ -267,7 +267,7 @@ def atomic_output(
             with f:
                 yield AtomicFile(f, tmp, durable)
                 f.flush()
-                _keep_mode_and_owner(f.fileno(), like or target)
+                keep_mode_and_owner(f.fileno(), like or target)
                 if durable:
                     os.fsync(f.fileno())
                 _test_pause()

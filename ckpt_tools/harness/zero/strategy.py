@@ -142,7 +142,7 @@ def _record_step(model: nn.Module, config: TrainConfig, step: int, rank: int) ->
             folder = Path(str(config.out_dir)) / STEPS_DIR
             folder.mkdir(parents=True, exist_ok=True)
             saved = [p.detach().to("cpu", copy=True) for p in params]
-            torch.save(saved, folder / f"{step:05d}.pt")
+            loop.save_whole(saved, folder / f"{step:05d}.pt")
 
 
 def _zero_steps(engine: Any, config: TrainConfig, rank: int, world: int) -> list[float]:
@@ -166,6 +166,27 @@ def _zero_steps(engine: Any, config: TrainConfig, rank: int, world: int) -> list
     return losses
 
 
+def _save_checkpoint(engine: Any, folder: Path) -> None:
+    """DeepSpeed's ``save_checkpoint``, a failed write said as the OSError it was: torch's
+    writer (which DeepSpeed calls) raises a RuntimeError for a full disk or a file-size
+    limit, which would be taken for a bug of the harness."""
+    try:
+        engine.save_checkpoint(str(folder))
+    except RuntimeError as e:
+        if "PytorchStreamWriter" not in str(e) and "inline_container" not in str(e):
+            raise
+        import errno
+        import resource
+
+        if os.statvfs(folder).f_bavail == 0:
+            code = errno.ENOSPC
+        elif resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+            code = errno.EFBIG
+        else:
+            code = errno.EIO
+        raise OSError(code, os.strerror(code), str(folder)) from e
+
+
 def _save_zero(engine: Any, config: TrainConfig, rank: int) -> dict[str, str]:
     """``save_checkpoint`` (every rank), then rank 0's ``bare.pt``, ``wrapped.pt`` and
     ``zero_to_fp32.pt`` made from the folder. Returns the paths on rank 0, ``{}`` elsewhere."""
@@ -177,7 +198,7 @@ def _save_zero(engine: Any, config: TrainConfig, rank: int) -> dict[str, str]:
 
     out = Path(str(config.out_dir))
     folder = out / DEEPSPEED_DIR
-    engine.save_checkpoint(str(folder))
+    _save_checkpoint(engine, folder)
     dist.barrier()  # every rank's files are complete before rank 0 reads them
     if rank != 0:
         return {}
@@ -185,14 +206,14 @@ def _save_zero(engine: Any, config: TrainConfig, rank: int) -> dict[str, str]:
     paths = {name: out / f"{name}.pt" for name in ("wrapped", "bare")}
     consolidate(folder, paths["bare"])
     bare = torch.load(paths["bare"], map_location="cpu", weights_only=True)
-    torch.save({f"module.{k}": v for k, v in bare.items()}, paths["wrapped"])
+    loop.save_whole({f"module.{k}": v for k, v in bare.items()}, paths["wrapped"])
     # Its progress bars would take a multiprocessing lock that os._exit leaves behind
     # (the resource tracker then warns about a leaked semaphore): a thread lock does.
     tqdm.set_lock(threading.RLock())
     # Its report of what it read and its progress bars are not the harness's to print.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         reference = get_fp32_state_dict_from_zero_checkpoint(str(folder))
-    torch.save(reference, out / ZERO_TO_FP32)
+    loop.save_whole(reference, out / ZERO_TO_FP32)
     return {
         **{name: str(path) for name, path in paths.items()},
         DEEPSPEED_DIR: str(folder),
