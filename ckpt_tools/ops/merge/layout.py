@@ -112,13 +112,33 @@ def conv1d_layouts(
     return told
 
 
+def _sub_model(module: str, config: Mapping[str, Any]) -> tuple[str, str, Mapping[str, Any]]:
+    """The model a module lies in, for a composite one (``VisionEncoderDecoderModel``,
+    ``EncoderDecoderModel``: each part is a model of its own type, its config under the part's
+    name): ``(prefix, module within it, its config)``.
+
+    Example:
+        >>> config = {"model_type": "vision-encoder-decoder", "decoder": {"model_type": "gpt2"}}
+        >>> _sub_model("decoder.transformer.h.0.attn.c_proj", config)[::2]
+        ('decoder.', {'model_type': 'gpt2'})
+    """
+    prefix = ""
+    head, _, rest = module.partition(".")
+    while rest and isinstance(config.get(head), Mapping) and "model_type" in config[head]:
+        prefix, module, config = f"{prefix}{head}.", rest, config[head]
+        head, _, rest = module.partition(".")
+    return prefix, module, config
+
+
 def _by_model_type(module: str, config: Mapping[str, Any] | None) -> bool | None:
-    """A module's kind as transformers builds the base's ``model_type``, or None if unknown.
+    """A module's kind as transformers builds the base's ``model_type`` (the part's, in a
+    composite model), or None if unknown.
 
     Remote code (``auto_map``) may build any module as it likes, so it tells nothing.
     """
     if config is None or "auto_map" in config:
         return None
+    _, module, config = _sub_model(module, config)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         return None
@@ -139,15 +159,18 @@ def tied_embedding(
         ``((key, tensor), "")``, or ``(None, problem)``.
     """
     name = f"{target.module}.weight"
-    # transformers writes the key only where it differs from its default, True (GPT-2's
-    # config.json has none): absent, the head is tied.
+    # The part's own config in a composite model (a decoder ties its head, the whole does
+    # not). transformers writes the key only where it differs from its default, True
+    # (GPT-2's config.json has none): absent, the head is tied.
+    prefix, _, config = _sub_model(target.module, config) if config is not None else ("", "", None)
     if config is None or config.get("tie_word_embeddings", True) is not True:
         return None, f"{name} (missing from the base)"
     shape = (target.b.shape[0], target.a.shape[1])
     found = [
         v
         for k, v in aligned.items()
-        if k.endswith(".weight")
+        if k.startswith(prefix)
+        and k.endswith(".weight")
         and k[: -len(".weight")].rsplit(".", 1)[-1] in _EMBEDDINGS
         and v[1].shape == shape
     ]

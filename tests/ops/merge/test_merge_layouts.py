@@ -97,6 +97,39 @@ def test_a_tied_head_left_out_of_an_hf_folder_merges_into_its_embedding(tmp_path
     compare(out, case._replace(base_sd={k: case.base_sd[k] for k in out}))
 
 
+def _captioner() -> Any:
+    """A VisionEncoderDecoderModel (ViT, GPT-2): each part a model of its own type, its
+    config under its name; the decoder ties its head, the whole says it does not."""
+    transformers = pytest.importorskip("transformers")
+    encoder = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
+        image_size=8, patch_size=4,
+    )  # fmt: skip
+    decoder = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16,
+        add_cross_attention=True, is_decoder=True,
+    )  # fmt: skip
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    return transformers.VisionEncoderDecoderModel(config)
+
+
+def test_a_composite_models_parts_are_merged_as_their_own_types(tmp_path: Path) -> None:
+    # The decoder's square c_proj are Conv1D (it is a GPT-2), and its head is tied to its
+    # wte and left out of the folder: as the decoder's config says, not the whole's.
+    targets = ("c_attn", "attn.c_proj", "crossattention.c_proj", "lm_head")
+    case = make_case(tmp_path / "case", _captioner, _lora(*targets), save=_hf)
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    kinds = {m.module: m.kind for m in result.merged}
+    assert kinds["decoder.transformer.h.0.attn.c_proj"] == "conv1d"
+    assert kinds["decoder.transformer.h.0.crossattention.c_proj"] == "conv1d"
+    head = ("decoder.lm_head", "decoder.transformer.wte.weight")
+    assert head in {(m.module, m.key) for m in result.merged}
+    # (transformers saves the ViT encoder under its checkpoint names: the decoder's compared)
+    out = {k: v for k, v in load_file(tmp_path / "m.safetensors").items() if k in case.base_sd}
+    assert {f"{m.module}.weight" for m in result.merged} - {head[0] + ".weight"} <= set(out)
+    compare(out, case._replace(base_sd={k: case.base_sd[k] for k in out}))
+
+
 def test_a_missing_head_is_said_to_be_tied_when_its_embedding_is_unclear(tmp_path: Path) -> None:
     case = make_case(tmp_path / "case", _llama_tied, _lora("lm_head"), save=_hf)
     saved = load_file(case.base / "model.safetensors")
