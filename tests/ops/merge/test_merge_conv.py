@@ -18,7 +18,7 @@ import ckpt_tools as ct
 from ckpt_tools.errors import ConversionError
 from tests.helpers import run_ckpt
 from tests.helpers.lora import NEEDS_PEFT, ImportedWhenUsed
-from tests.ops.merge.test_merge_lora import compare, make_case
+from tests.ops.merge.test_merge_lora import EXACT, compare, make_case
 
 pytestmark = NEEDS_PEFT
 peft = ImportedWhenUsed("peft")
@@ -74,7 +74,9 @@ def test_convolutions_merge_as_peft_merges_them(
         **{name: f"convolution{dora}" for name in ALL[:-1]},
         "fc": f"linear{dora}",
     }
-    compare(torch.load(tmp_path / "merged.pt"), case)
+    # DoRA's norm of a row shorter than torch's 8 lanes (fc's 5) is reduced in another order
+    # than the merge follows: within the bound, not bit for bit.
+    compare(torch.load(tmp_path / "merged.pt"), case, exact=EXACT and not dora)
 
 
 def _channels_last() -> Convs:
@@ -110,7 +112,9 @@ def test_a_channels_last_base_merges_as_peft_merges_it(
         from safetensors.torch import load_file
 
         out = load_file(tmp_path / name)
-    compare({k: v.contiguous() for k, v in out.items()}, case)
+    # (torch reduces a channels-last kernel's norm in its memory order: within the bound)
+    exact = EXACT and "use_dora" not in options
+    compare({k: v.contiguous() for k, v in out.items()}, case, exact=exact)
 
 
 def test_a_kernel_peft_cannot_merge_merges_to_the_adapted_models_output(tmp_path: Path) -> None:

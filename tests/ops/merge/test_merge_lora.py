@@ -28,9 +28,25 @@ pytestmark = NEEDS_PEFT
 peft = ImportedWhenUsed("peft")
 transformers = ImportedWhenUsed("transformers")
 
-#: The merge follows the order of torch's AVX2 kernels (MKL's sgemm, the norm's 8 lanes); a
-#: torch using other vector widths may round differently, within the bound of ulp_bound.
-EXACT = torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+def _exact() -> bool:
+    """Whether torch here forms ``B @ A`` and DoRA's row norm as the merge does: ATen's AVX2
+    kernels (the norm's 8 lanes) and a matmul that sums a rank's products in order, one fused
+    multiply-add each (MKL's sgemm does on some CPUs, not on all). Elsewhere torch may round
+    differently, within the bound of :func:`ulp_bound`."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return False
+    from ckpt_tools.ops.merge.arithmetic import matmul
+
+    generator = torch.Generator().manual_seed(0)
+    for rank, n in ((4, 32), (8, 200), (16, 1024)):
+        b, a = torch.randn(n, rank, generator=generator), torch.randn(rank, n, generator=generator)
+        if not torch.equal(torch.from_numpy(matmul(b.numpy(), a.numpy())), b @ a):
+            return False
+    return True
+
+
+EXACT = _exact()
 
 
 class Case(NamedTuple):
@@ -114,13 +130,14 @@ def compare(out: dict[str, torch.Tensor], case: Case, *, exact: bool = EXACT) ->
         differing.append(key)
         assert key in case.merged and not torch.equal(want, case.base_sd[key]), f"{key}: not merged"
         assert not exact, f"{key}: {(got.double() - want.double()).abs().max()}"
-        assert close(got, want), key
+        assert close(got, want, exact=exact), key
     return differing
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Bitwise equal where the merge follows torch's kernels (EXACT), else within the bound."""
-    if EXACT:
+def close(got: torch.Tensor, want: torch.Tensor, *, exact: bool = EXACT) -> bool:
+    """Bitwise equal where the merge follows torch's kernels (``exact``), else within the
+    bound."""
+    if exact:
         return torch.equal(got, want)
     return bool(((got.float() - want.float()).abs() <= ulp_bound(want)).all())
 
