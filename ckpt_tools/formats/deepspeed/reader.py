@@ -356,8 +356,9 @@ def _plain_stage(files: ZeroFiles, base: ModelStates) -> int:
 
 
 def _plain(into: _Builder, base: ModelStates) -> dict[str, str]:
-    """ZeRO-0: the module's tensors as saved (no master copy to read); a name over the same
-    view as an earlier one is its alias. Returns the aliases."""
+    """ZeRO-0: the module's tensors as saved (no partition to read; a 16-bit run's fp32
+    master copy, in the optimizer's state, is not read); a name over the same view as an
+    earlier one is its alias. Returns the aliases."""
     seen: dict[tuple[Any, ...], str] = {}
     aliases: dict[str, str] = {}
     for name, t in base.module.items():

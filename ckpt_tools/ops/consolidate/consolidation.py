@@ -126,7 +126,7 @@ def consolidate(
             the state dict DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` gives
             (fp32 master weights, frozen ones in their trained dtype, float buffers in fp32;
             the ``zero_to_fp32.py`` script also casts the frozen ones to fp32), its bytes cut
-            from the ranks' partitions.
+            from the ranks' partitions; ZeRO-0's module weights as saved, in their dtype.
         dst: a ``.pt`` (torch.save format), a ``.safetensors``, or a folder for Hugging
             Face shards (``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``).
         include_all: write everything saved (model, optimizer, other entries), nested as

@@ -165,7 +165,10 @@ def plan_deepspeed(
     if ckpt.zero is not None and ckpt.zero.frozen_from_module and not exclude_frozen:
         notes.append("frozen parameters read from the module weights (ZeRO-1 records none)")
     if ckpt.zero is not None and ckpt.zero.stage == 0:
-        notes.append("ZeRO-0: the module weights as saved (no partition, no master copy)")
+        notes.append(
+            "ZeRO-0: the module weights as saved, in their dtype (a 16-bit run's fp32 master "
+            "copy, in the optimizer's state, is not read)"
+        )
     return ConsolidationPlan(
         tree={t.name: t.tensor for t in tensors},
         tensors=tuple(tensors),
