@@ -196,6 +196,19 @@ def kind_of(value: Any) -> str:
     return "storage" if isinstance(value, StorageRef) else type(value).__name__
 
 
+def _foreign(value: Any, tensor_type: type | tuple[type, ...]) -> Foreign | None:
+    """A tensor diff does not read: a subclass the reader does not rebuild, or a tuple or
+    list of tensors (a quantized module's ``_packed_params``: its weight and bias), which is
+    not passed over as a value that is no tensor (and two such never called identical)."""
+    items = value if type(value) in (tuple, list) else ()
+    if any(isinstance(v, tensor_type) for v in items) and all(
+        v is None or isinstance(v, tensor_type) for v in items
+    ):
+        kind = f"{type(value).__name__} of {len(value)} tensors"
+        return Foreign(kind, kind, ())
+    return foreign_tensor(value)
+
+
 def split_entries(
     sd: Mapping[str, Any], tensor_type: type | tuple[type, ...]
 ) -> tuple[dict[str, Any], dict[str, Foreign], dict[str, str], dict[str, Any]]:
@@ -225,7 +238,7 @@ def split_entries(
                 ((name, (repr(named[name]), repr(key))),),
             )
         named[name] = key
-        found = None if isinstance(value, tensor_type) else foreign_tensor(value)
+        found = None if isinstance(value, tensor_type) else _foreign(value, tensor_type)
         if isinstance(value, tensor_type):
             entries[name] = value
         elif found is not None:

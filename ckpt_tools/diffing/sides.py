@@ -332,15 +332,16 @@ def _in_memory(side: DiffSide, select: Select, name: str, values: bool) -> Itera
             f"diff side {name} must be a checkpoint path, a state dict or an nn.Module, got "
             f"{type(side).__name__}"
         )
-    entries, _, others, values_of = split_entries(sd, torch.Tensor)
+    entries, foreign, others, values_of = split_entries(sd, torch.Tensor)
     entries = local_tensors(entries, name, values)  # DTensors whole where no collective is needed
-    info = replace(info, tensors=len(entries), skipped=tuple(others))
+    info = replace(info, tensors=len(entries), skipped=tuple(others), unsupported=tuple(foreign))
     yield Side(
-        _with_wrappers(info, entries),
+        _with_wrappers(info, [*entries, *foreign]),
         entries,
         None,
         others,
         values=values_of,
+        foreign=foreign,
         keys=list(sd),
         metadata=metadata_of(sd),
         module=module,

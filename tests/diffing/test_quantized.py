@@ -106,3 +106,26 @@ def test_a_quantized_tensor_against_a_float_one_compares_dequantized_values(save
     stats = compare_tensors(loaded(a_path), loaded(b_path))
     assert stats.max_abs == 0.25 and not stats.bit_equal
     assert compare_tensors(q, per_tensor([2.0, 4.0, 6.0], 1.0)).bit_equal is False
+
+
+def _qlinear(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    module = torch.ao.nn.quantized.Linear(4, 4)
+    module.set_weight_bias(per_tensor(torch.randn(16).tolist(), 0.1).reshape(4, 4), torch.randn(4))
+    return module
+
+
+def test_a_quantized_modules_packed_weights_are_never_called_identical(save: Save) -> None:
+    # A quantized Linear keeps its weight and bias in a tuple (_packed_params): not passed over
+    # as a value that is no tensor, nor vouched for when it is not compared.
+    a, b = _qlinear(0), _qlinear(1)
+    a_path, b_path = save(a.state_dict(), "a.pt"), save(b.state_dict(), "b.pt")
+    key = "_packed_params._packed_params"
+    weights = torch.load(a_path, weights_only=True)[key], torch.load(b_path, weights_only=True)[key]
+    assert not torch.equal(weights[0][0], weights[1][0])  # the oracle: they differ
+    for other in (b_path, b):  # a file, and the module itself
+        report = diff(a_path, other)
+        assert not report.identical and "kind" in report.found()
+        assert "a tuple of 2 tensors on both sides" in report.tensor(key).note
+    _, out, _ = run_ckpt("diff", a_path, b_path, "--fail-on", "any", code=1)
+    assert "identical" not in out
