@@ -275,8 +275,13 @@ def rank_failure(
             continue
         if code != -signal.SIGTERM or rank == first:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else "?"
+            # The launcher SIGKILLs a rank still alive 30 s after its SIGTERM (a stopped or
+            # hung one): said with what the rank that stopped first said.
+            after = next((s for s in summaries if s["rank"] == first), None)
+            late = code == -signal.SIGKILL and rank != first and after is not None
+            why = f", after rank {first} stopped: {after['message']}" if late else ""
             return RankFailedError(
-                f"was killed by signal {name} ({-code})",
+                f"was killed by signal {name} ({-code}){why}",
                 rank=rank,
                 world=world,
                 exit_code=128 - code,

@@ -177,6 +177,9 @@ def test_a_rank_that_said_why_it_failed_is_told_by_that_whatever_its_exit(tmp_pa
     # A rank that wrote nothing is still told by its signal.
     killed = rank_failure(peers, 2, [-signal.SIGKILL, -signal.SIGABRT], 1, "DDP")
     assert isinstance(killed, RankFailedError) and killed.signal_name == "SIGKILL"
+    # Killed after rank 1 stopped (the launcher's SIGKILL of a rank that did not end on its
+    # SIGTERM, a stopped one): said with what rank 1 said.
+    assert "after rank 1 stopped: lost the other ranks" in str(killed)
 
 
 def _sigint_default() -> None:
