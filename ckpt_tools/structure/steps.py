@@ -82,6 +82,17 @@ def _collapse(steps: Sequence[Step]) -> tuple[str, str, list[str], list[Step]]:
     return old, new, inner, subs
 
 
+def _prefix_maps(steps: Sequence[Step]) -> list[tuple[str, str]]:
+    """The prefix maps of ``steps``, in the order they apply: the subs before the first strip
+    (a rename inside a wrapper's prefix, then the strip), the merged strips and adds, the
+    other subs."""
+    old, new, _, subs = _collapse(steps)
+    first = next((i for i, s in enumerate(steps) if s.action == "strip"), len(steps))
+    before = [(s.prefix, s.new) for s in steps[:first] if s.action == "sub"] if old else []
+    after = [(s.prefix, s.new) for s in subs if (s.prefix, s.new) not in before]
+    return [*before, *([(old, new)] if old else []), *after]
+
+
 def _inner_pattern(prefix: str) -> str:
     return rf"\b{re.escape(prefix)}"
 
@@ -113,9 +124,8 @@ def step_rules(steps: Sequence[Step]) -> tuple[KeyRule, ...]:
         >>> [r.description for r in step_rules([Step("sub", "a.", "b."), Step("add", "m.")])]
         ["'a.' -> 'b.'", 's/^/m./']
     """
-    old, new, inner, subs = _collapse(steps)
-    rules = [sub_rule(old, new)] if old else []
-    rules += [sub_rule(step.prefix, step.new) for step in subs]
+    old, new, inner, _ = _collapse(steps)
+    rules = [sub_rule(prefix, replacement) for prefix, replacement in _prefix_maps(steps)]
     rules += [regex_rule(p, r) for p, r in _regexes(old, new, inner)]
     return tuple(rules)
 
@@ -261,8 +271,7 @@ def fix_command(
         args = ["ckpt", "strip-module", path, out]
     elif subs or inner or (old and new):
         # Listed in the order they apply: every --sub, then every --regex.
-        maps = [(old, new)] if old else []
-        maps += [(step.prefix, step.new) for step in subs]
+        maps = _prefix_maps(steps)
         args = ["ckpt", "rename", path, out]
         # OLD and PATTERN end at the first "=" not written "\=" (a key may hold one).
         args += [a for o, n in maps for a in ("--sub", f"{_escape_equals(o)}={n}")]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_tools.errors import KeyCollisionError
-from ckpt_tools.structure.keys import KeyRule, plan_renames, sub_rule
+from ckpt_tools.structure.keys import KeyRule, idle_rules, plan_renames, sub_rule
 from ckpt_tools.structure.partners import wrapper_partners
 from ckpt_tools.structure.steps import Step, fix_command, fix_python, step_rules
 from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperMatch, detect_wrappers
@@ -236,8 +236,11 @@ def _checked(
     shapes: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
 ) -> tuple[KeyFix, frozenset[tuple[str, str]]] | None:
     """:func:`check_fix`, with the ``(key, new key)`` pairs the fix makes match."""
+    rules = step_rules(steps)
+    if idle_rules(source, rules):  # its command would be refused, its words untrue
+        return None
     try:
-        plan = plan_renames(source, step_rules(steps))
+        plan = plan_renames(source, rules)
     except KeyCollisionError:
         return None
     before = {k for k in source if k in target}

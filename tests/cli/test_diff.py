@@ -345,3 +345,44 @@ def test_the_suggested_command_runs_and_leaves_no_difference(
     run_ckpt(*args[1:], how="module", cwd=tmp_path)
     renamed = args[3]  # ckpt VERB IN OUT ...
     run_ckpt("diff", renamed, "b.pt", "--fail-on", "missing,unexpected", how="module", cwd=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("keys_a", "keys_b"),
+    [
+        (
+            ["model.head.w", "model.blocks.0.fc.w", "model.blocks.1.fc.w"],
+            ["module.head.w", "module.blocks._orig_mod.0.fc.w", "module.blocks.1.fc.w"],
+        ),
+        (
+            [
+                "base_model.model.blocks.1.fc.w",
+                "base_model.model.head.w",
+                "base_model.model.blocks._checkpoint_wrapped_module.0.fc.w",
+            ],
+            ["blocks._fsdp_wrapped_module.1.fc.w", "blocks._fsdp_wrapped_module.0.fc.w", "head.w"],
+        ),
+    ],
+    ids=["rename-inside-a-wrapper", "two-maps-on-one-prefix"],
+)
+def test_every_suggested_command_both_ways_runs_and_does_what_it_says(
+    tmp_path: Path, keys_a: list[str], keys_b: list[str]
+) -> None:
+    # A rename inside a wrapper's prefix applies before the strip; a fix with a rule that
+    # renames nothing (its command refused, its words untrue) is not suggested.
+    t = torch.ones(2)
+    torch.save(dict.fromkeys(keys_a, t), tmp_path / "a.pt")
+    torch.save(dict.fromkeys(keys_b, t), tmp_path / "b.pt")
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    suggestions = json.loads(run_ckpt("diff", "--json", a, b).stdout)["suggestions"]
+    ran = 0
+    for suggestion in suggestions:
+        for command, other in ((suggestion["command"], b), (suggestion["inverse_command"], a)):
+            if not command:
+                continue
+            args = shlex.split(command)
+            run_ckpt(*args[1:], "--force")
+            if suggestion["resolved"] == suggestion["of"]:  # (a whole fix: no difference left)
+                run_ckpt("diff", args[3], other, "--fail-on", "missing,unexpected")
+            ran += 1
+    assert ran
