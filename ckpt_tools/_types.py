@@ -211,7 +211,12 @@ def checked_flags(func: _F) -> _F:
     import inspect
 
     signature = inspect.signature(func)
-    flags = [p.name for p in signature.parameters.values() if p.annotation in ("bool", bool)]
+    # name -> whether None is one of its values (``bool | None``: "not said")
+    flags = {
+        p.name: p.annotation != "bool"
+        for p in signature.parameters.values()
+        if p.annotation in ("bool", bool, "bool | None")
+    }
 
     @functools.wraps(func)
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -219,17 +224,24 @@ def checked_flags(func: _F) -> _F:
             given = signature.bind_partial(*args, **kwargs).arguments if args else kwargs
         except TypeError:
             return func(*args, **kwargs)  # (Python's own error for a wrong call)
-        for name in flags:
-            if name in given and not isinstance(given[name], bool):
-                value = given[name]
+        for name, none in flags.items():
+            value = given.get(name, False)
+            if not (_is_bool(value) or (none and value is None)):
+                expected = "True, False or None" if none else "True or False"
                 raise UsageError(
-                    f"expected True or False, got {type(value).__name__}",
+                    f"expected {expected}, got {type(value).__name__}",
                     argument=name,
                     value=_shown(value),
                 )
         return func(*args, **kwargs)
 
     return checked  # type: ignore[return-value]
+
+
+def _is_bool(value: object) -> bool:
+    """True or False, Python's or numpy's (``numpy.bool``, which a mask's ``.any()`` gives)."""
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
 
 
 def ascii_int(text: str) -> int | None:

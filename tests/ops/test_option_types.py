@@ -238,8 +238,9 @@ def test_a_numpy_int_is_a_count() -> None:
 
 
 def _flags(func: Callable[..., Any]) -> list[str]:
-    """The parameters of ``func`` that take True or False."""
-    return [p.name for p in inspect.signature(func).parameters.values() if p.annotation == "bool"]
+    """The parameters of ``func`` that take True or False (or None, for ``bool | None``)."""
+    params = inspect.signature(func).parameters.values()
+    return [p.name for p in params if p.annotation in ("bool", "bool | None")]
 
 
 FLAGGED = sorted(
@@ -254,10 +255,20 @@ FLAGGED = sorted(
 def test_a_flag_that_is_no_bool_is_a_usage_error_naming_it(name: str, flag: str) -> None:
     # "no" and "false" are truthy: taken as given they would write, or run a file's code,
     # where the caller asked for the opposite.
-    for wrong in ("no", 0, None):
-        with pytest.raises(UsageError, match="expected True or False") as info:
-            getattr(ct, name)(**{flag: wrong})
+    func = getattr(ct, name)
+    optional = inspect.signature(func).parameters[flag].annotation == "bool | None"
+    expected = "expected True, False or None" if optional else "expected True or False"
+    for wrong in ("no", "false", 0, *(() if optional else (None,))):
+        with pytest.raises(UsageError, match=expected) as info:
+            func(**{flag: wrong})
         assert info.value.argument == flag
+
+
+def test_a_numpy_bool_is_a_flag(lightning: Path, tmp_path: Path) -> None:
+    import numpy as np
+
+    result = ct.strip_module(lightning, tmp_path / "o.pt", dry_run=np.True_)
+    assert result.dry_run and not (tmp_path / "o.pt").exists()
 
 
 def test_a_flag_given_as_text_neither_writes_nor_runs_code(
@@ -271,3 +282,4 @@ def test_a_flag_given_as_text_neither_writes_nor_runs_code(
         ct.strip_module(lightning, tmp_path / "out.pt", dry_run="false")  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
     assert len(FLAGGED) > 60  # (every public operation's flags, found by their annotation)
+    assert {"fan_in_fan_out", "assign", "values"} <= {flag for _, flag in FLAGGED}

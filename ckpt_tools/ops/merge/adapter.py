@@ -301,7 +301,7 @@ def _targets(
                 )
         # PEFT's MiCA variant (linear and embedding layers) adds delta.to(weight.dtype).
         rounds = kind == "embedding" or (
-            kind == "linear" and str(config.get("init_lora_weights")).lower() == "mica"
+            kind == "linear" and config.get("init_lora_weights") == "mica"  # (as PEFT: exactly)
         )
         targets.append(
             LoraTarget(module, kind, a, b, bias, magnitude, r, alpha, scaling, rounds_delta=rounds)

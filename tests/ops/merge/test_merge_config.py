@@ -320,14 +320,18 @@ def test_an_infinite_alpha_is_strict_json_from_the_library_too(mlp: Any, tmp_pat
     json.dumps([info, plan], allow_nan=False)  # what --json prints, no Infinity literal
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("dtype", "spelled"),
+    [(torch.bfloat16, "mica"), (torch.float16, "mica"), (torch.bfloat16, "MiCA")],
+)
 def test_a_mica_adapter_on_a_16_bit_base_is_merged_as_peft_merges_it(
-    tmp_path: Path, dtype: torch.dtype
+    tmp_path: Path, dtype: torch.dtype, spelled: str
 ) -> None:
     # PEFT's MiCA variant adds delta.to(weight.dtype): the delta is rounded first, then the
     # sum; merged as plain LoRA (one rounding of the sum) a third of the values differed.
+    # PEFT picks the variant by the exact spelling: "MiCA" initialises as MiCA, merges as LoRA.
     case = make_case(
-        tmp_path / "case", tiny_llama, _lora("q_proj", init_lora_weights="mica"), dtype=dtype,
+        tmp_path / "case", tiny_llama, _lora("q_proj", init_lora_weights=spelled), dtype=dtype,
         autocast=False,
     )  # fmt: skip
     ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
