@@ -15,7 +15,7 @@ from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.detect import detect_bytes
 from ckpt_tools.formats.pickle.imports import python3_qualname, starts_like_pickle
 from ckpt_tools.formats.pickle.npy import npy_pickle_offset
-from ckpt_tools.ops.scan.severity import classify
+from ckpt_tools.ops.scan.severity import classify, could_import
 from ckpt_tools.ops.scan.sources import Walked, is_npz, walk_pickles
 
 __all__ = ["content_format", "not_a_checkpoint"]
@@ -97,9 +97,10 @@ def _payload(walks: list[Walked]) -> bool:
     """Whether a walk calls a global the table calls dangerous (``os.system``, and any it
     does not know, as ``imaplib.IMAP4_stream``): a loader runs it before the bytes break,
     whatever the file is named. Text that merely reads as protocol 0 names a global (``cos``
-    then ``sin``: ``os.sin``) but calls nothing."""
-    names = (python3_qualname(i.qualname) for w in walks for i in w.scan.called)
-    return any(classify(name).severity == "dangerous" for name in names)
+    then ``sin``: ``os.sin``) but calls nothing, or calls one no loader can import (a Lisp
+    file's ``(in-package ...)``)."""
+    called = (i for w in walks for i in w.scan.called if could_import(i))
+    return any(classify(python3_qualname(i.qualname)).severity == "dangerous" for i in called)
 
 
 # The names torch.load's files go by: one that fails as a pickle is still a payload's place.

@@ -32,6 +32,7 @@ from typing import Literal
 from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
 from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS, ENUM_GETATTR
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
+from ckpt_tools.formats.pickle.imports import PickleImport
 from ckpt_tools.ops.scan.rules import RULES, Rule, Severity
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "Rule",
     "Severity",
     "classify",
+    "could_import",
     "known_danger",
     "storage_class_rule",
 ]
@@ -217,6 +219,23 @@ def classify(qualname: str, context: Context = "pickle", *, exact: bool = False)
     if exact:  # a family that makes it dangerous says why; no family admits it
         return family if family.severity == "dangerous" and family is not _UNKNOWN else _PATH
     return family if _family_member(family, qualname) else _ALIAS
+
+
+def could_import(found: PickleImport) -> bool:
+    """Whether a loader could import ``found``: its module and name are dotted Python names
+    (or computed: unknown). Text that reads as a pickle names junk (``(in-package :cl)``: an
+    INST of ``n-package :cl``), which ``pickle.load`` fails to import, running nothing.
+
+    Example:
+        >>> could_import(PickleImport("posix", "system", 0, "GLOBAL"))
+        True
+        >>> could_import(PickleImport("n-package :cl-user)", "x", 0, "INST"))
+        False
+    """
+    names = (found.module, found.name)
+    return any(n is None for n in names) or all(
+        part.isidentifier() for n in names for part in str(n).split(".")
+    )
 
 
 def known_danger(qualname: str) -> bool:

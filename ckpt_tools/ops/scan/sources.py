@@ -53,7 +53,7 @@ from ckpt_tools.formats.zip.directory import (
 from ckpt_tools.formats.zip.records import read_head
 from ckpt_tools.ops.scan.local_headers import local_entries
 from ckpt_tools.ops.scan.sequence import sequence_pickles
-from ckpt_tools.ops.scan.severity import Context
+from ckpt_tools.ops.scan.severity import Context, could_import
 from ckpt_tools.ops.scan.tar_layout import member_pickles
 
 __all__ = ["Walked", "is_npz", "storage_records", "walk_pickles"]
@@ -326,9 +326,18 @@ def _tar_pickles(path: str) -> Iterator[Walked]:
         raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
     # torch.load of a stream with no file number (a BytesIO, a bucket's file object) and
     # pickle.load read the same bytes as pickles from the first: a header can be one.
+    # Only what a loader could import counts: a header's junk names fail to (config.json
+    # reads as a GLOBAL of "onfig.json\0...").
     for walked in _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES):
-        if walked.scan.imports:
-            yield walked._replace(record=f"{walked.record} (the tar's bytes read as a pickle)")
+        scan = walked.scan
+        kept = tuple(i for i in scan.imports if could_import(i))
+        if kept:
+            scan = scan._replace(
+                imports=kept,
+                called=tuple(i for i in scan.called if i in kept),
+                mutated=tuple(i for i in scan.mutated if i in kept),
+            )
+            yield Walked(f"{walked.record} (the tar's bytes read as a pickle)", "pickle", scan)
 
 
 def _dcp_pickles(folder: str) -> Iterator[Walked]:

@@ -283,6 +283,28 @@ def test_a_cut_pickle_calling_a_global_the_table_does_not_know_is_found_in_a_fol
     assert "dangerous" in out and "weights.dat" in out
 
 
+def test_text_that_reads_as_a_call_of_a_global_no_loader_imports_is_no_payload(
+    tmp_path: Path,
+) -> None:
+    # A Lisp or Scheme source starts with "(i": a MARK, then an INST of "n-package :cl-user)",
+    # which pickle.load fails to import: nothing runs.
+    (tmp_path / "main.lisp").write_text('(in-package :cl-user)\n(defun main ()\n  (print "hi"))\n')
+    (tmp_path / "hello.scm").write_text('(import (rnrs))\n(display "hi")\n(newline)\n')
+    for name in ("main.lisp", "hello.scm"):
+        with pytest.raises(ModuleNotFoundError):
+            pickle.loads((tmp_path / name).read_bytes())
+    report = scan(tmp_path)
+    assert report.files == () and sorted(Path(p).name for p in report.skipped) == [
+        "hello.scm", "main.lisp"
+    ]  # fmt: skip
+    # A tar whose first member's name reads as a GLOBAL of junk ("onfig.json\0...") likewise.
+    config = b'{\n  "model_type": "gpt2"\n}\n'
+    path = _tar(tmp_path / "bundle.tar", [("config.json", config), ("readme.txt", b"hi\n")])
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(path.read_bytes())
+    assert scan(path).files[0].verdict != "dangerous"
+
+
 def test_a_case_twin_record_is_dangerous_and_unreadable(tmp_path: Path) -> None:
     path = tmp_path / "archive.pt"
     torch.save({"w": torch.ones(2)}, path)
