@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -27,13 +26,12 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats.urls import refuse_url
 from ckpt_tools.io.input_files import shapes_reading
+from ckpt_tools.io.output_access import check_creatable, check_writable
 
 __all__ = [
     "FORCE_REPLACES",
-    "check_folder_writable",
     "check_output_folder",
     "check_output_path",
-    "check_writable",
     "folder_exists_error",
     "names_folder",
     "resolved_output",
@@ -129,7 +127,7 @@ def check_output_path(
         if not in_place:
             raise SameFileError(dst, offer_in_place=in_place is not None)
         _refuse_cache_blob(out.resolve(), dst)
-        _check_creatable(out.resolve().parent, dst)
+        check_creatable(out.resolve().parent, dst, out.resolve())
         return out.resolve()
     if out.is_dir():
         raise OutputError(f"output {str(dst)!r} is a folder; give a file path", path=dst)
@@ -143,31 +141,8 @@ def check_output_path(
             f"the output folder {str(folder)!r} does not exist; create it first", path=dst
         )
     _refuse_cache_blob(out.resolve(), dst)
-    _check_creatable(folder, dst)
+    check_creatable(folder, dst, out.resolve())
     return out.resolve() if out.is_symlink() else out
-
-
-def check_folder_writable(folder: Path, dst: str | os.PathLike[str], **where: str) -> None:
-    """Create a nameless file in ``folder`` and drop it: what would refuse a file there
-    (permissions, a read-only mount, ``/proc``) refuses it now, where :func:`os.access` says
-    yes to root. Not for every output: a signal that lands while the probe is open would
-    end the process before its writer holds signals (harness ``--plot`` uses it).
-
-    Args:
-        folder: where the output's temp file (or folder) would be made.
-        dst: the output, as the caller named it.
-        where: ``argument``, ``value`` and ``flag`` of the error, where an option names it.
-
-    Raises:
-        OutputError: the file cannot be made there.
-    """
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise OutputError(
-            f"cannot create a temp file in {str(folder)!r}: {e.strerror or e}", path=dst, **where
-        ) from e
 
 
 def _input_folder(src: str | os.PathLike[str] | None, out: Path) -> tuple[str | None, str | None]:
@@ -299,7 +274,7 @@ def check_output_folder(
             f"the output's parent folder {str(out.parent)!r} does not exist; create it first",
             path=dst,
         )
-    _check_creatable(out.parent, dst)
+    check_creatable(out.parent, dst, out)
     return out
 
 
@@ -363,32 +338,3 @@ def _refuse_cache_blob(target: Path, dst: str | os.PathLike[str]) -> None:
         path=dst,
         remedies=(Remedy(text="write to another path; the cache keeps the downloaded file"),),
     )
-
-
-def _check_creatable(folder: Path, dst: str | os.PathLike[str]) -> None:
-    """Refuse an output whose folder takes no new file (its temp file, or temp folder, is made
-    there): found before the work, and by a dry run, which writes nothing to find it out.
-    ``os.access`` asks without making a file, so no signal can land while one is open."""
-    effective = os.access in os.supports_effective_ids
-    if os.access(folder, os.W_OK | os.X_OK, effective_ids=effective):
-        return
-    read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-    raise OutputError(
-        f"cannot create a file in {str(folder)!r}, where {os.fspath(dst)!r} would be written: "
-        + ("read-only file system" if read_only else "permission denied"),
-        path=dst,
-        remedies=(Remedy(text="make the folder writable, or choose another output path"),),
-    )
-
-
-def check_writable(out: Path, dst: str | os.PathLike[str]) -> None:
-    """Refuse an existing folder this process could not write into, as ``cp -r`` and
-    ``rsync`` would: replacing it needs only the parent's write permission, but would hand
-    someone's read-only folder over to this process."""
-    effective = os.access in os.supports_effective_ids
-    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK, effective_ids=effective):
-        raise OutputError(
-            f"cannot write into the output folder {os.fspath(dst)!r}: permission denied",
-            path=dst,
-            remedies=(Remedy(text="make it writable, or choose another output folder"),),
-        )

@@ -200,6 +200,27 @@ def test_an_output_whose_folder_takes_no_file_is_refused_by_a_dry_run_too(
     assert h.listing(open_folder) == before
 
 
+@as_root
+def test_another_users_file_in_a_sticky_folder_is_refused_by_a_dry_run_too(
+    open_folder: Path,
+) -> None:
+    # /tmp's kind: anyone may create files, only an entry's owner (or the folder's) may rename
+    # over it, as mv finds; the dry run said "would write" where the write failed.
+    open_folder.chmod(0o1777)
+    src, theirs = _plain(open_folder / "x.pt"), _plain(open_folder / "theirs.pt")
+    src.chmod(0o644)
+    before = theirs.read_bytes()
+
+    def check() -> None:
+        for dry_run in (True, False):
+            with pytest.raises(OutputError, match="another user's, in a sticky folder"):
+                convert(src, theirs, force=True, dry_run=dry_run)
+        convert(src, open_folder / "mine.pt")  # a new file there is fine
+
+    _as_other_user(check)
+    assert theirs.read_bytes() == before and (open_folder / "mine.pt").exists()
+
+
 @pytest.fixture
 def read_only_mount(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs holding ``in.pt``, remounted read-only (root only)."""

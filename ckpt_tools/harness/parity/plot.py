@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.formats.urls import refuse_url
-from ckpt_tools.io.output_path import check_folder_writable
+from ckpt_tools.io.output_access import check_folder_writable
 
 __all__ = ["COMMON_FORMATS", "check_plot_path", "parity_figure", "plot_parity", "zero_floor"]
 

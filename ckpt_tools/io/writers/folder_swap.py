@@ -22,7 +22,8 @@ from pathlib import Path
 from ckpt_tools.errors import OutputError
 from ckpt_tools.io.atomic import fsync_folder
 from ckpt_tools.io.interrupts import Interrupted, naming, signals_raise
-from ckpt_tools.io.output_path import check_writable, folder_exists_error, resolved_output
+from ckpt_tools.io.output_access import check_writable
+from ckpt_tools.io.output_path import folder_exists_error, resolved_output
 from ckpt_tools.io.temp_names import remove_orphans
 from ckpt_tools.io.writers.folder_temp import (
     TEMP_FOLDER,

@@ -2,7 +2,7 @@
 replaces, and the threads that write its files, stopped as one.
 
 Taken over, from a folder this process could write into
-(:func:`~ckpt_tools.io.output_path.check_writable`, as ``cp -r`` needs): its group and setgid
+(:func:`~ckpt_tools.io.output_access.check_writable`, as ``cp -r`` needs): its group and setgid
 bit while the temp folder is written (:func:`share_group`; it stays private and this
 process's own until complete), then its owner and group where the process may set them, and
 its permission bits (:func:`take_over`, just before the swap). A replaced file's mode and
