@@ -135,13 +135,9 @@ def open_folder() -> Iterator[Path]:
     try:
         yield base
     finally:
-        for p in sorted(base.rglob("*"), reverse=True):
-            if p.is_dir():
-                os.chmod(p, 0o755)
-                p.rmdir()
-            else:
-                p.unlink()
-        base.rmdir()
+        for folder in [base, *(p for p in base.rglob("*") if p.is_dir())]:
+            os.chmod(folder, 0o755)  # (a read-only folder's entries cannot be removed)
+        shutil.rmtree(base)
 
 
 def test_a_folder_the_process_cannot_write_into_is_refused_not_replaced(open_folder: Path) -> None:
