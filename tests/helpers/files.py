@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import hashlib
 import importlib
 import io
@@ -68,7 +69,9 @@ def mounted(kind: str, folder: Path, *options: str) -> Iterator[Path]:
     try:
         yield folder
     finally:
-        subprocess.run(["umount", str(folder)], check=False)
+        gc.collect()  # (a file a failed write left open keeps the mount busy)
+        if subprocess.run(["umount", str(folder)], capture_output=True, check=False).returncode:
+            subprocess.run(["umount", "--lazy", str(folder)], capture_output=True, check=False)
 
 
 def loop_mounted(folder: Path, size: int, mkfs: Sequence[str], kind: str) -> Iterator[Path]:
