@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 from ckpt_tools._escape import shell_path
 from ckpt_tools.errors import Remedy, ResourceLimitError, SelectError, shown
-from ckpt_tools.ops.inspect.tensor_info import TensorInfo, group_sharing
+from ckpt_tools.ops.inspect.tensor_info import TensorInfo, group_sharing, table_row
 from ckpt_tools.structure.steps import Step, fix_command
 from ckpt_tools.structure.text import (
     Readable,
@@ -242,7 +241,7 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
         """The tensor table's cells, one row per tensor (or per folded group), under
         :data:`TENSOR_COLUMNS`."""
         if not group:
-            return [_row(t.name, t, [t], None) for t in self.tensors]
+            return [table_row(t.name, t, [t], None) for t in self.tensors]
         from ckpt_tools.structure.grouping import group_names  # only --group folds
 
         # A layout apart: a sparse and a dense tensor of one shape are no repeated layer.
@@ -250,7 +249,7 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
             self.tensors, lambda t: t.name, lambda t: (t.dtype, t.layout, t.shape, t.device)
         )
         return [
-            _row(g.label, members[0], members, group_sharing(members) if g.count > 1 else None)
+            table_row(g.label, members[0], members, group_sharing(members) if g.count > 1 else None)
             for g, members in groups
         ]
 
@@ -365,28 +364,6 @@ def _check_shared_names(tensors: tuple[TensorInfo, ...], path: str) -> None:
             path=path,
             remedies=(Remedy(flag="--json", verb="leave out", text=_SHARING_SHOWN),),
         )
-
-
-def _row(
-    label: str, t: TensorInfo, members: Sequence[TensorInfo], folded: tuple[str, str] | None
-) -> list[str]:
-    # A folded row stands for its members: its storage and sharing are theirs (``folded``),
-    # its offset is no one's, its bytes their sum (sparse and nested tensors of one shape
-    # differ). Only the first others are looked at, never every view of the storage.
-    count = len(members)
-    if folded is None:
-        others = list(islice((n for n in t.sharing if n != t.name), 3))
-        folded = (t.storage, ", ".join(others[:2]) + (" ..." if len(others) > 2 else ""))
-    return [
-        label,
-        t.dtype if t.layout == "strided" else f"{t.dtype} ({t.layout})",
-        "[" + ", ".join(map(str, t.shape)) + "]",
-        t.device,
-        folded[0],
-        str(t.offset) if count == 1 else "",
-        human_bytes(sum(m.nbytes for m in members)),
-        folded[1],
-    ]
 
 
 def _limited(

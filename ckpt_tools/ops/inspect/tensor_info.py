@@ -8,8 +8,9 @@ from itertools import islice
 from typing import Any
 
 from ckpt_tools.errors import shown
+from ckpt_tools.structure.text import human_bytes
 
-__all__ = ["TensorInfo", "group_sharing"]
+__all__ = ["TensorInfo", "group_sharing", "table_row"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,26 @@ def group_sharing(members: Sequence[TensorInfo]) -> tuple[str, str]:
     shared = (["each other"] if inside else []) + outside[:2]
     text = ", ".join(shared) + (" ..." if len(outside) > 2 else "")
     return (storages.pop() if len(storages) == 1 else ""), text
+
+
+def table_row(
+    label: str, t: TensorInfo, members: Sequence[TensorInfo], folded: tuple[str, str] | None
+) -> list[str]:
+    """One row of ``inspect``'s tensor table: ``t``'s, or a folded group's (``members``,
+    first ``t``; ``folded``: their :func:`group_sharing`). A folded row's storage and sharing
+    are its members', its offset no one's, its bytes their sum (sparse and nested tensors of
+    one shape differ). Only the first others are looked at, never every view of a storage."""
+    count = len(members)
+    if folded is None:
+        others = list(islice((n for n in t.sharing if n != t.name), 3))
+        folded = (t.storage, ", ".join(others[:2]) + (" ..." if len(others) > 2 else ""))
+    return [
+        label,
+        t.dtype if t.layout == "strided" else f"{t.dtype} ({t.layout})",
+        "[" + ", ".join(map(str, t.shape)) + "]",
+        t.device,
+        folded[0],
+        str(t.offset) if count == 1 else "",
+        human_bytes(sum(m.nbytes for m in members)),
+        folded[1],
+    ]
