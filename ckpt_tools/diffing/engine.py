@@ -28,7 +28,7 @@ from dataclasses import replace
 from ckpt_tools._types import Select, checked_flags, count_of
 from ckpt_tools.diffing.parts import SideInfo, Suggestion, TensorDiff, is_file
 from ckpt_tools.diffing.report import FAIL_CATEGORIES, DiffReport
-from ckpt_tools.diffing.sides import DiffSide, Side, kind_pair, open_side
+from ckpt_tools.diffing.sides import DiffSide, Side, open_side
 from ckpt_tools.diffing.suggestions import apply_command, suggested_rewrites
 from ckpt_tools.diffing.tolerances import check_tolerances
 from ckpt_tools.dtypes import itemsize
@@ -311,7 +311,7 @@ def _report(
     tensors = tuple(
         _compare(name, a, b, rtol, atol, chunk_bytes, values)
         if name in a.entries and name in b.entries
-        else kind_pair(name, a, b, values)
+        else _kind_pair(name, a, b, values)
         for name in (*a.entries, *later)
         if name in in_b
     )
@@ -333,3 +333,55 @@ def _report(
         reconciled_unexpected=keys.reconciled_unexpected,
         keys_by_name=keys.fallback,
     )
+
+
+def _kind_pair(name: str, a: Side, b: Side, values: bool) -> TensorDiff:
+    """A key that is a tensor on one side and another kind of entry on the other, or a
+    tensor of a subclass that is not read (:class:`~ckpt_tools.diffing.entries.Foreign`)
+    on either: present on both sides, not comparable (status ``kind``). A non-tensor entry's
+    kind stands for its dtype.
+
+    Example:
+        >>> import torch
+        >>> from ckpt_tools.diffing.report import SideInfo
+        >>> a = Side(SideInfo("<state dict>", "state_dict"), {"y": torch.ones(2)}, None)
+        >>> b = Side(SideInfo("<state dict>", "state_dict"), {}, None, {"y": "str"})
+        >>> pair = _kind_pair("y", a, b, True)
+        >>> pair.status, pair.dtype_b, pair.note
+        ('kind', 'str', 'a tensor in A, a str in B: not compared')
+    """
+    described = []
+    for side in (a, b):
+        kind = side.kind(name)
+        if side.holds_tensor(name):
+            dtype, shape = side.meta(name)
+            described.append((kind, dtype, shape, side.layout(name)))
+        else:
+            described.append((kind, kind, (), ""))
+    (kind_a, dtype_a, shape_a, layout_a), (kind_b, dtype_b, shape_b, layout_b) = described
+    unread = "a tensor subclass diff does not read"
+    if name in a.foreign and name in b.foreign and kind_a == kind_b:
+        note = f"{_article(kind_a)} on both sides, {unread}: not compared"
+    else:
+        what_a, what_b = (
+            _article(side.kind(name)) + f" ({unread})" * (name in side.foreign) for side in (a, b)
+        )
+        note = f"{what_a} in A, {what_b} in B: not compared"
+    return TensorDiff(
+        name,
+        dtype_a,
+        dtype_b,
+        shape_a,
+        shape_b,
+        values_compared=values,
+        layout_a=layout_a,
+        layout_b=layout_b,
+        kind_a=kind_a,
+        kind_b=kind_b,
+        note=note,
+    )
+
+
+def _article(kind: str) -> str:
+    """``kind`` after its indefinite article: "a str", "an int"."""
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"

@@ -25,7 +25,7 @@ from ckpt_tools.diffing.entries import (
     metadata_of,
     split_entries,
 )
-from ckpt_tools.diffing.parts import SideInfo, TensorDiff, is_file
+from ckpt_tools.diffing.parts import SideInfo, is_file
 from ckpt_tools.dtypes import itemsize
 from ckpt_tools.errors import SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads
     from ckpt_tools.io.remote import RemoteSession
     from ckpt_tools.loading.tensor_io import TensorReader
 
-__all__ = ["DiffSide", "Side", "kind_pair", "open_side"]
+__all__ = ["DiffSide", "Side", "open_side"]
 
 #: What :func:`~ckpt_tools.diffing.engine.diff` compares: a checkpoint path or URL, a state
 #: dict, or a module.
@@ -197,57 +197,6 @@ class Side:
         if value.dtype in QUANTIZED_DTYPES:
             return file_qtensor(self.reader, value, f"{self.info.label}: entry {name!r}")
         return with_view_bits(self.reader.read(value), value.view_bits)
-
-
-def kind_pair(name: str, a: Side, b: Side, values: bool) -> TensorDiff:
-    """A key that is a tensor on one side and another kind of entry on the other, or a
-    tensor of a subclass that is not read (:class:`~ckpt_tools.diffing.entries.Foreign`)
-    on either: present on both sides, not comparable (status ``kind``). A non-tensor entry's
-    kind stands for its dtype.
-
-    Example:
-        >>> import torch
-        >>> a = Side(SideInfo("<state dict>", "state_dict"), {"y": torch.ones(2)}, None)
-        >>> b = Side(SideInfo("<state dict>", "state_dict"), {}, None, {"y": "str"})
-        >>> pair = kind_pair("y", a, b, True)
-        >>> pair.status, pair.dtype_b, pair.note
-        ('kind', 'str', 'a tensor in A, a str in B: not compared')
-    """
-    described = []
-    for side in (a, b):
-        kind = side.kind(name)
-        if side.holds_tensor(name):
-            dtype, shape = side.meta(name)
-            described.append((kind, dtype, shape, side.layout(name)))
-        else:
-            described.append((kind, kind, (), ""))
-    (kind_a, dtype_a, shape_a, layout_a), (kind_b, dtype_b, shape_b, layout_b) = described
-    unread = "a tensor subclass diff does not read"
-    if name in a.foreign and name in b.foreign and kind_a == kind_b:
-        note = f"{_article(kind_a)} on both sides, {unread}: not compared"
-    else:
-        what_a, what_b = (
-            _article(side.kind(name)) + f" ({unread})" * (name in side.foreign) for side in (a, b)
-        )
-        note = f"{what_a} in A, {what_b} in B: not compared"
-    return TensorDiff(
-        name,
-        dtype_a,
-        dtype_b,
-        shape_a,
-        shape_b,
-        values_compared=values,
-        layout_a=layout_a,
-        layout_b=layout_b,
-        kind_a=kind_a,
-        kind_b=kind_b,
-        note=note,
-    )
-
-
-def _article(kind: str) -> str:
-    """``kind`` after its indefinite article: "a str", "an int"."""
-    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
 
 
 def _file_side(
