@@ -75,7 +75,6 @@ def _linked_reads(folder: str, form: str | None) -> set[str]:
     """The files a DCP or DeepSpeed ``folder`` reads that lie elsewhere, reached through a
     linked subfolder (a tag folder on another volume), by their real paths: such a file is
     no less an input than one inside the folder."""
-    patterns = _READ_BY_FORMAT.get(form or "", ("*",))
     found: set[str] = set()
     with os.scandir(folder) as entries:
         linked = [e.path for e in entries if e.is_symlink() and e.is_dir()]
@@ -85,11 +84,14 @@ def _linked_reads(folder: str, form: str | None) -> set[str]:
         except OSError:  # (a folder the reader cannot list either)
             continue
         found.update(
-            os.path.realpath(os.path.join(sub, name))
-            for name in names
-            if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            os.path.realpath(os.path.join(sub, name)) for name in names if _named_read(name, form)
         )
     return found
+
+
+def _named_read(name: str, form: str | None) -> bool:
+    """Whether a file ``name`` is one its folder's format reads (any, where none is known)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in _READ_BY_FORMAT.get(form or "", ("*",)))
 
 
 def _read_now(folder: str, form: str | None, path: str) -> bool:
@@ -102,8 +104,7 @@ def _read_now(folder: str, form: str | None, path: str) -> bool:
     read = files_read(Path(folder)) if form == "hf-sharded" else None
     if read is not None:
         return os.path.relpath(path, folder) in read
-    patterns = _READ_BY_FORMAT.get(form or "", ("*",))
-    return any(fnmatch.fnmatchcase(os.path.basename(path), p) for p in patterns)
+    return _named_read(os.path.basename(path), form)
 
 
 def _hf_reads(folder: str, path: str) -> bool:

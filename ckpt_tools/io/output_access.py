@@ -32,8 +32,7 @@ def check_creatable(folder: Path, dst: str | os.PathLike[str], target: Path) -> 
     Raises:
         OutputError: the folder takes no new file, or ``target`` may not be replaced.
     """
-    effective = os.access in os.supports_effective_ids
-    if not os.access(folder, os.W_OK | os.X_OK, effective_ids=effective):
+    if not _may_enter_and_write(folder):
         read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
         why = "read-only file system" if read_only else "permission denied"
         problem = f"cannot create a file in {str(folder)!r}, where {os.fspath(dst)!r} would be"
@@ -49,6 +48,12 @@ def check_creatable(folder: Path, dst: str | os.PathLike[str], target: Path) -> 
             path=dst,
             remedies=(Remedy(text="choose another output path"),),
         )
+
+
+def _may_enter_and_write(folder: Path) -> bool:
+    """Whether this process, by its effective ids, may create entries in ``folder``."""
+    effective = os.access in os.supports_effective_ids
+    return os.access(folder, os.W_OK | os.X_OK, effective_ids=effective)
 
 
 def _may_replace(folder: Path, target: Path) -> bool:
@@ -73,8 +78,7 @@ def check_writable(out: Path, dst: str | os.PathLike[str]) -> None:
     """Refuse an existing folder this process could not write into, as ``cp -r`` and
     ``rsync`` would: replacing it needs only the parent's write permission, but would hand
     someone's read-only folder over to this process."""
-    effective = os.access in os.supports_effective_ids
-    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK, effective_ids=effective):
+    if out.is_dir() and not _may_enter_and_write(out):
         raise OutputError(
             f"cannot write into the output folder {os.fspath(dst)!r}: permission denied",
             path=dst,
