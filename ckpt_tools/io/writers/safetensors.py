@@ -27,6 +27,7 @@ from ckpt_tools.io.writers.records import Record, tensor_bytes_record
 from ckpt_tools.io.writers.safetensors_checks import (
     check_holdable,
     leave_out_extras,
+    tensor_attributes,
     tied_names,
     unholdable_kind,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "leave_out_extras",
     "safetensors_header",
     "source_records",
+    "tensor_attributes",
     "tied_names",
     "unholdable_kind",
     "write_safetensors",

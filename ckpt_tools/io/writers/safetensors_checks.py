@@ -10,7 +10,8 @@ every offender at once:
   ``__metadata__``, which its header reserves for the metadata;
 - a conjugate or negative view, saved as its storage's bytes plus a bit torch applies on
   loading, which a safetensors file would take as they are, changing the values;
-- entries that are no dense tensors, unless told to leave them out (:func:`leave_out_extras`).
+- entries that are no dense tensors, and Python attributes a tensor carries (``t.note = ...``),
+  unless told to leave them out (:func:`leave_out_extras`, :func:`tensor_attributes`).
 
 :func:`check_holdable` is called by every plan and again by
 :func:`~ckpt_tools.io.writers.safetensors.safetensors_header`, the writer's guard, so no
@@ -26,7 +27,14 @@ from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.dtypes import SAFETENSORS_PACKED, TORCH_TO_SAFETENSORS
 from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy, shown
 
-__all__ = ["RESERVED_NAME", "check_holdable", "leave_out_extras", "tied_names", "unholdable_kind"]
+__all__ = [
+    "RESERVED_NAME",
+    "check_holdable",
+    "leave_out_extras",
+    "tensor_attributes",
+    "tied_names",
+    "unholdable_kind",
+]
 
 #: The header key safetensors keeps for its string-to-string metadata: no tensor may have it.
 RESERVED_NAME = "__metadata__"
@@ -183,6 +191,22 @@ def unholdable_kind(value: Any) -> str | None:
     return f"{value.layout} layout"
 
 
+def tensor_attributes(named: Iterable[tuple[str, Any]]) -> list[str]:
+    """``name.attribute`` for each Python attribute the tensors among ``named`` carry, which
+    ``torch.load`` sets back (:attr:`~ckpt_tools.descriptors.TensorRef.attributes`) and a
+    safetensors file cannot hold.
+
+    Example:
+        >>> from ckpt_tools.descriptors import GlobalRef, StorageRef
+        >>> s = StorageRef("0", "float32", 2, "cpu")
+        >>> rebuild = GlobalRef("torch._tensor", "_rebuild_from_type_v2")
+        >>> t = TensorRef(s, 0, (2,), (1,), "float32", func=rebuild, args=(0, 0, (), {"note": 1}))
+        >>> tensor_attributes([("w", t)])
+        ['w.note']
+    """
+    return [f"{n}.{a}" for n, t in named if isinstance(t, TensorRef) for a in t.attributes]
+
+
 def leave_out_extras(
     extras: Sequence[str],
     path: str | None,
@@ -191,6 +215,7 @@ def leave_out_extras(
     remedies: Sequence[Remedy] = (),
     kinds: Mapping[str, str] | None = None,
     outside: Collection[str] = (),
+    attributes: Collection[str] = (),
 ) -> tuple[str, ...]:
     """The entries a safetensors output leaves out, or the refusal to.
 
@@ -209,6 +234,8 @@ def leave_out_extras(
             (:func:`unholdable_kind`); the message tells them from non-tensor entries.
         outside: the names among ``extras`` that are tensors beside the selected state dict
             (a best accuracy saved as a 0-d tensor next to it), named as such.
+        attributes: the names among ``extras`` that are tensors' Python attributes
+            (:func:`tensor_attributes`), named as such.
 
     Returns:
         The names left out: ``extras``, or ``()`` when there are none.
@@ -235,7 +262,9 @@ def leave_out_extras(
     kinds = kinds or {}
     tensors = [f"{name} ({kinds[name]})" for name in extras if name in kinds]
     beside = [name for name in extras if name in outside and name not in kinds]
-    others = [name for name in extras if name not in kinds and name not in outside]
+    tags = [name for name in extras if name in attributes]
+    named = {*kinds, *outside, *attributes}
+    others = [name for name in extras if name not in named]
     said = []
     if tensors:
         said.append(f"{_count(len(tensors), 'tensor')} it cannot hold: {_few(tensors)}")
@@ -243,8 +272,12 @@ def leave_out_extras(
         said.append(f"{_count(len(others), 'non-tensor entry')}: {_few(others)}")
     if beside:
         said.append(f"{_count(len(beside), 'tensor')} outside the state dict: {_few(beside)}")
+    if tags:
+        said.append(f"{_count(len(tags), 'tensor attribute')}: {_few(tags)}")
     them = "it" if len(extras) == 1 else "them"
-    if tensors:
+    if tags and not (tensors or others or beside):
+        holds = "safetensors holds tensors' values only"
+    elif tensors:
         holds = "safetensors holds dense tensors only"
     elif beside:  # "tensors only" would not say why a tensor is refused
         holds = "a safetensors output holds the state dict's tensors only"
@@ -260,7 +293,10 @@ def leave_out_extras(
         remedies=(
             *remedies,
             Remedy("drop_extras", "True", flag="--drop-extras", text=f"to leave {them} out"),
-            Remedy(text="keep the torch format" + (" (a .pt file holds them)" if tensors else "")),
+            Remedy(
+                text="keep the torch format"
+                + (" (a .pt file holds them)" if tensors or tags else "")
+            ),
         ),
     )
 

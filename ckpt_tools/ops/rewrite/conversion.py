@@ -48,8 +48,9 @@ def convert(
 
     To safetensors: tied tensors are stored once (dropped names recorded in the metadata),
     non-contiguous views are written contiguous, ``"format": "pt"`` metadata is added, and
-    non-tensor entries are refused unless ``drop_extras=True``. From safetensors to torch:
-    a plain state dict. ``src`` may be a Hugging Face sharded folder.
+    non-tensor entries and tensors' Python attributes are refused unless
+    ``drop_extras=True``. From safetensors to torch: a plain state dict. ``src`` may be a
+    Hugging Face sharded folder.
 
     Args:
         src: a ``.pt``, ``.safetensors`` or sharded folder (any format

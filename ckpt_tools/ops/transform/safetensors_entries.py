@@ -13,7 +13,12 @@ from ckpt_tools.formats import Checkpoint
 from ckpt_tools.formats.safetensors import tie_metadata
 from ckpt_tools.io.row_layout import row_layout, row_major_stream
 from ckpt_tools.io.writers.records import Record, cast_stream, record_bytes, tensor_bytes_record
-from ckpt_tools.io.writers.safetensors import check_holdable, leave_out_extras, unholdable_kind
+from ckpt_tools.io.writers.safetensors import (
+    check_holdable,
+    leave_out_extras,
+    tensor_attributes,
+    unholdable_kind,
+)
 from ckpt_tools.io.writers.safetensors_checks import tied_names
 from ckpt_tools.ops.transform.plan import DROPPED, Item, TransformPlan
 from ckpt_tools.structure.selection import Selection
@@ -74,16 +79,18 @@ def safetensors_entries(
             for k, v in root.items()
             if k != selection.path[0] and isinstance(v, (TensorRef, RebuiltTensor))
         }
+    attributes = tensor_attributes((old, v) for old, new, v in items if new is not DROPPED)
     alone = Remedy(
         "weights_only", "True", flag="--weights-only", text="to write the state dict alone"
     )
     left_out = leave_out_extras(
-        inside + beside,
+        inside + beside + attributes,
         ckpt.path,
         drop_extras=drop_extras,
         remedies=(alone,) if beside and not inside else (),
         kinds=kinds,
         outside=outside,
+        attributes=attributes,
     )
     metadata: dict[str, str] = {"format": "pt"}
     named = [(new, t) for _, new, t in items if new is not DROPPED and isinstance(t, TensorRef)]
