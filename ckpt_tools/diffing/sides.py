@@ -16,8 +16,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
+from ckpt_tools._escape import shell_path, shown
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import RebuiltTensor, TensorRef
+from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 from ckpt_tools.diffing.entries import (
     Foreign,
     is_uninitialized,
@@ -27,7 +28,7 @@ from ckpt_tools.diffing.entries import (
 )
 from ckpt_tools.diffing.parts import SideInfo, is_file
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import SelectError, UsageError
+from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.io.remote.httpurls import shown_url
 from ckpt_tools.structure.keys import KeyRule, apply_plan
@@ -216,6 +217,8 @@ def _file_side(
         )
     sd = selection.state_dict
     entries, foreign, others, values_of = split_entries(sd, (TensorRef, RebuiltTensor))
+    if not (selection.found or entries or foreign):
+        _refuse_unbuilt(shown_url(os.fspath(side)), sd)
     info = SideInfo(
         shown_url(os.fspath(side)),  # a URL's password is never shown
         "file",
@@ -244,6 +247,26 @@ def _file_side(
         foreign=foreign,
         keys=keys,
         metadata=metadata_of(sd),
+    )
+
+
+def _refuse_unbuilt(path: str, root: Mapping[Any, Any]) -> None:
+    """Refuse a root with no tensors of its own where entries of classes the reader never
+    builds (a dict subclass of the training script's) may hold the state dict: compared as
+    it is, the root would report 0 tensors and every key of the other side missing."""
+    unbuilt = [(k, v) for k, v in root.items() if isinstance(v, Opaque)]
+    if not unbuilt:
+        return
+    names = ", ".join(f"{shown(str(k))!r} ({type(v).global_ref.qualname})" for k, v in unbuilt[:8])
+    sanitize = Remedy(
+        command=f"ckpt sanitize {shell_path(path)} OUT.pt",
+        text="to write its objects as plain dicts (nothing is imported or run)",
+    )
+    raise UsageError(
+        f"{path!r}: no entry looks like a state dict (a mapping of names to tensors), and "
+        f"{names} {'is an object' if len(unbuilt) == 1 else 'are objects'} of a class the "
+        "reader never builds; diff compares state dicts",
+        remedies=() if "://" in path else (sanitize,),  # sanitize reads local files
     )
 
 

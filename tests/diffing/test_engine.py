@@ -420,6 +420,32 @@ def test_a_root_that_is_no_mapping_is_refused_not_compared_as_empty(
     )
 
 
+class _Config(dict):
+    """A dict subclass of the training script's own, which the reader never imports."""
+
+
+def test_a_state_dict_in_an_object_of_its_own_class_is_refused_not_compared_as_the_root(
+    save: Callable[..., str],
+) -> None:
+    # The tensors lie in the object, which is never built: comparing the root would report
+    # 0 tensors and every key of B missing, with exit 0.
+    wrapped = save({"state_dict": _Config(w=torch.ones(2)), "epoch": 1}, "wrapped.pt")
+    plain = save({"w": torch.ones(2)}, "plain.pt")
+    with pytest.raises(UsageError, match=r"'state_dict' \(.*_Config\)") as info:
+        diff(wrapped, plain)
+    assert "diff compares state dicts" in str(info.value)
+    _, _, err = run_ckpt("diff", plain, wrapped, code=2)
+    assert f"ckpt sanitize {wrapped} OUT.pt" in err
+    # The remedy works: the sanitized file holds the tensors as a plain dict.
+    out = str(Path(wrapped).with_name("clean.pt"))
+    run_ckpt("sanitize", wrapped, out)
+    assert diff(out, plain).identical
+    # A root that holds tensors beside such an object is still compared as it is.
+    beside = save({"w": torch.ones(2), "config": _Config(lr=0.1)}, "beside.pt")
+    report = diff(beside, plain)
+    assert report.a.tensors == 1 and report.values_compared == 1
+
+
 @pytest.mark.parametrize("order", ["int-first", "str-first"])
 def test_keys_with_one_name_are_refused_not_merged(tmp_path: Path, order: str) -> None:
     # torch.load gives two entries, 0 and "0"; compared by name, one would hide the other.
