@@ -120,7 +120,8 @@ def _weights(value: str | None) -> list[float] | None:
     type=int,
     default=None,
     metavar="N",
-    help="Of the inputs (globs expanded), the last N by the number in the name, else mtime.",
+    help="Of the inputs (globs expanded), the last N by the numbers in their paths (where "
+    "nothing else in them differs), else by mtime.",
 )
 @quiet_option
 @_writing

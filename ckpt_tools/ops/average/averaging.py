@@ -61,7 +61,12 @@ __all__ = ["average", "pick_inputs"]
 
 
 def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
-    """Expand globs; with ``last``, keep the last N by the number in their names, else by mtime.
+    """Expand globs; with ``last``, keep the last N by the numbers in their paths, else by mtime.
+
+    The numbers order the paths where nothing else in them differs (``ckpt_9.pt`` before
+    ``ckpt_10.pt``, ``global_step200/model.pt`` before ``global_step1000/model.pt``); names
+    that differ beyond their numbers (``best_7.pt`` beside ``ckpt_9.pt``) are ordered by
+    modification time.
 
     A file named twice stays twice: :func:`average` says so, rather than averaging one file
     fewer than the user counted.
@@ -92,15 +97,21 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
         else:  # named, not matched: before --last sorts by mtime, which would stat it
             raise CheckpointNotFoundError(f"no such file or folder: {pattern!r}", path=pattern)
     if last is not None:
-        numbers = [re.findall(r"\d+", os.path.basename(p)) for p in found]
-        if all(numbers):
-            found.sort(key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[-1]))
-        else:
-            found.sort(key=lambda p: os.stat(p).st_mtime_ns)
-        found = found[-last:]
+        found = _in_run_order(found)[-last:]
     if not found:
         raise UsageError("expected at least one input")
     return found
+
+
+def _in_run_order(paths: Sequence[str]) -> list[str]:
+    """``paths`` oldest first: by their numbers where the paths differ in nothing else (the
+    step in ``step200_bf16.pt`` or ``global_step200/mp_rank_00_model_states.pt``, wherever it
+    lies), else by modification time: numbers beside different words are no one count."""
+    parts = [re.split(r"(\d+)", os.path.abspath(p)) for p in paths]  # words, number, words ...
+    if len({tuple(p[0::2]) for p in parts}) == 1 and len(parts[0]) > 1:
+        steps = {p: tuple(int(n) for n in part[1::2]) for p, part in zip(paths, parts)}
+        return sorted(paths, key=steps.__getitem__)
+    return sorted(paths, key=lambda p: os.stat(p).st_mtime_ns)
 
 
 def _aligned(sd: Mapping[Any, Any]) -> dict[Any, tuple[Any, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,41 @@ def test_an_existing_name_is_taken_literally_and_a_glob_must_match(
     assert pick_inputs(["x[0-9].pt"]) == ["x1.pt"]  # a glob still expands
     with pytest.raises(ct.UsageError, match=r"'nomatch_\*\.pt' matches no file"):
         pick_inputs(["a.pt", "x1.pt", "nomatch_*.pt"])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "ckpt_{}.pt",
+        "step{}_bf16.pt",  # every name also ends in the same number
+        "global_step{}/mp_rank_00_model_states.pt",  # the step is in the folder's name
+        "epoch=0-step={}.ckpt",
+    ],
+)
+def test_last_keeps_the_highest_steps_wherever_the_number_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    # Written newest first, so an order by modification time would pick the wrong two.
+    for step in (1000, 300, 200, 100):
+        path = Path(layout.format(step))
+        path.parent.mkdir(exist_ok=True)
+        torch.save({"w": torch.full((2,), float(step))}, path)
+    picked = pick_inputs([layout.format("*")], last=2)
+    assert picked == [layout.format(300), layout.format(1000)]
+    out = ct.average(picked, tmp_path / "avg.pt")
+    assert torch.equal(torch.load(out.written[0])["w"], torch.full((2,), 650.0))
+
+
+def test_last_takes_the_newest_where_the_names_differ_beyond_their_numbers(
+    tmp_path: Path,
+) -> None:
+    # "best_7.pt" beside "ckpt_9.pt": the numbers are not one count, so time decides.
+    names = ["ckpt_9.pt", "best_7.pt", "ckpt_8.pt"]  # oldest to newest
+    for age, name in enumerate(names):
+        torch.save({"w": torch.ones(1)}, tmp_path / name)
+        os.utime(tmp_path / name, ns=(age * 10**9, age * 10**9))
+    assert pick_inputs([str(tmp_path / "*.pt")], last=2) == [
+        str(tmp_path / "best_7.pt"),
+        str(tmp_path / "ckpt_8.pt"),
+    ]
