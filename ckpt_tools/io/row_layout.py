@@ -38,6 +38,8 @@ def row_layout(t: TensorRef) -> tuple[int, ...] | None:
         >>> row_layout(TensorRef(storage, 0, (5, 3, 2, 2), (12, 1, 6, 3), "float32"))
         (2, 3, 1)
     """
+    if t.numel == 0:  # no bytes to order: torch's strides after a 0 are its own choice
+        return tuple(range(1, len(t.shape)))
     rest = sorted(range(1, len(t.shape)), key=lambda d: -t.stride[d])  # ties keep their order
     expected = 1
     for d in reversed(rest):

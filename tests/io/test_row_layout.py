@@ -76,3 +76,19 @@ def test_a_stream_ending_inside_a_row_is_refused() -> None:
     t = torch.randn(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match="ended inside a row"):
         list(row_major_stream([_storage_bytes(t)[:-4]], _ref(t)))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(4, 0),  # as Linear(0, 4).weight: strides (1, 1)
+        lambda: torch.empty(3, 0, 2),
+        lambda: torch.empty(2, 0, 3, 3).contiguous(memory_format=torch.channels_last),
+        lambda: torch.empty(2, 0, 3, 2, 2).contiguous(memory_format=torch.channels_last_3d),
+    ],
+    ids=["linear-in-0", "middle-0", "channels_last", "channels_last_3d"],
+)
+def test_a_tensor_of_no_elements_is_row_major_whatever_its_strides(make: Callable) -> None:
+    t = make()
+    assert t.numel() == 0
+    assert row_layout(_ref(t)) == tuple(range(1, t.dim()))

@@ -80,3 +80,26 @@ def test_average_of_views_casts_each_views_mean_as_torch(
         a, b = _bits(out), _bits(want)
         wrong = np.flatnonzero(a != b)
         assert wrong.size == 0, (key, [(int(i), hex(a[i]), hex(b[i])) for i in wrong[:4]])
+
+
+@pytest.mark.parametrize("suffix", ["safetensors", "pt"])
+def test_tensors_of_no_elements_average_to_either_format(tmp_path: Path, suffix: str) -> None:
+    # Their strides after a size-0 dimension are torch's choice (Linear(0, 4): (1, 1)); the
+    # mean of no elements is written as safetensors writes any empty tensor.
+    from safetensors.torch import load_file
+
+    srcs = []
+    for i in range(2):
+        torch.manual_seed(i)
+        sd = {
+            "fc.weight": torch.empty(4, 0),  # as Linear(0, 4).weight
+            "conv.weight": torch.empty(2, 0, 3, 3).contiguous(memory_format=torch.channels_last),
+            "b": torch.randn(4),
+        }
+        srcs.append(tmp_path / f"a{i}.pt")
+        torch.save(sd, srcs[-1])
+    out = ct.average(srcs, tmp_path / f"avg.{suffix}").written[0]
+    got = load_file(out) if suffix == "safetensors" else torch.load(out, weights_only=True)
+    assert got["fc.weight"].shape == (4, 0) and got["conv.weight"].shape == (2, 0, 3, 3)
+    want = (torch.load(srcs[0])["b"].double() + torch.load(srcs[1])["b"].double()) / 2
+    assert torch.equal(got["b"], want.float())
