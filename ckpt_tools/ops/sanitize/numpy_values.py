@@ -84,15 +84,32 @@ def ndarray_parts(node: Opaque) -> NdarrayParts | None:
 
 def _from_buffer(node: Opaque) -> NdarrayParts | None:
     """``numpy.frombuffer(buffer, dtype).reshape(shape, order=order)``, as numpy's
-    ``_frombuffer`` builds it."""
-    if len(node.args) != 4 or node.has_state:
+    ``_frombuffer`` builds it; a dense array in neither order (a transposed one) is saved
+    row-major with ``order="K"`` and the ``axis_order`` that transposes it back."""
+    if len(node.args) not in (4, 5) or node.has_state:
         return None
-    raw, dtype, shape, order = node.args
+    raw, dtype, shape, order, *axes = node.args
     if not (isinstance(shape, tuple) and all(isinstance(n, int) and n >= 0 for n in shape)):
         return None
+    axis_order = axes[0] if axes and order == "K" else None
+    if axis_order is not None:
+        if not (isinstance(axis_order, (tuple, list)) and _is_permutation(axis_order, shape)):
+            return None
+        parts = _parts(raw, dtype, shape, fortran=False)
+        if parts is None:
+            return None
+        return parts._replace(
+            shape=tuple(shape[a] for a in axis_order),
+            stride=tuple(parts.stride[a] for a in axis_order),
+        )
     if order not in ("C", "F"):
         return None
     return _parts(raw, dtype, shape, order == "F")
+
+
+def _is_permutation(axes: Any, shape: tuple[int, ...]) -> bool:
+    """Whether ``axes`` orders every dimension of ``shape`` once, as ``transpose`` takes."""
+    return all(type(a) is int for a in axes) and sorted(axes) == list(range(len(shape)))
 
 
 def _parts(raw: Any, dtype: Any, shape: tuple[int, ...], fortran: bool) -> NdarrayParts | None:

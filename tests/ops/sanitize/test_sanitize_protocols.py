@@ -26,6 +26,9 @@ ARRAYS = {
     "empty": np.zeros((0, 3), dtype=np.complex64),
     "scalar": np.array(2.5, dtype=np.float16),
     "strided": np.arange(10, dtype=np.int64)[::2],  # not contiguous: _reconstruct
+    # Dense, neither C nor F: protocol 5 writes _frombuffer(..., "K", axis_order).
+    "permuted": np.arange(24, dtype=np.float32).reshape(2, 3, 4).transpose(1, 0, 2),
+    "permuted big": np.arange(24, dtype=">i4").reshape(2, 3, 4).transpose(2, 0, 1),
 }
 
 
@@ -42,6 +45,8 @@ def test_numpy_arrays_of_every_protocol_become_tensors(tmp_path: Path, protocol:
         want = torch.from_numpy(array.astype(array.dtype.newbyteorder("="), order="C"))
         assert ours[name].dtype == want.dtype and torch.equal(ours[name], want), name
     assert {c.path for c in report.converted} == set(ARRAYS)
+    # A dense array keeps its memory order, as torch.from_numpy keeps it.
+    assert ours["permuted"].stride() == torch.from_numpy(theirs["permuted"]).stride()
 
 
 @pytest.mark.parametrize("protocol", [2, 4])
