@@ -219,7 +219,10 @@ def average(
         raise ConversionError(f"the inputs do not match (keys, shapes, dtypes): {shown}")
     fmt = output_format_for(dst, output_format, format_family(ckpts[0]))
     check_key_types(selections[0].state_dict, (), fmt, srcs[0])
-    items, rows, storages, notes = plan_items(ckpts, aligned, w, ints, fmt == "safetensors")
+    top_level = all(not s.path and s.module is None for s in selections)
+    items, rows, storages, notes = plan_items(
+        ckpts, aligned, w, ints, fmt == "safetensors", top_level=top_level
+    )
     plan = plan_state_dict_output(
         ckpts[0],
         "average",

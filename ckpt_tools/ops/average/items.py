@@ -27,7 +27,7 @@ from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.average.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
-from ckpt_tools.ops.average.refusals import refuse_differing
+from ckpt_tools.ops.average.refusals import NO_MEAN, refuse_differing
 from ckpt_tools.ops.transform.plan import Item, PlanRow
 from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_params
@@ -41,6 +41,8 @@ def plan_items(
     w: Sequence[float],
     ints: str | None,
     to_safetensors: bool,
+    *,
+    top_level: bool = False,
 ) -> tuple[list[Item], list[PlanRow], dict[int, Record], list[str]]:
     """The output items, their rows, the record making each computed storage, and notes.
 
@@ -57,6 +59,8 @@ def plan_items(
         to_safetensors: the output is safetensors, which holds a storage once only as tied
             tensors covering it whole: any other view (strided, or part of its storage) is
             computed apart, as its own tensor.
+        top_level: the state dicts are the inputs' roots, so a refusal of tensors with no
+            mean may name the ``slim --drop`` that leaves them out.
 
     Returns:
         ``(items, rows, records, notes)``: items as
@@ -98,7 +102,12 @@ def plan_items(
             if not plan.same(others):
                 plan.differ(_group(t, others), key, t.dtype)
             plan.add(orig, t, "copy (equal)")
-    refuse_differing(plan.differing)
+    # slim drops top-level entries by name: a fix only where every input names them so.
+    droppable = top_level and all(
+        isinstance(k, str) and "," not in k and all(a[k][0] == k for a in aligned)
+        for k in plan.no_mean
+    )
+    refuse_differing(plan.differing, plan.no_mean if droppable else None)
     return plan.items, plan.rows, plan.storages, plan.notes
 
 
@@ -118,6 +127,7 @@ class _Plan:
         self.storages: dict[int, Record] = {}
         self.notes: list[str] = []
         self.differing: dict[str, list[str]] = {}
+        self.no_mean: list[Any] = []  # the keys among them of tensors that have no mean
         self.on_storage: dict[int, list[str]] = {}
         for key, (_, t) in aligned[0].items():
             if isinstance(t, TensorRef):
@@ -133,6 +143,8 @@ class _Plan:
 
     def differ(self, group: str, key: Any, what: str) -> None:
         self.differing.setdefault(group, []).append(f"{key_text(key)} ({what})")
+        if group in NO_MEAN:
+            self.no_mean.append(key)
 
     def same(self, values: Sequence[Any]) -> bool:
         """Whether one key's value in every input equals the first input's (:func:`_same_value`)."""

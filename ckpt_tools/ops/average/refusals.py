@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ckpt_tools._escape import shell_path
 from ckpt_tools.errors import ConversionError, Remedy
 
-__all__ = ["refuse_differing"]
+__all__ = ["NO_MEAN", "refuse_differing"]
 
 _FIRST = Remedy("ints", "'first'", flag="--ints first", text="to take the first input's")
 _LAST = Remedy("ints", "'last'", flag="--ints last", text="to take the last input's")
@@ -16,10 +17,10 @@ _REMEDIES = {
     "integer": (_FIRST, _LAST),
     "non-tensor": (_FIRST, _LAST),
     "holding tensors": (_FIRST,),
-    "other": (Remedy(text="leave the tensors with no mean out of the inputs (ckpt extract)"),),
+    "other": (Remedy(text="leave the tensors with no mean out of each input's state dict"),),
     "sparse, nested or meta": (
         Remedy(
-            text="leave the sparse, nested and meta tensors out of the inputs (ckpt extract), "
+            text="leave the sparse, nested and meta tensors out of each input's state dict, "
             "or make them dense"
         ),
     ),
@@ -28,8 +29,15 @@ _REMEDIES = {
 }
 
 
-def refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
-    """Refuse, naming every tensor that has no mean and differs across inputs, by group."""
+#: The groups of tensors with no mean, which leaving them out of the inputs fixes.
+NO_MEAN = ("other", "sparse, nested or meta")
+
+
+def refuse_differing(
+    differing: Mapping[str, Sequence[str]], droppable: Sequence[str] | None = None
+) -> None:
+    """Refuse, naming every tensor that has no mean and differs across inputs, by group;
+    ``droppable``: their keys, where ``slim --drop`` can leave them out of each input."""
     if not differing:
         return
     said = {
@@ -49,6 +57,15 @@ def refuse_differing(differing: Mapping[str, Sequence[str]]) -> None:
     for group, keys in differing.items():
         parts.append(f"{said[group]}: {', '.join(keys[:8])}" + (" ..." if len(keys) > 8 else ""))
     remedies = dict.fromkeys(r for group in differing for r in _REMEDIES.get(group, ()))
+    if droppable:  # the command that leaves them out, in place of the words
+        for group in NO_MEAN:
+            for remedy in _REMEDIES[group] if group in differing else ():
+                remedies.pop(remedy, None)
+        drop = Remedy(
+            command=f"ckpt slim IN OUT --drop {shell_path(','.join(droppable))}",
+            text="on each input, then average those",
+        )
+        remedies = {drop: None, **remedies}
     # Only remedies the next run accepts: ints takes no entry on an averaged storage.
     for group, refused in (("holding tensors", (_LAST,)), ("shares", (_FIRST, _LAST))):
         for remedy in refused if group in differing else ():

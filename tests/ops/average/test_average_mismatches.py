@@ -216,3 +216,27 @@ def test_a_mean_of_a_negative_view_is_refused_with_the_fix_that_works(tmp_path: 
         "load it, call .resolve_neg() and save that"
     ), output
     assert not out.exists()
+
+
+def test_tensors_with_no_mean_that_differ_name_a_fix_that_runs(tmp_path: Path) -> None:
+    # A pruning mask (bool) differs: slim --drop leaves it out of each input, then they
+    # average. Nested one level down, no command drops one key: no command is named.
+    def sd(seed: int) -> dict:
+        torch.manual_seed(seed)
+        return {"blocks.0.weight": torch.randn(3), "blocks.0.mask": torch.rand(3) > 0.5}
+
+    a, b = sd(0), sd(1)
+    assert not torch.equal(a["blocks.0.mask"], b["blocks.0.mask"])
+    code, output, out = _average(tmp_path, a, b)
+    assert code == 7 and "blocks.0.mask (bool)" in output, output
+    assert "ckpt slim IN OUT --drop blocks.0.mask" in output and "extract" not in output
+    for name in ("a", "b"):
+        src, dst = tmp_path / f"{name}.pt", tmp_path / f"{name}-.pt"
+        run_ckpt("slim", src, dst, "--drop", "blocks.0.mask")
+    run_ckpt("average", tmp_path / "a-.pt", tmp_path / "b-.pt", out)
+    assert list(torch.load(out, weights_only=True)) == ["blocks.0.weight"]
+    out.unlink()
+    code, output, out = _average(tmp_path, {"model": a, "epoch": 1}, {"model": b, "epoch": 1})
+    assert code == 7 and "blocks.0.mask (bool)" in output, output
+    assert "--drop" not in output and "extract" not in output
+    assert "leave the tensors with no mean out of each input's state dict" in output
