@@ -146,9 +146,11 @@ def open_legacy(path: str, *, source: RangeSource | None = None) -> Checkpoint:
         offsets: dict[str, int] = {}
         position = f.tell()
         for key in keys:
-            key = id_text(key) or key
-            storage = roots.get(key) if isinstance(key, str) else None
-            if storage is None:
+            text = id_text(key)
+            storage = roots.get(text) if text is not None else None
+            # torch finds the storage by the key itself: "0" in the pickle is not 0 here.
+            raw = main.raw_keys.get(text, key) if text is not None else None
+            if storage is None or type(raw) is not type(key) or raw != key:
                 raise CorruptCheckpointError(
                     f"{path!r}: storage key {short_repr(key)} is not in the pickle"
                 )

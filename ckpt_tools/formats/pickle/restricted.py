@@ -43,6 +43,8 @@ class _Restricted:
         # torch.load's default; Python 2 str objects are decoded as UTF-8 text.
         super().__init__(file, encoding="utf-8")  # type: ignore[call-arg]
         self.storages: dict[str, StorageRef] = {}
+        # Each key's text -> the object the pickle holds, which torch keys its storages by.
+        self.raw_keys: dict[str, Any] = {}
         # A legacy file's root keys, and its views' keys with what each views.
         self._roots: set[str] = set()
         self._views: dict[str, tuple[str, int, int]] = {}
@@ -95,7 +97,7 @@ class _Restricted:
                 f"unexpected persistent id {short_repr(pid)}: {what} of {len(pid)} fields, "
                 f"where torch's reader of this format unpacks {self._id_length}"
             )
-        storage_type, key, numel = pid[1], id_text(pid[2]), pid[4]
+        storage_type, key, numel = pid[1], self._key_text(pid[2]), pid[4]
         location = storage_location(pid[3])
         if (
             not isinstance(storage_type, StorageTypeRef)
@@ -124,6 +126,27 @@ class _Restricted:
         if found is None or numel > 0:  # the key's storage: the first that holds bytes
             self.storages[cache_key] = made
         return made
+
+    def _key_text(self, raw: Any) -> str | None:
+        """A storage key as text, refused where another key of that text is another object.
+
+        torch keys storages by the object (``"0"`` and ``0`` are two storages) and names a
+        zip's record ``data/{key}`` as Python formats it (``data/b'0'`` for ``b"0"``).
+
+        Raises:
+            CorruptCheckpointError: two keys torch keeps apart have one text.
+        """
+        if self._id_length == 5 and isinstance(raw, bytes):
+            key: str | None = str(raw)
+        else:
+            key = id_text(raw)
+        seen = self.raw_keys.setdefault(key, raw) if key is not None else raw
+        if type(seen) is not type(raw) or seen != raw:
+            raise CorruptCheckpointError(
+                f"storage keys {short_repr(seen)} and {short_repr(raw)} read as one key, "
+                f"{key!r}; torch keeps them apart as two storages, which this reader does not"
+            )
+        return key
 
     def _check_view_keys(self, key: str, view: tuple[str, int, int] | None) -> None:
         """Refuse keys that torch's legacy reader would resolve otherwise: it keeps root

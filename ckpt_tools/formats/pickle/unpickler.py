@@ -18,6 +18,7 @@ import io
 import pickle
 import struct
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.descriptors import StorageRef
@@ -97,6 +98,8 @@ class ReadResult(NamedTuple):
         unsafe_globals: qualified names outside the allowlist, in first-seen order.
         protocol: the pickle protocol (0-5) from the PROTO opcode, 0 when absent.
         beyond_weights_only: its opcodes that torch's weights-only unpickler lacks (sorted).
+        raw_keys: storage key -> the object the pickle holds for it (``0`` or ``"0"``),
+            which torch matches a legacy file's key list against.
     """
 
     root: Any
@@ -104,6 +107,7 @@ class ReadResult(NamedTuple):
     unsafe_globals: tuple[str, ...]
     protocol: int
     beyond_weights_only: tuple[str, ...] = ()
+    raw_keys: Mapping[str, Any] = MappingProxyType({})
 
 
 def load_pickle(
@@ -166,6 +170,7 @@ def load_pickle(
         unsafe_globals=tuple(unpickler.unsafe),
         protocol=protocol,
         beyond_weights_only=tuple(sorted(frozenset(scan.opcodes) - WEIGHTS_ONLY_OPCODES)),
+        raw_keys=unpickler.raw_keys,
     )
 
 
