@@ -58,7 +58,7 @@ from ckpt_tools.ops.output_plan import PlannedFile, dry_run_fields, planned_shar
 from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import safetensors_plan, torch_instead
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.ops.transform.tied_names import hf_shared_names
+from ckpt_tools.ops.transform.tied_names import hf_shared_names, same_view
 from ckpt_tools.structure.selection import holds_no_state_dict, select_state_dict
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "convert_to_folder", "reshard"]
@@ -208,10 +208,6 @@ class _FolderPlan(NamedTuple):
     total_keys: int
 
 
-def _same_view(a: TensorRef, b: TensorRef) -> bool:
-    return (a.offset, a.shape, a.stride, a.dtype) == (b.offset, b.shape, b.stride, b.dtype)
-
-
 def _plan_folder(
     ckpt: Checkpoint,
     select: Select,
@@ -237,7 +233,7 @@ def _plan_folder(
     aliases = {
         name: kept
         for name, kept in hf_shared_names(tensors).items()
-        if _same_view(tensors[name], tensors[kept])
+        if same_view(tensors[name], tensors[kept])
     }
     kept = {k: v for k, v in sd.items() if k not in aliases}
     entries, metadata, dropped, _ = safetensors_plan(ckpt, selection.path, kept, drop_extras)

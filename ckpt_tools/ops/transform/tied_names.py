@@ -12,7 +12,12 @@ from collections.abc import Mapping, Sequence
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 
-__all__ = ["hf_shared_names"]
+__all__ = ["hf_shared_names", "same_view"]
+
+
+def same_view(a: TensorRef, b: TensorRef) -> bool:
+    """Whether two tensors over one storage are the very same view of it."""
+    return (a.offset, a.shape, a.stride, a.dtype) == (b.offset, b.shape, b.stride, b.dtype)
 
 
 def _areas(names: Sequence[str], sd: Mapping[str, TensorRef]) -> list[set[str]]:
@@ -37,8 +42,9 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
     Tensors over one storage whose bytes overlap form a group (huggingface_hub's
     ``_remove_duplicate_names``); the kept name is the first in key order of those that cover
     the whole storage, as transformers' ``save_pretrained`` keeps it (the input embedding, not
-    the head tied to it: the module that owns a weight is registered first); the others are
-    dropped, and the index maps kept names only.
+    the head tied to it: the module that owns a weight is registered first), or the first
+    where they are all one view of part of it (a tied weight carved from a flat buffer); the
+    others are dropped, and the index maps kept names only.
 
     Args:
         sd: name -> tensor.
@@ -47,8 +53,8 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
         ``{dropped name: kept name}``, in sorted order of the dropped names.
 
     Raises:
-        ConversionError: a group where no tensor covers its whole storage (huggingface_hub
-            refuses those too), every such group named.
+        ConversionError: a group of different views where none covers its whole storage
+            (huggingface_hub refuses those too), every such group named.
 
     Example:
         >>> from ckpt_tools.descriptors import StorageRef
@@ -70,11 +76,14 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
             if len(group) < 2:
                 continue
             # in key order: the module that owns the weight comes before those tied to it
+            ordered = [n for n in names if n in group]
             complete = [
                 n
-                for n in names
-                if n in group and sd[n].byte_offset == 0 and sd[n].nbytes == sd[n].storage.nbytes
+                for n in ordered
+                if sd[n].byte_offset == 0 and sd[n].nbytes == sd[n].storage.nbytes
             ]
+            if not complete and all(same_view(sd[n], sd[ordered[0]]) for n in ordered):
+                complete = ordered[:1]  # one view of part of a buffer: any name is all of it
             if not complete:
                 incomplete.append("{" + ", ".join(sorted(group)) + "}")
                 continue

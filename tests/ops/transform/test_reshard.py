@@ -117,6 +117,23 @@ def test_hf_shared_names_keeps_the_first_complete_name_in_key_order(tmp_path: Pa
         hf_shared_names(open_checkpoint(tmp_path / "partial.pt").root)
 
 
+def test_one_view_of_part_of_a_storage_under_two_names_is_stored_once(tmp_path: Path) -> None:
+    # A tied embedding carved from one flat buffer: no name covers the storage, but both are
+    # one view, so one is stored and the other recorded as tied, as a single file does it.
+    flat = torch.arange(16.0)
+    emb = flat[:12].view(3, 4)
+    src = tmp_path / "f.pt"
+    torch.save({"emb.weight": emb, "head.weight": emb, "norm.weight": flat[12:]}, src)
+    result = convert(src, f"{tmp_path}/hf/")
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(stored) == ["emb.weight", "norm.weight"]
+    assert torch.equal(stored["emb.weight"], emb) and torch.equal(stored["norm.weight"], flat[12:])
+    assert "head.weight" in result.dropped
+    back = load_state_dict(tmp_path / "hf", map_location="cpu")
+    assert torch.equal(back["head.weight"], emb)
+    assert back["head.weight"].data_ptr() == back["emb.weight"].data_ptr()
+
+
 def test_convert_pt_to_folder_shards_load_with_safetensors_and_match(tmp_path: Path) -> None:
     sd = _model_pt(tmp_path / "model.pt")
     result = convert(tmp_path / "model.pt", tmp_path / "hf", max_shard_size="2KB")
