@@ -81,7 +81,15 @@ def parse_shard_size(value: str | int) -> int:
                 flag="--max-shard-size",
             )
         # Exact, as a fraction: a float rounds a long byte count and overflows on a huge one.
-        size = int(Fraction(match.group(1)) * SIZE_UNITS[unit or "B"])
+        count = Fraction(match.group(1))
+        if unit in ("", "B") and count.denominator != 1:
+            raise UsageError(
+                "a byte count is a whole number (or give a unit: 1.5KB)",
+                argument="max_shard_size",
+                value=repr(value),
+                flag="--max-shard-size",
+            )
+        size = int(count * SIZE_UNITS[unit or "B"])
     if size < 1:
         raise UsageError(
             "must be at least 1 byte",

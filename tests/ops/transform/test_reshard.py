@@ -80,7 +80,9 @@ def test_parse_shard_size_like_huggingface_and_binary_units() -> None:
     assert parse_shard_size("5GiB") == 5 * 2**30
     assert parse_shard_size(" 500mb ") == 500 * 10**6
     assert parse_shard_size("2000") == parse_shard_size(2000) == 2000
-    for bad in ("5XB", "GB", "-1GB", "0", ""):
+    assert parse_shard_size("1.5KB") == 1500
+    # A fraction of a byte is no size: "1.5" would be read as 1 byte (huggingface_hub refuses)
+    for bad in ("5XB", "GB", "-1GB", "0", "", "1.5", "2.5B"):
         with pytest.raises(UsageError, match="max_shard_size="):
             parse_shard_size(bad)
 
