@@ -361,17 +361,17 @@ class TrainResult:
     checkpoints: Mapping[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict of every field (a loss that is not finite as its name,
-        which :meth:`from_dict` reads back)."""
+    def to_json(self) -> dict[str, Any]:
+        """What ``--json`` prints: every field, JSON-ready (a loss that is not finite as its
+        name, which :meth:`from_json` reads back)."""
         data = asdict(self)
         data["devices"], data["losses"] = list(self.devices), list(self.losses)
         data["checkpoints"] = dict(self.checkpoints)
         return json_ready(data)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TrainResult:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored."""
+    def from_json(cls, data: Mapping[str, Any]) -> TrainResult:
+        """Inverse of :meth:`to_json` (the mapping, parsed); unknown keys are ignored."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in data.items() if k in known}
         kw["devices"] = tuple(kw.get("devices", ()))
@@ -381,11 +381,11 @@ class TrainResult:
     def write_json(self, out_dir: str | Path) -> Path:
         """Write :data:`RUN_JSON` into ``out_dir`` and return its path."""
         path = Path(out_dir) / RUN_JSON
-        text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
+        text = json.dumps(self.to_json(), indent=2, allow_nan=False)
         path.write_text(text + "\n", encoding="utf-8")
         return path
 
     @classmethod
     def read_json(cls, out_dir: str | Path) -> TrainResult:
         """Read the :data:`RUN_JSON` a run wrote into ``out_dir``."""
-        return cls.from_dict(json.loads((Path(out_dir) / RUN_JSON).read_text(encoding="utf-8")))
+        return cls.from_json(json.loads((Path(out_dir) / RUN_JSON).read_text(encoding="utf-8")))

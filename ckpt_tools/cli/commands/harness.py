@@ -196,7 +196,7 @@ def train_cmd(
 
 def _echo_train(result: TrainResult, as_json: bool) -> None:
     if as_json:
-        echo_json(result.to_dict())
+        echo_json(result.to_json())
         return
     backend = f", {result.backend}" if result.backend else ""
     click.echo(
@@ -282,7 +282,7 @@ def parity_cmd(
         except (OSError, UsageError) as exc:  # its folder changed since the check: keep the report
             plot_error, plot_path = exc, None
     if as_json:
-        click.echo(report.to_json())
+        echo_json(report.to_json())
     else:
         _echo_parity(report, plot_path)
     if plot_error is not None:

@@ -24,7 +24,6 @@ two with two orders of margin each way.
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -115,18 +114,15 @@ class ParityReport:
                 return row
         raise KeyError(f"no row for strategy {strategy!r} and check {check!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; non-finite numbers become the strings ``"inf"``/``"nan"``."""
+    def to_json(self) -> dict[str, Any]:
+        """What ``--json`` prints, JSON-ready; non-finite numbers become the strings
+        ``"inf"``/``"nan"``."""
         data = asdict(self)
-        data["runs"] = [run.to_dict() for run in self.runs]
+        data["runs"] = [run.to_json() for run in self.runs]
         data["all_passed"] = self.all_passed
         data["losses"] = {k: list(v) for k, v in self.losses.items()}
         data["weight_gaps"] = {k: list(v) for k, v in self.weight_gaps.items()}
         return json_ready(data)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The report as strict JSON (see :meth:`to_dict`)."""
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 
 def _why_not_comparable(run: TrainResult, uses_bn: bool) -> str:

@@ -208,7 +208,7 @@ def test_run_parity_mlp_all_strategies_hold(parity_mlp: ParityReport, parity_dir
 
 @pytest.mark.slow
 def test_parity_report_json_and_all_passed(parity_mlp: ParityReport) -> None:
-    data = json.loads(parity_mlp.to_json())
+    data = parity_mlp.to_json()
     assert data["all_passed"] == parity_mlp.all_passed
     assert set(data["losses"]) == set(RAN)
     assert {(r["strategy"], r["name"]) for r in data["rows"]} == {
@@ -229,7 +229,7 @@ def test_run_parity_records_each_strategy_s_weight_gap_per_step(parity_mlp: Pari
         # The last step's gap is (c)'s: the same final weights (the MLP has no buffers).
         assert values[-1] == parity_mlp.row(strategy, "vs_single").max_abs_diff, strategy
     assert gaps["dp"] == (0.0,) * parity_mlp.steps  # dp on the CPU: single's very maths
-    data = json.loads(parity_mlp.to_json())
+    data = parity_mlp.to_json()
     assert data["weight_gaps"] == {k: list(v) for k, v in gaps.items()}
 
 
@@ -269,5 +269,5 @@ def test_failed_rows_with_nan_diffs_fail_the_report_and_json_stays_strict() -> N
     failed = CheckResult("device_roundtrip", False, math.nan, None, "NaN in output", "ddp", "fail")
     report = ParityReport("mlp", 2, 1, 0, 1e-5, (), (failed,))
     assert not report.all_passed
-    data = json.loads(report.to_json())  # allow_nan=False inside: NaN must not leak
+    data = json.loads(json.dumps(report.to_json(), allow_nan=False))  # NaN must not leak
     assert data["rows"][0]["max_abs_diff"] == "nan" and data["all_passed"] is False
