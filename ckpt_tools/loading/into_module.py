@@ -129,6 +129,7 @@ def _source_state_dict(
     trust: bool,
     mmap: bool | Literal["staged"],
 ) -> tuple[Mapping[str, Any], str, LoadInfo | None]:
+    source = _live_modules_as_state_dicts(source)
     if isinstance(source, Mapping):
         if select is not None or not is_state_dict(source):
             chosen = _selection_checked(source, select, "<state dict>", trusted=False)
@@ -137,17 +138,33 @@ def _source_state_dict(
         return source, "<state dict>", None
     if not isinstance(source, (str, os.PathLike)):
         raise UsageError(
-            f"expected a checkpoint path or a state dict, got {type(source).__name__}",
+            f"expected a checkpoint path, a state dict or a module, got {type(source).__name__}",
             argument="src",
             value=short_repr(source, 60),
         )
-    # The model's tensors are where the data ends up: stage on the CPU and copy once, rather
-    # than holding a second copy on the GPU.
-    location = "cpu" if isinstance(map_location, str) and map_location == "auto" else map_location
+    # Copied, the model's tensors are where the data ends up: stage on the CPU and copy once,
+    # rather than holding a second copy on the GPU. Assigned, they are the loaded ones.
+    auto = isinstance(map_location, str) and map_location == "auto"
+    location = "cpu" if auto and mmap == "staged" else map_location
     sd, info = load_state(source, location, select, trust, mmap, "load_into")
     if location is not map_location:
         info = replace(info, map_location="auto (staged on cpu)")
     return sd, info.path, info
+
+
+def _live_modules_as_state_dicts(source: Any, depth: int = 0) -> Any:
+    """``source`` with every live ``nn.Module`` in it (``torch.load(weights_only=False)`` of
+    ``{"model": module}``) as its ``state_dict()``, as a file's pickled module is recovered;
+    dicts along the way are copied, nothing else is."""
+    from torch import nn
+
+    if isinstance(source, nn.Module):
+        return source.state_dict()
+    if depth > 4 or not isinstance(source, Mapping):
+        return source
+    held = {k: _live_modules_as_state_dicts(v, depth + 1) for k, v in source.items()}
+    changed = any(held[k] is not v for k, v in source.items())
+    return held if changed else source
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -193,14 +210,17 @@ def load_into(
 
     Args:
         model: the target module (wrapped or not).
-        src: a checkpoint path, or an in-memory state dict (or a dict holding one).
+        src: a checkpoint path, or an in-memory state dict (or a dict holding one; a
+            module in it, as ``torch.load(weights_only=False)`` gives it, stands for its
+            ``state_dict()``).
         strict: with True, any missing or unexpected key or shape mismatch raises and the
             model is left untouched; with False, matching keys load and the rest is reported
             (shape mismatches are skipped, where ``nn.Module.load_state_dict`` would raise).
             Either way, a state dict torch would refuse for another reason (a value that is
             not a tensor) raises before anything is loaded.
         map_location: as for :func:`load_state_dict`; ``"auto"`` here stages storages on
-            the CPU since they are copied into the model's tensors anyway.
+            the CPU where they are copied into the model's tensors (with ``assign`` they
+            are the model's, and stay where they were saved).
         select: dotted path to the state dict inside the checkpoint.
         trust: see :func:`load_state_dict`.
         assign: make the loaded tensors the model's own

@@ -216,12 +216,31 @@ class LoadReport(Readable):
             lines.append("assigned: the model's tensors are the loaded ones (no copy)")
         if self.left_on_meta:
             lines.append(
-                f"still on meta ({len(self.left_on_meta)}): {fold_keys(self.left_on_meta)}: no "
-                "state dict holds them (non-persistent buffers); make them before running"
+                f"still on meta ({len(self.left_on_meta)}): {self._why_on_meta()}; make them "
+                "before running"
             )
         if self.info is not None and self.info.moved:
             lines.append(f"devices: {self.info.moves()}")
         return "\n".join(map(shown, lines))  # (a key cannot start a line of its own)
+
+    def _why_on_meta(self) -> str:
+        """The tensors left on meta, grouped by why no value reached them."""
+        skipped = {m.key for m in self.shape_mismatches}
+        groups: dict[str, list[str]] = {}
+        for name in self.left_on_meta:
+            if name in skipped:
+                why = "shape mismatch, skipped"
+            elif name in self.missing:
+                why = "missing from the checkpoint"
+            else:
+                why = "no state dict holds {}: {}non-persistent buffer{}"
+            groups.setdefault(why, []).append(name)
+        said = []
+        for why, names in groups.items():
+            one = len(names) == 1
+            why = why.format("it" if one else "them", "a " if one else "", "" if one else "s")
+            said.append(f"{fold_keys(names)} ({why})")
+        return "; ".join(said)
 
     def __repr__(self) -> str:
         return (

@@ -34,7 +34,7 @@ from ckpt_tools.loading.devices import auto_location, checked_device, resolve_ma
 from ckpt_tools.loading.extras import require_torch
 from ckpt_tools.loading.results import LoadInfo, StorageMove
 from ckpt_tools.structure.modules import module_globals
-from ckpt_tools.structure.paths import parse_select, resolve_path
+from ckpt_tools.structure.paths import is_tensor, parse_select, resolve_path
 from ckpt_tools.structure.selection import (
     Selection,
     a_kind_of,
@@ -207,6 +207,10 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
             else Remedy(text="load it with torch.load(path, weights_only=True)")
         )
         raise UsageError(holds_no_state_dict(where, root), remedies=(remedy,))
+    if unfound and isinstance(root, Mapping) and any(is_tensor(v) for v in root.values()):
+        # Weights beside a few scalars ({"fc.weight": ..., "epoch": 12}): torch.load gives
+        # the root, and load_state_dict(strict=False) takes its tensors.
+        return Selection((), "the root holds the tensors, beside other entries", root)
     if unfound:
         top = list(root)[:12] if isinstance(root, Mapping) else []
         # An entry of a class outside the allowlist (a dict subclass) may be the state dict.

@@ -294,3 +294,55 @@ def test_a_strict_refusal_names_the_diff_of_what_was_compared(tmp_path: Path) ->
         load_into(nn.Linear(4, 2), {"weight": full["weight"]})
     assert "`ckpt_tools.diff(state_dict, model)`" in str(info.value)
     assert "CKPT" not in str(info.value)
+
+
+def test_weights_beside_a_few_scalars_at_the_root_load_as_torch_loads_them(
+    tmp_path: Path,
+) -> None:
+    # Two tensors among five entries: no entry is a state dict, the root holds the weights.
+    src = nn.Linear(4, 3)
+    path = tmp_path / "flat.pt"
+    torch.save({**src.state_dict(), "epoch": 12, "best_acc": 0.91, "arch": "probe"}, path)
+    theirs = nn.Linear(4, 3).load_state_dict(torch.load(path, weights_only=True), strict=False)
+    model = nn.Linear(4, 3)
+    report = load_into(model, path, strict=False)
+    assert set(report.unexpected) == set(theirs.unexpected_keys) == {"epoch", "best_acc", "arch"}
+    assert torch.equal(model.weight, src.weight) and torch.equal(model.bias, src.bias)
+    with pytest.raises(StateDictMismatchError, match="epoch"):  # strict, as torch is
+        load_into(nn.Linear(4, 3), path)
+    assert set(load_state_dict(path)) == {"weight", "bias", "epoch", "best_acc", "arch"}
+    with pytest.raises(UsageError, match="no entry looks like a state dict"):  # no tensor
+        load_into(nn.Linear(4, 3), {"epoch": 1, "arch": "probe"})
+
+
+def test_a_live_module_in_memory_loads_its_state_dict(tmp_path: Path) -> None:
+    # torch.load(weights_only=False) of {"model": module}: the file loads through the
+    # pickled module's recovered state dict, and the object in memory alike.
+    def seq() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    src = seq()
+    src[1].running_mean.add_(1.0)
+    torch.save({"model": src, "epoch": 5}, tmp_path / "whole.pt")
+    held = torch.load(tmp_path / "whole.pt", weights_only=False)
+    for select in (None, "model"):
+        model = seq()
+        report = load_into(model, held, select=select)
+        assert report.loaded == len(src.state_dict()) and not report.unexpected
+        for key, want in src.state_dict().items():
+            assert torch.equal(model.state_dict()[key], want), key
+
+
+def test_auto_on_a_meta_model_resolves_as_load_state_dict_does(source: Net, tmp_path: Path) -> None:
+    # Assigned tensors become the model's own: "auto" is not staged on the CPU then (on a
+    # GPU machine, a cuda:0 checkpoint stays on cuda:0; tests/loading/test_own_reader_gpu.py).
+    from ckpt_tools import load_with_info
+
+    torch.save(source.state_dict(), tmp_path / "sd.pt")
+    with torch.device("meta"):
+        model = make_net(1)
+    report = load_into(model, tmp_path / "sd.pt")
+    _, info = load_with_info(tmp_path / "sd.pt")
+    assert report.assigned and report.info.map_location == info.map_location
+    copied = load_into(make_net(1), tmp_path / "sd.pt")
+    assert copied.info.map_location == "auto (staged on cpu)"

@@ -192,3 +192,18 @@ def test_a_copy_into_a_meta_model_is_refused_as_the_no_op_it_would_be(tmp_path: 
         load_into(model, path, assign=False)
     assert e.value.argument == "assign" and "assign=True" in str(e.value)
     assert model.weight.is_meta
+
+
+def test_each_tensor_left_on_meta_is_said_with_why(tmp_path: Path) -> None:
+    # A head of another shape (skipped), a bias the file lacks (missing) and a buffer no state
+    # dict holds: three reasons, each named with its tensors.
+    sd = {"proj.weight": torch.ones(3, 4)}  # the model's is [4, 4]; no proj.bias
+    torch.save(sd, tmp_path / "partial.pt")
+    with torch.device("meta"):
+        model = WithRotary()
+    report = load_into(model, tmp_path / "partial.pt", strict=False)
+    assert set(report.left_on_meta) == {"proj.weight", "proj.bias", "inv_freq"}
+    said = report.text()
+    assert "proj.weight (shape mismatch, skipped)" in said
+    assert "proj.bias (missing from the checkpoint)" in said
+    assert "inv_freq (no state dict holds it: a non-persistent buffer)" in said

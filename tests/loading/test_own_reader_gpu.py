@@ -102,6 +102,21 @@ def test_a_meta_model_loads_onto_the_gpu(tmp_path: Path) -> None:
         assert torch.allclose(meta(x.cuda()).cpu(), model(x))
 
 
+def test_a_meta_model_takes_a_gpu_checkpoint_where_it_was_saved_by_default(
+    tmp_path: Path,
+) -> None:
+    # Assigned tensors are the model's own: "auto" keeps the saved device, as load_state_dict.
+    model = nn.Linear(8, 8).cuda()
+    path = str(tmp_path / "gpu.pt")
+    torch.save(model.state_dict(), path)
+    with torch.device("meta"):
+        meta = nn.Linear(8, 8)
+    report = load_into(meta, path)
+    assert report.assigned and report.ok
+    assert {p.device for p in meta.parameters()} == {model.weight.device}
+    assert torch.equal(meta.weight, model.weight)
+
+
 def test_loading_to_the_gpu_makes_no_anonymous_host_copy(tmp_path: Path) -> None:
     path = str(tmp_path / "big.pt")
     torch.save({f"w{i}": torch.randn(8 << 20) for i in range(8)}, path)  # 256 MiB
