@@ -20,6 +20,7 @@ from ckpt_tools.errors import (
 from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.zip.directory import ZipEntry, read_zip_directory
 from ckpt_tools.formats.zip.records import crc_holds
+from ckpt_tools.formats.zip.storage_offsets import StorageRecord, first_misplaced, in_key_order
 from ckpt_tools.io.writers.zipfile import ALIGNMENT
 
 __all__ = ["check_source_crcs", "check_torch_zip"]
@@ -110,11 +111,42 @@ def check_torch_zip(path: str, opened: Checkpoint | None = None) -> int:
                     raise _fail(f"record {name!r} fails its CRC-32 check")
                 if name == "data.pkl":
                     _check_pickle(payload)
+                if name == ".format_version" and payload.strip() >= b"1":
+                    _check_computed_offsets(path, fd, opened)
     finally:
         os.close(fd)
     if "data.pkl" not in {r[0] for r in records}:
         raise _fail("it has no data.pkl record")
     return len(records)
+
+
+def _check_computed_offsets(path: str, fd: int, opened: Checkpoint | None) -> None:
+    """A ``.format_version`` of 1 tells torch it may compute each storage's offset from the
+    one before (:mod:`~ckpt_tools.formats.zip.storage_offsets`): those offsets must be the
+    real ones, in the order the pickle loads the storages."""
+    entries = _entries(path, fd)
+    cut = len(entries[0].raw_name.split(b"/", 1)[0]) + 1 if entries else 0
+    records = {
+        e.raw_name[cut + 5 :].decode(): StorageRecord(
+            e.raw_name[cut + 5 :].decode(),
+            len(e.raw_name),
+            e.header_offset,
+            e.data_offset,
+            e.file_size,
+        )
+        for e in entries
+        if e.raw_name[cut:].startswith(b"data/")
+    }
+    if opened is not None and opened.path == path and set(opened.storages) == set(records):
+        ordered = [records[key] for key in opened.storages]  # as the pickle first names them
+    else:
+        ordered = in_key_order(list(records.values()))
+    key = first_misplaced(ordered, ALIGNMENT)
+    if key is not None:
+        raise _fail(
+            f"its .format_version lets torch compute where storage {key!r} lies, and that is "
+            "not where it lies"
+        )
 
 
 def _records(path: str, fd: int) -> list[tuple[str, bool, int, int, int]]:

@@ -18,7 +18,8 @@ from ckpt_tools.formats.pickle.repickle import TORCH_PICKLE_PROTOCOL, dumps, tor
 from ckpt_tools.io.tensor_bytes import OpenFiles
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.records import Record
-from ckpt_tools.io.writers.zipfile import TorchZipWriter, Writeback, write_save_layout
+from ckpt_tools.io.writers.torchzip import write_save_layout
+from ckpt_tools.io.writers.zipfile import TorchZipWriter, Writeback
 
 __all__ = ["write_plan_zip"]
 

@@ -8,7 +8,7 @@ Safetensors outputs are written by :mod:`ckpt_tools.io.writers.safetensors`.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_tools.descriptors import StorageRef, TensorRef
@@ -24,15 +24,10 @@ from ckpt_tools.io.copy.layout import (
 from ckpt_tools.io.tensor_bytes import decompressed
 from ckpt_tools.io.writers.progress import ByteCounter
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
-from ckpt_tools.io.writers.zipfile import (
-    SAVE_HEAD_RECORDS,
-    SAVE_VERSION,
-    TorchZipWriter,
-    write_save_layout,
-)
+from ckpt_tools.io.writers.zipfile import SAVE_HEAD_RECORDS, SAVE_VERSION, TorchZipWriter
 from ckpt_tools.structure.attributes import carry_attributes
 
-__all__ = ["picklable_tensors", "write_torch_zip"]
+__all__ = ["picklable_tensors", "write_save_layout", "write_torch_zip"]
 
 
 def write_torch_zip(
@@ -228,3 +223,30 @@ def picklable_tensors(sd: Mapping[str, Any]) -> dict[str, Any]:
         storage = retyped.setdefault(id(t.storage), saved_storage(t.storage, t.dtype))
         out[name] = saved_tensor(t, storage, t.dtype)
     return out
+
+
+def write_save_layout(
+    writer: TorchZipWriter, payload: bytes, add_storages: Callable[[], None]
+) -> None:
+    """The records ``torch.save`` writes, in its order, then the archive's end records.
+
+    ``data.pkl`` (``payload``), the bookkeeping records torch parses, the storage records
+    (``add_storages`` adds them), the format version, and a new serialization id.
+
+    Example:
+        >>> import pickle, zipfile
+        >>> with open("tiny.pt", "w+b") as f:
+        ...     w = TorchZipWriter(f, "tiny", durable=False)
+        ...     write_save_layout(w, pickle.dumps({}, protocol=2), lambda: None)
+        >>> zipfile.ZipFile("tiny.pt").namelist()[-2:]
+        ['tiny/version', 'tiny/.data/serialization_id']
+    """
+    writer.add_bytes("data.pkl", payload)
+    for head, value in SAVE_HEAD_RECORDS:
+        writer.add_bytes(head, value)
+    add_storages()
+    writer.add_bytes(*SAVE_VERSION)
+    import uuid  # only new archives need an id
+
+    writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
+    writer.close()

@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO
 
+from ckpt_tools.formats.zip.storage_offsets import StorageRecord, first_misplaced, in_key_order
 from ckpt_tools.io.copy.clone import CopyCounts, Writeback, copy_range, pwrite_all
 from ckpt_tools.io.ranges import fd_pread, pread_chunks
 
@@ -25,7 +26,6 @@ __all__ = [
     "Writeback",
     "copy_range",
     "pwrite_all",
-    "write_save_layout",
 ]
 
 ALIGNMENT = 64
@@ -61,13 +61,13 @@ _WRITTEN_PAD = 4096
 
 class _Entry:
     # One per record; a plain class, as its CRC-32 is filled in once its bytes are written.
-    __slots__ = ("crc32", "flags", "header_offset", "name", "size")
+    __slots__ = ("crc32", "data_offset", "flags", "header_offset", "name", "size")
 
     def __init__(
-        self, name: bytes, header_offset: int, size: int, crc32: int, flags: int = 0
+        self, name: bytes, offsets: tuple[int, int], size: int, crc32: int, flags: int = 0
     ) -> None:
         self.name = name
-        self.header_offset = header_offset
+        self.header_offset, self.data_offset = offsets
         self.size = size
         self.crc32 = crc32
         self.flags = flags  # a copied local header's flags (data descriptor, UTF-8), repeated
@@ -167,9 +167,10 @@ class TorchZipWriter:
             header += b"Z" * pad
             pad = 0
         pwrite_all(self._fd, header, self._offset)
-        self._entries.append(_Entry(full, self._offset, size, crc32))
-        self._offset += len(header) + pad
-        return self._offset
+        start = self._offset + len(header) + pad
+        self._entries.append(_Entry(full, (self._offset, start), size, crc32))
+        self._offset = start
+        return start
 
     def add_bytes(self, name: str, data: bytes) -> None:
         """Add a record holding ``data``."""
@@ -230,7 +231,8 @@ class TorchZipWriter:
             if name.startswith("data/") and (base + data_offset - start) % ALIGNMENT:
                 return False
             full = f"{self._root}/{name}".encode()
-            entries.append(_Entry(full, base + header_offset - start, size, crc32, flags))
+            at = (base + header_offset - start, base + data_offset - start)
+            entries.append(_Entry(full, at, size, crc32, flags))
         self._entries += entries
         self.copied += copy_range(
             src_fd, start, self._fd, base, end - start, counter, self._writeback
@@ -298,8 +300,35 @@ class TorchZipWriter:
         chunks = pread_chunks(fd_pread(src_fd), src_offset, size)
         self.add_stream(name, chunks, size, counter)
 
+    def _state_storage_layout(self) -> None:
+        """Keep ``.format_version`` at ``1`` only where torch's computed storage offsets hold
+        (:mod:`ckpt_tools.formats.zip.storage_offsets`); else make it ``0``, so torch reads
+        each storage's own header. Records written anew or padded for copies lie elsewhere."""
+        root = len(self._root) + 1
+        named = {e.name[root:]: e for e in self._entries}
+        version = named.get(b".format_version")
+        if version is None or version.size != 1:
+            return
+        storages = [
+            StorageRecord(n[5:].decode(), len(e.name), e.header_offset, e.data_offset, e.size)
+            for n, e in named.items()
+            if n.startswith(b"data/")
+        ]
+        if first_misplaced(in_key_order(storages), ALIGNMENT) is None:
+            return
+        crc = zlib.crc32(b"0")
+        pwrite_all(self._fd, b"0", version.data_offset)
+        if version.flags & 0x08:  # a copied record: its CRC-32 is in the data descriptor
+            after = os.pread(self._fd, 4, version.data_offset + 1)
+            at = version.data_offset + 1 + (4 if after == b"PK\x07\x08" else 0)
+        else:
+            at = version.header_offset + 14
+        pwrite_all(self._fd, struct.pack("<I", crc), at)
+        version.crc32 = crc
+
     def close(self) -> None:
         """Write the central directory and end records. The file is not closed."""
+        self._state_storage_layout()
         cd_start = self._offset
         directory = bytearray()
         for e in self._entries:
@@ -352,30 +381,3 @@ class TorchZipWriter:
         pwrite_all(self._fd, end, self._offset)
         self._offset += len(end)
         os.ftruncate(self._fd, self._offset)
-
-
-def write_save_layout(
-    writer: TorchZipWriter, payload: bytes, add_storages: Callable[[], None]
-) -> None:
-    """The records ``torch.save`` writes, in its order, then the archive's end records.
-
-    ``data.pkl`` (``payload``), the bookkeeping records torch parses, the storage records
-    (``add_storages`` adds them), the format version, and a new serialization id.
-
-    Example:
-        >>> import pickle, zipfile
-        >>> with open("tiny.pt", "w+b") as f:
-        ...     w = TorchZipWriter(f, "tiny", durable=False)
-        ...     write_save_layout(w, pickle.dumps({}, protocol=2), lambda: None)
-        >>> zipfile.ZipFile("tiny.pt").namelist()[-2:]
-        ['tiny/version', 'tiny/.data/serialization_id']
-    """
-    writer.add_bytes("data.pkl", payload)
-    for head, value in SAVE_HEAD_RECORDS:
-        writer.add_bytes(head, value)
-    add_storages()
-    writer.add_bytes(*SAVE_VERSION)
-    import uuid  # only new archives need an id
-
-    writer.add_bytes(".data/serialization_id", str(uuid.uuid4().int)[:20].encode())
-    writer.close()
