@@ -167,9 +167,11 @@ def torch_instead(dst: str | os.PathLike[str], *, folder: bool = False) -> Remed
         "keep the torch format: name the output 'w.pt'"
         >>> torch_instead("w").render(for_cli=True)
         'pass --format torch to keep it in torch format'
+        >>> torch_instead("shards/", folder=True).render()
+        'keep the torch format: write a .pt file, not a folder'
     """
-    if folder:
-        return Remedy(text="keep the torch format")
+    if folder:  # a folder holds safetensors shards: the torch format is one file
+        return Remedy(text="keep the torch format: write a .pt file, not a folder")
     if format_named_by(dst) == "safetensors":
         fits = free_name(dst, _SUFFIX["torch-zip"])
         return Remedy(text=f"keep the torch format: name the output {fits!r}")

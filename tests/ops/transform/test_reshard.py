@@ -440,3 +440,11 @@ def test_a_folder_output_takes_what_a_safetensors_file_takes(tmp_path: Path) -> 
         got = load_file(tmp_path / f"{name}_hf" / "model.safetensors")
         assert list(got) == list(want) == list(model.state_dict())
         assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_bare_tensor_to_a_folder_names_the_file_that_holds_it(tmp_path: Path) -> None:
+    torch.save(torch.ones(3), tmp_path / "t.pt")
+    _, _, err = run_ckpt("convert", tmp_path / "t.pt", f"{tmp_path}/shards/", code=7)
+    assert "holds a tensor, not a state dict" in err
+    assert err.rstrip().endswith("keep the torch format: write a .pt file, not a folder")
+    assert not (tmp_path / "shards").exists()
