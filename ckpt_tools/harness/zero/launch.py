@@ -7,8 +7,10 @@ running :func:`ckpt_tools.harness.zero.runs.main` over the runs it is given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -46,7 +48,10 @@ class ZeroLaunch:
         try:
             output, _ = self.process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            # torchrun's ranks outlive a kill of torchrun alone (and hold the output pipe
+            # open): its whole session is killed.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             output, _ = self.process.communicate()
         missing = [r.name for r in self.runs if not (self.out / r.name / "latest").is_file()]
         if self.process.returncode != 0 or missing:
@@ -105,7 +110,12 @@ def start_zero_runs(
         "1" if references else "0",
     ]
     process = subprocess.Popen(
-        command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # one process group: a timeout ends every rank
     )
     return ZeroLaunch(folder, tuple(runs), process)
 

@@ -23,9 +23,11 @@ threads can abort the interpreter's own exit after a complete save.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ __all__ = [
     "deepspeed_config",
     "main",
     "reference_path",
+    "zero_to_fp32",
 ]
 
 #: Training dtypes a run may ask for.
@@ -246,11 +249,25 @@ def reference_path(out: str | os.PathLike[str], name: str, tag: str) -> Path:
 
 def _save_references(out: Path, name: str, tags: Sequence[str]) -> None:
     """DeepSpeed's own consolidation of every saved tag, as ``torch.save`` files."""
+    for tag in tags:
+        torch.save(zero_to_fp32(out / name, tag=tag), reference_path(out, name, tag))
+
+
+def zero_to_fp32(folder: str | os.PathLike[str], tag: str | None = None) -> dict[str, Any]:
+    """DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` of ``folder``, whatever its name.
+
+    DeepSpeed finds the rank files with ``glob``, so a folder named ``run[lr=0.1]`` would
+    match nothing: such a folder is read through a link of a plain name.
+    """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    for tag in tags:
-        state = get_fp32_state_dict_from_zero_checkpoint(str(out / name), tag=tag)
-        torch.save(state, reference_path(out, name, tag))
+    path = os.path.abspath(folder)
+    if glob.escape(path) == path:
+        return get_fp32_state_dict_from_zero_checkpoint(path, tag=tag)
+    with tempfile.TemporaryDirectory() as plain:
+        link = os.path.join(plain, "checkpoint")
+        os.symlink(path, link)
+        return get_fp32_state_dict_from_zero_checkpoint(link, tag=tag)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -39,6 +39,7 @@ from ckpt_tools.errors import MissingExtraError
 from ckpt_tools.harness import loop
 from ckpt_tools.harness.config import DEEPSPEED_DIR, STEPS_DIR, TrainConfig, TrainResult
 from ckpt_tools.harness.data import shard
+from ckpt_tools.harness.zero.runs import zero_to_fp32
 
 __all__ = ["ZERO_TO_FP32", "train_rank", "train_zero", "zero_missing"]
 
@@ -191,7 +192,6 @@ def _save_zero(engine: Any, config: TrainConfig, rank: int) -> dict[str, str]:
     """``save_checkpoint`` (every rank), then rank 0's ``bare.pt``, ``wrapped.pt`` and
     ``zero_to_fp32.pt`` made from the folder. Returns the paths on rank 0, ``{}`` elsewhere."""
     import torch.distributed as dist
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from tqdm import tqdm
 
     from ckpt_tools.ops.consolidate.consolidation import consolidate
@@ -212,7 +212,7 @@ def _save_zero(engine: Any, config: TrainConfig, rank: int) -> dict[str, str]:
     tqdm.set_lock(threading.RLock())
     # Its report of what it read and its progress bars are not the harness's to print.
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        reference = get_fp32_state_dict_from_zero_checkpoint(str(folder))
+        reference = zero_to_fp32(folder)
     loop.save_whole(reference, out / ZERO_TO_FP32)
     return {
         **{name: str(path) for name, path in paths.items()},

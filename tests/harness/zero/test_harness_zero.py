@@ -163,3 +163,21 @@ def test_zero_stage_is_checked_before_anything_starts(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "'0' is not one of '1', '2', '3'" in bad.output
     help_text = CliRunner().invoke(harness, ["train", "--help"]).output
     assert "--zero-stage [1|2|3]" in help_text and "[default: 3]" in " ".join(help_text.split())
+
+
+@NEEDS_DEEPSPEED
+@pytest.mark.slow
+@pytest.mark.usefixtures("parity_mlp")  # its zero run's files in parity_dir
+def test_zero_to_fp32_reads_a_folder_whose_name_is_a_glob_pattern(
+    parity_dir: Path, tmp_path: Path
+) -> None:
+    # DeepSpeed globs for the rank files: "run[lr=0.05]" would match nothing, and the run
+    # would fail after a complete save, saying its own files are missing.
+    import shutil
+
+    from ckpt_tools.harness.zero.runs import zero_to_fp32
+
+    odd = tmp_path / "run[lr=0.05]"
+    shutil.copytree(parity_dir / "zero" / "deepspeed", odd)
+    assert_bitwise_equal(zero_to_fp32(odd), tensors(parity_dir / "zero" / "zero_to_fp32.pt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run[lr=0.05]"]  # no link left

@@ -101,3 +101,44 @@ def test_config_asks_for_what_each_run_needs() -> None:
     aligned = deepspeed_config(ZeroRun("r", stage=1, parameter_alignment=True), 8)
     assert aligned["zero_optimization"]["parameter_alignment"] is True
     assert "bf16" not in aligned and "fp16" not in aligned
+
+
+def test_a_launch_past_its_timeout_ends_every_process_it_started(tmp_path) -> None:
+    # torchrun's ranks share its output pipe: killing torchrun alone left them running, and
+    # the wait lasted until they closed it.
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from ckpt_tools.harness.zero.launch import ZeroLaunch
+
+    child = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time;"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+        f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # as start_zero_runs starts torchrun
+    )
+    launch = ZeroLaunch(tmp_path, (ZeroRun("r", stage=1),), process)
+    while not child.exists() or not child.read_text():
+        time.sleep(0.05)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited -9"):
+        launch.wait(timeout=1)
+    assert time.monotonic() - started < 30
+    pid = int(child.read_text())
+    for _ in range(100):  # reaped by init once killed
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"process {pid} outlived the launch")
