@@ -380,9 +380,11 @@ class TrainResult:
 
     def write_json(self, out_dir: str | Path) -> Path:
         """Write :data:`RUN_JSON` into ``out_dir`` and return its path."""
+        from ckpt_tools.harness.outputs import write_whole  # (it reads this module's names)
+
         path = Path(out_dir) / RUN_JSON
         text = json.dumps(self.to_json(), indent=2, allow_nan=False)
-        path.write_text(text + "\n", encoding="utf-8")
+        write_whole((text + "\n").encode(), path)
         return path
 
     @classmethod

@@ -44,6 +44,7 @@ from ckpt_tools.harness.config import (
 from ckpt_tools.harness.data import shard
 from ckpt_tools.harness.failures import (
     PeerLostError,
+    join_group,
     peer_lost,
     port_taken,
     ports_taken_error,
@@ -310,9 +311,7 @@ def _worker(
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=_PG_TIMEOUT
-    )
+    join_group(backend, init_method, rank, world, _PG_TIMEOUT)
     try:
         if rank == 0 and config.out_dir is not None:
             clear_outputs(config.out_dir, config.strategy, config.record_steps)

@@ -30,6 +30,7 @@ from ckpt_tools.errors import EXIT_OUTPUT, EXIT_USAGE, CheckpointError, Remedy, 
 __all__ = [
     "PeerLostError",
     "RankFailedError",
+    "join_group",
     "peer_lost",
     "port_taken",
     "ports_taken_error",
@@ -112,16 +113,47 @@ class PeerLostError(RankFailedError):
     """
 
     def __init__(self, rank: int, world: int, cause: BaseException) -> None:
-        # gloo's line starts with its source location and ends in advice: keep the news.
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]
         super().__init__(
-            f"lost the other ranks (did one fail? its own error says why): {first}",
+            f"lost the other ranks (did one fail? its own error says why): {_news(cause)}",
             rank=rank,
             world=world,
             exit_code=EXIT_PEER_LOST,
             error=type(cause).__name__,
         )
+
+
+def _news(cause: BaseException, *, advice: bool = False) -> str:
+    """The first line of a torch.distributed error, less gloo's source location (and the
+    advice after its first sentence, unless ``advice``)."""
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)
+    return first if advice else first.split(". ")[0]
+
+
+def join_group(backend: str, init_method: str, rank: int, world: int, timeout: Any) -> None:
+    """``dist.init_process_group``, a failure said in one line: the machine's set-up (a
+    ``GLOO_SOCKET_IFNAME`` naming no interface), not a fault of the harness. A port another
+    process took stays as raised: the launcher retries on another (:func:`port_taken`).
+
+    Raises:
+        RankFailedError: the rank could not join the others (exit 2).
+    """
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+        )
+    except RuntimeError as exc:
+        if "address already in use" in str(exc).lower():
+            raise
+        raise RankFailedError(
+            f"could not join the other ranks over {backend}: {_news(exc, advice=True)}",
+            rank=rank,
+            world=world,
+            exit_code=EXIT_USAGE,
+            error=type(exc).__name__,
+        ) from exc
 
 
 def peer_lost(exc: BaseException) -> bool:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from torch import Tensor, nn
 from ckpt_tools.harness.config import CHECKPOINT_NAMES, STEPS_DIR, TrainConfig, TrainResult
 from ckpt_tools.harness.data import batch_indices, steps_per_epoch, synthetic_fashion
 from ckpt_tools.harness.models import build_harness_model
-from ckpt_tools.io.atomic import keep_mode_and_owner
+from ckpt_tools.harness.outputs import write_whole
 
 __all__ = [
     "ModuleContainer",
@@ -276,28 +274,12 @@ def save_checkpoints(
 
 
 def save_whole(obj: Any, path: Path) -> None:
-    """``torch.save``'s bytes written by us, renamed into place once whole: a failed write
-    is an OSError with its errno (torch's own writer raises RuntimeError for a full disk),
-    and no part of a file is left under the name. The file gets ``torch.save``'s mode (a
-    replaced one keeps its own), not ``mkstemp``'s owner-only one. The harness's models
-    are small."""
+    """``torch.save``'s bytes written by us, renamed into place once whole
+    (:func:`~ckpt_tools.harness.outputs.write_whole`): torch's own writer raises RuntimeError
+    for a full disk and leaves part of the file. The harness's models are small."""
     serialized = io.BytesIO()
     torch.save(obj, serialized)
-    try:
-        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    except OSError as e:  # (a read-only folder): said with the file it was for
-        raise OSError(e.errno, e.strerror, str(path)) from e
-    try:
-        keep_mode_and_owner(fd, path)
-        with os.fdopen(fd, "wb") as f:
-            f.write(serialized.getbuffer())
-        os.replace(partial, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
-        if isinstance(e, OSError) and e.filename is None:  # said with the file it was for
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
+    write_whole(serialized.getbuffer(), path)
 
 
 def cpu_fallback(devices: Sequence[torch.device], what: str) -> str | None:

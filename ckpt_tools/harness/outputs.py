@@ -6,18 +6,23 @@ nothing else in the folder. Files left by an earlier, different run would otherw
 as this run's: ZeRO rank files of another world size in ``deepspeed/global_stepN/``, DCP
 shards of more ranks in ``dcp/``, per-step parameters of more steps in ``steps/``. Another
 strategy's outputs (a ``zero`` run's ``deepspeed/`` under a later ``ddp`` run) and files of
-the user's stay. Torch-free, so the table can be read and tested without torch.
+the user's stay. Each file is written whole under a temporary name and renamed
+(:func:`write_whole`). Torch-free, so the table can be read and tested without torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from ckpt_tools.errors import UsageError
 from ckpt_tools.harness.config import DEEPSPEED_DIR, RUN_JSON, STEPS_DIR
+from ckpt_tools.io.atomic import keep_mode_and_owner
 
-__all__ = ["STEP_OUTPUTS", "STRATEGY_OUTPUTS", "check_outputs", "clear_outputs"]
+__all__ = ["STEP_OUTPUTS", "STRATEGY_OUTPUTS", "check_outputs", "clear_outputs", "write_whole"]
 
 _COMMON = ("wrapped.pt", "bare.pt", RUN_JSON)
 #: Per strategy, the glob patterns (relative to ``out_dir``; a folder's ends in ``/``) of
@@ -83,9 +88,16 @@ def check_outputs(out_dir: str | Path, strategy: str, record_steps: bool = False
         The paths found, in the order :func:`clear_outputs` removes them.
 
     Raises:
-        UsageError: a folder stands where the run writes a file (``bare.pt/``).
+        UsageError: a folder stands where the run writes a file (``bare.pt/``), or a file
+            where it writes its folder.
     """
     root = Path(out_dir)
+    if root.exists() and not root.is_dir():
+        raise UsageError(
+            f"{str(root)!r} is a file, where the run writes its folder; move it away or "
+            "choose another output folder",
+            path=str(root),
+        )
     patterns = STRATEGY_OUTPUTS[strategy] + (STEP_OUTPUTS if record_steps else ())
     found: list[Path] = []
     for pattern in patterns:
@@ -98,3 +110,31 @@ def check_outputs(out_dir: str | Path, strategy: str, record_steps: bool = False
                 )
             found.append(path)
     return found
+
+
+def write_whole(data: bytes | memoryview, path: Path) -> None:
+    """``data`` written under a temporary name and renamed into place once whole: a failed
+    write is an OSError with its errno and the file it was for, and no part of a file is left
+    under the name. The file gets the mode a plain ``open`` gives it (a replaced one keeps
+    its own), not ``mkstemp``'s owner-only one.
+
+    Example:
+        >>> write_whole(b"{}\\n", Path("run.json"))
+        >>> Path("run.json").read_text()
+        '{}\\n'
+    """
+    try:
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as e:  # (a read-only folder): said with the file it was for
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    try:
+        keep_mode_and_owner(fd, path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        if isinstance(e, OSError) and e.filename is None:  # said with the file it was for
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise

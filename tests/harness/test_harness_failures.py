@@ -79,6 +79,20 @@ def test_a_failed_dcp_save_of_fsdp_is_one_line_with_the_rank_s_error(
     assert proc.returncode == 2
 
 
+def test_a_rank_that_cannot_join_the_others_is_one_line_not_a_traceback(
+    tmp_path: Path, subprocess_env: dict[str, str]
+) -> None:
+    # The machine's set-up (gloo told to use an interface that does not exist), not a bug.
+    env = {**subprocess_env, "GLOO_SOCKET_IFNAME": "no-such-interface"}
+    args = ["--strategy", "ddp", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.run([*ENTRY, *args], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"{PROG}: error: rank ")
+    assert "could not join the other ranks over gloo" in proc.stderr
+    assert "no-such-interface" in proc.stderr
+    assert proc.returncode == 2
+
+
 @pytest.mark.parametrize("closed", [">&-", "2>&-"])
 def test_the_entry_exits_with_its_status_with_a_stream_closed(
     closed: str, tmp_path: Path, subprocess_env: dict[str, str]

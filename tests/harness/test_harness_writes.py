@@ -65,3 +65,27 @@ def test_deepspeeds_save_on_a_full_disk_is_the_oserror_not_a_bug(full_disk: Path
     with pytest.raises(OSError) as info:
         _save_checkpoint(_Engine(), full_disk)
     assert info.value.errno == errno.ENOSPC and isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_run_json_is_written_whole_too(full_disk: Path) -> None:
+    # A run's record of itself: an empty run.json under its name would not parse.
+    from ckpt_tools.harness.config import RUN_JSON, TrainResult
+
+    result = TrainResult(
+        strategy="single",
+        model="mlp",
+        world_size=1,
+        devices=("cpu",),
+        losses=(0.5,) * 4000,
+        steps=4000,
+        epoch=1,
+    )
+    (full_disk / "filler").write_bytes(b"\0" * (60 << 10))
+    with pytest.raises(OSError) as info:
+        result.write_json(full_disk)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == str(full_disk / RUN_JSON)
+    assert h.listing(full_disk) == ["filler"]
+    (full_disk / "filler").unlink()
+    result.write_json(full_disk)
+    assert TrainResult.read_json(full_disk) == result

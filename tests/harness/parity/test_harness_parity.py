@@ -256,6 +256,15 @@ def test_a_folder_where_a_later_strategy_writes_a_file_is_refused_before_trainin
     assert not (tmp_path / "single").exists()
 
 
+def test_a_file_where_a_later_strategy_writes_its_folder_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "manual").write_bytes(b"")
+    with pytest.raises(UsageError, match=r"manual' is a file, where the run writes its folder"):
+        run_parity(2, steps=1, strategies=("single", "manual"), out_dir=tmp_path)
+    assert not (tmp_path / "single").exists()
+
+
 def test_run_parity_without_a_world_size_counts_as_train_does() -> None:
     # One per selected GPU, else 2 on the CPU; a one-GPU machine runs world size 1.
     expected = torch.cuda.device_count() or 2
