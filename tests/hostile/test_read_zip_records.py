@@ -219,7 +219,9 @@ def test_rewrites_write_parsed_records_as_torch_save_does(tmp_path):
         root = archive.namelist()[0].split("/")[0]
         read = {n[len(root) + 1 :]: archive.read(n) for n in archive.namelist()}
     assert read[".storage_alignment"] == b"64" and read["version"] == b"3\n"
-    assert read[".format_version"] == b"1" and read["byteorder"] == b"little"
+    # Python's zipfile rebuilt the source: its records do not lie as torch's writer lays
+    # them, so the output does not let torch compute their offsets.
+    assert read[".format_version"] == b"0" and read["byteorder"] == b"little"
     assert ".data/version" not in read
     loaded = torch.load(dst, weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in _state().items())
