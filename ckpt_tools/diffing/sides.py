@@ -34,6 +34,7 @@ from ckpt_tools.io.remote.httpurls import shown_url
 from ckpt_tools.structure.keys import KeyRule, apply_plan
 from ckpt_tools.structure.selection import holds_no_state_dict, is_state_dict, select_state_dict
 from ckpt_tools.structure.suggest import wrapper_stack
+from ckpt_tools.structure.tensor_walk import iter_tensors
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads values
     import torch
@@ -217,7 +218,7 @@ def _file_side(
         )
     sd = selection.state_dict
     entries, foreign, others, values_of = split_entries(sd, (TensorRef, RebuiltTensor))
-    if not (selection.found or entries or foreign):
+    if not selection.found:
         _refuse_unbuilt(shown_url(os.fspath(side)), sd)
     info = SideInfo(
         shown_url(os.fspath(side)),  # a URL's password is never shown
@@ -251,10 +252,10 @@ def _file_side(
 
 
 def _refuse_unbuilt(path: str, root: Mapping[Any, Any]) -> None:
-    """Refuse a root with no tensors of its own where entries of classes the reader never
-    builds (a dict subclass of the training script's) may hold the state dict: compared as
-    it is, the root would report 0 tensors and every key of the other side missing."""
-    unbuilt = [(k, v) for k, v in root.items() if isinstance(v, Opaque)]
+    """Refuse a root where no state dict was found but entries of classes the reader never
+    builds (a dict subclass of the training script's) hold tensors and may be it: compared
+    as it is, the root would miss them, and every key of the other side would be missing."""
+    unbuilt = [(k, v) for k, v in root.items() if isinstance(v, Opaque) and iter_tensors(v)]
     if not unbuilt:
         return
     names = ", ".join(f"{shown(str(k))!r} ({type(v).global_ref.qualname})" for k, v in unbuilt[:8])

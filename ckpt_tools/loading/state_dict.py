@@ -207,7 +207,7 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
             else Remedy(text="load it with torch.load(path, weights_only=True)")
         )
         raise UsageError(holds_no_state_dict(where, root), remedies=(remedy,))
-    if unfound and isinstance(root, Mapping) and any(is_tensor(v) for v in root.values()):
+    if unfound and _root_holds_the_weights(root):
         # Weights beside a few scalars ({"fc.weight": ..., "epoch": 12}): torch.load gives
         # the root, and load_state_dict(strict=False) takes its tensors.
         return Selection((), "the root holds the tensors, beside other entries", root)
@@ -224,6 +224,14 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
             remedies=(trust, pick) if built else (pick,),
         )
     return selection
+
+
+def _root_holds_the_weights(root: Any) -> bool:
+    """A mapping with tensors of its own, and no entry of a class never built that holds
+    tensors: such an object (a dict subclass) may be the state dict, which only trust shows."""
+    if not isinstance(root, Mapping) or not any(is_tensor(v) for v in root.values()):
+        return False
+    return not any(isinstance(v, Opaque) and iter_tensors(v) for v in root.values())
 
 
 def _node_at(root: Any, select: Select) -> Any:

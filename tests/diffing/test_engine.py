@@ -440,10 +440,17 @@ def test_a_state_dict_in_an_object_of_its_own_class_is_refused_not_compared_as_t
     out = str(Path(wrapped).with_name("clean.pt"))
     run_ckpt("sanitize", wrapped, out)
     assert diff(out, plain).identical
-    # A root that holds tensors beside such an object is still compared as it is.
+    # Beside a tensor of the root's own (a best accuracy), the object is still the candidate.
+    own = {"net": _Config(w=torch.ones(2)), "best_acc": torch.tensor(0.9), "epoch": 5}
+    scalar = save(own, "acc.pt")
+    with pytest.raises(UsageError, match=r"'net' \(.*_Config\)"):
+        diff(scalar, plain)
+    # An object that holds no tensors (a config) is no state dict: the root is compared.
     beside = save({"w": torch.ones(2), "config": _Config(lr=0.1)}, "beside.pt")
     report = diff(beside, plain)
     assert report.a.tensors == 1 and report.values_compared == 1
+    hyper = save({"epoch": 1, "hyper_parameters": _Config(lr=0.1)}, "hyper.pt")
+    assert diff(hyper, hyper).a.tensors == 0
 
 
 @pytest.mark.parametrize("order", ["int-first", "str-first"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ from torch import nn
 
 from ckpt_tools import load_into, load_state_dict
 from ckpt_tools.cli.main import main
-from ckpt_tools.errors import StateDictMismatchError, UsageError
+from ckpt_tools.errors import StateDictMismatchError, UnsafeContentError, UsageError
 from ckpt_tools.ops.rewrite.conversion import retag
 from tests.helpers import data_parallel
 
@@ -313,6 +314,29 @@ def test_weights_beside_a_few_scalars_at_the_root_load_as_torch_loads_them(
     assert set(load_state_dict(path)) == {"weight", "bias", "epoch", "best_acc", "arch"}
     with pytest.raises(UsageError, match="no entry looks like a state dict"):  # no tensor
         load_into(nn.Linear(4, 3), {"epoch": 1, "arch": "probe"})
+
+
+class _OwnDict(dict):
+    """A dict subclass of the training script's, which the reader never builds."""
+
+
+def test_an_unbuilt_object_holding_tensors_beside_a_scalar_tensor_asks_for_trust(
+    tmp_path: Path,
+) -> None:
+    # The state dict may be the object: the root (a best accuracy) is not taken for it.
+    src = nn.Linear(3, 2)
+    path = tmp_path / "own.pt"
+    own = {"net": _OwnDict(src.state_dict()), "best_acc": torch.tensor(0.9), "epoch": 5}
+    torch.save(own, path)
+    with pytest.raises(UsageError, match=r"net: objects of their own class.*trust=True"):
+        load_into(nn.Linear(3, 2), path)
+    # One that holds no tensors (a config) leaves the root as the state dict: the object in
+    # it is then refused as torch.load(weights_only=True) refuses it.
+    torch.save({**src.state_dict(), "config": _OwnDict(lr=0.1)}, path)
+    with pytest.raises(UnsafeContentError, match=r"the state dict holds .*'config'"):
+        load_into(nn.Linear(3, 2), path, strict=False)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
 
 
 def test_a_live_module_in_memory_loads_its_state_dict(tmp_path: Path) -> None:

@@ -10,8 +10,10 @@ every offender at once:
   ``__metadata__``, which its header reserves for the metadata;
 - a conjugate or negative view, saved as its storage's bytes plus a bit torch applies on
   loading, which a safetensors file would take as they are, changing the values;
-- entries that are no dense tensors, and Python attributes a tensor carries (``t.note = ...``),
-  unless told to leave them out (:func:`leave_out_extras`, :func:`tensor_attributes`).
+- entries that are no dense tensors, unless told to leave them out (:func:`leave_out_extras`).
+
+The Python attributes a tensor carries (``t.note = ...``; a library's flags, such as
+transformers' ``_is_hf_initialized``) are left out and listed (:func:`tensor_attributes`).
 
 :func:`check_holdable` is called by every plan and again by
 :func:`~ckpt_tools.io.writers.safetensors.safetensors_header`, the writer's guard, so no
@@ -194,7 +196,8 @@ def unholdable_kind(value: Any) -> str | None:
 def tensor_attributes(named: Iterable[tuple[str, Any]]) -> list[str]:
     """``name.attribute`` for each Python attribute the tensors among ``named`` carry, which
     ``torch.load`` sets back (:attr:`~ckpt_tools.descriptors.TensorRef.attributes`) and a
-    safetensors file cannot hold.
+    safetensors file cannot hold: left out and listed, never refused, as libraries set
+    their own flags on every parameter (transformers' ``_is_hf_initialized``).
 
     Example:
         >>> from ckpt_tools.descriptors import GlobalRef, StorageRef
@@ -215,7 +218,6 @@ def leave_out_extras(
     remedies: Sequence[Remedy] = (),
     kinds: Mapping[str, str] | None = None,
     outside: Collection[str] = (),
-    attributes: Collection[str] = (),
 ) -> tuple[str, ...]:
     """The entries a safetensors output leaves out, or the refusal to.
 
@@ -234,8 +236,6 @@ def leave_out_extras(
             (:func:`unholdable_kind`); the message tells them from non-tensor entries.
         outside: the names among ``extras`` that are tensors beside the selected state dict
             (a best accuracy saved as a 0-d tensor next to it), named as such.
-        attributes: the names among ``extras`` that are tensors' Python attributes
-            (:func:`tensor_attributes`), named as such.
 
     Returns:
         The names left out: ``extras``, or ``()`` when there are none.
@@ -262,9 +262,7 @@ def leave_out_extras(
     kinds = kinds or {}
     tensors = [f"{name} ({kinds[name]})" for name in extras if name in kinds]
     beside = [name for name in extras if name in outside and name not in kinds]
-    tags = [name for name in extras if name in attributes]
-    named = {*kinds, *outside, *attributes}
-    others = [name for name in extras if name not in named]
+    others = [name for name in extras if name not in kinds and name not in outside]
     said = []
     if tensors:
         said.append(f"{_count(len(tensors), 'tensor')} it cannot hold: {_few(tensors)}")
@@ -272,12 +270,8 @@ def leave_out_extras(
         said.append(f"{_count(len(others), 'non-tensor entry')}: {_few(others)}")
     if beside:
         said.append(f"{_count(len(beside), 'tensor')} outside the state dict: {_few(beside)}")
-    if tags:
-        said.append(f"{_count(len(tags), 'tensor attribute')}: {_few(tags)}")
     them = "it" if len(extras) == 1 else "them"
-    if tags and not (tensors or others or beside):
-        holds = "safetensors holds tensors' values only"
-    elif tensors:
+    if tensors:
         holds = "safetensors holds dense tensors only"
     elif beside:  # "tensors only" would not say why a tensor is refused
         holds = "a safetensors output holds the state dict's tensors only"
@@ -293,10 +287,7 @@ def leave_out_extras(
         remedies=(
             *remedies,
             Remedy("drop_extras", "True", flag="--drop-extras", text=f"to leave {them} out"),
-            Remedy(
-                text="keep the torch format"
-                + (" (a .pt file holds them)" if tensors or tags else "")
-            ),
+            Remedy(text="keep the torch format" + (" (a .pt file holds them)" if tensors else "")),
         ),
     )
 

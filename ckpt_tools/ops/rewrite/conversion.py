@@ -47,10 +47,10 @@ def convert(
     """Convert between torch, safetensors and Hugging Face sharded folders (``ckpt convert``).
 
     To safetensors: tied tensors are stored once (dropped names recorded in the metadata),
-    non-contiguous views are written contiguous, ``"format": "pt"`` metadata is added, and
-    non-tensor entries and tensors' Python attributes are refused unless
-    ``drop_extras=True``. From safetensors to torch: a plain state dict. ``src`` may be a
-    Hugging Face sharded folder.
+    non-contiguous views are written contiguous, ``"format": "pt"`` metadata is added,
+    tensors' Python attributes are left out (listed in ``dropped``), and non-tensor entries
+    are refused unless ``drop_extras=True``. From safetensors to torch: a plain state dict.
+    ``src`` may be a Hugging Face sharded folder.
 
     Args:
         src: a ``.pt``, ``.safetensors`` or sharded folder (any format

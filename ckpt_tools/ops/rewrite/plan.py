@@ -321,20 +321,15 @@ def safetensors_plan(
     extras = [str(k) for k, v in sd.items() if not isinstance(v, TensorRef)]
     beside = entries_beside(ckpt.root, path)
     extras += [name for name, _ in beside]
+    # A tensor's Python attributes cannot go in either: left out and listed, not refused.
     attributes = tensor_attributes((str(k), v) for k, v in sd.items())
-    extras += attributes
     # Sparse, nested and meta tensors are named as tensors safetensors cannot hold; a tensor
     # beside the state dict (a best accuracy) as one outside it, not as a non-tensor entry.
     kinds = {str(k): kind for k, v in sd.items() if (kind := unholdable_kind(v)) is not None}
     outside = {name for name, v in beside if isinstance(v, (TensorRef, RebuiltTensor))}
     left_out = leave_out_extras(
-        extras,
-        ckpt.path,
-        drop_extras=drop_extras,
-        kinds=kinds,
-        outside=outside,
-        attributes=attributes,
-    )
+        extras, ckpt.path, drop_extras=drop_extras, kinds=kinds, outside=outside
+    ) + tuple(attributes)
     # String values only: an HF index's metadata also holds its int total_size.
     metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
     metadata.setdefault("format", "pt")

@@ -84,14 +84,13 @@ def safetensors_entries(
         "weights_only", "True", flag="--weights-only", text="to write the state dict alone"
     )
     left_out = leave_out_extras(
-        inside + beside + attributes,
+        inside + beside,
         ckpt.path,
         drop_extras=drop_extras,
         remedies=(alone,) if beside and not inside else (),
         kinds=kinds,
         outside=outside,
-        attributes=attributes,
-    )
+    ) + tuple(attributes)  # a tensor's Python attributes: left out and listed, not refused
     metadata: dict[str, str] = {"format": "pt"}
     named = [(new, t) for _, new, t in items if new is not DROPPED and isinstance(t, TensorRef)]
     ties = tied_names(named)  # stored once
