@@ -282,7 +282,8 @@ def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
         rules: :class:`KeyRule` s, e.g. ``[sub_rule("backbone.", "encoder.")]``.
 
     Returns:
-        A new dict of the same type, keys renamed, ``_metadata`` kept in step.
+        A new dict of the same type, str keys renamed (others kept), ``_metadata`` kept
+        in step.
 
     Raises:
         KeyCollisionError: two keys would become one.
@@ -293,7 +294,8 @@ def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
         {'b.w': 1}
     """
     rules = rule_items(rules)
-    return apply_plan(sd, plan_renames(list(sd), rules), rules)
+    # Rules rename str keys; others (0, (1, 2)) stay as they are, as a file's rewrite keeps them.
+    return apply_plan(sd, plan_renames([k for k in sd if isinstance(k, str)], rules), rules)
 
 
 def check_wrapper_prefix(prefix: object) -> str:

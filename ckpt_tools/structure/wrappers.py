@@ -8,6 +8,8 @@ activation-checkpoint segments, Lightning's and PEFT's attributes; the rules are
 
 from __future__ import annotations
 
+import posixpath
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ __all__ = [
     "WrapperMatch",
     "WrapperRule",
     "detect_wrappers",
+    "file_wrapper_rules",
     "strip_wrapper_rules",
 ]
 
@@ -195,11 +198,50 @@ def _too_deep(prefix: str) -> ResourceLimitError:
     )
 
 
+def file_wrapper_rules(
+    names: Iterable[str], *, path: str, fmt: str, metadata: Mapping[str, Any] | None
+) -> tuple[WrapperRule, ...]:
+    """The wrapper rules that apply to the keys (``names``) of the checkpoint file at ``path``.
+
+    - Lightning's ``model.`` is left out where the checkpoint is a Hugging Face one: a
+      folder (``fmt`` ``hf-sharded``), a safetensors file with the ``format`` metadata
+      ``save_pretrained`` writes, or a file named as transformers names its weights
+      (``pytorch_model.bin``, ``model-00001-of-00002.safetensors``). Lightning saves none of
+      these, and a transformers model whose keys all lie under its own ``model`` attribute
+      (tied embeddings leave no ``lm_head.weight``) loads only with them.
+    - PEFT's ``base_model.model.`` is left out in an adapter (``adapter_model.safetensors``,
+      or keys holding LoRA parts): an adapter's keys are the ones PEFT loads, whatever its
+      kind (LoRA, IA3, LoHa ...), and no plain model has a ``lora_A``.
+
+    Example:
+        >>> rules = file_wrapper_rules([], path="adapter_model.bin", fmt="torch-zip", metadata={})
+        >>> "base_model.model." in {r.prefix for r in rules}
+        False
+    """
+    name = posixpath.basename(path.rstrip("/"))
+    hf = fmt == "hf-sharded" or (fmt == "safetensors" and "format" in (metadata or {}))
+    hf = hf or bool(_TRANSFORMERS_NAME.fullmatch(name))
+    adapter = name.startswith("adapter_model") or any(n.endswith(LORA_PARTS) for n in names)
+    left_out = ({"model."} if hf else set()) | ({"base_model.model."} if adapter else set())
+    return tuple(rule for rule in WRAPPER_RULES if rule.prefix not in left_out)
+
+
+# The weight files transformers, diffusers and PEFT write: whole, or one shard of an index.
+_SHARD = r"(-\d+-of-\d+)?"
+_TRANSFORMERS_NAME = re.compile(
+    rf"(pytorch_model|diffusion_pytorch_model|adapter_model){_SHARD}\.bin"
+    rf"|(model|diffusion_pytorch_model|adapter_model){_SHARD}\.safetensors"
+)
+
+
 def strip_wrapper_rules(
-    keys: Iterable[str] | Mapping[Any, Any], *, anywhere: bool = False
+    keys: Iterable[str] | Mapping[Any, Any],
+    *,
+    anywhere: bool = False,
+    wrappers: Sequence[WrapperRule] = WRAPPER_RULES,
 ) -> tuple[tuple[KeyRule, ...], tuple[WrapperMatch, ...]]:
     """The rules that strip every wrapper :func:`detect_wrappers` finds in ``keys``
-    (``anywhere`` as it takes it)."""
-    matches = detect_wrappers(keys, anywhere=anywhere)
+    (``anywhere`` and ``wrappers`` as it takes them)."""
+    matches = detect_wrappers(keys, wrappers=wrappers, anywhere=anywhere)
     rules = tuple(strip_rule(m.prefix, inner=m.inner) for m in matches)
     return rules, matches

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+import ckpt_tools
 from ckpt_tools.errors import KeyCollisionError, ResourceLimitError, UsageError
 from ckpt_tools.structure.keys import (
     KeyRule,
@@ -425,3 +426,12 @@ def test_a_wrapper_prefix_without_its_dot_is_refused(helper, prefix, dotted):
         {"weight": 1},
         {"module.module.weight": 1},
     )
+
+
+def test_in_memory_rewrites_keep_keys_that_are_no_str() -> None:
+    # As a file's rewrite keeps them (torch.load gives int keys back); re.sub took no int.
+    sd = {"module.w": 1, 0: 2, ("a", 1): 3}
+    assert ckpt_tools.strip_prefix(sd) == {"w": 1, 0: 2, ("a", 1): 3}
+    assert ckpt_tools.add_prefix(sd, prefix="m.") == {"m.module.w": 1, 0: 2, ("a", 1): 3}
+    rules = [ckpt_tools.sub_rule("module.", "")]
+    assert list(ckpt_tools.rename_keys(sd, rules)) == ["w", 0, ("a", 1)]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import posixpath
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,7 +18,7 @@ from ckpt_tools.structure.selection import (
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import quantizer_tensors, stored_views, tensors_by_place
-from ckpt_tools.structure.wrappers import LORA_PARTS, WRAPPER_RULES, WrapperRule, detect_wrappers
+from ckpt_tools.structure.wrappers import WrapperRule, detect_wrappers, file_wrapper_rules
 
 __all__ = [
     "CheckpointInfo",
@@ -33,32 +31,8 @@ __all__ = [
 
 
 def _wrapper_rules(ckpt: Checkpoint, names: Sequence[str]) -> tuple[WrapperRule, ...]:
-    """The wrapper rules that apply to ``ckpt``'s keys (``names``).
-
-    - Lightning's ``model.`` is left out where the checkpoint is a Hugging Face one: a
-      folder, a safetensors file with the ``format`` metadata ``save_pretrained`` writes, or
-      a file named as transformers names its weights (``pytorch_model.bin``,
-      ``model-00001-of-00002.safetensors``). Lightning saves none of these, and a
-      transformers model whose keys all lie under its own ``model`` attribute (tied
-      embeddings leave no ``lm_head.weight``) loads only with them.
-    - PEFT's ``base_model.model.`` is left out where the keys hold LoRA parts: an adapter's
-      keys are the ones PEFT loads, and no plain model has a ``lora_A``.
-    """
-    metadata = ckpt.metadata or {}
-    hf = ckpt.format == "hf-sharded" or (ckpt.format == "safetensors" and "format" in metadata)
-    hf = hf or bool(_TRANSFORMERS_NAME.fullmatch(posixpath.basename(ckpt.path)))
-    lora = any(name.endswith(LORA_PARTS) for name in names)
-    left_out = {"model."} if hf else set()
-    left_out |= {"base_model.model."} if lora else set()
-    return tuple(rule for rule in WRAPPER_RULES if rule.prefix not in left_out)
-
-
-# The weight files transformers, diffusers and PEFT write: whole, or one shard of an index.
-_SHARD = r"(-\d+-of-\d+)?"
-_TRANSFORMERS_NAME = re.compile(
-    rf"(pytorch_model|diffusion_pytorch_model|adapter_model){_SHARD}\.bin"
-    rf"|(model|diffusion_pytorch_model|adapter_model){_SHARD}\.safetensors"
-)
+    """The wrapper rules that apply to ``ckpt``'s keys (``names``): :func:`file_wrapper_rules`."""
+    return file_wrapper_rules(names, path=ckpt.path, fmt=ckpt.format, metadata=ckpt.metadata)
 
 
 def _selected(ckpt: Checkpoint, select: Select) -> Selection:

@@ -41,7 +41,7 @@ from ckpt_tools.structure.selection import (
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import tensors_by_place
-from ckpt_tools.structure.wrappers import WrapperMatch, strip_wrapper_rules
+from ckpt_tools.structure.wrappers import WrapperMatch, file_wrapper_rules, strip_wrapper_rules
 
 if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
@@ -308,7 +308,10 @@ def plan_strip(
     """
     selection = select_state_dict(ckpt.root, select=select)
     n_keys = len(selection.state_dict)
-    rules, matches = strip_wrapper_rules(selection.state_dict)
+    # The wrappers inspect names for this file: none in an adapter's or a transformers file's.
+    names = [k for k in selection.state_dict if isinstance(k, str)]
+    wrappers = file_wrapper_rules(names, path=ckpt.path, fmt=ckpt.format, metadata=ckpt.metadata)
+    rules, matches = strip_wrapper_rules(selection.state_dict, wrappers=wrappers)
     if rules:
         return rules, matches, None
     fmt = output_format_for(dst, output_format, format_family(ckpt))

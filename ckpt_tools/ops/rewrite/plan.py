@@ -254,17 +254,42 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
     """The entries of ``device_map`` whose saved tag some storage of ``ckpt`` has.
 
     A retag that matches nothing would write a copy and call it retagged: it is refused,
-    with the tags the file does have and the mapping that would move them.
+    with the tags the file does have and the mapping that would move them. So is an entry
+    that matches nothing while a saved tag stays unmapped (a typo, ``cuda:2`` for
+    ``cuda:1``, would leave those storages where plain ``torch.load`` fails); entries for
+    tags the file lacks beside a mapping that covers every tag it has are passed over.
 
     Raises:
-        UsageError: no storage is saved on any tag ``device_map`` names.
+        UsageError: no storage is saved on a tag ``device_map`` names, and a saved tag is
+            left unmapped.
     """
     saved: dict[str, int] = {}
     for storage in ckpt.storages.values():
         saved[storage.device] = saved.get(storage.device, 0) + 1
     matched = {a: b for a, b in device_map.items() if a in saved}
-    if matched or not device_map:
+    # Saved tags neither mapped nor a target of the mapping (cpu, when all goes to cpu).
+    left = [t for t in saved if t not in matched and t not in device_map.values()]
+    if not device_map or (matched and (len(matched) == len(device_map) or not left)):
         return matched
+    if matched:
+        idle = [a for a in device_map if a not in saved]
+        has = ", ".join(f"{shown(tag)} ×{n}" for tag, n in saved.items())
+        fixes = [
+            Remedy(
+                "mapping",
+                repr({**matched, tag: device_map[idle[0]]}),
+                flag=f"--map {tag}={device_map[idle[0]]}",
+                text=f"in place of {idle[0]}",
+            )
+            for tag in left
+            if tag != device_map[idle[0]]
+        ]
+        raise UsageError(
+            f"no storage is saved on {' or '.join(idle)}, and {' and '.join(left)} would "
+            f"stay unmapped (saved: {has})",
+            path=ckpt.path,
+            remedies=fixes or (Remedy(text=f"leave out {' and '.join(idle)}"),),
+        )
     target = next(iter(device_map.values()))
     has = ", ".join(f"{shown(tag)} ×{n}" for tag, n in saved.items()) or "no storages"
     fixes = [

@@ -104,6 +104,33 @@ def test_transformers_and_peft_files_keep_their_own_prefixes(tmp_path: Path) -> 
     assert [w.prefix for w in ct.inspect(tmp_path / "model.bin").wrappers] == ["model."]
 
 
+def test_strip_module_strips_what_inspect_names_and_nothing_else(tmp_path: Path) -> None:
+    # An adapter of any kind (IA3 has no lora_A) and a transformers file keep their prefixes
+    # under strip-module too: stripping them made PEFT load nothing, and a strict load fail.
+    ia3 = {"base_model.model.model.q.ia3_l": torch.ones(4, 1)}
+    files = {
+        "adapter_model.safetensors": ia3,
+        "hf/pytorch_model.bin": {"model.embed.weight": torch.ones(4, 2)},
+        "lora.pt": {"base_model.model.model.q.lora_A.weight": torch.ones(2, 4)},
+    }
+    for name, sd in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        if name.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(sd, path)
+        else:
+            torch.save(sd, path)
+        assert ct.inspect(path).wrappers == ()
+        result = ct.strip_module(path, tmp_path / f"out-{path.name}")
+        assert result.written == () and not (tmp_path / f"out-{path.name}").exists(), name
+    # Asked for by name, the prefix is stripped.
+    out = tmp_path / "named.pt"
+    ct.strip_module(tmp_path / "lora.pt", out, prefix="base_model.model.")
+    assert list(torch.load(out)) == ["model.q.lora_A.weight"]
+
+
 def test_json_tells_a_wrapper_inside_keys_from_one_that_starts_them(tmp_path: Path) -> None:
     fsdp = "_fsdp_wrapped_module."
     sd = {f"{fsdp}fc1.{fsdp}weight": torch.ones(2), f"{fsdp}fc2.weight": torch.ones(2)}

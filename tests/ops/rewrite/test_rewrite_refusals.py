@@ -479,6 +479,42 @@ def _saved_locations(path: Path) -> collections.Counter[str]:
     return seen
 
 
+_MIXED = """
+import sys, torch
+tags = {}
+# Tags by storage (as a file saved from two GPUs has them), for this process only.
+torch.serialization.register_package(1, lambda s: tags.get(s.data_ptr()), lambda o, l: None)
+a, b, c = torch.arange(4.0), torch.ones(2), torch.zeros(3)
+for t, tag in ((a, "cuda:0"), (b, "cuda:1")):
+    tags[t.untyped_storage().data_ptr()] = tag
+torch.save({"a": a, "b": b, "c": c}, sys.argv[1])
+"""
+
+
+def test_retag_refuses_an_entry_that_matches_nothing_while_a_tag_stays_unmapped(
+    tmp_path: Path,
+) -> None:
+    # A typo (cuda:2 for cuda:1) left cuda:1 storages where plain torch.load fails.
+    from ckpt_tools import retag
+
+    src = tmp_path / "mixed.pt"
+    subprocess.run([sys.executable, "-c", _MIXED, str(src)], check=True)
+    assert _saved_locations(src) == {"cuda:0": 1, "cuda:1": 1, "cpu": 1}
+    args = ["--map", "cuda:0=cpu", "--map", "cuda:2=cpu"]
+    res = h.run_ckpt("retag", src, tmp_path / "out.pt", *args, code=2)
+    assert "no storage is saved on cuda:2, and cuda:1 would stay unmapped" in res.stderr
+    assert "pass --map cuda:1=cpu in place of cuda:2" in res.stderr
+    assert not (tmp_path / "out.pt").exists()
+    # The fix it names works; a mapping covering every saved tag passes idle entries over.
+    h.run_ckpt("retag", src, tmp_path / "out.pt", "--map", "cuda:0=cpu", "--map", "cuda:1=cpu")
+    assert _saved_locations(tmp_path / "out.pt") == {"cpu": 3}
+    every = {"cuda:0": "cpu", "cuda:1": "cpu", "cuda:2": "cpu"}
+    assert retag(src, tmp_path / "o2.pt", mapping=every).device_map == {
+        "cuda:0": "cpu",
+        "cuda:1": "cpu",
+    }
+
+
 def test_retag_that_matches_no_storage_is_refused(tmp_path: Path) -> None:
     from ckpt_tools import retag
 
