@@ -208,8 +208,7 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
         )
         raise UsageError(holds_no_state_dict(where, root), remedies=(remedy,))
     if unfound and _root_holds_the_weights(root):
-        # Weights beside a few scalars ({"fc.weight": ..., "epoch": 12}): torch.load gives
-        # the root, and load_state_dict(strict=False) takes its tensors.
+        # Weights beside scalars ({"fc.weight": ..., "epoch": 12}), as torch.load gives them.
         return Selection((), "the root holds the tensors, beside other entries", root)
     if unfound:
         top = list(root)[:12] if isinstance(root, Mapping) else []
@@ -227,8 +226,8 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
 
 
 def _root_holds_the_weights(root: Any) -> bool:
-    """A mapping with tensors of its own, and no entry of a class never built that holds
-    tensors: such an object (a dict subclass) may be the state dict, which only trust shows."""
+    """A mapping with tensors of its own, and no unbuilt object holding tensors (which may be
+    the state dict: a dict subclass only trust builds)."""
     if not isinstance(root, Mapping) or not any(is_tensor(v) for v in root.values()):
         return False
     return not any(isinstance(v, Opaque) and iter_tensors(v) for v in root.values())
