@@ -27,7 +27,11 @@ from ckpt_tools.structure.keys import (
     sub_rule,
 )
 from ckpt_tools.structure.paths import select_text
-from ckpt_tools.structure.wrappers import detect_wrappers, strip_wrapper_rules
+from ckpt_tools.structure.wrappers import (
+    FILE_DEPENDENT_PREFIXES,
+    detect_wrappers,
+    strip_wrapper_rules,
+)
 
 __all__ = ["Step", "fix_command", "fix_python", "on_stored", "step_rules"]
 
@@ -203,6 +207,8 @@ def _strips_every_wrapper(steps: Sequence[Step], keys: Sequence[str] | None) -> 
     ``steps`` do to those keys, key for key."""
     if keys is None or any(s.action not in ("strip", "strip-inner") for s in steps):
         return False
+    if any(s.prefix in FILE_DEPENDENT_PREFIXES for s in steps):
+        return False  # strip-module keeps them in some files: named, they are stripped
     found = [("strip-inner" if m.inner else "strip", m.prefix) for m in detect_wrappers(keys)]
     if found != [(s.action, s.prefix) for s in steps]:
         return False

@@ -20,6 +20,7 @@ from ckpt_tools.structure.keys import KeyRule, strip_rule
 from ckpt_tools.structure.paths import is_tensor
 
 __all__ = [
+    "FILE_DEPENDENT_PREFIXES",
     "LORA_PARTS",
     "MAX_WRAPPER_DEPTH",
     "WRAPPER_RULES",
@@ -222,8 +223,14 @@ def file_wrapper_rules(
     hf = fmt == "hf-sharded" or (fmt == "safetensors" and "format" in (metadata or {}))
     hf = hf or bool(_TRANSFORMERS_NAME.fullmatch(name))
     adapter = name.startswith("adapter_model") or any(n.endswith(LORA_PARTS) for n in names)
-    left_out = ({"model."} if hf else set()) | ({"base_model.model."} if adapter else set())
+    lightning, peft = FILE_DEPENDENT_PREFIXES
+    left_out = ({lightning} if hf else set()) | ({peft} if adapter else set())
     return tuple(rule for rule in WRAPPER_RULES if rule.prefix not in left_out)
+
+
+#: The wrapper prefixes :func:`file_wrapper_rules` may leave out (Lightning's, PEFT's): a
+#: command that strips them names them, so that it strips them whatever the file.
+FILE_DEPENDENT_PREFIXES = ("model.", "base_model.model.")
 
 
 # The weight files transformers, diffusers and PEFT write: whole, or one shard of an index.

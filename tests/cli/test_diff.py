@@ -329,8 +329,14 @@ def test_parse_value() -> None:
     [
         ("a.pt", ["enc=1.weight", "enc=1.bias", "head.w"]),  # an "=" in the prefix renamed
         ("-ddp.pt", ["module.encoder.weight", "module.encoder.bias", "module.head.w"]),
+        # Files whose own prefix strip-module keeps unless it is named: the fix names it.
+        ("pytorch_model.bin", ["model.encoder.weight", "model.encoder.bias", "model.head.w"]),
+        (
+            "adapter_model.bin",
+            [f"base_model.model.{k}" for k in ("encoder.weight", "encoder.bias", "head.w")],
+        ),
     ],
-    ids=["equals-in-prefix", "dash-name"],
+    ids=["equals-in-prefix", "dash-name", "transformers-name", "adapter-name"],
 )
 def test_the_suggested_command_runs_and_leaves_no_difference(
     tmp_path: Path, name: str, keys: list[str]

@@ -48,11 +48,7 @@ class ZeroLaunch:
         try:
             output, _ = self.process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # torchrun's ranks outlive a kill of torchrun alone (and hold the output pipe
-            # open): its whole session is killed.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            output, _ = self.process.communicate()
+            output = self._stop()
         missing = [r.name for r in self.runs if not (self.out / r.name / "latest").is_file()]
         if self.process.returncode != 0 or missing:
             raise RuntimeError(
@@ -60,6 +56,31 @@ class ZeroLaunch:
                 f"{missing}):\n{output[-6000:]}"
             )
         return {r.name: self.out / r.name for r in self.runs}
+
+    def _stop(self, grace: float = 10) -> str:
+        """End torchrun and its ranks; the output they wrote.
+
+        torchrun stops its ranks on SIGTERM. Each rank runs in a session of its own, so a
+        kill of torchrun alone (or of its group) would leave them training, holding the
+        output pipe open: any still running after ``grace`` seconds are killed one by one.
+        """
+        ranks = _children(self.process.pid)
+        self.process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=grace)
+        for pid in (self.process.pid, *ranks):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return self.process.communicate()[0]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux's ``/proc``; none known elsewhere)."""
+    try:
+        listed = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(child) for child in listed.split()]
 
 
 def start_zero_runs(
@@ -110,12 +131,7 @@ def start_zero_runs(
         "1" if references else "0",
     ]
     process = subprocess.Popen(
-        command,
-        env=child_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # one process group: a timeout ends every rank
+        command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     return ZeroLaunch(folder, tuple(runs), process)
 

@@ -267,8 +267,10 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
     for storage in ckpt.storages.values():
         saved[storage.device] = saved.get(storage.device, 0) + 1
     matched = {a: b for a, b in device_map.items() if a in saved}
-    # Saved tags neither mapped nor a target of the mapping (cpu, when all goes to cpu).
-    left = [t for t in saved if t not in matched and t not in device_map.values()]
+    # Saved tags neither mapped nor a target of the mapping, nor the CPU (which plain
+    # torch.load reads anywhere: a GPU run's rng_state stays there).
+    targets = set(device_map.values())
+    left = [t for t in saved if t not in matched and t not in targets and t != "cpu"]
     if not device_map or (matched and (len(matched) == len(device_map) or not left)):
         return matched
     if matched:

@@ -104,8 +104,8 @@ def test_config_asks_for_what_each_run_needs() -> None:
 
 
 def test_a_launch_past_its_timeout_ends_every_process_it_started(tmp_path) -> None:
-    # torchrun's ranks share its output pipe: killing torchrun alone left them running, and
-    # the wait lasted until they closed it.
+    # torchrun's ranks run in sessions of their own and share its output pipe: killing
+    # torchrun (or its group) left them running, and the wait lasted until they closed it.
     import os
     import subprocess
     import sys
@@ -114,23 +114,20 @@ def test_a_launch_past_its_timeout_ends_every_process_it_started(tmp_path) -> No
     from ckpt_tools.harness.zero.launch import ZeroLaunch
 
     child = tmp_path / "child.pid"
+    rank = "import time; time.sleep(120)"
     script = (
         "import subprocess, sys, time;"
-        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+        f"p = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True);"
         f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(120)"
     )
     process = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # as start_zero_runs starts torchrun
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     launch = ZeroLaunch(tmp_path, (ZeroRun("r", stage=1),), process)
     while not child.exists() or not child.read_text():
         time.sleep(0.05)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="exited -9"):
+    with pytest.raises(RuntimeError, match="exited -15"):  # torchrun is told first
         launch.wait(timeout=1)
     assert time.monotonic() - started < 30
     pid = int(child.read_text())

@@ -513,6 +513,13 @@ def test_retag_refuses_an_entry_that_matches_nothing_while_a_tag_stays_unmapped(
         "cuda:0": "cpu",
         "cuda:1": "cpu",
     }
+    # A CPU storage (a GPU run's rng_state) is never unmapped: a swap of two GPUs retags.
+    swap = {"cuda:0": "cuda:1", "cuda:1": "cuda:0", "cuda:2": "cuda:0"}
+    assert retag(src, tmp_path / "o3.pt", mapping=swap).device_map == {
+        "cuda:0": "cuda:1",
+        "cuda:1": "cuda:0",
+    }
+    assert _saved_locations(tmp_path / "o3.pt") == {"cuda:1": 1, "cuda:0": 1, "cpu": 1}
 
 
 def test_retag_that_matches_no_storage_is_refused(tmp_path: Path) -> None:
