@@ -10,6 +10,7 @@ from typing import Any
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 
 __all__ = [
+    "holding_containers",
     "iter_listed_tensors",
     "iter_stored_tensors",
     "iter_tensors",
@@ -89,22 +90,57 @@ def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
             continue
         if id(node) in seen:
             continue
-        children: list[tuple[Any, str]] = []
-        if isinstance(node, dict):
+        children = _children(node, path)
+        if children is not None:
             seen.add(id(node))
-            children = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()]
-            # An OrderedDict's attributes (torch's BUILD sets them): a writer keeps them.
-            attributes = getattr(node, "__dict__", None)
-            if attributes:
-                children.append((attributes, path))
-        elif isinstance(node, (list, tuple)):
-            seen.add(id(node))
-            children = [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
-        elif isinstance(node, Opaque):
-            seen.add(id(node))
-            children = [(node.state, path), (node.dictitems, path)]
-        stack.extend(reversed(children))  # popped in the tree's order
+            stack.extend(reversed(children))  # popped in the tree's order
     return found
+
+
+def _children(node: Any, path: str) -> list[tuple[Any, str]] | None:
+    """The values a walk goes on to from ``node``, with their paths; None for a leaf."""
+    if isinstance(node, dict):
+        children = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()]
+        # An OrderedDict's attributes (torch's BUILD sets them): a writer keeps them.
+        attributes = getattr(node, "__dict__", None)
+        return [*children, (attributes, path)] if attributes else children
+    if isinstance(node, (list, tuple)):
+        return [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
+    if isinstance(node, Opaque):
+        return [(node.state, path), (node.dictitems, path)]
+    return None
+
+
+def holding_containers(root: Any) -> set[int]:
+    """The ``id`` of every container in ``root`` (itself included) that holds a tensor
+    :func:`iter_listed_tensors` lists, however deep: found by identity in one pass, so a
+    deep tree costs what its size costs, not its depth times its paths' lengths.
+
+    Example:
+        >>> from ckpt_tools.descriptors import StorageRef
+        >>> w = TensorRef(StorageRef("0", "float32", 2, "cpu"), 0, (2,), (1,), "float32")
+        >>> inner, other = [w], {"lr": 0.1}
+        >>> held = holding_containers({"a": inner, "b": other})
+        >>> id(inner) in held, id(other) in held
+        (True, False)
+    """
+    kinds = (TensorRef, RebuiltTensor)
+    holders: set[int] = set()
+    seen: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        children = _children(node, "")
+        if children is None:
+            continue
+        if expanded:  # its children are done (a cycle's back edge counts as done)
+            if any(isinstance(c, kinds) or id(c) in holders for c, _ in children):
+                holders.add(id(node))
+        elif id(node) not in seen:
+            seen.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c, _ in children)
+    return holders
 
 
 def quantizer_params(t: TensorRef) -> Any:

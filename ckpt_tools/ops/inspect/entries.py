@@ -11,7 +11,7 @@ from typing import Any
 from ckpt_tools._escape import short_repr
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 from ckpt_tools.structure.selection import entries_beside, key_text
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors
+from ckpt_tools.structure.tensor_walk import holding_containers
 
 __all__ = ["describe_value", "entries_between_tensors", "entries_summary"]
 
@@ -99,8 +99,7 @@ def entries_between_tensors(root: Any) -> dict[str, str]:
         >>> entries_between_tensors(({"w": w, "lr": 0.1}, [{"groups": []}], 5))
         {'0.lr': 'float 0.1', '1': 'list (1 items)', '2': 'int 5'}
     """
-    places = {place for place, _ in iter_listed_tensors(root)}
-    holding = {p.rsplit(".", n)[0] for p in places for n in range(1, p.count(".") + 1)}
+    holding = holding_containers(root)
     found: list[tuple[str, Any]] = []
     # (a stack, in the tree's order: containers nest as deep as a pickle does)
     stack: list[tuple[Any, str, bool]] = [(root, "", True)]
@@ -111,9 +110,9 @@ def entries_between_tensors(root: Any) -> dict[str, str]:
             continue
         items = []
         for key, value in _contained(node):
-            place = f"{path}.{key}" if path else str(key)
-            if place in holding or place not in places:
-                items.append((value, place, place in holding))
+            if not isinstance(value, (TensorRef, RebuiltTensor)):  # (tensors are listed)
+                place = f"{path}.{key}" if path else str(key)
+                items.append((value, place, id(value) in holding))
         stack.extend(reversed(items))
     return _summarised(found)
 
