@@ -112,7 +112,10 @@ def test_the_fast_pickler_matches_the_reference_repickler() -> None:
         except CheckpointError:
             continue  # refused inputs are the reader's tests
         reference = io.BytesIO()
-        Repickler(reference, 2, zip_storage_id()).dump(ckpt.root)
+        try:
+            Repickler(reference, 2, zip_storage_id()).dump(ckpt.root)
+        except RecursionError:
+            continue  # (the pure-Python reference recurses: a tree thousands deep is past it)
         assert dumps(ckpt.root, 2, zip_storage_id()) == reference.getvalue(), path.name
         compared += 1
     assert compared >= 45  # (legacy and tar files among them)
