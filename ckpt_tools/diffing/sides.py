@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ckpt_tools._escape import shell_path, shown
 from ckpt_tools._types import Select
-from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
+from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.diffing.entries import (
     Foreign,
     is_uninitialized,
@@ -32,9 +32,13 @@ from ckpt_tools.errors import Remedy, SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.io.remote.httpurls import shown_url
 from ckpt_tools.structure.keys import KeyRule, apply_plan
-from ckpt_tools.structure.selection import holds_no_state_dict, is_state_dict, select_state_dict
+from ckpt_tools.structure.selection import (
+    holds_no_state_dict,
+    is_state_dict,
+    select_state_dict,
+    unbuilt_holders,
+)
 from ckpt_tools.structure.suggest import wrapper_stack
-from ckpt_tools.structure.tensor_walk import iter_tensors
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads values
     import torch
@@ -255,7 +259,7 @@ def _refuse_unbuilt(path: str, root: Mapping[Any, Any]) -> None:
     """Refuse a root where no state dict was found but entries of classes the reader never
     builds (a dict subclass of the training script's) hold tensors and may be it: compared
     as it is, the root would miss them, and every key of the other side would be missing."""
-    unbuilt = [(k, v) for k, v in root.items() if isinstance(v, Opaque) and iter_tensors(v)]
+    unbuilt = [(k, root[k]) for k in unbuilt_holders(root)]
     if not unbuilt:
         return
     names = ", ".join(f"{shown(str(k))!r} ({type(v).global_ref.qualname})" for k, v in unbuilt[:8])

@@ -40,6 +40,7 @@ from ckpt_tools.structure.selection import (
     a_kind_of,
     holds_no_state_dict,
     select_state_dict,
+    unbuilt_holders,
 )
 from ckpt_tools.structure.tensor_walk import iter_tensors
 
@@ -207,8 +208,10 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
             else Remedy(text="load it with torch.load(path, weights_only=True)")
         )
         raise UsageError(holds_no_state_dict(where, root), remedies=(remedy,))
-    if unfound and _root_holds_the_weights(root):
-        # Weights beside scalars ({"fc.weight": ..., "epoch": 12}), as torch.load gives them.
+    held = isinstance(root, Mapping) and any(is_tensor(v) for v in root.values())
+    if unfound and held and not unbuilt_holders(root):
+        # Weights beside scalars ({"fc.weight": ..., "epoch": 12}), as torch.load gives them;
+        # an unbuilt object holding tensors may be the state dict, which only trust shows.
         return Selection((), "the root holds the tensors, beside other entries", root)
     if unfound:
         top = list(root)[:12] if isinstance(root, Mapping) else []
@@ -223,14 +226,6 @@ def _selection_checked(root: Any, select: Select, where: str, trusted: bool) -> 
             remedies=(trust, pick) if built else (pick,),
         )
     return selection
-
-
-def _root_holds_the_weights(root: Any) -> bool:
-    """A mapping with tensors of its own, and no unbuilt object holding tensors (which may be
-    the state dict: a dict subclass only trust builds)."""
-    if not isinstance(root, Mapping) or not any(is_tensor(v) for v in root.values()):
-        return False
-    return not any(isinstance(v, Opaque) and iter_tensors(v) for v in root.values())
 
 
 def _node_at(root: Any, select: Select) -> Any:

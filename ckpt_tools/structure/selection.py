@@ -31,6 +31,7 @@ from ckpt_tools.structure.paths import (
     resolve_path,
     walk_path,
 )
+from ckpt_tools.structure.tensor_walk import holding_containers
 
 __all__ = [
     "CANDIDATE_KEYS",
@@ -47,6 +48,7 @@ __all__ = [
     "replace_at",
     "resolve_path",
     "select_state_dict",
+    "unbuilt_holders",
     "walk_path",
 ]
 
@@ -110,6 +112,19 @@ def a_kind_of(value: Any) -> str:
         return "None"
     # A class the pickle names is the checkpoint's text: escaped as names are.
     return "a tensor" if isinstance(value, TensorRef) else f"a {shown(type(value).__name__)}"
+
+
+def unbuilt_holders(root: Mapping[Any, Any]) -> list[Any]:
+    """The keys of ``root``'s entries that are objects of classes the reader never builds
+    (:class:`~ckpt_tools.descriptors.Opaque`: a dict subclass of the training script's) and
+    hold tensors: each may be the state dict, which only the built object shows.
+
+    Example:
+        >>> unbuilt_holders({"epoch": 1})
+        []
+    """
+    held = holding_containers(root)
+    return [k for k, v in root.items() if isinstance(v, Opaque) and id(v) in held]
 
 
 def holds_no_state_dict(where: str, root: Any) -> str:

@@ -127,15 +127,18 @@ def _check_computed_offsets(path: str, fd: int, opened: Checkpoint | None) -> No
     entries = _entries(path, fd)
     cut = len(entries[0].raw_name.split(b"/", 1)[0]) + 1 if entries else 0
     records = {
-        e.raw_name[cut + 5 :].decode(): StorageRecord(
-            e.raw_name[cut + 5 :].decode(),
-            len(e.raw_name),
-            e.header_offset,
-            e.data_offset,
-            e.file_size,
+        r.key: r
+        for r in (
+            StorageRecord(
+                e.raw_name[cut + 5 :].decode(),
+                len(e.raw_name),
+                e.header_offset,
+                e.data_offset,
+                e.file_size,
+            )
+            for e in entries
+            if e.raw_name[cut:].startswith(b"data/")
         )
-        for e in entries
-        if e.raw_name[cut:].startswith(b"data/")
     }
     if opened is not None and opened.path == path and set(opened.storages) == set(records):
         ordered = [records[key] for key in opened.storages]  # as the pickle first names them

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -18,7 +18,7 @@ from ckpt_tools.structure.selection import (
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import quantizer_tensors, stored_views, tensors_by_place
-from ckpt_tools.structure.wrappers import WrapperRule, detect_wrappers, file_wrapper_rules
+from ckpt_tools.structure.wrappers import detect_wrappers, file_wrapper_rules
 
 __all__ = [
     "CheckpointInfo",
@@ -28,11 +28,6 @@ __all__ = [
     "inspect_checkpoint",
     "script_module_tensors",
 ]
-
-
-def _wrapper_rules(ckpt: Checkpoint, names: Sequence[str]) -> tuple[WrapperRule, ...]:
-    """The wrapper rules that apply to ``ckpt``'s keys (``names``): :func:`file_wrapper_rules`."""
-    return file_wrapper_rules(names, path=ckpt.path, fmt=ckpt.format, metadata=ckpt.metadata)
 
 
 def _selected(ckpt: Checkpoint, select: Select) -> Selection:
@@ -68,7 +63,12 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         selected=selection.path,
         selection_reason=selection.reason,
         tensors=tensors,
-        wrappers=detect_wrappers(names, wrappers=_wrapper_rules(ckpt, names)),
+        wrappers=detect_wrappers(
+            names,
+            wrappers=file_wrapper_rules(
+                names, path=ckpt.path, fmt=ckpt.format, metadata=ckpt.metadata
+            ),
+        ),
         unsafe_globals=ckpt.unsafe_globals,
         entries=(
             entries_between_tensors(ckpt.root)
