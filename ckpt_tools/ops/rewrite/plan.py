@@ -267,14 +267,18 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
     for storage in ckpt.storages.values():
         saved[storage.device] = saved.get(storage.device, 0) + 1
     matched = {a: b for a, b in device_map.items() if a in saved}
-    # Saved tags neither mapped nor a target of the mapping, nor the CPU (which plain
-    # torch.load reads anywhere: a GPU run's rng_state stays there).
-    targets = set(device_map.values())
-    left = [t for t in saved if t not in matched and t not in targets and t != "cpu"]
-    if not device_map or (matched and (len(matched) == len(device_map) or not left)):
+    idle = [a for a in device_map if a not in saved]
+    # Saved tags left where they are, but the CPU (which plain torch.load reads anywhere:
+    # a GPU run's rng_state stays there); those the mapping also targets were merged into.
+    stays = [t for t in saved if t not in matched and t != "cpu"]
+    left = [t for t in stays if t not in device_map.values()]
+    if any(device_map[a] in matched and matched[device_map[a]] != device_map[a] for a in idle):
+        # An idle entry that moves onto a tag the mapping empties meant a swap, whose
+        # other half is a tag that stays (cuda:2=cuda:0 written for cuda:1=cuda:0).
+        left = stays
+    if not device_map or (matched and (not idle or not left)):
         return matched
     if matched:
-        idle = [a for a in device_map if a not in saved]
         has = ", ".join(f"{shown(tag)} ×{n}" for tag, n in saved.items())
         fixes = [
             Remedy(

@@ -522,6 +522,23 @@ def test_retag_refuses_an_entry_that_matches_nothing_while_a_tag_stays_unmapped(
     assert _saved_locations(tmp_path / "o3.pt") == {"cuda:1": 1, "cuda:0": 1, "cpu": 1}
 
 
+def test_retag_refuses_half_a_swap_whose_other_half_matches_nothing(tmp_path: Path) -> None:
+    # cuda:2=cuda:0 written for cuda:1=cuda:0: cuda:1 stays, cuda:0 empties onto it.
+    from ckpt_tools import retag
+
+    src = tmp_path / "mixed.pt"
+    subprocess.run([sys.executable, "-c", _MIXED, str(src)], check=True)
+    args = ["--map", "cuda:0=cuda:1", "--map", "cuda:2=cuda:0"]
+    res = h.run_ckpt("retag", src, tmp_path / "out.pt", *args, code=2)
+    assert "no storage is saved on cuda:2, and cuda:1 would stay unmapped" in res.stderr
+    assert "pass --map cuda:1=cuda:0 in place of cuda:2" in res.stderr
+    assert not (tmp_path / "out.pt").exists()
+    # Moving everything onto one GPU that is also saved still passes idle entries over.
+    onto = {"cuda:1": "cuda:0", "cuda:2": "cuda:0", "cuda:3": "cuda:0"}
+    assert retag(src, tmp_path / "o.pt", mapping=onto).device_map == {"cuda:1": "cuda:0"}
+    assert _saved_locations(tmp_path / "o.pt") == {"cuda:0": 2, "cpu": 1}
+
+
 def test_retag_that_matches_no_storage_is_refused(tmp_path: Path) -> None:
     from ckpt_tools import retag
 
