@@ -141,7 +141,7 @@ def holds_no_state_dict(where: str, root: Any) -> str:
 # module's parameters before their first forward: read or refused by the loaders as their
 # classes are, but tensors when choosing the state dict.
 _SUBCLASS_REBUILD = "torch._tensor._rebuild_from_type_v2"
-_UNINITIALIZED = frozenset(
+UNINITIALIZED = frozenset(
     {"torch.nn.parameter.UninitializedParameter", "torch.nn.parameter.UninitializedBuffer"}
 )
 
@@ -151,7 +151,7 @@ def _tensor_like(value: Any) -> bool:
         return True
     if isinstance(value, Reduced):
         return value.func.qualname == _SUBCLASS_REBUILD
-    return isinstance(value, Opaque) and type(value).global_ref.qualname in _UNINITIALIZED
+    return isinstance(value, Opaque) and type(value).global_ref.qualname in UNINITIALIZED
 
 
 def is_state_dict(value: Any) -> bool:

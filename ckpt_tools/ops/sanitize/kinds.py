@@ -10,10 +10,12 @@ from typing import Any
 
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.formats.pickle.standins import Reduced
+from ckpt_tools.structure.selection import UNINITIALIZED
 
 __all__ = [
     "FROZENSETS",
     "NAMESPACES",
+    "dropped_object",
     "enum_like",
     "hashable",
     "path_text",
@@ -51,13 +53,16 @@ def hashable(value: Any) -> bool:
     return True
 
 
-def enum_like(node: Opaque, short: str) -> bool:
+def enum_like(node: Opaque, name: str) -> bool:
     # An Enum member pickles as its class called with its value. Functions (``posix.system``)
     # are named in lower case by convention: only a capitalised class called with one plain
     # value, and nothing else recorded, is read as an enum member (and never one the scan's
-    # table knows as dangerous: subprocess.Popen("cmd") looks the same).
+    # table knows as dangerous: subprocess.Popen("cmd") looks the same). A lazy module's
+    # UninitializedParameter(True) looks the same too: its one value is requires_grad.
+    short = name.rpartition(".")[2]
     return (
-        not node.newobj
+        name not in UNINITIALIZED
+        and not node.newobj
         and len(node.args) == 1
         and isinstance(node.args[0], (bool, int, float, str))
         and short[:1].isupper()
@@ -65,6 +70,14 @@ def enum_like(node: Opaque, short: str) -> bool:
         and not node.listitems
         and not node.dictitems
     )
+
+
+def dropped_object(name: str) -> str:
+    """How a dropped object of the class ``name`` is listed."""
+    if name in UNINITIALIZED:  # before the module's first forward: no values to keep
+        kind = "parameter" if name.endswith("Parameter") else "buffer"
+        return f"uninitialized {kind} of a lazy module"
+    return f"{name} object"
 
 
 def same_member(a: Any, b: Any) -> bool:

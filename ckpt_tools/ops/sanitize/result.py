@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpt_tools.ops.output_plan import WriteResult
@@ -26,6 +26,14 @@ class Change:
 
     def __str__(self) -> str:
         return f"{self.path or '<root>'}: {self.was} -> {self.became}"
+
+    def moved(self, first: str, path: str) -> Change:
+        """This change, found under ``first``, as it stands under ``path`` (the same object
+        held in a second place)."""
+        rest = self.path[len(first) :]
+        if first == "" and rest:
+            rest = "." + rest
+        return replace(self, path=(path + rest) if path else rest.removeprefix("."))
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)

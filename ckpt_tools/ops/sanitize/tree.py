@@ -14,9 +14,10 @@ values ``torch.load(weights_only=True)`` accepts, read from that record alone:
 What ``torch.load(weights_only=True)`` itself builds is kept as it is: tensors, dicts,
 ``OrderedDict`` s (with their attributes), ``Counter`` s, sets, tuples, ``torch.Size``, dtypes,
 devices, device-mesh layouts, a jagged tensor's dynamic ranges (``_DimRange``), plain scalars.
-Everything else (other objects, classes used as values) is dropped and reported with its path.
-The walk copies containers and keeps shared references shared: an object the pickle holds in
-several places becomes the same thing in each, and each place is listed.
+Everything else (other objects, a lazy module's uninitialized parameters, classes used as
+values) is dropped and listed with its path. The walk copies containers and keeps shared
+references shared: an object the pickle holds in several places becomes the same thing in
+each, and each place is listed.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ckpt_tools.io.writers.torchzip import picklable_tensors
 from ckpt_tools.ops.sanitize.kinds import (
     FROZENSETS,
     NAMESPACES,
+    dropped_object,
     enum_like,
     hashable,
     path_text,
@@ -177,8 +179,8 @@ class _Sanitizer:
         if key not in self._walked:
             return
         _, first, (d0, c0), (d1, c1) = self._walked[key]
-        self.dropped += [_moved(c, first, path) for c in self.dropped[d0:d1]]
-        self.converted += [_moved(c, first, path) for c in self.converted[c0:c1]]
+        self.dropped += [c.moved(first, path) for c in self.dropped[d0:d1]]
+        self.converted += [c.moved(first, path) for c in self.converted[c0:c1]]
 
     def _item(self, node: Any, path: str) -> Any:
         made = self.value(node, path)
@@ -188,7 +190,7 @@ class _Sanitizer:
         if isinstance(node, type) and issubclass(node, Opaque):
             was = f"{node.global_ref.qualname} (a class)"
         elif isinstance(node, Opaque):
-            was = f"{_name(node)} object"
+            was = dropped_object(_name(node))
         else:
             was = type(node).__name__
         self.dropped.append(Change(path, was, "dropped"))
@@ -323,7 +325,7 @@ class _Sanitizer:
             # Written as torch writes b"ab" (codecs.encode): the pickler would write b"" back
             # as the call of bytes that torch.load(weights_only=True) refuses.
             return self._converted(path, f"{name}()", "bytes", _EMPTY_BYTES)
-        if enum_like(node, short) and not known_danger(name):
+        if enum_like(node, name) and not known_danger(name):
             return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
         return self._drop(node, path)
 
@@ -386,14 +388,6 @@ class _Sanitizer:
         key = str(self._next_key)
         self._taken.add(key)
         return key
-
-
-def _moved(change: Change, first: str, path: str) -> Change:
-    """``change``, found under ``first``, as it stands under ``path``."""
-    rest = change.path[len(first) :]
-    if first == "" and rest:
-        rest = "." + rest
-    return replace(change, path=(path + rest) if path else rest.removeprefix("."))
 
 
 def _at(path: str, key: Any) -> str:

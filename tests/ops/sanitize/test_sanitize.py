@@ -356,6 +356,26 @@ def test_a_dangerous_class_called_like_an_enum_is_dropped_never_its_value(tmp_pa
     assert not (tmp_path / "strict.pt").exists() and not (tmp_path / "marker").exists()
 
 
+def test_a_lazy_modules_uninitialized_parameters_are_dropped_never_a_bool(tmp_path):
+    # UninitializedParameter(True) is pickled as a capitalised class called with one bool,
+    # as an enum member is; its "value" is requires_grad, which no module loads.
+    src = tmp_path / "lazy.pt"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LazyBatchNorm1d())
+    torch.save(model.state_dict(), src)
+    report = ct.sanitize(src, tmp_path / "plain.pt")
+    out = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert out.keys() == {"0.weight", "0.bias", "1.num_batches_tracked"}
+    assert report.converted == ()
+    lazy = ("weight", "bias", "running_mean", "running_var")
+    assert report.dropped == tuple(f"1.{k}" for k in lazy)
+    assert "1.weight: uninitialized parameter of a lazy module" in str(report.dropped_values[0])
+    assert "1.running_var: uninitialized buffer of a lazy module" in str(report.dropped_values[3])
+    torch.nn.Linear(4, 4).load_state_dict({k[2:]: v for k, v in out.items() if k[0] == "0"})
+    with pytest.raises(ct.UnsafeContentError, match=r"1\.weight: uninitialized parameter"):
+        ct.sanitize(src, tmp_path / "strict.pt", refuse_unsafe=True)
+    assert not (tmp_path / "strict.pt").exists()
+
+
 def test_cli_json_report_and_a_real_process(fake, tmp_path):
     src, original = _lightning(fake, tmp_path)
     dst = tmp_path / "out.pt"
