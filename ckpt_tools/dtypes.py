@@ -10,6 +10,7 @@ from collections.abc import Sequence
 __all__ = [
     "DTYPE_ITEMSIZE",
     "DTYPE_STORAGE_TYPE",
+    "FLOATING",
     "SAFETENSORS_BITS",
     "SAFETENSORS_PACKED",
     "SAFETENSORS_TO_TORCH",
@@ -55,6 +56,19 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "bits2x4": 1,
     "bits4x2": 1,
 }
+#: The dtypes torch's ``is_floating_point()`` holds for, float8 included, but the packed
+#: ``float4_e2m1fn_x2`` (which torch has no cast for).
+FLOATING: tuple[str, ...] = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
 
 # torch's legacy typed storage classes (torch.FloatStorage, ...) as pickled by torch.save.
 STORAGE_TYPE_DTYPE: dict[str, str] = {

@@ -47,6 +47,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ckpt_tools.io.float8 import FLOAT8_DTYPES, float8_to_float32
 from ckpt_tools.io.ranges import SourceEndedError
 
 __all__ = [
@@ -65,6 +66,9 @@ CAST_TARGETS: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 _BITS = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+# float8 is only ever widened to float32 (a buffer's upcast), which is exact.
+_BITS.update(dict.fromkeys(FLOAT8_DTYPES, np.uint8))
+_ITEMSIZE.update(dict.fromkeys(FLOAT8_DTYPES, 1))
 # Elements per vector block of the kernels whose last ``n % block`` elements take a scalar path.
 _VECTOR_BLOCK = {("float64", "bfloat16"): 16, ("float16", "float32"): 8}
 _CHUNK_ELEMENTS = 1 << 20
@@ -146,7 +150,8 @@ def cast_array(
     Args:
         bits: the source values as unsigned integers of the source's width (``uint16`` for
             bf16 and fp16, ``uint32`` for fp32, ``uint64`` for fp64).
-        src: ``float64``, ``float32``, ``float16`` or ``bfloat16``.
+        src: ``float64``, ``float32``, ``float16`` or ``bfloat16`` (or a float8 format,
+            widened to ``float32`` only: see :mod:`ckpt_tools.io.float8`).
         dst: ``bfloat16``, ``float16`` or ``float32``.
         first: the index of ``bits[0]`` in the tensor being cast (NaN bits depend on it).
         total: that tensor's element count; ``len(bits)`` when None.
@@ -168,6 +173,8 @@ def cast_array(
         >>> [hex(b) for b in cast_array(x.view(np.uint32), "float32", "float16")]
         ['0x3c00', '0x3c04', '0x7c00', '0x0']
     """
+    if src in FLOAT8_DTYPES and dst == "float32":
+        return float8_to_float32(bits, src)
     if src not in CAST_SOURCES or dst not in CAST_TARGETS:
         raise ValueError(
             f"cannot cast {src} to {dst}: casts read {CAST_SOURCES}, write {CAST_TARGETS}"

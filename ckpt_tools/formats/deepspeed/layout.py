@@ -107,15 +107,25 @@ def tags_in(save_dir: str) -> list[str]:
         >>> tags_in(".")
         []
     """
-    return sorted(n for n in os.listdir(save_dir) if _has_rank_files(os.path.join(save_dir, n)))
+    found = []
+    for name in os.listdir(save_dir):
+        if _has_rank_files(os.path.join(save_dir, name)):
+            found.append(name)
+        elif os.path.isdir(inner := os.path.join(save_dir, name)):
+            # save_checkpoint(dir, tag="epoch1/step2") nests the tag folder one level down.
+            found += [f"{name}/{n}" for n in _names(inner) if _has_rank_files(f"{inner}/{n}")]
+    return sorted(found)
+
+
+def _names(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:  # not a folder, or one this process may not read: no tag
+        return []
 
 
 def _has_rank_files(folder: str) -> bool:
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return False
-    return any(_MODEL.fullmatch(n) for n in names)
+    return any(_MODEL.fullmatch(n) for n in _names(folder))
 
 
 def is_deepspeed_folder(path: str | os.PathLike[str]) -> bool:
@@ -154,7 +164,9 @@ def _check_tag(save_dir: str, tag: str, latest: str | None) -> str:
     folder, most of which take no tag: the fix said is a tag folder as the input, which all
     of them take.
     """
-    bad = tag in (".", "..") or any(c in tag for c in "/\\\0")
+    # A tag may be folders within the save folder (DeepSpeed joins it as a path), never
+    # one that leads out of it.
+    bad = any(p in ("", ".", "..") for p in tag.split("/")) or any(c in tag for c in "\\\0")
     folder = os.path.join(save_dir, tag)
     if bad or not os.path.isdir(folder):
         tags = tags_in(save_dir)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tools.descriptors import ByteSpan, StorageRef, TensorRef, contiguous_stride
-from ckpt_tools.dtypes import itemsize
+from ckpt_tools.dtypes import FLOATING, itemsize
 from ckpt_tools.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckpt_tools.formats.base import Checkpoint, consolidate_first
 from ckpt_tools.formats.deepspeed.info import ZeroInfo, zero_info
@@ -44,8 +44,6 @@ from ckpt_tools.formats.deepspeed.states import (
 from ckpt_tools.formats.pickle.standins import storage_type_ref
 
 __all__ = ["DeepSpeedCheckpoint", "TensorSource", "open_deepspeed"]
-
-_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -116,7 +114,8 @@ class _Builder:
 def _buffers(into: _Builder, base: ModelStates) -> None:
     for name, t in base.module.items():
         if name in base.buffer_names:
-            dtype = "float32" if t.dtype in _FLOATS else t.dtype
+            # As DeepSpeed's v.float() where v.is_floating_point(), float8 included.
+            dtype = "float32" if t.dtype in FLOATING else t.dtype
             source = TensorSource("buffer", t.dtype, (_whole(base.ckpt, t, name),))
             into.add(name, t.shape, dtype, source)
 

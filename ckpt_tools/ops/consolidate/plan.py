@@ -24,7 +24,7 @@ from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.safetensors import leave_out_extras
 from ckpt_tools.ops.transform.plan import check_computable
 from ckpt_tools.structure.keys import rename_keys
-from ckpt_tools.structure.selection import Selection, select_state_dict
+from ckpt_tools.structure.selection import Selection, replace_at, select_state_dict
 from ckpt_tools.structure.tensor_walk import iter_stored_tensors
 from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
@@ -213,14 +213,6 @@ def strip_notes(strip: bool, renamed: tuple[tuple[str, str], ...]) -> tuple[str,
     return ()
 
 
-def _replace_at(root: Any, path: tuple[str, ...], value: Any) -> Any:
-    if not path:
-        return value
-    copy = dict(root)
-    copy[path[0]] = _replace_at(root[path[0]], path[1:], value)
-    return copy
-
-
 def plan_consolidation(
     ckpt: DcpCheckpoint,
     *,
@@ -252,7 +244,7 @@ def plan_consolidation(
     selection = select_state_dict(ckpt.root, select=select)
     sd, renamed = _strip(selection.state_dict) if strip else (dict(selection.state_dict), ())
     if everything:
-        tree: Any = _replace_at(ckpt.root, selection.path, sd) if renamed else ckpt.root
+        tree: Any = replace_at(ckpt.root, selection.path, sd) if renamed else ckpt.root
     else:
         tree = sd
     collector = _Collector(ckpt)

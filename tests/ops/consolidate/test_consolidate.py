@@ -208,6 +208,26 @@ def test_strip_removes_wrapper_prefixes(tmp_path: Path) -> None:
     assert result.renamed == 4 and not any("strip" in n for n in result.notes)
 
 
+@pytest.mark.parametrize("at", ["models.1", "pair.0.g"])
+def test_strip_with_all_renames_a_state_dict_held_in_a_list(tmp_path: Path, at: str) -> None:
+    # A GAN's generator and discriminator, saved under DDP names in a list (and a tuple).
+    model = {f"module.{k}": v for k, v in small_state()["model"].items()}
+    state = {"models": [dict(model), dict(model)], "pair": ({"g": dict(model)},), "step": 1}
+    folder = save_dcp(tmp_path / "gan", state)
+    want = reference(folder, tmp_path / "theirs.pt")
+    result = consolidate(folder, tmp_path / "all.pt", select=at, include_all=True, strip=True)
+    got = torch.load(tmp_path / "all.pt", weights_only=True)
+    first, index, *rest = at.split(".")
+    inner = got[first][int(index)]
+    assert_same(small_state()["model"], inner[rest[0]] if rest else inner)
+    assert result.renamed == 4
+    for name in ("models", "pair"):  # everything else as dcp_to_torch_save gives it
+        for i, held in enumerate(want[name]):
+            if f"{name}.{i}" != ".".join(at.split(".")[:2]):
+                assert_same(held, got[name][i])
+    assert got["step"] == want["step"] == 1
+
+
 def test_a_strip_that_finds_no_wrapper_says_so(tmp_path: Path) -> None:
     # Only some keys wrapped: no prefix every key carries, so the keys are kept, with a word.
     model = small_state()["model"].items()

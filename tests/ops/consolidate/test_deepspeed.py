@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from ckpt_tools import consolidate, load_state_dict
 from ckpt_tools.errors import CorruptCheckpointError, UnsafeContentError, UsageError
-from ckpt_tools.harness.zero.runs import ZeroNet
+from ckpt_tools.harness.zero.runs import ZeroNet, zero_to_fp32
 from tests.helpers import read_data_pkl, run_ckpt, tools, truncated_copy
 from tests.helpers.files import deflated_copy
 from tests.helpers.trees import assert_values_bitwise
@@ -344,3 +344,28 @@ def test_a_run_whose_rank_files_were_re_zipped_consolidates_as_zero_to_fp32(
     for key in got:
         assert_values_bitwise(want[key], got[key], key)
     assert set(want) - set(got) <= {"head.weight"}
+
+
+@pytest.mark.parametrize(("ranks", "name"), [(2, "z3"), (3, "z2")])
+def test_float8_buffers_come_out_in_fp32_as_zero_to_fp32_gives_them(
+    zero_runs: ZeroRuns, tmp_path: Path, ranks: int, name: str
+) -> None:
+    # DeepSpeed upcasts every buffer whose is_floating_point() holds: float8 too (an FP8
+    # run's scale and amax history). Every bit pattern of each format, NaNs included.
+    from ckpt_tools.io.float8 import FLOAT8_DTYPES
+
+    folder = zero_runs.copy(ranks, name, tmp_path / "run")
+    for states in (folder / TAG).glob("*model_states.pt"):  # ZeRO-3: one per rank
+        saved = torch.load(states, weights_only=False)
+        for dtype in FLOAT8_DTYPES:
+            every = torch.arange(256, dtype=torch.uint8).view(getattr(torch, dtype))
+            saved["module"][f"fp8.{dtype}"] = every
+            saved["buffer_names"].append(f"fp8.{dtype}")
+        torch.save(saved, states)
+    want = zero_to_fp32(folder)
+    consolidate(folder, tmp_path / "m.pt")
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert list(got) == list(want)
+    for key in want:
+        assert_values_bitwise(want[key], got[key], key)
+    assert {got[f"fp8.{d}"].dtype for d in FLOAT8_DTYPES} == {torch.float32}

@@ -52,6 +52,26 @@ def test_a_save_folder_without_latest_reads_the_tag_given(
     assert not (tmp_path / "n.pt").exists()
 
 
+def test_a_tag_of_nested_folders_is_read_as_deepspeed_reads_it(
+    zero_runs: ZeroRuns, tmp_path: Path
+) -> None:
+    # save_checkpoint(dir, tag="epoch1/step2") writes dir/epoch1/step2 and latest names it.
+    folder = zero_runs.copy(2, "z2-bf16", tmp_path / "run")
+    (folder / "epoch1").mkdir()
+    (folder / TAG).rename(folder / "epoch1" / "step2")
+    (folder / "latest").write_text("epoch1/step2")
+    want = oracle(folder)
+    consolidate(folder, tmp_path / "m.pt")
+    assert_equal_dicts(want, torch.load(tmp_path / "m.pt", weights_only=True))
+    run_ckpt("consolidate", folder, tmp_path / "n.pt", "--tag", "epoch1/step2")
+    assert_equal_dicts(want, torch.load(tmp_path / "n.pt", weights_only=True))
+    # A tag leading out of the save folder is no tag of it; the nested tags are named.
+    for outside in ("../run/epoch1/step2", "epoch1/../epoch1/step2", "/epoch1/step2"):
+        with pytest.raises(UsageError, match="tags there: epoch1/step2, global_step1"):
+            consolidate(folder, tmp_path / "o.pt", tag=outside)
+    assert not (tmp_path / "o.pt").exists()
+
+
 def _stale(folder: Path, kind: str) -> str:
     """A copy of rank 1's file as rank 2's, as an earlier save with 3 ranks leaves it."""
     name = f"zero_pp_rank_2_mp_rank_00_{kind}_states.pt"
