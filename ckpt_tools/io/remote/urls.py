@@ -253,11 +253,14 @@ def resolve(url: str) -> str:
     return parse_hf(url).resolve() if scheme(url) == "hf" else url
 
 
+_BUCKET = re.compile(r"[A-Za-z0-9.\-_]{1,255}")
+
+
 def split_s3(url: str) -> tuple[str, str]:
     """``s3://BUCKET/KEY`` -> ``(BUCKET, KEY)``; the key as given (``""`` for the bucket).
 
     Raises:
-        UsageError: no bucket.
+        UsageError: no bucket, or one botocore would refuse (``my bucket``, ``host:9000``).
 
     Example:
         >>> split_s3("s3://runs/exp1/last.ckpt")
@@ -266,6 +269,13 @@ def split_s3(url: str) -> tuple[str, str]:
     bucket, _, key = url.split("://", 1)[1].partition("/")
     if not bucket:
         raise UsageError(f"{url!r} names no bucket: write s3://BUCKET/KEY")
+    # botocore's own check, made here so that the URL is blamed, not the endpoint.
+    if not _BUCKET.fullmatch(bucket) and not bucket.startswith("arn:"):
+        hint = "; the endpoint goes in AWS_ENDPOINT_URL" if ":" in bucket else ""
+        raise UsageError(
+            f"{url!r}: {bucket!r} is not a bucket name (letters, digits, '.', '-' and '_')"
+            f"{hint}: write s3://BUCKET/KEY"
+        )
     return bucket, key
 
 
@@ -319,8 +329,10 @@ def file_name(url: str) -> str:
 def _join(folder: str, name: str) -> str:
     """``name`` (already checked) inside the folder URL ``folder``, with its query: a token
     in it (``?token=...``, a CDN policy for the folder) is what lets the server answer."""
-    if scheme(folder) in ("hf", "s3"):
+    if scheme(folder) == "hf":
         return f"{folder.rstrip('/')}/{name}"
+    if scheme(folder) == "s3":  # a key is a plain string: "exp1//" is a folder of its own
+        return folder + name if folder.endswith("/") else f"{folder}/{name}"
     parts = split_http(folder)
     path = parts.path if parts.path.endswith("/") else parts.path + "/"
     return urlunsplit((parts.scheme, parts.netloc, path + quote(name), parts.query, ""))
@@ -359,7 +371,7 @@ def sibling(url: str, name: str) -> str:
         return _join(hub.base + hub.path.rpartition("/")[0], name)
     if kind == "s3":
         bucket, key = split_s3(url)
-        return _join(f"s3://{bucket}/{key.rpartition('/')[0]}", name)
+        return _join(f"s3://{bucket}/{key[: key.rfind('/') + 1]}", name)
     split = split_http(url)
     folder_path = split.path.rpartition("/")[0] + "/"
     return _join(urlunsplit((split.scheme, split.netloc, folder_path, split.query, "")), name)

@@ -129,6 +129,25 @@ def test_a_folder_over_plain_http_and_s3(hub: HubServer, s3: S3Bucket) -> None:
     assert s3.server.log.requests(method="GET") == 4
 
 
+def test_an_s3_folder_whose_keys_hold_a_double_slash_is_read_at_those_keys(
+    s3: S3Bucket, tmp_path: Path
+) -> None:
+    # A prefix ending in "/" joined to another "/": the shards are at "exp1//...".
+    from huggingface_hub import save_torch_state_dict
+
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    weights = {f"l{i}.w": torch.ones(64, 64) for i in range(3)}
+    save_torch_state_dict(weights, folder, max_shard_size="20KB")
+    for f in folder.iterdir():
+        s3.put(f"exp1//{f.name}", f)
+    local = run_ckpt("inspect", "--json", folder).stdout
+    for url in ("s3://ckpts/exp1//", "s3://ckpts/exp1//model.safetensors.index.json"):
+        got = json.loads(run_ckpt("inspect", "--json", url).stdout)
+        assert got["tensors"] == json.loads(local)["tensors"] and got["format"] == "hf-sharded"
+
+
 @pytest.mark.parametrize(
     ("name", "fixture"),
     [("model.safetensors", "model.safetensors"), ("pytorch_model.bin", "model.pt")],

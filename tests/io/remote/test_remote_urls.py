@@ -154,6 +154,23 @@ def test_split_s3() -> None:
     assert split_s3("s3://bucket") == ("bucket", "")
     with pytest.raises(UsageError, match="no bucket"):
         split_s3("s3:///key")
+    assert split_s3("s3://my.bucket_1-a/k") == ("my.bucket_1-a", "k")
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("s3://my bucket/model.pt", "'my bucket' is not a bucket name"),
+        ("s3://minio:9000/model.pt", "the endpoint goes in AWS_ENDPOINT_URL"),
+    ],
+)
+def test_a_bucket_botocore_would_refuse_is_a_usage_error(url: str, said: str) -> None:
+    # Said before any request: the URL is what to fix, not the endpoint.
+    with pytest.raises(UsageError, match=said) as info:
+        split_s3(url)
+    assert "write s3://BUCKET/KEY" in str(info.value)
+    code, out, err = run_ckpt("inspect", url, code=None)
+    assert code == EXIT_USAGE and not out and said in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize(
@@ -190,6 +207,8 @@ def test_folder_candidates_in_transformers_order() -> None:
         ("https://host/runs", "https://host/runs/"),
         ("s3://bucket/run/", "s3://bucket/run/"),
         ("s3://bucket", "s3://bucket/"),
+        # An S3 key is a plain string: "exp1//" (a prefix joined to "/") is its own folder.
+        ("s3://bucket/exp1//", "s3://bucket/exp1//"),
     ]:
         assert folder_candidates(folder) == [base + name for name in FOLDER_FILES]
     # A folder URL's query is sent with each file tried in it.
@@ -210,6 +229,8 @@ def test_folder_candidates_in_transformers_order() -> None:
         ("https://h/i.json", "a%2e%2e.bin", "https://h/a%252e%252e.bin"),
         ("s3://b/run/i.json", "a.bin", "s3://b/run/a.bin"),
         ("s3://b/i.json", "a.bin", "s3://b/a.bin"),
+        ("s3://b/exp1//i.json", "a.bin", "s3://b/exp1//a.bin"),
+        ("s3://b//i.json", "a.bin", "s3://b//a.bin"),
     ],
 )
 def test_sibling(url: str, name: str, expected: str) -> None:
