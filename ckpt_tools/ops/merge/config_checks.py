@@ -31,6 +31,27 @@ def _rank(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+# The fields naming modules and layers, as PEFT's LoraConfig types them (JSON null for None):
+# a value alone, or a list of such values.
+_NAMES = "a module name (or a regular expression) or a list of module names"
+_SHAPES = (
+    ("target_modules", (str,), _NAMES),
+    ("exclude_modules", (str,), _NAMES),
+    ("layers_pattern", (str,), _NAMES),
+    ("modules_to_save", (), "a list of module names"),
+    ("layers_to_transform", (int,), "a layer index or a list of them"),
+)
+
+
+def _of_kind(value: Any, alone: tuple[type, ...]) -> bool:
+    """``value`` is one of ``alone`` or a list of them (a list of strings where ``alone`` is
+    empty); never a bool."""
+    kinds = alone or (str,)
+    if isinstance(value, list):
+        return all(isinstance(v, kinds) and not isinstance(v, bool) for v in value)
+    return isinstance(value, alone) and not isinstance(value, bool)
+
+
 def check_config_values(path: str, config: Mapping[str, Any]) -> None:
     """Refuse a LoRA config whose rank, alpha or patterns PEFT could not use.
 
@@ -41,7 +62,8 @@ def check_config_values(path: str, config: Mapping[str, Any]) -> None:
     Raises:
         CorruptCheckpointError: ``r`` not a positive integer, ``lora_alpha`` not a number,
             ``rank_pattern`` / ``alpha_pattern`` not an object of such values keyed by
-            regular expressions, each naming the field.
+            regular expressions, module names or layer indexes of another type, each naming
+            the field.
 
     Example:
         >>> check_config_values("lora", {"r": 4, "lora_alpha": 8, "rank_pattern": {"fc1": 2}})
@@ -53,6 +75,10 @@ def check_config_values(path: str, config: Mapping[str, Any]) -> None:
         raise CorruptCheckpointError(
             f"{where}'s lora_alpha is {config['lora_alpha']!r}, not a number"
         )
+    for field, kinds, what in _SHAPES:
+        value = config.get(field)
+        if value is not None and not _of_kind(value, kinds):
+            raise CorruptCheckpointError(f"{where}'s {field} is {value!r}, not {what}")
     for field, valid, what in (
         ("rank_pattern", _rank, "a positive integer"),
         ("alpha_pattern", _number, "a number"),

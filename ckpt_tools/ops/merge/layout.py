@@ -20,7 +20,7 @@ from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
 from ckpt_tools.ops.merge.adapter import LoraTarget
 
-__all__ = ["CONV1D_MODULES", "base_config", "conv1d_layouts", "tied_embedding"]
+__all__ = ["CONV1D_MODULES", "base_config", "conv1d_layouts", "tied_embedding", "tied_head"]
 
 #: model_type -> the modules transformers builds as ``pytorch_utils.Conv1D`` (by last name);
 #: every other model transformers builds uses ``nn.Linear`` for its projections.
@@ -35,6 +35,10 @@ CONV1D_MODULES: Mapping[str, frozenset[str]] = {
 _CONV1D_NAMES = frozenset().union(*CONV1D_MODULES.values())
 # Input embeddings an output head is tied to, by the names transformers gives them.
 _EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "shared", "embed_in", "tok_embeddings")
+# Architectures with an output head transformers ties to the input embeddings.
+_HEADED = re.compile(
+    r"(ForCausalLM|ForMaskedLM|ForConditionalGeneration|LMHeadModel|ForPreTraining)$"
+)
 _HF_WEIGHTS = re.compile(
     r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$"
 )
@@ -181,3 +185,29 @@ def tied_embedding(
             f"which could not be told: {seen})"
         )
     return found[0], ""
+
+
+def tied_head(key: str, config: Mapping[str, Any] | None) -> str | None:
+    """The architecture whose output head config.json ties to the input embedding ``key``
+    (``model.embed_tokens.weight``), or None: no config, no tie, no head, another weight.
+
+    Example:
+        >>> tied = {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True}
+        >>> tied_head("model.embed_tokens.weight", tied), tied_head("model.norm.weight", tied)
+        ('LlamaForCausalLM', None)
+    """
+    if config is None or not key.endswith(".weight"):
+        return None
+    _, module, config = _sub_model(key[: -len(".weight")], config)
+    if (
+        module.rsplit(".", 1)[-1] not in _EMBEDDINGS
+        or config.get("tie_word_embeddings", True) is not True
+    ):
+        return None
+    names = config.get("architectures")
+    headed = (
+        [a for a in names if isinstance(a, str) and _HEADED.search(a)]
+        if isinstance(names, list)
+        else []
+    )
+    return headed[0] if headed else None

@@ -149,14 +149,13 @@ def merge_lora(
     ckpt = open_checkpoint(base)
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path)
-    aligned = _aligned(selection.state_dict, lora)
+    aligned = _aligned(sd := selection.state_dict, lora)
     merged, overrides, actions = _plan_merges(
         ckpt, aligned, lora, config := base_config(base), fan_in_fan_out
     )
     replaced, biases, untied = plan_replacements(aligned, lora, overrides, actions, config)
-    items = [
-        (k, k, untied.get(k, v)) for k, v in selection.state_dict.items() if isinstance(k, str)
-    ]
+    # Keys of other types (an int) are no adapter's names: copied as they are.
+    items = [(k, k, untied.get(k, v) if isinstance(k, str) else v) for k, v in sd.items()]
     fmt = "safetensors" if folder else output_format_for(dst, output_format, format_family(ckpt))
     plan = plan_state_dict_output(
         ckpt,

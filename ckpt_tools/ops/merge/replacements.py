@@ -17,6 +17,7 @@ from ckpt_tools.io.row_layout import row_layout
 from ckpt_tools.io.writers.records import Record
 from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
 from ckpt_tools.ops.merge.adapter import LoraAdapter
+from ckpt_tools.ops.merge.layout import tied_head
 from ckpt_tools.ops.merge.records import replace_record
 from ckpt_tools.ops.merge.saved import is_saved, saved_module_names
 
@@ -109,6 +110,8 @@ def plan_replacements(
             # The one weight a left-out tied head merges into; with both keys saved, the
             # copy is untied below and the other key keeps the merge, as PEFT unties them.
             _refuse_tied_head(key, aligned, lora)
+        if why == "modules_to_save" and not lora.config.get("ensure_weight_tying"):
+            _refuse_untied_embedding(key, tied_head(key, config))
         if shared and why == "modules_to_save":
             own = saved_storage(base_t.storage, base_t.dtype, base_t.numel)
             base_t = saved_tensor(base_t, own, base_t.dtype)
@@ -137,6 +140,23 @@ def _refuse_tied_head(
         f"lose the delta. Save the base untied (tie_word_embeddings false, with "
         f"{heads[0] if heads else 'the head'}.weight written) and merge that"
     )
+
+
+def _refuse_untied_embedding(key: str, architecture: str | None) -> None:
+    """Refuse a ``modules_to_save`` copy of an input embedding config.json ties a head to.
+
+    PEFT swaps in the trained copy and the head keeps the base's embedding (it warns that
+    this complicates merging); a folder whose config.json ties the two cannot hold both.
+    """
+    if architecture is not None:
+        raise ConversionError(
+            f"{key} is replaced by its modules_to_save copy, but config.json ties "
+            f"{architecture}'s output head to it (tie_word_embeddings): PEFT unties them, the "
+            "head keeping the base's embedding, which a folder tied by config.json cannot "
+            "hold. Train with LoraConfig(ensure_weight_tying=True), which trains one copy for "
+            "both, or save the base untied (tie_word_embeddings false, the head's weight "
+            "written) and merge that"
+        )
 
 
 def _tied_copy(name: str, lora: LoraAdapter) -> bool:

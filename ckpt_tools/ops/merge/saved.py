@@ -44,7 +44,8 @@ def trained_biases(
     lacks: ``<target>.base_layer.bias`` is the target's bias, ``<module>.bias`` any other
     module's. A ``modules_to_save`` module's ``bias`` is its trained copy (left in ``rest``);
     the ``original_module`` and ``modules_to_save`` biases ``bias="all"`` saves beside it
-    load into the original module (dropped by the merge) or nowhere, so they are dropped.
+    (or beside another adapter's saved module) load into the original module (dropped by the
+    merge) or nowhere, so they are dropped.
 
     Raises:
         ConversionError: a target's bias saved as ``<target>.bias`` (an older PEFT), which
@@ -59,8 +60,10 @@ def trained_biases(
         owner, _, wrapper = module.rpartition(".")
         parts = module.split(".")
         inside = [i for i, p in enumerate(parts) if p in ("original_module", "modules_to_save")]
-        if inside and is_saved(".".join(parts[: inside[0]]), names):
-            del rest[key]  # a wrapper's (or a wrapped parent's submodule's) own bias
+        if inside:
+            # A wrapper's (or a wrapped parent's submodule's) own bias: this adapter's
+            # (dropped by the merge), or another adapter's, loaded nowhere without it.
+            del rest[key]
         elif wrapper == "base_layer" and owner in targets:
             biases[f"{owner}.bias"] = rest.pop(key)
         elif wrapper == "base_layer" and adapted_by_config(config, owner) is False:

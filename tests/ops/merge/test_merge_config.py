@@ -67,6 +67,12 @@ def _copy(mlp: Any, tmp_path: Path) -> Path:
         ({"rank_pattern": {"fc1": 0}}, "rank_pattern['fc1']"),
         ({"alpha_pattern": {"fc1": "2"}}, "alpha_pattern['fc1']"),
         ({"rank_pattern": {"fc(": 4}}, "rank_pattern key 'fc('"),
+        ({"target_modules": 5}, "target_modules is 5, not a module name"),
+        ({"exclude_modules": [7]}, "exclude_modules is [7], not a module name"),
+        ({"modules_to_save": 3}, "modules_to_save is 3, not a list of module names"),
+        ({"modules_to_save": "fc1"}, "modules_to_save is 'fc1', not a list of module names"),
+        ({"layers_to_transform": "0"}, "layers_to_transform is '0', not a layer index"),
+        ({"layers_pattern": {"a": 1}}, "layers_pattern is {'a': 1}, not a module name"),
     ],
 )
 def test_malformed_config_values_are_refused_by_name(
@@ -142,6 +148,31 @@ def test_a_trained_copy_of_the_embedding_a_tied_head_merges_into_is_refused(
         ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
     assert "tie_word_embeddings" in str(err.value) and "--" not in str(err.value)
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_trained_copy_of_the_embedding_a_left_out_head_is_tied_to_is_refused(
+    tmp_path: Path,
+) -> None:
+    # New tokens trained on a tied model (Llama 3.2 1B): PEFT swaps in the trained copy and
+    # the head keeps the base's embedding, which a folder tied by config.json cannot hold.
+    case = make_case(
+        tmp_path / "case",
+        lambda: tiny_llama(1, tie_word_embeddings=True),
+        _lora("q_proj", modules_to_save=["embed_tokens"]),
+        save=_hf,
+    )
+    assert not torch.equal(case.merged["lm_head.weight"], case.merged["model.embed_tokens.weight"])
+    with pytest.raises(ConversionError, match="ensure_weight_tying=True") as err:
+        ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    said = str(err.value)
+    assert "model.embed_tokens.weight" in said and "LlamaForCausalLM" in said, said
+    assert not (tmp_path / "m.safetensors").exists()
+    # A model without a head (its architecture a bare LlamaModel) has nothing tied to it.
+    config = json.loads((case.base / "config.json").read_text())
+    (case.base / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaModel"]}))
+    ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    out = load_file(tmp_path / "m.safetensors")
+    assert torch.equal(out["model.embed_tokens.weight"], case.merged["model.embed_tokens.weight"])
 
 
 def _tied_state_dict(model: Any, folder: Path) -> Path:
@@ -222,21 +253,33 @@ def test_modules_to_save_are_matched_as_peft_matches_them(
     compare(torch.load(tmp_path / "m.pt"), case)
 
 
-def test_another_adapter_s_trained_bias_is_ignored_as_peft_ignores_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("first", "second", "merged"),
+    [
+        ({}, {"bias": "lora_only"}, "second"),
+        # bias="all" saves the other adapter's wrapper bias (lm_head.original_module.bias),
+        # which a model without that adapter loads nowhere.
+        ({"bias": "all"}, {"modules_to_save": ["lm_head"]}, "default"),
+    ],
+    ids=["its-trained-bias", "its-saved-module-s-bias"],
+)
+def test_another_adapter_s_bias_is_ignored_as_peft_ignores_it(
+    tmp_path: Path, first: dict[str, Any], second: dict[str, Any], merged: str
+) -> None:
     torch.manual_seed(0)
     base = _Mlp()
     torch.save(base.state_dict(), tmp_path / "base.pt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = peft.get_peft_model(copy.deepcopy(base), _lora("fc1"))
-        model.add_adapter("second", _lora("fc2", bias="lora_only"))
+        model = peft.get_peft_model(copy.deepcopy(base), _lora("fc1", **first))
+        model.add_adapter("second", _lora("fc2", **second))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_" in name or "bias" in name:
                     p.add_(torch.randn_like(p) * 0.1)
         model.save_pretrained(tmp_path / "adapter")
-        adapter = tmp_path / "adapter" / "second"
-        loaded = peft.PeftModel.from_pretrained(base, adapter, adapter_name="second")
+        adapter = tmp_path / "adapter" / ("second" if merged == "second" else "")
+        loaded = peft.PeftModel.from_pretrained(base, adapter, adapter_name=merged)
         want = loaded.merge_and_unload().state_dict()
     ct.merge_lora(tmp_path / "base.pt", adapter, tmp_path / "m.pt")
     out = torch.load(tmp_path / "m.pt")

@@ -418,3 +418,22 @@ def test_a_folder_output_loads_in_transformers(
     shutil.copyfile(case.base / "config.json", out / "config.json")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
     compare(loaded, case)
+
+
+def test_entries_under_keys_that_are_not_strings_are_kept(tmp_path: Path) -> None:
+    # torch.load gives them back; no adapter names them, so they are copied as they are.
+    torch.manual_seed(0)
+    base = {"fc.weight": torch.randn(6, 4), 7: torch.ones(3), "fc.bias": torch.randn(6), 2.5: 1}
+    torch.save(base, tmp_path / "base.pt")
+    (tmp_path / "lora").mkdir()
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["fc"]}
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps(config))
+    a, b = torch.randn(2, 4), torch.randn(6, 2)
+    parts = {"base_model.model.fc.lora_A.weight": a, "base_model.model.fc.lora_B.weight": b}
+    torch.save(parts, tmp_path / "lora" / "adapter_model.bin")
+    result = ct.merge_lora(tmp_path / "base.pt", tmp_path / "lora", tmp_path / "m.pt")
+    out = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert list(out) == list(base) and result.dropped == ()
+    assert torch.equal(out[7], base[7]) and out[2.5] == 1
+    assert torch.equal(out["fc.bias"], base["fc.bias"])
+    assert torch.allclose(out["fc.weight"], base["fc.weight"] + b @ a * 2.0)
