@@ -12,7 +12,7 @@ import reprlib
 import shlex
 from typing import Any
 
-__all__ = ["not_an_option", "quote_foreign", "shell_path", "short_repr", "shown"]
+__all__ = ["not_an_option", "quote_foreign", "shell_path", "shell_word", "short_repr", "shown"]
 
 
 def quote_foreign(error: BaseException, limit: int = 200) -> str:
@@ -124,12 +124,40 @@ def not_an_option(path: str) -> str:
     return f"./{path}" if path.startswith("-") else path
 
 
+def shell_word(text: str) -> str:
+    """``text`` as one word of a suggested command, which :func:`shown` leaves as it is.
+
+    Quoted as ``shlex.quote`` quotes it; text holding what a terminal must not be sent (a
+    tab, a line break, a byte that is no UTF-8) is written ``$'...'`` instead, whose escapes
+    bash, zsh and ksh read back as those characters (inside ``'...'`` they would stay
+    backslashes once :func:`shown` escaped them).
+
+    Example:
+        >>> print(shell_word("my run.pt"), shell_word("run\\t1.pt"), shell_word("it's\\n"))
+        'my run.pt' $'run\\x091.pt' $'it\\'s\\x0a'
+    """
+    if text.isprintable():
+        return shlex.quote(text)
+    return "$'" + "".join(map(_ansi_c, text)) + "'"
+
+
+def _ansi_c(c: str) -> str:
+    if c in "\\'":
+        return "\\" + c
+    if c.isprintable():
+        return c
+    code = ord(c)
+    if code < 0x80 or 0xDC80 <= code <= 0xDCFF:  # a byte: one os.fsdecode kept as a surrogate
+        return f"\\x{code & 0xFF:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
 def shell_path(path: str) -> str:
     """``path`` as one shell word in a suggested command: quoted where a shell would split or
-    expand it, and never read as an option (:func:`not_an_option`).
+    expand it (:func:`shell_word`), and never read as an option (:func:`not_an_option`).
 
     Example:
         >>> shell_path("-whole model.pt"), shell_path("model.pt")
         ("'./-whole model.pt'", 'model.pt')
     """
-    return shlex.quote(not_an_option(path))
+    return shell_word(not_an_option(path))

@@ -12,10 +12,10 @@ import json
 import os
 import posixpath
 import re
-import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ckpt_tools._escape import shell_word
 from ckpt_tools.errors import Remedy, UnsupportedFormatError, quote_foreign
 from ckpt_tools.formats.detect import is_index_name
 
@@ -100,7 +100,7 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
     if not found and len(indexes) > 1:
         first = str(folder / indexes[0])
         advice = Remedy(
-            "path", repr(first), flag=shlex.quote(first), verb="open the one you mean, e.g."
+            "path", repr(first), flag=shell_word(first), verb="open the one you mean, e.g."
         )
         raise UnsupportedFormatError(
             f"{path!r} holds several indexes ({', '.join(indexes)})", path=path, remedies=(advice,)
@@ -179,9 +179,7 @@ def _refuse_other_kinds(singles: Sequence[str], folder: Path, path: str) -> None
         f"({', '.join(singles)}); which one to read is not told by the folder",
         path=path,
         remedies=(
-            Remedy(
-                "path", repr(first), flag=shlex.quote(first), verb="open the one you mean, e.g."
-            ),
+            Remedy("path", repr(first), flag=shell_word(first), verb="open the one you mean, e.g."),
         ),
     )
 

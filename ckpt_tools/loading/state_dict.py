@@ -15,11 +15,10 @@ which hands it to ``torch.load(weights_only=False)``.
 from __future__ import annotations
 
 import os
-import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from ckpt_tools._escape import shell_path, shown
+from ckpt_tools._escape import shell_path, shell_word, shown
 from ckpt_tools._types import MapLocation, Select, StrPath, checked_flags
 from ckpt_tools.descriptors import Opaque
 from ckpt_tools.errors import (
@@ -113,7 +112,7 @@ def _check_format(ckpt: Checkpoint) -> None:
 
 
 def _unsafe_remedies(ckpt: Checkpoint, names: Sequence[str]) -> tuple[Remedy, ...]:
-    allow = " ".join(f"--allow-global {shlex.quote(g)}" for g in names)
+    allow = " ".join(f"--allow-global {shell_word(g)}" for g in names)
     out = os.path.splitext(ckpt.path.rstrip("/"))[0] + ".safetensors"
     return (
         Remedy("trust", "True", text="if you trust the file"),

@@ -9,11 +9,11 @@ strip them, are :mod:`ckpt_tools.structure.wrappers`.
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ckpt_tools._escape import shell_word
 from ckpt_tools._types import items_of
 from ckpt_tools.errors import KeyCollisionError, Remedy, UsageError
 from ckpt_tools.structure.attributes import carry_attributes
@@ -332,7 +332,7 @@ def check_wrapper_prefix(prefix: object) -> str:
         argument="prefix",
         value=repr(prefix),
         flag="--prefix",
-        remedies=(Remedy("prefix", repr(dotted), flag=f"--prefix {shlex.quote(dotted)}"),),
+        remedies=(Remedy("prefix", repr(dotted), flag=f"--prefix {shell_word(dotted)}"),),
     )
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckpt_tools._escape import not_an_option
+from ckpt_tools._escape import not_an_option, shell_word
 from ckpt_tools.errors import KeyCollisionError
 from ckpt_tools.structure.keys import (
     KeyRule,
@@ -300,7 +299,7 @@ def fix_command(
 
 
 def _quoted(args: Sequence[str]) -> str:
-    return " ".join(shlex.quote(a) for a in args)
+    return " ".join(shell_word(a) for a in args)
 
 
 def fix_python(steps: Sequence[Step], name: str = "sd") -> str:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable
 from typing import Any
 
 import click
 
+from ckpt_tools._escape import shell_word
 from ckpt_tools.cli.options import (
     allow_global_option,
     drop_extras_option,
@@ -162,7 +162,7 @@ def _regex_rules(values: tuple[str, ...]) -> list[KeyRule]:
             if e.argument != "pattern" or fixed == value or _split_regex(fixed) is None:
                 raise
             why = "the pattern ends at the first '=' not written '\\='"
-            fix = Remedy(flag=f"--regex {shlex.quote(fixed)}", text=f"({why})")
+            fix = Remedy(flag=f"--regex {shell_word(fixed)}", text=f"({why})")
             raise UsageError(
                 e.message, argument=e.argument, value=e.value, flag=e.flag, remedies=(fix,)
             ) from e

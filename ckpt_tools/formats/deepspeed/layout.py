@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ckpt_tools._escape import shell_word
 from ckpt_tools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -178,9 +178,9 @@ def _check_tag(save_dir: str, tag: str, latest: str | None) -> str:
                 argument="tag",
                 value=repr(tag),
                 flag="--tag",
-                remedies=[Remedy("tag", repr(t), flag=f"--tag {shlex.quote(t)}") for t in tags[:3]],
+                remedies=[Remedy("tag", repr(t), flag=f"--tag {shell_word(t)}") for t in tags[:3]],
             )
-        examples = [shlex.quote(os.path.join(save_dir, t)) for t in tags[:1]]
+        examples = [shell_word(os.path.join(save_dir, t)) for t in tags[:1]]
         raise CorruptCheckpointError(
             f"{latest!r} names tag {tag!r}, which is not a folder in {save_dir!r}{there}",
             path=folder,
@@ -238,7 +238,7 @@ def _no_latest(save_dir: str) -> UsageError:
         f"{save_dir!r} is a DeepSpeed save folder without a {LATEST!r} file to name its tag; "
         f"its tags: {', '.join(repr(t) for t in tags[:5])}{' ...' if len(tags) > 5 else ''}",
         path=save_dir,
-        remedies=[Remedy("tag", repr(t), flag=f"--tag {shlex.quote(t)}") for t in tags[:3]],
+        remedies=[Remedy("tag", repr(t), flag=f"--tag {shell_word(t)}") for t in tags[:3]],
     )
 
 

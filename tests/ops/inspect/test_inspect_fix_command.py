@@ -244,3 +244,25 @@ def test_a_torchscript_archive_gets_no_rewrite_command(tmp_path: Path) -> None:
     out = run_ckpt("inspect", tmp_path / "ts.pt").stdout
     line = next(line for line in out.splitlines() if "strip them:" in line)
     assert "ckpt " not in line and "torch.jit.load" in line
+
+
+def test_a_suggestion_for_a_name_holding_a_tab_runs_in_bash(tmp_path: Path) -> None:
+    # The terminal gets no tab (it is shown escaped), and bash reads $'...' back as one.
+    import subprocess
+    import sys
+
+    model = _model(seed=5)
+    src = tmp_path / "run\t1.pt"
+    torch.save(_wrapped(model), src)
+    torch.save(model.state_dict(), tmp_path / "plain.pt")
+    ckpt = shlex.quote(str(Path(sys.executable).with_name("ckpt")))
+    inspected = run_ckpt("inspect", src).stdout
+    diffed = run_ckpt("diff", src, tmp_path / "plain.pt", code=None).stdout
+    for said, out in ((inspected, "run\t1.renamed.pt"), (diffed, "run\t1.renamed.pt")):
+        line = next(ln for ln in said.splitlines() if "ckpt strip-module" in ln)
+        command = "ckpt strip-module" + line.split("ckpt strip-module", 1)[1].split(" (")[0]
+        assert "\t" not in command and "$'" in command, command
+        (tmp_path / out).unlink(missing_ok=True)
+        bash = command.replace("ckpt ", f"{ckpt} ", 1)
+        subprocess.run(["bash", "-c", bash], check=True, cwd=tmp_path)
+        _loads_strictly(torch.load(tmp_path / out, weights_only=True), model)
