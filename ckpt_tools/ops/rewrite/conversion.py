@@ -124,8 +124,11 @@ def convert(
 
 
 # The tags torch's default_restore_location reads back: the CPU and meta bare, the
-# accelerators with an optional index in plain digits (torch.device refuses "cuda:01").
-_DEVICE_TAG = re.compile(r"(cpu|meta)|(cuda|mps|xpu|hpu)(:(0|[1-9][0-9]*))?", re.ASCII)
+# accelerators with an optional index in plain digits (torch.device refuses "cuda:01") that
+# fits torch's 8-bit device index (cuda:128 reads back as cuda:-128).
+_DEVICE_TAG = re.compile(
+    r"(cpu|meta)|(cuda|mps|xpu|hpu)(:([0-9]|[1-9][0-9]|1[01][0-9]|12[0-7]))?", re.ASCII
+)
 
 _DEVICE_TAGS_WHY = (
     "retag writes saved device tags, which only torch files hold (a .safetensors file has "
@@ -180,7 +183,7 @@ def retag(
         if not _DEVICE_TAG.fullmatch(tag):
             raise UsageError(
                 f"device tag {tag!r} is not one torch restores: cpu or meta (no index), or "
-                "cuda, mps, xpu or hpu with an optional :N (no leading zero)",
+                "cuda, mps, xpu or hpu with an optional :N (0 to 127, no leading zero)",
                 argument="mapping",
             )
     # Device tags live only in torch's format: refused here, before the input is read.

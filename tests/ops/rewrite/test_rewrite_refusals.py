@@ -283,6 +283,9 @@ def test_unsafe_global_in_a_fresh_process(tmp_path):
         # Tags torch.device refuses, which plain torch.load could not read back.
         (["retag", "--map", "cpu=cuda:"], "is not one torch restores"),
         (["retag", "--map", "cpu=cuda:01"], "is not one torch restores"),
+        # torch keeps a device index in 8 bits: cuda:128 reads back as cuda:-128.
+        (["retag", "--map", "cpu=cuda:128"], "is not one torch restores"),
+        (["retag", "--map", "cpu=cuda:99999999999999999999"], "is not one torch restores"),
         (["retag", "--map", "cpu=cuda:\u00b2"], "is not one torch restores"),
         (["retag", "--map", "cpu=cpu:0"], "is not one torch restores"),
         (["retag", "--map", "cpu=cuda:1", "--map", "cpu=meta"], "--map maps cpu twice"),
