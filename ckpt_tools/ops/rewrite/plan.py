@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckpt_tools._escape import shell_word
 from ckpt_tools._types import one_of
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.dtypes import itemsize
@@ -214,7 +215,7 @@ def check_source(ckpt: Checkpoint, allow_globals: Sequence[str]) -> None:
                 Remedy(
                     "allow_globals",
                     repr(list(refused)),
-                    flag=" ".join(f"--allow-global {g}" for g in refused),
+                    flag=" ".join(f"--allow-global {shell_word(g)}" for g in refused),
                     text="to carry them through unchanged",
                 ),
             ),
@@ -269,13 +270,9 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
     matched = {a: b for a, b in device_map.items() if a in saved}
     idle = [a for a in device_map if a not in saved]
     # Saved tags left where they are, but the CPU (which plain torch.load reads anywhere:
-    # a GPU run's rng_state stays there); those the mapping also targets were merged into.
-    stays = [t for t in saved if t not in matched and t != "cpu"]
-    left = [t for t in stays if t not in device_map.values()]
-    if any(device_map[a] in matched and matched[device_map[a]] != device_map[a] for a in idle):
-        # An idle entry that moves onto a tag the mapping empties meant a swap, whose
-        # other half is a tag that stays (cuda:2=cuda:0 written for cuda:1=cuda:0).
-        left = stays
+    # a GPU run's rng_state stays there) and those the mapping also targets (merged into:
+    # a chain, cuda:1=cuda:0 cuda:2=cuda:1, is torch's too, and looks as a mistyped swap).
+    left = [t for t in saved if t not in matched and t not in device_map.values() and t != "cpu"]
     if not device_map or (matched and (not idle or not left)):
         return matched
     if matched:
@@ -284,7 +281,7 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
             Remedy(
                 "mapping",
                 repr({**matched, tag: device_map[idle[0]]}),
-                flag=f"--map {tag}={device_map[idle[0]]}",
+                flag=f"--map {shell_word(f'{tag}={device_map[idle[0]]}')}",
                 text=f"in place of {idle[0]}",
             )
             for tag in left
@@ -299,7 +296,7 @@ def matched_device_map(ckpt: Checkpoint, device_map: Mapping[str, str]) -> dict[
     target = next(iter(device_map.values()))
     has = ", ".join(f"{shown(tag)} ×{n}" for tag, n in saved.items()) or "no storages"
     fixes = [
-        Remedy("mapping", repr({tag: target}), flag=f"--map {tag}={target}")
+        Remedy("mapping", repr({tag: target}), flag=f"--map {shell_word(f'{tag}={target}')}")
         for tag in saved
         if tag != target
     ]

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ckpt_tools._escape import shell_word
 from ckpt_tools._types import Progress, Select, StrPath, VerifyLevel, checked_flags, checked_path
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import (
@@ -231,7 +232,7 @@ def _check_selection(select: Select, done: SanitizedTree) -> None:
         if change.path and _holds_state_dict(done.root, change.path):
             what = f"to verify what {shown(change.path)} became"
             remedies.insert(0, Remedy("select", repr(change.path), text=what))
-            remedies.insert(1, Remedy(flag=f"--select {shown(change.path)}", text=what))
+            remedies.insert(1, Remedy(flag=f"--select {shell_word(change.path)}", text=what))
     raise SelectError(
         why, argument="select", value=repr(dotted), flag="--select", remedies=remedies
     ) from missing

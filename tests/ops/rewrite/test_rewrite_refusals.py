@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import shlex
 import subprocess
 import sys
 import types
@@ -205,6 +206,28 @@ def _stub_pickle_module() -> types.ModuleType:
     module.Unpickler = Unpickler
     module.load = pickle.load
     return module
+
+
+_SHELL_NAMED = """
+import sys, torch
+name = "Evil;touch${IFS}pwned;#"
+cls = type("Evil", (), {})
+cls.__qualname__ = name
+setattr(sys.modules["__main__"], name, cls)
+torch.save({"w": torch.ones(2), "cfg": cls()}, sys.argv[1])
+"""
+
+
+def test_the_allow_global_flag_suggested_is_one_shell_word(tmp_path: Path) -> None:
+    # A global's name comes from the file: pasted unquoted, it would run what it spells.
+    src = tmp_path / "evil.pt"
+    subprocess.run([sys.executable, "-c", _SHELL_NAMED, str(src)], check=True)
+    err = h.run_ckpt("convert", src, tmp_path / "o.safetensors", code=3).stderr
+    flag = err.split("pass ", 1)[1].split(" to carry", 1)[0]
+    assert flag == "--allow-global '__main__.Evil;touch${IFS}pwned;#'", err
+    assert shlex.split(flag) == ["--allow-global", "__main__.Evil;touch${IFS}pwned;#"]
+    h.run_ckpt("convert", src, tmp_path / "o.pt", *shlex.split(flag))
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_unsafe_global_is_refused_then_carried_through_byte_faithfully(tmp_path, capsys):
@@ -525,21 +548,20 @@ def test_retag_refuses_an_entry_that_matches_nothing_while_a_tag_stays_unmapped(
     assert _saved_locations(tmp_path / "o3.pt") == {"cuda:1": 1, "cuda:0": 1, "cpu": 1}
 
 
-def test_retag_refuses_half_a_swap_whose_other_half_matches_nothing(tmp_path: Path) -> None:
-    # cuda:2=cuda:0 written for cuda:1=cuda:0: cuda:1 stays, cuda:0 empties onto it.
+def test_retag_applies_a_chain_whose_idle_entries_target_tags_it_moves(tmp_path: Path) -> None:
+    # --map cuda:1=cuda:0 --map cuda:2=cuda:1 --map cuda:3=cuda:2 (a script's shift down):
+    # torch.load(map_location=) applies it, and so does retag; cuda:0 stays as it is.
     from ckpt_tools import retag
 
     src = tmp_path / "mixed.pt"
     subprocess.run([sys.executable, "-c", _MIXED, str(src)], check=True)
-    args = ["--map", "cuda:0=cuda:1", "--map", "cuda:2=cuda:0"]
-    res = h.run_ckpt("retag", src, tmp_path / "out.pt", *args, code=2)
-    assert "no storage is saved on cuda:2, and cuda:1 would stay unmapped" in res.stderr
-    assert "pass --map cuda:1=cuda:0 in place of cuda:2" in res.stderr
-    assert not (tmp_path / "out.pt").exists()
-    # Moving everything onto one GPU that is also saved still passes idle entries over.
-    onto = {"cuda:1": "cuda:0", "cuda:2": "cuda:0", "cuda:3": "cuda:0"}
-    assert retag(src, tmp_path / "o.pt", mapping=onto).device_map == {"cuda:1": "cuda:0"}
+    chain = {"cuda:1": "cuda:0", "cuda:2": "cuda:1", "cuda:3": "cuda:2"}
+    assert retag(src, tmp_path / "o.pt", mapping=chain).device_map == {"cuda:1": "cuda:0"}
     assert _saved_locations(tmp_path / "o.pt") == {"cuda:0": 2, "cpu": 1}
+    # The same shape with other indexes (cuda:0=cuda:1 cuda:2=cuda:0) is a chain as well.
+    other = {"cuda:0": "cuda:1", "cuda:2": "cuda:0"}
+    assert retag(src, tmp_path / "p.pt", mapping=other).device_map == {"cuda:0": "cuda:1"}
+    assert _saved_locations(tmp_path / "p.pt") == {"cuda:1": 2, "cpu": 1}
 
 
 def test_retag_that_matches_no_storage_is_refused(tmp_path: Path) -> None:

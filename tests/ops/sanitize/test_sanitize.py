@@ -616,6 +616,7 @@ def test_a_selection_inside_a_converted_object_names_what_it_became(fake, tmp_pa
     # the output, and the error names the selection that verifies what it became.
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save({"net": fake.Net(), "epoch": 1}, src)
+    torch.save({"my net": fake.Net(), "epoch": 1}, tmp_path / "spaced.pt")
     _forget(tmp_path)
     inner = "net._modules.fc._parameters"
     assert ct.inspect(src, select=inner).selected == tuple(inner.split("."))
@@ -627,3 +628,7 @@ def test_a_selection_inside_a_converted_object_names_what_it_became(fake, tmp_pa
     assert not dst.exists()
     report = ct.sanitize(src, dst, select="net")
     assert report.tensors == len(torch.load(dst, weights_only=True)["net"])
+    # A name that is two shell words is suggested as one.
+    spaced = tmp_path / "spaced.pt"
+    said = h.run_ckpt("sanitize", spaced, tmp_path / "o2.pt", "--select", "my net._modules", code=2)
+    assert "pass --select 'my net' to verify what my net became" in said.stderr
