@@ -169,7 +169,12 @@ def tied_embedding(
     prefix, _, config = _sub_model(target.module, config) if config is not None else ("", "", None)
     if config is None or config.get("tie_word_embeddings", True) is not True:
         return None, f"{name} (missing from the base)"
-    shape = (target.b.shape[0], target.a.shape[1])
+    # The weight's shape: (out, in) for a Linear; (rows, width) for an Embedding, whose A
+    # is (r, rows) and B (width, r) (T5's encoder and decoder embed_tokens, tied to shared).
+    if target.kind == "embedding":
+        shape = (target.a.shape[1], target.b.shape[0])
+    else:
+        shape = (target.b.shape[0], target.a.shape[1])
     found = [
         v
         for k, v in aligned.items()
@@ -178,7 +183,7 @@ def tied_embedding(
         and k[: -len(".weight")].rsplit(".", 1)[-1] in _EMBEDDINGS
         and v[1].shape == shape
     ]
-    if target.kind != "linear" or len(found) != 1:
+    if target.kind not in ("linear", "embedding") or len(found) != 1:
         seen = ", ".join(k for k, _ in found) or "none of its shape"
         return None, (
             f"{name} (tied to the input embeddings by config.json's tie_word_embeddings, "
@@ -198,7 +203,9 @@ def tied_head(key: str, config: Mapping[str, Any] | None) -> str | None:
     """
     if config is None or not key.endswith(".weight"):
         return None
-    _, module, config = _sub_model(key[: -len(".weight")], config)
+    prefix, module, config = _sub_model(key[: -len(".weight")], config)
+    if prefix:  # a part of a composite model: its config's architectures are not its role
+        return None
     if (
         module.rsplit(".", 1)[-1] not in _EMBEDDINGS
         or config.get("tie_word_embeddings", True) is not True

@@ -46,7 +46,7 @@ from ckpt_tools.ops.merge.records import MergeStep, bias_record, merge_record
 from ckpt_tools.ops.merge.replacements import check_whole as _check_whole
 from ckpt_tools.ops.merge.replacements import plan_replacements
 from ckpt_tools.ops.merge.result import MergedModule, MergeResult
-from ckpt_tools.ops.preflight import check_rewritable
+from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import format_family, output_format_for, torch_instead
 from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
@@ -157,6 +157,7 @@ def merge_lora(
     # Keys of other types (an int) are no adapter's names: copied as they are.
     items = [(k, k, untied.get(k, v) if isinstance(k, str) else v) for k, v in sd.items()]
     fmt = "safetensors" if folder else output_format_for(dst, output_format, format_family(ckpt))
+    check_key_types(sd, (), fmt, base)  # (safetensors names tensors by strings only)
     plan = plan_state_dict_output(
         ckpt,
         "merge-lora",
@@ -263,8 +264,12 @@ def _plan_merges(
     conv1d = conv1d_layouts(linear, lora.config, config, fan_in_fan_out) if not problems else {}
     order = {key: n for n, (key, _) in enumerate(aligned.values())}
     groups: dict[int, list[tuple[LoraTarget, str, TensorRef]]] = {}
-    # A head tied to an embedding is its model's last module: merged after the embedding.
-    ranked = sorted(found, key=lambda f: (order[f[1]], f"{f[0].module}.weight" not in aligned))
+    # A head tied to an embedding is its model's last module: merged after the embedding;
+    # of the tied modules left out of the base, an encoder's comes before a decoder's.
+    ranked = sorted(
+        found,
+        key=lambda f: (order[f[1]], f"{f[0].module}.weight" not in aligned, _stack(f[0].module)),
+    )
     for t, key, weight in ranked:
         groups.setdefault(id(weight.storage), []).append((t, key, weight))
     merged: list[MergedModule] = []
@@ -293,6 +298,13 @@ def _plan_merges(
             + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
         )
     return merged, overrides, actions
+
+
+def _stack(module: str) -> int:
+    """Where ``module`` lies in an encoder-decoder model's order of modules (transformers
+    builds the encoder first, the decoder next, then the head)."""
+    parts = module.split(".")
+    return 0 if "encoder" in parts else 1 if "decoder" in parts else 2
 
 
 def _found_targets(

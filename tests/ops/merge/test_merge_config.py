@@ -175,6 +175,21 @@ def test_a_trained_copy_of_the_embedding_a_left_out_head_is_tied_to_is_refused(
     assert torch.equal(out["model.embed_tokens.weight"], case.merged["model.embed_tokens.weight"])
 
 
+def test_a_part_of_a_composite_model_ties_no_head_by_its_own_architectures() -> None:
+    # An EncoderDecoderModel's encoder config keeps "BertForMaskedLM" from the checkpoint it
+    # was built from, but inside the composite it is a BertModel: no head is tied to it.
+    from ckpt_tools.ops.merge.layout import tied_head
+
+    bert = {"model_type": "bert", "architectures": ["BertForMaskedLM"]}
+    composite = {"model_type": "encoder-decoder", "encoder": bert, "decoder": bert}
+    assert tied_head("encoder.embeddings.word_embeddings.weight", composite) is None
+    assert tied_head("embeddings.word_embeddings.weight", bert) == "BertForMaskedLM"
+    assert (
+        tied_head("embeddings.word_embeddings.weight", {**bert, "tie_word_embeddings": False})
+        is None
+    )
+
+
 def _tied_state_dict(model: Any, folder: Path) -> Path:
     torch.save(model.state_dict(), folder / "base.pt")  # both names, one storage
     return folder / "base.pt"
@@ -379,3 +394,52 @@ def test_a_mica_adapter_on_a_16_bit_base_is_merged_as_peft_merges_it(
     )  # fmt: skip
     ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
     compare(torch.load(tmp_path / "m.pt", weights_only=True), case)
+
+
+def _t5() -> Any:
+    config = transformers.T5Config(
+        vocab_size=60, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _bart() -> Any:
+    config = transformers.BartConfig(
+        vocab_size=60,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=32,
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize(
+    ("build", "shared", "targets"),
+    [
+        (_t5, "shared.weight", ["embed_tokens"]),
+        (_t5, "shared.weight", ["embed_tokens", "lm_head", "q"]),
+        (_bart, "model.shared.weight", ["embed_tokens", "q_proj"]),
+    ],
+    ids=["t5", "t5-head", "bart"],
+)
+def test_encoder_and_decoder_embeddings_left_out_merge_into_the_one_they_are_tied_to(
+    tmp_path: Path, build: Any, shared: str, targets: list[str]
+) -> None:
+    # save_pretrained keeps only the shared embedding; PEFT merges the encoder's delta,
+    # then the decoder's (then the head's) into it, in the model's order of modules.
+    case = make_case(tmp_path / "case", build, _lora(*targets), save=_hf)
+    stored = set(load_file(case.base / "model.safetensors"))
+    assert shared in stored and not any("embed_tokens" in k for k in stored)
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    out = load_file(tmp_path / "m.safetensors")
+    assert set(out) == stored
+    merged_into = [m.module.removeprefix("model.") for m in result.merged if m.key == shared]
+    order = ["encoder.embed_tokens", "decoder.embed_tokens", "lm_head"]
+    assert merged_into == order[: 2 + ("lm_head" in targets)]
+    assert all(close(v, case.merged.get(k, case.base_sd[k])) for k, v in out.items())
+    assert not torch.equal(out[shared], case.base_sd[shared])

@@ -437,3 +437,8 @@ def test_entries_under_keys_that_are_not_strings_are_kept(tmp_path: Path) -> Non
     assert torch.equal(out[7], base[7]) and out[2.5] == 1
     assert torch.equal(out["fc.bias"], base["fc.bias"])
     assert torch.allclose(out["fc.weight"], base["fc.weight"] + b @ a * 2.0)
+    # safetensors names tensors by strings: refused before writing, as convert refuses it.
+    for dst in ("m.safetensors", "hf/"):  # a file, and a folder of shards
+        with pytest.raises(ct.ConversionError, match=r"tensor\(s\) under other keys: 7"):
+            ct.merge_lora(tmp_path / "base.pt", tmp_path / "lora", f"{tmp_path}/{dst}")
+        assert not (tmp_path / dst).exists()
