@@ -100,20 +100,27 @@ files: 'r2.pt' is extra (left by an earlier save?)"
         )
 
 
+_TAG_DEPTH = 8
+
+
 def tags_in(save_dir: str) -> list[str]:
-    """The tag folders of a save folder, sorted.
+    """The tag folders of a save folder, sorted: ``global_step2``, and those a tag of several
+    folders nests (``save_checkpoint(dir, tag="epoch1/step2")``), up to 8 folders deep.
 
     Example:
         >>> tags_in(".")
         []
     """
-    found = []
-    for name in os.listdir(save_dir):
-        if _has_rank_files(os.path.join(save_dir, name)):
-            found.append(name)
-        elif os.path.isdir(inner := os.path.join(save_dir, name)):
-            # save_checkpoint(dir, tag="epoch1/step2") nests the tag folder one level down.
-            found += [f"{name}/{n}" for n in _names(inner) if _has_rank_files(f"{inner}/{n}")]
+    found: list[str] = []
+    todo = [(os.fspath(save_dir), "")]
+    while todo:  # a walk that stops at tag folders, and at links that loop by its depth
+        folder, tag = todo.pop()
+        for name in _names(folder):
+            path = os.path.join(folder, name)
+            if _has_rank_files(path):
+                found.append(tag + name)
+            elif tag.count("/") < _TAG_DEPTH - 1 and os.path.isdir(path):
+                todo.append((path, f"{tag}{name}/"))
     return sorted(found)
 
 

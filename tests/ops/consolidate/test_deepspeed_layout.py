@@ -70,6 +70,15 @@ def test_a_tag_of_nested_folders_is_read_as_deepspeed_reads_it(
         with pytest.raises(UsageError, match="tags there: epoch1/step2, global_step1"):
             consolidate(folder, tmp_path / "o.pt", tag=outside)
     assert not (tmp_path / "o.pt").exists()
+    # Three folders deep, without latest: found as a save folder, and its tag read.
+    (folder / "latest").unlink()
+    shutil.rmtree(folder / "global_step1")
+    (folder / "a" / "b").mkdir(parents=True)
+    (folder / "epoch1" / "step2").rename(folder / "a" / "b" / "c")
+    consolidate(folder, tmp_path / "deep.pt", tag="a/b/c")
+    assert_equal_dicts(want, torch.load(tmp_path / "deep.pt", weights_only=True))
+    with pytest.raises(UsageError, match=r"without a 'latest' file .*; pass tag='a/b/c'"):
+        consolidate(folder, tmp_path / "o.pt")
 
 
 def _stale(folder: Path, kind: str) -> str:
