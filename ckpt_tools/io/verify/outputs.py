@@ -150,14 +150,7 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         return NOT_VERIFIED
     out, sd = _read_back(path, expected)
     kinds = (TensorRef, RebuiltTensor) if expected.rebuilt else TensorRef
-    # A key holding NaN (torch keeps one) is equal to no other object, itself aside: the
-    # planned key stands for the one read back that reads the same.
-    spelled = {(type(k), repr(k)): k for k in expected.tensors}
-    got = {
-        k if k in expected.tensors else spelled.get((type(k), repr(k)), k): v
-        for k, v in sd.items()
-        if isinstance(v, kinds)
-    }
+    got = _as_planned({k: v for k, v in sd.items() if isinstance(v, kinds)}, expected)
     if out.format == "safetensors":
         got = _without_unplanned_aliases(got, expected)
     _check_keys(got, expected, ordered=out.format != "safetensors")
@@ -165,6 +158,21 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
     if level == "full":
         return f"verified: {len(got)} tensors, keys, sizes and bytes"
     return f"verified: {len(got)} tensors, keys and sizes"
+
+
+def _as_planned(got: Mapping[Any, Any], expected: Expected) -> dict[Any, Any]:
+    """``got`` under the planned key objects. A key holding NaN (torch keeps one, or two) is
+    equal to no other object, itself aside: each planned key stands for the next one read
+    back that reads the same, in order."""
+    spelled: dict[tuple[type, str], list[Any]] = {}
+    for k in expected.tensors:
+        spelled.setdefault((type(k), repr(k)), []).append(k)
+    return {
+        k
+        if k in expected.tensors or not (same := spelled.get((type(k), repr(k))))
+        else same.pop(0): v
+        for k, v in got.items()
+    }
 
 
 def _read_back(path: str, expected: Expected) -> tuple[Checkpoint, Mapping[Any, Any]]:

@@ -87,18 +87,18 @@ def test_a_nan_key_is_the_same_key_read_back(command, tmp_path):
     # NaN never equals itself, but torch.save and torch.load keep a NaN key as a key.
     nan = float("nan")
     src = tmp_path / "m.pt"
-    want = [torch.ones(2), torch.zeros(2), torch.arange(3.0)]
-    torch.save(dict(zip(["w", nan, (1, nan)], want)), src)
+    want = [torch.ones(2), torch.zeros(2), torch.arange(3.0), torch.ones(4)]
+    torch.save(dict(zip(["w", nan, (1, nan), float("nan")], want)), src)  # two NaN keys
     name, *options = command
     h.run_ckpt(name, src, tmp_path / "o.pt", *options, "--verify", "full")
     out = torch.load(tmp_path / "o.pt", weights_only=True)
-    assert [repr(k) for k in out] == ["'w'", "nan", "(1, nan)"]
+    assert [repr(k) for k in out] == ["'w'", "nan", "(1, nan)", "nan"]
     for got, value in zip(out.values(), want):
         assert got.shape == value.shape
         assert got.is_meta if name == "retag" else torch.equal(got.float(), value)
     if name == "convert":  # the same tensors under the same keys
         said = verify_output(str(tmp_path / "o.pt"), expected_from(src), "full")
-        assert said.startswith("verified: 3 tensors")
+        assert said.startswith("verified: 4 tensors")
 
 
 @pytest.mark.parametrize(
