@@ -20,6 +20,7 @@ from ckpt_tools._types import MapLocation, Select, StrPath, checked_flags
 from ckpt_tools.errors import CheckpointError, Remedy, StateDictMismatchError, UsageError
 from ckpt_tools.formats.log import logger
 from ckpt_tools.loading.extras import require_torch
+from ckpt_tools.loading.kept_values import unmapped_where_kept
 from ckpt_tools.loading.rehearsal import Verdict, rehearse, skipping, with_own_metadata
 from ckpt_tools.loading.results import LoadReport, ShapeMismatch
 from ckpt_tools.loading.state_dict import LoadInfo, _selection_checked, load_state
@@ -323,7 +324,9 @@ def _load(
 ) -> LoadReport:
     """``model.load_state_dict`` less the shape mismatches; ``report`` completed."""
     skip = frozenset(m.key for m in report.shape_mismatches)
-    own = with_own_metadata(OrderedDict(sd), sd)
+    # Copied, the file is only mapped while it is read: nothing a module keeps may view it.
+    handed = sd if report.assigned else unmapped_where_kept(model, sd)
+    own = with_own_metadata(OrderedDict(handed), sd)
     try:
         with skipping(model, skip):
             result = model.load_state_dict(own, strict=strict, assign=report.assigned)
@@ -337,7 +340,8 @@ def _load(
     named = (*model.named_parameters(), *model.named_buffers()) if report.assigned else ()
     return replace(
         report,
-        left_on_meta=tuple(name for name, t in named if t.is_meta),
+        left_on_meta=(meta := tuple(name for name, t in named if t.is_meta)),
+        meta_values=tuple(name for name in meta if name in sd),
         loaded=max(0, expected - len(result.missing_keys)),
         missing=tuple(k for k in result.missing_keys if k not in skip),
         unexpected=tuple(result.unexpected_keys),

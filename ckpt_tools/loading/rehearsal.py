@@ -38,12 +38,16 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["Verdict", "rehearse", "skipping", "with_own_metadata"]
+__all__ = ["Verdict", "own_loading_code", "rehearse", "skipping", "with_own_metadata"]
 
 
 #: How ``nn.Module.load_state_dict`` opens the error that gathers its modules' messages; any
 #: other exception out of the rehearsal came from a hook.
 _TORCH_REFUSAL = "Error(s) in loading state_dict for "
+# Dtypes torch's copy_ has no kernel for: the bit-packed ones from or to another dtype
+# (float4 into float32), the sub-byte integers at all (torch 2.13).
+_NO_CAST = frozenset({"float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
+_NO_COPY = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8))
 
 
 @dataclass(frozen=True)
@@ -258,7 +262,7 @@ def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> tuple[Verdict, tuple[st
     from ckpt_tools.loading.tensor_io import dtype_name
 
     target = model.state_dict()
-    own_code = _own_loading_code(model, torch)
+    own_code = own_loading_code(model, torch)
     shapes, casts, errors, uncopyable = [], [], [], []
     for key, value in sd.items():
         have = target.get(key)
@@ -291,10 +295,24 @@ def _by_name(model: nn.Module, sd: Mapping[str, Any]) -> tuple[Verdict, tuple[st
     return verdict, tuple(uncopyable)
 
 
-def _own_loading_code(model: nn.Module, torch: Any) -> tuple[str, ...]:
+def own_loading_code(model: nn.Module, torch: Any) -> tuple[str, ...]:
     """The key prefixes of the modules with loading code of their own (a load-state-dict
     pre-hook, or an override of ``_load_from_state_dict``): what they are given may not be
-    what they copy."""
+    what they copy, and they may keep it.
+
+    Args:
+        model: the model.
+        torch: the torch module (imported by the caller).
+
+    Returns:
+        Prefixes such as ``"1."`` (``""`` for the root): a key starting with one is theirs.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.BatchNorm1d(1))
+        >>> own_loading_code(net, torch)
+        ('1.',)
+    """
     plain = torch.nn.Module._load_from_state_dict
     return tuple(
         f"{name}." if name else ""
@@ -314,6 +332,12 @@ def _uncopyable_kind(value: torch.Tensor, have: torch.Tensor) -> str:
         return str(value.layout).removeprefix("torch.")
     if value.is_quantized and not have.is_quantized:
         return "quantized"
+    from ckpt_tools.loading.tensor_io import dtype_name
+
+    pair = {dtype_name(value.dtype), dtype_name(have.dtype)}
+    if pair & _NO_COPY or (len(pair) == 2 and pair & _NO_CAST):
+        v, h = dtype_name(value.dtype), dtype_name(have.dtype)
+        return v if v == h else f"{v} (to {h})"
     return ""
 
 

@@ -180,6 +180,8 @@ class LoadReport(Readable):
         left_on_meta: parameters and buffers still on ``meta`` after an assign, which no
             state dict holds (non-persistent buffers, such as rotary ``inv_freq``): the model
             cannot run until they are made.
+        meta_values: those of ``left_on_meta`` the checkpoint itself holds as meta tensors
+            (saved from a model not yet made, or loaded with ``map_location="meta"``).
     """
 
     source: str
@@ -195,6 +197,7 @@ class LoadReport(Readable):
     info: LoadInfo | None = None
     assigned: bool = False
     left_on_meta: tuple[str, ...] = ()
+    meta_values: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -232,6 +235,8 @@ class LoadReport(Readable):
                 why = "shape mismatch, skipped"
             elif name in self.missing:
                 why = "missing from the checkpoint"
+            elif name in self.meta_values:
+                why = "the checkpoint holds {} on meta, without values"
             else:
                 why = "no state dict holds {}: {}non-persistent buffer{}"
             groups.setdefault(why, []).append(name)
@@ -263,4 +268,5 @@ class LoadReport(Readable):
             "info": self.info.to_json() if self.info else None,
             "assigned": self.assigned,
             "left_on_meta": list(self.left_on_meta),
+            "meta_values": list(self.meta_values),
         }

@@ -309,6 +309,12 @@ UNCOPYABLE = {
     "meta": lambda t: torch.empty_like(t, device="meta"),
     "sparse_coo": lambda t: t.to_sparse(),
     "quantized": lambda t: torch.quantize_per_tensor(t, 0.1, 0, torch.qint8),
+    # Dtypes copy_ has no kernel for: bit-packed into float32, and sub-byte integers.
+    "float4_e2m1fn_x2": lambda t: torch.zeros(t.shape, dtype=torch.uint8).view(
+        torch.float4_e2m1fn_x2
+    ),
+    "bits16": lambda t: torch.zeros(t.shape, dtype=torch.int16).view(torch.bits16),
+    "uint4": lambda t: torch.zeros(t.shape, dtype=torch.uint8).view(torch.uint4),
 }
 
 

@@ -207,3 +207,10 @@ def test_each_tensor_left_on_meta_is_said_with_why(tmp_path: Path) -> None:
     assert "proj.weight (shape mismatch, skipped)" in said
     assert "proj.bias (missing from the checkpoint)" in said
     assert "inv_freq (no state dict holds it: a non-persistent buffer)" in said
+    # A value the checkpoint itself holds on meta is said as such, not as a buffer.
+    torch.save({"proj.weight": torch.empty(4, 4, device="meta")}, tmp_path / "unmade.pt")
+    with torch.device("meta"):
+        model = WithRotary()
+    report = load_into(model, tmp_path / "unmade.pt", strict=False)
+    assert report.meta_values == ("proj.weight",)
+    assert "proj.weight (the checkpoint holds it on meta, without values)" in report.text()
