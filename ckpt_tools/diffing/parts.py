@@ -26,6 +26,7 @@ class SideInfo:
         format: the file's format, for file sides.
         selected: keys leading to the compared state dict.
         selection_reason: why it was chosen.
+        passed_over: the other tensor dicts beside the chosen one (not compared).
         tensors: tensors compared from this side.
         wrappers: wrapper prefixes of its keys, outermost first.
         skipped: non-tensor entries of the state dict (not compared); sparse, meta and
@@ -44,6 +45,7 @@ class SideInfo:
     format: str | None = None
     selected: tuple[str, ...] = ()
     selection_reason: str = ""
+    passed_over: tuple[str, ...] = ()
     tensors: int = 0
     wrappers: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
@@ -70,6 +72,8 @@ class SideInfo:
             bits.append("wrappers " + " ".join(self.wrappers))
         if self.skipped:
             bits.append(f"{len(self.skipped)} non-tensor entries not compared")
+        if self.passed_over:  # chosen as the largest: the others are not compared
+            bits.append(f"also {', '.join(map(repr, self.passed_over))}, not compared")
         return shown(f"{name}: {label} ({', '.join(bits)})")
 
     def to_json(self) -> dict[str, Any]:
@@ -80,6 +84,7 @@ class SideInfo:
             "format": self.format,
             "selected": list(self.selected),
             "selection_reason": self.selection_reason,
+            "passed_over": list(self.passed_over),
             "tensors": self.tensors,
             "wrappers": list(self.wrappers),
             "skipped": list(self.skipped),

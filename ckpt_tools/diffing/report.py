@@ -233,7 +233,9 @@ class DiffReport(Readable, TensorsByName[TensorDiff]):
             )
             lines += [f"  {s.text()}" for s in self.suggestions]
         if self.identical:
-            lines.append("identical: same keys, every tensor bit-equal")
+            over = sorted({*self.a.passed_over, *self.b.passed_over})
+            passed = f" (not compared: {', '.join(map(repr, over))})" if over else ""
+            lines.append(shown(f"identical: same keys, every tensor bit-equal{passed}"))
         elif not (self.values_compared or self.found() or self._not_plain):
             lines.append("same keys, shapes and dtypes (values not compared)")
         return "\n".join(lines)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
-from ckpt_tools._escape import shell_path, shown
+from ckpt_tools._escape import shell_path, shell_word, shown
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.diffing.entries import (
@@ -39,6 +39,7 @@ from ckpt_tools.structure.selection import (
     unbuilt_holders,
 )
 from ckpt_tools.structure.suggest import wrapper_stack
+from ckpt_tools.structure.tensor_walk import iter_tensors
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads values
     import torch
@@ -224,6 +225,7 @@ def _file_side(
     entries, foreign, others, values_of = split_entries(sd, (TensorRef, RebuiltTensor))
     if not selection.found:
         _refuse_unbuilt(shown_url(os.fspath(side)), sd)
+        _refuse_deeper_tensors(shown_url(os.fspath(side)), sd, entries)
     info = SideInfo(
         shown_url(os.fspath(side)),  # a URL's password is never shown
         "file",
@@ -231,6 +233,7 @@ def _file_side(
         format=ckpt.format,
         selected=selection.path,
         selection_reason=selection.reason,
+        passed_over=selection.passed_over,
         tensors=len(entries),
         skipped=tuple(others),
         unsupported=tuple(foreign),
@@ -272,6 +275,22 @@ def _refuse_unbuilt(path: str, root: Mapping[Any, Any]) -> None:
         f"{names} {'is an object' if len(unbuilt) == 1 else 'are objects'} of a class the "
         "reader never builds; diff compares state dicts",
         remedies=() if "://" in path else (sanitize,),  # sanitize reads local files
+    )
+
+
+def _refuse_deeper_tensors(path: str, root: Mapping[Any, Any], entries: Mapping[str, Any]) -> None:
+    """Refuse a root where no state dict was found whose tensors all lie deeper (an
+    optimizer's ``state.0.exp_avg``): compared as it is, it would compare none of them and
+    call two different files identical."""
+    deeper = iter_tensors(root) if not entries else []
+    if not deeper:
+        return
+    first = deeper[0][0].rpartition(".")[0]
+    raise UsageError(
+        f"{path!r}: no entry looks like a state dict (a mapping of names to tensors), and its "
+        f"{len(deeper)} tensor(s) lie deeper ({', '.join(p for p, _ in deeper[:3])}"
+        f"{', ...' if len(deeper) > 3 else ''}); diff compares state dicts",
+        remedies=(Remedy("select", repr(first), flag=f"--select {shell_word(first)}"),),
     )
 
 

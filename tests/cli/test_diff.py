@@ -263,6 +263,8 @@ def test_model_from_an_importable_module(files: Any, capsys: Any) -> None:
         (["B.pt", "--atol", "inf"], "--atol inf: tolerances must be finite numbers >= 0"),
         (["B.pt", "--rtol", "-1"], "--rtol -1.0: tolerances must be finite numbers >= 0"),
         (["B.pt", "--fail-on", "vibes"], "unknown vibes"),
+        (["B.pt", "--fail-on", "any,vibes"], "unknown vibes"),  # beside "any" too
+        (["B.pt", "--fail-on", ","], "unknown empty list"),
         (["B.pt", "--model-arg", "a=1"], "--model-arg needs --model"),
     ],
 )

@@ -54,3 +54,41 @@ def test_a_selection_for_a_module_side_names_that_side_s_argument(argument: str,
     with pytest.raises(UsageError, match=rf"^{argument}='x': applies to checkpoints") as info:
         ckpt_tools.diff(model, model, **{argument: "x"})
     assert (info.value.argument, info.value.flag) == (argument, flag)
+
+
+def test_what_the_choice_passed_over_is_said_not_called_identical(tmp_path: Path) -> None:
+    # Two tensor dicts (a GAN's): the largest is compared, the other is named, uncompared.
+    import torch
+
+    from tests.helpers import run_ckpt
+
+    enc = {"l1.weight": torch.ones(4, 4), "l1.bias": torch.ones(4), "l2.weight": torch.ones(4)}
+    torch.save({"encoder": enc, "decoder": {"out.weight": torch.ones(2)}}, tmp_path / "a.pt")
+    torch.save({"encoder": enc, "decoder": {"out.weight": torch.zeros(2)}}, tmp_path / "b.pt")
+    report = ckpt_tools.diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert report.a.passed_over == report.b.passed_over == ("decoder",)
+    assert report.to_json()["a"]["passed_over"] == ["decoder"]
+    said = run_ckpt("diff", tmp_path / "a.pt", tmp_path / "b.pt").stdout
+    assert "state dict 'encoder', 3 tensors, also 'decoder', not compared)" in said
+    assert "identical: same keys, every tensor bit-equal (not compared: 'decoder')" in said
+    assert not ckpt_tools.diff(tmp_path / "a.pt", tmp_path / "b.pt", select="decoder").identical
+
+
+def test_a_root_whose_tensors_all_lie_deeper_is_refused_with_where(tmp_path: Path) -> None:
+    # An optimizer's state dict: compared as the root, no tensor would be, and two different
+    # files would be called identical.
+    import torch
+
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "opt1.pt")
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "opt2.pt")
+    with pytest.raises(UsageError, match=r"tensor\(s\) lie deeper \(state\.0\.step") as info:
+        ckpt_tools.diff(tmp_path / "opt1.pt", tmp_path / "opt2.pt")
+    assert "pass select='state.0'" in str(info.value)
+    pair = (tmp_path / "opt1.pt", tmp_path / "opt2.pt")
+    report = ckpt_tools.diff(*pair, select="state.0", select_b="state.0")
+    assert not report.identical  # the fix it names compares them

@@ -20,14 +20,14 @@ def parse_fail_on(text: str | None) -> tuple[frozenset[str], bool]:
     if not text:
         return frozenset(), False
     parts = {p.strip() for p in text.split(",") if p.strip()}
-    if parts & {"any", "all"}:
-        return frozenset(FAIL_CATEGORIES), "value" in parts
-    bad = sorted(parts - set(FAIL_CATEGORIES))
-    if bad:
+    bad = sorted(parts - set(FAIL_CATEGORIES) - {"any", "all"})
+    if bad or not parts:  # a typo beside "any" is a typo too
         raise UsageError(
-            f"--fail-on {text!r}: unknown {', '.join(bad)}; choose from "
+            f"--fail-on {text!r}: unknown {', '.join(bad) or 'empty list'}; choose from "
             f"{','.join(FAIL_CATEGORIES)} (or 'any')"
         )
+    if parts & {"any", "all"}:
+        return frozenset(FAIL_CATEGORIES), "value" in parts
     return frozenset(parts), "value" in parts
 
 
