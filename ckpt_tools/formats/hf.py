@@ -22,6 +22,7 @@ from ckpt_tools.descriptors import StorageRef, TensorRef
 from ckpt_tools.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    Remedy,
     ResourceLimitError,
     UnsupportedFormatError,
     quote_foreign,
@@ -125,6 +126,12 @@ def shard_path(folder: str, name: str, named_by: str) -> str:
             f"{named_by!r} names shard {name!r}, a symlink that leads out of its folder "
             f"(to {real!r}); shards must lie inside the folder",
             path=named_by,
+            remedies=(
+                Remedy(
+                    text="copy the files it links to into the folder, or open a linked file "
+                    "by its own path"
+                ),
+            ),
         )
     return where
 

@@ -68,8 +68,11 @@ def test_single_weight_file_symlinked_outside_is_refused(tmp_path: Path) -> None
     folder = tmp_path / "single"
     folder.mkdir()
     (folder / "model.safetensors").symlink_to(target)
-    with pytest.raises(CorruptCheckpointError, match="leads out of its folder"):
+    with pytest.raises(CorruptCheckpointError, match="leads out of its folder") as info:
         open_checkpoint(folder)
+    # The way on is named: the linked file opens by its own path.
+    assert "open a linked file by its own path" in str(info.value)
+    assert open_checkpoint(folder / "model.safetensors").format == "safetensors"
 
 
 def test_symlink_inside_the_folder_and_hub_cache_blobs_open(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from ckpt_tools.errors import CheckpointError, VerificationError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
 from ckpt_tools.io.ranges import SourceEndedError, fd_pread, pread_chunks
 from ckpt_tools.io.tensor_bytes import decompressed, iter_row_major
+from ckpt_tools.io.verify.keys import as_planned_keys
 from ckpt_tools.io.verify.levels import NOT_VERIFIED, VERIFY_LEVELS
 from ckpt_tools.structure.selection import select_state_dict
 from ckpt_tools.structure.tensor_walk import tensors_by_place
@@ -150,29 +151,12 @@ def verify_output(path: str, expected: Expected, level: str = "sizes") -> str:
         return NOT_VERIFIED
     out, sd = _read_back(path, expected)
     kinds = (TensorRef, RebuiltTensor) if expected.rebuilt else TensorRef
-    got = _as_planned({k: v for k, v in sd.items() if isinstance(v, kinds)}, expected)
-    if out.format == "safetensors":
-        got = _without_unplanned_aliases(got, expected)
-    _check_keys(got, expected, ordered=out.format != "safetensors")
+    got = {k: v for k, v in sd.items() if isinstance(v, kinds)}
+    got = as_planned_keys(got, expected.tensors, safetensors=out.format == "safetensors")
     _check_tensors(out, got, expected, level)
     if level == "full":
         return f"verified: {len(got)} tensors, keys, sizes and bytes"
     return f"verified: {len(got)} tensors, keys and sizes"
-
-
-def _as_planned(got: Mapping[Any, Any], expected: Expected) -> dict[Any, Any]:
-    """``got`` under the planned key objects. A key holding NaN (torch keeps one, or two) is
-    equal to no other object, itself aside: each planned key stands for the next one read
-    back that reads the same, in order."""
-    spelled: dict[tuple[type, str], list[Any]] = {}
-    for k in expected.tensors:
-        spelled.setdefault((type(k), repr(k)), []).append(k)
-    return {
-        k
-        if k in expected.tensors or not (same := spelled.get((type(k), repr(k))))
-        else same.pop(0): v
-        for k, v in got.items()
-    }
 
 
 def _read_back(path: str, expected: Expected) -> tuple[Checkpoint, Mapping[Any, Any]]:
@@ -200,32 +184,6 @@ def _read_back(path: str, expected: Expected) -> tuple[Checkpoint, Mapping[Any, 
             f"({', '.join(introduced[:5])})"
         )
     return out, sd
-
-
-def _without_unplanned_aliases(
-    got: Mapping[Any, TensorRef], expected: Expected
-) -> dict[Any, TensorRef]:
-    """A safetensors output reads back with the tied names its metadata records, each the
-    same tensor as its stored name (which comes first); a plan that lists only the stored
-    names is checked against those."""
-    first = {id(t): k for k, t in reversed(list(got.items()))}
-    return {k: t for k, t in got.items() if k in expected.tensors or first[id(t)] == k}
-
-
-def _check_keys(got: Mapping[Any, TensorRef], expected: Expected, ordered: bool) -> None:
-    """The written tensors' keys are the planned ones, in order where the format keeps one (a
-    safetensors header is a JSON object, which its readers list sorted)."""
-    # Keys compare with their types: 0 and "0" are two keys, and 1 must not come back True.
-    have, want = [(type(k), k) for k in got], [(type(k), k) for k in expected.tensors]
-    if not ordered:
-        have, want = sorted(have, key=repr), sorted(want, key=repr)
-    if have != want:
-        missing = [k for k in expected.tensors if k not in got][:3]
-        extra = [k for k in got if k not in expected.tensors][:3]
-        raise VerificationError(
-            f"the written file's keys differ from the planned ones (missing {missing}, "
-            f"unexpected {extra})"
-        )
 
 
 def _check_tensors(out: Checkpoint, got: Mapping[Any, Any], expected: Expected, level: str) -> None:
