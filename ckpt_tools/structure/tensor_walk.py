@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpt_tools._escape import short_repr
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
 
 __all__ = [
@@ -100,15 +101,24 @@ def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
 def _children(node: Any, path: str) -> list[tuple[Any, str]] | None:
     """The values a walk goes on to from ``node``, with their paths; None for a leaf."""
     if isinstance(node, dict):
-        children = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()]
+        children = [(v, _at(path, k)) for k, v in node.items()]
         # An OrderedDict's attributes (torch's BUILD sets them): a writer keeps them.
         attributes = getattr(node, "__dict__", None)
         return [*children, (attributes, path)] if attributes else children
     if isinstance(node, (list, tuple)):
-        return [(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(node)]
-    if isinstance(node, Opaque):
-        return [(node.state, path), (node.dictitems, path)]
+        return [(v, _at(path, i)) for i, v in enumerate(node)]
+    if isinstance(node, Opaque):  # an object's state, and a dict or list subclass's items
+        items = [(v, _at(path, k)) for k, v in node.dictitems or ()]
+        listed = [(v, _at(path, i)) for i, v in enumerate(node.listitems or ())]
+        return [(node.state, path), *items, *listed]
     return None
+
+
+def _at(path: str, key: Any) -> str:
+    """``path.key``; a key that is no string as its bounded repr (an int of 5000 digits has
+    no str())."""
+    text = key if isinstance(key, str) else short_repr(key, 40)
+    return f"{path}.{text}" if path else text
 
 
 def holding_containers(root: Any) -> set[int]:

@@ -115,6 +115,31 @@ def test_inspect_says_when_torch_weights_only_refuses_the_protocol(protocol, tmp
         assert f"protocol {protocol}" in note[0] and f"ckpt convert {src} OUT.pt" in note[0]
 
 
+def test_an_int_only_long4_holds_is_named_and_the_fix_writes_the_tensors_alone(tmp_path):
+    # 1 << 2100 needs LONG4, which torch's weights-only unpickler lacks and no repickling
+    # avoids: a torch output is refused, and inspect names the safetensors one that works.
+    import shlex
+
+    from tests.helpers import run_ckpt
+
+    src = tmp_path / "big.pt"
+    torch.save({"w": torch.ones(2), "seed": 1 << 2100}, src)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(src, weights_only=True)
+    note = next(
+        ln for ln in run_ckpt("inspect", src).stdout.splitlines() if ln.startswith("pickle:")
+    )
+    assert "an int of 256 bytes or more has no opcode it reads" in note, note
+    fix = note.split("`")[1]
+    assert fix == f"ckpt convert {src} OUT.safetensors --drop-extras"
+    run_ckpt(*shlex.split(fix.replace("OUT", str(tmp_path / "out")))[1:])
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], torch.ones(2))
+    with pytest.raises(ConversionError, match="needs LONG4, which no rewrite avoids: leave it out"):
+        convert(src, tmp_path / "out.pt")
+
+
 @pytest.mark.parametrize("reread", [True, False], ids=["reads-directory", "opened-records"])
 def test_default_verification_is_torch_strict(reread, tmp_path):
     # The strict re-read refuses what torch.load(mmap=True) or weights_only=True cannot read,

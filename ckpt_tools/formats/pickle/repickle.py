@@ -345,8 +345,15 @@ def check_weights_only_pickle(
     except ValueError as e:
         raise error(f"{what} is not a well-formed pickle ({quote_foreign(e)})") from e
     if bad:
+        big = (
+            "; an int of 256 bytes or more needs LONG4, which no rewrite avoids: leave it out"
+            if "LONG4" in bad
+            else ""
+        )
         raise error(
-            f"{what} uses opcodes torch.load(weights_only=True) rejects: " + ", ".join(bad[:8])
+            f"{what} uses opcodes torch.load(weights_only=True) rejects: "
+            + ", ".join(bad[:8])
+            + big
         )
 
 

@@ -183,16 +183,7 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
                 f"never imported): `{verdict}` says whether loading it can run code"
             )
         if self.beyond_weights_only:
-            fix = (
-                f"ckpt convert {shell_path(self.path)} OUT.pt"
-                if for_cli
-                else f"ckpt_tools.convert({self.path!r}, OUT)"
-            )
-            lines.append(
-                f"pickle:      protocol {self.pickle_protocol} with opcodes torch.load("
-                f"weights_only=True) lacks ({', '.join(self.beyond_weights_only[:4])}): torch "
-                f"refuses this file; `{fix}` writes one it reads"
-            )
+            lines.append(self._pickle_line(for_cli))
         if self.entries:
             lines.append("other entries:")
             lines += [f"  {k}: {v}" for k, v in list(self.entries.items())[:_ENTRIES_SHOWN]]
@@ -315,6 +306,26 @@ class CheckpointInfo(Readable, TensorsByName[TensorInfo]):
             f"CheckpointInfo(path={self.path!r}, format={self.format!r}, "
             f"selected={'.'.join(self.selected)!r}, tensors={len(self.tensors)}, "
             f"total_params={self.total_params})"
+        )
+
+    def _pickle_line(self, for_cli: bool) -> str:
+        """What torch lacks to read the pickle, and the rewrite that makes one it reads."""
+        # An int of 256 bytes or more has no opcode but LONG4: a torch file keeps it, so
+        # only the tensors alone (safetensors) load.
+        big = "LONG4" in self.beyond_weights_only
+        path, out = shell_path(self.path), "OUT.safetensors" if big else "OUT.pt"
+        if for_cli:
+            fix = f"ckpt convert {path} {out}" + (" --drop-extras" if big else "")
+        else:
+            fix = f"ckpt_tools.convert({self.path!r}, {out!r}" + (
+                ", drop_extras=True)" if big else ")"
+            )
+        why = "; an int of 256 bytes or more has no opcode it reads" if big else ""
+        return (
+            f"pickle:      protocol {self.pickle_protocol} with opcodes torch.load("
+            f"weights_only=True) lacks ({', '.join(self.beyond_weights_only[:4])}): torch "
+            f"refuses this file{why}; `{fix}` writes "
+            + ("its tensors alone" if big else "one it reads")
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -110,6 +110,48 @@ def test_a_root_that_is_no_mapping_lists_its_tensors_by_path(tmp_path: Path) -> 
     assert listed.total_bytes == 9
 
 
+def test_a_dict_root_whose_tensors_all_lie_deeper_lists_them_by_path(tmp_path: Path) -> None:
+    # An optimizer's state dict: no entry is a state dict, and every tensor is nested.
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    want = [
+        (f"state.{i}.{k}", tuple(v.shape)) for i, s in loaded["state"].items() for k, v in s.items()
+    ]
+    info = ckpt_tools.inspect(tmp_path / "opt.pt")
+    assert [(t.name, t.shape) for t in info.tensors] == want
+    assert info.total_bytes == sum(v.nbytes for s in loaded["state"].values() for v in s.values())
+    assert info.selection_reason.startswith("the root is a dict, no state dict; its tensors by")
+
+
+_SUBCLASSED = """
+import collections, sys, torch
+class MyList(list):
+    pass
+d = collections.defaultdict(list)
+d["enc.weight"], d["enc.bias"] = torch.ones(2, 2), torch.ones(2)
+torch.save({"dd": d, "listed": MyList([torch.ones(2), torch.ones(3)])}, sys.argv[1])
+"""
+
+
+def test_tensors_in_dict_and_list_subclasses_are_named_by_their_keys(tmp_path: Path) -> None:
+    # Objects the reader never builds: a defaultdict's items and a list subclass's items.
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _SUBCLASSED, str(tmp_path / "s.pt")], check=True)
+    info = ckpt_tools.inspect(tmp_path / "s.pt")
+    assert [(t.name, t.shape) for t in info.tensors] == [
+        ("dd.enc.weight", (2, 2)),
+        ("dd.enc.bias", (2,)),
+        ("listed.0", (2,)),
+        ("listed.1", (3,)),
+    ]
+
+
 def test_entries_whose_dotted_names_collide_are_each_listed(tmp_path: Path) -> None:
     sd = {"w": torch.ones(1)}
     tree = {"model": {"sd": sd, "step": 3}, "model.step": 4, 1: "int key", "1": "str key"}
