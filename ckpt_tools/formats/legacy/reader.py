@@ -325,7 +325,7 @@ def open_tar(path: str) -> Checkpoint:
                     f"{path!r} is a tar archive without the torch members {sorted(missing)}"
                 )
             return _read_tar(path, tar, members)
-    except tarfile.TarError as e:
+    except (tarfile.TarError, ValueError) as e:  # (a PAX header tarfile cannot parse: ValueError)
         raise CorruptCheckpointError(
             f"{path!r}: the tar archive cannot be read ({quote_foreign(e)})"
         ) from e

@@ -8,6 +8,8 @@ Its pickles are walked to the end of the file, never judged on their first bytes
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from ckpt_tools.errors import CheckpointError, LfsPointerError, UnsupportedFormatError
 from ckpt_tools.formats import detect_format
@@ -95,12 +97,23 @@ def _pickle_walks(path: str, head: bytes, source: RangeSource | None) -> list[Wa
 
 def _payload(walks: list[Walked]) -> bool:
     """Whether a walk calls a global the table calls dangerous (``os.system``, and any it
-    does not know, as ``imaplib.IMAP4_stream``): a loader runs it before the bytes break,
-    whatever the file is named. Text that merely reads as protocol 0 names a global (``cos``
-    then ``sin``: ``os.sin``) but calls nothing, or calls one no loader can import (a Lisp
-    file's ``(in-package ...)``)."""
-    called = (i for w in walks for i in w.scan.called if could_import(i))
-    return any(classify(python3_qualname(i.qualname)).severity == "dangerous" for i in called)
+    does not know, as ``imaplib.IMAP4_stream``), or calls one it can import (or changes one
+    in place) beside importing such a global: a gadget calls what it is handed
+    (``copyreg._reconstructor(Popen, ...)``), and ``os.environ`` filled runs nothing yet
+    changes what runs. A loader does it before the bytes break, whatever the file is named.
+    Text that merely reads as protocol 0 names a global (``cos`` then ``sin``: ``os.sin``)
+    but calls nothing, or calls one no loader can import (a Lisp file's ``(in-package ...)``)."""
+
+    def importable(found: Callable[[Any], Any]) -> list[Any]:
+        return [i for w in walks for i in found(w.scan) if could_import(i)]
+
+    dangerous = {
+        i.qualname
+        for i in importable(lambda scan: scan.imports)
+        if classify(python3_qualname(i.qualname)).severity == "dangerous"
+    }
+    called, mutated = importable(lambda s: s.called), importable(lambda s: s.mutated)
+    return bool(dangerous) and bool(called or mutated)
 
 
 # The names torch.load's files go by: one that fails as a pickle is still a payload's place.

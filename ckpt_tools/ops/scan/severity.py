@@ -166,8 +166,12 @@ def storage_class_rule(qualname: str, name: str | None, record: str) -> Rule | N
         'nonstandard'
         >>> storage_class_rule("foo.HalfStorage", "HalfStorage", "notes.pkl") is None
         True
+        >>> storage_class_rule("foo.UntypedStorage", "UntypedStorage", "archive/data.pkl") is None
+        True
     """
-    if name not in STORAGE_TYPE_DTYPE or qualname == f"torch.{name}":
+    # torch's table of storage names has no UntypedStorage: x.UntypedStorage is imported
+    # from x, as written (judged as any other import).
+    if name not in STORAGE_TYPE_DTYPE or name == "UntypedStorage" or qualname == f"torch.{name}":
         return None
     if not (record.endswith("/data.pkl") or record in _STORAGE_BY_NAME):
         return None

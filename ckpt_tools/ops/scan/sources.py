@@ -324,6 +324,8 @@ def _tar_pickles(path: str) -> Iterator[Walked]:
         # torch.load does not give up there: it reads the file as the legacy format.
         yield from _sequence(path, len(_LEGACY_PICKLES), _LEGACY_PICKLES)
         raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
+    except ValueError as e:  # a PAX header tarfile cannot parse: torch.load stops there too
+        raise CorruptCheckpointError(f"{path!r}: the tar archive cannot be read ({e})") from e
     # torch.load of a stream with no file number (a BytesIO, a bucket's file object) and
     # pickle.load read the same bytes as pickles from the first: a header can be one.
     # Only what a loader could import counts: a header's junk names fail to (config.json

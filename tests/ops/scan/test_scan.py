@@ -884,3 +884,23 @@ def test_a_dcp_item_that_is_no_zip_is_walked_as_torch_load_reads_it(tmp_path: Pa
     assert found.verdict == "dangerous", found
     assert "builtins.open" in {f.global_name for f in found.findings}
     run_ckpt("scan", folder, code=1)
+
+
+def test_a_tar_whose_pax_header_tarfile_cannot_parse_is_unreadable(tmp_path: Path) -> None:
+    # tarfile raises ValueError (not TarError) for a malformed GNU.sparse.map, and so does
+    # torch.load, before any pickle is read: one line, unreadable, in a folder scan too.
+    path = tmp_path / "old.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("pickle")
+        info.pax_headers = {"GNU.sparse.map": "x"}
+        data = b"\x80\x02}q\x00."
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ValueError), tarfile.open(path):
+        pass
+    for target in (path, tmp_path):
+        report = scan(target)
+        assert [f.verdict for f in report.files] == ["unreadable"]
+        assert "the tar archive cannot be read (ValueError" in report.files[0].error
+    code, _, err = run_ckpt("inspect", path, code=None)
+    assert code == 4 and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -207,3 +207,48 @@ def test_a_broken_protocol_0_pickle_named_as_a_checkpoint_is_scanned_in_a_folder
     found = [(Path(f.path).name, f.verdict) for f in report.files]
     assert found == [("model.bin", "dangerous"), ("payload.data", "dangerous")]
     assert sorted(Path(p).name for p in report.skipped) == sorted(texts)
+
+
+_LOADS = """
+import os, pickle, sys, time
+try:
+    pickle.load(open(sys.argv[1], "rb"))
+except Exception:
+    pass
+for _ in range(100):  # (Popen's child creates the marker a moment later)
+    if os.path.exists(sys.argv[2]) or os.environ.pop("CKPT_SCAN_CANARY", None):
+        print("ran")
+        break
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("shape", ["copyreg gadget", "torch gadget", "environ filled"])
+def test_a_payload_a_gadget_calls_under_another_name_is_dangerous(
+    tmp_path: Path, shape: str
+) -> None:
+    # No direct call of the dangerous global: copyreg._reconstructor(cls, base, state) calls
+    # base.__init__; torch's _rebuild_from_type_v2(func, ...) calls func; a SETITEM fills
+    # os.environ. pickle.load runs each before the bad byte, whatever the file is named.
+    marker = tmp_path / "ran"
+    # The dangerous global, imported but not called: subprocess.Popen opens a child that
+    # creates the marker (a harmless command: touch).
+    popen, touch = b"csubprocess\nPopen\n", f"(S'touch'\nS'{marker}'\nl".encode()
+    payload = {
+        "copyreg gadget": b"ccopyreg\n_reconstructor\n(" + popen + popen + touch + b"tR\xff",
+        "torch gadget": b"ctorch._tensor\n_rebuild_from_type_v2\n("
+        + popen
+        + b"cbuiltins\nobject\n("
+        + touch
+        + b"t}tR\xff",
+        "environ filled": b"cos\nenviron\nS'CKPT_SCAN_CANARY'\nS'yes'\ns\xff",
+    }[shape]
+    folder = tmp_path / "models"
+    folder.mkdir()
+    path = folder / "weights.dat"
+    path.write_bytes(payload)
+    said = run_script(_LOADS, path, marker, preload=("pickle",), check=True)
+    assert [line.strip() for line in said] == ["ran"], shape  # it runs
+    for target in (path, folder):  # named, and found in a folder
+        report = scan(target)
+        assert [f.verdict for f in report.files] == ["dangerous"], (shape, report)

@@ -252,3 +252,39 @@ def test_a_storage_class_in_another_module_is_read_by_its_name(tmp_path) -> None
     ]
     (tmp_path / "plain.pkl").write_bytes(b"\x80\x02cnot_a_module\nFloatStorage\n.")
     assert scan([tmp_path / "plain.pkl"]).files[0].verdict == "dangerous"
+
+
+def test_untyped_storage_in_another_module_is_imported_as_written(tmp_path) -> None:
+    """torch's table of storage names has no UntypedStorage: ``x.UntypedStorage`` in
+    data.pkl is imported from ``x`` (a module beside the file runs), so it is dangerous."""
+    import io
+    import subprocess
+    import sys
+    import zipfile
+
+    import torch
+
+    from ckpt_tools import scan
+
+    (tmp_path / "evilmod.py").write_text("open('imported', 'w').write('yes')\n")
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    path = tmp_path / "model.pt"
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for name in src.namelist():
+            data = src.read(name)
+            if name.endswith("/data.pkl"):
+                data = b"\x80\x02cevilmod\nUntypedStorage\n0}q\x00."
+            out.writestr(name, data)
+    load = (
+        "import torch\n"
+        "try:\n    torch.load('model.pt', weights_only=False)\n"
+        "except Exception:\n    pass"
+    )
+    subprocess.run([sys.executable, "-c", load], cwd=tmp_path, check=True)
+    assert (tmp_path / "imported").exists()  # the oracle: torch.load imported the module
+    found = scan([path]).files[0]
+    assert found.verdict == "dangerous"
+    assert [(f.global_name, f.severity) for f in found.findings] == [
+        ("evilmod.UntypedStorage", "dangerous")
+    ]
