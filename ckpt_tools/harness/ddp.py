@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -60,6 +59,7 @@ from ckpt_tools.harness.spawning import (
     adopt_environment,
     end_with_launcher,
     free_port,
+    scratch_folder,
     start_method,
 )
 
@@ -219,7 +219,7 @@ def _check_sync_bn(config: TrainConfig, device: torch.device) -> None:
 def _spawn(config: TrainConfig, devices: Sequence[torch.device], train: TrainRank) -> TrainResult:
     """Start one process per device and return rank 0's result."""
     world = len(devices)
-    with tempfile.TemporaryDirectory(prefix="ckpt-harness-ddp-") as scratch:
+    with scratch_folder("ckpt-harness-ddp-") as scratch:  # (SIGTERM: ranks stopped too)
         # Rank 0 reports through run.json: in out_dir when there is one, else a scratch dir.
         report_dir = config.out_dir if config.out_dir is not None else scratch
         started = time.perf_counter()
@@ -303,7 +303,7 @@ def _worker(
     train_rank = _train if train_rank is None else train_rank
     device = devices[local_rank]
     # Ranks share the machine's cores; one thread each avoids oversubscription (and keeps
-    # CPU kernels on the same single-threaded code path in every rank).
+    # CPU kernels on one code path in every rank, as placement.one_thread does in process).
     torch.set_num_threads(1)
     if device.type == "cuda":
         # The worker process is ours, so this global setting is fine here; it lets cuBLAS

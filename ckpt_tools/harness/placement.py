@@ -7,7 +7,8 @@ gloo, the manual loop over CPU replicas), so the device list is then ``world_siz
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -15,7 +16,7 @@ from ckpt_tools._types import ascii_int
 from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.loading.devices import pick_devices
 
-__all__ = ["DEFAULT_CPU_WORLD_SIZE", "parse_gpus", "resolve_devices"]
+__all__ = ["DEFAULT_CPU_WORLD_SIZE", "one_thread", "parse_gpus", "resolve_devices"]
 
 #: World size when none is given and there is no GPU to count.
 DEFAULT_CPU_WORLD_SIZE = 2
@@ -182,3 +183,22 @@ def resolve_devices(
             ),
         )
     return [torch.device("cuda", i) for i in ids[:world_size]]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one CPU thread while inside, as every spawned rank runs: runs compared by
+    parity then sum in the same order (a BatchNorm's statistics on two threads differ in
+    their last bits, and steps carry that on).
+
+    Example:
+        >>> with one_thread():
+        ...     torch.get_num_threads()
+        1
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

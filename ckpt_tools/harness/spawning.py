@@ -8,15 +8,19 @@ and unlike ``fork``, no rank inherits this process's state: no CUDA context, no 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import select
 import signal
 import socket
+import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
-__all__ = ["adopt_environment", "end_with_launcher", "free_port", "start_method"]
+from ckpt_tools.io.interrupts import signals_raise
+
+__all__ = ["adopt_environment", "end_with_launcher", "free_port", "scratch_folder", "start_method"]
 
 # Third-party modules only: a preloaded module stays as the server imported it, and this
 # package may be imported from another path by the process that starts the ranks.
@@ -99,3 +103,21 @@ def end_with_launcher(launcher: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=wait, name="ckpt-launcher-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str) -> Iterator[str]:
+    """A temporary folder, removed however the run ends: SIGTERM and SIGHUP (a ``kill``, a
+    cancelled CI job) unwind as Ctrl-C does, where their default action would end the
+    process before any cleanup.
+
+    Example:
+        >>> import os
+        >>> with scratch_folder("ckpt-doc-") as scratch:
+        ...     made = os.path.isdir(scratch)
+        >>> made, os.path.exists(scratch)
+        (True, False)
+    """
+    with signals_raise() as release, tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        release()
+        yield scratch

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,18 @@ def test_a_rank_that_said_why_it_failed_is_told_by_that_whatever_its_exit(tmp_pa
     assert "after rank 1 stopped: lost the other ranks" in str(killed)
 
 
+@pytest.fixture
+def short_tmpdir() -> Iterator[Path]:
+    """A TMPDIR of its own for a child, by a short path: the forkserver's socket lies in it,
+    and a socket's path is limited to 107 bytes (a worker's tmp_path can be longer)."""
+    import shutil
+    import tempfile
+
+    made = Path(tempfile.mkdtemp(prefix="ckh-"))
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
 def _sigint_default() -> None:
     """A child's Ctrl-C at its default, as a user's shell starts a command: a test worker
     may ignore SIGINT, and its children would inherit that."""
@@ -243,14 +256,19 @@ def test_a_rank_killed_by_a_signal_is_one_line_naming_it(
     ids=["SIGTERM", "SIGKILL", "SIGINT", "SIGINT-ckpt"],
 )
 def test_ranks_end_with_a_launcher_killed_alone(
-    sig: int, entry: list[str], tmp_path: Path, subprocess_env: dict[str, str]
+    sig: int,
+    entry: list[str],
+    tmp_path: Path,
+    short_tmpdir: Path,
+    subprocess_env: dict[str, str],
 ) -> None:
     # Not the process group (Ctrl-C, timeout): the launcher alone, as `kill PID` does.
-    out = tmp_path / "run"
+    out, scratch = tmp_path / "run", short_tmpdir
     args = ["--strategy", "ddp", "--steps", "100000", "--device", "cpu", "--out", str(out)]
+    env = {**subprocess_env, "TMPDIR": str(scratch)}
 
     with subprocess.Popen(
-        [*entry, *args], env=subprocess_env, stderr=subprocess.PIPE, preexec_fn=_sigint_default
+        [*entry, *args], env=env, stderr=subprocess.PIPE, preexec_fn=_sigint_default
     ) as proc:
         try:
             ranks = _rank_pids(proc.pid, 2, timeout=60)
@@ -266,6 +284,33 @@ def test_ranks_end_with_a_launcher_killed_alone(
             proc.kill()
     assert alive == zombies, "ranks outlived their launcher"
     assert not any(out.glob("*.pt"))
+    if sig != signal.SIGKILL:  # (nothing cleans up after SIGKILL) the scratch folder is gone
+        assert not list(scratch.glob("ckpt-harness-*")), list(scratch.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks in /proc")
+def test_parity_killed_by_sigterm_leaves_no_scratch_tree(
+    short_tmpdir: Path, subprocess_env: dict[str, str]
+) -> None:
+    # `kill PID`, `timeout`, a cancelled CI job: the checkpoints parity trains into go too.
+    scratch = short_tmpdir
+    command = [sys.executable, "-m", "ckpt_tools", "harness", "parity", "--arch", "lenet"]
+    command += ["--steps", "100000", "--strategies", "single,ddp"]
+    env = {**subprocess_env, "TMPDIR": str(scratch)}
+    with subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, preexec_fn=_sigint_default
+    ) as proc:
+        try:
+            deadline = time.monotonic() + 60
+            while not list(scratch.glob("ckpt-harness-parity-*/single")):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode != 0
+    assert not list(scratch.glob("ckpt-harness-*")), list(scratch.iterdir())
 
 
 @pytest.mark.slow

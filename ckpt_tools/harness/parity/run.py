@@ -25,7 +25,6 @@ two with two orders of margin each way.
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -52,7 +51,8 @@ from ckpt_tools.harness.parity.checks import (
     check_vs_single,
 )
 from ckpt_tools.harness.parity.reference import step_gaps
-from ckpt_tools.harness.placement import resolve_devices
+from ckpt_tools.harness.placement import one_thread, resolve_devices
+from ckpt_tools.harness.spawning import scratch_folder
 from ckpt_tools.harness.strategies import check_replicas_batch, train
 from ckpt_tools.structure.json_values import json_ready
 
@@ -214,12 +214,13 @@ def run_parity(
     order = [s for s in order if s not in {row.strategy for row in skipped}]
     _refuse_sync_bn_on_cpu(model, order, devices[0].type)
     kw = dict(model_kwargs or {})
-    with tempfile.TemporaryDirectory(prefix="ckpt-harness-parity-") as scratch:
+    with scratch_folder("ckpt-harness-parity-") as scratch:
         root = Path(out_dir) if out_dir is not None else Path(scratch)
         common = dict(model=model, steps=steps, world_size=world_size, batch_size=batch_size)
         common.update(seed=seed, gpus=gpus, device=device, model_kwargs=kw, zero_stage=zero_stage)
         configs = _checked_configs(order, root, devices, common)
-        runs = [train(config) for config in configs]
+        with one_thread():  # the ranks' one thread: the same kernels, so the same sums
+            runs = [train(config) for config in configs]
         uses_bn = has_batchnorm(init_model(TrainConfig(model=model, model_kwargs=kw)))
         rows: list[CheckResult] = list(skipped)
         single_bare = root / "single" / "bare.pt"

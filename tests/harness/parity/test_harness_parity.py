@@ -280,3 +280,25 @@ def test_failed_rows_with_nan_diffs_fail_the_report_and_json_stays_strict() -> N
     assert not report.all_passed
     data = json.loads(json.dumps(report.to_json(), allow_nan=False))  # NaN must not leak
     assert data["rows"][0]["max_abs_diff"] == "nan" and data["all_passed"] is False
+
+
+def test_a_one_rank_run_matches_single_bit_for_bit_on_any_thread_count() -> None:
+    # Every rank computes on one thread; single, computed in this process, did so on
+    # torch's default count, and a BatchNorm's statistics on two threads differ in their
+    # last bits: a correct one-rank DDP run failed (c) by 7e-5 after two steps.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        report = run_parity(
+            world_size=1,
+            model="resnet",
+            batch_size=4,
+            steps=2,
+            strategies=("single", "ddp"),
+            device="cpu",
+        )
+        assert torch.get_num_threads() == 2  # (restored)
+    finally:
+        torch.set_num_threads(threads)
+    row = report.row("ddp", "vs_single")
+    assert row.status == "pass" and row.max_abs_diff == 0.0, row
