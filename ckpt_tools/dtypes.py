@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "BY_NAME_STORAGE_TYPES",
     "DTYPE_ITEMSIZE",
     "DTYPE_STORAGE_TYPE",
     "FLOATING",
@@ -92,6 +93,9 @@ STORAGE_TYPE_DTYPE: dict[str, str] = {
     # Untyped storages count bytes.
     "UntypedStorage": "uint8",
 }
+#: The storage class names torch.load's unpickler takes by name from any module (its
+#: ``StorageType`` table): the typed ones; ``x.UntypedStorage`` it imports from ``x``.
+BY_NAME_STORAGE_TYPES: frozenset[str] = frozenset(STORAGE_TYPE_DTYPE) - {"UntypedStorage"}
 # The typed storage class torch.save names for a tensor of each dtype (torch's own
 # ``_dtype_to_storage_type_map``). Newer dtypes (float8, uint16, ...) have none: torch saves
 # them on an ``UntypedStorage`` with ``_rebuild_tensor_v3``.

@@ -39,7 +39,7 @@ from ckpt_tools.structure.selection import (
     unbuilt_holders,
 )
 from ckpt_tools.structure.suggest import wrapper_stack
-from ckpt_tools.structure.tensor_walk import iter_tensors
+from ckpt_tools.structure.tensor_walk import iter_listed_tensors
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads values
     import torch
@@ -216,18 +216,18 @@ def _file_side(
     """A checkpoint file's (or URL's) side; its tensors are read only to compare values."""
     ckpt = open_path(side, session=session)
     selection = select_state_dict(ckpt.root, select=select)
+    label = shown_url(os.fspath(side))  # a URL's password is never shown
     if selection.stand_in:  # its empty stand-in would compare as identical to anything
         raise UsageError(
-            f"{holds_no_state_dict(repr(shown_url(os.fspath(side))), ckpt.root)}; "
-            "diff compares state dicts"
+            f"{holds_no_state_dict(repr(label), ckpt.root)}; diff compares state dicts"
         )
     sd = selection.state_dict
     entries, foreign, others, values_of = split_entries(sd, (TensorRef, RebuiltTensor))
     if not selection.found:
-        _refuse_unbuilt(shown_url(os.fspath(side)), sd)
-        _refuse_deeper_tensors(shown_url(os.fspath(side)), sd, entries)
+        _refuse_unbuilt(label, sd)
+        _refuse_deeper_tensors(label, sd, entries)
     info = SideInfo(
-        shown_url(os.fspath(side)),  # a URL's password is never shown
+        label,
         "file",
         path=ckpt.path,
         format=ckpt.format,
@@ -282,7 +282,7 @@ def _refuse_deeper_tensors(path: str, root: Mapping[Any, Any], entries: Mapping[
     """Refuse a root where no state dict was found whose tensors all lie deeper (an
     optimizer's ``state.0.exp_avg``): compared as it is, it would compare none of them and
     call two different files identical."""
-    deeper = iter_tensors(root) if not entries else []
+    deeper = iter_listed_tensors(root) if not entries else []  # (sparse ones too)
     if not deeper:
         return
     first = deeper[0][0].rpartition(".")[0]

@@ -64,11 +64,15 @@ CAST_SOURCES: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
 #: Dtypes a cast writes.
 CAST_TARGETS: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
-_BITS = {"float64": np.uint64, "float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 # float8 is only ever widened to float32 (a buffer's upcast), which is exact.
-_BITS.update(dict.fromkeys(FLOAT8_DTYPES, np.uint8))
-_ITEMSIZE.update(dict.fromkeys(FLOAT8_DTYPES, 1))
+_BITS = {
+    "float64": np.uint64,
+    "float32": np.uint32,
+    "float16": np.uint16,
+    "bfloat16": np.uint16,
+    **dict.fromkeys(FLOAT8_DTYPES, np.uint8),
+}
+_ITEMSIZE = {dtype: np.dtype(bits).itemsize for dtype, bits in _BITS.items()}
 # Elements per vector block of the kernels whose last ``n % block`` elements take a scalar path.
 _VECTOR_BLOCK = {("float64", "bfloat16"): 16, ("float16", "float32"): 8}
 _CHUNK_ELEMENTS = 1 << 20

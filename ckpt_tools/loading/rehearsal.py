@@ -334,9 +334,8 @@ def _uncopyable_kind(value: torch.Tensor, have: torch.Tensor) -> str:
         return "quantized"
     from ckpt_tools.loading.tensor_io import dtype_name
 
-    pair = {dtype_name(value.dtype), dtype_name(have.dtype)}
-    if pair & _NO_COPY or (len(pair) == 2 and pair & _NO_CAST):
-        v, h = dtype_name(value.dtype), dtype_name(have.dtype)
+    v, h = dtype_name(value.dtype), dtype_name(have.dtype)
+    if {v, h} & _NO_COPY or (v != h and {v, h} & _NO_CAST):
         return v if v == h else f"{v} (to {h})"
     return ""
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_tools._escape import short_repr
 from ckpt_tools.descriptors import Opaque, RebuiltTensor, TensorRef
+from ckpt_tools.structure.paths import key_text
 
 __all__ = [
     "holding_containers",
@@ -91,33 +91,41 @@ def _tree_tensors(obj: Any, prefix: str, kinds: Any) -> list[tuple[str, Any]]:
             continue
         if id(node) in seen:
             continue
-        children = _children(node, path)
+        children = _children(node)
         if children is not None:
             seen.add(id(node))
-            stack.extend(reversed(children))  # popped in the tree's order
+            named = [(c, path if k is _HERE else _at(path, k)) for c, k in children]
+            stack.extend(reversed(named))  # popped in the tree's order
     return found
 
 
-def _children(node: Any, path: str) -> list[tuple[Any, str]] | None:
-    """The values a walk goes on to from ``node``, with their paths; None for a leaf."""
+# The key of a child that stands at its parent's own path (an object's state, the
+# attributes torch's BUILD set on an OrderedDict).
+_HERE = object()
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """The values a walk goes on to from ``node``, each with its key (:data:`_HERE` for one
+    at ``node``'s own path); None for a leaf. Keys, not paths: a walk that needs no names
+    builds none."""
     if isinstance(node, dict):
-        children = [(v, _at(path, k)) for k, v in node.items()]
+        children = list(zip(node.values(), node.keys()))
         # An OrderedDict's attributes (torch's BUILD sets them): a writer keeps them.
         attributes = getattr(node, "__dict__", None)
-        return [*children, (attributes, path)] if attributes else children
+        return [*children, (attributes, _HERE)] if attributes else children
     if isinstance(node, (list, tuple)):
-        return [(v, _at(path, i)) for i, v in enumerate(node)]
+        return [(v, i) for i, v in enumerate(node)]
     if isinstance(node, Opaque):  # an object's state, and a dict or list subclass's items
-        items = [(v, _at(path, k)) for k, v in node.dictitems or ()]
-        listed = [(v, _at(path, i)) for i, v in enumerate(node.listitems or ())]
-        return [(node.state, path), *items, *listed]
+        items = [(v, k) for k, v in node.dictitems or ()]
+        listed = [(v, i) for i, v in enumerate(node.listitems or ())]
+        return [(node.state, _HERE), *items, *listed]
     return None
 
 
 def _at(path: str, key: Any) -> str:
-    """``path.key``; a key that is no string as its bounded repr (an int of 5000 digits has
-    no str())."""
-    text = key if isinstance(key, str) else short_repr(key, 40)
+    """``path.key``, a key that is no string as :func:`~ckpt_tools.structure.paths.key_text`
+    writes it (an int of 5000 digits has no str())."""
+    text = key_text(key)
     return f"{path}.{text}" if path else text
 
 
@@ -140,7 +148,7 @@ def holding_containers(root: Any) -> set[int]:
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
         node, expanded = stack.pop()
-        children = _children(node, "")
+        children = _children(node)
         if children is None:
             continue
         if expanded:  # its children are done (a cycle's back edge counts as done)

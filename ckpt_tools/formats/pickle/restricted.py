@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 from ckpt_tools._escape import short_repr
 from ckpt_tools.descriptors import GlobalRef, Opaque, StorageRef
-from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
+from ckpt_tools.dtypes import BY_NAME_STORAGE_TYPES
 from ckpt_tools.errors import CorruptCheckpointError, shown
 from ckpt_tools.formats.pickle.allowlist import resolve_allowed
 from ckpt_tools.formats.pickle.imports import python3_name
@@ -70,8 +70,7 @@ class _Restricted:
             # torch.load (weights_only=False) resolves a global named like a typed storage
             # class in *any* module to a StorageType, which cannot be called; its table has
             # no UntypedStorage, which it imports as written.
-            typed = name in STORAGE_TYPE_DTYPE and name != "UntypedStorage"
-            base = _UncallableStorageType if typed else Opaque
+            base = _UncallableStorageType if name in BY_NAME_STORAGE_TYPES else Opaque
             # A GLOBAL line may hold a NUL, a STACK_GLOBAL name a lone surrogate: type()
             # takes neither, so the class is named by the escaped form; global_ref keeps the name.
             ref = GlobalRef(module, name)

@@ -54,10 +54,13 @@ def as_planned_keys(
 def _as_planned(got: Mapping[Any, Any], planned: Mapping[Any, Any]) -> dict[Any, Any]:
     """``got`` under the planned key objects. A key holding NaN (torch keeps one, or two) is
     equal to no other object, itself aside: each planned key stands for the next one read
-    back that reads the same, in order."""
+    back that reads the same, in order. Spelled only where a key is not found as it is."""
+    if all(k in planned for k in got):
+        return dict(got)
     spelled: dict[tuple[type, str], list[Any]] = {}
     for k in planned:
-        spelled.setdefault((type(k), repr(k)), []).append(k)
+        if k not in got:
+            spelled.setdefault((type(k), repr(k)), []).append(k)
     return {
         k if k in planned or not (same := spelled.get((type(k), repr(k)))) else same.pop(0): v
         for k, v in got.items()

@@ -38,14 +38,13 @@ def _selected(ckpt: Checkpoint, select: Select) -> Selection:
         flat = script_module_tensors(ckpt.root)
         if flat:
             selection = Selection((), "TorchScript module: its parameters and buffers", flat)
-    # A dict root of no state dict whose tensors all lie deeper (an optimizer's): by path too.
-    deeper = not selection.found and not any(map(_listed, selection.state_dict.values()))
-    if selection.stand_in or deeper:  # torch.save(tensor), torch.save([...]), an optimizer's
-        # Sparse, meta and nested tensors too, as under a dict root.
-        found = tensors_by_place(ckpt.root)
-        if selection.stand_in or found:
-            why = f"the root is {a_kind_of(ckpt.root)}, no state dict; its tensors by path"
-            selection = replace(selection, reason=why, state_dict=found)
+    # torch.save(tensor), torch.save([...]), and a dict root of no state dict whose tensors
+    # all lie deeper (an optimizer's): every tensor by its path, sparse, meta and nested too.
+    held = selection.found or any(map(_listed, selection.state_dict.values()))
+    found = {} if held else tensors_by_place(ckpt.root)  # (a stand-in is never found)
+    if selection.stand_in or found:
+        why = f"the root is {a_kind_of(ckpt.root)}, no state dict; its tensors by path"
+        selection = replace(selection, reason=why, state_dict=found)
     return selection
 
 

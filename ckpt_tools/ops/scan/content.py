@@ -8,8 +8,6 @@ Its pickles are walked to the end of the file, never judged on their first bytes
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
 
 from ckpt_tools.errors import CheckpointError, LfsPointerError, UnsupportedFormatError
 from ckpt_tools.formats import detect_format
@@ -103,17 +101,14 @@ def _payload(walks: list[Walked]) -> bool:
     changes what runs. A loader does it before the bytes break, whatever the file is named.
     Text that merely reads as protocol 0 names a global (``cos`` then ``sin``: ``os.sin``)
     but calls nothing, or calls one no loader can import (a Lisp file's ``(in-package ...)``)."""
-
-    def importable(found: Callable[[Any], Any]) -> list[Any]:
-        return [i for w in walks for i in found(w.scan) if could_import(i)]
-
-    dangerous = {
-        i.qualname
-        for i in importable(lambda scan: scan.imports)
-        if classify(python3_qualname(i.qualname)).severity == "dangerous"
-    }
-    called, mutated = importable(lambda s: s.called), importable(lambda s: s.mutated)
-    return bool(dangerous) and bool(called or mutated)
+    scans = [w.scan for w in walks]
+    acts = any(could_import(i) for s in scans for i in (*s.called, *s.mutated))
+    return acts and any(
+        classify(python3_qualname(i.qualname)).severity == "dangerous"
+        for s in scans
+        for i in s.imports
+        if could_import(i)
+    )
 
 
 # The names torch.load's files go by: one that fails as a pickle is still a payload's place.

@@ -29,7 +29,7 @@ import fnmatch
 import functools
 from typing import Literal
 
-from ckpt_tools.dtypes import STORAGE_TYPE_DTYPE
+from ckpt_tools.dtypes import BY_NAME_STORAGE_TYPES
 from ckpt_tools.formats.dcp.globals import DCP_METADATA_GLOBALS, ENUM_GETATTR
 from ckpt_tools.formats.pickle.allowlist import ALLOWED_GLOBALS
 from ckpt_tools.formats.pickle.imports import PickleImport
@@ -169,9 +169,8 @@ def storage_class_rule(qualname: str, name: str | None, record: str) -> Rule | N
         >>> storage_class_rule("foo.UntypedStorage", "UntypedStorage", "archive/data.pkl") is None
         True
     """
-    # torch's table of storage names has no UntypedStorage: x.UntypedStorage is imported
-    # from x, as written (judged as any other import).
-    if name not in STORAGE_TYPE_DTYPE or name == "UntypedStorage" or qualname == f"torch.{name}":
+    # x.UntypedStorage is none of them: imported from x, it is judged as any import.
+    if name not in BY_NAME_STORAGE_TYPES or qualname == f"torch.{name}":
         return None
     if not (record.endswith("/data.pkl") or record in _STORAGE_BY_NAME):
         return None
