@@ -308,14 +308,15 @@ def _in_memory(side: DiffSide, select: Select, name: str, values: bool) -> Itera
                 value=repr(select),
                 flag=SELECT_ARGUMENTS[name][1],
             )
-        module, sd = side, side.state_dict()
+        try:
+            module, sd = side, side.state_dict()
+        except Exception as e:  # the model's own code (a hook, get_extra_state): named, chained
+            failed = f"{type(side).__name__}.state_dict() failed: {type(e).__name__}: {e}"
+            raise UsageError(failed) from e
         info = SideInfo(f"<module {type(side).__name__}>", "module")
     elif isinstance(side, Mapping):
-        selection = (
-            select_state_dict(side, select=select)
-            if select is not None or not is_state_dict(side)
-            else None
-        )
+        wanted = select is not None or not is_state_dict(side)
+        selection = select_state_dict(side, select=select) if wanted else None
         sd = selection.state_dict if selection else side
         info = SideInfo(
             "<state dict>",

@@ -52,6 +52,11 @@ class WithExtra(nn.Module):
         self.cfg = state
 
 
+class BrokenExtra(WithExtra):  # its state_dict() raises: the model's own fault
+    def get_extra_state(self) -> Any:
+        raise RuntimeError("cfg is not ready")
+
+
 class Lazy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -308,7 +313,7 @@ def test_a_lazy_parameter_renamed_onto_is_a_match_for_suggestions(save: Save) ->
 
 MODELS_PY = """
 from torch import nn
-from tests.diffing.test_model_keys import Lazy, NewWN, OldBN, WithExtra
+from tests.diffing.test_model_keys import BrokenExtra, Lazy, NewWN, OldBN, WithExtra
 """
 
 
@@ -345,3 +350,13 @@ def test_the_command_on_a_lazy_model(models: str, save: Save) -> None:
     code, out, err = run_ckpt("diff", path, "--model", f"{models}:Lazy", "--fail-on", "any")
     assert code == 0 and "Traceback" not in out + err
     assert "fc.weight" in out and "uninitialized" in out
+
+
+def test_a_model_whose_state_dict_raises_is_named_in_one_line(models: str, save: Save) -> None:
+    path = save(_no_extra(), "no_extra.pt")
+    code, out, err = run_ckpt("diff", path, "--model", f"{models}:BrokenExtra", code=None)
+    assert code == 2 and "Traceback" not in out + err, err
+    assert "BrokenExtra.state_dict() failed: RuntimeError: cfg is not ready" in err
+    with pytest.raises(ct.UsageError, match=r"BrokenExtra.state_dict\(\) failed") as caught:
+        diff(path, BrokenExtra())
+    assert isinstance(caught.value.__cause__, RuntimeError)
