@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Sequence
+from errno import EEXIST, ENOENT
 from typing import Any
 
 from ckpt_tools._escape import quote_foreign, shown
@@ -135,6 +136,12 @@ class CheckpointError(Exception):
         self.flag = flag
         self.remedies = tuple(remedies)
 
+    @property
+    def filename(self) -> str | None:
+        """``path``, as OSError's field, which the leaves that are one are read by; a property,
+        so that pickling rebuilds them from their own arguments, not OSError's."""
+        return self.path
+
     def render(self, *, for_cli: bool = False) -> str:
         """The error in words: ``argument=value: message; remedies``.
 
@@ -171,7 +178,9 @@ class SelectError(UsageError, KeyError):
 
 
 class CheckpointNotFoundError(UsageError, FileNotFoundError):
-    """The input path does not exist."""
+    """The input path does not exist; ``errno`` is ``ENOENT``, as the built-in's."""
+
+    errno = ENOENT
 
 
 class MissingExtraError(UsageError, ImportError):
@@ -249,7 +258,8 @@ _OTHER_OUTPUT = Remedy(text="choose another output path")
 
 
 class OutputExistsError(OutputError, FileExistsError):
-    """The output path exists and ``force`` was not given.
+    """The output path exists and ``force`` was not given; ``errno`` is ``EEXIST``, as the
+    built-in's.
 
     Args:
         path: the output path; the message and the remedies are built from it.
@@ -267,6 +277,10 @@ class OutputExistsError(OutputError, FileExistsError):
             remedies=(Remedy("force", "True", flag="--force", text="to replace it"), _OTHER_OUTPUT),
         )
         self.args = (os.fspath(path),)  # what pickle passes back to __init__
+
+    @property  # type: ignore[override]
+    def errno(self) -> int:
+        return EEXIST
 
 
 class SameFileError(OutputError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import errno
 import inspect
 import pickle
 import re
@@ -29,6 +30,7 @@ from ckpt_tools.errors import (
     EXIT_UNSAFE,
     EXIT_USAGE,
     CheckpointError,
+    CheckpointNotFoundError,
     LfsPointerError,
     NonTensorEntriesError,
     OutputError,
@@ -269,6 +271,7 @@ def test_verification_error_says_the_output_was_not_kept_once() -> None:
         UnsafeContentError("bad", ("posix.system",), path="a.pt", remedies=(Remedy("x", "1"),)),
         SelectError("no entry", argument="select", value="'a'", flag="--select"),
         NonTensorEntriesError("extras", ("epoch",), path="a.pt"),
+        CheckpointNotFoundError("gone", path="a.pt"),
     ],
 )
 def test_errors_survive_pickling(err: CheckpointError) -> None:
@@ -277,6 +280,8 @@ def test_errors_survive_pickling(err: CheckpointError) -> None:
     assert type(again) is type(err)
     assert str(again) == str(err) and again.render(for_cli=True) == err.render(for_cli=True)
     assert (again.path, again.argument, again.remedies) == (err.path, err.argument, err.remedies)
+    if isinstance(err, OSError):  # the built-in's fields too
+        assert (again.errno, again.filename) == (err.errno, err.filename)
 
 
 def test_built_in_parents_still_catch() -> None:
@@ -368,4 +373,5 @@ def test_an_output_error_from_a_failed_write_carries_its_errno(tmp_path: Path) -
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == ["OutputError", "True"], done.stderr
-    assert OutputExistsError("x").errno is None  # a refusal has none
+    assert SameFileError("x").errno is None  # a refusal has none
+    assert OutputExistsError("x").errno == errno.EEXIST  # as the built-in FileExistsError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import pickle
@@ -14,12 +13,12 @@ from typing import Any
 
 from ckpt_tools._types import StrPath, checked_flags, checked_path
 from ckpt_tools.errors import (
-    CheckpointNotFoundError,
     LfsPointerError,
     Remedy,
     ResourceLimitError,
     UnsupportedFormatError,
 )
+from ckpt_tools.formats.missing import missing
 from ckpt_tools.formats.urls import refuse_url
 
 __all__ = [
@@ -120,12 +119,9 @@ def detect_format(path: StrPath, *, content_only: bool = False) -> str:
     # The path as given, through os: pathlib is a large import that reading needs nothing of.
     p = checked_path(path)
     refuse_url(p)  # every local reader comes here: a URL gets the one refusal
-    if not _exists(p):
-        raise CheckpointNotFoundError(
-            f"no such file or folder: {p!r}; check the path (relative paths start at "
-            f"{os.getcwd()!r})",
-            path=p,
-        )
+    nothing = missing(p)
+    if nothing is not None:
+        raise nothing
     if check_regular(p) == "folder":
         from ckpt_tools.formats.dcp.layout import is_dcp_folder
         from ckpt_tools.formats.deepspeed.layout import is_deepspeed_folder
@@ -177,22 +173,6 @@ def detect_bytes(
     """
     find = _content_format if content_only else _format_of
     return find(name.split("?", 1)[0], size, head, read_to)
-
-
-# What ``Path.exists`` takes for "nothing there"; any other failure to stat is raised.
-_MISSING = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
-
-
-def _exists(path: str) -> bool:
-    try:
-        os.stat(path)
-    except OSError as e:
-        if e.errno not in _MISSING:
-            raise
-        return False
-    except ValueError:  # a NUL in the path
-        return False
-    return True
 
 
 def _format_of(p: str, size: int, head: bytes, read_to: Callable[[int], bytes]) -> str:
@@ -335,10 +315,11 @@ def check_regular(path: str | os.PathLike[str]) -> str:
     """
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError(
-            f"no such file or folder: {os.fspath(path)!r}", path=path
-        ) from e
+    except OSError as e:
+        nothing = missing(os.fspath(path))
+        if nothing is None:
+            raise
+        raise nothing from e
     if stat.S_ISDIR(mode):
         return "folder"
     if not stat.S_ISREG(mode):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import struct
 import tarfile
 from collections.abc import Callable
@@ -186,3 +188,30 @@ def test_ckpt_debug_shows_the_traceback() -> None:
     assert loud.stderr.endswith(quiet.stderr)  # the same line, after the traceback
     assert "Traceback (most recent call last)" in loud.stderr
     assert "CorruptCheckpointError" in loud.stderr
+
+
+def test_a_path_that_names_nothing_says_why(tmp_path: Path) -> None:
+    # torch says "Too many levels of symbolic links" and "Not a directory"; a hub cache
+    # snapshot whose blob never arrived is a symlink to nothing: each is named as it is.
+    plain = tmp_path / "plain.pt"
+    shutil.copyfile(fixture_path("model.pt"), plain)
+    (tmp_path / "loop_a").symlink_to("loop_b")
+    (tmp_path / "loop_b").symlink_to("loop_a")
+    (tmp_path / "model.safetensors").symlink_to("blobs/deadbeef")
+    cases = {
+        "loop_a": r"'.*loop_a': a symlink loop",
+        "model.safetensors": r"'.*model\.safetensors' is a symlink to 'blobs/deadbeef', which "
+        r"does not exist",
+        "plain.pt/": r"'.*plain\.pt/': '.*plain\.pt' is a file, not a folder",
+        "plain.pt/inner.pt": r"'.*plain\.pt' is a file, not a folder",
+        "nope.pt": r"no such file or folder: '.*nope\.pt'; check the path",
+    }
+    for name, expected in cases.items():
+        path = f"{tmp_path}/{name}"
+        with pytest.raises(CheckpointNotFoundError, match=expected) as caught:
+            ckpt_tools.load_state_dict(path)
+        # A FileNotFoundError as the built-in is: handlers that test errno keep working.
+        assert (caught.value.errno, caught.value.filename) == (errno.ENOENT, path)
+        assert main(["inspect", path]) == EXIT_USAGE
+    with pytest.raises(CheckpointNotFoundError, match="is a symlink to 'blobs/deadbeef'"):
+        ckpt_tools.average([plain, tmp_path / "model.safetensors"], tmp_path / "mean.pt")

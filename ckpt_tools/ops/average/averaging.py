@@ -45,6 +45,7 @@ from ckpt_tools._types import (
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint, refuse_url
+from ckpt_tools.formats.missing import missing
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.ops.average.items import plan_items
 from ckpt_tools.ops.average.mean_stream import checked_weights
@@ -95,7 +96,7 @@ def pick_inputs(patterns: Sequence[str], last: int | None = None) -> list[str]:
                 raise UsageError(f"{pattern!r} matches no file")
             found += matched
         else:  # named, not matched: before --last sorts by mtime, which would stat it
-            raise CheckpointNotFoundError(f"no such file or folder: {pattern!r}", path=pattern)
+            raise missing(pattern) or CheckpointNotFoundError(repr(pattern), path=pattern)
     if last is not None:
         found = _in_run_order(found)[-last:]
     if not found:
