@@ -266,6 +266,10 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
             Finding("__setstate__", f.record, "dangerous", _RUNS_ON_LOAD)
             for f in files
             if f.runs_on_load
+        ) + tuple(
+            Finding("<bytes not read>", f.record, "dangerous", _CODE_READ_IN_PART)
+            for f in files
+            if f.read_in_part and not f.runs_on_load
         )
     verdict = _verdict(findings, error, bool(code))
     return FileScan(path, fmt, verdict, findings, error, len(walked) + len(reading.read), code)
@@ -274,6 +278,10 @@ def _scan(path: str, remote: Remote | None) -> FileScan | None:
 _RUNS_ON_LOAD = (
     "torch.jit.load runs a TorchScript __setstate__ while it loads the archive (torch.load "
     "hands it one), and TorchScript can read and write files"
+)
+_CODE_READ_IN_PART = (
+    "a code file read in part (its first 64 MiB): a __setstate__ past that, which "
+    "torch.jit.load would run, is not looked for"
 )
 # Formats torch.load(weights_only=True) refuses whatever their pickles hold.
 _FORMATS_BEYOND_WEIGHTS_ONLY = {

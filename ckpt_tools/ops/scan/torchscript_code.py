@@ -23,12 +23,14 @@ _SETSTATE = b"__setstate__"
 
 
 class CodeFile(NamedTuple):
-    """A TorchScript archive's code file: the classes it defines, and whether one of them
-    has a ``__setstate__`` (which ``torch.jit.load`` runs while it loads the archive)."""
+    """A TorchScript archive's code file: the classes it defines, whether one of them has a
+    ``__setstate__`` (which ``torch.jit.load`` runs while it loads the archive), and whether
+    it is longer than what is read of it (where one could lie unseen)."""
 
     record: str
     classes: tuple[str, ...]
     runs_on_load: bool
+    read_in_part: bool = False
 
     def __str__(self) -> str:
         return f"{self.record}: " + (f"class {', '.join(self.classes)}" if self.classes else "code")
@@ -53,7 +55,8 @@ def _code_files(path: str, fd: ZipSource, size: int) -> tuple[CodeFile, ...]:
         folded = entry.name.lower()  # torch's lookup of a record ignores ASCII case
         if "/code/" not in folded or not folded.endswith(".py"):
             continue
-        text = read_head(fd, located(path, fd, entry), _MOST)
+        text = read_head(fd, located(path, fd, entry), _MOST + 1)
+        in_part, text = len(text) > _MOST, text[:_MOST]
         classes = tuple(m.decode("ascii") for m in _CLASS.findall(text))
-        found.append(CodeFile(entry.name, classes, _SETSTATE in text))
+        found.append(CodeFile(entry.name, classes, _SETSTATE in text, in_part))
     return tuple(found)
