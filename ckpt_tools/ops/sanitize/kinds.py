@@ -25,6 +25,8 @@ __all__ = [
 
 NAMESPACES = ("argparse.Namespace", "types.SimpleNamespace")
 FROZENSETS = ("builtins.frozenset", "__builtin__.frozenset")
+_RECONSTRUCTORS = ("copyreg._reconstructor", "copy_reg._reconstructor")
+_DICTS = ("builtins.dict", "__builtin__.dict")
 _PATHS = {"PosixPath": posixpath, "PurePosixPath": posixpath}
 _PATHS.update({"WindowsPath": ntpath, "PureWindowsPath": ntpath})
 
@@ -99,20 +101,41 @@ def _kind(member: Any) -> Any:
     return getattr(type(member), "global_ref", None) or type(member)
 
 
-def unmirrored_state(node: Opaque) -> tuple[list[str], bool]:
+def reconstructed_items(node: Opaque) -> list[tuple[Any, Any]] | None:
+    r"""A dict subclass's items, as protocols 0 and 1 pickle one:
+    ``copyreg._reconstructor(cls, dict, {items})``; None for any other object.
+
+    Example:
+        >>> import io
+        >>> from ckpt_tools.formats.pickle.unpickler import load_pickle
+        >>> cfg = b"ccopy_reg\n_reconstructor\n(cmypkg\nCfg\nc__builtin__\ndict\n(dVlr\nF0.1\nstR."
+        >>> reconstructed_items(load_pickle(io.BytesIO(cfg)).root)  # mypkg.Cfg(lr=0.1)
+        [('lr', 0.1)]
+    """
+    if type(node).global_ref.qualname not in _RECONSTRUCTORS or len(node.args) != 3:
+        return None
+    cls, base, items = node.args
+    is_class = isinstance(cls, type) and issubclass(cls, Opaque)
+    base_ref = getattr(base, "global_ref", None) if isinstance(base, type) else None
+    if not is_class or base_ref is None or base_ref.qualname not in _DICTS:
+        return None
+    return list(items.items()) if type(items) is dict and not node.listitems else None
+
+
+def unmirrored_state(node: Opaque, items: list[tuple[Any, Any]]) -> tuple[list[str], bool]:
     """A dict subclass's attributes that do not only mirror one of its items (an EasyDict's
     ``d.lr is d["lr"]``), and whether it has state other than attributes (slots).
 
     Example:
         >>> from types import SimpleNamespace  # stands for the node
-        >>> unmirrored_state(SimpleNamespace(dictitems=[("lr", 0.1)], state={"lr": 0.1, "n": 2}))
+        >>> unmirrored_state(SimpleNamespace(state={"lr": 0.1, "n": 2}), [("lr", 0.1)])
         (['n'], False)
     """
     state = node.state if node.state is not node else None  # ``self.__dict__ = self``
     if state is not None and not isinstance(state, Mapping):
         return [], True
-    items = {key: value for key, value in node.dictitems if isinstance(key, str)}
-    return [a for a, v in (state or {}).items() if not (a in items and _same(items[a], v))], False
+    named = {key: value for key, value in items if isinstance(key, str)}
+    return [a for a, v in (state or {}).items() if not (a in named and _same(named[a], v))], False
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -48,6 +48,7 @@ from ckpt_tools.ops.sanitize.kinds import (
     enum_like,
     hashable,
     path_text,
+    reconstructed_items,
     same_member,
     unmirrored_state,
 )
@@ -143,7 +144,8 @@ class _Sanitizer:
         self._next_key = 1 + max(numbered, default=-1)
 
     def value(self, node: Any, path: str) -> Any:
-        if isinstance(node, (*_PLAIN, ConstantRef, TorchSize, DimRange)):
+        # A bare storage (torch.save of t.untyped_storage()) loads with weights_only=True.
+        if isinstance(node, (*_PLAIN, ConstantRef, TorchSize, DimRange, StorageRef)):
             return node
         if id(node) in self.memo:
             self._again(id(node), path)
@@ -318,7 +320,9 @@ class _Sanitizer:
             made = self._as_dict(node, node.dictitems, path)
             return self._converted(path, name, "dict", made)
         if node.dictitems and not node.args and not node.listitems and not known_danger(name):
-            return self._dict_subclass(node, name, path)
+            return self._dict_subclass(node, name, path, node.dictitems)
+        if (items := reconstructed_items(node)) is not None and not known_danger(cls):
+            return self._dict_subclass(node, cls, path, items)
         if (text := path_text(node, module, short)) is not None:
             return self._converted(path, name, "str", text)
         if empty_bytes(node):
@@ -329,10 +333,12 @@ class _Sanitizer:
             return self._converted(path, f"{name}({node.args[0]!r})", "its value", node.args[0])
         return self._drop(node, path)
 
-    def _dict_subclass(self, node: Opaque, name: str, path: str) -> Any:
+    def _dict_subclass(
+        self, node: Opaque, name: str, path: str, items: list[tuple[Any, Any]]
+    ) -> Any:
         """A dict subclass (an EasyDict, a user's OrderedDict) -> a dict of its items."""
-        made = self._as_dict(node, node.dictitems, path)
-        lost, other = unmirrored_state(node)
+        made = self._as_dict(node, items, path)
+        lost, other = unmirrored_state(node, items)
         lost_at = [_at(path, attr) for attr in lost] + ([path] if other else [])
         kinds = [f"attribute of a {name}"] * len(lost) + [f"state of a {name}"] * other
         self.dropped.extend(Change(at, was, "dropped") for at, was in zip(lost_at, kinds))

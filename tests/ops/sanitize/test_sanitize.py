@@ -20,6 +20,7 @@ import pathlib
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -632,3 +633,23 @@ def test_a_selection_inside_a_converted_object_names_what_it_became(fake, tmp_pa
     spaced = tmp_path / "spaced.pt"
     said = h.run_ckpt("sanitize", spaced, tmp_path / "o2.pt", "--select", "my net._modules", code=2)
     assert "pass --select 'my net' to verify what my net became" in said.stderr
+
+
+def test_bare_storages_are_kept_as_torch_loads_them(tmp_path: Path) -> None:
+    # torch.load(weights_only=True) reads a storage saved on its own: nothing to make plain.
+    shared = torch.arange(3.0).untyped_storage()
+    with warnings.catch_warnings():  # TypedStorage is deprecated, and still saved and loaded
+        warnings.simplefilter("ignore")
+        typed = torch.arange(4).storage()
+    src = tmp_path / "storages.pt"
+    torch.save({"s": shared, "again": [shared], "typed": typed, "w": torch.ones(2)}, src)
+    result = ct.sanitize(src, tmp_path / "out.pt", refuse_unsafe=True, verify="full")
+    assert result.dropped_values == () and result.converted == ()
+    before = torch.load(src, weights_only=True)
+    after = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert (
+        bytes(after["s"]) == bytes(before["s"])
+        and after["again"][0].data_ptr() == after["s"].data_ptr()
+    )
+    assert type(after["typed"]) is type(before["typed"]) and after["typed"].dtype == torch.int64
+    assert list(after["typed"]) == [0, 1, 2, 3] and torch.equal(after["w"], torch.ones(2))

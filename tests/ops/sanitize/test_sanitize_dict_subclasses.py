@@ -8,6 +8,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import ckpt_tools as ct
@@ -42,7 +43,7 @@ class SelfDict(dict):
 """
 
 
-def _saved(tmp_path: Path) -> tuple[Path, dict]:
+def _saved(tmp_path: Path, protocol: int = 2) -> tuple[Path, dict]:
     """A checkpoint of dict subclasses, and torch.load(weights_only=False)'s reading of it."""
     (tmp_path / "dictsubs_mod.py").write_text(CLASSES)
     sys.path.insert(0, str(tmp_path))
@@ -58,7 +59,7 @@ def _saved(tmp_path: Path) -> tuple[Path, dict]:
             "self": mod.SelfDict(x=2),
         }
         path = tmp_path / "dictsubs.pt"
-        torch.save(ckpt, path)
+        torch.save(ckpt, path, pickle_protocol=protocol)
         oracle = torch.load(path, weights_only=False)
     finally:
         sys.path.remove(str(tmp_path))
@@ -67,8 +68,10 @@ def _saved(tmp_path: Path) -> tuple[Path, dict]:
     return path, oracle
 
 
-def test_dict_subclasses_become_dicts_of_their_items(tmp_path: Path) -> None:
-    src, oracle = _saved(tmp_path)
+# Protocol 1 (and 0) pickles a dict subclass as copyreg._reconstructor(cls, dict, items).
+@pytest.mark.parametrize("protocol", [1, 2])
+def test_dict_subclasses_become_dicts_of_their_items(tmp_path: Path, protocol: int) -> None:
+    src, oracle = _saved(tmp_path, protocol)
     result = ct.sanitize(src, tmp_path / "out.pt", verify="full")
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert list(out) == list(oracle)
