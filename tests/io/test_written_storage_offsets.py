@@ -125,3 +125,24 @@ def _debug_load(path: Path) -> None:
         torch.load(path, weights_only=True)
     finally:
         del os.environ["TORCH_SERIALIZATION_DEBUG"]
+
+
+def test_an_archive_whose_root_folder_is_not_ascii_is_laid_out_anew(sources: Path) -> None:
+    # torch names the root folder after the file; re-zipped with deflate, its records are
+    # written anew, and the layout torch would compute is stated as not holding.
+    src = sources / "modèle.pt"
+    with zipfile.ZipFile(sources / "in.pt") as z, zipfile.ZipFile(src, "w") as out:
+        for info in z.infolist():
+            name = "modèle/" + info.filename.partition("/")[2]
+            out.writestr(name, z.read(info), zipfile.ZIP_DEFLATED)
+    want = torch.load(src, weights_only=True)
+    for args in (["convert"], ["rename", "--sub", "a=z"], ["convert", "--verify", "none"]):
+        out = sources / "out.pt"
+        run_ckpt(args[0], src, out, *args[1:], "--force")
+        assert _format_version(out) == b"0", args
+        _loads_with_computed_offsets(out)
+        got = torch.load(out, weights_only=True)
+        pairs = zip(got.values(), want.values(), strict=True)  # (rename changes a key only)
+        assert all(torch.equal(a, b) for a, b in pairs), args
+        with zipfile.ZipFile(out) as z:  # every name read as UTF-8: one root folder
+            assert {n.partition("/")[0] for n in z.namelist()} == {"modèle"}

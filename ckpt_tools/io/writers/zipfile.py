@@ -54,6 +54,7 @@ _ZIP64_ENTRIES = _U16
 # A fixed DOS date/time (1980-01-01 00:00), as torch's writer uses: outputs are reproducible.
 _DOS_TIME, _DOS_DATE = 0, (0 << 9) | (1 << 5) | 1
 _PAD_ID = 0x4246  # "FB", the padding extra field torch's writer uses
+_UTF8 = 0x800  # names are UTF-8, as torch's writer flags them (zip tools read them so)
 _LARGE_RECORD = 1 << 20
 _LARGE_ALIGNMENT = 64 << 10
 _WRITTEN_PAD = 4096
@@ -143,7 +144,7 @@ class TorchZipWriter:
                 "<IHHHHHIIIHH",
                 0x04034B50,
                 45 if zip64 else 20,
-                0,
+                _UTF8,
                 0,  # stored
                 _DOS_TIME,
                 _DOS_DATE,
@@ -168,7 +169,7 @@ class TorchZipWriter:
             pad = 0
         pwrite_all(self._fd, header, self._offset)
         start = self._offset + len(header) + pad
-        self._entries.append(_Entry(full, (self._offset, start), size, crc32))
+        self._entries.append(_Entry(full, (self._offset, start), size, crc32, _UTF8))
         self._offset = start
         return start
 
@@ -304,7 +305,7 @@ class TorchZipWriter:
         """Keep ``.format_version`` at ``1`` only where torch's computed storage offsets hold
         (:mod:`ckpt_tools.formats.zip.storage_offsets`); else make it ``0``, so torch reads
         each storage's own header. Records written anew or padded for copies lie elsewhere."""
-        root = len(self._root) + 1
+        root = len(self._root.encode()) + 1  # names are UTF-8 bytes
         named = {e.name[root:]: e for e in self._entries}
         version = named.get(b".format_version")
         if version is None or version.size != 1:
