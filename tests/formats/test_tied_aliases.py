@@ -248,3 +248,29 @@ def test_a_tie_named_like_a_metadata_entry_never_replaces_it(tmp_path: Path, out
     back = ct.load_state_dict(path if not out.endswith("/") else tmp_path / out)
     assert torch.equal(back["format"], w) and torch.equal(back["embed"], w)
     assert load_state_dict_from_file(path)  # huggingface_hub checks the format entry
+
+
+@pytest.mark.parametrize("out", ["sorted.safetensors", "hf/", "one/"])
+def test_a_sorted_state_dict_keeps_the_input_embedding_for_the_base_model(
+    tmp_path: Path, out: str
+) -> None:
+    # Sorted, lm_head.weight comes first; transformers' save_pretrained keeps the embedding,
+    # which the base model class (no head) loads too.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=8, intermediate_size=16, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=16, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    torch.save(dict(sorted(model.state_dict().items())), tmp_path / "sorted.pt")
+    shard = {"hf/": 1000, "one/": None}.get(out)
+    ct.convert(tmp_path / "sorted.pt", f"{tmp_path}/{out}", max_shard_size=shard)
+    if out.endswith("/"):
+        stored = {k for f in (tmp_path / out).glob("*.safetensors") for k in load_file(f)}
+        config.save_pretrained(tmp_path / out)
+        base = transformers.LlamaModel.from_pretrained(tmp_path / out)
+        assert torch.equal(base.embed_tokens.weight, model.model.embed_tokens.weight)
+    else:
+        stored = set(load_file(tmp_path / out))
+    assert "model.embed_tokens.weight" in stored and "lm_head.weight" not in stored

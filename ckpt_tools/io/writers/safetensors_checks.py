@@ -32,6 +32,8 @@ from ckpt_tools.errors import ConversionError, NonTensorEntriesError, Remedy, sh
 __all__ = [
     "RESERVED_NAME",
     "check_holdable",
+    "is_output_head",
+    "kept_name",
     "leave_out_extras",
     "tensor_attributes",
     "tied_names",
@@ -303,11 +305,10 @@ def tied_names(named: Iterable[tuple[str, TensorRef]]) -> dict[str, str]:
     """Tied tensors, which a safetensors file stores once: ``{dropped name: kept name}``.
 
     Tensors that are the same view of one storage (offset, shape, stride and dtype) are tied;
-    each group keeps its first name in the order given (key order), as transformers'
-    ``save_pretrained`` keeps the input embedding rather than the head tied to it (the module
-    that owns a weight is registered first); safetensors' ``load_model`` takes either. Tensors
-    without elements are never tied: they share no bytes, and safetensors keeps every name of
-    them.
+    each group keeps the name :func:`kept_name` picks (the input embedding, not the output
+    head tied to it, as transformers' ``save_pretrained`` keeps it); safetensors'
+    ``load_model`` takes either. Tensors without elements are never tied: they share no
+    bytes, and safetensors keeps every name of them.
 
     Args:
         named: (output name, tensor) pairs.
@@ -322,8 +323,43 @@ def tied_names(named: Iterable[tuple[str, TensorRef]]) -> dict[str, str]:
         {'lm_head.weight': 'embed.weight'}
     """
     pairs = [(name, t) for name, t in named if t.nbytes]
-    first: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    groups: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], list[str]] = {}
     for name, t in pairs:
-        first.setdefault((id(t.storage), t.offset, t.shape, t.stride, t.dtype), name)
-    kept = (first[(id(t.storage), t.offset, t.shape, t.stride, t.dtype)] for _, t in pairs)
-    return {name: keep for (name, _), keep in zip(pairs, kept, strict=True) if keep != name}
+        groups.setdefault((id(t.storage), t.offset, t.shape, t.stride, t.dtype), []).append(name)
+    kept = {name: kept_name(names) for names in groups.values() for name in names}
+    return {name: kept[name] for name, _ in pairs if kept[name] != name}
+
+
+#: The modules transformers ties to an input embedding: the output heads (``lm_head``,
+#: GPT-NeoX's ``embed_out``, Meta Llama's ``output``, Whisper's ``proj_out``, BERT's
+#: ``cls.predictions.decoder`` and RoBERTa's ``lm_head.decoder``), none of which a base model
+#: class has.
+_TIED_HEADS = frozenset({"lm_head", "embed_out", "output", "head", "proj_out"})
+
+
+def is_output_head(name: str) -> bool:
+    """Whether the weight ``name`` is an output head's that transformers ties to the input
+    embedding (a ``decoder`` at the top level is a model's own, not a head).
+
+    Example:
+        >>> is_output_head("lm_head.weight"), is_output_head("decoder.embed_tokens.weight")
+        (True, False)
+    """
+    parts = name.split(".")[:-1]
+    return bool(parts) and (
+        parts[-1] in _TIED_HEADS
+        or (parts[-1] == "decoder" and len(parts) > 1 and parts[-2] in ("lm_head", "predictions"))
+    )
+
+
+def kept_name(names: Sequence[str]) -> str:
+    """The name a group of tied tensors is stored under: the first in key order (the module
+    that owns a weight is registered first) that is no output head, so that a state dict in
+    another order (sorted: ``lm_head.weight`` first) still keeps the input embedding, which
+    the base model class loads too.
+
+    Example:
+        >>> kept_name(["lm_head.weight", "model.embed_tokens.weight"])
+        'model.embed_tokens.weight'
+    """
+    return min(names, key=is_output_head)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import ConversionError, Remedy
+from ckpt_tools.io.writers.safetensors_checks import kept_name
 
 __all__ = ["hf_shared_names", "same_view"]
 
@@ -40,9 +41,9 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
     """Which names of tied (memory-sharing) tensors to leave out, and the name each keeps.
 
     Tensors over one storage whose bytes overlap form a group (huggingface_hub's
-    ``_remove_duplicate_names``); the kept name is the first in key order of those that cover
-    the whole storage, as transformers' ``save_pretrained`` keeps it (the input embedding, not
-    the head tied to it: the module that owns a weight is registered first), or the first
+    ``_remove_duplicate_names``); the kept name is, of those that cover the whole storage, the
+    one :func:`~ckpt_tools.io.writers.safetensors_checks.kept_name` picks, as transformers'
+    ``save_pretrained`` keeps it (the input embedding, not the head tied to it), or the first
     where they are all one view of part of it (a tied weight carved from a flat buffer); the
     others are dropped, and the index maps kept names only.
 
@@ -87,7 +88,8 @@ def hf_shared_names(sd: Mapping[str, TensorRef]) -> dict[str, str]:
             if not complete:
                 incomplete.append("{" + ", ".join(sorted(group)) + "}")
                 continue
-            dropped.update((n, complete[0]) for n in sorted(group) if n != complete[0])
+            keep = kept_name(complete)
+            dropped.update((n, keep) for n in sorted(group) if n != keep)
     if incomplete:
         raise ConversionError(
             f"{len(incomplete)} group(s) of tensors share memory and none of them covers the "
