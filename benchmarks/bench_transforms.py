@@ -9,7 +9,9 @@ Generates, in a temp folder (removed at the end):
   ``ckpt slim IN OUT --dtype bf16 --weights-only`` against
   ``torch.load`` + ``.to(bfloat16)`` of the weights + ``torch.save``;
 * four fp32 state dicts of about AVG MiB each, and times ``ckpt average IN1..IN4 OUT``
-  against loading all four and averaging in float64 (``sum(x.double()) / 4``, ``.to(dtype)``).
+  against loading all four and averaging in float64 (``sum(x.double()) / 4``, ``.to(dtype)``);
+* two state dicts of 8000 keys that are views of one flat buffer (``zero_to_fp32``'s and FSDP's
+  layout), averaged the same ways: the time grows with the keys, not with their square.
 
 Each command runs in a fresh subprocess (wall time and peak RSS of that process); outputs are
 fsynced by ckpt itself, and the baselines' outputs are fsynced and the time added.
@@ -45,6 +47,10 @@ n = 64
 per = weights_mb * (1 << 20) // 4 // n
 model = {f"layers.{i}.weight": torch.randn(per // 1024, 1024) for i in range(n)}
 model["bn.num_batches_tracked"] = torch.tensor(7)
+if kind == "flat":  # every key a view of one buffer
+    per = weights_mb * (1 << 20) // 4 // 8000
+    flat = torch.randn(per * 8000)
+    model = {f"p{j}": flat[j * per : (j + 1) * per] for j in range(8000)}
 if kind == "trainer":
     state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(v),
                  "exp_avg_sq": torch.rand_like(v)}
@@ -84,12 +90,15 @@ def make_inputs(tmp: Path, size_mb: int, avg_mb: int) -> tuple[Path, list[Path]]
     inputs = [tmp / f"ckpt_{i}.pt" for i in range(4)]
     for i, p in enumerate(inputs):
         measure(python_command(_MAKE, p, str(avg_mb), "plain", str(i)))
+    for i in range(2):
+        measure(python_command(_MAKE, tmp / f"flat_{i}.pt", str(avg_mb), "flat", str(i)))
     sync_all()
     return trainer, inputs
 
 
 def make_cases(tmp: Path, trainer: Path, inputs: list[Path]) -> list[tuple]:
     """(task, ckpt's command, the baseline's, ckpt's output, the baseline's) per task."""
+    flat = [tmp / f"flat_{i}.pt" for i in range(2)]
     return [
         (
             "slim --dtype bf16 --weights-only",
@@ -104,6 +113,13 @@ def make_cases(tmp: Path, trainer: Path, inputs: list[Path]) -> list[tuple]:
             python_command(_AVG_BASELINE, tmp / "avg_b.pt", *inputs),
             tmp / "avg_a.pt",
             tmp / "avg_b.pt",
+        ),
+        (
+            "average of 2, 8000 views of one buffer",
+            ckpt_command("average", *flat, tmp / "flat_a.pt"),
+            python_command(_AVG_BASELINE, tmp / "flat_b.pt", *flat),
+            tmp / "flat_a.pt",
+            tmp / "flat_b.pt",
         ),
     ]
 

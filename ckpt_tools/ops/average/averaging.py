@@ -45,6 +45,7 @@ from ckpt_tools._types import (
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, Remedy, UsageError
 from ckpt_tools.formats import open_checkpoint, refuse_url
+from ckpt_tools.formats.base import Checkpoint
 from ckpt_tools.formats.missing import missing
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.ops.average.items import plan_items
@@ -147,9 +148,13 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[Any, tuple[Any, Any
 
 
 def _kind(value: Any) -> str:
-    """A value as a mismatch line says it: a tensor's dtype and shape, else its type."""
-    if isinstance(value, (TensorRef, RebuiltTensor)):
+    """A value as a mismatch line says it: a tensor's dtype and shape (and a sparse, nested
+    or meta one's kind), else its type."""
+    if isinstance(value, TensorRef):
         return f"{value.dtype} {list(value.shape)}"
+    if isinstance(value, RebuiltTensor):
+        kind = "meta" if value.device == "meta" else value.layout
+        return f"{value.dtype} {list(value.shape)} {kind}"
     return f"a {type(value).__name__}, not a tensor,"
 
 
@@ -210,6 +215,7 @@ def average(
     # OUT may be none of the inputs; each is checked (same file, hard link, symlink).
     target = next(iter([check_output_path(dst, s, force=force, in_place=None) for s in srcs]))
     ckpts = [open_checkpoint(s) for s in srcs]
+    _check_distinct(srcs, [_files_read(c) for c in ckpts])  # a folder and its own file
     # A pickled nn.Module's state dict is recovered, as slim and extract recover it.
     taken = [select_weights(c, allow_globals, select, ema=False) for c in ckpts]
     selections = [selection for selection, _ in taken]
@@ -250,26 +256,23 @@ def _weights(srcs: Sequence[str], weights: Sequence[float] | None, ints: str | N
     return checked_weights(weights, len(srcs))
 
 
-def _check_distinct(srcs: Sequence[str]) -> None:
-    """Refuse an input given twice: the same path, or two names of one file.
+def _check_distinct(srcs: Sequence[str], identities: Sequence[object] | None = None) -> None:
+    """Refuse an input given twice: the same path, two names of one file, or (``identities``:
+    the files each input is read from) a folder and its weight file or index.
 
     Averaging a file with itself is never what was meant by naming it twice (a glob that
     overlaps another, a typo); a file meant to count more gets a larger weight.
     """
     seen: dict[object, int] = {}
     for i, src in enumerate(srcs):
-        try:
-            st = os.stat(src)
-            identity: object = (st.st_dev, st.st_ino)
-        except OSError:  # missing: named as given (opening it will say it is missing)
-            identity = os.path.normpath(src)
-        first = seen.setdefault(identity, i)
+        first = seen.setdefault(_identity(src) if identities is None else identities[i], i)
         if first == i:
             continue
         said = (
             f"{src!r} is given twice"
             if srcs[first] == src
-            else f"{srcs[first]!r} and {src!r} are the same file"
+            else f"{srcs[first]!r} and {src!r} are the same "
+            + ("file" if identities is None else "checkpoint")
         )
         raise UsageError(
             f"{said} (inputs {first + 1} and {i + 1} of {len(srcs)}); average each input once",
@@ -280,3 +283,19 @@ def _check_distinct(srcs: Sequence[str]) -> None:
                 ),
             ),
         )
+
+
+def _identity(path: str) -> object:
+    """One file however named: its device and inode (a missing one: its path, normalized)."""
+    try:
+        st = os.stat(path)
+    except OSError:  # missing: named as given (opening it will say it is missing)
+        return os.path.normpath(path)
+    return (st.st_dev, st.st_ino)
+
+
+def _files_read(ckpt: Checkpoint) -> frozenset[object]:
+    """The files a checkpoint is read from: an HF folder's shards, else its one file."""
+    if ckpt.shards:
+        return frozenset(_identity(os.path.join(ckpt.path, name)) for name in ckpt.shards)
+    return frozenset({_identity(ckpt.path)})

@@ -193,6 +193,8 @@ class _Plan:
         """
         t = others[0]
         sid = id(t.storage)
+        if sid in self.storages:  # its keys lie alike in every input: computed once, for all
+            return t
         used = range(len(self.ckpts)) if make is _mean_of else (0, len(self.ckpts) - 1)
         keys = self.on_storage[sid]
         alike = sid not in self.apart and _alike(keys, [self.aligned[i] for i in used])
@@ -200,12 +202,11 @@ class _Plan:
         # and v chunked from one storage are written each as its own, as convert writes them.
         whole = not self.to_safetensors or all(self.aligned[0][k][1].covers_storage() for k in keys)
         if alike and whole:
-            if sid not in self.storages:
-                storages = [others[i].storage for i in used]
-                views = [self.aligned[0][k][1] for k in keys]  # where its cast runs start
-                self.storages[sid] = make(
-                    self.ckpts, storages, self.w, t.dtype, t.storage.nbytes, views
-                )
+            storages = [others[i].storage for i in used]
+            views = [self.aligned[0][k][1] for k in keys]  # where its cast runs start
+            self.storages[sid] = make(
+                self.ckpts, storages, self.w, t.dtype, t.storage.nbytes, views
+            )
             return t
         if len(keys) > 1 and sid not in self.apart and not alike:
             self.notes.append(
@@ -291,9 +292,10 @@ def _same_value(ca: Checkpoint, a: Any, cb: Checkpoint, b: Any, digest: _Digests
     if isinstance(a, Reduced):
         return a.func == b.func and _same_value(ca, a.args, cb, b.args, digest)
     if isinstance(a, Mapping):
-        return [(type(k), k) for k in a] == [(type(k), k) for k in b] and all(
-            _same_value(ca, a[k], cb, b[k], digest) for k in a
-        )
+        ka, kb = [(type(k), k) for k in a], [(type(k), k) for k in b]
+        # A dict equals one in another order, as == says; an OrderedDict does not.
+        same_keys = ka == kb or (type(a) is dict and len(ka) == len(kb) and set(ka) == set(kb))
+        return same_keys and all(_same_value(ca, a[k], cb, b[k], digest) for k in a)
     if isinstance(a, (list, tuple)):
         pairs = zip(a, b)
         return len(a) == len(b) and all(_same_value(ca, x, cb, y, digest) for x, y in pairs)

@@ -6,6 +6,7 @@ differing non-tensor entries, are refused (exit 7) unless ``ints`` names the inp
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,20 @@ def test_average_refuses_differing_non_tensor_entries(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_a_dict_in_another_order_is_the_same_entry_an_ordered_one_is_not(tmp_path: Path) -> None:
+    # As torch.load's values compare: {"lr": .1, "bs": 8} == {"bs": 8, "lr": .1}.
+    a = {"w": torch.ones(1), "cfg": {"lr": 0.1, "bs": 8}}
+    b = {"w": torch.ones(1), "cfg": {"bs": 8, "lr": 0.1}}
+    code, output, out = _average(tmp_path, a, b)
+    assert code == 0, output
+    assert torch.load(out, weights_only=True)["cfg"] == {"lr": 0.1, "bs": 8}
+    a["cfg"], b["cfg"] = OrderedDict(a["cfg"]), OrderedDict(b["cfg"])
+    assert a["cfg"] != b["cfg"]
+    out.unlink()
+    code, output, out = _average(tmp_path, a, b)
+    assert code == 7 and "non-tensor entries differ across inputs: cfg (OrderedDict)" in output
+
+
 def test_average_takes_differing_non_tensor_entries_from_the_input_ints_names(
     tmp_path: Path,
 ) -> None:
@@ -240,3 +255,12 @@ def test_tensors_with_no_mean_that_differ_name_a_fix_that_runs(tmp_path: Path) -
     assert code == 7 and "blocks.0.mask (bool)" in output, output
     assert "--drop" not in output and "extract" not in output
     assert "leave the tensors with no mean out of each input's state dict" in output
+
+
+def test_a_sparse_or_meta_tensor_against_a_dense_one_is_named_as_such(tmp_path: Path) -> None:
+    dense = {"w": torch.randn(3, 4), "m": torch.randn(3)}
+    other = {"w": torch.randn(3, 4).to_sparse(), "m": torch.empty(3, device="meta")}
+    code, output, out = _average(tmp_path, dense, other)
+    assert code == 7 and not out.exists()
+    assert "~ w: float32 [3, 4] in a.pt, float32 [3, 4] sparse_coo in b.pt" in output
+    assert "~ m: float32 [3] in a.pt, float32 [3] meta in b.pt" in output

@@ -289,6 +289,15 @@ def test_an_input_given_twice_is_named_not_miscounted(
     assert "at least two inputs" not in err
     assert _snapshot(tmp_path) == before
 
+    # An HF folder and its own weight file or index: one checkpoint, read from the same files.
+    for name, shard in (("one", None), ("sharded", 100)):
+        ct.convert(first, f"{tmp_path}/{name}/", max_shard_size=shard)
+        index = "model.safetensors.index.json" if shard else "model.safetensors"
+        for twin in (f"{tmp_path}/{name}/{index}", f"{tmp_path}/./{name}"):
+            srcs = [tmp_path / name, tmp_path / "ckpt_1.pt", twin]
+            with pytest.raises(ct.UsageError, match=r"same (checkpoint|file) \(inputs 1 and 3"):
+                ct.average(srcs, tmp_path / "avg.pt")
+
     # What repeating it meant, said with a weight.
     ct.average([first, tmp_path / "ckpt_2.pt"], tmp_path / "avg.pt", weights=[2, 1])
     out = torch.load(tmp_path / "avg.pt", weights_only=True)
