@@ -51,7 +51,7 @@ _COMMANDS = {
     "rename": _Entry(
         "ckpt_tools.cli.commands.rewrite",
         "rename_cmd",
-        "Rename keys: prefix maps (--sub) then regex substitutions (--regex).",
+        "Rename keys: prefix maps (--sub) and regex substitutions (--regex), in the order given.",
     ),
     "convert": _Entry(
         "ckpt_tools.cli.commands.rewrite",

@@ -201,6 +201,20 @@ def test_rename_with_subs_and_regexes(invoke, tmp_path):
     assert got["epoch"] == 9
 
 
+def test_rename_applies_subs_and_regexes_in_the_order_given(invoke, tmp_path):
+    # As the library applies its rules: each to the keys the ones before it made.
+    src = h.save({"blocks.0.w": torch.zeros(1), "head.w": torch.ones(2)}, tmp_path / "m.pt")
+    invoke("rename", src, tmp_path / "a.pt", "--regex", r"^blocks\.0\.=stem.", "--sub",
+           "stem.=encoder.stem.")  # fmt: skip
+    assert list(h.load(tmp_path / "a.pt")) == ["encoder.stem.w", "head.w"]
+    invoke("rename", src, tmp_path / "b.pt", "--regex", r"^head\.=blocks.head.", "--sub",
+           "blocks.=encoder.", "--regex", r"\.w$=.weight")  # fmt: skip
+    assert list(h.load(tmp_path / "b.pt")) == ["encoder.0.weight", "encoder.head.weight"]
+    result = invoke("rename", src, tmp_path / "c.pt", "--regex", r"^head\.=h.", "--sub",
+                    "blocks.=b.", "--dry-run", "--json")  # fmt: skip
+    assert json.loads(result.stdout)["rules"] == [r"s/^head\./h./", "'blocks.' -> 'b.'"]
+
+
 def test_select_picks_a_nested_state_dict(invoke, tmp_path):
     w = torch.arange(4.0)
     src = h.save(

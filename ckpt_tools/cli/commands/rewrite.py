@@ -169,7 +169,28 @@ def _regex_rules(values: tuple[str, ...]) -> list[KeyRule]:
     return rules
 
 
-@click.command("rename")
+class _RulesInOrder(click.Command):
+    """``rename``: click gathers each repeated option apart; the order ``--sub`` and
+    ``--regex`` were given in is kept (``ctx.meta``), since each rule applies to the keys the
+    ones before it made."""
+
+    def make_parser(self, ctx: click.Context) -> Any:
+        parser = super().make_parser(ctx)
+        parse = parser.parse_args
+
+        def parse_args(args: list[str]) -> Any:
+            opts, rest, order = parse(args=args)
+            ctx.meta[_RULE_ORDER] = [p.name for p in order if p.name in ("subs", "regexes")]
+            return opts, rest, order
+
+        parser.parse_args = parse_args
+        return parser
+
+
+_RULE_ORDER = "ckpt_tools.rename.rule_order"
+
+
+@click.command("rename", cls=_RulesInOrder)
 @_common
 @drop_extras_option
 @click.option(
@@ -195,9 +216,14 @@ def rename_cmd(
     drop_extras: bool,
     **kw: Any,
 ) -> None:
-    """Rename keys: prefix maps (--sub) then regex substitutions (--regex)."""
-    rules = [sub_rule(old, new) for old, new in _pairs(subs, "--sub")]
-    rules += _regex_rules(regexes)
+    """Rename keys: prefix maps (--sub) and regex substitutions (--regex), in the order given."""
+    made = {
+        "subs": iter([sub_rule(old, new) for old, new in _pairs(subs, "--sub")]),
+        "regexes": iter(_regex_rules(regexes)),
+    }
+    order = click.get_current_context().meta.get(_RULE_ORDER, ["subs"] * len(subs))
+    rules = [next(made[name]) for name in order]
+    rules += [*made["subs"], *made["regexes"]]  # (none left where the order was read)
     _rewrite(rename, src, dst, kw, rules=rules, drop_extras=drop_extras)
 
 
