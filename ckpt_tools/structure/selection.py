@@ -39,6 +39,7 @@ __all__ = [
     "Selection",
     "a_kind_of",
     "attributes_of",
+    "counts_as_tensor",
     "entries_beside",
     "holds_no_state_dict",
     "is_state_dict",
@@ -146,7 +147,9 @@ UNINITIALIZED = frozenset(
 )
 
 
-def _tensor_like(value: Any) -> bool:
+def counts_as_tensor(value: Any) -> bool:
+    """A tensor, a tensor subclass's (a DTensor's) saved form, or a lazy module's parameter:
+    an entry of a state dict, whatever the loaders make of its class."""
     if is_tensor(value):
         return True
     if isinstance(value, Reduced):
@@ -158,7 +161,7 @@ def is_state_dict(value: Any) -> bool:
     """A mapping of string keys whose values are mostly tensors (extra states allowed)."""
     if not isinstance(value, Mapping) or not value:
         return False
-    tensors = sum(1 for v in value.values() if _tensor_like(v))
+    tensors = sum(1 for v in value.values() if counts_as_tensor(v))
     return tensors > 0 and tensors * 2 >= len(value) and all(isinstance(k, str) for k in value)
 
 

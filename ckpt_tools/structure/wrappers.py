@@ -17,7 +17,7 @@ from typing import Any
 from ckpt_tools._types import checked_flags
 from ckpt_tools.errors import ResourceLimitError
 from ckpt_tools.structure.keys import KeyRule, strip_rule
-from ckpt_tools.structure.paths import is_tensor
+from ckpt_tools.structure.selection import counts_as_tensor
 
 __all__ = [
     "FILE_DEPENDENT_PREFIXES",
@@ -151,8 +151,8 @@ def detect_wrappers(
         >>> [m.prefix for m in detect_wrappers(["module._orig_mod.fc.weight"])]
         ['module.', '_orig_mod.']
     """
-    if isinstance(keys, Mapping):
-        keys = [k for k, v in keys.items() if is_tensor(v)]
+    if isinstance(keys, Mapping):  # (a DTensor of an FSDP2 state dict counts)
+        keys = [k for k, v in keys.items() if counts_as_tensor(v)]
     current = [k for k in keys if isinstance(k, str)]
     total = len(current)
     found: list[WrapperMatch] = []

@@ -107,3 +107,32 @@ def test_a_peft_models_own_model_attribute_is_kept() -> None:
     # Lightning's own wrapper of its module (DeepSpeed, Fabric) comes before its `model.`.
     keys = ["_forward_module.model.fc.weight", "_forward_module.model.fc.bias"]
     assert [m.prefix for m in detect_wrappers(keys)] == ["_forward_module.", "model."]
+
+
+_FSDP2_COMPILED = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+torch.save(torch.compile(model).state_dict(), sys.argv[1])  # DTensors under _orig_mod.
+dist.destroy_process_group()
+"""
+
+
+def test_wrappers_are_found_in_a_state_dict_of_dtensors(tmp_path) -> None:
+    # FSDP2 (and tensor parallel) state dicts hold DTensors, saved as tensor subclasses:
+    # keys are keys whatever their values' class, as torch's own consume_prefix strips them.
+    import subprocess
+    import sys
+
+    import ckpt_tools as ct
+
+    path = tmp_path / "fsdp2_compiled.pt"
+    subprocess.run([sys.executable, "-c", _FSDP2_COMPILED, str(path)], check=True, timeout=300)
+    ckpt = ct.open_checkpoint(path)
+    keys = ["_orig_mod.0.weight", "_orig_mod.0.bias", "_orig_mod.1.weight", "_orig_mod.1.bias"]
+    assert list(ckpt.root) == keys
+    assert [m.prefix for m in detect_wrappers(ckpt.root)] == ["_orig_mod."]
+    assert [m.prefix for m in ct.inspect(path).wrappers] == ["_orig_mod."]

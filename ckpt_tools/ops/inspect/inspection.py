@@ -15,10 +15,11 @@ from ckpt_tools.ops.inspect.info import CheckpointInfo, TensorInfo
 from ckpt_tools.structure.selection import (
     Selection,
     a_kind_of,
+    counts_as_tensor,
     select_state_dict,
 )
 from ckpt_tools.structure.tensor_walk import quantizer_tensors, stored_views, tensors_by_place
-from ckpt_tools.structure.wrappers import detect_wrappers, file_wrapper_rules
+from ckpt_tools.structure.wrappers import WrapperMatch, detect_wrappers, file_wrapper_rules
 
 __all__ = [
     "CheckpointInfo",
@@ -52,13 +53,19 @@ def _listed(value: Any) -> bool:
     return isinstance(value, (TensorRef, RebuiltTensor))
 
 
+def _wrappers(ckpt: Checkpoint, sd: Mapping[Any, Any]) -> tuple[WrapperMatch, ...]:
+    """The wrapper prefixes of the keys of tensors, a DTensor's (FSDP2) included."""
+    names = [k for k, v in sd.items() if isinstance(k, str) and counts_as_tensor(v)]
+    rules = file_wrapper_rules(names, path=ckpt.path, fmt=ckpt.format, metadata=ckpt.metadata)
+    return detect_wrappers(names, wrappers=rules)
+
+
 def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInfo:
     """Describe an opened checkpoint (see :func:`inspect`)."""
     selection = _selected(ckpt, select)
     sd = selection.state_dict
     listed = [(str(k), v) for k, v in sd.items() if isinstance(v, (TensorRef, RebuiltTensor))]
     named = [(name, t) for name, t in listed if isinstance(t, TensorRef)]
-    names = [name for name, _ in listed]
     shard_of = _shard_owner(ckpt)
     tensors = _tensor_infos(listed, shard_of)
     parts = [p for _, t in listed for p in _held_views(t)]
@@ -69,12 +76,7 @@ def inspect_checkpoint(ckpt: Checkpoint, select: Select = None) -> CheckpointInf
         selected=selection.path,
         selection_reason=selection.reason,
         tensors=tensors,
-        wrappers=detect_wrappers(
-            names,
-            wrappers=file_wrapper_rules(
-                names, path=ckpt.path, fmt=ckpt.format, metadata=ckpt.metadata
-            ),
-        ),
+        wrappers=_wrappers(ckpt, sd),
         unsafe_globals=ckpt.unsafe_globals,
         entries=(
             entries_between_tensors(ckpt.root)
