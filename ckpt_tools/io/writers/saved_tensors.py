@@ -10,6 +10,7 @@ uint32, uint64) is saved over an untyped storage of bytes and rebuilt with
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +18,7 @@ from ckpt_tools.descriptors import GlobalRef, StorageRef, TensorRef
 from ckpt_tools.dtypes import DTYPE_STORAGE_TYPE, itemsize
 from ckpt_tools.formats.pickle.standins import UNTYPED_STORAGE, ConstantRef, storage_type_ref
 
-__all__ = ["plain_tensor", "saved_storage", "saved_tensor"]
+__all__ = ["fresh_tensor", "plain_tensor", "saved_storage", "saved_tensor"]
 
 _V2 = GlobalRef("torch._utils", "_rebuild_tensor_v2")
 _V3 = GlobalRef("torch._utils", "_rebuild_tensor_v3")
@@ -102,3 +103,23 @@ def plain_tensor(t: TensorRef) -> TensorRef:
     if typed or storage.storage_type == UNTYPED_STORAGE:
         return saved_tensor(like, storage, t.dtype)
     return saved_tensor(like, saved_storage(storage, t.dtype), t.dtype)
+
+
+def fresh_tensor(t: TensorRef) -> TensorRef:
+    """A contiguous tensor like ``t`` (shape, dtype, grad flag, parameter or not) over a new
+    storage of its own, with the rebuild call torch.save writes for it.
+
+    Args:
+        t: the tensor to imitate.
+
+    Returns:
+        The new tensor; its storage is new (``id`` unique), with no record yet.
+
+    Example:
+        >>> s = StorageRef("0", "float32", 6, "cpu")
+        >>> fresh_tensor(TensorRef(s, 4, (2,), (1,), "float32")).offset
+        0
+    """
+    stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))
+    storage = saved_storage(t.storage, t.dtype, t.numel)
+    return saved_tensor(replace(t, offset=0, stride=stride), storage, t.dtype)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from ckpt_tools.descriptors import (
@@ -25,14 +24,14 @@ from ckpt_tools.formats import Checkpoint
 from ckpt_tools.io.tensor_bytes import check_plain_values
 from ckpt_tools.io.verify.outputs import tensor_digest
 from ckpt_tools.io.writers.records import Record, copy_record, tensor_bytes_record
-from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
+from ckpt_tools.io.writers.saved_tensors import fresh_tensor
 from ckpt_tools.ops.average.mean_stream import INTEGER_DTYPES, MEAN_DTYPES, mean_record
 from ckpt_tools.ops.average.refusals import NO_MEAN, refuse_differing
 from ckpt_tools.ops.transform.plan import Item, PlanRow
 from ckpt_tools.structure.paths import key_text
 from ckpt_tools.structure.tensor_walk import iter_listed_tensors, quantizer_params
 
-__all__ = ["fresh_tensor", "plan_items"]
+__all__ = ["plan_items"]
 
 
 def plan_items(
@@ -353,23 +352,3 @@ def _same_everywhere(ckpts: Sequence[Checkpoint], tensors: Sequence[Any], digest
             if digest(ckpts[0], a) != digest(c, b):
                 return False
     return True
-
-
-def fresh_tensor(t: TensorRef) -> TensorRef:
-    """A contiguous tensor like ``t`` (shape, dtype, grad flag, parameter or not) over a new
-    storage of its own, with the rebuild call torch.save writes for it.
-
-    Args:
-        t: the tensor to imitate.
-
-    Returns:
-        The new tensor; its storage is new (``id`` unique), with no record yet.
-
-    Example:
-        >>> s = StorageRef("0", "float32", 6, "cpu")
-        >>> fresh_tensor(TensorRef(s, 4, (2,), (1,), "float32")).offset
-        0
-    """
-    stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))
-    storage = saved_storage(t.storage, t.dtype, t.numel)
-    return saved_tensor(replace(t, offset=0, stride=stride), storage, t.dtype)

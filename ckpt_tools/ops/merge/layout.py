@@ -17,10 +17,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import ConversionError, Remedy
-from ckpt_tools.ops.merge.adapter import LoraTarget
+from ckpt_tools.errors import ConversionError, KeyCollisionError, Remedy
+from ckpt_tools.io.writers.safetensors_checks import is_output_head
+from ckpt_tools.ops.merge.adapter import LoraAdapter, LoraTarget
+from ckpt_tools.structure.keys import plan_renames
+from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
-__all__ = ["CONV1D_MODULES", "base_config", "conv1d_layouts", "tied_embedding", "tied_head"]
+__all__ = [
+    "CONV1D_MODULES",
+    "aligned_names",
+    "base_config",
+    "conv1d_layouts",
+    "tied_embedding",
+    "tied_head",
+]
 
 #: model_type -> the modules transformers builds as ``pytorch_utils.Conv1D`` (by last name);
 #: every other model transformers builds uses ``nn.Linear`` for its projections.
@@ -149,6 +159,47 @@ def _by_model_type(module: str, config: Mapping[str, Any] | None) -> bool | None
     return module.rsplit(".", 1)[-1] in CONV1D_MODULES.get(model_type, frozenset())
 
 
+def aligned_names(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[str, TensorRef]]:
+    """Base tensors by the adapter's names for them: (key as saved, tensor).
+
+    The base's keys as saved, then with its wrapper prefixes stripped one more at a time
+    (``module.``, then ``model.``), then with a model's prefix added (the Hub's ``gpt2``
+    saves ``h.0.attn.c_attn.weight``, which transformers loads under the ``transformer.``
+    its heads' classes add, and PEFT names so): the first view that holds every name the
+    adapter needs wins, else the one that holds the most. Stripping everything at once would
+    misalign a Hugging Face model whose keys all start with ``model.`` (tied embeddings, no
+    ``lm_head``).
+    """
+    keys = [k for k in sd if isinstance(k, str)]
+    tensors = {k: v for k, v in sd.items() if isinstance(k, str) and isinstance(v, TensorRef)}
+    wanted = [f"{t.module}.weight" for t in lora.targets]
+    wanted += [*lora.modules_to_save, *lora.biases]
+    rules, _ = strip_wrapper_rules(sd)
+    plans: list[Mapping[str, str]] = [{k: k for k in keys}]
+    for n in range(1, len(rules) + 1):
+        try:
+            plans.append(plan_renames(keys, rules[:n]))
+        except KeyCollisionError:  # a view in which two keys are one cannot be used
+            continue
+    # A prefix the adapter's names share and no base key has (transformers' base_model_prefix).
+    heads = sorted({name.split(".", 1)[0] for name in wanted if "." in name})
+    plans += [
+        {k: f"{head}.{k}" for k in keys}
+        for head in heads
+        if not any(k.startswith(f"{head}.") for k in keys)
+    ]
+    best: dict[str, tuple[str, TensorRef]] = {}
+    best_found = -1
+    for plan in plans:
+        view = {plan[k]: (k, v) for k, v in tensors.items()}
+        found = sum(name in view for name in wanted)
+        if found == len(wanted):
+            return view
+        if found > best_found:
+            best, best_found = view, found
+    return best
+
+
 def tied_embedding(
     target: LoraTarget,
     aligned: Mapping[str, tuple[str, TensorRef]],
@@ -163,6 +214,8 @@ def tied_embedding(
         ``((key, tensor), "")``, or ``(None, problem)``.
     """
     name = f"{target.module}.weight"
+    if not (is_output_head(name) or target.module.rsplit(".", 1)[-1] in _EMBEDDINGS):
+        return None, f"{name} (missing from the base)"  # no module transformers ties
     # The part's own config in a composite model (a decoder ties its head, the whole does
     # not). transformers writes the key only where it differs from its default, True
     # (GPT-2's config.json has none): absent, the head is tied.

@@ -24,7 +24,7 @@ from ckpt_tools._types import (
     str_items,
 )
 from ckpt_tools.descriptors import TensorRef
-from ckpt_tools.errors import ConversionError, KeyCollisionError, SameFileError, UsageError
+from ckpt_tools.errors import ConversionError, SameFileError, UsageError
 from ckpt_tools.formats import Checkpoint, open_checkpoint, refuse_url
 from ckpt_tools.io.output_path import (
     check_output_folder,
@@ -41,7 +41,12 @@ from ckpt_tools.ops.merge.adapter import (
     read_adapter,
 )
 from ckpt_tools.ops.merge.folder import write_merged_folder
-from ckpt_tools.ops.merge.layout import base_config, conv1d_layouts, tied_embedding
+from ckpt_tools.ops.merge.layout import (
+    aligned_names,
+    base_config,
+    conv1d_layouts,
+    tied_embedding,
+)
 from ckpt_tools.ops.merge.records import MergeStep, bias_record, merge_record
 from ckpt_tools.ops.merge.replacements import check_whole as _check_whole
 from ckpt_tools.ops.merge.replacements import plan_replacements
@@ -50,9 +55,7 @@ from ckpt_tools.ops.preflight import check_key_types, check_rewritable
 from ckpt_tools.ops.rewrite.plan import format_family, output_format_for, torch_instead
 from ckpt_tools.ops.transform.slim import cast_target
 from ckpt_tools.ops.transform.state_dict_plan import finish, plan_state_dict_output
-from ckpt_tools.structure.keys import plan_renames
 from ckpt_tools.structure.selection import select_state_dict
-from ckpt_tools.structure.wrappers import strip_wrapper_rules
 
 __all__ = ["merge_lora"]
 
@@ -149,13 +152,12 @@ def merge_lora(
     ckpt = open_checkpoint(base)
     selection = select_state_dict(ckpt.root, select=select)
     check_rewritable(ckpt, allow_globals, selection.path)
-    aligned = _aligned(sd := selection.state_dict, lora)
+    aligned = aligned_names(sd := selection.state_dict, lora)
     merged, overrides, actions = _plan_merges(
         ckpt, aligned, lora, config := base_config(base), fan_in_fan_out
     )
     replaced, biases, untied = plan_replacements(aligned, lora, overrides, actions, config)
-    # Keys of other types (an int) are no adapter's names: copied as they are.
-    items = [(k, k, untied.get(k, v) if isinstance(k, str) else v) for k, v in sd.items()]
+    items = _items(sd, untied)
     fmt = "safetensors" if folder else output_format_for(dst, output_format, format_family(ckpt))
     check_key_types(sd, (), fmt, base)  # (safetensors names tensors by strings only)
     plan = plan_state_dict_output(
@@ -195,6 +197,14 @@ def merge_lora(
     )
 
 
+def _items(sd: Mapping[Any, Any], untied: Mapping[str, TensorRef]) -> list[tuple[Any, Any, Any]]:
+    """The output's entries: the base's, a saved copy in place of a tensor it unties, then the
+    saved modules the base lacks. Keys of other types (an int) are no adapter's names: copied
+    as they are."""
+    items = [(k, k, untied.get(k, v) if isinstance(k, str) else v) for k, v in sd.items()]
+    return items + [(k, k, t) for k, t in untied.items() if k not in sd]
+
+
 def _local_paths(base: StrPath, adapter: StrPath, dst: StrPath) -> tuple[str, str, str]:
     """The three paths as strings, each a path and the inputs local (a URL is refused before
     the adapter's config is looked for)."""
@@ -212,35 +222,6 @@ def _check_folder_format(dst: str, output_format: str | None) -> None:
             value=repr(output_format),
             flag="--format",
         )
-
-
-def _aligned(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[str, TensorRef]]:
-    """Base tensors by the adapter's names for them: (key as saved, tensor).
-
-    The base's keys as saved, then with its wrapper prefixes stripped one more at a time
-    (``module.``, then ``model.``): the first view that holds every name the adapter needs
-    wins, else the one that holds the most. Stripping everything at once would misalign a
-    Hugging Face model whose keys all start with ``model.`` (tied embeddings, no ``lm_head``).
-    """
-    keys = [k for k in sd if isinstance(k, str)]
-    tensors = {k: v for k, v in sd.items() if isinstance(k, str) and isinstance(v, TensorRef)}
-    wanted = [f"{t.module}.weight" for t in lora.targets]
-    wanted += [*lora.modules_to_save, *lora.biases]
-    rules, _ = strip_wrapper_rules(sd)
-    best: dict[str, tuple[str, TensorRef]] = {}
-    best_found = -1
-    for n in range(len(rules) + 1):
-        try:
-            plan = plan_renames(keys, rules[:n]) if n else {k: k for k in keys}
-        except KeyCollisionError:  # a view in which two keys are one cannot be used
-            continue
-        view = {plan[k]: (k, v) for k, v in tensors.items()}
-        found = sum(name in view for name in wanted)
-        if found == len(wanted):
-            return view
-        if found > best_found:
-            best, best_found = view, found
-    return best
 
 
 def _plan_merges(

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
+from ckpt_tools.dtypes import FLOATING
 from ckpt_tools.errors import ConversionError
 from ckpt_tools.io.row_layout import row_layout
 from ckpt_tools.io.writers.records import Record
-from ckpt_tools.io.writers.saved_tensors import saved_storage, saved_tensor
+from ckpt_tools.io.writers.safetensors_checks import is_output_head
+from ckpt_tools.io.writers.saved_tensors import fresh_tensor, saved_storage, saved_tensor
 from ckpt_tools.ops.merge.adapter import LoraAdapter
 from ckpt_tools.ops.merge.layout import tied_head
 from ckpt_tools.ops.merge.records import replace_record
@@ -27,6 +30,13 @@ __all__ = ["check_whole", "plan_replacements"]
 _UNTIE = (
     ", left out of the base as tied by config.json's tie_word_embeddings, which PEFT unties: "
     "save the base untied (tie_word_embeddings false, the head's weight written) and merge that"
+)
+
+# A saved module the base lacks is added under its name only where the base's keys are the
+# adapter's names: elsewhere the model class would not find it.
+_ELSEWHERE = (
+    ", which is added only to a base whose keys are the adapter's names, and this base's "
+    "keys are named otherwise (a prefix apart): save the base under the adapter's names"
 )
 
 
@@ -91,12 +101,24 @@ def plan_replacements(
         found = aligned.get(name)
         if found is None and why == "modules_to_save" and _tied_copy(name, lora):
             continue  # the base ties it to the saved module whose copy replaces it
+        if found is None and why == "modules_to_save" and _addable(name, aligned):
+            # A module the model class builds and PEFT fills with its copy (SEQ_CLS's score
+            # on a language model's base): written as the adapter saved it.
+            added = fresh_tensor(replace(saved, dtype=_base_dtype(aligned, saved)))
+            untied[name] = added
+            overrides[id(added.storage)] = replace_record(lora.ckpt, saved, added, why)
+            actions[name] = "add (modules_to_save, not in the base)"
+            replaced.append(name)
+            continue
         if found is None or found[1].shape != saved.shape:
             problems.append(f"{name} ({why}: {'shape differs' if found else 'missing'})")
+            if found is None and why == "modules_to_save" and not is_output_head(name):
+                problems[-1] += _ELSEWHERE
             if (
                 found is None
                 and (config or {}).get("tie_word_embeddings") is True
                 and why == "modules_to_save"
+                and is_output_head(name)
             ):  # a head left out, tied
                 problems[-1] += _UNTIE
             continue
@@ -122,6 +144,19 @@ def plan_replacements(
     if problems:
         raise ConversionError(f"the adapter does not fit the base: {'; '.join(problems[:8])}")
     return tuple(replaced), tuple(biases), untied
+
+
+def _addable(name: str, aligned: Mapping[str, tuple[str, TensorRef]]) -> bool:
+    """Whether a saved module the base lacks can be added under its own name: no output
+    head (tied by the config), and the base's keys are the adapter's names (a base saved
+    under other names would hold it where the model class does not look)."""
+    return not is_output_head(name) and all(k == n for n, (k, _) in aligned.items())
+
+
+def _base_dtype(aligned: Mapping[str, tuple[str, TensorRef]], saved: TensorRef) -> str:
+    """The dtype the model class builds a new module in: its weights', as loaded."""
+    floats = Counter(t.dtype for _, t in aligned.values() if t.dtype in FLOATING)
+    return floats.most_common(1)[0][0] if floats else saved.dtype
 
 
 def _refuse_tied_head(

@@ -32,6 +32,11 @@ def _gpt2_untied() -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
+def _gpt2_tied() -> Any:
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
 def _llama_tied() -> Any:
     return tiny_llama(1, tie_word_embeddings=True)
 
@@ -191,3 +196,63 @@ def test_variants_peft_does_not_merge_as_lora_are_refused_by_name(
                 )
     with pytest.raises(ConversionError, match=field):
         ct.merge_lora(plain.base, adapter, tmp_path / "m.pt")
+
+
+def _hub_gpt2(model: Any, folder: Path) -> Path:
+    """GPT-2 as the Hub keeps it: its base model's keys (``h.0.attn.c_attn.weight``), which
+    transformers loads under the ``transformer.`` its heads' classes add."""
+    from safetensors.torch import save_file
+
+    (folder / "gpt2").mkdir()
+    sd = model.state_dict()
+    plain = {k.removeprefix("transformer."): v for k, v in sd.items() if k != "lm_head.weight"}
+    save_file({k: v.contiguous() for k, v in plain.items()}, str(folder / "gpt2/model.safetensors"))
+    model.config.save_pretrained(folder / "gpt2")
+    return folder / "gpt2"
+
+
+def test_a_base_saved_without_its_models_prefix_is_merged_as_transformers_loads_it(
+    tmp_path: Path,
+) -> None:
+    case = make_case(tmp_path / "case", _gpt2_tied, _lora("c_attn"), save=_hub_gpt2)
+    result = ct.merge_lora(case.base, case.adapter, tmp_path / "m.safetensors")
+    assert {m.key for m in result.merged} == {"h.0.attn.c_attn.weight"}
+    out = {f"transformer.{k}": v for k, v in load_file(tmp_path / "m.safetensors").items()}
+    compare(out, case._replace(base_sd={k: case.base_sd[k] for k in out}))
+
+
+def test_a_target_missing_from_the_base_is_not_called_a_tied_head(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "case", _llama_tied, _lora("q_proj"), save=_hf)
+    saved = load_file(case.base / "model.safetensors")
+    (case.base / "model.safetensors").unlink()
+    torch.save(
+        {k: v for k, v in saved.items() if "q_proj" not in k}, case.base / "pytorch_model.bin"
+    )
+    with pytest.raises(ConversionError, match=r"q_proj.weight \(missing from the base\)") as e:
+        ct.merge_lora(case.base, case.adapter, tmp_path / "m.pt")
+    assert "tied" not in str(e.value)
+
+
+def test_a_saved_head_the_base_lacks_is_added_as_peft_loads_it(tmp_path: Path) -> None:
+    # A SEQ_CLS adapter on the language model's base: the model class builds ``score``, PEFT
+    # replaces it with the saved copy, so the merge holds the adapter's copy.
+    from tests.ops.merge.test_merge_lora import _perturb
+
+    torch.manual_seed(0)
+    _gpt2_tied().save_pretrained(tmp_path / "base")
+    classify = transformers.GPT2ForSequenceClassification
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = classify.from_pretrained(tmp_path / "base", num_labels=3)
+        config = peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["c_attn"])
+        lora = peft.get_peft_model(model, config)
+        _perturb(lora, 1)
+        lora.save_pretrained(tmp_path / "adapter")
+        fresh = classify.from_pretrained(tmp_path / "base", num_labels=3)
+        merged = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").merge_and_unload()
+    want = merged.state_dict()
+    result = ct.merge_lora(tmp_path / "base", tmp_path / "adapter", tmp_path / "m.safetensors")
+    assert "score.weight" in result.replaced
+    out = load_file(tmp_path / "m.safetensors")
+    assert set(out) == set(want)
+    assert [k for k in out if not torch.equal(out[k], want[k])] == []
