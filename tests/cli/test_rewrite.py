@@ -414,3 +414,19 @@ def test_rename_regex_writes_an_equals_sign_inside_the_pattern_as_escaped(
 def test_rename_help_says_how_to_write_an_equals_sign_in_a_pattern(invoke):
     text = " ".join(invoke("rename", "--help").stdout.split())
     assert r"write an '=' inside it as '\='" in text and r"--regex '(?<\=\.)gamma=weight'" in text
+
+
+def test_a_tensor_dict_beside_the_chosen_one_is_named_as_not_renamed(invoke, tmp_path):
+    # A GAN's two DataParallel state dicts: the larger is chosen, the other keeps module.
+    gen = {f"module.{i}.weight": torch.ones(4, 4) for i in range(2)}
+    src = h.save(
+        {"generator": gen, "discriminator": {"module.w": torch.ones(1)}}, tmp_path / "g.pt"
+    )
+    out = invoke("strip-module", src, tmp_path / "plain.pt").stdout
+    assert "note: not renamed: 'discriminator', a tensor dict beside the chosen one" in out
+    data = json.loads(invoke("strip-module", src, tmp_path / "p2.pt", "--json").stdout)
+    assert [n for n in data["notes"] if "discriminator" in n]
+    assert list(h.load(tmp_path / "plain.pt")["discriminator"]) == ["module.w"]
+    select = ("--select", "discriminator")
+    out = invoke("strip-module", src, tmp_path / "d.pt", *select).stdout
+    assert "not renamed: 'generator'" not in out  # chosen, not the largest: no other passed over

@@ -94,6 +94,12 @@ def apply_rewrite(
     device_map = matched_device_map(ckpt, device_map) if device_map else None
     renamed, n_keys = len(plan.changed), len(selection.state_dict)
     stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
+    # Rules rename the chosen state dict only: another tensor dict beside it keeps its keys.
+    beside = selection.passed_over if rules else ()
+    over = tuple(
+        f"not renamed: {p!r}, a tensor dict beside the chosen one (select it to rename it)"
+        for p in beside
+    )
     if dry_run:  # what would be written, refusals included; nothing is
         return _result(
             *stated,
@@ -104,6 +110,7 @@ def apply_rewrite(
             bytes_written=plan.total,
             bytes_copied=plan.copied,
             device_map=dict(device_map or {}),
+            notes=over,
             message=f"dry run: would write {dst} ({_renamed(rules, renamed, n_keys)}"
             f"{plan.total} tensor bytes{_retagged(device_map)})",
         )
@@ -120,6 +127,7 @@ def apply_rewrite(
         dropped=plan.dropped,
         tensors=len(plan.expected),
         device_map=dict(device_map or {}),
+        notes=over,
         message=summary(dst, ckpt.format, fmt, renamed, n_keys, rules, device_map),
     )
 
