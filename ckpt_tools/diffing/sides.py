@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
-from ckpt_tools._escape import shell_path, shell_word, shown
 from ckpt_tools._types import Select
 from ckpt_tools.descriptors import RebuiltTensor, TensorRef
 from ckpt_tools.diffing.entries import (
@@ -27,8 +26,9 @@ from ckpt_tools.diffing.entries import (
     split_entries,
 )
 from ckpt_tools.diffing.parts import SideInfo, is_file
+from ckpt_tools.diffing.refusals import refuse_deeper_tensors, refuse_unbuilt
 from ckpt_tools.dtypes import itemsize
-from ckpt_tools.errors import Remedy, SelectError, UsageError
+from ckpt_tools.errors import SelectError, UsageError
 from ckpt_tools.io.remote.checkpoint import open_path
 from ckpt_tools.io.remote.httpurls import shown_url
 from ckpt_tools.structure.keys import KeyRule, apply_plan
@@ -36,16 +36,16 @@ from ckpt_tools.structure.selection import (
     holds_no_state_dict,
     is_state_dict,
     select_state_dict,
-    unbuilt_holders,
 )
 from ckpt_tools.structure.suggest import wrapper_stack
-from ckpt_tools.structure.tensor_walk import iter_listed_tensors
+from ckpt_tools.structure.wrappers import WRAPPER_RULES, file_wrapper_rules
 
 if TYPE_CHECKING:  # torch and the modules that import it load when a diff reads values
     import torch
     from torch import nn
 
     from ckpt_tools.diffing.rebuilt import Pieces
+    from ckpt_tools.formats import Checkpoint
     from ckpt_tools.io.remote import RemoteSession
     from ckpt_tools.loading.tensor_io import TensorReader
 
@@ -224,8 +224,8 @@ def _file_side(
     sd = selection.state_dict
     entries, foreign, others, values_of = split_entries(sd, (TensorRef, RebuiltTensor))
     if not selection.found:
-        _refuse_unbuilt(label, sd)
-        _refuse_deeper_tensors(label, sd, entries)
+        refuse_unbuilt(label, sd)
+        refuse_deeper_tensors(label, sd, entries)
     info = SideInfo(
         label,
         "file",
@@ -247,7 +247,7 @@ def _file_side(
         reader = stack.enter_context(TensorReader(ckpt))
     keys = list(sd)
     return Side(
-        _with_wrappers(info, [*entries, *foreign]),
+        _with_wrappers(info, [*entries, *foreign], ckpt),
         entries,
         reader,
         others,
@@ -255,42 +255,6 @@ def _file_side(
         foreign=foreign,
         keys=keys,
         metadata=metadata_of(sd),
-    )
-
-
-def _refuse_unbuilt(path: str, root: Mapping[Any, Any]) -> None:
-    """Refuse a root where no state dict was found but entries of classes the reader never
-    builds (a dict subclass of the training script's) hold tensors and may be it: compared
-    as it is, the root would miss them, and every key of the other side would be missing."""
-    unbuilt = [(k, root[k]) for k in unbuilt_holders(root)]
-    if not unbuilt:
-        return
-    names = ", ".join(f"{shown(str(k))!r} ({type(v).global_ref.qualname})" for k, v in unbuilt[:8])
-    sanitize = Remedy(
-        command=f"ckpt sanitize {shell_path(path)} OUT.pt",
-        text="to write its objects as plain dicts (nothing is imported or run)",
-    )
-    raise UsageError(
-        f"{path!r}: no entry looks like a state dict (a mapping of names to tensors), and "
-        f"{names} {'is an object' if len(unbuilt) == 1 else 'are objects'} of a class the "
-        "reader never builds; diff compares state dicts",
-        remedies=() if "://" in path else (sanitize,),  # sanitize reads local files
-    )
-
-
-def _refuse_deeper_tensors(path: str, root: Mapping[Any, Any], entries: Mapping[str, Any]) -> None:
-    """Refuse a root where no state dict was found whose tensors all lie deeper (an
-    optimizer's ``state.0.exp_avg``): compared as it is, it would compare none of them and
-    call two different files identical."""
-    deeper = iter_listed_tensors(root) if not entries else []  # (sparse ones too)
-    if not deeper:
-        return
-    first = deeper[0][0].rpartition(".")[0]
-    raise UsageError(
-        f"{path!r}: no entry looks like a state dict (a mapping of names to tensors), and its "
-        f"{len(deeper)} tensor(s) lie deeper ({', '.join(p for p, _ in deeper[:3])}"
-        f"{', ...' if len(deeper) > 3 else ''}); diff compares state dicts",
-        remedies=(Remedy("select", repr(first), flag=f"--select {shell_word(first)}"),),
     )
 
 
@@ -345,8 +309,12 @@ def _in_memory(side: DiffSide, select: Select, name: str, values: bool) -> Itera
     )
 
 
-def _with_wrappers(info: SideInfo, keys: Iterable[str]) -> SideInfo:
-    return replace(info, wrappers=tuple(m.prefix for m in wrapper_stack(list(keys))))
+def _with_wrappers(info: SideInfo, keys: Iterable[str], ckpt: Checkpoint | None = None) -> SideInfo:
+    """``info`` naming the wrappers at the start of ``keys``: a file's as inspect names them."""
+    keys, rules = list(keys), WRAPPER_RULES
+    if ckpt is not None:  # (an adapter's base_model.model. is its own, as PEFT loads it)
+        rules = file_wrapper_rules(keys, path=ckpt.path, fmt=ckpt.format, metadata=ckpt.metadata)
+    return replace(info, wrappers=tuple(m.prefix for m in wrapper_stack(keys, wrappers=rules)))
 
 
 def open_side(

@@ -32,7 +32,12 @@ from ckpt_tools.errors import KeyCollisionError
 from ckpt_tools.structure.keys import KeyRule, idle_rules, plan_renames, sub_rule
 from ckpt_tools.structure.partners import wrapper_partners
 from ckpt_tools.structure.steps import Step, fix_command, fix_python, step_rules
-from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperMatch, detect_wrappers
+from ckpt_tools.structure.wrappers import (
+    WRAPPER_RULES,
+    WrapperMatch,
+    WrapperRule,
+    detect_wrappers,
+)
 
 __all__ = [
     "MAX_PATH_RULES",
@@ -88,15 +93,22 @@ class KeyFix:
         return ", then ".join(step.describe() for step in self.steps)
 
 
-def wrapper_stack(keys: Iterable[str], *, anywhere: bool = False) -> tuple[WrapperMatch, ...]:
+def wrapper_stack(
+    keys: Iterable[str],
+    *,
+    anywhere: bool = False,
+    wrappers: Sequence[WrapperRule] = WRAPPER_RULES,
+) -> tuple[WrapperMatch, ...]:
     """The wrapper prefixes at the start of ``keys``, outermost first (inner ones left out;
-    ``anywhere`` as :func:`~ckpt_tools.structure.wrappers.detect_wrappers` takes it).
+    ``anywhere`` and ``wrappers`` as :func:`~ckpt_tools.structure.wrappers.detect_wrappers`
+    takes them).
 
     Example:
         >>> [m.prefix for m in wrapper_stack(["module._orig_mod.fc.weight"])]
         ['module.', '_orig_mod.']
     """
-    return tuple(m for m in detect_wrappers(keys, anywhere=anywhere) if not m.inner)
+    found = detect_wrappers(keys, anywhere=anywhere, wrappers=wrappers)
+    return tuple(m for m in found if not m.inner)
 
 
 def layout_fix(source: Sequence[str], target: Sequence[str]) -> tuple[Step, ...]:

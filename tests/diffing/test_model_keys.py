@@ -360,3 +360,16 @@ def test_a_model_whose_state_dict_raises_is_named_in_one_line(models: str, save:
     with pytest.raises(ct.UsageError, match=r"BrokenExtra.state_dict\(\) failed") as caught:
         diff(path, BrokenExtra())
     assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_an_adapters_own_prefix_is_no_wrapper_in_the_header(tmp_path: Path) -> None:
+    # PEFT loads an adapter's keys as they are: inspect and strip-module find no wrapper.
+    from tests.helpers.lora import write_tiny_adapter
+
+    adapter = write_tiny_adapter(tmp_path / "adapter") / "adapter_model.safetensors"
+    report = diff(adapter, adapter)
+    assert report.a.wrappers == () and report.b.wrappers == ()
+    assert ct.inspect(adapter).wrappers == ()
+    plain = {k.removeprefix("base_model.model."): v for k, v in ct.load_state_dict(adapter).items()}
+    wrapped = {f"module.{k}": v for k, v in plain.items()}  # a plain file's keys: still found
+    assert diff(plain, wrapped, align=True).b.wrappers == ("module.",)
