@@ -169,7 +169,7 @@ def sanitize(
         written=(dst,),
         verification=write_file(target, fill, check, replace=force, durable=durable),
         message=f"sanitized {src}: wrote {dst} ({counts}); "
-        "loads with torch.load(weights_only=True)",
+        f"loads with torch.load(weights_only=True){_saved_on(ckpt)}",
     )
 
 
@@ -254,6 +254,14 @@ def _holds_state_dict(root: Any, dotted: str) -> bool:
     except SelectError:
         return False
     return True
+
+
+def _saved_on(ckpt: Checkpoint) -> str:
+    """Where the tensors are saved, when not on the CPU: torch.load puts them back there."""
+    devices = sorted({s.device for s in ckpt.storages.values()} - {"cpu"})
+    if not devices:
+        return ""
+    return f" (saved on {', '.join(devices)}: where that is missing, pass map_location='cpu')"
 
 
 def _selected_tensors(root: Any, path: Sequence[str]) -> dict[Any, TensorRef | RebuiltTensor]:

@@ -653,3 +653,18 @@ def test_bare_storages_are_kept_as_torch_loads_them(tmp_path: Path) -> None:
     )
     assert type(after["typed"]) is type(before["typed"]) and after["typed"].dtype == torch.int64
     assert list(after["typed"]) == [0, 1, 2, 3] and torch.equal(after["w"], torch.ones(2))
+
+
+def test_a_file_saved_on_a_gpu_says_where_its_output_loads(tmp_path: Path) -> None:
+    # torch.load puts tensors back on the device they were saved on: the promise says so.
+    torch.save({"w": torch.ones(2)}, tmp_path / "cpu.pt")
+    ct.retag(tmp_path / "cpu.pt", tmp_path / "gpu.pt", mapping={"cpu": "cuda:1"})
+    on_gpu = ct.sanitize(tmp_path / "gpu.pt", tmp_path / "out.pt").message
+    assert on_gpu.endswith(
+        "loads with torch.load(weights_only=True) (saved on cuda:1: where that is missing, "
+        "pass map_location='cpu')"
+    )
+    out = torch.load(tmp_path / "out.pt", weights_only=True, map_location="cpu")
+    assert torch.equal(out["w"], torch.ones(2))
+    on_cpu = ct.sanitize(tmp_path / "cpu.pt", tmp_path / "out2.pt").message
+    assert on_cpu.endswith("loads with torch.load(weights_only=True)")
