@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 
 from ckpt_tools._escape import shell_word
 from ckpt_tools._types import items_of
-from ckpt_tools.errors import KeyCollisionError, Remedy, UsageError
+from ckpt_tools.errors import Remedy, UsageError
 from ckpt_tools.structure.attributes import carry_attributes
+from ckpt_tools.structure.collisions import collision_error
 
 __all__ = [
     "KeyRule",
@@ -212,18 +213,7 @@ def plan_renames(keys: Sequence[str], rules: Sequence[KeyRule]) -> dict[str, str
         sources.setdefault(new, []).append(key)
     collisions = tuple((new, tuple(olds)) for new, olds in sources.items() if len(olds) > 1)
     if collisions:
-        shown = "; ".join(
-            f"{' and '.join(map(repr, olds))} -> {new!r}" for new, olds in collisions[:3]
-        )
-        raise KeyCollisionError(
-            f"the rewrite would merge {len(collisions)} pair(s) of keys into one: {shown}"
-            f"{' ...' if len(collisions) > 3 else ''}",
-            collisions,
-            remedies=(
-                Remedy(text="remove the duplicates first"),
-                Remedy(command="ckpt rename IN OUT --sub OLD=NEW", text="to rename one side"),
-            ),
-        )
+        raise collision_error(collisions, keys, rules)
     return plan
 
 

@@ -435,3 +435,18 @@ def test_in_memory_rewrites_keep_keys_that_are_no_str() -> None:
     assert ckpt_tools.add_prefix(sd, prefix="m.") == {"m.module.w": 1, 0: 2, ("a", 1): 3}
     rules = [ckpt_tools.sub_rule("module.", "")]
     assert list(ckpt_tools.rename_keys(sd, rules)) == ["w", 0, ("a", 1)]
+
+
+def test_a_swap_written_as_two_rules_is_refused_with_the_way_through_a_third() -> None:
+    # The second rule renames what the first made: both keys end as one; no duplicate to
+    # remove, and the way that works is a third name.
+    keys = ["enc.w", "dec.w"]
+    swap = [sub_rule("enc.", "dec."), sub_rule("dec.", "enc.")]
+    with pytest.raises(KeyCollisionError, match="to swap two names") as caught:
+        plan_renames(keys, swap)
+    assert "remove the duplicates" not in str(caught.value)
+    through = [sub_rule("enc.", "tmp."), sub_rule("dec.", "enc."), sub_rule("tmp.", "dec.")]
+    assert plan_renames(keys, through) == {"enc.w": "dec.w", "dec.w": "enc.w"}
+    # Keys that were one already are duplicates, whatever the rules.
+    with pytest.raises(KeyCollisionError, match="remove the duplicates first"):
+        plan_renames(["module.w", "w"], [strip_rule("module.")])
