@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests import helpers as h
 
@@ -430,3 +431,15 @@ def test_a_tensor_dict_beside_the_chosen_one_is_named_as_not_renamed(invoke, tmp
     select = ("--select", "discriminator")
     out = invoke("strip-module", src, tmp_path / "d.pt", *select).stdout
     assert "not renamed: 'generator'" not in out  # chosen, not the largest: no other passed over
+
+
+def test_safetensors_names_a_tensor_dict_beside_the_chosen_one_as_such(invoke, tmp_path):
+    both = {"generator": {"w": torch.ones(4, 4), "b": torch.ones(4)}, "discriminator": {
+        "w": torch.zeros(3, 3), "b": torch.zeros(3)}}  # fmt: skip
+    src = h.save(both, tmp_path / "gan.pt")
+    err = invoke("convert", src, tmp_path / "g.safetensors", code=7).stderr
+    assert "1 tensor dict beside the chosen one: discriminator" in err
+    assert "non-tensor" not in err and "--drop-extras" in err
+    chosen = ("--select", "discriminator", "--drop-extras")
+    invoke("convert", src, tmp_path / "d.safetensors", *chosen)
+    assert torch.equal(load_file(tmp_path / "d.safetensors")["w"], torch.zeros(3, 3))

@@ -220,6 +220,7 @@ def leave_out_extras(
     remedies: Sequence[Remedy] = (),
     kinds: Mapping[str, str] | None = None,
     outside: Collection[str] = (),
+    dicts: Collection[str] = (),
 ) -> tuple[str, ...]:
     """The entries a safetensors output leaves out, or the refusal to.
 
@@ -238,6 +239,8 @@ def leave_out_extras(
             (:func:`unholdable_kind`); the message tells them from non-tensor entries.
         outside: the names among ``extras`` that are tensors beside the selected state dict
             (a best accuracy saved as a 0-d tensor next to it), named as such.
+        dicts: the names among ``extras`` that are tensor dicts beside the selected one (a
+            GAN's discriminator beside its generator), named as such.
 
     Returns:
         The names left out: ``extras``, or ``()`` when there are none.
@@ -264,7 +267,8 @@ def leave_out_extras(
     kinds = kinds or {}
     tensors = [f"{name} ({kinds[name]})" for name in extras if name in kinds]
     beside = [name for name in extras if name in outside and name not in kinds]
-    others = [name for name in extras if name not in kinds and name not in outside]
+    held = [name for name in extras if name in dicts]
+    others = [n for n in extras if n not in kinds and n not in outside and n not in dicts]
     said = []
     if tensors:
         said.append(f"{_count(len(tensors), 'tensor')} it cannot hold: {_few(tensors)}")
@@ -272,10 +276,12 @@ def leave_out_extras(
         said.append(f"{_count(len(others), 'non-tensor entry')}: {_few(others)}")
     if beside:
         said.append(f"{_count(len(beside), 'tensor')} outside the state dict: {_few(beside)}")
+    if held:
+        said.append(f"{_count(len(held), 'tensor dict')} beside the chosen one: {_few(held)}")
     them = "it" if len(extras) == 1 else "them"
     if tensors:
         holds = "safetensors holds dense tensors only"
-    elif beside:  # "tensors only" would not say why a tensor is refused
+    elif beside or held:  # "tensors only" would not say why a tensor is refused
         holds = "a safetensors output holds the state dict's tensors only"
     else:
         holds = "safetensors holds tensors only"

@@ -23,7 +23,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import Checkpoint
 from ckpt_tools.structure.keys import KeyRule
-from ckpt_tools.structure.selection import entries_beside
+from ckpt_tools.structure.selection import entries_beside, is_state_dict
 
 if TYPE_CHECKING:
     from ckpt_tools.io.writers.safetensors import SafetensorsEntry
@@ -355,8 +355,10 @@ def safetensors_plan(
     # beside the state dict (a best accuracy) as one outside it, not as a non-tensor entry.
     kinds = {str(k): kind for k, v in sd.items() if (kind := unholdable_kind(v)) is not None}
     outside = {name for name, v in beside if isinstance(v, (TensorRef, RebuiltTensor))}
+    # Another state dict beside the chosen one (a GAN's): named as one, not as an entry.
+    dicts = [name for name, v in beside if is_state_dict(v)]
     left_out = leave_out_extras(
-        extras, ckpt.path, drop_extras=drop_extras, kinds=kinds, outside=outside
+        extras, ckpt.path, drop_extras=drop_extras, kinds=kinds, outside=outside, dicts=dicts
     ) + tuple(attributes)
     # String values only: an HF index's metadata also holds its int total_size.
     metadata = {k: v for k, v in (ckpt.metadata or {}).items() if isinstance(v, str)}
