@@ -63,7 +63,7 @@ def write_torch_zip(
         The storages copied from ``source``, in order.
 
     Raises:
-        ConversionError: legacy storage views, which the zip format cannot express.
+        ConversionError: legacy storage views, which are not moved onto their roots.
         OSError: reading the source or writing the output failed.
 
     Example:
@@ -84,8 +84,10 @@ def write_torch_zip(
     def storage_id(storage: StorageRef) -> tuple[Any, ...]:
         if storage.view is not None:
             raise ConversionError(
-                f"storage {storage.key!r} is a legacy storage view (torch < 1.0), which the zip "
-                "format cannot express; load and re-save it with that torch version"
+                f"storage {storage.key!r} is a legacy storage view (torch < 1.0), which a zip "
+                "archive holds only on its root storage, and tensors on it are not moved there "
+                "here; torch.load it with a current torch and torch.save it (a zip archive), or "
+                "write safetensors"
             )
         if id(storage) not in keys:
             keys[id(storage)] = storage.key if from_zip else str(len(keys))

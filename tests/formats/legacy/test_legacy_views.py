@@ -119,3 +119,16 @@ def test_a_view_key_torch_would_take_for_another_storage_is_refused(
         ckpt = open_checkpoint(path)
         got = value_bytes(tensor_from_span(ckpt, ckpt.root["on_view"]))
         assert got.equal(value_bytes(loaded["on_view"]))
+
+
+def test_a_torch_output_of_a_view_names_the_way_that_works(tmp_path: Path) -> None:
+    import ckpt_tools as ct
+    from ckpt_tools.errors import ConversionError
+
+    path = legacy_file(tmp_path / "view.pt", ("2", 4, 6), (1, (2, 2), (1, 2)))
+    with pytest.raises(ConversionError, match=r"torch\.load it with a current torch"):
+        ct.convert(path, tmp_path / "out.pt")
+    ct.convert(path, tmp_path / "out.safetensors")  # the other way it names
+    torch.save(torch_load(path), tmp_path / "resaved.pt")  # the way it names: a zip archive
+    ct.convert(tmp_path / "resaved.pt", tmp_path / "out.pt")
+    assert torch.equal(torch.load(tmp_path / "out.pt")["on_view"], torch_load(path)["on_view"])
