@@ -569,15 +569,19 @@ def test_fifos_and_symlinked_folders(tmp_path: Path) -> None:
     assert "1 dangerous; 4 skipped" in run_ckpt("scan", linked, code=1, timeout=30).stdout
 
 
+class _Scaled(torch.nn.Module):
+    """A TorchScript module with no ``__setstate__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
 def test_torchscript_with_setstate_is_dangerous(tmp_path: Path) -> None:
-    class Stateful(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(2))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.w
-
+    class Stateful(_Scaled):
         @torch.jit.export
         def __getstate__(self) -> tuple[torch.Tensor, bool]:
             return (self.w, self.training)
@@ -616,15 +620,7 @@ def test_torchscript_with_setstate_is_dangerous(tmp_path: Path) -> None:
 def test_torchscript_code_past_what_is_read_is_not_called_safe(tmp_path: Path) -> None:
     # A code file is read in part (its first 64 MiB); a comment that long, which deflate
     # makes small, would hide a __setstate__ behind it: what is not read is named.
-    class Stateful(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(2))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.w
-
-    torch.jit.save(torch.jit.script(Stateful()), tmp_path / "plain.pt")
+    torch.jit.save(torch.jit.script(_Scaled()), tmp_path / "plain.pt")
     padded = tmp_path / "padded.pt"
     with zipfile.ZipFile(tmp_path / "plain.pt") as z, zipfile.ZipFile(padded, "w") as out:
         for info in z.infolist():
