@@ -24,7 +24,6 @@ from ckpt_tools.errors import (
     CorruptCheckpointError,
     Remedy,
     ResourceLimitError,
-    UnsupportedFormatError,
     quote_foreign,
 )
 from ckpt_tools.formats.base import Checkpoint, RangeSource
@@ -229,7 +228,7 @@ def files_read(folder: Path) -> set[str] | None:
     """
     try:
         chosen = choose_weights(folder, str(folder))[0]
-    except UnsupportedFormatError:
+    except CheckpointError:  # (a weight file that is a link to nothing too)
         return None
     read = {"config.json", chosen}
     if not is_index_name(chosen):

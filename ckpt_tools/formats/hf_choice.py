@@ -18,6 +18,7 @@ from pathlib import Path
 from ckpt_tools._escape import shell_word
 from ckpt_tools.errors import Remedy, UnsupportedFormatError, quote_foreign
 from ckpt_tools.formats.detect import is_index_name
+from ckpt_tools.formats.missing import dangling
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -111,6 +112,9 @@ def choose_weights(folder: Path, path: str, *, adding: str | None = None) -> tup
         from ckpt_tools.formats.dcp.layout import refuse_without_metadata
 
         refuse_without_metadata(held, path)  # a DCP folder's files, not a Hugging Face one
+        nothing = dangling(str(folder), (*TRANSFORMERS_ORDER, *WEIGHT_FILES))
+        if nothing is not None:  # a hub snapshot whose weights never arrived
+            raise nothing
         listing = ", ".join(held[:10]) or "nothing"
         raise UnsupportedFormatError(
             f"{path!r} is a folder without a checkpoint: expected a *.index.json with its shards "

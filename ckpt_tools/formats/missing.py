@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterable
 
 from ckpt_tools.errors import CheckpointNotFoundError
 
-__all__ = ["missing"]
+__all__ = ["dangling", "missing"]
 
 # What ``Path.exists`` takes for "nothing there"; any other failure to stat is raised.
 _MISSING = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
@@ -41,6 +42,21 @@ def missing(path: str) -> CheckpointNotFoundError | None:
     return None
 
 
+def dangling(folder: str, names: Iterable[str]) -> CheckpointNotFoundError | None:
+    """The error for the first of ``names`` in ``folder`` that is a symlink to nothing (a hub
+    cache snapshot's weights whose blob never arrived); None where none is.
+
+    Example:
+        >>> dangling(".", ["model.safetensors"]) is None
+        True
+    """
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.islink(path) and not os.path.exists(path):
+            return missing(path)
+    return None
+
+
 def _why(path: str, code: int | None) -> str:
     if code == errno.ELOOP:
         return f"{path!r}: a symlink loop (too many levels of symbolic links)"
@@ -52,6 +68,7 @@ def _why(path: str, code: int | None) -> str:
         if head:
             return f"{path!r}: {head!r} is a file, not a folder"
     if os.path.islink(path):  # the link is there, what it points to is not
-        return f"{path!r} is a symlink to {os.readlink(path)!r}, which does not exist"
+        end = os.path.realpath(path)  # the end of a chain, from the link's own folder
+        return f"{path!r} is a symlink to {os.readlink(path)!r}, and {end!r} does not exist"
     where = os.getcwd()
     return f"no such file or folder: {path!r}; check the path (relative paths start at {where!r})"

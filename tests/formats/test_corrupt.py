@@ -198,10 +198,13 @@ def test_a_path_that_names_nothing_says_why(tmp_path: Path) -> None:
     (tmp_path / "loop_a").symlink_to("loop_b")
     (tmp_path / "loop_b").symlink_to("loop_a")
     (tmp_path / "model.safetensors").symlink_to("blobs/deadbeef")
+    (tmp_path / "chain").symlink_to("loop_c")  # a link that exists, to one that leads nowhere
+    (tmp_path / "loop_c").symlink_to("end")
     cases = {
         "loop_a": r"'.*loop_a': a symlink loop",
-        "model.safetensors": r"'.*model\.safetensors' is a symlink to 'blobs/deadbeef', which "
-        r"does not exist",
+        "model.safetensors": r"'.*model\.safetensors' is a symlink to 'blobs/deadbeef', and "
+        r"'.*/blobs/deadbeef' does not exist",
+        "chain": r"'.*chain' is a symlink to 'loop_c', and '.*/end' does not exist",
         "plain.pt/": r"'.*plain\.pt/': '.*plain\.pt' is a file, not a folder",
         "plain.pt/inner.pt": r"'.*plain\.pt' is a file, not a folder",
         "nope.pt": r"no such file or folder: '.*nope\.pt'; check the path",
@@ -215,3 +218,21 @@ def test_a_path_that_names_nothing_says_why(tmp_path: Path) -> None:
         assert main(["inspect", path]) == EXIT_USAGE
     with pytest.raises(CheckpointNotFoundError, match="is a symlink to 'blobs/deadbeef'"):
         ckpt_tools.average([plain, tmp_path / "model.safetensors"], tmp_path / "mean.pt")
+    # A hub snapshot folder whose weights never arrived: the folder names its dangling link.
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").symlink_to("../blobs/0123abcd")
+    with pytest.raises(CheckpointNotFoundError, match=r"is a symlink to '\.\./blobs/0123abcd'"):
+        ckpt_tools.inspect(snapshot)
+    # A file beside such a link is read and written beside it as ever.
+    ckpt_tools.convert(plain, tmp_path / "beside.pt")
+    from tests.helpers.lora import write_tiny_adapter
+
+    adapter = write_tiny_adapter(tmp_path / "merge" / "adapter")
+    (adapter / "adapter_model.safetensors").unlink()
+    (adapter / "adapter_model.safetensors").symlink_to("../blobs/feed")
+    with pytest.raises(CheckpointNotFoundError, match=r"is a symlink to '\.\./blobs/feed'"):
+        ckpt_tools.merge_lora(fixture_path("model.pt"), adapter, tmp_path / "merge" / "out.pt")
+    with pytest.raises(CheckpointNotFoundError, match=r"plain\.pt' is a file, not a folder"):
+        ckpt_tools.scan(f"{plain}/inner.pt")  # scan says why as the readers do

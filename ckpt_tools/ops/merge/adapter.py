@@ -20,6 +20,7 @@ from typing import Any
 from ckpt_tools.descriptors import TensorRef
 from ckpt_tools.errors import CheckpointNotFoundError, ConversionError, CorruptCheckpointError
 from ckpt_tools.formats import Checkpoint, open_checkpoint
+from ckpt_tools.formats.missing import dangling
 from ckpt_tools.ops.merge.config_checks import (
     check_config_targets,
     check_config_values,
@@ -178,7 +179,8 @@ def read_adapter(path: str, allow_globals: Sequence[str] = ()) -> LoraAdapter:
     check_config_values(path, config)
     weights = next((os.path.join(path, n) for n in WEIGHT_NAMES if _exists(path, n)), None)
     if weights is None:
-        raise CheckpointNotFoundError(f"{path!r} holds no {' or '.join(WEIGHT_NAMES)}")
+        nothing = dangling(path, WEIGHT_NAMES)  # a link whose file never arrived, named
+        raise nothing or CheckpointNotFoundError(f"{path!r} holds no {' or '.join(WEIGHT_NAMES)}")
     ckpt = open_checkpoint(weights)
     _check_globals(ckpt, allow_globals)
     tensors = {_unprefixed(k): v for k, v in _tensors(ckpt.root).items()}
@@ -225,7 +227,10 @@ def read_config(path: str) -> dict[str, Any]:
     """
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
-        raise CheckpointNotFoundError(f"{path!r} is not an adapter folder: no {CONFIG_NAME}")
+        nothing = dangling(path, (CONFIG_NAME,))
+        raise nothing or CheckpointNotFoundError(
+            f"{path!r} is not an adapter folder: no {CONFIG_NAME}"
+        )
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)

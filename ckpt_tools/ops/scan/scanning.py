@@ -29,6 +29,7 @@ from ckpt_tools.errors import (
 )
 from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.formats.base import RangeSource
+from ckpt_tools.formats.missing import missing
 from ckpt_tools.formats.pickle.imports import python3_qualname
 from ckpt_tools.formats.zip.directory import ZipEntry
 from ckpt_tools.io.remote import RemoteFile, RemoteSession, TransferStats
@@ -112,8 +113,8 @@ def _scan_all(
             named = not is_folder_url(path)
             targets += [_Target(f.url, named, True, f.file, f.opened) for f in found]
             skipped += indexes
-        elif not os.path.lexists(path):
-            raise CheckpointNotFoundError(f"no such file or folder: {path!r}", path=path)
+        elif not os.path.lexists(path):  # (a dangling link is scanned: unreadable)
+            raise missing(path) or CheckpointNotFoundError(repr(path), path=path)
         elif os.path.isdir(path):
             for found_path, followed in _files_under(path):
                 if followed:
