@@ -169,7 +169,7 @@ def sanitize(
         written=(dst,),
         verification=write_file(target, fill, check, replace=force, durable=durable),
         message=f"sanitized {src}: wrote {dst} ({counts}); "
-        f"loads with torch.load(weights_only=True){_saved_on(ckpt)}",
+        f"loads with torch.load(weights_only=True){_saved_on(done.root)}",
     )
 
 
@@ -256,9 +256,11 @@ def _holds_state_dict(root: Any, dotted: str) -> bool:
     return True
 
 
-def _saved_on(ckpt: Checkpoint) -> str:
-    """Where the tensors are saved, when not on the CPU: torch.load puts them back there."""
-    devices = sorted({s.device for s in ckpt.storages.values()} - {"cpu"})
+def _saved_on(root: Any) -> str:
+    """Where the written tensors are saved, when not on the CPU: torch.load puts them back
+    there (the tensors of dropped objects are not written)."""
+    found = iter_listed_tensors(root)
+    devices = sorted({getattr(t, "storage", t).device for _, t in found} - {"cpu", "meta"})
     if not devices:
         return ""
     return f" (saved on {', '.join(devices)}: where that is missing, pass map_location='cpu')"

@@ -668,3 +668,25 @@ def test_a_file_saved_on_a_gpu_says_where_its_output_loads(tmp_path: Path) -> No
     assert torch.equal(out["w"], torch.ones(2))
     on_cpu = ct.sanitize(tmp_path / "cpu.pt", tmp_path / "out2.pt").message
     assert on_cpu.endswith("loads with torch.load(weights_only=True)")
+
+
+class _Holder:
+    """An object sanitize drops, with what it holds."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_a_gpu_tensor_in_a_dropped_object_is_not_said_to_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tag = torch.serialization.location_tag
+    monkeypatch.setattr(  # the held tensor "saved on the GPU", the weights on the CPU
+        torch.serialization, "location_tag", lambda s: "cuda:0" if s.nbytes() == 12 else tag(s)
+    )
+    torch.save({"model": {"w": torch.ones(2)}, "thing": _Holder(torch.ones(3))}, tmp_path / "m.pt")
+    monkeypatch.undo()
+    result = ct.sanitize(tmp_path / "m.pt", tmp_path / "out.pt")
+    assert [c.path for c in result.dropped_values] == ["thing"]
+    assert result.message.endswith("loads with torch.load(weights_only=True)")
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["model"]["w"].device.type == "cpu"
