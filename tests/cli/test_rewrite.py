@@ -428,9 +428,14 @@ def test_a_tensor_dict_beside_the_chosen_one_is_named_as_not_renamed(invoke, tmp
     data = json.loads(invoke("strip-module", src, tmp_path / "p2.pt", "--json").stdout)
     assert [n for n in data["notes"] if "discriminator" in n]
     assert list(h.load(tmp_path / "plain.pt")["discriminator"]) == ["module.w"]
-    select = ("--select", "discriminator")
-    out = invoke("strip-module", src, tmp_path / "d.pt", *select).stdout
-    assert "not renamed: 'generator'" not in out  # chosen, not the largest: no other passed over
+    # An EMA beside the state dict: chosen by its name, the other is named too.
+    sd = {"module.fc.weight": torch.ones(2, 2)}
+    timm = h.save({"state_dict": sd, "state_dict_ema": dict(sd), "epoch": 3}, tmp_path / "t.pt")
+    out = invoke("strip-module", timm, tmp_path / "t2.pt").stdout
+    assert "not renamed: 'state_dict_ema'" in out
+    # A dict beside whose keys the rules would not change is no news.
+    plain = h.save({"state_dict": sd, "ema": {"fc.weight": torch.ones(2, 2)}}, tmp_path / "p.pt")
+    assert "not renamed" not in invoke("strip-module", plain, tmp_path / "q.pt").stdout
 
 
 def test_safetensors_names_a_tensor_dict_beside_the_chosen_one_as_such(invoke, tmp_path):

@@ -36,7 +36,9 @@ from ckpt_tools.ops.rewrite.result import RewriteResult
 from ckpt_tools.structure.keys import KeyRule, apply_plan, idle_rules, key_heads, plan_renames
 from ckpt_tools.structure.selection import (
     Selection,
+    entries_beside,
     holds_no_state_dict,
+    is_state_dict,
     replace_at,
     select_state_dict,
 )
@@ -94,12 +96,7 @@ def apply_rewrite(
     device_map = matched_device_map(ckpt, device_map) if device_map else None
     renamed, n_keys = len(plan.changed), len(selection.state_dict)
     stated = (src, dst, ckpt, fmt, selection.path, rules, renamed, n_keys)
-    # Rules rename the chosen state dict only: another tensor dict beside it keeps its keys.
-    beside = selection.passed_over if rules else ()
-    over = tuple(
-        f"not renamed: {p!r}, a tensor dict beside the chosen one (select it to rename it)"
-        for p in beside
-    )
+    over = _not_renamed(ckpt, selection, rules)
     if dry_run:  # what would be written, refusals included; nothing is
         return _result(
             *stated,
@@ -130,6 +127,30 @@ def apply_rewrite(
         notes=over,
         message=summary(dst, ckpt.format, fmt, renamed, n_keys, rules, device_map),
     )
+
+
+def _not_renamed(
+    ckpt: Checkpoint, selection: Selection, rules: Sequence[KeyRule]
+) -> tuple[str, ...]:
+    """Notes naming each tensor dict beside the chosen one (an EMA's, a GAN's other half)
+    whose keys the rules would rename: the rules rename the chosen state dict only."""
+    if not rules or selection.stand_in:
+        return ()
+    found = []
+    for name, value in entries_beside(ckpt.root, selection.path):
+        keys = [k for k in value if isinstance(k, str)] if is_state_dict(value) else []
+        if any(_apply(rules, k) != k for k in keys):
+            found.append(
+                f"not renamed: {name!r}, a tensor dict beside the chosen one, whose keys the "
+                "rules would rename (select it to rename it)"
+            )
+    return tuple(found)
+
+
+def _apply(rules: Sequence[KeyRule], key: str) -> str:
+    for rule in rules:
+        key = rule.apply(key)
+    return key
 
 
 def _renamed(rules: Sequence[KeyRule], renamed: int, n_keys: int) -> str:
