@@ -130,10 +130,10 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[Any, tuple[Any, Any
     for name, other in zip(names[1:], aligned[1:]):
         for key in first:
             if key not in other:
-                lines.append(f"- {key_text(key)} (missing in {name})")
+                lines.append(f"- {_named(key)} (missing in {name})")
         for key in other:
             if key not in first:
-                lines.append(f"+ {key_text(key)} (only in {name})")
+                lines.append(f"+ {_named(key)} (only in {name})")
         for key, (_, a) in first.items():
             if key not in other:
                 continue
@@ -145,6 +145,12 @@ def _mismatches(names: Sequence[str], aligned: Sequence[dict[Any, tuple[Any, Any
             ):
                 lines.append(f"~ {key_text(key)}: {_kind(a)} in {names[0]}, {_kind(b)} in {name}")
     return lines
+
+
+def _named(key: Any) -> str:
+    """A key as a mismatch line names it: a string as it is, another key with its type (the
+    int ``1`` and the string ``"1"`` read alike)."""
+    return key if isinstance(key, str) else f"{type(key).__name__} key {key_text(key)}"
 
 
 def _kind(value: Any) -> str:

@@ -47,8 +47,11 @@ def test_average_names_a_non_str_key_missing_in_one_input(tmp_path: Path) -> Non
     code, output, out = _average(
         tmp_path, {"a": torch.ones(1), 7: torch.ones(1)}, {"a": torch.ones(1)}
     )
-    assert code == 7 and "- 7 (missing in b.pt)" in output
+    assert code == 7 and "- int key 7 (missing in b.pt)" in output
     assert not out.exists()
+    # The int 1 and the string "1" read alike: each is named with its type.
+    code, output, out = _average(tmp_path, {1: torch.ones(1)}, {"1": torch.ones(1)})
+    assert code == 7 and "- int key 1 (missing in b.pt); + 1 (only in b.pt)" in output
 
 
 def test_average_to_safetensors_refuses_tensors_under_non_str_keys(tmp_path: Path) -> None:
