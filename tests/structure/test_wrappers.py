@@ -116,7 +116,8 @@ from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
 model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
 fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-torch.save(torch.compile(model).state_dict(), sys.argv[1])  # DTensors under _orig_mod.
+# DTensors under _orig_mod., as torch.compile(model).state_dict() names them
+torch.save({f"_orig_mod.{k}": v for k, v in model.state_dict().items()}, sys.argv[1])
 dist.destroy_process_group()
 """
 
@@ -124,13 +125,11 @@ dist.destroy_process_group()
 def test_wrappers_are_found_in_a_state_dict_of_dtensors(tmp_path) -> None:
     # FSDP2 (and tensor parallel) state dicts hold DTensors, saved as tensor subclasses:
     # keys are keys whatever their values' class, as torch's own consume_prefix strips them.
-    import subprocess
-    import sys
-
     import ckpt_tools as ct
+    from tests.helpers.child_oracle import run_script
 
     path = tmp_path / "fsdp2_compiled.pt"
-    subprocess.run([sys.executable, "-c", _FSDP2_COMPILED, str(path)], check=True, timeout=300)
+    run_script(_FSDP2_COMPILED, path, check=True)
     ckpt = ct.open_checkpoint(path)
     keys = ["_orig_mod.0.weight", "_orig_mod.0.bias", "_orig_mod.1.weight", "_orig_mod.1.bias"]
     assert list(ckpt.root) == keys
