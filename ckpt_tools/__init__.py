@@ -71,16 +71,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
     from ckpt_tools.ops.transform.reshard import reshard
     from ckpt_tools.ops.transform.result import TransformResult
     from ckpt_tools.ops.transform.slim import slim
-    from ckpt_tools.structure.keys import (
-        KeyRule,
-        add_prefix,
-        regex_rule,
-        rename_keys,
-        strip_prefix,
-        sub_rule,
-    )
+    from ckpt_tools.structure.keys import KeyRule, regex_rule, rename_keys, sub_rule
     from ckpt_tools.structure.selection import Selection, select_state_dict
-    from ckpt_tools.structure.wrappers import WRAPPER_RULES, WrapperMatch, detect_wrappers
+    from ckpt_tools.structure.wrappers import (
+        WRAPPER_RULES,
+        WrapperMatch,
+        add_prefix,
+        detect_wrappers,
+        strip_prefix,
+    )
 
 # name: the module that defines it. Naming a result class never imports torch: they live in
 # torch-free modules.
@@ -112,11 +111,11 @@ _PUBLIC: dict[str, str] = {
     "WRAPPER_RULES": "ckpt_tools.structure.wrappers",
     "KeyRule": "ckpt_tools.structure.keys",
     "WrapperMatch": "ckpt_tools.structure.wrappers",
-    "add_prefix": "ckpt_tools.structure.keys",
+    "add_prefix": "ckpt_tools.structure.wrappers",
     "detect_wrappers": "ckpt_tools.structure.wrappers",
     "regex_rule": "ckpt_tools.structure.keys",
     "rename_keys": "ckpt_tools.structure.keys",
-    "strip_prefix": "ckpt_tools.structure.keys",
+    "strip_prefix": "ckpt_tools.structure.wrappers",
     "sub_rule": "ckpt_tools.structure.keys",
     "Selection": "ckpt_tools.structure.selection",
     "select_state_dict": "ckpt_tools.structure.selection",

@@ -1,9 +1,10 @@
 """Key rewrites, as data, applied by one generic function.
 
 A :class:`KeyRule` is one regex substitution; :func:`plan_renames` applies a list of rules
-to a list of keys (and refuses collisions); everything else here builds rules or applies a
-plan to an in-memory state dict. What training wrappers add to keys, and the rules that
-strip them, are :mod:`ckpt_tools.structure.wrappers`.
+to a list of keys (and refuses collisions, saying whether they are duplicates or a swap the
+rules' order makes); everything else here builds rules or applies a plan to an in-memory
+state dict. What training wrappers add to keys, the rules that strip them and
+``strip_prefix`` / ``add_prefix`` are :mod:`ckpt_tools.structure.wrappers`.
 """
 
 from __future__ import annotations
@@ -13,19 +14,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ckpt_tools._escape import shell_word
 from ckpt_tools._types import items_of
-from ckpt_tools.errors import Remedy, UsageError
+from ckpt_tools.errors import KeyCollisionError, Remedy, UsageError
 from ckpt_tools.structure.attributes import carry_attributes
-from ckpt_tools.structure.collisions import collision_error
 
 __all__ = [
     "KeyRule",
-    "add_prefix",
     "add_rule",
     "apply_plan",
+    "apply_rules",
     "check_replacement",
-    "check_wrapper_prefix",
     "compile_pattern",
     "idle_rules",
     "key_heads",
@@ -34,7 +32,6 @@ __all__ = [
     "regex_rule",
     "rename_keys",
     "rule_items",
-    "strip_prefix",
     "strip_rule",
     "sub_rule",
 ]
@@ -186,6 +183,18 @@ def compile_pattern(pattern: str, *, argument: str, flag: str) -> re.Pattern[str
         raise UsageError(message, argument=argument, value=repr(pattern), flag=flag) from e
 
 
+def apply_rules(key: str, rules: Sequence[KeyRule]) -> str:
+    """``key`` after each of ``rules`` in turn.
+
+    Example:
+        >>> apply_rules("module.fc.w", [strip_rule("module."), sub_rule("fc.", "head.")])
+        'head.w'
+    """
+    for rule in rules:
+        key = rule.apply(key)
+    return key
+
+
 def plan_renames(keys: Sequence[str], rules: Sequence[KeyRule]) -> dict[str, str]:
     """Apply ``rules`` in order to each key: the one generic key rewrite.
 
@@ -206,15 +215,56 @@ def plan_renames(keys: Sequence[str], rules: Sequence[KeyRule]) -> dict[str, str
     plan: dict[str, str] = {}
     sources: dict[str, list[str]] = {}
     for key in keys:
-        new = key
-        for rule in rules:
-            new = rule.apply(new)
-        plan[key] = new
+        plan[key] = new = apply_rules(key, rules)
         sources.setdefault(new, []).append(key)
     collisions = tuple((new, tuple(olds)) for new, olds in sources.items() if len(olds) > 1)
     if collisions:
-        raise collision_error(collisions, keys, rules)
+        raise _collision_error(collisions, keys, rules)
     return plan
+
+
+_SWAP = (
+    "rules apply in order, each to the keys the ones before it made, so a key renamed to "
+    "another key's name is renamed again with it: to swap two names, rename one through a "
+    "third (a -> tmp, b -> a, tmp -> b)"
+)
+
+
+def _collision_error(
+    collisions: Sequence[tuple[str, tuple[str, ...]]],
+    keys: Sequence[str],
+    rules: Sequence[KeyRule],
+) -> KeyCollisionError:
+    """The refusal of ``collisions`` (new key, the old keys it would merge), with its fix."""
+    shown = "; ".join(f"{' and '.join(map(repr, olds))} -> {new!r}" for new, olds in collisions[:3])
+    remedies = (
+        Remedy(text="remove the duplicates first"),
+        Remedy(command="ckpt rename IN OUT --sub OLD=NEW", text="to rename one side"),
+    )
+    if _renamed_twice(collisions, set(keys), rules):  # a swap, written as two rules
+        remedies = (Remedy(text=_SWAP),)
+    return KeyCollisionError(
+        f"the rewrite would merge {len(collisions)} pair(s) of keys into one: {shown}"
+        f"{' ...' if len(collisions) > 3 else ''}",
+        tuple(collisions),
+        remedies=remedies,
+    )
+
+
+def _renamed_twice(
+    collisions: Sequence[tuple[str, tuple[str, ...]]], keys: set[str], rules: Sequence[KeyRule]
+) -> bool:
+    """Whether a colliding key passed, on its way, through the name of another key of the
+    state dict (``enc.`` -> ``dec.`` -> ``enc.``): the collision is the rules' order, not two
+    keys that were one already."""
+    for _, olds in collisions:
+        for old in olds:
+            name = old
+            for rule in rules[:-1]:
+                name = rule.apply(name)
+                if name != old and name in keys:
+                    return True
+    return False
 
 
 def idle_rules(keys: Sequence[Any], rules: Sequence[KeyRule]) -> list[KeyRule]:
@@ -286,89 +336,6 @@ def rename_keys(sd: Mapping[str, Any], rules: Sequence[KeyRule]) -> dict:
     rules = rule_items(rules)
     # Rules rename str keys; others (0, (1, 2)) stay as they are, as a file's rewrite keeps them.
     return apply_plan(sd, plan_renames([k for k in sd if isinstance(k, str)], rules), rules)
-
-
-def check_wrapper_prefix(prefix: object) -> str:
-    """``prefix`` checked as a wrapper's prefix: a module path, so it ends with ``.``.
-
-    Every training wrapper adds a whole module path (``module.``, ``_orig_mod.``); without
-    the dot, adding ``module`` makes ``moduleweight`` and stripping it leaves ``.weight``.
-
-    Args:
-        prefix: the prefix :func:`strip_prefix` or :func:`add_prefix` (and ``strip_module``,
-            ``add_module``) is given.
-
-    Returns:
-        ``prefix``, unchanged.
-
-    Raises:
-        UsageError: ``prefix`` is no str, or does not end with ``.``; the fix names the dotted
-            prefix. A prefix map of any text is :func:`sub_rule`.
-
-    Example:
-        >>> check_wrapper_prefix("module")
-        Traceback (most recent call last):
-        ckpt_tools.errors.UsageError: prefix='module': expected a module path ending with '.' ...
-    """
-    if isinstance(prefix, str) and prefix.endswith("."):
-        return prefix
-    dotted = f"{prefix}." if isinstance(prefix, str) and prefix else "module."
-    if not isinstance(prefix, str):
-        found = f"a {type(prefix).__name__}"
-    else:
-        found = "no '.' at its end" if prefix else "an empty prefix"
-    raise UsageError(
-        f"expected a module path ending with '.' (as every wrapper adds), found {found}",
-        argument="prefix",
-        value=repr(prefix),
-        flag="--prefix",
-        remedies=(Remedy("prefix", repr(dotted), flag=f"--prefix {shell_word(dotted)}"),),
-    )
-
-
-def strip_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
-    """Remove ``prefix`` from the keys that start with it (nn.DataParallel / DDP -> plain).
-
-    Args:
-        sd: a state dict (values are left as they are, tensors are not copied).
-        prefix: the prefix to remove.
-
-    Returns:
-        A new dict of the same type, keys stripped, ``_metadata`` kept in step.
-
-    Raises:
-        KeyCollisionError: stripping would merge two keys.
-        UsageError: ``prefix`` does not end with ``.`` (:func:`check_wrapper_prefix`).
-
-    Example:
-        >>> strip_prefix({"module.fc.weight": 0})
-        {'fc.weight': 0}
-    """
-    return rename_keys(sd, [strip_rule(check_wrapper_prefix(prefix))])
-
-
-def add_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
-    """Put ``prefix`` in front of every key (plain -> nn.DataParallel / DDP layout).
-
-    ``_metadata`` gains the wrapper's own root entry, as a wrapped model's state dict has.
-
-    Args:
-        sd: a state dict (values are left as they are, tensors are not copied).
-        prefix: the prefix to add.
-
-    Returns:
-        A new dict of the same type, keys prefixed.
-
-    Raises:
-        KeyCollisionError: never in practice (a prefix keeps distinct keys distinct); as
-            :func:`rename_keys`.
-        UsageError: ``prefix`` does not end with ``.`` (:func:`check_wrapper_prefix`).
-
-    Example:
-        >>> add_prefix({"fc.weight": 0})
-        {'module.fc.weight': 0}
-    """
-    return rename_keys(sd, [add_rule(check_wrapper_prefix(prefix))])
 
 
 def key_heads(keys: Iterable[Any]) -> list[str]:

@@ -1,5 +1,6 @@
 """Training wrappers in state-dict keys: what each adds (:data:`WRAPPER_RULES`), which a set of
-keys carries (:func:`detect_wrappers`), and the rules that strip them.
+keys carries (:func:`detect_wrappers`), the rules that strip them, and the in-memory
+:func:`strip_prefix` / :func:`add_prefix`.
 
 ``module.`` (DataParallel, DDP), ``_orig_mod.`` (``torch.compile``), FSDP and
 activation-checkpoint segments, Lightning's and PEFT's attributes; the rules are
@@ -14,9 +15,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tools._escape import shell_word
 from ckpt_tools._types import checked_flags
-from ckpt_tools.errors import ResourceLimitError
-from ckpt_tools.structure.keys import KeyRule, strip_rule
+from ckpt_tools.errors import Remedy, ResourceLimitError, UsageError
+from ckpt_tools.structure.keys import KeyRule, add_rule, rename_keys, strip_rule
 from ckpt_tools.structure.selection import counts_as_tensor
 
 __all__ = [
@@ -26,8 +28,11 @@ __all__ = [
     "WRAPPER_RULES",
     "WrapperMatch",
     "WrapperRule",
+    "add_prefix",
+    "check_wrapper_prefix",
     "detect_wrappers",
     "file_wrapper_rules",
+    "strip_prefix",
     "strip_wrapper_rules",
 ]
 
@@ -252,3 +257,86 @@ def strip_wrapper_rules(
     matches = detect_wrappers(keys, wrappers=wrappers, anywhere=anywhere)
     rules = tuple(strip_rule(m.prefix, inner=m.inner) for m in matches)
     return rules, matches
+
+
+def check_wrapper_prefix(prefix: object) -> str:
+    """``prefix`` checked as a wrapper's prefix: a module path, so it ends with ``.``.
+
+    Every training wrapper adds a whole module path (``module.``, ``_orig_mod.``); without
+    the dot, adding ``module`` makes ``moduleweight`` and stripping it leaves ``.weight``.
+
+    Args:
+        prefix: the prefix :func:`strip_prefix` or :func:`add_prefix` (and ``strip_module``,
+            ``add_module``) is given.
+
+    Returns:
+        ``prefix``, unchanged.
+
+    Raises:
+        UsageError: ``prefix`` is no str, or does not end with ``.``; the fix names the dotted
+            prefix. A prefix map of any text is :func:`sub_rule`.
+
+    Example:
+        >>> check_wrapper_prefix("module")
+        Traceback (most recent call last):
+        ckpt_tools.errors.UsageError: prefix='module': expected a module path ending with '.' ...
+    """
+    if isinstance(prefix, str) and prefix.endswith("."):
+        return prefix
+    dotted = f"{prefix}." if isinstance(prefix, str) and prefix else "module."
+    if not isinstance(prefix, str):
+        found = f"a {type(prefix).__name__}"
+    else:
+        found = "no '.' at its end" if prefix else "an empty prefix"
+    raise UsageError(
+        f"expected a module path ending with '.' (as every wrapper adds), found {found}",
+        argument="prefix",
+        value=repr(prefix),
+        flag="--prefix",
+        remedies=(Remedy("prefix", repr(dotted), flag=f"--prefix {shell_word(dotted)}"),),
+    )
+
+
+def strip_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
+    """Remove ``prefix`` from the keys that start with it (nn.DataParallel / DDP -> plain).
+
+    Args:
+        sd: a state dict (values are left as they are, tensors are not copied).
+        prefix: the prefix to remove.
+
+    Returns:
+        A new dict of the same type, keys stripped, ``_metadata`` kept in step.
+
+    Raises:
+        KeyCollisionError: stripping would merge two keys.
+        UsageError: ``prefix`` does not end with ``.`` (:func:`check_wrapper_prefix`).
+
+    Example:
+        >>> strip_prefix({"module.fc.weight": 0})
+        {'fc.weight': 0}
+    """
+    return rename_keys(sd, [strip_rule(check_wrapper_prefix(prefix))])
+
+
+def add_prefix(sd: Mapping[str, Any], *, prefix: str = "module.") -> dict:
+    """Put ``prefix`` in front of every key (plain -> nn.DataParallel / DDP layout).
+
+    ``_metadata`` gains the wrapper's own root entry, as a wrapped model's state dict has.
+
+    Args:
+        sd: a state dict (values are left as they are, tensors are not copied).
+        prefix: the prefix to add.
+
+    Returns:
+        A new dict of the same type, keys prefixed.
+
+    Raises:
+        KeyCollisionError: never in practice (a prefix keeps distinct keys distinct); as
+            :func:`rename_keys`.
+        UsageError: ``prefix`` does not end with ``.`` (:func:`check_wrapper_prefix`).
+
+    Example:
+        >>> add_prefix({"fc.weight": 0})
+        {'module.fc.weight': 0}
+    """
+    return rename_keys(sd, [add_rule(check_wrapper_prefix(prefix))])

@@ -13,19 +13,19 @@ import ckpt_tools
 from ckpt_tools.errors import KeyCollisionError, ResourceLimitError, UsageError
 from ckpt_tools.structure.keys import (
     KeyRule,
-    add_prefix,
     add_rule,
     plan_renames,
     regex_rule,
     rename_keys,
-    strip_prefix,
     strip_rule,
     sub_rule,
 )
 from ckpt_tools.structure.wrappers import (
     MAX_WRAPPER_DEPTH,
     WRAPPER_RULES,
+    add_prefix,
     detect_wrappers,
+    strip_prefix,
     strip_wrapper_rules,
 )
 from tests import helpers as h

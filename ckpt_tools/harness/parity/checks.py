@@ -1,8 +1,8 @@
 """The five parity checks, run on the files training wrote, each giving a :class:`CheckResult`.
 
-(a) ``strip_prefix``: wrapped checkpoint -> ``ckpt_tools.structure.keys.strip_prefix`` -> bare
+(a) ``strip_prefix``: wrapped checkpoint -> ``ckpt_tools.structure.wrappers.strip_prefix`` -> bare
     model, outputs bitwise equal to the wrapped model's.
-(b) ``add_prefix``: bare checkpoint -> ``ckpt_tools.structure.keys.add_prefix`` ->
+(b) ``add_prefix``: bare checkpoint -> ``ckpt_tools.structure.wrappers.add_prefix`` ->
     ``nn.DataParallel``, outputs bitwise equal to the bare model's.
 (c) ``vs_single``: a strategy's final weights against single-device training's.
 (d) ``device_roundtrip``: a GPU-saved checkpoint (or, without a GPU, one retagged to
@@ -37,7 +37,7 @@ from ckpt_tools.harness.models import build_harness_model
 from ckpt_tools.harness.parity.reference import compare_state_dicts, load_pt, storage_tags
 from ckpt_tools.loading.state_dict import load_state_dict
 from ckpt_tools.ops.rewrite.conversion import convert, retag
-from ckpt_tools.structure.keys import add_prefix, strip_prefix
+from ckpt_tools.structure.wrappers import add_prefix, strip_prefix
 
 __all__ = [
     "CHECK_NAMES",

@@ -33,7 +33,14 @@ from ckpt_tools.ops.rewrite.plan import (
     torch_instead,
 )
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.structure.keys import KeyRule, apply_plan, idle_rules, key_heads, plan_renames
+from ckpt_tools.structure.keys import (
+    KeyRule,
+    apply_plan,
+    apply_rules,
+    idle_rules,
+    key_heads,
+    plan_renames,
+)
 from ckpt_tools.structure.selection import (
     Selection,
     entries_beside,
@@ -139,18 +146,12 @@ def _not_renamed(
     found = []
     for name, value in entries_beside(ckpt.root, selection.path):
         keys = [k for k in value if isinstance(k, str)] if is_state_dict(value) else []
-        if any(_apply(rules, k) != k for k in keys):
+        if any(apply_rules(k, rules) != k for k in keys):
             found.append(
                 f"not renamed: {name!r}, a tensor dict beside the chosen one, whose keys the "
                 "rules would rename (select it to rename it)"
             )
     return tuple(found)
-
-
-def _apply(rules: Sequence[KeyRule], key: str) -> str:
-    for rule in rules:
-        key = rule.apply(key)
-    return key
 
 
 def _renamed(rules: Sequence[KeyRule], renamed: int, n_keys: int) -> str:

@@ -26,13 +26,8 @@ from ckpt_tools.formats import open_checkpoint
 from ckpt_tools.io.output_path import check_output_path
 from ckpt_tools.io.verify.levels import check_verify_level
 from ckpt_tools.ops.rewrite.result import RewriteResult
-from ckpt_tools.structure.keys import (
-    KeyRule,
-    add_rule,
-    check_wrapper_prefix,
-    rule_items,
-    strip_rule,
-)
+from ckpt_tools.structure.keys import KeyRule, add_rule, rule_items, strip_rule
+from ckpt_tools.structure.wrappers import check_wrapper_prefix
 
 __all__ = ["RewriteResult", "add_module", "rename", "rewrite", "strip_module"]
 
