@@ -7,7 +7,10 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["npy_pickle_offset"]
+__all__ = ["NPY_MAGIC", "npy_pickle_offset"]
+
+#: How every ``.npy`` file starts (``numpy.lib.format.MAGIC_PREFIX``).
+NPY_MAGIC = b"\x93NUMPY"
 
 
 def npy_pickle_offset(head: bytes) -> int | None:
@@ -25,7 +28,7 @@ def npy_pickle_offset(head: bytes) -> int | None:
         128
         >>> buf = io.BytesIO(); np.save(buf, np.zeros(3)); npy_pickle_offset(buf.getvalue())
     """
-    if not head.startswith(b"\x93NUMPY") or len(head) < 12:
+    if not head.startswith(NPY_MAGIC) or len(head) < 12:
         return None
     # Format 1.0 gives the header's length in 2 bytes, 2.0 and 3.0 in 4.
     width = 2 if head[6] == 1 else 4

@@ -14,6 +14,7 @@ from ckpt_tools.formats import detect_format
 from ckpt_tools.formats.base import RangeSource
 from ckpt_tools.formats.detect import detect_bytes
 from ckpt_tools.formats.pickle.imports import python3_qualname, starts_like_pickle
+from ckpt_tools.formats.pickle.npy import NPY_MAGIC
 from ckpt_tools.ops.scan.severity import classify, could_import
 from ckpt_tools.ops.scan.sources import Walked, is_npz, walk_pickles
 
@@ -55,7 +56,7 @@ def content_format(
         else:
             with open(path, "rb") as f:
                 head = f.read(1 << 16)
-        if head.startswith(_NPY_MAGIC):  # numpy.load reads it; its pickle, if any, is walked
+        if head.startswith(NPY_MAGIC):  # numpy.load reads it; its pickle, if any, is walked
             return "numpy", None
         walks = _pickle_walks(path, head, source)
         return (None, None) if walks is None else ("pickle", walks or None)
@@ -110,7 +111,6 @@ def _payload(walks: list[Walked]) -> bool:
     )
 
 
-_NPY_MAGIC = b"\x93NUMPY"
 # The names torch.load's files go by: one that fails as a pickle is still a payload's place.
 _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 

@@ -39,7 +39,7 @@ from ckpt_tools.ops.scan.remote import Remote, open_remote, refuse_local_only, u
 from ckpt_tools.ops.scan.report import FileScan, Finding, ScanReport, Verdict
 from ckpt_tools.ops.scan.severity import Context, classify, storage_class_rule
 from ckpt_tools.ops.scan.sources import Walked, storage_records, walk_pickles
-from ckpt_tools.ops.scan.torchscript_code import code_files
+from ckpt_tools.ops.scan.torchscript_code import CODE_READ_BYTES, code_files
 
 __all__ = ["scan", "scan_file"]
 
@@ -281,7 +281,8 @@ _RUNS_ON_LOAD = (
     "hands it one), and TorchScript can read and write files"
 )
 _CODE_READ_IN_PART = (
-    "a code file read in part (its first 64 MiB): a __setstate__ past that, which "
+    f"a code file read in part (its first {CODE_READ_BYTES >> 20} MiB): a __setstate__ past "
+    "that, which "
     "torch.jit.load would run, is not looked for"
 )
 # Formats torch.load(weights_only=True) refuses whatever their pickles hold.

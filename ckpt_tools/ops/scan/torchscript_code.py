@@ -12,10 +12,10 @@ from ckpt_tools.formats.zip.directory import located, read_zip_directory
 from ckpt_tools.formats.zip.records import read_head
 from ckpt_tools.formats.zip.source import ZipSource
 
-__all__ = ["CodeFile", "code_files"]
+__all__ = ["CODE_READ_BYTES", "CodeFile", "code_files"]
 
 # A code file is read up to this many bytes (a model's code is a few hundred KB).
-_MOST = 64 << 20
+CODE_READ_BYTES = 64 << 20
 _CLASS = re.compile(rb"^class\s+([A-Za-z_]\w*)", re.MULTILINE)
 # The name anywhere in a code file: TorchScript's lexer joins backslash-continued lines (and
 # no regex is its parser), and the serialized code holds no comments to mention it in.
@@ -55,8 +55,8 @@ def _code_files(path: str, fd: ZipSource, size: int) -> tuple[CodeFile, ...]:
         folded = entry.name.lower()  # torch's lookup of a record ignores ASCII case
         if "/code/" not in folded or not folded.endswith(".py"):
             continue
-        text = read_head(fd, located(path, fd, entry), _MOST + 1)
-        in_part, text = len(text) > _MOST, text[:_MOST]
+        text = read_head(fd, located(path, fd, entry), CODE_READ_BYTES + 1)
+        in_part, text = len(text) > CODE_READ_BYTES, text[:CODE_READ_BYTES]
         classes = tuple(m.decode("ascii") for m in _CLASS.findall(text))
         found.append(CodeFile(entry.name, classes, _SETSTATE in text, in_part))
     return tuple(found)
