@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ckpt_tools.descriptors import TensorRef
@@ -174,23 +174,9 @@ def aligned_names(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[s
     tensors = {k: v for k, v in sd.items() if isinstance(k, str) and isinstance(v, TensorRef)}
     wanted = [f"{t.module}.weight" for t in lora.targets]
     wanted += [*lora.modules_to_save, *lora.biases]
-    rules, _ = strip_wrapper_rules(sd)
-    plans: list[Mapping[str, str]] = [{k: k for k in keys}]
-    for n in range(1, len(rules) + 1):
-        try:
-            plans.append(plan_renames(keys, rules[:n]))
-        except KeyCollisionError:  # a view in which two keys are one cannot be used
-            continue
-    # A prefix the adapter's names share and no base key has (transformers' base_model_prefix).
-    heads = sorted({name.split(".", 1)[0] for name in wanted if "." in name})
-    plans += [
-        {k: f"{head}.{k}" for k in keys}
-        for head in heads
-        if not any(k.startswith(f"{head}.") for k in keys)
-    ]
     best: dict[str, tuple[str, TensorRef]] = {}
     best_found = -1
-    for plan in plans:
+    for plan in _views(sd, keys, wanted):
         view = {plan[k]: (k, v) for k, v in tensors.items()}
         found = sum(name in view for name in wanted)
         if found == len(wanted):
@@ -198,6 +184,24 @@ def aligned_names(sd: Mapping[Any, Any], lora: LoraAdapter) -> dict[str, tuple[s
         if found > best_found:
             best, best_found = view, found
     return best
+
+
+def _views(
+    sd: Mapping[Any, Any], keys: list[str], wanted: list[str]
+) -> Iterator[Mapping[str, str]]:
+    """The namings :func:`aligned_names` tries, in order, each planned only when reached: as
+    saved, then one more wrapper prefix stripped at a time, then a prefix the adapter's names
+    share added (transformers' ``base_model_prefix``)."""
+    yield {k: k for k in keys}
+    rules, _ = strip_wrapper_rules(sd)
+    for n in range(1, len(rules) + 1):
+        try:
+            yield plan_renames(keys, rules[:n])
+        except KeyCollisionError:  # a view in which two keys are one cannot be used
+            continue
+    for head in sorted({name.split(".", 1)[0] for name in wanted if "." in name}):
+        if not any(k.startswith(f"{head}.") for k in keys):
+            yield {k: f"{head}.{k}" for k in keys}
 
 
 def tied_embedding(
